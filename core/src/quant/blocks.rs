@@ -1,0 +1,289 @@
+//! Block structs of the ggml formats, laid out exactly as `ggml-common.h`.
+//!
+//! Every struct is `#[repr(C)]` with only byte-array fields, so it has alignment 1,
+//! no padding, and every bit pattern is valid. That makes [`as_blocks`] a sound
+//! zero-copy view of any byte slice whose length is a multiple of the block size:
+//! the one place in this crate where bytes become typed blocks.
+#![allow(unsafe_code)] // `as_blocks` / `as_blocks_mut` only; see the SAFETY comments.
+
+use core::mem::{align_of, size_of};
+use static_assertions::const_assert_eq;
+
+use super::QK_K;
+
+/// Elements per block of the 32-element formats.
+pub const QK: usize = 32;
+
+/// `Q4_0`: `d * (q - 8)`, q a 4-bit nibble.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    /// Scale (f16 bits, little-endian).
+    pub d: [u8; 2],
+    /// Element j in the low nibble of byte j, element j+16 in its high nibble.
+    pub qs: [u8; QK / 2],
+}
+
+/// `Q4_1`: `d * q + m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    /// Scale (f16).
+    pub d: [u8; 2],
+    /// Minimum (f16).
+    pub m: [u8; 2],
+    /// Nibbles, as in [`BlockQ4_0`].
+    pub qs: [u8; QK / 2],
+}
+
+/// `Q5_0`: `d * (q - 16)`, q a 5-bit value whose top bit lives in `qh`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ5_0 {
+    /// Scale (f16).
+    pub d: [u8; 2],
+    /// Fifth bits, a little-endian u32: bit j belongs to element j.
+    pub qh: [u8; 4],
+    /// Low four bits, as in [`BlockQ4_0`].
+    pub qs: [u8; QK / 2],
+}
+
+/// `Q5_1`: `d * q + m` with 5-bit q.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ5_1 {
+    /// Scale (f16).
+    pub d: [u8; 2],
+    /// Minimum (f16).
+    pub m: [u8; 2],
+    /// Fifth bits (u32 LE).
+    pub qh: [u8; 4],
+    /// Low four bits.
+    pub qs: [u8; QK / 2],
+}
+
+/// `Q8_0`: `d * q`, q an i8. Also the activation format for 32-element weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    /// Scale (f16).
+    pub d: [u8; 2],
+    /// Quants.
+    pub qs: [i8; QK],
+}
+
+/// `Q8_1`: activation format paired with `Q4_1`/`Q5_1`; `s = d * sum(qs)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ8_1 {
+    /// Scale (f16).
+    pub d: [u8; 2],
+    /// `d * sum(qs)` (f16).
+    pub s: [u8; 2],
+    /// Quants.
+    pub qs: [i8; QK],
+}
+
+/// `Q2_K`: 16 sub-blocks of 16, 4-bit scale and min per sub-block, 2-bit quants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ2K {
+    /// Low nibble scale, high nibble min, per sub-block.
+    pub scales: [u8; QK_K / 16],
+    /// 2-bit quants.
+    pub qs: [u8; QK_K / 4],
+    /// Super-block scale of the scales (f16).
+    pub d: [u8; 2],
+    /// Super-block scale of the mins (f16).
+    pub dmin: [u8; 2],
+}
+
+/// `Q3_K`: 16 sub-blocks of 16, 6-bit scales, 3-bit quants (high bit in `hmask`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ3K {
+    /// High bits of the quants.
+    pub hmask: [u8; QK_K / 8],
+    /// Low two bits of the quants.
+    pub qs: [u8; QK_K / 4],
+    /// Sixteen packed 6-bit scales.
+    pub scales: [u8; 12],
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+}
+
+/// `Q4_K`: 8 sub-blocks of 32, 6-bit scale and min each, 4-bit quants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ4K {
+    /// Super-block scale of the scales (f16).
+    pub d: [u8; 2],
+    /// Super-block scale of the mins (f16).
+    pub dmin: [u8; 2],
+    /// Packed 6-bit scales and mins.
+    pub scales: [u8; 12],
+    /// Nibbles: per 64 elements, 32 bytes; low nibbles first 32, high nibbles next 32.
+    pub qs: [u8; QK_K / 2],
+}
+
+/// `Q5_K`: as [`BlockQ4K`] plus a fifth bit per quant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ5K {
+    /// Super-block scale of the scales (f16).
+    pub d: [u8; 2],
+    /// Super-block scale of the mins (f16).
+    pub dmin: [u8; 2],
+    /// Packed 6-bit scales and mins.
+    pub scales: [u8; 12],
+    /// Fifth bits.
+    pub qh: [u8; QK_K / 8],
+    /// Low four bits.
+    pub qs: [u8; QK_K / 2],
+}
+
+/// `Q6_K`: 16 sub-blocks of 16, i8 scales, 6-bit quants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ6K {
+    /// Low four bits.
+    pub ql: [u8; QK_K / 2],
+    /// High two bits.
+    pub qh: [u8; QK_K / 4],
+    /// Sub-block scales.
+    pub scales: [i8; QK_K / 16],
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+}
+
+/// `Q8_K`: activation format for the K-quants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ8K {
+    /// Scale (f32 bits, little-endian).
+    pub d: [u8; 4],
+    /// Quants.
+    pub qs: [i8; QK_K],
+    /// Sums of each group of 16 quants (i16 little-endian).
+    pub bsums: [[u8; 2]; QK_K / 16],
+}
+
+/// `IQ4_NL`: `d * KVALUES_IQ4NL[q]`, nibble layout as [`BlockQ4_0`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ4NL {
+    /// Scale (f16).
+    pub d: [u8; 2],
+    /// Nibbles.
+    pub qs: [u8; QK / 2],
+}
+
+/// `IQ4_XS`: super-block of 8 sub-blocks of 32 with 6-bit scales, non-linear 4-bit quants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ4XS {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// High two bits of the eight scales (u16 LE).
+    pub scales_h: [u8; 2],
+    /// Low four bits of the eight scales.
+    pub scales_l: [u8; QK_K / 64],
+    /// Nibbles.
+    pub qs: [u8; QK_K / 2],
+}
+
+/// The IQ4_NL / IQ4_XS non-linear codebook.
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+macro_rules! assert_layout {
+    ($($t:ty => $size:expr),* $(,)?) => {
+        $(
+            const_assert_eq!(size_of::<$t>(), $size);
+            const_assert_eq!(align_of::<$t>(), 1);
+            impl sealed::Sealed for $t {}
+            impl Block for $t {}
+        )*
+    };
+}
+
+assert_layout! {
+    BlockQ4_0 => 18,
+    BlockQ4_1 => 20,
+    BlockQ5_0 => 22,
+    BlockQ5_1 => 24,
+    BlockQ8_0 => 34,
+    BlockQ8_1 => 36,
+    BlockQ2K => 84,
+    BlockQ3K => 110,
+    BlockQ4K => 144,
+    BlockQ5K => 176,
+    BlockQ6K => 210,
+    BlockQ8K => 292,
+    BlockIQ4NL => 18,
+    BlockIQ4XS => 136,
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A block struct of this module: alignment 1, no padding, any bit pattern valid.
+/// Sealed so that [`as_blocks`] stays sound.
+pub trait Block: sealed::Sealed + Copy + 'static {}
+
+/// Views `bytes` as blocks, or `None` if its length is not a multiple of the block size.
+pub fn as_blocks<B: Block>(bytes: &[u8]) -> Option<&[B]> {
+    let size = size_of::<B>();
+    if bytes.len() % size != 0 {
+        return None;
+    }
+    // SAFETY: `B` is one of the sealed block structs above: `repr(C)` over byte
+    // arrays only, so its alignment is 1 (asserted), it has no padding (sizes
+    // asserted equal to the sum of the fields) and every bit pattern is a valid
+    // value. The length is a whole number of blocks, and the returned slice borrows
+    // `bytes`, so it cannot outlive or alias a mutable use of the memory.
+    Some(unsafe { core::slice::from_raw_parts(bytes.as_ptr().cast::<B>(), bytes.len() / size) })
+}
+
+/// Mutable version of [`as_blocks`].
+pub fn as_blocks_mut<B: Block>(bytes: &mut [u8]) -> Option<&mut [B]> {
+    let size = size_of::<B>();
+    if bytes.len() % size != 0 {
+        return None;
+    }
+    // SAFETY: as in `as_blocks`; additionally any value written through the block
+    // view is a valid byte sequence, and the unique borrow of `bytes` is moved into
+    // the returned slice.
+    Some(unsafe {
+        core::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<B>(), bytes.len() / size)
+    })
+}
+
+/// Views blocks as their bytes.
+pub fn block_bytes<B: Block>(blocks: &[B]) -> &[u8] {
+    // SAFETY: blocks have no padding and alignment 1, so every byte of the slice is
+    // initialised and the byte view covers exactly the same memory.
+    unsafe { core::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), core::mem::size_of_val(blocks)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_round_trip() {
+        let mut bytes = [0u8; 36];
+        bytes[0] = 1;
+        bytes[18] = 2;
+        let blocks: &[BlockQ4_0] = as_blocks(&bytes).unwrap();
+        assert_eq!(blocks.len(), 2);
+        assert_eq!(blocks[1].d, [2, 0]);
+        assert_eq!(block_bytes(blocks), &bytes[..]);
+        assert!(as_blocks::<BlockQ4_0>(&bytes[..35]).is_none());
+        let m: &mut [BlockQ4_0] = as_blocks_mut(&mut bytes).unwrap();
+        m[0].qs[0] = 7;
+        assert_eq!(bytes[2], 7);
+    }
+}

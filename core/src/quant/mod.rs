@@ -1,0 +1,225 @@
+//! ggml block quantization formats, bit-exact with ggml and the `gguf` Python package.
+//!
+//! Every format is a `#[repr(C)]` block struct of alignment 1 (see [`blocks`]), so a
+//! byte slice from a file or a slot can be viewed as blocks without alignment checks.
+//! Half-precision scales are stored as `[u8; 2]` and converted with [`f16_to_f32`].
+//!
+//! Weight formats dequantize to `f32`; the activation formats ([`blocks::BlockQ8_0`],
+//! [`blocks::BlockQ8_1`], [`blocks::BlockQ8K`]) quantize `f32` activations so that
+//! [`crate::gemv`] can use integer dot products.
+
+pub mod blocks;
+mod half;
+
+pub use half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+
+use core::fmt;
+
+/// Elements per K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// A ggml tensor element type, with the numeric id GGUF stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+#[allow(missing_docs)] // The names are ggml's.
+pub enum GgmlType {
+    F32 = 0,
+    F16 = 1,
+    Q4_0 = 2,
+    Q4_1 = 3,
+    Q5_0 = 6,
+    Q5_1 = 7,
+    Q8_0 = 8,
+    Q8_1 = 9,
+    Q2K = 10,
+    Q3K = 11,
+    Q4K = 12,
+    Q5K = 13,
+    Q6K = 14,
+    Q8K = 15,
+    IQ4NL = 20,
+    IQ4XS = 23,
+    BF16 = 30,
+}
+
+/// A ggml type id that LES does not support.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnsupportedType(pub u32);
+
+impl fmt::Display for UnsupportedType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unsupported ggml type id {}", self.0)
+    }
+}
+
+impl core::error::Error for UnsupportedType {}
+
+impl GgmlType {
+    /// Every supported type, in id order.
+    pub const ALL: [GgmlType; 17] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q8_1,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::Q8K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+        GgmlType::BF16,
+    ];
+
+    /// The type with GGUF id `id`.
+    pub fn from_id(id: u32) -> Result<Self, UnsupportedType> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|t| *t as u32 == id)
+            .ok_or(UnsupportedType(id))
+    }
+
+    /// The GGUF id.
+    pub const fn id(self) -> u32 {
+        self as u32
+    }
+
+    /// Elements per block.
+    pub const fn block_elems(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q8_1
+            | GgmlType::IQ4NL => 32,
+            GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::Q8K
+            | GgmlType::IQ4XS => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        use core::mem::size_of;
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q4_0 => size_of::<blocks::BlockQ4_0>(),
+            GgmlType::Q4_1 => size_of::<blocks::BlockQ4_1>(),
+            GgmlType::Q5_0 => size_of::<blocks::BlockQ5_0>(),
+            GgmlType::Q5_1 => size_of::<blocks::BlockQ5_1>(),
+            GgmlType::Q8_0 => size_of::<blocks::BlockQ8_0>(),
+            GgmlType::Q8_1 => size_of::<blocks::BlockQ8_1>(),
+            GgmlType::Q2K => size_of::<blocks::BlockQ2K>(),
+            GgmlType::Q3K => size_of::<blocks::BlockQ3K>(),
+            GgmlType::Q4K => size_of::<blocks::BlockQ4K>(),
+            GgmlType::Q5K => size_of::<blocks::BlockQ5K>(),
+            GgmlType::Q6K => size_of::<blocks::BlockQ6K>(),
+            GgmlType::Q8K => size_of::<blocks::BlockQ8K>(),
+            GgmlType::IQ4NL => size_of::<blocks::BlockIQ4NL>(),
+            GgmlType::IQ4XS => size_of::<blocks::BlockIQ4XS>(),
+        }
+    }
+
+    /// Bytes of a row of `n` elements, or `None` if `n` is not a whole number of
+    /// blocks or the size overflows.
+    pub const fn row_bytes(self, n: usize) -> Option<usize> {
+        let be = self.block_elems();
+        if n % be != 0 {
+            return None;
+        }
+        (n / be).checked_mul(self.block_bytes())
+    }
+
+    /// ggml's lower-case name (`"q4_k"`, `"iq4_xs"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "f32",
+            GgmlType::F16 => "f16",
+            GgmlType::Q4_0 => "q4_0",
+            GgmlType::Q4_1 => "q4_1",
+            GgmlType::Q5_0 => "q5_0",
+            GgmlType::Q5_1 => "q5_1",
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q8_1 => "q8_1",
+            GgmlType::Q2K => "q2_k",
+            GgmlType::Q3K => "q3_k",
+            GgmlType::Q4K => "q4_k",
+            GgmlType::Q5K => "q5_k",
+            GgmlType::Q6K => "q6_k",
+            GgmlType::Q8K => "q8_k",
+            GgmlType::IQ4NL => "iq4_nl",
+            GgmlType::IQ4XS => "iq4_xs",
+            GgmlType::BF16 => "bf16",
+        }
+    }
+
+    /// The type named `name` (case-insensitive ggml name).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
+    }
+
+    /// Whether the type only serves as an activation format (never a weight).
+    pub const fn is_activation_only(self) -> bool {
+        matches!(self, GgmlType::Q8_1 | GgmlType::Q8K)
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_match_ggml() {
+        let expect = [
+            (GgmlType::F32, 1, 4),
+            (GgmlType::F16, 1, 2),
+            (GgmlType::Q4_0, 32, 18),
+            (GgmlType::Q4_1, 32, 20),
+            (GgmlType::Q5_0, 32, 22),
+            (GgmlType::Q5_1, 32, 24),
+            (GgmlType::Q8_0, 32, 34),
+            (GgmlType::Q8_1, 32, 36),
+            (GgmlType::Q2K, 256, 84),
+            (GgmlType::Q3K, 256, 110),
+            (GgmlType::Q4K, 256, 144),
+            (GgmlType::Q5K, 256, 176),
+            (GgmlType::Q6K, 256, 210),
+            (GgmlType::Q8K, 256, 292),
+            (GgmlType::IQ4NL, 32, 18),
+            (GgmlType::IQ4XS, 256, 136),
+            (GgmlType::BF16, 1, 2),
+        ];
+        for (t, elems, bytes) in expect {
+            assert_eq!(t.block_elems(), elems, "{t}");
+            assert_eq!(t.block_bytes(), bytes, "{t}");
+            assert_eq!(GgmlType::from_id(t.id()), Ok(t));
+            assert_eq!(GgmlType::from_name(t.name()), Some(t));
+        }
+        assert_eq!(GgmlType::from_id(4), Err(UnsupportedType(4)));
+        assert_eq!(GgmlType::Q4K.row_bytes(512), Some(288));
+        assert_eq!(GgmlType::Q4K.row_bytes(100), None);
+    }
+}
