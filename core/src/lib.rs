@@ -33,3 +33,6 @@
 extern crate std;
 
 pub mod quant;
+pub mod blockdev;
+pub mod slots;
+pub mod schedule;

@@ -1,0 +1,909 @@
+//! The LES scheduler: which expert to read, when, into which slot, and which
+//! expert to compute next.
+//!
+//! A state machine driven by the caller, one layer at a time:
+//!
+//! ```text
+//! begin_token()
+//! for each layer l:
+//!     begin_layer(l, routing)      // demand reads for missing picked experts
+//!     prefetch(l + 1, predicted)   // lookahead: speculative reads, under budget
+//!     loop { match next()? {       // completions in, reads out, compute order out
+//!         Compute { index, slot, .. } => { compute from the slot; finish(index) }
+//!         Wait => device.wait(),
+//!         Done => break,
+//!     } }
+//! ```
+//!
+//! Exactness: [`Next::Compute`] hands out a slot only when every part of its read
+//! completed (and passed [`ExpertSource::verify`]); every picked expert is handed
+//! out exactly once per layer; predictions only decide what is read early. The
+//! compute order is *ready-first* (resident experts while others load), so callers
+//! must combine expert outputs by `index` (router order), not in compute order.
+//!
+//! The on-demand baseline ([`SchedulerConfig::on_demand`]) is the same machinery
+//! with prefetching off and no overlap: nothing is handed out for compute until all
+//! picked experts are loaded.
+
+use core::fmt;
+
+use heapless::Vec;
+
+use crate::blockdev::{BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError, Tag};
+use crate::slots::{EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable};
+
+/// Most experts one layer's router may pick.
+pub const MAX_PICKS: usize = 64;
+/// Most experts one prediction may name.
+pub const MAX_PREDICTED: usize = 64;
+/// Most device reads one expert may need (3 = gate, up, down of a plain GGUF).
+pub const MAX_PARTS: usize = 3;
+
+/// One contiguous piece of an expert on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// Device byte offset.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u32,
+    /// Where the piece goes inside the slot.
+    pub slot_offset: u32,
+}
+
+/// The pieces of one expert.
+pub type Extents = Vec<Extent, MAX_PARTS>;
+
+/// Where experts live, and how to check one that was read.
+pub trait ExpertSource {
+    /// The device extents of `key` (which the scheduler has range-checked).
+    fn extents(&self, key: ExpertKey) -> Extents;
+
+    /// Whether the bytes read into a slot for `key` are intact (e.g. a checksum).
+    fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
+        let _ = (key, slot);
+        true
+    }
+}
+
+/// Scheduler settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Act on [`Scheduler::prefetch`] predictions.
+    pub prefetch: bool,
+    /// Hand out loaded experts while others still load (ready-first, overlap).
+    /// When `false`, compute starts only once all picked experts are loaded.
+    pub ready_first: bool,
+    /// Which slot to reuse.
+    pub eviction: EvictionPolicy,
+    /// Speculative bytes allowed per token (reset by [`Scheduler::begin_token`]).
+    pub prefetch_budget: u64,
+    /// Device queue entries prefetches leave free for demand reads.
+    pub demand_reserve: usize,
+    /// Retries of a demand read after transient device errors.
+    pub max_retries: u8,
+    /// A layer whose measured prediction precision falls below this stops
+    /// prefetching (predictions keep being scored, so it can come back).
+    pub min_precision: f32,
+    /// Predicted experts per precision measurement window.
+    pub precision_window: u32,
+}
+
+impl SchedulerConfig {
+    /// Lookahead Expert Scheduling: prefetch, ready-first, layer-aware eviction.
+    pub const fn les() -> Self {
+        SchedulerConfig {
+            prefetch: true,
+            ready_first: true,
+            eviction: EvictionPolicy::LayerDistance,
+            prefetch_budget: u64::MAX,
+            demand_reserve: MAX_PARTS,
+            max_retries: 3,
+            min_precision: 0.2,
+            precision_window: 64,
+        }
+    }
+
+    /// The on-demand baseline: after routing, read what is missing, then compute.
+    pub const fn on_demand() -> Self {
+        SchedulerConfig {
+            prefetch: false,
+            ready_first: false,
+            eviction: EvictionPolicy::Lru,
+            ..Self::les()
+        }
+    }
+}
+
+/// Per-layer prediction bookkeeping; caller storage of one entry per layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerState {
+    /// Whether prefetching is currently enabled for this layer.
+    pub prefetch_enabled: bool,
+    /// Experts predicted for this layer (all tokens).
+    pub predicted: u64,
+    /// Predicted experts the router then picked.
+    pub true_positives: u64,
+    /// Experts picked in layers that had a prediction.
+    pub picked: u64,
+    window_predicted: u32,
+    window_hits: u32,
+}
+
+impl LayerState {
+    /// Initial state: prefetching enabled, no history.
+    pub const INITIAL: LayerState = LayerState {
+        prefetch_enabled: true,
+        predicted: 0,
+        true_positives: 0,
+        picked: 0,
+        window_predicted: 0,
+        window_hits: 0,
+    };
+
+    /// Fraction of predicted experts that were picked (1 when nothing was predicted).
+    pub fn precision(&self) -> f32 {
+        ratio(self.true_positives, self.predicted)
+    }
+
+    /// Fraction of picked experts that were predicted (1 when nothing was picked).
+    pub fn recall(&self) -> f32 {
+        ratio(self.true_positives, self.picked)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f32 {
+    if b == 0 {
+        1.0
+    } else {
+        a as f32 / b as f32
+    }
+}
+
+/// Counters for `les bench` and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Picked experts already resident.
+    pub hits: u64,
+    /// Picked experts whose prefetch was still in flight.
+    pub late_hits: u64,
+    /// Picked experts that needed a demand read.
+    pub misses: u64,
+    /// Bytes submitted as demand reads (retries included).
+    pub demand_bytes: u64,
+    /// Bytes submitted as prefetches.
+    pub prefetch_bytes: u64,
+    /// Prefetched experts that were then picked.
+    pub useful_prefetches: u64,
+    /// Prefetches started.
+    pub prefetches: u64,
+    /// Times [`Scheduler::next`] had nothing to compute and asked the caller to wait.
+    pub stalls: u64,
+    /// Loads cancelled (stale prefetches, or to free a slot for a demand read).
+    pub cancels: u64,
+    /// Demand reads retried after transient errors.
+    pub retries: u64,
+    /// Completions that matched no read in flight (ignored).
+    pub stale_completions: u64,
+    /// Prefetched experts that failed verification (dropped).
+    pub bad_prefetches: u64,
+}
+
+impl Stats {
+    /// Picked experts that needed no demand read, as a fraction of all picked.
+    pub fn hit_rate(&self) -> f32 {
+        ratio(self.hits + self.late_hits, self.hits + self.late_hits + self.misses)
+    }
+}
+
+/// What the caller should do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Compute picked expert `index` (position in the routing) from `slot`, then
+    /// call [`Scheduler::finish`].
+    Compute {
+        /// Position in the routing passed to [`Scheduler::begin_layer`].
+        index: usize,
+        /// The expert.
+        key: ExpertKey,
+        /// The slot holding it, pinned until `finish`.
+        slot: SlotId,
+    },
+    /// Reads are in flight and nothing is ready: block on the device, then call
+    /// `next` again.
+    Wait,
+    /// Every picked expert of the layer was handed out and finished.
+    Done,
+}
+
+/// Scheduler errors; `E` is the device's error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Error<E> {
+    /// Reading `key` failed permanently (or transiently more than allowed).
+    Device {
+        /// The expert.
+        key: ExpertKey,
+        /// The device's error.
+        error: E,
+    },
+    /// The bytes read for `key` failed verification.
+    Checksum {
+        /// The expert.
+        key: ExpertKey,
+    },
+    /// The expert's extents do not fit a slot or exceed [`MAX_PARTS`].
+    BadExtents {
+        /// The expert.
+        key: ExpertKey,
+    },
+    /// Invalid configuration or storage.
+    Config(&'static str),
+    /// A layer or expert index outside the model, or a repeated expert.
+    BadRouting,
+    /// `begin_layer` before every expert of the previous layer was finished.
+    LayerInProgress,
+    /// `finish` of an index that is not being computed.
+    NotComputing(usize),
+    /// No read is in flight, yet a picked expert cannot be loaded (a device that
+    /// reports `Busy` with an empty queue, or a caller holding slots).
+    Stuck,
+    /// Internal slot-state violation (a bug); reported instead of corrupting slots.
+    Slot(SlotError),
+}
+
+impl<E: fmt::Display> fmt::Display for Error<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Device { key, error } => write!(f, "reading {key} failed: {error}"),
+            Error::Checksum { key } => write!(f, "{key}: checksum mismatch in the data read"),
+            Error::BadExtents { key } => write!(f, "{key}: extents do not fit a slot"),
+            Error::Config(why) => write!(f, "invalid scheduler configuration: {why}"),
+            Error::BadRouting => f.write_str("routing names an expert outside the model or twice"),
+            Error::LayerInProgress => f.write_str("previous layer still has experts to compute"),
+            Error::NotComputing(i) => write!(f, "picked expert {i} is not being computed"),
+            Error::Stuck => f.write_str("no read in flight but picked experts cannot be loaded"),
+            Error::Slot(e) => write!(f, "slot table: {e}"),
+        }
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> core::error::Error for Error<E> {}
+
+impl<E> From<SlotError> for Error<E> {
+    fn from(e: SlotError) -> Self {
+        Error::Slot(e)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PickStatus {
+    NeedsSlot,
+    Loading(SlotId),
+    Ready(SlotId),
+    Computing(SlotId),
+    Done,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pick {
+    key: ExpertKey,
+    status: PickStatus,
+}
+
+/// The LES scheduler over slot storage `S`, index storage `M` and per-layer
+/// storage `L` (see [`SlotTable`] and [`LayerState`]).
+pub struct Scheduler<S, M, L> {
+    table: SlotTable<S, M>,
+    layers: L,
+    config: SchedulerConfig,
+    slot_bytes: u32,
+    next_load: u32,
+    layer: Option<u16>,
+    picks: Vec<Pick, MAX_PICKS>,
+    queue: Vec<ExpertKey, MAX_PREDICTED>,
+    prediction: Option<(u16, Vec<u16, MAX_PREDICTED>)>,
+    token_prefetch_bytes: u64,
+    in_flight: usize,
+    stats: Stats,
+}
+
+const PART_BITS: u32 = 2;
+
+fn tag(load: u32, part: usize) -> Tag {
+    Tag((load << PART_BITS) | part as u32)
+}
+
+impl<S, M, L> Scheduler<S, M, L>
+where
+    S: AsRef<[Slot]> + AsMut<[Slot]>,
+    M: AsRef<[u32]> + AsMut<[u32]>,
+    L: AsRef<[LayerState]> + AsMut<[LayerState]>,
+{
+    /// A scheduler for `n_layers` layers of `n_experts` experts, with one slot of
+    /// `slot_bytes` bytes per entry of `slots`. `index` needs `n_layers * n_experts`
+    /// entries and `layers` needs `n_layers`.
+    pub fn new<E>(
+        config: SchedulerConfig,
+        slots: S,
+        index: M,
+        mut layers: L,
+        n_layers: u16,
+        n_experts: u16,
+        slot_bytes: u32,
+    ) -> Result<Self, Error<E>> {
+        if layers.as_ref().len() != n_layers as usize {
+            return Err(Error::Config("layer storage must hold n_layers entries"));
+        }
+        if !(0.0..=1.0).contains(&config.min_precision) {
+            return Err(Error::Config("min_precision must lie in 0..=1"));
+        }
+        layers.as_mut().fill(LayerState::INITIAL);
+        let table = SlotTable::new(slots, index, n_layers, n_experts)?;
+        Ok(Scheduler {
+            table,
+            layers,
+            config,
+            slot_bytes,
+            next_load: 0,
+            layer: None,
+            picks: Vec::new(),
+            queue: Vec::new(),
+            prediction: None,
+            token_prefetch_bytes: 0,
+            in_flight: 0,
+            stats: Stats::default(),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// Per-layer prediction state.
+    pub fn layers(&self) -> &[LayerState] {
+        self.layers.as_ref()
+    }
+
+    /// The slot table (read-only).
+    pub fn table(&self) -> &SlotTable<S, M> {
+        &self.table
+    }
+
+    /// Device reads submitted and not yet completed.
+    pub fn reads_in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Speculative bytes submitted since [`begin_token`](Self::begin_token).
+    pub fn token_prefetch_bytes(&self) -> u64 {
+        self.token_prefetch_bytes
+    }
+
+    /// Whether a picked expert of the current layer waits for a slot or for its
+    /// read to be submitted (prefetches are held back meanwhile).
+    pub fn demand_pending(&self) -> bool {
+        self.picks.iter().any(|p| p.status == PickStatus::NeedsSlot)
+            || self.table.iter().any(|(_, s)| {
+                matches!(s, SlotState::Loading(l) if l.demand && l.unsubmitted != 0)
+            })
+    }
+
+    /// Starts a new token: resets the per-token prefetch budget.
+    pub fn begin_token(&mut self) {
+        self.token_prefetch_bytes = 0;
+    }
+
+    /// Starts `layer` with the experts its router picked (in router order): pins
+    /// resident ones, cancels stale prefetches of this layer and issues demand reads.
+    pub fn begin_layer<D, X>(&mut self, layer: u16, routing: &[u16], dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        if self.picks.iter().any(|p| p.status != PickStatus::Done) {
+            return Err(Error::LayerInProgress);
+        }
+        let n_experts = self.table.n_experts();
+        if layer >= self.table.n_layers()
+            || routing.len() > MAX_PICKS
+            || routing.iter().enumerate().any(|(i, e)| *e >= n_experts || routing[..i].contains(e))
+        {
+            return Err(Error::BadRouting);
+        }
+        if routing.len() > self.table.capacity() {
+            return Err(Error::Config("fewer slots than experts per layer"));
+        }
+        self.score_prediction(layer, routing);
+        self.layer = Some(layer);
+        self.queue.clear();
+        self.picks.clear();
+
+        // Stale prefetches of this layer: predicted, not picked.
+        let stale: Vec<SlotId, MAX_PREDICTED> = self
+            .table
+            .iter()
+            .filter_map(|(slot, s)| match s {
+                SlotState::Loading(l)
+                    if l.key.layer == layer && !l.demand && !l.cancelled && !routing.contains(&l.key.expert) =>
+                {
+                    Some(slot)
+                }
+                _ => None,
+            })
+            .take(MAX_PREDICTED)
+            .collect();
+        for slot in stale {
+            self.cancel_load(slot, dev)?;
+        }
+
+        for &expert in routing {
+            let key = ExpertKey { layer, expert };
+            let status = match self.table.lookup(key) {
+                None => {
+                    self.stats.misses += 1;
+                    PickStatus::NeedsSlot
+                }
+                Some(slot) => match *self.table.state(slot) {
+                    SlotState::Ready { .. } => {
+                        self.stats.hits += 1;
+                        if self.table.pin(slot)? {
+                            self.stats.useful_prefetches += 1;
+                        }
+                        PickStatus::Ready(slot)
+                    }
+                    SlotState::Loading(_) => {
+                        let load = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+                        if load.prefetched && !load.demand {
+                            self.stats.useful_prefetches += 1;
+                        }
+                        load.demand = true;
+                        self.stats.late_hits += 1;
+                        PickStatus::Loading(slot)
+                    }
+                    SlotState::InUse { .. } | SlotState::Free => return Err(SlotError::InvalidTransition(slot).into()),
+                },
+            };
+            // Capacity MAX_PICKS, routing.len() <= MAX_PICKS checked above.
+            let _ = self.picks.push(Pick { key, status });
+        }
+        self.pump(dev, src)
+    }
+
+    /// Records the lookahead prediction for `layer` (normally the next one) and,
+    /// where prefetching is on for that layer, queues speculative reads of the
+    /// predicted experts, most confident first.
+    pub fn prefetch<D, X>(&mut self, layer: u16, predicted: &[u16], dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        if layer >= self.table.n_layers() {
+            return Err(Error::BadRouting);
+        }
+        let mut set: Vec<u16, MAX_PREDICTED> = Vec::new();
+        for &e in predicted {
+            if e < self.table.n_experts() && !set.contains(&e) && set.push(e).is_err() {
+                break;
+            }
+        }
+        self.queue.clear();
+        if self.config.prefetch && self.layers.as_ref()[layer as usize].prefetch_enabled {
+            for &expert in &set {
+                let key = ExpertKey { layer, expert };
+                if self.table.lookup(key).is_none() {
+                    let _ = self.queue.push(key); // same capacity as `set`
+                }
+            }
+        }
+        self.prediction = Some((layer, set));
+        self.pump(dev, src)
+    }
+
+    /// Processes completions, submits what can be submitted, and says what to do.
+    pub fn next<D, X>(&mut self, dev: &mut D, src: &X) -> Result<Next, Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        while let Some(c) = dev.poll() {
+            self.on_completion(c, dev, src)?;
+        }
+        self.pump(dev, src)?;
+
+        let all_loaded = self
+            .picks
+            .iter()
+            .all(|p| !matches!(p.status, PickStatus::NeedsSlot | PickStatus::Loading(_)));
+        if self.config.ready_first || all_loaded {
+            if let Some(index) = self.picks.iter().position(|p| matches!(p.status, PickStatus::Ready(_))) {
+                let PickStatus::Ready(slot) = self.picks[index].status else {
+                    unreachable!("matched Ready just above")
+                };
+                self.picks[index].status = PickStatus::Computing(slot);
+                return Ok(Next::Compute {
+                    index,
+                    key: self.picks[index].key,
+                    slot,
+                });
+            }
+        }
+        if self.picks.iter().all(|p| p.status == PickStatus::Done) {
+            return Ok(Next::Done);
+        }
+        if self.in_flight > 0 {
+            self.stats.stalls += 1;
+            return Ok(Next::Wait);
+        }
+        if self.picks.iter().any(|p| matches!(p.status, PickStatus::Computing(_))) {
+            // Another thread is computing; its `finish` frees what we need.
+            return Ok(Next::Wait);
+        }
+        Err(Error::Stuck)
+    }
+
+    /// Like [`next`](Self::next), but blocks on the device instead of returning
+    /// [`Next::Wait`] while reads are in flight.
+    pub fn next_blocking<D, X>(&mut self, dev: &mut D, src: &X) -> Result<Next, Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        loop {
+            match self.next(dev, src)? {
+                Next::Wait if self.in_flight > 0 => dev.wait(),
+                other => return Ok(other),
+            }
+        }
+    }
+
+    /// Marks picked expert `index` computed and unpins its slot.
+    pub fn finish(&mut self, index: usize) -> Result<(), Error<core::convert::Infallible>> {
+        let Some(PickStatus::Computing(slot)) = self.picks.get(index).map(|p| p.status) else {
+            return Err(Error::NotComputing(index));
+        };
+        self.table.unpin(slot)?;
+        self.picks[index].status = PickStatus::Done;
+        Ok(())
+    }
+
+    /// Waits for every read in flight to complete, e.g. before dropping the slot
+    /// memory. Errors of prefetches are ignored; the current layer is abandoned.
+    pub fn drain<D: BlockDevice>(&mut self, dev: &mut D) {
+        while self.in_flight > 0 {
+            match dev.poll() {
+                Some(c) => {
+                    if let Some(slot) = self.table.find_load(c.tag.0 >> PART_BITS) {
+                        if let Some(load) = self.table.load_mut(slot) {
+                            let bit = 1u8 << (c.tag.0 & ((1 << PART_BITS) - 1));
+                            if load.outstanding & bit != 0 {
+                                load.outstanding &= !bit;
+                                self.in_flight -= 1;
+                                load.failed = true;
+                                load.unsubmitted = 0;
+                                if load.outstanding == 0 {
+                                    let _ = self.table.abandon(slot);
+                                }
+                            }
+                        }
+                    }
+                }
+                None => dev.wait(),
+            }
+        }
+        self.picks.clear();
+        self.queue.clear();
+    }
+
+    fn score_prediction(&mut self, layer: u16, routing: &[u16]) {
+        let Some((pl, predicted)) = self.prediction.take() else {
+            return;
+        };
+        if pl != layer {
+            return;
+        }
+        let tp = predicted.iter().filter(|e| routing.contains(e)).count() as u32;
+        let (min_precision, window) = (self.config.min_precision, self.config.precision_window.max(1));
+        let st = &mut self.layers.as_mut()[layer as usize];
+        st.predicted += predicted.len() as u64;
+        st.true_positives += tp as u64;
+        st.picked += routing.len() as u64;
+        st.window_predicted += predicted.len() as u32;
+        st.window_hits += tp;
+        if st.window_predicted >= window {
+            let precision = st.window_hits as f32 / st.window_predicted as f32;
+            st.prefetch_enabled = precision >= min_precision;
+            st.window_predicted = 0;
+            st.window_hits = 0;
+        }
+    }
+
+    fn cancel_load<D: BlockDevice>(&mut self, slot: SlotId, dev: &mut D) -> Result<(), Error<D::Error>> {
+        let load = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+        load.cancelled = true;
+        load.failed = true;
+        load.unsubmitted = 0;
+        let (id, outstanding) = (load.id, load.outstanding);
+        self.stats.cancels += 1;
+        if outstanding == 0 {
+            self.table.abandon(slot)?;
+            return Ok(());
+        }
+        for part in 0..MAX_PARTS {
+            if outstanding & (1 << part) != 0 {
+                dev.cancel(tag(id, part));
+            }
+        }
+        Ok(())
+    }
+
+    fn new_load(&mut self, key: ExpertKey, parts: usize, demand: bool) -> Load {
+        self.next_load = (self.next_load + 1) & ((1 << (32 - PART_BITS)) - 1);
+        Load {
+            key,
+            id: self.next_load,
+            parts: parts as u8,
+            unsubmitted: ((1u16 << parts) - 1) as u8,
+            outstanding: 0,
+            demand,
+            prefetched: !demand,
+            cancelled: false,
+            failed: false,
+            faults: 0,
+        }
+    }
+
+    fn extents<E, X: ExpertSource>(&self, key: ExpertKey, src: &X) -> Result<Extents, Error<E>> {
+        let ext = src.extents(key);
+        let fits = !ext.is_empty()
+            && ext.iter().all(|e| {
+                e.slot_offset
+                    .checked_add(e.len)
+                    .is_some_and(|end| end <= self.slot_bytes)
+            });
+        if fits {
+            Ok(ext)
+        } else {
+            Err(Error::BadExtents { key })
+        }
+    }
+
+    fn layer_now(&self) -> u16 {
+        self.layer.unwrap_or(0)
+    }
+
+    /// Submits, in priority order: slots for picked experts, their reads, then
+    /// prefetch reads. Stops at the first `Busy`.
+    fn pump<D, X>(&mut self, dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        let current = self.layer_now();
+        // 1. Slots for picked experts that have none.
+        for i in 0..self.picks.len() {
+            if self.picks[i].status != PickStatus::NeedsSlot {
+                continue;
+            }
+            let key = self.picks[i].key;
+            let slot = loop {
+                if let Some(slot) = self.table.victim(self.config.eviction, current, |_| true) {
+                    break Some(slot);
+                }
+                // Everything is pinned or loading: free a slot by cancelling a
+                // prefetch. A prefetch with reads in flight frees its slot only when
+                // its completions arrive; one with none frees it at once.
+                let victim = self.table.iter().find_map(|(s, st)| match st {
+                    SlotState::Loading(l) if !l.demand && !l.cancelled => Some(s),
+                    _ => None,
+                });
+                match victim {
+                    Some(s) => {
+                        self.cancel_load(s, dev)?;
+                        if *self.table.state(s) != SlotState::Free {
+                            break None;
+                        }
+                    }
+                    None => break None,
+                }
+            };
+            let Some(slot) = slot else { break };
+            if matches!(self.table.state(slot), SlotState::Ready { .. }) {
+                self.table.evict(slot)?;
+            }
+            let parts = self.extents(key, src)?.len();
+            let load = self.new_load(key, parts, true);
+            self.table.start_load(slot, load)?;
+            self.picks[i].status = PickStatus::Loading(slot);
+        }
+
+        // 2. Demand reads, in routing order.
+        for i in 0..self.picks.len() {
+            if let PickStatus::Loading(slot) = self.picks[i].status {
+                if !self.submit_parts(slot, true, dev, src)? {
+                    return Ok(()); // device busy
+                }
+            }
+        }
+        if self.demand_pending() {
+            return Ok(());
+        }
+
+        // 3. Prefetch reads: partially submitted ones first, then the queue.
+        let reserve = self.config.demand_reserve;
+        let depth = dev.queue_depth();
+        let room = |in_flight: usize, parts: usize| in_flight + parts + reserve <= depth;
+        let partial: Vec<SlotId, MAX_PREDICTED> = self
+            .table
+            .iter()
+            .filter_map(|(s, st)| match st {
+                SlotState::Loading(l) if !l.demand && l.unsubmitted != 0 => Some(s),
+                _ => None,
+            })
+            .take(MAX_PREDICTED)
+            .collect();
+        for slot in partial {
+            if !room(self.in_flight, 1) || !self.submit_parts(slot, false, dev, src)? {
+                return Ok(());
+            }
+        }
+        while let Some(&key) = self.queue.first() {
+            if self.table.lookup(key).is_some() {
+                self.queue.remove(0);
+                continue;
+            }
+            let ext = self.extents(key, src)?;
+            let bytes: u64 = ext.iter().map(|e| e.len as u64).sum();
+            if self.token_prefetch_bytes + bytes > self.config.prefetch_budget {
+                self.queue.clear(); // budget spent for this token
+                break;
+            }
+            if !room(self.in_flight, ext.len()) {
+                break;
+            }
+            // Never evict what the target layer or the current layer still needs.
+            let picks = &self.picks;
+            let Some(slot) = self.table.victim(self.config.eviction, current, |k| {
+                k.layer != key.layer && !picks.iter().any(|p| p.key == k && p.status != PickStatus::Done)
+            }) else {
+                self.queue.clear();
+                break;
+            };
+            self.queue.remove(0);
+            if matches!(self.table.state(slot), SlotState::Ready { .. }) {
+                self.table.evict(slot)?;
+            }
+            let load = self.new_load(key, ext.len(), false);
+            self.table.start_load(slot, load)?;
+            self.token_prefetch_bytes += bytes;
+            self.stats.prefetches += 1;
+            if !self.submit_parts(slot, false, dev, src)? {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Submits the unsubmitted parts of the load in `slot`; `false` if the device
+    /// was busy.
+    fn submit_parts<D, X>(&mut self, slot: SlotId, urgent: bool, dev: &mut D, src: &X) -> Result<bool, Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        let load = *self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+        if load.unsubmitted == 0 {
+            return Ok(true);
+        }
+        let ext = self.extents(load.key, src)?;
+        for (part, e) in ext.iter().enumerate() {
+            let bit = 1u8 << part;
+            if load.unsubmitted & bit == 0 {
+                continue;
+            }
+            let req = ReadRequest {
+                tag: tag(load.id, part),
+                offset: e.offset,
+                len: e.len,
+                slot,
+                slot_offset: e.slot_offset,
+                urgent,
+            };
+            match dev.submit(req) {
+                Ok(()) => {
+                    let l = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+                    l.unsubmitted &= !bit;
+                    l.outstanding |= bit;
+                    self.in_flight += 1;
+                    if urgent {
+                        self.stats.demand_bytes += e.len as u64;
+                    } else {
+                        self.stats.prefetch_bytes += e.len as u64;
+                    }
+                }
+                Err(SubmitError::Busy) => return Ok(false),
+                Err(SubmitError::Device(error)) => {
+                    return Err(Error::Device { key: load.key, error });
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn on_completion<D, X>(&mut self, c: Completion<D::Error>, dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        let id = c.tag.0 >> PART_BITS;
+        let bit = 1u8 << (c.tag.0 & ((1 << PART_BITS) - 1));
+        let Some(slot) = self.table.find_load(id) else {
+            self.stats.stale_completions += 1;
+            return Ok(());
+        };
+        let max_retries = self.config.max_retries;
+        let load = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+        if load.outstanding & bit == 0 {
+            self.stats.stale_completions += 1;
+            return Ok(());
+        }
+        load.outstanding &= !bit;
+        self.in_flight -= 1;
+        match c.status {
+            ReadStatus::Done => {}
+            ReadStatus::Cancelled => load.failed = true,
+            ReadStatus::Failed(error) => {
+                load.failed = true;
+                load.faults = load.faults.saturating_add(1);
+                if load.demand && (!error.is_transient() || load.faults > max_retries) {
+                    return Err(Error::Device { key: load.key, error });
+                }
+            }
+        }
+        if load.outstanding != 0 {
+            return Ok(()); // other parts still in flight
+        }
+        if load.unsubmitted != 0 && !load.failed {
+            return Ok(()); // parts still to submit
+        }
+        let load = *load;
+        if load.failed {
+            if load.demand {
+                // Read it again into the same slot, under a fresh id.
+                if load.faults > 0 {
+                    self.stats.retries += 1;
+                }
+                let fresh = self.new_load(load.key, load.parts as usize, true);
+                let l = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+                *l = Load {
+                    faults: load.faults,
+                    prefetched: load.prefetched,
+                    ..fresh
+                };
+            } else {
+                self.table.abandon(slot)?;
+            }
+            return Ok(());
+        }
+        if !src.verify(load.key, dev.slot(slot)) {
+            if load.demand {
+                return Err(Error::Checksum { key: load.key });
+            }
+            self.stats.bad_prefetches += 1;
+            let l = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+            l.failed = true;
+            self.table.abandon(slot)?;
+            return Ok(());
+        }
+        self.table.finish_load(slot)?;
+        if let Some(p) = self.picks.iter_mut().find(|p| p.status == PickStatus::Loading(slot)) {
+            self.table.pin(slot)?;
+            p.status = PickStatus::Ready(slot);
+        }
+        Ok(())
+    }
+}
