@@ -32,7 +32,7 @@
 #[cfg(test)]
 extern crate std;
 
-pub mod quant;
 pub mod blockdev;
-pub mod slots;
+pub mod quant;
 pub mod schedule;
+pub mod slots;

@@ -29,7 +29,10 @@ use core::fmt;
 
 use heapless::Vec;
 
-use crate::blockdev::{BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError, Tag};
+use crate::blockdev::{
+    BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError,
+    Tag,
+};
 use crate::slots::{EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable};
 
 /// Most experts one layer's router may pick.
@@ -191,7 +194,10 @@ pub struct Stats {
 impl Stats {
     /// Picked experts that needed no demand read, as a fraction of all picked.
     pub fn hit_rate(&self) -> f32 {
-        ratio(self.hits + self.late_hits, self.hits + self.late_hits + self.misses)
+        ratio(
+            self.hits + self.late_hits,
+            self.hits + self.late_hits + self.misses,
+        )
     }
 }
 
@@ -388,9 +394,10 @@ where
     /// read to be submitted (prefetches are held back meanwhile).
     pub fn demand_pending(&self) -> bool {
         self.picks.iter().any(|p| p.status == PickStatus::NeedsSlot)
-            || self.table.iter().any(|(_, s)| {
-                matches!(s, SlotState::Loading(l) if l.demand && l.unsubmitted != 0)
-            })
+            || self
+                .table
+                .iter()
+                .any(|(_, s)| matches!(s, SlotState::Loading(l) if l.demand && l.unsubmitted != 0))
     }
 
     /// Starts a new token: resets the per-token prefetch budget.
@@ -400,7 +407,13 @@ where
 
     /// Starts `layer` with the experts its router picked (in router order): pins
     /// resident ones, cancels stale prefetches of this layer and issues demand reads.
-    pub fn begin_layer<D, X>(&mut self, layer: u16, routing: &[u16], dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    pub fn begin_layer<D, X>(
+        &mut self,
+        layer: u16,
+        routing: &[u16],
+        dev: &mut D,
+        src: &X,
+    ) -> Result<(), Error<D::Error>>
     where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
@@ -411,7 +424,10 @@ where
         let n_experts = self.table.n_experts();
         if layer >= self.table.n_layers()
             || routing.len() > MAX_PICKS
-            || routing.iter().enumerate().any(|(i, e)| *e >= n_experts || routing[..i].contains(e))
+            || routing
+                .iter()
+                .enumerate()
+                .any(|(i, e)| *e >= n_experts || routing[..i].contains(e))
         {
             return Err(Error::BadRouting);
         }
@@ -429,7 +445,10 @@ where
             .iter()
             .filter_map(|(slot, s)| match s {
                 SlotState::Loading(l)
-                    if l.key.layer == layer && !l.demand && !l.cancelled && !routing.contains(&l.key.expert) =>
+                    if l.key.layer == layer
+                        && !l.demand
+                        && !l.cancelled
+                        && !routing.contains(&l.key.expert) =>
                 {
                     Some(slot)
                 }
@@ -457,7 +476,10 @@ where
                         PickStatus::Ready(slot)
                     }
                     SlotState::Loading(_) => {
-                        let load = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+                        let load = self
+                            .table
+                            .load_mut(slot)
+                            .ok_or(SlotError::InvalidTransition(slot))?;
                         if load.prefetched && !load.demand {
                             self.stats.useful_prefetches += 1;
                         }
@@ -465,7 +487,9 @@ where
                         self.stats.late_hits += 1;
                         PickStatus::Loading(slot)
                     }
-                    SlotState::InUse { .. } | SlotState::Free => return Err(SlotError::InvalidTransition(slot).into()),
+                    SlotState::InUse { .. } | SlotState::Free => {
+                        return Err(SlotError::InvalidTransition(slot).into())
+                    }
                 },
             };
             // Capacity MAX_PICKS, routing.len() <= MAX_PICKS checked above.
@@ -477,7 +501,13 @@ where
     /// Records the lookahead prediction for `layer` (normally the next one) and,
     /// where prefetching is on for that layer, queues speculative reads of the
     /// predicted experts, most confident first.
-    pub fn prefetch<D, X>(&mut self, layer: u16, predicted: &[u16], dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    pub fn prefetch<D, X>(
+        &mut self,
+        layer: u16,
+        predicted: &[u16],
+        dev: &mut D,
+        src: &X,
+    ) -> Result<(), Error<D::Error>>
     where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
@@ -520,7 +550,11 @@ where
             .iter()
             .all(|p| !matches!(p.status, PickStatus::NeedsSlot | PickStatus::Loading(_)));
         if self.config.ready_first || all_loaded {
-            if let Some(index) = self.picks.iter().position(|p| matches!(p.status, PickStatus::Ready(_))) {
+            if let Some(index) = self
+                .picks
+                .iter()
+                .position(|p| matches!(p.status, PickStatus::Ready(_)))
+            {
                 let PickStatus::Ready(slot) = self.picks[index].status else {
                     unreachable!("matched Ready just above")
                 };
@@ -539,7 +573,11 @@ where
             self.stats.stalls += 1;
             return Ok(Next::Wait);
         }
-        if self.picks.iter().any(|p| matches!(p.status, PickStatus::Computing(_))) {
+        if self
+            .picks
+            .iter()
+            .any(|p| matches!(p.status, PickStatus::Computing(_)))
+        {
             // Another thread is computing; its `finish` frees what we need.
             return Ok(Next::Wait);
         }
@@ -607,7 +645,10 @@ where
             return;
         }
         let tp = predicted.iter().filter(|e| routing.contains(e)).count() as u32;
-        let (min_precision, window) = (self.config.min_precision, self.config.precision_window.max(1));
+        let (min_precision, window) = (
+            self.config.min_precision,
+            self.config.precision_window.max(1),
+        );
         let st = &mut self.layers.as_mut()[layer as usize];
         st.predicted += predicted.len() as u64;
         st.true_positives += tp as u64;
@@ -622,8 +663,15 @@ where
         }
     }
 
-    fn cancel_load<D: BlockDevice>(&mut self, slot: SlotId, dev: &mut D) -> Result<(), Error<D::Error>> {
-        let load = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+    fn cancel_load<D: BlockDevice>(
+        &mut self,
+        slot: SlotId,
+        dev: &mut D,
+    ) -> Result<(), Error<D::Error>> {
+        let load = self
+            .table
+            .load_mut(slot)
+            .ok_or(SlotError::InvalidTransition(slot))?;
         load.cancelled = true;
         load.failed = true;
         load.unsubmitted = 0;
@@ -768,7 +816,10 @@ where
             // Never evict what the target layer or the current layer still needs.
             let picks = &self.picks;
             let Some(slot) = self.table.victim(self.config.eviction, current, |k| {
-                k.layer != key.layer && !picks.iter().any(|p| p.key == k && p.status != PickStatus::Done)
+                k.layer != key.layer
+                    && !picks
+                        .iter()
+                        .any(|p| p.key == k && p.status != PickStatus::Done)
             }) else {
                 self.queue.clear();
                 break;
@@ -790,12 +841,21 @@ where
 
     /// Submits the unsubmitted parts of the load in `slot`; `false` if the device
     /// was busy.
-    fn submit_parts<D, X>(&mut self, slot: SlotId, urgent: bool, dev: &mut D, src: &X) -> Result<bool, Error<D::Error>>
+    fn submit_parts<D, X>(
+        &mut self,
+        slot: SlotId,
+        urgent: bool,
+        dev: &mut D,
+        src: &X,
+    ) -> Result<bool, Error<D::Error>>
     where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
     {
-        let load = *self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+        let load = *self
+            .table
+            .load_mut(slot)
+            .ok_or(SlotError::InvalidTransition(slot))?;
         if load.unsubmitted == 0 {
             return Ok(true);
         }
@@ -815,7 +875,10 @@ where
             };
             match dev.submit(req) {
                 Ok(()) => {
-                    let l = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+                    let l = self
+                        .table
+                        .load_mut(slot)
+                        .ok_or(SlotError::InvalidTransition(slot))?;
                     l.unsubmitted &= !bit;
                     l.outstanding |= bit;
                     self.in_flight += 1;
@@ -827,14 +890,22 @@ where
                 }
                 Err(SubmitError::Busy) => return Ok(false),
                 Err(SubmitError::Device(error)) => {
-                    return Err(Error::Device { key: load.key, error });
+                    return Err(Error::Device {
+                        key: load.key,
+                        error,
+                    });
                 }
             }
         }
         Ok(true)
     }
 
-    fn on_completion<D, X>(&mut self, c: Completion<D::Error>, dev: &mut D, src: &X) -> Result<(), Error<D::Error>>
+    fn on_completion<D, X>(
+        &mut self,
+        c: Completion<D::Error>,
+        dev: &mut D,
+        src: &X,
+    ) -> Result<(), Error<D::Error>>
     where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
@@ -846,7 +917,10 @@ where
             return Ok(());
         };
         let max_retries = self.config.max_retries;
-        let load = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+        let load = self
+            .table
+            .load_mut(slot)
+            .ok_or(SlotError::InvalidTransition(slot))?;
         if load.outstanding & bit == 0 {
             self.stats.stale_completions += 1;
             return Ok(());
@@ -860,7 +934,10 @@ where
                 load.failed = true;
                 load.faults = load.faults.saturating_add(1);
                 if load.demand && (!error.is_transient() || load.faults > max_retries) {
-                    return Err(Error::Device { key: load.key, error });
+                    return Err(Error::Device {
+                        key: load.key,
+                        error,
+                    });
                 }
             }
         }
@@ -878,7 +955,10 @@ where
                     self.stats.retries += 1;
                 }
                 let fresh = self.new_load(load.key, load.parts as usize, true);
-                let l = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+                let l = self
+                    .table
+                    .load_mut(slot)
+                    .ok_or(SlotError::InvalidTransition(slot))?;
                 *l = Load {
                     faults: load.faults,
                     prefetched: load.prefetched,
@@ -894,13 +974,20 @@ where
                 return Err(Error::Checksum { key: load.key });
             }
             self.stats.bad_prefetches += 1;
-            let l = self.table.load_mut(slot).ok_or(SlotError::InvalidTransition(slot))?;
+            let l = self
+                .table
+                .load_mut(slot)
+                .ok_or(SlotError::InvalidTransition(slot))?;
             l.failed = true;
             self.table.abandon(slot)?;
             return Ok(());
         }
         self.table.finish_load(slot)?;
-        if let Some(p) = self.picks.iter_mut().find(|p| p.status == PickStatus::Loading(slot)) {
+        if let Some(p) = self
+            .picks
+            .iter_mut()
+            .find(|p| p.status == PickStatus::Loading(slot))
+        {
             self.table.pin(slot)?;
             p.status = PickStatus::Ready(slot);
         }

@@ -146,10 +146,14 @@ impl fmt::Display for SlotError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SlotError::BadCapacity => f.write_str("slot storage must hold 1..2^31 slots"),
-            SlotError::BadIndex => f.write_str("index storage must hold n_layers * n_experts entries"),
+            SlotError::BadIndex => {
+                f.write_str("index storage must hold n_layers * n_experts entries")
+            }
             SlotError::BadKey(k) => write!(f, "{k} is outside the model"),
             SlotError::AlreadyMapped(k) => write!(f, "{k} already has a slot"),
-            SlotError::InvalidTransition(s) => write!(f, "invalid state transition of slot {}", s.0),
+            SlotError::InvalidTransition(s) => {
+                write!(f, "invalid state transition of slot {}", s.0)
+            }
         }
     }
 }
@@ -173,7 +177,12 @@ where
 {
     /// A table of `slots.len()` free slots for a model of `n_layers` layers of
     /// `n_experts` experts; `index` must hold `n_layers * n_experts` entries.
-    pub fn new(mut slots: S, mut index: M, n_layers: u16, n_experts: u16) -> Result<Self, SlotError> {
+    pub fn new(
+        mut slots: S,
+        mut index: M,
+        n_layers: u16,
+        n_experts: u16,
+    ) -> Result<Self, SlotError> {
         let n = slots.as_ref().len();
         if n == 0 || n >= (1 << 31) {
             return Err(SlotError::BadCapacity);
@@ -412,15 +421,30 @@ mod tests {
         t.start_load(s, load(key(1, 2), 7)).unwrap();
         assert_eq!(t.lookup(key(1, 2)), Some(s));
         assert_eq!(t.find_load(7), Some(s));
-        assert_eq!(t.start_load(SlotId(1), load(key(1, 2), 8)), Err(SlotError::AlreadyMapped(key(1, 2))));
-        assert_eq!(t.evict(s), Err(SlotError::InvalidTransition(s)), "loading is not evictable");
+        assert_eq!(
+            t.start_load(SlotId(1), load(key(1, 2), 8)),
+            Err(SlotError::AlreadyMapped(key(1, 2)))
+        );
+        assert_eq!(
+            t.evict(s),
+            Err(SlotError::InvalidTransition(s)),
+            "loading is not evictable"
+        );
         t.finish_load(s).unwrap();
         assert!(!t.pin(s).unwrap());
-        assert_eq!(t.evict(s), Err(SlotError::InvalidTransition(s)), "in use is not evictable");
+        assert_eq!(
+            t.evict(s),
+            Err(SlotError::InvalidTransition(s)),
+            "in use is not evictable"
+        );
         t.unpin(s).unwrap();
         assert_eq!(t.evict(s), Ok(key(1, 2)));
         assert_eq!(t.lookup(key(1, 2)), None);
-        assert_eq!(t.lookup(key(3, 0)), None, "out of range keys are simply absent");
+        assert_eq!(
+            t.lookup(key(3, 0)),
+            None,
+            "out of range keys are simply absent"
+        );
     }
 
     #[test]
@@ -447,17 +471,26 @@ mod tests {
         fill(&mut t, [key(2, 0), key(1, 0), key(0, 1), key(1, 1)]);
         // Oldest first.
         assert_eq!(t.victim(EvictionPolicy::Lru, 1, |_| true), Some(SlotId(0)));
-        assert_eq!(t.victim(EvictionPolicy::Lru, 1, |k| k.layer != 2), Some(SlotId(1)));
+        assert_eq!(
+            t.victim(EvictionPolicy::Lru, 1, |k| k.layer != 2),
+            Some(SlotId(1))
+        );
         // At layer 1, layer 0 comes back last (distance 2), then layer 1 after a
         // full cycle (3): layer 1's done experts are the best victims.
-        assert_eq!(t.victim(EvictionPolicy::LayerDistance, 1, |_| true), Some(SlotId(1)));
+        assert_eq!(
+            t.victim(EvictionPolicy::LayerDistance, 1, |_| true),
+            Some(SlotId(1))
+        );
         assert_eq!(
             t.victim(EvictionPolicy::LayerDistance, 1, |k| k.layer != 1),
             Some(SlotId(2))
         );
         t.pin(SlotId(1)).unwrap();
         t.pin(SlotId(3)).unwrap();
-        assert_eq!(t.victim(EvictionPolicy::LayerDistance, 1, |_| true), Some(SlotId(2)));
+        assert_eq!(
+            t.victim(EvictionPolicy::LayerDistance, 1, |_| true),
+            Some(SlotId(2))
+        );
         assert_eq!(t.victim(EvictionPolicy::Lru, 1, |k| k.layer == 1), None);
     }
 

@@ -216,11 +216,15 @@ impl<'a, F: FnMut(&ReadRequest) -> Fault, const Q: usize> SimDevice<'a, F, Q> {
         if self.in_flight.iter().any(|r| r.finish_ns.is_some()) {
             return; // the channel is busy
         }
-        let pick = self
-            .in_flight
-            .iter()
-            .position(|r| r.req.urgent)
-            .or(if self.in_flight.is_empty() { None } else { Some(0) });
+        let pick =
+            self.in_flight
+                .iter()
+                .position(|r| r.req.urgent)
+                .or(if self.in_flight.is_empty() {
+                    None
+                } else {
+                    Some(0)
+                });
         if let Some(i) = pick {
             let start = self.now_ns.max(self.channel_free_ns);
             let finish = start + self.transfer_ns(self.in_flight[i].req.len);
@@ -426,11 +430,12 @@ mod tests {
             order: CompletionOrder::Shuffled { seed: 3 },
             ..SimConfig::default()
         };
-        let mut dev: SimDevice<_, 4> = SimDevice::new(&image, &mut slots, 16, cfg, |r| match r.tag.0 {
-            2 => Fault::Transient,
-            3 => Fault::BitFlip,
-            _ => Fault::None,
-        });
+        let mut dev: SimDevice<_, 4> =
+            SimDevice::new(&image, &mut slots, 16, cfg, |r| match r.tag.0 {
+                2 => Fault::Transient,
+                3 => Fault::BitFlip,
+                _ => Fault::None,
+            });
         for t in 1..=4 {
             dev.submit(req(t, 0, 16, t - 1, false)).unwrap();
         }

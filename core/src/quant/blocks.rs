@@ -265,7 +265,9 @@ pub fn as_blocks_mut<B: Block>(bytes: &mut [u8]) -> Option<&mut [B]> {
 pub fn block_bytes<B: Block>(blocks: &[B]) -> &[u8] {
     // SAFETY: blocks have no padding and alignment 1, so every byte of the slice is
     // initialised and the byte view covers exactly the same memory.
-    unsafe { core::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), core::mem::size_of_val(blocks)) }
+    unsafe {
+        core::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), core::mem::size_of_val(blocks))
+    }
 }
 
 #[cfg(test)]

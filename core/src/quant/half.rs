@@ -29,7 +29,11 @@ pub fn f32_to_f16(x: f32) -> u16 {
     let mant = bits & 0x7f_ffff;
     if exp == 0xff {
         // Inf or NaN (keep NaN quiet).
-        let nan = if mant != 0 { 0x200 | (mant >> 13) as u16 } else { 0 };
+        let nan = if mant != 0 {
+            0x200 | (mant >> 13) as u16
+        } else {
+            0
+        };
         return sign | 0x7c00 | nan;
     }
     let e = exp - 127 + 15;

@@ -51,7 +51,9 @@ mod tests {
     fn k4_scales_unpack_per_the_format_description() {
         // Sub-blocks 0..4 take the low six bits of bytes 0..8; 4..8 combine the
         // nibbles of bytes 8..12 with the top two bits of bytes 0..8.
-        let s = [0xc1, 0x02, 0x03, 0x04, 0x45, 0x06, 0x07, 0x08, 0xa9, 0x0a, 0x0b, 0x0c];
+        let s = [
+            0xc1, 0x02, 0x03, 0x04, 0x45, 0x06, 0x07, 0x08, 0xa9, 0x0a, 0x0b, 0x0c,
+        ];
         assert_eq!(scale_min_k4(0, &s), (1, 5));
         assert_eq!(scale_min_k4(4, &s), (0x09 | (3 << 4), 0x0a | (1 << 4)));
         assert_eq!(scale_min_k4(7, &s), (0x0c, 0x00));
