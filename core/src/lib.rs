@@ -33,3 +33,4 @@
 extern crate std;
 
 pub mod quant;
+pub mod router;
