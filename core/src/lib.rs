@@ -34,5 +34,6 @@ extern crate std;
 
 pub mod blockdev;
 pub mod quant;
+pub mod router;
 pub mod schedule;
 pub mod slots;
