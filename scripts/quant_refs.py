@@ -6,7 +6,8 @@ Usage: quant_refs.py OUT_DIR [--seed N]
 For every weight type, OUT_DIR/<type>.blocks holds random blocks (with finite,
 moderate f16/f32 scales) and OUT_DIR/<type>.dequant the little-endian f32 values
 `gguf.quants.dequantize` gives for them. For every type `gguf.quants.quantize`
-supports, OUT_DIR/<type>.qin holds f32 input and OUT_DIR/<type>.qout its blocks.
+supports, OUT_DIR/<type>.qin holds f32 input and OUT_DIR/<type>.qout its blocks,
+and <type>.qin_edge / <type>.qout_edge the same for inputs of extreme magnitude.
 The Rust tests compare bit for bit.
 """
 import argparse
@@ -81,6 +82,24 @@ def main():
         q = quants.quantize(x.reshape(1, -1), qtype).reshape(-1)
         x.astype("<f4").tofile(os.path.join(args.out_dir, f"{name}.qin"))
         q.tofile(os.path.join(args.out_dir, f"{name}.qout"))
+    # Extreme magnitudes (from subnormal to near f32 max): scales that underflow or
+    # overflow f16, and `1/d` overflowing to infinity. The quants of such blocks
+    # depend on how numpy casts non-finite floats to integers, which differs between
+    # CPUs, so they live in separate files (<type>.qin_edge / <type>.qout_edge).
+    with np.errstate(all="ignore"):
+        for qtype in QUANTIZE:
+            name = qtype.name.lower()
+            n = N_BLOCKS * 32
+            x = rng.standard_normal(n).astype(np.float32)
+            x[rng.random(n) < 0.2] = 0.0
+            scale = np.power(10.0, rng.uniform(-45, 38, size=N_BLOCKS)).astype(np.float32)
+            scale[:8] = [1e38, 2e37, 1e6, 1e-6, 1e-36, 3e-38, 1e-40, 1e-44]
+            x = (x.reshape(N_BLOCKS, 32) * scale[:, None]).reshape(-1)
+            x = np.clip(x, np.float32(-3e38), np.float32(3e38))  # finite; max - min may not be
+            x[x == 0] = 0.0  # no negative zeros: reductions order them unpredictably
+            q = quants.quantize(x.reshape(1, -1), qtype).reshape(-1)
+            x.astype("<f4").tofile(os.path.join(args.out_dir, f"{name}.qin_edge"))
+            q.tofile(os.path.join(args.out_dir, f"{name}.qout_edge"))
     print(f"wrote reference data for {len(weight_types)} types to {args.out_dir}")
 
 

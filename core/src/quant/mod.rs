@@ -9,8 +9,10 @@
 //! [`crate::gemv`] can use integer dot products.
 
 pub mod blocks;
+pub mod float;
 mod half;
 pub mod kscales;
+pub mod legacy;
 
 pub use half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
