@@ -25,6 +25,7 @@
 //! with prefetching off and no overlap: nothing is handed out for compute until all
 //! picked experts are loaded.
 
+use core::convert::Infallible;
 use core::fmt;
 
 use heapless::Vec;
@@ -327,7 +328,7 @@ where
     /// A scheduler for `n_layers` layers of `n_experts` experts, with one slot of
     /// `slot_bytes` bytes per entry of `slots`. `index` needs `n_layers * n_experts`
     /// entries and `layers` needs `n_layers`.
-    pub fn new<E>(
+    pub fn new(
         config: SchedulerConfig,
         slots: S,
         index: M,
@@ -335,7 +336,7 @@ where
         n_layers: u16,
         n_experts: u16,
         slot_bytes: u32,
-    ) -> Result<Self, Error<E>> {
+    ) -> Result<Self, Error<Infallible>> {
         if layers.as_ref().len() != n_layers as usize {
             return Err(Error::Config("layer storage must hold n_layers entries"));
         }
@@ -600,7 +601,7 @@ where
     }
 
     /// Marks picked expert `index` computed and unpins its slot.
-    pub fn finish(&mut self, index: usize) -> Result<(), Error<core::convert::Infallible>> {
+    pub fn finish(&mut self, index: usize) -> Result<(), Error<Infallible>> {
         let Some(PickStatus::Computing(slot)) = self.picks.get(index).map(|p| p.status) else {
             return Err(Error::NotComputing(index));
         };

@@ -46,6 +46,10 @@ pub fn read_ref_f32(name: &str, ext: &str) -> Vec<f32> {
 pub fn assert_bits_eq(name: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{name}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(g.to_bits(), w.to_bits(), "{name}: element {i}: got {g:e}, want {w:e}");
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "{name}: element {i}: got {g:e}, want {w:e}"
+        );
     }
 }

@@ -1,0 +1,672 @@
+//! Property tests of the scheduler invariants (DESIGN.md, "Invariants"), driven
+//! against the scripted `SimDevice` with random routing, predictions from perfect
+//! to adversarial, random completion orders, cancellations and injected faults.
+//!
+//! A toy MoE stands in for the model: each expert is a few random bytes on the
+//! device (one or three extents), its "output" a small vector computed from those
+//! bytes, and layer outputs are combined in router order into a residual stream.
+//! The all-resident reference computes the same thing straight from the image.
+
+use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
+use les_core::blockdev::{
+    Alignment, BlockDevice, Completion, ReadRequest, SlotId, SlotMemory, SubmitError, Tag,
+};
+use les_core::schedule::{
+    Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
+};
+use les_core::slots::{EvictionPolicy, ExpertKey, Slot, SlotState};
+use proptest::prelude::*;
+
+const DIM: usize = 4;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// Experts laid out on a device image.
+struct Model {
+    n_layers: u16,
+    n_experts: u16,
+    image: Vec<u8>,
+    /// Per expert: its extents and its bytes' checksum.
+    experts: Vec<(Extents, u64)>,
+    slot_bytes: u32,
+}
+
+fn checksum(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl Model {
+    fn new(rng: &mut Rng, n_layers: u16, n_experts: u16, parts: usize) -> Model {
+        let mut image = Vec::new();
+        let mut experts = Vec::new();
+        let mut slot_bytes = 0;
+        for _ in 0..n_layers as usize * n_experts as usize {
+            let mut ext = Extents::new();
+            let mut slot_offset = 0u32;
+            let mut bytes = Vec::new();
+            for _ in 0..parts {
+                let len = 1 + rng.below(16) as u32;
+                // Scatter parts: some padding between them.
+                image.extend((0..rng.below(5)).map(|_| rng.next() as u8));
+                let offset = image.len() as u64;
+                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                image.extend_from_slice(&data);
+                bytes.extend_from_slice(&data);
+                ext.push(Extent {
+                    offset,
+                    len,
+                    slot_offset,
+                })
+                .unwrap();
+                slot_offset += len;
+            }
+            slot_bytes = slot_bytes.max(slot_offset);
+            experts.push((ext, checksum(&bytes)));
+        }
+        Model {
+            n_layers,
+            n_experts,
+            image,
+            experts,
+            slot_bytes,
+        }
+    }
+
+    fn id(&self, key: ExpertKey) -> usize {
+        key.layer as usize * self.n_experts as usize + key.expert as usize
+    }
+
+    /// The expert's bytes, from the image (what the resident run uses).
+    fn bytes(&self, key: ExpertKey) -> Vec<u8> {
+        let mut out = Vec::new();
+        for e in &self.experts[self.id(key)].0 {
+            out.extend_from_slice(&self.image[e.offset as usize..][..e.len as usize]);
+        }
+        out
+    }
+
+    fn len(&self, key: ExpertKey) -> usize {
+        self.experts[self.id(key)]
+            .0
+            .iter()
+            .map(|e| e.len as usize)
+            .sum()
+    }
+}
+
+impl ExpertSource for Model {
+    fn extents(&self, key: ExpertKey) -> Extents {
+        self.experts[self.id(key)].0.clone()
+    }
+
+    fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
+        checksum(&slot[..self.len(key)]) == self.experts[self.id(key)].1
+    }
+}
+
+/// The toy expert: a small vector computed from the input and the expert's bytes,
+/// in a fixed float order.
+fn expert_output(bytes: &[u8], x: &[f32; DIM]) -> [f32; DIM] {
+    let mut out = [0f32; DIM];
+    for (j, o) in out.iter_mut().enumerate() {
+        for (i, xi) in x.iter().enumerate() {
+            let b = bytes[(i * 7 + j * 3) % bytes.len()];
+            *o += xi * (b as f32 - 127.5) / 64.0;
+        }
+        *o = o.tanh();
+    }
+    out
+}
+
+/// Routing of every (token, layer), with weights, and the predictions for it.
+struct Script {
+    routing: Vec<Vec<(u16, f32)>>,
+    predictions: Vec<Vec<u16>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Quality {
+    Perfect,
+    Noisy,
+    Random,
+    Adversarial,
+    Nothing,
+}
+
+fn script(rng: &mut Rng, m: &Model, tokens: usize, k: usize, quality: Quality) -> Script {
+    let mut routing = Vec::new();
+    for _ in 0..tokens * m.n_layers as usize {
+        let mut picked: Vec<(u16, f32)> = Vec::new();
+        while picked.len() < k {
+            let e = rng.below(m.n_experts as u64) as u16;
+            if !picked.iter().any(|p| p.0 == e) {
+                picked.push((e, (1 + rng.below(100)) as f32 / 100.0));
+            }
+        }
+        routing.push(picked);
+    }
+    let predictions = routing
+        .iter()
+        .map(|r| {
+            let all: Vec<u16> = (0..m.n_experts).collect();
+            let picked: Vec<u16> = r.iter().map(|p| p.0).collect();
+            match quality {
+                Quality::Perfect => picked,
+                Quality::Noisy => all
+                    .into_iter()
+                    .filter(|e| picked.contains(e) != rng.chance(30))
+                    .collect(),
+                Quality::Random => all.into_iter().filter(|_| rng.chance(40)).collect(),
+                Quality::Adversarial => all.into_iter().filter(|e| !picked.contains(e)).collect(),
+                Quality::Nothing => Vec::new(),
+            }
+        })
+        .collect();
+    Script {
+        routing,
+        predictions,
+    }
+}
+
+/// The all-resident run: residual stream after every layer of every token.
+fn reference(m: &Model, s: &Script) -> Vec<[f32; DIM]> {
+    let mut h = [0.5f32, -0.25, 1.0, 0.125];
+    let mut trace = Vec::new();
+    for r in &s.routing {
+        let layer = trace.len() % m.n_layers as usize;
+        let mut acc = [0f32; DIM];
+        for &(e, w) in r {
+            let key = ExpertKey {
+                layer: layer as u16,
+                expert: e,
+            };
+            let out = expert_output(&m.bytes(key), &h);
+            for j in 0..DIM {
+                acc[j] += w * out[j];
+            }
+        }
+        for j in 0..DIM {
+            h[j] += acc[j];
+        }
+        trace.push(h);
+    }
+    trace
+}
+
+/// Records every submit's urgency, to check demand-first ordering per call.
+struct Logged<D> {
+    inner: D,
+    log: Vec<bool>,
+}
+
+impl<D: BlockDevice> BlockDevice for Logged<D> {
+    type Error = D::Error;
+    fn alignment(&self) -> Alignment {
+        self.inner.alignment()
+    }
+    fn queue_depth(&self) -> usize {
+        self.inner.queue_depth()
+    }
+    fn submit(&mut self, req: ReadRequest) -> Result<(), SubmitError<D::Error>> {
+        let r = self.inner.submit(req);
+        if r.is_ok() {
+            self.log.push(req.urgent);
+        }
+        r
+    }
+    fn poll(&mut self) -> Option<Completion<D::Error>> {
+        self.inner.poll()
+    }
+    fn wait(&mut self) {
+        self.inner.wait()
+    }
+    fn cancel(&mut self, tag: Tag) {
+        self.inner.cancel(tag)
+    }
+}
+
+impl<D: SlotMemory> SlotMemory for Logged<D> {
+    fn slot(&self, slot: SlotId) -> &[u8] {
+        self.inner.slot(slot)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    seed: u64,
+    n_layers: u16,
+    n_experts: u16,
+    top_k: usize,
+    parts: usize,
+    extra_slots: usize,
+    tokens: usize,
+    quality: u8,
+    on_demand: bool,
+    lru: bool,
+    budget: Option<u64>,
+    shuffled: bool,
+    honor_cancel: bool,
+    transient_percent: u64,
+    bitflip_percent: u64,
+    permanent_percent: u64,
+    defer_percent: u64,
+}
+
+fn case(faults: bool) -> impl Strategy<Value = Case> {
+    (
+        (
+            any::<u64>(),
+            1u16..=4,
+            2u16..=10,
+            1usize..=4,
+            prop_oneof![Just(1usize), Just(3)],
+            0usize..=24,
+            1usize..=4,
+            0u8..5,
+        ),
+        (
+            any::<bool>(),
+            any::<bool>(),
+            prop_oneof![Just(None), (0u64..64).prop_map(Some)],
+            (any::<bool>(), any::<bool>()),
+            0u64..=30,
+            if faults { 0u64..=20 } else { 0u64..=0 },
+            if faults { 0u64..=5 } else { 0u64..=0 },
+            0u64..=60,
+        ),
+    )
+        .prop_map(
+            |(
+                (seed, n_layers, n_experts, k, parts, extra_slots, tokens, quality),
+                (
+                    on_demand,
+                    lru,
+                    budget,
+                    (shuffled, honor_cancel),
+                    transient_percent,
+                    bitflip_percent,
+                    permanent_percent,
+                    defer_percent,
+                ),
+            )| Case {
+                seed,
+                n_layers,
+                n_experts,
+                top_k: k.min(n_experts as usize),
+                parts,
+                extra_slots,
+                tokens,
+                quality,
+                on_demand,
+                lru,
+                budget,
+                shuffled,
+                honor_cancel,
+                transient_percent,
+                bitflip_percent,
+                permanent_percent,
+                defer_percent,
+            },
+        )
+}
+
+type Outcome = Result<Vec<[f32; DIM]>, Error<les_core::blockdev::sim::SimError>>;
+
+/// Runs the case through the scheduler, checking invariants after every call.
+fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
+    let mut rng = Rng(c.seed);
+    let m = Model::new(&mut rng, c.n_layers, c.n_experts, c.parts);
+    let quality = [
+        Quality::Perfect,
+        Quality::Noisy,
+        Quality::Random,
+        Quality::Adversarial,
+        Quality::Nothing,
+    ][c.quality as usize];
+    let s = script(&mut rng, &m, c.tokens, c.top_k, quality);
+    let want = reference(&m, &s);
+
+    let capacity = c.top_k + c.extra_slots;
+    let mut slot_mem = vec![0u8; capacity * m.slot_bytes as usize];
+    let sim = SimConfig {
+        latency_ns: 1_000,
+        bytes_per_us: 8,
+        alignment: Alignment::NONE,
+        order: if c.shuffled {
+            CompletionOrder::Shuffled { seed: c.seed }
+        } else {
+            CompletionOrder::Timed
+        },
+        honor_cancel: c.honor_cancel,
+    };
+    let mut fault_rng = Rng(c.seed ^ 0xfa17);
+    let (tp, bp, pp) = (c.transient_percent, c.bitflip_percent, c.permanent_percent);
+    let faults = move |_: &ReadRequest| {
+        let r = fault_rng.below(100);
+        if r < pp {
+            Fault::Permanent
+        } else if r < pp + bp {
+            Fault::BitFlip
+        } else if r < pp + bp + tp {
+            Fault::Transient
+        } else {
+            Fault::None
+        }
+    };
+    let dev: SimDevice<_, Q> =
+        SimDevice::new(&m.image, &mut slot_mem, m.slot_bytes as usize, sim, faults);
+    let mut dev = Logged {
+        inner: dev,
+        log: Vec::new(),
+    };
+    let mut config = if c.on_demand {
+        SchedulerConfig::on_demand()
+    } else {
+        SchedulerConfig::les()
+    };
+    config.eviction = if c.lru {
+        EvictionPolicy::Lru
+    } else {
+        EvictionPolicy::LayerDistance
+    };
+    config.prefetch_budget = c.budget.unwrap_or(u64::MAX);
+    config.max_retries = 50; // transient faults must never end a run here
+    config.demand_reserve = config.demand_reserve.min(Q - 1);
+    let n = m.n_layers as usize * m.n_experts as usize;
+    let mut sched = Scheduler::new(
+        config,
+        vec![Slot::EMPTY; capacity],
+        vec![0u32; n],
+        vec![LayerState::INITIAL; m.n_layers as usize],
+        m.n_layers,
+        m.n_experts,
+        m.slot_bytes,
+    )
+    .expect("valid configuration");
+
+    let outcome = (|| -> Outcome {
+        let mut h = [0.5f32, -0.25, 1.0, 0.125];
+        let mut trace = Vec::new();
+        for (step, r) in s.routing.iter().enumerate() {
+            let layer = (step % m.n_layers as usize) as u16;
+            if layer == 0 {
+                sched.begin_token();
+            }
+            let experts: Vec<u16> = r.iter().map(|p| p.0).collect();
+            let before = dev.log.len();
+            sched.begin_layer(layer, &experts, &mut dev, &m)?;
+            check_call(&sched, &dev.log[before..], c);
+            if let Some(pred) = s.predictions.get(step + 1) {
+                let next = ((step + 1) % m.n_layers as usize) as u16;
+                let before = dev.log.len();
+                sched.prefetch(next, pred, &mut dev, &m)?;
+                check_call(&sched, &dev.log[before..], c);
+            }
+            let mut outs: Vec<Option<[f32; DIM]>> = vec![None; r.len()];
+            let mut deferred: Vec<(usize, SlotId)> = Vec::new();
+            loop {
+                let before = dev.log.len();
+                let next = sched.next(&mut dev, &m)?;
+                check_call(&sched, &dev.log[before..], c);
+                check_table(&sched, &m, deferred.len());
+                match next {
+                    Next::Compute { index, key, slot } => {
+                        assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
+                        assert!(outs[index].is_none(), "index {index} handed out twice");
+                        if c.on_demand {
+                            // No overlap: compute starts once every pick is loaded.
+                            for &(e, _) in r {
+                                let k = ExpertKey { layer, expert: e };
+                                let st = sched.table().lookup(k).map(|s| *sched.table().state(s));
+                                assert!(
+                                    matches!(
+                                        st,
+                                        Some(SlotState::Ready { .. } | SlotState::InUse { .. })
+                                    ),
+                                    "on-demand computed before {k} was loaded: {st:?}"
+                                );
+                            }
+                        }
+                        outs[index] = Some([f32::NAN; DIM]); // reserved
+                        deferred.push((index, slot));
+                    }
+                    Next::Wait => {
+                        if sched.reads_in_flight() > 0 && !rng.chance(50) {
+                            dev.wait();
+                            continue;
+                        }
+                        assert!(
+                            !deferred.is_empty() || sched.reads_in_flight() > 0,
+                            "Wait with nothing in flight and nothing computing"
+                        );
+                    }
+                    Next::Done => {
+                        assert!(deferred.is_empty(), "Done while computing");
+                        break;
+                    }
+                }
+                // Finish deferred computes at random moments (as other threads would).
+                while !deferred.is_empty() && !rng.chance(c.defer_percent) {
+                    let (index, slot) = deferred.remove(rng.below(deferred.len() as u64) as usize);
+                    let key = ExpertKey {
+                        layer,
+                        expert: r[index].0,
+                    };
+                    let bytes = &dev.slot(slot)[..m.len(key)];
+                    assert_eq!(bytes, &m.bytes(key)[..], "slot of {key} holds its bytes");
+                    outs[index] = Some(expert_output(bytes, &h));
+                    sched.finish(index).expect("computing");
+                }
+            }
+            // Combine in router order, whatever the compute order was.
+            let mut acc = [0f32; DIM];
+            for (o, &(_, w)) in outs.iter().zip(r) {
+                let o = o.expect("every picked expert computed");
+                for j in 0..DIM {
+                    acc[j] += w * o[j];
+                }
+            }
+            for j in 0..DIM {
+                h[j] += acc[j];
+            }
+            trace.push(h);
+        }
+        Ok(trace)
+    })();
+    (outcome, want)
+}
+
+/// Invariant 4: demand reads first, prefetch bytes within budget.
+fn check_call<S, M, L>(sched: &Scheduler<S, M, L>, submits: &[bool], c: &Case)
+where
+    S: AsRef<[Slot]> + AsMut<[Slot]>,
+    M: AsRef<[u32]> + AsMut<[u32]>,
+    L: AsRef<[LayerState]> + AsMut<[LayerState]>,
+{
+    if let Some(first_prefetch) = submits.iter().position(|u| !u) {
+        assert!(
+            submits[first_prefetch..].iter().all(|u| !u),
+            "a demand read was submitted after a prefetch in the same call: {submits:?}"
+        );
+        assert!(
+            !sched.demand_pending(),
+            "prefetch submitted while a demand read waits"
+        );
+    }
+    if let Some(b) = c.budget {
+        assert!(
+            sched.token_prefetch_bytes() <= b,
+            "prefetch budget exceeded"
+        );
+    }
+    if c.on_demand {
+        assert_eq!(
+            sched.stats().prefetch_bytes,
+            0,
+            "on-demand never prefetches"
+        );
+    }
+}
+
+/// Invariant 3: capacity, index consistency, pinned slots only for computing picks.
+fn check_table<S, M, L>(sched: &Scheduler<S, M, L>, m: &Model, computing: usize)
+where
+    S: AsRef<[Slot]> + AsMut<[Slot]>,
+    M: AsRef<[u32]> + AsMut<[u32]>,
+    L: AsRef<[LayerState]> + AsMut<[LayerState]>,
+{
+    let t = sched.table();
+    let mut in_use = 0;
+    let mut outstanding = 0;
+    for (slot, state) in t.iter() {
+        if let Some(key) = state.key() {
+            assert_eq!(t.lookup(key), Some(slot), "index of {key}");
+            assert!(key.layer < m.n_layers && key.expert < m.n_experts);
+        }
+        match state {
+            SlotState::InUse { .. } => in_use += 1,
+            SlotState::Loading(l) => outstanding += l.outstanding.count_ones() as usize,
+            _ => {}
+        }
+    }
+    assert!(in_use <= computing + 64, "pins");
+    assert_eq!(outstanding, sched.reads_in_flight(), "reads in flight");
+}
+
+fn run_case(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
+    if c.seed % 2 == 0 {
+        run::<4>(c)
+    } else {
+        run::<16>(c)
+    }
+}
+
+fn assert_bits(got: &[[f32; DIM]], want: &[[f32; DIM]]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        for j in 0..DIM {
+            assert_eq!(
+                g[j].to_bits(),
+                w[j].to_bits(),
+                "step {i} lane {j}: {g:?} vs {w:?}"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// Invariants 1-4: any budget >= top-k, any prediction, any completion order,
+    /// retried transient errors -> bit-identical to the all-resident run.
+    #[test]
+    fn offloaded_equals_resident(c in case(false)) {
+        let (got, want) = run_case(&c);
+        let got = got.unwrap_or_else(|e| panic!("run failed: {e}"));
+        assert_bits(&got, &want);
+    }
+
+    /// Invariant 5: with bit flips and permanent errors, a run either ends with an
+    /// error or its output is exact; nothing computed from a bad slot gets through.
+    #[test]
+    fn faults_surface_or_output_is_exact(c in case(true)) {
+        let (got, want) = run_case(&c);
+        match got {
+            Ok(got) => assert_bits(&got, &want),
+            Err(Error::Checksum { .. } | Error::Device { .. }) => {}
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+}
+
+#[test]
+fn perfect_prediction_with_room_hits_everything_after_warmup() {
+    // Enough slots for the whole model: after the first token every pick is a hit
+    // or a prefetch.
+    let c = Case {
+        seed: 7,
+        n_layers: 3,
+        n_experts: 6,
+        top_k: 2,
+        parts: 1,
+        extra_slots: 16,
+        tokens: 4,
+        quality: 0,
+        on_demand: false,
+        lru: false,
+        budget: None,
+        shuffled: false,
+        honor_cancel: true,
+        transient_percent: 0,
+        bitflip_percent: 0,
+        permanent_percent: 0,
+        defer_percent: 0,
+    };
+    let (got, want) = run::<16>(&c);
+    assert_bits(&got.unwrap(), &want);
+}
+
+#[test]
+fn permanent_error_on_demand_read_is_reported_with_the_expert() {
+    let m = {
+        let mut rng = Rng(1);
+        Model::new(&mut rng, 1, 2, 1)
+    };
+    let mut mem = vec![0u8; 2 * m.slot_bytes as usize];
+    let dev: SimDevice<_, 4> = SimDevice::new(
+        &m.image,
+        &mut mem,
+        m.slot_bytes as usize,
+        SimConfig::default(),
+        |_: &ReadRequest| Fault::Permanent,
+    );
+    let mut dev = dev;
+    let mut sched = Scheduler::new(
+        SchedulerConfig::les(),
+        [Slot::EMPTY; 2],
+        [0u32; 2],
+        [LayerState::INITIAL; 1],
+        1,
+        2,
+        m.slot_bytes,
+    )
+    .unwrap();
+    sched.begin_token();
+    sched.begin_layer(0, &[1], &mut dev, &m).unwrap();
+    let err = loop {
+        match sched.next_blocking(&mut dev, &m) {
+            Ok(Next::Done) => panic!("must fail"),
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(
+        err,
+        Error::Device {
+            key: ExpertKey {
+                layer: 0,
+                expert: 1
+            },
+            error: les_core::blockdev::sim::SimError::Permanent
+        }
+    );
+    assert!(err.to_string().contains("layer 0 expert 1"));
+}
