@@ -10,6 +10,8 @@
 
 pub mod blocks;
 mod half;
+pub mod iq4;
+pub mod kquants;
 pub mod kscales;
 
 pub use half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
