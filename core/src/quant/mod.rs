@@ -11,6 +11,8 @@
 pub mod blocks;
 pub mod float;
 mod half;
+pub mod iq4;
+pub mod kquants;
 pub mod kscales;
 pub mod legacy;
 
