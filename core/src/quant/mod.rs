@@ -192,6 +192,128 @@ impl fmt::Display for GgmlType {
     }
 }
 
+/// Why a row could not be (de)quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantError {
+    /// The byte length is not a whole number of blocks, or does not match the
+    /// number of values.
+    Length {
+        /// The type.
+        ty: GgmlType,
+        /// Bytes given.
+        bytes: usize,
+        /// Values given.
+        values: usize,
+    },
+    /// LES has no quantizer for this type (it can still dequantize it).
+    NoQuantizer(GgmlType),
+}
+
+impl fmt::Display for QuantError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            QuantError::Length { ty, bytes, values } => {
+                write!(f, "{bytes} bytes of {ty} cannot hold {values} values")
+            }
+            QuantError::NoQuantizer(ty) => write!(f, "no quantizer for {ty}"),
+        }
+    }
+}
+
+impl core::error::Error for QuantError {}
+
+fn check(ty: GgmlType, bytes: usize, values: usize) -> Result<(), QuantError> {
+    if ty.row_bytes(values) == Some(bytes) {
+        Ok(())
+    } else {
+        Err(QuantError::Length { ty, bytes, values })
+    }
+}
+
+/// Dequantizes `src` (blocks of `ty`) into `out`; `out.len()` values.
+pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
+    use blocks::as_blocks;
+    check(ty, src.len(), out.len())?;
+    // `check` made the length a whole number of blocks, so the views succeed.
+    let err = QuantError::Length {
+        ty,
+        bytes: src.len(),
+        values: out.len(),
+    };
+    match ty {
+        GgmlType::F32 => float::dequantize_f32(src, out),
+        GgmlType::F16 => float::dequantize_f16(src, out),
+        GgmlType::BF16 => float::dequantize_bf16(src, out),
+        GgmlType::Q4_0 => legacy::dequantize_q4_0(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q4_1 => legacy::dequantize_q4_1(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q5_0 => legacy::dequantize_q5_0(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q5_1 => legacy::dequantize_q5_1(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q8_0 => legacy::dequantize_q8_0(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q8_1 => legacy::dequantize_q8_1(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q2K => kquants::dequantize_q2k(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q3K => kquants::dequantize_q3k(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q4K => kquants::dequantize_q4k(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q5K => kquants::dequantize_q5k(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q6K => kquants::dequantize_q6k(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ4NL => iq4::dequantize_iq4nl(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ4XS => iq4::dequantize_iq4xs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::Q8K => {
+            for (b, o) in as_blocks::<blocks::BlockQ8K>(src)
+                .ok_or(err)?
+                .iter()
+                .zip(out.chunks_exact_mut(QK_K))
+            {
+                let d = f32::from_le_bytes(b.d);
+                for (q, v) in b.qs.iter().zip(o) {
+                    *v = d * *q as f32;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Quantizes `x` into `out` as blocks of `ty`, with ggml's reference algorithm.
+pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
+    use blocks::as_blocks_mut;
+    check(ty, out.len(), x.len())?;
+    let err = QuantError::Length {
+        ty,
+        bytes: out.len(),
+        values: x.len(),
+    };
+    match ty {
+        GgmlType::F32 => {
+            for (v, o) in x.iter().zip(out.chunks_exact_mut(4)) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::F16 => float::quantize_f16(x, out),
+        GgmlType::BF16 => float::quantize_bf16(x, out),
+        GgmlType::Q4_0 => legacy::quantize_q4_0(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q4_1 => legacy::quantize_q4_1(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q5_0 => legacy::quantize_q5_0(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q5_1 => legacy::quantize_q5_1(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q8_0 => legacy::quantize_q8_0(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q8_1 => legacy::quantize_q8_1(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q4K => kquants::quantize_q4k(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q6K => kquants::quantize_q6k(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q8K => kquants::quantize_q8k(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4NL | GgmlType::IQ4XS => {
+            return Err(QuantError::NoQuantizer(ty))
+        }
+    }
+    Ok(())
+}
+
+/// Whether [`quantize`] supports `ty`.
+pub const fn can_quantize(ty: GgmlType) -> bool {
+    !matches!(
+        ty,
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4NL | GgmlType::IQ4XS
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +348,40 @@ mod tests {
         assert_eq!(GgmlType::from_id(4), Err(UnsupportedType(4)));
         assert_eq!(GgmlType::Q4K.row_bytes(512), Some(288));
         assert_eq!(GgmlType::Q4K.row_bytes(100), None);
+    }
+
+    #[test]
+    fn dispatch_checks_lengths_and_round_trips() {
+        // ggml's test data and error measure (test-quantize-fns.cpp).
+        const N: usize = 4096;
+        let x: std::vec::Vec<f32> = (0..N).map(|i| 0.1 + 2.0 * libm::cosf(i as f32)).collect();
+        let mut y = std::vec![0f32; N];
+        let mut buf = std::vec![0u8; 4 * N + 1];
+        for ty in GgmlType::ALL {
+            let n = ty.row_bytes(N).unwrap();
+            assert_eq!(
+                dequantize(ty, &buf[..n + 1], &mut y),
+                Err(QuantError::Length {
+                    ty,
+                    bytes: n + 1,
+                    values: N
+                })
+            );
+            if !can_quantize(ty) {
+                assert_eq!(
+                    quantize(ty, &x, &mut buf[..n]),
+                    Err(QuantError::NoQuantizer(ty))
+                );
+                continue;
+            }
+            quantize(ty, &x, &mut buf[..n]).unwrap();
+            dequantize(ty, &buf[..n], &mut y).unwrap();
+            let err = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>();
+            assert!(libm::sqrtf(err) / (N as f32) < 0.002, "{ty}: {err}");
+        }
     }
 }
