@@ -651,12 +651,9 @@ fn permanent_error_on_demand_read_is_reported_with_the_expert() {
     .unwrap();
     sched.begin_token();
     sched.begin_layer(0, &[1], &mut dev, &m).unwrap();
-    let err = loop {
-        match sched.next_blocking(&mut dev, &m) {
-            Ok(Next::Done) => panic!("must fail"),
-            Ok(other) => panic!("unexpected {other:?}"),
-            Err(e) => break e,
-        }
+    let err = match sched.next_blocking(&mut dev, &m) {
+        Ok(other) => panic!("must fail, got {other:?}"),
+        Err(e) => e,
     };
     assert_eq!(
         err,

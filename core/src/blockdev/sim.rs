@@ -299,7 +299,9 @@ impl<F: FnMut(&ReadRequest) -> Fault, const Q: usize> BlockDevice for SimDevice<
             cancelled: false,
             finish_ns: None,
         };
-        self.in_flight.push(entry).ok().expect("checked not full");
+        if self.in_flight.push(entry).is_err() {
+            unreachable!("checked not full above");
+        }
         self.stats.submitted += 1;
         if self.config.order == CompletionOrder::Timed {
             self.schedule_channel();
