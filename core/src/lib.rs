@@ -33,6 +33,7 @@
 extern crate std;
 
 pub mod blockdev;
+pub mod model;
 pub mod quant;
 pub mod router;
 pub mod schedule;

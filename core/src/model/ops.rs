@@ -1,0 +1,238 @@
+//! The small numeric operations of a transformer layer, over caller slices, with
+//! the arithmetic of ggml's CPU backend where it matters for matching llama.cpp
+//! (f64 accumulation in norms, iterative RoPE angles, max-subtracted softmax).
+
+use libm::{cosf, expf, sinf, sqrtf};
+
+/// `out = x / rms(x) * weight` (ggml `rms_norm` followed by `mul`).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert!(
+        x.len() == weight.len() && x.len() == out.len(),
+        "rms_norm: lengths differ"
+    );
+    let sum: f64 = x.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / sqrtf(mean + eps);
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (v * scale) * w;
+    }
+}
+
+/// In-place [`rms_norm`] of each `head_dim` chunk of `x` with the same weight
+/// (per-head Q/K norms).
+pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    assert!(d > 0 && x.len() % d == 0, "rms_norm_heads: lengths differ");
+    for head in x.chunks_exact_mut(d) {
+        let sum: f64 = head.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+        let mean = (sum / d as f64) as f32;
+        let scale = 1.0 / sqrtf(mean + eps);
+        for (v, w) in head.iter_mut().zip(weight) {
+            *v = (*v * scale) * w;
+        }
+    }
+}
+
+/// How RoPE pairs up dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i+1)` (llama, mixtral).
+    Normal,
+    /// Halves `(i, i + n_rot/2)` (GPT-NeoX; qwen2/3, olmoe).
+    Neox,
+}
+
+/// Rotary position embedding of every `head_dim` chunk of `x` at position `pos`,
+/// rotating the first `n_rot` dimensions of each head.
+pub fn rope(
+    x: &mut [f32],
+    head_dim: usize,
+    n_rot: usize,
+    pos: u32,
+    freq_base: f32,
+    style: RopeStyle,
+) {
+    assert!(
+        n_rot % 2 == 0 && n_rot <= head_dim && head_dim > 0 && x.len() % head_dim == 0,
+        "rope: bad dimensions"
+    );
+    let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
+    for head in x.chunks_exact_mut(head_dim) {
+        let mut theta = pos as f32;
+        for i in 0..n_rot / 2 {
+            let (c, s) = (cosf(theta), sinf(theta));
+            let (a, b) = match style {
+                RopeStyle::Normal => (2 * i, 2 * i + 1),
+                RopeStyle::Neox => (i, i + n_rot / 2),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * s;
+            head[b] = x0 * s + x1 * c;
+            theta *= theta_scale;
+        }
+    }
+}
+
+/// `x = silu(x) * y`, the SwiGLU of expert and dense FFNs.
+pub fn swiglu(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "swiglu: lengths differ");
+    for (a, b) in x.iter_mut().zip(y) {
+        *a = *a / (1.0 + expf(-*a)) * b;
+    }
+}
+
+/// In-place softmax (max-subtracted, f64 sum as ggml).
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = expf(*v - max);
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Dot product with a fixed summation order.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Shape of grouped-query attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (divides `n_head`).
+    pub n_head_kv: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+}
+
+/// Attention of one query (all heads, `q`) over `n_past + 1` cached positions:
+/// `k_cache` and `v_cache` hold `n_kv_positions * n_head_kv * head_dim` values,
+/// position-major. `scores` is scratch of at least `n_kv_positions`.
+pub fn attention(
+    shape: AttnShape,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    n_kv_positions: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim,
+    } = shape;
+    let kv_stride = n_head_kv * head_dim;
+    assert!(
+        n_head_kv > 0
+            && n_head % n_head_kv == 0
+            && q.len() == n_head * head_dim
+            && out.len() == q.len()
+            && k_cache.len() >= n_kv_positions * kv_stride
+            && v_cache.len() >= n_kv_positions * kv_stride
+            && scores.len() >= n_kv_positions,
+        "attention: bad shapes"
+    );
+    let group = n_head / n_head_kv;
+    let scale = 1.0 / sqrtf(head_dim as f32);
+    for h in 0..n_head {
+        let kvh = h / group;
+        let qh = &q[h * head_dim..][..head_dim];
+        let scores = &mut scores[..n_kv_positions];
+        for (t, s) in scores.iter_mut().enumerate() {
+            let k = &k_cache[t * kv_stride + kvh * head_dim..][..head_dim];
+            *s = dot(qh, k) * scale;
+        }
+        softmax(scores);
+        let oh = &mut out[h * head_dim..][..head_dim];
+        oh.fill(0.0);
+        for (t, s) in scores.iter().enumerate() {
+            let v = &v_cache[t * kv_stride + kvh * head_dim..][..head_dim];
+            for (o, vv) in oh.iter_mut().zip(v) {
+                *o += s * vv;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_normalises() {
+        let x = [3.0, 4.0];
+        let mut out = [0.0; 2];
+        rms_norm(&x, &[1.0, 2.0], 0.0, &mut out);
+        let rms = (12.5f32).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6);
+        assert!((out[1] - 8.0 / rms).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_by_position() {
+        // Position 0 is the identity; rotation preserves pair norms.
+        let mut x = [1.0, 2.0, 3.0, 4.0];
+        rope(&mut x, 4, 4, 0, 10000.0, RopeStyle::Neox);
+        assert_eq!(x, [1.0, 2.0, 3.0, 4.0]);
+        let mut n = [1.0, 0.0, 0.0, 0.0];
+        rope(&mut n, 4, 4, 1, 10000.0, RopeStyle::Normal);
+        assert!((n[0] - 1f32.cos()).abs() < 1e-6 && (n[1] - 1f32.sin()).abs() < 1e-6);
+        let mut h = [1.0, 0.0, 0.0, 0.0];
+        rope(&mut h, 4, 4, 1, 10000.0, RopeStyle::Neox);
+        assert!((h[0] - 1f32.cos()).abs() < 1e-6 && (h[2] - 1f32.sin()).abs() < 1e-6);
+        // Partial rotation leaves the tail alone.
+        let mut p = [1.0, 0.0, 5.0, 6.0];
+        rope(&mut p, 4, 2, 3, 10000.0, RopeStyle::Neox);
+        assert_eq!(&p[2..], &[5.0, 6.0]);
+    }
+
+    #[test]
+    fn attention_over_one_position_returns_its_value() {
+        let shape = AttnShape {
+            n_head: 2,
+            n_head_kv: 1,
+            head_dim: 2,
+        };
+        let mut out = [0.0; 4];
+        let mut scores = [0.0; 1];
+        attention(
+            shape,
+            &[1.0, 0.0, 0.0, 1.0],
+            &[0.5, 0.5],
+            &[7.0, -1.0],
+            1,
+            &mut scores,
+            &mut out,
+        );
+        assert_eq!(out, [7.0, -1.0, 7.0, -1.0]);
+    }
+
+    #[test]
+    fn attention_weights_by_softmax_of_scaled_scores() {
+        let shape = AttnShape {
+            n_head: 1,
+            n_head_kv: 1,
+            head_dim: 1,
+        };
+        let mut out = [0.0];
+        let mut scores = [0.0; 2];
+        attention(
+            shape,
+            &[1.0],
+            &[0.0, 2.0],
+            &[10.0, 20.0],
+            2,
+            &mut scores,
+            &mut out,
+        );
+        let w1 = 2f32.exp() / (1.0 + 2f32.exp());
+        assert!((out[0] - (10.0 * (1.0 - w1) + 20.0 * w1)).abs() < 1e-4);
+    }
+}
