@@ -32,4 +32,5 @@
 #[cfg(test)]
 extern crate std;
 
+pub mod gemv;
 pub mod quant;
