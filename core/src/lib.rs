@@ -33,6 +33,7 @@
 extern crate std;
 
 pub mod blockdev;
+pub mod gemv;
 pub mod model;
 pub mod quant;
 pub mod router;

@@ -1,0 +1,609 @@
+//! AVX2 (+FMA, F16C) kernels for x86-64.
+//!
+//! # Soundness
+//!
+//! The kernels are `#[target_feature(enable = "avx2,fma,f16c")]` functions, which are
+//! undefined behaviour to run on a CPU without those features. They are reachable
+//! only through [`Avx2`], a zero-sized token whose only constructor,
+//! [`Avx2::new`], checks the features at run time ([`super::cpuid`]); every call
+//! site's `unsafe` block relies on holding that token. The other `unsafe` blocks are
+//! unaligned vector loads and stores (`loadu`/`storeu`, no alignment requirement)
+//! from references to arrays of exactly the loaded size, so they stay in bounds.
+//!
+//! # Exactness
+//!
+//! Integer dot products never saturate: `maddubs` (u8 x i8 pairs into i16) is only
+//! used with an unsigned side of at most 63 (so a pair is at most 2 * 63 * 128),
+//! or, for the signed `IQ4_NL` codebook, with `|y|` on the unsigned side and the
+//! codebook value (never -128) carrying the sign; `Q8_0 x Q8_0` widens to i16 and uses
+//! `madd`. The float steps mirror [`super::reference`] operation for operation.
+#![allow(unsafe_code)]
+
+use core::arch::x86_64::*;
+
+use super::reference::{self as r, FLOAT_LANES};
+use super::Kernels;
+use crate::quant::blocks::{
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
+};
+use crate::quant::kscales::{scale_min_k4, scales_q3k};
+
+/// Proof that the CPU supports AVX2, FMA and F16C.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2(());
+
+impl Avx2 {
+    /// The token, if the CPU has the features.
+    pub(crate) fn new() -> Option<Self> {
+        super::cpuid::has_avx2().then_some(Avx2(()))
+    }
+}
+
+/// Implements a `Kernels` method by calling the target-feature kernel of the same name.
+macro_rules! forward {
+    ($($name:ident($w:ty, $x:ty);)*) => {
+        $(
+            #[inline]
+            fn $name(self, w: $w, x: $x) -> f32 {
+                // SAFETY: `self` is an `Avx2` token, which exists only if the CPU
+                // supports AVX2, FMA and F16C (checked in `Avx2::new`).
+                unsafe { $name(w, x) }
+            }
+        )*
+    };
+}
+
+impl Kernels for Avx2 {
+    forward! {
+        f32(&[u8], &[f32]);
+        f16(&[u8], &[f32]);
+        bf16(&[u8], &[f32]);
+        q4_0(&[BlockQ4_0], &[BlockQ8_0]);
+        q4_1(&[BlockQ4_1], &[BlockQ8_1]);
+        q5_0(&[BlockQ5_0], &[BlockQ8_0]);
+        q5_1(&[BlockQ5_1], &[BlockQ8_1]);
+        q8_0(&[BlockQ8_0], &[BlockQ8_0]);
+        iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
+        q2_k(&[BlockQ2K], &[BlockQ8K]);
+        q3_k(&[BlockQ3K], &[BlockQ8K]);
+        q4_k(&[BlockQ4K], &[BlockQ8K]);
+        q5_k(&[BlockQ5K], &[BlockQ8K]);
+        q6_k(&[BlockQ6K], &[BlockQ8K]);
+        iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Loads and small helpers (shared with the AVX-512 module).
+
+/// Loads 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn ld256(a: &[u8; 32]) -> __m256i {
+    // SAFETY: reads exactly the 32 bytes of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
+}
+
+/// Loads 32 signed bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn ld256i(a: &[i8; 32]) -> __m256i {
+    // SAFETY: reads exactly the 32 bytes of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
+}
+
+/// Loads 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn ld128(a: &[u8; 16]) -> __m128i {
+    // SAFETY: reads exactly the 16 bytes of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm_loadu_si128(a.as_ptr().cast()) }
+}
+
+/// Loads 8 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ldps(a: &[f32; 8]) -> __m256 {
+    // SAFETY: reads exactly the 8 floats of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm256_loadu_ps(a.as_ptr()) }
+}
+
+/// Stores 8 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn stps(a: &mut [f32; 8], v: __m256) {
+    // SAFETY: writes exactly the 8 floats of `a`; `storeu` has no alignment requirement.
+    unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) }
+}
+
+/// `&s[off..off + N]` as an array reference.
+#[inline(always)]
+pub(super) fn arr<T, const N: usize>(s: &[T], off: usize) -> &[T; N] {
+    s[off..off + N].try_into().expect("slice of length N")
+}
+
+/// `&mut s[off..off + N]` as an array reference.
+#[inline(always)]
+pub(super) fn arr_mut<T, const N: usize>(s: &mut [T], off: usize) -> &mut [T; N] {
+    (&mut s[off..off + N])
+        .try_into()
+        .expect("slice of length N")
+}
+
+/// The sum of the eight `i32` lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// `[sum(v0), sum(v1), sum(v2), sum(v3)]` of four vectors of eight `i32`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn hsum4(v0: __m256i, v1: __m256i, v2: __m256i, v3: __m256i) -> __m128i {
+    let a = _mm256_hadd_epi32(v0, v1);
+    let b = _mm256_hadd_epi32(v2, v3);
+    let c = _mm256_hadd_epi32(a, b);
+    _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c))
+}
+
+/// Four f16 scales as four `f32` (exact, like [`r::h`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn h4(d: [[u8; 2]; 4]) -> __m128 {
+    let e = |i: usize| i16::from_le_bytes(d[i]);
+    _mm_cvtph_ps(_mm_setr_epi16(e(0), e(1), e(2), e(3), 0, 0, 0, 0))
+}
+
+/// Adds the terms of four blocks to the four block lanes:
+/// `acc[l] += (dw[l] * dx[l]) * isum[l]`, as [`r::term`] does.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn acc4(acc: __m128, isum: __m128i, dw: [[u8; 2]; 4], dx: [[u8; 2]; 4]) -> __m128 {
+    let d = _mm_mul_ps(h4(dw), h4(dx));
+    _mm_add_ps(acc, _mm_mul_ps(d, _mm_cvtepi32_ps(isum)))
+}
+
+/// As [`acc4`] plus the `m * s` term of `Q4_1`/`Q5_1` ([`r::term_m`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn acc4_m(
+    acc: __m128,
+    isum: __m128i,
+    dw: [[u8; 2]; 4],
+    dx: [[u8; 2]; 4],
+    mw: [[u8; 2]; 4],
+    sx: [[u8; 2]; 4],
+) -> __m128 {
+    let d = _mm_mul_ps(h4(dw), h4(dx));
+    let t = _mm_add_ps(
+        _mm_mul_ps(d, _mm_cvtepi32_ps(isum)),
+        _mm_mul_ps(h4(mw), h4(sx)),
+    );
+    _mm_add_ps(acc, t)
+}
+
+/// The four block lanes as an array.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn lanes4(v: __m128) -> [f32; 4] {
+    let mut out = [0.0f32; 4];
+    // SAFETY: writes exactly the 4 floats of `out`; `storeu` has no alignment
+    // requirement.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// 32 nibbles of a 16-byte array as bytes: low nibbles first, then high nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn nib32(qs: &[u8; 16]) -> __m256i {
+    let t = ld128(qs);
+    let v = _mm256_set_m128i(_mm_srli_epi16::<4>(t), t);
+    _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
+}
+
+/// Byte `j` is `0xff` if bit `j` of the little-endian `qh` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn bits32(qh: [u8; 4]) -> __m256i {
+    let v = _mm256_set1_epi32(i32::from_le_bytes(qh));
+    let shuf = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let v = _mm256_shuffle_epi8(v, shuf);
+    let m = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m)
+}
+
+/// The IQ4_NL codebook in both 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn iq4_table() -> __m256i {
+    let k: [u8; 16] = KVALUES_IQ4NL.map(|v| v as u8);
+    let t = ld128(&k);
+    _mm256_set_m128i(t, t)
+}
+
+/// Pairwise `i32` sums of `sum(a[i] * b[i])` for unsigned `a <= 63` and any `b`:
+/// eight partial sums, exact.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_u(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1))
+}
+
+/// As [`dot_u`] for `a - off` with `0 <= a <= 63`, `0 <= off <= 32`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_u_off(a: __m256i, off: i8, b: __m256i) -> __m256i {
+    let p = _mm256_sub_epi16(
+        _mm256_maddubs_epi16(a, b),
+        _mm256_maddubs_epi16(_mm256_set1_epi8(off), b),
+    );
+    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+}
+
+/// `sum(k[i] * y[i])` partial sums for `k` from the IQ4_NL codebook (never -128) and
+/// any `y`: `|y|` (as unsigned, so -128 is 128) times `k` with `y`'s sign.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_signed_k(k: __m256i, y: __m256i) -> __m256i {
+    _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(k, y))
+}
+
+/// `i8 x i8` dot product of 32 elements, widened to i16 (exact for all inputs).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_i8(a: &[i8; 32], b: &[i8; 32]) -> __m256i {
+    let ld = |s: &[i8; 32], o: usize| -> __m256i {
+        let h: &[i8; 16] = arr(s, o);
+        // SAFETY: reads exactly the 16 bytes of `h`; no alignment requirement.
+        _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(h.as_ptr().cast()) })
+    };
+    _mm256_add_epi32(
+        _mm256_madd_epi16(ld(a, 0), ld(b, 0)),
+        _mm256_madd_epi16(ld(a, 16), ld(b, 16)),
+    )
+}
+
+/// Two `i16` scales as a madd operand: `a` for the low 128 bits, `b` for the high.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn sc2(a: i16, b: i16) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a))
+}
+
+// ---------------------------------------------------------------------------------
+// Float weights.
+
+macro_rules! float_kernel {
+    ($name:ident, $wbytes:expr, |$c:ident| $load:expr, $elems:path) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $name(w: &[u8], x: &[f32]) -> f32 {
+            const WB: usize = $wbytes;
+            let n = (w.len() / WB).min(x.len());
+            let full = n / FLOAT_LANES * FLOAT_LANES;
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (wc, xc) in w[..full * WB]
+                .chunks_exact(FLOAT_LANES * WB)
+                .zip(x[..full].chunks_exact(FLOAT_LANES))
+            {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let $c = arr::<u8, { 8 * WB }>(wc, 8 * WB * k);
+                    let wv = $load;
+                    *a = _mm256_fmadd_ps(wv, ldps(arr(xc, 8 * k)), *a);
+                }
+            }
+            let mut lanes = [0.0f32; FLOAT_LANES];
+            for (k, a) in acc.iter().enumerate() {
+                stps(arr_mut(&mut lanes, 8 * k), *a);
+            }
+            r::finish_float(lanes, $elems(w, full), x, full)
+        }
+    };
+}
+
+float_kernel!(f32, 4, |c| _mm256_castsi256_ps(ld256(c)), r::f32_elems);
+float_kernel!(f16, 2, |c| _mm256_cvtph_ps(ld128(c)), r::f16_elems);
+float_kernel!(
+    bf16,
+    2,
+    |c| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(ld128(c)))),
+    r::bf16_elems
+);
+
+// ---------------------------------------------------------------------------------
+// 32-element block formats.
+
+/// A kernel over 32-element blocks: `$isum` gives a block's eight `i32` partial
+/// sums; groups of four blocks go through [`acc4`] (or [`acc4_m`] with `m`), the
+/// last `n % 4` blocks through the scalar term, each in lane `b % 4`.
+macro_rules! blocks32_kernel {
+    ($name:ident, $W:ident, $X:ident, |$w:ident, $x:ident| $isum:expr) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $name(w: &[$W], x: &[$X]) -> f32 {
+            let isum = |$w: &$W, $x: &$X| -> __m256i { $isum };
+            let n = w.len().min(x.len());
+            let full = n / 4 * 4;
+            let mut acc = _mm_setzero_ps();
+            for (w4, x4) in w[..full].chunks_exact(4).zip(x[..full].chunks_exact(4)) {
+                let s = hsum4(
+                    isum(&w4[0], &x4[0]),
+                    isum(&w4[1], &x4[1]),
+                    isum(&w4[2], &x4[2]),
+                    isum(&w4[3], &x4[3]),
+                );
+                acc = blocks32_kernel!(@acc acc, s, w4, x4, $X);
+            }
+            let mut lanes = lanes4(acc);
+            for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
+                lanes[l] += blocks32_kernel!(@term w, x, hsum(isum(w, x)), $X);
+            }
+            r::fold(lanes)
+        }
+    };
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_0) => {
+        acc4($acc, $s, [0, 1, 2, 3].map(|i| $w4[i].d), [0, 1, 2, 3].map(|i| $x4[i].d))
+    };
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_1) => {
+        acc4_m(
+            $acc,
+            $s,
+            [0, 1, 2, 3].map(|i| $w4[i].d),
+            [0, 1, 2, 3].map(|i| $x4[i].d),
+            [0, 1, 2, 3].map(|i| $w4[i].m),
+            [0, 1, 2, 3].map(|i| $x4[i].s),
+        )
+    };
+    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_0) => {
+        r::term($w.d, $x.d, $isum)
+    };
+    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_1) => {
+        r::term_m($w.d, $w.m, $x, $isum)
+    };
+}
+
+blocks32_kernel!(q4_0, BlockQ4_0, BlockQ8_0, |w, x| isum_q4_0(w, x));
+blocks32_kernel!(q4_1, BlockQ4_1, BlockQ8_1, |w, x| dot_u(
+    nib32(&w.qs),
+    ld256i(&x.qs)
+));
+blocks32_kernel!(q5_0, BlockQ5_0, BlockQ8_0, |w, x| {
+    let hb = _mm256_and_si256(bits32(w.qh), _mm256_set1_epi8(0x10));
+    dot_u_off(_mm256_or_si256(nib32(&w.qs), hb), 16, ld256i(&x.qs))
+});
+blocks32_kernel!(q5_1, BlockQ5_1, BlockQ8_1, |w, x| {
+    let hb = _mm256_and_si256(bits32(w.qh), _mm256_set1_epi8(0x10));
+    dot_u(_mm256_or_si256(nib32(&w.qs), hb), ld256i(&x.qs))
+});
+blocks32_kernel!(q8_0, BlockQ8_0, BlockQ8_0, |w, x| isum_q8_0(w, x));
+blocks32_kernel!(iq4_nl, BlockIQ4NL, BlockQ8_0, |w, x| {
+    let k = _mm256_shuffle_epi8(iq4_table(), nib32(&w.qs));
+    _mm256_madd_epi16(dot_signed_k(k, ld256i(&x.qs)), _mm256_set1_epi16(1))
+});
+
+/// Eight partial sums of a `Q4_0 x Q8_0` block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn isum_q4_0(w: &BlockQ4_0, x: &BlockQ8_0) -> __m256i {
+    dot_u_off(nib32(&w.qs), 8, ld256i(&x.qs))
+}
+
+/// Eight partial sums of a `Q8_0 x Q8_0` block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn isum_q8_0(w: &BlockQ8_0, x: &BlockQ8_0) -> __m256i {
+    dot_i8(&w.qs, &x.qs)
+}
+
+// ---------------------------------------------------------------------------------
+// K-quants.
+
+/// `Q8_K` activations of elements `off..off + 32`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn y32(x: &BlockQ8K, off: usize) -> __m256i {
+    ld256i(arr(&x.qs, off))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q2_k(w: &[BlockQ2K], x: &[BlockQ8K]) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut summs = 0i32;
+        for j in 0..16 {
+            summs += r::q8k_bsum(x, j) * (w.scales[j] >> 4) as i32;
+        }
+        let sc = |i: usize| (w.scales[i] & 15) as i16;
+        let mut v = _mm256_setzero_si256();
+        for half in 0..2 {
+            let mut q = ld256(arr(&w.qs, 32 * half));
+            for s in 0..4 {
+                let p = _mm256_maddubs_epi16(_mm256_and_si256(q, m3), y32(x, 128 * half + 32 * s));
+                let i = 8 * half + 2 * s;
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p, sc2(sc(i), sc(i + 1))));
+                q = _mm256_srli_epi16::<2>(q);
+            }
+        }
+        let sumi = hsum(v);
+        let dx = r::q8k_d(x);
+        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q3_k(w: &[BlockQ3K], x: &[BlockQ8K]) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let one = _mm256_set1_epi8(1);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let scales = scales_q3k(&w.scales);
+        let mut hm = ld256(&w.hmask);
+        let mut v = _mm256_setzero_si256();
+        for half in 0..2 {
+            let mut q = ld256(arr(&w.qs, 32 * half));
+            for s in 0..4 {
+                let y = y32(x, 128 * half + 32 * s);
+                // 4 where the high bit is clear, else 0.
+                let sub = _mm256_slli_epi16::<2>(_mm256_andnot_si256(hm, one));
+                let p = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(q, m3), y),
+                    _mm256_maddubs_epi16(sub, y),
+                );
+                let i = 8 * half + 2 * s;
+                let scv = sc2(scales[i] as i16, scales[i + 1] as i16);
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p, scv));
+                q = _mm256_srli_epi16::<2>(q);
+                hm = _mm256_srli_epi16::<1>(hm);
+            }
+        }
+        let sumi = hsum(v);
+        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+    }
+    acc
+}
+
+/// Scales and the mins term `sum_j m_j * (bsum[2j] + bsum[2j+1])` of a `Q4_K`/`Q5_K`
+/// block.
+#[inline(always)]
+pub(super) fn k4_scales(scales: &[u8; 12], x: &BlockQ8K) -> ([i16; 8], i32) {
+    let mut sc = [0i16; 8];
+    let mut summs = 0i32;
+    for (j, s) in sc.iter_mut().enumerate() {
+        let (a, m) = scale_min_k4(j, scales);
+        *s = a as i16;
+        summs += m as i32 * (r::q8k_bsum(x, 2 * j) + r::q8k_bsum(x, 2 * j + 1));
+    }
+    (sc, summs)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let (sc, summs) = k4_scales(&w.scales, x);
+        let mut v = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = ld256(arr(&w.qs, 32 * c));
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            let p0 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, y32(x, 64 * c)),
+                _mm256_set1_epi16(sc[2 * c]),
+            );
+            let p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, y32(x, 64 * c + 32)),
+                _mm256_set1_epi16(sc[2 * c + 1]),
+            );
+            v = _mm256_add_epi32(v, _mm256_add_epi32(p0, p1));
+        }
+        let sumi = hsum(v);
+        let dx = r::q8k_d(x);
+        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let one = _mm256_set1_epi8(1);
+    let two = _mm256_set1_epi8(2);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let (sc, summs) = k4_scales(&w.scales, x);
+        // Bit 2c of qh[l] is the fifth bit of element l of sub-block 2c, bit 2c + 1
+        // that of sub-block 2c + 1; `hq` is qh shifted right by 2c.
+        let mut hq = ld256(&w.qh);
+        let mut v = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = ld256(arr(&w.qs, 32 * c));
+            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
+            let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
+            let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1);
+            let p0 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, y32(x, 64 * c)),
+                _mm256_set1_epi16(sc[2 * c]),
+            );
+            let p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, y32(x, 64 * c + 32)),
+                _mm256_set1_epi16(sc[2 * c + 1]),
+            );
+            v = _mm256_add_epi32(v, _mm256_add_epi32(p0, p1));
+            hq = _mm256_srli_epi16::<2>(hq);
+        }
+        let sumi = hsum(v);
+        let dx = r::q8k_d(x);
+        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m3 = _mm256_set1_epi8(0x03);
+    let m32 = _mm256_set1_epi8(32);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for half in 0..2 {
+            let qa = ld256(arr(&w.ql, 64 * half));
+            let qb = ld256(arr(&w.ql, 64 * half + 32));
+            let qh = ld256(arr(&w.qh, 32 * half));
+            let hi = |k: i32| -> __m256i {
+                let s = match k {
+                    0 => qh,
+                    1 => _mm256_srli_epi16::<2>(qh),
+                    2 => _mm256_srli_epi16::<4>(qh),
+                    _ => _mm256_srli_epi16::<6>(qh),
+                };
+                _mm256_slli_epi16::<4>(_mm256_and_si256(s, m3))
+            };
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(qa, m4), hi(0)),
+                _mm256_or_si256(_mm256_and_si256(qb, m4), hi(1)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qa), m4), hi(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qb), m4), hi(3)),
+            ];
+            for (k, q) in q.into_iter().enumerate() {
+                let y = y32(x, 128 * half + 32 * k);
+                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
+                let i = 8 * half + 2 * k;
+                let scv = sc2(w.scales[i] as i16, w.scales[i + 1] as i16);
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p, scv));
+            }
+        }
+        let sumi = hsum(v);
+        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn iq4_xs(w: &[BlockIQ4XS], x: &[BlockQ8K]) -> f32 {
+    let table = iq4_table();
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for j in 0..8 {
+            let k = _mm256_shuffle_epi8(table, nib32(arr(&w.qs, 16 * j)));
+            let p = dot_signed_k(k, y32(x, 32 * j));
+            let s = r::iq4xs_scale(w, j) as i16;
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, _mm256_set1_epi16(s)));
+        }
+        let sumi = hsum(v);
+        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+    }
+    acc
+}

@@ -1,0 +1,294 @@
+//! AVX-512 (F, BW, VL) kernels for x86-64.
+//!
+//! # Soundness
+//!
+//! As in the AVX2 module: the kernels are `#[target_feature]` functions reachable
+//! only through [`Avx512`], a token whose constructor checks AVX-512 F/BW/VL (and
+//! AVX2, FMA, F16C, which it implies here) at run time; the other `unsafe` blocks are
+//! unaligned loads and stores from references to arrays of exactly the accessed
+//! size. Types without a 512-bit kernel use the AVX2 kernels, which the same check
+//! covers.
+//!
+//! # Exactness
+//!
+//! The same arguments as for AVX2: exact `i32` block sums (no saturating step), and
+//! float steps that mirror [`super::reference`].
+#![allow(unsafe_code)]
+
+use core::arch::x86_64::*;
+
+use super::avx2::{self, acc4, arr, arr_mut, hsum, hsum4, lanes4, ld256, ld256i, nib32, sc2, Avx2};
+use super::reference::{self as r, FLOAT_LANES};
+use super::Kernels;
+use crate::quant::blocks::{
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+};
+
+/// Proof that the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512(Avx2);
+
+impl Avx512 {
+    /// The token, if the CPU has the features.
+    pub(crate) fn new() -> Option<Self> {
+        if super::cpuid::has_avx512() {
+            Avx2::new().map(Avx512)
+        } else {
+            None
+        }
+    }
+}
+
+macro_rules! forward {
+    ($($name:ident($w:ty, $x:ty);)*) => {
+        $(
+            #[inline]
+            fn $name(self, w: $w, x: $x) -> f32 {
+                // SAFETY: `self` is an `Avx512` token, which exists only if the CPU
+                // supports AVX-512 F/BW/VL, AVX2, FMA and F16C (`Avx512::new`).
+                unsafe { $name(w, x) }
+            }
+        )*
+    };
+}
+
+macro_rules! to_avx2 {
+    ($($name:ident($w:ty, $x:ty);)*) => {
+        $(
+            #[inline]
+            fn $name(self, w: $w, x: $x) -> f32 {
+                self.0.$name(w, x)
+            }
+        )*
+    };
+}
+
+impl Kernels for Avx512 {
+    forward! {
+        f32(&[u8], &[f32]);
+        f16(&[u8], &[f32]);
+        bf16(&[u8], &[f32]);
+        q4_0(&[BlockQ4_0], &[BlockQ8_0]);
+        q8_0(&[BlockQ8_0], &[BlockQ8_0]);
+        q4_k(&[BlockQ4K], &[BlockQ8K]);
+        q6_k(&[BlockQ6K], &[BlockQ8K]);
+    }
+    to_avx2! {
+        q4_1(&[BlockQ4_1], &[BlockQ8_1]);
+        q5_0(&[BlockQ5_0], &[BlockQ8_0]);
+        q5_1(&[BlockQ5_1], &[BlockQ8_1]);
+        iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
+        q2_k(&[BlockQ2K], &[BlockQ8K]);
+        q3_k(&[BlockQ3K], &[BlockQ8K]);
+        q5_k(&[BlockQ5K], &[BlockQ8K]);
+        iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+    }
+}
+
+/// Loads 64 signed bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn ld512i(a: &[i8; 64]) -> __m512i {
+    // SAFETY: reads exactly the 64 bytes of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm512_loadu_si512(a.as_ptr().cast()) }
+}
+
+/// Loads 16 floats.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn ldps(a: &[f32; 16]) -> __m512 {
+    // SAFETY: reads exactly the 16 floats of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm512_loadu_ps(a.as_ptr()) }
+}
+
+/// `[lo | hi]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// The low and high 256 bits.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn split(v: __m512i) -> (__m256i, __m256i) {
+    (_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+}
+
+// ---------------------------------------------------------------------------------
+// Float weights.
+
+macro_rules! float_kernel {
+    ($name:ident, $wbytes:expr, |$c:ident| $load:expr, $elems:path) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        fn $name(w: &[u8], x: &[f32]) -> f32 {
+            const WB: usize = $wbytes;
+            let n = (w.len() / WB).min(x.len());
+            let full = n / FLOAT_LANES * FLOAT_LANES;
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for (wc, xc) in w[..full * WB]
+                .chunks_exact(FLOAT_LANES * WB)
+                .zip(x[..full].chunks_exact(FLOAT_LANES))
+            {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let $c = arr::<u8, { 16 * WB }>(wc, 16 * WB * k);
+                    let wv = $load;
+                    *a = _mm512_fmadd_ps(wv, ldps(arr(xc, 16 * k)), *a);
+                }
+            }
+            let mut lanes = [0.0f32; FLOAT_LANES];
+            for (k, a) in acc.iter().enumerate() {
+                let out: &mut [f32; 16] = arr_mut(&mut lanes, 16 * k);
+                // SAFETY: writes exactly the 16 floats of `out`; no alignment
+                // requirement.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *a) };
+            }
+            r::finish_float(lanes, $elems(w, full), x, full)
+        }
+    };
+}
+
+float_kernel!(
+    f32,
+    4,
+    |c| {
+        let c: &[u8; 64] = c;
+        // SAFETY: reads exactly the 64 bytes of `c`; no alignment requirement.
+        _mm512_castsi512_ps(unsafe { _mm512_loadu_si512(c.as_ptr().cast()) })
+    },
+    r::f32_elems
+);
+float_kernel!(f16, 2, |c| _mm512_cvtph_ps(ld256(c)), r::f16_elems);
+float_kernel!(
+    bf16,
+    2,
+    |c| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(ld256(c)))),
+    r::bf16_elems
+);
+
+// ---------------------------------------------------------------------------------
+// 32-element block formats with Q8_0 activations.
+
+/// Like the AVX2 block kernel, but `$pair` computes two blocks' sums at once
+/// (sixteen `i32`: eight per block) and `$one` is the AVX2 single-block sum for the
+/// last `n % 4` blocks.
+macro_rules! blocks32_kernel {
+    ($name:ident, $W:ty, $pair:ident, $one:path) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        fn $name(w: &[$W], x: &[BlockQ8_0]) -> f32 {
+            let n = w.len().min(x.len());
+            let full = n / 4 * 4;
+            let mut acc = _mm_setzero_ps();
+            for (w4, x4) in w[..full].chunks_exact(4).zip(x[..full].chunks_exact(4)) {
+                let (a0, a1) = split($pair(&w4[0], &w4[1], &x4[0], &x4[1]));
+                let (b0, b1) = split($pair(&w4[2], &w4[3], &x4[2], &x4[3]));
+                let s = hsum4(a0, a1, b0, b1);
+                let dw = [0, 1, 2, 3].map(|i| w4[i].d);
+                let dx = [0, 1, 2, 3].map(|i| x4[i].d);
+                acc = acc4(acc, s, dw, dx);
+            }
+            let mut lanes = lanes4(acc);
+            for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
+                lanes[l] += r::term(w.d, x.d, hsum($one(w, x)));
+            }
+            r::fold(lanes)
+        }
+    };
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn pair_q4_0(w0: &BlockQ4_0, w1: &BlockQ4_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> __m512i {
+    let q = join(nib32(&w0.qs), nib32(&w1.qs));
+    let y = join(ld256i(&x0.qs), ld256i(&x1.qs));
+    let p = _mm512_sub_epi16(
+        _mm512_maddubs_epi16(q, y),
+        _mm512_maddubs_epi16(_mm512_set1_epi8(8), y),
+    );
+    _mm512_madd_epi16(p, _mm512_set1_epi16(1))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn pair_q8_0(w0: &BlockQ8_0, w1: &BlockQ8_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> __m512i {
+    let one = |w: &BlockQ8_0, x: &BlockQ8_0| -> __m256i {
+        let p = _mm512_madd_epi16(
+            _mm512_cvtepi8_epi16(ld256i(&w.qs)),
+            _mm512_cvtepi8_epi16(ld256i(&x.qs)),
+        );
+        let (lo, hi) = split(p);
+        _mm256_add_epi32(lo, hi)
+    };
+    join(one(w0, x0), one(w1, x1))
+}
+
+blocks32_kernel!(q4_0, BlockQ4_0, pair_q4_0, avx2::isum_q4_0);
+blocks32_kernel!(q8_0, BlockQ8_0, pair_q8_0, avx2::isum_q8_0);
+
+// ---------------------------------------------------------------------------------
+// K-quants.
+
+/// Four `i16` scales as a madd operand, one per 128-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn sc4(a: i16, b: i16, c: i16, d: i16) -> __m512i {
+    join(sc2(a, b), sc2(c, d))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+    let m4 = _mm512_set1_epi8(0x0f);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let (sc, summs) = avx2::k4_scales(&w.scales, x);
+        let mut v = _mm512_setzero_si512();
+        for c in 0..4 {
+            let q = ld256(arr(&w.qs, 32 * c));
+            // Elements 64c..64c+64: low nibbles, then high nibbles.
+            let q = _mm512_and_si512(join(q, _mm256_srli_epi16::<4>(q)), m4);
+            let p = _mm512_maddubs_epi16(q, ld512i(arr(&x.qs, 64 * c)));
+            let (s0, s1) = (sc[2 * c], sc[2 * c + 1]);
+            v = _mm512_add_epi32(v, _mm512_madd_epi16(p, sc4(s0, s0, s1, s1)));
+        }
+        let sumi = _mm512_reduce_add_epi32(v);
+        let dx = r::q8k_d(x);
+        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+    }
+    acc
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+    let m4 = _mm512_set1_epi8(0x0f);
+    let m3 = _mm512_set1_epi8(0x03);
+    let m32 = _mm512_set1_epi8(32);
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm512_setzero_si512();
+        for half in 0..2 {
+            let ql = join(
+                ld256(arr(&w.ql, 64 * half)),
+                ld256(arr(&w.ql, 64 * half + 32)),
+            );
+            let qh = ld256(arr(&w.qh, 32 * half));
+            let qh = join(qh, _mm256_srli_epi16::<2>(qh));
+            // Elements 0..64 of the half: low nibbles of ql with bits 0-1 / 2-3 of qh;
+            // elements 64..128: high nibbles with bits 4-5 / 6-7.
+            let h01 = _mm512_slli_epi16::<4>(_mm512_and_si512(qh, m3));
+            let h23 = _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<4>(qh), m3));
+            let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), h01);
+            let q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), h23);
+            for (k, q) in [q01, q23].into_iter().enumerate() {
+                let y = ld512i(arr(&x.qs, 128 * half + 64 * k));
+                let p = _mm512_sub_epi16(_mm512_maddubs_epi16(q, y), _mm512_maddubs_epi16(m32, y));
+                let i = 8 * half + 4 * k;
+                let s = |j: usize| w.scales[i + j] as i16;
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(p, sc4(s(0), s(1), s(2), s(3))));
+            }
+        }
+        let sumi = _mm512_reduce_add_epi32(v);
+        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+    }
+    acc
+}

@@ -1,0 +1,113 @@
+//! Run-time x86-64 feature detection without `std`.
+//!
+//! `is_x86_feature_detected!` lives in `std`, so this asks the CPU directly: `cpuid`
+//! for what the CPU implements, and `xgetbv` for what the OS has enabled (a CPU
+//! with AVX-512 under an OS that does not save the ZMM registers must not run AVX-512
+//! code). The answer is computed once and cached in an atomic; racing first calls
+//! compute the same value.
+//!
+//! Why the `unsafe` here is sound: `cpuid` exists on every x86-64 CPU. `xgetbv` is
+//! executed only after `cpuid` reports OSXSAVE, which means the OS has enabled
+//! `XSAVE` and `xgetbv` is a valid instruction.
+#![allow(unsafe_code)]
+
+use core::arch::x86_64::{__cpuid_count, _xgetbv, CpuidResult};
+use core::sync::atomic::{AtomicU8, Ordering};
+
+const KNOWN: u8 = 1;
+const AVX2: u8 = 2;
+const AVX512: u8 = 4;
+
+static FEATURES: AtomicU8 = AtomicU8::new(0);
+
+fn cpuid(leaf: u32, sub: u32) -> CpuidResult {
+    // SAFETY: `cpuid` is available on every x86-64 CPU and has no side effects.
+    #[allow(unused_unsafe)]
+    unsafe {
+        __cpuid_count(leaf, sub)
+    }
+}
+
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    // SAFETY: the caller checked OSXSAVE, so `xgetbv` is enabled; register 0 (XCR0)
+    // always exists.
+    #[allow(unused_unsafe)]
+    unsafe {
+        _xgetbv(0)
+    }
+}
+
+fn bit(word: u32, n: u32) -> bool {
+    (word >> n) & 1 == 1
+}
+
+fn detect() -> u8 {
+    let mut out = KNOWN;
+    let max_leaf = cpuid(0, 0).eax;
+    if max_leaf < 7 {
+        return out;
+    }
+    let l1 = cpuid(1, 0);
+    let fma = bit(l1.ecx, 12);
+    let osxsave = bit(l1.ecx, 27);
+    let avx = bit(l1.ecx, 28);
+    let f16c = bit(l1.ecx, 29);
+    if !(osxsave && avx) {
+        return out;
+    }
+    // SAFETY: OSXSAVE is set (checked just above).
+    let xcr0 = unsafe { xcr0() };
+    let os_ymm = xcr0 & 0b110 == 0b110; // SSE and AVX state
+    let os_zmm = xcr0 & 0b1110_0110 == 0b1110_0110; // plus opmask, ZMM_Hi256, Hi16_ZMM
+    let l7 = cpuid(7, 0);
+    let avx2 = bit(l7.ebx, 5);
+    let avx512f = bit(l7.ebx, 16);
+    let avx512bw = bit(l7.ebx, 30);
+    let avx512vl = bit(l7.ebx, 31);
+    if os_ymm && avx && avx2 && fma && f16c {
+        out |= AVX2;
+        if os_zmm && avx512f && avx512bw && avx512vl {
+            out |= AVX512;
+        }
+    }
+    out
+}
+
+fn features() -> u8 {
+    let f = FEATURES.load(Ordering::Relaxed);
+    if f & KNOWN != 0 {
+        return f;
+    }
+    let f = detect();
+    FEATURES.store(f, Ordering::Relaxed);
+    f
+}
+
+/// AVX2, FMA and F16C, with the OS saving YMM state.
+pub(crate) fn has_avx2() -> bool {
+    features() & AVX2 != 0
+}
+
+/// AVX-512 F, BW and VL (and everything [`has_avx2`] needs), with the OS saving ZMM
+/// state.
+pub(crate) fn has_avx512() -> bool {
+    features() & AVX512 != 0
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn agrees_with_std() {
+        extern crate std;
+        let avx2 = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c");
+        let avx512 = avx2
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl");
+        assert_eq!(super::has_avx2(), avx2);
+        assert_eq!(super::has_avx512(), avx512);
+    }
+}

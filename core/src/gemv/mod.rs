@@ -1,0 +1,539 @@
+//! `y = W x` over a row range, for every weight format LES reads.
+//!
+//! # Pieces
+//!
+//! - [`MatrixView`]: a row-major weight matrix in one ggml format, over borrowed
+//!   bytes (a tensor in a mapped file, an expert slot).
+//! - [`Input`]: the activation vector, prepared once per token by the caller in the
+//!   formats the weight types need ([`activation_format`]): `f32` for float weights,
+//!   `Q8_0` / `Q8_1` / `Q8_K` blocks for the integer dot products of the quantized
+//!   weights (filled with the quantizers of [`crate::quant`]).
+//! - [`gemv`]: `y[i - rows.start] = W[i] . x` for `i` in a row range, so the host can
+//!   split the rows of one matrix across threads.
+//! - [`reference`]: the scalar kernels, one per weight format; they define the
+//!   result.
+//! - [`Isa`]: which kernels to run. SIMD kernels exist for AVX2 (+FMA, F16C) and
+//!   AVX-512 (F, BW, VL) on x86-64 and NEON on aarch64; a type without a SIMD kernel
+//!   for the chosen ISA runs the reference kernel.
+//!
+//! # Exactness
+//!
+//! Every SIMD kernel returns a result **bit-identical** to the reference kernel for
+//! all finite inputs (with NaN or infinite inputs both return NaN or infinities, but
+//! NaN payloads may differ). This is by construction:
+//!
+//! - Quantized formats: the integer dot product of a block (32 elements) or
+//!   super-block (256 elements) is computed exactly in `i32` (no saturating or
+//!   overflowing step on any input bytes), and integer addition is associative, so
+//!   every ISA gets the same integer. The float part is then a fixed sequence of
+//!   `f32` multiplies and adds, never fused:
+//!   - 32-element formats: block `b` goes to accumulator `b % 4`,
+//!     `acc[b % 4] += (d_w * d_x) * isum as f32` (plus `m_w * s_x` for `Q4_1`/`Q5_1`),
+//!     and the result is `(acc[0] + acc[2]) + (acc[1] + acc[3])`.
+//!   - K-quants and `IQ4_XS`: one accumulator in super-block order,
+//!     `acc += d * sumi as f32` (minus `dmin * summs as f32` for the formats with
+//!     mins), `d = d_w * d_x`, `dmin = dmin_w * d_x`.
+//! - Float formats (`F32`, `F16`, `BF16` weights with `f32` activations): element
+//!   `i` goes to lane `i % 64` of 64 partial sums, each updated with a fused
+//!   multiply-add (`libm::fmaf` in the reference, the FMA instruction in the SIMD
+//!   kernels), and the 64 lanes are folded by halves (`s[l] += s[l + 32]`, then
+//!   `+ 16`, ... `+ 1`). 64 lanes give AVX2 eight independent FMA chains and
+//!   AVX-512 four, enough to hide the FMA latency.
+//!
+//! The integer math is ggml's (`ggml_vec_dot_*` in `ggml-cpu`); the float
+//! accumulation order is LES's own, so results agree with ggml's to rounding, not to
+//! the bit.
+
+use core::fmt;
+use core::ops::Range;
+
+use crate::quant::blocks::{
+    as_blocks, Block, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
+    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+};
+use crate::quant::GgmlType;
+
+pub mod reference;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+// The AVX-512 intrinsics are stable since Rust 1.89, later than the MSRV the
+// workspace declares: building for x86-64 needs 1.89.
+#[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod cpuid;
+#[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+mod neon;
+
+#[cfg(test)]
+mod tests;
+
+/// An instruction set the kernels can use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// The scalar reference kernels; always available.
+    Scalar,
+    /// x86-64 AVX2 with FMA and F16C.
+    Avx2,
+    /// x86-64 AVX-512 F, BW and VL (with AVX2, FMA and F16C).
+    Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl Isa {
+    /// Every ISA, best last.
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512];
+
+    /// The best ISA this CPU supports.
+    ///
+    /// On x86-64 this asks `cpuid` (and `xgetbv`, whether the OS saves the vector
+    /// registers) once and caches the answer; `no_std` has no
+    /// `is_x86_feature_detected!`. On aarch64, NEON is part of the target
+    /// (`target_feature = "neon"`), so no run-time check is needed.
+    pub fn detect() -> Isa {
+        let mut best = Isa::Scalar;
+        for isa in Isa::ALL {
+            if isa.is_available() {
+                best = isa;
+            }
+        }
+        best
+    }
+
+    /// Whether this CPU can run the kernels of `self`.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => cpuid::has_avx2(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => cpuid::has_avx512(),
+            #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+            Isa::Neon => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// Every ISA this CPU supports, `Scalar` first.
+    pub fn available() -> impl Iterator<Item = Isa> {
+        Isa::ALL.into_iter().filter(|i| i.is_available())
+    }
+
+    /// A short lower-case name (`"scalar"`, `"avx2"`, `"avx512"`, `"neon"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
+        }
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The activation format a weight type's dot product consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActivationFormat {
+    /// Plain `f32` (weights `F32`, `F16`, `BF16`).
+    F32,
+    /// [`BlockQ8_0`] blocks (weights `Q4_0`, `Q5_0`, `Q8_0`, `IQ4_NL`).
+    Q8_0,
+    /// [`BlockQ8_1`] blocks (weights `Q4_1`, `Q5_1`).
+    Q8_1,
+    /// [`BlockQ8K`] blocks (weights `Q2_K` .. `Q6_K`, `IQ4_XS`).
+    Q8K,
+}
+
+impl ActivationFormat {
+    /// Elements per unit of this format (1 for `f32`, else the block size).
+    pub const fn block_elems(self) -> usize {
+        match self {
+            ActivationFormat::F32 => 1,
+            ActivationFormat::Q8_0 | ActivationFormat::Q8_1 => 32,
+            ActivationFormat::Q8K => crate::quant::QK_K,
+        }
+    }
+}
+
+/// The activation format `ty` pairs with, or `None` if `ty` cannot be a GEMV weight
+/// (`Q8_1` and `Q8_K` are activation-only formats).
+pub const fn activation_format(ty: GgmlType) -> Option<ActivationFormat> {
+    use GgmlType as T;
+    match ty {
+        T::F32 | T::F16 | T::BF16 => Some(ActivationFormat::F32),
+        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4NL => Some(ActivationFormat::Q8_0),
+        T::Q4_1 | T::Q5_1 => Some(ActivationFormat::Q8_1),
+        T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::IQ4XS => Some(ActivationFormat::Q8K),
+        T::Q8_1 | T::Q8K => None,
+    }
+}
+
+/// Why a GEMV call was refused. Nothing is written to `y` when it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvError {
+    /// The weight type has no dot product (an activation-only format).
+    UnsupportedType(GgmlType),
+    /// The row length is not a whole number of blocks of the type, or the matrix
+    /// size overflows `usize`.
+    RowLength {
+        /// Weight type.
+        ty: GgmlType,
+        /// Requested row length in elements.
+        cols: usize,
+    },
+    /// The matrix bytes are not exactly `rows` rows.
+    MatrixBytes {
+        /// Bytes `rows` rows need.
+        expected: usize,
+        /// Bytes given.
+        len: usize,
+    },
+    /// The activation buffer the weight type needs has the wrong length.
+    InputLength {
+        /// The buffer in question.
+        format: ActivationFormat,
+        /// Units (floats or blocks) one row needs.
+        expected: usize,
+        /// Units given.
+        len: usize,
+    },
+    /// The row range is reversed or runs past the matrix.
+    RowRange {
+        /// Range start.
+        start: usize,
+        /// Range end.
+        end: usize,
+        /// Rows in the matrix.
+        rows: usize,
+    },
+    /// `y` does not have one element per row of the range.
+    OutputLength {
+        /// Rows in the range.
+        expected: usize,
+        /// Length of `y`.
+        len: usize,
+    },
+    /// The ISA is not supported by this CPU or build.
+    IsaUnavailable(Isa),
+}
+
+impl fmt::Display for GemvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            GemvError::UnsupportedType(ty) => write!(f, "{ty} cannot be a GEMV weight type"),
+            GemvError::RowLength { ty, cols } => {
+                write!(f, "row length {cols} is not a whole number of {ty} blocks")
+            }
+            GemvError::MatrixBytes { expected, len } => {
+                write!(f, "matrix needs {expected} bytes, got {len}")
+            }
+            GemvError::InputLength {
+                format,
+                expected,
+                len,
+            } => write!(f, "{format:?} activations: need {expected}, got {len}"),
+            GemvError::RowRange { start, end, rows } => {
+                write!(f, "row range {start}..{end} outside a {rows}-row matrix")
+            }
+            GemvError::OutputLength { expected, len } => {
+                write!(f, "output needs {expected} elements, got {len}")
+            }
+            GemvError::IsaUnavailable(isa) => write!(f, "{isa} is not available on this CPU"),
+        }
+    }
+}
+
+impl core::error::Error for GemvError {}
+
+/// A row-major weight matrix: `rows` rows of `cols` elements of type `ty`, each row
+/// `ty.row_bytes(cols)` bytes, rows back to back (a ggml 2-D tensor with
+/// `ne = {cols, rows}`).
+#[derive(Clone, Copy, Debug)]
+pub struct MatrixView<'a> {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+impl<'a> MatrixView<'a> {
+    /// Views `data` as a `rows` x `cols` matrix of `ty`, checking that the type is a
+    /// weight type, that `cols` is a whole number of blocks and that `data` holds
+    /// exactly `rows` rows.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, GemvError> {
+        if activation_format(ty).is_none() {
+            return Err(GemvError::UnsupportedType(ty));
+        }
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or(GemvError::RowLength { ty, cols })?;
+        let expected = row_bytes
+            .checked_mul(rows)
+            .ok_or(GemvError::RowLength { ty, cols })?;
+        if data.len() != expected {
+            return Err(GemvError::MatrixBytes {
+                expected,
+                len: data.len(),
+            });
+        }
+        Ok(MatrixView {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
+    }
+
+    /// Weight type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The bytes of row `i`, if it exists.
+    pub fn row(&self, i: usize) -> Option<&'a [u8]> {
+        if i >= self.rows {
+            return None;
+        }
+        self.data.get(i * self.row_bytes..(i + 1) * self.row_bytes)
+    }
+}
+
+/// The activation vector `x`, in the formats the weight types need.
+///
+/// Only the buffer of the matrix's [`activation_format`] is read; leave the others
+/// empty. The caller fills them once per token: `f32` is `x` itself; the block
+/// buffers come from the activation quantizers of [`crate::quant`] (`Q8_0`, `Q8_1`,
+/// `Q8_K`) applied to `x`, `cols / 32` or `cols / 256` blocks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Input<'a> {
+    /// `x` as `f32`, `cols` elements.
+    pub f32: &'a [f32],
+    /// `x` as `Q8_0` blocks, `cols / 32` of them.
+    pub q8_0: &'a [BlockQ8_0],
+    /// `x` as `Q8_1` blocks, `cols / 32` of them.
+    pub q8_1: &'a [BlockQ8_1],
+    /// `x` as `Q8_K` blocks, `cols / 256` of them.
+    pub q8k: &'a [BlockQ8K],
+}
+
+impl<'a> Input<'a> {
+    /// The length (floats or blocks) of the buffer for `format`.
+    pub fn len_of(&self, format: ActivationFormat) -> usize {
+        match format {
+            ActivationFormat::F32 => self.f32.len(),
+            ActivationFormat::Q8_0 => self.q8_0.len(),
+            ActivationFormat::Q8_1 => self.q8_1.len(),
+            ActivationFormat::Q8K => self.q8k.len(),
+        }
+    }
+}
+
+/// Computes `y[i - rows.start] = W[i] . x` for every row `i` in `rows`, with the
+/// kernels of `isa`.
+///
+/// Checks every length first (the matrix bytes may come from a file) and returns an
+/// error instead of panicking; on error `y` is untouched. The result does not depend
+/// on `isa` nor on how the rows are split across calls (see the module docs).
+pub fn gemv(
+    isa: Isa,
+    matrix: &MatrixView<'_>,
+    input: &Input<'_>,
+    rows: Range<usize>,
+    y: &mut [f32],
+) -> Result<(), GemvError> {
+    let format = activation_format(matrix.ty).ok_or(GemvError::UnsupportedType(matrix.ty))?;
+    let expected = matrix.cols / format.block_elems();
+    let len = input.len_of(format);
+    if len != expected {
+        return Err(GemvError::InputLength {
+            format,
+            expected,
+            len,
+        });
+    }
+    if rows.start > rows.end || rows.end > matrix.rows {
+        return Err(GemvError::RowRange {
+            start: rows.start,
+            end: rows.end,
+            rows: matrix.rows,
+        });
+    }
+    if y.len() != rows.len() {
+        return Err(GemvError::OutputLength {
+            expected: rows.len(),
+            len: y.len(),
+        });
+    }
+    let data = &matrix.data[rows.start * matrix.row_bytes..rows.end * matrix.row_bytes];
+    match isa {
+        Isa::Scalar => run(Scalar, matrix, data, input, y),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            let k = avx2::Avx2::new().ok_or(GemvError::IsaUnavailable(isa))?;
+            run(k, matrix, data, input, y);
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            let k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable(isa))?;
+            run(k, matrix, data, input, y);
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon => run(neon::Neon, matrix, data, input, y),
+        #[allow(unreachable_patterns)]
+        _ => return Err(GemvError::IsaUnavailable(isa)),
+    }
+    Ok(())
+}
+
+/// The dot-product kernels of one ISA; every method defaults to the reference
+/// kernel, and an ISA overrides those it accelerates. Each takes one weight row and
+/// the matching activations, of equal lengths (checked by [`gemv`]).
+pub(crate) trait Kernels: Copy {
+    fn f32(self, w: &[u8], x: &[f32]) -> f32 {
+        reference::dot_f32(w, x)
+    }
+    fn f16(self, w: &[u8], x: &[f32]) -> f32 {
+        reference::dot_f16(w, x)
+    }
+    fn bf16(self, w: &[u8], x: &[f32]) -> f32 {
+        reference::dot_bf16(w, x)
+    }
+    fn q4_0(self, w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
+        reference::dot_q4_0(w, x)
+    }
+    fn q4_1(self, w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
+        reference::dot_q4_1(w, x)
+    }
+    fn q5_0(self, w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f32 {
+        reference::dot_q5_0(w, x)
+    }
+    fn q5_1(self, w: &[BlockQ5_1], x: &[BlockQ8_1]) -> f32 {
+        reference::dot_q5_1(w, x)
+    }
+    fn q8_0(self, w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
+        reference::dot_q8_0(w, x)
+    }
+    fn iq4_nl(self, w: &[BlockIQ4NL], x: &[BlockQ8_0]) -> f32 {
+        reference::dot_iq4_nl(w, x)
+    }
+    fn q2_k(self, w: &[BlockQ2K], x: &[BlockQ8K]) -> f32 {
+        reference::dot_q2_k(w, x)
+    }
+    fn q3_k(self, w: &[BlockQ3K], x: &[BlockQ8K]) -> f32 {
+        reference::dot_q3_k(w, x)
+    }
+    fn q4_k(self, w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+        reference::dot_q4_k(w, x)
+    }
+    fn q5_k(self, w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
+        reference::dot_q5_k(w, x)
+    }
+    fn q6_k(self, w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+        reference::dot_q6_k(w, x)
+    }
+    fn iq4_xs(self, w: &[BlockIQ4XS], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq4_xs(w, x)
+    }
+}
+
+/// The reference kernels.
+#[derive(Clone, Copy)]
+struct Scalar;
+
+impl Kernels for Scalar {}
+
+/// Runs `dot` on every row of `data` (whole rows of `row_bytes`), viewed as blocks.
+#[inline(always)]
+fn rows_of<B: Block>(
+    data: &[u8],
+    row_bytes: usize,
+    y: &mut [f32],
+    mut dot: impl FnMut(&[B]) -> f32,
+) {
+    if row_bytes == 0 {
+        y.fill(dot(&[]));
+        return;
+    }
+    for (row, out) in data.chunks_exact(row_bytes).zip(y.iter_mut()) {
+        // A row is a whole number of blocks (checked by `MatrixView::new`).
+        *out = dot(as_blocks::<B>(row).unwrap_or(&[]));
+    }
+}
+
+/// Runs `dot` on every row of `data` as raw bytes (the float formats).
+#[inline(always)]
+fn rows_of_bytes(data: &[u8], row_bytes: usize, y: &mut [f32], mut dot: impl FnMut(&[u8]) -> f32) {
+    if row_bytes == 0 {
+        y.fill(dot(&[]));
+        return;
+    }
+    for (row, out) in data.chunks_exact(row_bytes).zip(y.iter_mut()) {
+        *out = dot(row);
+    }
+}
+
+/// Validated dispatch over the weight type: `data` holds exactly `y.len()` rows.
+fn run<K: Kernels>(k: K, m: &MatrixView<'_>, data: &[u8], x: &Input<'_>, y: &mut [f32]) {
+    let rb = m.row_bytes;
+    use GgmlType as T;
+    match m.ty {
+        T::F32 => rows_of_bytes(data, rb, y, |w| k.f32(w, x.f32)),
+        T::F16 => rows_of_bytes(data, rb, y, |w| k.f16(w, x.f32)),
+        T::BF16 => rows_of_bytes(data, rb, y, |w| k.bf16(w, x.f32)),
+        T::Q4_0 => rows_of(data, rb, y, |w| k.q4_0(w, x.q8_0)),
+        T::Q4_1 => rows_of(data, rb, y, |w| k.q4_1(w, x.q8_1)),
+        T::Q5_0 => rows_of(data, rb, y, |w| k.q5_0(w, x.q8_0)),
+        T::Q5_1 => rows_of(data, rb, y, |w| k.q5_1(w, x.q8_1)),
+        T::Q8_0 => rows_of(data, rb, y, |w| k.q8_0(w, x.q8_0)),
+        T::IQ4NL => rows_of(data, rb, y, |w| k.iq4_nl(w, x.q8_0)),
+        T::Q2K => rows_of(data, rb, y, |w| k.q2_k(w, x.q8k)),
+        T::Q3K => rows_of(data, rb, y, |w| k.q3_k(w, x.q8k)),
+        T::Q4K => rows_of(data, rb, y, |w| k.q4_k(w, x.q8k)),
+        T::Q5K => rows_of(data, rb, y, |w| k.q5_k(w, x.q8k)),
+        T::Q6K => rows_of(data, rb, y, |w| k.q6_k(w, x.q8k)),
+        T::IQ4XS => rows_of(data, rb, y, |w| k.iq4_xs(w, x.q8k)),
+        // Rejected by `MatrixView::new`.
+        T::Q8_1 | T::Q8K => y.fill(0.0),
+    }
+}
+
+/// Computes the dot product of one weight row (`row`, the bytes of `cols` elements
+/// of `ty`) with `input`, with the kernels of `isa`: [`gemv`] on a one-row matrix.
+pub fn dot(
+    isa: Isa,
+    ty: GgmlType,
+    cols: usize,
+    row: &[u8],
+    input: &Input<'_>,
+) -> Result<f32, GemvError> {
+    let m = MatrixView::new(ty, 1, cols, row)?;
+    let mut y = [0.0f32];
+    gemv(isa, &m, input, 0..1, &mut y)?;
+    Ok(y[0])
+}
