@@ -601,7 +601,7 @@ where
     }
 
     /// Marks picked expert `index` computed and unpins its slot.
-    pub fn finish(&mut self, index: usize) -> Result<(), Error<Infallible>> {
+    pub fn finish<E>(&mut self, index: usize) -> Result<(), Error<E>> {
         let Some(PickStatus::Computing(slot)) = self.picks.get(index).map(|p| p.status) else {
             return Err(Error::NotComputing(index));
         };
@@ -822,8 +822,7 @@ where
                         .iter()
                         .any(|p| p.key == k && p.status != PickStatus::Done)
             }) else {
-                self.queue.clear();
-                break;
+                break; // retried when computed experts free their slots
             };
             self.queue.remove(0);
             if matches!(self.table.state(slot), SlotState::Ready { .. }) {

@@ -473,7 +473,7 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                     let bytes = &dev.slot(slot)[..m.len(key)];
                     assert_eq!(bytes, &m.bytes(key)[..], "slot of {key} holds its bytes");
                     outs[index] = Some(expert_output(bytes, &h));
-                    sched.finish(index).expect("computing");
+                    sched.finish::<()>(index).expect("computing");
                 }
             }
             // Combine in router order, whatever the compute order was.

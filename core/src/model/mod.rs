@@ -1,5 +1,11 @@
 //! The per-token forward pass of the supported architectures, over caller buffers.
 //!
-//! [`ops`] holds the layer arithmetic (norms, RoPE, attention, SwiGLU).
+//! - [`config`]: the model shape ([`config::Hparams`]).
+//! - [`ops`]: the layer arithmetic (norms, RoPE, attention, SwiGLU).
+//! - [`forward`]: one token through the model, with routed experts supplied by an
+//!   [`forward::Experts`] implementation (resident, or streamed by the scheduler).
 
+pub mod config;
+pub mod experts;
+pub mod forward;
 pub mod ops;

@@ -1,0 +1,205 @@
+//! The two [`Experts`] suppliers: all resident, and streamed by the LES scheduler.
+
+use super::forward::{ExpertMatrices, Experts};
+use crate::blockdev::{BlockDevice, SlotMemory};
+use crate::gemv::{GemvError, MatrixView};
+use crate::quant::GgmlType;
+use crate::schedule::{Error, ExpertSource, LayerState, Next, Scheduler, MAX_PICKS};
+use crate::slots::Slot;
+
+/// How one layer's expert is laid out in a slot: gate, up and down back to back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertFormat {
+    /// Gate projection type.
+    pub gate: GgmlType,
+    /// Up projection type.
+    pub up: GgmlType,
+    /// Down projection type.
+    pub down: GgmlType,
+    /// Model width.
+    pub n_embd: usize,
+    /// Expert hidden size.
+    pub n_ff: usize,
+}
+
+impl ExpertFormat {
+    /// Byte sizes of gate, up and down, or `None` if a row is not whole blocks.
+    pub fn part_bytes(&self) -> Option<[usize; 3]> {
+        Some([
+            self.gate.row_bytes(self.n_embd)?.checked_mul(self.n_ff)?,
+            self.up.row_bytes(self.n_embd)?.checked_mul(self.n_ff)?,
+            self.down.row_bytes(self.n_ff)?.checked_mul(self.n_embd)?,
+        ])
+    }
+
+    /// Total bytes of one expert.
+    pub fn bytes(&self) -> Option<usize> {
+        let [g, u, d] = self.part_bytes()?;
+        g.checked_add(u)?.checked_add(d)
+    }
+
+    /// The matrices of an expert stored at the start of `slot`.
+    pub fn matrices<'a>(&self, slot: &'a [u8]) -> Result<ExpertMatrices<'a>, GemvError> {
+        let [g, u, d] = self.part_bytes().ok_or(GemvError::RowLength {
+            ty: self.gate,
+            cols: self.n_embd,
+        })?;
+        let too_short = GemvError::MatrixBytes {
+            expected: g + u + d,
+            len: slot.len(),
+        };
+        let gate = slot.get(..g).ok_or(too_short)?;
+        let up = slot.get(g..g + u).ok_or(too_short)?;
+        let down = slot.get(g + u..g + u + d).ok_or(too_short)?;
+        Ok(ExpertMatrices {
+            gate: MatrixView::new(self.gate, self.n_ff, self.n_embd, gate)?,
+            up: MatrixView::new(self.up, self.n_ff, self.n_embd, up)?,
+            down: MatrixView::new(self.down, self.n_embd, self.n_ff, down)?,
+        })
+    }
+}
+
+/// Every expert in RAM: hands out the picked experts in router order.
+pub struct Resident<'w, F> {
+    lookup: F,
+    /// Ties the matrices' lifetime to the supplier's, so they outlive `next`'s borrow.
+    _weights: core::marker::PhantomData<&'w ()>,
+    layer: usize,
+    picks: heapless::Vec<u16, MAX_PICKS>,
+    next: usize,
+}
+
+impl<'w, F> Resident<'w, F>
+where
+    F: Fn(usize, u16) -> Result<ExpertMatrices<'w>, GemvError>,
+{
+    /// Experts found by `lookup(layer, expert)`.
+    pub fn new(lookup: F) -> Self {
+        Resident {
+            lookup,
+            _weights: core::marker::PhantomData,
+            layer: 0,
+            picks: heapless::Vec::new(),
+            next: 0,
+        }
+    }
+}
+
+impl<'w, F> Experts for Resident<'w, F>
+where
+    F: Fn(usize, u16) -> Result<ExpertMatrices<'w>, GemvError>,
+{
+    type Error = GemvError;
+
+    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), GemvError> {
+        self.layer = layer;
+        self.picks.clear();
+        for &e in routing {
+            // MAX_PICKS >= router::MAX_TOP_K, the most a routing holds.
+            let _ = self.picks.push(e);
+        }
+        self.next = 0;
+        Ok(())
+    }
+
+    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, GemvError> {
+        let Some(&e) = self.picks.get(self.next) else {
+            return Ok(None);
+        };
+        let index = self.next;
+        self.next += 1;
+        Ok(Some((index, (self.lookup)(self.layer, e)?)))
+    }
+
+    fn finish(&mut self, _index: usize) -> Result<(), GemvError> {
+        Ok(())
+    }
+}
+
+/// Why streaming an expert failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamError<E> {
+    /// The scheduler or the device failed.
+    Schedule(Error<E>),
+    /// A slot's bytes do not form the layer's expert matrices.
+    Layout(GemvError),
+}
+
+impl<E: core::fmt::Display> core::fmt::Display for StreamError<E> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            StreamError::Schedule(e) => e.fmt(f),
+            StreamError::Layout(e) => write!(f, "expert slot layout: {e}"),
+        }
+    }
+}
+
+impl<E: core::fmt::Debug + core::fmt::Display> core::error::Error for StreamError<E> {}
+
+/// Experts streamed from a [`BlockDevice`] by the LES [`Scheduler`].
+pub struct Streamed<'r, S, M, L, D, X, F> {
+    /// The scheduler (its statistics are the run's I/O statistics).
+    pub scheduler: &'r mut Scheduler<S, M, L>,
+    /// The device, which also owns the slot memory.
+    pub device: &'r mut D,
+    /// Where experts are and how to verify them.
+    pub source: &'r X,
+    /// Layout of layer `l`'s expert in a slot.
+    pub format: F,
+    /// Pass lookahead predictions to the scheduler.
+    pub predict: bool,
+}
+
+impl<S, M, L, D, X, F> Experts for Streamed<'_, S, M, L, D, X, F>
+where
+    S: AsRef<[Slot]> + AsMut<[Slot]>,
+    M: AsRef<[u32]> + AsMut<[u32]>,
+    L: AsRef<[LayerState]> + AsMut<[LayerState]>,
+    D: BlockDevice + SlotMemory,
+    X: ExpertSource,
+    F: Fn(usize) -> ExpertFormat,
+{
+    type Error = StreamError<D::Error>;
+
+    fn begin_token(&mut self) {
+        self.scheduler.begin_token();
+    }
+
+    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), Self::Error> {
+        self.scheduler
+            .begin_layer(layer as u16, routing, self.device, self.source)
+            .map_err(StreamError::Schedule)
+    }
+
+    fn wants_predictions(&self) -> bool {
+        self.predict
+    }
+
+    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), Self::Error> {
+        self.scheduler
+            .prefetch(layer as u16, predicted, self.device, self.source)
+            .map_err(StreamError::Schedule)
+    }
+
+    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, Self::Error> {
+        match self
+            .scheduler
+            .next_blocking(self.device, self.source)
+            .map_err(StreamError::Schedule)?
+        {
+            Next::Compute { index, key, slot } => {
+                let format = (self.format)(key.layer as usize);
+                let m = format
+                    .matrices(self.device.slot(slot))
+                    .map_err(StreamError::Layout)?;
+                Ok(Some((index, m)))
+            }
+            Next::Done => Ok(None),
+            Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
+        }
+    }
+
+    fn finish(&mut self, index: usize) -> Result<(), Self::Error> {
+        self.scheduler.finish(index).map_err(StreamError::Schedule)
+    }
+}

@@ -1,0 +1,628 @@
+//! The forward pass on a tiny MoE model: its math against a plain f32 reference
+//! written here, and offloaded (streamed through the scheduler from a simulated
+//! device, any slot count, predictions on or off, any completion order) against
+//! all-resident, bit for bit.
+
+use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
+use les_core::blockdev::ReadRequest;
+use les_core::gemv::{Isa, MatrixView};
+use les_core::model::config::{Hparams, MoeParams};
+use les_core::model::experts::{ExpertFormat, Resident, Streamed};
+use les_core::model::forward::{
+    forward, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SerialMatVec, SharedExpert,
+    Weights,
+};
+use les_core::model::ops::RopeStyle;
+use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
+use les_core::quant::{self, GgmlType};
+use les_core::router::{Gating, LayerMask, PredictorConfig};
+use les_core::schedule::{ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig};
+use les_core::slots::{ExpertKey, Slot};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn normal(&mut self) -> f32 {
+        // Sum of uniforms: good enough, deterministic.
+        (0..4)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32)
+            .sum::<f32>()
+            - 2.0
+    }
+}
+
+/// A matrix both as f32 (for the reference) and in its storage type.
+struct Mat {
+    f32: Vec<f32>,
+    bytes: Vec<u8>,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+}
+
+impl Mat {
+    fn new(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize, scale: f32) -> Mat {
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * scale).collect();
+        let mut bytes = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
+        quant::quantize(ty, &x, &mut bytes).unwrap();
+        // The reference uses what the file holds: the dequantized values.
+        let mut f = vec![0f32; rows * cols];
+        quant::dequantize(ty, &bytes, &mut f).unwrap();
+        Mat {
+            f32: f,
+            bytes,
+            ty,
+            rows,
+            cols,
+        }
+    }
+    fn view(&self) -> MatrixView<'_> {
+        MatrixView::new(self.ty, self.rows, self.cols, &self.bytes).unwrap()
+    }
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        (0..self.rows)
+            .map(|r| {
+                (0..self.cols)
+                    .map(|c| self.f32[r * self.cols + c] as f64 * x[c] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    dense: Option<[Mat; 3]>,
+    router: Option<Mat>,
+    shared: Option<([Mat; 3], Mat)>,
+}
+
+struct Model {
+    hp: Hparams,
+    embd: Mat,
+    out_norm: Vec<f32>,
+    output: Mat,
+    layers: Vec<Layer>,
+    /// experts[layer][expert] = [gate, up, down]
+    experts: Vec<Vec<[Mat; 3]>>,
+    /// Packed expert image and each expert's offset in it.
+    image: Vec<u8>,
+    offsets: Vec<Vec<usize>>,
+    expert_ty: [GgmlType; 3],
+}
+
+fn norm_w(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect()
+}
+
+fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    let mut rng = Rng(seed);
+    let hp = Hparams {
+        n_layers: 3,
+        n_embd: 64,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 16,
+        n_rot: 16,
+        n_vocab: 40,
+        n_ff: 64,
+        rope_base: 10000.0,
+        rope_style: RopeStyle::Neox,
+        norm_eps: 1e-6,
+        moe: Some(MoeParams {
+            n_experts: 8,
+            top_k: 3,
+            n_ff_exp: 32,
+            gating: Gating::Softmax,
+            normalize: true,
+            weights_scale: 1.0,
+            n_ff_shared: Some(32),
+        }),
+    };
+    let e = hp.n_embd;
+    let mut layers = Vec::new();
+    let mut experts = Vec::new();
+    let mut image = Vec::new();
+    let mut offsets = Vec::new();
+    for l in 0..hp.n_layers {
+        let dense = l == 0;
+        layers.push(Layer {
+            attn_norm: norm_w(&mut rng, e),
+            wq: Mat::new(&mut rng, ty, hp.q_dim(), e, 0.15),
+            wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+            wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+            wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
+            q_norm: norm_w(&mut rng, hp.head_dim),
+            k_norm: norm_w(&mut rng, hp.head_dim),
+            ffn_norm: norm_w(&mut rng, e),
+            dense: dense.then(|| {
+                [
+                    Mat::new(&mut rng, ty, hp.n_ff, e, 0.15),
+                    Mat::new(&mut rng, ty, hp.n_ff, e, 0.15),
+                    Mat::new(&mut rng, ty, e, hp.n_ff, 0.15),
+                ]
+            }),
+            router: (!dense).then(|| Mat::new(&mut rng, GgmlType::F32, 8, e, 0.5)),
+            shared: (l == 2).then(|| {
+                (
+                    [
+                        Mat::new(&mut rng, ty, 32, e, 0.15),
+                        Mat::new(&mut rng, ty, 32, e, 0.15),
+                        Mat::new(&mut rng, ty, e, 32, 0.15),
+                    ],
+                    Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
+                )
+            }),
+        });
+        let mut le = Vec::new();
+        let mut lo = Vec::new();
+        if !dense {
+            for _ in 0..8 {
+                let m = [
+                    Mat::new(&mut rng, expert_ty[0], 32, e, 0.2),
+                    Mat::new(&mut rng, expert_ty[1], 32, e, 0.2),
+                    Mat::new(&mut rng, expert_ty[2], e, 32, 0.2),
+                ];
+                lo.push(image.len());
+                for p in &m {
+                    image.extend_from_slice(&p.bytes);
+                }
+                le.push(m);
+            }
+        }
+        experts.push(le);
+        offsets.push(lo);
+    }
+    Model {
+        hp,
+        embd: Mat::new(&mut rng, ty, hp.n_vocab, e, 1.0),
+        out_norm: norm_w(&mut rng, e),
+        output: Mat::new(&mut rng, ty, hp.n_vocab, e, 0.2),
+        layers,
+        experts,
+        image,
+        offsets,
+        expert_ty,
+    }
+}
+
+impl Weights for Model {
+    fn layer(&self, l: usize) -> LayerWeights<'_> {
+        let ly = &self.layers[l];
+        let ffn = match (&ly.dense, &ly.router) {
+            (Some([g, u, d]), _) => Ffn::Dense {
+                gate: g.view(),
+                up: u.view(),
+                down: d.view(),
+            },
+            (None, Some(r)) => Ffn::Moe {
+                router: r.view(),
+                shared: ly.shared.as_ref().map(|([g, u, d], gi)| SharedExpert {
+                    gate: g.view(),
+                    up: u.view(),
+                    down: d.view(),
+                    gate_inp: Some(gi.view()),
+                }),
+            },
+            _ => unreachable!(),
+        };
+        LayerWeights {
+            attn_norm: &ly.attn_norm,
+            wq: ly.wq.view(),
+            wk: ly.wk.view(),
+            wv: ly.wv.view(),
+            wo: ly.wo.view(),
+            bq: None,
+            bk: None,
+            bv: None,
+            q_norm: Some(&ly.q_norm),
+            k_norm: Some(&ly.k_norm),
+            ffn_norm: &ly.ffn_norm,
+            ffn,
+        }
+    }
+    fn embedding(&self) -> MatrixView<'_> {
+        self.embd.view()
+    }
+    fn output_norm(&self) -> &[f32] {
+        &self.out_norm
+    }
+    fn output(&self) -> MatrixView<'_> {
+        self.output.view()
+    }
+}
+
+impl Model {
+    fn format(&self) -> ExpertFormat {
+        ExpertFormat {
+            gate: self.expert_ty[0],
+            up: self.expert_ty[1],
+            down: self.expert_ty[2],
+            n_embd: self.hp.n_embd,
+            n_ff: 32,
+        }
+    }
+}
+
+/// Packed experts: one extent each. With `split`, three (gate, up, down).
+struct Source<'a> {
+    m: &'a Model,
+    split: bool,
+}
+
+impl ExpertSource for Source<'_> {
+    fn extents(&self, key: ExpertKey) -> Extents {
+        let off = self.m.offsets[key.layer as usize][key.expert as usize] as u64;
+        let parts = self.m.format().part_bytes().unwrap();
+        let mut ext = Extents::new();
+        if self.split {
+            let mut at = 0u32;
+            for p in parts {
+                ext.push(Extent {
+                    offset: off + at as u64,
+                    len: p as u32,
+                    slot_offset: at,
+                })
+                .unwrap();
+                at += p as u32;
+            }
+        } else {
+            ext.push(Extent {
+                offset: off,
+                len: parts.iter().sum::<usize>() as u32,
+                slot_offset: 0,
+            })
+            .unwrap();
+        }
+        ext
+    }
+}
+
+const TOKENS: [u32; 6] = [3, 17, 5, 39, 0, 22];
+
+struct Buffers {
+    kv_k: Vec<f32>,
+    kv_v: Vec<f32>,
+    scratch: Vec<f32>,
+    q8_0: Vec<BlockQ8_0>,
+    q8_1: Vec<BlockQ8_1>,
+    q8k: Vec<BlockQ8K>,
+}
+
+impl Buffers {
+    fn new(hp: &Hparams) -> Buffers {
+        Buffers {
+            kv_k: vec![0.0; KvCache::len(hp, TOKENS.len())],
+            kv_v: vec![0.0; KvCache::len(hp, TOKENS.len())],
+            scratch: vec![0.0; Scratch::len(hp, TOKENS.len())],
+            q8_0: vec![
+                BlockQ8_0 {
+                    d: [0; 2],
+                    qs: [0; 32]
+                };
+                8
+            ],
+            q8_1: vec![
+                BlockQ8_1 {
+                    d: [0; 2],
+                    s: [0; 2],
+                    qs: [0; 32]
+                };
+                8
+            ],
+            q8k: vec![
+                BlockQ8K {
+                    d: [0; 4],
+                    qs: [0; 256],
+                    bsums: [[0; 2]; 16]
+                };
+                1
+            ],
+        }
+    }
+}
+
+fn decode<X: Experts>(m: &Model, experts: &mut X, lookahead: Option<&Lookahead>) -> Vec<Vec<f32>>
+where
+    X::Error: std::fmt::Debug,
+{
+    let hp = m.hp;
+    let mut b = Buffers::new(&hp);
+    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
+    let mut s = Scratch::new(&hp, &mut b.scratch, TOKENS.len()).unwrap();
+    let mut mv = SerialMatVec {
+        isa: Isa::detect(),
+        q8_0: &mut b.q8_0,
+        q8_1: &mut b.q8_1,
+        q8k: &mut b.q8k,
+    };
+    TOKENS
+        .iter()
+        .enumerate()
+        .map(|(pos, &t)| {
+            let mut logits = vec![0f32; hp.n_vocab];
+            forward(
+                &hp,
+                m,
+                &mut mv,
+                experts,
+                lookahead,
+                t,
+                pos,
+                &mut kv,
+                &mut s,
+                &mut logits,
+            )
+            .unwrap();
+            logits
+        })
+        .collect()
+}
+
+fn resident(m: &Model) -> Vec<Vec<f32>> {
+    let fmt = m.format();
+    let mut ex = Resident::new(|l, e| {
+        let off = m.offsets[l][e as usize];
+        fmt.matrices(&m.image[off..off + fmt.bytes().unwrap()])
+    });
+    decode(m, &mut ex, None)
+}
+
+fn streamed(
+    m: &Model,
+    slots: usize,
+    predict: bool,
+    split: bool,
+    seed: u64,
+    cfg: SchedulerConfig,
+) -> Vec<Vec<f32>> {
+    let fmt = m.format();
+    let slot_bytes = fmt.bytes().unwrap();
+    let mut mem = vec![0u8; slots * slot_bytes];
+    let sim = SimConfig {
+        order: if seed % 3 == 0 {
+            CompletionOrder::Timed
+        } else {
+            CompletionOrder::Shuffled { seed }
+        },
+        honor_cancel: seed % 2 == 0,
+        ..SimConfig::default()
+    };
+    let mut fault_rng = Rng(seed);
+    let mut dev: SimDevice<_, 8> =
+        SimDevice::new(&m.image, &mut mem, slot_bytes, sim, |_: &ReadRequest| {
+            if fault_rng.next() % 10 == 0 {
+                Fault::Transient
+            } else {
+                Fault::None
+            }
+        });
+    let hp = m.hp;
+    let mut sched = Scheduler::new(
+        SchedulerConfig {
+            max_retries: 40,
+            ..cfg
+        },
+        vec![Slot::EMPTY; slots],
+        vec![0u32; hp.n_layers * 8],
+        vec![LayerState::INITIAL; hp.n_layers],
+        hp.n_layers as u16,
+        8,
+        slot_bytes as u32,
+    )
+    .unwrap();
+    let src = Source { m, split };
+    let mut ex = Streamed {
+        scheduler: &mut sched,
+        device: &mut dev,
+        source: &src,
+        format: |_| fmt,
+        predict,
+    };
+    let la = Lookahead {
+        predictor: PredictorConfig::top_k(3),
+        layers: LayerMask::first(hp.n_layers).unwrap(),
+    };
+    let out = decode(m, &mut ex, Some(&la));
+    let st = sched.stats();
+    assert!(
+        st.misses + st.hits + st.late_hits == (TOKENS.len() * 2 * 3) as u64,
+        "{st:?}"
+    );
+    if predict && cfg.prefetch {
+        assert!(st.prefetches > 0, "{st:?}");
+    }
+    out
+}
+
+fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    for (t, (x, y)) in a.iter().zip(b).enumerate() {
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            assert_eq!(
+                p.to_bits(),
+                q.to_bits(),
+                "{what}: token {t} logit {i}: {p} vs {q}"
+            );
+        }
+    }
+}
+
+#[test]
+fn streamed_equals_resident_bit_for_bit() {
+    for (ty, ety) in [
+        (
+            GgmlType::Q8_0,
+            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+        ),
+        (
+            GgmlType::F16,
+            [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
+        ),
+    ] {
+        let m = build(11, ty, ety);
+        let want = resident(&m);
+        let mut seed = 1;
+        for slots in [3, 4, 7, 16] {
+            for predict in [false, true] {
+                for split in [false, true] {
+                    for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
+                        seed += 1;
+                        let got = streamed(&m, slots, predict, split, seed, cfg);
+                        assert_bits_eq(
+                            &got,
+                            &want,
+                            &format!("{ty} slots={slots} predict={predict} split={split}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A plain f32 transformer, written from the architecture description, with no
+/// shared code: per-token attention over explicit past keys and values.
+fn reference(m: &Model) -> Vec<Vec<f32>> {
+    let hp = m.hp;
+    let rms = |x: &[f32], w: &[f32]| -> Vec<f32> {
+        let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+        let s = 1.0 / (ms + hp.norm_eps as f64).sqrt();
+        x.iter()
+            .zip(w)
+            .map(|(v, w)| (*v as f64 * s) as f32 * w)
+            .collect()
+    };
+    let rope = |x: &mut [f32], pos: usize| {
+        for h in x.chunks_mut(hp.head_dim) {
+            let half = hp.n_rot / 2;
+            for i in 0..half {
+                let theta =
+                    pos as f64 * (hp.rope_base as f64).powf(-2.0 * i as f64 / hp.n_rot as f64);
+                let (a, b) = (h[i] as f64, h[i + half] as f64);
+                h[i] = (a * theta.cos() - b * theta.sin()) as f32;
+                h[i + half] = (a * theta.sin() + b * theta.cos()) as f32;
+            }
+        }
+    };
+    let silu = |x: f32| x / (1.0 + (-x).exp());
+    let ffn = |w: &[Mat; 3], x: &[f32]| -> Vec<f32> {
+        let g = w[0].apply(x);
+        let u = w[1].apply(x);
+        let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        w[2].apply(&a)
+    };
+    let mut keys: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
+    let mut vals: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
+    let mut out = Vec::new();
+    for (pos, &t) in TOKENS.iter().enumerate() {
+        let mut h: Vec<f32> = m.embd.f32[t as usize * hp.n_embd..][..hp.n_embd].to_vec();
+        for (l, ly) in m.layers.iter().enumerate() {
+            let x = rms(&h, &ly.attn_norm);
+            let mut q = ly.wq.apply(&x);
+            let mut k = ly.wk.apply(&x);
+            let v = ly.wv.apply(&x);
+            for hd in q.chunks_mut(hp.head_dim) {
+                hd.copy_from_slice(&rms(hd, &ly.q_norm));
+            }
+            for hd in k.chunks_mut(hp.head_dim) {
+                hd.copy_from_slice(&rms(hd, &ly.k_norm));
+            }
+            rope(&mut q, pos);
+            rope(&mut k, pos);
+            keys[l].push(k);
+            vals[l].push(v);
+            let mut att = vec![0f32; hp.q_dim()];
+            for head in 0..hp.n_head {
+                let kvh = head / (hp.n_head / hp.n_head_kv);
+                let qh = &q[head * hp.head_dim..][..hp.head_dim];
+                let scores: Vec<f64> = keys[l]
+                    .iter()
+                    .map(|k| {
+                        let kh = &k[kvh * hp.head_dim..][..hp.head_dim];
+                        qh.iter()
+                            .zip(kh)
+                            .map(|(a, b)| (*a * *b) as f64)
+                            .sum::<f64>()
+                            / (hp.head_dim as f64).sqrt()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
+                for (p, v) in scores.iter().zip(&vals[l]) {
+                    let w = (p - mx).exp() / z;
+                    for d in 0..hp.head_dim {
+                        att[head * hp.head_dim + d] += (w * v[kvh * hp.head_dim + d] as f64) as f32;
+                    }
+                }
+            }
+            let o = ly.wo.apply(&att);
+            for (a, b) in h.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let x = rms(&h, &ly.ffn_norm);
+            let y = if let Some(d) = &ly.dense {
+                ffn(d, &x)
+            } else {
+                let logits = ly.router.as_ref().unwrap().apply(&x);
+                let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
+                let p: Vec<f32> = logits.iter().map(|v| (v - mx).exp()).collect();
+                let mut idx: Vec<usize> = (0..8).collect();
+                idx.sort_by(|a, b| p[*b].partial_cmp(&p[*a]).unwrap().then(a.cmp(b)));
+                let top = &idx[..3];
+                let sum: f32 = top.iter().map(|i| p[*i]).sum();
+                let mut y = vec![0f32; hp.n_embd];
+                for &i in top {
+                    let o = ffn(&m.experts[l][i], &x);
+                    for (a, b) in y.iter_mut().zip(&o) {
+                        *a += p[i] / sum * b;
+                    }
+                }
+                if let Some((sw, gi)) = &ly.shared {
+                    let g = 1.0 / (1.0 + (-gi.apply(&x)[0]).exp());
+                    for (a, b) in y.iter_mut().zip(ffn(sw, &x)) {
+                        *a += g * b;
+                    }
+                }
+                y
+            };
+            for (a, b) in h.iter_mut().zip(&y) {
+                *a += b;
+            }
+        }
+        out.push(m.output.apply(&rms(&h, &m.out_norm)));
+    }
+    out
+}
+
+#[test]
+fn forward_matches_plain_f32_reference() {
+    // F32 weights everywhere: the engine's only approximations are float rounding.
+    let m = build(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let got = resident(&m);
+    let want = reference(&m);
+    for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        assert!(
+            err <= 1e-4 * scale.max(1.0),
+            "token {t}: max error {err} (scale {scale})"
+        );
+    }
+}
