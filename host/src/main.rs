@@ -1,9 +1,5 @@
-//! The `les` command-line tool.
+//! The `les` command-line tool; see [`les::cli`].
 
-fn main() {
-    eprintln!(
-        "les {}: no subcommands are available in this build yet",
-        env!("CARGO_PKG_VERSION")
-    );
-    std::process::exit(2);
+fn main() -> std::process::ExitCode {
+    les::cli::main()
 }

@@ -1,0 +1,58 @@
+//! The `les` command line: argument parsing and one module per subcommand.
+
+mod inspect;
+
+use std::error::Error;
+use std::io::{self, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub use inspect::InspectArgs;
+
+/// LES: large MoE models on small devices, experts streamed from flash.
+#[derive(Debug, Parser)]
+#[command(name = "les", version, about, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print a GGUF file's architecture, hyperparameters, tensors and expert sizes.
+    Inspect(InspectArgs),
+}
+
+/// Runs a parsed command line, writing its report to `out`.
+pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    match &cli.command {
+        Command::Inspect(args) => inspect::run(args, out),
+    }
+}
+
+/// The binary's entry point: parses `std::env::args`, runs, and reports an error
+/// as one `error: ...` line on stderr with a non-zero exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let stdout = io::stdout();
+    let mut out = io::BufWriter::new(stdout.lock());
+    let result = run(&cli, &mut out).and_then(|()| Ok(out.flush()?));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe (`les inspect m.gguf | head`) is not a failure.
+        Err(e)
+            if e.downcast_ref::<io::Error>()
+                .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let line = e.to_string().replace('\n', " ");
+            eprintln!("error: {line}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! End-to-end tests of `les inspect`.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::*;
+use les::gguf::{Gguf, GgufWriter};
+use les_core::quant::GgmlType;
+use serde_json::Value as Json;
+
+fn les(args: &[&str], file: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_les"))
+        .args(args)
+        .arg(file)
+        .output()
+        .expect("les runs")
+}
+
+fn stdout(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "les failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout.clone()).expect("UTF-8 output")
+}
+
+#[test]
+fn inspect_python_model_text() {
+    let path = tmp("inspect_text.gguf");
+    python_model(&path);
+    let out = stdout(&les(&["inspect"], &path));
+    for needle in [
+        "architecture  qwen3moe",
+        "hyperparameters (qwen3moe.*)",
+        "block_count",
+        "expert_feed_forward_length",
+        "attention.head_count_kv",
+        "tokenizer.ggml.tokens",
+        "[string; 3005]",
+        "blk.1.ffn_down_exps.weight",
+        "q8_0",
+        "32 x 64 x 4",
+        "experts (expert_count 4, expert_used_count 2)",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+    }
+    // Per layer: three Q8_0 tensors of 4 experts x 32 rows x 68 bytes = 26112,
+    // 6528 per expert.
+    let layer0 = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("0"))
+        .expect("a row for layer 0");
+    assert_eq!(
+        layer0.split_whitespace().collect::<Vec<_>>(),
+        ["0", "26112", "6528"]
+    );
+    assert!(out.contains("total expert bytes"), "{out}");
+    assert!(out.contains("non-expert bytes"), "{out}");
+}
+
+#[test]
+fn inspect_python_model_json() {
+    let path = tmp("inspect_json.gguf");
+    python_model(&path);
+    let out = stdout(&les(&["inspect", "--json"], &path));
+    let j: Json = serde_json::from_str(&out).expect("valid JSON");
+    let g = Gguf::open(&path).unwrap();
+
+    assert_eq!(j["architecture"], "qwen3moe");
+    assert_eq!(j["version"], 3);
+    assert_eq!(j["data_offset"], g.data_offset());
+    let hp = &j["hyperparameters"];
+    assert_eq!(hp["block_count"], 2);
+    assert_eq!(hp["expert_count"], 4);
+    assert_eq!(hp["expert_used_count"], 2);
+    assert_eq!(hp["embedding_length"], 64);
+    assert_eq!(hp["rope.freq_base"], 1e6);
+    assert_eq!(hp["attention.layer_norm_rms_epsilon"], 1e-6);
+    assert_eq!(j["metadata"]["general.name"]["value"], "tiny interop model");
+    assert_eq!(j["metadata"]["tokenizer.ggml.tokens"]["len"], 3005);
+    assert_eq!(
+        j["metadata"]["test.arr_nested"]["value"][2],
+        serde_json::json!([4, 5, 6])
+    );
+
+    let tensors = j["tensors"].as_array().unwrap();
+    assert_eq!(tensors.len(), g.tensor_count());
+    for (t, jt) in g.tensors().zip(tensors) {
+        assert_eq!(jt["name"], t.name());
+        assert_eq!(jt["type"], t.ggml_type().name());
+        assert_eq!(jt["dims"], serde_json::json!(t.dims()));
+        assert_eq!(jt["bytes"], t.size());
+        assert_eq!(jt["offset"], t.offset());
+    }
+
+    let total: u64 = g.tensors().map(|t| t.size()).sum();
+    let e = &j["experts"];
+    assert_eq!(e["expert_count"], 4);
+    assert_eq!(e["total_expert_bytes"], 6 * 8704);
+    assert_eq!(e["non_expert_bytes"], total - 6 * 8704);
+    let layers = e["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2);
+    for (i, l) in layers.iter().enumerate() {
+        assert_eq!(l["layer"], i);
+        assert_eq!(l["bytes"], 3 * 8704);
+        assert_eq!(l["bytes_per_expert"], 3 * 8704 / 4);
+    }
+}
+
+#[test]
+fn inspect_without_expert_count_uses_tensor_shape() {
+    let mut w = GgufWriter::new();
+    w.add_kv("general.architecture", "llama").unwrap();
+    w.add_kv("llama.block_count", 1u64).unwrap();
+    let dims = [[32u64, 8, 3], [32, 8, 3], [8, 32, 3]];
+    let names = ["gate", "up", "down"];
+    for (n, d) in names.iter().zip(&dims) {
+        w.add_tensor(format!("blk.0.ffn_{n}_exps.weight"), d, GgmlType::F16)
+            .unwrap();
+    }
+    w.add_tensor("blk.0.ffn_gate_shexp.weight", &[32, 8], GgmlType::F32)
+        .unwrap();
+    let mut data = w.write_header(Vec::new()).unwrap();
+    while let Some((name, size)) = data.next_tensor() {
+        let name = name.to_owned();
+        data.write_tensor(&name, &vec![0; size as usize]).unwrap();
+    }
+    let path = tmp("inspect_no_count.gguf");
+    std::fs::write(&path, data.finish().unwrap()).unwrap();
+
+    let out = stdout(&les(&["inspect", "--json"], &path));
+    let j: Json = serde_json::from_str(&out).unwrap();
+    let e = &j["experts"];
+    assert_eq!(e["expert_count"], Json::Null);
+    assert_eq!(e["layers"][0]["bytes"], 3 * 32 * 8 * 3 * 2);
+    assert_eq!(e["layers"][0]["bytes_per_expert"], 3 * 32 * 8 * 2);
+    assert_eq!(e["non_expert_bytes"], 32 * 8 * 4);
+}
+
+fn assert_one_line_error(o: &Output) -> String {
+    assert!(!o.status.success(), "les should fail");
+    assert!(o.stdout.is_empty(), "nothing on stdout");
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    err
+}
+
+#[test]
+fn inspect_corrupt_file_fails_with_one_line() {
+    let path = tmp("inspect_corrupt_src.gguf");
+    python_model(&path);
+    let bytes = std::fs::read(&path).unwrap();
+
+    let truncated = tmp("inspect_truncated.gguf");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    for args in [&["inspect"][..], &["inspect", "--json"]] {
+        let err = assert_one_line_error(&les(args, &truncated));
+        assert!(err.contains("at byte"), "{err}");
+    }
+
+    // Cut inside the tensor data: the error names the tensor.
+    std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
+    let err = assert_one_line_error(&les(&["inspect"], &truncated));
+    assert!(err.contains("tensor 'blk.1.ffn_down_exps.weight'"), "{err}");
+
+    let mut bad = bytes.clone();
+    bad[..4].copy_from_slice(b"GGJT");
+    let bad_magic = tmp("inspect_bad_magic.gguf");
+    std::fs::write(&bad_magic, &bad).unwrap();
+    let err = assert_one_line_error(&les(&["inspect"], &bad_magic));
+    assert!(err.contains("not a GGUF file"), "{err}");
+
+    let err = assert_one_line_error(&les(&["inspect"], &tmp("does-not-exist.gguf")));
+    assert!(err.contains("does-not-exist.gguf"), "{err}");
+}
