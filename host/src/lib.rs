@@ -6,4 +6,7 @@
 //! - [`gguf`]: a hardened GGUF reader (memory-mapped, zero-copy) and a streaming writer.
 
 pub mod cli;
+pub mod engine;
+pub mod flash;
 pub mod gguf;
+pub mod model;

@@ -1,0 +1,145 @@
+//! Prefill and decode: the KV cache, the scratch buffers and the token loop around
+//! [`les_core::model::forward::forward`].
+
+use std::time::{Duration, Instant};
+
+use les_core::model::forward::{
+    forward, Experts, ForwardError, KvCache, Lookahead, MatVec, Scratch,
+};
+
+use crate::model::Model;
+
+/// Timings and counts of one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GenStats {
+    /// Prompt tokens evaluated.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub generated: usize,
+    /// Time spent on the prompt.
+    pub prefill: Duration,
+    /// Time spent generating (after the prompt).
+    pub decode: Duration,
+}
+
+impl GenStats {
+    /// Prompt tokens per second.
+    pub fn prefill_tok_s(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill)
+    }
+
+    /// Generated tokens per second.
+    pub fn decode_tok_s(&self) -> f64 {
+        rate(self.generated, self.decode)
+    }
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+/// Per-sequence state: KV cache and scratch for one model.
+pub struct Session<'m> {
+    model: &'m Model,
+    max_positions: usize,
+    kv_k: Vec<f32>,
+    kv_v: Vec<f32>,
+    scratch: Vec<f32>,
+    pos: usize,
+}
+
+impl<'m> Session<'m> {
+    /// A session of up to `max_positions` tokens.
+    pub fn new(model: &'m Model, max_positions: usize) -> Session<'m> {
+        let hp = &model.hp;
+        Session {
+            model,
+            max_positions,
+            kv_k: vec![0.0; KvCache::len(hp, max_positions)],
+            kv_v: vec![0.0; KvCache::len(hp, max_positions)],
+            scratch: vec![0.0; Scratch::len(hp, max_positions)],
+            pos: 0,
+        }
+    }
+
+    /// Positions evaluated so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Most positions the session holds.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Evaluates `token` at the next position and writes the next-token logits.
+    pub fn eval<M: MatVec, X: Experts>(
+        &mut self,
+        mv: &mut M,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+        token: u32,
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
+        let hp = &self.model.hp;
+        let mut kv = KvCache::new(hp, &mut self.kv_k, &mut self.kv_v, self.max_positions)
+            .expect("KV buffers sized by Session::new");
+        let mut s = Scratch::new(hp, &mut self.scratch, self.max_positions)
+            .expect("scratch sized by Session::new");
+        forward(
+            hp, self.model, mv, experts, lookahead, token, self.pos, &mut kv, &mut s, logits,
+        )?;
+        self.pos += 1;
+        Ok(())
+    }
+}
+
+/// What to do after each generated token.
+pub enum Control {
+    /// Keep generating.
+    Continue,
+    /// Stop (end of generation token, or the caller is done).
+    Stop,
+}
+
+/// Evaluates `prompt`, then generates up to `n` tokens with `sample`, calling
+/// `on_token(token, logits)` for each. Stops early when `on_token` says so.
+#[allow(clippy::too_many_arguments)]
+pub fn generate<M: MatVec, X: Experts>(
+    session: &mut Session<'_>,
+    mv: &mut M,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    prompt: &[u32],
+    n: usize,
+    mut sample: impl FnMut(&[f32]) -> u32,
+    mut on_token: impl FnMut(u32, &[f32]) -> Control,
+) -> Result<GenStats, ForwardError<X::Error>> {
+    let mut logits = vec![0f32; session.model.hp.n_vocab];
+    let mut stats = GenStats {
+        prompt_tokens: prompt.len(),
+        ..GenStats::default()
+    };
+    let start = Instant::now();
+    for &t in prompt {
+        session.eval(mv, experts, lookahead, t, &mut logits)?;
+    }
+    stats.prefill = start.elapsed();
+    let start = Instant::now();
+    for i in 0..n {
+        let token = sample(&logits);
+        stats.generated += 1;
+        if let Control::Stop = on_token(token, &logits) {
+            break;
+        }
+        if i + 1 < n {
+            session.eval(mv, experts, lookahead, token, &mut logits)?;
+        }
+    }
+    stats.decode = start.elapsed();
+    Ok(stats)
+}

@@ -1,0 +1,517 @@
+//! Experts on flash: a [`BlockDevice`] over a real file.
+//!
+//! [`FileDevice`] reads with `pread` on a pool of I/O threads, several reads in
+//! flight, demand ("urgent") reads served before queued prefetches. It opens the
+//! file with `O_DIRECT` so the page cache does not become a hidden second expert
+//! cache: aligned requests go straight into the (page-aligned) slot, unaligned
+//! ones (plain GGUFs, whose experts are not 4 KiB-aligned) through a per-thread
+//! aligned bounce buffer. Where `O_DIRECT` is refused (tmpfs, some filesystems), it
+//! falls back to buffered reads and drops the pages it read with
+//! `posix_fadvise(DONTNEED)`.
+//!
+//! Soundness of the shared slot memory ([`arena`]) rests on bookkeeping done here,
+//! not on the caller: `submit` rejects a read overlapping another read in flight
+//! into the same slot, and [`SlotMemory::slot`] refuses a slot with a read in
+//! flight. A read's bytes are written only while it is in flight, and it leaves
+//! the in-flight set only in `poll`, after its I/O thread finished writing.
+
+pub mod arena;
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use les_core::blockdev::{
+    Alignment, BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory,
+    SubmitError, Tag,
+};
+
+use arena::{SlotArena, SLOT_ALIGN};
+
+/// An I/O error of the file device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileError {
+    /// The OS error kind (or `UnexpectedEof` for a short read).
+    pub kind: io::ErrorKind,
+    /// What failed, for the user.
+    pub message: String,
+}
+
+impl fmt::Display for FileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for FileError {}
+
+impl DeviceError for FileError {
+    fn is_transient(&self) -> bool {
+        matches!(
+            self.kind,
+            io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        )
+    }
+}
+
+fn file_error(kind: io::ErrorKind, message: impl Into<String>) -> FileError {
+    FileError {
+        kind,
+        message: message.into(),
+    }
+}
+
+/// Settings of a [`FileDevice`].
+#[derive(Clone, Copy, Debug)]
+pub struct FileDeviceConfig {
+    /// I/O threads (reads in parallel).
+    pub threads: usize,
+    /// Reads accepted at once.
+    pub queue_depth: usize,
+    /// Try `O_DIRECT`.
+    pub direct: bool,
+}
+
+impl Default for FileDeviceConfig {
+    fn default() -> Self {
+        FileDeviceConfig {
+            threads: 4,
+            queue_depth: 32,
+            direct: true,
+        }
+    }
+}
+
+/// Counters of a [`FileDevice`].
+#[derive(Debug, Default)]
+pub struct IoCounters {
+    /// Bytes delivered into slots.
+    pub bytes: AtomicU64,
+    /// Bytes read from the file (more than `bytes` when unaligned reads are widened).
+    pub file_bytes: AtomicU64,
+    /// Reads completed.
+    pub reads: AtomicU64,
+    /// Sum over reads of their duration, in nanoseconds.
+    pub read_nanos: AtomicU64,
+}
+
+struct Queue {
+    urgent: VecDeque<ReadRequest>,
+    normal: VecDeque<ReadRequest>,
+    shutdown: bool,
+}
+
+struct Shared {
+    arena: SlotArena,
+    file: File,
+    direct: bool,
+    file_len: u64,
+    queue: Mutex<Queue>,
+    work: Condvar,
+    done: Mutex<VecDeque<Completion<FileError>>>,
+    done_cv: Condvar,
+    counters: IoCounters,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means an I/O thread panicked; the data (queues) stays valid.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    tag: Tag,
+    slot: u32,
+    start: u32,
+    end: u32,
+}
+
+/// A [`BlockDevice`] reading a file into a fixed arena of slots.
+pub struct FileDevice {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    queue_depth: usize,
+    in_flight: Vec<InFlight>,
+}
+
+impl fmt::Debug for FileDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileDevice")
+            .field("direct", &self.shared.direct)
+            .field("slots", &self.shared.arena.n_slots())
+            .field("slot_bytes", &self.shared.arena.slot_bytes())
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl FileDevice {
+    /// Opens `path` for reading into `n_slots` slots of `slot_bytes` bytes.
+    pub fn open(
+        path: &Path,
+        n_slots: usize,
+        slot_bytes: usize,
+        config: FileDeviceConfig,
+    ) -> io::Result<FileDevice> {
+        let buffered = File::open(path)?;
+        let file_len = buffered.metadata()?.len();
+        let (file, direct) = if config.direct {
+            match OpenOptions::new()
+                .read(true)
+                .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+                .open(path)
+            {
+                Ok(f) if probe_direct(&f, file_len) => (f, true),
+                _ => (buffered, false),
+            }
+        } else {
+            (buffered, false)
+        };
+        let arena = SlotArena::new(n_slots, slot_bytes).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("cannot allocate {n_slots} slots of {slot_bytes} bytes"),
+            )
+        })?;
+        let shared = Arc::new(Shared {
+            arena,
+            file,
+            direct,
+            file_len,
+            queue: Mutex::new(Queue {
+                urgent: VecDeque::new(),
+                normal: VecDeque::new(),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+            done: Mutex::new(VecDeque::new()),
+            done_cv: Condvar::new(),
+            counters: IoCounters::default(),
+        });
+        let max_read = shared.arena.slot_bytes() + 2 * SLOT_ALIGN;
+        let workers = (0..config.threads.max(1))
+            .map(|i| {
+                let s = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("les-io-{i}"))
+                    .spawn(move || worker(&s, max_read))
+            })
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(FileDevice {
+            shared,
+            workers,
+            queue_depth: config.queue_depth.max(1),
+            in_flight: Vec::new(),
+        })
+    }
+
+    /// Whether reads bypass the page cache with `O_DIRECT`.
+    pub fn is_direct(&self) -> bool {
+        self.shared.direct
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.shared.arena.slot_bytes()
+    }
+
+    /// I/O counters.
+    pub fn counters(&self) -> &IoCounters {
+        &self.shared.counters
+    }
+
+    /// Drops the file's pages from the page cache (before a benchmark run).
+    pub fn evict_page_cache(path: &Path) -> io::Result<()> {
+        let f = File::open(path)?;
+        rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed)?;
+        Ok(())
+    }
+}
+
+/// Whether an aligned `O_DIRECT` read works on this file (some filesystems accept
+/// the flag at open and fail every read).
+fn probe_direct(f: &File, file_len: u64) -> bool {
+    if file_len < SLOT_ALIGN as u64 {
+        return false;
+    }
+    let Some(buf) = SlotArena::new(1, SLOT_ALIGN) else {
+        return false;
+    };
+    // SAFETY: `buf` is local to this function; this is its only reference.
+    let dst = unsafe_range(&buf, 0, 0, SLOT_ALIGN);
+    f.read_at(dst, 0).is_ok()
+}
+
+/// Exclusive access to a range of an arena this module owns the synchronisation
+/// of; see the module docs for why the access is exclusive.
+#[allow(unsafe_code)]
+fn unsafe_range(arena: &SlotArena, slot: usize, offset: usize, len: usize) -> &mut [u8] {
+    // SAFETY: callers are (1) I/O threads writing the range of a read in flight,
+    // which `FileDevice::submit` made disjoint from every other read in flight and
+    // `FileDevice::slot` never reads while in flight, and (2) per-thread bounce
+    // buffers and probe buffers used by one thread only.
+    unsafe { arena.range_mut(slot, offset, len) }
+}
+
+fn worker(s: &Shared, max_read: usize) {
+    // Bounce buffer for unaligned O_DIRECT reads, used by this thread only.
+    let bounce = if s.direct {
+        SlotArena::new(1, max_read)
+    } else {
+        None
+    };
+    loop {
+        let req = {
+            let mut q = lock(&s.queue);
+            loop {
+                if let Some(r) = q.urgent.pop_front().or_else(|| q.normal.pop_front()) {
+                    break r;
+                }
+                if q.shutdown {
+                    return;
+                }
+                q = s.work.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let start = Instant::now();
+        let status = match read(s, &req, bounce.as_ref()) {
+            Ok(file_bytes) => {
+                let c = &s.counters;
+                c.bytes.fetch_add(req.len as u64, Ordering::Relaxed);
+                c.file_bytes.fetch_add(file_bytes, Ordering::Relaxed);
+                ReadStatus::Done
+            }
+            Err(e) => ReadStatus::Failed(e),
+        };
+        s.counters.reads.fetch_add(1, Ordering::Relaxed);
+        s.counters
+            .read_nanos
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        lock(&s.done).push_back(Completion {
+            tag: req.tag,
+            status,
+        });
+        s.done_cv.notify_all();
+    }
+}
+
+fn read_full(file: &File, dst: &mut [u8], offset: u64) -> Result<(), FileError> {
+    file.read_exact_at(dst, offset).map_err(|e| {
+        file_error(
+            e.kind(),
+            format!("read of {} bytes at offset {offset} failed: {e}", dst.len()),
+        )
+    })
+}
+
+/// Performs one read; returns the bytes read from the file.
+fn read(s: &Shared, req: &ReadRequest, bounce: Option<&SlotArena>) -> Result<u64, FileError> {
+    let (slot, off, len) = (
+        req.slot.0 as usize,
+        req.slot_offset as usize,
+        req.len as usize,
+    );
+    let dst = unsafe_range(&s.arena, slot, off, len);
+    if !s.direct {
+        read_full(&s.file, dst, req.offset)?;
+        // Don't let the page cache keep what the slots now hold.
+        let _ = rustix::fs::fadvise(
+            &s.file,
+            req.offset,
+            std::num::NonZeroU64::new(req.len as u64),
+            rustix::fs::Advice::DontNeed,
+        );
+        return Ok(req.len as u64);
+    }
+    let a = SLOT_ALIGN as u64;
+    if req.offset % a == 0 && off % SLOT_ALIGN == 0 && len % SLOT_ALIGN == 0 {
+        read_full(&s.file, dst, req.offset)?;
+        return Ok(req.len as u64);
+    }
+    // Widen to aligned bounds, read into the bounce buffer, copy the part wanted.
+    let bounce = bounce.ok_or_else(|| file_error(io::ErrorKind::Other, "no bounce buffer"))?;
+    let first = req.offset / a * a;
+    let end = (req.offset + len as u64).div_ceil(a) * a;
+    let span = (end - first) as usize;
+    if span > bounce.slot_bytes() {
+        return Err(file_error(
+            io::ErrorKind::InvalidInput,
+            "read larger than a slot",
+        ));
+    }
+    let buf = unsafe_range(bounce, 0, 0, span);
+    // The last block may extend past the end of the file: accept a short read
+    // that still covers the wanted bytes.
+    let mut got = 0usize;
+    while got < span {
+        match s.file.read_at(&mut buf[got..], first + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(file_error(
+                    e.kind(),
+                    format!("read of {span} bytes at offset {first} failed: {e}"),
+                ))
+            }
+        }
+    }
+    let skip = (req.offset - first) as usize;
+    if got < skip + len {
+        return Err(file_error(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "short read at offset {}: {} of {len} bytes",
+                req.offset,
+                got.saturating_sub(skip)
+            ),
+        ));
+    }
+    dst.copy_from_slice(&buf[skip..skip + len]);
+    Ok(span as u64)
+}
+
+impl BlockDevice for FileDevice {
+    type Error = FileError;
+
+    fn alignment(&self) -> Alignment {
+        // Unaligned reads are accepted (widened internally).
+        Alignment {
+            io: 1,
+            memory: SLOT_ALIGN as u32,
+        }
+    }
+
+    fn queue_depth(&self) -> usize {
+        self.queue_depth
+    }
+
+    fn submit(&mut self, req: ReadRequest) -> Result<(), SubmitError<FileError>> {
+        let bad = |m: String| {
+            Err(SubmitError::Device(file_error(
+                io::ErrorKind::InvalidInput,
+                m,
+            )))
+        };
+        let slot_end = req.slot_offset as u64 + req.len as u64;
+        if req.slot.0 as usize >= self.shared.arena.n_slots()
+            || slot_end > self.shared.arena.slot_bytes() as u64
+        {
+            return bad(format!("read into slot {} beyond its memory", req.slot.0));
+        }
+        if req
+            .offset
+            .checked_add(req.len as u64)
+            .is_none_or(|e| e > self.shared.file_len)
+        {
+            return bad(format!(
+                "read of {} bytes at offset {} beyond the end of the file",
+                req.len, req.offset
+            ));
+        }
+        let (start, end) = (req.slot_offset, slot_end as u32);
+        if self
+            .in_flight
+            .iter()
+            .any(|f| f.tag == req.tag || (f.slot == req.slot.0 && f.start < end && start < f.end))
+        {
+            return bad(format!(
+                "read {:?} overlaps a read in flight into slot {}",
+                req.tag, req.slot.0
+            ));
+        }
+        if self.in_flight.len() >= self.queue_depth {
+            return Err(SubmitError::Busy);
+        }
+        self.in_flight.push(InFlight {
+            tag: req.tag,
+            slot: req.slot.0,
+            start,
+            end,
+        });
+        let mut q = lock(&self.shared.queue);
+        if req.urgent {
+            q.urgent.push_back(req);
+        } else {
+            q.normal.push_back(req);
+        }
+        drop(q);
+        self.shared.work.notify_one();
+        Ok(())
+    }
+
+    fn poll(&mut self) -> Option<Completion<FileError>> {
+        let c = lock(&self.shared.done).pop_front()?;
+        if let Some(i) = self.in_flight.iter().position(|f| f.tag == c.tag) {
+            self.in_flight.swap_remove(i);
+        }
+        Some(c)
+    }
+
+    fn wait(&mut self) {
+        let mut done = lock(&self.shared.done);
+        while done.is_empty() && !self.in_flight.is_empty() {
+            done = self
+                .shared
+                .done_cv
+                .wait(done)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn cancel(&mut self, tag: Tag) {
+        // A read not yet started is dropped and completes as cancelled; one already
+        // running completes normally.
+        let mut guard = lock(&self.shared.queue);
+        let q = &mut *guard;
+        let found = [&mut q.urgent, &mut q.normal].into_iter().find_map(|d| {
+            let i = d.iter().position(|r| r.tag == tag)?;
+            d.remove(i)
+        });
+        drop(guard);
+        if found.is_some() {
+            lock(&self.shared.done).push_back(Completion {
+                tag,
+                status: ReadStatus::Cancelled,
+            });
+            self.shared.done_cv.notify_all();
+        }
+    }
+}
+
+#[allow(unsafe_code)]
+impl SlotMemory for FileDevice {
+    fn slot(&self, slot: SlotId) -> &[u8] {
+        assert!(
+            !self.in_flight.iter().any(|f| f.slot == slot.0),
+            "slot {} read while a read into it is in flight",
+            slot.0
+        );
+        // SAFETY: no read into this slot is in flight (checked above), so no I/O
+        // thread writes it; a new read can only start through `submit(&mut self)`,
+        // which the returned borrow of `self` prevents while the slice lives.
+        unsafe { self.shared.arena.slot(slot.0 as usize) }
+    }
+}
+
+impl Drop for FileDevice {
+    fn drop(&mut self) {
+        {
+            let mut q = lock(&self.shared.queue);
+            q.urgent.clear();
+            q.normal.clear();
+            q.shutdown = true;
+        }
+        self.shared.work.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
