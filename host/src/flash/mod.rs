@@ -235,6 +235,7 @@ impl FileDevice {
     }
 }
 
+#[allow(unsafe_code)]
 /// Whether an aligned `O_DIRECT` read works on this file (some filesystems accept
 /// the flag at open and fail every read).
 fn probe_direct(f: &File, file_len: u64) -> bool {
@@ -245,19 +246,8 @@ fn probe_direct(f: &File, file_len: u64) -> bool {
         return false;
     };
     // SAFETY: `buf` is local to this function; this is its only reference.
-    let dst = unsafe_range(&buf, 0, 0, SLOT_ALIGN);
+    let dst = unsafe { buf.range_mut(0, 0, SLOT_ALIGN) };
     f.read_at(dst, 0).is_ok()
-}
-
-/// Exclusive access to a range of an arena this module owns the synchronisation
-/// of; see the module docs for why the access is exclusive.
-#[allow(unsafe_code)]
-fn unsafe_range(arena: &SlotArena, slot: usize, offset: usize, len: usize) -> &mut [u8] {
-    // SAFETY: callers are (1) I/O threads writing the range of a read in flight,
-    // which `FileDevice::submit` made disjoint from every other read in flight and
-    // `FileDevice::slot` never reads while in flight, and (2) per-thread bounce
-    // buffers and probe buffers used by one thread only.
-    unsafe { arena.range_mut(slot, offset, len) }
 }
 
 fn worker(s: &Shared, max_read: usize) {
@@ -312,13 +302,18 @@ fn read_full(file: &File, dst: &mut [u8], offset: u64) -> Result<(), FileError> 
 }
 
 /// Performs one read; returns the bytes read from the file.
+#[allow(unsafe_code)]
 fn read(s: &Shared, req: &ReadRequest, bounce: Option<&SlotArena>) -> Result<u64, FileError> {
     let (slot, off, len) = (
         req.slot.0 as usize,
         req.slot_offset as usize,
         req.len as usize,
     );
-    let dst = unsafe_range(&s.arena, slot, off, len);
+    // SAFETY: `req` is in flight: `FileDevice::submit` checked its range is inside
+    // the slot and disjoint from every other read in flight, and
+    // `FileDevice::slot` refuses to read a slot while a read into it is in flight.
+    // The range is written only here, before the completion is published.
+    let dst = unsafe { s.arena.range_mut(slot, off, len) };
     if !s.direct {
         read_full(&s.file, dst, req.offset)?;
         // Don't let the page cache keep what the slots now hold.
@@ -346,7 +341,8 @@ fn read(s: &Shared, req: &ReadRequest, bounce: Option<&SlotArena>) -> Result<u64
             "read larger than a slot",
         ));
     }
-    let buf = unsafe_range(bounce, 0, 0, span);
+    // SAFETY: the bounce buffer belongs to this I/O thread alone.
+    let buf = unsafe { bounce.range_mut(0, 0, span) };
     // The last block may extend past the end of the file: accept a short read
     // that still covers the wanted bytes.
     let mut got = 0usize;
