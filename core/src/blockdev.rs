@@ -130,3 +130,37 @@ pub trait SlotMemory {
     /// The bytes of slot `slot` (its full capacity).
     fn slot(&self, slot: SlotId) -> &[u8];
 }
+
+impl<D: BlockDevice + ?Sized> BlockDevice for &mut D {
+    type Error = D::Error;
+
+    fn alignment(&self) -> Alignment {
+        (**self).alignment()
+    }
+
+    fn queue_depth(&self) -> usize {
+        (**self).queue_depth()
+    }
+
+    fn submit(&mut self, req: ReadRequest) -> Result<(), SubmitError<Self::Error>> {
+        (**self).submit(req)
+    }
+
+    fn poll(&mut self) -> Option<Completion<Self::Error>> {
+        (**self).poll()
+    }
+
+    fn wait(&mut self) {
+        (**self).wait()
+    }
+
+    fn cancel(&mut self, tag: Tag) {
+        (**self).cancel(tag)
+    }
+}
+
+impl<D: SlotMemory + ?Sized> SlotMemory for &mut D {
+    fn slot(&self, slot: SlotId) -> &[u8] {
+        (**self).slot(slot)
+    }
+}

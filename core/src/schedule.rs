@@ -69,6 +69,16 @@ pub trait ExpertSource {
     }
 }
 
+impl<T: ExpertSource + ?Sized> ExpertSource for &T {
+    fn extents(&self, key: ExpertKey) -> Extents {
+        (**self).extents(key)
+    }
+
+    fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
+        (**self).verify(key, slot)
+    }
+}
+
 /// Scheduler settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SchedulerConfig {

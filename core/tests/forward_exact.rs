@@ -411,7 +411,7 @@ fn streamed(
             }
         });
     let hp = m.hp;
-    let mut sched = Scheduler::new(
+    let sched = Scheduler::new(
         SchedulerConfig {
             max_retries: 40,
             ..cfg
@@ -426,7 +426,7 @@ fn streamed(
     .unwrap();
     let src = Source { m, split };
     let mut ex = Streamed {
-        scheduler: &mut sched,
+        scheduler: sched,
         device: &mut dev,
         source: &src,
         format: |_| fmt,
@@ -437,7 +437,7 @@ fn streamed(
         layers: LayerMask::first(hp.n_layers).unwrap(),
     };
     let out = decode(m, &mut ex, Some(&la));
-    let st = sched.stats();
+    let st = ex.scheduler.stats();
     assert!(
         st.misses + st.hits + st.late_hits == (TOKENS.len() * 2 * 3) as u64,
         "{st:?}"

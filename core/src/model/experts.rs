@@ -137,20 +137,23 @@ impl<E: core::fmt::Display> core::fmt::Display for StreamError<E> {
 impl<E: core::fmt::Debug + core::fmt::Display> core::error::Error for StreamError<E> {}
 
 /// Experts streamed from a [`BlockDevice`] by the LES [`Scheduler`].
-pub struct Streamed<'r, S, M, L, D, X, F> {
+///
+/// Owns its parts; pass `&mut` references to keep them (the device and source
+/// traits are implemented for references).
+pub struct Streamed<S, M, L, D, X, F> {
     /// The scheduler (its statistics are the run's I/O statistics).
-    pub scheduler: &'r mut Scheduler<S, M, L>,
+    pub scheduler: Scheduler<S, M, L>,
     /// The device, which also owns the slot memory.
-    pub device: &'r mut D,
+    pub device: D,
     /// Where experts are and how to verify them.
-    pub source: &'r X,
+    pub source: X,
     /// Layout of layer `l`'s expert in a slot.
     pub format: F,
     /// Pass lookahead predictions to the scheduler.
     pub predict: bool,
 }
 
-impl<S, M, L, D, X, F> Experts for Streamed<'_, S, M, L, D, X, F>
+impl<S, M, L, D, X, F> Experts for Streamed<S, M, L, D, X, F>
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
     M: AsRef<[u32]> + AsMut<[u32]>,
@@ -167,7 +170,7 @@ where
 
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), Self::Error> {
         self.scheduler
-            .begin_layer(layer as u16, routing, self.device, self.source)
+            .begin_layer(layer as u16, routing, &mut self.device, &self.source)
             .map_err(StreamError::Schedule)
     }
 
@@ -177,14 +180,14 @@ where
 
     fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), Self::Error> {
         self.scheduler
-            .prefetch(layer as u16, predicted, self.device, self.source)
+            .prefetch(layer as u16, predicted, &mut self.device, &self.source)
             .map_err(StreamError::Schedule)
     }
 
     fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, Self::Error> {
         match self
             .scheduler
-            .next_blocking(self.device, self.source)
+            .next_blocking(&mut self.device, &self.source)
             .map_err(StreamError::Schedule)?
         {
             Next::Compute { index, key, slot } => {
