@@ -59,7 +59,7 @@ impl Bpe {
         lookup: impl Fn(&str) -> Option<u32>,
         ignore_merges: bool,
     ) -> Result<Self, TokenizerError> {
-        let mut table = HashMap::with_capacity_and_hasher(merges.len(), FxBuildHasher::default());
+        let mut table = HashMap::with_capacity_and_hasher(merges.len(), FxBuildHasher);
         let mut joined = String::new();
         for (rank, merge) in merges.iter().enumerate() {
             let bad = |reason: String| TokenizerError::BadMerge {

@@ -7,7 +7,8 @@
 //!   [`PreTokenizer`] chosen by `tokenizer.ggml.pre`, each word's bytes become GPT-2
 //!   byte tokens and merges apply by rank;
 //! - SentencePiece BPE (`"llama"`): spaces become `▁`, characters merge by token
-//!   score, and pieces without a token fall back to `<0xXX>` byte tokens.
+//!   score, and pieces without a token fall back to `<0xXX>` byte tokens (or the
+//!   unknown token where the vocabulary lacks them; llama.cpp would abort).
 //!
 //! Control and user-defined tokens written in the text are cut out first, longest
 //! first, and become single ids (control tokens only when `parse_special` is on).
@@ -406,7 +407,6 @@ const FIM_TEXTS: [(&[&str], bool); 6] = [
 ];
 
 /// A checked vocabulary ready to encode and decode.
-#[derive(Debug)]
 pub struct Tokenizer {
     kind: ModelKind,
     pre: Option<PreTokenizer>,
@@ -434,6 +434,24 @@ pub struct Tokenizer {
     /// `pieces[piece_ends[id - 1]..piece_ends[id]]` is token `id`'s piece.
     piece_ends: Vec<usize>,
     chat_template: Option<String>,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("kind", &self.kind)
+            .field("pre", &self.pre)
+            .field("n_vocab", &self.tokens.len())
+            .field("n_merges", &self.n_merges())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("eot", &self.eot)
+            .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
+            .field("add_space_prefix", &self.add_space_prefix)
+            .field("eog", &self.eog)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A run of the input: plain text, or a special token cut out of it.
