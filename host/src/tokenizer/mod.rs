@@ -634,12 +634,8 @@ impl Tokenizer {
 
         // Tokens recognised by text, as llama.cpp does after loading.
         let mut eog = Vec::new();
-        let make_control = |types: &mut [TokenType], id: u32| {
-            let ty = &mut types[id as usize];
-            if !matches!(ty, TokenType::Control) {
-                *ty = TokenType::Control;
-            }
-        };
+        let make_control =
+            |types: &mut [TokenType], id: u32| types[id as usize] = TokenType::Control;
         if eot.is_none() {
             eot = EOT_TEXTS.iter().filter_map(|t| lookup(t)).min();
             if let Some(id) = eot {
