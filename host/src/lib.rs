@@ -4,9 +4,14 @@
 //! command-line layer ([`cli`]) over this library.
 //!
 //! - [`gguf`]: a hardened GGUF reader (memory-mapped, zero-copy) and a streaming writer.
+//! - [`model`]: a GGUF as a runnable model (hyperparameters, validated weights).
+//! - [`tokenizer`]: tokenizers built from the GGUF's `tokenizer.ggml.*` metadata.
+//! - [`engine`]: KV cache, prefill and the decode loop.
+//! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
 
 pub mod cli;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
 pub mod model;
+pub mod tokenizer;

@@ -1,0 +1,449 @@
+//! Chat templates: the Jinja template a model ships in `tokenizer.chat_template`,
+//! rendered with minijinja the way Hugging Face's `apply_chat_template` renders it
+//! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`,
+//! `strftime_now`, `tojson`, loop controls).
+
+use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::Kwargs;
+use minijinja::{context, Environment, Error, ErrorKind, Value};
+
+/// Longest template source accepted (bytes).
+pub const MAX_TEMPLATE_LEN: usize = 1 << 20;
+
+/// A compiled chat template together with the BOS and EOS strings it may use.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a chat template could not be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChatTemplateError {
+    /// The model has no `tokenizer.chat_template`.
+    Missing,
+    /// The source is longer than [`MAX_TEMPLATE_LEN`].
+    TooLarge(usize),
+    /// The source does not parse.
+    Syntax(String),
+    /// Rendering failed (including the template's own `raise_exception`).
+    Render(String),
+}
+
+impl fmt::Display for ChatTemplateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Missing => write!(f, "the model has no chat template"),
+            Self::TooLarge(n) => write!(
+                f,
+                "chat template is {n} bytes, more than the {MAX_TEMPLATE_LEN} allowed"
+            ),
+            Self::Syntax(e) => write!(f, "chat template does not parse: {e}"),
+            Self::Render(e) => write!(f, "chat template failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ChatTemplateError {}
+
+/// Full message of a minijinja error, including its causes.
+fn describe(e: &Error) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token` and `eos_token` are what the template sees as
+    /// `bos_token` and `eos_token`.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, ChatTemplateError> {
+        if source.len() > MAX_TEMPLATE_LEN {
+            return Err(ChatTemplateError::TooLarge(source.len()));
+        }
+        let mut env = Environment::new();
+        let syntax = SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned("chat", source.to_owned())
+            .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        })
+    }
+
+    /// Renders `messages` (role, content) in order; with `add_generation_prompt` the
+    /// output ends with the header of the assistant's next turn.
+    pub fn apply<R: AsRef<str>, C: AsRef<str>>(
+        &self,
+        messages: &[(R, C)],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|(role, content)| context! { role => role.as_ref(), content => content.as_ref() })
+            .collect();
+        self.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+    }
+
+    /// Renders with a caller-built context (for tools, `enable_thinking` and the
+    /// like); `bos_token` and `eos_token` are added unless the context sets them.
+    pub fn render(&self, ctx: Value) -> Result<String, ChatTemplateError> {
+        let ctx = context! {
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+            ..ctx
+        };
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
+        tmpl.render(ctx)
+            .map_err(|e| ChatTemplateError::Render(describe(&e)))
+    }
+}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `tojson` as Hugging Face defines it for chat templates: Python's
+/// `json.dumps(value, ensure_ascii=False, indent=..., separators=..., sort_keys=...)`
+/// (keyword arguments as there; `ensure_ascii` may be turned on). Unlike minijinja's
+/// own filter nothing is HTML-escaped.
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent = match indent {
+        Some(i) => Some(i),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(match v.as_str() {
+            Some(s) => s.to_owned(),
+            None => " ".repeat(usize::try_from(v)?.min(64)),
+        }),
+    };
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let (item_sep, key_sep) = match kwargs.get::<Option<Value>>("separators")? {
+        Some(seps) if !seps.is_none() => {
+            let item = seps.get_item_by_index(0)?;
+            let key = seps.get_item_by_index(1)?;
+            match (item.as_str(), key.as_str()) {
+                (Some(i), Some(k)) => (i.to_owned(), k.to_owned()),
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson separators must be two strings",
+                    ))
+                }
+            }
+        }
+        _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        _ => (", ".to_owned(), ": ".to_owned()),
+    };
+    kwargs.assert_all_used()?;
+    let json = Json {
+        indent,
+        item_sep,
+        key_sep,
+        ensure_ascii,
+        sort_keys,
+    };
+    let mut out = String::new();
+    json.write(&mut out, value, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+/// Options of one `tojson` call.
+struct Json {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+/// Deepest nesting `tojson` writes.
+const MAX_JSON_DEPTH: usize = 128;
+
+impl Json {
+    fn write(&self, out: &mut String, v: &Value, depth: usize) -> Result<(), Error> {
+        use minijinja::value::ValueKind;
+        if depth > MAX_JSON_DEPTH {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: value nested too deeply",
+            ));
+        }
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+            ValueKind::Number => out.push_str(&py_float(f64::try_from(v.clone())?)),
+            ValueKind::String | ValueKind::Bytes | ValueKind::Plain => {
+                self.write_str(out, &v.to_string());
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.write_container(out, '[', ']', items.len(), depth, |out, i| {
+                    self.write(out, &items[i], depth + 1)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut entries = Vec::new();
+                for key in v.try_iter()? {
+                    let item = v.get_item(&key)?;
+                    let key = match key.as_str() {
+                        Some(s) => s.to_owned(),
+                        None if key.is_none() => "null".to_owned(),
+                        None => {
+                            let mut k = String::new();
+                            self.write(&mut k, &key, depth + 1)?;
+                            k
+                        }
+                    };
+                    entries.push((key, item));
+                }
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(&b.0));
+                }
+                self.write_container(out, '{', '}', entries.len(), depth, |out, i| {
+                    self.write_str(out, &entries[i].0);
+                    out.push_str(&self.key_sep);
+                    self.write(out, &entries[i].1, depth + 1)
+                })?;
+            }
+            ValueKind::Invalid => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: invalid value",
+                ));
+            }
+            // ValueKind is non-exhaustive.
+            _ => self.write_str(out, &v.to_string()),
+        }
+        Ok(())
+    }
+
+    fn write_container(
+        &self,
+        out: &mut String,
+        open: char,
+        close: char,
+        len: usize,
+        depth: usize,
+        mut item: impl FnMut(&mut String, usize) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        out.push(open);
+        if len == 0 {
+            out.push(close);
+            return Ok(());
+        }
+        for i in 0..len {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            if let Some(ind) = &self.indent {
+                out.push('\n');
+                out.push_str(&ind.repeat(depth + 1));
+            }
+            item(out, i)?;
+        }
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(depth));
+        }
+        out.push(close);
+        Ok(())
+    }
+
+    fn write_str(&self, out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// A float as Python's `repr` writes it (close enough for templates: shortest
+/// round-trip digits, `.0` on integral values, `e+XX` exponents).
+fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let s = format!("{x:?}");
+    match s.split_once('e') {
+        Some((mantissa, exp)) => {
+            let (sign, digits) = match exp.strip_prefix('-') {
+                Some(d) => ('-', d),
+                None => ('+', exp),
+            };
+            format!("{mantissa}e{sign}{digits:0>2}")
+        }
+        None => s,
+    }
+}
+
+/// `strftime_now(format)`: the current UTC time formatted with the common
+/// `strftime` directives (`%Y %y %m %d %e %H %I %M %S %p %j %b %B %a %A %%`);
+/// others are copied as written.
+fn strftime_now(format: String) -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    strftime(&format, secs)
+}
+
+pub(crate) fn strftime(format: &str, unix_secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = unix_secs / 86_400;
+    let sod = unix_secs % 86_400;
+    let (hour, minute, second) = (sod / 3600, sod / 60 % 60, sod % 60);
+    let (year, month, day) = civil_from_days(days);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const CUM: [u64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = CUM[(month - 1) as usize] + day + u64::from(leap && month > 2);
+    let weekday = DAYS[(days % 7) as usize];
+    let month_name = MONTHS[(month - 1) as usize];
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::with_capacity(format.len() + 16);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:2}")),
+            Some('H') => out.push_str(&format!("{hour:02}")),
+            Some('I') => out.push_str(&format!("{hour12:02}")),
+            Some('M') => out.push_str(&format!("{minute:02}")),
+            Some('S') => out.push_str(&format!("{second:02}")),
+            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// (year, month 1..=12, day 1..=31) of a day count since 1970-01-01
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_known_instants() {
+        // 2024-07-26 13:05:09 UTC, a Friday.
+        let t = 1_721_999_109;
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %a %j %I%p %y %B %A %% %Q", t),
+            "26 Jul 2024 13:05:09 Fri 208 01PM 24 July Friday % %Q"
+        );
+        assert_eq!(strftime("%Y-%m-%d %e", 0), "1970-01-01  1");
+        // 2000-02-29 (leap day) and 2100-03-01.
+        assert_eq!(strftime("%Y-%m-%d %j", 951_782_400), "2000-02-29 060");
+        assert_eq!(strftime("%Y-%m-%d", 4_107_542_400), "2100-03-01");
+    }
+}

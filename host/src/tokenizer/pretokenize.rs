@@ -1,0 +1,341 @@
+//! Pre-tokenizers: how byte-level BPE cuts text into words before merging.
+//!
+//! llama.cpp picks a list of regexes by `tokenizer.ggml.pre` and applies them one
+//! after the other: each regex cuts every piece made so far into its matches and
+//! the unmatched stretches between them. The regexes used here are hand-written
+//! scanners with the same leftmost-first semantics as llama.cpp (its own custom
+//! scanners for the GPT-2 and llama-3 patterns, `std::regex` over category-collapsed
+//! text for the rest).
+
+use super::unicode::{flags, LETTER, MARK, NUMBER, PUNCT, SPACE};
+
+/// A pre-tokenizer as llama.cpp selects it from `tokenizer.ggml.pre`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PreTokenizer {
+    /// llama.cpp's fallback when `tokenizer.ggml.pre` is absent or `default`:
+    /// punctuation runs, then the GPT-2 pattern, then `\p{N}+`, then `[0-9][0-9][0-9]`.
+    Default,
+    /// The GPT-2 pattern
+    /// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
+    /// (`gpt-2`, `phi-2`, `mpt`, `olmo`, `jais`, ...).
+    Gpt2,
+    /// Every `\p{N}` alone, then the GPT-2 pattern (`smollm`, `starcoder`, `refact`,
+    /// `command-r`, ...).
+    Smollm,
+    /// The llama-3 pattern
+    /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+    /// (`llama-bpe`, `llama3`, `dbrx`, `smaug-bpe`, `glm4`, ...).
+    Llama3,
+    /// As [`PreTokenizer::Llama3`] but with single digits (`\p{N}` for `\p{N}{1,3}`)
+    /// (`qwen2`, `deepseek-r1-qwen`, `stablelm2`, `megrez`, `hunyuan`, ...).
+    Qwen2,
+    /// As [`PreTokenizer::Qwen2`] with marks joining letters: `[\p{L}\p{M}]+` for
+    /// `\p{L}+`, and `\p{M}` kept out of the punctuation class (`qwen35`).
+    Qwen35,
+}
+
+impl PreTokenizer {
+    /// The pre-tokenizer llama.cpp uses for a `tokenizer.ggml.pre` value, if it is
+    /// one this crate supports.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "default" => Self::Default,
+            "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
+            | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "mpt" | "olmo" | "jais"
+            | "trillion" | "granite-docling" | "exaone4" => Self::Gpt2,
+            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone"
+            | "minerva-7b" | "mellum2" => Self::Smollm,
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
+            | "midm-2.0" | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" | "glm4"
+            | "chatglm-bpe" => Self::Llama3,
+            "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
+            | "hunyuan" | "solar-open" => Self::Qwen2,
+            "qwen35" => Self::Qwen35,
+            _ => return None,
+        })
+    }
+
+    fn stages(self) -> &'static [Stage] {
+        const LLAMA3: Stage = Stage::Llama {
+            max_digits: 3,
+            word: LETTER,
+        };
+        const QWEN2: Stage = Stage::Llama {
+            max_digits: 1,
+            word: LETTER,
+        };
+        const QWEN35: Stage = Stage::Llama {
+            max_digits: 1,
+            word: LETTER | MARK,
+        };
+        match self {
+            Self::Default => &[
+                Stage::PunctRuns,
+                Stage::Gpt2,
+                Stage::NumberRuns,
+                Stage::AsciiDigitTriples,
+            ],
+            Self::Gpt2 => &[Stage::Gpt2],
+            Self::Smollm => &[Stage::EachNumber, Stage::Gpt2],
+            Self::Llama3 => &[LLAMA3],
+            Self::Qwen2 => &[QWEN2],
+            Self::Qwen35 => &[QWEN35],
+        }
+    }
+
+    /// Cuts `text` into the words BPE merges within; the pieces cover `text` in order.
+    pub fn split<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        let mut out = Vec::new();
+        self.split_into(text, &mut out);
+        out
+    }
+
+    pub(crate) fn split_into<'t>(&self, text: &'t str, out: &mut Vec<&'t str>) {
+        out.clear();
+        if text.is_empty() {
+            return;
+        }
+        let cps: Vec<Cp> = text
+            .char_indices()
+            .map(|(off, c)| Cp {
+                c,
+                f: flags(c),
+                off,
+            })
+            .collect();
+        let mut ranges = vec![(0, cps.len())];
+        let mut next = Vec::new();
+        for stage in self.stages() {
+            next.clear();
+            for &(s, e) in &ranges {
+                stage.run(&cps[s..e], s, &mut next);
+            }
+            std::mem::swap(&mut ranges, &mut next);
+        }
+        let byte_at = |i: usize| cps.get(i).map_or(text.len(), |cp| cp.off);
+        out.extend(ranges.iter().map(|&(s, e)| &text[byte_at(s)..byte_at(e)]));
+    }
+}
+
+/// One character with its class bits and byte offset.
+#[derive(Clone, Copy)]
+struct Cp {
+    c: char,
+    f: u8,
+    off: usize,
+}
+
+/// One regex of a pre-tokenizer's list.
+#[derive(Clone, Copy)]
+enum Stage {
+    /// `[\p{P}\$\+<=>\^~\|]+`
+    PunctRuns,
+    /// `\p{N}+`
+    NumberRuns,
+    /// `\p{N}`
+    EachNumber,
+    /// `[0-9][0-9][0-9]`
+    AsciiDigitTriples,
+    /// The GPT-2 pattern.
+    Gpt2,
+    /// The llama-3 family: digits per group and the letter class vary.
+    Llama { max_digits: usize, word: u8 },
+}
+
+impl Stage {
+    /// Cuts `cps` (which starts at index `base` of the whole text) and appends the
+    /// pieces as index ranges.
+    fn run(self, cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>) {
+        match self {
+            Self::PunctRuns => match_split(cps, base, out, |cps, i| {
+                run_len(&cps[i..], |cp| {
+                    if cp.c.is_ascii() {
+                        cp.f & PUNCT != 0
+                            || matches!(cp.c, '$' | '+' | '<' | '=' | '>' | '^' | '~' | '|')
+                    } else {
+                        cp.f & (PUNCT | SPACE) == PUNCT
+                    }
+                })
+            }),
+            Self::NumberRuns => match_split(cps, base, out, |cps, i| {
+                run_len(&cps[i..], |cp| cp.f & NUMBER != 0)
+            }),
+            Self::EachNumber => {
+                match_split(cps, base, out, |cps, i| usize::from(cps[i].f & NUMBER != 0))
+            }
+            Self::AsciiDigitTriples => match_split(cps, base, out, |cps, i| {
+                let three = cps.get(i..i + 3);
+                if three.is_some_and(|t| t.iter().all(|cp| cp.c.is_ascii_digit())) {
+                    3
+                } else {
+                    0
+                }
+            }),
+            Self::Gpt2 => gpt2(cps, base, out),
+            Self::Llama { max_digits, word } => llama(cps, base, out, max_digits, word),
+        }
+    }
+}
+
+/// Length of the run at the start of `cps` whose characters satisfy `pred`.
+fn run_len(cps: &[Cp], pred: impl Fn(&Cp) -> bool) -> usize {
+    cps.iter().take_while(|cp| pred(cp)).count()
+}
+
+/// Regex-iterator semantics: find leftmost matches (`matcher` gives the match length
+/// at a position, 0 for none) and keep the unmatched stretches as pieces too.
+fn match_split(
+    cps: &[Cp],
+    base: usize,
+    out: &mut Vec<(usize, usize)>,
+    matcher: impl Fn(&[Cp], usize) -> usize,
+) {
+    let mut gap = 0;
+    let mut i = 0;
+    while i < cps.len() {
+        let m = matcher(cps, i);
+        if m == 0 {
+            i += 1;
+            continue;
+        }
+        if gap < i {
+            out.push((base + gap, base + i));
+        }
+        out.push((base + i, base + i + m));
+        i += m;
+        gap = i;
+    }
+    if gap < cps.len() {
+        out.push((base + gap, base + cps.len()));
+    }
+}
+
+/// Length of the contraction `'s 't 'm 'd` (2) or `'re 've 'll` (3) at `pos`, or 0.
+fn contraction(cps: &[Cp], pos: usize, fold_case: bool) -> usize {
+    let at = |i: usize| {
+        cps.get(i).map(|cp| {
+            if fold_case {
+                cp.c.to_ascii_lowercase()
+            } else {
+                cp.c
+            }
+        })
+    };
+    if cps[pos].c != '\'' {
+        return 0;
+    }
+    match (at(pos + 1), at(pos + 2)) {
+        (Some('s' | 't' | 'm' | 'd'), _) => 2,
+        (Some('r'), Some('e')) | (Some('v'), Some('e')) | (Some('l'), Some('l')) => 3,
+        _ => 0,
+    }
+}
+
+/// Whitespace handling shared by both families: `\s+(?!\S)` then `\s+`; the llama
+/// family first tries `\s*[\r\n]+`. Returns the end of the piece at `pos`.
+fn whitespace_end(cps: &[Cp], pos: usize, newline_first: bool) -> usize {
+    let n = cps.len();
+    let mut k = 0;
+    let mut last_newline = None;
+    while pos + k < n && cps[pos + k].f & SPACE != 0 {
+        if matches!(cps[pos + k].c, '\r' | '\n') {
+            last_newline = Some(pos + k + 1);
+        }
+        k += 1;
+    }
+    match last_newline {
+        Some(end) if newline_first => end,
+        _ if k > 1 && pos + k < n => pos + k - 1,
+        _ if k > 0 => pos + k,
+        _ => pos + 1,
+    }
+}
+
+/// The GPT-2 pattern, as llama.cpp's `unicode_regex_split_custom_gpt2`.
+fn gpt2(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>) {
+    let n = cps.len();
+    let mut pos = 0;
+    while pos < n {
+        let start = pos;
+        let c = cps[pos].c;
+        let contr = contraction(cps, pos, false);
+        if contr > 0 {
+            pos += contr;
+        } else {
+            let lead = usize::from(c == ' ');
+            // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
+            let class = cps.get(pos + lead).and_then(|cp| {
+                if cp.f & LETTER != 0 {
+                    Some(LETTER)
+                } else if cp.f & NUMBER != 0 {
+                    Some(NUMBER)
+                } else if cp.f & SPACE == 0 {
+                    Some(0)
+                } else {
+                    None
+                }
+            });
+            pos = match class {
+                Some(0) => {
+                    let from = pos + lead;
+                    from + run_len(&cps[from..], |cp| cp.f & (SPACE | LETTER | NUMBER) == 0)
+                }
+                Some(class) => {
+                    let from = pos + lead;
+                    from + run_len(&cps[from..], |cp| cp.f & class != 0)
+                }
+                None => whitespace_end(cps, pos, false),
+            };
+        }
+        out.push((base + start, base + pos));
+    }
+}
+
+/// The llama-3 pattern family, as llama.cpp's `unicode_regex_split_custom_llama3`;
+/// `max_digits` is the `\p{N}` group size and `word` the letter class.
+fn llama(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>, max_digits: usize, word: u8) {
+    let n = cps.len();
+    let is_word = |i: usize| cps.get(i).is_some_and(|cp| cp.f & word != 0);
+    // `[^\s<word>\p{N}]`
+    let is_other = |i: usize| {
+        cps.get(i)
+            .is_some_and(|cp| cp.f & (SPACE | word | NUMBER) == 0)
+    };
+    let mut pos = 0;
+    while pos < n {
+        let start = pos;
+        let Cp { c, f, .. } = cps[pos];
+        let contr = contraction(cps, pos, true);
+        if contr > 0 {
+            // `(?i:'s|'t|'re|'ve|'m|'ll|'d)`
+            pos += contr;
+        } else if f & word != 0
+            || (c != '\r' && c != '\n' && f & (LETTER | NUMBER) == 0 && is_word(pos + 1))
+        {
+            // `[^\r\n\p{L}\p{N}]?<word>+`
+            pos += 1;
+            while is_word(pos) {
+                pos += 1;
+            }
+        } else if f & NUMBER != 0 {
+            // `\p{N}{1,max_digits}`
+            let mut k = 0;
+            while k < max_digits && pos < n && cps[pos].f & NUMBER != 0 {
+                pos += 1;
+                k += 1;
+            }
+        } else if is_other(pos + usize::from(c == ' ')) {
+            // ` ?[^\s<word>\p{N}]+[\r\n]*`
+            pos += usize::from(c == ' ');
+            while is_other(pos) {
+                pos += 1;
+            }
+            while pos < n && matches!(cps[pos].c, '\r' | '\n') {
+                pos += 1;
+            }
+        } else {
+            pos = whitespace_end(cps, pos, true);
+        }
+        out.push((base + start, base + pos));
+    }
+}
