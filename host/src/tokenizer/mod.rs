@@ -35,6 +35,8 @@
 //! assert_eq!(tok.decode(&ids), "hi wo");
 //! ```
 
+mod from_gguf;
+pub use from_gguf::FromGgufError;
 mod bpe;
 mod chat;
 mod hash;
