@@ -14,4 +14,5 @@ pub mod engine;
 pub mod flash;
 pub mod gguf;
 pub mod model;
+pub mod supply;
 pub mod tokenizer;

@@ -1,0 +1,308 @@
+//! Where a run's routed experts come from: the `--schedule` choice.
+//!
+//! - `resident`: experts are read straight from the memory-mapped file.
+//! - `on-demand`: after routing, missing experts are read into slots, then computed.
+//! - `les`: lookahead prefetch, ready-first compute, I/O overlapped with compute.
+//!
+//! The two streamed schedules share the slots, the file device and the kernels;
+//! only the scheduler configuration differs, so comparisons between them are fair.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use les_core::gemv::GemvError;
+use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
+use les_core::model::forward::{ExpertMatrices, Experts};
+use les_core::schedule::{ExpertSource, Extents, LayerState, Scheduler, SchedulerConfig, Stats};
+use les_core::slots::{ExpertKey, Slot};
+
+use crate::flash::{FileDevice, FileDeviceConfig, FileError};
+use crate::model::Model;
+
+/// The expert schedule of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// All experts in RAM (the mapped file).
+    Resident,
+    /// Read missing experts after routing, then compute.
+    OnDemand,
+    /// Lookahead Expert Scheduling.
+    Les,
+}
+
+impl Schedule {
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Resident => "resident",
+            Schedule::OnDemand => "on-demand",
+            Schedule::Les => "les",
+        }
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Schedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "resident" => Ok(Schedule::Resident),
+            "on-demand" | "ondemand" => Ok(Schedule::OnDemand),
+            "les" => Ok(Schedule::Les),
+            _ => Err(format!(
+                "unknown schedule {s:?} (expected resident, on-demand or les)"
+            )),
+        }
+    }
+}
+
+/// Parses a byte size such as `2GiB`, `512MiB`, `1.5G`, `4096`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("invalid size {s:?}"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" => 1e12,
+        "tib" => 1024f64.powi(4),
+        u => return Err(format!("unknown size unit {u:?} in {s:?}")),
+    };
+    let v = n * mult;
+    if !(v.is_finite() && v >= 0.0 && v < 1.8e19) {
+        return Err(format!("size {s:?} out of range"));
+    }
+    Ok(v as u64)
+}
+
+/// The plain GGUF as an expert source: three extents per expert, no checksum.
+pub struct PlainSource<'m>(pub &'m Model);
+
+impl ExpertSource for PlainSource<'_> {
+    fn extents(&self, key: ExpertKey) -> Extents {
+        self.0.expert_extents(key)
+    }
+}
+
+/// The scheduler over host (`Vec`) storage.
+pub type HostScheduler = Scheduler<Vec<Slot>, Vec<u32>, Vec<LayerState>>;
+/// A layer's expert slot layout.
+pub type FormatFn<'m> = Box<dyn Fn(usize) -> ExpertFormat + 'm>;
+/// A resident expert by (layer, expert).
+pub type LookupFn<'m> = Box<dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, GemvError> + 'm>;
+
+/// Why experts could not be supplied.
+#[derive(Debug)]
+pub enum SupplyError {
+    /// Reading or computing from a slot failed.
+    Stream(StreamError<FileError>),
+    /// Viewing a resident expert failed.
+    Resident(GemvError),
+}
+
+impl fmt::Display for SupplyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SupplyError::Stream(e) => e.fmt(f),
+            SupplyError::Resident(e) => write!(f, "resident expert: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for SupplyError {}
+
+/// The experts of a run, for any schedule.
+pub enum Supply<'m> {
+    /// Experts in the mapped file.
+    Resident(Resident<'m, LookupFn<'m>>),
+    /// Experts streamed through slots.
+    Streamed(
+        Box<
+            Streamed<
+                Vec<Slot>,
+                Vec<u32>,
+                Vec<LayerState>,
+                FileDevice,
+                PlainSource<'m>,
+                FormatFn<'m>,
+            >,
+        >,
+    ),
+}
+
+/// How many slots and how they are read.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotBudget {
+    /// Number of expert slots.
+    pub slots: usize,
+    /// I/O settings.
+    pub io: FileDeviceConfig,
+}
+
+impl<'m> Supply<'m> {
+    /// Experts for `schedule`, streaming from `path` (the model's file) when not
+    /// resident.
+    pub fn new(
+        model: &'m Model,
+        path: &Path,
+        schedule: Schedule,
+        budget: SlotBudget,
+    ) -> Result<Supply<'m>, String> {
+        if schedule == Schedule::Resident {
+            let lookup: LookupFn<'m> = Box::new(move |l, e| {
+                model.expert(l, e).ok_or(GemvError::RowRange {
+                    start: e as usize,
+                    end: e as usize + 1,
+                    rows: 0,
+                })
+            });
+            return Ok(Supply::Resident(Resident::new(lookup)));
+        }
+        let moe = model
+            .hp
+            .moe
+            .ok_or("the model has no experts to stream; use --schedule resident")?;
+        if budget.slots < moe.top_k {
+            return Err(format!(
+                "{} expert slots cannot hold the {} experts one layer uses",
+                budget.slots, moe.top_k
+            ));
+        }
+        let slot_bytes = model.max_expert_bytes();
+        let device = FileDevice::open(path, budget.slots, slot_bytes, budget.io)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let config = match schedule {
+            Schedule::Les => SchedulerConfig::les(),
+            _ => SchedulerConfig::on_demand(),
+        };
+        let n_layers = model.hp.n_layers;
+        let scheduler: HostScheduler = Scheduler::new(
+            config,
+            vec![Slot::EMPTY; budget.slots],
+            vec![0u32; n_layers * moe.n_experts],
+            vec![LayerState::INITIAL; n_layers],
+            n_layers as u16,
+            moe.n_experts as u16,
+            slot_bytes as u32,
+        )
+        .map_err(|e| e.to_string())?;
+        let format: FormatFn<'m> = Box::new(move |l| {
+            model
+                .expert_format(l)
+                .expect("the scheduler only hands out experts of MoE layers")
+        });
+        Ok(Supply::Streamed(Box::new(Streamed {
+            scheduler,
+            device,
+            source: PlainSource(model),
+            format,
+            predict: schedule == Schedule::Les,
+        })))
+    }
+
+    /// Scheduler counters (streamed schedules).
+    pub fn stats(&self) -> Option<Stats> {
+        match self {
+            Supply::Resident(_) => None,
+            Supply::Streamed(s) => Some(s.scheduler.stats()),
+        }
+    }
+
+    /// The file device (streamed schedules).
+    pub fn device(&self) -> Option<&FileDevice> {
+        match self {
+            Supply::Resident(_) => None,
+            Supply::Streamed(s) => Some(&s.device),
+        }
+    }
+
+    /// Per-layer prediction state (streamed schedules).
+    pub fn layers(&self) -> Option<&[LayerState]> {
+        match self {
+            Supply::Resident(_) => None,
+            Supply::Streamed(s) => Some(s.scheduler.layers()),
+        }
+    }
+}
+
+impl Experts for Supply<'_> {
+    type Error = SupplyError;
+
+    fn begin_token(&mut self) {
+        if let Supply::Streamed(s) = self {
+            s.begin_token();
+        }
+    }
+
+    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), SupplyError> {
+        match self {
+            Supply::Resident(r) => r.begin_layer(layer, routing).map_err(SupplyError::Resident),
+            Supply::Streamed(s) => s.begin_layer(layer, routing).map_err(SupplyError::Stream),
+        }
+    }
+
+    fn wants_predictions(&self) -> bool {
+        match self {
+            Supply::Resident(_) => false,
+            Supply::Streamed(s) => s.wants_predictions(),
+        }
+    }
+
+    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), SupplyError> {
+        match self {
+            Supply::Resident(_) => Ok(()),
+            Supply::Streamed(s) => s.prefetch(layer, predicted).map_err(SupplyError::Stream),
+        }
+    }
+
+    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, SupplyError> {
+        match self {
+            Supply::Resident(r) => r.next().map_err(SupplyError::Resident),
+            Supply::Streamed(s) => s.next().map_err(SupplyError::Stream),
+        }
+    }
+
+    fn finish(&mut self, index: usize) -> Result<(), SupplyError> {
+        match self {
+            Supply::Resident(r) => r.finish(index).map_err(SupplyError::Resident),
+            Supply::Streamed(s) => s.finish(index).map_err(SupplyError::Stream),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("-1G").is_err());
+        assert!(parse_size("1e30").is_err());
+    }
+
+    #[test]
+    fn schedules_parse() {
+        assert_eq!("les".parse(), Ok(Schedule::Les));
+        assert_eq!("on-demand".parse(), Ok(Schedule::OnDemand));
+        assert!("fast".parse::<Schedule>().is_err());
+    }
+}
