@@ -34,6 +34,7 @@ extern crate std;
 
 pub mod blockdev;
 pub mod gemv;
+pub mod layout;
 pub mod model;
 pub mod quant;
 pub mod router;

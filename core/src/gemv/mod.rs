@@ -173,7 +173,7 @@ pub const fn activation_format(ty: GgmlType) -> Option<ActivationFormat> {
         T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4NL => Some(ActivationFormat::Q8_0),
         T::Q4_1 | T::Q5_1 => Some(ActivationFormat::Q8_1),
         T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::IQ4XS => Some(ActivationFormat::Q8K),
-        T::Q8_1 | T::Q8K => None,
+        T::Q8_1 | T::Q8K | T::I8 => None,
     }
 }
 
@@ -519,7 +519,7 @@ fn run<K: Kernels>(k: K, m: &MatrixView<'_>, data: &[u8], x: &Input<'_>, y: &mut
         T::Q6K => rows_of(data, rb, y, |w| k.q6_k(w, x.q8k)),
         T::IQ4XS => rows_of(data, rb, y, |w| k.iq4_xs(w, x.q8k)),
         // Rejected by `MatrixView::new`.
-        T::Q8_1 | T::Q8K => y.fill(0.0),
+        T::Q8_1 | T::Q8K | T::I8 => y.fill(0.0),
     }
 }
 

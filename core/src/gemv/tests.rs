@@ -448,7 +448,7 @@ fn dequant(ty: GgmlType, row: &[u8]) -> Vec<f32> {
                 }
             }
         }
-        T::Q8_1 | T::Q8K => unreachable!(),
+        T::Q8_1 | T::Q8K | T::I8 => unreachable!(),
     }
     out
 }

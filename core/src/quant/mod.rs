@@ -44,6 +44,8 @@ pub enum GgmlType {
     Q8K = 15,
     IQ4NL = 20,
     IQ4XS = 23,
+    /// Plain bytes (`GGML_TYPE_I8`); LES stores packed expert extents as I8 tensors.
+    I8 = 24,
     BF16 = 30,
 }
 
@@ -61,7 +63,7 @@ impl core::error::Error for UnsupportedType {}
 
 impl GgmlType {
     /// Every supported type, in id order.
-    pub const ALL: [GgmlType; 17] = [
+    pub const ALL: [GgmlType; 18] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -78,6 +80,7 @@ impl GgmlType {
         GgmlType::Q8K,
         GgmlType::IQ4NL,
         GgmlType::IQ4XS,
+        GgmlType::I8,
         GgmlType::BF16,
     ];
 
@@ -98,7 +101,7 @@ impl GgmlType {
     /// Elements per block.
     pub const fn block_elems(self) -> usize {
         match self {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::I8 => 1,
             GgmlType::Q4_0
             | GgmlType::Q4_1
             | GgmlType::Q5_0
@@ -121,6 +124,7 @@ impl GgmlType {
         use core::mem::size_of;
         match self {
             GgmlType::F32 => 4,
+            GgmlType::I8 => 1,
             GgmlType::F16 | GgmlType::BF16 => 2,
             GgmlType::Q4_0 => size_of::<blocks::BlockQ4_0>(),
             GgmlType::Q4_1 => size_of::<blocks::BlockQ4_1>(),
@@ -169,6 +173,7 @@ impl GgmlType {
             GgmlType::IQ4NL => "iq4_nl",
             GgmlType::IQ4XS => "iq4_xs",
             GgmlType::BF16 => "bf16",
+            GgmlType::I8 => "i8",
         }
     }
 
@@ -182,7 +187,7 @@ impl GgmlType {
 
     /// Whether the type only serves as an activation format (never a weight).
     pub const fn is_activation_only(self) -> bool {
-        matches!(self, GgmlType::Q8_1 | GgmlType::Q8K)
+        matches!(self, GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::I8)
     }
 }
 
@@ -257,6 +262,11 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Quant
         GgmlType::Q6K => kquants::dequantize_q6k(as_blocks(src).ok_or(err)?, out),
         GgmlType::IQ4NL => iq4::dequantize_iq4nl(as_blocks(src).ok_or(err)?, out),
         GgmlType::IQ4XS => iq4::dequantize_iq4xs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::I8 => {
+            for (b, o) in src.iter().zip(out.iter_mut()) {
+                *o = *b as i8 as f32;
+            }
+        }
         GgmlType::Q8K => {
             for (b, o) in as_blocks::<blocks::BlockQ8K>(src)
                 .ok_or(err)?
@@ -299,9 +309,12 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
         GgmlType::Q4K => kquants::quantize_q4k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q6K => kquants::quantize_q6k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q8K => kquants::quantize_q8k(x, as_blocks_mut(out).ok_or(err)?),
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4NL | GgmlType::IQ4XS => {
-            return Err(QuantError::NoQuantizer(ty))
-        }
+        GgmlType::Q2K
+        | GgmlType::Q3K
+        | GgmlType::Q5K
+        | GgmlType::IQ4NL
+        | GgmlType::IQ4XS
+        | GgmlType::I8 => return Err(QuantError::NoQuantizer(ty)),
     }
     Ok(())
 }
@@ -310,7 +323,12 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
 pub const fn can_quantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4NL | GgmlType::IQ4XS
+        GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q5K
+            | GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::I8
     )
 }
 
@@ -338,6 +356,7 @@ mod tests {
             (GgmlType::IQ4NL, 32, 18),
             (GgmlType::IQ4XS, 256, 136),
             (GgmlType::BF16, 1, 2),
+            (GgmlType::I8, 1, 1),
         ];
         for (t, elems, bytes) in expect {
             assert_eq!(t.block_elems(), elems, "{t}");

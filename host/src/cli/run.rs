@@ -1,0 +1,288 @@
+//! `les run`: generate text from a prompt.
+
+use std::error::Error;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use les_core::gemv::Isa;
+use les_core::model::forward::Lookahead;
+use les_core::router::{LayerMask, PredictorConfig};
+use serde_json::json;
+
+use crate::compute::{default_threads, ThreadedMatVec};
+use crate::engine::{generate, Control, Session};
+use crate::flash::FileDeviceConfig;
+use crate::model::Model;
+use crate::sampling::{Sampler, SamplerConfig};
+use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
+use crate::tokenizer::Tokenizer;
+
+/// Arguments of `les run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The model (GGUF).
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// The prompt, used raw (completion mode) unless `--chat`.
+    #[arg(short, long)]
+    pub prompt: String,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    pub n_predict: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Random seed (default: from the clock, printed in the stats).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Compute threads (default: physical cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+    /// Wrap the prompt in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Print one JSON object with tokens, text and stats instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits of every generated position as float32 .npy (n, vocab).
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+    /// Expert schedule: resident, on-demand or les.
+    #[arg(long)]
+    pub schedule: Option<Schedule>,
+    /// RAM for expert slots (e.g. 2GiB); experts stream from the file.
+    #[arg(long)]
+    pub expert_mem: Option<String>,
+    /// Number of expert slots (instead of --expert-mem).
+    #[arg(long, conflicts_with = "expert_mem")]
+    pub slots: Option<usize>,
+    /// I/O threads of the file device.
+    #[arg(long, default_value_t = 4)]
+    pub io_threads: usize,
+    /// Context size (default: prompt + n, at most the training context).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+}
+
+/// Writes `data` (rows of `cols` floats) as a little-endian float32 `.npy`.
+pub fn write_npy(path: &std::path::Path, data: &[f32], cols: usize) -> std::io::Result<()> {
+    let rows = data.len().checked_div(cols).unwrap_or(0);
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    // Magic (6) + version (2) + length (2) + header + '\n' is a multiple of 64.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for v in data {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, out)
+}
+
+/// How many slots a budget buys, and the schedule it implies.
+pub fn resolve_budget(
+    model: &Model,
+    schedule: Option<Schedule>,
+    expert_mem: Option<&str>,
+    slots: Option<usize>,
+    io_threads: usize,
+) -> Result<(Schedule, SlotBudget), Box<dyn Error>> {
+    let slot_bytes = model.max_expert_bytes().max(1) as u64;
+    let slots = match (expert_mem, slots) {
+        (Some(m), _) => Some((parse_size(m)? / slot_bytes) as usize),
+        (None, s) => s,
+    };
+    let schedule = match (schedule, slots) {
+        (Some(s), _) => s,
+        (None, Some(_)) => Schedule::Les,
+        (None, None) => Schedule::Resident,
+    };
+    let n_experts = model.hp.moe.map_or(0, |m| m.n_experts);
+    let all = n_experts * model.hp.n_layers;
+    let slots = match (schedule, slots) {
+        (Schedule::Resident, _) => 0,
+        (_, Some(n)) => n.min(all),
+        (_, None) => return Err("--schedule on-demand and les need --expert-mem or --slots".into()),
+    };
+    Ok((
+        schedule,
+        SlotBudget {
+            slots,
+            io: FileDeviceConfig {
+                threads: io_threads.max(1),
+                ..FileDeviceConfig::default()
+            },
+        },
+    ))
+}
+
+/// Runs `les run`.
+pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let t0 = Instant::now();
+    let model = Model::open(&args.model)?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    let (schedule, budget) = resolve_budget(
+        &model,
+        args.schedule,
+        args.expert_mem.as_deref(),
+        args.slots,
+        args.io_threads,
+    )?;
+    let prompt = if args.chat {
+        tokenizer.apply_chat_template(&[("user", args.prompt.as_str())], true)?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt_tokens = tokenizer.encode(&prompt, true, true);
+    if prompt_tokens.is_empty() {
+        return Err("the prompt is empty after tokenization".into());
+    }
+    let needed = prompt_tokens.len() + args.n_predict;
+    let ctx = args
+        .ctx
+        .unwrap_or(needed.min(model.n_ctx_train.max(needed)));
+    if needed > ctx {
+        return Err(format!(
+            "prompt ({}) + n ({}) exceeds the context size {ctx}",
+            prompt_tokens.len(),
+            args.n_predict
+        )
+        .into());
+    }
+    let threads = args.threads.unwrap_or_else(default_threads).max(1);
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed,
+        ..SamplerConfig::greedy()
+    });
+    let mut supply = Supply::new(&model, &args.model, schedule, budget)?;
+    let top_k = model.hp.moe.map_or(1, |m| m.top_k);
+    let lookahead = Lookahead {
+        predictor: PredictorConfig::top_k(top_k),
+        layers: LayerMask::first(model.hp.n_layers.min(256))?,
+    };
+    let mut mv = ThreadedMatVec::new(threads, Isa::detect());
+    let mut session = Session::new(&model, ctx);
+    eprintln!(
+        "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, loaded in {:.2?}",
+        model.arch.name(),
+        model.hp.n_layers,
+        model.hp.moe.map_or(0, |m| m.n_experts),
+        if budget.slots > 0 {
+            format!(", {} slots of {} KiB", budget.slots, model.max_expert_bytes() / 1024)
+        } else {
+            String::new()
+        },
+        t0.elapsed()
+    );
+
+    let mut tokens = Vec::new();
+    let mut all_logits = Vec::new();
+    let mut decoder = tokenizer.stream_decoder(false);
+    let mut text = String::new();
+    let mut write_err = None;
+    let stats = generate(
+        &mut session,
+        &mut mv,
+        &mut supply,
+        Some(&lookahead),
+        &prompt_tokens,
+        args.n_predict,
+        |logits| {
+            let t = sampler.sample(logits);
+            sampler.accept(t);
+            t
+        },
+        |t, logits| {
+            if args.logits_out.is_some() {
+                all_logits.extend_from_slice(logits);
+            }
+            if tokenizer.is_eog(t) {
+                return Control::Stop;
+            }
+            tokens.push(t);
+            let piece = decoder.decode_piece(t);
+            if !args.json {
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+                    write_err = Some(e);
+                    return Control::Stop;
+                }
+            }
+            text.push_str(&piece);
+            Control::Continue
+        },
+    )?;
+    if let Some(e) = write_err {
+        return Err(e.into());
+    }
+    let tail = decoder.finish();
+    text.push_str(&tail);
+    if let Some(path) = &args.logits_out {
+        write_npy(path, &all_logits, model.hp.n_vocab)?;
+    }
+    let io = supply.stats();
+    if args.json {
+        let mut st = json!({
+            "prefill_tok_s": stats.prefill_tok_s(),
+            "decode_tok_s": stats.decode_tok_s(),
+            "prompt_tokens": stats.prompt_tokens,
+            "generated": stats.generated,
+            "schedule": schedule.name(),
+            "threads": threads,
+            "seed": seed,
+        });
+        if let Some(s) = io {
+            st["slots"] = json!(budget.slots);
+            st["hit_rate"] = json!(s.hit_rate());
+            st["demand_bytes"] = json!(s.demand_bytes);
+            st["prefetch_bytes"] = json!(s.prefetch_bytes);
+        }
+        let obj = json!({
+            "prompt_tokens": prompt_tokens,
+            "tokens": tokens,
+            "text": text,
+            "stats": st,
+        });
+        writeln!(out, "{obj}")?;
+    } else {
+        write!(out, "{tail}")?;
+        writeln!(out)?;
+        out.flush()?;
+        eprintln!(
+            "les: prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.2} tok/s (seed {seed})",
+            stats.prompt_tokens,
+            stats.prefill_tok_s(),
+            stats.generated,
+            stats.decode_tok_s()
+        );
+        if let Some(s) = io {
+            eprintln!(
+                "les: slot hit rate {:.1}%, read {:.1} MiB on demand + {:.1} MiB prefetched",
+                100.0 * s.hit_rate(),
+                s.demand_bytes as f64 / (1 << 20) as f64,
+                s.prefetch_bytes as f64 / (1 << 20) as f64
+            );
+        }
+    }
+    Ok(())
+}
