@@ -12,6 +12,8 @@
 
 /// Metadata key names of the packed layout.
 pub mod keys {
+    use super::Key;
+
     /// Format version (u32), currently [`super::VERSION`].
     pub const VERSION: &str = "les.pack.version";
     /// Alignment of every expert extent (u32).
@@ -20,19 +22,19 @@ pub mod keys {
     pub const PLAN: &str = "les.pack.plan";
 
     /// The ggml type ids of gate, up and down of layer `layer` (array of 3 u32).
-    pub fn types(layer: usize) -> super::Key {
+    pub fn types(layer: usize) -> Key {
         Key::format(format_args!("les.pack.blk.{layer}.types"))
     }
     /// Bytes between consecutive experts of layer `layer` (u64).
-    pub fn stride(layer: usize) -> super::Key {
+    pub fn stride(layer: usize) -> Key {
         Key::format(format_args!("les.pack.blk.{layer}.stride"))
     }
     /// CRC-32 of each expert's bytes in layer `layer` (array of u32).
-    pub fn checksums(layer: usize) -> super::Key {
+    pub fn checksums(layer: usize) -> Key {
         Key::format(format_args!("les.pack.blk.{layer}.checksums"))
     }
     /// Name of the packed tensor of layer `layer`.
-    pub fn tensor(layer: usize) -> super::Key {
+    pub fn tensor(layer: usize) -> Key {
         Key::format(format_args!("blk.{layer}.ffn_exps_packed.weight"))
     }
 }
