@@ -17,7 +17,9 @@
 
 use core::arch::x86_64::*;
 
-use super::avx2::{self, acc4, arr, arr_mut, hsum, hsum4, lanes4, ld256, ld256i, nib32, sc2, Avx2};
+use super::avx2::{
+    self, acc4, arr, arr_mut, hsum, hsum4, hx, lanes4, ld256, ld256i, nib32, sc2, term, Avx2,
+};
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
 use crate::quant::blocks::{
@@ -190,7 +192,7 @@ macro_rules! blocks32_kernel {
             }
             let mut lanes = lanes4(acc);
             for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
-                lanes[l] += r::term(w.d, x.d, hsum($one(w, x)));
+                lanes[l] += term(w.d, x.d, hsum($one(w, x)));
             }
             r::fold(lanes)
         }
@@ -253,7 +255,7 @@ fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
         }
         let sumi = _mm512_reduce_add_epi32(v);
         let dx = r::q8k_d(x);
-        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
     }
     acc
 }
@@ -288,7 +290,7 @@ fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
             }
         }
         let sumi = _mm512_reduce_add_epi32(v);
-        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
     }
     acc
 }
