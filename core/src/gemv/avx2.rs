@@ -159,6 +159,45 @@ pub(super) fn h4(d: [[u8; 2]; 4]) -> __m128 {
     _mm_cvtph_ps(_mm_setr_epi16(e(0), e(1), e(2), e(3), 0, 0, 0, 0))
 }
 
+/// An f16 scale as `f32` with F16C (exact, like [`r::h`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn hx(d: [u8; 2]) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(
+        _mm_cvtsi32_si128(u16::from_le_bytes(d) as i32),
+    ))
+}
+
+/// [`r::term`] with F16C conversions.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn term(dw: [u8; 2], dx: [u8; 2], isum: i32) -> f32 {
+    (hx(dw) * hx(dx)) * isum as f32
+}
+
+/// [`r::term_m`] with F16C conversions.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn term_m(w_d: [u8; 2], w_m: [u8; 2], x: &BlockQ8_1, isum: i32) -> f32 {
+    (hx(w_d) * hx(x.d)) * isum as f32 + hx(w_m) * hx(x.s)
+}
+
+/// `sum_j bsums[j] * m16[j]` over the sixteen `Q8_K` group sums, exact in `i32`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn bsums_dot(x: &BlockQ8K, m16: __m256i) -> i32 {
+    let b: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
+    hsum(_mm256_madd_epi16(ld256(b), m16))
+}
+
+/// Eight `Q4_K`/`Q5_K` mins `[m0, m0, m1, m1, ..]` as sixteen `i16`, one per bsum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn mins16(m: [u8; 8]) -> __m256i {
+    let v = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
+    _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v))
+}
+
 /// Adds the terms of four blocks to the four block lanes:
 /// `acc[l] += (dw[l] * dx[l]) * isum[l]`, as [`r::term`] does.
 #[inline]
@@ -362,10 +401,10 @@ macro_rules! blocks32_kernel {
         )
     };
     (@term $w:ident, $x:ident, $isum:expr, BlockQ8_0) => {
-        r::term($w.d, $x.d, $isum)
+        term($w.d, $x.d, $isum)
     };
     (@term $w:ident, $x:ident, $isum:expr, BlockQ8_1) => {
-        r::term_m($w.d, $w.m, $x, $isum)
+        term_m($w.d, $w.m, $x, $isum)
     };
 }
 
@@ -417,10 +456,11 @@ pub(super) fn q2_k(w: &[BlockQ2K], x: &[BlockQ8K]) -> f32 {
     let m3 = _mm256_set1_epi8(3);
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
-        let mut summs = 0i32;
-        for j in 0..16 {
-            summs += r::q8k_bsum(x, j) * (w.scales[j] >> 4) as i32;
-        }
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(
+            _mm_srli_epi16::<4>(ld128(&w.scales)),
+            _mm_set1_epi8(15),
+        ));
+        let summs = bsums_dot(x, mins);
         let sc = |i: usize| (w.scales[i] & 15) as i16;
         let mut v = _mm256_setzero_si256();
         for half in 0..2 {
@@ -434,7 +474,7 @@ pub(super) fn q2_k(w: &[BlockQ2K], x: &[BlockQ8K]) -> f32 {
         }
         let sumi = hsum(v);
         let dx = r::q8k_d(x);
-        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
     }
     acc
 }
@@ -466,23 +506,24 @@ pub(super) fn q3_k(w: &[BlockQ3K], x: &[BlockQ8K]) -> f32 {
             }
         }
         let sumi = hsum(v);
-        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
     }
     acc
 }
 
 /// Scales and the mins term `sum_j m_j * (bsum[2j] + bsum[2j+1])` of a `Q4_K`/`Q5_K`
 /// block.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn k4_scales(scales: &[u8; 12], x: &BlockQ8K) -> ([i16; 8], i32) {
     let mut sc = [0i16; 8];
-    let mut summs = 0i32;
-    for (j, s) in sc.iter_mut().enumerate() {
+    let mut mins = [0u8; 8];
+    for j in 0..8 {
         let (a, m) = scale_min_k4(j, scales);
-        *s = a as i16;
-        summs += m as i32 * (r::q8k_bsum(x, 2 * j) + r::q8k_bsum(x, 2 * j + 1));
+        sc[j] = a as i16;
+        mins[j] = m;
     }
-    (sc, summs)
+    (sc, bsums_dot(x, mins16(mins)))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -508,7 +549,7 @@ pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
         }
         let sumi = hsum(v);
         let dx = r::q8k_d(x);
-        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
     }
     acc
 }
@@ -544,7 +585,7 @@ pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
         }
         let sumi = hsum(v);
         let dx = r::q8k_d(x);
-        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
     }
     acc
 }
@@ -585,7 +626,7 @@ pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
             }
         }
         let sumi = hsum(v);
-        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
     }
     acc
 }
@@ -603,7 +644,7 @@ pub(super) fn iq4_xs(w: &[BlockIQ4XS], x: &[BlockQ8K]) -> f32 {
             v = _mm256_add_epi32(v, _mm256_madd_epi16(p, _mm256_set1_epi16(s)));
         }
         let sumi = hsum(v);
-        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
     }
     acc
 }

@@ -17,7 +17,9 @@
 
 use core::arch::x86_64::*;
 
-use super::avx2::{self, acc4, arr, arr_mut, hsum, hsum4, lanes4, ld256, ld256i, nib32, sc2, Avx2};
+use super::avx2::{
+    self, acc4, arr, arr_mut, hsum, hsum4, hx, lanes4, ld128, ld256, ld256i, sc2, term, Avx2,
+};
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
 use crate::quant::blocks::{
@@ -69,12 +71,12 @@ impl Kernels for Avx512 {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
         bf16(&[u8], &[f32]);
-        q4_0(&[BlockQ4_0], &[BlockQ8_0]);
         q8_0(&[BlockQ8_0], &[BlockQ8_0]);
         q4_k(&[BlockQ4K], &[BlockQ8K]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
     }
     to_avx2! {
+        q4_0(&[BlockQ4_0], &[BlockQ8_0]);
         q4_1(&[BlockQ4_1], &[BlockQ8_1]);
         q5_0(&[BlockQ5_0], &[BlockQ8_0]);
         q5_1(&[BlockQ5_1], &[BlockQ8_1]);
@@ -170,9 +172,9 @@ float_kernel!(
 // ---------------------------------------------------------------------------------
 // 32-element block formats with Q8_0 activations.
 
-/// Like the AVX2 block kernel, but `$pair` computes two blocks' sums at once
-/// (sixteen `i32`: eight per block) and `$one` is the AVX2 single-block sum for the
-/// last `n % 4` blocks.
+/// Like the AVX2 block kernel, but `$pair` computes two blocks' sums at once (eight
+/// `i32` partial sums each) and `$one` is the AVX2 single-block sum for the last
+/// `n % 4` blocks.
 macro_rules! blocks32_kernel {
     ($name:ident, $W:ty, $pair:ident, $one:path) => {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -181,8 +183,8 @@ macro_rules! blocks32_kernel {
             let full = n / 4 * 4;
             let mut acc = _mm_setzero_ps();
             for (w4, x4) in w[..full].chunks_exact(4).zip(x[..full].chunks_exact(4)) {
-                let (a0, a1) = split($pair(&w4[0], &w4[1], &x4[0], &x4[1]));
-                let (b0, b1) = split($pair(&w4[2], &w4[3], &x4[2], &x4[3]));
+                let (a0, a1) = $pair(&w4[0], &w4[1], &x4[0], &x4[1]);
+                let (b0, b1) = $pair(&w4[2], &w4[3], &x4[2], &x4[3]);
                 let s = hsum4(a0, a1, b0, b1);
                 let dw = [0, 1, 2, 3].map(|i| w4[i].d);
                 let dx = [0, 1, 2, 3].map(|i| x4[i].d);
@@ -190,7 +192,7 @@ macro_rules! blocks32_kernel {
             }
             let mut lanes = lanes4(acc);
             for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
-                lanes[l] += r::term(w.d, x.d, hsum($one(w, x)));
+                lanes[l] += term(w.d, x.d, hsum($one(w, x)));
             }
             r::fold(lanes)
         }
@@ -199,19 +201,7 @@ macro_rules! blocks32_kernel {
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn pair_q4_0(w0: &BlockQ4_0, w1: &BlockQ4_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> __m512i {
-    let q = join(nib32(&w0.qs), nib32(&w1.qs));
-    let y = join(ld256i(&x0.qs), ld256i(&x1.qs));
-    let p = _mm512_sub_epi16(
-        _mm512_maddubs_epi16(q, y),
-        _mm512_maddubs_epi16(_mm512_set1_epi8(8), y),
-    );
-    _mm512_madd_epi16(p, _mm512_set1_epi16(1))
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn pair_q8_0(w0: &BlockQ8_0, w1: &BlockQ8_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> __m512i {
+fn pair_q8_0(w0: &BlockQ8_0, w1: &BlockQ8_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> (__m256i, __m256i) {
     let one = |w: &BlockQ8_0, x: &BlockQ8_0| -> __m256i {
         let p = _mm512_madd_epi16(
             _mm512_cvtepi8_epi16(ld256i(&w.qs)),
@@ -220,16 +210,16 @@ fn pair_q8_0(w0: &BlockQ8_0, w1: &BlockQ8_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> 
         let (lo, hi) = split(p);
         _mm256_add_epi32(lo, hi)
     };
-    join(one(w0, x0), one(w1, x1))
+    (one(w0, x0), one(w1, x1))
 }
 
-blocks32_kernel!(q4_0, BlockQ4_0, pair_q4_0, avx2::isum_q4_0);
 blocks32_kernel!(q8_0, BlockQ8_0, pair_q8_0, avx2::isum_q8_0);
 
 // ---------------------------------------------------------------------------------
 // K-quants.
 
-/// Four `i16` scales as a madd operand, one per 128-bit lane.
+/// Four `i16` values, each filling one 128-bit lane (scales, or permute indices
+/// selecting them).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn sc4(a: i16, b: i16, c: i16, d: i16) -> __m512i {
@@ -242,18 +232,22 @@ fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
         let (sc, summs) = avx2::k4_scales(&w.scales, x);
+        let sc = _mm512_castsi128_si512(_mm_setr_epi16(
+            sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7],
+        ));
         let mut v = _mm512_setzero_si512();
         for c in 0..4 {
             let q = ld256(arr(&w.qs, 32 * c));
             // Elements 64c..64c+64: low nibbles, then high nibbles.
             let q = _mm512_and_si512(join(q, _mm256_srli_epi16::<4>(q)), m4);
             let p = _mm512_maddubs_epi16(q, ld512i(arr(&x.qs, 64 * c)));
-            let (s0, s1) = (sc[2 * c], sc[2 * c + 1]);
-            v = _mm512_add_epi32(v, _mm512_madd_epi16(p, sc4(s0, s0, s1, s1)));
+            let (s0, s1) = (2 * c as i16, 2 * c as i16 + 1);
+            let scv = _mm512_permutexvar_epi16(sc4(s0, s0, s1, s1), sc);
+            v = _mm512_add_epi32(v, _mm512_madd_epi16(p, scv));
         }
         let sumi = _mm512_reduce_add_epi32(v);
         let dx = r::q8k_d(x);
-        acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
     }
     acc
 }
@@ -265,6 +259,8 @@ fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
     let m32 = _mm512_set1_epi8(32);
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
+        let scales: &[u8; 16] = &w.scales.map(|s| s as u8);
+        let sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128(scales)));
         let mut v = _mm512_setzero_si512();
         for half in 0..2 {
             let ql = join(
@@ -282,13 +278,13 @@ fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
             for (k, q) in [q01, q23].into_iter().enumerate() {
                 let y = ld512i(arr(&x.qs, 128 * half + 64 * k));
                 let p = _mm512_sub_epi16(_mm512_maddubs_epi16(q, y), _mm512_maddubs_epi16(m32, y));
-                let i = 8 * half + 4 * k;
-                let s = |j: usize| w.scales[i + j] as i16;
-                v = _mm512_add_epi32(v, _mm512_madd_epi16(p, sc4(s(0), s(1), s(2), s(3))));
+                let i = (8 * half + 4 * k) as i16;
+                let scv = _mm512_permutexvar_epi16(sc4(i, i + 1, i + 2, i + 3), sc);
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(p, scv));
             }
         }
         let sumi = _mm512_reduce_add_epi32(v);
-        acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
+        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
     }
     acc
 }

@@ -10,11 +10,12 @@
 //!   weights (filled with the quantizers of [`crate::quant`]).
 //! - [`gemv`]: `y[i - rows.start] = W[i] . x` for `i` in a row range, so the host can
 //!   split the rows of one matrix across threads.
-//! - [`reference`]: the scalar kernels, one per weight format; they define the
+//! - [`reference`](mod@reference): the scalar kernels, one per weight format; they define the
 //!   result.
 //! - [`Isa`]: which kernels to run. SIMD kernels exist for AVX2 (+FMA, F16C) and
 //!   AVX-512 (F, BW, VL) on x86-64 and NEON on aarch64; a type without a SIMD kernel
-//!   for the chosen ISA runs the reference kernel.
+//!   for the chosen ISA runs the reference kernel (AVX-512 falls back to AVX2 first).
+//!   The NEON kernels are tested under QEMU with `scripts/test-aarch64.sh`.
 //!
 //! # Exactness
 //!
