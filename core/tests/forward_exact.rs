@@ -393,18 +393,18 @@ fn streamed(
     let slot_bytes = fmt.bytes().unwrap();
     let mut mem = vec![0u8; slots * slot_bytes];
     let sim = SimConfig {
-        order: if seed % 3 == 0 {
+        order: if seed.is_multiple_of(3) {
             CompletionOrder::Timed
         } else {
             CompletionOrder::Shuffled { seed }
         },
-        honor_cancel: seed % 2 == 0,
+        honor_cancel: seed.is_multiple_of(2),
         ..SimConfig::default()
     };
     let mut fault_rng = Rng(seed);
     let mut dev: SimDevice<_, 8> =
         SimDevice::new(&m.image, &mut mem, slot_bytes, sim, |_: &ReadRequest| {
-            if fault_rng.next() % 10 == 0 {
+            if fault_rng.next().is_multiple_of(10) {
                 Fault::Transient
             } else {
                 Fault::None

@@ -552,7 +552,7 @@ where
 }
 
 fn run_case(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
-    if c.seed % 2 == 0 {
+    if c.seed.is_multiple_of(2) {
         run::<4>(c)
     } else {
         run::<16>(c)

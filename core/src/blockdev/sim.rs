@@ -327,7 +327,7 @@ impl<F: FnMut(&ReadRequest) -> Fault, const Q: usize> BlockDevice for SimDevice<
             }
             CompletionOrder::Shuffled { .. } => {
                 let r = self.next_random();
-                if r % 4 == 0 {
+                if r.is_multiple_of(4) {
                     return None; // not done yet
                 }
                 let i = (r >> 8) as usize % self.in_flight.len();

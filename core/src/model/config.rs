@@ -67,10 +67,10 @@ impl Hparams {
         if self.n_layers == 0 || self.n_embd == 0 || self.n_vocab == 0 {
             return Err("n_layers, n_embd and n_vocab must be positive");
         }
-        if self.n_head == 0 || self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return Err("n_head must be a positive multiple of n_head_kv");
         }
-        if self.head_dim == 0 || self.n_rot > self.head_dim || self.n_rot % 2 != 0 {
+        if self.head_dim == 0 || self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return Err("n_rot must be even and at most head_dim");
         }
         if !(self.norm_eps >= 0.0 && self.rope_base > 0.0) {

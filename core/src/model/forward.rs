@@ -171,7 +171,7 @@ pub fn prepare_input<'b>(
         ActivationFormat::Q8_0 => {
             let b = q8_0
                 .get_mut(..blocks)
-                .filter(|_| x.len() % 32 == 0)
+                .filter(|_| x.len().is_multiple_of(32))
                 .ok_or(short)?;
             quant::legacy::quantize_q8_0(x, b);
             input.q8_0 = b;
@@ -179,7 +179,7 @@ pub fn prepare_input<'b>(
         ActivationFormat::Q8_1 => {
             let b = q8_1
                 .get_mut(..blocks)
-                .filter(|_| x.len() % 32 == 0)
+                .filter(|_| x.len().is_multiple_of(32))
                 .ok_or(short)?;
             quant::legacy::quantize_q8_1(x, b);
             input.q8_1 = b;
@@ -187,7 +187,7 @@ pub fn prepare_input<'b>(
         ActivationFormat::Q8K => {
             let b = q8k
                 .get_mut(..blocks)
-                .filter(|_| x.len() % 256 == 0)
+                .filter(|_| x.len().is_multiple_of(256))
                 .ok_or(short)?;
             quant::kquants::quantize_q8k(x, b);
             input.q8k = b;
@@ -388,7 +388,7 @@ fn add_into(dst: &mut [f32], src: &[f32]) {
 
 fn norm_heads(x: &mut [f32], w: Option<&[f32]>, eps: f32) -> Result<(), &'static str> {
     if let Some(w) = w {
-        if w.is_empty() || x.len() % w.len() != 0 {
+        if w.is_empty() || !x.len().is_multiple_of(w.len()) {
             return Err("q/k norm length");
         }
         rms_norm_heads(x, w, eps);

@@ -22,7 +22,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// (per-head Q/K norms).
 pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
-    assert!(d > 0 && x.len() % d == 0, "rms_norm_heads: lengths differ");
+    assert!(
+        d > 0 && x.len().is_multiple_of(d),
+        "rms_norm_heads: lengths differ"
+    );
     for head in x.chunks_exact_mut(d) {
         let sum: f64 = head.iter().map(|v| (*v as f64) * (*v as f64)).sum();
         let mean = (sum / d as f64) as f32;
@@ -53,7 +56,10 @@ pub fn rope(
     style: RopeStyle,
 ) {
     assert!(
-        n_rot % 2 == 0 && n_rot <= head_dim && head_dim > 0 && x.len() % head_dim == 0,
+        n_rot.is_multiple_of(2)
+            && n_rot <= head_dim
+            && head_dim > 0
+            && x.len().is_multiple_of(head_dim),
         "rope: bad dimensions"
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);

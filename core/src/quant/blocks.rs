@@ -236,7 +236,7 @@ pub trait Block: sealed::Sealed + Copy + 'static {}
 /// Views `bytes` as blocks, or `None` if its length is not a multiple of the block size.
 pub fn as_blocks<B: Block>(bytes: &[u8]) -> Option<&[B]> {
     let size = size_of::<B>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return None;
     }
     // SAFETY: `B` is one of the sealed block structs above: `repr(C)` over byte
@@ -250,7 +250,7 @@ pub fn as_blocks<B: Block>(bytes: &[u8]) -> Option<&[B]> {
 /// Mutable version of [`as_blocks`].
 pub fn as_blocks_mut<B: Block>(bytes: &mut [u8]) -> Option<&mut [B]> {
     let size = size_of::<B>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return None;
     }
     // SAFETY: as in `as_blocks`; additionally any value written through the block

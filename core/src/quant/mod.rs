@@ -147,7 +147,7 @@ impl GgmlType {
     /// blocks or the size overflows.
     pub const fn row_bytes(self, n: usize) -> Option<usize> {
         let be = self.block_elems();
-        if n % be != 0 {
+        if !n.is_multiple_of(be) {
             return None;
         }
         (n / be).checked_mul(self.block_bytes())
