@@ -4,6 +4,10 @@
 //! command-line layer ([`cli`]) over this library.
 //!
 //! - [`gguf`]: a hardened GGUF reader (memory-mapped, zero-copy) and a streaming writer.
+//! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
+//! - [`sampling`]: reproducible token sampling (greedy, top-k, top-p, min-p).
 
 pub mod cli;
+pub mod compute;
 pub mod gguf;
+pub mod sampling;
