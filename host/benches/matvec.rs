@@ -169,30 +169,31 @@ fn summary(case: &Case, isa: Isa, budget: Duration) {
     );
 }
 
-/// Prints the median round trip of an empty `Pool::run`, back to back and after
-/// the workers parked.
+/// Prints the median round trip of an empty `Pool::run` and of a 2-task
+/// `Pool::for_each`, back to back and after the workers parked.
 fn pool_overhead() {
     for threads in variants().into_iter().filter(|&t| t > 1) {
         let mut pool = Pool::new(threads);
-        let mut hot = Vec::new();
-        let mut cold = Vec::new();
-        for i in 0..2000 {
-            let t0 = Instant::now();
-            pool.run(&|_| {});
-            hot.push(t0.elapsed().as_secs_f64());
-            if i % 20 == 0 {
-                std::thread::sleep(Duration::from_millis(1));
+        let mut med = |f: &mut dyn FnMut(&mut Pool), cold: bool| {
+            let mut v = Vec::new();
+            for _ in 0..if cold { 100 } else { 2000 } {
+                if cold {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
                 let t0 = Instant::now();
-                pool.run(&|_| {});
-                cold.push(t0.elapsed().as_secs_f64());
+                f(&mut pool);
+                v.push(t0.elapsed().as_secs_f64() * 1e6);
             }
-        }
-        hot.sort_by(f64::total_cmp);
-        cold.sort_by(f64::total_cmp);
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let run = &mut |p: &mut Pool| p.run(&|_| {});
+        let (rh, rc) = (med(run, false), med(run, true));
+        let each = &mut |p: &mut Pool| p.for_each(2, &|_| {});
+        let (fh, fc) = (med(each, false), med(each, true));
         println!(
-            "pool of {threads}: empty run {:.2} us back to back, {:.2} us after parking (medians)",
-            hot[hot.len() / 2] * 1e6,
-            cold[cold.len() / 2] * 1e6
+            "pool of {threads}: empty run {rh:.2} us back to back, {rc:.2} us after parking; \
+             for_each(2) {fh:.2} / {fc:.2} us (medians)"
         );
     }
 }

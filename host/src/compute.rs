@@ -5,7 +5,8 @@
 //!   yielding the CPU) before parking, so a stream of calls a few microseconds
 //!   apart costs no sleeping and waking.
 //! - [`ThreadedMatVec`]: the [`MatVec`] of the forward pass on a [`Pool`]: quantizes
-//!   `x` once, then splits the rows of `W` into one contiguous range per thread.
+//!   `x` once, then splits the rows of `W` into a few contiguous ranges per thread,
+//!   which the threads claim dynamically ([`Pool::for_each`]).
 //! - [`default_threads`]: the number of physical cores this process may use.
 //!
 //! # Exactness
@@ -29,9 +30,16 @@ pub use pool::Pool;
 const ROW_ALIGN: usize = 16;
 /// Matrices with fewer rows run on the calling thread.
 const MIN_PARALLEL_ROWS: usize = 64;
-/// Each thread gets at least this many weight bytes, else fewer threads are used
-/// (a wake-up of the pool costs about as much as streaming this much weight data).
+/// Weight bytes per thread below which a product is split for fewer threads (and
+/// run serially when that is one): waking the pool costs about as much as
+/// streaming this much weight data.
 const MIN_BYTES_PER_THREAD: usize = 32 * 1024;
+/// Row ranges per thread, claimed dynamically: a thread slowed down (by the OS,
+/// another process) leaves its share to the others.
+const CHUNKS_PER_THREAD: usize = 4;
+/// Each chunk has at least this many weight bytes (when there are more chunks
+/// than threads).
+const MIN_BYTES_PER_CHUNK: usize = 16 * 1024;
 
 /// A [`MatVec`] that splits the rows of each product across a [`Pool`].
 ///
@@ -71,6 +79,12 @@ impl ThreadedMatVec {
     /// The kernels in use.
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// The pool, for other parallel work between products (attention heads,
+    /// experts): one set of threads serves both.
+    pub fn pool(&mut self) -> &mut Pool {
+        &mut self.pool
     }
 
     /// How many threads a `rows`-row product of `bytes` weight bytes is split over.
@@ -129,8 +143,11 @@ impl MatVec for ThreadedMatVec {
         // check once here, so nothing is written to `y` on error.
         gemv(self.isa, w, &input, 0..0, &mut [])?;
 
-        let ranges = split_rows(rows, parts, y.as_ptr() as usize);
-        let mut slots = Vec::with_capacity(parts);
+        let chunks = (parts * CHUNKS_PER_THREAD)
+            .min(rows.div_ceil(ROW_ALIGN))
+            .min((rows.saturating_mul(w.row_bytes()) / MIN_BYTES_PER_CHUNK).max(parts));
+        let ranges = split_rows(rows, chunks, y.as_ptr() as usize);
+        let mut slots = Vec::with_capacity(chunks);
         let mut rest = &mut *y;
         for r in &ranges {
             let (chunk, tail) = rest.split_at_mut(r.len());
@@ -140,14 +157,14 @@ impl MatVec for ThreadedMatVec {
         let first_error: Mutex<Option<(usize, GemvError)>> = Mutex::new(None);
         let isa = self.isa;
         let input = &input;
-        self.pool.run(&|t| {
-            let Some(slot) = slots.get(t) else { return };
+        self.pool.for_each(chunks, &|c| {
+            let Some(slot) = slots.get(c) else { return };
             let taken = slot.lock().ok().and_then(|mut s| s.take());
             let Some((range, chunk)) = taken else { return };
             if let Err(e) = gemv(isa, w, input, range, chunk) {
                 if let Ok(mut first) = first_error.lock() {
-                    if first.is_none_or(|(i, _)| t < i) {
-                        *first = Some((t, e));
+                    if first.is_none_or(|(i, _)| c < i) {
+                        *first = Some((c, e));
                     }
                 }
             }
@@ -257,16 +274,33 @@ fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
 
 mod pool {
     //! The worker pool; the only `unsafe` of this module is here.
+    //!
+    //! # Protocol
+    //!
+    //! The caller publishes a job (a pointer to a `&Job` on its stack), marks each
+    //! worker's `state` `OFFERED` and increments `epoch`. A worker that sees a new
+    //! epoch claims the job by switching its state from `OFFERED` to `RUNNING`,
+    //! runs it, sets `IDLE` and decrements `pending`. For [`Pool::for_each`], the
+    //! caller, once its own share is done (no task left to claim), withdraws the
+    //! offers not yet claimed (`OFFERED` to `IDLE`, decrementing `pending` itself),
+    //! so a worker the OS has not scheduled never delays the call. The caller
+    //! returns only when `pending` is 0: no worker is running the job any more and
+    //! none can start it.
     #![allow(unsafe_code)]
 
     use std::panic::{self, AssertUnwindSafe};
-    use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
     use std::sync::{Arc, Condvar, Mutex, MutexGuard};
     use std::thread::{self, JoinHandle};
     use std::time::{Duration, Instant};
 
-    /// A job: called once per thread with the thread's index.
+    /// A job: called with the index of the thread running it.
     type Job<'a> = dyn Fn(usize) + Sync + 'a;
+
+    /// Worker states.
+    const IDLE: u8 = 0;
+    const OFFERED: u8 = 1;
+    const RUNNING: u8 = 2;
 
     /// How long a waiting thread polls with `spin_loop` alone.
     const SPIN_HOT: Duration = Duration::from_micros(10);
@@ -313,10 +347,12 @@ mod pool {
     struct Shared {
         /// Incremented by the caller to start a job (or to shut down).
         epoch: AtomicU64,
-        /// The current job: points at a `&Job` on the stack of [`Pool::run`],
-        /// valid from the epoch increment until `pending` reaches 0.
+        /// The current job: points at a `&Job` on the stack of `Pool::execute`,
+        /// valid while any worker's state is `OFFERED` or `RUNNING`.
         job: AtomicPtr<&'static Job<'static>>,
-        /// Workers that have not finished the current job.
+        /// Per worker: `IDLE`, `OFFERED` or `RUNNING`.
+        state: Box<[AtomicU8]>,
+        /// Offers of the current job neither finished nor withdrawn.
         pending: AtomicUsize,
         /// A worker's job call panicked.
         panicked: AtomicBool,
@@ -343,10 +379,9 @@ mod pool {
 
     /// A persistent pool of worker threads for blocking parallel calls.
     ///
-    /// [`run`](Pool::run) calls a job once on each of [`threads`](Pool::threads)
-    /// threads, index 0 on the calling thread, and returns when all calls have
-    /// returned. Idle workers poll for about 200 µs (spinning, then yielding),
-    /// then park; dropping the pool stops and joins them.
+    /// The calling thread takes part as thread 0. Idle workers poll for about
+    /// 200 µs (spinning, then yielding), then park; dropping the pool stops and
+    /// joins them.
     pub struct Pool {
         shared: Arc<Shared>,
         workers: Vec<JoinHandle<()>>,
@@ -356,9 +391,11 @@ mod pool {
         /// A pool of `threads` threads: the caller and `threads - 1` workers (0 is
         /// taken as 1). Workers the OS refuses to start are left out.
         pub fn new(threads: usize) -> Pool {
+            let n = threads.max(1) - 1;
             let shared = Arc::new(Shared {
                 epoch: AtomicU64::new(0),
                 job: AtomicPtr::new(std::ptr::null_mut()),
+                state: (0..n).map(|_| AtomicU8::new(IDLE)).collect(),
                 pending: AtomicUsize::new(0),
                 panicked: AtomicBool::new(false),
                 shutdown: AtomicBool::new(false),
@@ -369,11 +406,11 @@ mod pool {
                 done: Condvar::new(),
             });
             let mut workers = Vec::new();
-            for index in 1..threads.max(1) {
+            for w in 0..n {
                 let s = Arc::clone(&shared);
                 match thread::Builder::new()
-                    .name(format!("les-worker-{index}"))
-                    .spawn(move || worker(&s, index))
+                    .name(format!("les-worker-{}", w + 1))
+                    .spawn(move || worker(&s, w))
                 {
                     Ok(h) => workers.push(h),
                     Err(_) => break,
@@ -387,14 +424,50 @@ mod pool {
             self.workers.len() + 1
         }
 
-        /// Calls `job(i)` for every `i` in `0..threads()`, `job(0)` on this thread
-        /// and the others on the workers, and returns once all have returned.
+        /// Calls `job(i)` exactly once for every `i` in `0..threads()`, `job(0)` on
+        /// this thread and the others on the workers, and returns once all have
+        /// returned.
         ///
         /// # Panics
         ///
         /// If any call panics, after all calls have returned (the pool stays
         /// usable).
         pub fn run(&mut self, job: &(dyn Fn(usize) + Sync)) {
+            self.execute(job, false);
+        }
+
+        /// Calls `task(i)` exactly once for every `i` in `0..tasks`, spread over
+        /// the threads of the pool (each claims the next unclaimed task until none
+        /// is left), and returns once all have returned.
+        ///
+        /// Workers that have not started by the time the calling thread runs out
+        /// of tasks are skipped: a descheduled worker never delays the call.
+        ///
+        /// # Panics
+        ///
+        /// If any task panics, after all claimed tasks have returned (tasks not
+        /// claimed by the panicking thread still run; the pool stays usable).
+        pub fn for_each(&mut self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+            if tasks <= 1 || self.workers.is_empty() {
+                (0..tasks).for_each(task);
+                return;
+            }
+            let next = AtomicUsize::new(0);
+            self.execute(
+                &|_| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= tasks {
+                        break;
+                    }
+                    task(i);
+                },
+                true,
+            );
+        }
+
+        /// Offers `job` to every worker, runs `job(0)`, withdraws unclaimed offers
+        /// if `withdraw`, and waits for the workers that claimed it.
+        fn execute(&mut self, job: &(dyn Fn(usize) + Sync), withdraw: bool) {
             let s = &*self.shared;
             let n = self.workers.len();
             if n == 0 {
@@ -402,22 +475,36 @@ mod pool {
                 return;
             }
             let job_ref: &Job<'_> = job;
-            // The workers see the job through a pointer to `job_ref`, with its
-            // lifetime erased; they stop using it before `pending` reaches 0, and
-            // this function does not return (nor unwind) before that.
+            // Workers reach the job through a pointer to `job_ref` with its
+            // lifetime erased; see the SAFETY comment in `worker` for why it stays
+            // valid while they use it.
             let ptr = (&job_ref as *const &Job<'_>)
                 .cast::<&'static Job<'static>>()
                 .cast_mut();
             s.job.store(ptr, Ordering::Relaxed);
             s.pending.store(n, Ordering::Relaxed);
-            // Publishes `job` and `pending` to the workers (SeqCst: pairs with the
-            // `sleepers` check, see `wait_for_epoch`).
+            for st in &s.state[..n] {
+                // Release: a worker that claims this offer sees `job` and `pending`.
+                st.store(OFFERED, Ordering::Release);
+            }
+            // SeqCst: pairs with the `sleepers` announcement in `wait_for_epoch`.
             s.epoch.fetch_add(1, Ordering::SeqCst);
             if s.sleepers.load(Ordering::SeqCst) > 0 {
                 let _g = s.lock();
                 s.wake.notify_all();
             }
             let mine = panic::catch_unwind(AssertUnwindSafe(|| job(0)));
+            if withdraw {
+                for st in &s.state[..n] {
+                    if st
+                        .compare_exchange(OFFERED, IDLE, Ordering::Relaxed, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        // That worker will not claim this job: count it done.
+                        s.pending.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            }
             self.wait_done();
             s.job.store(std::ptr::null_mut(), Ordering::Relaxed);
             if let Err(p) = mine {
@@ -428,13 +515,16 @@ mod pool {
             }
         }
 
-        /// Waits until every worker has finished the current job.
+        /// Waits until `pending` is 0: every offer finished or withdrawn.
         fn wait_done(&self) {
             let s = &*self.shared;
             let mut spin = Spinner::new();
+            // Acquire: the workers' writes (their decrements are releases) are
+            // visible once `pending` reads 0.
             while s.pending.load(Ordering::Acquire) != 0 {
                 if !spin.step() {
                     let mut g = s.lock();
+                    // Same handshake as `wait_for_epoch`, with `pending`.
                     s.caller_sleeping.store(true, Ordering::SeqCst);
                     while s.pending.load(Ordering::SeqCst) != 0 {
                         g = s.done.wait(g).unwrap_or_else(|p| p.into_inner());
@@ -457,7 +547,7 @@ mod pool {
             }
             for h in self.workers.drain(..) {
                 // Job panics are caught in the worker, so join only fails if the
-                // thread was killed some other way; nothing to do about it here.
+                // thread died some other way; nothing to do about it here.
                 let _ = h.join();
             }
         }
@@ -471,7 +561,7 @@ mod pool {
         }
     }
 
-    /// Waits until the epoch differs from `seen`: polls for [`SPIN`], then parks.
+    /// Waits until the epoch differs from `seen`: polls, then parks.
     fn wait_for_epoch(s: &Shared, seen: u64) -> u64 {
         let mut spin = Spinner::new();
         loop {
@@ -499,26 +589,39 @@ mod pool {
         }
     }
 
-    fn worker(s: &Shared, index: usize) {
+    /// Worker `w` (thread index `w + 1`).
+    fn worker(s: &Shared, w: usize) {
         let mut seen = 0;
         loop {
             seen = wait_for_epoch(s, seen);
             if s.shutdown.load(Ordering::Relaxed) {
                 return;
             }
+            // Claim the offer; it may have been withdrawn, or this may be a later
+            // job than the epoch seen (then the next wait returns at once).
+            if s.state[w]
+                .compare_exchange(OFFERED, RUNNING, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
             let ptr = s.job.load(Ordering::Relaxed);
-            // SAFETY: `Pool::run` stored `ptr` (a pointer to a `&Job` on its stack)
-            // before the epoch increment this thread observed with Acquire (or
-            // SeqCst) ordering, and keeps both the `&Job` and the job it points to
-            // alive until `pending` reaches 0, which cannot happen before this
-            // thread's decrement below. `job` is not used after that decrement.
-            // The `'static` lifetimes are fictitious; `job` does not escape this
-            // iteration.
+            // SAFETY: the claimed `OFFERED` was stored (Release, read here with
+            // Acquire) by `Pool::execute` after it stored `ptr`, a pointer to a
+            // `&Job` on its stack. `execute` does not return or unwind before
+            // `pending` is 0, and this claim keeps `pending` above 0 until this
+            // thread's decrement below: until then both the `&Job` and the job it
+            // points to are alive and unchanged. `job` is not used after the
+            // decrement, and the fictitious `'static` lifetimes do not let it
+            // escape this iteration. The job is `Sync`, so calling it from here
+            // while the caller also calls it is allowed.
             let job: &Job<'_> = unsafe { *ptr };
-            if panic::catch_unwind(AssertUnwindSafe(|| job(index))).is_err() {
+            if panic::catch_unwind(AssertUnwindSafe(|| job(w + 1))).is_err() {
                 s.panicked.store(true, Ordering::Relaxed);
             }
-            // Release: the job's writes happen before the caller sees 0.
+            s.state[w].store(IDLE, Ordering::Relaxed);
+            // SeqCst (a release): the job's writes and `IDLE` happen before the
+            // caller reads 0; pairs with `caller_sleeping` as in `wait_done`.
             if s.pending.fetch_sub(1, Ordering::SeqCst) == 1
                 && s.caller_sleeping.load(Ordering::SeqCst)
             {

@@ -199,6 +199,39 @@ fn compute_pool_runs_every_index_once() {
 }
 
 #[test]
+fn compute_pool_for_each_runs_every_task_once() {
+    for threads in [1, 2, 3, 5] {
+        let mut pool = Pool::new(threads);
+        for tasks in [0, 1, 2, 3, 7, 64, 1000] {
+            let counts: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            for _ in 0..50 {
+                pool.for_each(tasks, &|i| {
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                });
+            }
+            for c in &counts {
+                assert_eq!(c.load(Ordering::Relaxed), 50);
+            }
+        }
+    }
+}
+
+#[test]
+fn compute_pool_for_each_does_not_wait_for_a_late_worker() {
+    // Workers park between calls; the caller alone can finish tiny tasks before
+    // any worker wakes, and then withdraws their offers.
+    let mut pool = Pool::new(4);
+    let count = AtomicUsize::new(0);
+    for _ in 0..200 {
+        pool.for_each(2, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        pool.run(&|_| {});
+    }
+    assert_eq!(count.load(Ordering::Relaxed), 400);
+}
+
+#[test]
 fn compute_pool_wakes_parked_workers() {
     let mut pool = Pool::new(3);
     let total = AtomicUsize::new(0);
@@ -232,6 +265,14 @@ fn compute_pool_propagates_panics_and_stays_usable() {
             })
         }));
         assert!(r.is_err(), "panic of index {bad} not propagated");
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.for_each(10, &|i| {
+                if i == bad {
+                    panic!("task {i} fails on purpose");
+                }
+            })
+        }));
+        assert!(r.is_err(), "panic of task {bad} not propagated");
     }
     let seen = Mutex::new(Vec::new());
     pool.run(&|i| seen.lock().unwrap().push(i));
@@ -285,7 +326,7 @@ fn compute_pool_stress_around_the_spin_budget() {
         }
         let slow = (next() % 4) as usize;
         let busy = Duration::from_micros(next() % 300);
-        pool.run(&|i| {
+        let job = |i: usize| {
             if i == slow {
                 let t0 = std::time::Instant::now();
                 while t0.elapsed() < busy {
@@ -293,7 +334,12 @@ fn compute_pool_stress_around_the_spin_budget() {
                 }
             }
             count.fetch_add(1, Ordering::Relaxed);
-        });
+        };
+        if round % 2 == 0 {
+            pool.run(&job);
+        } else {
+            pool.for_each(3, &job);
+        }
         assert_eq!(count.load(Ordering::Relaxed), (round + 1) * 3);
     }
 }
