@@ -6,13 +6,18 @@
 //! - [`gguf`]: a hardened GGUF reader (memory-mapped, zero-copy) and a streaming writer.
 //! - [`model`]: a GGUF as a runnable model (hyperparameters, validated weights).
 //! - [`tokenizer`]: tokenizers built from the GGUF's `tokenizer.ggml.*` metadata.
+//! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
+//! - [`sampling`]: reproducible token sampling (greedy, top-k, top-p, min-p).
 //! - [`engine`]: KV cache, prefill and the decode loop.
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
+//! - [`supply`]: the expert schedules (resident, on-demand, les).
 
 pub mod cli;
+pub mod compute;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
 pub mod model;
+pub mod sampling;
 pub mod supply;
 pub mod tokenizer;

@@ -1,0 +1,228 @@
+//! `SerialMatVec` against `ThreadedMatVec` with 1 and 2 threads (and the default
+//! count, if larger) on an FFN-sized `Q4_K` matrix and an output-sized `Q6_K`
+//! matrix.
+//!
+//! `cargo bench -p les --bench matvec`; `LES_BENCH_VOCAB` sets the rows of the
+//! output matrix (default 32768; Qwen's is 151936). After criterion's report, a
+//! summary times the variants interleaved and prints their ratios to serial.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use les::compute::{default_threads, Pool, ThreadedMatVec};
+use les_core::gemv::{Isa, MatrixView};
+use les_core::model::forward::{MatVec, SerialMatVec};
+use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
+use les_core::quant::{quantize, GgmlType, QK_K};
+
+struct Case {
+    name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    x: Vec<f32>,
+}
+
+/// A deterministic pseudo-random value in [-1, 1).
+fn noise(state: &mut u64) -> f32 {
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// A `rows` x `cols` matrix of `ty`: 64 distinct quantized rows, tiled.
+fn case(name: &str, ty: GgmlType, rows: usize, cols: usize) -> Case {
+    let mut st = 0x5eed ^ rows as u64;
+    let distinct = 64.min(rows);
+    let vals: Vec<f32> = (0..distinct * cols).map(|_| noise(&mut st)).collect();
+    let row_bytes = ty.row_bytes(cols).expect("whole blocks");
+    let mut block = vec![0u8; distinct * row_bytes];
+    quantize(ty, &vals, &mut block).expect("quantizable type");
+    let data: Vec<u8> = block
+        .iter()
+        .copied()
+        .cycle()
+        .take(rows * row_bytes)
+        .collect();
+    let x = (0..cols).map(|_| noise(&mut st)).collect();
+    Case {
+        name: format!("{name} {ty:?} {rows}x{cols}"),
+        ty,
+        rows,
+        cols,
+        data,
+        x,
+    }
+}
+
+/// Owned scratch for a `SerialMatVec`.
+struct SerialScratch {
+    q8_0: Vec<BlockQ8_0>,
+    q8_1: Vec<BlockQ8_1>,
+    q8k: Vec<BlockQ8K>,
+}
+
+impl SerialScratch {
+    fn new(cols: usize) -> Self {
+        let z0 = BlockQ8_0 {
+            d: [0; 2],
+            qs: [0; 32],
+        };
+        let z1 = BlockQ8_1 {
+            d: [0; 2],
+            s: [0; 2],
+            qs: [0; 32],
+        };
+        let zk = BlockQ8K {
+            d: [0; 4],
+            qs: [0; QK_K],
+            bsums: [[0; 2]; QK_K / 16],
+        };
+        SerialScratch {
+            q8_0: vec![z0; cols / 32],
+            q8_1: vec![z1; cols / 32],
+            q8k: vec![zk; cols / QK_K],
+        }
+    }
+
+    fn matvec(&mut self, isa: Isa) -> SerialMatVec<'_> {
+        SerialMatVec {
+            isa,
+            q8_0: &mut self.q8_0,
+            q8_1: &mut self.q8_1,
+            q8k: &mut self.q8k,
+        }
+    }
+}
+
+fn variants() -> Vec<usize> {
+    let mut t = vec![1, 2];
+    let d = default_threads();
+    if d > 2 {
+        t.push(d);
+    }
+    t
+}
+
+fn bench_case(c: &mut Criterion, case: &Case, isa: Isa) {
+    let w = MatrixView::new(case.ty, case.rows, case.cols, &case.data).expect("valid matrix");
+    let mut y = vec![0f32; case.rows];
+    let mut g = c.benchmark_group(&case.name);
+    g.throughput(Throughput::Bytes(case.data.len() as u64));
+    let mut scratch = SerialScratch::new(case.cols);
+    g.bench_function("serial", |b| {
+        let mut mv = scratch.matvec(isa);
+        b.iter(|| {
+            mv.matvec(black_box(&w), black_box(&case.x), &mut y)
+                .unwrap()
+        })
+    });
+    for t in variants() {
+        let mut mv = ThreadedMatVec::new(t, isa);
+        g.bench_function(format!("threaded{t}"), |b| {
+            b.iter(|| {
+                mv.matvec(black_box(&w), black_box(&case.x), &mut y)
+                    .unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Times serial and threaded calls interleaved (so background load hits all
+/// alike) for about `budget`, and prints median times and ratios to serial.
+fn summary(case: &Case, isa: Isa, budget: Duration) {
+    let w = MatrixView::new(case.ty, case.rows, case.cols, &case.data).expect("valid matrix");
+    let mut y = vec![0f32; case.rows];
+    let mut scratch = SerialScratch::new(case.cols);
+    let mut serial = scratch.matvec(isa);
+    let ts = variants();
+    let mut threaded: Vec<ThreadedMatVec> =
+        ts.iter().map(|&t| ThreadedMatVec::new(t, isa)).collect();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ts.len() + 1];
+    let start = Instant::now();
+    while start.elapsed() < budget || times[0].len() < 5 {
+        let t0 = Instant::now();
+        serial.matvec(&w, &case.x, &mut y).unwrap();
+        times[0].push(t0.elapsed().as_secs_f64());
+        for (i, mv) in threaded.iter_mut().enumerate() {
+            let t0 = Instant::now();
+            mv.matvec(&w, &case.x, &mut y).unwrap();
+            times[i + 1].push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let meds: Vec<f64> = times.iter_mut().map(median).collect();
+    let mut line = format!("{:<34} serial {:>9.1} us", case.name, meds[0] * 1e6);
+    for (t, m) in ts.iter().zip(&meds[1..]) {
+        line += &format!(" | threaded{t} {:>9.1} us (x{:.2})", m * 1e6, meds[0] / m);
+    }
+    println!(
+        "{line}  [{} rounds, ratio = serial/threaded]",
+        times[0].len()
+    );
+}
+
+/// Prints the median round trip of an empty `Pool::run` and of a 2-task
+/// `Pool::for_each`, back to back and after the workers parked.
+fn pool_overhead() {
+    for threads in variants().into_iter().filter(|&t| t > 1) {
+        let mut pool = Pool::new(threads);
+        let mut med = |f: &mut dyn FnMut(&mut Pool), cold: bool| {
+            let mut v = Vec::new();
+            for _ in 0..if cold { 100 } else { 2000 } {
+                if cold {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let t0 = Instant::now();
+                f(&mut pool);
+                v.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let run = &mut |p: &mut Pool| p.run(&|_| {});
+        let (rh, rc) = (med(run, false), med(run, true));
+        let each = &mut |p: &mut Pool| p.for_each(2, &|_| {});
+        let (fh, fc) = (med(each, false), med(each, true));
+        println!(
+            "pool of {threads}: empty run {rh:.2} us back to back, {rc:.2} us after parking; \
+             for_each(2) {fh:.2} / {fc:.2} us (medians)"
+        );
+    }
+}
+
+fn main() {
+    let isa = Isa::detect();
+    let vocab = std::env::var("LES_BENCH_VOCAB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32_768);
+    let cases = [
+        case("ffn", GgmlType::Q4K, 2048, 768),
+        case("output", GgmlType::Q6K, vocab, 2048),
+    ];
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(20)
+        .configure_from_args();
+    for case in &cases {
+        bench_case(&mut c, case, isa);
+    }
+    c.final_summary();
+    println!(
+        "\nsummary (isa {isa}, default_threads {}):",
+        default_threads()
+    );
+    for case in &cases {
+        summary(case, isa, Duration::from_secs(2));
+    }
+    pool_overhead();
+}

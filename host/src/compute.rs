@@ -1,0 +1,684 @@
+//! Multi-threaded matrix-vector products.
+//!
+//! - [`Pool`]: a persistent pool of worker threads for short, frequent, blocking
+//!   parallel calls ([`Pool::run`]); waiting threads poll briefly (spinning, then
+//!   yielding the CPU) before parking, so a stream of calls a few microseconds
+//!   apart costs no sleeping and waking.
+//! - [`ThreadedMatVec`]: the [`MatVec`] of the forward pass on a [`Pool`]: quantizes
+//!   `x` once, then splits the rows of `W` into a few contiguous ranges per thread,
+//!   which the threads claim dynamically ([`Pool::for_each`]).
+//! - [`default_threads`]: the number of physical cores this process may use.
+//!
+//! # Exactness
+//!
+//! Each output row is computed by exactly one [`gemv`] call over a row range, and
+//! [`gemv`]'s result does not depend on how rows are split (see
+//! [`les_core::gemv`]), so [`ThreadedMatVec`] is bit-identical to
+//! [`SerialMatVec`](les_core::model::forward::SerialMatVec) for any thread count.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use les_core::gemv::{gemv, GemvError, Isa, MatrixView};
+use les_core::model::forward::{prepare_input, MatVec};
+use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
+use les_core::quant::QK_K;
+
+pub use pool::Pool;
+
+/// Rows per alignment unit: 16 `f32` are one 64-byte cache line of `y`.
+const ROW_ALIGN: usize = 16;
+/// Matrices with fewer rows run on the calling thread.
+const MIN_PARALLEL_ROWS: usize = 64;
+/// Weight bytes per thread below which a product is split for fewer threads (and
+/// run serially when that is one): waking the pool costs about as much as
+/// streaming this much weight data.
+const MIN_BYTES_PER_THREAD: usize = 32 * 1024;
+/// Row ranges per thread, claimed dynamically: a thread slowed down (by the OS,
+/// another process) leaves its share to the others.
+const CHUNKS_PER_THREAD: usize = 4;
+/// Each chunk has at least this many weight bytes (when there are more chunks
+/// than threads).
+const MIN_BYTES_PER_CHUNK: usize = 16 * 1024;
+
+/// A [`MatVec`] that splits the rows of each product across a [`Pool`].
+///
+/// The activation scratch buffers are owned and grow to the largest row length
+/// seen; they never shrink. Products too small to be worth waking the pool (fewer
+/// than 64 rows, or less than 32 KiB of weights per thread) run on the calling
+/// thread alone.
+pub struct ThreadedMatVec {
+    isa: Isa,
+    pool: Pool,
+    q8_0: Vec<BlockQ8_0>,
+    q8_1: Vec<BlockQ8_1>,
+    q8k: Vec<BlockQ8K>,
+}
+
+impl ThreadedMatVec {
+    /// A product over `threads` threads (the caller plus `threads - 1` workers; 0 is
+    /// taken as 1) using the kernels of `isa`.
+    ///
+    /// If the OS refuses to start a worker, the pool keeps the workers it got:
+    /// see [`threads`](Self::threads).
+    pub fn new(threads: usize, isa: Isa) -> Self {
+        ThreadedMatVec {
+            isa,
+            pool: Pool::new(threads),
+            q8_0: Vec::new(),
+            q8_1: Vec::new(),
+            q8k: Vec::new(),
+        }
+    }
+
+    /// Threads that compute a product, the caller included.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// The kernels in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// The pool, for other parallel work between products (attention heads,
+    /// experts): one set of threads serves both.
+    pub fn pool(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+
+    /// How many threads a `rows`-row product of `bytes` weight bytes is split over.
+    fn parts(&self, rows: usize, bytes: usize) -> usize {
+        if rows < MIN_PARALLEL_ROWS {
+            return 1;
+        }
+        self.threads()
+            .min(bytes / MIN_BYTES_PER_THREAD)
+            .min(rows.div_ceil(ROW_ALIGN))
+            .max(1)
+    }
+}
+
+/// Grows `v` to at least `n` elements of `zero`.
+fn grow<T: Copy>(v: &mut Vec<T>, n: usize, zero: T) {
+    if v.len() < n {
+        v.resize(n, zero);
+    }
+}
+
+const ZERO_Q8_0: BlockQ8_0 = BlockQ8_0 {
+    d: [0; 2],
+    qs: [0; 32],
+};
+const ZERO_Q8_1: BlockQ8_1 = BlockQ8_1 {
+    d: [0; 2],
+    s: [0; 2],
+    qs: [0; 32],
+};
+const ZERO_Q8K: BlockQ8K = BlockQ8K {
+    d: [0; 4],
+    qs: [0; QK_K],
+    bsums: [[0; 2]; QK_K / 16],
+};
+
+impl MatVec for ThreadedMatVec {
+    fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
+        // Only the buffer of `w`'s activation format is used; `prepare_input` checks
+        // the length against `x`.
+        use les_core::gemv::{activation_format, ActivationFormat as F};
+        match activation_format(w.ty()) {
+            Some(F::Q8_0) => grow(&mut self.q8_0, x.len() / 32, ZERO_Q8_0),
+            Some(F::Q8_1) => grow(&mut self.q8_1, x.len() / 32, ZERO_Q8_1),
+            Some(F::Q8K) => grow(&mut self.q8k, x.len() / QK_K, ZERO_Q8K),
+            Some(F::F32) | None => {}
+        }
+        let rows = w.rows();
+        let parts = self.parts(rows, rows.saturating_mul(w.row_bytes()));
+        let input = prepare_input(w.ty(), x, &mut self.q8_0, &mut self.q8_1, &mut self.q8k)?;
+        if parts <= 1 || y.len() != rows {
+            // Small, or malformed: one call, with exactly `SerialMatVec`'s errors.
+            return gemv(self.isa, w, &input, 0..rows, y);
+        }
+        // Every remaining error (input length, ISA) is the same for every range:
+        // check once here, so nothing is written to `y` on error.
+        gemv(self.isa, w, &input, 0..0, &mut [])?;
+
+        let chunks = (parts * CHUNKS_PER_THREAD)
+            .min(rows.div_ceil(ROW_ALIGN))
+            .min((rows.saturating_mul(w.row_bytes()) / MIN_BYTES_PER_CHUNK).max(parts));
+        let ranges = split_rows(rows, chunks, y.as_ptr() as usize);
+        let mut slots = Vec::with_capacity(chunks);
+        let mut rest = &mut *y;
+        for r in &ranges {
+            let (chunk, tail) = rest.split_at_mut(r.len());
+            rest = tail;
+            slots.push(Mutex::new(Some((r.clone(), chunk))));
+        }
+        let first_error: Mutex<Option<(usize, GemvError)>> = Mutex::new(None);
+        let isa = self.isa;
+        let input = &input;
+        self.pool.for_each(chunks, &|c| {
+            let Some(slot) = slots.get(c) else { return };
+            let taken = slot.lock().ok().and_then(|mut s| s.take());
+            let Some((range, chunk)) = taken else { return };
+            if let Err(e) = gemv(isa, w, input, range, chunk) {
+                if let Ok(mut first) = first_error.lock() {
+                    if first.is_none_or(|(i, _)| c < i) {
+                        *first = Some((c, e));
+                    }
+                }
+            }
+        });
+        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some((_, e)) => Err(e),
+        }
+    }
+}
+
+/// Splits `0..rows` into `parts` contiguous ranges, as equal as possible, with
+/// every inner boundary on a 64-byte line of the output whose first element is at
+/// address `y_addr` (when `y_addr` is `f32`-aligned), so that no two threads
+/// write the same cache line.
+fn split_rows(rows: usize, parts: usize, y_addr: usize) -> Vec<Range<usize>> {
+    let parts = parts.max(1);
+    // Index of the first row that starts a cache line.
+    let shift = (ROW_ALIGN - (y_addr % 64) / 4 % ROW_ALIGN) % ROW_ALIGN;
+    let mut out = Vec::with_capacity(parts);
+    let mut start = 0;
+    for i in 1..=parts {
+        let end = if i == parts {
+            rows
+        } else {
+            let target = i * rows / parts;
+            // Nearest aligned boundary: shift + ROW_ALIGN * k.
+            let k = (target.saturating_sub(shift) + ROW_ALIGN / 2) / ROW_ALIGN;
+            (shift + k * ROW_ALIGN).clamp(start, rows)
+        };
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+/// The default thread count: physical cores this process may run on.
+///
+/// On Linux, counts the distinct (package, core) pairs in
+/// `/sys/devices/system/cpu/cpu*/topology` of the CPUs in this process's
+/// `Cpus_allowed_list`, capped by [`std::thread::available_parallelism`] (which
+/// also honours cgroup CPU quotas). Elsewhere, or when that fails, it is
+/// `available_parallelism` (logical CPUs) itself; at least 1.
+pub fn default_threads() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match physical_cores() {
+        Some(p) if p > 0 => p.min(logical),
+        _ => logical,
+    }
+}
+
+/// Physical cores among the CPUs this process may run on (Linux only).
+fn physical_cores() -> Option<usize> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let cpus: Vec<usize> = match std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .and_then(|l| parse_cpu_list(l.trim()))
+        }) {
+        Some(c) => c,
+        None => std::fs::read_dir("/sys/devices/system/cpu")
+            .ok()?
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                name.strip_prefix("cpu")?.parse().ok()
+            })
+            .collect(),
+    };
+    let read = |cpu: usize, what: &str| -> Option<u64> {
+        std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu{cpu}/topology/{what}"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let mut cores: Vec<(u64, u64)> = cpus
+        .into_iter()
+        .filter_map(|c| Some((read(c, "physical_package_id")?, read(c, "core_id")?)))
+        .collect();
+    cores.sort_unstable();
+    cores.dedup();
+    (!cores.is_empty()).then_some(cores.len())
+}
+
+/// Parses a Linux CPU list (`"0-3,8,10-11"`); `None` if malformed or absurd.
+fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+            None => {
+                let a: usize = part.parse().ok()?;
+                (a, a)
+            }
+        };
+        if a > b || b - a > 1 << 16 || out.len() > 1 << 16 {
+            return None;
+        }
+        out.extend(a..=b);
+    }
+    Some(out)
+}
+
+mod pool {
+    //! The worker pool; the only `unsafe` of this module is here.
+    //!
+    //! # Protocol
+    //!
+    //! The caller publishes a job (a pointer to a `&Job` on its stack), marks each
+    //! worker's `state` `OFFERED` and increments `epoch`. A worker that sees a new
+    //! epoch claims the job by switching its state from `OFFERED` to `RUNNING`,
+    //! runs it, sets `IDLE` and decrements `pending`. For [`Pool::for_each`], the
+    //! caller, once its own share is done (no task left to claim), withdraws the
+    //! offers not yet claimed (`OFFERED` to `IDLE`, decrementing `pending` itself),
+    //! so a worker the OS has not scheduled never delays the call. The caller
+    //! returns only when `pending` is 0: no worker is running the job any more and
+    //! none can start it.
+    #![allow(unsafe_code)]
+
+    use std::panic::{self, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+    use std::thread::{self, JoinHandle};
+    use std::time::{Duration, Instant};
+
+    /// A job: called with the index of the thread running it.
+    type Job<'a> = dyn Fn(usize) + Sync + 'a;
+
+    /// Worker states.
+    const IDLE: u8 = 0;
+    const OFFERED: u8 = 1;
+    const RUNNING: u8 = 2;
+
+    /// How long a waiting thread polls with `spin_loop` alone.
+    const SPIN_HOT: Duration = Duration::from_micros(10);
+    /// How long a waiting thread polls (with `yield_now` after [`SPIN_HOT`], so
+    /// that an oversubscribed CPU runs the threads being waited for) before
+    /// parking on a condition variable.
+    const SPIN: Duration = Duration::from_micros(200);
+
+    /// The polling phase of a wait.
+    struct Spinner {
+        start: Instant,
+        polls: u32,
+        hot: bool,
+    }
+
+    impl Spinner {
+        fn new() -> Self {
+            Spinner {
+                start: Instant::now(),
+                polls: 0,
+                hot: true,
+            }
+        }
+
+        /// Pauses once; `false` once it is time to park instead.
+        fn step(&mut self) -> bool {
+            self.polls = self.polls.wrapping_add(1);
+            if self.hot {
+                if self.polls % 32 == 0 && self.start.elapsed() > SPIN_HOT {
+                    self.hot = false;
+                }
+                std::hint::spin_loop();
+                return true;
+            }
+            if self.start.elapsed() > SPIN {
+                return false;
+            }
+            thread::yield_now();
+            true
+        }
+    }
+
+    /// State shared by the caller and the workers.
+    struct Shared {
+        /// Incremented by the caller to start a job (or to shut down).
+        epoch: AtomicU64,
+        /// The current job: points at a `&Job` on the stack of `Pool::execute`,
+        /// valid while any worker's state is `OFFERED` or `RUNNING`.
+        job: AtomicPtr<&'static Job<'static>>,
+        /// Per worker: `IDLE`, `OFFERED` or `RUNNING`.
+        state: Box<[AtomicU8]>,
+        /// Offers of the current job neither finished nor withdrawn.
+        pending: AtomicUsize,
+        /// A worker's job call panicked.
+        panicked: AtomicBool,
+        /// The pool is being dropped.
+        shutdown: AtomicBool,
+        /// Workers parked (or about to park) on `wake`.
+        sleepers: AtomicUsize,
+        /// The caller is parked (or about to park) on `done`.
+        caller_sleeping: AtomicBool,
+        /// Guards the parking protocol of both condition variables.
+        lock: Mutex<()>,
+        /// Workers wait here for a new epoch.
+        wake: Condvar,
+        /// The caller waits here for `pending == 0`.
+        done: Condvar,
+    }
+
+    impl Shared {
+        fn lock(&self) -> MutexGuard<'_, ()> {
+            // The lock guards no data, so a poisoned lock is still usable.
+            self.lock.lock().unwrap_or_else(|p| p.into_inner())
+        }
+    }
+
+    /// A persistent pool of worker threads for blocking parallel calls.
+    ///
+    /// The calling thread takes part as thread 0. Idle workers poll for about
+    /// 200 µs (spinning, then yielding), then park; dropping the pool stops and
+    /// joins them.
+    pub struct Pool {
+        shared: Arc<Shared>,
+        workers: Vec<JoinHandle<()>>,
+    }
+
+    impl Pool {
+        /// A pool of `threads` threads: the caller and `threads - 1` workers (0 is
+        /// taken as 1). Workers the OS refuses to start are left out.
+        pub fn new(threads: usize) -> Pool {
+            let n = threads.max(1) - 1;
+            let shared = Arc::new(Shared {
+                epoch: AtomicU64::new(0),
+                job: AtomicPtr::new(std::ptr::null_mut()),
+                state: (0..n).map(|_| AtomicU8::new(IDLE)).collect(),
+                pending: AtomicUsize::new(0),
+                panicked: AtomicBool::new(false),
+                shutdown: AtomicBool::new(false),
+                sleepers: AtomicUsize::new(0),
+                caller_sleeping: AtomicBool::new(false),
+                lock: Mutex::new(()),
+                wake: Condvar::new(),
+                done: Condvar::new(),
+            });
+            let mut workers = Vec::new();
+            for w in 0..n {
+                let s = Arc::clone(&shared);
+                match thread::Builder::new()
+                    .name(format!("les-worker-{}", w + 1))
+                    .spawn(move || worker(&s, w))
+                {
+                    Ok(h) => workers.push(h),
+                    Err(_) => break,
+                }
+            }
+            Pool { shared, workers }
+        }
+
+        /// Threads a job runs on, the caller included.
+        pub fn threads(&self) -> usize {
+            self.workers.len() + 1
+        }
+
+        /// Calls `job(i)` exactly once for every `i` in `0..threads()`, `job(0)` on
+        /// this thread and the others on the workers, and returns once all have
+        /// returned.
+        ///
+        /// # Panics
+        ///
+        /// If any call panics, after all calls have returned (the pool stays
+        /// usable).
+        pub fn run(&mut self, job: &(dyn Fn(usize) + Sync)) {
+            self.execute(job, false);
+        }
+
+        /// Calls `task(i)` exactly once for every `i` in `0..tasks`, spread over
+        /// the threads of the pool (each claims the next unclaimed task until none
+        /// is left), and returns once all have returned.
+        ///
+        /// Workers that have not started by the time the calling thread runs out
+        /// of tasks are skipped: a descheduled worker never delays the call.
+        ///
+        /// # Panics
+        ///
+        /// If any task panics, after all claimed tasks have returned (tasks not
+        /// claimed by the panicking thread still run; the pool stays usable).
+        pub fn for_each(&mut self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+            if tasks <= 1 || self.workers.is_empty() {
+                (0..tasks).for_each(task);
+                return;
+            }
+            let next = AtomicUsize::new(0);
+            self.execute(
+                &|_| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= tasks {
+                        break;
+                    }
+                    task(i);
+                },
+                true,
+            );
+        }
+
+        /// Offers `job` to every worker, runs `job(0)`, withdraws unclaimed offers
+        /// if `withdraw`, and waits for the workers that claimed it.
+        fn execute(&mut self, job: &(dyn Fn(usize) + Sync), withdraw: bool) {
+            let s = &*self.shared;
+            let n = self.workers.len();
+            if n == 0 {
+                job(0);
+                return;
+            }
+            let job_ref: &Job<'_> = job;
+            // Workers reach the job through a pointer to `job_ref` with its
+            // lifetime erased; see the SAFETY comment in `worker` for why it stays
+            // valid while they use it.
+            let ptr = (&job_ref as *const &Job<'_>)
+                .cast::<&'static Job<'static>>()
+                .cast_mut();
+            s.job.store(ptr, Ordering::Relaxed);
+            s.pending.store(n, Ordering::Relaxed);
+            for st in &s.state[..n] {
+                // Release: a worker that claims this offer sees `job` and `pending`.
+                st.store(OFFERED, Ordering::Release);
+            }
+            // SeqCst: pairs with the `sleepers` announcement in `wait_for_epoch`.
+            s.epoch.fetch_add(1, Ordering::SeqCst);
+            if s.sleepers.load(Ordering::SeqCst) > 0 {
+                let _g = s.lock();
+                s.wake.notify_all();
+            }
+            let mine = panic::catch_unwind(AssertUnwindSafe(|| job(0)));
+            if withdraw {
+                for st in &s.state[..n] {
+                    if st
+                        .compare_exchange(OFFERED, IDLE, Ordering::Relaxed, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        // That worker will not claim this job: count it done.
+                        s.pending.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            }
+            self.wait_done();
+            s.job.store(std::ptr::null_mut(), Ordering::Relaxed);
+            if let Err(p) = mine {
+                panic::resume_unwind(p);
+            }
+            if s.panicked.swap(false, Ordering::Relaxed) {
+                panic!("a Pool worker panicked");
+            }
+        }
+
+        /// Waits until `pending` is 0: every offer finished or withdrawn.
+        fn wait_done(&self) {
+            let s = &*self.shared;
+            let mut spin = Spinner::new();
+            // Acquire: the workers' writes (their decrements are releases) are
+            // visible once `pending` reads 0.
+            while s.pending.load(Ordering::Acquire) != 0 {
+                if !spin.step() {
+                    let mut g = s.lock();
+                    // Same handshake as `wait_for_epoch`, with `pending`.
+                    s.caller_sleeping.store(true, Ordering::SeqCst);
+                    while s.pending.load(Ordering::SeqCst) != 0 {
+                        g = s.done.wait(g).unwrap_or_else(|p| p.into_inner());
+                    }
+                    s.caller_sleeping.store(false, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+    }
+
+    impl Drop for Pool {
+        fn drop(&mut self) {
+            let s = &*self.shared;
+            s.shutdown.store(true, Ordering::Relaxed);
+            s.epoch.fetch_add(1, Ordering::SeqCst);
+            {
+                let _g = s.lock();
+                s.wake.notify_all();
+            }
+            for h in self.workers.drain(..) {
+                // Job panics are caught in the worker, so join only fails if the
+                // thread died some other way; nothing to do about it here.
+                let _ = h.join();
+            }
+        }
+    }
+
+    impl std::fmt::Debug for Pool {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Pool")
+                .field("threads", &self.threads())
+                .finish()
+        }
+    }
+
+    /// Waits until the epoch differs from `seen`: polls, then parks.
+    fn wait_for_epoch(s: &Shared, seen: u64) -> u64 {
+        let mut spin = Spinner::new();
+        loop {
+            let e = s.epoch.load(Ordering::Acquire);
+            if e != seen {
+                return e;
+            }
+            if !spin.step() {
+                break;
+            }
+        }
+        let mut g = s.lock();
+        // Announce the sleeper before the last check (both SeqCst): either the
+        // caller's increment of `epoch` comes first in the total order and this
+        // load sees it, or the caller's load of `sleepers` sees this one and it
+        // notifies under the lock, which it can only take once this thread waits.
+        s.sleepers.fetch_add(1, Ordering::SeqCst);
+        loop {
+            let e = s.epoch.load(Ordering::SeqCst);
+            if e != seen {
+                s.sleepers.fetch_sub(1, Ordering::SeqCst);
+                return e;
+            }
+            g = s.wake.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Worker `w` (thread index `w + 1`).
+    fn worker(s: &Shared, w: usize) {
+        let mut seen = 0;
+        loop {
+            seen = wait_for_epoch(s, seen);
+            if s.shutdown.load(Ordering::Relaxed) {
+                return;
+            }
+            // Claim the offer; it may have been withdrawn, or this may be a later
+            // job than the epoch seen (then the next wait returns at once).
+            if s.state[w]
+                .compare_exchange(OFFERED, RUNNING, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            let ptr = s.job.load(Ordering::Relaxed);
+            // SAFETY: the claimed `OFFERED` was stored (Release, read here with
+            // Acquire) by `Pool::execute` after it stored `ptr`, a pointer to a
+            // `&Job` on its stack. `execute` does not return or unwind before
+            // `pending` is 0, and this claim keeps `pending` above 0 until this
+            // thread's decrement below: until then both the `&Job` and the job it
+            // points to are alive and unchanged. `job` is not used after the
+            // decrement, and the fictitious `'static` lifetimes do not let it
+            // escape this iteration. The job is `Sync`, so calling it from here
+            // while the caller also calls it is allowed.
+            let job: &Job<'_> = unsafe { *ptr };
+            if panic::catch_unwind(AssertUnwindSafe(|| job(w + 1))).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+            s.state[w].store(IDLE, Ordering::Relaxed);
+            // SeqCst (a release): the job's writes and `IDLE` happen before the
+            // caller reads 0; pairs with `caller_sleeping` as in `wait_done`.
+            if s.pending.fetch_sub(1, Ordering::SeqCst) == 1
+                && s.caller_sleeping.load(Ordering::SeqCst)
+            {
+                let _g = s.lock();
+                s.done.notify_one();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compute_split_rows_balanced_and_aligned() {
+        for rows in [0, 1, 15, 16, 17, 64, 100, 1000, 2048, 151_936] {
+            for parts in 1..=9 {
+                for addr in (0..64).step_by(4) {
+                    let r = split_rows(rows, parts, 0x1000 + addr);
+                    assert_eq!(r.len(), parts);
+                    assert_eq!(r[0].start, 0);
+                    assert_eq!(r[parts - 1].end, rows);
+                    for w in r.windows(2) {
+                        assert_eq!(w[0].end, w[1].start);
+                        let b = w[0].end;
+                        if b != 0 && b != rows {
+                            assert_eq!((addr / 4 + b) % ROW_ALIGN, 0, "{rows} {parts} {addr}");
+                        }
+                    }
+                    if rows >= 64 * parts {
+                        let ideal = rows / parts;
+                        for x in &r {
+                            assert!(x.len().abs_diff(ideal) <= ROW_ALIGN, "{r:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn compute_parse_cpu_list() {
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list(""), Some(vec![]));
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("x"), None);
+    }
+
+    #[test]
+    fn compute_default_threads_positive() {
+        let n = default_threads();
+        assert!(n >= 1);
+        assert!(n <= std::thread::available_parallelism().map_or(1, |n| n.get()));
+    }
+}
