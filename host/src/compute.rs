@@ -329,7 +329,7 @@ mod pool {
         fn step(&mut self) -> bool {
             self.polls = self.polls.wrapping_add(1);
             if self.hot {
-                if self.polls % 32 == 0 && self.start.elapsed() > SPIN_HOT {
+                if self.polls.is_multiple_of(32) && self.start.elapsed() > SPIN_HOT {
                     self.hot = false;
                 }
                 std::hint::spin_loop();

@@ -83,7 +83,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         u => return Err(format!("unknown size unit {u:?} in {s:?}")),
     };
     let v = n * mult;
-    if !(v.is_finite() && v >= 0.0 && v < 1.8e19) {
+    if !(v.is_finite() && (0.0..1.8e19).contains(&v)) {
         return Err(format!("size {s:?} out of range"));
     }
     Ok(v as u64)
@@ -125,23 +125,16 @@ impl fmt::Display for SupplyError {
 
 impl std::error::Error for SupplyError {}
 
+/// Experts streamed from the model file through the slots.
+pub type HostStreamed<'m> =
+    Streamed<Vec<Slot>, Vec<u32>, Vec<LayerState>, FileDevice, PlainSource<'m>, FormatFn<'m>>;
+
 /// The experts of a run, for any schedule.
 pub enum Supply<'m> {
     /// Experts in the mapped file.
     Resident(Resident<'m, LookupFn<'m>>),
     /// Experts streamed through slots.
-    Streamed(
-        Box<
-            Streamed<
-                Vec<Slot>,
-                Vec<u32>,
-                Vec<LayerState>,
-                FileDevice,
-                PlainSource<'m>,
-                FormatFn<'m>,
-            >,
-        >,
-    ),
+    Streamed(Box<HostStreamed<'m>>),
 }
 
 /// How many slots and how they are read.

@@ -326,7 +326,7 @@ fn read(s: &Shared, req: &ReadRequest, bounce: Option<&SlotArena>) -> Result<u64
         return Ok(req.len as u64);
     }
     let a = SLOT_ALIGN as u64;
-    if req.offset % a == 0 && off % SLOT_ALIGN == 0 && len % SLOT_ALIGN == 0 {
+    if req.offset.is_multiple_of(a) && off % SLOT_ALIGN == 0 && len % SLOT_ALIGN == 0 {
         read_full(&s.file, dst, req.offset)?;
         return Ok(req.len as u64);
     }
