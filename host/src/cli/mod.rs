@@ -1,6 +1,7 @@
 //! The `les` command line: argument parsing and one module per subcommand.
 
 mod inspect;
+mod synth;
 
 use std::error::Error;
 use std::io::{self, Write};
@@ -9,6 +10,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub use inspect::InspectArgs;
+pub use synth::SynthArgs;
 
 /// LES: large MoE models on small devices, experts streamed from flash.
 #[derive(Debug, Parser)]
@@ -24,12 +26,15 @@ pub struct Cli {
 pub enum Command {
     /// Print a GGUF file's architecture, hyperparameters, tensors and expert sizes.
     Inspect(InspectArgs),
+    /// Write a deterministic synthetic model (random weights) of a real architecture.
+    Synth(Box<SynthArgs>),
 }
 
 /// Runs a parsed command line, writing its report to `out`.
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     match &cli.command {
         Command::Inspect(args) => inspect::run(args, out),
+        Command::Synth(args) => synth::run(args, out),
     }
 }
 
