@@ -166,9 +166,29 @@ impl Vocab {
             .collect();
 
         // Words (byte-level symbol sequences) with their counts, in a fixed order.
-        let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut counts: BTreeMap<String, u64> = BTreeMap::new();
         for w in pretokenize(SAMPLE) {
-            *counts.entry(w).or_default() += 1;
+            *counts.entry(w.to_string()).or_default() += 1;
+        }
+        // Once the sample's own merges run out, more come from variants of its
+        // words (case, leading space, common suffixes), each counted once so they
+        // rank after every pair the sample itself repeats.
+        let stems: Vec<String> = counts
+            .keys()
+            .map(|w| w.trim_start_matches(' ').to_lowercase())
+            .filter(|w| w.len() > 1 && w.chars().all(|c| c.is_ascii_alphabetic()))
+            .collect();
+        for stem in stems {
+            let cap: String = stem[..1].to_uppercase() + &stem[1..];
+            let mut forms = vec![stem.to_uppercase(), cap.clone(), stem.clone()];
+            for suffix in ["s", "ed", "ing", "er", "ly", "ness"] {
+                forms.push(format!("{stem}{suffix}"));
+            }
+            for f in forms {
+                for w in [f.clone(), format!(" {f}")] {
+                    counts.entry(w).or_insert(1);
+                }
+            }
         }
         let mut words: Vec<(Vec<u32>, u64)> = counts
             .into_iter()
