@@ -11,6 +11,8 @@
 //! - [`engine`]: KV cache, prefill and the decode loop.
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
+//! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
+//! - [`synth`]: deterministic synthetic models of real architectures (`les synth`).
 
 pub mod cli;
 pub mod compute;
@@ -20,4 +22,5 @@ pub mod gguf;
 pub mod model;
 pub mod sampling;
 pub mod supply;
+pub mod synth;
 pub mod tokenizer;

@@ -2,6 +2,7 @@
 
 mod inspect;
 mod run;
+mod synth;
 
 use std::error::Error;
 use std::io::{self, Write};
@@ -11,6 +12,7 @@ use clap::{Parser, Subcommand};
 
 pub use inspect::InspectArgs;
 pub use run::{write_npy, RunArgs};
+pub use synth::SynthArgs;
 
 /// LES: large MoE models on small devices, experts streamed from flash.
 #[derive(Debug, Parser)]
@@ -28,6 +30,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Generate text from a prompt.
     Run(RunArgs),
+    /// Write a deterministic synthetic model (random weights) of a real architecture.
+    Synth(Box<SynthArgs>),
 }
 
 /// Runs a parsed command line, writing its report to `out`.
@@ -35,6 +39,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     match &cli.command {
         Command::Inspect(args) => inspect::run(args, out),
         Command::Run(args) => run::run(args, out),
+        Command::Synth(args) => synth::run(args, out),
     }
 }
 

@@ -1,0 +1,1033 @@
+//! `les synth`: deterministic synthetic models (random weights) in GGUF, shaped
+//! and named exactly as llama.cpp expects for `qwen3moe`, `olmoe`, `qwen2moe` and
+//! `llama` (dense, or Mixtral-style with experts), with a small byte-level BPE
+//! vocabulary ([`vocab`]).
+//!
+//! # Shapes
+//! A [`Preset`] gives the dimensions ([`Shape`]) and tensor types ([`Types`]);
+//! [`Overrides`] change any of them. The architecture fixes the rest: `olmoe` and
+//! `qwen2moe` have `head_dim = n_embd / n_head` (their `attn_q` is square), `olmoe`
+//! has as many KV heads as query heads (its `attn_k_norm` is `n_embd` wide),
+//! `qwen2moe` adds attention biases and a gated shared expert, plain `llama` is dense
+//! unless experts are asked for, `mixtral` is `llama` with the preset's experts.
+//! A type whose block does not divide a tensor's row length falls back to `q8_0`,
+//! else `f16`; norms, biases and routers are `f32`.
+//!
+//! # Weights
+//! Gaussian with `1/sqrt(fan_in)` scaling so activations stay O(1); norm weights
+//! `1 + 0.02 N(0,1)`. Three knobs ([`Knobs`]) shape the routing so that LES's
+//! lookahead and caching see what they would in a trained model:
+//! - **`router_corr` C**: layer `l+1`'s router is `C * router_l + sqrt(1-C^2) *
+//!   noise` (before the popularity term), so consecutive layers favour the same
+//!   expert ids for the same hidden state.
+//! - **`popularity_skew` S**: every token embedding shares one direction `u` (a
+//!   quarter of its variance), and each router row gets a component along `u` that
+//!   adds `b_e = -S ln(1 + rank_e)` (centred) to expert `e`'s logit, `rank_e` a
+//!   random permutation fixed for the model: a Zipf-like prior `(1+rank)^-S` over
+//!   experts. The router's own random part is orthogonal to `u`.
+//! - **`residual_scale` R**: the output projections (`attn_output`, `ffn_down*`)
+//!   have standard deviation `R/sqrt(fan_in)`, so each block adds about `R` times an
+//!   O(1) vector to a residual stream of O(1) elements; a small `R` makes the hidden
+//!   state drift slowly across layers, which is what makes lookahead (layer `l+1`'s
+//!   router applied to layer `l`'s hidden state) right most of the time.
+//! - `router_scale` G: standard deviation of the router logits' random part.
+//!
+//! [`probe`] measures the result on a written file. With the defaults, the
+//! single-position probe of the `tiny` and `small` presets gives a top-k lookahead
+//! precision of roughly 0.6-0.75.
+//!
+//! # Determinism and streaming
+//! Every chunk of every tensor (one expert of a 3-D tensor, a band of rows of a
+//! matrix) has its own random stream derived from the seed and the tensor's name
+//! ([`rng`]), so the file is byte-identical for the same arguments whatever the
+//! thread count. [`write_model`] generates, quantizes and writes chunk by chunk
+//! (memory is a few chunks per thread, not a tensor), into a temporary file in the
+//! target directory that is renamed over the target only when complete.
+
+mod gen;
+pub mod probe;
+pub mod rng;
+pub mod vocab;
+
+use std::fmt;
+
+use les_core::quant::{can_quantize, GgmlType};
+
+use crate::gguf::{GgufError, GgufWriter, MetaValue};
+
+pub use gen::{write_model, WriteOptions, WriteReport};
+pub use vocab::Vocab;
+
+/// An architecture `les synth` can produce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    /// Qwen3-MoE: per-head q/k norms, no shared expert, softmax top-k renormalised.
+    Qwen3moe,
+    /// OLMoE: full-width q/k norms, no renormalisation.
+    Olmoe,
+    /// Qwen2-MoE (Qwen1.5-MoE): attention biases, sigmoid-gated shared expert.
+    Qwen2moe,
+    /// Llama: dense, or Mixtral-style when given `--experts`.
+    Llama,
+    /// Mixtral: arch `llama` with the preset's experts.
+    Mixtral,
+}
+
+impl Arch {
+    /// `general.architecture`.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Arch::Qwen3moe => "qwen3moe",
+            Arch::Olmoe => "olmoe",
+            Arch::Qwen2moe => "qwen2moe",
+            Arch::Llama | Arch::Mixtral => "llama",
+        }
+    }
+
+    /// The name on the command line.
+    pub fn cli_name(self) -> &'static str {
+        match self {
+            Arch::Mixtral => "mixtral",
+            a => a.gguf_name(),
+        }
+    }
+
+    /// Whether the head size is tied to `n_embd / n_head`.
+    fn square_attention(self) -> bool {
+        matches!(self, Arch::Olmoe | Arch::Qwen2moe)
+    }
+
+    /// Whether llama.cpp falls back to the token embedding without `output.weight`.
+    fn may_tie(self) -> bool {
+        matches!(self, Arch::Qwen3moe | Arch::Llama | Arch::Mixtral)
+    }
+
+    /// `expert_weights_norm`: whether the top-k weights are renormalised.
+    fn normalizes(self) -> bool {
+        matches!(self, Arch::Qwen3moe | Arch::Llama | Arch::Mixtral)
+    }
+}
+
+/// A named set of dimensions and types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// Milliseconds to generate and run (about 330 KB): 4 layers, 64 wide, 8 experts
+    /// of 64, top-2.
+    Tiny,
+    /// About 560 MB: 16 layers, 1024 wide, 64 experts of 256, top-4.
+    Small,
+    /// The shape of Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts of 768, top-8;
+    /// about 17.9 GB (16.7 GiB) with Q4_K experts.
+    A3b,
+}
+
+/// Model dimensions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shape {
+    /// Transformer blocks.
+    pub layers: u64,
+    /// Width of the residual stream.
+    pub embd: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads.
+    pub kv_heads: u64,
+    /// Size of one head.
+    pub head_dim: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// `context_length`.
+    pub context: u64,
+    /// Hidden size of dense FFNs (`feed_forward_length`).
+    pub ff: u64,
+    /// Routed experts per layer (0: dense).
+    pub experts: u64,
+    /// Experts used per token.
+    pub top_k: u64,
+    /// Hidden size of one routed expert.
+    pub expert_ff: u64,
+    /// Hidden size of the shared expert (0: none).
+    pub shared_ff: u64,
+    /// RoPE frequency base.
+    pub rope_base: f32,
+    /// RMSNorm epsilon.
+    pub norm_eps: f32,
+}
+
+impl Shape {
+    /// Width of the query vector.
+    pub fn q_dim(&self) -> u64 {
+        self.heads * self.head_dim
+    }
+
+    /// Width of the key and value vectors.
+    pub fn kv_dim(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// Tensor types by role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Types {
+    /// Routed expert tensors.
+    pub expert: GgmlType,
+    /// Attention, dense FFN and shared-expert matrices.
+    pub dense: GgmlType,
+    /// `token_embd.weight`.
+    pub embd: GgmlType,
+    /// `output.weight`.
+    pub output: GgmlType,
+}
+
+/// The routing-realism knobs; see the [module documentation](self).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Knobs {
+    /// Correlation of consecutive layers' routers, in `[0, 1]`.
+    pub router_corr: f32,
+    /// Zipf exponent of the per-expert popularity prior, `>= 0`.
+    pub popularity_skew: f32,
+    /// Scale of the blocks' output projections, `> 0`.
+    pub residual_scale: f32,
+    /// Standard deviation of the router logits' random part, `> 0`.
+    pub router_scale: f32,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            router_corr: 0.9,
+            popularity_skew: 0.5,
+            residual_scale: 0.5,
+            router_scale: 2.0,
+        }
+    }
+}
+
+impl Preset {
+    /// The preset's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::A3b => "a3b",
+        }
+    }
+
+    /// The preset's dimensions, before the architecture's rules.
+    pub fn shape(self) -> Shape {
+        match self {
+            Preset::Tiny => Shape {
+                layers: 4,
+                embd: 64,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                vocab: 300,
+                context: 4096,
+                ff: 128,
+                experts: 8,
+                top_k: 2,
+                expert_ff: 64,
+                shared_ff: 128,
+                rope_base: 1e6,
+                norm_eps: 1e-6,
+            },
+            Preset::Small => Shape {
+                layers: 16,
+                embd: 1024,
+                heads: 16,
+                kv_heads: 4,
+                head_dim: 64,
+                vocab: 32000,
+                context: 32768,
+                ff: 2816,
+                experts: 64,
+                top_k: 4,
+                expert_ff: 256,
+                shared_ff: 1024,
+                rope_base: 1e6,
+                norm_eps: 1e-6,
+            },
+            // Qwen/Qwen3-30B-A3B `config.json` (Hugging Face): hidden_size 2048,
+            // intermediate_size 6144, moe_intermediate_size 768,
+            // num_hidden_layers 48, num_attention_heads 32, num_key_value_heads 4,
+            // head_dim 128, num_experts 128, num_experts_per_tok 8,
+            // vocab_size 151936, max_position_embeddings 40960, rope_theta 1e6,
+            // rms_norm_eps 1e-6, norm_topk_prob true, tie_word_embeddings false.
+            Preset::A3b => Shape {
+                layers: 48,
+                embd: 2048,
+                heads: 32,
+                kv_heads: 4,
+                head_dim: 128,
+                vocab: 151_936,
+                context: 40960,
+                ff: 6144,
+                experts: 128,
+                top_k: 8,
+                expert_ff: 768,
+                shared_ff: 3072,
+                rope_base: 1e6,
+                norm_eps: 1e-6,
+            },
+        }
+    }
+
+    /// The preset's tensor types.
+    pub fn types(self) -> Types {
+        match self {
+            Preset::Tiny => Types {
+                expert: GgmlType::Q4_0,
+                dense: GgmlType::Q8_0,
+                embd: GgmlType::Q8_0,
+                output: GgmlType::Q8_0,
+            },
+            Preset::Small | Preset::A3b => Types {
+                expert: GgmlType::Q4K,
+                dense: GgmlType::Q8_0,
+                embd: GgmlType::Q8_0,
+                output: GgmlType::Q6K,
+            },
+        }
+    }
+}
+
+/// Changes to a preset; `None` keeps the preset's value.
+#[derive(Clone, Debug, Default)]
+#[allow(missing_docs)] // One per Shape / Types / Knobs field.
+pub struct Overrides {
+    pub layers: Option<u64>,
+    pub embd: Option<u64>,
+    pub heads: Option<u64>,
+    pub kv_heads: Option<u64>,
+    pub head_dim: Option<u64>,
+    pub vocab: Option<u64>,
+    pub context: Option<u64>,
+    pub ff: Option<u64>,
+    pub experts: Option<u64>,
+    pub top_k: Option<u64>,
+    pub expert_ff: Option<u64>,
+    pub shared_ff: Option<u64>,
+    pub rope_base: Option<f32>,
+    pub expert_type: Option<GgmlType>,
+    pub dense_type: Option<GgmlType>,
+    pub embd_type: Option<GgmlType>,
+    pub output_type: Option<GgmlType>,
+    pub router_corr: Option<f32>,
+    pub popularity_skew: Option<f32>,
+    pub residual_scale: Option<f32>,
+    pub router_scale: Option<f32>,
+    pub tie_embeddings: bool,
+}
+
+/// Why a configuration or a write failed.
+#[derive(Debug)]
+pub enum SynthError {
+    /// The configuration is inconsistent.
+    Config(String),
+    /// Writing the file failed.
+    Gguf(GgufError),
+    /// An I/O error outside the GGUF writer (temporary file, rename).
+    Io(std::io::Error),
+}
+
+impl fmt::Display for SynthError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SynthError::Config(m) => write!(f, "synth: {m}"),
+            SynthError::Gguf(e) => write!(f, "synth: {e}"),
+            SynthError::Io(e) => write!(f, "synth: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for SynthError {}
+
+impl From<GgufError> for SynthError {
+    fn from(e: GgufError) -> Self {
+        SynthError::Gguf(e)
+    }
+}
+
+impl From<std::io::Error> for SynthError {
+    fn from(e: std::io::Error) -> Self {
+        SynthError::Io(e)
+    }
+}
+
+fn config_err<T>(m: impl Into<String>) -> Result<T, SynthError> {
+    Err(SynthError::Config(m.into()))
+}
+
+/// A complete, validated description of the model to write.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthConfig {
+    /// The architecture.
+    pub arch: Arch,
+    /// The preset it came from.
+    pub preset: Preset,
+    /// Dimensions.
+    pub shape: Shape,
+    /// Tensor types.
+    pub types: Types,
+    /// Routing knobs.
+    pub knobs: Knobs,
+    /// Random seed.
+    pub seed: u64,
+    /// Omit `output.weight` (llama.cpp then uses `token_embd.weight`).
+    pub tie_embeddings: bool,
+}
+
+impl SynthConfig {
+    /// The preset with the overrides and the architecture's rules applied.
+    pub fn new(arch: Arch, preset: Preset, o: &Overrides, seed: u64) -> Result<Self, SynthError> {
+        let p = preset.shape();
+        let mut s = Shape {
+            layers: o.layers.unwrap_or(p.layers),
+            embd: o.embd.unwrap_or(p.embd),
+            heads: o.heads.unwrap_or(p.heads),
+            kv_heads: o.kv_heads.unwrap_or(p.kv_heads),
+            head_dim: o.head_dim.unwrap_or(p.head_dim),
+            vocab: o.vocab.unwrap_or(p.vocab),
+            context: o.context.unwrap_or(p.context),
+            ff: o.ff.unwrap_or(p.ff),
+            experts: o.experts.unwrap_or(p.experts),
+            top_k: o.top_k.unwrap_or(p.top_k),
+            expert_ff: o.expert_ff.unwrap_or(p.expert_ff),
+            shared_ff: o.shared_ff.unwrap_or(p.shared_ff),
+            rope_base: o.rope_base.unwrap_or(p.rope_base),
+            norm_eps: p.norm_eps,
+        };
+        let name = arch.cli_name();
+        if arch == Arch::Llama && o.experts.is_none() {
+            s.experts = 0;
+        }
+        if arch != Arch::Qwen2moe {
+            if o.shared_ff.is_some() {
+                return config_err(format!("--shared-ff applies to qwen2moe, not {name}"));
+            }
+            s.shared_ff = 0;
+        }
+        if s.experts == 0 && arch != Arch::Llama {
+            return config_err(format!("{name} needs at least one expert"));
+        }
+        if s.experts > 0 && o.top_k.is_none() {
+            s.top_k = s.top_k.min(s.experts);
+        }
+        if arch.square_attention() {
+            if s.heads == 0 || s.embd % s.heads != 0 {
+                return config_err(format!(
+                    "{name}: embedding width {} is not a multiple of the {} heads",
+                    s.embd, s.heads
+                ));
+            }
+            let hd = s.embd / s.heads;
+            if o.head_dim.is_some_and(|d| d != hd) {
+                return config_err(format!("{name} needs head_dim = embd / heads = {hd}"));
+            }
+            s.head_dim = hd;
+        }
+        if arch == Arch::Olmoe {
+            if o.kv_heads.is_some_and(|k| k != s.heads) {
+                return config_err("olmoe needs as many KV heads as query heads");
+            }
+            s.kv_heads = s.heads;
+        }
+        if o.tie_embeddings && !arch.may_tie() {
+            return config_err(format!(
+                "{name} requires output.weight; it cannot tie embeddings"
+            ));
+        }
+
+        let t = preset.types();
+        let types = Types {
+            expert: o.expert_type.unwrap_or(t.expert),
+            dense: o.dense_type.unwrap_or(t.dense),
+            embd: o.embd_type.unwrap_or(t.embd),
+            output: o.output_type.unwrap_or(t.output),
+        };
+        let d = Knobs::default();
+        let knobs = Knobs {
+            router_corr: o.router_corr.unwrap_or(d.router_corr),
+            popularity_skew: o.popularity_skew.unwrap_or(d.popularity_skew),
+            residual_scale: o.residual_scale.unwrap_or(d.residual_scale),
+            router_scale: o.router_scale.unwrap_or(d.router_scale),
+        };
+        let cfg = SynthConfig {
+            arch,
+            preset,
+            shape: s,
+            types,
+            knobs,
+            seed,
+            tie_embeddings: o.tie_embeddings,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), SynthError> {
+        let s = &self.shape;
+        let positive = [
+            ("layers", s.layers),
+            ("embd", s.embd),
+            ("heads", s.heads),
+            ("kv-heads", s.kv_heads),
+            ("head-dim", s.head_dim),
+            ("context", s.context),
+        ];
+        if let Some((n, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return config_err(format!("--{n} must be positive"));
+        }
+        if s.heads % s.kv_heads != 0 {
+            return config_err(format!(
+                "{} heads are not a multiple of {} KV heads",
+                s.heads, s.kv_heads
+            ));
+        }
+        if s.head_dim % 2 != 0 {
+            return config_err("head_dim must be even (RoPE rotates pairs)");
+        }
+        if s.vocab < vocab::MIN_VOCAB as u64 {
+            return config_err(format!("--vocab must be at least {}", vocab::MIN_VOCAB));
+        }
+        if s.vocab > u64::from(i32::MAX as u32) {
+            return config_err("--vocab is too large");
+        }
+        if s.experts > 0 {
+            if s.top_k == 0 || s.top_k > s.experts {
+                return config_err(format!(
+                    "--top-k must be in 1..={} (the expert count)",
+                    s.experts
+                ));
+            }
+            if s.expert_ff == 0 {
+                return config_err("--expert-ff must be positive");
+            }
+            if s.experts > u64::from(u16::MAX) {
+                return config_err("at most 65535 experts");
+            }
+        } else if s.ff == 0 {
+            return config_err("--ff must be positive for a dense model");
+        }
+        for (n, ty) in [
+            ("expert", self.types.expert),
+            ("dense", self.types.dense),
+            ("embd", self.types.embd),
+            ("output", self.types.output),
+        ] {
+            if !can_quantize(ty) || ty.is_activation_only() {
+                return config_err(format!("--{n}-type {ty}: LES cannot write that type"));
+            }
+        }
+        let k = &self.knobs;
+        if !(0.0..=1.0).contains(&k.router_corr) {
+            return config_err("--router-corr must be in [0, 1]");
+        }
+        if !(k.popularity_skew >= 0.0 && k.popularity_skew.is_finite()) {
+            return config_err("--popularity-skew must be >= 0");
+        }
+        if !(k.residual_scale > 0.0 && k.residual_scale.is_finite()) {
+            return config_err("--residual-scale must be > 0");
+        }
+        if !(k.router_scale > 0.0 && k.router_scale.is_finite()) {
+            return config_err("--router-scale must be > 0");
+        }
+        if !(s.rope_base > 0.0 && s.rope_base.is_finite()) {
+            return config_err("--rope-base must be > 0");
+        }
+        Ok(())
+    }
+
+    /// Whether the layers have routed experts.
+    pub fn is_moe(&self) -> bool {
+        self.shape.experts > 0
+    }
+
+    /// `general.name`.
+    pub fn model_name(&self) -> String {
+        format!(
+            "LES synthetic {} {}",
+            self.arch.cli_name(),
+            self.preset.name()
+        )
+    }
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// `1 + 0.02 N(0,1)`: RMSNorm weights.
+    Norm,
+    /// `N(0, std^2)`.
+    Normal(f32),
+    /// Token embeddings: unit-variance rows sharing the popularity direction.
+    Embedding,
+    /// A layer's router: correlated with the previous layer's, plus popularity.
+    Router,
+}
+
+/// One tensor of the plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorPlan {
+    /// GGUF name.
+    pub name: String,
+    /// `ne`, innermost first.
+    pub dims: Vec<u64>,
+    /// Element type.
+    pub ty: GgmlType,
+    /// How values are drawn.
+    pub init: Init,
+    /// The layer, for per-layer tensors.
+    pub layer: Option<u64>,
+}
+
+impl TensorPlan {
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        let n: u64 = self.dims.iter().product();
+        n / self.ty.block_elems() as u64 * self.ty.block_bytes() as u64
+    }
+
+    /// Whether this is a routed-expert tensor (3-D).
+    pub fn is_expert(&self) -> bool {
+        self.dims.len() == 3
+    }
+}
+
+/// `ty`, or the closest type whose block divides a row of `ne0` elements.
+fn fit(ty: GgmlType, ne0: u64) -> GgmlType {
+    if ne0 % ty.block_elems() as u64 == 0 {
+        ty
+    } else if ne0 % 32 == 0 {
+        GgmlType::Q8_0
+    } else {
+        GgmlType::F16
+    }
+}
+
+/// `general.file_type` (llama.cpp's `llama_ftype`) for a model whose bulk is `ty`.
+pub fn file_type(ty: GgmlType) -> u32 {
+    match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::Q4_0 => 2,
+        GgmlType::Q4_1 => 3,
+        GgmlType::Q8_0 => 7,
+        GgmlType::Q5_0 => 8,
+        GgmlType::Q5_1 => 9,
+        GgmlType::Q2K => 10,
+        GgmlType::Q3K => 12,
+        GgmlType::Q4K => 15,
+        GgmlType::Q5K => 17,
+        GgmlType::Q6K => 18,
+        GgmlType::IQ4NL => 25,
+        GgmlType::IQ4XS => 30,
+        GgmlType::BF16 => 32,
+        GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::I8 => 7,
+    }
+}
+
+/// Every tensor of the model, in file order.
+pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
+    let s = &cfg.shape;
+    let t = &cfg.types;
+    let r = cfg.knobs.residual_scale;
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let mut out = Vec::new();
+    let mut add = |name: String, dims: Vec<u64>, ty: GgmlType, init: Init, layer: Option<u64>| {
+        let ty = match init {
+            Init::Norm | Init::Router => GgmlType::F32,
+            _ if dims.len() == 1 => GgmlType::F32,
+            _ => fit(ty, dims[0]),
+        };
+        out.push(TensorPlan {
+            name,
+            dims,
+            ty,
+            init,
+            layer,
+        });
+    };
+    let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
+    add(
+        "token_embd.weight".into(),
+        vec![e, s.vocab],
+        t.embd,
+        Init::Embedding,
+        None,
+    );
+    for l in 0..s.layers {
+        let n = |part: &str| format!("blk.{l}.{part}");
+        let lay = Some(l);
+        add(
+            n("attn_norm.weight"),
+            vec![e],
+            GgmlType::F32,
+            Init::Norm,
+            lay,
+        );
+        for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+            add(
+                n(&format!("{part}.weight")),
+                vec![e, rows],
+                t.dense,
+                Init::Normal(inv(e)),
+                lay,
+            );
+            if cfg.arch == Arch::Qwen2moe {
+                add(
+                    n(&format!("{part}.bias")),
+                    vec![rows],
+                    GgmlType::F32,
+                    Init::Normal(0.1),
+                    lay,
+                );
+            }
+        }
+        add(
+            n("attn_output.weight"),
+            vec![q, e],
+            t.dense,
+            Init::Normal(r * inv(q)),
+            lay,
+        );
+        match cfg.arch {
+            Arch::Qwen3moe => {
+                add(
+                    n("attn_q_norm.weight"),
+                    vec![s.head_dim],
+                    GgmlType::F32,
+                    Init::Norm,
+                    lay,
+                );
+                add(
+                    n("attn_k_norm.weight"),
+                    vec![s.head_dim],
+                    GgmlType::F32,
+                    Init::Norm,
+                    lay,
+                );
+            }
+            Arch::Olmoe => {
+                add(
+                    n("attn_q_norm.weight"),
+                    vec![q],
+                    GgmlType::F32,
+                    Init::Norm,
+                    lay,
+                );
+                add(
+                    n("attn_k_norm.weight"),
+                    vec![kv],
+                    GgmlType::F32,
+                    Init::Norm,
+                    lay,
+                );
+            }
+            _ => {}
+        }
+        add(
+            n("ffn_norm.weight"),
+            vec![e],
+            GgmlType::F32,
+            Init::Norm,
+            lay,
+        );
+        if cfg.is_moe() {
+            let (x, f) = (s.experts, s.expert_ff);
+            add(
+                n("ffn_gate_inp.weight"),
+                vec![e, x],
+                GgmlType::F32,
+                Init::Router,
+                lay,
+            );
+            add(
+                n("ffn_gate_exps.weight"),
+                vec![e, f, x],
+                t.expert,
+                Init::Normal(inv(e)),
+                lay,
+            );
+            add(
+                n("ffn_up_exps.weight"),
+                vec![e, f, x],
+                t.expert,
+                Init::Normal(inv(e)),
+                lay,
+            );
+            add(
+                n("ffn_down_exps.weight"),
+                vec![f, e, x],
+                t.expert,
+                Init::Normal(r * inv(f)),
+                lay,
+            );
+            if s.shared_ff > 0 {
+                let f = s.shared_ff;
+                add(
+                    n("ffn_gate_inp_shexp.weight"),
+                    vec![e],
+                    GgmlType::F32,
+                    Init::Normal(inv(e)),
+                    lay,
+                );
+                add(
+                    n("ffn_gate_shexp.weight"),
+                    vec![e, f],
+                    t.dense,
+                    Init::Normal(inv(e)),
+                    lay,
+                );
+                add(
+                    n("ffn_up_shexp.weight"),
+                    vec![e, f],
+                    t.dense,
+                    Init::Normal(inv(e)),
+                    lay,
+                );
+                add(
+                    n("ffn_down_shexp.weight"),
+                    vec![f, e],
+                    t.dense,
+                    Init::Normal(r * inv(f)),
+                    lay,
+                );
+            }
+        } else {
+            let f = s.ff;
+            add(
+                n("ffn_gate.weight"),
+                vec![e, f],
+                t.dense,
+                Init::Normal(inv(e)),
+                lay,
+            );
+            add(
+                n("ffn_up.weight"),
+                vec![e, f],
+                t.dense,
+                Init::Normal(inv(e)),
+                lay,
+            );
+            add(
+                n("ffn_down.weight"),
+                vec![f, e],
+                t.dense,
+                Init::Normal(r * inv(f)),
+                lay,
+            );
+        }
+    }
+    add(
+        "output_norm.weight".into(),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        None,
+    );
+    if !cfg.tie_embeddings {
+        add(
+            "output.weight".into(),
+            vec![e, s.vocab],
+            t.output,
+            Init::Normal(inv(e)),
+            None,
+        );
+    }
+    out
+}
+
+/// Every metadata pair, in file order (`general.*`, hyperparameters, provenance,
+/// tokenizer).
+pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
+    let s = &cfg.shape;
+    let a = cfg.arch.gguf_name();
+    let bulk = if cfg.is_moe() {
+        cfg.types.expert
+    } else {
+        cfg.types.dense
+    };
+    let mut m: Vec<(String, MetaValue)> = Vec::new();
+    let mut kv = |k: String, v: MetaValue| m.push((k, v));
+    let u32v = |v: u64| MetaValue::U32(v as u32);
+    kv("general.architecture".into(), a.into());
+    kv("general.type".into(), "model".into());
+    kv("general.name".into(), cfg.model_name().into());
+    kv("general.alignment".into(), MetaValue::U32(32));
+    kv("general.file_type".into(), MetaValue::U32(file_type(bulk)));
+    kv("general.quantization_version".into(), MetaValue::U32(2));
+    kv(format!("{a}.block_count"), u32v(s.layers));
+    kv(format!("{a}.context_length"), u32v(s.context));
+    kv(format!("{a}.embedding_length"), u32v(s.embd));
+    let ff = match cfg.arch {
+        // OLMoE and Mixtral size their experts with feed_forward_length.
+        Arch::Olmoe => s.expert_ff,
+        Arch::Llama | Arch::Mixtral if cfg.is_moe() => s.expert_ff,
+        _ => s.ff,
+    };
+    kv(format!("{a}.feed_forward_length"), u32v(ff));
+    kv(format!("{a}.attention.head_count"), u32v(s.heads));
+    kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
+    if !cfg.arch.square_attention() {
+        kv(format!("{a}.attention.key_length"), u32v(s.head_dim));
+        kv(format!("{a}.attention.value_length"), u32v(s.head_dim));
+    }
+    if matches!(cfg.arch, Arch::Llama | Arch::Mixtral) {
+        kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
+    }
+    kv(format!("{a}.rope.freq_base"), MetaValue::F32(s.rope_base));
+    kv(
+        format!("{a}.attention.layer_norm_rms_epsilon"),
+        MetaValue::F32(s.norm_eps),
+    );
+    kv(format!("{a}.vocab_size"), u32v(s.vocab));
+    if cfg.is_moe() {
+        kv(format!("{a}.expert_count"), u32v(s.experts));
+        kv(format!("{a}.expert_used_count"), u32v(s.top_k));
+        kv(format!("{a}.expert_feed_forward_length"), u32v(s.expert_ff));
+        if s.shared_ff > 0 {
+            kv(
+                format!("{a}.expert_shared_feed_forward_length"),
+                u32v(s.shared_ff),
+            );
+        }
+        kv(
+            format!("{a}.expert_weights_norm"),
+            MetaValue::Bool(cfg.arch.normalizes()),
+        );
+        kv(format!("{a}.expert_gating_func"), MetaValue::U32(1));
+    }
+    let k = &cfg.knobs;
+    kv("les.synth.preset".into(), cfg.preset.name().into());
+    kv("les.synth.arch".into(), cfg.arch.cli_name().into());
+    kv("les.synth.seed".into(), MetaValue::U64(cfg.seed));
+    kv(
+        "les.synth.router_corr".into(),
+        MetaValue::F32(k.router_corr),
+    );
+    kv(
+        "les.synth.popularity_skew".into(),
+        MetaValue::F32(k.popularity_skew),
+    );
+    kv(
+        "les.synth.residual_scale".into(),
+        MetaValue::F32(k.residual_scale),
+    );
+    kv(
+        "les.synth.router_scale".into(),
+        MetaValue::F32(k.router_scale),
+    );
+    for (key, v) in vocab.metadata() {
+        m.push((key.to_string(), v));
+    }
+    m
+}
+
+/// The header writer with every pair and tensor info added, and the plan.
+pub fn gguf_writer(
+    cfg: &SynthConfig,
+    vocab: &Vocab,
+) -> Result<(GgufWriter, Vec<TensorPlan>), SynthError> {
+    let mut w = GgufWriter::new();
+    for (k, v) in metadata(cfg, vocab) {
+        w.add_kv(k, v)?;
+    }
+    let plan = tensor_plan(cfg);
+    for t in &plan {
+        w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
+    }
+    Ok((w, plan))
+}
+
+/// Writes the plan as a table plus totals (what `--dry-run` prints); returns the
+/// file size in bytes.
+pub fn describe(
+    cfg: &SynthConfig,
+    out: &mut dyn std::io::Write,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    let vocab = Vocab::build(cfg.shape.vocab as usize).map_err(SynthError::Config)?;
+    let (w, plan) = gguf_writer(cfg, &vocab)?;
+    let s = &cfg.shape;
+    let t = &cfg.types;
+    let k = &cfg.knobs;
+    writeln!(
+        out,
+        "{} (general.architecture {}), preset {}, seed {}",
+        cfg.model_name(),
+        cfg.arch.gguf_name(),
+        cfg.preset.name(),
+        cfg.seed
+    )?;
+    writeln!(
+        out,
+        "  layers {}, embd {}, heads {}/{} x {}, vocab {} ({} merges), context {}",
+        s.layers,
+        s.embd,
+        s.heads,
+        s.kv_heads,
+        s.head_dim,
+        s.vocab,
+        vocab.merges.len(),
+        s.context
+    )?;
+    if cfg.is_moe() {
+        write!(
+            out,
+            "  experts {} x {}, top-{}",
+            s.experts, s.expert_ff, s.top_k
+        )?;
+        if s.shared_ff > 0 {
+            write!(out, ", shared expert {}", s.shared_ff)?;
+        }
+        writeln!(out)?;
+    } else {
+        writeln!(out, "  dense ffn {}", s.ff)?;
+    }
+    writeln!(
+        out,
+        "  types: experts {}, dense {}, token_embd {}, output {}",
+        t.expert,
+        t.dense,
+        t.embd,
+        if cfg.tie_embeddings {
+            "tied"
+        } else {
+            t.output.name()
+        }
+    )?;
+    writeln!(
+        out,
+        "  knobs: router-corr {}, popularity-skew {}, residual-scale {}, router-scale {}",
+        k.router_corr, k.popularity_skew, k.residual_scale, k.router_scale
+    )?;
+    writeln!(out, "tensors:")?;
+    let (mut experts, mut resident) = (0u64, 0u64);
+    for p in &plan {
+        let dims: Vec<String> = p.dims.iter().map(u64::to_string).collect();
+        writeln!(
+            out,
+            "  {:<32} {:<22} {:<6} {:>14}",
+            p.name,
+            dims.join(" x "),
+            p.ty.name(),
+            p.bytes()
+        )?;
+        if p.is_expert() {
+            experts += p.bytes();
+        } else {
+            resident += p.bytes();
+        }
+    }
+    let total = w.file_len();
+    writeln!(out, "expert_bytes {experts}")?;
+    writeln!(out, "resident_bytes {resident}")?;
+    writeln!(
+        out,
+        "total_bytes {total} ({:.2} GB, {:.2} GiB)",
+        total as f64 / 1e9,
+        total as f64 / (1u64 << 30) as f64
+    )?;
+    Ok(total)
+}
