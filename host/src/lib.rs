@@ -12,7 +12,6 @@
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
-//! - [`synth`]: deterministic synthetic models of real architectures (`les synth`).
 
 pub mod cli;
 pub mod compute;
