@@ -415,7 +415,7 @@ impl SynthConfig {
             s.top_k = s.top_k.min(s.experts);
         }
         if arch.square_attention() {
-            if s.heads == 0 || s.embd % s.heads != 0 {
+            if s.heads == 0 || !s.embd.is_multiple_of(s.heads) {
                 return config_err(format!(
                     "{name}: embedding width {} is not a multiple of the {} heads",
                     s.embd, s.heads
@@ -479,13 +479,13 @@ impl SynthConfig {
         if let Some((n, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return config_err(format!("--{n} must be positive"));
         }
-        if s.heads % s.kv_heads != 0 {
+        if !s.heads.is_multiple_of(s.kv_heads) {
             return config_err(format!(
                 "{} heads are not a multiple of {} KV heads",
                 s.heads, s.kv_heads
             ));
         }
-        if s.head_dim % 2 != 0 {
+        if !s.head_dim.is_multiple_of(2) {
             return config_err("head_dim must be even (RoPE rotates pairs)");
         }
         if s.vocab < vocab::MIN_VOCAB as u64 {
@@ -597,9 +597,9 @@ impl TensorPlan {
 
 /// `ty`, or the closest type whose block divides a row of `ne0` elements.
 fn fit(ty: GgmlType, ne0: u64) -> GgmlType {
-    if ne0 % ty.block_elems() as u64 == 0 {
+    if ne0.is_multiple_of(ty.block_elems() as u64) {
         ty
-    } else if ne0 % 32 == 0 {
+    } else if ne0.is_multiple_of(32) {
         GgmlType::Q8_0
     } else {
         GgmlType::F16
