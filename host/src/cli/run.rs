@@ -52,7 +52,8 @@ pub struct RunArgs {
     /// Print one JSON object with tokens, text and stats instead of streaming text.
     #[arg(long)]
     pub json: bool,
-    /// Write the logits of every generated position as float32 .npy (n, vocab).
+    /// Write the logits of every sampled position as float32 .npy (n, vocab); n
+    /// counts the generated tokens plus a final end-of-generation token if any.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
     /// Expert schedule: resident, on-demand or les.
@@ -201,6 +202,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut decoder = tokenizer.stream_decoder(false);
     let mut text = String::new();
     let mut write_err = None;
+    let mut stopped_at_eog = false;
     let stats = generate(
         &mut session,
         &mut mv,
@@ -218,6 +220,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 all_logits.extend_from_slice(logits);
             }
             if tokenizer.is_eog(t) {
+                stopped_at_eog = true;
                 return Control::Stop;
             }
             tokens.push(t);
@@ -250,6 +253,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "schedule": schedule.name(),
             "threads": threads,
             "seed": seed,
+            "stop": if stopped_at_eog { "eog" } else { "length" },
         });
         if let Some(s) = io {
             st["slots"] = json!(budget.slots);

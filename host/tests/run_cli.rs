@@ -1,0 +1,274 @@
+//! End-to-end tests of `les run` on synthetic models: determinism, thread
+//! independence, every schedule bit-identical to resident, the JSON and .npy
+//! outputs, and clean errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+fn les() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_les"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+/// A tiny synthetic model of `arch`, written once per test binary.
+fn model(arch: &str) -> PathBuf {
+    static MADE: OnceLock<std::sync::Mutex<Vec<String>>> = OnceLock::new();
+    let path = tmp(&format!("run_cli_{arch}.gguf"));
+    let made = MADE.get_or_init(Default::default);
+    let mut made = made.lock().unwrap();
+    if !made.iter().any(|a| a == arch) {
+        let out = les()
+            .args([
+                "synth", "--arch", arch, "--preset", "tiny", "--seed", "3", "-o",
+            ])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "synth: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        made.push(arch.to_string());
+    }
+    path
+}
+
+fn run(model: &Path, extra: &[&str]) -> Output {
+    les()
+        .args(["run", "-m"])
+        .arg(model)
+        .args(["-p", "The quick brown fox"])
+        .args(if extra.contains(&"-n") {
+            &[][..]
+        } else {
+            &["-n", "20"][..]
+        })
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn json_run(model: &Path, extra: &[&str]) -> Value {
+    let out = run(model, &[&["--json"], extra].concat());
+    assert!(
+        out.status.success(),
+        "run {extra:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+}
+
+fn tokens(v: &Value) -> Vec<u64> {
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn greedy_output_does_not_depend_on_threads() {
+    for arch in ["qwen3moe", "qwen2moe", "olmoe", "llama", "mixtral"] {
+        let m = model(arch);
+        let a = json_run(&m, &["--temp", "0", "-t", "1"]);
+        let b = json_run(&m, &["--temp", "0", "-t", "2"]);
+        let c = json_run(&m, &["--temp", "0", "-t", "3"]);
+        assert_eq!(tokens(&a), tokens(&b), "{arch}");
+        assert_eq!(tokens(&a), tokens(&c), "{arch}");
+        assert!(!tokens(&a).is_empty(), "{arch}");
+        assert!(a["stats"]["decode_tok_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn sampling_is_reproducible_for_a_seed() {
+    let m = model("qwen3moe");
+    let a = json_run(
+        &m,
+        &[
+            "--temp", "1.5", "--top-k", "0", "--top-p", "1", "--seed", "42",
+        ],
+    );
+    let b = json_run(
+        &m,
+        &[
+            "--temp", "1.5", "--top-k", "0", "--top-p", "1", "--seed", "42",
+        ],
+    );
+    let c = json_run(
+        &m,
+        &[
+            "--temp", "1.5", "--top-k", "0", "--top-p", "1", "--seed", "43",
+        ],
+    );
+    assert_eq!(tokens(&a), tokens(&b));
+    assert_ne!(
+        tokens(&a),
+        tokens(&c),
+        "different seeds should differ on a 20-token run"
+    );
+}
+
+fn npy(path: &Path) -> (usize, usize, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + hlen]).unwrap();
+    assert!(header.contains("'descr': '<f4'"), "{header}");
+    let shape = &header[header.find("'shape': (").unwrap() + 10..];
+    let shape: Vec<usize> = shape[..shape.find(')').unwrap()]
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse().unwrap())
+        .collect();
+    assert_eq!((10 + hlen) % 64, 0, "header padded to 64 bytes");
+    let data = bytes[10 + hlen..].to_vec();
+    assert_eq!(data.len(), shape[0] * shape[1] * 4);
+    (shape[0], shape[1], data)
+}
+
+#[test]
+fn every_schedule_and_budget_gives_bit_identical_logits() {
+    for arch in ["qwen3moe", "qwen2moe", "mixtral"] {
+        let m = model(arch);
+        let want_path = tmp(&format!("logits_{arch}_resident.npy"));
+        let want = json_run(
+            &m,
+            &[
+                "--temp",
+                "0",
+                "--schedule",
+                "resident",
+                "--logits-out",
+                want_path.to_str().unwrap(),
+            ],
+        );
+        let (rows, cols, want_logits) = npy(&want_path);
+        let eog = usize::from(want["stats"]["stop"] == "eog");
+        assert_eq!(
+            rows,
+            tokens(&want).len() + eog,
+            "one row per sampled position"
+        );
+        assert!(cols > 200, "vocab");
+        for args in [
+            ["--schedule", "on-demand", "--slots", "2"],
+            ["--schedule", "les", "--slots", "2"],
+            ["--schedule", "les", "--slots", "5"],
+            ["--schedule", "on-demand", "--slots", "32"],
+            ["--schedule", "les", "--expert-mem", "64KiB"],
+        ] {
+            let path = tmp(&format!("logits_{arch}_{}.npy", args.join("_")));
+            let got = json_run(
+                &m,
+                &[
+                    &args[..],
+                    &["--temp", "0", "--logits-out", path.to_str().unwrap()],
+                ]
+                .concat(),
+            );
+            assert_eq!(tokens(&got), tokens(&want), "{arch} {args:?}");
+            assert!(
+                npy(&path).2 == want_logits,
+                "{arch} {args:?}: logits differ"
+            );
+            assert!(got["stats"]["hit_rate"].as_f64().is_some());
+        }
+    }
+}
+
+#[test]
+fn text_goes_to_stdout_and_stats_to_stderr() {
+    let m = model("qwen3moe");
+    let out = run(&m, &["--temp", "0"]);
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tok/s"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !stdout.contains("The quick brown fox"),
+        "no prompt echo: {stdout}"
+    );
+    // The streamed text equals the JSON text.
+    let j = json_run(&m, &["--temp", "0"]);
+    assert_eq!(stdout.trim_end_matches('\n'), j["text"].as_str().unwrap());
+}
+
+#[test]
+fn chat_template_wraps_the_prompt() {
+    let m = model("qwen3moe");
+    let plain = json_run(&m, &["--temp", "0", "-n", "1"]);
+    let chat = json_run(&m, &["--temp", "0", "-n", "1", "--chat"]);
+    let n_plain = plain["prompt_tokens"].as_array().unwrap().len();
+    let n_chat = chat["prompt_tokens"].as_array().unwrap().len();
+    assert!(
+        n_chat > n_plain + 4,
+        "chat template adds role markers: {n_plain} vs {n_chat}"
+    );
+}
+
+#[test]
+fn errors_are_one_line_and_nonzero() {
+    let m = model("qwen3moe");
+    for (args, needle) in [
+        (
+            vec!["run", "-m", "/nonexistent.gguf", "-p", "x"],
+            "nonexistent",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--schedule",
+                "les",
+            ],
+            "--expert-mem",
+        ),
+        (
+            vec!["run", "-m", m.to_str().unwrap(), "-p", "x", "--slots", "1"],
+            "slots",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--expert-mem",
+                "12 parsecs",
+            ],
+            "unit",
+        ),
+    ] {
+        let out = les().args(&args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.trim_end().lines().last().unwrap_or("");
+        assert!(
+            last.starts_with("error: ") && last.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+    let bad = tmp("run_cli_bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let out = les()
+        .args(["run", "-m"])
+        .arg(&bad)
+        .args(["-p", "x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stderr).lines().count(), 1);
+}
