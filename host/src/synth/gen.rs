@@ -6,7 +6,7 @@ use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use les_core::quant::quantize;
+use les_core::quant::{quantize, GgmlType};
 
 use super::rng::Rng;
 use super::{gguf_writer, Init, SynthConfig, SynthError, TensorPlan, Vocab};
@@ -99,8 +99,13 @@ impl<'c> Generator<'c> {
         let rows: u64 = t.dims.iter().skip(1).product();
         let per = Self::chunk_rows(t);
         let n_rows = per.min(rows - c * per);
-        let mut x = vec![0f32; (ne0 * n_rows) as usize];
         let mut rng = Rng::stream(self.cfg.seed, &t.name, c);
+        if let Init::Normal(std) = t.init {
+            if let Some(bytes) = random_blocks(t.ty, (ne0 * n_rows) as usize, std, &mut rng) {
+                return bytes;
+            }
+        }
+        let mut x = vec![0f32; (ne0 * n_rows) as usize];
         match t.init {
             Init::Norm => {
                 rng.fill_normal(&mut x, 0.02);
@@ -153,6 +158,75 @@ impl<'c> Generator<'c> {
         }
         out
     }
+}
+
+/// Random blocks of `ty` whose values are zero-mean with standard deviation about
+/// `std`, written directly in the block format: reference quantization of
+/// gaussians (the K-quants' search especially) runs at a few MB/s, far too slow
+/// for the multi-GB presets, and random weights need no particular rounding.
+/// `None` for types without a direct generator (those go through `quantize`).
+fn random_blocks(ty: GgmlType, n: usize, std: f32, rng: &mut Rng) -> Option<Vec<u8>> {
+    let bytes = ty.row_bytes(n)?;
+    let mut out = vec![0u8; bytes];
+    for chunk in out.chunks_mut(8) {
+        let r = rng.next_u64().to_le_bytes();
+        chunk.copy_from_slice(&r[..chunk.len()]);
+    }
+    let f16 = |x: f32| les_core::quant::f32_to_f16(x).to_le_bytes();
+    match ty {
+        GgmlType::Q4K => {
+            // value = d*sc*q - dmin*m with m = sc and dmin = 7.5*d: d*sc*(q - 7.5),
+            // uniform with std d*sc*4.61; sc in 32..64.
+            for b in out.chunks_exact_mut(144) {
+                let d = std / (4.61 * 48.0);
+                b[0..2].copy_from_slice(&f16(d));
+                b[2..4].copy_from_slice(&f16(7.5 * d));
+                let sc: [u8; 8] = core::array::from_fn(|i| 32 | (b[4 + i] & 31));
+                // Pack 6-bit scales and mins (equal) as ggml's get_scale_min_k4 reads them.
+                let mut s = [0u8; 12];
+                for j in 0..4 {
+                    s[j] = sc[j];
+                    s[j + 4] = sc[j];
+                }
+                for j in 4..8 {
+                    s[j + 4] = (sc[j] & 0x0f) | ((sc[j] & 0x0f) << 4);
+                    s[j - 4] |= (sc[j] >> 4) << 6;
+                    s[j] |= (sc[j] >> 4) << 6;
+                }
+                b[4..16].copy_from_slice(&s);
+            }
+        }
+        GgmlType::Q6K => {
+            // value = d*sc*(q - 32), q uniform in 0..64: std d*sc*18.5; |sc| in
+            // 32..64. q - 32 has mean -1/2: alternating the sign of the scales
+            // cancels it.
+            for b in out.chunks_exact_mut(210) {
+                let d = std / (18.5 * 48.0);
+                for i in 0..16 {
+                    let sc = (32 | (b[192 + i] & 31)) as i8;
+                    b[192 + i] = if i % 2 == 0 { sc } else { -sc } as u8;
+                }
+                b[208..210].copy_from_slice(&f16(d));
+            }
+        }
+        GgmlType::Q8_0 => {
+            // value = d*q, q uniform in -128..128: std d*73.9; the mean of -1/2 is
+            // cancelled by alternating the sign of d.
+            for (i, b) in out.chunks_exact_mut(34).enumerate() {
+                let d = if i % 2 == 0 { std } else { -std } / 73.9;
+                b[0..2].copy_from_slice(&f16(d));
+            }
+        }
+        GgmlType::Q4_0 => {
+            // value = d*(q - 8): std d*4.61; alternating signs of d cancel the mean.
+            for (i, b) in out.chunks_exact_mut(18).enumerate() {
+                let d = if i % 2 == 0 { std } else { -std } / 4.61;
+                b[0..2].copy_from_slice(&f16(d));
+            }
+        }
+        _ => return None,
+    }
+    Some(out)
 }
 
 /// A tensor's bytes as a `Read`, generated a batch of chunks at a time on up to
@@ -342,4 +416,24 @@ pub fn write_model(
         tensors: plan.len(),
         elapsed: start.elapsed(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_blocks_have_the_requested_spread() {
+        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let n = 256 * 64;
+            let mut rng = Rng::stream(1, "t", 0);
+            let bytes = random_blocks(ty, n, 0.05, &mut rng).unwrap();
+            let mut x = vec![0f32; n];
+            les_core::quant::dequantize(ty, &bytes, &mut x).unwrap();
+            let mean = x.iter().sum::<f32>() / n as f32;
+            let std = (x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n as f32).sqrt();
+            assert!(mean.abs() < 0.001, "{ty}: mean {mean}");
+            assert!((std / 0.05 - 1.0).abs() < 0.15, "{ty}: std {std}");
+        }
+    }
 }
