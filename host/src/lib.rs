@@ -8,11 +8,13 @@
 //! - [`tokenizer`]: tokenizers built from the GGUF's `tokenizer.ggml.*` metadata.
 //! - [`engine`]: KV cache, prefill and the decode loop.
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
+//! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 
 pub mod cli;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
 pub mod model;
+pub mod pack;
 pub mod supply;
 pub mod tokenizer;

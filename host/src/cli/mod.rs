@@ -1,6 +1,7 @@
 //! The `les` command line: argument parsing and one module per subcommand.
 
 mod inspect;
+mod pack;
 mod run;
 
 use std::error::Error;
@@ -10,6 +11,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub use inspect::InspectArgs;
+pub use pack::PackArgs;
 pub use run::{write_npy, RunArgs};
 
 /// LES: large MoE models on small devices, experts streamed from flash.
@@ -26,6 +28,8 @@ pub struct Cli {
 pub enum Command {
     /// Print a GGUF file's architecture, hyperparameters, tensors and expert sizes.
     Inspect(InspectArgs),
+    /// Rewrite a MoE GGUF so each expert is one aligned extent, optionally requantized.
+    Pack(PackArgs),
     /// Generate text from a prompt.
     Run(RunArgs),
 }
@@ -34,6 +38,7 @@ pub enum Command {
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     match &cli.command {
         Command::Inspect(args) => inspect::run(args, out),
+        Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
     }
 }
