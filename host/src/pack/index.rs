@@ -145,6 +145,7 @@ impl PackedIndex {
                 keys::ALIGNMENT
             )));
         }
+        // A power of two: `n & (alignment - 1) == 0` tests for a multiple.
         let alignment = u64::from(alignment);
         let plan = match g.get_str(keys::PLAN).optional() {
             Ok(p) => p.unwrap_or_default().to_owned(),
@@ -211,7 +212,7 @@ impl PackedIndex {
                     stride_key.as_str()
                 )));
             }
-            if stride % alignment != 0 {
+            if stride & (alignment - 1) != 0 {
                 return Err(bad(format!(
                     "{} = {stride} is not a multiple of the alignment {alignment}",
                     stride_key.as_str()
@@ -239,7 +240,7 @@ impl PackedIndex {
                     t.dims()
                 )));
             }
-            if t.offset() % alignment != 0 {
+            if t.offset() & (alignment - 1) != 0 {
                 return Err(bad(format!(
                     "{name} starts at file offset {}, not a multiple of {alignment}",
                     t.offset()

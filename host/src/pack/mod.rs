@@ -508,19 +508,11 @@ impl Packer {
             ExpertTypes::Plan(plan) => {
                 for e in &plan.entries {
                     if !src.layers.iter().any(|l| e.covers(l.layer)) {
+                        let moe: Vec<_> =
+                            src.layers.iter().map(|l| (l.layer, Choice::Keep)).collect();
+                        let moe = Plan::from_choices(&moe).to_string().replace(":keep", "");
                         return Err(PackError::Plan(format!(
-                            "'{e}' covers no MoE layer (the MoE layers are {})",
-                            Plan::from_choices(
-                                &src.layers
-                                    .iter()
-                                    .map(|l| (l.layer, Choice::Keep))
-                                    .collect::<Vec<_>>()
-                            )
-                            .entries
-                            .iter()
-                            .map(|e| e.to_string().trim_end_matches(":keep").to_string())
-                            .collect::<Vec<_>>()
-                            .join(",")
+                            "'{e}' covers no MoE layer (the MoE layers are {moe})"
                         )));
                     }
                 }
