@@ -9,6 +9,11 @@
 //! A CRC-32 of each expert's `bytes` lets the reader detect corruption.
 //!
 //! Metadata keys (`les.pack.*`, see [`keys`]) describe each packed layer.
+//! Shapes are not repeated there: `n_embd` is `{arch}.embedding_length`, `n_ff`
+//! is `{arch}.expert_feed_forward_length` (else `{arch}.feed_forward_length`),
+//! the expert count `{arch}.expert_count`. The packer also sets
+//! `general.alignment` to the pack alignment, so the packed tensor, and with it
+//! every expert, starts on an aligned file offset; the padding is zero.
 
 /// Metadata key names of the packed layout.
 pub mod keys {

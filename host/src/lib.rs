@@ -12,6 +12,7 @@
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
+//! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 
 pub mod cli;
 pub mod compute;
@@ -19,6 +20,7 @@ pub mod engine;
 pub mod flash;
 pub mod gguf;
 pub mod model;
+pub mod pack;
 pub mod sampling;
 pub mod supply;
 pub mod synth;

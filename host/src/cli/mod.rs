@@ -1,6 +1,7 @@
 //! The `les` command line: argument parsing and one module per subcommand.
 
 mod inspect;
+mod pack;
 mod run;
 mod synth;
 
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub use inspect::InspectArgs;
+pub use pack::PackArgs;
 pub use run::{write_npy, RunArgs};
 pub use synth::SynthArgs;
 
@@ -28,6 +30,8 @@ pub struct Cli {
 pub enum Command {
     /// Print a GGUF file's architecture, hyperparameters, tensors and expert sizes.
     Inspect(InspectArgs),
+    /// Rewrite a MoE GGUF so each expert is one aligned extent, optionally requantized.
+    Pack(PackArgs),
     /// Generate text from a prompt.
     Run(RunArgs),
     /// Write a deterministic synthetic model (random weights) of a real architecture.
@@ -38,6 +42,7 @@ pub enum Command {
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     match &cli.command {
         Command::Inspect(args) => inspect::run(args, out),
+        Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
         Command::Synth(args) => synth::run(args, out),
     }
