@@ -184,10 +184,8 @@ fn random_blocks(ty: GgmlType, n: usize, std: f32, rng: &mut Rng) -> Option<Vec<
                 let sc: [u8; 8] = core::array::from_fn(|i| 32 | (b[4 + i] & 31));
                 // Pack 6-bit scales and mins (equal) as ggml's get_scale_min_k4 reads them.
                 let mut s = [0u8; 12];
-                for j in 0..4 {
-                    s[j] = sc[j];
-                    s[j + 4] = sc[j];
-                }
+                s[..4].copy_from_slice(&sc[..4]);
+                s[4..8].copy_from_slice(&sc[..4]);
                 for j in 4..8 {
                     s[j + 4] = (sc[j] & 0x0f) | ((sc[j] & 0x0f) << 4);
                     s[j - 4] |= (sc[j] >> 4) << 6;
