@@ -124,12 +124,21 @@ struct ExpertStack {
     stride: usize,
 }
 
+/// Where a layer's routed experts are.
+#[derive(Debug)]
+enum ExpertStore {
+    /// Three stacked tensors (a plain GGUF): three scattered reads per expert.
+    Plain([ExpertStack; 3]),
+    /// One packed tensor (`les pack`): one aligned extent per expert, checksummed.
+    Packed(crate::pack::PackedLayer),
+}
+
 #[derive(Debug)]
 enum FfnRefs {
     Dense([Tref; 3]),
     Moe {
         router: Tref,
-        experts: [ExpertStack; 3],
+        experts: ExpertStore,
         shared: Option<([Tref; 3], Option<Tref>)>,
     },
 }
@@ -369,6 +378,8 @@ impl Model {
         };
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
 
+        let packed = crate::pack::PackedIndex::from_gguf(&g)
+            .map_err(|e| invalid(format!("packed expert index: {e}")))?;
         let mut layers = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
             let t = |s: &str| format!("blk.{l}.{s}");
@@ -383,6 +394,7 @@ impl Model {
                     Some(_) => vector(&g, &t(name), full).map(Some),
                 }
             };
+            let packed_layer = packed.as_ref().and_then(|p| p.layer(l)).cloned();
             let ffn = if g.tensor(&t("ffn_gate_inp.weight")).is_some() {
                 let m = moe.ok_or_else(|| {
                     invalid(format!("layer {l} has a router but no {a}.expert_count"))
@@ -411,29 +423,27 @@ impl Model {
                 };
                 FfnRefs::Moe {
                     router: tensor_ref(&g, &t("ffn_gate_inp.weight"), m.n_experts, n_embd)?,
-                    experts: [
-                        expert_stack(
-                            &g,
-                            &t("ffn_gate_exps.weight"),
-                            m.n_ff_exp,
-                            n_embd,
-                            m.n_experts,
-                        )?,
-                        expert_stack(
-                            &g,
-                            &t("ffn_up_exps.weight"),
-                            m.n_ff_exp,
-                            n_embd,
-                            m.n_experts,
-                        )?,
-                        expert_stack(
-                            &g,
-                            &t("ffn_down_exps.weight"),
-                            n_embd,
-                            m.n_ff_exp,
-                            m.n_experts,
-                        )?,
-                    ],
+                    experts: match packed_layer {
+                        Some(p) => {
+                            let f = p.format;
+                            if f.n_embd != n_embd || f.n_ff != m.n_ff_exp {
+                                return Err(invalid(format!(
+                                    "packed layer {l} has the wrong expert shape"
+                                )));
+                            }
+                            ExpertStore::Packed(p)
+                        }
+                        None => {
+                            let stack = |name: &str, rows, cols| {
+                                expert_stack(&g, &t(name), rows, cols, m.n_experts)
+                            };
+                            ExpertStore::Plain([
+                                stack("ffn_gate_exps.weight", m.n_ff_exp, n_embd)?,
+                                stack("ffn_up_exps.weight", m.n_ff_exp, n_embd)?,
+                                stack("ffn_down_exps.weight", n_embd, m.n_ff_exp)?,
+                            ])
+                        }
+                    },
                     shared,
                 }
             } else {
@@ -487,7 +497,7 @@ impl Model {
         MatrixView::new(t.ty, t.rows, t.cols, bytes).expect("shape and bytes validated at load")
     }
 
-    fn stacks(&self, layer: usize) -> Option<&[ExpertStack; 3]> {
+    fn store(&self, layer: usize) -> Option<&ExpertStore> {
         match &self.layers.get(layer)?.ffn {
             FfnRefs::Moe { experts, .. } => Some(experts),
             FfnRefs::Dense(_) => None,
@@ -496,78 +506,122 @@ impl Model {
 
     /// Whether layer `layer` has routed experts.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.stacks(layer).is_some()
+        self.store(layer).is_some()
+    }
+
+    /// Whether the experts are packed (`les pack`): one aligned extent each.
+    pub fn is_packed(&self) -> bool {
+        (0..self.hp.n_layers).any(|l| matches!(self.store(l), Some(ExpertStore::Packed(_))))
     }
 
     /// The layout of layer `layer`'s expert in a slot (gate, up, down back to back).
     pub fn expert_format(&self, layer: usize) -> Option<ExpertFormat> {
-        let [g, u, d] = self.stacks(layer)?;
-        Some(ExpertFormat {
-            gate: g.ty,
-            up: u.ty,
-            down: d.ty,
-            n_embd: g.cols,
-            n_ff: g.rows,
+        Some(match self.store(layer)? {
+            ExpertStore::Plain([g, u, d]) => ExpertFormat {
+                gate: g.ty,
+                up: u.ty,
+                down: d.ty,
+                n_embd: g.cols,
+                n_ff: g.rows,
+            },
+            ExpertStore::Packed(p) => p.format,
         })
     }
 
-    /// Bytes of the largest expert of any layer (the slot size).
+    /// Bytes read for one expert of `layer` (a packed expert is read whole,
+    /// padding included, so O_DIRECT can serve it).
+    fn expert_read_bytes(&self, layer: usize) -> Option<usize> {
+        Some(match self.store(layer)? {
+            ExpertStore::Plain(s) => s.iter().map(|x| x.stride).sum(),
+            ExpertStore::Packed(p) => p.stride as usize,
+        })
+    }
+
+    /// Bytes of the largest expert read of any layer (the slot size).
     pub fn max_expert_bytes(&self) -> usize {
         (0..self.hp.n_layers)
-            .filter_map(|l| self.stacks(l))
-            .map(|s| s.iter().map(|x| x.stride).sum())
+            .filter_map(|l| self.expert_read_bytes(l))
             .max()
             .unwrap_or(0)
     }
 
-    /// Total bytes of routed experts.
+    /// Total bytes of routed experts in the file.
     pub fn total_expert_bytes(&self) -> u64 {
         let n = self.hp.moe.map_or(0, |m| m.n_experts) as u64;
         (0..self.hp.n_layers)
-            .filter_map(|l| self.stacks(l))
-            .map(|s| s.iter().map(|x| x.stride as u64).sum::<u64>() * n)
+            .filter_map(|l| self.expert_read_bytes(l))
+            .map(|b| b as u64 * n)
             .sum()
     }
 
     /// Expert `expert` of layer `layer`, viewed in the mapped file.
     pub fn expert(&self, layer: usize, expert: u16) -> Option<ExpertMatrices<'_>> {
-        let s = self.stacks(layer)?;
         if expert as usize >= self.hp.moe?.n_experts {
             return None;
         }
-        let view = |x: &ExpertStack| {
-            let start = x.offset + expert as usize * x.stride;
-            MatrixView::new(
-                x.ty,
-                x.rows,
-                x.cols,
-                &self.gguf.bytes()[start..start + x.stride],
-            )
-            .expect("expert stacks validated at load")
-        };
-        Some(ExpertMatrices {
-            gate: view(&s[0]),
-            up: view(&s[1]),
-            down: view(&s[2]),
-        })
-    }
-
-    /// The three file extents of an expert in a plain GGUF (gate, up, down), placed
-    /// back to back in the slot.
-    pub fn expert_extents(&self, key: ExpertKey) -> Extents {
-        let mut ext = Extents::new();
-        if let Some(s) = self.stacks(key.layer as usize) {
-            let mut at = 0u32;
-            for x in s {
-                let _ = ext.push(Extent {
-                    offset: (x.offset + key.expert as usize * x.stride) as u64,
-                    len: x.stride as u32,
-                    slot_offset: at,
-                });
-                at += x.stride as u32;
+        let bytes = self.gguf.bytes();
+        match self.store(layer)? {
+            ExpertStore::Plain(s) => {
+                let view = |x: &ExpertStack| {
+                    let start = x.offset + expert as usize * x.stride;
+                    MatrixView::new(x.ty, x.rows, x.cols, &bytes[start..start + x.stride])
+                        .expect("expert stacks validated at load")
+                };
+                Some(ExpertMatrices {
+                    gate: view(&s[0]),
+                    up: view(&s[1]),
+                    down: view(&s[2]),
+                })
+            }
+            ExpertStore::Packed(p) => {
+                let e = p.extent(expert as usize)?;
+                let slot = &bytes[e.offset as usize..(e.offset + e.len) as usize];
+                Some(
+                    p.format
+                        .matrices(slot)
+                        .expect("packed index validated at load"),
+                )
             }
         }
+    }
+
+    /// The file extents of an expert, placed back to back in the slot: three for a
+    /// plain GGUF (gate, up, down), one aligned extent for a packed file.
+    pub fn expert_extents(&self, key: ExpertKey) -> Extents {
+        let mut ext = Extents::new();
+        match self.store(key.layer as usize) {
+            Some(ExpertStore::Plain(s)) => {
+                let mut at = 0u32;
+                for x in s {
+                    let _ = ext.push(Extent {
+                        offset: (x.offset + key.expert as usize * x.stride) as u64,
+                        len: x.stride as u32,
+                        slot_offset: at,
+                    });
+                    at += x.stride as u32;
+                }
+            }
+            Some(ExpertStore::Packed(p)) => {
+                if let Some(e) = p.extent(key.expert as usize) {
+                    let _ = ext.push(Extent {
+                        offset: e.offset,
+                        len: e.padded_len as u32,
+                        slot_offset: 0,
+                    });
+                }
+            }
+            None => {}
+        }
         ext
+    }
+
+    /// Whether the bytes read for `key` match its checksum (packed files; plain
+    /// GGUFs carry none).
+    pub fn verify_expert(&self, key: ExpertKey, slot: &[u8]) -> bool {
+        match self.store(key.layer as usize) {
+            Some(ExpertStore::Packed(p)) => p.verify(key.expert as usize, slot),
+            _ => true,
+        }
     }
 }
 

@@ -89,12 +89,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(v as u64)
 }
 
-/// The plain GGUF as an expert source: three extents per expert, no checksum.
-pub struct PlainSource<'m>(pub &'m Model);
+/// The model file as an expert source: three extents per expert in a plain GGUF,
+/// one checksummed aligned extent in a packed one.
+pub struct ModelSource<'m>(pub &'m Model);
 
-impl ExpertSource for PlainSource<'_> {
+impl ExpertSource for ModelSource<'_> {
     fn extents(&self, key: ExpertKey) -> Extents {
         self.0.expert_extents(key)
+    }
+
+    fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
+        self.0.verify_expert(key, slot)
     }
 }
 
@@ -127,7 +132,7 @@ impl std::error::Error for SupplyError {}
 
 /// Experts streamed from the model file through the slots.
 pub type HostStreamed<'m> =
-    Streamed<Vec<Slot>, Vec<u32>, Vec<LayerState>, FileDevice, PlainSource<'m>, FormatFn<'m>>;
+    Streamed<Vec<Slot>, Vec<u32>, Vec<LayerState>, FileDevice, ModelSource<'m>, FormatFn<'m>>;
 
 /// The experts of a run, for any schedule.
 pub enum Supply<'m> {
@@ -201,7 +206,7 @@ impl<'m> Supply<'m> {
         Ok(Supply::Streamed(Box::new(Streamed {
             scheduler,
             device,
-            source: PlainSource(model),
+            source: ModelSource(model),
             format,
             predict: schedule == Schedule::Les,
         })))

@@ -272,3 +272,62 @@ fn errors_are_one_line_and_nonzero() {
     assert!(!out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stderr).lines().count(), 1);
 }
+
+#[test]
+fn packed_model_streams_identically_and_detects_corruption() {
+    let plain = model("qwen3moe");
+    let packed = tmp("run_cli_packed.gguf");
+    let out = les()
+        .arg("pack")
+        .arg(&plain)
+        .arg("-o")
+        .arg(&packed)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = json_run(&plain, &["--temp", "0"]);
+    for args in [
+        &["--schedule", "resident"][..],
+        &["--schedule", "les", "--slots", "2"],
+        &["--schedule", "on-demand", "--slots", "3"],
+    ] {
+        let got = json_run(&packed, &[args, &["--temp", "0"]].concat());
+        assert_eq!(tokens(&got), tokens(&want), "packed {args:?}");
+    }
+    // Flip one byte inside every expert of the first packed layer: whichever the
+    // router picks, its checksum fails and the run stops with a clear error.
+    let g = les::gguf::Gguf::open(&packed).unwrap();
+    let index = les::pack::PackedIndex::from_gguf(&g)
+        .unwrap()
+        .expect("packed");
+    let layer = index.layers()[0].clone();
+    drop(g);
+    let mut bytes = std::fs::read(&packed).unwrap();
+    for e in 0..index.n_experts {
+        bytes[layer.extent(e).unwrap().offset as usize + 10] ^= 0x40;
+    }
+    let corrupt = tmp("run_cli_corrupt.gguf");
+    std::fs::write(&corrupt, &bytes).unwrap();
+    for schedule in ["on-demand", "les"] {
+        let out = run(
+            &corrupt,
+            &["--schedule", schedule, "--slots", "2", "--temp", "0"],
+        );
+        assert!(
+            !out.status.success(),
+            "{schedule}: corruption went unnoticed"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.trim_end().lines().last().unwrap();
+        assert!(
+            last.starts_with("error: ")
+                && last.contains(&format!("layer {} expert", layer.layer))
+                && last.contains("checksum"),
+            "{schedule}: {err}"
+        );
+    }
+}
