@@ -565,3 +565,37 @@ fn synth_probe_cli() {
     ]));
     assert!(text.contains("lookahead precision"), "{text}");
 }
+
+/// Loads every architecture's tiny model in llama.cpp and generates a few tokens.
+/// Needs llama.cpp's `llama-simple` (build target `llama-simple`) named by the
+/// `LES_LLAMA_SIMPLE` environment variable; run with `--ignored`.
+#[test]
+#[ignore = "needs llama.cpp's llama-simple in LES_LLAMA_SIMPLE"]
+fn synth_loads_in_llama_cpp() {
+    let bin = std::env::var("LES_LLAMA_SIMPLE")
+        .expect("set LES_LLAMA_SIMPLE to the path of llama.cpp's llama-simple");
+    for arch in ["qwen3moe", "olmoe", "qwen2moe", "llama", "mixtral"] {
+        let path = synth(
+            &format!("synth_llama_cpp_{arch}.gguf"),
+            &["--arch", arch, "--vocab", "2000"],
+        );
+        let o = Command::new(&bin)
+            .args([
+                "-m",
+                path.to_str().unwrap(),
+                "-n",
+                "4",
+                "The river was high",
+            ])
+            .output()
+            .expect("llama-simple runs");
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{arch}: llama.cpp failed:\n{log}");
+        let want = if arch == "mixtral" { "llama" } else { arch };
+        assert!(
+            log.contains(&format!("arch                  = {want}")),
+            "{arch}:\n{log}"
+        );
+        assert!(log.contains("decoded 4 tokens"), "{arch}:\n{log}");
+    }
+}

@@ -48,7 +48,7 @@ pub struct Vocab {
 }
 
 /// GPT-2's byte-to-unicode table: printable bytes map to themselves, the others to
-/// U+0100 upwards. Index by byte; the order of [`byte_order`] gives token ids.
+/// U+0100 upwards. Index by byte; token ids put the printable bytes first.
 pub fn byte_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
