@@ -130,7 +130,7 @@ enum ExpertStore {
     /// Three stacked tensors (a plain GGUF): three scattered reads per expert.
     Plain([ExpertStack; 3]),
     /// One packed tensor (`les pack`): one aligned extent per expert, checksummed.
-    Packed(crate::pack::PackedLayer),
+    Packed(Box<crate::pack::PackedLayer>),
 }
 
 #[derive(Debug)]
@@ -431,7 +431,7 @@ impl Model {
                                     "packed layer {l} has the wrong expert shape"
                                 )));
                             }
-                            ExpertStore::Packed(p)
+                            ExpertStore::Packed(Box::new(p))
                         }
                         None => {
                             let stack = |name: &str, rows, cols| {
