@@ -10,7 +10,7 @@ use les_core::model::config::{Hparams, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident, Streamed};
 use les_core::model::forward::{
     forward, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SerialMatVec, SharedExpert,
-    Weights,
+    TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -360,7 +360,7 @@ where
                 &mut mv,
                 experts,
                 lookahead,
-                t,
+                TokenInput::Token(t),
                 pos,
                 &mut kv,
                 &mut s,

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward, Experts, ForwardError, KvCache, Lookahead, MatVec, Scratch,
+    forward, Experts, ForwardError, KvCache, Lookahead, MatVec, Scratch, TokenInput,
 };
 
 use crate::model::Model;
@@ -76,13 +76,14 @@ impl<'m> Session<'m> {
         self.max_positions
     }
 
-    /// Evaluates `token` at the next position and writes the next-token logits.
+    /// Evaluates `input` (a token or an embedding) at the next position and writes
+    /// the next-token logits.
     pub fn eval<M: MatVec, X: Experts>(
         &mut self,
         mv: &mut M,
         experts: &mut X,
         lookahead: Option<&Lookahead>,
-        token: u32,
+        input: TokenInput<'_>,
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
         let hp = &self.model.hp;
@@ -91,7 +92,7 @@ impl<'m> Session<'m> {
         let mut s = Scratch::new(hp, &mut self.scratch, self.max_positions)
             .expect("scratch sized by Session::new");
         forward(
-            hp, self.model, mv, experts, lookahead, token, self.pos, &mut kv, &mut s, logits,
+            hp, self.model, mv, experts, lookahead, input, self.pos, &mut kv, &mut s, logits,
         )?;
         self.pos += 1;
         Ok(())
@@ -126,7 +127,7 @@ pub fn generate<M: MatVec, X: Experts>(
     };
     let start = Instant::now();
     for &t in prompt {
-        session.eval(mv, experts, lookahead, t, &mut logits)?;
+        session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
     }
     stats.prefill = start.elapsed();
     let start = Instant::now();
@@ -137,7 +138,13 @@ pub fn generate<M: MatVec, X: Experts>(
             break;
         }
         if i + 1 < n {
-            session.eval(mv, experts, lookahead, token, &mut logits)?;
+            session.eval(
+                mv,
+                experts,
+                lookahead,
+                TokenInput::Token(token),
+                &mut logits,
+            )?;
         }
     }
     stats.decode = start.elapsed();

@@ -420,7 +420,16 @@ fn swiglu_ffn<M: MatVec>(
     mv.matvec(down, a, out)
 }
 
-/// Runs token `token` at position `pos` (the KV cache holds positions `0..pos`)
+/// What enters the model at one position.
+#[derive(Clone, Copy, Debug)]
+pub enum TokenInput<'a> {
+    /// A token id, looked up in the embedding matrix.
+    Token(u32),
+    /// An embedding given directly (`n_embd` values), e.g. from a vision encoder.
+    Embedding(&'a [f32]),
+}
+
+/// Runs `input` at position `pos` (the KV cache holds positions `0..pos`)
 /// and writes the next-token logits (`n_vocab`) into `logits`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<W, M, X>(
@@ -429,7 +438,7 @@ pub fn forward<W, M, X>(
     mv: &mut M,
     experts: &mut X,
     lookahead: Option<&Lookahead>,
-    token: u32,
+    input: TokenInput<'_>,
     pos: usize,
     kv: &mut KvCache<'_>,
     s: &mut Scratch<'_>,
@@ -446,9 +455,19 @@ where
     if logits.len() != hp.n_vocab {
         return Err(ForwardError::Shape("logits length"));
     }
-    let emb = weights.embedding();
-    let row = emb.row(token as usize).ok_or(ForwardError::Token(token))?;
-    quant::dequantize(emb.ty(), row, s.h).map_err(ForwardError::Quant)?;
+    match input {
+        TokenInput::Token(token) => {
+            let emb = weights.embedding();
+            let row = emb.row(token as usize).ok_or(ForwardError::Token(token))?;
+            quant::dequantize(emb.ty(), row, s.h).map_err(ForwardError::Quant)?;
+        }
+        TokenInput::Embedding(e) => {
+            if e.len() != s.h.len() {
+                return Err(ForwardError::Shape("input embedding length"));
+            }
+            s.h.copy_from_slice(e);
+        }
+    }
 
     let router_cfg = match hp.moe {
         Some(m) => Some(RouterConfig::new(
