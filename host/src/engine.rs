@@ -150,3 +150,11 @@ pub fn generate<M: MatVec, X: Experts>(
     stats.decode = start.elapsed();
     Ok(stats)
 }
+
+/// The process's peak resident set size (`VmHWM`), where the OS reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -331,3 +331,39 @@ fn packed_model_streams_identically_and_detects_corruption() {
         );
     }
 }
+
+/// Streaming keeps the process's peak RSS within the resident weights, the slot
+/// budget and a stated overhead (KV cache, scratch, code, allocator): the page
+/// cache is not a hidden second expert cache, and experts are never mapped in.
+#[test]
+fn peak_rss_stays_within_budget() {
+    let path = tmp("run_cli_rss.gguf");
+    let out = les()
+        .args([
+            "synth", "--arch", "qwen3moe", "--preset", "small", "--layers", "4", "--quiet", "-o",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = json_run(
+        &path,
+        &["--temp", "0", "-n", "8", "--expert-mem", "16MiB", "-t", "2"],
+    );
+    let st = &j["stats"];
+    let peak = st["peak_rss_bytes"].as_u64().expect("VmHWM on Linux");
+    let resident = st["resident_weight_bytes"].as_u64().unwrap();
+    let slots = st["slot_bytes"].as_u64().unwrap();
+    const OVERHEAD: u64 = 48 << 20;
+    assert!(
+        peak <= resident + slots + OVERHEAD,
+        "peak RSS {peak} > resident {resident} + slots {slots} + {OVERHEAD}"
+    );
+    // And the budget is real: experts are much larger than what was allowed.
+    let g = les::model::Model::open(&path).unwrap();
+    assert!(g.total_expert_bytes() > 4 * slots);
+}

@@ -248,6 +248,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "threads": threads,
             "seed": seed,
             "stop": if stopped_at_eog { "eog" } else { "length" },
+            "peak_rss_bytes": crate::engine::peak_rss_bytes(),
+            "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
+            "slot_bytes": budget.slots as u64 * model.max_expert_bytes() as u64,
         });
         if let Some(s) = io {
             st["slots"] = json!(budget.slots);
