@@ -23,18 +23,35 @@ use crate::flash::{FileDevice, FileDeviceConfig, IoSnapshot};
 use crate::model::Model;
 use crate::supply::{Schedule, SlotBudget, Supply};
 
-/// The lookahead used by `les run` and `les bench`: predict as many experts as the
-/// router picks, for every layer.
-pub fn default_lookahead(model: &Model) -> Lookahead {
+/// How many experts the lookahead predicts per layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, clap::Args)]
+pub struct LookaheadArgs {
+    /// Experts predicted per layer (default: as many as the router picks).
+    #[arg(long)]
+    pub predict: Option<usize>,
+    /// Only predict experts whose gating probability is at least this (at most
+    /// `--predict` of them).
+    #[arg(long)]
+    pub predict_min_prob: Option<f32>,
+}
+
+/// The lookahead of `les run` and `les bench`: for every layer, the next layer's
+/// router on this layer's hidden state.
+pub fn lookahead(model: &Model, args: &LookaheadArgs) -> Lookahead {
     let top_k = model.hp.moe.map_or(1, |m| m.top_k);
+    let n = args
+        .predict
+        .unwrap_or(top_k)
+        .clamp(1, les_core::router::MAX_PREDICTED);
+    let predictor = match args.predict_min_prob {
+        Some(p) => PredictorConfig::threshold(p, n),
+        None => PredictorConfig::top_k(n),
+    };
     let mut layers = LayerMask::new();
     for l in 0..model.hp.n_layers.min(LayerMask::CAPACITY) {
         let _ = layers.enable(l);
     }
-    Lookahead {
-        predictor: PredictorConfig::top_k(top_k),
-        layers,
-    }
+    Lookahead { predictor, layers }
 }
 
 /// Prediction quality of one layer.
@@ -150,6 +167,8 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Expert slots and I/O settings (shared by the streamed schedules).
     pub budget: SlotBudget,
+    /// Lookahead prediction settings.
+    pub lookahead: LookaheadArgs,
 }
 
 /// Bandwidth of expert-sized reads at full queue depth, cold cache, over about
@@ -242,7 +261,7 @@ pub fn run_schedule(
         io: cfg.budget.io,
     };
     let mut supply = Supply::new(model, path, schedule, budget)?;
-    let lookahead = default_lookahead(model);
+    let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
     let mut session = Session::new(model, cfg.prompt.len() + cfg.n_tokens + 1);
     let mut logits = vec![0f32; model.hp.n_vocab];

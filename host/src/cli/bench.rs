@@ -44,6 +44,9 @@ pub struct BenchArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Lookahead prediction (les schedule).
+    #[command(flatten)]
+    pub lookahead: crate::bench::LookaheadArgs,
 }
 
 fn mib(b: f64) -> f64 {
@@ -78,6 +81,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         n_tokens: args.n_tokens,
         threads: args.threads.unwrap_or_else(default_threads).max(1),
         budget,
+        lookahead: args.lookahead,
     };
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.slots as u64 * model.max_expert_bytes() as u64;

@@ -69,6 +69,9 @@ pub struct RunArgs {
     /// Context size (default: prompt + n, at most the training context).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Lookahead prediction (les schedule).
+    #[command(flatten)]
+    pub lookahead: crate::bench::LookaheadArgs,
 }
 
 /// Writes `data` (rows of `cols` floats) as a little-endian float32 `.npy`.
@@ -175,7 +178,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         ..SamplerConfig::greedy()
     });
     let mut supply = Supply::new(&model, &args.model, schedule, budget)?;
-    let lookahead = crate::bench::default_lookahead(&model);
+    let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut mv = ThreadedMatVec::new(threads, Isa::detect());
     let mut session = Session::new(&model, ctx);
     eprintln!(
