@@ -47,6 +47,10 @@ pub struct BenchArgs {
     /// Lookahead prediction (les schedule).
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
+    /// Instead of one budget, sweep these percentages of the expert bytes (e.g.
+    /// `10,25,50,100`) and print one row per budget and schedule.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["expert_mem", "slots"])]
+    pub sweep: Vec<f64>,
 }
 
 fn mib(b: f64) -> f64 {
@@ -55,6 +59,9 @@ fn mib(b: f64) -> f64 {
 
 /// Runs `les bench`.
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    if !args.sweep.is_empty() {
+        return sweep(args, out);
+    }
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
     if args.schedules.is_empty() {
@@ -234,5 +241,90 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     if !identical {
         return Err("schedules produced different tokens".into());
     }
+    Ok(())
+}
+
+/// `les bench --sweep`: each budget, each schedule; speedup over on-demand and
+/// whether les's hit rate is at least LRU's (on-demand's) at every budget.
+fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let model = Model::open(&args.model)?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    let prompt = tokenizer.encode(&args.prompt, true, true);
+    if prompt.is_empty() {
+        return Err("the prompt is empty after tokenization".into());
+    }
+    let expert_bytes = model.total_expert_bytes();
+    let slot = model.max_expert_bytes().max(1) as u64;
+    let threads = args.threads.unwrap_or_else(default_threads).max(1);
+    let io = crate::flash::FileDeviceConfig {
+        threads: args.io_threads.max(1),
+        ..Default::default()
+    };
+    let bw = device_bandwidth(&model, &args.model, io, (256u64 << 20).min(expert_bytes))?;
+    eprintln!(
+        "les bench: device reads expert extents at {:.0} MiB/s",
+        mib(bw)
+    );
+    let top_k = model.hp.moe.map_or(1, |m| m.top_k);
+    let mut rows = Vec::new();
+    writeln!(
+        out,
+        "{:>7} {:>6} {:<10} {:>8} {:>8} {:>9} {:>8} {:>8}",
+        "budget", "slots", "schedule", "tok/s", "hit", "MiB/tok", "overlap", "speedup"
+    )?;
+    for &pct in &args.sweep {
+        if !(pct > 0.0 && pct <= 100.0) {
+            return Err(format!("sweep budget {pct}% is not in (0, 100]").into());
+        }
+        let slots = ((expert_bytes as f64 * pct / 100.0) as u64 / slot).max(top_k as u64) as usize;
+        let cfg = BenchConfig {
+            prompt: prompt.clone(),
+            n_tokens: args.n_tokens,
+            threads,
+            budget: crate::supply::SlotBudget { slots, io },
+            lookahead: args.lookahead,
+        };
+        let mut base = None;
+        let mut lru_hit = None;
+        for &s in &args.schedules {
+            let r = run_schedule(&model, &args.model, &cfg, s, bw)?;
+            if s == Schedule::OnDemand {
+                base = Some(r.tok_s());
+                lru_hit = Some(r.hit_rate());
+            }
+            writeln!(
+                out,
+                "{:>6.0}% {:>6} {:<10} {:>8.2} {:>7.1}% {:>9.2} {:>8.2} {:>8}",
+                pct,
+                slots,
+                s.name(),
+                r.tok_s(),
+                100.0 * r.hit_rate(),
+                mib(r.bytes_per_token()),
+                r.overlap_efficiency(),
+                base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
+            )?;
+            out.flush()?;
+            rows.push((pct, s, r.tok_s(), r.hit_rate(), base, lru_hit));
+        }
+    }
+    let never_slower = rows
+        .iter()
+        .filter(|r| r.1 == Schedule::Les)
+        .all(|r| r.4.is_none_or(|b| r.2 >= b));
+    let hits_ge_lru = rows
+        .iter()
+        .filter(|r| r.1 == Schedule::Les)
+        .all(|r| r.5.is_none_or(|h| r.3 >= h));
+    writeln!(
+        out,
+        "les never slower than on-demand: {}",
+        if never_slower { "yes" } else { "no" }
+    )?;
+    writeln!(
+        out,
+        "les hit rate >= LRU at every budget: {}",
+        if hits_ge_lru { "yes" } else { "no" }
+    )?;
     Ok(())
 }
