@@ -107,7 +107,8 @@ fn bench(c: &mut Criterion) {
         let data = matrix(ty, &mut rng);
         let m = MatrixView::new(ty, ROWS, COLS, &data).unwrap();
         let mut g = c.benchmark_group(format!("gemv_{}", ty.name()));
-        g.throughput(Throughput::Elements((ROWS * COLS) as u64));
+        // Reported as GB/s of weights read.
+        g.throughput(Throughput::Bytes(data.len() as u64));
         for isa in Isa::available() {
             g.bench_function(isa.name(), |b| {
                 b.iter(|| {

@@ -320,13 +320,30 @@ pub struct Scheduler<S, M, L> {
     prediction: Option<(u16, Vec<u16, MAX_PREDICTED>)>,
     token_prefetch_bytes: u64,
     in_flight: usize,
+    /// Some prefetch has parts the device refused (busy): resubmit them.
+    partial_prefetch: bool,
     stats: Stats,
 }
 
 const PART_BITS: u32 = 2;
+const GEN_BITS: u32 = 8;
+const SLOT_SHIFT: u32 = PART_BITS + GEN_BITS;
+/// Most slots a scheduler manages (tags carry the slot index).
+pub const MAX_SLOTS: usize = 1 << (32 - SLOT_SHIFT);
 
-fn tag(load: u32, part: usize) -> Tag {
-    Tag((load << PART_BITS) | part as u32)
+/// A read's tag: the slot, the low bits of the load id (so a completion of an
+/// earlier attempt into the same slot is recognised as stale) and the part.
+fn tag(slot: SlotId, load: u32, part: usize) -> Tag {
+    Tag((slot.0 << SLOT_SHIFT) | ((load & ((1 << GEN_BITS) - 1)) << PART_BITS) | part as u32)
+}
+
+/// `(slot, load id low bits, part bit)` of a tag.
+fn untag(t: Tag) -> (SlotId, u32, u8) {
+    (
+        SlotId(t.0 >> SLOT_SHIFT),
+        (t.0 >> PART_BITS) & ((1 << GEN_BITS) - 1),
+        1u8 << (t.0 & ((1 << PART_BITS) - 1)),
+    )
 }
 
 impl<S, M, L> Scheduler<S, M, L>
@@ -353,6 +370,9 @@ where
         if !(0.0..=1.0).contains(&config.min_precision) {
             return Err(Error::Config("min_precision must lie in 0..=1"));
         }
+        if slots.as_ref().len() > MAX_SLOTS {
+            return Err(Error::Config("more slots than MAX_SLOTS"));
+        }
         layers.as_mut().fill(LayerState::INITIAL);
         let table = SlotTable::new(slots, index, n_layers, n_experts)?;
         Ok(Scheduler {
@@ -367,6 +387,7 @@ where
             prediction: None,
             token_prefetch_bytes: 0,
             in_flight: 0,
+            partial_prefetch: false,
             stats: Stats::default(),
         })
     }
@@ -404,11 +425,14 @@ where
     /// Whether a picked expert of the current layer waits for a slot or for its
     /// read to be submitted (prefetches are held back meanwhile).
     pub fn demand_pending(&self) -> bool {
-        self.picks.iter().any(|p| p.status == PickStatus::NeedsSlot)
-            || self
-                .table
-                .iter()
-                .any(|(_, s)| matches!(s, SlotState::Loading(l) if l.demand && l.unsubmitted != 0))
+        // Demand loads are exactly the current picks' loads.
+        self.picks.iter().any(|p| match p.status {
+            PickStatus::NeedsSlot => true,
+            PickStatus::Loading(slot) => {
+                matches!(self.table.state(slot), SlotState::Loading(l) if l.unsubmitted != 0)
+            }
+            _ => false,
+        })
     }
 
     /// Starts a new token: resets the per-token prefetch budget.
@@ -626,17 +650,14 @@ where
         while self.in_flight > 0 {
             match dev.poll() {
                 Some(c) => {
-                    if let Some(slot) = self.table.find_load(c.tag.0 >> PART_BITS) {
+                    if let Some((slot, bit)) = self.match_completion(c.tag) {
                         if let Some(load) = self.table.load_mut(slot) {
-                            let bit = 1u8 << (c.tag.0 & ((1 << PART_BITS) - 1));
-                            if load.outstanding & bit != 0 {
-                                load.outstanding &= !bit;
-                                self.in_flight -= 1;
-                                load.failed = true;
-                                load.unsubmitted = 0;
-                                if load.outstanding == 0 {
-                                    let _ = self.table.abandon(slot);
-                                }
+                            load.outstanding &= !bit;
+                            self.in_flight -= 1;
+                            load.failed = true;
+                            load.unsubmitted = 0;
+                            if load.outstanding == 0 {
+                                let _ = self.table.abandon(slot);
                             }
                         }
                     }
@@ -646,6 +667,23 @@ where
         }
         self.picks.clear();
         self.queue.clear();
+    }
+
+    /// The slot and part bit of an outstanding read with tag `t`, or `None` for a
+    /// completion that matches no read in flight.
+    fn match_completion(&self, t: Tag) -> Option<(SlotId, u8)> {
+        let (slot, generation, bit) = untag(t);
+        if slot.0 as usize >= self.table.capacity() {
+            return None;
+        }
+        match self.table.state(slot) {
+            SlotState::Loading(l)
+                if l.id & ((1 << GEN_BITS) - 1) == generation && l.outstanding & bit != 0 =>
+            {
+                Some((slot, bit))
+            }
+            _ => None,
+        }
     }
 
     fn score_prediction(&mut self, layer: u16, routing: &[u16]) {
@@ -694,7 +732,7 @@ where
         }
         for part in 0..MAX_PARTS {
             if outstanding & (1 << part) != 0 {
-                dev.cancel(tag(id, part));
+                dev.cancel(tag(slot, id, part));
             }
         }
         Ok(())
@@ -796,17 +834,22 @@ where
         let reserve = self.config.demand_reserve;
         let depth = dev.queue_depth();
         let room = |in_flight: usize, parts: usize| in_flight + parts + reserve <= depth;
-        let partial: Vec<SlotId, MAX_PREDICTED> = self
-            .table
-            .iter()
-            .filter_map(|(s, st)| match st {
-                SlotState::Loading(l) if !l.demand && l.unsubmitted != 0 => Some(s),
-                _ => None,
-            })
-            .take(MAX_PREDICTED)
-            .collect();
+        let partial: Vec<SlotId, MAX_PREDICTED> = if !self.partial_prefetch {
+            Vec::new()
+        } else {
+            self.table
+                .iter()
+                .filter_map(|(s, st)| match st {
+                    SlotState::Loading(l) if !l.demand && l.unsubmitted != 0 => Some(s),
+                    _ => None,
+                })
+                .take(MAX_PREDICTED)
+                .collect()
+        };
+        self.partial_prefetch = false;
         for slot in partial {
             if !room(self.in_flight, 1) || !self.submit_parts(slot, false, dev, src)? {
+                self.partial_prefetch = true;
                 return Ok(());
             }
         }
@@ -843,6 +886,7 @@ where
             self.token_prefetch_bytes += bytes;
             self.stats.prefetches += 1;
             if !self.submit_parts(slot, false, dev, src)? {
+                self.partial_prefetch = true;
                 return Ok(());
             }
         }
@@ -876,7 +920,7 @@ where
                 continue;
             }
             let req = ReadRequest {
-                tag: tag(load.id, part),
+                tag: tag(slot, load.id, part),
                 offset: e.offset,
                 len: e.len,
                 slot,
@@ -920,9 +964,7 @@ where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
     {
-        let id = c.tag.0 >> PART_BITS;
-        let bit = 1u8 << (c.tag.0 & ((1 << PART_BITS) - 1));
-        let Some(slot) = self.table.find_load(id) else {
+        let Some((slot, bit)) = self.match_completion(c.tag) else {
             self.stats.stale_completions += 1;
             return Ok(());
         };
@@ -931,10 +973,6 @@ where
             .table
             .load_mut(slot)
             .ok_or(SlotError::InvalidTransition(slot))?;
-        if load.outstanding & bit == 0 {
-            self.stats.stale_completions += 1;
-            return Ok(());
-        }
         load.outstanding &= !bit;
         self.in_flight -= 1;
         match c.status {

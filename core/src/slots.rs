@@ -254,13 +254,6 @@ where
         }
     }
 
-    /// The loading slot whose load has id `id`.
-    pub fn find_load(&self, id: u32) -> Option<SlotId> {
-        self.iter()
-            .find(|(_, s)| matches!(s, SlotState::Loading(l) if l.id == id))
-            .map(|(i, _)| i)
-    }
-
     /// A free slot, or else the `Ready` slot `policy` prefers among those whose key
     /// `allowed` accepts, given that `current_layer` is being computed.
     pub fn victim(
@@ -420,7 +413,6 @@ mod tests {
         let s = t.victim(EvictionPolicy::Lru, 0, |_| true).unwrap();
         t.start_load(s, load(key(1, 2), 7)).unwrap();
         assert_eq!(t.lookup(key(1, 2)), Some(s));
-        assert_eq!(t.find_load(7), Some(s));
         assert_eq!(
             t.start_load(SlotId(1), load(key(1, 2), 8)),
             Err(SlotError::AlreadyMapped(key(1, 2)))
