@@ -9,8 +9,10 @@ use les_core::quant::GgmlType;
 
 use crate::gguf::Gguf;
 use crate::synth::{
-    describe, probe::probe, write_model, Arch, Overrides, Preset, SynthConfig, WriteOptions,
+    describe, probe::probe, vocab, write_mmproj, write_model, Arch, MmprojConfig, Overrides,
+    Preset, SynthConfig, WriteOptions,
 };
+use crate::vision::ProjectorType;
 
 const KNOBS_HELP: &str = "\
 Routing realism:
@@ -129,6 +131,19 @@ pub struct SynthArgs {
     /// Never show progress.
     #[arg(long)]
     pub quiet: bool,
+    /// Also write a matching synthetic vision projector (mmproj GGUF) here: its
+    /// embeddings are the model's width, and the model's vocabulary has the image
+    /// marker tokens.
+    #[arg(long, value_name = "MMPROJ.gguf")]
+    pub mmproj_out: Option<PathBuf>,
+    /// The projector type of --mmproj-out: minicpmv4_6 or gemma3.
+    #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
+    pub projector: ProjectorType,
+}
+
+fn parse_projector(s: &str) -> Result<ProjectorType, String> {
+    ProjectorType::from_name(s)
+        .ok_or_else(|| format!("unknown projector type '{s}' (minicpmv4_6 or gemma3)"))
 }
 
 impl SynthArgs {
@@ -170,6 +185,15 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         return Ok(());
     }
     let path = args.output.as_ref().ok_or("--output is required")?;
+    if args.mmproj_out.is_some()
+        && (cfg.shape.vocab as usize) < vocab::MIN_VOCAB + vocab::MEDIA_TOKENS.len()
+    {
+        return Err(format!(
+            "--mmproj-out needs a vocabulary of at least {} tokens (for the image markers)",
+            vocab::MIN_VOCAB + vocab::MEDIA_TOKENS.len()
+        )
+        .into());
+    }
     let opts = WriteOptions {
         threads: args.threads,
         progress: if args.quiet {
@@ -190,6 +214,17 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         cfg.model_name(),
         report.elapsed.as_secs_f64()
     )?;
+    if let Some(mp) = &args.mmproj_out {
+        let mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
+        let bytes = write_mmproj(&mcfg, mp)?;
+        writeln!(
+            out,
+            "wrote {}: {bytes} bytes, {} projector for {}-wide embeddings",
+            mp.display(),
+            args.projector.name(),
+            cfg.shape.embd
+        )?;
+    }
     if let Some(n) = args.probe {
         let g = Gguf::open(path)?;
         let p = probe(&g, n, cfg.seed)?;
