@@ -306,3 +306,36 @@ fn bad_multimodal_inputs_fail_cleanly() {
     let o = run(&lm, &lm, &["--image", img, "-p", "x"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("not an mmproj"));
 }
+
+#[test]
+fn projector_dimensions_can_be_chosen() {
+    // A 112-pixel slice size cuts the 320x240 image into 3x2 slices of 112x112
+    // plus a 112x112 overview, 4 embeddings each.
+    let lm = tmp("vision_lm_dims.gguf");
+    let mm = tmp("vision_mmproj_dims.gguf");
+    ok(les()
+        .args(["synth", "--arch", "qwen3moe", "--quiet", "-o"])
+        .arg(&lm)
+        .arg("--mmproj-out")
+        .arg(&mm)
+        .args(["--mmproj-width", "128", "--mmproj-layers", "3"])
+        .args(["--mmproj-image-size", "112"])
+        .output()
+        .unwrap());
+    let g = les::gguf::Gguf::open(&mm).unwrap();
+    assert_eq!(g.get_u32("clip.vision.embedding_length").unwrap(), 128);
+    assert_eq!(g.get_u32("clip.vision.block_count").unwrap(), 3);
+    let img = image();
+    let v = json(
+        &lm,
+        &mm,
+        &["--image", img.to_str().unwrap(), "-p", "x", "-n", "2"],
+    );
+    assert_eq!(v["stats"]["image_tokens"], 28);
+    let p = v["prompt_tokens"].as_array().unwrap();
+    let [nl] = ids(&lm, &["\u{10a}"])[..] else {
+        unreachable!()
+    };
+    // One newline token between the two rows of slices.
+    assert_eq!(p.iter().filter(|t| t.as_u64() == Some(nl)).count(), 1);
+}

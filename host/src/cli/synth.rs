@@ -139,6 +139,16 @@ pub struct SynthArgs {
     /// The projector type of --mmproj-out: minicpmv4_6 or gemma3.
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
+    /// Width of the --mmproj-out vision transformer (default 64).
+    #[arg(long, requires = "mmproj_out")]
+    pub mmproj_width: Option<u64>,
+    /// Blocks of the --mmproj-out vision transformer (default 2).
+    #[arg(long, requires = "mmproj_out")]
+    pub mmproj_layers: Option<u64>,
+    /// Input (slice) size of the --mmproj-out projector in pixels, a multiple of
+    /// 56 (default 224).
+    #[arg(long, requires = "mmproj_out")]
+    pub mmproj_image_size: Option<u64>,
 }
 
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
@@ -215,7 +225,14 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         report.elapsed.as_secs_f64()
     )?;
     if let Some(mp) = &args.mmproj_out {
-        let mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
+        let mut mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
+        if let Some(w) = args.mmproj_width {
+            mcfg.width = w;
+            mcfg.heads = (w / 64).max(1);
+            mcfg.ff = 4 * w;
+        }
+        mcfg.layers = args.mmproj_layers.unwrap_or(mcfg.layers);
+        mcfg.image_size = args.mmproj_image_size.unwrap_or(mcfg.image_size);
         let bytes = write_mmproj(&mcfg, mp)?;
         writeln!(
             out,
