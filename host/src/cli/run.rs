@@ -264,7 +264,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         } else {
             String::new()
         },
-        t0.elapsed()
+        t0.elapsed().saturating_sub(image_encode)
     );
     if let Some(clip) = &clip {
         if !images.is_empty() {

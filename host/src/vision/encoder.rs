@@ -4,8 +4,8 @@
 //! `models/minicpmv.cpp`, `models/siglip.cpp`).
 //!
 //! Activations are `f32`, `tokens x width`, row-major. Matrix products run on a
-//! [`Pool`] ([`super::gemm::matmul`]); so does attention, by blocks of query
-//! tokens, with the dot products of [`les_core::gemv`]'s `f32` kernels.
+//! [`Pool`] ([`super::gemm::matmul`], [`les_core::gemv`]'s kernels for every
+//! weight type); so does attention, by blocks of query tokens.
 //!
 //! Element-wise functions follow ggml's CPU backend: LayerNorm and RMSNorm
 //! accumulate in `f64`; GELU (tanh) and quick-GELU go through `f16` as ggml's
@@ -13,8 +13,8 @@
 
 use std::sync::Mutex;
 
-use les_core::gemv::{gemv, GemvError, Input, Isa, MatrixView};
-use les_core::quant::{f16_to_f32, f32_to_f16, GgmlType};
+use les_core::gemv::Isa;
+use les_core::quant::{f16_to_f32, f32_to_f16};
 
 use super::clip::{ClipModel, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
 use super::gemm::matmul;
@@ -183,15 +183,6 @@ fn ffn(
     linear(ctx, m, down, &h)
 }
 
-/// An `f32` row-major matrix as the bytes [`MatrixView`] reads.
-fn f32_bytes(values: impl Iterator<Item = f32>, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-    out
-}
-
 /// Softmax of `scores * scale` in place: `expf` per value, the sum in `f64`
 /// (ggml's `soft_max`).
 fn softmax_scaled(scores: &mut [f32], scale: f32) {
@@ -213,7 +204,8 @@ fn softmax_scaled(scores: &mut [f32], scale: f32) {
 const QUERY_BLOCK: usize = 16;
 
 /// Multi-head self-attention of all tokens with all: `softmax(q k^T * scale) v`
-/// per head, heads concatenated.
+/// per head, heads concatenated. Blocks of queries run on the pool; each
+/// query's arithmetic is the same whatever the block or thread.
 fn attention(
     ctx: &mut Ctx<'_>,
     q: &Acts,
@@ -222,68 +214,30 @@ fn attention(
     n_head: usize,
 ) -> Result<Acts, VisionError> {
     let (n, d) = (q.n, q.dim);
+    if k.n != n || v.n != n || k.dim != d || v.dim != d || n_head == 0 || d % n_head != 0 {
+        return Err(VisionError::Shape("attention operands"));
+    }
     let dh = d / n_head;
     let scale = 1.0 / (dh as f32).sqrt();
-    // Per head: K as n x dh rows, V transposed as dh x n rows, so that both
-    // products are GEMVs.
-    let mut k_heads = Vec::with_capacity(n_head);
-    let mut vt_heads = Vec::with_capacity(n_head);
-    for h in 0..n_head {
-        k_heads.push(f32_bytes(
-            (0..n).flat_map(|j| k.row(j)[h * dh..(h + 1) * dh].iter().copied()),
-            n * dh,
-        ));
-        vt_heads.push(f32_bytes(
-            (0..dh).flat_map(|c| (0..n).map(move |j| v.x[j * d + h * dh + c])),
-            n * dh,
-        ));
-    }
-    let mut views = Vec::with_capacity(n_head);
-    for h in 0..n_head {
-        views.push((
-            MatrixView::new(GgmlType::F32, n, dh, &k_heads[h])?,
-            MatrixView::new(GgmlType::F32, dh, n, &vt_heads[h])?,
-        ));
-    }
     let mut out = vec![0f32; n * d];
     let blocks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(QUERY_BLOCK * d).map(Mutex::new).collect();
-    let first_error: Mutex<Option<GemvError>> = Mutex::new(None);
-    let isa = ctx.isa;
     let task = |b: usize| {
         let Some(block) = blocks.get(b) else { return };
         let mut block = block.lock().unwrap_or_else(|p| p.into_inner());
         let mut scores = vec![0f32; n];
         for (qi, out_row) in (b * QUERY_BLOCK..).zip(block.chunks_exact_mut(d)) {
-            for (h, (kv, vtv)) in views.iter().enumerate() {
-                let qh = &q.row(qi)[h * dh..(h + 1) * dh];
-                let r = gemv(
-                    isa,
-                    kv,
-                    &Input {
-                        f32: qh,
-                        ..Input::default()
-                    },
-                    0..n,
-                    &mut scores,
-                )
-                .and_then(|()| {
-                    softmax_scaled(&mut scores, scale);
-                    gemv(
-                        isa,
-                        vtv,
-                        &Input {
-                            f32: &scores,
-                            ..Input::default()
-                        },
-                        0..dh,
-                        &mut out_row[h * dh..(h + 1) * dh],
-                    )
-                });
-                if let Err(e) = r {
-                    if let Ok(mut f) = first_error.lock() {
-                        f.get_or_insert(e);
+            for h in 0..n_head {
+                let r = h * dh..(h + 1) * dh;
+                let qh = &q.row(qi)[r.clone()];
+                for (j, s) in scores.iter_mut().enumerate() {
+                    *s = dot(qh, &k.row(j)[r.clone()]);
+                }
+                softmax_scaled(&mut scores, scale);
+                let o = &mut out_row[r.clone()];
+                for (j, &p) in scores.iter().enumerate() {
+                    for (o, &x) in o.iter_mut().zip(&v.row(j)[r.clone()]) {
+                        *o += p * x;
                     }
-                    return;
                 }
             }
         }
@@ -295,9 +249,6 @@ fn attention(
         ctx.pool.for_each(tasks, &task);
     }
     drop(blocks);
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e.into());
-    }
     Ok(Acts { n, dim: d, x: out })
 }
 
@@ -444,8 +395,21 @@ fn vit_merger(
     Ok(out)
 }
 
+/// `a . b` with eight partial sums (vectorizes), the tail added last.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ta.iter().zip(tb) {
+        s += x * y;
+    }
+    s
 }
 
 /// The position-embedding row of each patch of a `pw` x `ph` grid, for

@@ -165,21 +165,25 @@ fn resize_bicubic(src: &RgbImage, width: usize, height: usize) -> RgbImage {
     let ty = ny as f32 / height as f32;
     let clip = |v: i64, hi: i64| v.clamp(0, hi - 1) as usize;
     for i in 0..height {
+        let y = (ty * i as f32) as i64;
+        let dy = ty * i as f32 - y as f32;
+        let rows = [0, 1, 2, 3].map(|jj| clip(y - 1 + jj, ny) * src.width);
         for j in 0..width {
             let x = (tx * j as f32) as i64;
-            let y = (ty * i as f32) as i64;
             let dx = tx * j as f32 - x as f32;
-            let dy = ty * i as f32 - y as f32;
-            let mut p = [0u8; 3];
-            for (k, out) in p.iter_mut().enumerate() {
-                let mut col = [0f32; 4];
-                for (jj, c) in col.iter_mut().enumerate() {
-                    let yy = clip(y - 1 + jj as i64, ny);
-                    let at = |xx: i64| f32::from(src.pixel(clip(xx, nx), yy)[k]);
-                    *c = cubic([at(x - 1), at(x), at(x + 1), at(x + 2)], dx);
+            let cols = [-1, 0, 1, 2].map(|o| clip(x + o, nx));
+            // col[k][jj]: row jj interpolated along x, channel k.
+            let mut col = [[0f32; 4]; 3];
+            for (jj, &row) in rows.iter().enumerate() {
+                let px = cols.map(|c| 3 * (row + c));
+                for (k, ck) in col.iter_mut().enumerate() {
+                    let p = px.map(|at| f32::from(src.data[at + k]));
+                    ck[jj] = cubic(p, dx);
                 }
-                let v = cubic(col, dy);
-                *out = v.round().clamp(0.0, 255.0) as u8;
+            }
+            let mut p = [0u8; 3];
+            for (out, ck) in p.iter_mut().zip(col) {
+                *out = cubic(ck, dy).round().clamp(0.0, 255.0) as u8;
             }
             dst.set_pixel(j, i, p);
         }
