@@ -11,7 +11,7 @@
 //! accumulate in `f64`; GELU (tanh) and quick-GELU go through `f16` as ggml's
 //! lookup tables do (`GGML_GELU_FP16`); GELU-erf is computed directly.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use les_core::gemv::Isa;
 use les_core::quant::{f16_to_f32, f32_to_f16};
@@ -121,15 +121,24 @@ fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + libm::tanhf(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)))
 }
 
+/// A table of `f16(f(f16 value))` for every `f16` bit pattern, as ggml keeps
+/// for GELU and quick GELU.
+fn f16_table(f: fn(f32) -> f32) -> Box<[u16]> {
+    (0..=u16::MAX)
+        .map(|h| f32_to_f16(f(f16_to_f32(h))))
+        .collect()
+}
+
 /// ggml's GELU on `f32`: through its `f16` table for |x| < 10.
 pub fn gelu(x: f32) -> f32 {
+    static TABLE: OnceLock<Box<[u16]>> = OnceLock::new();
     if x <= -10.0 {
         0.0
     } else if x >= 10.0 {
         x
     } else {
-        let h = f16_to_f32(f32_to_f16(x));
-        f16_to_f32(f32_to_f16(gelu_tanh(h)))
+        let t = TABLE.get_or_init(|| f16_table(gelu_tanh));
+        f16_to_f32(t[usize::from(f32_to_f16(x))])
     }
 }
 
@@ -140,9 +149,9 @@ pub fn gelu_erf(x: f32) -> f32 {
 
 /// ggml's quick GELU on `f32` (`x * sigmoid(1.702 x)`), through its `f16` table.
 pub fn gelu_quick(x: f32) -> f32 {
-    let h = f16_to_f32(f32_to_f16(x));
-    let v = h * (1.0 / (1.0 + libm::expf(-1.702 * h)));
-    f16_to_f32(f32_to_f16(v))
+    static TABLE: OnceLock<Box<[u16]>> = OnceLock::new();
+    let t = TABLE.get_or_init(|| f16_table(|h| h * (1.0 / (1.0 + libm::expf(-1.702 * h)))));
+    f16_to_f32(t[usize::from(f32_to_f16(x))])
 }
 
 /// `x * sigmoid(x)`.
