@@ -117,6 +117,25 @@ pub fn generate<M: MatVec, X: Experts>(
     lookahead: Option<&Lookahead>,
     prompt: &[u32],
     n: usize,
+    sample: impl FnMut(&[f32]) -> u32,
+    on_token: impl FnMut(u32, &[f32]) -> Control,
+) -> Result<GenStats, ForwardError<X::Error>> {
+    let inputs: Vec<TokenInput<'_>> = prompt.iter().map(|&t| TokenInput::Token(t)).collect();
+    generate_from(
+        session, mv, experts, lookahead, &inputs, n, sample, on_token,
+    )
+}
+
+/// [`generate`] from a prompt of tokens and given embeddings (image embeddings
+/// spliced into the text).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_from<M: MatVec, X: Experts>(
+    session: &mut Session<'_>,
+    mv: &mut M,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    prompt: &[TokenInput<'_>],
+    n: usize,
     mut sample: impl FnMut(&[f32]) -> u32,
     mut on_token: impl FnMut(u32, &[f32]) -> Control,
 ) -> Result<GenStats, ForwardError<X::Error>> {
@@ -126,8 +145,8 @@ pub fn generate<M: MatVec, X: Experts>(
         ..GenStats::default()
     };
     let start = Instant::now();
-    for &t in prompt {
-        session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
+    for &input in prompt {
+        session.eval(mv, experts, lookahead, input, &mut logits)?;
     }
     stats.prefill = start.elapsed();
     let start = Instant::now();

@@ -13,6 +13,8 @@
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
+//! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
+//!   preprocessing, embeddings spliced into the prompt.
 
 pub mod bench;
 pub mod cli;
@@ -26,3 +28,4 @@ pub mod sampling;
 pub mod supply;
 pub mod synth;
 pub mod tokenizer;
+pub mod vision;

@@ -10,12 +10,13 @@ use les_core::gemv::Isa;
 use serde_json::json;
 
 use crate::compute::{default_threads, ThreadedMatVec};
-use crate::engine::{generate, Control, Session};
+use crate::engine::{generate_from, Control, Session};
 use crate::flash::FileDeviceConfig;
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::Tokenizer;
+use crate::vision::{self, ClipModel, MultimodalPrompt};
 
 /// Arguments of `les run`.
 #[derive(Debug, Args)]
@@ -72,6 +73,14 @@ pub struct RunArgs {
     /// Lookahead prediction (les schedule).
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
+    /// Vision projector (mmproj GGUF, `general.architecture = clip`) for --image.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
+    /// An image (PNG or JPEG) for the prompt; repeat for several. Each replaces
+    /// one `<__media__>` marker in the prompt, in order; without markers the
+    /// images go before the prompt text.
+    #[arg(long = "image", requires = "mmproj")]
+    pub images: Vec<PathBuf>,
 }
 
 /// Writes `data` (rows of `cols` floats) as a little-endian float32 `.npy`.
@@ -143,28 +152,90 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         args.slots,
         args.io_threads,
     )?;
-    let prompt = if args.chat {
-        tokenizer.apply_chat_template(&[("user", args.prompt.as_str())], true)?
-    } else {
-        args.prompt.clone()
+    let clip = match &args.mmproj {
+        Some(path) => {
+            let clip = ClipModel::open(path)?;
+            if clip.hp.n_mmproj_embd != model.hp.n_embd {
+                return Err(format!(
+                    "the projector {} makes {}-wide embeddings, the model's are {} wide",
+                    path.display(),
+                    clip.hp.n_mmproj_embd,
+                    model.hp.n_embd
+                )
+                .into());
+            }
+            Some(clip)
+        }
+        None => None,
     };
-    let prompt_tokens = tokenizer.encode(&prompt, true, true);
-    if prompt_tokens.is_empty() {
+    let images = args
+        .images
+        .iter()
+        .map(|p| vision::load_image(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let content = vision::place_markers(&args.prompt, images.len());
+    let prompt_text = if args.chat {
+        tokenizer.apply_chat_template(&[("user", content.as_str())], true)?
+    } else {
+        content
+    };
+    let threads = args.threads.unwrap_or_else(default_threads).max(1);
+    let mut mv = ThreadedMatVec::new(threads, Isa::detect());
+    let mut image_encode = std::time::Duration::ZERO;
+    let prompt = match &clip {
+        Some(clip) if !images.is_empty() => {
+            let mut encoded = Vec::with_capacity(images.len());
+            let isa = mv.isa();
+            let mut ctx = vision::Ctx {
+                pool: mv.pool(),
+                isa,
+            };
+            let t_img = Instant::now();
+            for img in &images {
+                encoded.push(vision::encode_image(&mut ctx, clip, img)?);
+            }
+            image_encode = t_img.elapsed();
+            vision::build_prompt(
+                &tokenizer,
+                clip.hp.projector,
+                &prompt_text,
+                &encoded,
+                model.hp.n_embd,
+            )?
+        }
+        _ => MultimodalPrompt {
+            items: tokenizer
+                .encode(&prompt_text, true, true)
+                .into_iter()
+                .map(vision::prompt::PromptItem::Token)
+                .collect(),
+            embeddings: Vec::new(),
+            n_embd: model.hp.n_embd,
+        },
+    };
+    let prompt_tokens: Vec<Option<u32>> = prompt
+        .items
+        .iter()
+        .map(|i| match *i {
+            vision::prompt::PromptItem::Token(t) => Some(t),
+            vision::prompt::PromptItem::Embedding(_) => None,
+        })
+        .collect();
+    if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
     }
-    let needed = prompt_tokens.len() + args.n_predict;
+    let needed = prompt.len() + args.n_predict;
     let ctx = args
         .ctx
         .unwrap_or(needed.min(model.n_ctx_train.max(needed)));
     if needed > ctx {
         return Err(format!(
             "prompt ({}) + n ({}) exceeds the context size {ctx}",
-            prompt_tokens.len(),
+            prompt.len(),
             args.n_predict
         )
         .into());
     }
-    let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -179,7 +250,6 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     });
     let mut supply = Supply::new(&model, &args.model, schedule, budget)?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    let mut mv = ThreadedMatVec::new(threads, Isa::detect());
     let mut session = Session::new(&model, ctx);
     eprintln!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, loaded in {:.2?}",
@@ -191,8 +261,22 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         } else {
             String::new()
         },
-        t0.elapsed()
+        t0.elapsed().saturating_sub(image_encode)
     );
+    if let Some(clip) = &clip {
+        if !images.is_empty() {
+            eprintln!(
+                "les: {} image(s) through {} ({} layers, width {}): {} embeddings in {:.2?}",
+                images.len(),
+                clip.hp.projector.name(),
+                clip.hp.n_layer,
+                clip.hp.n_embd,
+                prompt.n_image_tokens(),
+                image_encode
+            );
+        }
+    }
+    let inputs = prompt.inputs();
 
     let mut tokens = Vec::new();
     let mut all_logits = Vec::new();
@@ -200,12 +284,12 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut text = String::new();
     let mut write_err = None;
     let mut stopped_at_eog = false;
-    let stats = generate(
+    let stats = generate_from(
         &mut session,
         &mut mv,
         &mut supply,
         Some(&lookahead),
-        &prompt_tokens,
+        &inputs,
         args.n_predict,
         |logits| {
             let t = sampler.sample(logits);
@@ -255,6 +339,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
             "slot_bytes": budget.slots as u64 * model.max_expert_bytes() as u64,
         });
+        if !images.is_empty() {
+            st["images"] = json!(images.len());
+            st["image_tokens"] = json!(prompt.n_image_tokens());
+            st["image_encode_ms"] = json!(image_encode.as_secs_f64() * 1e3);
+        }
         if let Some(s) = io {
             st["slots"] = json!(budget.slots);
             st["hit_rate"] = json!(s.hit_rate());

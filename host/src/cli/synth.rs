@@ -9,8 +9,10 @@ use les_core::quant::GgmlType;
 
 use crate::gguf::Gguf;
 use crate::synth::{
-    describe, probe::probe, write_model, Arch, Overrides, Preset, SynthConfig, WriteOptions,
+    describe, probe::probe, vocab, write_mmproj, write_model, Arch, MmprojConfig, Overrides,
+    Preset, SynthConfig, WriteOptions,
 };
+use crate::vision::ProjectorType;
 
 const KNOBS_HELP: &str = "\
 Routing realism:
@@ -129,6 +131,29 @@ pub struct SynthArgs {
     /// Never show progress.
     #[arg(long)]
     pub quiet: bool,
+    /// Also write a matching synthetic vision projector (mmproj GGUF) here: its
+    /// embeddings are the model's width, and the model's vocabulary has the image
+    /// marker tokens.
+    #[arg(long, value_name = "MMPROJ.gguf")]
+    pub mmproj_out: Option<PathBuf>,
+    /// The projector type of --mmproj-out: minicpmv4_6 or gemma3.
+    #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
+    pub projector: ProjectorType,
+    /// Width of the --mmproj-out vision transformer (default 64).
+    #[arg(long, requires = "mmproj_out")]
+    pub mmproj_width: Option<u64>,
+    /// Blocks of the --mmproj-out vision transformer (default 2).
+    #[arg(long, requires = "mmproj_out")]
+    pub mmproj_layers: Option<u64>,
+    /// Input (slice) size of the --mmproj-out projector in pixels, a multiple of
+    /// 56 (default 224).
+    #[arg(long, requires = "mmproj_out")]
+    pub mmproj_image_size: Option<u64>,
+}
+
+fn parse_projector(s: &str) -> Result<ProjectorType, String> {
+    ProjectorType::from_name(s)
+        .ok_or_else(|| format!("unknown projector type '{s}' (minicpmv4_6 or gemma3)"))
 }
 
 impl SynthArgs {
@@ -170,6 +195,15 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         return Ok(());
     }
     let path = args.output.as_ref().ok_or("--output is required")?;
+    if args.mmproj_out.is_some()
+        && (cfg.shape.vocab as usize) < vocab::MIN_VOCAB + vocab::MEDIA_TOKENS.len()
+    {
+        return Err(format!(
+            "--mmproj-out needs a vocabulary of at least {} tokens (for the image markers)",
+            vocab::MIN_VOCAB + vocab::MEDIA_TOKENS.len()
+        )
+        .into());
+    }
     let opts = WriteOptions {
         threads: args.threads,
         progress: if args.quiet {
@@ -190,6 +224,24 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         cfg.model_name(),
         report.elapsed.as_secs_f64()
     )?;
+    if let Some(mp) = &args.mmproj_out {
+        let mut mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
+        if let Some(w) = args.mmproj_width {
+            mcfg.width = w;
+            mcfg.heads = (w / 64).max(1);
+            mcfg.ff = 4 * w;
+        }
+        mcfg.layers = args.mmproj_layers.unwrap_or(mcfg.layers);
+        mcfg.image_size = args.mmproj_image_size.unwrap_or(mcfg.image_size);
+        let bytes = write_mmproj(&mcfg, mp)?;
+        writeln!(
+            out,
+            "wrote {}: {bytes} bytes, {} projector for {}-wide embeddings",
+            mp.display(),
+            args.projector.name(),
+            cfg.shape.embd
+        )?;
+    }
     if let Some(n) = args.probe {
         let g = Gguf::open(path)?;
         let p = probe(&g, n, cfg.seed)?;

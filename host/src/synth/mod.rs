@@ -45,6 +45,7 @@
 //! target directory that is renamed over the target only when complete.
 
 mod gen;
+pub mod mmproj;
 pub mod probe;
 pub mod rng;
 pub mod vocab;
@@ -56,6 +57,7 @@ use les_core::quant::{can_quantize, GgmlType};
 use crate::gguf::{GgufError, GgufWriter, MetaValue};
 
 pub use gen::{write_model, WriteOptions, WriteReport};
+pub use mmproj::{write_mmproj, MmprojConfig};
 pub use vocab::Vocab;
 
 /// An architecture `les synth` can produce.

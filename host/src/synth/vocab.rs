@@ -4,8 +4,10 @@
 //!
 //! Layout: the 256 byte tokens in GPT-2's byte-to-unicode order (`!` is 0, as in
 //! Qwen's vocabulary), then the merged tokens in merge order, then the control tokens
-//! `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (type 3), then `<|extra_N|>`
-//! user-defined tokens (type 4) up to the requested size.
+//! `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (type 3), then the image markers of
+//! [`MEDIA_TOKENS`] (type 4, when the vocabulary has room for them besides the
+//! bytes and control tokens), then `<|extra_N|>` user-defined tokens (type 4) up to
+//! the requested size.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -19,6 +21,18 @@ pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' +
 
 /// The control tokens, in id order.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// The tokens multimodal prompts wrap image embeddings in: MiniCPM-V's
+/// `<image>` / `<slice>` pairs and Gemma 3's `<start_of_image>` / `<end_of_image>`
+/// (user-defined tokens, as in those models' vocabularies).
+pub const MEDIA_TOKENS: [&str; 6] = [
+    "<image>",
+    "</image>",
+    "<slice>",
+    "</slice>",
+    "<start_of_image>",
+    "<end_of_image>",
+];
 
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
@@ -154,7 +168,12 @@ impl Vocab {
                 "vocabulary of {n_vocab} tokens: at least {MIN_VOCAB} needed"
             ));
         }
-        let n_regular = n_vocab - SPECIAL_TOKENS.len();
+        let media: &[&str] = if n_vocab >= MIN_VOCAB + MEDIA_TOKENS.len() {
+            &MEDIA_TOKENS
+        } else {
+            &[]
+        };
+        let n_regular = n_vocab - SPECIAL_TOKENS.len() - media.len();
         let table = byte_to_unicode();
         let mut tokens: Vec<String> = byte_order()
             .map(|b| table[b as usize].to_string())
@@ -248,6 +267,10 @@ impl Vocab {
         for s in SPECIAL_TOKENS {
             tokens.push(s.to_string());
             token_types.push(TYPE_CONTROL);
+        }
+        for m in media {
+            tokens.push(m.to_string());
+            token_types.push(TYPE_USER_DEFINED);
         }
         let mut extra = 0;
         while tokens.len() < n_vocab {

@@ -1,0 +1,271 @@
+//! Synthetic vision projectors (mmproj GGUFs, `general.architecture = clip`)
+//! matching a synthetic language model: the tensors and keys llama.cpp's
+//! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`) or Gemma 3 (`gemma3`), at
+//! a tiny size, with random weights, so the whole multimodal path runs without
+//! downloads.
+//!
+//! Defaults: 224 x 224 input in 14 x 14 patches (a 16 x 16 grid), 2 blocks 64
+//! wide with 4 heads, FFN 128; `minicpmv4_6` puts its window-attention merger
+//! after block 0 and makes 16 embeddings per slice (4 x 4), `gemma3` pools 4 x 4
+//! into 16 embeddings. The output width is the language model's `n_embd`.
+//! Matrices are `f16` (as in llama.cpp's `mmproj-*-f16.gguf`), vectors `f32`.
+
+use std::fs::{self, File};
+use std::io::BufWriter;
+use std::path::Path;
+
+use les_core::quant::{self, GgmlType};
+
+use super::rng::Rng;
+use super::SynthError;
+use crate::gguf::{GgufWriter, MetaValue};
+use crate::vision::ProjectorType;
+
+/// The dimensions of a synthetic projector.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MmprojConfig {
+    /// The projector type.
+    pub projector: ProjectorType,
+    /// Width of the embeddings it makes (the language model's `n_embd`).
+    pub out_embd: u64,
+    /// ViT width.
+    pub width: u64,
+    /// Attention heads.
+    pub heads: u64,
+    /// ViT FFN width.
+    pub ff: u64,
+    /// ViT blocks.
+    pub layers: u64,
+    /// Input (slice) size in pixels.
+    pub image_size: u64,
+    /// Patch size in pixels.
+    pub patch: u64,
+    /// Type of the matrices.
+    pub ty: GgmlType,
+    /// Random seed.
+    pub seed: u64,
+}
+
+impl MmprojConfig {
+    /// The default tiny projector of `projector` for a model `out_embd` wide.
+    pub fn tiny(projector: ProjectorType, out_embd: u64, seed: u64) -> Self {
+        MmprojConfig {
+            projector,
+            out_embd,
+            width: 64,
+            heads: 4,
+            ff: 128,
+            layers: 2,
+            image_size: 224,
+            patch: 14,
+            ty: GgmlType::F16,
+            seed,
+        }
+    }
+
+    /// Rows of the position-embedding table: MiniCPM-V's 70 x 70 buckets (what
+    /// llama.cpp indexes), or one per patch for Gemma 3.
+    fn n_pos(&self) -> u64 {
+        match self.projector {
+            ProjectorType::MiniCpmV46 => 70 * 70,
+            ProjectorType::Gemma3 => (self.image_size / self.patch).pow(2),
+        }
+    }
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Init {
+    /// `1 + 0.02 N(0,1)`.
+    Norm,
+    /// `N(0, std^2)`.
+    Normal(f32),
+}
+
+struct Plan {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    init: Init,
+}
+
+fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
+    let mut out = Vec::new();
+    let mat_ty = cfg.ty;
+    let mut add = |name: &str, dims: &[u64], init: Init| {
+        let ty = if dims.len() == 1 {
+            GgmlType::F32
+        } else {
+            mat_ty
+        };
+        out.push(Plan {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            ty,
+            init,
+        });
+    };
+    let inv = |fan_in: u64| Init::Normal(1.0 / (fan_in as f32).sqrt());
+    let bias = Init::Normal(0.02);
+    let (w, p, ff) = (cfg.width, cfg.patch, cfg.ff);
+    let linear = |add: &mut dyn FnMut(&str, &[u64], Init), prefix: &str, cols: u64, rows: u64| {
+        add(&format!("{prefix}.weight"), &[cols, rows], inv(cols));
+        add(&format!("{prefix}.bias"), &[rows], bias);
+    };
+    add("v.patch_embd.weight", &[p, p, 3, w], inv(3 * p * p));
+    add("v.patch_embd.bias", &[w], bias);
+    add(
+        "v.position_embd.weight",
+        &[w, cfg.n_pos()],
+        Init::Normal(0.1),
+    );
+    for l in 0..cfg.layers {
+        let b = format!("v.blk.{l}");
+        add(&format!("{b}.ln1.weight"), &[w], Init::Norm);
+        add(&format!("{b}.ln1.bias"), &[w], bias);
+        for part in ["attn_q", "attn_k", "attn_v", "attn_out"] {
+            linear(&mut add, &format!("{b}.{part}"), w, w);
+        }
+        add(&format!("{b}.ln2.weight"), &[w], Init::Norm);
+        add(&format!("{b}.ln2.bias"), &[w], bias);
+        linear(&mut add, &format!("{b}.ffn_up"), w, ff);
+        linear(&mut add, &format!("{b}.ffn_down"), ff, w);
+    }
+    match cfg.projector {
+        ProjectorType::MiniCpmV46 => {
+            let m = "v.vit_merger";
+            add(&format!("{m}.ln1.weight"), &[w], Init::Norm);
+            add(&format!("{m}.ln1.bias"), &[w], bias);
+            for part in ["attn_q", "attn_k", "attn_v", "attn_out"] {
+                linear(&mut add, &format!("{m}.{part}"), w, w);
+            }
+            add(&format!("{m}.ds_ln.weight"), &[4 * w], Init::Norm);
+            add(&format!("{m}.ds_ln.bias"), &[4 * w], bias);
+            linear(&mut add, &format!("{m}.ds_ffn_up"), 4 * w, 2 * w);
+            linear(&mut add, &format!("{m}.ds_ffn_down"), 2 * w, w);
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("v.post_ln.bias", &[w], bias);
+            add("mm.input_norm.weight", &[4 * w], Init::Norm);
+            add("mm.input_norm.bias", &[4 * w], bias);
+            linear(&mut add, "mm.up", 4 * w, 2 * w);
+            linear(&mut add, "mm.down", 2 * w, cfg.out_embd);
+        }
+        ProjectorType::Gemma3 => {
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("v.post_ln.bias", &[w], bias);
+            add("mm.soft_emb_norm.weight", &[w], Init::Norm);
+            add("mm.input_projection.weight", &[cfg.out_embd, w], inv(w));
+        }
+    }
+    out
+}
+
+fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
+    let u = |v: u64| MetaValue::U32(v as u32);
+    let mut m: Vec<(&'static str, MetaValue)> = vec![
+        ("general.architecture", "clip".into()),
+        ("general.type", "mmproj".into()),
+        (
+            "general.name",
+            format!("LES synthetic {} projector", cfg.projector.name()).into(),
+        ),
+        ("general.file_type", MetaValue::U32(1)),
+        ("clip.has_vision_encoder", true.into()),
+        ("clip.projector_type", cfg.projector.name().into()),
+        ("clip.use_gelu", true.into()),
+        ("clip.vision.image_size", u(cfg.image_size)),
+        ("clip.vision.patch_size", u(cfg.patch)),
+        ("clip.vision.embedding_length", u(cfg.width)),
+        ("clip.vision.feed_forward_length", u(cfg.ff)),
+        ("clip.vision.projection_dim", u(cfg.out_embd)),
+        ("clip.vision.block_count", u(cfg.layers)),
+        ("clip.vision.attention.head_count", u(cfg.heads)),
+        (
+            "clip.vision.attention.layer_norm_epsilon",
+            MetaValue::F32(1e-6),
+        ),
+        ("clip.vision.image_mean", vec![0.5f32, 0.5, 0.5].into()),
+        ("clip.vision.image_std", vec![0.5f32, 0.5, 0.5].into()),
+        ("clip.vision.projector.scale_factor", MetaValue::U32(4)),
+    ];
+    if cfg.projector == ProjectorType::MiniCpmV46 {
+        m.push(("clip.vision.wa_layer_indexes", vec![0i32].into()));
+    }
+    m.push(("les.synth.seed", MetaValue::U64(cfg.seed)));
+    m
+}
+
+fn values(cfg: &MmprojConfig, p: &Plan) -> Vec<f32> {
+    let n: u64 = p.dims.iter().product();
+    let mut v = vec![0f32; n as usize];
+    let mut rng = Rng::stream(cfg.seed, &format!("mmproj/{}", p.name), 0);
+    match p.init {
+        Init::Norm => {
+            rng.fill_normal(&mut v, 0.02);
+            v.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Init::Normal(std) => rng.fill_normal(&mut v, std),
+    }
+    v
+}
+
+/// Checks `cfg` and writes the projector to `path` (through a temporary file
+/// renamed when complete). Returns the file size.
+pub fn write_mmproj(cfg: &MmprojConfig, path: &Path) -> Result<u64, SynthError> {
+    let bad = |m: String| Err(SynthError::Config(m));
+    if cfg.width == 0 || cfg.heads == 0 || !cfg.width.is_multiple_of(cfg.heads) {
+        return bad(format!(
+            "mmproj width {} is not a multiple of {} heads",
+            cfg.width, cfg.heads
+        ));
+    }
+    let align = cfg.patch * 4;
+    if cfg.patch == 0 || !cfg.image_size.is_multiple_of(align) {
+        return bad(format!(
+            "mmproj image size {} is not a multiple of 4 patches of {}",
+            cfg.image_size, cfg.patch
+        ));
+    }
+    if cfg.layers == 0 || cfg.ff == 0 || cfg.out_embd == 0 {
+        return bad("mmproj layers, ff and output width must be positive".into());
+    }
+    let mut w = GgufWriter::new();
+    for (k, v) in metadata(cfg) {
+        w.add_kv(k, v)?;
+    }
+    let plan = plan(cfg);
+    for t in &plan {
+        w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
+    }
+    let total = w.file_len();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "mmproj.gguf".into());
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let result = (|| -> Result<(), SynthError> {
+        let mut data = w.write_header(BufWriter::new(File::create(&tmp)?))?;
+        for t in &plan {
+            let v = values(cfg, t);
+            let n =
+                t.ty.row_bytes(v.len())
+                    .ok_or_else(|| SynthError::Config(format!("{}: bad row length", t.name)))?;
+            let mut bytes = vec![0u8; n];
+            quant::quantize(t.ty, &v, &mut bytes)
+                .map_err(|e| SynthError::Config(format!("{}: {e}", t.name)))?;
+            data.write_tensor(&t.name, &bytes)?;
+        }
+        let file = data
+            .finish()?
+            .into_inner()
+            .map_err(|e| SynthError::Io(e.into_error()))?;
+        file.sync_all()?;
+        fs::rename(&tmp, path)?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok(total)
+}

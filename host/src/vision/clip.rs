@@ -1,0 +1,671 @@
+//! An mmproj GGUF (`general.architecture = clip`) as a loaded vision encoder:
+//! hyperparameters, the ViT's tensors and the projector's.
+//!
+//! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
+//! in the memory-mapped file in their own type and are multiplied with
+//! [`les_core::gemv`]'s kernels; vectors (norms, biases, position embeddings) are
+//! dequantized to `f32` at load.
+
+use std::ops::Range;
+use std::path::Path;
+
+use les_core::gemv::{activation_format, GemvError, MatrixView};
+use les_core::quant::{self, GgmlType};
+
+use super::VisionError;
+use crate::gguf::{Gguf, MappedFile, Tensor};
+
+/// The projector types LES implements (llama.cpp's names in the file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProjectorType {
+    /// MiniCPM-V 4.6 / 4.7 (`minicpmv4_6`): SigLIP ViT with a window-attention
+    /// merger inside the tower and a downsample MLP merger after it.
+    MiniCpmV46,
+    /// Gemma 3 (`gemma3`): SigLIP ViT, average pooling, RMSNorm and a projection.
+    Gemma3,
+}
+
+impl ProjectorType {
+    /// The name in `clip.projector_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProjectorType::MiniCpmV46 => "minicpmv4_6",
+            ProjectorType::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Parses a `clip.projector_type` value.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "minicpmv4_6" => Some(ProjectorType::MiniCpmV46),
+            "gemma3" => Some(ProjectorType::Gemma3),
+            _ => None,
+        }
+    }
+}
+
+/// The activation of the ViT's feed-forward blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FfnOp {
+    /// GELU, tanh approximation (`clip.use_gelu`).
+    Gelu,
+    /// GELU with `erf`.
+    GeluErf,
+    /// `x * sigmoid(1.702 x)` (neither `use_gelu` nor `use_silu`).
+    GeluQuick,
+    /// `x * sigmoid(x)` (`clip.use_silu`).
+    Silu,
+}
+
+/// Hyperparameters of the vision tower.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClipHparams {
+    /// The projector.
+    pub projector: ProjectorType,
+    /// ViT width.
+    pub n_embd: usize,
+    /// ViT FFN width.
+    pub n_ff: usize,
+    /// ViT blocks.
+    pub n_layer: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// LayerNorm epsilon.
+    pub eps: f32,
+    /// Input size (the slice size of llava-uhd slicing).
+    pub image_size: usize,
+    /// Patch size.
+    pub patch_size: usize,
+    /// Normalisation mean per channel.
+    pub mean: [f32; 3],
+    /// Normalisation standard deviation per channel.
+    pub std: [f32; 3],
+    /// The FFN activation.
+    pub ffn_op: FfnOp,
+    /// Spatial merge per side: 4 for MiniCPM-V 4.6 (2x2 twice), the pooling
+    /// kernel for Gemma 3.
+    pub n_merge: usize,
+    /// MiniCPM-V 4.6: the ViT block after which the window-attention merger runs.
+    pub insert_layer: usize,
+    /// Width of the output embeddings (the language model's `n_embd`).
+    pub n_mmproj_embd: usize,
+}
+
+/// Where a matrix's bytes are.
+#[derive(Clone, Debug)]
+enum Bytes {
+    /// A range of the mapped file.
+    Mapped(Range<usize>),
+    /// Owned (e.g. transposed at load).
+    Owned(Vec<u8>),
+}
+
+/// A weight matrix: `rows` x `cols` of `ty`.
+#[derive(Clone, Debug)]
+pub struct Mat {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    bytes: Bytes,
+}
+
+impl Mat {
+    /// Rows (outputs).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (inputs).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// A linear layer `y = W x + b`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// The weight.
+    pub w: Mat,
+    /// The bias (`rows` values).
+    pub b: Option<Vec<f32>>,
+}
+
+/// A LayerNorm (or RMSNorm) weight and optional bias.
+#[derive(Clone, Debug)]
+pub struct Norm {
+    /// Scale.
+    pub w: Vec<f32>,
+    /// Shift.
+    pub b: Option<Vec<f32>>,
+}
+
+/// One ViT block.
+#[derive(Clone, Debug)]
+pub struct VitLayer {
+    /// Pre-attention LayerNorm.
+    pub ln1: Norm,
+    /// Query projection.
+    pub q: Linear,
+    /// Key projection.
+    pub k: Linear,
+    /// Value projection.
+    pub v: Linear,
+    /// Output projection.
+    pub o: Linear,
+    /// Layer scale after attention.
+    pub ls1: Option<Vec<f32>>,
+    /// Pre-FFN LayerNorm.
+    pub ln2: Norm,
+    /// FFN up projection.
+    pub ffn_up: Linear,
+    /// FFN gate projection (gated FFNs).
+    pub ffn_gate: Option<Linear>,
+    /// FFN down projection.
+    pub ffn_down: Linear,
+    /// Layer scale after the FFN.
+    pub ls2: Option<Vec<f32>>,
+}
+
+/// MiniCPM-V 4.6's merger inside the tower: window attention over 2x2 patches,
+/// then a 2x2 downsample MLP.
+#[derive(Clone, Debug)]
+pub struct VitMerger {
+    /// LayerNorm before the window attention.
+    pub ln1: Norm,
+    /// Query projection.
+    pub q: Linear,
+    /// Key projection.
+    pub k: Linear,
+    /// Value projection.
+    pub v: Linear,
+    /// Output projection.
+    pub o: Linear,
+    /// LayerNorm of the concatenated 2x2 tokens.
+    pub ds_ln: Norm,
+    /// Downsample MLP up.
+    pub ds_up: Linear,
+    /// Downsample MLP down.
+    pub ds_down: Linear,
+}
+
+/// The projector after the ViT.
+#[derive(Clone, Debug)]
+pub enum Projector {
+    /// MiniCPM-V 4.6: optional in-tower merger, then the final 2x2 merger MLP.
+    MiniCpmV46 {
+        /// The merger inside the tower (absent when `n_merge` is 2).
+        vit_merger: Option<Box<VitMerger>>,
+        /// LayerNorm of the concatenated 2x2 tokens.
+        input_norm: Norm,
+        /// MLP up.
+        up: Linear,
+        /// MLP down (to the language model's width).
+        down: Linear,
+    },
+    /// Gemma 3: average pooling, RMSNorm, projection.
+    Gemma3 {
+        /// RMSNorm weight (Gemma's `1 + w` already applied by the converter).
+        soft_emb_norm: Vec<f32>,
+        /// Projection, `n_mmproj_embd` x `n_embd` (transposed at load).
+        input_proj: Mat,
+    },
+}
+
+/// A loaded mmproj file.
+pub struct ClipModel {
+    gguf: Gguf<MappedFile>,
+    /// Hyperparameters.
+    pub hp: ClipHparams,
+    /// Patch embedding as a matrix: `n_embd` x `3 * patch * patch`, columns in
+    /// (channel, y, x) order.
+    pub patch_embd: Mat,
+    /// Patch embedding bias.
+    pub patch_bias: Option<Vec<f32>>,
+    /// Learned position embeddings, `n_pos` rows of `n_embd`.
+    pub pos_embd: Vec<f32>,
+    /// Rows of `pos_embd`.
+    pub n_pos: usize,
+    /// LayerNorm before the blocks.
+    pub pre_ln: Option<Norm>,
+    /// The blocks.
+    pub layers: Vec<VitLayer>,
+    /// LayerNorm after the blocks.
+    pub post_ln: Option<Norm>,
+    /// The projector.
+    pub projector: Projector,
+}
+
+impl std::fmt::Debug for ClipModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClipModel").field("hp", &self.hp).finish()
+    }
+}
+
+fn err(m: impl Into<String>) -> VisionError {
+    VisionError::Mmproj(m.into())
+}
+
+/// The largest dimension accepted for any hyperparameter (guards allocations).
+const MAX_DIM: usize = 1 << 16;
+
+struct Loader<'g> {
+    g: &'g Gguf<MappedFile>,
+    base: usize,
+}
+
+impl<'g> Loader<'g> {
+    fn tensor(&self, name: &str) -> Result<Tensor<'g>, VisionError> {
+        self.g
+            .tensor(name)
+            .ok_or_else(|| err(format!("tensor {name} is missing")))
+    }
+
+    fn range(&self, t: &Tensor<'_>) -> Range<usize> {
+        let start = t.data().as_ptr() as usize - self.base;
+        start..start + t.data().len()
+    }
+
+    /// A matrix of `rows` rows: the first dimension is a row, the others rows.
+    fn mat(&self, name: &str, cols: usize, rows: usize) -> Result<Mat, VisionError> {
+        let t = self.tensor(name)?;
+        let n: u64 = t.dims().iter().product();
+        if t.dims().first().copied() != Some(cols as u64) || n != (cols * rows) as u64 {
+            return Err(err(format!(
+                "tensor {name} has shape {:?}, expected {cols} x {rows}",
+                t.dims()
+            )));
+        }
+        self.mat_of(&t, rows, cols)
+    }
+
+    fn mat_of(&self, t: &Tensor<'_>, rows: usize, cols: usize) -> Result<Mat, VisionError> {
+        let ty = t.ggml_type();
+        if activation_format(ty).is_none() {
+            return Err(err(format!(
+                "tensor {}: type {ty} is not supported",
+                t.name()
+            )));
+        }
+        MatrixView::new(ty, rows, cols, t.data())
+            .map_err(|e| err(format!("tensor {}: {e}", t.name())))?;
+        Ok(Mat {
+            ty,
+            rows,
+            cols,
+            bytes: Bytes::Mapped(self.range(t)),
+        })
+    }
+
+    /// A matrix whose input width is `cols` and whose output width is read from
+    /// the file (`ne[1]`).
+    fn mat_any_rows(&self, name: &str, cols: usize) -> Result<Mat, VisionError> {
+        let t = self.tensor(name)?;
+        if t.dims().len() != 2 || t.dims()[0] != cols as u64 || t.dims()[1] as usize > MAX_DIM {
+            return Err(err(format!(
+                "tensor {name} has shape {:?}, expected {cols} x N",
+                t.dims()
+            )));
+        }
+        self.mat_of(&t, t.dims()[1] as usize, cols)
+    }
+
+    fn floats(&self, name: &str, len: usize) -> Result<Vec<f32>, VisionError> {
+        let t = self.tensor(name)?;
+        let n: u64 = t.dims().iter().product();
+        if n != len as u64 {
+            return Err(err(format!(
+                "tensor {name} has {n} elements, expected {len}"
+            )));
+        }
+        let mut out = vec![0f32; len];
+        quant::dequantize(t.ggml_type(), t.data(), &mut out)
+            .map_err(|e| err(format!("tensor {name}: {e}")))?;
+        Ok(out)
+    }
+
+    fn opt_floats(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>, VisionError> {
+        if self.g.tensor(name).is_some() {
+            self.floats(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn linear(&self, prefix: &str, cols: usize, rows: usize) -> Result<Linear, VisionError> {
+        Ok(Linear {
+            w: self.mat(&format!("{prefix}.weight"), cols, rows)?,
+            b: self.opt_floats(&format!("{prefix}.bias"), rows)?,
+        })
+    }
+
+    fn linear_any(&self, prefix: &str, cols: usize) -> Result<Linear, VisionError> {
+        let w = self.mat_any_rows(&format!("{prefix}.weight"), cols)?;
+        let b = self.opt_floats(&format!("{prefix}.bias"), w.rows)?;
+        Ok(Linear { w, b })
+    }
+
+    fn norm(&self, prefix: &str, n: usize) -> Result<Norm, VisionError> {
+        Ok(Norm {
+            w: self.floats(&format!("{prefix}.weight"), n)?,
+            b: self.opt_floats(&format!("{prefix}.bias"), n)?,
+        })
+    }
+
+    fn opt_norm(&self, prefix: &str, n: usize) -> Result<Option<Norm>, VisionError> {
+        if self.g.tensor(&format!("{prefix}.weight")).is_some() {
+            self.norm(prefix, n).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+fn get_usize(g: &Gguf<MappedFile>, key: &str) -> Result<usize, VisionError> {
+    let v = g.get_u64(key).map_err(|e| err(e.to_string()))?;
+    if v == 0 || v as usize > MAX_DIM {
+        return Err(err(format!("{key} = {v} is out of range")));
+    }
+    Ok(v as usize)
+}
+
+fn get_floats3(g: &Gguf<MappedFile>, key: &str) -> Result<[f32; 3], VisionError> {
+    let a = g.get_array(key).map_err(|e| err(e.to_string()))?;
+    let v: Vec<f32> = a.iter().filter_map(|v| v.as_f32()).collect();
+    if v.len() < 3 || v.len() != a.len() {
+        return Err(err(format!("{key} must hold at least 3 numbers")));
+    }
+    Ok([v[0], v[1], v[2]])
+}
+
+impl ClipModel {
+    /// Maps and validates the mmproj file at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, VisionError> {
+        let path = path.as_ref();
+        let g = Gguf::open(path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+        Self::from_gguf(g)
+    }
+
+    /// Validates a parsed mmproj file.
+    pub fn from_gguf(g: Gguf<MappedFile>) -> Result<Self, VisionError> {
+        let arch = g.architecture().map_err(|e| err(e.to_string()))?;
+        if arch != "clip" {
+            return Err(err(format!(
+                "general.architecture is '{arch}', not 'clip': not an mmproj file"
+            )));
+        }
+        if g.get("clip.has_vision_encoder").and_then(|v| v.as_bool()) == Some(false) {
+            return Err(err("the file has no vision encoder"));
+        }
+        let ptype = g
+            .get_str("clip.vision.projector_type")
+            .or_else(|_| g.get_str("clip.projector_type"))
+            .map_err(|_| err("clip.projector_type is missing"))?;
+        let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
+            err(format!(
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6 and gemma3)"
+            ))
+        })?;
+        let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
+        let n_ff = get_usize(&g, "clip.vision.feed_forward_length")?;
+        let n_layer = get_usize(&g, "clip.vision.block_count")?;
+        let n_head = get_usize(&g, "clip.vision.attention.head_count")?;
+        if !n_embd.is_multiple_of(n_head) {
+            return Err(err(format!(
+                "embedding width {n_embd} is not a multiple of {n_head} heads"
+            )));
+        }
+        let eps = g
+            .get_f32("clip.vision.attention.layer_norm_epsilon")
+            .map_err(|e| err(e.to_string()))?;
+        let image_size = get_usize(&g, "clip.vision.image_size")?;
+        let patch_size = get_usize(&g, "clip.vision.patch_size")?;
+        let mean = get_floats3(&g, "clip.vision.image_mean")?;
+        let std = get_floats3(&g, "clip.vision.image_std")?;
+        if std.iter().any(|s| !(s.is_finite() && *s != 0.0)) || mean.iter().any(|m| !m.is_finite())
+        {
+            return Err(err("image_mean / image_std must be finite, std non-zero"));
+        }
+        let flag = |k: &str| g.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+        let ffn_op = match (flag("clip.use_gelu"), flag("clip.use_silu")) {
+            (true, true) => return Err(err("clip.use_gelu and clip.use_silu are both set")),
+            (true, false) => FfnOp::Gelu,
+            (false, true) => FfnOp::Silu,
+            (false, false) => FfnOp::GeluQuick,
+        };
+        let scale = g
+            .get("clip.vision.projector.scale_factor")
+            .and_then(|v| v.as_u64());
+        let n_merge = match projector {
+            ProjectorType::MiniCpmV46 => {
+                let m = scale.unwrap_or(4) as usize;
+                if m != 2 && m != 4 {
+                    return Err(err(format!(
+                        "minicpmv4_6: scale_factor {m} (must be 2 or 4)"
+                    )));
+                }
+                m
+            }
+            ProjectorType::Gemma3 => {
+                let m = scale.unwrap_or(4) as usize;
+                if m == 0 || m > 64 {
+                    return Err(err(format!("gemma3: scale_factor {m}")));
+                }
+                m
+            }
+        };
+        let insert_layer = match g.get("clip.vision.wa_layer_indexes") {
+            Some(v) => v
+                .as_array()
+                .and_then(|a| a.get(0))
+                .and_then(|v| v.as_u64())
+                .map_or(0, |v| v as usize),
+            None => 0,
+        };
+
+        let base = g.bytes().as_ptr() as usize;
+        let l = Loader { g: &g, base };
+        let pe = l.tensor("v.patch_embd.weight")?;
+        let pcols = 3 * patch_size * patch_size;
+        let dims = pe.dims();
+        if dims.len() != 4
+            || dims[0] != patch_size as u64
+            || dims[1] != patch_size as u64
+            || dims[2] != 3
+            || dims[3] != n_embd as u64
+        {
+            return Err(err(format!(
+                "v.patch_embd.weight has shape {dims:?}, expected [{patch_size}, {patch_size}, 3, {n_embd}]"
+            )));
+        }
+        let patch_embd = l.mat_of(&pe, n_embd, pcols)?;
+        let patch_bias = l.opt_floats("v.patch_embd.bias", n_embd)?;
+        let pos = l.tensor("v.position_embd.weight")?;
+        if pos.dims().len() != 2
+            || pos.dims()[0] != n_embd as u64
+            || pos.dims()[1] as usize > MAX_DIM
+        {
+            return Err(err(format!(
+                "v.position_embd.weight has shape {:?}, expected [{n_embd}, N]",
+                pos.dims()
+            )));
+        }
+        let n_pos = pos.dims()[1] as usize;
+        let pos_embd = l.floats("v.position_embd.weight", n_pos * n_embd)?;
+        let pre_ln = l.opt_norm("v.pre_ln", n_embd)?;
+        let post_ln = l.opt_norm("v.post_ln", n_embd)?;
+        let mut layers = Vec::with_capacity(n_layer);
+        for i in 0..n_layer {
+            let p = |s: &str| format!("v.blk.{i}.{s}");
+            // Older conversions (llama.cpp's legacy naming) swapped ffn_up and
+            // ffn_down; clip.cpp swaps them back when the shapes say so.
+            let swapped = n_ff != n_embd
+                && g.tensor(&p("ffn_down.weight"))
+                    .is_some_and(|t| t.dims().first() == Some(&(n_embd as u64)));
+            let (up_name, down_name) = if swapped {
+                ("ffn_down", "ffn_up")
+            } else {
+                ("ffn_up", "ffn_down")
+            };
+            let ffn_gate = if g.tensor(&p("ffn_gate.weight")).is_some() {
+                Some(l.linear(&p("ffn_gate"), n_embd, n_ff)?)
+            } else {
+                None
+            };
+            layers.push(VitLayer {
+                ln1: l.norm(&p("ln1"), n_embd)?,
+                q: l.linear(&p("attn_q"), n_embd, n_embd)?,
+                k: l.linear(&p("attn_k"), n_embd, n_embd)?,
+                v: l.linear(&p("attn_v"), n_embd, n_embd)?,
+                o: l.linear(&p("attn_out"), n_embd, n_embd)?,
+                ls1: l.opt_floats(&p("ls1.weight"), n_embd)?,
+                ln2: l.norm(&p("ln2"), n_embd)?,
+                ffn_up: l.linear(&p(up_name), n_embd, n_ff)?,
+                ffn_gate,
+                ffn_down: l.linear(&p(down_name), n_ff, n_embd)?,
+                ls2: l.opt_floats(&p("ls2.weight"), n_embd)?,
+            });
+        }
+
+        let (projector_w, n_mmproj_embd) = match projector {
+            ProjectorType::MiniCpmV46 => {
+                if insert_layer >= n_layer {
+                    return Err(err(format!(
+                        "minicpmv4_6: merger after block {insert_layer} of {n_layer}"
+                    )));
+                }
+                let vit_merger = if n_merge == 4 {
+                    let m = "v.vit_merger";
+                    let ds_up = l.linear_any(&format!("{m}.ds_ffn_up"), 4 * n_embd)?;
+                    Some(Box::new(VitMerger {
+                        ln1: l.norm(&format!("{m}.ln1"), n_embd)?,
+                        q: l.linear(&format!("{m}.attn_q"), n_embd, n_embd)?,
+                        k: l.linear(&format!("{m}.attn_k"), n_embd, n_embd)?,
+                        v: l.linear(&format!("{m}.attn_v"), n_embd, n_embd)?,
+                        o: l.linear(&format!("{m}.attn_out"), n_embd, n_embd)?,
+                        ds_ln: l.norm(&format!("{m}.ds_ln"), 4 * n_embd)?,
+                        ds_down: l.linear(&format!("{m}.ds_ffn_down"), ds_up.w.rows, n_embd)?,
+                        ds_up,
+                    }))
+                } else {
+                    None
+                };
+                let input_norm = l.norm("mm.input_norm", 4 * n_embd)?;
+                let up = l.linear_any("mm.up", 4 * n_embd)?;
+                let down = l.linear_any("mm.down", up.w.rows)?;
+                let out = down.w.rows;
+                (
+                    Projector::MiniCpmV46 {
+                        vit_merger,
+                        input_norm,
+                        up,
+                        down,
+                    },
+                    out,
+                )
+            }
+            ProjectorType::Gemma3 => {
+                let soft_emb_norm = l.floats("mm.soft_emb_norm.weight", n_embd)?;
+                let t = l.tensor("mm.input_projection.weight")?;
+                // ne = {n_text, n_embd}: y = W^T x. Transposed here into an f32
+                // n_text x n_embd matrix.
+                if t.dims().len() != 2
+                    || t.dims()[1] != n_embd as u64
+                    || t.dims()[0] as usize > MAX_DIM
+                {
+                    return Err(err(format!(
+                        "mm.input_projection.weight has shape {:?}, expected [N, {n_embd}]",
+                        t.dims()
+                    )));
+                }
+                let n_text = t.dims()[0] as usize;
+                let raw = l.floats("mm.input_projection.weight", n_text * n_embd)?;
+                let mut bytes = vec![0u8; n_text * n_embd * 4];
+                for (j, row) in raw.chunks_exact(n_text).enumerate() {
+                    for (i, v) in row.iter().enumerate() {
+                        let at = 4 * (i * n_embd + j);
+                        bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+                let input_proj = Mat {
+                    ty: GgmlType::F32,
+                    rows: n_text,
+                    cols: n_embd,
+                    bytes: Bytes::Owned(bytes),
+                };
+                (
+                    Projector::Gemma3 {
+                        soft_emb_norm,
+                        input_proj,
+                    },
+                    n_text,
+                )
+            }
+        };
+        let hp = ClipHparams {
+            projector,
+            n_embd,
+            n_ff,
+            n_layer,
+            n_head,
+            eps,
+            image_size,
+            patch_size,
+            mean,
+            std,
+            ffn_op,
+            n_merge,
+            insert_layer,
+            n_mmproj_embd,
+        };
+        if projector == ProjectorType::Gemma3 {
+            let side = image_size / patch_size;
+            if !image_size.is_multiple_of(patch_size)
+                || side * side != n_pos
+                || !side.is_multiple_of(n_merge)
+            {
+                return Err(err(format!(
+                    "gemma3: image_size {image_size}, patch {patch_size}, {n_pos} positions and pooling {n_merge} do not fit"
+                )));
+            }
+        }
+        if projector == ProjectorType::MiniCpmV46 {
+            let side = (n_pos as f64).sqrt() as usize;
+            if side * side != n_pos {
+                return Err(err(format!(
+                    "minicpmv4_6: {n_pos} position embeddings are not a square grid"
+                )));
+            }
+        }
+        Ok(ClipModel {
+            hp,
+            patch_embd,
+            patch_bias,
+            pos_embd,
+            n_pos,
+            pre_ln,
+            layers,
+            post_ln,
+            projector: projector_w,
+            gguf: g,
+        })
+    }
+
+    /// The matrix view of `m`.
+    pub fn view<'s>(&'s self, m: &'s Mat) -> Result<MatrixView<'s>, GemvError> {
+        let bytes = match &m.bytes {
+            Bytes::Mapped(r) => &self.gguf.bytes()[r.clone()],
+            Bytes::Owned(b) => &b[..],
+        };
+        MatrixView::new(m.ty, m.rows, m.cols, bytes)
+    }
+
+    /// The underlying file.
+    pub fn gguf(&self) -> &Gguf<MappedFile> {
+        &self.gguf
+    }
+
+    /// The total size of the file.
+    pub fn file_bytes(&self) -> usize {
+        self.gguf.bytes().len()
+    }
+}

@@ -1,0 +1,132 @@
+//! Images in: the vision tower of a multimodal model, from an mmproj GGUF, as
+//! llama.cpp's `tools/mtmd` runs it.
+//!
+//! - [`image`](mod@image): decoding PNG and JPEG files (dimensions bounded before
+//!   decoding).
+//! - [`preprocess`]: resizing, MiniCPM-V's slicing into a grid of slices plus an
+//!   overview, normalisation.
+//! - [`clip`]: the mmproj file (`general.architecture = clip`): hyperparameters
+//!   and weights, for projector types `minicpmv4_6` (MiniCPM-V 4.6 and 4.7) and
+//!   `gemma3`.
+//! - [`encoder`]: the ViT and projector forward pass, multi-threaded.
+//! - [`prompt`]: the image embeddings spliced into the token sequence with the
+//!   model's special tokens.
+//!
+//! The vision tower is always resident (memory-mapped); only the language
+//! model's experts stream. [`encode_image`] is the whole path from pixels to
+//! embeddings.
+
+pub mod clip;
+pub mod encoder;
+pub mod gemm;
+pub mod image;
+pub mod preprocess;
+pub mod prompt;
+
+use std::fmt;
+
+use les_core::gemv::GemvError;
+
+pub use clip::{ClipModel, ProjectorType};
+pub use encoder::Ctx;
+pub use image::{load_image, RgbImage};
+pub use preprocess::ImageF32;
+pub use prompt::{build_prompt, place_markers, EncodedImage, MultimodalPrompt, MEDIA_MARKER};
+
+/// Why a vision step failed.
+#[derive(Debug)]
+pub enum VisionError {
+    /// An image file could not be read or decoded, or is too large.
+    Image(String),
+    /// The mmproj file is not one LES can run.
+    Mmproj(String),
+    /// A matrix product failed.
+    Gemv(GemvError),
+    /// A tensor or image does not have the shape the computation needs.
+    Shape(&'static str),
+    /// The prompt and the images do not fit together.
+    Prompt(String),
+}
+
+impl fmt::Display for VisionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VisionError::Image(m) => write!(f, "image: {m}"),
+            VisionError::Mmproj(m) => write!(f, "mmproj: {m}"),
+            VisionError::Gemv(e) => write!(f, "vision encoder: {e}"),
+            VisionError::Shape(m) => write!(f, "vision encoder: {m}"),
+            VisionError::Prompt(m) => write!(f, "multimodal prompt: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for VisionError {}
+
+impl From<GemvError> for VisionError {
+    fn from(e: GemvError) -> Self {
+        VisionError::Gemv(e)
+    }
+}
+
+/// An image preprocessed for a projector: the normalised pictures the tower
+/// encodes one by one (overview first, then slices row by row).
+#[derive(Clone, Debug)]
+pub struct Preprocessed {
+    /// Overview, then slices.
+    pub chunks: Vec<ImageF32>,
+    /// Slices per row and rows of slices (`(0, 0)` without slices).
+    pub grid: (usize, usize),
+}
+
+/// The most slices MiniCPM-V cuts an image into (llama.cpp's `max_slice_nums`).
+pub const MAX_SLICES: usize = 9;
+
+/// Resizes, slices and normalises `img` as the projector of `m` expects.
+pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
+    let hp = &m.hp;
+    let norm = |i: &RgbImage| preprocess::normalize(i, hp.mean, hp.std);
+    match hp.projector {
+        ProjectorType::MiniCpmV46 => {
+            let inst = preprocess::slice_instructions(
+                (img.width, img.height),
+                hp.image_size,
+                hp.patch_size * hp.n_merge,
+                MAX_SLICES,
+            );
+            let sliced = preprocess::slice_image(img, &inst);
+            let mut chunks = vec![norm(&sliced.overview)];
+            chunks.extend(sliced.slices.iter().map(norm));
+            Preprocessed {
+                chunks,
+                grid: sliced.grid,
+            }
+        }
+        ProjectorType::Gemma3 => {
+            let s = hp.image_size;
+            let resized =
+                preprocess::resize_padded(img, s, s, preprocess::ResizeAlgo::Bilinear, [0; 3]);
+            Preprocessed {
+                chunks: vec![norm(&resized)],
+                grid: (0, 0),
+            }
+        }
+    }
+}
+
+/// Preprocesses and encodes `img`: the embeddings of its overview and slices.
+pub fn encode_image(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &RgbImage,
+) -> Result<EncodedImage, VisionError> {
+    let pre = preprocess_image(m, img);
+    let mut chunks = Vec::with_capacity(pre.chunks.len());
+    for c in &pre.chunks {
+        chunks.push(encoder::encode(ctx, m, c)?);
+    }
+    Ok(EncodedImage {
+        chunks,
+        grid: pre.grid,
+        n_embd: m.hp.n_mmproj_embd,
+    })
+}

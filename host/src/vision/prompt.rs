@@ -1,0 +1,212 @@
+//! Splicing image embeddings into a prompt, with the special tokens each model
+//! expects around them (llama.cpp's `mtmd_tokenize`).
+//!
+//! The prompt text carries one [`MEDIA_MARKER`] per image. The text between
+//! markers is tokenized piece by piece (special tokens parsed), the language
+//! model's BOS (if it adds one) goes first, and each marker becomes:
+//!
+//! - MiniCPM-V 4.6 (llama.cpp's MiniCPM-V 2.6 slice template):
+//!   `<image>` overview `</image>`, then for each row of slices
+//!   `<slice>` slice `</slice>` ... with a `\n` token between rows (none after
+//!   the last);
+//! - Gemma 3: `<start_of_image>` embeddings `<end_of_image>`.
+
+use les_core::model::forward::TokenInput;
+
+use super::clip::ProjectorType;
+use super::VisionError;
+use crate::tokenizer::Tokenizer;
+
+/// The text that stands for an image in a prompt (llama.cpp's
+/// `mtmd_default_marker()`).
+pub const MEDIA_MARKER: &str = "<__media__>";
+
+/// The encoded chunks of one image.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EncodedImage {
+    /// The overview's embeddings first, then each slice's, row by row; each
+    /// `tokens * n_embd` values.
+    pub chunks: Vec<Vec<f32>>,
+    /// Slices per row and rows of slices (`(0, 0)` without slices).
+    pub grid: (usize, usize),
+    /// Width of one embedding.
+    pub n_embd: usize,
+}
+
+impl EncodedImage {
+    /// Embeddings in all chunks.
+    pub fn n_tokens(&self) -> usize {
+        self.chunks.iter().map(|c| c.len() / self.n_embd).sum()
+    }
+}
+
+/// One prompt position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptItem {
+    /// A token id.
+    Token(u32),
+    /// An image embedding: its index in [`MultimodalPrompt::embeddings`] rows.
+    Embedding(usize),
+}
+
+/// A prompt of tokens and image embeddings.
+#[derive(Clone, Debug, Default)]
+pub struct MultimodalPrompt {
+    /// The positions in order.
+    pub items: Vec<PromptItem>,
+    /// Image embeddings, `n_embd` values per row.
+    pub embeddings: Vec<f32>,
+    /// Width of one embedding.
+    pub n_embd: usize,
+}
+
+impl MultimodalPrompt {
+    /// Positions.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether the prompt is empty.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Positions that are image embeddings.
+    pub fn n_image_tokens(&self) -> usize {
+        self.items
+            .iter()
+            .filter(|i| matches!(i, PromptItem::Embedding(_)))
+            .count()
+    }
+
+    /// The forward pass's input for each position.
+    pub fn inputs(&self) -> Vec<TokenInput<'_>> {
+        self.items
+            .iter()
+            .map(|&i| match i {
+                PromptItem::Token(t) => TokenInput::Token(t),
+                PromptItem::Embedding(r) => {
+                    TokenInput::Embedding(&self.embeddings[r * self.n_embd..(r + 1) * self.n_embd])
+                }
+            })
+            .collect()
+    }
+
+    fn push_tokens(&mut self, ids: impl IntoIterator<Item = u32>) {
+        self.items.extend(ids.into_iter().map(PromptItem::Token));
+    }
+
+    fn push_chunk(&mut self, chunk: &[f32]) {
+        let first = self.embeddings.len() / self.n_embd.max(1);
+        let n = chunk.len() / self.n_embd.max(1);
+        self.embeddings.extend_from_slice(chunk);
+        self.items
+            .extend((first..first + n).map(PromptItem::Embedding));
+    }
+}
+
+/// The id of the first token whose text (special tokens written out) is `text`,
+/// as llama.cpp's `lookup_token` finds it.
+pub fn lookup_token(tok: &Tokenizer, text: &str) -> Option<u32> {
+    if let Some(id) = tok.token_id(text) {
+        if tok.piece(id, true) == text.as_bytes() {
+            return Some(id);
+        }
+    }
+    (0..tok.n_vocab() as u32).find(|&id| tok.piece(id, true) == text.as_bytes())
+}
+
+fn require_token(tok: &Tokenizer, text: &str) -> Result<u32, VisionError> {
+    lookup_token(tok, text).ok_or_else(|| {
+        VisionError::Prompt(format!(
+            "the language model's vocabulary has no {text:?} token, which this projector needs"
+        ))
+    })
+}
+
+/// Builds the prompt from `text` (already chat-templated, holding one
+/// [`MEDIA_MARKER`] per image) and the encoded `images`, in order.
+pub fn build_prompt(
+    tok: &Tokenizer,
+    projector: ProjectorType,
+    text: &str,
+    images: &[EncodedImage],
+    n_embd: usize,
+) -> Result<MultimodalPrompt, VisionError> {
+    let parts: Vec<&str> = text.split(MEDIA_MARKER).collect();
+    if parts.len() - 1 != images.len() {
+        return Err(VisionError::Prompt(format!(
+            "the prompt has {} image marker(s) {MEDIA_MARKER} for {} image(s)",
+            parts.len() - 1,
+            images.len()
+        )));
+    }
+    if let Some(img) = images.iter().find(|i| i.n_embd != n_embd) {
+        return Err(VisionError::Prompt(format!(
+            "the projector's embeddings are {} wide, the language model's {n_embd}",
+            img.n_embd
+        )));
+    }
+    let mut p = MultimodalPrompt {
+        n_embd,
+        ..MultimodalPrompt::default()
+    };
+    if tok.add_bos() {
+        p.push_tokens(tok.bos());
+    }
+    let minicpm = match projector {
+        ProjectorType::MiniCpmV46 => Some((
+            require_token(tok, "<image>")?,
+            require_token(tok, "</image>")?,
+            require_token(tok, "<slice>")?,
+            require_token(tok, "</slice>")?,
+            require_token(tok, "\n")?,
+        )),
+        ProjectorType::Gemma3 => None,
+    };
+    for (i, part) in parts.iter().enumerate() {
+        if !part.is_empty() {
+            p.push_tokens(tok.encode(part, false, true));
+        }
+        let Some(img) = images.get(i) else { break };
+        match minicpm {
+            Some((im, im_end, sl, sl_end, row_end)) => {
+                p.push_tokens([im]);
+                p.push_chunk(&img.chunks[0]);
+                p.push_tokens([im_end]);
+                let (cols, rows) = img.grid;
+                for y in 0..rows {
+                    for x in 0..cols {
+                        p.push_tokens([sl]);
+                        p.push_chunk(&img.chunks[1 + y * cols + x]);
+                        p.push_tokens([sl_end]);
+                    }
+                    if y + 1 != rows {
+                        p.push_tokens([row_end]);
+                    }
+                }
+            }
+            None => {
+                p.push_tokens(tok.encode("<start_of_image>", false, true));
+                for c in &img.chunks {
+                    p.push_chunk(c);
+                }
+                p.push_tokens(tok.encode("<end_of_image>", false, true));
+            }
+        }
+    }
+    if tok.add_eos() {
+        p.push_tokens(tok.eos());
+    }
+    Ok(p)
+}
+
+/// Puts one [`MEDIA_MARKER`] per image before `prompt` unless it already has
+/// markers (then they say where the images go).
+pub fn place_markers(prompt: &str, n_images: usize) -> String {
+    if n_images == 0 || prompt.contains(MEDIA_MARKER) {
+        prompt.to_string()
+    } else {
+        MEDIA_MARKER.repeat(n_images) + prompt
+    }
+}

@@ -1,0 +1,341 @@
+//! `les run --mmproj --image` end to end on synthetic models: every schedule
+//! gives the same tokens and bit-identical logits, images are spliced where the
+//! markers say, and bad inputs fail cleanly.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+fn les() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_les"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+fn image() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/test-image.png")
+}
+
+fn ok(o: Output) -> String {
+    assert!(
+        o.status.success(),
+        "les failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// A tiny qwen3moe model and a matching projector of `projector`, made once.
+fn models(projector: &str) -> (PathBuf, PathBuf) {
+    static MADE: OnceLock<std::sync::Mutex<Vec<String>>> = OnceLock::new();
+    let lm = tmp(&format!("vision_lm_{projector}.gguf"));
+    let mm = tmp(&format!("vision_mmproj_{projector}.gguf"));
+    let mut made = MADE.get_or_init(Default::default).lock().unwrap();
+    if !made.iter().any(|p| p == projector) {
+        let out = les()
+            .args([
+                "synth", "--arch", "qwen3moe", "--seed", "5", "--quiet", "-o",
+            ])
+            .arg(&lm)
+            .arg("--mmproj-out")
+            .arg(&mm)
+            .args(["--projector", projector])
+            .output()
+            .unwrap();
+        let text = ok(out);
+        assert!(text.contains(projector), "{text}");
+        made.push(projector.to_string());
+    }
+    (lm, mm)
+}
+
+fn run(lm: &Path, mm: &Path, extra: &[&str]) -> Output {
+    les()
+        .args(["run", "-m"])
+        .arg(lm)
+        .arg("--mmproj")
+        .arg(mm)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn json(lm: &Path, mm: &Path, extra: &[&str]) -> Value {
+    let out = ok(run(lm, mm, &[&["--json", "--temp", "0"], extra].concat()));
+    serde_json::from_str(&out).unwrap()
+}
+
+fn tokens(v: &Value) -> Vec<u64> {
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn image_prompt_gives_identical_tokens_and_logits_on_every_schedule() {
+    let (lm, mm) = models("minicpmv4_6");
+    let img = image();
+    let img = img.to_str().unwrap();
+    let base = [
+        "--image",
+        img,
+        "-p",
+        "Describe the image.",
+        "--chat",
+        "-n",
+        "24",
+    ];
+    let want_logits = tmp("vision_logits_resident.npy");
+    let want = json(
+        &lm,
+        &mm,
+        &[
+            &base[..],
+            &[
+                "--schedule",
+                "resident",
+                "--logits-out",
+                want_logits.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(!tokens(&want).is_empty());
+    let st = &want["stats"];
+    // 320x240 -> a 280x168 overview and two 168x280 slices, 15 embeddings each.
+    assert_eq!(st["image_tokens"], 45);
+    assert_eq!(st["images"], 1);
+    assert!(st["image_encode_ms"].as_f64().unwrap() > 0.0);
+    let prompt = want["prompt_tokens"].as_array().unwrap();
+    assert_eq!(prompt.iter().filter(|t| t.is_null()).count(), 45);
+    assert_eq!(st["prompt_tokens"].as_u64().unwrap() as usize, prompt.len());
+    let want_bytes = std::fs::read(&want_logits).unwrap();
+    for args in [
+        ["--schedule", "on-demand", "--slots", "2"],
+        ["--schedule", "les", "--slots", "2"],
+        ["--schedule", "les", "--slots", "7"],
+        ["--schedule", "les", "--expert-mem", "64KiB"],
+    ] {
+        let path = tmp(&format!("vision_logits_{}.npy", args.join("_")));
+        let got = json(
+            &lm,
+            &mm,
+            &[
+                &base[..],
+                &args[..],
+                &["--logits-out", path.to_str().unwrap()],
+            ]
+            .concat(),
+        );
+        assert_eq!(tokens(&got), tokens(&want), "{args:?}");
+        assert_eq!(got["prompt_tokens"], want["prompt_tokens"], "{args:?}");
+        assert!(
+            std::fs::read(&path).unwrap() == want_bytes,
+            "{args:?}: logits differ"
+        );
+    }
+    // Thread count does not matter either.
+    let t1 = json(&lm, &mm, &[&base[..], &["-t", "1"]].concat());
+    let t3 = json(&lm, &mm, &[&base[..], &["-t", "3"]].concat());
+    assert_eq!(tokens(&t1), tokens(&want));
+    assert_eq!(tokens(&t3), tokens(&want));
+}
+
+/// The ids of `texts` in the synthetic vocabulary, from the model file.
+fn ids(lm: &Path, texts: &[&str]) -> Vec<u64> {
+    let g = les::gguf::Gguf::open(lm).unwrap();
+    let toks = g.get_str_array("tokenizer.ggml.tokens").unwrap();
+    texts
+        .iter()
+        .map(|t| toks.iter().position(|x| x == t).unwrap() as u64)
+        .collect()
+}
+
+#[test]
+fn image_markers_and_slice_tokens_follow_minicpmv() {
+    let (lm, mm) = models("minicpmv4_6");
+    let img = image();
+    let img = img.to_str().unwrap();
+    let v = json(
+        &lm,
+        &mm,
+        &[
+            "--image",
+            img,
+            "-p",
+            "Look: <__media__> and say.",
+            "-n",
+            "2",
+        ],
+    );
+    let p: Vec<Option<u64>> = v["prompt_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::as_u64)
+        .collect();
+    let [im, im_end, sl, sl_end] = ids(&lm, &["<image>", "</image>", "<slice>", "</slice>"])[..]
+    else {
+        unreachable!()
+    };
+    // text, <image> 15 x emb </image> <slice> 15 x emb </slice> <slice> 15 x emb
+    // </slice>, text (one row of slices: no newline token).
+    let start = p.iter().position(|t| *t == Some(im)).unwrap();
+    assert!(start > 0, "text before the image");
+    let mut want = vec![Some(im)];
+    want.extend([None; 15]);
+    want.push(Some(im_end));
+    for _ in 0..2 {
+        want.push(Some(sl));
+        want.extend([None; 15]);
+        want.push(Some(sl_end));
+    }
+    assert_eq!(p[start..start + want.len()], want[..]);
+    assert!(p.len() > start + want.len(), "text after the image");
+
+    // Without a marker the image goes first; two images make two blocks.
+    let v = json(
+        &lm,
+        &mm,
+        &["--image", img, "--image", img, "-p", "Compare.", "-n", "2"],
+    );
+    let p: Vec<Option<u64>> = v["prompt_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::as_u64)
+        .collect();
+    assert_eq!(p[0], Some(im));
+    assert_eq!(p.iter().filter(|t| **t == Some(im)).count(), 2);
+    assert_eq!(p.iter().filter(|t| t.is_none()).count(), 90);
+    assert_eq!(v["stats"]["images"], 2);
+}
+
+#[test]
+fn gemma3_projector_runs_end_to_end() {
+    let (lm, mm) = models("gemma3");
+    let img = image();
+    let v = json(
+        &lm,
+        &mm,
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "-p",
+            "What is this?",
+            "--chat",
+            "-n",
+            "8",
+        ],
+    );
+    assert_eq!(v["stats"]["image_tokens"], 16);
+    let p = v["prompt_tokens"].as_array().unwrap();
+    let [soi, eoi] = ids(&lm, &["<start_of_image>", "<end_of_image>"])[..] else {
+        unreachable!()
+    };
+    let s = p.iter().position(|t| t.as_u64() == Some(soi)).unwrap();
+    assert!(p[s + 1..s + 17].iter().all(Value::is_null));
+    assert_eq!(p[s + 17].as_u64(), Some(eoi));
+    let stream = ok(run(
+        &lm,
+        &mm,
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "-p",
+            "What is this?",
+            "--chat",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+        ],
+    ));
+    assert_eq!(stream.trim_end_matches('\n'), v["text"].as_str().unwrap());
+}
+
+#[test]
+fn bad_multimodal_inputs_fail_cleanly() {
+    let (lm, mm) = models("minicpmv4_6");
+    let img = image();
+    let img = img.to_str().unwrap();
+    let err = |extra: &[&str]| {
+        let o = run(&lm, &mm, extra);
+        assert!(!o.status.success(), "{extra:?} should fail");
+        let e = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(e.starts_with("error: "), "{e}");
+        e
+    };
+    let e = err(&["--image", img, "-p", "<__media__><__media__> two markers"]);
+    assert!(e.contains("2 image marker"), "{e}");
+    let e = err(&["--image", "/nonexistent/picture.png", "-p", "x"]);
+    assert!(e.contains("picture.png"), "{e}");
+    let garbage = tmp("vision_garbage.png");
+    std::fs::write(&garbage, b"this is not an image at all").unwrap();
+    let e = err(&["--image", garbage.to_str().unwrap(), "-p", "x"]);
+    assert!(e.contains("PNG or JPEG"), "{e}");
+    // A projector for a model of another width.
+    let other = tmp("vision_lm_wide.gguf");
+    ok(les()
+        .args([
+            "synth", "--arch", "qwen3moe", "--embd", "128", "--quiet", "-o",
+        ])
+        .arg(&other)
+        .output()
+        .unwrap());
+    let o = run(&other, &mm, &["--image", img, "-p", "x"]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("wide"), "{e}");
+    // --image needs --mmproj.
+    let o = les()
+        .args(["run", "-m"])
+        .arg(&lm)
+        .args(["--image", img, "-p", "x"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    // The language model is not a projector.
+    let o = run(&lm, &lm, &["--image", img, "-p", "x"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not an mmproj"));
+}
+
+#[test]
+fn projector_dimensions_can_be_chosen() {
+    // A 112-pixel slice size cuts the 320x240 image into 3x2 slices of 112x112
+    // plus a 112x112 overview, 4 embeddings each.
+    let lm = tmp("vision_lm_dims.gguf");
+    let mm = tmp("vision_mmproj_dims.gguf");
+    ok(les()
+        .args(["synth", "--arch", "qwen3moe", "--quiet", "-o"])
+        .arg(&lm)
+        .arg("--mmproj-out")
+        .arg(&mm)
+        .args(["--mmproj-width", "128", "--mmproj-layers", "3"])
+        .args(["--mmproj-image-size", "112"])
+        .output()
+        .unwrap());
+    let g = les::gguf::Gguf::open(&mm).unwrap();
+    assert_eq!(g.get_u32("clip.vision.embedding_length").unwrap(), 128);
+    assert_eq!(g.get_u32("clip.vision.block_count").unwrap(), 3);
+    let img = image();
+    let v = json(
+        &lm,
+        &mm,
+        &["--image", img.to_str().unwrap(), "-p", "x", "-n", "2"],
+    );
+    assert_eq!(v["stats"]["image_tokens"], 28);
+    let p = v["prompt_tokens"].as_array().unwrap();
+    let [nl] = ids(&lm, &["\u{10a}"])[..] else {
+        unreachable!()
+    };
+    // One newline token between the two rows of slices.
+    assert_eq!(p.iter().filter(|t| t.as_u64() == Some(nl)).count(), 1);
+}

@@ -1,0 +1,549 @@
+//! The vision encoder against an independent plain-`f32` reference, on tiny
+//! synthetic projectors (`minicpmv4_6` and `gemma3`, `f32` and `f16` weights).
+//!
+//! The reference follows llama.cpp's graphs literally: the patch embedding as a
+//! convolution, attention with full score matrices and, for MiniCPM-V 4.6's
+//! merger, the window-major reorder with a block-diagonal mask and the gather
+//! indices of `clip.cpp`; every weight dequantized to `f32` first. Element-wise
+//! functions have ggml's semantics (GELU through `f16`), written out here again.
+
+use std::path::PathBuf;
+
+use les::compute::Pool;
+use les::gguf::Gguf;
+use les::synth::{write_mmproj, MmprojConfig};
+use les::vision::encoder::{encode, output_tokens, Ctx};
+use les::vision::{ClipModel, ImageF32, ProjectorType};
+use les_core::gemv::Isa;
+use les_core::quant::{dequantize, f16_to_f32, f32_to_f16, GgmlType};
+
+fn tmp(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+struct Weights(Gguf);
+
+impl Weights {
+    fn get(&self, name: &str) -> Vec<f32> {
+        let t = self.0.tensor(name).unwrap_or_else(|| panic!("{name}"));
+        let n: u64 = t.dims().iter().product();
+        let mut v = vec![0f32; n as usize];
+        dequantize(t.ggml_type(), t.data(), &mut v).unwrap();
+        v
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.0.tensor(name).is_some()
+    }
+}
+
+/// `y = W x + b` for each row of `x` (`W` stored as ggml: `rows` rows of `cols`).
+fn linear(w: &Weights, prefix: &str, x: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let wt = w.get(&format!("{prefix}.weight"));
+    let b = if w.has(&format!("{prefix}.bias")) {
+        Some(w.get(&format!("{prefix}.bias")))
+    } else {
+        None
+    };
+    let cols = x[0].len();
+    let rows = wt.len() / cols;
+    x.iter()
+        .map(|xi| {
+            (0..rows)
+                .map(|r| {
+                    let mut s = 0f64;
+                    for c in 0..cols {
+                        s += f64::from(wt[r * cols + c]) * f64::from(xi[c]);
+                    }
+                    s as f32 + b.as_ref().map_or(0.0, |b| b[r])
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn layer_norm(w: &Weights, prefix: &str, x: &[Vec<f32>], eps: f32) -> Vec<Vec<f32>> {
+    let g = w.get(&format!("{prefix}.weight"));
+    let b = w.get(&format!("{prefix}.bias"));
+    x.iter()
+        .map(|xi| {
+            let n = xi.len() as f64;
+            let mean = xi.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+            let var = xi
+                .iter()
+                .map(|&v| (f64::from(v) - mean).powi(2))
+                .sum::<f64>()
+                / n;
+            let inv = 1.0 / (var + f64::from(eps)).sqrt();
+            xi.iter()
+                .enumerate()
+                .map(|(i, &v)| ((f64::from(v) - mean) * inv) as f32 * g[i] + b[i])
+                .collect()
+        })
+        .collect()
+}
+
+fn f16_round(x: f32) -> f32 {
+    f16_to_f32(f32_to_f16(x))
+}
+
+/// ggml's f32 GELU: a table of f16 results indexed by the f16 input.
+fn gelu(x: f32) -> f32 {
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let h = f64::from(f16_round(x));
+    let y = 0.5 * h * (1.0 + (0.797_884_560_802_865_4 * h * (1.0 + 0.044_715 * h * h)).tanh());
+    f16_round(y as f32)
+}
+
+fn gelu_erf(x: f32) -> f32 {
+    let x = f64::from(x);
+    (0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))) as f32
+}
+
+fn add(a: &[Vec<f32>], b: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| x.iter().zip(y).map(|(p, q)| p + q).collect())
+        .collect()
+}
+
+/// Multi-head attention with an optional additive mask (`mask[i][j]`).
+fn attention(
+    q: &[Vec<f32>],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    heads: usize,
+    mask: Option<&dyn Fn(usize, usize) -> f32>,
+) -> Vec<Vec<f32>> {
+    let (n, d) = (q.len(), q[0].len());
+    let dh = d / heads;
+    let scale = 1.0 / (dh as f64).sqrt();
+    let mut out = vec![vec![0f32; d]; n];
+    for h in 0..heads {
+        for i in 0..n {
+            let mut s: Vec<f64> = (0..n)
+                .map(|j| {
+                    let dot: f64 = (0..dh)
+                        .map(|c| f64::from(q[i][h * dh + c]) * f64::from(k[j][h * dh + c]))
+                        .sum();
+                    dot * scale + mask.map_or(0.0, |m| f64::from(m(i, j)))
+                })
+                .collect();
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            s.iter_mut().for_each(|x| *x = (*x - max).exp());
+            let sum: f64 = s.iter().sum();
+            for c in 0..dh {
+                let o: f64 = (0..n)
+                    .map(|j| s[j] / sum * f64::from(v[j][h * dh + c]))
+                    .sum();
+                out[i][h * dh + c] = o as f32;
+            }
+        }
+    }
+    out
+}
+
+struct Hp {
+    width: usize,
+    heads: usize,
+    patch: usize,
+    layers: usize,
+    eps: f32,
+}
+
+fn vit_block(w: &Weights, hp: &Hp, l: usize, x: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    let b = format!("v.blk.{l}");
+    let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
+    let q = linear(w, &format!("{b}.attn_q"), &h);
+    let k = linear(w, &format!("{b}.attn_k"), &h);
+    let v = linear(w, &format!("{b}.attn_v"), &h);
+    let a = attention(&q, &k, &v, hp.heads, None);
+    let a = linear(w, &format!("{b}.attn_out"), &a);
+    let x = add(&a, &x);
+    let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
+    let mut u = linear(w, &format!("{b}.ffn_up"), &h);
+    u.iter_mut().flatten().for_each(|v| *v = gelu(*v));
+    let f = linear(w, &format!("{b}.ffn_down"), &u);
+    add(&x, &f)
+}
+
+/// Patch embedding as a convolution (kernel ne = [P, P, 3, width]) plus bias.
+fn patch_embed(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let k = w.get("v.patch_embd.weight");
+    let b = w.get("v.patch_embd.bias");
+    let p = hp.patch;
+    let (pw, ph) = (img.width / p, img.height / p);
+    let mut out = Vec::new();
+    for py in 0..ph {
+        for px in 0..pw {
+            let mut e = vec![0f32; hp.width];
+            for (oc, e) in e.iter_mut().enumerate() {
+                let mut s = 0f64;
+                for c in 0..3 {
+                    for ky in 0..p {
+                        for kx in 0..p {
+                            let wv = k[((oc * 3 + c) * p + ky) * p + kx];
+                            let xv = img.data[3 * ((py * p + ky) * img.width + px * p + kx) + c];
+                            s += f64::from(wv) * f64::from(xv);
+                        }
+                    }
+                }
+                *e = s as f32 + b[oc];
+            }
+            out.push(e);
+        }
+    }
+    out
+}
+
+fn gather(x: &[Vec<f32>], idx: &[usize]) -> Vec<Vec<f32>> {
+    idx.iter().map(|&i| x[i].clone()).collect()
+}
+
+/// clip.cpp's `make_ds_idx`.
+fn ds_idx(off_r: usize, off_c: usize, h: usize, w: usize, stride: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    for i in 0..h {
+        for j in 0..w {
+            v.push((2 * i + off_r) * stride + 2 * j + off_c);
+        }
+    }
+    v
+}
+
+fn concat4(p: [&[Vec<f32>]; 4]) -> Vec<Vec<f32>> {
+    (0..p[0].len())
+        .map(|i| p.iter().flat_map(|x| x[i].iter().copied()).collect())
+        .collect()
+}
+
+/// MiniCPM-V 4.6 exactly as `clip_graph_minicpmv4_6::build` and its inputs.
+fn reference_minicpmv46(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let n = pw * ph;
+    let pos = w.get("v.position_embd.weight");
+    let mut x = patch_embed(w, hp, img);
+    for i in 0..ph {
+        for j in 0..pw {
+            let r = (70 * i / ph) * 70 + 70 * j / pw;
+            for (c, v) in x[i * pw + j].iter_mut().enumerate() {
+                *v += pos[r * hp.width + c];
+            }
+        }
+    }
+    let insert = 0;
+    for l in 0..=insert {
+        x = vit_block(w, hp, l, x);
+    }
+    // Window attention: reorder to window-major, block-diagonal mask, reorder back.
+    let (hh, hw) = (ph / 2, pw / 2);
+    let mut window_idx = Vec::new();
+    for wi in 0..hh {
+        for wj in 0..hw {
+            for (a, b) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                window_idx.push((2 * wi + a) * pw + 2 * wj + b);
+            }
+        }
+    }
+    let mut inv = vec![0; n];
+    for (i, &t) in window_idx.iter().enumerate() {
+        inv[t] = i;
+    }
+    let normed = layer_norm(w, "v.vit_merger.ln1", &x, hp.eps);
+    let cur = gather(&normed, &window_idx);
+    let q = linear(w, "v.vit_merger.attn_q", &cur);
+    let k = linear(w, "v.vit_merger.attn_k", &cur);
+    let v = linear(w, "v.vit_merger.attn_v", &cur);
+    let mask = |i: usize, j: usize| if i / 4 == j / 4 { 0.0 } else { f32::MIN };
+    let a = attention(&q, &k, &v, hp.heads, Some(&mask));
+    let a = linear(w, "v.vit_merger.attn_out", &a);
+    let a = gather(&a, &inv);
+    let x1 = add(&a, &x);
+    // 2x2 downsample MLP plus mean.
+    let p: Vec<Vec<Vec<f32>>> = [(0, 0), (0, 1), (1, 0), (1, 1)]
+        .iter()
+        .map(|&(r, c)| gather(&x1, &ds_idx(r, c, hh, hw, pw)))
+        .collect();
+    let mean: Vec<Vec<f32>> = (0..hh * hw)
+        .map(|i| {
+            (0..hp.width)
+                .map(|c| (p[0][i][c] + p[1][i][c] + p[2][i][c] + p[3][i][c]) * 0.25)
+                .collect()
+        })
+        .collect();
+    let cat = concat4([&p[0], &p[1], &p[2], &p[3]]);
+    let normed = layer_norm(w, "v.vit_merger.ds_ln", &cat, hp.eps);
+    let mut u = linear(w, "v.vit_merger.ds_ffn_up", &normed);
+    u.iter_mut().flatten().for_each(|v| *v = gelu(*v));
+    let d = linear(w, "v.vit_merger.ds_ffn_down", &u);
+    let mut x = add(&d, &mean);
+    for l in insert + 1..hp.layers {
+        x = vit_block(w, hp, l, x);
+    }
+    let x = layer_norm(w, "v.post_ln", &x, hp.eps);
+    // Final merger over the hw x hh grid.
+    let (qh, qw) = (hh / 2, hw / 2);
+    let p: Vec<Vec<Vec<f32>>> = [(0, 0), (0, 1), (1, 0), (1, 1)]
+        .iter()
+        .map(|&(r, c)| gather(&x, &ds_idx(r, c, qh, qw, hw)))
+        .collect();
+    let cat = concat4([&p[0], &p[1], &p[2], &p[3]]);
+    let normed = layer_norm(w, "mm.input_norm", &cat, hp.eps);
+    let mut u = linear(w, "mm.up", &normed);
+    u.iter_mut().flatten().for_each(|v| *v = gelu_erf(*v));
+    linear(w, "mm.down", &u)
+}
+
+/// Gemma 3 as `clip_graph_siglip::build`.
+fn reference_gemma3(w: &Weights, hp: &Hp, img: &ImageF32, k: usize) -> Vec<Vec<f32>> {
+    let side = img.width / hp.patch;
+    let pos = w.get("v.position_embd.weight");
+    let mut x = patch_embed(w, hp, img);
+    for (i, xi) in x.iter_mut().enumerate() {
+        for (c, v) in xi.iter_mut().enumerate() {
+            *v += pos[i * hp.width + c];
+        }
+    }
+    for l in 0..hp.layers {
+        x = vit_block(w, hp, l, x);
+    }
+    let x = layer_norm(w, "v.post_ln", &x, hp.eps);
+    let o = side / k;
+    let norm_w = w.get("mm.soft_emb_norm.weight");
+    let mut pooled = Vec::new();
+    for oy in 0..o {
+        for ox in 0..o {
+            let mut e = vec![0f64; hp.width];
+            for ky in 0..k {
+                for kx in 0..k {
+                    for (c, v) in e.iter_mut().enumerate() {
+                        *v += f64::from(x[(oy * k + ky) * side + ox * k + kx][c]);
+                    }
+                }
+            }
+            let e: Vec<f64> = e.iter().map(|v| v / (k * k) as f64).collect();
+            let ms = e.iter().map(|v| v * v).sum::<f64>() / hp.width as f64;
+            let inv = 1.0 / (ms + f64::from(hp.eps)).sqrt();
+            pooled.push(
+                e.iter()
+                    .zip(&norm_w)
+                    .map(|(v, g)| (v * inv) as f32 * g)
+                    .collect::<Vec<f32>>(),
+            );
+        }
+    }
+    // mm.input_projection.weight has ne = [n_text, width]: y = W^T x.
+    let proj = w.get("mm.input_projection.weight");
+    let n_text = proj.len() / hp.width;
+    pooled
+        .iter()
+        .map(|p| {
+            (0..n_text)
+                .map(|t| {
+                    (0..hp.width)
+                        .map(|c| f64::from(proj[c * n_text + t]) * f64::from(p[c]))
+                        .sum::<f64>() as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn test_image(width: usize, height: usize, seed: u32) -> ImageF32 {
+    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    let data = (0..width * height * 3)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect();
+    ImageF32 {
+        width,
+        height,
+        data,
+    }
+}
+
+fn compare(got: &[f32], want: &[Vec<f32>], what: &str) {
+    let want: Vec<f32> = want.iter().flatten().copied().collect();
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let rms = (want.iter().map(|v| f64::from(v * v)).sum::<f64>() / want.len() as f64).sqrt();
+    let max_err = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| f64::from((a - b).abs()))
+        .fold(0f64, f64::max);
+    eprintln!("{what}: max error {max_err:e}, rms {rms}");
+    assert!(rms > 0.05, "{what}: degenerate output (rms {rms})");
+    assert!(
+        max_err <= 1e-3 * rms.max(1.0),
+        "{what}: max error {max_err} (rms {rms})"
+    );
+}
+
+fn projector(ptype: ProjectorType, ty: GgmlType, name: &str) -> (PathBuf, MmprojConfig) {
+    let mut cfg = MmprojConfig::tiny(ptype, 48, 11);
+    cfg.ty = ty;
+    let path = tmp(name);
+    write_mmproj(&cfg, &path).unwrap();
+    (path, cfg)
+}
+
+fn hp_of(cfg: &MmprojConfig) -> Hp {
+    Hp {
+        width: cfg.width as usize,
+        heads: cfg.heads as usize,
+        patch: cfg.patch as usize,
+        layers: cfg.layers as usize,
+        eps: 1e-6,
+    }
+}
+
+#[test]
+fn minicpmv46_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(
+            ProjectorType::MiniCpmV46,
+            ty,
+            &format!("enc_mcv_{name}.gguf"),
+        );
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!(model.hp.n_mmproj_embd, 48);
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        let mut pool = Pool::new(3);
+        // A square slice and a non-square one (a 16 x 8 patch grid).
+        for (iw, ih) in [(224, 224), (224, 112)] {
+            let img = test_image(iw, ih, 5);
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa: Isa::detect(),
+            };
+            let got = encode(&mut ctx, &model, &img).unwrap();
+            assert_eq!(got.len(), output_tokens(&model, iw, ih) * 48);
+            assert_eq!(output_tokens(&model, iw, ih), (iw / 56) * (ih / 56));
+            let want = reference_minicpmv46(&w, &hp, &img);
+            compare(&got, &want, &format!("minicpmv4_6 {name} {iw}x{ih}"));
+        }
+    }
+}
+
+#[test]
+fn gemma3_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(ProjectorType::Gemma3, ty, &format!("enc_g3_{name}.gguf"));
+        let model = ClipModel::open(&path).unwrap();
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        let img = test_image(224, 224, 9);
+        let mut pool = Pool::new(2);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa: Isa::detect(),
+        };
+        let got = encode(&mut ctx, &model, &img).unwrap();
+        assert_eq!(output_tokens(&model, 224, 224), 16);
+        let want = reference_gemma3(&w, &hp, &img, 4);
+        compare(&got, &want, &format!("gemma3 {name}"));
+    }
+}
+
+#[test]
+fn encoder_output_does_not_depend_on_threads_or_kernels() {
+    let (path, _) = projector(ProjectorType::MiniCpmV46, GgmlType::F16, "enc_threads.gguf");
+    let model = ClipModel::open(&path).unwrap();
+    let img = test_image(224, 168, 3);
+    let run = |threads: usize, isa: Isa| {
+        let mut pool = Pool::new(threads);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa,
+        };
+        encode(&mut ctx, &model, &img).unwrap()
+    };
+    let base = run(1, Isa::Scalar);
+    for isa in Isa::available() {
+        for threads in [1, 2, 4] {
+            assert!(run(threads, isa) == base, "{isa} x {threads} threads");
+        }
+    }
+}
+
+#[test]
+fn encoder_rejects_bad_inputs_and_files() {
+    let (path, _) = projector(ProjectorType::MiniCpmV46, GgmlType::F16, "enc_bad.gguf");
+    let model = ClipModel::open(&path).unwrap();
+    let mut pool = Pool::new(1);
+    let mut ctx = Ctx {
+        pool: &mut pool,
+        isa: Isa::detect(),
+    };
+    // Not a multiple of patch x merge.
+    let e = encode(&mut ctx, &model, &test_image(100, 56, 1)).unwrap_err();
+    assert!(e.to_string().contains("multiple"), "{e}");
+    let e = encode(&mut ctx, &model, &test_image(70, 56, 1)).unwrap_err();
+    assert!(e.to_string().contains("multiple"), "{e}");
+    // A language model is not an mmproj file.
+    let lm = tmp("enc_not_clip.gguf");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
+        .args([
+            "synth", "--arch", "qwen3moe", "--layers", "1", "--quiet", "-o",
+        ])
+        .arg(&lm)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let e = ClipModel::open(&lm).unwrap_err().to_string();
+    assert!(e.contains("not an mmproj"), "{e}");
+}
+
+#[test]
+fn legacy_swapped_ffn_names_are_undone() {
+    // Old conversions named the ViT's fc1 `ffn_down` and fc2 `ffn_up`; llama.cpp
+    // (and LES) swap them back by shape. Rewrite a projector that way.
+    let (path, _) = projector(ProjectorType::Gemma3, GgmlType::F16, "enc_swap_src.gguf");
+    let src = Gguf::open(&path).unwrap();
+    let rename = |n: &str| {
+        if n.contains(".ffn_up.") {
+            n.replace(".ffn_up.", ".ffn_down.")
+        } else if n.contains(".ffn_down.") {
+            n.replace(".ffn_down.", ".ffn_up.")
+        } else {
+            n.to_string()
+        }
+    };
+    let mut w = les::gguf::GgufWriter::new();
+    for (k, v) in src.metadata() {
+        w.add_kv(k, v.to_meta()).unwrap();
+    }
+    for t in src.tensors() {
+        w.add_tensor(rename(t.name()), t.dims(), t.ggml_type())
+            .unwrap();
+    }
+    let swapped = tmp("enc_swap.gguf");
+    let mut data = w
+        .write_header(std::fs::File::create(&swapped).unwrap())
+        .unwrap();
+    for t in src.tensors() {
+        data.write_tensor(&rename(t.name()), t.data()).unwrap();
+    }
+    data.finish().unwrap();
+    let img = test_image(224, 224, 4);
+    let run = |p: &PathBuf| {
+        let m = ClipModel::open(p).unwrap();
+        let mut pool = Pool::new(1);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa: Isa::detect(),
+        };
+        encode(&mut ctx, &m, &img).unwrap()
+    };
+    assert!(run(&path) == run(&swapped));
+}

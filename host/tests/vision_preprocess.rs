@@ -1,0 +1,291 @@
+//! Image preprocessing: the llava-uhd slicing MiniCPM-V uses (overview size, grid
+//! choice, refined size, slice rectangles) for several sizes and aspect ratios,
+//! with the expected values worked out by hand from llama.cpp's
+//! `mtmd_image_preprocessor_llava_uhd` (`mtmd-image.cpp`); the resize kernels;
+//! image decoding and its limits.
+
+use les::vision::image::{check_dimensions, decode_image, RgbImage};
+use les::vision::preprocess::{
+    ensure_divide, get_best_grid, get_best_resize, normalize, resize, resize_padded, slice_image,
+    slice_instructions, ResizeAlgo, SliceInstructions,
+};
+
+/// MiniCPM-V 4.6: 448 slices, patch 14 x merge 4 = 56.
+fn minicpmv46(w: usize, h: usize) -> SliceInstructions {
+    slice_instructions((w, h), 448, 56, 9)
+}
+
+fn slices(cols: usize, rows: usize, w: usize, h: usize) -> Vec<(usize, usize, usize, usize)> {
+    let mut out = Vec::new();
+    for r in 0..rows {
+        for c in 0..cols {
+            out.push((c * w, r * h, w, h));
+        }
+    }
+    out
+}
+
+#[test]
+fn small_images_are_one_square_overview() {
+    for (w, h) in [(448, 448), (300, 200), (64, 48), (1, 448), (448, 1)] {
+        let inst = minicpmv46(w, h);
+        assert_eq!(inst.overview, (448, 448), "{w}x{h}");
+        assert_eq!(inst.grid, (0, 0));
+        assert_eq!(inst.refined, (0, 0));
+        assert!(inst.slices.is_empty());
+    }
+}
+
+#[test]
+fn landscape_4_3_gets_a_2x2_grid() {
+    // 1024x768: overview 516x387 scaled to ~448^2 pixels, aligned to 504x392;
+    // 786432 / 448^2 = 3.92 -> 4 slices; of the 3/4/5-slice grids 2x2 is closest
+    // to ln(4/3); each 512x384 cell resized like the overview.
+    let inst = minicpmv46(1024, 768);
+    assert_eq!(inst.overview, (504, 392));
+    assert_eq!(inst.grid, (2, 2));
+    assert_eq!(inst.refined, (1008, 784));
+    assert_eq!(inst.slices, slices(2, 2, 504, 392));
+}
+
+#[test]
+fn wide_panorama_gets_one_row() {
+    // 1920x480 (4:1): 4.59 -> 5 slices; 4x1 matches ln 4 exactly.
+    let inst = minicpmv46(1920, 480);
+    assert_eq!(inst.overview, (896, 224));
+    assert_eq!(inst.grid, (4, 1));
+    assert_eq!(inst.refined, (1792, 448));
+    assert_eq!(inst.slices, slices(4, 1, 448, 448));
+}
+
+#[test]
+fn tall_image_gets_one_column() {
+    // 400x1000: 1.99 -> 2 slices; among 1x2, 2x1, 1x3, 3x1, 1x3 is closest to
+    // ln 0.4; the cells are 400x333, resized up to 504x392.
+    let inst = minicpmv46(400, 1000);
+    assert_eq!(inst.overview, (280, 728));
+    assert_eq!(inst.grid, (1, 3));
+    assert_eq!(inst.refined, (504, 1176));
+    assert_eq!(inst.slices, slices(1, 3, 504, 392));
+}
+
+#[test]
+fn large_square_is_capped_at_nine_slices() {
+    let inst = minicpmv46(2000, 2000);
+    assert_eq!(inst.overview, (448, 448));
+    assert_eq!(inst.grid, (3, 3));
+    assert_eq!(inst.refined, (1344, 1344));
+    assert_eq!(inst.slices, slices(3, 3, 448, 448));
+}
+
+#[test]
+fn demo_image_with_the_synthetic_projector() {
+    // The bundled 320x240 image through the synthetic projector (224 slices,
+    // align 56): overview 280x168, two 168x280 slices side by side.
+    let inst = slice_instructions((320, 240), 224, 56, 9);
+    assert_eq!(inst.overview, (280, 168));
+    assert_eq!(inst.grid, (2, 1));
+    assert_eq!(inst.refined, (336, 280));
+    assert_eq!(inst.slices, slices(2, 1, 168, 280));
+}
+
+#[test]
+fn every_slice_tiles_the_refined_image_in_aligned_sizes() {
+    for (w, h) in [
+        (449, 449),
+        (640, 480),
+        (480, 640),
+        (1280, 720),
+        (720, 1280),
+        (3000, 500),
+        (500, 3000),
+        (4096, 4096),
+        (900, 450),
+        (1000, 1001),
+    ] {
+        let inst = minicpmv46(w, h);
+        let (cols, rows) = inst.grid;
+        assert!(
+            cols * rows >= 2 && cols * rows <= 9,
+            "{w}x{h}: {:?}",
+            inst.grid
+        );
+        assert_eq!(inst.slices.len(), cols * rows);
+        assert_eq!(inst.overview.0 % 56, 0);
+        assert_eq!(inst.overview.1 % 56, 0);
+        let (sw, sh) = (inst.refined.0 / cols, inst.refined.1 / rows);
+        assert_eq!((sw % 56, sh % 56), (0, 0), "{w}x{h}");
+        assert_eq!(inst.slices, slices(cols, rows, sw, sh), "{w}x{h}");
+        // The grid's shape follows the aspect ratio.
+        if w >= 2 * h {
+            assert!(cols > rows, "{w}x{h}: {:?}", inst.grid);
+        }
+        if h >= 2 * w {
+            assert!(rows > cols, "{w}x{h}: {:?}", inst.grid);
+        }
+    }
+}
+
+#[test]
+fn grid_choice_and_rounding_helpers() {
+    // Ties keep the first candidate: (1, 2) before (2, 1) for a square image.
+    assert_eq!(get_best_grid(9, 2, 0.0), (1, 2));
+    assert_eq!(get_best_grid(9, 4, 0.0), (2, 2));
+    assert_eq!(get_best_grid(9, 9, 0.0), (3, 3));
+    assert_eq!(get_best_grid(9, 6, (3.0f32 / 2.0).ln()), (3, 2));
+    // 1 is never a grid; 9 is the cap.
+    assert_eq!(get_best_grid(9, 1, 0.0), (1, 2));
+    assert_eq!(get_best_grid(9, 9, 10.0), (9, 1));
+    assert_eq!(ensure_divide(516, 56), 504);
+    assert_eq!(ensure_divide(10, 56), 56);
+    assert_eq!(ensure_divide(1000, 3), 999);
+    assert_eq!(get_best_resize((300, 200), 448, 56, false), (280, 224));
+    assert_eq!(get_best_resize((300, 200), 448, 56, true), (560, 392));
+}
+
+fn gradient(w: usize, h: usize) -> RgbImage {
+    let mut img = RgbImage::filled(w, h, [0; 3]);
+    for y in 0..h {
+        for x in 0..w {
+            img.set_pixel(
+                x,
+                y,
+                [
+                    (x * 7 % 256) as u8,
+                    (y * 5 % 256) as u8,
+                    ((x + y) % 256) as u8,
+                ],
+            );
+        }
+    }
+    img
+}
+
+#[test]
+fn resizing_keeps_flat_colours_and_shapes() {
+    let flat = RgbImage::filled(37, 23, [10, 200, 77]);
+    for algo in [ResizeAlgo::Bicubic, ResizeAlgo::Bilinear] {
+        for (w, h) in [(64, 64), (5, 3), (37, 23), (100, 11)] {
+            let r = resize(&flat, w, h, algo);
+            assert_eq!((r.width, r.height, r.data.len()), (w, h, w * h * 3));
+            assert!(
+                r.data.chunks(3).all(|p| p == [10, 200, 77]),
+                "{algo:?} {w}x{h}"
+            );
+        }
+    }
+    // Same size: a copy.
+    let g = gradient(30, 20);
+    assert_eq!(resize(&g, 30, 20, ResizeAlgo::Bicubic), g);
+    // Integer downscale by 2 with bicubic samples the even pixels exactly.
+    let r = resize(&g, 15, 10, ResizeAlgo::Bicubic);
+    for y in 0..10 {
+        for x in 0..15 {
+            assert_eq!(r.pixel(x, y), g.pixel(2 * x, 2 * y));
+        }
+    }
+    // Bilinear is corner-aligned: the corners are kept.
+    let r = resize(&g, 59, 39, ResizeAlgo::Bilinear);
+    assert_eq!(r.pixel(0, 0), g.pixel(0, 0));
+    assert_eq!(r.pixel(58, 38), g.pixel(29, 19));
+    assert_eq!(r.pixel(2, 2), g.pixel(1, 1));
+}
+
+#[test]
+fn padded_resize_centres_the_image() {
+    // 40x20 into 30x30: scaled to 30x15, centred with 7 rows of padding above.
+    let img = RgbImage::filled(40, 20, [255, 255, 255]);
+    let r = resize_padded(&img, 30, 30, ResizeAlgo::Bilinear, [0, 0, 0]);
+    assert_eq!((r.width, r.height), (30, 30));
+    for y in 0..30 {
+        let inside = (7..22).contains(&y);
+        assert_eq!(
+            r.pixel(15, y),
+            if inside { [255; 3] } else { [0; 3] },
+            "row {y}"
+        );
+    }
+}
+
+#[test]
+fn slicing_and_normalisation() {
+    let img = gradient(1024, 768);
+    let inst = minicpmv46(1024, 768);
+    let s = slice_image(&img, &inst);
+    assert_eq!((s.overview.width, s.overview.height), (504, 392));
+    assert_eq!(s.slices.len(), 4);
+    assert!(s.slices.iter().all(|i| (i.width, i.height) == (504, 392)));
+    let n = normalize(&s.overview, [0.5; 3], [0.5; 3]);
+    assert_eq!(n.data.len(), 504 * 392 * 3);
+    assert!(n.data.iter().all(|v| (-1.0..=1.0).contains(v)));
+    let p = s.overview.pixel(3, 4);
+    assert_eq!(
+        n.data[3 * (4 * 504 + 3)],
+        (f32::from(p[0]) / 255.0 - 0.5) / 0.5
+    );
+}
+
+#[test]
+fn image_decoding_and_limits() {
+    let png = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../assets/test-image.png"
+    ))
+    .expect("the bundled test image");
+    let img = decode_image(&png).unwrap();
+    assert_eq!((img.width, img.height), (320, 240));
+    assert_eq!(img.pixel(0, 0), [110, 170, 235]); // sky
+    assert_eq!(img.pixel(255, 50), [250, 210, 40]); // sun
+    assert_eq!(img.pixel(130, 180), [90, 55, 25]); // door
+
+    // JPEG, through the image crate's encoder.
+    let mut jpeg = Vec::new();
+    let buf = image::RgbImage::from_raw(320, 240, img.data.clone()).unwrap();
+    buf.write_to(
+        &mut std::io::Cursor::new(&mut jpeg),
+        image::ImageFormat::Jpeg,
+    )
+    .unwrap();
+    let j = decode_image(&jpeg).unwrap();
+    assert_eq!((j.width, j.height), (320, 240));
+    let sky = j.pixel(10, 10);
+    assert!(
+        sky.iter()
+            .zip([110, 170, 235])
+            .all(|(a, b)| a.abs_diff(b) < 12),
+        "{sky:?}"
+    );
+
+    // A PNG header claiming 100000 x 100000 pixels is refused before decoding.
+    let mut huge = png[..33].to_vec();
+    huge[16..20].copy_from_slice(&100_000u32.to_be_bytes());
+    huge[20..24].copy_from_slice(&100_000u32.to_be_bytes());
+    let crc = crc32(&huge[12..29]);
+    huge[29..33].copy_from_slice(&crc.to_be_bytes());
+    huge.extend_from_slice(&png[33..]);
+    let e = decode_image(&huge).unwrap_err().to_string();
+    assert!(e.contains("too large"), "{e}");
+    assert!(check_dimensions(0, 5).is_err());
+    assert!(check_dimensions(16384, 4096).is_ok());
+    assert!(check_dimensions(16385, 1).is_err());
+
+    let e = decode_image(b"GIF89a not really").unwrap_err().to_string();
+    assert!(e.contains("PNG") || e.contains("format"), "{e}");
+    let e = decode_image(&png[..100]).unwrap_err().to_string();
+    assert!(!e.is_empty());
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in data {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
