@@ -79,6 +79,95 @@ pub fn rope(
     }
 }
 
+/// [`rope`] with interleaved multi-section angles (ggml's `GGML_ROPE_TYPE_IMROPE`,
+/// always NeoX-paired): pair `i` takes position `pos[j]` where, with
+/// `sector = i % sum(sections)`, `j` is 1 (height) when `sector % 3 == 1` and
+/// `sector < 3 * sections[1]`, 2 (width) when `sector % 3 == 2` and
+/// `sector < 3 * sections[2]`, 0 (time) when `sector % 3 == 0` and
+/// `sector < 3 * sections[0]`, else 3. Text tokens have `pos = [p, p, p, 0]`.
+pub fn rope_imrope(
+    x: &mut [f32],
+    head_dim: usize,
+    n_rot: usize,
+    pos: [u32; 4],
+    sections: [u32; 4],
+    freq_base: f32,
+) {
+    let sect_dims: usize = sections.iter().map(|&s| s as usize).sum();
+    assert!(
+        n_rot.is_multiple_of(2)
+            && n_rot <= head_dim
+            && head_dim > 0
+            && x.len().is_multiple_of(head_dim)
+            && sect_dims > 0,
+        "rope_imrope: bad dimensions"
+    );
+    let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
+    let s = sections.map(|v| v as usize);
+    for head in x.chunks_exact_mut(head_dim) {
+        let mut theta = pos.map(|p| p as f32);
+        for i in 0..n_rot / 2 {
+            let sector = i % sect_dims;
+            let which = if sector % 3 == 1 && sector < 3 * s[1] {
+                1
+            } else if sector % 3 == 2 && sector < 3 * s[2] {
+                2
+            } else if sector % 3 == 0 && sector < 3 * s[0] {
+                0
+            } else {
+                3
+            };
+            let (c, sn) = (cosf(theta[which]), sinf(theta[which]));
+            let (a, b) = (i, i + n_rot / 2);
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * sn;
+            head[b] = x0 * sn + x1 * c;
+            for t in theta.iter_mut() {
+                *t *= theta_scale;
+            }
+        }
+    }
+}
+
+/// `1 / (1 + e^-x)`, as ggml's `sigmoid`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + expf(-x))
+}
+
+/// `x / (1 + e^-x)`, as ggml's `silu`.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + expf(-x))
+}
+
+/// `ln(1 + e^x)`, `x` itself above 20 (ggml's `softplus`).
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        libm::logf(1.0 + expf(x))
+    }
+}
+
+/// In-place L2 normalisation of each `head_dim` chunk: `x / sqrt(sum x^2 + eps)`,
+/// computed as llama.cpp's gated DeltaNet does (`rms_norm(x, eps / n) / sqrt(n)`).
+pub fn l2_norm_heads(x: &mut [f32], head_dim: usize, eps: f32) {
+    assert!(
+        head_dim > 0 && x.len().is_multiple_of(head_dim),
+        "l2_norm_heads: lengths differ"
+    );
+    let n = head_dim as f32;
+    let eps_n = eps / n;
+    let post = 1.0 / sqrtf(n);
+    for head in x.chunks_exact_mut(head_dim) {
+        let sum: f64 = head.iter().map(|v| (v * v) as f64).sum();
+        let mean = (sum / head_dim as f64) as f32;
+        let scale = 1.0 / sqrtf(mean + eps_n);
+        for v in head.iter_mut() {
+            *v = (*v * scale) * post;
+        }
+    }
+}
+
 /// `x = silu(x) * y`, the SwiGLU of expert and dense FFNs.
 pub fn swiglu(x: &mut [f32], y: &[f32]) {
     assert_eq!(x.len(), y.len(), "swiglu: lengths differ");
