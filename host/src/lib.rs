@@ -14,6 +14,7 @@
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 
+pub mod bench;
 pub mod cli;
 pub mod compute;
 pub mod engine;

@@ -1,5 +1,6 @@
 //! The `les` command line: argument parsing and one module per subcommand.
 
+mod bench;
 mod inspect;
 mod pack;
 mod run;
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+pub use bench::BenchArgs;
 pub use inspect::InspectArgs;
 pub use pack::PackArgs;
 pub use run::{write_npy, RunArgs};
@@ -34,6 +36,8 @@ pub enum Command {
     Pack(PackArgs),
     /// Generate text from a prompt.
     Run(RunArgs),
+    /// Compare expert schedules on one model and budget, cold cache.
+    Bench(BenchArgs),
     /// Write a deterministic synthetic model (random weights) of a real architecture.
     Synth(Box<SynthArgs>),
 }
@@ -44,6 +48,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Command::Inspect(args) => inspect::run(args, out),
         Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
+        Command::Bench(args) => bench::run(args, out),
         Command::Synth(args) => synth::run(args, out),
     }
 }

@@ -7,8 +7,6 @@ use std::time::Instant;
 
 use clap::Args;
 use les_core::gemv::Isa;
-use les_core::model::forward::Lookahead;
-use les_core::router::{LayerMask, PredictorConfig};
 use serde_json::json;
 
 use crate::compute::{default_threads, ThreadedMatVec};
@@ -177,11 +175,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         ..SamplerConfig::greedy()
     });
     let mut supply = Supply::new(&model, &args.model, schedule, budget)?;
-    let top_k = model.hp.moe.map_or(1, |m| m.top_k);
-    let lookahead = Lookahead {
-        predictor: PredictorConfig::top_k(top_k),
-        layers: LayerMask::first(model.hp.n_layers.min(256))?,
-    };
+    let lookahead = crate::bench::default_lookahead(&model);
     let mut mv = ThreadedMatVec::new(threads, Isa::detect());
     let mut session = Session::new(&model, ctx);
     eprintln!(

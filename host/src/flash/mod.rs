@@ -100,6 +100,49 @@ pub struct IoCounters {
     pub reads: AtomicU64,
     /// Sum over reads of their duration, in nanoseconds.
     pub read_nanos: AtomicU64,
+    /// Time the compute thread spent blocked in `wait`, in nanoseconds.
+    pub stall_nanos: AtomicU64,
+}
+
+impl IoCounters {
+    /// A copy of the counters now.
+    pub fn snapshot(&self) -> IoSnapshot {
+        IoSnapshot {
+            bytes: self.bytes.load(Ordering::Relaxed),
+            file_bytes: self.file_bytes.load(Ordering::Relaxed),
+            reads: self.reads.load(Ordering::Relaxed),
+            read_nanos: self.read_nanos.load(Ordering::Relaxed),
+            stall_nanos: self.stall_nanos.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Values of [`IoCounters`] at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoSnapshot {
+    /// Bytes delivered into slots.
+    pub bytes: u64,
+    /// Bytes read from the file.
+    pub file_bytes: u64,
+    /// Reads completed.
+    pub reads: u64,
+    /// Sum of read durations (ns).
+    pub read_nanos: u64,
+    /// Time blocked waiting for reads (ns).
+    pub stall_nanos: u64,
+}
+
+impl std::ops::Sub for IoSnapshot {
+    type Output = IoSnapshot;
+    fn sub(self, o: IoSnapshot) -> IoSnapshot {
+        IoSnapshot {
+            bytes: self.bytes - o.bytes,
+            file_bytes: self.file_bytes - o.file_bytes,
+            reads: self.reads - o.reads,
+            read_nanos: self.read_nanos - o.read_nanos,
+            stall_nanos: self.stall_nanos - o.stall_nanos,
+        }
+    }
 }
 
 struct Queue {
@@ -452,6 +495,7 @@ impl BlockDevice for FileDevice {
     }
 
     fn wait(&mut self) {
+        let start = Instant::now();
         let mut done = lock(&self.shared.done);
         while done.is_empty() && !self.in_flight.is_empty() {
             done = self
@@ -460,6 +504,12 @@ impl BlockDevice for FileDevice {
                 .wait(done)
                 .unwrap_or_else(|p| p.into_inner());
         }
+        drop(done);
+        let waited = start.elapsed().as_nanos() as u64;
+        self.shared
+            .counters
+            .stall_nanos
+            .fetch_add(waited, Ordering::Relaxed);
     }
 
     fn cancel(&mut self, tag: Tag) {

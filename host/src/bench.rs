@@ -1,0 +1,347 @@
+//! `les bench`: the schedules back to back on one model, budget and prompt.
+//!
+//! Before each schedule the model file is dropped from the page cache, so every
+//! run starts cold. Decoding is greedy, so all schedules must produce the same
+//! tokens (and, by the engine's exactness, the same logits).
+//!
+//! Overlap efficiency is `max(compute time, minimum I/O time) / actual time`:
+//! compute time is the decode time minus the time blocked on reads; minimum I/O
+//! time is the bytes read over the device's bandwidth for expert-sized reads at
+//! full queue depth, measured by [`device_bandwidth`] in the same session.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use les_core::gemv::Isa;
+use les_core::model::forward::{Lookahead, TokenInput};
+use les_core::router::{LayerMask, PredictorConfig};
+use les_core::schedule::{LayerState, Stats};
+
+use crate::compute::ThreadedMatVec;
+use crate::engine::Session;
+use crate::flash::{FileDevice, FileDeviceConfig, IoSnapshot};
+use crate::model::Model;
+use crate::supply::{Schedule, SlotBudget, Supply};
+
+/// The lookahead used by `les run` and `les bench`: predict as many experts as the
+/// router picks, for every layer.
+pub fn default_lookahead(model: &Model) -> Lookahead {
+    let top_k = model.hp.moe.map_or(1, |m| m.top_k);
+    let mut layers = LayerMask::new();
+    for l in 0..model.hp.n_layers.min(LayerMask::CAPACITY) {
+        let _ = layers.enable(l);
+    }
+    Lookahead {
+        predictor: PredictorConfig::top_k(top_k),
+        layers,
+    }
+}
+
+/// Prediction quality of one layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerPrediction {
+    /// Layer index.
+    pub layer: usize,
+    /// Predicted experts that were picked / predicted.
+    pub precision: f32,
+    /// Picked experts that were predicted / picked.
+    pub recall: f32,
+    /// Whether prefetching was still enabled at the end.
+    pub enabled: bool,
+}
+
+/// What one schedule did.
+#[derive(Clone, Debug)]
+pub struct ScheduleReport {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Generated tokens (greedy).
+    pub tokens: Vec<u32>,
+    /// Decode time (after the prompt).
+    pub decode: Duration,
+    /// Prompt time.
+    pub prefill: Duration,
+    /// Bytes read from the file during decode.
+    pub bytes_read: u64,
+    /// Time blocked on reads during decode.
+    pub stall: Duration,
+    /// Scheduler counters over the decode.
+    pub stats: Stats,
+    /// Per-layer prediction quality over the whole run (MoE layers with predictions).
+    pub layers: Vec<LayerPrediction>,
+    /// Device bandwidth used for the minimum I/O time (bytes/s).
+    pub device_bw: f64,
+}
+
+impl ScheduleReport {
+    fn n(&self) -> f64 {
+        self.tokens.len().max(1) as f64
+    }
+
+    /// Decode tokens per second.
+    pub fn tok_s(&self) -> f64 {
+        self.tokens.len() as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes read per generated token.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_read as f64 / self.n()
+    }
+
+    /// Time blocked on I/O per token, seconds.
+    pub fn stall_per_token(&self) -> f64 {
+        self.stall.as_secs_f64() / self.n()
+    }
+
+    /// Slot hit rate over the decode.
+    pub fn hit_rate(&self) -> f64 {
+        if self.schedule == Schedule::Resident {
+            1.0
+        } else {
+            self.stats.hit_rate() as f64
+        }
+    }
+
+    /// Bytes read per second of decode.
+    pub fn effective_bw(&self) -> f64 {
+        self.bytes_read as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+
+    /// `max(compute, minimum I/O) / actual` (1 = perfect overlap).
+    pub fn overlap_efficiency(&self) -> f64 {
+        let actual = self.decode.as_secs_f64().max(1e-9);
+        let compute = (actual - self.stall.as_secs_f64()).max(0.0);
+        let min_io = if self.device_bw > 0.0 {
+            self.bytes_read as f64 / self.device_bw
+        } else {
+            0.0
+        };
+        (compute.max(min_io) / actual).min(1.0)
+    }
+
+    /// Mean prediction precision over layers.
+    pub fn mean_precision(&self) -> f64 {
+        mean(self.layers.iter().map(|l| l.precision as f64))
+    }
+
+    /// Mean prediction recall over layers.
+    pub fn mean_recall(&self) -> f64 {
+        mean(self.layers.iter().map(|l| l.recall as f64))
+    }
+}
+
+fn mean(it: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = it.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        s / n as f64
+    }
+}
+
+/// Settings of a benchmark.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate per schedule.
+    pub n_tokens: usize,
+    /// Compute threads.
+    pub threads: usize,
+    /// Expert slots and I/O settings (shared by the streamed schedules).
+    pub budget: SlotBudget,
+}
+
+/// Bandwidth of expert-sized reads at full queue depth, cold cache, over about
+/// `bytes` bytes of the model's experts (bytes/s).
+pub fn device_bandwidth(
+    model: &Model,
+    path: &Path,
+    io: FileDeviceConfig,
+    bytes: u64,
+) -> std::io::Result<f64> {
+    use les_core::blockdev::{BlockDevice, ReadRequest, SlotId, Tag};
+    let Some(moe) = model.hp.moe else {
+        return Ok(0.0);
+    };
+    FileDevice::evict_page_cache(path)?;
+    let depth = io.queue_depth.max(1);
+    // One slot per expert in flight; an expert may take up to 3 reads.
+    let n_slots = (depth / les_core::schedule::MAX_PARTS).max(1);
+    let mut dev = FileDevice::open(path, n_slots, model.max_expert_bytes(), io)?;
+    let moe_layers: Vec<usize> = (0..model.hp.n_layers)
+        .filter(|l| model.is_moe_layer(*l))
+        .collect();
+    let total_experts = moe_layers.len() * moe.n_experts;
+    let mut next = 0usize;
+    let (mut submitted, mut in_flight, mut tag) = (0u64, 0usize, 0u32);
+    let mut free: Vec<u32> = (0..n_slots as u32).collect();
+    let mut slot_of = std::collections::HashMap::new();
+    let start = Instant::now();
+    while submitted < bytes || in_flight > 0 {
+        while submitted < bytes && !free.is_empty() && next < total_experts {
+            // Spread over the file: a stride through all experts.
+            let i = (next * 7919) % total_experts;
+            next += 1;
+            let key = les_core::slots::ExpertKey {
+                layer: moe_layers[i / moe.n_experts] as u16,
+                expert: (i % moe.n_experts) as u16,
+            };
+            let slot = free.pop().expect("checked non-empty");
+            let ext = model.expert_extents(key);
+            for e in &ext {
+                tag += 1;
+                dev.submit(ReadRequest {
+                    tag: Tag(tag),
+                    offset: e.offset,
+                    len: e.len,
+                    slot: SlotId(slot),
+                    slot_offset: e.slot_offset,
+                    urgent: true,
+                })
+                .map_err(|e| std::io::Error::other(format!("{e:?}")))?;
+                slot_of.insert(tag, (slot, ext.len()));
+                in_flight += 1;
+                submitted += e.len as u64;
+            }
+        }
+        if next >= total_experts && in_flight == 0 {
+            break;
+        }
+        match dev.poll() {
+            Some(c) => {
+                in_flight -= 1;
+                if let Some((slot, _)) = slot_of.remove(&c.tag.0) {
+                    if !slot_of.values().any(|(s, _)| *s == slot) {
+                        free.push(slot);
+                    }
+                }
+            }
+            None => dev.wait(),
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    Ok(dev.counters().snapshot().file_bytes as f64 / secs.max(1e-9))
+}
+
+/// Runs one schedule cold: prompt, then `n_tokens` greedy tokens.
+pub fn run_schedule(
+    model: &Model,
+    path: &Path,
+    cfg: &BenchConfig,
+    schedule: Schedule,
+    device_bw: f64,
+) -> Result<ScheduleReport, Box<dyn std::error::Error>> {
+    FileDevice::evict_page_cache(path)?;
+    let budget = SlotBudget {
+        slots: if schedule == Schedule::Resident {
+            0
+        } else {
+            cfg.budget.slots
+        },
+        io: cfg.budget.io,
+    };
+    let mut supply = Supply::new(model, path, schedule, budget)?;
+    let lookahead = default_lookahead(model);
+    let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
+    let mut session = Session::new(model, cfg.prompt.len() + cfg.n_tokens + 1);
+    let mut logits = vec![0f32; model.hp.n_vocab];
+    let t0 = Instant::now();
+    for &t in &cfg.prompt {
+        session.eval(
+            &mut mv,
+            &mut supply,
+            Some(&lookahead),
+            TokenInput::Token(t),
+            &mut logits,
+        )?;
+    }
+    let prefill = t0.elapsed();
+    let stats0 = supply.stats().unwrap_or_default();
+    let io0 = supply
+        .device()
+        .map(|d| d.counters().snapshot())
+        .unwrap_or_default();
+    let t1 = Instant::now();
+    let mut tokens = Vec::with_capacity(cfg.n_tokens);
+    for _ in 0..cfg.n_tokens {
+        let t = argmax(&logits);
+        tokens.push(t);
+        session.eval(
+            &mut mv,
+            &mut supply,
+            Some(&lookahead),
+            TokenInput::Token(t),
+            &mut logits,
+        )?;
+    }
+    let decode = t1.elapsed();
+    let io: IoSnapshot = supply
+        .device()
+        .map(|d| d.counters().snapshot())
+        .unwrap_or_default()
+        - io0;
+    let s1 = supply.stats().unwrap_or_default();
+    let stats = Stats {
+        hits: s1.hits - stats0.hits,
+        late_hits: s1.late_hits - stats0.late_hits,
+        misses: s1.misses - stats0.misses,
+        demand_bytes: s1.demand_bytes - stats0.demand_bytes,
+        prefetch_bytes: s1.prefetch_bytes - stats0.prefetch_bytes,
+        useful_prefetches: s1.useful_prefetches - stats0.useful_prefetches,
+        prefetches: s1.prefetches - stats0.prefetches,
+        stalls: s1.stalls - stats0.stalls,
+        cancels: s1.cancels - stats0.cancels,
+        retries: s1.retries - stats0.retries,
+        stale_completions: s1.stale_completions - stats0.stale_completions,
+        bad_prefetches: s1.bad_prefetches - stats0.bad_prefetches,
+    };
+    let layers = supply
+        .layers()
+        .map(|ls: &[LayerState]| {
+            ls.iter()
+                .enumerate()
+                .filter(|(_, s)| s.predicted > 0)
+                .map(|(layer, s)| LayerPrediction {
+                    layer,
+                    precision: s.precision(),
+                    recall: s.recall(),
+                    enabled: s.prefetch_enabled,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(ScheduleReport {
+        schedule,
+        tokens,
+        decode,
+        prefill,
+        bytes_read: io.file_bytes,
+        stall: Duration::from_nanos(io.stall_nanos),
+        stats,
+        layers,
+        device_bw,
+    })
+}
+
+/// Greedy choice: the highest logit, lowest id on ties (NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] || logits[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_prefers_lowest_id_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.1]), 1);
+    }
+}

@@ -1,0 +1,234 @@
+//! `les bench`: the schedules side by side, cold cache, same model, budget and prompt.
+
+use std::error::Error;
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Args;
+use serde_json::{json, Map, Value};
+
+use super::run::resolve_budget;
+use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
+use crate::compute::default_threads;
+use crate::model::Model;
+use crate::supply::Schedule;
+use crate::tokenizer::Tokenizer;
+
+/// Arguments of `les bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The model (GGUF, plain or packed).
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// RAM for expert slots (e.g. 2GiB).
+    #[arg(long)]
+    pub expert_mem: Option<String>,
+    /// Number of expert slots (instead of --expert-mem).
+    #[arg(long, conflicts_with = "expert_mem")]
+    pub slots: Option<usize>,
+    /// Tokens to generate per schedule.
+    #[arg(short = 'n', long, default_value_t = 32)]
+    pub n_tokens: usize,
+    /// The prompt (raw).
+    #[arg(long, default_value = "The history of the printing press begins")]
+    pub prompt: String,
+    /// Schedules to run, comma-separated, in order.
+    #[arg(long, value_delimiter = ',', default_value = "on-demand,les")]
+    pub schedules: Vec<Schedule>,
+    /// Compute threads (default: physical cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+    /// I/O threads.
+    #[arg(long, default_value_t = 4)]
+    pub io_threads: usize,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn mib(b: f64) -> f64 {
+    b / (1u64 << 20) as f64
+}
+
+/// Runs `les bench`.
+pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let model = Model::open(&args.model)?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    if args.schedules.is_empty() {
+        return Err("--schedules is empty".into());
+    }
+    let streamed = args.schedules.iter().any(|s| *s != Schedule::Resident);
+    let (_, budget) = resolve_budget(
+        &model,
+        Some(if streamed {
+            Schedule::Les
+        } else {
+            Schedule::Resident
+        }),
+        args.expert_mem.as_deref(),
+        args.slots,
+        args.io_threads,
+    )?;
+    let prompt = tokenizer.encode(&args.prompt, true, true);
+    if prompt.is_empty() {
+        return Err("the prompt is empty after tokenization".into());
+    }
+    let cfg = BenchConfig {
+        prompt,
+        n_tokens: args.n_tokens,
+        threads: args.threads.unwrap_or_else(default_threads).max(1),
+        budget,
+    };
+    let expert_bytes = model.total_expert_bytes();
+    let slot_bytes = budget.slots as u64 * model.max_expert_bytes() as u64;
+    eprintln!(
+        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts), {} threads, {} I/O threads",
+        model.arch.name(),
+        model.hp.n_layers,
+        mib(expert_bytes as f64),
+        budget.slots,
+        mib(slot_bytes as f64),
+        100.0 * slot_bytes as f64 / expert_bytes.max(1) as f64,
+        cfg.threads,
+        budget.io.threads
+    );
+    let bw = if streamed {
+        let probe = (256u64 << 20).min(expert_bytes);
+        let bw = device_bandwidth(&model, &args.model, budget.io, probe)?;
+        eprintln!(
+            "les bench: device reads expert extents at {:.0} MiB/s (cold, full queue)",
+            mib(bw)
+        );
+        bw
+    } else {
+        0.0
+    };
+    let mut reports: Vec<ScheduleReport> = Vec::new();
+    for &s in &args.schedules {
+        eprintln!("les bench: running {s} ...");
+        let r = run_schedule(&model, &args.model, &cfg, s, bw)?;
+        eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
+        reports.push(r);
+    }
+    let base = reports
+        .iter()
+        .find(|r| r.schedule == Schedule::OnDemand)
+        .map(|r| r.tok_s());
+    let identical = reports.windows(2).all(|w| w[0].tokens == w[1].tokens);
+
+    if args.json {
+        let mut schedules = Map::new();
+        let mut speedup = Map::new();
+        for r in &reports {
+            schedules.insert(
+                r.schedule.name().into(),
+                json!({
+                    "tok_s": r.tok_s(),
+                    "bytes_per_token": r.bytes_per_token(),
+                    "stall_s_per_token": r.stall_per_token(),
+                    "hit_rate": r.hit_rate(),
+                    "effective_read_bw": r.effective_bw(),
+                    "overlap_efficiency": r.overlap_efficiency(),
+                    "prediction_precision": r.mean_precision(),
+                    "prediction_recall": r.mean_recall(),
+                    "demand_bytes": r.stats.demand_bytes,
+                    "prefetch_bytes": r.stats.prefetch_bytes,
+                    "useful_prefetches": r.stats.useful_prefetches,
+                    "prefetches": r.stats.prefetches,
+                    "tokens": r.tokens,
+                    "layers": r.layers.iter().map(|l| json!({
+                        "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
+                    })).collect::<Vec<_>>(),
+                }),
+            );
+            if let Some(b) = base {
+                speedup.insert(r.schedule.name().into(), json!(r.tok_s() / b));
+            }
+        }
+        let obj = json!({
+            "model": args.model.display().to_string(),
+            "slots": budget.slots,
+            "slot_bytes": slot_bytes,
+            "expert_bytes": expert_bytes,
+            "device_bw": bw,
+            "n_tokens": cfg.n_tokens,
+            "threads": cfg.threads,
+            "schedules": Value::Object(schedules),
+            "speedup": Value::Object(speedup),
+            "identical_tokens": identical,
+        });
+        writeln!(out, "{obj}")?;
+        return Ok(());
+    }
+
+    writeln!(
+        out,
+        "{:<10} {:>8} {:>11} {:>11} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8}",
+        "schedule",
+        "tok/s",
+        "MiB/token",
+        "stall/tok",
+        "hit",
+        "read MB/s",
+        "overlap",
+        "precision",
+        "recall",
+        "speedup"
+    )?;
+    for r in &reports {
+        writeln!(
+            out,
+            "{:<10} {:>8.2} {:>11.2} {:>9.1}ms {:>7.1}% {:>9.0} {:>8.2} {:>9} {:>8} {:>8}",
+            r.schedule.name(),
+            r.tok_s(),
+            mib(r.bytes_per_token()),
+            1e3 * r.stall_per_token(),
+            100.0 * r.hit_rate(),
+            r.effective_bw() / 1e6,
+            r.overlap_efficiency(),
+            if r.layers.is_empty() {
+                "-".into()
+            } else {
+                format!("{:.2}", r.mean_precision())
+            },
+            if r.layers.is_empty() {
+                "-".into()
+            } else {
+                format!("{:.2}", r.mean_recall())
+            },
+            base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
+        )?;
+    }
+    for r in reports.iter().filter(|r| !r.layers.is_empty()) {
+        let mut worst = r.layers.clone();
+        worst.sort_by(|a, b| a.precision.total_cmp(&b.precision));
+        let w: Vec<String> = worst
+            .iter()
+            .take(3)
+            .map(|l| {
+                format!(
+                    "layer {} p={:.2} r={:.2}{}",
+                    l.layer,
+                    l.precision,
+                    l.recall,
+                    if l.enabled { "" } else { " (prefetch off)" }
+                )
+            })
+            .collect();
+        writeln!(
+            out,
+            "{}: worst predicted layers: {}",
+            r.schedule.name(),
+            w.join(", ")
+        )?;
+    }
+    writeln!(
+        out,
+        "identical tokens across schedules: {}",
+        if identical { "yes" } else { "NO" }
+    )?;
+    if !identical {
+        return Err("schedules produced different tokens".into());
+    }
+    Ok(())
+}
