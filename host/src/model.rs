@@ -400,7 +400,9 @@ fn hybrid_params(
         None => {
             let interval = opt_usize(g, &k("full_attention_interval"))?.unwrap_or(4);
             if interval == 0 {
-                return Err(invalid(format!("{a}.full_attention_interval must be positive")));
+                return Err(invalid(format!(
+                    "{a}.full_attention_interval must be positive"
+                )));
             }
             (0..hp.n_layers).map(|i| (i + 1) % interval != 0).collect()
         }
@@ -665,7 +667,11 @@ impl Model {
                 Some((_, d)) if recurrent[l] => MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?),
                 _ => {
                     // A gated query projection yields a query and a gate per head.
-                    let q_rows = if hybrid.attn_output_gate { 2 * q_dim } else { q_dim };
+                    let q_rows = if hybrid.attn_output_gate {
+                        2 * q_dim
+                    } else {
+                        q_dim
+                    };
                     MixerRefs::Attention(AttnRefs {
                         wq: tensor_ref(&g, &t("attn_q.weight"), q_rows, n_embd)?,
                         wk: tensor_ref(&g, &t("attn_k.weight"), kv_dim, n_embd)?,

@@ -417,7 +417,11 @@ fn max_ff(hp: &Hparams) -> usize {
 
 /// Extra scratch of `hy`: gated query, then DeltaNet `qkv, z, beta, alpha, out, delta`.
 fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 7] {
-    let qg = if hy.attn_output_gate { 2 * hp.q_dim() } else { 0 };
+    let qg = if hy.attn_output_gate {
+        2 * hp.q_dim()
+    } else {
+        0
+    };
     match hy.linear {
         Some((_, d)) => [
             qg,
@@ -729,7 +733,9 @@ where
         match &lw.mixer {
             Mixer::Attention(aw) => {
                 if attn_idx >= kv.n_layers {
-                    return Err(ForwardError::Shape("more attention layers than the KV cache"));
+                    return Err(ForwardError::Shape(
+                        "more attention layers than the KV cache",
+                    ));
                 }
                 attention_layer(hp, hy, aw, mv, s, kv, attn_idx, layer_stride, pos, shape)?;
                 attn_idx += 1;
@@ -904,7 +910,14 @@ fn attention_layer<M: MatVec, E>(
         Some(sections) => {
             let p = pos as u32;
             for x in [&mut *s.q, &mut *s.k] {
-                rope_imrope(x, hp.head_dim, hp.n_rot, [p, p, p, 0], sections, hp.rope_base);
+                rope_imrope(
+                    x,
+                    hp.head_dim,
+                    hp.n_rot,
+                    [p, p, p, 0],
+                    sections,
+                    hp.rope_base,
+                );
             }
         }
         None => {
