@@ -142,7 +142,7 @@ const DELTA: DeltaNetShape = DeltaNetShape {
 
 /// Layers 0 and 2 are DeltaNet, 1 and 3 gated attention.
 fn is_linear(l: usize) -> bool {
-    l % 2 == 0
+    l.is_multiple_of(2)
 }
 
 fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) -> Model {
@@ -625,7 +625,7 @@ fn reference(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
                 let sector = i % total;
                 let uses_pos = (sector % 3 == 1 && sector < 3 * s[1])
                     || (sector % 3 == 2 && sector < 3 * s[2])
-                    || (sector % 3 == 0 && sector < 3 * s[0]);
+                    || (sector.is_multiple_of(3) && sector < 3 * s[0]);
                 let p = if uses_pos { pos as f64 } else { 0.0 };
                 let theta = p * (hp.rope_base as f64).powf(-2.0 * i as f64 / hp.n_rot as f64);
                 let (a, b) = (h[i] as f64, h[i + half] as f64);

@@ -404,7 +404,9 @@ fn hybrid_params(
                     "{a}.full_attention_interval must be positive"
                 )));
             }
-            (0..hp.n_layers).map(|i| (i + 1) % interval != 0).collect()
+            (0..hp.n_layers)
+                .map(|i| !(i + 1).is_multiple_of(interval))
+                .collect()
         }
     };
     let n_linear = recurrent.iter().filter(|r| **r).count();
@@ -551,7 +553,7 @@ impl Model {
             // llama.cpp scales the weights only when the scale is neither 0 nor 1.
             let weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
                 None => 1.0,
-                Some(x) if x == 0.0 => 1.0,
+                Some(0.0) => 1.0,
                 Some(x) => x,
             };
             let n_ff_shared = opt_usize(&g, &k("expert_shared_feed_forward_length"))?;
@@ -591,7 +593,7 @@ impl Model {
         let packed = crate::pack::PackedIndex::from_gguf(&g)
             .map_err(|e| invalid(format!("packed expert index: {e}")))?;
         let mut layers = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
+        for (l, &is_recurrent) in recurrent.iter().enumerate() {
             let t = |s: &str| format!("blk.{l}.{s}");
             let (q_dim, kv_dim) = (hp.q_dim(), hp.kv_dim());
             // Q/K norms: per head (qwen3) or over the whole vector (olmoe).
@@ -664,7 +666,7 @@ impl Model {
                 ])
             };
             let mixer = match hybrid.linear {
-                Some((_, d)) if recurrent[l] => MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?),
+                Some((_, d)) if is_recurrent => MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?),
                 _ => {
                     // A gated query projection yields a query and a gate per head.
                     let q_rows = if hybrid.attn_output_gate {

@@ -112,7 +112,7 @@ pub fn rope_imrope(
                 1
             } else if sector % 3 == 2 && sector < 3 * s[2] {
                 2
-            } else if sector % 3 == 0 && sector < 3 * s[0] {
+            } else if sector.is_multiple_of(3) && sector < 3 * s[0] {
                 0
             } else {
                 3
@@ -286,6 +286,35 @@ mod tests {
         let mut p = [1.0, 0.0, 5.0, 6.0];
         rope(&mut p, 4, 2, 3, 10000.0, RopeStyle::Neox);
         assert_eq!(&p[2..], &[5.0, 6.0]);
+    }
+
+    #[test]
+    fn imrope_of_text_positions_is_neox_rope() {
+        // Sections covering every rotated pair: text positions [p, p, p, 0] rotate
+        // exactly as plain NeoX RoPE (bit for bit: same angles, same order).
+        let x: std::vec::Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        for pos in [0u32, 1, 7, 1000] {
+            let (mut a, mut b) = (x.clone(), x.clone());
+            rope(&mut a, 16, 8, pos, 1e7, RopeStyle::Neox);
+            rope_imrope(&mut b, 16, 8, [pos, pos, pos, 0], [2, 1, 1, 0], 1e7);
+            assert_eq!(a, b);
+        }
+        // A pair on the extra section stays put for text.
+        let mut c = x.clone();
+        rope_imrope(&mut c, 16, 8, [5, 5, 5, 0], [1, 1, 1, 1], 1e4);
+        assert_eq!((c[3], c[7]), (x[3], x[7]));
+        assert_ne!(c[0], x[0]);
+    }
+
+    #[test]
+    fn l2_norm_and_gates() {
+        let mut v = [3.0, 4.0, 0.0, 0.0];
+        l2_norm_heads(&mut v, 2, 1e-6);
+        assert!((v[0] - 0.6).abs() < 1e-6 && (v[1] - 0.8).abs() < 1e-6);
+        assert_eq!(&v[2..], &[0.0, 0.0]);
+        assert_eq!(softplus(30.0), 30.0);
+        assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-6);
+        assert!((sigmoid(0.0) - 0.5).abs() < 1e-7 && silu(0.0) == 0.0);
     }
 
     #[test]

@@ -200,7 +200,9 @@ pub struct Shape {
 impl Shape {
     /// Whether main layer `l` is gated DeltaNet (qwen35moe).
     pub fn is_linear(&self, l: u64) -> bool {
-        self.full_attn_interval > 0 && l < self.layers && (l + 1) % self.full_attn_interval != 0
+        self.full_attn_interval > 0
+            && l < self.layers
+            && !(l + 1).is_multiple_of(self.full_attn_interval)
     }
 
     /// DeltaNet query/key width.
