@@ -247,3 +247,80 @@ fn minicpmv47_preset_has_the_published_shape() {
         "minicpmv47 is {total} bytes"
     );
 }
+
+/// Copies the GGUF `src` to `dst`, passing each metadata pair through `edit`
+/// (`None` drops it).
+fn rewrite(
+    src: &Path,
+    dst: &Path,
+    mut edit: impl FnMut(&str, les::gguf::MetaValue) -> Option<les::gguf::MetaValue>,
+) {
+    let g = les::gguf::Gguf::open(src).unwrap();
+    let mut w = les::gguf::GgufWriter::new();
+    for (k, v) in g.metadata() {
+        if let Some(v) = edit(k, v.to_meta()) {
+            w.add_kv(k, v).unwrap();
+        }
+    }
+    for t in g.tensors() {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let mut data = w.write_header(Vec::new()).unwrap();
+    for t in g.tensors() {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    std::fs::write(dst, data.finish().unwrap()).unwrap();
+}
+
+#[test]
+fn layer_kinds_and_expert_sizes_as_llama_cpp_reads_them() {
+    use les::gguf::{MetaArray, MetaValue, ValueType};
+    let src = model("mtp", &[]);
+    let (want_tokens, want) = logits(&src, "kinds_ref", &[]);
+    // Without `attention.recurrent_layers` the pattern follows
+    // `full_attention_interval`; a per-layer `expert_feed_forward_length` array
+    // of equal values is one size.
+    let dst = tmp("qwen35_interval_only.gguf");
+    rewrite(&src, &dst, |k, v| match k {
+        "qwen35moe.attention.recurrent_layers" => None,
+        "qwen35moe.expert_feed_forward_length" => Some(MetaValue::Array(
+            MetaArray::new(ValueType::U32, vec![MetaValue::U32(64); 5]).unwrap(),
+        )),
+        _ => Some(v),
+    });
+    let m = les::model::Model::open(&dst).unwrap();
+    assert!(m.is_linear_layer(0) && !m.is_linear_layer(1) && m.is_linear_layer(2));
+    let (t, l) = logits(&dst, "kinds_interval", &[]);
+    assert_eq!(t, want_tokens);
+    assert!(l == want, "logits differ");
+    // An explicit pattern is obeyed: as all-attention, layer 0 lacks its query.
+    let dst2 = tmp("qwen35_all_attention.gguf");
+    rewrite(&src, &dst2, |k, v| match k {
+        "qwen35moe.attention.recurrent_layers" => Some(MetaValue::Array(
+            MetaArray::new(ValueType::Bool, vec![MetaValue::Bool(false); 5]).unwrap(),
+        )),
+        _ => Some(v),
+    });
+    let err = les::model::Model::open(&dst2).unwrap_err().to_string();
+    assert!(err.contains("blk.0.attn_q.weight"), "{err}");
+    // Unequal per-layer expert sizes are refused with a clear message.
+    let dst3 = tmp("qwen35_uneven_ff.gguf");
+    rewrite(&src, &dst3, |k, v| match k {
+        "qwen35moe.expert_feed_forward_length" => Some(MetaValue::Array(
+            MetaArray::new(
+                ValueType::U32,
+                vec![
+                    MetaValue::U32(64),
+                    MetaValue::U32(32),
+                    MetaValue::U32(64),
+                    MetaValue::U32(64),
+                    MetaValue::U32(64),
+                ],
+            )
+            .unwrap(),
+        )),
+        _ => Some(v),
+    });
+    let err = les::model::Model::open(&dst3).unwrap_err().to_string();
+    assert!(err.contains("expert_feed_forward_length"), "{err}");
+}
