@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward, Experts, ForwardError, KvCache, Lookahead, MatVec, Scratch, TokenInput,
+    forward_hybrid, Experts, ForwardError, KvCache, Lookahead, MatVec, RecurrentState, Scratch,
+    TokenInput,
 };
 
 use crate::model::Model;
@@ -42,12 +43,15 @@ fn rate(n: usize, d: Duration) -> f64 {
     }
 }
 
-/// Per-sequence state: KV cache and scratch for one model.
+/// Per-sequence state: KV cache (attention layers), recurrent state
+/// (linear-attention layers) and scratch for one model.
 pub struct Session<'m> {
     model: &'m Model,
     max_positions: usize,
     kv_k: Vec<f32>,
     kv_v: Vec<f32>,
+    conv_state: Vec<f32>,
+    ssm_state: Vec<f32>,
     scratch: Vec<f32>,
     pos: usize,
 }
@@ -55,13 +59,16 @@ pub struct Session<'m> {
 impl<'m> Session<'m> {
     /// A session of up to `max_positions` tokens.
     pub fn new(model: &'m Model, max_positions: usize) -> Session<'m> {
-        let hp = &model.hp;
+        let (hp, hy) = (&model.hp, &model.hybrid);
+        let (conv, ssm) = RecurrentState::len(hy);
         Session {
             model,
             max_positions,
-            kv_k: vec![0.0; KvCache::len(hp, max_positions)],
-            kv_v: vec![0.0; KvCache::len(hp, max_positions)],
-            scratch: vec![0.0; Scratch::len(hp, max_positions)],
+            kv_k: vec![0.0; KvCache::len_for(hp, hy, max_positions)],
+            kv_v: vec![0.0; KvCache::len_for(hp, hy, max_positions)],
+            conv_state: vec![0.0; conv],
+            ssm_state: vec![0.0; ssm],
+            scratch: vec![0.0; Scratch::len_for(hp, hy, max_positions)],
             pos: 0,
         }
     }
@@ -86,13 +93,16 @@ impl<'m> Session<'m> {
         input: TokenInput<'_>,
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
-        let hp = &self.model.hp;
-        let mut kv = KvCache::new(hp, &mut self.kv_k, &mut self.kv_v, self.max_positions)
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max_positions)
             .expect("KV buffers sized by Session::new");
-        let mut s = Scratch::new(hp, &mut self.scratch, self.max_positions)
+        let mut rs = RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
+            .expect("recurrent state sized by Session::new");
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max_positions)
             .expect("scratch sized by Session::new");
-        forward(
-            hp, self.model, mv, experts, lookahead, input, self.pos, &mut kv, &mut s, logits,
+        forward_hybrid(
+            hp, hy, self.model, mv, experts, lookahead, input, self.pos, &mut kv, &mut rs, &mut s,
+            logits,
         )?;
         self.pos += 1;
         Ok(())

@@ -11,9 +11,12 @@ use std::fmt;
 use std::path::Path;
 
 use les_core::gemv::MatrixView;
-use les_core::model::config::{Hparams, MoeParams};
+use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
+use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
-use les_core::model::forward::{ExpertMatrices, Ffn, LayerWeights, SharedExpert, Weights};
+use les_core::model::forward::{
+    AttentionWeights, Block, ExpertMatrices, Ffn, LayerWeights, Mixer, SharedExpert, Weights,
+};
 use les_core::model::ops::RopeStyle;
 use les_core::quant::{self, GgmlType};
 use les_core::router::Gating;
@@ -66,6 +69,9 @@ pub enum Arch {
     Qwen2Moe,
     /// OLMoE.
     Olmoe,
+    /// Qwen3.5-MoE (MiniCPM-V 4.7's language model): gated DeltaNet layers
+    /// interleaved with gated attention, routed plus gated shared experts.
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -76,6 +82,7 @@ impl Arch {
             "qwen3moe" => Arch::Qwen3Moe,
             "qwen2moe" => Arch::Qwen2Moe,
             "olmoe" => Arch::Olmoe,
+            "qwen35moe" => Arch::Qwen35Moe,
             _ => return None,
         })
     }
@@ -87,12 +94,13 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Olmoe => "olmoe",
+            Arch::Qwen35Moe => "qwen35moe",
         }
     }
 
     /// llama.cpp's default for renormalising the top-k weights.
     fn default_norm_topk(self) -> bool {
-        matches!(self, Arch::Llama | Arch::Qwen3Moe)
+        matches!(self, Arch::Llama | Arch::Qwen3Moe | Arch::Qwen35Moe)
     }
 
     fn rope_style(self) -> RopeStyle {
@@ -144,8 +152,7 @@ enum FfnRefs {
 }
 
 #[derive(Debug)]
-struct LayerRefs {
-    attn_norm: Vec<f32>,
+struct AttnRefs {
     wq: Tref,
     wk: Tref,
     wv: Tref,
@@ -155,6 +162,32 @@ struct LayerRefs {
     bv: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+}
+
+/// A gated DeltaNet layer (qwen35moe).
+#[derive(Debug)]
+struct DeltaRefs {
+    qkv: Tref,
+    gate: Tref,
+    beta: Tref,
+    alpha: Tref,
+    dt_bias: Vec<f32>,
+    a: Vec<f32>,
+    conv: Vec<f32>,
+    norm: Vec<f32>,
+    out: Tref,
+}
+
+#[derive(Debug)]
+enum MixerRefs {
+    Attention(AttnRefs),
+    DeltaNet(DeltaRefs),
+}
+
+#[derive(Debug)]
+struct LayerRefs {
+    attn_norm: Vec<f32>,
+    mixer: MixerRefs,
     ffn_norm: Vec<f32>,
     ffn: FfnRefs,
 }
@@ -166,6 +199,11 @@ pub struct Model {
     pub arch: Arch,
     /// The model shape.
     pub hp: Hparams,
+    /// Layer kinds and the hybrid architectures' extra parameters.
+    pub hybrid: HybridParams,
+    /// Multi-token-prediction (nextn) blocks after the main stack; loaded as
+    /// metadata only, never run.
+    pub n_nextn_layers: usize,
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
     layers: Vec<LayerRefs>,
@@ -280,6 +318,158 @@ fn opt_usize(g: &Gguf<MappedFile>, key: &str) -> Result<Option<usize>, ModelErro
     Ok(g.get_u64(key).optional()?.map(|v| v as usize))
 }
 
+/// An integer key that may also be a per-layer array (llama.cpp's
+/// `get_key_or_arr`); LES needs the same value for every layer.
+fn uniform_usize(g: &Gguf<MappedFile>, key: &str, n: usize) -> Result<Option<usize>, ModelError> {
+    let Some(v) = g.get(key) else {
+        return Ok(None);
+    };
+    if let Some(x) = v.as_u64() {
+        return Ok(Some(x as usize));
+    }
+    let arr = v
+        .as_array()
+        .ok_or_else(|| invalid(format!("{key} must be an integer or an array of integers")))?;
+    let vals: Option<Vec<u64>> = arr.iter().map(|x| x.as_u64()).collect();
+    match vals.as_deref() {
+        Some([first, rest @ ..]) if arr.len() == n && rest.iter().all(|x| x == first) => {
+            Ok(Some(*first as usize))
+        }
+        _ => Err(invalid(format!(
+            "{key} must be one value, or {n} equal values (LES needs one size for every layer)"
+        ))),
+    }
+}
+
+/// Bound on DeltaNet dimensions read from metadata.
+const MAX_SSM_DIM: usize = 1 << 16;
+
+/// The qwen35moe hyperparameters beyond [`Hparams`], and which of the main
+/// layers are linear attention, as llama.cpp's loader reads them.
+fn hybrid_params(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    hp: &Hparams,
+    n_layers_all: usize,
+) -> Result<(HybridParams, Vec<bool>), ModelError> {
+    let k = |s: &str| format!("{a}.{s}");
+    let shape = DeltaNetShape {
+        n_k_heads: key_usize(g, &k("ssm.group_count"))?,
+        n_v_heads: key_usize(g, &k("ssm.time_step_rank"))?,
+        head_dim: key_usize(g, &k("ssm.state_size"))?,
+        conv_kernel: key_usize(g, &k("ssm.conv_kernel"))?,
+    };
+    for (name, v) in [
+        ("ssm.group_count", shape.n_k_heads),
+        ("ssm.time_step_rank", shape.n_v_heads),
+        ("ssm.state_size", shape.head_dim),
+        ("ssm.conv_kernel", shape.conv_kernel),
+    ] {
+        if v > MAX_SSM_DIM {
+            return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
+        }
+    }
+    shape.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
+    let inner = key_usize(g, &k("ssm.inner_size"))?;
+    if inner != shape.value_dim() {
+        return Err(invalid(format!(
+            "{a}.ssm.inner_size = {inner}, expected time_step_rank * state_size = {}",
+            shape.value_dim()
+        )));
+    }
+    // Which layers are recurrent: an explicit per-layer array, else every layer
+    // but each `full_attention_interval`-th.
+    let recurrent: Vec<bool> = match g.get(&k("attention.recurrent_layers")) {
+        Some(v) => {
+            let arr = v.as_array().ok_or_else(|| {
+                invalid(format!("{a}.attention.recurrent_layers must be an array"))
+            })?;
+            let flags: Option<Vec<bool>> = arr
+                .iter()
+                .map(|x| x.as_bool().or_else(|| x.as_u64().map(|n| n != 0)))
+                .collect();
+            match flags {
+                Some(f) if f.len() == n_layers_all => f[..hp.n_layers].to_vec(),
+                _ => {
+                    return Err(invalid(format!(
+                        "{a}.attention.recurrent_layers must hold {n_layers_all} flags"
+                    )))
+                }
+            }
+        }
+        None => {
+            let interval = opt_usize(g, &k("full_attention_interval"))?.unwrap_or(4);
+            if interval == 0 {
+                return Err(invalid(format!(
+                    "{a}.full_attention_interval must be positive"
+                )));
+            }
+            (0..hp.n_layers)
+                .map(|i| !(i + 1).is_multiple_of(interval))
+                .collect()
+        }
+    };
+    let n_linear = recurrent.iter().filter(|r| **r).count();
+    let sections = g
+        .get_array(&k("rope.dimension_sections"))
+        .map_err(|e| invalid(format!("{a}: {e}")))?;
+    let vals: Option<Vec<u64>> = sections.iter().map(|x| x.as_u64()).collect();
+    let rope_sections = match vals.as_deref() {
+        Some(v) if !v.is_empty() && v.len() <= 4 && v.iter().all(|x| *x <= u32::MAX as u64) => {
+            let mut out = [0u32; 4];
+            for (o, x) in out.iter_mut().zip(v) {
+                *o = *x as u32;
+            }
+            out
+        }
+        _ => {
+            return Err(invalid(format!(
+                "{a}.rope.dimension_sections must be up to 4 non-negative integers"
+            )))
+        }
+    };
+    let hy = HybridParams {
+        n_attn_layers: hp.n_layers - n_linear,
+        linear: (n_linear > 0).then_some((n_linear, shape)),
+        attn_output_gate: true,
+        rope_sections: Some(rope_sections),
+    };
+    hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
+    Ok((hy, recurrent))
+}
+
+/// The tensors of gated DeltaNet layer `l`, checked against `shape`.
+fn delta_refs(
+    g: &Gguf<MappedFile>,
+    l: usize,
+    n_embd: usize,
+    shape: DeltaNetShape,
+) -> Result<DeltaRefs, ModelError> {
+    let t = |s: &str| format!("blk.{l}.{s}");
+    let (nv, vd, cd) = (shape.n_v_heads, shape.value_dim(), shape.conv_dim());
+    // ssm_conv1d is {conv_kernel, conv_dim}: the taps of each channel contiguous.
+    let conv_name = t("ssm_conv1d.weight");
+    let conv_t = g.require_tensor(&conv_name)?;
+    if conv_t.dims() != [shape.conv_kernel as u64, cd as u64] {
+        return Err(invalid(format!(
+            "tensor {conv_name} has shape {:?}, expected [{}, {cd}]",
+            conv_t.dims(),
+            shape.conv_kernel
+        )));
+    }
+    Ok(DeltaRefs {
+        qkv: tensor_ref(g, &t("attn_qkv.weight"), cd, n_embd)?,
+        gate: tensor_ref(g, &t("attn_gate.weight"), vd, n_embd)?,
+        beta: tensor_ref(g, &t("ssm_beta.weight"), nv, n_embd)?,
+        alpha: tensor_ref(g, &t("ssm_alpha.weight"), nv, n_embd)?,
+        dt_bias: vector(g, &t("ssm_dt.bias"), nv)?,
+        a: vector(g, &t("ssm_a"), nv)?,
+        conv: vector(g, &conv_name, cd * shape.conv_kernel)?,
+        norm: vector(g, &t("ssm_norm.weight"), shape.head_dim)?,
+        out: tensor_ref(g, &t("ssm_out.weight"), n_embd, vd)?,
+    })
+}
+
 /// Largest dimension accepted from metadata, to bound allocations made from it.
 const MAX_DIM: usize = 1 << 20;
 
@@ -296,7 +486,16 @@ impl Model {
         let arch = Arch::from_name(&arch_name).ok_or(ModelError::Unsupported(arch_name.clone()))?;
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
-        let n_layers = key_usize(&g, &k("block_count"))?;
+        let n_layers_all = key_usize(&g, &k("block_count"))?;
+        // Multi-token-prediction blocks follow the main stack (qwen35moe); they are
+        // for speculative decoding and never run in the main pass.
+        let n_nextn_layers = opt_usize(&g, &k("nextn_predict_layers"))?.unwrap_or(0);
+        if n_nextn_layers >= n_layers_all.max(1) {
+            return Err(invalid(format!(
+                "{a}.nextn_predict_layers = {n_nextn_layers} leaves no layers of {n_layers_all}"
+            )));
+        }
+        let n_layers = n_layers_all - n_nextn_layers;
         let n_embd = key_usize(&g, &k("embedding_length"))?;
         let n_head = key_usize(&g, &k("attention.head_count"))?;
         let n_head_kv = opt_usize(&g, &k("attention.head_count_kv"))?.unwrap_or(n_head);
@@ -335,20 +534,28 @@ impl Model {
         let n_experts = opt_usize(&g, &k("expert_count"))?.unwrap_or(0);
         let moe = if n_experts > 0 {
             let top_k = key_usize(&g, &k("expert_used_count"))?;
-            let n_ff_exp = opt_usize(&g, &k("expert_feed_forward_length"))?.unwrap_or(n_ff);
-            let gating = match opt_usize(&g, &k("expert_gating_func"))? {
+            let n_ff_exp =
+                uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?.unwrap_or(n_ff);
+            let mut gating = match opt_usize(&g, &k("expert_gating_func"))? {
                 None | Some(0) | Some(1) => Gating::Softmax,
                 Some(2) => Gating::Sigmoid,
                 Some(x) => return Err(invalid(format!("{a}.expert_gating_func = {x} is unknown"))),
             };
-            let normalize = g
+            let mut normalize = g
                 .get_bool(&k("expert_weights_norm"))
                 .optional()?
                 .unwrap_or(arch.default_norm_topk());
-            let weights_scale = g
-                .get_f32(&k("expert_weights_scale"))
-                .optional()?
-                .unwrap_or(1.0);
+            if arch == Arch::Qwen35Moe {
+                // llama.cpp's graph for this arch fixes both, whatever the metadata.
+                gating = Gating::Softmax;
+                normalize = true;
+            }
+            // llama.cpp scales the weights only when the scale is neither 0 nor 1.
+            let weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
+                None => 1.0,
+                Some(0.0) => 1.0,
+                Some(x) => x,
+            };
             let n_ff_shared = opt_usize(&g, &k("expert_shared_feed_forward_length"))?;
             Some(MoeParams {
                 n_experts,
@@ -377,11 +584,16 @@ impl Model {
             moe,
         };
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
+        let (hybrid, recurrent) = if arch == Arch::Qwen35Moe {
+            hybrid_params(&g, a, &hp, n_layers_all)?
+        } else {
+            (HybridParams::plain(&hp), vec![false; n_layers])
+        };
 
         let packed = crate::pack::PackedIndex::from_gguf(&g)
             .map_err(|e| invalid(format!("packed expert index: {e}")))?;
         let mut layers = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
+        for (l, &is_recurrent) in recurrent.iter().enumerate() {
             let t = |s: &str| format!("blk.{l}.{s}");
             let (q_dim, kv_dim) = (hp.q_dim(), hp.kv_dim());
             // Q/K norms: per head (qwen3) or over the whole vector (olmoe).
@@ -453,18 +665,37 @@ impl Model {
                     tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
                 ])
             };
+            let mixer = match hybrid.linear {
+                Some((_, d)) if is_recurrent => MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?),
+                _ => {
+                    // A gated query projection yields a query and a gate per head.
+                    let q_rows = if hybrid.attn_output_gate {
+                        2 * q_dim
+                    } else {
+                        q_dim
+                    };
+                    MixerRefs::Attention(AttnRefs {
+                        wq: tensor_ref(&g, &t("attn_q.weight"), q_rows, n_embd)?,
+                        wk: tensor_ref(&g, &t("attn_k.weight"), kv_dim, n_embd)?,
+                        wv: tensor_ref(&g, &t("attn_v.weight"), kv_dim, n_embd)?,
+                        wo: tensor_ref(&g, &t("attn_output.weight"), n_embd, q_dim)?,
+                        bq: optional_vector(&g, &t("attn_q.bias"), q_dim)?,
+                        bk: optional_vector(&g, &t("attn_k.bias"), kv_dim)?,
+                        bv: optional_vector(&g, &t("attn_v.bias"), kv_dim)?,
+                        q_norm: qk_norm("attn_q_norm.weight", q_dim)?,
+                        k_norm: qk_norm("attn_k_norm.weight", kv_dim)?,
+                    })
+                }
+            };
+            let ffn_norm = if arch == Arch::Qwen35Moe {
+                "post_attention_norm.weight"
+            } else {
+                "ffn_norm.weight"
+            };
             layers.push(LayerRefs {
                 attn_norm: vector(&g, &t("attn_norm.weight"), n_embd)?,
-                wq: tensor_ref(&g, &t("attn_q.weight"), q_dim, n_embd)?,
-                wk: tensor_ref(&g, &t("attn_k.weight"), kv_dim, n_embd)?,
-                wv: tensor_ref(&g, &t("attn_v.weight"), kv_dim, n_embd)?,
-                wo: tensor_ref(&g, &t("attn_output.weight"), n_embd, q_dim)?,
-                bq: optional_vector(&g, &t("attn_q.bias"), q_dim)?,
-                bk: optional_vector(&g, &t("attn_k.bias"), kv_dim)?,
-                bv: optional_vector(&g, &t("attn_v.bias"), kv_dim)?,
-                q_norm: qk_norm("attn_q_norm.weight", q_dim)?,
-                k_norm: qk_norm("attn_k_norm.weight", kv_dim)?,
-                ffn_norm: vector(&g, &t("ffn_norm.weight"), n_embd)?,
+                mixer,
+                ffn_norm: vector(&g, &t(ffn_norm), n_embd)?,
                 ffn,
             });
         }
@@ -479,6 +710,8 @@ impl Model {
             gguf: g,
             arch,
             hp,
+            hybrid,
+            n_nextn_layers,
             n_ctx_train,
             layers,
             embedding,
@@ -625,10 +858,9 @@ impl Model {
     }
 }
 
-impl Weights for Model {
-    fn layer(&self, layer: usize) -> LayerWeights<'_> {
-        let l = &self.layers[layer];
-        let ffn = match &l.ffn {
+impl Model {
+    fn ffn(&self, l: &LayerRefs) -> Ffn<'_> {
+        match &l.ffn {
             FfnRefs::Dense([g, u, d]) => Ffn::Dense {
                 gate: self.view(g),
                 up: self.view(u),
@@ -643,20 +875,84 @@ impl Weights for Model {
                     gate_inp: gi.as_ref().map(|t| self.view(t)),
                 }),
             },
+        }
+    }
+
+    fn attention_weights<'m>(&'m self, a: &'m AttnRefs) -> AttentionWeights<'m> {
+        AttentionWeights {
+            wq: self.view(&a.wq),
+            wk: self.view(&a.wk),
+            wv: self.view(&a.wv),
+            wo: self.view(&a.wo),
+            bq: a.bq.as_deref(),
+            bk: a.bk.as_deref(),
+            bv: a.bv.as_deref(),
+            q_norm: a.q_norm.as_deref(),
+            k_norm: a.k_norm.as_deref(),
+        }
+    }
+
+    /// Whether layer `layer` is gated DeltaNet (linear attention).
+    pub fn is_linear_layer(&self, layer: usize) -> bool {
+        matches!(
+            self.layers.get(layer).map(|l| &l.mixer),
+            Some(MixerRefs::DeltaNet(_))
+        )
+    }
+}
+
+impl Weights for Model {
+    /// # Panics
+    /// For a linear-attention layer, which has no such weights; the forward pass
+    /// calls [`Weights::block`].
+    fn layer(&self, layer: usize) -> LayerWeights<'_> {
+        let l = &self.layers[layer];
+        let MixerRefs::Attention(a) = &l.mixer else {
+            panic!("layer {layer} is a linear-attention layer: use Weights::block");
         };
+        let aw = self.attention_weights(a);
         LayerWeights {
             attn_norm: &l.attn_norm,
-            wq: self.view(&l.wq),
-            wk: self.view(&l.wk),
-            wv: self.view(&l.wv),
-            wo: self.view(&l.wo),
-            bq: l.bq.as_deref(),
-            bk: l.bk.as_deref(),
-            bv: l.bv.as_deref(),
-            q_norm: l.q_norm.as_deref(),
-            k_norm: l.k_norm.as_deref(),
+            wq: aw.wq,
+            wk: aw.wk,
+            wv: aw.wv,
+            wo: aw.wo,
+            bq: aw.bq,
+            bk: aw.bk,
+            bv: aw.bv,
+            q_norm: aw.q_norm,
+            k_norm: aw.k_norm,
             ffn_norm: &l.ffn_norm,
-            ffn,
+            ffn: self.ffn(l),
+        }
+    }
+
+    fn block(&self, layer: usize) -> Block<'_> {
+        let l = &self.layers[layer];
+        let mixer = match &l.mixer {
+            MixerRefs::Attention(a) => Mixer::Attention(self.attention_weights(a)),
+            MixerRefs::DeltaNet(d) => Mixer::DeltaNet(DeltaNetWeights {
+                shape: self
+                    .hybrid
+                    .linear
+                    .expect("DeltaNet layers exist only with a DeltaNet shape")
+                    .1,
+                qkv: self.view(&d.qkv),
+                gate: self.view(&d.gate),
+                beta: self.view(&d.beta),
+                alpha: self.view(&d.alpha),
+                dt_bias: &d.dt_bias,
+                a: &d.a,
+                conv: &d.conv,
+                norm: &d.norm,
+                out: self.view(&d.out),
+            }),
+        };
+        Block {
+            attn_norm: &l.attn_norm,
+            mixer,
+            ffn_norm: &l.ffn_norm,
+            ffn: self.ffn(l),
         }
     }
 

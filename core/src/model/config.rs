@@ -90,3 +90,114 @@ impl Hparams {
         Ok(())
     }
 }
+
+/// Shape of the gated DeltaNet (linear-attention) layers of a hybrid model.
+///
+/// Value head `h` uses key head `h % n_k_heads`: llama.cpp's converter reorders the
+/// value heads of Hugging Face checkpoints (grouped by key head) into this tiled
+/// order, which is what ggml's broadcasting computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaNetShape {
+    /// Query/key heads (`ssm.group_count`).
+    pub n_k_heads: usize,
+    /// Value heads (`ssm.time_step_rank`); a multiple of `n_k_heads`.
+    pub n_v_heads: usize,
+    /// Size of one key (and value) head (`ssm.state_size`).
+    pub head_dim: usize,
+    /// Width of the causal convolution (`ssm.conv_kernel`).
+    pub conv_kernel: usize,
+}
+
+impl DeltaNetShape {
+    /// Width of all query (or key) heads.
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.head_dim
+    }
+
+    /// Width of all value heads (`ssm.inner_size`).
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.head_dim
+    }
+
+    /// Channels of the convolution: query, key and value side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// Floats of one layer's convolution state (the last `conv_kernel - 1` inputs
+    /// of every channel).
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
+
+    /// Floats of one layer's recurrent state (a `head_dim x head_dim` matrix per
+    /// value head).
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_v_heads * self.head_dim * self.head_dim
+    }
+
+    /// Checks the shape is consistent; the message names the first problem.
+    pub fn validate(&self) -> Result<(), &'static str> {
+        if self.n_k_heads == 0 || self.head_dim == 0 || self.conv_kernel < 2 {
+            return Err("DeltaNet heads and head size must be positive and conv_kernel >= 2");
+        }
+        if self.n_v_heads == 0 || !self.n_v_heads.is_multiple_of(self.n_k_heads) {
+            return Err("DeltaNet value heads must be a positive multiple of the key heads");
+        }
+        Ok(())
+    }
+}
+
+/// What a hybrid model adds to [`Hparams`]: which layers are gated DeltaNet
+/// (linear attention) rather than attention, the output gate of attention, and
+/// multi-section RoPE. [`HybridParams::plain`] describes a plain transformer, for
+/// which the forward pass is the same arithmetic as before these existed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HybridParams {
+    /// Layers with attention (they own a slice of the KV cache).
+    pub n_attn_layers: usize,
+    /// Layers with gated DeltaNet (they own recurrent state), and their shape.
+    pub linear: Option<(usize, DeltaNetShape)>,
+    /// Attention output is gated: `wq` yields a query and a gate per head
+    /// (`[q_h, g_h]` interleaved, `2 * q_dim` rows), and the attention output is
+    /// multiplied by `sigmoid(g)` before `wo` (qwen3next, qwen35, qwen35moe).
+    pub attn_output_gate: bool,
+    /// Interleaved multi-section RoPE (`rope.dimension_sections`, ggml's IMROPE):
+    /// pair `i` of the rotated dimensions takes the temporal, height, width or
+    /// extra position by `i % 3` within `sections`. Text positions are `[p, p, p, 0]`.
+    pub rope_sections: Option<[u32; 4]>,
+}
+
+impl HybridParams {
+    /// A plain transformer: every layer has (ungated) attention.
+    pub fn plain(hp: &Hparams) -> HybridParams {
+        HybridParams {
+            n_attn_layers: hp.n_layers,
+            linear: None,
+            attn_output_gate: false,
+            rope_sections: None,
+        }
+    }
+
+    /// Linear-attention layers.
+    pub fn n_linear_layers(&self) -> usize {
+        self.linear.map_or(0, |(n, _)| n)
+    }
+
+    /// Checks the parameters against `hp`; the message names the first problem.
+    pub fn validate(&self, hp: &Hparams) -> Result<(), &'static str> {
+        if self.n_attn_layers + self.n_linear_layers() != hp.n_layers {
+            return Err("attention and linear-attention layers must add up to n_layers");
+        }
+        if let Some((_, shape)) = self.linear {
+            shape.validate()?;
+        }
+        if let Some(s) = self.rope_sections {
+            let total: u64 = s.iter().map(|&x| x as u64).sum();
+            if total == 0 || total > hp.head_dim as u64 {
+                return Err("rope sections must sum to between 1 and head_dim");
+            }
+        }
+        Ok(())
+    }
+}

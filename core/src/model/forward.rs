@@ -12,8 +12,11 @@
 
 use core::fmt;
 
-use super::config::Hparams;
-use super::ops::{attention, rms_norm, rms_norm_heads, rope, swiglu, AttnShape};
+use super::config::{Hparams, HybridParams};
+use super::deltanet::{self, DeltaNetWeights, Projections};
+use super::ops::{
+    attention, rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape,
+};
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use crate::quant::{self, QuantError};
@@ -84,10 +87,84 @@ pub struct LayerWeights<'a> {
     pub ffn: Ffn<'a>,
 }
 
+/// The attention of a layer (full, causal, grouped-query).
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionWeights<'a> {
+    /// Query projection (`2 * q_dim` rows with an output gate, see
+    /// [`HybridParams::attn_output_gate`]).
+    pub wq: MatrixView<'a>,
+    /// Key projection.
+    pub wk: MatrixView<'a>,
+    /// Value projection.
+    pub wv: MatrixView<'a>,
+    /// Output projection.
+    pub wo: MatrixView<'a>,
+    /// Query bias.
+    pub bq: Option<&'a [f32]>,
+    /// Key bias.
+    pub bk: Option<&'a [f32]>,
+    /// Value bias.
+    pub bv: Option<&'a [f32]>,
+    /// Query RMSNorm (per head when `head_dim` long, else over the whole vector).
+    pub q_norm: Option<&'a [f32]>,
+    /// Key RMSNorm (same rule).
+    pub k_norm: Option<&'a [f32]>,
+}
+
+/// What mixes positions in a layer.
+#[derive(Clone, Copy, Debug)]
+pub enum Mixer<'a> {
+    /// Attention over the KV cache.
+    Attention(AttentionWeights<'a>),
+    /// Gated DeltaNet over the layer's recurrent state.
+    DeltaNet(DeltaNetWeights<'a>),
+}
+
+/// The resident weights of one layer of any supported architecture.
+#[derive(Clone, Copy, Debug)]
+pub struct Block<'a> {
+    /// RMSNorm weight before the mixer.
+    pub attn_norm: &'a [f32],
+    /// Attention or linear attention.
+    pub mixer: Mixer<'a>,
+    /// RMSNorm weight before the FFN (`post_attention_norm` in qwen35moe).
+    pub ffn_norm: &'a [f32],
+    /// The FFN.
+    pub ffn: Ffn<'a>,
+}
+
+impl<'a> From<LayerWeights<'a>> for Block<'a> {
+    fn from(l: LayerWeights<'a>) -> Self {
+        Block {
+            attn_norm: l.attn_norm,
+            mixer: Mixer::Attention(AttentionWeights {
+                wq: l.wq,
+                wk: l.wk,
+                wv: l.wv,
+                wo: l.wo,
+                bq: l.bq,
+                bk: l.bk,
+                bv: l.bv,
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+            }),
+            ffn_norm: l.ffn_norm,
+            ffn: l.ffn,
+        }
+    }
+}
+
 /// Access to a model's resident weights.
 pub trait Weights {
-    /// Weights of layer `layer` (< `n_layers`).
+    /// Weights of layer `layer` (< `n_layers`) of a plain transformer. Models with
+    /// other layers implement [`block`](Self::block), which is what the forward pass
+    /// calls, and may panic here for a layer that is not plain attention.
     fn layer(&self, layer: usize) -> LayerWeights<'_>;
+    /// Weights of layer `layer` (< `n_layers`), whatever its kind; by default
+    /// [`layer`](Self::layer) as a [`Block`].
+    fn block(&self, layer: usize) -> Block<'_> {
+        self.layer(layer).into()
+    }
     /// Token embedding matrix (`n_vocab` x `n_embd`).
     fn embedding(&self) -> MatrixView<'_>;
     /// Final RMSNorm weight.
@@ -213,15 +290,16 @@ pub struct Lookahead {
 }
 
 /// Per-layer KV cache over caller memory: `[layer][position][kv_dim]` for keys and
-/// values each.
+/// values each, one layer per attention layer (linear-attention layers have none).
 pub struct KvCache<'a> {
     k: &'a mut [f32],
     v: &'a mut [f32],
     max_positions: usize,
+    n_layers: usize,
 }
 
 impl<'a> KvCache<'a> {
-    /// Floats each of `k` and `v` must hold.
+    /// Floats each of `k` and `v` must hold (every layer with attention).
     pub fn len(hp: &Hparams, max_positions: usize) -> usize {
         hp.n_layers * max_positions * hp.kv_dim()
     }
@@ -233,17 +311,73 @@ impl<'a> KvCache<'a> {
         v: &'a mut [f32],
         max_positions: usize,
     ) -> Option<Self> {
-        let n = Self::len(hp, max_positions);
+        Self::new_for(hp, &HybridParams::plain(hp), k, v, max_positions)
+    }
+
+    /// Floats each of `k` and `v` must hold for the attention layers of `hy`.
+    pub fn len_for(hp: &Hparams, hy: &HybridParams, max_positions: usize) -> usize {
+        hy.n_attn_layers * max_positions * hp.kv_dim()
+    }
+
+    /// A cache for the attention layers of `hy`; `k` and `v` hold
+    /// [`len_for`](Self::len_for) floats.
+    pub fn new_for(
+        hp: &Hparams,
+        hy: &HybridParams,
+        k: &'a mut [f32],
+        v: &'a mut [f32],
+        max_positions: usize,
+    ) -> Option<Self> {
+        let n = Self::len_for(hp, hy, max_positions);
         (k.len() == n && v.len() == n).then_some(KvCache {
             k,
             v,
             max_positions,
+            n_layers: hy.n_attn_layers,
         })
     }
 
     /// Positions it holds at most.
     pub fn max_positions(&self) -> usize {
         self.max_positions
+    }
+}
+
+/// The recurrent state of the linear-attention layers, over caller memory: per
+/// layer, the convolution state and the DeltaNet state matrices. Position 0
+/// starts a sequence and clears it.
+pub struct RecurrentState<'a> {
+    conv: &'a mut [f32],
+    ssm: &'a mut [f32],
+    n_layers: usize,
+}
+
+impl<'a> RecurrentState<'a> {
+    /// Floats of the convolution state and of the DeltaNet state for `hy`.
+    pub fn len(hy: &HybridParams) -> (usize, usize) {
+        match hy.linear {
+            Some((n, shape)) => (n * shape.conv_state_len(), n * shape.ssm_state_len()),
+            None => (0, 0),
+        }
+    }
+
+    /// State for `hy` over `conv` and `ssm` of [`len`](Self::len) floats.
+    pub fn new(hy: &HybridParams, conv: &'a mut [f32], ssm: &'a mut [f32]) -> Option<Self> {
+        let (c, m) = Self::len(hy);
+        (conv.len() == c && ssm.len() == m).then_some(RecurrentState {
+            conv,
+            ssm,
+            n_layers: hy.n_linear_layers(),
+        })
+    }
+
+    /// No state, for models without linear attention.
+    pub fn empty() -> RecurrentState<'static> {
+        RecurrentState {
+            conv: &mut [],
+            ssm: &mut [],
+            n_layers: 0,
+        }
     }
 }
 
@@ -263,6 +397,15 @@ pub struct Scratch<'a> {
     expert_out: &'a mut [f32],
     router: &'a mut [f32],
     pred_x: &'a mut [f32],
+    /// Query and gate of gated attention (`2 * q_dim`, else empty).
+    qg: &'a mut [f32],
+    /// DeltaNet projections and output (empty without linear attention).
+    d_qkv: &'a mut [f32],
+    d_z: &'a mut [f32],
+    d_beta: &'a mut [f32],
+    d_alpha: &'a mut [f32],
+    d_out: &'a mut [f32],
+    d_delta: &'a mut [f32],
 }
 
 fn max_ff(hp: &Hparams) -> usize {
@@ -270,6 +413,27 @@ fn max_ff(hp: &Hparams) -> usize {
         .moe
         .map_or(0, |m| m.n_ff_exp.max(m.n_ff_shared.unwrap_or(0)));
     hp.n_ff.max(m).max(1)
+}
+
+/// Extra scratch of `hy`: gated query, then DeltaNet `qkv, z, beta, alpha, out, delta`.
+fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 7] {
+    let qg = if hy.attn_output_gate {
+        2 * hp.q_dim()
+    } else {
+        0
+    };
+    match hy.linear {
+        Some((_, d)) => [
+            qg,
+            d.conv_dim(),
+            d.value_dim(),
+            d.n_v_heads,
+            d.n_v_heads,
+            d.value_dim(),
+            d.head_dim,
+        ],
+        None => [qg, 0, 0, 0, 0, 0, 0],
+    }
 }
 
 impl<'a> Scratch<'a> {
@@ -282,7 +446,22 @@ impl<'a> Scratch<'a> {
 
     /// Splits `buf` (at least [`len`](Self::len) floats).
     pub fn new(hp: &Hparams, buf: &'a mut [f32], max_positions: usize) -> Option<Self> {
-        if buf.len() < Self::len(hp, max_positions) {
+        Self::new_for(hp, &HybridParams::plain(hp), buf, max_positions)
+    }
+
+    /// Floats of scratch needed for `hp` and `hy`.
+    pub fn len_for(hp: &Hparams, hy: &HybridParams, max_positions: usize) -> usize {
+        Self::len(hp, max_positions) + extra_lens(hp, hy).iter().sum::<usize>()
+    }
+
+    /// Splits `buf` (at least [`len_for`](Self::len_for) floats).
+    pub fn new_for(
+        hp: &Hparams,
+        hy: &HybridParams,
+        buf: &'a mut [f32],
+        max_positions: usize,
+    ) -> Option<Self> {
+        if buf.len() < Self::len_for(hp, hy, max_positions) {
             return None;
         }
         let e = hp.n_embd;
@@ -301,7 +480,15 @@ impl<'a> Scratch<'a> {
         let (moe, rest) = rest.split_at_mut(e);
         let (expert_out, rest) = rest.split_at_mut(top_k * e);
         let (router, rest) = rest.split_at_mut(n_exp);
-        let (pred_x, _) = rest.split_at_mut(e);
+        let (pred_x, rest) = rest.split_at_mut(e);
+        let [l_qg, l_qkv, l_z, l_beta, l_alpha, l_out, l_delta] = extra_lens(hp, hy);
+        let (qg, rest) = rest.split_at_mut(l_qg);
+        let (d_qkv, rest) = rest.split_at_mut(l_qkv);
+        let (d_z, rest) = rest.split_at_mut(l_z);
+        let (d_beta, rest) = rest.split_at_mut(l_beta);
+        let (d_alpha, rest) = rest.split_at_mut(l_alpha);
+        let (d_out, rest) = rest.split_at_mut(l_out);
+        let (d_delta, _) = rest.split_at_mut(l_delta);
         Some(Scratch {
             h,
             x,
@@ -317,6 +504,13 @@ impl<'a> Scratch<'a> {
             expert_out,
             router,
             pred_x,
+            qg,
+            d_qkv,
+            d_z,
+            d_beta,
+            d_alpha,
+            d_out,
+            d_delta,
         })
     }
 }
@@ -449,6 +643,46 @@ where
     M: MatVec,
     X: Experts,
 {
+    forward_hybrid(
+        hp,
+        &HybridParams::plain(hp),
+        weights,
+        mv,
+        experts,
+        lookahead,
+        input,
+        pos,
+        kv,
+        &mut RecurrentState::empty(),
+        s,
+        logits,
+    )
+}
+
+/// [`forward`] for any architecture: layers are whatever [`Weights::block`] says,
+/// attention layers use `kv` (one cache layer per attention layer, in order) and
+/// linear-attention layers `rs` (likewise). Position 0 starts a new sequence and
+/// clears the recurrent state.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_hybrid<W, M, X>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    weights: &W,
+    mv: &mut M,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    input: TokenInput<'_>,
+    pos: usize,
+    kv: &mut KvCache<'_>,
+    rs: &mut RecurrentState<'_>,
+    s: &mut Scratch<'_>,
+    logits: &mut [f32],
+) -> Result<(), ForwardError<X::Error>>
+where
+    W: Weights,
+    M: MatVec,
+    X: Experts,
+{
     if pos >= kv.max_positions {
         return Err(ForwardError::ContextFull(kv.max_positions));
     }
@@ -490,48 +724,61 @@ where
     let mut routing = Routing::new();
     let mut prediction = Prediction::new();
     let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
+    // Cache layer of the next attention layer, state slot of the next linear one.
+    let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
 
     for l in 0..hp.n_layers {
-        let lw = weights.layer(l);
-        // Attention.
+        let lw = weights.block(l);
         rms_norm(s.h, lw.attn_norm, hp.norm_eps, s.x);
-        mv.matvec(&lw.wq, s.x, s.q)?;
-        mv.matvec(&lw.wk, s.x, s.k)?;
-        mv.matvec(&lw.wv, s.x, s.v)?;
-        add_bias(s.q, lw.bq).map_err(ForwardError::Shape)?;
-        add_bias(s.k, lw.bk).map_err(ForwardError::Shape)?;
-        add_bias(s.v, lw.bv).map_err(ForwardError::Shape)?;
-        norm_heads(s.q, lw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
-        norm_heads(s.k, lw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
-        rope(
-            s.q,
-            hp.head_dim,
-            hp.n_rot,
-            pos as u32,
-            hp.rope_base,
-            hp.rope_style,
-        );
-        rope(
-            s.k,
-            hp.head_dim,
-            hp.n_rot,
-            pos as u32,
-            hp.rope_base,
-            hp.rope_style,
-        );
-        let base = l * layer_stride;
-        kv.k[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.k);
-        kv.v[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.v);
-        attention(
-            shape,
-            s.q,
-            &kv.k[base..base + layer_stride],
-            &kv.v[base..base + layer_stride],
-            pos + 1,
-            s.scores,
-            s.att,
-        );
-        mv.matvec(&lw.wo, s.att, s.tmp)?;
+        match &lw.mixer {
+            Mixer::Attention(aw) => {
+                if attn_idx >= kv.n_layers {
+                    return Err(ForwardError::Shape(
+                        "more attention layers than the KV cache",
+                    ));
+                }
+                attention_layer(hp, hy, aw, mv, s, kv, attn_idx, layer_stride, pos, shape)?;
+                attn_idx += 1;
+            }
+            Mixer::DeltaNet(dw) => {
+                let Some((_, dshape)) = hy.linear.filter(|_| lin_idx < rs.n_layers) else {
+                    return Err(ForwardError::Shape(
+                        "linear-attention layer without recurrent state",
+                    ));
+                };
+                if dw.shape != dshape {
+                    return Err(ForwardError::Shape("DeltaNet layer shape"));
+                }
+                dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+                mv.matvec(&dw.qkv, s.x, s.d_qkv)?;
+                mv.matvec(&dw.gate, s.x, s.d_z)?;
+                mv.matvec(&dw.beta, s.x, s.d_beta)?;
+                mv.matvec(&dw.alpha, s.x, s.d_alpha)?;
+                let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
+                let conv = &mut rs.conv[lin_idx * cl..][..cl];
+                let ssm = &mut rs.ssm[lin_idx * ml..][..ml];
+                if pos == 0 {
+                    conv.fill(0.0);
+                    ssm.fill(0.0);
+                }
+                deltanet::step(
+                    dw,
+                    Projections {
+                        qkv: s.d_qkv,
+                        z: s.d_z,
+                        beta: s.d_beta,
+                        alpha: s.d_alpha,
+                    },
+                    hp.norm_eps,
+                    conv,
+                    ssm,
+                    s.d_delta,
+                    s.d_out,
+                );
+                mv.matvec(&dw.out, s.d_out, s.tmp)?;
+                lin_idx += 1;
+            }
+        }
         add_into(s.h, s.tmp);
 
         // FFN.
@@ -560,11 +807,13 @@ where
                     .begin_layer(l, &ids)
                     .map_err(ForwardError::Experts)?;
 
-                // Lookahead: the next layer's router on this layer's hidden state.
+                // Lookahead: the next layer's router on this layer's hidden state
+                // (whatever mixes positions in the next layer: it only needs the
+                // residual stream).
                 if let Some(la) = lookahead.filter(|_| experts.wants_predictions()) {
                     let next = l + 1;
                     if next < hp.n_layers && la.layers.is_enabled(next) {
-                        let nw = weights.layer(next);
+                        let nw = weights.block(next);
                         if let Ffn::Moe { router: nr, .. } = nw.ffn {
                             rms_norm(s.h, nw.ffn_norm, hp.norm_eps, s.pred_x);
                             mv.matvec(&nr, s.pred_x, s.router)?;
@@ -618,5 +867,98 @@ where
     }
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
+    Ok(())
+}
+
+/// One attention layer: `s.x` (the normed hidden state) in, `s.tmp` (the output
+/// projection) out; the layer's keys and values go to cache layer `cache_layer`.
+#[allow(clippy::too_many_arguments)]
+fn attention_layer<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    aw: &AttentionWeights<'_>,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    cache_layer: usize,
+    layer_stride: usize,
+    pos: usize,
+    shape: AttnShape,
+) -> Result<(), ForwardError<E>> {
+    let kv_dim = hp.kv_dim();
+    if hy.attn_output_gate {
+        // [q_h, g_h] per head: split the query from its gate.
+        let hd = hp.head_dim;
+        if s.qg.len() != 2 * hp.q_dim() || aw.wq.rows() != s.qg.len() {
+            return Err(ForwardError::Shape("gated query projection"));
+        }
+        mv.matvec(&aw.wq, s.x, s.qg)?;
+        for (h, pair) in s.qg.chunks_exact(2 * hd).enumerate() {
+            s.q[h * hd..][..hd].copy_from_slice(&pair[..hd]);
+        }
+    } else {
+        mv.matvec(&aw.wq, s.x, s.q)?;
+    }
+    mv.matvec(&aw.wk, s.x, s.k)?;
+    mv.matvec(&aw.wv, s.x, s.v)?;
+    add_bias(s.q, aw.bq).map_err(ForwardError::Shape)?;
+    add_bias(s.k, aw.bk).map_err(ForwardError::Shape)?;
+    add_bias(s.v, aw.bv).map_err(ForwardError::Shape)?;
+    norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+    norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+    match hy.rope_sections {
+        Some(sections) => {
+            let p = pos as u32;
+            for x in [&mut *s.q, &mut *s.k] {
+                rope_imrope(
+                    x,
+                    hp.head_dim,
+                    hp.n_rot,
+                    [p, p, p, 0],
+                    sections,
+                    hp.rope_base,
+                );
+            }
+        }
+        None => {
+            rope(
+                s.q,
+                hp.head_dim,
+                hp.n_rot,
+                pos as u32,
+                hp.rope_base,
+                hp.rope_style,
+            );
+            rope(
+                s.k,
+                hp.head_dim,
+                hp.n_rot,
+                pos as u32,
+                hp.rope_base,
+                hp.rope_style,
+            );
+        }
+    }
+    let base = cache_layer * layer_stride;
+    kv.k[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.k);
+    kv.v[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.v);
+    attention(
+        shape,
+        s.q,
+        &kv.k[base..base + layer_stride],
+        &kv.v[base..base + layer_stride],
+        pos + 1,
+        s.scores,
+        s.att,
+    );
+    if hy.attn_output_gate {
+        let hd = hp.head_dim;
+        for (h, pair) in s.qg.chunks_exact(2 * hd).enumerate() {
+            for (o, g) in s.att[h * hd..][..hd].iter_mut().zip(&pair[hd..]) {
+                *o *= sigmoid(*g);
+            }
+        }
+    }
+    mv.matvec(&aw.wo, s.att, s.tmp)?;
     Ok(())
 }

@@ -2,10 +2,12 @@
 //!
 //! - [`config`]: the model shape ([`config::Hparams`]).
 //! - [`ops`]: the layer arithmetic (norms, RoPE, attention, SwiGLU).
+//! - [`deltanet`]: gated DeltaNet, the linear attention of hybrid models.
 //! - [`forward`]: one token through the model, with routed experts supplied by an
 //!   [`forward::Experts`] implementation (resident, or streamed by the scheduler).
 
 pub mod config;
+pub mod deltanet;
 pub mod experts;
 pub mod forward;
 pub mod ops;

@@ -79,6 +79,95 @@ pub fn rope(
     }
 }
 
+/// [`rope`] with interleaved multi-section angles (ggml's `GGML_ROPE_TYPE_IMROPE`,
+/// always NeoX-paired): pair `i` takes position `pos[j]` where, with
+/// `sector = i % sum(sections)`, `j` is 1 (height) when `sector % 3 == 1` and
+/// `sector < 3 * sections[1]`, 2 (width) when `sector % 3 == 2` and
+/// `sector < 3 * sections[2]`, 0 (time) when `sector % 3 == 0` and
+/// `sector < 3 * sections[0]`, else 3. Text tokens have `pos = [p, p, p, 0]`.
+pub fn rope_imrope(
+    x: &mut [f32],
+    head_dim: usize,
+    n_rot: usize,
+    pos: [u32; 4],
+    sections: [u32; 4],
+    freq_base: f32,
+) {
+    let sect_dims: usize = sections.iter().map(|&s| s as usize).sum();
+    assert!(
+        n_rot.is_multiple_of(2)
+            && n_rot <= head_dim
+            && head_dim > 0
+            && x.len().is_multiple_of(head_dim)
+            && sect_dims > 0,
+        "rope_imrope: bad dimensions"
+    );
+    let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
+    let s = sections.map(|v| v as usize);
+    for head in x.chunks_exact_mut(head_dim) {
+        let mut theta = pos.map(|p| p as f32);
+        for i in 0..n_rot / 2 {
+            let sector = i % sect_dims;
+            let which = if sector % 3 == 1 && sector < 3 * s[1] {
+                1
+            } else if sector % 3 == 2 && sector < 3 * s[2] {
+                2
+            } else if sector.is_multiple_of(3) && sector < 3 * s[0] {
+                0
+            } else {
+                3
+            };
+            let (c, sn) = (cosf(theta[which]), sinf(theta[which]));
+            let (a, b) = (i, i + n_rot / 2);
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * sn;
+            head[b] = x0 * sn + x1 * c;
+            for t in theta.iter_mut() {
+                *t *= theta_scale;
+            }
+        }
+    }
+}
+
+/// `1 / (1 + e^-x)`, as ggml's `sigmoid`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + expf(-x))
+}
+
+/// `x / (1 + e^-x)`, as ggml's `silu`.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + expf(-x))
+}
+
+/// `ln(1 + e^x)`, `x` itself above 20 (ggml's `softplus`).
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        libm::logf(1.0 + expf(x))
+    }
+}
+
+/// In-place L2 normalisation of each `head_dim` chunk: `x / sqrt(sum x^2 + eps)`,
+/// computed as llama.cpp's gated DeltaNet does (`rms_norm(x, eps / n) / sqrt(n)`).
+pub fn l2_norm_heads(x: &mut [f32], head_dim: usize, eps: f32) {
+    assert!(
+        head_dim > 0 && x.len().is_multiple_of(head_dim),
+        "l2_norm_heads: lengths differ"
+    );
+    let n = head_dim as f32;
+    let eps_n = eps / n;
+    let post = 1.0 / sqrtf(n);
+    for head in x.chunks_exact_mut(head_dim) {
+        let sum: f64 = head.iter().map(|v| (v * v) as f64).sum();
+        let mean = (sum / head_dim as f64) as f32;
+        let scale = 1.0 / sqrtf(mean + eps_n);
+        for v in head.iter_mut() {
+            *v = (*v * scale) * post;
+        }
+    }
+}
+
 /// `x = silu(x) * y`, the SwiGLU of expert and dense FFNs.
 pub fn swiglu(x: &mut [f32], y: &[f32]) {
     assert_eq!(x.len(), y.len(), "swiglu: lengths differ");
@@ -197,6 +286,35 @@ mod tests {
         let mut p = [1.0, 0.0, 5.0, 6.0];
         rope(&mut p, 4, 2, 3, 10000.0, RopeStyle::Neox);
         assert_eq!(&p[2..], &[5.0, 6.0]);
+    }
+
+    #[test]
+    fn imrope_of_text_positions_is_neox_rope() {
+        // Sections covering every rotated pair: text positions [p, p, p, 0] rotate
+        // exactly as plain NeoX RoPE (bit for bit: same angles, same order).
+        let x: std::vec::Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        for pos in [0u32, 1, 7, 1000] {
+            let (mut a, mut b) = (x.clone(), x.clone());
+            rope(&mut a, 16, 8, pos, 1e7, RopeStyle::Neox);
+            rope_imrope(&mut b, 16, 8, [pos, pos, pos, 0], [2, 1, 1, 0], 1e7);
+            assert_eq!(a, b);
+        }
+        // A pair on the extra section stays put for text.
+        let mut c = x.clone();
+        rope_imrope(&mut c, 16, 8, [5, 5, 5, 0], [1, 1, 1, 1], 1e4);
+        assert_eq!((c[3], c[7]), (x[3], x[7]));
+        assert_ne!(c[0], x[0]);
+    }
+
+    #[test]
+    fn l2_norm_and_gates() {
+        let mut v = [3.0, 4.0, 0.0, 0.0];
+        l2_norm_heads(&mut v, 2, 1e-6);
+        assert!((v[0] - 0.6).abs() < 1e-6 && (v[1] - 0.8).abs() < 1e-6);
+        assert_eq!(&v[2..], &[0.0, 0.0]);
+        assert_eq!(softplus(30.0), 30.0);
+        assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-6);
+        assert!((sigmoid(0.0) - 0.5).abs() < 1e-7 && silu(0.0) == 0.0);
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub struct SynthArgs {
     /// Architecture (`mixtral` = arch `llama` with experts).
     #[arg(long, value_enum)]
     pub arch: Arch,
-    /// Dimensions and types: tiny (~330 KB), small (~560 MB), a3b (Qwen3-30B-A3B, ~17.9 GB).
+    /// Dimensions and types: tiny (~330 KB), small (~560 MB), a3b (Qwen3-30B-A3B, ~17.9 GB),
+    /// minicpmv47 (MiniCPM-V 4.7's qwen35moe language model, ~20 GB).
     #[arg(long, value_enum, default_value = "tiny")]
     pub preset: Preset,
     /// The GGUF file to write.
@@ -86,7 +87,7 @@ pub struct SynthArgs {
     /// Hidden size of one routed expert.
     #[arg(long)]
     pub expert_ff: Option<u64>,
-    /// Hidden size of the shared expert (qwen2moe).
+    /// Hidden size of the shared expert (qwen2moe, qwen35moe).
     #[arg(long)]
     pub shared_ff: Option<u64>,
     /// RoPE frequency base.
@@ -116,6 +117,10 @@ pub struct SynthArgs {
     /// Spread of the router logits (default 2.0).
     #[arg(long)]
     pub router_scale: Option<f32>,
+    /// Multi-token-prediction blocks after the main stack (qwen35moe; 0 = like a
+    /// `--no-mtp` conversion).
+    #[arg(long)]
+    pub mtp_layers: Option<u64>,
     /// Omit output.weight (qwen3moe, llama): llama.cpp then uses token_embd.weight.
     #[arg(long)]
     pub tie_embeddings: bool,
@@ -182,6 +187,7 @@ impl SynthArgs {
             residual_scale: self.residual_scale,
             router_scale: self.router_scale,
             tie_embeddings: self.tie_embeddings,
+            mtp_layers: self.mtp_layers,
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)
     }

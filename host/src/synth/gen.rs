@@ -121,6 +121,11 @@ impl<'c> Generator<'c> {
                     }
                 }
             }
+            Init::Uniform(lo, hi) => {
+                for v in x.iter_mut() {
+                    *v = lo + (hi - lo) * (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+                }
+            }
             Init::Router => unreachable!("routers are generated in order by `router`"),
         }
         let mut out = vec![0u8; t.ty.row_bytes(x.len()).expect("planned sizes fit")];

@@ -1,7 +1,8 @@
 //! `les synth`: deterministic synthetic models (random weights) in GGUF, shaped
-//! and named exactly as llama.cpp expects for `qwen3moe`, `olmoe`, `qwen2moe` and
-//! `llama` (dense, or Mixtral-style with experts), with a small byte-level BPE
-//! vocabulary ([`vocab`]).
+//! and named exactly as llama.cpp expects for `qwen3moe`, `olmoe`, `qwen2moe`,
+//! `llama` (dense, or Mixtral-style with experts) and `qwen35moe` (the hybrid gated
+//! DeltaNet / gated attention model of MiniCPM-V 4.7, with its multi-token
+//! prediction block), with a small byte-level BPE vocabulary ([`vocab`]).
 //!
 //! # Shapes
 //! A [`Preset`] gives the dimensions ([`Shape`]) and tensor types ([`Types`]);
@@ -10,6 +11,11 @@
 //! has as many KV heads as query heads (its `attn_k_norm` is `n_embd` wide),
 //! `qwen2moe` adds attention biases and a gated shared expert, plain `llama` is dense
 //! unless experts are asked for, `mixtral` is `llama` with the preset's experts.
+//! `qwen35moe` makes every `full_attention_interval`-th layer gated attention
+//! (query and gate interleaved per head in `attn_q`, partial IMRoPE over
+//! `rope_dim` dimensions) and the others gated DeltaNet (`attn_qkv`, `attn_gate`,
+//! `ssm_*`), all with routed experts plus a sigmoid-gated shared expert, then
+//! appends `mtp_layers` nextn blocks (`nextn_predict_layers`).
 //! A type whose block does not divide a tensor's row length falls back to `q8_0`,
 //! else `f16`; norms, biases and routers are `f32`.
 //!
@@ -54,7 +60,7 @@ use std::fmt;
 
 use les_core::quant::{can_quantize, GgmlType};
 
-use crate::gguf::{GgufError, GgufWriter, MetaValue};
+use crate::gguf::{GgufError, GgufWriter, MetaArray, MetaValue, ValueType};
 
 pub use gen::{write_model, WriteOptions, WriteReport};
 pub use mmproj::{write_mmproj, MmprojConfig};
@@ -73,6 +79,9 @@ pub enum Arch {
     Llama,
     /// Mixtral: arch `llama` with the preset's experts.
     Mixtral,
+    /// Qwen3.5-MoE (MiniCPM-V 4.7's language model): gated DeltaNet and gated
+    /// attention layers, routed plus shared experts, a multi-token-prediction block.
+    Qwen35moe,
 }
 
 impl Arch {
@@ -83,6 +92,7 @@ impl Arch {
             Arch::Olmoe => "olmoe",
             Arch::Qwen2moe => "qwen2moe",
             Arch::Llama | Arch::Mixtral => "llama",
+            Arch::Qwen35moe => "qwen35moe",
         }
     }
 
@@ -101,12 +111,23 @@ impl Arch {
 
     /// Whether llama.cpp falls back to the token embedding without `output.weight`.
     fn may_tie(self) -> bool {
-        matches!(self, Arch::Qwen3moe | Arch::Llama | Arch::Mixtral)
+        matches!(
+            self,
+            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe
+        )
     }
 
     /// `expert_weights_norm`: whether the top-k weights are renormalised.
     fn normalizes(self) -> bool {
-        matches!(self, Arch::Qwen3moe | Arch::Llama | Arch::Mixtral)
+        matches!(
+            self,
+            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe
+        )
+    }
+
+    /// Whether the architecture has a shared expert.
+    fn has_shared_expert(self) -> bool {
+        matches!(self, Arch::Qwen2moe | Arch::Qwen35moe)
     }
 }
 
@@ -121,6 +142,11 @@ pub enum Preset {
     /// The shape of Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts of 768, top-8;
     /// about 17.9 GB (16.7 GiB) with Q4_K experts.
     A3b,
+    /// The shape of MiniCPM-V 4.7's language model (Qwen3.5-35B-A3B, arch
+    /// `qwen35moe`): 40 layers (30 gated DeltaNet, 10 gated attention), 2048 wide,
+    /// 256 experts of 512, top-8, a shared expert of 512, vocabulary 248320, one
+    /// MTP block; about 20 GB with Q4_K experts.
+    Minicpmv47,
 }
 
 /// Model dimensions.
@@ -154,9 +180,48 @@ pub struct Shape {
     pub rope_base: f32,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
+    /// Dimensions of each head RoPE rotates (qwen35moe: a quarter of the head).
+    pub rope_dim: u64,
+    /// IMRoPE sections (`rope.dimension_sections`, qwen35moe).
+    pub rope_sections: [u32; 4],
+    /// Every this many layers one is gated attention, the others gated DeltaNet
+    /// (`full_attention_interval`, qwen35moe).
+    pub full_attn_interval: u64,
+    /// DeltaNet query/key heads (`ssm.group_count`).
+    pub ssm_k_heads: u64,
+    /// DeltaNet value heads (`ssm.time_step_rank`).
+    pub ssm_v_heads: u64,
+    /// DeltaNet head size (`ssm.state_size`).
+    pub ssm_head_dim: u64,
+    /// DeltaNet convolution width (`ssm.conv_kernel`).
+    pub ssm_conv: u64,
+    /// Multi-token-prediction blocks after the main stack (`nextn_predict_layers`).
+    pub mtp_layers: u64,
 }
 
 impl Shape {
+    /// Whether main layer `l` is gated DeltaNet (qwen35moe).
+    pub fn is_linear(&self, l: u64) -> bool {
+        self.full_attn_interval > 0
+            && l < self.layers
+            && !(l + 1).is_multiple_of(self.full_attn_interval)
+    }
+
+    /// DeltaNet query/key width.
+    pub fn ssm_key_dim(&self) -> u64 {
+        self.ssm_k_heads * self.ssm_head_dim
+    }
+
+    /// DeltaNet value width (`ssm.inner_size`).
+    pub fn ssm_value_dim(&self) -> u64 {
+        self.ssm_v_heads * self.ssm_head_dim
+    }
+
+    /// DeltaNet convolution channels.
+    pub fn ssm_conv_dim(&self) -> u64 {
+        2 * self.ssm_key_dim() + self.ssm_value_dim()
+    }
+
     /// Width of the query vector.
     pub fn q_dim(&self) -> u64 {
         self.heads * self.head_dim
@@ -212,6 +277,7 @@ impl Preset {
             Preset::Tiny => "tiny",
             Preset::Small => "small",
             Preset::A3b => "a3b",
+            Preset::Minicpmv47 => "minicpmv47",
         }
     }
 
@@ -233,6 +299,17 @@ impl Preset {
                 shared_ff: 128,
                 rope_base: 1e6,
                 norm_eps: 1e-6,
+                // qwen35moe: two DeltaNet and two attention layers (key heads tiled
+                // over twice as many value heads), half of each head rotated, and
+                // one MTP block.
+                rope_dim: 8,
+                rope_sections: [2, 1, 1, 0],
+                full_attn_interval: 2,
+                ssm_k_heads: 2,
+                ssm_v_heads: 4,
+                ssm_head_dim: 16,
+                ssm_conv: 4,
+                mtp_layers: 1,
             },
             Preset::Small => Shape {
                 layers: 16,
@@ -249,6 +326,14 @@ impl Preset {
                 shared_ff: 1024,
                 rope_base: 1e6,
                 norm_eps: 1e-6,
+                rope_dim: 16,
+                rope_sections: [3, 3, 2, 0],
+                full_attn_interval: 4,
+                ssm_k_heads: 8,
+                ssm_v_heads: 16,
+                ssm_head_dim: 64,
+                ssm_conv: 4,
+                mtp_layers: 1,
             },
             // Qwen/Qwen3-30B-A3B `config.json` (Hugging Face): hidden_size 2048,
             // intermediate_size 6144, moe_intermediate_size 768,
@@ -271,6 +356,54 @@ impl Preset {
                 shared_ff: 3072,
                 rope_base: 1e6,
                 norm_eps: 1e-6,
+                rope_dim: 32,
+                rope_sections: [6, 5, 5, 0],
+                full_attn_interval: 4,
+                ssm_k_heads: 16,
+                ssm_v_heads: 32,
+                ssm_head_dim: 128,
+                ssm_conv: 4,
+                mtp_layers: 1,
+            },
+            // MiniCPM-V 4.7-35B-A3B: its language backbone is `qwen3_5_moe_text` with
+            // 256 experts, 8 per token (OpenBMB's MiniCPM-V CookBook, v4.7 overview),
+            // i.e. Qwen/Qwen3.5-35B-A3B's text model, whose published dimensions are
+            // (slime scripts/models/qwen3.5-35B-A3B.sh, mirroring its config.json):
+            // num_hidden_layers 40, hidden_size 2048, num_attention_heads 16,
+            // num_key_value_heads 2, head_dim 256, partial_rotary_factor 0.25
+            // (64 rotated dims), rope_theta 1e7, rms_norm_eps 1e-6, num_experts 256,
+            // num_experts_per_tok 8, moe_intermediate_size 512,
+            // shared_expert_intermediate_size 512, vocab_size 248320,
+            // full_attention_interval 4 (layer_types: 3 linear_attention then 1
+            // full_attention, repeated), linear_conv_kernel_dim 4,
+            // linear_key_head_dim 128, linear_value_head_dim 128,
+            // linear_num_key_heads 16, linear_num_value_heads 32,
+            // mrope_section [11, 11, 10], mtp_num_hidden_layers 1,
+            // max_position_embeddings 262144. MiniCPM-V 4.7's own config.json was
+            // not reachable; these are the base model's.
+            Preset::Minicpmv47 => Shape {
+                layers: 40,
+                embd: 2048,
+                heads: 16,
+                kv_heads: 2,
+                head_dim: 256,
+                vocab: 248_320,
+                context: 262_144,
+                ff: 512,
+                experts: 256,
+                top_k: 8,
+                expert_ff: 512,
+                shared_ff: 512,
+                rope_base: 1e7,
+                norm_eps: 1e-6,
+                rope_dim: 64,
+                rope_sections: [11, 11, 10, 0],
+                full_attn_interval: 4,
+                ssm_k_heads: 16,
+                ssm_v_heads: 32,
+                ssm_head_dim: 128,
+                ssm_conv: 4,
+                mtp_layers: 1,
             },
         }
     }
@@ -284,7 +417,7 @@ impl Preset {
                 embd: GgmlType::Q8_0,
                 output: GgmlType::Q8_0,
             },
-            Preset::Small | Preset::A3b => Types {
+            Preset::Small | Preset::A3b | Preset::Minicpmv47 => Types {
                 expert: GgmlType::Q4K,
                 dense: GgmlType::Q8_0,
                 embd: GgmlType::Q8_0,
@@ -320,6 +453,7 @@ pub struct Overrides {
     pub residual_scale: Option<f32>,
     pub router_scale: Option<f32>,
     pub tie_embeddings: bool,
+    pub mtp_layers: Option<u64>,
 }
 
 /// Why a configuration or a write failed.
@@ -399,14 +533,32 @@ impl SynthConfig {
             shared_ff: o.shared_ff.unwrap_or(p.shared_ff),
             rope_base: o.rope_base.unwrap_or(p.rope_base),
             norm_eps: p.norm_eps,
+            rope_dim: p.rope_dim,
+            rope_sections: p.rope_sections,
+            full_attn_interval: p.full_attn_interval,
+            ssm_k_heads: p.ssm_k_heads,
+            ssm_v_heads: p.ssm_v_heads,
+            ssm_head_dim: p.ssm_head_dim,
+            ssm_conv: p.ssm_conv,
+            mtp_layers: o.mtp_layers.unwrap_or(p.mtp_layers),
         };
         let name = arch.cli_name();
+        if arch != Arch::Qwen35moe {
+            if o.mtp_layers.is_some() {
+                return config_err(format!("--mtp-layers applies to qwen35moe, not {name}"));
+            }
+            s.mtp_layers = 0;
+            s.full_attn_interval = 0;
+            s.rope_dim = s.head_dim;
+        }
         if arch == Arch::Llama && o.experts.is_none() {
             s.experts = 0;
         }
-        if arch != Arch::Qwen2moe {
+        if !arch.has_shared_expert() {
             if o.shared_ff.is_some() {
-                return config_err(format!("--shared-ff applies to qwen2moe, not {name}"));
+                return config_err(format!(
+                    "--shared-ff applies to qwen2moe and qwen35moe, not {name}"
+                ));
             }
             s.shared_ff = 0;
         }
@@ -490,6 +642,27 @@ impl SynthConfig {
         if !s.head_dim.is_multiple_of(2) {
             return config_err("head_dim must be even (RoPE rotates pairs)");
         }
+        if self.arch == Arch::Qwen35moe {
+            if s.rope_dim == 0 || s.rope_dim > s.head_dim || !s.rope_dim.is_multiple_of(2) {
+                return config_err("qwen35moe: rope_dim must be even and at most head_dim");
+            }
+            if s.ssm_k_heads == 0
+                || s.ssm_head_dim == 0
+                || s.ssm_conv < 2
+                || s.ssm_v_heads == 0
+                || !s.ssm_v_heads.is_multiple_of(s.ssm_k_heads)
+            {
+                return config_err(
+                    "qwen35moe: DeltaNet value heads must be a multiple of its key heads",
+                );
+            }
+            if s.full_attn_interval == 0 {
+                return config_err("qwen35moe: full_attention_interval must be positive");
+            }
+            if s.mtp_layers > 4 {
+                return config_err("--mtp-layers: at most 4");
+            }
+        }
         if s.vocab < vocab::MIN_VOCAB as u64 {
             return config_err(format!("--vocab must be at least {}", vocab::MIN_VOCAB));
         }
@@ -567,6 +740,8 @@ pub enum Init {
     Embedding,
     /// A layer's router: correlated with the previous layer's, plus popularity.
     Router,
+    /// Uniform in `[lo, hi)`.
+    Uniform(f32, f32),
 }
 
 /// One tensor of the plan.
@@ -640,7 +815,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
     let mut add = |name: String, dims: Vec<u64>, ty: GgmlType, init: Init, layer: Option<u64>| {
         let ty = match init {
             Init::Norm | Init::Router => GgmlType::F32,
-            _ if dims.len() == 1 => GgmlType::F32,
+            _ if dims.len() == 1 || name.ends_with("ssm_conv1d.weight") => GgmlType::F32,
             _ => fit(ty, dims[0]),
         };
         out.push(TensorPlan {
@@ -659,9 +834,13 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         Init::Embedding,
         None,
     );
-    for l in 0..s.layers {
+    for l in 0..s.layers + s.mtp_layers {
         let n = |part: &str| format!("blk.{l}.{part}");
         let lay = Some(l);
+        if cfg.arch == Arch::Qwen35moe {
+            qwen35moe_layer(cfg, l, &mut add);
+            continue;
+        }
         add(
             n("attn_norm.weight"),
             vec![e],
@@ -841,6 +1020,192 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
     out
 }
 
+/// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
+/// in llama.cpp's names and shapes.
+fn qwen35moe_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let s = &cfg.shape;
+    let t = &cfg.types;
+    let r = cfg.knobs.residual_scale;
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let lay = Some(l);
+    let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
+    let mtp = l >= s.layers;
+    let norm = |add: &mut dyn FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+                name: &str,
+                len| { add(n(name), vec![len], GgmlType::F32, Init::Norm, lay) };
+    norm(add, "attn_norm.weight", e);
+    norm(add, "post_attention_norm.weight", e);
+    if s.is_linear(l) {
+        let (kd, vd, cd, nv) = (
+            s.ssm_key_dim(),
+            s.ssm_value_dim(),
+            s.ssm_conv_dim(),
+            s.ssm_v_heads,
+        );
+        let _ = kd;
+        add(
+            n("attn_qkv.weight"),
+            vec![e, cd],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("attn_gate.weight"),
+            vec![e, vd],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("ssm_conv1d.weight"),
+            vec![s.ssm_conv, cd],
+            GgmlType::F32,
+            Init::Normal(inv(s.ssm_conv)),
+            lay,
+        );
+        add(n("ssm_dt.bias"), vec![nv], GgmlType::F32, Init::Norm, lay);
+        // -exp(A_log) with A_log = ln(U[0.05, 1)): decays between e^-1 and e^-0.05
+        // per unit of softplus, so the state keeps a few tokens.
+        add(
+            n("ssm_a"),
+            vec![nv],
+            GgmlType::F32,
+            Init::Uniform(-1.0, -0.05),
+            lay,
+        );
+        add(
+            n("ssm_beta.weight"),
+            vec![e, nv],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("ssm_alpha.weight"),
+            vec![e, nv],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        norm(add, "ssm_norm.weight", s.ssm_head_dim);
+        add(
+            n("ssm_out.weight"),
+            vec![vd, e],
+            t.dense,
+            Init::Normal(r * inv(vd)),
+            lay,
+        );
+    } else {
+        // attn_q yields a query and an output gate per head.
+        add(
+            n("attn_q.weight"),
+            vec![e, 2 * q],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("attn_k.weight"),
+            vec![e, kv],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("attn_v.weight"),
+            vec![e, kv],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("attn_output.weight"),
+            vec![q, e],
+            t.dense,
+            Init::Normal(r * inv(q)),
+            lay,
+        );
+        norm(add, "attn_q_norm.weight", s.head_dim);
+        norm(add, "attn_k_norm.weight", s.head_dim);
+    }
+    let (x, f, sf) = (s.experts, s.expert_ff, s.shared_ff);
+    add(
+        n("ffn_gate_inp.weight"),
+        vec![e, x],
+        GgmlType::F32,
+        Init::Router,
+        lay,
+    );
+    add(
+        n("ffn_gate_exps.weight"),
+        vec![e, f, x],
+        t.expert,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_up_exps.weight"),
+        vec![e, f, x],
+        t.expert,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_down_exps.weight"),
+        vec![f, e, x],
+        t.expert,
+        Init::Normal(r * inv(f)),
+        lay,
+    );
+    add(
+        n("ffn_gate_inp_shexp.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_gate_shexp.weight"),
+        vec![e, sf],
+        t.dense,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_up_shexp.weight"),
+        vec![e, sf],
+        t.dense,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_down_shexp.weight"),
+        vec![sf, e],
+        t.dense,
+        Init::Normal(r * inv(sf)),
+        lay,
+    );
+    if mtp {
+        // The nextn head: [enorm(embedding), hnorm(hidden)] -> eh_proj -> the block.
+        add(
+            n("nextn.eh_proj.weight"),
+            vec![2 * e, e],
+            t.dense,
+            Init::Normal(inv(2 * e)),
+            lay,
+        );
+        norm(add, "nextn.enorm.weight", e);
+        norm(add, "nextn.hnorm.weight", e);
+        norm(add, "nextn.shared_head_norm.weight", e);
+    }
+}
+
 /// Every metadata pair, in file order (`general.*`, hyperparameters, provenance,
 /// tokenizer).
 pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
@@ -860,7 +1225,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     kv("general.alignment".into(), MetaValue::U32(32));
     kv("general.file_type".into(), MetaValue::U32(file_type(bulk)));
     kv("general.quantization_version".into(), MetaValue::U32(2));
-    kv(format!("{a}.block_count"), u32v(s.layers));
+    kv(format!("{a}.block_count"), u32v(s.layers + s.mtp_layers));
     kv(format!("{a}.context_length"), u32v(s.context));
     kv(format!("{a}.embedding_length"), u32v(s.embd));
     let ff = match cfg.arch {
@@ -878,6 +1243,37 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     }
     if matches!(cfg.arch, Arch::Llama | Arch::Mixtral) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
+    }
+    if cfg.arch == Arch::Qwen35moe {
+        kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
+        let sections = s.rope_sections.iter().map(|&x| MetaValue::I32(x as i32));
+        kv(
+            format!("{a}.rope.dimension_sections"),
+            MetaValue::Array(
+                MetaArray::new(ValueType::I32, sections.collect())
+                    .expect("i32 items in an i32 array"),
+            ),
+        );
+        kv(format!("{a}.ssm.conv_kernel"), u32v(s.ssm_conv));
+        kv(format!("{a}.ssm.state_size"), u32v(s.ssm_head_dim));
+        kv(format!("{a}.ssm.group_count"), u32v(s.ssm_k_heads));
+        kv(format!("{a}.ssm.time_step_rank"), u32v(s.ssm_v_heads));
+        kv(format!("{a}.ssm.inner_size"), u32v(s.ssm_value_dim()));
+        let flags = (0..s.layers + s.mtp_layers).map(|l| MetaValue::Bool(s.is_linear(l)));
+        kv(
+            format!("{a}.attention.recurrent_layers"),
+            MetaValue::Array(
+                MetaArray::new(ValueType::Bool, flags.collect())
+                    .expect("bool items in a bool array"),
+            ),
+        );
+        kv(
+            format!("{a}.full_attention_interval"),
+            u32v(s.full_attn_interval),
+        );
+        if s.mtp_layers > 0 {
+            kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
+        }
     }
     kv(format!("{a}.rope.freq_base"), MetaValue::F32(s.rope_base));
     kv(

@@ -1,0 +1,814 @@
+//! The qwen35moe forward pass (gated DeltaNet layers interleaved with gated
+//! attention, routed plus gated shared experts) on a tiny model: its math against a
+//! plain f32 reference written here (per-token DeltaNet recurrence over an explicit
+//! state matrix, naive attention), offloaded == resident bit for bit for every
+//! schedule, and the sequence state living entirely in the caller's KV cache and
+//! recurrent state (a run interrupted and resumed from copies of them equals an
+//! uninterrupted one, and position 0 starts afresh over dirty buffers).
+
+use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
+use les_core::blockdev::ReadRequest;
+use les_core::gemv::{Isa, MatrixView};
+use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
+use les_core::model::deltanet::DeltaNetWeights;
+use les_core::model::experts::{ExpertFormat, Resident, Streamed};
+use les_core::model::forward::{
+    forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, LayerWeights,
+    Lookahead, Mixer, RecurrentState, Scratch, SerialMatVec, SharedExpert, TokenInput, Weights,
+};
+use les_core::model::ops::RopeStyle;
+use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
+use les_core::quant::{self, GgmlType};
+use les_core::router::{Gating, LayerMask, PredictorConfig};
+use les_core::schedule::{ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig};
+use les_core::slots::{ExpertKey, Slot};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0
+    }
+    fn vec(&mut self, n: usize, scale: f32, offset: f32) -> Vec<f32> {
+        (0..n).map(|_| offset + scale * self.normal()).collect()
+    }
+}
+
+/// A matrix both as f32 (for the reference) and in its storage type.
+struct Mat {
+    f32: Vec<f32>,
+    bytes: Vec<u8>,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+}
+
+impl Mat {
+    fn new(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize, scale: f32) -> Mat {
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * scale).collect();
+        let mut bytes = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
+        quant::quantize(ty, &x, &mut bytes).unwrap();
+        let mut f = vec![0f32; rows * cols];
+        quant::dequantize(ty, &bytes, &mut f).unwrap();
+        Mat {
+            f32: f,
+            bytes,
+            ty,
+            rows,
+            cols,
+        }
+    }
+    fn view(&self) -> MatrixView<'_> {
+        MatrixView::new(self.ty, self.rows, self.cols, &self.bytes).unwrap()
+    }
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        (0..self.rows)
+            .map(|r| {
+                (0..self.cols)
+                    .map(|c| self.f32[r * self.cols + c] as f64 * x[c] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+}
+
+struct Attn {
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+struct Delta {
+    qkv: Mat,
+    gate: Mat,
+    beta: Mat,
+    alpha: Mat,
+    dt_bias: Vec<f32>,
+    a: Vec<f32>,
+    conv: Vec<f32>,
+    norm: Vec<f32>,
+    out: Mat,
+}
+
+enum Mix {
+    Attn(Attn),
+    Delta(Delta),
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    mix: Mix,
+    post_norm: Vec<f32>,
+    router: Mat,
+    shared: [Mat; 3],
+    shared_gate: Mat,
+}
+
+const N_EXP: usize = 8;
+const TOP_K: usize = 2;
+const FF: usize = 32;
+
+struct Model {
+    hp: Hparams,
+    hy: HybridParams,
+    embd: Mat,
+    out_norm: Vec<f32>,
+    output: Mat,
+    layers: Vec<Layer>,
+    experts: Vec<Vec<[Mat; 3]>>,
+    image: Vec<u8>,
+    offsets: Vec<Vec<usize>>,
+    expert_ty: [GgmlType; 3],
+}
+
+const DELTA: DeltaNetShape = DeltaNetShape {
+    n_k_heads: 2,
+    n_v_heads: 4,
+    head_dim: 16,
+    conv_kernel: 4,
+};
+
+/// Layers 0 and 2 are DeltaNet, 1 and 3 gated attention.
+fn is_linear(l: usize) -> bool {
+    l.is_multiple_of(2)
+}
+
+fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) -> Model {
+    let mut rng = Rng(seed);
+    let hp = Hparams {
+        n_layers: 4,
+        n_embd: 64,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 16,
+        n_rot: 8,
+        n_vocab: 40,
+        n_ff: 0,
+        rope_base: 10000.0,
+        rope_style: RopeStyle::Neox,
+        norm_eps: 1e-6,
+        moe: Some(MoeParams {
+            n_experts: N_EXP,
+            top_k: TOP_K,
+            n_ff_exp: FF,
+            gating: Gating::Softmax,
+            normalize: true,
+            weights_scale: 1.0,
+            n_ff_shared: Some(FF),
+        }),
+    };
+    let hy = HybridParams {
+        n_attn_layers: 2,
+        linear: Some((2, DELTA)),
+        attn_output_gate: true,
+        rope_sections: Some(sections),
+    };
+    hy.validate(&hp).unwrap();
+    let e = hp.n_embd;
+    let d = DELTA;
+    let mut layers = Vec::new();
+    let mut experts = Vec::new();
+    let mut image = Vec::new();
+    let mut offsets = Vec::new();
+    for l in 0..hp.n_layers {
+        let attn_norm = rng.vec(e, 0.1, 1.0);
+        let mix = if is_linear(l) {
+            Mix::Delta(Delta {
+                qkv: Mat::new(&mut rng, ty, d.conv_dim(), e, 0.15),
+                gate: Mat::new(&mut rng, ty, d.value_dim(), e, 0.15),
+                beta: Mat::new(&mut rng, ty, d.n_v_heads, e, 0.15),
+                alpha: Mat::new(&mut rng, ty, d.n_v_heads, e, 0.15),
+                dt_bias: rng.vec(d.n_v_heads, 0.1, 1.0),
+                a: (0..d.n_v_heads).map(|_| -0.05 - rng.uniform()).collect(),
+                conv: rng.vec(d.conv_dim() * d.conv_kernel, 0.5, 0.0),
+                norm: rng.vec(d.head_dim, 0.1, 1.0),
+                out: Mat::new(&mut rng, ty, e, d.value_dim(), 0.15),
+            })
+        } else {
+            Mix::Attn(Attn {
+                wq: Mat::new(&mut rng, ty, 2 * hp.q_dim(), e, 0.15),
+                wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+                wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+                wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
+                q_norm: rng.vec(hp.head_dim, 0.1, 1.0),
+                k_norm: rng.vec(hp.head_dim, 0.1, 1.0),
+            })
+        };
+        layers.push(Layer {
+            attn_norm,
+            mix,
+            post_norm: rng.vec(e, 0.1, 1.0),
+            router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
+            shared: [
+                Mat::new(&mut rng, ty, FF, e, 0.15),
+                Mat::new(&mut rng, ty, FF, e, 0.15),
+                Mat::new(&mut rng, ty, e, FF, 0.15),
+            ],
+            shared_gate: Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
+        });
+        let mut le = Vec::new();
+        let mut lo = Vec::new();
+        for _ in 0..N_EXP {
+            let m = [
+                Mat::new(&mut rng, expert_ty[0], FF, e, 0.2),
+                Mat::new(&mut rng, expert_ty[1], FF, e, 0.2),
+                Mat::new(&mut rng, expert_ty[2], e, FF, 0.2),
+            ];
+            lo.push(image.len());
+            for p in &m {
+                image.extend_from_slice(&p.bytes);
+            }
+            le.push(m);
+        }
+        experts.push(le);
+        offsets.push(lo);
+    }
+    Model {
+        hp,
+        hy,
+        embd: Mat::new(&mut rng, ty, hp.n_vocab, e, 1.0),
+        out_norm: rng.vec(e, 0.1, 1.0),
+        output: Mat::new(&mut rng, ty, hp.n_vocab, e, 0.2),
+        layers,
+        experts,
+        image,
+        offsets,
+        expert_ty,
+    }
+}
+
+impl Weights for Model {
+    fn layer(&self, _l: usize) -> LayerWeights<'_> {
+        unreachable!("the forward pass asks for blocks")
+    }
+    fn block(&self, l: usize) -> Block<'_> {
+        let ly = &self.layers[l];
+        let mixer = match &ly.mix {
+            Mix::Attn(a) => Mixer::Attention(AttentionWeights {
+                wq: a.wq.view(),
+                wk: a.wk.view(),
+                wv: a.wv.view(),
+                wo: a.wo.view(),
+                bq: None,
+                bk: None,
+                bv: None,
+                q_norm: Some(&a.q_norm),
+                k_norm: Some(&a.k_norm),
+            }),
+            Mix::Delta(d) => Mixer::DeltaNet(DeltaNetWeights {
+                shape: DELTA,
+                qkv: d.qkv.view(),
+                gate: d.gate.view(),
+                beta: d.beta.view(),
+                alpha: d.alpha.view(),
+                dt_bias: &d.dt_bias,
+                a: &d.a,
+                conv: &d.conv,
+                norm: &d.norm,
+                out: d.out.view(),
+            }),
+        };
+        let [g, u, dn] = &ly.shared;
+        Block {
+            attn_norm: &ly.attn_norm,
+            mixer,
+            ffn_norm: &ly.post_norm,
+            ffn: Ffn::Moe {
+                router: ly.router.view(),
+                shared: Some(SharedExpert {
+                    gate: g.view(),
+                    up: u.view(),
+                    down: dn.view(),
+                    gate_inp: Some(ly.shared_gate.view()),
+                }),
+            },
+        }
+    }
+    fn embedding(&self) -> MatrixView<'_> {
+        self.embd.view()
+    }
+    fn output_norm(&self) -> &[f32] {
+        &self.out_norm
+    }
+    fn output(&self) -> MatrixView<'_> {
+        self.output.view()
+    }
+}
+
+impl Model {
+    fn format(&self) -> ExpertFormat {
+        ExpertFormat {
+            gate: self.expert_ty[0],
+            up: self.expert_ty[1],
+            down: self.expert_ty[2],
+            n_embd: self.hp.n_embd,
+            n_ff: FF,
+        }
+    }
+}
+
+struct Source<'a> {
+    m: &'a Model,
+}
+
+impl ExpertSource for Source<'_> {
+    fn extents(&self, key: ExpertKey) -> Extents {
+        let off = self.m.offsets[key.layer as usize][key.expert as usize] as u64;
+        let mut ext = Extents::new();
+        ext.push(Extent {
+            offset: off,
+            len: self.m.format().bytes().unwrap() as u32,
+            slot_offset: 0,
+        })
+        .unwrap();
+        ext
+    }
+}
+
+const TOKENS: [u32; 9] = [3, 17, 5, 39, 0, 22, 22, 8, 31];
+
+/// Every buffer of a sequence: KV cache, recurrent state, scratch, activations.
+struct Buffers {
+    kv_k: Vec<f32>,
+    kv_v: Vec<f32>,
+    conv: Vec<f32>,
+    ssm: Vec<f32>,
+    scratch: Vec<f32>,
+    q8_0: Vec<BlockQ8_0>,
+    q8_1: Vec<BlockQ8_1>,
+    q8k: Vec<BlockQ8K>,
+}
+
+impl Buffers {
+    fn new(m: &Model) -> Buffers {
+        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
+        let (c, s) = RecurrentState::len(hy);
+        Buffers {
+            kv_k: vec![0.0; KvCache::len_for(hp, hy, n)],
+            kv_v: vec![0.0; KvCache::len_for(hp, hy, n)],
+            conv: vec![0.0; c],
+            ssm: vec![0.0; s],
+            scratch: vec![0.0; Scratch::len_for(hp, hy, n)],
+            q8_0: vec![
+                BlockQ8_0 {
+                    d: [0; 2],
+                    qs: [0; 32]
+                };
+                8
+            ],
+            q8_1: vec![
+                BlockQ8_1 {
+                    d: [0; 2],
+                    s: [0; 2],
+                    qs: [0; 32]
+                };
+                8
+            ],
+            q8k: vec![
+                BlockQ8K {
+                    d: [0; 4],
+                    qs: [0; 256],
+                    bsums: [[0; 2]; 16]
+                };
+                1
+            ],
+        }
+    }
+
+    /// Runs `tokens` at positions `start..`, returning each position's logits.
+    fn run<X: Experts>(
+        &mut self,
+        m: &Model,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+        start: usize,
+        tokens: &[u32],
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
+        let mut mv = SerialMatVec {
+            isa: Isa::detect(),
+            q8_0: &mut self.q8_0,
+            q8_1: &mut self.q8_1,
+            q8k: &mut self.q8k,
+        };
+        tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let mut logits = vec![0f32; hp.n_vocab];
+                forward_hybrid(
+                    hp,
+                    hy,
+                    m,
+                    &mut mv,
+                    experts,
+                    lookahead,
+                    TokenInput::Token(t),
+                    start + i,
+                    &mut kv,
+                    &mut rs,
+                    &mut s,
+                    &mut logits,
+                )
+                .unwrap();
+                logits
+            })
+            .collect()
+    }
+}
+
+type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
+
+fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
+    let fmt = m.format();
+    Resident::new(Box::new(move |l, e| {
+        let off = m.offsets[l][e as usize];
+        fmt.matrices(&m.image[off..off + fmt.bytes().unwrap()])
+    }))
+}
+
+fn resident(m: &Model) -> Vec<Vec<f32>> {
+    Buffers::new(m).run(m, &mut resident_experts(m), None, 0, &TOKENS)
+}
+
+fn streamed(
+    m: &Model,
+    slots: usize,
+    predict: bool,
+    seed: u64,
+    cfg: SchedulerConfig,
+) -> Vec<Vec<f32>> {
+    let fmt = m.format();
+    let slot_bytes = fmt.bytes().unwrap();
+    let mut mem = vec![0u8; slots * slot_bytes];
+    let sim = SimConfig {
+        order: if seed.is_multiple_of(3) {
+            CompletionOrder::Timed
+        } else {
+            CompletionOrder::Shuffled { seed }
+        },
+        honor_cancel: seed.is_multiple_of(2),
+        ..SimConfig::default()
+    };
+    let mut fault_rng = Rng(seed);
+    let mut dev: SimDevice<_, 8> =
+        SimDevice::new(&m.image, &mut mem, slot_bytes, sim, |_: &ReadRequest| {
+            if fault_rng.next().is_multiple_of(10) {
+                Fault::Transient
+            } else {
+                Fault::None
+            }
+        });
+    let n_layers = m.hp.n_layers;
+    let sched = Scheduler::new(
+        SchedulerConfig {
+            max_retries: 40,
+            ..cfg
+        },
+        vec![Slot::EMPTY; slots],
+        vec![0u32; n_layers * N_EXP],
+        vec![LayerState::INITIAL; n_layers],
+        n_layers as u16,
+        N_EXP as u16,
+        slot_bytes as u32,
+    )
+    .unwrap();
+    let src = Source { m };
+    let mut ex = Streamed {
+        scheduler: sched,
+        device: &mut dev,
+        source: &src,
+        format: |_| fmt,
+        predict,
+    };
+    let la = Lookahead {
+        predictor: PredictorConfig::top_k(TOP_K),
+        layers: LayerMask::first(n_layers).unwrap(),
+    };
+    let out = Buffers::new(m).run(m, &mut ex, Some(&la), 0, &TOKENS);
+    let st = ex.scheduler.stats();
+    assert_eq!(
+        st.misses + st.hits + st.late_hits,
+        (TOKENS.len() * n_layers * TOP_K) as u64,
+        "{st:?}"
+    );
+    if predict && cfg.prefetch {
+        // Lookahead runs from every layer, DeltaNet ones included.
+        assert!(st.prefetches > 0, "{st:?}");
+    }
+    out
+}
+
+fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (t, (x, y)) in a.iter().zip(b).enumerate() {
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            assert_eq!(
+                p.to_bits(),
+                q.to_bits(),
+                "{what}: token {t} logit {i}: {p} vs {q}"
+            );
+        }
+    }
+}
+
+#[test]
+fn streamed_equals_resident_bit_for_bit() {
+    for (ty, ety) in [
+        (
+            GgmlType::Q8_0,
+            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+        ),
+        (
+            GgmlType::F16,
+            [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
+        ),
+    ] {
+        let m = build(11, ty, ety, [2, 1, 1, 0]);
+        let want = resident(&m);
+        let mut seed = 1;
+        for slots in [TOP_K, 3, 5, 16] {
+            for predict in [false, true] {
+                for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
+                    seed += 1;
+                    let got = streamed(&m, slots, predict, seed, cfg);
+                    assert_bits_eq(
+                        &got,
+                        &want,
+                        &format!("{ty} slots={slots} predict={predict} {cfg:?}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
+    let m = build(7, GgmlType::Q8_0, [GgmlType::Q4_0; 3], [2, 1, 1, 0]);
+    let want = resident(&m);
+    for split in [1, 4, TOKENS.len() - 1] {
+        // Prefill the first `split` tokens, then carry only the KV cache and the
+        // recurrent state (copied) into fresh buffers, and decode the rest.
+        let mut a = Buffers::new(&m);
+        let mut got = a.run(&m, &mut resident_experts(&m), None, 0, &TOKENS[..split]);
+        let mut b = Buffers::new(&m);
+        b.kv_k.copy_from_slice(&a.kv_k);
+        b.kv_v.copy_from_slice(&a.kv_v);
+        b.conv.copy_from_slice(&a.conv);
+        b.ssm.copy_from_slice(&a.ssm);
+        got.extend(b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]));
+        assert_bits_eq(&got, &want, &format!("prefill {split} then decode"));
+    }
+    // Position 0 starts a new sequence, whatever the buffers held.
+    let mut dirty = Buffers::new(&m);
+    dirty.run(&m, &mut resident_experts(&m), None, 0, &[9, 9, 1, 2, 3]);
+    let again = dirty.run(&m, &mut resident_experts(&m), None, 0, &TOKENS);
+    assert_bits_eq(&again, &want, "reused buffers");
+    // And the recurrent state matters: without it the logits change.
+    let mut b = Buffers::new(&m);
+    let mut a = Buffers::new(&m);
+    a.run(&m, &mut resident_experts(&m), None, 0, &TOKENS[..4]);
+    b.kv_k.copy_from_slice(&a.kv_k);
+    b.kv_v.copy_from_slice(&a.kv_v);
+    let lost = b.run(&m, &mut resident_experts(&m), None, 4, &TOKENS[4..5]);
+    assert_ne!(lost[0], want[4], "DeltaNet state had no effect");
+}
+
+/// A plain f32 qwen35moe, written from the architecture description with no shared
+/// code: DeltaNet as an explicit per-token recurrence over `S[i][j]`, attention over
+/// explicit past keys and values.
+fn reference(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
+    let hp = m.hp;
+    let d = DELTA;
+    let eps = hp.norm_eps as f64;
+    let rms = |x: &[f32], w: &[f32]| -> Vec<f32> {
+        let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+        let s = 1.0 / (ms + eps).sqrt();
+        x.iter()
+            .zip(w)
+            .map(|(v, w)| (*v as f64 * s) as f32 * w)
+            .collect()
+    };
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x as f64).exp()) as f32;
+    let silu = |x: f32| x * sigmoid(x);
+    let softplus = |x: f32| (1.0 + (x as f64).exp()).ln() as f32;
+    let l2 = |x: &[f32]| -> Vec<f32> {
+        let n = (x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() + eps).sqrt();
+        x.iter().map(|v| (*v as f64 / n) as f32).collect()
+    };
+    // IMRoPE over the first n_rot dims, NeoX pairs; text position [p, p, p, 0].
+    let rope = |x: &mut [f32], pos: usize| {
+        let total: usize = sections.iter().map(|s| *s as usize).sum();
+        let s = sections.map(|v| v as usize);
+        let half = hp.n_rot / 2;
+        for h in x.chunks_mut(hp.head_dim) {
+            for i in 0..half {
+                let sector = i % total;
+                let uses_pos = (sector % 3 == 1 && sector < 3 * s[1])
+                    || (sector % 3 == 2 && sector < 3 * s[2])
+                    || (sector.is_multiple_of(3) && sector < 3 * s[0]);
+                let p = if uses_pos { pos as f64 } else { 0.0 };
+                let theta = p * (hp.rope_base as f64).powf(-2.0 * i as f64 / hp.n_rot as f64);
+                let (a, b) = (h[i] as f64, h[i + half] as f64);
+                h[i] = (a * theta.cos() - b * theta.sin()) as f32;
+                h[i + half] = (a * theta.sin() + b * theta.cos()) as f32;
+            }
+        }
+    };
+    let ffn = |w: &[Mat; 3], x: &[f32]| -> Vec<f32> {
+        let g = w[0].apply(x);
+        let u = w[1].apply(x);
+        let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        w[2].apply(&a)
+    };
+    let hd = hp.head_dim;
+    let mut keys: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
+    let mut vals: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
+    // DeltaNet: past projections (for the convolution) and S[h][i][j] per layer.
+    let mut hist: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
+    let mut state = vec![vec![vec![vec![0f64; d.head_dim]; d.head_dim]; d.n_v_heads]; hp.n_layers];
+    let mut out = Vec::new();
+    for (pos, &t) in TOKENS.iter().enumerate() {
+        let mut h: Vec<f32> = m.embd.f32[t as usize * hp.n_embd..][..hp.n_embd].to_vec();
+        for (l, ly) in m.layers.iter().enumerate() {
+            let x = rms(&h, &ly.attn_norm);
+            let o = match &ly.mix {
+                Mix::Attn(a) => {
+                    let qg = a.wq.apply(&x);
+                    let mut q = Vec::new();
+                    let mut gate = Vec::new();
+                    for head in 0..hp.n_head {
+                        q.extend(rms(&qg[2 * head * hd..][..hd], &a.q_norm));
+                        gate.extend_from_slice(&qg[(2 * head + 1) * hd..][..hd]);
+                    }
+                    let mut k = Vec::new();
+                    for kh in a.wk.apply(&x).chunks(hd) {
+                        k.extend(rms(kh, &a.k_norm));
+                    }
+                    rope(&mut q, pos);
+                    rope(&mut k, pos);
+                    keys[l].push(k);
+                    vals[l].push(a.wv.apply(&x));
+                    let mut att = vec![0f32; hp.q_dim()];
+                    for head in 0..hp.n_head {
+                        let kvh = head / (hp.n_head / hp.n_head_kv);
+                        let qh = &q[head * hd..][..hd];
+                        let scores: Vec<f64> = keys[l]
+                            .iter()
+                            .map(|k| {
+                                qh.iter()
+                                    .zip(&k[kvh * hd..][..hd])
+                                    .map(|(a, b)| (*a * *b) as f64)
+                                    .sum::<f64>()
+                                    / (hd as f64).sqrt()
+                            })
+                            .collect();
+                        let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                        let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
+                        for (p, v) in scores.iter().zip(&vals[l]) {
+                            let w = (p - mx).exp() / z;
+                            for i in 0..hd {
+                                att[head * hd + i] += (w * v[kvh * hd + i] as f64) as f32;
+                            }
+                        }
+                        for i in 0..hd {
+                            att[head * hd + i] *= sigmoid(gate[head * hd + i]);
+                        }
+                    }
+                    a.wo.apply(&att)
+                }
+                Mix::Delta(w) => {
+                    hist[l].push(w.qkv.apply(&x));
+                    let z = w.gate.apply(&x);
+                    let beta: Vec<f32> = w.beta.apply(&x).into_iter().map(sigmoid).collect();
+                    let alpha = w.alpha.apply(&x);
+                    let kk = d.conv_kernel;
+                    let conv: Vec<f32> = (0..d.conv_dim())
+                        .map(|c| {
+                            let mut acc = 0f64;
+                            for j in 0..kk {
+                                // Tap j sees the input j - (K-1) tokens from now.
+                                let back = kk - 1 - j;
+                                if let Some(p) = pos.checked_sub(back) {
+                                    acc += w.conv[c * kk + j] as f64 * hist[l][p][c] as f64;
+                                }
+                            }
+                            silu(acc as f32)
+                        })
+                        .collect();
+                    let (kd, hdv) = (d.key_dim(), d.head_dim);
+                    let mut o = Vec::new();
+                    for vh in 0..d.n_v_heads {
+                        let kh = vh % d.n_k_heads;
+                        let q = l2(&conv[kh * hdv..][..hdv]);
+                        let k = l2(&conv[kd + kh * hdv..][..hdv]);
+                        let v = &conv[2 * kd + vh * hdv..][..hdv];
+                        let g = softplus(alpha[vh] + w.dt_bias[vh]) * w.a[vh];
+                        let s = &mut state[l][vh];
+                        let decay = (g as f64).exp();
+                        for row in s.iter_mut() {
+                            for x in row.iter_mut() {
+                                *x *= decay;
+                            }
+                        }
+                        // d_j = (v_j - sum_i S_ij k_i) * beta; S_ij += k_i d_j.
+                        let dj: Vec<f64> = (0..hdv)
+                            .map(|j| {
+                                let mem: f64 = (0..hdv).map(|i| s[i][j] * k[i] as f64).sum();
+                                (v[j] as f64 - mem) * beta[vh] as f64
+                            })
+                            .collect();
+                        for i in 0..hdv {
+                            for j in 0..hdv {
+                                s[i][j] += k[i] as f64 * dj[j];
+                            }
+                        }
+                        let oh: Vec<f32> = (0..hdv)
+                            .map(|j| {
+                                ((0..hdv).map(|i| s[i][j] * q[i] as f64).sum::<f64>()
+                                    / (hdv as f64).sqrt()) as f32
+                            })
+                            .collect();
+                        let normed = rms(&oh, &w.norm);
+                        o.extend(
+                            normed
+                                .iter()
+                                .zip(&z[vh * hdv..][..hdv])
+                                .map(|(a, zz)| a * silu(*zz)),
+                        );
+                    }
+                    w.out.apply(&o)
+                }
+            };
+            for (a, b) in h.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let x = rms(&h, &ly.post_norm);
+            let logits = ly.router.apply(&x);
+            let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
+            let p: Vec<f32> = logits.iter().map(|v| (v - mx).exp()).collect();
+            let mut idx: Vec<usize> = (0..N_EXP).collect();
+            idx.sort_by(|a, b| p[*b].partial_cmp(&p[*a]).unwrap().then(a.cmp(b)));
+            let top = &idx[..TOP_K];
+            let sum: f32 = top.iter().map(|i| p[*i]).sum();
+            let mut y = vec![0f32; hp.n_embd];
+            for &i in top {
+                for (a, b) in y.iter_mut().zip(ffn(&m.experts[l][i], &x)) {
+                    *a += p[i] / sum * b;
+                }
+            }
+            let g = sigmoid(ly.shared_gate.apply(&x)[0]);
+            for (a, b) in y.iter_mut().zip(ffn(&ly.shared, &x)) {
+                *a += g * b;
+            }
+            for (a, b) in h.iter_mut().zip(&y) {
+                *a += b;
+            }
+        }
+        out.push(m.output.apply(&rms(&h, &m.out_norm)));
+    }
+    out
+}
+
+#[test]
+fn forward_matches_plain_f32_reference() {
+    // F32 weights everywhere: the engine's only approximations are float rounding.
+    // [2, 1, 1, 0] rotates every pair by the position; [1, 1, 1, 1] leaves the
+    // last pair on the extra (zero) position.
+    for sections in [[2, 1, 1, 0], [1, 1, 1, 1]] {
+        let m = build(5, GgmlType::F32, [GgmlType::F32; 3], sections);
+        let got = resident(&m);
+        let want = reference(&m, sections);
+        for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            assert!(
+                err <= 2e-4 * scale.max(1.0),
+                "sections {sections:?} token {t}: max error {err} (scale {scale})"
+            );
+        }
+    }
+}
