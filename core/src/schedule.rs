@@ -870,10 +870,12 @@ where
             // Never evict what the target layer or the current layer still needs.
             let picks = &self.picks;
             let Some(slot) = self.table.victim(self.config.eviction, current, |k| {
+                // Picks are all of the current layer: only check those.
                 k.layer != key.layer
-                    && !picks
-                        .iter()
-                        .any(|p| p.key == k && p.status != PickStatus::Done)
+                    && (k.layer != current
+                        || !picks
+                            .iter()
+                            .any(|p| p.key == k && p.status != PickStatus::Done))
             }) else {
                 break; // retried when computed experts free their slots
             };
