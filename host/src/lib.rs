@@ -13,12 +13,14 @@
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
+//! - [`mcu`]: the compact model index a microcontroller firmware reads.
 
 pub mod cli;
 pub mod compute;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
+pub mod mcu;
 pub mod model;
 pub mod pack;
 pub mod sampling;

@@ -1,6 +1,7 @@
 //! The `les` command line: argument parsing and one module per subcommand.
 
 mod inspect;
+mod mcu;
 mod pack;
 mod run;
 mod synth;
@@ -12,6 +13,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub use inspect::InspectArgs;
+pub use mcu::McuIndexArgs;
 pub use pack::PackArgs;
 pub use run::{write_npy, RunArgs};
 pub use synth::SynthArgs;
@@ -36,6 +38,8 @@ pub enum Command {
     Run(RunArgs),
     /// Write a deterministic synthetic model (random weights) of a real architecture.
     Synth(Box<SynthArgs>),
+    /// Write the compact model index a microcontroller firmware reads (no GGUF parser needed).
+    McuIndex(McuIndexArgs),
 }
 
 /// Runs a parsed command line, writing its report to `out`.
@@ -45,6 +49,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
         Command::Synth(args) => synth::run(args, out),
+        Command::McuIndex(args) => mcu::run(args, out),
     }
 }
 
