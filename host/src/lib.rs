@@ -14,12 +14,14 @@
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`mcu`]: the compact model index a microcontroller firmware reads.
+//! - [`interrupt`]: partial outputs removed on Ctrl-C.
 
 pub mod cli;
 pub mod compute;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
+pub mod interrupt;
 pub mod mcu;
 pub mod model;
 pub mod pack;
