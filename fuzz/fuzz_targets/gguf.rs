@@ -38,7 +38,13 @@ fn bound(len: usize) -> usize {
 }
 
 fn walk(v: &Value<'_>, depth: usize) {
-    let _ = (v.value_type(), v.as_integer(), v.as_f64(), v.as_bool(), v.as_str());
+    let _ = (
+        v.value_type(),
+        v.as_integer(),
+        v.as_f64(),
+        v.as_bool(),
+        v.as_str(),
+    );
     if let Some(a) = v.as_array() {
         let _ = a.get(a.len().saturating_sub(1));
         for (i, x) in a.iter().enumerate() {
@@ -61,7 +67,12 @@ fuzz_target!(|data: &[u8]| {
         data.len()
     );
     let Ok(g) = parsed else { return };
-    let _ = (g.version(), g.alignment(), g.data_offset(), g.architecture());
+    let _ = (
+        g.version(),
+        g.alignment(),
+        g.data_offset(),
+        g.architecture(),
+    );
     for (key, v) in g.metadata() {
         let _ = g.get(key);
         walk(&v, 0);
@@ -71,7 +82,13 @@ fuzz_target!(|data: &[u8]| {
         let d = t.data();
         assert_eq!(d.len() as u64, t.size());
         assert!(t.offset() + t.size() <= data.len() as u64);
-        let _ = (t.name(), t.dims(), t.ggml_type(), t.n_elements(), t.n_rows());
+        let _ = (
+            t.name(),
+            t.dims(),
+            t.ggml_type(),
+            t.n_elements(),
+            t.n_rows(),
+        );
         assert!(g.tensor(t.name()).is_some());
     }
 });

@@ -154,7 +154,11 @@ impl BlockDevice for FuzzDevice<'_> {
             ReadStatus::Cancelled
         } else {
             let roll = if t.exhausted() { 255 } else { t.byte() };
-            let fault = if roll < self.fault_rate { t.below(4) } else { 9 };
+            let fault = if roll < self.fault_rate {
+                t.below(4)
+            } else {
+                9
+            };
             let r = f.req;
             let start = r.slot.0 as usize * self.slot_bytes + r.slot_offset as usize;
             let dst = &mut self.slots[start..start + r.len as usize];
@@ -281,12 +285,8 @@ fn expert_output(bytes: &[u8], h: f32) -> f32 {
     acc
 }
 
-fn check_call<S, M, L>(
-    sched: &Scheduler<S, M, L>,
-    submits: &[bool],
-    budget: u64,
-    on_demand: bool,
-) where
+fn check_call<S, M, L>(sched: &Scheduler<S, M, L>, submits: &[bool], budget: u64, on_demand: bool)
+where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
     M: AsRef<[u32]> + AsMut<[u32]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
@@ -360,7 +360,9 @@ fuzz_target!(|data: &[u8]| {
             0..=159 => 0,
             b => b - 159,
         };
-        (n_layers, n_experts, top_k, parts, extra, depth, tokens, flags, budget, fault_rate)
+        (
+            n_layers, n_experts, top_k, parts, extra, depth, tokens, flags, budget, fault_rate,
+        )
     };
     let m = Model::new(&mut tape.borrow_mut(), n_layers, n_experts, parts);
     let on_demand = flags & 1 != 0;
@@ -422,7 +424,9 @@ fuzz_target!(|data: &[u8]| {
                 e = (e + 1 + t.below(3) as u16) % n_experts;
             }
             let n_pred = t.below(n_experts as usize + 1);
-            let pred: Vec<u16> = (0..n_pred).map(|_| t.below(n_experts as usize) as u16).collect();
+            let pred: Vec<u16> = (0..n_pred)
+                .map(|_| t.below(n_experts as usize) as u16)
+                .collect();
             steps.push((picked, pred));
         }
     }
@@ -469,7 +473,13 @@ fuzz_target!(|data: &[u8]| {
                 check_table(&sched, &m, capacity, &picks, &computing);
                 match next {
                     Next::Compute { index, key, slot } => {
-                        assert_eq!(key, ExpertKey { layer, expert: r[index].0 });
+                        assert_eq!(
+                            key,
+                            ExpertKey {
+                                layer,
+                                expert: r[index].0
+                            }
+                        );
                         assert!(outs[index].is_none(), "index {index} handed out twice");
                         outs[index] = Some(f32::NAN);
                         computing.push((index, slot));
@@ -494,7 +504,10 @@ fuzz_target!(|data: &[u8]| {
                 } {
                     let i = tape.borrow_mut().below(computing.len());
                     let (index, slot) = computing.remove(i);
-                    let key = ExpertKey { layer, expert: r[index].0 };
+                    let key = ExpertKey {
+                        layer,
+                        expert: r[index].0,
+                    };
                     let bytes = &dev.slot(slot)[..m.bytes(key).len()];
                     assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
                     outs[index] = Some(expert_output(bytes, h));
@@ -517,8 +530,14 @@ fuzz_target!(|data: &[u8]| {
     };
     match outcome {
         Ok(got) => {
-            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same && got.len() == want.len(), "output differs: {got:?} vs {want:?}");
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same && got.len() == want.len(),
+                "output differs: {got:?} vs {want:?}"
+            );
         }
         Err(Error::Device { error, .. }) => {
             assert!(permanent, "device error {error} without a permanent fault");

@@ -78,6 +78,6 @@ PY
 model_bytes=$(( $(wc -c <"$work/tiny.packed.gguf") + $(wc -c <"$work/tiny.lesm") ))
 if command -v size >/dev/null; then
     read -r text data bss _ < <(size "$elf" | tail -1)
-    echo "firmware: flash $((text + data)) bytes ($((text + data - model_bytes)) code and constants + $model_bytes model and index), RAM $((data + bss)) bytes static (+ stack)"
+    echo "firmware: flash $((text + data)) bytes ($((text + data - model_bytes)) code and constants + $model_bytes model and index), RAM $((data + bss)) bytes static + the stack (see above)"
 fi
 echo "firmware: ok"

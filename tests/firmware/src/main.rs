@@ -252,9 +252,63 @@ fn run() -> Result<(), &'static str> {
     Ok(())
 }
 
+/// Stack painting, to report the stack's high-water mark: the RAM between the
+/// statics and the stack pointer is filled with a pattern before `run`, and the
+/// lowest word that changed after it tells how deep the stack went.
+mod stack {
+    use core::ptr::{addr_of, read_volatile, write_volatile};
+
+    const PAINT: u32 = 0x5afe_57ac;
+    /// Most bytes below the current stack pointer that get painted.
+    const SPAN: usize = 512 * 1024;
+
+    extern "C" {
+        // cortex-m-rt's linker script: the end of the statics, the top of RAM.
+        static __sheap: u32;
+        static _stack_start: u32;
+    }
+
+    fn bottom() -> usize {
+        let sp = cortex_m::register::msp::read() as usize;
+        // Only the symbol's address is taken, never its value.
+        let heap = addr_of!(__sheap) as usize;
+        heap.max(sp.saturating_sub(SPAN)).next_multiple_of(4)
+    }
+
+    /// Paints from the bottom up to 256 bytes below the stack pointer.
+    pub fn paint() {
+        let sp = cortex_m::register::msp::read() as usize;
+        let mut p = bottom();
+        while p + 256 < sp {
+            // SAFETY: RAM between the statics and the stack pointer is unused
+            // (no heap, no interrupts), and `p` is word-aligned inside it.
+            #[allow(unsafe_code)]
+            unsafe {
+                write_volatile(p as *mut u32, PAINT)
+            };
+            p += 4;
+        }
+    }
+
+    /// Bytes of stack used since [`paint`] (at least).
+    pub fn used() -> usize {
+        let top = addr_of!(_stack_start) as usize;
+        let mut p = bottom();
+        // SAFETY: reads word-aligned RAM below the stack top.
+        #[allow(unsafe_code)]
+        while p < top && unsafe { read_volatile(p as *const u32) } == PAINT {
+            p += 4;
+        }
+        top - p
+    }
+}
+
 #[entry]
 fn main() -> ! {
-    let code = match run() {
+    stack::paint();
+    let result = run();
+    hprintln!("stack: {} bytes at most", stack::used());
+    let code = match result {
         Ok(()) => debug::EXIT_SUCCESS,
         Err(e) => {
             hprintln!("error: {}", e);
