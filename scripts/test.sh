@@ -35,6 +35,8 @@ fi
 
 step "format and lints"
 cargo fmt --all -- --check
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+cargo fmt --manifest-path tests/firmware/Cargo.toml -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "unit, property and integration tests"

@@ -76,8 +76,9 @@ PY
 
 # Sizes: flash (text + data) and RAM (data + bss), the model's bytes apart.
 model_bytes=$(( $(wc -c <"$work/tiny.packed.gguf") + $(wc -c <"$work/tiny.lesm") ))
-if command -v size >/dev/null; then
-    read -r text data bss _ < <(size "$elf" | tail -1)
+sizes="$(size "$elf" 2>/dev/null | tail -n 1 || true)"
+if [ -n "$sizes" ]; then
+    read -r text data bss _ <<<"$sizes"
     echo "firmware: flash $((text + data)) bytes ($((text + data - model_bytes)) code and constants + $model_bytes model and index), RAM $((data + bss)) bytes static + the stack (see above)"
 fi
 echo "firmware: ok"
