@@ -573,7 +573,11 @@ fn assert_bits(got: &[[f32; DIM]], want: &[[f32; DIM]]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    // Under Miri (`cargo miri test`), a handful of cases: each is interpreted.
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 6 } else { 1000 },
+        ..ProptestConfig::default()
+    })]
 
     /// Invariants 1-4: any budget >= top-k, any prediction, any completion order,
     /// retried transient errors -> bit-identical to the all-resident run.

@@ -15,6 +15,8 @@
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
 //!   preprocessing, embeddings spliced into the prompt.
+//! - [`mcu`]: the compact model index a microcontroller firmware reads.
+//! - [`interrupt`]: partial outputs removed on Ctrl-C.
 
 pub mod bench;
 pub mod cli;
@@ -22,6 +24,8 @@ pub mod compute;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
+pub mod interrupt;
+pub mod mcu;
 pub mod model;
 pub mod pack;
 pub mod sampling;

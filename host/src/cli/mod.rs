@@ -2,6 +2,7 @@
 
 mod bench;
 mod inspect;
+mod mcu;
 mod pack;
 mod run;
 mod synth;
@@ -14,6 +15,7 @@ use clap::{Parser, Subcommand};
 
 pub use bench::BenchArgs;
 pub use inspect::InspectArgs;
+pub use mcu::McuIndexArgs;
 pub use pack::PackArgs;
 pub use run::{write_npy, RunArgs};
 pub use synth::SynthArgs;
@@ -40,6 +42,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Write a deterministic synthetic model (random weights) of a real architecture.
     Synth(Box<SynthArgs>),
+    /// Write the compact model index a microcontroller firmware reads (no GGUF parser needed).
+    McuIndex(McuIndexArgs),
 }
 
 /// Runs a parsed command line, writing its report to `out`.
@@ -50,6 +54,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Command::Run(args) => run::run(args, out),
         Command::Bench(args) => bench::run(args, out),
         Command::Synth(args) => synth::run(args, out),
+        Command::McuIndex(args) => mcu::run(args, out),
     }
 }
 

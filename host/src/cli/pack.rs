@@ -52,6 +52,8 @@ pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         ..PackOptions::default()
     };
     check_output(&args.input, &args.output)?;
+    // Ctrl-C removes the temporary file; the target name never holds a partial file.
+    crate::interrupt::install();
     if !args.quiet && args.bits_per_weight.is_some() {
         eprintln!(
             "planning: measuring the error of each candidate type on a sample of every layer"

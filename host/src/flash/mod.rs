@@ -16,6 +16,7 @@
 //! the in-flight set only in `poll`, after its I/O thread finished writing.
 
 pub mod arena;
+pub mod faults;
 
 use std::collections::VecDeque;
 use std::fmt;

@@ -52,10 +52,12 @@ pub fn check_output(input: &Path, output: &Path) -> Result<(), PackError> {
     Ok(())
 }
 
-/// A temporary file next to the target, removed unless [`TempFile::commit`]ted.
+/// A temporary file next to the target, removed unless [`TempFile::commit`]ted
+/// (also on interrupt, see [`crate::interrupt`]).
 struct TempFile {
     path: PathBuf,
     committed: bool,
+    registered: crate::interrupt::Registered,
 }
 
 impl TempFile {
@@ -67,6 +69,8 @@ impl TempFile {
         tmp_name.push(name);
         tmp_name.push(format!(".les-pack-{}.tmp", std::process::id()));
         let path = target.with_file_name(tmp_name);
+        // Registered before it exists, so an interrupt never leaves it behind.
+        let registered = crate::interrupt::register(&path);
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -76,13 +80,14 @@ impl TempFile {
             TempFile {
                 path,
                 committed: false,
+                registered,
             },
             file,
         ))
     }
 
     fn commit(mut self, target: &Path) -> Result<(), PackError> {
-        fs::rename(&self.path, target).map_err(|e| io_err(target, e))?;
+        crate::interrupt::commit(&self.registered, target).map_err(|e| io_err(target, e))?;
         self.committed = true;
         // Make the rename durable; not every platform can sync a directory.
         if let Some(dir) = target.parent() {

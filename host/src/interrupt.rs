@@ -1,0 +1,100 @@
+//! Partial outputs removed when the process is interrupted (Ctrl-C, `SIGTERM`,
+//! `SIGHUP`).
+//!
+//! Writers that build a file under a temporary name and rename it at the end
+//! ([`crate::pack`]) [`register`] the temporary path. Once [`install`]ed (by the
+//! CLI; a library user keeps its own signal handling), an interrupt deletes every
+//! registered path and exits with status 130, so neither a truncated file under
+//! the target name nor a stray temporary file is left behind. [`commit`] renames
+//! under the same lock the handler takes, so an interrupt lands either before the
+//! rename (the temporary file is removed) or after it (the output is complete).
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, Once};
+
+static PATHS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn paths() -> MutexGuard<'static, Vec<PathBuf>> {
+    PATHS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Exit status after an interrupt (128 + SIGINT).
+pub const EXIT_INTERRUPTED: i32 = 130;
+
+/// Installs the handler (once per process; later calls do nothing).
+pub fn install() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // The handler runs on a thread of its own, not in signal context.
+        let result = ctrlc::set_handler(|| {
+            let paths = paths();
+            for p in paths.iter() {
+                let _ = std::fs::remove_file(p);
+            }
+            eprintln!("\ninterrupted");
+            // Exits with the lock held: no rename can slip in after the removal.
+            std::process::exit(EXIT_INTERRUPTED);
+        });
+        if let Err(e) = result {
+            eprintln!("warning: cannot install the interrupt handler: {e}");
+        }
+    });
+}
+
+/// A registered temporary path; unregistered when dropped.
+#[derive(Debug)]
+pub struct Registered {
+    path: PathBuf,
+}
+
+/// Registers `path` for removal on interrupt.
+pub fn register(path: &Path) -> Registered {
+    paths().push(path.to_owned());
+    Registered {
+        path: path.to_owned(),
+    }
+}
+
+fn unregister(list: &mut Vec<PathBuf>, path: &Path) {
+    if let Some(i) = list.iter().position(|p| p == path) {
+        list.swap_remove(i);
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        unregister(&mut paths(), &self.path);
+    }
+}
+
+/// Renames the registered temporary file to `target`, atomically with respect
+/// to the interrupt handler.
+pub fn commit(tmp: &Registered, target: &Path) -> io::Result<()> {
+    let mut list = paths();
+    std::fs::rename(&tmp.path, target)?;
+    unregister(&mut list, &tmp.path);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_follows_the_guard() {
+        let dir = std::env::temp_dir().join(format!("les-interrupt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a.tmp"), dir.join("b"));
+        std::fs::write(&a, b"x").unwrap();
+        let r = register(&a);
+        assert!(paths().contains(&a));
+        commit(&r, &b).unwrap();
+        assert!(!paths().contains(&a) && b.exists() && !a.exists());
+        drop(r);
+        let r = register(&a);
+        drop(r);
+        assert!(!paths().contains(&a));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
