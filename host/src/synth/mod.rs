@@ -916,65 +916,9 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lay,
         );
         if cfg.is_moe() {
-            let (x, f) = (s.experts, s.expert_ff);
-            add(
-                n("ffn_gate_inp.weight"),
-                vec![e, x],
-                GgmlType::F32,
-                Init::Router,
-                lay,
-            );
-            add(
-                n("ffn_gate_exps.weight"),
-                vec![e, f, x],
-                t.expert,
-                Init::Normal(inv(e)),
-                lay,
-            );
-            add(
-                n("ffn_up_exps.weight"),
-                vec![e, f, x],
-                t.expert,
-                Init::Normal(inv(e)),
-                lay,
-            );
-            add(
-                n("ffn_down_exps.weight"),
-                vec![f, e, x],
-                t.expert,
-                Init::Normal(r * inv(f)),
-                lay,
-            );
+            routed_experts(cfg, l, &mut add);
             if s.shared_ff > 0 {
-                let f = s.shared_ff;
-                add(
-                    n("ffn_gate_inp_shexp.weight"),
-                    vec![e],
-                    GgmlType::F32,
-                    Init::Normal(inv(e)),
-                    lay,
-                );
-                add(
-                    n("ffn_gate_shexp.weight"),
-                    vec![e, f],
-                    t.dense,
-                    Init::Normal(inv(e)),
-                    lay,
-                );
-                add(
-                    n("ffn_up_shexp.weight"),
-                    vec![e, f],
-                    t.dense,
-                    Init::Normal(inv(e)),
-                    lay,
-                );
-                add(
-                    n("ffn_down_shexp.weight"),
-                    vec![f, e],
-                    t.dense,
-                    Init::Normal(r * inv(f)),
-                    lay,
-                );
+                shared_expert(cfg, l, &mut add);
             }
         } else {
             let f = s.ff;
@@ -1018,6 +962,86 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         );
     }
     out
+}
+
+/// The router and the stacked routed experts of MoE block `l`.
+fn routed_experts(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, x, f, lay) = (s.embd, s.experts, s.expert_ff, Some(l));
+    add(
+        n("ffn_gate_inp.weight"),
+        vec![e, x],
+        GgmlType::F32,
+        Init::Router,
+        lay,
+    );
+    add(
+        n("ffn_gate_exps.weight"),
+        vec![e, f, x],
+        t.expert,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_up_exps.weight"),
+        vec![e, f, x],
+        t.expert,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_down_exps.weight"),
+        vec![f, e, x],
+        t.expert,
+        Init::Normal(r * inv(f)),
+        lay,
+    );
+}
+
+/// The sigmoid-gated shared expert of MoE block `l`.
+fn shared_expert(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, f, lay) = (s.embd, s.shared_ff, Some(l));
+    add(
+        n("ffn_gate_inp_shexp.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_gate_shexp.weight"),
+        vec![e, f],
+        t.dense,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_up_shexp.weight"),
+        vec![e, f],
+        t.dense,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("ffn_down_shexp.weight"),
+        vec![f, e],
+        t.dense,
+        Init::Normal(r * inv(f)),
+        lay,
+    );
 }
 
 /// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
@@ -1134,63 +1158,8 @@ fn qwen35moe_layer(
         norm(add, "attn_q_norm.weight", s.head_dim);
         norm(add, "attn_k_norm.weight", s.head_dim);
     }
-    let (x, f, sf) = (s.experts, s.expert_ff, s.shared_ff);
-    add(
-        n("ffn_gate_inp.weight"),
-        vec![e, x],
-        GgmlType::F32,
-        Init::Router,
-        lay,
-    );
-    add(
-        n("ffn_gate_exps.weight"),
-        vec![e, f, x],
-        t.expert,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_up_exps.weight"),
-        vec![e, f, x],
-        t.expert,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_down_exps.weight"),
-        vec![f, e, x],
-        t.expert,
-        Init::Normal(r * inv(f)),
-        lay,
-    );
-    add(
-        n("ffn_gate_inp_shexp.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_gate_shexp.weight"),
-        vec![e, sf],
-        t.dense,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_up_shexp.weight"),
-        vec![e, sf],
-        t.dense,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_down_shexp.weight"),
-        vec![sf, e],
-        t.dense,
-        Init::Normal(r * inv(sf)),
-        lay,
-    );
+    routed_experts(cfg, l, add);
+    shared_expert(cfg, l, add);
     if mtp {
         // The nextn head: [enorm(embedding), hnorm(hidden)] -> eh_proj -> the block.
         add(
