@@ -103,12 +103,13 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// Lookahead Expert Scheduling: prefetch, ready-first, layer-aware eviction.
+    /// Lookahead Expert Scheduling: prefetch, ready-first, popularity- and
+    /// layer-aware eviction.
     pub const fn les() -> Self {
         SchedulerConfig {
             prefetch: true,
             ready_first: true,
-            eviction: EvictionPolicy::LayerDistance,
+            eviction: EvictionPolicy::Popularity,
             prefetch_budget: u64::MAX,
             demand_reserve: MAX_PARTS,
             max_retries: 3,
@@ -329,7 +330,8 @@ const PART_BITS: u32 = 2;
 const GEN_BITS: u32 = 8;
 const SLOT_SHIFT: u32 = PART_BITS + GEN_BITS;
 /// Most slots a scheduler manages (tags carry the slot index).
-pub const MAX_SLOTS: usize = 1 << (32 - SLOT_SHIFT);
+pub const MAX_SLOTS: usize = crate::slots::MAX_TABLE_SLOTS;
+const _: () = assert!(MAX_SLOTS < 1 << (32 - SLOT_SHIFT), "slot indices must fit a tag");
 
 /// A read's tag: the slot, the low bits of the load id (so a completion of an
 /// earlier attempt into the same slot is recognised as stale) and the part.
@@ -470,6 +472,9 @@ where
             return Err(Error::Config("fewer slots than experts per layer"));
         }
         self.score_prediction(layer, routing);
+        for &expert in routing {
+            self.table.record_use(ExpertKey { layer, expert });
+        }
         self.layer = Some(layer);
         self.queue.clear();
         self.picks.clear();

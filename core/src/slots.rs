@@ -16,6 +16,10 @@
 //!
 //! Only `Ready` slots can be evicted: a slot whose read is in flight (the device
 //! may still write into it) or whose expert is being computed is never reused.
+//!
+//! The table also counts how often each expert is picked ([`SlotTable::record_use`],
+//! resident or not), with periodic halving so the counts follow drifting
+//! popularity; [`EvictionPolicy::Popularity`] keeps the popular experts.
 
 use core::fmt;
 
@@ -124,13 +128,19 @@ pub enum EvictionPolicy {
     /// expert whose layer comes up again furthest in the future is evicted first
     /// (ties broken by LRU). Approximates Belady's optimal policy.
     LayerDistance,
+    /// Popularity- and layer-aware: never the next layer's experts (what the
+    /// lookahead just prefetched) while others are evictable; then the expert
+    /// picked least often (aged counts, see [`SlotTable::record_use`]); ties by
+    /// layer distance as in [`LayerDistance`](Self::LayerDistance), then LRU.
+    /// MoE routers favour some experts across tokens, which LRU forgets.
+    Popularity,
 }
 
 /// Errors of the slot table: construction errors and illegal transitions (which
 /// mean a bug in the caller, reported instead of corrupting state).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SlotError {
-    /// Slot storage is empty or too large.
+    /// Slot storage is empty or has more than [`MAX_TABLE_SLOTS`] entries.
     BadCapacity,
     /// Index storage length is not `n_layers * n_experts`.
     BadIndex,
@@ -145,7 +155,7 @@ pub enum SlotError {
 impl fmt::Display for SlotError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SlotError::BadCapacity => f.write_str("slot storage must hold 1..2^31 slots"),
+            SlotError::BadCapacity => write!(f, "slot storage must hold 1..={MAX_TABLE_SLOTS} slots"),
             SlotError::BadIndex => {
                 f.write_str("index storage must hold n_layers * n_experts entries")
             }
@@ -160,14 +170,25 @@ impl fmt::Display for SlotError {
 
 impl core::error::Error for SlotError {}
 
+/// Bits of an index entry that hold the slot (+ 1; 0 = none).
+const SLOT_BITS: u32 = 22;
+const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
+/// Largest use count an index entry holds (the entry's upper bits).
+pub const MAX_USE_COUNT: u32 = u32::MAX >> SLOT_BITS;
+/// Most slots a table manages (the index entry's slot field).
+pub const MAX_TABLE_SLOTS: usize = SLOT_MASK as usize;
+
 /// The slot table over caller storage `S` (slots) and `M` (the key index).
 pub struct SlotTable<S, M> {
     slots: S,
-    /// `index[layer * n_experts + expert]` = slot + 1, or 0.
+    /// `index[layer * n_experts + expert]`: the slot + 1 (0 = none) in the low
+    /// [`SLOT_BITS`] bits, the expert's aged use count above them.
     index: M,
     n_layers: u16,
     n_experts: u16,
     tick: u64,
+    /// Uses recorded since the counts were last halved.
+    uses_since_aging: u32,
 }
 
 impl<S, M> SlotTable<S, M>
@@ -184,7 +205,7 @@ where
         n_experts: u16,
     ) -> Result<Self, SlotError> {
         let n = slots.as_ref().len();
-        if n == 0 || n >= (1 << 31) {
+        if n == 0 || n > MAX_TABLE_SLOTS {
             return Err(SlotError::BadCapacity);
         }
         if index.as_ref().len() != n_layers as usize * n_experts as usize {
@@ -198,6 +219,7 @@ where
             n_layers,
             n_experts,
             tick: 0,
+            uses_since_aging: 0,
         })
     }
 
@@ -240,10 +262,44 @@ where
     /// The slot holding or loading `key`.
     pub fn lookup(&self, key: ExpertKey) -> Option<SlotId> {
         let i = self.index_of(key).ok()?;
-        match self.index.as_ref()[i] {
+        match self.index.as_ref()[i] & SLOT_MASK {
             0 => None,
             s => Some(SlotId(s - 1)),
         }
+    }
+
+    /// How often `key` was picked (see [`record_use`](Self::record_use)); 0 for
+    /// keys outside the model.
+    pub fn use_count(&self, key: ExpertKey) -> u32 {
+        self.index_of(key)
+            .map_or(0, |i| self.index.as_ref()[i] >> SLOT_BITS)
+    }
+
+    /// Counts one use of `key` (the router picked it), saturating at
+    /// [`MAX_USE_COUNT`]. After `2 * n_layers * n_experts` uses all counts are
+    /// halved, so popularity follows the recent past (amortised O(1) per use).
+    pub fn record_use(&mut self, key: ExpertKey) {
+        let Ok(i) = self.index_of(key) else {
+            return;
+        };
+        let e = &mut self.index.as_mut()[i];
+        if *e >> SLOT_BITS < MAX_USE_COUNT {
+            *e += 1 << SLOT_BITS;
+        }
+        self.uses_since_aging += 1;
+        if self.uses_since_aging as usize >= 2 * self.index.as_ref().len() {
+            self.uses_since_aging = 0;
+            for e in self.index.as_mut() {
+                *e = ((*e >> SLOT_BITS) / 2) << SLOT_BITS | (*e & SLOT_MASK);
+            }
+        }
+    }
+
+    /// Sets the slot field of `key`'s index entry (`None` = not mapped), keeping
+    /// its use count.
+    fn map(&mut self, i: usize, slot: Option<SlotId>) {
+        let e = &mut self.index.as_mut()[i];
+        *e = (*e & !SLOT_MASK) | slot.map_or(0, |s| s.0 + 1);
     }
 
     /// The in-flight load of `slot`, if it is loading.
@@ -267,7 +323,9 @@ where
             return Some(SlotId(i as u32));
         }
         let n_layers = self.n_layers.max(1) as u32;
-        let mut best: Option<(usize, (u32, u64))> = None;
+        let index = self.index.as_ref();
+        let n_experts = self.n_experts as usize;
+        let mut best: Option<(usize, (bool, u32, u32, u64))> = None;
         for (i, s) in slots.iter().enumerate() {
             let SlotState::Ready { key, .. } = s.state else {
                 continue;
@@ -275,20 +333,29 @@ where
             if !allowed(key) {
                 continue;
             }
+            // Layers ahead of the current one, in the per-token cycle; the current
+            // layer itself comes back only after a full cycle.
+            let distance = match (key.layer as u32 + n_layers - current_layer as u32 % n_layers)
+                % n_layers
+            {
+                0 => n_layers,
+                d => d,
+            };
             // Higher rank = better victim.
-            let distance = match policy {
-                EvictionPolicy::Lru => 0,
-                EvictionPolicy::LayerDistance => {
-                    (key.layer as u32 + n_layers - current_layer as u32 % n_layers) % n_layers
+            let rank = match policy {
+                EvictionPolicy::Lru => (true, 0, 0, u64::MAX - s.last_used),
+                EvictionPolicy::LayerDistance => (true, 0, distance, u64::MAX - s.last_used),
+                EvictionPolicy::Popularity => {
+                    let count = index[key.layer as usize * n_experts + key.expert as usize]
+                        >> SLOT_BITS;
+                    (
+                        distance != 1,
+                        MAX_USE_COUNT - count,
+                        distance,
+                        u64::MAX - s.last_used,
+                    )
                 }
             };
-            // Layer 0 of the current layer means "needed again in a full cycle".
-            let distance = if policy == EvictionPolicy::LayerDistance && distance == 0 {
-                n_layers
-            } else {
-                distance
-            };
-            let rank = (distance, u64::MAX - s.last_used);
             if best.is_none_or(|(_, r)| rank > r) {
                 best = Some((i, rank));
             }
@@ -302,7 +369,7 @@ where
             return Err(SlotError::InvalidTransition(slot));
         };
         let i = self.index_of(key)?;
-        self.index.as_mut()[i] = 0;
+        self.map(i, None);
         self.slots.as_mut()[slot.0 as usize].state = SlotState::Free;
         Ok(key)
     }
@@ -313,10 +380,10 @@ where
             return Err(SlotError::InvalidTransition(slot));
         }
         let i = self.index_of(load.key)?;
-        if self.index.as_ref()[i] != 0 {
+        if self.index.as_ref()[i] & SLOT_MASK != 0 {
             return Err(SlotError::AlreadyMapped(load.key));
         }
-        self.index.as_mut()[i] = slot.0 + 1;
+        self.map(i, Some(slot));
         self.slots.as_mut()[slot.0 as usize].state = SlotState::Loading(load);
         Ok(())
     }
@@ -349,7 +416,7 @@ where
             return Err(SlotError::InvalidTransition(slot));
         }
         let i = self.index_of(load.key)?;
-        self.index.as_mut()[i] = 0;
+        self.map(i, None);
         self.slots.as_mut()[slot.0 as usize].state = SlotState::Free;
         Ok(load.key)
     }
@@ -484,6 +551,66 @@ mod tests {
             Some(SlotId(2))
         );
         assert_eq!(t.victim(EvictionPolicy::Lru, 1, |k| k.layer == 1), None);
+    }
+
+    #[test]
+    fn popularity_keeps_popular_experts_and_the_next_layer() {
+        let mut t = table(4);
+        fill(&mut t, [key(2, 0), key(0, 0), key(0, 1), key(1, 1)]);
+        for _ in 0..3 {
+            t.record_use(key(0, 0));
+        }
+        t.record_use(key(0, 1));
+        t.record_use(key(2, 0));
+        assert_eq!(t.use_count(key(0, 0)), 3);
+        // At layer 1: layer 2 is next (kept while others are evictable); of the
+        // rest, (1, 1) was never picked.
+        assert_eq!(
+            t.victim(EvictionPolicy::Popularity, 1, |_| true),
+            Some(SlotId(3))
+        );
+        assert_eq!(
+            t.victim(EvictionPolicy::Popularity, 1, |k| k.layer != 1),
+            Some(SlotId(2)),
+            "picked once beats picked three times"
+        );
+        assert_eq!(
+            t.victim(EvictionPolicy::Popularity, 1, |k| k.layer == 2),
+            Some(SlotId(0)),
+            "the next layer when nothing else is allowed"
+        );
+        // Counts survive eviction and reloading.
+        t.evict(SlotId(1)).unwrap();
+        assert_eq!(t.use_count(key(0, 0)), 3);
+        assert_eq!(t.lookup(key(0, 0)), None);
+        t.start_load(SlotId(1), load(key(0, 0), 9)).unwrap();
+        assert_eq!(t.lookup(key(0, 0)), Some(SlotId(1)));
+        assert_eq!(t.use_count(key(0, 0)), 3);
+    }
+
+    #[test]
+    fn use_counts_saturate_and_age() {
+        let mut t = table(4);
+        t.start_load(SlotId(2), load(key(1, 3), 1)).unwrap();
+        // 2 * 12 uses halve every count; a count never touches the slot field.
+        for _ in 0..23 {
+            t.record_use(key(1, 3));
+        }
+        assert_eq!(t.use_count(key(1, 3)), 23);
+        t.record_use(key(0, 0));
+        assert_eq!(t.use_count(key(1, 3)), 11);
+        assert_eq!(t.use_count(key(0, 0)), 0);
+        assert_eq!(t.lookup(key(1, 3)), Some(SlotId(2)));
+        for _ in 0..5000 {
+            t.record_use(key(1, 3));
+            t.record_use(key(1, 3));
+            assert!(t.use_count(key(1, 3)) <= MAX_USE_COUNT);
+        }
+        assert_eq!(t.lookup(key(1, 3)), Some(SlotId(2)));
+        t.record_use(ExpertKey {
+            layer: 9,
+            expert: 0,
+        }); // outside the model: ignored
     }
 
     #[test]

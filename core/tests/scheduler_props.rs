@@ -260,7 +260,8 @@ struct Case {
     tokens: usize,
     quality: u8,
     on_demand: bool,
-    lru: bool,
+    /// Index into [`POLICIES`].
+    policy: usize,
     budget: Option<u64>,
     shuffled: bool,
     honor_cancel: bool,
@@ -269,6 +270,12 @@ struct Case {
     permanent_percent: u64,
     defer_percent: u64,
 }
+
+const POLICIES: [EvictionPolicy; 3] = [
+    EvictionPolicy::Lru,
+    EvictionPolicy::LayerDistance,
+    EvictionPolicy::Popularity,
+];
 
 fn case(faults: bool) -> impl Strategy<Value = Case> {
     (
@@ -284,7 +291,7 @@ fn case(faults: bool) -> impl Strategy<Value = Case> {
         ),
         (
             any::<bool>(),
-            any::<bool>(),
+            0..POLICIES.len(),
             prop_oneof![Just(None), (0u64..64).prop_map(Some)],
             (any::<bool>(), any::<bool>()),
             0u64..=30,
@@ -298,7 +305,7 @@ fn case(faults: bool) -> impl Strategy<Value = Case> {
                 (seed, n_layers, n_experts, k, parts, extra_slots, tokens, quality),
                 (
                     on_demand,
-                    lru,
+                    policy,
                     budget,
                     (shuffled, honor_cancel),
                     transient_percent,
@@ -316,7 +323,7 @@ fn case(faults: bool) -> impl Strategy<Value = Case> {
                 tokens,
                 quality,
                 on_demand,
-                lru,
+                policy,
                 budget,
                 shuffled,
                 honor_cancel,
@@ -382,11 +389,7 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     } else {
         SchedulerConfig::les()
     };
-    config.eviction = if c.lru {
-        EvictionPolicy::Lru
-    } else {
-        EvictionPolicy::LayerDistance
-    };
+    config.eviction = POLICIES[c.policy];
     config.prefetch_budget = c.budget.unwrap_or(u64::MAX);
     config.max_retries = 50; // transient faults must never end a run here
     config.demand_reserve = config.demand_reserve.min(Q - 1);
@@ -615,7 +618,7 @@ fn perfect_prediction_with_room_hits_everything_after_warmup() {
         tokens: 4,
         quality: 0,
         on_demand: false,
-        lru: false,
+        policy: 2,
         budget: None,
         shuffled: false,
         honor_cancel: true,

@@ -371,10 +371,10 @@ fuzz_target!(|data: &[u8]| {
     } else {
         SchedulerConfig::les()
     };
-    config.eviction = if flags & 2 != 0 {
-        EvictionPolicy::Lru
-    } else {
-        EvictionPolicy::LayerDistance
+    config.eviction = match (flags >> 4) % 3 {
+        0 => EvictionPolicy::Popularity,
+        1 => EvictionPolicy::LayerDistance,
+        _ => EvictionPolicy::Lru,
     };
     config.prefetch_budget = budget;
     config.ready_first = !on_demand && flags & 4 == 0;

@@ -1,8 +1,11 @@
 //! `les bench`: the schedules back to back on one model, budget and prompt.
 //!
 //! Before each schedule the model file is dropped from the page cache, so every
-//! run starts cold. Decoding is greedy, so all schedules must produce the same
-//! tokens (and, by the engine's exactness, the same logits).
+//! run starts cold. Every schedule samples with the same settings and seed, so by
+//! the engine's exactness (bit-identical logits) all must produce the same tokens.
+//! The default is sampling at temperature 0.8 rather than greedy: a greedy decode
+//! of a random-weight synthetic model soon repeats one token, and a loop of equal
+//! tokens routes to the same experts every step, which no real text does.
 //!
 //! Overlap efficiency is `max(compute time, minimum I/O time) / actual time`:
 //! compute time is the decode time minus the time blocked on reads; minimum I/O
@@ -21,6 +24,7 @@ use crate::compute::ThreadedMatVec;
 use crate::engine::Session;
 use crate::flash::{FileDevice, FileDeviceConfig, IoSnapshot};
 use crate::model::Model;
+use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
 
 /// How many experts the lookahead predicts per layer.
@@ -72,7 +76,7 @@ pub struct LayerPrediction {
 pub struct ScheduleReport {
     /// The schedule.
     pub schedule: Schedule,
-    /// Generated tokens (greedy).
+    /// Generated tokens.
     pub tokens: Vec<u32>,
     /// Decode time (after the prompt).
     pub decode: Duration,
@@ -169,6 +173,9 @@ pub struct BenchConfig {
     pub budget: SlotBudget,
     /// Lookahead prediction settings.
     pub lookahead: LookaheadArgs,
+    /// How tokens are picked: every schedule uses a fresh sampler with these
+    /// settings, so equal logits give equal tokens.
+    pub sampler: SamplerConfig,
 }
 
 /// Bandwidth of expert-sized reads at full queue depth, cold cache, over about
@@ -243,7 +250,7 @@ pub fn device_bandwidth(
     Ok(dev.counters().snapshot().file_bytes as f64 / secs.max(1e-9))
 }
 
-/// Runs one schedule cold: prompt, then `n_tokens` greedy tokens.
+/// Runs one schedule cold: prompt, then `n_tokens` tokens from `cfg.sampler`.
 pub fn run_schedule(
     model: &Model,
     path: &Path,
@@ -283,8 +290,12 @@ pub fn run_schedule(
         .unwrap_or_default();
     let t1 = Instant::now();
     let mut tokens = Vec::with_capacity(cfg.n_tokens);
+    let mut sampler = Sampler::new(cfg.sampler);
+    for &t in &cfg.prompt {
+        sampler.accept(t);
+    }
     for _ in 0..cfg.n_tokens {
-        let t = argmax(&logits);
+        let t = sampler.sample(&logits);
         tokens.push(t);
         session.eval(
             &mut mv,
@@ -341,26 +352,4 @@ pub fn run_schedule(
         layers,
         device_bw,
     })
-}
-
-/// Greedy choice: the highest logit, lowest id on ties (NaN never wins).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] || logits[best].is_nan() && !v.is_nan() {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn argmax_prefers_lowest_id_and_skips_nan() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
-        assert_eq!(argmax(&[f32::NAN, 0.5, 0.1]), 1);
-    }
 }

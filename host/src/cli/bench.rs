@@ -44,6 +44,13 @@ pub struct BenchArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Sampling temperature (0 = greedy; greedy decodes of random-weight
+    /// synthetic models fall into loops that route to the same experts).
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Sampling seed (the same for every schedule).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Lookahead prediction (les schedule).
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
@@ -51,6 +58,18 @@ pub struct BenchArgs {
     /// `10,25,50,100`) and print one row per budget and schedule.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["expert_mem", "slots"])]
     pub sweep: Vec<f64>,
+}
+
+/// The sampler every schedule uses: `les run`'s (temperature, top-k 40,
+/// top-p 0.95), seeded.
+fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
+    crate::sampling::SamplerConfig {
+        temperature: args.temperature,
+        top_k: 40,
+        top_p: 0.95,
+        seed: args.seed,
+        ..crate::sampling::SamplerConfig::greedy()
+    }
 }
 
 fn mib(b: f64) -> f64 {
@@ -89,6 +108,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         threads: args.threads.unwrap_or_else(default_threads).max(1),
         budget,
         lookahead: args.lookahead,
+        sampler: sampler(args),
     };
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.slots as u64 * model.max_expert_bytes() as u64;
@@ -146,6 +166,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                     "prefetch_bytes": r.stats.prefetch_bytes,
                     "useful_prefetches": r.stats.useful_prefetches,
                     "prefetches": r.stats.prefetches,
+                    "hits": r.stats.hits,
+                    "late_hits": r.stats.late_hits,
+                    "misses": r.stats.misses,
+                    "stalls": r.stats.stalls,
+                    "cancels": r.stats.cancels,
                     "tokens": r.tokens,
                     "layers": r.layers.iter().map(|l| json!({
                         "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
@@ -283,6 +308,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             threads,
             budget: crate::supply::SlotBudget { slots, io },
             lookahead: args.lookahead,
+            sampler: sampler(args),
         };
         let mut base = None;
         let mut lru_hit = None;
