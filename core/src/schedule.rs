@@ -42,6 +42,9 @@ pub const MAX_PICKS: usize = 64;
 pub const MAX_PREDICTED: usize = 64;
 /// Most device reads one expert may need (3 = gate, up, down of a plain GGUF).
 pub const MAX_PARTS: usize = 3;
+/// Farthest lookahead the scheduler keeps apart: a prediction for layer `l + d`
+/// made at layer `l` has depth `d`; deeper ones count as this depth.
+pub const MAX_DEPTH: usize = 2;
 
 /// One contiguous piece of an expert on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,6 +103,12 @@ pub struct SchedulerConfig {
     pub min_precision: f32,
     /// Predicted experts per precision measurement window.
     pub precision_window: u32,
+    /// Prefetches of a prediction rank (1st, 2nd, ... most confident) whose
+    /// measured precision is below this are issued only while the device is idle
+    /// (no read in flight): they use bandwidth that would otherwise go unused, and
+    /// never delay a read that is more likely to be needed. 0 issues every rank
+    /// at once.
+    pub idle_only_below: f32,
 }
 
 impl SchedulerConfig {
@@ -115,6 +124,7 @@ impl SchedulerConfig {
             max_retries: 3,
             min_precision: 0.2,
             precision_window: 64,
+            idle_only_below: 0.75,
         }
     }
 
@@ -301,6 +311,24 @@ enum PickStatus {
     Done,
 }
 
+/// A prefetch waiting to be issued.
+#[derive(Clone, Copy, Debug)]
+struct Queued {
+    key: ExpertKey,
+    /// 1 = the next layer.
+    depth: u8,
+    /// 0 = the most confident.
+    rank: u8,
+}
+
+/// A prediction waiting for its layer's routing, to be scored.
+#[derive(Clone, Debug)]
+struct Prediction {
+    layer: u16,
+    depth: u8,
+    set: Vec<u16, MAX_PREDICTED>,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Pick {
     key: ExpertKey,
@@ -317,8 +345,13 @@ pub struct Scheduler<S, M, L> {
     next_load: u32,
     layer: Option<u16>,
     picks: Vec<Pick, MAX_PICKS>,
-    queue: Vec<ExpertKey, MAX_PREDICTED>,
-    prediction: Option<(u16, Vec<u16, MAX_PREDICTED>)>,
+    /// Prefetches to issue, in order: key, prediction depth - 1 and rank.
+    queue: Vec<Queued, { MAX_DEPTH * MAX_PREDICTED }>,
+    /// Per prediction depth and rank: (predicted, picked), halved as they grow.
+    rank_score: [[(u32, u32); MAX_PREDICTED]; MAX_DEPTH],
+    /// Predictions not yet scored: at most one per (layer, depth), for the next
+    /// [`MAX_DEPTH`] layers.
+    predictions: Vec<Prediction, { MAX_DEPTH * MAX_DEPTH }>,
     token_prefetch_bytes: u64,
     in_flight: usize,
     /// Some prefetch has parts the device refused (busy): resubmit them.
@@ -326,12 +359,20 @@ pub struct Scheduler<S, M, L> {
     stats: Stats,
 }
 
+/// Predictions per rank after which the rank's counts are halved (recent past).
+const RANK_WINDOW: u32 = 1024;
+/// Predictions of a rank before its precision is trusted.
+const RANK_MIN_SAMPLES: u32 = 32;
+
 const PART_BITS: u32 = 2;
 const GEN_BITS: u32 = 8;
 const SLOT_SHIFT: u32 = PART_BITS + GEN_BITS;
 /// Most slots a scheduler manages (tags carry the slot index).
 pub const MAX_SLOTS: usize = crate::slots::MAX_TABLE_SLOTS;
-const _: () = assert!(MAX_SLOTS < 1 << (32 - SLOT_SHIFT), "slot indices must fit a tag");
+const _: () = assert!(
+    MAX_SLOTS < 1 << (32 - SLOT_SHIFT),
+    "slot indices must fit a tag"
+);
 
 /// A read's tag: the slot, the low bits of the load id (so a completion of an
 /// earlier attempt into the same slot is recognised as stale) and the part.
@@ -372,6 +413,9 @@ where
         if !(0.0..=1.0).contains(&config.min_precision) {
             return Err(Error::Config("min_precision must lie in 0..=1"));
         }
+        if !(0.0..=1.0).contains(&config.idle_only_below) {
+            return Err(Error::Config("idle_only_below must lie in 0..=1"));
+        }
         if slots.as_ref().len() > MAX_SLOTS {
             return Err(Error::Config("more slots than MAX_SLOTS"));
         }
@@ -386,7 +430,8 @@ where
             layer: None,
             picks: Vec::new(),
             queue: Vec::new(),
-            prediction: None,
+            rank_score: [[(0, 0); MAX_PREDICTED]; MAX_DEPTH],
+            predictions: Vec::new(),
             token_prefetch_bytes: 0,
             in_flight: 0,
             partial_prefetch: false,
@@ -538,9 +583,11 @@ where
         self.pump(dev, src)
     }
 
-    /// Records the lookahead prediction for `layer` (normally the next one) and,
-    /// where prefetching is on for that layer, queues speculative reads of the
-    /// predicted experts, most confident first.
+    /// Records the lookahead prediction for `layer` (normally the next one, or
+    /// the one after: see [`MAX_DEPTH`]) and, where prefetching is on for that
+    /// layer, queues speculative reads of the predicted experts, most confident
+    /// first. A new prediction for a layer replaces the queued reads of an
+    /// earlier one; reads of nearer layers go first.
     pub fn prefetch<D, X>(
         &mut self,
         layer: u16,
@@ -561,16 +608,38 @@ where
                 break;
             }
         }
-        self.queue.clear();
+        let depth = match self.layer {
+            Some(now) if layer > now => (layer - now) as usize,
+            _ => 1,
+        }
+        .min(MAX_DEPTH) as u8;
+        self.queue.retain(|q| q.key.layer != layer);
         if self.config.prefetch && self.layers.as_ref()[layer as usize].prefetch_enabled {
-            for &expert in &set {
+            for (rank, &expert) in set.iter().enumerate() {
                 let key = ExpertKey { layer, expert };
+                if self.table.lookup(key).is_none() && self.queue.is_full() {
+                    // Room for a nearer layer: drop the deepest, least confident.
+                    self.queue.sort_unstable_by_key(|q| (q.depth, q.rank));
+                    if self.queue.last().is_some_and(|q| q.depth > depth) {
+                        self.queue.pop();
+                    }
+                }
                 if self.table.lookup(key).is_none() {
-                    let _ = self.queue.push(key); // same capacity as `set`
+                    let _ = self.queue.push(Queued {
+                        key,
+                        depth,
+                        rank: rank as u8,
+                    });
                 }
             }
         }
-        self.prediction = Some((layer, set));
+        self.queue.sort_unstable_by_key(|q| (q.depth, q.rank));
+        self.predictions
+            .retain(|p| !(p.layer == layer && p.depth == depth));
+        if self.predictions.is_full() {
+            self.predictions.remove(0);
+        }
+        let _ = self.predictions.push(Prediction { layer, depth, set });
         self.pump(dev, src)
     }
 
@@ -691,13 +760,28 @@ where
         }
     }
 
+    /// Scores the predictions made for `layer` (and forgets those of layers
+    /// already passed): per rank, and the nearest one per layer.
     fn score_prediction(&mut self, layer: u16, routing: &[u16]) {
-        let Some((pl, predicted)) = self.prediction.take() else {
+        let mut nearest: Option<Prediction> = None;
+        for p in self.predictions.iter().filter(|p| p.layer == layer) {
+            for (rank, e) in p.set.iter().enumerate() {
+                let (n, hits) = &mut self.rank_score[p.depth as usize - 1][rank];
+                if *n >= RANK_WINDOW {
+                    *n /= 2;
+                    *hits /= 2;
+                }
+                *n += 1;
+                *hits += routing.contains(e) as u32;
+            }
+            if nearest.as_ref().is_none_or(|q| p.depth < q.depth) {
+                nearest = Some(p.clone());
+            }
+        }
+        self.predictions.retain(|p| p.layer > layer);
+        let Some(Prediction { set: predicted, .. }) = nearest else {
             return;
         };
-        if pl != layer {
-            return;
-        }
         let tp = predicted.iter().filter(|e| routing.contains(e)).count() as u32;
         let (min_precision, window) = (
             self.config.min_precision,
@@ -714,6 +798,18 @@ where
             st.prefetch_enabled = precision >= min_precision;
             st.window_predicted = 0;
             st.window_hits = 0;
+        }
+    }
+
+    /// Measured precision of prediction rank `rank` at `depth` (1 before any
+    /// measurement).
+    fn rank_precision(&self, depth: u8, rank: u8) -> f32 {
+        let (n, hits) = self.rank_score[(depth as usize).clamp(1, MAX_DEPTH) - 1]
+            [rank as usize % MAX_PREDICTED];
+        if n < RANK_MIN_SAMPLES {
+            1.0
+        } else {
+            hits as f32 / n as f32
         }
     }
 
@@ -858,10 +954,16 @@ where
                 return Ok(());
             }
         }
-        while let Some(&key) = self.queue.first() {
+        while let Some(&Queued { key, depth, rank }) = self.queue.first() {
             if self.table.lookup(key).is_some() {
                 self.queue.remove(0);
                 continue;
+            }
+            if self.in_flight > 0 && self.rank_precision(depth, rank) < self.config.idle_only_below
+            {
+                // Later entries are deeper or less confident, measured no better in
+                // practice; retried on the next pump, once the device drained.
+                break;
             }
             let ext = self.extents(key, src)?;
             let bytes: u64 = ext.iter().map(|e| e.len as u64).sum();

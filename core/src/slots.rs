@@ -128,8 +128,9 @@ pub enum EvictionPolicy {
     /// expert whose layer comes up again furthest in the future is evicted first
     /// (ties broken by LRU). Approximates Belady's optimal policy.
     LayerDistance,
-    /// Popularity- and layer-aware: never the next layer's experts (what the
-    /// lookahead just prefetched) while others are evictable; then the expert
+    /// Popularity- and layer-aware: never the next [`PROTECTED_LAYERS`] layers'
+    /// experts (what the lookahead just prefetched) while others are evictable;
+    /// then the expert
     /// picked least often (aged counts, see [`SlotTable::record_use`]); ties by
     /// layer distance as in [`LayerDistance`](Self::LayerDistance), then LRU.
     /// MoE routers favour some experts across tokens, which LRU forgets.
@@ -155,7 +156,9 @@ pub enum SlotError {
 impl fmt::Display for SlotError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SlotError::BadCapacity => write!(f, "slot storage must hold 1..={MAX_TABLE_SLOTS} slots"),
+            SlotError::BadCapacity => {
+                write!(f, "slot storage must hold 1..={MAX_TABLE_SLOTS} slots")
+            }
             SlotError::BadIndex => {
                 f.write_str("index storage must hold n_layers * n_experts entries")
             }
@@ -175,6 +178,9 @@ const SLOT_BITS: u32 = 22;
 const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
 /// Largest use count an index entry holds (the entry's upper bits).
 pub const MAX_USE_COUNT: u32 = u32::MAX >> SLOT_BITS;
+/// Layers ahead whose experts [`EvictionPolicy::Popularity`] keeps while others
+/// are evictable: what the lookahead prefetched for them is about to be used.
+pub const PROTECTED_LAYERS: u32 = 2;
 /// Most slots a table manages (the index entry's slot field).
 pub const MAX_TABLE_SLOTS: usize = SLOT_MASK as usize;
 
@@ -335,21 +341,20 @@ where
             }
             // Layers ahead of the current one, in the per-token cycle; the current
             // layer itself comes back only after a full cycle.
-            let distance = match (key.layer as u32 + n_layers - current_layer as u32 % n_layers)
-                % n_layers
-            {
-                0 => n_layers,
-                d => d,
-            };
+            let distance =
+                match (key.layer as u32 + n_layers - current_layer as u32 % n_layers) % n_layers {
+                    0 => n_layers,
+                    d => d,
+                };
             // Higher rank = better victim.
             let rank = match policy {
                 EvictionPolicy::Lru => (true, 0, 0, u64::MAX - s.last_used),
                 EvictionPolicy::LayerDistance => (true, 0, distance, u64::MAX - s.last_used),
                 EvictionPolicy::Popularity => {
-                    let count = index[key.layer as usize * n_experts + key.expert as usize]
-                        >> SLOT_BITS;
+                    let count =
+                        index[key.layer as usize * n_experts + key.expert as usize] >> SLOT_BITS;
                     (
-                        distance != 1,
+                        distance > PROTECTED_LAYERS,
                         MAX_USE_COUNT - count,
                         distance,
                         u64::MAX - s.last_used,

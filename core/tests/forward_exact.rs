@@ -435,6 +435,7 @@ fn streamed(
     let la = Lookahead {
         predictor: PredictorConfig::top_k(3),
         layers: LayerMask::first(hp.n_layers).unwrap(),
+        depth: 1 + (seed % 2) as usize,
     };
     let out = decode(m, &mut ex, Some(&la));
     let st = ex.scheduler.stats();

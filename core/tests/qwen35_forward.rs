@@ -502,6 +502,7 @@ fn streamed(
     let la = Lookahead {
         predictor: PredictorConfig::top_k(TOP_K),
         layers: LayerMask::first(n_layers).unwrap(),
+        depth: 2,
     };
     let out = Buffers::new(m).run(m, &mut ex, Some(&la), 0, &TOKENS);
     let st = ex.scheduler.stats();

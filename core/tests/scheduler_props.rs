@@ -423,6 +423,17 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                 sched.prefetch(next, pred, &mut dev, &m)?;
                 check_call(&sched, &dev.log[before..], c);
             }
+            // Two layers ahead as well, in half of the cases.
+            if let Some(pred) = s
+                .predictions
+                .get(step + 2)
+                .filter(|_| c.seed.is_multiple_of(2))
+            {
+                let next = ((step + 2) % m.n_layers as usize) as u16;
+                let before = dev.log.len();
+                sched.prefetch(next, pred, &mut dev, &m)?;
+                check_call(&sched, &dev.log[before..], c);
+            }
             let mut outs: Vec<Option<[f32; DIM]>> = vec![None; r.len()];
             let mut deferred: Vec<(usize, SlotId)> = Vec::new();
             loop {

@@ -464,6 +464,12 @@ fuzz_target!(|data: &[u8]| {
                 sched.prefetch(next, pred, &mut dev, &m)?;
                 check_call(&sched, &dev.log[before..], budget, on_demand);
             }
+            if let Some((_, pred)) = steps.get(step + 2).filter(|_| flags & 2 != 0) {
+                let next = ((step + 2) % n_layers as usize) as u16;
+                let before = dev.log.len();
+                sched.prefetch(next, pred, &mut dev, &m)?;
+                check_call(&sched, &dev.log[before..], budget, on_demand);
+            }
             let mut outs: Vec<Option<f32>> = vec![None; r.len()];
             let mut computing: Vec<(usize, SlotId)> = Vec::new();
             loop {

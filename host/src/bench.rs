@@ -28,7 +28,7 @@ use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
 
 /// How many experts the lookahead predicts per layer.
-#[derive(Clone, Copy, Debug, Default, PartialEq, clap::Args)]
+#[derive(Clone, Copy, Debug, PartialEq, clap::Args)]
 pub struct LookaheadArgs {
     /// Experts predicted per layer (default: as many as the router picks).
     #[arg(long)]
@@ -37,6 +37,10 @@ pub struct LookaheadArgs {
     /// `--predict` of them).
     #[arg(long)]
     pub predict_min_prob: Option<f32>,
+    /// Layers ahead to predict and prefetch (1 = the next layer; 2 also the one
+    /// after it, for layers that compute faster than an expert reads).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=les_core::schedule::MAX_DEPTH as i64))]
+    pub lookahead_depth: u8,
 }
 
 /// The lookahead of `les run` and `les bench`: for every layer, the next layer's
@@ -55,7 +59,11 @@ pub fn lookahead(model: &Model, args: &LookaheadArgs) -> Lookahead {
     for l in 0..model.hp.n_layers.min(LayerMask::CAPACITY) {
         let _ = layers.enable(l);
     }
-    Lookahead { predictor, layers }
+    Lookahead {
+        predictor,
+        layers,
+        depth: args.lookahead_depth as usize,
+    }
 }
 
 /// Prediction quality of one layer.
@@ -86,6 +94,10 @@ pub struct ScheduleReport {
     pub bytes_read: u64,
     /// Time blocked on reads during decode.
     pub stall: Duration,
+    /// Device reads during decode.
+    pub reads: u64,
+    /// Time the I/O threads spent in those reads (summed over threads).
+    pub read_time: Duration,
     /// Scheduler counters over the decode.
     pub stats: Stats,
     /// Per-layer prediction quality over the whole run (MoE layers with predictions).
@@ -112,6 +124,11 @@ impl ScheduleReport {
     /// Time blocked on I/O per token, seconds.
     pub fn stall_per_token(&self) -> f64 {
         self.stall.as_secs_f64() / self.n()
+    }
+
+    /// Mean time of one device read, seconds (0 without reads).
+    pub fn mean_read_time(&self) -> f64 {
+        self.read_time.as_secs_f64() / self.reads.max(1) as f64
     }
 
     /// Slot hit rate over the decode.
@@ -348,6 +365,8 @@ pub fn run_schedule(
         prefill,
         bytes_read: io.file_bytes,
         stall: Duration::from_nanos(io.stall_nanos),
+        reads: io.reads,
+        read_time: Duration::from_nanos(io.read_nanos),
         stats,
         layers,
         device_bw,

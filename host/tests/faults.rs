@@ -54,6 +54,7 @@ fn lookahead(model: &Model) -> Lookahead {
     Lookahead {
         predictor: PredictorConfig::top_k(model.hp.moe.unwrap().top_k),
         layers: LayerMask::first(model.hp.n_layers).unwrap(),
+        depth: 2,
     }
 }
 
@@ -125,6 +126,7 @@ fn faulty_run<F: FnMut(&ReadRequest) -> Fault>(
         threads: 3,
         queue_depth: 8,
         direct: true,
+        chunk_bytes: 4096,
     };
     let device = FaultyDevice::new(
         FileDevice::open(path, slots, slot_bytes, io).unwrap(),

@@ -53,11 +53,12 @@ fn drain(dev: &mut FileDevice, n: usize) -> Vec<(Tag, ReadStatus<les::flash::Fil
 #[test]
 fn aligned_and_unaligned_reads_land_in_slots() {
     let (path, data) = data_file("flash_a.bin", 1 << 20);
-    for direct in [true, false] {
+    for (direct, chunk_bytes) in [(true, 0), (true, 4096), (true, 20_000), (false, 4096)] {
         let cfg = FileDeviceConfig {
             threads: 3,
             queue_depth: 8,
             direct,
+            chunk_bytes,
         };
         let mut dev = FileDevice::open(&path, 4, 64 * 1024, cfg).unwrap();
         let reads = [
@@ -77,7 +78,7 @@ fn aligned_and_unaligned_reads_land_in_slots() {
             assert_eq!(
                 got,
                 &data[r.offset as usize..][..r.len as usize],
-                "read {:?} direct={direct}",
+                "read {:?} direct={direct} chunk_bytes={chunk_bytes}",
                 r.tag
             );
         }
@@ -95,6 +96,7 @@ fn rejects_bad_and_overlapping_requests() {
             threads: 1,
             queue_depth: 2,
             direct: true,
+            chunk_bytes: 0,
         },
     )
     .unwrap();
@@ -144,17 +146,74 @@ fn slot_with_read_in_flight_cannot_be_read() {
     let _ = dev.slot(SlotId(0));
 }
 
+#[test]
+fn cancelling_a_chunked_read_completes_it_once() {
+    let (path, data) = data_file("flash_e.bin", 1 << 20);
+    for round in 0..20u32 {
+        let mut dev = FileDevice::open(
+            &path,
+            2,
+            256 * 1024,
+            FileDeviceConfig {
+                threads: 2,
+                queue_depth: 4,
+                direct: true,
+                chunk_bytes: 4096,
+            },
+        )
+        .unwrap();
+        // 64 chunks each; cancel the second read at a different moment each round.
+        dev.submit(req(1, 0, 256 * 1024, 0, 0, false)).unwrap();
+        dev.submit(req(2, 512 * 1024, 256 * 1024, 1, 0, false))
+            .unwrap();
+        for _ in 0..round * 10 {
+            std::hint::spin_loop();
+        }
+        dev.cancel(Tag(2));
+        let done = drain(&mut dev, 2);
+        assert_eq!(done.iter().filter(|(t, _)| *t == Tag(2)).count(), 1);
+        for (tag, st) in done {
+            if tag == Tag(1) || st == ReadStatus::Done {
+                let r = if tag == Tag(1) { 0 } else { 512 * 1024 };
+                let slot = if tag == Tag(1) { 0 } else { 1 };
+                assert_eq!(st, ReadStatus::Done);
+                assert_eq!(dev.slot(SlotId(slot)), &data[r..r + 256 * 1024]);
+            } else {
+                assert_eq!(st, ReadStatus::Cancelled);
+            }
+        }
+        assert!(dev.poll().is_none(), "exactly one completion per read");
+        // The slot is usable again.
+        dev.submit(req(3, 4096, 8192, 1, 0, true)).unwrap();
+        drain(&mut dev, 1);
+        assert_eq!(&dev.slot(SlotId(1))[..8192], &data[4096..4096 + 8192]);
+    }
+}
+
 struct Experts {
     n_experts: u16,
     size: u32,
     stride: u64,
+    /// One 4 KiB-aligned extent per expert (a packed file) instead of three
+    /// unaligned ones (a plain GGUF).
+    aligned: bool,
 }
 
 impl ExpertSource for Experts {
     fn extents(&self, key: ExpertKey) -> Extents {
+        let i = key.layer as u64 * self.n_experts as u64 + key.expert as u64;
+        if self.aligned {
+            let mut e = Extents::new();
+            e.push(Extent {
+                offset: i * self.stride,
+                len: self.size,
+                slot_offset: 0,
+            })
+            .unwrap();
+            return e;
+        }
         // Three unaligned parts per expert, as in a plain GGUF.
-        let base =
-            777 + (key.layer as u64 * self.n_experts as u64 + key.expert as u64) * self.stride;
+        let base = 777 + i * self.stride;
         let third = self.size / 3;
         let mut e = Extents::new();
         for p in 0..3u32 {
@@ -172,12 +231,23 @@ impl ExpertSource for Experts {
 #[test]
 fn scheduler_streams_through_the_file_device() {
     let (path, data) = data_file("flash_d.bin", 4 << 20);
-    let src = Experts {
-        n_experts: 16,
-        size: 30_000,
-        stride: 70_001,
-    };
-    let mut dev = FileDevice::open(&path, 5, 30_000, FileDeviceConfig::default()).unwrap();
+    for aligned in [false, true] {
+        let src = Experts {
+            n_experts: 16,
+            size: if aligned { 40_960 } else { 30_000 },
+            stride: if aligned { 69_632 } else { 70_001 },
+            aligned,
+        };
+        let cfg = FileDeviceConfig {
+            chunk_bytes: 8192,
+            ..FileDeviceConfig::default()
+        };
+        stream(&path, &data, &src, cfg);
+    }
+}
+
+fn stream(path: &std::path::Path, data: &[u8], src: &Experts, cfg: FileDeviceConfig) {
+    let mut dev = FileDevice::open(path, 5, src.size as usize, cfg).unwrap();
     let mut sched = Scheduler::new(
         SchedulerConfig::les(),
         vec![Slot::EMPTY; 5],
@@ -185,7 +255,7 @@ fn scheduler_streams_through_the_file_device() {
         vec![LayerState::INITIAL; 3],
         3,
         16,
-        30_000,
+        src.size,
     )
     .unwrap();
     let mut x = 7u32;
@@ -203,13 +273,13 @@ fn scheduler_streams_through_the_file_device() {
                     picks.push(e);
                 }
             }
-            sched.begin_layer(layer, &picks, &mut dev, &src).unwrap();
+            sched.begin_layer(layer, &picks, &mut dev, src).unwrap();
             let pred: Vec<u16> = (0..3).map(|_| rnd()).collect();
             sched
-                .prefetch((layer + 1) % 3, &pred, &mut dev, &src)
+                .prefetch((layer + 1) % 3, &pred, &mut dev, src)
                 .unwrap();
             loop {
-                match sched.next_blocking(&mut dev, &src).unwrap() {
+                match sched.next_blocking(&mut dev, src).unwrap() {
                     Next::Compute { index, key, slot } => {
                         let bytes = dev.slot(slot);
                         for e in src.extents(key) {

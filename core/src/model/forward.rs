@@ -287,6 +287,11 @@ pub struct Lookahead {
     pub predictor: PredictorConfig,
     /// Layers to predict for.
     pub layers: LayerMask,
+    /// How many layers ahead to predict: 1 = the next layer's router on this
+    /// layer's hidden state (LES); 2 also runs the router of the layer after it,
+    /// whose reads then have two layers of compute to complete in (for models
+    /// whose layers compute faster than an expert reads). 0 predicts nothing.
+    pub depth: usize,
 }
 
 /// Per-layer KV cache over caller memory: `[layer][position][kv_dim]` for keys and
@@ -811,8 +816,10 @@ where
                 // (whatever mixes positions in the next layer: it only needs the
                 // residual stream).
                 if let Some(la) = lookahead.filter(|_| experts.wants_predictions()) {
-                    let next = l + 1;
-                    if next < hp.n_layers && la.layers.is_enabled(next) {
+                    for next in (l + 1..=l + la.depth).take_while(|n| *n < hp.n_layers) {
+                        if !la.layers.is_enabled(next) {
+                            continue;
+                        }
                         let nw = weights.block(next);
                         if let Ffn::Moe { router: nr, .. } = nw.ffn {
                             rms_norm(s.h, nw.ffn_norm, hp.norm_eps, s.pred_x);

@@ -38,9 +38,9 @@ pub struct BenchArgs {
     /// Compute threads (default: physical cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
-    /// I/O threads.
-    #[arg(long, default_value_t = 4)]
-    pub io_threads: usize,
+    /// The file device's I/O settings.
+    #[command(flatten)]
+    pub io: super::run::IoArgs,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -96,7 +96,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         }),
         args.expert_mem.as_deref(),
         args.slots,
-        args.io_threads,
+        &args.io,
     )?;
     let prompt = tokenizer.encode(&args.prompt, true, true);
     if prompt.is_empty() {
@@ -170,6 +170,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                     "late_hits": r.stats.late_hits,
                     "misses": r.stats.misses,
                     "stalls": r.stats.stalls,
+                    "reads": r.reads,
+                    "mean_read_s": r.mean_read_time(),
                     "cancels": r.stats.cancels,
                     "tokens": r.tokens,
                     "layers": r.layers.iter().map(|l| json!({
@@ -281,10 +283,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let expert_bytes = model.total_expert_bytes();
     let slot = model.max_expert_bytes().max(1) as u64;
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
-    let io = crate::flash::FileDeviceConfig {
-        threads: args.io_threads.max(1),
-        ..Default::default()
-    };
+    let io = args.io.config()?;
     let bw = device_bandwidth(&model, &args.model, io, (256u64 << 20).min(expert_bytes))?;
     eprintln!(
         "les bench: device reads expert extents at {:.0} MiB/s",

@@ -64,9 +64,9 @@ pub struct RunArgs {
     /// Number of expert slots (instead of --expert-mem).
     #[arg(long, conflicts_with = "expert_mem")]
     pub slots: Option<usize>,
-    /// I/O threads of the file device.
-    #[arg(long, default_value_t = 4)]
-    pub io_threads: usize,
+    /// The file device's I/O settings.
+    #[command(flatten)]
+    pub io: IoArgs,
     /// Context size (default: prompt + n, at most the training context).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -103,13 +103,40 @@ pub fn write_npy(path: &std::path::Path, data: &[f32], cols: usize) -> std::io::
     std::fs::write(path, out)
 }
 
+/// I/O settings of `les run` and `les bench` (the file device).
+#[derive(Debug, Clone, clap::Args)]
+pub struct IoArgs {
+    /// I/O threads of the file device.
+    #[arg(long, default_value_t = 4)]
+    pub io_threads: usize,
+    /// Split aligned reads (packed experts) into chunks of this size, read in
+    /// parallel (e.g. 512KiB; 0 = one read per extent).
+    #[arg(long, default_value = "512KiB")]
+    pub io_chunk: String,
+}
+
+impl IoArgs {
+    /// The file device settings these arguments ask for.
+    pub fn config(&self) -> Result<FileDeviceConfig, Box<dyn Error>> {
+        let chunk = parse_size(&self.io_chunk)?;
+        if chunk != 0 && chunk < 4096 {
+            return Err(format!("--io-chunk {}: at least 4KiB (or 0)", self.io_chunk).into());
+        }
+        Ok(FileDeviceConfig {
+            threads: self.io_threads.max(1),
+            chunk_bytes: chunk.min(1 << 30) as usize,
+            ..FileDeviceConfig::default()
+        })
+    }
+}
+
 /// How many slots a budget buys, and the schedule it implies.
 pub fn resolve_budget(
     model: &Model,
     schedule: Option<Schedule>,
     expert_mem: Option<&str>,
     slots: Option<usize>,
-    io_threads: usize,
+    io: &IoArgs,
 ) -> Result<(Schedule, SlotBudget), Box<dyn Error>> {
     let slot_bytes = model.max_expert_bytes().max(1) as u64;
     let slots = match (expert_mem, slots) {
@@ -132,10 +159,7 @@ pub fn resolve_budget(
         schedule,
         SlotBudget {
             slots,
-            io: FileDeviceConfig {
-                threads: io_threads.max(1),
-                ..FileDeviceConfig::default()
-            },
+            io: io.config()?,
         },
     ))
 }
@@ -150,7 +174,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         args.schedule,
         args.expert_mem.as_deref(),
         args.slots,
-        args.io_threads,
+        &args.io,
     )?;
     let clip = match &args.mmproj {
         Some(path) => {

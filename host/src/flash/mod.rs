@@ -9,6 +9,11 @@
 //! falls back to buffered reads and drops the pages it read with
 //! `posix_fadvise(DONTNEED)`.
 //!
+//! Large aligned reads are split into chunks ([`FileDeviceConfig::chunk_bytes`])
+//! that the I/O threads read in parallel: one expert arrives sooner than from a
+//! single thread, and a demand read waits behind at most one chunk of a prefetch,
+//! not a whole expert. The read completes when its last chunk has.
+//!
 //! Soundness of the shared slot memory ([`arena`]) rests on bookkeeping done here,
 //! not on the caller: `submit` rejects a read overlapping another read in flight
 //! into the same slot, and [`SlotMemory::slot`] refuses a slot with a read in
@@ -69,6 +74,11 @@ fn file_error(kind: io::ErrorKind, message: impl Into<String>) -> FileError {
     }
 }
 
+/// Default [`FileDeviceConfig::chunk_bytes`]: large enough to stream at the
+/// device's speed, small enough that an expert of a few MiB spreads over the
+/// I/O threads.
+pub const DEFAULT_CHUNK_BYTES: usize = 512 * 1024;
+
 /// Settings of a [`FileDevice`].
 #[derive(Clone, Copy, Debug)]
 pub struct FileDeviceConfig {
@@ -78,6 +88,9 @@ pub struct FileDeviceConfig {
     pub queue_depth: usize,
     /// Try `O_DIRECT`.
     pub direct: bool,
+    /// Split aligned reads longer than this into chunks read in parallel (rounded
+    /// down to a multiple of 4 KiB; 0 = never split).
+    pub chunk_bytes: usize,
 }
 
 impl Default for FileDeviceConfig {
@@ -86,6 +99,7 @@ impl Default for FileDeviceConfig {
             threads: 4,
             queue_depth: 32,
             direct: true,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
         }
     }
 }
@@ -97,7 +111,7 @@ pub struct IoCounters {
     pub bytes: AtomicU64,
     /// Bytes read from the file (more than `bytes` when unaligned reads are widened).
     pub file_bytes: AtomicU64,
-    /// Reads completed.
+    /// Reads completed (each chunk of a split read counts).
     pub reads: AtomicU64,
     /// Sum over reads of their duration, in nanoseconds.
     pub read_nanos: AtomicU64,
@@ -146,9 +160,41 @@ impl std::ops::Sub for IoSnapshot {
     }
 }
 
+/// One request as the I/O threads see it: the whole read or one chunk of it.
+struct Job {
+    /// The chunk: offsets and length of this piece, tag of the whole read.
+    req: ReadRequest,
+    group: Arc<Group>,
+}
+
+/// The chunks of one submitted read.
+struct Group {
+    /// Chunks not yet finished (read, failed or dropped).
+    remaining: AtomicU64,
+    /// Some chunk was dropped by a cancel: the read completes as cancelled.
+    dropped: std::sync::atomic::AtomicBool,
+    /// The first error of a chunk.
+    error: Mutex<Option<FileError>>,
+}
+
+impl Group {
+    /// Marks one chunk finished; the completion when it was the last.
+    fn finish(&self, tag: Tag) -> Option<Completion<FileError>> {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return None;
+        }
+        let status = match lock(&self.error).take() {
+            Some(e) => ReadStatus::Failed(e),
+            None if self.dropped.load(Ordering::Acquire) => ReadStatus::Cancelled,
+            None => ReadStatus::Done,
+        };
+        Some(Completion { tag, status })
+    }
+}
+
 struct Queue {
-    urgent: VecDeque<ReadRequest>,
-    normal: VecDeque<ReadRequest>,
+    urgent: VecDeque<Job>,
+    normal: VecDeque<Job>,
     shutdown: bool,
 }
 
@@ -182,6 +228,7 @@ pub struct FileDevice {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     queue_depth: usize,
+    chunk_bytes: usize,
     in_flight: Vec<InFlight>,
 }
 
@@ -252,6 +299,7 @@ impl FileDevice {
             shared,
             workers,
             queue_depth: config.queue_depth.max(1),
+            chunk_bytes: config.chunk_bytes / SLOT_ALIGN * SLOT_ALIGN,
             in_flight: Vec::new(),
         })
     }
@@ -302,11 +350,11 @@ fn worker(s: &Shared, max_read: usize) {
         None
     };
     loop {
-        let req = {
+        let Job { req, group } = {
             let mut q = lock(&s.queue);
             loop {
-                if let Some(r) = q.urgent.pop_front().or_else(|| q.normal.pop_front()) {
-                    break r;
+                if let Some(j) = q.urgent.pop_front().or_else(|| q.normal.pop_front()) {
+                    break j;
                 }
                 if q.shutdown {
                     return;
@@ -315,24 +363,24 @@ fn worker(s: &Shared, max_read: usize) {
             }
         };
         let start = Instant::now();
-        let status = match read(s, &req, bounce.as_ref()) {
+        match read(s, &req, bounce.as_ref()) {
             Ok(file_bytes) => {
                 let c = &s.counters;
                 c.bytes.fetch_add(req.len as u64, Ordering::Relaxed);
                 c.file_bytes.fetch_add(file_bytes, Ordering::Relaxed);
-                ReadStatus::Done
             }
-            Err(e) => ReadStatus::Failed(e),
-        };
+            Err(e) => {
+                lock(&group.error).get_or_insert(e);
+            }
+        }
         s.counters.reads.fetch_add(1, Ordering::Relaxed);
         s.counters
             .read_nanos
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        lock(&s.done).push_back(Completion {
-            tag: req.tag,
-            status,
-        });
-        s.done_cv.notify_all();
+        if let Some(c) = group.finish(req.tag) {
+            lock(&s.done).push_back(c);
+            s.done_cv.notify_all();
+        }
     }
 }
 
@@ -476,14 +524,49 @@ impl BlockDevice for FileDevice {
             start,
             end,
         });
+        // Chunks only for aligned reads: an unaligned one would widen every chunk.
+        let a = SLOT_ALIGN as u64;
+        let chunk = match self.chunk_bytes {
+            c if c > 0
+                && self.shared.direct
+                && req.offset.is_multiple_of(a)
+                && (req.slot_offset as u64).is_multiple_of(a)
+                && (req.len as u64).is_multiple_of(a) =>
+            {
+                c
+            }
+            _ => req.len.max(1) as usize,
+        };
+        let n = (req.len as usize).div_ceil(chunk).max(1);
+        let group = Arc::new(Group {
+            remaining: AtomicU64::new(n as u64),
+            dropped: std::sync::atomic::AtomicBool::new(false),
+            error: Mutex::new(None),
+        });
         let mut q = lock(&self.shared.queue);
-        if req.urgent {
-            q.urgent.push_back(req);
+        let dst = if req.urgent {
+            &mut q.urgent
         } else {
-            q.normal.push_back(req);
+            &mut q.normal
+        };
+        for i in 0..n {
+            let skip = (i * chunk) as u32;
+            dst.push_back(Job {
+                req: ReadRequest {
+                    offset: req.offset + skip as u64,
+                    len: (req.len - skip).min(chunk as u32),
+                    slot_offset: req.slot_offset + skip,
+                    ..req
+                },
+                group: Arc::clone(&group),
+            });
         }
         drop(q);
-        self.shared.work.notify_one();
+        if n == 1 {
+            self.shared.work.notify_one();
+        } else {
+            self.shared.work.notify_all();
+        }
         Ok(())
     }
 
@@ -514,21 +597,30 @@ impl BlockDevice for FileDevice {
     }
 
     fn cancel(&mut self, tag: Tag) {
-        // A read not yet started is dropped and completes as cancelled; one already
-        // running completes normally.
-        let mut guard = lock(&self.shared.queue);
-        let q = &mut *guard;
-        let found = [&mut q.urgent, &mut q.normal].into_iter().find_map(|d| {
-            let i = d.iter().position(|r| r.tag == tag)?;
-            d.remove(i)
-        });
-        drop(guard);
-        if found.is_some() {
-            lock(&self.shared.done).push_back(Completion {
-                tag,
-                status: ReadStatus::Cancelled,
-            });
-            self.shared.done_cv.notify_all();
+        // Chunks not yet started are dropped, and then the read completes as
+        // cancelled (once its running chunks finished); a read whose chunks all
+        // started completes normally.
+        let mut dropped = Vec::new();
+        {
+            let mut guard = lock(&self.shared.queue);
+            let q = &mut *guard;
+            for d in [&mut q.urgent, &mut q.normal] {
+                d.retain(|j| {
+                    if j.req.tag == tag {
+                        dropped.push(Arc::clone(&j.group));
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+        }
+        for g in dropped {
+            g.dropped.store(true, Ordering::Release);
+            if let Some(c) = g.finish(tag) {
+                lock(&self.shared.done).push_back(c);
+                self.shared.done_cv.notify_all();
+            }
         }
     }
 }

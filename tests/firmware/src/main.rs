@@ -171,6 +171,7 @@ fn run() -> Result<(), &'static str> {
     let lookahead = Lookahead {
         predictor: PredictorConfig::top_k(top_k),
         layers: LayerMask::first(hp.n_layers).map_err(|_| "too many layers")?,
+        depth: 1,
     };
     let mut mv = SerialMatVec {
         isa: Isa::detect(),
