@@ -177,3 +177,45 @@ fn inspect_corrupt_file_fails_with_one_line() {
     let err = assert_one_line_error(&les(&["inspect"], &tmp("does-not-exist.gguf")));
     assert!(err.contains("does-not-exist.gguf"), "{err}");
 }
+
+#[test]
+fn inspect_counts_packed_experts() {
+    let dir = std::env::temp_dir().join(format!("les-inspect-packed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plain, packed) = (dir.join("tiny.gguf"), dir.join("tiny.packed.gguf"));
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(args)
+            .output()
+            .expect("les runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
+    run(&[
+        "synth", "--arch", "qwen3moe", "--preset", "tiny", "--quiet", "-o", p,
+    ]);
+    run(&["pack", "--quiet", p, "-o", q]);
+    let json = |f: &Path| -> Json {
+        serde_json::from_str(&stdout(&les(&["inspect", "--json"], f))).unwrap()
+    };
+    let (a, b) = (json(&plain), json(&packed));
+    let (ea, eb) = (&a["experts"], &b["experts"]);
+    let (la, lb) = (
+        ea["layers"].as_array().unwrap(),
+        eb["layers"].as_array().unwrap(),
+    );
+    assert_eq!(la.len(), 4);
+    assert_eq!(lb.len(), la.len(), "{eb}");
+    for (x, y) in la.iter().zip(lb) {
+        // One extent per expert: the expert's bytes rounded up to 4 KiB.
+        let per = x["bytes_per_expert"].as_u64().unwrap();
+        assert_eq!(
+            y["bytes_per_expert"].as_u64().unwrap(),
+            per.div_ceil(4096) * 4096
+        );
+    }
+    assert!(
+        eb["total_expert_bytes"].as_u64().unwrap() >= ea["total_expert_bytes"].as_u64().unwrap()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -48,6 +48,11 @@ pub struct BenchArgs {
     /// synthetic models fall into loops that route to the same experts).
     #[arg(long = "temp", default_value_t = 0.8)]
     pub temperature: f32,
+    /// Run the schedules this many times, interleaved (A B A B ...), and report
+    /// each schedule's median run: slow drift of a shared machine then affects
+    /// every schedule alike.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
     /// Sampling seed (the same for every schedule).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -134,13 +139,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     } else {
         0.0
     };
-    let mut reports: Vec<ScheduleReport> = Vec::new();
-    for &s in &args.schedules {
-        eprintln!("les bench: running {s} ...");
-        let r = run_schedule(&model, &args.model, &cfg, s, bw)?;
-        eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
-        reports.push(r);
-    }
+    let runs = run_interleaved(&model, args, &cfg, bw, true)?;
+    let reports: Vec<ScheduleReport> = runs.iter().map(|r| r.median.clone()).collect();
     let base = reports
         .iter()
         .find(|r| r.schedule == Schedule::OnDemand)
@@ -155,6 +155,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                 r.schedule.name().into(),
                 json!({
                     "tok_s": r.tok_s(),
+                    "tok_s_runs": runs.iter().find(|x| x.median.schedule == r.schedule).map(|x| x.tok_s.clone()),
                     "bytes_per_token": r.bytes_per_token(),
                     "stall_s_per_token": r.stall_per_token(),
                     "hit_rate": r.hit_rate(),
@@ -237,6 +238,19 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
         )?;
     }
+    if args.repeat > 1 {
+        for x in &runs {
+            let v: Vec<String> = x.tok_s.iter().map(|t| format!("{t:.2}")).collect();
+            writeln!(
+                out,
+                "{}: median of {} runs (tok/s {}; spread +-{:.1}%)",
+                x.median.schedule.name(),
+                x.tok_s.len(),
+                v.join(" "),
+                100.0 * x.spread()
+            )?;
+        }
+    }
     for r in reports.iter().filter(|r| !r.layers.is_empty()) {
         let mut worst = r.layers.clone();
         worst.sort_by(|a, b| a.precision.total_cmp(&b.precision));
@@ -271,6 +285,65 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     Ok(())
 }
 
+/// One schedule's runs of [`run_interleaved`].
+struct Runs {
+    /// The run with the median decode time.
+    median: ScheduleReport,
+    /// Tokens per second of every run, in run order.
+    tok_s: Vec<f64>,
+}
+
+impl Runs {
+    /// Half the spread of the runs' tok/s, relative to the median (0 for one run).
+    fn spread(&self) -> f64 {
+        let (lo, hi) = self
+            .tok_s
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        if self.tok_s.len() < 2 {
+            0.0
+        } else {
+            (hi - lo) / 2.0 / self.median.tok_s().max(1e-9)
+        }
+    }
+}
+
+/// Runs every schedule of `args` `args.repeat` times, interleaved; checks that
+/// every run of every schedule generated the same tokens.
+fn run_interleaved(
+    model: &Model,
+    args: &BenchArgs,
+    cfg: &BenchConfig,
+    bw: f64,
+    verbose: bool,
+) -> Result<Vec<Runs>, Box<dyn Error>> {
+    let mut all: Vec<Vec<ScheduleReport>> = vec![Vec::new(); args.schedules.len()];
+    for round in 0..args.repeat {
+        for (i, &s) in args.schedules.iter().enumerate() {
+            if verbose {
+                eprintln!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
+            }
+            let r = run_schedule(model, &args.model, cfg, s, bw)?;
+            if verbose {
+                eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
+            }
+            if all.iter().flatten().any(|o| o.tokens != r.tokens) {
+                return Err(format!("{s} generated different tokens than an earlier run").into());
+            }
+            all[i].push(r);
+        }
+    }
+    Ok(all
+        .into_iter()
+        .map(|mut v| {
+            let tok_s = v.iter().map(ScheduleReport::tok_s).collect();
+            v.sort_by_key(|r| r.decode);
+            let median = v.swap_remove(v.len() / 2);
+            Runs { median, tok_s }
+        })
+        .collect())
+}
+
 /// `les bench --sweep`: each budget, each schedule; speedup over on-demand and
 /// whether les's hit rate is at least LRU's (on-demand's) at every budget.
 fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
@@ -293,8 +366,8 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut rows = Vec::new();
     writeln!(
         out,
-        "{:>7} {:>6} {:<10} {:>8} {:>8} {:>9} {:>8} {:>8}",
-        "budget", "slots", "schedule", "tok/s", "hit", "MiB/tok", "overlap", "speedup"
+        "{:>7} {:>6} {:<10} {:>8} {:>7} {:>8} {:>9} {:>8} {:>8}",
+        "budget", "slots", "schedule", "tok/s", "spread", "hit", "MiB/tok", "overlap", "speedup"
     )?;
     for &pct in &args.sweep {
         if !(pct > 0.0 && pct <= 100.0) {
@@ -311,40 +384,69 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         };
         let mut base = None;
         let mut lru_hit = None;
-        for &s in &args.schedules {
-            let r = run_schedule(&model, &args.model, &cfg, s, bw)?;
+        let runs = run_interleaved(&model, args, &cfg, bw, false)?;
+        let mut noise = 0f64;
+        for x in &runs {
+            let (r, s) = (&x.median, x.median.schedule);
             if s == Schedule::OnDemand {
                 base = Some(r.tok_s());
                 lru_hit = Some(r.hit_rate());
             }
+            noise = noise.max(x.spread());
+        }
+        for x in &runs {
+            let (r, s) = (&x.median, x.median.schedule);
             writeln!(
                 out,
-                "{:>6.0}% {:>6} {:<10} {:>8.2} {:>7.1}% {:>9.2} {:>8.2} {:>8}",
+                "{:>6.0}% {:>6} {:<10} {:>8.2} {:>6.1}% {:>7.1}% {:>9.2} {:>8.2} {:>8}",
                 pct,
                 slots,
                 s.name(),
                 r.tok_s(),
+                100.0 * x.spread(),
                 100.0 * r.hit_rate(),
                 mib(r.bytes_per_token()),
                 r.overlap_efficiency(),
                 base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
             )?;
             out.flush()?;
-            rows.push((pct, s, r.tok_s(), r.hit_rate(), base, lru_hit));
+            rows.push((pct, s, r.tok_s(), r.hit_rate(), base, lru_hit, noise));
         }
     }
-    let never_slower = rows
-        .iter()
-        .filter(|r| r.1 == Schedule::Les)
-        .all(|r| r.4.is_none_or(|b| r.2 >= b));
+    // Slower only beyond the run-to-run spread of that budget's runs.
+    let les_rows = || rows.iter().filter(|r| r.1 == Schedule::Les);
+    let never_slower = les_rows().all(|r| r.4.is_none_or(|b| r.2 >= b * (1.0 - r.6)));
+    let within_noise: Vec<String> = les_rows()
+        .filter_map(|r| {
+            let b = r.4?;
+            (r.2 < b && r.2 >= b * (1.0 - r.6)).then(|| {
+                format!(
+                    "{:.0}%: {:.2}x within the +-{:.1}% spread",
+                    r.0,
+                    r.2 / b,
+                    100.0 * r.6
+                )
+            })
+        })
+        .collect();
     let hits_ge_lru = rows
         .iter()
         .filter(|r| r.1 == Schedule::Les)
         .all(|r| r.5.is_none_or(|h| r.3 >= h));
     writeln!(
         out,
-        "les never slower than on-demand: {}",
-        if never_slower { "yes" } else { "no" }
+        "les never slower than on-demand: {}{}{}",
+        if never_slower { "yes" } else { "no" },
+        if args.repeat > 1 {
+            format!(" (medians of {} interleaved runs)", args.repeat)
+        } else {
+            String::new()
+        },
+        if within_noise.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", within_noise.join(", "))
+        }
     )?;
     writeln!(
         out,

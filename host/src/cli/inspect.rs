@@ -40,16 +40,18 @@ struct Experts {
     total_bytes: u64,
 }
 
-/// `blk.N.ffn_{gate,up,down}_exps.weight` -> N.
-fn expert_layer(name: &str) -> Option<u64> {
+/// `blk.N.ffn_{gate,up,down}_exps.weight` -> (N, the dimension counting
+/// experts); `blk.N.ffn_exps_packed.weight` (`les pack`: one extent per expert,
+/// rows of the I8 tensor) -> (N, 1).
+fn expert_layer(name: &str) -> Option<(u64, usize)> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, kind) = rest.split_once('.')?;
-    matches!(
-        kind,
-        "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight"
-    )
-    .then(|| layer.parse().ok())
-    .flatten()
+    let dim = match kind {
+        "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight" => 2,
+        "ffn_exps_packed.weight" => 1,
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, dim))
 }
 
 fn experts(g: &Gguf, arch: Option<&str>) -> Result<Experts, Box<dyn Error>> {
@@ -64,10 +66,10 @@ fn experts(g: &Gguf, arch: Option<&str>) -> Result<Experts, Box<dyn Error>> {
     let used = meta("expert_used_count")?;
     let mut layers: Vec<ExpertLayer> = Vec::new();
     for t in g.tensors() {
-        let Some(layer) = expert_layer(t.name()) else {
+        let Some((layer, dim)) = expert_layer(t.name()) else {
             continue;
         };
-        let experts = count.unwrap_or_else(|| t.dims().get(2).copied().unwrap_or(1));
+        let experts = count.unwrap_or_else(|| t.dims().get(dim).copied().unwrap_or(1));
         match layers.iter_mut().find(|l| l.layer == layer) {
             Some(l) => l.bytes += t.size(),
             None => layers.push(ExpertLayer {
