@@ -1,0 +1,164 @@
+//! End-to-end tests of `les bench`: the JSON contract, identical tokens across
+//! schedules and repeats (equal to `les run` with the same sampler), the sweep.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value as Json;
+
+const PROMPT: &str = "Once upon a time";
+
+fn les(args: &[&str]) -> (String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_les"))
+        .args(args)
+        .output()
+        .expect("les runs");
+    let (out, err) = (
+        String::from_utf8(o.stdout).unwrap(),
+        String::from_utf8(o.stderr).unwrap(),
+    );
+    assert!(o.status.success(), "les {args:?} failed: {err}");
+    (out, err)
+}
+
+/// A packed tiny model (8 experts per layer) in a fresh directory.
+fn packed_tiny(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("les-bench-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plain, packed) = (dir.join("tiny.gguf"), dir.join("tiny.packed.gguf"));
+    let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
+    les(&[
+        "synth", "--arch", "qwen3moe", "--preset", "tiny", "--quiet", "-o", p,
+    ]);
+    les(&["pack", "--quiet", p, "-o", q]);
+    packed
+}
+
+fn tokens(v: &Json) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+fn cleanup(model: &Path) {
+    std::fs::remove_dir_all(model.parent().unwrap()).unwrap();
+}
+
+#[test]
+fn bench_json_has_the_contract_keys_and_run_s_tokens() {
+    let model = packed_tiny("json");
+    let m = model.to_str().unwrap();
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        m,
+        "--slots",
+        "6",
+        "-n",
+        "12",
+        "--prompt",
+        PROMPT,
+        "--json",
+        "--repeat",
+        "2",
+        "--schedules",
+        "on-demand,les,resident",
+        "-t",
+        "1",
+    ]);
+    let j: Json = serde_json::from_str(&out).unwrap();
+    assert_eq!(j["identical_tokens"], true);
+    for s in ["on-demand", "les", "resident"] {
+        let r = &j["schedules"][s];
+        for k in ["tok_s", "bytes_per_token", "hit_rate", "overlap_efficiency"] {
+            assert!(r[k].as_f64().is_some_and(f64::is_finite), "{s}.{k}: {r}");
+        }
+        assert_eq!(r["tok_s_runs"].as_array().unwrap().len(), 2, "{r}");
+        assert!(j["speedup"][s].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(j["speedup"]["on-demand"], 1.0);
+    let od = &j["schedules"]["on-demand"];
+    assert!(
+        od["bytes_per_token"].as_f64().unwrap() > 0.0,
+        "6 of 32 slots: reads"
+    );
+    assert_eq!(j["schedules"]["resident"]["bytes_per_token"], 0.0);
+    let les_tokens = tokens(&j["schedules"]["les"]["tokens"]);
+    assert_eq!(les_tokens.len(), 12);
+    assert_eq!(les_tokens, tokens(&od["tokens"]));
+
+    // The bench samples exactly as `les run` does with the same seed.
+    let (run, _) = les(&[
+        "run", "-m", m, "-p", PROMPT, "-n", "12", "--temp", "0.8", "--seed", "0", "--json", "-t",
+        "1",
+    ]);
+    let r: Json = serde_json::from_str(&run).unwrap();
+    assert_eq!(tokens(&r["tokens"]), les_tokens);
+    cleanup(&model);
+}
+
+#[test]
+fn bench_sweep_reports_every_budget_and_the_verdicts() {
+    let model = packed_tiny("sweep");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--sweep",
+        "25,100",
+        "-n",
+        "6",
+        "--repeat",
+        "2",
+        "-t",
+        "1",
+    ]);
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.ends_with('%'))
+        })
+        .collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    for (row, (budget, schedule)) in rows.iter().zip([
+        ("25%", "on-demand"),
+        ("25%", "les"),
+        ("100%", "on-demand"),
+        ("100%", "les"),
+    ]) {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!((cols[0], cols[2]), (budget, schedule), "{out}");
+    }
+    assert!(out.contains("les never slower than on-demand: "), "{out}");
+    assert!(
+        out.contains("les hit rate >= LRU at every budget: "),
+        "{out}"
+    );
+    assert!(out.contains("medians of 2 interleaved runs"), "{out}");
+    cleanup(&model);
+}
+
+#[test]
+fn bench_rejects_bad_arguments_with_one_line() {
+    let model = packed_tiny("bad");
+    let m = model.to_str().unwrap();
+    for args in [
+        vec!["bench", "-m", m, "--sweep", "0"],
+        vec!["bench", "-m", m, "--slots", "4", "--io-chunk", "100"],
+        vec!["bench", "-m", m, "--slots", "4", "--repeat", "0"],
+        vec!["bench", "-m", m, "--slots", "4", "--lookahead-depth", "3"],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    cleanup(&model);
+}
