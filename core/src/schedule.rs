@@ -107,7 +107,9 @@ pub struct SchedulerConfig {
     /// measured precision is below this are issued only while the device is idle
     /// (no read in flight): they use bandwidth that would otherwise go unused, and
     /// never delay a read that is more likely to be needed. 0 issues every rank
-    /// at once.
+    /// of the next layer at once. Predictions for layers further ahead (depth 2)
+    /// are always issued only while the device is idle: where reads are the
+    /// bottleneck they would take bandwidth from the next layer's.
     pub idle_only_below: f32,
 }
 
@@ -959,7 +961,8 @@ where
                 self.queue.remove(0);
                 continue;
             }
-            if self.in_flight > 0 && self.rank_precision(depth, rank) < self.config.idle_only_below
+            if self.in_flight > 0
+                && (depth > 1 || self.rank_precision(depth, rank) < self.config.idle_only_below)
             {
                 // Later entries are deeper or less confident, measured no better in
                 // practice; retried on the next pump, once the device drained.
