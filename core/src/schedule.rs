@@ -347,7 +347,7 @@ pub struct Scheduler<S, M, L> {
     next_load: u32,
     layer: Option<u16>,
     picks: Vec<Pick, MAX_PICKS>,
-    /// Prefetches to issue, in order: key, prediction depth - 1 and rank.
+    /// Prefetches to issue, nearest layer and most confident first.
     queue: Vec<Queued, { MAX_DEPTH * MAX_PREDICTED }>,
     /// Per prediction depth and rank: (predicted, picked), halved as they grow.
     rank_score: [[(u32, u32); MAX_PREDICTED]; MAX_DEPTH],
