@@ -619,20 +619,26 @@ where
         if self.config.prefetch && self.layers.as_ref()[layer as usize].prefetch_enabled {
             for (rank, &expert) in set.iter().enumerate() {
                 let key = ExpertKey { layer, expert };
-                if self.table.lookup(key).is_none() && self.queue.is_full() {
+                if self.table.lookup(key).is_some() {
+                    continue;
+                }
+                if self.queue.is_full() {
                     // Room for a nearer layer: drop the deepest, least confident.
-                    self.queue.sort_unstable_by_key(|q| (q.depth, q.rank));
-                    if self.queue.last().is_some_and(|q| q.depth > depth) {
-                        self.queue.pop();
+                    let deepest = (0..self.queue.len())
+                        .max_by_key(|&i| (self.queue[i].depth, self.queue[i].rank))
+                        .filter(|&i| self.queue[i].depth > depth);
+                    match deepest {
+                        Some(i) => {
+                            self.queue.swap_remove(i);
+                        }
+                        None => continue,
                     }
                 }
-                if self.table.lookup(key).is_none() {
-                    let _ = self.queue.push(Queued {
-                        key,
-                        depth,
-                        rank: rank as u8,
-                    });
-                }
+                let _ = self.queue.push(Queued {
+                    key,
+                    depth,
+                    rank: rank as u8,
+                }); // room made just above
             }
         }
         self.queue.sort_unstable_by_key(|q| (q.depth, q.rank));

@@ -130,9 +130,9 @@ pub enum EvictionPolicy {
     LayerDistance,
     /// Popularity- and layer-aware: never the next [`PROTECTED_LAYERS`] layers'
     /// experts (what the lookahead just prefetched) while others are evictable;
-    /// then the expert
-    /// picked least often (aged counts, see [`SlotTable::record_use`]); ties by
-    /// layer distance as in [`LayerDistance`](Self::LayerDistance), then LRU.
+    /// then the expert picked least often (aged counts, see
+    /// [`SlotTable::record_use`]); ties by layer distance as in
+    /// [`LayerDistance`](Self::LayerDistance), then LRU.
     /// MoE routers favour some experts across tokens, which LRU forgets.
     Popularity,
 }
@@ -329,8 +329,6 @@ where
             return Some(SlotId(i as u32));
         }
         let n_layers = self.n_layers.max(1) as u32;
-        let index = self.index.as_ref();
-        let n_experts = self.n_experts as usize;
         let mut best: Option<(usize, (bool, u32, u32, u64))> = None;
         for (i, s) in slots.iter().enumerate() {
             let SlotState::Ready { key, .. } = s.state else {
@@ -350,16 +348,12 @@ where
             let rank = match policy {
                 EvictionPolicy::Lru => (true, 0, 0, u64::MAX - s.last_used),
                 EvictionPolicy::LayerDistance => (true, 0, distance, u64::MAX - s.last_used),
-                EvictionPolicy::Popularity => {
-                    let count =
-                        index[key.layer as usize * n_experts + key.expert as usize] >> SLOT_BITS;
-                    (
-                        distance > PROTECTED_LAYERS,
-                        MAX_USE_COUNT - count,
-                        distance,
-                        u64::MAX - s.last_used,
-                    )
-                }
+                EvictionPolicy::Popularity => (
+                    distance > PROTECTED_LAYERS,
+                    MAX_USE_COUNT - self.use_count(key),
+                    distance,
+                    u64::MAX - s.last_used,
+                ),
             };
             if best.is_none_or(|(_, r)| rank > r) {
                 best = Some((i, rank));

@@ -211,10 +211,10 @@ fn reference(m: &Model, s: &Script) -> Vec<[f32; DIM]> {
     trace
 }
 
-/// Records every submit's urgency, to check demand-first ordering per call.
+/// Records every accepted submit, to check what was read in which order.
 struct Logged<D> {
     inner: D,
-    log: Vec<bool>,
+    log: Vec<ReadRequest>,
 }
 
 impl<D: BlockDevice> BlockDevice for Logged<D> {
@@ -228,7 +228,7 @@ impl<D: BlockDevice> BlockDevice for Logged<D> {
     fn submit(&mut self, req: ReadRequest) -> Result<(), SubmitError<D::Error>> {
         let r = self.inner.submit(req);
         if r.is_ok() {
-            self.log.push(req.urgent);
+            self.log.push(req);
         }
         r
     }
@@ -509,15 +509,15 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
 }
 
 /// Invariant 4: demand reads first, prefetch bytes within budget.
-fn check_call<S, M, L>(sched: &Scheduler<S, M, L>, submits: &[bool], c: &Case)
+fn check_call<S, M, L>(sched: &Scheduler<S, M, L>, submits: &[ReadRequest], c: &Case)
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
     M: AsRef<[u32]> + AsMut<[u32]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
 {
-    if let Some(first_prefetch) = submits.iter().position(|u| !u) {
+    if let Some(first_prefetch) = submits.iter().position(|r| !r.urgent) {
         assert!(
-            submits[first_prefetch..].iter().all(|u| !u),
+            submits[first_prefetch..].iter().all(|r| !r.urgent),
             "a demand read was submitted after a prefetch in the same call: {submits:?}"
         );
         assert!(
@@ -684,4 +684,80 @@ fn permanent_error_on_demand_read_is_reported_with_the_expert() {
         }
     );
     assert!(err.to_string().contains("layer 0 expert 1"));
+}
+
+#[test]
+fn a_full_prefetch_queue_makes_room_for_the_nearer_layer() {
+    // Two layers ahead fill the queue (2 x 64 entries); the next layer's 64
+    // predictions then displace the deepest ones, and are all read first.
+    let (n_layers, n_experts) = (4u16, 64u16);
+    let m = Model::new(&mut Rng(3), n_layers, n_experts, 1);
+    let slots = 80;
+    let mut mem = vec![0u8; slots * m.slot_bytes as usize];
+    let dev: SimDevice<_, 4> = SimDevice::new(
+        &m.image,
+        &mut mem,
+        m.slot_bytes as usize,
+        SimConfig::default(),
+        |_: &ReadRequest| Fault::None,
+    );
+    let mut dev = Logged {
+        inner: dev,
+        log: Vec::new(),
+    };
+    let n = n_layers as usize * n_experts as usize;
+    let mut sched = Scheduler::new(
+        SchedulerConfig::les(),
+        vec![Slot::EMPTY; slots],
+        vec![0u32; n],
+        vec![LayerState::INITIAL; n_layers as usize],
+        n_layers,
+        n_experts,
+        m.slot_bytes,
+    )
+    .unwrap();
+    let all: Vec<u16> = (0..n_experts).collect();
+    sched.begin_token();
+    sched.begin_layer(0, &[0], &mut dev, &m).unwrap();
+    sched.prefetch(2, &all, &mut dev, &m).unwrap();
+    sched.prefetch(3, &all, &mut dev, &m).unwrap();
+    sched.prefetch(1, &all, &mut dev, &m).unwrap();
+    let mut done = false;
+    for _ in 0..100_000 {
+        match sched.next(&mut dev, &m).unwrap() {
+            Next::Compute { index, .. } => sched.finish::<()>(index).unwrap(),
+            Next::Wait => dev.wait(),
+            Next::Done if sched.reads_in_flight() > 0 => dev.wait(),
+            Next::Done => {
+                done = true;
+                break;
+            }
+        }
+    }
+    assert!(done);
+    let key_at: std::collections::HashMap<u64, ExpertKey> = (0..n_layers)
+        .flat_map(|layer| (0..n_experts).map(move |expert| ExpertKey { layer, expert }))
+        .map(|k| (m.extents(k)[0].offset, k))
+        .collect();
+    let read: Vec<ExpertKey> = dev.log.iter().map(|r| key_at[&r.offset]).collect();
+    assert_eq!(
+        read[0],
+        ExpertKey {
+            layer: 0,
+            expert: 0
+        },
+        "the demand read"
+    );
+    // Depth-2 reads may start only while the device is idle, never before every
+    // next-layer read was issued.
+    let first_deeper = read.iter().position(|k| k.layer > 1).unwrap_or(read.len());
+    let next_layer: Vec<u16> = read[..first_deeper]
+        .iter()
+        .filter(|k| k.layer == 1)
+        .map(|k| k.expert)
+        .collect();
+    assert_eq!(
+        next_layer, all,
+        "all 64 next-layer predictions, most confident first"
+    );
 }

@@ -29,7 +29,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -172,7 +172,7 @@ struct Group {
     /// Chunks not yet finished (read, failed or dropped).
     remaining: AtomicU64,
     /// Some chunk was dropped by a cancel: the read completes as cancelled.
-    dropped: std::sync::atomic::AtomicBool,
+    dropped: AtomicBool,
     /// The first error of a chunk.
     error: Mutex<Option<FileError>>,
 }
@@ -540,7 +540,7 @@ impl BlockDevice for FileDevice {
         let n = (req.len as usize).div_ceil(chunk).max(1);
         let group = Arc::new(Group {
             remaining: AtomicU64::new(n as u64),
-            dropped: std::sync::atomic::AtomicBool::new(false),
+            dropped: AtomicBool::new(false),
             error: Mutex::new(None),
         });
         let mut q = lock(&self.shared.queue);
