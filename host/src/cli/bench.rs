@@ -139,23 +139,23 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     } else {
         0.0
     };
-    let runs = run_interleaved(&model, args, &cfg, bw, true)?;
-    let reports: Vec<ScheduleReport> = runs.iter().map(|r| r.median.clone()).collect();
+    let (runs, identical) = run_interleaved(&model, args, &cfg, bw, true)?;
+    let reports: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
     let base = reports
         .iter()
         .find(|r| r.schedule == Schedule::OnDemand)
         .map(|r| r.tok_s());
-    let identical = reports.windows(2).all(|w| w[0].tokens == w[1].tokens);
 
     if args.json {
         let mut schedules = Map::new();
         let mut speedup = Map::new();
-        for r in &reports {
+        for x in &runs {
+            let r = &x.median;
             schedules.insert(
                 r.schedule.name().into(),
                 json!({
                     "tok_s": r.tok_s(),
-                    "tok_s_runs": runs.iter().find(|x| x.median.schedule == r.schedule).map(|x| x.tok_s.clone()),
+                    "tok_s_runs": x.tok_s,
                     "bytes_per_token": r.bytes_per_token(),
                     "stall_s_per_token": r.stall_per_token(),
                     "hit_rate": r.hit_rate(),
@@ -308,15 +308,15 @@ impl Runs {
     }
 }
 
-/// Runs every schedule of `args` `args.repeat` times, interleaved; checks that
-/// every run of every schedule generated the same tokens.
+/// Runs every schedule of `args` `args.repeat` times, interleaved; also says
+/// whether every run of every schedule generated the same tokens.
 fn run_interleaved(
     model: &Model,
     args: &BenchArgs,
     cfg: &BenchConfig,
     bw: f64,
     verbose: bool,
-) -> Result<Vec<Runs>, Box<dyn Error>> {
+) -> Result<(Vec<Runs>, bool), Box<dyn Error>> {
     let mut all: Vec<Vec<ScheduleReport>> = vec![Vec::new(); args.schedules.len()];
     for round in 0..args.repeat {
         for (i, &s) in args.schedules.iter().enumerate() {
@@ -327,13 +327,12 @@ fn run_interleaved(
             if verbose {
                 eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
             }
-            if all.iter().flatten().any(|o| o.tokens != r.tokens) {
-                return Err(format!("{s} generated different tokens than an earlier run").into());
-            }
             all[i].push(r);
         }
     }
-    Ok(all
+    let first = all.iter().flatten().next().map(|r| &r.tokens);
+    let identical = all.iter().flatten().all(|r| Some(&r.tokens) == first);
+    let runs = all
         .into_iter()
         .map(|mut v| {
             let tok_s = v.iter().map(ScheduleReport::tok_s).collect();
@@ -341,7 +340,22 @@ fn run_interleaved(
             let median = v.swap_remove(v.len() / 2);
             Runs { median, tok_s }
         })
-        .collect())
+        .collect();
+    Ok((runs, identical))
+}
+
+/// The les row of one sweep budget, for the verdicts.
+struct SweepRow {
+    /// Budget, percent of the expert bytes.
+    pct: f64,
+    /// les's median tok/s and hit rate.
+    tok_s: f64,
+    hit_rate: f64,
+    /// on-demand's median tok/s and hit rate (LRU), if it ran.
+    base: Option<f64>,
+    lru_hit: Option<f64>,
+    /// The largest relative spread of any schedule's runs at this budget.
+    noise: f64,
 }
 
 /// `les bench --sweep`: each budget, each schedule; speedup over on-demand and
@@ -384,7 +398,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         };
         let mut base = None;
         let mut lru_hit = None;
-        let runs = run_interleaved(&model, args, &cfg, bw, false)?;
+        let (runs, identical) = run_interleaved(&model, args, &cfg, bw, false)?;
         let mut noise = 0f64;
         for x in &runs {
             let (r, s) = (&x.median, x.median.schedule);
@@ -410,29 +424,42 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
             )?;
             out.flush()?;
-            rows.push((pct, s, r.tok_s(), r.hit_rate(), base, lru_hit, noise));
+            if s == Schedule::Les {
+                rows.push(SweepRow {
+                    pct,
+                    tok_s: r.tok_s(),
+                    hit_rate: r.hit_rate(),
+                    base,
+                    lru_hit,
+                    noise,
+                });
+            }
+        }
+        if !identical {
+            return Err(format!("schedules produced different tokens at the {pct}% budget").into());
         }
     }
     // Slower only beyond the run-to-run spread of that budget's runs.
-    let les_rows = || rows.iter().filter(|r| r.1 == Schedule::Les);
-    let never_slower = les_rows().all(|r| r.4.is_none_or(|b| r.2 >= b * (1.0 - r.6)));
-    let within_noise: Vec<String> = les_rows()
+    let never_slower = rows
+        .iter()
+        .all(|r| r.base.is_none_or(|b| r.tok_s >= b * (1.0 - r.noise)));
+    let within_noise: Vec<String> = rows
+        .iter()
         .filter_map(|r| {
-            let b = r.4?;
-            (r.2 < b && r.2 >= b * (1.0 - r.6)).then(|| {
+            let b = r.base?;
+            (r.tok_s < b && r.tok_s >= b * (1.0 - r.noise)).then(|| {
                 format!(
                     "{:.0}%: {:.2}x within the +-{:.1}% spread",
-                    r.0,
-                    r.2 / b,
-                    100.0 * r.6
+                    r.pct,
+                    r.tok_s / b,
+                    100.0 * r.noise
                 )
             })
         })
         .collect();
     let hits_ge_lru = rows
         .iter()
-        .filter(|r| r.1 == Schedule::Les)
-        .all(|r| r.5.is_none_or(|h| r.3 >= h));
+        .all(|r| r.lru_hit.is_none_or(|h| r.hit_rate >= h));
     writeln!(
         out,
         "les never slower than on-demand: {}{}{}",
