@@ -9,8 +9,8 @@ use les_core::gemv::{Isa, MatrixView};
 use les_core::model::config::{Hparams, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident, Streamed};
 use les_core::model::forward::{
-    forward, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SerialMatVec, SharedExpert,
-    TokenInput, Weights,
+    forward, ExpertMatrices, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SerialMatVec,
+    SharedExpert, Step, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -381,6 +381,41 @@ fn resident(m: &Model) -> Vec<Vec<f32>> {
     decode(m, &mut ex, None)
 }
 
+/// Counts the [`Step::Pending`] answers of the experts it wraps: the times the
+/// forward pass could compute the shared expert while reads were in flight.
+struct CountPending<X> {
+    inner: X,
+    pending: usize,
+}
+
+impl<X: Experts> Experts for CountPending<X> {
+    type Error = X::Error;
+    fn begin_token(&mut self) {
+        self.inner.begin_token()
+    }
+    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
+        self.inner.begin_layer(layer, routing)
+    }
+    fn wants_predictions(&self) -> bool {
+        self.inner.wants_predictions()
+    }
+    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
+        self.inner.prefetch(layer, predicted)
+    }
+    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, X::Error> {
+        self.inner.next()
+    }
+    fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
+        let step = self.inner.try_next()?;
+        self.pending += matches!(step, Step::Pending) as usize;
+        Ok(step)
+    }
+    fn finish(&mut self, index: usize) -> Result<(), X::Error> {
+        self.inner.finish(index)
+    }
+}
+
+/// The logits, and how often the supplier answered [`Step::Pending`].
 fn streamed(
     m: &Model,
     slots: usize,
@@ -388,7 +423,7 @@ fn streamed(
     split: bool,
     seed: u64,
     cfg: SchedulerConfig,
-) -> Vec<Vec<f32>> {
+) -> (Vec<Vec<f32>>, usize) {
     let fmt = m.format();
     let slot_bytes = fmt.bytes().unwrap();
     let mut mem = vec![0u8; slots * slot_bytes];
@@ -425,12 +460,15 @@ fn streamed(
     )
     .unwrap();
     let src = Source { m, split };
-    let mut ex = Streamed {
-        scheduler: sched,
-        device: &mut dev,
-        source: &src,
-        format: |_| fmt,
-        predict,
+    let mut ex = CountPending {
+        inner: Streamed {
+            scheduler: sched,
+            device: &mut dev,
+            source: &src,
+            format: |_| fmt,
+            predict,
+        },
+        pending: 0,
     };
     let la = Lookahead {
         predictor: PredictorConfig::top_k(3),
@@ -438,7 +476,7 @@ fn streamed(
         depth: 1 + (seed % 2) as usize,
     };
     let out = decode(m, &mut ex, Some(&la));
-    let st = ex.scheduler.stats();
+    let st = ex.inner.scheduler.stats();
     assert!(
         st.misses + st.hits + st.late_hits == (TOKENS.len() * 2 * 3) as u64,
         "{st:?}"
@@ -446,7 +484,7 @@ fn streamed(
     if predict && cfg.prefetch {
         assert!(st.prefetches > 0, "{st:?}");
     }
-    out
+    (out, ex.pending)
 }
 
 fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
@@ -476,21 +514,30 @@ fn streamed_equals_resident_bit_for_bit() {
         let m = build(11, ty, ety);
         let want = resident(&m);
         let mut seed = 1;
+        let mut les_pending = 0;
         for slots in [3, 4, 7, 16] {
             for predict in [false, true] {
                 for split in [false, true] {
                     for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
                         seed += 1;
-                        let got = streamed(&m, slots, predict, split, seed, cfg);
+                        let (got, pending) = streamed(&m, slots, predict, split, seed, cfg);
                         assert_bits_eq(
                             &got,
                             &want,
                             &format!("{ty} slots={slots} predict={predict} split={split}"),
                         );
+                        if cfg.ready_first {
+                            les_pending += pending;
+                        } else {
+                            assert_eq!(pending, 0, "on-demand overlaps nothing");
+                        }
                     }
                 }
             }
         }
+        // The shared expert was computed while reads were in flight, and the
+        // logits still matched.
+        assert!(les_pending > 0, "{ty}: no read was ever pending");
     }
 }
 

@@ -512,8 +512,11 @@ fn streamed(
         "{st:?}"
     );
     if predict && cfg.prefetch {
-        // Lookahead runs from every layer, DeltaNet ones included.
+        // Lookahead runs from every layer, DeltaNet ones included, and from the
+        // token's embedding for the first layers: every layer gets predicted.
         assert!(st.prefetches > 0, "{st:?}");
+        let layers = ex.scheduler.layers();
+        assert!(layers.iter().all(|l| l.predicted > 0), "{layers:?}");
     }
     out
 }

@@ -13,7 +13,7 @@ use std::str::FromStr;
 
 use les_core::gemv::GemvError;
 use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
-use les_core::model::forward::{ExpertMatrices, Experts};
+use les_core::model::forward::{ExpertMatrices, Experts, Step};
 use les_core::schedule::{ExpertSource, Extents, LayerState, Scheduler, SchedulerConfig, Stats};
 use les_core::slots::{ExpertKey, Slot};
 
@@ -271,6 +271,13 @@ impl Experts for Supply<'_> {
         match self {
             Supply::Resident(r) => r.next().map_err(SupplyError::Resident),
             Supply::Streamed(s) => s.next().map_err(SupplyError::Stream),
+        }
+    }
+
+    fn try_next(&mut self) -> Result<Step<'_>, SupplyError> {
+        match self {
+            Supply::Resident(r) => r.try_next().map_err(SupplyError::Resident),
+            Supply::Streamed(s) => s.try_next().map_err(SupplyError::Stream),
         }
     }
 

@@ -1,11 +1,11 @@
 //! The two [`Experts`] suppliers: all resident, and streamed by the LES scheduler.
 
-use super::forward::{ExpertMatrices, Experts};
-use crate::blockdev::{BlockDevice, SlotMemory};
+use super::forward::{ExpertMatrices, Experts, Step};
+use crate::blockdev::{BlockDevice, SlotId, SlotMemory};
 use crate::gemv::{GemvError, MatrixView};
 use crate::quant::GgmlType;
 use crate::schedule::{Error, ExpertSource, LayerState, Next, Scheduler, MAX_PICKS};
-use crate::slots::Slot;
+use crate::slots::{ExpertKey, Slot};
 
 /// How one layer's expert is laid out in a slot: gate, up and down back to back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +153,23 @@ pub struct Streamed<S, M, L, D, X, F> {
     pub predict: bool,
 }
 
+impl<S, M, L, D, X, F> Streamed<S, M, L, D, X, F>
+where
+    D: SlotMemory,
+    F: Fn(usize) -> ExpertFormat,
+{
+    /// The matrices of `key`, loaded in `slot`.
+    fn matrices<E>(
+        &self,
+        key: ExpertKey,
+        slot: SlotId,
+    ) -> Result<ExpertMatrices<'_>, StreamError<E>> {
+        (self.format)(key.layer as usize)
+            .matrices(self.device.slot(slot))
+            .map_err(StreamError::Layout)
+    }
+}
+
 impl<S, M, L, D, X, F> Experts for Streamed<S, M, L, D, X, F>
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
@@ -190,14 +207,30 @@ where
             .next_blocking(&mut self.device, &self.source)
             .map_err(StreamError::Schedule)?
         {
-            Next::Compute { index, key, slot } => {
-                let format = (self.format)(key.layer as usize);
-                let m = format
-                    .matrices(self.device.slot(slot))
-                    .map_err(StreamError::Layout)?;
-                Ok(Some((index, m)))
-            }
+            Next::Compute { index, key, slot } => Ok(Some((index, self.matrices(key, slot)?))),
             Next::Done => Ok(None),
+            Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
+        }
+    }
+
+    fn try_next(&mut self) -> Result<Step<'_>, Self::Error> {
+        if !self.scheduler.config().ready_first {
+            // The on-demand baseline overlaps nothing: read, then compute.
+            return Ok(match self.next()? {
+                Some((index, m)) => Step::Compute(index, m),
+                None => Step::Done,
+            });
+        }
+        match self
+            .scheduler
+            .next(&mut self.device, &self.source)
+            .map_err(StreamError::Schedule)?
+        {
+            Next::Compute { index, key, slot } => {
+                Ok(Step::Compute(index, self.matrices(key, slot)?))
+            }
+            Next::Done => Ok(Step::Done),
+            Next::Wait if self.scheduler.reads_in_flight() > 0 => Ok(Step::Pending),
             Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
         }
     }

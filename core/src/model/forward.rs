@@ -184,6 +184,18 @@ pub struct ExpertMatrices<'a> {
     pub down: MatrixView<'a>,
 }
 
+/// What [`Experts::try_next`] says to do.
+#[derive(Clone, Copy, Debug)]
+pub enum Step<'a> {
+    /// Compute routing index `.0` with these matrices, then call
+    /// [`Experts::finish`].
+    Compute(usize, ExpertMatrices<'a>),
+    /// Reads are in flight and nothing is ready yet.
+    Pending,
+    /// Every picked expert was handed out and finished.
+    Done,
+}
+
 /// Supplies routed experts: all resident, or streamed through the scheduler.
 pub trait Experts {
     /// Error of the supplier (I/O, checksum).
@@ -204,6 +216,17 @@ pub trait Experts {
     /// The next picked expert to compute, as its routing index and matrices, or
     /// `None` once every picked expert was handed out and finished.
     fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, Self::Error>;
+    /// Like [`next`](Self::next), but answers [`Step::Pending`] instead of
+    /// blocking while no picked expert is ready yet, so the caller can compute
+    /// other resident work (the shared expert) while reads are in flight.
+    /// Suppliers that do not overlap reads with compute (resident, the on-demand
+    /// baseline) never answer `Pending`: the default is [`next`](Self::next).
+    fn try_next(&mut self) -> Result<Step<'_>, Self::Error> {
+        Ok(match self.next()? {
+            Some((index, m)) => Step::Compute(index, m),
+            None => Step::Done,
+        })
+    }
     /// Routing index `index` was computed; its memory may be reused.
     fn finish(&mut self, index: usize) -> Result<(), Self::Error>;
 }
@@ -726,8 +749,21 @@ where
     let kv_dim = hp.kv_dim();
     let layer_stride = kv.max_positions * kv_dim;
     experts.begin_token();
+    // The first layers' lookahead, from the token's embedding: their reads
+    // overlap the first attention layer instead of stalling it.
+    if let (Some(la), Some(rc)) = (lookahead, router_cfg.as_ref()) {
+        predict_layers(
+            hp,
+            weights,
+            rc,
+            la,
+            0..la.depth.min(hp.n_layers),
+            mv,
+            s,
+            experts,
+        )?;
+    }
     let mut routing = Routing::new();
-    let mut prediction = Prediction::new();
     let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
     // Cache layer of the next attention layer, state slot of the next linear one.
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
@@ -815,57 +851,52 @@ where
                 // Lookahead: the next layer's router on this layer's hidden state
                 // (whatever mixes positions in the next layer: it only needs the
                 // residual stream).
-                if let Some(la) = lookahead.filter(|_| experts.wants_predictions()) {
-                    for next in (l + 1..=l + la.depth).take_while(|n| *n < hp.n_layers) {
-                        if !la.layers.is_enabled(next) {
-                            continue;
-                        }
-                        let nw = weights.block(next);
-                        if let Ffn::Moe { router: nr, .. } = nw.ffn {
-                            rms_norm(s.h, nw.ffn_norm, hp.norm_eps, s.pred_x);
-                            mv.matvec(&nr, s.pred_x, s.router)?;
-                            router::predict(s.router, None, rc, &la.predictor, &mut prediction)?;
-                            ids.clear();
-                            ids.extend(prediction.iter().map(|p| p.expert));
-                            experts
-                                .prefetch(next, &ids)
-                                .map_err(ForwardError::Experts)?;
-                        }
-                    }
+                if let Some(la) = lookahead {
+                    let next = (l + 1..l + 1 + la.depth).take_while(|n| *n < hp.n_layers);
+                    predict_layers(hp, weights, rc, la, next, mv, s, experts)?;
                 }
 
                 // Ready-first: compute in whatever order experts become ready.
+                // The shared expert is resident: it is computed the first time
+                // no routed expert is ready (while reads are in flight), or last.
                 let e = hp.n_embd;
-                while let Some((index, m)) = experts.next().map_err(ForwardError::Experts)? {
-                    let out = s
-                        .expert_out
-                        .get_mut(index * e..(index + 1) * e)
-                        .ok_or(ForwardError::Shape("routing index"))?;
-                    swiglu_ffn(mv, &m, s.x, s.ff_a, s.ff_b, out)?;
-                    experts.finish(index).map_err(ForwardError::Experts)?;
+                let mut shared_left = shared.as_ref();
+                loop {
+                    let step = if shared_left.is_some() {
+                        experts.try_next()
+                    } else {
+                        experts
+                            .next()
+                            .map(|n| n.map_or(Step::Done, |(i, m)| Step::Compute(i, m)))
+                    }
+                    .map_err(ForwardError::Experts)?;
+                    match step {
+                        Step::Compute(index, m) => {
+                            let out = s
+                                .expert_out
+                                .get_mut(index * e..(index + 1) * e)
+                                .ok_or(ForwardError::Shape("routing index"))?;
+                            swiglu_ffn(mv, &m, s.x, s.ff_a, s.ff_b, out)?;
+                            experts.finish(index).map_err(ForwardError::Experts)?;
+                        }
+                        Step::Pending | Step::Done => {
+                            if let Some(sh) = shared_left.take() {
+                                shared_expert(mv, sh, s.x, s.ff_a, s.ff_b, s.tmp)?;
+                            } else if let Step::Done = step {
+                                break;
+                            }
+                        }
+                    }
                 }
-                // Combine in router order, whatever the compute order was.
+                // Combine in router order, whatever the compute order was; the
+                // shared expert's output (in `s.tmp`) last.
                 s.moe.fill(0.0);
                 for (i, r) in routing.iter().enumerate() {
                     for (acc, o) in s.moe.iter_mut().zip(&s.expert_out[i * e..(i + 1) * e]) {
                         *acc += r.weight * o;
                     }
                 }
-                if let Some(sh) = shared {
-                    let shw = ExpertMatrices {
-                        gate: sh.gate,
-                        up: sh.up,
-                        down: sh.down,
-                    };
-                    swiglu_ffn(mv, &shw, s.x, s.ff_a, s.ff_b, s.tmp)?;
-                    if let Some(g) = sh.gate_inp {
-                        let mut logit = [0f32];
-                        mv.matvec(&g, s.x, &mut logit)?;
-                        let gate = router::shared_expert_gate(logit[0]);
-                        for v in s.tmp.iter_mut() {
-                            *v *= gate;
-                        }
-                    }
+                if shared.is_some() {
                     add_into(s.moe, s.tmp);
                 }
                 add_into(s.h, s.moe);
@@ -874,6 +905,68 @@ where
     }
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
+    Ok(())
+}
+
+/// Lookahead prediction for the MoE layers `targets` (those `la` enables): each
+/// one's router on the residual stream `s.h`, normed by that layer's FFN norm,
+/// handed to [`Experts::prefetch`]. Does nothing where `experts` wants no
+/// predictions.
+#[allow(clippy::too_many_arguments)]
+fn predict_layers<W: Weights, M: MatVec, X: Experts>(
+    hp: &Hparams,
+    weights: &W,
+    rc: &RouterConfig,
+    la: &Lookahead,
+    targets: impl Iterator<Item = usize>,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    experts: &mut X,
+) -> Result<(), ForwardError<X::Error>> {
+    if !experts.wants_predictions() {
+        return Ok(());
+    }
+    let mut prediction = Prediction::new();
+    let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
+    for layer in targets.filter(|l| la.layers.is_enabled(*l)) {
+        let w = weights.block(layer);
+        if let Ffn::Moe { router: r, .. } = w.ffn {
+            rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
+            mv.matvec(&r, s.pred_x, s.router)?;
+            router::predict(s.router, None, rc, &la.predictor, &mut prediction)?;
+            ids.clear();
+            ids.extend(prediction.iter().map(|p| p.expert));
+            experts
+                .prefetch(layer, &ids)
+                .map_err(ForwardError::Experts)?;
+        }
+    }
+    Ok(())
+}
+
+/// The shared expert of `x` into `out`, scaled by its gate where it has one.
+fn shared_expert<M: MatVec, E>(
+    mv: &mut M,
+    sh: &SharedExpert<'_>,
+    x: &[f32],
+    ff_a: &mut [f32],
+    ff_b: &mut [f32],
+    out: &mut [f32],
+) -> Result<(), ForwardError<E>> {
+    let m = ExpertMatrices {
+        gate: sh.gate,
+        up: sh.up,
+        down: sh.down,
+    };
+    swiglu_ffn(mv, &m, x, ff_a, ff_b, out)?;
+    if let Some(g) = sh.gate_inp {
+        let mut logit = [0f32];
+        mv.matvec(&g, x, &mut logit)?;
+        let gate = router::shared_expert_gate(logit[0]);
+        for v in out.iter_mut() {
+            *v *= gate;
+        }
+    }
     Ok(())
 }
 
