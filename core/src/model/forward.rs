@@ -314,6 +314,8 @@ pub struct Lookahead {
     /// layer's hidden state (LES); 2 also runs the router of the layer after it,
     /// whose reads then have two layers of compute to complete in (for models
     /// whose layers compute faster than an expert reads). 0 predicts nothing.
+    /// The first `depth` layers are predicted from the token's embedding, at the
+    /// start of the token.
     pub depth: usize,
 }
 
