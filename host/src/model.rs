@@ -23,6 +23,7 @@ use les_core::router::Gating;
 use les_core::schedule::{Extent, Extents};
 use les_core::slots::ExpertKey;
 
+use crate::flash::{Check, ReadChecks};
 use crate::gguf::{Gguf, GgufError, MappedFile, OptionalKey};
 
 /// Why a model could not be loaded.
@@ -846,6 +847,24 @@ impl Model {
             None => {}
         }
         ext
+    }
+
+    /// The checksum of every packed expert's read, by file offset, for
+    /// [`FileDevice::set_checks`](crate::flash::FileDevice::set_checks) (empty
+    /// for a plain GGUF).
+    pub fn read_checks(&self) -> ReadChecks {
+        let mut checks = Vec::new();
+        for l in 0..self.hp.n_layers {
+            if let Some(ExpertStore::Packed(p)) = self.store(l) {
+                for (e, &crc) in p.checksums.iter().enumerate() {
+                    let (Some(x), Ok(len)) = (p.extent(e), u32::try_from(p.expert_bytes)) else {
+                        continue;
+                    };
+                    checks.push((x.offset, Check { len, crc }));
+                }
+            }
+        }
+        ReadChecks::new(checks)
     }
 
     /// Whether the bytes read for `key` match its checksum (packed files; plain

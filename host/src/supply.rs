@@ -91,15 +91,38 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 /// The model file as an expert source: three extents per expert in a plain GGUF,
 /// one checksummed aligned extent in a packed one.
-pub struct ModelSource<'m>(pub &'m Model);
+pub struct ModelSource<'m> {
+    model: &'m Model,
+    device_checks: bool,
+}
+
+impl<'m> ModelSource<'m> {
+    /// A source whose `verify` hashes each packed expert read.
+    pub fn new(model: &'m Model) -> Self {
+        ModelSource {
+            model,
+            device_checks: false,
+        }
+    }
+
+    /// A source for a [`FileDevice`] given [`Model::read_checks`]: the device's
+    /// I/O threads hash every packed read and fail the ones that do not match,
+    /// so `verify` has nothing left to check.
+    pub fn checked_by_device(model: &'m Model) -> Self {
+        ModelSource {
+            model,
+            device_checks: true,
+        }
+    }
+}
 
 impl ExpertSource for ModelSource<'_> {
     fn extents(&self, key: ExpertKey) -> Extents {
-        self.0.expert_extents(key)
+        self.model.expert_extents(key)
     }
 
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
-        self.0.verify_expert(key, slot)
+        self.device_checks || self.model.verify_expert(key, slot)
     }
 }
 
@@ -181,8 +204,10 @@ impl<'m> Supply<'m> {
             ));
         }
         let slot_bytes = model.max_expert_bytes();
-        let device = FileDevice::open(path, budget.slots, slot_bytes, budget.io)
+        let mut device = FileDevice::open(path, budget.slots, slot_bytes, budget.io)
             .map_err(|e| format!("{}: {e}", path.display()))?;
+        // Checksums are verified on the I/O threads, off the compute thread.
+        device.set_checks(model.read_checks());
         let config = match schedule {
             Schedule::Les => SchedulerConfig::les(),
             _ => SchedulerConfig::on_demand(),
@@ -206,7 +231,7 @@ impl<'m> Supply<'m> {
         Ok(Supply::Streamed(Box::new(Streamed {
             scheduler,
             device,
-            source: ModelSource(model),
+            source: ModelSource::checked_by_device(model),
             format,
             predict: schedule == Schedule::Les,
         })))

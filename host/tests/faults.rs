@@ -152,7 +152,7 @@ fn faulty_run<F: FnMut(&ReadRequest) -> Fault>(
     let mut experts = Streamed {
         scheduler,
         device,
-        source: ModelSource(m),
+        source: ModelSource::new(m),
         format: move |l| m.expert_format(l).unwrap(),
         predict: les,
     };

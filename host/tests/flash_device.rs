@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use les::flash::{FileDevice, FileDeviceConfig};
+use les::flash::{Check, FileDevice, FileDeviceConfig, ReadChecks};
 use les_core::blockdev::{
     BlockDevice, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError, Tag,
 };
@@ -81,6 +81,71 @@ fn aligned_and_unaligned_reads_land_in_slots() {
                 "read {:?} direct={direct} chunk_bytes={chunk_bytes}",
                 r.tag
             );
+        }
+    }
+}
+
+#[test]
+fn reads_are_checked_on_the_io_threads_across_chunks() {
+    let (path, data) = data_file("flash_checks.bin", 1 << 20);
+    let crc = |off: usize, len: usize| les_core::layout::checksum(&data[off..off + len]);
+    // The checked prefix ends inside a chunk (20 000 bytes of 4 KiB chunks), or
+    // covers the whole read; one check is wrong; one read has none.
+    let checks = ReadChecks::new(vec![
+        (
+            0,
+            Check {
+                len: 20_000,
+                crc: crc(0, 20_000),
+            },
+        ),
+        (
+            65536,
+            Check {
+                len: 65536,
+                crc: crc(65536, 65536),
+            },
+        ),
+        (
+            4096 * 40,
+            Check {
+                len: 12_288,
+                crc: crc(4096 * 40, 12_288) ^ 1,
+            },
+        ),
+    ]);
+    assert_eq!(checks.len(), 3);
+    for (direct, chunk_bytes) in [(true, 4096), (true, 0), (false, 4096)] {
+        let cfg = FileDeviceConfig {
+            threads: 3,
+            queue_depth: 8,
+            direct,
+            chunk_bytes,
+        };
+        let mut dev = FileDevice::open(&path, 4, 64 * 1024, cfg).unwrap();
+        dev.set_checks(checks.clone());
+        let reads = [
+            req(1, 0, 65536, 0, 0, true),
+            req(2, 65536, 65536, 1, 0, false),
+            req(3, 4096 * 40, 16384, 2, 0, true),
+            req(4, 4096 * 80, 8192, 3, 0, false),
+        ];
+        for r in reads {
+            dev.submit(r).unwrap();
+        }
+        let mut got = drain(&mut dev, 4);
+        got.sort_by_key(|(t, _)| t.0);
+        let what = format!("direct={direct} chunk_bytes={chunk_bytes}");
+        assert_eq!(got[0].1, ReadStatus::Done, "{what}");
+        assert_eq!(got[1].1, ReadStatus::Done, "{what}");
+        assert_eq!(got[3].1, ReadStatus::Done, "unchecked read, {what}");
+        match &got[2].1 {
+            ReadStatus::Failed(e) => {
+                assert_eq!(e.kind, std::io::ErrorKind::InvalidData, "{what}");
+                assert!(e.message.contains("checksum mismatch"), "{e}");
+                assert!(!les_core::blockdev::DeviceError::is_transient(e));
+            }
+            other => panic!("a wrong checksum must fail the read, {what}: {other:?}"),
         }
     }
 }

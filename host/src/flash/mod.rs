@@ -14,6 +14,12 @@
 //! single thread, and a demand read waits behind at most one chunk of a prefetch,
 //! not a whole expert. The read completes when its last chunk has.
 //!
+//! Reads can be checked where they land: given [`ReadChecks`] (the CRC-32 of
+//! each packed expert), the I/O thread that read a chunk hashes it, the chunks'
+//! CRCs are combined when the read completes, and a mismatch completes the read
+//! as failed ([`io::ErrorKind::InvalidData`], "checksum mismatch"). The compute
+//! thread then never hashes expert bytes itself.
+//!
 //! Soundness of the shared slot memory ([`arena`]) rests on bookkeeping done here,
 //! not on the caller: `submit` rejects a read overlapping another read in flight
 //! into the same slot, and [`SlotMemory::slot`] refuses a slot with a read in
@@ -78,6 +84,59 @@ fn file_error(kind: io::ErrorKind, message: impl Into<String>) -> FileError {
 /// device's speed, small enough that an expert of a few MiB spreads over the
 /// I/O threads.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 * 1024;
+
+/// What the bytes of one read must hash to: the CRC-32
+/// ([`les_core::layout::checksum`]) of its first `len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Check {
+    /// Bytes covered, from the start of the read (at most the read's length).
+    pub len: u32,
+    /// Their CRC-32.
+    pub crc: u32,
+}
+
+/// The [`Check`] of every read that starts at a given file offset (e.g. each
+/// packed expert's extent); reads at other offsets are not checked.
+#[derive(Clone, Debug, Default)]
+pub struct ReadChecks {
+    /// Sorted by offset, offsets unique.
+    by_offset: Vec<(u64, Check)>,
+}
+
+impl ReadChecks {
+    /// Checks from `(file offset, check)` pairs; a repeated offset keeps its
+    /// last check.
+    pub fn new(mut checks: Vec<(u64, Check)>) -> ReadChecks {
+        checks.sort_by_key(|(o, _)| *o);
+        checks.dedup_by(|later, earlier| {
+            let same = later.0 == earlier.0;
+            if same {
+                earlier.1 = later.1;
+            }
+            same
+        });
+        ReadChecks { by_offset: checks }
+    }
+
+    /// The check of a read starting at `offset`.
+    pub fn at(&self, offset: u64) -> Option<Check> {
+        let i = self
+            .by_offset
+            .binary_search_by_key(&offset, |(o, _)| *o)
+            .ok()?;
+        Some(self.by_offset[i].1)
+    }
+
+    /// How many reads are checked.
+    pub fn len(&self) -> usize {
+        self.by_offset.len()
+    }
+
+    /// Whether no read is checked.
+    pub fn is_empty(&self) -> bool {
+        self.by_offset.is_empty()
+    }
+}
 
 /// Settings of a [`FileDevice`].
 #[derive(Clone, Copy, Debug)]
@@ -165,6 +224,10 @@ struct Job {
     /// The chunk: offsets and length of this piece, tag of the whole read.
     req: ReadRequest,
     group: Arc<Group>,
+    /// Which chunk of the read this is.
+    index: usize,
+    /// Bytes of this chunk to hash (those inside the read's [`Check`]).
+    hash_len: usize,
 }
 
 /// The chunks of one submitted read.
@@ -175,6 +238,10 @@ struct Group {
     dropped: AtomicBool,
     /// The first error of a chunk.
     error: Mutex<Option<FileError>>,
+    /// What the read must hash to, with the file offset for the error message.
+    check: Option<(Check, u64)>,
+    /// Per chunk: the CRC-32 of its hashed bytes and how many (checked reads).
+    crcs: Mutex<Vec<(u32, u64)>>,
 }
 
 impl Group {
@@ -186,9 +253,30 @@ impl Group {
         let status = match lock(&self.error).take() {
             Some(e) => ReadStatus::Failed(e),
             None if self.dropped.load(Ordering::Acquire) => ReadStatus::Cancelled,
-            None => ReadStatus::Done,
+            None => match self.check {
+                Some((check, offset)) if !self.intact(check) => ReadStatus::Failed(file_error(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "checksum mismatch: the {} bytes read at offset {offset} are corrupt",
+                        check.len
+                    ),
+                )),
+                _ => ReadStatus::Done,
+            },
         };
         Some(Completion { tag, status })
+    }
+
+    /// Whether the chunks' CRCs, combined in order, give the expected one.
+    fn intact(&self, check: Check) -> bool {
+        let crcs = lock(&self.crcs);
+        let mut h = crc32fast::Hasher::new();
+        let mut hashed = 0u64;
+        for &(crc, len) in crcs.iter().filter(|(_, len)| *len > 0) {
+            h.combine(&crc32fast::Hasher::new_with_initial_len(crc, len));
+            hashed += len;
+        }
+        hashed == check.len as u64 && h.finalize() == check.crc
     }
 }
 
@@ -230,6 +318,7 @@ pub struct FileDevice {
     queue_depth: usize,
     chunk_bytes: usize,
     in_flight: Vec<InFlight>,
+    checks: ReadChecks,
 }
 
 impl fmt::Debug for FileDevice {
@@ -301,7 +390,14 @@ impl FileDevice {
             queue_depth: config.queue_depth.max(1),
             chunk_bytes: config.chunk_bytes / SLOT_ALIGN * SLOT_ALIGN,
             in_flight: Vec::new(),
+            checks: ReadChecks::default(),
         })
+    }
+
+    /// Checks every later read that starts at an offset of `checks` on the I/O
+    /// threads (see the module documentation).
+    pub fn set_checks(&mut self, checks: ReadChecks) {
+        self.checks = checks;
     }
 
     /// Whether reads bypass the page cache with `O_DIRECT`.
@@ -350,7 +446,12 @@ fn worker(s: &Shared, max_read: usize) {
         None
     };
     loop {
-        let Job { req, group } = {
+        let Job {
+            req,
+            group,
+            index,
+            hash_len,
+        } = {
             let mut q = lock(&s.queue);
             loop {
                 if let Some(j) = q.urgent.pop_front().or_else(|| q.normal.pop_front()) {
@@ -363,11 +464,14 @@ fn worker(s: &Shared, max_read: usize) {
             }
         };
         let start = Instant::now();
-        match read(s, &req, bounce.as_ref()) {
-            Ok(file_bytes) => {
+        match read(s, &req, bounce.as_ref(), hash_len) {
+            Ok((file_bytes, crc)) => {
                 let c = &s.counters;
                 c.bytes.fetch_add(req.len as u64, Ordering::Relaxed);
                 c.file_bytes.fetch_add(file_bytes, Ordering::Relaxed);
+                if let Some(slot) = lock(&group.crcs).get_mut(index) {
+                    *slot = (crc, hash_len as u64);
+                }
             }
             Err(e) => {
                 lock(&group.error).get_or_insert(e);
@@ -393,9 +497,15 @@ fn read_full(file: &File, dst: &mut [u8], offset: u64) -> Result<(), FileError> 
     })
 }
 
-/// Performs one read; returns the bytes read from the file.
+/// Performs one read; returns the bytes read from the file and the CRC-32 of the
+/// first `hash_len` bytes delivered (0 when `hash_len` is 0).
 #[allow(unsafe_code)]
-fn read(s: &Shared, req: &ReadRequest, bounce: Option<&SlotArena>) -> Result<u64, FileError> {
+fn read(
+    s: &Shared,
+    req: &ReadRequest,
+    bounce: Option<&SlotArena>,
+    hash_len: usize,
+) -> Result<(u64, u32), FileError> {
     let (slot, off, len) = (
         req.slot.0 as usize,
         req.slot_offset as usize,
@@ -406,6 +516,23 @@ fn read(s: &Shared, req: &ReadRequest, bounce: Option<&SlotArena>) -> Result<u64
     // `FileDevice::slot` refuses to read a slot while a read into it is in flight.
     // The range is written only here, before the completion is published.
     let dst = unsafe { s.arena.range_mut(slot, off, len) };
+    let file_bytes = fill(s, req, bounce, dst)?;
+    let crc = match dst.get(..hash_len) {
+        Some(b) if hash_len > 0 => les_core::layout::checksum(b),
+        _ => 0,
+    };
+    Ok((file_bytes, crc))
+}
+
+/// Reads `req` into `dst` (its slot range); returns the bytes read from the file.
+#[allow(unsafe_code)]
+fn fill(
+    s: &Shared,
+    req: &ReadRequest,
+    bounce: Option<&SlotArena>,
+    dst: &mut [u8],
+) -> Result<u64, FileError> {
+    let (off, len) = (req.slot_offset as usize, req.len as usize);
     if !s.direct {
         read_full(&s.file, dst, req.offset)?;
         // Don't let the page cache keep what the slots now hold.
@@ -538,11 +665,26 @@ impl BlockDevice for FileDevice {
             _ => req.len.max(1) as usize,
         };
         let n = (req.len as usize).div_ceil(chunk).max(1);
+        let check = self
+            .checks
+            .at(req.offset)
+            .map(|c| Check {
+                len: c.len.min(req.len),
+                ..c
+            })
+            .filter(|c| c.len > 0);
         let group = Arc::new(Group {
             remaining: AtomicU64::new(n as u64),
             dropped: AtomicBool::new(false),
             error: Mutex::new(None),
+            check: check.map(|c| (c, req.offset)),
+            crcs: Mutex::new(if check.is_some() {
+                vec![(0, 0); n]
+            } else {
+                Vec::new()
+            }),
         });
+        let checked = check.map_or(0, |c| c.len);
         let mut q = lock(&self.shared.queue);
         let dst = if req.urgent {
             &mut q.urgent
@@ -551,14 +693,17 @@ impl BlockDevice for FileDevice {
         };
         for i in 0..n {
             let skip = (i * chunk) as u32;
+            let len = (req.len - skip).min(chunk as u32);
             dst.push_back(Job {
                 req: ReadRequest {
                     offset: req.offset + skip as u64,
-                    len: (req.len - skip).min(chunk as u32),
+                    len,
                     slot_offset: req.slot_offset + skip,
                     ..req
                 },
                 group: Arc::clone(&group),
+                index: i,
+                hash_len: checked.saturating_sub(skip).min(len) as usize,
             });
         }
         drop(q);
@@ -652,5 +797,21 @@ impl Drop for FileDevice {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_checks_match_exact_offsets_and_keep_the_last_of_a_repeat() {
+        let c = |crc| Check { len: 8, crc };
+        let checks = ReadChecks::new(vec![(8192, c(1)), (0, c(2)), (8192, c(3))]);
+        assert_eq!(checks.len(), 2);
+        assert_eq!(checks.at(0), Some(c(2)));
+        assert_eq!(checks.at(8192), Some(c(3)));
+        assert_eq!(checks.at(4096), None);
+        assert!(ReadChecks::default().is_empty());
     }
 }
