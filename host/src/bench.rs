@@ -159,6 +159,24 @@ impl ScheduleReport {
         (compute.max(min_io) / actual).min(1.0)
     }
 
+    /// The speedup over `on_demand` this schedule would reach with perfect
+    /// overlap: on-demand's time per token over the longer of on-demand's
+    /// compute time per token (the same kernels) and this schedule's minimum I/O
+    /// time per token (its bytes at the device's bandwidth). `None` without a
+    /// measured bandwidth or on-demand compute time.
+    pub fn overlap_bound(&self, on_demand: &ScheduleReport) -> Option<f64> {
+        let n = on_demand.n();
+        let time = on_demand.decode.as_secs_f64() / n;
+        let compute = (on_demand.decode.as_secs_f64() - on_demand.stall.as_secs_f64()) / n;
+        let io = if self.device_bw > 0.0 {
+            self.bytes_per_token() / self.device_bw
+        } else {
+            return None;
+        };
+        let floor = compute.max(io);
+        (floor > 0.0).then(|| time / floor)
+    }
+
     /// Mean prediction precision over layers.
     pub fn mean_precision(&self) -> f64 {
         mean(self.layers.iter().map(|l| l.precision as f64))
@@ -373,4 +391,42 @@ pub fn run_schedule(
         layers,
         device_bw,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(schedule: Schedule, decode_ms: u64, stall_ms: u64, bytes: u64) -> ScheduleReport {
+        ScheduleReport {
+            schedule,
+            tokens: vec![0; 10],
+            decode: Duration::from_millis(decode_ms),
+            prefill: Duration::ZERO,
+            bytes_read: bytes,
+            stall: Duration::from_millis(stall_ms),
+            reads: 0,
+            read_time: Duration::ZERO,
+            stats: Stats::default(),
+            layers: Vec::new(),
+            device_bw: 1e9,
+        }
+    }
+
+    #[test]
+    fn overlap_bound_is_on_demand_time_over_the_longer_of_compute_and_io() {
+        // On-demand: 400 ms/token, 150 of them stalled: 250 ms of compute.
+        let od = report(Schedule::OnDemand, 4000, 1500, 0);
+        // 100 MB/token at 1 GB/s = 100 ms < 250 ms: compute bounds.
+        let les = report(Schedule::Les, 3000, 100, 1_000_000_000);
+        assert!((les.overlap_bound(&od).unwrap() - 1.6).abs() < 1e-9);
+        // 500 MB/token = 500 ms: the reads bound, below 1x.
+        let heavy = report(Schedule::Les, 3000, 100, 5_000_000_000);
+        assert!((heavy.overlap_bound(&od).unwrap() - 0.8).abs() < 1e-9);
+        let unmeasured = ScheduleReport {
+            device_bw: 0.0,
+            ..report(Schedule::Les, 3000, 100, 1)
+        };
+        assert_eq!(unmeasured.overlap_bound(&od), None);
+    }
 }

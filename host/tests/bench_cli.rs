@@ -79,6 +79,9 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         assert!(j["speedup"][s].as_f64().unwrap() > 0.0);
     }
     assert_eq!(j["speedup"]["on-demand"], 1.0);
+    // The speedup perfect overlap would give is reported beside the speedup.
+    let bound = j["speedup_bound"]["les"].as_f64().unwrap();
+    assert!(bound.is_finite() && bound > 0.0, "{bound}");
     let od = &j["schedules"]["on-demand"];
     assert!(
         od["bytes_per_token"].as_f64().unwrap() > 0.0,

@@ -141,14 +141,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     };
     let (runs, identical) = run_interleaved(&model, args, &cfg, bw, true)?;
     let reports: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
-    let base = reports
-        .iter()
-        .find(|r| r.schedule == Schedule::OnDemand)
-        .map(|r| r.tok_s());
+    let on_demand = reports.iter().find(|r| r.schedule == Schedule::OnDemand);
+    let base = on_demand.map(|r| r.tok_s());
 
     if args.json {
         let mut schedules = Map::new();
         let mut speedup = Map::new();
+        let mut bound = Map::new();
         for x in &runs {
             let r = &x.median;
             schedules.insert(
@@ -183,6 +182,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             if let Some(b) = base {
                 speedup.insert(r.schedule.name().into(), json!(r.tok_s() / b));
             }
+            if let Some(x) = on_demand.and_then(|od| r.overlap_bound(od)) {
+                bound.insert(r.schedule.name().into(), json!(x));
+            }
         }
         let obj = json!({
             "model": args.model.display().to_string(),
@@ -194,6 +196,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             "threads": cfg.threads,
             "schedules": Value::Object(schedules),
             "speedup": Value::Object(speedup),
+            "speedup_bound": Value::Object(bound),
             "identical_tokens": identical,
         });
         writeln!(out, "{obj}")?;
@@ -249,6 +252,20 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                 v.join(" "),
                 100.0 * x.spread()
             )?;
+        }
+    }
+    if let (Some(od), Some(b)) = (on_demand, base) {
+        for r in reports.iter().filter(|r| r.schedule == Schedule::Les) {
+            if let Some(x) = r.overlap_bound(od) {
+                writeln!(
+                    out,
+                    "{}: {:.2}x of a {x:.2}x bound (perfect overlap: on-demand's compute \
+                     time, or {}'s bytes at the device's bandwidth, whichever is longer)",
+                    r.schedule.name(),
+                    r.tok_s() / b,
+                    r.schedule.name(),
+                )?;
+            }
         }
     }
     for r in reports.iter().filter(|r| !r.layers.is_empty()) {
