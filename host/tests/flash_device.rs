@@ -39,6 +39,17 @@ fn req(tag: u32, offset: u64, len: u32, slot: u32, slot_offset: u32, urgent: boo
     }
 }
 
+/// A device of 4 slots of 64 KiB over `path`, 3 I/O threads, 8 reads in flight.
+fn four_slots(path: &std::path::Path, direct: bool, chunk_bytes: usize) -> FileDevice {
+    let cfg = FileDeviceConfig {
+        threads: 3,
+        queue_depth: 8,
+        direct,
+        chunk_bytes,
+    };
+    FileDevice::open(path, 4, 64 * 1024, cfg).unwrap()
+}
+
 fn drain(dev: &mut FileDevice, n: usize) -> Vec<(Tag, ReadStatus<les::flash::FileError>)> {
     let mut out = Vec::new();
     while out.len() < n {
@@ -54,13 +65,7 @@ fn drain(dev: &mut FileDevice, n: usize) -> Vec<(Tag, ReadStatus<les::flash::Fil
 fn aligned_and_unaligned_reads_land_in_slots() {
     let (path, data) = data_file("flash_a.bin", 1 << 20);
     for (direct, chunk_bytes) in [(true, 0), (true, 4096), (true, 20_000), (false, 4096)] {
-        let cfg = FileDeviceConfig {
-            threads: 3,
-            queue_depth: 8,
-            direct,
-            chunk_bytes,
-        };
-        let mut dev = FileDevice::open(&path, 4, 64 * 1024, cfg).unwrap();
+        let mut dev = four_slots(&path, direct, chunk_bytes);
         let reads = [
             req(1, 0, 65536, 0, 0, true),                // aligned
             req(2, 12345, 1000, 1, 0, false),            // unaligned offset and length
@@ -116,13 +121,7 @@ fn reads_are_checked_on_the_io_threads_across_chunks() {
     ]);
     assert_eq!(checks.len(), 3);
     for (direct, chunk_bytes) in [(true, 4096), (true, 0), (false, 4096)] {
-        let cfg = FileDeviceConfig {
-            threads: 3,
-            queue_depth: 8,
-            direct,
-            chunk_bytes,
-        };
-        let mut dev = FileDevice::open(&path, 4, 64 * 1024, cfg).unwrap();
+        let mut dev = four_slots(&path, direct, chunk_bytes);
         dev.set_checks(checks.clone());
         let reads = [
             req(1, 0, 65536, 0, 0, true),
