@@ -1,6 +1,6 @@
 //! `SerialMatVec` against `ThreadedMatVec` with 1 and 2 threads (and the default
 //! count, if larger) on an FFN-sized `Q4_K` matrix and an output-sized `Q6_K`
-//! matrix.
+//! matrix; in the summary also attention over 64, 512 and 4096 positions.
 //!
 //! `cargo bench -p les --bench matvec`; `LES_BENCH_VOCAB` sets the rows of the
 //! output matrix (default 32768; Qwen's is 151936). After criterion's report, a
@@ -13,6 +13,7 @@ use criterion::{Criterion, Throughput};
 use les::compute::{default_threads, Pool, ThreadedMatVec};
 use les_core::gemv::{Isa, MatrixView};
 use les_core::model::forward::{MatVec, SerialMatVec};
+use les_core::model::ops::{self, AttnShape};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{quantize, GgmlType, QK_K};
 
@@ -169,6 +170,53 @@ fn summary(case: &Case, isa: Isa, budget: Duration) {
     );
 }
 
+/// Times serial attention (`ops::attention`) and `ThreadedMatVec::attention`
+/// interleaved over `n` cached positions of Qwen3-30B-A3B's shape (32 query
+/// heads, 4 KV heads of 128), and prints median times and ratios to serial.
+fn attention_summary(n: usize, isa: Isa, budget: Duration) {
+    let shape = AttnShape {
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim: 128,
+    };
+    let mut st = 0xa77e_u64 ^ n as u64;
+    let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
+    let k: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
+    let v: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
+    let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
+    let ts = variants();
+    let mut threaded: Vec<ThreadedMatVec> =
+        ts.iter().map(|&t| ThreadedMatVec::new(t, isa)).collect();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ts.len() + 1];
+    let start = Instant::now();
+    while start.elapsed() < budget || times[0].len() < 5 {
+        let t0 = Instant::now();
+        ops::attention(shape, &q, &k, &v, n, &mut scores, &mut out);
+        times[0].push(t0.elapsed().as_secs_f64());
+        for (i, mv) in threaded.iter_mut().enumerate() {
+            let t0 = Instant::now();
+            mv.attention(shape, &q, &k, &v, n, &mut scores, &mut out);
+            times[i + 1].push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let meds: Vec<f64> = times
+        .iter_mut()
+        .map(|v| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        })
+        .collect();
+    let mut line = format!(
+        "{:<34} serial {:>9.1} us",
+        format!("attention 32x128, {n} positions"),
+        meds[0] * 1e6
+    );
+    for (t, m) in ts.iter().zip(&meds[1..]) {
+        line += &format!(" | threaded{t} {:>9.1} us (x{:.2})", m * 1e6, meds[0] / m);
+    }
+    println!("{line}  [{} rounds]", times[0].len());
+}
+
 /// Prints the median round trip of an empty `Pool::run` and of a 2-task
 /// `Pool::for_each`, back to back and after the workers parked.
 fn pool_overhead() {
@@ -223,6 +271,9 @@ fn main() {
     );
     for case in &cases {
         summary(case, isa, Duration::from_secs(2));
+    }
+    for n in [64, 512, 4096] {
+        attention_summary(n, isa, Duration::from_secs(1));
     }
     pool_overhead();
 }

@@ -7,13 +7,16 @@
 //! - [`ThreadedMatVec`]: the [`MatVec`] of the forward pass on a [`Pool`]: quantizes
 //!   `x` once, then splits the rows of `W` into a few contiguous ranges per thread,
 //!   which the threads claim dynamically ([`Pool::for_each`]).
+//!   Attention over the KV cache splits its query heads the same way.
 //! - [`default_threads`]: the number of physical cores this process may use.
 //!
 //! # Exactness
 //!
 //! Each output row is computed by exactly one [`gemv`] call over a row range, and
 //! [`gemv`]'s result does not depend on how rows are split (see
-//! [`les_core::gemv`]), so [`ThreadedMatVec`] is bit-identical to
+//! [`les_core::gemv`]); each attention head is computed by one
+//! [`ops::attention_heads`] call, whichever range it falls in. So
+//! [`ThreadedMatVec`] is bit-identical to
 //! [`SerialMatVec`](les_core::model::forward::SerialMatVec) for any thread count.
 
 use std::ops::Range;
@@ -21,6 +24,7 @@ use std::sync::Mutex;
 
 use les_core::gemv::{gemv, GemvError, Isa, MatrixView};
 use les_core::model::forward::{prepare_input, MatVec};
+use les_core::model::ops::{self, AttnShape};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::QK_K;
 
@@ -40,6 +44,9 @@ const CHUNKS_PER_THREAD: usize = 4;
 /// Each chunk has at least this many weight bytes (when there are more chunks
 /// than threads).
 const MIN_BYTES_PER_CHUNK: usize = 16 * 1024;
+/// Attention with fewer query-head x position x dimension products than this
+/// runs on the calling thread (about as long as waking the pool).
+const MIN_PARALLEL_ATTENTION: usize = 1 << 15;
 
 /// A [`MatVec`] that splits the rows of each product across a [`Pool`].
 ///
@@ -53,6 +60,8 @@ pub struct ThreadedMatVec {
     q8_0: Vec<BlockQ8_0>,
     q8_1: Vec<BlockQ8_1>,
     q8k: Vec<BlockQ8K>,
+    /// Attention scores, one row of positions per chunk of heads.
+    scores: Vec<f32>,
 }
 
 impl ThreadedMatVec {
@@ -68,6 +77,7 @@ impl ThreadedMatVec {
             q8_0: Vec::new(),
             q8_1: Vec::new(),
             q8k: Vec::new(),
+            scores: Vec::new(),
         }
     }
 
@@ -122,6 +132,19 @@ const ZERO_Q8K: BlockQ8K = BlockQ8K {
 };
 
 impl MatVec for ThreadedMatVec {
+    fn attention(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        n_kv_positions: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        self.parallel_attention(shape, q, k_cache, v_cache, n_kv_positions, scores, out);
+    }
+
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
         // Only the buffer of `w`'s activation format is used; `prepare_input` checks
         // the length against `x`.
@@ -173,6 +196,63 @@ impl MatVec for ThreadedMatVec {
             None => Ok(()),
             Some((_, e)) => Err(e),
         }
+    }
+}
+
+impl ThreadedMatVec {
+    /// Attention with the query heads split into contiguous ranges that the
+    /// threads claim dynamically; each head computed by
+    /// [`ops::attention_heads`], so the result is the serial one, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn parallel_attention(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        n: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = shape;
+        let kv = n.saturating_mul(n_head_kv).saturating_mul(head_dim);
+        let valid = n_head_kv > 0
+            && n_head % n_head_kv == 0
+            && q.len() == n_head * head_dim
+            && out.len() == q.len()
+            && k_cache.len() >= kv
+            && v_cache.len() >= kv
+            && scores.len() >= n;
+        let parts = self.threads().min(n_head);
+        if !valid
+            || parts <= 1
+            || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION
+        {
+            // Small, or malformed (then `attention` panics with its message).
+            return ops::attention(shape, q, k_cache, v_cache, n, scores, out);
+        }
+        let chunks = (parts * CHUNKS_PER_THREAD).min(n_head);
+        grow(&mut self.scores, chunks * n.max(1), 0.0);
+        let mut slots = Vec::with_capacity(chunks);
+        let (mut out_rest, mut scores_rest) = (&mut *out, &mut self.scores[..]);
+        for c in 0..chunks {
+            let heads = c * n_head / chunks..(c + 1) * n_head / chunks;
+            let (o, tail) = out_rest.split_at_mut(heads.len() * head_dim);
+            out_rest = tail;
+            let (sc, tail) = scores_rest.split_at_mut(n.max(1));
+            scores_rest = tail;
+            slots.push(Mutex::new(Some((heads, o, sc))));
+        }
+        self.pool.for_each(chunks, &|c| {
+            let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
+            if let Some((heads, o, sc)) = taken {
+                ops::attention_heads(shape, heads, q, k_cache, v_cache, n, sc, o);
+            }
+        });
     }
 }
 
@@ -635,6 +715,43 @@ mod pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threaded_attention_equals_serial_bit_for_bit() {
+        let mut st = 0x9e37_79b9_u32;
+        let mut val = move || {
+            st ^= st << 13;
+            st ^= st >> 17;
+            st ^= st << 5;
+            (st >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        };
+        for (n_head, n_head_kv, head_dim) in [(32, 4, 128), (6, 2, 16), (3, 3, 8)] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim,
+            };
+            for n in [1, 7, 64, 300] {
+                let kv = n * n_head_kv * head_dim;
+                let q: Vec<f32> = (0..n_head * head_dim).map(|_| val()).collect();
+                let k: Vec<f32> = (0..kv).map(|_| 3.0 * val()).collect();
+                let v: Vec<f32> = (0..kv).map(|_| val()).collect();
+                let mut want = vec![0.0; q.len()];
+                ops::attention(shape, &q, &k, &v, n, &mut vec![0.0; n], &mut want);
+                for threads in [1, 2, 3] {
+                    let mut mv = ThreadedMatVec::new(threads, Isa::detect());
+                    let mut got = vec![0.0; q.len()];
+                    mv.attention(shape, &q, &k, &v, n, &mut vec![0.0; n], &mut got);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{shape:?} n={n} threads={threads}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn compute_split_rows_balanced_and_aligned() {

@@ -14,9 +14,7 @@ use core::fmt;
 
 use super::config::{Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
-use super::ops::{
-    attention, rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape,
-};
+use super::ops::{rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape};
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use crate::quant::{self, QuantError};
@@ -231,10 +229,29 @@ pub trait Experts {
     fn finish(&mut self, index: usize) -> Result<(), Self::Error>;
 }
 
-/// Matrix-vector products `y = W x` over all rows.
+/// The forward pass's heavy kernels: matrix-vector products `y = W x` over all
+/// rows, and attention over the KV cache.
 pub trait MatVec {
     /// Computes `y = w x`.
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError>;
+
+    /// [`ops::attention`](super::ops::attention) of one query over
+    /// `n_kv_positions` cached positions. An implementation may compute the
+    /// heads on several threads ([`ops::attention_heads`](super::ops::attention_heads));
+    /// each head's result is the same bits either way.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        n_kv_positions: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        super::ops::attention(shape, q, k_cache, v_cache, n_kv_positions, scores, out);
+    }
 }
 
 /// Single-threaded [`MatVec`] over caller buffers for the quantized activations
@@ -1044,7 +1061,7 @@ fn attention_layer<M: MatVec, E>(
     let base = cache_layer * layer_stride;
     kv.k[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.k);
     kv.v[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.v);
-    attention(
+    mv.attention(
         shape,
         s.q,
         &kv.k[base..base + layer_stride],

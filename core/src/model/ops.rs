@@ -218,6 +218,33 @@ pub fn attention(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    attention_heads(
+        shape,
+        0..shape.n_head,
+        q,
+        k_cache,
+        v_cache,
+        n_kv_positions,
+        scores,
+        out,
+    );
+}
+
+/// [`attention`] of the query heads `heads` only: `out` holds those heads'
+/// outputs (`heads.len() * head_dim` values). Every head is computed exactly as
+/// [`attention`] computes it, so splitting the heads across threads changes no
+/// bit of the result.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_heads(
+    shape: AttnShape,
+    heads: core::ops::Range<usize>,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    n_kv_positions: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     let AttnShape {
         n_head,
         n_head_kv,
@@ -227,8 +254,10 @@ pub fn attention(
     assert!(
         n_head_kv > 0
             && n_head % n_head_kv == 0
+            && heads.start <= heads.end
+            && heads.end <= n_head
             && q.len() == n_head * head_dim
-            && out.len() == q.len()
+            && out.len() == heads.len() * head_dim
             && k_cache.len() >= n_kv_positions * kv_stride
             && v_cache.len() >= n_kv_positions * kv_stride
             && scores.len() >= n_kv_positions,
@@ -236,7 +265,8 @@ pub fn attention(
     );
     let group = n_head / n_head_kv;
     let scale = 1.0 / sqrtf(head_dim as f32);
-    for h in 0..n_head {
+    let first = heads.start;
+    for h in heads {
         let kvh = h / group;
         let qh = &q[h * head_dim..][..head_dim];
         let scores = &mut scores[..n_kv_positions];
@@ -245,7 +275,7 @@ pub fn attention(
             *s = dot(qh, k) * scale;
         }
         softmax(scores);
-        let oh = &mut out[h * head_dim..][..head_dim];
+        let oh = &mut out[(h - first) * head_dim..][..head_dim];
         oh.fill(0.0);
         for (t, s) in scores.iter().enumerate() {
             let v = &v_cache[t * kv_stride + kvh * head_dim..][..head_dim];
@@ -315,6 +345,29 @@ mod tests {
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-6);
         assert!((sigmoid(0.0) - 0.5).abs() < 1e-7 && silu(0.0) == 0.0);
+    }
+
+    #[test]
+    fn attention_of_head_ranges_equals_all_heads_bit_for_bit() {
+        let shape = AttnShape {
+            n_head: 6,
+            n_head_kv: 2,
+            head_dim: 4,
+        };
+        let n = 5;
+        let val = |i: usize| ((i * 37 % 23) as f32 - 11.0) / 7.0;
+        let q: [f32; 24] = core::array::from_fn(val);
+        let k: [f32; 40] = core::array::from_fn(|i| val(i + 3));
+        let v: [f32; 40] = core::array::from_fn(|i| val(i + 7));
+        let mut scores = [0.0; 5];
+        let mut whole = [0.0; 24];
+        attention(shape, &q, &k, &v, n, &mut scores, &mut whole);
+        let mut split = [0.0; 24];
+        for heads in [0..1, 1..4, 4..4, 4..6] {
+            let out = &mut split[heads.start * 4..heads.end * 4];
+            attention_heads(shape, heads, &q, &k, &v, n, &mut scores, out);
+        }
+        assert_eq!(whole.map(f32::to_bits), split.map(f32::to_bits));
     }
 
     #[test]
