@@ -190,9 +190,35 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// Dot product with a fixed summation order.
+/// Dot product with a fixed summation order: 16 interleaved partial sums
+/// (element `i` into sum `i % 16`, so the lanes vectorize without reordering any
+/// addition), the leftover elements in order, then the partial sums pairwise.
+/// The same bits on every CPU.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    const LANES: usize = 16;
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+    }
+    acc[0] + tail
 }
 
 /// Shape of grouped-query attention.
@@ -345,6 +371,21 @@ mod tests {
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-6);
         assert!((sigmoid(0.0) - 0.5).abs() < 1e-7 && silu(0.0) == 0.0);
+    }
+
+    #[test]
+    fn dot_of_every_length_is_accurate() {
+        let a: [f32; 67] = core::array::from_fn(|i| ((i * 29 % 31) as f32 - 15.0) / 8.0);
+        let b: [f32; 67] = core::array::from_fn(|i| ((i * 17 % 13) as f32 - 6.0) / 3.0);
+        for n in 0..=67 {
+            let want: f64 = (0..n).map(|i| a[i] as f64 * b[i] as f64).sum();
+            let got = dot(&a[..n], &b[..n]) as f64;
+            assert!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "n={n}: {got} vs {want}"
+            );
+        }
+        assert_eq!(dot(&a[..5], &b[..3]), dot(&a[..3], &b[..3]));
     }
 
     #[test]
