@@ -160,16 +160,17 @@ impl ScheduleReport {
     }
 
     /// The speedup over `on_demand` this schedule would reach with perfect
-    /// overlap: on-demand's time per token over the longer of on-demand's
-    /// compute time per token (the same kernels) and this schedule's minimum I/O
-    /// time per token (its bytes at the device's bandwidth). `None` without a
+    /// overlap, an estimate: on-demand's time per token over the longer of
+    /// on-demand's compute time per token (the same kernels) and this schedule's
+    /// minimum I/O time per token (its bytes at the device's bandwidth: the
+    /// probe's, or what this schedule reached if more). `None` without a
     /// measured bandwidth or on-demand compute time.
     pub fn overlap_bound(&self, on_demand: &ScheduleReport) -> Option<f64> {
         let n = on_demand.n();
         let time = on_demand.decode.as_secs_f64() / n;
         let compute = (on_demand.decode.as_secs_f64() - on_demand.stall.as_secs_f64()) / n;
         let io = if self.device_bw > 0.0 {
-            self.bytes_per_token() / self.device_bw
+            self.bytes_per_token() / self.device_bw.max(self.effective_bw())
         } else {
             return None;
         };
@@ -420,9 +421,12 @@ mod tests {
         // 100 MB/token at 1 GB/s = 100 ms < 250 ms: compute bounds.
         let les = report(Schedule::Les, 3000, 100, 1_000_000_000);
         assert!((les.overlap_bound(&od).unwrap() - 1.6).abs() < 1e-9);
-        // 500 MB/token = 500 ms: the reads bound, below 1x.
-        let heavy = report(Schedule::Les, 3000, 100, 5_000_000_000);
+        // 500 MB/token at 1 GB/s = 500 ms: the reads bound, below 1x.
+        let heavy = report(Schedule::Les, 6000, 100, 5_000_000_000);
         assert!((heavy.overlap_bound(&od).unwrap() - 0.8).abs() < 1e-9);
+        // Read faster than the probe (500 MB/token in 300 ms): that bandwidth counts.
+        let fast = report(Schedule::Les, 3000, 100, 5_000_000_000);
+        assert!((fast.overlap_bound(&od).unwrap() - 0.4 / 0.3).abs() < 1e-9);
         let unmeasured = ScheduleReport {
             device_bw: 0.0,
             ..report(Schedule::Les, 3000, 100, 1)

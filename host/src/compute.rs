@@ -201,8 +201,9 @@ impl MatVec for ThreadedMatVec {
 
 impl ThreadedMatVec {
     /// Attention with the query heads split into contiguous ranges that the
-    /// threads claim dynamically; each head computed by
-    /// [`ops::attention_heads`], so the result is the serial one, bit for bit.
+    /// threads claim dynamically, each range computed by
+    /// [`ops::attention_heads`] with scores for all its heads (a KV head's
+    /// query heads batched); the result is the serial one, bit for bit.
     #[allow(clippy::too_many_arguments)]
     fn parallel_attention(
         &mut self,
@@ -228,22 +229,22 @@ impl ThreadedMatVec {
             && v_cache.len() >= kv
             && scores.len() >= n;
         let parts = self.threads().min(n_head);
-        if !valid
-            || parts <= 1
-            || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION
-        {
+        if !valid || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION {
             // Small, or malformed (then `attention` panics with its message).
             return ops::attention(shape, q, k_cache, v_cache, n, scores, out);
         }
-        let chunks = (parts * CHUNKS_PER_THREAD).min(n_head);
-        grow(&mut self.scores, chunks * n.max(1), 0.0);
+        // One chunk per KV head (its query heads read each key and value once),
+        // or, with fewer KV heads than threads, as many chunks as threads.
+        let chunks = if n_head_kv >= parts { n_head_kv } else { parts };
+        let widest = n_head.div_ceil(chunks);
+        grow(&mut self.scores, chunks * widest * n.max(1), 0.0);
         let mut slots = Vec::with_capacity(chunks);
         let (mut out_rest, mut scores_rest) = (&mut *out, &mut self.scores[..]);
         for c in 0..chunks {
             let heads = c * n_head / chunks..(c + 1) * n_head / chunks;
             let (o, tail) = out_rest.split_at_mut(heads.len() * head_dim);
             out_rest = tail;
-            let (sc, tail) = scores_rest.split_at_mut(n.max(1));
+            let (sc, tail) = scores_rest.split_at_mut(widest * n.max(1));
             scores_rest = tail;
             slots.push(Mutex::new(Some((heads, o, sc))));
         }

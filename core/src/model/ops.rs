@@ -257,9 +257,12 @@ pub fn attention(
 }
 
 /// [`attention`] of the query heads `heads` only: `out` holds those heads'
-/// outputs (`heads.len() * head_dim` values). Every head is computed exactly as
-/// [`attention`] computes it, so splitting the heads across threads changes no
-/// bit of the result.
+/// outputs (`heads.len() * head_dim` values). Heads that share a key/value head
+/// are computed up to `scores.len() / n_kv_positions` at a time, so each cached
+/// key and value is read once per batch rather than once per head (the scores
+/// need one row of `n_kv_positions` per head of a batch). Every head is computed
+/// exactly as [`attention`] computes it, whichever range and batch it is in, so
+/// splitting the heads across threads changes no bit of the result.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_heads(
     shape: AttnShape,
@@ -276,6 +279,7 @@ pub fn attention_heads(
         n_head_kv,
         head_dim,
     } = shape;
+    let n = n_kv_positions;
     let kv_stride = n_head_kv * head_dim;
     assert!(
         n_head_kv > 0
@@ -284,31 +288,43 @@ pub fn attention_heads(
             && heads.end <= n_head
             && q.len() == n_head * head_dim
             && out.len() == heads.len() * head_dim
-            && k_cache.len() >= n_kv_positions * kv_stride
-            && v_cache.len() >= n_kv_positions * kv_stride
-            && scores.len() >= n_kv_positions,
+            && k_cache.len() >= n * kv_stride
+            && v_cache.len() >= n * kv_stride
+            && scores.len() >= n,
         "attention: bad shapes"
     );
     let group = n_head / n_head_kv;
+    let batch = (scores.len() / n.max(1)).max(1);
     let scale = 1.0 / sqrtf(head_dim as f32);
-    let first = heads.start;
-    for h in heads {
-        let kvh = h / group;
-        let qh = &q[h * head_dim..][..head_dim];
-        let scores = &mut scores[..n_kv_positions];
-        for (t, s) in scores.iter_mut().enumerate() {
+    let mut h0 = heads.start;
+    while h0 < heads.end {
+        // Heads h0..h1 share KV head `kvh`.
+        let kvh = h0 / group;
+        let h1 = heads.end.min((kvh + 1) * group).min(h0 + batch);
+        let nb = h1 - h0;
+        let sc = &mut scores[..nb * n];
+        for t in 0..n {
             let k = &k_cache[t * kv_stride + kvh * head_dim..][..head_dim];
-            *s = dot(qh, k) * scale;
-        }
-        softmax(scores);
-        let oh = &mut out[(h - first) * head_dim..][..head_dim];
-        oh.fill(0.0);
-        for (t, s) in scores.iter().enumerate() {
-            let v = &v_cache[t * kv_stride + kvh * head_dim..][..head_dim];
-            for (o, vv) in oh.iter_mut().zip(v) {
-                *o += s * vv;
+            for b in 0..nb {
+                let qh = &q[(h0 + b) * head_dim..][..head_dim];
+                sc[b * n + t] = dot(qh, k) * scale;
             }
         }
+        for row in sc.chunks_exact_mut(n.max(1)) {
+            softmax(row);
+        }
+        let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
+        o.fill(0.0);
+        for t in 0..n {
+            let v = &v_cache[t * kv_stride + kvh * head_dim..][..head_dim];
+            for (b, oh) in o.chunks_exact_mut(head_dim).enumerate() {
+                let s = sc[b * n + t];
+                for (x, vv) in oh.iter_mut().zip(v) {
+                    *x += s * vv;
+                }
+            }
+        }
+        h0 = h1;
     }
 }
 
@@ -403,12 +419,20 @@ mod tests {
         let mut scores = [0.0; 5];
         let mut whole = [0.0; 24];
         attention(shape, &q, &k, &v, n, &mut scores, &mut whole);
-        let mut split = [0.0; 24];
-        for heads in [0..1, 1..4, 4..4, 4..6] {
-            let out = &mut split[heads.start * 4..heads.end * 4];
-            attention_heads(shape, heads, &q, &k, &v, n, &mut scores, out);
+        // Head ranges crossing KV groups, in batches of 1, 2 and 3 heads.
+        for batch in [1, 2, 3] {
+            let mut wide = [0.0; 15];
+            let mut split = [0.0; 24];
+            for heads in [0..1, 1..4, 4..4, 4..6] {
+                let out = &mut split[heads.start * 4..heads.end * 4];
+                attention_heads(shape, heads, &q, &k, &v, n, &mut wide[..batch * n], out);
+            }
+            assert_eq!(
+                whole.map(f32::to_bits),
+                split.map(f32::to_bits),
+                "batch {batch}"
+            );
         }
-        assert_eq!(whole.map(f32::to_bits), split.map(f32::to_bits));
     }
 
     #[test]

@@ -259,8 +259,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             if let Some(x) = r.overlap_bound(od) {
                 writeln!(
                     out,
-                    "{}: {:.2}x of a {x:.2}x bound (perfect overlap: on-demand's compute \
-                     time, or {}'s bytes at the device's bandwidth, whichever is longer)",
+                    "{}: {:.2}x; with perfect overlap about {x:.2}x (on-demand's compute time, \
+                     or {}'s bytes at the device's bandwidth, whichever is longer)",
                     r.schedule.name(),
                     r.tok_s() / b,
                     r.schedule.name(),
