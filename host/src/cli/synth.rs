@@ -24,7 +24,7 @@ Routing realism:
                        stream by ~R, so lookahead (next layer's router on this layer's
                        hidden state) is right most of the time (default 0.5; small
                        0.7, a3b and minicpmv47 0.35: calibrated so plain LRU hits
-                       ~72% at a 25% budget, as in trained models)
+                       ~72-76% at a 25% budget, as in trained models)
   --router-scale G     spread of the router logits (default 2.0)
 Measure them with --probe N (top-k lookahead precision, expert reuse across layers,
 share of the most popular 10% of experts).

@@ -272,9 +272,10 @@ impl Default for Knobs {
 
 impl Preset {
     /// The preset's default routing knobs: [`Knobs::default`] with the
-    /// `residual_scale` calibrated so that plain LRU caching hits about 72% of
+    /// `residual_scale` calibrated so that plain LRU caching hits about 72-76% of
     /// picked experts at a 25% slot budget (`les bench --schedules on-demand`,
-    /// sampled decode), mid-range of the 60-85% trained MoE models show:
+    /// sampled decode; the figure moves a little with the sampled tokens),
+    /// mid-range of the 60-85% trained MoE models show:
     /// `small` (16 layers) 0.7, `a3b` (48 layers) 0.35; `minicpmv47` (40 layers)
     /// takes a3b's value, not measured. The deeper the stack, the smaller: over
     /// many blocks a residual stream moved by R per block is dominated by what
