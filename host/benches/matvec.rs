@@ -133,69 +133,27 @@ fn bench_case(c: &mut Criterion, case: &Case, isa: Isa) {
     g.finish();
 }
 
-/// Times serial and threaded calls interleaved (so background load hits all
-/// alike) for about `budget`, and prints median times and ratios to serial.
-fn summary(case: &Case, isa: Isa, budget: Duration) {
-    let w = MatrixView::new(case.ty, case.rows, case.cols, &case.data).expect("valid matrix");
-    let mut y = vec![0f32; case.rows];
-    let mut scratch = SerialScratch::new(case.cols);
-    let mut serial = scratch.matvec(isa);
-    let ts = variants();
-    let mut threaded: Vec<ThreadedMatVec> =
-        ts.iter().map(|&t| ThreadedMatVec::new(t, isa)).collect();
-    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ts.len() + 1];
-    let start = Instant::now();
-    while start.elapsed() < budget || times[0].len() < 5 {
-        let t0 = Instant::now();
-        serial.matvec(&w, &case.x, &mut y).unwrap();
-        times[0].push(t0.elapsed().as_secs_f64());
-        for (i, mv) in threaded.iter_mut().enumerate() {
-            let t0 = Instant::now();
-            mv.matvec(&w, &case.x, &mut y).unwrap();
-            times[i + 1].push(t0.elapsed().as_secs_f64());
-        }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let meds: Vec<f64> = times.iter_mut().map(median).collect();
-    let mut line = format!("{:<34} serial {:>9.1} us", case.name, meds[0] * 1e6);
-    for (t, m) in ts.iter().zip(&meds[1..]) {
-        line += &format!(" | threaded{t} {:>9.1} us (x{:.2})", m * 1e6, meds[0] / m);
-    }
-    println!(
-        "{line}  [{} rounds, ratio = serial/threaded]",
-        times[0].len()
-    );
-}
+/// A threaded variant: its thread count and the call to time.
+type Variant<'a> = (usize, Box<dyn FnMut() + 'a>);
 
-/// Times serial attention (`ops::attention`) and `ThreadedMatVec::attention`
-/// interleaved over `n` cached positions of Qwen3-30B-A3B's shape (32 query
-/// heads, 4 KV heads of 128), and prints median times and ratios to serial.
-fn attention_summary(n: usize, isa: Isa, budget: Duration) {
-    let shape = AttnShape {
-        n_head: 32,
-        n_head_kv: 4,
-        head_dim: 128,
-    };
-    let mut st = 0xa77e_u64 ^ n as u64;
-    let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
-    let k: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
-    let v: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
-    let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
-    let ts = variants();
-    let mut threaded: Vec<ThreadedMatVec> =
-        ts.iter().map(|&t| ThreadedMatVec::new(t, isa)).collect();
-    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ts.len() + 1];
+/// Calls `serial` and then each of `threaded` (thread count, call) in turn,
+/// interleaved so background load hits all alike, for about `budget` (at least
+/// 5 rounds), and prints median times and ratios to serial.
+fn print_interleaved(
+    name: &str,
+    budget: Duration,
+    serial: &mut dyn FnMut(),
+    threaded: &mut [Variant<'_>],
+) {
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); threaded.len() + 1];
     let start = Instant::now();
     while start.elapsed() < budget || times[0].len() < 5 {
         let t0 = Instant::now();
-        ops::attention(shape, &q, &k, &v, n, &mut scores, &mut out);
+        serial();
         times[0].push(t0.elapsed().as_secs_f64());
-        for (i, mv) in threaded.iter_mut().enumerate() {
+        for (i, (_, call)) in threaded.iter_mut().enumerate() {
             let t0 = Instant::now();
-            mv.attention(shape, &q, &k, &v, n, &mut scores, &mut out);
+            call();
             times[i + 1].push(t0.elapsed().as_secs_f64());
         }
     }
@@ -206,15 +164,71 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
             v[v.len() / 2]
         })
         .collect();
-    let mut line = format!(
-        "{:<34} serial {:>9.1} us",
-        format!("attention 32x128, {n} positions"),
-        meds[0] * 1e6
-    );
-    for (t, m) in ts.iter().zip(&meds[1..]) {
+    let mut line = format!("{name:<34} serial {:>9.1} us", meds[0] * 1e6);
+    for ((t, _), m) in threaded.iter().zip(&meds[1..]) {
         line += &format!(" | threaded{t} {:>9.1} us (x{:.2})", m * 1e6, meds[0] / m);
     }
-    println!("{line}  [{} rounds]", times[0].len());
+    println!(
+        "{line}  [{} rounds, ratio = serial/threaded]",
+        times[0].len()
+    );
+}
+
+/// Serial and threaded products of `case`, interleaved (see [`print_interleaved`]).
+fn summary(case: &Case, isa: Isa, budget: Duration) {
+    let w = MatrixView::new(case.ty, case.rows, case.cols, &case.data).expect("valid matrix");
+    let mut scratch = SerialScratch::new(case.cols);
+    let mut serial = scratch.matvec(isa);
+    let mut y = vec![0f32; case.rows];
+    let mut threaded: Vec<Variant<'_>> = variants()
+        .into_iter()
+        .map(|t| {
+            let (mut mv, mut y) = (ThreadedMatVec::new(t, isa), vec![0f32; case.rows]);
+            let w = &w;
+            let call: Box<dyn FnMut() + '_> =
+                Box::new(move || mv.matvec(w, &case.x, &mut y).unwrap());
+            (t, call)
+        })
+        .collect();
+    print_interleaved(
+        &case.name,
+        budget,
+        &mut || serial.matvec(&w, &case.x, &mut y).unwrap(),
+        &mut threaded,
+    );
+}
+
+/// Serial attention (`ops::attention`) and `ThreadedMatVec::attention` over `n`
+/// cached positions of Qwen3-30B-A3B's shape (32 query heads, 4 KV heads of
+/// 128), interleaved (see [`print_interleaved`]).
+fn attention_summary(n: usize, isa: Isa, budget: Duration) {
+    let shape = AttnShape {
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim: 128,
+    };
+    let mut st = 0xa77e_u64 ^ n as u64;
+    let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
+    let k: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
+    let v: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
+    let (q, k, v) = (&q, &k, &v);
+    let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
+    let mut threaded: Vec<Variant<'_>> = variants()
+        .into_iter()
+        .map(|t| {
+            let mut mv = ThreadedMatVec::new(t, isa);
+            let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
+            let call: Box<dyn FnMut() + '_> =
+                Box::new(move || mv.attention(shape, q, k, v, n, &mut scores, &mut out));
+            (t, call)
+        })
+        .collect();
+    print_interleaved(
+        &format!("attention 32x128, {n} positions"),
+        budget,
+        &mut || ops::attention(shape, q, k, v, n, &mut scores, &mut out),
+        &mut threaded,
+    );
 }
 
 /// Prints the median round trip of an empty `Pool::run` and of a 2-task

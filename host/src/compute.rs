@@ -220,14 +220,7 @@ impl ThreadedMatVec {
             n_head_kv,
             head_dim,
         } = shape;
-        let kv = n.saturating_mul(n_head_kv).saturating_mul(head_dim);
-        let valid = n_head_kv > 0
-            && n_head % n_head_kv == 0
-            && q.len() == n_head * head_dim
-            && out.len() == q.len()
-            && k_cache.len() >= kv
-            && v_cache.len() >= kv
-            && scores.len() >= n;
+        let valid = ops::attention_fits(shape, &(0..n_head), q, k_cache, v_cache, n, scores, out);
         let parts = self.threads().min(n_head);
         if !valid || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION {
             // Small, or malformed (then `attention` panics with its message).

@@ -256,6 +256,37 @@ pub fn attention(
     );
 }
 
+/// Whether [`attention_heads`] accepts these arguments (it panics otherwise).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fits(
+    shape: AttnShape,
+    heads: &core::ops::Range<usize>,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    n_kv_positions: usize,
+    scores: &[f32],
+    out: &[f32],
+) -> bool {
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim,
+    } = shape;
+    let kv = n_kv_positions
+        .saturating_mul(n_head_kv)
+        .saturating_mul(head_dim);
+    n_head_kv > 0
+        && n_head % n_head_kv == 0
+        && heads.start <= heads.end
+        && heads.end <= n_head
+        && q.len() == n_head.saturating_mul(head_dim)
+        && out.len() == heads.len().saturating_mul(head_dim)
+        && k_cache.len() >= kv
+        && v_cache.len() >= kv
+        && scores.len() >= n_kv_positions
+}
+
 /// [`attention`] of the query heads `heads` only: `out` holds those heads'
 /// outputs (`heads.len() * head_dim` values). Heads that share a key/value head
 /// are computed up to `scores.len() / n_kv_positions` at a time, so each cached
@@ -282,15 +313,7 @@ pub fn attention_heads(
     let n = n_kv_positions;
     let kv_stride = n_head_kv * head_dim;
     assert!(
-        n_head_kv > 0
-            && n_head % n_head_kv == 0
-            && heads.start <= heads.end
-            && heads.end <= n_head
-            && q.len() == n_head * head_dim
-            && out.len() == heads.len() * head_dim
-            && k_cache.len() >= n * kv_stride
-            && v_cache.len() >= n * kv_stride
-            && scores.len() >= n,
+        attention_fits(shape, &heads, q, k_cache, v_cache, n, scores, out),
         "attention: bad shapes"
     );
     let group = n_head / n_head_kv;
