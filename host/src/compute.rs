@@ -60,7 +60,7 @@ pub struct ThreadedMatVec {
     q8_0: Vec<BlockQ8_0>,
     q8_1: Vec<BlockQ8_1>,
     q8k: Vec<BlockQ8K>,
-    /// Attention scores, one row of positions per chunk of heads.
+    /// Attention scores: per chunk of heads, one row of positions per head.
     scores: Vec<f32>,
 }
 
@@ -132,17 +132,52 @@ const ZERO_Q8K: BlockQ8K = BlockQ8K {
 };
 
 impl MatVec for ThreadedMatVec {
+    /// Attention with the query heads split into contiguous ranges that the
+    /// threads claim dynamically, each range computed by
+    /// [`ops::attention_heads`] with scores for all its heads (a KV head's
+    /// query heads batched); the result is the serial one, bit for bit.
     fn attention(
         &mut self,
         shape: AttnShape,
         q: &[f32],
         k_cache: &[f32],
         v_cache: &[f32],
-        n_kv_positions: usize,
+        n: usize,
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        self.parallel_attention(shape, q, k_cache, v_cache, n_kv_positions, scores, out);
+        let AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = shape;
+        let valid = ops::attention_fits(shape, &(0..n_head), q, k_cache, v_cache, n, scores, out);
+        let parts = self.threads().min(n_head);
+        if !valid || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION {
+            // Small, or malformed (then `attention` panics with its message).
+            return ops::attention(shape, q, k_cache, v_cache, n, scores, out);
+        }
+        // One chunk per KV head (its query heads read each key and value once),
+        // or, with fewer KV heads than threads, as many chunks as threads.
+        let chunks = n_head_kv.max(parts);
+        let widest = n_head.div_ceil(chunks);
+        grow(&mut self.scores, chunks * widest * n.max(1), 0.0);
+        let mut slots = Vec::with_capacity(chunks);
+        let (mut out_rest, mut scores_rest) = (&mut *out, &mut self.scores[..]);
+        for c in 0..chunks {
+            let heads = c * n_head / chunks..(c + 1) * n_head / chunks;
+            let (o, tail) = out_rest.split_at_mut(heads.len() * head_dim);
+            out_rest = tail;
+            let (sc, tail) = scores_rest.split_at_mut(widest * n.max(1));
+            scores_rest = tail;
+            slots.push(Mutex::new(Some((heads, o, sc))));
+        }
+        self.pool.for_each(chunks, &|c| {
+            let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
+            if let Some((heads, o, sc)) = taken {
+                ops::attention_heads(shape, heads, q, k_cache, v_cache, n, sc, o);
+            }
+        });
     }
 
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
@@ -196,57 +231,6 @@ impl MatVec for ThreadedMatVec {
             None => Ok(()),
             Some((_, e)) => Err(e),
         }
-    }
-}
-
-impl ThreadedMatVec {
-    /// Attention with the query heads split into contiguous ranges that the
-    /// threads claim dynamically, each range computed by
-    /// [`ops::attention_heads`] with scores for all its heads (a KV head's
-    /// query heads batched); the result is the serial one, bit for bit.
-    #[allow(clippy::too_many_arguments)]
-    fn parallel_attention(
-        &mut self,
-        shape: AttnShape,
-        q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
-        n: usize,
-        scores: &mut [f32],
-        out: &mut [f32],
-    ) {
-        let AttnShape {
-            n_head,
-            n_head_kv,
-            head_dim,
-        } = shape;
-        let valid = ops::attention_fits(shape, &(0..n_head), q, k_cache, v_cache, n, scores, out);
-        let parts = self.threads().min(n_head);
-        if !valid || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION {
-            // Small, or malformed (then `attention` panics with its message).
-            return ops::attention(shape, q, k_cache, v_cache, n, scores, out);
-        }
-        // One chunk per KV head (its query heads read each key and value once),
-        // or, with fewer KV heads than threads, as many chunks as threads.
-        let chunks = if n_head_kv >= parts { n_head_kv } else { parts };
-        let widest = n_head.div_ceil(chunks);
-        grow(&mut self.scores, chunks * widest * n.max(1), 0.0);
-        let mut slots = Vec::with_capacity(chunks);
-        let (mut out_rest, mut scores_rest) = (&mut *out, &mut self.scores[..]);
-        for c in 0..chunks {
-            let heads = c * n_head / chunks..(c + 1) * n_head / chunks;
-            let (o, tail) = out_rest.split_at_mut(heads.len() * head_dim);
-            out_rest = tail;
-            let (sc, tail) = scores_rest.split_at_mut(widest * n.max(1));
-            scores_rest = tail;
-            slots.push(Mutex::new(Some((heads, o, sc))));
-        }
-        self.pool.for_each(chunks, &|c| {
-            let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
-            if let Some((heads, o, sc)) = taken {
-                ops::attention_heads(shape, heads, q, k_cache, v_cache, n, sc, o);
-            }
-        });
     }
 }
 

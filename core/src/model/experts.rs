@@ -216,10 +216,7 @@ where
     fn try_next(&mut self) -> Result<Step<'_>, Self::Error> {
         if !self.scheduler.config().ready_first {
             // The on-demand baseline overlaps nothing: read, then compute.
-            return Ok(match self.next()? {
-                Some((index, m)) => Step::Compute(index, m),
-                None => Step::Done,
-            });
+            return self.next().map(Step::from);
         }
         match self
             .scheduler

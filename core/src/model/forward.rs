@@ -194,6 +194,16 @@ pub enum Step<'a> {
     Done,
 }
 
+impl<'a> From<Option<(usize, ExpertMatrices<'a>)>> for Step<'a> {
+    /// [`Experts::next`]'s answer as a step: an expert to compute, or done.
+    fn from(next: Option<(usize, ExpertMatrices<'a>)>) -> Self {
+        match next {
+            Some((index, m)) => Step::Compute(index, m),
+            None => Step::Done,
+        }
+    }
+}
+
 /// Supplies routed experts: all resident, or streamed through the scheduler.
 pub trait Experts {
     /// Error of the supplier (I/O, checksum).
@@ -220,10 +230,7 @@ pub trait Experts {
     /// Suppliers that do not overlap reads with compute (resident, the on-demand
     /// baseline) never answer `Pending`: the default is [`next`](Self::next).
     fn try_next(&mut self) -> Result<Step<'_>, Self::Error> {
-        Ok(match self.next()? {
-            Some((index, m)) => Step::Compute(index, m),
-            None => Step::Done,
-        })
+        self.next().map(Step::from)
     }
     /// Routing index `index` was computed; its memory may be reused.
     fn finish(&mut self, index: usize) -> Result<(), Self::Error>;
@@ -884,9 +891,7 @@ where
                     let step = if shared_left.is_some() {
                         experts.try_next()
                     } else {
-                        experts
-                            .next()
-                            .map(|n| n.map_or(Step::Done, |(i, m)| Step::Compute(i, m)))
+                        experts.next().map(Step::from)
                     }
                     .map_err(ForwardError::Experts)?;
                     match step {
