@@ -3,78 +3,20 @@
 //! device, any slot count, predictions on or off, any completion order) against
 //! all-resident, bit for bit.
 
-use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
-use les_core::blockdev::ReadRequest;
-use les_core::gemv::{Isa, MatrixView};
+mod forward_common;
+
+use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, StreamedRun};
+use les_core::gemv::MatrixView;
 use les_core::model::config::{Hparams, MoeParams};
-use les_core::model::experts::{ExpertFormat, Resident, Streamed};
+use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward, ExpertMatrices, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SerialMatVec,
-    SharedExpert, Step, TokenInput, Weights,
+    forward, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SharedExpert, TokenInput,
+    Weights,
 };
 use les_core::model::ops::RopeStyle;
-use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
-use les_core::quant::{self, GgmlType};
+use les_core::quant::GgmlType;
 use les_core::router::{Gating, LayerMask, PredictorConfig};
-use les_core::schedule::{ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig};
-use les_core::slots::{ExpertKey, Slot};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn normal(&mut self) -> f32 {
-        // Sum of uniforms: good enough, deterministic.
-        (0..4)
-            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32)
-            .sum::<f32>()
-            - 2.0
-    }
-}
-
-/// A matrix both as f32 (for the reference) and in its storage type.
-struct Mat {
-    f32: Vec<f32>,
-    bytes: Vec<u8>,
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-}
-
-impl Mat {
-    fn new(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize, scale: f32) -> Mat {
-        let x: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * scale).collect();
-        let mut bytes = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
-        quant::quantize(ty, &x, &mut bytes).unwrap();
-        // The reference uses what the file holds: the dequantized values.
-        let mut f = vec![0f32; rows * cols];
-        quant::dequantize(ty, &bytes, &mut f).unwrap();
-        Mat {
-            f32: f,
-            bytes,
-            ty,
-            rows,
-            cols,
-        }
-    }
-    fn view(&self) -> MatrixView<'_> {
-        MatrixView::new(self.ty, self.rows, self.cols, &self.bytes).unwrap()
-    }
-    fn apply(&self, x: &[f32]) -> Vec<f32> {
-        (0..self.rows)
-            .map(|r| {
-                (0..self.cols)
-                    .map(|c| self.f32[r * self.cols + c] as f64 * x[c] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect()
-    }
-}
+use les_core::schedule::SchedulerConfig;
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -255,39 +197,15 @@ impl Model {
             n_ff: 32,
         }
     }
-}
 
-/// Packed experts: one extent each. With `split`, three (gate, up, down).
-struct Source<'a> {
-    m: &'a Model,
-    split: bool,
-}
-
-impl ExpertSource for Source<'_> {
-    fn extents(&self, key: ExpertKey) -> Extents {
-        let off = self.m.offsets[key.layer as usize][key.expert as usize] as u64;
-        let parts = self.m.format().part_bytes().unwrap();
-        let mut ext = Extents::new();
-        if self.split {
-            let mut at = 0u32;
-            for p in parts {
-                ext.push(Extent {
-                    offset: off + at as u64,
-                    len: p as u32,
-                    slot_offset: at,
-                })
-                .unwrap();
-                at += p as u32;
-            }
-        } else {
-            ext.push(Extent {
-                offset: off,
-                len: parts.iter().sum::<usize>() as u32,
-                slot_offset: 0,
-            })
-            .unwrap();
+    /// The packed expert image as a source; with `split`, three extents an expert.
+    fn packed(&self, split: bool) -> PackedExperts<'_> {
+        PackedExperts {
+            image: &self.image,
+            offsets: &self.offsets,
+            format: self.format(),
+            split,
         }
-        ext
     }
 }
 
@@ -297,9 +215,7 @@ struct Buffers {
     kv_k: Vec<f32>,
     kv_v: Vec<f32>,
     scratch: Vec<f32>,
-    q8_0: Vec<BlockQ8_0>,
-    q8_1: Vec<BlockQ8_1>,
-    q8k: Vec<BlockQ8K>,
+    quant: QuantScratch,
 }
 
 impl Buffers {
@@ -308,29 +224,7 @@ impl Buffers {
             kv_k: vec![0.0; KvCache::len(hp, TOKENS.len())],
             kv_v: vec![0.0; KvCache::len(hp, TOKENS.len())],
             scratch: vec![0.0; Scratch::len(hp, TOKENS.len())],
-            q8_0: vec![
-                BlockQ8_0 {
-                    d: [0; 2],
-                    qs: [0; 32]
-                };
-                8
-            ],
-            q8_1: vec![
-                BlockQ8_1 {
-                    d: [0; 2],
-                    s: [0; 2],
-                    qs: [0; 32]
-                };
-                8
-            ],
-            q8k: vec![
-                BlockQ8K {
-                    d: [0; 4],
-                    qs: [0; 256],
-                    bsums: [[0; 2]; 16]
-                };
-                1
-            ],
+            quant: QuantScratch::new(),
         }
     }
 }
@@ -343,12 +237,7 @@ where
     let mut b = Buffers::new(&hp);
     let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
     let mut s = Scratch::new(&hp, &mut b.scratch, TOKENS.len()).unwrap();
-    let mut mv = SerialMatVec {
-        isa: Isa::detect(),
-        q8_0: &mut b.q8_0,
-        q8_1: &mut b.q8_1,
-        q8k: &mut b.q8k,
-    };
+    let mut mv = b.quant.matvec();
     TOKENS
         .iter()
         .enumerate()
@@ -372,50 +261,30 @@ where
         .collect()
 }
 
+/// [`decode`] of a model, for [`StreamedRun::run`].
+struct Decoder<'m>(&'m Model);
+
+impl Decode for Decoder<'_> {
+    fn decode<X: Experts>(
+        &mut self,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        decode(self.0, experts, lookahead)
+    }
+}
+
 fn resident(m: &Model) -> Vec<Vec<f32>> {
-    let fmt = m.format();
-    let mut ex = Resident::new(|l, e| {
-        let off = m.offsets[l][e as usize];
-        fmt.matrices(&m.image[off..off + fmt.bytes().unwrap()])
-    });
+    let packed = m.packed(false);
+    let fmt = packed.format;
+    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
     decode(m, &mut ex, None)
 }
 
-/// Counts the [`Step::Pending`] answers of the experts it wraps: the times the
-/// forward pass could compute the shared expert while reads were in flight.
-struct CountPending<X> {
-    inner: X,
-    pending: usize,
-}
-
-impl<X: Experts> Experts for CountPending<X> {
-    type Error = X::Error;
-    fn begin_token(&mut self) {
-        self.inner.begin_token()
-    }
-    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
-        self.inner.begin_layer(layer, routing)
-    }
-    fn wants_predictions(&self) -> bool {
-        self.inner.wants_predictions()
-    }
-    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
-        self.inner.prefetch(layer, predicted)
-    }
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, X::Error> {
-        self.inner.next()
-    }
-    fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
-        let step = self.inner.try_next()?;
-        self.pending += matches!(step, Step::Pending) as usize;
-        Ok(step)
-    }
-    fn finish(&mut self, index: usize) -> Result<(), X::Error> {
-        self.inner.finish(index)
-    }
-}
-
-/// The logits, and how often the supplier answered [`Step::Pending`].
+/// The logits, and how often the supplier answered `Step::Pending`.
 fn streamed(
     m: &Model,
     slots: usize,
@@ -424,59 +293,24 @@ fn streamed(
     seed: u64,
     cfg: SchedulerConfig,
 ) -> (Vec<Vec<f32>>, usize) {
-    let fmt = m.format();
-    let slot_bytes = fmt.bytes().unwrap();
-    let mut mem = vec![0u8; slots * slot_bytes];
-    let sim = SimConfig {
-        order: if seed.is_multiple_of(3) {
-            CompletionOrder::Timed
-        } else {
-            CompletionOrder::Shuffled { seed }
+    let experts = m.packed(split);
+    let n_layers = m.hp.n_layers;
+    let out = StreamedRun {
+        experts: &experts,
+        n_layers,
+        n_experts: 8,
+        slots,
+        predict,
+        seed,
+        config: cfg,
+        lookahead: Lookahead {
+            predictor: PredictorConfig::top_k(3),
+            layers: LayerMask::first(n_layers).unwrap(),
+            depth: 1 + (seed % 2) as usize,
         },
-        honor_cancel: seed.is_multiple_of(2),
-        ..SimConfig::default()
-    };
-    let mut fault_rng = Rng(seed);
-    let mut dev: SimDevice<_, 8> =
-        SimDevice::new(&m.image, &mut mem, slot_bytes, sim, |_: &ReadRequest| {
-            if fault_rng.next().is_multiple_of(10) {
-                Fault::Transient
-            } else {
-                Fault::None
-            }
-        });
-    let hp = m.hp;
-    let sched = Scheduler::new(
-        SchedulerConfig {
-            max_retries: 40,
-            ..cfg
-        },
-        vec![Slot::EMPTY; slots],
-        vec![0u32; hp.n_layers * 8],
-        vec![LayerState::INITIAL; hp.n_layers],
-        hp.n_layers as u16,
-        8,
-        slot_bytes as u32,
-    )
-    .unwrap();
-    let src = Source { m, split };
-    let mut ex = CountPending {
-        inner: Streamed {
-            scheduler: sched,
-            device: &mut dev,
-            source: &src,
-            format: |_| fmt,
-            predict,
-        },
-        pending: 0,
-    };
-    let la = Lookahead {
-        predictor: PredictorConfig::top_k(3),
-        layers: LayerMask::first(hp.n_layers).unwrap(),
-        depth: 1 + (seed % 2) as usize,
-    };
-    let out = decode(m, &mut ex, Some(&la));
-    let st = ex.inner.scheduler.stats();
+    }
+    .run(&mut Decoder(m));
+    let st = out.stats;
     assert!(
         st.misses + st.hits + st.late_hits == (TOKENS.len() * 2 * 3) as u64,
         "{st:?}"
@@ -484,19 +318,7 @@ fn streamed(
     if predict && cfg.prefetch {
         assert!(st.prefetches > 0, "{st:?}");
     }
-    (out, ex.pending)
-}
-
-fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
-    for (t, (x, y)) in a.iter().zip(b).enumerate() {
-        for (i, (p, q)) in x.iter().zip(y).enumerate() {
-            assert_eq!(
-                p.to_bits(),
-                q.to_bits(),
-                "{what}: token {t} logit {i}: {p} vs {q}"
-            );
-        }
-    }
+    (out.logits, out.pending)
 }
 
 #[test]

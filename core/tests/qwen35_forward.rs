@@ -6,80 +6,21 @@
 //! recurrent state (a run interrupted and resumed from copies of them equals an
 //! uninterrupted one, and position 0 starts afresh over dirty buffers).
 
-use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
-use les_core::blockdev::ReadRequest;
-use les_core::gemv::{Isa, MatrixView};
+mod forward_common;
+
+use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, StreamedRun};
+use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
-use les_core::model::experts::{ExpertFormat, Resident, Streamed};
+use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
     forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, LayerWeights,
-    Lookahead, Mixer, RecurrentState, Scratch, SerialMatVec, SharedExpert, TokenInput, Weights,
+    Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
-use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
-use les_core::quant::{self, GgmlType};
+use les_core::quant::GgmlType;
 use les_core::router::{Gating, LayerMask, PredictorConfig};
-use les_core::schedule::{ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig};
-use les_core::slots::{ExpertKey, Slot};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0
-    }
-    fn vec(&mut self, n: usize, scale: f32, offset: f32) -> Vec<f32> {
-        (0..n).map(|_| offset + scale * self.normal()).collect()
-    }
-}
-
-/// A matrix both as f32 (for the reference) and in its storage type.
-struct Mat {
-    f32: Vec<f32>,
-    bytes: Vec<u8>,
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-}
-
-impl Mat {
-    fn new(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize, scale: f32) -> Mat {
-        let x: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * scale).collect();
-        let mut bytes = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
-        quant::quantize(ty, &x, &mut bytes).unwrap();
-        let mut f = vec![0f32; rows * cols];
-        quant::dequantize(ty, &bytes, &mut f).unwrap();
-        Mat {
-            f32: f,
-            bytes,
-            ty,
-            rows,
-            cols,
-        }
-    }
-    fn view(&self) -> MatrixView<'_> {
-        MatrixView::new(self.ty, self.rows, self.cols, &self.bytes).unwrap()
-    }
-    fn apply(&self, x: &[f32]) -> Vec<f32> {
-        (0..self.rows)
-            .map(|r| {
-                (0..self.cols)
-                    .map(|c| self.f32[r * self.cols + c] as f64 * x[c] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect()
-    }
-}
+use les_core::schedule::SchedulerConfig;
 
 struct Attn {
     wq: Mat,
@@ -317,23 +258,15 @@ impl Model {
             n_ff: FF,
         }
     }
-}
 
-struct Source<'a> {
-    m: &'a Model,
-}
-
-impl ExpertSource for Source<'_> {
-    fn extents(&self, key: ExpertKey) -> Extents {
-        let off = self.m.offsets[key.layer as usize][key.expert as usize] as u64;
-        let mut ext = Extents::new();
-        ext.push(Extent {
-            offset: off,
-            len: self.m.format().bytes().unwrap() as u32,
-            slot_offset: 0,
-        })
-        .unwrap();
-        ext
+    /// The packed expert image as a source.
+    fn packed(&self) -> PackedExperts<'_> {
+        PackedExperts {
+            image: &self.image,
+            offsets: &self.offsets,
+            format: self.format(),
+            split: false,
+        }
     }
 }
 
@@ -346,9 +279,7 @@ struct Buffers {
     conv: Vec<f32>,
     ssm: Vec<f32>,
     scratch: Vec<f32>,
-    q8_0: Vec<BlockQ8_0>,
-    q8_1: Vec<BlockQ8_1>,
-    q8k: Vec<BlockQ8K>,
+    quant: QuantScratch,
 }
 
 impl Buffers {
@@ -361,29 +292,7 @@ impl Buffers {
             conv: vec![0.0; c],
             ssm: vec![0.0; s],
             scratch: vec![0.0; Scratch::len_for(hp, hy, n)],
-            q8_0: vec![
-                BlockQ8_0 {
-                    d: [0; 2],
-                    qs: [0; 32]
-                };
-                8
-            ],
-            q8_1: vec![
-                BlockQ8_1 {
-                    d: [0; 2],
-                    s: [0; 2],
-                    qs: [0; 32]
-                };
-                8
-            ],
-            q8k: vec![
-                BlockQ8K {
-                    d: [0; 4],
-                    qs: [0; 256],
-                    bsums: [[0; 2]; 16]
-                };
-                1
-            ],
+            quant: QuantScratch::new(),
         }
     }
 
@@ -403,12 +312,7 @@ impl Buffers {
         let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
         let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
         let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
-        let mut mv = SerialMatVec {
-            isa: Isa::detect(),
-            q8_0: &mut self.q8_0,
-            q8_1: &mut self.q8_1,
-            q8k: &mut self.q8k,
-        };
+        let mut mv = self.quant.matvec();
         tokens
             .iter()
             .enumerate()
@@ -439,14 +343,27 @@ type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gem
 
 fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
     let fmt = m.format();
-    Resident::new(Box::new(move |l, e| {
-        let off = m.offsets[l][e as usize];
-        fmt.matrices(&m.image[off..off + fmt.bytes().unwrap()])
-    }))
+    Resident::new(Box::new(move |l, e| fmt.matrices(m.packed().bytes(l, e))))
 }
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
     Buffers::new(m).run(m, &mut resident_experts(m), None, 0, &TOKENS)
+}
+
+/// The whole token sequence from position 0, for [`StreamedRun::run`].
+struct Decoder<'m>(&'m Model);
+
+impl Decode for Decoder<'_> {
+    fn decode<X: Experts>(
+        &mut self,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        Buffers::new(self.0).run(self.0, experts, lookahead, 0, &TOKENS)
+    }
 }
 
 fn streamed(
@@ -456,56 +373,24 @@ fn streamed(
     seed: u64,
     cfg: SchedulerConfig,
 ) -> Vec<Vec<f32>> {
-    let fmt = m.format();
-    let slot_bytes = fmt.bytes().unwrap();
-    let mut mem = vec![0u8; slots * slot_bytes];
-    let sim = SimConfig {
-        order: if seed.is_multiple_of(3) {
-            CompletionOrder::Timed
-        } else {
-            CompletionOrder::Shuffled { seed }
-        },
-        honor_cancel: seed.is_multiple_of(2),
-        ..SimConfig::default()
-    };
-    let mut fault_rng = Rng(seed);
-    let mut dev: SimDevice<_, 8> =
-        SimDevice::new(&m.image, &mut mem, slot_bytes, sim, |_: &ReadRequest| {
-            if fault_rng.next().is_multiple_of(10) {
-                Fault::Transient
-            } else {
-                Fault::None
-            }
-        });
+    let experts = m.packed();
     let n_layers = m.hp.n_layers;
-    let sched = Scheduler::new(
-        SchedulerConfig {
-            max_retries: 40,
-            ..cfg
-        },
-        vec![Slot::EMPTY; slots],
-        vec![0u32; n_layers * N_EXP],
-        vec![LayerState::INITIAL; n_layers],
-        n_layers as u16,
-        N_EXP as u16,
-        slot_bytes as u32,
-    )
-    .unwrap();
-    let src = Source { m };
-    let mut ex = Streamed {
-        scheduler: sched,
-        device: &mut dev,
-        source: &src,
-        format: |_| fmt,
+    let out = StreamedRun {
+        experts: &experts,
+        n_layers,
+        n_experts: N_EXP,
+        slots,
         predict,
-    };
-    let la = Lookahead {
-        predictor: PredictorConfig::top_k(TOP_K),
-        layers: LayerMask::first(n_layers).unwrap(),
-        depth: 2,
-    };
-    let out = Buffers::new(m).run(m, &mut ex, Some(&la), 0, &TOKENS);
-    let st = ex.scheduler.stats();
+        seed,
+        config: cfg,
+        lookahead: Lookahead {
+            predictor: PredictorConfig::top_k(TOP_K),
+            layers: LayerMask::first(n_layers).unwrap(),
+            depth: 2,
+        },
+    }
+    .run(&mut Decoder(m));
+    let st = out.stats;
     assert_eq!(
         st.misses + st.hits + st.late_hits,
         (TOKENS.len() * n_layers * TOP_K) as u64,
@@ -515,23 +400,13 @@ fn streamed(
         // Lookahead runs from every layer, DeltaNet ones included, and from the
         // token's embedding for the first layers: every layer gets predicted.
         assert!(st.prefetches > 0, "{st:?}");
-        let layers = ex.scheduler.layers();
-        assert!(layers.iter().all(|l| l.predicted > 0), "{layers:?}");
+        assert!(
+            out.layers.iter().all(|l| l.predicted > 0),
+            "{:?}",
+            out.layers
+        );
     }
-    out
-}
-
-fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (t, (x, y)) in a.iter().zip(b).enumerate() {
-        for (i, (p, q)) in x.iter().zip(y).enumerate() {
-            assert_eq!(
-                p.to_bits(),
-                q.to_bits(),
-                "{what}: token {t} logit {i}: {p} vs {q}"
-            );
-        }
-    }
+    out.logits
 }
 
 #[test]

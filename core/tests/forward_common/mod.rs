@@ -1,0 +1,323 @@
+//! Scaffolding shared by the forward-pass tests (`forward_exact`, `qwen35_forward`):
+//! a deterministic generator, matrices kept both quantized and as the f32 values
+//! they stand for, a packed expert image as an [`ExpertSource`], and the streamed
+//! run (scheduler over a simulated device with shuffled completions and transient
+//! faults) whose logits must equal the resident run's bit for bit.
+#![allow(dead_code)] // Each test binary uses its own subset.
+
+use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
+use les_core::blockdev::ReadRequest;
+use les_core::gemv::{Isa, MatrixView};
+use les_core::model::experts::{ExpertFormat, Streamed};
+use les_core::model::forward::{ExpertMatrices, Experts, Lookahead, SerialMatVec, Step};
+use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
+use les_core::quant::{self, GgmlType};
+use les_core::schedule::{
+    ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig, Stats,
+};
+use les_core::slots::{ExpertKey, Slot};
+
+/// SplitMix64: deterministic test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Roughly normal (a sum of four uniforms, centred): good enough, deterministic.
+    pub fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0
+    }
+
+    /// `n` values `offset + scale * normal()`.
+    pub fn vec(&mut self, n: usize, scale: f32, offset: f32) -> Vec<f32> {
+        (0..n).map(|_| offset + scale * self.normal()).collect()
+    }
+}
+
+/// A matrix both as f32 (for the reference) and in its storage type.
+pub struct Mat {
+    /// The dequantized values: what the file holds, which the reference uses.
+    pub f32: Vec<f32>,
+    pub bytes: Vec<u8>,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Mat {
+    pub fn new(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize, scale: f32) -> Mat {
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * scale).collect();
+        let mut bytes = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
+        quant::quantize(ty, &x, &mut bytes).unwrap();
+        let mut f = vec![0f32; rows * cols];
+        quant::dequantize(ty, &bytes, &mut f).unwrap();
+        Mat {
+            f32: f,
+            bytes,
+            ty,
+            rows,
+            cols,
+        }
+    }
+
+    pub fn view(&self) -> MatrixView<'_> {
+        MatrixView::new(self.ty, self.rows, self.cols, &self.bytes).unwrap()
+    }
+
+    /// `self * x` in f64, rounded once.
+    pub fn apply(&self, x: &[f32]) -> Vec<f32> {
+        (0..self.rows)
+            .map(|r| {
+                (0..self.cols)
+                    .map(|c| self.f32[r * self.cols + c] as f64 * x[c] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+}
+
+/// Experts packed into one image: `offsets[layer][expert]` is where each starts,
+/// all of layout `format`.
+pub struct PackedExperts<'a> {
+    pub image: &'a [u8],
+    pub offsets: &'a [Vec<usize>],
+    pub format: ExpertFormat,
+    /// Three extents an expert (gate, up, down, as in a plain GGUF) instead of one.
+    pub split: bool,
+}
+
+impl<'a> PackedExperts<'a> {
+    /// The bytes of layer `l`'s expert `e`.
+    pub fn bytes(&self, l: usize, e: u16) -> &'a [u8] {
+        let off = self.offsets[l][e as usize];
+        &self.image[off..off + self.format.bytes().unwrap()]
+    }
+}
+
+impl ExpertSource for PackedExperts<'_> {
+    fn extents(&self, key: ExpertKey) -> Extents {
+        let off = self.offsets[key.layer as usize][key.expert as usize] as u64;
+        let parts = self.format.part_bytes().unwrap();
+        let mut ext = Extents::new();
+        if self.split {
+            let mut at = 0u32;
+            for p in parts {
+                ext.push(Extent {
+                    offset: off + at as u64,
+                    len: p as u32,
+                    slot_offset: at,
+                })
+                .unwrap();
+                at += p as u32;
+            }
+        } else {
+            ext.push(Extent {
+                offset: off,
+                len: parts.iter().sum::<usize>() as u32,
+                slot_offset: 0,
+            })
+            .unwrap();
+        }
+        ext
+    }
+}
+
+/// Counts the [`Step::Pending`] answers of the experts it wraps: the times the
+/// forward pass could compute the shared expert while reads were in flight.
+pub struct CountPending<X> {
+    pub inner: X,
+    pub pending: usize,
+}
+
+impl<X: Experts> Experts for CountPending<X> {
+    type Error = X::Error;
+    fn begin_token(&mut self) {
+        self.inner.begin_token()
+    }
+    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
+        self.inner.begin_layer(layer, routing)
+    }
+    fn wants_predictions(&self) -> bool {
+        self.inner.wants_predictions()
+    }
+    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
+        self.inner.prefetch(layer, predicted)
+    }
+    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, X::Error> {
+        self.inner.next()
+    }
+    fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
+        let step = self.inner.try_next()?;
+        self.pending += matches!(step, Step::Pending) as usize;
+        Ok(step)
+    }
+    fn finish(&mut self, index: usize) -> Result<(), X::Error> {
+        self.inner.finish(index)
+    }
+}
+
+/// A decode of a test's token sequence over some experts.
+pub trait Decode {
+    /// Each position's logits.
+    fn decode<X: Experts>(
+        &mut self,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug;
+}
+
+/// How one streamed run is set up.
+pub struct StreamedRun<'a> {
+    pub experts: &'a PackedExperts<'a>,
+    pub n_layers: usize,
+    pub n_experts: usize,
+    pub slots: usize,
+    /// Pass the lookahead's predictions to the scheduler.
+    pub predict: bool,
+    /// Picks the completion order (timed or shuffled by it), whether the device
+    /// honours cancels, and which reads fail transiently (one in ten).
+    pub seed: u64,
+    pub config: SchedulerConfig,
+    pub lookahead: Lookahead,
+}
+
+/// What a streamed run produced.
+pub struct StreamedOutput {
+    pub logits: Vec<Vec<f32>>,
+    pub stats: Stats,
+    pub layers: Vec<LayerState>,
+    /// [`Step::Pending`] answers (see [`CountPending`]).
+    pub pending: usize,
+}
+
+impl StreamedRun<'_> {
+    /// Decodes with the experts streamed through the scheduler from a simulated
+    /// device holding the packed image.
+    pub fn run(&self, d: &mut impl Decode) -> StreamedOutput {
+        let fmt = self.experts.format;
+        let slot_bytes = fmt.bytes().unwrap();
+        let mut mem = vec![0u8; self.slots * slot_bytes];
+        let seed = self.seed;
+        let sim = SimConfig {
+            order: if seed.is_multiple_of(3) {
+                CompletionOrder::Timed
+            } else {
+                CompletionOrder::Shuffled { seed }
+            },
+            honor_cancel: seed.is_multiple_of(2),
+            ..SimConfig::default()
+        };
+        let mut fault_rng = Rng(seed);
+        let mut dev: SimDevice<_, 8> = SimDevice::new(
+            self.experts.image,
+            &mut mem,
+            slot_bytes,
+            sim,
+            |_: &ReadRequest| {
+                if fault_rng.next().is_multiple_of(10) {
+                    Fault::Transient
+                } else {
+                    Fault::None
+                }
+            },
+        );
+        let scheduler = Scheduler::new(
+            SchedulerConfig {
+                max_retries: 40,
+                ..self.config
+            },
+            vec![Slot::EMPTY; self.slots],
+            vec![0u32; self.n_layers * self.n_experts],
+            vec![LayerState::INITIAL; self.n_layers],
+            self.n_layers as u16,
+            self.n_experts as u16,
+            slot_bytes as u32,
+        )
+        .unwrap();
+        let mut ex = CountPending {
+            inner: Streamed {
+                scheduler,
+                device: &mut dev,
+                source: self.experts,
+                format: |_| fmt,
+                predict: self.predict,
+            },
+            pending: 0,
+        };
+        let logits = d.decode(&mut ex, Some(&self.lookahead));
+        StreamedOutput {
+            logits,
+            stats: ex.inner.scheduler.stats(),
+            layers: ex.inner.scheduler.layers().to_vec(),
+            pending: ex.pending,
+        }
+    }
+}
+
+/// Asserts that two runs' logits are the same bits.
+pub fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (t, (x, y)) in a.iter().zip(b).enumerate() {
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            assert_eq!(
+                p.to_bits(),
+                q.to_bits(),
+                "{what}: token {t} logit {i}: {p} vs {q}"
+            );
+        }
+    }
+}
+
+/// The activation buffers of [`SerialMatVec`] for the tests' widths (at most 256).
+pub struct QuantScratch {
+    q8_0: Vec<BlockQ8_0>,
+    q8_1: Vec<BlockQ8_1>,
+    q8k: Vec<BlockQ8K>,
+}
+
+impl QuantScratch {
+    pub fn new() -> QuantScratch {
+        let q8_0 = BlockQ8_0 {
+            d: [0; 2],
+            qs: [0; 32],
+        };
+        let q8_1 = BlockQ8_1 {
+            d: [0; 2],
+            s: [0; 2],
+            qs: [0; 32],
+        };
+        let q8k = BlockQ8K {
+            d: [0; 4],
+            qs: [0; 256],
+            bsums: [[0; 2]; 16],
+        };
+        QuantScratch {
+            q8_0: vec![q8_0; 8],
+            q8_1: vec![q8_1; 8],
+            q8k: vec![q8k; 1],
+        }
+    }
+
+    /// The serial kernels over these buffers, with the CPU's best instructions.
+    pub fn matvec(&mut self) -> SerialMatVec<'_> {
+        SerialMatVec {
+            isa: Isa::detect(),
+            q8_0: &mut self.q8_0,
+            q8_1: &mut self.q8_1,
+            q8k: &mut self.q8k,
+        }
+    }
+}
