@@ -4,48 +4,18 @@
 //! is loaded and skipped (a file without it gives the same logits), and, with a
 //! llama.cpp build at hand, the greedy continuation equals llama.cpp's.
 
+mod cli;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::Mutex;
 
+use cli::{json_ok, les, npy, synth_once, tmp, tokens};
 use serde_json::Value;
-
-fn les() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_les"))
-}
-
-fn tmp(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
-}
 
 /// A synthetic qwen35moe `tiny` written once per test binary (`extra` args).
 fn model(name: &str, extra: &[&str]) -> PathBuf {
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _g = LOCK.lock().unwrap();
-    let path = tmp(&format!("qwen35_{name}.gguf"));
-    if !path.exists() {
-        let out = les()
-            .args([
-                "synth",
-                "--arch",
-                "qwen35moe",
-                "--preset",
-                "tiny",
-                "--seed",
-                "5",
-            ])
-            .args(extra)
-            .arg("-o")
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "synth: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    path
+    let args = ["--arch", "qwen35moe", "--preset", "tiny", "--seed", "5"];
+    synth_once(&format!("qwen35_{name}.gguf"), &[&args[..], extra].concat())
 }
 
 fn run(model: &Path, extra: &[&str]) -> Output {
@@ -60,21 +30,7 @@ fn run(model: &Path, extra: &[&str]) -> Output {
 
 fn json_run(model: &Path, extra: &[&str]) -> Value {
     let out = run(model, &[&["--json"], extra].concat());
-    assert!(
-        out.status.success(),
-        "run {extra:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
-}
-
-fn tokens(v: &Value) -> Vec<u64> {
-    v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
+    json_ok(out, &format!("run {extra:?}"))
 }
 
 /// Logits written with `--logits-out`, as raw bytes.
@@ -84,10 +40,7 @@ fn logits(model: &Path, name: &str, extra: &[&str]) -> (Vec<u64>, Vec<u8>) {
         model,
         &[extra, &["--logits-out", path.to_str().unwrap()]].concat(),
     );
-    let bytes = std::fs::read(&path).unwrap();
-    assert_eq!(&bytes[..6], b"\x93NUMPY");
-    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    (tokens(&v), bytes[10 + hlen..].to_vec())
+    (tokens(&v), npy(&path).2)
 }
 
 #[test]

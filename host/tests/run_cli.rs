@@ -2,42 +2,20 @@
 //! independence, every schedule bit-identical to resident, the JSON and .npy
 //! outputs, and clean errors.
 
+mod cli;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::process::Output;
 
+use cli::{json_ok, les, npy, synth_once, tmp, tokens};
 use serde_json::Value;
-
-fn les() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_les"))
-}
-
-fn tmp(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
-}
 
 /// A tiny synthetic model of `arch`, written once per test binary.
 fn model(arch: &str) -> PathBuf {
-    static MADE: OnceLock<std::sync::Mutex<Vec<String>>> = OnceLock::new();
-    let path = tmp(&format!("run_cli_{arch}.gguf"));
-    let made = MADE.get_or_init(Default::default);
-    let mut made = made.lock().unwrap();
-    if !made.iter().any(|a| a == arch) {
-        let out = les()
-            .args([
-                "synth", "--arch", arch, "--preset", "tiny", "--seed", "3", "-o",
-            ])
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "synth: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        made.push(arch.to_string());
-    }
-    path
+    synth_once(
+        &format!("run_cli_{arch}.gguf"),
+        &["--arch", arch, "--preset", "tiny", "--seed", "3"],
+    )
 }
 
 fn run(model: &Path, extra: &[&str]) -> Output {
@@ -57,21 +35,7 @@ fn run(model: &Path, extra: &[&str]) -> Output {
 
 fn json_run(model: &Path, extra: &[&str]) -> Value {
     let out = run(model, &[&["--json"], extra].concat());
-    assert!(
-        out.status.success(),
-        "run {extra:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
-}
-
-fn tokens(v: &Value) -> Vec<u64> {
-    v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
+    json_ok(out, &format!("run {extra:?}"))
 }
 
 #[test]
@@ -115,24 +79,6 @@ fn sampling_is_reproducible_for_a_seed() {
         tokens(&c),
         "different seeds should differ on a 20-token run"
     );
-}
-
-fn npy(path: &Path) -> (usize, usize, Vec<u8>) {
-    let bytes = std::fs::read(path).unwrap();
-    assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
-    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    let header = std::str::from_utf8(&bytes[10..10 + hlen]).unwrap();
-    assert!(header.contains("'descr': '<f4'"), "{header}");
-    let shape = &header[header.find("'shape': (").unwrap() + 10..];
-    let shape: Vec<usize> = shape[..shape.find(')').unwrap()]
-        .split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
-    assert_eq!((10 + hlen) % 64, 0, "header padded to 64 bytes");
-    let data = bytes[10 + hlen..].to_vec();
-    assert_eq!(data.len(), shape[0] * shape[1] * 4);
-    (shape[0], shape[1], data)
 }
 
 #[test]

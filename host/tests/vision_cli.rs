@@ -2,31 +2,21 @@
 //! gives the same tokens and bit-identical logits, images are spliced where the
 //! markers say, and bad inputs fail cleanly.
 
+mod cli;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::OnceLock;
 
+use cli::{les, stdout_ok, tmp, tokens};
 use serde_json::Value;
-
-fn les() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_les"))
-}
-
-fn tmp(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
-}
 
 fn image() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/test-image.png")
 }
 
 fn ok(o: Output) -> String {
-    assert!(
-        o.status.success(),
-        "les failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).unwrap()
+    stdout_ok(o, "les")
 }
 
 /// A tiny qwen3moe model and a matching projector of `projector`, made once.
@@ -67,15 +57,6 @@ fn run(lm: &Path, mm: &Path, extra: &[&str]) -> Output {
 fn json(lm: &Path, mm: &Path, extra: &[&str]) -> Value {
     let out = ok(run(lm, mm, &[&["--json", "--temp", "0"], extra].concat()));
     serde_json::from_str(&out).unwrap()
-}
-
-fn tokens(v: &Value) -> Vec<u64> {
-    v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
 }
 
 #[test]

@@ -1,0 +1,87 @@
+//! Helpers shared by the end-to-end tests of the `les` binary: running it,
+//! synthetic models written once per test binary, its JSON and `.npy` outputs.
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+
+use serde_json::Value;
+
+/// The `les` binary under test.
+pub fn les() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_les"))
+}
+
+/// A path in the test scratch directory.
+pub fn tmp(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+/// `les synth <args> -o <tmp(file)>`, run once per test binary and file name
+/// (concurrent tests wait for the first to finish); the model's path.
+pub fn synth_once(file: &str, args: &[&str]) -> PathBuf {
+    static MADE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let path = tmp(file);
+    let mut made = MADE.lock().unwrap_or_else(|p| p.into_inner());
+    if !made.iter().any(|f| f == file) {
+        stdout_ok(
+            les()
+                .arg("synth")
+                .args(args)
+                .arg("-o")
+                .arg(&path)
+                .output()
+                .expect("les runs"),
+            &format!("synth {args:?}"),
+        );
+        made.push(file.to_string());
+    }
+    path
+}
+
+/// The standard output of a successful run; panics with its stderr otherwise.
+pub fn stdout_ok(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8 output")
+}
+
+/// The one JSON object a successful `--json` run prints.
+pub fn json_ok(out: Output, what: &str) -> Value {
+    serde_json::from_str(&stdout_ok(out, what)).expect("one JSON object on stdout")
+}
+
+/// The `tokens` array of a run's JSON.
+pub fn tokens(v: &Value) -> Vec<u64> {
+    v["tokens"]
+        .as_array()
+        .expect("a tokens array")
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// A 2-D little-endian f32 `.npy` file as written by `--logits-out`: rows,
+/// columns and the raw data bytes (checked against the header's shape).
+pub fn npy(path: &Path) -> (usize, usize, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + hlen]).unwrap();
+    assert!(header.contains("'descr': '<f4'"), "{header}");
+    let shape = &header[header.find("'shape': (").unwrap() + 10..];
+    let shape: Vec<usize> = shape[..shape.find(')').unwrap()]
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse().unwrap())
+        .collect();
+    assert_eq!((10 + hlen) % 64, 0, "header padded to 64 bytes");
+    let data = bytes[10 + hlen..].to_vec();
+    assert_eq!(data.len(), shape[0] * shape[1] * 4);
+    (shape[0], shape[1], data)
+}
