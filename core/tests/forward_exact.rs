@@ -10,8 +10,8 @@ use les_core::gemv::MatrixView;
 use les_core::model::config::{Hparams, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward, Experts, Ffn, KvCache, LayerWeights, Lookahead, Scratch, SharedExpert, TokenInput,
-    Weights,
+    forward, AttentionWeights, Block, Experts, Ffn, KvCache, Lookahead, Mixer, Scratch,
+    SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::GgmlType;
@@ -142,7 +142,7 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
 }
 
 impl Weights for Model {
-    fn layer(&self, l: usize) -> LayerWeights<'_> {
+    fn block(&self, l: usize) -> Block<'_> {
         let ly = &self.layers[l];
         let ffn = match (&ly.dense, &ly.router) {
             (Some([g, u, d]), _) => Ffn::Dense {
@@ -161,17 +161,19 @@ impl Weights for Model {
             },
             _ => unreachable!(),
         };
-        LayerWeights {
+        Block {
             attn_norm: &ly.attn_norm,
-            wq: ly.wq.view(),
-            wk: ly.wk.view(),
-            wv: ly.wv.view(),
-            wo: ly.wo.view(),
-            bq: None,
-            bk: None,
-            bv: None,
-            q_norm: Some(&ly.q_norm),
-            k_norm: Some(&ly.k_norm),
+            mixer: Mixer::Attention(AttentionWeights {
+                wq: ly.wq.view(),
+                wk: ly.wk.view(),
+                wv: ly.wv.view(),
+                wo: ly.wo.view(),
+                bq: None,
+                bk: None,
+                bv: None,
+                q_norm: Some(&ly.q_norm),
+                k_norm: Some(&ly.k_norm),
+            }),
             ffn_norm: &ly.ffn_norm,
             ffn,
         }

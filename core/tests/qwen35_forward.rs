@@ -14,8 +14,8 @@ use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, LayerWeights,
-    Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, Lookahead,
+    Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::GgmlType;
@@ -191,9 +191,6 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) 
 }
 
 impl Weights for Model {
-    fn layer(&self, _l: usize) -> LayerWeights<'_> {
-        unreachable!("the forward pass asks for blocks")
-    }
     fn block(&self, l: usize) -> Block<'_> {
         let ly = &self.layers[l];
         let mixer = match &ly.mix {

@@ -42,7 +42,7 @@
 use std::fmt;
 
 use les_core::gemv::MatrixView;
-use les_core::model::forward::{Ffn, Weights};
+use les_core::model::forward::{Ffn, Mixer, Weights};
 use les_core::model::ops::RopeStyle;
 use les_core::router::Gating;
 use les_core::slots::ExpertKey;
@@ -199,16 +199,21 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
     let packed = PackedIndex::from_gguf(model.gguf())
         .map_err(|e| McuIndexError(format!("packed expert index: {e}")))?;
     for l in 0..hp.n_layers {
-        let lw = model.layer(l);
-        w.vector(lw.attn_norm)?;
-        for m in [&lw.wq, &lw.wk, &lw.wv, &lw.wo] {
+        let b = model.block(l);
+        let Mixer::Attention(a) = b.mixer else {
+            return Err(McuIndexError(format!(
+                "layer {l} is not an attention layer (the firmware runs plain transformers)"
+            )));
+        };
+        w.vector(b.attn_norm)?;
+        for m in [&a.wq, &a.wk, &a.wv, &a.wo] {
             w.matrix(m)?;
         }
-        for v in [lw.bq, lw.bk, lw.bv, lw.q_norm, lw.k_norm] {
+        for v in [a.bq, a.bk, a.bv, a.q_norm, a.k_norm] {
             w.opt_vector(v)?;
         }
-        w.vector(lw.ffn_norm)?;
-        match lw.ffn {
+        w.vector(b.ffn_norm)?;
+        match b.ffn {
             Ffn::Dense { gate, up, down } => {
                 w.word(0);
                 for m in [&gate, &up, &down] {

@@ -15,7 +15,7 @@ use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
 use les_core::model::forward::{
-    AttentionWeights, Block, ExpertMatrices, Ffn, LayerWeights, Mixer, SharedExpert, Weights,
+    AttentionWeights, Block, ExpertMatrices, Ffn, Mixer, SharedExpert, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::{self, GgmlType};
@@ -921,31 +921,6 @@ impl Model {
 }
 
 impl Weights for Model {
-    /// # Panics
-    /// For a linear-attention layer, which has no such weights; the forward pass
-    /// calls [`Weights::block`].
-    fn layer(&self, layer: usize) -> LayerWeights<'_> {
-        let l = &self.layers[layer];
-        let MixerRefs::Attention(a) = &l.mixer else {
-            panic!("layer {layer} is a linear-attention layer: use Weights::block");
-        };
-        let aw = self.attention_weights(a);
-        LayerWeights {
-            attn_norm: &l.attn_norm,
-            wq: aw.wq,
-            wk: aw.wk,
-            wv: aw.wv,
-            wo: aw.wo,
-            bq: aw.bq,
-            bk: aw.bk,
-            bv: aw.bv,
-            q_norm: aw.q_norm,
-            k_norm: aw.k_norm,
-            ffn_norm: &l.ffn_norm,
-            ffn: self.ffn(l),
-        }
-    }
-
     fn block(&self, layer: usize) -> Block<'_> {
         let l = &self.layers[layer];
         let mixer = match &l.mixer {

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use les::model::Model;
 use les_core::gemv::MatrixView;
-use les_core::model::forward::{Ffn, Weights};
+use les_core::model::forward::{Ffn, Mixer, Weights};
 use les_core::slots::ExpertKey;
 
 #[allow(dead_code)]
@@ -80,9 +80,12 @@ fn check(path: &Path) {
     same_matrix(file, &idx.output, &model.output());
     same_vector(&bytes, &idx.output_norm, model.output_norm());
     for (l, d) in idx.layers.iter().enumerate() {
-        let lw = model.layer(l);
-        same_vector(&bytes, &d.attn_norm, lw.attn_norm);
-        same_vector(&bytes, &d.ffn_norm, lw.ffn_norm);
+        let b = model.block(l);
+        let Mixer::Attention(lw) = b.mixer else {
+            panic!("layer {l}: not attention");
+        };
+        same_vector(&bytes, &d.attn_norm, b.attn_norm);
+        same_vector(&bytes, &d.ffn_norm, b.ffn_norm);
         for (t, m) in [
             (&d.wq, &lw.wq),
             (&d.wk, &lw.wk),
@@ -101,7 +104,7 @@ fn check(path: &Path) {
                 _ => panic!("layer {l}: q/k norm presence differs"),
             }
         }
-        match (d.ffn, lw.ffn) {
+        match (d.ffn, b.ffn) {
             (
                 index::FfnDesc::Moe {
                     router,
@@ -172,4 +175,11 @@ fn index_round_trips_through_the_firmware_reader() {
     check(&model("qwen3moe", true));
     check(&model("qwen2moe", true)); // shared expert with a gate, biases
     check(&model("olmoe", false)); // plain GGUF: three extents, no checksums
+}
+
+#[test]
+fn hybrid_models_are_refused_with_a_clear_error() {
+    let model = Model::open(model("qwen35moe", false)).unwrap();
+    let err = les::mcu::write_index(&model).unwrap_err().to_string();
+    assert!(err.contains("not an attention layer"), "{err}");
 }

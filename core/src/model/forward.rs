@@ -56,35 +56,6 @@ pub enum Ffn<'a> {
     },
 }
 
-/// The resident weights of one layer.
-#[derive(Clone, Copy, Debug)]
-pub struct LayerWeights<'a> {
-    /// Pre-attention RMSNorm weight.
-    pub attn_norm: &'a [f32],
-    /// Query projection.
-    pub wq: MatrixView<'a>,
-    /// Key projection.
-    pub wk: MatrixView<'a>,
-    /// Value projection.
-    pub wv: MatrixView<'a>,
-    /// Output projection.
-    pub wo: MatrixView<'a>,
-    /// Query bias.
-    pub bq: Option<&'a [f32]>,
-    /// Key bias.
-    pub bk: Option<&'a [f32]>,
-    /// Value bias.
-    pub bv: Option<&'a [f32]>,
-    /// Query RMSNorm (per head when `head_dim` long, else over the whole vector).
-    pub q_norm: Option<&'a [f32]>,
-    /// Key RMSNorm (same rule).
-    pub k_norm: Option<&'a [f32]>,
-    /// Pre-FFN RMSNorm weight.
-    pub ffn_norm: &'a [f32],
-    /// The FFN.
-    pub ffn: Ffn<'a>,
-}
-
 /// The attention of a layer (full, causal, grouped-query).
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionWeights<'a> {
@@ -131,38 +102,11 @@ pub struct Block<'a> {
     pub ffn: Ffn<'a>,
 }
 
-impl<'a> From<LayerWeights<'a>> for Block<'a> {
-    fn from(l: LayerWeights<'a>) -> Self {
-        Block {
-            attn_norm: l.attn_norm,
-            mixer: Mixer::Attention(AttentionWeights {
-                wq: l.wq,
-                wk: l.wk,
-                wv: l.wv,
-                wo: l.wo,
-                bq: l.bq,
-                bk: l.bk,
-                bv: l.bv,
-                q_norm: l.q_norm,
-                k_norm: l.k_norm,
-            }),
-            ffn_norm: l.ffn_norm,
-            ffn: l.ffn,
-        }
-    }
-}
-
 /// Access to a model's resident weights.
 pub trait Weights {
-    /// Weights of layer `layer` (< `n_layers`) of a plain transformer. Models with
-    /// other layers implement [`block`](Self::block), which is what the forward pass
-    /// calls, and may panic here for a layer that is not plain attention.
-    fn layer(&self, layer: usize) -> LayerWeights<'_>;
-    /// Weights of layer `layer` (< `n_layers`), whatever its kind; by default
-    /// [`layer`](Self::layer) as a [`Block`].
-    fn block(&self, layer: usize) -> Block<'_> {
-        self.layer(layer).into()
-    }
+    /// Weights of layer `layer` (< `n_layers`), whatever its kind (a plain
+    /// transformer's layers are all [`Mixer::Attention`]).
+    fn block(&self, layer: usize) -> Block<'_>;
     /// Token embedding matrix (`n_vocab` x `n_embd`).
     fn embedding(&self) -> MatrixView<'_>;
     /// Final RMSNorm weight.

@@ -2,13 +2,13 @@
 
 use les_core::gemv::MatrixView;
 use les_core::model::experts::ExpertFormat;
-use les_core::model::forward::{Ffn, LayerWeights, SharedExpert, Weights};
+use les_core::model::forward::{AttentionWeights, Block, Ffn, Mixer, SharedExpert, Weights};
 
 use crate::index::{FfnDesc, Index, IndexError, Tensor, Vector};
 
 /// Every resident matrix and vector, checked once at start.
 pub struct FlashWeights<'a, const L: usize> {
-    layers: heapless::Vec<LayerWeights<'a>, L>,
+    layers: heapless::Vec<Block<'a>, L>,
     formats: heapless::Vec<Option<ExpertFormat>, L>,
     embedding: MatrixView<'a>,
     output: MatrixView<'a>,
@@ -79,17 +79,19 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                     )
                 }
             };
-            let lw = LayerWeights {
+            let lw = Block {
                 attn_norm: vector(ib, &d.attn_norm)?,
-                wq: matrix(model, &d.wq)?,
-                wk: matrix(model, &d.wk)?,
-                wv: matrix(model, &d.wv)?,
-                wo: matrix(model, &d.wo)?,
-                bq: opt(&d.bq)?,
-                bk: opt(&d.bk)?,
-                bv: opt(&d.bv)?,
-                q_norm: opt(&d.q_norm)?,
-                k_norm: opt(&d.k_norm)?,
+                mixer: Mixer::Attention(AttentionWeights {
+                    wq: matrix(model, &d.wq)?,
+                    wk: matrix(model, &d.wk)?,
+                    wv: matrix(model, &d.wv)?,
+                    wo: matrix(model, &d.wo)?,
+                    bq: opt(&d.bq)?,
+                    bk: opt(&d.bk)?,
+                    bv: opt(&d.bv)?,
+                    q_norm: opt(&d.q_norm)?,
+                    k_norm: opt(&d.k_norm)?,
+                }),
                 ffn_norm: vector(ib, &d.ffn_norm)?,
                 ffn,
             };
@@ -112,7 +114,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
 }
 
 impl<const L: usize> Weights for FlashWeights<'_, L> {
-    fn layer(&self, layer: usize) -> LayerWeights<'_> {
+    fn block(&self, layer: usize) -> Block<'_> {
         self.layers[layer]
     }
 
