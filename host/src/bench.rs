@@ -19,7 +19,9 @@ use les_core::gemv::Isa;
 use les_core::model::forward::{Lookahead, TokenInput};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::schedule::{LayerState, Stats};
+use les_core::slots::ExpertKey;
 
+use crate::belady::Recording;
 use crate::compute::ThreadedMatVec;
 use crate::engine::Session;
 use crate::flash::{FileDevice, FileDeviceConfig, IoSnapshot};
@@ -106,6 +108,10 @@ pub struct ScheduleReport {
     pub layers: Vec<LayerPrediction>,
     /// Device bandwidth used for the minimum I/O time (bytes/s).
     pub device_bw: f64,
+    /// Every expert the router picked (prompt and decode), in order.
+    pub picks: Vec<ExpertKey>,
+    /// Where the decode's picks start in `picks`.
+    pub decode_from: usize,
 }
 
 impl ScheduleReport {
@@ -306,6 +312,7 @@ pub fn run_schedule(
         io: cfg.budget.io,
     };
     let mut supply = Supply::new(model, path, schedule, budget)?;
+    let mut supply = Recording::new(&mut supply);
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
     let mut session = Session::new(model, cfg.prompt.len() + cfg.n_tokens + 1);
@@ -321,8 +328,10 @@ pub fn run_schedule(
         )?;
     }
     let prefill = t0.elapsed();
-    let stats0 = supply.stats().unwrap_or_default();
+    let decode_from = supply.picks.len();
+    let stats0 = supply.inner().stats().unwrap_or_default();
     let io0 = supply
+        .inner()
         .device()
         .map(|d| d.counters().snapshot())
         .unwrap_or_default();
@@ -345,11 +354,12 @@ pub fn run_schedule(
     }
     let decode = t1.elapsed();
     let io: IoSnapshot = supply
+        .inner()
         .device()
         .map(|d| d.counters().snapshot())
         .unwrap_or_default()
         - io0;
-    let s1 = supply.stats().unwrap_or_default();
+    let s1 = supply.inner().stats().unwrap_or_default();
     let stats = Stats {
         hits: s1.hits - stats0.hits,
         late_hits: s1.late_hits - stats0.late_hits,
@@ -365,6 +375,7 @@ pub fn run_schedule(
         bad_prefetches: s1.bad_prefetches - stats0.bad_prefetches,
     };
     let layers = supply
+        .inner()
         .layers()
         .map(|ls: &[LayerState]| {
             ls.iter()
@@ -391,6 +402,8 @@ pub fn run_schedule(
         stats,
         layers,
         device_bw,
+        picks: supply.picks,
+        decode_from,
     })
 }
 
@@ -411,6 +424,8 @@ mod tests {
             stats: Stats::default(),
             layers: Vec::new(),
             device_bw: 1e9,
+            picks: Vec::new(),
+            decode_from: 0,
         }
     }
 

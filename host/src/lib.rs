@@ -11,6 +11,8 @@
 //! - [`engine`]: KV cache, prefill and the decode loop.
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
+//! - [`bench`]: `les bench`, schedules compared side by side; [`belady`], the
+//!   optimal cache's hit rate over the run's routing.
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
@@ -18,6 +20,7 @@
 //! - [`mcu`]: the compact model index a microcontroller firmware reads.
 //! - [`interrupt`]: partial outputs removed on Ctrl-C.
 
+pub mod belady;
 pub mod bench;
 pub mod cli;
 pub mod compute;

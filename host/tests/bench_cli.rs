@@ -88,6 +88,14 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         "6 of 32 slots: reads"
     );
     assert_eq!(j["schedules"]["resident"]["bytes_per_token"], 0.0);
+    // No cache without prediction hits more often than Belady's optimal one over
+    // the same routing: not LRU (on-demand), and it can miss (6 of 32 slots).
+    let optimal = j["optimal_hit_rate"].as_f64().unwrap();
+    assert!(optimal < 1.0, "{optimal}");
+    assert!(
+        optimal >= od["hit_rate"].as_f64().unwrap(),
+        "{optimal} vs {od}"
+    );
     let les_tokens = tokens(&j["schedules"]["les"]["tokens"]);
     assert_eq!(les_tokens.len(), 12);
     assert_eq!(les_tokens, tokens(&od["tokens"]));
@@ -142,6 +150,10 @@ fn bench_sweep_reports_every_budget_and_the_verdicts() {
         "{out}"
     );
     assert!(out.contains("medians of 2 interleaved runs"), "{out}");
+    assert!(
+        out.contains("hit rate of the optimal cache without prediction (Belady's): 25% "),
+        "{out}"
+    );
     cleanup(&model);
 }
 

@@ -8,6 +8,7 @@ use clap::Args;
 use serde_json::{json, Map, Value};
 
 use super::run::resolve_budget;
+use crate::belady;
 use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
 use crate::compute::default_threads;
 use crate::model::Model;
@@ -143,6 +144,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let reports: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
     let on_demand = reports.iter().find(|r| r.schedule == Schedule::OnDemand);
     let base = on_demand.map(|r| r.tok_s());
+    let optimal = optimal_hit_rate(&reports, budget.slots, identical);
 
     if args.json {
         let mut schedules = Map::new();
@@ -197,6 +199,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             "schedules": Value::Object(schedules),
             "speedup": Value::Object(speedup),
             "speedup_bound": Value::Object(bound),
+            "optimal_hit_rate": optimal,
             "identical_tokens": identical,
         });
         writeln!(out, "{obj}")?;
@@ -268,6 +271,20 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             }
         }
     }
+    if let Some(h) = optimal {
+        let streamed: Vec<String> = reports
+            .iter()
+            .filter(|r| r.schedule != Schedule::Resident)
+            .map(|r| format!("{} {:.1}%", r.schedule.name(), 100.0 * r.hit_rate()))
+            .collect();
+        writeln!(
+            out,
+            "hit rate of the optimal cache without prediction (Belady's, knowing every \
+             future pick): {:.1}%; {}",
+            100.0 * h,
+            streamed.join(", ")
+        )?;
+    }
     for r in reports.iter().filter(|r| !r.layers.is_empty()) {
         let mut worst = r.layers.clone();
         worst.sort_by(|a, b| a.precision.total_cmp(&b.precision));
@@ -300,6 +317,16 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         return Err("schedules produced different tokens".into());
     }
     Ok(())
+}
+
+/// Belady's optimal hit rate with `slots` slots over the decode's routing, which
+/// every streamed schedule shares when they generated the same tokens (`None`
+/// without a streamed schedule or when the tokens differ).
+fn optimal_hit_rate(reports: &[&ScheduleReport], slots: usize, identical: bool) -> Option<f64> {
+    let r = reports
+        .iter()
+        .find(|r| r.schedule != Schedule::Resident && identical)?;
+    Some(belady::optimal_hits(&r.picks, slots, r.decode_from).hit_rate())
 }
 
 /// One schedule's runs of [`run_interleaved`].
@@ -371,6 +398,8 @@ struct SweepRow {
     /// on-demand's median tok/s and hit rate (LRU), if it ran.
     base: Option<f64>,
     lru_hit: Option<f64>,
+    /// Belady's optimal hit rate without prediction at this budget.
+    optimal: Option<f64>,
     /// The largest relative spread of any schedule's runs at this budget.
     noise: f64,
 }
@@ -416,6 +445,8 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         let mut base = None;
         let mut lru_hit = None;
         let (runs, identical) = run_interleaved(&model, args, &cfg, bw, false)?;
+        let medians: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
+        let optimal = optimal_hit_rate(&medians, slots, identical);
         let mut noise = 0f64;
         for x in &runs {
             let (r, s) = (&x.median, x.median.schedule);
@@ -448,6 +479,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                     hit_rate: r.hit_rate(),
                     base,
                     lru_hit,
+                    optimal,
                     noise,
                 });
             }
@@ -497,5 +529,16 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         "les hit rate >= LRU at every budget: {}",
         if hits_ge_lru { "yes" } else { "no" }
     )?;
+    let optimal: Vec<String> = rows
+        .iter()
+        .filter_map(|r| Some(format!("{:.0}% {:.1}%", r.pct, 100.0 * r.optimal?)))
+        .collect();
+    if !optimal.is_empty() {
+        writeln!(
+            out,
+            "hit rate of the optimal cache without prediction (Belady's): {}",
+            optimal.join(", ")
+        )?;
+    }
     Ok(())
 }
