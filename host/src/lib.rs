@@ -11,7 +11,7 @@
 //! - [`engine`]: KV cache, prefill and the decode loop.
 //! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
-//! - [`bench`]: `les bench`, schedules compared side by side; [`belady`], the
+//! - [`bench`](mod@bench): `les bench`, schedules compared side by side; [`belady`], the
 //!   optimal cache's hit rate over the run's routing.
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
