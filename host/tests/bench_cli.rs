@@ -158,6 +158,43 @@ fn bench_sweep_reports_every_budget_and_the_verdicts() {
 }
 
 #[test]
+fn bench_sweep_json_is_one_object_with_every_budget() {
+    let model = packed_tiny("sweep-json");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--sweep",
+        "25,100",
+        "-n",
+        "4",
+        "-t",
+        "1",
+        "--json",
+    ]);
+    let j: Json = serde_json::from_str(&out).expect("one JSON object, no table");
+    let budgets = j["budgets"].as_array().unwrap();
+    assert_eq!(budgets.len(), 2, "{j}");
+    for (b, pct) in budgets.iter().zip([25.0, 100.0]) {
+        assert_eq!(b["percent"], pct);
+        assert!(b["slots"].as_u64().unwrap() > 0);
+        assert_eq!(b["identical_tokens"], true);
+        for s in ["on-demand", "les"] {
+            let r = &b["schedules"][s];
+            for k in ["tok_s", "bytes_per_token", "hit_rate", "overlap_efficiency"] {
+                assert!(r[k].as_f64().is_some_and(f64::is_finite), "{s}.{k}: {r}");
+            }
+        }
+        assert_eq!(b["speedup"]["on-demand"], 1.0);
+        let optimal = b["optimal_hit_rate"].as_f64().unwrap();
+        assert!(optimal >= b["schedules"]["on-demand"]["hit_rate"].as_f64().unwrap());
+    }
+    assert!(j["les_never_slower"].is_boolean());
+    assert!(j["les_hit_rate_at_least_lru"].is_boolean());
+    cleanup(&model);
+}
+
+#[test]
 fn bench_rejects_bad_arguments_with_one_line() {
     let model = packed_tiny("bad");
     let m = model.to_str().unwrap();

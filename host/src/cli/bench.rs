@@ -42,7 +42,8 @@ pub struct BenchArgs {
     /// The file device's I/O settings.
     #[command(flatten)]
     pub io: super::run::IoArgs,
-    /// Print one JSON object instead of tables.
+    /// Print one JSON object instead of tables (with `--sweep`: one entry per
+    /// budget under `budgets`, and the verdicts)
     #[arg(long)]
     pub json: bool,
     /// Sampling temperature (0 = greedy; greedy decodes of random-weight
@@ -147,47 +148,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let optimal = optimal_hit_rate(&reports, budget.slots, identical);
 
     if args.json {
-        let mut schedules = Map::new();
-        let mut speedup = Map::new();
-        let mut bound = Map::new();
-        for x in &runs {
-            let r = &x.median;
-            schedules.insert(
-                r.schedule.name().into(),
-                json!({
-                    "tok_s": r.tok_s(),
-                    "tok_s_runs": x.tok_s,
-                    "bytes_per_token": r.bytes_per_token(),
-                    "stall_s_per_token": r.stall_per_token(),
-                    "hit_rate": r.hit_rate(),
-                    "effective_read_bw": r.effective_bw(),
-                    "overlap_efficiency": r.overlap_efficiency(),
-                    "prediction_precision": r.mean_precision(),
-                    "prediction_recall": r.mean_recall(),
-                    "demand_bytes": r.stats.demand_bytes,
-                    "prefetch_bytes": r.stats.prefetch_bytes,
-                    "useful_prefetches": r.stats.useful_prefetches,
-                    "prefetches": r.stats.prefetches,
-                    "hits": r.stats.hits,
-                    "late_hits": r.stats.late_hits,
-                    "misses": r.stats.misses,
-                    "stalls": r.stats.stalls,
-                    "reads": r.reads,
-                    "mean_read_s": r.mean_read_time(),
-                    "cancels": r.stats.cancels,
-                    "tokens": r.tokens,
-                    "layers": r.layers.iter().map(|l| json!({
-                        "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
-                    })).collect::<Vec<_>>(),
-                }),
-            );
-            if let Some(b) = base {
-                speedup.insert(r.schedule.name().into(), json!(r.tok_s() / b));
-            }
-            if let Some(x) = on_demand.and_then(|od| r.overlap_bound(od)) {
-                bound.insert(r.schedule.name().into(), json!(x));
-            }
-        }
+        let (schedules, speedup, bound) = schedules_json(&runs);
         let obj = json!({
             "model": args.model.display().to_string(),
             "slots": budget.slots,
@@ -196,14 +157,18 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             "device_bw": bw,
             "n_tokens": cfg.n_tokens,
             "threads": cfg.threads,
-            "schedules": Value::Object(schedules),
-            "speedup": Value::Object(speedup),
-            "speedup_bound": Value::Object(bound),
+            "schedules": schedules,
+            "speedup": speedup,
+            "speedup_bound": bound,
             "optimal_hit_rate": optimal,
             "identical_tokens": identical,
         });
         writeln!(out, "{obj}")?;
-        return Ok(());
+        return if identical {
+            Ok(())
+        } else {
+            Err("schedules produced different tokens".into())
+        };
     }
 
     writeln!(
@@ -319,6 +284,63 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     Ok(())
 }
 
+/// Each schedule's median run as JSON (the `schedules` object), the speedups
+/// over on-demand and the speedups perfect overlap would give (empty without an
+/// on-demand run).
+fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
+    let on_demand = runs
+        .iter()
+        .map(|x| &x.median)
+        .find(|r| r.schedule == Schedule::OnDemand);
+    let base = on_demand.map(|r| r.tok_s());
+    let mut schedules = Map::new();
+    let mut speedup = Map::new();
+    let mut bound = Map::new();
+    for x in runs {
+        let r = &x.median;
+        schedules.insert(
+            r.schedule.name().into(),
+            json!({
+                "tok_s": r.tok_s(),
+                "tok_s_runs": x.tok_s,
+                "bytes_per_token": r.bytes_per_token(),
+                "stall_s_per_token": r.stall_per_token(),
+                "hit_rate": r.hit_rate(),
+                "effective_read_bw": r.effective_bw(),
+                "overlap_efficiency": r.overlap_efficiency(),
+                "prediction_precision": r.mean_precision(),
+                "prediction_recall": r.mean_recall(),
+                "demand_bytes": r.stats.demand_bytes,
+                "prefetch_bytes": r.stats.prefetch_bytes,
+                "useful_prefetches": r.stats.useful_prefetches,
+                "prefetches": r.stats.prefetches,
+                "hits": r.stats.hits,
+                "late_hits": r.stats.late_hits,
+                "misses": r.stats.misses,
+                "stalls": r.stats.stalls,
+                "reads": r.reads,
+                "mean_read_s": r.mean_read_time(),
+                "cancels": r.stats.cancels,
+                "tokens": r.tokens,
+                "layers": r.layers.iter().map(|l| json!({
+                    "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
+                })).collect::<Vec<_>>(),
+            }),
+        );
+        if let Some(b) = base {
+            speedup.insert(r.schedule.name().into(), json!(r.tok_s() / b));
+        }
+        if let Some(x) = on_demand.and_then(|od| r.overlap_bound(od)) {
+            bound.insert(r.schedule.name().into(), json!(x));
+        }
+    }
+    (
+        Value::Object(schedules),
+        Value::Object(speedup),
+        Value::Object(bound),
+    )
+}
+
 /// Belady's optimal hit rate with `slots` slots over the decode's routing, which
 /// every streamed schedule shares when they generated the same tokens (`None`
 /// without a streamed schedule or when the tokens differ).
@@ -424,11 +446,24 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     );
     let top_k = model.hp.moe.map_or(1, |m| m.top_k);
     let mut rows = Vec::new();
-    writeln!(
-        out,
-        "{:>7} {:>6} {:<10} {:>8} {:>7} {:>8} {:>9} {:>8} {:>8}",
-        "budget", "slots", "schedule", "tok/s", "spread", "hit", "MiB/tok", "overlap", "speedup"
-    )?;
+    let mut budgets_json = Vec::new();
+    // Budgets whose schedules generated different tokens (an exactness bug).
+    let mut differing = Vec::new();
+    if !args.json {
+        writeln!(
+            out,
+            "{:>7} {:>6} {:<10} {:>8} {:>7} {:>8} {:>9} {:>8} {:>8}",
+            "budget",
+            "slots",
+            "schedule",
+            "tok/s",
+            "spread",
+            "hit",
+            "MiB/tok",
+            "overlap",
+            "speedup"
+        )?;
+    }
     for &pct in &args.sweep {
         if !(pct > 0.0 && pct <= 100.0) {
             return Err(format!("sweep budget {pct}% is not in (0, 100]").into());
@@ -456,8 +491,34 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             }
             noise = noise.max(x.spread());
         }
+        if args.json {
+            let (schedules, speedup, bound) = schedules_json(&runs);
+            budgets_json.push(json!({
+                "percent": pct,
+                "slots": slots,
+                "schedules": schedules,
+                "speedup": speedup,
+                "speedup_bound": bound,
+                "optimal_hit_rate": optimal,
+                "identical_tokens": identical,
+            }));
+        }
         for x in &runs {
             let (r, s) = (&x.median, x.median.schedule);
+            if s == Schedule::Les {
+                rows.push(SweepRow {
+                    pct,
+                    tok_s: r.tok_s(),
+                    hit_rate: r.hit_rate(),
+                    base,
+                    lru_hit,
+                    optimal,
+                    noise,
+                });
+            }
+            if args.json {
+                continue;
+            }
             writeln!(
                 out,
                 "{:>6.0}% {:>6} {:<10} {:>8.2} {:>6.1}% {:>7.1}% {:>9.2} {:>8.2} {:>8}",
@@ -472,20 +533,9 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
             )?;
             out.flush()?;
-            if s == Schedule::Les {
-                rows.push(SweepRow {
-                    pct,
-                    tok_s: r.tok_s(),
-                    hit_rate: r.hit_rate(),
-                    base,
-                    lru_hit,
-                    optimal,
-                    noise,
-                });
-            }
         }
         if !identical {
-            return Err(format!("schedules produced different tokens at the {pct}% budget").into());
+            differing.push(format!("{pct}%"));
         }
     }
     // Slower only beyond the run-to-run spread of that budget's runs.
@@ -509,6 +559,21 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let hits_ge_lru = rows
         .iter()
         .all(|r| r.lru_hit.is_none_or(|h| r.hit_rate >= h));
+    if args.json {
+        let obj = json!({
+            "model": args.model.display().to_string(),
+            "expert_bytes": expert_bytes,
+            "device_bw": bw,
+            "n_tokens": args.n_tokens,
+            "threads": threads,
+            "repeat": args.repeat,
+            "budgets": budgets_json,
+            "les_never_slower": never_slower,
+            "les_hit_rate_at_least_lru": hits_ge_lru,
+        });
+        writeln!(out, "{obj}")?;
+        return different_tokens(&differing);
+    }
     writeln!(
         out,
         "les never slower than on-demand: {}{}{}",
@@ -540,5 +605,19 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             optimal.join(", ")
         )?;
     }
-    Ok(())
+    different_tokens(&differing)
+}
+
+/// The sweep's verdict on exactness: an error naming the budgets whose
+/// schedules generated different tokens.
+fn different_tokens(budgets: &[String]) -> Result<(), Box<dyn Error>> {
+    if budgets.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "schedules produced different tokens at the {} budget",
+            budgets.join(", ")
+        )
+        .into())
+    }
 }
