@@ -141,7 +141,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     } else {
         0.0
     };
-    let (runs, identical) = run_interleaved(&model, args, &cfg, bw, true)?;
+    let (runs, identical) = run_interleaved(&model, args, &cfg, bw)?;
     let reports: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
     let on_demand = reports.iter().find(|r| r.schedule == Schedule::OnDemand);
     let base = on_demand.map(|r| r.tok_s());
@@ -381,18 +381,13 @@ fn run_interleaved(
     args: &BenchArgs,
     cfg: &BenchConfig,
     bw: f64,
-    verbose: bool,
 ) -> Result<(Vec<Runs>, bool), Box<dyn Error>> {
     let mut all: Vec<Vec<ScheduleReport>> = vec![Vec::new(); args.schedules.len()];
     for round in 0..args.repeat {
         for (i, &s) in args.schedules.iter().enumerate() {
-            if verbose {
-                eprintln!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
-            }
+            eprintln!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
             let r = run_schedule(model, &args.model, cfg, s, bw)?;
-            if verbose {
-                eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
-            }
+            eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
             all[i].push(r);
         }
     }
@@ -479,7 +474,8 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         };
         let mut base = None;
         let mut lru_hit = None;
-        let (runs, identical) = run_interleaved(&model, args, &cfg, bw, false)?;
+        eprintln!("les bench: budget {pct}% of the expert bytes ({slots} slots)");
+        let (runs, identical) = run_interleaved(&model, args, &cfg, bw)?;
         let medians: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
         let optimal = optimal_hit_rate(&medians, slots, identical);
         let mut noise = 0f64;
