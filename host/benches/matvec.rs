@@ -13,7 +13,7 @@ use criterion::{Criterion, Throughput};
 use les::compute::{default_threads, Pool, ThreadedMatVec};
 use les_core::gemv::{Isa, MatrixView};
 use les_core::model::forward::{MatVec, SerialMatVec};
-use les_core::model::ops::{self, AttnShape};
+use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{quantize, GgmlType, QK_K};
 
@@ -211,7 +211,12 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
     let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
     let k: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
     let v: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
-    let (q, k, v) = (&q, &k, &v);
+    let q = &q;
+    let kv = KvView {
+        k: &k,
+        v: &v,
+        positions: n,
+    };
     let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
     let mut threaded: Vec<Variant<'_>> = variants()
         .into_iter()
@@ -219,14 +224,14 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
             let mut mv = ThreadedMatVec::new(t, isa);
             let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
             let call: Box<dyn FnMut() + '_> =
-                Box::new(move || mv.attention(shape, q, k, v, n, &mut scores, &mut out));
+                Box::new(move || mv.attention(shape, q, kv, &mut scores, &mut out));
             (t, call)
         })
         .collect();
     print_interleaved(
         &format!("attention 32x128, {n} positions"),
         budget,
-        &mut || ops::attention(shape, q, k, v, n, &mut scores, &mut out),
+        &mut || ops::attention(shape, q, kv, &mut scores, &mut out),
         &mut threaded,
     );
 }

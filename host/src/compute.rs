@@ -24,7 +24,7 @@ use std::sync::Mutex;
 
 use les_core::gemv::{gemv, GemvError, Isa, MatrixView};
 use les_core::model::forward::{prepare_input, MatVec};
-use les_core::model::ops::{self, AttnShape};
+use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::QK_K;
 
@@ -140,9 +140,7 @@ impl MatVec for ThreadedMatVec {
         &mut self,
         shape: AttnShape,
         q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
-        n: usize,
+        kv: KvView<'_>,
         scores: &mut [f32],
         out: &mut [f32],
     ) {
@@ -151,11 +149,12 @@ impl MatVec for ThreadedMatVec {
             n_head_kv,
             head_dim,
         } = shape;
-        let valid = ops::attention_fits(shape, &(0..n_head), q, k_cache, v_cache, n, scores, out);
+        let n = kv.positions;
+        let valid = ops::attention_fits(shape, &(0..n_head), q, kv, scores, out);
         let parts = self.threads().min(n_head);
         if !valid || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION {
             // Small, or malformed (then `attention` panics with its message).
-            return ops::attention(shape, q, k_cache, v_cache, n, scores, out);
+            return ops::attention(shape, q, kv, scores, out);
         }
         // One chunk per KV head (its query heads read each key and value once),
         // or, with fewer KV heads than threads, as many chunks as threads.
@@ -175,7 +174,7 @@ impl MatVec for ThreadedMatVec {
         self.pool.for_each(chunks, &|c| {
             let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
             if let Some((heads, o, sc)) = taken {
-                ops::attention_heads(shape, heads, q, k_cache, v_cache, n, sc, o);
+                ops::attention_heads(shape, heads, q, kv, sc, o);
             }
         });
     }
@@ -715,11 +714,16 @@ mod tests {
                 let k: Vec<f32> = (0..kv).map(|_| 3.0 * val()).collect();
                 let v: Vec<f32> = (0..kv).map(|_| val()).collect();
                 let mut want = vec![0.0; q.len()];
-                ops::attention(shape, &q, &k, &v, n, &mut vec![0.0; n], &mut want);
+                let kv = KvView {
+                    k: &k,
+                    v: &v,
+                    positions: n,
+                };
+                ops::attention(shape, &q, kv, &mut vec![0.0; n], &mut want);
                 for threads in [1, 2, 3] {
                     let mut mv = ThreadedMatVec::new(threads, Isa::detect());
                     let mut got = vec![0.0; q.len()];
-                    mv.attention(shape, &q, &k, &v, n, &mut vec![0.0; n], &mut got);
+                    mv.attention(shape, &q, kv, &mut vec![0.0; n], &mut got);
                     assert!(
                         got.iter()
                             .zip(&want)

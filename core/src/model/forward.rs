@@ -14,7 +14,7 @@ use core::fmt;
 
 use super::config::{Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
-use super::ops::{rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape};
+use super::ops::{rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape, KvView};
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use crate::quant::{self, QuantError};
@@ -186,22 +186,19 @@ pub trait MatVec {
     /// Computes `y = w x`.
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError>;
 
-    /// [`ops::attention`](super::ops::attention) of one query over
-    /// `n_kv_positions` cached positions. An implementation may compute the
-    /// heads on several threads ([`ops::attention_heads`](super::ops::attention_heads));
-    /// each head's result is the same bits either way.
-    #[allow(clippy::too_many_arguments)]
+    /// [`ops::attention`](super::ops::attention) of one query over the cached
+    /// positions of `kv`. An implementation may compute the heads on several
+    /// threads ([`ops::attention_heads`](super::ops::attention_heads)); each
+    /// head's result is the same bits either way.
     fn attention(
         &mut self,
         shape: AttnShape,
         q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
-        n_kv_positions: usize,
+        kv: KvView<'_>,
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        super::ops::attention(shape, q, k_cache, v_cache, n_kv_positions, scores, out);
+        super::ops::attention(shape, q, kv, scores, out);
     }
 }
 
@@ -1010,15 +1007,12 @@ fn attention_layer<M: MatVec, E>(
     let base = cache_layer * layer_stride;
     kv.k[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.k);
     kv.v[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.v);
-    mv.attention(
-        shape,
-        s.q,
-        &kv.k[base..base + layer_stride],
-        &kv.v[base..base + layer_stride],
-        pos + 1,
-        s.scores,
-        s.att,
-    );
+    let cached = KvView {
+        k: &kv.k[base..base + layer_stride],
+        v: &kv.v[base..base + layer_stride],
+        positions: pos + 1,
+    };
+    mv.attention(shape, s.q, cached, s.scores, s.att);
     if hy.attn_output_gate {
         let hd = hp.head_dim;
         for (h, pair) in s.qg.chunks_exact(2 * hd).enumerate() {

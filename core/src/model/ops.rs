@@ -232,39 +232,30 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-/// Attention of one query (all heads, `q`) over `n_past + 1` cached positions:
-/// `k_cache` and `v_cache` hold `n_kv_positions * n_head_kv * head_dim` values,
-/// position-major. `scores` is scratch of at least `n_kv_positions`.
-pub fn attention(
-    shape: AttnShape,
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    n_kv_positions: usize,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    attention_heads(
-        shape,
-        0..shape.n_head,
-        q,
-        k_cache,
-        v_cache,
-        n_kv_positions,
-        scores,
-        out,
-    );
+/// The cached keys and values one attention reads: `k` and `v` hold
+/// `positions * n_head_kv * head_dim` values (or more), position-major.
+#[derive(Clone, Copy, Debug)]
+pub struct KvView<'a> {
+    /// Keys.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+    /// Positions attended to (`n_past + 1`).
+    pub positions: usize,
+}
+
+/// Attention of one query (all heads, `q`) over the cached positions of `kv`.
+/// `scores` is scratch of at least `kv.positions`.
+pub fn attention(shape: AttnShape, q: &[f32], kv: KvView<'_>, scores: &mut [f32], out: &mut [f32]) {
+    attention_heads(shape, 0..shape.n_head, q, kv, scores, out);
 }
 
 /// Whether [`attention_heads`] accepts these arguments (it panics otherwise).
-#[allow(clippy::too_many_arguments)]
 pub fn attention_fits(
     shape: AttnShape,
     heads: &core::ops::Range<usize>,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    n_kv_positions: usize,
+    kv: KvView<'_>,
     scores: &[f32],
     out: &[f32],
 ) -> bool {
@@ -273,7 +264,8 @@ pub fn attention_fits(
         n_head_kv,
         head_dim,
     } = shape;
-    let kv = n_kv_positions
+    let n_kv_positions = kv.positions;
+    let len = n_kv_positions
         .saturating_mul(n_head_kv)
         .saturating_mul(head_dim);
     n_head_kv > 0
@@ -282,8 +274,8 @@ pub fn attention_fits(
         && heads.end <= n_head
         && q.len() == n_head.saturating_mul(head_dim)
         && out.len() == heads.len().saturating_mul(head_dim)
-        && k_cache.len() >= kv
-        && v_cache.len() >= kv
+        && kv.k.len() >= len
+        && kv.v.len() >= len
         && scores.len() >= n_kv_positions
 }
 
@@ -294,14 +286,11 @@ pub fn attention_fits(
 /// need one row of `n_kv_positions` per head of a batch). Every head is computed
 /// exactly as [`attention`] computes it, whichever range and batch it is in, so
 /// splitting the heads across threads changes no bit of the result.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_heads(
     shape: AttnShape,
     heads: core::ops::Range<usize>,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    n_kv_positions: usize,
+    kv: KvView<'_>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
@@ -310,10 +299,10 @@ pub fn attention_heads(
         n_head_kv,
         head_dim,
     } = shape;
-    let n = n_kv_positions;
+    let n = kv.positions;
     let kv_stride = n_head_kv * head_dim;
     assert!(
-        attention_fits(shape, &heads, q, k_cache, v_cache, n, scores, out),
+        attention_fits(shape, &heads, q, kv, scores, out),
         "attention: bad shapes"
     );
     let group = n_head / n_head_kv;
@@ -327,7 +316,7 @@ pub fn attention_heads(
         let nb = h1 - h0;
         let sc = &mut scores[..nb * n];
         for t in 0..n {
-            let k = &k_cache[t * kv_stride + kvh * head_dim..][..head_dim];
+            let k = &kv.k[t * kv_stride + kvh * head_dim..][..head_dim];
             for b in 0..nb {
                 let qh = &q[(h0 + b) * head_dim..][..head_dim];
                 sc[b * n + t] = dot(qh, k) * scale;
@@ -339,7 +328,7 @@ pub fn attention_heads(
         let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
         o.fill(0.0);
         for t in 0..n {
-            let v = &v_cache[t * kv_stride + kvh * head_dim..][..head_dim];
+            let v = &kv.v[t * kv_stride + kvh * head_dim..][..head_dim];
             for (b, oh) in o.chunks_exact_mut(head_dim).enumerate() {
                 let s = sc[b * n + t];
                 for (x, vv) in oh.iter_mut().zip(v) {
@@ -441,14 +430,19 @@ mod tests {
         let v: [f32; 40] = core::array::from_fn(|i| val(i + 7));
         let mut scores = [0.0; 5];
         let mut whole = [0.0; 24];
-        attention(shape, &q, &k, &v, n, &mut scores, &mut whole);
+        let kv = KvView {
+            k: &k,
+            v: &v,
+            positions: n,
+        };
+        attention(shape, &q, kv, &mut scores, &mut whole);
         // Head ranges crossing KV groups, in batches of 1, 2 and 3 heads.
         for batch in [1, 2, 3] {
             let mut wide = [0.0; 15];
             let mut split = [0.0; 24];
             for heads in [0..1, 1..4, 4..4, 4..6] {
                 let out = &mut split[heads.start * 4..heads.end * 4];
-                attention_heads(shape, heads, &q, &k, &v, n, &mut wide[..batch * n], out);
+                attention_heads(shape, heads, &q, kv, &mut wide[..batch * n], out);
             }
             assert_eq!(
                 whole.map(f32::to_bits),
@@ -470,9 +464,11 @@ mod tests {
         attention(
             shape,
             &[1.0, 0.0, 0.0, 1.0],
-            &[0.5, 0.5],
-            &[7.0, -1.0],
-            1,
+            KvView {
+                k: &[0.5, 0.5],
+                v: &[7.0, -1.0],
+                positions: 1,
+            },
             &mut scores,
             &mut out,
         );
@@ -491,9 +487,11 @@ mod tests {
         attention(
             shape,
             &[1.0],
-            &[0.0, 2.0],
-            &[10.0, 20.0],
-            2,
+            KvView {
+                k: &[0.0, 2.0],
+                v: &[10.0, 20.0],
+                positions: 2,
+            },
             &mut scores,
             &mut out,
         );
