@@ -345,9 +345,10 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
 /// every streamed schedule shares when they generated the same tokens (`None`
 /// without a streamed schedule or when the tokens differ).
 fn optimal_hit_rate(reports: &[&ScheduleReport], slots: usize, identical: bool) -> Option<f64> {
-    let r = reports
-        .iter()
-        .find(|r| r.schedule != Schedule::Resident && identical)?;
+    if !identical {
+        return None;
+    }
+    let r = reports.iter().find(|r| r.schedule != Schedule::Resident)?;
     Some(belady::optimal_hits(&r.picks, slots, r.decode_from).hit_rate())
 }
 
