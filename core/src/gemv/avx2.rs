@@ -27,7 +27,7 @@ use crate::quant::blocks::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
 };
-use crate::quant::kscales::{scale_min_k4, scales_q3k};
+use crate::quant::kscales::{scale_min_k4, scales_mins_k4, scales_q3k};
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
 #[derive(Clone, Copy)]
@@ -526,32 +526,99 @@ pub(super) fn k4_scales(scales: &[u8; 12], x: &BlockQ8K) -> ([i16; 8], i32) {
     (sc, bsums_dot(x, mins16(mins)))
 }
 
+/// Byte indices (`0x80` = zero) that spread eight bytes `b0..b7`, present in both
+/// 128-bit lanes, into eight `i32` lanes `j` holding the `i16` pair `(b_j, b_j)`:
+/// the multiplier `madd` needs to scale (or, for the mins, weight) sub-block `j`.
+const PAIRS: [u8; 32] = {
+    let mut idx = [0x80u8; 32];
+    let mut j = 0;
+    while j < 8 {
+        idx[4 * j] = j as u8;
+        idx[4 * j + 2] = j as u8;
+        j += 1;
+    }
+    idx
+};
+
+/// Eight bytes as eight `(b_j, b_j)` `i16` pairs ([`PAIRS`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pairs8(b: [u8; 8]) -> __m256i {
+    _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(b)), ld256(&PAIRS))
+}
+
+/// One `Q4_K` super-block: eight `i32` partial sums of `sumi` (each sub-block's
+/// nibble dot product times its scale) and eight of `summs` (each sub-block's
+/// activation sum times its min), both exact.
+///
+/// The scale multipliers are broadcast from memory (a load, no shuffle port), and
+/// the two sums are reduced later, two super-blocks at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_k_sums(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
+    let (sc, mins) = scales_mins_k4(&w.scales);
+    let mut sc_pairs = [0i32; 8];
+    // SAFETY: writes exactly the 8 `i32` of `sc_pairs`; no alignment requirement.
+    unsafe { _mm256_storeu_si256(sc_pairs.as_mut_ptr().cast(), pairs8(sc)) };
+    let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
+    let m = _mm256_madd_epi16(ld256(bsums), pairs8(mins));
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut v = _mm256_setzero_si256();
+    for c in 0..4 {
+        let q = ld256(arr(&w.qs, 32 * c));
+        let lo = _mm256_and_si256(q, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+        let p0 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(lo, y32(x, 64 * c)),
+            _mm256_set1_epi32(sc_pairs[2 * c]),
+        );
+        let p1 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(hi, y32(x, 64 * c + 32)),
+            _mm256_set1_epi32(sc_pairs[2 * c + 1]),
+        );
+        v = _mm256_add_epi32(v, _mm256_add_epi32(p0, p1));
+    }
+    (v, m)
+}
+
+/// [`r::dot_q4_k`]'s float step for one super-block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k4_term(d: [u8; 2], dmin: [u8; 2], x: &BlockQ8K, sumi: i32, summs: i32) -> f32 {
+    let dx = r::q8k_d(x);
+    (hx(d) * dx) * sumi as f32 - (hx(dmin) * dx) * summs as f32
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0f);
+    let n = w.len().min(x.len());
+    let (w, x) = (&w[..n], &x[..n]);
     let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let (sc, summs) = k4_scales(&w.scales, x);
-        let mut v = _mm256_setzero_si256();
-        for c in 0..4 {
-            let q = ld256(arr(&w.qs, 32 * c));
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-            let p0 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(lo, y32(x, 64 * c)),
-                _mm256_set1_epi16(sc[2 * c]),
-            );
-            let p1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(hi, y32(x, 64 * c + 32)),
-                _mm256_set1_epi16(sc[2 * c + 1]),
-            );
-            v = _mm256_add_epi32(v, _mm256_add_epi32(p0, p1));
-        }
-        let sumi = hsum(v);
-        let dx = r::q8k_d(x);
-        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
+    for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
+        let (va, ma) = q4_k_sums(&w2[0], &x2[0]);
+        let (vb, mb) = q4_k_sums(&w2[1], &x2[1]);
+        let s = lanes4i(hsum4(va, ma, vb, mb));
+        acc += k4_term(w2[0].d, w2[0].dmin, &x2[0], s[0], s[1]);
+        acc += k4_term(w2[1].d, w2[1].dmin, &x2[1], s[2], s[3]);
+    }
+    if n % 2 == 1 {
+        let (v, m) = q4_k_sums(&w[n - 1], &x[n - 1]);
+        let zero = _mm256_setzero_si256();
+        let s = lanes4i(hsum4(v, m, zero, zero));
+        acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
     }
     acc
+}
+
+/// The four `i32` lanes as an array.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn lanes4i(v: __m128i) -> [i32; 4] {
+    let mut out = [0i32; 4];
+    // SAFETY: writes exactly the 4 `i32` of `out`; `storeu` has no alignment
+    // requirement.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), v) };
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

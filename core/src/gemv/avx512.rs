@@ -72,10 +72,12 @@ impl Kernels for Avx512 {
         f16(&[u8], &[f32]);
         bf16(&[u8], &[f32]);
         q8_0(&[BlockQ8_0], &[BlockQ8_0]);
-        q4_k(&[BlockQ4K], &[BlockQ8K]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
     }
     to_avx2! {
+        // The 256-bit kernel: its scale multipliers need no shuffles, which a
+        // 512-bit one would (`cargo bench -p les-core --bench gemv`).
+        q4_k(&[BlockQ4K], &[BlockQ8K]);
         q4_0(&[BlockQ4_0], &[BlockQ8_0]);
         q4_1(&[BlockQ4_1], &[BlockQ8_1]);
         q5_0(&[BlockQ5_0], &[BlockQ8_0]);
@@ -224,32 +226,6 @@ blocks32_kernel!(q8_0, BlockQ8_0, pair_q8_0, avx2::isum_q8_0);
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn sc4(a: i16, b: i16, c: i16, d: i16) -> __m512i {
     join(sc2(a, b), sc2(c, d))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
-    let m4 = _mm512_set1_epi8(0x0f);
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let (sc, summs) = avx2::k4_scales(&w.scales, x);
-        let sc = _mm512_castsi128_si512(_mm_setr_epi16(
-            sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7],
-        ));
-        let mut v = _mm512_setzero_si512();
-        for c in 0..4 {
-            let q = ld256(arr(&w.qs, 32 * c));
-            // Elements 64c..64c+64: low nibbles, then high nibbles.
-            let q = _mm512_and_si512(join(q, _mm256_srli_epi16::<4>(q)), m4);
-            let p = _mm512_maddubs_epi16(q, ld512i(arr(&x.qs, 64 * c)));
-            let (s0, s1) = (2 * c as i16, 2 * c as i16 + 1);
-            let scv = _mm512_permutexvar_epi16(sc4(s0, s0, s1, s1), sc);
-            v = _mm512_add_epi32(v, _mm512_madd_epi16(p, scv));
-        }
-        let sumi = _mm512_reduce_add_epi32(v);
-        let dx = r::q8k_d(x);
-        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
-    }
-    acc
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]

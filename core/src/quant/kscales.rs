@@ -14,6 +14,25 @@ pub fn scale_min_k4(j: usize, s: &[u8; 12]) -> (u8, u8) {
     }
 }
 
+/// All eight scales and all eight mins of a `Q4_K`/`Q5_K` block at once, byte `j`
+/// of each being [`scale_min_k4`]`(j)`: the same unpacking as four-byte word
+/// operations (for SIMD kernels, which want the bytes side by side).
+#[inline]
+pub fn scales_mins_k4(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const TOP2: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    // Sub-blocks 0..4: the low six bits of bytes 0..4 (scales) and 4..8 (mins).
+    // Sub-blocks 4..8: the nibbles of bytes 8..12 (scales low, mins high) under
+    // the top two bits of bytes 0..4 (scales) and 4..8 (mins).
+    let scales_hi = (w2 & LOW4) | ((w0 >> 6) & TOP2) << 4;
+    let mins_hi = ((w2 >> 4) & LOW4) | ((w1 >> 6) & TOP2) << 4;
+    let bytes = |lo: u32, hi: u32| (lo as u64 | (hi as u64) << 32).to_le_bytes();
+    (bytes(w0 & LOW6, scales_hi), bytes(w1 & LOW6, mins_hi))
+}
+
 /// The sixteen signed 6-bit scales of a `Q3_K` block (already offset by -32).
 #[inline]
 pub fn scales_q3k(packed: &[u8; 12]) -> [i8; 16] {
@@ -57,6 +76,28 @@ mod tests {
         assert_eq!(scale_min_k4(0, &s), (1, 5));
         assert_eq!(scale_min_k4(4, &s), (0x09 | (3 << 4), 0x0a | (1 << 4)));
         assert_eq!(scale_min_k4(7, &s), (0x0c, 0x00));
+    }
+
+    #[test]
+    fn k4_scales_all_at_once_equal_one_by_one() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for case in 0..2000 {
+            let mut s = [0u8; 12];
+            for b in &mut s {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = if case < 2 {
+                    [0x00, 0xff][case]
+                } else {
+                    x as u8
+                };
+            }
+            let (sc, m) = scales_mins_k4(&s);
+            for j in 0..8 {
+                assert_eq!((sc[j], m[j]), scale_min_k4(j, &s), "{s:02x?} sub-block {j}");
+            }
+        }
     }
 
     #[test]
