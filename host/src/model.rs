@@ -555,7 +555,12 @@ impl Model {
             let weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
                 None => 1.0,
                 Some(0.0) => 1.0,
-                Some(x) => x,
+                Some(x) if x.is_finite() => x,
+                Some(x) => {
+                    return Err(invalid(format!(
+                        "{a}.expert_weights_scale = {x} is not finite"
+                    )))
+                }
             };
             let n_ff_shared = opt_usize(&g, &k("expert_shared_feed_forward_length"))?;
             Some(MoeParams {

@@ -73,8 +73,11 @@ impl Hparams {
         if self.head_dim == 0 || self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return Err("n_rot must be even and at most head_dim");
         }
-        if !(self.norm_eps >= 0.0 && self.rope_base > 0.0) {
-            return Err("norm_eps must be >= 0 and rope_base > 0");
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            return Err("norm_eps must be finite and >= 0");
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
+            return Err("rope_base must be finite and > 0");
         }
         if let Some(m) = self.moe {
             if m.top_k == 0 || m.top_k > m.n_experts || m.top_k > crate::router::MAX_TOP_K {

@@ -417,6 +417,11 @@ impl ClipModel {
         let eps = g
             .get_f32("clip.vision.attention.layer_norm_epsilon")
             .map_err(|e| err(e.to_string()))?;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(err(format!(
+                "clip.vision.attention.layer_norm_epsilon = {eps} must be finite and >= 0"
+            )));
+        }
         let image_size = get_usize(&g, "clip.vision.image_size")?;
         let patch_size = get_usize(&g, "clip.vision.patch_size")?;
         let mean = get_floats3(&g, "clip.vision.image_mean")?;
@@ -633,6 +638,11 @@ impl ClipModel {
             if side * side != n_pos {
                 return Err(err(format!(
                     "minicpmv4_6: {n_pos} position embeddings are not a square grid"
+                )));
+            }
+            if image_size < patch_size * n_merge {
+                return Err(err(format!(
+                    "minicpmv4_6: image_size {image_size} is below one merged patch ({patch_size} x {n_merge} pixels)"
                 )));
             }
         }
