@@ -2,41 +2,18 @@
 //! counts in the file claim. Measured with a counting global allocator, so this
 //! binary holds a single test (tests in one binary share the allocator).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+mod counting_alloc;
 
 use les::gguf::Gguf;
 
-struct Counting;
-
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged, only counting bytes.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let now = CURRENT.fetch_add(layout.size(), Relaxed) + layout.size();
-        PEAK.fetch_max(now, Relaxed);
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        CURRENT.fetch_sub(layout.size(), Relaxed);
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: counting_alloc::Counting = counting_alloc::Counting;
 
 /// Peak bytes allocated while parsing `bytes`, above what was live before.
 fn parse_peak(bytes: &[u8]) -> usize {
-    let base = CURRENT.load(Relaxed);
-    PEAK.store(base, Relaxed);
+    let base = counting_alloc::start();
     let result = Gguf::parse(bytes).map(|g| g.tensor_count());
-    let peak = PEAK.load(Relaxed) - base;
+    let peak = counting_alloc::peak_since(base);
     drop(result);
     peak
 }

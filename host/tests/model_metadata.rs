@@ -1,23 +1,22 @@
-//! Adversarial model metadata: every integer hyperparameter of each
-//! architecture's tiny synthetic model, set to values that break it (0, 1, odd,
-//! huge, the type's maximum; floats also negative, NaN and infinite), gives a
-//! clear one-line error when the model loads, or a model that decodes a few
-//! tokens (or refuses with an error): never a panic, and never an allocation far
-//! beyond what the file holds. Non-finite floats are always refused. One test in
-//! this binary: tests in one binary share the counting allocator.
+//! Broken hyperparameters: every number in the metadata of each architecture's
+//! tiny synthetic model and of both synthetic vision projectors, set one at a
+//! time to values that break it (0, 1, odd, huge, the type's maximum; floats
+//! also negative, NaN and infinite), gives a clear one-line error when the file
+//! loads, or a model that decodes a few tokens (a projector that encodes an
+//! image) or refuses with an error: never a panic, never an allocation far
+//! beyond what the file holds, and no non-finite float accepted. One test in
+//! this binary: its tests would share the counting allocator.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::ffi::OsStr;
-use std::fs::{self, File};
-use std::io::BufWriter;
+mod cli;
+mod common;
+mod counting_alloc;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use les::compute::{Pool, ThreadedMatVec};
 use les::engine::Session;
 use les::flash::FileDeviceConfig;
-use les::gguf::{Gguf, GgufWriter, MetaValue};
+use les::gguf::{Gguf, MetaValue};
 use les::model::Model;
 use les::supply::{Schedule, SlotBudget, Supply};
 use les::vision::encoder::Ctx;
@@ -26,102 +25,44 @@ use les::vision::{encode_image, ClipModel};
 use les_core::gemv::Isa;
 use les_core::model::forward::TokenInput;
 
-/// Counts the bytes live on the heap and their peak since the last reset.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged, only counting bytes.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let now = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
-        PEAK.fetch_max(now, Relaxed);
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Relaxed);
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+use cli::{synth_once, tmp};
+use common::rewrite_gguf;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: counting_alloc::Counting = counting_alloc::Counting;
 
 /// Heap a load plus a short decode of a tiny model may use above what was live
 /// before (the models are ~0.3-1 MB; the vocabulary tables, KV cache of 8
 /// positions and scratch buffers take ~8 MB).
 const HEAP_BOUND: usize = 32 << 20;
 
-fn tmp(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name)
-}
-
-/// Runs `les` with `args`, which must succeed.
-fn les(args: &[&OsStr]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_les"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A tiny synthetic model of `arch`.
 fn synth(arch: &str) -> PathBuf {
-    let path = tmp(&format!("meta-{arch}.gguf"));
-    let args = ["synth", "--quiet", "--arch", arch, "--preset", "tiny", "-o"];
-    les(&[&args.map(OsStr::new)[..], &[path.as_os_str()]].concat());
-    path
+    synth_once(
+        &format!("meta-{arch}.gguf"),
+        &["--quiet", "--arch", arch, "--preset", "tiny"],
+    )
 }
 
 /// A synthetic projector of type `projector` for a tiny model.
 fn synth_mmproj(projector: &str) -> PathBuf {
-    let lm = tmp(&format!("meta-lm-{projector}.gguf"));
     let mm = tmp(&format!("meta-mmproj-{projector}.gguf"));
-    let args = [
-        "synth",
-        "--quiet",
-        "--arch",
-        "qwen3moe",
-        "--preset",
-        "tiny",
-        "--projector",
-        projector,
-    ];
-    les(&[
-        &args.map(OsStr::new)[..],
-        &[OsStr::new("-o"), lm.as_os_str()],
-        &[OsStr::new("--mmproj-out"), mm.as_os_str()],
-    ]
-    .concat());
+    let mm_arg = mm.to_str().expect("a UTF-8 scratch path");
+    synth_once(
+        &format!("meta-lm-{projector}.gguf"),
+        &[
+            "--quiet",
+            "--arch",
+            "qwen3moe",
+            "--preset",
+            "tiny",
+            "--projector",
+            projector,
+            "--mmproj-out",
+            mm_arg,
+        ],
+    );
     mm
-}
-
-/// Copies `src` to `dst` with metadata `key` set to `value`.
-fn rewrite(g: &Gguf<les::gguf::MappedFile>, dst: &Path, key: &str, value: &MetaValue) {
-    let mut w = GgufWriter::new();
-    for (k, v) in g.metadata() {
-        let v = if k == key { value.clone() } else { v.to_meta() };
-        w.add_kv(k, v).unwrap();
-    }
-    for t in g.tensors() {
-        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
-    }
-    let _ = fs::remove_file(dst);
-    let mut data = w
-        .write_header(BufWriter::new(File::create(dst).unwrap()))
-        .unwrap();
-    for t in g.tensors() {
-        data.write_tensor(t.name(), t.data()).unwrap();
-    }
-    data.finish().unwrap();
 }
 
 /// The breaking values of an integer of `v`'s type, or none for other types.
@@ -232,11 +173,15 @@ fn edit_every_number(
     assert!(keys.len() >= 5, "{name}: only {} keys", keys.len());
     for (key, value) in &keys {
         for bad in breaking(value) {
-            rewrite(&g, &dst, key, &bad);
-            let before = LIVE.load(Relaxed);
-            PEAK.store(before, Relaxed);
+            rewrite_gguf(
+                src,
+                &dst,
+                |k, v| Some(if k == key { bad.clone() } else { v }),
+                vec![],
+            );
+            let base = counting_alloc::start();
             let err = try_it(&dst);
-            let heap = PEAK.load(Relaxed) - before;
+            let heap = counting_alloc::peak_since(base);
             assert!(
                 heap < HEAP_BOUND,
                 "{name}: {key} = {bad:?} allocated {heap} bytes"

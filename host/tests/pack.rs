@@ -582,8 +582,7 @@ fn pack_errors_are_clear() {
     assert!(m.starts_with("refusing to overwrite the input"), "{m}");
 }
 
-/// Copies `src` to `dst` with metadata edited: `edit(key, value)` returns the new
-/// value or `None` to drop the key; `extra` pairs are appended.
+/// [`rewrite_gguf`] with `general.alignment` set to `general_alignment`.
 fn rewrite(
     src: &Path,
     dst: &Path,
@@ -591,32 +590,18 @@ fn rewrite(
     edit: impl Fn(&str, MetaValue) -> Option<MetaValue>,
     extra: Vec<(&str, MetaValue)>,
 ) {
-    let g = Gguf::open(src).unwrap();
-    let mut w = GgufWriter::new();
-    for (k, v) in g.metadata() {
-        let v = if k == "general.alignment" {
-            Some(general_alignment.into())
-        } else {
-            edit(k, v.to_meta())
-        };
-        if let Some(v) = v {
-            w.add_kv(k, v).unwrap();
-        }
-    }
-    for (k, v) in extra {
-        w.add_kv(k, v).unwrap();
-    }
-    for t in g.tensors() {
-        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
-    }
-    let _ = fs::remove_file(dst);
-    let mut data = w
-        .write_header(BufWriter::new(File::create(dst).unwrap()))
-        .unwrap();
-    for t in g.tensors() {
-        data.write_tensor(t.name(), t.data()).unwrap();
-    }
-    data.finish().unwrap();
+    rewrite_gguf(
+        src,
+        dst,
+        |k, v| {
+            if k == "general.alignment" {
+                Some(general_alignment.into())
+            } else {
+                edit(k, v)
+            }
+        },
+        extra,
+    );
 }
 
 #[test]

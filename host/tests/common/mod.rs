@@ -3,16 +3,50 @@
 #![allow(dead_code)] // Each test binary uses a different subset.
 
 use std::ffi::OsStr;
+use std::fs::{self, File};
+use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Once;
 
-use les::gguf::{Gguf, MetaValue, Value};
+use les::gguf::{Gguf, GgufWriter, MetaValue, Value};
 use serde_json::{json, Value as Json};
 
 /// A path in the test scratch directory.
 pub fn tmp(name: &str) -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+/// Copies the GGUF `src` to `dst` with metadata edited: `edit(key, value)`
+/// returns the new value or `None` to drop the key; `extra` pairs are appended.
+/// Tensors are copied unchanged.
+pub fn rewrite_gguf(
+    src: &Path,
+    dst: &Path,
+    edit: impl Fn(&str, MetaValue) -> Option<MetaValue>,
+    extra: Vec<(&str, MetaValue)>,
+) {
+    let g = Gguf::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        if let Some(v) = edit(k, v.to_meta()) {
+            w.add_kv(k, v).unwrap();
+        }
+    }
+    for (k, v) in extra {
+        w.add_kv(k, v).unwrap();
+    }
+    for t in g.tensors() {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let _ = fs::remove_file(dst);
+    let mut data = w
+        .write_header(BufWriter::new(File::create(dst).unwrap()))
+        .unwrap();
+    for t in g.tensors() {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    data.finish().unwrap();
 }
 
 fn scripts() -> PathBuf {
