@@ -27,7 +27,7 @@ use crate::quant::blocks::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
 };
-use crate::quant::kscales::{scale_min_k4, scales_mins_k4, scales_q3k};
+use crate::quant::kscales::{scales_mins_k4, scales_q3k};
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
 #[derive(Clone, Copy)]
@@ -190,12 +190,25 @@ pub(super) fn bsums_dot(x: &BlockQ8K, m16: __m256i) -> i32 {
     hsum(_mm256_madd_epi16(ld256(b), m16))
 }
 
-/// Eight `Q4_K`/`Q5_K` mins `[m0, m0, m1, m1, ..]` as sixteen `i16`, one per bsum.
+/// Byte indices (`0x80` = zero) that spread eight bytes `b0..b7`, present in both
+/// 128-bit lanes, into eight `i32` lanes `j` holding the `i16` pair `(b_j, b_j)`:
+/// the multiplier `madd` needs to scale (or, for the mins, weight) sub-block `j`.
+const PAIRS: [u8; 32] = {
+    let mut idx = [0x80u8; 32];
+    let mut j = 0;
+    while j < 8 {
+        idx[4 * j] = j as u8;
+        idx[4 * j + 2] = j as u8;
+        j += 1;
+    }
+    idx
+};
+
+/// Eight bytes as eight `(b_j, b_j)` `i16` pairs ([`PAIRS`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn mins16(m: [u8; 8]) -> __m256i {
-    let v = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
-    _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v))
+fn pairs8(b: [u8; 8]) -> __m256i {
+    _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(b)), ld256(&PAIRS))
 }
 
 /// Adds the terms of four blocks to the four block lanes:
@@ -234,6 +247,17 @@ pub(super) fn lanes4(v: __m128) -> [f32; 4] {
     // SAFETY: writes exactly the 4 floats of `out`; `storeu` has no alignment
     // requirement.
     unsafe { _mm_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// The four `i32` lanes as an array.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes4i(v: __m128i) -> [i32; 4] {
+    let mut out = [0i32; 4];
+    // SAFETY: writes exactly the 4 `i32` of `out`; `storeu` has no alignment
+    // requirement.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), v) };
     out
 }
 
@@ -516,35 +540,8 @@ pub(super) fn q3_k(w: &[BlockQ3K], x: &[BlockQ8K]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn k4_scales(scales: &[u8; 12], x: &BlockQ8K) -> ([i16; 8], i32) {
-    let mut sc = [0i16; 8];
-    let mut mins = [0u8; 8];
-    for j in 0..8 {
-        let (a, m) = scale_min_k4(j, scales);
-        sc[j] = a as i16;
-        mins[j] = m;
-    }
-    (sc, bsums_dot(x, mins16(mins)))
-}
-
-/// Byte indices (`0x80` = zero) that spread eight bytes `b0..b7`, present in both
-/// 128-bit lanes, into eight `i32` lanes `j` holding the `i16` pair `(b_j, b_j)`:
-/// the multiplier `madd` needs to scale (or, for the mins, weight) sub-block `j`.
-const PAIRS: [u8; 32] = {
-    let mut idx = [0x80u8; 32];
-    let mut j = 0;
-    while j < 8 {
-        idx[4 * j] = j as u8;
-        idx[4 * j + 2] = j as u8;
-        j += 1;
-    }
-    idx
-};
-
-/// Eight bytes as eight `(b_j, b_j)` `i16` pairs ([`PAIRS`]).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn pairs8(b: [u8; 8]) -> __m256i {
-    _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(b)), ld256(&PAIRS))
+    let (sc, mins) = scales_mins_k4(scales);
+    (sc.map(i16::from), bsums_dot(x, pairs8(mins)))
 }
 
 /// One `Q4_K` super-block: eight `i32` partial sums of `sumi` (each sub-block's
@@ -610,17 +607,6 @@ pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     acc
 }
 
-/// The four `i32` lanes as an array.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn lanes4i(v: __m128i) -> [i32; 4] {
-    let mut out = [0i32; 4];
-    // SAFETY: writes exactly the 4 `i32` of `out`; `storeu` has no alignment
-    // requirement.
-    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), v) };
-    out
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0f);
@@ -650,9 +636,7 @@ pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
             v = _mm256_add_epi32(v, _mm256_add_epi32(p0, p1));
             hq = _mm256_srli_epi16::<2>(hq);
         }
-        let sumi = hsum(v);
-        let dx = r::q8k_d(x);
-        acc += (hx(w.d) * dx) * sumi as f32 - (hx(w.dmin) * dx) * summs as f32;
+        acc += k4_term(w.d, w.dmin, x, hsum(v), summs);
     }
     acc
 }
