@@ -65,7 +65,7 @@ fn synth_mmproj(projector: &str) -> PathBuf {
     mm
 }
 
-/// The breaking values of an integer of `v`'s type, or none for other types.
+/// The breaking values of a number of `v`'s type, or none for other types.
 fn breaking(v: &MetaValue) -> Vec<MetaValue> {
     const SMALL: [u64; 4] = [0, 1, 3, 1 << 20];
     match v {
