@@ -78,9 +78,34 @@ pub fn checksum(bytes: &[u8]) -> u32 {
     crc32fast::hash(bytes)
 }
 
+/// The [`checksum`] of `a ++ b`, from the checksum of `a` and the checksum and
+/// length of `b` (so parts hashed separately, e.g. on several threads, combine).
+pub fn checksum_concat(a: u32, b: u32, b_len: u64) -> u32 {
+    let mut h = crc32fast::Hasher::new_with_initial_len(a, 0);
+    h.combine(&crc32fast::Hasher::new_with_initial_len(b, b_len));
+    h.finalize()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checksums_of_parts_concatenate() {
+        let bytes: [u8; 300] = core::array::from_fn(|i| (i * 37 + 11) as u8);
+        for cut in [0, 1, 4, 150, 299, 300] {
+            let (a, b) = bytes.split_at(cut);
+            let joined = checksum_concat(checksum(a), checksum(b), b.len() as u64);
+            assert_eq!(joined, checksum(&bytes), "cut at {cut}");
+        }
+        let (a, rest) = bytes.split_at(100);
+        let (b, c) = rest.split_at(7);
+        let ab = checksum_concat(checksum(a), checksum(b), b.len() as u64);
+        assert_eq!(
+            checksum_concat(ab, checksum(c), c.len() as u64),
+            checksum(&bytes)
+        );
+    }
 
     #[test]
     fn keys_and_checksum() {

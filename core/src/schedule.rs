@@ -70,6 +70,15 @@ pub trait ExpertSource {
         let _ = (key, slot);
         true
     }
+
+    /// The CRC-32 ([`crate::layout::checksum`]) of `key`'s expert bytes as its
+    /// matrices hold them (gate, up, down back to back), if the source knows it.
+    /// With [`SchedulerConfig::verify_on_compute`], such an expert is checked when
+    /// first computed instead of by [`verify`](Self::verify) when loaded.
+    fn checksum(&self, key: ExpertKey) -> Option<u32> {
+        let _ = key;
+        None
+    }
 }
 
 impl<T: ExpertSource + ?Sized> ExpertSource for &T {
@@ -79,6 +88,10 @@ impl<T: ExpertSource + ?Sized> ExpertSource for &T {
 
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
         (**self).verify(key, slot)
+    }
+
+    fn checksum(&self, key: ExpertKey) -> Option<u32> {
+        (**self).checksum(key)
     }
 }
 
@@ -111,6 +124,13 @@ pub struct SchedulerConfig {
     /// are always issued only while the device is idle: where reads are the
     /// bottleneck they would take bandwidth from the next layer's.
     pub idle_only_below: f32,
+    /// Check experts whose source knows their [`ExpertSource::checksum`] when they
+    /// are first computed: [`Next::Compute`] asks for the CRC of the bytes the
+    /// kernels read anyway, still in cache, and [`Scheduler::finish_checked`]
+    /// compares it before the output may be used. Otherwise (and for sources
+    /// without checksums) [`ExpertSource::verify`] checks each load on arrival,
+    /// reading its bytes once more. Prefetches never used are never hashed.
+    pub verify_on_compute: bool,
 }
 
 impl SchedulerConfig {
@@ -127,6 +147,7 @@ impl SchedulerConfig {
             min_precision: 0.2,
             precision_window: 64,
             idle_only_below: 0.75,
+            verify_on_compute: true,
         }
     }
 
@@ -237,6 +258,11 @@ pub enum Next {
         key: ExpertKey,
         /// The slot holding it, pinned until `finish`.
         slot: SlotId,
+        /// Its bytes are not checked yet: compute their CRC-32 (gate, up, down
+        /// back to back, as [`ExpertSource::checksum`]) along with the expert and
+        /// finish with [`Scheduler::finish_checked`], which must accept it before
+        /// the expert's output is used.
+        verify: bool,
     },
     /// Reads are in flight and nothing is ready: block on the device, then call
     /// `next` again.
@@ -273,6 +299,8 @@ pub enum Error<E> {
     LayerInProgress,
     /// `finish` of an index that is not being computed.
     NotComputing(usize),
+    /// `finish` of an index handed out with `verify`, without its checksum.
+    Unverified(usize),
     /// No read is in flight, yet a picked expert cannot be loaded (a device that
     /// reports `Busy` with an empty queue, or a caller holding slots).
     Stuck,
@@ -290,6 +318,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::BadRouting => f.write_str("routing names an expert outside the model or twice"),
             Error::LayerInProgress => f.write_str("previous layer still has experts to compute"),
             Error::NotComputing(i) => write!(f, "picked expert {i} is not being computed"),
+            Error::Unverified(i) => write!(f, "picked expert {i} finished without its checksum"),
             Error::Stuck => f.write_str("no read in flight but picked experts cannot be loaded"),
             Error::Slot(e) => write!(f, "slot table: {e}"),
         }
@@ -335,6 +364,8 @@ struct Prediction {
 struct Pick {
     key: ExpertKey,
     status: PickStatus,
+    /// The checksum its computation must match (handed out unverified).
+    expect: Option<u32>,
 }
 
 /// The LES scheduler over slot storage `S`, index storage `M` and per-layer
@@ -580,7 +611,11 @@ where
                 },
             };
             // Capacity MAX_PICKS, routing.len() <= MAX_PICKS checked above.
-            let _ = self.picks.push(Pick { key, status });
+            let _ = self.picks.push(Pick {
+                key,
+                status,
+                expect: None,
+            });
         }
         self.pump(dev, src)
     }
@@ -675,11 +710,19 @@ where
                 let PickStatus::Ready(slot) = self.picks[index].status else {
                     unreachable!("matched Ready just above")
                 };
+                let key = self.picks[index].key;
+                let expect = if self.table.unverified(slot) {
+                    src.checksum(key)
+                } else {
+                    None
+                };
                 self.picks[index].status = PickStatus::Computing(slot);
+                self.picks[index].expect = expect;
                 return Ok(Next::Compute {
                     index,
-                    key: self.picks[index].key,
+                    key,
                     slot,
+                    verify: expect.is_some(),
                 });
             }
         }
@@ -716,14 +759,46 @@ where
         }
     }
 
-    /// Marks picked expert `index` computed and unpins its slot.
+    /// Marks picked expert `index` computed and unpins its slot. An expert handed
+    /// out with `verify` needs [`finish_checked`](Self::finish_checked) instead.
     pub fn finish<E>(&mut self, index: usize) -> Result<(), Error<E>> {
-        let Some(PickStatus::Computing(slot)) = self.picks.get(index).map(|p| p.status) else {
+        let Some(pick) = self.picks.get(index) else {
+            return Err(Error::NotComputing(index));
+        };
+        if pick.expect.is_some() {
+            return Err(Error::Unverified(index));
+        }
+        let PickStatus::Computing(slot) = pick.status else {
             return Err(Error::NotComputing(index));
         };
         self.table.unpin(slot)?;
         self.picks[index].status = PickStatus::Done;
         Ok(())
+    }
+
+    /// Like [`finish`](Self::finish), given the CRC-32 of the expert's bytes
+    /// computed along with it. For an expert handed out with `verify`, a checksum
+    /// other than the source's is [`Error::Checksum`]: the expert's output must not
+    /// be used, and its slot is freed so the corrupt bytes are never reused. For
+    /// others `checksum` is ignored.
+    pub fn finish_checked<E>(&mut self, index: usize, checksum: u32) -> Result<(), Error<E>> {
+        let Some(pick) = self.picks.get_mut(index) else {
+            return Err(Error::NotComputing(index));
+        };
+        let PickStatus::Computing(slot) = pick.status else {
+            return Err(Error::NotComputing(index));
+        };
+        let (key, expect) = (pick.key, pick.expect.take());
+        if expect.is_some_and(|e| e != checksum) {
+            self.table.unpin(slot)?;
+            self.table.evict(slot)?;
+            self.picks[index].status = PickStatus::Done;
+            return Err(Error::Checksum { key });
+        }
+        if expect.is_some() {
+            self.table.set_unverified(slot, false);
+        }
+        self.finish(index)
     }
 
     /// Waits for every read in flight to complete, e.g. before dropping the slot
@@ -1135,7 +1210,8 @@ where
             }
             return Ok(());
         }
-        if !src.verify(load.key, dev.slot(slot)) {
+        let deferred = self.config.verify_on_compute && src.checksum(load.key).is_some();
+        if !deferred && !src.verify(load.key, dev.slot(slot)) {
             if load.demand {
                 return Err(Error::Checksum { key: load.key });
             }
@@ -1149,6 +1225,7 @@ where
             return Ok(());
         }
         self.table.finish_load(slot)?;
+        self.table.set_unverified(slot, deferred);
         if let Some(p) = self
             .picks
             .iter_mut()

@@ -109,6 +109,8 @@ impl SlotState {
 pub struct Slot {
     state: SlotState,
     last_used: u64,
+    /// Its bytes have not been checked yet (see [`SlotTable::set_unverified`]).
+    unverified: bool,
 }
 
 impl Slot {
@@ -116,6 +118,7 @@ impl Slot {
     pub const EMPTY: Slot = Slot {
         state: SlotState::Free,
         last_used: 0,
+        unverified: false,
     };
 }
 
@@ -383,8 +386,21 @@ where
             return Err(SlotError::AlreadyMapped(load.key));
         }
         self.map(i, Some(slot));
-        self.slots.as_mut()[slot.0 as usize].state = SlotState::Loading(load);
+        let s = &mut self.slots.as_mut()[slot.0 as usize];
+        s.state = SlotState::Loading(load);
+        s.unverified = false;
         Ok(())
+    }
+
+    /// Whether the expert in `slot` still awaits its checksum.
+    pub fn unverified(&self, slot: SlotId) -> bool {
+        self.slots.as_ref()[slot.0 as usize].unverified
+    }
+
+    /// Marks the expert in `slot` as loaded but not yet checked (its checksum is
+    /// verified when it is first computed), or as checked. Loading clears it.
+    pub fn set_unverified(&mut self, slot: SlotId, unverified: bool) {
+        self.slots.as_mut()[slot.0 as usize].unverified = unverified;
     }
 
     /// Marks a settled load complete: the slot becomes `Ready`.

@@ -45,6 +45,9 @@ struct Model {
     /// Per expert: its extents and its bytes' checksum.
     experts: Vec<(Extents, u64)>,
     slot_bytes: u32,
+    /// Give the scheduler each expert's CRC-32 ([`ExpertSource::checksum`]), so
+    /// experts are checked when first computed rather than by `verify` on load.
+    on_compute: bool,
 }
 
 fn checksum(bytes: &[u8]) -> u64 {
@@ -87,6 +90,7 @@ impl Model {
             image,
             experts,
             slot_bytes,
+            on_compute: false,
         }
     }
 
@@ -119,6 +123,11 @@ impl ExpertSource for Model {
 
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
         checksum(&slot[..self.len(key)]) == self.experts[self.id(key)].1
+    }
+
+    fn checksum(&self, key: ExpertKey) -> Option<u32> {
+        self.on_compute
+            .then(|| les_core::layout::checksum(&self.bytes(key)))
     }
 }
 
@@ -340,7 +349,8 @@ type Outcome = Result<Vec<[f32; DIM]>, Error<les_core::blockdev::sim::SimError>>
 /// Runs the case through the scheduler, checking invariants after every call.
 fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     let mut rng = Rng(c.seed);
-    let m = Model::new(&mut rng, c.n_layers, c.n_experts, c.parts);
+    let mut m = Model::new(&mut rng, c.n_layers, c.n_experts, c.parts);
+    m.on_compute = c.seed & 4 != 0;
     let quality = [
         Quality::Perfect,
         Quality::Noisy,
@@ -435,15 +445,21 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                 check_call(&sched, &dev.log[before..], c);
             }
             let mut outs: Vec<Option<[f32; DIM]>> = vec![None; r.len()];
-            let mut deferred: Vec<(usize, SlotId)> = Vec::new();
+            let mut deferred: Vec<(usize, SlotId, bool)> = Vec::new();
             loop {
                 let before = dev.log.len();
                 let next = sched.next(&mut dev, &m)?;
                 check_call(&sched, &dev.log[before..], c);
                 check_table(&sched, &m, deferred.len());
                 match next {
-                    Next::Compute { index, key, slot } => {
+                    Next::Compute {
+                        index,
+                        key,
+                        slot,
+                        verify,
+                    } => {
                         assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
+                        assert!(!verify || m.on_compute, "verify only with checksums");
                         assert!(outs[index].is_none(), "index {index} handed out twice");
                         if c.on_demand {
                             // No overlap: compute starts once every pick is loaded.
@@ -460,7 +476,7 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                             }
                         }
                         outs[index] = Some([f32::NAN; DIM]); // reserved
-                        deferred.push((index, slot));
+                        deferred.push((index, slot, verify));
                     }
                     Next::Wait => {
                         if sched.reads_in_flight() > 0 && !rng.chance(50) {
@@ -479,15 +495,31 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                 }
                 // Finish deferred computes at random moments (as other threads would).
                 while !deferred.is_empty() && !rng.chance(c.defer_percent) {
-                    let (index, slot) = deferred.remove(rng.below(deferred.len() as u64) as usize);
+                    let (index, slot, verify) =
+                        deferred.remove(rng.below(deferred.len() as u64) as usize);
                     let key = ExpertKey {
                         layer,
                         expert: r[index].0,
                     };
                     let bytes = &dev.slot(slot)[..m.len(key)];
-                    assert_eq!(bytes, &m.bytes(key)[..], "slot of {key} holds its bytes");
-                    outs[index] = Some(expert_output(bytes, &h));
-                    sched.finish::<()>(index).expect("computing");
+                    let out = expert_output(bytes, &h);
+                    if verify {
+                        // Computed from bytes not yet checked: usable only if the
+                        // scheduler accepts their checksum.
+                        let intact = bytes == &m.bytes(key)[..];
+                        let crc = les_core::layout::checksum(bytes);
+                        match sched.finish_checked(index, crc) {
+                            Ok(()) => assert!(intact, "corrupt {key} accepted"),
+                            Err(e) => {
+                                assert!(!intact, "intact {key} refused: {e}");
+                                return Err(e);
+                            }
+                        }
+                    } else {
+                        assert_eq!(bytes, &m.bytes(key)[..], "slot of {key} holds its bytes");
+                        sched.finish::<()>(index).expect("computing");
+                    }
+                    outs[index] = Some(out);
                 }
             }
             // Combine in router order, whatever the compute order was.
@@ -760,4 +792,66 @@ fn a_full_prefetch_queue_makes_room_for_the_nearer_layer() {
         next_layer, all,
         "all 64 next-layer predictions, most confident first"
     );
+}
+
+#[test]
+fn an_expert_is_checked_when_first_computed_and_refused_if_corrupt() {
+    let (n_layers, n_experts) = (1u16, 4u16);
+    let mut m = Model::new(&mut Rng(5), n_layers, n_experts, 1);
+    m.on_compute = true;
+    let slots = 2;
+    let mut mem = vec![0u8; slots * m.slot_bytes as usize];
+    let dev: SimDevice<_, 4> = SimDevice::new(
+        &m.image,
+        &mut mem,
+        m.slot_bytes as usize,
+        SimConfig::default(),
+        |_: &ReadRequest| Fault::None,
+    );
+    let mut dev = Logged {
+        inner: dev,
+        log: Vec::new(),
+    };
+    let mut sched = Scheduler::new(
+        SchedulerConfig::les(),
+        vec![Slot::EMPTY; slots],
+        vec![0u32; (n_layers * n_experts) as usize],
+        vec![LayerState::INITIAL; n_layers as usize],
+        n_layers,
+        n_experts,
+        m.slot_bytes,
+    )
+    .unwrap();
+    let key = |expert| ExpertKey { layer: 0, expert };
+    let crc = |e| les_core::layout::checksum(&m.bytes(key(e)));
+    let compute =
+        |sched: &mut Scheduler<_, _, _>, dev: &mut _| match sched.next_blocking(dev, &m).unwrap() {
+            Next::Compute { index, verify, .. } => (index, verify),
+            other => panic!("expected an expert to compute, got {other:?}"),
+        };
+
+    // First use: handed out unchecked; finishing without the checksum is refused.
+    sched.begin_layer(0, &[1], &mut dev, &m).unwrap();
+    let (index, verify) = compute(&mut sched, &mut dev);
+    assert!(verify);
+    assert_eq!(sched.finish::<()>(index), Err(Error::Unverified(0)));
+    sched.finish_checked::<()>(index, crc(1)).unwrap();
+    // Resident and checked now: handed out without asking again.
+    sched.begin_layer(0, &[1], &mut dev, &m).unwrap();
+    assert_eq!(compute(&mut sched, &mut dev), (0, false));
+    sched.finish::<()>(0).unwrap();
+
+    // A wrong checksum is an error naming the expert, and the slot is dropped:
+    // the next use reads the expert again and checks it again.
+    sched.begin_layer(0, &[2], &mut dev, &m).unwrap();
+    let (index, verify) = compute(&mut sched, &mut dev);
+    assert!(verify);
+    let err = sched.finish_checked::<()>(index, crc(2) ^ 1).unwrap_err();
+    assert_eq!(err, Error::Checksum { key: key(2) });
+    assert!(sched.table().lookup(key(2)).is_none());
+    let reads = dev.log.len();
+    sched.begin_layer(0, &[2], &mut dev, &m).unwrap();
+    let (index, verify) = compute(&mut sched, &mut dev);
+    assert!(verify && dev.log.len() > reads);
+    sched.finish_checked::<()>(index, crc(2)).unwrap();
 }

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use les_core::model::forward::{ExpertMatrices, Experts, Step};
+use les_core::model::forward::{Experts, Handout, Step};
 use les_core::slots::ExpertKey;
 
 /// Wraps an expert supplier and records every layer's routing, in order.
@@ -57,14 +57,14 @@ impl<X: Experts> Experts for Recording<'_, X> {
     fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
         self.inner.prefetch(layer, predicted)
     }
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, X::Error> {
+    fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
         self.inner.next()
     }
     fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
         self.inner.try_next()
     }
-    fn finish(&mut self, index: usize) -> Result<(), X::Error> {
-        self.inner.finish(index)
+    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), X::Error> {
+        self.inner.finish(index, checksum)
     }
 }
 

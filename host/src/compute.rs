@@ -23,6 +23,7 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use les_core::gemv::{gemv, GemvError, Isa, MatrixView};
+use les_core::layout::{checksum, checksum_concat};
 use les_core::model::forward::{prepare_input, MatVec};
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -180,6 +181,32 @@ impl MatVec for ThreadedMatVec {
     }
 
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
+        self.product(w, x, y, false).map(|_| ())
+    }
+
+    /// Each thread hashes the rows it computed right after their product, while
+    /// they are in its cache; the parts' CRCs are combined in row order.
+    fn matvec_checksum(
+        &mut self,
+        w: &MatrixView<'_>,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<u32, GemvError> {
+        let crc = self.product(w, x, y, true)?;
+        Ok(crc.unwrap_or_else(|| checksum(w.bytes())))
+    }
+}
+
+impl ThreadedMatVec {
+    /// `y = w x` over the pool; with `hash`, also the CRC-32 of `w`'s bytes where
+    /// the product was split (`None` where it ran in one call: hash it whole).
+    fn product(
+        &mut self,
+        w: &MatrixView<'_>,
+        x: &[f32],
+        y: &mut [f32],
+        hash: bool,
+    ) -> Result<Option<u32>, GemvError> {
         // Only the buffer of `w`'s activation format is used; `prepare_input` checks
         // the length against `x`.
         use les_core::gemv::{activation_format, ActivationFormat as F};
@@ -194,7 +221,7 @@ impl MatVec for ThreadedMatVec {
         let input = prepare_input(w.ty(), x, &mut self.q8_0, &mut self.q8_1, &mut self.q8k)?;
         if parts <= 1 || y.len() != rows {
             // Small, or malformed: one call, with exactly `SerialMatVec`'s errors.
-            return gemv(self.isa, w, &input, 0..rows, y);
+            return gemv(self.isa, w, &input, 0..rows, y).map(|()| None);
         }
         // Every remaining error (input length, ISA) is the same for every range:
         // check once here, so nothing is written to `y` on error.
@@ -211,25 +238,46 @@ impl MatVec for ThreadedMatVec {
             rest = tail;
             slots.push(Mutex::new(Some((r.clone(), chunk))));
         }
+        let crcs: Vec<Mutex<u32>> = (0..if hash { chunks } else { 0 })
+            .map(|_| Mutex::new(0))
+            .collect();
         let first_error: Mutex<Option<(usize, GemvError)>> = Mutex::new(None);
         let isa = self.isa;
         let input = &input;
+        let row_bytes = w.row_bytes();
         self.pool.for_each(chunks, &|c| {
             let Some(slot) = slots.get(c) else { return };
             let taken = slot.lock().ok().and_then(|mut s| s.take());
             let Some((range, chunk)) = taken else { return };
-            if let Err(e) = gemv(isa, w, input, range, chunk) {
-                if let Ok(mut first) = first_error.lock() {
-                    if first.is_none_or(|(i, _)| c < i) {
-                        *first = Some((c, e));
+            let bytes = range.start * row_bytes..range.end * row_bytes;
+            match gemv(isa, w, input, range, chunk) {
+                Ok(()) => {
+                    if let (Some(crc), Some(part)) = (crcs.get(c), w.bytes().get(bytes)) {
+                        *crc.lock().unwrap_or_else(|p| p.into_inner()) = checksum(part);
+                    }
+                }
+                Err(e) => {
+                    if let Ok(mut first) = first_error.lock() {
+                        if first.is_none_or(|(i, _)| c < i) {
+                            *first = Some((c, e));
+                        }
                     }
                 }
             }
         });
-        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            None => Ok(()),
-            Some((_, e)) => Err(e),
+        if let Some((_, e)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
         }
+        if !hash {
+            return Ok(None);
+        }
+        // The ranges cover 0..rows in order, so the parts are `w`'s bytes in order.
+        let mut crc = checksum(&[]);
+        for (part, r) in crcs.into_iter().zip(&ranges) {
+            let part = part.into_inner().unwrap_or_else(|p| p.into_inner());
+            crc = checksum_concat(crc, part, (r.len() * row_bytes) as u64);
+        }
+        Ok(Some(crc))
     }
 }
 

@@ -872,6 +872,15 @@ impl Model {
         ReadChecks::new(checks)
     }
 
+    /// The CRC-32 of `key`'s expert bytes (gate, up, down back to back), stored
+    /// by `les pack`; `None` in plain GGUFs.
+    pub fn expert_checksum(&self, key: ExpertKey) -> Option<u32> {
+        match self.store(key.layer as usize) {
+            Some(ExpertStore::Packed(p)) => p.checksums.get(key.expert as usize).copied(),
+            _ => None,
+        }
+    }
+
     /// Whether the bytes read for `key` match its checksum (packed files; plain
     /// GGUFs carry none).
     pub fn verify_expert(&self, key: ExpertKey, slot: &[u8]) -> bool {

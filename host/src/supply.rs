@@ -13,7 +13,7 @@ use std::str::FromStr;
 
 use les_core::gemv::GemvError;
 use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
-use les_core::model::forward::{ExpertMatrices, Experts, Step};
+use les_core::model::forward::{ExpertMatrices, Experts, Handout, Step};
 use les_core::schedule::{ExpertSource, Extents, LayerState, Scheduler, SchedulerConfig, Stats};
 use les_core::slots::{ExpertKey, Slot};
 
@@ -97,7 +97,10 @@ pub struct ModelSource<'m> {
 }
 
 impl<'m> ModelSource<'m> {
-    /// A source whose `verify` hashes each packed expert read.
+    /// A source that knows each packed expert's checksum: the scheduler checks
+    /// it when the expert is first computed
+    /// ([`SchedulerConfig::verify_on_compute`]), or `verify` hashes each read on
+    /// arrival where that is off.
     pub fn new(model: &'m Model) -> Self {
         ModelSource {
             model,
@@ -123,6 +126,14 @@ impl ExpertSource for ModelSource<'_> {
 
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
         self.device_checks || self.model.verify_expert(key, slot)
+    }
+
+    fn checksum(&self, key: ExpertKey) -> Option<u32> {
+        if self.device_checks {
+            None
+        } else {
+            self.model.expert_checksum(key)
+        }
     }
 }
 
@@ -204,10 +215,12 @@ impl<'m> Supply<'m> {
             ));
         }
         let slot_bytes = model.max_expert_bytes();
-        let mut device = FileDevice::open(path, budget.slots, slot_bytes, budget.io)
+        let device = FileDevice::open(path, budget.slots, slot_bytes, budget.io)
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        // Checksums are verified on the I/O threads, off the compute thread.
-        device.set_checks(model.read_checks());
+        // Checksums are verified where each expert is first computed: the compute
+        // threads hash the bytes their products just read, still in cache
+        // (`verify_on_compute`), instead of the I/O threads reading them again
+        // from RAM, which on few cores slows the compute they overlap with.
         let config = match schedule {
             Schedule::Les => SchedulerConfig::les(),
             _ => SchedulerConfig::on_demand(),
@@ -231,7 +244,7 @@ impl<'m> Supply<'m> {
         Ok(Supply::Streamed(Box::new(Streamed {
             scheduler,
             device,
-            source: ModelSource::checked_by_device(model),
+            source: ModelSource::new(model),
             format,
             predict: schedule == Schedule::Les,
         })))
@@ -292,7 +305,7 @@ impl Experts for Supply<'_> {
         }
     }
 
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, SupplyError> {
+    fn next(&mut self) -> Result<Option<Handout<'_>>, SupplyError> {
         match self {
             Supply::Resident(r) => r.next().map_err(SupplyError::Resident),
             Supply::Streamed(s) => s.next().map_err(SupplyError::Stream),
@@ -306,10 +319,10 @@ impl Experts for Supply<'_> {
         }
     }
 
-    fn finish(&mut self, index: usize) -> Result<(), SupplyError> {
+    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), SupplyError> {
         match self {
-            Supply::Resident(r) => r.finish(index).map_err(SupplyError::Resident),
-            Supply::Streamed(s) => s.finish(index).map_err(SupplyError::Stream),
+            Supply::Resident(r) => r.finish(index, checksum).map_err(SupplyError::Resident),
+            Supply::Streamed(s) => s.finish(index, checksum).map_err(SupplyError::Stream),
         }
     }
 }

@@ -103,6 +103,52 @@ fn compute_threaded_is_bit_identical_to_serial() {
 }
 
 #[test]
+fn compute_checksum_is_the_whole_matrix_crc_and_the_product_unchanged() {
+    // Large enough to be split over the threads, so each part is hashed by the
+    // thread that computed it and the parts' CRCs are combined.
+    let mut pools: Vec<ThreadedMatVec> = [1, 2, 3, 4]
+        .iter()
+        .map(|&t| ThreadedMatVec::new(t, Isa::detect()))
+        .collect();
+    for (ty, rows, cols) in [
+        (GgmlType::Q4K, 768, 2048),
+        (GgmlType::Q8_0, 1037, 512),
+        (GgmlType::Q6K, 64, 4096),
+        (GgmlType::F32, 300, 256),
+        (GgmlType::Q4_0, 7, 64),
+    ] {
+        let data = matrix(ty, rows, cols, rows as u64);
+        let w = MatrixView::new(ty, rows, cols, &data).unwrap();
+        let x = vector(cols, 5);
+        let mut want = vec![0f32; rows];
+        serial(Isa::detect(), &w, &x, &mut want).unwrap();
+        for mv in &mut pools {
+            let mut y = vec![f32::NAN; rows];
+            let crc = mv.matvec_checksum(&w, &x, &mut y).unwrap();
+            let what = format!("{ty:?} {rows}x{cols}, {} threads", mv.threads());
+            assert_eq!(crc, les_core::layout::checksum(&data), "{what}");
+            assert!(
+                y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}"
+            );
+        }
+        // One flipped bit anywhere changes the checksum (the product may differ).
+        for at in [0, data.len() / 2, data.len() - 1] {
+            let mut bad = data.clone();
+            bad[at] ^= 0x10;
+            let w = MatrixView::new(ty, rows, cols, &bad).unwrap();
+            let mut y = vec![0f32; rows];
+            let crc = pools[1].matvec_checksum(&w, &x, &mut y).unwrap();
+            assert_ne!(
+                crc,
+                les_core::layout::checksum(&data),
+                "{ty:?} flip at {at}"
+            );
+        }
+    }
+}
+
+#[test]
 fn compute_scalar_isa_matches_too() {
     let (ty, rows, cols) = (GgmlType::Q4K, 300, 1024);
     let data = matrix(ty, rows, cols, 5);

@@ -118,6 +118,17 @@ fn faulty_run<F: FnMut(&ReadRequest) -> Fault>(
     slots: usize,
     script: F,
 ) -> (Vec<Vec<f32>>, Option<String>, FaultCounts) {
+    faulty_run_checked(les, slots, true, script)
+}
+
+/// [`faulty_run`], with checksums verified where each expert is first computed
+/// (`verify_on_compute`, the default) or as each read arrives.
+fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
+    les: bool,
+    slots: usize,
+    verify_on_compute: bool,
+    script: F,
+) -> (Vec<Vec<f32>>, Option<String>, FaultCounts) {
     let path = packed_model();
     let model = Model::open(path).unwrap();
     let moe = model.hp.moe.unwrap();
@@ -132,10 +143,13 @@ fn faulty_run<F: FnMut(&ReadRequest) -> Fault>(
         FileDevice::open(path, slots, slot_bytes, io).unwrap(),
         script,
     );
-    let config = if les {
-        SchedulerConfig::les()
-    } else {
-        SchedulerConfig::on_demand()
+    let config = SchedulerConfig {
+        verify_on_compute,
+        ..if les {
+            SchedulerConfig::les()
+        } else {
+            SchedulerConfig::on_demand()
+        }
     };
     let n_layers = model.hp.n_layers;
     let scheduler = Scheduler::new(
@@ -246,14 +260,18 @@ fn corrupted_data_is_caught_by_the_checksum_naming_the_expert() {
             Fault::None
         }
     };
-    let (logits, err, counts) = faulty_run(true, 4, script);
-    let err = err.expect("corruption ends the run, if the expert is ever picked");
-    assert!(counts.flips > 0);
-    assert!(
-        err.contains("layer 1 expert 5") && err.contains("checksum"),
-        "the error names the expert and the checksum: {err}"
-    );
-    assert_prefix_exact(&logits, "before the corrupted expert");
+    // Checked where first computed (the default) or as each read arrives.
+    for (les, on_compute) in [(true, true), (false, true), (true, false), (false, false)] {
+        let what = format!("les {les}, verify on compute {on_compute}");
+        let (logits, err, counts) = faulty_run_checked(les, 4, on_compute, script);
+        let err = err.unwrap_or_else(|| panic!("{what}: corruption ends the run ({counts:?})"));
+        assert!(counts.flips > 0, "{what}");
+        assert!(
+            err.contains("layer 1 expert 5") && err.contains("checksum"),
+            "{what}: the error names the expert and the checksum: {err}"
+        );
+        assert_prefix_exact(&logits, &format!("{what}: before the corrupted expert"));
+    }
 }
 
 #[test]

@@ -344,7 +344,9 @@ fn stream(path: &std::path::Path, data: &[u8], src: &Experts, cfg: FileDeviceCon
                 .unwrap();
             loop {
                 match sched.next_blocking(&mut dev, src).unwrap() {
-                    Next::Compute { index, key, slot } => {
+                    Next::Compute {
+                        index, key, slot, ..
+                    } => {
                         let bytes = dev.slot(slot);
                         for e in src.extents(key) {
                             assert_eq!(

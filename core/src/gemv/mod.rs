@@ -316,6 +316,11 @@ impl<'a> MatrixView<'a> {
         self.row_bytes
     }
 
+    /// All rows' bytes, back to back.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.data
+    }
+
     /// The bytes of row `i`, if it exists.
     pub fn row(&self, i: usize) -> Option<&'a [u8]> {
         if i >= self.rows {

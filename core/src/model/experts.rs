@@ -1,6 +1,6 @@
 //! The two [`Experts`] suppliers: all resident, and streamed by the LES scheduler.
 
-use super::forward::{ExpertMatrices, Experts, Step};
+use super::forward::{ExpertMatrices, Experts, Handout, Step};
 use crate::blockdev::{BlockDevice, SlotId, SlotMemory};
 use crate::gemv::{GemvError, MatrixView};
 use crate::quant::GgmlType;
@@ -102,16 +102,20 @@ where
         Ok(())
     }
 
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, GemvError> {
+    fn next(&mut self) -> Result<Option<Handout<'_>>, GemvError> {
         let Some(&e) = self.picks.get(self.next) else {
             return Ok(None);
         };
         let index = self.next;
         self.next += 1;
-        Ok(Some((index, (self.lookup)(self.layer, e)?)))
+        Ok(Some(Handout {
+            index,
+            matrices: (self.lookup)(self.layer, e)?,
+            verify: false,
+        }))
     }
 
-    fn finish(&mut self, _index: usize) -> Result<(), GemvError> {
+    fn finish(&mut self, _index: usize, _checksum: Option<u32>) -> Result<(), GemvError> {
         Ok(())
     }
 }
@@ -201,13 +205,22 @@ where
             .map_err(StreamError::Schedule)
     }
 
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, Self::Error> {
+    fn next(&mut self) -> Result<Option<Handout<'_>>, Self::Error> {
         match self
             .scheduler
             .next_blocking(&mut self.device, &self.source)
             .map_err(StreamError::Schedule)?
         {
-            Next::Compute { index, key, slot } => Ok(Some((index, self.matrices(key, slot)?))),
+            Next::Compute {
+                index,
+                key,
+                slot,
+                verify,
+            } => Ok(Some(Handout {
+                index,
+                matrices: self.matrices(key, slot)?,
+                verify,
+            })),
             Next::Done => Ok(None),
             Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
         }
@@ -223,16 +236,27 @@ where
             .next(&mut self.device, &self.source)
             .map_err(StreamError::Schedule)?
         {
-            Next::Compute { index, key, slot } => {
-                Ok(Step::Compute(index, self.matrices(key, slot)?))
-            }
+            Next::Compute {
+                index,
+                key,
+                slot,
+                verify,
+            } => Ok(Step::Compute(Handout {
+                index,
+                matrices: self.matrices(key, slot)?,
+                verify,
+            })),
             Next::Done => Ok(Step::Done),
             Next::Wait if self.scheduler.reads_in_flight() > 0 => Ok(Step::Pending),
             Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
         }
     }
 
-    fn finish(&mut self, index: usize) -> Result<(), Self::Error> {
-        self.scheduler.finish(index).map_err(StreamError::Schedule)
+    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), Self::Error> {
+        match checksum {
+            Some(crc) => self.scheduler.finish_checked(index, crc),
+            None => self.scheduler.finish(index),
+        }
+        .map_err(StreamError::Schedule)
     }
 }

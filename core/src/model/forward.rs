@@ -126,23 +126,35 @@ pub struct ExpertMatrices<'a> {
     pub down: MatrixView<'a>,
 }
 
+/// A picked expert to compute.
+#[derive(Clone, Copy, Debug)]
+pub struct Handout<'a> {
+    /// Position in the routing passed to [`Experts::begin_layer`].
+    pub index: usize,
+    /// The expert's matrices.
+    pub matrices: ExpertMatrices<'a>,
+    /// Its bytes are not checked yet: compute the CRC-32 of gate, up and down
+    /// (back to back, [`crate::layout::checksum`]) with the products and pass it
+    /// to [`Experts::finish`], which refuses the expert if it does not match.
+    pub verify: bool,
+}
+
 /// What [`Experts::try_next`] says to do.
 #[derive(Clone, Copy, Debug)]
 pub enum Step<'a> {
-    /// Compute routing index `.0` with these matrices, then call
-    /// [`Experts::finish`].
-    Compute(usize, ExpertMatrices<'a>),
+    /// Compute this expert, then call [`Experts::finish`].
+    Compute(Handout<'a>),
     /// Reads are in flight and nothing is ready yet.
     Pending,
     /// Every picked expert was handed out and finished.
     Done,
 }
 
-impl<'a> From<Option<(usize, ExpertMatrices<'a>)>> for Step<'a> {
+impl<'a> From<Option<Handout<'a>>> for Step<'a> {
     /// [`Experts::next`]'s answer as a step: an expert to compute, or done.
-    fn from(next: Option<(usize, ExpertMatrices<'a>)>) -> Self {
+    fn from(next: Option<Handout<'a>>) -> Self {
         match next {
-            Some((index, m)) => Step::Compute(index, m),
+            Some(h) => Step::Compute(h),
             None => Step::Done,
         }
     }
@@ -165,9 +177,9 @@ pub trait Experts {
         let _ = (layer, predicted);
         Ok(())
     }
-    /// The next picked expert to compute, as its routing index and matrices, or
-    /// `None` once every picked expert was handed out and finished.
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, Self::Error>;
+    /// The next picked expert to compute, or `None` once every picked expert was
+    /// handed out and finished.
+    fn next(&mut self) -> Result<Option<Handout<'_>>, Self::Error>;
     /// Like [`next`](Self::next), but answers [`Step::Pending`] instead of
     /// blocking while no picked expert is ready yet, so the caller can compute
     /// other resident work (the shared expert) while reads are in flight.
@@ -176,8 +188,11 @@ pub trait Experts {
     fn try_next(&mut self) -> Result<Step<'_>, Self::Error> {
         self.next().map(Step::from)
     }
-    /// Routing index `index` was computed; its memory may be reused.
-    fn finish(&mut self, index: usize) -> Result<(), Self::Error>;
+    /// Routing index `index` was computed; its memory may be reused. `checksum`
+    /// is the CRC-32 of its bytes when it was handed out with
+    /// [`verify`](Handout::verify) (`None` otherwise); an error means the
+    /// expert's output must not be used.
+    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), Self::Error>;
 }
 
 /// The forward pass's heavy kernels: matrix-vector products `y = W x` over all
@@ -185,6 +200,19 @@ pub trait Experts {
 pub trait MatVec {
     /// Computes `y = w x`.
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError>;
+
+    /// Computes `y = w x` and returns the CRC-32 ([`crate::layout::checksum`]) of
+    /// `w`'s bytes. The default hashes `w` after the product; an implementation
+    /// may hash each part right after computing it, while it is still in cache.
+    fn matvec_checksum(
+        &mut self,
+        w: &MatrixView<'_>,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<u32, GemvError> {
+        self.matvec(w, x, y)?;
+        Ok(crate::layout::checksum(w.bytes()))
+    }
 
     /// [`ops::attention`](super::ops::attention) of one query over the cached
     /// positions of `kv`. An implementation may compute the heads on several
@@ -594,6 +622,20 @@ fn swiglu_ffn<M: MatVec>(
     ff_b: &mut [f32],
     out: &mut [f32],
 ) -> Result<(), GemvError> {
+    swiglu_ffn_checked(mv, w, x, ff_a, ff_b, out, false).map(|_| ())
+}
+
+/// [`swiglu_ffn`], also returning the CRC-32 of gate, up and down back to back
+/// when `verify` (each hashed by [`MatVec::matvec_checksum`]).
+fn swiglu_ffn_checked<M: MatVec>(
+    mv: &mut M,
+    w: &ExpertMatrices<'_>,
+    x: &[f32],
+    ff_a: &mut [f32],
+    ff_b: &mut [f32],
+    out: &mut [f32],
+    verify: bool,
+) -> Result<Option<u32>, GemvError> {
     let ExpertMatrices { gate, up, down } = w;
     let n = gate.rows();
     if up.rows() != n || down.cols() != n || n > ff_a.len() {
@@ -603,10 +645,25 @@ fn swiglu_ffn<M: MatVec>(
         });
     }
     let (a, b) = (&mut ff_a[..n], &mut ff_b[..n]);
-    mv.matvec(gate, x, a)?;
-    mv.matvec(up, x, b)?;
+    let mut product = |w: &MatrixView<'_>, x: &[f32], y: &mut [f32]| {
+        if verify {
+            mv.matvec_checksum(w, x, y).map(Some)
+        } else {
+            mv.matvec(w, x, y).map(|()| None)
+        }
+    };
+    let crc_gate = product(gate, x, a)?;
+    let crc_up = product(up, x, b)?;
     swiglu(a, b);
-    mv.matvec(down, a, out)
+    let crc_down = product(down, a, out)?;
+    let concat = |a: Option<u32>, b: Option<u32>, w: &MatrixView<'_>| {
+        Some(crate::layout::checksum_concat(
+            a?,
+            b?,
+            w.bytes().len() as u64,
+        ))
+    };
+    Ok(concat(concat(crc_gate, crc_up, up), crc_down, down))
 }
 
 /// What enters the model at one position.
@@ -836,13 +893,19 @@ where
                     }
                     .map_err(ForwardError::Experts)?;
                     match step {
-                        Step::Compute(index, m) => {
+                        Step::Compute(Handout {
+                            index,
+                            matrices,
+                            verify,
+                        }) => {
                             let out = s
                                 .expert_out
                                 .get_mut(index * e..(index + 1) * e)
                                 .ok_or(ForwardError::Shape("routing index"))?;
-                            swiglu_ffn(mv, &m, s.x, s.ff_a, s.ff_b, out)?;
-                            experts.finish(index).map_err(ForwardError::Experts)?;
+                            let crc = swiglu_ffn_checked(
+                                mv, &matrices, s.x, s.ff_a, s.ff_b, out, verify,
+                            )?;
+                            experts.finish(index, crc).map_err(ForwardError::Experts)?;
                         }
                         Step::Pending | Step::Done => {
                             if let Some(sh) = shared_left.take() {

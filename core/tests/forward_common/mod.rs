@@ -9,7 +9,7 @@ use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
 use les_core::blockdev::ReadRequest;
 use les_core::gemv::{Isa, MatrixView};
 use les_core::model::experts::{ExpertFormat, Streamed};
-use les_core::model::forward::{ExpertMatrices, Experts, Lookahead, SerialMatVec, Step};
+use les_core::model::forward::{Experts, Handout, Lookahead, SerialMatVec, Step};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{self, GgmlType};
 use les_core::schedule::{
@@ -154,7 +154,7 @@ impl<X: Experts> Experts for CountPending<X> {
     fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
         self.inner.prefetch(layer, predicted)
     }
-    fn next(&mut self) -> Result<Option<(usize, ExpertMatrices<'_>)>, X::Error> {
+    fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
         self.inner.next()
     }
     fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
@@ -162,8 +162,8 @@ impl<X: Experts> Experts for CountPending<X> {
         self.pending += matches!(step, Step::Pending) as usize;
         Ok(step)
     }
-    fn finish(&mut self, index: usize) -> Result<(), X::Error> {
-        self.inner.finish(index)
+    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), X::Error> {
+        self.inner.finish(index, checksum)
     }
 }
 
