@@ -16,8 +16,11 @@
 //! ```
 //!
 //! Exactness: [`Next::Compute`] hands out a slot only when every part of its read
-//! completed (and passed [`ExpertSource::verify`]); every picked expert is handed
-//! out exactly once per layer; predictions only decide what is read early. The
+//! completed, and an expert's output counts only once its bytes are checked:
+//! on arrival by [`ExpertSource::verify`], or, for sources that know the
+//! expert's [`ExpertSource::checksum`], when first computed (`verify` in
+//! [`Next::Compute`], then [`Scheduler::finish_checked`]). Every picked expert is
+//! handed out exactly once per layer; predictions only decide what is read early. The
 //! compute order is *ready-first* (resident experts while others load), so callers
 //! must combine expert outputs by `index` (router order), not in compute order.
 //!
