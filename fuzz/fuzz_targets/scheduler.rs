@@ -478,7 +478,9 @@ fuzz_target!(|data: &[u8]| {
                 check_call(&sched, &dev.log[before..], budget, on_demand);
                 check_table(&sched, &m, capacity, &picks, &computing);
                 match next {
-                    Next::Compute { index, key, slot, .. } => {
+                    Next::Compute {
+                        index, key, slot, ..
+                    } => {
                         assert_eq!(
                             key,
                             ExpertKey {
