@@ -211,6 +211,9 @@ pub struct Model {
     embedding: Tref,
     output: Tref,
     output_norm: Vec<f32>,
+    /// Q8_0 copies of the float routers, for lookahead predictions; made on
+    /// first use (see [`Weights::lookahead_router`]).
+    lookahead_routers: std::sync::OnceLock<Vec<Option<Vec<u8>>>>,
 }
 
 impl fmt::Debug for Model {
@@ -723,6 +726,7 @@ impl Model {
             embedding,
             output,
             output_norm,
+            lookahead_routers: std::sync::OnceLock::new(),
         })
     }
 
@@ -975,4 +979,41 @@ impl Weights for Model {
     fn output(&self) -> MatrixView<'_> {
         self.view(&self.output)
     }
+
+    /// A Q8_0 copy of a float (f32, f16, bf16) router: a quarter of an f32
+    /// router's bytes to stream per prediction. Layers whose router is quantized
+    /// already, or whose width is not a multiple of 32, predict with the router.
+    fn lookahead_router(&self, layer: usize) -> Option<MatrixView<'_>> {
+        let copies = self.lookahead_routers.get_or_init(|| {
+            self.layers
+                .iter()
+                .map(|l| match &l.ffn {
+                    FfnRefs::Moe { router, .. } => q8_0_copy(self.view(router)),
+                    FfnRefs::Dense(_) => None,
+                })
+                .collect()
+        });
+        let bytes = copies.get(layer)?.as_deref()?;
+        let FfnRefs::Moe { router, .. } = &self.layers.get(layer)?.ffn else {
+            return None;
+        };
+        MatrixView::new(GgmlType::Q8_0, router.rows, router.cols, bytes).ok()
+    }
+}
+
+/// `m` requantized to Q8_0, if it is a float matrix whose rows are whole Q8_0
+/// blocks.
+fn q8_0_copy(m: MatrixView<'_>) -> Option<Vec<u8>> {
+    let float = matches!(m.ty(), GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+    if !float || m.cols() % 32 != 0 {
+        return None;
+    }
+    let mut row = vec![0f32; m.cols()];
+    let row_bytes = GgmlType::Q8_0.row_bytes(m.cols())?;
+    let mut out = vec![0u8; row_bytes * m.rows()];
+    for (i, dst) in out.chunks_exact_mut(row_bytes).enumerate() {
+        quant::dequantize(m.ty(), m.row(i)?, &mut row).ok()?;
+        quant::quantize(GgmlType::Q8_0, &row, dst).ok()?;
+    }
+    Some(out)
 }

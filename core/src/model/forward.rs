@@ -113,6 +113,14 @@ pub trait Weights {
     fn output_norm(&self) -> &[f32];
     /// Output projection (`n_vocab` x `n_embd`), the embedding when tied.
     fn output(&self) -> MatrixView<'_>;
+    /// A cheaper copy of MoE layer `layer`'s router (same shape, e.g. quantized)
+    /// for lookahead predictions, which only decide what is read early and so
+    /// need not match the router's bits; `None` predicts with the router itself.
+    /// Routing always uses the router.
+    fn lookahead_router(&self, layer: usize) -> Option<MatrixView<'_>> {
+        let _ = layer;
+        None
+    }
 }
 
 /// The three matrices of one routed expert.
@@ -937,7 +945,8 @@ where
 }
 
 /// Lookahead prediction for the MoE layers `targets` (those `la` enables): each
-/// one's router on the residual stream `s.h`, normed by that layer's FFN norm,
+/// one's router ([`Weights::lookahead_router`] where the weights have a cheaper
+/// copy) on the residual stream `s.h`, normed by that layer's FFN norm,
 /// handed to [`Experts::prefetch`]. Does nothing where `experts` wants no
 /// predictions.
 #[allow(clippy::too_many_arguments)]
@@ -958,7 +967,11 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
     let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
     for layer in targets.filter(|l| la.layers.is_enabled(*l)) {
         let w = weights.block(layer);
-        if let Ffn::Moe { router: r, .. } = w.ffn {
+        if let Ffn::Moe { router, .. } = w.ffn {
+            let r = weights
+                .lookahead_router(layer)
+                .filter(|c| c.rows() == router.rows() && c.cols() == router.cols())
+                .unwrap_or(router);
             rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
             mv.matvec(&r, s.pred_x, s.router)?;
             router::predict(s.router, None, rc, &la.predictor, &mut prediction)?;
