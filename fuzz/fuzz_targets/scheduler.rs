@@ -221,6 +221,9 @@ struct Model {
     image: Vec<u8>,
     experts: Vec<(Extents, u32, Vec<u8>)>,
     slot_bytes: u32,
+    /// Tell the scheduler each expert's checksum, so it is checked when first
+    /// computed instead of on arrival.
+    on_compute: bool,
 }
 
 impl Model {
@@ -256,6 +259,7 @@ impl Model {
             image,
             experts,
             slot_bytes,
+            on_compute: false,
         }
     }
     fn id(&self, k: ExpertKey) -> usize {
@@ -273,6 +277,9 @@ impl ExpertSource for Model {
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
         let e = &self.experts[self.id(key)];
         checksum(&slot[..e.2.len()]) == e.1
+    }
+    fn checksum(&self, key: ExpertKey) -> Option<u32> {
+        self.on_compute.then(|| self.experts[self.id(key)].1)
     }
 }
 
@@ -308,7 +315,7 @@ fn check_table<S, M, L>(
     m: &Model,
     capacity: usize,
     picks: &[ExpertKey],
-    computing: &[(usize, SlotId)],
+    computing: &[(usize, SlotId, bool)],
 ) where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
     M: AsRef<[u32]> + AsMut<[u32]>,
@@ -330,7 +337,7 @@ fn check_table<S, M, L>(
         }
     }
     // What is being computed stays pinned, never evicted or reloaded.
-    for &(index, slot) in computing {
+    for &(index, slot, _) in computing {
         assert_eq!(
             *t.state(slot),
             SlotState::InUse { key: picks[index] },
@@ -364,7 +371,8 @@ fuzz_target!(|data: &[u8]| {
             n_layers, n_experts, top_k, parts, extra, depth, tokens, flags, budget, fault_rate,
         )
     };
-    let m = Model::new(&mut tape.borrow_mut(), n_layers, n_experts, parts);
+    let mut m = Model::new(&mut tape.borrow_mut(), n_layers, n_experts, parts);
+    m.on_compute = flags & 0x80 != 0;
     let on_demand = flags & 1 != 0;
     let mut config = if on_demand {
         SchedulerConfig::on_demand()
@@ -471,7 +479,7 @@ fuzz_target!(|data: &[u8]| {
                 check_call(&sched, &dev.log[before..], budget, on_demand);
             }
             let mut outs: Vec<Option<f32>> = vec![None; r.len()];
-            let mut computing: Vec<(usize, SlotId)> = Vec::new();
+            let mut computing: Vec<(usize, SlotId, bool)> = Vec::new();
             loop {
                 let before = dev.log.len();
                 let next = sched.next(&mut dev, &m)?;
@@ -479,8 +487,12 @@ fuzz_target!(|data: &[u8]| {
                 check_table(&sched, &m, capacity, &picks, &computing);
                 match next {
                     Next::Compute {
-                        index, key, slot, ..
+                        index,
+                        key,
+                        slot,
+                        verify,
                     } => {
+                        assert!(!verify || m.on_compute, "verify without checksums");
                         assert_eq!(
                             key,
                             ExpertKey {
@@ -490,7 +502,7 @@ fuzz_target!(|data: &[u8]| {
                         );
                         assert!(outs[index].is_none(), "index {index} handed out twice");
                         outs[index] = Some(f32::NAN);
-                        computing.push((index, slot));
+                        computing.push((index, slot, verify));
                     }
                     Next::Wait => {
                         if sched.reads_in_flight() > 0 {
@@ -511,15 +523,28 @@ fuzz_target!(|data: &[u8]| {
                     t.exhausted() || t.below(3) != 0
                 } {
                     let i = tape.borrow_mut().below(computing.len());
-                    let (index, slot) = computing.remove(i);
+                    let (index, slot, verify) = computing.remove(i);
                     let key = ExpertKey {
                         layer,
                         expert: r[index].0,
                     };
                     let bytes = &dev.slot(slot)[..m.bytes(key).len()];
-                    assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
-                    outs[index] = Some(expert_output(bytes, h));
-                    sched.finish::<()>(index).expect("computing");
+                    let out = expert_output(bytes, h);
+                    if verify {
+                        // Unchecked bytes: the output counts only if accepted.
+                        let intact = bytes == m.bytes(key);
+                        match sched.finish_checked(index, checksum(bytes)) {
+                            Ok(()) => assert!(intact, "corrupt {key} accepted"),
+                            Err(e) => {
+                                assert!(!intact, "intact {key} refused: {e}");
+                                return Err(e);
+                            }
+                        }
+                    } else {
+                        assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
+                        sched.finish::<()>(index).expect("computing");
+                    }
+                    outs[index] = Some(out);
                     check_table(&sched, &m, capacity, &picks, &computing);
                 }
             }
