@@ -17,8 +17,12 @@
 //! Reads can be checked where they land: given [`ReadChecks`] (the CRC-32 of
 //! each packed expert), the I/O thread that read a chunk hashes it, the chunks'
 //! CRCs are combined when the read completes, and a mismatch completes the read
-//! as failed ([`io::ErrorKind::InvalidData`], "checksum mismatch"). The compute
-//! thread then never hashes expert bytes itself.
+//! as failed ([`io::ErrorKind::InvalidData`], "checksum mismatch"). `les` itself
+//! does not ask for this: it checks each expert where it is first computed
+//! (`SchedulerConfig::verify_on_compute`), from bytes already in cache, which on
+//! few cores costs the overlapped compute less than hashing every read from
+//! RAM here; with spare cores, checking here takes the hashing off the compute
+//! threads.
 //!
 //! Soundness of the shared slot memory ([`arena`]) rests on bookkeeping done here,
 //! not on the caller: `submit` rejects a read overlapping another read in flight
