@@ -1,8 +1,9 @@
 //! The lookahead's router copies: a Q8_0 copy of each float router, the same
 //! shape, within Q8_0's rounding of the router, ranking experts like it.
 
+mod cli;
+
 use std::path::PathBuf;
-use std::process::Command;
 
 use les::model::Model;
 use les_core::gemv::{gemv, Input, Isa};
@@ -10,18 +11,10 @@ use les_core::model::forward::{Ffn, Weights};
 use les_core::quant::{self, blocks::BlockQ8_0, GgmlType};
 
 fn tiny(arch: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("lookahead-{arch}.gguf"));
-    let out = Command::new(env!("CARGO_BIN_EXE_les"))
-        .args(["synth", "--arch", arch, "--preset", "tiny", "-o"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    path
+    cli::synth_once(
+        &format!("lookahead-{arch}.gguf"),
+        &["--arch", arch, "--preset", "tiny"],
+    )
 }
 
 #[test]
