@@ -79,6 +79,17 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         assert!(j["speedup"][s].as_f64().unwrap() > 0.0);
     }
     assert_eq!(j["speedup"]["on-demand"], 1.0);
+    // Each round's ratio, from that round's runs.
+    let runs = |s: &str| j["schedules"][s]["tok_s_runs"].as_array().unwrap().clone();
+    let rounds = j["speedup_rounds"]["les"].as_array().unwrap();
+    assert_eq!(rounds.len(), 2, "{j}");
+    for (k, r) in rounds.iter().enumerate() {
+        let want = runs("les")[k].as_f64().unwrap() / runs("on-demand")[k].as_f64().unwrap();
+        assert!(
+            (r.as_f64().unwrap() - want).abs() < 1e-9,
+            "round {k}: {r} vs {want}"
+        );
+    }
     // The speedup perfect overlap would give is reported beside the speedup.
     let bound = j["speedup_bound"]["les"].as_f64().unwrap();
     assert!(bound.is_finite() && bound > 0.0, "{bound}");
@@ -191,6 +202,37 @@ fn bench_sweep_json_is_one_object_with_every_budget() {
     }
     assert!(j["les_never_slower"].is_boolean());
     assert!(j["les_hit_rate_at_least_lru"].is_boolean());
+    cleanup(&model);
+}
+
+#[test]
+fn bench_text_prints_the_table_and_each_round_s_speedup() {
+    let model = packed_tiny("text");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--slots",
+        "6",
+        "-n",
+        "4",
+        "--repeat",
+        "3",
+        "-t",
+        "1",
+    ]);
+    assert!(out.contains("les: median of 3 runs (tok/s "), "{out}");
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("les: speedup per round "))
+        .unwrap_or_else(|| panic!("no per-round line: {out}"));
+    let (list, median) = line.split_once(" (median ").unwrap();
+    let mut v: Vec<f64> = list.split(' ').map(|x| x.parse().unwrap()).collect();
+    assert_eq!(v.len(), 3, "{line}");
+    v.sort_by(f64::total_cmp);
+    let median: f64 = median.trim_end_matches("x)").parse().unwrap();
+    assert!((median - v[1]).abs() < 0.006, "{line}");
+    assert!(!out.contains("on-demand: speedup per round"), "{out}");
     cleanup(&model);
 }
 

@@ -159,6 +159,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             "threads": cfg.threads,
             "schedules": schedules,
             "speedup": speedup,
+            "speedup_rounds": round_speedups(&runs)
+                .into_iter()
+                .map(|(s, v)| (s.name().to_string(), json!(v)))
+                .collect::<Map<_, _>>(),
             "speedup_bound": bound,
             "optimal_hit_rate": optimal,
             "identical_tokens": identical,
@@ -219,6 +223,23 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                 x.tok_s.len(),
                 v.join(" "),
                 100.0 * x.spread()
+            )?;
+        }
+        // The machine drifts: each round's ratio, measured minutes apart from
+        // the others, shows how much of the headline is noise.
+        for (s, v) in round_speedups(&runs) {
+            if s == Schedule::OnDemand {
+                continue;
+            }
+            let mut sorted = v.clone();
+            sorted.sort_by(f64::total_cmp);
+            let list: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
+            writeln!(
+                out,
+                "{}: speedup per round {} (median {:.2}x)",
+                s.name(),
+                list.join(" "),
+                sorted[sorted.len() / 2]
             )?;
         }
     }
@@ -350,6 +371,23 @@ fn optimal_hit_rate(reports: &[&ScheduleReport], slots: usize, identical: bool) 
     }
     let r = reports.iter().find(|r| r.schedule != Schedule::Resident)?;
     Some(belady::optimal_hits(&r.picks, slots, r.decode_from).hit_rate())
+}
+
+/// Per schedule, its tok/s over on-demand's in the same round of
+/// [`run_interleaved`] (empty without an on-demand run).
+fn round_speedups(runs: &[Runs]) -> Vec<(Schedule, Vec<f64>)> {
+    let Some(od) = runs
+        .iter()
+        .find(|x| x.median.schedule == Schedule::OnDemand)
+    else {
+        return Vec::new();
+    };
+    runs.iter()
+        .map(|x| {
+            let v = x.tok_s.iter().zip(&od.tok_s).map(|(a, b)| a / b).collect();
+            (x.median.schedule, v)
+        })
+        .collect()
 }
 
 /// One schedule's runs of [`run_interleaved`].
