@@ -153,6 +153,19 @@ impl ScheduleReport {
         self.bytes_read as f64 / self.decode.as_secs_f64().max(1e-9)
     }
 
+    /// Bytes read per second of stall (0 without stalls). `on-demand` reads only
+    /// while the decode waits, so for it this is how fast the device served the
+    /// decode's own reads: a measured lower bound on the device's bandwidth,
+    /// which can exceed the probe's (scattered, cold reads).
+    pub fn stall_read_bw(&self) -> f64 {
+        let s = self.stall.as_secs_f64();
+        if s > 0.0 {
+            self.bytes_read as f64 / s
+        } else {
+            0.0
+        }
+    }
+
     /// `max(compute, minimum I/O) / actual` (1 = perfect overlap).
     pub fn overlap_efficiency(&self) -> f64 {
         let actual = self.decode.as_secs_f64().max(1e-9);
@@ -447,5 +460,13 @@ mod tests {
             ..report(Schedule::Les, 3000, 100, 1)
         };
         assert_eq!(unmeasured.overlap_bound(&od), None);
+    }
+
+    #[test]
+    fn stall_read_bandwidth_is_bytes_per_second_of_stall() {
+        // 1.5 GB read over 1.5 s of stall: 1 GB/s.
+        let od = report(Schedule::OnDemand, 4000, 1500, 1_500_000_000);
+        assert!((od.stall_read_bw() - 1e9).abs() < 1.0);
+        assert_eq!(report(Schedule::Les, 4000, 0, 5).stall_read_bw(), 0.0);
     }
 }

@@ -90,6 +90,13 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
             "round {k}: {r} vs {want}"
         );
     }
+    // The overlap figures use the probe's bandwidth, or on-demand's while it
+    // waited where that was higher.
+    let probe = j["device_bw"].as_f64().unwrap();
+    for s in ["on-demand", "les"] {
+        let used = j["schedules"][s]["device_bw"].as_f64().unwrap();
+        assert!(used >= probe && used > 0.0, "{s}: {used} vs probe {probe}");
+    }
     // The speedup perfect overlap would give is reported beside the speedup.
     let bound = j["speedup_bound"]["les"].as_f64().unwrap();
     assert!(bound.is_finite() && bound > 0.0, "{bound}");
