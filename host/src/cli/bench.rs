@@ -231,15 +231,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             if s == Schedule::OnDemand {
                 continue;
             }
-            let mut sorted = v.clone();
-            sorted.sort_by(f64::total_cmp);
             let list: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
             writeln!(
                 out,
                 "{}: speedup per round {} (median {:.2}x)",
                 s.name(),
                 list.join(" "),
-                sorted[sorted.len() / 2]
+                median(v)
             )?;
         }
     }
@@ -372,6 +370,16 @@ fn optimal_hit_rate(reports: &[&ScheduleReport], slots: usize, identical: bool) 
     }
     let r = reports.iter().find(|r| r.schedule != Schedule::Resident)?;
     Some(belady::optimal_hits(&r.picks, slots, r.decode_from).hit_rate())
+}
+
+/// The median of `v` (the mean of the middle two for an even count; 0 if empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Per schedule, its tok/s over on-demand's in the same round of
@@ -673,5 +681,18 @@ fn different_tokens(budgets: &[String]) -> Result<(), Box<dyn Error>> {
             budgets.join(", ")
         )
         .into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![1.65, 1.53, 1.56]), 1.56);
+        assert_eq!(median(vec![1.65, 1.58]), 1.615);
+        assert_eq!(median(vec![2.0]), 2.0);
+        assert_eq!(median(Vec::new()), 0.0);
     }
 }
