@@ -94,6 +94,24 @@ impl Model {
         }
     }
 
+    /// A scheduler over `slots` slots of this model's experts.
+    fn scheduler(
+        &self,
+        config: SchedulerConfig,
+        slots: usize,
+    ) -> Scheduler<Vec<Slot>, Vec<u32>, Vec<LayerState>> {
+        Scheduler::new(
+            config,
+            vec![Slot::EMPTY; slots],
+            vec![0u32; self.n_layers as usize * self.n_experts as usize],
+            vec![LayerState::INITIAL; self.n_layers as usize],
+            self.n_layers,
+            self.n_experts,
+            self.slot_bytes,
+        )
+        .expect("valid configuration")
+    }
+
     fn id(&self, key: ExpertKey) -> usize {
         key.layer as usize * self.n_experts as usize + key.expert as usize
     }
@@ -224,6 +242,24 @@ fn reference(m: &Model, s: &Script) -> Vec<[f32; DIM]> {
 struct Logged<D> {
     inner: D,
     log: Vec<ReadRequest>,
+}
+
+/// A fault-free simulated device over `m`'s image and slot memory `mem`, logging
+/// what is submitted.
+fn fault_free_device<'a>(
+    m: &'a Model,
+    mem: &'a mut [u8],
+) -> Logged<SimDevice<'a, impl FnMut(&ReadRequest) -> Fault, 4>> {
+    Logged {
+        inner: SimDevice::new(
+            &m.image,
+            mem,
+            m.slot_bytes as usize,
+            SimConfig::default(),
+            |_: &ReadRequest| Fault::None,
+        ),
+        log: Vec::new(),
+    }
 }
 
 impl<D: BlockDevice> BlockDevice for Logged<D> {
@@ -403,17 +439,7 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     config.prefetch_budget = c.budget.unwrap_or(u64::MAX);
     config.max_retries = 50; // transient faults must never end a run here
     config.demand_reserve = config.demand_reserve.min(Q - 1);
-    let n = m.n_layers as usize * m.n_experts as usize;
-    let mut sched = Scheduler::new(
-        config,
-        vec![Slot::EMPTY; capacity],
-        vec![0u32; n],
-        vec![LayerState::INITIAL; m.n_layers as usize],
-        m.n_layers,
-        m.n_experts,
-        m.slot_bytes,
-    )
-    .expect("valid configuration");
+    let mut sched = m.scheduler(config, capacity);
 
     let outcome = (|| -> Outcome {
         let mut h = [0.5f32, -0.25, 1.0, 0.125];
@@ -726,28 +752,8 @@ fn a_full_prefetch_queue_makes_room_for_the_nearer_layer() {
     let m = Model::new(&mut Rng(3), n_layers, n_experts, 1);
     let slots = 80;
     let mut mem = vec![0u8; slots * m.slot_bytes as usize];
-    let dev: SimDevice<_, 4> = SimDevice::new(
-        &m.image,
-        &mut mem,
-        m.slot_bytes as usize,
-        SimConfig::default(),
-        |_: &ReadRequest| Fault::None,
-    );
-    let mut dev = Logged {
-        inner: dev,
-        log: Vec::new(),
-    };
-    let n = n_layers as usize * n_experts as usize;
-    let mut sched = Scheduler::new(
-        SchedulerConfig::les(),
-        vec![Slot::EMPTY; slots],
-        vec![0u32; n],
-        vec![LayerState::INITIAL; n_layers as usize],
-        n_layers,
-        n_experts,
-        m.slot_bytes,
-    )
-    .unwrap();
+    let mut dev = fault_free_device(&m, &mut mem);
+    let mut sched = m.scheduler(SchedulerConfig::les(), slots);
     let all: Vec<u16> = (0..n_experts).collect();
     sched.begin_token();
     sched.begin_layer(0, &[0], &mut dev, &m).unwrap();
@@ -801,27 +807,8 @@ fn an_expert_is_checked_when_first_computed_and_refused_if_corrupt() {
     m.on_compute = true;
     let slots = 2;
     let mut mem = vec![0u8; slots * m.slot_bytes as usize];
-    let dev: SimDevice<_, 4> = SimDevice::new(
-        &m.image,
-        &mut mem,
-        m.slot_bytes as usize,
-        SimConfig::default(),
-        |_: &ReadRequest| Fault::None,
-    );
-    let mut dev = Logged {
-        inner: dev,
-        log: Vec::new(),
-    };
-    let mut sched = Scheduler::new(
-        SchedulerConfig::les(),
-        vec![Slot::EMPTY; slots],
-        vec![0u32; (n_layers * n_experts) as usize],
-        vec![LayerState::INITIAL; n_layers as usize],
-        n_layers,
-        n_experts,
-        m.slot_bytes,
-    )
-    .unwrap();
+    let mut dev = fault_free_device(&m, &mut mem);
+    let mut sched = m.scheduler(SchedulerConfig::les(), slots);
     let key = |expert| ExpertKey { layer: 0, expert };
     let crc = |e| les_core::layout::checksum(&m.bytes(key(e)));
     let compute =
