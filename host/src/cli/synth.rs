@@ -9,7 +9,7 @@ use les_core::quant::GgmlType;
 
 use crate::gguf::Gguf;
 use crate::synth::{
-    describe, probe::probe, vocab, write_mmproj, write_model, Arch, MmprojConfig, Overrides,
+    describe, probe::probe, vocab, write_mmproj, write_model, Arch, Mix, MmprojConfig, Overrides,
     Preset, SynthConfig, WriteOptions,
 };
 use crate::vision::ProjectorType;
@@ -43,8 +43,9 @@ pub struct SynthArgs {
     /// Architecture (`mixtral` = arch `llama` with experts).
     #[arg(long, value_enum)]
     pub arch: Arch,
-    /// Dimensions and types: tiny (~330 KB), small (~560 MB), a3b (Qwen3-30B-A3B, ~17.9 GB),
-    /// minicpmv47 (MiniCPM-V 4.7's qwen35moe language model, ~20 GB).
+    /// Dimensions and types: tiny (~330 KB), small (~560 MB), a3b (Qwen3-30B-A3B, ~18.6 GB),
+    /// minicpmv47 (MiniCPM-V 4.7's qwen35moe language model, ~21.7 GB); small, a3b and
+    /// minicpmv47 in llama.cpp's Q4_K_M mix (see --mix), tiny q4_0 / q8_0.
     #[arg(long, value_enum, default_value = "tiny")]
     pub preset: Preset,
     /// The GGUF file to write.
@@ -107,6 +108,12 @@ pub struct SynthArgs {
     /// Type of output.weight.
     #[arg(long, value_parser = parse_type)]
     pub output_type: Option<GgmlType>,
+    /// How types vary inside the expert and dense classes: q4_k_m (llama.cpp's
+    /// Q4_K_M recipe over q4_k classes: attn_v and ffn_down of the "more bits"
+    /// layers q6_k, ...; default for small, a3b, minicpmv47) or uniform (default
+    /// for tiny).
+    #[arg(long, value_enum)]
+    pub mix: Option<Mix>,
     /// Correlation of consecutive layers' routers, in [0, 1] (default 0.9).
     #[arg(long)]
     pub router_corr: Option<f32>,
@@ -184,6 +191,7 @@ impl SynthArgs {
             dense_type: self.dense_type,
             embd_type: self.embd_type,
             output_type: self.output_type,
+            mix: self.mix,
             router_corr: self.router_corr,
             popularity_skew: self.popularity_skew,
             residual_scale: self.residual_scale,

@@ -16,6 +16,11 @@
 //! `rope_dim` dimensions) and the others gated DeltaNet (`attn_qkv`, `attn_gate`,
 //! `ssm_*`), all with routed experts plus a sigmoid-gated shared expert, then
 //! appends `mtp_layers` nextn blocks (`nextn_predict_layers`).
+//! The `small`, `a3b` and `minicpmv47` presets are typed as llama.cpp's `Q4_K_M`
+//! quantization types those models ([`Mix::Q4KM`]: `q4_k`, with `q6_k` for `attn_v`
+//! and `ffn_down*` of every third layer and the first and last eighth; `a3b` then has
+//! the 17.28 GiB of Qwen3-30B-A3B's `Q4_K_M` file); `--mix uniform` and the
+//! `--*-type` flags give one type per class.
 //! A type whose block does not divide a tensor's row length falls back to `q8_0`,
 //! else `f16`; norms, biases and routers are `f32`.
 //!
@@ -140,12 +145,13 @@ pub enum Preset {
     /// About 560 MB: 16 layers, 1024 wide, 64 experts of 256, top-4.
     Small,
     /// The shape of Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts of 768, top-8;
-    /// about 17.9 GB (16.7 GiB) with Q4_K experts.
+    /// in llama.cpp's `Q4_K_M` mix ([`Mix::Q4KM`]) about 18.6 GB (17.28 GiB), the
+    /// size of that model's `Q4_K_M` download.
     A3b,
     /// The shape of MiniCPM-V 4.7's language model (Qwen3.5-35B-A3B, arch
     /// `qwen35moe`): 40 layers (30 gated DeltaNet, 10 gated attention), 2048 wide,
     /// 256 experts of 512, top-8, a shared expert of 512, vocabulary 248320, one
-    /// MTP block; about 20 GB with Q4_K experts.
+    /// MTP block; about 21.7 GB in the `Q4_K_M` mix.
     Minicpmv47,
 }
 
@@ -244,6 +250,84 @@ pub struct Types {
     pub embd: GgmlType,
     /// `output.weight`.
     pub output: GgmlType,
+    /// How types vary inside the expert and dense classes.
+    pub mix: Mix,
+}
+
+/// How tensor types vary inside a class ([`Types`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mix {
+    /// Every tensor has its class's type.
+    Uniform,
+    /// llama.cpp's `Q4_K_M` recipe (`llama_tensor_get_type`) over the classes whose
+    /// type is `q4_k`: `attn_v` and every `ffn_down*` (routed, shared or dense) of
+    /// the "more bits" layers (the first and last eighth, and every third between)
+    /// become `q6_k`, DeltaNet `attn_qkv` `q5_k`; with exactly 8 experts
+    /// (Mixtral) `attn_k` and `attn_v` become `q8_0` and `attn_output` `q5_k`.
+    /// What `llama-quantize ... Q4_K_M`, the usual 4-bit download, writes.
+    #[value(name = "q4_k_m")]
+    Q4KM,
+}
+
+impl Mix {
+    /// The name `--mix` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mix::Uniform => "uniform",
+            Mix::Q4KM => "q4_k_m",
+        }
+    }
+}
+
+/// llama.cpp's `use_more_bits`: layer `i` of `n` gets more bits in `Q4_K_M`.
+fn use_more_bits(i: u64, n: u64) -> bool {
+    let (i, n) = (i as i64, n as i64);
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// Applies [`Mix::Q4KM`] to a plan whose tensors have their class types: the
+/// type `llama_tensor_get_type` picks for each tensor of a `q4_k` class, then
+/// [`fit`] to its rows. `attn_v` tensors count in layer order among all
+/// `attn_v` / `attn_qkv` tensors, as in llama.cpp.
+fn apply_q4_k_m(cfg: &SynthConfig, plan: &mut [TensorPlan]) {
+    let t = &cfg.types;
+    let n_layer = cfg.shape.layers + cfg.shape.mtp_layers;
+    let eight_experts = cfg.shape.experts == 8;
+    let n_wv = plan
+        .iter()
+        .filter(|p| p.name.contains("attn_v.weight") || p.name.contains("attn_qkv.weight"))
+        .count() as u64;
+    // The plan lists layers in order and at most one attn_v per layer.
+    let mut i_wv = 0;
+    for p in plan.iter_mut() {
+        let class = if p.is_expert() { t.expert } else { t.dense };
+        let Some(layer) = p.layer else { continue };
+        let is_v = p.name.contains("attn_v.weight");
+        let bumped = if is_v {
+            let more = use_more_bits(i_wv, n_wv);
+            i_wv += 1;
+            if eight_experts {
+                Some(GgmlType::Q8_0)
+            } else {
+                more.then_some(GgmlType::Q6K)
+            }
+        } else if p.name.contains("attn_k.weight") {
+            eight_experts.then_some(GgmlType::Q8_0)
+        } else if p.name.contains("ffn_down") {
+            use_more_bits(layer, n_layer).then_some(GgmlType::Q6K)
+        } else if p.name.contains("attn_output.weight") {
+            eight_experts.then_some(GgmlType::Q5K)
+        } else if p.name.contains("attn_qkv.weight") {
+            Some(GgmlType::Q5K)
+        } else {
+            None
+        };
+        if let Some(ty) = bumped {
+            if class == GgmlType::Q4K && p.ty == fit(class, p.dims[0]) {
+                p.ty = fit(ty, p.dims[0]);
+            }
+        }
+    }
 }
 
 /// The routing-realism knobs; see the [module documentation](self).
@@ -440,12 +524,16 @@ impl Preset {
                 dense: GgmlType::Q8_0,
                 embd: GgmlType::Q8_0,
                 output: GgmlType::Q8_0,
+                mix: Mix::Uniform,
             },
+            // What llama.cpp's Q4_K_M gives these models: q4_k with the recipe's
+            // q6_k / q5_k tensors, token_embd q4_k, output q6_k.
             Preset::Small | Preset::A3b | Preset::Minicpmv47 => Types {
                 expert: GgmlType::Q4K,
-                dense: GgmlType::Q8_0,
-                embd: GgmlType::Q8_0,
+                dense: GgmlType::Q4K,
+                embd: GgmlType::Q4K,
                 output: GgmlType::Q6K,
+                mix: Mix::Q4KM,
             },
         }
     }
@@ -472,6 +560,7 @@ pub struct Overrides {
     pub dense_type: Option<GgmlType>,
     pub embd_type: Option<GgmlType>,
     pub output_type: Option<GgmlType>,
+    pub mix: Option<Mix>,
     pub router_corr: Option<f32>,
     pub popularity_skew: Option<f32>,
     pub residual_scale: Option<f32>,
@@ -623,6 +712,7 @@ impl SynthConfig {
             dense: o.dense_type.unwrap_or(t.dense),
             embd: o.embd_type.unwrap_or(t.embd),
             output: o.output_type.unwrap_or(t.output),
+            mix: o.mix.unwrap_or(t.mix),
         };
         let d = preset.knobs();
         let knobs = Knobs {
@@ -984,6 +1074,9 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             Init::Normal(inv(e)),
             None,
         );
+    }
+    if t.mix == Mix::Q4KM {
+        apply_q4_k_m(cfg, &mut out);
     }
     out
 }
@@ -1378,7 +1471,7 @@ pub fn describe(
     }
     writeln!(
         out,
-        "  types: experts {}, dense {}, token_embd {}, output {}",
+        "  types: experts {}, dense {}, token_embd {}, output {}, mix {}",
         t.expert,
         t.dense,
         t.embd,
@@ -1386,7 +1479,8 @@ pub fn describe(
             "tied"
         } else {
             t.output.name()
-        }
+        },
+        t.mix.name()
     )?;
     writeln!(
         out,
@@ -1421,4 +1515,124 @@ pub fn describe(
         total as f64 / (1u64 << 30) as f64
     )?;
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(arch: Arch, preset: Preset, o: Overrides) -> Vec<TensorPlan> {
+        tensor_plan(&SynthConfig::new(arch, preset, &o, 0).unwrap())
+    }
+
+    fn ty(plan: &[TensorPlan], name: &str) -> GgmlType {
+        plan.iter().find(|p| p.name == name).unwrap().ty
+    }
+
+    #[test]
+    fn more_bits_layers_match_llama_cpp() {
+        // 48 layers: the first and last six, and every third from layer 8.
+        let more: Vec<u64> = (0..48).filter(|&i| use_more_bits(i, 48)).collect();
+        let mut want: Vec<u64> = (0..6).chain((8..42).step_by(3)).collect();
+        want.extend(42..48);
+        assert_eq!(more, want);
+        assert_eq!((0..2).filter(|&i| use_more_bits(i, 2)).count(), 1);
+    }
+
+    #[test]
+    fn a3b_is_qwen3_30b_a3b_q4_k_m() {
+        let p = plan(Arch::Qwen3moe, Preset::A3b, Overrides::default());
+        for l in 0..48 {
+            let want = if use_more_bits(l, 48) {
+                GgmlType::Q6K
+            } else {
+                GgmlType::Q4K
+            };
+            assert_eq!(ty(&p, &format!("blk.{l}.attn_v.weight")), want, "layer {l}");
+            assert_eq!(ty(&p, &format!("blk.{l}.ffn_down_exps.weight")), want);
+            for part in [
+                "attn_q",
+                "attn_k",
+                "attn_output",
+                "ffn_gate_exps",
+                "ffn_up_exps",
+            ] {
+                assert_eq!(ty(&p, &format!("blk.{l}.{part}.weight")), GgmlType::Q4K);
+            }
+        }
+        assert_eq!(ty(&p, "token_embd.weight"), GgmlType::Q4K);
+        assert_eq!(ty(&p, "output.weight"), GgmlType::Q6K);
+        assert_eq!(ty(&p, "blk.0.ffn_gate_inp.weight"), GgmlType::F32);
+        // 17.28 GiB of tensors, the size of llama.cpp's Q4_K_M of Qwen3-30B-A3B.
+        let bytes: u64 = p.iter().map(TensorPlan::bytes).sum();
+        assert_eq!(bytes, 18_550_716_416);
+    }
+
+    #[test]
+    fn q4_k_m_rules_for_other_architectures() {
+        // Mixtral (8 experts): attn_k / attn_v q8_0, attn_output q5_k.
+        let o = Overrides {
+            experts: Some(8),
+            top_k: Some(2),
+            layers: Some(8),
+            ..Overrides::default()
+        };
+        let p = plan(Arch::Mixtral, Preset::Small, o);
+        for l in 0..8 {
+            assert_eq!(ty(&p, &format!("blk.{l}.attn_v.weight")), GgmlType::Q8_0);
+            assert_eq!(ty(&p, &format!("blk.{l}.attn_k.weight")), GgmlType::Q8_0);
+            assert_eq!(
+                ty(&p, &format!("blk.{l}.attn_output.weight")),
+                GgmlType::Q5K
+            );
+            assert_eq!(ty(&p, &format!("blk.{l}.attn_q.weight")), GgmlType::Q4K);
+        }
+        // qwen35moe: DeltaNet attn_qkv q5_k; attn_v counts among the 40 attn_v +
+        // attn_qkv tensors (+1 in the MTP block), so all of the first five attention
+        // layers' attn_v get more bits; ffn_down_shexp follows the layer.
+        let p = plan(Arch::Qwen35moe, Preset::Minicpmv47, Overrides::default());
+        assert_eq!(ty(&p, "blk.0.attn_qkv.weight"), GgmlType::Q5K);
+        assert_eq!(ty(&p, "blk.0.attn_gate.weight"), GgmlType::Q4K);
+        let v: Vec<GgmlType> = p
+            .iter()
+            .filter(|t| t.name.ends_with("attn_v.weight"))
+            .map(|t| t.ty)
+            .collect();
+        let n = p
+            .iter()
+            .filter(|t| t.name.ends_with("attn_v.weight") || t.name.ends_with("attn_qkv.weight"))
+            .count() as u64;
+        for (i, t) in v.iter().enumerate() {
+            let more = use_more_bits(i as u64, n);
+            assert_eq!(*t == GgmlType::Q6K, more, "attn_v #{i} of {n}");
+        }
+        assert_eq!(ty(&p, "blk.0.ffn_down_shexp.weight"), GgmlType::Q6K);
+        assert_eq!(ty(&p, "blk.6.ffn_down_shexp.weight"), GgmlType::Q4K);
+    }
+
+    #[test]
+    fn q4_k_m_leaves_other_types_and_uniform_alone() {
+        // A dense class set to q8_0 keeps it everywhere; experts still follow.
+        let o = Overrides {
+            dense_type: Some(GgmlType::Q8_0),
+            ..Overrides::default()
+        };
+        let p = plan(Arch::Qwen3moe, Preset::A3b, o);
+        assert_eq!(ty(&p, "blk.0.attn_v.weight"), GgmlType::Q8_0);
+        assert_eq!(ty(&p, "blk.0.ffn_down_exps.weight"), GgmlType::Q6K);
+        let o = Overrides {
+            mix: Some(Mix::Uniform),
+            ..Overrides::default()
+        };
+        let p = plan(Arch::Qwen3moe, Preset::A3b, o);
+        assert!(p
+            .iter()
+            .filter(|t| t.dims.len() > 1
+                && t.name != "output.weight"
+                && !t.name.contains("gate_inp"))
+            .all(|t| t.ty == GgmlType::Q4K));
+        // tiny stays uniform.
+        let p = plan(Arch::Qwen3moe, Preset::Tiny, Overrides::default());
+        assert_eq!(ty(&p, "blk.0.ffn_down_exps.weight"), GgmlType::Q4_0);
+    }
 }
