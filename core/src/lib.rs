@@ -17,7 +17,8 @@
 //!   layer `l`'s hidden state, to know which experts to prefetch.
 //! - [`blockdev`]: the abstract, poll-based, allocation-free read device, and a
 //!   scripted simulated device for tests.
-//! - [`slots`]: the fixed-capacity table of expert slots and its eviction policies.
+//! - [`slots`]: the fixed-capacity table of expert slots and its eviction policies;
+//!   [`slot_classes`]: slots sized to the experts of models with mixed expert sizes.
 //! - [`schedule`]: the LES planner that turns routing results, predictions and I/O
 //!   completions into reads, cancellations and a *ready-first* compute order, and
 //!   the on-demand baseline as the same machinery with prediction and overlap off.
@@ -39,4 +40,5 @@ pub mod model;
 pub mod quant;
 pub mod router;
 pub mod schedule;
+pub mod slot_classes;
 pub mod slots;

@@ -30,6 +30,7 @@
 
 use core::convert::Infallible;
 use core::fmt;
+use core::ops::Range;
 
 use heapless::Vec;
 
@@ -37,6 +38,7 @@ use crate::blockdev::{
     BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError,
     Tag,
 };
+use crate::slot_classes::{SlotClass, MAX_SLOT_CLASSES};
 use crate::slots::{EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable};
 
 /// Most experts one layer's router may pick.
@@ -377,7 +379,8 @@ pub struct Scheduler<S, M, L> {
     table: SlotTable<S, M>,
     layers: L,
     config: SchedulerConfig,
-    slot_bytes: u32,
+    /// The slots' sizes: runs of slots, smallest first.
+    classes: Vec<SlotClass, MAX_SLOT_CLASSES>,
     next_load: u32,
     layer: Option<u16>,
     picks: Vec<Pick, MAX_PICKS>,
@@ -438,10 +441,30 @@ where
         config: SchedulerConfig,
         slots: S,
         index: M,
-        mut layers: L,
+        layers: L,
         n_layers: u16,
         n_experts: u16,
         slot_bytes: u32,
+    ) -> Result<Self, Error<Infallible>> {
+        let class = SlotClass {
+            slots: slots.as_ref().len() as u32,
+            bytes: slot_bytes,
+        };
+        Self::with_slot_classes(config, slots, index, layers, n_layers, n_experts, &[class])
+    }
+
+    /// [`new`](Self::new) with slots of several sizes: `classes` (smallest first,
+    /// sizes strictly increasing) cover the entries of `slots` in order, and each
+    /// expert only takes slots of the smallest class it fits (see
+    /// [`crate::slot_classes`]). A layer's picks must fit their class.
+    pub fn with_slot_classes(
+        config: SchedulerConfig,
+        slots: S,
+        index: M,
+        mut layers: L,
+        n_layers: u16,
+        n_experts: u16,
+        classes: &[SlotClass],
     ) -> Result<Self, Error<Infallible>> {
         if layers.as_ref().len() != n_layers as usize {
             return Err(Error::Config("layer storage must hold n_layers entries"));
@@ -455,13 +478,25 @@ where
         if slots.as_ref().len() > MAX_SLOTS {
             return Err(Error::Config("more slots than MAX_SLOTS"));
         }
+        if classes.is_empty()
+            || classes.len() > MAX_SLOT_CLASSES
+            || classes.iter().any(|c| c.slots == 0)
+            || classes.windows(2).any(|w| w[0].bytes >= w[1].bytes)
+        {
+            return Err(Error::Config(
+                "slot classes: 1..=MAX_SLOT_CLASSES non-empty runs, sizes increasing",
+            ));
+        }
+        if classes.iter().map(|c| c.slots as usize).sum::<usize>() != slots.as_ref().len() {
+            return Err(Error::Config("slot classes must cover the slots exactly"));
+        }
         layers.as_mut().fill(LayerState::INITIAL);
         let table = SlotTable::new(slots, index, n_layers, n_experts)?;
         Ok(Scheduler {
             table,
             layers,
             config,
-            slot_bytes,
+            classes: classes.iter().copied().collect(),
             next_load: 0,
             layer: None,
             picks: Vec::new(),
@@ -473,6 +508,11 @@ where
             partial_prefetch: false,
             stats: Stats::default(),
         })
+    }
+
+    /// The slots' size classes, smallest first, in slot order.
+    pub fn slot_classes(&self) -> &[SlotClass] {
+        &self.classes
     }
 
     /// The settings.
@@ -551,6 +591,19 @@ where
         }
         if routing.len() > self.table.capacity() {
             return Err(Error::Config("fewer slots than experts per layer"));
+        }
+        if self.classes.len() > 1 {
+            let mut need = [0usize; MAX_SLOT_CLASSES];
+            for &expert in routing {
+                let (_, class) = self.placement(ExpertKey { layer, expert }, src)?;
+                let c = self.classes_before(class.start);
+                need[c] += 1;
+                if need[c] > class.len() {
+                    return Err(Error::Config(
+                        "fewer slots of a size than experts per layer",
+                    ));
+                }
+            }
         }
         self.score_prediction(layer, routing);
         for &expert in routing {
@@ -942,18 +995,42 @@ where
     }
 
     fn extents<E, X: ExpertSource>(&self, key: ExpertKey, src: &X) -> Result<Extents, Error<E>> {
+        self.placement(key, src).map(|(ext, _)| ext)
+    }
+
+    /// The index of the class whose slots start at `start`.
+    fn classes_before(&self, start: usize) -> usize {
+        let mut at = 0;
+        self.classes
+            .iter()
+            .take_while(|c| {
+                let before = at < start;
+                at += c.slots as usize;
+                before
+            })
+            .count()
+    }
+
+    /// `key`'s extents and the slots it may take: those of the smallest class
+    /// whose slots hold every extent.
+    fn placement<E, X: ExpertSource>(
+        &self,
+        key: ExpertKey,
+        src: &X,
+    ) -> Result<(Extents, Range<usize>), Error<E>> {
         let ext = src.extents(key);
-        let fits = !ext.is_empty()
-            && ext.iter().all(|e| {
-                e.slot_offset
-                    .checked_add(e.len)
-                    .is_some_and(|end| end <= self.slot_bytes)
-            });
-        if fits {
-            Ok(ext)
-        } else {
-            Err(Error::BadExtents { key })
+        let need = ext.iter().try_fold(0u32, |m, e| {
+            e.slot_offset.checked_add(e.len).map(|end| m.max(end))
+        });
+        let mut start = 0;
+        for c in &self.classes {
+            let end = start + c.slots as usize;
+            if need.is_some_and(|n| n <= c.bytes) && !ext.is_empty() {
+                return Ok((ext, start..end));
+            }
+            start = end;
         }
+        Err(Error::BadExtents { key })
     }
 
     fn layer_now(&self) -> u16 {
@@ -974,15 +1051,23 @@ where
                 continue;
             }
             let key = self.picks[i].key;
+            let (_, class) = self.placement(key, src)?;
             let slot = loop {
-                if let Some(slot) = self.table.victim(self.config.eviction, current, |_| true) {
+                if let Some(slot) =
+                    self.table
+                        .victim_in(self.config.eviction, current, class.clone(), |_| true)
+                {
                     break Some(slot);
                 }
                 // Everything is pinned or loading: free a slot by cancelling a
                 // prefetch. A prefetch with reads in flight frees its slot only when
                 // its completions arrive; one with none frees it at once.
                 let victim = self.table.iter().find_map(|(s, st)| match st {
-                    SlotState::Loading(l) if !l.demand && !l.cancelled => Some(s),
+                    SlotState::Loading(l)
+                        if !l.demand && !l.cancelled && class.contains(&(s.0 as usize)) =>
+                    {
+                        Some(s)
+                    }
                     _ => None,
                 });
                 match victim {
@@ -1052,7 +1137,7 @@ where
                 // practice; retried on the next pump, once the device drained.
                 break;
             }
-            let ext = self.extents(key, src)?;
+            let (ext, class) = self.placement(key, src)?;
             let bytes: u64 = ext.iter().map(|e| e.len as u64).sum();
             if self.token_prefetch_bytes + bytes > self.config.prefetch_budget {
                 self.queue.clear(); // budget spent for this token
@@ -1063,14 +1148,17 @@ where
             }
             // Never evict what the target layer or the current layer still needs.
             let picks = &self.picks;
-            let Some(slot) = self.table.victim(self.config.eviction, current, |k| {
-                // Picks are all of the current layer: only check those.
-                k.layer != key.layer
-                    && (k.layer != current
-                        || !picks
-                            .iter()
-                            .any(|p| p.key == k && p.status != PickStatus::Done))
-            }) else {
+            let Some(slot) = self
+                .table
+                .victim_in(self.config.eviction, current, class, |k| {
+                    // Picks are all of the current layer: only check those.
+                    k.layer != key.layer
+                        && (k.layer != current
+                            || !picks
+                                .iter()
+                                .any(|p| p.key == k && p.status != PickStatus::Done))
+                })
+            else {
                 break; // retried when computed experts free their slots
             };
             self.queue.remove(0);

@@ -325,15 +325,29 @@ where
         &self,
         policy: EvictionPolicy,
         current_layer: u16,
+        allowed: impl FnMut(ExpertKey) -> bool,
+    ) -> Option<SlotId> {
+        self.victim_in(policy, current_layer, 0..self.capacity(), allowed)
+    }
+
+    /// [`victim`](Self::victim) among the slots `range` (one size class, see
+    /// [`crate::slot_classes`]); `None` for a range outside the table.
+    pub fn victim_in(
+        &self,
+        policy: EvictionPolicy,
+        current_layer: u16,
+        range: core::ops::Range<usize>,
         mut allowed: impl FnMut(ExpertKey) -> bool,
     ) -> Option<SlotId> {
-        let slots = self.slots.as_ref();
+        let first = range.start;
+        let slots = self.slots.as_ref().get(range)?;
         if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
-            return Some(SlotId(i as u32));
+            return Some(SlotId((first + i) as u32));
         }
         let n_layers = self.n_layers.max(1) as u32;
         let mut best: Option<(usize, (bool, u32, u32, u64))> = None;
         for (i, s) in slots.iter().enumerate() {
+            let i = first + i;
             let SlotState::Ready { key, .. } = s.state else {
                 continue;
             };

@@ -14,6 +14,7 @@ use les_core::blockdev::{
 use les_core::schedule::{
     Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
 };
+use les_core::slot_classes::SlotClass;
 use les_core::slots::{EvictionPolicy, ExpertKey, Slot, SlotState};
 use proptest::prelude::*;
 
@@ -45,6 +46,8 @@ struct Model {
     /// Per expert: its extents and its bytes' checksum.
     experts: Vec<(Extents, u64)>,
     slot_bytes: u32,
+    /// Slots of two sizes ([`Scheduler::with_slot_classes`]) instead of one.
+    classes: Option<Vec<SlotClass>>,
     /// Give the scheduler each expert's CRC-32 ([`ExpertSource::checksum`]), so
     /// experts are checked when first computed rather than by `verify` on load.
     on_compute: bool,
@@ -90,8 +93,42 @@ impl Model {
             image,
             experts,
             slot_bytes,
+            classes: None,
             on_compute: false,
         }
+    }
+
+    /// Two slot classes: `small` slots as large as the median expert, `large` of
+    /// the largest size (one class where all experts fit the median's).
+    fn two_classes(&self, small: usize, large: usize) -> Vec<SlotClass> {
+        let mut lens: Vec<u32> = (0..self.experts.len())
+            .map(|i| {
+                self.experts[i]
+                    .0
+                    .iter()
+                    .map(|e| e.slot_offset + e.len)
+                    .max()
+                    .unwrap()
+            })
+            .collect();
+        lens.sort_unstable();
+        let median = lens[lens.len() / 2];
+        if median == self.slot_bytes {
+            return vec![SlotClass {
+                slots: (small + large) as u32,
+                bytes: self.slot_bytes,
+            }];
+        }
+        vec![
+            SlotClass {
+                slots: small as u32,
+                bytes: median,
+            },
+            SlotClass {
+                slots: large as u32,
+                bytes: self.slot_bytes,
+            },
+        ]
     }
 
     /// A scheduler over `slots` slots of this model's experts.
@@ -100,16 +137,49 @@ impl Model {
         config: SchedulerConfig,
         slots: usize,
     ) -> Scheduler<Vec<Slot>, Vec<u32>, Vec<LayerState>> {
-        Scheduler::new(
+        let one = [SlotClass {
+            slots: slots as u32,
+            bytes: self.slot_bytes,
+        }];
+        let classes = self.classes.as_deref().unwrap_or(&one);
+        assert_eq!(
+            classes.iter().map(|c| c.slots as usize).sum::<usize>(),
+            slots
+        );
+        Scheduler::with_slot_classes(
             config,
             vec![Slot::EMPTY; slots],
             vec![0u32; self.n_layers as usize * self.n_experts as usize],
             vec![LayerState::INITIAL; self.n_layers as usize],
             self.n_layers,
             self.n_experts,
-            self.slot_bytes,
+            classes,
         )
         .expect("valid configuration")
+    }
+
+    /// The bytes of slot `slot`'s class, and of the class before it (0 for the
+    /// first).
+    fn class_bounds(&self, slot: SlotId) -> (u32, u32) {
+        let Some(classes) = &self.classes else {
+            return (0, self.slot_bytes);
+        };
+        let mut start = 0;
+        let mut below = 0;
+        for c in classes {
+            if (slot.0 as usize) < start + c.slots as usize {
+                return (below, c.bytes);
+            }
+            start += c.slots as usize;
+            below = c.bytes;
+        }
+        unreachable!("slot beyond the classes")
+    }
+
+    /// The slot bytes `key` needs.
+    fn need(&self, key: ExpertKey) -> u32 {
+        let ext = &self.experts[self.id(key)].0;
+        ext.iter().map(|e| e.slot_offset + e.len).max().unwrap()
     }
 
     fn id(&self, key: ExpertKey) -> usize {
@@ -397,7 +467,16 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     let s = script(&mut rng, &m, c.tokens, c.top_k, quality);
     let want = reference(&m, &s);
 
-    let capacity = c.top_k + c.extra_slots;
+    // Slots of two sizes in a quarter of the cases: each class holds a layer's
+    // picks (all of them may be of one size).
+    let capacity = if c.seed & 8 != 0 {
+        let small = c.top_k + c.extra_slots / 2;
+        let large = c.top_k + c.extra_slots - c.extra_slots / 2;
+        m.classes = Some(m.two_classes(small, large));
+        small + large
+    } else {
+        c.top_k + c.extra_slots
+    };
     let mut slot_mem = vec![0u8; capacity * m.slot_bytes as usize];
     let sim = SimConfig {
         latency_ns: 1_000,
@@ -612,6 +691,12 @@ where
         if let Some(key) = state.key() {
             assert_eq!(t.lookup(key), Some(slot), "index of {key}");
             assert!(key.layer < m.n_layers && key.expert < m.n_experts);
+            // In the smallest class it fits.
+            let (below, bytes) = m.class_bounds(slot);
+            assert!(
+                below < m.need(key) && m.need(key) <= bytes,
+                "{key} in {slot:?}"
+            );
         }
         match state {
             SlotState::InUse { .. } => in_use += 1,

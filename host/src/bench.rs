@@ -316,13 +316,10 @@ pub fn run_schedule(
     device_bw: f64,
 ) -> Result<ScheduleReport, Box<dyn std::error::Error>> {
     FileDevice::evict_page_cache(path)?;
-    let budget = SlotBudget {
-        slots: if schedule == Schedule::Resident {
-            0
-        } else {
-            cfg.budget.slots
-        },
-        io: cfg.budget.io,
+    let budget = if schedule == Schedule::Resident {
+        SlotBudget::none(cfg.budget.io)
+    } else {
+        cfg.budget.clone()
     };
     let mut supply = Supply::new(model, path, schedule, budget)?;
     let mut supply = Recording::new(&mut supply);

@@ -21,8 +21,10 @@ use les_core::model::ops::RopeStyle;
 use les_core::quant::{self, GgmlType};
 use les_core::router::Gating;
 use les_core::schedule::{Extent, Extents};
+use les_core::slot_classes::{SizeGroup, SlotClass};
 use les_core::slots::ExpertKey;
 
+use crate::flash::arena::SLOT_ALIGN;
 use crate::flash::{Check, ReadChecks};
 use crate::gguf::{Gguf, GgufError, MappedFile, OptionalKey};
 
@@ -786,6 +788,27 @@ impl Model {
             .filter_map(|l| self.expert_read_bytes(l))
             .max()
             .unwrap_or(0)
+    }
+
+    /// The slot sizes the experts need, per MoE layer: each layer's expert read
+    /// size rounded up to the slot alignment, times its expert count (for
+    /// `les_core::slot_classes`).
+    pub fn expert_size_groups(&self) -> Vec<SizeGroup> {
+        let n = self.hp.moe.map_or(0, |m| m.n_experts) as u32;
+        (0..self.hp.n_layers)
+            .filter_map(|l| self.expert_read_bytes(l))
+            .map(|b| SizeGroup {
+                bytes: b.next_multiple_of(SLOT_ALIGN).min(u32::MAX as usize) as u32,
+                count: n,
+            })
+            .collect()
+    }
+
+    /// The index in `classes` (smallest first) of the slots layer `layer`'s
+    /// experts take; `None` for a layer without experts.
+    pub fn slot_class_of(&self, classes: &[SlotClass], layer: usize) -> Option<usize> {
+        let need = self.expert_read_bytes(layer)?;
+        classes.iter().position(|c| c.bytes as usize >= need)
     }
 
     /// Total bytes of routed experts in the file.

@@ -15,6 +15,7 @@ use les_core::gemv::GemvError;
 use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
 use les_core::model::forward::{ExpertMatrices, Experts, Handout, Step};
 use les_core::schedule::{ExpertSource, Extents, LayerState, Scheduler, SchedulerConfig, Stats};
+use les_core::slot_classes::SlotClass;
 use les_core::slots::{ExpertKey, Slot};
 
 use crate::flash::{FileDevice, FileDeviceConfig, FileError};
@@ -176,13 +177,37 @@ pub enum Supply<'m> {
     Streamed(Box<HostStreamed<'m>>),
 }
 
-/// How many slots and how they are read.
-#[derive(Clone, Copy, Debug)]
+/// The expert slots (runs of slots per expert size, see
+/// `les_core::slot_classes`) and how they are read.
+#[derive(Clone, Debug)]
 pub struct SlotBudget {
-    /// Number of expert slots.
-    pub slots: usize,
+    /// The slots' size classes, smallest first (empty: no slots).
+    pub classes: Vec<SlotClass>,
     /// I/O settings.
     pub io: FileDeviceConfig,
+}
+
+impl SlotBudget {
+    /// No slots (everything resident).
+    pub fn none(io: FileDeviceConfig) -> Self {
+        SlotBudget {
+            classes: Vec::new(),
+            io,
+        }
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.classes.iter().map(|c| c.slots as usize).sum()
+    }
+
+    /// Bytes of all slots.
+    pub fn bytes(&self) -> u64 {
+        self.classes
+            .iter()
+            .map(|c| c.slots as u64 * c.bytes as u64)
+            .sum()
+    }
 }
 
 impl<'m> Supply<'m> {
@@ -208,14 +233,19 @@ impl<'m> Supply<'m> {
             .hp
             .moe
             .ok_or("the model has no experts to stream; use --schedule resident")?;
-        if budget.slots < moe.top_k {
-            return Err(format!(
-                "{} expert slots cannot hold the {} experts one layer uses",
-                budget.slots, moe.top_k
-            ));
+        for l in 0..model.hp.n_layers {
+            let fits = model
+                .slot_class_of(&budget.classes, l)
+                .map(|c| budget.classes[c].slots as usize >= moe.top_k);
+            if fits == Some(false) || (fits.is_none() && model.expert_format(l).is_some()) {
+                return Err(format!(
+                    "{} expert slots cannot hold the {} experts one layer uses",
+                    budget.slots(),
+                    moe.top_k
+                ));
+            }
         }
-        let slot_bytes = model.max_expert_bytes();
-        let device = FileDevice::open(path, budget.slots, slot_bytes, budget.io)
+        let device = FileDevice::open_classes(path, &budget.classes, budget.io)
             .map_err(|e| format!("{}: {e}", path.display()))?;
         // Checksums are verified where each expert is first computed: the compute
         // threads hash the bytes their products just read, still in cache
@@ -226,14 +256,14 @@ impl<'m> Supply<'m> {
             _ => SchedulerConfig::on_demand(),
         };
         let n_layers = model.hp.n_layers;
-        let scheduler: HostScheduler = Scheduler::new(
+        let scheduler: HostScheduler = Scheduler::with_slot_classes(
             config,
-            vec![Slot::EMPTY; budget.slots],
+            vec![Slot::EMPTY; budget.slots()],
             vec![0u32; n_layers * moe.n_experts],
             vec![LayerState::INITIAL; n_layers],
             n_layers as u16,
             moe.n_experts as u16,
-            slot_bytes as u32,
+            &budget.classes,
         )
         .map_err(|e| e.to_string())?;
         let format: FormatFn<'m> = Box::new(move |l| {

@@ -101,10 +101,7 @@ fn resident() -> &'static Vec<Vec<f32>> {
     LOGITS.get_or_init(|| {
         let path = packed_model();
         let model = Model::open(path).unwrap();
-        let budget = SlotBudget {
-            slots: 0,
-            io: FileDeviceConfig::default(),
-        };
+        let budget = SlotBudget::none(FileDeviceConfig::default());
         let mut supply = Supply::new(&model, path, Schedule::Resident, budget).unwrap();
         let (logits, err) = decode(&model, &mut supply);
         assert!(err.is_none());

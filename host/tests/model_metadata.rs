@@ -99,10 +99,7 @@ fn load_and_decode(path: &Path) -> Option<String> {
         Ok(m) => m,
         Err(e) => return Some(e.to_string()),
     };
-    let budget = SlotBudget {
-        slots: 0,
-        io: FileDeviceConfig::default(),
-    };
+    let budget = SlotBudget::none(FileDeviceConfig::default());
     let mut supply = match Supply::new(&model, path, Schedule::Resident, budget) {
         Ok(s) => s,
         Err(e) => return Some(e.to_string()),

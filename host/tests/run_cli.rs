@@ -132,6 +132,104 @@ fn every_schedule_and_budget_gives_bit_identical_logits() {
 }
 
 #[test]
+fn mixed_expert_sizes_get_slots_of_their_size_and_stay_exact() {
+    // llama.cpp's Q4_K_M mix: layers 2 and 3 have a q6_k ffn_down, so their
+    // experts need larger slots than those of layers 0 and 1.
+    let plain = synth_once(
+        "run_cli_mixed.gguf",
+        &[
+            "--arch",
+            "qwen3moe",
+            "--preset",
+            "tiny",
+            "--embd",
+            "256",
+            "--expert-ff",
+            "256",
+            "--expert-type",
+            "q4_k",
+            "--mix",
+            "q4_k_m",
+            "--layers",
+            "4",
+            "--seed",
+            "3",
+        ],
+    );
+    let packed = tmp("run_cli_mixed.p.gguf");
+    let out = les()
+        .arg("pack")
+        .arg(&plain)
+        .arg("-o")
+        .arg(&packed)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for m in [&plain, &packed] {
+        let want_path = tmp("logits_mixed_resident.npy");
+        let want = json_run(
+            m,
+            &[
+                "--temp",
+                "0",
+                "--schedule",
+                "resident",
+                "--logits-out",
+                want_path.to_str().unwrap(),
+            ],
+        );
+        let want_logits = npy(&want_path).2;
+        for args in [
+            ["--schedule", "les", "--slots", "4"],
+            ["--schedule", "on-demand", "--slots", "5"],
+            ["--schedule", "les", "--expert-mem", "1MiB"],
+            ["--schedule", "les", "--slots", "32"],
+        ] {
+            let path = tmp(&format!("logits_mixed_{}.npy", args.join("_")));
+            let out = run(
+                m,
+                &[
+                    &args[..],
+                    &[
+                        "--temp",
+                        "0",
+                        "--json",
+                        "--logits-out",
+                        path.to_str().unwrap(),
+                    ],
+                ]
+                .concat(),
+            );
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            let got = json_ok(out, &format!("{args:?}"));
+            assert_eq!(tokens(&got), tokens(&want), "{args:?}");
+            assert!(npy(&path).2 == want_logits, "{args:?}: logits differ");
+            // Two runs of slots: 108 KiB for the q4_k layers, 128 KiB for the others.
+            assert!(
+                stderr.contains("of 108 KiB") && stderr.contains("of 128 KiB"),
+                "{stderr}"
+            );
+        }
+        // 1 MiB holds 4 slots of each size (944 KiB); all of one size would be 8 of 128.
+        let got = json_run(m, &["--temp", "0", "-n", "2", "--expert-mem", "1MiB"]);
+        assert_eq!(got["stats"]["slots"], 8);
+        assert_eq!(got["stats"]["slot_bytes"], 4 * 110_592 + 4 * 131_072);
+    }
+    // Too small a budget for one layer's picks of each size is a clear error.
+    let out = run(&packed, &["--expert-mem", "300KiB"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("expert slots") && err.contains("need"),
+        "{err}"
+    );
+}
+
+#[test]
 fn text_goes_to_stdout_and_stats_to_stderr() {
     let m = model("qwen3moe");
     let out = run(&m, &["--temp", "0"]);

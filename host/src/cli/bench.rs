@@ -7,6 +7,9 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::{json, Map, Value};
 
+use les_core::slot_classes::{plan_by_bytes, SlotClass};
+use les_core::slots::ExpertKey;
+
 use super::run::resolve_budget;
 use crate::belady;
 use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
@@ -113,20 +116,21 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         prompt,
         n_tokens: args.n_tokens,
         threads: args.threads.unwrap_or_else(default_threads).max(1),
-        budget,
+        budget: budget.clone(),
         lookahead: args.lookahead,
         sampler: sampler(args),
     };
     let expert_bytes = model.total_expert_bytes();
-    let slot_bytes = budget.slots as u64 * model.max_expert_bytes() as u64;
+    let slot_bytes = budget.bytes();
     eprintln!(
-        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts), {} threads, {} I/O threads",
+        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {} I/O threads",
         model.arch.name(),
         model.hp.n_layers,
         mib(expert_bytes as f64),
-        budget.slots,
+        budget.slots(),
         mib(slot_bytes as f64),
         100.0 * slot_bytes as f64 / expert_bytes.max(1) as f64,
+        class_note(&budget.classes),
         cfg.threads,
         budget.io.threads
     );
@@ -145,14 +149,15 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let reports: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
     let on_demand = reports.iter().find(|r| r.schedule == Schedule::OnDemand);
     let base = on_demand.map(|r| r.tok_s());
-    let optimal = optimal_hit_rate(&reports, budget.slots, identical);
+    let optimal = optimal_hit_rate(&model, &reports, &budget.classes, identical);
 
     if args.json {
         let (schedules, speedup, bound) = schedules_json(&runs);
         let obj = json!({
             "model": args.model.display().to_string(),
-            "slots": budget.slots,
+            "slots": budget.slots(),
             "slot_bytes": slot_bytes,
+            "slot_classes": classes_json(&budget.classes),
             "expert_bytes": expert_bytes,
             "device_bw": bw,
             "n_tokens": cfg.n_tokens,
@@ -364,12 +369,43 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
 /// Belady's optimal hit rate with `slots` slots over the decode's routing, which
 /// every streamed schedule shares when they generated the same tokens (`None`
 /// without a streamed schedule or when the tokens differ).
-fn optimal_hit_rate(reports: &[&ScheduleReport], slots: usize, identical: bool) -> Option<f64> {
+fn optimal_hit_rate(
+    model: &Model,
+    reports: &[&ScheduleReport],
+    classes: &[SlotClass],
+    identical: bool,
+) -> Option<f64> {
     if !identical {
         return None;
     }
     let r = reports.iter().find(|r| r.schedule != Schedule::Resident)?;
-    Some(belady::optimal_hits(&r.picks, slots, r.decode_from).hit_rate())
+    // Each size class is a cache of its own: its layers' picks, its slots.
+    let mut count = belady::CacheCount::default();
+    for (c, class) in classes.iter().enumerate() {
+        let in_class = |k: &&ExpertKey| model.slot_class_of(classes, k.layer as usize) == Some(c);
+        let picks: Vec<ExpertKey> = r.picks.iter().filter(in_class).copied().collect();
+        let from = r.picks[..r.decode_from].iter().filter(in_class).count();
+        let x = belady::optimal_hits(&picks, class.slots as usize, from);
+        count.hits += x.hits;
+        count.misses += x.misses;
+    }
+    Some(count.hit_rate())
+}
+
+/// `, in N slot sizes` where the slots come in more than one size.
+fn class_note(classes: &[SlotClass]) -> String {
+    match classes.len() {
+        0 | 1 => String::new(),
+        n => format!(", in {n} slot sizes"),
+    }
+}
+
+/// The slot classes as JSON: `[{"slots": N, "bytes": B}, ...]`.
+fn classes_json(classes: &[SlotClass]) -> serde_json::Value {
+    classes
+        .iter()
+        .map(|c| json!({"slots": c.slots, "bytes": c.bytes}))
+        .collect()
 }
 
 /// The median of `v` (the mean of the middle two for an even count; 0 if empty).
@@ -497,7 +533,6 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         return Err("the prompt is empty after tokenization".into());
     }
     let expert_bytes = model.total_expert_bytes();
-    let slot = model.max_expert_bytes().max(1) as u64;
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let io = args.io.config()?;
     let bw = device_bandwidth(&model, &args.model, io, (256u64 << 20).min(expert_bytes))?;
@@ -529,12 +564,22 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         if !(pct > 0.0 && pct <= 100.0) {
             return Err(format!("sweep budget {pct}% is not in (0, 100]").into());
         }
-        let slots = ((expert_bytes as f64 * pct / 100.0) as u64 / slot).max(top_k as u64) as usize;
+        let classes = plan_by_bytes(
+            model.expert_size_groups(),
+            (expert_bytes as f64 * pct / 100.0) as u64,
+            top_k as u32,
+        )
+        .map_err(|e| format!("{pct}%: {e}"))?;
+        let budget = crate::supply::SlotBudget {
+            classes: classes.to_vec(),
+            io,
+        };
+        let slots = budget.slots();
         let cfg = BenchConfig {
             prompt: prompt.clone(),
             n_tokens: args.n_tokens,
             threads,
-            budget: crate::supply::SlotBudget { slots, io },
+            budget,
             lookahead: args.lookahead,
             sampler: sampler(args),
         };
@@ -543,7 +588,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         eprintln!("les bench: budget {pct}% of the expert bytes ({slots} slots)");
         let (runs, identical) = run_interleaved(&model, args, &cfg, bw)?;
         let medians: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
-        let optimal = optimal_hit_rate(&medians, slots, identical);
+        let optimal = optimal_hit_rate(&model, &medians, &cfg.budget.classes, identical);
         let mut noise = 0f64;
         for x in &runs {
             let (r, s) = (&x.median, x.median.schedule);

@@ -17,6 +17,7 @@ use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::Tokenizer;
 use crate::vision::{self, ClipModel, MultimodalPrompt};
+use les_core::slot_classes::{plan_by_bytes, plan_by_count};
 
 /// Arguments of `les run`.
 #[derive(Debug, Args)]
@@ -130,7 +131,8 @@ impl IoArgs {
     }
 }
 
-/// How many slots a budget buys, and the schedule it implies.
+/// The slots a budget buys (sized per expert size, see
+/// `les_core::slot_classes`), and the schedule it implies.
 pub fn resolve_budget(
     model: &Model,
     schedule: Option<Schedule>,
@@ -138,28 +140,34 @@ pub fn resolve_budget(
     slots: Option<usize>,
     io: &IoArgs,
 ) -> Result<(Schedule, SlotBudget), Box<dyn Error>> {
-    let slot_bytes = model.max_expert_bytes().max(1) as u64;
-    let slots = match (expert_mem, slots) {
-        (Some(m), _) => Some((parse_size(m)? / slot_bytes) as usize),
-        (None, s) => s,
-    };
-    let schedule = match (schedule, slots) {
+    let budgeted = expert_mem.is_some() || slots.is_some();
+    let schedule = match (schedule, budgeted) {
         (Some(s), _) => s,
-        (None, Some(_)) => Schedule::Les,
-        (None, None) => Schedule::Resident,
+        (None, true) => Schedule::Les,
+        (None, false) => Schedule::Resident,
     };
-    let n_experts = model.hp.moe.map_or(0, |m| m.n_experts);
-    let all = n_experts * model.hp.n_layers;
-    let slots = match (schedule, slots) {
-        (Schedule::Resident, _) => 0,
-        (_, Some(n)) => n.min(all),
-        (_, None) => return Err("--schedule on-demand and les need --expert-mem or --slots".into()),
-    };
+    let io = io.config()?;
+    if schedule == Schedule::Resident {
+        return Ok((schedule, SlotBudget::none(io)));
+    }
+    let top_k = model.hp.moe.map_or(1, |m| m.top_k) as u32;
+    let groups = model.expert_size_groups();
+    if groups.is_empty() {
+        return Err("the model has no experts to stream; use --schedule resident".into());
+    }
+    let classes = match (expert_mem, slots) {
+        (Some(m), _) => plan_by_bytes(groups, parse_size(m)?, top_k),
+        (None, Some(n)) => plan_by_count(groups, n.min(u32::MAX as usize) as u32, top_k),
+        (None, None) => {
+            return Err("--schedule on-demand and les need --expert-mem or --slots".into())
+        }
+    }
+    .map_err(|e| format!("{e} (--expert-mem / --slots)"))?;
     Ok((
         schedule,
         SlotBudget {
-            slots,
-            io: io.config()?,
+            classes: classes.to_vec(),
+            io,
         },
     ))
 }
@@ -272,7 +280,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         seed,
         ..SamplerConfig::greedy()
     });
-    let mut supply = Supply::new(&model, &args.model, schedule, budget)?;
+    let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::new(&model, ctx);
     eprintln!(
@@ -280,10 +288,17 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         model.arch.name(),
         model.hp.n_layers,
         model.hp.moe.map_or(0, |m| m.n_experts),
-        if budget.slots > 0 {
-            format!(", {} slots of {} KiB", budget.slots, model.max_expert_bytes() / 1024)
-        } else {
-            String::new()
+        match budget.classes.as_slice() {
+            [] => String::new(),
+            [c] => format!(", {} slots of {} KiB", c.slots, c.bytes / 1024),
+            cs => format!(
+                ", {} slots ({})",
+                budget.slots(),
+                cs.iter()
+                    .map(|c| format!("{} of {} KiB", c.slots, c.bytes / 1024))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         },
         t0.elapsed().saturating_sub(image_encode)
     );
@@ -361,7 +376,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "stop": if stopped_at_eog { "eog" } else { "length" },
             "peak_rss_bytes": crate::engine::peak_rss_bytes(),
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
-            "slot_bytes": budget.slots as u64 * model.max_expert_bytes() as u64,
+            "slot_bytes": budget.bytes(),
         });
         if !images.is_empty() {
             st["images"] = json!(images.len());
@@ -369,7 +384,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             st["image_encode_ms"] = json!(image_encode.as_secs_f64() * 1e3);
         }
         if let Some(s) = io {
-            st["slots"] = json!(budget.slots);
+            st["slots"] = json!(budget.slots());
             st["hit_rate"] = json!(s.hit_rate());
             st["demand_bytes"] = json!(s.demand_bytes);
             st["prefetch_bytes"] = json!(s.prefetch_bytes);

@@ -1,6 +1,7 @@
 //! Slot memory shared between the compute thread and the I/O threads.
 //!
-//! One page-aligned allocation of `n_slots * slot_bytes` bytes, written by I/O
+//! One page-aligned allocation holding every slot (runs of equally sized slots,
+//! one run per size class, see `les_core::slot_classes`), written by I/O
 //! threads (into slots whose reads are in flight) and read by the compute thread
 //! (slots whose reads completed). Rust cannot see that these accesses never
 //! overlap, so this module hands out raw ranges under a contract the file device
@@ -16,12 +17,21 @@ use std::ptr::NonNull;
 /// every device seen in practice).
 pub const SLOT_ALIGN: usize = 4096;
 
-/// A fixed pool of equally sized, page-aligned slots.
+/// A fixed pool of page-aligned slots, in runs of equally sized ones.
 pub struct SlotArena {
     ptr: NonNull<u8>,
     layout: Layout,
-    slot_bytes: usize,
+    /// Per run: first slot, slots, bytes per slot, byte offset of its first slot.
+    runs: Vec<Run>,
     n_slots: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Run {
+    first: usize,
+    slots: usize,
+    bytes: usize,
+    base: usize,
 }
 
 // SAFETY: the arena is a plain byte buffer; all shared access goes through
@@ -34,22 +44,45 @@ impl SlotArena {
     /// Allocates `n_slots` zeroed slots of at least `slot_bytes` bytes each (rounded
     /// up to [`SLOT_ALIGN`]). `None` if the size overflows or allocation fails.
     pub fn new(n_slots: usize, slot_bytes: usize) -> Option<SlotArena> {
-        let slot_bytes = slot_bytes.max(1).checked_next_multiple_of(SLOT_ALIGN)?;
-        let total = slot_bytes.checked_mul(n_slots.max(1))?;
-        let layout = Layout::from_size_align(total, SLOT_ALIGN).ok()?;
+        Self::with_runs(&[(n_slots, slot_bytes)])
+    }
+
+    /// Allocates runs of `(slots, bytes)` zeroed slots, each slot rounded up to
+    /// [`SLOT_ALIGN`], numbered in order. `None` if the size overflows or
+    /// allocation fails.
+    pub fn with_runs(runs: &[(usize, usize)]) -> Option<SlotArena> {
+        let mut out = Vec::with_capacity(runs.len());
+        let (mut first, mut base) = (0usize, 0usize);
+        for &(slots, bytes) in runs {
+            let bytes = bytes.max(1).checked_next_multiple_of(SLOT_ALIGN)?;
+            out.push(Run {
+                first,
+                slots,
+                bytes,
+                base,
+            });
+            first = first.checked_add(slots)?;
+            base = base.checked_add(bytes.checked_mul(slots)?)?;
+        }
+        let layout = Layout::from_size_align(base.max(SLOT_ALIGN), SLOT_ALIGN).ok()?;
         // SAFETY: `layout` has a non-zero size.
         let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })?;
         Some(SlotArena {
             ptr,
             layout,
-            slot_bytes,
-            n_slots,
+            runs: out,
+            n_slots: first,
         })
     }
 
-    /// Bytes per slot (a multiple of [`SLOT_ALIGN`]).
+    /// Bytes of the largest slot (a multiple of [`SLOT_ALIGN`]).
     pub fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+        self.runs.iter().map(|r| r.bytes).max().unwrap_or(0)
+    }
+
+    /// Bytes of slot `slot` (0 beyond the last).
+    pub fn slot_len(&self, slot: usize) -> usize {
+        self.run(slot).map_or(0, |r| r.bytes)
     }
 
     /// Number of slots.
@@ -57,15 +90,24 @@ impl SlotArena {
         self.n_slots
     }
 
+    /// Bytes allocated.
+    pub fn total_bytes(&self) -> usize {
+        self.layout.size()
+    }
+
+    fn run(&self, slot: usize) -> Option<&Run> {
+        self.runs
+            .iter()
+            .find(|r| (r.first..r.first + r.slots).contains(&slot))
+    }
+
     fn checked(&self, slot: usize, offset: usize, len: usize) -> usize {
-        assert!(
-            slot < self.n_slots
-                && offset
-                    .checked_add(len)
-                    .is_some_and(|e| e <= self.slot_bytes),
-            "slot range out of bounds: slot {slot} offset {offset} len {len}"
-        );
-        slot * self.slot_bytes + offset
+        let run = self.run(slot);
+        let r = run.filter(|r| offset.checked_add(len).is_some_and(|e| e <= r.bytes));
+        let Some(r) = r else {
+            panic!("slot range out of bounds: slot {slot} offset {offset} len {len}");
+        };
+        r.base + (slot - r.first) * r.bytes + offset
     }
 
     /// `len` bytes of slot `slot` from `offset`, for writing.
@@ -86,9 +128,10 @@ impl SlotArena {
     /// # Safety
     /// No `range_mut` of this slot may be alive while the returned slice lives.
     pub unsafe fn slot(&self, slot: usize) -> &[u8] {
-        let start = self.checked(slot, 0, self.slot_bytes);
+        let len = self.slot_len(slot);
+        let start = self.checked(slot, 0, len);
         // SAFETY: in bounds (checked); no writer overlaps (the caller's promise).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), self.slot_bytes) }
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) }
     }
 }
 
@@ -117,6 +160,35 @@ mod tests {
             // SAFETY: no writer alive.
             assert!(unsafe { a.slot(s) }.iter().all(|b| *b == s as u8 + 1));
         }
+    }
+
+    #[test]
+    fn runs_of_sizes_are_aligned_disjoint_and_exact() {
+        let a = SlotArena::with_runs(&[(2, 5000), (0, 9000), (3, 9000)]).unwrap();
+        assert_eq!((a.n_slots(), a.slot_bytes()), (5, 12288));
+        assert_eq!(a.total_bytes(), 2 * 8192 + 3 * 12288);
+        let lens: Vec<usize> = (0..6).map(|s| a.slot_len(s)).collect();
+        assert_eq!(lens, [8192, 8192, 12288, 12288, 12288, 0]);
+        for s in 0..5 {
+            // SAFETY: single-threaded test, no other references.
+            let w = unsafe { a.range_mut(s, 0, a.slot_len(s)) };
+            assert_eq!(w.as_ptr() as usize % SLOT_ALIGN, 0);
+            w.fill(s as u8 + 1);
+        }
+        for s in 0..5 {
+            // SAFETY: no writer alive.
+            let r = unsafe { a.slot(s) };
+            assert_eq!(r.len(), a.slot_len(s));
+            assert!(r.iter().all(|b| *b == s as u8 + 1));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn a_range_past_its_smaller_slot_panics() {
+        let a = SlotArena::with_runs(&[(1, 4096), (1, 8192)]).unwrap();
+        // SAFETY: single-threaded test.
+        let _ = unsafe { a.range_mut(0, 4000, 200) };
     }
 
     #[test]

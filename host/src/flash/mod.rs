@@ -48,6 +48,7 @@ use les_core::blockdev::{
     Alignment, BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory,
     SubmitError, Tag,
 };
+use les_core::slot_classes::SlotClass;
 
 use arena::{SlotArena, SLOT_ALIGN};
 
@@ -344,6 +345,21 @@ impl FileDevice {
         slot_bytes: usize,
         config: FileDeviceConfig,
     ) -> io::Result<FileDevice> {
+        let class = SlotClass {
+            slots: u32::try_from(n_slots).map_err(|_| too_many())?,
+            bytes: u32::try_from(slot_bytes).map_err(|_| too_many())?,
+        };
+        Self::open_classes(path, &[class], config)
+    }
+
+    /// Opens `path` for reading into slots of several sizes: the runs of
+    /// `classes`, numbered in order (as the scheduler's
+    /// `Scheduler::with_slot_classes` numbers them).
+    pub fn open_classes(
+        path: &Path,
+        classes: &[SlotClass],
+        config: FileDeviceConfig,
+    ) -> io::Result<FileDevice> {
         let buffered = File::open(path)?;
         let file_len = buffered.metadata()?.len();
         let (file, direct) = if config.direct {
@@ -358,10 +374,21 @@ impl FileDevice {
         } else {
             (buffered, false)
         };
-        let arena = SlotArena::new(n_slots, slot_bytes).ok_or_else(|| {
+        let runs: Vec<(usize, usize)> = classes
+            .iter()
+            .map(|c| (c.slots as usize, c.bytes as usize))
+            .collect();
+        let arena = SlotArena::with_runs(&runs).ok_or_else(|| {
+            let total: u128 = classes
+                .iter()
+                .map(|c| c.slots as u128 * c.bytes as u128)
+                .sum();
             io::Error::new(
                 io::ErrorKind::OutOfMemory,
-                format!("cannot allocate {n_slots} slots of {slot_bytes} bytes"),
+                format!(
+                    "cannot allocate {} slots ({total} bytes)",
+                    classes.iter().map(|c| c.slots as u64).sum::<u64>()
+                ),
             )
         })?;
         let shared = Arc::new(Shared {
@@ -409,9 +436,14 @@ impl FileDevice {
         self.shared.direct
     }
 
-    /// Bytes per slot.
+    /// Bytes of the largest slot.
     pub fn slot_bytes(&self) -> usize {
         self.shared.arena.slot_bytes()
+    }
+
+    /// Bytes of all slots together.
+    pub fn arena_bytes(&self) -> usize {
+        self.shared.arena.total_bytes()
     }
 
     /// I/O counters.
@@ -621,7 +653,7 @@ impl BlockDevice for FileDevice {
         };
         let slot_end = req.slot_offset as u64 + req.len as u64;
         if req.slot.0 as usize >= self.shared.arena.n_slots()
-            || slot_end > self.shared.arena.slot_bytes() as u64
+            || slot_end > self.shared.arena.slot_len(req.slot.0 as usize) as u64
         {
             return bad(format!("read into slot {} beyond its memory", req.slot.0));
         }
@@ -787,6 +819,13 @@ impl SlotMemory for FileDevice {
         // which the returned borrow of `self` prevents while the slice lives.
         unsafe { self.shared.arena.slot(slot.0 as usize) }
     }
+}
+
+fn too_many() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        "slot count or size beyond 32 bits",
+    )
 }
 
 impl Drop for FileDevice {
