@@ -28,6 +28,7 @@ use les_core::layout::checksum;
 use les_core::schedule::{
     Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
 };
+use les_core::slot_classes::SlotClass;
 use les_core::slots::{EvictionPolicy, ExpertKey, Slot, SlotState};
 use libfuzzer_sys::fuzz_target;
 
@@ -328,6 +329,17 @@ fn check_table<S, M, L>(
         if let Some(key) = state.key() {
             assert_eq!(t.lookup(key), Some(slot), "index of {key}");
             assert!(key.layer < m.n_layers && key.expert < m.n_experts);
+            // In the smallest slot class it fits.
+            let need = m.bytes(key).len() as u32;
+            let (mut start, mut below) = (0usize, 0u32);
+            for c in sched.slot_classes() {
+                if (slot.0 as usize) < start + c.slots as usize {
+                    assert!(below < need && need <= c.bytes, "{key} in slot {}", slot.0);
+                    break;
+                }
+                start += c.slots as usize;
+                below = c.bytes;
+            }
         }
         match state {
             // Pinned: picked experts of the current layer only.
@@ -388,7 +400,18 @@ fuzz_target!(|data: &[u8]| {
     config.ready_first = !on_demand && flags & 4 == 0;
     config.demand_reserve = config.demand_reserve.min(depth.saturating_sub(1));
     config.max_retries = u8::MAX; // transient faults end only with the tape
-    let capacity = top_k + extra;
+                                  // Slots of two sizes in some runs: the median expert's and the largest (each
+                                  // class holds a layer's picks); the device's slots stay all of the largest.
+    let mut needs: Vec<u32> = m.experts.iter().map(|e| e.2.len() as u32).collect();
+    needs.sort_unstable();
+    let median = needs[needs.len() / 2];
+    let two_sizes = flags & 0x40 != 0 && median < m.slot_bytes;
+    let small = top_k + extra / 2;
+    let capacity = if two_sizes {
+        small + top_k + extra - extra / 2
+    } else {
+        top_k + extra
+    };
     let faults = Rc::new(RefCell::new(Faults::default()));
     let mut dev = FuzzDevice {
         tape: tape.clone(),
@@ -407,14 +430,31 @@ fuzz_target!(|data: &[u8]| {
         return; // a 3-part expert cannot be read by a 1- or 2-deep queue at once
     }
     let n = n_layers as usize * n_experts as usize;
-    let mut sched = Scheduler::new(
+    let classes = if two_sizes {
+        vec![
+            SlotClass {
+                slots: small as u32,
+                bytes: median,
+            },
+            SlotClass {
+                slots: (capacity - small) as u32,
+                bytes: m.slot_bytes,
+            },
+        ]
+    } else {
+        vec![SlotClass {
+            slots: capacity as u32,
+            bytes: m.slot_bytes,
+        }]
+    };
+    let mut sched = Scheduler::with_slot_classes(
         config,
         vec![Slot::EMPTY; capacity],
         vec![0u32; n],
         vec![LayerState::INITIAL; n_layers as usize],
         n_layers,
         n_experts,
-        m.slot_bytes,
+        &classes,
     )
     .expect("valid configuration");
 
