@@ -9,7 +9,7 @@ mod cli;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use cli::{json_ok, les, npy, synth_once, tmp, tokens};
+use cli::{json_ok, les, npy, pack, synth_once, tmp, tokens};
 use serde_json::Value;
 
 /// A synthetic qwen35moe `tiny` written once per test binary (`extra` args).
@@ -64,18 +64,7 @@ fn every_schedule_and_the_packed_file_give_bit_identical_logits() {
     }
     // Packed (one aligned extent per expert, the MTP block's experts included).
     let packed = tmp("qwen35_packed.gguf");
-    let out = les()
-        .arg("pack")
-        .arg(&m)
-        .arg("-o")
-        .arg(&packed)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    pack(&m, &packed);
     for args in [
         &["--schedule", "resident"][..],
         &["--schedule", "les", "--slots", "2"],

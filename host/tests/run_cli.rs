@@ -7,7 +7,7 @@ mod cli;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use cli::{json_ok, les, npy, synth_once, tmp, tokens};
+use cli::{json_ok, les, npy, pack, synth_once, tmp, tokens};
 use serde_json::Value;
 
 /// A tiny synthetic model of `arch`, written once per test binary.
@@ -157,18 +157,7 @@ fn mixed_expert_sizes_get_slots_of_their_size_and_stay_exact() {
         ],
     );
     let packed = tmp("run_cli_mixed.p.gguf");
-    let out = les()
-        .arg("pack")
-        .arg(&plain)
-        .arg("-o")
-        .arg(&packed)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    pack(&plain, &packed);
     for m in [&plain, &packed] {
         let want_path = tmp("logits_mixed_resident.npy");
         let want = json_run(
@@ -321,18 +310,7 @@ fn errors_are_one_line_and_nonzero() {
 fn packed_model_streams_identically_and_detects_corruption() {
     let plain = model("qwen3moe");
     let packed = tmp("run_cli_packed.gguf");
-    let out = les()
-        .arg("pack")
-        .arg(&plain)
-        .arg("-o")
-        .arg(&packed)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    pack(&plain, &packed);
     let want = json_run(&plain, &["--temp", "0"]);
     for args in [
         &["--schedule", "resident"][..],

@@ -85,3 +85,19 @@ pub fn npy(path: &Path) -> (usize, usize, Vec<u8>) {
     assert_eq!(data.len(), shape[0] * shape[1] * 4);
     (shape[0], shape[1], data)
 }
+
+/// `les pack input -o output`, which must succeed.
+pub fn pack(input: &Path, output: &Path) {
+    let out = les()
+        .arg("pack")
+        .arg(input)
+        .arg("-o")
+        .arg(output)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
