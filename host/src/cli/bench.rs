@@ -24,10 +24,12 @@ pub struct BenchArgs {
     /// The model (GGUF, plain or packed).
     #[arg(short, long)]
     pub model: PathBuf,
-    /// RAM for expert slots (e.g. 2GiB).
+    /// RAM for expert slots (e.g. 2GiB); experts of different sizes get slots of
+    /// their size, each size the same share.
     #[arg(long)]
     pub expert_mem: Option<String>,
-    /// Number of expert slots (instead of --expert-mem).
+    /// Number of expert slots (instead of --expert-mem), split across expert
+    /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
     pub slots: Option<usize>,
     /// Tokens to generate per schedule.

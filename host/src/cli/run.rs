@@ -59,10 +59,12 @@ pub struct RunArgs {
     /// Expert schedule: resident, on-demand or les.
     #[arg(long)]
     pub schedule: Option<Schedule>,
-    /// RAM for expert slots (e.g. 2GiB); experts stream from the file.
+    /// RAM for expert slots (e.g. 2GiB); experts stream from the file. Experts of
+    /// different sizes get slots of their size, each size the same share.
     #[arg(long)]
     pub expert_mem: Option<String>,
-    /// Number of expert slots (instead of --expert-mem).
+    /// Number of expert slots (instead of --expert-mem), split across expert
+    /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
     pub slots: Option<usize>,
     /// The file device's I/O settings.
