@@ -927,3 +927,44 @@ fn an_expert_is_checked_when_first_computed_and_refused_if_corrupt() {
     assert!(verify && dev.log.len() > reads);
     sched.finish_checked::<()>(index, crc(2)).unwrap();
 }
+
+#[test]
+fn layers_that_miss_more_keep_their_experts_longer() {
+    // Layer 0 picks experts it has not seen for a while every token, layers 1-3
+    // always the same two: layer 0's weight rises (up to 3x), the others' stays 1x.
+    let (n_layers, n_experts) = (4u16, 16u16);
+    let m = Model::new(&mut Rng(5), n_layers, n_experts, 1);
+    for weigh in [true, false] {
+        let slots = 10;
+        let mut mem = vec![0u8; slots * m.slot_bytes as usize];
+        let mut dev = fault_free_device(&m, &mut mem);
+        let mut config = SchedulerConfig::les();
+        config.weigh_layers = weigh;
+        let mut sched = m.scheduler(config, slots);
+        for token in 0..8u16 {
+            sched.begin_token();
+            for layer in 0..n_layers {
+                let picks = if layer == 0 {
+                    [(2 * token) % n_experts, (2 * token + 1) % n_experts]
+                } else {
+                    [0, 1]
+                };
+                sched.begin_layer(layer, &picks, &mut dev, &m).unwrap();
+                loop {
+                    match sched.next(&mut dev, &m).unwrap() {
+                        Next::Compute { index, .. } => sched.finish::<()>(index).unwrap(),
+                        Next::Wait => dev.wait(),
+                        Next::Done => break,
+                    }
+                }
+            }
+        }
+        let w: Vec<u32> = sched.layers().iter().map(|l| l.eviction_weight()).collect();
+        if weigh {
+            assert!(w[0] >= 10, "{w:?}");
+            assert!(w[1..].iter().all(|&x| x == 4), "{w:?}");
+        } else {
+            assert!(w.iter().all(|&x| x == 4), "{w:?}");
+        }
+    }
+}
