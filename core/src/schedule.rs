@@ -39,9 +39,7 @@ use crate::blockdev::{
     Tag,
 };
 use crate::slot_classes::{SlotClass, MAX_SLOT_CLASSES};
-use crate::slots::{
-    EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable, MAX_LAYER_WEIGHT,
-};
+use crate::slots::{EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable};
 
 /// Most experts one layer's router may pick.
 pub const MAX_PICKS: usize = 64;
@@ -138,13 +136,6 @@ pub struct SchedulerConfig {
     /// without checksums) [`ExpertSource::verify`] checks each load on arrival,
     /// reading its bytes once more. Prefetches never used are never hashed.
     pub verify_on_compute: bool,
-    /// With [`EvictionPolicy::Popularity`], weigh each layer's use counts by how
-    /// many of its picks were not ready when it started (misses and late
-    /// prefetches, a moving average) against the mean layer, 1x to 3x: the
-    /// layers whose routing is hardest to predict (typically the first ones)
-    /// keep more of their experts, and the disk's slack at the others absorbs
-    /// the reads this moves there.
-    pub weigh_layers: bool,
 }
 
 impl SchedulerConfig {
@@ -162,7 +153,6 @@ impl SchedulerConfig {
             precision_window: 64,
             idle_only_below: 0.75,
             verify_on_compute: true,
-            weigh_layers: true,
         }
     }
 
@@ -190,10 +180,6 @@ pub struct LayerState {
     pub picked: u64,
     window_predicted: u32,
     window_hits: u32,
-    /// Picks not ready when the layer started, moving average (x 256).
-    not_ready: u32,
-    /// Eviction weight of the layer's experts, in quarters (4 = 1x).
-    weight: u8,
 }
 
 impl LayerState {
@@ -205,15 +191,7 @@ impl LayerState {
         picked: 0,
         window_predicted: 0,
         window_hits: 0,
-        not_ready: 0,
-        weight: 4,
     };
-
-    /// The eviction weight of this layer's experts
-    /// ([`SchedulerConfig::weigh_layers`]), in quarters: 4 = 1x.
-    pub fn eviction_weight(&self) -> u32 {
-        self.weight as u32
-    }
 
     /// Fraction of predicted experts that were picked (1 when nothing was predicted).
     pub fn precision(&self) -> f32 {
@@ -435,14 +413,6 @@ const _: () = assert!(
     "slot indices must fit a tag"
 );
 
-/// The eviction weight of `layer`'s experts (4 = 1x; always 4 unless `weigh`).
-fn layer_weight(layers: &[LayerState], weigh: bool, layer: u16) -> u32 {
-    match layers.get(layer as usize) {
-        Some(l) if weigh => l.weight as u32,
-        _ => 4,
-    }
-}
-
 /// A read's tag: the slot, the low bits of the load id (so a completion of an
 /// earlier attempt into the same slot is recognised as stale) and the part.
 fn tag(slot: SlotId, load: u32, part: usize) -> Tag {
@@ -591,17 +561,6 @@ where
     /// Starts a new token: resets the per-token prefetch budget.
     pub fn begin_token(&mut self) {
         self.token_prefetch_bytes = 0;
-        if self.config.weigh_layers {
-            let layers = self.layers.as_mut();
-            let n = layers.len().max(1) as u64;
-            let mean = layers.iter().map(|l| l.not_ready as u64).sum::<u64>() / n;
-            for l in layers.iter_mut() {
-                l.weight = match mean {
-                    0 => 4,
-                    m => (4 * l.not_ready as u64 / m).clamp(4, MAX_LAYER_WEIGHT as u64) as u8,
-                };
-            }
-        }
     }
 
     /// Starts `layer` with the experts its router picked (in router order): pins
@@ -713,14 +672,6 @@ where
                 status,
                 expect: None,
             });
-        }
-        let not_ready = self
-            .picks
-            .iter()
-            .filter(|p| !matches!(p.status, PickStatus::Ready(_)))
-            .count() as u32;
-        if let Some(l) = self.layers.as_mut().get_mut(layer as usize) {
-            l.not_ready = l.not_ready - l.not_ready / 16 + not_ready * 16;
         }
         self.pump(dev, src)
     }
@@ -1102,15 +1053,10 @@ where
             let key = self.picks[i].key;
             let (_, class) = self.placement(key, src)?;
             let slot = loop {
-                let layers = self.layers.as_ref();
-                let weigh = self.config.weigh_layers;
-                if let Some(slot) = self.table.victim_in(
-                    self.config.eviction,
-                    current,
-                    class.clone(),
-                    |_| true,
-                    |l| layer_weight(layers, weigh, l),
-                ) {
+                if let Some(slot) =
+                    self.table
+                        .victim_in(self.config.eviction, current, class.clone(), |_| true)
+                {
                     break Some(slot);
                 }
                 // Everything is pinned or loading: free a slot by cancelling a
@@ -1202,22 +1148,17 @@ where
             }
             // Never evict what the target layer or the current layer still needs.
             let picks = &self.picks;
-            let layers = self.layers.as_ref();
-            let weigh = self.config.weigh_layers;
-            let Some(slot) = self.table.victim_in(
-                self.config.eviction,
-                current,
-                class,
-                |k| {
+            let Some(slot) = self
+                .table
+                .victim_in(self.config.eviction, current, class, |k| {
                     // Picks are all of the current layer: only check those.
                     k.layer != key.layer
                         && (k.layer != current
                             || !picks
                                 .iter()
                                 .any(|p| p.key == k && p.status != PickStatus::Done))
-                },
-                |l| layer_weight(layers, weigh, l),
-            ) else {
+                })
+            else {
                 break; // retried when computed experts free their slots
             };
             self.queue.remove(0);

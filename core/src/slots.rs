@@ -184,8 +184,6 @@ pub const MAX_USE_COUNT: u32 = u32::MAX >> SLOT_BITS;
 /// Layers ahead whose experts [`EvictionPolicy::Popularity`] keeps while others
 /// are evictable: what the lookahead prefetched for them is about to be used.
 pub const PROTECTED_LAYERS: u32 = 2;
-/// Largest layer weight [`SlotTable::victim_in`] applies (in quarters: 3x).
-pub const MAX_LAYER_WEIGHT: u32 = 12;
 /// Most slots a table manages (the index entry's slot field).
 pub const MAX_TABLE_SLOTS: usize = SLOT_MASK as usize;
 
@@ -329,21 +327,17 @@ where
         current_layer: u16,
         allowed: impl FnMut(ExpertKey) -> bool,
     ) -> Option<SlotId> {
-        self.victim_in(policy, current_layer, 0..self.capacity(), allowed, |_| 4)
+        self.victim_in(policy, current_layer, 0..self.capacity(), allowed)
     }
 
     /// [`victim`](Self::victim) among the slots `range` (one size class, see
-    /// [`crate::slot_classes`]); `None` for a range outside the table. With
-    /// [`EvictionPolicy::Popularity`], a key's use count is scaled by
-    /// `weight(layer) / 4` (at most [`MAX_LAYER_WEIGHT`]): layers whose misses
-    /// cost more keep their experts longer.
+    /// [`crate::slot_classes`]); `None` for a range outside the table.
     pub fn victim_in(
         &self,
         policy: EvictionPolicy,
         current_layer: u16,
         range: core::ops::Range<usize>,
         mut allowed: impl FnMut(ExpertKey) -> bool,
-        weight: impl Fn(u16) -> u32,
     ) -> Option<SlotId> {
         let first = range.start;
         let slots = self.slots.as_ref().get(range)?;
@@ -373,8 +367,7 @@ where
                 EvictionPolicy::LayerDistance => (true, 0, distance, u64::MAX - s.last_used),
                 EvictionPolicy::Popularity => (
                     distance > PROTECTED_LAYERS,
-                    MAX_USE_COUNT * MAX_LAYER_WEIGHT
-                        - self.use_count(key) * weight(key.layer).min(MAX_LAYER_WEIGHT),
+                    MAX_USE_COUNT - self.use_count(key),
                     distance,
                     u64::MAX - s.last_used,
                 ),
@@ -622,40 +615,6 @@ mod tests {
         t.start_load(SlotId(1), load(key(0, 0), 9)).unwrap();
         assert_eq!(t.lookup(key(0, 0)), Some(SlotId(1)));
         assert_eq!(t.use_count(key(0, 0)), 3);
-    }
-
-    #[test]
-    fn layer_weights_scale_use_counts_within_a_range() {
-        let mut t = table(4);
-        fill(&mut t, [key(0, 0), key(0, 1), key(2, 0), key(2, 1)]);
-        for k in [key(0, 0), key(0, 1), key(2, 0), key(2, 1), key(2, 1)] {
-            t.record_use(k);
-        }
-        let pop = EvictionPolicy::Popularity;
-        // At layer 1 (all four within the protected distance, so use counts
-        // decide): unweighted, the first once-used expert goes.
-        assert_eq!(t.victim(pop, 1, |_| true), Some(SlotId(0)));
-        // Layer 0 weighted 3x: its single uses count as 3, above layer 2's 1.
-        let w = |l: u16| if l == 0 { 12 } else { 4 };
-        assert_eq!(t.victim_in(pop, 1, 0..4, |_| true, w), Some(SlotId(2)));
-        // Weights are capped at MAX_LAYER_WEIGHT (3x): 1 use x 3 still loses to
-        // 2 uses x 1x... and beats 1 use x 1x.
-        let huge = |l: u16| if l == 0 { 1000 } else { 4 };
-        assert_eq!(t.victim_in(pop, 1, 0..4, |_| true, huge), Some(SlotId(2)));
-        let w2 = |l: u16| if l == 0 { 12 } else { 8 };
-        assert_eq!(
-            t.victim_in(pop, 1, 0..4, |_| true, w2),
-            Some(SlotId(2)),
-            "1 x 2x = 2 below 1 x 3x = 3"
-        );
-        // A range restricts the choice; one outside the table gives none.
-        assert_eq!(t.victim_in(pop, 1, 0..2, |_| true, w), Some(SlotId(0)));
-        assert_eq!(t.victim_in(pop, 1, 3..9, |_| true, w), None);
-        // Other policies ignore weights.
-        assert_eq!(
-            t.victim_in(EvictionPolicy::Lru, 1, 0..4, |_| true, w),
-            t.victim(EvictionPolicy::Lru, 1, |_| true)
-        );
     }
 
     #[test]
