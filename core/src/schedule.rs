@@ -38,7 +38,7 @@ use crate::blockdev::{
     BlockDevice, Completion, DeviceError, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError,
     Tag,
 };
-use crate::slot_classes::{SlotClass, MAX_SLOT_CLASSES};
+use crate::slot_classes::{class_for, SlotClass, MAX_SLOT_CLASSES};
 use crate::slots::{EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable};
 
 /// Most experts one layer's router may pick.
@@ -595,10 +595,9 @@ where
         if self.classes.len() > 1 {
             let mut need = [0usize; MAX_SLOT_CLASSES];
             for &expert in routing {
-                let (_, class) = self.placement(ExpertKey { layer, expert }, src)?;
-                let c = self.classes_before(class.start);
+                let (_, c) = self.placement(ExpertKey { layer, expert }, src)?;
                 need[c] += 1;
-                if need[c] > class.len() {
+                if need[c] > self.classes[c].slots as usize {
                     return Err(Error::Config(
                         "fewer slots of a size than experts per layer",
                     ));
@@ -998,39 +997,30 @@ where
         self.placement(key, src).map(|(ext, _)| ext)
     }
 
-    /// The index of the class whose slots start at `start`.
-    fn classes_before(&self, start: usize) -> usize {
-        let mut at = 0;
-        self.classes
-            .iter()
-            .take_while(|c| {
-                let before = at < start;
-                at += c.slots as usize;
-                before
-            })
-            .count()
+    /// The slots of class `c`.
+    fn class_slots(&self, c: usize) -> Range<usize> {
+        let start = self.classes[..c].iter().map(|x| x.slots as usize).sum();
+        start..start + self.classes[c].slots as usize
     }
 
-    /// `key`'s extents and the slots it may take: those of the smallest class
-    /// whose slots hold every extent.
+    /// `key`'s extents and the class of slots it may take: the smallest whose
+    /// slots hold every extent.
     fn placement<E, X: ExpertSource>(
         &self,
         key: ExpertKey,
         src: &X,
-    ) -> Result<(Extents, Range<usize>), Error<E>> {
+    ) -> Result<(Extents, usize), Error<E>> {
         let ext = src.extents(key);
         let need = ext.iter().try_fold(0u32, |m, e| {
             e.slot_offset.checked_add(e.len).map(|end| m.max(end))
         });
-        let mut start = 0;
-        for c in &self.classes {
-            let end = start + c.slots as usize;
-            if need.is_some_and(|n| n <= c.bytes) && !ext.is_empty() {
-                return Ok((ext, start..end));
-            }
-            start = end;
+        match need
+            .filter(|_| !ext.is_empty())
+            .and_then(|n| class_for(&self.classes, n))
+        {
+            Some(c) => Ok((ext, c)),
+            None => Err(Error::BadExtents { key }),
         }
-        Err(Error::BadExtents { key })
     }
 
     fn layer_now(&self) -> u16 {
@@ -1051,7 +1041,8 @@ where
                 continue;
             }
             let key = self.picks[i].key;
-            let (_, class) = self.placement(key, src)?;
+            let (ext, c) = self.placement(key, src)?;
+            let class = self.class_slots(c);
             let slot = loop {
                 if let Some(slot) =
                     self.table
@@ -1084,8 +1075,7 @@ where
             if matches!(self.table.state(slot), SlotState::Ready { .. }) {
                 self.table.evict(slot)?;
             }
-            let parts = self.extents(key, src)?.len();
-            let load = self.new_load(key, parts, true);
+            let load = self.new_load(key, ext.len(), true);
             self.table.start_load(slot, load)?;
             self.picks[i].status = PickStatus::Loading(slot);
         }
@@ -1137,7 +1127,8 @@ where
                 // practice; retried on the next pump, once the device drained.
                 break;
             }
-            let (ext, class) = self.placement(key, src)?;
+            let (ext, c) = self.placement(key, src)?;
+            let class = self.class_slots(c);
             let bytes: u64 = ext.iter().map(|e| e.len as u64).sum();
             if self.token_prefetch_bytes + bytes > self.config.prefetch_budget {
                 self.queue.clear(); // budget spent for this token

@@ -27,6 +27,12 @@ pub struct SlotClass {
     pub bytes: u32,
 }
 
+/// The index of the smallest of `classes` (smallest first) whose slots hold
+/// `bytes`: the only class an expert of that size may take.
+pub fn class_for(classes: &[SlotClass], bytes: u32) -> Option<usize> {
+    classes.iter().position(|c| bytes <= c.bytes)
+}
+
 /// Experts of one slot size: `count` experts needing `bytes` bytes each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SizeGroup {

@@ -21,7 +21,7 @@ use les_core::model::ops::RopeStyle;
 use les_core::quant::{self, GgmlType};
 use les_core::router::Gating;
 use les_core::schedule::{Extent, Extents};
-use les_core::slot_classes::{SizeGroup, SlotClass};
+use les_core::slot_classes::{class_for, SizeGroup, SlotClass};
 use les_core::slots::ExpertKey;
 
 use crate::flash::arena::SLOT_ALIGN;
@@ -807,8 +807,8 @@ impl Model {
     /// The index in `classes` (smallest first) of the slots layer `layer`'s
     /// experts take; `None` for a layer without experts.
     pub fn slot_class_of(&self, classes: &[SlotClass], layer: usize) -> Option<usize> {
-        let need = self.expert_read_bytes(layer)?;
-        classes.iter().position(|c| c.bytes as usize >= need)
+        let need = u32::try_from(self.expert_read_bytes(layer)?).ok()?;
+        class_for(classes, need)
     }
 
     /// Total bytes of routed experts in the file.

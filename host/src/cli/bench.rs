@@ -382,9 +382,12 @@ fn optimal_hit_rate(
     }
     let r = reports.iter().find(|r| r.schedule != Schedule::Resident)?;
     // Each size class is a cache of its own: its layers' picks, its slots.
+    let layer_class: Vec<Option<usize>> = (0..model.hp.n_layers)
+        .map(|l| model.slot_class_of(classes, l))
+        .collect();
     let mut count = belady::CacheCount::default();
     for (c, class) in classes.iter().enumerate() {
-        let in_class = |k: &&ExpertKey| model.slot_class_of(classes, k.layer as usize) == Some(c);
+        let in_class = |k: &&ExpertKey| layer_class.get(k.layer as usize) == Some(&Some(c));
         let picks: Vec<ExpertKey> = r.picks.iter().filter(in_class).copied().collect();
         let from = r.picks[..r.decode_from].iter().filter(in_class).count();
         let x = belady::optimal_hits(&picks, class.slots as usize, from);
