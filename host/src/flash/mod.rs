@@ -441,11 +441,6 @@ impl FileDevice {
         self.shared.arena.slot_bytes()
     }
 
-    /// Bytes of all slots together.
-    pub fn arena_bytes(&self) -> usize {
-        self.shared.arena.total_bytes()
-    }
-
     /// I/O counters.
     pub fn counters(&self) -> &IoCounters {
         &self.shared.counters
