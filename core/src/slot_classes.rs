@@ -139,14 +139,12 @@ pub fn plan_by_bytes(
         .map(|g| (budget as u128 * g.count as u128 / total).min(g.count as u128) as u32)
         .collect();
     let bought = slots.iter().map(|&s| s as u64).sum();
-    let used = |c: &Vec<SlotClass, MAX_SLOT_CLASSES>| -> u128 {
-        c.iter().map(|x| x.slots as u128 * x.bytes as u128).sum()
-    };
-    let mut out = with_minimum(&groups, slots, min_per_class);
-    while used(&out) > budget as u128 {
-        take_one(&groups, &mut out, min_per_class, bought)?;
-    }
-    Ok(out)
+    settle(&groups, slots, min_per_class, bought, |c| {
+        c.iter()
+            .map(|x| x.slots as u128 * x.bytes as u128)
+            .sum::<u128>()
+            > budget as u128
+    })
 }
 
 /// Splits `n_slots` slots across the size classes of `sizes` in proportion to
@@ -184,11 +182,10 @@ pub fn plan_by_count(
         share[i].1 = 0;
         left -= 1;
     }
-    let mut out = with_minimum(&groups, share.iter().map(|s| s.0).collect(), min_per_class);
-    while out.iter().map(|x| x.slots as u64).sum::<u64>() > n {
-        take_one(&groups, &mut out, min_per_class, n)?;
-    }
-    Ok(out)
+    let slots = share.iter().map(|s| s.0).collect();
+    settle(&groups, slots, min_per_class, n, |c| {
+        c.iter().map(|x| x.slots as u64).sum::<u64>() > n
+    })
 }
 
 /// The smallest slot count class `g` may have.
@@ -196,45 +193,39 @@ fn minimum(g: &SizeGroup, min_per_class: u32) -> u32 {
     min_per_class.min(g.count).max(1)
 }
 
-/// `slots` per class, each raised to its [`minimum`].
-fn with_minimum(
+/// `slots` per class, each raised to its [`minimum`], then one slot at a time
+/// taken from the class with the most above its minimum (the larger class on a
+/// tie) while `over` says the plan exceeds the budget; fails where no class has
+/// any to spare (the budget bought `bought` slots).
+fn settle(
     groups: &[SizeGroup],
     slots: Vec<u32, MAX_SLOT_CLASSES>,
     min_per_class: u32,
-) -> Vec<SlotClass, MAX_SLOT_CLASSES> {
-    groups
+    bought: u64,
+    over: impl Fn(&[SlotClass]) -> bool,
+) -> Result<Vec<SlotClass, MAX_SLOT_CLASSES>, PlanError> {
+    let mut out: Vec<SlotClass, MAX_SLOT_CLASSES> = groups
         .iter()
         .zip(slots)
         .map(|(g, s)| SlotClass {
             slots: s.max(minimum(g, min_per_class)),
             bytes: g.bytes,
         })
-        .collect()
-}
-
-/// Removes one slot from the class with the most slots above its minimum (the
-/// larger class on a tie), or fails where none has any to spare (the budget
-/// bought `bought` slots).
-fn take_one(
-    groups: &[SizeGroup],
-    out: &mut [SlotClass],
-    min_per_class: u32,
-    bought: u64,
-) -> Result<(), PlanError> {
-    let spare = |i: usize| out[i].slots - minimum(&groups[i], min_per_class);
-    match (0..out.len())
-        .filter(|&i| spare(i) > 0)
-        .max_by_key(|&i| (spare(i), i))
-    {
-        Some(i) => {
-            out[i].slots -= 1;
-            Ok(())
-        }
-        None => Err(PlanError::TooSmall {
-            slots: bought,
-            needed: out.iter().map(|c| c.slots as u64).sum(),
-        }),
+        .collect();
+    while over(&out) {
+        let spare = |i: usize| out[i].slots - minimum(&groups[i], min_per_class);
+        let Some(i) = (0..out.len())
+            .filter(|&i| spare(i) > 0)
+            .max_by_key(|&i| (spare(i), i))
+        else {
+            return Err(PlanError::TooSmall {
+                slots: bought,
+                needed: out.iter().map(|c| c.slots as u64).sum(),
+            });
+        };
+        out[i].slots -= 1;
     }
+    Ok(out)
 }
 
 #[cfg(test)]
