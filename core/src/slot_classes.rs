@@ -188,6 +188,17 @@ pub fn plan_by_count(
     })
 }
 
+/// The smallest plan: every size class at its minimum, `min_per_class` slots (or
+/// all its experts, if fewer).
+pub fn plan_minimum(
+    sizes: impl IntoIterator<Item = SizeGroup>,
+    min_per_class: u32,
+) -> Result<Vec<SlotClass, MAX_SLOT_CLASSES>, PlanError> {
+    let groups = size_classes(sizes)?;
+    let zeros = groups.iter().map(|_| 0).collect();
+    settle(&groups, zeros, min_per_class, 0, |_| false)
+}
+
 /// The smallest slot count class `g` may have.
 fn minimum(g: &SizeGroup, min_per_class: u32) -> u32 {
     min_per_class.min(g.count).max(1)
@@ -292,6 +303,10 @@ mod tests {
         assert!(plan_by_bytes(sizes, 14 * 3_059_712, 8).is_err());
         let c = plan_by_bytes(sizes, 16 * 3_059_712, 8).unwrap();
         assert_eq!((c[0].slots, c[1].slots), (8, 8));
+        let c = plan_minimum(sizes, 8).unwrap();
+        assert_eq!((c[0].slots, c[1].slots), (8, 8));
+        let c = plan_minimum([g(10, 3), g(20, 100)], 8).unwrap();
+        assert_eq!((c[0].slots, c[1].slots), (3, 8));
     }
 
     #[test]

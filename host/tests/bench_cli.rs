@@ -176,6 +176,32 @@ fn bench_sweep_reports_every_budget_and_the_verdicts() {
 }
 
 #[test]
+fn bench_sweep_below_one_layer_runs_at_the_minimum() {
+    // 1% of the tiny model's experts is less than one expert: the point runs with
+    // the two slots one layer's picks need, as a budget of exactly that would.
+    let model = packed_tiny("sweep-min");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--sweep",
+        "1",
+        "-n",
+        "2",
+        "-t",
+        "1",
+    ]);
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|c| c.first() == Some(&"1%"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(rows.iter().all(|c| c[1] == "2"), "{out}");
+    cleanup(&model);
+}
+
+#[test]
 fn bench_sweep_json_is_one_object_with_every_budget() {
     let model = packed_tiny("sweep-json");
     let (out, _) = les(&[

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::{json, Map, Value};
 
-use les_core::slot_classes::{plan_by_bytes, SlotClass};
+use les_core::slot_classes::{plan_by_bytes, plan_minimum, SlotClass};
 use les_core::slots::ExpertKey;
 
 use super::run::resolve_budget;
@@ -569,12 +569,12 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         if !(pct > 0.0 && pct <= 100.0) {
             return Err(format!("sweep budget {pct}% is not in (0, 100]").into());
         }
-        let classes = plan_by_bytes(
-            model.expert_size_groups(),
-            (expert_bytes as f64 * pct / 100.0) as u64,
-            top_k as u32,
-        )
-        .map_err(|e| format!("{pct}%: {e}"))?;
+        // A budget below one layer's picks of each size runs at that minimum.
+        let groups = model.expert_size_groups();
+        let bytes = (expert_bytes as f64 * pct / 100.0) as u64;
+        let classes = plan_by_bytes(groups.iter().copied(), bytes, top_k as u32)
+            .or_else(|_| plan_minimum(groups, top_k as u32))
+            .map_err(|e| format!("{pct}%: {e}"))?;
         let budget = crate::supply::SlotBudget {
             classes: classes.to_vec(),
             io,
