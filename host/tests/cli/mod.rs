@@ -95,9 +95,5 @@ pub fn pack(input: &Path, output: &Path) {
         .arg(output)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    stdout_ok(out, "les pack");
 }
