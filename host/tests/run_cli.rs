@@ -81,23 +81,33 @@ fn sampling_is_reproducible_for_a_seed() {
     );
 }
 
+/// A greedy `--json` run with `args` writing its logits to `logits_{name}.npy`:
+/// the JSON, the `.npy` (rows, columns, data) and stderr.
+fn greedy_with_logits(
+    model: &Path,
+    args: &[&str],
+    name: &str,
+) -> (Value, (usize, usize, Vec<u8>), String) {
+    let path = tmp(&format!("logits_{name}.npy"));
+    let logits = [
+        "--temp",
+        "0",
+        "--json",
+        "--logits-out",
+        path.to_str().unwrap(),
+    ];
+    let out = run(model, &[args, &logits[..]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = json_ok(out, &format!("run {args:?}"));
+    (json, npy(&path), stderr)
+}
+
 #[test]
 fn every_schedule_and_budget_gives_bit_identical_logits() {
     for arch in ["qwen3moe", "qwen2moe", "mixtral"] {
         let m = model(arch);
-        let want_path = tmp(&format!("logits_{arch}_resident.npy"));
-        let want = json_run(
-            &m,
-            &[
-                "--temp",
-                "0",
-                "--schedule",
-                "resident",
-                "--logits-out",
-                want_path.to_str().unwrap(),
-            ],
-        );
-        let (rows, cols, want_logits) = npy(&want_path);
+        let (want, (rows, cols, want_logits), _) =
+            greedy_with_logits(&m, &["--schedule", "resident"], &format!("{arch}_resident"));
         let eog = usize::from(want["stats"]["stop"] == "eog");
         assert_eq!(
             rows,
@@ -112,20 +122,10 @@ fn every_schedule_and_budget_gives_bit_identical_logits() {
             ["--schedule", "on-demand", "--slots", "32"],
             ["--schedule", "les", "--expert-mem", "64KiB"],
         ] {
-            let path = tmp(&format!("logits_{arch}_{}.npy", args.join("_")));
-            let got = json_run(
-                &m,
-                &[
-                    &args[..],
-                    &["--temp", "0", "--logits-out", path.to_str().unwrap()],
-                ]
-                .concat(),
-            );
+            let name = format!("{arch}_{}", args.join("_"));
+            let (got, (_, _, logits), _) = greedy_with_logits(&m, &args, &name);
             assert_eq!(tokens(&got), tokens(&want), "{arch} {args:?}");
-            assert!(
-                npy(&path).2 == want_logits,
-                "{arch} {args:?}: logits differ"
-            );
+            assert!(logits == want_logits, "{arch} {args:?}: logits differ");
             assert!(got["stats"]["hit_rate"].as_f64().is_some());
         }
     }
@@ -159,44 +159,18 @@ fn mixed_expert_sizes_get_slots_of_their_size_and_stay_exact() {
     let packed = tmp("run_cli_mixed.p.gguf");
     pack(&plain, &packed);
     for m in [&plain, &packed] {
-        let want_path = tmp("logits_mixed_resident.npy");
-        let want = json_run(
-            m,
-            &[
-                "--temp",
-                "0",
-                "--schedule",
-                "resident",
-                "--logits-out",
-                want_path.to_str().unwrap(),
-            ],
-        );
-        let want_logits = npy(&want_path).2;
+        let (want, (_, _, want_logits), _) =
+            greedy_with_logits(m, &["--schedule", "resident"], "mixed_resident");
         for args in [
             ["--schedule", "les", "--slots", "4"],
             ["--schedule", "on-demand", "--slots", "5"],
             ["--schedule", "les", "--expert-mem", "1MiB"],
             ["--schedule", "les", "--slots", "32"],
         ] {
-            let path = tmp(&format!("logits_mixed_{}.npy", args.join("_")));
-            let out = run(
-                m,
-                &[
-                    &args[..],
-                    &[
-                        "--temp",
-                        "0",
-                        "--json",
-                        "--logits-out",
-                        path.to_str().unwrap(),
-                    ],
-                ]
-                .concat(),
-            );
-            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-            let got = json_ok(out, &format!("{args:?}"));
+            let name = format!("mixed_{}", args.join("_"));
+            let (got, (_, _, logits), stderr) = greedy_with_logits(m, &args, &name);
             assert_eq!(tokens(&got), tokens(&want), "{args:?}");
-            assert!(npy(&path).2 == want_logits, "{args:?}: logits differ");
+            assert!(logits == want_logits, "{args:?}: logits differ");
             // Two runs of slots: 108 KiB for the q4_k layers, 128 KiB for the others.
             assert!(
                 stderr.contains("of 108 KiB") && stderr.contains("of 128 KiB"),
