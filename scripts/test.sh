@@ -49,6 +49,7 @@ cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo fmt --manifest-path tests/firmware/Cargo.toml -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --locked -- -D warnings
 
 step "unit, property and integration tests"
 cargo test --workspace --locked

@@ -285,6 +285,13 @@ impl ExpertSource for Model {
 }
 
 /// The toy expert: output from the input and the expert's bytes, fixed order.
+/// One layer of one token from the tape: the router's picks with their weights,
+/// and the lookahead's prediction for it.
+struct Step {
+    picked: Vec<(u16, f32)>,
+    predicted: Vec<u16>,
+}
+
 fn expert_output(bytes: &[u8], h: f32) -> f32 {
     let mut acc = h;
     for (i, &b) in bytes.iter().enumerate() {
@@ -459,7 +466,7 @@ fuzz_target!(|data: &[u8]| {
     .expect("valid configuration");
 
     // Routing and predictions from the tape; the resident reference alongside.
-    let mut steps: Vec<(Vec<(u16, f32)>, Vec<u16>)> = Vec::new();
+    let mut steps: Vec<Step> = Vec::new();
     {
         let mut t = tape.borrow_mut();
         for _ in 0..tokens * n_layers as usize {
@@ -472,15 +479,15 @@ fuzz_target!(|data: &[u8]| {
                 e = (e + 1 + t.below(3) as u16) % n_experts;
             }
             let n_pred = t.below(n_experts as usize + 1);
-            let pred: Vec<u16> = (0..n_pred)
+            let predicted: Vec<u16> = (0..n_pred)
                 .map(|_| t.below(n_experts as usize) as u16)
                 .collect();
-            steps.push((picked, pred));
+            steps.push(Step { picked, predicted });
         }
     }
     let mut want = Vec::new();
     let mut h = 0.25f32;
-    for (step, (r, _)) in steps.iter().enumerate() {
+    for (step, r) in steps.iter().map(|s| &s.picked).enumerate() {
         let layer = (step % n_layers as usize) as u16;
         let mut acc = 0f32;
         for &(e, w) in r {
@@ -493,7 +500,7 @@ fuzz_target!(|data: &[u8]| {
     let outcome = (|| -> Result<Vec<f32>, Error<FuzzError>> {
         let mut h = 0.25f32;
         let mut got = Vec::new();
-        for (step, (r, _)) in steps.iter().enumerate() {
+        for (step, r) in steps.iter().map(|s| &s.picked).enumerate() {
             let layer = (step % n_layers as usize) as u16;
             if layer == 0 {
                 sched.begin_token();
@@ -506,13 +513,17 @@ fuzz_target!(|data: &[u8]| {
             let before = dev.log.len();
             sched.begin_layer(layer, &experts, &mut dev, &m)?;
             check_call(&sched, &dev.log[before..], budget, on_demand);
-            if let Some((_, pred)) = steps.get(step + 1) {
+            if let Some(pred) = steps.get(step + 1).map(|s| &s.predicted) {
                 let next = ((step + 1) % n_layers as usize) as u16;
                 let before = dev.log.len();
                 sched.prefetch(next, pred, &mut dev, &m)?;
                 check_call(&sched, &dev.log[before..], budget, on_demand);
             }
-            if let Some((_, pred)) = steps.get(step + 2).filter(|_| flags & 2 != 0) {
+            if let Some(pred) = steps
+                .get(step + 2)
+                .filter(|_| flags & 2 != 0)
+                .map(|s| &s.predicted)
+            {
                 let next = ((step + 2) % n_layers as usize) as u16;
                 let before = dev.log.len();
                 sched.prefetch(next, pred, &mut dev, &m)?;
