@@ -21,8 +21,10 @@
 //! and `ffn_down*` of every third layer and the first and last eighth; `a3b` then has
 //! the 17.28 GiB of Qwen3-30B-A3B's `Q4_K_M` file); `--mix uniform` and the
 //! `--*-type` flags give one type per class.
-//! A type whose block does not divide a tensor's row length falls back to `q8_0`,
-//! else `f16`; norms, biases and routers are `f32`.
+//! A type whose block does not divide a tensor's row length falls back as
+//! llama.cpp's quantizer does (`q4_k` to `q5_0`, `q5_k` to `q5_1`, `q6_k` to
+//! `q8_0`, after the mix's choice), else to `f16`; norms, biases and routers are
+//! `f32`.
 //!
 //! # Weights
 //! Gaussian with `1/sqrt(fan_in)` scaling so activations stay O(1); norm weights
@@ -886,15 +888,23 @@ impl TensorPlan {
     }
 }
 
-/// `ty`, or the closest type whose block divides a row of `ne0` elements.
+/// `ty`, or the type llama.cpp's quantizer falls back to when `ty`'s block does
+/// not divide a row of `ne0` elements (`llama_tensor_get_type`'s incompatible-
+/// tensor rule for the K-quants this writes; `f16` where that does not divide
+/// either, and for every other type).
 fn fit(ty: GgmlType, ne0: u64) -> GgmlType {
-    if ne0.is_multiple_of(ty.block_elems() as u64) {
-        ty
-    } else if ne0.is_multiple_of(32) {
-        GgmlType::Q8_0
-    } else {
-        GgmlType::F16
+    let divides = |t: GgmlType| ne0.is_multiple_of(t.block_elems() as u64);
+    if divides(ty) {
+        return ty;
     }
+    match ty {
+        GgmlType::Q4K => Some(GgmlType::Q5_0),
+        GgmlType::Q5K => Some(GgmlType::Q5_1),
+        GgmlType::Q6K => Some(GgmlType::Q8_0),
+        _ => None,
+    }
+    .filter(|&t| divides(t))
+    .unwrap_or(GgmlType::F16)
 }
 
 /// `general.file_type` (llama.cpp's `llama_ftype`) for a model whose bulk is `ty`.
@@ -1608,6 +1618,27 @@ mod tests {
         }
         assert_eq!(ty(&p, "blk.0.ffn_down_shexp.weight"), GgmlType::Q6K);
         assert_eq!(ty(&p, "blk.6.ffn_down_shexp.weight"), GgmlType::Q4K);
+    }
+
+    #[test]
+    fn rows_a_k_quant_does_not_divide_fall_back_as_in_llama_cpp() {
+        assert_eq!(fit(GgmlType::Q4K, 512), GgmlType::Q4K);
+        assert_eq!(fit(GgmlType::Q4K, 96), GgmlType::Q5_0);
+        assert_eq!(fit(GgmlType::Q5K, 96), GgmlType::Q5_1);
+        assert_eq!(fit(GgmlType::Q6K, 96), GgmlType::Q8_0);
+        assert_eq!(fit(GgmlType::Q6K, 40), GgmlType::F16);
+        assert_eq!(fit(GgmlType::Q8_0, 40), GgmlType::F16);
+        // Experts of width 96: ffn_down's rows take the fallback of the type the
+        // mix picked for their layer (q6_k on layer 0, q4_k on layer 2), as
+        // llama.cpp decides the type first and falls back after.
+        let o = Overrides {
+            expert_ff: Some(96),
+            ..Overrides::default()
+        };
+        let p = plan(Arch::Qwen3moe, Preset::Small, o);
+        assert_eq!(ty(&p, "blk.0.ffn_down_exps.weight"), GgmlType::Q8_0);
+        assert_eq!(ty(&p, "blk.2.ffn_down_exps.weight"), GgmlType::Q5_0);
+        assert_eq!(ty(&p, "blk.2.ffn_gate_exps.weight"), GgmlType::Q4K);
     }
 
     #[test]
