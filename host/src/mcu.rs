@@ -19,7 +19,7 @@
 //!          rope_base(f32) rope_style(0 normal, 1 neox) norm_eps(f32)
 //!          n_experts(0 = dense model) top_k n_ff_exp gating(0 softmax, 1 sigmoid)
 //!          normalize(0/1) weights_scale(f32) n_ff_shared(0 = none)
-//!          slot_bytes (largest expert read, the slot size)
+//!          slot_bytes (largest expert read: the size of a single-class slot)
 //! model    embedding:T output:T output_norm:V
 //! layers   n_layers times:
 //!            attn_norm:V wq:T wk:T wv:T wo:T bq:V? bk:V? bv:V? q_norm:V? k_norm:V?
@@ -38,6 +38,8 @@
 //! An expert's parts go back to back in its slot (slot offset 0, then after the
 //! previous part); `crc_len` bytes from the slot start must have CRC-32 `crc`
 //! ([`les_core::layout::checksum`]); `crc_len` 0 means no checksum (plain GGUF).
+//! A firmware that sizes its slots per expert size (`les_core::slot_classes`, as
+//! `tests/firmware` does) takes each layer's sizes from its experts' parts.
 
 use std::fmt;
 

@@ -5,7 +5,8 @@
 //! - `LES_FW_INDEX`: its index (`les mcu-index`), embedded too;
 //! - `LES_FW_PROMPT`: the prompt's token ids, comma-separated (tokenized on a host);
 //! - `LES_FW_N`: tokens to generate (default 8);
-//! - `LES_FW_SLOTS`: expert slots in RAM (default 4).
+//! - `LES_FW_SLOTS`: expert slots in RAM (default 4), split across the experts'
+//!   sizes as `les run --slots` splits them (les-core's slot classes).
 //!
 //! Writes `$OUT_DIR/model.rs` (constants, and the embedded bytes) and puts
 //! `linker/memory.x` on the linker's search path.
@@ -16,6 +17,7 @@ use std::fs;
 use std::path::PathBuf;
 
 use les_core::model::forward::{KvCache, Scratch};
+use les_core::slot_classes::{plan_by_count, SizeGroup};
 
 #[allow(dead_code)]
 #[path = "src/index.rs"]
@@ -79,7 +81,46 @@ fn main() {
     };
     c("PROMPT", "&[u32]", format!("&{prompt:?}"));
     c("N_PREDICT", "usize", n_predict.to_string());
-    c("N_SLOTS", "usize", slots.to_string());
+    // Slots sized to the experts that use them (les-core's slot classes): a
+    // model packed with several expert types gets a run of slots per size,
+    // each size the same share of its experts, at least one layer's picks.
+    let sizes = (0..hp.n_layers).filter_map(|l| {
+        let x = idx.expert(l, 0).ok()??;
+        let bytes: usize = x.parts[..x.n_parts].iter().map(|p| p.1).sum();
+        Some(SizeGroup {
+            bytes: bytes as u32,
+            count: n_experts as u32,
+        })
+    });
+    let top_k = hp.moe.map_or(1, |m| m.top_k) as u32;
+    let classes = if n_experts == 0 {
+        Vec::new()
+    } else {
+        plan_by_count(sizes, slots as u32, top_k)
+            .unwrap_or_else(|e| panic!("LES_FW_SLOTS={slots}: {e}"))
+            .to_vec()
+    };
+    let n_slots: u32 = classes.iter().map(|c| c.slots).sum();
+    let slot_memory: u64 = classes
+        .iter()
+        .map(|c| c.slots as u64 * c.bytes as u64)
+        .sum();
+    let runs: Vec<String> = classes
+        .iter()
+        .map(|c| {
+            format!(
+                "les_core::slot_classes::SlotClass {{ slots: {}, bytes: {} }}",
+                c.slots, c.bytes
+            )
+        })
+        .collect();
+    c(
+        "SLOT_CLASSES",
+        &format!("[les_core::slot_classes::SlotClass; {}]", classes.len()),
+        format!("[{}]", runs.join(", ")),
+    );
+    c("N_SLOTS", "usize", n_slots.max(1).to_string());
+    c("SLOT_MEMORY", "usize", slot_memory.max(1).to_string());
     c("SLOT_BYTES", "usize", idx.slot_bytes.to_string());
     c("N_LAYERS", "usize", hp.n_layers.to_string());
     c("N_EXPERTS", "usize", n_experts.to_string());

@@ -14,6 +14,7 @@ use les_core::blockdev::{
 };
 use les_core::layout;
 use les_core::schedule::{ExpertSource, Extent, Extents};
+use les_core::slot_classes::SlotClass;
 use les_core::slots::ExpertKey;
 
 use crate::index::Index;
@@ -34,12 +35,12 @@ impl DeviceError for OutOfRange {
     }
 }
 
-/// Flash as a device, writing into `slots` (consecutive slots of `slot_bytes`);
+/// Flash as a device, writing into `slots` (the slot classes' runs back to back);
 /// `Q` completions can wait to be polled.
 pub struct FlashDevice<'a, const Q: usize> {
     flash: &'a [u8],
     slots: &'a mut [u8],
-    slot_bytes: usize,
+    classes: &'a [SlotClass],
     done: Deque<Completion<OutOfRange>, Q>,
     /// Reads served.
     pub reads: u32,
@@ -49,11 +50,11 @@ pub struct FlashDevice<'a, const Q: usize> {
 
 impl<'a, const Q: usize> FlashDevice<'a, Q> {
     /// A device over `flash` filling `slots`.
-    pub fn new(flash: &'a [u8], slots: &'a mut [u8], slot_bytes: usize) -> Self {
+    pub fn new(flash: &'a [u8], slots: &'a mut [u8], classes: &'a [SlotClass]) -> Self {
         FlashDevice {
             flash,
             slots,
-            slot_bytes,
+            classes,
             done: Deque::new(),
             reads: 0,
             bytes: 0,
@@ -80,15 +81,11 @@ impl<const Q: usize> BlockDevice for FlashDevice<'_, Q> {
         let src = usize::try_from(req.offset)
             .ok()
             .and_then(|o| self.flash.get(o..o.checked_add(len)?));
-        let start = (req.slot.0 as usize)
-            .checked_mul(self.slot_bytes)
-            .and_then(|s| s.checked_add(req.slot_offset as usize));
-        let fits = (req.slot_offset as usize)
-            .checked_add(len)
-            .is_some_and(|e| e <= self.slot_bytes);
-        let dst = start
-            .filter(|_| fits)
-            .and_then(|s| self.slots.get_mut(s..s.checked_add(len)?));
+        let dst = self.span(req.slot).and_then(|(start, bytes)| {
+            let end = (req.slot_offset as usize).checked_add(len)?;
+            let at = start + req.slot_offset as usize;
+            (end <= bytes).then(|| self.slots.get_mut(at..at + len))?
+        });
         let (Some(src), Some(dst)) = (src, dst) else {
             return Err(SubmitError::Device(OutOfRange));
         };
@@ -112,10 +109,28 @@ impl<const Q: usize> BlockDevice for FlashDevice<'_, Q> {
     fn cancel(&mut self, _tag: Tag) {}
 }
 
+impl<const Q: usize> FlashDevice<'_, Q> {
+    /// Where `slot` starts in the slot memory and its length: the classes' runs
+    /// lie back to back, smallest first. `None` past the last slot.
+    fn span(&self, slot: SlotId) -> Option<(usize, usize)> {
+        let (mut first, mut base) = (0usize, 0usize);
+        for c in self.classes {
+            let (n, bytes) = (c.slots as usize, c.bytes as usize);
+            if (slot.0 as usize) < first + n {
+                return Some((base + (slot.0 as usize - first) * bytes, bytes));
+            }
+            first += n;
+            base += n * bytes;
+        }
+        None
+    }
+}
+
 impl<const Q: usize> SlotMemory for FlashDevice<'_, Q> {
     fn slot(&self, slot: SlotId) -> &[u8] {
-        let start = slot.0 as usize * self.slot_bytes;
-        &self.slots[start..start + self.slot_bytes]
+        self.span(slot)
+            .and_then(|(start, bytes)| self.slots.get(start..start + bytes))
+            .unwrap_or(&[])
     }
 }
 

@@ -56,7 +56,7 @@ const QUEUE: usize = 8;
 /// Every buffer les-core works in, sized by build.rs for the model. All zeros
 /// at start, so they take no flash (`.bss`).
 struct Buffers {
-    slots: [u8; N_SLOTS * SLOT_BYTES],
+    slots: [u8; SLOT_MEMORY],
     slot_index: [u32; N_LAYERS * N_EXPERTS],
     kv_k: [f32; KV_LEN],
     kv_v: [f32; KV_LEN],
@@ -79,7 +79,7 @@ static mut TABLES: Tables = Tables {
 };
 
 static mut BUFFERS: Buffers = Buffers {
-    slots: [0; N_SLOTS * SLOT_BYTES],
+    slots: [0; SLOT_MEMORY],
     slot_index: [0; N_LAYERS * N_EXPERTS],
     kv_k: [0.0; KV_LEN],
     kv_v: [0.0; KV_LEN],
@@ -145,17 +145,17 @@ fn run() -> Result<(), &'static str> {
     let (b, t) = buffers();
 
     let config = SchedulerConfig::les();
-    let scheduler = Scheduler::new(
+    let scheduler = Scheduler::with_slot_classes(
         config,
         &mut t.slot_table[..],
         &mut b.slot_index[..],
         &mut t.layer_states[..],
         hp.n_layers as u16,
         N_EXPERTS as u16,
-        SLOT_BYTES as u32,
+        &SLOT_CLASSES,
     )
     .map_err(|_| "scheduler storage")?;
-    let device: FlashDevice<'_, QUEUE> = FlashDevice::new(model, &mut b.slots, SLOT_BYTES);
+    let device: FlashDevice<'_, QUEUE> = FlashDevice::new(model, &mut b.slots, &SLOT_CLASSES);
     let mut experts = Streamed {
         scheduler,
         device,
@@ -183,12 +183,18 @@ fn run() -> Result<(), &'static str> {
     let mut scratch = Scratch::new(&hp, &mut b.scratch, MAX_POS).ok_or("scratch size")?;
     let logits = &mut b.logits;
 
-    hprintln!(
-        "les-firmware: {} layers, {} experts of {} bytes, {} slots, prompt {} tokens, RAM buffers {} bytes",
+    hprint!(
+        "les-firmware: {} layers, {} experts per layer, {} slots (",
         hp.n_layers,
         N_EXPERTS,
-        SLOT_BYTES,
         N_SLOTS,
+    );
+    for (i, c) in SLOT_CLASSES.iter().enumerate() {
+        let sep = if i == 0 { "" } else { ", " };
+        hprint!("{sep}{} of {} bytes", c.slots, c.bytes);
+    }
+    hprintln!(
+        "), prompt {} tokens, RAM buffers {} bytes",
         PROMPT.len(),
         core::mem::size_of::<Buffers>() + core::mem::size_of::<Tables>()
     );
