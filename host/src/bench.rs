@@ -325,7 +325,7 @@ pub fn run_schedule(
     let mut supply = Recording::new(&mut supply);
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
-    let mut session = Session::new(model, cfg.prompt.len() + cfg.n_tokens + 1);
+    let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
     let mut logits = vec![0f32; model.hp.n_vocab];
     let t0 = Instant::now();
     for &t in &cfg.prompt {

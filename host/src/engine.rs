@@ -56,21 +56,76 @@ pub struct Session<'m> {
     pos: usize,
 }
 
+/// The buffers of a [`Session`] could not be allocated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionAllocError {
+    /// The positions asked for.
+    pub positions: usize,
+    /// The bytes they need (KV cache, recurrent state and scratch).
+    pub bytes: u128,
+}
+
+impl std::fmt::Display for SessionAllocError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.positions > MAX_POSITIONS {
+            return write!(
+                f,
+                "a context of {} positions is more than the {MAX_POSITIONS} a session holds",
+                self.positions
+            );
+        }
+        write!(
+            f,
+            "cannot allocate the KV cache and scratch of {} positions ({:.2} GiB); \
+             ask for fewer (--ctx, -n)",
+            self.positions,
+            self.bytes as f64 / (1u64 << 30) as f64
+        )
+    }
+}
+
+impl std::error::Error for SessionAllocError {}
+
+/// Most positions a [`Session`] holds.
+pub const MAX_POSITIONS: usize = 1 << 24;
+
+/// `n` zeroed floats, or `None` where the allocator refuses them.
+fn zeroed(n: usize) -> Option<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).ok()?;
+    v.resize(n, 0.0);
+    Some(v)
+}
+
 impl<'m> Session<'m> {
-    /// A session of up to `max_positions` tokens.
-    pub fn new(model: &'m Model, max_positions: usize) -> Session<'m> {
+    /// A session of up to `max_positions` tokens; an error (not an abort) where
+    /// its buffers cannot be allocated.
+    pub fn new(model: &'m Model, max_positions: usize) -> Result<Session<'m>, SessionAllocError> {
         let (hp, hy) = (&model.hp, &model.hybrid);
         let (conv, ssm) = RecurrentState::len(hy);
-        Session {
+        if max_positions > MAX_POSITIONS {
+            // Beyond any machine's memory, and keeps the sizes below from overflowing.
+            return Err(SessionAllocError {
+                positions: max_positions,
+                bytes: u128::MAX,
+            });
+        }
+        let kv = KvCache::len_for(hp, hy, max_positions);
+        let scratch = Scratch::len_for(hp, hy, max_positions);
+        let err = SessionAllocError {
+            positions: max_positions,
+            bytes: 4 * (2 * kv as u128 + conv as u128 + ssm as u128 + scratch as u128),
+        };
+        Ok(Session {
             model,
             max_positions,
-            kv_k: vec![0.0; KvCache::len_for(hp, hy, max_positions)],
-            kv_v: vec![0.0; KvCache::len_for(hp, hy, max_positions)],
-            conv_state: vec![0.0; conv],
-            ssm_state: vec![0.0; ssm],
-            scratch: vec![0.0; Scratch::len_for(hp, hy, max_positions)],
+            kv_k: zeroed(kv).ok_or(err)?,
+            kv_v: zeroed(kv).ok_or(err)?,
+            conv_state: zeroed(conv).ok_or(err)?,
+            ssm_state: zeroed(ssm).ok_or(err)?,
+            scratch: zeroed(scratch).ok_or(err)?,
             pos: 0,
-        }
+        })
     }
 
     /// Positions evaluated so far.

@@ -65,7 +65,7 @@ where
 {
     let mut mv = ThreadedMatVec::new(1, Isa::detect());
     let la = lookahead(model);
-    let mut session = Session::new(model, PROMPT.len() + GENERATE);
+    let mut session = Session::new(model, PROMPT.len() + GENERATE).unwrap();
     let mut logits = vec![0f32; model.hp.n_vocab];
     let mut all = Vec::new();
     let mut input: Vec<u32> = PROMPT.to_vec();

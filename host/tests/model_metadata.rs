@@ -105,7 +105,7 @@ fn load_and_decode(path: &Path) -> Option<String> {
         Err(e) => return Some(e.to_string()),
     };
     let mut mv = ThreadedMatVec::new(2, Isa::detect());
-    let mut session = Session::new(&model, 8);
+    let mut session = Session::new(&model, 8).unwrap();
     let mut logits = vec![0f32; model.hp.n_vocab];
     for t in [1u32, 2, 3] {
         let t = t % model.hp.n_vocab.max(1) as u32;

@@ -223,6 +223,41 @@ fn chat_template_wraps_the_prompt() {
 }
 
 #[test]
+fn generation_stops_when_the_context_is_full() {
+    let m = model("qwen3moe");
+    // -n far beyond any memory: the context (here 24 positions) bounds it.
+    let a = json_run(
+        &m,
+        &["--temp", "0", "--ctx", "24", "-n", "18446744073709551615"],
+    );
+    let b = json_run(&m, &["--temp", "0", "-n", "40"]);
+    let prompt = a["prompt_tokens"].as_array().unwrap().len();
+    assert_eq!(a["stats"]["stop"], "ctx");
+    // n tokens take n - 1 positions after the prompt (the last is not evaluated).
+    let n = 24 + 1 - prompt;
+    assert_eq!(a["stats"]["generated"], n);
+    assert_eq!(tokens(&a), tokens(&b)[..n]);
+    // Without --ctx the model's training context is the bound: a huge -n
+    // allocates for that, not for -n.
+    let short = synth_once(
+        "run_cli_ctx26.gguf",
+        &[
+            "--arch",
+            "qwen3moe",
+            "--preset",
+            "tiny",
+            "--seed",
+            "3",
+            "--context",
+            "26",
+        ],
+    );
+    let c = json_run(&short, &["--temp", "0", "-n", "100000000000"]);
+    assert_eq!(c["stats"]["stop"], "ctx");
+    assert_eq!(c["stats"]["generated"], 26 + 1 - prompt);
+}
+
+#[test]
 fn errors_are_one_line_and_nonzero() {
     let m = model("qwen3moe");
     for (args, needle) in [
@@ -257,6 +292,31 @@ fn errors_are_one_line_and_nonzero() {
                 "12 parsecs",
             ],
             "unit",
+        ),
+        // A context no machine holds: an error, not an abort on the allocation.
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--ctx",
+                "100000000000",
+            ],
+            "positions",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "The quick brown fox",
+                "--ctx",
+                "2",
+            ],
+            "does not fit the context",
         ),
     ] {
         let out = les().args(&args).output().unwrap();

@@ -70,7 +70,8 @@ pub struct RunArgs {
     /// The file device's I/O settings.
     #[command(flatten)]
     pub io: IoArgs,
-    /// Context size (default: prompt + n, at most the training context).
+    /// Context size in positions (default: prompt + n, at most the model's
+    /// training context); generation stops when it is full.
     #[arg(long)]
     pub ctx: Option<usize>,
     /// Lookahead prediction (les schedule).
@@ -258,18 +259,25 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
     }
-    let needed = prompt.len() + args.n_predict;
-    let ctx = args
-        .ctx
-        .unwrap_or(needed.min(model.n_ctx_train.max(needed)));
-    if needed > ctx {
+    // The context holds the prompt and what is generated: by default as many
+    // positions as that needs, at most the model's training context. Generation
+    // stops when it is full.
+    let needed = prompt.len().saturating_add(args.n_predict);
+    let ctx = args.ctx.unwrap_or(needed.min(model.n_ctx_train.max(1)));
+    if prompt.len() > ctx {
         return Err(format!(
-            "prompt ({}) + n ({}) exceeds the context size {ctx}",
+            "the prompt ({} tokens) does not fit the context of {ctx} positions{}",
             prompt.len(),
-            args.n_predict
+            if args.ctx.is_some() {
+                " (--ctx)"
+            } else {
+                " the model was trained for (raise it with --ctx)"
+            }
         )
         .into());
     }
+    // The last generated token is not evaluated: n tokens take n - 1 positions.
+    let n_predict = args.n_predict.min(ctx + 1 - prompt.len());
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -284,7 +292,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     });
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    let mut session = Session::new(&model, ctx);
+    let mut session = Session::new(&model, ctx)?;
     eprintln!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, loaded in {:.2?}",
         model.arch.name(),
@@ -331,7 +339,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         &mut supply,
         Some(&lookahead),
         &inputs,
-        args.n_predict,
+        n_predict,
         |logits| {
             let t = sampler.sample(logits);
             sampler.accept(t);
@@ -360,6 +368,14 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     if let Some(e) = write_err {
         return Err(e.into());
     }
+    let stop = if stopped_at_eog {
+        "eog"
+    } else if n_predict < args.n_predict && stats.generated == n_predict {
+        eprintln!("\nles: the context is full ({ctx} positions); raise it with --ctx");
+        "ctx"
+    } else {
+        "length"
+    };
     let tail = decoder.finish();
     text.push_str(&tail);
     if let Some(path) = &args.logits_out {
@@ -375,7 +391,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "schedule": schedule.name(),
             "threads": threads,
             "seed": seed,
-            "stop": if stopped_at_eog { "eog" } else { "length" },
+            "stop": stop,
             "peak_rss_bytes": crate::engine::peak_rss_bytes(),
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
             "slot_bytes": budget.bytes(),
