@@ -2,7 +2,7 @@
 //! `SIGHUP`).
 //!
 //! Writers that build a file under a temporary name and rename it at the end
-//! ([`crate::pack`]) [`register`] the temporary path. Once [`install`]ed (by the
+//! ([`crate::pack`], [`crate::synth`]) [`register`] the temporary path. Once [`install`]ed (by the
 //! CLI; a library user keeps its own signal handling), an interrupt deletes every
 //! registered path and exits with status 130, so neither a truncated file under
 //! the target name nor a stray temporary file is left behind. [`commit`] renames

@@ -1,5 +1,5 @@
-//! Ctrl-C during `les pack`: nothing is left under the target name, and the
-//! temporary file is removed too (exit status 130).
+//! Ctrl-C during `les pack` and `les synth`: nothing is left under the target
+//! name, and the temporary file is removed too (exit status 130).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -107,6 +107,57 @@ fn interrupted_pack_leaves_no_output_and_no_temporary_file() {
     for sig in ["-INT", "-TERM"] {
         let target = d.join("packed.gguf");
         let child = start_pack(&d, &input, &target);
+        signal(&child, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(130),
+            "{sig}: exit status (stderr: {})",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !target.exists(),
+            "{sig}: a file exists under the target name"
+        );
+        assert_eq!(
+            temp_files(&d),
+            Vec::<String>::new(),
+            "{sig}: temporary files remain"
+        );
+    }
+}
+
+#[test]
+fn interrupted_synth_leaves_no_output_and_no_temporary_file() {
+    let d = dir("synth-interrupt");
+    for sig in ["-INT", "-TERM"] {
+        let target = d.join("small.gguf");
+        // The `small` preset writes ~560 MB: seconds, long enough to interrupt.
+        let child = les()
+            .args([
+                "synth",
+                "--arch",
+                "qwen3moe",
+                "--preset",
+                "small",
+                "--threads",
+                "1",
+                "-o",
+            ])
+            .arg(&target)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while temp_files(&d).is_empty() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "les synth never created its temporary file"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(100));
         signal(&child, sig);
         let out = child.wait_with_output().unwrap();
         assert_eq!(

@@ -488,12 +488,45 @@ fn synth_rejects_bad_configs_without_writing() {
         &["--arch", "qwen3moe", "--expert-type", "q8_k"],
         &["--arch", "qwen3moe", "--experts", "0"],
         &["--arch", "llama", "--shared-ff", "64"],
+        // Shapes beyond any memory: refused, not aborted on an allocation.
+        &["--arch", "qwen3moe", "--embd", "1000000000000"],
+        &[
+            "--arch",
+            "qwen3moe",
+            "--embd",
+            "65536",
+            "--expert-ff",
+            "65536",
+        ],
+        &["--arch", "qwen3moe", "--layers", "1000000"],
+        &[
+            "--arch",
+            "qwen3moe",
+            "--heads",
+            "1024",
+            "--kv-heads",
+            "1024",
+            "--head-dim",
+            "4096",
+        ],
+        // The projector is checked before the model is written.
+        &[
+            "--arch",
+            "qwen3moe",
+            "--vocab",
+            "4096",
+            "--mmproj-out",
+            "/dev/null",
+            "--mmproj-width",
+            "100000000",
+        ],
     ] {
         let o = les(&[&["synth"][..], args, &["-o", out.to_str().unwrap()]].concat());
         assert!(!o.status.success(), "{args:?} was accepted");
+        let err = String::from_utf8_lossy(&o.stderr);
         assert!(
-            String::from_utf8_lossy(&o.stderr).starts_with("error: "),
-            "{args:?}"
+            err.starts_with("error: ") && err.lines().count() == 1,
+            "{args:?}: {err}"
         );
         assert!(!out.exists());
     }

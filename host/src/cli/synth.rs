@@ -211,6 +211,8 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         return Ok(());
     }
     let path = args.output.as_ref().ok_or("--output is required")?;
+    // Ctrl-C removes the temporary file; the target name never holds a partial file.
+    crate::interrupt::install();
     if args.mmproj_out.is_some()
         && (cfg.shape.vocab as usize) < vocab::MIN_VOCAB + vocab::MEDIA_TOKENS.len()
     {
@@ -230,6 +232,22 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             None
         },
     };
+    // The projector's shape is checked before the model is written.
+    let mmproj = match &args.mmproj_out {
+        Some(mp) => {
+            let mut mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
+            if let Some(w) = args.mmproj_width {
+                mcfg.width = w;
+                mcfg.heads = (w / 64).max(1);
+                mcfg.ff = w.saturating_mul(4);
+            }
+            mcfg.layers = args.mmproj_layers.unwrap_or(mcfg.layers);
+            mcfg.image_size = args.mmproj_image_size.unwrap_or(mcfg.image_size);
+            mcfg.validate()?;
+            Some((mp, mcfg))
+        }
+        None => None,
+    };
     let report = write_model(&cfg, path, &opts)?;
     writeln!(
         out,
@@ -240,15 +258,7 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         cfg.model_name(),
         report.elapsed.as_secs_f64()
     )?;
-    if let Some(mp) = &args.mmproj_out {
-        let mut mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
-        if let Some(w) = args.mmproj_width {
-            mcfg.width = w;
-            mcfg.heads = (w / 64).max(1);
-            mcfg.ff = 4 * w;
-        }
-        mcfg.layers = args.mmproj_layers.unwrap_or(mcfg.layers);
-        mcfg.image_size = args.mmproj_image_size.unwrap_or(mcfg.image_size);
+    if let Some((mp, mcfg)) = mmproj {
         let bytes = write_mmproj(&mcfg, mp)?;
         writeln!(
             out,

@@ -364,6 +364,8 @@ pub fn write_model(
     drop(vocab);
     let total = writer.file_len();
     let tmp = temp_path(path);
+    // Registered before it exists, so an interrupt never leaves it behind.
+    let registered = crate::interrupt::register(&tmp);
     let result = (|| -> Result<(), SynthError> {
         let file = File::create(&tmp)?;
         let progress = Progress {
@@ -406,7 +408,7 @@ pub fn write_model(
             .map_err(|e| SynthError::Io(e.into_error()))?;
         file.sync_all()?;
         drop(file);
-        fs::rename(&tmp, path)?;
+        crate::interrupt::commit(&registered, path)?;
         Ok(())
     })();
     if let Err(e) = result {

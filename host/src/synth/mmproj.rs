@@ -209,26 +209,50 @@ fn values(cfg: &MmprojConfig, p: &Plan) -> Vec<f32> {
     v
 }
 
+impl MmprojConfig {
+    /// Checks the shape before anything is written.
+    pub fn validate(&self) -> Result<(), SynthError> {
+        let bad = |m: String| Err(SynthError::Config(m));
+        // The tensors are generated whole in memory: keep them far below any
+        // machine's (real towers: width ~1152, ff ~4304, 27 layers, 448 pixels).
+        for (name, v, max) in [
+            ("width", self.width, 1 << 14),
+            ("heads", self.heads, 1 << 10),
+            ("ff", self.ff, 1 << 16),
+            ("layers", self.layers, 1 << 8),
+            ("image size", self.image_size, 1 << 13),
+            ("patch", self.patch, 1 << 8),
+            ("output width", self.out_embd, 1 << 17),
+        ] {
+            if v > max {
+                return bad(format!(
+                    "mmproj {name} {v} is more than the {max} synth writes"
+                ));
+            }
+        }
+        if self.width == 0 || self.heads == 0 || !self.width.is_multiple_of(self.heads) {
+            return bad(format!(
+                "mmproj width {} is not a multiple of {} heads",
+                self.width, self.heads
+            ));
+        }
+        if self.patch == 0 || !self.image_size.is_multiple_of(self.patch * 4) {
+            return bad(format!(
+                "mmproj image size {} is not a multiple of 4 patches of {}",
+                self.image_size, self.patch
+            ));
+        }
+        if self.layers == 0 || self.ff == 0 || self.out_embd == 0 {
+            return bad("mmproj layers, ff and output width must be positive".into());
+        }
+        Ok(())
+    }
+}
+
 /// Checks `cfg` and writes the projector to `path` (through a temporary file
 /// renamed when complete). Returns the file size.
 pub fn write_mmproj(cfg: &MmprojConfig, path: &Path) -> Result<u64, SynthError> {
-    let bad = |m: String| Err(SynthError::Config(m));
-    if cfg.width == 0 || cfg.heads == 0 || !cfg.width.is_multiple_of(cfg.heads) {
-        return bad(format!(
-            "mmproj width {} is not a multiple of {} heads",
-            cfg.width, cfg.heads
-        ));
-    }
-    let align = cfg.patch * 4;
-    if cfg.patch == 0 || !cfg.image_size.is_multiple_of(align) {
-        return bad(format!(
-            "mmproj image size {} is not a multiple of 4 patches of {}",
-            cfg.image_size, cfg.patch
-        ));
-    }
-    if cfg.layers == 0 || cfg.ff == 0 || cfg.out_embd == 0 {
-        return bad("mmproj layers, ff and output width must be positive".into());
-    }
+    cfg.validate()?;
     let mut w = GgufWriter::new();
     for (k, v) in metadata(cfg) {
         w.add_kv(k, v)?;
@@ -243,6 +267,7 @@ pub fn write_mmproj(cfg: &MmprojConfig, path: &Path) -> Result<u64, SynthError> 
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "mmproj.gguf".into());
     let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let registered = crate::interrupt::register(&tmp);
     let result = (|| -> Result<(), SynthError> {
         let mut data = w.write_header(BufWriter::new(File::create(&tmp)?))?;
         for t in &plan {
@@ -260,7 +285,7 @@ pub fn write_mmproj(cfg: &MmprojConfig, path: &Path) -> Result<u64, SynthError> 
             .into_inner()
             .map_err(|e| SynthError::Io(e.into_error()))?;
         file.sync_all()?;
-        fs::rename(&tmp, path)?;
+        crate::interrupt::commit(&registered, path)?;
         Ok(())
     })();
     if let Err(e) = result {

@@ -749,6 +749,38 @@ impl SynthConfig {
         if let Some((n, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return config_err(format!("--{n} must be positive"));
         }
+        // Bounds that keep the generator's buffers (one expert matrix, a router,
+        // a row) far below any machine's memory; real models sit well inside.
+        let widths = [
+            ("layers", s.layers, MAX_LAYERS),
+            ("embd", s.embd, MAX_WIDTH),
+            ("heads", s.heads, 1024),
+            ("kv-heads", s.kv_heads, 1024),
+            ("head-dim", s.head_dim, 4096),
+            ("context", s.context, 1 << 24),
+            ("ff", s.ff, MAX_WIDTH),
+            ("expert-ff", s.expert_ff, MAX_WIDTH),
+            ("shared-ff", s.shared_ff, MAX_WIDTH),
+            ("ssm-head-dim", s.ssm_head_dim, 4096),
+            ("ssm-k-heads", s.ssm_k_heads, 1024),
+            ("ssm-v-heads", s.ssm_v_heads, 1024),
+            ("ssm-conv", s.ssm_conv, 64),
+        ];
+        if let Some((n, v, max)) = widths.iter().find(|(_, v, max)| v > max) {
+            return config_err(format!("--{n} {v} is more than the {max} synth writes"));
+        }
+        let matrices = [
+            ("embd x heads x head-dim", s.embd * s.heads * s.head_dim),
+            ("embd x ff", s.embd * s.ff),
+            ("embd x expert-ff", s.embd * s.expert_ff),
+            ("embd x shared-ff", s.embd * s.shared_ff),
+            ("embd x experts", s.embd * s.experts.min(1 << 16)),
+        ];
+        if let Some((n, v)) = matrices.iter().find(|(_, v)| *v > MAX_MATRIX) {
+            return config_err(format!(
+                "{n} = {v} elements in one matrix, more than the {MAX_MATRIX} synth writes"
+            ));
+        }
         if !s.heads.is_multiple_of(s.kv_heads) {
             return config_err(format!(
                 "{} heads are not a multiple of {} KV heads",
@@ -928,6 +960,14 @@ pub fn file_type(ty: GgmlType) -> u32 {
         GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::I8 => 7,
     }
 }
+
+/// Most layers `les synth` writes.
+const MAX_LAYERS: u64 = 4096;
+/// Widest row or column `les synth` writes (embedding, feed-forward widths).
+const MAX_WIDTH: u64 = 1 << 17;
+/// Most elements of one matrix (an expert's, a router's) `les synth` writes: the
+/// generator holds one in memory as `f32`.
+const MAX_MATRIX: u64 = 1 << 27;
 
 /// Every tensor of the model, in file order.
 pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
