@@ -37,7 +37,7 @@ pub struct LookaheadArgs {
     pub predict: Option<usize>,
     /// Only predict experts whose gating probability is at least this (at most
     /// `--predict` of them).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cli::values::probability)]
     pub predict_min_prob: Option<f32>,
     /// Layers ahead to predict and prefetch: 1 (default) = the next layer's
     /// router on this layer's hidden state; 2 also runs the router of the layer

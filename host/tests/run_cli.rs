@@ -258,6 +258,41 @@ fn generation_stops_when_the_context_is_full() {
 }
 
 #[test]
+fn out_of_range_options_are_usage_errors() {
+    let m = model("qwen3moe");
+    for (args, option) in [
+        (vec!["--temp", "nan"], "--temp"),
+        (vec!["--top-p", "inf"], "--top-p"),
+        (vec!["-t", "100000"], "--threads"),
+        (vec!["--io-threads", "100000"], "--io-threads"),
+        (vec!["--predict-min-prob", "1.5"], "--predict-min-prob"),
+    ] {
+        let out = run(&m, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: invalid value") && err.contains(option),
+            "{args:?}: {err}"
+        );
+    }
+    let out = les()
+        .args(["bench", "-m"])
+        .arg(&m)
+        .args(["-n", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    // A --logits-out that cannot be written fails before the generation, naming it.
+    let out = run(&m, &["--logits-out", "/nonexistent/dir/l.npy"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("/nonexistent/dir/l.npy") && !err.contains("tok/s"),
+        "{err}"
+    );
+}
+
+#[test]
 fn errors_are_one_line_and_nonzero() {
     let m = model("qwen3moe");
     for (args, needle) in [

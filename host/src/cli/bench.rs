@@ -33,7 +33,7 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "expert_mem")]
     pub slots: Option<usize>,
     /// Tokens to generate per schedule.
-    #[arg(short = 'n', long, default_value_t = 32)]
+    #[arg(short = 'n', long, default_value_t = 32, value_parser = super::values::positive)]
     pub n_tokens: usize,
     /// The prompt (raw).
     #[arg(long, default_value = "The history of the printing press begins")]
@@ -42,7 +42,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "on-demand,les")]
     pub schedules: Vec<Schedule>,
     /// Compute threads (default: physical cores).
-    #[arg(short, long)]
+    #[arg(short, long, value_parser = super::values::threads)]
     pub threads: Option<usize>,
     /// The file device's I/O settings.
     #[command(flatten)]
@@ -53,7 +53,7 @@ pub struct BenchArgs {
     pub json: bool,
     /// Sampling temperature (0 = greedy; greedy decodes of random-weight
     /// synthetic models fall into loops that route to the same experts).
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = 0.8, value_parser = super::values::non_negative)]
     pub temperature: f32,
     /// Run the schedules this many times, interleaved (A B A B ...), and report
     /// each schedule's median run: slow drift of a shared machine then affects

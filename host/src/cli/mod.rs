@@ -6,6 +6,7 @@ mod mcu;
 mod pack;
 mod run;
 mod synth;
+pub(crate) mod values;
 
 use std::error::Error;
 use std::io::{self, Write};
@@ -17,7 +18,7 @@ pub use bench::BenchArgs;
 pub use inspect::InspectArgs;
 pub use mcu::McuIndexArgs;
 pub use pack::PackArgs;
-pub use run::{write_npy, RunArgs};
+pub use run::{NpyWriter, RunArgs};
 pub use synth::SynthArgs;
 
 /// LES: large MoE models on small devices, experts streamed from flash.

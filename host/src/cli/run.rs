@@ -32,19 +32,19 @@ pub struct RunArgs {
     #[arg(short = 'n', long, default_value_t = 128)]
     pub n_predict: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = 0.8, value_parser = super::values::non_negative)]
     pub temperature: f32,
     /// Keep the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
     /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = super::values::non_negative)]
     pub top_p: f32,
     /// Random seed (default: from the clock, printed in the stats).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Compute threads (default: physical cores).
-    #[arg(short, long)]
+    #[arg(short, long, value_parser = super::values::threads)]
     pub threads: Option<usize>,
     /// Wrap the prompt in the model's chat template.
     #[arg(long)]
@@ -87,31 +87,86 @@ pub struct RunArgs {
     pub images: Vec<PathBuf>,
 }
 
-/// Writes `data` (rows of `cols` floats) as a little-endian float32 `.npy`.
-pub fn write_npy(path: &std::path::Path, data: &[f32], cols: usize) -> std::io::Result<()> {
-    let rows = data.len().checked_div(cols).unwrap_or(0);
-    let mut header =
-        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    // Magic (6) + version (2) + length (2) + header + '\n' is a multiple of 64.
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
+/// A little-endian float32 `.npy` of rows of `cols` floats, written as the rows
+/// come (memory stays one row, however long the generation): the header is
+/// sized for any row count and rewritten with the final one by
+/// [`finish`](Self::finish).
+pub struct NpyWriter {
+    file: std::io::BufWriter<std::fs::File>,
+    path: PathBuf,
+    cols: usize,
+    rows: usize,
+}
+
+/// Bytes of the `.npy` preamble and header (a multiple of 64, room for any
+/// `u64` row count).
+const NPY_HEADER: usize = 128;
+
+impl NpyWriter {
+    /// Creates `path` (errors name it).
+    pub fn create(path: &std::path::Path, cols: usize) -> std::io::Result<NpyWriter> {
+        let named =
+            |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+        let file = std::fs::File::create(path).map_err(named)?;
+        let mut w = NpyWriter {
+            file: std::io::BufWriter::new(file),
+            path: path.to_owned(),
+            cols,
+            rows: 0,
+        };
+        w.header().map_err(named)?;
+        Ok(w)
     }
-    header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len() + data.len() * 4);
-    out.extend_from_slice(b"\x93NUMPY\x01\x00");
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    for v in data {
-        out.extend_from_slice(&v.to_le_bytes());
+
+    fn named(&self, e: std::io::Error) -> std::io::Error {
+        std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display()))
     }
-    std::fs::write(path, out)
+
+    fn header(&mut self) -> std::io::Result<()> {
+        let mut header = format!(
+            "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}",
+            self.rows, self.cols
+        );
+        // Magic (6) + version (2) + length (2) + header + '\n'.
+        while 10 + header.len() + 1 < NPY_HEADER {
+            header.push(' ');
+        }
+        header.push('\n');
+        self.file.write_all(b"\x93NUMPY\x01\x00")?;
+        self.file.write_all(&(header.len() as u16).to_le_bytes())?;
+        self.file.write_all(header.as_bytes())
+    }
+
+    /// Appends one row (`cols` floats).
+    pub fn push(&mut self, row: &[f32]) -> std::io::Result<()> {
+        debug_assert_eq!(row.len(), self.cols);
+        for v in row {
+            self.file
+                .write_all(&v.to_le_bytes())
+                .map_err(|e| self.named(e))?;
+        }
+        self.rows += 1;
+        Ok(())
+    }
+
+    /// Writes the final row count into the header and flushes.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        use std::io::Seek;
+        let r = (|| {
+            self.file.flush()?;
+            self.file.seek(std::io::SeekFrom::Start(0))?;
+            self.header()?;
+            self.file.flush()
+        })();
+        r.map_err(|e| self.named(e))
+    }
 }
 
 /// I/O settings of `les run` and `les bench` (the file device).
 #[derive(Debug, Clone, clap::Args)]
 pub struct IoArgs {
     /// I/O threads of the file device.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::values::threads)]
     pub io_threads: usize,
     /// Split aligned reads (packed experts) into chunks of this size, read in
     /// parallel (e.g. 512KiB; 0 = one read per extent).
@@ -328,7 +383,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let inputs = prompt.inputs();
 
     let mut tokens = Vec::new();
-    let mut all_logits = Vec::new();
+    // Created before the generation, so a bad path fails before the work.
+    let mut npy = match &args.logits_out {
+        Some(path) => Some(NpyWriter::create(path, model.hp.n_vocab)?),
+        None => None,
+    };
     let mut decoder = tokenizer.stream_decoder(false);
     let mut text = String::new();
     let mut write_err = None;
@@ -346,8 +405,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             t
         },
         |t, logits| {
-            if args.logits_out.is_some() {
-                all_logits.extend_from_slice(logits);
+            if let Some(npy) = &mut npy {
+                if let Err(e) = npy.push(logits) {
+                    write_err = Some(e);
+                    return Control::Stop;
+                }
             }
             if tokenizer.is_eog(t) {
                 stopped_at_eog = true;
@@ -378,8 +440,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     };
     let tail = decoder.finish();
     text.push_str(&tail);
-    if let Some(path) = &args.logits_out {
-        write_npy(path, &all_logits, model.hp.n_vocab)?;
+    if let Some(npy) = npy {
+        npy.finish()?;
     }
     let io = supply.stats();
     if args.json {

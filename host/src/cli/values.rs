@@ -1,0 +1,65 @@
+//! Parsers of numeric options that clap's own do not bound: a bad value is a
+//! usage error naming the option, never a silent default, an abort or a NaN.
+
+/// Most compute or I/O threads an option may ask for (llama.cpp's limit too).
+pub const MAX_THREADS: usize = 512;
+
+/// A finite number `>= 0` (temperatures, top-p).
+pub fn non_negative(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(_) => Err(format!("{s} is not a finite number >= 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A probability, `0..=1`.
+pub fn probability(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("{s} is not a probability (0 to 1)")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A thread count, `0..=MAX_THREADS` (what 0 means is the option's to say).
+pub fn threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v) if v <= MAX_THREADS => Ok(v),
+        Ok(_) => Err(format!("{s} threads: at most {MAX_THREADS}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A count of at least 1.
+pub fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds() {
+        assert_eq!(non_negative("0.8"), Ok(0.8));
+        assert_eq!(non_negative("0"), Ok(0.0));
+        for bad in ["nan", "inf", "-1", "x"] {
+            assert!(non_negative(bad).is_err(), "{bad}");
+        }
+        assert_eq!(probability("1"), Ok(1.0));
+        for bad in ["nan", "1.5", "-0.1"] {
+            assert!(probability(bad).is_err(), "{bad}");
+        }
+        assert_eq!(threads("0"), Ok(0));
+        assert_eq!(threads("512"), Ok(512));
+        assert!(threads("513").is_err());
+        assert!(threads("100000").is_err());
+        assert_eq!(positive("3"), Ok(3));
+        assert!(positive("0").is_err());
+    }
+}
