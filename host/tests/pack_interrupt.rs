@@ -61,18 +61,11 @@ fn temp_files(d: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Starts `les pack` and waits until it is writing its temporary file.
-fn start_pack(d: &Path, input: &Path, target: &Path) -> Child {
+/// Starts `les` with `args` (writing `target` in `d`) and waits until it is
+/// writing its temporary file.
+fn start(d: &Path, args: &[&str], target: &Path) -> Child {
     let child = les()
-        .args([
-            "pack",
-            "--quiet",
-            "--threads",
-            "1",
-            "--expert-types",
-            "0-:q4_k",
-        ])
-        .arg(input)
+        .args(args)
         .arg("-o")
         .arg(target)
         .stdout(Stdio::null())
@@ -83,13 +76,38 @@ fn start_pack(d: &Path, input: &Path, target: &Path) -> Child {
     while temp_files(d).is_empty() {
         assert!(
             start.elapsed() < Duration::from_secs(60),
-            "les pack never created its temporary file"
+            "{args:?} never created its temporary file"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
     // Let it write some of the file.
     std::thread::sleep(Duration::from_millis(100));
     child
+}
+
+/// Interrupts `les ARGS -o TARGET` with SIGINT, then SIGTERM, while it writes,
+/// and checks that it exits with 130 and leaves no file behind.
+fn interrupt_leaves_nothing(d: &Path, args: &[&str], target: &Path) {
+    for sig in ["-INT", "-TERM"] {
+        let child = start(d, args, target);
+        signal(&child, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(130),
+            "{sig}: exit status (stderr: {})",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !target.exists(),
+            "{sig}: a file exists under the target name"
+        );
+        assert_eq!(
+            temp_files(d),
+            Vec::<String>::new(),
+            "{sig}: temporary files remain"
+        );
+    }
 }
 
 fn signal(child: &Child, sig: &str) {
@@ -104,76 +122,31 @@ fn signal(child: &Child, sig: &str) {
 fn interrupted_pack_leaves_no_output_and_no_temporary_file() {
     let d = dir("pack-interrupt");
     let input = model(&d);
-    for sig in ["-INT", "-TERM"] {
-        let target = d.join("packed.gguf");
-        let child = start_pack(&d, &input, &target);
-        signal(&child, sig);
-        let out = child.wait_with_output().unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(130),
-            "{sig}: exit status (stderr: {})",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            !target.exists(),
-            "{sig}: a file exists under the target name"
-        );
-        assert_eq!(
-            temp_files(&d),
-            Vec::<String>::new(),
-            "{sig}: temporary files remain"
-        );
-    }
+    let input = input.to_str().unwrap();
+    let args = [
+        "pack",
+        "--quiet",
+        "--threads",
+        "1",
+        "--expert-types",
+        "0-:q4_k",
+        input,
+    ];
+    interrupt_leaves_nothing(&d, &args, &d.join("packed.gguf"));
 }
 
 #[test]
 fn interrupted_synth_leaves_no_output_and_no_temporary_file() {
     let d = dir("synth-interrupt");
-    for sig in ["-INT", "-TERM"] {
-        let target = d.join("small.gguf");
-        // The `small` preset writes ~560 MB: seconds, long enough to interrupt.
-        let child = les()
-            .args([
-                "synth",
-                "--arch",
-                "qwen3moe",
-                "--preset",
-                "small",
-                "--threads",
-                "1",
-                "-o",
-            ])
-            .arg(&target)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        while temp_files(&d).is_empty() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "les synth never created its temporary file"
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-        signal(&child, sig);
-        let out = child.wait_with_output().unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(130),
-            "{sig}: exit status (stderr: {})",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            !target.exists(),
-            "{sig}: a file exists under the target name"
-        );
-        assert_eq!(
-            temp_files(&d),
-            Vec::<String>::new(),
-            "{sig}: temporary files remain"
-        );
-    }
+    // The `small` preset writes ~560 MB: seconds, long enough to interrupt.
+    let args = [
+        "synth",
+        "--arch",
+        "qwen3moe",
+        "--preset",
+        "small",
+        "--threads",
+        "1",
+    ];
+    interrupt_leaves_nothing(&d, &args, &d.join("small.gguf"));
 }
