@@ -275,13 +275,20 @@ fn out_of_range_options_are_usage_errors() {
             "{args:?}: {err}"
         );
     }
-    let out = les()
-        .args(["bench", "-m"])
-        .arg(&m)
-        .args(["-n", "0"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    for args in [["-n", "0"], ["--sweep", "10,0"]] {
+        let out = les()
+            .args(["bench", "-m"])
+            .arg(&m)
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            !err.contains("les bench:"),
+            "{args:?} did work first: {err}"
+        );
+    }
     // A --logits-out that cannot be written fails before the generation, naming it.
     let out = run(&m, &["--logits-out", "/nonexistent/dir/l.npy"]);
     let err = String::from_utf8_lossy(&out.stderr);

@@ -68,7 +68,7 @@ pub struct BenchArgs {
     pub lookahead: crate::bench::LookaheadArgs,
     /// Instead of one budget, sweep these percentages of the expert bytes (e.g.
     /// `10,25,50,100`) and print one row per budget and schedule.
-    #[arg(long, value_delimiter = ',', conflicts_with_all = ["expert_mem", "slots"])]
+    #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots"])]
     pub sweep: Vec<f64>,
 }
 
@@ -566,9 +566,6 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         )?;
     }
     for &pct in &args.sweep {
-        if !(pct > 0.0 && pct <= 100.0) {
-            return Err(format!("sweep budget {pct}% is not in (0, 100]").into());
-        }
         // A budget below one layer's picks of each size runs at that minimum.
         let groups = model.expert_size_groups();
         let bytes = (expert_bytes as f64 * pct / 100.0) as u64;

@@ -31,6 +31,15 @@ pub fn threads(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A percentage in `(0, 100]` (a sweep's budget).
+pub fn percent(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 100.0 => Ok(v),
+        Ok(_) => Err(format!("{s}% is not in (0, 100]")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A count of at least 1.
 pub fn positive(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
@@ -59,6 +68,10 @@ mod tests {
         assert_eq!(threads("512"), Ok(512));
         assert!(threads("513").is_err());
         assert!(threads("100000").is_err());
+        assert_eq!(percent("12.5"), Ok(12.5));
+        for bad in ["0", "100.1", "nan", "-5"] {
+            assert!(percent(bad).is_err(), "{bad}");
+        }
         assert_eq!(positive("3"), Ok(3));
         assert!(positive("0").is_err());
     }
