@@ -275,7 +275,11 @@ fn out_of_range_options_are_usage_errors() {
             "{args:?}: {err}"
         );
     }
-    for args in [["-n", "0"], ["--sweep", "10,0"]] {
+    for args in [
+        ["-n", "0"],
+        ["-n", "18446744073709551615"],
+        ["--sweep", "10,0"],
+    ] {
         let out = les()
             .args(["bench", "-m"])
             .arg(&m)

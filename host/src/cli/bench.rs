@@ -33,7 +33,7 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "expert_mem")]
     pub slots: Option<usize>,
     /// Tokens to generate per schedule.
-    #[arg(short = 'n', long, default_value_t = 32, value_parser = super::values::positive)]
+    #[arg(short = 'n', long, default_value_t = 32, value_parser = super::values::tokens)]
     pub n_tokens: usize,
     /// The prompt (raw).
     #[arg(long, default_value = "The history of the printing press begins")]

@@ -40,10 +40,13 @@ pub fn percent(s: &str) -> Result<f64, String> {
     }
 }
 
-/// A count of at least 1.
-pub fn positive(s: &str) -> Result<usize, String> {
+/// A token count of at least 1 that a session can hold
+/// ([`crate::engine::MAX_POSITIONS`]).
+pub fn tokens(s: &str) -> Result<usize, String> {
+    let max = crate::engine::MAX_POSITIONS;
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
+        Ok(v) if v > max => Err(format!("{v} tokens: at most {max}")),
         Ok(v) => Ok(v),
         Err(e) => Err(e.to_string()),
     }
@@ -72,7 +75,8 @@ mod tests {
         for bad in ["0", "100.1", "nan", "-5"] {
             assert!(percent(bad).is_err(), "{bad}");
         }
-        assert_eq!(positive("3"), Ok(3));
-        assert!(positive("0").is_err());
+        assert_eq!(tokens("3"), Ok(3));
+        assert!(tokens("0").is_err());
+        assert!(tokens("18446744073709551615").is_err());
     }
 }
