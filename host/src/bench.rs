@@ -15,8 +15,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use les_core::gemv::Isa;
-use les_core::model::forward::{Lookahead, TokenInput};
+use les_core::gemv::{GemvError, Isa, MatrixView};
+use les_core::model::forward::{Lookahead, MatVec, TokenInput, Weights};
+use les_core::model::ops::{AttnShape, KvView};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::schedule::{LayerState, Stats};
 use les_core::slots::ExpertKey;
@@ -108,6 +109,10 @@ pub struct ScheduleReport {
     pub layers: Vec<LayerPrediction>,
     /// Device bandwidth used for the minimum I/O time (bytes/s).
     pub device_bw: f64,
+    /// Time in the output projection during decode: no read for the next token
+    /// can start then (they depend on the token it picks), so it adds to the
+    /// reads' minimum time.
+    pub output_time: Duration,
     /// Every expert the router picked (prompt and decode), in order.
     pub picks: Vec<ExpertKey>,
     /// Where the decode's picks start in `picks`.
@@ -127,6 +132,11 @@ impl ScheduleReport {
     /// Bytes read per generated token.
     pub fn bytes_per_token(&self) -> f64 {
         self.bytes_read as f64 / self.n()
+    }
+
+    /// Time in the output projection per token, seconds.
+    pub fn output_per_token(&self) -> f64 {
+        self.output_time.as_secs_f64() / self.n()
     }
 
     /// Time blocked on I/O per token, seconds.
@@ -181,15 +191,17 @@ impl ScheduleReport {
     /// The speedup over `on_demand` this schedule would reach with perfect
     /// overlap, an estimate: on-demand's time per token over the longer of
     /// on-demand's compute time per token (the same kernels) and this schedule's
-    /// minimum I/O time per token (its bytes at the device's bandwidth: the
-    /// probe's, or what this schedule reached if more). `None` without a
-    /// measured bandwidth or on-demand compute time.
+    /// minimum I/O time per token: its bytes at the device's bandwidth (the
+    /// probe's, or what this schedule reached if more) plus the output
+    /// projection, during which the next token's reads are not known yet.
+    /// `None` without a measured bandwidth or on-demand compute time.
     pub fn overlap_bound(&self, on_demand: &ScheduleReport) -> Option<f64> {
         let n = on_demand.n();
         let time = on_demand.decode.as_secs_f64() / n;
         let compute = (on_demand.decode.as_secs_f64() - on_demand.stall.as_secs_f64()) / n;
         let io = if self.device_bw > 0.0 {
             self.bytes_per_token() / self.device_bw.max(self.effective_bw())
+                + self.output_per_token()
         } else {
             return None;
         };
@@ -307,6 +319,46 @@ pub fn device_bandwidth(
     Ok(dev.counters().snapshot().file_bytes as f64 / secs.max(1e-9))
 }
 
+/// A [`MatVec`] that times the products with one matrix (the output
+/// projection, told apart by its bytes' address).
+struct TimedOutput<M> {
+    inner: M,
+    output: usize,
+    time: Duration,
+}
+
+impl<M: MatVec> MatVec for TimedOutput<M> {
+    fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
+        if w.bytes().as_ptr() as usize != self.output {
+            return self.inner.matvec(w, x, y);
+        }
+        let t = Instant::now();
+        let r = self.inner.matvec(w, x, y);
+        self.time += t.elapsed();
+        r
+    }
+
+    fn matvec_checksum(
+        &mut self,
+        w: &MatrixView<'_>,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<u32, GemvError> {
+        self.inner.matvec_checksum(w, x, y)
+    }
+
+    fn attention(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        self.inner.attention(shape, q, kv, scores, out)
+    }
+}
+
 /// Runs one schedule cold: prompt, then `n_tokens` tokens from `cfg.sampler`.
 pub fn run_schedule(
     model: &Model,
@@ -324,7 +376,11 @@ pub fn run_schedule(
     let mut supply = Supply::new(model, path, schedule, budget)?;
     let mut supply = Recording::new(&mut supply);
     let lookahead = lookahead(model, &cfg.lookahead);
-    let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
+    let mut mv = TimedOutput {
+        inner: ThreadedMatVec::new(cfg.threads, Isa::detect()),
+        output: model.output().bytes().as_ptr() as usize,
+        time: Duration::ZERO,
+    };
     let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
     let mut logits = vec![0f32; model.hp.n_vocab];
     let t0 = Instant::now();
@@ -346,6 +402,7 @@ pub fn run_schedule(
         .map(|d| d.counters().snapshot())
         .unwrap_or_default();
     let t1 = Instant::now();
+    let output0 = mv.time;
     let mut tokens = Vec::with_capacity(cfg.n_tokens);
     let mut sampler = Sampler::new(cfg.sampler);
     for &t in &cfg.prompt {
@@ -412,6 +469,7 @@ pub fn run_schedule(
         stats,
         layers,
         device_bw,
+        output_time: mv.time - output0,
         picks: supply.picks,
         decode_from,
     })
@@ -434,13 +492,14 @@ mod tests {
             stats: Stats::default(),
             layers: Vec::new(),
             device_bw: 1e9,
+            output_time: Duration::ZERO,
             picks: Vec::new(),
             decode_from: 0,
         }
     }
 
     #[test]
-    fn overlap_bound_is_on_demand_time_over_the_longer_of_compute_and_io() {
+    fn overlap_bound_is_on_demand_time_over_the_longer_of_compute_and_io_with_the_output_layer() {
         // On-demand: 400 ms/token, 150 of them stalled: 250 ms of compute.
         let od = report(Schedule::OnDemand, 4000, 1500, 0);
         // 100 MB/token at 1 GB/s = 100 ms < 250 ms: compute bounds.
@@ -452,6 +511,13 @@ mod tests {
         // Read faster than the probe (500 MB/token in 300 ms): that bandwidth counts.
         let fast = report(Schedule::Les, 3000, 100, 5_000_000_000);
         assert!((fast.overlap_bound(&od).unwrap() - 0.4 / 0.3).abs() < 1e-9);
+        // The output layer (200 ms/token) adds to the 100 ms of reads: 300 ms
+        // > 250 ms of compute bounds.
+        let with_output = ScheduleReport {
+            output_time: Duration::from_millis(2000),
+            ..report(Schedule::Les, 3000, 100, 1_000_000_000)
+        };
+        assert!((with_output.overlap_bound(&od).unwrap() - 0.4 / 0.3).abs() < 1e-9);
         let unmeasured = ScheduleReport {
             device_bw: 0.0,
             ..report(Schedule::Les, 3000, 100, 1)

@@ -254,10 +254,12 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                 writeln!(
                     out,
                     "{}: {:.2}x; with perfect overlap about {x:.2}x (on-demand's compute time, \
-                     or {}'s bytes at the device's bandwidth, whichever is longer)",
+                     or {}'s bytes at the device's bandwidth plus the output layer's {:.1} ms, \
+                     when the next token's reads are not known yet; whichever is longer)",
                     r.schedule.name(),
                     r.tok_s() / b,
                     r.schedule.name(),
+                    1e3 * r.output_per_token(),
                 )?;
             }
         }
@@ -331,6 +333,7 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "tok_s_runs": x.tok_s,
                 "bytes_per_token": r.bytes_per_token(),
                 "stall_s_per_token": r.stall_per_token(),
+                "output_layer_s_per_token": r.output_per_token(),
                 "hit_rate": r.hit_rate(),
                 "effective_read_bw": r.effective_bw(),
                 "device_bw": r.device_bw,
