@@ -2,13 +2,15 @@
 //! `SIGHUP`).
 //!
 //! Writers that build a file under a temporary name and rename it at the end
-//! ([`crate::pack`], [`crate::synth`]) [`register`] the temporary path. Once [`install`]ed (by the
+//! ([`crate::pack`], [`crate::synth`]) do it through a [`TempFile`], which
+//! [`register`]s the temporary path. Once [`install`]ed (by the
 //! CLI; a library user keeps its own signal handling), an interrupt deletes every
 //! registered path and exits with status 130, so neither a truncated file under
 //! the target name nor a stray temporary file is left behind. [`commit`] renames
 //! under the same lock the handler takes, so an interrupt lands either before the
 //! rename (the temporary file is removed) or after it (the output is complete).
 
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, Once};
@@ -77,6 +79,66 @@ pub fn commit(tmp: &Registered, target: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// A temporary file that becomes its target on [`commit`](TempFile::commit), and
+/// is removed otherwise: when dropped uncommitted, and on interrupt (it is
+/// registered before it exists).
+#[derive(Debug)]
+pub struct TempFile {
+    registered: Registered,
+    committed: bool,
+}
+
+impl TempFile {
+    /// Creates `path` for writing: with `create_new`, only where no file is there
+    /// yet (an existing one is an error and is left alone); else created or
+    /// truncated.
+    pub fn create(path: &Path, create_new: bool) -> io::Result<(TempFile, File)> {
+        let registered = register(path);
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(!create_new)
+            .create_new(create_new)
+            .open(path)?;
+        let tmp = TempFile {
+            registered,
+            committed: false,
+        };
+        Ok((tmp, file))
+    }
+
+    /// The temporary path.
+    pub fn path(&self) -> &Path {
+        &self.registered.path
+    }
+
+    /// Renames the file to `target` ([`commit`]) and makes the rename durable
+    /// where the platform can sync a directory.
+    pub fn commit(mut self, target: &Path) -> io::Result<()> {
+        commit(&self.registered, target)?;
+        self.committed = true;
+        if let Some(dir) = target.parent() {
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(self.path());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +157,30 @@ mod tests {
         let r = register(&a);
         drop(r);
         assert!(!paths().contains(&a));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_temp_file_is_committed_or_removed() {
+        let dir = std::env::temp_dir().join(format!("les-tempfile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (t, target) = (dir.join(".t.tmp"), dir.join("t"));
+        // Dropped uncommitted: removed, and no longer registered.
+        let (tmp, _file) = TempFile::create(&t, false).unwrap();
+        assert!(t.exists() && paths().contains(&t));
+        drop(tmp);
+        assert!(!t.exists() && !paths().contains(&t));
+        // `create_new` leaves a file already there alone.
+        std::fs::write(&t, b"theirs").unwrap();
+        assert!(TempFile::create(&t, true).is_err());
+        assert_eq!(std::fs::read(&t).unwrap(), b"theirs");
+        // Truncated otherwise; committed, it is the target.
+        let (tmp, mut file) = TempFile::create(&t, false).unwrap();
+        std::io::Write::write_all(&mut file, b"ours").unwrap();
+        drop(file);
+        tmp.commit(&target).unwrap();
+        assert!(!t.exists() && !paths().contains(&t));
+        assert_eq!(std::fs::read(&target).unwrap(), b"ours");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -3,9 +3,9 @@
 //! then an atomic rename.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use les_core::layout::{self, keys};
 use les_core::quant::GgmlType;
@@ -15,6 +15,7 @@ use super::index::PackedIndex;
 use super::source::{expert_tensor, MoeSource, SourceLayer};
 use super::{PackError, PackReport};
 use crate::gguf::{Gguf, GgufError, GgufWriter, MappedFile};
+use crate::interrupt::TempFile;
 
 const ALIGNMENT_KEY: &str = "general.alignment";
 
@@ -52,64 +53,17 @@ pub fn check_output(input: &Path, output: &Path) -> Result<(), PackError> {
     Ok(())
 }
 
-/// A temporary file next to the target, removed unless [`TempFile::commit`]ted
-/// (also on interrupt, see [`crate::interrupt`]).
-struct TempFile {
-    path: PathBuf,
-    committed: bool,
-    registered: crate::interrupt::Registered,
-}
-
-impl TempFile {
-    fn create(target: &Path) -> Result<(TempFile, File), PackError> {
-        let name = target.file_name().ok_or_else(|| {
-            PackError::BadOption(format!("{} is not a file name", target.display()))
-        })?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(".les-pack-{}.tmp", std::process::id()));
-        let path = target.with_file_name(tmp_name);
-        // Registered before it exists, so an interrupt never leaves it behind.
-        let registered = crate::interrupt::register(&path);
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| io_err(&path, e))?;
-        Ok((
-            TempFile {
-                path,
-                committed: false,
-                registered,
-            },
-            file,
-        ))
-    }
-
-    fn commit(mut self, target: &Path) -> Result<(), PackError> {
-        crate::interrupt::commit(&self.registered, target).map_err(|e| io_err(target, e))?;
-        self.committed = true;
-        // Make the rename durable; not every platform can sync a directory.
-        if let Some(dir) = target.parent() {
-            let dir = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = fs::remove_file(&self.path);
-        }
-    }
+/// Creates the temporary file `output` is written under (`.NAME.les-pack-PID.tmp`
+/// next to it, a new file), removed unless committed (also on interrupt).
+fn temp_file(output: &Path) -> Result<(TempFile, File), PackError> {
+    let name = output
+        .file_name()
+        .ok_or_else(|| PackError::BadOption(format!("{} is not a file name", output.display())))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".les-pack-{}.tmp", std::process::id()));
+    let path = output.with_file_name(tmp_name);
+    TempFile::create(&path, true).map_err(|e| io_err(&path, e))
 }
 
 /// Counts the bytes that reach the file and reports them.
@@ -257,7 +211,7 @@ pub(crate) fn write_packed(
     }
     let total = w.file_len();
 
-    let (tmp, file) = TempFile::create(output)?;
+    let (tmp, file) = temp_file(output)?;
     let out = BufWriter::with_capacity(
         4 << 20,
         Counting {
@@ -269,7 +223,7 @@ pub(crate) fn write_packed(
     );
     let werr = |e: GgufError| -> PackError {
         match e {
-            GgufError::Io { source, .. } => io_err(&tmp.path, source),
+            GgufError::Io { source, .. } => io_err(tmp.path(), source),
             e => e.into(),
         }
     };
@@ -312,7 +266,7 @@ pub(crate) fn write_packed(
     let out = data.finish().map_err(werr)?;
     let counting = out
         .into_inner()
-        .map_err(|e| io_err(&tmp.path, e.into_error()))?;
+        .map_err(|e| io_err(tmp.path(), e.into_error()))?;
     let mut file = counting.inner;
 
     // Patch the checksums into the header.
@@ -323,13 +277,13 @@ pub(crate) fn write_packed(
             .collect();
         file.seek(SeekFrom::Start(pos))
             .and_then(|_| file.write_all(&bytes))
-            .map_err(|e| io_err(&tmp.path, e))?;
+            .map_err(|e| io_err(tmp.path(), e))?;
     }
-    file.sync_all().map_err(|e| io_err(&tmp.path, e))?;
+    file.sync_all().map_err(|e| io_err(tmp.path(), e))?;
     drop(file);
 
     // Read the result back as a reader would before it replaces the target.
-    let written = Gguf::open(&tmp.path)?;
+    let written = Gguf::open(tmp.path())?;
     let index = PackedIndex::from_gguf(&written)?
         .ok_or_else(|| PackError::Index("the written file has no packed layout".into()))?;
     for l in &report.layers {
@@ -344,6 +298,6 @@ pub(crate) fn write_packed(
         }
     }
     drop(written);
-    tmp.commit(output)?;
+    tmp.commit(output).map_err(|e| io_err(output, e))?;
     Ok(total)
 }

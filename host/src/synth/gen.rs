@@ -1,7 +1,6 @@
 //! Generating tensor data chunk by chunk and streaming it into the file.
 
 use std::collections::VecDeque;
-use std::fs::{self, File};
 use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,6 +9,7 @@ use les_core::quant::{quantize, GgmlType};
 
 use super::rng::Rng;
 use super::{gguf_writer, Init, SynthConfig, SynthError, TensorPlan, Vocab};
+use crate::interrupt::TempFile;
 
 /// Elements per chunk of a 2-D tensor (rounded to whole rows): 8 MiB of `f32`.
 const CHUNK_ELEMS: u64 = 1 << 21;
@@ -342,7 +342,7 @@ impl<W: Write> Write for Progress<W> {
 }
 
 /// The temporary name `path` is written under before the final rename.
-fn temp_path(path: &Path) -> PathBuf {
+pub(super) fn temp_path(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -363,58 +363,49 @@ pub fn write_model(
     let (writer, plan) = gguf_writer(cfg, &vocab)?;
     drop(vocab);
     let total = writer.file_len();
-    let tmp = temp_path(path);
-    // Registered before it exists, so an interrupt never leaves it behind.
-    let registered = crate::interrupt::register(&tmp);
-    let result = (|| -> Result<(), SynthError> {
-        let file = File::create(&tmp)?;
-        let progress = Progress {
-            inner: BufWriter::with_capacity(1 << 20, file),
-            written: 0,
-            total,
-            start,
-            last: start,
-            enabled: opts.progress.unwrap_or(total >= 256 << 20),
-        };
-        let mut data = writer.write_header(progress)?;
-        let threads = match opts.threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
-        let mut gen = Generator::new(cfg);
-        for t in &plan {
-            if t.init == Init::Router {
-                let bytes = gen.router(t, t.layer.unwrap_or(0));
-                data.write_tensor(&t.name, &bytes)?;
-            } else {
-                let reader = ChunkReader {
-                    gen: &gen,
-                    t,
-                    next: 0,
-                    total: Generator::chunks(t),
-                    threads,
-                    ready: VecDeque::new(),
-                    cur: Vec::new(),
-                    pos: 0,
-                };
-                data.copy_tensor(&t.name, reader)?;
-            }
+    // Removed unless committed, also on interrupt.
+    let (tmp, file) = TempFile::create(&temp_path(path), false)?;
+    let progress = Progress {
+        inner: BufWriter::with_capacity(1 << 20, file),
+        written: 0,
+        total,
+        start,
+        last: start,
+        enabled: opts.progress.unwrap_or(total >= 256 << 20),
+    };
+    let mut data = writer.write_header(progress)?;
+    let threads = match opts.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let mut gen = Generator::new(cfg);
+    for t in &plan {
+        if t.init == Init::Router {
+            let bytes = gen.router(t, t.layer.unwrap_or(0));
+            data.write_tensor(&t.name, &bytes)?;
+        } else {
+            let reader = ChunkReader {
+                gen: &gen,
+                t,
+                next: 0,
+                total: Generator::chunks(t),
+                threads,
+                ready: VecDeque::new(),
+                cur: Vec::new(),
+                pos: 0,
+            };
+            data.copy_tensor(&t.name, reader)?;
         }
-        let mut progress = data.finish()?;
-        progress.report(true);
-        let file = progress
-            .inner
-            .into_inner()
-            .map_err(|e| SynthError::Io(e.into_error()))?;
-        file.sync_all()?;
-        drop(file);
-        crate::interrupt::commit(&registered, path)?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
     }
+    let mut progress = data.finish()?;
+    progress.report(true);
+    let file = progress
+        .inner
+        .into_inner()
+        .map_err(|e| SynthError::Io(e.into_error()))?;
+    file.sync_all()?;
+    drop(file);
+    tmp.commit(path)?;
     Ok(WriteReport {
         path: path.to_path_buf(),
         bytes: total,

@@ -10,7 +10,6 @@
 //! into 16 embeddings. The output width is the language model's `n_embd`.
 //! Matrices are `f16` (as in llama.cpp's `mmproj-*-f16.gguf`), vectors `f32`.
 
-use std::fs::{self, File};
 use std::io::BufWriter;
 use std::path::Path;
 
@@ -19,6 +18,7 @@ use les_core::quant::{self, GgmlType};
 use super::rng::Rng;
 use super::SynthError;
 use crate::gguf::{GgufWriter, MetaValue};
+use crate::interrupt::TempFile;
 use crate::vision::ProjectorType;
 
 /// The dimensions of a synthetic projector.
@@ -262,35 +262,24 @@ pub fn write_mmproj(cfg: &MmprojConfig, path: &Path) -> Result<u64, SynthError> 
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
     let total = w.file_len();
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "mmproj.gguf".into());
-    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-    let registered = crate::interrupt::register(&tmp);
-    let result = (|| -> Result<(), SynthError> {
-        let mut data = w.write_header(BufWriter::new(File::create(&tmp)?))?;
-        for t in &plan {
-            let v = values(cfg, t);
-            let n =
-                t.ty.row_bytes(v.len())
-                    .ok_or_else(|| SynthError::Config(format!("{}: bad row length", t.name)))?;
-            let mut bytes = vec![0u8; n];
-            quant::quantize(t.ty, &v, &mut bytes)
-                .map_err(|e| SynthError::Config(format!("{}: {e}", t.name)))?;
-            data.write_tensor(&t.name, &bytes)?;
-        }
-        let file = data
-            .finish()?
-            .into_inner()
-            .map_err(|e| SynthError::Io(e.into_error()))?;
-        file.sync_all()?;
-        crate::interrupt::commit(&registered, path)?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
+    // Removed unless committed, also on interrupt.
+    let (tmp, file) = TempFile::create(&super::gen::temp_path(path), false)?;
+    let mut data = w.write_header(BufWriter::new(file))?;
+    for t in &plan {
+        let v = values(cfg, t);
+        let n =
+            t.ty.row_bytes(v.len())
+                .ok_or_else(|| SynthError::Config(format!("{}: bad row length", t.name)))?;
+        let mut bytes = vec![0u8; n];
+        quant::quantize(t.ty, &v, &mut bytes)
+            .map_err(|e| SynthError::Config(format!("{}: {e}", t.name)))?;
+        data.write_tensor(&t.name, &bytes)?;
     }
+    let file = data
+        .finish()?
+        .into_inner()
+        .map_err(|e| SynthError::Io(e.into_error()))?;
+    file.sync_all()?;
+    tmp.commit(path)?;
     Ok(total)
 }
