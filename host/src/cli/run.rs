@@ -98,6 +98,11 @@ pub struct NpyWriter {
     rows: usize,
 }
 
+/// `e`, its message prefixed with `path`.
+fn with_path(path: &std::path::Path, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
 /// Bytes of the `.npy` preamble and header (a multiple of 64, room for any
 /// `u64` row count).
 const NPY_HEADER: usize = 128;
@@ -105,8 +110,7 @@ const NPY_HEADER: usize = 128;
 impl NpyWriter {
     /// Creates `path` (errors name it).
     pub fn create(path: &std::path::Path, cols: usize) -> std::io::Result<NpyWriter> {
-        let named =
-            |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+        let named = |e| with_path(path, e);
         let file = std::fs::File::create(path).map_err(named)?;
         let mut w = NpyWriter {
             file: std::io::BufWriter::new(file),
@@ -119,7 +123,7 @@ impl NpyWriter {
     }
 
     fn named(&self, e: std::io::Error) -> std::io::Error {
-        std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display()))
+        with_path(&self.path, e)
     }
 
     fn header(&mut self) -> std::io::Result<()> {
