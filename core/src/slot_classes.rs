@@ -33,6 +33,22 @@ pub fn class_for(classes: &[SlotClass], bytes: u32) -> Option<usize> {
     classes.iter().position(|c| bytes <= c.bytes)
 }
 
+/// Where slot `slot` lies in memory holding the runs of `classes` back to back
+/// (the layout [`crate::schedule::Scheduler::with_slot_classes`] numbers slots
+/// in): its byte offset and length; `None` past the last slot.
+pub fn slot_span(classes: &[SlotClass], slot: usize) -> Option<(usize, usize)> {
+    let (mut first, mut base) = (0usize, 0usize);
+    for c in classes {
+        let (n, bytes) = (c.slots as usize, c.bytes as usize);
+        if slot < first + n {
+            return Some((base + (slot - first) * bytes, bytes));
+        }
+        first += n;
+        base += n * bytes;
+    }
+    None
+}
+
 /// Experts of one slot size: `count` experts needing `bytes` bytes each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SizeGroup {
@@ -253,6 +269,23 @@ mod tests {
         assert_eq!(c.as_slice(), [g(100, 16)]);
         assert_eq!(size_classes([]), Err(PlanError::Empty));
         assert_eq!(size_classes([g(0, 3)]), Err(PlanError::Empty));
+    }
+
+    #[test]
+    fn slots_lie_in_their_runs_back_to_back() {
+        let c = [
+            SlotClass {
+                slots: 2,
+                bytes: 10,
+            },
+            SlotClass {
+                slots: 1,
+                bytes: 30,
+            },
+        ];
+        let spans: std::vec::Vec<_> = (0..4).map(|s| slot_span(&c, s)).collect();
+        assert_eq!(spans, [Some((0, 10)), Some((10, 10)), Some((20, 30)), None]);
+        assert_eq!(slot_span(&[], 0), None);
     }
 
     #[test]

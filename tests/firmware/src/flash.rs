@@ -14,7 +14,7 @@ use les_core::blockdev::{
 };
 use les_core::layout;
 use les_core::schedule::{ExpertSource, Extent, Extents};
-use les_core::slot_classes::SlotClass;
+use les_core::slot_classes::{slot_span, SlotClass};
 use les_core::slots::ExpertKey;
 
 use crate::index::Index;
@@ -110,19 +110,9 @@ impl<const Q: usize> BlockDevice for FlashDevice<'_, Q> {
 }
 
 impl<const Q: usize> FlashDevice<'_, Q> {
-    /// Where `slot` starts in the slot memory and its length: the classes' runs
-    /// lie back to back, smallest first. `None` past the last slot.
+    /// Where `slot` starts in the slot memory and its length.
     fn span(&self, slot: SlotId) -> Option<(usize, usize)> {
-        let (mut first, mut base) = (0usize, 0usize);
-        for c in self.classes {
-            let (n, bytes) = (c.slots as usize, c.bytes as usize);
-            if (slot.0 as usize) < first + n {
-                return Some((base + (slot.0 as usize - first) * bytes, bytes));
-            }
-            first += n;
-            base += n * bytes;
-        }
-        None
+        slot_span(self.classes, slot.0 as usize)
     }
 }
 
