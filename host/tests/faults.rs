@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use les::compute::ThreadedMatVec;
 use les::engine::Session;
 use les::flash::faults::{seeded, Fault, FaultCounts, FaultRates, FaultyDevice};
-use les::flash::{FileDevice, FileDeviceConfig};
+use les::flash::{FileDevice, FileDeviceConfig, IoEngine};
 use les::model::Model;
 use les::supply::{ModelSource, Schedule, SlotBudget, Supply};
 use les_core::blockdev::ReadRequest;
@@ -115,15 +115,17 @@ fn faulty_run<F: FnMut(&ReadRequest) -> Fault>(
     slots: usize,
     script: F,
 ) -> (Vec<Vec<f32>>, Option<String>, FaultCounts) {
-    faulty_run_checked(les, slots, true, script)
+    faulty_run_checked(les, slots, true, IoEngine::Threads, script)
 }
 
 /// [`faulty_run`], with checksums verified where each expert is first computed
-/// (`verify_on_compute`, the default) or as each read arrives.
+/// (`verify_on_compute`, the default) or as each read arrives, reads issued by
+/// `engine`.
 fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
     les: bool,
     slots: usize,
     verify_on_compute: bool,
+    engine: IoEngine,
     script: F,
 ) -> (Vec<Vec<f32>>, Option<String>, FaultCounts) {
     let path = packed_model();
@@ -131,6 +133,7 @@ fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
     let moe = model.hp.moe.unwrap();
     let slot_bytes = model.max_expert_bytes();
     let io = FileDeviceConfig {
+        engine,
         threads: 3,
         queue_depth: 8,
         direct: true,
@@ -194,8 +197,15 @@ fn transient_faults_are_retried_and_logits_stay_bit_identical() {
         max_transient_per_offset: 2, // below the scheduler's 3 retries
         ..FaultRates::default()
     };
-    for (seed, les, slots) in [(1, true, 4), (2, false, 2), (3, true, 3), (4, true, 16)] {
-        let (logits, err, counts) = faulty_run(les, slots, seeded(seed, rates));
+    for (seed, les, slots, engine) in [
+        (1, true, 4, IoEngine::Threads),
+        (2, false, 2, IoEngine::Threads),
+        (3, true, 3, IoEngine::Uring),
+        (4, true, 16, IoEngine::Threads),
+        (5, false, 3, IoEngine::Uring),
+    ] {
+        let (logits, err, counts) =
+            faulty_run_checked(les, slots, true, engine, seeded(seed, rates));
         assert_eq!(
             err, None,
             "seed {seed}: transient faults must not end the run"
@@ -260,7 +270,8 @@ fn corrupted_data_is_caught_by_the_checksum_naming_the_expert() {
     // Checked where first computed (the default) or as each read arrives.
     for (les, on_compute) in [(true, true), (false, true), (true, false), (false, false)] {
         let what = format!("les {les}, verify on compute {on_compute}");
-        let (logits, err, counts) = faulty_run_checked(les, 4, on_compute, script);
+        let (logits, err, counts) =
+            faulty_run_checked(les, 4, on_compute, IoEngine::Threads, script);
         let err = err.unwrap_or_else(|| panic!("{what}: corruption ends the run ({counts:?})"));
         assert!(counts.flips > 0, "{what}");
         assert!(

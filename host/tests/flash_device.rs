@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use les::flash::{Check, FileDevice, FileDeviceConfig, ReadChecks};
+use les::flash::{Check, FileDevice, FileDeviceConfig, IoEngine, ReadChecks};
 use les_core::blockdev::{
     BlockDevice, ReadRequest, ReadStatus, SlotId, SlotMemory, SubmitError, Tag,
 };
@@ -40,8 +40,19 @@ fn req(tag: u32, offset: u64, len: u32, slot: u32, slot_offset: u32, urgent: boo
 }
 
 /// A device of 4 slots of 64 KiB over `path`, 3 I/O threads, 8 reads in flight.
-fn four_slots(path: &std::path::Path, direct: bool, chunk_bytes: usize) -> FileDevice {
+/// Both ways of issuing reads: every test runs against each.
+const ENGINES: [IoEngine; 2] = [IoEngine::Threads, IoEngine::Uring];
+
+/// `engine` for an `O_DIRECT` device; a buffered one always uses threads (`Auto`
+/// falls back to them, as `io_uring` needs `O_DIRECT`).
+fn four_slots(
+    path: &std::path::Path,
+    direct: bool,
+    chunk_bytes: usize,
+    engine: IoEngine,
+) -> FileDevice {
     let cfg = FileDeviceConfig {
+        engine: if direct { engine } else { IoEngine::Auto },
         threads: 3,
         queue_depth: 8,
         direct,
@@ -64,8 +75,12 @@ fn drain(dev: &mut FileDevice, n: usize) -> Vec<(Tag, ReadStatus<les::flash::Fil
 #[test]
 fn aligned_and_unaligned_reads_land_in_slots() {
     let (path, data) = data_file("flash_a.bin", 1 << 20);
-    for (direct, chunk_bytes) in [(true, 0), (true, 4096), (true, 20_000), (false, 4096)] {
-        let mut dev = four_slots(&path, direct, chunk_bytes);
+    for (direct, chunk_bytes, engine) in [(true, 0), (true, 4096), (true, 20_000), (false, 4096)]
+        .into_iter()
+        .flat_map(|(d, c)| ENGINES.map(|e| (d, c, e)))
+    {
+        let mut dev = four_slots(&path, direct, chunk_bytes, engine);
+        assert_eq!(dev.uses_uring(), direct && engine == IoEngine::Uring);
         let reads = [
             req(1, 0, 65536, 0, 0, true),                // aligned
             req(2, 12345, 1000, 1, 0, false),            // unaligned offset and length
@@ -83,7 +98,7 @@ fn aligned_and_unaligned_reads_land_in_slots() {
             assert_eq!(
                 got,
                 &data[r.offset as usize..][..r.len as usize],
-                "read {:?} direct={direct} chunk_bytes={chunk_bytes}",
+                "read {:?} direct={direct} chunk_bytes={chunk_bytes} {engine:?}",
                 r.tag
             );
         }
@@ -120,8 +135,11 @@ fn reads_are_checked_on_the_io_threads_across_chunks() {
         ),
     ]);
     assert_eq!(checks.len(), 3);
-    for (direct, chunk_bytes) in [(true, 4096), (true, 0), (false, 4096)] {
-        let mut dev = four_slots(&path, direct, chunk_bytes);
+    for (direct, chunk_bytes, engine) in [(true, 4096), (true, 0), (false, 4096)]
+        .into_iter()
+        .flat_map(|(d, c)| ENGINES.map(|e| (d, c, e)))
+    {
+        let mut dev = four_slots(&path, direct, chunk_bytes, engine);
         dev.set_checks(checks.clone());
         let reads = [
             req(1, 0, 65536, 0, 0, true),
@@ -134,7 +152,7 @@ fn reads_are_checked_on_the_io_threads_across_chunks() {
         }
         let mut got = drain(&mut dev, 4);
         got.sort_by_key(|(t, _)| t.0);
-        let what = format!("direct={direct} chunk_bytes={chunk_bytes}");
+        let what = format!("direct={direct} chunk_bytes={chunk_bytes} {engine:?}");
         assert_eq!(got[0].1, ReadStatus::Done, "{what}");
         assert_eq!(got[1].1, ReadStatus::Done, "{what}");
         assert_eq!(got[3].1, ReadStatus::Done, "unchecked read, {what}");
@@ -152,11 +170,18 @@ fn reads_are_checked_on_the_io_threads_across_chunks() {
 #[test]
 fn rejects_bad_and_overlapping_requests() {
     let (path, _) = data_file("flash_b.bin", 1 << 16);
+    for engine in ENGINES {
+        rejects_bad_and_overlapping(&path, engine);
+    }
+}
+
+fn rejects_bad_and_overlapping(path: &std::path::Path, engine: IoEngine) {
     let mut dev = FileDevice::open(
-        &path,
+        path,
         2,
         4096,
         FileDeviceConfig {
+            engine,
             threads: 1,
             queue_depth: 2,
             direct: true,
@@ -211,14 +236,55 @@ fn slot_with_read_in_flight_cannot_be_read() {
 }
 
 #[test]
+#[should_panic(expected = "in flight")]
+fn slot_with_read_in_flight_cannot_be_read_with_io_uring() {
+    let (path, _) = data_file("flash_c2.bin", 1 << 16);
+    let cfg = FileDeviceConfig {
+        engine: IoEngine::Uring,
+        ..FileDeviceConfig::default()
+    };
+    let mut dev = FileDevice::open(&path, 1, 4096, cfg).unwrap();
+    dev.submit(req(1, 0, 4096, 0, 0, true)).unwrap();
+    // Even once the kernel has finished the read, it is in flight until polled.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let _ = dev.slot(SlotId(0));
+}
+
+#[test]
+fn io_uring_needs_direct_reads_and_auto_falls_back_to_threads() {
+    let (path, data) = data_file("flash_f.bin", 1 << 16);
+    let buffered = |engine| FileDeviceConfig {
+        engine,
+        direct: false,
+        ..FileDeviceConfig::default()
+    };
+    let err = FileDevice::open(&path, 1, 4096, buffered(IoEngine::Uring)).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::Unsupported, "{err}");
+    assert!(err.to_string().contains("O_DIRECT"), "{err}");
+    let mut dev = FileDevice::open(&path, 1, 4096, buffered(IoEngine::Auto)).unwrap();
+    assert!(!dev.uses_uring() && !dev.is_direct());
+    dev.submit(req(1, 100, 1000, 0, 0, true)).unwrap();
+    assert_eq!(drain(&mut dev, 1)[0].1, ReadStatus::Done);
+    assert_eq!(&dev.slot(SlotId(0))[..1000], &data[100..1100]);
+    let direct = FileDeviceConfig {
+        engine: IoEngine::Auto,
+        ..FileDeviceConfig::default()
+    };
+    assert!(FileDevice::open(&path, 1, 4096, direct)
+        .unwrap()
+        .uses_uring());
+}
+
+#[test]
 fn cancelling_a_chunked_read_completes_it_once() {
     let (path, data) = data_file("flash_e.bin", 1 << 20);
-    for round in 0..20u32 {
+    for (round, engine) in (0..20u32).flat_map(|r| ENGINES.map(|e| (r, e))) {
         let mut dev = FileDevice::open(
             &path,
             2,
             256 * 1024,
             FileDeviceConfig {
+                engine,
                 threads: 2,
                 queue_depth: 4,
                 direct: true,
@@ -295,7 +361,10 @@ impl ExpertSource for Experts {
 #[test]
 fn scheduler_streams_through_the_file_device() {
     let (path, data) = data_file("flash_d.bin", 4 << 20);
-    for aligned in [false, true] {
+    for (aligned, engine) in [false, true]
+        .into_iter()
+        .flat_map(|a| ENGINES.map(|e| (a, e)))
+    {
         let src = Experts {
             n_experts: 16,
             size: if aligned { 40_960 } else { 30_000 },
@@ -303,6 +372,7 @@ fn scheduler_streams_through_the_file_device() {
             aligned,
         };
         let cfg = FileDeviceConfig {
+            engine,
             chunk_bytes: 8192,
             ..FileDeviceConfig::default()
         };

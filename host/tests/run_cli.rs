@@ -121,6 +121,9 @@ fn every_schedule_and_budget_gives_bit_identical_logits() {
             ["--schedule", "les", "--slots", "5"],
             ["--schedule", "on-demand", "--slots", "32"],
             ["--schedule", "les", "--expert-mem", "64KiB"],
+            // Reads through io_uring (plain GGUF: unaligned reads via its bounce
+            // buffers), les by default with slots.
+            ["--io-engine", "uring", "--slots", "3"],
         ] {
             let name = format!("{arch}_{}", args.join("_"));
             let (got, (_, _, logits), _) = greedy_with_logits(&m, &args, &name);
@@ -396,6 +399,15 @@ fn packed_model_streams_identically_and_detects_corruption() {
         &["--schedule", "resident"][..],
         &["--schedule", "les", "--slots", "2"],
         &["--schedule", "on-demand", "--slots", "3"],
+        &["--schedule", "les", "--slots", "2", "--io-engine", "uring"],
+        &[
+            "--schedule",
+            "on-demand",
+            "--slots",
+            "3",
+            "--io-engine",
+            "uring",
+        ],
     ] {
         let got = json_run(&packed, &[args, &["--temp", "0"]].concat());
         assert_eq!(tokens(&got), tokens(&want), "packed {args:?}");
@@ -414,10 +426,23 @@ fn packed_model_streams_identically_and_detects_corruption() {
     }
     let corrupt = tmp("run_cli_corrupt.gguf");
     std::fs::write(&corrupt, &bytes).unwrap();
-    for schedule in ["on-demand", "les"] {
+    for (schedule, engine) in [
+        ("on-demand", "threads"),
+        ("les", "threads"),
+        ("les", "uring"),
+    ] {
         let out = run(
             &corrupt,
-            &["--schedule", schedule, "--slots", "2", "--temp", "0"],
+            &[
+                "--schedule",
+                schedule,
+                "--slots",
+                "2",
+                "--temp",
+                "0",
+                "--io-engine",
+                engine,
+            ],
         );
         assert!(
             !out.status.success(),

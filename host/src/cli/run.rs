@@ -11,7 +11,7 @@ use serde_json::json;
 
 use crate::compute::{default_threads, ThreadedMatVec};
 use crate::engine::{generate_from, Control, Session};
-use crate::flash::FileDeviceConfig;
+use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
@@ -169,7 +169,12 @@ impl NpyWriter {
 /// I/O settings of `les run` and `les bench` (the file device).
 #[derive(Debug, Clone, clap::Args)]
 pub struct IoArgs {
-    /// I/O threads of the file device.
+    /// How expert reads are issued: `uring` (io_uring from the compute thread, no
+    /// I/O threads; needs O_DIRECT), `threads` (a pool of blocking readers), or
+    /// `auto` (uring where the kernel and file allow it).
+    #[arg(long, default_value = "threads", value_parser = ["auto", "uring", "threads"])]
+    pub io_engine: String,
+    /// I/O threads of the file device (with `--io-engine uring`: reads in flight).
     #[arg(long, default_value_t = 4, value_parser = super::values::threads)]
     pub io_threads: usize,
     /// Split aligned reads (packed experts) into chunks of this size, read in
@@ -185,7 +190,13 @@ impl IoArgs {
         if chunk != 0 && chunk < 4096 {
             return Err(format!("--io-chunk {}: at least 4KiB (or 0)", self.io_chunk).into());
         }
+        let engine = match self.io_engine.as_str() {
+            "uring" => IoEngine::Uring,
+            "threads" => IoEngine::Threads,
+            _ => IoEngine::Auto,
+        };
         Ok(FileDeviceConfig {
+            engine,
             threads: self.io_threads.max(1),
             chunk_bytes: chunk.min(1 << 30) as usize,
             ..FileDeviceConfig::default()

@@ -1,7 +1,14 @@
 //! Experts on flash: a [`BlockDevice`] over a real file.
 //!
 //! [`FileDevice`] reads with `pread` on a pool of I/O threads, several reads in
-//! flight, demand ("urgent") reads served before queued prefetches. It opens the
+//! flight, demand ("urgent") reads served before queued prefetches. With
+//! [`IoEngine::Uring`] it issues the same reads through an `io_uring` driven by
+//! the thread that owns the device instead ([`uring`]): no I/O threads, so no
+//! thread wakes up per read and preempts the compute it overlaps, but a finished
+//! read is only noticed, and the next one started, when the device is polled or
+//! waited on. Prefetches then keep at most `threads` reads in the ring, demand
+//! reads up to as many again, so a demand read never waits in our queue behind
+//! prefetches. It opens the
 //! file with `O_DIRECT` so the page cache does not become a hidden second expert
 //! cache: aligned requests go straight into the (page-aligned) slot, unaligned
 //! ones (plain GGUFs, whose experts are not 4 KiB-aligned) through a per-thread
@@ -32,6 +39,8 @@
 
 pub mod arena;
 pub mod faults;
+#[cfg(any(target_os = "linux", target_os = "android"))]
+mod uring;
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -143,10 +152,24 @@ impl ReadChecks {
     }
 }
 
+/// How a [`FileDevice`] issues its reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoEngine {
+    /// `io_uring` where the kernel allows it (direct I/O only), else threads.
+    Auto,
+    /// A pool of I/O threads doing blocking `pread`s.
+    Threads,
+    /// `io_uring`, driven by the thread that owns the device; an error if the
+    /// kernel refuses it or the file cannot be read with `O_DIRECT`.
+    Uring,
+}
+
 /// Settings of a [`FileDevice`].
 #[derive(Clone, Copy, Debug)]
 pub struct FileDeviceConfig {
-    /// I/O threads (reads in parallel).
+    /// How reads are issued.
+    pub engine: IoEngine,
+    /// I/O threads (reads in parallel); with `io_uring`, reads in the ring at once.
     pub threads: usize,
     /// Reads accepted at once.
     pub queue_depth: usize,
@@ -160,6 +183,7 @@ pub struct FileDeviceConfig {
 impl Default for FileDeviceConfig {
     fn default() -> Self {
         FileDeviceConfig {
+            engine: IoEngine::Threads,
             threads: 4,
             queue_depth: 32,
             direct: true,
@@ -233,6 +257,8 @@ struct Job {
     index: usize,
     /// Bytes of this chunk to hash (those inside the read's [`Check`]).
     hash_len: usize,
+    /// Bytes already read (a short `io_uring` read continues from here).
+    progress: u32,
 }
 
 /// The chunks of one submitted read.
@@ -320,6 +346,9 @@ struct InFlight {
 pub struct FileDevice {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
+    /// The `io_uring` engine, when it issues the reads (no workers then).
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    uring: Option<UringEngine>,
     queue_depth: usize,
     chunk_bytes: usize,
     in_flight: Vec<InFlight>,
@@ -407,7 +436,35 @@ impl FileDevice {
             counters: IoCounters::default(),
         });
         let max_read = shared.arena.slot_bytes() + 2 * SLOT_ALIGN;
-        let workers = (0..config.threads.max(1))
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let uring = match config.engine {
+            IoEngine::Threads => None,
+            IoEngine::Auto if !direct => None,
+            IoEngine::Uring if !direct => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "io_uring needs O_DIRECT reads, which this file refuses",
+                ))
+            }
+            IoEngine::Auto => UringEngine::new(config.threads, max_read).ok(),
+            IoEngine::Uring => Some(UringEngine::new(config.threads, max_read)?),
+        };
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        if config.engine == IoEngine::Uring {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "io_uring exists only on Linux",
+            ));
+        }
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let n_workers = if uring.is_some() {
+            0
+        } else {
+            config.threads.max(1)
+        };
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let n_workers = config.threads.max(1);
+        let workers = (0..n_workers)
             .map(|i| {
                 let s = Arc::clone(&shared);
                 std::thread::Builder::new()
@@ -418,6 +475,8 @@ impl FileDevice {
         Ok(FileDevice {
             shared,
             workers,
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            uring,
             queue_depth: config.queue_depth.max(1),
             chunk_bytes: config.chunk_bytes / SLOT_ALIGN * SLOT_ALIGN,
             in_flight: Vec::new(),
@@ -434,6 +493,14 @@ impl FileDevice {
     /// Whether reads bypass the page cache with `O_DIRECT`.
     pub fn is_direct(&self) -> bool {
         self.shared.direct
+    }
+
+    /// Whether reads go through `io_uring` (else through I/O threads).
+    pub fn uses_uring(&self) -> bool {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        return self.uring.is_some();
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        false
     }
 
     /// Bytes of the largest slot.
@@ -482,6 +549,7 @@ fn worker(s: &Shared, max_read: usize) {
             group,
             index,
             hash_len,
+            ..
         } = {
             let mut q = lock(&s.queue);
             loop {
@@ -517,6 +585,311 @@ fn worker(s: &Shared, max_read: usize) {
             s.done_cv.notify_all();
         }
     }
+}
+
+/// Reads through `io_uring` from the thread that owns the device: jobs wait in
+/// the engine's own queues (urgent first) until one of `depth` places in the ring
+/// is free; completions are collected when the device is polled or waited on.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+struct UringEngine {
+    ring: uring::Ring,
+    urgent: VecDeque<Job>,
+    normal: VecDeque<Job>,
+    /// Jobs in the ring, indexed by their `user_data`, with when they were started.
+    running: Vec<Option<(Job, Instant)>>,
+    /// Per place in `running`: a bounce buffer for unaligned reads (made on first use).
+    bounce: Vec<Option<SlotArena>>,
+    max_read: usize,
+    /// Reads in the ring at once, except demand reads, which may take as many
+    /// more.
+    depth: usize,
+    done: VecDeque<Completion<FileError>>,
+    /// Set when the ring failed: every later read fails with this.
+    broken: Option<FileError>,
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+impl UringEngine {
+    fn new(depth: usize, max_read: usize) -> io::Result<UringEngine> {
+        let depth = depth.clamp(1, 256);
+        Ok(UringEngine {
+            ring: uring::Ring::new(2 * depth as u32)?,
+            urgent: VecDeque::new(),
+            normal: VecDeque::new(),
+            running: (0..2 * depth).map(|_| None).collect(),
+            bounce: (0..2 * depth).map(|_| None).collect(),
+            max_read,
+            depth,
+            done: VecDeque::new(),
+            broken: None,
+        })
+    }
+
+    fn is_running(&self) -> bool {
+        self.running.iter().any(Option::is_some)
+    }
+
+    /// Starts queued jobs while the ring has room, and submits them.
+    fn pump(&mut self, s: &Shared) {
+        let mut started = false;
+        while let Some(place) = self.running.iter().position(Option::is_none) {
+            let busy = self.running.iter().filter(|r| r.is_some()).count();
+            let job = if busy < self.depth {
+                self.urgent.pop_front().or_else(|| self.normal.pop_front())
+            } else {
+                self.urgent.pop_front()
+            };
+            let Some(job) = job else {
+                break;
+            };
+            started = true;
+            if let Err((job, e)) = self.start(s, place, job) {
+                self.fail(s, job, e, Instant::now());
+            }
+        }
+        if started {
+            if let Err(e) = self.ring.enter(false) {
+                self.fail_running(s, e);
+            }
+        }
+    }
+
+    /// Puts `job` (its part from `progress` on) into the ring at `place`.
+    #[allow(unsafe_code)]
+    #[allow(clippy::result_large_err)]
+    fn start(&mut self, s: &Shared, place: usize, job: Job) -> Result<(), (Job, FileError)> {
+        let req = &job.req;
+        let (off, len, p) = (req.slot_offset as usize, req.len as usize, job.progress);
+        let a = SLOT_ALIGN as u64;
+        let aligned =
+            req.offset.is_multiple_of(a) && off % SLOT_ALIGN == 0 && len % SLOT_ALIGN == 0;
+        let (buf, n, at) = if aligned {
+            // SAFETY: `job` is in flight: `FileDevice::submit` checked its range is
+            // inside the slot and disjoint from every other read in flight, and
+            // `FileDevice::slot` refuses a slot while a read into it is in flight.
+            // The kernel writes the range until the completion is taken in `reap`,
+            // which happens before the read leaves the in-flight set.
+            let dst = unsafe { s.arena.range_mut(req.slot.0 as usize, off, len) };
+            (
+                dst[p as usize..].as_mut_ptr(),
+                len as u32 - p,
+                req.offset + p as u64,
+            )
+        } else {
+            let (first, span) = widened(req);
+            if span > self.max_read {
+                return Err((
+                    job,
+                    file_error(io::ErrorKind::InvalidInput, "read larger than a slot"),
+                ));
+            }
+            if self.bounce[place].is_none() {
+                self.bounce[place] = SlotArena::new(1, self.max_read);
+            }
+            let Some(b) = self.bounce[place].as_ref() else {
+                return Err((
+                    job,
+                    file_error(io::ErrorKind::OutOfMemory, "no bounce buffer"),
+                ));
+            };
+            // SAFETY: the bounce buffer of `place` belongs to the job there alone.
+            let buf = unsafe { b.range_mut(0, 0, span) };
+            (
+                buf[p as usize..].as_mut_ptr(),
+                span as u32 - p,
+                first + p as u64,
+            )
+        };
+        // SAFETY: `buf` is valid for `n` bytes and reserved for this job (above)
+        // until `reap` takes its completion; the file outlives the engine (the
+        // device drains the ring before its `Shared` can go).
+        let queued = unsafe {
+            self.ring
+                .push_read(std::os::fd::AsFd::as_fd(&s.file), buf, n, at, place as u64)
+        };
+        if !queued {
+            return Err((
+                job,
+                file_error(io::ErrorKind::Other, "io_uring submission ring full"),
+            ));
+        }
+        self.running[place] = Some((job, Instant::now()));
+        Ok(())
+    }
+
+    /// Takes every posted completion; finished reads go to `done`.
+    fn reap(&mut self, s: &Shared) {
+        while let Some((user_data, res)) = self.ring.pop() {
+            let place = user_data as usize;
+            let Some((mut job, started)) = self.running.get_mut(place).and_then(Option::take)
+            else {
+                continue;
+            };
+            let req = job.req;
+            let a = SLOT_ALIGN as u64;
+            let aligned = req.offset.is_multiple_of(a)
+                && (req.slot_offset as u64).is_multiple_of(a)
+                && (req.len as u64).is_multiple_of(a);
+            let want = if aligned {
+                req.len as usize
+            } else {
+                widened(&req).1
+            };
+            if res < 0 {
+                let e = io::Error::from_raw_os_error(-res);
+                let (at, n) = if aligned {
+                    (req.offset, req.len as usize)
+                } else {
+                    let (first, span) = widened(&req);
+                    (first, span)
+                };
+                let err = file_error(
+                    e.kind(),
+                    format!("read of {n} bytes at offset {at} failed: {e}"),
+                );
+                self.fail(s, job, err, started);
+                continue;
+            }
+            job.progress += res as u32;
+            let got = job.progress as usize;
+            if res > 0 && got < want {
+                // A short read: continue from where it stopped.
+                if let Err((job, e)) = self.start(s, place, job) {
+                    self.fail(s, job, e, started);
+                } else if let Some((_, t)) = self.running[place].as_mut() {
+                    *t = started;
+                }
+                continue;
+            }
+            let result = if aligned {
+                if got < want {
+                    Err(file_error(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("short read at offset {}: {got} of {want} bytes", req.offset),
+                    ))
+                } else {
+                    Ok(want as u64)
+                }
+            } else {
+                self.copy_out(s, place, &req, got)
+            };
+            match result {
+                Ok(file_bytes) => self.finish(s, job, file_bytes, started),
+                Err(e) => self.fail(s, job, e, started),
+            }
+        }
+    }
+
+    /// Copies the wanted part of an unaligned read from its bounce buffer into
+    /// the slot; the bytes read from the file.
+    #[allow(unsafe_code)]
+    fn copy_out(
+        &self,
+        s: &Shared,
+        place: usize,
+        req: &ReadRequest,
+        got: usize,
+    ) -> Result<u64, FileError> {
+        let (first, span) = widened(req);
+        let (off, len) = (req.slot_offset as usize, req.len as usize);
+        let skip = (req.offset - first) as usize;
+        if got < skip + len {
+            return Err(file_error(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "short read at offset {}: {} of {len} bytes",
+                    req.offset,
+                    got.saturating_sub(skip)
+                ),
+            ));
+        }
+        let b = self.bounce[place]
+            .as_ref()
+            .ok_or_else(|| file_error(io::ErrorKind::Other, "no bounce buffer"))?;
+        // SAFETY: the read into the bounce buffer completed (its completion was
+        // taken), and the buffer belongs to this place alone.
+        let src = unsafe { b.range_mut(0, 0, span) };
+        // SAFETY: as in `start`: the job is still in flight, so this range of the
+        // slot is written by this job alone.
+        let dst = unsafe { s.arena.range_mut(req.slot.0 as usize, off, len) };
+        dst.copy_from_slice(&src[skip..skip + len]);
+        Ok(span as u64)
+    }
+
+    /// Counts a finished chunk and completes its read if it was the last.
+    #[allow(unsafe_code)]
+    fn finish(&mut self, s: &Shared, job: Job, file_bytes: u64, started: Instant) {
+        let req = job.req;
+        let c = &s.counters;
+        c.bytes.fetch_add(req.len as u64, Ordering::Relaxed);
+        c.file_bytes.fetch_add(file_bytes, Ordering::Relaxed);
+        if job.hash_len > 0 {
+            // SAFETY: the chunk's read completed and it is still in flight, so no one
+            // else writes the range.
+            let dst = unsafe {
+                s.arena
+                    .range_mut(req.slot.0 as usize, req.slot_offset as usize, job.hash_len)
+            };
+            let crc = les_core::layout::checksum(dst);
+            if let Some(slot) = lock(&job.group.crcs).get_mut(job.index) {
+                *slot = (crc, job.hash_len as u64);
+            }
+        }
+        self.count_and_complete(s, &job, started);
+    }
+
+    fn fail(&mut self, s: &Shared, job: Job, e: FileError, started: Instant) {
+        lock(&job.group.error).get_or_insert(e);
+        self.count_and_complete(s, &job, started);
+    }
+
+    fn count_and_complete(&mut self, s: &Shared, job: &Job, started: Instant) {
+        s.counters.reads.fetch_add(1, Ordering::Relaxed);
+        s.counters
+            .read_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if let Some(c) = job.group.finish(job.req.tag) {
+            self.done.push_back(c);
+        }
+    }
+
+    /// The ring itself failed (never seen on a ring set up right: a kernel or
+    /// memory fault). Every queued and running read fails, later reads are
+    /// refused, and the kernel may still hold the running ones' buffers, so the
+    /// device leaks its slot memory rather than free it ([`FileDevice`]'s drop).
+    fn fail_running(&mut self, s: &Shared, e: io::Error) {
+        let err = file_error(e.kind(), format!("io_uring failed: {e}"));
+        self.broken = Some(err.clone());
+        let queued: Vec<Job> = self.urgent.drain(..).chain(self.normal.drain(..)).collect();
+        for job in queued {
+            self.fail(s, job, err.clone(), Instant::now());
+        }
+        for place in 0..self.running.len() {
+            if let Some((job, started)) = self.running[place].take() {
+                self.fail(s, job, err.clone(), started);
+            }
+        }
+    }
+
+    /// Blocks until the kernel holds no read of ours; `false` if the ring failed
+    /// first (then the memory must not be freed).
+    fn drain(&mut self, s: &Shared) -> bool {
+        while self.is_running() {
+            if self.ring.enter(true).is_err() {
+                return false;
+            }
+            self.reap(s);
+        }
+        self.broken.is_none()
+    }
+}
+
+/// The 4 KiB-aligned file range covering an unaligned read: its start and length.
+fn widened(req: &ReadRequest) -> (u64, usize) {
+    let a = SLOT_ALIGN as u64;
+    let first = req.offset / a * a;
+    let end = (req.offset + req.len as u64).div_ceil(a) * a;
+    (first, (end - first) as usize)
 }
 
 fn read_full(file: &File, dst: &mut [u8], offset: u64) -> Result<(), FileError> {
@@ -673,6 +1046,10 @@ impl BlockDevice for FileDevice {
                 req.tag, req.slot.0
             ));
         }
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(e) = self.uring.as_ref().and_then(|u| u.broken.clone()) {
+            return Err(SubmitError::Device(e));
+        }
         if self.in_flight.len() >= self.queue_depth {
             return Err(SubmitError::Busy);
         }
@@ -716,16 +1093,10 @@ impl BlockDevice for FileDevice {
             }),
         });
         let checked = check.map_or(0, |c| c.len);
-        let mut q = lock(&self.shared.queue);
-        let dst = if req.urgent {
-            &mut q.urgent
-        } else {
-            &mut q.normal
-        };
-        for i in 0..n {
+        let jobs = (0..n).map(|i| {
             let skip = (i * chunk) as u32;
             let len = (req.len - skip).min(chunk as u32);
-            dst.push_back(Job {
+            Job {
                 req: ReadRequest {
                     offset: req.offset + skip as u64,
                     len,
@@ -735,8 +1106,27 @@ impl BlockDevice for FileDevice {
                 group: Arc::clone(&group),
                 index: i,
                 hash_len: checked.saturating_sub(skip).min(len) as usize,
-            });
+                progress: 0,
+            }
+        });
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = self.uring.as_mut() {
+            let dst = if req.urgent {
+                &mut u.urgent
+            } else {
+                &mut u.normal
+            };
+            dst.extend(jobs);
+            u.pump(&self.shared);
+            return Ok(());
         }
+        let mut q = lock(&self.shared.queue);
+        let dst = if req.urgent {
+            &mut q.urgent
+        } else {
+            &mut q.normal
+        };
+        dst.extend(jobs);
         drop(q);
         if n == 1 {
             self.shared.work.notify_one();
@@ -747,6 +1137,23 @@ impl BlockDevice for FileDevice {
     }
 
     fn poll(&mut self) -> Option<Completion<FileError>> {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let c = match self.uring.as_mut() {
+            Some(u) => {
+                if u.done.is_empty() && u.is_running() {
+                    // Collect what finished (the kernel posts completions only
+                    // when asked) and refill the ring.
+                    if let Err(e) = u.ring.enter(false) {
+                        u.fail_running(&self.shared, e);
+                    }
+                    u.reap(&self.shared);
+                    u.pump(&self.shared);
+                }
+                u.done.pop_front()?
+            }
+            None => lock(&self.shared.done).pop_front()?,
+        };
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
         let c = lock(&self.shared.done).pop_front()?;
         if let Some(i) = self.in_flight.iter().position(|f| f.tag == c.tag) {
             self.in_flight.swap_remove(i);
@@ -756,6 +1163,22 @@ impl BlockDevice for FileDevice {
 
     fn wait(&mut self) {
         let start = Instant::now();
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = self.uring.as_mut() {
+            while u.done.is_empty() && u.is_running() {
+                if let Err(e) = u.ring.enter(true) {
+                    u.fail_running(&self.shared, e);
+                }
+                u.reap(&self.shared);
+                u.pump(&self.shared);
+            }
+            let waited = start.elapsed().as_nanos() as u64;
+            self.shared
+                .counters
+                .stall_nanos
+                .fetch_add(waited, Ordering::Relaxed);
+            return;
+        }
         let mut done = lock(&self.shared.done);
         while done.is_empty() && !self.in_flight.is_empty() {
             done = self
@@ -777,6 +1200,26 @@ impl BlockDevice for FileDevice {
         // cancelled (once its running chunks finished); a read whose chunks all
         // started completes normally.
         let mut dropped = Vec::new();
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = self.uring.as_mut() {
+            for d in [&mut u.urgent, &mut u.normal] {
+                d.retain(|j| {
+                    if j.req.tag == tag {
+                        dropped.push(Arc::clone(&j.group));
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+            for g in dropped {
+                g.dropped.store(true, Ordering::Release);
+                if let Some(c) = g.finish(tag) {
+                    u.done.push_back(c);
+                }
+            }
+            return;
+        }
         {
             let mut guard = lock(&self.shared.queue);
             let q = &mut *guard;
@@ -825,6 +1268,15 @@ fn too_many() -> io::Error {
 
 impl Drop for FileDevice {
     fn drop(&mut self) {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = self.uring.as_mut() {
+            u.urgent.clear();
+            u.normal.clear();
+            if !u.drain(&self.shared) {
+                // The kernel may still write into the slots: never free them.
+                std::mem::forget(Arc::clone(&self.shared));
+            }
+        }
         {
             let mut q = lock(&self.shared.queue);
             q.urgent.clear();
