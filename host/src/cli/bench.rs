@@ -14,6 +14,7 @@ use super::run::resolve_budget;
 use crate::belady;
 use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
 use crate::compute::default_threads;
+use crate::flash::IoEngine;
 use crate::model::Model;
 use crate::supply::Schedule;
 use crate::tokenizer::Tokenizer;
@@ -125,7 +126,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.bytes();
     eprintln!(
-        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {} I/O threads",
+        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {}",
         model.arch.name(),
         model.hp.n_layers,
         mib(expert_bytes as f64),
@@ -134,7 +135,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         100.0 * slot_bytes as f64 / expert_bytes.max(1) as f64,
         class_note(&budget.classes),
         cfg.threads,
-        budget.io.threads
+        match budget.io.engine {
+            IoEngine::Threads => format!("{} I/O threads", budget.io.threads),
+            IoEngine::Uring => format!("io_uring ({} reads in flight)", budget.io.threads),
+            IoEngine::Auto => format!(
+                "io_uring where available ({} reads in flight), else as many I/O threads",
+                budget.io.threads
+            ),
+        }
     );
     let bw = if streamed {
         let probe = (256u64 << 20).min(expert_bytes);

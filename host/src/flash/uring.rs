@@ -287,6 +287,9 @@ impl Ring {
     /// Passes queued entries to the kernel and, with `wait`, blocks until at least
     /// one completion is ready. Always collects finished completions.
     pub(crate) fn enter(&mut self, wait: bool) -> io::Result<()> {
+        // EAGAIN / EBUSY: the kernel is short of resources for now; without
+        // completions to collect, try again shortly (for at most about a second).
+        let mut busy_retries = 0u32;
         loop {
             let min = u32::from(wait && self.ready() == 0);
             // SAFETY: every queued entry's buffer is valid per `push_read`'s
@@ -304,8 +307,16 @@ impl Ring {
                     return Ok(());
                 }
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::BUSY) if self.ready() > 0 => {
+                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::BUSY)
+                    if self.ready() > 0 || !wait =>
+                {
                     return Ok(())
+                }
+                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::BUSY)
+                    if busy_retries < 10_000 =>
+                {
+                    busy_retries += 1;
+                    std::thread::sleep(std::time::Duration::from_micros(100));
                 }
                 Err(e) => return Err(e.into()),
             }
