@@ -1199,49 +1199,47 @@ impl BlockDevice for FileDevice {
         // Chunks not yet started are dropped, and then the read completes as
         // cancelled (once its running chunks finished); a read whose chunks all
         // started completes normally.
-        let mut dropped = Vec::new();
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if let Some(u) = self.uring.as_mut() {
-            for d in [&mut u.urgent, &mut u.normal] {
-                d.retain(|j| {
-                    if j.req.tag == tag {
-                        dropped.push(Arc::clone(&j.group));
-                        false
-                    } else {
-                        true
-                    }
-                });
-            }
-            for g in dropped {
-                g.dropped.store(true, Ordering::Release);
-                if let Some(c) = g.finish(tag) {
-                    u.done.push_back(c);
-                }
-            }
+            let groups = take_queued([&mut u.urgent, &mut u.normal], tag);
+            u.done.extend(cancelled(groups, tag));
             return;
         }
-        {
+        let groups = {
             let mut guard = lock(&self.shared.queue);
             let q = &mut *guard;
-            for d in [&mut q.urgent, &mut q.normal] {
-                d.retain(|j| {
-                    if j.req.tag == tag {
-                        dropped.push(Arc::clone(&j.group));
-                        false
-                    } else {
-                        true
-                    }
-                });
-            }
-        }
-        for g in dropped {
-            g.dropped.store(true, Ordering::Release);
-            if let Some(c) = g.finish(tag) {
-                lock(&self.shared.done).push_back(c);
-                self.shared.done_cv.notify_all();
-            }
+            take_queued([&mut q.urgent, &mut q.normal], tag)
+        };
+        for c in cancelled(groups, tag) {
+            lock(&self.shared.done).push_back(c);
+            self.shared.done_cv.notify_all();
         }
     }
+}
+
+/// Removes the queued chunks of read `tag`; their reads' chunk groups.
+fn take_queued(queues: [&mut VecDeque<Job>; 2], tag: Tag) -> Vec<Arc<Group>> {
+    let mut dropped = Vec::new();
+    for d in queues {
+        d.retain(|j| {
+            if j.req.tag == tag {
+                dropped.push(Arc::clone(&j.group));
+                false
+            } else {
+                true
+            }
+        });
+    }
+    dropped
+}
+
+/// Marks dropped chunks finished; the read's completion (cancelled) if that
+/// finished it.
+fn cancelled(groups: Vec<Arc<Group>>, tag: Tag) -> impl Iterator<Item = Completion<FileError>> {
+    groups.into_iter().filter_map(move |g| {
+        g.dropped.store(true, Ordering::Release);
+        g.finish(tag)
+    })
 }
 
 #[allow(unsafe_code)]
