@@ -660,10 +660,7 @@ impl UringEngine {
     fn start(&mut self, s: &Shared, place: usize, job: Job) -> Result<(), (Job, FileError)> {
         let req = &job.req;
         let (off, len, p) = (req.slot_offset as usize, req.len as usize, job.progress);
-        let a = SLOT_ALIGN as u64;
-        let aligned =
-            req.offset.is_multiple_of(a) && off % SLOT_ALIGN == 0 && len % SLOT_ALIGN == 0;
-        let (buf, n, at) = if aligned {
+        let (buf, n, at) = if is_aligned(req) {
             // SAFETY: `job` is in flight: `FileDevice::submit` checked its range is
             // inside the slot and disjoint from every other read in flight, and
             // `FileDevice::slot` refuses a slot while a read into it is in flight.
@@ -726,10 +723,7 @@ impl UringEngine {
                 continue;
             };
             let req = job.req;
-            let a = SLOT_ALIGN as u64;
-            let aligned = req.offset.is_multiple_of(a)
-                && (req.slot_offset as u64).is_multiple_of(a)
-                && (req.len as u64).is_multiple_of(a);
+            let aligned = is_aligned(&req);
             let want = if aligned {
                 req.len as usize
             } else {
@@ -790,19 +784,8 @@ impl UringEngine {
         req: &ReadRequest,
         got: usize,
     ) -> Result<u64, FileError> {
-        let (first, span) = widened(req);
+        let span = widened(req).1;
         let (off, len) = (req.slot_offset as usize, req.len as usize);
-        let skip = (req.offset - first) as usize;
-        if got < skip + len {
-            return Err(file_error(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "short read at offset {}: {} of {len} bytes",
-                    req.offset,
-                    got.saturating_sub(skip)
-                ),
-            ));
-        }
         let b = self.bounce[place]
             .as_ref()
             .ok_or_else(|| file_error(io::ErrorKind::Other, "no bounce buffer"))?;
@@ -812,7 +795,7 @@ impl UringEngine {
         // SAFETY: as in `start`: the job is still in flight, so this range of the
         // slot is written by this job alone.
         let dst = unsafe { s.arena.range_mut(req.slot.0 as usize, off, len) };
-        dst.copy_from_slice(&src[skip..skip + len]);
+        unbounce(req, src, got, dst)?;
         Ok(span as u64)
     }
 
@@ -884,6 +867,15 @@ impl UringEngine {
     }
 }
 
+/// Whether a read can go straight into its slot with `O_DIRECT`: file offset,
+/// slot offset and length all multiples of [`SLOT_ALIGN`].
+fn is_aligned(req: &ReadRequest) -> bool {
+    let a = SLOT_ALIGN as u64;
+    req.offset.is_multiple_of(a)
+        && (req.slot_offset as u64).is_multiple_of(a)
+        && (req.len as u64).is_multiple_of(a)
+}
+
 /// The 4 KiB-aligned file range covering an unaligned read: its start and length.
 fn widened(req: &ReadRequest) -> (u64, usize) {
     let a = SLOT_ALIGN as u64;
@@ -936,7 +928,6 @@ fn fill(
     bounce: Option<&SlotArena>,
     dst: &mut [u8],
 ) -> Result<u64, FileError> {
-    let (off, len) = (req.slot_offset as usize, req.len as usize);
     if !s.direct {
         read_full(&s.file, dst, req.offset)?;
         // Don't let the page cache keep what the slots now hold.
@@ -948,16 +939,13 @@ fn fill(
         );
         return Ok(req.len as u64);
     }
-    let a = SLOT_ALIGN as u64;
-    if req.offset.is_multiple_of(a) && off % SLOT_ALIGN == 0 && len % SLOT_ALIGN == 0 {
+    if is_aligned(req) {
         read_full(&s.file, dst, req.offset)?;
         return Ok(req.len as u64);
     }
     // Widen to aligned bounds, read into the bounce buffer, copy the part wanted.
     let bounce = bounce.ok_or_else(|| file_error(io::ErrorKind::Other, "no bounce buffer"))?;
-    let first = req.offset / a * a;
-    let end = (req.offset + len as u64).div_ceil(a) * a;
-    let span = (end - first) as usize;
+    let (first, span) = widened(req);
     if span > bounce.slot_bytes() {
         return Err(file_error(
             io::ErrorKind::InvalidInput,
@@ -982,7 +970,16 @@ fn fill(
             }
         }
     }
-    let skip = (req.offset - first) as usize;
+    unbounce(req, buf, got, dst)?;
+    Ok(span as u64)
+}
+
+/// Copies the bytes an unaligned read wants into `dst`, from its widened span
+/// ([`widened`]) read into `buf`, of which `got` bytes arrived (the last block
+/// may lie past the end of the file).
+fn unbounce(req: &ReadRequest, buf: &[u8], got: usize, dst: &mut [u8]) -> Result<(), FileError> {
+    let len = req.len as usize;
+    let skip = (req.offset - widened(req).0) as usize;
     if got < skip + len {
         return Err(file_error(
             io::ErrorKind::UnexpectedEof,
@@ -994,7 +991,7 @@ fn fill(
         ));
     }
     dst.copy_from_slice(&buf[skip..skip + len]);
-    Ok(span as u64)
+    Ok(())
 }
 
 impl BlockDevice for FileDevice {
@@ -1060,16 +1057,8 @@ impl BlockDevice for FileDevice {
             end,
         });
         // Chunks only for aligned reads: an unaligned one would widen every chunk.
-        let a = SLOT_ALIGN as u64;
         let chunk = match self.chunk_bytes {
-            c if c > 0
-                && self.shared.direct
-                && req.offset.is_multiple_of(a)
-                && (req.slot_offset as u64).is_multiple_of(a)
-                && (req.len as u64).is_multiple_of(a) =>
-            {
-                c
-            }
+            c if c > 0 && self.shared.direct && is_aligned(&req) => c,
             _ => req.len.max(1) as usize,
         };
         let n = (req.len as usize).div_ceil(chunk).max(1);
