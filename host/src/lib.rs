@@ -9,7 +9,7 @@
 //! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
 //! - [`sampling`]: reproducible token sampling (greedy, top-k, top-p, min-p).
 //! - [`engine`]: KV cache, prefill and the decode loop.
-//! - [`flash`]: the file device experts stream from (O_DIRECT, I/O threads).
+//! - [`flash`]: the file device experts stream from (O_DIRECT; I/O threads or `io_uring`).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`bench`](mod@bench): `les bench`, schedules compared side by side; [`belady`], the
 //!   optimal cache's hit rate over the run's routing.

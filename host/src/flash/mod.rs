@@ -3,7 +3,7 @@
 //! [`FileDevice`] reads with `pread` on a pool of I/O threads, several reads in
 //! flight, demand ("urgent") reads served before queued prefetches. With
 //! [`IoEngine::Uring`] it issues the same reads through an `io_uring` driven by
-//! the thread that owns the device instead ([`uring`]): no I/O threads, so no
+//! the thread that owns the device instead (`flash/uring.rs`): no I/O threads, so no
 //! thread wakes up per read and preempts the compute it overlaps, but a finished
 //! read is only noticed, and the next one started, when the device is polled or
 //! waited on. Prefetches then keep at most `threads` reads in the ring, demand
