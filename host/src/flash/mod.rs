@@ -311,9 +311,63 @@ impl Group {
     }
 }
 
-struct Queue {
+/// Chunks waiting for an I/O thread or a place in the ring, demand chunks first.
+#[derive(Default)]
+struct Jobs {
     urgent: VecDeque<Job>,
     normal: VecDeque<Job>,
+}
+
+impl Jobs {
+    /// Queues the chunks of one read.
+    fn push(&mut self, urgent: bool, jobs: impl IntoIterator<Item = Job>) {
+        if urgent {
+            self.urgent.extend(jobs);
+        } else {
+            self.normal.extend(jobs);
+        }
+    }
+
+    /// The next chunk to start: the oldest demand chunk, else the oldest prefetch.
+    fn pop(&mut self) -> Option<Job> {
+        self.urgent.pop_front().or_else(|| self.normal.pop_front())
+    }
+
+    /// The oldest demand chunk.
+    fn pop_urgent(&mut self) -> Option<Job> {
+        self.urgent.pop_front()
+    }
+
+    /// Removes the chunks of read `tag`; their reads' chunk groups.
+    fn take(&mut self, tag: Tag) -> Vec<Arc<Group>> {
+        let mut dropped = Vec::new();
+        for d in [&mut self.urgent, &mut self.normal] {
+            d.retain(|j| {
+                if j.req.tag == tag {
+                    dropped.push(Arc::clone(&j.group));
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        dropped
+    }
+
+    /// Removes every chunk.
+    fn drain(&mut self) -> impl Iterator<Item = Job> + '_ {
+        self.urgent.drain(..).chain(self.normal.drain(..))
+    }
+
+    /// Drops every chunk.
+    fn clear(&mut self) {
+        self.urgent.clear();
+        self.normal.clear();
+    }
+}
+
+struct Queue {
+    jobs: Jobs,
     shutdown: bool,
 }
 
@@ -426,8 +480,7 @@ impl FileDevice {
             direct,
             file_len,
             queue: Mutex::new(Queue {
-                urgent: VecDeque::new(),
-                normal: VecDeque::new(),
+                jobs: Jobs::default(),
                 shutdown: false,
             }),
             work: Condvar::new(),
@@ -503,6 +556,19 @@ impl FileDevice {
         false
     }
 
+    /// With `io_uring`: blocks until a read completes (or none is running);
+    /// `false` without it.
+    fn wait_on_ring(&mut self) -> bool {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = self.uring.as_mut() {
+            while u.done.is_empty() && u.is_running() {
+                u.service(&self.shared, true);
+            }
+            return true;
+        }
+        false
+    }
+
     /// Bytes of the largest slot.
     pub fn slot_bytes(&self) -> usize {
         self.shared.arena.slot_bytes()
@@ -553,7 +619,7 @@ fn worker(s: &Shared, max_read: usize) {
         } = {
             let mut q = lock(&s.queue);
             loop {
-                if let Some(j) = q.urgent.pop_front().or_else(|| q.normal.pop_front()) {
+                if let Some(j) = q.jobs.pop() {
                     break j;
                 }
                 if q.shutdown {
@@ -593,8 +659,7 @@ fn worker(s: &Shared, max_read: usize) {
 #[cfg(any(target_os = "linux", target_os = "android"))]
 struct UringEngine {
     ring: uring::Ring,
-    urgent: VecDeque<Job>,
-    normal: VecDeque<Job>,
+    queued: Jobs,
     /// Jobs in the ring, indexed by their `user_data`, with when they were started.
     running: Vec<Option<(Job, Instant)>>,
     /// Per place in `running`: a bounce buffer for unaligned reads (made on first use).
@@ -614,8 +679,7 @@ impl UringEngine {
         let depth = depth.clamp(1, 256);
         Ok(UringEngine {
             ring: uring::Ring::new(2 * depth as u32)?,
-            urgent: VecDeque::new(),
-            normal: VecDeque::new(),
+            queued: Jobs::default(),
             running: (0..2 * depth).map(|_| None).collect(),
             bounce: (0..2 * depth).map(|_| None).collect(),
             max_read,
@@ -629,15 +693,26 @@ impl UringEngine {
         self.running.iter().any(Option::is_some)
     }
 
+    /// Submits what is queued in the ring, collects what finished (the kernel
+    /// posts completions only when asked), blocking for one with `wait`, and
+    /// refills the ring.
+    fn service(&mut self, s: &Shared, wait: bool) {
+        if let Err(e) = self.ring.enter(wait) {
+            self.fail_running(s, e);
+        }
+        self.reap(s);
+        self.pump(s);
+    }
+
     /// Starts queued jobs while the ring has room, and submits them.
     fn pump(&mut self, s: &Shared) {
         let mut started = false;
         while let Some(place) = self.running.iter().position(Option::is_none) {
             let busy = self.running.iter().filter(|r| r.is_some()).count();
             let job = if busy < self.depth {
-                self.urgent.pop_front().or_else(|| self.normal.pop_front())
+                self.queued.pop()
             } else {
-                self.urgent.pop_front()
+                self.queued.pop_urgent()
             };
             let Some(job) = job else {
                 break;
@@ -659,21 +734,18 @@ impl UringEngine {
     #[allow(clippy::result_large_err)]
     fn start(&mut self, s: &Shared, place: usize, job: Job) -> Result<(), (Job, FileError)> {
         let req = &job.req;
-        let (off, len, p) = (req.slot_offset as usize, req.len as usize, job.progress);
-        let (buf, n, at) = if is_aligned(req) {
+        let (at, span) = file_span(req);
+        let buf = if is_aligned(req) {
             // SAFETY: `job` is in flight: `FileDevice::submit` checked its range is
             // inside the slot and disjoint from every other read in flight, and
             // `FileDevice::slot` refuses a slot while a read into it is in flight.
             // The kernel writes the range until the completion is taken in `reap`,
             // which happens before the read leaves the in-flight set.
-            let dst = unsafe { s.arena.range_mut(req.slot.0 as usize, off, len) };
-            (
-                dst[p as usize..].as_mut_ptr(),
-                len as u32 - p,
-                req.offset + p as u64,
-            )
+            unsafe {
+                s.arena
+                    .range_mut(req.slot.0 as usize, req.slot_offset as usize, span)
+            }
         } else {
-            let (first, span) = widened(req);
             if span > self.max_read {
                 return Err((
                     job,
@@ -690,13 +762,10 @@ impl UringEngine {
                 ));
             };
             // SAFETY: the bounce buffer of `place` belongs to the job there alone.
-            let buf = unsafe { b.range_mut(0, 0, span) };
-            (
-                buf[p as usize..].as_mut_ptr(),
-                span as u32 - p,
-                first + p as u64,
-            )
+            unsafe { b.range_mut(0, 0, span) }
         };
+        let p = job.progress as usize;
+        let (buf, n, at) = (buf[p..].as_mut_ptr(), (span - p) as u32, at + p as u64);
         // SAFETY: `buf` is valid for `n` bytes and reserved for this job (above)
         // until `reap` takes its completion; the file outlives the engine (the
         // device drains the ring before its `Shared` can go).
@@ -723,23 +792,12 @@ impl UringEngine {
                 continue;
             };
             let req = job.req;
-            let aligned = is_aligned(&req);
-            let want = if aligned {
-                req.len as usize
-            } else {
-                widened(&req).1
-            };
+            let (at, want) = file_span(&req);
             if res < 0 {
                 let e = io::Error::from_raw_os_error(-res);
-                let (at, n) = if aligned {
-                    (req.offset, req.len as usize)
-                } else {
-                    let (first, span) = widened(&req);
-                    (first, span)
-                };
                 let err = file_error(
                     e.kind(),
-                    format!("read of {n} bytes at offset {at} failed: {e}"),
+                    format!("read of {want} bytes at offset {at} failed: {e}"),
                 );
                 self.fail(s, job, err, started);
                 continue;
@@ -755,7 +813,7 @@ impl UringEngine {
                 }
                 continue;
             }
-            let result = if aligned {
+            let result = if is_aligned(&req) {
                 if got < want {
                     Err(file_error(
                         io::ErrorKind::UnexpectedEof,
@@ -843,7 +901,7 @@ impl UringEngine {
     fn fail_running(&mut self, s: &Shared, e: io::Error) {
         let err = file_error(e.kind(), format!("io_uring failed: {e}"));
         self.broken = Some(err.clone());
-        let queued: Vec<Job> = self.urgent.drain(..).chain(self.normal.drain(..)).collect();
+        let queued: Vec<Job> = self.queued.drain().collect();
         for job in queued {
             self.fail(s, job, err.clone(), Instant::now());
         }
@@ -855,13 +913,10 @@ impl UringEngine {
     }
 
     /// Blocks until the kernel holds no read of ours; `false` if the ring failed
-    /// first (then the memory must not be freed).
+    /// (then the memory must not be freed).
     fn drain(&mut self, s: &Shared) -> bool {
         while self.is_running() {
-            if self.ring.enter(true).is_err() {
-                return false;
-            }
-            self.reap(s);
+            self.service(s, true);
         }
         self.broken.is_none()
     }
@@ -874,6 +929,16 @@ fn is_aligned(req: &ReadRequest) -> bool {
     req.offset.is_multiple_of(a)
         && (req.slot_offset as u64).is_multiple_of(a)
         && (req.len as u64).is_multiple_of(a)
+}
+
+/// The file range the device reads for `req`: the read itself when aligned, else
+/// its [`widened`] span (read into a bounce buffer); its start and length.
+fn file_span(req: &ReadRequest) -> (u64, usize) {
+    if is_aligned(req) {
+        (req.offset, req.len as usize)
+    } else {
+        widened(req)
+    }
 }
 
 /// The 4 KiB-aligned file range covering an unaligned read: its start and length.
@@ -1100,23 +1165,11 @@ impl BlockDevice for FileDevice {
         });
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if let Some(u) = self.uring.as_mut() {
-            let dst = if req.urgent {
-                &mut u.urgent
-            } else {
-                &mut u.normal
-            };
-            dst.extend(jobs);
+            u.queued.push(req.urgent, jobs);
             u.pump(&self.shared);
             return Ok(());
         }
-        let mut q = lock(&self.shared.queue);
-        let dst = if req.urgent {
-            &mut q.urgent
-        } else {
-            &mut q.normal
-        };
-        dst.extend(jobs);
-        drop(q);
+        lock(&self.shared.queue).jobs.push(req.urgent, jobs);
         if n == 1 {
             self.shared.work.notify_one();
         } else {
@@ -1130,13 +1183,7 @@ impl BlockDevice for FileDevice {
         let c = match self.uring.as_mut() {
             Some(u) => {
                 if u.done.is_empty() && u.is_running() {
-                    // Collect what finished (the kernel posts completions only
-                    // when asked) and refill the ring.
-                    if let Err(e) = u.ring.enter(false) {
-                        u.fail_running(&self.shared, e);
-                    }
-                    u.reap(&self.shared);
-                    u.pump(&self.shared);
+                    u.service(&self.shared, false);
                 }
                 u.done.pop_front()?
             }
@@ -1152,31 +1199,16 @@ impl BlockDevice for FileDevice {
 
     fn wait(&mut self) {
         let start = Instant::now();
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        if let Some(u) = self.uring.as_mut() {
-            while u.done.is_empty() && u.is_running() {
-                if let Err(e) = u.ring.enter(true) {
-                    u.fail_running(&self.shared, e);
-                }
-                u.reap(&self.shared);
-                u.pump(&self.shared);
+        if !self.wait_on_ring() {
+            let mut done = lock(&self.shared.done);
+            while done.is_empty() && !self.in_flight.is_empty() {
+                done = self
+                    .shared
+                    .done_cv
+                    .wait(done)
+                    .unwrap_or_else(|p| p.into_inner());
             }
-            let waited = start.elapsed().as_nanos() as u64;
-            self.shared
-                .counters
-                .stall_nanos
-                .fetch_add(waited, Ordering::Relaxed);
-            return;
         }
-        let mut done = lock(&self.shared.done);
-        while done.is_empty() && !self.in_flight.is_empty() {
-            done = self
-                .shared
-                .done_cv
-                .wait(done)
-                .unwrap_or_else(|p| p.into_inner());
-        }
-        drop(done);
         let waited = start.elapsed().as_nanos() as u64;
         self.shared
             .counters
@@ -1190,36 +1222,16 @@ impl BlockDevice for FileDevice {
         // started completes normally.
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if let Some(u) = self.uring.as_mut() {
-            let groups = take_queued([&mut u.urgent, &mut u.normal], tag);
+            let groups = u.queued.take(tag);
             u.done.extend(cancelled(groups, tag));
             return;
         }
-        let groups = {
-            let mut guard = lock(&self.shared.queue);
-            let q = &mut *guard;
-            take_queued([&mut q.urgent, &mut q.normal], tag)
-        };
+        let groups = lock(&self.shared.queue).jobs.take(tag);
         for c in cancelled(groups, tag) {
             lock(&self.shared.done).push_back(c);
             self.shared.done_cv.notify_all();
         }
     }
-}
-
-/// Removes the queued chunks of read `tag`; their reads' chunk groups.
-fn take_queued(queues: [&mut VecDeque<Job>; 2], tag: Tag) -> Vec<Arc<Group>> {
-    let mut dropped = Vec::new();
-    for d in queues {
-        d.retain(|j| {
-            if j.req.tag == tag {
-                dropped.push(Arc::clone(&j.group));
-                false
-            } else {
-                true
-            }
-        });
-    }
-    dropped
 }
 
 /// Marks dropped chunks finished; the read's completion (cancelled) if that
@@ -1257,8 +1269,7 @@ impl Drop for FileDevice {
     fn drop(&mut self) {
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if let Some(u) = self.uring.as_mut() {
-            u.urgent.clear();
-            u.normal.clear();
+            u.queued.clear();
             if !u.drain(&self.shared) {
                 // The kernel may still write into the slots: never free them.
                 std::mem::forget(Arc::clone(&self.shared));
@@ -1266,8 +1277,7 @@ impl Drop for FileDevice {
         }
         {
             let mut q = lock(&self.shared.queue);
-            q.urgent.clear();
-            q.normal.clear();
+            q.jobs.clear();
             q.shutdown = true;
         }
         self.shared.work.notify_all();
