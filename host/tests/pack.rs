@@ -11,7 +11,9 @@ use std::process::{Command, Output};
 
 use common::*;
 use les::gguf::{Gguf, GgufWriter, MetaValue};
-use les::pack::{pack, Choice, ExpertTypes, PackError, PackOptions, PackReport, PackedIndex, Plan};
+use les::pack::{
+    pack, Choice, ExpertTypes, PackError, PackOptions, PackReport, PackedIndex, Packer, Plan,
+};
 use les_core::layout;
 use les_core::quant::{dequantize, quantize, GgmlType};
 
@@ -281,6 +283,28 @@ fn threshold(ty: GgmlType) -> f64 {
         GgmlType::Q8_0 | GgmlType::F16 | GgmlType::BF16 | GgmlType::F32 => 1e-4,
         GgmlType::Q6K | GgmlType::Q5_0 | GgmlType::Q5_1 => 3e-3,
         _ => 2e-2,
+    }
+}
+
+#[test]
+fn pack_estimates_its_output_size() {
+    let input = model("pack_size_in.gguf", &ModelSpec::default());
+    for (align, types) in [
+        (4096, ExpertTypes::Keep),
+        (1 << 16, ExpertTypes::Plan("0-:q4_k".parse().unwrap())),
+    ] {
+        let output = fresh(&format!("pack_size_out_{align}.gguf"));
+        let o = PackOptions {
+            align,
+            ..opts(types)
+        };
+        let packer = Packer::open(&input, &o).unwrap();
+        let estimate = packer.estimated_file_bytes();
+        let report = packer.write(&output, |_, _| {}).unwrap();
+        // Exact but for the packed index's metadata (checksums, keys) and where
+        // the data section starts.
+        let off = report.file_bytes.abs_diff(estimate);
+        assert!(off <= align + (64 << 10), "{align}: {off}");
     }
 }
 
@@ -885,6 +909,27 @@ fn pack_cli_end_to_end() {
         );
         assert!(!failed.exists());
     }
+    // A size with units; padding over a quarter of the experts is warned about.
+    let padded = fresh("pack_cli_padded.gguf");
+    let r = run(&["--align", "1MiB", "-q"], &padded);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(
+        stderr(&r)
+            .contains("warning: 80% of the packed experts' bytes are padding to 1048576-byte"),
+        "{}",
+        stderr(&r)
+    );
+    let g = Gguf::open(&padded).unwrap();
+    assert_eq!(g.alignment(), 1 << 20);
+    drop(g);
+    fs::remove_file(&padded).unwrap();
+    let r = run(&["--align", "4KiB", "-q"], &padded);
+    assert!(
+        r.status.success() && !stderr(&r).contains("warning"),
+        "{}",
+        stderr(&r)
+    );
+
     let r = run(
         &["--expert-types", "0:q4_k", "--bits-per-weight", "4"],
         &failed,

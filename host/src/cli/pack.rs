@@ -27,8 +27,8 @@ pub struct PackArgs {
     /// with the least measured reconstruction error.
     #[arg(long, value_name = "B")]
     pub bits_per_weight: Option<f64>,
-    /// Alignment of every expert extent, in bytes (a power of two).
-    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_ALIGN)]
+    /// Alignment of every expert extent (a power of two, e.g. 4096 or 4KiB).
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_ALIGN, value_parser = super::values::bytes)]
     pub align: u64,
     /// Worker threads (default: all cores).
     #[arg(long, value_name = "N", default_value_t = 0)]
@@ -37,6 +37,9 @@ pub struct PackArgs {
     #[arg(short, long)]
     pub quiet: bool,
 }
+
+/// Alignment padding above this share of the packed experts gets a warning.
+const MAX_QUIET_PADDING: f64 = 0.25;
 
 /// Runs `les pack`: the plan and the progress go to stderr.
 pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
@@ -62,6 +65,20 @@ pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let packer = Packer::open(&args.input, &opts)?;
     if !args.quiet {
         eprintln!("{}", packer.report());
+    }
+    let padding = packer.report().padding_share();
+    if padding > MAX_QUIET_PADDING {
+        eprintln!(
+            "warning: {:.0}% of the packed experts' bytes are padding to {}-byte boundaries \
+             ({:.1} MiB); 4 KiB (the default) is what O_DIRECT needs",
+            padding * 100.0,
+            args.align,
+            packer
+                .report()
+                .packed_bytes()
+                .saturating_sub(packer.report().unpadded_bytes()) as f64
+                / (1 << 20) as f64
+        );
     }
     let mut bar =
         ProgressBar::with_enabled("packing", !args.quiet && ProgressBar::stderr_is_terminal());

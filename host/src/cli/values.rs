@@ -52,6 +52,12 @@ pub fn tokens(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A byte size ([`parse_size`](crate::supply::parse_size): `4096`, `4KiB`,
+/// `1MiB`).
+pub fn bytes(s: &str) -> Result<u64, String> {
+    crate::supply::parse_size(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

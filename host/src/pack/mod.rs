@@ -88,6 +88,15 @@ pub enum PackError {
     NotMoe(String),
     /// The input is already packed.
     AlreadyPacked,
+    /// The output's filesystem has less free space than the packed file needs.
+    NoSpace {
+        /// The output.
+        path: PathBuf,
+        /// Bytes the packed file needs (an estimate from the plan).
+        need: u64,
+        /// Bytes free for this user on the output's filesystem.
+        free: u64,
+    },
     /// The experts' tensors are missing or inconsistent.
     Model(String),
     /// A plan that does not parse or does not fit the model.
@@ -148,6 +157,13 @@ impl fmt::Display for PackError {
             PackError::AlreadyPacked => {
                 f.write_str("the input is already packed (it has les.pack.* metadata)")
             }
+            PackError::NoSpace { path, need, free } => write!(
+                f,
+                "{}: the packed file needs about {:.2} GiB but its filesystem has {:.2} GiB free",
+                path.display(),
+                gib(*need),
+                gib(*free)
+            ),
             PackError::Model(d) => f.write_str(d),
             PackError::Plan(d) => write!(f, "bad expert-type plan: {d}"),
             PackError::UnknownType(name) => write!(
@@ -353,6 +369,24 @@ impl PackReport {
     pub fn packed_bytes(&self) -> u64 {
         self.layers.iter().map(|l| l.stride).sum::<u64>() * self.n_experts as u64
     }
+
+    /// Bytes of all packed experts without the alignment padding.
+    pub fn unpadded_bytes(&self) -> u64 {
+        self.layers.iter().map(|l| l.expert_bytes).sum::<u64>() * self.n_experts as u64
+    }
+
+    /// The share of the packed experts' bytes that is alignment padding (0 to 1).
+    pub fn padding_share(&self) -> f64 {
+        let packed = self.packed_bytes();
+        if packed == 0 {
+            return 0.0;
+        }
+        packed.saturating_sub(self.unpadded_bytes()) as f64 / packed as f64
+    }
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -561,14 +595,43 @@ impl Packer {
         &self.report
     }
 
+    /// About how many bytes the packed file will have: the input's header, its
+    /// other tensors each padded to the alignment, and the packed experts
+    /// (padding included); the packed index adds a little metadata.
+    pub fn estimated_file_bytes(&self) -> u64 {
+        let align = self.report.alignment;
+        let others: u64 = self
+            .gguf
+            .tensors()
+            .filter(|t| source::expert_tensor(t.name()).is_none())
+            .map(|t| round_up(t.size(), align))
+            .fold(0, u64::saturating_add);
+        self.gguf
+            .data_offset()
+            .saturating_add(align)
+            .saturating_add(others)
+            .saturating_add(self.report.packed_bytes())
+    }
+
     /// Writes the packed file to `output` (never the input), reporting bytes
-    /// written and the total through `progress`.
+    /// written and the total through `progress`. Refuses with
+    /// [`PackError::NoSpace`] when the output's filesystem has less room than
+    /// [`estimated_file_bytes`](Self::estimated_file_bytes).
     pub fn write(
         self,
         output: &Path,
         progress: impl FnMut(u64, u64),
     ) -> Result<PackReport, PackError> {
         check_output(&self.input, output)?;
+        // Refuse up front rather than fail after hours of writing, or fill the disk.
+        let need = self.estimated_file_bytes();
+        let dir = match output.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if let Ok(st) = rustix::fs::statvfs(dir) {
+            check_space(output, need, st.f_bavail.saturating_mul(st.f_frsize))?;
+        }
         let mut report = self.report;
         report.file_bytes = write::write_packed(
             &self.gguf,
@@ -580,6 +643,20 @@ impl Packer {
         )?;
         Ok(report)
     }
+}
+
+/// [`PackError::NoSpace`] unless `free` bytes hold `need` plus a margin for
+/// the metadata (1 MiB, and 1% of `need` for the filesystem's own overhead).
+fn check_space(output: &Path, need: u64, free: u64) -> Result<(), PackError> {
+    let margin = (1 << 20) + need / 100;
+    if free < need.saturating_add(margin) {
+        return Err(PackError::NoSpace {
+            path: output.to_path_buf(),
+            need,
+            free,
+        });
+    }
+    Ok(())
 }
 
 /// Measures every candidate of every layer and allocates the budget.
@@ -689,4 +766,24 @@ pub fn pack(
 ) -> Result<PackReport, PackError> {
     check_output(input, output)?;
     Packer::open(input, opts)?.write(output, progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn space_check_keeps_a_margin_and_names_the_sizes() {
+        let out = Path::new("/data/out.gguf");
+        assert!(check_space(out, 100 << 30, 102 << 30).is_ok());
+        // 1% + 1 MiB of margin.
+        assert!(check_space(out, 100 << 30, 101 << 30).is_err());
+        assert!(check_space(out, 0, 1 << 20).is_ok());
+        assert!(check_space(out, u64::MAX / 2, u64::MAX / 2).is_err());
+        let e = check_space(out, 3 << 30, 1 << 30).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "/data/out.gguf: the packed file needs about 3.00 GiB but its filesystem has 1.00 GiB free"
+        );
+    }
 }
