@@ -94,14 +94,16 @@ impl SlotArena {
         let skip = (map as usize).next_multiple_of(ARENA_ALIGN) - map as usize;
         // SAFETY: `skip < ARENA_ALIGN`, so `skip + len <= map_len`: inside the mapping.
         let ptr = NonNull::new(unsafe { map.cast::<u8>().add(skip) })?;
-        request_huge_pages(ptr, len);
-        populate(ptr, len);
-        Some(SlotArena {
+        let arena = SlotArena {
             ptr,
             mapping,
             runs: out,
             n_slots: first,
-        })
+        };
+        request_huge_pages(ptr, len);
+        // Out of memory now, not at an OOM kill mid-decode (dropping the arena
+        // unmaps it).
+        populate(ptr, len).then_some(arena)
     }
 
     /// Bytes of the largest slot (a multiple of [`SLOT_ALIGN`]).
@@ -182,8 +184,9 @@ fn request_huge_pages(ptr: NonNull<u8>, len: usize) {
 
 /// Faults the arena in now (`MADV_POPULATE_WRITE`, or one write per page where
 /// the kernel lacks it), so that the decode's first reads into each slot do not
-/// wait for page faults, huge-page zeroing and compaction.
-fn populate(ptr: NonNull<u8>, len: usize) {
+/// wait for page faults, huge-page zeroing and compaction. `false` when the
+/// kernel has too little memory for it.
+fn populate(ptr: NonNull<u8>, len: usize) -> bool {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     {
         // SAFETY: advice over a range of our own fresh mapping; populating
@@ -195,8 +198,11 @@ fn populate(ptr: NonNull<u8>, len: usize) {
                 rustix::mm::Advice::LinuxPopulateWrite,
             )
         };
-        if advised.is_ok() {
-            return;
+        match advised {
+            Ok(()) => return true,
+            Err(e) if e == rustix::io::Errno::NOMEM => return false,
+            // EINVAL before Linux 5.14: touch the pages instead.
+            Err(_) => {}
         }
     }
     for offset in (0..len).step_by(SLOT_ALIGN) {
@@ -204,6 +210,7 @@ fn populate(ptr: NonNull<u8>, len: usize) {
         // references yet; the byte is zero and stays zero.
         unsafe { ptr.as_ptr().add(offset).write_volatile(0) };
     }
+    true
 }
 
 impl Drop for SlotArena {
@@ -266,6 +273,13 @@ mod tests {
             // SAFETY: no writer alive.
             assert!(unsafe { a.slot(s) }.iter().all(|b| *b == 0), "slot {s}");
         }
+    }
+
+    #[test]
+    fn an_arena_beyond_memory_is_refused() {
+        // 1 PiB: the kernel refuses the mapping or its population.
+        assert!(SlotArena::new(1 << 20, 1 << 30).is_none());
+        assert!(SlotArena::new(usize::MAX / 2, 1 << 20).is_none());
     }
 
     #[test]
