@@ -119,8 +119,9 @@ impl<'m> Session<'m> {
         Ok(Session {
             model,
             max_positions,
-            kv_k: zeroed(kv).ok_or(err)?,
-            kv_v: zeroed(kv).ok_or(err)?,
+            // Attention streams the KV cache every token: huge pages.
+            kv_k: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
+            kv_v: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
             conv_state: zeroed(conv).ok_or(err)?,
             ssm_state: zeroed(ssm).ok_or(err)?,
             scratch: zeroed(scratch).ok_or(err)?,

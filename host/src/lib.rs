@@ -9,6 +9,7 @@
 //! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
 //! - [`sampling`]: reproducible token sampling (greedy, top-k, top-p, min-p).
 //! - [`engine`]: KV cache, prefill and the decode loop.
+//! - [`hugepages`]: transparent huge pages for the slots and the KV cache.
 //! - [`flash`]: the file device experts stream from (O_DIRECT; I/O threads or `io_uring`).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`bench`](mod@bench): `les bench`, schedules compared side by side; [`belady`], the
@@ -27,6 +28,7 @@ pub mod compute;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
+pub mod hugepages;
 pub mod interrupt;
 pub mod mcu;
 pub mod model;

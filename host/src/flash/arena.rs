@@ -24,9 +24,9 @@ use rustix::mm::{MapFlags, ProtFlags};
 /// every device seen in practice).
 pub const SLOT_ALIGN: usize = 4096;
 
-/// Alignment of the arena: a transparent huge page on x86-64 and arm64 with
-/// 4 KiB base pages (elsewhere it only costs up to this much address space).
-const ARENA_ALIGN: usize = 2 << 20;
+/// Alignment of the arena: a transparent huge page (elsewhere it only costs up
+/// to this much address space).
+const ARENA_ALIGN: usize = crate::hugepages::HUGE_PAGE;
 
 /// A fixed pool of page-aligned slots, in runs of equally sized ones.
 pub struct SlotArena {
@@ -100,7 +100,11 @@ impl SlotArena {
             runs: out,
             n_slots: first,
         };
-        request_huge_pages(ptr, len);
+        // SAFETY: `ptr..ptr + len` is inside the mapping, untouched, and no
+        // other reference to it exists yet.
+        crate::hugepages::advise(unsafe {
+            std::slice::from_raw_parts_mut(ptr.as_ptr().cast::<std::mem::MaybeUninit<u8>>(), len)
+        });
         // Out of memory now, not at an OOM kill mid-decode (dropping the arena
         // unmaps it).
         populate(ptr, len).then_some(arena)
@@ -164,22 +168,6 @@ impl SlotArena {
         // SAFETY: in bounds (checked); no writer overlaps (the caller's promise).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) }
     }
-}
-
-/// Asks for transparent huge pages over the arena before its first touch
-/// (`MADV_HUGEPAGE`, which THP's default `madvise` mode needs). Best effort: a
-/// kernel without THP refuses, and the arena keeps base pages.
-fn request_huge_pages(ptr: NonNull<u8>, len: usize) {
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        // SAFETY: advice only, over a range of our own fresh mapping; it changes
-        // no contents.
-        let _ = unsafe {
-            rustix::mm::madvise(ptr.as_ptr().cast(), len, rustix::mm::Advice::LinuxHugepage)
-        };
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    let _ = (ptr, len);
 }
 
 /// Faults the arena in now (`MADV_POPULATE_WRITE`, or one write per page where
