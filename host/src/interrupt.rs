@@ -117,18 +117,18 @@ impl TempFile {
     pub fn commit(mut self, target: &Path) -> io::Result<()> {
         commit(&self.registered, target)?;
         self.committed = true;
-        if let Some(dir) = target.parent() {
-            let dir = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
+        if let Ok(d) = File::open(directory_of(target)) {
+            let _ = d.sync_all();
         }
         Ok(())
     }
+}
+
+/// The directory `path` names an entry of (`.` for a bare file name).
+pub fn directory_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 impl Drop for TempFile {

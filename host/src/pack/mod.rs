@@ -625,11 +625,7 @@ impl Packer {
         check_output(&self.input, output)?;
         // Refuse up front rather than fail after hours of writing, or fill the disk.
         let need = self.estimated_file_bytes();
-        let dir = match output.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        if let Ok(st) = rustix::fs::statvfs(dir) {
+        if let Ok(st) = rustix::fs::statvfs(crate::interrupt::directory_of(output)) {
             check_space(output, need, st.f_bavail.saturating_mul(st.f_frsize))?;
         }
         let mut report = self.report;
