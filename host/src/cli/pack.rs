@@ -66,18 +66,14 @@ pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     if !args.quiet {
         eprintln!("{}", packer.report());
     }
-    let padding = packer.report().padding_share();
-    if padding > MAX_QUIET_PADDING {
+    let report = packer.report();
+    if report.padding_share() > MAX_QUIET_PADDING {
         eprintln!(
             "warning: {:.0}% of the packed experts' bytes are padding to {}-byte boundaries \
              ({:.1} MiB); 4 KiB (the default) is what O_DIRECT needs",
-            padding * 100.0,
+            report.padding_share() * 100.0,
             args.align,
-            packer
-                .report()
-                .packed_bytes()
-                .saturating_sub(packer.report().unpadded_bytes()) as f64
-                / (1 << 20) as f64
+            report.padding_bytes() as f64 / (1 << 20) as f64
         );
     }
     let mut bar =

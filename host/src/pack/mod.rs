@@ -370,18 +370,19 @@ impl PackReport {
         self.layers.iter().map(|l| l.stride).sum::<u64>() * self.n_experts as u64
     }
 
-    /// Bytes of all packed experts without the alignment padding.
-    pub fn unpadded_bytes(&self) -> u64 {
-        self.layers.iter().map(|l| l.expert_bytes).sum::<u64>() * self.n_experts as u64
+    /// Bytes of alignment padding among the packed experts.
+    pub fn padding_bytes(&self) -> u64 {
+        let unpadded = self.layers.iter().map(|l| l.expert_bytes).sum::<u64>();
+        self.packed_bytes()
+            .saturating_sub(unpadded * self.n_experts as u64)
     }
 
     /// The share of the packed experts' bytes that is alignment padding (0 to 1).
     pub fn padding_share(&self) -> f64 {
-        let packed = self.packed_bytes();
-        if packed == 0 {
-            return 0.0;
+        match self.packed_bytes() {
+            0 => 0.0,
+            packed => self.padding_bytes() as f64 / packed as f64,
         }
-        packed.saturating_sub(self.unpadded_bytes()) as f64 / packed as f64
     }
 }
 
