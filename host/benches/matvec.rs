@@ -4,14 +4,16 @@
 //!
 //! `cargo bench -p les --bench matvec`; `LES_BENCH_VOCAB` sets the rows of the
 //! output matrix (default 32768; Qwen's is 151936). After criterion's report, a
-//! summary times the variants interleaved and prints their ratios to serial.
+//! summary times the variants interleaved and prints their ratios to serial,
+//! then streams `LES_BENCH_STREAM_MIB` (default 1024) MiB of expert matrices
+//! from RAM with the kernels' prefetch off and on, beside a plain read loop.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use les::compute::{default_threads, Pool, ThreadedMatVec};
-use les_core::gemv::{Isa, MatrixView};
+use les_core::gemv::{Isa, MatrixView, DEFAULT_PREFETCH};
 use les_core::model::forward::{MatVec, SerialMatVec};
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -236,6 +238,82 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
     );
 }
 
+/// One decode's worth of expert products streamed from RAM: `mib` MiB of
+/// distinct `Q4_K` matrices of Qwen3-30B-A3B's expert shape (768 x 2048), in
+/// huge-page memory like the slot arena, each computed once per pass. Per thread
+/// count, passes with the kernels' prefetch off and at [`DEFAULT_PREFETCH`]
+/// alternate with a plain read loop over the same bytes; prints median GB/s of
+/// weights and the ratios.
+fn stream_summary(mib: usize, isa: Isa, budget: Duration) {
+    let (rows, cols) = (768, 2048);
+    let proto = case("expert", GgmlType::Q4K, rows, cols);
+    let mat = proto.data.len();
+    let n = (mib << 20) / mat;
+    let Some(mut buf) = les::hugepages::zeroed_vec::<u8>(n * mat) else {
+        println!("stream: cannot allocate {mib} MiB; skipped");
+        return;
+    };
+    for m in buf.chunks_exact_mut(mat) {
+        m.copy_from_slice(&proto.data);
+    }
+    let buf = &buf;
+    let bytes = (n * mat) as f64;
+    for t in variants() {
+        let mut off = ThreadedMatVec::new(t, isa).with_prefetch(0);
+        let mut on = ThreadedMatVec::new(t, isa);
+        let mut reader = ThreadedMatVec::new(t, isa);
+        let mut y = vec![0f32; rows];
+        let mut pass = |mv: &mut ThreadedMatVec| {
+            for m in buf.chunks_exact(mat) {
+                let w = MatrixView::new(GgmlType::Q4K, rows, cols, m).expect("valid matrix");
+                mv.matvec(&w, &proto.x, &mut y).unwrap();
+            }
+        };
+        let sum = std::sync::atomic::AtomicU64::new(0);
+        let read = |mv: &mut ThreadedMatVec| {
+            let part = buf.len().div_ceil(t);
+            mv.pool().for_each(t, &|i| {
+                let chunk = &buf[(i * part).min(buf.len())..((i + 1) * part).min(buf.len())];
+                let s = chunk
+                    .chunks_exact(8)
+                    .fold(0u64, |a, c| a ^ u64::from_le_bytes(c.try_into().unwrap()));
+                sum.fetch_xor(s, std::sync::atomic::Ordering::Relaxed);
+            });
+        };
+        let mut times = [Vec::new(), Vec::new(), Vec::new()];
+        let start = Instant::now();
+        while start.elapsed() < budget || times[0].len() < 5 {
+            for (i, v) in times.iter_mut().enumerate() {
+                let t0 = Instant::now();
+                match i {
+                    0 => pass(&mut off),
+                    1 => pass(&mut on),
+                    _ => read(&mut reader),
+                }
+                v.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        let gbs: Vec<f64> = times
+            .iter_mut()
+            .map(|v| {
+                v.sort_by(f64::total_cmp);
+                bytes / v[v.len() / 2] / 1e9
+            })
+            .collect();
+        black_box(sum.into_inner());
+        println!(
+            "stream {mib} MiB of Q4_K 768x2048, {t} thread(s): prefetch off {:.1} GB/s | \
+             prefetch {DEFAULT_PREFETCH} B {:.1} GB/s (x{:.2}) | plain read {:.1} GB/s \
+             [{} rounds]",
+            gbs[0],
+            gbs[1],
+            gbs[1] / gbs[0],
+            gbs[2],
+            times[0].len()
+        );
+    }
+}
+
 /// Prints the median round trip of an empty `Pool::run` and of a 2-task
 /// `Pool::for_each`, back to back and after the workers parked.
 fn pool_overhead() {
@@ -294,5 +372,10 @@ fn main() {
     for n in [64, 512, 4096] {
         attention_summary(n, isa, Duration::from_secs(1));
     }
+    let stream_mib = std::env::var("LES_BENCH_STREAM_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
+    stream_summary(stream_mib, isa, Duration::from_secs(3));
     pool_overhead();
 }

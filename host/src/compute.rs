@@ -22,7 +22,7 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use les_core::gemv::{gemv, GemvError, Isa, MatrixView};
+use les_core::gemv::{gemv, gemv_with_prefetch, GemvError, Isa, MatrixView, DEFAULT_PREFETCH};
 use les_core::layout::{checksum, checksum_concat};
 use les_core::model::forward::{prepare_input, MatVec};
 use les_core::model::ops::{self, AttnShape, KvView};
@@ -63,6 +63,8 @@ pub struct ThreadedMatVec {
     q8k: Vec<BlockQ8K>,
     /// Attention scores: per chunk of heads, one row of positions per head.
     scores: Vec<f32>,
+    /// Prefetch distance of the kernels, in weight bytes.
+    prefetch: usize,
 }
 
 impl ThreadedMatVec {
@@ -79,7 +81,16 @@ impl ThreadedMatVec {
             q8_1: Vec::new(),
             q8k: Vec::new(),
             scores: Vec::new(),
+            prefetch: DEFAULT_PREFETCH,
         }
+    }
+
+    /// The same, with the kernels prefetching `bytes` ahead of the row they
+    /// compute (0 = none) instead of [`DEFAULT_PREFETCH`]; the results do not
+    /// change, only the speed (`cargo bench -p les --bench matvec` compares).
+    pub fn with_prefetch(mut self, bytes: usize) -> Self {
+        self.prefetch = bytes;
+        self
     }
 
     /// Threads that compute a product, the caller included.
@@ -221,7 +232,8 @@ impl ThreadedMatVec {
         let input = prepare_input(w.ty(), x, &mut self.q8_0, &mut self.q8_1, &mut self.q8k)?;
         if parts <= 1 || y.len() != rows {
             // Small, or malformed: one call, with exactly `SerialMatVec`'s errors.
-            return gemv(self.isa, w, &input, 0..rows, y).map(|()| None);
+            return gemv_with_prefetch(self.isa, w, &input, 0..rows, y, self.prefetch)
+                .map(|()| None);
         }
         // Every remaining error (input length, ISA) is the same for every range:
         // check once here, so nothing is written to `y` on error.
@@ -242,7 +254,7 @@ impl ThreadedMatVec {
             .map(|_| Mutex::new(0))
             .collect();
         let first_error: Mutex<Option<(usize, GemvError)>> = Mutex::new(None);
-        let isa = self.isa;
+        let (isa, prefetch) = (self.isa, self.prefetch);
         let input = &input;
         let row_bytes = w.row_bytes();
         self.pool.for_each(chunks, &|c| {
@@ -250,7 +262,7 @@ impl ThreadedMatVec {
             let taken = slot.lock().ok().and_then(|mut s| s.take());
             let Some((range, chunk)) = taken else { return };
             let bytes = range.start * row_bytes..range.end * row_bytes;
-            match gemv(isa, w, input, range, chunk) {
+            match gemv_with_prefetch(isa, w, input, range, chunk, prefetch) {
                 Ok(()) => {
                     if let (Some(crc), Some(part)) = (crcs.get(c), w.bytes().get(bytes)) {
                         *crc.lock().unwrap_or_else(|p| p.into_inner()) = checksum(part);

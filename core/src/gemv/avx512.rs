@@ -67,6 +67,11 @@ macro_rules! to_avx2 {
 }
 
 impl Kernels for Avx512 {
+    #[inline]
+    fn prefetch(self, bytes: &[u8]) {
+        self.0.prefetch(bytes)
+    }
+
     forward! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);

@@ -16,6 +16,11 @@
 //!   AVX-512 (F, BW, VL) on x86-64 and NEON on aarch64; a type without a SIMD kernel
 //!   for the chosen ISA runs the reference kernel (AVX-512 falls back to AVX2 first).
 //!   The NEON kernels are tested under QEMU with `scripts/test-aarch64.sh`.
+//! - Prefetching: the x86-64 kernels request each row's bytes
+//!   [`DEFAULT_PREFETCH`] bytes before they compute it ([`gemv_with_prefetch`]
+//!   sets the distance), which makes a decode's products from RAM 1.4x faster
+//!   here. The NEON kernels rely on the hardware prefetchers (not measured on an
+//!   ARM device).
 //!
 //! # Exactness
 //!
@@ -360,8 +365,18 @@ impl<'a> Input<'a> {
     }
 }
 
+/// How far ahead, in bytes of the matrix, [`gemv`] asks the x86-64 kernels to
+/// prefetch the weights: while it computes one row, the row that starts this
+/// many bytes later is requested from memory.
+///
+/// A decode reads each weight once, from RAM. The hardware prefetchers alone left
+/// the AVX2 `Q4_K` product at about half the bandwidth of a plain read loop on two
+/// cores; requesting the bytes ~4 KiB ahead lets the loads overlap the
+/// arithmetic (`cargo bench -p les --bench matvec` prints both, side by side).
+pub const DEFAULT_PREFETCH: usize = 4096;
+
 /// Computes `y[i - rows.start] = W[i] . x` for every row `i` in `rows`, with the
-/// kernels of `isa`.
+/// kernels of `isa`, prefetching [`DEFAULT_PREFETCH`] bytes ahead.
 ///
 /// Checks every length first (the matrix bytes may come from a file) and returns an
 /// error instead of panicking; on error `y` is untouched. The result does not depend
@@ -372,6 +387,21 @@ pub fn gemv(
     input: &Input<'_>,
     rows: Range<usize>,
     y: &mut [f32],
+) -> Result<(), GemvError> {
+    gemv_with_prefetch(isa, matrix, input, rows, y, DEFAULT_PREFETCH)
+}
+
+/// [`gemv`] with the prefetch distance given: `prefetch` bytes ahead of the row
+/// being computed, within `rows` (0 = none). Prefetching is a hint: the result
+/// is the same for every distance. Only the x86-64 kernels issue prefetches
+/// (`Isa::Avx2`, `Isa::Avx512`); the others ignore the distance.
+pub fn gemv_with_prefetch(
+    isa: Isa,
+    matrix: &MatrixView<'_>,
+    input: &Input<'_>,
+    rows: Range<usize>,
+    y: &mut [f32],
+    prefetch: usize,
 ) -> Result<(), GemvError> {
     let format = activation_format(matrix.ty).ok_or(GemvError::UnsupportedType(matrix.ty))?;
     let expected = matrix.cols / format.block_elems();
@@ -398,19 +428,19 @@ pub fn gemv(
     }
     let data = &matrix.data[rows.start * matrix.row_bytes..rows.end * matrix.row_bytes];
     match isa {
-        Isa::Scalar => run(Scalar, matrix, data, input, y),
+        Isa::Scalar => run(Scalar, matrix, data, input, y, prefetch),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             let k = avx2::Avx2::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y);
+            run(k, matrix, data, input, y, prefetch);
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             let k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y);
+            run(k, matrix, data, input, y, prefetch);
         }
         #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
-        Isa::Neon => run(neon::Neon, matrix, data, input, y),
+        Isa::Neon => run(neon::Neon, matrix, data, input, y, prefetch),
         #[allow(unreachable_patterns)]
         _ => return Err(GemvError::IsaUnavailable(isa)),
     }
@@ -421,6 +451,10 @@ pub fn gemv(
 /// kernel, and an ISA overrides those it accelerates. Each takes one weight row and
 /// the matching activations, of equal lengths (checked by [`gemv`]).
 pub(crate) trait Kernels: Copy {
+    /// Hints that `bytes` will be read soon; the default does nothing.
+    fn prefetch(self, bytes: &[u8]) {
+        let _ = bytes;
+    }
     fn f32(self, w: &[u8], x: &[f32]) -> f32 {
         reference::dot_f32(w, x)
     }
@@ -474,56 +508,81 @@ struct Scalar;
 
 impl Kernels for Scalar {}
 
-/// Runs `dot` on every row of `data` (whole rows of `row_bytes`), viewed as blocks.
+/// The `len` bytes of `data` that start `ahead` bytes after `at`, cut at its end
+/// (empty past it).
 #[inline(always)]
-fn rows_of<B: Block>(
+fn bytes_ahead(data: &[u8], at: usize, ahead: usize, len: usize) -> &[u8] {
+    let start = at.saturating_add(ahead).min(data.len());
+    let end = start.saturating_add(len).min(data.len());
+    &data[start..end]
+}
+
+/// Runs `dot` on every row of `data` as raw bytes, first asking `k` to prefetch
+/// the row `prefetch` bytes ahead (none when 0).
+#[inline(always)]
+fn rows_of_bytes<K: Kernels>(
+    k: K,
     data: &[u8],
     row_bytes: usize,
     y: &mut [f32],
-    mut dot: impl FnMut(&[B]) -> f32,
+    prefetch: usize,
+    mut dot: impl FnMut(&[u8]) -> f32,
 ) {
     if row_bytes == 0 {
         y.fill(dot(&[]));
         return;
     }
-    for (row, out) in data.chunks_exact(row_bytes).zip(y.iter_mut()) {
-        // A row is a whole number of blocks (checked by `MatrixView::new`).
-        *out = dot(as_blocks::<B>(row).unwrap_or(&[]));
-    }
-}
-
-/// Runs `dot` on every row of `data` as raw bytes (the float formats).
-#[inline(always)]
-fn rows_of_bytes(data: &[u8], row_bytes: usize, y: &mut [f32], mut dot: impl FnMut(&[u8]) -> f32) {
-    if row_bytes == 0 {
-        y.fill(dot(&[]));
-        return;
-    }
-    for (row, out) in data.chunks_exact(row_bytes).zip(y.iter_mut()) {
+    for (i, (row, out)) in data.chunks_exact(row_bytes).zip(y.iter_mut()).enumerate() {
+        if prefetch > 0 {
+            k.prefetch(bytes_ahead(data, i * row_bytes, prefetch, row_bytes));
+        }
         *out = dot(row);
     }
 }
 
+/// [`rows_of_bytes`] with each row viewed as blocks.
+#[inline(always)]
+fn rows_of<K: Kernels, B: Block>(
+    k: K,
+    data: &[u8],
+    row_bytes: usize,
+    y: &mut [f32],
+    prefetch: usize,
+    mut dot: impl FnMut(&[B]) -> f32,
+) {
+    // A row is a whole number of blocks (checked by `MatrixView::new`).
+    rows_of_bytes(k, data, row_bytes, y, prefetch, |row| {
+        dot(as_blocks::<B>(row).unwrap_or(&[]))
+    });
+}
+
 /// Validated dispatch over the weight type: `data` holds exactly `y.len()` rows.
-fn run<K: Kernels>(k: K, m: &MatrixView<'_>, data: &[u8], x: &Input<'_>, y: &mut [f32]) {
+fn run<K: Kernels>(
+    k: K,
+    m: &MatrixView<'_>,
+    data: &[u8],
+    x: &Input<'_>,
+    y: &mut [f32],
+    prefetch: usize,
+) {
     let rb = m.row_bytes;
     use GgmlType as T;
     match m.ty {
-        T::F32 => rows_of_bytes(data, rb, y, |w| k.f32(w, x.f32)),
-        T::F16 => rows_of_bytes(data, rb, y, |w| k.f16(w, x.f32)),
-        T::BF16 => rows_of_bytes(data, rb, y, |w| k.bf16(w, x.f32)),
-        T::Q4_0 => rows_of(data, rb, y, |w| k.q4_0(w, x.q8_0)),
-        T::Q4_1 => rows_of(data, rb, y, |w| k.q4_1(w, x.q8_1)),
-        T::Q5_0 => rows_of(data, rb, y, |w| k.q5_0(w, x.q8_0)),
-        T::Q5_1 => rows_of(data, rb, y, |w| k.q5_1(w, x.q8_1)),
-        T::Q8_0 => rows_of(data, rb, y, |w| k.q8_0(w, x.q8_0)),
-        T::IQ4NL => rows_of(data, rb, y, |w| k.iq4_nl(w, x.q8_0)),
-        T::Q2K => rows_of(data, rb, y, |w| k.q2_k(w, x.q8k)),
-        T::Q3K => rows_of(data, rb, y, |w| k.q3_k(w, x.q8k)),
-        T::Q4K => rows_of(data, rb, y, |w| k.q4_k(w, x.q8k)),
-        T::Q5K => rows_of(data, rb, y, |w| k.q5_k(w, x.q8k)),
-        T::Q6K => rows_of(data, rb, y, |w| k.q6_k(w, x.q8k)),
-        T::IQ4XS => rows_of(data, rb, y, |w| k.iq4_xs(w, x.q8k)),
+        T::F32 => rows_of_bytes(k, data, rb, y, prefetch, |w| k.f32(w, x.f32)),
+        T::F16 => rows_of_bytes(k, data, rb, y, prefetch, |w| k.f16(w, x.f32)),
+        T::BF16 => rows_of_bytes(k, data, rb, y, prefetch, |w| k.bf16(w, x.f32)),
+        T::Q4_0 => rows_of(k, data, rb, y, prefetch, |w| k.q4_0(w, x.q8_0)),
+        T::Q4_1 => rows_of(k, data, rb, y, prefetch, |w| k.q4_1(w, x.q8_1)),
+        T::Q5_0 => rows_of(k, data, rb, y, prefetch, |w| k.q5_0(w, x.q8_0)),
+        T::Q5_1 => rows_of(k, data, rb, y, prefetch, |w| k.q5_1(w, x.q8_1)),
+        T::Q8_0 => rows_of(k, data, rb, y, prefetch, |w| k.q8_0(w, x.q8_0)),
+        T::IQ4NL => rows_of(k, data, rb, y, prefetch, |w| k.iq4_nl(w, x.q8_0)),
+        T::Q2K => rows_of(k, data, rb, y, prefetch, |w| k.q2_k(w, x.q8k)),
+        T::Q3K => rows_of(k, data, rb, y, prefetch, |w| k.q3_k(w, x.q8k)),
+        T::Q4K => rows_of(k, data, rb, y, prefetch, |w| k.q4_k(w, x.q8k)),
+        T::Q5K => rows_of(k, data, rb, y, prefetch, |w| k.q5_k(w, x.q8k)),
+        T::Q6K => rows_of(k, data, rb, y, prefetch, |w| k.q6_k(w, x.q8k)),
+        T::IQ4XS => rows_of(k, data, rb, y, prefetch, |w| k.iq4_xs(w, x.q8k)),
         // Rejected by `MatrixView::new`.
         T::Q8_1 | T::Q8K | T::I8 => y.fill(0.0),
     }

@@ -239,6 +239,52 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Prefetching is a hint: every distance, from none to past the matrix,
+    /// gives the default's result bit for bit, on every row range.
+    #[test]
+    fn prefetch_distance_does_not_change_results(
+        ty_i in 0usize..15,
+        units in 0usize..=5,
+        nrows in 0usize..=9,
+        a in 0usize..=9,
+        b in 0usize..=9,
+        distance in prop_oneof![
+            Just(0usize), 1usize..=200, Just(64), Just(DEFAULT_PREFETCH), Just(usize::MAX)
+        ],
+        seed in any::<u64>(),
+    ) {
+        let ty = weight_types().nth(ty_i).unwrap();
+        let mut rng = Rng(seed);
+        let cols = cols_for(ty, units);
+        let acts = Acts::random(cols, &mut rng);
+        let w = random_matrix(ty, nrows, cols, &mut rng);
+        let m = MatrixView::new(ty, nrows, cols, &w).unwrap();
+        let (start, end) = (a.min(b).min(nrows), a.max(b).min(nrows));
+        for isa in Isa::available() {
+            let mut want = vec![f32::NAN; end - start];
+            gemv(isa, &m, &acts.input(), start..end, &mut want).unwrap();
+            let mut got = vec![f32::NAN; end - start];
+            gemv_with_prefetch(isa, &m, &acts.input(), start..end, &mut got, distance).unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                prop_assert_eq!(g.to_bits(), w.to_bits(), "{} {} distance {}", ty, isa, distance);
+            }
+        }
+    }
+}
+
+#[test]
+fn bytes_ahead_stays_inside_the_data() {
+    let data = [0u8; 10];
+    assert_eq!(bytes_ahead(&data, 0, 4, 3).len(), 3);
+    assert_eq!(bytes_ahead(&data, 2, 4, 8).len(), 4);
+    assert!(bytes_ahead(&data, 9, 4, 8).is_empty());
+    assert!(bytes_ahead(&data, usize::MAX, usize::MAX, usize::MAX).is_empty());
+    assert!(bytes_ahead(&[], 0, 0, 1).is_empty());
+}
+
 /// Every weight type against every ISA once with a long row (several SIMD chunks).
 #[test]
 fn long_rows_match_reference() {
