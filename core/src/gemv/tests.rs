@@ -212,6 +212,8 @@ proptest! {
         }
     }
 
+    /// Also at any prefetch distance, from none to past the matrix: prefetching
+    /// is a hint and never changes a bit.
     #[test]
     fn gemv_over_a_range_equals_row_dots(
         ty_i in 0usize..15,
@@ -219,40 +221,8 @@ proptest! {
         nrows in 0usize..=7,
         a in 0usize..=7,
         b in 0usize..=7,
-        seed in any::<u64>(),
-    ) {
-        let ty = weight_types().nth(ty_i).unwrap();
-        let mut rng = Rng(seed);
-        let cols = cols_for(ty, units);
-        let acts = Acts::random(cols, &mut rng);
-        let w = random_matrix(ty, nrows, cols, &mut rng);
-        let m = MatrixView::new(ty, nrows, cols, &w).unwrap();
-        let (start, end) = (a.min(b).min(nrows), a.max(b).min(nrows));
-        for isa in Isa::available() {
-            let mut y = vec![f32::NAN; end - start];
-            gemv(isa, &m, &acts.input(), start..end, &mut y).unwrap();
-            for (i, v) in (start..end).zip(&y) {
-                let d = dot(Isa::Scalar, ty, cols, m.row(i).unwrap(), &acts.input()).unwrap();
-                prop_assert_eq!(v.to_bits(), d.to_bits(), "{} {} row {}", ty, isa, i);
-            }
-        }
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
-
-    /// Prefetching is a hint: every distance, from none to past the matrix,
-    /// gives the default's result bit for bit, on every row range.
-    #[test]
-    fn prefetch_distance_does_not_change_results(
-        ty_i in 0usize..15,
-        units in 0usize..=5,
-        nrows in 0usize..=9,
-        a in 0usize..=9,
-        b in 0usize..=9,
         distance in prop_oneof![
-            Just(0usize), 1usize..=200, Just(64), Just(DEFAULT_PREFETCH), Just(usize::MAX)
+            Just(0usize), 1usize..=200, Just(DEFAULT_PREFETCH), Just(usize::MAX)
         ],
         seed in any::<u64>(),
     ) {
@@ -264,12 +234,11 @@ proptest! {
         let m = MatrixView::new(ty, nrows, cols, &w).unwrap();
         let (start, end) = (a.min(b).min(nrows), a.max(b).min(nrows));
         for isa in Isa::available() {
-            let mut want = vec![f32::NAN; end - start];
-            gemv(isa, &m, &acts.input(), start..end, &mut want).unwrap();
-            let mut got = vec![f32::NAN; end - start];
-            gemv_with_prefetch(isa, &m, &acts.input(), start..end, &mut got, distance).unwrap();
-            for (g, w) in got.iter().zip(&want) {
-                prop_assert_eq!(g.to_bits(), w.to_bits(), "{} {} distance {}", ty, isa, distance);
+            let mut y = vec![f32::NAN; end - start];
+            gemv_with_prefetch(isa, &m, &acts.input(), start..end, &mut y, distance).unwrap();
+            for (i, v) in (start..end).zip(&y) {
+                let d = dot(Isa::Scalar, ty, cols, m.row(i).unwrap(), &acts.input()).unwrap();
+                prop_assert_eq!(v.to_bits(), d.to_bits(), "{} {} row {} prefetch {}", ty, isa, i, distance);
             }
         }
     }
