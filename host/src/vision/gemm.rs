@@ -17,7 +17,8 @@
 use std::sync::Mutex;
 
 use les_core::gemv::{
-    activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView,
+    activation_format, gemv, gemv_with_prefetch, ActivationFormat, GemvError, Input, Isa,
+    MatrixView, DEFAULT_PREFETCH,
 };
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{kquants, legacy, QK_K};
@@ -164,7 +165,15 @@ pub fn matmul(
         let r = rb * row_block..((rb + 1) * row_block).min(rows);
         let mut tile = vec![0f32; tokens.len() * r.len()];
         for (t, out_t) in tokens.clone().zip(tile.chunks_exact_mut(r.len())) {
-            if let Err(e) = gemv(isa, w, &acts.input(t, cols), r.clone(), out_t) {
+            // The tile's rows come from RAM for its first token only; the
+            // others find them in cache, where prefetching only costs.
+            let prefetch = if t == tokens.start {
+                DEFAULT_PREFETCH
+            } else {
+                0
+            };
+            let input = acts.input(t, cols);
+            if let Err(e) = gemv_with_prefetch(isa, w, &input, r.clone(), out_t, prefetch) {
                 if let Ok(mut f) = first_error.lock() {
                     f.get_or_insert(e);
                 }
