@@ -195,3 +195,54 @@ pub fn matmul(
         None => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compute::ThreadedMatVec;
+    use les_core::model::forward::MatVec;
+    use les_core::quant::{quantize, GgmlType};
+
+    fn noise(state: &mut u64) -> f32 {
+        *state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Tiles over several row blocks and token blocks (with the prefetch only on
+    /// each tile's first token) give every token's product bit for bit.
+    #[test]
+    fn matmul_equals_one_product_per_token() {
+        let (rows, cols, n) = (300, 2048, 2 * TOKEN_BLOCK + 5);
+        let mut st = 7;
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::F32] {
+            let vals: Vec<f32> = (0..rows * cols).map(|_| noise(&mut st)).collect();
+            let mut data = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
+            quantize(ty, &vals, &mut data).unwrap();
+            let w = MatrixView::new(ty, rows, cols, &data).unwrap();
+            assert!(
+                rows > ROW_BLOCK_BYTES / w.row_bytes(),
+                "{ty:?}: one row block"
+            );
+            let x: Vec<f32> = (0..n * cols).map(|_| noise(&mut st)).collect();
+            let isa = Isa::detect();
+            let mut y = vec![f32::NAN; n * rows];
+            let mut pool = Pool::new(2);
+            matmul(&mut pool, isa, &w, &x, n, &mut y).unwrap();
+            let mut mv = ThreadedMatVec::new(1, isa);
+            let mut want = vec![0f32; rows];
+            for t in 0..n {
+                mv.matvec(&w, &x[t * cols..(t + 1) * cols], &mut want)
+                    .unwrap();
+                let got = &y[t * rows..(t + 1) * rows];
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{ty:?} token {t}"
+                );
+            }
+        }
+    }
+}
