@@ -55,6 +55,8 @@ macro_rules! forward {
 }
 
 impl Kernels for Avx2 {
+    const PREFETCHES: bool = true;
+
     #[inline]
     fn prefetch(self, bytes: &[u8]) {
         // SAFETY: `self` is an `Avx2` token, which exists only if the CPU

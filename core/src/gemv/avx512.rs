@@ -67,6 +67,8 @@ macro_rules! to_avx2 {
 }
 
 impl Kernels for Avx512 {
+    const PREFETCHES: bool = true;
+
     #[inline]
     fn prefetch(self, bytes: &[u8]) {
         self.0.prefetch(bytes)

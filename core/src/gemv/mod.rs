@@ -451,6 +451,9 @@ pub fn gemv_with_prefetch(
 /// kernel, and an ISA overrides those it accelerates. Each takes one weight row and
 /// the matching activations, of equal lengths (checked by [`gemv`]).
 pub(crate) trait Kernels: Copy {
+    /// Whether [`prefetch`](Self::prefetch) does anything (else the row loop
+    /// does not compute what to prefetch).
+    const PREFETCHES: bool = false;
     /// Hints that `bytes` will be read soon; the default does nothing.
     fn prefetch(self, bytes: &[u8]) {
         let _ = bytes;
@@ -533,7 +536,7 @@ fn rows_of_bytes<K: Kernels>(
         return;
     }
     for (i, (row, out)) in data.chunks_exact(row_bytes).zip(y.iter_mut()).enumerate() {
-        if prefetch > 0 {
+        if K::PREFETCHES && prefetch > 0 {
             k.prefetch(bytes_ahead(data, i * row_bytes, prefetch, row_bytes));
         }
         *out = dot(row);
