@@ -63,17 +63,17 @@ pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         );
     }
     let packer = Packer::open(&args.input, &opts)?;
+    let plan = packer.report();
     if !args.quiet {
-        eprintln!("{}", packer.report());
+        eprintln!("{plan}");
     }
-    let report = packer.report();
-    if report.padding_share() > MAX_QUIET_PADDING {
+    if plan.padding_share() > MAX_QUIET_PADDING {
         eprintln!(
             "warning: {:.0}% of the packed experts' bytes are padding to {}-byte boundaries \
              ({:.1} MiB); 4 KiB (the default) is what O_DIRECT needs",
-            report.padding_share() * 100.0,
+            plan.padding_share() * 100.0,
             args.align,
-            report.padding_bytes() as f64 / (1 << 20) as f64
+            plan.padding_bytes() as f64 / (1 << 20) as f64
         );
     }
     let mut bar =
