@@ -11,7 +11,7 @@ use les_core::blockdev::ReadRequest;
 use les_core::schedule::{
     ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
 };
-use les_core::slots::{ExpertKey, Slot};
+use les_core::slots::{ExpertKey, IndexEntry, Slot};
 
 const LAYERS: u16 = 48;
 const EXPERTS: u16 = 128;
@@ -64,7 +64,7 @@ fn bench(c: &mut Criterion) {
             let mut sched = Scheduler::new(
                 config,
                 vec![Slot::EMPTY; slots],
-                vec![0u32; LAYERS as usize * EXPERTS as usize],
+                vec![IndexEntry::EMPTY; LAYERS as usize * EXPERTS as usize],
                 vec![LayerState::INITIAL; LAYERS as usize],
                 LAYERS,
                 EXPERTS,

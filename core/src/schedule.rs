@@ -39,7 +39,9 @@ use crate::blockdev::{
     Tag,
 };
 use crate::slot_classes::{class_for, SlotClass, MAX_SLOT_CLASSES};
-use crate::slots::{EvictionPolicy, ExpertKey, Load, Slot, SlotError, SlotState, SlotTable};
+use crate::slots::{
+    EvictionPolicy, ExpertKey, IndexEntry, Load, Slot, SlotError, SlotState, SlotTable,
+};
 
 /// Most experts one layer's router may pick.
 pub const MAX_PICKS: usize = 64;
@@ -395,6 +397,9 @@ pub struct Scheduler<S, M, L> {
     in_flight: usize,
     /// Some prefetch has parts the device refused (busy): resubmit them.
     partial_prefetch: bool,
+    /// The layer whose router scores [`Scheduler::observe_router`] took last:
+    /// its picks are not counted again.
+    observed: Option<u16>,
     stats: Stats,
 }
 
@@ -431,7 +436,7 @@ fn untag(t: Tag) -> (SlotId, u32, u8) {
 impl<S, M, L> Scheduler<S, M, L>
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
 {
     /// A scheduler for `n_layers` layers of `n_experts` experts, with one slot of
@@ -506,6 +511,7 @@ where
             token_prefetch_bytes: 0,
             in_flight: 0,
             partial_prefetch: false,
+            observed: None,
             stats: Stats::default(),
         })
     }
@@ -563,6 +569,16 @@ where
         self.token_prefetch_bytes = 0;
     }
 
+    /// `layer`'s router scored its experts `logits` (one per expert), before
+    /// [`begin_layer`](Self::begin_layer) of that layer: the eviction policy's
+    /// popularity then learns from every expert's probability
+    /// ([`SlotTable::observe_router`]) instead of counting the picks. Scores
+    /// that do not fit the model (wrong length, not finite) are ignored, and the
+    /// picks are counted.
+    pub fn observe_router(&mut self, layer: u16, logits: &[f32]) {
+        self.observed = self.table.observe_router(layer, logits).then_some(layer);
+    }
+
     /// Starts `layer` with the experts its router picked (in router order): pins
     /// resident ones, cancels stale prefetches of this layer and issues demand reads.
     pub fn begin_layer<D, X>(
@@ -605,8 +621,8 @@ where
             }
         }
         self.score_prediction(layer, routing);
-        for &expert in routing {
-            self.table.record_use(ExpertKey { layer, expert });
+        if self.observed.take() != Some(layer) {
+            self.table.record_picks(layer, routing);
         }
         self.layer = Some(layer);
         self.queue.clear();

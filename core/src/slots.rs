@@ -17,9 +17,11 @@
 //! Only `Ready` slots can be evicted: a slot whose read is in flight (the device
 //! may still write into it) or whose expert is being computed is never reused.
 //!
-//! The table also counts how often each expert is picked ([`SlotTable::record_use`],
-//! resident or not), with periodic halving so the counts follow drifting
-//! popularity; [`EvictionPolicy::Popularity`] keeps the popular experts.
+//! The table also keeps each expert's popularity, resident or not: the router
+//! probability it got, summed over tokens with an exponential decay
+//! ([`SlotTable::observe_router`]; [`SlotTable::record_picks`] counts picks where
+//! no router scores are given), so it follows drifting routing;
+//! [`EvictionPolicy::Popularity`] keeps the popular experts.
 
 use core::fmt;
 
@@ -133,9 +135,8 @@ pub enum EvictionPolicy {
     LayerDistance,
     /// Popularity- and layer-aware: never the next [`PROTECTED_LAYERS`] layers'
     /// experts (what the lookahead just prefetched) while others are evictable;
-    /// then the expert picked least often (aged counts, see
-    /// [`SlotTable::record_use`]); ties by layer distance as in
-    /// [`LayerDistance`](Self::LayerDistance), then LRU.
+    /// then the least popular expert (see [`SlotTable::observe_router`]); ties
+    /// by layer distance as in [`LayerDistance`](Self::LayerDistance), then LRU.
     /// MoE routers favour some experts across tokens, which LRU forgets.
     Popularity,
 }
@@ -176,34 +177,49 @@ impl fmt::Display for SlotError {
 
 impl core::error::Error for SlotError {}
 
-/// Bits of an index entry that hold the slot (+ 1; 0 = none).
-const SLOT_BITS: u32 = 22;
-const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
-/// Largest use count an index entry holds (the entry's upper bits).
-pub const MAX_USE_COUNT: u32 = u32::MAX >> SLOT_BITS;
+/// One entry of the key index: where an expert is, and how popular it is.
+/// Create storage with [`IndexEntry::EMPTY`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexEntry {
+    /// The slot + 1 holding or loading the expert (0 = none).
+    slot: u32,
+    /// Decayed router probability, in units of [`POPULARITY_ONE`].
+    popularity: u32,
+}
+
+impl IndexEntry {
+    /// An expert in no slot, never picked.
+    pub const EMPTY: IndexEntry = IndexEntry {
+        slot: 0,
+        popularity: 0,
+    };
+}
+
+/// The popularity one token adds for a router probability of 1 (fixed point).
+pub const POPULARITY_ONE: u32 = 1 << 16;
+/// Each time a layer routes, its experts' popularity first loses
+/// `1 / 2^POPULARITY_DECAY_SHIFT` of itself: a half-life of about 11 tokens.
+pub const POPULARITY_DECAY_SHIFT: u32 = 4;
 /// Layers ahead whose experts [`EvictionPolicy::Popularity`] keeps while others
 /// are evictable: what the lookahead prefetched for them is about to be used.
 pub const PROTECTED_LAYERS: u32 = 2;
-/// Most slots a table manages (the index entry's slot field).
-pub const MAX_TABLE_SLOTS: usize = SLOT_MASK as usize;
+/// Most slots a table manages.
+pub const MAX_TABLE_SLOTS: usize = (1 << 22) - 1;
 
 /// The slot table over caller storage `S` (slots) and `M` (the key index).
 pub struct SlotTable<S, M> {
     slots: S,
-    /// `index[layer * n_experts + expert]`: the slot + 1 (0 = none) in the low
-    /// [`SLOT_BITS`] bits, the expert's aged use count above them.
+    /// `index[layer * n_experts + expert]`: that expert's slot and popularity.
     index: M,
     n_layers: u16,
     n_experts: u16,
     tick: u64,
-    /// Uses recorded since the counts were last halved.
-    uses_since_aging: u32,
 }
 
 impl<S, M> SlotTable<S, M>
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
 {
     /// A table of `slots.len()` free slots for a model of `n_layers` layers of
     /// `n_experts` experts; `index` must hold `n_layers * n_experts` entries.
@@ -221,14 +237,13 @@ where
             return Err(SlotError::BadIndex);
         }
         slots.as_mut().fill(Slot::EMPTY);
-        index.as_mut().fill(0);
+        index.as_mut().fill(IndexEntry::EMPTY);
         Ok(SlotTable {
             slots,
             index,
             n_layers,
             n_experts,
             tick: 0,
-            uses_since_aging: 0,
         })
     }
 
@@ -271,44 +286,73 @@ where
     /// The slot holding or loading `key`.
     pub fn lookup(&self, key: ExpertKey) -> Option<SlotId> {
         let i = self.index_of(key).ok()?;
-        match self.index.as_ref()[i] & SLOT_MASK {
+        match self.index.as_ref()[i].slot {
             0 => None,
             s => Some(SlotId(s - 1)),
         }
     }
 
-    /// How often `key` was picked (see [`record_use`](Self::record_use)); 0 for
-    /// keys outside the model.
-    pub fn use_count(&self, key: ExpertKey) -> u32 {
+    /// How popular `key` is (see [`observe_router`](Self::observe_router)), in
+    /// units of [`POPULARITY_ONE`]; 0 for keys outside the model.
+    pub fn popularity(&self, key: ExpertKey) -> u32 {
         self.index_of(key)
-            .map_or(0, |i| self.index.as_ref()[i] >> SLOT_BITS)
+            .map_or(0, |i| self.index.as_ref()[i].popularity)
     }
 
-    /// Counts one use of `key` (the router picked it), saturating at
-    /// [`MAX_USE_COUNT`]. After `2 * n_layers * n_experts` uses all counts are
-    /// halved, so popularity follows the recent past (amortised O(1) per use).
-    pub fn record_use(&mut self, key: ExpertKey) {
-        let Ok(i) = self.index_of(key) else {
-            return;
-        };
-        let e = &mut self.index.as_mut()[i];
-        if *e >> SLOT_BITS < MAX_USE_COUNT {
-            *e += 1 << SLOT_BITS;
+    /// The index entries of `layer`'s experts (empty outside the model).
+    fn layer_entries(&mut self, layer: u16) -> &mut [IndexEntry] {
+        let n = self.n_experts as usize;
+        let start = layer as usize * n;
+        self.index
+            .as_mut()
+            .get_mut(start..start + n)
+            .unwrap_or_default()
+    }
+
+    /// `layer` routed with router `logits` (one per expert): decays the layer's
+    /// popularities by `1 / 2^`[`POPULARITY_DECAY_SHIFT`], then adds each
+    /// expert's softmax probability (whatever the model's gating: only the
+    /// ranking matters). Every expert's share counts, not only the picks', so
+    /// popularity is known after a few tokens instead of a few dozen. Returns
+    /// `false`, changing nothing, for a layer outside the model, a wrong number
+    /// of logits or a logit that is not finite.
+    pub fn observe_router(&mut self, layer: u16, logits: &[f32]) -> bool {
+        if layer >= self.n_layers
+            || logits.len() != self.n_experts as usize
+            || logits.iter().any(|l| !l.is_finite())
+        {
+            return false;
         }
-        self.uses_since_aging += 1;
-        if self.uses_since_aging as usize >= 2 * self.index.as_ref().len() {
-            self.uses_since_aging = 0;
-            for e in self.index.as_mut() {
-                *e = ((*e >> SLOT_BITS) / 2) << SLOT_BITS | (*e & SLOT_MASK);
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        let total: f32 = logits.iter().map(|&l| libm::expf(l - max)).sum();
+        for (e, &l) in self.layer_entries(layer).iter_mut().zip(logits) {
+            let p = libm::expf(l - max) / total;
+            let add = (p * POPULARITY_ONE as f32 + 0.5) as u32;
+            e.popularity =
+                (e.popularity - (e.popularity >> POPULARITY_DECAY_SHIFT)).saturating_add(add);
+        }
+        true
+    }
+
+    /// `layer` picked `experts`, for callers without router scores: decays the
+    /// layer's popularities as [`observe_router`](Self::observe_router) does, then
+    /// adds [`POPULARITY_ONE`] to each pick. Experts outside the model are ignored.
+    pub fn record_picks(&mut self, layer: u16, experts: &[u16]) {
+        let entries = self.layer_entries(layer);
+        for e in entries.iter_mut() {
+            e.popularity -= e.popularity >> POPULARITY_DECAY_SHIFT;
+        }
+        for &x in experts {
+            if let Some(e) = entries.get_mut(x as usize) {
+                e.popularity = e.popularity.saturating_add(POPULARITY_ONE);
             }
         }
     }
 
-    /// Sets the slot field of `key`'s index entry (`None` = not mapped), keeping
-    /// its use count.
+    /// Sets the slot of `key`'s index entry (`None` = not mapped), keeping its
+    /// popularity.
     fn map(&mut self, i: usize, slot: Option<SlotId>) {
-        let e = &mut self.index.as_mut()[i];
-        *e = (*e & !SLOT_MASK) | slot.map_or(0, |s| s.0 + 1);
+        self.index.as_mut()[i].slot = slot.map_or(0, |s| s.0 + 1);
     }
 
     /// The in-flight load of `slot`, if it is loading.
@@ -367,7 +411,7 @@ where
                 EvictionPolicy::LayerDistance => (true, 0, distance, u64::MAX - s.last_used),
                 EvictionPolicy::Popularity => (
                     distance > PROTECTED_LAYERS,
-                    MAX_USE_COUNT - self.use_count(key),
+                    u32::MAX - self.popularity(key),
                     distance,
                     u64::MAX - s.last_used,
                 ),
@@ -396,7 +440,7 @@ where
             return Err(SlotError::InvalidTransition(slot));
         }
         let i = self.index_of(load.key)?;
-        if self.index.as_ref()[i] & SLOT_MASK != 0 {
+        if self.index.as_ref()[i].slot != 0 {
             return Err(SlotError::AlreadyMapped(load.key));
         }
         self.map(i, Some(slot));
@@ -498,9 +542,9 @@ mod tests {
         }
     }
 
-    fn table(n: usize) -> SlotTable<[Slot; 4], [u32; 12]> {
+    fn table(n: usize) -> SlotTable<[Slot; 4], [IndexEntry; 12]> {
         assert_eq!(n, 4);
-        SlotTable::new([Slot::EMPTY; 4], [0; 12], 3, 4).unwrap()
+        SlotTable::new([Slot::EMPTY; 4], [IndexEntry::EMPTY; 12], 3, 4).unwrap()
     }
 
     #[test]
@@ -546,7 +590,7 @@ mod tests {
         assert_eq!(t.abandon(SlotId(0)), Ok(key(0, 0)));
     }
 
-    fn fill(t: &mut SlotTable<[Slot; 4], [u32; 12]>, keys: [ExpertKey; 4]) {
+    fn fill(t: &mut SlotTable<[Slot; 4], [IndexEntry; 12]>, keys: [ExpertKey; 4]) {
         for (i, k) in keys.into_iter().enumerate() {
             t.start_load(SlotId(i as u32), load(k, i as u32)).unwrap();
             t.finish_load(SlotId(i as u32)).unwrap();
@@ -587,11 +631,12 @@ mod tests {
         let mut t = table(4);
         fill(&mut t, [key(2, 0), key(0, 0), key(0, 1), key(1, 1)]);
         for _ in 0..3 {
-            t.record_use(key(0, 0));
+            t.record_picks(0, &[0]);
         }
-        t.record_use(key(0, 1));
-        t.record_use(key(2, 0));
-        assert_eq!(t.use_count(key(0, 0)), 3);
+        t.record_picks(0, &[1]);
+        t.record_picks(2, &[0]);
+        assert!(t.popularity(key(0, 0)) > t.popularity(key(0, 1)));
+        assert_eq!(t.popularity(key(1, 1)), 0);
         // At layer 1: layer 2 is next (kept while others are evictable); of the
         // rest, (1, 1) was never picked.
         assert_eq!(
@@ -608,48 +653,82 @@ mod tests {
             Some(SlotId(0)),
             "the next layer when nothing else is allowed"
         );
-        // Counts survive eviction and reloading.
+        // Popularity survives eviction and reloading.
+        let p = t.popularity(key(0, 0));
         t.evict(SlotId(1)).unwrap();
-        assert_eq!(t.use_count(key(0, 0)), 3);
+        assert_eq!(t.popularity(key(0, 0)), p);
         assert_eq!(t.lookup(key(0, 0)), None);
         t.start_load(SlotId(1), load(key(0, 0), 9)).unwrap();
         assert_eq!(t.lookup(key(0, 0)), Some(SlotId(1)));
-        assert_eq!(t.use_count(key(0, 0)), 3);
+        assert_eq!(t.popularity(key(0, 0)), p);
     }
 
     #[test]
-    fn use_counts_saturate_and_age() {
+    fn picks_decay_and_saturate() {
         let mut t = table(4);
         t.start_load(SlotId(2), load(key(1, 3), 1)).unwrap();
-        // 2 * 12 uses halve every count; a count never touches the slot field.
-        for _ in 0..23 {
-            t.record_use(key(1, 3));
+        t.record_picks(1, &[3]);
+        assert_eq!(t.popularity(key(1, 3)), POPULARITY_ONE);
+        // The next token of layer 1 decays it by 1/16 before adding.
+        t.record_picks(1, &[0]);
+        assert_eq!(
+            t.popularity(key(1, 3)),
+            POPULARITY_ONE - POPULARITY_ONE / 16
+        );
+        assert_eq!(t.popularity(key(1, 0)), POPULARITY_ONE);
+        // Other layers are untouched.
+        t.record_picks(0, &[3]);
+        assert_eq!(t.popularity(key(1, 0)), POPULARITY_ONE);
+        // Picked every token, it converges to 16 * ONE and never wraps.
+        for _ in 0..1000 {
+            t.record_picks(1, &[3]);
         }
-        assert_eq!(t.use_count(key(1, 3)), 23);
-        t.record_use(key(0, 0));
-        assert_eq!(t.use_count(key(1, 3)), 11);
-        assert_eq!(t.use_count(key(0, 0)), 0);
-        assert_eq!(t.lookup(key(1, 3)), Some(SlotId(2)));
-        for _ in 0..5000 {
-            t.record_use(key(1, 3));
-            t.record_use(key(1, 3));
-            assert!(t.use_count(key(1, 3)) <= MAX_USE_COUNT);
-        }
-        assert_eq!(t.lookup(key(1, 3)), Some(SlotId(2)));
-        t.record_use(ExpertKey {
-            layer: 9,
-            expert: 0,
-        }); // outside the model: ignored
+        let p = t.popularity(key(1, 3));
+        assert!(
+            (15 * POPULARITY_ONE..=16 * POPULARITY_ONE).contains(&p),
+            "{p}"
+        );
+        assert_eq!(t.lookup(key(1, 3)), Some(SlotId(2)), "slot field untouched");
+        // Outside the model: ignored.
+        t.record_picks(1, &[9]);
+        t.record_picks(7, &[0]);
+    }
+
+    #[test]
+    fn router_scores_rank_every_expert() {
+        let mut t = table(4);
+        // Expert 2 is picked by no top-1 router but gets more probability than 0.
+        assert!(t.observe_router(1, &[0.0, 3.0, 1.0, -1.0]));
+        let p: [u32; 4] = core::array::from_fn(|e| t.popularity(key(1, e as u16)));
+        assert!(p[1] > p[2] && p[2] > p[0] && p[0] > p[3], "{p:?}");
+        let total: u32 = p.iter().sum();
+        assert!(
+            total.abs_diff(POPULARITY_ONE) <= 2,
+            "probabilities sum to one"
+        );
+        // Decays like picks do.
+        assert!(t.observe_router(1, &[0.0; 4]));
+        let quarter = POPULARITY_ONE / 4;
+        assert_eq!(t.popularity(key(1, 1)), p[1] - p[1] / 16 + quarter);
+        // Bad input changes nothing.
+        assert!(!t.observe_router(1, &[0.0; 3]));
+        assert!(!t.observe_router(3, &[0.0; 4]));
+        assert!(!t.observe_router(1, &[0.0, f32::NAN, 0.0, 0.0]));
+        assert!(!t.observe_router(1, &[0.0, f32::INFINITY, 0.0, 0.0]));
+        assert_eq!(t.popularity(key(1, 1)), p[1] - p[1] / 16 + quarter);
+        // Huge logits do not overflow the softmax.
+        assert!(t.observe_router(0, &[1e30, -1e30, 0.0, 0.0]));
+        assert!(t.popularity(key(0, 0)) >= POPULARITY_ONE - 1);
     }
 
     #[test]
     fn rejects_bad_storage() {
         assert!(matches!(
-            SlotTable::new([Slot::EMPTY; 0], [0u32; 12], 3, 4),
+            SlotTable::new([Slot::EMPTY; 0], [IndexEntry::EMPTY; 12], 3, 4),
             Err(SlotError::BadCapacity)
         ));
         assert!(matches!(
-            SlotTable::new([Slot::EMPTY; 2], [0u32; 11], 3, 4),
+            SlotTable::new([Slot::EMPTY; 2], [IndexEntry::EMPTY; 11], 3, 4),
             Err(SlotError::BadIndex)
         ));
     }

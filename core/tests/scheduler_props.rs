@@ -15,7 +15,7 @@ use les_core::schedule::{
     Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
 };
 use les_core::slot_classes::SlotClass;
-use les_core::slots::{EvictionPolicy, ExpertKey, Slot, SlotState};
+use les_core::slots::{EvictionPolicy, ExpertKey, IndexEntry, Slot, SlotState};
 use proptest::prelude::*;
 
 const DIM: usize = 4;
@@ -136,7 +136,7 @@ impl Model {
         &self,
         config: SchedulerConfig,
         slots: usize,
-    ) -> Scheduler<Vec<Slot>, Vec<u32>, Vec<LayerState>> {
+    ) -> Scheduler<Vec<Slot>, Vec<IndexEntry>, Vec<LayerState>> {
         let one = [SlotClass {
             slots: slots as u32,
             bytes: self.slot_bytes,
@@ -149,7 +149,7 @@ impl Model {
         Scheduler::with_slot_classes(
             config,
             vec![Slot::EMPTY; slots],
-            vec![0u32; self.n_layers as usize * self.n_experts as usize],
+            vec![IndexEntry::EMPTY; self.n_layers as usize * self.n_experts as usize],
             vec![LayerState::INITIAL; self.n_layers as usize],
             self.n_layers,
             self.n_experts,
@@ -529,6 +529,19 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                 sched.begin_token();
             }
             let experts: Vec<u16> = r.iter().map(|p| p.0).collect();
+            // Router scores for the popularity: usually the picks' weights (others
+            // low), sometimes none (picks are counted), sometimes malformed.
+            match rng.below(8) {
+                0 => {}
+                1 => sched.observe_router(layer, &[f32::NAN; 3]),
+                _ => {
+                    let mut logits = vec![-4.0f32; m.n_experts as usize];
+                    for &(e, w) in r {
+                        logits[e as usize] = w;
+                    }
+                    sched.observe_router(layer, &logits);
+                }
+            }
             let before = dev.log.len();
             sched.begin_layer(layer, &experts, &mut dev, &m)?;
             check_call(&sched, &dev.log[before..], c);
@@ -649,7 +662,7 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
 fn check_call<S, M, L>(sched: &Scheduler<S, M, L>, submits: &[ReadRequest], c: &Case)
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
 {
     if let Some(first_prefetch) = submits.iter().position(|r| !r.urgent) {
@@ -681,7 +694,7 @@ where
 fn check_table<S, M, L>(sched: &Scheduler<S, M, L>, m: &Model, computing: usize)
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
 {
     let t = sched.table();
@@ -803,7 +816,7 @@ fn permanent_error_on_demand_read_is_reported_with_the_expert() {
     let mut sched = Scheduler::new(
         SchedulerConfig::les(),
         [Slot::EMPTY; 2],
-        [0u32; 2],
+        [IndexEntry::EMPTY; 2],
         [LayerState::INITIAL; 1],
         1,
         2,

@@ -29,7 +29,7 @@ use les_core::schedule::{
     Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
 };
 use les_core::slot_classes::SlotClass;
-use les_core::slots::{EvictionPolicy, ExpertKey, Slot, SlotState};
+use les_core::slots::{EvictionPolicy, ExpertKey, IndexEntry, Slot, SlotState};
 use libfuzzer_sys::fuzz_target;
 
 /// The fuzzer's bytes, read as decisions; zeros once used up (so runs end).
@@ -290,6 +290,8 @@ impl ExpertSource for Model {
 struct Step {
     picked: Vec<(u16, f32)>,
     predicted: Vec<u16>,
+    /// Router scores for the popularity (none: picks are counted).
+    logits: Option<Vec<f32>>,
 }
 
 fn expert_output(bytes: &[u8], h: f32) -> f32 {
@@ -303,7 +305,7 @@ fn expert_output(bytes: &[u8], h: f32) -> f32 {
 fn check_call<S, M, L>(sched: &Scheduler<S, M, L>, submits: &[bool], budget: u64, on_demand: bool)
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
 {
     if let Some(first) = submits.iter().position(|u| !u) {
@@ -326,7 +328,7 @@ fn check_table<S, M, L>(
     computing: &[(usize, SlotId, bool)],
 ) where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
 {
     let t = sched.table();
@@ -457,7 +459,7 @@ fuzz_target!(|data: &[u8]| {
     let mut sched = Scheduler::with_slot_classes(
         config,
         vec![Slot::EMPTY; capacity],
-        vec![0u32; n],
+        vec![IndexEntry::EMPTY; n],
         vec![LayerState::INITIAL; n_layers as usize],
         n_layers,
         n_experts,
@@ -482,7 +484,21 @@ fuzz_target!(|data: &[u8]| {
             let predicted: Vec<u16> = (0..n_pred)
                 .map(|_| t.below(n_experts as usize) as u16)
                 .collect();
-            steps.push(Step { picked, predicted });
+            // Any scores, including too few and not finite ones (ignored).
+            let logits = (t.below(4) != 0).then(|| {
+                let n = n_experts as usize - usize::from(t.below(16) == 0);
+                (0..n)
+                    .map(|_| match t.byte() {
+                        255 => f32::NAN,
+                        b => (b as f32 - 128.0) / 16.0,
+                    })
+                    .collect()
+            });
+            steps.push(Step {
+                picked,
+                predicted,
+                logits,
+            });
         }
     }
     let mut want = Vec::new();
@@ -510,6 +526,9 @@ fuzz_target!(|data: &[u8]| {
                 .iter()
                 .map(|&expert| ExpertKey { layer, expert })
                 .collect();
+            if let Some(logits) = &steps[step].logits {
+                sched.observe_router(layer, logits);
+            }
             let before = dev.log.len();
             sched.begin_layer(layer, &experts, &mut dev, &m)?;
             check_call(&sched, &dev.log[before..], budget, on_demand);

@@ -51,6 +51,9 @@ impl<X: Experts> Experts for Recording<'_, X> {
         }));
         self.inner.begin_layer(layer, routing)
     }
+    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
+        self.inner.router_logits(layer, logits)
+    }
     fn wants_predictions(&self) -> bool {
         self.inner.wants_predictions()
     }

@@ -16,7 +16,7 @@ use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
 use les_core::model::forward::{ExpertMatrices, Experts, Handout, Step};
 use les_core::schedule::{ExpertSource, Extents, LayerState, Scheduler, SchedulerConfig, Stats};
 use les_core::slot_classes::SlotClass;
-use les_core::slots::{ExpertKey, Slot};
+use les_core::slots::{ExpertKey, IndexEntry, Slot};
 
 use crate::flash::{FileDevice, FileDeviceConfig, FileError};
 use crate::model::Model;
@@ -139,7 +139,7 @@ impl ExpertSource for ModelSource<'_> {
 }
 
 /// The scheduler over host (`Vec`) storage.
-pub type HostScheduler = Scheduler<Vec<Slot>, Vec<u32>, Vec<LayerState>>;
+pub type HostScheduler = Scheduler<Vec<Slot>, Vec<IndexEntry>, Vec<LayerState>>;
 /// A layer's expert slot layout.
 pub type FormatFn<'m> = Box<dyn Fn(usize) -> ExpertFormat + 'm>;
 /// A resident expert by (layer, expert).
@@ -166,8 +166,14 @@ impl fmt::Display for SupplyError {
 impl std::error::Error for SupplyError {}
 
 /// Experts streamed from the model file through the slots.
-pub type HostStreamed<'m> =
-    Streamed<Vec<Slot>, Vec<u32>, Vec<LayerState>, FileDevice, ModelSource<'m>, FormatFn<'m>>;
+pub type HostStreamed<'m> = Streamed<
+    Vec<Slot>,
+    Vec<IndexEntry>,
+    Vec<LayerState>,
+    FileDevice,
+    ModelSource<'m>,
+    FormatFn<'m>,
+>;
 
 /// The experts of a run, for any schedule.
 pub enum Supply<'m> {
@@ -259,7 +265,7 @@ impl<'m> Supply<'m> {
         let scheduler: HostScheduler = Scheduler::with_slot_classes(
             config,
             vec![Slot::EMPTY; budget.slots()],
-            vec![0u32; n_layers * moe.n_experts],
+            vec![IndexEntry::EMPTY; n_layers * moe.n_experts],
             vec![LayerState::INITIAL; n_layers],
             n_layers as u16,
             moe.n_experts as u16,
@@ -318,6 +324,12 @@ impl Experts for Supply<'_> {
         match self {
             Supply::Resident(r) => r.begin_layer(layer, routing).map_err(SupplyError::Resident),
             Supply::Streamed(s) => s.begin_layer(layer, routing).map_err(SupplyError::Stream),
+        }
+    }
+
+    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
+        if let Supply::Streamed(s) = self {
+            s.router_logits(layer, logits);
         }
     }
 

@@ -20,7 +20,7 @@ use les_core::model::experts::Streamed;
 use les_core::model::forward::{Experts, Lookahead, TokenInput};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::schedule::{LayerState, Scheduler, SchedulerConfig};
-use les_core::slots::{ExpertKey, Slot};
+use les_core::slots::{ExpertKey, IndexEntry, Slot};
 
 const PROMPT: [u32; 6] = [46, 77, 66, 68, 220, 84];
 const GENERATE: usize = 6;
@@ -155,7 +155,7 @@ fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
     let scheduler = Scheduler::new(
         config,
         vec![Slot::EMPTY; slots],
-        vec![0u32; n_layers * moe.n_experts],
+        vec![IndexEntry::EMPTY; n_layers * moe.n_experts],
         vec![LayerState::INITIAL; n_layers],
         n_layers as u16,
         moe.n_experts as u16,

@@ -11,7 +11,7 @@ use les_core::blockdev::{
 use les_core::schedule::{
     ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
 };
-use les_core::slots::{ExpertKey, Slot};
+use les_core::slots::{ExpertKey, IndexEntry, Slot};
 
 fn data_file(name: &str, len: usize) -> (PathBuf, Vec<u8>) {
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
@@ -385,7 +385,7 @@ fn stream(path: &std::path::Path, data: &[u8], src: &Experts, cfg: FileDeviceCon
     let mut sched = Scheduler::new(
         SchedulerConfig::les(),
         vec![Slot::EMPTY; 5],
-        vec![0u32; 3 * 16],
+        vec![IndexEntry::EMPTY; 3 * 16],
         vec![LayerState::INITIAL; 3],
         3,
         16,

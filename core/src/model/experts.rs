@@ -5,7 +5,7 @@ use crate::blockdev::{BlockDevice, SlotId, SlotMemory};
 use crate::gemv::{GemvError, MatrixView};
 use crate::quant::GgmlType;
 use crate::schedule::{Error, ExpertSource, LayerState, Next, Scheduler, MAX_PICKS};
-use crate::slots::{ExpertKey, Slot};
+use crate::slots::{ExpertKey, IndexEntry, Slot};
 
 /// How one layer's expert is laid out in a slot: gate, up and down back to back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -177,7 +177,7 @@ where
 impl<S, M, L, D, X, F> Experts for Streamed<S, M, L, D, X, F>
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
-    M: AsRef<[u32]> + AsMut<[u32]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
     L: AsRef<[LayerState]> + AsMut<[LayerState]>,
     D: BlockDevice + SlotMemory,
     X: ExpertSource,
@@ -193,6 +193,12 @@ where
         self.scheduler
             .begin_layer(layer as u16, routing, &mut self.device, &self.source)
             .map_err(StreamError::Schedule)
+    }
+
+    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
+        if let Ok(layer) = u16::try_from(layer) {
+            self.scheduler.observe_router(layer, logits);
+        }
     }
 
     fn wants_predictions(&self) -> bool {

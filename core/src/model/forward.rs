@@ -176,6 +176,12 @@ pub trait Experts {
     fn begin_token(&mut self) {}
     /// The router of `layer` picked `routing` (expert ids, router order).
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), Self::Error>;
+    /// The router of `layer` gave every expert the logits `logits` (one per
+    /// expert); called just before [`begin_layer`](Self::begin_layer) of that
+    /// layer. A supplier that caches experts can learn their popularity from it.
+    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
+        let _ = (layer, logits);
+    }
     /// Whether [`prefetch`](Self::prefetch) is used (predictions cost a GEMV).
     fn wants_predictions(&self) -> bool {
         false
@@ -873,6 +879,7 @@ where
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
                 mv.matvec(&router, s.x, s.router)?;
+                experts.router_logits(l, s.router);
                 rc.route(s.router, None, &mut routing)?;
                 ids.clear();
                 ids.extend(routing.iter().map(|r| r.expert));

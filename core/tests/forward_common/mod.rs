@@ -15,7 +15,7 @@ use les_core::quant::{self, GgmlType};
 use les_core::schedule::{
     ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig, Stats,
 };
-use les_core::slots::{ExpertKey, Slot};
+use les_core::slots::{ExpertKey, IndexEntry, Slot};
 
 /// SplitMix64: deterministic test data.
 pub struct Rng(pub u64);
@@ -148,6 +148,9 @@ impl<X: Experts> Experts for CountPending<X> {
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
         self.inner.begin_layer(layer, routing)
     }
+    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
+        self.inner.router_logits(layer, logits)
+    }
     fn wants_predictions(&self) -> bool {
         self.inner.wants_predictions()
     }
@@ -240,7 +243,7 @@ impl StreamedRun<'_> {
                 ..self.config
             },
             vec![Slot::EMPTY; self.slots],
-            vec![0u32; self.n_layers * self.n_experts],
+            vec![IndexEntry::EMPTY; self.n_layers * self.n_experts],
             vec![LayerState::INITIAL; self.n_layers],
             self.n_layers as u16,
             self.n_experts as u16,

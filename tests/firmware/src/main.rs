@@ -28,7 +28,7 @@ use les_core::model::forward::{forward, KvCache, Lookahead, Scratch, SerialMatVe
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::schedule::{LayerState, Scheduler, SchedulerConfig};
-use les_core::slots::Slot;
+use les_core::slots::{IndexEntry, Slot};
 use panic_semihosting as _;
 
 use crate::flash::{FlashDevice, FlashExperts};
@@ -57,7 +57,7 @@ const QUEUE: usize = 8;
 /// at start, so they take no flash (`.bss`).
 struct Buffers {
     slots: [u8; SLOT_MEMORY],
-    slot_index: [u32; N_LAYERS * N_EXPERTS],
+    slot_index: [IndexEntry; N_LAYERS * N_EXPERTS],
     kv_k: [f32; KV_LEN],
     kv_v: [f32; KV_LEN],
     scratch: [f32; SCRATCH_LEN],
@@ -80,7 +80,7 @@ static mut TABLES: Tables = Tables {
 
 static mut BUFFERS: Buffers = Buffers {
     slots: [0; SLOT_MEMORY],
-    slot_index: [0; N_LAYERS * N_EXPERTS],
+    slot_index: [IndexEntry::EMPTY; N_LAYERS * N_EXPERTS],
     kv_k: [0.0; KV_LEN],
     kv_v: [0.0; KV_LEN],
     scratch: [0.0; SCRATCH_LEN],
