@@ -24,6 +24,7 @@ use les_core::slots::ExpertKey;
 
 use crate::belady::Recording;
 use crate::compute::ThreadedMatVec;
+use crate::cpu_steal::CpuTimes;
 use crate::engine::Session;
 use crate::flash::{FileDevice, FileDeviceConfig, IoSnapshot};
 use crate::model::Model;
@@ -117,6 +118,9 @@ pub struct ScheduleReport {
     pub picks: Vec<ExpertKey>,
     /// Where the decode's picks start in `picks`.
     pub decode_from: usize,
+    /// Share of the machine's CPU time a hypervisor took during decode
+    /// ([`crate::cpu_steal`]; `None` where it cannot be read).
+    pub cpu_steal: Option<f64>,
 }
 
 impl ScheduleReport {
@@ -401,6 +405,7 @@ pub fn run_schedule(
         .device()
         .map(|d| d.counters().snapshot())
         .unwrap_or_default();
+    let cpu0 = CpuTimes::now();
     let t1 = Instant::now();
     let output0 = mv.time;
     let mut tokens = Vec::with_capacity(cfg.n_tokens);
@@ -420,6 +425,9 @@ pub fn run_schedule(
         )?;
     }
     let decode = t1.elapsed();
+    let cpu_steal = CpuTimes::now()
+        .zip(cpu0)
+        .and_then(|(now, before)| now.steal_since(&before));
     let io: IoSnapshot = supply
         .inner()
         .device()
@@ -472,6 +480,7 @@ pub fn run_schedule(
         output_time: mv.time - output0,
         picks: supply.picks,
         decode_from,
+        cpu_steal,
     })
 }
 
@@ -495,6 +504,7 @@ mod tests {
             output_time: Duration::ZERO,
             picks: Vec::new(),
             decode_from: 0,
+            cpu_steal: None,
         }
     }
 

@@ -77,6 +77,13 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         }
         assert_eq!(r["tok_s_runs"].as_array().unwrap().len(), 2, "{r}");
         assert!(j["speedup"][s].as_f64().unwrap() > 0.0);
+        // The hypervisor's share of CPU time: null where the OS does not tell
+        // it, or when the decode was shorter than its clock tick (as here).
+        let steal = &r["cpu_steal"];
+        assert!(
+            steal.is_null() || steal.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
+            "{r}"
+        );
     }
     assert_eq!(j["speedup"]["on-demand"], 1.0);
     // Each round's ratio, from that round's runs.

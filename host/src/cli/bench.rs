@@ -19,6 +19,9 @@ use crate::model::Model;
 use crate::supply::Schedule;
 use crate::tokenizer::Tokenizer;
 
+/// Steal (share of CPU time) from which `les bench` mentions it.
+const STEAL_WORTH_NOTING: f64 = 0.01;
+
 /// Arguments of `les bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -272,6 +275,23 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             }
         }
     }
+    let steals: Vec<(Schedule, f64)> = reports
+        .iter()
+        .filter_map(|r| Some((r.schedule, r.cpu_steal?)))
+        .collect();
+    if steals.iter().any(|(_, s)| *s >= STEAL_WORTH_NOTING) {
+        let list: Vec<String> = steals
+            .iter()
+            .map(|(s, x)| format!("{} {:.1}%", s.name(), 100.0 * x))
+            .collect();
+        writeln!(
+            out,
+            "cpu time the hypervisor took while decoding (steal): {}; where it grows with \
+             the reads that overlap compute, the host emulates the disk on this machine's \
+             cores and every byte read slows the compute",
+            list.join(", ")
+        )?;
+    }
     if let Some(h) = optimal {
         let streamed: Vec<String> = reports
             .iter()
@@ -359,6 +379,7 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "reads": r.reads,
                 "mean_read_s": r.mean_read_time(),
                 "cancels": r.stats.cancels,
+                "cpu_steal": r.cpu_steal,
                 "tokens": r.tokens,
                 "layers": r.layers.iter().map(|l| json!({
                     "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
