@@ -244,6 +244,29 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The counts since `earlier`, a copy of these counters taken before (each
+    /// count saturating at 0 where `earlier` is not).
+    pub fn since(&self, earlier: &Stats) -> Stats {
+        Stats {
+            hits: self.hits.saturating_sub(earlier.hits),
+            late_hits: self.late_hits.saturating_sub(earlier.late_hits),
+            misses: self.misses.saturating_sub(earlier.misses),
+            demand_bytes: self.demand_bytes.saturating_sub(earlier.demand_bytes),
+            prefetch_bytes: self.prefetch_bytes.saturating_sub(earlier.prefetch_bytes),
+            useful_prefetches: self
+                .useful_prefetches
+                .saturating_sub(earlier.useful_prefetches),
+            prefetches: self.prefetches.saturating_sub(earlier.prefetches),
+            stalls: self.stalls.saturating_sub(earlier.stalls),
+            cancels: self.cancels.saturating_sub(earlier.cancels),
+            retries: self.retries.saturating_sub(earlier.retries),
+            stale_completions: self
+                .stale_completions
+                .saturating_sub(earlier.stale_completions),
+            bad_prefetches: self.bad_prefetches.saturating_sub(earlier.bad_prefetches),
+        }
+    }
+
     /// Picked experts that needed no demand read, as a fraction of all picked.
     pub fn hit_rate(&self) -> f32 {
         ratio(
@@ -1333,5 +1356,31 @@ where
             p.status = PickStatus::Ready(slot);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_since_subtracts_every_count() {
+        let counts = |k: u64| Stats {
+            hits: k,
+            late_hits: 2 * k,
+            misses: 3 * k,
+            demand_bytes: 4 * k,
+            prefetch_bytes: 5 * k,
+            useful_prefetches: 6 * k,
+            prefetches: 7 * k,
+            stalls: 8 * k,
+            cancels: 9 * k,
+            retries: 10 * k,
+            stale_completions: 11 * k,
+            bad_prefetches: 12 * k,
+        };
+        assert_eq!(counts(5).since(&counts(2)), counts(3));
+        assert_eq!(counts(2).since(&counts(5)), Stats::default());
+        assert_eq!(counts(4).since(&Stats::default()), counts(4));
     }
 }

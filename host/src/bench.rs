@@ -27,6 +27,7 @@ use crate::compute::ThreadedMatVec;
 use crate::cpu_steal::CpuTimes;
 use crate::engine::Session;
 use crate::flash::{FileDevice, FileDeviceConfig, IoSnapshot};
+use crate::layer_costs::{LayerCost, LayerCosts};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
@@ -118,6 +119,10 @@ pub struct ScheduleReport {
     pub picks: Vec<ExpertKey>,
     /// Where the decode's picks start in `picks`.
     pub decode_from: usize,
+    /// Per layer (indexed by layer; empty for `resident`): the decode's stall
+    /// while the layer's experts were computed, and its hits, late hits and
+    /// misses ([`crate::layer_costs`]).
+    pub layer_costs: Vec<LayerCost>,
     /// Share of the machine's CPU time a hypervisor took during decode
     /// ([`crate::cpu_steal`]; `None` where it cannot be read).
     pub cpu_steal: Option<f64>,
@@ -378,7 +383,8 @@ pub fn run_schedule(
         cfg.budget.clone()
     };
     let mut supply = Supply::new(model, path, schedule, budget)?;
-    let mut supply = Recording::new(&mut supply);
+    let mut recording = Recording::new(&mut supply);
+    let mut supply = LayerCosts::new(&mut recording);
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = TimedOutput {
         inner: ThreadedMatVec::new(cfg.threads, Isa::detect()),
@@ -398,9 +404,11 @@ pub fn run_schedule(
         )?;
     }
     let prefill = t0.elapsed();
-    let decode_from = supply.picks.len();
-    let stats0 = supply.inner().stats().unwrap_or_default();
+    supply.reset();
+    let decode_from = supply.inner().picks.len();
+    let stats0 = supply.inner().inner().stats().unwrap_or_default();
     let io0 = supply
+        .inner()
         .inner()
         .device()
         .map(|d| d.counters().snapshot())
@@ -425,31 +433,24 @@ pub fn run_schedule(
         )?;
     }
     let decode = t1.elapsed();
+    let layer_costs = match schedule {
+        Schedule::Resident => Vec::new(), // nothing streams: no stall, no misses
+        _ => supply.finish(),
+    };
     let cpu_steal = CpuTimes::now()
         .zip(cpu0)
         .and_then(|(now, before)| now.steal_since(&before));
     let io: IoSnapshot = supply
         .inner()
+        .inner()
         .device()
         .map(|d| d.counters().snapshot())
         .unwrap_or_default()
         - io0;
-    let s1 = supply.inner().stats().unwrap_or_default();
-    let stats = Stats {
-        hits: s1.hits - stats0.hits,
-        late_hits: s1.late_hits - stats0.late_hits,
-        misses: s1.misses - stats0.misses,
-        demand_bytes: s1.demand_bytes - stats0.demand_bytes,
-        prefetch_bytes: s1.prefetch_bytes - stats0.prefetch_bytes,
-        useful_prefetches: s1.useful_prefetches - stats0.useful_prefetches,
-        prefetches: s1.prefetches - stats0.prefetches,
-        stalls: s1.stalls - stats0.stalls,
-        cancels: s1.cancels - stats0.cancels,
-        retries: s1.retries - stats0.retries,
-        stale_completions: s1.stale_completions - stats0.stale_completions,
-        bad_prefetches: s1.bad_prefetches - stats0.bad_prefetches,
-    };
+    let s1 = supply.inner().inner().stats().unwrap_or_default();
+    let stats = s1.since(&stats0);
     let layers = supply
+        .inner()
         .inner()
         .layers()
         .map(|ls: &[LayerState]| {
@@ -478,7 +479,8 @@ pub fn run_schedule(
         layers,
         device_bw,
         output_time: mv.time - output0,
-        picks: supply.picks,
+        layer_costs,
+        picks: recording.picks,
         decode_from,
         cpu_steal,
     })
@@ -500,6 +502,7 @@ mod tests {
             read_time: Duration::ZERO,
             stats: Stats::default(),
             layers: Vec::new(),
+            layer_costs: Vec::new(),
             device_bw: 1e9,
             output_time: Duration::ZERO,
             picks: Vec::new(),

@@ -13,8 +13,8 @@
 //! - [`flash`]: the file device experts stream from (O_DIRECT; I/O threads or `io_uring`).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`bench`](mod@bench): `les bench`, schedules compared side by side; [`belady`], the
-//!   optimal cache's hit rate over the run's routing; [`cpu_steal`], the CPU time a
-//!   hypervisor took meanwhile.
+//!   optimal cache's hit rate over the run's routing; [`layer_costs`], each layer's
+//!   stall and misses; [`cpu_steal`], the CPU time a hypervisor took meanwhile.
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
@@ -32,6 +32,7 @@ pub mod flash;
 pub mod gguf;
 pub mod hugepages;
 pub mod interrupt;
+pub mod layer_costs;
 pub mod mcu;
 pub mod model;
 pub mod pack;

@@ -113,6 +113,26 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         "6 of 32 slots: reads"
     );
     assert_eq!(j["schedules"]["resident"]["bytes_per_token"], 0.0);
+    // Each layer's share of the stall and of the picks: they add up to the
+    // schedule's totals; nothing streams in the resident run.
+    for s in ["on-demand", "les"] {
+        let r = &j["schedules"][s];
+        let layers = r["layer_costs"].as_array().unwrap();
+        assert!(!layers.is_empty(), "{r}");
+        let sum = |k: &str| -> f64 { layers.iter().map(|l| l[k].as_f64().unwrap()).sum() };
+        for k in ["hits", "late_hits", "misses"] {
+            assert_eq!(sum(k), r[k].as_f64().unwrap(), "{s}.{k}");
+        }
+        let stall = r["stall_s_per_token"].as_f64().unwrap();
+        assert!((sum("stall_s_per_token") - stall).abs() < 1e-6, "{s}: {r}");
+        for (i, l) in layers.iter().enumerate() {
+            assert_eq!(l["layer"], i as u64);
+        }
+    }
+    assert_eq!(
+        j["schedules"]["resident"]["layer_costs"],
+        serde_json::json!([])
+    );
     // No cache without prediction hits more often than Belady's optimal one over
     // the same routing: not LRU (on-demand), and it can miss (6 of 32 slots).
     let optimal = j["optimal_hit_rate"].as_f64().unwrap();
@@ -273,6 +293,20 @@ fn bench_text_prints_the_table_and_each_round_s_speedup() {
     let median: f64 = median.trim_end_matches("x)").parse().unwrap();
     assert!((median - v[1]).abs() < 0.006, "{line}");
     assert!(!out.contains("on-demand: speedup per round"), "{out}");
+    for s in ["on-demand", "les"] {
+        let line = out
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{s}: stall ms/token by layers: ")))
+            .unwrap_or_else(|| panic!("no per-layer stall line for {s}: {out}"));
+        // Runs of layers from the first: "0-0 1.2, 1-1 0.0, ...".
+        assert!(line.starts_with("0-"), "{line}");
+        assert!(
+            out.contains(&format!(
+                "{s}: experts not ready when picked (misses + late prefetches) per token by layers: 0-"
+            )),
+            "{out}"
+        );
+    }
     cleanup(&model);
 }
 

@@ -19,6 +19,9 @@ use crate::model::Model;
 use crate::supply::Schedule;
 use crate::tokenizer::Tokenizer;
 
+/// Runs of layers the per-layer stall is printed in.
+const LAYER_GROUPS: usize = 8;
+
 /// Steal (share of CPU time) from which `les bench` mentions it.
 const STEAL_WORTH_NOTING: f64 = 0.01;
 
@@ -329,6 +332,30 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             w.join(", ")
         )?;
     }
+    for r in reports.iter().filter(|r| !r.layer_costs.is_empty()) {
+        let n = r.tokens.len().max(1) as f64;
+        let groups = crate::layer_costs::grouped(&r.layer_costs, LAYER_GROUPS);
+        let stall: Vec<String> = groups
+            .iter()
+            .map(|(a, b, c)| format!("{a}-{b} {:.1}", c.stall.as_secs_f64() * 1e3 / n))
+            .collect();
+        let reads: Vec<String> = groups
+            .iter()
+            .map(|(a, b, c)| format!("{a}-{b} {:.1}", (c.misses + c.late_hits) as f64 / n))
+            .collect();
+        writeln!(
+            out,
+            "{}: stall ms/token by layers: {}",
+            r.schedule.name(),
+            stall.join(", ")
+        )?;
+        writeln!(
+            out,
+            "{}: experts not ready when picked (misses + late prefetches) per token by layers: {}",
+            r.schedule.name(),
+            reads.join(", ")
+        )?;
+    }
     writeln!(
         out,
         "identical tokens across schedules: {}",
@@ -383,6 +410,11 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "tokens": r.tokens,
                 "layers": r.layers.iter().map(|l| json!({
                     "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
+                })).collect::<Vec<_>>(),
+                "layer_costs": r.layer_costs.iter().enumerate().map(|(layer, c)| json!({
+                    "layer": layer,
+                    "stall_s_per_token": c.stall.as_secs_f64() / r.tokens.len().max(1) as f64,
+                    "hits": c.hits, "late_hits": c.late_hits, "misses": c.misses,
                 })).collect::<Vec<_>>(),
             }),
         );
