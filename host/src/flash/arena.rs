@@ -175,6 +175,45 @@ impl SlotArena {
 /// wait for page faults, huge-page zeroing and compaction. `false` when the
 /// kernel has too little memory for it.
 fn populate(ptr: NonNull<u8>, len: usize) -> bool {
+    populate_parallel(ptr, len, POPULATE_PER_THREAD)
+}
+
+/// [`populate`] on up to one thread per CPU (at most 8), each taking at least
+/// `per_thread` bytes: faulting in is the kernel zeroing pages and, on a
+/// virtual machine, the host backing them, which goes faster on several CPUs
+/// (4 GiB of slots on this project's 2-CPU VM, alternating runs: 0.32-0.55 s
+/// on two threads but for one 2.0 s, against 0.52-4.9 s, median 1.9 s, on one).
+fn populate_parallel(ptr: NonNull<u8>, len: usize, per_thread: usize) -> bool {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(len / per_thread.max(1))
+        .clamp(1, 8);
+    if threads > 1 {
+        let part = len.div_ceil(threads).next_multiple_of(ARENA_ALIGN);
+        let base = ptr.as_ptr() as usize;
+        return std::thread::scope(|s| {
+            let handles: Vec<_> = (0..len)
+                .step_by(part)
+                .map(|start| {
+                    let n = part.min(len - start);
+                    // The address as an integer: threads populate disjoint parts.
+                    let at = base + start;
+                    s.spawn(move || {
+                        NonNull::new(at as *mut u8).is_some_and(|p| populate_range(p, n))
+                    })
+                })
+                .collect();
+            handles.into_iter().all(|h| h.join().unwrap_or(false))
+        });
+    }
+    populate_range(ptr, len)
+}
+
+/// Least a thread populates: smaller arenas are populated on one thread.
+const POPULATE_PER_THREAD: usize = 256 << 20;
+
+/// [`populate`] of `len` bytes from `ptr`, on this thread.
+fn populate_range(ptr: NonNull<u8>, len: usize) -> bool {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     {
         // SAFETY: advice over a range of our own fresh mapping; populating
@@ -260,6 +299,32 @@ mod tests {
         for s in 0..a.n_slots() {
             // SAFETY: no writer alive.
             assert!(unsafe { a.slot(s) }.iter().all(|b| *b == 0), "slot {s}");
+        }
+    }
+
+    #[test]
+    fn several_threads_populate_every_part_and_nothing_past_it() {
+        // Sizes that do not split evenly into parts, with parts of at least
+        // 1 MiB: a part reaching past the mapping fails (ENOMEM).
+        for len in [(9 << 20) + 4096, 3 << 20, 4096] {
+            // SAFETY: a fresh private anonymous mapping nothing else knows of.
+            let map = unsafe {
+                rustix::mm::mmap_anonymous(
+                    std::ptr::null_mut(),
+                    len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::PRIVATE,
+                )
+            }
+            .unwrap();
+            let ptr = NonNull::new(map.cast::<u8>()).unwrap();
+            assert!(populate_parallel(ptr, len, 1 << 20), "{len}");
+            // SAFETY: inside the mapping, no other reference to it.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+            assert!(bytes.iter().all(|b| *b == 0));
+            bytes.fill(7);
+            // SAFETY: mapped just above with this length; `bytes` is not used again.
+            unsafe { rustix::mm::munmap(map, len) }.unwrap();
         }
     }
 
