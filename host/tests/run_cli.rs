@@ -196,6 +196,31 @@ fn mixed_expert_sizes_get_slots_of_their_size_and_stay_exact() {
 }
 
 #[test]
+fn expert_mem_takes_a_share_of_the_expert_bytes() {
+    // The tiny preset: 4 layers of 8 experts, each in a slot of one size.
+    let m = model("qwen3moe");
+    let resident = json_run(&m, &["--temp", "0", "-n", "4"]);
+    for (share, slots) in [("100%", 32), ("50%", 16), ("25%", 8)] {
+        let got = json_run(&m, &["--temp", "0", "-n", "4", "--expert-mem", share]);
+        assert_eq!(got["stats"]["slots"], slots, "{share}");
+        assert_eq!(tokens(&got), tokens(&resident), "{share}");
+        let bytes = got["stats"]["slot_bytes"].as_u64().unwrap();
+        // The same budget in bytes buys the same slots.
+        let same = json_run(
+            &m,
+            &["--temp", "0", "-n", "1", "--expert-mem", &bytes.to_string()],
+        );
+        assert_eq!(same["stats"]["slots"], slots, "{share} = {bytes} bytes");
+    }
+    for bad in ["0%", "101%", "x%", "%"] {
+        let out = run(&m, &["--expert-mem", bad]);
+        assert!(!out.status.success(), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--expert-mem"), "{bad}: {err}");
+    }
+}
+
+#[test]
 fn text_goes_to_stdout_and_stats_to_stderr() {
     let m = model("qwen3moe");
     let out = run(&m, &["--temp", "0"]);

@@ -11,6 +11,7 @@ use les_core::slot_classes::{plan_by_bytes, plan_minimum, SlotClass};
 use les_core::slots::ExpertKey;
 
 use super::run::resolve_budget;
+use super::values::ExpertMem;
 use crate::belady;
 use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
 use crate::compute::default_threads;
@@ -31,10 +32,11 @@ pub struct BenchArgs {
     /// The model (GGUF, plain or packed).
     #[arg(short, long)]
     pub model: PathBuf,
-    /// RAM for expert slots (e.g. 2GiB); experts of different sizes get slots of
-    /// their size, each size the same share.
-    #[arg(long)]
-    pub expert_mem: Option<String>,
+    /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
+    /// expert bytes (e.g. 25%, as `--sweep` takes them); experts of different
+    /// sizes get slots of their size, each size the same share.
+    #[arg(long, value_parser = super::values::expert_mem)]
+    pub expert_mem: Option<ExpertMem>,
     /// Number of expert slots (instead of --expert-mem), split across expert
     /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
@@ -74,7 +76,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
     /// Instead of one budget, sweep these percentages of the expert bytes (e.g.
-    /// `10,25,50,100`) and print one row per budget and schedule.
+    /// `10,25,50,100`, each as `--expert-mem P%`) and print one row per budget
+    /// and schedule.
     #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots"])]
     pub sweep: Vec<f64>,
 }
@@ -113,7 +116,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         } else {
             Schedule::Resident
         }),
-        args.expert_mem.as_deref(),
+        args.expert_mem,
         args.slots,
         &args.io,
     )?;
@@ -138,7 +141,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         mib(expert_bytes as f64),
         budget.slots(),
         mib(slot_bytes as f64),
-        100.0 * slot_bytes as f64 / expert_bytes.max(1) as f64,
+        100.0 * slot_bytes as f64 / model.expert_slot_bytes().max(1) as f64,
         class_note(&budget.classes),
         cfg.threads,
         match budget.io.engine {
@@ -632,7 +635,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     for &pct in &args.sweep {
         // A budget below one layer's picks of each size runs at that minimum.
         let groups = model.expert_size_groups();
-        let bytes = (expert_bytes as f64 * pct / 100.0) as u64;
+        let bytes = ExpertMem::Percent(pct).bytes(model.expert_slot_bytes());
         let classes = plan_by_bytes(groups.iter().copied(), bytes, top_k as u32)
             .or_else(|_| plan_minimum(groups, top_k as u32))
             .map_err(|e| format!("{pct}%: {e}"))?;

@@ -9,6 +9,7 @@ use clap::Args;
 use les_core::gemv::Isa;
 use serde_json::json;
 
+use super::values::ExpertMem;
 use crate::compute::{default_threads, ThreadedMatVec};
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
@@ -59,10 +60,11 @@ pub struct RunArgs {
     /// Expert schedule: resident, on-demand or les.
     #[arg(long)]
     pub schedule: Option<Schedule>,
-    /// RAM for expert slots (e.g. 2GiB); experts stream from the file. Experts of
+    /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
+    /// expert bytes (e.g. 25%); experts stream from the file. Experts of
     /// different sizes get slots of their size, each size the same share.
-    #[arg(long)]
-    pub expert_mem: Option<String>,
+    #[arg(long, value_parser = super::values::expert_mem)]
+    pub expert_mem: Option<ExpertMem>,
     /// Number of expert slots (instead of --expert-mem), split across expert
     /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
@@ -209,7 +211,7 @@ impl IoArgs {
 pub fn resolve_budget(
     model: &Model,
     schedule: Option<Schedule>,
-    expert_mem: Option<&str>,
+    expert_mem: Option<ExpertMem>,
     slots: Option<usize>,
     io: &IoArgs,
 ) -> Result<(Schedule, SlotBudget), Box<dyn Error>> {
@@ -229,7 +231,7 @@ pub fn resolve_budget(
         return Err("the model has no experts to stream; use --schedule resident".into());
     }
     let classes = match (expert_mem, slots) {
-        (Some(m), _) => plan_by_bytes(groups, parse_size(m)?, top_k),
+        (Some(m), _) => plan_by_bytes(groups, m.bytes(model.expert_slot_bytes()), top_k),
         (None, Some(n)) => plan_by_count(groups, n.min(u32::MAX as usize) as u32, top_k),
         (None, None) => {
             return Err("--schedule on-demand and les need --expert-mem or --slots".into())
@@ -250,13 +252,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
-    let (schedule, budget) = resolve_budget(
-        &model,
-        args.schedule,
-        args.expert_mem.as_deref(),
-        args.slots,
-        &args.io,
-    )?;
+    let (schedule, budget) =
+        resolve_budget(&model, args.schedule, args.expert_mem, args.slots, &args.io)?;
     let clip = match &args.mmproj {
         Some(path) => {
             let clip = ClipModel::open(path)?;

@@ -58,6 +58,35 @@ pub fn bytes(s: &str) -> Result<u64, String> {
     crate::supply::parse_size(s)
 }
 
+/// RAM for expert slots: a byte size, or a share of the model's expert bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertMem {
+    /// So many bytes (`2GiB`).
+    Bytes(u64),
+    /// This percentage (`25%`, in (0, 100]) of the slot bytes that hold every
+    /// expert of the model ([`crate::model::Model::expert_slot_bytes`]).
+    Percent(f64),
+}
+
+impl ExpertMem {
+    /// The budget in bytes for a model whose experts all fit `expert_bytes`.
+    pub fn bytes(self, expert_bytes: u64) -> u64 {
+        match self {
+            ExpertMem::Bytes(b) => b,
+            ExpertMem::Percent(p) => (expert_bytes as f64 * p / 100.0) as u64,
+        }
+    }
+}
+
+/// An [`ExpertMem`]: a byte size as [`bytes`] takes it, or a percentage as
+/// [`percent`] does, followed by `%`.
+pub fn expert_mem(s: &str) -> Result<ExpertMem, String> {
+    match s.trim().strip_suffix('%') {
+        Some(p) => percent(p.trim()).map(ExpertMem::Percent),
+        None => bytes(s).map(ExpertMem::Bytes),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,6 +109,15 @@ mod tests {
         assert_eq!(percent("12.5"), Ok(12.5));
         for bad in ["0", "100.1", "nan", "-5"] {
             assert!(percent(bad).is_err(), "{bad}");
+        }
+        assert_eq!(expert_mem("2GiB"), Ok(ExpertMem::Bytes(2 << 30)));
+        assert_eq!(expert_mem("25%"), Ok(ExpertMem::Percent(25.0)));
+        assert_eq!(expert_mem(" 12.5 % "), Ok(ExpertMem::Percent(12.5)));
+        assert_eq!(ExpertMem::Percent(25.0).bytes(4 << 30), 1 << 30);
+        assert_eq!(ExpertMem::Percent(100.0).bytes(12345), 12345);
+        assert_eq!(ExpertMem::Bytes(7).bytes(12345), 7);
+        for bad in ["0%", "101%", "%", "x%", "-5%", "nan%", "2 parsecs"] {
+            assert!(expert_mem(bad).is_err(), "{bad}");
         }
         assert_eq!(tokens("3"), Ok(3));
         assert!(tokens("0").is_err());
