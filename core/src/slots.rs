@@ -216,8 +216,9 @@ pub const PROTECTED_LAYERS: u32 = 2;
 /// quarters of `les`'s stall was in the first quarter of the layers, while a
 /// later layer's miss is read behind the compute of the layers before it.
 /// Keeping more of the first layers' experts moved misses to where they are
-/// hidden: stall 20.4 -> 16.4 ms a token for ~4% more bytes read, 6.39 -> 6.59
-/// tok/s (1.53x -> 1.61x over on-demand, `--repeat 3`); neutral on `small`.
+/// hidden: stall 19-20 -> 15-16 ms a token for ~4% more bytes read, 1.53x ->
+/// 1.57-1.61x over on-demand (`--repeat 3`). Where the first layers do not
+/// stall it only reads more: about -2% on the 16-layer `small` preset.
 pub fn layer_weight(layer: u16, n_layers: u16) -> u32 {
     let half = (n_layers / 2).max(1) as u32;
     16 + 16 * half.saturating_sub(layer as u32) / half
