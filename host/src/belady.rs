@@ -12,62 +12,23 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use les_core::model::forward::{Experts, Handout, Step};
 use les_core::slots::ExpertKey;
 
-/// Wraps an expert supplier and records every layer's routing, in order.
-pub struct Recording<'a, X> {
-    inner: &'a mut X,
+use crate::watch::Watcher;
+
+/// Records every layer's routing, in order (a [`Watcher`] of the supplier).
+#[derive(Clone, Debug, Default)]
+pub struct Recording {
     /// The picked experts, in the order the forward pass asked for them.
     pub picks: Vec<ExpertKey>,
 }
 
-impl<'a, X> Recording<'a, X> {
-    /// Records what `inner` is asked for from now on.
-    pub fn new(inner: &'a mut X) -> Self {
-        Recording {
-            inner,
-            picks: Vec::new(),
-        }
-    }
-}
-
-impl<X> Recording<'_, X> {
-    /// The wrapped supplier.
-    pub fn inner(&self) -> &X {
-        self.inner
-    }
-}
-
-impl<X: Experts> Experts for Recording<'_, X> {
-    type Error = X::Error;
-    fn begin_token(&mut self) {
-        self.inner.begin_token()
-    }
-    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
+impl<X> Watcher<X> for Recording {
+    fn begin_layer(&mut self, _: &X, layer: usize, routing: &[u16]) {
         self.picks.extend(routing.iter().map(|&expert| ExpertKey {
             layer: layer as u16,
             expert,
         }));
-        self.inner.begin_layer(layer, routing)
-    }
-    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
-        self.inner.router_logits(layer, logits)
-    }
-    fn wants_predictions(&self) -> bool {
-        self.inner.wants_predictions()
-    }
-    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
-        self.inner.prefetch(layer, predicted)
-    }
-    fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
-        self.inner.next()
-    }
-    fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
-        self.inner.try_next()
-    }
-    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), X::Error> {
-        self.inner.finish(index, checksum)
     }
 }
 

@@ -31,6 +31,7 @@ use crate::layer_costs::{LayerCost, LayerCosts};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
+use crate::watch::Watched;
 
 /// How many experts the lookahead predicts per layer.
 #[derive(Clone, Copy, Debug, PartialEq, clap::Args)]
@@ -383,8 +384,7 @@ pub fn run_schedule(
         cfg.budget.clone()
     };
     let mut supply = Supply::new(model, path, schedule, budget)?;
-    let mut recording = Recording::new(&mut supply);
-    let mut supply = LayerCosts::new(&mut recording);
+    let mut supply = Watched::new(&mut supply, (Recording::default(), LayerCosts::default()));
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = TimedOutput {
         inner: ThreadedMatVec::new(cfg.threads, Isa::detect()),
@@ -404,12 +404,11 @@ pub fn run_schedule(
         )?;
     }
     let prefill = t0.elapsed();
-    supply.reset();
-    let decode_from = supply.inner().picks.len();
-    let stats0 = supply.inner().inner().stats().unwrap_or_default();
+    supply.watcher.1.reset(supply.inner);
+    let decode_from = supply.watcher.0.picks.len();
+    let stats0 = supply.inner.stats().unwrap_or_default();
     let io0 = supply
-        .inner()
-        .inner()
+        .inner
         .device()
         .map(|d| d.counters().snapshot())
         .unwrap_or_default();
@@ -435,23 +434,21 @@ pub fn run_schedule(
     let decode = t1.elapsed();
     let layer_costs = match schedule {
         Schedule::Resident => Vec::new(), // nothing streams: no stall, no misses
-        _ => supply.finish(),
+        _ => supply.watcher.1.finish(supply.inner),
     };
     let cpu_steal = CpuTimes::now()
         .zip(cpu0)
         .and_then(|(now, before)| now.steal_since(&before));
     let io: IoSnapshot = supply
-        .inner()
-        .inner()
+        .inner
         .device()
         .map(|d| d.counters().snapshot())
         .unwrap_or_default()
         - io0;
-    let s1 = supply.inner().inner().stats().unwrap_or_default();
+    let s1 = supply.inner.stats().unwrap_or_default();
     let stats = s1.since(&stats0);
     let layers = supply
-        .inner()
-        .inner()
+        .inner
         .layers()
         .map(|ls: &[LayerState]| {
             ls.iter()
@@ -480,7 +477,7 @@ pub fn run_schedule(
         device_bw,
         output_time: mv.time - output0,
         layer_costs,
-        picks: recording.picks,
+        picks: std::mem::take(&mut supply.watcher.0.picks),
         decode_from,
         cpu_steal,
     })

@@ -1,20 +1,21 @@
 //! Where a streamed decode waits, layer by layer.
 //!
-//! [`LayerCosts`] wraps an expert supplier and, at each layer's
-//! [`begin_layer`](Experts::begin_layer), closes the previous layer's account:
-//! the time the decode was blocked on reads since that layer began (its experts'
-//! reads: the forward pass waits for them before the next layer starts) and the
-//! scheduler's misses and late hits counted when it routed. `les bench` prints
-//! the sums per token, so the shape of a token's stall (which layers wait, and
-//! for how many reads) is measured in the run rather than inferred.
+//! [`LayerCosts`] watches an expert supplier ([`crate::watch`]) and, at each
+//! layer's [`begin_layer`](les_core::model::forward::Experts::begin_layer),
+//! closes the previous layer's account: the time the decode was blocked on
+//! reads since that layer began (its experts' reads: the forward pass waits
+//! for them before the next layer starts) and the scheduler's misses and late
+//! hits counted when it routed.
+//! `les bench` prints the sums per token, so the shape of a token's stall
+//! (which layers wait, and for how many reads) is measured in the run rather
+//! than inferred.
 
 use std::time::Duration;
 
-use les_core::model::forward::{Experts, Handout, Step};
 use les_core::schedule::Stats;
 
-use crate::belady::Recording;
 use crate::supply::Supply;
+use crate::watch::Watcher;
 
 /// What one layer cost over the counted tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,62 +49,38 @@ impl Probe for Supply<'_> {
     }
 }
 
-impl<X: Probe> Probe for Recording<'_, X> {
-    fn stall_nanos(&self) -> u64 {
-        self.inner().stall_nanos()
-    }
-
-    fn stats(&self) -> Stats {
-        self.inner().stats()
-    }
-}
-
-/// Wraps an expert supplier and accounts each layer's stall and misses.
-pub struct LayerCosts<'a, X> {
-    inner: &'a mut X,
+/// Accounts each layer's stall and misses (a [`Watcher`] of the supplier).
+#[derive(Clone, Debug, Default)]
+pub struct LayerCosts {
     costs: Vec<LayerCost>,
     /// The layer being computed, with the stall and counters when it began.
     open: Option<(usize, u64, Stats)>,
 }
 
-impl<'a, X: Probe> LayerCosts<'a, X> {
-    /// Accounts what `inner` does from now on.
-    pub fn new(inner: &'a mut X) -> Self {
-        LayerCosts {
-            inner,
-            costs: Vec::new(),
-            open: None,
-        }
-    }
-
-    /// The wrapped supplier.
-    pub fn inner(&self) -> &X {
-        self.inner
-    }
-
+impl LayerCosts {
     /// Forgets what was counted so far (e.g. the prompt's tokens); the layer in
     /// progress starts counting now.
-    pub fn reset(&mut self) {
+    pub fn reset(&mut self, supplier: &impl Probe) {
         self.costs.clear();
         if let Some((layer, _, _)) = self.open {
-            self.open = Some((layer, self.inner.stall_nanos(), self.inner.stats()));
+            self.open = Some((layer, supplier.stall_nanos(), supplier.stats()));
         }
     }
 
     /// Closes the account of the layer in progress and returns every layer's
     /// costs, indexed by layer (layers that never routed are zero; empty if none
     /// did).
-    pub fn finish(&mut self) -> Vec<LayerCost> {
-        self.close();
+    pub fn finish(&mut self, supplier: &impl Probe) -> Vec<LayerCost> {
+        self.close(supplier);
         std::mem::take(&mut self.costs)
     }
 
-    fn close(&mut self) {
+    fn close(&mut self, supplier: &impl Probe) {
         let Some((layer, stall0, stats0)) = self.open.take() else {
             return;
         };
-        let stats = self.inner.stats().since(&stats0);
-        let stall = self.inner.stall_nanos().saturating_sub(stall0);
+        let stats = supplier.stats().since(&stats0);
+        let stall = supplier.stall_nanos().saturating_sub(stall0);
         if self.costs.len() <= layer {
             self.costs.resize(layer + 1, LayerCost::default());
         }
@@ -115,33 +92,10 @@ impl<'a, X: Probe> LayerCosts<'a, X> {
     }
 }
 
-impl<X: Experts + Probe> Experts for LayerCosts<'_, X> {
-    type Error = X::Error;
-    fn begin_token(&mut self) {
-        self.inner.begin_token()
-    }
-    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
-        self.close();
-        self.open = Some((layer, self.inner.stall_nanos(), self.inner.stats()));
-        self.inner.begin_layer(layer, routing)
-    }
-    fn router_logits(&mut self, layer: usize, logits: &[f32]) {
-        self.inner.router_logits(layer, logits)
-    }
-    fn wants_predictions(&self) -> bool {
-        self.inner.wants_predictions()
-    }
-    fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
-        self.inner.prefetch(layer, predicted)
-    }
-    fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
-        self.inner.next()
-    }
-    fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
-        self.inner.try_next()
-    }
-    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), X::Error> {
-        self.inner.finish(index, checksum)
+impl<X: Probe> Watcher<X> for LayerCosts {
+    fn begin_layer(&mut self, supplier: &X, layer: usize, _: &[u16]) {
+        self.close(supplier);
+        self.open = Some((layer, supplier.stall_nanos(), supplier.stats()));
     }
 }
 
@@ -171,7 +125,8 @@ pub fn grouped(costs: &[LayerCost], groups: usize) -> Vec<(usize, usize, LayerCo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use les_core::model::forward::Handout;
+    use crate::watch::Watched;
+    use les_core::model::forward::{Experts, Handout};
 
     /// A supplier that stalls `wait` ns per `next` and misses what it is told.
     struct Fake {
@@ -214,13 +169,13 @@ mod tests {
             wait: 0,
             misses_per_layer: vec![3, 1, 0],
         };
-        let mut costs = LayerCosts::new(&mut fake);
+        let mut costs = Watched::new(&mut fake, LayerCosts::default());
         // A prompt token, forgotten by `reset`.
         for l in 0..3 {
             costs.begin_layer(l, &[0, 1, 2, 3]).unwrap();
             costs.next().unwrap();
         }
-        costs.reset();
+        costs.watcher.reset(costs.inner);
         for _token in 0..2 {
             for (l, wait) in [(0, 5_000_000u64), (1, 1_000_000), (2, 0)] {
                 costs.inner.wait = wait;
@@ -229,7 +184,7 @@ mod tests {
                 costs.next().unwrap();
             }
         }
-        let c = costs.finish();
+        let c = costs.watcher.finish(costs.inner);
         assert_eq!(c.len(), 3);
         assert_eq!(c[0].stall, Duration::from_millis(20));
         assert_eq!(c[1].stall, Duration::from_millis(4));

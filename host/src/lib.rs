@@ -14,7 +14,8 @@
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
 //! - [`bench`](mod@bench): `les bench`, schedules compared side by side; [`belady`], the
 //!   optimal cache's hit rate over the run's routing; [`layer_costs`], each layer's
-//!   stall and misses; [`cpu_steal`], the CPU time a hypervisor took meanwhile.
+//!   stall and misses; [`cpu_steal`], the CPU time a hypervisor took meanwhile;
+//!   [`watch`], how they watch the expert supplier.
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
@@ -41,3 +42,4 @@ pub mod supply;
 pub mod synth;
 pub mod tokenizer;
 pub mod vision;
+pub mod watch;
