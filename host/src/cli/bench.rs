@@ -35,8 +35,8 @@ pub struct BenchArgs {
     /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
     /// expert bytes (e.g. 25%, as `--sweep` takes them); experts of different
     /// sizes get slots of their size, each size the same share.
-    #[arg(long, value_parser = super::values::expert_mem)]
-    pub expert_mem: Option<ExpertMem>,
+    #[arg(long)]
+    pub expert_mem: Option<String>,
     /// Number of expert slots (instead of --expert-mem), split across expert
     /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
@@ -116,7 +116,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         } else {
             Schedule::Resident
         }),
-        args.expert_mem,
+        args.expert_mem.as_deref(),
         args.slots,
         &args.io,
     )?;

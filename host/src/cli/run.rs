@@ -9,7 +9,7 @@ use clap::Args;
 use les_core::gemv::Isa;
 use serde_json::json;
 
-use super::values::ExpertMem;
+use super::values;
 use crate::compute::{default_threads, ThreadedMatVec};
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
@@ -63,8 +63,8 @@ pub struct RunArgs {
     /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
     /// expert bytes (e.g. 25%); experts stream from the file. Experts of
     /// different sizes get slots of their size, each size the same share.
-    #[arg(long, value_parser = super::values::expert_mem)]
-    pub expert_mem: Option<ExpertMem>,
+    #[arg(long)]
+    pub expert_mem: Option<String>,
     /// Number of expert slots (instead of --expert-mem), split across expert
     /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
@@ -211,7 +211,7 @@ impl IoArgs {
 pub fn resolve_budget(
     model: &Model,
     schedule: Option<Schedule>,
-    expert_mem: Option<ExpertMem>,
+    expert_mem: Option<&str>,
     slots: Option<usize>,
     io: &IoArgs,
 ) -> Result<(Schedule, SlotBudget), Box<dyn Error>> {
@@ -231,7 +231,10 @@ pub fn resolve_budget(
         return Err("the model has no experts to stream; use --schedule resident".into());
     }
     let classes = match (expert_mem, slots) {
-        (Some(m), _) => plan_by_bytes(groups, m.bytes(model.expert_slot_bytes()), top_k),
+        (Some(m), _) => {
+            let mem = values::expert_mem(m).map_err(|e| format!("--expert-mem {m:?}: {e}"))?;
+            plan_by_bytes(groups, mem.bytes(model.expert_slot_bytes()), top_k)
+        }
         (None, Some(n)) => plan_by_count(groups, n.min(u32::MAX as usize) as u32, top_k),
         (None, None) => {
             return Err("--schedule on-demand and les need --expert-mem or --slots".into())
@@ -252,8 +255,13 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
-    let (schedule, budget) =
-        resolve_budget(&model, args.schedule, args.expert_mem, args.slots, &args.io)?;
+    let (schedule, budget) = resolve_budget(
+        &model,
+        args.schedule,
+        args.expert_mem.as_deref(),
+        args.slots,
+        &args.io,
+    )?;
     let clip = match &args.mmproj {
         Some(path) => {
             let clip = ClipModel::open(path)?;
