@@ -36,7 +36,7 @@ pub fn percent(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v <= 100.0 => Ok(v),
         Ok(_) => Err(format!("{s}% is not in (0, 100]")),
-        Err(e) => Err(e.to_string()),
+        Err(_) => Err(format!("{s:?} is not a percentage (a number such as 25)")),
     }
 }
 
