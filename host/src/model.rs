@@ -813,28 +813,20 @@ impl Model {
 
     /// Total bytes of routed experts in the file.
     pub fn total_expert_bytes(&self) -> u64 {
-        self.expert_size_groups_bytes(false)
-    }
-
-    /// Bytes of slots that hold every expert at once: each expert's read
-    /// rounded up to a slot ([`SLOT_ALIGN`]), as [`expert_size_groups`](Self::expert_size_groups)
-    /// counts them. `--expert-mem 100%` is this much.
-    pub fn expert_slot_bytes(&self) -> u64 {
-        self.expert_size_groups_bytes(true)
-    }
-
-    fn expert_size_groups_bytes(&self, padded: bool) -> u64 {
         let n = self.hp.moe.map_or(0, |m| m.n_experts) as u64;
         (0..self.hp.n_layers)
             .filter_map(|l| self.expert_read_bytes(l))
-            .map(|b| {
-                if padded {
-                    b.next_multiple_of(SLOT_ALIGN)
-                } else {
-                    b
-                }
-            })
             .map(|b| b as u64 * n)
+            .sum()
+    }
+
+    /// Bytes of slots that hold every expert at once: the
+    /// [`expert_size_groups`](Self::expert_size_groups) the slot planner takes
+    /// (each expert's read rounded up to a slot). `--expert-mem 100%` is this much.
+    pub fn expert_slot_bytes(&self) -> u64 {
+        self.expert_size_groups()
+            .iter()
+            .map(|g| g.bytes as u64 * g.count as u64)
             .sum()
     }
 
