@@ -30,6 +30,15 @@ pub struct LayerCost {
     pub misses: u64,
 }
 
+impl std::ops::AddAssign for LayerCost {
+    fn add_assign(&mut self, o: LayerCost) {
+        self.stall += o.stall;
+        self.hits += o.hits;
+        self.late_hits += o.late_hits;
+        self.misses += o.misses;
+    }
+}
+
 /// A supplier whose stall time and scheduler counters can be read at any moment.
 pub trait Probe {
     /// Time blocked on reads so far, in nanoseconds.
@@ -84,11 +93,12 @@ impl LayerCosts {
         if self.costs.len() <= layer {
             self.costs.resize(layer + 1, LayerCost::default());
         }
-        let c = &mut self.costs[layer];
-        c.stall += Duration::from_nanos(stall);
-        c.hits += stats.hits;
-        c.late_hits += stats.late_hits;
-        c.misses += stats.misses;
+        self.costs[layer] += LayerCost {
+            stall: Duration::from_nanos(stall),
+            hits: stats.hits,
+            late_hits: stats.late_hits,
+            misses: stats.misses,
+        };
     }
 }
 
@@ -108,14 +118,10 @@ pub fn grouped(costs: &[LayerCost], groups: usize) -> Vec<(usize, usize, LayerCo
         .filter_map(|g| {
             let (a, b) = (g * n / groups, (g + 1) * n / groups);
             (a < b).then(|| {
-                let sum = costs[a..b]
-                    .iter()
-                    .fold(LayerCost::default(), |s, c| LayerCost {
-                        stall: s.stall + c.stall,
-                        hits: s.hits + c.hits,
-                        late_hits: s.late_hits + c.late_hits,
-                        misses: s.misses + c.misses,
-                    });
+                let mut sum = LayerCost::default();
+                for &c in &costs[a..b] {
+                    sum += c;
+                }
                 (a, b - 1, sum)
             })
         })
