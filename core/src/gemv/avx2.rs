@@ -227,7 +227,7 @@ const PAIRS: [u8; 32] = {
 /// Eight bytes as eight `(b_j, b_j)` `i16` pairs ([`PAIRS`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pairs8(b: [u8; 8]) -> __m256i {
+pub(super) fn pairs8(b: [u8; 8]) -> __m256i {
     _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(b)), ld256(&PAIRS))
 }
 
@@ -273,7 +273,7 @@ pub(super) fn lanes4(v: __m128) -> [f32; 4] {
 /// The four `i32` lanes as an array.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn lanes4i(v: __m128i) -> [i32; 4] {
+pub(super) fn lanes4i(v: __m128i) -> [i32; 4] {
     let mut out = [0i32; 4];
     // SAFETY: writes exactly the 4 `i32` of `out`; `storeu` has no alignment
     // requirement.
@@ -491,7 +491,7 @@ pub(super) fn isum_q8_0(w: &BlockQ8_0, x: &BlockQ8_0) -> __m256i {
 /// `Q8_K` activations of elements `off..off + 32`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn y32(x: &BlockQ8K, off: usize) -> __m256i {
+pub(super) fn y32(x: &BlockQ8K, off: usize) -> __m256i {
     ld256i(arr(&x.qs, off))
 }
 
@@ -601,9 +601,39 @@ fn q4_k_sums(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
 /// [`r::dot_q4_k`]'s float step for one super-block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k4_term(d: [u8; 2], dmin: [u8; 2], x: &BlockQ8K, sumi: i32, summs: i32) -> f32 {
+pub(super) fn k4_term(d: [u8; 2], dmin: [u8; 2], x: &BlockQ8K, sumi: i32, summs: i32) -> f32 {
     let dx = r::q8k_d(x);
     (hx(d) * dx) * sumi as f32 - (hx(dmin) * dx) * summs as f32
+}
+
+/// [`k4_term`] of two super-blocks `a`, `b` at once, from
+/// `s = [sumi_a, summs_a, sumi_b, summs_b]`: the same `f32` multiplications and
+/// subtraction, lane by lane, so the same bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn k4_terms2(
+    a: &BlockQ4K,
+    b: &BlockQ4K,
+    xa: &BlockQ8K,
+    xb: &BlockQ8K,
+    s: __m128i,
+) -> (f32, f32) {
+    let e = |h: [u8; 2]| i16::from_le_bytes(h);
+    let dd = _mm_cvtph_ps(_mm_setr_epi16(
+        e(a.d),
+        e(a.dmin),
+        e(b.d),
+        e(b.dmin),
+        0,
+        0,
+        0,
+        0,
+    ));
+    let (dxa, dxb) = (r::q8k_d(xa), r::q8k_d(xb));
+    let dx = _mm_setr_ps(dxa, dxa, dxb, dxb);
+    let t = _mm_mul_ps(_mm_mul_ps(dd, dx), _mm_cvtepi32_ps(s));
+    let d = _mm_hsub_ps(t, t);
+    (_mm_cvtss_f32(d), _mm_cvtss_f32(_mm_movehdup_ps(d)))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -614,9 +644,9 @@ pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
         let (va, ma) = q4_k_sums(&w2[0], &x2[0]);
         let (vb, mb) = q4_k_sums(&w2[1], &x2[1]);
-        let s = lanes4i(hsum4(va, ma, vb, mb));
-        acc += k4_term(w2[0].d, w2[0].dmin, &x2[0], s[0], s[1]);
-        acc += k4_term(w2[1].d, w2[1].dmin, &x2[1], s[2], s[3]);
+        let (ta, tb) = k4_terms2(&w2[0], &w2[1], &x2[0], &x2[1], hsum4(va, ma, vb, mb));
+        acc += ta;
+        acc += tb;
     }
     if n % 2 == 1 {
         let (v, m) = q4_k_sums(&w[n - 1], &x[n - 1]);

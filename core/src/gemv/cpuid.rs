@@ -17,6 +17,7 @@ use core::sync::atomic::{AtomicU8, Ordering};
 const KNOWN: u8 = 1;
 const AVX2: u8 = 2;
 const AVX512: u8 = 4;
+const AVX512_VNNI: u8 = 8;
 
 static FEATURES: AtomicU8 = AtomicU8::new(0);
 
@@ -69,6 +70,9 @@ fn detect() -> u8 {
         out |= AVX2;
         if os_zmm && avx512f && avx512bw && avx512vl {
             out |= AVX512;
+            if bit(l7.ecx, 11) {
+                out |= AVX512_VNNI;
+            }
         }
     }
     out
@@ -95,6 +99,11 @@ pub(crate) fn has_avx512() -> bool {
     features() & AVX512 != 0
 }
 
+/// AVX-512 VNNI (and everything [`has_avx512`] needs).
+pub(crate) fn has_avx512_vnni() -> bool {
+    features() & AVX512_VNNI != 0
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -109,5 +118,7 @@ mod tests {
             && std::is_x86_feature_detected!("avx512vl");
         assert_eq!(super::has_avx2(), avx2);
         assert_eq!(super::has_avx512(), avx512);
+        let vnni = avx512 && std::is_x86_feature_detected!("avx512vnni");
+        assert_eq!(super::has_avx512_vnni(), vnni);
     }
 }
