@@ -87,7 +87,16 @@ impl Kernels for Avx512 {
         f16(&[u8], &[f32]);
         bf16(&[u8], &[f32]);
         q8_0(&[BlockQ8_0], &[BlockQ8_0]);
-        q6_k(&[BlockQ6K], &[BlockQ8K]);
+    }
+    #[inline]
+    fn q6_k(self, w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+        match self.1 {
+            // SAFETY: a `Vnni` token exists only if the CPU supports AVX-512 VNNI
+            // and everything `Avx512` needs (`Avx512::new`).
+            Some(Vnni(())) => unsafe { q6_k_vnni(w, x) },
+            // SAFETY: `self` is an `Avx512` token (`Avx512::new`).
+            None => unsafe { q6_k(w, x) },
+        }
     }
     #[inline]
     fn q4_k(self, w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
@@ -117,6 +126,14 @@ impl Kernels for Avx512 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn ld512i(a: &[i8; 64]) -> __m512i {
+    // SAFETY: reads exactly the 64 bytes of `a`; `loadu` has no alignment requirement.
+    unsafe { _mm512_loadu_si512(a.as_ptr().cast()) }
+}
+
+/// Loads 64 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn ld512(a: &[u8; 64]) -> __m512i {
     // SAFETY: reads exactly the 64 bytes of `a`; `loadu` has no alignment requirement.
     unsafe { _mm512_loadu_si512(a.as_ptr().cast()) }
 }
@@ -352,6 +369,67 @@ fn q4_k_vnni(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
         let zero = _mm256_setzero_si256();
         let s = avx2::lanes4i(hsum4(v, m, zero, zero));
         acc += avx2::k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
+    }
+    acc
+}
+
+/// `vpermw` indices over the sixteen `Q6_K` scales (as `i16`) that give half
+/// `h`'s multipliers after `vpackssdw`: in 128-bit lane `i`, `i16` lanes 0-3 hold
+/// the scale of sub-block `8h + i` and lanes 4-7 that of sub-block `8h + 4 + i`.
+/// (Little-endian bytes of the `u16` indices.)
+const Q6K_HALF_SCALES: [[u8; 64]; 2] = {
+    let mut idx = [[0u8; 64]; 2];
+    let mut h = 0;
+    while h < 2 {
+        let mut k = 0;
+        while k < 32 {
+            idx[h][2 * k] = (8 * h + k / 8 + 4 * (k % 8 / 4)) as u8;
+            k += 1;
+        }
+        h += 1;
+    }
+    idx
+};
+
+/// [`q6_k`] with AVX-512 VNNI: `vpdpbusd` sums four products of the unsigned
+/// 6-bit values (0..64) per `i32` lane, at most 4 * 63 * 128 in magnitude, so two
+/// sub-blocks pack to `i16` exactly and one `vpmaddwd` scales them; the offset of
+/// 32 is subtracted once per super-block as `32 * sum_j scale_j * bsum_j`, from the
+/// activations' group sums. The same exact `sumi`, the same float step.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q6_k_vnni(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+    let m4 = _mm512_set1_epi8(0x0f);
+    let m30 = _mm512_set1_epi8(0x30);
+    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+    let zero = _mm512_setzero_si512();
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let scales: &[u8; 16] = &w.scales.map(|s| s as u8);
+        let sc16 = _mm256_cvtepi8_epi16(ld128(scales));
+        let sc = _mm512_castsi256_si512(sc16);
+        let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
+        let offset = avx2::hsum(_mm256_madd_epi16(sc16, ld256(bsums)));
+        let mut v = _mm512_setzero_si512();
+        for (half, pick) in Q6K_HALF_SCALES.iter().enumerate() {
+            let ql = ld512(arr(&w.ql, 64 * half));
+            // qh in both halves, the upper one shifted right by 2: bits 0-1 and 4-5
+            // of each byte are then the top bits of sub-blocks 8h..8h+4 and
+            // 8h+4..8h+8 (as in `q6_k`: the low nibbles of `ql` give the first,
+            // its high nibbles the second).
+            let qh = _mm512_broadcast_i64x4(ld256(arr(&w.qh, 32 * half)));
+            let qh = _mm512_srlv_epi16(qh, shifts);
+            let h01 = _mm512_and_si512(_mm512_slli_epi16::<4>(qh), m30);
+            let h23 = _mm512_and_si512(qh, m30);
+            // (ql & m4) | h01, and ((ql >> 4) & m4) | h23.
+            let q01 = _mm512_ternarylogic_epi32::<0xEA>(ql, m4, h01);
+            let q23 = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(ql), m4, h23);
+            let s01 = _mm512_dpbusd_epi32(zero, q01, ld512i(arr(&x.qs, 128 * half)));
+            let s23 = _mm512_dpbusd_epi32(zero, q23, ld512i(arr(&x.qs, 128 * half + 64)));
+            let mult = _mm512_permutexvar_epi16(ld512(pick), sc);
+            v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_packs_epi32(s01, s23), mult));
+        }
+        let sumi = _mm512_reduce_add_epi32(v) - 32 * offset;
+        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
     }
     acc
 }
