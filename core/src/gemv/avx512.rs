@@ -7,8 +7,9 @@
 //! AVX2, FMA, F16C, which it implies here) at run time; the other `unsafe` blocks are
 //! unaligned loads and stores from references to arrays of exactly the accessed
 //! size. Types without a 512-bit kernel use the AVX2 kernels, which the same check
-//! covers. `Q4_K` has a 256-bit kernel with AVX-512 VNNI (`vpdpbusd`), used where
-//! [`Avx512::new`] also found VNNI; without it, the AVX2 kernel.
+//! covers. `Q4_K` (256-bit) and `Q6_K` (512-bit) have kernels with AVX-512 VNNI
+//! (`vpdpbusd`), used where [`Avx512::new`] also found VNNI; without it, `Q4_K`
+//! runs the AVX2 kernel and `Q6_K` the plain AVX-512 one.
 //!
 //! # Exactness
 //!
