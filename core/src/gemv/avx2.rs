@@ -198,7 +198,7 @@ pub(super) fn term(dw: [u8; 2], dx: [u8; 2], isum: i32) -> f32 {
 /// [`r::term_m`] with F16C conversions.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn term_m(w_d: [u8; 2], w_m: [u8; 2], x: &BlockQ8_1, isum: i32) -> f32 {
+pub(super) fn term_m(w_d: [u8; 2], w_m: [u8; 2], x: &BlockQ8_1, isum: i32) -> f32 {
     (hx(w_d) * hx(x.d)) * isum as f32 + hx(w_m) * hx(x.s)
 }
 

@@ -7,9 +7,10 @@
 //! AVX2, FMA, F16C, which it implies here) at run time; the other `unsafe` blocks are
 //! unaligned loads and stores from references to arrays of exactly the accessed
 //! size. Types without a 512-bit kernel use the AVX2 kernels, which the same check
-//! covers. `Q4_K` (256-bit) and `Q6_K` (512-bit) have kernels with AVX-512 VNNI
-//! (`vpdpbusd`), used where [`Avx512::new`] also found VNNI; without it, `Q4_K`
-//! runs the AVX2 kernel and `Q6_K` the plain AVX-512 one.
+//! covers. `Q4_K`, `Q6_K` and the 32-element formats with `Q8_0`/`Q8_1`
+//! activations have kernels with AVX-512 VNNI (`vpdpbusd`), used where
+//! [`Avx512::new`] also found VNNI; without it, `Q6_K` runs the plain AVX-512
+//! kernel and the others the AVX2 ones.
 //!
 //! # Exactness
 //!
@@ -75,6 +76,22 @@ macro_rules! to_avx2 {
     };
 }
 
+macro_rules! vnni_or_avx2 {
+    ($($name:ident => $vnni:ident($w:ty, $x:ty);)*) => {
+        $(
+            #[inline]
+            fn $name(self, w: $w, x: $x) -> f32 {
+                match self.1 {
+                    // SAFETY: a `Vnni` token exists only if the CPU supports AVX-512
+                    // VNNI and everything `Avx512` needs (`Avx512::new`).
+                    Some(Vnni(())) => unsafe { $vnni(w, x) },
+                    None => self.0.$name(w, x),
+                }
+            }
+        )*
+    };
+}
+
 impl Kernels for Avx512 {
     const PREFETCHES: bool = true;
 
@@ -87,7 +104,18 @@ impl Kernels for Avx512 {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
         bf16(&[u8], &[f32]);
-        q8_0(&[BlockQ8_0], &[BlockQ8_0]);
+    }
+    vnni_or_avx2! {
+        // Without VNNI: the AVX2 kernels (`cargo bench -p les-core --bench gemv`:
+        // a 512-bit `Q8_0` one widening to `i16` measured 0.79x of AVX2's; a
+        // 512-bit `Q4_K` one needs shuffles for its scale multipliers).
+        q8_0 => q8_0_vnni(&[BlockQ8_0], &[BlockQ8_0]);
+        q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
+        q4_0 => q4_0_vnni(&[BlockQ4_0], &[BlockQ8_0]);
+        q4_1 => q4_1_vnni(&[BlockQ4_1], &[BlockQ8_1]);
+        q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
+        q5_1 => q5_1_vnni(&[BlockQ5_1], &[BlockQ8_1]);
+        iq4_nl => iq4_nl_vnni(&[BlockIQ4NL], &[BlockQ8_0]);
     }
     #[inline]
     fn q6_k(self, w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
@@ -99,23 +127,7 @@ impl Kernels for Avx512 {
             None => unsafe { q6_k(w, x) },
         }
     }
-    #[inline]
-    fn q4_k(self, w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
-        match self.1 {
-            // SAFETY: a `Vnni` token exists only if the CPU supports AVX-512 VNNI
-            // and everything `Avx512` needs (`Avx512::new`).
-            Some(Vnni(())) => unsafe { q4_k_vnni(w, x) },
-            // The 256-bit AVX2 kernel: its scale multipliers need no shuffles,
-            // which a 512-bit one would (`cargo bench -p les-core --bench gemv`).
-            None => self.0.q4_k(w, x),
-        }
-    }
     to_avx2! {
-        q4_0(&[BlockQ4_0], &[BlockQ8_0]);
-        q4_1(&[BlockQ4_1], &[BlockQ8_1]);
-        q5_0(&[BlockQ5_0], &[BlockQ8_0]);
-        q5_1(&[BlockQ5_1], &[BlockQ8_1]);
-        iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q5_k(&[BlockQ5K], &[BlockQ8K]);
@@ -152,13 +164,6 @@ fn ldps(a: &[f32; 16]) -> __m512 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn join(lo: __m256i, hi: __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-}
-
-/// The low and high 256 bits.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn split(v: __m512i) -> (__m256i, __m256i) {
-    (_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
 }
 
 // ---------------------------------------------------------------------------------
@@ -215,48 +220,98 @@ float_kernel!(
 // ---------------------------------------------------------------------------------
 // 32-element block formats with Q8_0 activations.
 
-/// Like the AVX2 block kernel, but `$pair` computes two blocks' sums at once (eight
-/// `i32` partial sums each) and `$one` is the AVX2 single-block sum for the last
-/// `n % 4` blocks.
-macro_rules! blocks32_kernel {
-    ($name:ident, $W:ty, $pair:ident, $one:path) => {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-        fn $name(w: &[$W], x: &[BlockQ8_0]) -> f32 {
+/// Eight `i32` partial sums of `sum(u[i] * x[i]) - off * sum(x[i])` over a
+/// 32-element block, for unsigned `u` (0..=255) and signed `x`, with AVX-512 VNNI:
+/// exact (each `vpdpbusd` lane sums four products, at most 4 * 255 * 128).
+/// Signed weights `w` enter as `u = w + 128` (the sign bit flipped), `off = 128`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dot_u_off_vnni(u: __m256i, off: i8, x: __m256i) -> __m256i {
+    let zero = _mm256_setzero_si256();
+    let s = _mm256_dpbusd_epi32(zero, u, x);
+    if off == 0 {
+        s
+    } else {
+        _mm256_sub_epi32(s, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(off), x))
+    }
+}
+
+/// Signed bytes as the unsigned `w + 128` of [`dot_u_off_vnni`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn flip(w: __m256i) -> __m256i {
+    _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN))
+}
+
+/// The AVX2 32-element block kernels with the integer sums of
+/// [`dot_u_off_vnni`]: the same float steps (`acc4`, `term` and their `Q8_1`
+/// forms), so the same bits.
+macro_rules! vnni_blocks32 {
+    ($name:ident, $W:ident, $X:ident, |$w:ident, $x:ident| $isum:expr) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        fn $name(w: &[$W], x: &[$X]) -> f32 {
+            let isum = |$w: &$W, $x: &$X| -> __m256i { $isum };
             let n = w.len().min(x.len());
             let full = n / 4 * 4;
             let mut acc = _mm_setzero_ps();
             for (w4, x4) in w[..full].chunks_exact(4).zip(x[..full].chunks_exact(4)) {
-                let (a0, a1) = $pair(&w4[0], &w4[1], &x4[0], &x4[1]);
-                let (b0, b1) = $pair(&w4[2], &w4[3], &x4[2], &x4[3]);
-                let s = hsum4(a0, a1, b0, b1);
-                let dw = [0, 1, 2, 3].map(|i| w4[i].d);
-                let dx = [0, 1, 2, 3].map(|i| x4[i].d);
-                acc = acc4(acc, s, dw, dx);
+                let s = hsum4(
+                    isum(&w4[0], &x4[0]),
+                    isum(&w4[1], &x4[1]),
+                    isum(&w4[2], &x4[2]),
+                    isum(&w4[3], &x4[3]),
+                );
+                acc = vnni_blocks32!(@acc acc, s, w4, x4, $X);
             }
             let mut lanes = lanes4(acc);
             for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
-                lanes[l] += term(w.d, x.d, hsum($one(w, x)));
+                lanes[l] += vnni_blocks32!(@term w, x, hsum(isum(w, x)), $X);
             }
             r::fold(lanes)
         }
     };
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn pair_q8_0(w0: &BlockQ8_0, w1: &BlockQ8_0, x0: &BlockQ8_0, x1: &BlockQ8_0) -> (__m256i, __m256i) {
-    let one = |w: &BlockQ8_0, x: &BlockQ8_0| -> __m256i {
-        let p = _mm512_madd_epi16(
-            _mm512_cvtepi8_epi16(ld256i(&w.qs)),
-            _mm512_cvtepi8_epi16(ld256i(&x.qs)),
-        );
-        let (lo, hi) = split(p);
-        _mm256_add_epi32(lo, hi)
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_0) => {
+        acc4($acc, $s, [0, 1, 2, 3].map(|i| $w4[i].d), [0, 1, 2, 3].map(|i| $x4[i].d))
     };
-    (one(w0, x0), one(w1, x1))
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_1) => {
+        avx2::acc4_m(
+            $acc,
+            $s,
+            [0, 1, 2, 3].map(|i| $w4[i].d),
+            [0, 1, 2, 3].map(|i| $x4[i].d),
+            [0, 1, 2, 3].map(|i| $w4[i].m),
+            [0, 1, 2, 3].map(|i| $x4[i].s),
+        )
+    };
+    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_0) => {
+        term($w.d, $x.d, $isum)
+    };
+    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_1) => {
+        avx2::term_m($w.d, $w.m, $x, $isum)
+    };
 }
 
-blocks32_kernel!(q8_0, BlockQ8_0, pair_q8_0, avx2::isum_q8_0);
+vnni_blocks32!(q8_0_vnni, BlockQ8_0, BlockQ8_0, |w, x| {
+    dot_u_off_vnni(flip(ld256i(&w.qs)), i8::MIN, ld256i(&x.qs))
+});
+vnni_blocks32!(q4_0_vnni, BlockQ4_0, BlockQ8_0, |w, x| {
+    dot_u_off_vnni(avx2::nib32(&w.qs), 8, ld256i(&x.qs))
+});
+vnni_blocks32!(q4_1_vnni, BlockQ4_1, BlockQ8_1, |w, x| {
+    dot_u_off_vnni(avx2::nib32(&w.qs), 0, ld256i(&x.qs))
+});
+vnni_blocks32!(q5_0_vnni, BlockQ5_0, BlockQ8_0, |w, x| {
+    let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
+    dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 16, ld256i(&x.qs))
+});
+vnni_blocks32!(q5_1_vnni, BlockQ5_1, BlockQ8_1, |w, x| {
+    let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
+    dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 0, ld256i(&x.qs))
+});
+vnni_blocks32!(iq4_nl_vnni, BlockIQ4NL, BlockQ8_0, |w, x| {
+    let k = _mm256_shuffle_epi8(avx2::iq4_table(), avx2::nib32(&w.qs));
+    dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
+});
 
 // ---------------------------------------------------------------------------------
 // K-quants.
