@@ -606,29 +606,20 @@ pub(super) fn k4_term(d: [u8; 2], dmin: [u8; 2], x: &BlockQ8K, sumi: i32, summs:
     (hx(d) * dx) * sumi as f32 - (hx(dmin) * dx) * summs as f32
 }
 
-/// [`k4_term`] of two super-blocks `a`, `b` at once, from
+/// [`k4_term`] of two super-blocks with scales `a`, `b` (`d`, `dmin`) at once, from
 /// `s = [sumi_a, summs_a, sumi_b, summs_b]`: the same `f32` multiplications and
 /// subtraction, lane by lane, so the same bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn k4_terms2(
-    a: &BlockQ4K,
-    b: &BlockQ4K,
+    a: ([u8; 2], [u8; 2]),
+    b: ([u8; 2], [u8; 2]),
     xa: &BlockQ8K,
     xb: &BlockQ8K,
     s: __m128i,
 ) -> (f32, f32) {
     let e = |h: [u8; 2]| i16::from_le_bytes(h);
-    let dd = _mm_cvtph_ps(_mm_setr_epi16(
-        e(a.d),
-        e(a.dmin),
-        e(b.d),
-        e(b.dmin),
-        0,
-        0,
-        0,
-        0,
-    ));
+    let dd = _mm_cvtph_ps(_mm_setr_epi16(e(a.0), e(a.1), e(b.0), e(b.1), 0, 0, 0, 0));
     let (dxa, dxb) = (r::q8k_d(xa), r::q8k_d(xb));
     let dx = _mm_setr_ps(dxa, dxa, dxb, dxb);
     let t = _mm_mul_ps(_mm_mul_ps(dd, dx), _mm_cvtepi32_ps(s));
@@ -644,7 +635,13 @@ pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
         let (va, ma) = q4_k_sums(&w2[0], &x2[0]);
         let (vb, mb) = q4_k_sums(&w2[1], &x2[1]);
-        let (ta, tb) = k4_terms2(&w2[0], &w2[1], &x2[0], &x2[1], hsum4(va, ma, vb, mb));
+        let (ta, tb) = k4_terms2(
+            (w2[0].d, w2[0].dmin),
+            (w2[1].d, w2[1].dmin),
+            &x2[0],
+            &x2[1],
+            hsum4(va, ma, vb, mb),
+        );
         acc += ta;
         acc += tb;
     }

@@ -7,7 +7,7 @@
 //! AVX2, FMA, F16C, which it implies here) at run time; the other `unsafe` blocks are
 //! unaligned loads and stores from references to arrays of exactly the accessed
 //! size. Types without a 512-bit kernel use the AVX2 kernels, which the same check
-//! covers. `Q4_K`, `Q6_K` and the 32-element formats with `Q8_0`/`Q8_1`
+//! covers. `Q4_K`, `Q5_K`, `Q6_K` and the 32-element formats with `Q8_0`/`Q8_1`
 //! activations have kernels with AVX-512 VNNI (`vpdpbusd`), used where
 //! [`Avx512::new`] also found VNNI; without it, `Q6_K` runs the plain AVX-512
 //! kernel and the others the AVX2 ones.
@@ -111,6 +111,7 @@ impl Kernels for Avx512 {
         // 512-bit `Q4_K` one needs shuffles for its scale multipliers).
         q8_0 => q8_0_vnni(&[BlockQ8_0], &[BlockQ8_0]);
         q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
+        q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
         q4_0 => q4_0_vnni(&[BlockQ4_0], &[BlockQ8_0]);
         q4_1 => q4_1_vnni(&[BlockQ4_1], &[BlockQ8_1]);
         q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
@@ -130,7 +131,6 @@ impl Kernels for Avx512 {
     to_avx2! {
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
-        q5_k(&[BlockQ5K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
     }
 }
@@ -407,27 +407,74 @@ fn q4_k_sums_vnni(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
     (v, m)
 }
 
-/// [`avx2::q4_k`] over [`q4_k_sums_vnni`]: the same float steps, the same bits.
+/// [`q4_k_sums_vnni`] for `Q5_K`: the fifth bit of each element from `qh` (as in
+/// the AVX2 kernel) on top of the nibble, values 0..32, so a lane's four products
+/// stay within 4 * 31 * 128 and pack to `i16` exactly.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q4_k_vnni(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
-    let n = w.len().min(x.len());
-    let (w, x) = (&w[..n], &x[..n]);
-    let mut acc = 0.0f32;
-    for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
-        let (va, ma) = q4_k_sums_vnni(&w2[0], &x2[0]);
-        let (vb, mb) = q4_k_sums_vnni(&w2[1], &x2[1]);
-        let (ta, tb) = avx2::k4_terms2(&w2[0], &w2[1], &x2[0], &x2[1], hsum4(va, ma, vb, mb));
-        acc += ta;
-        acc += tb;
+fn q5_k_sums_vnni(w: &BlockQ5K, x: &BlockQ8K) -> (__m256i, __m256i) {
+    let (sc, mins) = scales_mins_k4(&w.scales);
+    let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
+    let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
+    let m = _mm256_madd_epi16(ld256(bsums), avx2::pairs8(mins));
+    let m4 = _mm256_set1_epi8(0x0f);
+    let one = _mm256_set1_epi8(1);
+    let two = _mm256_set1_epi8(2);
+    let zero = _mm256_setzero_si256();
+    // Bit 2c of qh[l] is the fifth bit of element l of sub-block 2c, bit 2c + 1
+    // that of sub-block 2c + 1; `hq` is qh shifted right by 2c.
+    let mut hq = ld256(&w.qh);
+    let mut v = _mm256_setzero_si256();
+    for (c, pick) in CHUNK_SCALES.iter().enumerate() {
+        let q = ld256(arr(&w.qs, 32 * c));
+        let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
+        let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
+        let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
+        let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1);
+        let sa = _mm256_dpbusd_epi32(zero, lo, avx2::y32(x, 64 * c));
+        let sb = _mm256_dpbusd_epi32(zero, hi, avx2::y32(x, 64 * c + 32));
+        let mult = _mm256_shuffle_epi8(scales, ld256(pick));
+        v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_packs_epi32(sa, sb), mult));
+        hq = _mm256_srli_epi16::<2>(hq);
     }
-    if n % 2 == 1 {
-        let (v, m) = q4_k_sums_vnni(&w[n - 1], &x[n - 1]);
-        let zero = _mm256_setzero_si256();
-        let s = avx2::lanes4i(hsum4(v, m, zero, zero));
-        acc += avx2::k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
-    }
-    acc
+    (v, m)
 }
+
+/// The `Q4_K`/`Q5_K` row loop over a super-block sum `$sums`: two super-blocks a
+/// step, the float steps of [`avx2::k4_terms2`] (the same bits as the reference).
+macro_rules! k4_vnni_kernel {
+    ($name:ident, $W:ty, $sums:ident) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
+            let n = w.len().min(x.len());
+            let (w, x) = (&w[..n], &x[..n]);
+            let mut acc = 0.0f32;
+            for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
+                let (va, ma) = $sums(&w2[0], &x2[0]);
+                let (vb, mb) = $sums(&w2[1], &x2[1]);
+                let (ta, tb) = avx2::k4_terms2(
+                    (w2[0].d, w2[0].dmin),
+                    (w2[1].d, w2[1].dmin),
+                    &x2[0],
+                    &x2[1],
+                    hsum4(va, ma, vb, mb),
+                );
+                acc += ta;
+                acc += tb;
+            }
+            if n % 2 == 1 {
+                let (v, m) = $sums(&w[n - 1], &x[n - 1]);
+                let zero = _mm256_setzero_si256();
+                let s = avx2::lanes4i(hsum4(v, m, zero, zero));
+                acc += avx2::k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
+            }
+            acc
+        }
+    };
+}
+
+k4_vnni_kernel!(q4_k_vnni, BlockQ4K, q4_k_sums_vnni);
+k4_vnni_kernel!(q5_k_vnni, BlockQ5K, q5_k_sums_vnni);
 
 /// `vpermw` indices over the sixteen `Q6_K` scales (as `i16`) that give half
 /// `h`'s multipliers after `vpackssdw`: in 128-bit lane `i`, `i16` lanes 0-3 hold
