@@ -25,8 +25,9 @@
 //! - Prefetching: the x86-64 kernels request each row's bytes
 //!   [`DEFAULT_PREFETCH`] bytes before they compute it ([`gemv_with_prefetch`]
 //!   sets the distance), which makes a decode's products from RAM 1.4x faster
-//!   here. The NEON kernels rely on the hardware prefetchers (not measured on an
-//!   ARM device).
+//!   here, and walk the rows as two interleaved streams, which the hardware
+//!   prefetchers follow at once (1.17-1.25x more from RAM). The NEON kernels rely
+//!   on the hardware prefetchers (not measured on an ARM device).
 //!
 //! # Exactness
 //!
@@ -527,7 +528,12 @@ fn bytes_ahead(data: &[u8], at: usize, ahead: usize, len: usize) -> &[u8] {
 }
 
 /// Runs `dot` on every row of `data` as raw bytes, first asking `k` to prefetch
-/// the row `prefetch` bytes ahead (none when 0).
+/// the row `prefetch` bytes ahead (none when 0). The rows go in two interleaved
+/// streams (row `i` of the first half, then row `i` of the second): from RAM,
+/// two threads computed 1 GiB of `Q4_K` expert matrices at 21.8-21.9 GB/s
+/// against 18.6-18.8 in one stream, and the 255 MB `Q6_K` output matrix in
+/// 12.4-12.7 ms against 15.7-15.8 (`cargo bench -p les --bench matvec`); from
+/// cache it costs 4-11%. Each row's result does not depend on the order.
 #[inline(always)]
 fn rows_of_bytes<K: Kernels>(
     k: K,
@@ -541,11 +547,27 @@ fn rows_of_bytes<K: Kernels>(
         y.fill(dot(&[]));
         return;
     }
-    for (i, (row, out)) in data.chunks_exact(row_bytes).zip(y.iter_mut()).enumerate() {
+    // Two streams: the first half of the rows and the second, a row of each in
+    // turn, so the hardware prefetchers follow two sequences of pages at once.
+    let n = (data.len() / row_bytes).min(y.len());
+    let half = n / 2;
+    let (first, second) = data[..n * row_bytes].split_at(half * row_bytes);
+    let (y_first, y_second) = y[..n].split_at_mut(half);
+    let mut one = |at: usize, row: &[u8], out: &mut f32| {
         if K::PREFETCHES && prefetch > 0 {
-            k.prefetch(bytes_ahead(data, i * row_bytes, prefetch, row_bytes));
+            k.prefetch(bytes_ahead(data, at, prefetch, row_bytes));
         }
         *out = dot(row);
+    };
+    let pairs = first.chunks_exact(row_bytes).zip(y_first.iter_mut());
+    let pairs = pairs.zip(second.chunks_exact(row_bytes).zip(y_second.iter_mut()));
+    for (i, ((ra, oa), (rb, ob))) in pairs.enumerate() {
+        one(i * row_bytes, ra, oa);
+        one((half + i) * row_bytes, rb, ob);
+    }
+    if n % 2 == 1 {
+        let last = (n - 1) * row_bytes;
+        one(last, &data[last..last + row_bytes], &mut y[n - 1]);
     }
 }
 
