@@ -407,10 +407,13 @@ float_kernel!(
 /// A kernel over 32-element blocks: `$isum` gives a block's eight `i32` partial
 /// sums; groups of four blocks go through [`acc4`] (or [`acc4_m`] with `m`), the
 /// last `n % 4` blocks through the scalar term, each in lane `b % 4`.
+///
+/// `$features` are the kernel's target features (the AVX-512 module builds its
+/// VNNI kernels with it); the helpers are named at the call site.
 macro_rules! blocks32_kernel {
-    ($name:ident, $W:ident, $X:ident, |$w:ident, $x:ident| $isum:expr) => {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(super) fn $name(w: &[$W], x: &[$X]) -> f32 {
+    ($features:literal, $vis:vis $name:ident, $W:ident, $X:ident, |$w:ident, $x:ident| $isum:expr) => {
+        #[target_feature(enable = $features)]
+        $vis fn $name(w: &[$W], x: &[$X]) -> f32 {
             let isum = |$w: &$W, $x: &$X| -> __m256i { $isum };
             let n = w.len().min(x.len());
             let full = n / 4 * 4;
@@ -451,22 +454,23 @@ macro_rules! blocks32_kernel {
         term_m($w.d, $w.m, $x, $isum)
     };
 }
+pub(super) use blocks32_kernel;
 
-blocks32_kernel!(q4_0, BlockQ4_0, BlockQ8_0, |w, x| isum_q4_0(w, x));
-blocks32_kernel!(q4_1, BlockQ4_1, BlockQ8_1, |w, x| dot_u(
+blocks32_kernel!("avx2,fma,f16c", pub(super) q4_0, BlockQ4_0, BlockQ8_0, |w, x| isum_q4_0(w, x));
+blocks32_kernel!("avx2,fma,f16c", pub(super) q4_1, BlockQ4_1, BlockQ8_1, |w, x| dot_u(
     nib32(&w.qs),
     ld256i(&x.qs)
 ));
-blocks32_kernel!(q5_0, BlockQ5_0, BlockQ8_0, |w, x| {
+blocks32_kernel!("avx2,fma,f16c", pub(super) q5_0, BlockQ5_0, BlockQ8_0, |w, x| {
     let hb = _mm256_and_si256(bits32(w.qh), _mm256_set1_epi8(0x10));
     dot_u_off(_mm256_or_si256(nib32(&w.qs), hb), 16, ld256i(&x.qs))
 });
-blocks32_kernel!(q5_1, BlockQ5_1, BlockQ8_1, |w, x| {
+blocks32_kernel!("avx2,fma,f16c", pub(super) q5_1, BlockQ5_1, BlockQ8_1, |w, x| {
     let hb = _mm256_and_si256(bits32(w.qh), _mm256_set1_epi8(0x10));
     dot_u(_mm256_or_si256(nib32(&w.qs), hb), ld256i(&x.qs))
 });
-blocks32_kernel!(q8_0, BlockQ8_0, BlockQ8_0, |w, x| isum_q8_0(w, x));
-blocks32_kernel!(iq4_nl, BlockIQ4NL, BlockQ8_0, |w, x| {
+blocks32_kernel!("avx2,fma,f16c", pub(super) q8_0, BlockQ8_0, BlockQ8_0, |w, x| isum_q8_0(w, x));
+blocks32_kernel!("avx2,fma,f16c", pub(super) iq4_nl, BlockIQ4NL, BlockQ8_0, |w, x| {
     let k = _mm256_shuffle_epi8(iq4_table(), nib32(&w.qs));
     _mm256_madd_epi16(dot_signed_k(k, ld256i(&x.qs)), _mm256_set1_epi16(1))
 });
@@ -627,32 +631,44 @@ pub(super) fn k4_terms2(
     (_mm_cvtss_f32(d), _mm_cvtss_f32(_mm_movehdup_ps(d)))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q4_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
-    let n = w.len().min(x.len());
-    let (w, x) = (&w[..n], &x[..n]);
-    let mut acc = 0.0f32;
-    for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
-        let (va, ma) = q4_k_sums(&w2[0], &x2[0]);
-        let (vb, mb) = q4_k_sums(&w2[1], &x2[1]);
-        let (ta, tb) = k4_terms2(
-            (w2[0].d, w2[0].dmin),
-            (w2[1].d, w2[1].dmin),
-            &x2[0],
-            &x2[1],
-            hsum4(va, ma, vb, mb),
-        );
-        acc += ta;
-        acc += tb;
-    }
-    if n % 2 == 1 {
-        let (v, m) = q4_k_sums(&w[n - 1], &x[n - 1]);
-        let zero = _mm256_setzero_si256();
-        let s = lanes4i(hsum4(v, m, zero, zero));
-        acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
-    }
-    acc
+/// The `Q4_K`/`Q5_K` row loop over a super-block's sums `$sums` (eight `i32`
+/// partial sums each of `sumi` and `summs`): two super-blocks a step through
+/// [`k4_terms2`], an odd last one through [`k4_term`], the reference's float
+/// steps. `$features` as in `blocks32_kernel`; the helpers are named at the call
+/// site.
+macro_rules! k4_kernel {
+    ($features:literal, $vis:vis $name:ident, $W:ty, $sums:ident) => {
+        #[target_feature(enable = $features)]
+        $vis fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
+            let n = w.len().min(x.len());
+            let (w, x) = (&w[..n], &x[..n]);
+            let mut acc = 0.0f32;
+            for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
+                let (va, ma) = $sums(&w2[0], &x2[0]);
+                let (vb, mb) = $sums(&w2[1], &x2[1]);
+                let (ta, tb) = k4_terms2(
+                    (w2[0].d, w2[0].dmin),
+                    (w2[1].d, w2[1].dmin),
+                    &x2[0],
+                    &x2[1],
+                    hsum4(va, ma, vb, mb),
+                );
+                acc += ta;
+                acc += tb;
+            }
+            if n % 2 == 1 {
+                let (v, m) = $sums(&w[n - 1], &x[n - 1]);
+                let zero = _mm256_setzero_si256();
+                let s = lanes4i(hsum4(v, m, zero, zero));
+                acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
+            }
+            acc
+        }
+    };
 }
+pub(super) use k4_kernel;
+
+k4_kernel!("avx2,fma,f16c", pub(super) q4_k, BlockQ4K, q4_k_sums);
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {

@@ -21,7 +21,8 @@
 use core::arch::x86_64::*;
 
 use super::avx2::{
-    self, acc4, arr, arr_mut, hsum, hsum4, hx, lanes4, ld128, ld256, ld256i, sc2, term, Avx2,
+    self, acc4, acc4_m, arr, arr_mut, blocks32_kernel, hsum, hsum4, hx, k4_kernel, k4_term,
+    k4_terms2, lanes4, lanes4i, ld128, ld256, ld256i, sc2, term, term_m, Avx2,
 };
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
@@ -243,75 +244,57 @@ fn flip(w: __m256i) -> __m256i {
     _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN))
 }
 
-/// The AVX2 32-element block kernels with the integer sums of
-/// [`dot_u_off_vnni`]: the same float steps (`acc4`, `term` and their `Q8_1`
-/// forms), so the same bits.
-macro_rules! vnni_blocks32 {
-    ($name:ident, $W:ident, $X:ident, |$w:ident, $x:ident| $isum:expr) => {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        fn $name(w: &[$W], x: &[$X]) -> f32 {
-            let isum = |$w: &$W, $x: &$X| -> __m256i { $isum };
-            let n = w.len().min(x.len());
-            let full = n / 4 * 4;
-            let mut acc = _mm_setzero_ps();
-            for (w4, x4) in w[..full].chunks_exact(4).zip(x[..full].chunks_exact(4)) {
-                let s = hsum4(
-                    isum(&w4[0], &x4[0]),
-                    isum(&w4[1], &x4[1]),
-                    isum(&w4[2], &x4[2]),
-                    isum(&w4[3], &x4[3]),
-                );
-                acc = vnni_blocks32!(@acc acc, s, w4, x4, $X);
-            }
-            let mut lanes = lanes4(acc);
-            for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
-                lanes[l] += vnni_blocks32!(@term w, x, hsum(isum(w, x)), $X);
-            }
-            r::fold(lanes)
-        }
-    };
-    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_0) => {
-        acc4($acc, $s, [0, 1, 2, 3].map(|i| $w4[i].d), [0, 1, 2, 3].map(|i| $x4[i].d))
-    };
-    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_1) => {
-        avx2::acc4_m(
-            $acc,
-            $s,
-            [0, 1, 2, 3].map(|i| $w4[i].d),
-            [0, 1, 2, 3].map(|i| $x4[i].d),
-            [0, 1, 2, 3].map(|i| $w4[i].m),
-            [0, 1, 2, 3].map(|i| $x4[i].s),
-        )
-    };
-    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_0) => {
-        term($w.d, $x.d, $isum)
-    };
-    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_1) => {
-        avx2::term_m($w.d, $w.m, $x, $isum)
-    };
-}
-
-vnni_blocks32!(q8_0_vnni, BlockQ8_0, BlockQ8_0, |w, x| {
-    dot_u_off_vnni(flip(ld256i(&w.qs)), i8::MIN, ld256i(&x.qs))
-});
-vnni_blocks32!(q4_0_vnni, BlockQ4_0, BlockQ8_0, |w, x| {
-    dot_u_off_vnni(avx2::nib32(&w.qs), 8, ld256i(&x.qs))
-});
-vnni_blocks32!(q4_1_vnni, BlockQ4_1, BlockQ8_1, |w, x| {
-    dot_u_off_vnni(avx2::nib32(&w.qs), 0, ld256i(&x.qs))
-});
-vnni_blocks32!(q5_0_vnni, BlockQ5_0, BlockQ8_0, |w, x| {
-    let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
-    dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 16, ld256i(&x.qs))
-});
-vnni_blocks32!(q5_1_vnni, BlockQ5_1, BlockQ8_1, |w, x| {
-    let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
-    dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 0, ld256i(&x.qs))
-});
-vnni_blocks32!(iq4_nl_vnni, BlockIQ4NL, BlockQ8_0, |w, x| {
-    let k = _mm256_shuffle_epi8(avx2::iq4_table(), avx2::nib32(&w.qs));
-    dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
-});
+blocks32_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q8_0_vnni,
+    BlockQ8_0,
+    BlockQ8_0,
+    |w, x| dot_u_off_vnni(flip(ld256i(&w.qs)), i8::MIN, ld256i(&x.qs))
+);
+blocks32_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q4_0_vnni,
+    BlockQ4_0,
+    BlockQ8_0,
+    |w, x| dot_u_off_vnni(avx2::nib32(&w.qs), 8, ld256i(&x.qs))
+);
+blocks32_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q4_1_vnni,
+    BlockQ4_1,
+    BlockQ8_1,
+    |w, x| dot_u_off_vnni(avx2::nib32(&w.qs), 0, ld256i(&x.qs))
+);
+blocks32_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q5_0_vnni,
+    BlockQ5_0,
+    BlockQ8_0,
+    |w, x| {
+        let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
+        dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 16, ld256i(&x.qs))
+    }
+);
+blocks32_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q5_1_vnni,
+    BlockQ5_1,
+    BlockQ8_1,
+    |w, x| {
+        let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
+        dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 0, ld256i(&x.qs))
+    }
+);
+blocks32_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    iq4_nl_vnni,
+    BlockIQ4NL,
+    BlockQ8_0,
+    |w, x| {
+        let k = _mm256_shuffle_epi8(avx2::iq4_table(), avx2::nib32(&w.qs));
+        dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
+    }
+);
 
 // ---------------------------------------------------------------------------------
 // K-quants.
@@ -380,25 +363,29 @@ const CHUNK_SCALES: [[u8; 32]; 4] = {
     idx
 };
 
-/// [`avx2::q4_k_sums`] with AVX-512 VNNI: `vpdpbusd` sums four nibble-times-byte
-/// products of a sub-block per `i32` lane (at most 4 * 15 * 128 in magnitude), two
-/// sub-blocks are packed to `i16` (exact, nothing saturates) and scaled with one
-/// `vpmaddwd`. The same exact `i32` sums as AVX2, in fewer instructions.
+/// A `Q4_K`/`Q5_K` super-block's eight `i32` partial sums of `sumi` and of
+/// `summs` with AVX-512 VNNI, as [`avx2::q4_k_sums`] gives them: `values(c)` is
+/// chunk `c`'s two sub-blocks of unsigned values (0..32). `vpdpbusd` sums four
+/// value-times-byte products per `i32` lane (at most 4 * 31 * 128 in
+/// magnitude), two sub-blocks are packed to `i16` (exact, nothing saturates)
+/// and scaled with one `vpmaddwd`: the same exact integers in fewer
+/// instructions.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q4_k_sums_vnni(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
-    let (sc, mins) = scales_mins_k4(&w.scales);
+fn k4_sums_vnni(
+    packed_scales: &[u8; 12],
+    x: &BlockQ8K,
+    mut values: impl FnMut(usize) -> (__m256i, __m256i),
+) -> (__m256i, __m256i) {
+    let (sc, mins) = scales_mins_k4(packed_scales);
     // The eight scales in every 64-bit lane, for `CHUNK_SCALES` to pick from.
     let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
     let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
     let m = _mm256_madd_epi16(ld256(bsums), avx2::pairs8(mins));
-    let m4 = _mm256_set1_epi8(0x0f);
     let zero = _mm256_setzero_si256();
     let mut v = _mm256_setzero_si256();
     for (c, pick) in CHUNK_SCALES.iter().enumerate() {
-        let q = ld256(arr(&w.qs, 32 * c));
-        let lo = _mm256_and_si256(q, m4);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+        let (lo, hi) = values(c);
         let sa = _mm256_dpbusd_epi32(zero, lo, avx2::y32(x, 64 * c));
         let sb = _mm256_dpbusd_epi32(zero, hi, avx2::y32(x, 64 * c + 32));
         let mult = _mm256_shuffle_epi8(scales, ld256(pick));
@@ -407,74 +394,54 @@ fn q4_k_sums_vnni(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
     (v, m)
 }
 
-/// [`q4_k_sums_vnni`] for `Q5_K`: the fifth bit of each element from `qh` (as in
-/// the AVX2 kernel) on top of the nibble, values 0..32, so a lane's four products
-/// stay within 4 * 31 * 128 and pack to `i16` exactly.
+/// [`k4_sums_vnni`] of a `Q4_K` super-block: the low and high nibbles.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q4_k_sums_vnni(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    k4_sums_vnni(&w.scales, x, |c| {
+        let q = ld256(arr(&w.qs, 32 * c));
+        (
+            _mm256_and_si256(q, m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+        )
+    })
+}
+
+/// [`k4_sums_vnni`] of a `Q5_K` super-block: the nibbles under the fifth bits.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q5_k_sums_vnni(w: &BlockQ5K, x: &BlockQ8K) -> (__m256i, __m256i) {
-    let (sc, mins) = scales_mins_k4(&w.scales);
-    let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
-    let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
-    let m = _mm256_madd_epi16(ld256(bsums), avx2::pairs8(mins));
     let m4 = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
     let two = _mm256_set1_epi8(2);
-    let zero = _mm256_setzero_si256();
     // Bit 2c of qh[l] is the fifth bit of element l of sub-block 2c, bit 2c + 1
     // that of sub-block 2c + 1; `hq` is qh shifted right by 2c.
     let mut hq = ld256(&w.qh);
-    let mut v = _mm256_setzero_si256();
-    for (c, pick) in CHUNK_SCALES.iter().enumerate() {
+    k4_sums_vnni(&w.scales, x, |c| {
         let q = ld256(arr(&w.qs, 32 * c));
         let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
         let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
-        let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
-        let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1);
-        let sa = _mm256_dpbusd_epi32(zero, lo, avx2::y32(x, 64 * c));
-        let sb = _mm256_dpbusd_epi32(zero, hi, avx2::y32(x, 64 * c + 32));
-        let mult = _mm256_shuffle_epi8(scales, ld256(pick));
-        v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_packs_epi32(sa, sb), mult));
         hq = _mm256_srli_epi16::<2>(hq);
-    }
-    (v, m)
+        (
+            _mm256_or_si256(_mm256_and_si256(q, m4), h0),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1),
+        )
+    })
 }
 
-/// The `Q4_K`/`Q5_K` row loop over a super-block sum `$sums`: two super-blocks a
-/// step, the float steps of [`avx2::k4_terms2`] (the same bits as the reference).
-macro_rules! k4_vnni_kernel {
-    ($name:ident, $W:ty, $sums:ident) => {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
-            let n = w.len().min(x.len());
-            let (w, x) = (&w[..n], &x[..n]);
-            let mut acc = 0.0f32;
-            for (w2, x2) in w.chunks_exact(2).zip(x.chunks_exact(2)) {
-                let (va, ma) = $sums(&w2[0], &x2[0]);
-                let (vb, mb) = $sums(&w2[1], &x2[1]);
-                let (ta, tb) = avx2::k4_terms2(
-                    (w2[0].d, w2[0].dmin),
-                    (w2[1].d, w2[1].dmin),
-                    &x2[0],
-                    &x2[1],
-                    hsum4(va, ma, vb, mb),
-                );
-                acc += ta;
-                acc += tb;
-            }
-            if n % 2 == 1 {
-                let (v, m) = $sums(&w[n - 1], &x[n - 1]);
-                let zero = _mm256_setzero_si256();
-                let s = avx2::lanes4i(hsum4(v, m, zero, zero));
-                acc += avx2::k4_term(w[n - 1].d, w[n - 1].dmin, &x[n - 1], s[0], s[1]);
-            }
-            acc
-        }
-    };
-}
-
-k4_vnni_kernel!(q4_k_vnni, BlockQ4K, q4_k_sums_vnni);
-k4_vnni_kernel!(q5_k_vnni, BlockQ5K, q5_k_sums_vnni);
+k4_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q4_k_vnni,
+    BlockQ4K,
+    q4_k_sums_vnni
+);
+k4_kernel!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q5_k_vnni,
+    BlockQ5K,
+    q5_k_sums_vnni
+);
 
 /// `vpermw` indices over the sixteen `Q6_K` scales (as `i16`) that give half
 /// `h`'s multipliers after `vpackssdw`: in 128-bit lane `i`, `i16` lanes 0-3 hold
