@@ -1,16 +1,15 @@
-//! AVX-512 (F, BW, VL) kernels for x86-64.
+//! AVX-512 (F, BW, VL) kernels for x86-64, and the AVX-512 VNNI token.
 //!
 //! # Soundness
 //!
 //! As in the AVX2 module: the kernels are `#[target_feature]` functions reachable
 //! only through [`Avx512`], a token whose constructor checks AVX-512 F/BW/VL (and
-//! AVX2, FMA, F16C, which it implies here) at run time; the other `unsafe` blocks are
-//! unaligned loads and stores from references to arrays of exactly the accessed
-//! size. Types without a 512-bit kernel use the AVX2 kernels, which the same check
-//! covers. `Q4_K`, `Q5_K`, `Q6_K` and the 32-element formats with `Q8_0`/`Q8_1`
-//! activations have kernels with AVX-512 VNNI (`vpdpbusd`), used where
-//! [`Avx512::new`] also found VNNI; without it, `Q6_K` runs the plain AVX-512
-//! kernel and the others the AVX2 ones.
+//! AVX2, FMA, F16C, which it implies here) at run time, or [`Avx512Vnni`], which
+//! also checks AVX-512 VNNI; the other `unsafe` blocks are unaligned loads and
+//! stores from references to arrays of exactly the accessed size. Types without a
+//! 512-bit kernel use the AVX2 kernels, which the same check covers. With VNNI,
+//! `Q6_K` has a 512-bit kernel here and `Q4_K`, `Q5_K` and the 32-element
+//! formats the 256-bit ones of [`super::vnni::evex`].
 //!
 //! # Exactness
 //!
@@ -20,33 +19,39 @@
 
 use core::arch::x86_64::*;
 
-use super::avx2::{
-    self, acc4, acc4_m, arr, arr_mut, blocks32_kernel, hsum, hsum4, hx, k4_kernel, k4_term,
-    k4_terms2, lanes4, lanes4i, ld128, ld256, ld256i, sc2, term, term_m, Avx2,
-};
+use super::avx2::{self, arr, arr_mut, hx, ld128, ld256, sc2, Avx2};
 use super::reference::{self as r, FLOAT_LANES};
+use super::vnni::{evex, inner_methods, vnni_methods};
 use super::Kernels;
 use crate::quant::blocks::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
-use crate::quant::kscales::scales_mins_k4;
 
-/// Proof that the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C, and whether
-/// it has AVX-512 VNNI too.
+/// Proof that the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C.
 #[derive(Clone, Copy)]
-pub(crate) struct Avx512(Avx2, Option<Vnni>);
-
-/// Proof that the CPU supports AVX-512 VNNI besides everything [`Avx512`] needs.
-#[derive(Clone, Copy)]
-pub(crate) struct Vnni(());
+pub(crate) struct Avx512(Avx2);
 
 impl Avx512 {
     /// The token, if the CPU has the features.
     pub(crate) fn new() -> Option<Self> {
         if super::cpuid::has_avx512() {
-            let vnni = super::cpuid::has_avx512_vnni().then_some(Vnni(()));
-            Avx2::new().map(|avx2| Avx512(avx2, vnni))
+            Avx2::new().map(Avx512)
+        } else {
+            None
+        }
+    }
+}
+
+/// Proof that the CPU supports AVX-512 VNNI besides everything [`Avx512`] needs.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512Vnni(Avx512);
+
+impl Avx512Vnni {
+    /// The token, if the CPU has the features.
+    pub(crate) fn new() -> Option<Self> {
+        if super::cpuid::has_avx512_vnni() {
+            Avx512::new().map(Avx512Vnni)
         } else {
             None
         }
@@ -66,33 +71,6 @@ macro_rules! forward {
     };
 }
 
-macro_rules! to_avx2 {
-    ($($name:ident($w:ty, $x:ty);)*) => {
-        $(
-            #[inline]
-            fn $name(self, w: $w, x: $x) -> f32 {
-                self.0.$name(w, x)
-            }
-        )*
-    };
-}
-
-macro_rules! vnni_or_avx2 {
-    ($($name:ident => $vnni:ident($w:ty, $x:ty);)*) => {
-        $(
-            #[inline]
-            fn $name(self, w: $w, x: $x) -> f32 {
-                match self.1 {
-                    // SAFETY: a `Vnni` token exists only if the CPU supports AVX-512
-                    // VNNI and everything `Avx512` needs (`Avx512::new`).
-                    Some(Vnni(())) => unsafe { $vnni(w, x) },
-                    None => self.0.$name(w, x),
-                }
-            }
-        )*
-    };
-}
-
 impl Kernels for Avx512 {
     const PREFETCHES: bool = true;
 
@@ -105,31 +83,54 @@ impl Kernels for Avx512 {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
         bf16(&[u8], &[f32]);
+        q6_k(&[BlockQ6K], &[BlockQ8K]);
     }
-    vnni_or_avx2! {
-        // Without VNNI: the AVX2 kernels (`cargo bench -p les-core --bench gemv`:
-        // a 512-bit `Q8_0` one widening to `i16` measured 0.79x of AVX2's; a
-        // 512-bit `Q4_K` one needs shuffles for its scale multipliers).
+    inner_methods! {
+        // The AVX2 kernels (`cargo bench -p les-core --bench gemv`: a 512-bit
+        // `Q8_0` one widening to `i16` measured 0.79x of AVX2's; a 512-bit `Q4_K`
+        // one needs shuffles for its scale multipliers).
+        q8_0(&[BlockQ8_0], &[BlockQ8_0]);
+        q4_k(&[BlockQ4K], &[BlockQ8K]);
+        q4_0(&[BlockQ4_0], &[BlockQ8_0]);
+        q4_1(&[BlockQ4_1], &[BlockQ8_1]);
+        q5_0(&[BlockQ5_0], &[BlockQ8_0]);
+        q5_1(&[BlockQ5_1], &[BlockQ8_1]);
+        iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
+        q2_k(&[BlockQ2K], &[BlockQ8K]);
+        q3_k(&[BlockQ3K], &[BlockQ8K]);
+        q5_k(&[BlockQ5K], &[BlockQ8K]);
+        iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+    }
+}
+
+impl Kernels for Avx512Vnni {
+    const PREFETCHES: bool = true;
+
+    #[inline]
+    fn prefetch(self, bytes: &[u8]) {
+        self.0.prefetch(bytes)
+    }
+
+    vnni_methods! { evex:
         q8_0 => q8_0_vnni(&[BlockQ8_0], &[BlockQ8_0]);
-        q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
-        q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
         q4_0 => q4_0_vnni(&[BlockQ4_0], &[BlockQ8_0]);
         q4_1 => q4_1_vnni(&[BlockQ4_1], &[BlockQ8_1]);
         q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
         q5_1 => q5_1_vnni(&[BlockQ5_1], &[BlockQ8_1]);
         iq4_nl => iq4_nl_vnni(&[BlockIQ4NL], &[BlockQ8_0]);
+        q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
+        q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
     }
     #[inline]
     fn q6_k(self, w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
-        match self.1 {
-            // SAFETY: a `Vnni` token exists only if the CPU supports AVX-512 VNNI
-            // and everything `Avx512` needs (`Avx512::new`).
-            Some(Vnni(())) => unsafe { q6_k_vnni(w, x) },
-            // SAFETY: `self` is an `Avx512` token (`Avx512::new`).
-            None => unsafe { q6_k(w, x) },
-        }
+        // SAFETY: an `Avx512Vnni` token exists only if the CPU supports AVX-512
+        // VNNI and everything `Avx512` needs (`Avx512Vnni::new`).
+        unsafe { q6_k_vnni(w, x) }
     }
-    to_avx2! {
+    inner_methods! {
+        f32(&[u8], &[f32]);
+        f16(&[u8], &[f32]);
+        bf16(&[u8], &[f32]);
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
@@ -219,84 +220,6 @@ float_kernel!(
 );
 
 // ---------------------------------------------------------------------------------
-// 32-element block formats with Q8_0 activations.
-
-/// Eight `i32` partial sums of `sum(u[i] * x[i]) - off * sum(x[i])` over a
-/// 32-element block, for unsigned `u` (0..=255) and signed `x`, with AVX-512 VNNI:
-/// exact (each `vpdpbusd` lane sums four products, at most 4 * 255 * 128).
-/// Signed weights `w` enter as `u = w + 128` (the sign bit flipped), `off = 128`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot_u_off_vnni(u: __m256i, off: i8, x: __m256i) -> __m256i {
-    let zero = _mm256_setzero_si256();
-    let s = _mm256_dpbusd_epi32(zero, u, x);
-    if off == 0 {
-        s
-    } else {
-        _mm256_sub_epi32(s, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(off), x))
-    }
-}
-
-/// Signed bytes as the unsigned `w + 128` of [`dot_u_off_vnni`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn flip(w: __m256i) -> __m256i {
-    _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN))
-}
-
-blocks32_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q8_0_vnni,
-    BlockQ8_0,
-    BlockQ8_0,
-    |w, x| dot_u_off_vnni(flip(ld256i(&w.qs)), i8::MIN, ld256i(&x.qs))
-);
-blocks32_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q4_0_vnni,
-    BlockQ4_0,
-    BlockQ8_0,
-    |w, x| dot_u_off_vnni(avx2::nib32(&w.qs), 8, ld256i(&x.qs))
-);
-blocks32_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q4_1_vnni,
-    BlockQ4_1,
-    BlockQ8_1,
-    |w, x| dot_u_off_vnni(avx2::nib32(&w.qs), 0, ld256i(&x.qs))
-);
-blocks32_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q5_0_vnni,
-    BlockQ5_0,
-    BlockQ8_0,
-    |w, x| {
-        let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
-        dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 16, ld256i(&x.qs))
-    }
-);
-blocks32_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q5_1_vnni,
-    BlockQ5_1,
-    BlockQ8_1,
-    |w, x| {
-        let hb = _mm256_and_si256(avx2::bits32(w.qh), _mm256_set1_epi8(0x10));
-        dot_u_off_vnni(_mm256_or_si256(avx2::nib32(&w.qs), hb), 0, ld256i(&x.qs))
-    }
-);
-blocks32_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    iq4_nl_vnni,
-    BlockIQ4NL,
-    BlockQ8_0,
-    |w, x| {
-        let k = _mm256_shuffle_epi8(avx2::iq4_table(), avx2::nib32(&w.qs));
-        dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
-    }
-);
-
-// ---------------------------------------------------------------------------------
 // K-quants.
 
 /// Four `i16` values, each filling one 128-bit lane (scales, or permute indices
@@ -343,105 +266,6 @@ fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
     }
     acc
 }
-
-/// Byte indices for `vpshufb` over the eight scales (in both 128-bit lanes) that
-/// give chunk `c`'s multipliers: in each 128-bit lane, `i16` lanes 0-3 hold scale
-/// `2c` and lanes 4-7 scale `2c + 1` (`0x80` = zero high bytes), matching the
-/// lane order of `vpackssdw` over sub-blocks `2c` and `2c + 1`.
-const CHUNK_SCALES: [[u8; 32]; 4] = {
-    let mut idx = [[0x80u8; 32]; 4];
-    let mut c = 0;
-    while c < 4 {
-        let mut k = 0;
-        while k < 16 {
-            // i16 lane k % 8 of 128-bit lane k / 8.
-            idx[c][2 * k] = (2 * c + k % 8 / 4) as u8;
-            k += 1;
-        }
-        c += 1;
-    }
-    idx
-};
-
-/// A `Q4_K`/`Q5_K` super-block's eight `i32` partial sums of `sumi` and of
-/// `summs` with AVX-512 VNNI, as [`avx2::q4_k_sums`] gives them: `values(c)` is
-/// chunk `c`'s two sub-blocks of unsigned values (0..32). `vpdpbusd` sums four
-/// value-times-byte products per `i32` lane (at most 4 * 31 * 128 in
-/// magnitude), two sub-blocks are packed to `i16` (exact, nothing saturates)
-/// and scaled with one `vpmaddwd`: the same exact integers in fewer
-/// instructions.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn k4_sums_vnni(
-    packed_scales: &[u8; 12],
-    x: &BlockQ8K,
-    mut values: impl FnMut(usize) -> (__m256i, __m256i),
-) -> (__m256i, __m256i) {
-    let (sc, mins) = scales_mins_k4(packed_scales);
-    // The eight scales in every 64-bit lane, for `CHUNK_SCALES` to pick from.
-    let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
-    let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
-    let m = _mm256_madd_epi16(ld256(bsums), avx2::pairs8(mins));
-    let zero = _mm256_setzero_si256();
-    let mut v = _mm256_setzero_si256();
-    for (c, pick) in CHUNK_SCALES.iter().enumerate() {
-        let (lo, hi) = values(c);
-        let sa = _mm256_dpbusd_epi32(zero, lo, avx2::y32(x, 64 * c));
-        let sb = _mm256_dpbusd_epi32(zero, hi, avx2::y32(x, 64 * c + 32));
-        let mult = _mm256_shuffle_epi8(scales, ld256(pick));
-        v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_packs_epi32(sa, sb), mult));
-    }
-    (v, m)
-}
-
-/// [`k4_sums_vnni`] of a `Q4_K` super-block: the low and high nibbles.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q4_k_sums_vnni(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
-    let m4 = _mm256_set1_epi8(0x0f);
-    k4_sums_vnni(&w.scales, x, |c| {
-        let q = ld256(arr(&w.qs, 32 * c));
-        (
-            _mm256_and_si256(q, m4),
-            _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
-        )
-    })
-}
-
-/// [`k4_sums_vnni`] of a `Q5_K` super-block: the nibbles under the fifth bits.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q5_k_sums_vnni(w: &BlockQ5K, x: &BlockQ8K) -> (__m256i, __m256i) {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let one = _mm256_set1_epi8(1);
-    let two = _mm256_set1_epi8(2);
-    // Bit 2c of qh[l] is the fifth bit of element l of sub-block 2c, bit 2c + 1
-    // that of sub-block 2c + 1; `hq` is qh shifted right by 2c.
-    let mut hq = ld256(&w.qh);
-    k4_sums_vnni(&w.scales, x, |c| {
-        let q = ld256(arr(&w.qs, 32 * c));
-        let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
-        let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
-        hq = _mm256_srli_epi16::<2>(hq);
-        (
-            _mm256_or_si256(_mm256_and_si256(q, m4), h0),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1),
-        )
-    })
-}
-
-k4_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q4_k_vnni,
-    BlockQ4K,
-    q4_k_sums_vnni
-);
-k4_kernel!(
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    q5_k_vnni,
-    BlockQ5K,
-    q5_k_sums_vnni
-);
 
 /// `vpermw` indices over the sixteen `Q6_K` scales (as `i16`) that give half
 /// `h`'s multipliers after `vpackssdw`: in 128-bit lane `i`, `i16` lanes 0-3 hold

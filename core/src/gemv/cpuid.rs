@@ -18,6 +18,7 @@ const KNOWN: u8 = 1;
 const AVX2: u8 = 2;
 const AVX512: u8 = 4;
 const AVX512_VNNI: u8 = 8;
+const AVX_VNNI: u8 = 16;
 
 static FEATURES: AtomicU8 = AtomicU8::new(0);
 
@@ -68,6 +69,10 @@ fn detect() -> u8 {
     let avx512vl = bit(l7.ebx, 31);
     if os_ymm && avx && avx2 && fma && f16c {
         out |= AVX2;
+        // Leaf 7 sub-leaf 1 (present if sub-leaf 0 says so), EAX bit 4.
+        if l7.eax >= 1 && bit(cpuid(7, 1).eax, 4) {
+            out |= AVX_VNNI;
+        }
         if os_zmm && avx512f && avx512bw && avx512vl {
             out |= AVX512;
             if bit(l7.ecx, 11) {
@@ -99,6 +104,11 @@ pub(crate) fn has_avx512() -> bool {
     features() & AVX512 != 0
 }
 
+/// AVX-VNNI, the VEX-encoded `vpdpbusd` (and everything [`has_avx2`] needs).
+pub(crate) fn has_avx_vnni() -> bool {
+    features() & AVX_VNNI != 0
+}
+
 /// AVX-512 VNNI (and everything [`has_avx512`] needs).
 pub(crate) fn has_avx512_vnni() -> bool {
     features() & AVX512_VNNI != 0
@@ -120,5 +130,7 @@ mod tests {
         assert_eq!(super::has_avx512(), avx512);
         let vnni = avx512 && std::is_x86_feature_detected!("avx512vnni");
         assert_eq!(super::has_avx512_vnni(), vnni);
+        let avx_vnni = avx2 && std::is_x86_feature_detected!("avxvnni");
+        assert_eq!(super::has_avx_vnni(), avx_vnni);
     }
 }

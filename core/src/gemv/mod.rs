@@ -15,9 +15,9 @@
 //! - [`Isa`]: which kernels to run. SIMD kernels exist for AVX2 (+FMA, F16C) and
 //!   AVX-512 (F, BW, VL) on x86-64 and NEON on aarch64; a type without a SIMD kernel
 //!   for the chosen ISA runs the reference kernel (AVX-512 falls back to AVX2 first).
-//!   Where the CPU also has AVX-512 VNNI, `Isa::Avx512` sums the integer products
-//!   of `Q4_K`, `Q5_K`, `Q6_K`, `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1` and
-//!   `IQ4_NL` with `vpdpbusd`. From cache here (`cargo bench -p les-core --bench
+//!   `Isa::AvxVnni` and `Isa::Avx512Vnni` sum the integer products of `Q4_K`,
+//!   `Q5_K`, `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1` and `IQ4_NL` (and, with
+//!   AVX-512, `Q6_K`) with `vpdpbusd` (one source, both encodings: `vnni`). From cache here (`cargo bench -p les-core --bench
 //!   gemv`): `Q4_K` 1.09-1.20x the AVX2 kernel, `Q5_K` 1.27x, `Q8_0` 1.34x, the
 //!   other 32-element formats 1.01-1.17x, `Q6_K` 1.09x the AVX-512 kernel
 //!   without VNNI.
@@ -79,6 +79,8 @@ mod avx512;
 mod cpuid;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 #[cfg(test)]
 mod tests;
@@ -90,15 +92,28 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
+    /// x86-64 AVX2 with AVX-VNNI: the integer formats' products with `vpdpbusd`
+    /// (VEX), on CPUs such as Intel's since Alder Lake.
+    AvxVnni,
     /// x86-64 AVX-512 F, BW and VL (with AVX2, FMA and F16C).
     Avx512,
+    /// x86-64 AVX-512 with AVX-512 VNNI: the integer formats' products with
+    /// `vpdpbusd`.
+    Avx512Vnni,
     /// aarch64 Advanced SIMD.
     Neon,
 }
 
 impl Isa {
     /// Every ISA, best last.
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 6] = [
+        Isa::Scalar,
+        Isa::Neon,
+        Isa::Avx2,
+        Isa::AvxVnni,
+        Isa::Avx512,
+        Isa::Avx512Vnni,
+    ];
 
     /// The best ISA this CPU supports.
     ///
@@ -123,7 +138,11 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => cpuid::has_avx2(),
             #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => cpuid::has_avx_vnni(),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => cpuid::has_avx512(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => cpuid::has_avx512_vnni(),
             #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
             Isa::Neon => true,
             #[allow(unreachable_patterns)]
@@ -136,12 +155,15 @@ impl Isa {
         Isa::ALL.into_iter().filter(|i| i.is_available())
     }
 
-    /// A short lower-case name (`"scalar"`, `"avx2"`, `"avx512"`, `"neon"`).
+    /// A short lower-case name (`"scalar"`, `"avx2"`, `"avxvnni"`, `"avx512"`,
+    /// `"avx512vnni"`, `"neon"`).
     pub const fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512vnni",
             Isa::Neon => "neon",
         }
     }
@@ -401,7 +423,8 @@ pub fn gemv(
 /// [`gemv`] with the prefetch distance given: `prefetch` bytes ahead of the row
 /// being computed, within `rows` (0 = none). Prefetching is a hint: the result
 /// is the same for every distance. Only the x86-64 kernels issue prefetches
-/// (`Isa::Avx2`, `Isa::Avx512`); the others ignore the distance.
+/// (`Isa::Avx2`, `Isa::AvxVnni`, `Isa::Avx512`, `Isa::Avx512Vnni`); the others
+/// ignore the distance.
 pub fn gemv_with_prefetch(
     isa: Isa,
     matrix: &MatrixView<'_>,
@@ -442,8 +465,18 @@ pub fn gemv_with_prefetch(
             run(k, matrix, data, input, y, prefetch);
         }
         #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => {
+            let k = vnni::AvxVnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
+            run(k, matrix, data, input, y, prefetch);
+        }
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             let k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable(isa))?;
+            run(k, matrix, data, input, y, prefetch);
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => {
+            let k = avx512::Avx512Vnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
             run(k, matrix, data, input, y, prefetch);
         }
         #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
