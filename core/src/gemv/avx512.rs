@@ -111,16 +111,7 @@ impl Kernels for Avx512Vnni {
         self.0.prefetch(bytes)
     }
 
-    vnni_methods! { evex:
-        q8_0 => q8_0_vnni(&[BlockQ8_0], &[BlockQ8_0]);
-        q4_0 => q4_0_vnni(&[BlockQ4_0], &[BlockQ8_0]);
-        q4_1 => q4_1_vnni(&[BlockQ4_1], &[BlockQ8_1]);
-        q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
-        q5_1 => q5_1_vnni(&[BlockQ5_1], &[BlockQ8_1]);
-        iq4_nl => iq4_nl_vnni(&[BlockIQ4NL], &[BlockQ8_0]);
-        q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
-        q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
-    }
+    vnni_methods!(evex);
     #[inline]
     fn q6_k(self, w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         // SAFETY: an `Avx512Vnni` token exists only if the CPU supports AVX-512

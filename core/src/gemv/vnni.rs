@@ -244,9 +244,22 @@ impl AvxVnni {
     }
 }
 
-/// Implements `Kernels` methods with the kernels of module `$m`, `$kernel` for
-/// `$name`, behind a token that proves `$m`'s features.
+/// Implements the `Kernels` methods of the formats with VNNI kernels by calling
+/// those of module `$m` (`evex` or `vex`), behind a token that proves `$m`'s
+/// features.
 macro_rules! vnni_methods {
+    ($m:ident) => {
+        $crate::gemv::vnni::vnni_methods! { $m:
+            q8_0 => q8_0_vnni(&[BlockQ8_0], &[BlockQ8_0]);
+            q4_0 => q4_0_vnni(&[BlockQ4_0], &[BlockQ8_0]);
+            q4_1 => q4_1_vnni(&[BlockQ4_1], &[BlockQ8_1]);
+            q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
+            q5_1 => q5_1_vnni(&[BlockQ5_1], &[BlockQ8_1]);
+            iq4_nl => iq4_nl_vnni(&[BlockIQ4NL], &[BlockQ8_0]);
+            q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
+            q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
+        }
+    };
     ($m:ident: $($name:ident => $kernel:ident($w:ty, $x:ty);)*) => {
         $(
             #[inline]
@@ -281,16 +294,7 @@ impl Kernels for AvxVnni {
         self.0.prefetch(bytes)
     }
 
-    vnni_methods! { vex:
-        q8_0 => q8_0_vnni(&[BlockQ8_0], &[BlockQ8_0]);
-        q4_0 => q4_0_vnni(&[BlockQ4_0], &[BlockQ8_0]);
-        q4_1 => q4_1_vnni(&[BlockQ4_1], &[BlockQ8_1]);
-        q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
-        q5_1 => q5_1_vnni(&[BlockQ5_1], &[BlockQ8_1]);
-        iq4_nl => iq4_nl_vnni(&[BlockIQ4NL], &[BlockQ8_0]);
-        q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
-        q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
-    }
+    vnni_methods!(vex);
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
