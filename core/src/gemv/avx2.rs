@@ -408,8 +408,8 @@ float_kernel!(
 /// sums; groups of four blocks go through [`acc4`] (or [`acc4_m`] with `m`), the
 /// last `n % 4` blocks through the scalar term, each in lane `b % 4`.
 ///
-/// `$features` are the kernel's target features (the AVX-512 module builds its
-/// VNNI kernels with it); the helpers are named at the call site.
+/// `$features` are the kernel's target features (the `vnni` module builds its
+/// kernels with it); the helpers are named at the call site.
 macro_rules! blocks32_kernel {
     ($features:literal, $vis:vis $name:ident, $W:ident, $X:ident, |$w:ident, $x:ident| $isum:expr) => {
         #[target_feature(enable = $features)]
@@ -583,12 +583,9 @@ fn q4_k_sums(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
     unsafe { _mm256_storeu_si256(sc_pairs.as_mut_ptr().cast(), pairs8(sc)) };
     let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
     let m = _mm256_madd_epi16(ld256(bsums), pairs8(mins));
-    let m4 = _mm256_set1_epi8(0x0f);
     let mut v = _mm256_setzero_si256();
     for c in 0..4 {
-        let q = ld256(arr(&w.qs, 32 * c));
-        let lo = _mm256_and_si256(q, m4);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+        let (lo, hi) = nibbles32(arr(&w.qs, 32 * c));
         let p0 = _mm256_madd_epi16(
             _mm256_maddubs_epi16(lo, y32(x, 64 * c)),
             _mm256_set1_epi32(sc_pairs[2 * c]),
@@ -670,11 +667,34 @@ pub(super) use k4_kernel;
 
 k4_kernel!("avx2,fma,f16c", pub(super) q4_k, BlockQ4K, q4_k_sums);
 
+/// Chunk `c` (sub-blocks `2c` and `2c + 1`) of a `Q5_K` block as unsigned 5-bit
+/// values: the low and high nibbles of `qs` under the fifth bits, bits 0 and 1
+/// of `hq` (`qh` shifted right by `2c`).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0f);
+pub(super) fn q5_k_chunk(w: &BlockQ5K, c: usize, hq: __m256i) -> (__m256i, __m256i) {
+    let (lo, hi) = nibbles32(arr(&w.qs, 32 * c));
     let one = _mm256_set1_epi8(1);
     let two = _mm256_set1_epi8(2);
+    let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
+    let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
+    (_mm256_or_si256(lo, h0), _mm256_or_si256(hi, h1))
+}
+
+/// The low and the high nibbles of 32 bytes, each as 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn nibbles32(qs: &[u8; 32]) -> (__m256i, __m256i) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let q = ld256(qs);
+    (
+        _mm256_and_si256(q, m4),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+    )
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
         let (sc, summs) = k4_scales(&w.scales, x);
@@ -683,11 +703,7 @@ pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
         let mut hq = ld256(&w.qh);
         let mut v = _mm256_setzero_si256();
         for c in 0..4 {
-            let q = ld256(arr(&w.qs, 32 * c));
-            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
-            let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
-            let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
-            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1);
+            let (lo, hi) = q5_k_chunk(w, c, hq);
             let p0 = _mm256_madd_epi16(
                 _mm256_maddubs_epi16(lo, y32(x, 64 * c)),
                 _mm256_set1_epi16(sc[2 * c]),

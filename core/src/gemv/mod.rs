@@ -17,10 +17,11 @@
 //!   for the chosen ISA runs the reference kernel (AVX-512 falls back to AVX2 first).
 //!   `Isa::AvxVnni` and `Isa::Avx512Vnni` sum the integer products of `Q4_K`,
 //!   `Q5_K`, `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1` and `IQ4_NL` (and, with
-//!   AVX-512, `Q6_K`) with `vpdpbusd` (one source, both encodings: `vnni`). From cache here (`cargo bench -p les-core --bench
-//!   gemv`): `Q4_K` 1.09-1.20x the AVX2 kernel, `Q5_K` 1.27x, `Q8_0` 1.34x, the
-//!   other 32-element formats 1.01-1.17x, `Q6_K` 1.09x the AVX-512 kernel
-//!   without VNNI.
+//!   AVX-512, `Q6_K`) with `vpdpbusd` (one source, both encodings: `vnni`).
+//!   From cache here (`cargo bench -p les-core --bench gemv`): `Q4_K`
+//!   1.09-1.20x the AVX2 kernel, `Q5_K` 1.27x, `Q8_0` 1.34x, the other
+//!   32-element formats 1.01-1.17x, `Q6_K` 1.09x the AVX-512 kernel without
+//!   VNNI.
 //!   The NEON kernels are tested under QEMU with `scripts/test-aarch64.sh`.
 //! - Prefetching: the x86-64 kernels request each row's bytes
 //!   [`DEFAULT_PREFETCH`] bytes before they compute it ([`gemv_with_prefetch`]

@@ -133,7 +133,6 @@ macro_rules! vnni_kernels {
             }
         );
 
-
         /// A `Q4_K`/`Q5_K` super-block's eight `i32` partial sums of `sumi` and of
         /// `summs` with `vpdpbusd`, as [`avx2::q4_k_sums`] gives them: `values(c)` is
         /// chunk `c`'s two sub-blocks of unsigned values (0..32). `vpdpbusd` sums four
@@ -149,7 +148,7 @@ macro_rules! vnni_kernels {
             mut values: impl FnMut(usize) -> (__m256i, __m256i),
         ) -> (__m256i, __m256i) {
             let (sc, mins) = scales_mins_k4(packed_scales);
-            // The eight scales in every 64-bit lane, for `super::CHUNK_SCALES` to pick from.
+            // The eight scales in every 64-bit lane, for `CHUNK_SCALES` to pick from.
             let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
             let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
             let m = _mm256_madd_epi16(ld256(bsums), avx2::pairs8(mins));
@@ -169,35 +168,19 @@ macro_rules! vnni_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         fn q4_k_sums_vnni(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m256i) {
-            let m4 = _mm256_set1_epi8(0x0f);
-            k4_sums_vnni(&w.scales, x, |c| {
-                let q = ld256(arr(&w.qs, 32 * c));
-                (
-                    _mm256_and_si256(q, m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
-                )
-            })
+            k4_sums_vnni(&w.scales, x, |c| avx2::nibbles32(arr(&w.qs, 32 * c)))
         }
 
         /// [`k4_sums_vnni`] of a `Q5_K` super-block: the nibbles under the fifth bits.
         #[inline]
         #[target_feature(enable = $features)]
         fn q5_k_sums_vnni(w: &BlockQ5K, x: &BlockQ8K) -> (__m256i, __m256i) {
-            let m4 = _mm256_set1_epi8(0x0f);
-            let one = _mm256_set1_epi8(1);
-            let two = _mm256_set1_epi8(2);
-            // Bit 2c of qh[l] is the fifth bit of element l of sub-block 2c, bit 2c + 1
-            // that of sub-block 2c + 1; `hq` is qh shifted right by 2c.
+            // `hq` is qh shifted right by 2c for chunk c (see `avx2::q5_k_chunk`).
             let mut hq = ld256(&w.qh);
             k4_sums_vnni(&w.scales, x, |c| {
-                let q = ld256(arr(&w.qs, 32 * c));
-                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hq, one));
-                let h1 = _mm256_slli_epi16::<3>(_mm256_and_si256(hq, two));
+                let values = avx2::q5_k_chunk(w, c, hq);
                 hq = _mm256_srli_epi16::<2>(hq);
-                (
-                    _mm256_or_si256(_mm256_and_si256(q, m4), h0),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1),
-                )
+                values
             })
         }
 
