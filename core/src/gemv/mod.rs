@@ -22,7 +22,11 @@
 //!   1.09-1.20x the AVX2 kernel, `Q5_K` 1.27x, `Q8_0` 1.34x, the other
 //!   32-element formats 1.01-1.17x, `Q6_K` 1.09x the AVX-512 kernel without
 //!   VNNI.
-//!   The NEON kernels are tested under QEMU with `scripts/test-aarch64.sh`.
+//!   `Isa::NeonDot` computes every integer format's products with ARMv8.2's
+//!   `sdot` (one source with the plain NEON kernels, which widen with
+//!   `vmull_s8`), detected at run time (`getauxval` on Linux and Android). The
+//!   NEON kernels of both sets are tested under QEMU with
+//!   `scripts/test-aarch64.sh`; their speed is not measured (no ARM device here).
 //! - Prefetching: the x86-64 kernels request each row's bytes
 //!   [`DEFAULT_PREFETCH`] bytes before they compute it ([`gemv_with_prefetch`]
 //!   sets the distance), which makes a decode's products from RAM 1.4x faster
@@ -79,6 +83,8 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod cpuid;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+mod hwcap;
+#[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
 mod neon;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
@@ -103,13 +109,17 @@ pub enum Isa {
     Avx512Vnni,
     /// aarch64 Advanced SIMD.
     Neon,
+    /// aarch64 Advanced SIMD with the dot-product instructions (ARMv8.2
+    /// `FEAT_DotProd`, `sdot`): the integer formats' products four at a time.
+    NeonDot,
 }
 
 impl Isa {
     /// Every ISA, best last.
-    pub const ALL: [Isa; 6] = [
+    pub const ALL: [Isa; 7] = [
         Isa::Scalar,
         Isa::Neon,
+        Isa::NeonDot,
         Isa::Avx2,
         Isa::AvxVnni,
         Isa::Avx512,
@@ -121,7 +131,9 @@ impl Isa {
     /// On x86-64 this asks `cpuid` (and `xgetbv`, whether the OS saves the vector
     /// registers) once and caches the answer; `no_std` has no
     /// `is_x86_feature_detected!`. On aarch64, NEON is part of the target
-    /// (`target_feature = "neon"`), so no run-time check is needed.
+    /// (`target_feature = "neon"`), so no run-time check is needed; the
+    /// dot-product instructions are asked of the OS (`getauxval` on Linux and
+    /// Android) unless the build targets them.
     pub fn detect() -> Isa {
         let mut best = Isa::Scalar;
         for isa in Isa::ALL {
@@ -146,6 +158,8 @@ impl Isa {
             Isa::Avx512Vnni => cpuid::has_avx512_vnni(),
             #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
             Isa::Neon => true,
+            #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+            Isa::NeonDot => hwcap::has_dotprod(),
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -157,7 +171,7 @@ impl Isa {
     }
 
     /// A short lower-case name (`"scalar"`, `"avx2"`, `"avxvnni"`, `"avx512"`,
-    /// `"avx512vnni"`, `"neon"`).
+    /// `"avx512vnni"`, `"neon"`, `"neondot"`).
     pub const fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
@@ -166,6 +180,7 @@ impl Isa {
             Isa::Avx512 => "avx512",
             Isa::Avx512Vnni => "avx512vnni",
             Isa::Neon => "neon",
+            Isa::NeonDot => "neondot",
         }
     }
 }
@@ -482,6 +497,11 @@ pub fn gemv_with_prefetch(
         }
         #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
         Isa::Neon => run(neon::Neon, matrix, data, input, y, prefetch),
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::NeonDot => {
+            let k = neon::NeonDot::new().ok_or(GemvError::IsaUnavailable(isa))?;
+            run(k, matrix, data, input, y, prefetch);
+        }
         #[allow(unreachable_patterns)]
         _ => return Err(GemvError::IsaUnavailable(isa)),
     }

@@ -574,9 +574,26 @@ fn detect_returns_an_available_isa() {
     #[cfg(target_arch = "x86_64")]
     {
         assert!(!Isa::Neon.is_available());
+        assert!(!Isa::NeonDot.is_available());
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             assert_ne!(best, Isa::Scalar);
         }
+    }
+}
+
+/// The dot-product instructions are detected as `std` detects them. QEMU's
+/// default CPU has them: `scripts/test-aarch64.sh` sets `LES_EXPECT_NEON_DOTPROD`,
+/// so that the `NeonDot` kernels surely run in every kernel test there.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn dotprod_detection_agrees_with_std() {
+    assert_eq!(
+        Isa::NeonDot.is_available(),
+        std::arch::is_aarch64_feature_detected!("dotprod")
+    );
+    assert!(Isa::Neon.is_available());
+    if std::env::var_os("LES_EXPECT_NEON_DOTPROD").is_some() {
+        assert!(Isa::NeonDot.is_available(), "this CPU should have dotprod");
     }
 }
 
