@@ -779,13 +779,6 @@ where
         )?),
         None => None,
     };
-    let shape = AttnShape {
-        n_head: hp.n_head,
-        n_head_kv: hp.n_head_kv,
-        head_dim: hp.head_dim,
-    };
-    let kv_dim = hp.kv_dim();
-    let layer_stride = kv.max_positions * kv_dim;
     experts.begin_token();
     // The first layers' lookahead, from the token's embedding: their reads
     // overlap the first attention layer instead of stalling it.
@@ -808,57 +801,17 @@ where
 
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
-        rms_norm(s.h, lw.attn_norm, hp.norm_eps, s.x);
-        match &lw.mixer {
-            Mixer::Attention(aw) => {
-                if attn_idx >= kv.n_layers {
-                    return Err(ForwardError::Shape(
-                        "more attention layers than the KV cache",
-                    ));
-                }
-                attention_layer(hp, hy, aw, mv, s, kv, attn_idx, layer_stride, pos, shape)?;
-                attn_idx += 1;
-            }
-            Mixer::DeltaNet(dw) => {
-                let Some((_, dshape)) = hy.linear.filter(|_| lin_idx < rs.n_layers) else {
-                    return Err(ForwardError::Shape(
-                        "linear-attention layer without recurrent state",
-                    ));
-                };
-                if dw.shape != dshape {
-                    return Err(ForwardError::Shape("DeltaNet layer shape"));
-                }
-                dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
-                mv.matvec(&dw.qkv, s.x, s.d_qkv)?;
-                mv.matvec(&dw.gate, s.x, s.d_z)?;
-                mv.matvec(&dw.beta, s.x, s.d_beta)?;
-                mv.matvec(&dw.alpha, s.x, s.d_alpha)?;
-                let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
-                let conv = &mut rs.conv[lin_idx * cl..][..cl];
-                let ssm = &mut rs.ssm[lin_idx * ml..][..ml];
-                if pos == 0 {
-                    conv.fill(0.0);
-                    ssm.fill(0.0);
-                }
-                deltanet::step(
-                    dw,
-                    Projections {
-                        qkv: s.d_qkv,
-                        z: s.d_z,
-                        beta: s.d_beta,
-                        alpha: s.d_alpha,
-                    },
-                    hp.norm_eps,
-                    conv,
-                    ssm,
-                    s.d_delta,
-                    s.d_out,
-                );
-                mv.matvec(&dw.out, s.d_out, s.tmp)?;
-                lin_idx += 1;
-            }
-        }
-        add_into(s.h, s.tmp);
+        mix(
+            hp,
+            hy,
+            &lw,
+            mv,
+            s,
+            kv,
+            rs,
+            (&mut attn_idx, &mut lin_idx),
+            pos,
+        )?;
 
         // FFN.
         rms_norm(s.h, lw.ffn_norm, hp.norm_eps, s.x);
@@ -948,6 +901,83 @@ where
     }
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
+    Ok(())
+}
+
+/// Layer `lw`'s mixer at position `pos` on the residual stream `s.h`: the
+/// attention norm, attention over the KV cache or a DeltaNet step over the
+/// recurrent state, and the residual add. `idx` holds the cache layer of the
+/// next attention layer and the state slot of the next linear one, advanced here.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn mix<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    lw: &Block<'_>,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    rs: &mut RecurrentState<'_>,
+    idx: (&mut usize, &mut usize),
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    let (attn_idx, lin_idx) = idx;
+    let shape = AttnShape {
+        n_head: hp.n_head,
+        n_head_kv: hp.n_head_kv,
+        head_dim: hp.head_dim,
+    };
+    let layer_stride = kv.max_positions * hp.kv_dim();
+    rms_norm(s.h, lw.attn_norm, hp.norm_eps, s.x);
+    match &lw.mixer {
+        Mixer::Attention(aw) => {
+            if *attn_idx >= kv.n_layers {
+                return Err(ForwardError::Shape(
+                    "more attention layers than the KV cache",
+                ));
+            }
+            attention_layer(hp, hy, aw, mv, s, kv, *attn_idx, layer_stride, pos, shape)?;
+            *attn_idx += 1;
+        }
+        Mixer::DeltaNet(dw) => {
+            let Some((_, dshape)) = hy.linear.filter(|_| *lin_idx < rs.n_layers) else {
+                return Err(ForwardError::Shape(
+                    "linear-attention layer without recurrent state",
+                ));
+            };
+            if dw.shape != dshape {
+                return Err(ForwardError::Shape("DeltaNet layer shape"));
+            }
+            dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+            mv.matvec(&dw.qkv, s.x, s.d_qkv)?;
+            mv.matvec(&dw.gate, s.x, s.d_z)?;
+            mv.matvec(&dw.beta, s.x, s.d_beta)?;
+            mv.matvec(&dw.alpha, s.x, s.d_alpha)?;
+            let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
+            let conv = &mut rs.conv[*lin_idx * cl..][..cl];
+            let ssm = &mut rs.ssm[*lin_idx * ml..][..ml];
+            if pos == 0 {
+                conv.fill(0.0);
+                ssm.fill(0.0);
+            }
+            deltanet::step(
+                dw,
+                Projections {
+                    qkv: s.d_qkv,
+                    z: s.d_z,
+                    beta: s.d_beta,
+                    alpha: s.d_alpha,
+                },
+                hp.norm_eps,
+                conv,
+                ssm,
+                s.d_delta,
+                s.d_out,
+            );
+            mv.matvec(&dw.out, s.d_out, s.tmp)?;
+            *lin_idx += 1;
+        }
+    }
+    add_into(s.h, s.tmp);
     Ok(())
 }
 
