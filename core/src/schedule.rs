@@ -564,6 +564,17 @@ where
         &self.table
     }
 
+    /// The most experts one [`begin_layer`](Self::begin_layer) may name: every
+    /// slot of a size could hold one of them ([`MAX_PICKS`] at most).
+    pub fn max_picks(&self) -> usize {
+        self.classes
+            .iter()
+            .map(|c| c.slots as usize)
+            .chain([self.table.capacity(), MAX_PICKS])
+            .min()
+            .unwrap_or(0)
+    }
+
     /// Device reads submitted and not yet completed.
     pub fn reads_in_flight(&self) -> usize {
         self.in_flight

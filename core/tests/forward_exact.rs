@@ -7,11 +7,12 @@ mod forward_common;
 
 use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, StreamedRun};
 use les_core::gemv::MatrixView;
+use les_core::model::config::HybridParams;
 use les_core::model::config::{Hparams, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward, AttentionWeights, Block, Experts, Ffn, KvCache, Lookahead, Mixer, Scratch,
-    SharedExpert, TokenInput, Weights,
+    forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvCache,
+    Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::GgmlType;
@@ -362,6 +363,183 @@ fn streamed_equals_resident_bit_for_bit() {
         // The shared expert was computed while reads were in flight, and the
         // logits still matched.
         assert!(les_pending > 0, "{ty}: no read was ever pending");
+    }
+}
+
+/// How [`decode_in_batches`] evaluates the next positions.
+#[derive(Clone, Copy, Debug)]
+enum Eval {
+    /// This many positions with `forward_batch`.
+    Batch(usize),
+    /// One position with `forward`.
+    One,
+}
+
+/// [`TOKENS`] evaluated as `plan` says (covering them all); the logits of the
+/// last position of each step, with that position.
+fn decode_in_batches<X: Experts>(
+    m: &Model,
+    experts: &mut X,
+    plan: &[Eval],
+) -> Vec<(usize, Vec<f32>)>
+where
+    X::Error: std::fmt::Debug,
+{
+    let hp = m.hp;
+    let hy = HybridParams::plain(&hp);
+    let mut b = Buffers::new(&hp);
+    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
+    let mut s = Scratch::new(&hp, &mut b.scratch, TOKENS.len()).unwrap();
+    let n = TOKENS.len();
+    let mut floats = vec![0f32; BatchScratch::floats(&hp, n)];
+    let mut ids = vec![0u16; BatchScratch::ids(&hp, n)];
+    let mut bs = BatchScratch::new(&hp, n, &mut floats, &mut ids).unwrap();
+    let mut mv = b.quant.matvec();
+    let mut pos = 0;
+    let mut out = Vec::new();
+    for step in plan {
+        let mut logits = vec![0f32; hp.n_vocab];
+        let len = match *step {
+            Eval::Batch(len) => {
+                let inputs: Vec<TokenInput<'_>> = TOKENS[pos..pos + len]
+                    .iter()
+                    .map(|&t| TokenInput::Token(t))
+                    .collect();
+                forward_batch(
+                    &hp,
+                    &hy,
+                    m,
+                    &mut mv,
+                    experts,
+                    &inputs,
+                    pos,
+                    &mut kv,
+                    &mut RecurrentState::empty(),
+                    &mut s,
+                    &mut bs,
+                    &mut logits,
+                )
+                .unwrap();
+                len
+            }
+            Eval::One => {
+                let input = TokenInput::Token(TOKENS[pos]);
+                forward(
+                    &hp,
+                    m,
+                    &mut mv,
+                    experts,
+                    None,
+                    input,
+                    pos,
+                    &mut kv,
+                    &mut s,
+                    &mut logits,
+                )
+                .unwrap();
+                1
+            }
+        };
+        pos += len;
+        out.push((pos - 1, logits));
+    }
+    assert_eq!(pos, TOKENS.len(), "the plan covers the tokens");
+    out
+}
+
+/// [`decode_in_batches`] for [`StreamedRun::run`] (its logits, in plan order).
+struct BatchDecoder<'m>(&'m Model, &'m [Eval]);
+
+impl Decode for BatchDecoder<'_> {
+    fn decode<X: Experts>(&mut self, experts: &mut X, _: Option<&Lookahead>) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        decode_in_batches(self.0, experts, self.1)
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect()
+    }
+}
+
+const PLANS: [&[Eval]; 5] = [
+    &[Eval::Batch(6)],
+    &[Eval::Batch(1), Eval::Batch(5)],
+    &[Eval::Batch(2), Eval::Batch(3), Eval::One],
+    &[Eval::One, Eval::Batch(4), Eval::One],
+    &[Eval::Batch(4), Eval::One, Eval::One],
+];
+
+/// A prompt evaluated in batches gives, at each batch's last position, the
+/// logits of evaluating it one position at a time, bit for bit, with the
+/// experts resident or streamed (any slot count: with 3 slots, a layer's union
+/// of picks is asked for in groups of 3), and leaves the KV cache as those would
+/// (the later steps see it).
+#[test]
+fn batched_prefill_equals_one_position_at_a_time() {
+    for (ty, ety) in [
+        (
+            GgmlType::Q8_0,
+            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+        ),
+        (
+            GgmlType::F16,
+            [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
+        ),
+    ] {
+        let m = build(11, ty, ety);
+        let want = resident(&m);
+        let packed = m.packed(false);
+        let fmt = packed.format;
+        let mut seed = 100;
+        for plan in PLANS {
+            let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+            for (pos, got) in decode_in_batches(&m, &mut ex, plan) {
+                assert_bits_eq(
+                    std::slice::from_ref(&got),
+                    std::slice::from_ref(&want[pos]),
+                    &format!("{ty} resident {plan:?} position {pos}"),
+                );
+            }
+            for slots in [3, 4, 7, 16] {
+                for split in [false, true] {
+                    for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
+                        seed += 1;
+                        let experts = m.packed(split);
+                        let out = StreamedRun {
+                            experts: &experts,
+                            n_layers: m.hp.n_layers,
+                            n_experts: 8,
+                            slots,
+                            predict: true,
+                            seed,
+                            config: cfg,
+                            lookahead: Lookahead {
+                                predictor: PredictorConfig::top_k(3),
+                                layers: LayerMask::first(m.hp.n_layers).unwrap(),
+                                depth: 1,
+                            },
+                        }
+                        .run(&mut BatchDecoder(&m, plan));
+                        let mut pos = 0;
+                        for (step, got) in plan.iter().zip(&out.logits) {
+                            pos += match step {
+                                Eval::Batch(n) => *n,
+                                Eval::One => 1,
+                            };
+                            assert_bits_eq(
+                                std::slice::from_ref(got),
+                                std::slice::from_ref(&want[pos - 1]),
+                                &format!(
+                                    "{ty} slots={slots} split={split} {plan:?} position {}",
+                                    pos - 1
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

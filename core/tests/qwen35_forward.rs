@@ -14,8 +14,8 @@ use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, Lookahead,
-    Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    forward_batch, forward_hybrid, AttentionWeights, BatchScratch, Block, ExpertMatrices, Experts,
+    Ffn, KvCache, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::GgmlType;
@@ -293,6 +293,46 @@ impl Buffers {
         }
     }
 
+    /// Runs `tokens` at positions `start..` in one `forward_batch`, returning the
+    /// last position's logits.
+    fn run_batch<X: Experts>(
+        &mut self,
+        m: &Model,
+        experts: &mut X,
+        start: usize,
+        tokens: &[u32],
+    ) -> Vec<f32>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
+        let mut floats = vec![0f32; BatchScratch::floats(hp, tokens.len())];
+        let mut ids = vec![0u16; BatchScratch::ids(hp, tokens.len())];
+        let mut b = BatchScratch::new(hp, tokens.len(), &mut floats, &mut ids).unwrap();
+        let mut mv = self.quant.matvec();
+        let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
+        let mut logits = vec![0f32; hp.n_vocab];
+        forward_batch(
+            hp,
+            hy,
+            m,
+            &mut mv,
+            experts,
+            &inputs,
+            start,
+            &mut kv,
+            &mut rs,
+            &mut s,
+            &mut b,
+            &mut logits,
+        )
+        .unwrap();
+        logits
+    }
+
     /// Runs `tokens` at positions `start..`, returning each position's logits.
     fn run<X: Experts>(
         &mut self,
@@ -467,6 +507,72 @@ fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
     b.kv_v.copy_from_slice(&a.kv_v);
     let lost = b.run(&m, &mut resident_experts(&m), None, 4, &TOKENS[4..5]);
     assert_ne!(lost[0], want[4], "DeltaNet state had no effect");
+}
+
+/// Batches through DeltaNet and gated attention layers, with the sigmoid-gated
+/// shared expert, resident and streamed: the last position's logits and the
+/// state the next positions see are those of one position at a time, bit for bit.
+#[test]
+fn batched_prefill_equals_one_position_at_a_time() {
+    let m = build(5, GgmlType::Q8_0, [GgmlType::Q4_0; 3], [2, 1, 1, 0]);
+    let want = resident(&m);
+    for split in [2, 4, TOKENS.len()] {
+        let mut b = Buffers::new(&m);
+        let got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split]);
+        assert_bits_eq(
+            std::slice::from_ref(&got),
+            std::slice::from_ref(&want[split - 1]),
+            &format!("batch of {split}"),
+        );
+        let rest = b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]);
+        assert_bits_eq(
+            &rest,
+            &want[split..],
+            &format!("decode after a batch of {split}"),
+        );
+    }
+    // Streamed, with as few slots as a token's picks: groups of TOP_K.
+    struct Batched<'m>(&'m Model);
+    impl Decode for Batched<'_> {
+        fn decode<X: Experts>(&mut self, experts: &mut X, _: Option<&Lookahead>) -> Vec<Vec<f32>>
+        where
+            X::Error: std::fmt::Debug,
+        {
+            let mut b = Buffers::new(self.0);
+            let mut out = vec![b.run_batch(self.0, experts, 0, &TOKENS[..4])];
+            out.extend(b.run(self.0, experts, None, 4, &TOKENS[4..]));
+            out
+        }
+    }
+    let experts = m.packed();
+    for (seed, slots) in [(3, TOP_K), (4, 5), (5, 16)] {
+        let got = StreamedRun {
+            experts: &experts,
+            n_layers: m.hp.n_layers,
+            n_experts: N_EXP,
+            slots,
+            predict: true,
+            seed,
+            config: SchedulerConfig::les(),
+            lookahead: Lookahead {
+                predictor: PredictorConfig::top_k(TOP_K),
+                layers: LayerMask::first(m.hp.n_layers).unwrap(),
+                depth: 1,
+            },
+        }
+        .run(&mut Batched(&m))
+        .logits;
+        assert_bits_eq(
+            &got[..1],
+            &want[3..4],
+            &format!("streamed batch, {slots} slots"),
+        );
+        assert_bits_eq(
+            &got[1..],
+            &want[4..],
+            &format!("streamed decode, {slots} slots"),
+        );
+    }
 }
 
 /// A plain f32 qwen35moe, written from the architecture description with no shared

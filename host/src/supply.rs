@@ -327,6 +327,13 @@ impl Experts for Supply<'_> {
         }
     }
 
+    fn max_picks(&self, layer: usize) -> usize {
+        match self {
+            Supply::Resident(r) => r.max_picks(layer),
+            Supply::Streamed(s) => s.max_picks(layer),
+        }
+    }
+
     fn router_logits(&mut self, layer: usize, logits: &[f32]) {
         if let Supply::Streamed(s) = self {
             s.router_logits(layer, logits);

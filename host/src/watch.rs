@@ -44,6 +44,9 @@ impl<X: Experts, W: Watcher<X>> Experts for Watched<'_, X, W> {
         self.watcher.begin_layer(self.inner, layer, routing);
         self.inner.begin_layer(layer, routing)
     }
+    fn max_picks(&self, layer: usize) -> usize {
+        self.inner.max_picks(layer)
+    }
     fn router_logits(&mut self, layer: usize, logits: &[f32]) {
         self.inner.router_logits(layer, logits)
     }

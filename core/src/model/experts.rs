@@ -195,6 +195,10 @@ where
             .map_err(StreamError::Schedule)
     }
 
+    fn max_picks(&self, _layer: usize) -> usize {
+        self.scheduler.max_picks()
+    }
+
     fn router_logits(&mut self, layer: usize, logits: &[f32]) {
         if let Ok(layer) = u16::try_from(layer) {
             self.scheduler.observe_router(layer, logits);

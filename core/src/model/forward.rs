@@ -22,6 +22,9 @@ use crate::router::{
     self, LayerMask, Prediction, PredictorConfig, RouterConfig, RouterError, Routing,
 };
 
+mod batch;
+pub use batch::{forward_batch, BatchScratch};
+
 /// Weights of one shared (always-resident) expert.
 #[derive(Clone, Copy, Debug)]
 pub struct SharedExpert<'a> {
@@ -176,6 +179,13 @@ pub trait Experts {
     fn begin_token(&mut self) {}
     /// The router of `layer` picked `routing` (expert ids, router order).
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), Self::Error>;
+    /// The most experts one [`begin_layer`](Self::begin_layer) of `layer` may
+    /// name ([`forward_batch`] asks for a layer's union of picks in groups of
+    /// this size; a token's own picks always fit).
+    fn max_picks(&self, layer: usize) -> usize {
+        let _ = layer;
+        crate::schedule::MAX_PICKS
+    }
     /// The router of `layer` gave every expert the logits `logits` (one per
     /// expert); called just before [`begin_layer`](Self::begin_layer) of that
     /// layer. A supplier that caches experts can learn their popularity from it.
@@ -611,7 +621,7 @@ fn add_bias(y: &mut [f32], b: Option<&[f32]>) -> Result<(), &'static str> {
     Ok(())
 }
 
-fn add_into(dst: &mut [f32], src: &[f32]) {
+pub(super) fn add_into(dst: &mut [f32], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d += s;
     }
@@ -628,7 +638,7 @@ fn norm_heads(x: &mut [f32], w: Option<&[f32]>, eps: f32) -> Result<(), &'static
 }
 
 /// SwiGLU FFN `down(silu(gate x) * up x)` into `out`.
-fn swiglu_ffn<M: MatVec>(
+pub(super) fn swiglu_ffn<M: MatVec>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
     x: &[f32],
@@ -641,7 +651,7 @@ fn swiglu_ffn<M: MatVec>(
 
 /// [`swiglu_ffn`], also returning the CRC-32 of gate, up and down back to back
 /// when `verify` (each hashed by [`MatVec::matvec_checksum`]).
-fn swiglu_ffn_checked<M: MatVec>(
+pub(super) fn swiglu_ffn_checked<M: MatVec>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
     x: &[f32],
@@ -755,30 +765,8 @@ where
     if logits.len() != hp.n_vocab {
         return Err(ForwardError::Shape("logits length"));
     }
-    match input {
-        TokenInput::Token(token) => {
-            let emb = weights.embedding();
-            let row = emb.row(token as usize).ok_or(ForwardError::Token(token))?;
-            quant::dequantize(emb.ty(), row, s.h).map_err(ForwardError::Quant)?;
-        }
-        TokenInput::Embedding(e) => {
-            if e.len() != s.h.len() {
-                return Err(ForwardError::Shape("input embedding length"));
-            }
-            s.h.copy_from_slice(e);
-        }
-    }
-
-    let router_cfg = match hp.moe {
-        Some(m) => Some(RouterConfig::new(
-            m.n_experts,
-            m.top_k,
-            m.gating,
-            m.normalize,
-            m.weights_scale,
-        )?),
-        None => None,
-    };
+    embed(weights, input, s.h)?;
+    let router_cfg = router_config(hp)?;
     experts.begin_token();
     // The first layers' lookahead, from the token's embedding: their reads
     // overlap the first attention layer instead of stalling it.
@@ -904,6 +892,42 @@ where
     Ok(())
 }
 
+/// The first layer's input for `input` into `h` (`n_embd` values).
+pub(super) fn embed<W: Weights, E>(
+    weights: &W,
+    input: TokenInput<'_>,
+    h: &mut [f32],
+) -> Result<(), ForwardError<E>> {
+    match input {
+        TokenInput::Token(token) => {
+            let emb = weights.embedding();
+            let row = emb.row(token as usize).ok_or(ForwardError::Token(token))?;
+            quant::dequantize(emb.ty(), row, h).map_err(ForwardError::Quant)?;
+        }
+        TokenInput::Embedding(e) => {
+            if e.len() != h.len() {
+                return Err(ForwardError::Shape("input embedding length"));
+            }
+            h.copy_from_slice(e);
+        }
+    }
+    Ok(())
+}
+
+/// The router configuration of an MoE model (`None` for a dense one).
+pub(super) fn router_config<E>(hp: &Hparams) -> Result<Option<RouterConfig>, ForwardError<E>> {
+    Ok(match hp.moe {
+        Some(m) => Some(RouterConfig::new(
+            m.n_experts,
+            m.top_k,
+            m.gating,
+            m.normalize,
+            m.weights_scale,
+        )?),
+        None => None,
+    })
+}
+
 /// Layer `lw`'s mixer at position `pos` on the residual stream `s.h`: the
 /// attention norm, attention over the KV cache or a DeltaNet step over the
 /// recurrent state, and the residual add. `idx` holds the cache layer of the
@@ -1023,7 +1047,7 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
 }
 
 /// The shared expert of `x` into `out`, scaled by its gate where it has one.
-fn shared_expert<M: MatVec, E>(
+pub(super) fn shared_expert<M: MatVec, E>(
     mv: &mut M,
     sh: &SharedExpert<'_>,
     x: &[f32],

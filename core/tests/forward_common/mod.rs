@@ -148,6 +148,9 @@ impl<X: Experts> Experts for CountPending<X> {
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
         self.inner.begin_layer(layer, routing)
     }
+    fn max_picks(&self, layer: usize) -> usize {
+        self.inner.max_picks(layer)
+    }
     fn router_logits(&mut self, layer: usize, logits: &[f32]) {
         self.inner.router_logits(layer, logits)
     }
