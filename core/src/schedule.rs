@@ -420,8 +420,9 @@ pub struct Scheduler<S, M, L> {
     in_flight: usize,
     /// Some prefetch has parts the device refused (busy): resubmit them.
     partial_prefetch: bool,
-    /// The layer whose router scores [`Scheduler::observe_router`] took last:
-    /// its picks are not counted again.
+    /// The layer whose popularity this token already counted (from the router
+    /// scores [`Scheduler::observe_router`] took, or the first group of picks):
+    /// its picks are not counted again. Cleared by [`Scheduler::begin_token`].
     observed: Option<u16>,
     stats: Stats,
 }
@@ -601,6 +602,7 @@ where
     /// Starts a new token: resets the per-token prefetch budget.
     pub fn begin_token(&mut self) {
         self.token_prefetch_bytes = 0;
+        self.observed = None;
     }
 
     /// `layer`'s router scored its experts `logits` (one per expert), before
@@ -655,8 +657,11 @@ where
             }
         }
         self.score_prediction(layer, routing);
-        if self.observed.take() != Some(layer) {
+        // A token's picks of a layer asked for in groups (a batch's union) are
+        // counted once: by the router scores, or else here, for the first group.
+        if self.observed != Some(layer) {
             self.table.record_picks(layer, routing);
+            self.observed = Some(layer);
         }
         self.layer = Some(layer);
         self.queue.clear();

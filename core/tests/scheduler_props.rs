@@ -940,3 +940,44 @@ fn an_expert_is_checked_when_first_computed_and_refused_if_corrupt() {
     assert!(verify && dev.log.len() > reads);
     sched.finish_checked::<()>(index, crc(2)).unwrap();
 }
+
+/// A token's picks of a layer asked for in groups (a batch's union, see
+/// `forward_batch`) count once towards the popularity: without router scores,
+/// the first group's picks; with them, the scores. The next token counts again.
+#[test]
+fn groups_of_one_layer_count_the_popularity_once_a_token() {
+    let mut m = Model::new(&mut Rng(9), 1, 4, 1);
+    m.on_compute = false;
+    let slots = 2;
+    let mut mem = vec![0u8; slots * m.slot_bytes as usize];
+    let mut dev = fault_free_device(&m, &mut mem);
+    let mut sched = m.scheduler(SchedulerConfig::les(), slots);
+    let key = |expert| ExpertKey { layer: 0, expert };
+    let run = |sched: &mut Scheduler<_, _, _>, dev: &mut _, group: &[u16]| {
+        sched.begin_layer(0, group, dev, &m).unwrap();
+        loop {
+            match sched.next_blocking(dev, &m).unwrap() {
+                Next::Compute { index, .. } => sched.finish::<()>(index).unwrap(),
+                Next::Done => break,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    sched.begin_token();
+    run(&mut sched, &mut dev, &[0, 1]);
+    run(&mut sched, &mut dev, &[2, 3]);
+    let pop = |sched: &Scheduler<_, _, _>, e| sched.table().popularity(key(e));
+    assert!(pop(&sched, 0) > 0 && pop(&sched, 1) > 0);
+    assert_eq!((pop(&sched, 2), pop(&sched, 3)), (0, 0));
+    sched.begin_token();
+    run(&mut sched, &mut dev, &[2]);
+    assert!(pop(&sched, 2) > 0, "a new token counts its picks");
+    // With router scores, every group of the token leaves them as they are.
+    sched.begin_token();
+    sched.observe_router(0, &[0.0, 0.0, 0.0, 3.0]);
+    let before: Vec<u32> = (0..4).map(|e| pop(&sched, e)).collect();
+    run(&mut sched, &mut dev, &[0]);
+    run(&mut sched, &mut dev, &[1]);
+    let after: Vec<u32> = (0..4).map(|e| pop(&sched, e)).collect();
+    assert_eq!(before, after);
+}

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward_hybrid, Experts, ForwardError, KvCache, Lookahead, MatVec, RecurrentState, Scratch,
-    TokenInput,
+    forward_batch, forward_hybrid, BatchScratch, Experts, ForwardError, KvCache, Lookahead, MatVec,
+    RecurrentState, Scratch, TokenInput,
 };
 
 use crate::model::Model;
@@ -53,8 +53,20 @@ pub struct Session<'m> {
     conv_state: Vec<f32>,
     ssm_state: Vec<f32>,
     scratch: Vec<f32>,
+    /// Buffers of [`eval_batch`](Session::eval_batch), for `prefill_batch`
+    /// positions.
+    batch_floats: Vec<f32>,
+    batch_ids: Vec<u16>,
+    prefill_batch: usize,
     pos: usize,
 }
+
+/// Positions a prompt is evaluated in at once by default (see
+/// [`Session::set_prefill_batch`]).
+pub const DEFAULT_PREFILL_BATCH: usize = 64;
+
+/// Most positions [`Session::set_prefill_batch`] accepts.
+pub const MAX_PREFILL_BATCH: usize = 4096;
 
 /// The buffers of a [`Session`] could not be allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,7 +89,7 @@ impl std::fmt::Display for SessionAllocError {
         write!(
             f,
             "cannot allocate the KV cache and scratch of {} positions ({:.2} GiB); \
-             ask for fewer (--ctx, -n)",
+             ask for fewer (--ctx, -n, --batch-size)",
             self.positions,
             self.bytes as f64 / (1u64 << 30) as f64
         )
@@ -116,7 +128,7 @@ impl<'m> Session<'m> {
             positions: max_positions,
             bytes: 4 * (2 * kv as u128 + conv as u128 + ssm as u128 + scratch as u128),
         };
-        Ok(Session {
+        let mut session = Session {
             model,
             max_positions,
             // Attention streams the KV cache every token: huge pages.
@@ -125,8 +137,39 @@ impl<'m> Session<'m> {
             conv_state: zeroed(conv).ok_or(err)?,
             ssm_state: zeroed(ssm).ok_or(err)?,
             scratch: zeroed(scratch).ok_or(err)?,
+            batch_floats: Vec::new(),
+            batch_ids: Vec::new(),
+            prefill_batch: 1,
             pos: 0,
-        })
+        };
+        session.set_prefill_batch(DEFAULT_PREFILL_BATCH)?;
+        Ok(session)
+    }
+
+    /// How many prompt positions [`generate_from`] evaluates at once
+    /// ([`eval_batch`](Self::eval_batch); 1 = one at a time, with lookahead
+    /// prefetching), clamped to `1..=`[`MAX_PREFILL_BATCH`] and to the session's
+    /// positions; allocates the batch buffers. The logits are the same whatever
+    /// the size.
+    pub fn set_prefill_batch(&mut self, n: usize) -> Result<(), SessionAllocError> {
+        let n = n.clamp(1, MAX_PREFILL_BATCH).min(self.max_positions.max(1));
+        let hp = &self.model.hp;
+        let (nf, ni) = (BatchScratch::floats(hp, n), BatchScratch::ids(hp, n));
+        let err = SessionAllocError {
+            positions: self.max_positions,
+            bytes: 4 * nf as u128 + 2 * ni as u128,
+        };
+        self.batch_floats = zeroed(nf).ok_or(err)?;
+        self.batch_ids = Vec::new();
+        self.batch_ids.try_reserve_exact(ni).map_err(|_| err)?;
+        self.batch_ids.resize(ni, 0);
+        self.prefill_batch = n;
+        Ok(())
+    }
+
+    /// See [`set_prefill_batch`](Self::set_prefill_batch).
+    pub fn prefill_batch(&self) -> usize {
+        self.prefill_batch
     }
 
     /// Positions evaluated so far.
@@ -161,6 +204,40 @@ impl<'m> Session<'m> {
             logits,
         )?;
         self.pos += 1;
+        Ok(())
+    }
+}
+
+impl Session<'_> {
+    /// Evaluates `inputs` at the next positions in one pass, layer by layer
+    /// ([`forward_batch`]: each layer's experts are asked for once for all the
+    /// positions), and writes the last one's next-token logits: the same logits,
+    /// caches and state as [`eval`](Self::eval) of each input in turn.
+    pub fn eval_batch<M: MatVec, X: Experts>(
+        &mut self,
+        mv: &mut M,
+        experts: &mut X,
+        inputs: &[TokenInput<'_>],
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let n = inputs.len();
+        if n > self.prefill_batch {
+            return Err(ForwardError::Shape("more positions than the batch buffers"));
+        }
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max_positions)
+            .expect("KV buffers sized by Session::new");
+        let mut rs = RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
+            .expect("recurrent state sized by Session::new");
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max_positions)
+            .expect("scratch sized by Session::new");
+        let mut b = BatchScratch::new(hp, n, &mut self.batch_floats, &mut self.batch_ids)
+            .expect("batch buffers sized by set_prefill_batch");
+        forward_batch(
+            hp, hy, self.model, mv, experts, inputs, self.pos, &mut kv, &mut rs, &mut s, &mut b,
+            logits,
+        )?;
+        self.pos += n;
         Ok(())
     }
 }
@@ -211,8 +288,11 @@ pub fn generate_from<M: MatVec, X: Experts>(
         ..GenStats::default()
     };
     let start = Instant::now();
-    for &input in prompt {
-        session.eval(mv, experts, lookahead, input, &mut logits)?;
+    for chunk in prompt.chunks(session.prefill_batch) {
+        match chunk {
+            [input] => session.eval(mv, experts, lookahead, *input, &mut logits)?,
+            _ => session.eval_batch(mv, experts, chunk, &mut logits)?,
+        }
     }
     stats.prefill = start.elapsed();
     let start = Instant::now();

@@ -134,6 +134,34 @@ fn every_schedule_and_budget_gives_bit_identical_logits() {
     }
 }
 
+/// The prompt evaluated in batches (`-b`, layer by layer) or one position at a
+/// time gives the same tokens and logits, resident and streamed.
+#[test]
+fn prompt_batch_size_does_not_change_the_logits() {
+    for arch in ["qwen3moe", "qwen35moe"] {
+        let m = model(arch);
+        let (want, (_, _, want_logits), _) = greedy_with_logits(
+            &m,
+            &["--schedule", "resident", "-b", "1"],
+            &format!("{arch}_b1"),
+        );
+        let prompt = want["stats"]["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt > 3, "batches of 2 and 3 split the prompt: {prompt}");
+        for args in [
+            &["--schedule", "resident"][..],
+            &["--schedule", "resident", "-b", "2"],
+            &["--schedule", "les", "--slots", "2", "-b", "2"],
+            &["--schedule", "les", "--slots", "5"],
+            &["--schedule", "on-demand", "--slots", "3", "-b", "3"],
+        ] {
+            let name = format!("{arch}_batch_{}", args.join("_"));
+            let (got, (_, _, logits), _) = greedy_with_logits(&m, args, &name);
+            assert_eq!(tokens(&got), tokens(&want), "{arch} {args:?}");
+            assert!(logits == want_logits, "{arch} {args:?}: logits differ");
+        }
+    }
+}
+
 #[test]
 fn mixed_expert_sizes_get_slots_of_their_size_and_stay_exact() {
     // llama.cpp's Q4_K_M mix: layers 2 and 3 have a q6_k ffn_down, so their
@@ -294,6 +322,8 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["-t", "100000"], "--threads"),
         (vec!["--io-threads", "100000"], "--io-threads"),
         (vec!["--predict-min-prob", "1.5"], "--predict-min-prob"),
+        (vec!["-b", "0"], "--batch-size"),
+        (vec!["-b", "100000"], "--batch-size"),
     ] {
         let out = run(&m, &args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -76,6 +76,12 @@ pub struct RunArgs {
     /// training context); generation stops when it is full.
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Prompt positions evaluated at once, layer by layer (each layer's experts
+    /// read and used once for all of them); 1 = one at a time, with lookahead
+    /// prefetching. The output is the same whatever the size.
+    #[arg(short = 'b', long, default_value_t = crate::engine::DEFAULT_PREFILL_BATCH,
+          value_parser = super::values::batch)]
+    pub batch_size: usize,
     /// Lookahead prediction (les schedule).
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
@@ -368,6 +374,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::new(&model, ctx)?;
+    session.set_prefill_batch(args.batch_size)?;
     eprintln!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, loaded in {:.2?}",
         model.arch.name(),

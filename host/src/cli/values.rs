@@ -52,6 +52,16 @@ pub fn tokens(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A prompt batch size, `1..=`[`crate::engine::MAX_PREFILL_BATCH`].
+pub fn batch(s: &str) -> Result<usize, String> {
+    let max = crate::engine::MAX_PREFILL_BATCH;
+    match s.parse::<usize>() {
+        Ok(v) if (1..=max).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v}: a batch is 1 to {max} positions")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A byte size ([`parse_size`](crate::supply::parse_size): `4096`, `4KiB`,
 /// `1MiB`).
 pub fn bytes(s: &str) -> Result<u64, String> {
