@@ -369,6 +369,83 @@ impl<M: MatVec> MatVec for TimedOutput<M> {
     }
 }
 
+/// What evaluating a prompt cost one schedule at one batch size.
+#[derive(Clone, Debug)]
+pub struct PrefillReport {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Positions evaluated at once.
+    pub batch: usize,
+    /// Prompt positions.
+    pub tokens: usize,
+    /// Time to evaluate them.
+    pub time: Duration,
+    /// Bytes read from the model file meanwhile.
+    pub bytes_read: u64,
+    /// The last position's logits.
+    pub logits: Vec<f32>,
+}
+
+impl PrefillReport {
+    /// Prompt positions per second.
+    pub fn tok_s(&self) -> f64 {
+        self.tokens as f64 / self.time.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes read per prompt position.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_read as f64 / self.tokens.max(1) as f64
+    }
+}
+
+/// Evaluates `cfg.prompt` cold with `schedule`, `batch` positions at a time, as
+/// `les run -b` does (see [`crate::engine::generate_from`]).
+pub fn run_prefill(
+    model: &Model,
+    path: &Path,
+    cfg: &BenchConfig,
+    schedule: Schedule,
+    batch: usize,
+) -> Result<PrefillReport, Box<dyn std::error::Error>> {
+    FileDevice::evict_page_cache(path)?;
+    let budget = if schedule == Schedule::Resident {
+        SlotBudget::none(cfg.budget.io)
+    } else {
+        cfg.budget.clone()
+    };
+    let mut supply = Supply::new(model, path, schedule, budget)?;
+    let lookahead = lookahead(model, &cfg.lookahead);
+    let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
+    let mut session = Session::new(model, cfg.prompt.len())?;
+    session.set_prefill_batch(batch)?;
+    let inputs: Vec<TokenInput<'_>> = cfg.prompt.iter().map(|&t| TokenInput::Token(t)).collect();
+    let mut logits = vec![0f32; model.hp.n_vocab];
+    let read0 = supply
+        .device()
+        .map_or(0, |d| d.counters().snapshot().file_bytes);
+    let t0 = Instant::now();
+    crate::engine::prefill(
+        &mut session,
+        &mut mv,
+        &mut supply,
+        Some(&lookahead),
+        &inputs,
+        &mut logits,
+    )?;
+    let time = t0.elapsed();
+    let read1 = supply
+        .device()
+        .map_or(0, |d| d.counters().snapshot().file_bytes);
+    Ok(PrefillReport {
+        schedule,
+        batch: session.prefill_batch(),
+        tokens: inputs.len(),
+        time,
+        bytes_read: read1 - read0,
+        logits,
+    })
+}
+
 /// Runs one schedule cold: prompt, then `n_tokens` tokens from `cfg.sampler`.
 pub fn run_schedule(
     model: &Model,

@@ -22,7 +22,9 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use les_core::gemv::{gemv, gemv_with_prefetch, GemvError, Isa, MatrixView, DEFAULT_PREFETCH};
+use les_core::gemv::{
+    gemm, gemv, gemv_with_prefetch, GemvError, Input, Isa, MatrixView, DEFAULT_PREFETCH,
+};
 use les_core::layout::{checksum, checksum_concat};
 use les_core::model::forward::{prepare_input, MatVec};
 use les_core::model::ops::{self, AttnShape, KvView};
@@ -121,6 +123,9 @@ impl ThreadedMatVec {
     }
 }
 
+/// A range of rows and its part of each output, for one thread of `matmul`.
+type RowsJob<'a> = (Range<usize>, Vec<&'a mut [f32]>);
+
 /// Grows `v` to at least `n` elements of `zero`.
 fn grow<T: Copy>(v: &mut Vec<T>, n: usize, zero: T) {
     if v.len() < n {
@@ -193,6 +198,100 @@ impl MatVec for ThreadedMatVec {
 
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
         self.product(w, x, y, false).map(|_| ())
+    }
+
+    /// The rows split across the threads as for [`matvec`](Self::matvec), each
+    /// thread's range multiplied by every input with [`gemm`] (tiles of rows
+    /// kept in cache across the inputs); each output is `matvec`'s, bit for bit.
+    fn matmul(&mut self, w: &MatrixView<'_>, xs: &[f32], ys: &mut [f32]) -> Result<(), GemvError> {
+        use les_core::gemv::{activation_format, ActivationFormat as F};
+        let (cols, rows) = (w.cols(), w.rows());
+        let n = xs.len().checked_div(cols).unwrap_or(0);
+        if cols == 0 || n * cols != xs.len() || ys.len() != n * rows {
+            return Err(GemvError::OutputLength {
+                expected: n * rows,
+                len: ys.len(),
+            });
+        }
+        if n <= 1 {
+            return if n == 1 {
+                self.matvec(w, xs, ys)
+            } else {
+                Ok(())
+            };
+        }
+        let parts = self.parts(rows, rows.saturating_mul(w.row_bytes()));
+        let chunks = (parts * CHUNKS_PER_THREAD)
+            .min(rows.div_ceil(ROW_ALIGN))
+            .min((rows.saturating_mul(w.row_bytes()) / MIN_BYTES_PER_CHUNK).max(parts))
+            .max(1);
+        let format = activation_format(w.ty()).ok_or(GemvError::UnsupportedType(w.ty()))?;
+        let blocks = (cols / format.block_elems()).max(1);
+        match format {
+            F::Q8_0 => grow(&mut self.q8_0, n * blocks, ZERO_Q8_0),
+            F::Q8_1 => grow(&mut self.q8_1, n * blocks, ZERO_Q8_1),
+            F::Q8K => grow(&mut self.q8k, n * blocks, ZERO_Q8K),
+            F::F32 => {}
+        }
+        let (mut q0, mut q1, mut qk) = (
+            self.q8_0.chunks_exact_mut(blocks),
+            self.q8_1.chunks_exact_mut(blocks),
+            self.q8k.chunks_exact_mut(blocks),
+        );
+        let mut inputs: Vec<Input<'_>> = Vec::with_capacity(n);
+        for x in xs.chunks_exact(cols) {
+            let (a, b, c): (&mut [BlockQ8_0], &mut [BlockQ8_1], &mut [BlockQ8K]) = match format {
+                F::Q8_0 => (q0.next().unwrap_or_default(), &mut [], &mut []),
+                F::Q8_1 => (&mut [], q1.next().unwrap_or_default(), &mut []),
+                F::Q8K => (&mut [], &mut [], qk.next().unwrap_or_default()),
+                F::F32 => (&mut [], &mut [], &mut []),
+            };
+            inputs.push(prepare_input(w.ty(), x, a, b, c)?);
+        }
+        // Every error is the same for every range: check once, write nothing on error.
+        let mut empty: Vec<&mut [f32]> = (0..n).map(|_| &mut [][..]).collect();
+        gemm(self.isa, w, &inputs, 0..0, &mut empty)?;
+        let ranges = if parts <= 1 {
+            std::iter::once(0..rows).collect()
+        } else {
+            split_rows(rows, chunks, ys.as_ptr() as usize)
+        };
+        // Each range's part of every output.
+        let mut outs: Vec<Vec<&mut [f32]>> = ranges.iter().map(|_| Vec::with_capacity(n)).collect();
+        for y in ys.chunks_exact_mut(rows.max(1)) {
+            let mut rest = y;
+            for (r, out) in ranges.iter().zip(outs.iter_mut()) {
+                let (part, tail) = rest.split_at_mut(r.len());
+                rest = tail;
+                out.push(part);
+            }
+        }
+        let slots: Vec<Mutex<Option<RowsJob<'_>>>> = ranges
+            .into_iter()
+            .zip(outs)
+            .map(|job| Mutex::new(Some(job)))
+            .collect();
+        let first_error: Mutex<Option<GemvError>> = Mutex::new(None);
+        let (isa, inputs) = (self.isa, &inputs);
+        let run = |c: usize| {
+            let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
+            if let Some((range, mut out)) = taken {
+                if let Err(e) = gemm(isa, w, inputs, range, &mut out) {
+                    if let Ok(mut first) = first_error.lock() {
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+        };
+        if slots.len() == 1 {
+            run(0);
+        } else {
+            self.pool.for_each(slots.len(), &run);
+        }
+        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Each thread hashes the rows it computed right after their product, while

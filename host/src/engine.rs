@@ -54,7 +54,7 @@ pub struct Session<'m> {
     ssm_state: Vec<f32>,
     scratch: Vec<f32>,
     /// Buffers of [`eval_batch`](Session::eval_batch), for `prefill_batch`
-    /// positions.
+    /// positions (none for 1).
     batch_floats: Vec<f32>,
     batch_ids: Vec<u16>,
     prefill_batch: usize,
@@ -67,6 +67,10 @@ pub const DEFAULT_PREFILL_BATCH: usize = 64;
 
 /// Most positions [`Session::set_prefill_batch`] accepts.
 pub const MAX_PREFILL_BATCH: usize = 4096;
+
+/// Most bytes of batch buffers [`Session::set_prefill_batch`] allocates (64
+/// positions of `a3b` take about 10 MiB).
+pub const MAX_BATCH_BYTES: usize = 256 << 20;
 
 /// The buffers of a [`Session`] could not be allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +132,7 @@ impl<'m> Session<'m> {
             positions: max_positions,
             bytes: 4 * (2 * kv as u128 + conv as u128 + ssm as u128 + scratch as u128),
         };
-        let mut session = Session {
+        Ok(Session {
             model,
             max_positions,
             // Attention streams the KV cache every token: huge pages.
@@ -141,19 +145,27 @@ impl<'m> Session<'m> {
             batch_ids: Vec::new(),
             prefill_batch: 1,
             pos: 0,
-        };
-        session.set_prefill_batch(DEFAULT_PREFILL_BATCH)?;
-        Ok(session)
+        })
     }
 
     /// How many prompt positions [`generate_from`] evaluates at once
-    /// ([`eval_batch`](Self::eval_batch); 1 = one at a time, with lookahead
-    /// prefetching), clamped to `1..=`[`MAX_PREFILL_BATCH`] and to the session's
-    /// positions; allocates the batch buffers. The logits are the same whatever
-    /// the size.
-    pub fn set_prefill_batch(&mut self, n: usize) -> Result<(), SessionAllocError> {
-        let n = n.clamp(1, MAX_PREFILL_BATCH).min(self.max_positions.max(1));
+    /// ([`eval_batch`](Self::eval_batch); 1, the default, = one at a time, with
+    /// lookahead prefetching), and allocates the batch buffers. The size is
+    /// clamped to `1..=`[`MAX_PREFILL_BATCH`], to the session's positions and to
+    /// what [`MAX_BATCH_BYTES`] of buffers hold (the model's dimensions come from
+    /// its file); returns the size set. The logits are the same whatever the size.
+    pub fn set_prefill_batch(&mut self, n: usize) -> Result<usize, SessionAllocError> {
         let hp = &self.model.hp;
+        let per_position = 4 * BatchScratch::floats(hp, 1) + 2 * BatchScratch::ids(hp, 1);
+        let n = n
+            .clamp(1, MAX_PREFILL_BATCH)
+            .min(self.max_positions.max(1))
+            .min((MAX_BATCH_BYTES / per_position.max(1)).max(1));
+        if n == 1 {
+            (self.batch_floats, self.batch_ids) = (Vec::new(), Vec::new());
+            self.prefill_batch = 1;
+            return Ok(1);
+        }
         let (nf, ni) = (BatchScratch::floats(hp, n), BatchScratch::ids(hp, n));
         let err = SessionAllocError {
             positions: self.max_positions,
@@ -164,7 +176,7 @@ impl<'m> Session<'m> {
         self.batch_ids.try_reserve_exact(ni).map_err(|_| err)?;
         self.batch_ids.resize(ni, 0);
         self.prefill_batch = n;
-        Ok(())
+        Ok(n)
     }
 
     /// See [`set_prefill_batch`](Self::set_prefill_batch).
@@ -242,6 +254,27 @@ impl Session<'_> {
     }
 }
 
+/// Evaluates `prompt` at the next positions, [`Session::prefill_batch`]
+/// positions at a time (a batch of one with [`Session::eval`] and `lookahead`,
+/// larger ones with [`Session::eval_batch`]), and writes the last one's
+/// next-token logits.
+pub fn prefill<M: MatVec, X: Experts>(
+    session: &mut Session<'_>,
+    mv: &mut M,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    prompt: &[TokenInput<'_>],
+    logits: &mut [f32],
+) -> Result<(), ForwardError<X::Error>> {
+    for chunk in prompt.chunks(session.prefill_batch) {
+        match chunk {
+            [input] => session.eval(mv, experts, lookahead, *input, logits)?,
+            _ => session.eval_batch(mv, experts, chunk, logits)?,
+        }
+    }
+    Ok(())
+}
+
 /// What to do after each generated token.
 pub enum Control {
     /// Keep generating.
@@ -288,12 +321,7 @@ pub fn generate_from<M: MatVec, X: Experts>(
         ..GenStats::default()
     };
     let start = Instant::now();
-    for chunk in prompt.chunks(session.prefill_batch) {
-        match chunk {
-            [input] => session.eval(mv, experts, lookahead, *input, &mut logits)?,
-            _ => session.eval_batch(mv, experts, chunk, &mut logits)?,
-        }
-    }
+    prefill(session, mv, experts, lookahead, prompt, &mut logits)?;
     stats.prefill = start.elapsed();
     let start = Instant::now();
     for i in 0..n {

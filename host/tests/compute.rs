@@ -102,6 +102,46 @@ fn compute_threaded_is_bit_identical_to_serial() {
     }
 }
 
+/// `matmul` of several inputs gives each input's `matvec`, bit for bit, over
+/// any thread count, for matrices of one `gemm` tile and of many; a mismatched
+/// output is an error that writes nothing.
+#[test]
+fn compute_matmul_is_matvec_of_each_input() {
+    let cols = 512;
+    let mut pools: Vec<ThreadedMatVec> = [1, 2, 3]
+        .iter()
+        .map(|&t| ThreadedMatVec::new(t, Isa::detect()))
+        .collect();
+    for (k, ty) in TYPES.into_iter().enumerate() {
+        for rows in [1, 65, 1037] {
+            let data = matrix(ty, rows, cols, 31 + k as u64);
+            let w = MatrixView::new(ty, rows, cols, &data).unwrap();
+            for n in [1, 2, 5] {
+                let xs = vector(n * cols, 7 + (rows * n) as u64);
+                let mut want = vec![0f32; n * rows];
+                for (x, y) in xs.chunks(cols).zip(want.chunks_mut(rows)) {
+                    serial(Isa::detect(), &w, x, y).unwrap();
+                }
+                for mv in &mut pools {
+                    let mut got = vec![f32::NAN; n * rows];
+                    mv.matmul(&w, &xs, &mut got).unwrap();
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{ty:?} {rows} rows, {n} inputs, {} threads, element {i}",
+                            mv.threads()
+                        );
+                    }
+                    let mut short = vec![f32::NAN; n * rows - 1];
+                    assert!(mv.matmul(&w, &xs, &mut short).is_err());
+                    assert!(short.iter().all(|v| v.is_nan()));
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn compute_checksum_is_the_whole_matrix_crc_and_the_product_unchanged() {
     // Large enough to be split over the threads, so each part is hashed by the

@@ -436,6 +436,60 @@ pub fn gemv(
     gemv_with_prefetch(isa, matrix, input, rows, y, DEFAULT_PREFETCH)
 }
 
+/// Bytes of weight rows a [`gemm`] tile holds at most: they are read from memory
+/// once and stay in cache while every input is multiplied by them.
+pub const GEMM_TILE_BYTES: usize = 64 << 10;
+
+/// [`gemv`] of several inputs: `ys[c][i - rows.start] = W[i] . inputs[c]`. The
+/// rows are taken in tiles of about [`GEMM_TILE_BYTES`], each multiplied by
+/// every input while it is in cache, so the weights are read from memory once
+/// instead of once an input. Each element is [`gemv`]'s, bit for bit (the same
+/// kernel on the same row and input). On error nothing is written.
+pub fn gemm(
+    isa: Isa,
+    matrix: &MatrixView<'_>,
+    inputs: &[Input<'_>],
+    rows: Range<usize>,
+    ys: &mut [&mut [f32]],
+) -> Result<(), GemvError> {
+    if ys.len() != inputs.len() {
+        return Err(GemvError::OutputLength {
+            expected: inputs.len(),
+            len: ys.len(),
+        });
+    }
+    // Every error of a tile is one of these: check them before writing.
+    for (x, y) in inputs.iter().zip(ys.iter()) {
+        gemv(isa, matrix, x, rows.start..rows.start, &mut [])?;
+        if y.len() != rows.len() {
+            return Err(GemvError::OutputLength {
+                expected: rows.len(),
+                len: y.len(),
+            });
+        }
+    }
+    if rows.start > rows.end || rows.end > matrix.rows {
+        return Err(GemvError::RowRange {
+            start: rows.start,
+            end: rows.end,
+            rows: matrix.rows,
+        });
+    }
+    let tile = (GEMM_TILE_BYTES / matrix.row_bytes.max(1)).max(1);
+    let mut start = rows.start;
+    while start < rows.end {
+        let end = (start + tile).min(rows.end);
+        for (c, (x, y)) in inputs.iter().zip(ys.iter_mut()).enumerate() {
+            // The first input reads the tile from memory: prefetch for it.
+            let prefetch = if c == 0 { DEFAULT_PREFETCH } else { 0 };
+            let out = &mut y[start - rows.start..end - rows.start];
+            gemv_with_prefetch(isa, matrix, x, start..end, out, prefetch)?;
+        }
+        start = end;
+    }
+    Ok(())
+}
+
 /// [`gemv`] with the prefetch distance given: `prefetch` bytes ahead of the row
 /// being computed, within `rows` (0 = none). Prefetching is a hint: the result
 /// is the same for every distance. Only the x86-64 kernels issue prefetches

@@ -244,6 +244,49 @@ proptest! {
     }
 }
 
+/// `gemm` gives `gemv`'s bits for each input, over matrices of one tile and of
+/// several (rows past `GEMM_TILE_BYTES`), any row range, and rejects
+/// mismatched outputs without writing.
+#[test]
+fn gemm_equals_gemv_of_each_input() {
+    let mut rng = Rng(77);
+    for ty in weight_types() {
+        let cols = cols_for(ty, 2);
+        let row_bytes = ty.row_bytes(cols).unwrap();
+        for nrows in [
+            1,
+            5,
+            GEMM_TILE_BYTES / row_bytes + 3,
+            2 * GEMM_TILE_BYTES / row_bytes + 1,
+        ] {
+            let w = random_matrix(ty, nrows, cols, &mut rng);
+            let m = MatrixView::new(ty, nrows, cols, &w).unwrap();
+            let acts: Vec<Acts> = (0..3).map(|_| Acts::random(cols, &mut rng)).collect();
+            let inputs: Vec<Input<'_>> = acts.iter().map(|a| a.input()).collect();
+            for isa in Isa::available() {
+                for rows in [0..nrows, nrows / 2..nrows, 0..0] {
+                    let mut out = vec![vec![f32::NAN; rows.len()]; inputs.len()];
+                    let mut ys: Vec<&mut [f32]> = out.iter_mut().map(|v| &mut v[..]).collect();
+                    gemm(isa, &m, &inputs, rows.clone(), &mut ys).unwrap();
+                    for (x, got) in inputs.iter().zip(&out) {
+                        let mut want = vec![0f32; rows.len()];
+                        gemv(isa, &m, x, rows.clone(), &mut want).unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(got), bits(&want), "{ty} {isa} {nrows} rows {rows:?}");
+                    }
+                }
+                let mut short = vec![0f32; nrows - 1];
+                let mut full = vec![f32::NAN; nrows];
+                let mut ys: Vec<&mut [f32]> = vec![&mut full[..], &mut short[..], &mut []];
+                assert!(gemm(isa, &m, &inputs, 0..nrows, &mut ys).is_err());
+                assert!(full.iter().all(|v| v.is_nan()), "nothing written on error");
+                let mut ys: Vec<&mut [f32]> = Vec::new();
+                assert!(gemm(isa, &m, &inputs, 0..nrows, &mut ys).is_err());
+            }
+        }
+    }
+}
+
 #[test]
 fn bytes_ahead_stays_inside_the_data() {
     let data = [0u8; 10];

@@ -225,6 +225,26 @@ pub trait MatVec {
     /// Computes `y = w x`.
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError>;
 
+    /// Computes `y_c = w x_c` for several inputs: `xs` holds them back to back
+    /// (`w.cols()` each) and `ys` the outputs (`w.rows()` each). Each output is
+    /// [`matvec`](Self::matvec)'s, bit for bit; an implementation may multiply a
+    /// part of `w` by every input while it is in cache (the default calls
+    /// `matvec` for each input).
+    fn matmul(&mut self, w: &MatrixView<'_>, xs: &[f32], ys: &mut [f32]) -> Result<(), GemvError> {
+        let (cols, rows) = (w.cols().max(1), w.rows());
+        let n = xs.len() / cols;
+        if !xs.len().is_multiple_of(cols) || ys.len() != n * rows {
+            return Err(GemvError::OutputLength {
+                expected: n * rows,
+                len: ys.len(),
+            });
+        }
+        for (x, y) in xs.chunks_exact(cols).zip(ys.chunks_exact_mut(rows.max(1))) {
+            self.matvec(w, x, y)?;
+        }
+        Ok(())
+    }
+
     /// Computes `y = w x` and returns the CRC-32 ([`crate::layout::checksum`]) of
     /// `w`'s bytes. The default hashes `w` after the product; an implementation
     /// may hash each part right after computing it, while it is still in cache.

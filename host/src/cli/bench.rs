@@ -80,6 +80,15 @@ pub struct BenchArgs {
     /// and schedule.
     #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots"])]
     pub sweep: Vec<f64>,
+    /// Instead of decoding, time the prompt's evaluation at each of these batch
+    /// sizes (e.g. `1,64`; see `les run -b`), every schedule at each, and print
+    /// the speedups over the first size.
+    #[arg(long, value_delimiter = ',', value_parser = super::values::batch, conflicts_with = "sweep")]
+    pub prefill_batches: Vec<usize>,
+    /// Prompt positions for --prefill-batches: a built-in English text's tokens,
+    /// repeated to this many.
+    #[arg(long, default_value_t = 512, value_parser = super::values::tokens)]
+    pub prefill_tokens: usize,
 }
 
 /// The sampler every schedule uses: `les run`'s (temperature, top-k 40,
@@ -102,6 +111,9 @@ fn mib(b: f64) -> f64 {
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     if !args.sweep.is_empty() {
         return sweep(args, out);
+    }
+    if !args.prefill_batches.is_empty() {
+        return super::prefill::prefill(args, out);
     }
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;

@@ -4,6 +4,7 @@ mod bench;
 mod inspect;
 mod mcu;
 mod pack;
+mod prefill;
 mod run;
 mod synth;
 pub(crate) mod values;

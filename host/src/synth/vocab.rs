@@ -13,8 +13,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::gguf::MetaValue;
 
-/// The English sample the merges are learnt from.
-const SAMPLE: &str = include_str!("sample.txt");
+/// The English sample the merges are learnt from (also `les bench
+/// --prefill-batches`'s prompt).
+pub const SAMPLE: &str = include_str!("sample.txt");
 
 /// The ChatML template Qwen models use.
 pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";

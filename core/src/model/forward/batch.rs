@@ -18,12 +18,13 @@
 //! [`forward_hybrid`]: super::forward_hybrid
 
 use super::{
-    add_into, embed, mix, router_config, shared_expert, swiglu_ffn, swiglu_ffn_checked,
-    ExpertMatrices, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, RecurrentState, Scratch,
-    Step, TokenInput, Weights,
+    add_into, embed, mix, router_config, swiglu_ffn_checked, ExpertMatrices, Experts, Ffn,
+    ForwardError, Handout, KvCache, MatVec, RecurrentState, Scratch, SharedExpert, Step,
+    TokenInput, Weights,
 };
+use crate::gemv::GemvError;
 use crate::model::config::{Hparams, HybridParams};
-use crate::model::ops::rms_norm;
+use crate::model::ops::{rms_norm, swiglu};
 use crate::router::Routing;
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -39,6 +40,14 @@ pub struct BatchScratch<'a> {
     shared: &'a mut [f32],
     /// Router weights of each position's picks (`n x top_k`).
     weights: &'a mut [f32],
+    /// Gate and up projections of several positions (`n x n_ff` each).
+    ga: &'a mut [f32],
+    gb: &'a mut [f32],
+    /// Inputs gathered for one expert, and its outputs (`n x n_embd` each).
+    gx: &'a mut [f32],
+    go: &'a mut [f32],
+    /// Router logits of each position (`n x n_experts`).
+    logits: &'a mut [f32],
     /// Each position's picks (`n x top_k`).
     ids: &'a mut [u16],
     /// The layer's union of picks (`n_experts`).
@@ -47,11 +56,25 @@ pub struct BatchScratch<'a> {
 }
 
 impl<'a> BatchScratch<'a> {
-    fn lens(hp: &Hparams, n: usize) -> ([usize; 5], [usize; 2]) {
-        let e = hp.n_embd;
+    fn lens(hp: &Hparams, n: usize) -> ([usize; 10], [usize; 2]) {
+        let (e, ff) = (hp.n_embd, super::max_ff(hp));
         let (k, n_exp) = hp.moe.map_or((0, 0), |m| (m.top_k, m.n_experts));
         let sh = if hp.moe.is_some() { n * e } else { 0 };
-        ([n * e, n * e, n * k * e, sh, n * k], [n * k, n_exp])
+        (
+            [
+                n * e,
+                n * e,
+                n * k * e,
+                sh,
+                n * k,
+                n * ff,
+                n * ff,
+                n * e,
+                n * e,
+                n * n_exp,
+            ],
+            [n * k, n_exp],
+        )
     }
 
     /// Floats needed for batches of up to `n` positions of `hp`.
@@ -70,12 +93,18 @@ impl<'a> BatchScratch<'a> {
         if floats.len() < Self::floats(hp, n) || ids.len() < Self::ids(hp, n) {
             return None;
         }
-        let ([l_h, l_x, l_out, l_sh, l_w], [l_ids, l_union]) = Self::lens(hp, n);
+        let ([l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg], [l_ids, l_union]) =
+            Self::lens(hp, n);
         let (h, rest) = floats.split_at_mut(l_h);
         let (x, rest) = rest.split_at_mut(l_x);
         let (out, rest) = rest.split_at_mut(l_out);
         let (shared, rest) = rest.split_at_mut(l_sh);
-        let (weights, _) = rest.split_at_mut(l_w);
+        let (weights, rest) = rest.split_at_mut(l_w);
+        let (ga, rest) = rest.split_at_mut(l_ga);
+        let (gb, rest) = rest.split_at_mut(l_gb);
+        let (gx, rest) = rest.split_at_mut(l_gx);
+        let (go, rest) = rest.split_at_mut(l_go);
+        let (logits, _) = rest.split_at_mut(l_lg);
         let (ids, rest) = ids.split_at_mut(l_ids);
         let (union, _) = rest.split_at_mut(l_union);
         Some(BatchScratch {
@@ -84,6 +113,11 @@ impl<'a> BatchScratch<'a> {
             out,
             shared,
             weights,
+            ga,
+            gb,
+            gx,
+            go,
+            logits,
             ids,
             union,
             n,
@@ -159,22 +193,24 @@ where
         match lw.ffn {
             Ffn::Dense { gate, up, down } => {
                 let m = ExpertMatrices { gate, up, down };
-                for j in 0..n {
-                    swiglu_ffn(mv, &m, &b.x[j * e..][..e], s.ff_a, s.ff_b, s.tmp)?;
-                    add_into(&mut b.h[j * e..][..e], s.tmp);
+                let (x, out) = (&b.x[..n * e], &mut b.go[..n * e]);
+                swiglu_ffn_batch(mv, &m, x, b.ga, b.gb, out)?;
+                for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
+                    add_into(h, o);
                 }
             }
             Ffn::Moe { router, shared } => {
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                let k = rc.top_k();
+                let (k, n_exp) = (rc.top_k(), s.router.len());
+                let logits = &mut b.logits[..n * n_exp];
+                mv.matmul(&router, &b.x[..n * e], logits)?;
                 let mut routing = Routing::new();
                 let mut n_union = 0;
-                for j in 0..n {
-                    mv.matvec(&router, &b.x[j * e..][..e], s.router)?;
-                    experts.router_logits(l, s.router);
-                    rc.route(s.router, None, &mut routing)?;
+                for (j, lg) in logits.chunks_exact(n_exp).enumerate() {
+                    experts.router_logits(l, lg);
+                    rc.route(lg, None, &mut routing)?;
                     let ids = &mut b.ids[j * k..][..k];
                     let wts = &mut b.weights[j * k..][..k];
                     ids.fill(NO_EXPERT);
@@ -189,17 +225,7 @@ where
                         }
                     }
                 }
-                moe_union(
-                    experts,
-                    mv,
-                    l,
-                    &b.union[..n_union],
-                    (&b.ids[..n * k], k),
-                    &b.x[..n * e],
-                    &mut b.out[..n * k * e],
-                    shared.as_ref().map(|sh| (sh, &mut b.shared[..n * e])),
-                    s,
-                )?;
+                moe_union(experts, mv, l, n_union, k, n, shared.as_ref(), b, s)?;
                 // Combine each position's outputs in its router order, the
                 // shared expert's last, as the one-position pass does.
                 for j in 0..n {
@@ -228,47 +254,99 @@ where
     Ok(())
 }
 
+/// [`swiglu_ffn`](super::swiglu_ffn) of every input in `xs` (`n_embd` each)
+/// into `outs`, each product over all the inputs at once ([`MatVec::matmul`]);
+/// `a` and `b` hold the gate and up projections (`n_ff` an input).
+fn swiglu_ffn_batch<M: MatVec>(
+    mv: &mut M,
+    w: &ExpertMatrices<'_>,
+    xs: &[f32],
+    a: &mut [f32],
+    b: &mut [f32],
+    outs: &mut [f32],
+) -> Result<(), GemvError> {
+    let ExpertMatrices { gate, up, down } = w;
+    let n = gate.rows();
+    let m = xs.len() / gate.cols().max(1);
+    if up.rows() != n || down.cols() != n || m * n > a.len() || m * n > b.len() {
+        return Err(GemvError::RowLength {
+            ty: down.ty(),
+            cols: down.cols(),
+        });
+    }
+    let (a, b) = (&mut a[..m * n], &mut b[..m * n]);
+    mv.matmul(gate, xs, a)?;
+    mv.matmul(up, xs, b)?;
+    swiglu(a, b);
+    mv.matmul(down, a, outs)
+}
+
+/// The shared expert of the first `n` positions of `b.x` into `b.shared`, each
+/// product over all of them at once: [`shared_expert`](super::shared_expert)'s
+/// arithmetic for each.
+fn shared_batch<M: MatVec, E>(
+    mv: &mut M,
+    sh: &SharedExpert<'_>,
+    n: usize,
+    b: &mut BatchScratch<'_>,
+    e: usize,
+) -> Result<(), ForwardError<E>> {
+    let m = ExpertMatrices {
+        gate: sh.gate,
+        up: sh.up,
+        down: sh.down,
+    };
+    let (x, out) = (&b.x[..n * e], &mut b.shared[..n * e]);
+    swiglu_ffn_batch(mv, &m, x, b.ga, b.gb, out)?;
+    if let Some(g) = sh.gate_inp {
+        let logits = &mut b.gx[..n];
+        mv.matmul(&g, x, logits)?;
+        for (o, &l) in out.chunks_exact_mut(e).zip(logits.iter()) {
+            let gate = crate::router::shared_expert_gate(l);
+            for v in o.iter_mut() {
+                *v *= gate;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One MoE layer's routed experts for every position: the union of picks
-/// `union` asked of `experts` in groups of [`Experts::max_picks`], each expert
-/// handed out computed for every position that picked it (`ids`: `top_k` per
-/// position) into `out` (`top_k x n_embd` per position). The shared expert of
-/// each position (into `shared`) fills the time no routed expert is ready.
+/// (`b.union[..n_union]`) asked of `experts` in groups of
+/// [`Experts::max_picks`], each expert handed out computed for every position
+/// that picked it (`b.ids`: `k` per position) at once, into `b.out` (`k x
+/// n_embd` per position). The positions' shared experts (into `b.shared`) are
+/// computed the first time no routed expert is ready, or last.
 #[allow(clippy::too_many_arguments)]
 fn moe_union<X: Experts, M: MatVec>(
     experts: &mut X,
     mv: &mut M,
     layer: usize,
-    union: &[u16],
-    (ids, k): (&[u16], usize),
-    x: &[f32],
-    out: &mut [f32],
-    mut shared: Option<(&super::SharedExpert<'_>, &mut [f32])>,
+    n_union: usize,
+    k: usize,
+    n: usize,
+    shared: Option<&SharedExpert<'_>>,
+    b: &mut BatchScratch<'_>,
     s: &mut Scratch<'_>,
 ) -> Result<(), ForwardError<X::Error>> {
     let e = s.h.len();
-    let n = x.len() / e;
-    let mut shared_next = 0;
-    let mut shared_one = |mv: &mut M, s: &mut Scratch<'_>, j: usize| match shared.as_mut() {
-        Some((sh, so)) if j < n => {
-            shared_expert(
-                mv,
-                sh,
-                &x[j * e..][..e],
-                s.ff_a,
-                s.ff_b,
-                &mut so[j * e..][..e],
-            )?;
-            Ok::<bool, ForwardError<X::Error>>(true)
-        }
-        _ => Ok(false),
-    };
+    let mut shared_left = shared;
     let group = experts.max_picks(layer).max(1);
-    for chunk in union.chunks(group) {
+    let mut first = 0;
+    while first < n_union {
+        let end = (first + group).min(n_union);
+        let mut chunk: heapless::Vec<u16, { crate::schedule::MAX_PICKS }> = heapless::Vec::new();
+        for &x in &b.union[first..end] {
+            chunk
+                .push(x)
+                .map_err(|_| ForwardError::Shape("group of picks"))?;
+        }
+        first = end;
         experts
-            .begin_layer(layer, chunk)
+            .begin_layer(layer, &chunk)
             .map_err(ForwardError::Experts)?;
         loop {
-            let step = if shared_next < n {
+            let step = if shared_left.is_some() {
                 experts.try_next()
             } else {
                 experts.next().map(Step::from)
@@ -283,41 +361,45 @@ fn moe_union<X: Experts, M: MatVec>(
                     let expert = *chunk
                         .get(index)
                         .ok_or(ForwardError::Shape("routing index"))?;
+                    // With `verify`, the first pick computes the checksum as it
+                    // goes; the others' inputs are gathered and multiplied at
+                    // once, and their outputs scattered back in the same order.
+                    let mut picks = (0..n * k).filter(|&p| b.ids[p] == expert);
                     let mut crc = None;
-                    let mut first = true;
-                    for (p, _) in ids.iter().enumerate().filter(|(_, &id)| id == expert) {
-                        let o = &mut out[p * e..][..e];
-                        let j = p / k;
-                        let c = swiglu_ffn_checked(
-                            mv,
-                            &matrices,
-                            &x[j * e..][..e],
-                            s.ff_a,
-                            s.ff_b,
-                            o,
-                            verify && first,
-                        )?;
-                        if first {
-                            crc = c;
-                            first = false;
+                    let checked = if verify { picks.next() } else { None };
+                    if let Some(p) = checked {
+                        let x = &b.x[(p / k) * e..][..e];
+                        let o = &mut b.out[p * e..][..e];
+                        crc = swiglu_ffn_checked(mv, &matrices, x, s.ff_a, s.ff_b, o, true)?;
+                    }
+                    let mut m = 0;
+                    for p in picks {
+                        b.gx[m * e..][..e].copy_from_slice(&b.x[(p / k) * e..][..e]);
+                        m += 1;
+                    }
+                    if m > 0 {
+                        let (xs, outs) = (&b.gx[..m * e], &mut b.go[..m * e]);
+                        swiglu_ffn_batch(mv, &matrices, xs, b.ga, b.gb, outs)?;
+                        let picks = (0..n * k)
+                            .filter(|&p| b.ids[p] == expert)
+                            .filter(|&p| Some(p) != checked);
+                        for (p, o) in picks.zip(b.go.chunks_exact(e)) {
+                            b.out[p * e..][..e].copy_from_slice(o);
                         }
                     }
                     experts.finish(index, crc).map_err(ForwardError::Experts)?;
                 }
                 Step::Pending => {
-                    if shared_one(mv, s, shared_next)? {
-                        shared_next += 1;
-                    } else {
-                        shared_next = n;
+                    if let Some(sh) = shared_left.take() {
+                        shared_batch(mv, sh, n, b, e)?;
                     }
                 }
                 Step::Done => break,
             }
         }
     }
-    while shared_next < n {
-        shared_one(mv, s, shared_next)?;
-        shared_next += 1;
+    if let Some(sh) = shared_left.take() {
+        shared_batch(mv, sh, n, b, e)?;
     }
     Ok(())
 }

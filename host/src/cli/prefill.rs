@@ -1,0 +1,160 @@
+//! `les bench --prefill-batches`: a prompt's evaluation at several batch sizes,
+//! every schedule at each, on one model and budget, cold each time.
+
+use std::error::Error;
+use std::io::Write;
+
+use serde_json::{json, Value};
+
+use super::bench::BenchArgs;
+use super::run::resolve_budget;
+use crate::bench::{run_prefill, BenchConfig, PrefillReport};
+use crate::compute::default_threads;
+use crate::model::Model;
+use crate::supply::Schedule;
+use crate::tokenizer::Tokenizer;
+
+/// Runs `les bench --prefill-batches`.
+pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let model = Model::open(&args.model)?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    if args.schedules.is_empty() {
+        return Err("--schedules is empty".into());
+    }
+    let streamed = args.schedules.iter().any(|s| *s != Schedule::Resident);
+    let (_, budget) = resolve_budget(
+        &model,
+        Some(if streamed {
+            Schedule::Les
+        } else {
+            Schedule::Resident
+        }),
+        args.expert_mem.as_deref(),
+        args.slots,
+        &args.io,
+    )?;
+    let text = crate::synth::vocab::SAMPLE;
+    let first = tokenizer.encode(text, true, false);
+    let again = tokenizer.encode(text, false, false);
+    if again.is_empty() {
+        return Err("the built-in prompt text is empty after tokenization".into());
+    }
+    let prompt: Vec<u32> = first
+        .into_iter()
+        .chain(again.into_iter().cycle())
+        .take(args.prefill_tokens)
+        .collect();
+    let cfg = BenchConfig {
+        prompt,
+        n_tokens: 0,
+        threads: args.threads.unwrap_or_else(default_threads).max(1),
+        budget: budget.clone(),
+        lookahead: args.lookahead,
+        sampler: crate::sampling::SamplerConfig::greedy(),
+    };
+    eprintln!(
+        "les bench: {} ({} layers), prompt of {} tokens, slots {} = {:.1} MiB ({:.1}% of experts), {} threads",
+        model.arch.name(),
+        model.hp.n_layers,
+        cfg.prompt.len(),
+        budget.slots(),
+        budget.bytes() as f64 / (1u64 << 20) as f64,
+        100.0 * budget.bytes() as f64 / model.expert_slot_bytes().max(1) as f64,
+        cfg.threads,
+    );
+    // Rounds of (schedule, batch) runs, interleaved; each pair's median.
+    let pairs: Vec<(Schedule, usize)> = args
+        .schedules
+        .iter()
+        .flat_map(|&s| args.prefill_batches.iter().map(move |&b| (s, b)))
+        .collect();
+    let mut all: Vec<Vec<PrefillReport>> = vec![Vec::new(); pairs.len()];
+    for round in 0..args.repeat {
+        for (i, &(s, b)) in pairs.iter().enumerate() {
+            eprintln!(
+                "les bench: prefill with {s}, batches of {b} ({}/{}) ...",
+                round + 1,
+                args.repeat
+            );
+            let r = run_prefill(&model, &args.model, &cfg, s, b)?;
+            eprintln!("les bench: {s}, batches of {b}: {:.2} tok/s", r.tok_s());
+            all[i].push(r);
+        }
+    }
+    let first = &all[0][0].logits;
+    let identical = all.iter().flatten().all(|r| {
+        r.logits
+            .iter()
+            .map(|v| v.to_bits())
+            .eq(first.iter().map(|v| v.to_bits()))
+    });
+    let medians: Vec<PrefillReport> = all
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by_key(|r| r.time);
+            v.swap_remove(v.len() / 2)
+        })
+        .collect();
+    // Each schedule's speedup over its first batch size.
+    let base = |s: Schedule| {
+        medians
+            .iter()
+            .find(|r| r.schedule == s)
+            .map_or(0.0, PrefillReport::tok_s)
+    };
+    if args.json {
+        let rows: Vec<Value> = medians
+            .iter()
+            .map(|r| {
+                json!({
+                    "schedule": r.schedule.name(),
+                    "batch": r.batch,
+                    "tok_s": r.tok_s(),
+                    "bytes_per_token": r.bytes_per_token(),
+                    "speedup": r.tok_s() / base(r.schedule).max(1e-12),
+                })
+            })
+            .collect();
+        writeln!(
+            out,
+            "{}",
+            json!({
+                "model": args.model.display().to_string(),
+                "prompt_tokens": cfg.prompt.len(),
+                "slots": budget.slots(),
+                "slot_bytes": budget.bytes(),
+                "threads": cfg.threads,
+                "runs": rows,
+                "identical_logits": identical,
+            })
+        )?;
+    } else {
+        writeln!(
+            out,
+            "{:<10} {:>6} {:>13} {:>11} {:>8}",
+            "schedule", "batch", "prompt tok/s", "MiB/token", "speedup"
+        )?;
+        for r in &medians {
+            writeln!(
+                out,
+                "{:<10} {:>6} {:>13.2} {:>11.2} {:>7.2}x",
+                r.schedule.name(),
+                r.batch,
+                r.tok_s(),
+                r.bytes_per_token() / (1u64 << 20) as f64,
+                r.tok_s() / base(r.schedule).max(1e-12),
+            )?;
+        }
+        writeln!(
+            out,
+            "speedup: over the same schedule's first batch size ({}); identical last-position logits across all runs: {}",
+            args.prefill_batches[0],
+            if identical { "yes" } else { "NO" }
+        )?;
+    }
+    if identical {
+        Ok(())
+    } else {
+        Err("batch sizes or schedules produced different logits".into())
+    }
+}
