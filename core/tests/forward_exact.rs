@@ -391,9 +391,9 @@ where
     let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
     let mut s = Scratch::new(&hp, &mut b.scratch, TOKENS.len()).unwrap();
     let n = TOKENS.len();
-    let mut floats = vec![0f32; BatchScratch::floats(&hp, n)];
-    let mut ids = vec![0u16; BatchScratch::ids(&hp, n)];
-    let mut bs = BatchScratch::new(&hp, n, &mut floats, &mut ids).unwrap();
+    let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, n)];
+    let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, n)];
+    let mut bs = BatchScratch::new(&hp, &hy, n, &mut floats, &mut ids).unwrap();
     let mut mv = b.quant.matvec();
     let mut pos = 0;
     let mut out = Vec::new();

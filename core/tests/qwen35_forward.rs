@@ -309,9 +309,9 @@ impl Buffers {
         let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
         let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
         let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
-        let mut floats = vec![0f32; BatchScratch::floats(hp, tokens.len())];
-        let mut ids = vec![0u16; BatchScratch::ids(hp, tokens.len())];
-        let mut b = BatchScratch::new(hp, tokens.len(), &mut floats, &mut ids).unwrap();
+        let mut floats = vec![0f32; BatchScratch::floats(hp, hy, tokens.len())];
+        let mut ids = vec![0u16; BatchScratch::ids(hp, hy, tokens.len())];
+        let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
         let mut mv = self.quant.matvec();
         let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
         let mut logits = vec![0f32; hp.n_vocab];

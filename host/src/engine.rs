@@ -155,8 +155,8 @@ impl<'m> Session<'m> {
     /// what [`MAX_BATCH_BYTES`] of buffers hold (the model's dimensions come from
     /// its file); returns the size set. The logits are the same whatever the size.
     pub fn set_prefill_batch(&mut self, n: usize) -> Result<usize, SessionAllocError> {
-        let hp = &self.model.hp;
-        let per_position = 4 * BatchScratch::floats(hp, 1) + 2 * BatchScratch::ids(hp, 1);
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let per_position = 4 * BatchScratch::floats(hp, hy, 1) + 2 * BatchScratch::ids(hp, hy, 1);
         let n = n
             .clamp(1, MAX_PREFILL_BATCH)
             .min(self.max_positions.max(1))
@@ -166,7 +166,10 @@ impl<'m> Session<'m> {
             self.prefill_batch = 1;
             return Ok(1);
         }
-        let (nf, ni) = (BatchScratch::floats(hp, n), BatchScratch::ids(hp, n));
+        let (nf, ni) = (
+            BatchScratch::floats(hp, hy, n),
+            BatchScratch::ids(hp, hy, n),
+        );
         let err = SessionAllocError {
             positions: self.max_positions,
             bytes: 4 * nf as u128 + 2 * ni as u128,
@@ -243,7 +246,7 @@ impl Session<'_> {
             .expect("recurrent state sized by Session::new");
         let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max_positions)
             .expect("scratch sized by Session::new");
-        let mut b = BatchScratch::new(hp, n, &mut self.batch_floats, &mut self.batch_ids)
+        let mut b = BatchScratch::new(hp, hy, n, &mut self.batch_floats, &mut self.batch_ids)
             .expect("batch buffers sized by set_prefill_batch");
         forward_batch(
             hp, hy, self.model, mv, experts, inputs, self.pos, &mut kv, &mut rs, &mut s, &mut b,

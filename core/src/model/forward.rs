@@ -1107,22 +1107,49 @@ fn attention_layer<M: MatVec, E>(
     pos: usize,
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
-    let kv_dim = hp.kv_dim();
     if hy.attn_output_gate {
-        // [q_h, g_h] per head: split the query from its gate.
-        let hd = hp.head_dim;
         if s.qg.len() != 2 * hp.q_dim() || aw.wq.rows() != s.qg.len() {
             return Err(ForwardError::Shape("gated query projection"));
         }
         mv.matvec(&aw.wq, s.x, s.qg)?;
-        for (h, pair) in s.qg.chunks_exact(2 * hd).enumerate() {
-            s.q[h * hd..][..hd].copy_from_slice(&pair[..hd]);
-        }
     } else {
         mv.matvec(&aw.wq, s.x, s.q)?;
     }
     mv.matvec(&aw.wk, s.x, s.k)?;
     mv.matvec(&aw.wv, s.x, s.v)?;
+    attend(hp, hy, aw, mv, s, kv, cache_layer, layer_stride, pos, shape)?;
+    mv.matvec(&aw.wo, s.att, s.tmp)?;
+    Ok(())
+}
+
+/// Attention at position `pos` from its projections (`s.q`, or `s.qg` with an
+/// output gate, and `s.k`, `s.v`): biases, q/k norms, RoPE, the position's keys
+/// and values into the cache, attention over positions `0..=pos`, the output
+/// gate; the result in `s.att`, before the output projection.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    aw: &AttentionWeights<'_>,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    cache_layer: usize,
+    layer_stride: usize,
+    pos: usize,
+    shape: AttnShape,
+) -> Result<(), ForwardError<E>> {
+    let kv_dim = hp.kv_dim();
+    if hy.attn_output_gate {
+        // [q_h, g_h] per head: split the query from its gate.
+        let hd = hp.head_dim;
+        if s.qg.len() != 2 * hp.q_dim() {
+            return Err(ForwardError::Shape("gated query projection"));
+        }
+        for (h, pair) in s.qg.chunks_exact(2 * hd).enumerate() {
+            s.q[h * hd..][..hd].copy_from_slice(&pair[..hd]);
+        }
+    }
     add_bias(s.q, aw.bq).map_err(ForwardError::Shape)?;
     add_bias(s.k, aw.bk).map_err(ForwardError::Shape)?;
     add_bias(s.v, aw.bv).map_err(ForwardError::Shape)?;
@@ -1178,6 +1205,5 @@ fn attention_layer<M: MatVec, E>(
             }
         }
     }
-    mv.matvec(&aw.wo, s.att, s.tmp)?;
     Ok(())
 }

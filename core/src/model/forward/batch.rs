@@ -17,14 +17,15 @@
 //!
 //! [`forward_hybrid`]: super::forward_hybrid
 
+use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::{
-    add_into, embed, mix, router_config, swiglu_ffn_checked, ExpertMatrices, Experts, Ffn,
-    ForwardError, Handout, KvCache, MatVec, RecurrentState, Scratch, SharedExpert, Step,
-    TokenInput, Weights,
+    add_into, attend, embed, router_config, swiglu_ffn_checked, AttentionWeights, ExpertMatrices,
+    Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState, Scratch,
+    SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{Hparams, HybridParams};
-use crate::model::ops::{rms_norm, swiglu};
+use crate::model::ops::{rms_norm, swiglu, AttnShape};
 use crate::router::Routing;
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -48,6 +49,19 @@ pub struct BatchScratch<'a> {
     go: &'a mut [f32],
     /// Router logits of each position (`n x n_experts`).
     logits: &'a mut [f32],
+    /// Attention projections of each position: query (with its gate, if
+    /// any), key, value, and the attention output before `wo`.
+    aq: &'a mut [f32],
+    ak: &'a mut [f32],
+    av: &'a mut [f32],
+    aatt: &'a mut [f32],
+    /// DeltaNet projections of each position (`qkv`, `z`, `beta`, `alpha`) and
+    /// its output before `out` (empty without linear attention).
+    dqkv: &'a mut [f32],
+    dz: &'a mut [f32],
+    dbeta: &'a mut [f32],
+    dalpha: &'a mut [f32],
+    dout: &'a mut [f32],
     /// Each position's picks (`n x top_k`).
     ids: &'a mut [u16],
     /// The layer's union of picks (`n_experts`).
@@ -56,8 +70,10 @@ pub struct BatchScratch<'a> {
 }
 
 impl<'a> BatchScratch<'a> {
-    fn lens(hp: &Hparams, n: usize) -> ([usize; 10], [usize; 2]) {
+    fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> ([usize; 19], [usize; 2]) {
+        let [_, d_qkv, d_z, d_beta, d_alpha, d_out, _] = super::extra_lens(hp, hy);
         let (e, ff) = (hp.n_embd, super::max_ff(hp));
+        let q_rows = if hy.attn_output_gate { 2 } else { 1 } * hp.q_dim();
         let (k, n_exp) = hp.moe.map_or((0, 0), |m| (m.top_k, m.n_experts));
         let sh = if hp.moe.is_some() { n * e } else { 0 };
         (
@@ -72,29 +88,46 @@ impl<'a> BatchScratch<'a> {
                 n * e,
                 n * e,
                 n * n_exp,
+                n * q_rows,
+                n * hp.kv_dim(),
+                n * hp.kv_dim(),
+                n * hp.q_dim(),
+                n * d_qkv,
+                n * d_z,
+                n * d_beta,
+                n * d_alpha,
+                n * d_out,
             ],
             [n * k, n_exp],
         )
     }
 
-    /// Floats needed for batches of up to `n` positions of `hp`.
-    pub fn floats(hp: &Hparams, n: usize) -> usize {
-        Self::lens(hp, n).0.iter().sum()
+    /// Floats needed for batches of up to `n` positions of `hp` and `hy`.
+    pub fn floats(hp: &Hparams, hy: &HybridParams, n: usize) -> usize {
+        Self::lens(hp, hy, n).0.iter().sum()
     }
 
     /// Expert ids (`u16`) needed for batches of up to `n` positions of `hp`.
-    pub fn ids(hp: &Hparams, n: usize) -> usize {
-        Self::lens(hp, n).1.iter().sum()
+    pub fn ids(hp: &Hparams, hy: &HybridParams, n: usize) -> usize {
+        Self::lens(hp, hy, n).1.iter().sum()
     }
 
     /// Splits `floats` and `ids` (at least [`floats`](Self::floats) and
     /// [`ids`](Self::ids) long) for batches of up to `n` positions.
-    pub fn new(hp: &Hparams, n: usize, floats: &'a mut [f32], ids: &'a mut [u16]) -> Option<Self> {
-        if floats.len() < Self::floats(hp, n) || ids.len() < Self::ids(hp, n) {
+    pub fn new(
+        hp: &Hparams,
+        hy: &HybridParams,
+        n: usize,
+        floats: &'a mut [f32],
+        ids: &'a mut [u16],
+    ) -> Option<Self> {
+        if floats.len() < Self::floats(hp, hy, n) || ids.len() < Self::ids(hp, hy, n) {
             return None;
         }
-        let ([l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg], [l_ids, l_union]) =
-            Self::lens(hp, n);
+        let (
+            [l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg, l_aq, l_ak, l_av, l_att, l_dqkv, l_dz, l_db, l_da, l_do],
+            [l_ids, l_union],
+        ) = Self::lens(hp, hy, n);
         let (h, rest) = floats.split_at_mut(l_h);
         let (x, rest) = rest.split_at_mut(l_x);
         let (out, rest) = rest.split_at_mut(l_out);
@@ -104,7 +137,16 @@ impl<'a> BatchScratch<'a> {
         let (gb, rest) = rest.split_at_mut(l_gb);
         let (gx, rest) = rest.split_at_mut(l_gx);
         let (go, rest) = rest.split_at_mut(l_go);
-        let (logits, _) = rest.split_at_mut(l_lg);
+        let (logits, rest) = rest.split_at_mut(l_lg);
+        let (aq, rest) = rest.split_at_mut(l_aq);
+        let (ak, rest) = rest.split_at_mut(l_ak);
+        let (av, rest) = rest.split_at_mut(l_av);
+        let (aatt, rest) = rest.split_at_mut(l_att);
+        let (dqkv, rest) = rest.split_at_mut(l_dqkv);
+        let (dz, rest) = rest.split_at_mut(l_dz);
+        let (dbeta, rest) = rest.split_at_mut(l_db);
+        let (dalpha, rest) = rest.split_at_mut(l_da);
+        let (dout, _) = rest.split_at_mut(l_do);
         let (ids, rest) = ids.split_at_mut(l_ids);
         let (union, _) = rest.split_at_mut(l_union);
         Some(BatchScratch {
@@ -118,6 +160,15 @@ impl<'a> BatchScratch<'a> {
             gx,
             go,
             logits,
+            aq,
+            ak,
+            av,
+            aatt,
+            dqkv,
+            dz,
+            dbeta,
+            dalpha,
+            dout,
             ids,
             union,
             n,
@@ -180,15 +231,24 @@ where
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
-        let (mut a, mut li) = (attn_idx, lin_idx);
-        for j in 0..n {
-            (a, li) = (attn_idx, lin_idx);
-            s.h.copy_from_slice(&b.h[j * e..][..e]);
-            mix(hp, hy, &lw, mv, s, kv, rs, (&mut a, &mut li), pos + j)?;
-            rms_norm(s.h, lw.ffn_norm, hp.norm_eps, &mut b.x[j * e..][..e]);
-            b.h[j * e..][..e].copy_from_slice(s.h);
+        match &lw.mixer {
+            Mixer::Attention(aw) => {
+                if attn_idx >= kv.n_layers {
+                    return Err(ForwardError::Shape(
+                        "more attention layers than the KV cache",
+                    ));
+                }
+                attention_batch(hp, hy, aw, lw.attn_norm, mv, s, kv, b, n, attn_idx, pos)?;
+                attn_idx += 1;
+            }
+            Mixer::DeltaNet(dw) => {
+                deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
+                lin_idx += 1;
+            }
         }
-        (attn_idx, lin_idx) = (a, li);
+        for (h, x) in b.h.chunks_exact(e).zip(b.x.chunks_exact_mut(e)).take(n) {
+            rms_norm(h, lw.ffn_norm, hp.norm_eps, x);
+        }
 
         match lw.ffn {
             Ffn::Dense { gate, up, down } => {
@@ -251,6 +311,158 @@ where
     s.h.copy_from_slice(&b.h[(n - 1) * e..][..e]);
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
+    Ok(())
+}
+
+/// One attention layer for the first `n` positions of `b.h` (positions `pos..`):
+/// what [`mix`] does for each, with the projections of all the positions at
+/// once ([`MatVec::matmul`]) and the attention of each position in turn, so
+/// each sees the keys and values of the earlier ones and no later one.
+#[allow(clippy::too_many_arguments)]
+fn attention_batch<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    aw: &AttentionWeights<'_>,
+    attn_norm: &[f32],
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    cache_layer: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    let (e, q_dim, kv_dim) = (hp.n_embd, hp.q_dim(), hp.kv_dim());
+    let q_rows = if hy.attn_output_gate {
+        2 * q_dim
+    } else {
+        q_dim
+    };
+    if aw.wq.rows() != q_rows || (hy.attn_output_gate && s.qg.len() != q_rows) {
+        return Err(ForwardError::Shape("query projection"));
+    }
+    let x = &mut b.gx[..n * e];
+    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
+        rms_norm(h, attn_norm, hp.norm_eps, x);
+    }
+    let (q, k, v) = (
+        &mut b.aq[..n * q_rows],
+        &mut b.ak[..n * kv_dim],
+        &mut b.av[..n * kv_dim],
+    );
+    mv.matmul(&aw.wq, x, q)?;
+    mv.matmul(&aw.wk, x, k)?;
+    mv.matmul(&aw.wv, x, v)?;
+    let shape = AttnShape {
+        n_head: hp.n_head,
+        n_head_kv: hp.n_head_kv,
+        head_dim: hp.head_dim,
+    };
+    let layer_stride = kv.max_positions * kv_dim;
+    for j in 0..n {
+        let qj = &q[j * q_rows..][..q_rows];
+        if hy.attn_output_gate {
+            s.qg.copy_from_slice(qj);
+        } else {
+            s.q.copy_from_slice(qj);
+        }
+        s.k.copy_from_slice(&k[j * kv_dim..][..kv_dim]);
+        s.v.copy_from_slice(&v[j * kv_dim..][..kv_dim]);
+        attend(
+            hp,
+            hy,
+            aw,
+            mv,
+            s,
+            kv,
+            cache_layer,
+            layer_stride,
+            pos + j,
+            shape,
+        )?;
+        b.aatt[j * q_dim..][..q_dim].copy_from_slice(s.att);
+    }
+    let out = &mut b.go[..n * e];
+    mv.matmul(&aw.wo, &b.aatt[..n * q_dim], out)?;
+    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
+        add_into(h, o);
+    }
+    Ok(())
+}
+
+/// One gated DeltaNet layer for the first `n` positions of `b.h` (positions
+/// `pos..`): what [`mix`](super::mix) does for each, with the projections of
+/// all the positions at once ([`MatVec::matmul`]) and the recurrence a position
+/// at a time, in order.
+#[allow(clippy::too_many_arguments)]
+fn deltanet_batch<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    dw: &DeltaNetWeights<'_>,
+    attn_norm: &[f32],
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    rs: &mut RecurrentState<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    state: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    let Some((_, dshape)) = hy.linear.filter(|_| state < rs.n_layers) else {
+        return Err(ForwardError::Shape(
+            "linear-attention layer without recurrent state",
+        ));
+    };
+    if dw.shape != dshape {
+        return Err(ForwardError::Shape("DeltaNet layer shape"));
+    }
+    dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+    let e = hp.n_embd;
+    let (lq, lz, lb, la) = (s.d_qkv.len(), s.d_z.len(), s.d_beta.len(), s.d_alpha.len());
+    let lo = s.d_out.len();
+    let x = &mut b.gx[..n * e];
+    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
+        rms_norm(h, attn_norm, hp.norm_eps, x);
+    }
+    let (qkv, z) = (&mut b.dqkv[..n * lq], &mut b.dz[..n * lz]);
+    let (beta, alpha) = (&mut b.dbeta[..n * lb], &mut b.dalpha[..n * la]);
+    mv.matmul(&dw.qkv, x, qkv)?;
+    mv.matmul(&dw.gate, x, z)?;
+    mv.matmul(&dw.beta, x, beta)?;
+    mv.matmul(&dw.alpha, x, alpha)?;
+    let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
+    let conv = &mut rs.conv[state * cl..][..cl];
+    let ssm = &mut rs.ssm[state * ml..][..ml];
+    for j in 0..n {
+        if pos + j == 0 {
+            conv.fill(0.0);
+            ssm.fill(0.0);
+        }
+        s.d_qkv.copy_from_slice(&qkv[j * lq..][..lq]);
+        s.d_z.copy_from_slice(&z[j * lz..][..lz]);
+        s.d_beta.copy_from_slice(&beta[j * lb..][..lb]);
+        s.d_alpha.copy_from_slice(&alpha[j * la..][..la]);
+        deltanet::step(
+            dw,
+            Projections {
+                qkv: s.d_qkv,
+                z: s.d_z,
+                beta: s.d_beta,
+                alpha: s.d_alpha,
+            },
+            hp.norm_eps,
+            conv,
+            ssm,
+            s.d_delta,
+            s.d_out,
+        );
+        b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
+    }
+    let out = &mut b.go[..n * e];
+    mv.matmul(&dw.out, &b.dout[..n * lo], out)?;
+    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
+        add_into(h, o);
+    }
     Ok(())
 }
 
