@@ -11,7 +11,8 @@
 //! - [`quant`]: ggml's block formats, bit-exact (dequantize, and quantize for the
 //!   weight and activation formats LES writes).
 //! - [`gemv`]: `y = W x` over a row range for every weight format, a scalar
-//!   reference kernel and SIMD kernels checked against it.
+//!   reference kernel and SIMD kernels checked against it; `gemm` for several
+//!   inputs at once, with the same bits.
 //! - [`router`]: expert gating (softmax / sigmoid, top-k, renormalisation, shared
 //!   expert gate) and the **lookahead predictor**: layer `l+1`'s router applied to
 //!   layer `l`'s hidden state, to know which experts to prefetch.
@@ -22,6 +23,10 @@
 //! - [`schedule`]: the LES planner that turns routing results, predictions and I/O
 //!   completions into reads, cancellations and a *ready-first* compute order, and
 //!   the on-demand baseline as the same machinery with prediction and overlap off.
+//! - [`model`]: the forward pass over those pieces: one token
+//!   ([`model::forward::forward_hybrid`]), or a prompt's positions layer by layer
+//!   ([`model::forward::forward_batch`], each layer's experts asked for once as
+//!   the union of the positions' picks).
 //!
 //! Exactness is the rule throughout: predictions only steer prefetching; every
 //! expert the real router picks is loaded and used, and expert outputs are combined

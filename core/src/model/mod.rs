@@ -4,7 +4,9 @@
 //! - [`ops`]: the layer arithmetic (norms, RoPE, attention, SwiGLU).
 //! - [`deltanet`]: gated DeltaNet, the linear attention of hybrid models.
 //! - [`forward`]: one token through the model, with routed experts supplied by an
-//!   [`forward::Experts`] implementation (resident, or streamed by the scheduler).
+//!   [`forward::Experts`] implementation (resident, or streamed by the scheduler),
+//!   or several positions layer by layer ([`forward::forward_batch`], a prompt's
+//!   prefill), bit-identical to one at a time.
 
 pub mod config;
 pub mod deltanet;
