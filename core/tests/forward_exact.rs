@@ -543,6 +543,52 @@ fn batched_prefill_equals_one_position_at_a_time() {
     }
 }
 
+/// Calls `forward_batch` cannot serve are errors, not panics: no inputs, more
+/// than the scratch holds, past the context, scratch made for another shape.
+#[test]
+fn forward_batch_rejects_what_it_cannot_do() {
+    let m = build(
+        11,
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+    );
+    let hp = m.hp;
+    let hy = HybridParams::plain(&hp);
+    let packed = m.packed(false);
+    let fmt = packed.format;
+    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+    let mut b = Buffers::new(&hp);
+    let n = TOKENS.len();
+    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, n).unwrap();
+    let mut s = Scratch::new(&hp, &mut b.scratch, n).unwrap();
+    let mut mv = b.quant.matvec();
+    let mut logits = vec![0f32; hp.n_vocab];
+    let inputs: Vec<TokenInput<'_>> = TOKENS.iter().map(|&t| TokenInput::Token(t)).collect();
+    let mut other = hp;
+    other.n_embd /= 2;
+    for (shape, count, pos) in [(hp, 0, 0), (hp, 3, 0), (hp, 2, n - 1), (other, 2, 0)] {
+        let mut floats = vec![0f32; BatchScratch::floats(&shape, &hy, 2)];
+        let mut ids = vec![0u16; BatchScratch::ids(&shape, &hy, 2)];
+        let mut bs = BatchScratch::new(&shape, &hy, 2, &mut floats, &mut ids).unwrap();
+        let r = forward_batch(
+            &hp,
+            &hy,
+            &m,
+            &mut mv,
+            &mut ex,
+            &inputs[..count],
+            pos,
+            &mut kv,
+            &mut RecurrentState::empty(),
+            &mut s,
+            &mut bs,
+            &mut logits,
+        );
+        assert!(r.is_err(), "{count} inputs at {pos}");
+    }
+    assert!(BatchScratch::new(&hp, &hy, 2, &mut [0.0; 3], &mut [0; 3]).is_none());
+}
+
 /// A plain f32 transformer, written from the architecture description, with no
 /// shared code: per-token attention over explicit past keys and values.
 fn reference(m: &Model) -> Vec<Vec<f32>> {

@@ -67,10 +67,15 @@ pub struct BatchScratch<'a> {
     /// The layer's union of picks (`n_experts`).
     union: &'a mut [u16],
     n: usize,
+    /// The buffer lengths, for the model the scratch was made for.
+    lens: Lens,
 }
 
+/// Lengths of a [`BatchScratch`]'s float and id buffers.
+type Lens = ([usize; 19], [usize; 2]);
+
 impl<'a> BatchScratch<'a> {
-    fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> ([usize; 19], [usize; 2]) {
+    fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> Lens {
         let [_, d_qkv, d_z, d_beta, d_alpha, d_out, _] = super::extra_lens(hp, hy);
         let (e, ff) = (hp.n_embd, super::max_ff(hp));
         let q_rows = if hy.attn_output_gate { 2 } else { 1 } * hp.q_dim();
@@ -124,10 +129,11 @@ impl<'a> BatchScratch<'a> {
         if floats.len() < Self::floats(hp, hy, n) || ids.len() < Self::ids(hp, hy, n) {
             return None;
         }
+        let lens = Self::lens(hp, hy, n);
         let (
             [l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg, l_aq, l_ak, l_av, l_att, l_dqkv, l_dz, l_db, l_da, l_do],
             [l_ids, l_union],
-        ) = Self::lens(hp, hy, n);
+        ) = lens;
         let (h, rest) = floats.split_at_mut(l_h);
         let (x, rest) = rest.split_at_mut(l_x);
         let (out, rest) = rest.split_at_mut(l_out);
@@ -172,6 +178,7 @@ impl<'a> BatchScratch<'a> {
             ids,
             union,
             n,
+            lens,
         })
     }
 
@@ -221,6 +228,13 @@ where
         return Err(ForwardError::Shape("logits length"));
     }
     let e = hp.n_embd;
+    if e == 0
+        || s.h.len() != e
+        || hp.moe.is_some_and(|m| m.n_experts != s.router.len())
+        || b.lens != BatchScratch::lens(hp, hy, b.n)
+    {
+        return Err(ForwardError::Shape("scratch does not fit the model"));
+    }
     for (input, h) in inputs.iter().zip(b.h.chunks_exact_mut(e)) {
         embed(weights, *input, h)?;
     }
@@ -263,7 +277,7 @@ where
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                let (k, n_exp) = (rc.top_k(), s.router.len());
+                let (k, n_exp) = (rc.top_k(), s.router.len().max(1));
                 let logits = &mut b.logits[..n * n_exp];
                 mv.matmul(&router, &b.x[..n * e], logits)?;
                 let mut routing = Routing::new();
