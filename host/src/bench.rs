@@ -369,6 +369,23 @@ impl<M: MatVec> MatVec for TimedOutput<M> {
     }
 }
 
+/// The experts of `schedule` over `cfg`'s budget, with `path` dropped from the
+/// page cache first, so every run starts cold.
+fn cold_supply<'m>(
+    model: &'m Model,
+    path: &Path,
+    cfg: &BenchConfig,
+    schedule: Schedule,
+) -> Result<Supply<'m>, Box<dyn std::error::Error>> {
+    FileDevice::evict_page_cache(path)?;
+    let budget = if schedule == Schedule::Resident {
+        SlotBudget::none(cfg.budget.io)
+    } else {
+        cfg.budget.clone()
+    };
+    Ok(Supply::new(model, path, schedule, budget)?)
+}
+
 /// What evaluating a prompt cost one schedule at one batch size.
 #[derive(Clone, Debug)]
 pub struct PrefillReport {
@@ -407,13 +424,7 @@ pub fn run_prefill(
     schedule: Schedule,
     batch: usize,
 ) -> Result<PrefillReport, Box<dyn std::error::Error>> {
-    FileDevice::evict_page_cache(path)?;
-    let budget = if schedule == Schedule::Resident {
-        SlotBudget::none(cfg.budget.io)
-    } else {
-        cfg.budget.clone()
-    };
-    let mut supply = Supply::new(model, path, schedule, budget)?;
+    let mut supply = cold_supply(model, path, cfg, schedule)?;
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
     let mut session = Session::new(model, cfg.prompt.len())?;
@@ -454,13 +465,7 @@ pub fn run_schedule(
     schedule: Schedule,
     device_bw: f64,
 ) -> Result<ScheduleReport, Box<dyn std::error::Error>> {
-    FileDevice::evict_page_cache(path)?;
-    let budget = if schedule == Schedule::Resident {
-        SlotBudget::none(cfg.budget.io)
-    } else {
-        cfg.budget.clone()
-    };
-    let mut supply = Supply::new(model, path, schedule, budget)?;
+    let mut supply = cold_supply(model, path, cfg, schedule)?;
     let mut supply = Watched::new(&mut supply, (Recording::default(), LayerCosts::default()));
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = TimedOutput {

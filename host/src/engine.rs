@@ -48,11 +48,7 @@ fn rate(n: usize, d: Duration) -> f64 {
 pub struct Session<'m> {
     model: &'m Model,
     max_positions: usize,
-    kv_k: Vec<f32>,
-    kv_v: Vec<f32>,
-    conv_state: Vec<f32>,
-    ssm_state: Vec<f32>,
-    scratch: Vec<f32>,
+    state: SequenceBuffers,
     /// Buffers of [`eval_batch`](Session::eval_batch), for `prefill_batch`
     /// positions (none for 1).
     batch_floats: Vec<f32>,
@@ -71,6 +67,36 @@ pub const MAX_PREFILL_BATCH: usize = 4096;
 /// Most bytes of batch buffers [`Session::set_prefill_batch`] allocates (64
 /// positions of `a3b` take about 10 MiB).
 pub const MAX_BATCH_BYTES: usize = 256 << 20;
+
+/// A sequence's KV cache, recurrent state and scratch, as allocated by
+/// [`Session::new`].
+struct SequenceBuffers {
+    kv_k: Vec<f32>,
+    kv_v: Vec<f32>,
+    conv_state: Vec<f32>,
+    ssm_state: Vec<f32>,
+    scratch: Vec<f32>,
+}
+
+impl SequenceBuffers {
+    /// The forward pass's views of the buffers, for `model` and `max_positions`
+    /// (what they were allocated for).
+    fn views(
+        &mut self,
+        model: &Model,
+        max_positions: usize,
+    ) -> (KvCache<'_>, RecurrentState<'_>, Scratch<'_>) {
+        let (hp, hy) = (&model.hp, &model.hybrid);
+        (
+            KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, max_positions)
+                .expect("KV buffers sized by Session::new"),
+            RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
+                .expect("recurrent state sized by Session::new"),
+            Scratch::new_for(hp, hy, &mut self.scratch, max_positions)
+                .expect("scratch sized by Session::new"),
+        )
+    }
+}
 
 /// The buffers of a [`Session`] could not be allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,12 +161,14 @@ impl<'m> Session<'m> {
         Ok(Session {
             model,
             max_positions,
-            // Attention streams the KV cache every token: huge pages.
-            kv_k: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
-            kv_v: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
-            conv_state: zeroed(conv).ok_or(err)?,
-            ssm_state: zeroed(ssm).ok_or(err)?,
-            scratch: zeroed(scratch).ok_or(err)?,
+            state: SequenceBuffers {
+                // Attention streams the KV cache every token: huge pages.
+                kv_k: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
+                kv_v: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
+                conv_state: zeroed(conv).ok_or(err)?,
+                ssm_state: zeroed(ssm).ok_or(err)?,
+                scratch: zeroed(scratch).ok_or(err)?,
+            },
             batch_floats: Vec::new(),
             batch_ids: Vec::new(),
             prefill_batch: 1,
@@ -208,12 +236,7 @@ impl<'m> Session<'m> {
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
         let (hp, hy) = (&self.model.hp, &self.model.hybrid);
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max_positions)
-            .expect("KV buffers sized by Session::new");
-        let mut rs = RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
-            .expect("recurrent state sized by Session::new");
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max_positions)
-            .expect("scratch sized by Session::new");
+        let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
         forward_hybrid(
             hp, hy, self.model, mv, experts, lookahead, input, self.pos, &mut kv, &mut rs, &mut s,
             logits,
@@ -240,12 +263,7 @@ impl Session<'_> {
         if n > self.prefill_batch {
             return Err(ForwardError::Shape("more positions than the batch buffers"));
         }
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max_positions)
-            .expect("KV buffers sized by Session::new");
-        let mut rs = RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
-            .expect("recurrent state sized by Session::new");
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max_positions)
-            .expect("scratch sized by Session::new");
+        let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
         let mut b = BatchScratch::new(hp, hy, n, &mut self.batch_floats, &mut self.batch_ids)
             .expect("batch buffers sized by set_prefill_batch");
         forward_batch(

@@ -862,12 +862,7 @@ where
                 let e = hp.n_embd;
                 let mut shared_left = shared.as_ref();
                 loop {
-                    let step = if shared_left.is_some() {
-                        experts.try_next()
-                    } else {
-                        experts.next().map(Step::from)
-                    }
-                    .map_err(ForwardError::Experts)?;
+                    let step = next_step(experts, shared_left.is_some())?;
                     match step {
                         Step::Compute(Handout {
                             index,
@@ -983,46 +978,89 @@ pub(super) fn mix<M: MatVec, E>(
             *attn_idx += 1;
         }
         Mixer::DeltaNet(dw) => {
-            let Some((_, dshape)) = hy.linear.filter(|_| *lin_idx < rs.n_layers) else {
-                return Err(ForwardError::Shape(
-                    "linear-attention layer without recurrent state",
-                ));
-            };
-            if dw.shape != dshape {
-                return Err(ForwardError::Shape("DeltaNet layer shape"));
-            }
-            dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+            let (conv, ssm) = deltanet_state(hp, hy, dw, rs, *lin_idx)?;
             mv.matvec(&dw.qkv, s.x, s.d_qkv)?;
             mv.matvec(&dw.gate, s.x, s.d_z)?;
             mv.matvec(&dw.beta, s.x, s.d_beta)?;
             mv.matvec(&dw.alpha, s.x, s.d_alpha)?;
-            let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
-            let conv = &mut rs.conv[*lin_idx * cl..][..cl];
-            let ssm = &mut rs.ssm[*lin_idx * ml..][..ml];
-            if pos == 0 {
-                conv.fill(0.0);
-                ssm.fill(0.0);
-            }
-            deltanet::step(
-                dw,
-                Projections {
-                    qkv: s.d_qkv,
-                    z: s.d_z,
-                    beta: s.d_beta,
-                    alpha: s.d_alpha,
-                },
-                hp.norm_eps,
-                conv,
-                ssm,
-                s.d_delta,
-                s.d_out,
-            );
+            deltanet_step(hp, dw, s, conv, ssm, pos);
             mv.matvec(&dw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
     }
     add_into(s.h, s.tmp);
     Ok(())
+}
+
+/// The recurrent state (conv, ssm) of linear-attention layer `state` for
+/// DeltaNet weights `dw`, after checking they fit the model.
+pub(super) fn deltanet_state<'r, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    dw: &DeltaNetWeights<'_>,
+    rs: &'r mut RecurrentState<'_>,
+    state: usize,
+) -> Result<(&'r mut [f32], &'r mut [f32]), ForwardError<E>> {
+    let Some((_, dshape)) = hy.linear.filter(|_| state < rs.n_layers) else {
+        return Err(ForwardError::Shape(
+            "linear-attention layer without recurrent state",
+        ));
+    };
+    if dw.shape != dshape {
+        return Err(ForwardError::Shape("DeltaNet layer shape"));
+    }
+    dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+    let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
+    Ok((
+        &mut rs.conv[state * cl..][..cl],
+        &mut rs.ssm[state * ml..][..ml],
+    ))
+}
+
+/// One DeltaNet step at position `pos` (position 0 starts from a zero state)
+/// from the projections in `s.d_qkv`, `s.d_z`, `s.d_beta`, `s.d_alpha`, into
+/// `s.d_out`.
+pub(super) fn deltanet_step(
+    hp: &Hparams,
+    dw: &DeltaNetWeights<'_>,
+    s: &mut Scratch<'_>,
+    conv: &mut [f32],
+    ssm: &mut [f32],
+    pos: usize,
+) {
+    if pos == 0 {
+        conv.fill(0.0);
+        ssm.fill(0.0);
+    }
+    deltanet::step(
+        dw,
+        Projections {
+            qkv: s.d_qkv,
+            z: s.d_z,
+            beta: s.d_beta,
+            alpha: s.d_alpha,
+        },
+        hp.norm_eps,
+        conv,
+        ssm,
+        s.d_delta,
+        s.d_out,
+    );
+}
+
+/// The next expert to compute: with other work left to fill the wait (`filler`),
+/// [`Experts::try_next`], which answers [`Step::Pending`] while none is ready;
+/// else [`Experts::next`], which blocks.
+pub(super) fn next_step<X: Experts>(
+    experts: &mut X,
+    filler: bool,
+) -> Result<Step<'_>, ForwardError<X::Error>> {
+    if filler {
+        experts.try_next()
+    } else {
+        experts.next().map(Step::from)
+    }
+    .map_err(ForwardError::Experts)
 }
 
 /// Lookahead prediction for the MoE layers `targets` (those `la` enables): each

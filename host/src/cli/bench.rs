@@ -107,14 +107,11 @@ fn mib(b: f64) -> f64 {
     b / (1u64 << 20) as f64
 }
 
-/// Runs `les bench`.
-pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
-    if !args.sweep.is_empty() {
-        return sweep(args, out);
-    }
-    if !args.prefill_batches.is_empty() {
-        return super::prefill::prefill(args, out);
-    }
+/// The model, its tokenizer, the slot budget (none when every schedule is
+/// `resident`) and whether any schedule streams.
+pub(super) fn open(
+    args: &BenchArgs,
+) -> Result<(Model, Tokenizer, crate::supply::SlotBudget, bool), Box<dyn Error>> {
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
     if args.schedules.is_empty() {
@@ -132,6 +129,18 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         args.slots,
         &args.io,
     )?;
+    Ok((model, tokenizer, budget, streamed))
+}
+
+/// Runs `les bench`.
+pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    if !args.sweep.is_empty() {
+        return sweep(args, out);
+    }
+    if !args.prefill_batches.is_empty() {
+        return super::prefill::prefill(args, out);
+    }
+    let (model, tokenizer, budget, streamed) = open(args)?;
     let prompt = tokenizer.encode(&args.prompt, true, true);
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());

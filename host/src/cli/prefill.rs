@@ -7,32 +7,13 @@ use std::io::Write;
 use serde_json::{json, Value};
 
 use super::bench::BenchArgs;
-use super::run::resolve_budget;
 use crate::bench::{run_prefill, BenchConfig, PrefillReport};
 use crate::compute::default_threads;
-use crate::model::Model;
 use crate::supply::Schedule;
-use crate::tokenizer::Tokenizer;
 
 /// Runs `les bench --prefill-batches`.
 pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
-    let model = Model::open(&args.model)?;
-    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
-    if args.schedules.is_empty() {
-        return Err("--schedules is empty".into());
-    }
-    let streamed = args.schedules.iter().any(|s| *s != Schedule::Resident);
-    let (_, budget) = resolve_budget(
-        &model,
-        Some(if streamed {
-            Schedule::Les
-        } else {
-            Schedule::Resident
-        }),
-        args.expert_mem.as_deref(),
-        args.slots,
-        &args.io,
-    )?;
+    let (model, tokenizer, budget, _) = super::bench::open(args)?;
     let text = crate::synth::vocab::SAMPLE;
     let first = tokenizer.encode(text, true, false);
     let again = tokenizer.encode(text, false, false);

@@ -17,11 +17,11 @@
 //!
 //! [`forward_hybrid`]: super::forward_hybrid
 
-use super::deltanet::{self, DeltaNetWeights, Projections};
+use super::deltanet::DeltaNetWeights;
 use super::{
-    add_into, attend, embed, router_config, swiglu_ffn_checked, AttentionWeights, ExpertMatrices,
-    Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState, Scratch,
-    SharedExpert, Step, TokenInput, Weights,
+    add_into, attend, deltanet_state, deltanet_step, embed, next_step, router_config,
+    swiglu_ffn_checked, AttentionWeights, ExpertMatrices, Experts, Ffn, ForwardError, Handout,
+    KvCache, MatVec, Mixer, RecurrentState, Scratch, SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{Hparams, HybridParams};
@@ -422,15 +422,7 @@ fn deltanet_batch<M: MatVec, E>(
     state: usize,
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    let Some((_, dshape)) = hy.linear.filter(|_| state < rs.n_layers) else {
-        return Err(ForwardError::Shape(
-            "linear-attention layer without recurrent state",
-        ));
-    };
-    if dw.shape != dshape {
-        return Err(ForwardError::Shape("DeltaNet layer shape"));
-    }
-    dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+    let (conv, ssm) = deltanet_state(hp, hy, dw, rs, state)?;
     let e = hp.n_embd;
     let (lq, lz, lb, la) = (s.d_qkv.len(), s.d_z.len(), s.d_beta.len(), s.d_alpha.len());
     let lo = s.d_out.len();
@@ -444,32 +436,12 @@ fn deltanet_batch<M: MatVec, E>(
     mv.matmul(&dw.gate, x, z)?;
     mv.matmul(&dw.beta, x, beta)?;
     mv.matmul(&dw.alpha, x, alpha)?;
-    let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
-    let conv = &mut rs.conv[state * cl..][..cl];
-    let ssm = &mut rs.ssm[state * ml..][..ml];
     for j in 0..n {
-        if pos + j == 0 {
-            conv.fill(0.0);
-            ssm.fill(0.0);
-        }
         s.d_qkv.copy_from_slice(&qkv[j * lq..][..lq]);
         s.d_z.copy_from_slice(&z[j * lz..][..lz]);
         s.d_beta.copy_from_slice(&beta[j * lb..][..lb]);
         s.d_alpha.copy_from_slice(&alpha[j * la..][..la]);
-        deltanet::step(
-            dw,
-            Projections {
-                qkv: s.d_qkv,
-                z: s.d_z,
-                beta: s.d_beta,
-                alpha: s.d_alpha,
-            },
-            hp.norm_eps,
-            conv,
-            ssm,
-            s.d_delta,
-            s.d_out,
-        );
+        deltanet_step(hp, dw, s, conv, ssm, pos + j);
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
     let out = &mut b.go[..n * e];
@@ -572,13 +544,7 @@ fn moe_union<X: Experts, M: MatVec>(
             .begin_layer(layer, &chunk)
             .map_err(ForwardError::Experts)?;
         loop {
-            let step = if shared_left.is_some() {
-                experts.try_next()
-            } else {
-                experts.next().map(Step::from)
-            }
-            .map_err(ForwardError::Experts)?;
-            match step {
+            match next_step(experts, shared_left.is_some())? {
                 Step::Compute(Handout {
                     index,
                     matrices,
