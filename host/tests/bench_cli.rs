@@ -330,3 +330,47 @@ fn bench_rejects_bad_arguments_with_one_line() {
     }
     cleanup(&model);
 }
+
+/// `--prefill-batches`: one run per schedule and batch size, each schedule's
+/// speedup over its first size, fewer bytes read per token in batches, and the
+/// same last-position logits everywhere.
+#[test]
+fn bench_prefill_batches_compares_batch_sizes_with_identical_logits() {
+    let m = packed_tiny("prefill");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "--slots",
+        "4",
+        "--schedules",
+        "resident,les",
+        "--prefill-batches",
+        "1,8",
+        "--prefill-tokens",
+        "48",
+        "--json",
+    ]);
+    let v: Json = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["identical_logits"], true);
+    assert_eq!(v["prompt_tokens"], 48);
+    let runs = v["runs"].as_array().unwrap();
+    let row = |s: &str, b: u64| {
+        runs.iter()
+            .find(|r| r["schedule"] == s && r["batch"] == b)
+            .unwrap_or_else(|| panic!("no {s} row at batch {b}: {v}"))
+    };
+    assert_eq!(runs.len(), 4);
+    assert_eq!(row("les", 1)["speedup"], 1.0);
+    assert!(row("resident", 8)["tok_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(row("resident", 1)["bytes_per_token"], 0.0);
+    let (one, eight) = (
+        row("les", 1)["bytes_per_token"].as_f64().unwrap(),
+        row("les", 8)["bytes_per_token"].as_f64().unwrap(),
+    );
+    assert!(
+        eight < one,
+        "batches read each expert once: {eight} < {one}"
+    );
+    cleanup(&m);
+}
