@@ -111,15 +111,23 @@ impl ThreadedMatVec {
         &mut self.pool
     }
 
-    /// How many threads a `rows`-row product of `bytes` weight bytes is split over.
-    fn parts(&self, rows: usize, bytes: usize) -> usize {
-        if rows < MIN_PARALLEL_ROWS {
-            return 1;
-        }
-        self.threads()
-            .min(bytes / MIN_BYTES_PER_THREAD)
+    /// How many threads a product over `w` is split over, and into how many row
+    /// ranges (claimed dynamically by the threads).
+    fn shares(&self, w: &MatrixView<'_>) -> (usize, usize) {
+        let rows = w.rows();
+        let bytes = rows.saturating_mul(w.row_bytes());
+        let parts = if rows < MIN_PARALLEL_ROWS {
+            1
+        } else {
+            self.threads()
+                .min(bytes / MIN_BYTES_PER_THREAD)
+                .min(rows.div_ceil(ROW_ALIGN))
+                .max(1)
+        };
+        let chunks = (parts * CHUNKS_PER_THREAD)
             .min(rows.div_ceil(ROW_ALIGN))
-            .max(1)
+            .min((bytes / MIN_BYTES_PER_CHUNK).max(parts));
+        (parts, chunks)
     }
 }
 
@@ -220,11 +228,7 @@ impl MatVec for ThreadedMatVec {
                 Ok(())
             };
         }
-        let parts = self.parts(rows, rows.saturating_mul(w.row_bytes()));
-        let chunks = (parts * CHUNKS_PER_THREAD)
-            .min(rows.div_ceil(ROW_ALIGN))
-            .min((rows.saturating_mul(w.row_bytes()) / MIN_BYTES_PER_CHUNK).max(parts))
-            .max(1);
+        let (parts, chunks) = self.shares(w);
         let format = activation_format(w.ty()).ok_or(GemvError::UnsupportedType(w.ty()))?;
         let blocks = (cols / format.block_elems()).max(1);
         match format {
@@ -327,7 +331,7 @@ impl ThreadedMatVec {
             Some(F::F32) | None => {}
         }
         let rows = w.rows();
-        let parts = self.parts(rows, rows.saturating_mul(w.row_bytes()));
+        let (parts, chunks) = self.shares(w);
         let input = prepare_input(w.ty(), x, &mut self.q8_0, &mut self.q8_1, &mut self.q8k)?;
         if parts <= 1 || y.len() != rows {
             // Small, or malformed: one call, with exactly `SerialMatVec`'s errors.
@@ -338,9 +342,6 @@ impl ThreadedMatVec {
         // check once here, so nothing is written to `y` on error.
         gemv(self.isa, w, &input, 0..0, &mut [])?;
 
-        let chunks = (parts * CHUNKS_PER_THREAD)
-            .min(rows.div_ceil(ROW_ALIGN))
-            .min((rows.saturating_mul(w.row_bytes()) / MIN_BYTES_PER_CHUNK).max(parts));
         let ranges = split_rows(rows, chunks, y.as_ptr() as usize);
         let mut slots = Vec::with_capacity(chunks);
         let mut rest = &mut *y;
