@@ -889,16 +889,11 @@ where
                 }
                 // Combine in router order, whatever the compute order was; the
                 // shared expert's output (in `s.tmp`) last.
-                s.moe.fill(0.0);
-                for (i, r) in routing.iter().enumerate() {
-                    for (acc, o) in s.moe.iter_mut().zip(&s.expert_out[i * e..(i + 1) * e]) {
-                        *acc += r.weight * o;
-                    }
-                }
-                if shared.is_some() {
-                    add_into(s.moe, s.tmp);
-                }
-                add_into(s.h, s.moe);
+                let picks = routing
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (r.weight, &s.expert_out[i * e..(i + 1) * e]));
+                combine(s.moe, picks, shared.is_some().then_some(&*s.tmp), s.h);
             }
         }
     }
@@ -1063,6 +1058,37 @@ pub(super) fn next_step<X: Experts>(
     .map_err(ForwardError::Experts)
 }
 
+/// Adds a MoE layer's output to the residual stream `h`: the picked experts'
+/// outputs weighted by their router weights, in the order given (router
+/// order), then the shared expert's, summed into `moe` first. The one order of
+/// these additions is what makes the result the same whatever order the experts
+/// were computed in.
+pub(super) fn combine<'o>(
+    moe: &mut [f32],
+    picks: impl Iterator<Item = (f32, &'o [f32])>,
+    shared: Option<&[f32]>,
+    h: &mut [f32],
+) {
+    moe.fill(0.0);
+    for (w, out) in picks {
+        for (acc, o) in moe.iter_mut().zip(out) {
+            *acc += w * o;
+        }
+    }
+    if let Some(sh) = shared {
+        add_into(moe, sh);
+    }
+    add_into(h, moe);
+}
+
+/// Scales a shared expert's output by its gate, `sigmoid(logit)`.
+pub(super) fn gate_shared(out: &mut [f32], logit: f32) {
+    let gate = router::shared_expert_gate(logit);
+    for v in out.iter_mut() {
+        *v *= gate;
+    }
+}
+
 /// Lookahead prediction for the MoE layers `targets` (those `la` enables): each
 /// one's router ([`Weights::lookahead_router`] where the weights have a cheaper
 /// copy) on the residual stream `s.h`, normed by that layer's FFN norm,
@@ -1122,10 +1148,7 @@ pub(super) fn shared_expert<M: MatVec, E>(
     if let Some(g) = sh.gate_inp {
         let mut logit = [0f32];
         mv.matvec(&g, x, &mut logit)?;
-        let gate = router::shared_expert_gate(logit[0]);
-        for v in out.iter_mut() {
-            *v *= gate;
-        }
+        gate_shared(out, logit[0]);
     }
     Ok(())
 }

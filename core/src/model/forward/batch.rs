@@ -19,9 +19,10 @@
 
 use super::deltanet::DeltaNetWeights;
 use super::{
-    add_into, attend, deltanet_state, deltanet_step, embed, next_step, router_config,
-    swiglu_ffn_checked, AttentionWeights, ExpertMatrices, Experts, Ffn, ForwardError, Handout,
-    KvCache, MatVec, Mixer, RecurrentState, Scratch, SharedExpert, Step, TokenInput, Weights,
+    add_into, attend, combine, deltanet_state, deltanet_step, embed, gate_shared, next_step,
+    router_config, swiglu_ffn_checked, AttentionWeights, ExpertMatrices, Experts, Ffn,
+    ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState, Scratch, SharedExpert, Step,
+    TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{Hparams, HybridParams};
@@ -303,21 +304,11 @@ where
                 // Combine each position's outputs in its router order, the
                 // shared expert's last, as the one-position pass does.
                 for j in 0..n {
-                    s.moe.fill(0.0);
-                    for i in 0..k {
-                        if b.ids[j * k + i] == NO_EXPERT {
-                            continue;
-                        }
-                        let w = b.weights[j * k + i];
-                        let out = &b.out[(j * k + i) * e..][..e];
-                        for (acc, o) in s.moe.iter_mut().zip(out) {
-                            *acc += w * o;
-                        }
-                    }
-                    if shared.is_some() {
-                        add_into(s.moe, &b.shared[j * e..][..e]);
-                    }
-                    add_into(&mut b.h[j * e..][..e], s.moe);
+                    let picks = (j * k..(j + 1) * k)
+                        .filter(|&p| b.ids[p] != NO_EXPERT)
+                        .map(|p| (b.weights[p], &b.out[p * e..][..e]));
+                    let sh = shared.is_some().then(|| &b.shared[j * e..][..e]);
+                    combine(s.moe, picks, sh, &mut b.h[j * e..][..e]);
                 }
             }
         }
@@ -500,10 +491,7 @@ fn shared_batch<M: MatVec, E>(
         let logits = &mut b.gx[..n];
         mv.matmul(&g, x, logits)?;
         for (o, &l) in out.chunks_exact_mut(e).zip(logits.iter()) {
-            let gate = crate::router::shared_expert_gate(l);
-            for v in o.iter_mut() {
-                *v *= gate;
-            }
+            gate_shared(o, l);
         }
     }
     Ok(())
