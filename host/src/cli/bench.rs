@@ -103,7 +103,7 @@ fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
     }
 }
 
-fn mib(b: f64) -> f64 {
+pub(super) fn mib(b: f64) -> f64 {
     b / (1u64 << 20) as f64
 }
 

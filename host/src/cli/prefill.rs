@@ -6,7 +6,7 @@ use std::io::Write;
 
 use serde_json::{json, Value};
 
-use super::bench::BenchArgs;
+use super::bench::{mib, BenchArgs};
 use crate::bench::{run_prefill, BenchConfig, PrefillReport};
 use crate::compute::default_threads;
 use crate::supply::Schedule;
@@ -39,7 +39,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         model.hp.n_layers,
         cfg.prompt.len(),
         budget.slots(),
-        budget.bytes() as f64 / (1u64 << 20) as f64,
+        mib(budget.bytes() as f64),
         100.0 * budget.bytes() as f64 / model.expert_slot_bytes().max(1) as f64,
         cfg.threads,
     );
@@ -122,7 +122,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
                 r.schedule.name(),
                 r.batch,
                 r.tok_s(),
-                r.bytes_per_token() / (1u64 << 20) as f64,
+                mib(r.bytes_per_token()),
                 r.tok_s() / base(r.schedule).max(1e-12),
             )?;
         }
