@@ -369,14 +369,40 @@ fn streamed_equals_resident_bit_for_bit() {
 /// How [`decode_in_batches`] evaluates the next positions.
 #[derive(Clone, Copy, Debug)]
 enum Eval {
-    /// This many positions with `forward_batch`.
+    /// This many positions with `forward_batch`, the last one's logits.
     Batch(usize),
+    /// This many positions with `forward_batch`, every one's logits (a
+    /// speculative decode's verification).
+    Every(usize),
     /// One position with `forward`.
     One,
 }
 
+impl Eval {
+    fn len(self) -> usize {
+        match self {
+            Eval::Batch(n) | Eval::Every(n) => n,
+            Eval::One => 1,
+        }
+    }
+}
+
+/// The positions whose logits [`decode_in_batches`] reports for `plan`, in order.
+fn reported_positions(plan: &[Eval]) -> Vec<usize> {
+    let mut pos = 0;
+    let mut out = Vec::new();
+    for step in plan {
+        match *step {
+            Eval::Every(n) => out.extend(pos..pos + n),
+            _ => out.push(pos + step.len() - 1),
+        }
+        pos += step.len();
+    }
+    out
+}
+
 /// [`TOKENS`] evaluated as `plan` says (covering them all); the logits of the
-/// last position of each step, with that position.
+/// positions [`reported_positions`] names, with those positions.
 fn decode_in_batches<X: Experts>(
     m: &Model,
     experts: &mut X,
@@ -398,9 +424,10 @@ where
     let mut pos = 0;
     let mut out = Vec::new();
     for step in plan {
-        let mut logits = vec![0f32; hp.n_vocab];
+        let every = matches!(step, Eval::Every(_));
+        let mut logits = vec![0f32; hp.n_vocab * if every { step.len() } else { 1 }];
         let len = match *step {
-            Eval::Batch(len) => {
+            Eval::Batch(len) | Eval::Every(len) => {
                 let inputs: Vec<TokenInput<'_>> = TOKENS[pos..pos + len]
                     .iter()
                     .map(|&t| TokenInput::Token(t))
@@ -440,8 +467,17 @@ where
                 1
             }
         };
+        if every {
+            out.extend(
+                logits
+                    .chunks_exact(hp.n_vocab)
+                    .enumerate()
+                    .map(|(j, l)| (pos + j, l.to_vec())),
+            );
+        } else {
+            out.push((pos + len - 1, logits));
+        }
         pos += len;
-        out.push((pos - 1, logits));
     }
     assert_eq!(pos, TOKENS.len(), "the plan covers the tokens");
     out
@@ -462,12 +498,14 @@ impl Decode for BatchDecoder<'_> {
     }
 }
 
-const PLANS: [&[Eval]; 5] = [
+const PLANS: [&[Eval]; 7] = [
     &[Eval::Batch(6)],
     &[Eval::Batch(1), Eval::Batch(5)],
     &[Eval::Batch(2), Eval::Batch(3), Eval::One],
     &[Eval::One, Eval::Batch(4), Eval::One],
     &[Eval::Batch(4), Eval::One, Eval::One],
+    &[Eval::Every(6)],
+    &[Eval::One, Eval::Every(2), Eval::Batch(2), Eval::Every(1)],
 ];
 
 /// A prompt evaluated in batches gives, at each batch's last position, the
@@ -521,18 +559,14 @@ fn batched_prefill_equals_one_position_at_a_time() {
                             },
                         }
                         .run(&mut BatchDecoder(&m, plan));
-                        let mut pos = 0;
-                        for (step, got) in plan.iter().zip(&out.logits) {
-                            pos += match step {
-                                Eval::Batch(n) => *n,
-                                Eval::One => 1,
-                            };
+                        let positions = reported_positions(plan);
+                        assert_eq!(positions.len(), out.logits.len());
+                        for (pos, got) in positions.into_iter().zip(&out.logits) {
                             assert_bits_eq(
                                 std::slice::from_ref(got),
-                                std::slice::from_ref(&want[pos - 1]),
+                                std::slice::from_ref(&want[pos]),
                                 &format!(
-                                    "{ty} slots={slots} split={split} {plan:?} position {}",
-                                    pos - 1
+                                    "{ty} slots={slots} split={split} {plan:?} position {pos}"
                                 ),
                             );
                         }
@@ -544,7 +578,8 @@ fn batched_prefill_equals_one_position_at_a_time() {
 }
 
 /// Calls `forward_batch` cannot serve are errors, not panics: no inputs, more
-/// than the scratch holds, past the context, scratch made for another shape.
+/// than the scratch holds, past the context, scratch made for another shape,
+/// logits of another length.
 #[test]
 fn forward_batch_rejects_what_it_cannot_do() {
     let m = build(
@@ -585,6 +620,27 @@ fn forward_batch_rejects_what_it_cannot_do() {
             &mut logits,
         );
         assert!(r.is_err(), "{count} inputs at {pos}");
+    }
+    // Logits for neither the last position nor every one.
+    let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, 3)];
+    let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, 3)];
+    let mut bs = BatchScratch::new(&hp, &hy, 3, &mut floats, &mut ids).unwrap();
+    for len in [0, 1, 2 * hp.n_vocab, 4 * hp.n_vocab] {
+        let r = forward_batch(
+            &hp,
+            &hy,
+            &m,
+            &mut mv,
+            &mut ex,
+            &inputs[..3],
+            0,
+            &mut kv,
+            &mut RecurrentState::empty(),
+            &mut s,
+            &mut bs,
+            &mut vec![0f32; len],
+        );
+        assert!(r.is_err(), "{len} logits for 3 positions");
     }
     assert!(BatchScratch::new(&hp, &hy, 2, &mut [0.0; 3], &mut [0; 3]).is_none());
 }

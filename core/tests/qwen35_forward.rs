@@ -294,14 +294,15 @@ impl Buffers {
     }
 
     /// Runs `tokens` at positions `start..` in one `forward_batch`, returning the
-    /// last position's logits.
+    /// last position's logits, or with `every` each position's.
     fn run_batch<X: Experts>(
         &mut self,
         m: &Model,
         experts: &mut X,
         start: usize,
         tokens: &[u32],
-    ) -> Vec<f32>
+        every: bool,
+    ) -> Vec<Vec<f32>>
     where
         X::Error: std::fmt::Debug,
     {
@@ -314,7 +315,7 @@ impl Buffers {
         let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
         let mut mv = self.quant.matvec();
         let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
-        let mut logits = vec![0f32; hp.n_vocab];
+        let mut logits = vec![0f32; hp.n_vocab * if every { tokens.len() } else { 1 }];
         forward_batch(
             hp,
             hy,
@@ -331,6 +332,9 @@ impl Buffers {
         )
         .unwrap();
         logits
+            .chunks_exact(hp.n_vocab)
+            .map(<[f32]>::to_vec)
+            .collect()
     }
 
     /// Runs `tokens` at positions `start..`, returning each position's logits.
@@ -510,26 +514,30 @@ fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
 }
 
 /// Batches through DeltaNet and gated attention layers, with the sigmoid-gated
-/// shared expert, resident and streamed: the last position's logits and the
-/// state the next positions see are those of one position at a time, bit for bit.
+/// shared expert, resident and streamed: the last position's logits (or every
+/// position's) and the state the next positions see are those of one position
+/// at a time, bit for bit.
 #[test]
 fn batched_prefill_equals_one_position_at_a_time() {
     let m = build(5, GgmlType::Q8_0, [GgmlType::Q4_0; 3], [2, 1, 1, 0]);
     let want = resident(&m);
     for split in [2, 4, TOKENS.len()] {
-        let mut b = Buffers::new(&m);
-        let got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split]);
-        assert_bits_eq(
-            std::slice::from_ref(&got),
-            std::slice::from_ref(&want[split - 1]),
-            &format!("batch of {split}"),
-        );
-        let rest = b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]);
-        assert_bits_eq(
-            &rest,
-            &want[split..],
-            &format!("decode after a batch of {split}"),
-        );
+        for every in [false, true] {
+            let mut b = Buffers::new(&m);
+            let got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split], every);
+            let first = if every { 0 } else { split - 1 };
+            assert_bits_eq(
+                &got,
+                &want[first..split],
+                &format!("batch of {split}, every position's logits: {every}"),
+            );
+            let rest = b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]);
+            assert_bits_eq(
+                &rest,
+                &want[split..],
+                &format!("decode after a batch of {split}"),
+            );
+        }
     }
     // Streamed, with as few slots as a token's picks: groups of TOP_K.
     struct Batched<'m>(&'m Model);
@@ -539,7 +547,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
             X::Error: std::fmt::Debug,
         {
             let mut b = Buffers::new(self.0);
-            let mut out = vec![b.run_batch(self.0, experts, 0, &TOKENS[..4])];
+            let mut out = b.run_batch(self.0, experts, 0, &TOKENS[..4], true);
             out.extend(b.run(self.0, experts, None, 4, &TOKENS[4..]));
             out
         }
@@ -563,12 +571,12 @@ fn batched_prefill_equals_one_position_at_a_time() {
         .run(&mut Batched(&m))
         .logits;
         assert_bits_eq(
-            &got[..1],
-            &want[3..4],
+            &got[..4],
+            &want[..4],
             &format!("streamed batch, {slots} slots"),
         );
         assert_bits_eq(
-            &got[1..],
+            &got[4..],
             &want[4..],
             &format!("streamed decode, {slots} slots"),
         );

@@ -193,9 +193,12 @@ impl<'a> BatchScratch<'a> {
 const NO_EXPERT: u16 = u16::MAX;
 
 /// Runs `inputs` at positions `pos, pos + 1, ...` (the KV cache holds positions
-/// `0..pos`) and writes the next-token logits of the last one into `logits`:
-/// what [`forward_hybrid`](super::forward_hybrid) of each input in turn would
-/// give, bit for bit, with the caches and states left as it would leave them.
+/// `0..pos`) and writes next-token logits into `logits`: the last position's
+/// where it holds `n_vocab` floats, every position's (back to back) where it
+/// holds `inputs.len() * n_vocab`, as a speculative decode's verification
+/// needs. They are what [`forward_hybrid`](super::forward_hybrid) of each
+/// input in turn would give, bit for bit, with the caches and states left as
+/// it would leave them.
 /// Makes no lookahead predictions (a layer's whole union of picks is known at
 /// once). Needs at least one input, and at most `b.positions()`.
 #[allow(clippy::too_many_arguments)]
@@ -225,7 +228,8 @@ where
     if pos.saturating_add(n) > kv.max_positions {
         return Err(ForwardError::ContextFull(kv.max_positions));
     }
-    if logits.len() != hp.n_vocab {
+    let every_position = n > 1 && Some(logits.len()) == n.checked_mul(hp.n_vocab);
+    if logits.len() != hp.n_vocab && !every_position {
         return Err(ForwardError::Shape("logits length"));
     }
     let e = hp.n_embd;
@@ -314,8 +318,15 @@ where
         }
     }
     s.h.copy_from_slice(&b.h[(n - 1) * e..][..e]);
-    rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
-    mv.matvec(&weights.output(), s.x, logits)?;
+    if every_position {
+        for (h, x) in b.h.chunks_exact(e).zip(b.x.chunks_exact_mut(e)).take(n) {
+            rms_norm(h, weights.output_norm(), hp.norm_eps, x);
+        }
+        mv.matmul(&weights.output(), &b.x[..n * e], logits)?;
+    } else {
+        rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
+        mv.matvec(&weights.output(), s.x, logits)?;
+    }
     Ok(())
 }
 
