@@ -8,6 +8,7 @@ use les_core::model::forward::{
     RecurrentState, Scratch, TokenInput,
 };
 
+use crate::draft::Speculation;
 use crate::model::Model;
 
 /// Timings and counts of one generation.
@@ -21,6 +22,12 @@ pub struct GenStats {
     pub prefill: Duration,
     /// Time spent generating (after the prompt).
     pub decode: Duration,
+    /// Draft tokens verified (speculative decoding).
+    pub drafted: usize,
+    /// Draft tokens the model's own samples agreed with.
+    pub accepted: usize,
+    /// Passes that verified a draft.
+    pub verify_passes: usize,
 }
 
 impl GenStats {
@@ -32,6 +39,15 @@ impl GenStats {
     /// Generated tokens per second.
     pub fn decode_tok_s(&self) -> f64 {
         rate(self.generated, self.decode)
+    }
+
+    /// The share of draft tokens accepted (0 without drafts).
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
     }
 }
 
@@ -53,7 +69,16 @@ pub struct Session<'m> {
     /// positions (none for 1).
     batch_floats: Vec<f32>,
     batch_ids: Vec<u16>,
+    /// Positions the batch buffers hold (1: none).
+    batch_positions: usize,
     prefill_batch: usize,
+    /// Most draft tokens one [`verify`](Session::verify) checks.
+    max_draft: usize,
+    /// The recurrent state before the last [`verify`](Session::verify), and
+    /// logits to replay into (models with linear attention only).
+    saved_conv: Vec<f32>,
+    saved_ssm: Vec<f32>,
+    replay_logits: Vec<f32>,
     pos: usize,
 }
 
@@ -171,9 +196,54 @@ impl<'m> Session<'m> {
             },
             batch_floats: Vec::new(),
             batch_ids: Vec::new(),
+            batch_positions: 1,
             prefill_batch: 1,
+            max_draft: 0,
+            saved_conv: Vec::new(),
+            saved_ssm: Vec::new(),
+            replay_logits: Vec::new(),
             pos: 0,
         })
+    }
+
+    /// Most positions the batch buffers can hold within [`MAX_BATCH_BYTES`] and
+    /// the session.
+    fn batch_limit(&self) -> usize {
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let per_position = 4 * BatchScratch::floats(hp, hy, 1) + 2 * BatchScratch::ids(hp, hy, 1);
+        MAX_PREFILL_BATCH
+            .min(self.max_positions.max(1))
+            .min((MAX_BATCH_BYTES / per_position.max(1)).max(1))
+    }
+
+    /// (Re)allocates the batch buffers for `n` positions (none for 1).
+    fn alloc_batch(&mut self, n: usize) -> Result<(), SessionAllocError> {
+        if n == self.batch_positions {
+            return Ok(());
+        }
+        if n <= 1 {
+            (self.batch_floats, self.batch_ids) = (Vec::new(), Vec::new());
+            self.batch_positions = 1;
+            return Ok(());
+        }
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let (nf, ni) = (
+            BatchScratch::floats(hp, hy, n),
+            BatchScratch::ids(hp, hy, n),
+        );
+        let err = SessionAllocError {
+            positions: self.max_positions,
+            bytes: 4 * nf as u128 + 2 * ni as u128,
+        };
+        (self.batch_floats, self.batch_ids) = (Vec::new(), Vec::new());
+        self.batch_positions = 1;
+        let floats = zeroed(nf).ok_or(err)?;
+        let mut ids = Vec::new();
+        ids.try_reserve_exact(ni).map_err(|_| err)?;
+        ids.resize(ni, 0);
+        (self.batch_floats, self.batch_ids) = (floats, ids);
+        self.batch_positions = n;
+        Ok(())
     }
 
     /// How many prompt positions [`generate_from`] evaluates at once
@@ -183,31 +253,46 @@ impl<'m> Session<'m> {
     /// what [`MAX_BATCH_BYTES`] of buffers hold (the model's dimensions come from
     /// its file); returns the size set. The logits are the same whatever the size.
     pub fn set_prefill_batch(&mut self, n: usize) -> Result<usize, SessionAllocError> {
-        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
-        let per_position = 4 * BatchScratch::floats(hp, hy, 1) + 2 * BatchScratch::ids(hp, hy, 1);
-        let n = n
-            .clamp(1, MAX_PREFILL_BATCH)
-            .min(self.max_positions.max(1))
-            .min((MAX_BATCH_BYTES / per_position.max(1)).max(1));
-        if n == 1 {
-            (self.batch_floats, self.batch_ids) = (Vec::new(), Vec::new());
-            self.prefill_batch = 1;
-            return Ok(1);
-        }
-        let (nf, ni) = (
-            BatchScratch::floats(hp, hy, n),
-            BatchScratch::ids(hp, hy, n),
-        );
-        let err = SessionAllocError {
-            positions: self.max_positions,
-            bytes: 4 * nf as u128 + 2 * ni as u128,
-        };
-        self.batch_floats = zeroed(nf).ok_or(err)?;
-        self.batch_ids = Vec::new();
-        self.batch_ids.try_reserve_exact(ni).map_err(|_| err)?;
-        self.batch_ids.resize(ni, 0);
+        let n = n.clamp(1, self.batch_limit());
+        self.alloc_batch(n.max(self.verify_positions()))?;
         self.prefill_batch = n;
         Ok(n)
+    }
+
+    /// How many draft tokens one [`verify`](Self::verify) checks at most (0, the
+    /// default: no speculative decoding), and allocates what that needs: batch
+    /// buffers for the draft and the token before it, and, for models with
+    /// linear attention, a copy of the recurrent state to go back to when a
+    /// draft is rejected. Clamped like
+    /// [`set_prefill_batch`](Self::set_prefill_batch); returns the number set.
+    pub fn set_max_draft(&mut self, n: usize) -> Result<usize, SessionAllocError> {
+        let n = n.min(self.batch_limit() - 1);
+        self.alloc_batch((n + 1).max(self.prefill_batch))?;
+        let (conv, ssm) = RecurrentState::len(&self.model.hybrid);
+        let err = SessionAllocError {
+            positions: self.max_positions,
+            bytes: 4 * (conv as u128 + ssm as u128 + self.model.hp.n_vocab as u128),
+        };
+        (self.saved_conv, self.saved_ssm, self.replay_logits) =
+            (Vec::new(), Vec::new(), Vec::new());
+        self.max_draft = 0;
+        if n > 0 && conv + ssm > 0 {
+            self.saved_conv = zeroed(conv).ok_or(err)?;
+            self.saved_ssm = zeroed(ssm).ok_or(err)?;
+            self.replay_logits = zeroed(self.model.hp.n_vocab).ok_or(err)?;
+        }
+        self.max_draft = n;
+        Ok(n)
+    }
+
+    /// See [`set_max_draft`](Self::set_max_draft).
+    pub fn max_draft(&self) -> usize {
+        self.max_draft
+    }
+
+    /// Positions one [`verify`](Self::verify) evaluates at most (1: no drafts).
+    fn verify_positions(&self) -> usize {
+        self.max_draft + 1
     }
 
     /// See [`set_prefill_batch`](Self::set_prefill_batch).
@@ -249,8 +334,9 @@ impl<'m> Session<'m> {
 impl Session<'_> {
     /// Evaluates `inputs` at the next positions in one pass, layer by layer
     /// ([`forward_batch`]: each layer's experts are asked for once for all the
-    /// positions), and writes the last one's next-token logits: the same logits,
-    /// caches and state as [`eval`](Self::eval) of each input in turn.
+    /// positions), and writes the last one's next-token logits (`logits` holds
+    /// `n_vocab` floats) or every one's (`inputs.len() * n_vocab`): the same
+    /// logits, caches and state as [`eval`](Self::eval) of each input in turn.
     pub fn eval_batch<M: MatVec, X: Experts>(
         &mut self,
         mv: &mut M,
@@ -260,7 +346,7 @@ impl Session<'_> {
     ) -> Result<(), ForwardError<X::Error>> {
         let (hp, hy) = (&self.model.hp, &self.model.hybrid);
         let n = inputs.len();
-        if n > self.prefill_batch {
+        if n > self.batch_positions {
             return Err(ForwardError::Shape("more positions than the batch buffers"));
         }
         let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
@@ -272,6 +358,67 @@ impl Session<'_> {
         )?;
         self.pos += n;
         Ok(())
+    }
+
+    /// Evaluates `tokens` (a sampled token and the draft after it, at most
+    /// [`max_draft`](Self::max_draft) + 1) at the next positions in one pass and
+    /// writes every position's logits into `logits` (`tokens.len() * n_vocab`).
+    /// Follow it with [`keep`](Self::keep) once the samples have said how many
+    /// of the positions stand.
+    pub fn verify<M: MatVec, X: Experts>(
+        &mut self,
+        mv: &mut M,
+        experts: &mut X,
+        tokens: &[TokenInput<'_>],
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
+        if tokens.len() > self.verify_positions() {
+            return Err(ForwardError::Shape("a draft longer than set_max_draft"));
+        }
+        if !self.saved_conv.is_empty() || !self.saved_ssm.is_empty() {
+            self.saved_conv.copy_from_slice(&self.state.conv_state);
+            self.saved_ssm.copy_from_slice(&self.state.ssm_state);
+        }
+        match tokens {
+            [one] => self.eval(mv, experts, None, *one, logits),
+            _ => self.eval_batch(mv, experts, tokens, logits),
+        }
+    }
+
+    /// Keeps the first `kept` of the positions the last [`verify`](Self::verify)
+    /// of `tokens` evaluated and drops the rest, leaving the session as if only
+    /// `tokens[..kept]` had been evaluated. The KV cache needs nothing (later
+    /// positions are overwritten); a recurrent state is restored from before the
+    /// pass and `tokens[..kept]` evaluated again.
+    pub fn keep<M: MatVec, X: Experts>(
+        &mut self,
+        mv: &mut M,
+        experts: &mut X,
+        tokens: &[TokenInput<'_>],
+        kept: usize,
+    ) -> Result<(), ForwardError<X::Error>> {
+        if kept > tokens.len() || tokens.len() > self.pos {
+            return Err(ForwardError::Shape("keeping more positions than verified"));
+        }
+        if kept == tokens.len() {
+            return Ok(());
+        }
+        let start = self.pos - tokens.len();
+        self.pos = start + kept;
+        if self.saved_conv.is_empty() && self.saved_ssm.is_empty() {
+            return Ok(());
+        }
+        self.state.conv_state.copy_from_slice(&self.saved_conv);
+        self.state.ssm_state.copy_from_slice(&self.saved_ssm);
+        self.pos = start;
+        let mut logits = std::mem::take(&mut self.replay_logits);
+        let r = match &tokens[..kept] {
+            [] => Ok(()),
+            [one] => self.eval(mv, experts, None, *one, &mut logits),
+            some => self.eval_batch(mv, experts, some, &mut logits),
+        };
+        self.replay_logits = logits;
+        r
     }
 }
 
@@ -319,12 +466,29 @@ pub fn generate<M: MatVec, X: Experts>(
 ) -> Result<GenStats, ForwardError<X::Error>> {
     let inputs: Vec<TokenInput<'_>> = prompt.iter().map(|&t| TokenInput::Token(t)).collect();
     generate_from(
-        session, mv, experts, lookahead, &inputs, n, sample, on_token,
+        session, mv, experts, lookahead, &inputs, None, n, sample, on_token,
     )
 }
 
 /// [`generate`] from a prompt of tokens and given embeddings (image embeddings
-/// spliced into the text).
+/// spliced into the text), optionally with speculative decoding.
+///
+/// With `spec`, after each sampled token the drafter guesses up to
+/// [`Speculation::max_draft`] tokens after it (at most what `n` and the
+/// session's positions leave room for), and the token and its draft are
+/// evaluated in one pass ([`Session::verify`]) that gives every position's
+/// logits. Tokens are then sampled from those logits in turn, each handed to
+/// `on_token`, for as long as each sample equals the draft's token at that
+/// place; the first sample that differs is kept (it is the model's own) and
+/// the positions after it are dropped ([`Session::keep`]).
+///
+/// So every token is sampled by `sample`, in order, from the logits plain
+/// decoding computes for it (bit-identical: [`Session::eval_batch`]): the
+/// tokens, the logits `on_token` sees and the session left behind are those
+/// of decoding without `spec`, for any sampler, drafter and expert supplier.
+/// The session's [`Session::set_max_draft`] bounds the draft; with
+/// [`Speculation::adaptive`], each draft is cut to the length that pays by the
+/// acceptance and pass times measured so far.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_from<M: MatVec, X: Experts>(
     session: &mut Session<'_>,
@@ -332,11 +496,13 @@ pub fn generate_from<M: MatVec, X: Experts>(
     experts: &mut X,
     lookahead: Option<&Lookahead>,
     prompt: &[TokenInput<'_>],
+    mut spec: Option<Speculation<'_>>,
     n: usize,
     mut sample: impl FnMut(&[f32]) -> u32,
     mut on_token: impl FnMut(u32, &[f32]) -> Control,
 ) -> Result<GenStats, ForwardError<X::Error>> {
-    let mut logits = vec![0f32; session.model.hp.n_vocab];
+    let n_vocab = session.model.hp.n_vocab;
+    let mut logits = vec![0f32; n_vocab];
     let mut stats = GenStats {
         prompt_tokens: prompt.len(),
         ..GenStats::default()
@@ -345,24 +511,202 @@ pub fn generate_from<M: MatVec, X: Experts>(
     prefill(session, mv, experts, lookahead, prompt, &mut logits)?;
     stats.prefill = start.elapsed();
     let start = Instant::now();
-    for i in 0..n {
-        let token = sample(&logits);
+    // The sequence so far, for the drafter (an embedding is `n_vocab`, no token).
+    let mut history: Vec<u32> = match spec {
+        Some(_) => prompt
+            .iter()
+            .map(|i| match i {
+                TokenInput::Token(t) => *t,
+                TokenInput::Embedding(_) => n_vocab as u32,
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let max_draft = spec
+        .as_ref()
+        .map_or(0, |s| s.max_draft.min(session.max_draft));
+    let mut control = DraftLength::default();
+    let adaptive = spec.as_ref().is_some_and(|s| s.adaptive);
+    let mut verified = vec![
+        0f32;
+        if max_draft > 0 {
+            (max_draft + 1) * n_vocab
+        } else {
+            0
+        }
+    ];
+    let mut draft = Vec::with_capacity(max_draft);
+    let mut batch: Vec<TokenInput<'_>> = Vec::with_capacity(max_draft + 1);
+    // `token` is sampled (and handed out) but not evaluated yet.
+    let mut token = None;
+    if n > 0 {
+        let t = sample(&logits);
         stats.generated += 1;
-        if let Control::Stop = on_token(token, &logits) {
+        if let Control::Continue = on_token(t, &logits) {
+            token = Some(t);
+        }
+    }
+    while let Some(t) = token.take() {
+        if stats.generated >= n {
             break;
         }
-        if i + 1 < n {
-            session.eval(
-                mv,
-                experts,
-                lookahead,
-                TokenInput::Token(token),
-                &mut logits,
-            )?;
+        // Room for the draft: the tokens still wanted after the one its pass
+        // samples last, and the session's positions after `t`'s.
+        let room = (n - stats.generated - 1)
+            .min(session.max_positions.saturating_sub(session.pos + 1))
+            .min(max_draft);
+        draft.clear();
+        if let Some(sp) = spec.as_mut().filter(|_| room > 0) {
+            history.push(t);
+            sp.drafter.draft(&history, room, &mut draft);
+            history.pop();
+            let real = draft
+                .iter()
+                .take_while(|&&d| (d as usize) < n_vocab)
+                .count();
+            draft.truncate(real.min(room));
         }
+        // The guess's first token, checked for free when it is not verified.
+        let guess = draft.first().copied();
+        if adaptive {
+            draft.truncate(control.length(draft.len()));
+        }
+        if draft.is_empty() {
+            let t0 = Instant::now();
+            session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
+            control.single_pass(t0.elapsed());
+            if spec.is_some() {
+                history.push(t);
+            }
+            let next = sample(&logits);
+            stats.generated += 1;
+            if let Some(g) = guess {
+                control.judged(g == next);
+            }
+            if let Control::Continue = on_token(next, &logits) {
+                token = Some(next);
+            }
+            continue;
+        }
+        batch.clear();
+        batch.push(TokenInput::Token(t));
+        batch.extend(draft.iter().map(|&d| TokenInput::Token(d)));
+        let all = &mut verified[..batch.len() * n_vocab];
+        let t0 = Instant::now();
+        session.verify(mv, experts, &batch, all)?;
+        control.verify_pass(draft.len(), t0.elapsed());
+        stats.verify_passes += 1;
+        stats.drafted += draft.len();
+        history.push(t);
+        // Sample at each verified position; position j's logits follow
+        // `batch[..=j]`, so they stand while every draft token before agreed.
+        let mut kept = batch.len();
+        for (j, lg) in all.chunks_exact(n_vocab).enumerate() {
+            let next = sample(lg);
+            stats.generated += 1;
+            let go_on = matches!(on_token(next, lg), Control::Continue);
+            let agreed = draft.get(j) == Some(&next);
+            if j < draft.len() {
+                control.judged(agreed);
+            }
+            if agreed {
+                stats.accepted += 1;
+                history.push(next);
+            }
+            if !agreed || !go_on || stats.generated >= n {
+                // Positions `..=j` stand; `next` is sampled, not evaluated.
+                kept = j + 1;
+                if go_on && !agreed {
+                    token = Some(next);
+                }
+                break;
+            }
+        }
+        session.keep(mv, experts, &batch, kept)?;
     }
     stats.decode = start.elapsed();
     Ok(stats)
+}
+
+/// How many of a draft's tokens to verify: the length that gives the most
+/// tokens per second by the acceptance and pass costs measured so far.
+///
+/// With each draft token agreeing with probability `a` (as long as the ones
+/// before it did), a pass over a token and `k` draft tokens yields
+/// `(1 - a^(k+1)) / (1 - a)` tokens, and costs `1 + c k` single-token passes,
+/// `c` being what one more position costs. Both are measured as the
+/// generation goes (moving averages): `a` from every draft token a sample
+/// judged, including a draft's first token in passes that did not verify it
+/// (compared with the token sampled there, at no cost), `c` from the passes'
+/// times. So a drafter that guesses badly, or a model whose passes cost the
+/// same per position (all of a layer's positions reading their own experts),
+/// falls back to one token a pass, and one that guesses well gets long drafts.
+/// The choice only decides speed: the tokens are the same at any length.
+#[derive(Clone, Copy, Debug)]
+struct DraftLength {
+    /// Moving average of draft tokens agreeing.
+    accept: f64,
+    /// Moving averages of a single-token pass's seconds, and of each extra
+    /// position's in a verifying pass.
+    single: Option<f64>,
+    extra: Option<f64>,
+}
+
+impl Default for DraftLength {
+    fn default() -> Self {
+        DraftLength {
+            accept: 0.5,
+            single: None,
+            extra: None,
+        }
+    }
+}
+
+/// Weight of the newest sample in [`DraftLength`]'s moving averages.
+const DRAFT_EMA: f64 = 1.0 / 8.0;
+
+/// What one more position costs before it is measured, in single-token passes.
+const DRAFT_EXTRA_PRIOR: f64 = 0.5;
+
+impl DraftLength {
+    fn ema(old: Option<f64>, new: f64) -> f64 {
+        old.map_or(new, |o| o + DRAFT_EMA * (new - o))
+    }
+
+    fn judged(&mut self, agreed: bool) {
+        self.accept += DRAFT_EMA * (f64::from(u8::from(agreed)) - self.accept);
+    }
+
+    fn single_pass(&mut self, took: Duration) {
+        self.single = Some(Self::ema(self.single, took.as_secs_f64()));
+    }
+
+    fn verify_pass(&mut self, drafted: usize, took: Duration) {
+        if let (Some(single), true) = (self.single, drafted > 0) {
+            let extra = (took.as_secs_f64() - single).max(0.0) / drafted as f64;
+            self.extra = Some(Self::ema(self.extra, extra));
+        }
+    }
+
+    /// The number of an `available`-token draft's tokens to verify (0: none).
+    fn length(&self, available: usize) -> usize {
+        let c = match (self.single, self.extra) {
+            (Some(s), Some(e)) if s > 0.0 => e / s,
+            _ => DRAFT_EXTRA_PRIOR,
+        };
+        let a = self.accept.clamp(0.0, 0.999);
+        let (mut best, mut best_rate) = (0, 1.0);
+        let (mut tokens, mut p) = (1.0, 1.0);
+        for k in 1..=available {
+            p *= a;
+            tokens += p;
+            let rate = tokens / (1.0 + c * k as f64);
+            if rate > best_rate * 1.02 {
+                (best, best_rate) = (k, rate);
+            }
+        }
+        best
+    }
 }
 
 /// The process's peak resident set size (`VmHWM`), where the OS reports it.
@@ -371,4 +715,46 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn control(accept: f64, single: f64, extra: f64) -> DraftLength {
+        DraftLength {
+            accept,
+            single: Some(single),
+            extra: Some(extra),
+        }
+    }
+
+    #[test]
+    fn drafts_are_as_long_as_pays() {
+        // Poor guesses, or positions that cost as much as a pass: no draft.
+        assert_eq!(control(0.2, 1.0, 0.3).length(8), 0);
+        assert_eq!(control(0.9, 1.0, 1.0).length(8), 0);
+        // Good guesses and cheap positions: long drafts, within what is there.
+        assert_eq!(control(0.95, 1.0, 0.05).length(8), 8);
+        assert_eq!(control(0.95, 1.0, 0.05).length(3), 3);
+        let mid = control(0.7, 1.0, 0.3).length(8);
+        assert!((1..8).contains(&mid), "{mid}");
+        // Nothing measured yet: the prior cost, and an even chance, say wait.
+        assert_eq!(DraftLength::default().length(8), 0);
+    }
+
+    #[test]
+    fn measurements_move_the_length() {
+        let mut c = DraftLength::default();
+        for _ in 0..16 {
+            c.judged(true);
+        }
+        c.single_pass(Duration::from_millis(10));
+        c.verify_pass(4, Duration::from_millis(12));
+        assert!(c.length(8) >= 4, "{c:?}");
+        for _ in 0..32 {
+            c.judged(false);
+        }
+        assert_eq!(c.length(8), 0, "{c:?}");
+    }
 }

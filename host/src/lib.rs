@@ -8,7 +8,8 @@
 //! - [`tokenizer`]: tokenizers built from the GGUF's `tokenizer.ggml.*` metadata.
 //! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
 //! - [`sampling`]: reproducible token sampling (greedy, top-k, top-p, min-p).
-//! - [`engine`]: KV cache, prefill and the decode loop.
+//! - [`engine`]: KV cache, prefill and the decode loop; [`draft`], the guesses
+//!   speculative decoding verifies.
 //! - [`hugepages`]: transparent huge pages for the slots and the KV cache.
 //! - [`flash`]: the file device experts stream from (O_DIRECT; I/O threads or `io_uring`).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).
@@ -28,6 +29,7 @@ pub mod bench;
 pub mod cli;
 pub mod compute;
 pub mod cpu_steal;
+pub mod draft;
 pub mod engine;
 pub mod flash;
 pub mod gguf;

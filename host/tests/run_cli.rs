@@ -162,6 +162,48 @@ fn prompt_batch_size_does_not_change_the_logits() {
     }
 }
 
+/// Speculative decoding (`--speculate ngram`) gives the same tokens and logits,
+/// resident and streamed, whatever share of its drafts is accepted.
+#[test]
+fn speculative_decoding_does_not_change_the_logits() {
+    for arch in ["qwen3moe", "qwen35moe"] {
+        let m = model(arch);
+        let (want, (_, _, want_logits), _) =
+            greedy_with_logits(&m, &["--schedule", "resident"], &format!("{arch}_plain"));
+        let every = ["--speculate", "ngram", "--draft-fixed", "--ngram-min", "1"];
+        for (args, drafts) in [
+            (&["--speculate", "ngram"][..], false),
+            (&[&every[..], &["--draft-max", "3"]].concat()[..], true),
+            (
+                &[&every[..], &["--schedule", "les", "--slots", "3"]].concat(),
+                true,
+            ),
+            (
+                &[
+                    &every[..],
+                    &["--schedule", "on-demand", "--slots", "4", "-b", "1"],
+                ]
+                .concat(),
+                true,
+            ),
+        ] {
+            let name = format!("{arch}_spec_{}", args.join("_"));
+            let (got, (_, _, logits), stderr) = greedy_with_logits(&m, args, &name);
+            assert_eq!(tokens(&got), tokens(&want), "{arch} {args:?}");
+            assert!(logits == want_logits, "{arch} {args:?}: logits differ");
+            let st = &got["stats"];
+            if drafts {
+                assert!(st["drafted"].as_u64().unwrap() > 0, "{arch} {args:?}: {st}");
+                assert!(st["verify_passes"].as_u64().unwrap() > 0, "{st}");
+            }
+            assert!(
+                st["accepted"].as_u64() <= st["drafted"].as_u64(),
+                "{stderr}"
+            );
+        }
+    }
+}
+
 #[test]
 fn mixed_expert_sizes_get_slots_of_their_size_and_stay_exact() {
     // llama.cpp's Q4_K_M mix: layers 2 and 3 have a q6_k ffn_down, so their
@@ -311,6 +353,14 @@ fn generation_stops_when_the_context_is_full() {
     let c = json_run(&short, &["--temp", "0", "-n", "100000000000"]);
     assert_eq!(c["stats"]["stop"], "ctx");
     assert_eq!(c["stats"]["generated"], 26 + 1 - prompt);
+    // Drafts stop at the context's end too.
+    let spec = ["--speculate", "ngram", "--draft-fixed", "--ngram-min", "1"];
+    let d = json_run(
+        &short,
+        &[&["--temp", "0", "-n", "100000000000"][..], &spec].concat(),
+    );
+    assert_eq!(d["tokens"], c["tokens"]);
+    assert_eq!(d["stats"]["stop"], "ctx");
 }
 
 #[test]
@@ -324,6 +374,10 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--predict-min-prob", "1.5"], "--predict-min-prob"),
         (vec!["-b", "0"], "--batch-size"),
         (vec!["-b", "100000"], "--batch-size"),
+        (vec!["--draft-max", "0"], "--draft-max"),
+        (vec!["--draft-max", "65"], "--draft-max"),
+        (vec!["--ngram-min", "9"], "--ngram-min"),
+        (vec!["--speculate", "model"], "--speculate"),
     ] {
         let out = run(&m, &args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -11,6 +11,7 @@ use serde_json::json;
 
 use super::values;
 use crate::compute::{default_threads, ThreadedMatVec};
+use crate::draft::Speculation;
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::model::Model;
@@ -85,6 +86,9 @@ pub struct RunArgs {
     /// Lookahead prediction (les schedule).
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
+    /// Speculative decoding.
+    #[command(flatten)]
+    pub spec: crate::draft::SpecArgs,
     /// Vision projector (mmproj GGUF, `general.architecture = clip`) for --image.
     #[arg(long)]
     pub mmproj: Option<PathBuf>,
@@ -375,6 +379,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::new(&model, ctx)?;
     session.set_prefill_batch(args.batch_size)?;
+    let mut drafter = args.spec.drafter();
+    let max_draft = match drafter {
+        Some(_) => session.set_max_draft(args.spec.draft_max as usize)?,
+        None => 0,
+    };
     eprintln!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, loaded in {:.2?}",
         model.arch.name(),
@@ -425,6 +434,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         &mut supply,
         Some(&lookahead),
         &inputs,
+        drafter.as_deref_mut().map(|d| Speculation {
+            drafter: d,
+            max_draft,
+            adaptive: !args.spec.draft_fixed,
+        }),
         n_predict,
         |logits| {
             let t = sampler.sample(logits);
@@ -477,6 +491,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "decode_tok_s": stats.decode_tok_s(),
             "prompt_tokens": stats.prompt_tokens,
             "generated": stats.generated,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "verify_passes": stats.verify_passes,
             "schedule": schedule.name(),
             "threads": threads,
             "seed": seed,
@@ -514,6 +531,15 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             stats.generated,
             stats.decode_tok_s()
         );
+        if drafter.is_some() {
+            eprintln!(
+                "les: speculative: {} of {} draft tokens accepted ({:.1}%) in {} passes",
+                stats.accepted,
+                stats.drafted,
+                100.0 * stats.acceptance(),
+                stats.verify_passes
+            );
+        }
         if let Some(s) = io {
             eprintln!(
                 "les: slot hit rate {:.1}%, read {:.1} MiB on demand + {:.1} MiB prefetched",

@@ -1,0 +1,275 @@
+//! Draft tokens for speculative decoding: guesses of the next few tokens that
+//! one batched pass of the model then verifies ([`crate::engine::generate_from`]
+//! with a [`Speculation`]).
+//!
+//! A draft only decides how much work one pass does, never what is generated:
+//! each generated token is still sampled from the model's own logits, in order,
+//! so a bad draft costs time, not tokens.
+//!
+//! [`NgramDrafter`] is prompt lookup (llama.cpp's `lookup` examples, Saxena's
+//! "prompt lookup decoding"): where the last few tokens occurred before in the
+//! prompt or the output, guess that what followed them then follows again. It
+//! needs no second model and costs nothing when it has no guess; it pays where
+//! the output copies from its context (code edits, summaries, extraction,
+//! repetitive text).
+
+use std::collections::HashMap;
+
+/// Proposes tokens to follow a sequence.
+pub trait Drafter {
+    /// Writes up to `max` guesses of the tokens that follow `history` into
+    /// `out` (cleared first; empty: no guess). `history` is the sequence so far,
+    /// prompt then output; between calls it only grows (a shorter or different
+    /// one starts over). Entries `>= n_vocab` stand for image embeddings.
+    fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>);
+}
+
+/// Most tokens an [`NgramDrafter`] matches on.
+pub const MAX_NGRAM: usize = 8;
+
+/// Prompt lookup: the latest earlier occurrence of the sequence's last `n`
+/// tokens (the longest `n` from `max_n` down to `min_n` that occurred), and the
+/// tokens that followed it.
+///
+/// An index of every n-gram's latest occurrence is kept up to date as the
+/// history grows, so a draft costs `O(max_n)` lookups whatever the length of
+/// the context.
+pub struct NgramDrafter {
+    min_n: usize,
+    max_n: usize,
+    /// For each length `n` (index `n - min_n`): n-gram -> the position just
+    /// after its latest occurrence that has a token after it.
+    index: Vec<HashMap<NgramKey, usize>>,
+    /// Tokens of the history indexed so far.
+    seen: usize,
+    /// Its last tokens (up to [`CHECKED_TAIL`]): a history that does not end
+    /// its first `seen` tokens with them is another one.
+    tail: Vec<u32>,
+}
+
+/// An n-gram, padded with `u32::MAX`.
+type NgramKey = [u32; MAX_NGRAM];
+
+/// How many of the indexed tokens are compared to tell a grown history from
+/// another one (comparing them all would cost the context's length a draft).
+const CHECKED_TAIL: usize = 2 * MAX_NGRAM;
+
+impl NgramDrafter {
+    /// Matches on `min_n..=max_n` tokens, clamped to `1..=`[`MAX_NGRAM`].
+    pub fn new(min_n: usize, max_n: usize) -> Self {
+        let max_n = max_n.clamp(1, MAX_NGRAM);
+        let min_n = min_n.clamp(1, max_n);
+        NgramDrafter {
+            min_n,
+            max_n,
+            index: (min_n..=max_n).map(|_| HashMap::new()).collect(),
+            seen: 0,
+            tail: Vec::new(),
+        }
+    }
+
+    fn key(gram: &[u32]) -> NgramKey {
+        let mut k = [u32::MAX; MAX_NGRAM];
+        k[..gram.len()].copy_from_slice(gram);
+        k
+    }
+
+    /// Indexes the n-grams of `history` that end before its last token (whose
+    /// continuation is known) and were not indexed yet.
+    fn catch_up(&mut self, history: &[u32]) {
+        let grown = history.len() >= self.seen
+            && history[self.seen - self.tail.len()..self.seen] == self.tail[..];
+        if !grown {
+            self.index.iter_mut().for_each(HashMap::clear);
+            self.seen = 0;
+        }
+        for end in self.seen.max(1)..history.len() {
+            // The n-grams ending at `end - 1`, followed by `history[end]`.
+            for (i, n) in (self.min_n..=self.max_n).enumerate() {
+                if let Some(start) = end.checked_sub(n) {
+                    self.index[i].insert(Self::key(&history[start..end]), end);
+                }
+            }
+        }
+        self.seen = history.len();
+        self.tail.clear();
+        self.tail
+            .extend_from_slice(&history[history.len().saturating_sub(CHECKED_TAIL)..]);
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        self.catch_up(history);
+        if max == 0 {
+            return;
+        }
+        for n in (self.min_n..=self.max_n).rev() {
+            let i = n - self.min_n;
+            let Some(start) = history.len().checked_sub(n) else {
+                continue;
+            };
+            if let Some(&next) = self.index[i].get(&Self::key(&history[start..])) {
+                // `next < history.len()`: the guess may run into the suffix itself
+                // (a repeating pattern continues).
+                out.extend(history[next..].iter().take(max));
+                return;
+            }
+        }
+    }
+}
+
+/// Most draft tokens one pass verifies (`--draft-max`).
+pub const MAX_DRAFT: usize = 64;
+
+/// Where `les run` and `les bench` take draft tokens from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftSource {
+    /// No speculative decoding: one token a pass.
+    None,
+    /// Prompt lookup ([`NgramDrafter`]).
+    Ngram,
+}
+
+/// Speculative decoding options of `les run` and `les bench`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct SpecArgs {
+    /// Speculative decoding: `ngram` guesses the next tokens from an earlier
+    /// occurrence of the last ones in the prompt or output (prompt lookup) and
+    /// checks the guess in one pass, which reads each layer's experts once for
+    /// all of it; `none` decodes one token a pass. The tokens and logits are
+    /// the same either way.
+    #[arg(long, value_enum, default_value_t = DraftSource::None)]
+    pub speculate: DraftSource,
+    /// Most draft tokens checked in one pass.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=MAX_DRAFT as i64))]
+    pub draft_max: u8,
+    /// Shortest run of tokens `--speculate ngram` matches on.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=MAX_NGRAM as i64))]
+    pub ngram_min: u8,
+    /// Longest run of tokens `--speculate ngram` matches on (the longest that
+    /// occurred wins).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=MAX_NGRAM as i64))]
+    pub ngram_max: u8,
+    /// Verify every draft whole. By default a draft is cut to the length that
+    /// pays by the acceptance and pass times measured so far (none while the
+    /// guesses are poor).
+    #[arg(long)]
+    pub draft_fixed: bool,
+}
+
+impl SpecArgs {
+    /// The drafter these options ask for, if any.
+    pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
+        match self.speculate {
+            DraftSource::None => None,
+            DraftSource::Ngram => Some(Box::new(NgramDrafter::new(
+                self.ngram_min as usize,
+                self.ngram_max as usize,
+            ))),
+        }
+    }
+}
+
+/// Speculative decoding settings for [`crate::engine::generate_from`].
+pub struct Speculation<'d> {
+    /// Where the guesses come from.
+    pub drafter: &'d mut dyn Drafter,
+    /// Most guesses verified in one pass (0: none, plain decoding).
+    pub max_draft: usize,
+    /// Verify as many of a draft's tokens as measured acceptance and pass costs
+    /// say pay (none where guesses are poor), instead of every one.
+    pub adaptive: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draft(d: &mut NgramDrafter, h: &[u32], max: usize) -> Vec<u32> {
+        let mut out = vec![99];
+        d.draft(h, max, &mut out);
+        out
+    }
+
+    #[test]
+    fn guesses_what_followed_the_latest_match() {
+        let mut d = NgramDrafter::new(1, 3);
+        // "1 2 3" occurred twice; the latest one was followed by 7 8.
+        let h = [1, 2, 3, 4, 5, 1, 2, 3, 7, 8, 9, 1, 2, 3];
+        assert_eq!(draft(&mut d, &h, 2), [7, 8]);
+        assert_eq!(draft(&mut d, &h, 10), [7, 8, 9, 1, 2, 3]);
+        // The history grows: 3 4 matches the first occurrence's 3 4.
+        let mut h2 = h.to_vec();
+        h2.push(4);
+        assert_eq!(draft(&mut d, &h2, 3), [5, 1, 2]);
+    }
+
+    #[test]
+    fn the_longest_match_wins() {
+        let mut d = NgramDrafter::new(1, 3);
+        // Unigram 3 last occurred before 6; the trigram 1 2 3 before 4.
+        let h = [1, 2, 3, 4, 9, 3, 6, 1, 2, 3];
+        assert_eq!(draft(&mut d, &h, 1), [4]);
+        let mut d = NgramDrafter::new(1, 1);
+        assert_eq!(draft(&mut d, &h, 1), [6]);
+    }
+
+    #[test]
+    fn no_guess_without_a_match_or_room() {
+        let mut d = NgramDrafter::new(2, 3);
+        assert!(draft(&mut d, &[], 4).is_empty());
+        assert!(draft(&mut d, &[5], 4).is_empty());
+        assert!(draft(&mut d, &[1, 2, 3, 4], 4).is_empty());
+        // The suffix itself is not a match (nothing follows it yet).
+        assert!(draft(&mut d, &[1, 2, 3, 1, 2], 0).is_empty());
+        assert_eq!(draft(&mut d, &[1, 2, 3, 1, 2], 4), [3, 1, 2]);
+    }
+
+    #[test]
+    fn a_repeating_pattern_continues_into_the_suffix() {
+        let mut d = NgramDrafter::new(2, 2);
+        assert_eq!(draft(&mut d, &[5, 6, 5, 6], 5), [5, 6]);
+    }
+
+    #[test]
+    fn another_history_starts_over() {
+        let mut d = NgramDrafter::new(1, 2);
+        assert_eq!(draft(&mut d, &[1, 2, 1], 1), [2]);
+        assert!(draft(&mut d, &[3, 4, 1], 1).is_empty());
+        assert_eq!(draft(&mut d, &[3, 4, 1, 3], 2), [4, 1]);
+    }
+
+    /// Incremental indexing finds what a plain scan of the whole history finds.
+    #[test]
+    fn the_index_equals_a_plain_scan() {
+        let mut rng = 12345u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % 5) as u32
+        };
+        let mut d = NgramDrafter::new(2, 4);
+        let mut h = Vec::new();
+        for _ in 0..400 {
+            h.push(next());
+            let got = draft(&mut d, &h, 6);
+            let mut want: Vec<u32> = Vec::new();
+            'n: for n in (2..=4).rev() {
+                if h.len() < n {
+                    continue;
+                }
+                let suffix = &h[h.len() - n..];
+                for end in (n..h.len()).rev() {
+                    if &h[end - n..end] == suffix {
+                        want.extend(h[end..].iter().take(6));
+                        break 'n;
+                    }
+                }
+            }
+            assert_eq!(got, want, "history {h:?}");
+        }
+    }
+}

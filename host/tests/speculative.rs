@@ -1,0 +1,296 @@
+//! Speculative decoding changes nothing but speed: with any drafter (right,
+//! wrong, partly right, out of the vocabulary), any draft length, sampler and
+//! expert schedule, `generate_from` hands out the tokens and logits of plain
+//! decoding, bit for bit, and leaves the session where plain decoding leaves
+//! it, for qwen3moe and for qwen35moe (whose recurrent state is rolled back
+//! when a draft is rejected).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use les::compute::ThreadedMatVec;
+use les::draft::{Drafter, NgramDrafter, Speculation};
+use les::engine::{generate_from, Control, GenStats, Session};
+use les::flash::FileDeviceConfig;
+use les::model::Model;
+use les::sampling::{Sampler, SamplerConfig};
+use les::supply::{Schedule, SlotBudget, Supply};
+use les_core::gemv::Isa;
+use les_core::model::forward::{Lookahead, TokenInput};
+use les_core::router::{LayerMask, PredictorConfig};
+use les_core::slot_classes::plan_by_count;
+
+/// Tokens generated per run.
+const GENERATE: usize = 24;
+
+/// A packed tiny model of `arch`, made once per test binary.
+fn packed(arch: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let plain = dir.join(format!("spec-{arch}.gguf"));
+    let packed = dir.join(format!("spec-{arch}.packed.gguf"));
+    let les = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let p = plain.to_str().unwrap();
+    les(&["synth", "--arch", arch, "--preset", "tiny", "-o", p]);
+    les(&["pack", "--quiet", p, "-o", packed.to_str().unwrap()]);
+    packed
+}
+
+fn qwen3moe() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| packed("qwen3moe"))
+}
+
+fn qwen35moe() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| packed("qwen35moe"))
+}
+
+/// What a generation handed out, and what the session gives next.
+#[derive(Debug, PartialEq)]
+struct Run {
+    tokens: Vec<u32>,
+    /// The bits of the logits each token was sampled from.
+    logits: Vec<Vec<u32>>,
+    /// The session's position after it.
+    position: usize,
+    /// The bits of the logits of one more token evaluated after it (the state
+    /// left behind).
+    after: Vec<u32>,
+}
+
+fn bits(l: &[f32]) -> Vec<u32> {
+    l.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Guesses from a fixed continuation: right for its first `right` tokens of
+/// each draft, then wrong (`wrong(true token)`).
+struct Scripted {
+    prompt_len: usize,
+    truth: Vec<u32>,
+    right: usize,
+    wrong: fn(u32) -> u32,
+}
+
+impl Drafter for Scripted {
+    fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let done = history.len() - self.prompt_len;
+        for (i, &t) in self.truth.iter().skip(done).take(max).enumerate() {
+            out.push(if i < self.right { t } else { (self.wrong)(t) });
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate(
+    path: &Path,
+    schedule: Schedule,
+    slots: Option<usize>,
+    sampler: SamplerConfig,
+    prompt: &[u32],
+    drafter: Option<&mut dyn Drafter>,
+    max_draft: usize,
+    batch: usize,
+) -> (Run, GenStats) {
+    let model = Model::open(path).unwrap();
+    let top_k = model.hp.moe.unwrap().top_k as u32;
+    let budget = SlotBudget {
+        classes: match slots {
+            Some(n) => plan_by_count(model.expert_size_groups(), n as u32, top_k)
+                .unwrap()
+                .to_vec(),
+            None => Vec::new(),
+        },
+        io: FileDeviceConfig::default(),
+    };
+    let mut supply = Supply::new(&model, path, schedule, budget).unwrap();
+    let mut mv = ThreadedMatVec::new(2, Isa::detect());
+    let la = Lookahead {
+        predictor: PredictorConfig::top_k(model.hp.moe.unwrap().top_k),
+        layers: LayerMask::first(model.hp.n_layers).unwrap(),
+        depth: 1,
+    };
+    let mut session = Session::new(&model, prompt.len() + GENERATE + 1).unwrap();
+    session.set_prefill_batch(batch).unwrap();
+    assert_eq!(session.set_max_draft(max_draft).unwrap(), max_draft);
+    let inputs: Vec<TokenInput<'_>> = prompt.iter().map(|&t| TokenInput::Token(t)).collect();
+    let mut s = Sampler::new(sampler);
+    let (mut tokens, mut logits) = (Vec::new(), Vec::new());
+    let stats = generate_from(
+        &mut session,
+        &mut mv,
+        &mut supply,
+        Some(&la),
+        &inputs,
+        drafter.map(|d| Speculation {
+            drafter: d,
+            max_draft,
+            adaptive: false,
+        }),
+        GENERATE,
+        |l| {
+            let t = s.sample(l);
+            s.accept(t);
+            t
+        },
+        |t, l| {
+            tokens.push(t);
+            logits.push(bits(l));
+            Control::Continue
+        },
+    )
+    .unwrap();
+    let position = session.position();
+    let mut after = vec![0f32; model.hp.n_vocab];
+    let last = *tokens.last().unwrap();
+    session
+        .eval(
+            &mut mv,
+            &mut supply,
+            Some(&la),
+            TokenInput::Token(last),
+            &mut after,
+        )
+        .unwrap();
+    let run = Run {
+        tokens,
+        logits,
+        position,
+        after: bits(&after),
+    };
+    (run, stats)
+}
+
+const PROMPT: [u32; 7] = [46, 77, 66, 68, 220, 84, 77];
+
+fn samplers() -> [SamplerConfig; 2] {
+    [
+        SamplerConfig::greedy(),
+        SamplerConfig {
+            temperature: 1.5,
+            seed: 7,
+            ..SamplerConfig::default()
+        },
+    ]
+}
+
+/// Every drafter and draft length gives plain decoding's run, for `path`.
+fn check(path: &Path) {
+    let vocab = Model::open(path).unwrap().hp.n_vocab as u32;
+    for sampler in samplers() {
+        let (want, _) = generate(path, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
+        assert_eq!(want.tokens.len(), GENERATE);
+        let wrong_ones: [fn(u32) -> u32; 2] = [|t| t ^ 1, |_| u32::MAX];
+        for (schedule, slots) in [
+            (Schedule::Resident, None),
+            (Schedule::Les, Some(5)),
+            (Schedule::OnDemand, Some(4)),
+        ] {
+            for max_draft in [1, 3, 8] {
+                for right in [0, 1, 2, GENERATE] {
+                    for wrong in wrong_ones {
+                        let mut d = Scripted {
+                            prompt_len: PROMPT.len(),
+                            truth: want.tokens.clone(),
+                            right,
+                            wrong,
+                        };
+                        let (got, stats) = generate(
+                            path,
+                            schedule,
+                            slots,
+                            sampler,
+                            &PROMPT,
+                            Some(&mut d),
+                            max_draft,
+                            4,
+                        );
+                        let what = format!(
+                            "{} {schedule:?} draft {max_draft}, {right} right, t={}",
+                            path.display(),
+                            sampler.temperature
+                        );
+                        assert_eq!(got, want, "{what}");
+                        if right >= max_draft && wrong(1) < vocab {
+                            assert!(stats.accepted > 0, "{what}: {stats:?}");
+                        }
+                        if right == 0 && wrong(1) < vocab {
+                            assert!(stats.drafted > 0 && stats.accepted == 0, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        // Prompt lookup, as `les run --speculate ngram` uses it.
+        let mut d = NgramDrafter::new(1, 3);
+        let (got, _) = generate(
+            path,
+            Schedule::Les,
+            Some(6),
+            sampler,
+            &PROMPT,
+            Some(&mut d),
+            4,
+            64,
+        );
+        assert_eq!(got, want, "{} ngram", path.display());
+    }
+}
+
+#[test]
+fn qwen3moe_drafts_change_nothing_but_speed() {
+    check(qwen3moe());
+}
+
+#[test]
+fn qwen35moe_drafts_change_nothing_but_speed() {
+    check(qwen35moe());
+}
+
+/// A draft that agrees in full is accepted in full: `max_draft` + 1 tokens a
+/// pass.
+#[test]
+fn a_right_draft_is_accepted_whole() {
+    let path = qwen3moe();
+    let (want, _) = generate(
+        path,
+        Schedule::Resident,
+        None,
+        SamplerConfig::greedy(),
+        &PROMPT,
+        None,
+        0,
+        1,
+    );
+    let mut d = Scripted {
+        prompt_len: PROMPT.len(),
+        truth: want.tokens.clone(),
+        right: GENERATE,
+        wrong: |t| t,
+    };
+    let (got, stats) = generate(
+        path,
+        Schedule::Resident,
+        None,
+        SamplerConfig::greedy(),
+        &PROMPT,
+        Some(&mut d),
+        3,
+        1,
+    );
+    assert_eq!(got, want);
+    // After the first token, passes of 1 + 3 positions yield 4 tokens each.
+    assert_eq!(stats.drafted, stats.accepted);
+    assert_eq!(stats.verify_passes, (GENERATE - 1).div_ceil(4));
+}
