@@ -457,6 +457,117 @@ pub fn run_prefill(
     })
 }
 
+/// What one cold decode cost, plain or speculative ([`run_speculative`]).
+#[derive(Clone, Debug)]
+pub struct SpecReport {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Whether it drafted (`--speculate`) or decoded one token a pass.
+    pub speculative: bool,
+    /// The tokens generated.
+    pub tokens: Vec<u32>,
+    /// Time from the last prompt token's evaluation to the last token.
+    pub time: Duration,
+    /// Bytes read from the model file meanwhile.
+    pub bytes_read: u64,
+    /// Drafts, acceptance and passes.
+    pub stats: crate::engine::GenStats,
+}
+
+impl SpecReport {
+    /// Generated tokens per second.
+    pub fn tok_s(&self) -> f64 {
+        self.tokens.len() as f64 / self.time.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes read per generated token.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_read as f64 / self.tokens.len().max(1) as f64
+    }
+
+    /// Tokens each pass of the model yielded (1 without drafts).
+    pub fn tokens_per_pass(&self) -> f64 {
+        // Each pass (the last prompt token's included) yields one token plus
+        // the draft tokens it accepted.
+        let passes = self.tokens.len().saturating_sub(self.stats.accepted).max(1);
+        self.tokens.len() as f64 / passes as f64
+    }
+}
+
+/// Decodes `cfg.n_tokens` tokens cold with `schedule` through
+/// [`crate::engine::generate_from`], speculatively as `spec` says (`None`: one
+/// token a pass). The prompt but its last token is evaluated first, unmeasured;
+/// the time and bytes cover the last prompt token and every generated token's
+/// pass, the `n_tokens` evaluations [`run_schedule`] measures.
+pub fn run_speculative(
+    model: &Model,
+    path: &Path,
+    cfg: &BenchConfig,
+    schedule: Schedule,
+    spec: Option<&crate::draft::SpecArgs>,
+) -> Result<SpecReport, Box<dyn std::error::Error>> {
+    let (last, head) = cfg.prompt.split_last().ok_or("the prompt is empty")?;
+    let mut supply = cold_supply(model, path, cfg, schedule)?;
+    let lookahead = lookahead(model, &cfg.lookahead);
+    let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
+    let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
+    session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)?;
+    let mut drafter = spec.and_then(crate::draft::SpecArgs::drafter);
+    let max_draft = match (&drafter, spec) {
+        (Some(_), Some(s)) => session.set_max_draft(s.draft_max as usize)?,
+        _ => 0,
+    };
+    let mut logits = vec![0f32; model.hp.n_vocab];
+    let inputs: Vec<TokenInput<'_>> = head.iter().map(|&t| TokenInput::Token(t)).collect();
+    crate::engine::prefill(
+        &mut session,
+        &mut mv,
+        &mut supply,
+        Some(&lookahead),
+        &inputs,
+        &mut logits,
+    )?;
+    let mut sampler = Sampler::new(cfg.sampler);
+    for &t in &cfg.prompt {
+        sampler.accept(t);
+    }
+    let read = |s: &Supply<'_>| s.device().map_or(0, |d| d.counters().snapshot().file_bytes);
+    let read0 = read(&supply);
+    let mut tokens = Vec::with_capacity(cfg.n_tokens);
+    let t0 = Instant::now();
+    let stats = crate::engine::generate_from(
+        &mut session,
+        &mut mv,
+        &mut supply,
+        Some(&lookahead),
+        &[TokenInput::Token(*last)],
+        drafter.as_deref_mut().map(|d| crate::draft::Speculation {
+            drafter: d,
+            max_draft,
+            adaptive: spec.is_some_and(|s| !s.draft_fixed),
+        }),
+        cfg.n_tokens,
+        |l| {
+            let t = sampler.sample(l);
+            sampler.accept(t);
+            t
+        },
+        |t, _| {
+            tokens.push(t);
+            crate::engine::Control::Continue
+        },
+    )?;
+    let time = t0.elapsed();
+    Ok(SpecReport {
+        schedule,
+        speculative: drafter.is_some(),
+        tokens,
+        time,
+        bytes_read: read(&supply) - read0,
+        stats,
+    })
+}
+
 /// Runs one schedule cold: prompt, then `n_tokens` tokens from `cfg.sampler`.
 pub fn run_schedule(
     model: &Model,

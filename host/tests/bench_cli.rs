@@ -374,3 +374,61 @@ fn bench_prefill_batches_compares_batch_sizes_with_identical_logits() {
     );
     cleanup(&m);
 }
+
+/// `les bench --speculate ngram`: every schedule plain and speculative, side by
+/// side, with the same tokens; drafts verified whole are counted.
+#[test]
+fn bench_speculate_compares_plain_and_speculative_decoding() {
+    let m = packed_tiny("speculate");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "--slots",
+        "4",
+        "--schedules",
+        "resident,les",
+        "--speculate",
+        "ngram",
+        "--ngram-min",
+        "1",
+        "--draft-fixed",
+        "--temp",
+        "0",
+        "-n",
+        "24",
+        "--json",
+    ]);
+    let v: Json = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["identical_tokens"], true);
+    assert_eq!(v["speculate"], "ngram");
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4);
+    let row = |s: &str, spec: bool| {
+        runs.iter()
+            .find(|r| r["schedule"] == s && r["speculative"] == spec)
+            .unwrap_or_else(|| panic!("no {s} row ({spec}): {v}"))
+    };
+    for s in ["resident", "les"] {
+        let (plain, spec) = (row(s, false), row(s, true));
+        assert_eq!(plain["speedup"], 1.0);
+        assert_eq!(plain["drafted"], 0);
+        assert_eq!(plain["tokens_per_pass"], 1.0);
+        assert!(spec["drafted"].as_u64().unwrap() > 0, "{spec}");
+        assert!(spec["tok_s"].as_f64().unwrap() > 0.0);
+        let accepted = spec["accepted"].as_f64().unwrap();
+        let tpp = spec["tokens_per_pass"].as_f64().unwrap();
+        assert!((tpp - 24.0 / (24.0 - accepted)).abs() < 1e-9, "{spec}");
+    }
+    assert_eq!(row("resident", true)["bytes_per_token"], 0.0);
+    // Bad combinations are usage errors.
+    for extra in [&["--sweep", "25"][..], &["--prefill-batches", "1,8"]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(["bench", "-m", m.to_str().unwrap(), "--speculate", "ngram"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+    }
+    cleanup(&m);
+}

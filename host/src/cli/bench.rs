@@ -78,22 +78,26 @@ pub struct BenchArgs {
     /// Instead of one budget, sweep these percentages of the expert bytes (e.g.
     /// `10,25,50,100`, each as `--expert-mem P%`) and print one row per budget
     /// and schedule.
-    #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots"])]
+    #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots", "speculate"])]
     pub sweep: Vec<f64>,
     /// Instead of decoding, time the prompt's evaluation at each of these batch
     /// sizes (e.g. `1,64`; see `les run -b`), every schedule at each, and print
     /// the speedups over the first size.
-    #[arg(long, value_delimiter = ',', value_parser = super::values::batch, conflicts_with = "sweep")]
+    #[arg(long, value_delimiter = ',', value_parser = super::values::batch, conflicts_with_all = ["sweep", "speculate"])]
     pub prefill_batches: Vec<usize>,
     /// Prompt positions for --prefill-batches: a built-in English text's tokens,
     /// repeated to this many.
     #[arg(long, default_value_t = 512, value_parser = super::values::tokens)]
     pub prefill_tokens: usize,
+    /// With `--speculate`: every schedule decodes plainly and speculatively,
+    /// and the speedups of speculation are printed.
+    #[command(flatten)]
+    pub spec: crate::draft::SpecArgs,
 }
 
 /// The sampler every schedule uses: `les run`'s (temperature, top-k 40,
 /// top-p 0.95), seeded.
-fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
+pub(super) fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
     crate::sampling::SamplerConfig {
         temperature: args.temperature,
         top_k: 40,
@@ -139,6 +143,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     }
     if !args.prefill_batches.is_empty() {
         return super::prefill::prefill(args, out);
+    }
+    if args.spec.speculate != crate::draft::DraftSource::None {
+        return super::speculate::speculate(args, out);
     }
     let (model, tokenizer, budget, streamed) = open(args)?;
     let prompt = tokenizer.encode(&args.prompt, true, true);

@@ -6,6 +6,7 @@ mod mcu;
 mod pack;
 mod prefill;
 mod run;
+mod speculate;
 mod synth;
 pub(crate) mod values;
 
