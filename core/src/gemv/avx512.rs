@@ -118,6 +118,16 @@ impl Kernels for Avx512Vnni {
         // VNNI and everything `Avx512` needs (`Avx512Vnni::new`).
         unsafe { q6_k_vnni(w, x) }
     }
+    #[inline]
+    fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q6_k`: the token proves the kernels' features.
+        unsafe { evex::q4_k_vnni_n(w, x) }
+    }
+    #[inline]
+    fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q6_k`.
+        unsafe { q6_k_vnni_n(w, x) }
+    }
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
@@ -315,6 +325,49 @@ fn q6_k_vnni(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         }
         let sumi = _mm512_reduce_add_epi32(v) - 32 * offset;
         acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
+    }
+    acc
+}
+
+/// [`q6_k_vnni`] of one row and `N` inputs (of the row's length), each result
+/// its bits: the 6-bit values and the scales' multipliers are unpacked once for
+/// all the inputs, and each input gets the same exact `sumi` and float step.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q6_k_vnni_n<const N: usize>(w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let m4 = _mm512_set1_epi8(0x0f);
+    let m30 = _mm512_set1_epi8(0x30);
+    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+    let zero = _mm512_setzero_si512();
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    for (i, w) in w[..n].iter().enumerate() {
+        let scales: &[u8; 16] = &w.scales.map(|s| s as u8);
+        let sc16 = _mm256_cvtepi8_epi16(ld128(scales));
+        let sc = _mm512_castsi256_si512(sc16);
+        let offset = x.map(|x| {
+            let bsums: &[u8; 32] = x[i].bsums.as_flattened().try_into().expect("32 bytes");
+            avx2::hsum(_mm256_madd_epi16(sc16, ld256(bsums)))
+        });
+        let mut v = [zero; N];
+        for (half, pick) in Q6K_HALF_SCALES.iter().enumerate() {
+            let ql = ld512(arr(&w.ql, 64 * half));
+            let qh = _mm512_broadcast_i64x4(ld256(arr(&w.qh, 32 * half)));
+            let qh = _mm512_srlv_epi16(qh, shifts);
+            let h01 = _mm512_and_si512(_mm512_slli_epi16::<4>(qh), m30);
+            let h23 = _mm512_and_si512(qh, m30);
+            let q01 = _mm512_ternarylogic_epi32::<0xEA>(ql, m4, h01);
+            let q23 = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(ql), m4, h23);
+            let mult = _mm512_permutexvar_epi16(ld512(pick), sc);
+            for (v, x) in v.iter_mut().zip(x) {
+                let s01 = _mm512_dpbusd_epi32(zero, q01, ld512i(arr(&x[i].qs, 128 * half)));
+                let s23 = _mm512_dpbusd_epi32(zero, q23, ld512i(arr(&x[i].qs, 128 * half + 64)));
+                *v = _mm512_add_epi32(*v, _mm512_madd_epi16(_mm512_packs_epi32(s01, s23), mult));
+            }
+        }
+        for c in 0..N {
+            let sumi = _mm512_reduce_add_epi32(v[c]) - 32 * offset[c];
+            acc[c] += (hx(w.d) * r::q8k_d(&x[c][i])) * sumi as f32;
+        }
     }
     acc
 }

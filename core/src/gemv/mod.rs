@@ -476,18 +476,114 @@ pub fn gemm(
         });
     }
     let tile = (GEMM_TILE_BYTES / matrix.row_bytes.max(1)).max(1);
+    let grouped = inputs.len() > 1 && matches!(matrix.ty, GgmlType::Q4K | GgmlType::Q6K);
     let mut start = rows.start;
     while start < rows.end {
         let end = (start + tile).min(rows.end);
-        for (c, (x, y)) in inputs.iter().zip(ys.iter_mut()).enumerate() {
-            // The first input reads the tile from memory: prefetch for it.
-            let prefetch = if c == 0 { DEFAULT_PREFETCH } else { 0 };
-            let out = &mut y[start - rows.start..end - rows.start];
-            gemv_with_prefetch(isa, matrix, x, start..end, out, prefetch)?;
+        if grouped {
+            let data = &matrix.data[start * matrix.row_bytes..end * matrix.row_bytes];
+            let out = start - rows.start;
+            match isa {
+                Isa::Scalar => tile_in_groups(Scalar, matrix, data, inputs, ys, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => {
+                    let k = avx2::Avx2::new().ok_or(GemvError::IsaUnavailable(isa))?;
+                    tile_in_groups(k, matrix, data, inputs, ys, out);
+                }
+                #[cfg(target_arch = "x86_64")]
+                Isa::AvxVnni => {
+                    let k = vnni::AvxVnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
+                    tile_in_groups(k, matrix, data, inputs, ys, out);
+                }
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => {
+                    let k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable(isa))?;
+                    tile_in_groups(k, matrix, data, inputs, ys, out);
+                }
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Vnni => {
+                    let k = avx512::Avx512Vnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
+                    tile_in_groups(k, matrix, data, inputs, ys, out);
+                }
+                #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+                Isa::Neon => tile_in_groups(neon::Neon, matrix, data, inputs, ys, out),
+                #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+                Isa::NeonDot => {
+                    let k = neon::NeonDot::new().ok_or(GemvError::IsaUnavailable(isa))?;
+                    tile_in_groups(k, matrix, data, inputs, ys, out);
+                }
+                #[allow(unreachable_patterns)]
+                _ => return Err(GemvError::IsaUnavailable(isa)),
+            }
+        } else {
+            for (c, (x, y)) in inputs.iter().zip(ys.iter_mut()).enumerate() {
+                // The first input reads the tile from memory: prefetch for it.
+                let prefetch = if c == 0 { DEFAULT_PREFETCH } else { 0 };
+                let out = &mut y[start - rows.start..end - rows.start];
+                gemv_with_prefetch(isa, matrix, x, start..end, out, prefetch)?;
+            }
         }
         start = end;
     }
     Ok(())
+}
+
+/// Most inputs a [`gemm`] kernel call takes at once (`Q4_K` and `Q6_K`): the
+/// row's blocks are unpacked once for all of them.
+pub const GEMM_GROUP: usize = 4;
+
+/// A tile of a `Q4_K` or `Q6_K` matrix (`data`, whole rows) times every input,
+/// into `ys[c][out..]`: the inputs in groups of up to [`GEMM_GROUP`] through
+/// the kernels' `_n` methods (the first group prefetches, as the tile comes
+/// from memory for it). Lengths are checked by [`gemm`].
+fn tile_in_groups<K: Kernels>(
+    k: K,
+    m: &MatrixView<'_>,
+    data: &[u8],
+    inputs: &[Input<'_>],
+    ys: &mut [&mut [f32]],
+    out: usize,
+) {
+    let mut c = 0;
+    while c < inputs.len() {
+        let prefetch = if c == 0 { DEFAULT_PREFETCH } else { 0 };
+        let (xs, ys) = (&inputs[c..], &mut ys[c..]);
+        c += match xs.len() {
+            1 => group::<K, 1>(k, m, data, xs, ys, out, prefetch),
+            2 => group::<K, 2>(k, m, data, xs, ys, out, prefetch),
+            3 => group::<K, 3>(k, m, data, xs, ys, out, prefetch),
+            _ => group::<K, GEMM_GROUP>(k, m, data, xs, ys, out, prefetch),
+        };
+    }
+}
+
+/// The first `N` of `xs` times every row of `data` into `ys[c][out + row]`;
+/// returns `N`.
+#[inline(always)]
+fn group<K: Kernels, const N: usize>(
+    k: K,
+    m: &MatrixView<'_>,
+    data: &[u8],
+    xs: &[Input<'_>],
+    ys: &mut [&mut [f32]],
+    out: usize,
+    prefetch: usize,
+) -> usize {
+    let x: [&[BlockQ8K]; N] = core::array::from_fn(|c| xs[c].q8k);
+    let rb = m.row_bytes.max(1);
+    for (i, row) in data.chunks_exact(rb).enumerate() {
+        if K::PREFETCHES && prefetch > 0 {
+            k.prefetch(bytes_ahead(data, i * rb, prefetch, rb));
+        }
+        let r = match m.ty {
+            GgmlType::Q4K => k.q4_k_n(as_blocks(row).unwrap_or(&[]), x),
+            _ => k.q6_k_n(as_blocks(row).unwrap_or(&[]), x),
+        };
+        for (y, r) in ys.iter_mut().zip(r) {
+            y[out + i] = r;
+        }
+    }
+    N
 }
 
 /// [`gemv`] with the prefetch distance given: `prefetch` bytes ahead of the row
@@ -608,6 +704,15 @@ pub(crate) trait Kernels: Copy {
     }
     fn q4_k(self, w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
         reference::dot_q4_k(w, x)
+    }
+    /// [`q4_k`](Self::q4_k) of one row and `N` inputs, each result its bits
+    /// (an ISA overrides it where it unpacks the row once for all of them).
+    fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.q4_k(w, x))
+    }
+    /// [`q6_k`](Self::q6_k) of one row and `N` inputs, as [`q4_k_n`](Self::q4_k_n).
+    fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.q6_k(w, x))
     }
     fn q5_k(self, w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
         reference::dot_q5_k(w, x)

@@ -11,6 +11,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::quant::blocks::{as_blocks_mut, block_bytes};
 use crate::quant::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, QK_K};
+use core::ops::Range;
 
 /// SplitMix64: bulk random bytes without proptest shrinking cost.
 struct Rng(u64);
@@ -264,6 +265,7 @@ fn gemm_equals_gemv_of_each_input() {
             let acts: Vec<Acts> = (0..3).map(|_| Acts::random(cols, &mut rng)).collect();
             let inputs: Vec<Input<'_>> = acts.iter().map(|a| a.input()).collect();
             for isa in Isa::available() {
+                gemm_matches_gemv(isa, &m, &inputs, 0..nrows);
                 for rows in [0..nrows, nrows / 2..nrows, 0..0] {
                     let mut out = vec![vec![f32::NAN; rows.len()]; inputs.len()];
                     let mut ys: Vec<&mut [f32]> = out.iter_mut().map(|v| &mut v[..]).collect();
@@ -282,6 +284,50 @@ fn gemm_equals_gemv_of_each_input() {
                 assert!(full.iter().all(|v| v.is_nan()), "nothing written on error");
                 let mut ys: Vec<&mut [f32]> = Vec::new();
                 assert!(gemm(isa, &m, &inputs, 0..nrows, &mut ys).is_err());
+            }
+        }
+    }
+}
+
+/// `gemm` of `inputs` over `rows` gives `gemv`'s bits for each input.
+fn gemm_matches_gemv(isa: Isa, m: &MatrixView<'_>, inputs: &[Input<'_>], rows: Range<usize>) {
+    let mut out = vec![vec![f32::NAN; rows.len()]; inputs.len()];
+    let mut ys: Vec<&mut [f32]> = out.iter_mut().map(|v| &mut v[..]).collect();
+    gemm(isa, m, inputs, rows.clone(), &mut ys).unwrap();
+    for (c, (x, got)) in inputs.iter().zip(&out).enumerate() {
+        let mut want = vec![0f32; rows.len()];
+        gemv(isa, m, x, rows.clone(), &mut want).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(got),
+            bits(&want),
+            "{} {isa} {} rows {rows:?}, input {c} of {}",
+            m.ty(),
+            m.rows(),
+            inputs.len()
+        );
+    }
+}
+
+/// Groups of inputs (`GEMM_GROUP` at a time, and the rest) give each input's
+/// `gemv` bits, with rows of odd and even numbers of blocks.
+#[test]
+fn gemm_in_groups_equals_gemv_of_each_input() {
+    let mut rng = Rng(78);
+    for ty in weight_types() {
+        for blocks in [1, 3, 6] {
+            let cols = cols_for(ty, blocks);
+            let w = random_matrix(ty, 7, cols, &mut rng);
+            let m = MatrixView::new(ty, 7, cols, &w).unwrap();
+            let acts: Vec<Acts> = (0..2 * GEMM_GROUP + 1)
+                .map(|_| Acts::random(cols, &mut rng))
+                .collect();
+            let inputs: Vec<Input<'_>> = acts.iter().map(|a| a.input()).collect();
+            for isa in Isa::available() {
+                for n in 1..=inputs.len() {
+                    gemm_matches_gemv(isa, &m, &inputs[..n], 0..7);
+                }
+                gemm_matches_gemv(isa, &m, &inputs, 2..5);
             }
         }
     }

@@ -190,6 +190,77 @@ macro_rules! vnni_kernels {
             BlockQ4K,
             q4_k_sums_vnni
         );
+
+        /// [`q4_k_sums_vnni`] of one super-block against `N` inputs: the
+        /// nibbles, the scales and their multipliers unpacked once for all of
+        /// them. Each input's sums are the exact integers `q4_k_sums_vnni`
+        /// gives it.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q4_k_sums_vnni_n<const N: usize>(
+            w: &BlockQ4K,
+            x: [&BlockQ8K; N],
+        ) -> [(__m256i, __m256i); N] {
+            let (sc, mins) = scales_mins_k4(&w.scales);
+            let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
+            let pm = avx2::pairs8(mins);
+            let zero = _mm256_setzero_si256();
+            let mut out = [(zero, zero); N];
+            for (o, x) in out.iter_mut().zip(x) {
+                let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
+                o.1 = _mm256_madd_epi16(ld256(bsums), pm);
+            }
+            for (c, pick) in super::CHUNK_SCALES.iter().enumerate() {
+                let (lo, hi) = avx2::nibbles32(arr(&w.qs, 32 * c));
+                let mult = _mm256_shuffle_epi8(scales, ld256(pick));
+                for (o, x) in out.iter_mut().zip(x) {
+                    let sa = $dpbusd(zero, lo, avx2::y32(x, 64 * c));
+                    let sb = $dpbusd(zero, hi, avx2::y32(x, 64 * c + 32));
+                    let t = _mm256_madd_epi16(_mm256_packs_epi32(sa, sb), mult);
+                    o.0 = _mm256_add_epi32(o.0, t);
+                }
+            }
+            out
+        }
+
+        /// [`q4_k_vnni`] of one row and `N` inputs (of the row's length), each
+        /// result its bits: the same exact integer sums, and for each input the
+        /// same float steps in the same order (super-blocks in pairs through
+        /// `k4_terms2`, an odd last one through `k4_term`).
+        #[target_feature(enable = $features)]
+        pub(crate) fn q4_k_vnni_n<const N: usize>(
+            w: &[BlockQ4K],
+            x: [&[BlockQ8K]; N],
+        ) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            let mut i = 0;
+            while i + 2 <= n {
+                let a = q4_k_sums_vnni_n(&w[i], x.map(|x| &x[i]));
+                let b = q4_k_sums_vnni_n(&w[i + 1], x.map(|x| &x[i + 1]));
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let (ta, tb) = k4_terms2(
+                        (w[i].d, w[i].dmin),
+                        (w[i + 1].d, w[i + 1].dmin),
+                        &x[c][i],
+                        &x[c][i + 1],
+                        hsum4(a[c].0, a[c].1, b[c].0, b[c].1),
+                    );
+                    *acc += ta;
+                    *acc += tb;
+                }
+                i += 2;
+            }
+            if n % 2 == 1 {
+                let last = q4_k_sums_vnni_n(&w[n - 1], x.map(|x| &x[n - 1]));
+                let zero = _mm256_setzero_si256();
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let s = lanes4i(hsum4(last[c].0, last[c].1, zero, zero));
+                    *acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[c][n - 1], s[0], s[1]);
+                }
+            }
+            acc
+        }
         k4_kernel!(
             $features,
             pub(crate) q5_k_vnni,
@@ -278,6 +349,12 @@ impl Kernels for AvxVnni {
     }
 
     vnni_methods!(vex);
+    #[inline]
+    fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: an `AvxVnni` token exists only if the CPU supports AVX-VNNI,
+        // AVX2, FMA and F16C (`AvxVnni::new`).
+        unsafe { vex::q4_k_vnni_n(w, x) }
+    }
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
