@@ -294,3 +294,38 @@ fn a_right_draft_is_accepted_whole() {
     assert_eq!(stats.drafted, stats.accepted);
     assert_eq!(stats.verify_passes, (GENERATE - 1).div_ceil(4));
 }
+
+/// Calls a session cannot serve are errors, not panics: a draft longer than
+/// `set_max_draft`, keeping more positions than were verified; `set_max_draft`
+/// clamps to what the session holds.
+#[test]
+fn verify_and_keep_reject_what_they_cannot_do() {
+    let path = qwen35moe();
+    let model = Model::open(path).unwrap();
+    let mut supply = Supply::new(
+        &model,
+        path,
+        Schedule::Resident,
+        SlotBudget::none(FileDeviceConfig::default()),
+    )
+    .unwrap();
+    let mut mv = ThreadedMatVec::new(1, Isa::detect());
+    let mut session = Session::new(&model, 6).unwrap();
+    assert_eq!(session.set_max_draft(100).unwrap(), 5);
+    assert_eq!(session.set_max_draft(2).unwrap(), 2);
+    let n = model.hp.n_vocab;
+    let tokens: Vec<TokenInput<'_>> = PROMPT[..4].iter().map(|&t| TokenInput::Token(t)).collect();
+    let mut logits = vec![0f32; 4 * n];
+    assert!(session
+        .verify(&mut mv, &mut supply, &tokens, &mut logits)
+        .is_err());
+    assert_eq!(session.position(), 0);
+    session
+        .verify(&mut mv, &mut supply, &tokens[..3], &mut logits[..3 * n])
+        .unwrap();
+    assert_eq!(session.position(), 3);
+    assert!(session.keep(&mut mv, &mut supply, &tokens[..3], 4).is_err());
+    assert!(session.keep(&mut mv, &mut supply, &tokens, 1).is_err());
+    session.keep(&mut mv, &mut supply, &tokens[..3], 1).unwrap();
+    assert_eq!(session.position(), 1);
+}
