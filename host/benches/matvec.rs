@@ -200,7 +200,7 @@ fn summary(case: &Case, isa: Isa, budget: Duration) {
     );
 }
 
-/// Serial attention (`ops::attention`) and `ThreadedMatVec::attention` over `n`
+/// Serial scalar attention (`ops::attention` with `Isa::Scalar`) and `ThreadedMatVec::attention` over `n`
 /// cached positions of Qwen3-30B-A3B's shape (32 query heads, 4 KV heads of
 /// 128), interleaved (see [`print_interleaved`]).
 fn attention_summary(n: usize, isa: Isa, budget: Duration) {
@@ -233,7 +233,7 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
     print_interleaved(
         &format!("attention 32x128, {n} positions"),
         budget,
-        &mut || ops::attention(shape, q, kv, &mut scores, &mut out),
+        &mut || ops::attention(Isa::Scalar, shape, q, kv, &mut scores, &mut out),
         &mut threaded,
     );
 }

@@ -179,7 +179,7 @@ impl MatVec for ThreadedMatVec {
         let parts = self.threads().min(n_head);
         if !valid || n_head.saturating_mul(n).saturating_mul(head_dim) < MIN_PARALLEL_ATTENTION {
             // Small, or malformed (then `attention` panics with its message).
-            return ops::attention(shape, q, kv, scores, out);
+            return ops::attention(self.isa, shape, q, kv, scores, out);
         }
         // One chunk per KV head (its query heads read each key and value once),
         // or, with fewer KV heads than threads, as many chunks as threads.
@@ -196,10 +196,11 @@ impl MatVec for ThreadedMatVec {
             scores_rest = tail;
             slots.push(Mutex::new(Some((heads, o, sc))));
         }
+        let isa = self.isa;
         self.pool.for_each(chunks, &|c| {
             let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
             if let Some((heads, o, sc)) = taken {
-                ops::attention_heads(shape, heads, q, kv, sc, o);
+                ops::attention_heads(isa, shape, heads, q, kv, sc, o);
             }
         });
     }
@@ -879,7 +880,7 @@ mod tests {
                     v: &v,
                     positions: n,
                 };
-                ops::attention(shape, &q, kv, &mut vec![0.0; n], &mut want);
+                ops::attention(Isa::Scalar, shape, &q, kv, &mut vec![0.0; n], &mut want);
                 for threads in [1, 2, 3] {
                     let mut mv = ThreadedMatVec::new(threads, Isa::detect());
                     let mut got = vec![0.0; q.len()];

@@ -72,6 +72,7 @@ use crate::quant::blocks::{
 use crate::quant::GgmlType;
 
 pub mod reference;
+pub mod vector;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

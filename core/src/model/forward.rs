@@ -259,9 +259,10 @@ pub trait MatVec {
     }
 
     /// [`ops::attention`](super::ops::attention) of one query over the cached
-    /// positions of `kv`. An implementation may compute the heads on several
-    /// threads ([`ops::attention_heads`](super::ops::attention_heads)); each
-    /// head's result is the same bits either way.
+    /// positions of `kv` (the default with the CPU's best vector kernels). An
+    /// implementation may compute the heads on several threads
+    /// ([`ops::attention_heads`](super::ops::attention_heads)); each head's
+    /// result is the same bits either way, with any ISA.
     fn attention(
         &mut self,
         shape: AttnShape,
@@ -270,7 +271,7 @@ pub trait MatVec {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        super::ops::attention(shape, q, kv, scores, out);
+        super::ops::attention(Isa::detect(), shape, q, kv, scores, out);
     }
 }
 
@@ -337,6 +338,17 @@ impl MatVec for SerialMatVec<'_> {
     fn matvec(&mut self, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) -> Result<(), GemvError> {
         let input = prepare_input(w.ty(), x, self.q8_0, self.q8_1, self.q8k)?;
         gemv(self.isa, w, &input, 0..w.rows(), y)
+    }
+
+    fn attention(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        super::ops::attention(self.isa, shape, q, kv, scores, out);
     }
 }
 

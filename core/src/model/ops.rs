@@ -4,6 +4,8 @@
 
 use libm::{cosf, expf, sinf, sqrtf};
 
+use crate::gemv::{vector, Isa};
+
 /// `out = x / rms(x) * weight` (ggml `rms_norm` followed by `mul`).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert!(
@@ -191,34 +193,11 @@ pub fn softmax(x: &mut [f32]) {
 }
 
 /// Dot product with a fixed summation order: 16 interleaved partial sums
-/// (element `i` into sum `i % 16`, so the lanes vectorize without reordering any
-/// addition), the leftover elements in order, then the partial sums pairwise.
-/// The same bits on every CPU.
+/// (element `i` into sum `i % 16`), folded pairwise, then the leftover
+/// elements; the same bits on every CPU and ISA
+/// ([`crate::gemv::vector::dot`], which the SIMD attention kernels follow).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..LANES {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-    }
-    acc[0] + tail
+    crate::gemv::vector::dot(a, b)
 }
 
 /// Shape of grouped-query attention.
@@ -246,8 +225,17 @@ pub struct KvView<'a> {
 
 /// Attention of one query (all heads, `q`) over the cached positions of `kv`.
 /// `scores` is scratch of at least `kv.positions`.
-pub fn attention(shape: AttnShape, q: &[f32], kv: KvView<'_>, scores: &mut [f32], out: &mut [f32]) {
-    attention_heads(shape, 0..shape.n_head, q, kv, scores, out);
+/// The result is the same bits with every `isa` (its vector kernels only
+/// change the speed: [`crate::gemv::vector`]).
+pub fn attention(
+    isa: Isa,
+    shape: AttnShape,
+    q: &[f32],
+    kv: KvView<'_>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    attention_heads(isa, shape, 0..shape.n_head, q, kv, scores, out);
 }
 
 /// Whether [`attention_heads`] accepts these arguments (it panics otherwise).
@@ -287,6 +275,7 @@ pub fn attention_fits(
 /// exactly as [`attention`] computes it, whichever range and batch it is in, so
 /// splitting the heads across threads changes no bit of the result.
 pub fn attention_heads(
+    isa: Isa,
     shape: AttnShape,
     heads: core::ops::Range<usize>,
     q: &[f32],
@@ -315,27 +304,24 @@ pub fn attention_heads(
         let h1 = heads.end.min((kvh + 1) * group).min(h0 + batch);
         let nb = h1 - h0;
         let sc = &mut scores[..nb * n];
-        for t in 0..n {
-            let k = &kv.k[t * kv_stride + kvh * head_dim..][..head_dim];
-            for b in 0..nb {
-                let qh = &q[(h0 + b) * head_dim..][..head_dim];
-                sc[b * n + t] = dot(qh, k) * scale;
-            }
-        }
+        let qs = &q[h0 * head_dim..h1 * head_dim];
+        let keys = vector::Strided {
+            data: &kv.k[kvh * head_dim..],
+            stride: kv_stride,
+            n,
+            d: head_dim,
+        };
+        vector::scaled_dots(isa, qs, keys, scale, sc);
         for row in sc.chunks_exact_mut(n.max(1)) {
             softmax(row);
         }
         let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
         o.fill(0.0);
-        for t in 0..n {
-            let v = &kv.v[t * kv_stride + kvh * head_dim..][..head_dim];
-            for (b, oh) in o.chunks_exact_mut(head_dim).enumerate() {
-                let s = sc[b * n + t];
-                for (x, vv) in oh.iter_mut().zip(v) {
-                    *x += s * vv;
-                }
-            }
-        }
+        let values = vector::Strided {
+            data: &kv.v[kvh * head_dim..],
+            ..keys
+        };
+        vector::weighted_rows(isa, sc, values, o);
         h0 = h1;
     }
 }
@@ -435,20 +421,23 @@ mod tests {
             v: &v,
             positions: n,
         };
-        attention(shape, &q, kv, &mut scores, &mut whole);
-        // Head ranges crossing KV groups, in batches of 1, 2 and 3 heads.
-        for batch in [1, 2, 3] {
-            let mut wide = [0.0; 15];
-            let mut split = [0.0; 24];
-            for heads in [0..1, 1..4, 4..4, 4..6] {
-                let out = &mut split[heads.start * 4..heads.end * 4];
-                attention_heads(shape, heads, &q, kv, &mut wide[..batch * n], out);
+        attention(Isa::Scalar, shape, &q, kv, &mut scores, &mut whole);
+        // Head ranges crossing KV groups, in batches of 1, 2 and 3 heads, with
+        // every ISA's vector kernels.
+        for isa in Isa::available() {
+            for batch in [1, 2, 3] {
+                let mut wide = [0.0; 15];
+                let mut split = [0.0; 24];
+                for heads in [0..1, 1..4, 4..4, 4..6] {
+                    let out = &mut split[heads.start * 4..heads.end * 4];
+                    attention_heads(isa, shape, heads, &q, kv, &mut wide[..batch * n], out);
+                }
+                assert_eq!(
+                    whole.map(f32::to_bits),
+                    split.map(f32::to_bits),
+                    "{isa} batch {batch}"
+                );
             }
-            assert_eq!(
-                whole.map(f32::to_bits),
-                split.map(f32::to_bits),
-                "batch {batch}"
-            );
         }
     }
 
@@ -462,6 +451,7 @@ mod tests {
         let mut out = [0.0; 4];
         let mut scores = [0.0; 1];
         attention(
+            Isa::detect(),
             shape,
             &[1.0, 0.0, 0.0, 1.0],
             KvView {
@@ -485,6 +475,7 @@ mod tests {
         let mut out = [0.0];
         let mut scores = [0.0; 2];
         attention(
+            Isa::detect(),
             shape,
             &[1.0],
             KvView {
