@@ -1,6 +1,6 @@
 //! `f32` vector kernels of attention: a query's scores against the cached keys
-//! ([`scaled_dots`]) and the scores' weighted sum of the cached values
-//! ([`weighted_rows`]), with SIMD where the ISA has it.
+//! ([`scaled_dots`]), their [`softmax`] and the weighted sum of the cached
+//! values ([`weighted_rows`]), with SIMD where the ISA has it.
 //!
 //! # Exactness
 //!
@@ -11,12 +11,22 @@
 //! register, AVX2 in two, NEON in four, and folds them in the same order, so
 //! every ISA gives the same bits. [`weighted_rows`] updates each output element
 //! with `o += w * v` (multiply, then add), positions in order, on every ISA.
+//! [`softmax`] uses LES's own [`exp`] (range reduction and a polynomial: a
+//! fixed sequence of IEEE multiplies and adds, so SIMD lanes compute it
+//! exactly as the scalar code does) and sums in `f64` in eight partial sums.
+//! For finite inputs every ISA gives the same bits; NaN stays NaN.
 #![allow(unsafe_code)]
 
 use super::Isa;
 
 /// Partial sums of [`dot`].
 const LANES: usize = 16;
+
+/// Positions [`weighted_rows`]'s SIMD kernels take at a time: a tile's values
+/// (64 rows of 128 floats: 32 KiB) stay in L1 while every head sharing them
+/// adds them up.
+#[cfg(target_arch = "x86_64")]
+const SUMS_TILE: usize = 64;
 
 /// The dot product in the fixed order of the module docs (the reference).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -48,6 +58,121 @@ fn tail_dot(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
+}
+
+/// Below this `exp` is 0 (the result would be below the smallest normal).
+const EXP_MIN: f32 = -87.336_54;
+/// Above this `exp` is `exp(EXP_MAX)` (softmax only takes `x <= 0`).
+const EXP_MAX: f32 = 88.0;
+const LOG2E: f32 = core::f32::consts::LOG2_E;
+/// `1.5 * 2^23`: adding and subtracting it rounds to the nearest integer.
+const ROUND: f32 = 12_582_912.0;
+/// `ln 2` in two parts (Cody and Waite): `C1` has few bits, so `n * C1` is exact.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Cephes' `expf` polynomial for `e^r` on `|r| <= ln 2 / 2`, highest first (its
+/// last coefficient, 0.50000001201, is 0.5 in `f32`).
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_2e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
+/// `e^x` to about 1 ulp, LES's own (not the platform's `expf`): `x = n ln 2 +
+/// r` with `n` the nearest integer to `x log2 e`, `e^r` by a degree-7
+/// polynomial, times `2^n` from the exponent bits. Every step is one IEEE
+/// multiply or add in a fixed order (never fused), which the SIMD kernels
+/// repeat lane by lane. 0 below -87.34, `e^88` above 88, NaN for NaN.
+pub fn exp(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    if x < EXP_MIN {
+        return 0.0;
+    }
+    let x = if x > EXP_MAX { EXP_MAX } else { x };
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut y = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        y = y * r + c;
+    }
+    let y = ((y * (r * r)) + r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Partial sums of [`softmax`]'s total (`f64`).
+const SUM_LANES: usize = 8;
+
+/// `x[i] = e^(x[i] - max) / sum_j e^(x[j] - max)` with [`exp`], the sum in
+/// `f64`: element `i` into partial sum `i % 8`, folded by halves, then the
+/// elements past the last whole 8 in order; each element is then multiplied
+/// by `(1 / sum) as f32`. The same bits with every `isa` for finite inputs.
+pub fn softmax(isa: Isa, x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx512() => {
+            // SAFETY: the CPU supports AVX-512 F (checked just above).
+            unsafe { x86::exp_sum_avx512(x, max) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            unsafe { x86::exp_sum_avx2(x, max) }
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon | Isa::NeonDot => {
+            // SAFETY: NEON is part of the target (`target_feature = "neon"`).
+            unsafe { neon::exp_sum(x, max) }
+        }
+        _ => exp_sum(x, max),
+    };
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `x[i] = exp(x[i] - max)`, returning their sum in [`softmax`]'s order.
+fn exp_sum(x: &mut [f32], max: f32) -> f64 {
+    let mut acc = [0f64; SUM_LANES];
+    let mut chunks = x.chunks_exact_mut(SUM_LANES);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+            *v = exp(*v - max);
+            *a += *v as f64;
+        }
+    }
+    let tail = exp_tail(chunks.into_remainder(), max);
+    fold_sums(acc) + tail
+}
+
+/// [`exp_sum`] of the elements past the last whole 8, in order.
+#[inline(always)]
+fn exp_tail(x: &mut [f32], max: f32) -> f64 {
+    let mut s = 0f64;
+    for v in x.iter_mut() {
+        *v = exp(*v - max);
+        s += *v as f64;
+    }
+    s
+}
+
+/// The eight partial sums folded by halves: `s[l] += s[l + 4]`, `+ 2`, `+ 1`.
+#[inline(always)]
+fn fold_sums(mut s: [f64; SUM_LANES]) -> f64 {
+    let mut width = SUM_LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            s[i] += s[i + width];
+        }
+    }
+    s[0]
 }
 
 /// `n` rows of `d` floats, `stride` floats apart, from the start of `data`
@@ -206,33 +331,125 @@ mod x86 {
         _mm_cvtss_f32(s1)
     }
 
+    /// [`super::exp`] of eight lanes, step for step.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        let (whole, ta, tb) = dot_tail_split(a, b);
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for c in (0..whole).step_by(16) {
-            lo = _mm256_add_ps(lo, _mm256_mul_ps(ld8(&a[c..]), ld8(&b[c..])));
-            hi = _mm256_add_ps(hi, _mm256_mul_ps(ld8(&a[c + 8..]), ld8(&b[c + 8..])));
+    fn exp8(x: __m256) -> __m256 {
+        use super::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E, ROUND};
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+        let low = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        let xc = _mm256_min_ps(x, _mm256_set1_ps(EXP_MAX));
+        let round = _mm256_set1_ps(ROUND);
+        let n = _mm256_sub_ps(
+            _mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), round),
+            round,
+        );
+        let r = _mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI)));
+        let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+        let mut y = _mm256_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
         }
-        fold8(_mm256_add_ps(lo, hi)) + tail_dot(ta, tb)
+        let y = _mm256_mul_ps(y, _mm256_mul_ps(r, r));
+        let y = _mm256_add_ps(_mm256_add_ps(y, r), _mm256_set1_ps(1.0));
+        let e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+        let y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e)));
+        let y = _mm256_andnot_ps(low, y);
+        _mm256_blendv_ps(y, x, nan)
     }
 
+    /// [`super::exp_sum`] with AVX2: the eight `f64` sums in two registers.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn exp_sum_avx2(x: &mut [f32], max: f32) -> f64 {
+        let whole = x.len() / 8 * 8;
+        let m = _mm256_set1_ps(max);
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        for c in (0..whole).step_by(8) {
+            let e = exp8(_mm256_sub_ps(ld8(&x[c..]), m));
+            st8(&mut x[c..], e);
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+        }
+        let tail = super::exp_tail(&mut x[whole..], max);
+        fold4(_mm256_add_pd(lo, hi)) + tail
+    }
+
+    /// Lanes `i` and `i + 2`, then lanes 0 and 1: [`super::fold_sums`] from
+    /// width 4.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn fold4(s4: __m256d) -> f64 {
+        let s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd::<1>(s4));
+        let s1 = _mm_add_sd(s2, _mm_unpackhi_pd(s2, s2));
+        _mm_cvtsd_f64(s1)
+    }
+
+    /// [`super::exp_sum`] with AVX-512: [`exp8`]'s steps, the eight `f64` sums
+    /// in one register.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) fn exp_sum_avx512(x: &mut [f32], max: f32) -> f64 {
+        let whole = x.len() / 8 * 8;
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm512_setzero_pd();
+        for c in (0..whole).step_by(8) {
+            let e = exp8(_mm256_sub_ps(ld8(&x[c..]), m));
+            st8(&mut x[c..], e);
+            acc = _mm512_add_pd(acc, _mm512_cvtps_pd(e));
+        }
+        let tail = super::exp_tail(&mut x[whole..], max);
+        let lo = _mm512_castpd512_pd256(acc);
+        let hi = _mm512_extractf64x4_pd::<1>(acc);
+        fold4(_mm256_add_pd(lo, hi)) + tail
+    }
+
+    /// [`super::dot`] of `N` queries with one key at once, each query's
+    /// sixteen sums in one register (`N` independent accumulators hide the
+    /// adds' latency), folded in `dot`'s order, so each result is its bits.
     #[inline]
     #[target_feature(enable = "avx512f,avx2")]
-    fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        let (whole, ta, tb) = dot_tail_split(a, b);
-        let mut acc = _mm512_setzero_ps();
+    fn dots_avx512<const N: usize>(q: [&[f32]; N], k: &[f32]) -> [f32; N] {
+        let (whole, _, tk) = dot_tail_split(k, k);
+        assert!(q.iter().all(|q| q.len() >= k.len()), "dots: short query");
+        let qp = q.map(<[f32]>::as_ptr);
+        let mut acc = [_mm512_setzero_ps(); N];
         for c in (0..whole).step_by(16) {
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(ld16(&a[c..]), ld16(&b[c..])));
+            let kv = ld16(&k[c..]);
+            for j in 0..N {
+                // SAFETY: `c + 16 <= whole <= k.len() <= q[j].len()` (asserted
+                // above): the 16 floats read lie in `q[j]`.
+                let qv = unsafe { _mm512_loadu_ps(qp[j].add(c)) };
+                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(qv, kv));
+            }
         }
-        let lo = _mm512_castps512_ps256(acc);
-        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
-        fold8(_mm256_add_ps(lo, hi)) + tail_dot(ta, tb)
+        core::array::from_fn(|j| {
+            let lo = _mm512_castps512_ps256(acc[j]);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[j])));
+            fold8(_mm256_add_ps(lo, hi)) + tail_dot(&q[j][whole..k.len()], tk)
+        })
+    }
+
+    /// [`dots_avx512`] with each query's sixteen sums in two registers.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dots_avx2<const N: usize>(q: [&[f32]; N], k: &[f32]) -> [f32; N] {
+        let (whole, _, tk) = dot_tail_split(k, k);
+        let mut lo = [_mm256_setzero_ps(); N];
+        let mut hi = [_mm256_setzero_ps(); N];
+        for c in (0..whole).step_by(16) {
+            let (kl, kh) = (ld8(&k[c..]), ld8(&k[c + 8..]));
+            for j in 0..N {
+                lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(ld8(&q[j][c..]), kl));
+                hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(ld8(&q[j][c + 8..]), kh));
+            }
+        }
+        core::array::from_fn(|j| {
+            fold8(_mm256_add_ps(lo[j], hi[j])) + tail_dot(&q[j][whole..k.len()], tk)
+        })
     }
 
     macro_rules! scaled_dots_with {
-        ($name:ident, $features:literal, $dot:ident) => {
+        ($name:ident, $features:literal, $dots:ident) => {
+            /// Each key against the queries in groups of 8 (then 4, then 1).
             #[target_feature(enable = $features)]
             pub(super) fn $name(
                 q: &[f32],
@@ -244,69 +461,137 @@ mod x86 {
                 out: &mut [f32],
             ) {
                 let nb = q.len() / d.max(1);
+                let qj = |j: usize| &q[j * d..][..d];
                 for t in 0..n {
                     let k = &rows[t * stride..][..d];
-                    for j in 0..nb {
-                        out[j * n + t] = $dot(&q[j * d..][..d], k) * scale;
+                    let mut j = 0;
+                    while j < nb {
+                        let left = nb - j;
+                        if left >= 8 {
+                            let r = $dots::<8>(core::array::from_fn(|i| qj(j + i)), k);
+                            for (i, r) in r.into_iter().enumerate() {
+                                out[(j + i) * n + t] = r * scale;
+                            }
+                            j += 8;
+                        } else if left >= 4 {
+                            let r = $dots::<4>(core::array::from_fn(|i| qj(j + i)), k);
+                            for (i, r) in r.into_iter().enumerate() {
+                                out[(j + i) * n + t] = r * scale;
+                            }
+                            j += 4;
+                        } else {
+                            out[j * n + t] = $dots::<1>([qj(j)], k)[0] * scale;
+                            j += 1;
+                        }
                     }
                 }
             }
         };
     }
-    scaled_dots_with!(scaled_dots_avx2, "avx2", dot_avx2);
-    scaled_dots_with!(scaled_dots_avx512, "avx512f,avx2", dot_avx512);
+    scaled_dots_with!(scaled_dots_avx2, "avx2", dots_avx2);
+    scaled_dots_with!(scaled_dots_avx512, "avx512f,avx2", dots_avx512);
 
-    #[target_feature(enable = "avx2")]
-    pub(super) fn weighted_rows_avx2(
-        w: &[f32],
-        n: usize,
-        rows: &[f32],
-        stride: usize,
-        d: usize,
-        o: &mut [f32],
-    ) {
-        let whole = d / 8 * 8;
-        for t in 0..n {
-            let v = &rows[t * stride..][..d];
-            for (j, oh) in o.chunks_exact_mut(d.max(1)).enumerate() {
-                let s = w[j * n + t];
-                let sv = _mm256_set1_ps(s);
-                for c in (0..whole).step_by(8) {
-                    let x = _mm256_add_ps(ld8(&oh[c..]), _mm256_mul_ps(sv, ld8(&v[c..])));
-                    st8(&mut oh[c..], x);
+    /// `C` vectors of `o` (`C * W` floats from `at`) held in registers while
+    /// every position's weighted value is added, in position order: each
+    /// element's sum is the reference's.
+    macro_rules! sums_block {
+        ($name:ident, $features:literal, $vec:ty, $w:literal, $ld:ident, $st:ident, $set1:ident, $add:ident, $mul:ident) => {
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn $name<const C: usize>(
+                w: &[f32],
+                rows: &[f32],
+                stride: usize,
+                n: usize,
+                oh: &mut [f32],
+                at: usize,
+            ) {
+                let mut acc: [$vec; C] = core::array::from_fn(|c| $ld(&oh[at + $w * c..]));
+                for (t, &s) in w[..n].iter().enumerate() {
+                    let v = &rows[t * stride + at..][..C * $w];
+                    let sv = $set1(s);
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        *a = $add(*a, $mul(sv, $ld(&v[$w * c..])));
+                    }
                 }
-                for (x, vv) in oh[whole..].iter_mut().zip(&v[whole..]) {
-                    *x += s * vv;
+                for (c, a) in acc.into_iter().enumerate() {
+                    $st(&mut oh[at + $w * c..], a);
                 }
             }
-        }
+        };
     }
+    sums_block!(
+        sums_block_avx512,
+        "avx512f,avx2",
+        __m512,
+        16,
+        ld16,
+        st16,
+        _mm512_set1_ps,
+        _mm512_add_ps,
+        _mm512_mul_ps
+    );
+    sums_block!(
+        sums_block_avx2,
+        "avx2",
+        __m256,
+        8,
+        ld8,
+        st8,
+        _mm256_set1_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps
+    );
 
-    #[target_feature(enable = "avx512f,avx2")]
-    pub(super) fn weighted_rows_avx512(
-        w: &[f32],
-        n: usize,
-        rows: &[f32],
-        stride: usize,
-        d: usize,
-        o: &mut [f32],
-    ) {
-        let whole = d / 16 * 16;
-        for t in 0..n {
-            let v = &rows[t * stride..][..d];
-            for (j, oh) in o.chunks_exact_mut(d.max(1)).enumerate() {
-                let s = w[j * n + t];
-                let sv = _mm512_set1_ps(s);
-                for c in (0..whole).step_by(16) {
-                    let x = _mm512_add_ps(ld16(&oh[c..]), _mm512_mul_ps(sv, ld16(&v[c..])));
-                    st16(&mut oh[c..], x);
-                }
-                for (x, vv) in oh[whole..].iter_mut().zip(&v[whole..]) {
-                    *x += s * vv;
+    macro_rules! weighted_rows_with {
+        ($name:ident, $features:literal, $block:ident, $w:literal) => {
+            /// The positions in tiles of [`SUMS_TILE`](super::SUMS_TILE); in
+            /// each, every head's output in blocks of up to 8 vectors held in
+            /// registers over the tile's positions (the tail element by
+            /// element), so a tile's values are read from memory once and
+            /// from L1 for the other heads. Positions stay in order for each
+            /// element.
+            #[target_feature(enable = $features)]
+            pub(super) fn $name(
+                w: &[f32],
+                n: usize,
+                rows: &[f32],
+                stride: usize,
+                d: usize,
+                o: &mut [f32],
+            ) {
+                for t0 in (0..n).step_by(super::SUMS_TILE) {
+                    let tn = super::SUMS_TILE.min(n - t0);
+                    let tile = &rows[t0 * stride..];
+                    for (j, oh) in o.chunks_exact_mut(d.max(1)).enumerate() {
+                        let wj = &w[j * n + t0..][..tn];
+                        let mut at = 0;
+                        while at + $w <= d {
+                            let left = (d - at) / $w;
+                            if left >= 8 {
+                                $block::<8>(wj, tile, stride, tn, oh, at);
+                                at += 8 * $w;
+                            } else if left >= 4 {
+                                $block::<4>(wj, tile, stride, tn, oh, at);
+                                at += 4 * $w;
+                            } else {
+                                $block::<1>(wj, tile, stride, tn, oh, at);
+                                at += $w;
+                            }
+                        }
+                        for (t, &s) in wj.iter().enumerate() {
+                            let v = &tile[t * stride..][..d];
+                            for (x, vv) in oh[at..].iter_mut().zip(&v[at..]) {
+                                *x += s * vv;
+                            }
+                        }
+                    }
                 }
             }
-        }
+        };
     }
+    weighted_rows_with!(weighted_rows_avx2, "avx2", sums_block_avx2, 8);
+    weighted_rows_with!(weighted_rows_avx512, "avx512f,avx2", sums_block_avx512, 16);
 }
 
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
@@ -352,6 +637,51 @@ mod neon {
         let s2 = vaddq_f32(s4, vextq_f32::<2>(s4, s4));
         let s1 = vgetq_lane_f32::<0>(s2) + vgetq_lane_f32::<1>(s2);
         s1 + tail_dot(ta, tb)
+    }
+
+    /// [`super::exp`] of four lanes, step for step.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn exp4(x: float32x4_t) -> float32x4_t {
+        use super::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E, ROUND};
+        let nan = vmvnq_u32(vceqq_f32(x, x));
+        let low = vcltq_f32(x, vdupq_n_f32(EXP_MIN));
+        let xc = vbslq_f32(vcgtq_f32(x, vdupq_n_f32(EXP_MAX)), vdupq_n_f32(EXP_MAX), x);
+        let round = vdupq_n_f32(ROUND);
+        let n = vsubq_f32(vaddq_f32(vmulq_f32(xc, vdupq_n_f32(LOG2E)), round), round);
+        let r = vsubq_f32(xc, vmulq_f32(n, vdupq_n_f32(LN2_HI)));
+        let r = vsubq_f32(r, vmulq_f32(n, vdupq_n_f32(LN2_LO)));
+        let mut y = vdupq_n_f32(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            y = vaddq_f32(vmulq_f32(y, r), vdupq_n_f32(c));
+        }
+        let y = vmulq_f32(y, vmulq_f32(r, r));
+        let y = vaddq_f32(vaddq_f32(y, r), vdupq_n_f32(1.0));
+        let e = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
+        let y = vmulq_f32(y, vreinterpretq_f32_s32(vshlq_n_s32::<23>(e)));
+        let y = vbslq_f32(low, vdupq_n_f32(0.0), y);
+        vbslq_f32(nan, x, y)
+    }
+
+    /// [`super::exp_sum`] with the eight `f64` sums in four registers.
+    #[target_feature(enable = "neon")]
+    pub(super) fn exp_sum(x: &mut [f32], max: f32) -> f64 {
+        let whole = x.len() / 8 * 8;
+        let m = vdupq_n_f32(max);
+        let z = vdupq_n_f64(0.0);
+        let mut acc = [z; 4];
+        for c in (0..whole).step_by(8) {
+            for h in 0..2 {
+                let e = exp4(vsubq_f32(ld4(&x[c + 4 * h..]), m));
+                st4(&mut x[c + 4 * h..], e);
+                acc[2 * h] = vaddq_f64(acc[2 * h], vcvt_f64_f32(vget_low_f32(e)));
+                acc[2 * h + 1] = vaddq_f64(acc[2 * h + 1], vcvt_high_f64_f32(e));
+            }
+        }
+        let tail = super::exp_tail(&mut x[whole..], max);
+        // Lanes i and i + 4 (registers r and r + 2), then i + 2, then i + 1.
+        let s2 = vaddq_f64(vaddq_f64(acc[0], acc[2]), vaddq_f64(acc[1], acc[3]));
+        (vgetq_lane_f64::<0>(s2) + vgetq_lane_f64::<1>(s2)) + tail
     }
 
     #[target_feature(enable = "neon")]
@@ -432,7 +762,7 @@ mod tests {
     fn every_isa_gives_the_reference_bits() {
         let mut seed = 5;
         for d in [1, 3, 4, 8, 15, 16, 17, 31, 64, 100, 128, 129] {
-            for (nb, n) in [(1, 1), (3, 7), (8, 33)] {
+            for (nb, n) in [(1, 1), (3, 7), (8, 33), (5, 150)] {
                 let stride = d + 3;
                 let q: Vec<f32> = (0..nb * d).map(|_| rng(&mut seed)).collect();
                 let rows: Vec<f32> = (0..n * stride).map(|_| rng(&mut seed) * 4.0).collect();
@@ -455,6 +785,46 @@ mod tests {
                     assert_eq!(bits(&s), bits(&want_s), "{isa} scores d={d} nb={nb} n={n}");
                     assert_eq!(bits(&o), bits(&want_o), "{isa} sums d={d} nb={nb} n={n}");
                 }
+            }
+        }
+    }
+
+    /// `exp` is within 2 ulp of `f64` `exp` over softmax's range, and every
+    /// ISA's softmax gives the reference's bits.
+    #[test]
+    fn exp_is_accurate_and_softmax_the_same_on_every_isa() {
+        let mut worst = 0u32;
+        let mut x = -87.3f32;
+        while x <= 10.0 {
+            let got = exp(x);
+            let want = libm::exp(x as f64) as f32;
+            worst = worst.max(got.to_bits().abs_diff(want.to_bits()));
+            x += 0.0137;
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+        let mut seed = 9;
+        for n in [1, 5, 8, 9, 16, 37, 300] {
+            let row: Vec<f32> = (0..n).map(|_| rng(&mut seed) * 30.0).collect();
+            let mut want = row.clone();
+            softmax(Isa::Scalar, &mut want);
+            let total: f64 = want.iter().map(|&v| v as f64).sum();
+            assert!((total - 1.0).abs() < 1e-5, "{total}");
+            for isa in Isa::available() {
+                let mut got = row.clone();
+                softmax(isa, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa} softmax of {n}");
+            }
+            let mut nan = row.clone();
+            nan[n / 2] = f32::NAN;
+            for isa in Isa::available() {
+                let mut got = nan.clone();
+                softmax(isa, &mut got);
+                assert!(got[n / 2].is_nan(), "{isa}: NaN stays NaN");
             }
         }
     }

@@ -178,18 +178,11 @@ pub fn swiglu(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// In-place softmax (max-subtracted, f64 sum as ggml).
+/// In-place softmax of attention scores (max-subtracted, `f64` sum as ggml,
+/// LES's own `exp`): [`crate::gemv::vector::softmax`], whose bits every ISA
+/// gives.
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f64;
-    for v in x.iter_mut() {
-        *v = expf(*v - max);
-        sum += *v as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
+    vector::softmax(Isa::Scalar, x);
 }
 
 /// Dot product with a fixed summation order: 16 interleaved partial sums
@@ -313,7 +306,7 @@ pub fn attention_heads(
         };
         vector::scaled_dots(isa, qs, keys, scale, sc);
         for row in sc.chunks_exact_mut(n.max(1)) {
-            softmax(row);
+            vector::softmax(isa, row);
         }
         let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
         o.fill(0.0);

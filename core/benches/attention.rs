@@ -1,0 +1,97 @@
+//! Attention's vector kernels (`les_core::gemv::vector`), one thread, on one
+//! key/value head of Qwen3-30B-A3B's shape (8 query heads of 128 sharing it)
+//! over 64, 512 and 4096 cached positions: the scalar reference and the CPU's
+//! ISA side by side, interleaved, with their ratio.
+//!
+//! `cargo bench -p les-core --bench attention` (`LES_BENCH_SECONDS` per case,
+//! default 1).
+
+// A bench binary: its helpers need no docs.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use les_core::gemv::vector::{scaled_dots, softmax, weighted_rows, Strided};
+use les_core::gemv::Isa;
+
+fn noise(state: &mut u64) -> f32 {
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let isa = Isa::detect();
+    let budget = Duration::from_secs_f64(
+        std::env::var("LES_BENCH_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1.0),
+    );
+    let (heads, d) = (8, 128);
+    let stride: usize = std::env::var("LES_BENCH_STRIDE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(512);
+    println!("isa {isa}: microseconds for one KV head (8 query heads of 128), medians");
+    println!(
+        "{:<10} {:>9} {:>11} {:>11} {:>8}",
+        "positions",
+        "kernel",
+        "scalar us",
+        format!("{isa} us"),
+        "ratio"
+    );
+    let mut st = 7;
+    for n in [64, 512, 4096] {
+        let rows: Vec<f32> = (0..n * stride).map(|_| noise(&mut st)).collect();
+        let q: Vec<f32> = (0..heads * d).map(|_| noise(&mut st)).collect();
+        let r = Strided {
+            data: &rows,
+            stride,
+            n,
+            d,
+        };
+        let mut sc = vec![0f32; heads * n];
+        let mut o = vec![0f32; heads * d];
+        let mut t = [
+            [Vec::new(), Vec::new()],
+            [Vec::new(), Vec::new()],
+            [Vec::new(), Vec::new()],
+        ];
+        let start = Instant::now();
+        while start.elapsed() < budget || t[0][0].len() < 5 {
+            for (i, which) in [Isa::Scalar, isa].into_iter().enumerate() {
+                let t0 = Instant::now();
+                scaled_dots(which, &q, r, 0.088, &mut sc);
+                let t1 = Instant::now();
+                for row in sc.chunks_exact_mut(n) {
+                    softmax(which, row);
+                }
+                let t2 = Instant::now();
+                weighted_rows(which, &sc, r, &mut o);
+                let t3 = Instant::now();
+                black_box(&o);
+                t[0][i].push((t1 - t0).as_secs_f64());
+                t[1][i].push((t2 - t1).as_secs_f64());
+                t[2][i].push((t3 - t2).as_secs_f64());
+            }
+        }
+        for (name, tt) in ["scores", "softmax", "sums"].iter().zip(t.iter_mut()) {
+            let (s, v) = (median(&mut tt[0]), median(&mut tt[1]));
+            println!(
+                "{n:<10} {name:>9} {:>11.1} {:>11.1} {:>7.2}x",
+                s * 1e6,
+                v * 1e6,
+                s / v
+            );
+        }
+    }
+}
