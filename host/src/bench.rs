@@ -496,7 +496,7 @@ impl SpecReport {
 
 /// Decodes `cfg.n_tokens` tokens cold with `schedule` through
 /// [`crate::engine::generate_from`], speculatively as `spec` says (`None`: one
-/// token a pass). The prompt but its last token is evaluated first, unmeasured;
+/// token a pass; `draft_model` as `SpecArgs::open_draft_model` opened it). The prompt but its last token is evaluated first, unmeasured;
 /// the time and bytes cover the last prompt token and every generated token's
 /// pass, the `n_tokens` evaluations [`run_schedule`] measures.
 pub fn run_speculative(
@@ -505,6 +505,7 @@ pub fn run_speculative(
     cfg: &BenchConfig,
     schedule: Schedule,
     spec: Option<&crate::draft::SpecArgs>,
+    draft_model: Option<&Model>,
 ) -> Result<SpecReport, Box<dyn std::error::Error>> {
     let (last, head) = cfg.prompt.split_last().ok_or("the prompt is empty")?;
     let mut supply = cold_supply(model, path, cfg, schedule)?;
@@ -512,7 +513,11 @@ pub fn run_speculative(
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
     let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
     session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)?;
-    let mut drafter = spec.and_then(crate::draft::SpecArgs::drafter);
+    let ctx = cfg.prompt.len().saturating_add(cfg.n_tokens);
+    let mut drafter = match spec {
+        Some(s) => s.drafter(draft_model, ctx, cfg.threads)?,
+        None => None,
+    };
     let max_draft = match (&drafter, spec) {
         (Some(_), Some(s)) => session.set_max_draft(s.draft_max as usize)?,
         _ => 0,
@@ -545,6 +550,7 @@ pub fn run_speculative(
             drafter: d,
             max_draft,
             adaptive: spec.is_some_and(|s| !s.draft_fixed),
+            context: head,
         }),
         cfg.n_tokens,
         |l| {

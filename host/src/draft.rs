@@ -12,8 +12,21 @@
 //! needs no second model and costs nothing when it has no guess; it pays where
 //! the output copies from its context (code edits, summaries, extraction,
 //! repetitive text).
+//!
+//! [`ModelDrafter`] asks a small model with the same vocabulary (llama.cpp's
+//! `--model-draft`: Qwen3-0.6B for Qwen3-30B-A3B, say), all in RAM, for its
+//! greedy continuation.
 
 use std::collections::HashMap;
+
+use les_core::gemv::Isa;
+use les_core::model::forward::TokenInput;
+
+use crate::compute::ThreadedMatVec;
+use crate::engine::Session;
+use crate::model::Model;
+use crate::supply::{Schedule, SlotBudget, Supply};
+use crate::tokenizer::Tokenizer;
 
 /// Proposes tokens to follow a sequence.
 pub trait Drafter {
@@ -120,6 +133,180 @@ impl Drafter for NgramDrafter {
     }
 }
 
+/// A draft model's greedy continuation: [`Drafter`] over a second, small model
+/// (resident, attention only) that shares the target's vocabulary.
+///
+/// Its session follows the history: the tokens it has evaluated are compared
+/// with each new history, it goes back to where they part (a rejected draft;
+/// [`Session::rewind`], the KV cache only) and evaluates the rest, then
+/// drafts greedily one token a pass. Image embeddings in the history (another
+/// model's space) are left out of what it sees. An error of the draft model
+/// (it has its own context limit) ends its drafting, with a warning: drafts
+/// never change the output.
+pub struct ModelDrafter<'m> {
+    session: Session<'m>,
+    mv: ThreadedMatVec,
+    experts: Supply<'m>,
+    logits: Vec<f32>,
+    /// The tokens the session has evaluated, in order.
+    fed: Vec<u32>,
+    /// The history's tokens, without embeddings (reused buffer).
+    text: Vec<u32>,
+    failed: bool,
+}
+
+impl<'m> ModelDrafter<'m> {
+    /// A drafter over `model` (opened from `path`), for contexts of up to
+    /// `ctx` positions, on `threads` threads. Refuses models with linear
+    /// attention (their state cannot go back to a rejected draft's start).
+    pub fn new(
+        model: &'m Model,
+        path: &std::path::Path,
+        ctx: usize,
+        threads: usize,
+    ) -> Result<ModelDrafter<'m>, String> {
+        if model.hybrid.linear.is_some() {
+            return Err(format!(
+                "the draft model is {}, whose linear-attention state cannot go back to \
+                 a rejected draft; use an attention-only draft model",
+                model.arch.name()
+            ));
+        }
+        let experts = Supply::new(
+            model,
+            path,
+            Schedule::Resident,
+            SlotBudget::none(crate::flash::FileDeviceConfig::default()),
+        )?;
+        let mut session = Session::new(model, ctx).map_err(|e| e.to_string())?;
+        session
+            .set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)
+            .map_err(|e| e.to_string())?;
+        Ok(ModelDrafter {
+            session,
+            mv: ThreadedMatVec::new(threads, Isa::detect()),
+            experts,
+            logits: vec![0f32; model.hp.n_vocab],
+            fed: Vec::new(),
+            text: Vec::new(),
+            failed: false,
+        })
+    }
+
+    fn try_draft(&mut self, max: usize, out: &mut Vec<u32>) -> Result<(), String> {
+        let n_vocab = self.logits.len();
+        let common = self
+            .fed
+            .iter()
+            .zip(&self.text)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The last history token is evaluated again when nothing is new, for
+        // its logits.
+        let keep = common.min(self.text.len().saturating_sub(1));
+        self.session.rewind(keep)?;
+        self.fed.truncate(keep);
+        let new: Vec<TokenInput<'_>> = self.text[keep..]
+            .iter()
+            .map(|&t| TokenInput::Token(t))
+            .collect();
+        let e = |e: les_core::model::forward::ForwardError<_>| format!("the draft model: {e}");
+        crate::engine::prefill(
+            &mut self.session,
+            &mut self.mv,
+            &mut self.experts,
+            None,
+            &new,
+            &mut self.logits,
+        )
+        .map_err(e)?;
+        self.fed.extend_from_slice(&self.text[keep..]);
+        while out.len() < max {
+            let next = argmax(&self.logits[..n_vocab]);
+            out.push(next);
+            if out.len() == max || self.session.position() >= self.session.max_positions() {
+                break;
+            }
+            self.session
+                .eval(
+                    &mut self.mv,
+                    &mut self.experts,
+                    None,
+                    TokenInput::Token(next),
+                    &mut self.logits,
+                )
+                .map_err(e)?;
+            self.fed.push(next);
+        }
+        Ok(())
+    }
+}
+
+/// The highest logit's id (the lowest among ties).
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl Drafter for ModelDrafter<'_> {
+    fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        if self.failed || max == 0 {
+            return;
+        }
+        let n_vocab = self.logits.len() as u32;
+        self.text.clear();
+        self.text
+            .extend(history.iter().copied().filter(|&t| t < n_vocab));
+        if self.text.is_empty() {
+            return;
+        }
+        if let Err(e) = self.try_draft(max, out) {
+            eprintln!("les: {e}; drafting stops");
+            self.failed = true;
+            out.clear();
+        }
+    }
+}
+
+/// Whether `draft` can draft for `target`: the same kind of tokenizer, the same
+/// BOS and EOS, no more tokens, and every token of the draft's the target's
+/// (llama.cpp's `common_speculative_are_compatible` checks the same).
+pub fn check_compatible(target: &Tokenizer, draft: &Tokenizer) -> Result<(), String> {
+    if target.kind() != draft.kind() {
+        return Err(format!(
+            "the draft model's tokenizer is {:?}, the model's {:?}",
+            draft.kind(),
+            target.kind()
+        ));
+    }
+    if target.bos() != draft.bos() || target.eos() != draft.eos() {
+        return Err("the draft model's BOS or EOS token differs from the model's".into());
+    }
+    if draft.n_vocab() > target.n_vocab() {
+        return Err(format!(
+            "the draft model has {} tokens, more than the model's {}",
+            draft.n_vocab(),
+            target.n_vocab()
+        ));
+    }
+    for id in 0..draft.n_vocab() as u32 {
+        if target.token_text(id) != draft.token_text(id) {
+            return Err(format!(
+                "token {id} is {:?} in the draft model and {:?} in the model",
+                draft.token_text(id).unwrap_or(""),
+                target.token_text(id).unwrap_or("")
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Most draft tokens one pass verifies (`--draft-max`).
 pub const MAX_DRAFT: usize = 64;
 
@@ -130,18 +317,25 @@ pub enum DraftSource {
     None,
     /// Prompt lookup ([`NgramDrafter`]).
     Ngram,
+    /// A draft model's greedy continuation ([`ModelDrafter`], `--model-draft`).
+    Model,
 }
 
 /// Speculative decoding options of `les run` and `les bench`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct SpecArgs {
     /// Speculative decoding: `ngram` guesses the next tokens from an earlier
-    /// occurrence of the last ones in the prompt or output (prompt lookup) and
-    /// checks the guess in one pass, which reads each layer's experts once for
-    /// all of it; `none` decodes one token a pass. The tokens and logits are
-    /// the same either way.
-    #[arg(long, value_enum, default_value_t = DraftSource::None)]
-    pub speculate: DraftSource,
+    /// occurrence of the last ones in the prompt or output (prompt lookup),
+    /// `model` asks the --model-draft model, and the guess is checked in one
+    /// pass, which reads each layer's experts once for all of it; `none`
+    /// decodes one token a pass. The tokens and logits are the same either way.
+    /// Default: `model` with --model-draft, else `none`.
+    #[arg(long, value_enum)]
+    pub speculate: Option<DraftSource>,
+    /// A small model with the same vocabulary to draft with (`--speculate
+    /// model`; resident, attention only).
+    #[arg(long = "model-draft", visible_alias = "md", value_name = "GGUF")]
+    pub model_draft: Option<std::path::PathBuf>,
     /// Most draft tokens checked in one pass.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=MAX_DRAFT as i64))]
     pub draft_max: u8,
@@ -160,15 +354,56 @@ pub struct SpecArgs {
 }
 
 impl SpecArgs {
-    /// The drafter these options ask for, if any.
-    pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
-        match self.speculate {
-            DraftSource::None => None,
-            DraftSource::Ngram => Some(Box::new(NgramDrafter::new(
+    /// Where drafts come from (`--speculate`, or `model` with `--model-draft`).
+    pub fn source(&self) -> DraftSource {
+        match (self.speculate, &self.model_draft) {
+            (Some(s), _) => s,
+            (None, Some(_)) => DraftSource::Model,
+            (None, None) => DraftSource::None,
+        }
+    }
+
+    /// The draft model these options name, opened and checked against the
+    /// target's tokenizer (`None` unless drafting from a model).
+    pub fn open_draft_model(&self, target: &Tokenizer) -> Result<Option<Model>, String> {
+        match (self.source(), &self.model_draft) {
+            (DraftSource::Model, Some(path)) => {
+                let m = Model::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                let t = Tokenizer::from_gguf(m.gguf())
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                check_compatible(target, &t)
+                    .map_err(|e| format!("--model-draft {}: {e}", path.display()))?;
+                Ok(Some(m))
+            }
+            (DraftSource::Model, None) => Err("--speculate model needs --model-draft".into()),
+            (_, Some(_)) => Err("--model-draft needs --speculate model (or no --speculate)".into()),
+            _ => Ok(None),
+        }
+    }
+
+    /// The drafter these options ask for, if any: `draft` is what
+    /// [`open_draft_model`](Self::open_draft_model) returned, `ctx` the
+    /// session's positions.
+    pub fn drafter<'m>(
+        &self,
+        draft: Option<&'m Model>,
+        ctx: usize,
+        threads: usize,
+    ) -> Result<Option<Box<dyn Drafter + 'm>>, String> {
+        Ok(match (self.source(), draft) {
+            (DraftSource::None, _) => None,
+            (DraftSource::Ngram, _) => Some(Box::new(NgramDrafter::new(
                 self.ngram_min as usize,
                 self.ngram_max as usize,
             ))),
-        }
+            (DraftSource::Model, Some(m)) => {
+                let path = self.model_draft.as_deref().ok_or("--model-draft")?;
+                Some(Box::new(ModelDrafter::new(m, path, ctx, threads)?))
+            }
+            (DraftSource::Model, None) => {
+                return Err("--speculate model needs --model-draft".into())
+            }
+        })
     }
 }
 
@@ -181,6 +416,9 @@ pub struct Speculation<'d> {
     /// Verify as many of a draft's tokens as measured acceptance and pass costs
     /// say pay (none where guesses are poor), instead of every one.
     pub adaptive: bool,
+    /// The tokens the session evaluated before the prompt `generate_from` is
+    /// given (the drafter sees them before it), if any.
+    pub context: &'d [u32],
 }
 
 #[cfg(test)]

@@ -305,6 +305,22 @@ impl<'m> Session<'m> {
         self.pos
     }
 
+    /// Goes back to position `pos` (at most [`position`](Self::position)), as if
+    /// only the first `pos` inputs had been evaluated: the KV cache needs
+    /// nothing (later positions are overwritten). A recurrent state cannot go
+    /// back, so for models with linear attention only `pos == 0` (a new
+    /// sequence) or the current position is accepted.
+    pub fn rewind(&mut self, pos: usize) -> Result<(), &'static str> {
+        if pos > self.pos {
+            return Err("rewinding past the session's position");
+        }
+        if pos != 0 && pos != self.pos && self.model.hybrid.linear.is_some() {
+            return Err("a recurrent state cannot go back");
+        }
+        self.pos = pos;
+        Ok(())
+    }
+
     /// Most positions the session holds.
     pub fn max_positions(&self) -> usize {
         self.max_positions
@@ -512,13 +528,15 @@ pub fn generate_from<M: MatVec, X: Experts>(
     stats.prefill = start.elapsed();
     let start = Instant::now();
     // The sequence so far, for the drafter (an embedding is `n_vocab`, no token).
-    let mut history: Vec<u32> = match spec {
-        Some(_) => prompt
+    let mut history: Vec<u32> = match &spec {
+        Some(sp) => sp
+            .context
             .iter()
-            .map(|i| match i {
+            .copied()
+            .chain(prompt.iter().map(|i| match i {
                 TokenInput::Token(t) => *t,
                 TokenInput::Embedding(_) => n_vocab as u32,
-            })
+            }))
             .collect(),
         None => Vec::new(),
     };
@@ -555,22 +573,32 @@ pub fn generate_from<M: MatVec, X: Experts>(
         let room = (n - stats.generated - 1)
             .min(session.max_positions.saturating_sub(session.pos + 1))
             .min(max_draft);
+        // How many tokens to ask for: what pays (adaptive), else all there is
+        // room for; a guess of one token now and then while none pays, to
+        // keep measuring how often guesses agree.
+        let want = if adaptive { control.length(room) } else { room };
+        let ask = if want == 0 && room > 0 && control.probe() {
+            1
+        } else {
+            want
+        };
         draft.clear();
-        if let Some(sp) = spec.as_mut().filter(|_| room > 0) {
+        if let Some(sp) = spec.as_mut().filter(|_| ask > 0) {
             history.push(t);
-            sp.drafter.draft(&history, room, &mut draft);
+            let t0 = Instant::now();
+            sp.drafter.draft(&history, ask, &mut draft);
+            control.drafting(draft.len(), t0.elapsed());
             history.pop();
             let real = draft
                 .iter()
                 .take_while(|&&d| (d as usize) < n_vocab)
                 .count();
-            draft.truncate(real.min(room));
+            draft.truncate(real.min(ask));
         }
-        // The guess's first token, checked for free when it is not verified.
+        // The guess's first token, checked against the sample when it is not
+        // verified.
         let guess = draft.first().copied();
-        if adaptive {
-            draft.truncate(control.length(draft.len()));
-        }
+        draft.truncate(want);
         if draft.is_empty() {
             let t0 = Instant::now();
             session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
@@ -633,23 +661,29 @@ pub fn generate_from<M: MatVec, X: Experts>(
 ///
 /// With each draft token agreeing with probability `a` (as long as the ones
 /// before it did), a pass over a token and `k` draft tokens yields
-/// `(1 - a^(k+1)) / (1 - a)` tokens, and costs `1 + c k` single-token passes,
-/// `c` being what one more position costs. Both are measured as the
-/// generation goes (moving averages): `a` from every draft token a sample
-/// judged, including a draft's first token in passes that did not verify it
-/// (compared with the token sampled there, at no cost), `c` from the passes'
-/// times. So a drafter that guesses badly, or a model whose passes cost the
-/// same per position (all of a layer's positions reading their own experts),
-/// falls back to one token a pass, and one that guesses well gets long drafts.
-/// The choice only decides speed: the tokens are the same at any length.
+/// `(1 - a^(k+1)) / (1 - a)` tokens, and costs `1 + (c + g) k` single-token
+/// passes, `c` being what one more position costs and `g` what guessing a
+/// token costs (a draft model's pass; nearly nothing for prompt lookup). All
+/// are measured as the generation goes (moving averages): `a` from every draft
+/// token a sample judged, including one-token guesses made while no draft
+/// pays (compared with the token sampled there; asked every step when
+/// guessing is cheap, every [`PROBE_EVERY`] steps otherwise), `c` and `g`
+/// from the passes' and the drafter's times. So a drafter that guesses badly,
+/// or a model whose passes cost the same per position (all of a layer's
+/// positions reading their own experts), falls back to one token a pass, and
+/// one that guesses well gets long drafts. The choice only decides speed: the
+/// tokens are the same at any length.
 #[derive(Clone, Copy, Debug)]
 struct DraftLength {
     /// Moving average of draft tokens agreeing.
     accept: f64,
-    /// Moving averages of a single-token pass's seconds, and of each extra
-    /// position's in a verifying pass.
+    /// Moving averages of a single-token pass's seconds, of each extra
+    /// position's in a verifying pass, and of each draft token's drafting.
     single: Option<f64>,
     extra: Option<f64>,
+    draft: Option<f64>,
+    /// Steps since the last probe (a one-token guess while none pays).
+    since_probe: u32,
 }
 
 impl Default for DraftLength {
@@ -658,9 +692,19 @@ impl Default for DraftLength {
             accept: 0.5,
             single: None,
             extra: None,
+            draft: None,
+            since_probe: 0,
         }
     }
 }
+
+/// While no draft pays, a guess of one token is asked for every this many
+/// steps when guessing costs more than [`CHEAP_DRAFT`] of a pass (every step
+/// when it costs less), to keep measuring how often guesses agree.
+const PROBE_EVERY: u32 = 8;
+
+/// A draft token costing less than this share of a pass counts as free.
+const CHEAP_DRAFT: f64 = 0.05;
 
 /// Weight of the newest sample in [`DraftLength`]'s moving averages.
 const DRAFT_EMA: f64 = 1.0 / 8.0;
@@ -681,6 +725,37 @@ impl DraftLength {
         self.single = Some(Self::ema(self.single, took.as_secs_f64()));
     }
 
+    /// `n` draft tokens took `took` to guess.
+    fn drafting(&mut self, n: usize, took: Duration) {
+        if n > 0 {
+            self.draft = Some(Self::ema(self.draft, took.as_secs_f64() / n as f64));
+        }
+    }
+
+    /// What guessing a token costs, in single-token passes (0 before measured).
+    fn draft_cost(&self) -> f64 {
+        match (self.single, self.draft) {
+            (Some(s), Some(d)) if s > 0.0 => d / s,
+            _ => 0.0,
+        }
+    }
+
+    /// Whether to ask for a one-token guess now, while no draft pays: never
+    /// once a guessed token costs a whole pass (no acceptance could pay for
+    /// it), every step while guessing is cheap, else every [`PROBE_EVERY`].
+    fn probe(&mut self) -> bool {
+        if self.draft_cost() >= 1.0 {
+            return false;
+        }
+        self.since_probe += 1;
+        if self.draft_cost() < CHEAP_DRAFT || self.since_probe >= PROBE_EVERY {
+            self.since_probe = 0;
+            true
+        } else {
+            false
+        }
+    }
+
     fn verify_pass(&mut self, drafted: usize, took: Duration) {
         if let (Some(single), true) = (self.single, drafted > 0) {
             let extra = (took.as_secs_f64() - single).max(0.0) / drafted as f64;
@@ -688,12 +763,13 @@ impl DraftLength {
         }
     }
 
-    /// The number of an `available`-token draft's tokens to verify (0: none).
+    /// The number of draft tokens to guess and verify, at most `available`
+    /// (0: none).
     fn length(&self, available: usize) -> usize {
         let c = match (self.single, self.extra) {
             (Some(s), Some(e)) if s > 0.0 => e / s,
             _ => DRAFT_EXTRA_PRIOR,
-        };
+        } + self.draft_cost();
         let a = self.accept.clamp(0.0, 0.999);
         let (mut best, mut best_rate) = (0, 1.0);
         let (mut tokens, mut p) = (1.0, 1.0);
@@ -726,6 +802,7 @@ mod tests {
             accept,
             single: Some(single),
             extra: Some(extra),
+            ..DraftLength::default()
         }
     }
 
@@ -756,5 +833,29 @@ mod tests {
             c.judged(false);
         }
         assert_eq!(c.length(8), 0, "{c:?}");
+    }
+
+    #[test]
+    fn costly_guesses_are_asked_for_less() {
+        let mut c = control(0.9, 1.0, 0.1);
+        let free = c.length(8);
+        assert!(free >= 4, "{free}");
+        // Guessing a token costs half a pass (a draft model's pass).
+        c.single_pass(Duration::from_millis(10));
+        c.single = Some(0.010);
+        c.drafting(4, Duration::from_millis(20));
+        let costly = c.length(8);
+        assert!(costly < free, "{costly} < {free}");
+        // While none pays, costly guesses are probed every PROBE_EVERY steps;
+        // cheap ones every step.
+        let mut idle = control(0.1, 1.0, 0.1);
+        idle.drafting(1, Duration::from_secs(1));
+        let probes = (0..2 * PROBE_EVERY).filter(|_| idle.probe()).count();
+        assert_eq!(probes, 0, "a guess costing a pass never pays");
+        idle.draft = Some(0.5);
+        let probes = (0..2 * PROBE_EVERY).filter(|_| idle.probe()).count();
+        assert_eq!(probes, 2);
+        let mut cheap = control(0.1, 1.0, 0.1);
+        assert!((0..4).all(|_| cheap.probe()));
     }
 }

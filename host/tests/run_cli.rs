@@ -166,6 +166,7 @@ fn prompt_batch_size_does_not_change_the_logits() {
 /// resident and streamed, whatever share of its drafts is accepted.
 #[test]
 fn speculative_decoding_does_not_change_the_logits() {
+    let draft = model("qwen3moe").to_str().unwrap().to_owned();
     for arch in ["qwen3moe", "qwen35moe"] {
         let m = model(arch);
         let (want, (_, _, want_logits), _) =
@@ -186,8 +187,20 @@ fn speculative_decoding_does_not_change_the_logits() {
                 .concat(),
                 true,
             ),
+            (
+                &[
+                    "--model-draft",
+                    &draft,
+                    "--draft-fixed",
+                    "--schedule",
+                    "les",
+                    "--slots",
+                    "3",
+                ],
+                true,
+            ),
         ] {
-            let name = format!("{arch}_spec_{}", args.join("_"));
+            let name = format!("{arch}_spec_{}", args.join("_")).replace('/', "_");
             let (got, (_, _, logits), stderr) = greedy_with_logits(&m, args, &name);
             assert_eq!(tokens(&got), tokens(&want), "{arch} {args:?}");
             assert!(logits == want_logits, "{arch} {args:?}: logits differ");
@@ -377,7 +390,7 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--draft-max", "0"], "--draft-max"),
         (vec!["--draft-max", "65"], "--draft-max"),
         (vec!["--ngram-min", "9"], "--ngram-min"),
-        (vec!["--speculate", "model"], "--speculate"),
+        (vec!["--speculate", "bogus"], "--speculate"),
     ] {
         let out = run(&m, &args);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -418,6 +431,7 @@ fn out_of_range_options_are_usage_errors() {
 #[test]
 fn errors_are_one_line_and_nonzero() {
     let m = model("qwen3moe");
+    let hybrid = model("qwen35moe").to_str().unwrap().to_owned();
     for (args, needle) in [
         (
             vec!["run", "-m", "/nonexistent.gguf", "-p", "x"],
@@ -475,6 +489,56 @@ fn errors_are_one_line_and_nonzero() {
                 "2",
             ],
             "does not fit the context",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--speculate",
+                "model",
+            ],
+            "--model-draft",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--speculate",
+                "ngram",
+                "--model-draft",
+                m.to_str().unwrap(),
+            ],
+            "--speculate model",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--model-draft",
+                "/nonexistent-draft.gguf",
+            ],
+            "nonexistent-draft",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--model-draft",
+                &hybrid,
+            ],
+            "attention-only draft",
         ),
     ] {
         let out = les().args(&args).output().unwrap();

@@ -10,12 +10,13 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use les::compute::ThreadedMatVec;
-use les::draft::{Drafter, NgramDrafter, Speculation};
+use les::draft::{check_compatible, Drafter, ModelDrafter, NgramDrafter, Speculation};
 use les::engine::{generate_from, Control, GenStats, Session};
 use les::flash::FileDeviceConfig;
 use les::model::Model;
 use les::sampling::{Sampler, SamplerConfig};
 use les::supply::{Schedule, SlotBudget, Supply};
+use les::tokenizer::Tokenizer;
 use les_core::gemv::Isa;
 use les_core::model::forward::{Lookahead, TokenInput};
 use les_core::router::{LayerMask, PredictorConfig};
@@ -44,6 +45,24 @@ fn packed(arch: &str) -> PathBuf {
     les(&["synth", "--arch", arch, "--preset", "tiny", "-o", p]);
     les(&["pack", "--quiet", p, "-o", packed.to_str().unwrap()]);
     packed
+}
+
+/// A plain synthetic model of `arch` with `extra` arguments, made once per name.
+fn synth(name: &str, args: &[&str]) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("spec-{name}.gguf"));
+    let out = Command::new(env!("CARGO_BIN_EXE_les"))
+        .arg("synth")
+        .args(args)
+        .arg("-o")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    path
 }
 
 fn qwen3moe() -> &'static Path {
@@ -137,6 +156,7 @@ fn generate(
             drafter: d,
             max_draft,
             adaptive: false,
+            context: &[],
         }),
         GENERATE,
         |l| {
@@ -328,4 +348,62 @@ fn verify_and_keep_reject_what_they_cannot_do() {
     assert!(session.keep(&mut mv, &mut supply, &tokens, 1).is_err());
     session.keep(&mut mv, &mut supply, &tokens[..3], 1).unwrap();
     assert_eq!(session.position(), 1);
+}
+
+/// A draft model (`--model-draft`): the target itself guesses every token
+/// (all accepted), another model of the same vocabulary guesses some; either
+/// way the run is plain decoding's, bit for bit, streamed or resident, and a
+/// qwen35moe target takes a qwen3moe draft.
+#[test]
+fn a_draft_model_changes_nothing_but_speed() {
+    let other = synth(
+        "draft-other",
+        &["--arch", "qwen3moe", "--preset", "tiny", "--seed", "9"],
+    );
+    for path in [qwen3moe(), qwen35moe()] {
+        for sampler in samplers() {
+            let (want, _) = generate(path, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
+            for draft in [qwen3moe(), other.as_path()] {
+                let dm = Model::open(draft).unwrap();
+                let mut d = ModelDrafter::new(&dm, draft, PROMPT.len() + GENERATE + 8, 1).unwrap();
+                let (got, stats) = generate(
+                    path,
+                    Schedule::Les,
+                    Some(5),
+                    sampler,
+                    &PROMPT,
+                    Some(&mut d),
+                    4,
+                    4,
+                );
+                let what = format!("{} drafted by {}", path.display(), draft.display());
+                assert_eq!(got, want, "{what}");
+                assert!(stats.drafted > 0, "{what}: {stats:?}");
+                if path == qwen3moe() && draft == qwen3moe() && sampler.temperature == 0.0 {
+                    assert_eq!(stats.accepted, stats.drafted, "{what}: {stats:?}");
+                }
+            }
+        }
+    }
+}
+
+/// Draft models that cannot draft are clear errors: linear attention (its
+/// state cannot go back), another vocabulary.
+#[test]
+fn unusable_draft_models_are_refused() {
+    let hybrid = Model::open(qwen35moe()).unwrap();
+    let err = ModelDrafter::new(&hybrid, qwen35moe(), 64, 1)
+        .err()
+        .unwrap();
+    assert!(err.contains("linear-attention"), "{err}");
+    let target = Tokenizer::from_gguf(Model::open(qwen3moe()).unwrap().gguf()).unwrap();
+    let big = synth(
+        "draft-vocab",
+        &["--arch", "qwen3moe", "--preset", "tiny", "--vocab", "400"],
+    );
+    let big = Tokenizer::from_gguf(Model::open(&big).unwrap().gguf()).unwrap();
+    assert!(check_compatible(&target, &target).is_ok());
+    // Its special tokens sit at other ids, and it has more tokens.
+    let err = check_compatible(&target, &big).unwrap_err();
+    assert!(err.contains("BOS or EOS"), "{err}");
 }

@@ -78,12 +78,12 @@ pub struct BenchArgs {
     /// Instead of one budget, sweep these percentages of the expert bytes (e.g.
     /// `10,25,50,100`, each as `--expert-mem P%`) and print one row per budget
     /// and schedule.
-    #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots", "speculate"])]
+    #[arg(long, value_delimiter = ',', value_parser = super::values::percent, conflicts_with_all = ["expert_mem", "slots", "speculate", "model_draft"])]
     pub sweep: Vec<f64>,
     /// Instead of decoding, time the prompt's evaluation at each of these batch
     /// sizes (e.g. `1,64`; see `les run -b`), every schedule at each, and print
     /// the speedups over the first size.
-    #[arg(long, value_delimiter = ',', value_parser = super::values::batch, conflicts_with_all = ["sweep", "speculate"])]
+    #[arg(long, value_delimiter = ',', value_parser = super::values::batch, conflicts_with_all = ["sweep", "speculate", "model_draft"])]
     pub prefill_batches: Vec<usize>,
     /// Prompt positions for --prefill-batches: a built-in English text's tokens,
     /// repeated to this many.
@@ -144,7 +144,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     if !args.prefill_batches.is_empty() {
         return super::prefill::prefill(args, out);
     }
-    if args.spec.speculate != crate::draft::DraftSource::None {
+    if args.spec.source() != crate::draft::DraftSource::None {
         return super::speculate::speculate(args, out);
     }
     let (model, tokenizer, budget, streamed) = open(args)?;

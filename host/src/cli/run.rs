@@ -379,7 +379,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::new(&model, ctx)?;
     session.set_prefill_batch(args.batch_size)?;
-    let mut drafter = args.spec.drafter();
+    let draft_model = args.spec.open_draft_model(&tokenizer)?;
+    let mut drafter = args.spec.drafter(draft_model.as_ref(), ctx, threads)?;
     let max_draft = match drafter {
         Some(_) => session.set_max_draft(args.spec.draft_max as usize)?,
         None => 0,
@@ -438,6 +439,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             drafter: d,
             max_draft,
             adaptive: !args.spec.draft_fixed,
+            context: &[],
         }),
         n_predict,
         |logits| {

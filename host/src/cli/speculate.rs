@@ -14,6 +14,7 @@ use crate::supply::Schedule;
 /// Runs `les bench --speculate`.
 pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let (model, tokenizer, budget, _) = super::bench::open(args)?;
+    let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let prompt = tokenizer.encode(&args.prompt, true, true);
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
@@ -26,7 +27,7 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
         lookahead: args.lookahead,
         sampler: super::bench::sampler(args),
     };
-    let mode = format!("{:?}", args.spec.speculate).to_lowercase();
+    let mode = format!("{:?}", args.spec.source()).to_lowercase();
     eprintln!(
         "les bench: {} ({} layers), {} tokens plain and with --speculate {mode} (drafts of up to {}{}), slots {} = {:.1} MiB ({:.1}% of experts), {} threads",
         model.arch.name(),
@@ -49,7 +50,14 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
         for (i, &(s, spec)) in pairs.iter().enumerate() {
             let name = if spec { mode.as_str() } else { "plain" };
             eprintln!("les bench: {s}, {name} ({}/{}) ...", round + 1, args.repeat);
-            let r = run_speculative(&model, &args.model, &cfg, s, spec.then_some(&args.spec))?;
+            let r = run_speculative(
+                &model,
+                &args.model,
+                &cfg,
+                s,
+                spec.then_some(&args.spec),
+                draft_model.as_ref(),
+            )?;
             eprintln!(
                 "les bench: {s}, {name}: {:.2} tok/s, {:.2} tokens a pass",
                 r.tok_s(),
