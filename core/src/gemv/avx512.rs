@@ -293,40 +293,7 @@ const Q6K_HALF_SCALES: [[u8; 64]; 2] = {
 /// activations' group sums. The same exact `sumi`, the same float step.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q6_k_vnni(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
-    let m4 = _mm512_set1_epi8(0x0f);
-    let m30 = _mm512_set1_epi8(0x30);
-    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
-    let zero = _mm512_setzero_si512();
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let scales: &[u8; 16] = &w.scales.map(|s| s as u8);
-        let sc16 = _mm256_cvtepi8_epi16(ld128(scales));
-        let sc = _mm512_castsi256_si512(sc16);
-        let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
-        let offset = avx2::hsum(_mm256_madd_epi16(sc16, ld256(bsums)));
-        let mut v = _mm512_setzero_si512();
-        for (half, pick) in Q6K_HALF_SCALES.iter().enumerate() {
-            let ql = ld512(arr(&w.ql, 64 * half));
-            // qh in both halves, the upper one shifted right by 2: bits 0-1 and 4-5
-            // of each byte are then the top bits of sub-blocks 8h..8h+4 and
-            // 8h+4..8h+8 (as in `q6_k`: the low nibbles of `ql` give the first,
-            // its high nibbles the second).
-            let qh = _mm512_broadcast_i64x4(ld256(arr(&w.qh, 32 * half)));
-            let qh = _mm512_srlv_epi16(qh, shifts);
-            let h01 = _mm512_and_si512(_mm512_slli_epi16::<4>(qh), m30);
-            let h23 = _mm512_and_si512(qh, m30);
-            // (ql & m4) | h01, and ((ql >> 4) & m4) | h23.
-            let q01 = _mm512_ternarylogic_epi32::<0xEA>(ql, m4, h01);
-            let q23 = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(ql), m4, h23);
-            let s01 = _mm512_dpbusd_epi32(zero, q01, ld512i(arr(&x.qs, 128 * half)));
-            let s23 = _mm512_dpbusd_epi32(zero, q23, ld512i(arr(&x.qs, 128 * half + 64)));
-            let mult = _mm512_permutexvar_epi16(ld512(pick), sc);
-            v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_packs_epi32(s01, s23), mult));
-        }
-        let sumi = _mm512_reduce_add_epi32(v) - 32 * offset;
-        acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
-    }
-    acc
+    q6_k_vnni_n::<1>(w, [x])[0]
 }
 
 /// [`q6_k_vnni`] of one row and `N` inputs (of the row's length), each result

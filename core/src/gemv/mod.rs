@@ -421,6 +421,53 @@ impl<'a> Input<'a> {
 /// arithmetic (`cargo bench -p les --bench matvec` prints both, side by side).
 pub const DEFAULT_PREFETCH: usize = 4096;
 
+/// Runs `$body` with `$k` bound to the kernels token of `$isa` (returning
+/// [`GemvError::IsaUnavailable`] from the enclosing function where this CPU or
+/// build lacks it): the one dispatch from an [`Isa`] to the [`Kernels`] that
+/// implement it.
+macro_rules! with_kernels {
+    ($isa:expr, |$k:ident| $body:expr) => {
+        match $isa {
+            Isa::Scalar => {
+                let $k = Scalar;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                let $k = avx2::Avx2::new().ok_or(GemvError::IsaUnavailable($isa))?;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => {
+                let $k = vnni::AvxVnni::new().ok_or(GemvError::IsaUnavailable($isa))?;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                let $k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable($isa))?;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                let $k = avx512::Avx512Vnni::new().ok_or(GemvError::IsaUnavailable($isa))?;
+                $body
+            }
+            #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+            Isa::Neon => {
+                let $k = neon::Neon;
+                $body
+            }
+            #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+            Isa::NeonDot => {
+                let $k = neon::NeonDot::new().ok_or(GemvError::IsaUnavailable($isa))?;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            _ => return Err(GemvError::IsaUnavailable($isa)),
+        }
+    };
+}
+
 /// Computes `y[i - rows.start] = W[i] . x` for every row `i` in `rows`, with the
 /// kernels of `isa`, prefetching [`DEFAULT_PREFETCH`] bytes ahead.
 ///
@@ -484,38 +531,7 @@ pub fn gemm(
         if grouped {
             let data = &matrix.data[start * matrix.row_bytes..end * matrix.row_bytes];
             let out = start - rows.start;
-            match isa {
-                Isa::Scalar => tile_in_groups(Scalar, matrix, data, inputs, ys, out),
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => {
-                    let k = avx2::Avx2::new().ok_or(GemvError::IsaUnavailable(isa))?;
-                    tile_in_groups(k, matrix, data, inputs, ys, out);
-                }
-                #[cfg(target_arch = "x86_64")]
-                Isa::AvxVnni => {
-                    let k = vnni::AvxVnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
-                    tile_in_groups(k, matrix, data, inputs, ys, out);
-                }
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => {
-                    let k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable(isa))?;
-                    tile_in_groups(k, matrix, data, inputs, ys, out);
-                }
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512Vnni => {
-                    let k = avx512::Avx512Vnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
-                    tile_in_groups(k, matrix, data, inputs, ys, out);
-                }
-                #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
-                Isa::Neon => tile_in_groups(neon::Neon, matrix, data, inputs, ys, out),
-                #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
-                Isa::NeonDot => {
-                    let k = neon::NeonDot::new().ok_or(GemvError::IsaUnavailable(isa))?;
-                    tile_in_groups(k, matrix, data, inputs, ys, out);
-                }
-                #[allow(unreachable_patterns)]
-                _ => return Err(GemvError::IsaUnavailable(isa)),
-            }
+            with_kernels!(isa, |k| tile_in_groups(k, matrix, data, inputs, ys, out));
         } else {
             for (c, (x, y)) in inputs.iter().zip(ys.iter_mut()).enumerate() {
                 // The first input reads the tile from memory: prefetch for it.
@@ -624,38 +640,7 @@ pub fn gemv_with_prefetch(
         });
     }
     let data = &matrix.data[rows.start * matrix.row_bytes..rows.end * matrix.row_bytes];
-    match isa {
-        Isa::Scalar => run(Scalar, matrix, data, input, y, prefetch),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            let k = avx2::Avx2::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y, prefetch);
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::AvxVnni => {
-            let k = vnni::AvxVnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y, prefetch);
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            let k = avx512::Avx512::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y, prefetch);
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => {
-            let k = avx512::Avx512Vnni::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y, prefetch);
-        }
-        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
-        Isa::Neon => run(neon::Neon, matrix, data, input, y, prefetch),
-        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
-        Isa::NeonDot => {
-            let k = neon::NeonDot::new().ok_or(GemvError::IsaUnavailable(isa))?;
-            run(k, matrix, data, input, y, prefetch);
-        }
-        #[allow(unreachable_patterns)]
-        _ => return Err(GemvError::IsaUnavailable(isa)),
-    }
+    with_kernels!(isa, |k| run(k, matrix, data, input, y, prefetch));
     Ok(())
 }
 

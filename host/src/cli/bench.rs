@@ -97,7 +97,7 @@ pub struct BenchArgs {
 
 /// The sampler every schedule uses: `les run`'s (temperature, top-k 40,
 /// top-p 0.95), seeded.
-pub(super) fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
+fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
     crate::sampling::SamplerConfig {
         temperature: args.temperature,
         top_k: 40,
@@ -105,6 +105,38 @@ pub(super) fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
         seed: args.seed,
         ..crate::sampling::SamplerConfig::greedy()
     }
+}
+
+/// The decode benchmark's settings from `args`: its prompt, tokens, threads,
+/// budget, lookahead and sampler.
+pub(super) fn decode_config(
+    args: &BenchArgs,
+    tokenizer: &Tokenizer,
+    budget: &crate::supply::SlotBudget,
+) -> Result<BenchConfig, Box<dyn Error>> {
+    let prompt = tokenizer.encode(&args.prompt, true, true);
+    if prompt.is_empty() {
+        return Err("the prompt is empty after tokenization".into());
+    }
+    Ok(BenchConfig {
+        prompt,
+        n_tokens: args.n_tokens,
+        threads: args.threads.unwrap_or_else(default_threads).max(1),
+        budget: budget.clone(),
+        lookahead: args.lookahead,
+        sampler: sampler(args),
+    })
+}
+
+/// Each list's median run by `time` (the runs of one configuration, from
+/// interleaved rounds).
+pub(super) fn medians<R>(all: Vec<Vec<R>>, time: impl Fn(&R) -> std::time::Duration) -> Vec<R> {
+    all.into_iter()
+        .map(|mut v| {
+            v.sort_by_key(&time);
+            v.swap_remove(v.len() / 2)
+        })
+        .collect()
 }
 
 pub(super) fn mib(b: f64) -> f64 {
@@ -148,18 +180,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         return super::speculate::speculate(args, out);
     }
     let (model, tokenizer, budget, streamed) = open(args)?;
-    let prompt = tokenizer.encode(&args.prompt, true, true);
-    if prompt.is_empty() {
-        return Err("the prompt is empty after tokenization".into());
-    }
-    let cfg = BenchConfig {
-        prompt,
-        n_tokens: args.n_tokens,
-        threads: args.threads.unwrap_or_else(default_threads).max(1),
-        budget: budget.clone(),
-        lookahead: args.lookahead,
-        sampler: sampler(args),
-    };
+    let cfg = decode_config(args, &tokenizer, &budget)?;
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.bytes();
     eprintln!(

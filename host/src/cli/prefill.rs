@@ -69,13 +69,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
             .map(|v| v.to_bits())
             .eq(first.iter().map(|v| v.to_bits()))
     });
-    let medians: Vec<PrefillReport> = all
-        .into_iter()
-        .map(|mut v| {
-            v.sort_by_key(|r| r.time);
-            v.swap_remove(v.len() / 2)
-        })
-        .collect();
+    let medians = super::bench::medians(all, |r| r.time);
     // Each schedule's speedup over its first batch size.
     let base = |s: Schedule| {
         medians

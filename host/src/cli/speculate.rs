@@ -7,26 +7,14 @@ use std::io::Write;
 use serde_json::{json, Value};
 
 use super::bench::{mib, BenchArgs};
-use crate::bench::{run_speculative, BenchConfig, SpecReport};
-use crate::compute::default_threads;
+use crate::bench::{run_speculative, SpecReport};
 use crate::supply::Schedule;
 
 /// Runs `les bench --speculate`.
 pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let (model, tokenizer, budget, _) = super::bench::open(args)?;
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
-    let prompt = tokenizer.encode(&args.prompt, true, true);
-    if prompt.is_empty() {
-        return Err("the prompt is empty after tokenization".into());
-    }
-    let cfg = BenchConfig {
-        prompt,
-        n_tokens: args.n_tokens,
-        threads: args.threads.unwrap_or_else(default_threads).max(1),
-        budget: budget.clone(),
-        lookahead: args.lookahead,
-        sampler: super::bench::sampler(args),
-    };
+    let cfg = super::bench::decode_config(args, &tokenizer, &budget)?;
     let mode = format!("{:?}", args.spec.source()).to_lowercase();
     eprintln!(
         "les bench: {} ({} layers), {} tokens plain and with --speculate {mode} (drafts of up to {}{}), slots {} = {:.1} MiB ({:.1}% of experts), {} threads",
@@ -67,13 +55,7 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
         }
     }
     let identical = all.iter().flatten().all(|r| r.tokens == all[0][0].tokens);
-    let medians: Vec<SpecReport> = all
-        .into_iter()
-        .map(|mut v| {
-            v.sort_by_key(|r| r.time);
-            v.swap_remove(v.len() / 2)
-        })
-        .collect();
+    let medians = super::bench::medians(all, |r| r.time);
     let plain = |s: Schedule| {
         medians
             .iter()
