@@ -310,14 +310,15 @@ pub fn check_compatible(target: &Tokenizer, draft: &Tokenizer) -> Result<(), Str
 /// Most draft tokens one pass verifies (`--draft-max`).
 pub const MAX_DRAFT: usize = 64;
 
-/// Where `les run` and `les bench` take draft tokens from.
+/// Where `les run` and `les bench` take draft tokens from ([`NgramDrafter`],
+/// [`ModelDrafter`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DraftSource {
     /// No speculative decoding: one token a pass.
     None,
-    /// Prompt lookup ([`NgramDrafter`]).
+    /// Prompt lookup: what followed an earlier occurrence of the last tokens.
     Ngram,
-    /// A draft model's greedy continuation ([`ModelDrafter`], `--model-draft`).
+    /// The greedy continuation of the --model-draft model.
     Model,
 }
 
