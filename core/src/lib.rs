@@ -12,7 +12,8 @@
 //!   weight and activation formats LES writes).
 //! - [`gemv`]: `y = W x` over a row range for every weight format, a scalar
 //!   reference kernel and SIMD kernels checked against it; `gemm` for several
-//!   inputs at once, with the same bits.
+//!   inputs at once, with the same bits; `gemv::vector`, attention's `f32`
+//!   kernels (scores, softmax, weighted sums), the same bits on every ISA.
 //! - [`router`]: expert gating (softmax / sigmoid, top-k, renormalisation, shared
 //!   expert gate) and the **lookahead predictor**: layer `l+1`'s router applied to
 //!   layer `l`'s hidden state, to know which experts to prefetch.
