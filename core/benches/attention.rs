@@ -1,7 +1,8 @@
 //! Attention's vector kernels (`les_core::gemv::vector`), one thread, on one
 //! key/value head of Qwen3-30B-A3B's shape (8 query heads of 128 sharing it)
-//! over 64, 512 and 4096 cached positions: the scalar reference and the CPU's
-//! ISA side by side, interleaved, with their ratio.
+//! over 64, 512 and 4096 cached positions, and the delta rule of one DeltaNet
+//! layer of MiniCPM-V 4.7's (32 heads of 128): the scalar reference and the
+//! CPU's ISA side by side, interleaved, with their ratio.
 //!
 //! `cargo bench -p les-core --bench attention` (`LES_BENCH_SECONDS` per case,
 //! default 1).
@@ -12,7 +13,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use les_core::gemv::vector::{scaled_dots, softmax, weighted_rows, Strided};
+use les_core::gemv::vector::{delta_rule, scaled_dots, softmax, weighted_rows, Strided};
 use les_core::gemv::Isa;
 
 fn noise(state: &mut u64) -> f32 {
@@ -94,4 +95,33 @@ fn main() {
             );
         }
     }
+    // One DeltaNet layer of MiniCPM-V 4.7's shape: 32 heads of 128.
+    let (heads, d) = (32, 128);
+    let state: Vec<f32> = (0..heads * d * d).map(|_| noise(&mut st) * 0.1).collect();
+    let [k, q, v]: [Vec<f32>; 3] =
+        core::array::from_fn(|_| (0..d).map(|_| noise(&mut st)).collect());
+    let mut m = state.clone();
+    let mut out = vec![0f32; d];
+    let mut t = [Vec::new(), Vec::new()];
+    let start = Instant::now();
+    while start.elapsed() < budget || t[0].len() < 5 {
+        for (i, which) in [Isa::Scalar, isa].into_iter().enumerate() {
+            m.copy_from_slice(&state);
+            let t0 = Instant::now();
+            for h in m.chunks_exact_mut(d * d) {
+                delta_rule(which, h, &k, &q, &v, 0.97, 0.5, 0.088, &mut out);
+            }
+            t[i].push(t0.elapsed().as_secs_f64());
+            black_box(&out);
+        }
+    }
+    let (s, v) = (median(&mut t[0]), median(&mut t[1]));
+    println!(
+        "{:<10} {:>9} {:>11.1} {:>11.1} {:>7.2}x",
+        "32 heads",
+        "deltanet",
+        s * 1e6,
+        v * 1e6,
+        s / v
+    );
 }

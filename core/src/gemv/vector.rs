@@ -175,6 +175,59 @@ fn fold_sums(mut s: [f64; SUM_LANES]) -> f64 {
     s[0]
 }
 
+/// One head of the gated delta rule (DeltaNet's state update and read-out),
+/// row by row over the `d x d` state `m`: row `j` times `decay`, then
+/// `u = (v[j] - dot(row, k)) * beta`, `row += k * u`, and `out[j] =
+/// dot(row, q) * scale`. Each element sees the operations of the four passes
+/// over the whole state (decay, deltas, updates, read-out) in the same order,
+/// and rows do not depend on each other, so the bits are those of the four
+/// passes; the state is read and written once instead of four times. `d` is
+/// `k.len()`; `m` holds `d * d`, `v` and `out` `d` (panics otherwise).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule(
+    isa: Isa,
+    m: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    decay: f32,
+    beta: f32,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let d = k.len();
+    assert!(
+        m.len() == d * d && q.len() == d && v.len() == d && out.len() == d,
+        "delta_rule: bad lengths"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni if d.is_multiple_of(LANES) && super::cpuid::has_avx512() => {
+            // SAFETY: the CPU supports AVX-512 F (checked just above).
+            unsafe { x86::delta_rule_avx512(m, k, q, v, decay, beta, scale, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni
+            if d.is_multiple_of(LANES) && super::cpuid::has_avx2() =>
+        {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            unsafe { x86::delta_rule_avx2(m, k, q, v, decay, beta, scale, out) }
+        }
+        _ => {
+            for ((row, o), vj) in m.chunks_exact_mut(d.max(1)).zip(out.iter_mut()).zip(v) {
+                for x in row.iter_mut() {
+                    *x *= decay;
+                }
+                let u = (vj - dot(row, k)) * beta;
+                for (x, kk) in row.iter_mut().zip(k) {
+                    *x += kk * u;
+                }
+                *o = dot(row, q) * scale;
+            }
+        }
+    }
+}
+
 /// `n` rows of `d` floats, `stride` floats apart, from the start of `data`
 /// (which holds at least `(n - 1) * stride + d`): one head's keys or values in
 /// a KV cache.
@@ -400,6 +453,85 @@ mod x86 {
         let lo = _mm512_castpd512_pd256(acc);
         let hi = _mm512_extractf64x4_pd::<1>(acc);
         fold4(_mm256_add_pd(lo, hi)) + tail
+    }
+
+    macro_rules! delta_rule_with {
+        ($name:ident, $features:literal, $zero:ident, $ld:ident, $st:ident, $set1:ident,
+         $add:ident, $mul:ident, $w:literal, $fold:expr) => {
+            /// [`super::delta_rule`], a row's sixteen dot sums in registers
+            /// (folded in [`super::dot`]'s order); `d` a multiple of 16.
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $features)]
+            pub(super) fn $name(
+                m: &mut [f32],
+                k: &[f32],
+                q: &[f32],
+                v: &[f32],
+                decay: f32,
+                beta: f32,
+                scale: f32,
+                out: &mut [f32],
+            ) {
+                let d = k.len();
+                let dv = $set1(decay);
+                for ((row, o), vj) in m.chunks_exact_mut(d).zip(out.iter_mut()).zip(v) {
+                    let mut acc = [$zero(); 16 / $w];
+                    for c in (0..d).step_by(16) {
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            let at = c + $w * i;
+                            let r = $mul($ld(&row[at..]), dv);
+                            $st(&mut row[at..], r);
+                            *a = $add(*a, $mul(r, $ld(&k[at..])));
+                        }
+                    }
+                    let u = (vj - $fold(acc)) * beta;
+                    let uv = $set1(u);
+                    let mut acc = [$zero(); 16 / $w];
+                    for c in (0..d).step_by(16) {
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            let at = c + $w * i;
+                            let r = $add($ld(&row[at..]), $mul($ld(&k[at..]), uv));
+                            $st(&mut row[at..], r);
+                            *a = $add(*a, $mul(r, $ld(&q[at..])));
+                        }
+                    }
+                    *o = $fold(acc) * scale;
+                }
+            }
+        };
+    }
+    delta_rule_with!(
+        delta_rule_avx2,
+        "avx2",
+        _mm256_setzero_ps,
+        ld8,
+        st8,
+        _mm256_set1_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps,
+        8,
+        |a: [__m256; 2]| fold8(_mm256_add_ps(a[0], a[1]))
+    );
+    delta_rule_with!(
+        delta_rule_avx512,
+        "avx512f,avx2",
+        _mm512_setzero_ps,
+        ld16,
+        st16,
+        _mm512_set1_ps,
+        _mm512_add_ps,
+        _mm512_mul_ps,
+        16,
+        |a: [__m512; 1]| fold16(a[0])
+    );
+
+    /// A 16-lane register folded in [`super::dot`]'s order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn fold16(acc: __m512) -> f32 {
+        let lo = _mm512_castps512_ps256(acc);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+        fold8(_mm256_add_ps(lo, hi))
     }
 
     /// [`super::dot`] of `N` queries with one key at once, each query's
@@ -825,6 +957,41 @@ mod tests {
                 let mut got = nan.clone();
                 softmax(isa, &mut got);
                 assert!(got[n / 2].is_nan(), "{isa}: NaN stays NaN");
+            }
+        }
+    }
+
+    /// The one-pass delta rule equals the four passes over the whole state,
+    /// bit for bit, on every ISA.
+    #[test]
+    fn delta_rule_equals_its_four_passes() {
+        let mut seed = 11;
+        for d in [16, 40, 64, 128] {
+            let m0: Vec<f32> = (0..d * d).map(|_| rng(&mut seed)).collect();
+            let [k, q, v]: [Vec<f32>; 3] =
+                core::array::from_fn(|_| (0..d).map(|_| rng(&mut seed)).collect());
+            let (decay, beta, scale) = (0.93, 0.61, 0.088);
+            let mut want = m0.clone();
+            for x in want.iter_mut() {
+                *x *= decay;
+            }
+            let u: Vec<f32> = (0..d)
+                .map(|j| (v[j] - dot(&want[j * d..][..d], &k)) * beta)
+                .collect();
+            for (row, u) in want.chunks_exact_mut(d).zip(&u) {
+                for (x, kk) in row.iter_mut().zip(&k) {
+                    *x += kk * u;
+                }
+            }
+            let want_out: Vec<f32> = (0..d)
+                .map(|j| dot(&want[j * d..][..d], &q) * scale)
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for isa in Isa::available() {
+                let (mut m, mut out) = (m0.clone(), vec![0f32; d]);
+                delta_rule(isa, &mut m, &k, &q, &v, decay, beta, scale, &mut out);
+                assert_eq!(bits(&m), bits(&want), "{isa} state d={d}");
+                assert_eq!(bits(&out), bits(&want_out), "{isa} output d={d}");
             }
         }
     }

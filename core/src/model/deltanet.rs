@@ -23,8 +23,8 @@
 use libm::expf;
 
 use super::config::DeltaNetShape;
-use super::ops::{dot, l2_norm_heads, rms_norm_heads, sigmoid, silu, softplus};
-use crate::gemv::MatrixView;
+use super::ops::{l2_norm_heads, rms_norm_heads, sigmoid, silu, softplus};
+use crate::gemv::{vector, Isa, MatrixView};
 
 /// The weights of one gated DeltaNet layer (llama.cpp tensor names in brackets).
 #[derive(Clone, Copy, Debug)]
@@ -96,16 +96,15 @@ pub struct Projections<'b> {
 /// Runs one token through the convolution and the recurrence, updating
 /// `conv_state` (`shape.conv_state_len()`) and `ssm_state`
 /// (`shape.ssm_state_len()`), and writes the gated, normalised output
-/// (`value_dim`, the input of `W_out`) into `out`. `delta` is scratch of
-/// `head_dim`.
-#[allow(clippy::too_many_arguments)]
+/// (`value_dim`, the input of `W_out`) into `out`. The recurrence runs
+/// through [`vector::delta_rule`], one pass over each head's state with the
+/// CPU's vector kernels (the same bits on every ISA).
 pub fn step(
     w: &DeltaNetWeights<'_>,
     p: Projections<'_>,
     eps: f32,
     conv_state: &mut [f32],
     ssm_state: &mut [f32],
-    delta: &mut [f32],
     out: &mut [f32],
 ) {
     let s = &w.shape;
@@ -118,7 +117,6 @@ pub fn step(
             && p.alpha.len() == nv
             && conv_state.len() == s.conv_state_len()
             && ssm_state.len() == s.ssm_state_len()
-            && delta.len() >= hd
             && out.len() == s.value_dim(),
         "deltanet::step: bad lengths"
     );
@@ -145,7 +143,7 @@ pub fn step(
     l2_norm_heads(k, hd, eps);
 
     let scale = 1.0 / libm::sqrtf(hd as f32);
-    let delta = &mut delta[..hd];
+    let isa = Isa::detect();
     for h in 0..nv {
         let kh = h % nk;
         let (qh, khv) = (&q[kh * hd..][..hd], &k[kh * hd..][..hd]);
@@ -154,21 +152,8 @@ pub fn step(
         let beta = sigmoid(p.beta[h]);
         let m = &mut ssm_state[h * hd * hd..][..hd * hd];
         let decay = expf(g);
-        for x in m.iter_mut() {
-            *x *= decay;
-        }
-        for (j, d) in delta.iter_mut().enumerate() {
-            *d = (vh[j] - dot(&m[j * hd..][..hd], khv)) * beta;
-        }
-        for (row, d) in m.chunks_exact_mut(hd).zip(delta.iter()) {
-            for (x, kk) in row.iter_mut().zip(khv) {
-                *x += kk * d;
-            }
-        }
         let oh = &mut out[h * hd..][..hd];
-        for (o, row) in oh.iter_mut().zip(m.chunks_exact(hd)) {
-            *o = dot(row, qh) * scale;
-        }
+        vector::delta_rule(isa, m, khv, qh, vh, decay, beta, scale, oh);
     }
 
     // Gated RMSNorm: norm(o) * silu(z), per value head.

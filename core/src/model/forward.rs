@@ -484,7 +484,6 @@ pub struct Scratch<'a> {
     d_beta: &'a mut [f32],
     d_alpha: &'a mut [f32],
     d_out: &'a mut [f32],
-    d_delta: &'a mut [f32],
 }
 
 fn max_ff(hp: &Hparams) -> usize {
@@ -494,8 +493,8 @@ fn max_ff(hp: &Hparams) -> usize {
     hp.n_ff.max(m).max(1)
 }
 
-/// Extra scratch of `hy`: gated query, then DeltaNet `qkv, z, beta, alpha, out, delta`.
-fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 7] {
+/// Extra scratch of `hy`: gated query, then DeltaNet `qkv, z, beta, alpha, out`.
+fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 6] {
     let qg = if hy.attn_output_gate {
         2 * hp.q_dim()
     } else {
@@ -509,9 +508,8 @@ fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 7] {
             d.n_v_heads,
             d.n_v_heads,
             d.value_dim(),
-            d.head_dim,
         ],
-        None => [qg, 0, 0, 0, 0, 0, 0],
+        None => [qg, 0, 0, 0, 0, 0],
     }
 }
 
@@ -560,14 +558,13 @@ impl<'a> Scratch<'a> {
         let (expert_out, rest) = rest.split_at_mut(top_k * e);
         let (router, rest) = rest.split_at_mut(n_exp);
         let (pred_x, rest) = rest.split_at_mut(e);
-        let [l_qg, l_qkv, l_z, l_beta, l_alpha, l_out, l_delta] = extra_lens(hp, hy);
+        let [l_qg, l_qkv, l_z, l_beta, l_alpha, l_out] = extra_lens(hp, hy);
         let (qg, rest) = rest.split_at_mut(l_qg);
         let (d_qkv, rest) = rest.split_at_mut(l_qkv);
         let (d_z, rest) = rest.split_at_mut(l_z);
         let (d_beta, rest) = rest.split_at_mut(l_beta);
         let (d_alpha, rest) = rest.split_at_mut(l_alpha);
-        let (d_out, rest) = rest.split_at_mut(l_out);
-        let (d_delta, _) = rest.split_at_mut(l_delta);
+        let (d_out, _) = rest.split_at_mut(l_out);
         Some(Scratch {
             h,
             x,
@@ -589,7 +586,6 @@ impl<'a> Scratch<'a> {
             d_beta,
             d_alpha,
             d_out,
-            d_delta,
         })
     }
 }
@@ -1050,7 +1046,6 @@ pub(super) fn deltanet_step(
         hp.norm_eps,
         conv,
         ssm,
-        s.d_delta,
         s.d_out,
     );
 }

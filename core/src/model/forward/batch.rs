@@ -77,7 +77,7 @@ type Lens = ([usize; 19], [usize; 2]);
 
 impl<'a> BatchScratch<'a> {
     fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> Lens {
-        let [_, d_qkv, d_z, d_beta, d_alpha, d_out, _] = super::extra_lens(hp, hy);
+        let [_, d_qkv, d_z, d_beta, d_alpha, d_out] = super::extra_lens(hp, hy);
         let (e, ff) = (hp.n_embd, super::max_ff(hp));
         let q_rows = if hy.attn_output_gate { 2 } else { 1 } * hp.q_dim();
         let (k, n_exp) = hp.moe.map_or((0, 0), |m| (m.top_k, m.n_experts));
