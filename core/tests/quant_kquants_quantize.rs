@@ -1,9 +1,10 @@
-//! K-quant quantizers (`Q4_K`, `Q6_K`, `Q8_K`): ggml's own accuracy test, properties
-//! over random input, and edge cases that must not panic.
+//! K-quant quantizers (`Q4_K`, `Q5_K`, `Q6_K`, `Q8_K`): ggml's own accuracy test,
+//! properties over random input, and edge cases that must not panic.
 
-use les_core::quant::blocks::{BlockQ4K, BlockQ6K, BlockQ8K};
+use les_core::quant::blocks::{BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use les_core::quant::kquants::{
-    dequantize_q4k, dequantize_q6k, quantize_q4k, quantize_q6k, quantize_q8k,
+    dequantize_q4k, dequantize_q5k, dequantize_q6k, quantize_q4k, quantize_q5k, quantize_q6k,
+    quantize_q8k,
 };
 use proptest::prelude::*;
 
@@ -11,6 +12,13 @@ const ZERO_Q4K: BlockQ4K = BlockQ4K {
     d: [0; 2],
     dmin: [0; 2],
     scales: [0; 12],
+    qs: [0; 128],
+};
+const ZERO_Q5K: BlockQ5K = BlockQ5K {
+    d: [0; 2],
+    dmin: [0; 2],
+    scales: [0; 12],
+    qh: [0; 32],
     qs: [0; 128],
 };
 const ZERO_Q6K: BlockQ6K = BlockQ6K {
@@ -30,6 +38,14 @@ fn roundtrip_q4k(x: &[f32]) -> Vec<f32> {
     quantize_q4k(x, &mut blocks);
     let mut y = vec![0f32; x.len()];
     dequantize_q4k(&blocks, &mut y);
+    y
+}
+
+fn roundtrip_q5k(x: &[f32]) -> Vec<f32> {
+    let mut blocks = vec![ZERO_Q5K; x.len() / 256];
+    quantize_q5k(x, &mut blocks);
+    let mut y = vec![0f32; x.len()];
+    dequantize_q5k(&blocks, &mut y);
     y
 }
 
@@ -96,15 +112,20 @@ fn ggml_quantize_fns_error_thresholds() {
     for offset in [0.0, 0.5, 1.0] {
         let x = ggml_data(offset);
         let e4 = ggml_error(&x, &roundtrip_q4k(&x));
+        let e5 = ggml_error(&x, &roundtrip_q5k(&x));
         let e6 = ggml_error(&x, &roundtrip_q6k(&x));
         let q8 = quant_q8k(&x);
         check_bsums(&q8);
         let e8 = ggml_error(&x, &dequant_q8k(&q8));
         assert!(e4 < 0.002, "q4_k error {e4} (offset {offset})");
+        assert!(e5 < 0.002, "q5_k error {e5} (offset {offset})");
         assert!(e6 < 0.002, "q6_k error {e6} (offset {offset})");
         assert!(e8 < 0.002, "q8_k error {e8} (offset {offset})");
         // Finer formats must be more accurate on the same data.
-        assert!(e8 < e6 && e6 < e4, "q8_k {e8}, q6_k {e6}, q4_k {e4}");
+        assert!(
+            e8 < e6 && e6 < e5 && e5 < e4,
+            "q8_k {e8}, q6_k {e6}, q5_k {e5}, q4_k {e4}"
+        );
     }
 }
 
@@ -138,12 +159,13 @@ fn edge_inputs() -> Vec<(&'static str, Vec<f32>)> {
 fn edge_cases_do_not_panic() {
     for (name, x) in edge_inputs() {
         let y4 = roundtrip_q4k(&x);
+        let y5 = roundtrip_q5k(&x);
         let y6 = roundtrip_q6k(&x);
         let q8 = quant_q8k(&x);
         check_bsums(&q8);
         let y8 = dequant_q8k_f64(&q8);
         if x.iter().all(|&v| v == 0.0) {
-            for (fmt, y) in [("q4_k", &y4), ("q6_k", &y6)] {
+            for (fmt, y) in [("q4_k", &y4), ("q5_k", &y5), ("q6_k", &y6)] {
                 assert!(
                     y.iter().all(|&v| v == 0.0),
                     "{name}: {fmt} of zeros is not zero"
@@ -174,7 +196,11 @@ fn edge_cases_do_not_panic() {
 fn constant_blocks_reconstruct() {
     for c in [0.75f32, -3.0, 100.0, -0.01] {
         let x = vec![c; 256];
-        for (fmt, y) in [("q4_k", roundtrip_q4k(&x)), ("q6_k", roundtrip_q6k(&x))] {
+        for (fmt, y) in [
+            ("q4_k", roundtrip_q4k(&x)),
+            ("q5_k", roundtrip_q5k(&x)),
+            ("q6_k", roundtrip_q6k(&x)),
+        ] {
             for &v in &y {
                 assert!(
                     (v - c).abs() <= c.abs() * 0.02,
@@ -217,18 +243,24 @@ proptest! {
     }
 
     #[test]
-    fn q4k_and_q6k_errors_are_bounded(x in blocks_strategy(-2)) {
+    fn k_quant_errors_are_bounded(x in blocks_strategy(-2)) {
         let y4 = roundtrip_q4k(&x);
+        let y5 = roundtrip_q5k(&x);
         let y6 = roundtrip_q6k(&x);
-        for ((xb, b4), b6) in x.chunks(256).zip(y4.chunks(256)).zip(y6.chunks(256)) {
+        let blocks = x.chunks(256).zip(y4.chunks(256)).zip(y5.chunks(256)).zip(y6.chunks(256));
+        for (((xb, b4), b5), b6) in blocks {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
             let e4 = rms(xb.iter().zip(b4).map(|(a, b)| a - b));
+            let e5 = rms(xb.iter().zip(b5).map(|(a, b)| a - b));
             let e6 = rms(xb.iter().zip(b6).map(|(a, b)| a - b));
-            // Uniform data over [-a, a]: a 4-bit step is about a/7.5, a 6-bit one a/31.
+            // Uniform data over [-a, a]: a 4-bit step is about a/7.5, a 5-bit one
+            // a/15.5, a 6-bit one a/31.
             prop_assert!(e4 <= amax * 0.06, "q4_k rms {e4}, amax {amax}");
+            prop_assert!(e5 <= amax * 0.03, "q5_k rms {e5}, amax {amax}");
             prop_assert!(e6 <= amax * 0.015, "q6_k rms {e6}, amax {amax}");
-            for (&a, (&p, &q)) in xb.iter().zip(b4.iter().zip(b6)) {
+            for (&a, ((&p, &r), &q)) in xb.iter().zip(b4.iter().zip(b5).zip(b6)) {
                 prop_assert!((a - p).abs() as f64 <= amax * 0.25, "q4_k {a} -> {p}");
+                prop_assert!((a - r).abs() as f64 <= amax * 0.12, "q5_k {a} -> {r}");
                 prop_assert!((a - q).abs() as f64 <= amax * 0.06, "q6_k {a} -> {q}");
             }
         }
@@ -239,6 +271,7 @@ proptest! {
         x in prop::collection::vec(any::<f32>().prop_filter("finite", |v| v.is_finite()), 256)
     ) {
         let _ = roundtrip_q4k(&x);
+        let _ = roundtrip_q5k(&x);
         let _ = roundtrip_q6k(&x);
         check_bsums(&quant_q8k(&x));
     }

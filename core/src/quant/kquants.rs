@@ -405,6 +405,92 @@ fn make_qx_quants_rmse1(nmax: i32, x: &[f32], levels: &mut [u8]) -> f32 {
     scale
 }
 
+/// The scale-and-min part of ggml's `quantize_row_q4_K_ref` and
+/// `quantize_row_q5_K_ref` for one super-block `xb`: per 32-element sub-block a
+/// weighted fit (`make_qkx2_quants` with levels `0..=nmax`, weights `rms + |x|`,
+/// `rmin`, step 0.1, `nstep` steps), the scales and mins quantized to 6 bits
+/// against the block maxima and packed as `get_scale_min_k4` reads them, then
+/// every value re-quantized with the stored (f16-rounded) factors into
+/// `levels`. Returns `(d, dmin, packed scales)`.
+fn k4_fit(
+    xb: &[f32],
+    nmax: i32,
+    rmin: f32,
+    nstep: i32,
+    levels: &mut [u8; QK_K],
+) -> ([u8; 2], [u8; 2], [u8; 12]) {
+    let mut laux = [0u8; 32];
+    let mut weights = [0f32; 32];
+    let mut scales = [0f32; 8];
+    let mut mins = [0f32; 8];
+    let mut max_scale = 0f32;
+    let mut max_min = 0f32;
+    for (j, (xs, ls)) in xb
+        .chunks_exact(32)
+        .zip(levels.chunks_exact_mut(32))
+        .enumerate()
+    {
+        let mut sum_x2 = 0f32;
+        for &v in xs {
+            sum_x2 += v * v;
+        }
+        let av_x = sqrtf(sum_x2 / 32.0);
+        for (w, &v) in weights.iter_mut().zip(xs) {
+            *w = av_x + abs(v);
+        }
+        let (scale, min) = make_qkx2_quants(nmax, xs, &weights, ls, &mut laux, rmin, 0.1, nstep);
+        scales[j] = scale;
+        mins[j] = min;
+        if scale > max_scale {
+            max_scale = scale;
+        }
+        if min > max_min {
+            max_min = min;
+        }
+    }
+
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let mut packed = [0u8; 12];
+    for j in 0..8 {
+        // ggml stores nearest_int into a uint8_t (wrapping) before capping at 63.
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            packed[j] = ls;
+            packed[j + 4] = lm;
+        } else {
+            packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
+            packed[j - 4] |= (ls >> 4) << 6;
+            packed[j] |= (lm >> 4) << 6;
+        }
+    }
+    let (d, dmin) = (f2h(max_scale / 63.0), f2h(max_min / 63.0));
+
+    let d_all = h2f(d);
+    let dmin_all = h2f(dmin);
+    for (j, (xs, ls)) in xb
+        .chunks_exact(32)
+        .zip(levels.chunks_exact_mut(32))
+        .enumerate()
+    {
+        let (sc, m) = scale_min_k4(j, &packed);
+        let d = d_all * sc as f32;
+        if d == 0.0 {
+            continue; // ggml keeps the levels of the fit
+        }
+        let dm = dmin_all * m as f32;
+        for (l, &v) in ls.iter_mut().zip(xs) {
+            *l = nearest_int((v + dm) / d).clamp(0, nmax) as u8;
+        }
+    }
+    (d, dmin, packed)
+}
+
 /// Quantizes `x` to `Q4_K` with ggml's reference quantizer `quantize_row_q4_K_ref`
 /// (no importance matrix): per 32-element sub-block a weighted scale-and-min fit
 /// (ggml's `make_qkx2_quants`, weights `rms + |x|`), scales and mins quantized to 6
@@ -416,82 +502,40 @@ fn make_qx_quants_rmse1(nmax: i32, x: &[f32], levels: &mut [u8]) -> f32 {
 pub fn quantize_q4k(x: &[f32], out: &mut [BlockQ4K]) {
     check_len("quantize_q4k", out.len(), x.len(), "x");
     let mut levels = [0u8; QK_K];
-    let mut laux = [0u8; 32];
-    let mut weights = [0f32; 32];
     for (xb, y) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
-        let mut scales = [0f32; 8];
-        let mut mins = [0f32; 8];
-        let mut max_scale = 0f32;
-        let mut max_min = 0f32;
-        for (j, (xs, ls)) in xb
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let mut sum_x2 = 0f32;
-            for &v in xs {
-                sum_x2 += v * v;
-            }
-            let av_x = sqrtf(sum_x2 / 32.0);
-            for (w, &v) in weights.iter_mut().zip(xs) {
-                *w = av_x + abs(v);
-            }
-            let (scale, min) = make_qkx2_quants(15, xs, &weights, ls, &mut laux, -1.0, 0.1, 20);
-            scales[j] = scale;
-            mins[j] = min;
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
-            }
-        }
-
-        let inv_scale = if max_scale > 0.0 {
-            63.0 / max_scale
-        } else {
-            0.0
-        };
-        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-        let mut packed = [0u8; 12];
-        for j in 0..8 {
-            // ggml stores nearest_int into a uint8_t (wrapping) before capping at 63.
-            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
-            if j < 4 {
-                packed[j] = ls;
-                packed[j + 4] = lm;
-            } else {
-                packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
-                packed[j - 4] |= (ls >> 4) << 6;
-                packed[j] |= (lm >> 4) << 6;
-            }
-        }
-        y.scales = packed;
-        y.d = f2h(max_scale / 63.0);
-        y.dmin = f2h(max_min / 63.0);
-
-        let d_all = h2f(y.d);
-        let dmin_all = h2f(y.dmin);
-        for (j, (xs, ls)) in xb
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let (sc, m) = scale_min_k4(j, &packed);
-            let d = d_all * sc as f32;
-            if d == 0.0 {
-                continue; // ggml keeps the levels of the fit
-            }
-            let dm = dmin_all * m as f32;
-            for (l, &v) in ls.iter_mut().zip(xs) {
-                *l = nearest_int((v + dm) / d).clamp(0, 15) as u8;
-            }
-        }
-
+        (y.d, y.dmin, y.scales) = k4_fit(xb, 15, -1.0, 20, &mut levels);
         for (q, ls) in y.qs.chunks_exact_mut(32).zip(levels.chunks_exact(64)) {
             for (i, qb) in q.iter_mut().enumerate() {
                 *qb = ls[i] | (ls[i + 32] << 4);
+            }
+        }
+    }
+}
+
+/// Quantizes `x` to `Q5_K` with ggml's reference quantizer `quantize_row_q5_K_ref`
+/// (no importance matrix): [`quantize_q4k`]'s fit with levels `0..=31` (`rmin`
+/// -0.5, 15 steps); per 64 elements, `qs` holds the low four bits of elements
+/// `l` and `l + 32` and `qh` bit pair `2c, 2c + 1` their fifth bits. Produces
+/// the same bytes as ggml (llama.cpp's `Q4_K_M` types the DeltaNet `attn_qkv`
+/// this way).
+///
+/// # Panics
+/// If `x.len() != out.len() * 256`.
+pub fn quantize_q5k(x: &[f32], out: &mut [BlockQ5K]) {
+    check_len("quantize_q5k", out.len(), x.len(), "x");
+    let mut levels = [0u8; QK_K];
+    for (xb, y) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        (y.d, y.dmin, y.scales) = k4_fit(xb, 31, -0.5, 15, &mut levels);
+        y.qh = [0; QK_K / 8];
+        for (c, (q, ls)) in
+            y.qs.chunks_exact_mut(32)
+                .zip(levels.chunks_exact(64))
+                .enumerate()
+        {
+            for (i, qb) in q.iter_mut().enumerate() {
+                let (l1, l2) = (ls[i], ls[i + 32]);
+                y.qh[i] |= ((l1 >> 4) << (2 * c)) | ((l2 >> 4) << (2 * c + 1));
+                *qb = (l1 & 0x0f) | ((l2 & 0x0f) << 4);
             }
         }
     }

@@ -307,14 +307,12 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
         GgmlType::Q8_0 => legacy::quantize_q8_0(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q8_1 => legacy::quantize_q8_1(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q4K => kquants::quantize_q4k(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::Q5K => kquants::quantize_q5k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q6K => kquants::quantize_q6k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q8K => kquants::quantize_q8k(x, as_blocks_mut(out).ok_or(err)?),
-        GgmlType::Q2K
-        | GgmlType::Q3K
-        | GgmlType::Q5K
-        | GgmlType::IQ4NL
-        | GgmlType::IQ4XS
-        | GgmlType::I8 => return Err(QuantError::NoQuantizer(ty)),
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::I8 => {
+            return Err(QuantError::NoQuantizer(ty))
+        }
     }
     Ok(())
 }
@@ -323,12 +321,7 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
 pub const fn can_quantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::Q2K
-            | GgmlType::Q3K
-            | GgmlType::Q5K
-            | GgmlType::IQ4NL
-            | GgmlType::IQ4XS
-            | GgmlType::I8
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::I8
     )
 }
 

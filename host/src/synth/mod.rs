@@ -1618,6 +1618,31 @@ mod tests {
         assert_eq!(bytes, 18_550_716_416);
     }
 
+    /// Every architecture and preset plans only types LES can write (a planned
+    /// `q5_k` once had no quantizer, and `les synth` panicked on it).
+    #[test]
+    fn every_plan_is_quantizable() {
+        for arch in [
+            Arch::Qwen3moe,
+            Arch::Olmoe,
+            Arch::Qwen2moe,
+            Arch::Llama,
+            Arch::Mixtral,
+            Arch::Qwen35moe,
+        ] {
+            for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
+                for t in plan(arch, preset, Overrides::default()) {
+                    assert!(
+                        can_quantize(t.ty),
+                        "{arch:?} {preset:?}: {} is {}",
+                        t.name,
+                        t.ty
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn q4_k_m_rules_for_other_architectures() {
         // Mixtral (8 experts): attn_k / attn_v q8_0, attn_output q5_k.
