@@ -1470,6 +1470,10 @@ pub fn gguf_writer(
     }
     let plan = tensor_plan(cfg);
     for t in &plan {
+        // The generator quantizes every tensor to its planned type.
+        if !can_quantize(t.ty) {
+            return config_err(format!("{}: LES cannot write {} tensors", t.name, t.ty));
+        }
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
     Ok((w, plan))
