@@ -996,6 +996,21 @@ mod tests {
         }
     }
 
+    #[test]
+    fn dot_of_every_length_is_accurate() {
+        let a: [f32; 67] = core::array::from_fn(|i| ((i * 29 % 31) as f32 - 15.0) / 8.0);
+        let b: [f32; 67] = core::array::from_fn(|i| ((i * 17 % 13) as f32 - 6.0) / 3.0);
+        for n in 0..=67 {
+            let want: f64 = (0..n).map(|i| a[i] as f64 * b[i] as f64).sum();
+            let got = dot(&a[..n], &b[..n]) as f64;
+            assert!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "n={n}: {got} vs {want}"
+            );
+        }
+        assert_eq!(dot(&a[..5], &b[..3]), dot(&a[..3], &b[..3]));
+    }
+
     /// The reference is the plain fixed order: sixteen sums, folded by halves.
     #[test]
     fn dot_follows_its_documented_order() {

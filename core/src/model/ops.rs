@@ -178,21 +178,6 @@ pub fn swiglu(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// In-place softmax of attention scores (max-subtracted, `f64` sum as ggml,
-/// LES's own `exp`): [`crate::gemv::vector::softmax`], whose bits every ISA
-/// gives.
-pub fn softmax(x: &mut [f32]) {
-    vector::softmax(Isa::Scalar, x);
-}
-
-/// Dot product with a fixed summation order: 16 interleaved partial sums
-/// (element `i` into sum `i % 16`), folded pairwise, then the leftover
-/// elements; the same bits on every CPU and ISA
-/// ([`crate::gemv::vector::dot`], which the SIMD attention kernels follow).
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    crate::gemv::vector::dot(a, b)
-}
-
 /// Shape of grouped-query attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
@@ -378,21 +363,6 @@ mod tests {
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-6);
         assert!((sigmoid(0.0) - 0.5).abs() < 1e-7 && silu(0.0) == 0.0);
-    }
-
-    #[test]
-    fn dot_of_every_length_is_accurate() {
-        let a: [f32; 67] = core::array::from_fn(|i| ((i * 29 % 31) as f32 - 15.0) / 8.0);
-        let b: [f32; 67] = core::array::from_fn(|i| ((i * 17 % 13) as f32 - 6.0) / 3.0);
-        for n in 0..=67 {
-            let want: f64 = (0..n).map(|i| a[i] as f64 * b[i] as f64).sum();
-            let got = dot(&a[..n], &b[..n]) as f64;
-            assert!(
-                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                "n={n}: {got} vs {want}"
-            );
-        }
-        assert_eq!(dot(&a[..5], &b[..3]), dot(&a[..3], &b[..3]));
     }
 
     #[test]
