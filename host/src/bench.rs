@@ -386,6 +386,14 @@ fn cold_supply<'m>(
     Ok(Supply::new(model, path, schedule, budget)?)
 }
 
+/// Bytes `supply`'s file device has read from the model file so far (0 when
+/// resident).
+fn file_bytes_read(supply: &Supply<'_>) -> u64 {
+    supply
+        .device()
+        .map_or(0, |d| d.counters().snapshot().file_bytes)
+}
+
 /// What evaluating a prompt cost one schedule at one batch size.
 #[derive(Clone, Debug)]
 pub struct PrefillReport {
@@ -431,9 +439,7 @@ pub fn run_prefill(
     session.set_prefill_batch(batch)?;
     let inputs: Vec<TokenInput<'_>> = cfg.prompt.iter().map(|&t| TokenInput::Token(t)).collect();
     let mut logits = vec![0f32; model.hp.n_vocab];
-    let read0 = supply
-        .device()
-        .map_or(0, |d| d.counters().snapshot().file_bytes);
+    let read0 = file_bytes_read(&supply);
     let t0 = Instant::now();
     crate::engine::prefill(
         &mut session,
@@ -444,9 +450,7 @@ pub fn run_prefill(
         &mut logits,
     )?;
     let time = t0.elapsed();
-    let read1 = supply
-        .device()
-        .map_or(0, |d| d.counters().snapshot().file_bytes);
+    let read1 = file_bytes_read(&supply);
     Ok(PrefillReport {
         schedule,
         batch: session.prefill_batch(),
@@ -536,8 +540,7 @@ pub fn run_speculative(
     for &t in &cfg.prompt {
         sampler.accept(t);
     }
-    let read = |s: &Supply<'_>| s.device().map_or(0, |d| d.counters().snapshot().file_bytes);
-    let read0 = read(&supply);
+    let read0 = file_bytes_read(&supply);
     let mut tokens = Vec::with_capacity(cfg.n_tokens);
     let t0 = Instant::now();
     let stats = crate::engine::generate_from(
@@ -569,7 +572,7 @@ pub fn run_speculative(
         speculative: drafter.is_some(),
         tokens,
         time,
-        bytes_read: read(&supply) - read0,
+        bytes_read: file_bytes_read(&supply) - read0,
         stats,
     })
 }

@@ -139,6 +139,16 @@ pub(super) fn medians<R>(all: Vec<Vec<R>>, time: impl Fn(&R) -> std::time::Durat
         .collect()
 }
 
+/// `slots N = M MiB (P% of experts)`, for the benches' first line.
+pub(super) fn slots_summary(model: &Model, budget: &crate::supply::SlotBudget) -> String {
+    format!(
+        "slots {} = {:.1} MiB ({:.1}% of experts)",
+        budget.slots(),
+        mib(budget.bytes() as f64),
+        100.0 * budget.bytes() as f64 / model.expert_slot_bytes().max(1) as f64,
+    )
+}
+
 pub(super) fn mib(b: f64) -> f64 {
     b / (1u64 << 20) as f64
 }

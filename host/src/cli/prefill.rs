@@ -34,13 +34,11 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         sampler: crate::sampling::SamplerConfig::greedy(),
     };
     eprintln!(
-        "les bench: {} ({} layers), prompt of {} tokens, slots {} = {:.1} MiB ({:.1}% of experts), {} threads",
+        "les bench: {} ({} layers), prompt of {} tokens, {}, {} threads",
         model.arch.name(),
         model.hp.n_layers,
         cfg.prompt.len(),
-        budget.slots(),
-        mib(budget.bytes() as f64),
-        100.0 * budget.bytes() as f64 / model.expert_slot_bytes().max(1) as f64,
+        super::bench::slots_summary(&model, &budget),
         cfg.threads,
     );
     // Rounds of (schedule, batch) runs, interleaved; each pair's median.

@@ -17,15 +17,13 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
     let cfg = super::bench::decode_config(args, &tokenizer, &budget)?;
     let mode = format!("{:?}", args.spec.source()).to_lowercase();
     eprintln!(
-        "les bench: {} ({} layers), {} tokens plain and with --speculate {mode} (drafts of up to {}{}), slots {} = {:.1} MiB ({:.1}% of experts), {} threads",
+        "les bench: {} ({} layers), {} tokens plain and with --speculate {mode} (drafts of up to {}{}), {}, {} threads",
         model.arch.name(),
         model.hp.n_layers,
         cfg.n_tokens,
         args.spec.draft_max,
         if args.spec.draft_fixed { ", whole" } else { ", cut to what pays" },
-        budget.slots(),
-        mib(budget.bytes() as f64),
-        100.0 * budget.bytes() as f64 / model.expert_slot_bytes().max(1) as f64,
+        super::bench::slots_summary(&model, &budget),
         cfg.threads,
     );
     let pairs: Vec<(Schedule, bool)> = args
