@@ -25,6 +25,7 @@ use les_core::model::forward::TokenInput;
 use crate::compute::ThreadedMatVec;
 use crate::engine::Session;
 use crate::model::Model;
+use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
 use crate::tokenizer::Tokenizer;
 
@@ -152,6 +153,9 @@ pub struct ModelDrafter<'m> {
     fed: Vec<u32>,
     /// The history's tokens, without embeddings (reused buffer).
     text: Vec<u32>,
+    /// Picks the draft's tokens (the sampler's greedy rule: the highest
+    /// logit, NaN as `-inf`, the lowest id among ties).
+    greedy: Sampler,
     failed: bool,
 }
 
@@ -189,6 +193,7 @@ impl<'m> ModelDrafter<'m> {
             logits: vec![0f32; model.hp.n_vocab],
             fed: Vec::new(),
             text: Vec::new(),
+            greedy: Sampler::new(SamplerConfig::greedy()),
             failed: false,
         })
     }
@@ -222,7 +227,7 @@ impl<'m> ModelDrafter<'m> {
         .map_err(e)?;
         self.fed.extend_from_slice(&self.text[keep..]);
         while out.len() < max {
-            let next = argmax(&self.logits[..n_vocab]);
+            let next = self.greedy.sample(&self.logits[..n_vocab]);
             out.push(next);
             if out.len() == max || self.session.position() >= self.session.max_positions() {
                 break;
@@ -240,17 +245,6 @@ impl<'m> ModelDrafter<'m> {
         }
         Ok(())
     }
-}
-
-/// The highest logit's id (the lowest among ties).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 impl Drafter for ModelDrafter<'_> {

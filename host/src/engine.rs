@@ -65,8 +65,8 @@ pub struct Session<'m> {
     model: &'m Model,
     max_positions: usize,
     state: SequenceBuffers,
-    /// Buffers of [`eval_batch`](Session::eval_batch), for `prefill_batch`
-    /// positions (none for 1).
+    /// Buffers of [`eval_batch`](Session::eval_batch), for `batch_positions`
+    /// positions (the larger of the prefill batch and a verifying pass).
     batch_floats: Vec<f32>,
     batch_ids: Vec<u16>,
     /// Positions the batch buffers hold (1: none).
