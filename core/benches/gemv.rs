@@ -1,5 +1,7 @@
 //! GEMV throughput per weight type and ISA on a 2048 x 768 matrix (2048 rows of 768
-//! elements), reference and SIMD side by side.
+//! elements, an expert's down projection), reference and SIMD side by side;
+//! `LES_BENCH_SHAPE=768x2048` (rows x columns) measures another shape, such as the
+//! gate and up projections.
 //!
 //! `cargo bench -p les-core --bench gemv -- --warm-up-time 1 --measurement-time 2`
 
@@ -11,8 +13,21 @@ use les_core::gemv::{activation_format, gemv, Input, Isa, MatrixView};
 use les_core::quant::blocks::{as_blocks_mut, BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{f16_to_f32, f32_to_bf16, f32_to_f16, GgmlType, QK_K};
 
-const ROWS: usize = 2048;
-const COLS: usize = 768;
+/// The matrix shape: `LES_BENCH_SHAPE` (`ROWSxCOLS`, columns a multiple of 256)
+/// or 2048 x 768.
+fn shape() -> (usize, usize) {
+    static SHAPE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        let parsed = std::env::var("LES_BENCH_SHAPE").ok().and_then(|v| {
+            let (r, c) = v.split_once('x')?;
+            Some((r.parse().ok()?, c.parse().ok()?))
+        });
+        match parsed {
+            Some((r, c)) if r > 0 && c > 0 && c % QK_K == 0 => (r, c),
+            _ => (2048, 768),
+        }
+    })
+}
 
 struct Rng(u64);
 
@@ -49,18 +64,19 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
 }
 
 fn matrix(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
+    let (rows, cols) = shape();
     match ty {
-        GgmlType::F32 => (0..ROWS * COLS)
+        GgmlType::F32 => (0..rows * cols)
             .flat_map(|_| rng.unit().to_le_bytes())
             .collect(),
-        GgmlType::F16 => (0..ROWS * COLS)
+        GgmlType::F16 => (0..rows * cols)
             .flat_map(|_| f32_to_f16(rng.unit()).to_le_bytes())
             .collect(),
-        GgmlType::BF16 => (0..ROWS * COLS)
+        GgmlType::BF16 => (0..rows * cols)
             .flat_map(|_| f32_to_bf16(rng.unit()).to_le_bytes())
             .collect(),
         _ => {
-            let mut v = rng.bytes(ty.row_bytes(COLS).unwrap() * ROWS);
+            let mut v = rng.bytes(ty.row_bytes(cols).unwrap() * rows);
             for b in v.chunks_exact_mut(ty.block_bytes()) {
                 for &o in scale_offsets(ty) {
                     b[o..o + 2].copy_from_slice(&rng.f16());
@@ -72,19 +88,20 @@ fn matrix(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
 }
 
 fn bench(c: &mut Criterion) {
+    let (rows, cols) = shape();
     let mut rng = Rng(1);
-    let x: Vec<f32> = (0..COLS).map(|_| rng.unit()).collect();
-    let mut b0 = rng.bytes(COLS / 32 * 34);
+    let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
+    let mut b0 = rng.bytes(cols / 32 * 34);
     let q8_0: &mut [BlockQ8_0] = as_blocks_mut(&mut b0).unwrap();
     q8_0.iter_mut().for_each(|b| b.d = rng.f16());
-    let mut b1 = rng.bytes(COLS / 32 * 36);
+    let mut b1 = rng.bytes(cols / 32 * 36);
     let q8_1: &mut [BlockQ8_1] = as_blocks_mut(&mut b1).unwrap();
     for b in q8_1.iter_mut() {
         b.d = rng.f16();
         let s: i32 = b.qs.iter().map(|&q| q as i32).sum();
         b.s = f32_to_f16(f16_to_f32(u16::from_le_bytes(b.d)) * s as f32).to_le_bytes();
     }
-    let mut bk = rng.bytes(COLS / QK_K * 292);
+    let mut bk = rng.bytes(cols / QK_K * 292);
     let q8k: &mut [BlockQ8K] = as_blocks_mut(&mut bk).unwrap();
     for b in q8k.iter_mut() {
         b.d = 0.01f32.to_le_bytes();
@@ -99,20 +116,20 @@ fn bench(c: &mut Criterion) {
         q8_1,
         q8k,
     };
-    let mut y = vec![0.0f32; ROWS];
+    let mut y = vec![0.0f32; rows];
     for ty in GgmlType::ALL {
         if activation_format(ty).is_none() {
             continue;
         }
         let data = matrix(ty, &mut rng);
-        let m = MatrixView::new(ty, ROWS, COLS, &data).unwrap();
-        let mut g = c.benchmark_group(format!("gemv_{}", ty.name()));
+        let m = MatrixView::new(ty, rows, cols, &data).unwrap();
+        let mut g = c.benchmark_group(format!("gemv_{}_{rows}x{cols}", ty.name()));
         // Reported as GB/s of weights read.
         g.throughput(Throughput::Bytes(data.len() as u64));
         for isa in Isa::available() {
             g.bench_function(isa.name(), |b| {
                 b.iter(|| {
-                    gemv(isa, black_box(&m), black_box(&input), 0..ROWS, &mut y).unwrap();
+                    gemv(isa, black_box(&m), black_box(&input), 0..rows, &mut y).unwrap();
                 })
             });
         }
