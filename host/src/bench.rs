@@ -556,11 +556,7 @@ pub fn run_speculative(
             context: head,
         }),
         cfg.n_tokens,
-        |l| {
-            let t = sampler.sample(l);
-            sampler.accept(t);
-            t
-        },
+        |l| sampler.sample(l),
         |t, _| {
             tokens.push(t);
             crate::engine::Control::Continue

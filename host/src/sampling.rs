@@ -133,6 +133,8 @@ pub struct Sampler {
     history: VecDeque<u32>,
     candidates: Vec<Candidate>,
     penalized: Vec<u32>,
+    /// Tokens never picked ([`ban`](Self::ban)), sorted.
+    banned: Vec<u32>,
 }
 
 impl Sampler {
@@ -144,7 +146,18 @@ impl Sampler {
             history: VecDeque::new(),
             candidates: Vec::new(),
             penalized: Vec::new(),
+            banned: Vec::new(),
         }
+    }
+
+    /// Never picks `tokens` (their logits read as `-inf`, as a logit bias of
+    /// `-inf` does in llama.cpp: `--ignore-eos` bans the end-of-generation
+    /// tokens); [`reset`](Self::reset) keeps the bans. If every token is banned
+    /// the greedy rule's token 0 comes back, as for all logits `-inf`.
+    pub fn ban(&mut self, tokens: impl IntoIterator<Item = u32>) {
+        self.banned.extend(tokens);
+        self.banned.sort_unstable();
+        self.banned.dedup();
     }
 
     /// The settings.
@@ -198,6 +211,11 @@ impl Sampler {
             logit: clean(l),
         }));
         self.apply_penalty(&mut cands);
+        for &t in &self.banned {
+            if let Some(c) = cands.get_mut(t as usize) {
+                c.logit = f64::NEG_INFINITY;
+            }
+        }
         let token = self.pick_from(&mut cands);
         self.candidates = cands;
         token

@@ -326,3 +326,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn sampling_banned_tokens_are_never_picked() {
+    let l = logits(64, 5);
+    let top = argmax(&l);
+    let mut greedy = Sampler::new(SamplerConfig::greedy());
+    greedy.ban([top, 1000]);
+    let second = {
+        let mut m = l.clone();
+        m[top as usize] = f32::NEG_INFINITY;
+        argmax(&m)
+    };
+    assert_eq!(greedy.sample(&l), second);
+    greedy.reset();
+    assert_eq!(greedy.sample(&l), second, "reset keeps the bans");
+
+    // Sampled: the banned half never comes up, the other half does.
+    let mut s = Sampler::new(random(9));
+    s.ban((0..64).filter(|t| t % 2 == 0));
+    let flat = vec![0.0f32; 64];
+    let picks: Vec<u32> = (0..500).map(|_| s.sample(&flat)).collect();
+    assert!(picks.iter().all(|t| t % 2 == 1), "{picks:?}");
+    assert!(picks.iter().collect::<std::collections::HashSet<_>>().len() > 16);
+
+    // Every token banned: token 0, as for all logits -inf.
+    let mut all = Sampler::new(random(1));
+    all.ban(0..4);
+    assert_eq!(all.sample(&[1.0, 2.0, 3.0, 4.0]), 0);
+}
