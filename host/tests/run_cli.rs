@@ -81,6 +81,111 @@ fn sampling_is_reproducible_for_a_seed() {
     );
 }
 
+/// `--repeat-penalty` and `--repeat-last-n` reach the sampler (the prompt's
+/// tokens in its window, as llama.cpp), `--min-p 1` keeps only the most likely
+/// token, and `-f` reads the same prompt as `-p`.
+#[test]
+fn sampling_options_and_prompt_files() {
+    let m = model("qwen3moe");
+    let greedy = tokens(&json_run(&m, &["--temp", "0", "-n", "24"]));
+    // The tiny model's greedy continuation repeats itself: a penalty changes it.
+    let penalized = json_run(&m, &["--temp", "0", "-n", "24", "--repeat-penalty", "1.5"]);
+    assert_ne!(tokens(&penalized), greedy);
+    let off = [
+        &["--repeat-penalty", "1"][..],
+        &["--repeat-penalty", "1.5", "--repeat-last-n", "0"],
+    ];
+    for args in off {
+        let got = json_run(&m, &[&["--temp", "0", "-n", "24"], args].concat());
+        assert_eq!(tokens(&got), greedy, "{args:?}");
+    }
+    // A window of one token (the last) differs from the default 64.
+    let short = json_run(
+        &m,
+        &[
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "--repeat-penalty",
+            "1.5",
+            "--repeat-last-n",
+            "1",
+        ],
+    );
+    assert_ne!(tokens(&short), tokens(&penalized));
+    // The prompt's tokens are in the window: a prompt that ends in the loop
+    // the model is in penalizes the first token it would pick next.
+    let looping = format!(
+        "The quick brown fox{}",
+        json_run(&m, &["--temp", "0", "-n", "24"])["text"]
+            .as_str()
+            .unwrap()
+    );
+    let first = |extra: &[&str]| {
+        let out = les()
+            .args(["run", "--json", "--temp", "0", "-n", "1", "-m"])
+            .arg(&m)
+            .args(["-p", &looping])
+            .args(extra)
+            .output()
+            .unwrap();
+        tokens(&json_ok(out, "run -n 1"))
+    };
+    assert_ne!(first(&["--repeat-penalty", "1.5"]), first(&[]));
+    // min-p 1 leaves the most likely token, whatever the temperature and seed.
+    for seed in ["1", "2"] {
+        let args = [
+            "--temp", "2", "--top-k", "0", "--min-p", "1", "--seed", seed, "-n", "24",
+        ];
+        assert_eq!(tokens(&json_run(&m, &args)), greedy, "seed {seed}");
+    }
+
+    let file_run = |contents: &[u8]| {
+        let path = tmp(&format!("prompt_{}.txt", contents.len()));
+        std::fs::write(&path, contents).unwrap();
+        let out = les()
+            .args(["run", "--json", "--temp", "0", "-n", "24", "-m"])
+            .arg(&m)
+            .arg("-f")
+            .arg(&path)
+            .output()
+            .unwrap();
+        tokens(&json_ok(out, "run -f"))
+    };
+    // `run` passes -p "The quick brown fox".
+    assert_eq!(file_run(b"The quick brown fox"), greedy);
+    assert_eq!(file_run(b"The quick brown fox\n"), greedy);
+    assert_eq!(file_run(b"The quick brown fox\r\n"), greedy);
+    assert_ne!(file_run(b"The quick brown fox\n\n"), greedy);
+}
+
+/// `--ignore-eos` generates past the point where a run sampled an
+/// end-of-generation token, to `-n`.
+#[test]
+fn ignore_eos_generates_to_n() {
+    let m = model("qwen3moe");
+    let sampled = |seed: u32, extra: &[&str]| {
+        let seed = seed.to_string();
+        let args = [
+            "--temp", "50", "--top-k", "0", "--top-p", "1", "--min-p", "0",
+        ];
+        json_run(
+            &m,
+            &[&args[..], &["--seed", &seed, "-n", "100"], extra].concat(),
+        )
+    };
+    // Near-uniform draws from 300 tokens: some seed's run ends at an EOG token.
+    let seed = (0..40)
+        .find(|&s| sampled(s, &[])["stats"]["stop"] == "eog")
+        .expect("a run that stops at end of generation");
+    let stopped = sampled(seed, &[]);
+    let full = sampled(seed, &["--ignore-eos"]);
+    assert_eq!(full["stats"]["generated"], 100, "{full}");
+    assert_ne!(full["stats"]["stop"], "eog");
+    assert!(tokens(&stopped).len() < 100);
+}
+
 /// A greedy `--json` run with `args` writing its logits to `logits_{name}.npy`:
 /// the JSON, the `.npy` (rows, columns, data) and stderr.
 fn greedy_with_logits(
@@ -385,6 +490,10 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["-t", "100000"], "--threads"),
         (vec!["--io-threads", "100000"], "--io-threads"),
         (vec!["--predict-min-prob", "1.5"], "--predict-min-prob"),
+        (vec!["--min-p", "1.5"], "--min-p"),
+        (vec!["--min-p", "nan"], "--min-p"),
+        (vec!["--repeat-penalty", "0"], "--repeat-penalty"),
+        (vec!["--repeat-penalty", "inf"], "--repeat-penalty"),
         (vec!["-b", "0"], "--batch-size"),
         (vec!["-b", "100000"], "--batch-size"),
         (vec!["--draft-max", "0"], "--draft-max"),

@@ -95,15 +95,13 @@ pub struct BenchArgs {
     pub spec: crate::draft::SpecArgs,
 }
 
-/// The sampler every schedule uses: `les run`'s (temperature, top-k 40,
-/// top-p 0.95), seeded.
+/// The sampler every schedule uses: `les run`'s defaults (llama.cpp's:
+/// top-k 40, top-p 0.95, min-p 0.05, no repeat penalty) at `--temp`, seeded.
 fn sampler(args: &BenchArgs) -> crate::sampling::SamplerConfig {
     crate::sampling::SamplerConfig {
         temperature: args.temperature,
-        top_k: 40,
-        top_p: 0.95,
         seed: args.seed,
-        ..crate::sampling::SamplerConfig::greedy()
+        ..crate::sampling::SamplerConfig::default()
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use les_core::gemv::Isa;
+use les_core::model::forward::TokenInput;
 use serde_json::json;
 
 use super::values;
@@ -15,7 +16,7 @@ use crate::draft::Speculation;
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::model::Model;
-use crate::sampling::{Sampler, SamplerConfig};
+use crate::sampling::{RepeatPenalty, Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::Tokenizer;
 use crate::vision::{self, ClipModel, MultimodalPrompt};
@@ -23,13 +24,18 @@ use les_core::slot_classes::{plan_by_bytes, plan_by_count};
 
 /// Arguments of `les run`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("prompt_source").required(true).args(["prompt", "file"])))]
 pub struct RunArgs {
     /// The model (GGUF).
     #[arg(short, long)]
     pub model: PathBuf,
     /// The prompt, used raw (completion mode) unless `--chat`.
     #[arg(short, long)]
-    pub prompt: String,
+    pub prompt: Option<String>,
+    /// Read the prompt from this file instead (UTF-8; one trailing newline is
+    /// dropped, as llama.cpp's `-f` does).
+    #[arg(short = 'f', long, value_name = "FILE")]
+    pub file: Option<PathBuf>,
     /// Tokens to generate at most.
     #[arg(short = 'n', long, default_value_t = 128)]
     pub n_predict: usize,
@@ -42,6 +48,21 @@ pub struct RunArgs {
     /// Nucleus sampling threshold (1 = off).
     #[arg(long, default_value_t = 0.95, value_parser = super::values::non_negative)]
     pub top_p: f32,
+    /// Keep the tokens at least this times as likely as the most likely one
+    /// (0 = off).
+    #[arg(long, default_value_t = 0.05, value_parser = super::values::probability)]
+    pub min_p: f32,
+    /// Divide the positive logits (multiply the negative ones) of the tokens
+    /// among the last --repeat-last-n, the prompt's included, by this (1 = off).
+    #[arg(long, default_value_t = 1.0, value_parser = super::values::positive)]
+    pub repeat_penalty: f32,
+    /// How many of the last tokens the repeat penalty looks at (0 = off).
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Never sample an end-of-generation token: generate until -n or the
+    /// context is full.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Random seed (default: from the clock, printed in the stats).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -260,6 +281,39 @@ pub fn resolve_budget(
     ))
 }
 
+/// Largest prompt file `-f` reads: far more text than any context holds.
+pub const MAX_PROMPT_FILE: u64 = 64 << 20;
+
+/// The prompt in `path` (`-f`), without one trailing newline (`\n` or
+/// `\r\n`); errors name the file, and a file over [`MAX_PROMPT_FILE`] or not
+/// UTF-8 is refused.
+pub fn read_prompt_file(path: &std::path::Path) -> Result<String, Box<dyn Error>> {
+    use std::io::Read;
+    let named = |e: std::io::Error| with_path(path, e);
+    let file = std::fs::File::open(path).map_err(named)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_PROMPT_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(named)?;
+    if bytes.len() as u64 > MAX_PROMPT_FILE {
+        return Err(format!(
+            "{}: prompt file larger than {} MiB",
+            path.display(),
+            MAX_PROMPT_FILE >> 20
+        )
+        .into());
+    }
+    let mut text = String::from_utf8(bytes)
+        .map_err(|e| format!("{}: prompt is not UTF-8 ({e})", path.display()))?;
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text)
+}
+
 /// Runs `les run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
@@ -293,7 +347,12 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         .iter()
         .map(|p| vision::load_image(p))
         .collect::<Result<Vec<_>, _>>()?;
-    let content = vision::place_markers(&args.prompt, images.len());
+    let prompt_arg = match (&args.prompt, &args.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(path)) => read_prompt_file(path)?,
+        (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
+    };
+    let content = vision::place_markers(&prompt_arg, images.len());
     let prompt_text = if args.chat {
         tokenizer.apply_chat_template(&[("user", content.as_str())], true)?
     } else {
@@ -372,9 +431,16 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
+        min_p: Some(args.min_p),
+        repeat_penalty: Some(RepeatPenalty {
+            penalty: args.repeat_penalty,
+            last_n: args.repeat_last_n,
+        }),
         seed,
-        ..SamplerConfig::greedy()
     });
+    if args.ignore_eos {
+        sampler.ban((0..model.hp.n_vocab as u32).filter(|&t| tokenizer.is_eog(t)));
+    }
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::new(&model, ctx)?;
@@ -418,6 +484,12 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
     let inputs = prompt.inputs();
+    // As llama.cpp: the prompt's tokens count for the repeat penalty.
+    for input in &inputs {
+        if let TokenInput::Token(t) = input {
+            sampler.accept(*t);
+        }
+    }
 
     let mut tokens = Vec::new();
     // Created before the generation, so a bad path fails before the work.
@@ -442,11 +514,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             context: &[],
         }),
         n_predict,
-        |logits| {
-            let t = sampler.sample(logits);
-            sampler.accept(t);
-            t
-        },
+        |logits| sampler.sample(logits),
         |t, logits| {
             if let Some(npy) = &mut npy {
                 if let Err(e) = npy.push(logits) {
@@ -552,4 +620,56 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str, contents: &[u8]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("les-run-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, contents).unwrap();
+        path
+    }
+
+    #[test]
+    fn prompt_files_drop_one_trailing_newline() {
+        for (contents, want) in [
+            (&b"a b"[..], "a b"),
+            (b"a b\n", "a b"),
+            (b"a b\r\n", "a b"),
+            (b"a b\n\n", "a b\n"),
+            (b"\n", ""),
+            (b"", ""),
+            (b"caf\xc3\xa9\r", "caf\u{e9}\r"),
+        ] {
+            let path = file("p.txt", contents);
+            assert_eq!(read_prompt_file(&path).unwrap(), want, "{contents:?}");
+        }
+    }
+
+    #[test]
+    fn bad_prompt_files_are_errors_naming_them() {
+        let missing = std::env::temp_dir().join("les-no-such-prompt.txt");
+        let err = read_prompt_file(&missing).unwrap_err().to_string();
+        assert!(err.contains("les-no-such-prompt.txt"), "{err}");
+
+        let latin1 = file("latin1.txt", b"caf\xe9");
+        let err = read_prompt_file(&latin1).unwrap_err().to_string();
+        assert!(err.contains("latin1.txt") && err.contains("UTF-8"), "{err}");
+
+        // A sparse file one byte over the limit: refused without holding more.
+        let big = file("big.txt", b"");
+        std::fs::File::options()
+            .write(true)
+            .open(&big)
+            .unwrap()
+            .set_len(MAX_PROMPT_FILE + 1)
+            .unwrap();
+        let err = read_prompt_file(&big).unwrap_err().to_string();
+        assert!(err.contains("big.txt") && err.contains("64 MiB"), "{err}");
+        std::fs::remove_file(&big).unwrap();
+    }
 }

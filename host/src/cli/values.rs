@@ -13,6 +13,15 @@ pub fn non_negative(s: &str) -> Result<f32, String> {
     }
 }
 
+/// A finite number `> 0` (the repeat penalty).
+pub fn positive(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(_) => Err(format!("{s} is not a finite number > 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A probability, `0..=1`.
 pub fn probability(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
