@@ -537,46 +537,58 @@ mod x86 {
     /// [`super::dot`] of `N` queries with one key at once, each query's
     /// sixteen sums in one register (`N` independent accumulators hide the
     /// adds' latency), folded in `dot`'s order, so each result is its bits.
+    /// Query `j` is `q[j * d..][..k.len()]` (the queries of a batch lie side by
+    /// side: no per-key array of slices to build).
     #[inline]
     #[target_feature(enable = "avx512f,avx2")]
-    fn dots_avx512<const N: usize>(q: [&[f32]; N], k: &[f32]) -> [f32; N] {
+    fn dots_avx512<const N: usize>(q: &[f32], d: usize, k: &[f32]) -> [f32; N] {
         let (whole, _, tk) = dot_tail_split(k, k);
-        assert!(q.iter().all(|q| q.len() >= k.len()), "dots: short query");
-        let qp = q.map(<[f32]>::as_ptr);
+        assert!(
+            N == 0 || (k.len() <= d && q.len() >= (N - 1) * d + k.len()),
+            "dots: short query"
+        );
+        let qp = q.as_ptr();
         let mut acc = [_mm512_setzero_ps(); N];
         for c in (0..whole).step_by(16) {
             let kv = ld16(&k[c..]);
-            for j in 0..N {
-                // SAFETY: `c + 16 <= whole <= k.len() <= q[j].len()` (asserted
-                // above): the 16 floats read lie in `q[j]`.
-                let qv = unsafe { _mm512_loadu_ps(qp[j].add(c)) };
-                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(qv, kv));
+            for (j, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: `j * d + c + 16 <= (N - 1) * d + whole <= q.len()`
+                // (asserted above, `whole <= k.len()`): the 16 floats read lie
+                // in `q`.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(j * d + c)) };
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(qv, kv));
             }
         }
-        core::array::from_fn(|j| {
-            let lo = _mm512_castps512_ps256(acc[j]);
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[j])));
-            fold8(_mm256_add_ps(lo, hi)) + tail_dot(&q[j][whole..k.len()], tk)
-        })
+        let mut out = [0.0; N];
+        for (j, (o, acc)) in out.iter_mut().zip(acc).enumerate() {
+            let lo = _mm512_castps512_ps256(acc);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+            *o = fold8(_mm256_add_ps(lo, hi)) + tail_dot(&q[j * d + whole..j * d + k.len()], tk);
+        }
+        out
     }
 
     /// [`dots_avx512`] with each query's sixteen sums in two registers.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn dots_avx2<const N: usize>(q: [&[f32]; N], k: &[f32]) -> [f32; N] {
+    fn dots_avx2<const N: usize>(q: &[f32], d: usize, k: &[f32]) -> [f32; N] {
         let (whole, _, tk) = dot_tail_split(k, k);
         let mut lo = [_mm256_setzero_ps(); N];
         let mut hi = [_mm256_setzero_ps(); N];
         for c in (0..whole).step_by(16) {
             let (kl, kh) = (ld8(&k[c..]), ld8(&k[c + 8..]));
             for j in 0..N {
-                lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(ld8(&q[j][c..]), kl));
-                hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(ld8(&q[j][c + 8..]), kh));
+                let qj = &q[j * d + c..];
+                lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(ld8(qj), kl));
+                hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(ld8(&qj[8..]), kh));
             }
         }
-        core::array::from_fn(|j| {
-            fold8(_mm256_add_ps(lo[j], hi[j])) + tail_dot(&q[j][whole..k.len()], tk)
-        })
+        let mut out = [0.0; N];
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = fold8(_mm256_add_ps(lo[j], hi[j]))
+                + tail_dot(&q[j * d + whole..j * d + k.len()], tk);
+        }
+        out
     }
 
     macro_rules! scaled_dots_with {
@@ -593,26 +605,26 @@ mod x86 {
                 out: &mut [f32],
             ) {
                 let nb = q.len() / d.max(1);
-                let qj = |j: usize| &q[j * d..][..d];
                 for t in 0..n {
                     let k = &rows[t * stride..][..d];
                     let mut j = 0;
                     while j < nb {
                         let left = nb - j;
+                        let qs = &q[j * d..];
                         if left >= 8 {
-                            let r = $dots::<8>(core::array::from_fn(|i| qj(j + i)), k);
+                            let r = $dots::<8>(qs, d, k);
                             for (i, r) in r.into_iter().enumerate() {
                                 out[(j + i) * n + t] = r * scale;
                             }
                             j += 8;
                         } else if left >= 4 {
-                            let r = $dots::<4>(core::array::from_fn(|i| qj(j + i)), k);
+                            let r = $dots::<4>(qs, d, k);
                             for (i, r) in r.into_iter().enumerate() {
                                 out[(j + i) * n + t] = r * scale;
                             }
                             j += 4;
                         } else {
-                            out[j * n + t] = $dots::<1>([qj(j)], k)[0] * scale;
+                            out[j * n + t] = $dots::<1>(qs, d, k)[0] * scale;
                             j += 1;
                         }
                     }
