@@ -134,6 +134,15 @@ impl ThreadedMatVec {
 /// A range of rows and its part of each output, for one thread of `matmul`.
 type RowsJob<'a> = (Range<usize>, Vec<&'a mut [f32]>);
 
+/// A run of a batch's inputs and the activation blocks to quantize them into
+/// (the buffer of their format; the others empty).
+type QuantizeJob<'a> = (
+    &'a [f32],
+    &'a mut [BlockQ8_0],
+    &'a mut [BlockQ8_1],
+    &'a mut [BlockQ8K],
+);
+
 /// Grows `v` to at least `n` elements of `zero`.
 fn grow<T: Copy>(v: &mut Vec<T>, n: usize, zero: T) {
     if v.len() < n {
@@ -238,21 +247,68 @@ impl MatVec for ThreadedMatVec {
             F::Q8K => grow(&mut self.q8k, n * blocks, ZERO_Q8K),
             F::F32 => {}
         }
+        // Quantize the inputs, a run of them per thread (each input on its
+        // own, so the blocks are those of one after another).
+        let per = n.div_ceil(self.pool.threads().max(1));
+        // Only the format's buffer was grown to `n * blocks`.
+        let used = |f: bool| if f { n * blocks } else { 0 };
         let (mut q0, mut q1, mut qk) = (
-            self.q8_0.chunks_exact_mut(blocks),
-            self.q8_1.chunks_exact_mut(blocks),
-            self.q8k.chunks_exact_mut(blocks),
+            self.q8_0[..used(matches!(format, F::Q8_0))].chunks_mut(per * blocks),
+            self.q8_1[..used(matches!(format, F::Q8_1))].chunks_mut(per * blocks),
+            self.q8k[..used(matches!(format, F::Q8K))].chunks_mut(per * blocks),
         );
-        let mut inputs: Vec<Input<'_>> = Vec::with_capacity(n);
-        for x in xs.chunks_exact(cols) {
-            let (a, b, c): (&mut [BlockQ8_0], &mut [BlockQ8_1], &mut [BlockQ8K]) = match format {
-                F::Q8_0 => (q0.next().unwrap_or_default(), &mut [], &mut []),
-                F::Q8_1 => (&mut [], q1.next().unwrap_or_default(), &mut []),
-                F::Q8K => (&mut [], &mut [], qk.next().unwrap_or_default()),
-                F::F32 => (&mut [], &mut [], &mut []),
-            };
-            inputs.push(prepare_input(w.ty(), x, a, b, c)?);
+        let quantize_jobs: Vec<Mutex<Option<QuantizeJob<'_>>>> = xs
+            .chunks(per * cols)
+            .map(|x| {
+                let job: QuantizeJob<'_> = match format {
+                    F::Q8_0 => (x, q0.next().unwrap_or_default(), &mut [], &mut []),
+                    F::Q8_1 => (x, &mut [], q1.next().unwrap_or_default(), &mut []),
+                    F::Q8K => (x, &mut [], &mut [], qk.next().unwrap_or_default()),
+                    F::F32 => (x, &mut [], &mut [], &mut []),
+                };
+                Mutex::new(Some(job))
+            })
+            .collect();
+        let first_error: Mutex<Option<GemvError>> = Mutex::new(None);
+        let ty = w.ty();
+        let quantize = |c: usize| {
+            let taken = quantize_jobs.get(c).and_then(|s| s.lock().ok()?.take());
+            let Some((xs, a, b, k)) = taken else { return };
+            for (i, x) in xs.chunks_exact(cols).enumerate() {
+                let at = i * blocks;
+                let (a, b, k) = (
+                    a.get_mut(at..).unwrap_or_default(),
+                    b.get_mut(at..).unwrap_or_default(),
+                    k.get_mut(at..).unwrap_or_default(),
+                );
+                if let Err(e) = prepare_input(ty, x, a, b, k) {
+                    if let Ok(mut first) = first_error.lock() {
+                        first.get_or_insert(e);
+                    }
+                    return;
+                }
+            }
+        };
+        self.pool.for_each(quantize_jobs.len(), &quantize);
+        drop(quantize_jobs);
+        if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
         }
+        let inputs: Vec<Input<'_>> = xs
+            .chunks_exact(cols)
+            .enumerate()
+            .map(|(i, x)| {
+                let at = i * blocks..(i + 1) * blocks;
+                let mut input = Input::default();
+                match format {
+                    F::F32 => input.f32 = x,
+                    F::Q8_0 => input.q8_0 = &self.q8_0[at],
+                    F::Q8_1 => input.q8_1 = &self.q8_1[at],
+                    F::Q8K => input.q8k = &self.q8k[at],
+                }
+                input
+            })
+            .collect();
         // Every error is the same for every range: check once, write nothing on error.
         let mut empty: Vec<&mut [f32]> = (0..n).map(|_| &mut [][..]).collect();
         gemm(self.isa, w, &inputs, 0..0, &mut empty)?;
