@@ -311,10 +311,12 @@ fn q6_k_vnni_n<const N: usize>(w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] 
         let scales: &[u8; 16] = &w.scales.map(|s| s as u8);
         let sc16 = _mm256_cvtepi8_epi16(ld128(scales));
         let sc = _mm512_castsi256_si512(sc16);
-        let offset = x.map(|x| {
+        // A loop, not `x.map`: the closure was not inlined (a call a block).
+        let mut offset = [0i32; N];
+        for (o, x) in offset.iter_mut().zip(x) {
             let bsums: &[u8; 32] = x[i].bsums.as_flattened().try_into().expect("32 bytes");
-            avx2::hsum(_mm256_madd_epi16(sc16, ld256(bsums)))
-        });
+            *o = avx2::hsum(_mm256_madd_epi16(sc16, ld256(bsums)));
+        }
         let mut v = [zero; N];
         for (half, pick) in Q6K_HALF_SCALES.iter().enumerate() {
             let ql = ld512(arr(&w.ql, 64 * half));
