@@ -84,7 +84,7 @@ pub struct Session<'m> {
 
 /// Positions a prompt is evaluated in at once by default (see
 /// [`Session::set_prefill_batch`]).
-pub const DEFAULT_PREFILL_BATCH: usize = 64;
+pub const DEFAULT_PREFILL_BATCH: usize = 256;
 
 /// Most positions [`Session::set_prefill_batch`] accepts.
 pub const MAX_PREFILL_BATCH: usize = 4096;
