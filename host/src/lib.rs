@@ -7,7 +7,8 @@
 //! - [`model`]: a GGUF as a runnable model (hyperparameters, validated weights).
 //! - [`tokenizer`]: tokenizers built from the GGUF's `tokenizer.ggml.*` metadata.
 //! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
-//! - [`sampling`]: reproducible token sampling (greedy, top-k, top-p, min-p).
+//! - [`sampling`]: reproducible token sampling (greedy, repeat penalty, top-k,
+//!   top-p, min-p, banned tokens).
 //! - [`engine`]: KV cache, prefill and the decode loop; [`draft`], the guesses
 //!   speculative decoding verifies.
 //! - [`hugepages`]: transparent huge pages for the slots and the KV cache.
