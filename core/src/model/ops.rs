@@ -65,19 +65,33 @@ pub fn rope(
         "rope: bad dimensions"
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
-    for head in x.chunks_exact_mut(head_dim) {
-        let mut theta = pos as f32;
-        for i in 0..n_rot / 2 {
-            let (c, s) = (cosf(theta), sinf(theta));
-            let (a, b) = match style {
-                RopeStyle::Normal => (2 * i, 2 * i + 1),
-                RopeStyle::Neox => (i, i + n_rot / 2),
-            };
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * c - x1 * s;
-            head[b] = x0 * s + x1 * c;
+    // Every head turns by the same angles: each pair's cosine and sine are
+    // computed once for all heads, a chunk of pairs at a time (the angles the
+    // same running product as pair by pair, so the same bits).
+    const PAIRS: usize = 64;
+    let half = n_rot / 2;
+    let mut theta = pos as f32;
+    let mut i0 = 0;
+    while i0 < half {
+        let m = (half - i0).min(PAIRS);
+        let mut cs = [(0.0f32, 0.0f32); PAIRS];
+        for c in &mut cs[..m] {
+            *c = (cosf(theta), sinf(theta));
             theta *= theta_scale;
         }
+        for head in x.chunks_exact_mut(head_dim) {
+            for (k, &(c, s)) in cs[..m].iter().enumerate() {
+                let i = i0 + k;
+                let (a, b) = match style {
+                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+        i0 += m;
     }
 }
 
@@ -334,6 +348,65 @@ mod tests {
         let mut p = [1.0, 0.0, 5.0, 6.0];
         rope(&mut p, 4, 2, 3, 10000.0, RopeStyle::Neox);
         assert_eq!(&p[2..], &[5.0, 6.0]);
+    }
+
+    /// `rope` as a head at a time, each pair's angle from the running product.
+    fn rope_per_head(
+        x: &mut [f32],
+        head_dim: usize,
+        n_rot: usize,
+        pos: u32,
+        base: f32,
+        style: RopeStyle,
+    ) {
+        let theta_scale = libm::powf(base, -2.0 / n_rot as f32);
+        for head in x.chunks_exact_mut(head_dim) {
+            let mut theta = pos as f32;
+            for i in 0..n_rot / 2 {
+                let (c, s) = (cosf(theta), sinf(theta));
+                let (a, b) = match style {
+                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + n_rot / 2),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+                theta *= theta_scale;
+            }
+        }
+    }
+
+    #[test]
+    fn rope_shares_the_angles_across_heads_bit_for_bit() {
+        // More than one chunk of pairs (head_dim 512: 256 pairs), partial rotation.
+        for (head_dim, n_rot) in [
+            (64, 64),
+            (128, 128),
+            (256, 256),
+            (512, 512),
+            (256, 130),
+            (8, 2),
+        ] {
+            for style in [RopeStyle::Normal, RopeStyle::Neox] {
+                for pos in [0u32, 1, 17, 40_000] {
+                    let mut a = [0.0f32; 3 * 512];
+                    for (i, v) in a.iter_mut().enumerate() {
+                        *v = libm::sinf(i as f32 * 0.37);
+                    }
+                    let mut b = a;
+                    let n = 3 * head_dim;
+                    rope(&mut a[..n], head_dim, n_rot, pos, 1e6, style);
+                    rope_per_head(&mut b[..n], head_dim, n_rot, pos, 1e6, style);
+                    for (x, y) in a.iter().zip(&b) {
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "{head_dim} {n_rot} {style:?} {pos}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
