@@ -546,6 +546,17 @@ fn errors_are_one_line_and_nonzero() {
             vec!["run", "-m", "/nonexistent.gguf", "-p", "x"],
             "nonexistent",
         ),
+        // The prompt file is read before the model.
+        (
+            vec![
+                "run",
+                "-m",
+                "/nonexistent.gguf",
+                "-f",
+                "/no-such-prompt.txt",
+            ],
+            "/no-such-prompt.txt",
+        ),
         (
             vec![
                 "run",

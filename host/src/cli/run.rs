@@ -317,6 +317,12 @@ pub fn read_prompt_file(path: &std::path::Path) -> Result<String, Box<dyn Error>
 /// Runs `les run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
+    // Before the model loads: a bad prompt file fails at once.
+    let prompt_arg = match (&args.prompt, &args.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(path)) => read_prompt_file(path)?,
+        (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
+    };
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
     let (schedule, budget) = resolve_budget(
@@ -347,11 +353,6 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         .iter()
         .map(|p| vision::load_image(p))
         .collect::<Result<Vec<_>, _>>()?;
-    let prompt_arg = match (&args.prompt, &args.file) {
-        (Some(p), _) => p.clone(),
-        (None, Some(path)) => read_prompt_file(path)?,
-        (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
-    };
     let content = vision::place_markers(&prompt_arg, images.len());
     let prompt_text = if args.chat {
         tokenizer.apply_chat_template(&[("user", content.as_str())], true)?
