@@ -561,9 +561,7 @@ mod x86 {
         }
         let mut out = [0.0; N];
         for (j, (o, acc)) in out.iter_mut().zip(acc).enumerate() {
-            let lo = _mm512_castps512_ps256(acc);
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
-            *o = fold8(_mm256_add_ps(lo, hi)) + tail_dot(&q[j * d + whole..j * d + k.len()], tk);
+            *o = fold16(acc) + tail_dot(&q[j * d + whole..j * d + k.len()], tk);
         }
         out
     }
@@ -637,7 +635,7 @@ mod x86 {
 
     /// `C` vectors of `o` (`C * W` floats from `at`) held in registers while
     /// every position's weighted value is added, in position order: each
-    /// element's sum is the reference's.
+    /// element's sum is the reference's. Returns `C`.
     macro_rules! sums_block {
         ($name:ident, $features:literal, $vec:ty, $w:literal, $ld:ident, $st:ident, $set1:ident, $add:ident, $mul:ident) => {
             #[inline]
@@ -649,7 +647,7 @@ mod x86 {
                 n: usize,
                 oh: &mut [f32],
                 at: usize,
-            ) {
+            ) -> usize {
                 let mut acc: [$vec; C] = core::array::from_fn(|c| $ld(&oh[at + $w * c..]));
                 for (t, &s) in w[..n].iter().enumerate() {
                     let v = &rows[t * stride + at..][..C * $w];
@@ -661,6 +659,7 @@ mod x86 {
                 for (c, a) in acc.into_iter().enumerate() {
                     $st(&mut oh[at + $w * c..], a);
                 }
+                C
             }
         };
     }
@@ -711,17 +710,12 @@ mod x86 {
                         let wj = &w[j * n + t0..][..tn];
                         let mut at = 0;
                         while at + $w <= d {
-                            let left = (d - at) / $w;
-                            if left >= 8 {
-                                $block::<8>(wj, tile, stride, tn, oh, at);
-                                at += 8 * $w;
-                            } else if left >= 4 {
-                                $block::<4>(wj, tile, stride, tn, oh, at);
-                                at += 4 * $w;
-                            } else {
-                                $block::<1>(wj, tile, stride, tn, oh, at);
-                                at += $w;
-                            }
+                            let vectors = match (d - at) / $w {
+                                8.. => $block::<8>(wj, tile, stride, tn, oh, at),
+                                4.. => $block::<4>(wj, tile, stride, tn, oh, at),
+                                _ => $block::<1>(wj, tile, stride, tn, oh, at),
+                            };
+                            at += vectors * $w;
                         }
                         for (t, &s) in wj.iter().enumerate() {
                             let v = &tile[t * stride..][..d];
