@@ -65,20 +65,35 @@ pub fn rope(
         "rope: bad dimensions"
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
-    // Every head turns by the same angles: each pair's cosine and sine are
-    // computed once for all heads, a chunk of pairs at a time (the angles the
-    // same running product as pair by pair, so the same bits).
-    const PAIRS: usize = 64;
-    let half = n_rot / 2;
     let mut theta = pos as f32;
-    let mut i0 = 0;
-    while i0 < half {
-        let m = (half - i0).min(PAIRS);
-        let mut cs = [(0.0f32, 0.0f32); PAIRS];
-        for c in &mut cs[..m] {
+    rotate_pairs(x, head_dim, n_rot / 2, style, |_, cs| {
+        for c in cs {
             *c = (cosf(theta), sinf(theta));
             theta *= theta_scale;
         }
+    });
+}
+
+/// Pairs [`rotate_pairs`] takes the angles of at a time.
+const ROPE_PAIRS: usize = 64;
+
+/// Rotates pair `i` (of `half`, paired as `style` says) of every head of `x`
+/// by the angle whose cosine and sine `angles` gives it: `angles(i0, cs)`
+/// fills `cs` for pairs `i0..i0 + cs.len()`, chunk after chunk in order (so it
+/// may keep a running angle). Every head turns by the same angles, so each
+/// pair's cosine and sine are computed once for all heads.
+fn rotate_pairs(
+    x: &mut [f32],
+    head_dim: usize,
+    half: usize,
+    style: RopeStyle,
+    mut angles: impl FnMut(usize, &mut [(f32, f32)]),
+) {
+    let mut i0 = 0;
+    while i0 < half {
+        let m = (half - i0).min(ROPE_PAIRS);
+        let mut cs = [(0.0f32, 0.0f32); ROPE_PAIRS];
+        angles(i0, &mut cs[..m]);
         for head in x.chunks_exact_mut(head_dim) {
             for (k, &(c, s)) in cs[..m].iter().enumerate() {
                 let i = i0 + k;
@@ -120,9 +135,9 @@ pub fn rope_imrope(
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
     let s = sections.map(|v| v as usize);
-    for head in x.chunks_exact_mut(head_dim) {
-        let mut theta = pos.map(|p| p as f32);
-        for i in 0..n_rot / 2 {
+    let mut theta = pos.map(|p| p as f32);
+    rotate_pairs(x, head_dim, n_rot / 2, RopeStyle::Neox, |i0, cs| {
+        for (i, c) in (i0..).zip(cs) {
             let sector = i % sect_dims;
             let which = if sector % 3 == 1 && sector < 3 * s[1] {
                 1
@@ -133,16 +148,12 @@ pub fn rope_imrope(
             } else {
                 3
             };
-            let (c, sn) = (cosf(theta[which]), sinf(theta[which]));
-            let (a, b) = (i, i + n_rot / 2);
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * c - x1 * sn;
-            head[b] = x0 * sn + x1 * c;
+            *c = (cosf(theta[which]), sinf(theta[which]));
             for t in theta.iter_mut() {
                 *t *= theta_scale;
             }
         }
-    }
+    });
 }
 
 /// `1 / (1 + e^-x)`, as ggml's `sigmoid`.
@@ -376,6 +387,36 @@ mod tests {
         }
     }
 
+    /// `rope_imrope` as a head at a time (sections of the text-and-image kind).
+    fn imrope_per_head(x: &mut [f32], head_dim: usize, n_rot: usize, pos: [u32; 4], base: f32) {
+        let sections = [11usize, 11, 10, 0];
+        let sect_dims: usize = sections.iter().sum();
+        let theta_scale = libm::powf(base, -2.0 / n_rot as f32);
+        for head in x.chunks_exact_mut(head_dim) {
+            let mut theta = pos.map(|p| p as f32);
+            for i in 0..n_rot / 2 {
+                let sector = i % sect_dims;
+                let which = if sector % 3 == 1 && sector < 3 * sections[1] {
+                    1
+                } else if sector % 3 == 2 && sector < 3 * sections[2] {
+                    2
+                } else if sector.is_multiple_of(3) && sector < 3 * sections[0] {
+                    0
+                } else {
+                    3
+                };
+                let (c, sn) = (cosf(theta[which]), sinf(theta[which]));
+                let (a, b) = (i, i + n_rot / 2);
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * sn;
+                head[b] = x0 * sn + x1 * c;
+                for t in theta.iter_mut() {
+                    *t *= theta_scale;
+                }
+            }
+        }
+    }
+
     #[test]
     fn rope_shares_the_angles_across_heads_bit_for_bit() {
         // More than one chunk of pairs (head_dim 512: 256 pairs), partial rotation.
@@ -395,6 +436,7 @@ mod tests {
                     }
                     let mut b = a;
                     let n = 3 * head_dim;
+                    let (mut c, mut e) = (a, a);
                     rope(&mut a[..n], head_dim, n_rot, pos, 1e6, style);
                     rope_per_head(&mut b[..n], head_dim, n_rot, pos, 1e6, style);
                     for (x, y) in a.iter().zip(&b) {
@@ -403,6 +445,12 @@ mod tests {
                             y.to_bits(),
                             "{head_dim} {n_rot} {style:?} {pos}"
                         );
+                    }
+                    let p = [pos, pos / 3, pos / 5, 0];
+                    rope_imrope(&mut c[..n], head_dim, n_rot, p, [11, 11, 10, 0], 1e6);
+                    imrope_per_head(&mut e[..n], head_dim, n_rot, p, 1e6);
+                    for (x, y) in c.iter().zip(&e) {
+                        assert_eq!(x.to_bits(), y.to_bits(), "imrope {head_dim} {n_rot} {pos}");
                     }
                 }
             }
