@@ -143,6 +143,50 @@ type QuantizeJob<'a> = (
     &'a mut [BlockQ8K],
 );
 
+/// Work cut into parts for the pool's threads, each part taken once by
+/// whichever thread runs it.
+struct Parts<T>(Vec<Mutex<Option<T>>>);
+
+impl<T> Parts<T> {
+    fn new(parts: impl IntoIterator<Item = T>) -> Self {
+        Parts(parts.into_iter().map(|p| Mutex::new(Some(p))).collect())
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Part `i`, the first time it is asked for.
+    fn take(&self, i: usize) -> Option<T> {
+        self.0.get(i).and_then(|s| s.lock().ok()?.take())
+    }
+}
+
+/// The error of the lowest-numbered part that failed: the same whichever
+/// order the threads ran the parts in.
+struct FirstError(Mutex<Option<(usize, GemvError)>>);
+
+impl FirstError {
+    fn new() -> Self {
+        FirstError(Mutex::new(None))
+    }
+
+    fn record(&self, part: usize, e: GemvError) {
+        if let Ok(mut first) = self.0.lock() {
+            if first.as_ref().is_none_or(|(i, _)| part < *i) {
+                *first = Some((part, e));
+            }
+        }
+    }
+
+    fn into_result(self) -> Result<(), GemvError> {
+        match self.0.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Grows `v` to at least `n` elements of `zero`.
 fn grow<T: Copy>(v: &mut Vec<T>, n: usize, zero: T) {
     if v.len() < n {
@@ -195,7 +239,7 @@ impl MatVec for ThreadedMatVec {
         let chunks = n_head_kv.max(parts);
         let widest = n_head.div_ceil(chunks);
         grow(&mut self.scores, chunks * widest * n.max(1), 0.0);
-        let mut slots = Vec::with_capacity(chunks);
+        let mut jobs = Vec::with_capacity(chunks);
         let (mut out_rest, mut scores_rest) = (&mut *out, &mut self.scores[..]);
         for c in 0..chunks {
             let heads = c * n_head / chunks..(c + 1) * n_head / chunks;
@@ -203,12 +247,12 @@ impl MatVec for ThreadedMatVec {
             out_rest = tail;
             let (sc, tail) = scores_rest.split_at_mut(widest * n.max(1));
             scores_rest = tail;
-            slots.push(Mutex::new(Some((heads, o, sc))));
+            jobs.push((heads, o, sc));
         }
+        let jobs = Parts::new(jobs);
         let isa = self.isa;
         self.pool.for_each(chunks, &|c| {
-            let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
-            if let Some((heads, o, sc)) = taken {
+            if let Some((heads, o, sc)) = jobs.take(c) {
                 ops::attention_heads(isa, shape, heads, q, kv, sc, o);
             }
         });
@@ -257,23 +301,20 @@ impl MatVec for ThreadedMatVec {
             self.q8_1[..used(matches!(format, F::Q8_1))].chunks_mut(per * blocks),
             self.q8k[..used(matches!(format, F::Q8K))].chunks_mut(per * blocks),
         );
-        let quantize_jobs: Vec<Mutex<Option<QuantizeJob<'_>>>> = xs
-            .chunks(per * cols)
-            .map(|x| {
-                let job: QuantizeJob<'_> = match format {
-                    F::Q8_0 => (x, q0.next().unwrap_or_default(), &mut [], &mut []),
-                    F::Q8_1 => (x, &mut [], q1.next().unwrap_or_default(), &mut []),
-                    F::Q8K => (x, &mut [], &mut [], qk.next().unwrap_or_default()),
-                    F::F32 => (x, &mut [], &mut [], &mut []),
-                };
-                Mutex::new(Some(job))
-            })
-            .collect();
-        let first_error: Mutex<Option<GemvError>> = Mutex::new(None);
+        let quantize_jobs = Parts::new(xs.chunks(per * cols).map(|x| -> QuantizeJob<'_> {
+            match format {
+                F::Q8_0 => (x, q0.next().unwrap_or_default(), &mut [], &mut []),
+                F::Q8_1 => (x, &mut [], q1.next().unwrap_or_default(), &mut []),
+                F::Q8K => (x, &mut [], &mut [], qk.next().unwrap_or_default()),
+                F::F32 => (x, &mut [], &mut [], &mut []),
+            }
+        }));
+        let first_error = FirstError::new();
         let ty = w.ty();
         let quantize = |c: usize| {
-            let taken = quantize_jobs.get(c).and_then(|s| s.lock().ok()?.take());
-            let Some((xs, a, b, k)) = taken else { return };
+            let Some((xs, a, b, k)) = quantize_jobs.take(c) else {
+                return;
+            };
             for (i, x) in xs.chunks_exact(cols).enumerate() {
                 let at = i * blocks;
                 let (a, b, k) = (
@@ -282,18 +323,13 @@ impl MatVec for ThreadedMatVec {
                     k.get_mut(at..).unwrap_or_default(),
                 );
                 if let Err(e) = prepare_input(ty, x, a, b, k) {
-                    if let Ok(mut first) = first_error.lock() {
-                        first.get_or_insert(e);
-                    }
-                    return;
+                    return first_error.record(c, e);
                 }
             }
         };
         self.pool.for_each(quantize_jobs.len(), &quantize);
         drop(quantize_jobs);
-        if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
-        }
+        first_error.into_result()?;
         let inputs: Vec<Input<'_>> = xs
             .chunks_exact(cols)
             .enumerate()
@@ -327,32 +363,22 @@ impl MatVec for ThreadedMatVec {
                 out.push(part);
             }
         }
-        let slots: Vec<Mutex<Option<RowsJob<'_>>>> = ranges
-            .into_iter()
-            .zip(outs)
-            .map(|job| Mutex::new(Some(job)))
-            .collect();
-        let first_error: Mutex<Option<GemvError>> = Mutex::new(None);
+        let jobs: Parts<RowsJob<'_>> = Parts::new(ranges.into_iter().zip(outs));
+        let first_error = FirstError::new();
         let (isa, inputs) = (self.isa, &inputs);
         let run = |c: usize| {
-            let taken = slots.get(c).and_then(|s| s.lock().ok()?.take());
-            if let Some((range, mut out)) = taken {
+            if let Some((range, mut out)) = jobs.take(c) {
                 if let Err(e) = gemm(isa, w, inputs, range, &mut out) {
-                    if let Ok(mut first) = first_error.lock() {
-                        first.get_or_insert(e);
-                    }
+                    first_error.record(c, e);
                 }
             }
         };
-        if slots.len() == 1 {
+        if jobs.len() == 1 {
             run(0);
         } else {
-            self.pool.for_each(slots.len(), &run);
+            self.pool.for_each(jobs.len(), &run);
         }
-        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        first_error.into_result()
     }
 
     /// Each thread hashes the rows it computed right after their product, while
@@ -400,24 +426,25 @@ impl ThreadedMatVec {
         gemv(self.isa, w, &input, 0..0, &mut [])?;
 
         let ranges = split_rows(rows, chunks, y.as_ptr() as usize);
-        let mut slots = Vec::with_capacity(chunks);
+        let mut jobs = Vec::with_capacity(chunks);
         let mut rest = &mut *y;
         for r in &ranges {
             let (chunk, tail) = rest.split_at_mut(r.len());
             rest = tail;
-            slots.push(Mutex::new(Some((r.clone(), chunk))));
+            jobs.push((r.clone(), chunk));
         }
+        let jobs = Parts::new(jobs);
         let crcs: Vec<Mutex<u32>> = (0..if hash { chunks } else { 0 })
             .map(|_| Mutex::new(0))
             .collect();
-        let first_error: Mutex<Option<(usize, GemvError)>> = Mutex::new(None);
+        let first_error = FirstError::new();
         let (isa, prefetch) = (self.isa, self.prefetch);
         let input = &input;
         let row_bytes = w.row_bytes();
         self.pool.for_each(chunks, &|c| {
-            let Some(slot) = slots.get(c) else { return };
-            let taken = slot.lock().ok().and_then(|mut s| s.take());
-            let Some((range, chunk)) = taken else { return };
+            let Some((range, chunk)) = jobs.take(c) else {
+                return;
+            };
             let bytes = range.start * row_bytes..range.end * row_bytes;
             match gemv_with_prefetch(isa, w, input, range, chunk, prefetch) {
                 Ok(()) => {
@@ -425,18 +452,10 @@ impl ThreadedMatVec {
                         *crc.lock().unwrap_or_else(|p| p.into_inner()) = checksum(part);
                     }
                 }
-                Err(e) => {
-                    if let Ok(mut first) = first_error.lock() {
-                        if first.is_none_or(|(i, _)| c < i) {
-                            *first = Some((c, e));
-                        }
-                    }
-                }
+                Err(e) => first_error.record(c, e),
             }
         });
-        if let Some((_, e)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
-        }
+        first_error.into_result()?;
         if !hash {
             return Ok(None);
         }
