@@ -87,6 +87,61 @@ pub struct LayerPrediction {
     pub enabled: bool,
 }
 
+/// Parts [`run_schedule`] splits a decode into, to show whether its rate held:
+/// a decode that starts cold spends its first tokens filling the slots, whose
+/// rate is not the one it settles at.
+pub const STRETCHES: usize = 4;
+
+/// One stretch of a decode: consecutive tokens, and what they cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stretch {
+    /// Tokens generated in it.
+    pub tokens: usize,
+    /// Its wall time.
+    pub time: Duration,
+    /// Bytes read from the file in it.
+    pub bytes_read: u64,
+    /// Time blocked on reads in it.
+    pub stall: Duration,
+}
+
+impl Stretch {
+    /// Tokens per second (0 for an empty stretch).
+    pub fn tok_s(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.time.as_secs_f64().max(1e-9)
+        }
+    }
+
+    /// Bytes read per token (0 for an empty stretch).
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_read as f64 / self.tokens.max(1) as f64
+    }
+
+    /// The stretch from `start` to `end`, each a token index, the time it was
+    /// reached and the device's counters then.
+    fn between(start: (usize, Instant, IoSnapshot), end: (usize, Instant, IoSnapshot)) -> Self {
+        let io = end.2 - start.2;
+        Stretch {
+            tokens: end.0 - start.0,
+            time: end.1 - start.1,
+            bytes_read: io.file_bytes,
+            stall: Duration::from_nanos(io.stall_nanos),
+        }
+    }
+}
+
+/// Where each of `parts` near-equal stretches of `n` tokens starts, and `n`:
+/// `parts + 1` ascending bounds, fewer where `n < parts` (no stretch is empty).
+pub fn stretch_bounds(n: usize, parts: usize) -> Vec<usize> {
+    let parts = parts.max(1);
+    let mut b: Vec<usize> = (0..=parts).map(|i| i * n / parts).collect();
+    b.dedup();
+    b
+}
+
 /// What one schedule did.
 #[derive(Clone, Debug)]
 pub struct ScheduleReport {
@@ -127,6 +182,10 @@ pub struct ScheduleReport {
     /// Share of the machine's CPU time a hypervisor took during decode
     /// ([`crate::cpu_steal`]; `None` where it cannot be read).
     pub cpu_steal: Option<f64>,
+    /// The decode in [`STRETCHES`] consecutive stretches (fewer for fewer
+    /// tokens), in order: their tokens, times, bytes and stalls add up to the
+    /// decode's.
+    pub stretches: Vec<Stretch>,
 }
 
 impl ScheduleReport {
@@ -605,11 +664,7 @@ pub fn run_schedule(
     supply.watcher.1.reset(supply.inner);
     let decode_from = supply.watcher.0.picks.len();
     let stats0 = supply.inner.stats().unwrap_or_default();
-    let io0 = supply
-        .inner
-        .device()
-        .map(|d| d.counters().snapshot())
-        .unwrap_or_default();
+    let io0 = io_snapshot(supply.inner);
     let cpu0 = CpuTimes::now();
     let t1 = Instant::now();
     let output0 = mv.time;
@@ -618,7 +673,16 @@ pub fn run_schedule(
     for &t in &cfg.prompt {
         sampler.accept(t);
     }
-    for _ in 0..cfg.n_tokens {
+    let bounds = stretch_bounds(cfg.n_tokens, STRETCHES);
+    let mut stretches = Vec::with_capacity(STRETCHES);
+    // Where the current stretch began: its first token, the time, the counters.
+    let mut mark = (0, t1, io0);
+    for i in 0..cfg.n_tokens {
+        if i > 0 && bounds.contains(&i) {
+            let now = (i, Instant::now(), io_snapshot(supply.inner));
+            stretches.push(Stretch::between(mark, now));
+            mark = now;
+        }
         let t = sampler.sample(&logits);
         tokens.push(t);
         session.eval(
@@ -629,7 +693,11 @@ pub fn run_schedule(
             &mut logits,
         )?;
     }
-    let decode = t1.elapsed();
+    let end = (cfg.n_tokens, Instant::now(), io_snapshot(supply.inner));
+    let decode = end.1 - t1;
+    if cfg.n_tokens > 0 {
+        stretches.push(Stretch::between(mark, end));
+    }
     let layer_costs = match schedule {
         Schedule::Resident => Vec::new(), // nothing streams: no stall, no misses
         _ => supply.watcher.1.finish(supply.inner),
@@ -637,12 +705,7 @@ pub fn run_schedule(
     let cpu_steal = CpuTimes::now()
         .zip(cpu0)
         .and_then(|(now, before)| now.steal_since(&before));
-    let io: IoSnapshot = supply
-        .inner
-        .device()
-        .map(|d| d.counters().snapshot())
-        .unwrap_or_default()
-        - io0;
+    let io: IoSnapshot = end.2 - io0;
     let s1 = supply.inner.stats().unwrap_or_default();
     let stats = s1.since(&stats0);
     let layers = supply
@@ -678,7 +741,16 @@ pub fn run_schedule(
         picks: std::mem::take(&mut supply.watcher.0.picks),
         decode_from,
         cpu_steal,
+        stretches,
     })
+}
+
+/// The file device's counters (zero for a resident supply).
+fn io_snapshot(supply: &Supply<'_>) -> IoSnapshot {
+    supply
+        .device()
+        .map(|d| d.counters().snapshot())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -703,6 +775,7 @@ mod tests {
             picks: Vec::new(),
             decode_from: 0,
             cpu_steal: None,
+            stretches: Vec::new(),
         }
     }
 
@@ -731,6 +804,24 @@ mod tests {
             ..report(Schedule::Les, 3000, 100, 1)
         };
         assert_eq!(unmeasured.overlap_bound(&od), None);
+    }
+
+    #[test]
+    fn stretches_cover_the_decode_without_empty_ones() {
+        assert_eq!(stretch_bounds(128, 4), [0, 32, 64, 96, 128]);
+        assert_eq!(stretch_bounds(10, 4), [0, 2, 5, 7, 10]);
+        assert_eq!(stretch_bounds(3, 4), [0, 1, 2, 3]);
+        assert_eq!(stretch_bounds(1, 4), [0, 1]);
+        assert_eq!(stretch_bounds(0, 4), [0]);
+        assert_eq!(stretch_bounds(5, 0), [0, 5]);
+        for n in 0..40 {
+            for parts in 1..6 {
+                let b = stretch_bounds(n, parts);
+                assert_eq!((b[0], *b.last().unwrap()), (0, n));
+                assert!(b.windows(2).all(|w| w[0] < w[1]), "{n} {parts} {b:?}");
+                assert!(b.len() <= parts + 1);
+            }
+        }
     }
 
     #[test]

@@ -133,6 +133,32 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         j["schedules"]["resident"]["layer_costs"],
         serde_json::json!([])
     );
+    // The decode in quarters (12 tokens: 3 each), in order: their tokens,
+    // bytes and stalls add up to the run's.
+    for s in ["on-demand", "les", "resident"] {
+        let r = &j["schedules"][s];
+        let parts = r["stretches"].as_array().unwrap();
+        let tokens: Vec<u64> = parts.iter().map(|p| p["tokens"].as_u64().unwrap()).collect();
+        assert_eq!(tokens, [3, 3, 3, 3], "{s}: {r}");
+        let total = |k: &str| -> f64 {
+            parts
+                .iter()
+                .map(|p| p[k].as_f64().unwrap() * p["tokens"].as_f64().unwrap())
+                .sum::<f64>()
+                / 12.0
+        };
+        for k in ["bytes_per_token", "stall_s_per_token"] {
+            let want = r[k].as_f64().unwrap();
+            assert!((total(k) - want).abs() <= 1e-9 * want.max(1.0), "{s}.{k}: {r}");
+        }
+        assert!(parts.iter().all(|p| p["tok_s"].as_f64().unwrap() > 0.0), "{r}");
+    }
+    assert!(
+        j["schedules"]["on-demand"]["stretches"][0]["bytes_per_token"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
     // No cache without prediction hits more often than Belady's optimal one over
     // the same routing: not LRU (on-demand), and it can miss (6 of 32 slots).
     let optimal = j["optimal_hit_rate"].as_f64().unwrap();

@@ -41,8 +41,10 @@ pub struct BenchArgs {
     /// sizes by their expert counts.
     #[arg(long, conflicts_with = "expert_mem")]
     pub slots: Option<usize>,
-    /// Tokens to generate per schedule.
-    #[arg(short = 'n', long, default_value_t = 32, value_parser = super::values::tokens)]
+    /// Tokens to generate per schedule (128, as llama-bench's `tg128`: a decode
+    /// that starts cold first fills the expert slots, and a short one measures
+    /// mostly that; the report's rate by quarter shows whether it held).
+    #[arg(short = 'n', long, default_value_t = 128, value_parser = super::values::tokens)]
     pub n_tokens: usize,
     /// The prompt (raw).
     #[arg(long, default_value = "The history of the printing press begins")]
@@ -322,6 +324,35 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             )?;
         }
     }
+    // A decode that starts cold first fills the slots: whether the rate held.
+    for r in reports.iter().filter(|r| r.stretches.len() > 1) {
+        let rates: Vec<String> = r
+            .stretches
+            .iter()
+            .map(|x| format!("{:.2}", x.tok_s()))
+            .collect();
+        let bytes: Vec<String> = r
+            .stretches
+            .iter()
+            .map(|x| format!("{:.1}", mib(x.bytes_per_token())))
+            .collect();
+        writeln!(
+            out,
+            "{}: tok/s by {} of the decode: {}{}",
+            r.schedule.name(),
+            if r.stretches.len() == crate::bench::STRETCHES {
+                "quarter"
+            } else {
+                "stretch"
+            },
+            rates.join(" / "),
+            if r.schedule == Schedule::Resident {
+                String::new()
+            } else {
+                format!(" (MiB/token {})", bytes.join(" / "))
+            }
+        )?;
+    }
     if let (Some(od), Some(b)) = (on_demand, base) {
         for r in reports.iter().filter(|r| r.schedule == Schedule::Les) {
             if let Some(x) = r.overlap_bound(od) {
@@ -468,6 +499,12 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "cancels": r.stats.cancels,
                 "cpu_steal": r.cpu_steal,
                 "tokens": r.tokens,
+                "stretches": r.stretches.iter().map(|x| json!({
+                    "tokens": x.tokens,
+                    "tok_s": x.tok_s(),
+                    "bytes_per_token": x.bytes_per_token(),
+                    "stall_s_per_token": x.stall.as_secs_f64() / x.tokens.max(1) as f64,
+                })).collect::<Vec<_>>(),
                 "layers": r.layers.iter().map(|l| json!({
                     "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
                 })).collect::<Vec<_>>(),
