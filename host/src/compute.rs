@@ -47,6 +47,12 @@ const CHUNKS_PER_THREAD: usize = 4;
 /// Each chunk has at least this many weight bytes (when there are more chunks
 /// than threads).
 const MIN_BYTES_PER_CHUNK: usize = 16 * 1024;
+/// Most scores of one group of positions in [`MatVec::attention_causal`]
+/// (query heads of a KV head x positions x cached positions): 512 KiB, in a
+/// core's L2 with the keys and values streaming past.
+const CAUSAL_SCORES: usize = 1 << 17;
+/// Most positions in one group of [`MatVec::attention_causal`].
+const MAX_CAUSAL_GROUP: usize = 16;
 /// Attention with fewer query-head x position x dimension products than this
 /// runs on the calling thread (about as long as waking the pool).
 const MIN_PARALLEL_ATTENTION: usize = 1 << 15;
@@ -142,6 +148,10 @@ type QuantizeJob<'a> = (
     &'a mut [BlockQ8_1],
     &'a mut [BlockQ8K],
 );
+
+/// One group of positions for [`ops::attention_causal`]: its first position,
+/// its queries and its outputs.
+type CausalGroup<'a> = (usize, &'a [f32], &'a mut [f32]);
 
 /// Work cut into parts for the pool's threads, each part taken once by
 /// whichever thread runs it.
@@ -254,6 +264,65 @@ impl MatVec for ThreadedMatVec {
         self.pool.for_each(chunks, &|c| {
             if let Some((heads, o, sc)) = jobs.take(c) {
                 ops::attention_heads(isa, shape, heads, q, kv, sc, o);
+            }
+        });
+    }
+
+    /// The positions in groups ([`ops::attention_causal`]: each cached key and
+    /// value read once for a group), as many as keep a group's scores within
+    /// [`CAUSAL_SCORES`] floats and at most [`MAX_CAUSAL_GROUP`]; the groups
+    /// dealt to the threads in turn, each thread with its own scratch. With
+    /// fewer groups than threads, a position at a time, its heads split across
+    /// the threads. Each position's output is [`attention`](Self::attention)'s
+    /// either way, bit for bit.
+    fn attention_causal(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        first: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let q_dim = shape.n_head.saturating_mul(shape.head_dim).max(1);
+        let n = kv.positions;
+        let per_key = (shape.n_head / shape.n_head_kv.max(1)).saturating_mul(n);
+        let g = (CAUSAL_SCORES / per_key.max(1)).clamp(1, MAX_CAUSAL_GROUP);
+        let groups = (q.len() / q_dim).div_ceil(g);
+        let parts = self.threads().min(groups);
+        let valid = ops::attention_causal_fits(shape, q, kv, first, usize::MAX, out);
+        if !valid || parts < 2 {
+            // Few positions, or malformed (then `attention` panics with its
+            // message): one position at a time.
+            for (i, (qi, oi)) in q.chunks(q_dim).zip(out.chunks_mut(q_dim)).enumerate() {
+                let cut = KvView {
+                    positions: first + i + 1,
+                    ..kv
+                };
+                self.attention(shape, qi, cut, scores, oi);
+            }
+            return;
+        }
+        let per = ops::attention_causal_scratch(shape, g, n);
+        grow(&mut self.scores, parts * per, 0.0);
+        // Part `p` takes groups `p`, `p + parts`, ...: the later groups, which
+        // attend to more positions, shared out evenly.
+        let mut dealt: Vec<Vec<CausalGroup<'_>>> = (0..parts).map(|_| Vec::new()).collect();
+        let span = g * q_dim;
+        for (c, (qc, oc)) in q.chunks(span).zip(out.chunks_mut(span)).enumerate() {
+            dealt[c % parts].push((first + c * g, qc, oc));
+        }
+        let jobs = Parts::new(dealt.into_iter().zip(self.scores.chunks_mut(per)));
+        let isa = self.isa;
+        self.pool.for_each(parts, &|p| {
+            if let Some((groups, scratch)) = jobs.take(p) {
+                for (from, qc, oc) in groups {
+                    let cut = KvView {
+                        positions: from + qc.len() / q_dim,
+                        ..kv
+                    };
+                    ops::attention_causal(isa, shape, qc, cut, from, scratch, oc);
+                }
             }
         });
     }
@@ -965,6 +1034,64 @@ mod tests {
                             .zip(&want)
                             .all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{shape:?} n={n} threads={threads}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Positions in groups on several threads: each position's output is
+    /// `attention`'s over the cache cut at it, for group sizes from one to the
+    /// largest, batches shorter and longer than a group, and KV caches too long
+    /// for more than one position a group.
+    #[test]
+    fn threaded_causal_attention_equals_each_position_bit_for_bit() {
+        let mut st = 0x2545_f491_u32;
+        let mut val = move || {
+            st ^= st << 13;
+            st ^= st >> 17;
+            st ^= st << 5;
+            (st >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        };
+        for (n_head, n_head_kv, head_dim) in [(16, 4, 64), (6, 2, 16), (3, 3, 8)] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim,
+            };
+            let q_dim = n_head * head_dim;
+            let long = CAUSAL_SCORES / (n_head / n_head_kv) + 5; // groups of 1
+            for (first, count) in [(0, 1), (0, 40), (5, 17), (300, 70), (long, 3)] {
+                let n = first + count;
+                let kv_len = n * n_head_kv * head_dim;
+                let q: Vec<f32> = (0..count * q_dim).map(|_| val()).collect();
+                let k: Vec<f32> = (0..kv_len).map(|_| 3.0 * val()).collect();
+                let v: Vec<f32> = (0..kv_len).map(|_| val()).collect();
+                let mut want = vec![0.0; q.len()];
+                for i in 0..count {
+                    let kv = KvView {
+                        k: &k,
+                        v: &v,
+                        positions: first + i + 1,
+                    };
+                    let qi = &q[i * q_dim..][..q_dim];
+                    let oi = &mut want[i * q_dim..][..q_dim];
+                    ops::attention(Isa::Scalar, shape, qi, kv, &mut vec![0.0; n], oi);
+                }
+                let kv = KvView {
+                    k: &k,
+                    v: &v,
+                    positions: n,
+                };
+                for threads in [1, 2, 3] {
+                    let mut mv = ThreadedMatVec::new(threads, Isa::detect());
+                    let mut got = vec![f32::NAN; q.len()];
+                    mv.attention_causal(shape, &q, kv, first, &mut vec![0.0; n], &mut got);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{shape:?} first={first} count={count} threads={threads}"
                     );
                 }
             }

@@ -138,7 +138,10 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
     for s in ["on-demand", "les", "resident"] {
         let r = &j["schedules"][s];
         let parts = r["stretches"].as_array().unwrap();
-        let tokens: Vec<u64> = parts.iter().map(|p| p["tokens"].as_u64().unwrap()).collect();
+        let tokens: Vec<u64> = parts
+            .iter()
+            .map(|p| p["tokens"].as_u64().unwrap())
+            .collect();
         assert_eq!(tokens, [3, 3, 3, 3], "{s}: {r}");
         let total = |k: &str| -> f64 {
             parts
@@ -149,9 +152,15 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         };
         for k in ["bytes_per_token", "stall_s_per_token"] {
             let want = r[k].as_f64().unwrap();
-            assert!((total(k) - want).abs() <= 1e-9 * want.max(1.0), "{s}.{k}: {r}");
+            assert!(
+                (total(k) - want).abs() <= 1e-9 * want.max(1.0),
+                "{s}.{k}: {r}"
+            );
         }
-        assert!(parts.iter().all(|p| p["tok_s"].as_f64().unwrap() > 0.0), "{r}");
+        assert!(
+            parts.iter().all(|p| p["tok_s"].as_f64().unwrap() > 0.0),
+            "{r}"
+        );
     }
     assert!(
         j["schedules"]["on-demand"]["stretches"][0]["bytes_per_token"]

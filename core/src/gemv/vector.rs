@@ -292,6 +292,22 @@ pub fn scaled_dots(isa: Isa, q: &[f32], keys: Strided<'_>, scale: f32, out: &mut
 /// heads sharing a value head, each value read once for all of them. Needs
 /// `w.len() >= nb * n` and the rows in `data` (panics otherwise).
 pub fn weighted_rows(isa: Isa, w: &[f32], values: Strided<'_>, o: &mut [f32]) {
+    weighted_rows_strided(isa, w, values.n, values, o);
+}
+
+/// [`weighted_rows`] with output `j`'s weights at `w[j * w_stride..]`
+/// (`w_stride >= n`): `o[j * d + i] += w[j * w_stride + t] * (row t)[i]` for `t`
+/// in `0..n` in order. Each element gets the same additions in the same order
+/// as from [`weighted_rows`] over the same weights, so a sum split over
+/// consecutive runs of positions, one call a run, has the same bits as one
+/// call over all of them. Panics if `w` or `data` is too short.
+pub fn weighted_rows_strided(
+    isa: Isa,
+    w: &[f32],
+    w_stride: usize,
+    values: Strided<'_>,
+    o: &mut [f32],
+) {
     let Strided {
         data: rows,
         stride,
@@ -300,30 +316,33 @@ pub fn weighted_rows(isa: Isa, w: &[f32], values: Strided<'_>, o: &mut [f32]) {
     } = values;
     let nb = o.len() / d.max(1);
     assert!(
-        w.len() >= nb * n && (n == 0 || rows.len() >= (n - 1) * stride + d),
+        w_stride >= n
+            && (nb == 0 || w.len() >= (nb - 1) * w_stride + n)
+            && (n == 0 || rows.len() >= (n - 1) * stride + d),
         "weighted_rows: bad lengths"
     );
+    let (n, ws) = (n, w_stride);
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx512() => {
             // SAFETY: the CPU supports AVX-512 F (checked just above).
-            unsafe { x86::weighted_rows_avx512(w, n, rows, stride, d, o) }
+            unsafe { x86::weighted_rows_avx512(w, ws, n, rows, stride, d, o) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
             // SAFETY: the CPU supports AVX2 (checked just above).
-            unsafe { x86::weighted_rows_avx2(w, n, rows, stride, d, o) }
+            unsafe { x86::weighted_rows_avx2(w, ws, n, rows, stride, d, o) }
         }
         #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
         Isa::Neon | Isa::NeonDot => {
             // SAFETY: NEON is part of the target (`target_feature = "neon"`).
-            unsafe { neon::weighted_rows(w, n, rows, stride, d, o) }
+            unsafe { neon::weighted_rows(w, ws, n, rows, stride, d, o) }
         }
         _ => {
             for t in 0..n {
                 let v = &rows[t * stride..][..d];
                 for (j, oh) in o.chunks_exact_mut(d.max(1)).enumerate() {
-                    let s = w[j * n + t];
+                    let s = w[j * ws + t];
                     for (x, vv) in oh.iter_mut().zip(v) {
                         *x += s * vv;
                     }
@@ -697,6 +716,7 @@ mod x86 {
             #[target_feature(enable = $features)]
             pub(super) fn $name(
                 w: &[f32],
+                ws: usize,
                 n: usize,
                 rows: &[f32],
                 stride: usize,
@@ -707,7 +727,7 @@ mod x86 {
                     let tn = super::SUMS_TILE.min(n - t0);
                     let tile = &rows[t0 * stride..];
                     for (j, oh) in o.chunks_exact_mut(d.max(1)).enumerate() {
-                        let wj = &w[j * n + t0..][..tn];
+                        let wj = &w[j * ws + t0..][..tn];
                         let mut at = 0;
                         while at + $w <= d {
                             let vectors = match (d - at) / $w {
@@ -844,6 +864,7 @@ mod neon {
     #[target_feature(enable = "neon")]
     pub(super) fn weighted_rows(
         w: &[f32],
+        ws: usize,
         n: usize,
         rows: &[f32],
         stride: usize,
@@ -854,7 +875,7 @@ mod neon {
         for t in 0..n {
             let v = &rows[t * stride..][..d];
             for (j, oh) in o.chunks_exact_mut(d.max(1)).enumerate() {
-                let s = w[j * n + t];
+                let s = w[j * ws + t];
                 let sv = vdupq_n_f32(s);
                 for c in (0..whole).step_by(4) {
                     let x = vaddq_f32(ld4(&oh[c..]), vmulq_f32(sv, ld4(&v[c..])));
@@ -922,6 +943,27 @@ mod tests {
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&s), bits(&want_s), "{isa} scores d={d} nb={nb} n={n}");
                     assert_eq!(bits(&o), bits(&want_o), "{isa} sums d={d} nb={nb} n={n}");
+                    // The weights `ws` apart, the positions in two runs (two
+                    // calls): the same bits.
+                    let ws = n + 5;
+                    let mut wide = vec![f32::NAN; nb * ws];
+                    for j in 0..nb {
+                        wide[j * ws..][..n].copy_from_slice(&w[j * n..][..n]);
+                    }
+                    let cut = n / 3;
+                    let mut o = o0.clone();
+                    let part = |from: usize, to: usize| Strided {
+                        data: &rows[from * stride..],
+                        n: to - from,
+                        ..r
+                    };
+                    weighted_rows_strided(isa, &wide, ws, part(0, cut), &mut o);
+                    weighted_rows_strided(isa, &wide[cut..], ws, part(cut, n), &mut o);
+                    assert_eq!(
+                        bits(&o),
+                        bits(&want_o),
+                        "{isa} split sums d={d} nb={nb} n={n}"
+                    );
                 }
             }
         }

@@ -273,6 +273,38 @@ pub trait MatVec {
     ) {
         super::ops::attention(Isa::detect(), shape, q, kv, scores, out);
     }
+
+    /// Causal attention of the consecutive positions `first..kv.positions`: `q`
+    /// holds their queries and `out` gets their outputs (a row of
+    /// `n_head * head_dim` each), position `p` attending to the cached positions
+    /// `0..=p`. Each position's output is [`attention`](Self::attention)'s over
+    /// `kv` cut at that position, bit for bit. The default computes them one
+    /// after another (`scores` as for `attention`); an implementation may take
+    /// several positions at once
+    /// ([`ops::attention_causal`](super::ops::attention_causal)), reading each
+    /// cached key and value once for all of them.
+    fn attention_causal(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        first: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let q_dim = shape.n_head * shape.head_dim;
+        for (i, (qi, oi)) in q
+            .chunks_exact(q_dim)
+            .zip(out.chunks_exact_mut(q_dim))
+            .enumerate()
+        {
+            let cut = KvView {
+                positions: first + i + 1,
+                ..kv
+            };
+            self.attention(shape, qi, cut, scores, oi);
+        }
+    }
 }
 
 /// Single-threaded [`MatVec`] over caller buffers for the quantized activations
@@ -1207,6 +1239,54 @@ pub(super) fn attend<M: MatVec, E>(
     pos: usize,
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
+    project_position(hp, hy, aw, s, kv, cache_layer, layer_stride, pos)?;
+    let kv = cached(kv, cache_layer, layer_stride, pos + 1);
+    mv.attention(shape, s.q, kv, s.scores, s.att);
+    if hy.attn_output_gate {
+        output_gate(hp.head_dim, s.qg, s.att);
+    }
+    Ok(())
+}
+
+/// The keys and values of `kv` (cache layer `cache_layer`) at positions `0..n`.
+pub(super) fn cached<'k>(
+    kv: &'k KvCache<'_>,
+    cache_layer: usize,
+    layer_stride: usize,
+    n: usize,
+) -> KvView<'k> {
+    let base = cache_layer * layer_stride;
+    KvView {
+        k: &kv.k[base..base + layer_stride],
+        v: &kv.v[base..base + layer_stride],
+        positions: n,
+    }
+}
+
+/// An attention output `att` gated by the gate halves of the projected
+/// query `qg` (`[q_h, g_h]` per head): `att_h *= sigmoid(g_h)`.
+pub(super) fn output_gate(hd: usize, qg: &[f32], att: &mut [f32]) {
+    for (h, pair) in qg.chunks_exact(2 * hd).enumerate() {
+        for (o, g) in att[h * hd..][..hd].iter_mut().zip(&pair[hd..]) {
+            *o *= sigmoid(*g);
+        }
+    }
+}
+
+/// Position `pos`'s query, key and value, projected into `s.qg` (or `s.q`),
+/// `s.k` and `s.v`, made ready: biases, head norms and rotations; the query
+/// into `s.q`, the key and value into the cache at `pos`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn project_position<E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    aw: &AttentionWeights<'_>,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    cache_layer: usize,
+    layer_stride: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
     let kv_dim = hp.kv_dim();
     if hy.attn_output_gate {
         // [q_h, g_h] per head: split the query from its gate.
@@ -1259,19 +1339,5 @@ pub(super) fn attend<M: MatVec, E>(
     let base = cache_layer * layer_stride;
     kv.k[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.k);
     kv.v[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.v);
-    let cached = KvView {
-        k: &kv.k[base..base + layer_stride],
-        v: &kv.v[base..base + layer_stride],
-        positions: pos + 1,
-    };
-    mv.attention(shape, s.q, cached, s.scores, s.att);
-    if hy.attn_output_gate {
-        let hd = hp.head_dim;
-        for (h, pair) in s.qg.chunks_exact(2 * hd).enumerate() {
-            for (o, g) in s.att[h * hd..][..hd].iter_mut().zip(&pair[hd..]) {
-                *o *= sigmoid(*g);
-            }
-        }
-    }
     Ok(())
 }

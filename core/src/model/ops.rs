@@ -329,6 +329,120 @@ pub fn attention_heads(
     }
 }
 
+/// Scratch floats [`attention_causal`] needs for `g` positions of `shape`,
+/// the last attending to `n` cached positions: each query head of one KV
+/// head, for every position, gets its query, its row of `n` scores and its
+/// output.
+pub fn attention_causal_scratch(shape: AttnShape, g: usize, n: usize) -> usize {
+    let group = shape.n_head / shape.n_head_kv.max(1);
+    g.saturating_mul(group)
+        .saturating_mul(n.saturating_add(2 * shape.head_dim))
+}
+
+/// Whether [`attention_causal`] accepts these arguments, with a scratch of
+/// `scratch` floats (it panics otherwise).
+pub fn attention_causal_fits(
+    shape: AttnShape,
+    q: &[f32],
+    kv: KvView<'_>,
+    first: usize,
+    scratch: usize,
+    out: &[f32],
+) -> bool {
+    let q_dim = shape.n_head.saturating_mul(shape.head_dim);
+    let g = q.len().checked_div(q_dim).unwrap_or(0);
+    let len = kv
+        .positions
+        .saturating_mul(shape.n_head_kv)
+        .saturating_mul(shape.head_dim);
+    shape.n_head_kv > 0
+        && shape.n_head.is_multiple_of(shape.n_head_kv)
+        && g > 0
+        && q.len() == g * q_dim
+        && out.len() == q.len()
+        && first.checked_add(g) == Some(kv.positions)
+        && kv.k.len() >= len
+        && kv.v.len() >= len
+        && scratch >= attention_causal_scratch(shape, g, kv.positions)
+}
+
+/// Causal attention of the `g` consecutive positions `first..first + g` at
+/// once: `q` holds their queries (`g` rows of `n_head * head_dim`), `kv` the
+/// keys and values of positions `0..first + g` (`kv.positions = first + g`),
+/// and position `first + i` attends to positions `0..=first + i`; `out` gets
+/// their outputs, laid out as `q`. Each position's output is [`attention`]'s
+/// over `kv` cut at its position, bit for bit: the same dot products of the
+/// same vectors, the softmax over the same row, and the same values added in
+/// the same order (those all the positions see in one pass, then the few each
+/// sees beyond the first one). But each cached key and value is read once for
+/// the `g` positions and all query heads of its KV head, instead of once a
+/// position. (The scores of a position's later keys are computed and then
+/// ignored: a triangle of `g * (g - 1) / 2` dots, which the shared pass saves
+/// many times over.) `scratch` holds at least [`attention_causal_scratch`]
+/// floats.
+pub fn attention_causal(
+    isa: Isa,
+    shape: AttnShape,
+    q: &[f32],
+    kv: KvView<'_>,
+    first: usize,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    assert!(
+        attention_causal_fits(shape, q, kv, first, scratch.len(), out),
+        "attention_causal: bad shapes"
+    );
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim: d,
+    } = shape;
+    let (q_dim, kv_stride) = (n_head * d, n_head_kv * d);
+    let g = q.len() / q_dim;
+    let n = kv.positions;
+    let nb = n_head / n_head_kv;
+    let rows = g * nb;
+    let scale = 1.0 / sqrtf(d as f32);
+    let (qs, rest) = scratch.split_at_mut(rows * d);
+    let (sc, rest) = rest.split_at_mut(rows * n);
+    let os = &mut rest[..rows * d];
+    for kvh in 0..n_head_kv {
+        // Row `i * nb + j`: query head `kvh * nb + j` of position `first + i`.
+        for i in 0..g {
+            let from = &q[i * q_dim + kvh * nb * d..][..nb * d];
+            qs[i * nb * d..][..nb * d].copy_from_slice(from);
+        }
+        let keys = vector::Strided {
+            data: &kv.k[kvh * d..],
+            stride: kv_stride,
+            n,
+            d,
+        };
+        vector::scaled_dots(isa, qs, keys, scale, sc);
+        for (r, row) in sc.chunks_exact_mut(n).enumerate() {
+            vector::softmax(isa, &mut row[..first + r / nb + 1]);
+        }
+        os.fill(0.0);
+        // Positions `0..=first`, which every row sees, then each position's
+        // own later ones, in order.
+        let values = |from: usize, to: usize| vector::Strided {
+            data: &kv.v[kvh * d + from * kv_stride..],
+            n: to - from,
+            ..keys
+        };
+        vector::weighted_rows_strided(isa, sc, n, values(0, first + 1), os);
+        for i in 1..g {
+            let w = &sc[i * nb * n + first + 1..];
+            let o = &mut os[i * nb * d..][..nb * d];
+            vector::weighted_rows_strided(isa, w, n, values(first + 1, first + 1 + i), o);
+        }
+        for i in 0..g {
+            out[i * q_dim + kvh * nb * d..][..nb * d].copy_from_slice(&os[i * nb * d..][..nb * d]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -521,6 +635,71 @@ mod tests {
                     split.map(f32::to_bits),
                     "{isa} batch {batch}"
                 );
+            }
+        }
+    }
+
+    /// Each position of a causal group gets [`attention`]'s bits over the
+    /// cache cut at its position, with every ISA, for groups of several sizes
+    /// at several offsets, with more query heads than KV heads.
+    #[test]
+    fn causal_group_equals_attention_at_each_position_bit_for_bit() {
+        let mut seed = 9u64;
+        let mut rnd = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        };
+        for (n_head, n_head_kv, d) in [(4, 2, 8), (6, 1, 5), (8, 2, 64), (2, 2, 17)] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim: d,
+            };
+            let (q_dim, kv_dim) = (n_head * d, n_head_kv * d);
+            for (first, g) in [(0, 1), (0, 5), (3, 1), (7, 4), (70, 9)] {
+                let n = first + g;
+                let k: std::vec::Vec<f32> = (0..n * kv_dim).map(|_| rnd()).collect();
+                let v: std::vec::Vec<f32> = (0..n * kv_dim).map(|_| rnd()).collect();
+                let q: std::vec::Vec<f32> = (0..g * q_dim).map(|_| rnd()).collect();
+                let mut want = std::vec![0f32; g * q_dim];
+                let mut scores = std::vec![0f32; n];
+                for i in 0..g {
+                    let kv = KvView {
+                        k: &k,
+                        v: &v,
+                        positions: first + i + 1,
+                    };
+                    let (qi, oi) = (&q[i * q_dim..][..q_dim], &mut want[i * q_dim..][..q_dim]);
+                    attention(Isa::Scalar, shape, qi, kv, &mut scores, oi);
+                }
+                let kv = KvView {
+                    k: &k,
+                    v: &v,
+                    positions: n,
+                };
+                for isa in Isa::available() {
+                    let mut scratch = std::vec![f32::NAN; attention_causal_scratch(shape, g, n)];
+                    let mut got = std::vec![f32::NAN; g * q_dim];
+                    attention_causal(isa, shape, &q, kv, first, &mut scratch, &mut got);
+                    let bits =
+                        |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<std::vec::Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{isa} {shape:?} first={first} g={g}"
+                    );
+                }
+                // A short scratch, or a group that does not end at the cache's
+                // last position, is refused.
+                let need = attention_causal_scratch(shape, g, n);
+                let mut out = std::vec![0f32; g * q_dim];
+                assert!(!attention_causal_fits(shape, &q, kv, first, need - 1, &out));
+                assert!(attention_causal_fits(shape, &q, kv, first, need, &out));
+                assert!(!attention_causal_fits(shape, &q, kv, first + 1, need, &out));
+                out.pop();
+                assert!(!attention_causal_fits(shape, &q, kv, first, need, &out));
             }
         }
     }

@@ -19,10 +19,10 @@
 
 use super::deltanet::DeltaNetWeights;
 use super::{
-    add_into, attend, combine, deltanet_state, deltanet_step, embed, gate_shared, next_step,
-    router_config, swiglu_ffn_checked, AttentionWeights, ExpertMatrices, Experts, Ffn,
-    ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState, Scratch, SharedExpert, Step,
-    TokenInput, Weights,
+    add_into, cached, combine, deltanet_state, deltanet_step, embed, gate_shared, next_step,
+    output_gate, project_position, router_config, swiglu_ffn_checked, AttentionWeights,
+    ExpertMatrices, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState,
+    Scratch, SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{Hparams, HybridParams};
@@ -56,6 +56,8 @@ pub struct BatchScratch<'a> {
     ak: &'a mut [f32],
     av: &'a mut [f32],
     aatt: &'a mut [f32],
+    /// Each position's query after its norms and rotation (`n x q_dim`).
+    aqr: &'a mut [f32],
     /// DeltaNet projections of each position (`qkv`, `z`, `beta`, `alpha`) and
     /// its output before `out` (empty without linear attention).
     dqkv: &'a mut [f32],
@@ -73,7 +75,7 @@ pub struct BatchScratch<'a> {
 }
 
 /// Lengths of a [`BatchScratch`]'s float and id buffers.
-type Lens = ([usize; 19], [usize; 2]);
+type Lens = ([usize; 20], [usize; 2]);
 
 impl<'a> BatchScratch<'a> {
     fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> Lens {
@@ -97,6 +99,7 @@ impl<'a> BatchScratch<'a> {
                 n * q_rows,
                 n * hp.kv_dim(),
                 n * hp.kv_dim(),
+                n * hp.q_dim(),
                 n * hp.q_dim(),
                 n * d_qkv,
                 n * d_z,
@@ -132,7 +135,7 @@ impl<'a> BatchScratch<'a> {
         }
         let lens = Self::lens(hp, hy, n);
         let (
-            [l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg, l_aq, l_ak, l_av, l_att, l_dqkv, l_dz, l_db, l_da, l_do],
+            [l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg, l_aq, l_ak, l_av, l_att, l_aqr, l_dqkv, l_dz, l_db, l_da, l_do],
             [l_ids, l_union],
         ) = lens;
         let (h, rest) = floats.split_at_mut(l_h);
@@ -149,6 +152,7 @@ impl<'a> BatchScratch<'a> {
         let (ak, rest) = rest.split_at_mut(l_ak);
         let (av, rest) = rest.split_at_mut(l_av);
         let (aatt, rest) = rest.split_at_mut(l_att);
+        let (aqr, rest) = rest.split_at_mut(l_aqr);
         let (dqkv, rest) = rest.split_at_mut(l_dqkv);
         let (dz, rest) = rest.split_at_mut(l_dz);
         let (dbeta, rest) = rest.split_at_mut(l_db);
@@ -171,6 +175,7 @@ impl<'a> BatchScratch<'a> {
             ak,
             av,
             aatt,
+            aqr,
             dqkv,
             dz,
             dbeta,
@@ -375,6 +380,10 @@ fn attention_batch<M: MatVec, E>(
         head_dim: hp.head_dim,
     };
     let layer_stride = kv.max_positions * kv_dim;
+    // Every position's query made ready (into `aqr`) and its key and value
+    // cached, then the attention of them all, each over the positions up to
+    // its own.
+    let qr = &mut b.aqr[..n * q_dim];
     for j in 0..n {
         let qj = &q[j * q_rows..][..q_rows];
         if hy.attn_output_gate {
@@ -384,19 +393,16 @@ fn attention_batch<M: MatVec, E>(
         }
         s.k.copy_from_slice(&k[j * kv_dim..][..kv_dim]);
         s.v.copy_from_slice(&v[j * kv_dim..][..kv_dim]);
-        attend(
-            hp,
-            hy,
-            aw,
-            mv,
-            s,
-            kv,
-            cache_layer,
-            layer_stride,
-            pos + j,
-            shape,
-        )?;
-        b.aatt[j * q_dim..][..q_dim].copy_from_slice(s.att);
+        project_position(hp, hy, aw, s, kv, cache_layer, layer_stride, pos + j)?;
+        qr[j * q_dim..][..q_dim].copy_from_slice(s.q);
+    }
+    let att = &mut b.aatt[..n * q_dim];
+    let cached = cached(kv, cache_layer, layer_stride, pos + n);
+    mv.attention_causal(shape, qr, cached, pos, s.scores, att);
+    if hy.attn_output_gate {
+        for (qg, a) in q.chunks_exact(q_rows).zip(att.chunks_exact_mut(q_dim)) {
+            output_gate(hp.head_dim, qg, a);
+        }
     }
     let out = &mut b.go[..n * e];
     mv.matmul(&aw.wo, &b.aatt[..n * q_dim], out)?;
