@@ -36,12 +36,20 @@ fn main() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(1.0),
     );
-    let (heads, d) = (8, 128);
+    let env = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    };
+    // Query rows sharing the KV head (`LES_BENCH_HEADS`; a prompt's groups of
+    // positions have many) and the head size (`LES_BENCH_D`).
+    let (heads, d) = (env("LES_BENCH_HEADS", 8), env("LES_BENCH_D", 128));
     let stride: usize = std::env::var("LES_BENCH_STRIDE")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(512);
-    println!("isa {isa}: microseconds for one KV head (8 query heads of 128), medians");
+    println!("isa {isa}: microseconds for one KV head ({heads} query heads of {d}), medians");
     println!(
         "{:<10} {:>9} {:>11} {:>11} {:>8}",
         "positions",

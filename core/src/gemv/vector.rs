@@ -269,7 +269,7 @@ pub fn scaled_dots(isa: Isa, q: &[f32], keys: Strided<'_>, scale: f32, out: &mut
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
             // SAFETY: the CPU supports AVX2 (checked just above).
-            unsafe { x86::scaled_dots_avx2(q, d, rows, stride, n, scale, out) }
+            unsafe { x86::scaled_dots_avx2(q, d, rows, stride, 0, n, scale, out) }
         }
         #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
         Isa::Neon | Isa::NeonDot => {
@@ -610,19 +610,22 @@ mod x86 {
 
     macro_rules! scaled_dots_with {
         ($name:ident, $features:literal, $dots:ident) => {
-            /// Each key against the queries in groups of 8 (then 4, then 1).
+            /// Each key from `from` on against the queries in groups of 8 (then
+            /// 4, then 1).
+            #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $features)]
             pub(super) fn $name(
                 q: &[f32],
                 d: usize,
                 rows: &[f32],
                 stride: usize,
+                from: usize,
                 n: usize,
                 scale: f32,
                 out: &mut [f32],
             ) {
                 let nb = q.len() / d.max(1);
-                for t in 0..n {
+                for t in from..n {
                     let k = &rows[t * stride..][..d];
                     let mut j = 0;
                     while j < nb {
@@ -650,7 +653,104 @@ mod x86 {
         };
     }
     scaled_dots_with!(scaled_dots_avx2, "avx2", dots_avx2);
-    scaled_dots_with!(scaled_dots_avx512, "avx512f,avx2", dots_avx512);
+    scaled_dots_with!(scaled_dots_each_avx512, "avx512f,avx2", dots_avx512);
+
+    /// [`super::scaled_dots`] with AVX-512: the keys sixteen at a time, each
+    /// query against all sixteen (a key's sixteen lane sums in a register of
+    /// its own, the sixteen folded together by [`fold16x16`] and stored at
+    /// once), the last `n % 16` keys one at a time
+    /// ([`scaled_dots_each_avx512`]). Each score is [`super::dot`]'s bits
+    /// times `scale`, as from the reference.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) fn scaled_dots_avx512(
+        q: &[f32],
+        d: usize,
+        rows: &[f32],
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let nb = q.len() / d.max(1);
+        let whole = d / 16 * 16;
+        let sv = _mm512_set1_ps(scale);
+        let blocks = n / 16;
+        for t0 in (0..blocks).map(|b| 16 * b) {
+            let keys = &rows[t0 * stride..][..15 * stride + d];
+            let kp = keys.as_ptr();
+            for j in 0..nb {
+                let qj = &q[j * d..][..d];
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for c in (0..whole).step_by(16) {
+                    let qv = ld16(&qj[c..]);
+                    for (u, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: `u * stride + c + 16 <= 15 * stride + whole`,
+                        // and `keys` holds `15 * stride + d >= ...` floats
+                        // (`whole <= d`): the 16 floats read lie in `keys`.
+                        let kv = unsafe { _mm512_loadu_ps(kp.add(u * stride + c)) };
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(qv, kv));
+                    }
+                }
+                // `dot` adds the tail (+0 for whole chunks) after its fold.
+                let mut tails = [0.0f32; 16];
+                if whole < d {
+                    for (u, t) in tails.iter_mut().enumerate() {
+                        *t =
+                            super::tail_dot(&qj[whole..], &keys[u * stride + whole..][..d - whole]);
+                    }
+                }
+                let r = _mm512_add_ps(fold16x16(&acc), ld16(&tails));
+                st16(&mut out[j * n + t0..], _mm512_mul_ps(r, sv));
+            }
+        }
+        scaled_dots_each_avx512(q, d, rows, stride, 16 * blocks, n, scale, out);
+    }
+
+    /// [`fold16`] of sixteen registers at once: lane `u` of the result is
+    /// register `u`'s lanes folded in [`super::dot`]'s order (lanes `i` and
+    /// `i + 8`, then `i + 4`, `i + 2` and `i + 1`), the same adds on the same
+    /// values, done for all sixteen by shuffling them together level by level.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn fold16x16(acc: &[__m512; 16]) -> __m512 {
+        // Width 8: registers 2m and 2m + 1 into one, lanes 0-7 the first's
+        // `i + (i + 8)`, lanes 8-15 the second's.
+        let mut l1 = [_mm512_setzero_ps(); 8];
+        for (m, l) in l1.iter_mut().enumerate() {
+            let (a, b) = (acc[2 * m], acc[2 * m + 1]);
+            *l = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            );
+        }
+        // Width 4: quarter j of register p is register 4p + j's `i + (i + 4)`.
+        let mut l2 = [_mm512_setzero_ps(); 4];
+        for (p, l) in l2.iter_mut().enumerate() {
+            let (x, y) = (l1[2 * p], l1[2 * p + 1]);
+            *l = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            );
+        }
+        // Width 2: quarter j of register r holds registers 8r + j's and
+        // 8r + 4 + j's `i + (i + 2)`, two lanes each.
+        let mut l3 = [_mm512_setzero_ps(); 2];
+        for (r, l) in l3.iter_mut().enumerate() {
+            let (x, y) = (l2[2 * r], l2[2 * r + 1]);
+            *l = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+            );
+        }
+        // Width 1: lane 4j + m is register 4m + j's fold.
+        let (x, y) = (l3[0], l3[1]);
+        let folded = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_ps::<0b11_01_11_01>(x, y),
+        );
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, folded)
+    }
 
     /// `C` vectors of `o` (`C * W` floats from `at`) held in registers while
     /// every position's weighted value is added, in position order: each
@@ -749,7 +849,96 @@ mod x86 {
         };
     }
     weighted_rows_with!(weighted_rows_avx2, "avx2", sums_block_avx2, 8);
-    weighted_rows_with!(weighted_rows_avx512, "avx512f,avx2", sums_block_avx512, 16);
+
+    /// [`sums_block_avx512`] for two outputs at once, `j` and `j + 1` (each
+    /// `d` floats in `o`, their weights `ws` apart in `w`): each value vector
+    /// is loaded once for both, and the two outputs' sums are independent
+    /// chains, twice as many in flight. Each element's sum is the
+    /// reference's, as from `sums_block_avx512`. Returns `C`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn sums_pair_avx512<const C: usize>(
+        w: &[f32],
+        ws: usize,
+        rows: &[f32],
+        stride: usize,
+        n: usize,
+        o: &mut [f32],
+        d: usize,
+        at: usize,
+    ) -> usize {
+        let (w0, w1) = (&w[..n], &w[ws..][..n]);
+        let mut a0 = [_mm512_setzero_ps(); C];
+        let mut a1 = [_mm512_setzero_ps(); C];
+        for c in 0..C {
+            a0[c] = ld16(&o[at + 16 * c..]);
+            a1[c] = ld16(&o[d + at + 16 * c..]);
+        }
+        for t in 0..n {
+            let v = &rows[t * stride + at..][..C * 16];
+            let (s0, s1) = (_mm512_set1_ps(w0[t]), _mm512_set1_ps(w1[t]));
+            for c in 0..C {
+                let vv = ld16(&v[16 * c..]);
+                a0[c] = _mm512_add_ps(a0[c], _mm512_mul_ps(s0, vv));
+                a1[c] = _mm512_add_ps(a1[c], _mm512_mul_ps(s1, vv));
+            }
+        }
+        for c in 0..C {
+            st16(&mut o[at + 16 * c..], a0[c]);
+            st16(&mut o[d + at + 16 * c..], a1[c]);
+        }
+        C
+    }
+
+    /// [`super::weighted_rows_strided`] with AVX-512: as [`weighted_rows_avx2`]
+    /// does it (tiles of positions, each output's vectors in registers over a
+    /// tile), the outputs two at a time ([`sums_pair_avx512`]), an odd last
+    /// one alone. Positions stay in order for each element.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) fn weighted_rows_avx512(
+        w: &[f32],
+        ws: usize,
+        n: usize,
+        rows: &[f32],
+        stride: usize,
+        d: usize,
+        o: &mut [f32],
+    ) {
+        let d1 = d.max(1);
+        let nb = o.len() / d1;
+        for t0 in (0..n).step_by(super::SUMS_TILE) {
+            let tn = super::SUMS_TILE.min(n - t0);
+            let tile = &rows[t0 * stride..];
+            let mut j = 0;
+            while j < nb {
+                let pair = j + 1 < nb;
+                let wj = &w[j * ws + t0..];
+                let oh = &mut o[j * d1..][..if pair { 2 * d1 } else { d1 }];
+                let mut at = 0;
+                while at + 16 <= d {
+                    let vectors = match ((d - at) / 16, pair) {
+                        (8.., true) => sums_pair_avx512::<8>(wj, ws, tile, stride, tn, oh, d, at),
+                        (4.., true) => sums_pair_avx512::<4>(wj, ws, tile, stride, tn, oh, d, at),
+                        (_, true) => sums_pair_avx512::<1>(wj, ws, tile, stride, tn, oh, d, at),
+                        (8.., false) => sums_block_avx512::<8>(&wj[..tn], tile, stride, tn, oh, at),
+                        (4.., false) => sums_block_avx512::<4>(&wj[..tn], tile, stride, tn, oh, at),
+                        (_, false) => sums_block_avx512::<1>(&wj[..tn], tile, stride, tn, oh, at),
+                    };
+                    at += vectors * 16;
+                }
+                for (r, oh) in oh.chunks_exact_mut(d1).enumerate() {
+                    for (t, &s) in w[(j + r) * ws + t0..][..tn].iter().enumerate() {
+                        let v = &tile[t * stride..][..d];
+                        for (x, vv) in oh[at..].iter_mut().zip(&v[at..]) {
+                            *x += s * vv;
+                        }
+                    }
+                }
+                j += if pair { 2 } else { 1 };
+            }
+        }
+    }
 }
 
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
