@@ -337,8 +337,10 @@ where
 
 /// One attention layer for the first `n` positions of `b.h` (positions `pos..`):
 /// what [`mix`] does for each, with the projections of all the positions at
-/// once ([`MatVec::matmul`]) and the attention of each position in turn, so
-/// each sees the keys and values of the earlier ones and no later one.
+/// once ([`MatVec::matmul`]), every position's key and value cached, then the
+/// attention of them all ([`MatVec::attention_causal`]), each over the
+/// positions up to its own: it sees the keys and values of the earlier ones and
+/// no later one.
 #[allow(clippy::too_many_arguments)]
 fn attention_batch<M: MatVec, E>(
     hp: &Hparams,
