@@ -5,7 +5,9 @@
 
 mod forward_common;
 
-use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, StreamedRun};
+use forward_common::{
+    assert_bits_eq, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng, StreamedRun,
+};
 use les_core::gemv::MatrixView;
 use les_core::model::config::HybridParams;
 use les_core::model::config::{Hparams, MoeParams};
@@ -420,7 +422,7 @@ where
     let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, n)];
     let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, n)];
     let mut bs = BatchScratch::new(&hp, &hy, n, &mut floats, &mut ids).unwrap();
-    let mut mv = b.quant.matvec();
+    let mut mv = Grouped(b.quant.matvec(), 3);
     let mut pos = 0;
     let mut out = Vec::new();
     for step in plan {

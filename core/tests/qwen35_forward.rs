@@ -8,7 +8,9 @@
 
 mod forward_common;
 
-use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, StreamedRun};
+use forward_common::{
+    assert_bits_eq, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng, StreamedRun,
+};
 use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
@@ -313,7 +315,7 @@ impl Buffers {
         let mut floats = vec![0f32; BatchScratch::floats(hp, hy, tokens.len())];
         let mut ids = vec![0u16; BatchScratch::ids(hp, hy, tokens.len())];
         let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
-        let mut mv = self.quant.matvec();
+        let mut mv = Grouped(self.quant.matvec(), 2);
         let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
         let mut logits = vec![0f32; hp.n_vocab * if every { tokens.len() } else { 1 }];
         forward_batch(

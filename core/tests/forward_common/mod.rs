@@ -9,7 +9,8 @@ use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
 use les_core::blockdev::ReadRequest;
 use les_core::gemv::{Isa, MatrixView};
 use les_core::model::experts::{ExpertFormat, Streamed};
-use les_core::model::forward::{Experts, Handout, Lookahead, SerialMatVec, Step};
+use les_core::model::forward::{Experts, Handout, Lookahead, MatVec, SerialMatVec, Step};
+use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{self, GgmlType};
 use les_core::schedule::{
@@ -324,6 +325,55 @@ impl QuantScratch {
             q8_0: &mut self.q8_0,
             q8_1: &mut self.q8_1,
             q8k: &mut self.q8k,
+        }
+    }
+}
+
+/// A [`MatVec`] whose prompt attention takes the positions in groups of
+/// `.1` through [`ops::attention_causal`] (the serial one takes them one at a
+/// time), so a batch's logits check the grouped attention too.
+pub struct Grouped<M>(pub M, pub usize);
+
+impl<M: MatVec> MatVec for Grouped<M> {
+    fn matvec(
+        &mut self,
+        w: &MatrixView<'_>,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), les_core::gemv::GemvError> {
+        self.0.matvec(w, x, y)
+    }
+
+    fn attention(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        self.0.attention(shape, q, kv, scores, out);
+    }
+
+    fn attention_causal(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        first: usize,
+        _: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let span = self.1 * shape.n_head * shape.head_dim;
+        for (c, (qc, oc)) in q.chunks(span).zip(out.chunks_mut(span)).enumerate() {
+            let from = first + c * self.1;
+            let g = qc.len() / (shape.n_head * shape.head_dim);
+            let cut = KvView {
+                positions: from + g,
+                ..kv
+            };
+            let mut scratch = vec![0f32; ops::attention_causal_scratch(shape, g, from + g)];
+            ops::attention_causal(Isa::detect(), shape, qc, cut, from, &mut scratch, oc);
         }
     }
 }
