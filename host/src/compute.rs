@@ -270,7 +270,7 @@ impl MatVec for ThreadedMatVec {
 
     /// The positions in groups ([`ops::attention_causal`]: each cached key and
     /// value read once for a group), as many as keep a group's scores within
-    /// [`CAUSAL_SCORES`] floats and at most [`MAX_CAUSAL_GROUP`]; the groups
+    /// `CAUSAL_SCORES` (512 Ki) floats and at most `MAX_CAUSAL_GROUP` (16); the groups
     /// dealt to the threads in turn, each thread with its own scratch. With
     /// fewer groups than threads, a position at a time, its heads split across
     /// the threads. Each position's output is [`attention`](Self::attention)'s
