@@ -13,7 +13,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use les_core::gemv::Isa;
+use les_core::gemv::{vector, Isa};
 use les_core::quant::{f16_to_f32, f32_to_f16};
 
 use super::clip::{ClipModel, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
@@ -213,8 +213,12 @@ fn softmax_scaled(scores: &mut [f32], scale: f32) {
 const QUERY_BLOCK: usize = 16;
 
 /// Multi-head self-attention of all tokens with all: `softmax(q k^T * scale) v`
-/// per head, heads concatenated. Blocks of queries run on the pool; each
-/// query's arithmetic is the same whatever the block or thread.
+/// per head, heads concatenated. Blocks of queries run on the pool; a block's
+/// queries of one head go through [`vector`]'s kernels together, so each key
+/// and value of the head is read once for the block (the scores, the softmax
+/// and the weighted sums in [`vector::scaled_dots`]', [`vector::softmax`]'s
+/// and [`vector::weighted_rows`]' fixed orders, the same bits with every ISA).
+/// Each query's arithmetic is the same whatever the block or thread.
 fn attention(
     ctx: &mut Ctx<'_>,
     q: &Acts,
@@ -228,26 +232,38 @@ fn attention(
     }
     let dh = d / n_head;
     let scale = 1.0 / (dh as f32).sqrt();
+    let isa = ctx.isa;
     let mut out = vec![0f32; n * d];
     let blocks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(QUERY_BLOCK * d).map(Mutex::new).collect();
     let task = |b: usize| {
         let Some(block) = blocks.get(b) else { return };
         let mut block = block.lock().unwrap_or_else(|p| p.into_inner());
-        let mut scores = vec![0f32; n];
-        for (qi, out_row) in (b * QUERY_BLOCK..).zip(block.chunks_exact_mut(d)) {
-            for h in 0..n_head {
-                let r = h * dh..(h + 1) * dh;
-                let qh = &q.row(qi)[r.clone()];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    *s = dot(qh, &k.row(j)[r.clone()]);
-                }
-                softmax_scaled(&mut scores, scale);
-                let o = &mut out_row[r.clone()];
-                for (j, &p) in scores.iter().enumerate() {
-                    for (o, &x) in o.iter_mut().zip(&v.row(j)[r.clone()]) {
-                        *o += p * x;
-                    }
-                }
+        let nq = block.len() / d;
+        let mut qs = vec![0f32; nq * dh];
+        let mut os = vec![0f32; nq * dh];
+        let mut scores = vec![0f32; nq * n];
+        for h in 0..n_head {
+            for (i, qh) in qs.chunks_exact_mut(dh).enumerate() {
+                qh.copy_from_slice(&q.row(b * QUERY_BLOCK + i)[h * dh..][..dh]);
+            }
+            let keys = vector::Strided {
+                data: &k.x[h * dh..],
+                stride: d,
+                n,
+                d: dh,
+            };
+            vector::scaled_dots(isa, &qs, keys, scale, &mut scores);
+            for row in scores.chunks_exact_mut(n) {
+                vector::softmax(isa, row);
+            }
+            let values = vector::Strided {
+                data: &v.x[h * dh..],
+                ..keys
+            };
+            os.fill(0.0);
+            vector::weighted_rows(isa, &scores, values, &mut os);
+            for (row, oh) in block.chunks_exact_mut(d).zip(os.chunks_exact(dh)) {
+                row[h * dh..][..dh].copy_from_slice(oh);
             }
         }
     };
