@@ -26,7 +26,7 @@ use les_core::gemv::{
     gemm, gemv, gemv_with_prefetch, GemvError, Input, Isa, MatrixView, DEFAULT_PREFETCH,
 };
 use les_core::layout::{checksum, checksum_concat};
-use les_core::model::forward::{prepare_input, MatVec};
+use les_core::model::forward::{attention_each_position, prepare_input, MatVec};
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::QK_K;
@@ -294,14 +294,7 @@ impl MatVec for ThreadedMatVec {
         if !valid || parts < 2 {
             // Few positions, or malformed (then `attention` panics with its
             // message): one position at a time.
-            for (i, (qi, oi)) in q.chunks(q_dim).zip(out.chunks_mut(q_dim)).enumerate() {
-                let cut = KvView {
-                    positions: first + i + 1,
-                    ..kv
-                };
-                self.attention(shape, qi, cut, scores, oi);
-            }
-            return;
+            return attention_each_position(self, shape, q, kv, first, scores, out);
         }
         let per = ops::attention_causal_scratch(shape, g, n);
         grow(&mut self.scores, parts * per, 0.0);

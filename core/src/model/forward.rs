@@ -292,18 +292,30 @@ pub trait MatVec {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        let q_dim = shape.n_head * shape.head_dim;
-        for (i, (qi, oi)) in q
-            .chunks_exact(q_dim)
-            .zip(out.chunks_exact_mut(q_dim))
-            .enumerate()
-        {
-            let cut = KvView {
-                positions: first + i + 1,
-                ..kv
-            };
-            self.attention(shape, qi, cut, scores, oi);
-        }
+        attention_each_position(self, shape, q, kv, first, scores, out);
+    }
+}
+
+/// [`MatVec::attention_causal`] one position after another through
+/// `m`'s [`attention`](MatVec::attention): the trait's default, and the fallback
+/// of implementations that group positions. A short last query (malformed
+/// input) still goes to `attention`, which rejects it with its message.
+pub fn attention_each_position<M: MatVec + ?Sized>(
+    m: &mut M,
+    shape: AttnShape,
+    q: &[f32],
+    kv: KvView<'_>,
+    first: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let q_dim = (shape.n_head * shape.head_dim).max(1);
+    for (i, (qi, oi)) in q.chunks(q_dim).zip(out.chunks_mut(q_dim)).enumerate() {
+        let cut = KvView {
+            positions: first + i + 1,
+            ..kv
+        };
+        m.attention(shape, qi, cut, scores, oi);
     }
 }
 
