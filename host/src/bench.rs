@@ -167,6 +167,9 @@ pub struct ScheduleReport {
     pub layers: Vec<LayerPrediction>,
     /// Device bandwidth used for the minimum I/O time (bytes/s).
     pub device_bw: f64,
+    /// The device bandwidth probed just before and just after the run (bytes/s;
+    /// zeros where nobody probed).
+    pub probes: [f64; 2],
     /// Time in the output projection during decode: no read for the next token
     /// can start then (they depend on the token it picks), so it adds to the
     /// reads' minimum time.
@@ -736,6 +739,7 @@ pub fn run_schedule(
         stats,
         layers,
         device_bw,
+        probes: [0.0; 2],
         output_time: mv.time - output0,
         layer_costs,
         picks: std::mem::take(&mut supply.watcher.0.picks),
@@ -771,6 +775,7 @@ mod tests {
             layers: Vec::new(),
             layer_costs: Vec::new(),
             device_bw: 1e9,
+            probes: [0.0; 2],
             output_time: Duration::ZERO,
             picks: Vec::new(),
             decode_from: 0,
@@ -801,6 +806,7 @@ mod tests {
         assert!((with_output.overlap_bound(&od).unwrap() - 0.4 / 0.3).abs() < 1e-9);
         let unmeasured = ScheduleReport {
             device_bw: 0.0,
+            probes: [0.0; 2],
             ..report(Schedule::Les, 3000, 100, 1)
         };
         assert_eq!(unmeasured.overlap_bound(&od), None);

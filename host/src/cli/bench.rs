@@ -213,8 +213,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         }
     );
     let bw = if streamed {
-        let probe = (256u64 << 20).min(expert_bytes);
-        let bw = device_bandwidth(&model, &args.model, budget.io, probe)?;
+        let bw = device_bandwidth(&model, &args.model, budget.io, probe_bytes(&model))?;
         eprintln!(
             "les bench: device reads expert extents at {:.0} MiB/s (cold, full queue)",
             mib(bw)
@@ -483,6 +482,7 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "hit_rate": r.hit_rate(),
                 "effective_read_bw": r.effective_bw(),
                 "device_bw": r.device_bw,
+                "device_bw_probes": r.probes,
                 "overlap_efficiency": r.overlap_efficiency(),
                 "prediction_precision": r.mean_precision(),
                 "prediction_recall": r.mean_recall(),
@@ -601,6 +601,11 @@ fn round_speedups(runs: &[Runs]) -> Vec<(Schedule, Vec<f64>)> {
         .collect()
 }
 
+/// Bytes of experts a bandwidth probe reads: 256 MiB, or all of them if fewer.
+fn probe_bytes(model: &Model) -> u64 {
+    (256u64 << 20).min(model.total_expert_bytes())
+}
+
 /// One schedule's runs of [`run_interleaved`].
 struct Runs {
     /// The run with the median decode time.
@@ -633,11 +638,32 @@ fn run_interleaved(
     bw: f64,
 ) -> Result<(Vec<Runs>, bool), Box<dyn Error>> {
     let mut all: Vec<Vec<ScheduleReport>> = vec![Vec::new(); args.schedules.len()];
+    // The latest probe of the device's bandwidth (0: nothing streamed).
+    let mut last_probe = bw;
     for round in 0..args.repeat {
         for (i, &s) in args.schedules.iter().enumerate() {
             eprintln!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
-            let r = run_schedule(model, &args.model, cfg, s, bw)?;
-            eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
+            let before = last_probe;
+            let mut r = run_schedule(model, &args.model, cfg, s, before)?;
+            if before > 0.0 && s != Schedule::Resident {
+                // The device's bandwidth drifts (1.4-2.0 GiB/s minutes apart on
+                // this machine's disk): probe it again after each streamed run
+                // and take the mean of the probes around it, so the run's overlap
+                // is against what the device gave then. That probe is also the
+                // next run's "before".
+                last_probe =
+                    device_bandwidth(model, &args.model, cfg.budget.io, probe_bytes(model))?;
+                r.probes = [before, last_probe];
+                r.device_bw = (before + last_probe) / 2.0;
+                eprintln!(
+                    "les bench: {s}: {:.2} tok/s (device {:.0} MiB/s before, {:.0} after)",
+                    r.tok_s(),
+                    mib(before),
+                    mib(last_probe)
+                );
+            } else {
+                eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
+            }
             all[i].push(r);
         }
     }
@@ -701,7 +727,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let expert_bytes = model.total_expert_bytes();
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let io = args.io.config()?;
-    let bw = device_bandwidth(&model, &args.model, io, (256u64 << 20).min(expert_bytes))?;
+    let bw = device_bandwidth(&model, &args.model, io, probe_bytes(&model))?;
     eprintln!(
         "les bench: device reads expert extents at {:.0} MiB/s",
         mib(bw)
