@@ -806,7 +806,6 @@ mod tests {
         assert!((with_output.overlap_bound(&od).unwrap() - 0.4 / 0.3).abs() < 1e-9);
         let unmeasured = ScheduleReport {
             device_bw: 0.0,
-            probes: [0.0; 2],
             ..report(Schedule::Les, 3000, 100, 1)
         };
         assert_eq!(unmeasured.overlap_bound(&od), None);

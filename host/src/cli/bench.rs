@@ -646,7 +646,7 @@ fn run_interleaved(
             let before = last_probe;
             let mut r = run_schedule(model, &args.model, cfg, s, before)?;
             if before > 0.0 && s != Schedule::Resident {
-                // The device's bandwidth drifts (1.4-2.0 GiB/s minutes apart on
+                // The device's bandwidth drifts (1.4-2.6 GiB/s minutes apart on
                 // this machine's disk): probe it again after each streamed run
                 // and take the mean of the probes around it, so the run's overlap
                 // is against what the device gave then. That probe is also the
