@@ -89,7 +89,9 @@ fn bench(c: &mut Criterion) {
                                     sched.finish::<()>(black_box(index)).unwrap()
                                 }
                                 Next::Done => break,
-                                Next::Wait => unreachable!(),
+                                Next::Wait
+                                | Next::ComputeFirst { .. }
+                                | Next::ComputeRest { .. } => unreachable!(),
                             }
                         }
                     }

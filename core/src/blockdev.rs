@@ -129,6 +129,17 @@ pub trait BlockDevice {
 pub trait SlotMemory {
     /// The bytes of slot `slot` (its full capacity).
     fn slot(&self, slot: SlotId) -> &[u8];
+
+    /// The first `len` bytes of slot `slot` (at most its capacity), while reads
+    /// into the rest of it may still be in flight: the scheduler asks for them
+    /// only once the reads that wrote them completed. The default is
+    /// [`slot`](Self::slot)'s start, for devices whose `slot` may be called with
+    /// reads in flight; one that writes slots while the caller computes must
+    /// check that no read in flight overlaps these bytes.
+    fn slot_prefix(&self, slot: SlotId, len: usize) -> &[u8] {
+        let s = self.slot(slot);
+        &s[..len.min(s.len())]
+    }
 }
 
 impl<D: BlockDevice + ?Sized> BlockDevice for &mut D {
@@ -162,5 +173,9 @@ impl<D: BlockDevice + ?Sized> BlockDevice for &mut D {
 impl<D: SlotMemory + ?Sized> SlotMemory for &mut D {
     fn slot(&self, slot: SlotId) -> &[u8] {
         (**self).slot(slot)
+    }
+
+    fn slot_prefix(&self, slot: SlotId, len: usize) -> &[u8] {
+        (**self).slot_prefix(slot, len)
     }
 }

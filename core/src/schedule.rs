@@ -86,6 +86,15 @@ pub trait ExpertSource {
         let _ = key;
         None
     }
+
+    /// Bytes at the start of `key`'s slot that hold its gate and up projections,
+    /// where they may be computed before the down projection after them has
+    /// landed (see [`Next::ComputeFirst`]): useful where the extents put them in
+    /// parts of their own. `None` (the default) computes experts only whole.
+    fn gate_up_bytes(&self, key: ExpertKey) -> Option<u32> {
+        let _ = key;
+        None
+    }
 }
 
 impl<T: ExpertSource + ?Sized> ExpertSource for &T {
@@ -99,6 +108,10 @@ impl<T: ExpertSource + ?Sized> ExpertSource for &T {
 
     fn checksum(&self, key: ExpertKey) -> Option<u32> {
         (**self).checksum(key)
+    }
+
+    fn gate_up_bytes(&self, key: ExpertKey) -> Option<u32> {
+        (**self).gate_up_bytes(key)
     }
 }
 
@@ -138,6 +151,14 @@ pub struct SchedulerConfig {
     /// without checksums) [`ExpertSource::verify`] checks each load on arrival,
     /// reading its bytes once more. Prefetches never used are never hashed.
     pub verify_on_compute: bool,
+    /// Ready-first within an expert: where the source puts an expert's gate and
+    /// up projections in parts of their own ([`ExpertSource::gate_up_bytes`])
+    /// and checks it on compute, [`Scheduler::next_parts`] hands them out
+    /// ([`Next::ComputeFirst`]) as soon as those parts landed, while its down
+    /// projection still loads, and the down projection once it has
+    /// ([`Next::ComputeRest`]). Only with [`verify_on_compute`](Self::verify_on_compute):
+    /// the checksum then covers the bytes each half was computed from.
+    pub split_compute: bool,
 }
 
 impl SchedulerConfig {
@@ -155,6 +176,7 @@ impl SchedulerConfig {
             precision_window: 64,
             idle_only_below: 0.75,
             verify_on_compute: true,
+            split_compute: true,
         }
     }
 
@@ -164,6 +186,7 @@ impl SchedulerConfig {
             prefetch: false,
             ready_first: false,
             eviction: EvictionPolicy::Lru,
+            split_compute: false,
             ..Self::les()
         }
     }
@@ -241,6 +264,9 @@ pub struct Stats {
     pub stale_completions: u64,
     /// Prefetched experts that failed verification (dropped).
     pub bad_prefetches: u64,
+    /// Picked experts whose gate and up projections were computed before their
+    /// down projection landed ([`Next::ComputeFirst`]).
+    pub split_computes: u64,
 }
 
 impl Stats {
@@ -264,6 +290,7 @@ impl Stats {
                 .stale_completions
                 .saturating_sub(earlier.stale_completions),
             bad_prefetches: self.bad_prefetches.saturating_sub(earlier.bad_prefetches),
+            split_computes: self.split_computes.saturating_sub(earlier.split_computes),
         }
     }
 
@@ -293,6 +320,33 @@ pub enum Next {
         /// finish with [`Scheduler::finish_checked`], which must accept it before
         /// the expert's output is used.
         verify: bool,
+    },
+    /// ([`Scheduler::next_parts`] only.) Compute the gate and up projections of
+    /// picked expert `index` from the first `bytes` bytes of `slot`, which have
+    /// landed; the rest of the slot is still being read, so touch nothing past
+    /// them. Keep their SwiGLU activations and the CRC-32 of those bytes: the
+    /// down projection follows as [`Next::ComputeRest`].
+    ComputeFirst {
+        /// Position in the routing passed to [`Scheduler::begin_layer`].
+        index: usize,
+        /// The expert.
+        key: ExpertKey,
+        /// The slot it is loading into.
+        slot: SlotId,
+        /// Bytes of the slot that hold the gate and up projections.
+        bytes: u32,
+    },
+    /// The down projection of picked expert `index`, whose gate and up were
+    /// handed out as [`Next::ComputeFirst`], from `slot` (now loaded and pinned
+    /// until `finish`); then [`Scheduler::finish_checked`] with the CRC-32 of the
+    /// whole expert (both halves' checksums concatenated).
+    ComputeRest {
+        /// Position in the routing passed to [`Scheduler::begin_layer`].
+        index: usize,
+        /// The expert.
+        key: ExpertKey,
+        /// The slot holding it.
+        slot: SlotId,
     },
     /// Reads are in flight and nothing is ready: block on the device, then call
     /// `next` again.
@@ -369,6 +423,11 @@ enum PickStatus {
     Loading(SlotId),
     Ready(SlotId),
     Computing(SlotId),
+    /// Its gate and up were handed out; the rest is still loading.
+    FirstDone(SlotId),
+    /// Loaded and pinned after its gate and up were computed: the down projection
+    /// is left.
+    RestReady(SlotId),
     Done,
 }
 
@@ -592,7 +651,7 @@ where
         // Demand loads are exactly the current picks' loads.
         self.picks.iter().any(|p| match p.status {
             PickStatus::NeedsSlot => true,
-            PickStatus::Loading(slot) => {
+            PickStatus::Loading(slot) | PickStatus::FirstDone(slot) => {
                 matches!(self.table.state(slot), SlotState::Loading(l) if l.unsubmitted != 0)
             }
             _ => false,
@@ -796,8 +855,28 @@ where
         self.pump(dev, src)
     }
 
-    /// Processes completions, submits what can be submitted, and says what to do.
+    /// Processes completions, submits what can be submitted, and says what to do
+    /// (whole experts only: [`next_parts`](Self::next_parts) with `split` off).
     pub fn next<D, X>(&mut self, dev: &mut D, src: &X) -> Result<Next, Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        self.next_parts(dev, src, false)
+    }
+
+    /// Like [`next`](Self::next); with `split` (and
+    /// [`SchedulerConfig::split_compute`]) it may also hand out a loading expert's
+    /// gate and up projections once their parts landed ([`Next::ComputeFirst`]),
+    /// then its down projection ([`Next::ComputeRest`]). A caller that takes
+    /// split work for a layer keeps calling with `split` until
+    /// [`Next::Done`].
+    pub fn next_parts<D, X>(
+        &mut self,
+        dev: &mut D,
+        src: &X,
+        split: bool,
+    ) -> Result<Next, Error<D::Error>>
     where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
@@ -807,10 +886,12 @@ where
         }
         self.pump(dev, src)?;
 
-        let all_loaded = self
-            .picks
-            .iter()
-            .all(|p| !matches!(p.status, PickStatus::NeedsSlot | PickStatus::Loading(_)));
+        let all_loaded = self.picks.iter().all(|p| {
+            !matches!(
+                p.status,
+                PickStatus::NeedsSlot | PickStatus::Loading(_) | PickStatus::FirstDone(_)
+            )
+        });
         if self.config.ready_first || all_loaded {
             if let Some(index) = self
                 .picks
@@ -835,6 +916,26 @@ where
                     verify: expect.is_some(),
                 });
             }
+            if let Some(index) = self
+                .picks
+                .iter()
+                .position(|p| matches!(p.status, PickStatus::RestReady(_)))
+            {
+                let PickStatus::RestReady(slot) = self.picks[index].status else {
+                    unreachable!("matched RestReady just above")
+                };
+                self.picks[index].status = PickStatus::Computing(slot);
+                return Ok(Next::ComputeRest {
+                    index,
+                    key: self.picks[index].key,
+                    slot,
+                });
+            }
+            if split {
+                if let Some(next) = self.first_half(src) {
+                    return Ok(next);
+                }
+            }
         }
         if self.picks.iter().all(|p| p.status == PickStatus::Done) {
             return Ok(Next::Done);
@@ -854,6 +955,38 @@ where
         Err(Error::Stuck)
     }
 
+    /// A loading pick whose gate and up parts landed, handed out as
+    /// [`Next::ComputeFirst`].
+    fn first_half<X: ExpertSource>(&mut self, src: &X) -> Option<Next> {
+        let (index, slot) = self.picks.iter().enumerate().find_map(|(i, p)| {
+            let PickStatus::Loading(slot) = p.status else {
+                return None;
+            };
+            match self.table.state(slot) {
+                SlotState::Loading(l)
+                    if l.first_parts != 0
+                        && !l.failed
+                        && l.landed & l.first_parts == l.first_parts =>
+                {
+                    Some((i, slot))
+                }
+                _ => None,
+            }
+        })?;
+        let key = self.picks[index].key;
+        // `first_parts` is only set where both are known (see `first_parts`).
+        let (bytes, expect) = (src.gate_up_bytes(key)?, src.checksum(key)?);
+        self.picks[index].status = PickStatus::FirstDone(slot);
+        self.picks[index].expect = Some(expect);
+        self.stats.split_computes += 1;
+        Some(Next::ComputeFirst {
+            index,
+            key,
+            slot,
+            bytes,
+        })
+    }
+
     /// Like [`next`](Self::next), but blocks on the device instead of returning
     /// [`Next::Wait`] while reads are in flight.
     pub fn next_blocking<D, X>(&mut self, dev: &mut D, src: &X) -> Result<Next, Error<D::Error>>
@@ -861,8 +994,23 @@ where
         D: BlockDevice + SlotMemory,
         X: ExpertSource,
     {
+        self.next_blocking_parts(dev, src, false)
+    }
+
+    /// Like [`next_parts`](Self::next_parts), but blocks on the device instead of
+    /// returning [`Next::Wait`] while reads are in flight.
+    pub fn next_blocking_parts<D, X>(
+        &mut self,
+        dev: &mut D,
+        src: &X,
+        split: bool,
+    ) -> Result<Next, Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
         loop {
-            match self.next(dev, src)? {
+            match self.next_parts(dev, src, split)? {
                 Next::Wait if self.in_flight > 0 => dev.wait(),
                 other => return Ok(other),
             }
@@ -1032,7 +1180,47 @@ where
         Ok(())
     }
 
-    fn new_load(&mut self, key: ExpertKey, parts: usize, demand: bool) -> Load {
+    /// The parts of `ext` that hold `key`'s gate and up projections, where those
+    /// may be computed before the rest lands ([`SchedulerConfig::split_compute`]):
+    /// they must cover the source's [`ExpertSource::gate_up_bytes`] from the
+    /// slot's start, and some part must lie wholly past it. 0 otherwise.
+    fn first_parts<X: ExpertSource>(&self, key: ExpertKey, ext: &Extents, src: &X) -> u8 {
+        let c = &self.config;
+        if !(c.split_compute && c.verify_on_compute && c.ready_first) || src.checksum(key).is_none()
+        {
+            return 0;
+        }
+        let Some(split) = src.gate_up_bytes(key) else {
+            return 0;
+        };
+        let mask = ext
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.slot_offset < split)
+            .fold(0u8, |m, (i, _)| m | 1 << i);
+        // Walk the first parts from the slot's start: they must leave no gap.
+        let mut covered = 0u32;
+        while covered < split {
+            let next = ext
+                .iter()
+                .filter(|e| e.slot_offset <= covered)
+                .map(|e| e.slot_offset.saturating_add(e.len))
+                .filter(|&end| end > covered)
+                .max();
+            match next {
+                Some(end) => covered = end,
+                None => return 0,
+            }
+        }
+        let all = ((1u16 << ext.len()) - 1) as u8;
+        if split == 0 || mask == all {
+            0
+        } else {
+            mask
+        }
+    }
+
+    fn new_load(&mut self, key: ExpertKey, parts: usize, demand: bool, first_parts: u8) -> Load {
         self.next_load = (self.next_load + 1) & ((1 << (32 - PART_BITS)) - 1);
         Load {
             key,
@@ -1045,6 +1233,8 @@ where
             cancelled: false,
             failed: false,
             faults: 0,
+            landed: 0,
+            first_parts,
         }
     }
 
@@ -1130,14 +1320,15 @@ where
             if matches!(self.table.state(slot), SlotState::Ready { .. }) {
                 self.table.evict(slot)?;
             }
-            let load = self.new_load(key, ext.len(), true);
+            let first = self.first_parts(key, &ext, src);
+            let load = self.new_load(key, ext.len(), true, first);
             self.table.start_load(slot, load)?;
             self.picks[i].status = PickStatus::Loading(slot);
         }
 
         // 2. Demand reads, in routing order.
         for i in 0..self.picks.len() {
-            if let PickStatus::Loading(slot) = self.picks[i].status {
+            if let PickStatus::Loading(slot) | PickStatus::FirstDone(slot) = self.picks[i].status {
                 if !self.submit_parts(slot, true, dev, src)? {
                     return Ok(()); // device busy
                 }
@@ -1211,7 +1402,8 @@ where
             if matches!(self.table.state(slot), SlotState::Ready { .. }) {
                 self.table.evict(slot)?;
             }
-            let load = self.new_load(key, ext.len(), false);
+            let first = self.first_parts(key, &ext, src);
+            let load = self.new_load(key, ext.len(), false, first);
             self.table.start_load(slot, load)?;
             self.token_prefetch_bytes += bytes;
             self.stats.prefetches += 1;
@@ -1306,7 +1498,7 @@ where
         load.outstanding &= !bit;
         self.in_flight -= 1;
         match c.status {
-            ReadStatus::Done => {}
+            ReadStatus::Done => load.landed |= bit,
             ReadStatus::Cancelled => load.failed = true,
             ReadStatus::Failed(error) => {
                 load.failed = true;
@@ -1332,7 +1524,7 @@ where
                 if load.faults > 0 {
                     self.stats.retries += 1;
                 }
-                let fresh = self.new_load(load.key, load.parts as usize, true);
+                let fresh = self.new_load(load.key, load.parts as usize, true, load.first_parts);
                 let l = self
                     .table
                     .load_mut(slot)
@@ -1363,13 +1555,14 @@ where
         }
         self.table.finish_load(slot)?;
         self.table.set_unverified(slot, deferred);
-        if let Some(p) = self
-            .picks
-            .iter_mut()
-            .find(|p| p.status == PickStatus::Loading(slot))
-        {
+        if let Some(p) = self.picks.iter_mut().find(
+            |p| matches!(p.status, PickStatus::Loading(s) | PickStatus::FirstDone(s) if s == slot),
+        ) {
             self.table.pin(slot)?;
-            p.status = PickStatus::Ready(slot);
+            p.status = match p.status {
+                PickStatus::FirstDone(_) => PickStatus::RestReady(slot),
+                _ => PickStatus::Ready(slot),
+            };
         }
         Ok(())
     }
@@ -1394,6 +1587,7 @@ mod tests {
             retries: 10 * k,
             stale_completions: 11 * k,
             bad_prefetches: 12 * k,
+            split_computes: 13 * k,
         };
         assert_eq!(counts(5).since(&counts(2)), counts(3));
         assert_eq!(counts(2).since(&counts(5)), Stats::default());

@@ -65,6 +65,11 @@ pub struct Load {
     pub failed: bool,
     /// Attempts that failed with a device error (cancellations excluded).
     pub faults: u8,
+    /// Parts of this attempt that completed (bit mask).
+    pub landed: u8,
+    /// The parts that hold the expert's gate and up projections, where those may
+    /// be computed before the rest lands (bit mask; 0 = only whole).
+    pub first_parts: u8,
 }
 
 impl Load {
@@ -566,6 +571,8 @@ mod tests {
             cancelled: false,
             failed: false,
             faults: 0,
+            landed: 0,
+            first_parts: 0,
         }
     }
 

@@ -203,13 +203,14 @@ impl Model {
         }
     }
 
-    /// The packed expert image as a source; with `split`, three extents an expert.
-    fn packed(&self, split: bool) -> PackedExperts<'_> {
+    /// The packed expert image as a source of `parts` extents an expert (see
+    /// [`PackedExperts::parts`]).
+    fn packed(&self, parts: usize) -> PackedExperts<'_> {
         PackedExperts {
             image: &self.image,
             offsets: &self.offsets,
             format: self.format(),
-            split,
+            parts,
         }
     }
 }
@@ -283,22 +284,23 @@ impl Decode for Decoder<'_> {
 }
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
-    let packed = m.packed(false);
+    let packed = m.packed(1);
     let fmt = packed.format;
     let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
     decode(m, &mut ex, None)
 }
 
-/// The logits, and how often the supplier answered `Step::Pending`.
+/// The logits, how often the supplier answered `Step::Pending`, and how many
+/// experts it handed out in halves.
 fn streamed(
     m: &Model,
     slots: usize,
     predict: bool,
-    split: bool,
+    parts: usize,
     seed: u64,
     cfg: SchedulerConfig,
-) -> (Vec<Vec<f32>>, usize) {
-    let experts = m.packed(split);
+) -> (Vec<Vec<f32>>, usize, usize) {
+    let experts = m.packed(parts);
     let n_layers = m.hp.n_layers;
     let out = StreamedRun {
         experts: &experts,
@@ -323,7 +325,8 @@ fn streamed(
     if predict && cfg.prefetch {
         assert!(st.prefetches > 0, "{st:?}");
     }
-    (out.logits, out.pending)
+    assert_eq!(st.split_computes, out.halves as u64, "{st:?}");
+    (out.logits, out.pending, out.halves)
 }
 
 #[test]
@@ -341,30 +344,36 @@ fn streamed_equals_resident_bit_for_bit() {
         let m = build(11, ty, ety);
         let want = resident(&m);
         let mut seed = 1;
-        let mut les_pending = 0;
+        let (mut les_pending, mut les_halves) = (0, 0);
         for slots in [3, 4, 7, 16] {
             for predict in [false, true] {
-                for split in [false, true] {
+                for parts in [1, 3, 2] {
                     for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
                         seed += 1;
-                        let (got, pending) = streamed(&m, slots, predict, split, seed, cfg);
+                        let (got, pending, halves) = streamed(&m, slots, predict, parts, seed, cfg);
                         assert_bits_eq(
                             &got,
                             &want,
-                            &format!("{ty} slots={slots} predict={predict} split={split}"),
+                            &format!("{ty} slots={slots} predict={predict} parts={parts}"),
                         );
                         if cfg.ready_first {
                             les_pending += pending;
+                            les_halves += halves;
                         } else {
                             assert_eq!(pending, 0, "on-demand overlaps nothing");
+                        }
+                        if parts != 2 || !cfg.ready_first {
+                            assert_eq!(halves, 0, "halves only of two-part experts, in les");
                         }
                     }
                 }
             }
         }
-        // The shared expert was computed while reads were in flight, and the
-        // logits still matched.
+        // The shared expert was computed while reads were in flight, experts were
+        // computed in halves while their down projections loaded, and the logits
+        // still matched.
         assert!(les_pending > 0, "{ty}: no read was ever pending");
+        assert!(les_halves > 0, "{ty}: no expert was computed in halves");
     }
 }
 
@@ -529,7 +538,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
     ] {
         let m = build(11, ty, ety);
         let want = resident(&m);
-        let packed = m.packed(false);
+        let packed = m.packed(1);
         let fmt = packed.format;
         let mut seed = 100;
         for plan in PLANS {
@@ -542,10 +551,10 @@ fn batched_prefill_equals_one_position_at_a_time() {
                 );
             }
             for slots in [3, 4, 7, 16] {
-                for split in [false, true] {
+                for parts in [1, 3, 2] {
                     for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
                         seed += 1;
-                        let experts = m.packed(split);
+                        let experts = m.packed(parts);
                         let out = StreamedRun {
                             experts: &experts,
                             n_layers: m.hp.n_layers,
@@ -568,7 +577,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
                                 std::slice::from_ref(got),
                                 std::slice::from_ref(&want[pos]),
                                 &format!(
-                                    "{ty} slots={slots} split={split} {plan:?} position {pos}"
+                                    "{ty} slots={slots} parts={parts} {plan:?} position {pos}"
                                 ),
                             );
                         }
@@ -591,7 +600,7 @@ fn forward_batch_rejects_what_it_cannot_do() {
     );
     let hp = m.hp;
     let hy = HybridParams::plain(&hp);
-    let packed = m.packed(false);
+    let packed = m.packed(1);
     let fmt = packed.format;
     let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
     let mut b = Buffers::new(&hp);

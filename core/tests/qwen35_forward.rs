@@ -264,7 +264,7 @@ impl Model {
             image: &self.image,
             offsets: &self.offsets,
             format: self.format(),
-            split: false,
+            parts: 1,
         }
     }
 }

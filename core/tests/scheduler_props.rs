@@ -51,6 +51,9 @@ struct Model {
     /// Give the scheduler each expert's CRC-32 ([`ExpertSource::checksum`]), so
     /// experts are checked when first computed rather than by `verify` on load.
     on_compute: bool,
+    /// Offer each expert's first part, where it has more, as a half computed
+    /// before the rest lands ([`ExpertSource::gate_up_bytes`]).
+    split: bool,
 }
 
 fn checksum(bytes: &[u8]) -> u64 {
@@ -95,6 +98,7 @@ impl Model {
             slot_bytes,
             classes: None,
             on_compute: false,
+            split: false,
         }
     }
 
@@ -216,6 +220,15 @@ impl ExpertSource for Model {
     fn checksum(&self, key: ExpertKey) -> Option<u32> {
         self.on_compute
             .then(|| les_core::layout::checksum(&self.bytes(key)))
+    }
+
+    /// The part at the slot's start, where there are others, as the "gate and
+    /// up" half ([`Next::ComputeFirst`]).
+    fn gate_up_bytes(&self, key: ExpertKey) -> Option<u32> {
+        let ext = &self.experts[self.id(key)].0;
+        (self.split && ext.len() > 1)
+            .then(|| ext.iter().find(|e| e.slot_offset == 0).map(|e| e.len))
+            .flatten()
     }
 }
 
@@ -457,6 +470,9 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     let mut rng = Rng(c.seed);
     let mut m = Model::new(&mut rng, c.n_layers, c.n_experts, c.parts);
     m.on_compute = c.seed & 4 != 0;
+    // Experts in halves (with checksums on compute, where the scheduler takes
+    // them) in half of the cases.
+    m.split = c.seed & 16 != 0;
     let quality = [
         Quality::Perfect,
         Quality::Noisy,
@@ -564,9 +580,11 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
             }
             let mut outs: Vec<Option<[f32; DIM]>> = vec![None; r.len()];
             let mut deferred: Vec<(usize, SlotId, bool)> = Vec::new();
+            // Per pick handed out in halves: the first half's bytes as computed.
+            let mut first: Vec<Option<Vec<u8>>> = vec![None; r.len()];
             loop {
                 let before = dev.log.len();
-                let next = sched.next(&mut dev, &m)?;
+                let next = sched.next_parts(&mut dev, &m, m.split)?;
                 check_call(&sched, &dev.log[before..], c);
                 check_table(&sched, &m, deferred.len());
                 match next {
@@ -579,6 +597,10 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                         assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
                         assert!(!verify || m.on_compute, "verify only with checksums");
                         assert!(outs[index].is_none(), "index {index} handed out twice");
+                        assert!(
+                            first[index].is_none(),
+                            "index {index} handed out whole after its half"
+                        );
                         if c.on_demand {
                             // No overlap: compute starts once every pick is loaded.
                             for &(e, _) in r {
@@ -595,6 +617,36 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                         }
                         outs[index] = Some([f32::NAN; DIM]); // reserved
                         deferred.push((index, slot, verify));
+                    }
+                    Next::ComputeFirst {
+                        index,
+                        key,
+                        slot,
+                        bytes,
+                    } => {
+                        assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
+                        assert!(
+                            m.split && m.on_compute && !c.on_demand,
+                            "halves only where offered"
+                        );
+                        assert!(
+                            outs[index].is_none() && first[index].is_none(),
+                            "index {index} handed out twice"
+                        );
+                        assert_eq!(Some(bytes), m.gate_up_bytes(key));
+                        // Computed now, from what has landed; the rest may still
+                        // be loading.
+                        first[index] = Some(dev.slot_prefix(slot, bytes as usize).to_vec());
+                    }
+                    Next::ComputeRest { index, key, slot } => {
+                        assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
+                        assert!(
+                            first[index].is_some(),
+                            "rest of {key} before its first half"
+                        );
+                        assert!(outs[index].is_none(), "index {index} handed out twice");
+                        outs[index] = Some([f32::NAN; DIM]); // reserved
+                        deferred.push((index, slot, true));
                     }
                     Next::Wait => {
                         if sched.reads_in_flight() > 0 && !rng.chance(50) {
@@ -619,13 +671,18 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                         layer,
                         expert: r[index].0,
                     };
-                    let bytes = &dev.slot(slot)[..m.len(key)];
-                    let out = expert_output(bytes, &h);
+                    // The bytes the computation used: the first half's as they
+                    // were when it was handed out, the rest's now.
+                    let mut bytes = dev.slot(slot)[..m.len(key)].to_vec();
+                    if let Some(f) = first[index].take() {
+                        bytes[..f.len()].copy_from_slice(&f);
+                    }
+                    let out = expert_output(&bytes, &h);
                     if verify {
                         // Computed from bytes not yet checked: usable only if the
                         // scheduler accepts their checksum.
-                        let intact = bytes == &m.bytes(key)[..];
-                        let crc = les_core::layout::checksum(bytes);
+                        let intact = bytes == m.bytes(key);
+                        let crc = les_core::layout::checksum(&bytes);
                         match sched.finish_checked(index, crc) {
                             Ok(()) => assert!(intact, "corrupt {key} accepted"),
                             Err(e) => {
@@ -634,7 +691,7 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                             }
                         }
                     } else {
-                        assert_eq!(bytes, &m.bytes(key)[..], "slot of {key} holds its bytes");
+                        assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
                         sched.finish::<()>(index).expect("computing");
                     }
                     outs[index] = Some(out);
@@ -863,6 +920,9 @@ fn a_full_prefetch_queue_makes_room_for_the_nearer_layer() {
         match sched.next(&mut dev, &m).unwrap() {
             Next::Compute { index, .. } => sched.finish::<()>(index).unwrap(),
             Next::Wait => dev.wait(),
+            Next::ComputeFirst { .. } | Next::ComputeRest { .. } => {
+                unreachable!("next hands out whole experts")
+            }
             Next::Done if sched.reads_in_flight() > 0 => dev.wait(),
             Next::Done => {
                 done = true;

@@ -581,6 +581,9 @@ fuzz_target!(|data: &[u8]| {
                             assert!(!computing.is_empty(), "Wait with nothing to wait for");
                         }
                     }
+                    Next::ComputeFirst { .. } | Next::ComputeRest { .. } => {
+                        unreachable!("next hands out whole experts")
+                    }
                     Next::Done => {
                         assert!(computing.is_empty(), "Done while computing");
                         break;

@@ -14,7 +14,9 @@ use std::str::FromStr;
 use les_core::gemv::GemvError;
 use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
 use les_core::model::forward::{ExpertMatrices, Experts, Handout, Step};
-use les_core::schedule::{ExpertSource, Extents, LayerState, Scheduler, SchedulerConfig, Stats};
+use les_core::schedule::{
+    ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig, Stats,
+};
 use les_core::slot_classes::SlotClass;
 use les_core::slots::{ExpertKey, IndexEntry, Slot};
 
@@ -91,10 +93,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// The model file as an expert source: three extents per expert in a plain GGUF,
-/// one checksummed aligned extent in a packed one.
+/// one checksummed aligned extent in a packed one (or two, see
+/// [`ModelSource::split_reads_above`]).
 pub struct ModelSource<'m> {
     model: &'m Model,
     device_checks: bool,
+    split_above: Option<u64>,
 }
 
 impl<'m> ModelSource<'m> {
@@ -106,7 +110,46 @@ impl<'m> ModelSource<'m> {
         ModelSource {
             model,
             device_checks: false,
+            split_above: None,
         }
+    }
+
+    /// Reads each packed expert longer than `bytes` as two extents, its gate and
+    /// up projections (to the next multiple of `bytes`, or of the alignment, past
+    /// them) and the rest, so that
+    /// `les` can compute the first half while the second still loads
+    /// ([`SchedulerConfig::split_compute`]). For a device that splits long reads
+    /// into chunks of `bytes` anyway, this costs no extra reads.
+    pub fn split_reads_above(self, bytes: u64) -> Self {
+        ModelSource {
+            split_above: Some(bytes),
+            ..self
+        }
+    }
+
+    /// Where `key`'s single packed extent `ext` is split, if it is: past the
+    /// gate and up projections, at the extent's own alignment (up to 4 KiB).
+    fn split_at(&self, key: ExpertKey, ext: &Extents) -> Option<u32> {
+        let min = self.split_above?;
+        let [e] = ext.as_slice() else {
+            return None;
+        };
+        if self.device_checks || u64::from(e.len) <= min {
+            return None;
+        }
+        let g = self
+            .model
+            .expert_format(key.layer as usize)?
+            .gate_up_bytes()? as u64;
+        let align = 1u64 << (e.offset | u64::from(e.len)).trailing_zeros().min(12);
+        // At a chunk boundary where one is past the gate and up projections (the
+        // device's chunks of the two reads are then those of the one they replace),
+        // else at the next aligned byte.
+        let fits = |at: u64| at > 0 && at < u64::from(e.len);
+        let at = Some(g.div_ceil(min.max(1)) * min.max(1))
+            .filter(|&at| fits(at) && at.is_multiple_of(align))
+            .unwrap_or(g.div_ceil(align) * align);
+        fits(at).then_some(at as u32)
     }
 
     /// A source for a [`FileDevice`] given [`Model::read_checks`]: the device's
@@ -116,13 +159,34 @@ impl<'m> ModelSource<'m> {
         ModelSource {
             model,
             device_checks: true,
+            split_above: None,
         }
     }
 }
 
 impl ExpertSource for ModelSource<'_> {
     fn extents(&self, key: ExpertKey) -> Extents {
-        self.model.expert_extents(key)
+        let mut ext = self.model.expert_extents(key);
+        if let Some(at) = self.split_at(key, &ext) {
+            let e = ext[0];
+            ext.clear();
+            let _ = ext.push(Extent { len: at, ..e });
+            let _ = ext.push(Extent {
+                offset: e.offset + u64::from(at),
+                len: e.len - at,
+                slot_offset: e.slot_offset + at,
+            });
+        }
+        ext
+    }
+
+    fn gate_up_bytes(&self, key: ExpertKey) -> Option<u32> {
+        self.split_at(key, &self.model.expert_extents(key))?;
+        let g = self
+            .model
+            .expert_format(key.layer as usize)?
+            .gate_up_bytes()?;
+        u32::try_from(g).ok()
     }
 
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {
@@ -280,7 +344,10 @@ impl<'m> Supply<'m> {
         Ok(Supply::Streamed(Box::new(Streamed {
             scheduler,
             device,
-            source: ModelSource::new(model),
+            source: match budget.io.chunk_bytes {
+                0 => ModelSource::new(model),
+                c => ModelSource::new(model).split_reads_above(c as u64),
+            },
             format,
             predict: schedule == Schedule::Les,
         })))
@@ -365,6 +432,13 @@ impl Experts for Supply<'_> {
         match self {
             Supply::Resident(r) => r.try_next().map_err(SupplyError::Resident),
             Supply::Streamed(s) => s.try_next().map_err(SupplyError::Stream),
+        }
+    }
+
+    fn next_part(&mut self, block: bool) -> Result<Step<'_>, SupplyError> {
+        match self {
+            Supply::Resident(r) => r.next_part(block).map_err(SupplyError::Resident),
+            Supply::Streamed(s) => s.next_part(block).map_err(SupplyError::Stream),
         }
     }
 

@@ -62,6 +62,9 @@ impl<X: Experts, W: Watcher<X>> Experts for Watched<'_, X, W> {
     fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
         self.inner.try_next()
     }
+    fn next_part(&mut self, block: bool) -> Result<Step<'_>, X::Error> {
+        self.inner.next_part(block)
+    }
     fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), X::Error> {
         self.inner.finish(index, checksum)
     }

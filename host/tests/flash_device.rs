@@ -429,6 +429,9 @@ fn stream(path: &std::path::Path, data: &[u8], src: &Experts, cfg: FileDeviceCon
                     }
                     Next::Done => break,
                     Next::Wait => unreachable!("next_blocking waits"),
+                    Next::ComputeFirst { .. } | Next::ComputeRest { .. } => {
+                        unreachable!("next_blocking hands out whole experts")
+                    }
                 }
             }
         }

@@ -752,6 +752,45 @@ fn packed_model_streams_identically_and_detects_corruption() {
     }
 }
 
+/// Packed experts longer than the I/O chunk are read in two parts, so `les`
+/// computes an expert's gate and up projections while its down projection still
+/// loads; the logits stay those of the resident run.
+#[test]
+fn experts_computed_in_halves_stay_exact() {
+    let plain = synth_once(
+        "run_cli_halves.gguf",
+        &[
+            "--arch", "qwen3moe", "--preset", "small", "--layers", "3", "--seed", "5",
+        ],
+    );
+    let packed = tmp("run_cli_halves.p.gguf");
+    pack(&plain, &packed);
+    let (want, (_, _, want_logits), _) = greedy_with_logits(
+        &packed,
+        &["--schedule", "resident", "-n", "12"],
+        "halves_resident",
+    );
+    let mut halves = 0;
+    for chunk in ["64KiB", "128KiB"] {
+        let args = [
+            "--schedule",
+            "les",
+            "--slots",
+            "24",
+            "-n",
+            "12",
+            "--io-chunk",
+            chunk,
+        ];
+        let (got, (_, _, logits), _) =
+            greedy_with_logits(&packed, &args, &format!("halves_{chunk}"));
+        assert_eq!(tokens(&got), tokens(&want), "{args:?}");
+        assert!(logits == want_logits, "{args:?}: logits differ");
+        halves += got["stats"]["split_computes"].as_u64().unwrap();
+    }
+    assert!(halves > 0, "no expert was computed in halves");
+}
+
 /// Streaming keeps the process's peak RSS within the resident weights, the slot
 /// budget and a stated overhead (KV cache, scratch, code, allocator): the page
 /// cache is not a hidden second expert cache, and experts are never mapped in.

@@ -1,6 +1,6 @@
 //! The two [`Experts`] suppliers: all resident, and streamed by the LES scheduler.
 
-use super::forward::{ExpertMatrices, Experts, Handout, Step};
+use super::forward::{Down, ExpertMatrices, Experts, GateUp, Handout, Step};
 use crate::blockdev::{BlockDevice, SlotId, SlotMemory};
 use crate::gemv::{GemvError, MatrixView};
 use crate::quant::GgmlType;
@@ -56,6 +56,31 @@ impl ExpertFormat {
             up: MatrixView::new(self.up, self.n_ff, self.n_embd, up)?,
             down: MatrixView::new(self.down, self.n_embd, self.n_ff, down)?,
         })
+    }
+
+    /// Bytes of the gate and up projections at the start of a slot.
+    pub fn gate_up_bytes(&self) -> Option<usize> {
+        let [g, u, _] = self.part_bytes()?;
+        g.checked_add(u)
+    }
+
+    /// The gate and up projections of an expert whose slot starts with `bytes`
+    /// (at least [`gate_up_bytes`](Self::gate_up_bytes) of them).
+    pub fn gate_up<'a>(&self, bytes: &'a [u8]) -> Result<[MatrixView<'a>; 2], GemvError> {
+        let [g, u, _] = self.part_bytes().ok_or(GemvError::RowLength {
+            ty: self.gate,
+            cols: self.n_embd,
+        })?;
+        let too_short = GemvError::MatrixBytes {
+            expected: g + u,
+            len: bytes.len(),
+        };
+        let gate = bytes.get(..g).ok_or(too_short)?;
+        let up = bytes.get(g..g + u).ok_or(too_short)?;
+        Ok([
+            MatrixView::new(self.gate, self.n_ff, self.n_embd, gate)?,
+            MatrixView::new(self.up, self.n_ff, self.n_embd, up)?,
+        ])
     }
 }
 
@@ -174,6 +199,57 @@ where
     }
 }
 
+impl<S, M, L, D, X, F> Streamed<S, M, L, D, X, F>
+where
+    S: AsRef<[Slot]> + AsMut<[Slot]>,
+    M: AsRef<[IndexEntry]> + AsMut<[IndexEntry]>,
+    L: AsRef<[LayerState]> + AsMut<[LayerState]>,
+    D: BlockDevice + SlotMemory,
+    F: Fn(usize) -> ExpertFormat,
+{
+    /// The scheduler's answer as a step over the slots' matrices (`Pending` for
+    /// a wait, unless `block`ing, where a wait means nothing can progress).
+    fn step<E>(&self, next: Next, block: bool) -> Result<Step<'_>, StreamError<E>> {
+        Ok(match next {
+            Next::Compute {
+                index,
+                key,
+                slot,
+                verify,
+            } => Step::Compute(Handout {
+                index,
+                matrices: self.matrices(key, slot)?,
+                verify,
+            }),
+            Next::ComputeFirst {
+                index,
+                key,
+                slot,
+                bytes,
+            } => {
+                let prefix = self.device.slot_prefix(slot, bytes as usize);
+                let [gate, up] = (self.format)(key.layer as usize)
+                    .gate_up(prefix)
+                    .map_err(StreamError::Layout)?;
+                Step::GateUp(GateUp {
+                    index,
+                    gate,
+                    up,
+                    verify: true,
+                })
+            }
+            Next::ComputeRest { index, key, slot } => Step::Down(Down {
+                index,
+                down: self.matrices(key, slot)?.down,
+                verify: true,
+            }),
+            Next::Done => Step::Done,
+            Next::Wait if !block && self.scheduler.reads_in_flight() > 0 => Step::Pending,
+            Next::Wait => return Err(StreamError::Schedule(Error::Stuck)),
+        })
+    }
+}
+
 impl<S, M, L, D, X, F> Experts for Streamed<S, M, L, D, X, F>
 where
     S: AsRef<[Slot]> + AsMut<[Slot]>,
@@ -216,23 +292,14 @@ where
     }
 
     fn next(&mut self) -> Result<Option<Handout<'_>>, Self::Error> {
-        match self
+        let next = self
             .scheduler
             .next_blocking(&mut self.device, &self.source)
-            .map_err(StreamError::Schedule)?
-        {
-            Next::Compute {
-                index,
-                key,
-                slot,
-                verify,
-            } => Ok(Some(Handout {
-                index,
-                matrices: self.matrices(key, slot)?,
-                verify,
-            })),
-            Next::Done => Ok(None),
-            Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
+            .map_err(StreamError::Schedule)?;
+        match self.step(next, true)? {
+            Step::Compute(h) => Ok(Some(h)),
+            Step::Done => Ok(None),
+            _ => Err(StreamError::Schedule(Error::Stuck)),
         }
     }
 
@@ -241,25 +308,25 @@ where
             // The on-demand baseline overlaps nothing: read, then compute.
             return self.next().map(Step::from);
         }
-        match self
+        let next = self
             .scheduler
             .next(&mut self.device, &self.source)
-            .map_err(StreamError::Schedule)?
-        {
-            Next::Compute {
-                index,
-                key,
-                slot,
-                verify,
-            } => Ok(Step::Compute(Handout {
-                index,
-                matrices: self.matrices(key, slot)?,
-                verify,
-            })),
-            Next::Done => Ok(Step::Done),
-            Next::Wait if self.scheduler.reads_in_flight() > 0 => Ok(Step::Pending),
-            Next::Wait => Err(StreamError::Schedule(Error::Stuck)),
+            .map_err(StreamError::Schedule)?;
+        self.step(next, false)
+    }
+
+    fn next_part(&mut self, block: bool) -> Result<Step<'_>, Self::Error> {
+        if !self.scheduler.config().ready_first {
+            return self.next().map(Step::from);
         }
+        let (dev, src) = (&mut self.device, &self.source);
+        let next = if block {
+            self.scheduler.next_blocking_parts(dev, src, true)
+        } else {
+            self.scheduler.next_parts(dev, src, true)
+        }
+        .map_err(StreamError::Schedule)?;
+        self.step(next, block)
     }
 
     fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), Self::Error> {

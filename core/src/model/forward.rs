@@ -150,11 +150,45 @@ pub struct Handout<'a> {
     pub verify: bool,
 }
 
+/// The gate and up projections of a picked expert whose down projection is
+/// still loading ([`Experts::next_part`]).
+#[derive(Clone, Copy, Debug)]
+pub struct GateUp<'a> {
+    /// Position in the routing passed to [`Experts::begin_layer`].
+    pub index: usize,
+    /// Gate projection.
+    pub gate: MatrixView<'a>,
+    /// Up projection.
+    pub up: MatrixView<'a>,
+    /// Compute the CRC-32 of gate and up (back to back) with the products, to
+    /// be concatenated with the down projection's for [`Experts::finish`].
+    pub verify: bool,
+}
+
+/// The down projection of a picked expert whose [`GateUp`] came before.
+#[derive(Clone, Copy, Debug)]
+pub struct Down<'a> {
+    /// Position in the routing passed to [`Experts::begin_layer`].
+    pub index: usize,
+    /// Down projection.
+    pub down: MatrixView<'a>,
+    /// Compute its CRC-32 too; [`Experts::finish`] takes the whole expert's.
+    pub verify: bool,
+}
+
 /// What [`Experts::try_next`] says to do.
 #[derive(Clone, Copy, Debug)]
 pub enum Step<'a> {
     /// Compute this expert, then call [`Experts::finish`].
     Compute(Handout<'a>),
+    /// ([`Experts::next_part`] only.) Compute this expert's gate and up
+    /// projections and keep their SwiGLU activations: its down projection is
+    /// still loading and comes as [`Step::Down`].
+    GateUp(GateUp<'a>),
+    /// ([`Experts::next_part`] only.) Compute the down projection of an expert
+    /// from the activations of its [`Step::GateUp`], then call
+    /// [`Experts::finish`] with the whole expert's checksum.
+    Down(Down<'a>),
     /// Reads are in flight and nothing is ready yet.
     Pending,
     /// Every picked expert was handed out and finished.
@@ -211,6 +245,19 @@ pub trait Experts {
     /// baseline) never answer `Pending`: the default is [`next`](Self::next).
     fn try_next(&mut self) -> Result<Step<'_>, Self::Error> {
         self.next().map(Step::from)
+    }
+    /// Like [`try_next`](Self::try_next) (`block` false) or [`next`](Self::next)
+    /// (`block` true, never [`Step::Pending`]), but may also hand out an expert in
+    /// halves, [`Step::GateUp`] once its gate and up projections landed and
+    /// [`Step::Down`] once the rest has: ready-first within an expert. A caller
+    /// that asks this for a layer keeps asking this until [`Step::Done`]. The
+    /// default never splits.
+    fn next_part(&mut self, block: bool) -> Result<Step<'_>, Self::Error> {
+        if block {
+            self.next().map(Step::from)
+        } else {
+            self.try_next()
+        }
     }
     /// Routing index `index` was computed; its memory may be reused. `checksum`
     /// is the CRC-32 of its bytes when it was handed out with
@@ -518,6 +565,8 @@ pub struct Scratch<'a> {
     tmp: &'a mut [f32],
     moe: &'a mut [f32],
     expert_out: &'a mut [f32],
+    /// SwiGLU activations of experts computed in halves (`top_k * n_ff_exp`).
+    expert_act: &'a mut [f32],
     router: &'a mut [f32],
     pred_x: &'a mut [f32],
     /// Query and gate of gated attention (`2 * q_dim`, else empty).
@@ -561,8 +610,17 @@ impl<'a> Scratch<'a> {
     /// Floats of scratch needed for `hp` with up to `max_positions` positions.
     pub fn len(hp: &Hparams, max_positions: usize) -> usize {
         let e = hp.n_embd;
-        let (k, n_exp) = hp.moe.map_or((0, 0), |m| (m.top_k, m.n_experts));
-        5 * e + 2 * hp.q_dim() + 2 * hp.kv_dim() + max_positions + 2 * max_ff(hp) + k * e + n_exp
+        let (k, n_exp, ff) = hp
+            .moe
+            .map_or((0, 0, 0), |m| (m.top_k, m.n_experts, m.n_ff_exp));
+        5 * e
+            + 2 * hp.q_dim()
+            + 2 * hp.kv_dim()
+            + max_positions
+            + 2 * max_ff(hp)
+            + k * e
+            + k * ff
+            + n_exp
     }
 
     /// Splits `buf` (at least [`len`](Self::len) floats).
@@ -586,7 +644,9 @@ impl<'a> Scratch<'a> {
             return None;
         }
         let e = hp.n_embd;
-        let (top_k, n_exp) = hp.moe.map_or((0, 0), |m| (m.top_k, m.n_experts));
+        let (top_k, n_exp, ff_exp) = hp
+            .moe
+            .map_or((0, 0, 0), |m| (m.top_k, m.n_experts, m.n_ff_exp));
         let ff = max_ff(hp);
         let (h, rest) = buf.split_at_mut(e);
         let (x, rest) = rest.split_at_mut(e);
@@ -600,6 +660,7 @@ impl<'a> Scratch<'a> {
         let (tmp, rest) = rest.split_at_mut(e);
         let (moe, rest) = rest.split_at_mut(e);
         let (expert_out, rest) = rest.split_at_mut(top_k * e);
+        let (expert_act, rest) = rest.split_at_mut(top_k * ff_exp);
         let (router, rest) = rest.split_at_mut(n_exp);
         let (pred_x, rest) = rest.split_at_mut(e);
         let [l_qg, l_qkv, l_z, l_beta, l_alpha, l_out] = extra_lens(hp, hy);
@@ -622,6 +683,7 @@ impl<'a> Scratch<'a> {
             tmp,
             moe,
             expert_out,
+            expert_act,
             router,
             pred_x,
             qg,
@@ -734,32 +796,69 @@ pub(super) fn swiglu_ffn_checked<M: MatVec>(
 ) -> Result<Option<u32>, GemvError> {
     let ExpertMatrices { gate, up, down } = w;
     let n = gate.rows();
-    if up.rows() != n || down.cols() != n || n > ff_a.len() {
+    if down.cols() != n {
         return Err(GemvError::RowLength {
             ty: down.ty(),
             cols: down.cols(),
         });
     }
+    let crc_gate_up = gate_up_checked(mv, gate, up, x, ff_a, ff_b, verify)?;
+    let crc_down = product_checked(mv, down, &ff_a[..n], out, verify)?;
+    Ok(concat_checksums(crc_gate_up, crc_down, down))
+}
+
+/// The first half of [`swiglu_ffn_checked`]: `swiglu(gate x, up x)` into
+/// `ff_a[..gate.rows()]`, and with `verify` the CRC-32 of gate and up back to back.
+pub(super) fn gate_up_checked<M: MatVec>(
+    mv: &mut M,
+    gate: &MatrixView<'_>,
+    up: &MatrixView<'_>,
+    x: &[f32],
+    ff_a: &mut [f32],
+    ff_b: &mut [f32],
+    verify: bool,
+) -> Result<Option<u32>, GemvError> {
+    let n = gate.rows();
+    if up.rows() != n || n > ff_a.len() || n > ff_b.len() {
+        return Err(GemvError::RowLength {
+            ty: up.ty(),
+            cols: up.cols(),
+        });
+    }
     let (a, b) = (&mut ff_a[..n], &mut ff_b[..n]);
-    let mut product = |w: &MatrixView<'_>, x: &[f32], y: &mut [f32]| {
-        if verify {
-            mv.matvec_checksum(w, x, y).map(Some)
-        } else {
-            mv.matvec(w, x, y).map(|()| None)
-        }
-    };
-    let crc_gate = product(gate, x, a)?;
-    let crc_up = product(up, x, b)?;
+    let crc_gate = product_checked(mv, gate, x, a, verify)?;
+    let crc_up = product_checked(mv, up, x, b, verify)?;
     swiglu(a, b);
-    let crc_down = product(down, a, out)?;
-    let concat = |a: Option<u32>, b: Option<u32>, w: &MatrixView<'_>| {
-        Some(crate::layout::checksum_concat(
-            a?,
-            b?,
-            w.bytes().len() as u64,
-        ))
-    };
-    Ok(concat(concat(crc_gate, crc_up, up), crc_down, down))
+    Ok(concat_checksums(crc_gate, crc_up, up))
+}
+
+/// `y = w x`, and with `verify` the CRC-32 of `w`'s bytes.
+pub(super) fn product_checked<M: MatVec>(
+    mv: &mut M,
+    w: &MatrixView<'_>,
+    x: &[f32],
+    y: &mut [f32],
+    verify: bool,
+) -> Result<Option<u32>, GemvError> {
+    if verify {
+        mv.matvec_checksum(w, x, y).map(Some)
+    } else {
+        mv.matvec(w, x, y).map(|()| None)
+    }
+}
+
+/// The CRC-32 of two byte runs back to back from theirs (`b`'s the bytes of
+/// `second`); `None` unless both are known.
+pub(super) fn concat_checksums(
+    a: Option<u32>,
+    b: Option<u32>,
+    second: &MatrixView<'_>,
+) -> Option<u32> {
+    Some(crate::layout::checksum_concat(
+        a?,
+        b?,
+        second.bytes().len() as u64,
+    ))
 }
 
 /// What enters the model at one position.
@@ -913,8 +1012,10 @@ where
                 // no routed expert is ready (while reads are in flight), or last.
                 let e = hp.n_embd;
                 let mut shared_left = shared.as_ref();
+                // The checksums of the gate and up halves computed first.
+                let mut first_crc = [None::<u32>; crate::schedule::MAX_PICKS];
                 loop {
-                    let step = next_step(experts, shared_left.is_some())?;
+                    let step = next_step(experts, shared_left.is_some(), true)?;
                     match step {
                         Step::Compute(Handout {
                             index,
@@ -928,6 +1029,40 @@ where
                             let crc = swiglu_ffn_checked(
                                 mv, &matrices, s.x, s.ff_a, s.ff_b, out, verify,
                             )?;
+                            experts.finish(index, crc).map_err(ForwardError::Experts)?;
+                        }
+                        Step::GateUp(GateUp {
+                            index,
+                            gate,
+                            up,
+                            verify,
+                        }) => {
+                            let n = gate.rows();
+                            let act = s
+                                .expert_act
+                                .get_mut(index * n..(index + 1) * n)
+                                .ok_or(ForwardError::Shape("routing index"))?;
+                            let crc = gate_up_checked(mv, &gate, &up, s.x, act, s.ff_b, verify)?;
+                            *first_crc
+                                .get_mut(index)
+                                .ok_or(ForwardError::Shape("routing index"))? = crc;
+                        }
+                        Step::Down(Down {
+                            index,
+                            down,
+                            verify,
+                        }) => {
+                            let n = down.cols();
+                            let (act, out) = (
+                                s.expert_act.get(index * n..(index + 1) * n),
+                                s.expert_out.get_mut(index * e..(index + 1) * e),
+                            );
+                            let (Some(act), Some(out)) = (act, out) else {
+                                return Err(ForwardError::Shape("routing index"));
+                            };
+                            let crc = product_checked(mv, &down, act, out, verify)?;
+                            let first = first_crc.get(index).copied().flatten();
+                            let crc = concat_checksums(first, crc, &down);
                             experts.finish(index, crc).map_err(ForwardError::Experts)?;
                         }
                         Step::Pending | Step::Done => {
@@ -1096,15 +1231,17 @@ pub(super) fn deltanet_step(
 
 /// The next expert to compute: with other work left to fill the wait (`filler`),
 /// [`Experts::try_next`], which answers [`Step::Pending`] while none is ready;
-/// else [`Experts::next`], which blocks.
+/// else [`Experts::next`], which blocks. With `split`, [`Experts::next_part`]
+/// instead, which may also hand out experts in halves.
 pub(super) fn next_step<X: Experts>(
     experts: &mut X,
     filler: bool,
+    split: bool,
 ) -> Result<Step<'_>, ForwardError<X::Error>> {
-    if filler {
-        experts.try_next()
-    } else {
-        experts.next().map(Step::from)
+    match (split, filler) {
+        (true, _) => experts.next_part(!filler),
+        (false, true) => experts.try_next(),
+        (false, false) => experts.next().map(Step::from),
     }
     .map_err(ForwardError::Experts)
 }

@@ -8,6 +8,7 @@
 use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
 use les_core::blockdev::ReadRequest;
 use les_core::gemv::{Isa, MatrixView};
+use les_core::layout;
 use les_core::model::experts::{ExpertFormat, Streamed};
 use les_core::model::forward::{Experts, Handout, Lookahead, MatVec, SerialMatVec, Step};
 use les_core::model::ops::{self, AttnShape, KvView};
@@ -94,8 +95,10 @@ pub struct PackedExperts<'a> {
     pub image: &'a [u8],
     pub offsets: &'a [Vec<usize>],
     pub format: ExpertFormat,
-    /// Three extents an expert (gate, up, down, as in a plain GGUF) instead of one.
-    pub split: bool,
+    /// Extents an expert: 1 (packed), 3 (gate, up, down, as in a plain GGUF) or
+    /// 2 (gate and up, then down, checksummed: the scheduler may hand the halves
+    /// out apart, see [`SchedulerConfig::split_compute`]).
+    pub parts: usize,
 }
 
 impl<'a> PackedExperts<'a> {
@@ -109,28 +112,33 @@ impl<'a> PackedExperts<'a> {
 impl ExpertSource for PackedExperts<'_> {
     fn extents(&self, key: ExpertKey) -> Extents {
         let off = self.offsets[key.layer as usize][key.expert as usize] as u64;
-        let parts = self.format.part_bytes().unwrap();
+        let [g, u, d] = self.format.part_bytes().unwrap();
+        let lens: &[usize] = match self.parts {
+            3 => &[g, u, d],
+            2 => &[g + u, d],
+            _ => &[g + u + d],
+        };
         let mut ext = Extents::new();
-        if self.split {
-            let mut at = 0u32;
-            for p in parts {
-                ext.push(Extent {
-                    offset: off + at as u64,
-                    len: p as u32,
-                    slot_offset: at,
-                })
-                .unwrap();
-                at += p as u32;
-            }
-        } else {
+        let mut at = 0u32;
+        for &p in lens {
             ext.push(Extent {
-                offset: off,
-                len: parts.iter().sum::<usize>() as u32,
-                slot_offset: 0,
+                offset: off + at as u64,
+                len: p as u32,
+                slot_offset: at,
             })
             .unwrap();
+            at += p as u32;
         }
         ext
+    }
+
+    fn checksum(&self, key: ExpertKey) -> Option<u32> {
+        (self.parts == 2).then(|| layout::checksum(self.bytes(key.layer as usize, key.expert)))
+    }
+
+    fn gate_up_bytes(&self, key: ExpertKey) -> Option<u32> {
+        let _ = key;
+        (self.parts == 2).then(|| self.format.gate_up_bytes().unwrap() as u32)
     }
 }
 
@@ -139,6 +147,8 @@ impl ExpertSource for PackedExperts<'_> {
 pub struct CountPending<X> {
     pub inner: X,
     pub pending: usize,
+    /// Experts handed out in halves ([`Step::GateUp`]).
+    pub halves: usize,
 }
 
 impl<X: Experts> Experts for CountPending<X> {
@@ -167,6 +177,12 @@ impl<X: Experts> Experts for CountPending<X> {
     fn try_next(&mut self) -> Result<Step<'_>, X::Error> {
         let step = self.inner.try_next()?;
         self.pending += matches!(step, Step::Pending) as usize;
+        Ok(step)
+    }
+    fn next_part(&mut self, block: bool) -> Result<Step<'_>, X::Error> {
+        let step = self.inner.next_part(block)?;
+        self.pending += matches!(step, Step::Pending) as usize;
+        self.halves += matches!(step, Step::GateUp(_)) as usize;
         Ok(step)
     }
     fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), X::Error> {
@@ -208,6 +224,8 @@ pub struct StreamedOutput {
     pub layers: Vec<LayerState>,
     /// [`Step::Pending`] answers (see [`CountPending`]).
     pub pending: usize,
+    /// Experts handed out in halves.
+    pub halves: usize,
 }
 
 impl StreamedRun<'_> {
@@ -263,6 +281,7 @@ impl StreamedRun<'_> {
                 predict: self.predict,
             },
             pending: 0,
+            halves: 0,
         };
         let logits = d.decode(&mut ex, Some(&self.lookahead));
         StreamedOutput {
@@ -270,6 +289,7 @@ impl StreamedRun<'_> {
             stats: ex.inner.scheduler.stats(),
             layers: ex.inner.scheduler.layers().to_vec(),
             pending: ex.pending,
+            halves: ex.halves,
         }
     }
 }

@@ -494,6 +494,7 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "late_hits": r.stats.late_hits,
                 "misses": r.stats.misses,
                 "stalls": r.stats.stalls,
+                "split_computes": r.stats.split_computes,
                 "reads": r.reads,
                 "mean_read_s": r.mean_read_time(),
                 "cancels": r.stats.cancels,

@@ -583,6 +583,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             st["hit_rate"] = json!(s.hit_rate());
             st["demand_bytes"] = json!(s.demand_bytes);
             st["prefetch_bytes"] = json!(s.prefetch_bytes);
+            st["split_computes"] = json!(s.split_computes);
         }
         let obj = json!({
             "prompt_tokens": prompt_tokens,

@@ -168,6 +168,18 @@ impl SlotArena {
         // SAFETY: in bounds (checked); no writer overlaps (the caller's promise).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) }
     }
+
+    /// The first `len` bytes of slot `slot` (at most its size), for reading.
+    ///
+    /// # Safety
+    /// No `range_mut` of this slot overlapping those bytes may be alive while the
+    /// returned slice lives.
+    pub unsafe fn prefix(&self, slot: usize, len: usize) -> &[u8] {
+        let len = len.min(self.slot_len(slot));
+        let start = self.checked(slot, 0, len);
+        // SAFETY: in bounds (checked); no writer overlaps (the caller's promise).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) }
+    }
 }
 
 /// Faults the arena in now (`MADV_POPULATE_WRITE`, or one write per page where

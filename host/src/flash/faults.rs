@@ -139,12 +139,32 @@ pub struct FaultyDevice<D, F> {
     counts: FaultCounts,
 }
 
-/// Bits flipped in a slot since it was last read into, and the corrupted copy of
-/// the slot, made when first looked at (when no read into it is in flight).
+/// Bits flipped in a slot since those bytes were last read into, and the
+/// corrupted copies of the slot, made when first looked at: the whole slot (when
+/// no read into it is in flight) or its first bytes (when no read into those is).
 #[derive(Default)]
 struct Flips {
     bits: Vec<(usize, u8)>,
     copy: OnceCell<Vec<u8>>,
+    prefix: OnceCell<Vec<u8>>,
+}
+
+impl Flips {
+    /// `bytes` with the flips that fall inside them applied.
+    fn apply(&self, bytes: &[u8]) -> Vec<u8> {
+        let mut bytes = bytes.to_vec();
+        for &(at, mask) in &self.bits {
+            if let Some(b) = bytes.get_mut(at) {
+                *b ^= mask;
+            }
+        }
+        bytes
+    }
+
+    fn changed(&mut self) {
+        self.copy = OnceCell::new();
+        self.prefix = OnceCell::new();
+    }
 }
 
 impl<D, F> FaultyDevice<D, F>
@@ -233,7 +253,7 @@ where
                 let f = self.flips.entry(req.slot.0).or_default();
                 f.bits
                     .push((req.slot_offset as usize + bit / 8, 1 << (bit % 8)));
-                f.copy = OnceCell::new();
+                f.changed();
                 ReadStatus::Done
             }
         };
@@ -274,8 +294,12 @@ where
         self.inner.submit(req)?;
         let fault = (self.script)(&req);
         self.pending.insert(req.tag, (req, fault));
-        // New data is coming into this slot: the corruption is overwritten.
-        self.flips.remove(&req.slot.0);
+        // New data is coming into these bytes: their corruption is overwritten.
+        if let Some(f) = self.flips.get_mut(&req.slot.0) {
+            let range = req.slot_offset as usize..(req.slot_offset as usize + req.len as usize);
+            f.bits.retain(|(at, _)| !range.contains(at));
+            f.changed();
+        }
         Ok(())
     }
 
@@ -309,16 +333,25 @@ where
 {
     fn slot(&self, slot: SlotId) -> &[u8] {
         match self.flips.get(&slot.0) {
-            Some(f) => f.copy.get_or_init(|| {
-                let mut bytes = self.inner.slot(slot).to_vec();
-                for &(at, mask) in &f.bits {
-                    if let Some(b) = bytes.get_mut(at) {
-                        *b ^= mask;
-                    }
-                }
-                bytes
-            }),
+            Some(f) => f.copy.get_or_init(|| f.apply(self.inner.slot(slot))),
             None => self.inner.slot(slot),
+        }
+    }
+
+    fn slot_prefix(&self, slot: SlotId, len: usize) -> &[u8] {
+        match self.flips.get(&slot.0) {
+            Some(f) => {
+                let p = f
+                    .prefix
+                    .get_or_init(|| f.apply(self.inner.slot_prefix(slot, len)));
+                assert!(
+                    p.len() >= len.min(self.inner.slot_prefix(slot, len).len()),
+                    "slot {} asked for a longer prefix before its next read",
+                    slot.0
+                );
+                &p[..len.min(p.len())]
+            }
+            None => self.inner.slot_prefix(slot, len),
         }
     }
 }

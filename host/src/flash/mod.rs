@@ -1256,6 +1256,22 @@ impl SlotMemory for FileDevice {
         // which the returned borrow of `self` prevents while the slice lives.
         unsafe { self.shared.arena.slot(slot.0 as usize) }
     }
+
+    fn slot_prefix(&self, slot: SlotId, len: usize) -> &[u8] {
+        assert!(
+            !self
+                .in_flight
+                .iter()
+                .any(|f| f.slot == slot.0 && (f.start as usize) < len),
+            "slot {} read over {len} bytes while a read into them is in flight",
+            slot.0
+        );
+        // SAFETY: no read in flight writes the slot's first `len` bytes (checked
+        // above: each writes only `start..end` of its slot); a new read can only
+        // start through `submit(&mut self)`, which the returned borrow of `self`
+        // prevents while the slice lives.
+        unsafe { self.shared.arena.prefix(slot.0 as usize, len) }
+    }
 }
 
 fn too_many() -> io::Error {

@@ -551,7 +551,8 @@ fn moe_union<X: Experts, M: MatVec>(
             .begin_layer(layer, &chunk)
             .map_err(ForwardError::Experts)?;
         loop {
-            match next_step(experts, shared_left.is_some())? {
+            // Whole experts only: a batch multiplies each by every input at once.
+            match next_step(experts, shared_left.is_some(), false)? {
                 Step::Compute(Handout {
                     index,
                     matrices,
@@ -594,6 +595,9 @@ fn moe_union<X: Experts, M: MatVec>(
                     }
                 }
                 Step::Done => break,
+                Step::GateUp(_) | Step::Down(_) => {
+                    return Err(ForwardError::Shape("an expert in halves in a batch"));
+                }
             }
         }
     }
