@@ -16,11 +16,15 @@
 //! ```
 //!
 //! Exactness: [`Next::Compute`] hands out a slot only when every part of its read
-//! completed, and an expert's output counts only once its bytes are checked:
+//! completed ([`Next::ComputeFirst`] only the bytes of parts that completed, the
+//! gate and up projections, while the rest loads; [`Next::ComputeRest`] the down
+//! projection once it has), and an expert's output counts only once its bytes
+//! are checked:
 //! on arrival by [`ExpertSource::verify`], or, for sources that know the
 //! expert's [`ExpertSource::checksum`], when first computed (`verify` in
 //! [`Next::Compute`], then [`Scheduler::finish_checked`]). Every picked expert is
-//! handed out exactly once per layer; predictions only decide what is read early. The
+//! handed out exactly once per layer (whole, or as its two halves); predictions
+//! only decide what is read early. The
 //! compute order is *ready-first* (resident experts while others load), so callers
 //! must combine expert outputs by `index` (router order), not in compute order.
 //!
