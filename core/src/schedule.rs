@@ -897,14 +897,10 @@ where
             )
         });
         if self.config.ready_first || all_loaded {
-            if let Some(index) = self
-                .picks
-                .iter()
-                .position(|p| matches!(p.status, PickStatus::Ready(_)))
-            {
-                let PickStatus::Ready(slot) = self.picks[index].status else {
-                    unreachable!("matched Ready just above")
-                };
+            if let Some((index, slot)) = self.first_pick(|s| match s {
+                PickStatus::Ready(slot) => Some(slot),
+                _ => None,
+            }) {
                 let key = self.picks[index].key;
                 let expect = if self.table.unverified(slot) {
                     src.checksum(key)
@@ -920,14 +916,10 @@ where
                     verify: expect.is_some(),
                 });
             }
-            if let Some(index) = self
-                .picks
-                .iter()
-                .position(|p| matches!(p.status, PickStatus::RestReady(_)))
-            {
-                let PickStatus::RestReady(slot) = self.picks[index].status else {
-                    unreachable!("matched RestReady just above")
-                };
+            if let Some((index, slot)) = self.first_pick(|s| match s {
+                PickStatus::RestReady(slot) => Some(slot),
+                _ => None,
+            }) {
                 self.picks[index].status = PickStatus::Computing(slot);
                 return Ok(Next::ComputeRest {
                     index,
@@ -959,23 +951,33 @@ where
         Err(Error::Stuck)
     }
 
+    /// The first pick (routing index) whose status `slot_of` maps to a slot, and
+    /// that slot.
+    fn first_pick(
+        &self,
+        slot_of: impl Fn(PickStatus) -> Option<SlotId>,
+    ) -> Option<(usize, SlotId)> {
+        self.picks
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| slot_of(p.status).map(|s| (i, s)))
+    }
+
     /// A loading pick whose gate and up parts landed, handed out as
     /// [`Next::ComputeFirst`].
     fn first_half<X: ExpertSource>(&mut self, src: &X) -> Option<Next> {
-        let (index, slot) = self.picks.iter().enumerate().find_map(|(i, p)| {
-            let PickStatus::Loading(slot) = p.status else {
-                return None;
-            };
-            match self.table.state(slot) {
+        let (index, slot) = self.first_pick(|s| match s {
+            PickStatus::Loading(slot) => match self.table.state(slot) {
                 SlotState::Loading(l)
                     if l.first_parts != 0
                         && !l.failed
                         && l.landed & l.first_parts == l.first_parts =>
                 {
-                    Some((i, slot))
+                    Some(slot)
                 }
                 _ => None,
-            }
+            },
+            _ => None,
         })?;
         let key = self.picks[index].key;
         // `first_parts` is only set where both are known (see `first_parts`).

@@ -341,15 +341,14 @@ where
     fn slot_prefix(&self, slot: SlotId, len: usize) -> &[u8] {
         match self.flips.get(&slot.0) {
             Some(f) => {
-                let p = f
-                    .prefix
-                    .get_or_init(|| f.apply(self.inner.slot_prefix(slot, len)));
+                let fresh = self.inner.slot_prefix(slot, len);
+                let p = f.prefix.get_or_init(|| f.apply(fresh));
                 assert!(
-                    p.len() >= len.min(self.inner.slot_prefix(slot, len).len()),
+                    p.len() >= fresh.len(),
                     "slot {} asked for a longer prefix before its next read",
                     slot.0
                 );
-                &p[..len.min(p.len())]
+                &p[..fresh.len()]
             }
             None => self.inner.slot_prefix(slot, len),
         }
