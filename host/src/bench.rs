@@ -31,6 +31,7 @@ use crate::layer_costs::{LayerCost, LayerCosts};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
+use crate::trace::{self, Event, LayerMarks, Trace, What};
 use crate::watch::Watched;
 
 /// How many experts the lookahead predicts per layer.
@@ -189,6 +190,13 @@ pub struct ScheduleReport {
     /// tokens), in order: their tokens, times, bytes and stalls add up to the
     /// decode's.
     pub stretches: Vec<Stretch>,
+    /// The decode's timeline, where [`BenchConfig::trace`] asked for it, and the
+    /// events it had no room for.
+    pub trace: Option<(Vec<Event>, u64)>,
+    /// How busy the device was in each phase of the decode's tokens, from its
+    /// timeline ([`trace::disk_use`], phases of layers in groups of
+    /// [`layer_groups`]); `None` until computed.
+    pub disk_use: Option<Vec<(trace::Phase, trace::PhaseUse)>>,
 }
 
 impl ScheduleReport {
@@ -317,6 +325,17 @@ pub struct BenchConfig {
     /// How tokens are picked: every schedule uses a fresh sampler with these
     /// settings, so equal logits give equal tokens.
     pub sampler: SamplerConfig,
+    /// Record each run's decode ([`ScheduleReport::trace`]).
+    pub trace: bool,
+}
+
+/// The first layer of each of `groups` groups of `n_layers` layers, as
+/// [`crate::layer_costs::grouped`] splits them, and one past the last.
+pub fn layer_groups(n_layers: usize, groups: usize) -> Vec<usize> {
+    let groups = groups.clamp(1, n_layers.max(1));
+    let mut b: Vec<usize> = (0..=groups).map(|g| g * n_layers / groups).collect();
+    b.dedup();
+    b
 }
 
 /// Bandwidth of expert-sized reads at full queue depth, cold cache, over about
@@ -397,6 +416,8 @@ struct TimedOutput<M> {
     inner: M,
     output: usize,
     time: Duration,
+    /// Where each product with it is recorded as [`What::Output`].
+    trace: Option<Trace>,
 }
 
 impl<M: MatVec> MatVec for TimedOutput<M> {
@@ -407,6 +428,9 @@ impl<M: MatVec> MatVec for TimedOutput<M> {
         let t = Instant::now();
         let r = self.inner.matvec(w, x, y);
         self.time += t.elapsed();
+        if let Some(trace) = &self.trace {
+            trace.span(What::Output, t, Instant::now());
+        }
         r
     }
 
@@ -644,12 +668,19 @@ pub fn run_schedule(
     device_bw: f64,
 ) -> Result<ScheduleReport, Box<dyn std::error::Error>> {
     let mut supply = cold_supply(model, path, cfg, schedule)?;
-    let mut supply = Watched::new(&mut supply, (Recording::default(), LayerCosts::default()));
+    let mut supply = Watched::new(
+        &mut supply,
+        (
+            Recording::default(),
+            (LayerCosts::default(), LayerMarks::default()),
+        ),
+    );
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = TimedOutput {
         inner: ThreadedMatVec::new(cfg.threads, Isa::detect()),
         output: model.output().bytes().as_ptr() as usize,
         time: Duration::ZERO,
+        trace: None,
     };
     let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
     let mut logits = vec![0f32; model.hp.n_vocab];
@@ -664,7 +695,16 @@ pub fn run_schedule(
         )?;
     }
     let prefill = t0.elapsed();
-    supply.watcher.1.reset(supply.inner);
+    supply.watcher.1 .0.reset(supply.inner);
+    // The decode's timeline, from here on.
+    let trace = cfg.trace.then(|| Trace::new(trace::DEFAULT_CAPACITY));
+    if let Some(t) = &trace {
+        if let Some(d) = supply.inner.device() {
+            d.trace_into(t.clone());
+        }
+        supply.watcher.1 .1 = LayerMarks(Some(t.clone()));
+        mv.trace = Some(t.clone());
+    }
     let decode_from = supply.watcher.0.picks.len();
     let stats0 = supply.inner.stats().unwrap_or_default();
     let io0 = io_snapshot(supply.inner);
@@ -688,6 +728,9 @@ pub fn run_schedule(
         }
         let t = sampler.sample(&logits);
         tokens.push(t);
+        if let Some(tr) = &trace {
+            tr.instant(What::Token(i as u32));
+        }
         session.eval(
             &mut mv,
             &mut supply,
@@ -703,8 +746,9 @@ pub fn run_schedule(
     }
     let layer_costs = match schedule {
         Schedule::Resident => Vec::new(), // nothing streams: no stall, no misses
-        _ => supply.watcher.1.finish(supply.inner),
+        _ => supply.watcher.1 .0.finish(supply.inner),
     };
+    let trace = trace.map(|t| (t.events(), t.dropped()));
     let cpu_steal = CpuTimes::now()
         .zip(cpu0)
         .and_then(|(now, before)| now.steal_since(&before));
@@ -746,6 +790,8 @@ pub fn run_schedule(
         decode_from,
         cpu_steal,
         stretches,
+        trace,
+        disk_use: None,
     })
 }
 
@@ -781,6 +827,8 @@ mod tests {
             decode_from: 0,
             cpu_steal: None,
             stretches: Vec::new(),
+            trace: None,
+            disk_use: None,
         }
     }
 

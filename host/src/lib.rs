@@ -44,5 +44,6 @@ pub mod sampling;
 pub mod supply;
 pub mod synth;
 pub mod tokenizer;
+pub mod trace;
 pub mod vision;
 pub mod watch;

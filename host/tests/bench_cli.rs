@@ -353,6 +353,152 @@ fn bench_text_prints_the_table_and_each_round_s_speedup() {
     cleanup(&model);
 }
 
+/// `--trace`: a Chrome trace of every run (reads on I/O lanes, stalls, layers,
+/// tokens, output projections) and, per schedule, how busy the device was in
+/// each phase of a token, adding up to the decode's time and stall.
+#[test]
+fn bench_trace_records_every_run_and_where_the_device_was_busy() {
+    let model = packed_tiny("trace");
+    let trace = model.parent().unwrap().join("trace.json");
+    let (n_tokens, n_layers) = (8u64, 4u64); // the tiny preset: 4 MoE layers
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--slots",
+        "6",
+        "-n",
+        &n_tokens.to_string(),
+        "--repeat",
+        "2",
+        "--schedules",
+        "on-demand,les,resident",
+        "-t",
+        "1",
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    let j: Json = serde_json::from_str(&out).unwrap();
+    for s in ["on-demand", "les", "resident"] {
+        let r = &j["schedules"][s];
+        let phases = r["disk_use"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{s}: {r}"));
+        let names: Vec<&str> = phases
+            .iter()
+            .map(|p| p["phase"].as_str().unwrap())
+            .collect();
+        assert_eq!(names.first(), Some(&"token start"), "{s}: {names:?}");
+        assert_eq!(names.last(), Some(&"output"), "{s}: {names:?}");
+        assert!(names.contains(&"layers 0-0"), "{s}: {names:?}");
+        let sum = |k: &str| phases.iter().map(|p| p[k].as_f64().unwrap()).sum::<f64>();
+        for p in phases {
+            let busy = p["disk_busy"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&busy), "{s}: {p}");
+            assert!(
+                p["stall_nothing_read_s_per_token"].as_f64() <= p["stall_s_per_token"].as_f64()
+            );
+        }
+        // The phases cover the decode (less the moments before the first
+        // token's start and after the last output projection) and its stall.
+        let per_token = 1.0 / r["tok_s"].as_f64().unwrap();
+        let time = sum("s_per_token");
+        assert!(
+            time <= per_token * 1.001 && time >= per_token * 0.5,
+            "{s}: {time} of {per_token}"
+        );
+        let stall = r["stall_s_per_token"].as_f64().unwrap();
+        assert!(
+            (sum("stall_s_per_token") - stall).abs() <= 0.05 * stall + 1e-4,
+            "{s}: {r}"
+        );
+        // Nothing is read during the output projection (the next token's reads
+        // depend on the token it picks), nor ever by the resident schedule.
+        let output = phases.last().unwrap();
+        if s == "resident" {
+            assert_eq!(sum("disk_busy"), 0.0, "{r}");
+        }
+        assert!(output["disk_busy"].as_f64().unwrap() < 0.5, "{s}: {output}");
+    }
+    let t: Json = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let runs: Vec<&str> = events
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            "on-demand (1/2)",
+            "les (1/2)",
+            "resident (1/2)",
+            "on-demand (2/2)",
+            "les (2/2)",
+            "resident (2/2)"
+        ]
+    );
+    for (pid, run) in runs.iter().enumerate() {
+        let of = |name: &str| {
+            events
+                .iter()
+                .filter(|e| e["pid"] == pid && e["name"].as_str().unwrap().starts_with(name))
+                .count() as u64
+        };
+        assert_eq!(of("token "), n_tokens, "{run}");
+        assert_eq!(of("layer "), n_tokens * n_layers, "{run}");
+        assert_eq!(of("output projection"), n_tokens, "{run}");
+        let reads = of("demand read") + of("prefetch");
+        if run.starts_with("resident") {
+            assert_eq!(reads, 0, "{run}");
+        } else {
+            assert!(of("demand read") > 0, "{run}");
+        }
+        if run.starts_with("les") {
+            assert!(of("prefetch") > 0, "{run}");
+        }
+        if run.starts_with("on-demand") {
+            assert_eq!(of("prefetch"), 0, "{run}: on-demand never prefetches");
+        }
+    }
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        assert!(
+            e["dur"].as_f64().unwrap() >= 0.0 && e["ts"].as_f64().unwrap() >= 0.0,
+            "{e}"
+        );
+    }
+    // The text report prints the same table per schedule.
+    let (out, err) = les(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "--slots",
+        "6",
+        "-n",
+        "2",
+        "-t",
+        "1",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    for s in ["on-demand", "les"] {
+        let table = out
+            .split_once(&format!(
+                "{s}: where the device was busy (from the trace), per token:\n"
+            ))
+            .unwrap_or_else(|| panic!("no table for {s}: {out}"))
+            .1;
+        let rows: Vec<&str> = table.lines().take_while(|l| l.starts_with("  ")).collect();
+        assert!(rows[0].contains("disk busy"), "{rows:?}");
+        assert!(rows[1].starts_with("  token start"), "{rows:?}");
+        assert!(rows.last().unwrap().starts_with("  output"), "{rows:?}");
+        assert_eq!(rows.len(), 1 + 1 + n_layers as usize + 1, "{rows:?}");
+    }
+    assert!(err.contains("wrote the trace of 2 runs"), "{err}");
+    cleanup(&model);
+}
+
 #[test]
 fn bench_rejects_bad_arguments_with_one_line() {
     let model = packed_tiny("bad");
@@ -362,6 +508,16 @@ fn bench_rejects_bad_arguments_with_one_line() {
         vec!["bench", "-m", m, "--slots", "4", "--io-chunk", "100"],
         vec!["bench", "-m", m, "--slots", "4", "--repeat", "0"],
         vec!["bench", "-m", m, "--slots", "4", "--lookahead-depth", "3"],
+        vec!["bench", "-m", m, "--sweep", "50", "--trace", "t.json"],
+        vec![
+            "bench",
+            "-m",
+            m,
+            "--slots",
+            "4",
+            "--trace",
+            "/nonexistent-dir/t.json",
+        ],
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_les"))
             .args(&args)

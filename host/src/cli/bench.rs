@@ -13,12 +13,13 @@ use les_core::slots::ExpertKey;
 use super::run::resolve_budget;
 use super::values::ExpertMem;
 use crate::belady;
-use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
+use crate::bench::{device_bandwidth, layer_groups, run_schedule, BenchConfig, ScheduleReport};
 use crate::compute::default_threads;
 use crate::flash::IoEngine;
 use crate::model::Model;
 use crate::supply::Schedule;
 use crate::tokenizer::Tokenizer;
+use crate::trace::{disk_use, write_chrome, Event, Phase, PhaseUse};
 
 /// Runs of layers the per-layer stall is printed in.
 const LAYER_GROUPS: usize = 8;
@@ -95,6 +96,12 @@ pub struct BenchArgs {
     /// and the speedups of speculation are printed.
     #[command(flatten)]
     pub spec: crate::draft::SpecArgs,
+    /// Record each run's decode (every read, stall, layer, output projection
+    /// and token) into this file, in the Chrome trace format
+    /// (`chrome://tracing`, ui.perfetto.dev), and print how busy the device was
+    /// in each phase of a token.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["sweep", "prefill_batches", "speculate", "model_draft"])]
+    pub trace: Option<PathBuf>,
 }
 
 /// The sampler every schedule uses: `les run`'s defaults (llama.cpp's:
@@ -125,6 +132,7 @@ pub(super) fn decode_config(
         budget: budget.clone(),
         lookahead: args.lookahead,
         sampler: sampler(args),
+        trace: args.trace.is_some(),
     })
 }
 
@@ -229,7 +237,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let optimal = optimal_hit_rate(&model, &reports, &budget.classes, identical);
 
     if args.json {
-        let (schedules, speedup, bound) = schedules_json(&runs);
+        let (schedules, speedup, bound) = schedules_json(&runs, model.hp.n_layers);
         let obj = json!({
             "model": args.model.display().to_string(),
             "slots": budget.slots(),
@@ -446,6 +454,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             reads.join(", ")
         )?;
     }
+    for r in &reports {
+        if let Some(u) = &r.disk_use {
+            write_disk_use(out, r, u, model.hp.n_layers)?;
+        }
+    }
     writeln!(
         out,
         "identical tokens across schedules: {}",
@@ -457,10 +470,85 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     Ok(())
 }
 
+/// The name of a phase of `disk_use`, with layer groups as
+/// [`crate::layer_costs::grouped`] numbers them over `n_layers` layers.
+fn phase_name(p: Phase, n_layers: usize) -> String {
+    match p {
+        Phase::Start => "token start".into(),
+        Phase::Layers(g) => {
+            let b = layer_groups(n_layers, LAYER_GROUPS);
+            let g = g as usize;
+            match (b.get(g), b.get(g + 1)) {
+                (Some(a), Some(z)) => format!("layers {a}-{}", z - 1),
+                _ => format!("layer group {g}"),
+            }
+        }
+        Phase::Output => "output".into(),
+    }
+}
+
+/// `les bench --trace`'s table: per phase of a token, its time, how busy the
+/// device was, the mean reads in flight and the stall (with the part when no
+/// read was in flight).
+fn write_disk_use(
+    out: &mut dyn Write,
+    r: &ScheduleReport,
+    u: &[(Phase, PhaseUse)],
+    n_layers: usize,
+) -> Result<(), Box<dyn Error>> {
+    let n = r.tokens.len().max(1) as f64;
+    let ms = |ns: u64| ns as f64 / 1e6 / n;
+    writeln!(
+        out,
+        "{}: where the device was busy (from the trace), per token:",
+        r.schedule.name()
+    )?;
+    writeln!(
+        out,
+        "  {:<14} {:>8} {:>10} {:>16} {:>12} {:>22}",
+        "phase", "ms", "disk busy", "reads in flight", "stall ms", "stall, nothing read ms"
+    )?;
+    for &(p, x) in u {
+        let t = x.time.max(1) as f64;
+        writeln!(
+            out,
+            "  {:<14} {:>8.2} {:>9.0}% {:>16.2} {:>12.2} {:>22.3}",
+            phase_name(p, n_layers),
+            ms(x.time),
+            100.0 * x.busy as f64 / t,
+            x.read_time as f64 / t,
+            ms(x.stall),
+            ms(x.stall_idle)
+        )?;
+    }
+    Ok(())
+}
+
+/// [`write_disk_use`]'s table as JSON (times in seconds per token).
+fn disk_use_json(u: &[(Phase, PhaseUse)], n_layers: usize, tokens: usize) -> Value {
+    let n = tokens.max(1) as f64;
+    let s = |ns: u64| ns as f64 / 1e9 / n;
+    Value::Array(
+        u.iter()
+            .map(|&(p, x)| {
+                let t = x.time.max(1) as f64;
+                json!({
+                    "phase": phase_name(p, n_layers),
+                    "s_per_token": s(x.time),
+                    "disk_busy": x.busy as f64 / t,
+                    "reads_in_flight": x.read_time as f64 / t,
+                    "stall_s_per_token": s(x.stall),
+                    "stall_nothing_read_s_per_token": s(x.stall_idle),
+                })
+            })
+            .collect(),
+    )
+}
+
 /// Each schedule's median run as JSON (the `schedules` object), the speedups
 /// over on-demand and the speedups perfect overlap would give (empty without an
 /// on-demand run).
-fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
+fn schedules_json(runs: &[Runs], n_layers: usize) -> (Value, Value, Value) {
     let on_demand = runs
         .iter()
         .map(|x| &x.median)
@@ -509,6 +597,7 @@ fn schedules_json(runs: &[Runs]) -> (Value, Value, Value) {
                 "layers": r.layers.iter().map(|l| json!({
                     "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
                 })).collect::<Vec<_>>(),
+                "disk_use": r.disk_use.as_ref().map(|u| disk_use_json(u, n_layers, r.tokens.len())),
                 "layer_costs": r.layer_costs.iter().enumerate().map(|(layer, c)| json!({
                     "layer": layer,
                     "stall_s_per_token": c.stall.as_secs_f64() / r.tokens.len().max(1) as f64,
@@ -641,6 +730,16 @@ fn run_interleaved(
     let mut all: Vec<Vec<ScheduleReport>> = vec![Vec::new(); args.schedules.len()];
     // The latest probe of the device's bandwidth (0: nothing streamed).
     let mut last_probe = bw;
+    // Each run's timeline, with `--trace`, into a file made before the runs (a
+    // path that cannot be written fails now, not after them).
+    let mut traced: Vec<(String, Vec<Event>)> = Vec::new();
+    let trace_file = match &args.trace {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot write the trace {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
     for round in 0..args.repeat {
         for (i, &s) in args.schedules.iter().enumerate() {
             eprintln!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
@@ -665,8 +764,29 @@ fn run_interleaved(
             } else {
                 eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
             }
+            if let Some((events, dropped)) = r.trace.take() {
+                let bounds = layer_groups(model.hp.n_layers, LAYER_GROUPS);
+                let group_of =
+                    |l: u16| bounds.iter().rposition(|&b| b <= l as usize).unwrap_or(0) as u16;
+                r.disk_use = Some(disk_use(&events, group_of));
+                if dropped > 0 {
+                    eprintln!(
+                        "les bench: the trace of {s} had no room for its last {dropped} events"
+                    );
+                }
+                traced.push((format!("{s} ({}/{})", round + 1, args.repeat), events));
+            }
             all[i].push(r);
         }
+    }
+    if let (Some(path), Some(f)) = (&args.trace, trace_file) {
+        write_chrome(std::io::BufWriter::new(f), &traced)
+            .map_err(|e| format!("cannot write the trace {}: {e}", path.display()))?;
+        eprintln!(
+            "les bench: wrote the trace of {} runs to {} (chrome://tracing, ui.perfetto.dev)",
+            traced.len(),
+            path.display()
+        );
     }
     // The overlap figures need the device's bandwidth. The probe reads scattered
     // extents cold; on-demand's reads while it waits measure the bandwidth the
@@ -772,6 +892,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             budget,
             lookahead: args.lookahead,
             sampler: sampler(args),
+            trace: false,
         };
         let mut base = None;
         let mut lru_hit = None;
@@ -789,7 +910,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             noise = noise.max(x.spread());
         }
         if args.json {
-            let (schedules, speedup, bound) = schedules_json(&runs);
+            let (schedules, speedup, bound) = schedules_json(&runs, model.hp.n_layers);
             budgets_json.push(json!({
                 "percent": pct,
                 "slots": slots,

@@ -32,6 +32,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         budget: budget.clone(),
         lookahead: args.lookahead,
         sampler: crate::sampling::SamplerConfig::greedy(),
+        trace: false,
     };
     eprintln!(
         "les bench: {} ({} layers), prompt of {} tokens, {}, {} threads",

@@ -49,7 +49,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -58,6 +58,8 @@ use les_core::blockdev::{
     SubmitError, Tag,
 };
 use les_core::slot_classes::SlotClass;
+
+use crate::trace::{Trace, What};
 
 use arena::{SlotArena, SLOT_ALIGN};
 
@@ -259,6 +261,8 @@ struct Job {
     hash_len: usize,
     /// Bytes already read (a short `io_uring` read continues from here).
     progress: u32,
+    /// The place in the `io_uring` it runs in (for [`Trace`]).
+    lane: u16,
 }
 
 /// The chunks of one submitted read.
@@ -381,6 +385,22 @@ struct Shared {
     done: Mutex<VecDeque<Completion<FileError>>>,
     done_cv: Condvar,
     counters: IoCounters,
+    /// Where reads and stalls are recorded, once set ([`FileDevice::trace_into`]).
+    trace: OnceLock<Trace>,
+}
+
+impl Shared {
+    /// Records a finished read of `req` on `lane` that started at `start`.
+    fn trace_read(&self, lane: usize, req: &ReadRequest, start: Instant) {
+        if let Some(t) = self.trace.get() {
+            let what = What::Read {
+                lane: lane as u16,
+                urgent: req.urgent,
+                bytes: req.len,
+            };
+            t.span(what, start, Instant::now());
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -487,6 +507,7 @@ impl FileDevice {
             done: Mutex::new(VecDeque::new()),
             done_cv: Condvar::new(),
             counters: IoCounters::default(),
+            trace: OnceLock::new(),
         });
         let max_read = shared.arena.slot_bytes() + 2 * SLOT_ALIGN;
         #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -522,7 +543,7 @@ impl FileDevice {
                 let s = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("les-io-{i}"))
-                    .spawn(move || worker(&s, max_read))
+                    .spawn(move || worker(&s, max_read, i))
             })
             .collect::<io::Result<Vec<_>>>()?;
         Ok(FileDevice {
@@ -579,6 +600,13 @@ impl FileDevice {
         &self.shared.counters
     }
 
+    /// Records every read that finishes and every stall from now on into
+    /// `trace` (once per device: false, and nothing changes, if it already
+    /// records into one).
+    pub fn trace_into(&self, trace: Trace) -> bool {
+        self.shared.trace.set(trace).is_ok()
+    }
+
     /// Drops the file's pages from the page cache (before a benchmark run).
     pub fn evict_page_cache(path: &Path) -> io::Result<()> {
         let f = File::open(path)?;
@@ -602,7 +630,7 @@ fn probe_direct(f: &File, file_len: u64) -> bool {
     f.read_at(dst, 0).is_ok()
 }
 
-fn worker(s: &Shared, max_read: usize) {
+fn worker(s: &Shared, max_read: usize, lane: usize) {
     // Bounce buffer for unaligned O_DIRECT reads, used by this thread only.
     let bounce = if s.direct {
         SlotArena::new(1, max_read)
@@ -646,6 +674,7 @@ fn worker(s: &Shared, max_read: usize) {
         s.counters
             .read_nanos
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        s.trace_read(lane, &req, start);
         if let Some(c) = group.finish(req.tag) {
             lock(&s.done).push_back(c);
             s.done_cv.notify_all();
@@ -779,7 +808,13 @@ impl UringEngine {
                 file_error(io::ErrorKind::Other, "io_uring submission ring full"),
             ));
         }
-        self.running[place] = Some((job, Instant::now()));
+        self.running[place] = Some((
+            Job {
+                lane: place as u16,
+                ..job
+            },
+            Instant::now(),
+        ));
         Ok(())
     }
 
@@ -889,6 +924,7 @@ impl UringEngine {
         s.counters
             .read_nanos
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        s.trace_read(job.lane as usize, &job.req, started);
         if let Some(c) = job.group.finish(job.req.tag) {
             self.done.push_back(c);
         }
@@ -1161,6 +1197,7 @@ impl BlockDevice for FileDevice {
                 index: i,
                 hash_len: checked.saturating_sub(skip).min(len) as usize,
                 progress: 0,
+                lane: 0,
             }
         });
         #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -1208,6 +1245,9 @@ impl BlockDevice for FileDevice {
                     .wait(done)
                     .unwrap_or_else(|p| p.into_inner());
             }
+        }
+        if let Some(t) = self.shared.trace.get() {
+            t.span(What::Stall, start, Instant::now());
         }
         let waited = start.elapsed().as_nanos() as u64;
         self.shared
