@@ -17,7 +17,8 @@
 //! - [`bench`](mod@bench): `les bench`, schedules compared side by side; [`belady`], the
 //!   optimal cache's hit rate over the run's routing; [`layer_costs`], each layer's
 //!   stall and misses; [`cpu_steal`], the CPU time a hypervisor took meanwhile;
-//!   [`watch`], how they watch the expert supplier.
+//!   [`watch`], how they watch the expert supplier; [`trace`], a run's timeline
+//!   (`--trace`) and how busy the device was in each phase of a token.
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image

@@ -31,6 +31,10 @@
 //! RAM here; with spare cores, checking here takes the hashing off the compute
 //! threads.
 //!
+//! Given a [`Trace`] ([`FileDevice::trace_into`]), the device records each
+//! finished chunk (its I/O thread or ring place, demand or prefetch, bytes)
+//! and each `wait` of the computation: `les bench --trace`.
+//!
 //! Soundness of the shared slot memory ([`arena`]) rests on bookkeeping done here,
 //! not on the caller: `submit` rejects a read overlapping another read in flight
 //! into the same slot, and [`SlotMemory::slot`] refuses a slot with a read in
