@@ -1530,7 +1530,21 @@ where
                 if load.faults > 0 {
                     self.stats.retries += 1;
                 }
-                let fresh = self.new_load(load.key, load.parts as usize, true, load.first_parts);
+                let mut fresh =
+                    self.new_load(load.key, load.parts as usize, true, load.first_parts);
+                if self
+                    .picks
+                    .iter()
+                    .any(|p| p.status == PickStatus::FirstDone(slot))
+                {
+                    // Its gate and up were computed from the parts that hold them:
+                    // those stay, and only the rest is read again. Read again, they
+                    // could differ from what was computed (a flipped bit), and the
+                    // slot, passing the check of the bytes computed, would then be
+                    // reused as verified with bytes nobody checked.
+                    fresh.unsubmitted &= !load.first_parts;
+                    fresh.landed = load.first_parts;
+                }
                 let l = self
                     .table
                     .load_mut(slot)
