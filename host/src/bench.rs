@@ -194,8 +194,8 @@ pub struct ScheduleReport {
     /// events it had no room for.
     pub trace: Option<(Vec<Event>, u64)>,
     /// How busy the device was in each phase of the decode's tokens, from its
-    /// timeline ([`trace::disk_use`], phases of layers in groups of
-    /// [`layer_groups`]); `None` until computed.
+    /// timeline ([`trace::disk_use`], phases of layers in the groups of
+    /// [`crate::layer_costs::group_bounds`]); `None` until computed.
     pub disk_use: Option<Vec<(trace::Phase, trace::PhaseUse)>>,
 }
 
@@ -327,15 +327,6 @@ pub struct BenchConfig {
     pub sampler: SamplerConfig,
     /// Record each run's decode ([`ScheduleReport::trace`]).
     pub trace: bool,
-}
-
-/// The first layer of each of `groups` groups of `n_layers` layers, as
-/// [`crate::layer_costs::grouped`] splits them, and one past the last.
-pub fn layer_groups(n_layers: usize, groups: usize) -> Vec<usize> {
-    let groups = groups.clamp(1, n_layers.max(1));
-    let mut b: Vec<usize> = (0..=groups).map(|g| g * n_layers / groups).collect();
-    b.dedup();
-    b
 }
 
 /// Bandwidth of expert-sized reads at full queue depth, cold cache, over about

@@ -109,21 +109,26 @@ impl<X: Probe> Watcher<X> for LayerCosts {
     }
 }
 
-/// `costs` summed over runs of consecutive layers, `groups` runs of about equal
-/// length (fewer where there are fewer layers): `(first, last, cost)`.
+/// Where `n_layers` layers split into `groups` runs of consecutive layers of
+/// about equal length (fewer where there are fewer layers): the first layer of
+/// each run, and one past the last.
+pub fn group_bounds(n_layers: usize, groups: usize) -> Vec<usize> {
+    let groups = groups.clamp(1, n_layers.max(1));
+    let mut b: Vec<usize> = (0..=groups).map(|g| g * n_layers / groups).collect();
+    b.dedup();
+    b
+}
+
+/// `costs` summed over the runs of [`group_bounds`]: `(first, last, cost)`.
 pub fn grouped(costs: &[LayerCost], groups: usize) -> Vec<(usize, usize, LayerCost)> {
-    let n = costs.len();
-    let groups = groups.clamp(1, n.max(1));
-    (0..groups)
-        .filter_map(|g| {
-            let (a, b) = (g * n / groups, (g + 1) * n / groups);
-            (a < b).then(|| {
-                let mut sum = LayerCost::default();
-                for &c in &costs[a..b] {
-                    sum += c;
-                }
-                (a, b - 1, sum)
-            })
+    group_bounds(costs.len(), groups)
+        .windows(2)
+        .map(|w| {
+            let mut sum = LayerCost::default();
+            for &c in &costs[w[0]..w[1]] {
+                sum += c;
+            }
+            (w[0], w[1] - 1, sum)
         })
         .collect()
 }

@@ -128,8 +128,9 @@ impl<'m> ModelSource<'m> {
     }
 
     /// Where `key`'s single packed extent `ext` is split, if it is: past the
-    /// gate and up projections, at the extent's own alignment (up to 4 KiB).
-    fn split_at(&self, key: ExpertKey, ext: &Extents) -> Option<u32> {
+    /// gate and up projections, at the extent's own alignment (up to 4 KiB);
+    /// and the bytes of those projections.
+    fn split_at(&self, key: ExpertKey, ext: &Extents) -> Option<(u32, u32)> {
         let min = self.split_above?;
         let [e] = ext.as_slice() else {
             return None;
@@ -149,7 +150,7 @@ impl<'m> ModelSource<'m> {
         let at = Some(g.div_ceil(min.max(1)) * min.max(1))
             .filter(|&at| fits(at) && at.is_multiple_of(align))
             .unwrap_or(g.div_ceil(align) * align);
-        fits(at).then_some(at as u32)
+        fits(at).then_some((at as u32, u32::try_from(g).ok()?))
     }
 
     /// A source for a [`FileDevice`] given [`Model::read_checks`]: the device's
@@ -167,7 +168,7 @@ impl<'m> ModelSource<'m> {
 impl ExpertSource for ModelSource<'_> {
     fn extents(&self, key: ExpertKey) -> Extents {
         let mut ext = self.model.expert_extents(key);
-        if let Some(at) = self.split_at(key, &ext) {
+        if let Some((at, _)) = self.split_at(key, &ext) {
             let e = ext[0];
             ext.clear();
             let _ = ext.push(Extent { len: at, ..e });
@@ -181,12 +182,8 @@ impl ExpertSource for ModelSource<'_> {
     }
 
     fn gate_up_bytes(&self, key: ExpertKey) -> Option<u32> {
-        self.split_at(key, &self.model.expert_extents(key))?;
-        let g = self
-            .model
-            .expert_format(key.layer as usize)?
-            .gate_up_bytes()?;
-        u32::try_from(g).ok()
+        self.split_at(key, &self.model.expert_extents(key))
+            .map(|(_, gate_up)| gate_up)
     }
 
     fn verify(&self, key: ExpertKey, slot: &[u8]) -> bool {

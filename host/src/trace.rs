@@ -267,6 +267,18 @@ pub struct PhaseUse {
     pub stall_idle: u64,
 }
 
+impl PhaseUse {
+    /// Share of the phase's time with a read in flight (0 for an empty phase).
+    pub fn busy_share(&self) -> f64 {
+        self.busy as f64 / self.time.max(1) as f64
+    }
+
+    /// Mean reads in flight over the phase.
+    pub fn mean_reads(&self) -> f64 {
+        self.read_time as f64 / self.time.max(1) as f64
+    }
+}
+
 /// Sums [`PhaseUse`] over the phases of `events` (by start time), layer `l`
 /// counting in group `group_of(l)`. Time before the first token is left out.
 pub fn disk_use(events: &[Event], group_of: impl Fn(u16) -> u16) -> Vec<(Phase, PhaseUse)> {

@@ -44,16 +44,14 @@ impl ExpertFormat {
             ty: self.gate,
             cols: self.n_embd,
         })?;
-        let too_short = GemvError::MatrixBytes {
+        let down = slot.get(g + u..g + u + d).ok_or(GemvError::MatrixBytes {
             expected: g + u + d,
             len: slot.len(),
-        };
-        let gate = slot.get(..g).ok_or(too_short)?;
-        let up = slot.get(g..g + u).ok_or(too_short)?;
-        let down = slot.get(g + u..g + u + d).ok_or(too_short)?;
+        })?;
+        let [gate, up] = self.gate_up(slot)?;
         Ok(ExpertMatrices {
-            gate: MatrixView::new(self.gate, self.n_ff, self.n_embd, gate)?,
-            up: MatrixView::new(self.up, self.n_ff, self.n_embd, up)?,
+            gate,
+            up,
             down: MatrixView::new(self.down, self.n_embd, self.n_ff, down)?,
         })
     }

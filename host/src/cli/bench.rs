@@ -13,9 +13,10 @@ use les_core::slots::ExpertKey;
 use super::run::resolve_budget;
 use super::values::ExpertMem;
 use crate::belady;
-use crate::bench::{device_bandwidth, layer_groups, run_schedule, BenchConfig, ScheduleReport};
+use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
 use crate::compute::default_threads;
 use crate::flash::IoEngine;
+use crate::layer_costs::group_bounds;
 use crate::model::Model;
 use crate::supply::Schedule;
 use crate::tokenizer::Tokenizer;
@@ -476,7 +477,7 @@ fn phase_name(p: Phase, n_layers: usize) -> String {
     match p {
         Phase::Start => "token start".into(),
         Phase::Layers(g) => {
-            let b = layer_groups(n_layers, LAYER_GROUPS);
+            let b = group_bounds(n_layers, LAYER_GROUPS);
             let g = g as usize;
             match (b.get(g), b.get(g + 1)) {
                 (Some(a), Some(z)) => format!("layers {a}-{}", z - 1),
@@ -509,14 +510,13 @@ fn write_disk_use(
         "phase", "ms", "disk busy", "reads in flight", "stall ms", "stall, nothing read ms"
     )?;
     for &(p, x) in u {
-        let t = x.time.max(1) as f64;
         writeln!(
             out,
             "  {:<14} {:>8.2} {:>9.0}% {:>16.2} {:>12.2} {:>22.3}",
             phase_name(p, n_layers),
             ms(x.time),
-            100.0 * x.busy as f64 / t,
-            x.read_time as f64 / t,
+            100.0 * x.busy_share(),
+            x.mean_reads(),
             ms(x.stall),
             ms(x.stall_idle)
         )?;
@@ -531,12 +531,11 @@ fn disk_use_json(u: &[(Phase, PhaseUse)], n_layers: usize, tokens: usize) -> Val
     Value::Array(
         u.iter()
             .map(|&(p, x)| {
-                let t = x.time.max(1) as f64;
                 json!({
                     "phase": phase_name(p, n_layers),
                     "s_per_token": s(x.time),
-                    "disk_busy": x.busy as f64 / t,
-                    "reads_in_flight": x.read_time as f64 / t,
+                    "disk_busy": x.busy_share(),
+                    "reads_in_flight": x.mean_reads(),
                     "stall_s_per_token": s(x.stall),
                     "stall_nothing_read_s_per_token": s(x.stall_idle),
                 })
@@ -765,7 +764,7 @@ fn run_interleaved(
                 eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
             }
             if let Some((events, dropped)) = r.trace.take() {
-                let bounds = layer_groups(model.hp.n_layers, LAYER_GROUPS);
+                let bounds = group_bounds(model.hp.n_layers, LAYER_GROUPS);
                 let group_of =
                     |l: u16| bounds.iter().rposition(|&b| b <= l as usize).unwrap_or(0) as u16;
                 r.disk_use = Some(disk_use(&events, group_of));
