@@ -13,7 +13,7 @@ use les_core::model::config::HybridParams;
 use les_core::model::config::{Hparams, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvCache,
+    forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvBuf, KvCache,
     Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::RopeStyle;
@@ -241,9 +241,44 @@ where
 {
     let hp = m.hp;
     let mut b = Buffers::new(&hp);
-    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
-    let mut s = Scratch::new(&hp, &mut b.scratch, TOKENS.len()).unwrap();
-    let mut mv = b.quant.matvec();
+    let kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
+    decode_over(m, experts, lookahead, kv, (&mut b.scratch, &mut b.quant))
+}
+
+/// [`decode`] with an `f16` KV cache.
+fn decode_f16<X: Experts>(m: &Model, experts: &mut X) -> Vec<Vec<f32>>
+where
+    X::Error: std::fmt::Debug,
+{
+    let hp = m.hp;
+    let hy = HybridParams::plain(&hp);
+    let mut b = Buffers::new(&hp);
+    let n = KvCache::len(&hp, TOKENS.len());
+    let (mut k, mut v) = (vec![0u16; n], vec![0u16; n]);
+    let kv = KvCache::new_typed(
+        &hp,
+        &hy,
+        KvBuf::F16(&mut k),
+        KvBuf::F16(&mut v),
+        TOKENS.len(),
+    )
+    .unwrap();
+    decode_over(m, experts, None, kv, (&mut b.scratch, &mut b.quant))
+}
+
+fn decode_over<X: Experts>(
+    m: &Model,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    mut kv: KvCache<'_>,
+    (scratch, quant): (&mut [f32], &mut QuantScratch),
+) -> Vec<Vec<f32>>
+where
+    X::Error: std::fmt::Debug,
+{
+    let hp = m.hp;
+    let mut s = Scratch::new(&hp, scratch, TOKENS.len()).unwrap();
+    let mut mv = quant.matvec();
     TOKENS
         .iter()
         .enumerate()
@@ -659,6 +694,19 @@ fn forward_batch_rejects_what_it_cannot_do() {
 /// A plain f32 transformer, written from the architecture description, with no
 /// shared code: per-token attention over explicit past keys and values.
 fn reference(m: &Model) -> Vec<Vec<f32>> {
+    reference_with(m, false)
+}
+
+/// [`reference`], the cached keys and values rounded to `f16` if `f16_cache`.
+fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
+    let round = |x: Vec<f32>| -> Vec<f32> {
+        if !f16_cache {
+            return x;
+        }
+        x.into_iter()
+            .map(|v| les_core::quant::f16_to_f32(les_core::quant::f32_to_f16(v)))
+            .collect()
+    };
     let hp = m.hp;
     let rms = |x: &[f32], w: &[f32]| -> Vec<f32> {
         let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
@@ -705,8 +753,8 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
             }
             rope(&mut q, pos);
             rope(&mut k, pos);
-            keys[l].push(k);
-            vals[l].push(v);
+            keys[l].push(round(k));
+            vals[l].push(round(v));
             let mut att = vec![0f32; hp.q_dim()];
             for head in 0..hp.n_head {
                 let kvh = head / (hp.n_head / hp.n_head_kv);
@@ -768,6 +816,40 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
         out.push(m.output.apply(&rms(&h, &m.out_norm)));
     }
     out
+}
+
+/// The maximum absolute difference of two logit vectors, and the largest
+/// magnitude of the second.
+fn max_error(g: &[f32], w: &[f32]) -> (f32, f32) {
+    let err = g
+        .iter()
+        .zip(w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    (err, w.iter().map(|v| v.abs()).fold(0f32, f32::max))
+}
+
+/// An `f16` KV cache computes what the reference does with its cached keys and
+/// values rounded to `f16` (and so not what the `f32` cache computes).
+#[test]
+fn f16_cache_forward_matches_the_reference_with_rounded_keys_and_values() {
+    let m = build(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let packed = m.packed(1);
+    let fmt = packed.format;
+    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+    let got = decode_f16(&m, &mut ex);
+    let want = reference_with(&m, true);
+    let f32_cache = resident(&m);
+    let mut differs = false;
+    for (t, ((g, w), f)) in got.iter().zip(&want).zip(&f32_cache).enumerate() {
+        let (err, scale) = max_error(g, w);
+        assert!(
+            err <= 1e-4 * scale.max(1.0),
+            "token {t}: max error {err} (scale {scale})"
+        );
+        differs |= g != f;
+    }
+    assert!(differs, "the f16 cache's logits equal the f32 cache's");
 }
 
 #[test]

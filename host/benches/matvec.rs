@@ -1,6 +1,7 @@
 //! `SerialMatVec` against `ThreadedMatVec` with 1 and 2 threads (and the default
 //! count, if larger) on an FFN-sized `Q4_K` matrix and an output-sized `Q6_K`
-//! matrix; in the summary also attention over 64, 512 and 4096 positions.
+//! matrix; in the summary also attention over 64, 512 and 4096 positions, and
+//! over an `f32` against an `f16` KV cache.
 //!
 //! `cargo bench -p les --bench matvec`; `LES_BENCH_VOCAB` sets the rows of the
 //! output matrix (default 32768; Qwen's is 151936). After criterion's report, a
@@ -15,7 +16,7 @@ use criterion::{Criterion, Throughput};
 use les::compute::{default_threads, Pool, ThreadedMatVec};
 use les_core::gemv::{Isa, MatrixView, DEFAULT_PREFETCH};
 use les_core::model::forward::{MatVec, SerialMatVec};
-use les_core::model::ops::{self, AttnShape, KvView};
+use les_core::model::ops::{self, AttnShape, KvRows, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{quantize, GgmlType, QK_K};
 
@@ -215,8 +216,8 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
     let v: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
     let q = &q;
     let kv = KvView {
-        k: &k,
-        v: &v,
+        k: KvRows::F32(&k),
+        v: KvRows::F32(&v),
         positions: n,
     };
     let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
@@ -235,6 +236,72 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
         budget,
         &mut || ops::attention(Isa::Scalar, shape, q, kv, &mut scores, &mut out),
         &mut threaded,
+    );
+}
+
+/// Attention over an `f32` and an `f16` KV cache of the same `n` positions
+/// (the `f16` one holding the `f32` one's values rounded), Qwen3-30B-A3B's
+/// shape, both threaded at the default thread count, interleaved; prints the
+/// medians and the ratio `f32 / f16`, after checking the two give the bits of
+/// the same (widened) values.
+fn kv_type_summary(n: usize, isa: Isa, budget: Duration) {
+    let shape = AttnShape {
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim: 128,
+    };
+    let mut st = 0x6b76_u64 ^ n as u64;
+    let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
+    let hk: Vec<u16> = (0..n * 4 * 128)
+        .map(|_| les_core::quant::f32_to_f16(noise(&mut st)))
+        .collect();
+    let hv: Vec<u16> = (0..n * 4 * 128)
+        .map(|_| les_core::quant::f32_to_f16(noise(&mut st)))
+        .collect();
+    let wide =
+        |h: &[u16]| -> Vec<f32> { h.iter().map(|&x| les_core::quant::f16_to_f32(x)).collect() };
+    let (k, v) = (wide(&hk), wide(&hv));
+    let f32_kv = KvView {
+        k: KvRows::F32(&k),
+        v: KvRows::F32(&v),
+        positions: n,
+    };
+    let f16_kv = KvView {
+        k: KvRows::F16(&hk),
+        v: KvRows::F16(&hv),
+        positions: n,
+    };
+    let mut mv = ThreadedMatVec::new(default_threads(), isa);
+    let mut scores = vec![0f32; n];
+    let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+    mv.attention(shape, &q, f32_kv, &mut scores, &mut a);
+    mv.attention(shape, &q, f16_kv, &mut scores, &mut b);
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "f16 and f32 caches disagree"
+    );
+    let (mut t32, mut t16) = (Vec::new(), Vec::new());
+    let start = Instant::now();
+    while start.elapsed() < budget || t32.len() < 5 {
+        let t0 = Instant::now();
+        mv.attention(shape, &q, f32_kv, &mut scores, &mut a);
+        t32.push(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        mv.attention(shape, &q, f16_kv, &mut scores, &mut b);
+        t16.push(t0.elapsed().as_secs_f64());
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let rounds = t32.len();
+    let (m32, m16) = (med(&mut t32), med(&mut t16));
+    println!(
+        "{:<34} f32 cache {:>9.1} us | f16 cache {:>9.1} us (x{:.2})  [{rounds} rounds, ratio = f32/f16]",
+        format!("KV cache type, {n} positions"),
+        m32 * 1e6,
+        m16 * 1e6,
+        m32 / m16
     );
 }
 
@@ -371,6 +438,11 @@ fn main() {
     }
     for n in [64, 512, 4096] {
         attention_summary(n, isa, Duration::from_secs(1));
+    }
+    // At 32768 positions one layer's keys and values take 128 MiB in f32:
+    // far beyond the CPU's caches, as a long context's are.
+    for n in [512, 4096, 32768] {
+        kv_type_summary(n, isa, Duration::from_secs(1));
     }
     let stream_mib = std::env::var("LES_BENCH_STREAM_MIB")
         .ok()

@@ -327,6 +327,8 @@ pub struct BenchConfig {
     pub sampler: SamplerConfig,
     /// Record each run's decode ([`ScheduleReport::trace`]).
     pub trace: bool,
+    /// The KV cache's element types.
+    pub kv_types: crate::engine::KvTypes,
 }
 
 /// Bandwidth of expert-sized reads at full queue depth, cold cache, over about
@@ -512,7 +514,7 @@ pub fn run_prefill(
     let mut supply = cold_supply(model, path, cfg, schedule)?;
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
-    let mut session = Session::new(model, cfg.prompt.len())?;
+    let mut session = Session::with_kv_types(model, cfg.prompt.len(), cfg.kv_types)?;
     session.set_prefill_batch(batch)?;
     let inputs: Vec<TokenInput<'_>> = cfg.prompt.iter().map(|&t| TokenInput::Token(t)).collect();
     let mut logits = vec![0f32; model.hp.n_vocab];
@@ -592,7 +594,11 @@ pub fn run_speculative(
     let mut supply = cold_supply(model, path, cfg, schedule)?;
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
-    let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
+    let mut session = Session::with_kv_types(
+        model,
+        cfg.prompt.len().saturating_add(cfg.n_tokens),
+        cfg.kv_types,
+    )?;
     session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)?;
     let ctx = cfg.prompt.len().saturating_add(cfg.n_tokens);
     let mut drafter = match spec {
@@ -673,7 +679,11 @@ pub fn run_schedule(
         time: Duration::ZERO,
         trace: None,
     };
-    let mut session = Session::new(model, cfg.prompt.len().saturating_add(cfg.n_tokens))?;
+    let mut session = Session::with_kv_types(
+        model,
+        cfg.prompt.len().saturating_add(cfg.n_tokens),
+        cfg.kv_types,
+    )?;
     let mut logits = vec![0f32; model.hp.n_vocab];
     let t0 = Instant::now();
     for &t in &cfg.prompt {

@@ -990,6 +990,7 @@ mod pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use les_core::model::ops::KvRows;
 
     #[test]
     fn threaded_attention_equals_serial_bit_for_bit() {
@@ -1013,8 +1014,8 @@ mod tests {
                 let v: Vec<f32> = (0..kv).map(|_| val()).collect();
                 let mut want = vec![0.0; q.len()];
                 let kv = KvView {
-                    k: &k,
-                    v: &v,
+                    k: KvRows::F32(&k),
+                    v: KvRows::F32(&v),
                     positions: n,
                 };
                 ops::attention(Isa::Scalar, shape, &q, kv, &mut vec![0.0; n], &mut want);
@@ -1063,8 +1064,8 @@ mod tests {
                 let mut want = vec![0.0; q.len()];
                 for i in 0..count {
                     let kv = KvView {
-                        k: &k,
-                        v: &v,
+                        k: KvRows::F32(&k),
+                        v: KvRows::F32(&v),
                         positions: first + i + 1,
                     };
                     let qi = &q[i * q_dim..][..q_dim];
@@ -1072,8 +1073,8 @@ mod tests {
                     ops::attention(Isa::Scalar, shape, qi, kv, &mut vec![0.0; n], oi);
                 }
                 let kv = KvView {
-                    k: &k,
-                    v: &v,
+                    k: KvRows::F32(&k),
+                    v: KvRows::F32(&v),
                     positions: n,
                 };
                 for threads in [1, 2, 3] {

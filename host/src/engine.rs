@@ -4,9 +4,11 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, BatchScratch, Experts, ForwardError, KvCache, Lookahead, MatVec,
-    RecurrentState, Scratch, TokenInput,
+    forward_batch, forward_hybrid, BatchScratch, Experts, ForwardError, KvBuf, KvCache, KvType,
+    Lookahead, MatVec, RecurrentState, Scratch, TokenInput,
 };
+
+use les_core::model::ops::MAX_F16_HEAD_DIM;
 
 use crate::draft::Speculation;
 use crate::model::Model;
@@ -93,11 +95,52 @@ pub const MAX_PREFILL_BATCH: usize = 4096;
 /// positions of `a3b` take about 10 MiB).
 pub const MAX_BATCH_BYTES: usize = 256 << 20;
 
+/// Element types of a session's KV cache: llama.cpp's `--cache-type-k` and
+/// `--cache-type-v` (both `f16` by default, as there).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvTypes {
+    /// The keys'.
+    pub k: KvType,
+    /// The values'.
+    pub v: KvType,
+}
+
+/// Keys or values of a KV cache, in its element type.
+enum KvStore {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl KvStore {
+    /// `n` zeroed values of type `t`; huge pages, since attention streams the
+    /// cache every token.
+    fn zeroed(t: KvType, n: usize) -> Option<KvStore> {
+        Some(match t {
+            KvType::F32 => KvStore::F32(crate::hugepages::zeroed_vec(n)?),
+            KvType::F16 => KvStore::F16(crate::hugepages::zeroed_vec(n)?),
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            KvStore::F32(x) => 4 * x.len(),
+            KvStore::F16(x) => 2 * x.len(),
+        }
+    }
+
+    fn buf(&mut self) -> KvBuf<'_> {
+        match self {
+            KvStore::F32(x) => KvBuf::F32(x),
+            KvStore::F16(x) => KvBuf::F16(x),
+        }
+    }
+}
+
 /// A sequence's KV cache, recurrent state and scratch, as allocated by
 /// [`Session::new`].
 struct SequenceBuffers {
-    kv_k: Vec<f32>,
-    kv_v: Vec<f32>,
+    kv_k: KvStore,
+    kv_v: KvStore,
     conv_state: Vec<f32>,
     ssm_state: Vec<f32>,
     scratch: Vec<f32>,
@@ -113,8 +156,8 @@ impl SequenceBuffers {
     ) -> (KvCache<'_>, RecurrentState<'_>, Scratch<'_>) {
         let (hp, hy) = (&model.hp, &model.hybrid);
         (
-            KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, max_positions)
-                .expect("KV buffers sized by Session::new"),
+            KvCache::new_typed(hp, hy, self.kv_k.buf(), self.kv_v.buf(), max_positions)
+                .expect("KV buffers sized and typed by Session::new"),
             RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
                 .expect("recurrent state sized by Session::new"),
             Scratch::new_for(hp, hy, &mut self.scratch, max_positions)
@@ -153,6 +196,37 @@ impl std::fmt::Display for SessionAllocError {
 
 impl std::error::Error for SessionAllocError {}
 
+/// A [`Session`] could not be made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionError {
+    /// Its buffers could not be allocated.
+    Alloc(SessionAllocError),
+    /// An `f16` KV cache was asked for heads wider than it supports (the
+    /// model's `head_dim`).
+    F16HeadDim(usize),
+}
+
+impl From<SessionAllocError> for SessionError {
+    fn from(e: SessionAllocError) -> Self {
+        SessionError::Alloc(e)
+    }
+}
+
+impl std::fmt::Display for SessionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SessionError::Alloc(e) => e.fmt(f),
+            SessionError::F16HeadDim(d) => write!(
+                f,
+                "an f16 KV cache supports heads of at most {MAX_F16_HEAD_DIM} values, and this \
+                 model's have {d}; use --cache-type-k f32 --cache-type-v f32"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SessionError {}
+
 /// Most positions a [`Session`] holds.
 pub const MAX_POSITIONS: usize = 1 << 24;
 
@@ -165,31 +239,48 @@ fn zeroed(n: usize) -> Option<Vec<f32>> {
 }
 
 impl<'m> Session<'m> {
-    /// A session of up to `max_positions` tokens; an error (not an abort) where
-    /// its buffers cannot be allocated.
-    pub fn new(model: &'m Model, max_positions: usize) -> Result<Session<'m>, SessionAllocError> {
+    /// A session of up to `max_positions` tokens with the default (`f16`) KV
+    /// cache; an error (not an abort) where its buffers cannot be allocated.
+    pub fn new(model: &'m Model, max_positions: usize) -> Result<Session<'m>, SessionError> {
+        Self::with_kv_types(model, max_positions, KvTypes::default())
+    }
+
+    /// [`new`](Self::new) with the KV cache's element types `kv`. `f16` needs
+    /// the model's `head_dim` to be at most
+    /// [`MAX_F16_HEAD_DIM`] (every
+    /// model llama.cpp runs is far below it).
+    pub fn with_kv_types(
+        model: &'m Model,
+        max_positions: usize,
+        kv_types: KvTypes,
+    ) -> Result<Session<'m>, SessionError> {
         let (hp, hy) = (&model.hp, &model.hybrid);
+        let f16 = kv_types.k == KvType::F16 || kv_types.v == KvType::F16;
+        if f16 && hp.head_dim > MAX_F16_HEAD_DIM {
+            return Err(SessionError::F16HeadDim(hp.head_dim));
+        }
         let (conv, ssm) = RecurrentState::len(hy);
         if max_positions > MAX_POSITIONS {
             // Beyond any machine's memory, and keeps the sizes below from overflowing.
             return Err(SessionAllocError {
                 positions: max_positions,
                 bytes: u128::MAX,
-            });
+            }
+            .into());
         }
         let kv = KvCache::len_for(hp, hy, max_positions);
         let scratch = Scratch::len_for(hp, hy, max_positions);
         let err = SessionAllocError {
             positions: max_positions,
-            bytes: 4 * (2 * kv as u128 + conv as u128 + ssm as u128 + scratch as u128),
+            bytes: (kv_types.k.bytes() + kv_types.v.bytes()) as u128 * kv as u128
+                + 4 * (conv as u128 + ssm as u128 + scratch as u128),
         };
         Ok(Session {
             model,
             max_positions,
             state: SequenceBuffers {
-                // Attention streams the KV cache every token: huge pages.
-                kv_k: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
-                kv_v: crate::hugepages::zeroed_vec(kv).ok_or(err)?,
+                kv_k: KvStore::zeroed(kv_types.k, kv).ok_or(err)?,
+                kv_v: KvStore::zeroed(kv_types.v, kv).ok_or(err)?,
                 conv_state: zeroed(conv).ok_or(err)?,
                 ssm_state: zeroed(ssm).ok_or(err)?,
                 scratch: zeroed(scratch).ok_or(err)?,
@@ -204,6 +295,11 @@ impl<'m> Session<'m> {
             replay_logits: Vec::new(),
             pos: 0,
         })
+    }
+
+    /// Bytes of the KV cache (keys and values).
+    pub fn kv_bytes(&self) -> usize {
+        self.state.kv_k.bytes() + self.state.kv_v.bytes()
     }
 
     /// Most positions the batch buffers can hold within [`MAX_BATCH_BYTES`] and

@@ -67,6 +67,8 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         "on-demand,les,resident",
         "-t",
         "1",
+        "--seed",
+        "1",
     ]);
     let j: Json = serde_json::from_str(&out).unwrap();
     assert_eq!(j["identical_tokens"], true);
@@ -188,13 +190,22 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
     assert_eq!(les_tokens.len(), 12);
     assert_eq!(les_tokens, tokens(&od["tokens"]));
 
-    // The bench samples exactly as `les run` does with the same seed.
+    // The bench samples exactly as `les run` does with the same seed, except
+    // that it does not stop at an end-of-generation token (as llama-bench): the
+    // run's tokens are the bench's up to the one it stopped at (with seed 1,
+    // all twelve).
     let (run, _) = les(&[
-        "run", "-m", m, "-p", PROMPT, "-n", "12", "--temp", "0.8", "--seed", "0", "--json", "-t",
+        "run", "-m", m, "-p", PROMPT, "-n", "12", "--temp", "0.8", "--seed", "1", "--json", "-t",
         "1",
     ]);
     let r: Json = serde_json::from_str(&run).unwrap();
-    assert_eq!(tokens(&r["tokens"]), les_tokens);
+    let run_tokens = tokens(&r["tokens"]);
+    assert_eq!(run_tokens[..], les_tokens[..run_tokens.len()], "{r}");
+    let stop = r["stats"]["stop"].as_str().unwrap();
+    assert!(
+        (stop == "length") == (run_tokens.len() == 12) && (stop == "length" || stop == "eog"),
+        "{r}"
+    );
     cleanup(&model);
 }
 

@@ -115,10 +115,14 @@ fn sampling_options_and_prompt_files() {
     );
     assert_ne!(tokens(&short), tokens(&penalized));
     // The prompt's tokens are in the window: a prompt that ends in the loop
-    // the model is in penalizes the first token it would pick next.
+    // the model is in penalizes the first token it would pick next. (Where
+    // the loop stands after 24 tokens is a property of this random model's
+    // continuation with an f32 KV cache; the f16 one leaves it a token
+    // earlier, and the next token then is not the loop's.)
+    let f32_cache = ["--cache-type-k", "f32", "--cache-type-v", "f32"];
     let looping = format!(
         "The quick brown fox{}",
-        json_run(&m, &["--temp", "0", "-n", "24"])["text"]
+        json_run(&m, &[&["--temp", "0", "-n", "24"][..], &f32_cache].concat())["text"]
             .as_str()
             .unwrap()
     );
@@ -127,6 +131,7 @@ fn sampling_options_and_prompt_files() {
             .args(["run", "--json", "--temp", "0", "-n", "1", "-m"])
             .arg(&m)
             .args(["-p", &looping])
+            .args(f32_cache)
             .args(extra)
             .output()
             .unwrap();
@@ -267,6 +272,48 @@ fn prompt_batch_size_does_not_change_the_logits() {
     }
 }
 
+/// `--cache-type-k` / `--cache-type-v` choose the KV cache's element types
+/// (f16 by default, as llama.cpp): the JSON stats report them and their bytes,
+/// they change the logits (f16 rounds what is cached), and every schedule
+/// streams bit-identically to `resident` with either.
+#[test]
+fn kv_cache_types_are_chosen_reported_and_exact() {
+    let m = model("qwen3moe");
+    let f32_cache = ["--cache-type-k", "f32", "--cache-type-v", "f32"];
+    let (f16, (_, _, f16_logits), _) = greedy_with_logits(&m, &[], "kv_f16");
+    let (f32, (_, _, f32_logits), _) = greedy_with_logits(&m, &f32_cache, "kv_f32");
+    let (mixed, _, _) = greedy_with_logits(&m, &["--cache-type-k", "f32"], "kv_mixed");
+    let kv = |j: &Value| j["stats"]["kv_cache"].clone();
+    assert_eq!(kv(&f16)["k"], "f16");
+    assert_eq!(kv(&f16)["v"], "f16");
+    assert_eq!(
+        (kv(&f32)["k"].clone(), kv(&f32)["v"].clone()),
+        ("f32".into(), "f32".into())
+    );
+    assert_eq!(
+        (kv(&mixed)["k"].clone(), kv(&mixed)["v"].clone()),
+        ("f32".into(), "f16".into())
+    );
+    let bytes = |j: &Value| kv(j)["bytes"].as_u64().unwrap();
+    // tiny: 4 layers of 2 KV heads of 16, prompt + 20 positions.
+    let positions = f16["stats"]["prompt_tokens"].as_u64().unwrap() + 20;
+    assert_eq!(bytes(&f16), positions * 4 * 32 * 2 * 2, "{f16}");
+    assert_eq!(bytes(&f32), 2 * bytes(&f16));
+    assert_eq!(2 * bytes(&mixed), 3 * bytes(&f16));
+    assert!(f16_logits != f32_logits, "the f16 cache changed nothing");
+    for (cache, want) in [(&[][..], &f16_logits), (&f32_cache[..], &f32_logits)] {
+        for schedule in [
+            ["--schedule", "les", "--slots", "3"],
+            ["--schedule", "on-demand", "--slots", "4"],
+        ] {
+            let args = [&schedule[..], cache].concat();
+            let name = format!("kv_{}", args.join("_"));
+            let (_, (_, _, logits), _) = greedy_with_logits(&m, &args, &name);
+            assert!(&logits == want, "{args:?}: logits differ from resident's");
+        }
+    }
+}
+
 /// Speculative decoding (`--speculate ngram`) gives the same tokens and logits,
 /// resident and streamed, whatever share of its drafts is accepted.
 #[test]
@@ -274,11 +321,24 @@ fn speculative_decoding_does_not_change_the_logits() {
     let draft = model("qwen3moe").to_str().unwrap().to_owned();
     for arch in ["qwen3moe", "qwen35moe"] {
         let m = model(arch);
-        let (want, (_, _, want_logits), _) =
-            greedy_with_logits(&m, &["--schedule", "resident"], &format!("{arch}_plain"));
-        let every = ["--speculate", "ngram", "--draft-fixed", "--ngram-min", "1"];
+        // 40 tokens: enough for a token to recur (the n-gram drafter's cue at
+        // --ngram-min 1) in any greedy continuation of a 300-token vocabulary.
+        let (want, (_, _, want_logits), _) = greedy_with_logits(
+            &m,
+            &["--schedule", "resident", "-n", "40"],
+            &format!("{arch}_plain"),
+        );
+        let every = [
+            "--speculate",
+            "ngram",
+            "--draft-fixed",
+            "--ngram-min",
+            "1",
+            "-n",
+            "40",
+        ];
         for (args, drafts) in [
-            (&["--speculate", "ngram"][..], false),
+            (&["--speculate", "ngram", "-n", "40"][..], false),
             (&[&every[..], &["--draft-max", "3"]].concat()[..], true),
             (
                 &[&every[..], &["--schedule", "les", "--slots", "3"]].concat(),
@@ -301,6 +361,8 @@ fn speculative_decoding_does_not_change_the_logits() {
                     "les",
                     "--slots",
                     "3",
+                    "-n",
+                    "40",
                 ],
                 true,
             ),
@@ -500,6 +562,8 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--draft-max", "65"], "--draft-max"),
         (vec!["--ngram-min", "9"], "--ngram-min"),
         (vec!["--speculate", "bogus"], "--speculate"),
+        (vec!["--cache-type-k", "q8_0"], "--cache-type-k"),
+        (vec!["--cache-type-v", "f64"], "--cache-type-v"),
     ] {
         let out = run(&m, &args);
         let err = String::from_utf8_lossy(&out.stderr);

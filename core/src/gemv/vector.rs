@@ -1,6 +1,7 @@
 //! `f32` vector kernels of attention: a query's scores against the cached keys
 //! ([`scaled_dots`]), their [`softmax`] and the weighted sum of the cached
-//! values ([`weighted_rows`]), with SIMD where the ISA has it.
+//! values ([`weighted_rows`]), with SIMD where the ISA has it; [`widen_f16`]
+//! converts an `f16` cache's rows to `f32` for them.
 //!
 //! # Exactness
 //!
@@ -352,6 +353,33 @@ pub fn weighted_rows_strided(
     }
 }
 
+/// `dst[i] = src[i]` widened from IEEE binary16 bits (an `f16` KV cache's
+/// keys or values) to `f32`: exact, so every ISA gives the bits of
+/// [`crate::quant::f16_to_f32`]. Converts `min(src.len(), dst.len())` values.
+pub fn widen_f16(isa: Isa, src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
+            // SAFETY: the CPU supports AVX2 and F16C (`has_avx2` checks both).
+            unsafe { x86::widen_f16(src, dst) }
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon | Isa::NeonDot => {
+            // SAFETY: NEON is part of the target (`target_feature = "neon"`).
+            unsafe { neon::widen_f16(src, dst) }
+        }
+        _ => widen_f16_scalar(src, dst),
+    }
+}
+
+fn widen_f16_scalar(src: &[u16], dst: &mut [f32]) {
+    for (d, &h) in dst.iter_mut().zip(src) {
+        *d = crate::quant::f16_to_f32(h);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     //! Every load below reads a sub-slice of exactly the loaded width (taken
@@ -391,6 +419,20 @@ mod x86 {
         let s = &mut s[..16];
         // SAFETY: `s` holds exactly the 16 floats written.
         unsafe { _mm512_storeu_ps(s.as_mut_ptr(), v) }
+    }
+
+    /// [`super::widen_f16`] with F16C, eight values at a time.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn widen_f16(src: &[u16], dst: &mut [f32]) {
+        let whole = src.len().min(dst.len()) / 8 * 8;
+        for c in (0..whole).step_by(8) {
+            let h = &src[c..c + 8];
+            // SAFETY: `h` holds exactly the 8 values (16 bytes) read; `loadu`
+            // needs no alignment.
+            let x = unsafe { _mm_loadu_si128(h.as_ptr().cast()) };
+            st8(&mut dst[c..], _mm256_cvtph_ps(x));
+        }
+        super::widen_f16_scalar(&src[whole..], &mut dst[whole..]);
     }
 
     /// Lanes 0-7 plus lanes 8-15, then the fold of [`super::dot`] from width 4.
@@ -966,6 +1008,33 @@ mod neon {
         unsafe { vst1q_f32(s.as_mut_ptr(), v) }
     }
 
+    /// [`super::widen_f16`] four values at a time, by moving the exponent
+    /// and mantissa fields (exact for zeros and normal numbers); a group with
+    /// a subnormal, infinite or NaN value is converted by the scalar code.
+    #[target_feature(enable = "neon")]
+    pub(super) fn widen_f16(src: &[u16], dst: &mut [f32]) {
+        let whole = src.len().min(dst.len()) / 4 * 4;
+        for c in (0..whole).step_by(4) {
+            let h = &src[c..c + 4];
+            // SAFETY: `h` holds exactly the 4 values read.
+            let h = vmovl_u16(unsafe { vld1_u16(h.as_ptr()) });
+            let abs = vandq_u32(h, vdupq_n_u32(0x7fff));
+            let exp = vshrq_n_u32::<10>(abs);
+            let zero = vceqq_u32(abs, vdupq_n_u32(0));
+            let subnormal = vbicq_u32(vceqq_u32(exp, vdupq_n_u32(0)), zero);
+            let special = vorrq_u32(subnormal, vceqq_u32(exp, vdupq_n_u32(31)));
+            if vmaxvq_u32(special) != 0 {
+                super::widen_f16_scalar(&src[c..c + 4], &mut dst[c..c + 4]);
+                continue;
+            }
+            let sign = vshlq_n_u32::<16>(vandq_u32(h, vdupq_n_u32(0x8000)));
+            let mag = vaddq_u32(vshlq_n_u32::<13>(abs), vdupq_n_u32((127 - 15) << 23));
+            let mag = vbicq_u32(mag, zero);
+            st4(&mut dst[c..], vreinterpretq_f32_u32(vorrq_u32(sign, mag)));
+        }
+        super::widen_f16_scalar(&src[whole..], &mut dst[whole..]);
+    }
+
     /// [`super::dot`] with the sixteen sums in four registers (lanes 0-3, 4-7,
     /// 8-11, 12-15), folded in its order.
     #[inline]
@@ -1102,6 +1171,31 @@ mod tests {
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Every `f16` value widens to the scalar conversion's bits on every ISA,
+    /// at every offset into a SIMD group (and through the tails).
+    #[test]
+    fn widen_f16_is_exact_on_every_isa() {
+        let all: Vec<u16> = (0..=u16::MAX).collect();
+        let mut want = vec![0f32; all.len()];
+        widen_f16(Isa::Scalar, &all, &mut want);
+        for (&h, w) in all.iter().zip(&want) {
+            let x = crate::quant::f16_to_f32(h);
+            assert!(x.to_bits() == w.to_bits());
+            if !x.is_nan() {
+                assert_eq!(crate::quant::f32_to_f16(x), h);
+            }
+        }
+        for isa in Isa::available() {
+            for skew in 0..9 {
+                let mut got = vec![0f32; all.len() - skew];
+                widen_f16(isa, &all[skew..], &mut got);
+                for (i, (g, w)) in got.iter().zip(&want[skew..]).enumerate() {
+                    assert!(g.to_bits() == w.to_bits(), "{isa:?} {:#06x}", i + skew);
+                }
+            }
+        }
     }
 
     /// Every ISA's scores and weighted sums are the reference's bits, for

@@ -14,7 +14,10 @@ use core::fmt;
 
 use super::config::{Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
-use super::ops::{rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape, KvView};
+use super::ops::{
+    rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape, KvRows, KvView,
+    MAX_F16_HEAD_DIM,
+};
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use crate::quant::{self, QuantError};
@@ -459,11 +462,79 @@ pub struct Lookahead {
     pub depth: usize,
 }
 
+/// Element type of a KV cache's keys or values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvType {
+    /// `f32`: exactly what attention computed.
+    F32,
+    /// IEEE binary16, rounded to nearest even as ggml rounds its `f16` cache
+    /// (llama.cpp's default): half the memory, and half the bytes attention
+    /// streams every token.
+    #[default]
+    F16,
+}
+
+impl KvType {
+    /// Bytes a value takes.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+
+    /// The name llama.cpp's `--cache-type-k` uses for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+        }
+    }
+}
+
+/// Caller memory for a KV cache's keys or values, in its element type.
+#[derive(Debug)]
+pub enum KvBuf<'a> {
+    /// `f32` values.
+    F32(&'a mut [f32]),
+    /// `f16` bits.
+    F16(&'a mut [u16]),
+}
+
+impl KvBuf<'_> {
+    fn len(&self) -> usize {
+        match self {
+            KvBuf::F32(x) => x.len(),
+            KvBuf::F16(x) => x.len(),
+        }
+    }
+
+    /// The values `range` as attention reads them.
+    fn rows(&self, range: core::ops::Range<usize>) -> KvRows<'_> {
+        match self {
+            KvBuf::F32(x) => KvRows::F32(&x[range]),
+            KvBuf::F16(x) => KvRows::F16(&x[range]),
+        }
+    }
+
+    /// `x` stored from `at` on (rounded to nearest even for `f16`).
+    fn store(&mut self, at: usize, x: &[f32]) {
+        match self {
+            KvBuf::F32(b) => b[at..][..x.len()].copy_from_slice(x),
+            KvBuf::F16(b) => {
+                for (d, &v) in b[at..][..x.len()].iter_mut().zip(x) {
+                    *d = crate::quant::f32_to_f16(v);
+                }
+            }
+        }
+    }
+}
+
 /// Per-layer KV cache over caller memory: `[layer][position][kv_dim]` for keys and
 /// values each, one layer per attention layer (linear-attention layers have none).
 pub struct KvCache<'a> {
-    k: &'a mut [f32],
-    v: &'a mut [f32],
+    k: KvBuf<'a>,
+    v: KvBuf<'a>,
     max_positions: usize,
     n_layers: usize,
 }
@@ -498,8 +569,23 @@ impl<'a> KvCache<'a> {
         v: &'a mut [f32],
         max_positions: usize,
     ) -> Option<Self> {
+        Self::new_typed(hp, hy, KvBuf::F32(k), KvBuf::F32(v), max_positions)
+    }
+
+    /// [`new_for`](Self::new_for) with keys and values of any [`KvType`],
+    /// each holding [`len_for`](Self::len_for) values. Where a buffer is `f16`
+    /// the model's `head_dim` is at most [`MAX_F16_HEAD_DIM`].
+    pub fn new_typed(
+        hp: &Hparams,
+        hy: &HybridParams,
+        k: KvBuf<'a>,
+        v: KvBuf<'a>,
+        max_positions: usize,
+    ) -> Option<Self> {
         let n = Self::len_for(hp, hy, max_positions);
-        (k.len() == n && v.len() == n).then_some(KvCache {
+        let f16 = matches!(k, KvBuf::F16(_)) || matches!(v, KvBuf::F16(_));
+        let fits = !f16 || hp.head_dim <= MAX_F16_HEAD_DIM;
+        (k.len() == n && v.len() == n && fits).then_some(KvCache {
             k,
             v,
             max_positions,
@@ -1406,8 +1492,8 @@ pub(super) fn cached<'k>(
 ) -> KvView<'k> {
     let base = cache_layer * layer_stride;
     KvView {
-        k: &kv.k[base..base + layer_stride],
-        v: &kv.v[base..base + layer_stride],
+        k: kv.k.rows(base..base + layer_stride),
+        v: kv.v.rows(base..base + layer_stride),
         positions: n,
     }
 }
@@ -1486,7 +1572,7 @@ pub(super) fn project_position<E>(
         }
     }
     let base = cache_layer * layer_stride;
-    kv.k[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.k);
-    kv.v[base + pos * kv_dim..][..kv_dim].copy_from_slice(s.v);
+    kv.k.store(base + pos * kv_dim, &s.k[..kv_dim]);
+    kv.v.store(base + pos * kv_dim, &s.v[..kv_dim]);
     Ok(())
 }

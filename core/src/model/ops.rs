@@ -214,16 +214,152 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+/// Cached keys or values, in the cache's element type.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRows<'a> {
+    /// `f32` values.
+    F32(&'a [f32]),
+    /// IEEE binary16 bits (llama.cpp's default `f16` cache), widened to `f32`
+    /// as attention reads them.
+    F16(&'a [u16]),
+}
+
+impl<'a> KvRows<'a> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            KvRows::F32(x) => x.len(),
+            KvRows::F16(x) => x.len(),
+        }
+    }
+
+    /// Whether it holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values from `at` on.
+    fn from(self, at: usize) -> KvRows<'a> {
+        match self {
+            KvRows::F32(x) => KvRows::F32(&x[at..]),
+            KvRows::F16(x) => KvRows::F16(&x[at..]),
+        }
+    }
+
+    /// Rows `t0..t0 + n` of `d` values, `stride` apart: in place for `f32`,
+    /// widened into `buf` (at least `n * d` floats) for `f16`.
+    fn rows<'b>(
+        self,
+        isa: Isa,
+        t0: usize,
+        n: usize,
+        stride: usize,
+        d: usize,
+        buf: &'b mut [f32],
+    ) -> vector::Strided<'b>
+    where
+        'a: 'b,
+    {
+        match self {
+            KvRows::F32(x) => vector::Strided {
+                data: &x[t0 * stride..],
+                stride,
+                n,
+                d,
+            },
+            KvRows::F16(x) => {
+                for (t, row) in buf.chunks_exact_mut(d).take(n).enumerate() {
+                    vector::widen_f16(isa, &x[(t0 + t) * stride..][..d], row);
+                }
+                vector::Strided {
+                    data: buf,
+                    stride: d,
+                    n,
+                    d,
+                }
+            }
+        }
+    }
+}
+
+impl<'a> From<&'a [f32]> for KvRows<'a> {
+    fn from(x: &'a [f32]) -> Self {
+        KvRows::F32(x)
+    }
+}
+
 /// The cached keys and values one attention reads: `k` and `v` hold
 /// `positions * n_head_kv * head_dim` values (or more), position-major.
 #[derive(Clone, Copy, Debug)]
 pub struct KvView<'a> {
     /// Keys.
-    pub k: &'a [f32],
+    pub k: KvRows<'a>,
     /// Values.
-    pub v: &'a [f32],
+    pub v: KvRows<'a>,
     /// Positions attended to (`n_past + 1`).
     pub positions: usize,
+}
+
+/// Floats of the stack buffer an `f16` cache's rows are widened into, a tile
+/// of positions at a time (16 KiB: it stays in L1 while every head sharing
+/// the rows reads them).
+const WIDE_TILE: usize = 4096;
+
+/// Largest `head_dim` an `f16` cache supports (a row must fit a tile).
+pub const MAX_F16_HEAD_DIM: usize = WIDE_TILE;
+
+/// Positions a tile of [`WIDE_TILE`] floats holds.
+fn tile_positions(d: usize) -> usize {
+    (WIDE_TILE / d.max(1)).max(1)
+}
+
+/// `scaled_dots` of the query rows `q` (`d` each) against cached rows
+/// `0..n` (`stride` apart from `rows`' start) into `sc[j * n + t]`, a tile of
+/// positions at a time: each score is the one-call result (scores do not
+/// depend on each other).
+#[allow(clippy::too_many_arguments)]
+fn tiled_dots(
+    isa: Isa,
+    q: &[f32],
+    rows: KvRows<'_>,
+    n: usize,
+    stride: usize,
+    d: usize,
+    scale: f32,
+    sc: &mut [f32],
+) {
+    let mut buf = [0f32; WIDE_TILE];
+    let tile = tile_positions(d);
+    for t0 in (0..n).step_by(tile) {
+        let tn = tile.min(n - t0);
+        let keys = rows.rows(isa, t0, tn, stride, d, &mut buf);
+        for (j, qj) in q.chunks_exact(d).enumerate() {
+            vector::scaled_dots(isa, qj, keys, scale, &mut sc[j * n + t0..][..tn]);
+        }
+    }
+}
+
+/// `weighted_rows_strided` of the weights `w` (output `j`'s at `w[j * ws..]`,
+/// indexed by position) over the cached rows `from..to`, a tile of positions
+/// at a time: the same additions in the same order as one call.
+#[allow(clippy::too_many_arguments)]
+fn tiled_sums(
+    isa: Isa,
+    w: &[f32],
+    ws: usize,
+    rows: KvRows<'_>,
+    (from, to): (usize, usize),
+    stride: usize,
+    d: usize,
+    o: &mut [f32],
+) {
+    let mut buf = [0f32; WIDE_TILE];
+    let tile = tile_positions(d);
+    for t0 in (from..to).step_by(tile) {
+        let tn = tile.min(to - t0);
+        let values = rows.rows(isa, t0, tn, stride, d, &mut buf);
+        vector::weighted_rows_strided(isa, &w[t0..], ws, values, o);
+    }
 }
 
 /// Attention of one query (all heads, `q`) over the cached positions of `kv`.
@@ -268,6 +404,13 @@ pub fn attention_fits(
         && kv.k.len() >= len
         && kv.v.len() >= len
         && scores.len() >= n_kv_positions
+        && f16_fits(kv, head_dim)
+}
+
+/// An `f16` cache's rows fit a tile.
+fn f16_fits(kv: KvView<'_>, head_dim: usize) -> bool {
+    let f16 = matches!(kv.k, KvRows::F16(_)) || matches!(kv.v, KvRows::F16(_));
+    !f16 || head_dim <= MAX_F16_HEAD_DIM
 }
 
 /// [`attention`] of the query heads `heads` only: `out` holds those heads'
@@ -308,23 +451,29 @@ pub fn attention_heads(
         let nb = h1 - h0;
         let sc = &mut scores[..nb * n];
         let qs = &q[h0 * head_dim..h1 * head_dim];
-        let keys = vector::Strided {
-            data: &kv.k[kvh * head_dim..],
-            stride: kv_stride,
-            n,
-            d: head_dim,
-        };
-        vector::scaled_dots(isa, qs, keys, scale, sc);
-        for row in sc.chunks_exact_mut(n.max(1)) {
-            vector::softmax(isa, row);
-        }
+        let (k, v) = (kv.k.from(kvh * head_dim), kv.v.from(kvh * head_dim));
         let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
         o.fill(0.0);
-        let values = vector::Strided {
-            data: &kv.v[kvh * head_dim..],
-            ..keys
-        };
-        vector::weighted_rows(isa, sc, values, o);
+        if let (KvRows::F32(k), KvRows::F32(v)) = (k, v) {
+            let keys = vector::Strided {
+                data: k,
+                stride: kv_stride,
+                n,
+                d: head_dim,
+            };
+            vector::scaled_dots(isa, qs, keys, scale, sc);
+            for row in sc.chunks_exact_mut(n.max(1)) {
+                vector::softmax(isa, row);
+            }
+            let values = vector::Strided { data: v, ..keys };
+            vector::weighted_rows(isa, sc, values, o);
+        } else {
+            tiled_dots(isa, qs, k, n, kv_stride, head_dim, scale, sc);
+            for row in sc.chunks_exact_mut(n.max(1)) {
+                vector::softmax(isa, row);
+            }
+            tiled_sums(isa, sc, n, v, (0, n), kv_stride, head_dim, o);
+        }
         h0 = h1;
     }
 }
@@ -364,6 +513,7 @@ pub fn attention_causal_fits(
         && kv.k.len() >= len
         && kv.v.len() >= len
         && scratch >= attention_causal_scratch(shape, g, kv.positions)
+        && f16_fits(kv, shape.head_dim)
 }
 
 /// Causal attention of the `g` consecutive positions `first..first + g` at
@@ -413,29 +563,42 @@ pub fn attention_causal(
             let from = &q[i * q_dim + kvh * nb * d..][..nb * d];
             qs[i * nb * d..][..nb * d].copy_from_slice(from);
         }
-        let keys = vector::Strided {
-            data: &kv.k[kvh * d..],
-            stride: kv_stride,
-            n,
-            d,
-        };
-        vector::scaled_dots(isa, qs, keys, scale, sc);
+        let (k, v) = (kv.k.from(kvh * d), kv.v.from(kvh * d));
+        match k {
+            KvRows::F32(k) => {
+                let keys = vector::Strided {
+                    data: k,
+                    stride: kv_stride,
+                    n,
+                    d,
+                };
+                vector::scaled_dots(isa, qs, keys, scale, sc);
+            }
+            KvRows::F16(_) => tiled_dots(isa, qs, k, n, kv_stride, d, scale, sc),
+        }
         for (r, row) in sc.chunks_exact_mut(n).enumerate() {
             vector::softmax(isa, &mut row[..first + r / nb + 1]);
         }
         os.fill(0.0);
         // Positions `0..=first`, which every row sees, then each position's
         // own later ones, in order.
-        let values = |from: usize, to: usize| vector::Strided {
-            data: &kv.v[kvh * d + from * kv_stride..],
-            n: to - from,
-            ..keys
+        let sums = |w: &[f32], from: usize, to: usize, o: &mut [f32]| match v {
+            KvRows::F32(v) => {
+                let values = vector::Strided {
+                    data: &v[from * kv_stride..],
+                    stride: kv_stride,
+                    n: to - from,
+                    d,
+                };
+                vector::weighted_rows_strided(isa, &w[from..], n, values, o);
+            }
+            KvRows::F16(_) => tiled_sums(isa, w, n, v, (from, to), kv_stride, d, o),
         };
-        vector::weighted_rows_strided(isa, sc, n, values(0, first + 1), os);
+        sums(sc, 0, first + 1, os);
         for i in 1..g {
-            let w = &sc[i * nb * n + first + 1..];
+            let w = &sc[i * nb * n..];
             let o = &mut os[i * nb * d..][..nb * d];
-            vector::weighted_rows_strided(isa, w, n, values(first + 1, first + 1 + i), o);
+            sums(w, first + 1, first + 1 + i, o);
         }
         for i in 0..g {
             out[i * q_dim + kvh * nb * d..][..nb * d].copy_from_slice(&os[i * nb * d..][..nb * d]);
@@ -615,8 +778,8 @@ mod tests {
         let mut scores = [0.0; 5];
         let mut whole = [0.0; 24];
         let kv = KvView {
-            k: &k,
-            v: &v,
+            k: KvRows::F32(&k),
+            v: KvRows::F32(&v),
             positions: n,
         };
         attention(Isa::Scalar, shape, &q, kv, &mut scores, &mut whole);
@@ -637,6 +800,102 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// An `f16` cache (keys, values or both) gives the bits of the `f32`
+    /// cache holding the same values widened, on every ISA, one position or a
+    /// causal group at a time, over more positions than a tile holds.
+    #[test]
+    fn f16_cache_equals_f32_cache_of_the_widened_values_bit_for_bit() {
+        let mut seed = 21u64;
+        let mut rnd = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0
+        };
+        for (n_head, n_head_kv, d) in [(4, 2, 8), (6, 1, 5), (8, 2, 128), (2, 2, 17)] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim: d,
+            };
+            let (q_dim, kv_dim) = (n_head * d, n_head_kv * d);
+            let n = 2 * tile_positions(d) + 7;
+            let half: std::vec::Vec<u16> = (0..2 * n * kv_dim)
+                .map(|_| crate::quant::f32_to_f16(rnd()))
+                .collect();
+            let wide: std::vec::Vec<f32> =
+                half.iter().map(|&h| crate::quant::f16_to_f32(h)).collect();
+            let (hk, hv) = half.split_at(n * kv_dim);
+            let (wk, wv) = wide.split_at(n * kv_dim);
+            let g = 5;
+            let q: std::vec::Vec<f32> = (0..g * q_dim).map(|_| rnd()).collect();
+            let want_kv = KvView {
+                k: KvRows::F32(wk),
+                v: KvRows::F32(wv),
+                positions: n,
+            };
+            let mut scores = std::vec![0f32; 2 * n];
+            let mut want = std::vec![0f32; q_dim];
+            attention(
+                Isa::Scalar,
+                shape,
+                &q[..q_dim],
+                want_kv,
+                &mut scores,
+                &mut want,
+            );
+            let scratch_len = attention_causal_scratch(shape, g, n);
+            let mut want_group = std::vec![0f32; g * q_dim];
+            let mut scratch = std::vec![0f32; scratch_len];
+            let first = n - g;
+            attention_causal(
+                Isa::Scalar,
+                shape,
+                &q,
+                want_kv,
+                first,
+                &mut scratch,
+                &mut want_group,
+            );
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<std::vec::Vec<_>>();
+            for (k, v) in [
+                (KvRows::F16(hk), KvRows::F16(hv)),
+                (KvRows::F16(hk), KvRows::F32(wv)),
+                (KvRows::F32(wk), KvRows::F16(hv)),
+            ] {
+                let kv = KvView { k, v, positions: n };
+                for isa in Isa::available() {
+                    let mut got = std::vec![f32::NAN; q_dim];
+                    attention(isa, shape, &q[..q_dim], kv, &mut scores, &mut got);
+                    assert_eq!(bits(&got), bits(&want), "{isa} {shape:?}");
+                    let mut got = std::vec![f32::NAN; g * q_dim];
+                    let mut scratch = std::vec![f32::NAN; scratch_len];
+                    attention_causal(isa, shape, &q, kv, first, &mut scratch, &mut got);
+                    assert_eq!(bits(&got), bits(&want_group), "{isa} {shape:?} causal");
+                }
+            }
+        }
+        // A head wider than a tile is refused for an f16 cache.
+        let shape = AttnShape {
+            n_head: 1,
+            n_head_kv: 1,
+            head_dim: MAX_F16_HEAD_DIM + 1,
+        };
+        let (h, w) = (
+            std::vec![0u16; MAX_F16_HEAD_DIM + 1],
+            std::vec![0f32; MAX_F16_HEAD_DIM + 1],
+        );
+        let (k, v) = (KvRows::F16(&h), KvRows::F32(&w));
+        let kv = KvView { k, v, positions: 1 };
+        assert!(!attention_fits(shape, &(0..1), &w, kv, &[0.0], &w));
+        let kv = KvView {
+            k: v,
+            v,
+            positions: 1,
+        };
+        assert!(attention_fits(shape, &(0..1), &w, kv, &[0.0], &w));
     }
 
     /// Each position of a causal group gets [`attention`]'s bits over the
@@ -667,16 +926,16 @@ mod tests {
                 let mut scores = std::vec![0f32; n];
                 for i in 0..g {
                     let kv = KvView {
-                        k: &k,
-                        v: &v,
+                        k: KvRows::F32(&k),
+                        v: KvRows::F32(&v),
                         positions: first + i + 1,
                     };
                     let (qi, oi) = (&q[i * q_dim..][..q_dim], &mut want[i * q_dim..][..q_dim]);
                     attention(Isa::Scalar, shape, qi, kv, &mut scores, oi);
                 }
                 let kv = KvView {
-                    k: &k,
-                    v: &v,
+                    k: KvRows::F32(&k),
+                    v: KvRows::F32(&v),
                     positions: n,
                 };
                 for isa in Isa::available() {
@@ -718,8 +977,8 @@ mod tests {
             shape,
             &[1.0, 0.0, 0.0, 1.0],
             KvView {
-                k: &[0.5, 0.5],
-                v: &[7.0, -1.0],
+                k: KvRows::F32(&[0.5, 0.5]),
+                v: KvRows::F32(&[7.0, -1.0]),
                 positions: 1,
             },
             &mut scores,
@@ -742,8 +1001,8 @@ mod tests {
             shape,
             &[1.0],
             KvView {
-                k: &[0.0, 2.0],
-                v: &[10.0, 20.0],
+                k: KvRows::F32(&[0.0, 2.0]),
+                v: KvRows::F32(&[10.0, 20.0]),
                 positions: 2,
             },
             &mut scores,

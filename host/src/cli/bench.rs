@@ -60,6 +60,9 @@ pub struct BenchArgs {
     /// The file device's I/O settings.
     #[command(flatten)]
     pub io: super::run::IoArgs,
+    /// KV cache types.
+    #[command(flatten)]
+    pub cache: super::run::CacheArgs,
     /// Print one JSON object instead of tables (with `--sweep`: one entry per
     /// budget under `budgets`, and the verdicts)
     #[arg(long)]
@@ -134,6 +137,7 @@ pub(super) fn decode_config(
         lookahead: args.lookahead,
         sampler: sampler(args),
         trace: args.trace.is_some(),
+        kv_types: args.cache.types(),
     })
 }
 
@@ -892,6 +896,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             lookahead: args.lookahead,
             sampler: sampler(args),
             trace: false,
+            kv_types: args.cache.types(),
         };
         let mut base = None;
         let mut lru_hit = None;

@@ -33,6 +33,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         lookahead: args.lookahead,
         sampler: crate::sampling::SamplerConfig::greedy(),
         trace: false,
+        kv_types: args.cache.types(),
     };
     eprintln!(
         "les bench: {} ({} layers), prompt of {} tokens, {}, {} threads",

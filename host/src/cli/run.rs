@@ -98,6 +98,9 @@ pub struct RunArgs {
     /// training context); generation stops when it is full.
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// KV cache types.
+    #[command(flatten)]
+    pub cache: CacheArgs,
     /// Prompt positions evaluated at once, layer by layer (each layer's experts
     /// read and used once for all of them); 1 = one at a time, with lookahead
     /// prefetching. The output is the same whatever the size.
@@ -196,6 +199,29 @@ impl NpyWriter {
             self.file.flush()
         })();
         r.map_err(|e| self.named(e))
+    }
+}
+
+/// The KV cache's element types (`les run`, `les bench`), as llama.cpp's
+/// `--cache-type-k` / `--cache-type-v`.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct CacheArgs {
+    /// KV cache type of the keys: f16 (llama.cpp's default: half the memory
+    /// and half the bytes attention reads a token) or f32.
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f16", value_parser = super::values::kv_type)]
+    pub k: les_core::model::forward::KvType,
+    /// KV cache type of the values: f16 or f32.
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16", value_parser = super::values::kv_type)]
+    pub v: les_core::model::forward::KvType,
+}
+
+impl CacheArgs {
+    /// The session's KV types.
+    pub fn types(&self) -> crate::engine::KvTypes {
+        crate::engine::KvTypes {
+            k: self.k,
+            v: self.v,
+        }
     }
 }
 
@@ -444,7 +470,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     }
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    let mut session = Session::new(&model, ctx)?;
+    let mut session = Session::with_kv_types(&model, ctx, args.cache.types())?;
     session.set_prefill_batch(args.batch_size)?;
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let mut drafter = args.spec.drafter(draft_model.as_ref(), ctx, threads)?;
@@ -453,7 +479,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         None => 0,
     };
     eprintln!(
-        "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, loaded in {:.2?}",
+        "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, \
+         KV cache {ctx} positions {}/{} ({:.1} MiB), loaded in {:.2?}",
         model.arch.name(),
         model.hp.n_layers,
         model.hp.moe.map_or(0, |m| m.n_experts),
@@ -469,6 +496,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                     .join(", ")
             ),
         },
+        args.cache.k.name(),
+        args.cache.v.name(),
+        session.kv_bytes() as f64 / (1 << 20) as f64,
         t0.elapsed().saturating_sub(image_encode)
     );
     if let Some(clip) = &clip {
@@ -569,6 +599,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "threads": threads,
             "seed": seed,
             "stop": stop,
+            "kv_cache": {
+                "k": args.cache.k.name(),
+                "v": args.cache.v.name(),
+                "bytes": session.kv_bytes(),
+            },
             "peak_rss_bytes": crate::engine::peak_rss_bytes(),
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
             "slot_bytes": budget.bytes(),

@@ -31,6 +31,20 @@ pub fn probability(s: &str) -> Result<f32, String> {
     }
 }
 
+/// A KV cache element type by llama.cpp's name (`--cache-type-k`): `f16` or
+/// `f32`; its quantized types are refused by name.
+pub fn kv_type(s: &str) -> Result<les_core::model::forward::KvType, String> {
+    use les_core::model::forward::KvType;
+    match s {
+        "f16" => Ok(KvType::F16),
+        "f32" => Ok(KvType::F32),
+        "bf16" | "q8_0" | "q4_0" | "q4_1" | "iq4_nl" | "q5_0" | "q5_1" => Err(format!(
+            "{s}: les keeps the KV cache in f16 or f32 (llama.cpp's quantized caches are not supported)"
+        )),
+        _ => Err(format!("{s} is not a KV cache type (f16 or f32)")),
+    }
+}
+
 /// A thread count, `0..=MAX_THREADS` (what 0 means is the option's to say).
 pub fn threads(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {

@@ -23,8 +23,11 @@ use cortex_m_rt::entry;
 use cortex_m_semihosting::{debug, hprint, hprintln};
 use les_core::blockdev::BlockDevice;
 use les_core::gemv::Isa;
+use les_core::model::config::HybridParams;
 use les_core::model::experts::Streamed;
-use les_core::model::forward::{forward, KvCache, Lookahead, Scratch, SerialMatVec, TokenInput};
+use les_core::model::forward::{
+    forward, KvBuf, KvCache, Lookahead, Scratch, SerialMatVec, TokenInput,
+};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::schedule::{LayerState, Scheduler, SchedulerConfig};
@@ -58,8 +61,9 @@ const QUEUE: usize = 8;
 struct Buffers {
     slots: [u8; SLOT_MEMORY],
     slot_index: [IndexEntry; N_LAYERS * N_EXPERTS],
-    kv_k: [f32; KV_LEN],
-    kv_v: [f32; KV_LEN],
+    /// The KV cache in `f16` (as the host's default): half the RAM.
+    kv_k: [u16; KV_LEN],
+    kv_v: [u16; KV_LEN],
     scratch: [f32; SCRATCH_LEN],
     logits: [f32; N_VOCAB],
     q8_0: [BlockQ8_0; Q8_BLOCKS],
@@ -81,8 +85,8 @@ static mut TABLES: Tables = Tables {
 static mut BUFFERS: Buffers = Buffers {
     slots: [0; SLOT_MEMORY],
     slot_index: [IndexEntry::EMPTY; N_LAYERS * N_EXPERTS],
-    kv_k: [0.0; KV_LEN],
-    kv_v: [0.0; KV_LEN],
+    kv_k: [0; KV_LEN],
+    kv_v: [0; KV_LEN],
     scratch: [0.0; SCRATCH_LEN],
     logits: [0.0; N_VOCAB],
     q8_0: [BlockQ8_0 {
@@ -179,7 +183,9 @@ fn run() -> Result<(), &'static str> {
         q8_1: &mut b.q8_1,
         q8k: &mut b.q8k,
     };
-    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, MAX_POS).ok_or("KV cache size")?;
+    let (k, v) = (KvBuf::F16(&mut b.kv_k), KvBuf::F16(&mut b.kv_v));
+    let mut kv =
+        KvCache::new_typed(&hp, &HybridParams::plain(&hp), k, v, MAX_POS).ok_or("KV cache size")?;
     let mut scratch = Scratch::new(&hp, &mut b.scratch, MAX_POS).ok_or("scratch size")?;
     let logits = &mut b.logits;
 
