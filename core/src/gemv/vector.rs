@@ -374,6 +374,41 @@ pub fn widen_f16(isa: Isa, src: &[u16], dst: &mut [f32]) {
     }
 }
 
+/// [`widen_f16`] of `n` rows of `d` values, `stride` apart in `src`, into
+/// `dst` packed (`n * d` floats): one dispatch for a tile of a cache.
+/// Panics if `src` or `dst` is too short.
+pub fn widen_f16_rows(isa: Isa, src: &[u16], stride: usize, n: usize, d: usize, dst: &mut [f32]) {
+    assert!(
+        dst.len() >= n * d && (n == 0 || src.len() >= (n - 1) * stride + d),
+        "widen_f16_rows: bad lengths"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx512() => {
+            // SAFETY: the CPU supports AVX-512 F (and F16C: `has_avx512`
+            // implies `has_avx2`).
+            unsafe { x86::widen_f16_rows_avx512(src, stride, n, d, dst) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
+            // SAFETY: the CPU supports AVX2 and F16C (checked just above).
+            unsafe { x86::widen_f16_rows(src, stride, n, d, dst) }
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon | Isa::NeonDot => {
+            for (t, row) in dst.chunks_exact_mut(d.max(1)).take(n).enumerate() {
+                // SAFETY: NEON is part of the target (`target_feature = "neon"`).
+                unsafe { neon::widen_f16(&src[t * stride..][..d], row) }
+            }
+        }
+        _ => {
+            for (t, row) in dst.chunks_exact_mut(d.max(1)).take(n).enumerate() {
+                widen_f16_scalar(&src[t * stride..][..d], row);
+            }
+        }
+    }
+}
+
 fn widen_f16_scalar(src: &[u16], dst: &mut [f32]) {
     for (d, &h) in dst.iter_mut().zip(src) {
         *d = crate::quant::f16_to_f32(h);
@@ -421,7 +456,39 @@ mod x86 {
         unsafe { _mm512_storeu_ps(s.as_mut_ptr(), v) }
     }
 
+    /// [`super::widen_f16_rows`] with F16C: each row by [`widen_f16`].
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn widen_f16_rows(src: &[u16], stride: usize, n: usize, d: usize, dst: &mut [f32]) {
+        for (t, row) in dst.chunks_exact_mut(d.max(1)).take(n).enumerate() {
+            widen_f16(&src[t * stride..][..d], row);
+        }
+    }
+
+    /// [`super::widen_f16_rows`] with AVX-512, sixteen values at a time (the
+    /// rest of a row by [`widen_f16`]).
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(super) fn widen_f16_rows_avx512(
+        src: &[u16],
+        stride: usize,
+        n: usize,
+        d: usize,
+        dst: &mut [f32],
+    ) {
+        let whole = d / 16 * 16;
+        for (t, row) in dst.chunks_exact_mut(d.max(1)).take(n).enumerate() {
+            let h = &src[t * stride..][..d];
+            for c in (0..whole).step_by(16) {
+                let x = &h[c..c + 16];
+                // SAFETY: `x` holds exactly the 16 values (32 bytes) read.
+                let x = unsafe { _mm256_loadu_si256(x.as_ptr().cast()) };
+                st16(&mut row[c..], _mm512_cvtph_ps(x));
+            }
+            widen_f16(&h[whole..], &mut row[whole..]);
+        }
+    }
+
     /// [`super::widen_f16`] with F16C, eight values at a time.
+    #[inline]
     #[target_feature(enable = "avx2,f16c")]
     pub(super) fn widen_f16(src: &[u16], dst: &mut [f32]) {
         let whole = src.len().min(dst.len()) / 8 * 8;

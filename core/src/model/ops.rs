@@ -268,9 +268,7 @@ impl<'a> KvRows<'a> {
                 d,
             },
             KvRows::F16(x) => {
-                for (t, row) in buf.chunks_exact_mut(d).take(n).enumerate() {
-                    vector::widen_f16(isa, &x[(t0 + t) * stride..][..d], row);
-                }
+                vector::widen_f16_rows(isa, &x[t0 * stride..], stride, n, d, buf);
                 vector::Strided {
                     data: buf,
                     stride: d,
@@ -301,16 +299,28 @@ pub struct KvView<'a> {
 }
 
 /// Floats of the stack buffer an `f16` cache's rows are widened into, a tile
-/// of positions at a time (16 KiB: it stays in L1 while every head sharing
-/// the rows reads them).
+/// of positions at a time: 16 KiB on 64-bit targets (it stays in L1 while
+/// every head sharing the rows reads them), 4 KiB on smaller ones, whose
+/// stacks are small.
+#[cfg(target_pointer_width = "64")]
 const WIDE_TILE: usize = 4096;
+#[cfg(not(target_pointer_width = "64"))]
+const WIDE_TILE: usize = 1024;
 
-/// Largest `head_dim` an `f16` cache supports (a row must fit a tile).
+/// Scores of a tile (queries x positions) [`tiled_dots`] computes at once.
+#[cfg(target_pointer_width = "64")]
+const TILE_SCORES: usize = 1024;
+#[cfg(not(target_pointer_width = "64"))]
+const TILE_SCORES: usize = 256;
+
+/// Largest `head_dim` an `f16` cache supports (a row must fit a tile): 4096
+/// on 64-bit targets, 1024 on others.
 pub const MAX_F16_HEAD_DIM: usize = WIDE_TILE;
 
-/// Positions a tile of [`WIDE_TILE`] floats holds.
+/// Positions a tile holds: a tile of [`WIDE_TILE`] floats, and at most a
+/// query's row of [`TILE_SCORES`].
 fn tile_positions(d: usize) -> usize {
-    (WIDE_TILE / d.max(1)).max(1)
+    (WIDE_TILE / d.max(1)).clamp(1, TILE_SCORES)
 }
 
 /// `scaled_dots` of the query rows `q` (`d` each) against cached rows
@@ -329,12 +339,21 @@ fn tiled_dots(
     sc: &mut [f32],
 ) {
     let mut buf = [0f32; WIDE_TILE];
+    let mut tile_scores = [0f32; TILE_SCORES];
     let tile = tile_positions(d);
+    // Queries scored against a tile at once (each key read once for them).
+    let group = (TILE_SCORES / tile).max(1);
+    let nq = q.len() / d.max(1);
     for t0 in (0..n).step_by(tile) {
         let tn = tile.min(n - t0);
         let keys = rows.rows(isa, t0, tn, stride, d, &mut buf);
-        for (j, qj) in q.chunks_exact(d).enumerate() {
-            vector::scaled_dots(isa, qj, keys, scale, &mut sc[j * n + t0..][..tn]);
+        for j0 in (0..nq).step_by(group) {
+            let jn = group.min(nq - j0);
+            let ts = &mut tile_scores[..jn * tn];
+            vector::scaled_dots(isa, &q[j0 * d..(j0 + jn) * d], keys, scale, ts);
+            for (j, row) in ts.chunks_exact(tn).enumerate() {
+                sc[(j0 + j) * n + t0..][..tn].copy_from_slice(row);
+            }
         }
     }
 }
