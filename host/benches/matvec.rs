@@ -201,15 +201,18 @@ fn summary(case: &Case, isa: Isa, budget: Duration) {
     );
 }
 
+/// Qwen3-30B-A3B's attention: 32 query heads, 4 KV heads of 128.
+const A3B_ATTENTION: AttnShape = AttnShape {
+    n_head: 32,
+    n_head_kv: 4,
+    head_dim: 128,
+};
+
 /// Serial scalar attention (`ops::attention` with `Isa::Scalar`) and `ThreadedMatVec::attention` over `n`
 /// cached positions of Qwen3-30B-A3B's shape (32 query heads, 4 KV heads of
 /// 128), interleaved (see [`print_interleaved`]).
 fn attention_summary(n: usize, isa: Isa, budget: Duration) {
-    let shape = AttnShape {
-        n_head: 32,
-        n_head_kv: 4,
-        head_dim: 128,
-    };
+    let shape = A3B_ATTENTION;
     let mut st = 0xa77e_u64 ^ n as u64;
     let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
     let k: Vec<f32> = (0..n * 4 * 128).map(|_| noise(&mut st)).collect();
@@ -245,11 +248,7 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
 /// medians and the ratio `f32 / f16`, after checking the two give the bits of
 /// the same (widened) values.
 fn kv_type_summary(n: usize, isa: Isa, budget: Duration) {
-    let shape = AttnShape {
-        n_head: 32,
-        n_head_kv: 4,
-        head_dim: 128,
-    };
+    let shape = A3B_ATTENTION;
     let mut st = 0x6b76_u64 ^ n as u64;
     let q: Vec<f32> = (0..32 * 128).map(|_| noise(&mut st)).collect();
     let hk: Vec<u16> = (0..n * 4 * 128)
