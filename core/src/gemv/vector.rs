@@ -358,20 +358,7 @@ pub fn weighted_rows_strided(
 /// [`crate::quant::f16_to_f32`]. Converts `min(src.len(), dst.len())` values.
 pub fn widen_f16(isa: Isa, src: &[u16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
-    let (src, dst) = (&src[..n], &mut dst[..n]);
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
-            // SAFETY: the CPU supports AVX2 and F16C (`has_avx2` checks both).
-            unsafe { x86::widen_f16(src, dst) }
-        }
-        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
-        Isa::Neon | Isa::NeonDot => {
-            // SAFETY: NEON is part of the target (`target_feature = "neon"`).
-            unsafe { neon::widen_f16(src, dst) }
-        }
-        _ => widen_f16_scalar(src, dst),
-    }
+    widen_f16_rows(isa, &src[..n], n, 1, n, &mut dst[..n]);
 }
 
 /// [`widen_f16`] of `n` rows of `d` values, `stride` apart in `src`, into

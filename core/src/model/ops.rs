@@ -324,9 +324,9 @@ fn tile_positions(d: usize) -> usize {
 }
 
 /// `scaled_dots` of the query rows `q` (`d` each) against cached rows
-/// `0..n` (`stride` apart from `rows`' start) into `sc[j * n + t]`, a tile of
-/// positions at a time: each score is the one-call result (scores do not
-/// depend on each other).
+/// `0..n` (`stride` apart from `rows`' start) into `sc[j * n + t]`: in one
+/// call for an `f32` cache, a tile of positions at a time for `f16`, each
+/// score the one-call result (scores do not depend on each other).
 #[allow(clippy::too_many_arguments)]
 fn tiled_dots(
     isa: Isa,
@@ -338,6 +338,15 @@ fn tiled_dots(
     scale: f32,
     sc: &mut [f32],
 ) {
+    if let KvRows::F32(x) = rows {
+        let keys = vector::Strided {
+            data: x,
+            stride,
+            n,
+            d,
+        };
+        return vector::scaled_dots(isa, q, keys, scale, sc);
+    }
     let mut buf = [0f32; WIDE_TILE];
     let mut tile_scores = [0f32; TILE_SCORES];
     let tile = tile_positions(d);
@@ -359,8 +368,9 @@ fn tiled_dots(
 }
 
 /// `weighted_rows_strided` of the weights `w` (output `j`'s at `w[j * ws..]`,
-/// indexed by position) over the cached rows `from..to`, a tile of positions
-/// at a time: the same additions in the same order as one call.
+/// indexed by position) over the cached rows `from..to`: in one call for an
+/// `f32` cache, a tile of positions at a time for `f16`, the same additions
+/// in the same order.
 #[allow(clippy::too_many_arguments)]
 fn tiled_sums(
     isa: Isa,
@@ -372,6 +382,15 @@ fn tiled_sums(
     d: usize,
     o: &mut [f32],
 ) {
+    if let KvRows::F32(x) = rows {
+        let values = vector::Strided {
+            data: &x[from * stride..],
+            stride,
+            n: to - from,
+            d,
+        };
+        return vector::weighted_rows_strided(isa, &w[from..], ws, values, o);
+    }
     let mut buf = [0f32; WIDE_TILE];
     let tile = tile_positions(d);
     for t0 in (from..to).step_by(tile) {
@@ -473,26 +492,11 @@ pub fn attention_heads(
         let (k, v) = (kv.k.from(kvh * head_dim), kv.v.from(kvh * head_dim));
         let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
         o.fill(0.0);
-        if let (KvRows::F32(k), KvRows::F32(v)) = (k, v) {
-            let keys = vector::Strided {
-                data: k,
-                stride: kv_stride,
-                n,
-                d: head_dim,
-            };
-            vector::scaled_dots(isa, qs, keys, scale, sc);
-            for row in sc.chunks_exact_mut(n.max(1)) {
-                vector::softmax(isa, row);
-            }
-            let values = vector::Strided { data: v, ..keys };
-            vector::weighted_rows(isa, sc, values, o);
-        } else {
-            tiled_dots(isa, qs, k, n, kv_stride, head_dim, scale, sc);
-            for row in sc.chunks_exact_mut(n.max(1)) {
-                vector::softmax(isa, row);
-            }
-            tiled_sums(isa, sc, n, v, (0, n), kv_stride, head_dim, o);
+        tiled_dots(isa, qs, k, n, kv_stride, head_dim, scale, sc);
+        for row in sc.chunks_exact_mut(n.max(1)) {
+            vector::softmax(isa, row);
         }
+        tiled_sums(isa, sc, n, v, (0, n), kv_stride, head_dim, o);
         h0 = h1;
     }
 }
@@ -583,35 +587,15 @@ pub fn attention_causal(
             qs[i * nb * d..][..nb * d].copy_from_slice(from);
         }
         let (k, v) = (kv.k.from(kvh * d), kv.v.from(kvh * d));
-        match k {
-            KvRows::F32(k) => {
-                let keys = vector::Strided {
-                    data: k,
-                    stride: kv_stride,
-                    n,
-                    d,
-                };
-                vector::scaled_dots(isa, qs, keys, scale, sc);
-            }
-            KvRows::F16(_) => tiled_dots(isa, qs, k, n, kv_stride, d, scale, sc),
-        }
+        tiled_dots(isa, qs, k, n, kv_stride, d, scale, sc);
         for (r, row) in sc.chunks_exact_mut(n).enumerate() {
             vector::softmax(isa, &mut row[..first + r / nb + 1]);
         }
         os.fill(0.0);
         // Positions `0..=first`, which every row sees, then each position's
         // own later ones, in order.
-        let sums = |w: &[f32], from: usize, to: usize, o: &mut [f32]| match v {
-            KvRows::F32(v) => {
-                let values = vector::Strided {
-                    data: &v[from * kv_stride..],
-                    stride: kv_stride,
-                    n: to - from,
-                    d,
-                };
-                vector::weighted_rows_strided(isa, &w[from..], n, values, o);
-            }
-            KvRows::F16(_) => tiled_sums(isa, w, n, v, (from, to), kv_stride, d, o),
+        let sums = |w: &[f32], from: usize, to: usize, o: &mut [f32]| {
+            tiled_sums(isa, w, n, v, (from, to), kv_stride, d, o)
         };
         sums(sc, 0, first + 1, os);
         for i in 1..g {
