@@ -132,7 +132,8 @@ pub struct Sampler {
     /// Accepted tokens, most recent last, at most `repeat_penalty.last_n`.
     history: VecDeque<u32>,
     candidates: Vec<Candidate>,
-    penalized: Vec<u32>,
+    /// Tokens whose logit the penalty or a ban changes, sorted by id.
+    adjusted: Vec<(u32, Adjust)>,
     /// Tokens never picked ([`ban`](Self::ban)), sorted.
     banned: Vec<u32>,
 }
@@ -145,7 +146,7 @@ impl Sampler {
             rng: Xoshiro256StarStar::seed_from_u64(config.seed),
             history: VecDeque::new(),
             candidates: Vec::new(),
-            penalized: Vec::new(),
+            adjusted: Vec::new(),
             banned: Vec::new(),
         }
     }
@@ -204,49 +205,76 @@ impl Sampler {
     fn pick(&mut self, logits: &[f32]) -> u32 {
         // Token ids are u32; a longer slice is cut (no vocabulary is that large).
         let logits = &logits[..logits.len().min(u32::MAX as usize)];
+        self.collect_adjusted();
+        let cfg = self.config;
+        // NaN temperature is greedy too.
+        if cfg.temperature.is_nan() || cfg.temperature <= 0.0 {
+            return self.greedy(logits);
+        }
         let mut cands = std::mem::take(&mut self.candidates);
         cands.clear();
-        cands.extend(logits.iter().enumerate().map(|(i, &l)| Candidate {
-            id: i as u32,
-            logit: clean(l),
-        }));
-        self.apply_penalty(&mut cands);
-        for &t in &self.banned {
-            if let Some(c) = cands.get_mut(t as usize) {
-                c.logit = f64::NEG_INFINITY;
-            }
+        if cfg.top_k == 0 || cfg.top_k >= logits.len() {
+            for_each_value(logits, &self.adjusted, |id, value| {
+                let logit = value.logit();
+                if logit > f64::NEG_INFINITY {
+                    cands.push(Candidate { id, logit });
+                }
+            });
+        } else {
+            gather_top_k(logits, &self.adjusted, cfg.top_k, &mut cands);
         }
         let token = self.pick_from(&mut cands);
         self.candidates = cands;
         token
     }
 
-    /// Applies the repeat penalty to `cands` (in id order).
-    fn apply_penalty(&mut self, cands: &mut [Candidate]) {
-        let Some(p) = self.penalty() else { return };
-        let penalty = f64::from(p.penalty);
-        self.penalized.clear();
-        self.penalized.extend(self.history.iter().copied());
-        self.penalized.sort_unstable();
-        self.penalized.dedup();
-        for &t in &self.penalized {
-            if let Some(c) = cands.get_mut(t as usize) {
-                if c.logit <= 0.0 {
-                    c.logit *= penalty;
-                } else {
-                    c.logit /= penalty;
-                }
+    /// Fills `adjusted` with the tokens whose logit is not read as it is: the
+    /// repeat penalty's (each distinct recent token once), then the banned ones
+    /// (`-inf`, over a penalty), sorted by id.
+    fn collect_adjusted(&mut self) {
+        self.adjusted.clear();
+        if let Some(p) = self.penalty() {
+            self.adjusted.extend(
+                self.history
+                    .iter()
+                    .map(|&t| (t, Adjust::Penalty(p.penalty))),
+            );
+        }
+        self.adjusted
+            .extend(self.banned.iter().map(|&t| (t, Adjust::Ban)));
+        // Stable: a banned token's entry stays after its penalty's; the last wins.
+        self.adjusted.sort_by_key(|&(t, _)| t);
+        let mut w = 0;
+        for r in 0..self.adjusted.len() {
+            if w > 0 && self.adjusted[w - 1].0 == self.adjusted[r].0 {
+                self.adjusted[w - 1] = self.adjusted[r];
+            } else {
+                self.adjusted[w] = self.adjusted[r];
+                w += 1;
             }
         }
+        self.adjusted.truncate(w);
     }
 
+    /// The highest adjusted logit's token, the lowest id among ties; 0 if none
+    /// (every logit `-inf`, or none at all).
+    fn greedy(&self, logits: &[f32]) -> u32 {
+        let mut best = Candidate {
+            id: 0,
+            logit: f64::NEG_INFINITY,
+        };
+        for_each_value(logits, &self.adjusted, |id, value| {
+            if let Some(logit) = value.above(best.logit) {
+                best = Candidate { id, logit };
+            }
+        });
+        best.id
+    }
+
+    /// Top-k, top-p, min-p, temperature and the draw over `cands`: the finite
+    /// candidates, every one or (with top-k) at least the `top_k` best by rank.
     fn pick_from(&mut self, cands: &mut Vec<Candidate>) -> u32 {
         let cfg = self.config;
-        // NaN temperature is greedy too.
-        if cfg.temperature.is_nan() || cfg.temperature <= 0.0 {
-            return greedy(cands);
-        }
-        cands.retain(|c| c.logit > f64::NEG_INFINITY);
         if cands.is_empty() {
             return 0;
         }
@@ -313,16 +341,98 @@ impl Sampler {
     }
 }
 
-/// The id of the highest logit, the lowest id among ties; 0 if none.
-fn greedy(cands: &[Candidate]) -> u32 {
-    let mut best: Option<Candidate> = None;
-    for &c in cands {
-        match best {
-            Some(b) if c.logit <= b.logit => {}
-            _ => best = Some(c),
+/// How a token's logit is adjusted before sampling.
+#[derive(Clone, Copy, Debug)]
+enum Adjust {
+    /// The repeat penalty: a logit `<= 0` multiplied by it, a positive one divided.
+    Penalty(f32),
+    /// Never picked: read as `-inf`.
+    Ban,
+}
+
+impl Adjust {
+    fn apply(self, logit: f64) -> f64 {
+        match self {
+            Adjust::Penalty(p) if logit <= 0.0 => logit * f64::from(p),
+            Adjust::Penalty(p) => logit / f64::from(p),
+            Adjust::Ban => f64::NEG_INFINITY,
         }
     }
-    best.map_or(0, |b| b.id)
+}
+
+/// A token's logit as [`for_each_value`] hands it over.
+#[derive(Clone, Copy)]
+enum Value {
+    /// Not adjusted: read with [`clean`] (at most the `f32` as `f64`, so a
+    /// token whose `f32` is not above a bound is not above it cleaned).
+    Raw(f32),
+    /// Cleaned and adjusted.
+    Adjusted(f64),
+}
+
+impl Value {
+    /// The logit, cleaned and adjusted.
+    #[inline(always)]
+    fn logit(self) -> f64 {
+        match self {
+            Value::Raw(l) => clean(l),
+            Value::Adjusted(v) => v,
+        }
+    }
+
+    /// Whether the logit is above `bound`, checking the raw `f32` first: one
+    /// comparison for almost every token.
+    #[inline(always)]
+    fn above(self, bound: f64) -> Option<f64> {
+        match self {
+            Value::Raw(l) if f64::from(l) <= bound || l.is_nan() => None,
+            v => Some(v.logit()).filter(|&v| v > bound),
+        }
+    }
+}
+
+/// Calls `f(id, value)` for every token in id order; the tokens in `adjusted`
+/// (sorted by id) come cleaned and adjusted, the runs between them raw.
+#[inline(always)]
+fn for_each_value(logits: &[f32], adjusted: &[(u32, Adjust)], mut f: impl FnMut(u32, Value)) {
+    let mut from = 0usize;
+    for &(t, adjust) in adjusted {
+        let t = t as usize;
+        if t >= logits.len() {
+            break;
+        }
+        for (i, &l) in (from..t).zip(&logits[from..t]) {
+            f(i as u32, Value::Raw(l));
+        }
+        f(t as u32, Value::Adjusted(adjust.apply(clean(logits[t]))));
+        from = t + 1;
+    }
+    for (i, &l) in (from..logits.len()).zip(&logits[from..]) {
+        f(i as u32, Value::Raw(l));
+    }
+}
+
+/// Collects into `cands` the finite candidates top-k can keep, in one pass:
+/// a buffer of those above a threshold, cut to the `k` best by rank whenever
+/// it fills, the threshold then the `k`-th best's logit. A token not above it
+/// ranks under `k` others (on a tie, the later id ranks lower), so never
+/// passes top-k: `cands` holds the same `k` best as the whole list (with fewer
+/// finite tokens than `k`, all of them), and the pass costs a comparison a
+/// token instead of a 16-byte candidate each and a selection over them all.
+fn gather_top_k(logits: &[f32], adjusted: &[(u32, Adjust)], k: usize, cands: &mut Vec<Candidate>) {
+    let k = k.max(1);
+    let cap = k.saturating_mul(4).max(256);
+    let mut threshold = f64::NEG_INFINITY;
+    for_each_value(logits, adjusted, |id, value| {
+        if let Some(logit) = value.above(threshold) {
+            cands.push(Candidate { id, logit });
+            if cands.len() >= cap {
+                cands.select_nth_unstable_by(k - 1, by_rank);
+                cands.truncate(k);
+                threshold = cands[k - 1].logit;
+            }
+        }
+    });
 }
 
 /// xoshiro256\*\* (Blackman and Vigna), seeded by splitmix64.
@@ -375,6 +485,7 @@ impl Xoshiro256StarStar {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn sampling_splitmix64_reference_vector() {
@@ -390,6 +501,132 @@ mod tests {
         for _ in 0..10_000 {
             let u = r.next_f64();
             assert!((0.0..1.0).contains(&u));
+        }
+    }
+
+    /// The sampler as it was before candidates were gathered in one pass: every
+    /// token a candidate, the penalty and the bans applied to the whole list.
+    fn reference_pick(s: &mut Sampler, logits: &[f32]) -> u32 {
+        let mut cands: Vec<Candidate> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Candidate {
+                id: i as u32,
+                logit: clean(l),
+            })
+            .collect();
+        if let Some(p) = s.penalty() {
+            let mut recent: Vec<u32> = s.history.iter().copied().collect();
+            recent.sort_unstable();
+            recent.dedup();
+            for t in recent {
+                if let Some(c) = cands.get_mut(t as usize) {
+                    c.logit = Adjust::Penalty(p.penalty).apply(c.logit);
+                }
+            }
+        }
+        for &t in &s.banned {
+            if let Some(c) = cands.get_mut(t as usize) {
+                c.logit = f64::NEG_INFINITY;
+            }
+        }
+        let t = s.config.temperature;
+        let token = if t.is_nan() || t <= 0.0 {
+            let mut best: Option<Candidate> = None;
+            for &c in &cands {
+                match best {
+                    Some(b) if c.logit <= b.logit => {}
+                    _ => best = Some(c),
+                }
+            }
+            best.map_or(0, |b| b.id)
+        } else {
+            cands.retain(|c| c.logit > f64::NEG_INFINITY);
+            s.pick_from(&mut cands)
+        };
+        s.accept(token);
+        token
+    }
+
+    fn logit() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            4 => -8.0f32..8.0,
+            // Few distinct values: ties at the top-k threshold.
+            4 => (-3i32..3).prop_map(|v| v as f32),
+            1 => Just(f32::NAN),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(-0.0f32),
+        ]
+    }
+
+    /// Logits of every kind, only finite ones (so the top is not a run of
+    /// `+inf`s, which hides a wrong threshold), or few distinct values.
+    fn logit_vec(max: usize) -> impl Strategy<Value = Vec<f32>> {
+        use proptest::collection::vec;
+        prop_oneof![
+            vec(logit(), 0..max),
+            vec(-8.0f32..8.0, 0..max),
+            vec((-3i32..3).prop_map(|v| v as f32), 0..max),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// The one-pass gather holds the `k` best finite candidates by rank,
+        /// as the full list sorted does.
+        #[test]
+        fn sampling_one_pass_gather_holds_the_top_k(
+            logits in logit_vec(3000),
+            k in prop_oneof![1usize..8, 30usize..80],
+            adjusted in proptest::collection::vec((0u32..3000, prop_oneof![Just(Adjust::Ban), (0.5f32..2.0).prop_map(Adjust::Penalty)]), 0..8),
+        ) {
+            let mut adjusted = adjusted;
+            adjusted.sort_by_key(|&(t, _)| t);
+            adjusted.dedup_by_key(|&mut (t, _)| t);
+            let mut gathered = Vec::new();
+            gather_top_k(&logits, &adjusted, k, &mut gathered);
+            let mut all = Vec::new();
+            for_each_value(&logits, &adjusted, |id, value| {
+                let logit = value.logit();
+                if logit > f64::NEG_INFINITY {
+                    all.push(Candidate { id, logit });
+                }
+            });
+            for list in [&mut gathered, &mut all] {
+                list.sort_unstable_by(by_rank);
+                list.truncate(k);
+            }
+            let ids = |l: &[Candidate]| l.iter().map(|c| c.id).collect::<Vec<_>>();
+            prop_assert_eq!(ids(&gathered), ids(&all));
+        }
+
+        /// Gathering the candidates in one pass picks the tokens the full
+        /// list did, for every filter, penalty, ban and non-finite logit.
+        #[test]
+        fn sampling_one_pass_gather_picks_as_the_full_list(
+            logits in logit_vec(1500),
+            top_k in prop_oneof![Just(0usize), 1usize..8, 30usize..60, 1000usize..1600],
+            temperature in prop_oneof![Just(0.0f32), Just(0.8), Just(1.5), Just(f32::NAN)],
+            top_p in prop_oneof![Just(1.0f32), 0.05f32..1.0],
+            min_p in prop_oneof![Just(None), (0.0f32..0.5).prop_map(Some)],
+            penalty in prop_oneof![Just(None), (0.5f32..2.0, 1usize..16).prop_map(|(penalty, last_n)| Some(RepeatPenalty { penalty, last_n }))],
+            banned in proptest::collection::vec(0u32..1600, 0..6),
+            seed in any::<u64>(),
+        ) {
+            let config = SamplerConfig { temperature, top_k, top_p, min_p, repeat_penalty: penalty, seed };
+            let (mut fast, mut reference) = (Sampler::new(config), Sampler::new(config));
+            fast.ban(banned.iter().copied());
+            reference.ban(banned.iter().copied());
+            for t in [3u32, 3, 7, 1, 1200] {
+                fast.accept(t);
+                reference.accept(t);
+            }
+            for _ in 0..6 {
+                let want = reference_pick(&mut reference, &logits);
+                prop_assert_eq!(fast.sample(&logits), want);
+            }
         }
     }
 }
