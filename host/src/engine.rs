@@ -245,18 +245,19 @@ impl<'m> Session<'m> {
         Self::with_kv_types(model, max_positions, KvTypes::default())
     }
 
-    /// [`new`](Self::new) with the KV cache's element types `kv`. `f16` needs
-    /// the model's `head_dim` to be at most
-    /// [`MAX_F16_HEAD_DIM`] (every
-    /// model llama.cpp runs is far below it).
+    /// [`new`](Self::new) with the KV cache's element types `kv`, which must
+    /// hold the model's heads ([`KvType::holds_head_dim`]: `f16` up to
+    /// [`MAX_F16_HEAD_DIM`] values, far above any model llama.cpp runs).
     pub fn with_kv_types(
         model: &'m Model,
         max_positions: usize,
         kv_types: KvTypes,
     ) -> Result<Session<'m>, SessionError> {
         let (hp, hy) = (&model.hp, &model.hybrid);
-        let f16 = kv_types.k == KvType::F16 || kv_types.v == KvType::F16;
-        if f16 && hp.head_dim > MAX_F16_HEAD_DIM {
+        if ![kv_types.k, kv_types.v]
+            .iter()
+            .all(|t| t.holds_head_dim(hp.head_dim))
+        {
             return Err(SessionError::F16HeadDim(hp.head_dim));
         }
         let (conv, ssm) = RecurrentState::len(hy);

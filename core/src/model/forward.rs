@@ -490,6 +490,13 @@ impl KvType {
             KvType::F16 => "f16",
         }
     }
+
+    /// Whether a cache of this type holds heads of `head_dim` values: any for
+    /// `f32`; for `f16` at most [`MAX_F16_HEAD_DIM`], since attention widens
+    /// its rows a tile at a time.
+    pub fn holds_head_dim(self, head_dim: usize) -> bool {
+        self == KvType::F32 || head_dim <= MAX_F16_HEAD_DIM
+    }
 }
 
 /// Caller memory for a KV cache's keys or values, in its element type.
@@ -502,6 +509,14 @@ pub enum KvBuf<'a> {
 }
 
 impl KvBuf<'_> {
+    /// Its element type.
+    pub fn ty(&self) -> KvType {
+        match self {
+            KvBuf::F32(_) => KvType::F32,
+            KvBuf::F16(_) => KvType::F16,
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             KvBuf::F32(x) => x.len(),
@@ -573,8 +588,8 @@ impl<'a> KvCache<'a> {
     }
 
     /// [`new_for`](Self::new_for) with keys and values of any [`KvType`],
-    /// each holding [`len_for`](Self::len_for) values. Where a buffer is `f16`
-    /// the model's `head_dim` is at most [`MAX_F16_HEAD_DIM`].
+    /// each holding [`len_for`](Self::len_for) values, whose types hold the
+    /// model's heads ([`KvType::holds_head_dim`]).
     pub fn new_typed(
         hp: &Hparams,
         hy: &HybridParams,
@@ -583,8 +598,7 @@ impl<'a> KvCache<'a> {
         max_positions: usize,
     ) -> Option<Self> {
         let n = Self::len_for(hp, hy, max_positions);
-        let f16 = matches!(k, KvBuf::F16(_)) || matches!(v, KvBuf::F16(_));
-        let fits = !f16 || hp.head_dim <= MAX_F16_HEAD_DIM;
+        let fits = k.ty().holds_head_dim(hp.head_dim) && v.ty().holds_head_dim(hp.head_dim);
         (k.len() == n && v.len() == n && fits).then_some(KvCache {
             k,
             v,
