@@ -34,6 +34,14 @@
 //! by a total order (logit descending, then id ascending), so no sort stability
 //! or tie question arises.
 //!
+//! # Cost
+//!
+//! A token is sampled on the decode's critical path, so the vocabulary is read
+//! once: greedy keeps the best token as it goes, and top-k keeps only the
+//! tokens above the current `k`-th best (the same `k` best as sorting them
+//! all); the later filters then see `k` candidates. Only top-k off (`0`)
+//! builds a candidate per token.
+//!
 //! # Non-finite logits
 //!
 //! NaN is read as `-inf`, `+inf` as `f32::MAX` (tokens at `+inf` share the mass
