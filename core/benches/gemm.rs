@@ -15,7 +15,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use les_core::gemv::{
-    gemm, gemv, gemv_with_prefetch, Input, Isa, MatrixView, DEFAULT_PREFETCH, GEMM_TILE_BYTES,
+    gemm, gemv, gemv_with_prefetch, Input, Isa, MatrixView, GEMM_TILE_BYTES, PREFETCH_DISTANCE,
 };
 use les_core::quant::blocks::BlockQ8K;
 use les_core::quant::{quantize, GgmlType, QK_K};
@@ -131,7 +131,7 @@ fn main() {
                 for start in (0..rows).step_by(tile) {
                     let end = (start + tile).min(rows);
                     for (c, (x, y)) in xs.iter().zip(out.iter_mut()).enumerate() {
-                        let p = if c == 0 { DEFAULT_PREFETCH } else { 0 };
+                        let p = if c == 0 { PREFETCH_DISTANCE } else { 0 };
                         gemv_with_prefetch(isa, &m, x, start..end, &mut y[start..end], p).unwrap();
                     }
                 }

@@ -7,14 +7,16 @@
 //! output matrix (default 32768; Qwen's is 151936). After criterion's report, a
 //! summary times the variants interleaved and prints their ratios to serial,
 //! then streams `LES_BENCH_STREAM_MIB` (default 1024) MiB of expert matrices
-//! from RAM with the kernels' prefetch off and on, beside a plain read loop.
+//! from RAM with the kernels' prefetch off and on (at `PREFETCH_DISTANCE`, or at
+//! each distance in bytes of `LES_BENCH_PREFETCH`, e.g. `0,1024,4096`), beside a
+//! plain read loop.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use les::compute::{default_threads, Pool, ThreadedMatVec};
-use les_core::gemv::{Isa, MatrixView, DEFAULT_PREFETCH};
+use les_core::gemv::{Isa, MatrixView, PREFETCH_DISTANCE};
 use les_core::model::forward::{MatVec, SerialMatVec};
 use les_core::model::ops::{self, AttnShape, KvRows, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -307,10 +309,10 @@ fn kv_type_summary(n: usize, isa: Isa, budget: Duration) {
 /// One decode's worth of expert products streamed from RAM: `mib` MiB of
 /// distinct `Q4_K` matrices of Qwen3-30B-A3B's expert shape (768 x 2048), in
 /// huge-page memory like the slot arena, each computed once per pass. Per thread
-/// count, passes with the kernels' prefetch off and at [`DEFAULT_PREFETCH`]
+/// count, passes with the kernels' prefetch off and at each of `distances`
 /// alternate with a plain read loop over the same bytes; prints median GB/s of
-/// weights and the ratios.
-fn stream_summary(mib: usize, isa: Isa, budget: Duration) {
+/// weights and each distance's ratio to prefetch off.
+fn stream_summary(mib: usize, isa: Isa, distances: &[usize], budget: Duration) {
     let (rows, cols) = (768, 2048);
     let proto = case("expert", GgmlType::Q4K, rows, cols);
     let mat = proto.data.len();
@@ -325,8 +327,11 @@ fn stream_summary(mib: usize, isa: Isa, budget: Duration) {
     let buf = &buf;
     let bytes = (n * mat) as f64;
     for t in variants() {
-        let mut off = ThreadedMatVec::new(t, isa).with_prefetch(0);
-        let mut on = ThreadedMatVec::new(t, isa);
+        // Prefetch off first, then each distance, then the plain read.
+        let mut mvs: Vec<ThreadedMatVec> = core::iter::once(0)
+            .chain(distances.iter().copied())
+            .map(|d| ThreadedMatVec::new(t, isa).with_prefetch(d))
+            .collect();
         let mut reader = ThreadedMatVec::new(t, isa);
         let mut y = vec![0f32; rows];
         let mut pass = |mv: &mut ThreadedMatVec| {
@@ -346,15 +351,14 @@ fn stream_summary(mib: usize, isa: Isa, budget: Duration) {
                 sum.fetch_xor(s, std::sync::atomic::Ordering::Relaxed);
             });
         };
-        let mut times = [Vec::new(), Vec::new(), Vec::new()];
+        let mut times = vec![Vec::new(); mvs.len() + 1];
         let start = Instant::now();
         while start.elapsed() < budget || times[0].len() < 5 {
             for (i, v) in times.iter_mut().enumerate() {
                 let t0 = Instant::now();
-                match i {
-                    0 => pass(&mut off),
-                    1 => pass(&mut on),
-                    _ => read(&mut reader),
+                match mvs.get_mut(i) {
+                    Some(mv) => pass(mv),
+                    None => read(&mut reader),
                 }
                 v.push(t0.elapsed().as_secs_f64());
             }
@@ -367,14 +371,17 @@ fn stream_summary(mib: usize, isa: Isa, budget: Duration) {
             })
             .collect();
         black_box(sum.into_inner());
+        let with: Vec<String> = distances
+            .iter()
+            .zip(&gbs[1..])
+            .map(|(d, g)| format!("prefetch {d} B {g:.1} GB/s (x{:.2})", g / gbs[0]))
+            .collect();
         println!(
-            "stream {mib} MiB of Q4_K 768x2048, {t} thread(s): prefetch off {:.1} GB/s | \
-             prefetch {DEFAULT_PREFETCH} B {:.1} GB/s (x{:.2}) | plain read {:.1} GB/s \
-             [{} rounds]",
+            "stream {mib} MiB of Q4_K 768x2048, {t} thread(s): prefetch off {:.1} GB/s | {} | \
+             plain read {:.1} GB/s [{} rounds]",
             gbs[0],
-            gbs[1],
-            gbs[1] / gbs[0],
-            gbs[2],
+            with.join(" | "),
+            gbs[gbs.len() - 1],
             times[0].len()
         );
     }
@@ -447,6 +454,11 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1024);
-    stream_summary(stream_mib, isa, Duration::from_secs(3));
+    // Prefetch distances to compare with none: `LES_BENCH_PREFETCH=1024,4096`.
+    let distances: Vec<usize> = std::env::var("LES_BENCH_PREFETCH")
+        .ok()
+        .map(|v| v.split(',').filter_map(|d| d.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![PREFETCH_DISTANCE]);
+    stream_summary(stream_mib, isa, &distances, Duration::from_secs(3));
     pool_overhead();
 }

@@ -9,6 +9,8 @@
 //!   which the threads claim dynamically ([`Pool::for_each`]).
 //!   Attention over the KV cache splits its query heads the same way.
 //! - [`default_threads`]: the number of physical cores this process may use.
+//! - [`kernel_prefetch`]: how far ahead the kernels prefetch weights: this CPU's
+//!   default, or [`PREFETCH_ENV`].
 //!
 //! # Exactness
 //!
@@ -23,7 +25,7 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use les_core::gemv::{
-    gemm, gemv, gemv_with_prefetch, GemvError, Input, Isa, MatrixView, DEFAULT_PREFETCH,
+    default_prefetch, gemm, gemv, gemv_with_prefetch, GemvError, Input, Isa, MatrixView,
 };
 use les_core::layout::{checksum, checksum_concat};
 use les_core::model::forward::{attention_each_position, prepare_input, MatVec};
@@ -89,13 +91,14 @@ impl ThreadedMatVec {
             q8_1: Vec::new(),
             q8k: Vec::new(),
             scores: Vec::new(),
-            prefetch: DEFAULT_PREFETCH,
+            prefetch: kernel_prefetch(),
         }
     }
 
     /// The same, with the kernels prefetching `bytes` ahead of the row they
-    /// compute (0 = none) instead of [`DEFAULT_PREFETCH`]; the results do not
-    /// change, only the speed (`cargo bench -p les --bench matvec` compares).
+    /// compute (0 = none) instead of [`kernel_prefetch`]'s distance; the
+    /// results do not change, only the speed (`cargo bench -p les --bench
+    /// matvec` compares).
     pub fn with_prefetch(mut self, bytes: usize) -> Self {
         self.prefetch = bytes;
         self
@@ -558,6 +561,47 @@ fn split_rows(rows: usize, parts: usize, y_addr: usize) -> Vec<Range<usize>> {
 
 /// The default thread count: physical cores this process may run on.
 ///
+/// The environment variable that sets [`kernel_prefetch`]: bytes, e.g. `0` or
+/// `4096`.
+pub const PREFETCH_ENV: &str = "LES_KERNEL_PREFETCH";
+
+/// Most bytes [`PREFETCH_ENV`] may ask for (beyond it a hint only evicts).
+pub const MAX_PREFETCH: usize = 1 << 20;
+
+/// How far ahead, in weight bytes, [`ThreadedMatVec`]'s kernels prefetch: the
+/// value of [`PREFETCH_ENV`] if set (see [`prefetch_from_env`]), else this CPU's
+/// default ([`default_prefetch`]: none on AMD's cores, 4 KiB on others).
+/// Results never depend on it.
+pub fn kernel_prefetch() -> usize {
+    static CHOSEN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        prefetch_from_env()
+            .ok()
+            .flatten()
+            .unwrap_or_else(default_prefetch)
+    })
+}
+
+/// [`PREFETCH_ENV`] parsed: `None` when unset, an error naming the variable
+/// when it is not a byte count up to [`MAX_PREFETCH`]. The CLI checks it at
+/// start; [`kernel_prefetch`] ignores a bad value.
+pub fn prefetch_from_env() -> Result<Option<usize>, String> {
+    match std::env::var(PREFETCH_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => parse_prefetch(&v).map(Some),
+        Err(_) => Err(format!("{PREFETCH_ENV}: not valid UTF-8")),
+    }
+}
+
+fn parse_prefetch(v: &str) -> Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if n <= MAX_PREFETCH => Ok(n),
+        _ => Err(format!(
+            "{PREFETCH_ENV}={v:?}: expected a number of bytes from 0 (no prefetch) to {MAX_PREFETCH}, e.g. 4096"
+        )),
+    }
+}
+
 /// On Linux, counts the distinct (package, core) pairs in
 /// `/sys/devices/system/cpu/cpu*/topology` of the CPUs in this process's
 /// `Cpus_allowed_list`, capped by [`std::thread::available_parallelism`] (which
@@ -991,6 +1035,20 @@ mod pool {
 mod tests {
     use super::*;
     use les_core::model::ops::KvRows;
+
+    #[test]
+    fn prefetch_distance_parses_bytes_within_bounds() {
+        assert_eq!(parse_prefetch("0"), Ok(0));
+        assert_eq!(parse_prefetch(" 4096 "), Ok(4096));
+        assert_eq!(parse_prefetch("1048576"), Ok(MAX_PREFETCH));
+        for bad in ["", "4KiB", "-1", "1048577", "99999999999999999999999"] {
+            let e = parse_prefetch(bad).unwrap_err();
+            assert!(
+                e.contains(PREFETCH_ENV) && e.contains("0 (no prefetch)"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn threaded_attention_equals_serial_bit_for_bit() {

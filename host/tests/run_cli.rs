@@ -890,3 +890,50 @@ fn peak_rss_stays_within_budget() {
     let g = les::model::Model::open(&path).unwrap();
     assert!(g.total_expert_bytes() > 4 * slots);
 }
+
+#[test]
+fn kernel_prefetch_distance_changes_no_bit_and_a_bad_one_is_refused() {
+    let m = model("qwen3moe");
+    let with = |distance: &str| {
+        let path = tmp(&format!("logits_prefetch_{distance}.npy"));
+        let out = les()
+            .env("LES_KERNEL_PREFETCH", distance)
+            .args(["run", "-m"])
+            .arg(&m)
+            .args([
+                "-p",
+                "The quick brown fox",
+                "-n",
+                "8",
+                "--temp",
+                "0",
+                "--json",
+            ])
+            .arg("--logits-out")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let json = json_ok(out, &format!("LES_KERNEL_PREFETCH={distance}"));
+        (tokens(&json), npy(&path))
+    };
+    let none = with("0");
+    assert!(!none.0.is_empty());
+    for distance in ["64", "4096", "1048576"] {
+        assert_eq!(with(distance), none, "LES_KERNEL_PREFETCH={distance}");
+    }
+    for bad in ["4KiB", "-1", "1048577"] {
+        let out = les()
+            .env("LES_KERNEL_PREFETCH", bad)
+            .args(["run", "-m"])
+            .arg(&m)
+            .args(["-p", "x"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("LES_KERNEL_PREFETCH") && err.contains("bytes"),
+            "{bad}: {err}"
+        );
+    }
+}

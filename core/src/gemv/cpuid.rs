@@ -19,6 +19,7 @@ const AVX2: u8 = 2;
 const AVX512: u8 = 4;
 const AVX512_VNNI: u8 = 8;
 const AVX_VNNI: u8 = 16;
+const AMD: u8 = 32;
 
 static FEATURES: AtomicU8 = AtomicU8::new(0);
 
@@ -40,13 +41,25 @@ unsafe fn xcr0() -> u64 {
     }
 }
 
+/// A 12-byte vendor string as `cpuid` leaf 0 returns it (EBX, EDX, ECX).
+fn vendor_words(v: &[u8; 12]) -> [u32; 3] {
+    let w = |i: usize| u32::from_le_bytes([v[i], v[i + 1], v[i + 2], v[i + 3]]);
+    [w(0), w(4), w(8)]
+}
+
 fn bit(word: u32, n: u32) -> bool {
     (word >> n) & 1 == 1
 }
 
 fn detect() -> u8 {
     let mut out = KNOWN;
-    let max_leaf = cpuid(0, 0).eax;
+    let l0 = cpuid(0, 0);
+    // The vendor string is EBX, EDX, ECX: "AuthenticAMD" (or Hygon's Zen cores).
+    let vendor = [l0.ebx, l0.edx, l0.ecx];
+    if vendor == vendor_words(b"AuthenticAMD") || vendor == vendor_words(b"HygonGenuine") {
+        out |= AMD;
+    }
+    let max_leaf = l0.eax;
     if max_leaf < 7 {
         return out;
     }
@@ -109,6 +122,11 @@ pub(crate) fn has_avx_vnni() -> bool {
     features() & AVX_VNNI != 0
 }
 
+/// An AMD (or Hygon) CPU.
+pub(crate) fn is_amd() -> bool {
+    features() & AMD != 0
+}
+
 /// AVX-512 VNNI (and everything [`has_avx512`] needs).
 pub(crate) fn has_avx512_vnni() -> bool {
     features() & AVX512_VNNI != 0
@@ -132,5 +150,28 @@ mod tests {
         assert_eq!(super::has_avx512_vnni(), vnni);
         let avx_vnni = avx2 && std::is_x86_feature_detected!("avxvnni");
         assert_eq!(super::has_avx_vnni(), avx_vnni);
+    }
+
+    #[test]
+    fn vendor_words_are_the_registers_order() {
+        // "GenuineIntel" is EBX "Genu", EDX "ineI", ECX "ntel".
+        assert_eq!(
+            super::vendor_words(b"GenuineIntel"),
+            [0x756e_6547, 0x4965_6e69, 0x6c65_746e]
+        );
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn vendor_agrees_with_the_kernel() {
+        extern crate std;
+        let info = std::fs::read_to_string("/proc/cpuinfo").unwrap();
+        let vendor = info
+            .lines()
+            .find_map(|l| l.strip_prefix("vendor_id"))
+            .map(|v| v.trim_start_matches([' ', '\t', ':']).trim())
+            .unwrap();
+        let amd = vendor == "AuthenticAMD" || vendor == "HygonGenuine";
+        assert_eq!(super::is_amd(), amd, "vendor_id {vendor}");
     }
 }

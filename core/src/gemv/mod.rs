@@ -27,12 +27,14 @@
 //!   `vmull_s8`), detected at run time (`getauxval` on Linux and Android). The
 //!   NEON kernels of both sets are tested under QEMU with
 //!   `scripts/test-aarch64.sh`; their speed is not measured (no ARM device here).
-//! - Prefetching: the x86-64 kernels request each row's bytes
-//!   [`DEFAULT_PREFETCH`] bytes before they compute it ([`gemv_with_prefetch`]
-//!   sets the distance), which makes a decode's products from RAM 1.4x faster
-//!   here, and walk the rows as two interleaved streams, which the hardware
-//!   prefetchers follow at once (1.17-1.25x more from RAM). The NEON kernels rely
-//!   on the hardware prefetchers (not measured on an ARM device).
+//! - Prefetching: on Intel's cores the x86-64 kernels request each row's bytes
+//!   [`PREFETCH_DISTANCE`] bytes before they compute it ([`gemv_with_prefetch`]
+//!   sets the distance), which made a decode's products from RAM 1.4x faster
+//!   there; on AMD's they leave it to the hardware prefetchers, which were
+//!   faster alone on a Zen 4 ([`default_prefetch`]). Every kernel walks the rows
+//!   as two interleaved streams, which the hardware prefetchers follow at once
+//!   (1.17-1.25x more from RAM). The NEON kernels rely on the hardware
+//!   prefetchers (not measured on an ARM device).
 //!
 //! # Exactness
 //!
@@ -411,15 +413,30 @@ impl<'a> Input<'a> {
     }
 }
 
-/// How far ahead, in bytes of the matrix, [`gemv`] asks the x86-64 kernels to
-/// prefetch the weights: while it computes one row, the row that starts this
-/// many bytes later is requested from memory.
+/// How far ahead, in bytes of the matrix, the x86-64 kernels prefetch the
+/// weights on CPUs where that pays ([`default_prefetch`]): while they compute one
+/// row, the row that starts this many bytes later is requested from memory.
 ///
-/// A decode reads each weight once, from RAM. The hardware prefetchers alone left
-/// the AVX2 `Q4_K` product at about half the bandwidth of a plain read loop on two
-/// cores; requesting the bytes ~4 KiB ahead lets the loads overlap the
-/// arithmetic (`cargo bench -p les --bench matvec` prints both, side by side).
-pub const DEFAULT_PREFETCH: usize = 4096;
+/// A decode reads each weight once, from RAM. On Intel's cores measured here the
+/// hardware prefetchers alone left the AVX2 `Q4_K` product at about half the
+/// bandwidth of a plain read loop on two cores; requesting the bytes ~4 KiB ahead
+/// lets the loads overlap the arithmetic (1.37x on two threads, 1.45x on one;
+/// `cargo bench -p les --bench matvec` prints both, side by side).
+pub const PREFETCH_DISTANCE: usize = 4096;
+
+/// The prefetch distance [`gemv`] and [`gemm`] use on this CPU: 0 (none) on AMD's
+/// (and Hygon's) x86-64 cores, whose hardware prefetchers stream the weights
+/// faster alone (a Zen 4 EPYC: the `Q4_K` expert products from RAM 1.07-1.33x
+/// faster without, never slower, at any distance from 256 B to 8 KiB), else
+/// [`PREFETCH_DISTANCE`]. Only the x86-64 kernels prefetch; the others ignore
+/// the distance, and no distance changes a result.
+pub fn default_prefetch() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if cpuid::is_amd() {
+        return 0;
+    }
+    PREFETCH_DISTANCE
+}
 
 /// Runs `$body` with `$k` bound to the kernels token of `$isa` (returning
 /// [`GemvError::IsaUnavailable`] from the enclosing function where this CPU or
@@ -469,7 +486,7 @@ macro_rules! with_kernels {
 }
 
 /// Computes `y[i - rows.start] = W[i] . x` for every row `i` in `rows`, with the
-/// kernels of `isa`, prefetching [`DEFAULT_PREFETCH`] bytes ahead.
+/// kernels of `isa`, prefetching [`default_prefetch`] bytes ahead.
 ///
 /// Checks every length first (the matrix bytes may come from a file) and returns an
 /// error instead of panicking; on error `y` is untouched. The result does not depend
@@ -481,7 +498,7 @@ pub fn gemv(
     rows: Range<usize>,
     y: &mut [f32],
 ) -> Result<(), GemvError> {
-    gemv_with_prefetch(isa, matrix, input, rows, y, DEFAULT_PREFETCH)
+    gemv_with_prefetch(isa, matrix, input, rows, y, default_prefetch())
 }
 
 /// Bytes of weight rows a [`gemm`] tile holds at most: they are read from memory
@@ -535,7 +552,7 @@ pub fn gemm(
         } else {
             for (c, (x, y)) in inputs.iter().zip(ys.iter_mut()).enumerate() {
                 // The first input reads the tile from memory: prefetch for it.
-                let prefetch = if c == 0 { DEFAULT_PREFETCH } else { 0 };
+                let prefetch = if c == 0 { default_prefetch() } else { 0 };
                 let out = &mut y[start - rows.start..end - rows.start];
                 gemv_with_prefetch(isa, matrix, x, start..end, out, prefetch)?;
             }
@@ -563,7 +580,7 @@ fn tile_in_groups<K: Kernels>(
 ) {
     let mut c = 0;
     while c < inputs.len() {
-        let prefetch = if c == 0 { DEFAULT_PREFETCH } else { 0 };
+        let prefetch = if c == 0 { default_prefetch() } else { 0 };
         let (xs, ys) = (&inputs[c..], &mut ys[c..]);
         c += match xs.len() {
             1 => group::<K, 1>(k, m, data, xs, ys, out, prefetch),

@@ -223,7 +223,7 @@ proptest! {
         a in 0usize..=7,
         b in 0usize..=7,
         distance in prop_oneof![
-            Just(0usize), 1usize..=200, Just(DEFAULT_PREFETCH), Just(usize::MAX)
+            Just(0usize), 1usize..=200, Just(PREFETCH_DISTANCE), Just(usize::MAX)
         ],
         seed in any::<u64>(),
     ) {

@@ -65,6 +65,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
 /// as one `error: ...` line on stderr with a non-zero exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = crate::compute::prefetch_from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let stdout = io::stdout();
     let mut out = io::BufWriter::new(stdout.lock());
     let result = run(&cli, &mut out).and_then(|()| Ok(out.flush()?));

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use les_core::gemv::{
     activation_format, gemv, gemv_with_prefetch, ActivationFormat, GemvError, Input, Isa,
-    MatrixView, DEFAULT_PREFETCH,
+    MatrixView,
 };
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{kquants, legacy, QK_K};
@@ -168,7 +168,7 @@ pub fn matmul(
             // The tile's rows come from RAM for its first token only; the
             // others find them in cache, where prefetching only costs.
             let prefetch = if t == tokens.start {
-                DEFAULT_PREFETCH
+                crate::compute::kernel_prefetch()
             } else {
                 0
             };
