@@ -25,7 +25,8 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use les_core::gemv::{
-    default_prefetch, gemm, gemv, gemv_with_prefetch, GemvError, Input, Isa, MatrixView,
+    default_prefetch, gemm, gemm_with_prefetch, gemv, gemv_with_prefetch, GemvError, Input, Isa,
+    MatrixView,
 };
 use les_core::layout::{checksum, checksum_concat};
 use les_core::model::forward::{attention_each_position, prepare_input, MatVec};
@@ -430,10 +431,10 @@ impl MatVec for ThreadedMatVec {
         }
         let jobs: Parts<RowsJob<'_>> = Parts::new(ranges.into_iter().zip(outs));
         let first_error = FirstError::new();
-        let (isa, inputs) = (self.isa, &inputs);
+        let (isa, inputs, prefetch) = (self.isa, &inputs, self.prefetch);
         let run = |c: usize| {
             if let Some((range, mut out)) = jobs.take(c) {
-                if let Err(e) = gemm(isa, w, inputs, range, &mut out) {
+                if let Err(e) = gemm_with_prefetch(isa, w, inputs, range, &mut out, prefetch) {
                     first_error.record(c, e);
                 }
             }

@@ -509,13 +509,28 @@ pub const GEMM_TILE_BYTES: usize = 64 << 10;
 /// rows are taken in tiles of about [`GEMM_TILE_BYTES`], each multiplied by
 /// every input while it is in cache, so the weights are read from memory once
 /// instead of once an input. Each element is [`gemv`]'s, bit for bit (the same
-/// kernel on the same row and input). On error nothing is written.
+/// kernel on the same row and input). On error nothing is written. The first
+/// input's pass over a tile prefetches [`default_prefetch`] bytes ahead.
 pub fn gemm(
     isa: Isa,
     matrix: &MatrixView<'_>,
     inputs: &[Input<'_>],
     rows: Range<usize>,
     ys: &mut [&mut [f32]],
+) -> Result<(), GemvError> {
+    gemm_with_prefetch(isa, matrix, inputs, rows, ys, default_prefetch())
+}
+
+/// [`gemm`] with the prefetch distance of the first input's pass over each tile
+/// given (0 = none; see [`gemv_with_prefetch`]). The result is the same for
+/// every distance.
+pub fn gemm_with_prefetch(
+    isa: Isa,
+    matrix: &MatrixView<'_>,
+    inputs: &[Input<'_>],
+    rows: Range<usize>,
+    ys: &mut [&mut [f32]],
+    prefetch: usize,
 ) -> Result<(), GemvError> {
     if ys.len() != inputs.len() {
         return Err(GemvError::OutputLength {
@@ -548,13 +563,15 @@ pub fn gemm(
         if grouped {
             let data = &matrix.data[start * matrix.row_bytes..end * matrix.row_bytes];
             let out = start - rows.start;
-            with_kernels!(isa, |k| tile_in_groups(k, matrix, data, inputs, ys, out));
+            with_kernels!(isa, |k| tile_in_groups(
+                k, matrix, data, inputs, ys, out, prefetch
+            ));
         } else {
             for (c, (x, y)) in inputs.iter().zip(ys.iter_mut()).enumerate() {
                 // The first input reads the tile from memory: prefetch for it.
-                let prefetch = if c == 0 { default_prefetch() } else { 0 };
+                let ahead = if c == 0 { prefetch } else { 0 };
                 let out = &mut y[start - rows.start..end - rows.start];
-                gemv_with_prefetch(isa, matrix, x, start..end, out, prefetch)?;
+                gemv_with_prefetch(isa, matrix, x, start..end, out, ahead)?;
             }
         }
         start = end;
@@ -568,8 +585,9 @@ pub const GEMM_GROUP: usize = 4;
 
 /// A tile of a `Q4_K` or `Q6_K` matrix (`data`, whole rows) times every input,
 /// into `ys[c][out..]`: the inputs in groups of up to [`GEMM_GROUP`] through
-/// the kernels' `_n` methods (the first group prefetches, as the tile comes
-/// from memory for it). Lengths are checked by [`gemm`].
+/// the kernels' `_n` methods (the first group prefetches `prefetch` bytes
+/// ahead, as the tile comes from memory for it). Lengths are checked by
+/// [`gemm`].
 fn tile_in_groups<K: Kernels>(
     k: K,
     m: &MatrixView<'_>,
@@ -577,16 +595,17 @@ fn tile_in_groups<K: Kernels>(
     inputs: &[Input<'_>],
     ys: &mut [&mut [f32]],
     out: usize,
+    prefetch: usize,
 ) {
     let mut c = 0;
     while c < inputs.len() {
-        let prefetch = if c == 0 { default_prefetch() } else { 0 };
+        let ahead = if c == 0 { prefetch } else { 0 };
         let (xs, ys) = (&inputs[c..], &mut ys[c..]);
         c += match xs.len() {
-            1 => group::<K, 1>(k, m, data, xs, ys, out, prefetch),
-            2 => group::<K, 2>(k, m, data, xs, ys, out, prefetch),
-            3 => group::<K, 3>(k, m, data, xs, ys, out, prefetch),
-            _ => group::<K, GEMM_GROUP>(k, m, data, xs, ys, out, prefetch),
+            1 => group::<K, 1>(k, m, data, xs, ys, out, ahead),
+            2 => group::<K, 2>(k, m, data, xs, ys, out, ahead),
+            3 => group::<K, 3>(k, m, data, xs, ys, out, ahead),
+            _ => group::<K, GEMM_GROUP>(k, m, data, xs, ys, out, ahead),
         };
     }
 }

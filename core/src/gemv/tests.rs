@@ -289,11 +289,27 @@ fn gemm_equals_gemv_of_each_input() {
     }
 }
 
-/// `gemm` of `inputs` over `rows` gives `gemv`'s bits for each input.
+/// `gemm` of `inputs` over `rows`, at its default prefetch distance and at
+/// others, gives `gemv`'s bits for each input.
 fn gemm_matches_gemv(isa: Isa, m: &MatrixView<'_>, inputs: &[Input<'_>], rows: Range<usize>) {
+    for distance in [None, Some(0), Some(64), Some(PREFETCH_DISTANCE)] {
+        gemm_at_matches_gemv(isa, m, inputs, rows.clone(), distance);
+    }
+}
+
+fn gemm_at_matches_gemv(
+    isa: Isa,
+    m: &MatrixView<'_>,
+    inputs: &[Input<'_>],
+    rows: Range<usize>,
+    distance: Option<usize>,
+) {
     let mut out = vec![vec![f32::NAN; rows.len()]; inputs.len()];
     let mut ys: Vec<&mut [f32]> = out.iter_mut().map(|v| &mut v[..]).collect();
-    gemm(isa, m, inputs, rows.clone(), &mut ys).unwrap();
+    match distance {
+        None => gemm(isa, m, inputs, rows.clone(), &mut ys).unwrap(),
+        Some(d) => gemm_with_prefetch(isa, m, inputs, rows.clone(), &mut ys, d).unwrap(),
+    }
     for (c, (x, got)) in inputs.iter().zip(&out).enumerate() {
         let mut want = vec![0f32; rows.len()];
         gemv(isa, m, x, rows.clone(), &mut want).unwrap();
@@ -301,7 +317,7 @@ fn gemm_matches_gemv(isa: Isa, m: &MatrixView<'_>, inputs: &[Input<'_>], rows: R
         assert_eq!(
             bits(got),
             bits(&want),
-            "{} {isa} {} rows {rows:?}, input {c} of {}",
+            "{} {isa} {} rows {rows:?}, input {c} of {}, prefetch {distance:?}",
             m.ty(),
             m.rows(),
             inputs.len()
