@@ -426,7 +426,7 @@ pub const PREFETCH_DISTANCE: usize = 4096;
 
 /// The prefetch distance [`gemv`] and [`gemm`] use on this CPU: 0 (none) on AMD's
 /// (and Hygon's) x86-64 cores, whose hardware prefetchers stream the weights
-/// faster alone (a Zen 4 EPYC: the `Q4_K` expert products from RAM 1.07-1.33x
+/// faster alone (a Zen 4 EPYC: the `Q4_K` expert products from RAM 1.00-1.33x
 /// faster without, never slower, at any distance from 256 B to 8 KiB), else
 /// [`PREFETCH_DISTANCE`]. Only the x86-64 kernels prefetch; the others ignore
 /// the distance, and no distance changes a result.
