@@ -72,6 +72,12 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
     ]);
     let j: Json = serde_json::from_str(&out).unwrap();
     assert_eq!(j["identical_tokens"], true);
+    // The kernels in use: their ISA, and this CPU's weight prefetch distance.
+    assert!(
+        j["kernels"]["isa"].as_str().is_some_and(|s| !s.is_empty()),
+        "{j}"
+    );
+    assert!(j["kernels"]["prefetch_bytes"].as_u64().is_some(), "{j}");
     for s in ["on-demand", "les", "resident"] {
         let r = &j["schedules"][s];
         for k in ["tok_s", "bytes_per_token", "hit_rate", "overlap_efficiency"] {
@@ -316,6 +322,7 @@ fn bench_sweep_json_is_one_object_with_every_budget() {
     }
     assert!(j["les_never_slower"].is_boolean());
     assert!(j["les_hit_rate_at_least_lru"].is_boolean());
+    assert!(j["kernels"]["prefetch_bytes"].as_u64().is_some(), "{j}");
     cleanup(&model);
 }
 
@@ -641,4 +648,35 @@ fn bench_speculate_compares_plain_and_speculative_decoding() {
         assert_eq!(out.status.code(), Some(2), "{extra:?}");
     }
     cleanup(&m);
+}
+
+#[test]
+fn bench_reports_the_kernels_prefetch_distance_it_ran_with() {
+    let model = packed_tiny("prefetch");
+    let bench = |distance: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_les"))
+            .env("LES_KERNEL_PREFETCH", distance)
+            .args(["bench", "-m"])
+            .arg(&model)
+            .args(["--slots", "6", "-n", "4", "--prompt", PROMPT, "--json"])
+            .output()
+            .expect("les runs");
+        let err = String::from_utf8(o.stderr).unwrap();
+        assert!(o.status.success(), "{err}");
+        let j: Json = serde_json::from_slice(&o.stdout).unwrap();
+        (j, err)
+    };
+    let (with, err) = bench("1024");
+    assert_eq!(with["kernels"]["prefetch_bytes"], 1024, "{with}");
+    assert!(err.contains("(weight prefetch 1024 B)"), "{err}");
+    let (without, err) = bench("0");
+    assert_eq!(without["kernels"]["prefetch_bytes"], 0, "{without}");
+    assert!(err.contains("(no weight prefetch)"), "{err}");
+    assert_eq!(with["kernels"]["isa"], without["kernels"]["isa"]);
+    // The distance changes no token.
+    let toks = |j: &Json, s: &str| tokens(&j["schedules"][s]["tokens"]);
+    for s in ["on-demand", "les"] {
+        assert_eq!(toks(&with, s), toks(&without, s), "{s}");
+    }
+    cleanup(&model);
 }

@@ -14,7 +14,7 @@ use super::run::resolve_budget;
 use super::values::ExpertMem;
 use crate::belady;
 use crate::bench::{device_bandwidth, run_schedule, BenchConfig, ScheduleReport};
-use crate::compute::default_threads;
+use crate::compute::{default_threads, kernel_prefetch};
 use crate::flash::IoEngine;
 use crate::layer_costs::group_bounds;
 use crate::model::Model;
@@ -207,7 +207,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.bytes();
     eprintln!(
-        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {}",
+        "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {}, {}",
         model.arch.name(),
         model.hp.n_layers,
         mib(expert_bytes as f64),
@@ -223,7 +223,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
                 "io_uring where available ({} reads in flight), else as many I/O threads",
                 budget.io.threads
             ),
-        }
+        },
+        kernels_note()
     );
     let bw = if streamed {
         let bw = device_bandwidth(&model, &args.model, budget.io, probe_bytes(&model))?;
@@ -252,6 +253,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             "device_bw": bw,
             "n_tokens": cfg.n_tokens,
             "threads": cfg.threads,
+            "kernels": kernels_json(),
             "schedules": schedules,
             "speedup": speedup,
             "speedup_rounds": round_speedups(&runs)
@@ -659,6 +661,30 @@ fn class_note(classes: &[SlotClass]) -> String {
     }
 }
 
+/// The compute kernels in use, for the header line: their ISA and how far
+/// ahead they prefetch weights (which depends on the CPU; see
+/// [`kernel_prefetch`]).
+fn kernels_note() -> String {
+    match kernel_prefetch() {
+        0 => format!(
+            "kernels {} (no weight prefetch)",
+            les_core::gemv::Isa::detect()
+        ),
+        d => format!(
+            "kernels {} (weight prefetch {d} B)",
+            les_core::gemv::Isa::detect()
+        ),
+    }
+}
+
+/// The same as JSON: `{"isa": "avx512vnni", "prefetch_bytes": 0}`.
+fn kernels_json() -> Value {
+    json!({
+        "isa": les_core::gemv::Isa::detect().name(),
+        "prefetch_bytes": kernel_prefetch(),
+    })
+}
+
 /// The slot classes as JSON: `[{"slots": N, "bytes": B}, ...]`.
 fn classes_json(classes: &[SlotClass]) -> serde_json::Value {
     classes
@@ -853,7 +879,8 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let io = args.io.config()?;
     let bw = device_bandwidth(&model, &args.model, io, probe_bytes(&model))?;
     eprintln!(
-        "les bench: device reads expert extents at {:.0} MiB/s",
+        "les bench: {threads} threads, {}; device reads expert extents at {:.0} MiB/s",
+        kernels_note(),
         mib(bw)
     );
     let top_k = model.hp.moe.map_or(1, |m| m.top_k);
@@ -988,6 +1015,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "device_bw": bw,
             "n_tokens": args.n_tokens,
             "threads": threads,
+            "kernels": kernels_json(),
             "repeat": args.repeat,
             "budgets": budgets_json,
             "les_never_slower": never_slower,
