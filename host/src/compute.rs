@@ -560,8 +560,6 @@ fn split_rows(rows: usize, parts: usize, y_addr: usize) -> Vec<Range<usize>> {
     out
 }
 
-/// The default thread count: physical cores this process may run on.
-///
 /// The environment variable that sets [`kernel_prefetch`]: bytes, e.g. `0` or
 /// `4096`.
 pub const PREFETCH_ENV: &str = "LES_KERNEL_PREFETCH";
@@ -603,6 +601,8 @@ fn parse_prefetch(v: &str) -> Result<usize, String> {
     }
 }
 
+/// The default thread count: physical cores this process may run on.
+///
 /// On Linux, counts the distinct (package, core) pairs in
 /// `/sys/devices/system/cpu/cpu*/topology` of the CPUs in this process's
 /// `Cpus_allowed_list`, capped by [`std::thread::available_parallelism`] (which

@@ -41,6 +41,9 @@ unsafe fn xcr0() -> u64 {
     }
 }
 
+/// The vendor strings of AMD's cores (Hygon's are AMD's Zen).
+const AMD_VENDORS: [&[u8; 12]; 2] = [b"AuthenticAMD", b"HygonGenuine"];
+
 /// A 12-byte vendor string as `cpuid` leaf 0 returns it (EBX, EDX, ECX).
 fn vendor_words(v: &[u8; 12]) -> [u32; 3] {
     let w = |i: usize| u32::from_le_bytes([v[i], v[i + 1], v[i + 2], v[i + 3]]);
@@ -54,9 +57,9 @@ fn bit(word: u32, n: u32) -> bool {
 fn detect() -> u8 {
     let mut out = KNOWN;
     let l0 = cpuid(0, 0);
-    // The vendor string is EBX, EDX, ECX: "AuthenticAMD" (or Hygon's Zen cores).
+    // The vendor string is EBX, EDX, ECX.
     let vendor = [l0.ebx, l0.edx, l0.ecx];
-    if vendor == vendor_words(b"AuthenticAMD") || vendor == vendor_words(b"HygonGenuine") {
+    if AMD_VENDORS.iter().any(|v| vendor_words(v) == vendor) {
         out |= AMD;
     }
     let max_leaf = l0.eax;
@@ -171,7 +174,9 @@ mod tests {
             .find_map(|l| l.strip_prefix("vendor_id"))
             .map(|v| v.trim_start_matches([' ', '\t', ':']).trim())
             .unwrap();
-        let amd = vendor == "AuthenticAMD" || vendor == "HygonGenuine";
+        let amd = super::AMD_VENDORS
+            .iter()
+            .any(|v| v[..] == *vendor.as_bytes());
         assert_eq!(super::is_amd(), amd, "vendor_id {vendor}");
     }
 }

@@ -665,16 +665,11 @@ fn class_note(classes: &[SlotClass]) -> String {
 /// ahead they prefetch weights (which depends on the CPU; see
 /// [`kernel_prefetch`]).
 fn kernels_note() -> String {
-    match kernel_prefetch() {
-        0 => format!(
-            "kernels {} (no weight prefetch)",
-            les_core::gemv::Isa::detect()
-        ),
-        d => format!(
-            "kernels {} (weight prefetch {d} B)",
-            les_core::gemv::Isa::detect()
-        ),
-    }
+    let prefetch = match kernel_prefetch() {
+        0 => "no weight prefetch".to_string(),
+        d => format!("weight prefetch {d} B"),
+    };
+    format!("kernels {} ({prefetch})", les_core::gemv::Isa::detect())
 }
 
 /// The same as JSON: `{"isa": "avx512vnni", "prefetch_bytes": 0}`.
