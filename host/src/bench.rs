@@ -162,6 +162,8 @@ pub struct ScheduleReport {
     pub reads: u64,
     /// Time the I/O threads spent in those reads (summed over threads).
     pub read_time: Duration,
+    /// Time during decode in which the device had reads outstanding.
+    pub busy: Duration,
     /// Scheduler counters over the decode.
     pub stats: Stats,
     /// Per-layer prediction quality over the whole run (MoE layers with predictions).
@@ -207,6 +209,11 @@ impl ScheduleReport {
     /// Decode tokens per second.
     pub fn tok_s(&self) -> f64 {
         self.tokens.len() as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+
+    /// Share of the decode in which the device had reads outstanding.
+    pub fn busy_share(&self) -> f64 {
+        self.busy.as_secs_f64() / self.decode.as_secs_f64().max(1e-9)
     }
 
     /// Bytes read per generated token.
@@ -781,6 +788,7 @@ pub fn run_schedule(
         stall: Duration::from_nanos(io.stall_nanos),
         reads: io.reads,
         read_time: Duration::from_nanos(io.read_nanos),
+        busy: Duration::from_nanos(io.busy_nanos),
         stats,
         layers,
         device_bw,
@@ -818,6 +826,7 @@ mod tests {
             stall: Duration::from_millis(stall_ms),
             reads: 0,
             read_time: Duration::ZERO,
+            busy: Duration::ZERO,
             stats: Stats::default(),
             layers: Vec::new(),
             layer_costs: Vec::new(),

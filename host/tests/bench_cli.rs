@@ -129,6 +129,13 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         "6 of 32 slots: reads"
     );
     assert_eq!(j["schedules"]["resident"]["bytes_per_token"], 0.0);
+    // How long the device had reads outstanding: some of the decode where it
+    // read, none where it did not.
+    for s in ["on-demand", "les"] {
+        let b = j["schedules"][s]["device_busy_share"].as_f64().unwrap();
+        assert!(b > 0.0 && b <= 1.0, "{s}: busy {b}");
+    }
+    assert_eq!(j["schedules"]["resident"]["device_busy_share"], 0.0);
     // Each layer's share of the stall and of the picks: they add up to the
     // schedule's totals; nothing streams in the resident run.
     for s in ["on-demand", "les"] {
@@ -354,6 +361,14 @@ fn bench_text_prints_the_table_and_each_round_s_speedup() {
     let median: f64 = median.trim_end_matches("x)").parse().unwrap();
     assert!((median - v[1]).abs() < 0.006, "{line}");
     assert!(!out.contains("on-demand: speedup per round"), "{out}");
+    let busy = out
+        .lines()
+        .find_map(|l| l.strip_prefix("device busy (reads outstanding) while decoding: "))
+        .unwrap_or_else(|| panic!("no device busy line: {out}"));
+    assert!(
+        busy.starts_with("on-demand ") && busy.contains(", les "),
+        "{busy}"
+    );
     for s in ["on-demand", "les"] {
         let line = out
             .lines()

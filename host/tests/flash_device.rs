@@ -320,6 +320,51 @@ fn cancelling_a_chunked_read_completes_it_once() {
     }
 }
 
+/// The busy clock runs while chunks are outstanding, however they end (read or
+/// dropped by a cancel), and stops when none are.
+#[test]
+fn busy_time_covers_outstanding_reads_only() {
+    let (path, _) = data_file("flash_busy.bin", 1 << 20);
+    for engine in ENGINES {
+        let mut dev = FileDevice::open(
+            &path,
+            2,
+            256 * 1024,
+            FileDeviceConfig {
+                engine,
+                threads: 2,
+                queue_depth: 4,
+                direct: true,
+                chunk_bytes: 4096,
+            },
+        )
+        .unwrap();
+        let busy = |d: &FileDevice| d.counters().snapshot().busy_nanos;
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(busy(&dev), 0, "{engine:?}: idle since opened");
+        let t0 = std::time::Instant::now();
+        dev.submit(req(1, 0, 256 * 1024, 0, 0, false)).unwrap();
+        dev.submit(req(2, 512 * 1024, 256 * 1024, 1, 0, false))
+            .unwrap();
+        dev.cancel(Tag(2));
+        drain(&mut dev, 2);
+        let wall = t0.elapsed().as_nanos() as u64;
+        let b = busy(&dev);
+        assert!(b > 0 && b <= wall, "{engine:?}: busy {b} ns of {wall}");
+        // Nothing outstanding: idle time is not counted.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(busy(&dev), b, "{engine:?}: the clock stopped");
+        let t1 = std::time::Instant::now();
+        dev.submit(req(3, 4096, 8192, 1, 0, true)).unwrap();
+        drain(&mut dev, 1);
+        let more = busy(&dev) - b;
+        assert!(
+            more > 0 && more <= t1.elapsed().as_nanos() as u64,
+            "{engine:?}: a later read counts only its own time ({more} ns)"
+        );
+    }
+}
+
 struct Experts {
     n_experts: u16,
     size: u32,

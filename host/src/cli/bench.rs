@@ -383,6 +383,19 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             }
         }
     }
+    let busy: Vec<String> = reports
+        .iter()
+        .filter(|r| r.schedule != Schedule::Resident)
+        .map(|r| format!("{} {:.0}%", r.schedule.name(), 100.0 * r.busy_share()))
+        .collect();
+    if !busy.is_empty() {
+        writeln!(
+            out,
+            "device busy (reads outstanding) while decoding: {}; the rest of the time its \
+             bandwidth went unused",
+            busy.join(", ")
+        )?;
+    }
     let steals: Vec<(Schedule, f64)> = reports
         .iter()
         .filter_map(|r| Some((r.schedule, r.cpu_steal?)))
@@ -592,6 +605,7 @@ fn schedules_json(runs: &[Runs], n_layers: usize) -> (Value, Value, Value) {
                 "mean_read_s": r.mean_read_time(),
                 "cancels": r.stats.cancels,
                 "cpu_steal": r.cpu_steal,
+                "device_busy_share": r.busy_share(),
                 "tokens": r.tokens,
                 "stretches": r.stretches.iter().map(|x| json!({
                     "tokens": x.tokens,

@@ -211,6 +211,10 @@ pub struct IoCounters {
     pub read_nanos: AtomicU64,
     /// Time the compute thread spent blocked in `wait`, in nanoseconds.
     pub stall_nanos: AtomicU64,
+    /// Time with at least one chunk submitted and not yet finished (read,
+    /// failed or dropped), in nanoseconds: how long the device had work. Its
+    /// share of the wall time says how much bandwidth was left idle.
+    pub busy_nanos: AtomicU64,
 }
 
 impl IoCounters {
@@ -222,6 +226,7 @@ impl IoCounters {
             reads: self.reads.load(Ordering::Relaxed),
             read_nanos: self.read_nanos.load(Ordering::Relaxed),
             stall_nanos: self.stall_nanos.load(Ordering::Relaxed),
+            busy_nanos: self.busy_nanos.load(Ordering::Relaxed),
         }
     }
 }
@@ -239,6 +244,8 @@ pub struct IoSnapshot {
     pub read_nanos: u64,
     /// Time blocked waiting for reads (ns).
     pub stall_nanos: u64,
+    /// Time with reads outstanding (ns).
+    pub busy_nanos: u64,
 }
 
 impl std::ops::Sub for IoSnapshot {
@@ -250,6 +257,7 @@ impl std::ops::Sub for IoSnapshot {
             reads: self.reads - o.reads,
             read_nanos: self.read_nanos - o.read_nanos,
             stall_nanos: self.stall_nanos - o.stall_nanos,
+            busy_nanos: self.busy_nanos - o.busy_nanos,
         }
     }
 }
@@ -379,6 +387,13 @@ struct Queue {
     shutdown: bool,
 }
 
+/// Chunks outstanding, and since when there were any: the clock behind
+/// [`IoCounters::busy_nanos`].
+struct BusyClock {
+    outstanding: u64,
+    since: Instant,
+}
+
 struct Shared {
     arena: SlotArena,
     file: File,
@@ -389,11 +404,31 @@ struct Shared {
     done: Mutex<VecDeque<Completion<FileError>>>,
     done_cv: Condvar,
     counters: IoCounters,
+    busy: Mutex<BusyClock>,
     /// Where reads and stalls are recorded, once set ([`FileDevice::trace_into`]).
     trace: OnceLock<Trace>,
 }
 
 impl Shared {
+    /// `n` chunks were submitted.
+    fn chunks_started(&self, n: u64) {
+        let mut b = lock(&self.busy);
+        if b.outstanding == 0 {
+            b.since = Instant::now();
+        }
+        b.outstanding += n;
+    }
+
+    /// `n` chunks finished (read, failed or dropped by a cancel).
+    fn chunks_ended(&self, n: u64) {
+        let mut b = lock(&self.busy);
+        b.outstanding = b.outstanding.saturating_sub(n);
+        if b.outstanding == 0 && n > 0 {
+            let busy = b.since.elapsed().as_nanos() as u64;
+            self.counters.busy_nanos.fetch_add(busy, Ordering::Relaxed);
+        }
+    }
+
     /// Records a finished read of `req` on `lane` that started at `start`.
     fn trace_read(&self, lane: usize, req: &ReadRequest, start: Instant) {
         if let Some(t) = self.trace.get() {
@@ -511,6 +546,10 @@ impl FileDevice {
             done: Mutex::new(VecDeque::new()),
             done_cv: Condvar::new(),
             counters: IoCounters::default(),
+            busy: Mutex::new(BusyClock {
+                outstanding: 0,
+                since: Instant::now(),
+            }),
             trace: OnceLock::new(),
         });
         let max_read = shared.arena.slot_bytes() + 2 * SLOT_ALIGN;
@@ -679,6 +718,9 @@ fn worker(s: &Shared, max_read: usize, lane: usize) {
             .read_nanos
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         s.trace_read(lane, &req, start);
+        // Before the completion is published: whoever sees it sees the clock
+        // stopped.
+        s.chunks_ended(1);
         if let Some(c) = group.finish(req.tag) {
             lock(&s.done).push_back(c);
             s.done_cv.notify_all();
@@ -929,6 +971,7 @@ impl UringEngine {
             .read_nanos
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         s.trace_read(job.lane as usize, &job.req, started);
+        s.chunks_ended(1);
         if let Some(c) = job.group.finish(job.req.tag) {
             self.done.push_back(c);
         }
@@ -1187,6 +1230,7 @@ impl BlockDevice for FileDevice {
             }),
         });
         let checked = check.map_or(0, |c| c.len);
+        self.shared.chunks_started(n as u64);
         let jobs = (0..n).map(|i| {
             let skip = (i * chunk) as u32;
             let len = (req.len - skip).min(chunk as u32);
@@ -1267,10 +1311,12 @@ impl BlockDevice for FileDevice {
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if let Some(u) = self.uring.as_mut() {
             let groups = u.queued.take(tag);
+            self.shared.chunks_ended(groups.len() as u64);
             u.done.extend(cancelled(groups, tag));
             return;
         }
         let groups = lock(&self.shared.queue).jobs.take(tag);
+        self.shared.chunks_ended(groups.len() as u64);
         for c in cancelled(groups, tag) {
             lock(&self.shared.done).push_back(c);
             self.shared.done_cv.notify_all();
