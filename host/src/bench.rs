@@ -164,6 +164,9 @@ pub struct ScheduleReport {
     pub read_time: Duration,
     /// Time during decode in which the device had reads outstanding.
     pub busy: Duration,
+    /// How the device issued its reads: `uring` or `threads` (`None` when
+    /// resident).
+    pub io_engine: Option<&'static str>,
     /// Scheduler counters over the decode.
     pub stats: Stats,
     /// Per-layer prediction quality over the whole run (MoE layers with predictions).
@@ -789,6 +792,10 @@ pub fn run_schedule(
         reads: io.reads,
         read_time: Duration::from_nanos(io.read_nanos),
         busy: Duration::from_nanos(io.busy_nanos),
+        io_engine: supply
+            .inner
+            .device()
+            .map(|d| if d.uses_uring() { "uring" } else { "threads" }),
         stats,
         layers,
         device_bw,
@@ -827,6 +834,7 @@ mod tests {
             reads: 0,
             read_time: Duration::ZERO,
             busy: Duration::ZERO,
+            io_engine: None,
             stats: Stats::default(),
             layers: Vec::new(),
             layer_costs: Vec::new(),

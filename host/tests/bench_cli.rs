@@ -21,9 +21,12 @@ fn les(args: &[&str]) -> (String, String) {
     (out, err)
 }
 
-/// A packed tiny model (8 experts per layer) in a fresh directory.
+/// A packed tiny model (8 experts per layer) in a fresh directory, under the
+/// build directory (whose disk takes `O_DIRECT` reads, as CI's does; a tmpfs
+/// `/tmp` would not, and `--io-engine auto` would fall back to threads).
 fn packed_tiny(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("les-bench-{name}-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("les-bench-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (plain, packed) = (dir.join("tiny.gguf"), dir.join("tiny.packed.gguf"));
     let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
@@ -44,6 +47,37 @@ fn tokens(v: &Json) -> Vec<u64> {
 
 fn cleanup(model: &Path) {
     std::fs::remove_dir_all(model.parent().unwrap()).unwrap();
+}
+
+/// `--io-engine auto` issues experts larger than one chunk from I/O threads.
+#[test]
+fn bench_auto_engine_uses_threads_for_experts_of_several_chunks() {
+    let model = packed_tiny("engine");
+    let m = model.to_str().unwrap();
+    for (chunk, want) in [("4KiB", "threads"), ("512KiB", "uring")] {
+        let (out, _) = les(&[
+            "bench",
+            "-m",
+            m,
+            "--slots",
+            "6",
+            "-n",
+            "2",
+            "--prompt",
+            PROMPT,
+            "--json",
+            "--schedules",
+            "les",
+            "--io-chunk",
+            chunk,
+        ]);
+        let j: Json = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            j["schedules"]["les"]["io_engine"], want,
+            "--io-chunk {chunk}"
+        );
+    }
+    cleanup(&model);
 }
 
 #[test]
@@ -136,6 +170,12 @@ fn bench_json_has_the_contract_keys_and_run_s_tokens() {
         assert!(b > 0.0 && b <= 1.0, "{s}: busy {b}");
     }
     assert_eq!(j["schedules"]["resident"]["device_busy_share"], 0.0);
+    // `--io-engine auto` (the default): this preset's experts are one read
+    // each, so `io_uring` issues them.
+    for s in ["on-demand", "les"] {
+        assert_eq!(j["schedules"][s]["io_engine"], "uring", "{s}");
+    }
+    assert!(j["schedules"]["resident"]["io_engine"].is_null());
     // Each layer's share of the stall and of the picks: they add up to the
     // schedule's totals; nothing streams in the resident run.
     for s in ["on-demand", "les"] {

@@ -386,7 +386,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let busy: Vec<String> = reports
         .iter()
         .filter(|r| r.schedule != Schedule::Resident)
-        .map(|r| format!("{} {:.0}%", r.schedule.name(), 100.0 * r.busy_share()))
+        .map(|r| {
+            format!(
+                "{} {:.0}%{}",
+                r.schedule.name(),
+                100.0 * r.busy_share(),
+                r.io_engine.map_or(String::new(), |e| format!(" ({e})"))
+            )
+        })
         .collect();
     if !busy.is_empty() {
         writeln!(
@@ -606,6 +613,7 @@ fn schedules_json(runs: &[Runs], n_layers: usize) -> (Value, Value, Value) {
                 "cancels": r.stats.cancels,
                 "cpu_steal": r.cpu_steal,
                 "device_busy_share": r.busy_share(),
+                "io_engine": r.io_engine,
                 "tokens": r.tokens,
                 "stretches": r.stretches.iter().map(|x| json!({
                     "tokens": x.tokens,

@@ -230,8 +230,11 @@ impl CacheArgs {
 pub struct IoArgs {
     /// How expert reads are issued: `uring` (io_uring from the compute thread, no
     /// I/O threads; needs O_DIRECT), `threads` (a pool of blocking readers), or
-    /// `auto` (uring where the kernel and file allow it).
-    #[arg(long, default_value = "threads", value_parser = ["auto", "uring", "threads"])]
+    /// `auto`: uring where the kernel and file allow it and every expert is one
+    /// read of at most --io-chunk (its reads then start without waking a
+    /// thread), else threads (which start each next chunk of a larger expert
+    /// the moment one finishes)
+    #[arg(long, default_value = "auto", value_parser = ["auto", "uring", "threads"])]
     pub io_engine: String,
     /// I/O threads of the file device (with `--io-engine uring`: reads in flight).
     #[arg(long, default_value_t = 4, value_parser = super::values::threads)]
@@ -298,11 +301,12 @@ pub fn resolve_budget(
         }
     }
     .map_err(|e| format!("{e} (--expert-mem / --slots)"))?;
+    let largest = classes.iter().map(|c| c.bytes as usize).max().unwrap_or(0);
     Ok((
         schedule,
         SlotBudget {
             classes: classes.to_vec(),
-            io,
+            io: io.for_reads(largest),
         },
     ))
 }
