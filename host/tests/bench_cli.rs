@@ -55,22 +55,8 @@ fn bench_auto_engine_uses_threads_for_experts_of_several_chunks() {
     let model = packed_tiny("engine");
     let m = model.to_str().unwrap();
     for (chunk, want) in [("4KiB", "threads"), ("512KiB", "uring")] {
-        let (out, _) = les(&[
-            "bench",
-            "-m",
-            m,
-            "--slots",
-            "6",
-            "-n",
-            "2",
-            "--prompt",
-            PROMPT,
-            "--json",
-            "--schedules",
-            "les",
-            "--io-chunk",
-            chunk,
-        ]);
+        let args = ["bench", "-m", m, "--slots", "6", "-n", "2", "--json"];
+        let (out, _) = les(&[&args[..], &["--schedules", "les", "--io-chunk", chunk]].concat());
         let j: Json = serde_json::from_str(&out).unwrap();
         assert_eq!(
             j["schedules"]["les"]["io_engine"], want,

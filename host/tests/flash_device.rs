@@ -61,6 +61,19 @@ fn four_slots(
     FileDevice::open(path, 4, 64 * 1024, cfg).unwrap()
 }
 
+/// A direct device of 2 slots of 256 KiB over `path`, 2 I/O threads (or ring
+/// places), 4 reads in flight, reads split into 4 KiB chunks.
+fn two_chunked_slots(path: &std::path::Path, engine: IoEngine) -> FileDevice {
+    let cfg = FileDeviceConfig {
+        engine,
+        threads: 2,
+        queue_depth: 4,
+        direct: true,
+        chunk_bytes: 4096,
+    };
+    FileDevice::open(path, 2, 256 * 1024, cfg).unwrap()
+}
+
 fn drain(dev: &mut FileDevice, n: usize) -> Vec<(Tag, ReadStatus<les::flash::FileError>)> {
     let mut out = Vec::new();
     while out.len() < n {
@@ -279,19 +292,7 @@ fn io_uring_needs_direct_reads_and_auto_falls_back_to_threads() {
 fn cancelling_a_chunked_read_completes_it_once() {
     let (path, data) = data_file("flash_e.bin", 1 << 20);
     for (round, engine) in (0..20u32).flat_map(|r| ENGINES.map(|e| (r, e))) {
-        let mut dev = FileDevice::open(
-            &path,
-            2,
-            256 * 1024,
-            FileDeviceConfig {
-                engine,
-                threads: 2,
-                queue_depth: 4,
-                direct: true,
-                chunk_bytes: 4096,
-            },
-        )
-        .unwrap();
+        let mut dev = two_chunked_slots(&path, engine);
         // 64 chunks each; cancel the second read at a different moment each round.
         dev.submit(req(1, 0, 256 * 1024, 0, 0, false)).unwrap();
         dev.submit(req(2, 512 * 1024, 256 * 1024, 1, 0, false))
@@ -326,19 +327,7 @@ fn cancelling_a_chunked_read_completes_it_once() {
 fn busy_time_covers_outstanding_reads_only() {
     let (path, _) = data_file("flash_busy.bin", 1 << 20);
     for engine in ENGINES {
-        let mut dev = FileDevice::open(
-            &path,
-            2,
-            256 * 1024,
-            FileDeviceConfig {
-                engine,
-                threads: 2,
-                queue_depth: 4,
-                direct: true,
-                chunk_bytes: 4096,
-            },
-        )
-        .unwrap();
+        let mut dev = two_chunked_slots(&path, engine);
         let busy = |d: &FileDevice| d.counters().snapshot().busy_nanos;
         std::thread::sleep(std::time::Duration::from_millis(5));
         assert_eq!(busy(&dev), 0, "{engine:?}: idle since opened");
