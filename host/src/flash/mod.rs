@@ -242,7 +242,9 @@ pub struct IoCounters {
     pub stall_nanos: AtomicU64,
     /// Time with at least one chunk submitted and not yet finished (read,
     /// failed or dropped), in nanoseconds: how long the device had work. Its
-    /// share of the wall time says how much bandwidth was left idle.
+    /// share of the wall time says how much bandwidth was left idle. With
+    /// `io_uring` a chunk finishes when its completion is collected, so a
+    /// read done between two polls counts until the second.
     pub busy_nanos: AtomicU64,
 }
 
