@@ -937,3 +937,27 @@ fn kernel_prefetch_distance_changes_no_bit_and_a_bad_one_is_refused() {
         );
     }
 }
+
+/// `--json` names the engine that read the experts: `--io-engine auto` (the
+/// default) takes `io_uring` for experts of one read and I/O threads for
+/// experts of several chunks; the tokens are the same either way.
+#[test]
+fn json_names_the_io_engine_auto_chose() {
+    let m = model("qwen3moe");
+    let base = ["--temp", "0", "-n", "6", "--expert-mem", "64KiB"];
+    let engine = |extra: &[&str]| {
+        let j = json_run(&m, &[&base[..], extra].concat());
+        (j["stats"]["io_engine"].clone(), j["tokens"].clone())
+    };
+    let (auto, tokens) = engine(&[]);
+    assert_eq!(auto, "uring");
+    let (chunked, same) = engine(&["--io-chunk", "4KiB"]);
+    assert_eq!(
+        chunked, "threads",
+        "the tiny preset's experts span several 4 KiB chunks"
+    );
+    assert_eq!(same, tokens);
+    assert_eq!(engine(&["--io-engine", "threads"]).0, "threads");
+    let resident = json_run(&m, &["--temp", "0", "-n", "2"]);
+    assert!(resident["stats"]["io_engine"].is_null());
+}

@@ -482,8 +482,12 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Some(_) => session.set_max_draft(args.spec.draft_max as usize)?,
         None => 0,
     };
+    // How the streamed schedules read: the file device's engine.
+    let io_engine = supply
+        .device()
+        .map(|d| if d.uses_uring() { "uring" } else { "threads" });
     eprintln!(
-        "les: {} ({} layers, {} experts), schedule {schedule}{}, {threads} threads, \
+        "les: {} ({} layers, {} experts), schedule {schedule}{}{}, {threads} threads, \
          KV cache {ctx} positions {}/{} ({:.1} MiB), loaded in {:.2?}",
         model.arch.name(),
         model.hp.n_layers,
@@ -499,6 +503,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
+        },
+        match io_engine {
+            Some("uring") => " read by io_uring".to_string(),
+            Some(_) => format!(" read by {} I/O threads", budget.io.threads),
+            None => String::new(),
         },
         args.cache.k.name(),
         args.cache.v.name(),
@@ -619,6 +628,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
         if let Some(s) = io {
             st["slots"] = json!(budget.slots());
+            st["io_engine"] = json!(io_engine);
             st["hit_rate"] = json!(s.hit_rate());
             st["demand_bytes"] = json!(s.demand_bytes);
             st["prefetch_bytes"] = json!(s.prefetch_bytes);
