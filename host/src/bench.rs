@@ -792,10 +792,7 @@ pub fn run_schedule(
         reads: io.reads,
         read_time: Duration::from_nanos(io.read_nanos),
         busy: Duration::from_nanos(io.busy_nanos),
-        io_engine: supply
-            .inner
-            .device()
-            .map(|d| if d.uses_uring() { "uring" } else { "threads" }),
+        io_engine: supply.inner.device().map(FileDevice::engine_name),
         stats,
         layers,
         device_bw,

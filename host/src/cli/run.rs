@@ -482,10 +482,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Some(_) => session.set_max_draft(args.spec.draft_max as usize)?,
         None => 0,
     };
-    // How the streamed schedules read: the file device's engine.
-    let io_engine = supply
-        .device()
-        .map(|d| if d.uses_uring() { "uring" } else { "threads" });
+    let io_engine = supply.device().map(crate::flash::FileDevice::engine_name);
     eprintln!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}{}, {threads} threads, \
          KV cache {ctx} positions {}/{} ({:.1} MiB), loaded in {:.2?}",
@@ -504,8 +501,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                     .join(", ")
             ),
         },
-        match io_engine {
-            Some("uring") => " read by io_uring".to_string(),
+        match supply.device() {
+            Some(d) if d.uses_uring() => " read by io_uring".to_string(),
             Some(_) => format!(" read by {} I/O threads", budget.io.threads),
             None => String::new(),
         },

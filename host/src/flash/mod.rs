@@ -651,6 +651,15 @@ impl FileDevice {
         false
     }
 
+    /// The engine that issues the reads: `"uring"` or `"threads"`.
+    pub fn engine_name(&self) -> &'static str {
+        if self.uses_uring() {
+            "uring"
+        } else {
+            "threads"
+        }
+    }
+
     /// With `io_uring`: blocks until a read completes (or none is running);
     /// `false` without it.
     fn wait_on_ring(&mut self) -> bool {
