@@ -231,6 +231,17 @@ impl LayerState {
     pub fn recall(&self) -> f32 {
         ratio(self.true_positives, self.picked)
     }
+
+    /// The counts since `earlier`, a copy of this state taken before (each
+    /// count saturating at 0 where `earlier` is not); the rest is this state's.
+    pub fn since(&self, earlier: &LayerState) -> LayerState {
+        LayerState {
+            predicted: self.predicted.saturating_sub(earlier.predicted),
+            true_positives: self.true_positives.saturating_sub(earlier.true_positives),
+            picked: self.picked.saturating_sub(earlier.picked),
+            ..*self
+        }
+    }
 }
 
 fn ratio(a: u64, b: u64) -> f32 {
@@ -298,12 +309,20 @@ impl Stats {
         }
     }
 
-    /// Picked experts that needed no demand read, as a fraction of all picked.
+    /// Picked experts that needed no demand read, as a fraction of all picked
+    /// (a prefetch still in flight counts: see [`ready_hit_rate`](Self::ready_hit_rate)).
     pub fn hit_rate(&self) -> f32 {
         ratio(
             self.hits + self.late_hits,
             self.hits + self.late_hits + self.misses,
         )
+    }
+
+    /// Picked experts already resident and landed when picked, as a fraction of
+    /// all picked: what a cache without prefetching calls a hit, so the one
+    /// figure to compare with LRU's or Belady's.
+    pub fn ready_hit_rate(&self) -> f32 {
+        ratio(self.hits, self.hits + self.late_hits + self.misses)
     }
 }
 
@@ -1612,5 +1631,34 @@ mod tests {
         assert_eq!(counts(5).since(&counts(2)), counts(3));
         assert_eq!(counts(2).since(&counts(5)), Stats::default());
         assert_eq!(counts(4).since(&Stats::default()), counts(4));
+    }
+
+    #[test]
+    fn ready_hit_rate_leaves_out_prefetches_still_in_flight() {
+        let s = Stats {
+            hits: 6,
+            late_hits: 2,
+            misses: 2,
+            ..Stats::default()
+        };
+        assert_eq!(s.hit_rate(), 0.8);
+        assert_eq!(s.ready_hit_rate(), 0.6);
+        assert_eq!(Stats::default().ready_hit_rate(), 1.0);
+    }
+
+    #[test]
+    fn layer_state_since_subtracts_the_counts_and_keeps_the_rest() {
+        let at = |k: u64, enabled: bool| LayerState {
+            prefetch_enabled: enabled,
+            predicted: 8 * k,
+            true_positives: 6 * k,
+            picked: 7 * k,
+            ..LayerState::INITIAL
+        };
+        let d = at(5, false).since(&at(2, true));
+        assert_eq!((d.predicted, d.true_positives, d.picked), (24, 18, 21));
+        assert!(!d.prefetch_enabled, "the current state's flag");
+        assert_eq!(d.precision(), 0.75);
+        assert_eq!(at(2, true).since(&at(5, true)).predicted, 0);
     }
 }

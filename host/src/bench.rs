@@ -86,6 +86,8 @@ pub struct LayerPrediction {
     pub recall: f32,
     /// Whether prefetching was still enabled at the end.
     pub enabled: bool,
+    /// Experts predicted for this layer over the decode.
+    pub predicted: u64,
 }
 
 /// Parts [`run_schedule`] splits a decode into, to show whether its rate held:
@@ -248,17 +250,28 @@ impl ScheduleReport {
         }
     }
 
+    /// Picked experts resident and landed when picked, over all picked (1 for
+    /// `resident`): the hit rate to compare with a cache that does not prefetch.
+    pub fn ready_hit_rate(&self) -> f64 {
+        if self.schedule == Schedule::Resident {
+            1.0
+        } else {
+            self.stats.ready_hit_rate() as f64
+        }
+    }
+
     /// Bytes read per second of decode.
     pub fn effective_bw(&self) -> f64 {
         self.bytes_read as f64 / self.decode.as_secs_f64().max(1e-9)
     }
 
-    /// Bytes read per second of stall (0 without stalls). `on-demand` reads only
-    /// while the decode waits, so for it this is how fast the device served the
-    /// decode's own reads: a measured lower bound on the device's bandwidth,
-    /// which can exceed the probe's (scattered, cold reads).
-    pub fn stall_read_bw(&self) -> f64 {
-        let s = self.stall.as_secs_f64();
+    /// Bytes read per second the device had reads outstanding (0 without
+    /// reads): a measured lower bound on the bandwidth it gave this run, which
+    /// can exceed the probe's (scattered, cold reads). Not bytes per second of
+    /// stall: even on-demand computes a layer's resident experts in order while
+    /// the reads for its later picks land, so its stall is shorter than its reads.
+    pub fn busy_read_bw(&self) -> f64 {
+        let s = self.busy.as_secs_f64();
         if s > 0.0 {
             self.bytes_read as f64 / s
         } else {
@@ -718,6 +731,8 @@ pub fn run_schedule(
     }
     let decode_from = supply.watcher.0.picks.len();
     let stats0 = supply.inner.stats().unwrap_or_default();
+    // The predictions' counts so far (the prompt's): the report is the decode's.
+    let layers0: Vec<LayerState> = supply.inner.layers().map(<[_]>::to_vec).unwrap_or_default();
     let io0 = io_snapshot(supply.inner);
     let cpu0 = CpuTimes::now();
     let t1 = Instant::now();
@@ -772,12 +787,19 @@ pub fn run_schedule(
         .map(|ls: &[LayerState]| {
             ls.iter()
                 .enumerate()
+                .map(|(layer, s)| {
+                    (
+                        layer,
+                        s.since(layers0.get(layer).unwrap_or(&LayerState::INITIAL)),
+                    )
+                })
                 .filter(|(_, s)| s.predicted > 0)
                 .map(|(layer, s)| LayerPrediction {
                     layer,
                     precision: s.precision(),
                     recall: s.recall(),
                     enabled: s.prefetch_enabled,
+                    predicted: s.predicted,
                 })
                 .collect()
         })
@@ -812,7 +834,7 @@ pub fn run_schedule(
 fn io_snapshot(supply: &Supply<'_>) -> IoSnapshot {
     supply
         .device()
-        .map(|d| d.counters().snapshot())
+        .map(FileDevice::io_snapshot)
         .unwrap_or_default()
 }
 
@@ -893,10 +915,13 @@ mod tests {
     }
 
     #[test]
-    fn stall_read_bandwidth_is_bytes_per_second_of_stall() {
-        // 1.5 GB read over 1.5 s of stall: 1 GB/s.
-        let od = report(Schedule::OnDemand, 4000, 1500, 1_500_000_000);
-        assert!((od.stall_read_bw() - 1e9).abs() < 1.0);
-        assert_eq!(report(Schedule::Les, 4000, 0, 5).stall_read_bw(), 0.0);
+    fn busy_read_bandwidth_is_bytes_per_second_with_reads_outstanding() {
+        // 1.5 GB read while the device was busy 2 s (of 1.5 s of stall): 0.75 GB/s.
+        let od = ScheduleReport {
+            busy: Duration::from_secs(2),
+            ..report(Schedule::OnDemand, 4000, 1500, 1_500_000_000)
+        };
+        assert!((od.busy_read_bw() - 0.75e9).abs() < 1.0);
+        assert_eq!(report(Schedule::Les, 4000, 0, 5).busy_read_bw(), 0.0);
     }
 }

@@ -354,6 +354,32 @@ fn busy_time_covers_outstanding_reads_only() {
     }
 }
 
+#[test]
+fn io_snapshot_counts_the_busy_time_of_reads_still_outstanding() {
+    let (path, _) = data_file("flash_busy_open.bin", 1 << 20);
+    for engine in ENGINES {
+        let mut dev = two_chunked_slots(&path, engine);
+        let t0 = std::time::Instant::now();
+        dev.submit(req(1, 0, 256 * 1024, 0, 0, false)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let open = dev.io_snapshot().busy_nanos;
+        if dev.uses_uring() {
+            // Nothing polled the ring: the read is outstanding, its stretch open,
+            // and the counters alone would say 0.
+            assert_eq!(dev.counters().snapshot().busy_nanos, 0, "{engine:?}");
+            assert!(open >= 10_000_000, "{engine:?}: {open} ns so far");
+        }
+        drain(&mut dev, 1);
+        let closed = dev.io_snapshot().busy_nanos;
+        let wall = t0.elapsed().as_nanos() as u64;
+        assert!(
+            0 < open && open <= closed && closed <= wall,
+            "{engine:?}: {open} then {closed} ns of {wall}"
+        );
+        assert_eq!(closed, dev.counters().snapshot().busy_nanos, "{engine:?}");
+    }
+}
+
 struct Experts {
     n_experts: u16,
     size: u32,

@@ -142,14 +142,42 @@ pub(super) fn decode_config(
 }
 
 /// Each list's median run by `time` (the runs of one configuration, from
-/// interleaved rounds).
+/// interleaved rounds; [`median_index`]).
 pub(super) fn medians<R>(all: Vec<Vec<R>>, time: impl Fn(&R) -> std::time::Duration) -> Vec<R> {
     all.into_iter()
         .map(|mut v| {
             v.sort_by_key(&time);
-            v.swap_remove(v.len() / 2)
+            v.swap_remove(median_index(v.len()))
         })
         .collect()
+}
+
+/// Which of `n` runs sorted by time (fastest first) is reported as their
+/// median: the middle one, and of an even count the faster of the middle two
+/// (a run's figures cannot be averaged with another's; every schedule is
+/// picked by the same rule). `n` must not be 0.
+pub(super) fn median_index(n: usize) -> usize {
+    n.saturating_sub(1) / 2
+}
+
+/// Refuses a schedule named twice: each schedule's results are keyed by its
+/// name, so a second run of it would silently replace the first.
+pub(super) fn check_schedules(schedules: &[Schedule]) -> Result<(), Box<dyn Error>> {
+    for (i, s) in schedules.iter().enumerate() {
+        if schedules[..i].contains(s) {
+            return Err(format!(
+                "--schedules names {} twice (use --repeat to run it again)",
+                s.name()
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// A budget as given, for tables: `25`, `12.5`, `0.0001` (not rounded to `0`).
+fn percent_label(p: f64) -> String {
+    format!("{p}")
 }
 
 /// `slots N = M MiB (P% of experts)`, for the benches' first line.
@@ -193,6 +221,7 @@ pub(super) fn open(
 
 /// Runs `les bench`.
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    check_schedules(&args.schedules)?;
     if !args.sweep.is_empty() {
         return sweep(args, out);
     }
@@ -206,6 +235,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let cfg = decode_config(args, &tokenizer, &budget)?;
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.bytes();
+    if !streamed && (args.expert_mem.is_some() || args.slots.is_some()) {
+        eprintln!("les bench: only `resident` runs, which keeps every expert in RAM: the slot budget is not used");
+    }
     eprintln!(
         "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {}, {}",
         model.arch.name(),
@@ -274,13 +306,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
 
     writeln!(
         out,
-        "{:<10} {:>8} {:>11} {:>11} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8}",
+        "{:<10} {:>8} {:>11} {:>11} {:>8} {:>8} {:>10} {:>8} {:>9} {:>8} {:>8}",
         "schedule",
         "tok/s",
         "MiB/token",
         "stall/tok",
         "hit",
-        "read MB/s",
+        "ready",
+        "read MiB/s",
         "overlap",
         "precision",
         "recall",
@@ -289,13 +322,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     for r in &reports {
         writeln!(
             out,
-            "{:<10} {:>8.2} {:>11.2} {:>9.1}ms {:>7.1}% {:>9.0} {:>8.2} {:>9} {:>8} {:>8}",
+            "{:<10} {:>8.2} {:>11.2} {:>9.1}ms {:>7.1}% {:>7.1}% {:>10.0} {:>8.2} {:>9} {:>8} {:>8}",
             r.schedule.name(),
             r.tok_s(),
             mib(r.bytes_per_token()),
             1e3 * r.stall_per_token(),
             100.0 * r.hit_rate(),
-            r.effective_bw() / 1e6,
+            100.0 * r.ready_hit_rate(),
+            mib(r.effective_bw()),
             r.overlap_efficiency(),
             if r.layers.is_empty() {
                 "-".into()
@@ -315,9 +349,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             let v: Vec<String> = x.tok_s.iter().map(|t| format!("{t:.2}")).collect();
             writeln!(
                 out,
-                "{}: median of {} runs (tok/s {}; spread +-{:.1}%)",
+                "{}: median of {} runs{} (tok/s {}; spread +-{:.1}%)",
                 x.median.schedule.name(),
                 x.tok_s.len(),
+                if x.tok_s.len() % 2 == 0 {
+                    ", the faster middle one"
+                } else {
+                    ""
+                },
                 v.join(" "),
                 100.0 * x.spread()
             )?;
@@ -424,12 +463,26 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         let streamed: Vec<String> = reports
             .iter()
             .filter(|r| r.schedule != Schedule::Resident)
-            .map(|r| format!("{} {:.1}%", r.schedule.name(), 100.0 * r.hit_rate()))
+            .map(|r| {
+                let late = if r.stats.late_hits > 0 {
+                    format!(
+                        " ({:.1}% counting prefetches still in flight)",
+                        100.0 * r.hit_rate()
+                    )
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{} {:.1}%{late}",
+                    r.schedule.name(),
+                    100.0 * r.ready_hit_rate()
+                )
+            })
             .collect();
         writeln!(
             out,
             "hit rate of the optimal cache without prediction (Belady's, knowing every \
-             future pick): {:.1}%; {}",
+             future pick): {:.1}%; resident and ready when picked: {}",
             100.0 * h,
             streamed.join(", ")
         )?;
@@ -593,12 +646,13 @@ fn schedules_json(runs: &[Runs], n_layers: usize) -> (Value, Value, Value) {
                 "stall_s_per_token": r.stall_per_token(),
                 "output_layer_s_per_token": r.output_per_token(),
                 "hit_rate": r.hit_rate(),
+                "ready_hit_rate": r.ready_hit_rate(),
                 "effective_read_bw": r.effective_bw(),
                 "device_bw": r.device_bw,
                 "device_bw_probes": r.probes,
                 "overlap_efficiency": r.overlap_efficiency(),
-                "prediction_precision": r.mean_precision(),
-                "prediction_recall": r.mean_recall(),
+                "prediction_precision": (!r.layers.is_empty()).then(|| r.mean_precision()),
+                "prediction_recall": (!r.layers.is_empty()).then(|| r.mean_recall()),
                 "demand_bytes": r.stats.demand_bytes,
                 "prefetch_bytes": r.stats.prefetch_bytes,
                 "useful_prefetches": r.stats.useful_prefetches,
@@ -622,7 +676,7 @@ fn schedules_json(runs: &[Runs], n_layers: usize) -> (Value, Value, Value) {
                     "stall_s_per_token": x.stall.as_secs_f64() / x.tokens.max(1) as f64,
                 })).collect::<Vec<_>>(),
                 "layers": r.layers.iter().map(|l| json!({
-                    "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled,
+                    "layer": l.layer, "precision": l.precision, "recall": l.recall, "prefetch_enabled": l.enabled, "predicted": l.predicted,
                 })).collect::<Vec<_>>(),
                 "disk_use": r.disk_use.as_ref().map(|u| disk_use_json(u, n_layers, r.tokens.len())),
                 "layer_costs": r.layer_costs.iter().enumerate().map(|(layer, c)| json!({
@@ -744,14 +798,15 @@ fn probe_bytes(model: &Model) -> u64 {
 
 /// One schedule's runs of [`run_interleaved`].
 struct Runs {
-    /// The run with the median decode time.
+    /// The run with the median decode time ([`median_index`]).
     median: ScheduleReport,
     /// Tokens per second of every run, in run order.
     tok_s: Vec<f64>,
 }
 
 impl Runs {
-    /// Half the spread of the runs' tok/s, relative to the median (0 for one run).
+    /// Half the spread of the runs' tok/s, relative to their median (0 for one
+    /// run).
     fn spread(&self) -> f64 {
         let (lo, hi) = self
             .tok_s
@@ -760,7 +815,7 @@ impl Runs {
         if self.tok_s.len() < 2 {
             0.0
         } else {
-            (hi - lo) / 2.0 / self.median.tok_s().max(1e-9)
+            (hi - lo) / 2.0 / median(self.tok_s.clone()).max(1e-9)
         }
     }
 }
@@ -835,16 +890,16 @@ fn run_interleaved(
         );
     }
     // The overlap figures need the device's bandwidth. The probe reads scattered
-    // extents cold; on-demand's reads while it waits measure the bandwidth the
-    // decode's own reads got: use the higher (the median over rounds).
+    // extents cold; on-demand's bytes over the time it had reads outstanding
+    // measure the bandwidth the decode's own reads got: use the higher (the
+    // median over rounds).
     let od = args.schedules.iter().position(|s| *s == Schedule::OnDemand);
     if let Some(i) = od.filter(|_| bw > 0.0) {
-        let mut v: Vec<f64> = all[i].iter().map(ScheduleReport::stall_read_bw).collect();
-        v.sort_by(f64::total_cmp);
-        if let Some(&od_bw) = v.get(v.len() / 2).filter(|b| **b > bw) {
+        let v: Vec<f64> = all[i].iter().map(ScheduleReport::busy_read_bw).collect();
+        if let Some(od_bw) = Some(median(v)).filter(|b| *b > bw) {
             eprintln!(
-                "les bench: on-demand read at {:.0} MiB/s while waiting, faster than the probe: \
-                 the overlap figures use that",
+                "les bench: on-demand read at {:.0} MiB/s while it had reads outstanding, \
+                 faster than the probe: the overlap figures use that",
                 mib(od_bw)
             );
             for r in all.iter_mut().flatten() {
@@ -859,7 +914,7 @@ fn run_interleaved(
         .map(|mut v| {
             let tok_s = v.iter().map(ScheduleReport::tok_s).collect();
             v.sort_by_key(|r| r.decode);
-            let median = v.swap_remove(v.len() / 2);
+            let median = v.swap_remove(median_index(v.len()));
             Runs { median, tok_s }
         })
         .collect();
@@ -870,7 +925,7 @@ fn run_interleaved(
 struct SweepRow {
     /// Budget, percent of the expert bytes.
     pct: f64,
-    /// les's median tok/s and hit rate.
+    /// les's median tok/s and ready hit rate (picks resident and landed).
     tok_s: f64,
     hit_rate: f64,
     /// on-demand's median tok/s and hit rate (LRU), if it ran.
@@ -908,13 +963,14 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     if !args.json {
         writeln!(
             out,
-            "{:>7} {:>6} {:<10} {:>8} {:>7} {:>8} {:>9} {:>8} {:>8}",
+            "{:>7} {:>6} {:<10} {:>8} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8}",
             "budget",
             "slots",
             "schedule",
             "tok/s",
             "spread",
             "hit",
+            "ready",
             "MiB/tok",
             "overlap",
             "speedup"
@@ -975,7 +1031,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 rows.push(SweepRow {
                     pct,
                     tok_s: r.tok_s(),
-                    hit_rate: r.hit_rate(),
+                    hit_rate: r.ready_hit_rate(),
                     base,
                     lru_hit,
                     optimal,
@@ -987,13 +1043,14 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             }
             writeln!(
                 out,
-                "{:>6.0}% {:>6} {:<10} {:>8.2} {:>6.1}% {:>7.1}% {:>9.2} {:>8.2} {:>8}",
-                pct,
+                "{:>6}% {:>6} {:<10} {:>8.2} {:>6.1}% {:>7.1}% {:>7.1}% {:>9.2} {:>8.2} {:>8}",
+                percent_label(pct),
                 slots,
                 s.name(),
                 r.tok_s(),
                 100.0 * x.spread(),
                 100.0 * r.hit_rate(),
+                100.0 * r.ready_hit_rate(),
                 mib(r.bytes_per_token()),
                 r.overlap_efficiency(),
                 base.map_or("-".into(), |b| format!("{:.2}x", r.tok_s() / b)),
@@ -1004,27 +1061,22 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             differing.push(format!("{pct}%"));
         }
     }
-    // Slower only beyond the run-to-run spread of that budget's runs.
-    let never_slower = rows
-        .iter()
-        .all(|r| r.base.is_none_or(|b| r.tok_s >= b * (1.0 - r.noise)));
+    let (never_slower, hits_ge_lru) = verdicts(&rows);
     let within_noise: Vec<String> = rows
         .iter()
         .filter_map(|r| {
             let b = r.base?;
-            (r.tok_s < b && r.tok_s >= b * (1.0 - r.noise)).then(|| {
+            let tol = tolerance(r.noise);
+            (r.tok_s < b && r.tok_s >= b * (1.0 - tol)).then(|| {
                 format!(
-                    "{:.0}%: {:.2}x within the +-{:.1}% spread",
-                    r.pct,
+                    "{}%: {:.2}x within the +-{:.1}% spread",
+                    percent_label(r.pct),
                     r.tok_s / b,
-                    100.0 * r.noise
+                    100.0 * tol
                 )
             })
         })
         .collect();
-    let hits_ge_lru = rows
-        .iter()
-        .all(|r| r.lru_hit.is_none_or(|h| r.hit_rate >= h));
     if args.json {
         let obj = json!({
             "model": args.model.display().to_string(),
@@ -1044,7 +1096,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     writeln!(
         out,
         "les never slower than on-demand: {}{}{}",
-        if never_slower { "yes" } else { "no" },
+        verdict_word(never_slower),
         if args.repeat > 1 {
             format!(" (medians of {} interleaved runs)", args.repeat)
         } else {
@@ -1058,12 +1110,18 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     )?;
     writeln!(
         out,
-        "les hit rate >= LRU at every budget: {}",
-        if hits_ge_lru { "yes" } else { "no" }
+        "les hit rate (ready when picked) >= LRU at every budget: {}",
+        verdict_word(hits_ge_lru)
     )?;
     let optimal: Vec<String> = rows
         .iter()
-        .filter_map(|r| Some(format!("{:.0}% {:.1}%", r.pct, 100.0 * r.optimal?)))
+        .filter_map(|r| {
+            Some(format!(
+                "{}% {:.1}%",
+                percent_label(r.pct),
+                100.0 * r.optimal?
+            ))
+        })
         .collect();
     if !optimal.is_empty() {
         writeln!(
@@ -1073,6 +1131,39 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         )?;
     }
     different_tokens(&differing)
+}
+
+/// The largest relative shortfall against on-demand a sweep's verdict calls
+/// noise: the budget's run-to-run spread, at most half.
+fn tolerance(noise: f64) -> f64 {
+    noise.clamp(0.0, 0.5)
+}
+
+/// The sweep's verdicts over les's rows: never slower than on-demand (beyond
+/// each budget's [`tolerance`]), and a ready hit rate at least LRU's at every
+/// budget. `None` where nothing was compared: les or on-demand did not run.
+fn verdicts(rows: &[SweepRow]) -> (Option<bool>, Option<bool>) {
+    let compared = |f: fn(&SweepRow) -> Option<f64>| rows.iter().any(|r| f(r).is_some());
+    let never_slower = compared(|r| r.base).then(|| {
+        rows.iter().all(|r| {
+            r.base
+                .is_none_or(|b| r.tok_s >= b * (1.0 - tolerance(r.noise)))
+        })
+    });
+    let hits = compared(|r| r.lru_hit).then(|| {
+        rows.iter()
+            .all(|r| r.lru_hit.is_none_or(|h| r.hit_rate >= h))
+    });
+    (never_slower, hits)
+}
+
+/// `yes`, `no`, or why there is no verdict.
+fn verdict_word(v: Option<bool>) -> &'static str {
+    match v {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "n/a (needs les and on-demand in --schedules)",
+    }
 }
 
 /// The sweep's verdict on exactness: an error naming the budgets whose

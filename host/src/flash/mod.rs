@@ -683,6 +683,20 @@ impl FileDevice {
         &self.shared.counters
     }
 
+    /// The counters now, with the device's busy time up to this moment: a
+    /// stretch with reads still outstanding counts so far (the counters add a
+    /// stretch only when it ends), so the difference of two snapshots is the
+    /// busy time between them.
+    pub fn io_snapshot(&self) -> IoSnapshot {
+        let b = lock(&self.shared.busy);
+        // Under the clock's lock, no stretch can end (and be added) meanwhile.
+        let mut s = self.shared.counters.snapshot();
+        if b.outstanding > 0 {
+            s.busy_nanos += b.since.elapsed().as_nanos() as u64;
+        }
+        s
+    }
+
     /// Records every read that finishes and every stall from now on into
     /// `trace` (once per device: false, and nothing changes, if it already
     /// records into one).
