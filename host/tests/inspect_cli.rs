@@ -219,3 +219,27 @@ fn inspect_counts_packed_experts() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Keys and tensor names come from the file: printed with their control
+/// characters escaped, so a file cannot move the cursor, retitle the terminal
+/// or forge lines of the listing.
+#[test]
+fn inspect_escapes_control_characters_in_names() {
+    let mut w = GgufWriter::new();
+    w.add_kv("general.architecture", "llama").unwrap();
+    w.add_kv("evil\nsecond line \u{1b}[31mRED", 1u32).unwrap();
+    w.add_tensor("t\u{1b}]0;pwned\u{7}", &[4], GgmlType::F32)
+        .unwrap();
+    let mut data = w.write_header(Vec::new()).unwrap();
+    while let Some((name, size)) = data.next_tensor() {
+        let name = name.to_owned();
+        data.write_tensor(&name, &vec![0; size as usize]).unwrap();
+    }
+    let path = tmp("inspect_escapes.gguf");
+    std::fs::write(&path, data.finish().unwrap()).unwrap();
+    let out = stdout(&les(&["inspect"], &path));
+    assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+    assert!(out.contains(r"evil\nsecond line \u{1b}[31mRED  1"), "{out}");
+    assert!(out.contains(r"t\u{1b}]0;pwned\u{7}  f32"), "{out}");
+    assert!(!out.lines().any(|l| l.starts_with("second line")), "{out}");
+}

@@ -158,7 +158,7 @@ fn write_model(path: &Path, spec: &ModelSpec) {
                 continue;
             }
             let n = (dims[0] * dims[1] * dims[2]) as usize;
-            let rows = n / dims[0] as usize;
+            let rows = n.checked_div(dims[0] as usize).unwrap_or(0);
             add(
                 t(name),
                 dims.clone(),
@@ -593,6 +593,39 @@ fn pack_errors_are_clear() {
         assert_eq!(l.types[0].block_elems(), 32, "{:?}", l.types);
     }
 
+    // Zero-width experts (which would leave the expert count unbounded by the
+    // file's size), and more experts than 16-bit ids name.
+    let zero = model(
+        "pack_err_zero.gguf",
+        &ModelSpec {
+            n_ff: 0,
+            ..Default::default()
+        },
+    );
+    let m = msg(&zero, opts(ExpertTypes::BitsPerWeight(4.0)));
+    assert!(
+        m.contains("expert_feed_forward_length must not be 0"),
+        "{m}"
+    );
+    let many = fresh("pack_err_many.gguf");
+    rewrite_gguf(
+        &plain,
+        &many,
+        |k, v| {
+            Some(if k == "qwen3moe.expert_count" {
+                70000u32.into()
+            } else {
+                v
+            })
+        },
+        vec![],
+    );
+    let m = msg(&many, opts(ExpertTypes::Keep));
+    assert!(
+        m.contains("qwen3moe.expert_count is 70000, above 65535"),
+        "{m}"
+    );
+
     // Packing a packed file.
     let packed = fresh("pack_err_packed.gguf");
     pack_ok(&plain, &packed, &opts(ExpertTypes::Keep));
@@ -871,6 +904,34 @@ fn pack_cli_end_to_end() {
         );
     }
     assert!(fs::read(&input).unwrap() == before);
+
+    // Refuses to replace what is not a regular file: a pipe, a directory.
+    let fifo = fresh("pack_cli_fifo.gguf");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let dir = fresh("pack_cli_dir.gguf");
+    let _ = fs::remove_dir(&dir);
+    fs::create_dir(&dir).unwrap();
+    for target in [&fifo, &dir] {
+        let r = run(&[], target);
+        assert!(!r.status.success());
+        let e = stderr(&r);
+        assert!(
+            e.trim_end()
+                .ends_with("exists and is not a regular file: refusing to replace it"),
+            "{e}"
+        );
+    }
+    let fifo_kind = fs::symlink_metadata(&fifo).unwrap().file_type();
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&fifo_kind));
+    fs::remove_file(&fifo).unwrap();
+    fs::remove_dir(&dir).unwrap();
 
     // Bad plans and options: one clear line, nothing left behind.
     let failed = fresh("pack_cli_failed.gguf");

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::{json, Map, Value as Json};
 
+use super::printable;
 use crate::gguf::{Gguf, OptionalKey, Value};
 
 /// Arguments of `les inspect`.
@@ -64,22 +65,23 @@ fn experts(g: &Gguf, arch: Option<&str>) -> Result<Experts, Box<dyn Error>> {
     };
     let count = meta("expert_count")?;
     let used = meta("expert_used_count")?;
-    let mut layers: Vec<ExpertLayer> = Vec::new();
+    // By layer number (a file may hold any number of tensors: no linear search).
+    let mut by_layer: std::collections::BTreeMap<_, ExpertLayer> = Default::default();
     for t in g.tensors() {
         let Some((layer, dim)) = expert_layer(t.name()) else {
             continue;
         };
         let experts = count.unwrap_or_else(|| t.dims().get(dim).copied().unwrap_or(1));
-        match layers.iter_mut().find(|l| l.layer == layer) {
-            Some(l) => l.bytes += t.size(),
-            None => layers.push(ExpertLayer {
+        by_layer
+            .entry(layer)
+            .or_insert(ExpertLayer {
                 layer,
-                bytes: t.size(),
+                bytes: 0,
                 experts,
-            }),
-        }
+            })
+            .bytes += t.size();
     }
-    layers.sort_by_key(|l| l.layer);
+    let layers: Vec<ExpertLayer> = by_layer.into_values().collect();
     let total_bytes = layers.iter().map(|l| l.bytes).sum();
     Ok(Experts {
         count,
@@ -194,14 +196,19 @@ fn text_report(
     writeln!(out, "gguf version  {}", g.version())?;
     writeln!(out, "alignment     {}", g.alignment())?;
     writeln!(out, "data offset   {}", g.data_offset())?;
-    writeln!(out, "architecture  {}", arch.unwrap_or("(none)"))?;
+    writeln!(
+        out,
+        "architecture  {}",
+        arch.map_or("(none)".into(), printable)
+    )?;
     writeln!(out, "metadata      {} keys", g.metadata_len())?;
     writeln!(out, "tensors       {} ({})", g.tensor_count(), human(total))?;
 
     let hp = hyperparameters(g, arch);
     if let Some(arch) = arch {
-        writeln!(out, "\nhyperparameters ({arch}.*)")?;
-        let width = hp.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        writeln!(out, "\nhyperparameters ({}.*)", printable(arch))?;
+        let hp: Vec<(String, &Value)> = hp.iter().map(|(k, v)| (printable(k), v)).collect();
+        let width = hp.iter().map(|(k, _)| k.chars().count()).max().unwrap_or(0);
         for (k, v) in &hp {
             writeln!(out, "  {k:<width$}  {}", text_value(v))?;
         }
@@ -211,16 +218,22 @@ fn text_report(
     let other: Vec<_> = g
         .metadata()
         .filter(|(k, _)| !is_hyperparameter(k, arch))
+        .map(|(k, v)| (printable(k), v))
         .collect();
-    let width = other.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let width = other
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0);
     for (k, v) in &other {
         writeln!(out, "  {k:<width$}  {}", text_value(v))?;
     }
 
     writeln!(out, "\ntensors")?;
-    let name_w = g
-        .tensors()
-        .map(|t| t.name().len())
+    let names: Vec<String> = g.tensors().map(|t| printable(t.name())).collect();
+    let name_w = names
+        .iter()
+        .map(|n| n.chars().count())
         .max()
         .unwrap_or(0)
         .max(4);
@@ -231,11 +244,11 @@ fn text_report(
         "  {:<name_w$}  {:<6}  {:<dims_w$}  {:>12}",
         "name", "type", "dims", "bytes"
     )?;
-    for (t, d) in g.tensors().zip(&dims) {
+    for ((t, d), name) in g.tensors().zip(&dims).zip(&names) {
         writeln!(
             out,
             "  {:<name_w$}  {:<6}  {d:<dims_w$}  {:>12}",
-            t.name(),
+            name,
             t.ggml_type().name(),
             t.size()
         )?;

@@ -82,9 +82,45 @@ pub fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            let line = e.to_string().replace('\n', " ");
-            eprintln!("error: {line}");
+            eprintln!("error: {}", one_line(&e.to_string()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `text` as one printable line: line breaks become spaces, and every other
+/// control character (an error can quote a key or tensor name read from an
+/// untrusted file, which could move the cursor or retitle the terminal) its
+/// escape, as `\u{1b}`.
+pub(crate) fn one_line(text: &str) -> String {
+    printable(&text.replace(['\n', '\r'], " "))
+}
+
+/// `text` with every control character escaped (`\u{1b}`, `\n`): names read
+/// from a file, safe to print on a terminal.
+pub(crate) fn printable(text: &str) -> String {
+    let mut line = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            line.extend(c.escape_default());
+        } else {
+            line.push(c);
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn errors_print_as_one_line_without_control_characters() {
+        assert_eq!(one_line("a\nb\r\nc"), "a b  c");
+        assert_eq!(
+            one_line("tensor '\u{1b}]0;pwned\u{7}\u{1b}[2K\u{c}x\u{0}': bad"),
+            "tensor '\\u{1b}]0;pwned\\u{7}\\u{1b}[2K\\u{c}x\\u{0}': bad"
+        );
+        assert_eq!(one_line("Grüße, 日本 \t"), "Grüße, 日本 \\t");
     }
 }

@@ -27,11 +27,27 @@ impl MappedFile {
     /// Maps `path` read-only. See the type's documentation for the promise this
     /// makes: nothing modifies or truncates the file while it is mapped.
     pub fn open(path: impl AsRef<Path>) -> io::Result<Self> {
-        let file = File::open(path)?;
-        if file.metadata()?.is_dir() {
+        let mut options = std::fs::OpenOptions::new();
+        options.read(true);
+        // Without a writer, opening a FIFO would block forever; opened
+        // non-blocking it is refused below like any other non-regular file.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32);
+        }
+        let file: File = options.open(path)?;
+        let kind = file.metadata()?.file_type();
+        if kind.is_dir() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "is a directory",
+            ));
+        }
+        if !kind.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file (a model is mapped into memory, so it cannot be a pipe or device)",
             ));
         }
         // SAFETY: memmap2 requires that the mapped file is not modified or
@@ -53,5 +69,43 @@ impl Deref for MappedFile {
 impl AsRef<[u8]> for MappedFile {
     fn as_ref(&self) -> &[u8] {
         &self.map
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    /// Opens `path` on a thread; `None` if it has not returned within 5 s.
+    fn open_within_5s(path: &Path) -> Option<io::Result<MappedFile>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = path.to_path_buf();
+        std::thread::spawn(move || tx.send(MappedFile::open(path)));
+        rx.recv_timeout(std::time::Duration::from_secs(5)).ok()
+    }
+
+    #[test]
+    fn a_pipe_or_a_device_is_refused_at_once() {
+        let dir = std::env::temp_dir().join(format!("les-mmap-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("model.gguf");
+        let _ = std::fs::remove_file(&fifo);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        for path in [fifo.as_path(), Path::new("/dev/null")] {
+            let err = open_within_5s(path)
+                .unwrap_or_else(|| panic!("{}: opening it hung", path.display()))
+                .unwrap_err();
+            assert!(err.to_string().starts_with("not a regular file"), "{err}");
+        }
+        let err = open_within_5s(&dir).unwrap().unwrap_err();
+        assert_eq!(err.to_string(), "is a directory");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

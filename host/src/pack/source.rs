@@ -120,6 +120,20 @@ impl MoeSource {
         if n_experts == 0 {
             return Err(PackError::NotMoe(format!("{arch}.expert_count is 0")));
         }
+        // As the model loader: expert ids are 16-bit, and an expert has bytes
+        // (zero-width experts would leave the expert count unbounded by the file).
+        if n_experts > u16::MAX as usize {
+            return Err(PackError::Model(format!(
+                "{arch}.expert_count is {n_experts}, above {}",
+                u16::MAX
+            )));
+        }
+        if n_embd == 0 || n_ff == 0 {
+            return Err(PackError::Model(format!(
+                "experts of {n_ff} x {n_embd}: {arch}.embedding_length and \
+                 expert_feed_forward_length must not be 0"
+            )));
+        }
         let mut layers = Vec::with_capacity(found.len());
         for (layer, ts) in found {
             let mut mats = Vec::with_capacity(3);

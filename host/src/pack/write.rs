@@ -36,6 +36,14 @@ pub fn check_output(input: &Path, output: &Path) -> Result<(), PackError> {
         // Nothing there yet, so it cannot be the input.
         return Ok(());
     };
+    // The output replaces what is there by a rename: never a directory, a
+    // device (`-o /dev/null` would become a regular file) or a pipe.
+    if !out_meta.is_file() {
+        return Err(PackError::BadOption(format!(
+            "{} exists and is not a regular file: refusing to replace it",
+            output.display()
+        )));
+    }
     let in_canon = fs::canonicalize(input).map_err(|e| io_err(input, e))?;
     if fs::canonicalize(output).is_ok_and(|o| o == in_canon) {
         return Err(same());
