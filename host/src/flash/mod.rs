@@ -482,11 +482,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct InFlight {
     tag: Tag,
     slot: u32,
-    start: u32,
-    end: u32,
+    /// The bytes of the slot it writes (64-bit: a slot of 4 GiB ends at 2^32).
+    start: u64,
+    end: u64,
 }
 
 /// A [`BlockDevice`] reading a file into a fixed arena of slots.
+///
+/// It stays on the thread that opened it: with `io_uring`, its ring accepts
+/// submissions from that thread only (set up `SINGLE_ISSUER`), so the type is
+/// not `Send`.
+///
+/// ```compile_fail
+/// fn on_another_thread<T: Send>() {}
+/// on_another_thread::<les::flash::FileDevice>();
+/// ```
 pub struct FileDevice {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
@@ -612,24 +622,26 @@ impl FileDevice {
         };
         #[cfg(not(any(target_os = "linux", target_os = "android")))]
         let n_workers = config.threads.max(1);
-        let workers = (0..n_workers)
-            .map(|i| {
-                let s = Arc::clone(&shared);
-                std::thread::Builder::new()
-                    .name(format!("les-io-{i}"))
-                    .spawn(move || worker(&s, max_read, i))
-            })
-            .collect::<io::Result<Vec<_>>>()?;
-        Ok(FileDevice {
+        let mut device = FileDevice {
             shared,
-            workers,
+            workers: Vec::with_capacity(n_workers),
             #[cfg(any(target_os = "linux", target_os = "android"))]
             uring,
             queue_depth: config.queue_depth.max(1),
             chunk_bytes: config.chunk_bytes / SLOT_ALIGN * SLOT_ALIGN,
             in_flight: Vec::new(),
             checks: ReadChecks::default(),
-        })
+        };
+        for i in 0..n_workers {
+            let s = Arc::clone(&device.shared);
+            // On failure the device drops: it stops and joins the threads
+            // already started, and frees its memory.
+            let w = std::thread::Builder::new()
+                .name(format!("les-io-{i}"))
+                .spawn(move || worker(&s, max_read, i))?;
+            device.workers.push(w);
+        }
+        Ok(device)
     }
 
     /// Checks every later read that starts at an offset of `checks` on the I/O
@@ -800,6 +812,10 @@ struct UringEngine {
     done: VecDeque<Completion<FileError>>,
     /// Set when the ring failed: every later read fails with this.
     broken: Option<FileError>,
+    /// The slot bytes (slot, start, end) of the reads the ring held when it
+    /// failed: failed to their caller, but the kernel may still write them, so
+    /// they are never handed out again ([`FileDevice::kernel_may_write`]).
+    held: Vec<(u32, u64, u64)>,
 }
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -815,6 +831,7 @@ impl UringEngine {
             depth,
             done: VecDeque::new(),
             broken: None,
+            held: Vec::new(),
         })
     }
 
@@ -939,8 +956,8 @@ impl UringEngine {
             }
             job.progress += res as u32;
             let got = job.progress as usize;
-            if res > 0 && got < want {
-                // A short read: continue from where it stopped.
+            if res > 0 && got < needed(&req) {
+                // A short read of wanted bytes: continue from where it stopped.
                 if let Err((job, e)) = self.start(s, place, job) {
                     self.fail(s, job, e, started);
                 } else if let Some((_, t)) = self.running[place].as_mut() {
@@ -1044,6 +1061,9 @@ impl UringEngine {
         }
         for place in 0..self.running.len() {
             if let Some((job, started)) = self.running[place].take() {
+                let at = job.req.slot_offset as u64;
+                self.held
+                    .push((job.req.slot.0, at, at + job.req.len as u64));
                 self.fail(s, job, err.clone(), started);
             }
         }
@@ -1075,6 +1095,18 @@ fn file_span(req: &ReadRequest) -> (u64, usize) {
         (req.offset, req.len as usize)
     } else {
         widened(req)
+    }
+}
+
+/// Bytes of [`file_span`] that must arrive: all of an aligned read's; of an
+/// unaligned one's widened span, up to the last wanted byte (its last block may
+/// pass the end of the file, and asking again past there, at an unaligned
+/// offset, is refused by some file systems).
+fn needed(req: &ReadRequest) -> usize {
+    if is_aligned(req) {
+        req.len as usize
+    } else {
+        (req.offset - widened(req).0) as usize + req.len as usize
     }
 }
 
@@ -1159,7 +1191,7 @@ fn fill(
     // The last block may extend past the end of the file: accept a short read
     // that still covers the wanted bytes.
     let mut got = 0usize;
-    while got < span {
+    while got < needed(req) {
         match s.file.read_at(&mut buf[got..], first + got as u64) {
             Ok(0) => break,
             Ok(n) => got += n,
@@ -1234,7 +1266,7 @@ impl BlockDevice for FileDevice {
                 req.len, req.offset
             ));
         }
-        let (start, end) = (req.slot_offset, slot_end as u32);
+        let (start, end) = (req.slot_offset as u64, slot_end);
         if self
             .in_flight
             .iter()
@@ -1387,6 +1419,19 @@ fn cancelled(groups: Vec<Arc<Group>>, tag: Tag) -> impl Iterator<Item = Completi
     })
 }
 
+impl FileDevice {
+    /// Whether the kernel may still write some of `slot`'s first `len` bytes: a
+    /// read the failed ring held there ([`UringEngine::held`]).
+    fn kernel_may_write(&self, slot: u32, len: u64) -> bool {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = &self.uring {
+            return u.held.iter().any(|&(s, start, _)| s == slot && start < len);
+        }
+        let _ = (slot, len);
+        false
+    }
+}
+
 #[allow(unsafe_code)]
 impl SlotMemory for FileDevice {
     fn slot(&self, slot: SlotId) -> &[u8] {
@@ -1395,9 +1440,15 @@ impl SlotMemory for FileDevice {
             "slot {} read while a read into it is in flight",
             slot.0
         );
-        // SAFETY: no read into this slot is in flight (checked above), so no I/O
-        // thread writes it; a new read can only start through `submit(&mut self)`,
-        // which the returned borrow of `self` prevents while the slice lives.
+        assert!(
+            !self.kernel_may_write(slot.0, u64::MAX),
+            "slot {} read while the failed io_uring may still write it",
+            slot.0
+        );
+        // SAFETY: no read into this slot is in flight, nor held by a failed ring
+        // (checked above), so neither an I/O thread nor the kernel writes it; a
+        // new read can only start through `submit(&mut self)`, which the
+        // returned borrow of `self` prevents while the slice lives.
         unsafe { self.shared.arena.slot(slot.0 as usize) }
     }
 
@@ -1406,14 +1457,20 @@ impl SlotMemory for FileDevice {
             !self
                 .in_flight
                 .iter()
-                .any(|f| f.slot == slot.0 && (f.start as usize) < len),
+                .any(|f| f.slot == slot.0 && f.start < len as u64),
             "slot {} read over {len} bytes while a read into them is in flight",
             slot.0
         );
-        // SAFETY: no read in flight writes the slot's first `len` bytes (checked
-        // above: each writes only `start..end` of its slot); a new read can only
-        // start through `submit(&mut self)`, which the returned borrow of `self`
-        // prevents while the slice lives.
+        assert!(
+            !self.kernel_may_write(slot.0, len as u64),
+            "slot {} read over {len} bytes while the failed io_uring may still write them",
+            slot.0
+        );
+        // SAFETY: no read in flight, nor held by a failed ring, writes the
+        // slot's first `len` bytes (checked above: each writes only
+        // `start..end` of its slot); a new read can only start through
+        // `submit(&mut self)`, which the returned borrow of `self` prevents
+        // while the slice lives.
         unsafe { self.shared.arena.prefix(slot.0 as usize, len) }
     }
 }
@@ -1450,6 +1507,53 @@ impl Drop for FileDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ring that fails with reads in it fails those reads to their caller,
+    /// but the kernel may still write their slots: those stay out of reach.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[test]
+    fn slots_a_failed_ring_held_are_never_handed_out() {
+        // On the repository's disk, which takes O_DIRECT (a tmpfs would not).
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("flash-held-{}.bin", std::process::id()));
+        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+        let cfg = FileDeviceConfig {
+            engine: IoEngine::Uring,
+            threads: 2,
+            queue_depth: 4,
+            direct: true,
+            chunk_bytes: 0,
+        };
+        let dev = FileDevice::open(&path, 2, 64 << 10, cfg);
+        std::fs::remove_file(&path).unwrap();
+        let mut dev = dev.unwrap();
+        let read = |tag, slot| ReadRequest {
+            tag: Tag(tag),
+            offset: 0,
+            len: 64 << 10,
+            slot: SlotId(slot),
+            slot_offset: 0,
+            urgent: true,
+        };
+        dev.submit(read(1, 0)).unwrap();
+        // The ring fails with the read in it, as a kernel fault would make it.
+        let u = dev.uring.as_mut().unwrap();
+        assert!(u.is_running());
+        u.fail_running(&dev.shared, io::Error::other("injected"));
+        let c = dev.poll().expect("the read completes, failed");
+        assert!(matches!(c.status, ReadStatus::Failed(_)), "{c:?}");
+        assert!(dev.in_flight.is_empty());
+        assert_eq!(dev.slot(SlotId(1)).len(), 64 << 10, "no read was there");
+        let panics = |f: &dyn Fn(&FileDevice) -> usize| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&dev))).is_err()
+        };
+        assert!(panics(&|d| d.slot(SlotId(0)).len()));
+        assert!(panics(&|d| d.slot_prefix(SlotId(0), 4096).len()));
+        assert!(
+            dev.submit(read(2, 1)).is_err(),
+            "a failed ring takes no reads"
+        );
+    }
 
     #[test]
     fn auto_engine_keeps_io_uring_for_experts_of_one_read_only() {

@@ -146,10 +146,6 @@ pub(crate) struct Ring {
     tail: u32,
 }
 
-// SAFETY: the ring is owned by one thread at a time (the device that holds it is
-// `Send` and used through `&mut`); the mappings move with it.
-unsafe impl Send for Ring {}
-
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ring")
