@@ -299,8 +299,10 @@ fn nested_arrays_and_depth_limit() {
     assert!(e.to_string().contains("'deep'"), "{e}");
 }
 
+/// A vocabulary-sized string array parses and reads back (what it costs to
+/// parse is bounded in `tests/alloc_bound.rs`, with a counting allocator).
 #[test]
-fn large_string_array_is_cheap() {
+fn large_string_array_reads_back() {
     let n = 150_000;
     let mut r = Raw::new(3, 0, 1);
     r.key("tokenizer.ggml.tokens", ValueType::Array)
@@ -717,11 +719,32 @@ fn reader_to_writer_copy_is_identical() {
     for t in g.tensors() {
         w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
     }
+    assert_eq!(w.file_len(), bytes.len() as u64);
     let mut data = w.write_header(Vec::new()).unwrap();
     for t in g.tensors() {
         data.write_tensor(t.name(), t.data()).unwrap();
     }
     assert_eq!(data.finish().unwrap(), bytes);
+}
+
+#[test]
+fn arrays_copied_from_a_file_decode_to_their_items() {
+    let (_, bytes) = written(None);
+    let g = Gguf::parse(&bytes[..]).unwrap();
+    for (key, want) in all_values() {
+        let MetaValue::Array(want) = want else {
+            continue;
+        };
+        let Some(MetaValue::Array(got)) = g.get(key).map(|v| v.to_meta()) else {
+            panic!("{key}");
+        };
+        assert_eq!(
+            (got.len(), got.elem_type()),
+            (want.len(), want.elem_type()),
+            "{key}"
+        );
+        assert!(got.items().eq(want.items()), "{key}");
+    }
 }
 
 #[test]

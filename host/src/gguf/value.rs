@@ -241,9 +241,19 @@ impl<'a> Value<'a> {
             Value::F32(v) => MetaValue::F32(v),
             Value::Bool(v) => MetaValue::Bool(v),
             Value::String(b) => MetaValue::String(b.to_vec()),
+            // Nested arrays item by item; others as the file encodes them (a
+            // vocabulary's strings, a u8 array: one copy of their bytes, not an
+            // owned value per element).
+            Value::Array(a) if a.elem == ValueType::Array => MetaValue::Array(MetaArray {
+                elem: a.elem,
+                items: Items::Values(a.iter().map(|v| v.to_meta()).collect()),
+            }),
             Value::Array(a) => MetaValue::Array(MetaArray {
                 elem: a.elem,
-                items: a.iter().map(|v| v.to_meta()).collect(),
+                items: Items::Encoded {
+                    len: a.len,
+                    bytes: a.bytes.to_vec(),
+                },
             }),
             Value::U64(v) => MetaValue::U64(v),
             Value::I64(v) => MetaValue::I64(v),
@@ -521,18 +531,42 @@ impl MetaValue {
     {
         MetaValue::Array(MetaArray {
             elem: ValueType::String,
-            items: items
-                .into_iter()
-                .map(|s| MetaValue::String(s.into().into_bytes()))
-                .collect(),
+            items: Items::Values(
+                items
+                    .into_iter()
+                    .map(|s| MetaValue::String(s.into().into_bytes()))
+                    .collect(),
+            ),
         })
     }
 
     /// Nesting depth of arrays (0 for a scalar or string).
     pub(crate) fn depth(&self) -> usize {
         match self {
-            MetaValue::Array(a) => 1 + a.items.iter().map(|v| v.depth()).max().unwrap_or(0),
+            MetaValue::Array(a) => match &a.items {
+                Items::Values(v) => 1 + v.iter().map(|v| v.depth()).max().unwrap_or(0),
+                // Never of arrays (see `Value::to_meta`).
+                Items::Encoded { .. } => 1,
+            },
             _ => 0,
+        }
+    }
+
+    /// The length of [`encode`](Self::encode)'s bytes.
+    pub(crate) fn encoded_len(&self) -> u64 {
+        match self {
+            MetaValue::U8(_) | MetaValue::I8(_) | MetaValue::Bool(_) => 1,
+            MetaValue::U16(_) | MetaValue::I16(_) => 2,
+            MetaValue::U32(_) | MetaValue::I32(_) | MetaValue::F32(_) => 4,
+            MetaValue::U64(_) | MetaValue::I64(_) | MetaValue::F64(_) => 8,
+            MetaValue::String(s) => 8 + s.len() as u64,
+            MetaValue::Array(a) => {
+                4 + 8
+                    + match &a.items {
+                        Items::Values(v) => v.iter().map(MetaValue::encoded_len).sum(),
+                        Items::Encoded { bytes, .. } => bytes.len() as u64,
+                    }
+            }
         }
     }
 
@@ -550,9 +584,10 @@ impl MetaValue {
             MetaValue::String(s) => encode_str(s, out),
             MetaValue::Array(a) => {
                 out.extend_from_slice(&a.elem.id().to_le_bytes());
-                out.extend_from_slice(&(a.items.len() as u64).to_le_bytes());
-                for item in &a.items {
-                    item.encode(out);
+                out.extend_from_slice(&(a.len() as u64).to_le_bytes());
+                match &a.items {
+                    Items::Values(v) => v.iter().for_each(|item| item.encode(out)),
+                    Items::Encoded { bytes, .. } => out.extend_from_slice(bytes),
                 }
             }
             MetaValue::U64(v) => out.extend_from_slice(&v.to_le_bytes()),
@@ -569,10 +604,22 @@ pub(crate) fn encode_str(s: &[u8], out: &mut Vec<u8>) {
 }
 
 /// An owned array whose items all have the element type (checked on construction).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct MetaArray {
     elem: ValueType,
-    items: Vec<MetaValue>,
+    items: Items,
+}
+
+/// A [`MetaArray`]'s items.
+#[derive(Clone, Debug)]
+enum Items {
+    Values(Vec<MetaValue>),
+    /// `len` items of a type other than array, encoded as in a GGUF file: an
+    /// array copied from one ([`Value::to_meta`]), whose parser validated them.
+    Encoded {
+        len: usize,
+        bytes: Vec<u8>,
+    },
 }
 
 impl MetaArray {
@@ -589,7 +636,10 @@ impl MetaArray {
                 v.value_type()
             )));
         }
-        Ok(MetaArray { elem, items })
+        Ok(MetaArray {
+            elem,
+            items: Items::Values(items),
+        })
     }
 
     /// The element type.
@@ -597,9 +647,41 @@ impl MetaArray {
         self.elem
     }
 
-    /// The items.
-    pub fn items(&self) -> &[MetaValue] {
-        &self.items
+    /// The number of items.
+    pub fn len(&self) -> usize {
+        match &self.items {
+            Items::Values(v) => v.len(),
+            Items::Encoded { len, .. } => *len,
+        }
+    }
+
+    /// Whether the array has no items.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The items, in order (decoded one by one where the array was copied from
+    /// a file).
+    pub fn items(&self) -> Box<dyn Iterator<Item = MetaValue> + '_> {
+        match &self.items {
+            Items::Values(v) => Box::new(v.iter().cloned()),
+            Items::Encoded { len, bytes } => Box::new(
+                ArrayView {
+                    elem: self.elem,
+                    len: *len,
+                    bytes,
+                }
+                .iter()
+                .map(|v| v.to_meta()),
+            ),
+        }
+    }
+}
+
+/// Arrays are equal when their types and items are, however they are stored.
+impl PartialEq for MetaArray {
+    fn eq(&self, other: &Self) -> bool {
+        self.elem == other.elem && self.len() == other.len() && self.items().eq(other.items())
     }
 }
 
@@ -644,7 +726,7 @@ macro_rules! scalar_meta {
             fn from(v: Vec<$t>) -> Self {
                 MetaValue::Array(MetaArray {
                     elem: ValueType::$variant,
-                    items: v.into_iter().map(MetaValue::$variant).collect(),
+                    items: Items::Values(v.into_iter().map(MetaValue::$variant).collect()),
                 })
             }
         }

@@ -150,7 +150,10 @@ impl GgufWriter {
     /// padding before the data section.
     fn header(&self) -> Vec<u8> {
         let alignment = self.alignment();
-        let mut out = Vec::new();
+        // Sized once, with room for the padding `write_header` adds: no copies
+        // of a large header while it grows.
+        let len = self.header_len();
+        let mut out = Vec::with_capacity(pad_to(len, alignment).try_into().unwrap_or(0));
         out.extend_from_slice(b"GGUF");
         out.extend_from_slice(&3u32.to_le_bytes());
         out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
@@ -174,10 +177,25 @@ impl GgufWriter {
         out
     }
 
+    /// The length of [`header`](Self::header)'s bytes, without building them.
+    fn header_len(&self) -> u64 {
+        let kvs: u64 = self
+            .kvs
+            .iter()
+            .map(|(k, v)| 8 + k.len() as u64 + 4 + v.encoded_len())
+            .sum();
+        let tensors: u64 = self
+            .tensors
+            .iter()
+            .map(|t| 8 + t.name.len() as u64 + 4 + 8 * t.dims.len() as u64 + 4 + 8)
+            .sum();
+        4 + 4 + 8 + 8 + kvs + tensors
+    }
+
     /// The length of the finished file in bytes.
     pub fn file_len(&self) -> u64 {
         let alignment = self.alignment();
-        let header = self.header().len() as u64;
+        let header = self.header_len();
         let start = if self.tensors.is_empty() {
             header
         } else {
@@ -193,6 +211,11 @@ impl GgufWriter {
     pub fn write_header<W: Write>(self, mut out: W) -> Result<TensorDataWriter<W>, GgufError> {
         let alignment = self.alignment();
         let mut header = self.header();
+        debug_assert_eq!(
+            header.len() as u64,
+            self.header_len(),
+            "file_len's arithmetic"
+        );
         if !self.tensors.is_empty() {
             let padded = pad_to(header.len() as u64, alignment) as usize;
             header.resize(padded, 0);

@@ -154,7 +154,7 @@ pub fn meta_tagged(v: &MetaValue) -> Json {
         MetaValue::Array(a) => json!({
             "type": "array",
             "elem": a.elem_type().name(),
-            "value": a.items().iter().map(meta_plain).collect::<Vec<_>>(),
+            "value": a.items().map(|v| meta_plain(&v)).collect::<Vec<_>>(),
         }),
         _ => json!({"type": v.value_type().name(), "value": meta_plain(v)}),
     }
