@@ -243,3 +243,102 @@ fn inspect_escapes_control_characters_in_names() {
     assert!(out.contains(r"t\u{1b}]0;pwned\u{7}  f32"), "{out}");
     assert!(!out.lines().any(|l| l.starts_with("second line")), "{out}");
 }
+
+/// A packed file's index is checked as `les run` checks it, and `--verify`
+/// checks every expert's bytes: a corrupt one fails the command, naming it,
+/// after the listing.
+#[test]
+fn inspect_checks_a_packed_index_and_verifies_its_experts() {
+    let (plain, packed) = (tmp("inspect_pk.gguf"), tmp("inspect_pk.packed.gguf"));
+    let run = |args: &[&std::ffi::OsStr]| {
+        Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let synth = run(&[
+        "synth".as_ref(),
+        "--arch".as_ref(),
+        "qwen3moe".as_ref(),
+        "--preset".as_ref(),
+        "tiny".as_ref(),
+        "--quiet".as_ref(),
+        "-o".as_ref(),
+        plain.as_os_str(),
+    ]);
+    assert!(synth.status.success());
+    let _ = std::fs::remove_file(&packed);
+    let pack = run(&[
+        "pack".as_ref(),
+        "--quiet".as_ref(),
+        plain.as_os_str(),
+        "-o".as_ref(),
+        packed.as_os_str(),
+    ]);
+    assert!(
+        pack.status.success(),
+        "{}",
+        String::from_utf8_lossy(&pack.stderr)
+    );
+
+    let out = stdout(&les(&["inspect", "--verify"], &packed));
+    assert!(out.contains("packed by les pack: 4 layers"), "{out}");
+    assert!(out.contains("match their CRC-32"), "{out}");
+    let j: Json =
+        serde_json::from_str(&stdout(&les(&["inspect", "--json", "--verify"], &packed))).unwrap();
+    assert_eq!(j["packed"]["valid"], true, "{j}");
+    assert!(j["packed"]["verified_experts"].as_u64().unwrap() > 0, "{j}");
+    let j: Json = serde_json::from_str(&stdout(&les(&["inspect", "--json"], &plain))).unwrap();
+    assert!(j["packed"].is_null(), "{j}");
+
+    // One flipped byte inside layer 1's first expert.
+    let offset = Gguf::open(&packed)
+        .unwrap()
+        .tensor("blk.1.ffn_exps_packed.weight")
+        .unwrap()
+        .offset();
+    let mut bytes = std::fs::read(&packed).unwrap();
+    bytes[offset as usize + 100] ^= 0x40;
+    let bad = tmp("inspect_pk_bad.gguf");
+    std::fs::write(&bad, &bytes).unwrap();
+    let plain_listing = les(&["inspect"], &bad);
+    assert!(plain_listing.status.success(), "the index itself is intact");
+    let o = les(&["inspect", "--verify"], &bad);
+    assert!(!o.status.success());
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(listing.contains("packed by les pack: INVALID"), "{listing}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.trim_end()
+            .ends_with("error: bad packed layout: checksum mismatch in expert 0 of layer 1"),
+        "{err}"
+    );
+
+    // A broken index fails without --verify.
+    let mut w = GgufWriter::new();
+    let g = Gguf::open(&packed).unwrap();
+    for (k, v) in g.metadata() {
+        let v = if k == "les.pack.blk.2.stride" {
+            0u64.into()
+        } else {
+            v.to_meta()
+        };
+        w.add_kv(k, v).unwrap();
+    }
+    for t in g.tensors() {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let mut data = w.write_header(Vec::new()).unwrap();
+    for t in g.tensors() {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    std::fs::write(&bad, data.finish().unwrap()).unwrap();
+    let o = les(&["inspect"], &bad);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("packed by les pack: INVALID"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("les.pack.blk.2.stride = 0"), "{err}");
+    for p in [plain, packed, bad] {
+        std::fs::remove_file(p).unwrap();
+    }
+}

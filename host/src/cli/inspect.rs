@@ -10,6 +10,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::printable;
 use crate::gguf::{Gguf, OptionalKey, Value};
+use crate::pack::{PackError, PackedIndex};
 
 /// Arguments of `les inspect`.
 #[derive(Debug, Args)]
@@ -19,6 +20,10 @@ pub struct InspectArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Also check every expert of a packed file against its CRC-32 (and its
+    /// padding for zeros): reads all the expert bytes.
+    #[arg(long)]
+    pub verify: bool,
 }
 
 /// Arrays longer than this are summarised as type and length.
@@ -99,14 +104,78 @@ pub fn run(args: &InspectArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>
         None => None,
     };
     let experts = experts(&g, arch)?;
+    // A file `les pack` wrote: its index checked as `les run` checks it.
+    let mut packed = PackedIndex::from_gguf(&g);
+    let mut verified = None;
+    if args.verify && matches!(packed, Ok(None)) {
+        eprintln!("les inspect: not a packed file: no expert checksums to verify");
+    }
+    if let (true, Ok(Some(ix))) = (args.verify, &packed) {
+        let n: usize = ix.layers().iter().map(|l| l.checksums.len()).sum();
+        eprintln!("les inspect: verifying {n} experts ...");
+        match ix.verify_all(&g) {
+            Ok(()) => verified = Some(n),
+            Err(e) => packed = Err(e),
+        }
+    }
     if args.json {
-        let report = json_report(args, &g, arch, &experts);
+        let mut report = json_report(args, &g, arch, &experts);
+        report["packed"] = packed_json(&packed);
+        if let Some(n) = verified {
+            report["packed"]["verified_experts"] = json!(n);
+        }
         serde_json::to_writer_pretty(&mut *out, &report)?;
         writeln!(out)?;
     } else {
         text_report(args, &g, arch, &experts, out)?;
+        packed_text(&packed, out)?;
+        if let Some(n) = verified {
+            writeln!(out, "  all {n} experts match their CRC-32")?;
+        }
+    }
+    // The listing is out; a broken index still fails the command.
+    packed.map(|_| ()).map_err(Into::into)
+}
+
+/// The packed layout's section of the text report (nothing for a plain file).
+fn packed_text(
+    packed: &Result<Option<PackedIndex>, PackError>,
+    out: &mut dyn Write,
+) -> Result<(), Box<dyn Error>> {
+    match packed {
+        Ok(None) => {}
+        Ok(Some(ix)) => {
+            writeln!(
+                out,
+                "\npacked by les pack: {} layers, each expert one extent aligned to {} bytes, \
+                 with its CRC-32; plan {}",
+                ix.layers().len(),
+                ix.alignment,
+                printable(&ix.plan)
+            )?;
+        }
+        Err(e) => writeln!(
+            out,
+            "\npacked by les pack: INVALID: {}",
+            printable(&e.to_string())
+        )?,
     }
     Ok(())
+}
+
+/// The packed layout as JSON: `null` for a plain file, else whether its index
+/// is valid, and its layers, alignment and plan or the error.
+fn packed_json(packed: &Result<Option<PackedIndex>, PackError>) -> Json {
+    match packed {
+        Ok(None) => Json::Null,
+        Ok(Some(ix)) => json!({
+            "valid": true,
+            "layers": ix.layers().len(),
+            "alignment": ix.alignment,
+            "plan": ix.plan,
+        }),
+        Err(e) => json!({"valid": false, "error": e.to_string()}),
+    }
 }
 
 fn hyperparameters<'g>(g: &'g Gguf, arch: Option<&str>) -> Vec<(&'g str, Value<'g>)> {
