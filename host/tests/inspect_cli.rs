@@ -315,24 +315,18 @@ fn inspect_checks_a_packed_index_and_verifies_its_experts() {
     );
 
     // A broken index fails without --verify.
-    let mut w = GgufWriter::new();
-    let g = Gguf::open(&packed).unwrap();
-    for (k, v) in g.metadata() {
-        let v = if k == "les.pack.blk.2.stride" {
-            0u64.into()
-        } else {
-            v.to_meta()
-        };
-        w.add_kv(k, v).unwrap();
-    }
-    for t in g.tensors() {
-        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
-    }
-    let mut data = w.write_header(Vec::new()).unwrap();
-    for t in g.tensors() {
-        data.write_tensor(t.name(), t.data()).unwrap();
-    }
-    std::fs::write(&bad, data.finish().unwrap()).unwrap();
+    rewrite_gguf(
+        &packed,
+        &bad,
+        |k, v| {
+            Some(if k == "les.pack.blk.2.stride" {
+                0u64.into()
+            } else {
+                v
+            })
+        },
+        vec![],
+    );
     let o = les(&["inspect"], &bad);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stdout).contains("packed by les pack: INVALID"));
