@@ -213,6 +213,8 @@ pub enum SupplyError {
     Stream(StreamError<FileError>),
     /// Viewing a resident expert failed.
     Resident(GemvError),
+    /// A resident expert's bytes do not match its packed CRC-32.
+    Corrupt(ExpertKey),
 }
 
 impl fmt::Display for SupplyError {
@@ -220,6 +222,7 @@ impl fmt::Display for SupplyError {
         match self {
             SupplyError::Stream(e) => e.fmt(f),
             SupplyError::Resident(e) => write!(f, "resident expert: {e}"),
+            SupplyError::Corrupt(k) => write!(f, "{k}: checksum mismatch in the model file"),
         }
     }
 }
@@ -236,10 +239,92 @@ pub type HostStreamed<'m> = Streamed<
     FormatFn<'m>,
 >;
 
+/// Every expert in the mapped file, each checked against its packed CRC-32 the
+/// first time it is computed, as the streamed schedules check each read: a
+/// corrupt expert ends the run under every schedule alike.
+pub struct CheckedResident<'m> {
+    inner: Resident<'m, LookupFn<'m>>,
+    model: &'m Model,
+    layer: usize,
+    /// The layer's routing, and which of its picks were handed out to check.
+    picks: Vec<(u16, bool)>,
+    /// Per layer and expert: checked already.
+    checked: Vec<bool>,
+    n_experts: usize,
+}
+
+impl<'m> CheckedResident<'m> {
+    fn new(model: &'m Model, lookup: LookupFn<'m>) -> Self {
+        let n_experts = model.hp.moe.map_or(0, |m| m.n_experts);
+        CheckedResident {
+            inner: Resident::new(lookup),
+            model,
+            layer: 0,
+            picks: Vec::new(),
+            checked: vec![false; model.hp.n_layers * n_experts],
+            n_experts,
+        }
+    }
+
+    fn key(&self, expert: u16) -> ExpertKey {
+        ExpertKey {
+            layer: self.layer as u16,
+            expert,
+        }
+    }
+}
+
+impl Experts for CheckedResident<'_> {
+    type Error = SupplyError;
+
+    fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), SupplyError> {
+        self.layer = layer;
+        self.picks.clear();
+        self.picks.extend(routing.iter().map(|&e| (e, false)));
+        self.inner
+            .begin_layer(layer, routing)
+            .map_err(SupplyError::Resident)
+    }
+
+    fn max_picks(&self, layer: usize) -> usize {
+        self.inner.max_picks(layer)
+    }
+
+    fn next(&mut self) -> Result<Option<Handout<'_>>, SupplyError> {
+        let Some(mut h) = self.inner.next().map_err(SupplyError::Resident)? else {
+            return Ok(None);
+        };
+        if let Some((e, check)) = self.picks.get_mut(h.index) {
+            let key = ExpertKey {
+                layer: self.layer as u16,
+                expert: *e,
+            };
+            let i = self.layer * self.n_experts + *e as usize;
+            *check =
+                self.checked.get(i) == Some(&false) && self.model.expert_checksum(key).is_some();
+            h.verify = *check;
+        }
+        Ok(Some(h))
+    }
+
+    fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), SupplyError> {
+        if let Some(&(e, true)) = self.picks.get(index) {
+            let key = self.key(e);
+            if checksum.is_none() || checksum != self.model.expert_checksum(key) {
+                return Err(SupplyError::Corrupt(key));
+            }
+            self.checked[self.layer * self.n_experts + e as usize] = true;
+        }
+        self.inner
+            .finish(index, checksum)
+            .map_err(SupplyError::Resident)
+    }
+}
+
 /// The experts of a run, for any schedule.
 pub enum Supply<'m> {
     /// Experts in the mapped file.
-    Resident(Resident<'m, LookupFn<'m>>),
+    Resident(Box<CheckedResident<'m>>),
     /// Experts streamed through slots.
     Streamed(Box<HostStreamed<'m>>),
 }
@@ -294,7 +379,9 @@ impl<'m> Supply<'m> {
                     rows: 0,
                 })
             });
-            return Ok(Supply::Resident(Resident::new(lookup)));
+            return Ok(Supply::Resident(Box::new(CheckedResident::new(
+                model, lookup,
+            ))));
         }
         let moe = model
             .hp
@@ -386,7 +473,7 @@ impl Experts for Supply<'_> {
 
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), SupplyError> {
         match self {
-            Supply::Resident(r) => r.begin_layer(layer, routing).map_err(SupplyError::Resident),
+            Supply::Resident(r) => r.begin_layer(layer, routing),
             Supply::Streamed(s) => s.begin_layer(layer, routing).map_err(SupplyError::Stream),
         }
     }
@@ -420,28 +507,28 @@ impl Experts for Supply<'_> {
 
     fn next(&mut self) -> Result<Option<Handout<'_>>, SupplyError> {
         match self {
-            Supply::Resident(r) => r.next().map_err(SupplyError::Resident),
+            Supply::Resident(r) => r.next(),
             Supply::Streamed(s) => s.next().map_err(SupplyError::Stream),
         }
     }
 
     fn try_next(&mut self) -> Result<Step<'_>, SupplyError> {
         match self {
-            Supply::Resident(r) => r.try_next().map_err(SupplyError::Resident),
+            Supply::Resident(r) => r.try_next(),
             Supply::Streamed(s) => s.try_next().map_err(SupplyError::Stream),
         }
     }
 
     fn next_part(&mut self, block: bool) -> Result<Step<'_>, SupplyError> {
         match self {
-            Supply::Resident(r) => r.next_part(block).map_err(SupplyError::Resident),
+            Supply::Resident(r) => r.next_part(block),
             Supply::Streamed(s) => s.next_part(block).map_err(SupplyError::Stream),
         }
     }
 
     fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), SupplyError> {
         match self {
-            Supply::Resident(r) => r.finish(index, checksum).map_err(SupplyError::Resident),
+            Supply::Resident(r) => r.finish(index, checksum),
             Supply::Streamed(s) => s.finish(index, checksum).map_err(SupplyError::Stream),
         }
     }

@@ -783,7 +783,9 @@ fn packed_model_streams_identically_and_detects_corruption() {
     }
     let corrupt = tmp("run_cli_corrupt.gguf");
     std::fs::write(&corrupt, &bytes).unwrap();
+    // Resident experts are checked too, each the first time it is computed.
     for (schedule, engine) in [
+        ("resident", "threads"),
         ("on-demand", "threads"),
         ("les", "threads"),
         ("les", "uring"),
