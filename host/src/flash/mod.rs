@@ -766,7 +766,21 @@ fn worker(s: &Shared, max_read: usize, lane: usize) {
             }
         };
         let start = Instant::now();
-        match read(s, &req, bounce.as_ref(), hash_len) {
+        // A panic here (none is known) must not leave the read unfinished and
+        // its waiter blocked forever: it fails the read instead.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            read(s, &req, bounce.as_ref(), hash_len)
+        }))
+        .unwrap_or_else(|_| {
+            Err(file_error(
+                io::ErrorKind::Other,
+                format!(
+                    "the I/O thread reading {} bytes at offset {} panicked",
+                    req.len, req.offset
+                ),
+            ))
+        });
+        match result {
             Ok((file_bytes, crc)) => {
                 let c = &s.counters;
                 c.bytes.fetch_add(req.len as u64, Ordering::Relaxed);
