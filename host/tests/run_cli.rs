@@ -239,7 +239,13 @@ fn every_schedule_and_budget_gives_bit_identical_logits() {
             let (got, (_, _, logits), _) = greedy_with_logits(&m, &args, &name);
             assert_eq!(tokens(&got), tokens(&want), "{arch} {args:?}");
             assert!(logits == want_logits, "{arch} {args:?}: logits differ");
-            assert!(got["stats"]["hit_rate"].as_f64().is_some());
+            let rate = |k: &str| {
+                got["stats"][k]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("{k}: {got}"))
+            };
+            assert!((0.0..=1.0).contains(&rate("hit_rate")), "{got}");
+            assert!(rate("ready_hit_rate") <= rate("hit_rate"), "{got}");
         }
     }
 }

@@ -627,6 +627,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             st["slots"] = json!(budget.slots());
             st["io_engine"] = json!(io_engine);
             st["hit_rate"] = json!(s.hit_rate());
+            st["ready_hit_rate"] = json!(s.ready_hit_rate());
             st["demand_bytes"] = json!(s.demand_bytes);
             st["prefetch_bytes"] = json!(s.prefetch_bytes);
             st["split_computes"] = json!(s.split_computes);
@@ -660,8 +661,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
         if let Some(s) = io {
             eprintln!(
-                "les: slot hit rate {:.1}%, read {:.1} MiB on demand + {:.1} MiB prefetched",
+                "les: slot hit rate {:.1}% ({:.1}% resident and ready when picked), read {:.1} MiB on demand + {:.1} MiB prefetched",
                 100.0 * s.hit_rate(),
+                100.0 * s.ready_hit_rate(),
                 s.demand_bytes as f64 / (1 << 20) as f64,
                 s.prefetch_bytes as f64 / (1 << 20) as f64
             );
