@@ -320,3 +320,62 @@ fn projector_dimensions_can_be_chosen() {
     // One newline token between the two rows of slices.
     assert_eq!(p.iter().filter(|t| t.as_u64() == Some(nl)).count(), 1);
 }
+
+/// An image that is a pipe or a device is refused at once (a FIFO hung, and
+/// `/dev/zero` was read into memory without end), and an mmproj whose image
+/// size would make a chunk of more than 128 x 128 patches is refused at load.
+#[test]
+fn bad_image_files_and_oversized_towers_are_refused() {
+    let (lm, mm) = models("minicpmv4_6");
+    let fifo = tmp("vision_fifo.png");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    for img in [fifo.as_path(), Path::new("/dev/zero")] {
+        let o = run(
+            &lm,
+            &mm,
+            &["--image", img.to_str().unwrap(), "-p", "x", "-n", "1"],
+        );
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.trim_end().ends_with(": not a regular file"), "{err}");
+    }
+    std::fs::remove_file(&fifo).unwrap();
+
+    let big = tmp("vision_mmproj_big.gguf");
+    let g = les::gguf::Gguf::open(&mm).unwrap();
+    let mut w = les::gguf::GgufWriter::new();
+    for (k, v) in g.metadata() {
+        let v = if k == "clip.vision.image_size" {
+            4480u32.into()
+        } else {
+            v.to_meta()
+        };
+        w.add_kv(k, v).unwrap();
+    }
+    for t in g.tensors() {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let mut data = w.write_header(Vec::new()).unwrap();
+    for t in g.tensors() {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    std::fs::write(&big, data.finish().unwrap()).unwrap();
+    let img = image();
+    let o = run(
+        &lm,
+        &big,
+        &["--image", img.to_str().unwrap(), "-p", "x", "-n", "1"],
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("clip.vision.image_size 4480 is 320 patches of 14 a side, more than 128"),
+        "{err}"
+    );
+    std::fs::remove_file(&big).unwrap();
+}

@@ -247,6 +247,8 @@ fn err(m: impl Into<String>) -> VisionError {
 
 /// The largest dimension accepted for any hyperparameter (guards allocations).
 const MAX_DIM: usize = 1 << 16;
+/// The most patches a side of `clip.vision.image_size` may have.
+const MAX_PATCHES_PER_SIDE: usize = 128;
 
 struct Loader<'g> {
     g: &'g Gguf<MappedFile>,
@@ -300,7 +302,11 @@ impl<'g> Loader<'g> {
     /// the file (`ne[1]`).
     fn mat_any_rows(&self, name: &str, cols: usize) -> Result<Mat, VisionError> {
         let t = self.tensor(name)?;
-        if t.dims().len() != 2 || t.dims()[0] != cols as u64 || t.dims()[1] as usize > MAX_DIM {
+        if t.dims().len() != 2
+            || t.dims()[0] != cols as u64
+            || t.dims()[1] == 0
+            || t.dims()[1] as usize > MAX_DIM
+        {
             return Err(err(format!(
                 "tensor {name} has shape {:?}, expected {cols} x N",
                 t.dims()
@@ -424,6 +430,15 @@ impl ClipModel {
         }
         let image_size = get_usize(&g, "clip.vision.image_size")?;
         let patch_size = get_usize(&g, "clip.vision.patch_size")?;
+        // A chunk's attention costs the square of its patches: a file's sizes
+        // must not make one image hours of work (real towers: 32-64 a side).
+        if patch_size > 0 && image_size / patch_size > MAX_PATCHES_PER_SIDE {
+            return Err(err(format!(
+                "clip.vision.image_size {image_size} is {} patches of {patch_size} a side, \
+                 more than {MAX_PATCHES_PER_SIDE}",
+                image_size / patch_size
+            )));
+        }
         let mean = get_floats3(&g, "clip.vision.image_mean")?;
         let std = get_floats3(&g, "clip.vision.image_std")?;
         if std.iter().any(|s| !(s.is_finite() && *s != 0.0)) || mean.iter().any(|m| !m.is_finite())
@@ -575,6 +590,7 @@ impl ClipModel {
                 // n_text x n_embd matrix.
                 if t.dims().len() != 2
                     || t.dims()[1] != n_embd as u64
+                    || t.dims()[0] == 0
                     || t.dims()[0] as usize > MAX_DIM
                 {
                     return Err(err(format!(

@@ -1,7 +1,7 @@
 //! Decoding image files (PNG, JPEG) into 8-bit RGB, with the dimensions bounded
 //! before any pixel is decoded.
 
-use std::io::Cursor;
+use std::io::{Cursor, Read};
 use std::path::Path;
 
 use image::{ImageFormat, ImageReader, Limits};
@@ -98,13 +98,25 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
 /// Reads and decodes the PNG or JPEG file at `path` (format from its content).
 pub fn load_image(path: &Path) -> Result<RgbImage, VisionError> {
     let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
-    let len = std::fs::metadata(path)
-        .map_err(|e| err(e.to_string()))?
-        .len();
-    if len > MAX_FILE_BYTES {
-        return Err(err(format!("{len} bytes is too large for an image file")));
+    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+    // A pipe or a device has no length to check, and may never end.
+    if !meta.is_file() {
+        return Err(err("not a regular file".into()));
     }
-    let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(err(format!(
+            "{} bytes is too large for an image file",
+            meta.len()
+        )));
+    }
+    // Bounded even if the file grows after the check.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| err(e.to_string()))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(err("too large for an image file".into()));
+    }
     decode(&bytes).map_err(err)
 }
 
