@@ -261,7 +261,7 @@ impl Drafter for ModelDrafter<'_> {
             return;
         }
         if let Err(e) = self.try_draft(max, out) {
-            eprintln!("les: {e}; drafting stops");
+            note!("les: {e}; drafting stops");
             self.failed = true;
             out.clear();
         }

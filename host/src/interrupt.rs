@@ -34,12 +34,12 @@ pub fn install() {
             for p in paths.iter() {
                 let _ = std::fs::remove_file(p);
             }
-            eprintln!("\ninterrupted");
+            note!("\ninterrupted");
             // Exits with the lock held: no rename can slip in after the removal.
             std::process::exit(EXIT_INTERRUPTED);
         });
         if let Err(e) = result {
-            eprintln!("warning: cannot install the interrupt handler: {e}");
+            note!("warning: cannot install the interrupt handler: {e}");
         }
     });
 }

@@ -26,6 +26,23 @@
 //! - [`mcu`]: the compact model index a microcontroller firmware reads.
 //! - [`interrupt`]: partial outputs removed on Ctrl-C.
 
+/// `eprintln!` for diagnostics that must never end a run: a stderr that cannot
+/// be written (closed by `les ... 2>&1 | head`) is ignored instead of panicking.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// `eprint!`, as [`note!`] (no line break: progress lines).
+macro_rules! note_inline {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod belady;
 pub mod bench;
 pub mod cli;

@@ -969,3 +969,30 @@ fn json_names_the_io_engine_auto_chose() {
     let resident = json_run(&m, &["--temp", "0", "-n", "2"]);
     assert!(resident["stats"]["io_engine"].is_null());
 }
+
+/// A closed stderr (`les run ... 2>&1 | head`) does not end the run: its
+/// diagnostics are dropped, the text still comes out (it panicked).
+#[test]
+fn a_closed_stderr_is_not_a_failure() {
+    use std::io::Read;
+    let m = model("qwen3moe");
+    let mut child = cli::les()
+        .args(["run", "-m"])
+        .arg(&m)
+        .args(["-p", "hello", "-n", "8", "--temp", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let mut text = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut text)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!text.is_empty());
+}

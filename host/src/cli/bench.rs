@@ -236,9 +236,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let expert_bytes = model.total_expert_bytes();
     let slot_bytes = budget.bytes();
     if !streamed && (args.expert_mem.is_some() || args.slots.is_some()) {
-        eprintln!("les bench: only `resident` runs, which keeps every expert in RAM: the slot budget is not used");
+        note!("les bench: only `resident` runs, which keeps every expert in RAM: the slot budget is not used");
     }
-    eprintln!(
+    note!(
         "les bench: {} ({} layers), experts {:.1} MiB, slots {} = {:.1} MiB ({:.1}% of experts{}), {} threads, {}, {}",
         model.arch.name(),
         model.hp.n_layers,
@@ -260,7 +260,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     );
     let bw = if streamed {
         let bw = device_bandwidth(&model, &args.model, budget.io, probe_bytes(&model))?;
-        eprintln!(
+        note!(
             "les bench: device reads expert extents at {:.0} MiB/s (cold, full queue)",
             mib(bw)
         );
@@ -843,7 +843,7 @@ fn run_interleaved(
     };
     for round in 0..args.repeat {
         for (i, &s) in args.schedules.iter().enumerate() {
-            eprintln!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
+            note!("les bench: running {s} ({}/{}) ...", round + 1, args.repeat);
             let before = last_probe;
             let mut r = run_schedule(model, &args.model, cfg, s, before)?;
             if before > 0.0 && s != Schedule::Resident {
@@ -856,14 +856,14 @@ fn run_interleaved(
                     device_bandwidth(model, &args.model, cfg.budget.io, probe_bytes(model))?;
                 r.probes = [before, last_probe];
                 r.device_bw = (before + last_probe) / 2.0;
-                eprintln!(
+                note!(
                     "les bench: {s}: {:.2} tok/s (device {:.0} MiB/s before, {:.0} after)",
                     r.tok_s(),
                     mib(before),
                     mib(last_probe)
                 );
             } else {
-                eprintln!("les bench: {s}: {:.2} tok/s", r.tok_s());
+                note!("les bench: {s}: {:.2} tok/s", r.tok_s());
             }
             if let Some((events, dropped)) = r.trace.take() {
                 let bounds = group_bounds(model.hp.n_layers, LAYER_GROUPS);
@@ -871,9 +871,7 @@ fn run_interleaved(
                     |l: u16| bounds.iter().rposition(|&b| b <= l as usize).unwrap_or(0) as u16;
                 r.disk_use = Some(disk_use(&events, group_of));
                 if dropped > 0 {
-                    eprintln!(
-                        "les bench: the trace of {s} had no room for its last {dropped} events"
-                    );
+                    note!("les bench: the trace of {s} had no room for its last {dropped} events");
                 }
                 traced.push((format!("{s} ({}/{})", round + 1, args.repeat), events));
             }
@@ -883,7 +881,7 @@ fn run_interleaved(
     if let (Some(path), Some(f)) = (&args.trace, trace_file) {
         write_chrome(std::io::BufWriter::new(f), &traced)
             .map_err(|e| format!("cannot write the trace {}: {e}", path.display()))?;
-        eprintln!(
+        note!(
             "les bench: wrote the trace of {} runs to {} (chrome://tracing, ui.perfetto.dev)",
             traced.len(),
             path.display()
@@ -897,7 +895,7 @@ fn run_interleaved(
     if let Some(i) = od.filter(|_| bw > 0.0) {
         let v: Vec<f64> = all[i].iter().map(ScheduleReport::busy_read_bw).collect();
         if let Some(od_bw) = Some(median(v)).filter(|b| *b > bw) {
-            eprintln!(
+            note!(
                 "les bench: on-demand read at {:.0} MiB/s while it had reads outstanding, \
                  faster than the probe: the overlap figures use that",
                 mib(od_bw)
@@ -950,7 +948,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let io = args.io.config()?;
     let bw = device_bandwidth(&model, &args.model, io, probe_bytes(&model))?;
-    eprintln!(
+    note!(
         "les bench: {threads} threads, {}; device reads expert extents at {:.0} MiB/s",
         kernels_note(),
         mib(bw)
@@ -1000,7 +998,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         };
         let mut base = None;
         let mut lru_hit = None;
-        eprintln!("les bench: budget {pct}% of the expert bytes ({slots} slots)");
+        note!("les bench: budget {pct}% of the expert bytes ({slots} slots)");
         let (runs, identical) = run_interleaved(&model, args, &cfg, bw)?;
         let medians: Vec<&ScheduleReport> = runs.iter().map(|x| &x.median).collect();
         let optimal = optimal_hit_rate(&model, &medians, &cfg.budget.classes, identical);

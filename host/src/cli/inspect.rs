@@ -108,11 +108,11 @@ pub fn run(args: &InspectArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>
     let mut packed = PackedIndex::from_gguf(&g);
     let mut verified = None;
     if args.verify && matches!(packed, Ok(None)) {
-        eprintln!("les inspect: not a packed file: no expert checksums to verify");
+        note!("les inspect: not a packed file: no expert checksums to verify");
     }
     if let (true, Ok(Some(ix))) = (args.verify, &packed) {
         let n: usize = ix.layers().iter().map(|l| l.checksums.len()).sum();
-        eprintln!("les inspect: verifying {n} experts ...");
+        note!("les inspect: verifying {n} experts ...");
         match ix.verify_all(&g) {
             Ok(()) => verified = Some(n),
             Err(e) => packed = Err(e),

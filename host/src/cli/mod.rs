@@ -66,7 +66,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = crate::compute::prefetch_from_env() {
-        eprintln!("error: {e}");
+        note!("error: {e}");
         return ExitCode::FAILURE;
     }
     let stdout = io::stdout();
@@ -82,7 +82,7 @@ pub fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {}", one_line(&e.to_string()));
+            note!("error: {}", one_line(&e.to_string()));
             ExitCode::FAILURE
         }
     }

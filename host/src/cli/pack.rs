@@ -58,17 +58,15 @@ pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     // Ctrl-C removes the temporary file; the target name never holds a partial file.
     crate::interrupt::install();
     if !args.quiet && args.bits_per_weight.is_some() {
-        eprintln!(
-            "planning: measuring the error of each candidate type on a sample of every layer"
-        );
+        note!("planning: measuring the error of each candidate type on a sample of every layer");
     }
     let packer = Packer::open(&args.input, &opts)?;
     let plan = packer.report();
     if !args.quiet {
-        eprintln!("{plan}");
+        note!("{plan}");
     }
     if plan.padding_share() > MAX_QUIET_PADDING {
-        eprintln!(
+        note!(
             "warning: {:.0}% of the packed experts' bytes are padding to {}-byte boundaries \
              ({:.1} MiB); 4 KiB (the default) is what O_DIRECT needs",
             plan.padding_share() * 100.0,
@@ -81,7 +79,7 @@ pub fn run(args: &PackArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let report = packer.write(&args.output, |done, total| bar.update(done, total))?;
     bar.finish();
     if !args.quiet {
-        eprintln!(
+        note!(
             "wrote {} ({} bytes)",
             args.output.display(),
             report.file_bytes

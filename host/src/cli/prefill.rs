@@ -35,7 +35,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         trace: false,
         kv_types: args.cache.types(),
     };
-    eprintln!(
+    note!(
         "les bench: {} ({} layers), prompt of {} tokens, {}, {} threads",
         model.arch.name(),
         model.hp.n_layers,
@@ -52,13 +52,13 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
     let mut all: Vec<Vec<PrefillReport>> = vec![Vec::new(); pairs.len()];
     for round in 0..args.repeat {
         for (i, &(s, b)) in pairs.iter().enumerate() {
-            eprintln!(
+            note!(
                 "les bench: prefill with {s}, batches of {b} ({}/{}) ...",
                 round + 1,
                 args.repeat
             );
             let r = run_prefill(&model, &args.model, &cfg, s, b)?;
-            eprintln!("les bench: {s}, batches of {b}: {:.2} tok/s", r.tok_s());
+            note!("les bench: {s}, batches of {b}: {:.2} tok/s", r.tok_s());
             all[i].push(r);
         }
     }

@@ -483,7 +483,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         None => 0,
     };
     let io_engine = supply.device().map(crate::flash::FileDevice::engine_name);
-    eprintln!(
+    note!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}{}, {threads} threads, \
          KV cache {ctx} positions {}/{} ({:.1} MiB), loaded in {:.2?}",
         model.arch.name(),
@@ -513,7 +513,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     );
     if let Some(clip) = &clip {
         if !images.is_empty() {
-            eprintln!(
+            note!(
                 "les: {} image(s) through {} ({} layers, width {}): {} embeddings in {:.2?}",
                 images.len(),
                 clip.hp.projector.name(),
@@ -585,7 +585,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let stop = if stopped_at_eog {
         "eog"
     } else if n_predict < args.n_predict && stats.generated == n_predict {
-        eprintln!("\nles: the context is full ({ctx} positions); raise it with --ctx");
+        note!("\nles: the context is full ({ctx} positions); raise it with --ctx");
         "ctx"
     } else {
         "length"
@@ -643,7 +643,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         write!(out, "{tail}")?;
         writeln!(out)?;
         out.flush()?;
-        eprintln!(
+        note!(
             "les: prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.2} tok/s (seed {seed})",
             stats.prompt_tokens,
             stats.prefill_tok_s(),
@@ -651,7 +651,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             stats.decode_tok_s()
         );
         if drafter.is_some() {
-            eprintln!(
+            note!(
                 "les: speculative: {} of {} draft tokens accepted ({:.1}%) in {} passes",
                 stats.accepted,
                 stats.drafted,
@@ -660,7 +660,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             );
         }
         if let Some(s) = io {
-            eprintln!(
+            note!(
                 "les: slot hit rate {:.1}% ({:.1}% resident and ready when picked), read {:.1} MiB on demand + {:.1} MiB prefetched",
                 100.0 * s.hit_rate(),
                 100.0 * s.ready_hit_rate(),

@@ -16,7 +16,7 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let cfg = super::bench::decode_config(args, &tokenizer, &budget)?;
     let mode = format!("{:?}", args.spec.source()).to_lowercase();
-    eprintln!(
+    note!(
         "les bench: {} ({} layers), {} tokens plain and with --speculate {mode} (drafts of up to {}{}), {}, {} threads",
         model.arch.name(),
         model.hp.n_layers,
@@ -35,7 +35,7 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
     for round in 0..args.repeat {
         for (i, &(s, spec)) in pairs.iter().enumerate() {
             let name = if spec { mode.as_str() } else { "plain" };
-            eprintln!("les bench: {s}, {name} ({}/{}) ...", round + 1, args.repeat);
+            note!("les bench: {s}, {name} ({}/{}) ...", round + 1, args.repeat);
             let r = run_speculative(
                 &model,
                 &args.model,
@@ -44,7 +44,7 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
                 spec.then_some(&args.spec),
                 draft_model.as_ref(),
             )?;
-            eprintln!(
+            note!(
                 "les bench: {s}, {name}: {:.2} tok/s, {:.2} tokens a pass",
                 r.tok_s(),
                 r.tokens_per_pass()

@@ -59,7 +59,7 @@ impl ProgressBar {
     /// Ends the bar's line (call once the job is over, before printing more).
     pub fn finish(&mut self) {
         if self.drawn {
-            eprintln!();
+            note!();
             self.drawn = false;
         }
     }

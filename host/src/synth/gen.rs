@@ -314,7 +314,7 @@ impl<W: Write> Progress<W> {
         } else {
             0.0
         };
-        eprint!(
+        note_inline!(
             "\rsynth: {:.2} / {:.2} GB ({:.1}%), {:.1} MB/s, eta {:.0}s   ",
             self.written as f64 / 1e9,
             self.total as f64 / 1e9,
@@ -323,7 +323,7 @@ impl<W: Write> Progress<W> {
             eta
         );
         if done {
-            eprintln!();
+            note!();
         }
     }
 }
