@@ -664,6 +664,41 @@ mod tokenizer {
         assert_eq!(ids.iter().filter(|&&id| id == 257).count(), 2);
     }
 
+    /// A template that writes `{{ bos_token }}` itself, for a tokenizer that
+    /// adds BOS: the prompt gets one BOS, as llama.cpp gives it (it drops the
+    /// rendered one), and one EOS where both add it.
+    #[test]
+    fn chat_prompt_has_one_bos_and_one_eos() {
+        let mut data = bpe_data("qwen2", &["<s>", "</s>"], &[]);
+        data.chat_template = Some(
+            "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}"
+                .into(),
+        );
+        data.bos_id = Some(256);
+        data.eos_id = Some(257);
+        data.token_type = Some([vec![1; 256], vec![3, 3]].concat());
+        for (add_bos, add_eos) in [(true, false), (false, false), (true, true)] {
+            data.add_bos = Some(add_bos);
+            data.add_eos = Some(add_eos);
+            let tok = Tokenizer::new(data.clone()).unwrap();
+            let rendered = tok.apply_chat_template(&[("user", "hi")], true).unwrap();
+            assert_eq!(rendered, "<s>hi</s>");
+            let ids = tok.encode(
+                &tok.chat_prompt(&[("user", "hi")], true).unwrap(),
+                true,
+                true,
+            );
+            let count = |id| ids.iter().filter(|&&t| t == id).count();
+            assert_eq!(
+                (count(256), count(257)),
+                (1, 1),
+                "add_bos {add_bos}, add_eos {add_eos}: {ids:?}"
+            );
+            assert_eq!(ids[0], 256);
+            assert_eq!(*ids.last().unwrap(), 257);
+        }
+    }
+
     const EXTRA_TEMPLATE: &str = "{{ bos_token }}
 {% set ns = namespace(n=0) %}
 {% for m in messages %}

@@ -385,7 +385,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         .collect::<Result<Vec<_>, _>>()?;
     let content = vision::place_markers(&prompt_arg, images.len());
     let prompt_text = if args.chat {
-        tokenizer.apply_chat_template(&[("user", content.as_str())], true)?
+        tokenizer.chat_prompt(&[("user", content.as_str())], true)?
     } else {
         content
     };

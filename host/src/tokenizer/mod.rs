@@ -1026,6 +1026,32 @@ impl Tokenizer {
     ) -> Result<String, ChatTemplateError> {
         self.chat_template()?.apply(messages, add_generation_prompt)
     }
+
+    /// The prompt text for `messages`, to [`encode`](Self::encode) with
+    /// `add_special`, prepared as llama.cpp prepares it: the rendered template
+    /// without a leading BOS text when encoding adds BOS anyway, nor a trailing
+    /// EOS text when it adds EOS (templates that start with `{{ bos_token }}`
+    /// would otherwise give two BOS).
+    pub fn chat_prompt<R: AsRef<str>, C: AsRef<str>>(
+        &self,
+        messages: &[(R, C)],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        let special = |on: bool, id: Option<u32>| {
+            id.filter(|_| on)
+                .and_then(|id| self.token_text(id))
+                .filter(|t| !t.is_empty())
+        };
+        let mut prompt = text.as_str();
+        if let Some(bos) = special(self.add_bos, self.bos) {
+            prompt = prompt.strip_prefix(bos).unwrap_or(prompt);
+        }
+        if let Some(eos) = special(self.add_eos, self.eos) {
+            prompt = prompt.strip_suffix(eos).unwrap_or(prompt);
+        }
+        Ok(prompt.to_string())
+    }
 }
 
 fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), TokenizerError> {
