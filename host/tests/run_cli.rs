@@ -996,3 +996,26 @@ fn a_closed_stderr_is_not_a_failure() {
     assert!(status.success(), "{status:?}");
     assert!(!text.is_empty());
 }
+
+/// `--logits-out` rewrites its header at the end: a pipe is refused before
+/// any work (it failed after the whole generation, and the JSON was lost).
+#[test]
+fn logits_out_must_be_a_regular_file() {
+    let m = model("qwen3moe");
+    let fifo = tmp("run_cli_logits.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let out = run(&m, &["--logits-out", fifo.to_str().unwrap(), "-n", "2"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.trim_end()
+            .ends_with("not a regular file (the .npy header is rewritten at the end)"),
+        "{err}"
+    );
+    std::fs::remove_file(&fifo).unwrap();
+}

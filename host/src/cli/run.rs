@@ -147,6 +147,14 @@ impl NpyWriter {
     /// Creates `path` (errors name it).
     pub fn create(path: &std::path::Path, cols: usize) -> std::io::Result<NpyWriter> {
         let named = |e| with_path(path, e);
+        // The header is rewritten with the row count at the end, which needs a
+        // file to seek in (and opening a pipe to write would wait for a reader).
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+            return Err(named(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file (the .npy header is rewritten at the end)",
+            )));
+        }
         let file = std::fs::File::create(path).map_err(named)?;
         let mut w = NpyWriter {
             file: std::io::BufWriter::new(file),
@@ -354,6 +362,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
     };
     let model = Model::open(&args.model)?;
+    // Created before the work (slots, images, prompt), so a bad path fails at once.
+    let mut npy = match &args.logits_out {
+        Some(path) => Some(NpyWriter::create(path, model.hp.n_vocab)?),
+        None => None,
+    };
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
     let (schedule, budget) = resolve_budget(
         &model,
@@ -533,11 +546,6 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     }
 
     let mut tokens = Vec::new();
-    // Created before the generation, so a bad path fails before the work.
-    let mut npy = match &args.logits_out {
-        Some(path) => Some(NpyWriter::create(path, model.hp.n_vocab)?),
-        None => None,
-    };
     let mut decoder = tokenizer.stream_decoder(false);
     let mut text = String::new();
     let mut write_err = None;
