@@ -13,6 +13,14 @@ use minijinja::{context, Environment, Error, ErrorKind, Value};
 /// Longest template source accepted (bytes).
 pub const MAX_TEMPLATE_LEN: usize = 1 << 20;
 
+/// Instructions one render may run: far more than any real template takes for
+/// a long conversation, and a bound on one from an untrusted file (nested
+/// loops of a million would otherwise hang the run).
+pub const RENDER_FUEL: u64 = 20_000_000;
+
+/// The longest rendered prompt, in bytes (as `-f`'s prompt files).
+pub const MAX_RENDERED_LEN: usize = 64 << 20;
+
 /// A compiled chat template together with the BOS and EOS strings it may use.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -84,6 +92,7 @@ impl ChatTemplate {
             .build()
             .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
         env.set_syntax(syntax);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -128,8 +137,31 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
-        tmpl.render(ctx)
-            .map_err(|e| ChatTemplateError::Render(describe(&e)))
+        let mut out = Capped(Vec::new());
+        tmpl.render_captured_to(ctx, &mut out)
+            .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
+        String::from_utf8(out.0)
+            .map_err(|_| ChatTemplateError::Render("the rendered text is not UTF-8".into()))
+    }
+}
+
+/// The rendered text, refused past [`MAX_RENDERED_LEN`].
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED_LEN {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt is longer than {} MiB",
+                MAX_RENDERED_LEN >> 20
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -432,6 +464,36 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A template from an untrusted file cannot hang the run nor fill memory:
+    /// its instructions and its output are bounded.
+    #[test]
+    fn runaway_templates_stop_with_an_error() {
+        let hi = [("user", "hi")];
+        let looping =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(looping, "", "").unwrap();
+        let start = std::time::Instant::now();
+        let err = t.apply(&hi, true).unwrap_err().to_string();
+        assert!(err.contains("fuel"), "{err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(60));
+        let long = "{% for i in range(100) %}{{ 'x' * 1000000 }}{% endfor %}";
+        let err = ChatTemplate::new(long, "", "")
+            .unwrap()
+            .apply(&hi, true)
+            .unwrap_err();
+        assert!(err.to_string().contains("longer than 64 MiB"), "{err}");
+        // A real conversation's worth of work still renders.
+        let ok = "{% for m in messages %}{% for i in range(1000) %}{{ m.content }}{% endfor %}{% endfor %}";
+        assert_eq!(
+            ChatTemplate::new(ok, "", "")
+                .unwrap()
+                .apply(&hi, true)
+                .unwrap()
+                .len(),
+            2000
+        );
+    }
 
     #[test]
     fn strftime_known_instants() {
