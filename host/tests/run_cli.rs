@@ -627,6 +627,21 @@ fn errors_are_one_line_and_nonzero() {
             ],
             "/no-such-prompt.txt",
         ),
+        // A budget for a schedule that has no slots is a mistake, not a no-op.
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--schedule",
+                "resident",
+                "--slots",
+                "4",
+            ],
+            "--schedule resident keeps every expert in RAM",
+        ),
         (
             vec![
                 "run",
@@ -796,18 +811,18 @@ fn packed_model_streams_identically_and_detects_corruption() {
         ("les", "threads"),
         ("les", "uring"),
     ] {
+        let slots: &[&str] = if schedule == "resident" {
+            &[]
+        } else {
+            &["--slots", "2"]
+        };
         let out = run(
             &corrupt,
             &[
-                "--schedule",
-                schedule,
-                "--slots",
-                "2",
-                "--temp",
-                "0",
-                "--io-engine",
-                engine,
-            ],
+                &["--schedule", schedule, "--temp", "0", "--io-engine", engine][..],
+                slots,
+            ]
+            .concat(),
         );
         assert!(
             !out.status.success(),

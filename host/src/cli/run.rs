@@ -361,6 +361,15 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         (None, Some(path)) => read_prompt_file(path)?,
         (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
     };
+    if args.schedule == Some(Schedule::Resident)
+        && (args.expert_mem.is_some() || args.slots.is_some())
+    {
+        return Err(
+            "--expert-mem and --slots size the slots of on-demand and les; \
+                    --schedule resident keeps every expert in RAM"
+                .into(),
+        );
+    }
     let model = Model::open(&args.model)?;
     // Created before the work (slots, images, prompt), so a bad path fails at once.
     let mut npy = match &args.logits_out {
