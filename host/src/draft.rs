@@ -361,6 +361,12 @@ impl SpecArgs {
     /// The draft model these options name, opened and checked against the
     /// target's tokenizer (`None` unless drafting from a model).
     pub fn open_draft_model(&self, target: &Tokenizer) -> Result<Option<Model>, String> {
+        if self.ngram_min > self.ngram_max {
+            return Err(format!(
+                "--ngram-min {} is more than --ngram-max {}",
+                self.ngram_min, self.ngram_max
+            ));
+        }
         match (self.source(), &self.model_draft) {
             (DraftSource::Model, Some(path)) => {
                 let m = Model::open(path).map_err(|e| format!("{}: {e}", path.display()))?;

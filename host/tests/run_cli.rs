@@ -627,6 +627,22 @@ fn errors_are_one_line_and_nonzero() {
             ],
             "/no-such-prompt.txt",
         ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--speculate",
+                "ngram",
+                "--ngram-min",
+                "3",
+                "--ngram-max",
+                "1",
+            ],
+            "--ngram-min 3 is more than --ngram-max 1",
+        ),
         // A budget for a schedule that has no slots is a mistake, not a no-op.
         (
             vec![
