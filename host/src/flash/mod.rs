@@ -709,6 +709,17 @@ impl FileDevice {
         s
     }
 
+    /// Whether the kernel may still write some of `slot`'s first `len` bytes: a
+    /// read the failed ring held there ([`UringEngine::held`]).
+    fn kernel_may_write(&self, slot: u32, len: u64) -> bool {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(u) = &self.uring {
+            return u.held.iter().any(|&(s, start)| s == slot && start < len);
+        }
+        let _ = (slot, len);
+        false
+    }
+
     /// Records every read that finishes and every stall from now on into
     /// `trace` (once per device: false, and nothing changes, if it already
     /// records into one).
@@ -826,10 +837,10 @@ struct UringEngine {
     done: VecDeque<Completion<FileError>>,
     /// Set when the ring failed: every later read fails with this.
     broken: Option<FileError>,
-    /// The slot bytes (slot, start, end) of the reads the ring held when it
-    /// failed: failed to their caller, but the kernel may still write them, so
-    /// they are never handed out again ([`FileDevice::kernel_may_write`]).
-    held: Vec<(u32, u64, u64)>,
+    /// Where the reads the ring held when it failed start (slot, byte): failed
+    /// to their caller, but the kernel may still write them, so those slots are
+    /// never handed out again from there on ([`FileDevice::kernel_may_write`]).
+    held: Vec<(u32, u64)>,
 }
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -1075,9 +1086,7 @@ impl UringEngine {
         }
         for place in 0..self.running.len() {
             if let Some((job, started)) = self.running[place].take() {
-                let at = job.req.slot_offset as u64;
-                self.held
-                    .push((job.req.slot.0, at, at + job.req.len as u64));
+                self.held.push((job.req.slot.0, job.req.slot_offset as u64));
                 self.fail(s, job, err.clone(), started);
             }
         }
@@ -1431,19 +1440,6 @@ fn cancelled(groups: Vec<Arc<Group>>, tag: Tag) -> impl Iterator<Item = Completi
         g.dropped.store(true, Ordering::Release);
         g.finish(tag)
     })
-}
-
-impl FileDevice {
-    /// Whether the kernel may still write some of `slot`'s first `len` bytes: a
-    /// read the failed ring held there ([`UringEngine::held`]).
-    fn kernel_may_write(&self, slot: u32, len: u64) -> bool {
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        if let Some(u) = &self.uring {
-            return u.held.iter().any(|&(s, start, _)| s == slot && start < len);
-        }
-        let _ = (slot, len);
-        false
-    }
 }
 
 #[allow(unsafe_code)]
