@@ -1033,13 +1033,7 @@ fn a_closed_stderr_is_not_a_failure() {
 #[test]
 fn logits_out_must_be_a_regular_file() {
     let m = model("qwen3moe");
-    let fifo = tmp("run_cli_logits.fifo");
-    let _ = std::fs::remove_file(&fifo);
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = cli::fifo("run_cli_logits.fifo");
     let out = run(&m, &["--logits-out", fifo.to_str().unwrap(), "-n", "2"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -3,12 +3,14 @@
 //! markers say, and bad inputs fail cleanly.
 
 mod cli;
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::sync::OnceLock;
 
 use cli::{les, stdout_ok, tmp, tokens};
+use common::rewrite_gguf;
 use serde_json::Value;
 
 fn image() -> PathBuf {
@@ -327,13 +329,7 @@ fn projector_dimensions_can_be_chosen() {
 #[test]
 fn bad_image_files_and_oversized_towers_are_refused() {
     let (lm, mm) = models("minicpmv4_6");
-    let fifo = tmp("vision_fifo.png");
-    let _ = std::fs::remove_file(&fifo);
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = cli::fifo("vision_fifo.png");
     for img in [fifo.as_path(), Path::new("/dev/zero")] {
         let o = run(
             &lm,
@@ -347,24 +343,18 @@ fn bad_image_files_and_oversized_towers_are_refused() {
     std::fs::remove_file(&fifo).unwrap();
 
     let big = tmp("vision_mmproj_big.gguf");
-    let g = les::gguf::Gguf::open(&mm).unwrap();
-    let mut w = les::gguf::GgufWriter::new();
-    for (k, v) in g.metadata() {
-        let v = if k == "clip.vision.image_size" {
-            4480u32.into()
-        } else {
-            v.to_meta()
-        };
-        w.add_kv(k, v).unwrap();
-    }
-    for t in g.tensors() {
-        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
-    }
-    let mut data = w.write_header(Vec::new()).unwrap();
-    for t in g.tensors() {
-        data.write_tensor(t.name(), t.data()).unwrap();
-    }
-    std::fs::write(&big, data.finish().unwrap()).unwrap();
+    rewrite_gguf(
+        &mm,
+        &big,
+        |k, v| {
+            Some(if k == "clip.vision.image_size" {
+                4480u32.into()
+            } else {
+                v
+            })
+        },
+        vec![],
+    );
     let img = image();
     let o = run(
         &lm,

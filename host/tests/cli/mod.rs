@@ -18,6 +18,18 @@ pub fn tmp(name: &str) -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
 }
 
+/// A fresh FIFO `tmp(name)` (removed first if there), made with `mkfifo`.
+pub fn fifo(name: &str) -> PathBuf {
+    let path = tmp(name);
+    let _ = std::fs::remove_file(&path);
+    assert!(Command::new("mkfifo")
+        .arg(&path)
+        .status()
+        .unwrap()
+        .success());
+    path
+}
+
 /// `les synth <args> -o <tmp(file)>`, run once per test binary and file name
 /// (concurrent tests wait for the first to finish); the model's path.
 pub fn synth_once(file: &str, args: &[&str]) -> PathBuf {
