@@ -629,7 +629,7 @@ pub fn run_speculative(
         None => None,
     };
     let max_draft = match (&drafter, spec) {
-        (Some(_), Some(s)) => session.set_max_draft(s.draft_max as usize)?,
+        (Some(_), Some(s)) => session.set_max_draft(s.draft_max() as usize)?,
         _ => 0,
     };
     let mut logits = vec![0f32; model.hp.n_vocab];

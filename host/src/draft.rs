@@ -331,16 +331,16 @@ pub struct SpecArgs {
     /// model`; resident, attention only).
     #[arg(long = "model-draft", visible_alias = "md", value_name = "GGUF")]
     pub model_draft: Option<std::path::PathBuf>,
-    /// Most draft tokens checked in one pass.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=MAX_DRAFT as i64))]
-    pub draft_max: u8,
-    /// Shortest run of tokens `--speculate ngram` matches on.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=MAX_NGRAM as i64))]
-    pub ngram_min: u8,
+    /// Most draft tokens checked in one pass [default: 8].
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=MAX_DRAFT as i64))]
+    pub draft_max: Option<u8>,
+    /// Shortest run of tokens `--speculate ngram` matches on [default: 2].
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=MAX_NGRAM as i64))]
+    pub ngram_min: Option<u8>,
     /// Longest run of tokens `--speculate ngram` matches on (the longest that
-    /// occurred wins).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=MAX_NGRAM as i64))]
-    pub ngram_max: u8,
+    /// occurred wins) [default: 4].
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=MAX_NGRAM as i64))]
+    pub ngram_max: Option<u8>,
     /// Verify every draft whole. By default a draft is cut to the length that
     /// pays by the acceptance and pass times measured so far (none while the
     /// guesses are poor).
@@ -358,15 +358,44 @@ impl SpecArgs {
         }
     }
 
-    /// The draft model these options name, opened and checked against the
-    /// target's tokenizer (`None` unless drafting from a model).
-    pub fn open_draft_model(&self, target: &Tokenizer) -> Result<Option<Model>, String> {
-        if self.ngram_min > self.ngram_max {
-            return Err(format!(
-                "--ngram-min {} is more than --ngram-max {}",
-                self.ngram_min, self.ngram_max
-            ));
+    /// Most draft tokens one pass verifies (`--draft-max`, default 8).
+    pub fn draft_max(&self) -> u8 {
+        self.draft_max.unwrap_or(8)
+    }
+
+    /// The n-gram lengths `--speculate ngram` matches on (default 2 to 4).
+    pub fn ngram_range(&self) -> (u8, u8) {
+        (self.ngram_min.unwrap_or(2), self.ngram_max.unwrap_or(4))
+    }
+
+    /// Refuses options that would be ignored: drafting options without
+    /// speculative decoding, n-gram lengths without `--speculate ngram`, and
+    /// `--ngram-min` above `--ngram-max`.
+    pub fn check(&self) -> Result<(), String> {
+        let source = self.source();
+        let ngram = self.ngram_min.is_some() || self.ngram_max.is_some();
+        if source != DraftSource::Ngram && ngram {
+            return Err("--ngram-min and --ngram-max size the guesses of --speculate ngram, which is not on".into());
         }
+        if source == DraftSource::None && (self.draft_max.is_some() || self.draft_fixed) {
+            return Err(
+                "--draft-max and --draft-fixed shape speculative decoding, which is not on \
+                 (--speculate ngram, or --model-draft)"
+                    .into(),
+            );
+        }
+        let (min, max) = self.ngram_range();
+        if min > max {
+            return Err(format!("--ngram-min {min} is more than --ngram-max {max}"));
+        }
+        Ok(())
+    }
+
+    /// The draft model these options name, opened and checked against the
+    /// target's tokenizer (`None` unless drafting from a model). The options
+    /// are [`check`](Self::check)ed first.
+    pub fn open_draft_model(&self, target: &Tokenizer) -> Result<Option<Model>, String> {
+        self.check()?;
         match (self.source(), &self.model_draft) {
             (DraftSource::Model, Some(path)) => {
                 let m = Model::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -393,10 +422,10 @@ impl SpecArgs {
     ) -> Result<Option<Box<dyn Drafter + 'm>>, String> {
         Ok(match (self.source(), draft) {
             (DraftSource::None, _) => None,
-            (DraftSource::Ngram, _) => Some(Box::new(NgramDrafter::new(
-                self.ngram_min as usize,
-                self.ngram_max as usize,
-            ))),
+            (DraftSource::Ngram, _) => {
+                let (min, max) = self.ngram_range();
+                Some(Box::new(NgramDrafter::new(min as usize, max as usize)))
+            }
             (DraftSource::Model, Some(m)) => {
                 let path = self.model_draft.as_deref().ok_or("--model-draft")?;
                 Some(Box::new(ModelDrafter::new(m, path, ctx, threads)?))

@@ -18,7 +18,8 @@ use crate::model::Model;
 pub struct GenStats {
     /// Prompt tokens evaluated.
     pub prompt_tokens: usize,
-    /// Tokens generated.
+    /// Tokens sampled, an end-of-generation token that stopped the run
+    /// included; the last one sampled is not evaluated.
     pub generated: usize,
     /// Time spent on the prompt.
     pub prefill: Duration,

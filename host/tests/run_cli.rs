@@ -547,6 +547,14 @@ fn generation_stops_when_the_context_is_full() {
     );
     assert_eq!(d["tokens"], c["tokens"]);
     assert_eq!(d["stats"]["stop"], "ctx");
+    // A --ctx past the training context is allowed, with a warning (as llama.cpp).
+    let warning = "longer than the 26 the model was trained on";
+    for (ctx, warned) in [("26", false), ("30", true)] {
+        let out = run(&short, &["--temp", "0", "-n", "8", "--ctx", ctx]);
+        assert!(out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.contains(warning), warned, "--ctx {ctx}: {err}");
+    }
 }
 
 #[test]
@@ -642,6 +650,49 @@ fn errors_are_one_line_and_nonzero() {
                 "1",
             ],
             "--ngram-min 3 is more than --ngram-max 1",
+        ),
+        // Drafting options without speculative decoding would do nothing.
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--draft-max",
+                "16",
+            ],
+            "speculative decoding, which is not on",
+        ),
+        (
+            vec!["run", "-m", m.to_str().unwrap(), "-p", "x", "--draft-fixed"],
+            "speculative decoding, which is not on",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--model-draft",
+                m.to_str().unwrap(),
+                "--ngram-max",
+                "3",
+            ],
+            "--speculate ngram, which is not on",
+        ),
+        (
+            vec![
+                "bench",
+                "-m",
+                m.to_str().unwrap(),
+                "--slots",
+                "4",
+                "--draft-max",
+                "4",
+            ],
+            "speculative decoding, which is not on",
         ),
         // A budget for a schedule that has no slots is a mistake, not a no-op.
         (
@@ -1028,7 +1079,7 @@ fn a_closed_stderr_is_not_a_failure() {
     assert!(!text.is_empty());
 }
 
-/// `--logits-out` rewrites its header at the end: a pipe is refused before
+/// `--logits-out` rewrites its header as rows come: a pipe is refused before
 /// any work (it failed after the whole generation, and the JSON was lost).
 #[test]
 fn logits_out_must_be_a_regular_file() {
@@ -1039,8 +1090,62 @@ fn logits_out_must_be_a_regular_file() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.trim_end()
-            .ends_with("not a regular file (the .npy header is rewritten at the end)"),
+            .ends_with("not a regular file (the .npy header is rewritten as rows come)"),
         "{err}"
     );
     std::fs::remove_file(&fifo).unwrap();
+}
+
+/// Ctrl-C during a `--logits-out` run leaves a valid `.npy` of the rows written
+/// so far (its header said 0 rows until the end of the run).
+#[test]
+fn an_interrupted_logits_out_holds_the_rows_so_far() {
+    use std::time::{Duration, Instant};
+    let m = model("qwen3moe");
+    let path = tmp("logits_interrupted.npy");
+    let _ = std::fs::remove_file(&path);
+    // Far more tokens than the test waits for.
+    let child = les()
+        .args(["run", "-m"])
+        .arg(&m)
+        .args(["-p", "x", "--temp", "0", "--ignore-eos"])
+        .args(["-n", "100000", "--ctx", "100000"])
+        .arg("--logits-out")
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while std::fs::metadata(&path).map_or(0, |m| m.len()) < 128 + (64 << 10) {
+        assert!(start.elapsed() < Duration::from_secs(60), "no rows written");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = child.wait_with_output().unwrap();
+    // `les run` leaves SIGINT to its default: the process ends at once.
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&path).unwrap();
+    let header = std::str::from_utf8(&bytes[10..128]).unwrap();
+    let shape = &header[header.find("'shape': (").unwrap() + 10..];
+    let (rows, cols) = shape[..shape.find(')').unwrap()].split_once(", ").unwrap();
+    let (rows, cols): (usize, usize) = (rows.parse().unwrap(), cols.parse().unwrap());
+    let row_bytes = cols * 4;
+    let data = bytes.len() - 128;
+    assert!(rows * row_bytes >= 64 << 10, "{rows} rows in the header");
+    // Every counted row is on the file; at most one more was being written.
+    assert!(
+        data >= rows * row_bytes && data < (rows + 1) * row_bytes,
+        "{rows} rows of {row_bytes} bytes, {data} bytes of data"
+    );
 }

@@ -222,6 +222,7 @@ pub(super) fn open(
 /// Runs `les bench`.
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     check_schedules(&args.schedules)?;
+    args.spec.check()?;
     if !args.sweep.is_empty() {
         return sweep(args, out);
     }

@@ -124,9 +124,9 @@ pub struct RunArgs {
 }
 
 /// A little-endian float32 `.npy` of rows of `cols` floats, written as the rows
-/// come (memory stays one row, however long the generation): the header is
-/// sized for any row count and rewritten with the final one by
-/// [`finish`](Self::finish).
+/// come (memory stays one row, however long the generation). The header is
+/// sized for any row count and rewritten in place after every row, so the file
+/// is a valid array of the rows so far even if the run is interrupted.
 pub struct NpyWriter {
     file: std::io::BufWriter<std::fs::File>,
     path: PathBuf,
@@ -147,12 +147,12 @@ impl NpyWriter {
     /// Creates `path` (errors name it).
     pub fn create(path: &std::path::Path, cols: usize) -> std::io::Result<NpyWriter> {
         let named = |e| with_path(path, e);
-        // The header is rewritten with the row count at the end, which needs a
-        // file to seek in (and opening a pipe to write would wait for a reader).
+        // The header is rewritten with the row count, which needs a file to
+        // seek in (and opening a pipe to write would wait for a reader).
         if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
             return Err(named(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                "not a regular file (the .npy header is rewritten at the end)",
+                "not a regular file (the .npy header is rewritten as rows come)",
             )));
         }
         let file = std::fs::File::create(path).map_err(named)?;
@@ -162,7 +162,8 @@ impl NpyWriter {
             cols,
             rows: 0,
         };
-        w.header().map_err(named)?;
+        let header = w.header();
+        w.file.write_all(&header).map_err(named)?;
         Ok(w)
     }
 
@@ -170,7 +171,8 @@ impl NpyWriter {
         with_path(&self.path, e)
     }
 
-    fn header(&mut self) -> std::io::Result<()> {
+    /// The preamble and header for the rows so far, [`NPY_HEADER`] bytes.
+    fn header(&self) -> Vec<u8> {
         let mut header = format!(
             "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}",
             self.rows, self.cols
@@ -180,33 +182,31 @@ impl NpyWriter {
             header.push(' ');
         }
         header.push('\n');
-        self.file.write_all(b"\x93NUMPY\x01\x00")?;
-        self.file.write_all(&(header.len() as u16).to_le_bytes())?;
-        self.file.write_all(header.as_bytes())
+        let mut out = b"\x93NUMPY\x01\x00".to_vec();
+        out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        out.extend_from_slice(header.as_bytes());
+        out
     }
 
-    /// Appends one row (`cols` floats).
+    /// Appends one row (`cols` floats), then counts it in the header: the
+    /// header never counts a row not yet on the file.
     pub fn push(&mut self, row: &[f32]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
         debug_assert_eq!(row.len(), self.cols);
-        for v in row {
-            self.file
-                .write_all(&v.to_le_bytes())
-                .map_err(|e| self.named(e))?;
-        }
-        self.rows += 1;
-        Ok(())
-    }
-
-    /// Writes the final row count into the header and flushes.
-    pub fn finish(mut self) -> std::io::Result<()> {
-        use std::io::Seek;
         let r = (|| {
+            for v in row {
+                self.file.write_all(&v.to_le_bytes())?;
+            }
             self.file.flush()?;
-            self.file.seek(std::io::SeekFrom::Start(0))?;
-            self.header()?;
-            self.file.flush()
+            self.rows += 1;
+            self.file.get_ref().write_all_at(&self.header(), 0)
         })();
         r.map_err(|e| self.named(e))
+    }
+
+    /// Flushes; the header already holds the row count.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        self.file.flush().map_err(|e| self.named(e))
     }
 }
 
@@ -473,6 +473,14 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         )
         .into());
     }
+    if model.n_ctx_train > 0 && ctx > model.n_ctx_train {
+        // As llama.cpp, which warns of a "possible training context overflow".
+        note!(
+            "les: warning: the context of {ctx} positions (--ctx) is longer than the {} \
+             the model was trained on; generation past them may degrade",
+            model.n_ctx_train
+        );
+    }
     // The last generated token is not evaluated: n tokens take n - 1 positions.
     let n_predict = args.n_predict.min(ctx + 1 - prompt.len());
     let seed = args.seed.unwrap_or_else(|| {
@@ -501,7 +509,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let mut drafter = args.spec.drafter(draft_model.as_ref(), ctx, threads)?;
     let max_draft = match drafter {
-        Some(_) => session.set_max_draft(args.spec.draft_max as usize)?,
+        Some(_) => session.set_max_draft(args.spec.draft_max() as usize)?,
         None => 0,
     };
     let io_engine = supply.device().map(crate::flash::FileDevice::engine_name);
