@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 use cli::{les, stdout_ok, tmp, tokens};
 use common::rewrite_gguf;
+use les::gguf::MetaValue;
 use serde_json::Value;
 
 fn image() -> PathBuf {
@@ -368,4 +369,125 @@ fn bad_image_files_and_oversized_towers_are_refused() {
         "{err}"
     );
     std::fs::remove_file(&big).unwrap();
+
+    // Optional hyperparameters of the wrong type are errors, not defaults.
+    let bad = tmp("vision_mmproj_bad_hparam.gguf");
+    for (key, value, want) in [
+        (
+            "clip.use_gelu",
+            MetaValue::from(1u32),
+            "clip.use_gelu must be a bool",
+        ),
+        (
+            "clip.vision.projector.scale_factor",
+            "4".into(),
+            "scale_factor must be a non-negative integer",
+        ),
+        (
+            "clip.vision.wa_layer_indexes",
+            "0".into(),
+            "wa_layer_indexes must be an array",
+        ),
+        (
+            "clip.vision.wa_layer_indexes",
+            vec![-1i32].into(),
+            "wa_layer_indexes must hold non-negative integers",
+        ),
+    ] {
+        rewrite_gguf(
+            &mm,
+            &bad,
+            |k, v| (k != key).then_some(v),
+            vec![(key, value)],
+        );
+        let o = run(
+            &lm,
+            &bad,
+            &["--image", img.to_str().unwrap(), "-p", "x", "-n", "1"],
+        );
+        assert!(!o.status.success(), "{key}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(want), "{key}: {err}");
+    }
+    std::fs::remove_file(&bad).unwrap();
+}
+
+/// What an image will cost is known from its size alone: `image_layout` gives
+/// the chunks and embeddings `encode_image` makes, and `prompt_positions` the
+/// length of the prompt `build_prompt` makes (the context is checked with it
+/// before any image is encoded).
+#[test]
+fn image_layouts_and_prompt_lengths_are_known_before_encoding() {
+    use les::vision::{self, RgbImage};
+    for projector in ["minicpmv4_6", "gemma3"] {
+        let (lm, mm) = models(projector);
+        let clip = vision::ClipModel::open(&mm).unwrap();
+        let model = les::model::Model::open(&lm).unwrap();
+        let tok = les::tokenizer::Tokenizer::from_gguf(model.gguf()).unwrap();
+        let mut pool = les::compute::Pool::new(2);
+        let mut ctx = vision::Ctx {
+            pool: &mut pool,
+            isa: les_core::gemv::Isa::detect(),
+        };
+        let sizes = [(320, 240), (100, 60), (1000, 90), (90, 1000), (1500, 1100)];
+        let (mut layouts, mut encoded) = (Vec::new(), Vec::new());
+        for (w, h) in sizes {
+            let layout = vision::image_layout(&clip, (w, h));
+            let img = RgbImage::filled(w, h, [200, 100, 50]);
+            let e = vision::encode_image(&mut ctx, &clip, &img).unwrap();
+            let made: Vec<usize> = e.chunks.iter().map(|c| c.len() / e.n_embd).collect();
+            assert_eq!(layout.chunk_tokens, made, "{projector} {w}x{h}");
+            assert_eq!(layout.grid, e.grid, "{projector} {w}x{h}");
+            layouts.push(layout);
+            encoded.push(e);
+        }
+        if projector == "minicpmv4_6" {
+            assert!(layouts.iter().any(|l| l.grid.1 > 1), "some image is sliced");
+        }
+        let text = format!("a {m} b {m}{m} c {m} d {m}", m = vision::MEDIA_MARKER);
+        let p = clip.hp.projector;
+        let built = vision::build_prompt(&tok, p, &text, &encoded, clip.hp.n_mmproj_embd).unwrap();
+        let n = vision::prompt_positions(&tok, p, &text, &layouts).unwrap();
+        assert_eq!(n, built.len(), "{projector}");
+        assert_eq!(
+            built.n_image_tokens(),
+            layouts.iter().map(|l| l.n_tokens()).sum::<usize>()
+        );
+        // The marker count is checked the same way.
+        let e = vision::prompt_positions(&tok, p, "no markers", &layouts).unwrap_err();
+        assert!(e.to_string().contains("image marker"), "{e}");
+    }
+}
+
+/// A prompt whose images do not fit the context fails before any image is
+/// decoded: here a JPEG cut short after its header, which would fail to decode.
+#[test]
+fn images_that_overflow_the_context_fail_before_decoding() {
+    let (lm, mm) = models("minicpmv4_6");
+    let png = les::vision::load_image(&image()).unwrap();
+    let mut jpeg = Vec::new();
+    image::RgbImage::from_raw(320, 240, png.data)
+        .unwrap()
+        .write_to(
+            &mut std::io::Cursor::new(&mut jpeg),
+            image::ImageFormat::Jpeg,
+        )
+        .unwrap();
+    let cut = tmp("vision_cut.jpg");
+    std::fs::write(&cut, &jpeg[..jpeg.len() / 2]).unwrap();
+    let cut = cut.to_str().unwrap();
+    let o = run(
+        &lm,
+        &mm,
+        &["--image", cut, "-p", "x", "-n", "1", "--ctx", "8"],
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("does not fit the context of 8"), "{err}");
+    // With room, the same file fails at its decoding: a truncated JPEG is an
+    // error (the decoder filled it with gray).
+    let o = run(&lm, &mm, &["--image", cut, "-p", "x", "-n", "1"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("end-of-image marker"), "{err}");
 }

@@ -352,6 +352,25 @@ pub fn read_prompt_file(path: &std::path::Path) -> Result<String, Box<dyn Error>
     Ok(text)
 }
 
+/// The context for a prompt of `prompt_len` positions: `--ctx`, else the
+/// prompt plus `-n`, at most the model's training context `n_ctx_train`; an
+/// error if the prompt does not fit. Generation stops when it is full.
+fn context_size(prompt_len: usize, args: &RunArgs, n_ctx_train: usize) -> Result<usize, String> {
+    let needed = prompt_len.saturating_add(args.n_predict);
+    let ctx = args.ctx.unwrap_or(needed.min(n_ctx_train.max(1)));
+    if prompt_len > ctx {
+        return Err(format!(
+            "the prompt ({prompt_len} tokens) does not fit the context of {ctx} positions{}",
+            if args.ctx.is_some() {
+                " (--ctx)"
+            } else {
+                " the model was trained for (raise it with --ctx)"
+            }
+        ));
+    }
+    Ok(ctx)
+}
+
 /// Runs `les run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
@@ -400,31 +419,47 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
         None => None,
     };
-    let images = args
+    // Each image's size from its header: the prompt's length, and whether it
+    // fits the context, are known before any image is decoded or encoded.
+    let image_sizes = args
         .images
         .iter()
-        .map(|p| vision::load_image(p))
+        .map(|p| vision::probe_image(p))
         .collect::<Result<Vec<_>, _>>()?;
-    let content = vision::place_markers(&prompt_arg, images.len());
+    let n_images = image_sizes.len();
+    let content = vision::place_markers(&prompt_arg, n_images);
     let prompt_text = if args.chat {
         tokenizer.chat_prompt(&[("user", content.as_str())], true)?
     } else {
         content
     };
+    let context = |prompt_len: usize| context_size(prompt_len, args, model.n_ctx_train);
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let mut mv = ThreadedMatVec::new(threads, Isa::detect());
     let mut image_encode = std::time::Duration::ZERO;
     let prompt = match &clip {
-        Some(clip) if !images.is_empty() => {
-            let mut encoded = Vec::with_capacity(images.len());
+        Some(clip) if n_images > 0 => {
+            let layouts: Vec<_> = image_sizes
+                .iter()
+                .map(|&size| vision::image_layout(clip, size))
+                .collect();
+            context(vision::prompt_positions(
+                &tokenizer,
+                clip.hp.projector,
+                &prompt_text,
+                &layouts,
+            )?)?;
+            let mut encoded = Vec::with_capacity(n_images);
             let isa = mv.isa();
             let mut ctx = vision::Ctx {
                 pool: mv.pool(),
                 isa,
             };
             let t_img = Instant::now();
-            for img in &images {
-                encoded.push(vision::encode_image(&mut ctx, clip, img)?);
+            // One image's pixels in memory at a time.
+            for path in &args.images {
+                let img = vision::load_image(path)?;
+                encoded.push(vision::encode_image(&mut ctx, clip, &img)?);
             }
             image_encode = t_img.elapsed();
             vision::build_prompt(
@@ -456,23 +491,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
     }
-    // The context holds the prompt and what is generated: by default as many
-    // positions as that needs, at most the model's training context. Generation
-    // stops when it is full.
-    let needed = prompt.len().saturating_add(args.n_predict);
-    let ctx = args.ctx.unwrap_or(needed.min(model.n_ctx_train.max(1)));
-    if prompt.len() > ctx {
-        return Err(format!(
-            "the prompt ({} tokens) does not fit the context of {ctx} positions{}",
-            prompt.len(),
-            if args.ctx.is_some() {
-                " (--ctx)"
-            } else {
-                " the model was trained for (raise it with --ctx)"
-            }
-        )
-        .into());
-    }
+    // Checked again on the prompt as built (an image file may have changed).
+    let ctx = context(prompt.len())?;
     if model.n_ctx_train > 0 && ctx > model.n_ctx_train {
         // As llama.cpp, which warns of a "possible training context overflow".
         note!(
@@ -542,10 +562,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         t0.elapsed().saturating_sub(image_encode)
     );
     if let Some(clip) = &clip {
-        if !images.is_empty() {
+        if n_images > 0 {
             note!(
                 "les: {} image(s) through {} ({} layers, width {}): {} embeddings in {:.2?}",
-                images.len(),
+                n_images,
                 clip.hp.projector.name(),
                 clip.hp.n_layer,
                 clip.hp.n_embd,
@@ -643,8 +663,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
             "slot_bytes": budget.bytes(),
         });
-        if !images.is_empty() {
-            st["images"] = json!(images.len());
+        if n_images > 0 {
+            st["images"] = json!(n_images);
             st["image_tokens"] = json!(prompt.n_image_tokens());
             st["image_encode_ms"] = json!(image_encode.as_secs_f64() * 1e3);
         }

@@ -374,6 +374,27 @@ fn get_usize(g: &Gguf<MappedFile>, key: &str) -> Result<usize, VisionError> {
     Ok(v as usize)
 }
 
+/// An optional flag: absent is `false`; present, it must be a bool.
+fn opt_bool(g: &Gguf<MappedFile>, key: &str) -> Result<bool, VisionError> {
+    match g.get(key) {
+        None => Ok(false),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| err(format!("{key} must be a bool"))),
+    }
+}
+
+/// An optional non-negative integer: present, it must be one.
+fn opt_u64(g: &Gguf<MappedFile>, key: &str) -> Result<Option<u64>, VisionError> {
+    match g.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| err(format!("{key} must be a non-negative integer"))),
+    }
+}
+
 fn get_floats3(g: &Gguf<MappedFile>, key: &str) -> Result<[f32; 3], VisionError> {
     let a = g.get_array(key).map_err(|e| err(e.to_string()))?;
     let v: Vec<f32> = a.iter().filter_map(|v| v.as_f32()).collect();
@@ -445,16 +466,16 @@ impl ClipModel {
         {
             return Err(err("image_mean / image_std must be finite, std non-zero"));
         }
-        let flag = |k: &str| g.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
-        let ffn_op = match (flag("clip.use_gelu"), flag("clip.use_silu")) {
+        let ffn_op = match (
+            opt_bool(&g, "clip.use_gelu")?,
+            opt_bool(&g, "clip.use_silu")?,
+        ) {
             (true, true) => return Err(err("clip.use_gelu and clip.use_silu are both set")),
             (true, false) => FfnOp::Gelu,
             (false, true) => FfnOp::Silu,
             (false, false) => FfnOp::GeluQuick,
         };
-        let scale = g
-            .get("clip.vision.projector.scale_factor")
-            .and_then(|v| v.as_u64());
+        let scale = opt_u64(&g, "clip.vision.projector.scale_factor")?;
         let n_merge = match projector {
             ProjectorType::MiniCpmV46 => {
                 let m = scale.unwrap_or(4) as usize;
@@ -473,13 +494,22 @@ impl ClipModel {
                 m
             }
         };
+        // The merger's window attention goes in after the first listed layer
+        // (0 when the list is absent or empty).
         let insert_layer = match g.get("clip.vision.wa_layer_indexes") {
-            Some(v) => v
-                .as_array()
-                .and_then(|a| a.get(0))
-                .and_then(|v| v.as_u64())
-                .map_or(0, |v| v as usize),
             None => 0,
+            Some(v) => {
+                let first = v
+                    .as_array()
+                    .ok_or_else(|| err("clip.vision.wa_layer_indexes must be an array"))?
+                    .get(0);
+                match first {
+                    None => 0,
+                    Some(i) => i.as_u64().map(|i| i as usize).ok_or_else(|| {
+                        err("clip.vision.wa_layer_indexes must hold non-negative integers")
+                    })?,
+                }
+            }
         };
 
         let base = g.bytes().as_ptr() as usize;

@@ -67,6 +67,55 @@ pub fn check_dimensions(width: u32, height: u32) -> Result<(), String> {
 /// The largest image file read, in bytes.
 pub const MAX_FILE_BYTES: u64 = 256 << 20;
 
+/// Whether the JPEG in `bytes` reaches its end-of-image marker: its segments
+/// are walked by their lengths (an embedded thumbnail's markers are skipped),
+/// and each scan's entropy-coded data up to the next marker. The decoder fills
+/// a truncated file's missing pixels with gray and reports nothing.
+pub fn jpeg_is_complete(bytes: &[u8]) -> bool {
+    if !bytes.starts_with(&[0xFF, 0xD8]) {
+        return false;
+    }
+    let mut i = 2;
+    loop {
+        // A marker: 0xFF (fill bytes 0xFF may repeat), then its code.
+        if bytes.get(i) != Some(&0xFF) {
+            return false;
+        }
+        while bytes.get(i) == Some(&0xFF) {
+            i += 1;
+        }
+        let Some(&code) = bytes.get(i) else {
+            return false;
+        };
+        i += 1;
+        match code {
+            0xD9 => return true,
+            // Markers without a length.
+            0x01 | 0xD0..=0xD7 => continue,
+            _ => {}
+        }
+        let Some(len) = bytes.get(i..i + 2) else {
+            return false;
+        };
+        let len = usize::from(u16::from_be_bytes([len[0], len[1]]));
+        if len < 2 {
+            return false;
+        }
+        i += len;
+        if code == 0xDA {
+            // Entropy-coded data: 0xFF is followed by 0x00 (a stuffed byte) or
+            // a restart marker inside it; anything else is the next marker.
+            loop {
+                match bytes.get(i..i + 2) {
+                    None => return false,
+                    Some([0xFF, next]) if *next != 0x00 && !(0xD0..=0xD7).contains(next) => break,
+                    Some(_) => i += 1,
+                }
+            }
+        }
+    }
+}
+
 fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     let format = image::guess_format(bytes).map_err(|_| "not a PNG or JPEG image".to_string())?;
     if !matches!(format, ImageFormat::Png | ImageFormat::Jpeg) {
@@ -86,6 +135,9 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     limits.max_alloc = Some(MAX_PIXELS * 8);
     reader.limits(limits);
     let rgb = reader.decode().map_err(|e| e.to_string())?.to_rgb8();
+    if format == ImageFormat::Jpeg && !jpeg_is_complete(bytes) {
+        return Err("the JPEG ends before its end-of-image marker (a truncated file?)".into());
+    }
     let (w, h) = rgb.dimensions();
     check_dimensions(w, h)?;
     Ok(RgbImage {
@@ -95,24 +147,55 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     })
 }
 
+/// `path` opened for reading, if it is a regular file of at most
+/// [`MAX_FILE_BYTES`]; reads from it stop one byte past that bound.
+fn open_bounded(path: &Path) -> Result<std::io::Take<std::fs::File>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    // A pipe or a device has no length to check, and may never end.
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "{} bytes is too large for an image file",
+            meta.len()
+        ));
+    }
+    // Bounded even if the file grows after the check.
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    Ok(file.take(MAX_FILE_BYTES + 1))
+}
+
+/// The width and height of the PNG or JPEG file at `path`, from its header
+/// alone (the same checks as [`load_image`] on the file and the dimensions):
+/// what an image will cost is known before it is decoded.
+pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
+    let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
+    let file = open_bounded(path).map_err(err)?;
+    let reader = ImageReader::new(std::io::BufReader::new(file))
+        .with_guessed_format()
+        .map_err(|e| err(e.to_string()))?;
+    match reader.format() {
+        Some(ImageFormat::Png | ImageFormat::Jpeg) => {}
+        Some(f) => {
+            return Err(err(format!(
+                "unsupported image format {f:?} (PNG and JPEG are)"
+            )))
+        }
+        None => return Err(err("not a PNG or JPEG image".into())),
+    }
+    let (w, h) = reader.into_dimensions().map_err(|e| err(e.to_string()))?;
+    check_dimensions(w, h).map_err(err)?;
+    Ok((w as usize, h as usize))
+}
+
 /// Reads and decodes the PNG or JPEG file at `path` (format from its content).
 pub fn load_image(path: &Path) -> Result<RgbImage, VisionError> {
     let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
-    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
-    // A pipe or a device has no length to check, and may never end.
-    if !meta.is_file() {
-        return Err(err("not a regular file".into()));
-    }
-    if meta.len() > MAX_FILE_BYTES {
-        return Err(err(format!(
-            "{} bytes is too large for an image file",
-            meta.len()
-        )));
-    }
-    // Bounded even if the file grows after the check.
     let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
+    open_bounded(path)
+        .map_err(err)?
+        .read_to_end(&mut bytes)
         .map_err(|e| err(e.to_string()))?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
         return Err(err("too large for an image file".into()));
@@ -123,4 +206,63 @@ pub fn load_image(path: &Path) -> Result<RgbImage, VisionError> {
 /// Decodes a PNG or JPEG image held in memory.
 pub fn decode_image(bytes: &[u8]) -> Result<RgbImage, VisionError> {
     decode(bytes).map_err(VisionError::Image)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn jpeg(width: u32, height: u32) -> Vec<u8> {
+        let pixels = (0..width * height * 3)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let mut out = Vec::new();
+        image::RgbImage::from_raw(width, height, pixels)
+            .unwrap()
+            .write_to(&mut Cursor::new(&mut out), ImageFormat::Jpeg)
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn a_jpeg_is_complete_only_up_to_its_end_marker() {
+        let full = jpeg(40, 30);
+        assert!(jpeg_is_complete(&full));
+        decode(&full).unwrap();
+        // Trailing bytes after the end are ignored, as decoders do.
+        let mut trailing = full.clone();
+        trailing.extend_from_slice(b"\0\0junk\xff");
+        assert!(jpeg_is_complete(&trailing));
+        // Every cut after the header is caught.
+        let sos = full.windows(2).position(|w| w == [0xFF, 0xDA]).unwrap();
+        for cut in [
+            2,
+            3,
+            sos,
+            sos + 20,
+            full.len() / 2,
+            full.len() - 2,
+            full.len() - 1,
+        ] {
+            assert!(!jpeg_is_complete(&full[..cut]), "cut at {cut}");
+        }
+        let e = decode(&full[..full.len() - 2]).unwrap_err();
+        assert!(e.contains("end-of-image marker"), "{e}");
+        // An end marker inside an earlier segment (a thumbnail's, in APP1)
+        // does not count: segments are skipped by their lengths.
+        let mut app1 = full[..2].to_vec();
+        app1.extend_from_slice(&[0xFF, 0xE1, 0x00, 0x06, 0xFF, 0xD9, 0xFF, 0xD9]);
+        app1.extend_from_slice(&full[2..full.len() - 2]);
+        assert!(!jpeg_is_complete(&app1));
+        app1.extend_from_slice(&[0xFF, 0xD9]);
+        assert!(jpeg_is_complete(&app1));
+        // A scan's stuffed 0xFF 0x00 and restart markers are data.
+        let mut scan = vec![0xFF, 0xD8, 0xFF, 0xDA, 0x00, 0x02];
+        scan.extend_from_slice(&[0x12, 0xFF, 0x00, 0x34, 0xFF, 0xD3, 0x56]);
+        assert!(!jpeg_is_complete(&scan));
+        scan.extend_from_slice(&[0xFF, 0xFF, 0xD9]);
+        assert!(jpeg_is_complete(&scan));
+        assert!(!jpeg_is_complete(b"\xff\xd8\xff\xe0\x00\x01"));
+        assert!(!jpeg_is_complete(b""));
+    }
 }

@@ -29,9 +29,11 @@ use les_core::gemv::GemvError;
 
 pub use clip::{ClipModel, ProjectorType};
 pub use encoder::Ctx;
-pub use image::{load_image, RgbImage};
+pub use image::{load_image, probe_image, RgbImage};
 pub use preprocess::ImageF32;
-pub use prompt::{build_prompt, place_markers, EncodedImage, MultimodalPrompt, MEDIA_MARKER};
+pub use prompt::{
+    build_prompt, place_markers, prompt_positions, EncodedImage, MultimodalPrompt, MEDIA_MARKER,
+};
 
 /// Why a vision step failed.
 #[derive(Debug)]
@@ -110,6 +112,59 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: (0, 0),
             }
         }
+    }
+}
+
+/// What [`encode_image`] makes of an image, known from its size alone: the
+/// embeddings of each chunk and the slice grid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageLayout {
+    /// Embeddings of the overview, then of each slice, row by row.
+    pub chunk_tokens: Vec<usize>,
+    /// Slices per row and rows of slices (`(0, 0)` without slices).
+    pub grid: (usize, usize),
+}
+
+impl ImageLayout {
+    /// Embeddings in all chunks.
+    pub fn n_tokens(&self) -> usize {
+        self.chunk_tokens.iter().sum()
+    }
+}
+
+/// The chunk sizes [`preprocess_image`] cuts a `width` x `height` image into,
+/// `(width, height)` each, overview first; and the slice grid.
+fn chunk_sizes(
+    m: &ClipModel,
+    (width, height): (usize, usize),
+) -> (Vec<(usize, usize)>, (usize, usize)) {
+    let hp = &m.hp;
+    match hp.projector {
+        ProjectorType::MiniCpmV46 => {
+            let inst = preprocess::slice_instructions(
+                (width, height),
+                hp.image_size,
+                hp.patch_size * hp.n_merge,
+                MAX_SLICES,
+            );
+            let mut sizes = vec![inst.overview];
+            sizes.extend(inst.slices.iter().map(|&(_, _, w, h)| (w, h)));
+            (sizes, inst.grid)
+        }
+        ProjectorType::Gemma3 => (vec![(hp.image_size, hp.image_size)], (0, 0)),
+    }
+}
+
+/// The layout of an image of `width` x `height` pixels, without its pixels:
+/// what the prompt's length will be is known before any image is encoded.
+pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
+    let (sizes, grid) = chunk_sizes(m, size);
+    ImageLayout {
+        chunk_tokens: sizes
+            .iter()
+            .map(|&(w, h)| encoder::output_tokens(m, w, h))
+            .collect(),
+        grid,
     }
 }
 

@@ -14,7 +14,7 @@
 use les_core::model::forward::TokenInput;
 
 use super::clip::ProjectorType;
-use super::VisionError;
+use super::{ImageLayout, VisionError};
 use crate::tokenizer::Tokenizer;
 
 /// The text that stands for an image in a prompt (llama.cpp's
@@ -124,15 +124,50 @@ fn require_token(tok: &Tokenizer, text: &str) -> Result<u32, VisionError> {
     })
 }
 
-/// Builds the prompt from `text` (already chat-templated, holding one
-/// [`MEDIA_MARKER`] per image) and the encoded `images`, in order.
-pub fn build_prompt(
+/// One image as a prompt lays it out: an [`EncodedImage`], or an
+/// [`ImageLayout`] before encoding.
+trait ImageChunks {
+    /// Slices per row and rows of slices (`(0, 0)` without slices).
+    fn grid(&self) -> (usize, usize);
+    /// Overview and slices.
+    fn n_chunks(&self) -> usize;
+}
+
+impl ImageChunks for EncodedImage {
+    fn grid(&self) -> (usize, usize) {
+        self.grid
+    }
+    fn n_chunks(&self) -> usize {
+        self.chunks.len()
+    }
+}
+
+impl ImageChunks for ImageLayout {
+    fn grid(&self) -> (usize, usize) {
+        self.grid
+    }
+    fn n_chunks(&self) -> usize {
+        self.chunk_tokens.len()
+    }
+}
+
+/// A run of a prompt's positions, in order.
+enum Piece<'a, I> {
+    Tokens(&'a [u32]),
+    /// Chunk `1` of image `0` (0 is the overview).
+    Chunk(&'a I, usize),
+}
+
+/// Walks the prompt of `text` and `images` in order, handing each run of
+/// tokens and each image chunk to `sink`: the one layout [`build_prompt`] and
+/// [`prompt_positions`] share.
+fn lay_out<I: ImageChunks>(
     tok: &Tokenizer,
     projector: ProjectorType,
     text: &str,
-    images: &[EncodedImage],
-    n_embd: usize,
-) -> Result<MultimodalPrompt, VisionError> {
+    images: &[I],
+    sink: &mut dyn FnMut(Piece<'_, I>),
+) -> Result<(), VisionError> {
     let parts: Vec<&str> = text.split(MEDIA_MARKER).collect();
     if parts.len() - 1 != images.len() {
         return Err(VisionError::Prompt(format!(
@@ -141,18 +176,18 @@ pub fn build_prompt(
             images.len()
         )));
     }
-    if let Some(img) = images.iter().find(|i| i.n_embd != n_embd) {
+    if let Some(img) = images.iter().find(|i| {
+        let (cols, rows) = i.grid();
+        i.n_chunks() != cols.saturating_mul(rows).saturating_add(1)
+    }) {
         return Err(VisionError::Prompt(format!(
-            "the projector's embeddings are {} wide, the language model's {n_embd}",
-            img.n_embd
+            "an image of {} chunks does not fill its grid of {:?} slices",
+            img.n_chunks(),
+            img.grid()
         )));
     }
-    let mut p = MultimodalPrompt {
-        n_embd,
-        ..MultimodalPrompt::default()
-    };
-    if tok.add_bos() {
-        p.push_tokens(tok.bos());
+    if let Some(bos) = tok.bos().filter(|_| tok.add_bos()) {
+        sink(Piece::Tokens(&[bos]));
     }
     let minicpm = match projector {
         ProjectorType::MiniCpmV46 => Some((
@@ -166,39 +201,83 @@ pub fn build_prompt(
     };
     for (i, part) in parts.iter().enumerate() {
         if !part.is_empty() {
-            p.push_tokens(tok.encode(part, false, true));
+            sink(Piece::Tokens(&tok.encode(part, false, true)));
         }
         let Some(img) = images.get(i) else { break };
         match minicpm {
             Some((im, im_end, sl, sl_end, row_end)) => {
-                p.push_tokens([im]);
-                p.push_chunk(&img.chunks[0]);
-                p.push_tokens([im_end]);
-                let (cols, rows) = img.grid;
+                sink(Piece::Tokens(&[im]));
+                sink(Piece::Chunk(img, 0));
+                sink(Piece::Tokens(&[im_end]));
+                let (cols, rows) = img.grid();
                 for y in 0..rows {
                     for x in 0..cols {
-                        p.push_tokens([sl]);
-                        p.push_chunk(&img.chunks[1 + y * cols + x]);
-                        p.push_tokens([sl_end]);
+                        sink(Piece::Tokens(&[sl]));
+                        sink(Piece::Chunk(img, 1 + y * cols + x));
+                        sink(Piece::Tokens(&[sl_end]));
                     }
                     if y + 1 != rows {
-                        p.push_tokens([row_end]);
+                        sink(Piece::Tokens(&[row_end]));
                     }
                 }
             }
             None => {
-                p.push_tokens(tok.encode("<start_of_image>", false, true));
-                for c in &img.chunks {
-                    p.push_chunk(c);
+                sink(Piece::Tokens(&tok.encode("<start_of_image>", false, true)));
+                for c in 0..img.n_chunks() {
+                    sink(Piece::Chunk(img, c));
                 }
-                p.push_tokens(tok.encode("<end_of_image>", false, true));
+                sink(Piece::Tokens(&tok.encode("<end_of_image>", false, true)));
             }
         }
     }
-    if tok.add_eos() {
-        p.push_tokens(tok.eos());
+    if let Some(eos) = tok.eos().filter(|_| tok.add_eos()) {
+        sink(Piece::Tokens(&[eos]));
     }
+    Ok(())
+}
+
+/// Builds the prompt from `text` (already chat-templated, holding one
+/// [`MEDIA_MARKER`] per image) and the encoded `images`, in order.
+pub fn build_prompt(
+    tok: &Tokenizer,
+    projector: ProjectorType,
+    text: &str,
+    images: &[EncodedImage],
+    n_embd: usize,
+) -> Result<MultimodalPrompt, VisionError> {
+    if let Some(img) = images.iter().find(|i| i.n_embd != n_embd) {
+        return Err(VisionError::Prompt(format!(
+            "the projector's embeddings are {} wide, the language model's {n_embd}",
+            img.n_embd
+        )));
+    }
+    let mut p = MultimodalPrompt {
+        n_embd,
+        ..MultimodalPrompt::default()
+    };
+    lay_out(tok, projector, text, images, &mut |piece| match piece {
+        Piece::Tokens(t) => p.push_tokens(t.iter().copied()),
+        Piece::Chunk(img, c) => p.push_chunk(&img.chunks[c]),
+    })?;
     Ok(p)
+}
+
+/// The positions [`build_prompt`] will make of `text` and images of these
+/// layouts: the prompt's length before any image is encoded.
+pub fn prompt_positions(
+    tok: &Tokenizer,
+    projector: ProjectorType,
+    text: &str,
+    images: &[ImageLayout],
+) -> Result<usize, VisionError> {
+    let mut n = 0usize;
+    lay_out(tok, projector, text, images, &mut |piece| {
+        n = n.saturating_add(match piece {
+            Piece::Tokens(t) => t.len(),
+            Piece::Chunk(img, c) => img.chunk_tokens[c],
+        })
+    })?;
+    Ok(n)
 }
 
 /// Puts one [`MEDIA_MARKER`] per image before `prompt` unless it already has
