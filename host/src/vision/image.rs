@@ -265,4 +265,31 @@ mod tests {
         assert!(!jpeg_is_complete(b"\xff\xd8\xff\xe0\x00\x01"));
         assert!(!jpeg_is_complete(b""));
     }
+
+    proptest::proptest! {
+        /// No input makes the walk panic, and no strict prefix of a JPEG is
+        /// complete (here with random pixels, so the scan has stuffed bytes).
+        #[test]
+        fn any_bytes_are_walked_and_prefixes_are_incomplete(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+            seed in 0u32..1000,
+            cut in 0.0f64..1.0,
+        ) {
+            let _ = jpeg_is_complete(&bytes);
+            let mut with_soi = vec![0xFF, 0xD8];
+            with_soi.extend_from_slice(&bytes);
+            let _ = jpeg_is_complete(&with_soi);
+            let pixels = (0..24 * 16 * 3u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
+                .collect();
+            let mut full = Vec::new();
+            image::RgbImage::from_raw(24, 16, pixels)
+                .unwrap()
+                .write_to(&mut Cursor::new(&mut full), ImageFormat::Jpeg)
+                .unwrap();
+            proptest::prop_assert!(jpeg_is_complete(&full));
+            let n = (cut * full.len() as f64) as usize;
+            proptest::prop_assert!(!jpeg_is_complete(&full[..n]));
+        }
+    }
 }
