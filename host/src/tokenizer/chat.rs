@@ -78,6 +78,41 @@ fn describe(e: &Error) -> String {
     s
 }
 
+/// `source` with transformers' `{% generation %}` and `{% endgeneration %}`
+/// tags (they mark an assistant's turn for training masks and render their
+/// body unchanged; llama.cpp's Jinja parser ignores them) rewritten as
+/// `{% if true %}` and `{% endif %}`, which minijinja knows: still statements,
+/// so `trim_blocks`, `lstrip_blocks` and `-` trim around them as before.
+fn generation_blocks_as_if(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let (open, inner) = match inner.strip_prefix(['-', '+']) {
+            Some(i) => (&inner[..1], i),
+            None => ("", inner),
+        };
+        let (inner, close) = match inner.strip_suffix(['-', '+']) {
+            Some(i) => (i, &inner[inner.len() - 1..]),
+            None => (inner, ""),
+        };
+        match inner.trim() {
+            "generation" => out.push_str(&format!("{{%{open} if true {close}%}}")),
+            "endgeneration" => out.push_str(&format!("{{%{open} endif {close}%}}")),
+            _ => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
 impl ChatTemplate {
     /// Compiles `source`; `bos_token` and `eos_token` are what the template sees as
     /// `bos_token` and `eos_token`.
@@ -97,7 +132,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", source.to_owned())
+        env.add_template_owned("chat", generation_blocks_as_if(source))
             .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
         Ok(Self {
             env,
@@ -464,6 +499,33 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `{% generation %}` blocks (LFM2.5's and Laguna's templates) render their
+    /// body, with the whitespace control of any other statement.
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let src = "{% for m in messages %}\n{%- if m.role == 'assistant' -%}\n  {%- generation -%}\n  [{{ m.content }}]\n  {%- endgeneration -%}\n{% else %}{{ m.content }}{% endif %}\n{% endfor %}";
+        let plain = src
+            .replace("{%- generation -%}", "{%- if true -%}")
+            .replace("{%- endgeneration -%}", "{%- endif -%}");
+        let msgs = [("user", "hi"), ("assistant", "yo"), ("user", "ok")];
+        let got = ChatTemplate::new(src, "", "")
+            .unwrap()
+            .apply(&msgs, false)
+            .unwrap();
+        let want = ChatTemplate::new(&plain, "", "")
+            .unwrap()
+            .apply(&msgs, false)
+            .unwrap();
+        assert_eq!(got, want);
+        assert!(got.contains("[yo]"), "{got:?}");
+        // Tags of every trim flavour, and none; other statements and text untouched.
+        assert_eq!(
+            generation_blocks_as_if("a{%generation%}b{%+ endgeneration -%}c{% if x %}{{ '{%' }}"),
+            "a{% if true %}b{%+ endif -%}c{% if x %}{{ '{%' }}"
+        );
+        assert_eq!(generation_blocks_as_if("x {% unclosed"), "x {% unclosed");
+    }
 
     /// A template from an untrusted file cannot hang the run nor fill memory:
     /// its instructions and its output are bounded.
