@@ -504,6 +504,25 @@ fn chat_template_wraps_the_prompt() {
         n_chat > n_plain + 4,
         "chat template adds role markers: {n_plain} vs {n_chat}"
     );
+    // A system prompt adds a system turn (this template has one).
+    let system = json_run(
+        &m,
+        &[
+            "--temp",
+            "0",
+            "-n",
+            "1",
+            "--chat",
+            "--system-prompt",
+            "Be brief.",
+        ],
+    );
+    let n_system = system["prompt_tokens"].as_array().unwrap().len();
+    assert!(n_system > n_chat + 3, "{n_chat} vs {n_system}");
+    // Only with --chat.
+    let out = run(&m, &["--system-prompt", "Be brief."]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--chat"));
 }
 
 #[test]

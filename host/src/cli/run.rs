@@ -72,6 +72,11 @@ pub struct RunArgs {
     /// Wrap the prompt in the model's chat template.
     #[arg(long)]
     pub chat: bool,
+    /// A system message before the prompt (with --chat). Where the template
+    /// has no system role it goes before the user's message, on a line of its
+    /// own, as llama.cpp does.
+    #[arg(long, visible_alias = "system", value_name = "TEXT", requires = "chat")]
+    pub system_prompt: Option<String>,
     /// Print one JSON object with tokens, text and stats instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -429,7 +434,21 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let n_images = image_sizes.len();
     let content = vision::place_markers(&prompt_arg, n_images);
     let prompt_text = if args.chat {
-        tokenizer.chat_prompt(&[("user", content.as_str())], true)?
+        match &args.system_prompt {
+            None => tokenizer.chat_prompt(&[("user", content.as_str())], true)?,
+            Some(system) => {
+                let (messages, folded) = tokenizer
+                    .chat_template()?
+                    .with_system_prompt(system, &content);
+                if folded {
+                    note!(
+                        "les: the chat template has no system role: the system prompt goes \
+                         before the user's message"
+                    );
+                }
+                tokenizer.chat_prompt(&messages, true)?
+            }
+        }
     } else {
         content
     };

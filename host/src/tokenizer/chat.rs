@@ -160,6 +160,32 @@ impl ChatTemplate {
         })
     }
 
+    /// Whether a system message shows in what the template renders. Some
+    /// templates refuse one (Gemma's raise an error) or drop it; llama.cpp
+    /// probes the same way and then folds the system prompt into the first
+    /// user message ([`with_system_prompt`](Self::with_system_prompt)).
+    pub fn supports_system_role(&self) -> bool {
+        const PROBE: &str = "les system prompt probe";
+        self.apply(&[("system", PROBE), ("user", "user message")], false)
+            .is_ok_and(|text| text.contains(PROBE))
+    }
+
+    /// The conversation that starts with `system` and one user message
+    /// `user`: two messages where the template has a system role, else one
+    /// user message of `system`, a newline and `user` (llama.cpp's
+    /// workaround). The second value says whether the system prompt was folded.
+    pub fn with_system_prompt(&self, system: &str, user: &str) -> (Vec<(String, String)>, bool) {
+        if self.supports_system_role() {
+            let msgs = vec![
+                ("system".into(), system.into()),
+                ("user".into(), user.into()),
+            ];
+            (msgs, false)
+        } else {
+            (vec![("user".into(), format!("{system}\n{user}"))], true)
+        }
+    }
+
     /// Renders with a caller-built context (for tools, `enable_thinking` and the
     /// like); `bos_token` and `eos_token` are added unless the context sets them.
     pub fn render(&self, ctx: Value) -> Result<String, ChatTemplateError> {
@@ -499,6 +525,29 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn system_prompts_fold_into_the_user_message_where_the_template_has_no_system_role() {
+        let chatml = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}";
+        let refuses = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}\
+                       {% for m in messages %}[{{ m.content }}]{% endfor %}";
+        let ignores = "{% for m in messages %}{% if m.role == 'user' %}[{{ m.content }}]{% endif %}{% endfor %}";
+        let t = ChatTemplate::new(chatml, "", "").unwrap();
+        assert!(t.supports_system_role());
+        let (msgs, folded) = t.with_system_prompt("Be brief.", "Hi");
+        assert!(!folded);
+        assert_eq!(
+            t.apply(&msgs, false).unwrap(),
+            "<|system|>Be brief.\n<|user|>Hi\n"
+        );
+        for src in [refuses, ignores] {
+            let t = ChatTemplate::new(src, "", "").unwrap();
+            assert!(!t.supports_system_role(), "{src}");
+            let (msgs, folded) = t.with_system_prompt("Be brief.", "Hi");
+            assert!(folded);
+            assert_eq!(t.apply(&msgs, false).unwrap(), "[Be brief.\nHi]");
+        }
+    }
 
     /// `{% generation %}` blocks (LFM2.5's and Laguna's templates) render their
     /// body, with the whitespace control of any other statement.
