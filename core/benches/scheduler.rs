@@ -53,7 +53,7 @@ fn bench(c: &mut Criterion) {
         ("les", SchedulerConfig::les()),
         ("on-demand", SchedulerConfig::on_demand()),
     ] {
-        for slots in [64usize, 1536] {
+        for slots in [64usize, 1536, 4096] {
             let mut mem = vec![0u8; slots];
             let sim = SimConfig {
                 latency_ns: 0,

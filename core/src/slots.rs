@@ -192,6 +192,9 @@ pub struct IndexEntry {
     slot: u32,
     /// Decayed router probability, in units of [`POPULARITY_ONE`].
     popularity: u32,
+    /// In a layer's first entry only: the slot + 1 of the layer's best eviction
+    /// candidate ([`LAYER_STALE`]: to work out again; [`LAYER_EMPTY`]: none).
+    layer_best: u32,
 }
 
 impl IndexEntry {
@@ -199,8 +202,14 @@ impl IndexEntry {
     pub const EMPTY: IndexEntry = IndexEntry {
         slot: 0,
         popularity: 0,
+        layer_best: LAYER_STALE,
     };
 }
+
+/// [`IndexEntry::layer_best`]: the layer changed since it was worked out.
+const LAYER_STALE: u32 = 0;
+/// [`IndexEntry::layer_best`]: the layer has no `Ready` slot.
+const LAYER_EMPTY: u32 = u32::MAX;
 
 /// The popularity one token adds for a router probability of 1 (fixed point).
 pub const POPULARITY_ONE: u32 = 1 << 16;
@@ -229,6 +238,60 @@ pub fn layer_weight(layer: u16, n_layers: u16) -> u32 {
     16 + 16 * half.saturating_sub(layer as u32) / half
 }
 
+/// How good a victim a `Ready` slot is (higher = better; see
+/// [`EvictionPolicy`]).
+type Rank = (bool, u32, u32, u64);
+
+/// Ranks `Ready` slots for one victim search: what depends only on the search
+/// (the current layer's place in the cycle) worked out once.
+struct Ranker {
+    policy: EvictionPolicy,
+    n_layers: u32,
+    current: u32,
+}
+
+impl Ranker {
+    fn new(n_layers: u16, current_layer: u16, policy: EvictionPolicy) -> Self {
+        let n_layers = n_layers.max(1) as u32;
+        Ranker {
+            policy,
+            n_layers,
+            current: current_layer as u32 % n_layers,
+        }
+    }
+
+    /// The rank of a `Ready` slot holding `key`, last used at `last_used`;
+    /// `weighted` gives its weighted popularity (asked for by
+    /// [`EvictionPolicy::Popularity`] only).
+    #[inline]
+    fn rank(&self, key: ExpertKey, last_used: u64, weighted: impl FnOnce() -> u32) -> Rank {
+        // Layers ahead of the current one, in the per-token cycle; the current
+        // layer itself comes back only after a full cycle. (Keys are of the
+        // model's layers: no division needed.)
+        let n = self.n_layers;
+        let distance = match key.layer as u32 + n - self.current {
+            d if d == n => n,
+            d if d > n => d - n,
+            d => d,
+        };
+        let age = u64::MAX - last_used;
+        match self.policy {
+            EvictionPolicy::Lru => (true, 0, 0, age),
+            EvictionPolicy::LayerDistance => (true, 0, distance, age),
+            EvictionPolicy::Popularity => (
+                distance > PROTECTED_LAYERS,
+                u32::MAX - weighted(),
+                distance,
+                age,
+            ),
+        }
+    }
+}
+
+/// Layers whose [`layer_weight`] a table works out once, when it is made
+/// (deeper layers, in larger models, each time).
+const WEIGHT_CACHE: usize = 128;
+
 /// Most slots a table manages.
 pub const MAX_TABLE_SLOTS: usize = (1 << 22) - 1;
 
@@ -240,6 +303,10 @@ pub struct SlotTable<S, M> {
     n_layers: u16,
     n_experts: u16,
     tick: u64,
+    /// The policy the layers' best candidates were worked out for.
+    cached_policy: Option<EvictionPolicy>,
+    /// [`layer_weight`] of the first [`WEIGHT_CACHE`] layers.
+    weights: [u8; WEIGHT_CACHE],
 }
 
 impl<S, M> SlotTable<S, M>
@@ -270,6 +337,8 @@ where
             n_layers,
             n_experts,
             tick: 0,
+            cached_policy: None,
+            weights: core::array::from_fn(|l| layer_weight(l as u16, n_layers) as u8),
         })
     }
 
@@ -326,9 +395,23 @@ where
     }
 
     /// [`popularity`](Self::popularity) times [`layer_weight`] (in sixteenths).
+    #[inline]
     fn weighted_popularity(&self, key: ExpertKey) -> u32 {
-        let w = layer_weight(key.layer, self.n_layers) as u64;
-        (self.popularity(key) as u64 * w / 16).min(u32::MAX as u64) as u32
+        let i = key.layer as usize * self.n_experts as usize + key.expert as usize;
+        let popularity = self.index.as_ref().get(i).map_or(0, |e| e.popularity) as u64;
+        let w = match self.weights.get(key.layer as usize) {
+            Some(&w) => w as u64,
+            None => layer_weight(key.layer, self.n_layers) as u64,
+        };
+        (popularity * w / 16).min(u32::MAX as u64) as u32
+    }
+
+    /// Marks `layer`'s best eviction candidate to be worked out again: its
+    /// `Ready` slots, their popularity or their use changed.
+    fn stale(&mut self, layer: u16) {
+        if let Some(first) = self.layer_entries(layer).first_mut() {
+            first.layer_best = LAYER_STALE;
+        }
     }
 
     /// The index entries of `layer`'s experts (empty outside the model).
@@ -355,6 +438,7 @@ where
         {
             return false;
         }
+        self.stale(layer);
         let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
         let total: f32 = logits.iter().map(|&l| libm::expf(l - max)).sum();
         for (e, &l) in self.layer_entries(layer).iter_mut().zip(logits) {
@@ -370,6 +454,7 @@ where
     /// layer's popularities as [`observe_router`](Self::observe_router) does, then
     /// adds [`POPULARITY_ONE`] to each pick. Experts outside the model are ignored.
     pub fn record_picks(&mut self, layer: u16, experts: &[u16]) {
+        self.stale(layer);
         let entries = self.layer_entries(layer);
         for e in entries.iter_mut() {
             e.popularity -= e.popularity >> POPULARITY_DECAY_SHIFT;
@@ -398,7 +483,7 @@ where
     /// A free slot, or else the `Ready` slot `policy` prefers among those whose key
     /// `allowed` accepts, given that `current_layer` is being computed.
     pub fn victim(
-        &self,
+        &mut self,
         policy: EvictionPolicy,
         current_layer: u16,
         allowed: impl FnMut(ExpertKey) -> bool,
@@ -408,7 +493,128 @@ where
 
     /// [`victim`](Self::victim) among the slots `range` (one size class, see
     /// [`crate::slot_classes`]); `None` for a range outside the table.
+    ///
+    /// Over more slots than the model has layers plus twice its experts per
+    /// layer, each layer's best candidate is kept between calls and worked out
+    /// again (over the layer's experts) only once the layer changed, so a
+    /// search costs the layers plus the changed layers' experts, however many
+    /// slots there are; it chooses the slot a ranking of every slot would
+    /// ([`victim_by_scan`](Self::victim_by_scan), which the tests compare it
+    /// with): within a layer the distance is the same for every slot, so the
+    /// best slot overall is the best of the layers' best.
     pub fn victim_in(
+        &mut self,
+        policy: EvictionPolicy,
+        current_layer: u16,
+        range: core::ops::Range<usize>,
+        allowed: impl FnMut(ExpertKey) -> bool,
+    ) -> Option<SlotId> {
+        let slots = self.slots.as_ref().get(range.clone())?;
+        if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
+            return Some(SlotId((range.start + i) as u32));
+        }
+        // A few slots are ranked faster than the layers are visited (a layer
+        // that changed costs its experts).
+        if range.len() <= self.n_layers as usize + 2 * self.n_experts as usize {
+            self.victim_by_scan(policy, current_layer, range, allowed)
+        } else {
+            self.victim_by_layers(policy, current_layer, range, allowed)
+        }
+    }
+
+    /// [`victim_in`](Self::victim_in) from each layer's best candidate.
+    fn victim_by_layers(
+        &mut self,
+        policy: EvictionPolicy,
+        current_layer: u16,
+        range: core::ops::Range<usize>,
+        mut allowed: impl FnMut(ExpertKey) -> bool,
+    ) -> Option<SlotId> {
+        let slots = self.slots.as_ref().get(range.clone())?;
+        if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
+            return Some(SlotId((range.start + i) as u32));
+        }
+        if self.cached_policy != Some(policy) {
+            for layer in 0..self.n_layers {
+                self.stale(layer);
+            }
+            self.cached_policy = Some(policy);
+        }
+        let ranker = Ranker::new(self.n_layers, current_layer, policy);
+        let mut best: Option<(SlotId, Rank)> = None;
+        for layer in 0..self.n_layers {
+            let first = layer as usize * self.n_experts as usize;
+            let Some(cached) = self.index.as_ref().get(first).map(|e| e.layer_best) else {
+                continue; // a model without experts
+            };
+            let cached = match cached {
+                LAYER_STALE => {
+                    let b = self.best_of_layer(layer, &ranker, &(0..self.capacity()), |_| true);
+                    self.index.as_mut()[first].layer_best = b.map_or(LAYER_EMPTY, |(s, _)| s.0 + 1);
+                    b.map(|(s, _)| s)
+                }
+                LAYER_EMPTY => None,
+                s => Some(SlotId(s - 1)),
+            };
+            let Some(slot) = cached else { continue };
+            let candidate = match self.state(slot) {
+                &SlotState::Ready { key, .. }
+                    if range.contains(&(slot.0 as usize)) && allowed(key) =>
+                {
+                    let last_used = self.slots.as_ref()[slot.0 as usize].last_used;
+                    let rank = ranker.rank(key, last_used, || self.weighted_popularity(key));
+                    Some((slot, rank))
+                }
+                // Its best is not wanted here: the best of the rest of the layer.
+                _ => self.best_of_layer(layer, &ranker, &range, &mut allowed),
+            };
+            if let Some((slot, rank)) = candidate {
+                if best.is_none_or(|(b, r)| rank > r || (rank == r && slot.0 < b.0)) {
+                    best = Some((slot, rank));
+                }
+            }
+        }
+        best.map(|(s, _)| s)
+    }
+
+    /// The best `Ready` slot of `layer` within `range` whose key `allowed`
+    /// accepts (lowest slot on ties), and its rank.
+    fn best_of_layer(
+        &self,
+        layer: u16,
+        ranker: &Ranker,
+        range: &core::ops::Range<usize>,
+        mut allowed: impl FnMut(ExpertKey) -> bool,
+    ) -> Option<(SlotId, Rank)> {
+        let n = self.n_experts as usize;
+        let entries = self
+            .index
+            .as_ref()
+            .get(layer as usize * n..(layer as usize + 1) * n)?;
+        let mut best: Option<(SlotId, Rank)> = None;
+        for e in entries {
+            if e.slot == 0 || !range.contains(&(e.slot as usize - 1)) {
+                continue;
+            }
+            let slot = SlotId(e.slot - 1);
+            let s = &self.slots.as_ref()[slot.0 as usize];
+            let SlotState::Ready { key, .. } = s.state else {
+                continue;
+            };
+            if !allowed(key) {
+                continue;
+            }
+            let rank = ranker.rank(key, s.last_used, || self.weighted_popularity(key));
+            if best.is_none_or(|(b, r)| rank > r || (rank == r && slot.0 < b.0)) {
+                best = Some((slot, rank));
+            }
+        }
+        best
+    }
+
+    /// What [`victim_in`](Self::victim_in) chooses, by ranking every slot of
+    /// `range`: the reference its per-layer search is tested against.
+    pub fn victim_by_scan(
         &self,
         policy: EvictionPolicy,
         current_layer: u16,
@@ -420,36 +626,18 @@ where
         if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
             return Some(SlotId((first + i) as u32));
         }
-        let n_layers = self.n_layers.max(1) as u32;
-        let mut best: Option<(usize, (bool, u32, u32, u64))> = None;
+        let ranker = Ranker::new(self.n_layers, current_layer, policy);
+        let mut best: Option<(usize, Rank)> = None;
         for (i, s) in slots.iter().enumerate() {
-            let i = first + i;
             let SlotState::Ready { key, .. } = s.state else {
                 continue;
             };
             if !allowed(key) {
                 continue;
             }
-            // Layers ahead of the current one, in the per-token cycle; the current
-            // layer itself comes back only after a full cycle.
-            let distance =
-                match (key.layer as u32 + n_layers - current_layer as u32 % n_layers) % n_layers {
-                    0 => n_layers,
-                    d => d,
-                };
-            // Higher rank = better victim.
-            let rank = match policy {
-                EvictionPolicy::Lru => (true, 0, 0, u64::MAX - s.last_used),
-                EvictionPolicy::LayerDistance => (true, 0, distance, u64::MAX - s.last_used),
-                EvictionPolicy::Popularity => (
-                    distance > PROTECTED_LAYERS,
-                    u32::MAX - self.weighted_popularity(key),
-                    distance,
-                    u64::MAX - s.last_used,
-                ),
-            };
+            let rank = ranker.rank(key, s.last_used, || self.weighted_popularity(key));
             if best.is_none_or(|(_, r)| rank > r) {
-                best = Some((i, rank));
+                best = Some((first + i, rank));
             }
         }
         best.map(|(i, _)| SlotId(i as u32))
@@ -463,6 +651,7 @@ where
         let i = self.index_of(key)?;
         self.map(i, None);
         self.slots.as_mut()[slot.0 as usize].state = SlotState::Free;
+        self.stale(key.layer);
         Ok(key)
     }
 
@@ -508,6 +697,7 @@ where
             prefetched: load.prefetched && !load.demand,
         };
         s.last_used = self.tick;
+        self.stale(load.key.layer);
         Ok(load.key)
     }
 
@@ -532,6 +722,7 @@ where
             return Err(SlotError::InvalidTransition(slot));
         };
         self.slots.as_mut()[slot.0 as usize].state = SlotState::InUse { key };
+        self.stale(key.layer);
         Ok(prefetched)
     }
 
@@ -547,6 +738,7 @@ where
             prefetched: false,
         };
         s.last_used = self.tick;
+        self.stale(key.layer);
         Ok(())
     }
 }
@@ -812,5 +1004,140 @@ mod tests {
             SlotTable::new([Slot::EMPTY; 2], [IndexEntry::EMPTY; 11], 3, 4),
             Err(SlotError::BadIndex)
         ));
+    }
+
+    mod search_equals_scan {
+        extern crate std;
+        use std::vec::Vec;
+
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            /// Into the first free slot, if any; then finished or not.
+            Fill {
+                layer: u16,
+                expert: u16,
+                finish: bool,
+            },
+            Finish {
+                slot: usize,
+            },
+            Pin {
+                slot: usize,
+            },
+            Unpin {
+                slot: usize,
+            },
+            Evict {
+                slot: usize,
+            },
+            Abandon {
+                slot: usize,
+            },
+            Route {
+                layer: u16,
+                logits: Vec<i8>,
+            },
+            Picks {
+                layer: u16,
+                experts: Vec<u16>,
+            },
+            Victim,
+        }
+
+        const LAYERS: u16 = 6;
+        const EXPERTS: u16 = 5;
+        const SLOTS: usize = 9;
+
+        fn op() -> impl Strategy<Value = Op> {
+            let slot = 0..SLOTS;
+            prop_oneof![
+                6 => (0..LAYERS, 0..EXPERTS, proptest::bool::weighted(0.9))
+                    .prop_map(|(layer, expert, finish)| Op::Fill { layer, expert, finish }),
+                1 => slot.clone().prop_map(|slot| Op::Finish { slot }),
+                1 => slot.clone().prop_map(|slot| Op::Pin { slot }),
+                1 => slot.clone().prop_map(|slot| Op::Unpin { slot }),
+                1 => slot.clone().prop_map(|slot| Op::Evict { slot }),
+                1 => slot.prop_map(|slot| Op::Abandon { slot }),
+                2 => (0..LAYERS, proptest::collection::vec(any::<i8>(), EXPERTS as usize))
+                    .prop_map(|(layer, logits)| Op::Route { layer, logits }),
+                2 => (0..LAYERS, proptest::collection::vec(0..EXPERTS + 1, 0..3))
+                    .prop_map(|(layer, experts)| Op::Picks { layer, experts }),
+                2 => Just(Op::Victim),
+            ]
+        }
+
+        proptest! {
+            /// Whatever happened to the table, the per-layer search chooses the
+            /// slot a ranking of every slot chooses: for every policy, current
+            /// layer, range of slots (classes) and filter.
+            #[test]
+            fn victim_in_chooses_what_a_full_scan_chooses(
+                ops in proptest::collection::vec(op(), 1..80),
+                excluded in (0..LAYERS + 1, 0..EXPERTS),
+                policy in prop_oneof![
+                    Just(EvictionPolicy::Popularity),
+                    Just(EvictionPolicy::Lru),
+                    Just(EvictionPolicy::LayerDistance),
+                ],
+            ) {
+                let mut t = SlotTable::new(
+                    [Slot::EMPTY; SLOTS],
+                    [IndexEntry::EMPTY; (LAYERS * EXPERTS) as usize],
+                    LAYERS,
+                    EXPERTS,
+                )
+                .unwrap();
+                for op in ops {
+                    match op {
+                        Op::Fill { layer, expert, finish } => {
+                            let free = t.iter().find(|(_, st)| **st == SlotState::Free);
+                            if let Some((slot, _)) = free {
+                                if t.start_load(slot, load(key(layer, expert), slot.0)).is_ok()
+                                    && finish
+                                {
+                                    t.finish_load(slot).unwrap();
+                                }
+                            }
+                        }
+                        Op::Finish { slot } => drop(t.finish_load(SlotId(slot as u32))),
+                        Op::Pin { slot } => drop(t.pin(SlotId(slot as u32))),
+                        Op::Unpin { slot } => drop(t.unpin(SlotId(slot as u32))),
+                        Op::Evict { slot } => drop(t.evict(SlotId(slot as u32))),
+                        Op::Abandon { slot } => drop(t.abandon(SlotId(slot as u32))),
+                        Op::Route { layer, logits } => {
+                            let l: Vec<f32> = logits.iter().map(|&v| v as f32 / 16.0).collect();
+                            t.observe_router(layer, &l);
+                        }
+                        Op::Picks { layer, experts } => t.record_picks(layer, &experts),
+                        Op::Victim => {}
+                    }
+                    let (x_layer, x_expert) = excluded;
+                    // One policy a case: a change of policy works every layer
+                    // out again, which would hide a stale layer.
+                    {
+                        for current in 0..LAYERS {
+                            for range in [0..SLOTS, 0..4, 4..SLOTS, 3..3, 8..20] {
+                                // As the prefetch path filters: one layer and one
+                                // key of the current layer excluded.
+                                let allowed = |k: ExpertKey| {
+                                    k.layer != x_layer
+                                        && (k.layer != current || k.expert != x_expert)
+                                };
+                                let want = t.victim_by_scan(policy, current, range.clone(), allowed);
+                                let got = t.victim_by_layers(policy, current, range.clone(), allowed);
+                                prop_assert_eq!(got, want, "{:?} current {} {:?}", policy, current, range);
+                                prop_assert_eq!(t.victim_in(policy, current, range.clone(), allowed), want);
+                                let want = t.victim_by_scan(policy, current, range.clone(), |_| true);
+                                let got = t.victim_by_layers(policy, current, range.clone(), |_| true);
+                                prop_assert_eq!(got, want, "{:?} current {} {:?} all", policy, current, range);
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
