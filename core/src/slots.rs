@@ -307,6 +307,9 @@ pub struct SlotTable<S, M> {
     cached_policy: Option<EvictionPolicy>,
     /// [`layer_weight`] of the first [`WEIGHT_CACHE`] layers.
     weights: [u8; WEIGHT_CACHE],
+    /// `Free` slots: none means no search for one (the table is full in a
+    /// steady decode).
+    free: usize,
 }
 
 impl<S, M> SlotTable<S, M>
@@ -339,6 +342,7 @@ where
             tick: 0,
             cached_policy: None,
             weights: core::array::from_fn(|l| layer_weight(l as u16, n_layers) as u8),
+            free: n,
         })
     }
 
@@ -509,10 +513,6 @@ where
         range: core::ops::Range<usize>,
         allowed: impl FnMut(ExpertKey) -> bool,
     ) -> Option<SlotId> {
-        let slots = self.slots.as_ref().get(range.clone())?;
-        if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
-            return Some(SlotId((range.start + i) as u32));
-        }
         // A few slots are ranked faster than the layers are visited (a layer
         // that changed costs its experts).
         if range.len() <= self.n_layers as usize + 2 * self.n_experts as usize {
@@ -531,7 +531,10 @@ where
         mut allowed: impl FnMut(ExpertKey) -> bool,
     ) -> Option<SlotId> {
         let slots = self.slots.as_ref().get(range.clone())?;
-        if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
+        if let Some(i) = (self.free > 0)
+            .then(|| slots.iter().position(|s| s.state == SlotState::Free))
+            .flatten()
+        {
             return Some(SlotId((range.start + i) as u32));
         }
         if self.cached_policy != Some(policy) {
@@ -623,7 +626,10 @@ where
     ) -> Option<SlotId> {
         let first = range.start;
         let slots = self.slots.as_ref().get(range)?;
-        if let Some(i) = slots.iter().position(|s| s.state == SlotState::Free) {
+        if let Some(i) = (self.free > 0)
+            .then(|| slots.iter().position(|s| s.state == SlotState::Free))
+            .flatten()
+        {
             return Some(SlotId((first + i) as u32));
         }
         let ranker = Ranker::new(self.n_layers, current_layer, policy);
@@ -651,6 +657,7 @@ where
         let i = self.index_of(key)?;
         self.map(i, None);
         self.slots.as_mut()[slot.0 as usize].state = SlotState::Free;
+        self.free += 1;
         self.stale(key.layer);
         Ok(key)
     }
@@ -665,6 +672,7 @@ where
             return Err(SlotError::AlreadyMapped(load.key));
         }
         self.map(i, Some(slot));
+        self.free -= 1;
         let s = &mut self.slots.as_mut()[slot.0 as usize];
         s.state = SlotState::Loading(load);
         s.unverified = false;
@@ -713,6 +721,7 @@ where
         let i = self.index_of(load.key)?;
         self.map(i, None);
         self.slots.as_mut()[slot.0 as usize].state = SlotState::Free;
+        self.free += 1;
         Ok(load.key)
     }
 
@@ -1126,6 +1135,13 @@ mod tests {
                                     k.layer != x_layer
                                         && (k.layer != current || k.expert != x_expert)
                                 };
+                                // A free slot first, found without the table's count.
+                                let free = t.iter().find(|&(s, st)| {
+                                    range.contains(&(s.0 as usize)) && *st == SlotState::Free
+                                });
+                                if let Some((slot, _)) = free.filter(|_| range.end <= SLOTS) {
+                                    prop_assert_eq!(t.victim_by_scan(policy, current, range.clone(), allowed), Some(slot));
+                                }
                                 let want = t.victim_by_scan(policy, current, range.clone(), allowed);
                                 let got = t.victim_by_layers(policy, current, range.clone(), allowed);
                                 prop_assert_eq!(got, want, "{:?} current {} {:?}", policy, current, range);
