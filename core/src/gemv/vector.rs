@@ -244,6 +244,17 @@ pub struct Strided<'a> {
     pub d: usize,
 }
 
+/// Whether `len` elements hold `count` runs of `run` elements `stride` apart
+/// (the last run ends at `(count - 1) * stride + run`), computed without
+/// overflow: the SIMD kernels read within that bound unchecked.
+fn fits(len: usize, count: usize, stride: usize, run: usize) -> bool {
+    count == 0
+        || (count - 1)
+            .checked_mul(stride)
+            .and_then(|x| x.checked_add(run))
+            .is_some_and(|need| len >= need)
+}
+
 /// `out[j * n + t] = dot(q_j, row t) * scale` for the `nb = q.len() / d` query
 /// vectors `q_j = q[j * d..][..d]` and the `n` rows: the scores of `nb` heads
 /// sharing a key head, each key read once for all of them. Needs
@@ -258,7 +269,7 @@ pub fn scaled_dots(isa: Isa, q: &[f32], keys: Strided<'_>, scale: f32, out: &mut
     } = keys;
     let nb = q.len() / d.max(1);
     assert!(
-        out.len() >= nb * n && (n == 0 || rows.len() >= (n - 1) * stride + d),
+        fits(out.len(), nb, n, n) && fits(rows.len(), n, stride, d),
         "scaled_dots: bad lengths"
     );
     match isa {
@@ -317,9 +328,7 @@ pub fn weighted_rows_strided(
     } = values;
     let nb = o.len() / d.max(1);
     assert!(
-        w_stride >= n
-            && (nb == 0 || w.len() >= (nb - 1) * w_stride + n)
-            && (n == 0 || rows.len() >= (n - 1) * stride + d),
+        w_stride >= n && fits(w.len(), nb, w_stride, n) && fits(rows.len(), n, stride, d),
         "weighted_rows: bad lengths"
     );
     let (n, ws) = (n, w_stride);
@@ -366,7 +375,7 @@ pub fn widen_f16(isa: Isa, src: &[u16], dst: &mut [f32]) {
 /// Panics if `src` or `dst` is too short.
 pub fn widen_f16_rows(isa: Isa, src: &[u16], stride: usize, n: usize, d: usize, dst: &mut [f32]) {
     assert!(
-        dst.len() >= n * d && (n == 0 || src.len() >= (n - 1) * stride + d),
+        fits(dst.len(), n, d, d) && fits(src.len(), n, stride, d),
         "widen_f16_rows: bad lengths"
     );
     match isa {
@@ -659,18 +668,14 @@ mod x86 {
     fn dots_avx512<const N: usize>(q: &[f32], d: usize, k: &[f32]) -> [f32; N] {
         let (whole, _, tk) = dot_tail_split(k, k);
         assert!(
-            N == 0 || (k.len() <= d && q.len() >= (N - 1) * d + k.len()),
+            k.len() <= d && super::fits(q.len(), N, d, k.len()),
             "dots: short query"
         );
-        let qp = q.as_ptr();
         let mut acc = [_mm512_setzero_ps(); N];
         for c in (0..whole).step_by(16) {
             let kv = ld16(&k[c..]);
             for (j, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: `j * d + c + 16 <= (N - 1) * d + whole <= q.len()`
-                // (asserted above, `whole <= k.len()`): the 16 floats read lie
-                // in `q`.
-                let qv = unsafe { _mm512_loadu_ps(qp.add(j * d + c)) };
+                let qv = ld16(&q[j * d + c..]);
                 *acc = _mm512_add_ps(*acc, _mm512_mul_ps(qv, kv));
             }
         }
@@ -773,17 +778,13 @@ mod x86 {
         let blocks = n / 16;
         for t0 in (0..blocks).map(|b| 16 * b) {
             let keys = &rows[t0 * stride..][..15 * stride + d];
-            let kp = keys.as_ptr();
             for j in 0..nb {
                 let qj = &q[j * d..][..d];
                 let mut acc = [_mm512_setzero_ps(); 16];
                 for c in (0..whole).step_by(16) {
                     let qv = ld16(&qj[c..]);
                     for (u, a) in acc.iter_mut().enumerate() {
-                        // SAFETY: `u * stride + c + 16 <= 15 * stride + whole`,
-                        // and `keys` holds `15 * stride + d >= ...` floats
-                        // (`whole <= d`): the 16 floats read lie in `keys`.
-                        let kv = unsafe { _mm512_loadu_ps(kp.add(u * stride + c)) };
+                        let kv = ld16(&keys[u * stride + c..]);
                         *a = _mm512_add_ps(*a, _mm512_mul_ps(qv, kv));
                     }
                 }
@@ -1250,6 +1251,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Lengths whose bound overflows `usize` are refused on every ISA (the
+    /// AVX-512 kernel read out of bounds when the check wrapped).
+    #[test]
+    fn overflowing_strides_are_refused() {
+        extern crate std;
+        // `15 * stride` wraps to 14: a wrapping check passed with 30 rows.
+        let stride = usize::MAX / 15 + 1;
+        let (n, d) = (16, 16);
+        let rows = vec![0f32; 30];
+        let q = vec![0f32; d];
+        for isa in Isa::available() {
+            let r = std::panic::catch_unwind(|| {
+                let mut out = vec![0f32; n];
+                let keys = Strided {
+                    data: &rows,
+                    stride,
+                    n,
+                    d,
+                };
+                scaled_dots(isa, &q, keys, 1.0, &mut out);
+            });
+            assert!(r.is_err(), "{isa:?}: scaled_dots accepted the rows");
+            let r = std::panic::catch_unwind(|| {
+                let mut o = vec![0f32; d];
+                let values = Strided {
+                    data: &rows,
+                    stride,
+                    n,
+                    d,
+                };
+                weighted_rows(isa, &vec![0f32; n], values, &mut o);
+            });
+            assert!(r.is_err(), "{isa:?}: weighted_rows accepted the rows");
+        }
+        assert!(!fits(30, 16, stride, 16));
+        assert!(fits(30, 0, stride, 16) && fits(31, 2, 15, 16) && !fits(30, 2, 15, 16));
     }
 
     /// Every ISA's scores and weighted sums are the reference's bits, for

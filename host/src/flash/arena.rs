@@ -110,6 +110,13 @@ impl SlotArena {
         populate(ptr, len).then_some(arena)
     }
 
+    /// The address of the first slot (to tell whether the memory is still
+    /// mapped, in tests).
+    #[cfg(test)]
+    pub fn address(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
     /// Bytes of the largest slot (a multiple of [`SLOT_ALIGN`]).
     pub fn slot_bytes(&self) -> usize {
         self.runs.iter().map(|r| r.bytes).max().unwrap_or(0)
@@ -255,8 +262,10 @@ fn populate_range(ptr: NonNull<u8>, len: usize) -> bool {
 impl Drop for SlotArena {
     fn drop(&mut self) {
         let (map, map_len) = self.mapping;
-        // SAFETY: mapped in `with_runs` with this length, unmapped once; no
-        // slice into it outlives `self` (they borrow it).
+        // SAFETY: mapped in `with_runs` with this length, unmapped once. No
+        // slice into it outlives `self` (they borrow it); reads handed to the
+        // kernel by address (io_uring) are drained before the arena is
+        // dropped, or the arena is leaked (`FileDevice`'s drop).
         let _ = unsafe { rustix::mm::munmap(map.as_ptr(), map_len) };
     }
 }

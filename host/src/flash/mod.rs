@@ -909,15 +909,19 @@ impl UringEngine {
         let buf = if is_aligned(req) {
             // SAFETY: `job` is in flight: `FileDevice::submit` checked its range is
             // inside the slot and disjoint from every other read in flight, and
-            // `FileDevice::slot` refuses a slot while a read into it is in flight.
-            // The kernel writes the range until the completion is taken in `reap`,
-            // which happens before the read leaves the in-flight set.
+            // `FileDevice::slot` / `slot_prefix` hand out no byte of a range a
+            // read in flight may write. The kernel writes the range until the
+            // completion is taken in `reap`, before the read leaves the
+            // in-flight set; if the ring fails first, the range stays out of
+            // reach for good (`held`) and the memory is never freed (drop).
             unsafe {
                 s.arena
                     .range_mut(req.slot.0 as usize, req.slot_offset as usize, span)
             }
         } else {
-            if span > self.max_read {
+            // (One ring read moves at most `u32::MAX` bytes: the widened span of
+            // a read near 4 GiB would not fit.)
+            if span > self.max_read || span > u32::MAX as usize {
                 return Err((
                     job,
                     file_error(io::ErrorKind::InvalidInput, "read larger than a slot"),
@@ -1075,8 +1079,9 @@ impl UringEngine {
 
     /// The ring itself failed (never seen on a ring set up right: a kernel or
     /// memory fault). Every queued and running read fails, later reads are
-    /// refused, and the kernel may still hold the running ones' buffers, so the
-    /// device leaks its slot memory rather than free it ([`FileDevice`]'s drop).
+    /// refused, and the kernel may still hold the running ones' buffers (slots
+    /// or bounce buffers), so the device leaks its slot memory, this engine's
+    /// bounce buffers and the ring rather than free them ([`FileDevice`]'s drop).
     fn fail_running(&mut self, s: &Shared, e: io::Error) {
         let err = file_error(e.kind(), format!("io_uring failed: {e}"));
         self.broken = Some(err.clone());
@@ -1166,8 +1171,9 @@ fn read(
     );
     // SAFETY: `req` is in flight: `FileDevice::submit` checked its range is inside
     // the slot and disjoint from every other read in flight, and
-    // `FileDevice::slot` refuses to read a slot while a read into it is in flight.
-    // The range is written only here, before the completion is published.
+    // `FileDevice::slot` / `slot_prefix` hand out no byte of a range a read in
+    // flight may write. The range is written only here, before the completion
+    // is published.
     let dst = unsafe { s.arena.range_mut(slot, off, len) };
     let file_bytes = fill(s, req, bounce, dst)?;
     let crc = match dst.get(..hash_len) {
@@ -1498,8 +1504,11 @@ impl Drop for FileDevice {
         if let Some(u) = self.uring.as_mut() {
             u.queued.clear();
             if !u.drain(&self.shared) {
-                // The kernel may still write into the slots: never free them.
+                // The kernel may still write what the failed ring's reads
+                // target, the slots or the engine's bounce buffers, and closing
+                // the ring does not wait for it: leak all of them (and the ring).
                 std::mem::forget(Arc::clone(&self.shared));
+                std::mem::forget(self.uring.take());
             }
         }
         {
@@ -1563,6 +1572,57 @@ mod tests {
             dev.submit(read(2, 1)).is_err(),
             "a failed ring takes no reads"
         );
+    }
+
+    /// After a ring failure the memory the kernel may still write stays mapped
+    /// when the device is dropped: the slots and, for an unaligned read, the
+    /// bounce buffer it went to (which was unmapped).
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[test]
+    fn a_failed_rings_buffers_outlive_the_device() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("flash-bounce-{}.bin", std::process::id()));
+        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+        let cfg = FileDeviceConfig {
+            engine: IoEngine::Uring,
+            threads: 2,
+            queue_depth: 4,
+            direct: true,
+            chunk_bytes: 0,
+        };
+        let dev = FileDevice::open(&path, 2, 64 << 10, cfg);
+        std::fs::remove_file(&path).unwrap();
+        let mut dev = dev.unwrap();
+        // Unaligned: read through a bounce buffer.
+        dev.submit(ReadRequest {
+            tag: Tag(1),
+            offset: 100,
+            len: 1000,
+            slot: SlotId(0),
+            slot_offset: 0,
+            urgent: true,
+        })
+        .unwrap();
+        let u = dev.uring.as_mut().unwrap();
+        let bounce: Vec<usize> = u.bounce.iter().flatten().map(SlotArena::address).collect();
+        assert_eq!(bounce.len(), 1, "the read went through a bounce buffer");
+        let slots = dev.shared.arena.address();
+        u.fail_running(&dev.shared, io::Error::other("injected"));
+        drop(dev);
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let mapped = |addr: usize| {
+            maps.lines().any(|l| {
+                let range = l.split_whitespace().next().unwrap();
+                let (a, b) = range.split_once('-').unwrap();
+                let (a, b) = (
+                    usize::from_str_radix(a, 16).unwrap(),
+                    usize::from_str_radix(b, 16).unwrap(),
+                );
+                (a..b).contains(&addr)
+            })
+        };
+        assert!(mapped(slots), "the slots were unmapped");
+        assert!(mapped(bounce[0]), "the bounce buffer was unmapped");
     }
 
     #[test]

@@ -51,9 +51,11 @@ impl MappedFile {
             ));
         }
         // SAFETY: memmap2 requires that the mapped file is not modified or
-        // truncated while the map lives. LES only maps model files it treats as
-        // immutable, and this constructor's documentation puts that promise on the
-        // caller; the map is read-only, so LES itself never writes through it.
+        // truncated while the map lives, which no process can guarantee for a
+        // file others may write. LES maps only model files, which it treats as
+        // immutable, and makes that promise on its caller's behalf, as the
+        // type's documentation says (the accepted limit of mapping files, as in
+        // ripgrep); the map is read-only, so LES itself never writes through it.
         let map = unsafe { Mmap::map(&file)? };
         Ok(MappedFile { map })
     }
