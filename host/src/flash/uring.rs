@@ -376,11 +376,13 @@ mod tests {
             .write_all(&data)
             .unwrap();
         let file = std::fs::File::open(&path).unwrap();
-        let mut ring = Ring::new(4).expect("io_uring_setup");
+        // Declared before the ring, so dropped after it if an assertion panics
+        // with reads in flight.
         let mut bufs = vec![vec![0u8; 5000]; 4];
+        let mut ring = Ring::new(4).expect("io_uring_setup");
         for (i, b) in bufs.iter_mut().enumerate() {
-            // SAFETY: each buffer outlives its read and is not touched until its
-            // completion is popped.
+            // SAFETY: each buffer outlives its read (it is dropped after the
+            // ring) and is not touched until its completion is popped.
             assert!(unsafe {
                 ring.push_read(
                     file.as_fd(),
