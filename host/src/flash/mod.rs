@@ -1527,14 +1527,12 @@ impl Drop for FileDevice {
 mod tests {
     use super::*;
 
-    /// A ring that fails with reads in it fails those reads to their caller,
-    /// but the kernel may still write their slots: those stay out of reach.
+    /// An `io_uring` device of two 64 KiB slots over a 1 MiB file (removed at
+    /// once), on the repository's disk, which takes O_DIRECT (a tmpfs would not).
     #[cfg(any(target_os = "linux", target_os = "android"))]
-    #[test]
-    fn slots_a_failed_ring_held_are_never_handed_out() {
-        // On the repository's disk, which takes O_DIRECT (a tmpfs would not).
+    fn uring_device(name: &str) -> FileDevice {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("flash-held-{}.bin", std::process::id()));
+            .join(format!("flash-{name}-{}.bin", std::process::id()));
         std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
         let cfg = FileDeviceConfig {
             engine: IoEngine::Uring,
@@ -1545,7 +1543,15 @@ mod tests {
         };
         let dev = FileDevice::open(&path, 2, 64 << 10, cfg);
         std::fs::remove_file(&path).unwrap();
-        let mut dev = dev.unwrap();
+        dev.unwrap()
+    }
+
+    /// A ring that fails with reads in it fails those reads to their caller,
+    /// but the kernel may still write their slots: those stay out of reach.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[test]
+    fn slots_a_failed_ring_held_are_never_handed_out() {
+        let mut dev = uring_device("held");
         let read = |tag, slot| ReadRequest {
             tag: Tag(tag),
             offset: 0,
@@ -1580,19 +1586,7 @@ mod tests {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     #[test]
     fn a_failed_rings_buffers_outlive_the_device() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("flash-bounce-{}.bin", std::process::id()));
-        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
-        let cfg = FileDeviceConfig {
-            engine: IoEngine::Uring,
-            threads: 2,
-            queue_depth: 4,
-            direct: true,
-            chunk_bytes: 0,
-        };
-        let dev = FileDevice::open(&path, 2, 64 << 10, cfg);
-        std::fs::remove_file(&path).unwrap();
-        let mut dev = dev.unwrap();
+        let mut dev = uring_device("bounce");
         // Unaligned: read through a bounce buffer.
         dev.submit(ReadRequest {
             tag: Tag(1),
