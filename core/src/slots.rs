@@ -288,6 +288,13 @@ impl Ranker {
     }
 }
 
+/// Whether `candidate` is a better victim than `best`: a higher rank, or the
+/// same rank in a lower slot (as a ranking of the slots in order finds).
+fn outranks(candidate: (SlotId, Rank), best: Option<(SlotId, Rank)>) -> bool {
+    let (slot, rank) = candidate;
+    best.is_none_or(|(b, r)| rank > r || (rank == r && slot.0 < b.0))
+}
+
 /// Layers whose [`layer_weight`] a table works out once, when it is made
 /// (deeper layers, in larger models, each time).
 const WEIGHT_CACHE: usize = 128;
@@ -401,6 +408,7 @@ where
     /// [`popularity`](Self::popularity) times [`layer_weight`] (in sixteenths).
     #[inline]
     fn weighted_popularity(&self, key: ExpertKey) -> u32 {
+        // `popularity`'s index, without its key check: keys in slots are valid.
         let i = key.layer as usize * self.n_experts as usize + key.expert as usize;
         let popularity = self.index.as_ref().get(i).map_or(0, |e| e.popularity) as u64;
         let w = match self.weights.get(key.layer as usize) {
@@ -530,12 +538,9 @@ where
         range: core::ops::Range<usize>,
         mut allowed: impl FnMut(ExpertKey) -> bool,
     ) -> Option<SlotId> {
-        let slots = self.slots.as_ref().get(range.clone())?;
-        if let Some(i) = (self.free > 0)
-            .then(|| slots.iter().position(|s| s.state == SlotState::Free))
-            .flatten()
-        {
-            return Some(SlotId((range.start + i) as u32));
+        self.slots.as_ref().get(range.clone())?;
+        if let Some(free) = self.first_free(&range) {
+            return Some(free);
         }
         if self.cached_policy != Some(policy) {
             for layer in 0..self.n_layers {
@@ -572,12 +577,24 @@ where
                 _ => self.best_of_layer(layer, &ranker, &range, &mut allowed),
             };
             if let Some((slot, rank)) = candidate {
-                if best.is_none_or(|(b, r)| rank > r || (rank == r && slot.0 < b.0)) {
+                if outranks((slot, rank), best) {
                     best = Some((slot, rank));
                 }
             }
         }
         best.map(|(s, _)| s)
+    }
+
+    /// The first `Free` slot of `range`, which must lie in the table (none is
+    /// looked for while the table has none).
+    fn first_free(&self, range: &core::ops::Range<usize>) -> Option<SlotId> {
+        if self.free == 0 {
+            return None;
+        }
+        let i = self.slots.as_ref()[range.clone()]
+            .iter()
+            .position(|s| s.state == SlotState::Free)?;
+        Some(SlotId((range.start + i) as u32))
     }
 
     /// The best `Ready` slot of `layer` within `range` whose key `allowed`
@@ -608,7 +625,7 @@ where
                 continue;
             }
             let rank = ranker.rank(key, s.last_used, || self.weighted_popularity(key));
-            if best.is_none_or(|(b, r)| rank > r || (rank == r && slot.0 < b.0)) {
+            if outranks((slot, rank), best) {
                 best = Some((slot, rank));
             }
         }
@@ -625,12 +642,9 @@ where
         mut allowed: impl FnMut(ExpertKey) -> bool,
     ) -> Option<SlotId> {
         let first = range.start;
-        let slots = self.slots.as_ref().get(range)?;
-        if let Some(i) = (self.free > 0)
-            .then(|| slots.iter().position(|s| s.state == SlotState::Free))
-            .flatten()
-        {
-            return Some(SlotId((first + i) as u32));
+        let slots = self.slots.as_ref().get(range.clone())?;
+        if let Some(free) = self.first_free(&range) {
+            return Some(free);
         }
         let ranker = Ranker::new(self.n_layers, current_layer, policy);
         let mut best: Option<(usize, Rank)> = None;

@@ -116,12 +116,20 @@ pub fn jpeg_is_complete(bytes: &[u8]) -> bool {
     }
 }
 
+/// `format` if it is one LES decodes (PNG, JPEG); `None` is an unknown one.
+fn supported(format: Option<ImageFormat>) -> Result<ImageFormat, String> {
+    match format {
+        Some(f @ (ImageFormat::Png | ImageFormat::Jpeg)) => Ok(f),
+        Some(f) => Err(format!("unsupported image format {f:?} (PNG and JPEG are)")),
+        None => Err("not a PNG or JPEG image".into()),
+    }
+}
+
 fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
-    let format = image::guess_format(bytes).map_err(|_| "not a PNG or JPEG image".to_string())?;
-    if !matches!(format, ImageFormat::Png | ImageFormat::Jpeg) {
-        return Err(format!(
-            "unsupported image format {format:?} (PNG and JPEG are)"
-        ));
+    let format = supported(image::guess_format(bytes).ok())?;
+    // Before decoding: the decoder would fill a cut file with gray.
+    if format == ImageFormat::Jpeg && !jpeg_is_complete(bytes) {
+        return Err("the JPEG ends before its end-of-image marker (a truncated file?)".into());
     }
     // The header alone first, to bound the size before decoding.
     let (w, h) = ImageReader::with_format(Cursor::new(bytes), format)
@@ -135,9 +143,6 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     limits.max_alloc = Some(MAX_PIXELS * 8);
     reader.limits(limits);
     let rgb = reader.decode().map_err(|e| e.to_string())?.to_rgb8();
-    if format == ImageFormat::Jpeg && !jpeg_is_complete(bytes) {
-        return Err("the JPEG ends before its end-of-image marker (a truncated file?)".into());
-    }
     let (w, h) = rgb.dimensions();
     check_dimensions(w, h)?;
     Ok(RgbImage {
@@ -175,15 +180,7 @@ pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
     let reader = ImageReader::new(std::io::BufReader::new(file))
         .with_guessed_format()
         .map_err(|e| err(e.to_string()))?;
-    match reader.format() {
-        Some(ImageFormat::Png | ImageFormat::Jpeg) => {}
-        Some(f) => {
-            return Err(err(format!(
-                "unsupported image format {f:?} (PNG and JPEG are)"
-            )))
-        }
-        None => return Err(err("not a PNG or JPEG image".into())),
-    }
+    supported(reader.format()).map_err(err)?;
     let (w, h) = reader.into_dimensions().map_err(|e| err(e.to_string()))?;
     check_dimensions(w, h).map_err(err)?;
     Ok((w as usize, h as usize))

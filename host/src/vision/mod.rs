@@ -89,12 +89,7 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
     let norm = |i: &RgbImage| preprocess::normalize(i, hp.mean, hp.std);
     match hp.projector {
         ProjectorType::MiniCpmV46 => {
-            let inst = preprocess::slice_instructions(
-                (img.width, img.height),
-                hp.image_size,
-                hp.patch_size * hp.n_merge,
-                MAX_SLICES,
-            );
+            let inst = minicpm_slices(m, (img.width, img.height));
             let sliced = preprocess::slice_image(img, &inst);
             let mut chunks = vec![norm(&sliced.overview)];
             chunks.extend(sliced.slices.iter().map(norm));
@@ -132,39 +127,32 @@ impl ImageLayout {
     }
 }
 
-/// The chunk sizes [`preprocess_image`] cuts a `width` x `height` image into,
-/// `(width, height)` each, overview first; and the slice grid.
-fn chunk_sizes(
-    m: &ClipModel,
-    (width, height): (usize, usize),
-) -> (Vec<(usize, usize)>, (usize, usize)) {
+/// How the MiniCPM-V projector of `m` slices an image of `(width, height)`
+/// pixels (llama.cpp's llava-uhd slicing): [`preprocess_image`] cuts the
+/// pixels so, [`image_layout`] counts the embeddings.
+fn minicpm_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
     let hp = &m.hp;
-    match hp.projector {
-        ProjectorType::MiniCpmV46 => {
-            let inst = preprocess::slice_instructions(
-                (width, height),
-                hp.image_size,
-                hp.patch_size * hp.n_merge,
-                MAX_SLICES,
-            );
-            let mut sizes = vec![inst.overview];
-            sizes.extend(inst.slices.iter().map(|&(_, _, w, h)| (w, h)));
-            (sizes, inst.grid)
-        }
-        ProjectorType::Gemma3 => (vec![(hp.image_size, hp.image_size)], (0, 0)),
-    }
+    preprocess::slice_instructions(size, hp.image_size, hp.patch_size * hp.n_merge, MAX_SLICES)
 }
 
 /// The layout of an image of `width` x `height` pixels, without its pixels:
 /// what the prompt's length will be is known before any image is encoded.
 pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
-    let (sizes, grid) = chunk_sizes(m, size);
-    ImageLayout {
-        chunk_tokens: sizes
-            .iter()
-            .map(|&(w, h)| encoder::output_tokens(m, w, h))
-            .collect(),
-        grid,
+    let tokens = |(w, h): (usize, usize)| encoder::output_tokens(m, w, h);
+    match m.hp.projector {
+        ProjectorType::MiniCpmV46 => {
+            let inst = minicpm_slices(m, size);
+            let mut chunk_tokens = vec![tokens(inst.overview)];
+            chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
+            ImageLayout {
+                chunk_tokens,
+                grid: inst.grid,
+            }
+        }
+        ProjectorType::Gemma3 => ImageLayout {
+            chunk_tokens: vec![tokens((m.hp.image_size, m.hp.image_size))],
+            grid: (0, 0),
+        },
     }
 }
 
