@@ -15,11 +15,12 @@ use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
+use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
 use les_core::model::forward::{
     forward_batch, forward_hybrid, AttentionWeights, BatchScratch, Block, ExpertMatrices, Experts,
     Ffn, KvCache, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
-use les_core::model::ops::RopeStyle;
+use les_core::model::ops::{rms_norm, RopeStyle};
 use les_core::quant::GgmlType;
 use les_core::router::{Gating, LayerMask, PredictorConfig};
 use les_core::schedule::SchedulerConfig;
@@ -194,7 +195,22 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) 
 
 impl Weights for Model {
     fn block(&self, l: usize) -> Block<'_> {
-        let ly = &self.layers[l];
+        layer_block(&self.layers[l])
+    }
+    fn embedding(&self) -> MatrixView<'_> {
+        self.embd.view()
+    }
+    fn output_norm(&self) -> &[f32] {
+        &self.out_norm
+    }
+    fn output(&self) -> MatrixView<'_> {
+        self.output.view()
+    }
+}
+
+/// The engine's view of a layer's resident weights.
+fn layer_block(ly: &Layer) -> Block<'_> {
+    {
         let mixer = match &ly.mix {
             Mix::Attn(a) => Mixer::Attention(AttentionWeights {
                 wq: a.wq.view(),
@@ -235,15 +251,6 @@ impl Weights for Model {
                 }),
             },
         }
-    }
-    fn embedding(&self) -> MatrixView<'_> {
-        self.embd.view()
-    }
-    fn output_norm(&self) -> &[f32] {
-        &self.out_norm
-    }
-    fn output(&self) -> MatrixView<'_> {
-        self.output.view()
     }
 }
 
@@ -585,21 +592,58 @@ fn batched_prefill_equals_one_position_at_a_time() {
     }
 }
 
-/// A plain f32 qwen35moe, written from the architecture description with no shared
-/// code: DeltaNet as an explicit per-token recurrence over `S[i][j]`, attention over
-/// explicit past keys and values.
-fn reference(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
+/// The reference's sequence state, per layer slot: past keys and values
+/// (attention), past projections and `S[h][i][j]` (DeltaNet).
+struct RefSeq {
+    keys: Vec<Vec<Vec<f32>>>,
+    vals: Vec<Vec<Vec<f32>>>,
+    hist: Vec<Vec<Vec<f32>>>,
+    state: Vec<Vec<Vec<Vec<f64>>>>,
+}
+
+impl RefSeq {
+    fn new(slots: usize) -> RefSeq {
+        RefSeq {
+            keys: vec![Vec::new(); slots],
+            vals: vec![Vec::new(); slots],
+            hist: vec![Vec::new(); slots],
+            state: vec![
+                vec![vec![vec![0f64; DELTA.head_dim]; DELTA.head_dim]; DELTA.n_v_heads];
+                slots
+            ],
+        }
+    }
+}
+
+fn ref_rms(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let s = 1.0 / (ms + eps).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, w)| (*v as f64 * s) as f32 * w)
+        .collect()
+}
+
+/// One layer of a plain f32 qwen35moe, written from the architecture description
+/// with no shared code: DeltaNet as an explicit per-token recurrence over
+/// `S[i][j]`, attention over explicit past keys and values. Adds the layer's
+/// mixer and FFN outputs to `h` at `pos`, with its sequence state in slot `l` of
+/// `seq` and its routed experts `experts`.
+#[allow(clippy::too_many_arguments)]
+fn ref_layer(
+    m: &Model,
+    sections: [u32; 4],
+    ly: &Layer,
+    experts: &[[Mat; 3]],
+    l: usize,
+    pos: usize,
+    h: &mut [f32],
+    seq: &mut RefSeq,
+) {
     let hp = m.hp;
     let d = DELTA;
     let eps = hp.norm_eps as f64;
-    let rms = |x: &[f32], w: &[f32]| -> Vec<f32> {
-        let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
-        let s = 1.0 / (ms + eps).sqrt();
-        x.iter()
-            .zip(w)
-            .map(|(v, w)| (*v as f64 * s) as f32 * w)
-            .collect()
-    };
+    let rms = |x: &[f32], w: &[f32]| ref_rms(x, w, eps);
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x as f64).exp()) as f32;
     let silu = |x: f32| x * sigmoid(x);
     let softplus = |x: f32| (1.0 + (x as f64).exp()).ln() as f32;
@@ -633,152 +677,163 @@ fn reference(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
         w[2].apply(&a)
     };
     let hd = hp.head_dim;
-    let mut keys: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
-    let mut vals: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
-    // DeltaNet: past projections (for the convolution) and S[h][i][j] per layer.
-    let mut hist: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
-    let mut state = vec![vec![vec![vec![0f64; d.head_dim]; d.head_dim]; d.n_v_heads]; hp.n_layers];
+    let x = rms(h, &ly.attn_norm);
+    let o = match &ly.mix {
+        Mix::Attn(a) => {
+            let qg = a.wq.apply(&x);
+            let mut q = Vec::new();
+            let mut gate = Vec::new();
+            for head in 0..hp.n_head {
+                q.extend(rms(&qg[2 * head * hd..][..hd], &a.q_norm));
+                gate.extend_from_slice(&qg[(2 * head + 1) * hd..][..hd]);
+            }
+            let mut k = Vec::new();
+            for kh in a.wk.apply(&x).chunks(hd) {
+                k.extend(rms(kh, &a.k_norm));
+            }
+            rope(&mut q, pos);
+            rope(&mut k, pos);
+            seq.keys[l].push(k);
+            seq.vals[l].push(a.wv.apply(&x));
+            let mut att = vec![0f32; hp.q_dim()];
+            for head in 0..hp.n_head {
+                let kvh = head / (hp.n_head / hp.n_head_kv);
+                let qh = &q[head * hd..][..hd];
+                let scores: Vec<f64> = seq.keys[l]
+                    .iter()
+                    .map(|k| {
+                        qh.iter()
+                            .zip(&k[kvh * hd..][..hd])
+                            .map(|(a, b)| (*a * *b) as f64)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
+                for (p, v) in scores.iter().zip(&seq.vals[l]) {
+                    let w = (p - mx).exp() / z;
+                    for i in 0..hd {
+                        att[head * hd + i] += (w * v[kvh * hd + i] as f64) as f32;
+                    }
+                }
+                for i in 0..hd {
+                    att[head * hd + i] *= sigmoid(gate[head * hd + i]);
+                }
+            }
+            a.wo.apply(&att)
+        }
+        Mix::Delta(w) => {
+            seq.hist[l].push(w.qkv.apply(&x));
+            let z = w.gate.apply(&x);
+            let beta: Vec<f32> = w.beta.apply(&x).into_iter().map(sigmoid).collect();
+            let alpha = w.alpha.apply(&x);
+            let kk = d.conv_kernel;
+            let conv: Vec<f32> = (0..d.conv_dim())
+                .map(|c| {
+                    let mut acc = 0f64;
+                    for j in 0..kk {
+                        // Tap j sees the input j - (K-1) tokens from now.
+                        let back = kk - 1 - j;
+                        if let Some(p) = pos.checked_sub(back) {
+                            acc += w.conv[c * kk + j] as f64 * seq.hist[l][p][c] as f64;
+                        }
+                    }
+                    silu(acc as f32)
+                })
+                .collect();
+            let (kd, hdv) = (d.key_dim(), d.head_dim);
+            let mut o = Vec::new();
+            for vh in 0..d.n_v_heads {
+                let kh = vh % d.n_k_heads;
+                let q = l2(&conv[kh * hdv..][..hdv]);
+                let k = l2(&conv[kd + kh * hdv..][..hdv]);
+                let v = &conv[2 * kd + vh * hdv..][..hdv];
+                let g = softplus(alpha[vh] + w.dt_bias[vh]) * w.a[vh];
+                let s = &mut seq.state[l][vh];
+                let decay = (g as f64).exp();
+                for row in s.iter_mut() {
+                    for x in row.iter_mut() {
+                        *x *= decay;
+                    }
+                }
+                // d_j = (v_j - sum_i S_ij k_i) * beta; S_ij += k_i d_j.
+                let dj: Vec<f64> = (0..hdv)
+                    .map(|j| {
+                        let mem: f64 = (0..hdv).map(|i| s[i][j] * k[i] as f64).sum();
+                        (v[j] as f64 - mem) * beta[vh] as f64
+                    })
+                    .collect();
+                for i in 0..hdv {
+                    for j in 0..hdv {
+                        s[i][j] += k[i] as f64 * dj[j];
+                    }
+                }
+                let oh: Vec<f32> = (0..hdv)
+                    .map(|j| {
+                        ((0..hdv).map(|i| s[i][j] * q[i] as f64).sum::<f64>() / (hdv as f64).sqrt())
+                            as f32
+                    })
+                    .collect();
+                let normed = rms(&oh, &w.norm);
+                o.extend(
+                    normed
+                        .iter()
+                        .zip(&z[vh * hdv..][..hdv])
+                        .map(|(a, zz)| a * silu(*zz)),
+                );
+            }
+            w.out.apply(&o)
+        }
+    };
+    for (a, b) in h.iter_mut().zip(&o) {
+        *a += b;
+    }
+    let x = rms(h, &ly.post_norm);
+    let logits = ly.router.apply(&x);
+    let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
+    let p: Vec<f32> = logits.iter().map(|v| (v - mx).exp()).collect();
+    let mut idx: Vec<usize> = (0..N_EXP).collect();
+    idx.sort_by(|a, b| p[*b].partial_cmp(&p[*a]).unwrap().then(a.cmp(b)));
+    let top = &idx[..TOP_K];
+    let sum: f32 = top.iter().map(|i| p[*i]).sum();
+    let mut y = vec![0f32; hp.n_embd];
+    for &i in top {
+        for (a, b) in y.iter_mut().zip(ffn(&experts[i], &x)) {
+            *a += p[i] / sum * b;
+        }
+    }
+    let g = sigmoid(ly.shared_gate.apply(&x)[0]);
+    for (a, b) in y.iter_mut().zip(ffn(&ly.shared, &x)) {
+        *a += g * b;
+    }
+    for (a, b) in h.iter_mut().zip(&y) {
+        *a += b;
+    }
+}
+
+/// The reference's final hidden state (before the output norm) at each position
+/// of [`TOKENS`].
+fn reference_hidden(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
+    let mut seq = RefSeq::new(m.hp.n_layers);
     let mut out = Vec::new();
     for (pos, &t) in TOKENS.iter().enumerate() {
-        let mut h: Vec<f32> = m.embd.f32[t as usize * hp.n_embd..][..hp.n_embd].to_vec();
+        let mut h: Vec<f32> = m.embd.f32[t as usize * m.hp.n_embd..][..m.hp.n_embd].to_vec();
         for (l, ly) in m.layers.iter().enumerate() {
-            let x = rms(&h, &ly.attn_norm);
-            let o = match &ly.mix {
-                Mix::Attn(a) => {
-                    let qg = a.wq.apply(&x);
-                    let mut q = Vec::new();
-                    let mut gate = Vec::new();
-                    for head in 0..hp.n_head {
-                        q.extend(rms(&qg[2 * head * hd..][..hd], &a.q_norm));
-                        gate.extend_from_slice(&qg[(2 * head + 1) * hd..][..hd]);
-                    }
-                    let mut k = Vec::new();
-                    for kh in a.wk.apply(&x).chunks(hd) {
-                        k.extend(rms(kh, &a.k_norm));
-                    }
-                    rope(&mut q, pos);
-                    rope(&mut k, pos);
-                    keys[l].push(k);
-                    vals[l].push(a.wv.apply(&x));
-                    let mut att = vec![0f32; hp.q_dim()];
-                    for head in 0..hp.n_head {
-                        let kvh = head / (hp.n_head / hp.n_head_kv);
-                        let qh = &q[head * hd..][..hd];
-                        let scores: Vec<f64> = keys[l]
-                            .iter()
-                            .map(|k| {
-                                qh.iter()
-                                    .zip(&k[kvh * hd..][..hd])
-                                    .map(|(a, b)| (*a * *b) as f64)
-                                    .sum::<f64>()
-                                    / (hd as f64).sqrt()
-                            })
-                            .collect();
-                        let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
-                        let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
-                        for (p, v) in scores.iter().zip(&vals[l]) {
-                            let w = (p - mx).exp() / z;
-                            for i in 0..hd {
-                                att[head * hd + i] += (w * v[kvh * hd + i] as f64) as f32;
-                            }
-                        }
-                        for i in 0..hd {
-                            att[head * hd + i] *= sigmoid(gate[head * hd + i]);
-                        }
-                    }
-                    a.wo.apply(&att)
-                }
-                Mix::Delta(w) => {
-                    hist[l].push(w.qkv.apply(&x));
-                    let z = w.gate.apply(&x);
-                    let beta: Vec<f32> = w.beta.apply(&x).into_iter().map(sigmoid).collect();
-                    let alpha = w.alpha.apply(&x);
-                    let kk = d.conv_kernel;
-                    let conv: Vec<f32> = (0..d.conv_dim())
-                        .map(|c| {
-                            let mut acc = 0f64;
-                            for j in 0..kk {
-                                // Tap j sees the input j - (K-1) tokens from now.
-                                let back = kk - 1 - j;
-                                if let Some(p) = pos.checked_sub(back) {
-                                    acc += w.conv[c * kk + j] as f64 * hist[l][p][c] as f64;
-                                }
-                            }
-                            silu(acc as f32)
-                        })
-                        .collect();
-                    let (kd, hdv) = (d.key_dim(), d.head_dim);
-                    let mut o = Vec::new();
-                    for vh in 0..d.n_v_heads {
-                        let kh = vh % d.n_k_heads;
-                        let q = l2(&conv[kh * hdv..][..hdv]);
-                        let k = l2(&conv[kd + kh * hdv..][..hdv]);
-                        let v = &conv[2 * kd + vh * hdv..][..hdv];
-                        let g = softplus(alpha[vh] + w.dt_bias[vh]) * w.a[vh];
-                        let s = &mut state[l][vh];
-                        let decay = (g as f64).exp();
-                        for row in s.iter_mut() {
-                            for x in row.iter_mut() {
-                                *x *= decay;
-                            }
-                        }
-                        // d_j = (v_j - sum_i S_ij k_i) * beta; S_ij += k_i d_j.
-                        let dj: Vec<f64> = (0..hdv)
-                            .map(|j| {
-                                let mem: f64 = (0..hdv).map(|i| s[i][j] * k[i] as f64).sum();
-                                (v[j] as f64 - mem) * beta[vh] as f64
-                            })
-                            .collect();
-                        for i in 0..hdv {
-                            for j in 0..hdv {
-                                s[i][j] += k[i] as f64 * dj[j];
-                            }
-                        }
-                        let oh: Vec<f32> = (0..hdv)
-                            .map(|j| {
-                                ((0..hdv).map(|i| s[i][j] * q[i] as f64).sum::<f64>()
-                                    / (hdv as f64).sqrt()) as f32
-                            })
-                            .collect();
-                        let normed = rms(&oh, &w.norm);
-                        o.extend(
-                            normed
-                                .iter()
-                                .zip(&z[vh * hdv..][..hdv])
-                                .map(|(a, zz)| a * silu(*zz)),
-                        );
-                    }
-                    w.out.apply(&o)
-                }
-            };
-            for (a, b) in h.iter_mut().zip(&o) {
-                *a += b;
-            }
-            let x = rms(&h, &ly.post_norm);
-            let logits = ly.router.apply(&x);
-            let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
-            let p: Vec<f32> = logits.iter().map(|v| (v - mx).exp()).collect();
-            let mut idx: Vec<usize> = (0..N_EXP).collect();
-            idx.sort_by(|a, b| p[*b].partial_cmp(&p[*a]).unwrap().then(a.cmp(b)));
-            let top = &idx[..TOP_K];
-            let sum: f32 = top.iter().map(|i| p[*i]).sum();
-            let mut y = vec![0f32; hp.n_embd];
-            for &i in top {
-                for (a, b) in y.iter_mut().zip(ffn(&m.experts[l][i], &x)) {
-                    *a += p[i] / sum * b;
-                }
-            }
-            let g = sigmoid(ly.shared_gate.apply(&x)[0]);
-            for (a, b) in y.iter_mut().zip(ffn(&ly.shared, &x)) {
-                *a += g * b;
-            }
-            for (a, b) in h.iter_mut().zip(&y) {
-                *a += b;
-            }
+            ref_layer(m, sections, ly, &m.experts[l], l, pos, &mut h, &mut seq);
         }
-        out.push(m.output.apply(&rms(&h, &m.out_norm)));
+        out.push(h);
     }
     out
+}
+
+/// The reference's logits at each position of [`TOKENS`].
+fn reference(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
+    let eps = m.hp.norm_eps as f64;
+    reference_hidden(m, sections)
+        .iter()
+        .map(|h| m.output.apply(&ref_rms(h, &m.out_norm, eps)))
+        .collect()
 }
 
 #[test]
@@ -802,5 +857,238 @@ fn forward_matches_plain_f32_reference() {
                 "sections {sections:?} token {t}: max error {err} (scale {scale})"
             );
         }
+    }
+}
+
+/// A multi-token-prediction block for a model [`build`] made: a gated-attention
+/// layer with routed and shared experts, its input projection and norms (the
+/// head is the model's).
+struct Nextn {
+    layer: Layer,
+    experts: Vec<[Mat; 3]>,
+    image: Vec<u8>,
+    eh_proj: Mat,
+    enorm: Vec<f32>,
+    hnorm: Vec<f32>,
+    head_norm: Vec<f32>,
+}
+
+fn build_nextn(m: &Model, seed: u64) -> Nextn {
+    let mut rng = Rng(seed);
+    let (hp, e, ty) = (&m.hp, m.hp.n_embd, GgmlType::F32);
+    let layer = Layer {
+        attn_norm: rng.vec(e, 0.1, 1.0),
+        mix: Mix::Attn(Attn {
+            wq: Mat::new(&mut rng, ty, 2 * hp.q_dim(), e, 0.15),
+            wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+            wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+            wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
+            q_norm: rng.vec(hp.head_dim, 0.1, 1.0),
+            k_norm: rng.vec(hp.head_dim, 0.1, 1.0),
+        }),
+        post_norm: rng.vec(e, 0.1, 1.0),
+        router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
+        shared: [
+            Mat::new(&mut rng, ty, FF, e, 0.15),
+            Mat::new(&mut rng, ty, FF, e, 0.15),
+            Mat::new(&mut rng, ty, e, FF, 0.15),
+        ],
+        shared_gate: Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
+    };
+    let mut experts = Vec::new();
+    let mut image = Vec::new();
+    for _ in 0..N_EXP {
+        let x = [
+            Mat::new(&mut rng, m.expert_ty[0], FF, e, 0.2),
+            Mat::new(&mut rng, m.expert_ty[1], FF, e, 0.2),
+            Mat::new(&mut rng, m.expert_ty[2], e, FF, 0.2),
+        ];
+        for p in &x {
+            image.extend_from_slice(&p.bytes);
+        }
+        experts.push(x);
+    }
+    Nextn {
+        layer,
+        experts,
+        image,
+        eh_proj: Mat::new(&mut rng, ty, e, 2 * e, 0.15),
+        enorm: rng.vec(e, 0.1, 1.0),
+        hnorm: rng.vec(e, 0.1, 1.0),
+        head_norm: rng.vec(e, 0.1, 1.0),
+    }
+}
+
+/// The engine's nextn block over every position of [`TOKENS`] (pairing each
+/// token with the main model's normed hidden state before it), then two
+/// drafting steps from the last one (each on the block's own hidden state and
+/// the previous step's greedy token): every step's logits.
+fn nextn_engine(m: &Model, nx: &Nextn) -> Vec<Vec<f32>> {
+    let (hp, hy, e) = (&m.hp, &m.hy, m.hp.n_embd);
+    let n = TOKENS.len() + 2;
+    // The main model's final hidden states.
+    let mut b = Buffers::new(m);
+    let mut hidden = Vec::new();
+    {
+        let mut kv = KvCache::new_for(hp, hy, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut b.conv, &mut b.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut b.scratch, TOKENS.len()).unwrap();
+        let mut mv = b.quant.matvec();
+        let mut experts = resident_experts(m);
+        for (pos, &t) in TOKENS.iter().enumerate() {
+            let mut logits = vec![0f32; hp.n_vocab];
+            forward_hybrid(
+                hp,
+                hy,
+                m,
+                &mut mv,
+                &mut experts,
+                None,
+                TokenInput::Token(t),
+                pos,
+                &mut kv,
+                &mut rs,
+                &mut s,
+                &mut logits,
+            )
+            .unwrap();
+            hidden.push(s.hidden().to_vec());
+        }
+    }
+    let block = NextnBlock {
+        block: layer_block(&nx.layer),
+        eh_proj: nx.eh_proj.view(),
+        enorm: &nx.enorm,
+        hnorm: &nx.hnorm,
+        embedding: m.embd.view(),
+        head_norm: &nx.head_norm,
+        head: m.output.view(),
+    };
+    let fmt = m.format();
+    let stride = nx.image.len() / N_EXP;
+    let lookup: Box<Lookup<'_>> = Box::new(move |l, x| {
+        assert_eq!(l, hp.n_layers, "the block's experts are layer n_layers");
+        fmt.matrices(&nx.image[x as usize * stride..][..stride])
+    });
+    let mut experts = Resident::new(lookup);
+    let hy1 = cache_params(hy);
+    let (mut k, mut v) = (
+        vec![0f32; KvCache::len_for(hp, &hy1, n)],
+        vec![0f32; KvCache::len_for(hp, &hy1, n)],
+    );
+    let mut kv = KvCache::new_for(hp, &hy1, &mut k, &mut v, n).unwrap();
+    let mut sbuf = vec![0f32; Scratch::len_for(hp, hy, n)];
+    let mut s = Scratch::new_for(hp, hy, &mut sbuf, n).unwrap();
+    let mut quant = QuantScratch::new();
+    let mut mv = quant.matvec();
+    let (mut cat, mut h_prev, mut h_out) = (vec![0f32; 2 * e], vec![0f32; e], vec![0f32; e]);
+    let mut out = Vec::new();
+    let mut input = 0;
+    for pos in 0..n {
+        if let Some(&t) = TOKENS.get(pos) {
+            input = t;
+            match pos.checked_sub(1) {
+                Some(p) => rms_norm(&hidden[p], &m.out_norm, hp.norm_eps, &mut h_prev),
+                None => h_prev.fill(0.0),
+            }
+        } else {
+            h_prev.copy_from_slice(&h_out);
+        }
+        let mut logits = vec![0f32; hp.n_vocab];
+        forward_nextn(
+            hp,
+            hy,
+            &block,
+            hp.n_layers,
+            &mut mv,
+            &mut experts,
+            TokenInput::Token(input),
+            &h_prev,
+            pos,
+            &mut kv,
+            &mut s,
+            &mut cat,
+            &mut h_out,
+            Some(&mut logits),
+        )
+        .unwrap();
+        input = argmax(&logits);
+        out.push(logits);
+    }
+    out
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// [`nextn_engine`] in the plain reference.
+fn nextn_reference(m: &Model, nx: &Nextn, sections: [u32; 4]) -> Vec<Vec<f32>> {
+    let (e, eps) = (m.hp.n_embd, m.hp.norm_eps as f64);
+    let hidden = reference_hidden(m, sections);
+    let mut seq = RefSeq::new(1);
+    let mut out = Vec::new();
+    let mut h_prev = vec![0f32; e];
+    let mut input = 0;
+    for pos in 0..TOKENS.len() + 2 {
+        if let Some(&t) = TOKENS.get(pos) {
+            input = t;
+            h_prev = match pos.checked_sub(1) {
+                Some(p) => ref_rms(&hidden[p], &m.out_norm, eps),
+                None => vec![0f32; e],
+            };
+        }
+        let x = &m.embd.f32[input as usize * e..][..e];
+        let mut cat = ref_rms(x, &nx.enorm, eps);
+        cat.extend(ref_rms(&h_prev, &nx.hnorm, eps));
+        let mut h = nx.eh_proj.apply(&cat);
+        ref_layer(
+            m,
+            sections,
+            &nx.layer,
+            &nx.experts,
+            0,
+            pos,
+            &mut h,
+            &mut seq,
+        );
+        h_prev = ref_rms(&h, &nx.head_norm, eps);
+        let logits = m.output.apply(&h_prev);
+        input = argmax(&logits);
+        out.push(logits);
+    }
+    out
+}
+
+#[test]
+fn nextn_block_matches_plain_f32_reference() {
+    let sections = [2, 1, 1, 0];
+    let m = build(5, GgmlType::F32, [GgmlType::F32; 3], sections);
+    let nx = build_nextn(&m, 17);
+    let got = nextn_engine(&m, &nx);
+    let want = nextn_reference(&m, &nx, sections);
+    assert_eq!(got.len(), want.len());
+    for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            argmax(g),
+            argmax(w),
+            "position {p}: the greedy guesses differ"
+        );
+        let err = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        assert!(
+            err <= 2e-4 * scale.max(1.0),
+            "position {p}: max error {err} (scale {scale})"
+        );
     }
 }

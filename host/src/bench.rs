@@ -625,7 +625,7 @@ pub fn run_speculative(
     session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)?;
     let ctx = cfg.prompt.len().saturating_add(cfg.n_tokens);
     let mut drafter = match spec {
-        Some(s) => s.drafter(draft_model, ctx, cfg.threads)?,
+        Some(s) => s.drafter(model, path, draft_model, ctx, cfg.threads)?,
         None => None,
     };
     let max_draft = match (&drafter, spec) {
@@ -634,13 +634,14 @@ pub fn run_speculative(
     };
     let mut logits = vec![0f32; model.hp.n_vocab];
     let inputs: Vec<TokenInput<'_>> = head.iter().map(|&t| TokenInput::Token(t)).collect();
-    crate::engine::prefill(
+    crate::engine::prefill_observed(
         &mut session,
         &mut mv,
         &mut supply,
         Some(&lookahead),
         &inputs,
         &mut logits,
+        drafter.as_deref_mut(),
     )?;
     let mut sampler = Sampler::new(cfg.sampler);
     for &t in &cfg.prompt {

@@ -16,8 +16,15 @@
 //! [`ModelDrafter`] asks a small model with the same vocabulary (llama.cpp's
 //! `--model-draft`: Qwen3-0.6B for Qwen3-30B-A3B, say), all in RAM, for its
 //! greedy continuation.
+//!
+//! [`NextnDrafter`] asks the model's own multi-token-prediction block
+//! (qwen35moe's, MiniCPM-V 4.7's: llama.cpp's `draft-mtp`), which sees the
+//! model's hidden states ([`Drafter::observe`]).
 
 use std::collections::HashMap;
+
+mod nextn;
+pub use nextn::NextnDrafter;
 
 use les_core::gemv::Isa;
 use les_core::model::forward::TokenInput;
@@ -36,6 +43,20 @@ pub trait Drafter {
     /// prompt then output; between calls it only grows (a shorter or different
     /// one starts over). Entries `>= n_vocab` stand for image embeddings.
     fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>);
+
+    /// Whether it needs [`observe`](Self::observe)'s hidden states (a
+    /// multi-token-prediction head does); the session then keeps them.
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+
+    /// Sees positions `pos..` that the model evaluated and keeps: their inputs
+    /// and final hidden states (before the output norm, `n_embd` floats each).
+    /// Every kept position is seen once, in order, before the draft after it.
+    /// Called only where [`wants_hidden`](Self::wants_hidden).
+    fn observe(&mut self, pos: usize, inputs: &[TokenInput<'_>], hidden: &[f32]) {
+        let _ = (pos, inputs, hidden);
+    }
 }
 
 /// Most tokens an [`NgramDrafter`] matches on.
@@ -314,6 +335,8 @@ pub enum DraftSource {
     Ngram,
     /// The greedy continuation of the --model-draft model.
     Model,
+    /// The model's own multi-token-prediction block (qwen35moe).
+    Mtp,
 }
 
 /// Speculative decoding options of `les run` and `les bench`.
@@ -321,7 +344,8 @@ pub enum DraftSource {
 pub struct SpecArgs {
     /// Speculative decoding: `ngram` guesses the next tokens from an earlier
     /// occurrence of the last ones in the prompt or output (prompt lookup),
-    /// `model` asks the --model-draft model, and the guess is checked in one
+    /// `model` asks the --model-draft model, `mtp` the model's own
+    /// multi-token-prediction block (qwen35moe), and the guess is checked in one
     /// pass, which reads each layer's experts once for all of it; `none`
     /// decodes one token a pass. The tokens and logits are the same either way.
     /// Default: `model` with --model-draft, else `none`.
@@ -380,7 +404,7 @@ impl SpecArgs {
         if source == DraftSource::None && (self.draft_max.is_some() || self.draft_fixed) {
             return Err(
                 "--draft-max and --draft-fixed shape speculative decoding, which is not on \
-                 (--speculate ngram, or --model-draft)"
+                 (--speculate ngram or mtp, or --model-draft)"
                     .into(),
             );
         }
@@ -411,16 +435,25 @@ impl SpecArgs {
         }
     }
 
-    /// The drafter these options ask for, if any: `draft` is what
+    /// The drafter these options ask for, if any: `target` is the model
+    /// (opened from `target_path`), `draft` what
     /// [`open_draft_model`](Self::open_draft_model) returned, `ctx` the
     /// session's positions.
     pub fn drafter<'m>(
         &self,
+        target: &'m Model,
+        target_path: &std::path::Path,
         draft: Option<&'m Model>,
         ctx: usize,
         threads: usize,
     ) -> Result<Option<Box<dyn Drafter + 'm>>, String> {
         Ok(match (self.source(), draft) {
+            (DraftSource::Mtp, _) => Some(Box::new(NextnDrafter::new(
+                target,
+                target_path,
+                ctx,
+                threads,
+            )?)),
             (DraftSource::None, _) => None,
             (DraftSource::Ngram, _) => {
                 let (min, max) = self.ngram_range();

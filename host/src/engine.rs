@@ -10,7 +10,7 @@ use les_core::model::forward::{
 
 use les_core::model::ops::MAX_F16_HEAD_DIM;
 
-use crate::draft::Speculation;
+use crate::draft::{Drafter, Speculation};
 use crate::model::Model;
 
 /// Timings and counts of one generation.
@@ -82,6 +82,10 @@ pub struct Session<'m> {
     saved_conv: Vec<f32>,
     saved_ssm: Vec<f32>,
     replay_logits: Vec<f32>,
+    /// With [`set_keep_hidden`](Session::set_keep_hidden): the final hidden
+    /// states of the last pass's positions.
+    keep_hidden: bool,
+    hidden: Vec<f32>,
     pos: usize,
 }
 
@@ -295,6 +299,8 @@ impl<'m> Session<'m> {
             saved_conv: Vec::new(),
             saved_ssm: Vec::new(),
             replay_logits: Vec::new(),
+            keep_hidden: false,
+            hidden: Vec::new(),
             pos: 0,
         })
     }
@@ -398,6 +404,23 @@ impl<'m> Session<'m> {
         self.prefill_batch
     }
 
+    /// Keeps each pass's final hidden states (before the output norm) for
+    /// [`hidden`](Self::hidden), as a multi-token-prediction drafter needs.
+    pub fn set_keep_hidden(&mut self, on: bool) {
+        self.keep_hidden = on;
+        if !on {
+            self.hidden = Vec::new();
+        }
+    }
+
+    /// With [`set_keep_hidden`](Self::set_keep_hidden), the final hidden
+    /// states (before the output norm, `n_embd` floats each) of the positions
+    /// the last [`eval`](Self::eval), [`eval_batch`](Self::eval_batch) or
+    /// [`keep`](Self::keep)'s replay evaluated; else empty.
+    pub fn hidden(&self) -> &[f32] {
+        &self.hidden
+    }
+
     /// Positions evaluated so far.
     pub fn position(&self) -> usize {
         self.pos
@@ -440,6 +463,10 @@ impl<'m> Session<'m> {
             hp, hy, self.model, mv, experts, lookahead, input, self.pos, &mut kv, &mut rs, &mut s,
             logits,
         )?;
+        if self.keep_hidden {
+            self.hidden.clear();
+            self.hidden.extend_from_slice(s.hidden());
+        }
         self.pos += 1;
         Ok(())
     }
@@ -470,6 +497,10 @@ impl Session<'_> {
             hp, hy, self.model, mv, experts, inputs, self.pos, &mut kv, &mut rs, &mut s, &mut b,
             logits,
         )?;
+        if self.keep_hidden {
+            self.hidden.clear();
+            self.hidden.extend_from_slice(b.hidden(n));
+        }
         self.pos += n;
         Ok(())
     }
@@ -548,10 +579,32 @@ pub fn prefill<M: MatVec, X: Experts>(
     prompt: &[TokenInput<'_>],
     logits: &mut [f32],
 ) -> Result<(), ForwardError<X::Error>> {
+    prefill_observed(session, mv, experts, lookahead, prompt, logits, None)
+}
+
+/// [`prefill`], showing each pass's positions to `drafter` where it wants
+/// the model's hidden states ([`Drafter::observe`]).
+pub fn prefill_observed<M: MatVec, X: Experts>(
+    session: &mut Session<'_>,
+    mv: &mut M,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    prompt: &[TokenInput<'_>],
+    logits: &mut [f32],
+    mut drafter: Option<&mut (dyn Drafter + '_)>,
+) -> Result<(), ForwardError<X::Error>> {
+    let watch = drafter.as_ref().is_some_and(|d| d.wants_hidden());
+    if watch {
+        session.set_keep_hidden(true);
+    }
     for chunk in prompt.chunks(session.prefill_batch) {
+        let at = session.pos;
         match chunk {
             [input] => session.eval(mv, experts, lookahead, *input, logits)?,
             _ => session.eval_batch(mv, experts, chunk, logits)?,
+        }
+        if let Some(d) = drafter.as_deref_mut().filter(|_| watch) {
+            d.observe(at, chunk, session.hidden());
         }
     }
     Ok(())
@@ -622,7 +675,17 @@ pub fn generate_from<M: MatVec, X: Experts>(
         ..GenStats::default()
     };
     let start = Instant::now();
-    prefill(session, mv, experts, lookahead, prompt, &mut logits)?;
+    // A drafter that reads the model's hidden states sees every kept position.
+    let watch = spec.as_ref().is_some_and(|s| s.drafter.wants_hidden());
+    prefill_observed(
+        session,
+        mv,
+        experts,
+        lookahead,
+        prompt,
+        &mut logits,
+        spec.as_mut().map(|s| &mut *s.drafter),
+    )?;
     stats.prefill = start.elapsed();
     let start = Instant::now();
     // The sequence so far, for the drafter (an embedding is `n_vocab`, no token).
@@ -699,8 +762,13 @@ pub fn generate_from<M: MatVec, X: Experts>(
         draft.truncate(want);
         if draft.is_empty() {
             let t0 = Instant::now();
+            let at = session.pos;
             session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
             control.single_pass(t0.elapsed());
+            if let Some(sp) = spec.as_mut().filter(|_| watch) {
+                sp.drafter
+                    .observe(at, &[TokenInput::Token(t)], session.hidden());
+            }
             if spec.is_some() {
                 history.push(t);
             }
@@ -749,6 +817,13 @@ pub fn generate_from<M: MatVec, X: Experts>(
             }
         }
         session.keep(mv, experts, &batch, kept)?;
+        if let Some(sp) = spec.as_mut().filter(|_| watch) {
+            // The verifying pass's rows, or the replay's of the kept ones.
+            let e = session.model.hp.n_embd;
+            let at = session.pos - kept;
+            sp.drafter
+                .observe(at, &batch[..kept], &session.hidden()[..kept * e]);
+        }
     }
     stats.decode = start.elapsed();
     Ok(stats)

@@ -14,6 +14,7 @@ use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
+use les_core::model::forward::nextn::NextnBlock;
 use les_core::model::forward::{
     AttentionWeights, Block, ExpertMatrices, Ffn, Mixer, SharedExpert, Weights,
 };
@@ -195,6 +196,19 @@ struct LayerRefs {
     ffn: FfnRefs,
 }
 
+/// The first multi-token-prediction block: a layer and the nextn tensors
+/// (`embedding`, `head_norm` and `head` default to the model's).
+#[derive(Debug)]
+struct NextnRefs {
+    layer: LayerRefs,
+    eh_proj: Tref,
+    enorm: Vec<f32>,
+    hnorm: Vec<f32>,
+    embedding: Option<Tref>,
+    head_norm: Option<Vec<f32>>,
+    head: Option<Tref>,
+}
+
 /// A loaded model: the mapped GGUF plus validated views of its weights.
 pub struct Model {
     gguf: Gguf<MappedFile>,
@@ -204,12 +218,14 @@ pub struct Model {
     pub hp: Hparams,
     /// Layer kinds and the hybrid architectures' extra parameters.
     pub hybrid: HybridParams,
-    /// Multi-token-prediction (nextn) blocks after the main stack; loaded as
-    /// metadata only, never run.
+    /// Multi-token-prediction (nextn) blocks after the main stack; never run in
+    /// the main pass. The first one drafts for `--speculate mtp`
+    /// ([`nextn_block`](Self::nextn_block)).
     pub n_nextn_layers: usize,
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
     layers: Vec<LayerRefs>,
+    nextn: Option<NextnRefs>,
     embedding: Tref,
     output: Tref,
     output_norm: Vec<f32>,
@@ -603,8 +619,7 @@ impl Model {
 
         let packed = crate::pack::PackedIndex::from_gguf(&g)
             .map_err(|e| invalid(format!("packed expert index: {e}")))?;
-        let mut layers = Vec::with_capacity(n_layers);
-        for (l, &is_recurrent) in recurrent.iter().enumerate() {
+        let load_layer = |l: usize, is_recurrent: bool| -> Result<LayerRefs, ModelError> {
             let t = |s: &str| format!("blk.{l}.{s}");
             let (q_dim, kv_dim) = (hp.q_dim(), hp.kv_dim());
             // Q/K norms: per head (qwen3) or over the whole vector (olmoe).
@@ -703,13 +718,47 @@ impl Model {
             } else {
                 "ffn_norm.weight"
             };
-            layers.push(LayerRefs {
+            Ok(LayerRefs {
                 attn_norm: vector(&g, &t("attn_norm.weight"), n_embd)?,
                 mixer,
                 ffn_norm: vector(&g, &t(ffn_norm), n_embd)?,
                 ffn,
-            });
+            })
+        };
+        let mut layers = Vec::with_capacity(n_layers);
+        for (l, &is_recurrent) in recurrent.iter().enumerate() {
+            layers.push(load_layer(l, is_recurrent)?);
         }
+        // The first multi-token-prediction block, where the file has its tensors
+        // (a `--no-mtp` conversion keeps none): a full-attention layer with
+        // routed experts, plus its own input projection and norms.
+        let nextn = if n_nextn_layers > 0
+            && g.tensor(&format!("blk.{n_layers}.nextn.eh_proj.weight"))
+                .is_some()
+        {
+            let layer = load_layer(n_layers, false)?;
+            if !matches!(layer.ffn, FfnRefs::Moe { .. }) {
+                return Err(invalid(format!(
+                    "the multi-token-prediction block blk.{n_layers} has no routed experts"
+                )));
+            }
+            let t = |s: &str| format!("blk.{n_layers}.nextn.{s}");
+            let optional = |name: &str, rows: usize| match g.tensor(&t(name)) {
+                Some(_) => tensor_ref(&g, &t(name), rows, n_embd).map(Some),
+                None => Ok(None),
+            };
+            Some(NextnRefs {
+                layer,
+                eh_proj: tensor_ref(&g, &t("eh_proj.weight"), n_embd, 2 * n_embd)?,
+                enorm: vector(&g, &t("enorm.weight"), n_embd)?,
+                hnorm: vector(&g, &t("hnorm.weight"), n_embd)?,
+                embedding: optional("embed_tokens.weight", n_vocab)?,
+                head_norm: optional_vector(&g, &t("shared_head_norm.weight"), n_embd)?,
+                head: optional("shared_head_head.weight", n_vocab)?,
+            })
+        } else {
+            None
+        };
         let embedding = tensor_ref(&g, "token_embd.weight", n_vocab, n_embd)?;
         let output = if g.tensor("output.weight").is_some() {
             tensor_ref(&g, "output.weight", n_vocab, n_embd)?
@@ -725,6 +774,7 @@ impl Model {
             n_nextn_layers,
             n_ctx_train,
             layers,
+            nextn,
             embedding,
             output,
             output_norm,
@@ -742,8 +792,14 @@ impl Model {
         MatrixView::new(t.ty, t.rows, t.cols, bytes).expect("shape and bytes validated at load")
     }
 
+    /// The experts of layer `layer`; layer `n_layers` is the nextn block's.
     fn store(&self, layer: usize) -> Option<&ExpertStore> {
-        match &self.layers.get(layer)?.ffn {
+        let refs = match self.layers.get(layer) {
+            Some(l) => l,
+            None if layer == self.hp.n_layers => &self.nextn.as_ref()?.layer,
+            None => return None,
+        };
+        match &refs.ffn {
             FfnRefs::Moe { experts, .. } => Some(experts),
             FfnRefs::Dense(_) => None,
         }
@@ -971,9 +1027,24 @@ impl Model {
     }
 }
 
-impl Weights for Model {
-    fn block(&self, layer: usize) -> Block<'_> {
-        let l = &self.layers[layer];
+impl Model {
+    /// The multi-token-prediction block the file carries, if any, as
+    /// [`forward_nextn`](les_core::model::forward::nextn::forward_nextn) runs
+    /// it; its routed experts are layer `n_layers`'s ([`expert`](Self::expert)).
+    pub fn nextn_block(&self) -> Option<NextnBlock<'_>> {
+        let n = self.nextn.as_ref()?;
+        Some(NextnBlock {
+            block: self.block_of(&n.layer),
+            eh_proj: self.view(&n.eh_proj),
+            enorm: &n.enorm,
+            hnorm: &n.hnorm,
+            embedding: self.view(n.embedding.as_ref().unwrap_or(&self.embedding)),
+            head_norm: n.head_norm.as_deref().unwrap_or(&self.output_norm),
+            head: self.view(n.head.as_ref().unwrap_or(&self.output)),
+        })
+    }
+
+    fn block_of<'a>(&'a self, l: &'a LayerRefs) -> Block<'a> {
         let mixer = match &l.mixer {
             MixerRefs::Attention(a) => Mixer::Attention(self.attention_weights(a)),
             MixerRefs::DeltaNet(d) => Mixer::DeltaNet(DeltaNetWeights {
@@ -999,6 +1070,12 @@ impl Weights for Model {
             ffn_norm: &l.ffn_norm,
             ffn: self.ffn(l),
         }
+    }
+}
+
+impl Weights for Model {
+    fn block(&self, layer: usize) -> Block<'_> {
+        self.block_of(&self.layers[layer])
     }
 
     fn embedding(&self) -> MatrixView<'_> {

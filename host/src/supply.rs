@@ -261,7 +261,8 @@ impl<'m> CheckedResident<'m> {
             model,
             layer: 0,
             picks: Vec::new(),
-            checked: vec![false; model.hp.n_layers * n_experts],
+            // The layers' and the multi-token-prediction block's (layer `n_layers`).
+            checked: vec![false; (model.hp.n_layers + 1) * n_experts],
             n_experts,
         }
     }

@@ -26,6 +26,7 @@ use crate::router::{
 };
 
 mod batch;
+pub mod nextn;
 pub use batch::{forward_batch, BatchScratch};
 
 /// Weights of one shared (always-resident) expert.
@@ -707,6 +708,12 @@ fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 6] {
 }
 
 impl<'a> Scratch<'a> {
+    /// The final hidden state (before the output norm) of the last
+    /// [`forward_hybrid`] (also the last position's of a [`forward_batch`]).
+    pub fn hidden(&self) -> &[f32] {
+        self.h
+    }
+
     /// Floats of scratch needed for `hp` with up to `max_positions` positions.
     pub fn len(hp: &Hparams, max_positions: usize) -> usize {
         let e = hp.n_embd;
@@ -1107,85 +1114,99 @@ where
                     predict_layers(hp, weights, rc, la, next, mv, s, experts)?;
                 }
 
-                // Ready-first: compute in whatever order experts become ready.
-                // The shared expert is resident: it is computed the first time
-                // no routed expert is ready (while reads are in flight), or last.
-                let e = hp.n_embd;
-                let mut shared_left = shared.as_ref();
-                // The checksums of the gate and up halves computed first.
-                let mut first_crc = [None::<u32>; crate::schedule::MAX_PICKS];
-                loop {
-                    let step = next_step(experts, shared_left.is_some(), true)?;
-                    match step {
-                        Step::Compute(Handout {
-                            index,
-                            matrices,
-                            verify,
-                        }) => {
-                            let out = s
-                                .expert_out
-                                .get_mut(index * e..(index + 1) * e)
-                                .ok_or(ForwardError::Shape("routing index"))?;
-                            let crc = swiglu_ffn_checked(
-                                mv, &matrices, s.x, s.ff_a, s.ff_b, out, verify,
-                            )?;
-                            experts.finish(index, crc).map_err(ForwardError::Experts)?;
-                        }
-                        Step::GateUp(GateUp {
-                            index,
-                            gate,
-                            up,
-                            verify,
-                        }) => {
-                            let n = gate.rows();
-                            let act = s
-                                .expert_act
-                                .get_mut(index * n..(index + 1) * n)
-                                .ok_or(ForwardError::Shape("routing index"))?;
-                            let crc = gate_up_checked(mv, &gate, &up, s.x, act, s.ff_b, verify)?;
-                            *first_crc
-                                .get_mut(index)
-                                .ok_or(ForwardError::Shape("routing index"))? = crc;
-                        }
-                        Step::Down(Down {
-                            index,
-                            down,
-                            verify,
-                        }) => {
-                            let n = down.cols();
-                            let (act, out) = (
-                                s.expert_act.get(index * n..(index + 1) * n),
-                                s.expert_out.get_mut(index * e..(index + 1) * e),
-                            );
-                            let (Some(act), Some(out)) = (act, out) else {
-                                return Err(ForwardError::Shape("routing index"));
-                            };
-                            let crc = product_checked(mv, &down, act, out, verify)?;
-                            let first = first_crc.get(index).copied().flatten();
-                            let crc = concat_checksums(first, crc, &down);
-                            experts.finish(index, crc).map_err(ForwardError::Experts)?;
-                        }
-                        Step::Pending | Step::Done => {
-                            if let Some(sh) = shared_left.take() {
-                                shared_expert(mv, sh, s.x, s.ff_a, s.ff_b, s.tmp)?;
-                            } else if let Step::Done = step {
-                                break;
-                            }
-                        }
-                    }
-                }
-                // Combine in router order, whatever the compute order was; the
-                // shared expert's output (in `s.tmp`) last.
-                let picks = routing
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| (r.weight, &s.expert_out[i * e..(i + 1) * e]));
-                combine(s.moe, picks, shared.is_some().then_some(&*s.tmp), s.h);
+                compute_picks(hp, mv, s, experts, &routing, shared.as_ref())?;
             }
         }
     }
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
+    Ok(())
+}
+
+/// A MoE layer's routed experts, after [`Experts::begin_layer`]: computed
+/// ready-first (in whatever order `experts` hands them out), then combined
+/// into `s.h` in router order with the shared expert's output last, whatever
+/// the compute order was. `s.x` is the layer's normed input.
+pub(super) fn compute_picks<M: MatVec, X: Experts>(
+    hp: &Hparams,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    experts: &mut X,
+    routing: &Routing,
+    shared: Option<&SharedExpert<'_>>,
+) -> Result<(), ForwardError<X::Error>> {
+    // Ready-first: compute in whatever order experts become ready.
+    // The shared expert is resident: it is computed the first time
+    // no routed expert is ready (while reads are in flight), or last.
+    let e = hp.n_embd;
+    let mut shared_left = shared;
+    // The checksums of the gate and up halves computed first.
+    let mut first_crc = [None::<u32>; crate::schedule::MAX_PICKS];
+    loop {
+        let step = next_step(experts, shared_left.is_some(), true)?;
+        match step {
+            Step::Compute(Handout {
+                index,
+                matrices,
+                verify,
+            }) => {
+                let out = s
+                    .expert_out
+                    .get_mut(index * e..(index + 1) * e)
+                    .ok_or(ForwardError::Shape("routing index"))?;
+                let crc = swiglu_ffn_checked(mv, &matrices, s.x, s.ff_a, s.ff_b, out, verify)?;
+                experts.finish(index, crc).map_err(ForwardError::Experts)?;
+            }
+            Step::GateUp(GateUp {
+                index,
+                gate,
+                up,
+                verify,
+            }) => {
+                let n = gate.rows();
+                let act = s
+                    .expert_act
+                    .get_mut(index * n..(index + 1) * n)
+                    .ok_or(ForwardError::Shape("routing index"))?;
+                let crc = gate_up_checked(mv, &gate, &up, s.x, act, s.ff_b, verify)?;
+                *first_crc
+                    .get_mut(index)
+                    .ok_or(ForwardError::Shape("routing index"))? = crc;
+            }
+            Step::Down(Down {
+                index,
+                down,
+                verify,
+            }) => {
+                let n = down.cols();
+                let (act, out) = (
+                    s.expert_act.get(index * n..(index + 1) * n),
+                    s.expert_out.get_mut(index * e..(index + 1) * e),
+                );
+                let (Some(act), Some(out)) = (act, out) else {
+                    return Err(ForwardError::Shape("routing index"));
+                };
+                let crc = product_checked(mv, &down, act, out, verify)?;
+                let first = first_crc.get(index).copied().flatten();
+                let crc = concat_checksums(first, crc, &down);
+                experts.finish(index, crc).map_err(ForwardError::Experts)?;
+            }
+            Step::Pending | Step::Done => {
+                if let Some(sh) = shared_left.take() {
+                    shared_expert(mv, sh, s.x, s.ff_a, s.ff_b, s.tmp)?;
+                } else if let Step::Done = step {
+                    break;
+                }
+            }
+        }
+    }
+    // Combine in router order, whatever the compute order was; the
+    // shared expert's output (in `s.tmp`) last.
+    let picks = routing
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.weight, &s.expert_out[i * e..(i + 1) * e]));
+    combine(s.moe, picks, shared.is_some().then_some(&*s.tmp), s.h);
     Ok(())
 }
 

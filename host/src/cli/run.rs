@@ -546,7 +546,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut session = Session::with_kv_types(&model, ctx, args.cache.types())?;
     session.set_prefill_batch(args.batch_size)?;
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
-    let mut drafter = args.spec.drafter(draft_model.as_ref(), ctx, threads)?;
+    let mut drafter = args
+        .spec
+        .drafter(&model, &args.model, draft_model.as_ref(), ctx, threads)?;
     let max_draft = match drafter {
         Some(_) => session.set_max_draft(args.spec.draft_max() as usize)?,
         None => 0,

@@ -192,6 +192,13 @@ impl<'a> BatchScratch<'a> {
     pub fn positions(&self) -> usize {
         self.n
     }
+
+    /// The final hidden states (before the output norm) of the first `n`
+    /// positions of the last [`forward_batch`], `n_embd` floats each.
+    pub fn hidden(&self, n: usize) -> &[f32] {
+        let e = self.h.len() / self.n.max(1);
+        &self.h[..(n * e).min(self.h.len())]
+    }
 }
 
 /// Marks an unused pick of a position that routed to fewer than `top_k` experts.
