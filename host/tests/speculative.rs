@@ -10,7 +10,9 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use les::compute::ThreadedMatVec;
-use les::draft::{check_compatible, Drafter, ModelDrafter, NgramDrafter, Speculation};
+use les::draft::{
+    check_compatible, Drafter, ModelDrafter, NextnDrafter, NgramDrafter, Speculation,
+};
 use les::engine::{generate_from, Control, GenStats, Session};
 use les::flash::FileDeviceConfig;
 use les::model::Model;
@@ -413,4 +415,176 @@ fn unusable_draft_models_are_refused() {
     // Its special tokens sit at other ids, and it has more tokens.
     let err = check_compatible(&target, &big).unwrap_err();
     assert!(err.contains("BOS or EOS"), "{err}");
+}
+
+/// Records what a drafter was asked and drafted.
+struct Recorded<'d> {
+    inner: &'d mut dyn Drafter,
+    log: Vec<(usize, Vec<u32>)>,
+}
+
+impl Drafter for Recorded<'_> {
+    fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
+        self.inner.draft(history, max, out);
+        self.log.push((history.len(), out.clone()));
+    }
+    fn wants_hidden(&self) -> bool {
+        self.inner.wants_hidden()
+    }
+    fn observe(&mut self, pos: usize, inputs: &[TokenInput<'_>], hidden: &[f32]) {
+        self.inner.observe(pos, inputs, hidden);
+    }
+}
+
+/// The model's own multi-token-prediction block drafts (`--speculate mtp`):
+/// the run is plain decoding's bit for bit under every schedule, sampler and
+/// draft length, and its drafts are the same whether the prompt was evaluated
+/// one position or four at a time (the block sees the same hidden states).
+#[test]
+fn the_mtp_block_changes_nothing_but_speed() {
+    let path = qwen35moe();
+    let model = Model::open(path).unwrap();
+    assert!(model.nextn_block().is_some(), "the tiny preset has an MTP block");
+    for sampler in samplers() {
+        let (want, _) = generate(path, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
+        let mut logs = Vec::new();
+        for (schedule, slots) in [
+            (Schedule::Resident, None),
+            (Schedule::Les, Some(5)),
+            (Schedule::OnDemand, Some(4)),
+        ] {
+            for max_draft in [1, 3] {
+                for batch in [1, 4] {
+                    let mut d = NextnDrafter::new(&model, path, PROMPT.len() + GENERATE + 8, 1)
+                        .unwrap();
+                    let mut rec = Recorded {
+                        inner: &mut d,
+                        log: Vec::new(),
+                    };
+                    let (got, stats) = generate(
+                        path,
+                        schedule,
+                        slots,
+                        sampler,
+                        &PROMPT,
+                        Some(&mut rec),
+                        max_draft,
+                        batch,
+                    );
+                    let what = format!("{schedule:?} draft {max_draft} batch {batch}");
+                    assert_eq!(got, want, "{what}");
+                    assert!(stats.drafted > 0, "{what}: {stats:?}");
+                    logs.push((max_draft, rec.log));
+                }
+            }
+        }
+        for (m, log) in &logs {
+            let first = &logs.iter().find(|(n, _)| n == m).unwrap().1;
+            assert_eq!(log, first, "draft {m}: drafts differ between runs");
+        }
+    }
+}
+
+/// The drafter's first guess after a prompt is the block's greedy token at
+/// the prompt's end, computed here from the model's hidden states directly:
+/// each prompt token paired with the normed hidden state before it.
+#[test]
+fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
+    use les_core::model::forward::nextn::{cache_params, forward_nextn};
+    use les_core::model::forward::{KvCache, Scratch, Weights};
+    use les_core::model::ops::rms_norm;
+    let path = qwen35moe();
+    let model = Model::open(path).unwrap();
+    let (hp, hy, e) = (&model.hp, &model.hybrid, model.hp.n_embd);
+    let n = PROMPT.len() + 2;
+    let mut supply = Supply::new(
+        &model,
+        path,
+        Schedule::Resident,
+        SlotBudget::none(FileDeviceConfig::default()),
+    )
+    .unwrap();
+    let mut mv = ThreadedMatVec::new(1, Isa::detect());
+    let mut session = Session::new(&model, n).unwrap();
+    session.set_keep_hidden(true);
+    let mut logits = vec![0f32; hp.n_vocab];
+    let mut hidden = Vec::new();
+    for &t in &PROMPT {
+        session
+            .eval(&mut mv, &mut supply, None, TokenInput::Token(t), &mut logits)
+            .unwrap();
+        hidden.push(session.hidden().to_vec());
+    }
+    let next = Sampler::new(SamplerConfig::greedy()).sample(&logits);
+    // The block by hand.
+    let block = model.nextn_block().unwrap();
+    let hy1 = cache_params(hy);
+    let (mut k, mut v) = (
+        vec![0f32; KvCache::len_for(hp, &hy1, n)],
+        vec![0f32; KvCache::len_for(hp, &hy1, n)],
+    );
+    let mut kv = KvCache::new_for(hp, &hy1, &mut k, &mut v, n).unwrap();
+    let mut sbuf = vec![0f32; Scratch::len_for(hp, hy, n)];
+    let mut s = Scratch::new_for(hp, hy, &mut sbuf, n).unwrap();
+    let (mut cat, mut h_prev, mut h_out) = (vec![0f32; 2 * e], vec![0f32; e], vec![0f32; e]);
+    let mut block_logits = vec![0f32; hp.n_vocab];
+    for (pos, &t) in PROMPT.iter().chain([next].iter()).enumerate() {
+        if pos > 0 {
+            rms_norm(&hidden[pos - 1], model.output_norm(), hp.norm_eps, &mut h_prev);
+        }
+        forward_nextn(
+            hp,
+            hy,
+            &block,
+            hp.n_layers,
+            &mut mv,
+            &mut supply,
+            TokenInput::Token(t),
+            &h_prev,
+            pos,
+            &mut kv,
+            &mut s,
+            &mut cat,
+            &mut h_out,
+            Some(&mut block_logits),
+        )
+        .unwrap();
+    }
+    let want = Sampler::new(SamplerConfig::greedy()).sample(&block_logits);
+    // The drafter, fed by generate_from.
+    let mut d = NextnDrafter::new(&model, path, PROMPT.len() + GENERATE + 8, 1).unwrap();
+    let mut rec = Recorded {
+        inner: &mut d,
+        log: Vec::new(),
+    };
+    generate(
+        path,
+        Schedule::Resident,
+        None,
+        SamplerConfig::greedy(),
+        &PROMPT,
+        Some(&mut rec),
+        1,
+        4,
+    );
+    let (len, first) = &rec.log[0];
+    assert_eq!(*len, PROMPT.len() + 1, "the first draft follows the prompt and a token");
+    assert_eq!(first, &vec![want]);
+}
+
+/// `--speculate mtp` on a model without a multi-token-prediction block is a
+/// clear error.
+#[test]
+fn a_model_without_an_mtp_block_cannot_draft_with_one() {
+    let model = Model::open(qwen3moe()).unwrap();
+    let err = NextnDrafter::new(&model, qwen3moe(), 64, 1).err().unwrap();
+    assert!(err.contains("no multi-token-prediction block"), "{err}");
+    let no_mtp = synth(
+        "no-mtp",
+        &["--arch", "qwen35moe", "--preset", "tiny", "--mtp-layers", "0"],
+    );
+    let model = Model::open(&no_mtp).unwrap();
+    assert!(model.nextn_block().is_none());
+    let err = NextnDrafter::new(&model, &no_mtp, 64, 1).err().unwrap();
+    assert!(err.contains("no multi-token-prediction block"), "{err}");
 }
