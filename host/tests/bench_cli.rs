@@ -853,6 +853,54 @@ fn bench_speculate_compares_plain_and_speculative_decoding() {
     cleanup(&m);
 }
 
+/// `les bench --speculate mtp` drafts with a qwen35moe model's own nextn
+/// block (the bench's unmeasured prompt head included in what it sees).
+#[test]
+fn bench_speculate_mtp_drafts_with_the_models_block() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("les-bench-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plain, packed) = (dir.join("tiny.gguf"), dir.join("tiny.packed.gguf"));
+    let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
+    les(&[
+        "synth",
+        "--arch",
+        "qwen35moe",
+        "--preset",
+        "tiny",
+        "--quiet",
+        "-o",
+        p,
+    ]);
+    les(&["pack", "--quiet", p, "-o", q]);
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        q,
+        "--slots",
+        "4",
+        "--schedules",
+        "les",
+        "--speculate",
+        "mtp",
+        "--draft-fixed",
+        "--draft-max",
+        "2",
+        "--temp",
+        "0",
+        "-n",
+        "16",
+        "--json",
+    ]);
+    let v: Json = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["identical_tokens"], true);
+    assert_eq!(v["speculate"], "mtp");
+    let runs = v["runs"].as_array().unwrap();
+    let spec = runs.iter().find(|r| r["speculative"] == true).unwrap();
+    assert!(spec["drafted"].as_u64().unwrap() > 0, "{spec}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bench_reports_the_kernels_prefetch_distance_it_ran_with() {
     let model = packed_tiny("prefetch");

@@ -388,6 +388,34 @@ fn speculative_decoding_does_not_change_the_logits() {
             );
         }
     }
+    // qwen35moe's own multi-token-prediction block drafts too.
+    let m = model("qwen35moe");
+    let (want, (_, _, want_logits), _) = greedy_with_logits(
+        &m,
+        &["--schedule", "resident", "-n", "40"],
+        "qwen35moe_plain",
+    );
+    for args in [
+        &["--speculate", "mtp", "-n", "40"][..],
+        &[
+            "--speculate",
+            "mtp",
+            "--draft-fixed",
+            "--draft-max",
+            "3",
+            "--schedule",
+            "les",
+            "--slots",
+            "3",
+            "-n",
+            "40",
+        ],
+    ] {
+        let name = format!("qwen35moe_spec_{}", args.join("_"));
+        let (got, (_, _, logits), _) = greedy_with_logits(&m, args, &name);
+        assert_eq!(tokens(&got), tokens(&want), "{args:?}");
+        assert!(logits == want_logits, "{args:?}: logits differ");
+    }
 }
 
 #[test]
@@ -792,6 +820,18 @@ fn errors_are_one_line_and_nonzero() {
                 "model",
             ],
             "--model-draft",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "--speculate",
+                "mtp",
+            ],
+            "no multi-token-prediction block",
         ),
         (
             vec![

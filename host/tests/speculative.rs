@@ -444,7 +444,10 @@ impl Drafter for Recorded<'_> {
 fn the_mtp_block_changes_nothing_but_speed() {
     let path = qwen35moe();
     let model = Model::open(path).unwrap();
-    assert!(model.nextn_block().is_some(), "the tiny preset has an MTP block");
+    assert!(
+        model.nextn_block().is_some(),
+        "the tiny preset has an MTP block"
+    );
     for sampler in samplers() {
         let (want, _) = generate(path, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
         let mut logs = Vec::new();
@@ -455,8 +458,8 @@ fn the_mtp_block_changes_nothing_but_speed() {
         ] {
             for max_draft in [1, 3] {
                 for batch in [1, 4] {
-                    let mut d = NextnDrafter::new(&model, path, PROMPT.len() + GENERATE + 8, 1)
-                        .unwrap();
+                    let mut d =
+                        NextnDrafter::new(&model, path, PROMPT.len() + GENERATE + 8, 1).unwrap();
                     let mut rec = Recorded {
                         inner: &mut d,
                         log: Vec::new(),
@@ -511,7 +514,13 @@ fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
     let mut hidden = Vec::new();
     for &t in &PROMPT {
         session
-            .eval(&mut mv, &mut supply, None, TokenInput::Token(t), &mut logits)
+            .eval(
+                &mut mv,
+                &mut supply,
+                None,
+                TokenInput::Token(t),
+                &mut logits,
+            )
             .unwrap();
         hidden.push(session.hidden().to_vec());
     }
@@ -530,7 +539,12 @@ fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
     let mut block_logits = vec![0f32; hp.n_vocab];
     for (pos, &t) in PROMPT.iter().chain([next].iter()).enumerate() {
         if pos > 0 {
-            rms_norm(&hidden[pos - 1], model.output_norm(), hp.norm_eps, &mut h_prev);
+            rms_norm(
+                &hidden[pos - 1],
+                model.output_norm(),
+                hp.norm_eps,
+                &mut h_prev,
+            );
         }
         forward_nextn(
             hp,
@@ -568,7 +582,11 @@ fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
         4,
     );
     let (len, first) = &rec.log[0];
-    assert_eq!(*len, PROMPT.len() + 1, "the first draft follows the prompt and a token");
+    assert_eq!(
+        *len,
+        PROMPT.len() + 1,
+        "the first draft follows the prompt and a token"
+    );
     assert_eq!(first, &vec![want]);
 }
 
@@ -581,7 +599,14 @@ fn a_model_without_an_mtp_block_cannot_draft_with_one() {
     assert!(err.contains("no multi-token-prediction block"), "{err}");
     let no_mtp = synth(
         "no-mtp",
-        &["--arch", "qwen35moe", "--preset", "tiny", "--mtp-layers", "0"],
+        &[
+            "--arch",
+            "qwen35moe",
+            "--preset",
+            "tiny",
+            "--mtp-layers",
+            "0",
+        ],
     );
     let model = Model::open(&no_mtp).unwrap();
     assert!(model.nextn_block().is_none());
