@@ -10,7 +10,8 @@
 //! - [`sampling`]: reproducible token sampling (greedy, repeat penalty, top-k,
 //!   top-p, min-p, banned tokens).
 //! - [`engine`]: KV cache, prefill and the decode loop; [`draft`], the guesses
-//!   speculative decoding verifies.
+//!   speculative decoding verifies (prompt lookup, a draft model, or the
+//!   model's own multi-token-prediction block).
 //! - [`hugepages`]: transparent huge pages for the slots and the KV cache.
 //! - [`flash`]: the file device experts stream from (O_DIRECT; I/O threads or `io_uring`).
 //! - [`supply`]: the expert schedules (resident, on-demand, les).

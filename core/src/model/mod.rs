@@ -6,7 +6,9 @@
 //! - [`forward`]: one token through the model, with routed experts supplied by an
 //!   [`forward::Experts`] implementation (resident, or streamed by the scheduler),
 //!   or several positions layer by layer ([`forward::forward_batch`], a prompt's
-//!   prefill), bit-identical to one at a time.
+//!   prefill), bit-identical to one at a time; [`forward::nextn`] runs
+//!   qwen35moe's multi-token-prediction block, which drafts for speculative
+//!   decoding.
 
 pub mod config;
 pub mod deltanet;
