@@ -437,16 +437,15 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         match &args.system_prompt {
             None => tokenizer.chat_prompt(&[("user", content.as_str())], true)?,
             Some(system) => {
-                let (messages, folded) = tokenizer
-                    .chat_template()?
-                    .with_system_prompt(system, &content);
+                let template = tokenizer.chat_template()?;
+                let (messages, folded) = template.with_system_prompt(system, &content);
                 if folded {
                     note!(
                         "les: the chat template has no system role: the system prompt goes \
                          before the user's message"
                     );
                 }
-                tokenizer.chat_prompt(&messages, true)?
+                tokenizer.chat_prompt_with(&template, &messages, true)?
             }
         }
     } else {

@@ -1037,7 +1037,19 @@ impl Tokenizer {
         messages: &[(R, C)],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
-        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        self.chat_prompt_with(&self.chat_template()?, messages, add_generation_prompt)
+    }
+
+    /// [`chat_prompt`](Self::chat_prompt) with `template` already compiled
+    /// (this tokenizer's [`chat_template`](Self::chat_template), say, kept
+    /// after probing it).
+    pub fn chat_prompt_with<R: AsRef<str>, C: AsRef<str>>(
+        &self,
+        template: &ChatTemplate,
+        messages: &[(R, C)],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let text = template.apply(messages, add_generation_prompt)?;
         let special = |on: bool, id: Option<u32>| {
             id.filter(|_| on)
                 .and_then(|id| self.token_text(id))
