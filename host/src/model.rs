@@ -226,6 +226,8 @@ pub struct Model {
     pub n_ctx_train: usize,
     layers: Vec<LayerRefs>,
     nextn: Option<NextnRefs>,
+    /// Why the file's multi-token-prediction block cannot be used, if it has one.
+    nextn_error: Option<String>,
     embedding: Tref,
     output: Tref,
     output_norm: Vec<f32>,
@@ -732,10 +734,7 @@ impl Model {
         // The first multi-token-prediction block, where the file has its tensors
         // (a `--no-mtp` conversion keeps none): a full-attention layer with
         // routed experts, plus its own input projection and norms.
-        let nextn = if n_nextn_layers > 0
-            && g.tensor(&format!("blk.{n_layers}.nextn.eh_proj.weight"))
-                .is_some()
-        {
+        let load_nextn = || -> Result<NextnRefs, ModelError> {
             let layer = load_layer(n_layers, false)?;
             if !matches!(layer.ffn, FfnRefs::Moe { .. }) {
                 return Err(invalid(format!(
@@ -747,7 +746,7 @@ impl Model {
                 Some(_) => tensor_ref(&g, &t(name), rows, n_embd).map(Some),
                 None => Ok(None),
             };
-            Some(NextnRefs {
+            Ok(NextnRefs {
                 layer,
                 eh_proj: tensor_ref(&g, &t("eh_proj.weight"), n_embd, 2 * n_embd)?,
                 enorm: vector(&g, &t("enorm.weight"), n_embd)?,
@@ -756,8 +755,19 @@ impl Model {
                 head_norm: optional_vector(&g, &t("shared_head_norm.weight"), n_embd)?,
                 head: optional("shared_head_head.weight", n_vocab)?,
             })
+        };
+        // A malformed block only matters to `--speculate mtp`, which reports
+        // why; the model runs without it, as llama.cpp's skips it unasked.
+        let (nextn, nextn_error) = if n_nextn_layers > 0
+            && g.tensor(&format!("blk.{n_layers}.nextn.eh_proj.weight"))
+                .is_some()
+        {
+            match load_nextn() {
+                Ok(n) => (Some(n), None),
+                Err(e) => (None, Some(e.to_string())),
+            }
         } else {
-            None
+            (None, None)
         };
         let embedding = tensor_ref(&g, "token_embd.weight", n_vocab, n_embd)?;
         let output = if g.tensor("output.weight").is_some() {
@@ -775,6 +785,7 @@ impl Model {
             n_ctx_train,
             layers,
             nextn,
+            nextn_error,
             embedding,
             output,
             output_norm,
@@ -1042,6 +1053,12 @@ impl Model {
             head_norm: n.head_norm.as_deref().unwrap_or(&self.output_norm),
             head: self.view(n.head.as_ref().unwrap_or(&self.output)),
         })
+    }
+
+    /// Why the file's multi-token-prediction block cannot run (a tensor
+    /// missing or misshapen), where it has one that cannot.
+    pub fn nextn_error(&self) -> Option<&str> {
+        self.nextn_error.as_deref()
     }
 
     fn block_of<'a>(&'a self, l: &'a LayerRefs) -> Block<'a> {

@@ -721,3 +721,49 @@ fn a_model_without_an_mtp_block_cannot_draft_with_one() {
     let err = NextnDrafter::new(&model, &no_mtp, 64, 1).err().unwrap();
     assert!(err.contains("no multi-token-prediction block"), "{err}");
 }
+
+/// A malformed multi-token-prediction block (here its `enorm` missing) does
+/// not stop the model from running, as llama.cpp skips the block unasked;
+/// `--speculate mtp` says what is wrong with it.
+#[test]
+fn a_malformed_mtp_block_only_stops_mtp_drafting() {
+    use les::gguf::{Gguf, GgufWriter};
+    use std::io::BufWriter;
+    qwen35moe();
+    let src = qwen35moe_plain();
+    let dst = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("spec-mtp-no-enorm.gguf");
+    let g = Gguf::open(src).unwrap();
+    let n_layers = Model::open(src).unwrap().hp.n_layers;
+    let dropped = format!("blk.{n_layers}.nextn.enorm.weight");
+    assert!(g.tensor(&dropped).is_some());
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add_kv(k, v.to_meta()).unwrap();
+    }
+    let kept: Vec<_> = g.tensors().filter(|t| t.name() != dropped).collect();
+    for t in &kept {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let mut data = w
+        .write_header(BufWriter::new(std::fs::File::create(&dst).unwrap()))
+        .unwrap();
+    for t in &kept {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    data.finish().unwrap();
+
+    let model = Model::open(&dst).unwrap();
+    assert!(model.nextn_block().is_none());
+    let why = model.nextn_error().unwrap();
+    assert!(why.contains("enorm"), "{why}");
+    let err = NextnDrafter::new(&model, &dst, 64, 1).err().unwrap();
+    assert!(
+        err.contains("cannot draft") && err.contains("enorm"),
+        "{err}"
+    );
+    // The model itself decodes as the intact file does.
+    let sampler = SamplerConfig::greedy();
+    let (want, _) = generate(src, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
+    let (got, _) = generate(&dst, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
+    assert_eq!(got, want);
+}

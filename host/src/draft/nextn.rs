@@ -55,6 +55,11 @@ impl<'m> NextnDrafter<'m> {
         ctx: usize,
         threads: usize,
     ) -> Result<NextnDrafter<'m>, String> {
+        if let Some(e) = model.nextn_error() {
+            return Err(format!(
+                "the model's multi-token-prediction block cannot draft: {e}"
+            ));
+        }
         let block = model.nextn_block().ok_or_else(|| {
             format!(
                 "the model ({}) has no multi-token-prediction block to draft with \
