@@ -491,3 +491,59 @@ fn images_that_overflow_the_context_fail_before_decoding() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("end-of-image marker"), "{err}");
 }
+
+/// An image prompt on a qwen35moe model drafting with its multi-token-
+/// prediction block (which takes image positions' embeddings in place of a
+/// token's): plain decoding's tokens and logits.
+#[test]
+fn image_prompt_with_mtp_drafts_gives_plain_decodings_logits() {
+    let (lm, mm) = (tmp("vision_lm_q35.gguf"), tmp("vision_mmproj_q35.gguf"));
+    ok(les()
+        .args(["synth", "--arch", "qwen35moe", "--quiet", "-o"])
+        .arg(&lm)
+        .arg("--mmproj-out")
+        .arg(&mm)
+        .output()
+        .unwrap());
+    let img = image();
+    let base = [
+        "--image",
+        img.to_str().unwrap(),
+        "-p",
+        "Describe the image.",
+        "-n",
+        "24",
+    ];
+    let run_with = |name: &str, extra: &[&str]| {
+        let path = tmp(&format!("vision_q35_{name}.npy"));
+        let v = json(
+            &lm,
+            &mm,
+            &[&base[..], extra, &["--logits-out", path.to_str().unwrap()]].concat(),
+        );
+        (v, std::fs::read(&path).unwrap())
+    };
+    let (want, want_logits) = run_with("plain", &[]);
+    let (got, logits) = run_with(
+        "mtp",
+        &[
+            "--speculate",
+            "mtp",
+            "--draft-fixed",
+            "--draft-max",
+            "3",
+            "--schedule",
+            "les",
+            "--slots",
+            "3",
+        ],
+    );
+    assert_eq!(tokens(&got), tokens(&want));
+    assert!(logits == want_logits, "logits differ");
+    assert!(
+        got["stats"]["drafted"].as_u64().unwrap() > 0,
+        "{}",
+        got["stats"]
+    );
+    assert_eq!(got["stats"]["image_tokens"], want["stats"]["image_tokens"]);
+}
