@@ -1210,3 +1210,70 @@ fn an_interrupted_logits_out_holds_the_rows_so_far() {
         "{rows} rows of {row_bytes} bytes, {data} bytes of data"
     );
 }
+
+/// `les run --conversation` (`--cnv`): the prompt, or the first line of
+/// stdin, then each further line is a turn answered in the same session,
+/// until end of input; it does not mix with --json or --logits-out.
+#[test]
+fn conversation_answers_each_line_of_stdin() {
+    use std::io::Write as _;
+    use std::process::Stdio;
+    let m = model("qwen35moe");
+    let converse = |extra: &[&str], stdin: &str| {
+        let mut child = les()
+            .args(["run", "-m"])
+            .arg(&m)
+            .args(["--temp", "0", "-n", "6"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(stdin.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{extra:?}: {err}");
+        (out.stdout, err)
+    };
+    // Two more turns after the prompt's, an empty line skipped.
+    let (_, err) = converse(&["--cnv", "-p", "Hello"], "How are you?\n\nAnd then?\n");
+    assert_eq!(err.matches("les: turn of").count(), 2, "{err}");
+    assert!(err.contains("positions used"), "{err}");
+    // Without a prompt the first line is the first turn; the same first reply.
+    let (a, _) = converse(&["--conversation", "-p", "Hello"], "");
+    let (b, err) = converse(&["--conversation"], "Hello\n");
+    assert_eq!(a, b);
+    assert_eq!(err.matches("les: turn of").count(), 0, "{err}");
+    // Nothing read, nothing done.
+    let (out, _) = converse(&["--conversation"], "");
+    assert!(out.is_empty());
+    // MTP drafting carries across the turns too.
+    let (_, err) = converse(
+        &[
+            "--cnv",
+            "-p",
+            "Hello",
+            "--speculate",
+            "mtp",
+            "--draft-fixed",
+        ],
+        "More\n",
+    );
+    assert_eq!(err.matches("les: turn of").count(), 1, "{err}");
+    for extra in [&["--json"][..], &["--logits-out", "/tmp/x.npy"]] {
+        let out = les()
+            .args(["run", "-m"])
+            .arg(&m)
+            .args(["--cnv", "-p", "x"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+    }
+}

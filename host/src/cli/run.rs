@@ -18,19 +18,20 @@ use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::model::Model;
 use crate::sampling::{RepeatPenalty, Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Conversation, Tokenizer};
 use crate::vision::{self, ClipModel, MultimodalPrompt};
 use les_core::slot_classes::{plan_by_bytes, plan_by_count};
 
 /// Arguments of `les run`.
 #[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("prompt_source").required(true).args(["prompt", "file"])))]
+#[command(group(clap::ArgGroup::new("prompt_source").args(["prompt", "file"])))]
+#[command(group(clap::ArgGroup::new("chat_mode").multiple(true).args(["chat", "conversation"])))]
 pub struct RunArgs {
     /// The model (GGUF).
     #[arg(short, long)]
     pub model: PathBuf,
     /// The prompt, used raw (completion mode) unless `--chat`.
-    #[arg(short, long)]
+    #[arg(short, long, required_unless_present_any = ["file", "conversation"])]
     pub prompt: Option<String>,
     /// Read the prompt from this file instead (UTF-8; one trailing newline is
     /// dropped, as llama.cpp's `-f` does).
@@ -75,8 +76,20 @@ pub struct RunArgs {
     /// A system message before the prompt (with --chat). Where the template
     /// has no system role it goes before the user's message, on a line of its
     /// own, as llama.cpp does.
-    #[arg(long, visible_alias = "system", value_name = "TEXT", requires = "chat")]
+    #[arg(
+        long,
+        visible_alias = "system",
+        value_name = "TEXT",
+        requires = "chat_mode"
+    )]
     pub system_prompt: Option<String>,
+    /// A conversation in the chat template (llama-cli's `-cnv`): the prompt,
+    /// if any, is the first user message, then each line read from stdin is
+    /// the next one, answered after the replies so far (kept in the KV cache:
+    /// only each new turn is evaluated), until end of input. The context is
+    /// --ctx, or the training context up to 4096 positions.
+    #[arg(long, visible_alias = "cnv", conflicts_with_all = ["json", "logits_out"])]
+    pub conversation: bool,
     /// Print one JSON object with tokens, text and stats instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -362,7 +375,14 @@ pub fn read_prompt_file(path: &std::path::Path) -> Result<String, Box<dyn Error>
 /// error if the prompt does not fit. Generation stops when it is full.
 fn context_size(prompt_len: usize, args: &RunArgs, n_ctx_train: usize) -> Result<usize, String> {
     let needed = prompt_len.saturating_add(args.n_predict);
-    let ctx = args.ctx.unwrap_or(needed.min(n_ctx_train.max(1)));
+    let train = n_ctx_train.max(1);
+    // A conversation needs room for the turns to come, not just this one.
+    let default = if args.conversation {
+        needed.max(train.min(4096)).min(train)
+    } else {
+        needed.min(train)
+    };
+    let ctx = args.ctx.unwrap_or(default);
     if prompt_len > ctx {
         return Err(format!(
             "the prompt ({prompt_len} tokens) does not fit the context of {ctx} positions{}",
@@ -383,6 +403,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let prompt_arg = match (&args.prompt, &args.file) {
         (Some(p), _) => p.clone(),
         (None, Some(path)) => read_prompt_file(path)?,
+        (None, None) if args.conversation => match read_turn()? {
+            Some(line) => line,
+            None => return Ok(()),
+        },
         (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
     };
     if args.schedule == Some(Schedule::Resident)
@@ -433,23 +457,31 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         .collect::<Result<Vec<_>, _>>()?;
     let n_images = image_sizes.len();
     let content = vision::place_markers(&prompt_arg, n_images);
-    let prompt_text = if args.chat {
-        match &args.system_prompt {
-            None => tokenizer.chat_prompt(&[("user", content.as_str())], true)?,
-            Some(system) => {
-                let template = tokenizer.chat_template()?;
-                let (messages, folded) = template.with_system_prompt(system, &content);
-                if folded {
-                    note!(
-                        "les: the chat template has no system role: the system prompt goes \
-                         before the user's message"
-                    );
-                }
-                tokenizer.chat_prompt_with(&template, &messages, true)?
-            }
-        }
+    let template = if args.chat || args.conversation {
+        Some(tokenizer.chat_template()?)
     } else {
-        content
+        None
+    };
+    // The conversation so far (with --chat), its first user message included.
+    let mut messages: Vec<(String, String)> = Vec::new();
+    let prompt_text = match &template {
+        Some(template) => {
+            messages = match &args.system_prompt {
+                None => vec![("user".into(), content)],
+                Some(system) => {
+                    let (messages, folded) = template.with_system_prompt(system, &content);
+                    if folded {
+                        note!(
+                            "les: the chat template has no system role: the system prompt \
+                             goes before the user's message"
+                        );
+                    }
+                    messages
+                }
+            };
+            tokenizer.chat_prompt_with(template, &messages, true)?
+        }
+        None => content,
     };
     let context = |prompt_len: usize| context_size(prompt_len, args, model.n_ctx_train);
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
@@ -607,6 +639,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut text = String::new();
     let mut write_err = None;
     let mut stopped_at_eog = false;
+    let mut eog_token = None;
     let stats = generate_from(
         &mut session,
         &mut mv,
@@ -630,6 +663,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             }
             if tokenizer.is_eog(t) {
                 stopped_at_eog = true;
+                eog_token = Some(t);
                 return Control::Stop;
             }
             tokens.push(t);
@@ -734,7 +768,102 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             );
         }
     }
+    if let Some(template) = template.filter(|_| args.conversation) {
+        if stop == "ctx" {
+            return Err(format!("the conversation filled the context ({ctx} positions)").into());
+        }
+        let n_vocab = model.hp.n_vocab as u32;
+        let held = prompt_tokens.iter().map(|t| t.unwrap_or(n_vocab)).collect();
+        let mut conv = Conversation::new(&tokenizer, template, messages, prompt_text, held);
+        conv.replied(&tokens, &text, eog_token);
+        while let Some(line) = read_turn()? {
+            let feed = conv.ask(&line)?;
+            let room = ctx.saturating_sub(session.position());
+            if feed.len() >= room {
+                return Err(format!(
+                    "the conversation filled the context ({ctx} positions; raise it with --ctx)"
+                )
+                .into());
+            }
+            for &t in &feed {
+                sampler.accept(t);
+            }
+            let inputs: Vec<TokenInput<'_>> = feed.iter().map(|&t| TokenInput::Token(t)).collect();
+            let before = &conv.held()[..conv.held().len() - feed.len()];
+            let n_turn = args.n_predict.min(room + 1 - feed.len());
+            let mut decoder = tokenizer.stream_decoder(false);
+            let (mut toks, mut said, mut write_err, mut eog) =
+                (Vec::new(), String::new(), None, None);
+            let st = generate_from(
+                &mut session,
+                &mut mv,
+                &mut supply,
+                Some(&lookahead),
+                &inputs,
+                drafter.as_deref_mut().map(|d| Speculation {
+                    drafter: d,
+                    max_draft,
+                    adaptive: !args.spec.draft_fixed,
+                    context: before,
+                }),
+                n_turn,
+                |logits| sampler.sample(logits),
+                |t, _| {
+                    if tokenizer.is_eog(t) {
+                        eog = Some(t);
+                        return Control::Stop;
+                    }
+                    toks.push(t);
+                    let piece = decoder.decode_piece(t);
+                    if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+                        write_err = Some(e);
+                        return Control::Stop;
+                    }
+                    said.push_str(&piece);
+                    Control::Continue
+                },
+            )?;
+            if let Some(e) = write_err {
+                return Err(e.into());
+            }
+            let tail = decoder.finish();
+            said.push_str(&tail);
+            writeln!(out, "{tail}")?;
+            out.flush()?;
+            note!(
+                "les: turn of {} tokens at {:.1} tok/s, {} generated at {:.2} tok/s, \
+                 {} of {ctx} positions used",
+                st.prompt_tokens,
+                st.prefill_tok_s(),
+                st.generated,
+                st.decode_tok_s(),
+                session.position()
+            );
+            conv.replied(&toks, &said, eog);
+            if eog.is_none() && st.generated < args.n_predict {
+                return Err(
+                    format!("the conversation filled the context ({ctx} positions)").into(),
+                );
+            }
+        }
+    }
     Ok(())
+}
+
+/// One line of the conversation from stdin (a `> ` prompt on stderr first),
+/// without its line ending; `None` at end of input. Empty lines are skipped.
+fn read_turn() -> Result<Option<String>, Box<dyn Error>> {
+    loop {
+        eprint!("\n> ");
+        let mut line = String::new();
+        if std::io::stdin().read_line(&mut line)? == 0 {
+            return Ok(None);
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if !line.is_empty() {
+            return Ok(Some(line.to_string()));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -39,6 +39,7 @@ mod from_gguf;
 pub use from_gguf::FromGgufError;
 mod bpe;
 mod chat;
+mod conversation;
 mod hash;
 mod pretokenize;
 mod spm;
@@ -48,6 +49,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 pub use chat::{ChatTemplate, ChatTemplateError, MAX_TEMPLATE_LEN};
+pub use conversation::Conversation;
 pub use pretokenize::PreTokenizer;
 
 use hash::FxBuildHasher;
