@@ -141,35 +141,13 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) 
                 out: Mat::new(&mut rng, ty, e, d.value_dim(), 0.15),
             })
         } else {
-            Mix::Attn(Attn {
-                wq: Mat::new(&mut rng, ty, 2 * hp.q_dim(), e, 0.15),
-                wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
-                wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
-                wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
-                q_norm: rng.vec(hp.head_dim, 0.1, 1.0),
-                k_norm: rng.vec(hp.head_dim, 0.1, 1.0),
-            })
+            Mix::Attn(gated_attention(&mut rng, ty, &hp))
         };
-        layers.push(Layer {
-            attn_norm,
-            mix,
-            post_norm: rng.vec(e, 0.1, 1.0),
-            router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
-            shared: [
-                Mat::new(&mut rng, ty, FF, e, 0.15),
-                Mat::new(&mut rng, ty, FF, e, 0.15),
-                Mat::new(&mut rng, ty, e, FF, 0.15),
-            ],
-            shared_gate: Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
-        });
+        layers.push(moe_layer(&mut rng, ty, e, attn_norm, mix));
         let mut le = Vec::new();
         let mut lo = Vec::new();
         for _ in 0..N_EXP {
-            let m = [
-                Mat::new(&mut rng, expert_ty[0], FF, e, 0.2),
-                Mat::new(&mut rng, expert_ty[1], FF, e, 0.2),
-                Mat::new(&mut rng, expert_ty[2], e, FF, 0.2),
-            ];
+            let m = expert(&mut rng, expert_ty, e);
             lo.push(image.len());
             for p in &m {
                 image.extend_from_slice(&p.bytes);
@@ -191,6 +169,43 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) 
         offsets,
         expert_ty,
     }
+}
+
+fn gated_attention(rng: &mut Rng, ty: GgmlType, hp: &Hparams) -> Attn {
+    let e = hp.n_embd;
+    Attn {
+        wq: Mat::new(rng, ty, 2 * hp.q_dim(), e, 0.15),
+        wk: Mat::new(rng, ty, hp.kv_dim(), e, 0.15),
+        wv: Mat::new(rng, ty, hp.kv_dim(), e, 0.15),
+        wo: Mat::new(rng, ty, e, hp.q_dim(), 0.15),
+        q_norm: rng.vec(hp.head_dim, 0.1, 1.0),
+        k_norm: rng.vec(hp.head_dim, 0.1, 1.0),
+    }
+}
+
+/// A layer of `mix` with a router, a gated shared expert and norms.
+fn moe_layer(rng: &mut Rng, ty: GgmlType, e: usize, attn_norm: Vec<f32>, mix: Mix) -> Layer {
+    Layer {
+        attn_norm,
+        mix,
+        post_norm: rng.vec(e, 0.1, 1.0),
+        router: Mat::new(rng, GgmlType::F32, N_EXP, e, 0.5),
+        shared: [
+            Mat::new(rng, ty, FF, e, 0.15),
+            Mat::new(rng, ty, FF, e, 0.15),
+            Mat::new(rng, ty, e, FF, 0.15),
+        ],
+        shared_gate: Mat::new(rng, GgmlType::F32, 1, e, 0.3),
+    }
+}
+
+/// One routed expert's gate, up and down.
+fn expert(rng: &mut Rng, ty: [GgmlType; 3], e: usize) -> [Mat; 3] {
+    [
+        Mat::new(rng, ty[0], FF, e, 0.2),
+        Mat::new(rng, ty[1], FF, e, 0.2),
+        Mat::new(rng, ty[2], e, FF, 0.2),
+    ]
 }
 
 impl Weights for Model {
@@ -876,33 +891,13 @@ struct Nextn {
 fn build_nextn(m: &Model, seed: u64) -> Nextn {
     let mut rng = Rng(seed);
     let (hp, e, ty) = (&m.hp, m.hp.n_embd, GgmlType::F32);
-    let layer = Layer {
-        attn_norm: rng.vec(e, 0.1, 1.0),
-        mix: Mix::Attn(Attn {
-            wq: Mat::new(&mut rng, ty, 2 * hp.q_dim(), e, 0.15),
-            wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
-            wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
-            wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
-            q_norm: rng.vec(hp.head_dim, 0.1, 1.0),
-            k_norm: rng.vec(hp.head_dim, 0.1, 1.0),
-        }),
-        post_norm: rng.vec(e, 0.1, 1.0),
-        router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
-        shared: [
-            Mat::new(&mut rng, ty, FF, e, 0.15),
-            Mat::new(&mut rng, ty, FF, e, 0.15),
-            Mat::new(&mut rng, ty, e, FF, 0.15),
-        ],
-        shared_gate: Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
-    };
+    let attn_norm = rng.vec(e, 0.1, 1.0);
+    let mix = Mix::Attn(gated_attention(&mut rng, ty, hp));
+    let layer = moe_layer(&mut rng, ty, e, attn_norm, mix);
     let mut experts = Vec::new();
     let mut image = Vec::new();
     for _ in 0..N_EXP {
-        let x = [
-            Mat::new(&mut rng, m.expert_ty[0], FF, e, 0.2),
-            Mat::new(&mut rng, m.expert_ty[1], FF, e, 0.2),
-            Mat::new(&mut rng, m.expert_ty[2], e, FF, 0.2),
-        ];
+        let x = expert(&mut rng, m.expert_ty, e);
         for p in &x {
             image.extend_from_slice(&p.bytes);
         }

@@ -634,12 +634,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
 
-    let mut tokens = Vec::new();
-    let mut decoder = tokenizer.stream_decoder(false);
-    let mut text = String::new();
-    let mut write_err = None;
-    let mut stopped_at_eog = false;
-    let mut eog_token = None;
+    let mut reply = Reply::new(&tokenizer);
     let stats = generate_from(
         &mut session,
         &mut mv,
@@ -657,31 +652,18 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         |t, logits| {
             if let Some(npy) = &mut npy {
                 if let Err(e) = npy.push(logits) {
-                    write_err = Some(e);
+                    reply.write_err = Some(e);
                     return Control::Stop;
                 }
             }
-            if tokenizer.is_eog(t) {
-                stopped_at_eog = true;
-                eog_token = Some(t);
-                return Control::Stop;
-            }
-            tokens.push(t);
-            let piece = decoder.decode_piece(t);
-            if !args.json {
-                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
-                    write_err = Some(e);
-                    return Control::Stop;
-                }
-            }
-            text.push_str(&piece);
-            Control::Continue
+            reply.take(t, (!args.json).then_some(&mut *out))
         },
     )?;
-    if let Some(e) = write_err {
-        return Err(e.into());
-    }
-    let stop = if stopped_at_eog {
+    let tail = reply.finish()?;
+    let Reply {
+        tokens, text, eog, ..
+    } = reply;
+    let stop = if eog.is_some() {
         "eog"
     } else if n_predict < args.n_predict && stats.generated == n_predict {
         note!("\nles: the context is full ({ctx} positions); raise it with --ctx");
@@ -689,8 +671,6 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     } else {
         "length"
     };
-    let tail = decoder.finish();
-    text.push_str(&tail);
     if let Some(npy) = npy {
         npy.finish()?;
     }
@@ -775,7 +755,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         let n_vocab = model.hp.n_vocab as u32;
         let held = prompt_tokens.iter().map(|t| t.unwrap_or(n_vocab)).collect();
         let mut conv = Conversation::new(&tokenizer, template, messages, prompt_text, held);
-        conv.replied(&tokens, &text, eog_token);
+        conv.replied(&tokens, &text, eog);
         while let Some(line) = read_turn()? {
             let feed = conv.ask(&line)?;
             let room = ctx.saturating_sub(session.position());
@@ -791,9 +771,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             let inputs: Vec<TokenInput<'_>> = feed.iter().map(|&t| TokenInput::Token(t)).collect();
             let before = &conv.held()[..conv.held().len() - feed.len()];
             let n_turn = args.n_predict.min(room + 1 - feed.len());
-            let mut decoder = tokenizer.stream_decoder(false);
-            let (mut toks, mut said, mut write_err, mut eog) =
-                (Vec::new(), String::new(), None, None);
+            let mut reply = Reply::new(&tokenizer);
             let st = generate_from(
                 &mut session,
                 &mut mv,
@@ -808,26 +786,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 }),
                 n_turn,
                 |logits| sampler.sample(logits),
-                |t, _| {
-                    if tokenizer.is_eog(t) {
-                        eog = Some(t);
-                        return Control::Stop;
-                    }
-                    toks.push(t);
-                    let piece = decoder.decode_piece(t);
-                    if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
-                        write_err = Some(e);
-                        return Control::Stop;
-                    }
-                    said.push_str(&piece);
-                    Control::Continue
-                },
+                |t, _| reply.take(t, Some(&mut *out)),
             )?;
-            if let Some(e) = write_err {
-                return Err(e.into());
-            }
-            let tail = decoder.finish();
-            said.push_str(&tail);
+            let tail = reply.finish()?;
             writeln!(out, "{tail}")?;
             out.flush()?;
             note!(
@@ -839,8 +800,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 st.decode_tok_s(),
                 session.position()
             );
-            conv.replied(&toks, &said, eog);
-            if eog.is_none() && st.generated < args.n_predict {
+            conv.replied(&reply.tokens, &reply.text, reply.eog);
+            if reply.eog.is_none() && st.generated < args.n_predict {
                 return Err(
                     format!("the conversation filled the context ({ctx} positions)").into(),
                 );
@@ -848,6 +809,63 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
     Ok(())
+}
+
+/// A reply as it is generated: its tokens and text up to an
+/// end-of-generation token (kept apart), each token's text streamed to an
+/// output as it comes.
+struct Reply<'t> {
+    tokenizer: &'t Tokenizer,
+    decoder: crate::tokenizer::StreamDecoder<'t>,
+    tokens: Vec<u32>,
+    text: String,
+    eog: Option<u32>,
+    /// The first error writing the reply (or anything else the caller
+    /// stopped generating for), returned by [`finish`](Self::finish).
+    write_err: Option<std::io::Error>,
+}
+
+impl<'t> Reply<'t> {
+    fn new(tokenizer: &'t Tokenizer) -> Self {
+        Reply {
+            tokenizer,
+            decoder: tokenizer.stream_decoder(false),
+            tokens: Vec::new(),
+            text: String::new(),
+            eog: None,
+            write_err: None,
+        }
+    }
+
+    /// Takes the sampled token `t`, writing its text to `out` if given; stops
+    /// at an end-of-generation token or a write error.
+    fn take(&mut self, t: u32, out: Option<&mut dyn Write>) -> Control {
+        if self.tokenizer.is_eog(t) {
+            self.eog = Some(t);
+            return Control::Stop;
+        }
+        self.tokens.push(t);
+        let piece = self.decoder.decode_piece(t);
+        if let Some(out) = out {
+            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+                self.write_err = Some(e);
+                return Control::Stop;
+            }
+        }
+        self.text.push_str(&piece);
+        Control::Continue
+    }
+
+    /// The text the decoder still held (added to the reply; the caller writes
+    /// it), or the error that stopped the reply.
+    fn finish(&mut self) -> Result<String, std::io::Error> {
+        if let Some(e) = self.write_err.take() {
+            return Err(e);
+        }
+        let tail = self.decoder.finish();
+        self.text.push_str(&tail);
+        Ok(tail)
+    }
 }
 
 /// One line of the conversation from stdin (a `> ` prompt on stderr first),
