@@ -236,7 +236,7 @@ impl std::error::Error for SessionError {}
 pub const MAX_POSITIONS: usize = 1 << 24;
 
 /// `n` zeroed floats, or `None` where the allocator refuses them.
-fn zeroed(n: usize) -> Option<Vec<f32>> {
+pub(crate) fn zeroed(n: usize) -> Option<Vec<f32>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).ok()?;
     v.resize(n, 0.0);

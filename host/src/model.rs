@@ -225,9 +225,9 @@ pub struct Model {
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
     layers: Vec<LayerRefs>,
-    nextn: Option<NextnRefs>,
-    /// Why the file's multi-token-prediction block cannot be used, if it has one.
-    nextn_error: Option<String>,
+    /// The multi-token-prediction block, if the file has one, or why it
+    /// cannot be used.
+    nextn: Result<Option<NextnRefs>, String>,
     embedding: Tref,
     output: Tref,
     output_norm: Vec<f32>,
@@ -290,6 +290,20 @@ fn vector(g: &Gguf<MappedFile>, name: &str, len: usize) -> Result<Vec<f32>, Mode
     quant::dequantize(t.ggml_type(), t.data(), &mut out)
         .map_err(|e| invalid(format!("tensor {name}: {e}")))?;
     Ok(out)
+}
+
+/// [`tensor_ref`] of `name`, where the file has it.
+fn optional_tensor_ref(
+    g: &Gguf<MappedFile>,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<Tref>, ModelError> {
+    if g.tensor(name).is_some() {
+        tensor_ref(g, name, rows, cols).map(Some)
+    } else {
+        Ok(None)
+    }
 }
 
 fn optional_vector(
@@ -649,15 +663,7 @@ impl Model {
                                 tensor_ref(&g, &t("ffn_up_shexp.weight"), n_sh, n_embd)?,
                                 tensor_ref(&g, &t("ffn_down_shexp.weight"), n_embd, n_sh)?,
                             ],
-                            match g.tensor(&t("ffn_gate_inp_shexp.weight")) {
-                                Some(_) => Some(tensor_ref(
-                                    &g,
-                                    &t("ffn_gate_inp_shexp.weight"),
-                                    1,
-                                    n_embd,
-                                )?),
-                                None => None,
-                            },
+                            optional_tensor_ref(&g, &t("ffn_gate_inp_shexp.weight"), 1, n_embd)?,
                         ))
                     }
                 };
@@ -742,32 +748,26 @@ impl Model {
                 )));
             }
             let t = |s: &str| format!("blk.{n_layers}.nextn.{s}");
-            let optional = |name: &str, rows: usize| match g.tensor(&t(name)) {
-                Some(_) => tensor_ref(&g, &t(name), rows, n_embd).map(Some),
-                None => Ok(None),
-            };
+            let optional = |name: &str| optional_tensor_ref(&g, &t(name), n_vocab, n_embd);
             Ok(NextnRefs {
                 layer,
                 eh_proj: tensor_ref(&g, &t("eh_proj.weight"), n_embd, 2 * n_embd)?,
                 enorm: vector(&g, &t("enorm.weight"), n_embd)?,
                 hnorm: vector(&g, &t("hnorm.weight"), n_embd)?,
-                embedding: optional("embed_tokens.weight", n_vocab)?,
+                embedding: optional("embed_tokens.weight")?,
                 head_norm: optional_vector(&g, &t("shared_head_norm.weight"), n_embd)?,
-                head: optional("shared_head_head.weight", n_vocab)?,
+                head: optional("shared_head_head.weight")?,
             })
         };
         // A malformed block only matters to `--speculate mtp`, which reports
         // why; the model runs without it, as llama.cpp's skips it unasked.
-        let (nextn, nextn_error) = if n_nextn_layers > 0
+        let nextn = if n_nextn_layers > 0
             && g.tensor(&format!("blk.{n_layers}.nextn.eh_proj.weight"))
                 .is_some()
         {
-            match load_nextn() {
-                Ok(n) => (Some(n), None),
-                Err(e) => (None, Some(e.to_string())),
-            }
+            load_nextn().map(Some).map_err(|e| e.to_string())
         } else {
-            (None, None)
+            Ok(None)
         };
         let embedding = tensor_ref(&g, "token_embd.weight", n_vocab, n_embd)?;
         let output = if g.tensor("output.weight").is_some() {
@@ -785,7 +785,6 @@ impl Model {
             n_ctx_train,
             layers,
             nextn,
-            nextn_error,
             embedding,
             output,
             output_norm,
@@ -807,7 +806,7 @@ impl Model {
     fn store(&self, layer: usize) -> Option<&ExpertStore> {
         let refs = match self.layers.get(layer) {
             Some(l) => l,
-            None if layer == self.hp.n_layers => &self.nextn.as_ref()?.layer,
+            None if layer == self.hp.n_layers => &self.nextn.as_ref().ok()?.as_ref()?.layer,
             None => return None,
         };
         match &refs.ffn {
@@ -1043,7 +1042,7 @@ impl Model {
     /// [`forward_nextn`](les_core::model::forward::nextn::forward_nextn) runs
     /// it; its routed experts are layer `n_layers`'s ([`expert`](Self::expert)).
     pub fn nextn_block(&self) -> Option<NextnBlock<'_>> {
-        let n = self.nextn.as_ref()?;
+        let n = self.nextn.as_ref().ok()?.as_ref()?;
         Some(NextnBlock {
             block: self.block_of(&n.layer),
             eh_proj: self.view(&n.eh_proj),
@@ -1058,7 +1057,7 @@ impl Model {
     /// Why the file's multi-token-prediction block cannot run (a tensor
     /// missing or misshapen), where it has one that cannot.
     pub fn nextn_error(&self) -> Option<&str> {
-        self.nextn_error.as_deref()
+        self.nextn.as_ref().err().map(String::as_str)
     }
 
     fn block_of<'a>(&'a self, l: &'a LayerRefs) -> Block<'a> {

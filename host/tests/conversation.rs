@@ -4,8 +4,11 @@
 //! recurrent state, carry over exactly), and the turns are the template's
 //! rendering past what the session holds.
 
+mod cli;
+
 use std::path::PathBuf;
-use std::process::Command;
+
+use cli::synth_once;
 
 use les::compute::ThreadedMatVec;
 use les::engine::{generate_from, Control, Session};
@@ -18,18 +21,10 @@ use les_core::gemv::Isa;
 use les_core::model::forward::TokenInput;
 
 fn synth(arch: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("conversation-{arch}.gguf"));
-    let out = Command::new(env!("CARGO_BIN_EXE_les"))
-        .args(["synth", "--arch", arch, "--preset", "tiny", "--quiet", "-o"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    path
+    synth_once(
+        &format!("conversation-{arch}.gguf"),
+        &["--arch", arch, "--preset", "tiny", "--quiet"],
+    )
 }
 
 /// Greedy tokens after `inputs` (up to `n`, stopping at an end-of-generation

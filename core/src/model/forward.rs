@@ -1043,7 +1043,7 @@ where
     if logits.len() != hp.n_vocab {
         return Err(ForwardError::Shape("logits length"));
     }
-    embed(weights, input, s.h)?;
+    embed(&weights.embedding(), input, s.h)?;
     let router_cfg = router_config(hp)?;
     experts.begin_token();
     // The first layers' lookahead, from the token's embedding: their reads
@@ -1061,7 +1061,6 @@ where
         )?;
     }
     let mut routing = Routing::new();
-    let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
     // Cache layer of the next attention layer, state slot of the next linear one.
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
 
@@ -1097,14 +1096,7 @@ where
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                mv.matvec(&router, s.x, s.router)?;
-                experts.router_logits(l, s.router);
-                rc.route(s.router, None, &mut routing)?;
-                ids.clear();
-                ids.extend(routing.iter().map(|r| r.expert));
-                experts
-                    .begin_layer(l, &ids)
-                    .map_err(ForwardError::Experts)?;
+                route(l, &router, rc, mv, s, experts, &mut routing)?;
 
                 // Lookahead: the next layer's router on this layer's hidden state
                 // (whatever mixes positions in the next layer: it only needs the
@@ -1121,6 +1113,28 @@ where
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
     Ok(())
+}
+
+/// Routes MoE layer `layer` on its normed input `s.x` with `router` into
+/// `routing`, shows `experts` the router's scores, and begins the layer with
+/// the picks ([`Experts::begin_layer`]).
+pub(super) fn route<M: MatVec, X: Experts>(
+    layer: usize,
+    router: &MatrixView<'_>,
+    rc: &RouterConfig,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    experts: &mut X,
+    routing: &mut Routing,
+) -> Result<(), ForwardError<X::Error>> {
+    mv.matvec(router, s.x, s.router)?;
+    experts.router_logits(layer, s.router);
+    rc.route(s.router, None, routing)?;
+    let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
+    ids.extend(routing.iter().map(|r| r.expert));
+    experts
+        .begin_layer(layer, &ids)
+        .map_err(ForwardError::Experts)
 }
 
 /// A MoE layer's routed experts, after [`Experts::begin_layer`]: computed
@@ -1210,15 +1224,15 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
     Ok(())
 }
 
-/// The first layer's input for `input` into `h` (`n_embd` values).
-pub(super) fn embed<W: Weights, E>(
-    weights: &W,
+/// The first layer's input for `input` into `h` (`n_embd` values): the
+/// token's row of `emb` (the token embeddings), or the given embedding.
+pub(super) fn embed<E>(
+    emb: &MatrixView<'_>,
     input: TokenInput<'_>,
     h: &mut [f32],
 ) -> Result<(), ForwardError<E>> {
     match input {
         TokenInput::Token(token) => {
-            let emb = weights.embedding();
             let row = emb.row(token as usize).ok_or(ForwardError::Token(token))?;
             quant::dequantize(emb.ty(), row, h).map_err(ForwardError::Quant)?;
         }

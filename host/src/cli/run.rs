@@ -749,8 +749,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
     if let Some(template) = template.filter(|_| args.conversation) {
+        let full = || {
+            format!("the conversation filled the context ({ctx} positions; raise it with --ctx)")
+        };
         if stop == "ctx" {
-            return Err(format!("the conversation filled the context ({ctx} positions)").into());
+            return Err(full().into());
         }
         let n_vocab = model.hp.n_vocab as u32;
         let held = prompt_tokens.iter().map(|t| t.unwrap_or(n_vocab)).collect();
@@ -760,10 +763,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             let feed = conv.ask(&line)?;
             let room = ctx.saturating_sub(session.position());
             if feed.len() >= room {
-                return Err(format!(
-                    "the conversation filled the context ({ctx} positions; raise it with --ctx)"
-                )
-                .into());
+                return Err(full().into());
             }
             for &t in &feed {
                 sampler.accept(t);
@@ -802,9 +802,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             );
             conv.replied(&reply.tokens, &reply.text, reply.eog);
             if reply.eog.is_none() && st.generated < args.n_predict {
-                return Err(
-                    format!("the conversation filled the context ({ctx} positions)").into(),
-                );
+                return Err(full().into());
             }
         }
     }

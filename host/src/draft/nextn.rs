@@ -75,12 +75,9 @@ impl<'m> NextnDrafter<'m> {
             SlotBudget::none(crate::flash::FileDeviceConfig::default()),
         )?;
         let kv = KvCache::len_for(hp, &cache_params(hy), ctx);
-        let zeros = |n: usize| -> Result<Vec<f32>, String> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(n)
-                .map_err(|_| format!("the MTP drafter's buffers for {ctx} positions"))?;
-            v.resize(n, 0.0);
-            Ok(v)
+        let zeros = |n: usize| {
+            crate::engine::zeroed(n)
+                .ok_or_else(|| format!("the MTP drafter's buffers for {ctx} positions"))
         };
         let e = hp.n_embd;
         Ok(NextnDrafter {

@@ -252,8 +252,9 @@ where
     {
         return Err(ForwardError::Shape("scratch does not fit the model"));
     }
+    let emb = weights.embedding();
     for (input, h) in inputs.iter().zip(b.h.chunks_exact_mut(e)) {
-        embed(weights, *input, h)?;
+        embed(&emb, *input, h)?;
     }
     let router_cfg = router_config(hp)?;
     for _ in 0..n {

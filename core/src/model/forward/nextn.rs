@@ -22,11 +22,10 @@
 use super::super::config::{Hparams, HybridParams};
 use super::super::ops::rms_norm;
 use super::{
-    compute_picks, mix, router_config, Block, Experts, Ffn, ForwardError, KvCache, MatVec, Mixer,
-    RecurrentState, Scratch, TokenInput,
+    compute_picks, embed, mix, route, router_config, Block, Experts, Ffn, ForwardError, KvCache,
+    MatVec, Mixer, RecurrentState, Scratch, TokenInput,
 };
 use crate::gemv::MatrixView;
-use crate::quant;
 use crate::router::Routing;
 
 /// The weights of one nextn block.
@@ -97,14 +96,7 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     };
     let rc = router_config::<X::Error>(hp)?
         .ok_or(ForwardError::Shape("a nextn block without MoE parameters"))?;
-    match input {
-        TokenInput::Token(t) => {
-            let row = w.embedding.row(t as usize).ok_or(ForwardError::Token(t))?;
-            quant::dequantize(w.embedding.ty(), row, s.h).map_err(ForwardError::Quant)?;
-        }
-        TokenInput::Embedding(x) if x.len() == e => s.h.copy_from_slice(x),
-        TokenInput::Embedding(_) => return Err(ForwardError::Shape("input embedding length")),
-    }
+    embed(&w.embedding, input, s.h)?;
     let (ce, ch) = cat.split_at_mut(e);
     rms_norm(s.h, w.enorm, hp.norm_eps, ce);
     rms_norm(h_prev, w.hnorm, hp.norm_eps, ch);
@@ -123,14 +115,8 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
         pos,
     )?;
     rms_norm(s.h, w.block.ffn_norm, hp.norm_eps, s.x);
-    mv.matvec(&router, s.x, s.router)?;
     let mut routing = Routing::new();
-    rc.route(s.router, None, &mut routing)?;
-    let mut ids: heapless::Vec<u16, { crate::router::MAX_PREDICTED }> = heapless::Vec::new();
-    ids.extend(routing.iter().map(|r| r.expert));
-    experts
-        .begin_layer(layer, &ids)
-        .map_err(ForwardError::Experts)?;
+    route(layer, &router, &rc, mv, s, experts, &mut routing)?;
     compute_picks(hp, mv, s, experts, &routing, shared.as_ref())?;
 
     rms_norm(s.h, w.head_norm, hp.norm_eps, h_out);
