@@ -1213,7 +1213,8 @@ fn an_interrupted_logits_out_holds_the_rows_so_far() {
 
 /// `les run --conversation` (`--cnv`): the prompt, or the first line of
 /// stdin, then each further line is a turn answered in the same session,
-/// until end of input; it does not mix with --json or --logits-out.
+/// until end of input or `/exit`; it does not mix with --json or --logits-out.
+/// (Images and `/clear`: `vision_cli`.)
 #[test]
 fn conversation_answers_each_line_of_stdin() {
     use std::io::Write as _;
@@ -1245,6 +1246,14 @@ fn conversation_answers_each_line_of_stdin() {
     let (_, err) = converse(&["--cnv", "-p", "Hello"], "How are you?\n\nAnd then?\n");
     assert_eq!(err.matches("les: turn of").count(), 2, "{err}");
     assert!(err.contains("positions used"), "{err}");
+    // A line ending in \ goes on on the next; /image needs a projector;
+    // /exit ends.
+    let (_, err) = converse(
+        &["--cnv", "-p", "Hello"],
+        "/image x.png\nLine one\\\nline two\n/exit\nNot read\n",
+    );
+    assert_eq!(err.matches("les: turn of").count(), 1, "{err}");
+    assert!(err.contains("/image needs a vision projector"), "{err}");
     // Without a prompt the first line is the first turn; the same first reply.
     let (a, _) = converse(&["--conversation", "-p", "Hello"], "");
     let (b, err) = converse(&["--conversation"], "Hello\n");

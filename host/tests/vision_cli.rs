@@ -446,15 +446,16 @@ fn image_layouts_and_prompt_lengths_are_known_before_encoding() {
         }
         let text = format!("a {m} b {m}{m} c {m} d {m}", m = vision::MEDIA_MARKER);
         let p = clip.hp.projector;
-        let built = vision::build_prompt(&tok, p, &text, &encoded, clip.hp.n_mmproj_embd).unwrap();
-        let n = vision::prompt_positions(&tok, p, &text, &layouts).unwrap();
+        let built =
+            vision::build_prompt(&tok, p, &text, true, &encoded, clip.hp.n_mmproj_embd).unwrap();
+        let n = vision::prompt_positions(&tok, p, &text, true, &layouts).unwrap();
         assert_eq!(n, built.len(), "{projector}");
         assert_eq!(
             built.n_image_tokens(),
             layouts.iter().map(|l| l.n_tokens()).sum::<usize>()
         );
         // The marker count is checked the same way.
-        let e = vision::prompt_positions(&tok, p, "no markers", &layouts).unwrap_err();
+        let e = vision::prompt_positions(&tok, p, "no markers", true, &layouts).unwrap_err();
         assert!(e.to_string().contains("image marker"), "{e}");
     }
 }
@@ -546,4 +547,77 @@ fn image_prompt_with_mtp_drafts_gives_plain_decodings_logits() {
         got["stats"]
     );
     assert_eq!(got["stats"]["image_tokens"], want["stats"]["image_tokens"]);
+}
+
+/// `les run --conversation` with images in later turns: `/image` encodes an
+/// image for the next message (a bad one is reported and the chat goes on),
+/// `/image` lines before the first message are the first message's images,
+/// and after `/clear` a message is answered as by a new run with the same
+/// seed.
+#[test]
+fn conversation_takes_images_in_any_turn() {
+    use std::io::Write as _;
+    use std::process::Stdio;
+    let (lm, mm) = models("minicpmv4_6");
+    let img = image();
+    let img = img.to_str().unwrap();
+    let converse = |extra: &[&str], stdin: &str| {
+        let mut child = les()
+            .args(["run", "-m"])
+            .arg(&lm)
+            .arg("--mmproj")
+            .arg(&mm)
+            .args(["--cnv", "--temp", "0.8", "--seed", "3", "-n", "8"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(stdin.as_bytes()).unwrap();
+        drop(input);
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{extra:?}: {err}");
+        (String::from_utf8(out.stdout).unwrap(), err)
+    };
+    let turn_sizes = |err: &str| -> Vec<usize> {
+        err.match_indices("les: turn of ")
+            .map(|(i, m)| {
+                let rest = &err[i + m.len()..];
+                rest[..rest.find(' ').unwrap()].parse().unwrap()
+            })
+            .collect()
+    };
+    let stdin = format!(
+        "/image {img}\nWhat is it?\n/image /nonexistent.png\nWhat now?\n/clear\nHello\n/quit\nNever read\n"
+    );
+    let (out, err) = converse(&["-p", "Describe"], &stdin);
+    assert!(
+        err.contains("embeddings in") && err.contains("for the next message"),
+        "{err}"
+    );
+    assert!(err.contains("/nonexistent.png"), "{err}");
+    assert!(err.contains("the conversation is cleared"), "{err}");
+    let sizes = turn_sizes(&err);
+    assert_eq!(sizes.len(), 3, "{err}");
+    // The image's positions are in its turn; the next turn is text only.
+    let image_tokens = json(&lm, &mm, &["--image", img, "-p", "x", "-n", "1"])["stats"]
+        ["image_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    assert!(
+        sizes[0] > image_tokens && sizes[1] < image_tokens,
+        "{sizes:?}, {image_tokens}"
+    );
+    // After /clear: the first reply of a new run.
+    let (fresh, _) = converse(&["-p", "Hello"], "");
+    assert!(out.ends_with(&fresh), "{out:?} does not end with {fresh:?}");
+
+    // /image before the first message: the same as --image.
+    let (a, _) = converse(&["--image", img, "-p", "Describe"], "");
+    let (b, err) = converse(&[], &format!("/image {img}\nDescribe\n"));
+    assert_eq!(a, b, "{err}");
+    assert!(err.contains("320x240, for the next message"), "{err}");
 }

@@ -7,19 +7,20 @@ use std::time::Instant;
 
 use clap::Args;
 use les_core::gemv::Isa;
-use les_core::model::forward::TokenInput;
+use les_core::model::forward::{Lookahead, TokenInput};
 use serde_json::json;
 
 use super::values;
 use crate::compute::{default_threads, ThreadedMatVec};
-use crate::draft::Speculation;
+use crate::draft::{Drafter, Speculation};
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::model::Model;
 use crate::sampling::{RepeatPenalty, Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::{Conversation, Tokenizer};
-use crate::vision::{self, ClipModel, MultimodalPrompt};
+use crate::vision::prompt::PromptItem;
+use crate::vision::{self, ClipModel, EncodedImage, MultimodalPrompt, MEDIA_MARKER};
 use les_core::slot_classes::{plan_by_bytes, plan_by_count};
 
 /// Arguments of `les run`.
@@ -86,8 +87,10 @@ pub struct RunArgs {
     /// A conversation in the chat template (llama-cli's `-cnv`): the prompt,
     /// if any, is the first user message, then each line read from stdin is
     /// the next one, answered after the replies so far (kept in the KV cache:
-    /// only each new turn is evaluated), until end of input. The context is
-    /// --ctx, or the training context up to 4096 positions.
+    /// only each new turn is evaluated), until end of input. A line ending in
+    /// `\` goes on on the next line; `/image PATH` adds an image to the next
+    /// message (with --mmproj), `/clear` starts over, `/quit` ends. The
+    /// context is --ctx, or the training context up to 4096 positions.
     #[arg(long, visible_alias = "cnv", conflicts_with_all = ["json", "logits_out"])]
     pub conversation: bool,
     /// Print one JSON object with tokens, text and stats instead of streaming text.
@@ -399,14 +402,22 @@ fn context_size(prompt_len: usize, args: &RunArgs, n_ctx_train: usize) -> Result
 /// Runs `les run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
+    if args.conversation {
+        note!("{CONVERSATION_HELP}");
+    }
+    // The images of the first message: --image's, then a conversation's
+    // /image lines before its first message.
+    let mut image_paths = args.images.clone();
     // Before the model loads: a bad prompt file fails at once.
     let prompt_arg = match (&args.prompt, &args.file) {
         (Some(p), _) => p.clone(),
         (None, Some(path)) => read_prompt_file(path)?,
-        (None, None) if args.conversation => match read_turn()? {
-            Some(line) => line,
-            None => return Ok(()),
-        },
+        (None, None) if args.conversation => {
+            match first_message(&mut image_paths, args.mmproj.is_some())? {
+                Some(message) => message,
+                None => return Ok(()),
+            }
+        }
         (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
     };
     if args.schedule == Some(Schedule::Resident)
@@ -450,37 +461,31 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     };
     // Each image's size from its header: the prompt's length, and whether it
     // fits the context, are known before any image is decoded or encoded.
-    let image_sizes = args
-        .images
+    let image_sizes = image_paths
         .iter()
         .map(|p| vision::probe_image(p))
         .collect::<Result<Vec<_>, _>>()?;
     let n_images = image_sizes.len();
     let content = vision::place_markers(&prompt_arg, n_images);
-    let template = if args.chat || args.conversation {
-        Some(tokenizer.chat_template()?)
+    // With --chat, a conversation of one turn.
+    let mut conv = if args.chat || args.conversation {
+        let template = tokenizer.chat_template()?;
+        if args.system_prompt.is_some() && !template.supports_system_role() {
+            note!(
+                "les: the chat template has no system role: the system prompt \
+                 goes before the user's message"
+            );
+        }
+        Some(Conversation::new(
+            &tokenizer,
+            template,
+            args.system_prompt.as_deref(),
+        ))
     } else {
         None
     };
-    // The conversation so far (with --chat), its first user message included.
-    let mut messages: Vec<(String, String)> = Vec::new();
-    let prompt_text = match &template {
-        Some(template) => {
-            messages = match &args.system_prompt {
-                None => vec![("user".into(), content)],
-                Some(system) => {
-                    let (messages, folded) = template.with_system_prompt(system, &content);
-                    if folded {
-                        note!(
-                            "les: the chat template has no system role: the system prompt \
-                             goes before the user's message"
-                        );
-                    }
-                    messages
-                }
-            };
-            tokenizer.chat_prompt_with(template, &messages, true)?
-        }
+    let prompt_text = match &mut conv {
+        Some(conv) => conv.ask(&content)?.text,
         None => content,
     };
     let context = |prompt_len: usize| context_size(prompt_len, args, model.n_ctx_train);
@@ -497,6 +502,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 &tokenizer,
                 clip.hp.projector,
                 &prompt_text,
+                true,
                 &layouts,
             )?)?;
             let mut encoded = Vec::with_capacity(n_images);
@@ -507,7 +513,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             };
             let t_img = Instant::now();
             // One image's pixels in memory at a time.
-            for path in &args.images {
+            for path in &image_paths {
                 let img = vision::load_image(path)?;
                 encoded.push(vision::encode_image(&mut ctx, clip, &img)?);
             }
@@ -516,26 +522,22 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 &tokenizer,
                 clip.hp.projector,
                 &prompt_text,
+                true,
                 &encoded,
                 model.hp.n_embd,
             )?
         }
-        _ => MultimodalPrompt {
-            items: tokenizer
-                .encode(&prompt_text, true, true)
-                .into_iter()
-                .map(vision::prompt::PromptItem::Token)
-                .collect(),
-            embeddings: Vec::new(),
-            n_embd: model.hp.n_embd,
-        },
+        _ => MultimodalPrompt::from_tokens(
+            tokenizer.encode(&prompt_text, true, true),
+            model.hp.n_embd,
+        ),
     };
     let prompt_tokens: Vec<Option<u32>> = prompt
         .items
         .iter()
         .map(|i| match *i {
-            vision::prompt::PromptItem::Token(t) => Some(t),
-            vision::prompt::PromptItem::Embedding(_) => None,
+            PromptItem::Token(t) => Some(t),
+            PromptItem::Embedding(_) => None,
         })
         .collect();
     if prompt.is_empty() {
@@ -748,65 +750,179 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             );
         }
     }
-    if let Some(template) = template.filter(|_| args.conversation) {
-        let full = || {
-            format!("the conversation filled the context ({ctx} positions; raise it with --ctx)")
-        };
+    if let Some(conv) = conv.as_mut().filter(|_| args.conversation) {
         if stop == "ctx" {
-            return Err(full().into());
+            return Err(context_full(ctx).into());
         }
-        let n_vocab = model.hp.n_vocab as u32;
-        let held = prompt_tokens.iter().map(|t| t.unwrap_or(n_vocab)).collect();
-        let mut conv = Conversation::new(&tokenizer, template, messages, prompt_text, held);
+        conv.fed(&prompt.token_ids(model.hp.n_vocab as u32));
         conv.replied(&tokens, &text, eog);
-        while let Some(line) = read_turn()? {
-            let feed = conv.ask(&line)?;
-            let room = ctx.saturating_sub(session.position());
-            if feed.len() >= room {
-                return Err(full().into());
-            }
-            for &t in &feed {
-                sampler.accept(t);
-            }
-            let inputs: Vec<TokenInput<'_>> = feed.iter().map(|&t| TokenInput::Token(t)).collect();
-            let before = &conv.held()[..conv.held().len() - feed.len()];
-            let n_turn = args.n_predict.min(room + 1 - feed.len());
-            let mut reply = Reply::new(&tokenizer);
-            let st = generate_from(
-                &mut session,
-                &mut mv,
-                &mut supply,
-                Some(&lookahead),
-                &inputs,
-                drafter.as_deref_mut().map(|d| Speculation {
-                    drafter: d,
-                    max_draft,
-                    adaptive: !args.spec.draft_fixed,
-                    context: before,
-                }),
-                n_turn,
-                |logits| sampler.sample(logits),
-                |t, _| reply.take(t, Some(&mut *out)),
-            )?;
-            let tail = reply.finish()?;
-            writeln!(out, "{tail}")?;
-            out.flush()?;
-            note!(
-                "les: turn of {} tokens at {:.1} tok/s, {} generated at {:.2} tok/s, \
-                 {} of {ctx} positions used",
-                st.prompt_tokens,
-                st.prefill_tok_s(),
-                st.generated,
-                st.decode_tok_s(),
-                session.position()
-            );
-            conv.replied(&reply.tokens, &reply.text, reply.eog);
-            if reply.eog.is_none() && st.generated < args.n_predict {
-                return Err(full().into());
-            }
-        }
+        converse(
+            Turns {
+                args,
+                model: &model,
+                tokenizer: &tokenizer,
+                clip: clip.as_ref(),
+                session: &mut session,
+                mv: &mut mv,
+                supply: &mut supply,
+                lookahead: &lookahead,
+                drafter: drafter.as_deref_mut(),
+                max_draft,
+                sampler: &mut sampler,
+            },
+            conv,
+            out,
+        )?;
     }
     Ok(())
+}
+
+fn context_full(ctx: usize) -> String {
+    format!("the conversation filled the context ({ctx} positions; raise it with --ctx)")
+}
+
+/// What `les run --conversation` decodes its turns with.
+struct Turns<'a, 'm, 'd> {
+    args: &'a RunArgs,
+    model: &'m Model,
+    tokenizer: &'a Tokenizer,
+    clip: Option<&'a ClipModel>,
+    session: &'a mut Session<'m>,
+    mv: &'a mut ThreadedMatVec,
+    supply: &'a mut Supply<'m>,
+    lookahead: &'a Lookahead,
+    drafter: Option<&'a mut (dyn Drafter + 'd)>,
+    max_draft: usize,
+    sampler: &'a mut Sampler,
+}
+
+/// The conversation after its first reply: each message read from stdin is
+/// answered in the same session, until `/quit` or the end of input.
+fn converse(
+    t: Turns<'_, '_, '_>,
+    conv: &mut Conversation<'_>,
+    out: &mut dyn Write,
+) -> Result<(), Box<dyn Error>> {
+    let Turns {
+        args,
+        model,
+        tokenizer,
+        clip,
+        session,
+        mv,
+        supply,
+        lookahead,
+        mut drafter,
+        max_draft,
+        sampler,
+    } = t;
+    let ctx = session.max_positions();
+    let (n_embd, n_vocab) = (model.hp.n_embd, model.hp.n_vocab as u32);
+    // The images of the next message, encoded as they are named.
+    let mut images: Vec<EncodedImage> = Vec::new();
+    loop {
+        let message = match read_input()? {
+            Input::Quit => return Ok(()),
+            Input::Clear => {
+                session.rewind(0)?;
+                sampler.reset();
+                conv.clear();
+                images.clear();
+                note!("les: the conversation is cleared");
+                continue;
+            }
+            Input::Image(path) => {
+                let Some(clip) = clip else {
+                    note!("les: /image needs a vision projector (--mmproj)");
+                    continue;
+                };
+                let mut vctx = vision::Ctx {
+                    isa: mv.isa(),
+                    pool: mv.pool(),
+                };
+                let t_img = Instant::now();
+                match vision::load_image(&path)
+                    .and_then(|img| vision::encode_image(&mut vctx, clip, &img))
+                {
+                    Ok(image) => {
+                        note!(
+                            "les: {}: {} embeddings in {:.2?}, for the next message",
+                            path.display(),
+                            image.n_tokens(),
+                            t_img.elapsed()
+                        );
+                        images.push(image);
+                    }
+                    Err(e) => note!("les: {e}"),
+                }
+                continue;
+            }
+            Input::Message(message) => message,
+        };
+        let content = vision::place_markers(&message, images.len());
+        let markers = content.matches(MEDIA_MARKER).count();
+        if markers != images.len() {
+            note!(
+                "les: the message has {markers} image marker(s) {MEDIA_MARKER} for {} \
+                 image(s); it was not sent",
+                images.len()
+            );
+            continue;
+        }
+        let turn = conv.ask(&content)?;
+        let prompt = vision::build_turn(
+            tokenizer,
+            clip.map(|c| c.hp.projector),
+            &turn,
+            &std::mem::take(&mut images),
+            n_embd,
+        )?;
+        let room = ctx.saturating_sub(session.position());
+        if prompt.len() >= room {
+            return Err(context_full(ctx).into());
+        }
+        let inputs = prompt.inputs();
+        for input in &inputs {
+            if let TokenInput::Token(t) = input {
+                sampler.accept(*t);
+            }
+        }
+        let n_turn = args.n_predict.min(room + 1 - prompt.len());
+        let mut reply = Reply::new(tokenizer);
+        let st = generate_from(
+            session,
+            mv,
+            supply,
+            Some(lookahead),
+            &inputs,
+            drafter.as_deref_mut().map(|d| Speculation {
+                drafter: d,
+                max_draft,
+                adaptive: !args.spec.draft_fixed,
+                context: conv.held(),
+            }),
+            n_turn,
+            |logits| sampler.sample(logits),
+            |t, _| reply.take(t, Some(&mut *out)),
+        )?;
+        let tail = reply.finish()?;
+        writeln!(out, "{tail}")?;
+        out.flush()?;
+        note!(
+            "les: turn of {} tokens at {:.1} tok/s, {} generated at {:.2} tok/s, \
+             {} of {ctx} positions used",
+            st.prompt_tokens,
+            st.prefill_tok_s(),
+            st.generated,
+            st.decode_tok_s(),
+            session.position()
+        );
+        conv.fed(&prompt.token_ids(n_vocab));
+        conv.replied(&reply.tokens, &reply.text, reply.eog);
+        if reply.eog.is_none() && st.generated < args.n_predict {
+            return Err(context_full(ctx).into());
+        }
+    }
 }
 
 /// A reply as it is generated: its tokens and text up to an
@@ -866,18 +982,107 @@ impl<'t> Reply<'t> {
     }
 }
 
-/// One line of the conversation from stdin (a `> ` prompt on stderr first),
-/// without its line ending; `None` at end of input. Empty lines are skipped.
-fn read_turn() -> Result<Option<String>, Box<dyn Error>> {
-    loop {
+/// What `--conversation` prints before it reads stdin.
+const CONVERSATION_HELP: &str = "les: conversation: each line is a message (end it with \\ to \
+     go on on the next line); /image PATH adds an image to the next message, /clear starts \
+     over, /quit or the end of input ends";
+
+/// One input of the conversation.
+#[derive(Debug, PartialEq)]
+enum Input {
+    /// A message (its lines joined).
+    Message(String),
+    /// `/image PATH`: an image for the next message.
+    Image(PathBuf),
+    /// `/clear`: start over.
+    Clear,
+    /// `/quit`, `/exit` or the end of input.
+    Quit,
+}
+
+/// The next input of the conversation from stdin (a `> ` prompt on stderr
+/// first).
+fn read_input() -> std::io::Result<Input> {
+    use std::io::BufRead as _;
+    let mut stdin = std::io::stdin().lock();
+    parse_input(&mut || {
         eprint!("\n> ");
         let mut line = String::new();
-        if std::io::stdin().read_line(&mut line)? == 0 {
-            return Ok(None);
-        }
+        Ok((stdin.read_line(&mut line)? > 0).then_some(line))
+    })
+}
+
+/// The next input from the lines `next_line` returns (`None` at the end):
+/// empty lines are skipped, a line ending in `\` goes on on the next one, and
+/// a line that is exactly a command (`/clear`, `/quit`, `/exit`, or `/image`
+/// and a path) is that command.
+fn parse_input(
+    next_line: &mut dyn FnMut() -> std::io::Result<Option<String>>,
+) -> std::io::Result<Input> {
+    let mut message = String::new();
+    loop {
+        let Some(line) = next_line()? else {
+            // What was typed before the end of input is still a message.
+            return Ok(if message.is_empty() {
+                Input::Quit
+            } else {
+                Input::Message(message)
+            });
+        };
         let line = line.trim_end_matches(['\n', '\r']);
-        if !line.is_empty() {
-            return Ok(Some(line.to_string()));
+        if message.is_empty() {
+            match line.trim() {
+                "" => continue,
+                "/clear" => return Ok(Input::Clear),
+                "/quit" | "/exit" => return Ok(Input::Quit),
+                "/image" => {
+                    note!("les: /image PATH: the image file (PNG or JPEG) for the next message");
+                    continue;
+                }
+                command => {
+                    if let Some(path) = command.strip_prefix("/image ") {
+                        return Ok(Input::Image(PathBuf::from(path.trim())));
+                    }
+                }
+            }
+        }
+        match line.strip_suffix('\\') {
+            Some(part) => {
+                message.push_str(part);
+                message.push('\n');
+            }
+            None => {
+                message.push_str(line);
+                return Ok(Input::Message(message));
+            }
+        }
+    }
+}
+
+/// A conversation's first message, read from stdin before the model loads:
+/// the images named before it (by `/image`, checked at once: a missing or
+/// unreadable file is reported and left out) go to `images`; `None` if the
+/// input ends (or is `/quit`) first.
+fn first_message(
+    images: &mut Vec<PathBuf>,
+    has_projector: bool,
+) -> Result<Option<String>, Box<dyn Error>> {
+    let given = images.len();
+    loop {
+        match read_input()? {
+            Input::Message(message) => return Ok(Some(message)),
+            Input::Quit => return Ok(None),
+            Input::Clear => images.truncate(given),
+            Input::Image(_) if !has_projector => {
+                note!("les: /image needs a vision projector (--mmproj)");
+            }
+            Input::Image(path) => match vision::probe_image(&path) {
+                Ok((w, h)) => {
+                    note!("les: {}: {w}x{h}, for the next message", path.display());
+                    images.push(path);
+                }
+                Err(e) => note!("les: {e}"),
+            },
         }
     }
 }
@@ -892,6 +1097,36 @@ mod tests {
         let path = dir.join(name);
         std::fs::write(&path, contents).unwrap();
         path
+    }
+
+    fn input(lines: &[&str]) -> Input {
+        let mut lines = lines.iter().map(|l| l.to_string());
+        parse_input(&mut || Ok(lines.next())).unwrap()
+    }
+
+    #[test]
+    fn conversation_inputs_are_messages_or_commands() {
+        let msg = |m: &str| Input::Message(m.into());
+        assert_eq!(input(&["hi\n"]), msg("hi"));
+        assert_eq!(input(&["\n", "\r\n", "hi\r\n", "more\n"]), msg("hi"));
+        assert_eq!(input(&["a \\\n", "b\\\n", "c\n"]), msg("a \nb\nc"));
+        // Input that ends inside a message still sends it.
+        assert_eq!(input(&["a\\\n"]), msg("a\n"));
+        assert_eq!(input(&[]), Input::Quit);
+        assert_eq!(input(&["\n"]), Input::Quit);
+        assert_eq!(input(&["/clear\n"]), Input::Clear);
+        assert_eq!(input(&[" /quit \n"]), Input::Quit);
+        assert_eq!(input(&["/exit"]), Input::Quit);
+        assert_eq!(
+            input(&["/image  dir/a b.png \n"]),
+            Input::Image("dir/a b.png".into())
+        );
+        // A bare /image is told its use and skipped.
+        assert_eq!(input(&["/image\n", "hi\n"]), msg("hi"));
+        // Commands are whole first lines; anything else is text.
+        assert_eq!(input(&["/images are\n"]), msg("/images are"));
+        assert_eq!(input(&["/clearly\n"]), msg("/clearly"));
+        assert_eq!(input(&["a\\\n", "/clear\n"]), msg("a\n/clear"));
     }
 
     #[test]

@@ -49,7 +49,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 pub use chat::{ChatTemplate, ChatTemplateError, MAX_TEMPLATE_LEN};
-pub use conversation::Conversation;
+pub use conversation::{Conversation, Turn};
 pub use pretokenize::PreTokenizer;
 
 use hash::FxBuildHasher;

@@ -32,7 +32,8 @@ pub use encoder::Ctx;
 pub use image::{load_image, probe_image, RgbImage};
 pub use preprocess::ImageF32;
 pub use prompt::{
-    build_prompt, place_markers, prompt_positions, EncodedImage, MultimodalPrompt, MEDIA_MARKER,
+    build_prompt, build_turn, place_markers, prompt_positions, EncodedImage, MultimodalPrompt,
+    MEDIA_MARKER,
 };
 
 /// Why a vision step failed.

@@ -15,7 +15,7 @@ use les_core::model::forward::TokenInput;
 
 use super::clip::ProjectorType;
 use super::{ImageLayout, VisionError};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Tokenizer, Turn};
 
 /// The text that stands for an image in a prompt (llama.cpp's
 /// `mtmd_default_marker()`).
@@ -61,6 +61,27 @@ pub struct MultimodalPrompt {
 }
 
 impl MultimodalPrompt {
+    /// A prompt of tokens only.
+    pub fn from_tokens(tokens: Vec<u32>, n_embd: usize) -> Self {
+        MultimodalPrompt {
+            items: tokens.into_iter().map(PromptItem::Token).collect(),
+            embeddings: Vec::new(),
+            n_embd,
+        }
+    }
+
+    /// Its token ids, `image_id` at each image position (a drafter's history,
+    /// where `n_vocab` stands for an embedding).
+    pub fn token_ids(&self, image_id: u32) -> Vec<u32> {
+        self.items
+            .iter()
+            .map(|i| match *i {
+                PromptItem::Token(t) => t,
+                PromptItem::Embedding(_) => image_id,
+            })
+            .collect()
+    }
+
     /// Positions.
     pub fn len(&self) -> usize {
         self.items.len()
@@ -165,6 +186,7 @@ fn lay_out<I: ImageChunks>(
     tok: &Tokenizer,
     projector: ProjectorType,
     text: &str,
+    add_special: bool,
     images: &[I],
     sink: &mut dyn FnMut(Piece<'_, I>),
 ) -> Result<(), VisionError> {
@@ -186,7 +208,7 @@ fn lay_out<I: ImageChunks>(
             img.grid()
         )));
     }
-    if let Some(bos) = tok.bos().filter(|_| tok.add_bos()) {
+    if let Some(bos) = tok.bos().filter(|_| add_special && tok.add_bos()) {
         sink(Piece::Tokens(&[bos]));
     }
     let minicpm = match projector {
@@ -230,18 +252,21 @@ fn lay_out<I: ImageChunks>(
             }
         }
     }
-    if let Some(eos) = tok.eos().filter(|_| tok.add_eos()) {
+    if let Some(eos) = tok.eos().filter(|_| add_special && tok.add_eos()) {
         sink(Piece::Tokens(&[eos]));
     }
     Ok(())
 }
 
 /// Builds the prompt from `text` (already chat-templated, holding one
-/// [`MEDIA_MARKER`] per image) and the encoded `images`, in order.
+/// [`MEDIA_MARKER`] per image) and the encoded `images`, in order. With
+/// `add_special`, BOS and EOS are added as the model's flags say (a sequence's
+/// start; not for a turn that continues one).
 pub fn build_prompt(
     tok: &Tokenizer,
     projector: ProjectorType,
     text: &str,
+    add_special: bool,
     images: &[EncodedImage],
     n_embd: usize,
 ) -> Result<MultimodalPrompt, VisionError> {
@@ -255,10 +280,40 @@ pub fn build_prompt(
         n_embd,
         ..MultimodalPrompt::default()
     };
-    lay_out(tok, projector, text, images, &mut |piece| match piece {
-        Piece::Tokens(t) => p.push_tokens(t.iter().copied()),
-        Piece::Chunk(img, c) => p.push_chunk(&img.chunks[c]),
-    })?;
+    lay_out(
+        tok,
+        projector,
+        text,
+        add_special,
+        images,
+        &mut |piece| match piece {
+            Piece::Tokens(t) => p.push_tokens(t.iter().copied()),
+            Piece::Chunk(img, c) => p.push_chunk(&img.chunks[c]),
+        },
+    )?;
+    Ok(p)
+}
+
+/// The prompt of a conversation's `turn`: its lead tokens, then its text
+/// with `images` (through `projector`) where the text holds markers. BOS and
+/// EOS are added only to a turn that starts the sequence. Without images the
+/// text is tokenized as it is.
+pub fn build_turn(
+    tok: &Tokenizer,
+    projector: Option<ProjectorType>,
+    turn: &Turn,
+    images: &[EncodedImage],
+    n_embd: usize,
+) -> Result<MultimodalPrompt, VisionError> {
+    let mut p = match (projector, images) {
+        (_, []) => MultimodalPrompt::from_tokens(tok.encode(&turn.text, turn.first, true), n_embd),
+        (Some(projector), _) => {
+            build_prompt(tok, projector, &turn.text, turn.first, images, n_embd)?
+        }
+        (None, _) => return Err(VisionError::Prompt("images need a vision projector".into())),
+    };
+    p.items
+        .splice(0..0, turn.lead.iter().map(|&t| PromptItem::Token(t)));
     Ok(p)
 }
 
@@ -268,10 +323,11 @@ pub fn prompt_positions(
     tok: &Tokenizer,
     projector: ProjectorType,
     text: &str,
+    add_special: bool,
     images: &[ImageLayout],
 ) -> Result<usize, VisionError> {
     let mut n = 0usize;
-    lay_out(tok, projector, text, images, &mut |piece| {
+    lay_out(tok, projector, text, add_special, images, &mut |piece| {
         n = n.saturating_add(match piece {
             Piece::Tokens(t) => t.len(),
             Piece::Chunk(img, c) => img.chunk_tokens[c],
