@@ -21,6 +21,8 @@
 //!   [`watch`], how they watch the expert supplier; [`trace`], a run's timeline
 //!   (`--trace`) and how busy the device was in each phase of a token.
 //! - [`synth`]: deterministic synthetic models for tests, demos and benchmarks.
+//! - [`perplexity`]: `les perplexity`, perplexity and KL divergence over a
+//!   text, with llama.cpp's base files.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
 //!   preprocessing, embeddings spliced into the prompt.
@@ -59,6 +61,7 @@ pub mod layer_costs;
 pub mod mcu;
 pub mod model;
 pub mod pack;
+pub mod perplexity;
 pub mod sampling;
 pub mod supply;
 pub mod synth;

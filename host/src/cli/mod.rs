@@ -4,6 +4,7 @@ mod bench;
 mod inspect;
 mod mcu;
 mod pack;
+mod perplexity;
 mod prefill;
 mod run;
 mod speculate;
@@ -20,6 +21,7 @@ pub use bench::BenchArgs;
 pub use inspect::InspectArgs;
 pub use mcu::McuIndexArgs;
 pub use pack::PackArgs;
+pub use perplexity::PerplexityArgs;
 pub use run::{NpyWriter, RunArgs};
 pub use synth::SynthArgs;
 
@@ -43,6 +45,8 @@ pub enum Command {
     Run(RunArgs),
     /// Compare expert schedules on one model and budget, cold cache.
     Bench(BenchArgs),
+    /// A model's perplexity over a text, or its KL divergence from a base model's.
+    Perplexity(Box<PerplexityArgs>),
     /// Write a deterministic synthetic model (random weights) of a real architecture.
     Synth(Box<SynthArgs>),
     /// Write the compact model index a microcontroller firmware reads (no GGUF parser needed).
@@ -56,6 +60,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
         Command::Bench(args) => bench::run(args, out),
+        Command::Perplexity(args) => perplexity::run(args, out),
         Command::Synth(args) => synth::run(args, out),
         Command::McuIndex(args) => mcu::run(args, out),
     }
