@@ -17,7 +17,7 @@
 //! per token, where `min_logit` is at least the largest logit less 16.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 /// The magic bytes a base file starts with.
@@ -202,9 +202,9 @@ impl BaseWriter {
 
 /// A base file opened for comparison: its header and tokens read and checked,
 /// its rows read chunk by chunk.
-pub struct BaseReader {
-    input: BufReader<File>,
-    path: PathBuf,
+pub struct BaseReader<R = BufReader<File>> {
+    input: R,
+    name: String,
     /// Positions of a chunk.
     pub n_ctx: usize,
     /// Chunks.
@@ -216,24 +216,43 @@ pub struct BaseReader {
 }
 
 impl BaseReader {
-    /// Opens `path`, made for a model of `n_vocab` tokens. Its size must be
-    /// exactly what its header declares, so nothing is allocated for counts
-    /// the file does not hold.
+    /// Opens `path`, made for a model of `n_vocab` tokens (see
+    /// [`from_reader`](BaseReader::from_reader)).
     pub fn open(path: &Path, n_vocab: usize) -> Result<BaseReader, String> {
-        let name = path.display();
-        let mut file = File::open(path).map_err(|e| format!("{name}: {e}"))?;
-        let len = file
-            .seek(SeekFrom::End(0))
-            .and_then(|l| file.seek(SeekFrom::Start(0)).map(|_| l))
-            .map_err(|e| format!("{name}: {e}"))?;
+        let name = path.display().to_string();
+        let file = File::open(path).map_err(|e| format!("{name}: {e}"))?;
+        let len = file.metadata().map_err(|e| format!("{name}: {e}"))?.len();
+        BaseReader::from_reader(BufReader::new(file), len, &name, n_vocab)
+    }
+}
+
+impl<R: Read> BaseReader<R> {
+    /// Reads the header and tokens of a base file of `len` bytes from `input`
+    /// (named `name` in errors), made for a model of `n_vocab` tokens. Its
+    /// size must be exactly what its header declares, so nothing is
+    /// allocated for counts the file does not hold.
+    pub fn from_reader(
+        mut input: R,
+        len: u64,
+        name: &str,
+        n_vocab: usize,
+    ) -> Result<BaseReader<R>, String> {
         let mut head = [0u8; 20];
-        if file.read_exact(&mut head).is_err() || &head[..8] != BASE_MAGIC {
+        if input.read_exact(&mut head).is_err() || &head[..8] != BASE_MAGIC {
             return Err(format!(
                 "{name} is not a file of base log-probabilities (llama-perplexity's \
                  --kl-divergence-base or les perplexity's)"
             ));
         }
-        let field = |i: usize| i32::from_le_bytes(head[8 + 4 * i..12 + 4 * i].try_into().unwrap());
+        let field = |i: usize| {
+            let b = [
+                head[8 + 4 * i],
+                head[9 + 4 * i],
+                head[10 + 4 * i],
+                head[11 + 4 * i],
+            ];
+            i32::from_le_bytes(b)
+        };
         let (n_ctx, file_vocab, n_chunk) = (field(0), field(1), field(2));
         if !(2..=MAX_BASE_CTX as i32).contains(&n_ctx) || n_chunk < 1 || file_vocab < 1 {
             return Err(format!(
@@ -258,17 +277,18 @@ impl BaseReader {
             ));
         }
         let mut raw = vec![0u8; n_chunk * n_ctx * 4];
-        file.read_exact(&mut raw)
+        input
+            .read_exact(&mut raw)
             .map_err(|e| format!("{name}: {e}"))?;
         let tokens = raw
             .chunks_exact(4)
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .map(|t| u32::try_from(t).ok().filter(|&t| (t as usize) < n_vocab))
             .collect::<Option<Vec<u32>>>()
             .ok_or_else(|| format!("{name} holds a token outside the vocabulary"))?;
         Ok(BaseReader {
-            input: BufReader::new(file),
-            path: path.to_path_buf(),
+            input,
+            name: name.to_string(),
             n_ctx,
             n_chunk,
             tokens,
@@ -284,7 +304,7 @@ impl BaseReader {
         self.bytes.resize(2 * n, 0);
         self.input
             .read_exact(&mut self.bytes)
-            .map_err(|e| format!("{}: {e}", self.path.display()))?;
+            .map_err(|e| format!("{}: {e}", self.name))?;
         rows.clear();
         rows.extend(
             self.bytes
