@@ -171,6 +171,13 @@ pub fn run(args: &PerplexityArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         Some(b) => b.n_chunk,
         None => tokens.len() / n_ctx,
     };
+    if model.n_ctx_train > 0 && n_ctx > model.n_ctx_train {
+        note!(
+            "les: warning: chunks of {n_ctx} positions are longer than the {} the model was \
+             trained on",
+            model.n_ctx_train
+        );
+    }
     let n_chunk = args
         .chunks
         .map_or(available, |c| (c as usize).min(available));
