@@ -20,6 +20,8 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use crate::interrupt::TempFile;
+
 /// The magic bytes a base file starts with.
 pub const BASE_MAGIC: &[u8; 8] = b"_logits_";
 
@@ -138,16 +140,19 @@ fn f32_of(pair: &[u16]) -> f32 {
     f32::from_le_bytes([a[0], a[1], b[0], b[1]])
 }
 
-/// Writes a base file as the chunks are scored.
+/// Writes a base file as the chunks are scored, under a temporary name next
+/// to it that becomes its name at [`finish`](BaseWriter::finish) (removed if
+/// the run fails or is interrupted: no partial file is left).
 pub struct BaseWriter {
     out: BufWriter<File>,
+    tmp: TempFile,
     path: PathBuf,
     row: Vec<u16>,
     bytes: Vec<u8>,
 }
 
 impl BaseWriter {
-    /// Creates `path` with the header and the `tokens` of the chunks
+    /// Starts `path` with the header and the `tokens` of the chunks
     /// (`n_chunk * n_ctx` of them).
     pub fn create(
         path: &Path,
@@ -164,7 +169,14 @@ impl BaseWriter {
         ) else {
             return Err(format!("{}: too large for the format", path.display()));
         };
-        let mut out = BufWriter::new(File::create(path).map_err(err)?);
+        let name = path
+            .file_name()
+            .ok_or_else(|| format!("{} is not a file name", path.display()))?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(".les-base-{}.tmp", std::process::id()));
+        let (tmp, file) = TempFile::create(&path.with_file_name(tmp_name), true).map_err(err)?;
+        let mut out = BufWriter::new(file);
         out.write_all(BASE_MAGIC).map_err(err)?;
         for v in [c, v, k] {
             out.write_all(&v.to_le_bytes()).map_err(err)?;
@@ -174,6 +186,7 @@ impl BaseWriter {
         }
         Ok(BaseWriter {
             out,
+            tmp,
             path: path.to_path_buf(),
             row: vec![0; row_len(n_vocab)],
             bytes: Vec::with_capacity(2 * row_len(n_vocab)),
@@ -192,11 +205,12 @@ impl BaseWriter {
         Ok(nll)
     }
 
-    /// Flushes the file.
-    pub fn finish(mut self) -> Result<(), String> {
-        self.out
-            .flush()
-            .map_err(|e| format!("{}: {e}", self.path.display()))
+    /// Flushes the file and gives it its name.
+    pub fn finish(self) -> Result<(), String> {
+        let err = |e: std::io::Error| format!("{}: {e}", self.path.display());
+        let file = self.out.into_inner().map_err(|e| err(e.into_error()))?;
+        file.sync_all().map_err(err)?;
+        self.tmp.commit(&self.path).map_err(err)
     }
 }
 

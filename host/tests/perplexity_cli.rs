@@ -91,6 +91,15 @@ fn base_files_round_trip_and_chunks_start_afresh() {
         ),
         "write base",
     );
+    // Written under a temporary name, renamed when complete.
+    let leftovers = std::fs::read_dir(base.parent().unwrap())
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().contains(".les-base-")
+        })
+        .count();
+    assert_eq!(leftovers, 0);
     let (n_ctx, n_chunk, n_vocab) = (64usize, 2usize, 300usize);
     let bytes = std::fs::read(&base).unwrap();
     let row = (2 * n_vocab.div_ceil(2) + 4) * 2;

@@ -203,12 +203,10 @@ pub fn run(args: &PerplexityArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         n_vocab,
     };
     let mut writer = match (&args.kl_divergence_base, args.kl_divergence) {
-        (Some(path), false) => Some(BaseWriter::create(
-            path,
-            n_ctx,
-            n_vocab,
-            &tokens[..n_chunk * n_ctx],
-        )?),
+        (Some(path), false) => Some({
+            crate::interrupt::install();
+            BaseWriter::create(path, n_ctx, n_vocab, &tokens[..n_chunk * n_ctx])?
+        }),
         _ => None,
     };
     note!(
