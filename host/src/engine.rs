@@ -133,6 +133,52 @@ impl KvStore {
         }
     }
 
+    fn element_bytes(&self) -> usize {
+        match self {
+            KvStore::F32(_) => 4,
+            KvStore::F16(_) => 2,
+        }
+    }
+
+    /// Writes values `range` little-endian.
+    fn write(
+        &self,
+        range: std::ops::Range<usize>,
+        out: &mut dyn std::io::Write,
+    ) -> std::io::Result<()> {
+        let mut bytes = Vec::with_capacity(range.len() * self.element_bytes());
+        match self {
+            KvStore::F32(x) => bytes.extend(x[range].iter().flat_map(|v| v.to_le_bytes())),
+            KvStore::F16(x) => bytes.extend(x[range].iter().flat_map(|v| v.to_le_bytes())),
+        }
+        out.write_all(&bytes)
+    }
+
+    /// Reads `n` values little-endian and keeps the first `keep` at `at`.
+    fn read(
+        &mut self,
+        at: usize,
+        n: usize,
+        keep: usize,
+        input: &mut dyn std::io::Read,
+    ) -> std::io::Result<()> {
+        let mut bytes = vec![0u8; n * self.element_bytes()];
+        input.read_exact(&mut bytes)?;
+        match self {
+            KvStore::F32(x) => {
+                for (d, b) in x[at..at + keep].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            KvStore::F16(x) => {
+                for (d, b) in x[at..at + keep].iter_mut().zip(bytes.chunks_exact(2)) {
+                    *d = u16::from_le_bytes([b[0], b[1]]);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn buf(&mut self) -> KvBuf<'_> {
         match self {
             KvStore::F32(x) => KvBuf::F32(x),
@@ -303,6 +349,85 @@ impl<'m> Session<'m> {
             hidden: Vec::new(),
             pos: 0,
         })
+    }
+
+    /// Bytes [`write_state`](Self::write_state) writes for `n` positions.
+    pub fn state_bytes(&self, n: usize) -> u64 {
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let kv = (self.state.kv_k.element_bytes() + self.state.kv_v.element_bytes()) as u64;
+        let recurrent = 4 * (self.state.conv_state.len() + self.state.ssm_state.len()) as u64;
+        hy.n_attn_layers as u64 * n as u64 * hp.kv_dim() as u64 * kv + recurrent
+    }
+
+    /// Writes the state of the positions evaluated so far: each attention
+    /// layer's keys, then its values, of positions `0..position()`, in the
+    /// cache's element type, then the recurrent state (f32); little-endian.
+    /// [`read_state`](Self::read_state) of a session of the same model and KV
+    /// types takes it back.
+    pub fn write_state(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let (dim, stride) = (hp.kv_dim(), self.max_positions * hp.kv_dim());
+        for layer in 0..hy.n_attn_layers {
+            let rows = layer * stride..layer * stride + self.pos * dim;
+            self.state.kv_k.write(rows.clone(), out)?;
+            self.state.kv_v.write(rows, out)?;
+        }
+        let recurrent = self.state.conv_state.iter().chain(&self.state.ssm_state);
+        let bytes: Vec<u8> = recurrent.flat_map(|v| v.to_le_bytes()).collect();
+        out.write_all(&bytes)
+    }
+
+    /// Reads a state of `n` positions written by
+    /// [`write_state`](Self::write_state) and continues after its first
+    /// `keep`: the session is then as if those positions had been evaluated.
+    /// A recurrent state holds all `n`, so for models with linear attention
+    /// `keep` must be `n`. On an error the session is back at position 0.
+    pub fn read_state(
+        &mut self,
+        input: &mut dyn std::io::Read,
+        n: usize,
+        keep: usize,
+    ) -> Result<(), String> {
+        if keep > n || keep > self.max_positions {
+            return Err(format!(
+                "{keep} positions of a state of {n} in a session of {}",
+                self.max_positions
+            ));
+        }
+        if keep != n && self.model.hybrid.linear.is_some() {
+            return Err("a recurrent state cannot be cut short".into());
+        }
+        self.pos = 0;
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        let (dim, stride) = (hp.kv_dim(), self.max_positions * hp.kv_dim());
+        let io = |e: std::io::Error| e.to_string();
+        for layer in 0..hy.n_attn_layers {
+            let at = layer * stride;
+            self.state
+                .kv_k
+                .read(at, n * dim, keep * dim, input)
+                .map_err(io)?;
+            self.state
+                .kv_v
+                .read(at, n * dim, keep * dim, input)
+                .map_err(io)?;
+        }
+        let n_conv = self.state.conv_state.len();
+        let mut bytes = vec![0u8; 4 * (n_conv + self.state.ssm_state.len())];
+        input.read_exact(&mut bytes).map_err(io)?;
+        let mut values = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        for d in self
+            .state
+            .conv_state
+            .iter_mut()
+            .chain(&mut self.state.ssm_state)
+        {
+            *d = values.next().unwrap_or(0.0);
+        }
+        self.pos = keep;
+        Ok(())
     }
 
     /// Bytes of the KV cache (keys and values).

@@ -9,7 +9,8 @@
 //! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
 //! - [`sampling`]: reproducible token sampling (greedy, repeat penalty, top-k,
 //!   top-p, min-p, banned tokens).
-//! - [`engine`]: KV cache, prefill and the decode loop; [`draft`], the guesses
+//! - [`engine`]: KV cache, prefill and the decode loop ([`prompt_cache`]: a
+//!   prompt's evaluated state kept in a file); [`draft`], the guesses
 //!   speculative decoding verifies (prompt lookup, a draft model, or the
 //!   model's own multi-token-prediction block).
 //! - [`hugepages`]: transparent huge pages for the slots and the KV cache.
@@ -62,6 +63,7 @@ pub mod mcu;
 pub mod model;
 pub mod pack;
 pub mod perplexity;
+pub mod prompt_cache;
 pub mod sampling;
 pub mod supply;
 pub mod synth;

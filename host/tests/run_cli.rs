@@ -983,8 +983,14 @@ fn experts_computed_in_halves_stay_exact() {
         &["--schedule", "resident", "-n", "12"],
         "halves_resident",
     );
+    // Whether an expert's first part lands before its second depends on the
+    // machine's load: every run must be exact, and at least one of up to four
+    // rounds (both chunk sizes each) must compute some expert in halves.
     let mut halves = 0;
-    for chunk in ["64KiB", "128KiB"] {
+    for (i, chunk) in ["64KiB", "128KiB"].iter().cycle().take(8).enumerate() {
+        if i >= 2 && i % 2 == 0 && halves > 0 {
+            break;
+        }
         let args = [
             "--schedule",
             "les",

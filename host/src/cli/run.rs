@@ -142,6 +142,16 @@ pub struct RunArgs {
     /// images go before the prompt text.
     #[arg(long = "image", requires = "mmproj")]
     pub images: Vec<PathBuf>,
+    /// Keep the prompt's evaluated state in FILE (llama-cli's
+    /// --prompt-cache): a later run whose prompt starts with the same tokens
+    /// restores them instead of evaluating them (exactly: the same logits),
+    /// and the file is rewritten after a prompt it did not hold whole. Text
+    /// prompts only; not with --speculate mtp.
+    #[arg(long, value_name = "FILE", conflicts_with = "images")]
+    pub prompt_cache: Option<PathBuf>,
+    /// Only read --prompt-cache, never rewrite it.
+    #[arg(long, requires = "prompt_cache")]
+    pub prompt_cache_ro: bool,
 }
 
 /// A little-endian float32 `.npy` of rows of `cols` floats, written as the rows
@@ -636,18 +646,36 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
 
+    // With --prompt-cache, all but the last prompt token are restored or
+    // evaluated (and saved) first; generation evaluates the last.
+    let prompt_ids = prompt.token_ids(model.hp.n_vocab as u32);
+    let cached = match &args.prompt_cache {
+        Some(path) => Some(use_prompt_cache(
+            path,
+            args,
+            &model,
+            &mut session,
+            &mut mv,
+            &mut supply,
+            &lookahead,
+            &prompt,
+            drafter.as_ref().is_some_and(|d| d.wants_hidden()),
+        )?),
+        None => None,
+    };
+    let pre = cached.map_or(0, |c| c.evaluated + c.restored);
     let mut reply = Reply::new(&tokenizer);
-    let stats = generate_from(
+    let mut stats = generate_from(
         &mut session,
         &mut mv,
         &mut supply,
         Some(&lookahead),
-        &inputs,
+        &inputs[pre..],
         drafter.as_deref_mut().map(|d| Speculation {
             drafter: d,
             max_draft,
             adaptive: !args.spec.draft_fixed,
-            context: &[],
+            context: &prompt_ids[..pre],
         }),
         n_predict,
         |logits| sampler.sample(logits),
@@ -661,6 +689,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             reply.take(t, (!args.json).then_some(&mut *out))
         },
     )?;
+    if let Some(c) = cached {
+        stats.prompt_tokens += c.evaluated;
+        stats.prefill += c.time;
+    }
     let tail = reply.finish()?;
     let Reply {
         tokens, text, eog, ..
@@ -699,6 +731,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
             "slot_bytes": budget.bytes(),
         });
+        if let Some(c) = cached {
+            st["prompt_cache_restored"] = json!(c.restored);
+        }
         if n_images > 0 {
             st["images"] = json!(n_images);
             st["image_tokens"] = json!(prompt.n_image_tokens());
@@ -775,6 +810,83 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         )?;
     }
     Ok(())
+}
+
+/// What `--prompt-cache` did before generation.
+#[derive(Clone, Copy, Debug)]
+struct PromptCacheUse {
+    /// Prompt positions restored from the file, then evaluated.
+    restored: usize,
+    evaluated: usize,
+    /// The time evaluating (and saving) took.
+    time: std::time::Duration,
+}
+
+/// Restores what the prompt cache `path` holds of `prompt`'s first tokens
+/// (all but the last), evaluates the rest of them, and saves their state
+/// unless the file held them already (or --prompt-cache-ro).
+#[allow(clippy::too_many_arguments)]
+fn use_prompt_cache<'m>(
+    path: &std::path::Path,
+    args: &RunArgs,
+    model: &'m Model,
+    session: &mut Session<'m>,
+    mv: &mut ThreadedMatVec,
+    supply: &mut Supply<'m>,
+    lookahead: &Lookahead,
+    prompt: &MultimodalPrompt,
+    mtp: bool,
+) -> Result<PromptCacheUse, Box<dyn Error>> {
+    use crate::prompt_cache::{self, CacheMiss};
+    if mtp {
+        return Err(
+            "--prompt-cache keeps no state of the multi-token-prediction block; \
+                    use it or --speculate mtp"
+                .into(),
+        );
+    }
+    if prompt.n_image_tokens() > 0 {
+        return Err("--prompt-cache keeps text prompts only, and this one has images".into());
+    }
+    let ids = prompt.token_ids(model.hp.n_vocab as u32);
+    let head = &ids[..ids.len() - 1];
+    let kv = args.cache.types();
+    let (restored, cached) = match prompt_cache::restore(path, model, session, kv, head)? {
+        Ok(r) => (r.positions, Some(r.cached)),
+        Err(CacheMiss::Absent) => (0, None),
+        Err(CacheMiss::Stale(why)) => {
+            note!("les: prompt cache {}: {why}; not used", path.display());
+            (0, None)
+        }
+    };
+    let t = Instant::now();
+    let inputs = prompt.inputs();
+    let mut logits = vec![0f32; model.hp.n_vocab];
+    crate::engine::prefill(
+        session,
+        mv,
+        supply,
+        Some(lookahead),
+        &inputs[restored..head.len()],
+        &mut logits,
+    )?;
+    // Saved unless the file holds exactly these tokens.
+    let held = restored == head.len() && cached == Some(head.len());
+    let save = !args.prompt_cache_ro && !head.is_empty() && !held;
+    if save {
+        prompt_cache::save(path, model, session, kv, head)?;
+    }
+    note!(
+        "les: prompt cache {}: {restored} of {} prompt tokens restored{}",
+        path.display(),
+        ids.len(),
+        if save { ", the state saved" } else { "" }
+    );
+    Ok(PromptCacheUse {
+        restored,
+        evaluated: head.len() - restored,
+        time: t.elapsed(),
+    })
 }
 
 fn context_full(ctx: usize) -> String {
