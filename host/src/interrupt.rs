@@ -107,6 +107,21 @@ impl TempFile {
         Ok((tmp, file))
     }
 
+    /// Creates the new temporary file `.NAME.les-TAG-PID.tmp` next to
+    /// `target` (`NAME` its file name), for `target` once complete.
+    pub fn beside(target: &Path, tag: &str) -> io::Result<(TempFile, File)> {
+        let name = target.file_name().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a file name", target.display()),
+            )
+        })?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(".les-{tag}-{}.tmp", std::process::id()));
+        TempFile::create(&target.with_file_name(tmp_name), true)
+    }
+
     /// The temporary path.
     pub fn path(&self) -> &Path {
         &self.registered.path

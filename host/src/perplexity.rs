@@ -169,13 +169,7 @@ impl BaseWriter {
         ) else {
             return Err(format!("{}: too large for the format", path.display()));
         };
-        let name = path
-            .file_name()
-            .ok_or_else(|| format!("{} is not a file name", path.display()))?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(".les-base-{}.tmp", std::process::id()));
-        let (tmp, file) = TempFile::create(&path.with_file_name(tmp_name), true).map_err(err)?;
+        let (tmp, file) = TempFile::beside(path, "base").map_err(err)?;
         let mut out = BufWriter::new(file);
         out.write_all(BASE_MAGIC).map_err(err)?;
         for v in [c, v, k] {

@@ -177,13 +177,7 @@ pub fn save(
         ));
     }
     let n = u32::try_from(tokens.len()).map_err(|_| "too many tokens to cache".to_string())?;
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| format!("{} is not a file name", path.display()))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(file_name);
-    tmp_name.push(format!(".les-cache-{}.tmp", std::process::id()));
-    let (tmp, file) = TempFile::create(&path.with_file_name(tmp_name), true).map_err(err)?;
+    let (tmp, file) = TempFile::beside(path, "cache").map_err(err)?;
     let mut out = BufWriter::new(file);
     let mut head = Vec::with_capacity(HEADER_LEN as usize);
     head.extend_from_slice(MAGIC);

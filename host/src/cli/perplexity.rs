@@ -12,12 +12,12 @@ use les_core::gemv::Isa;
 use les_core::model::forward::{Lookahead, TokenInput};
 use serde_json::json;
 
-use super::run::{read_prompt_file, resolve_budget, CacheArgs, IoArgs};
+use super::run::{read_prompt_file, CacheArgs, ExpertArgs};
 use crate::compute::{default_threads, ThreadedMatVec};
 use crate::engine::Session;
 use crate::model::Model;
 use crate::perplexity::{percentile, row_len, BaseReader, BaseWriter, KlDivergence, Perplexity};
-use crate::supply::{Schedule, Supply};
+use crate::supply::Supply;
 use crate::tokenizer::Tokenizer;
 
 /// Arguments of `les perplexity`.
@@ -57,19 +57,9 @@ pub struct PerplexityArgs {
     /// Print one JSON object with the results instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Expert schedule: resident, on-demand or les.
-    #[arg(long)]
-    pub schedule: Option<Schedule>,
-    /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
-    /// expert bytes (e.g. 25%); experts stream from the file.
-    #[arg(long)]
-    pub expert_mem: Option<String>,
-    /// Number of expert slots (instead of --expert-mem).
-    #[arg(long, conflicts_with = "expert_mem")]
-    pub slots: Option<usize>,
-    /// The file device's I/O settings.
+    /// Where the experts live.
     #[command(flatten)]
-    pub io: IoArgs,
+    pub experts: ExpertArgs,
     /// KV cache types.
     #[command(flatten)]
     pub cache: CacheArgs,
@@ -138,6 +128,7 @@ impl Evaluator<'_, '_> {
 /// Runs `les perplexity`.
 pub fn run(args: &PerplexityArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
+    args.experts.check()?;
     let text = args.file.as_deref().map(read_prompt_file).transpose()?;
     let model = Model::open(&args.model)?;
     let n_vocab = model.hp.n_vocab;
@@ -182,13 +173,7 @@ pub fn run(args: &PerplexityArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         .chunks
         .map_or(available, |c| (c as usize).min(available));
     let first = n_ctx / 2;
-    let (schedule, budget) = resolve_budget(
-        &model,
-        args.schedule,
-        args.expert_mem.as_deref(),
-        args.slots,
-        &args.io,
-    )?;
+    let (schedule, budget) = args.experts.resolve(&model)?;
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::with_kv_types(&model, n_ctx, args.cache.types())?;

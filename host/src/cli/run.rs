@@ -100,21 +100,9 @@ pub struct RunArgs {
     /// counts the generated tokens plus a final end-of-generation token if any.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
-    /// Expert schedule: resident, on-demand or les.
-    #[arg(long)]
-    pub schedule: Option<Schedule>,
-    /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
-    /// expert bytes (e.g. 25%); experts stream from the file. Experts of
-    /// different sizes get slots of their size, each size the same share.
-    #[arg(long)]
-    pub expert_mem: Option<String>,
-    /// Number of expert slots (instead of --expert-mem), split across expert
-    /// sizes by their expert counts.
-    #[arg(long, conflicts_with = "expert_mem")]
-    pub slots: Option<usize>,
-    /// The file device's I/O settings.
+    /// Where the experts live.
     #[command(flatten)]
-    pub io: IoArgs,
+    pub experts: ExpertArgs,
     /// Context size in positions (default: prompt + n, at most the model's
     /// training context); generation stops when it is full.
     #[arg(long)]
@@ -261,6 +249,54 @@ impl CacheArgs {
             k: self.k,
             v: self.v,
         }
+    }
+}
+
+/// Where the experts of `les run` and `les perplexity` live: the schedule and
+/// its slot budget.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExpertArgs {
+    /// Expert schedule: resident, on-demand or les.
+    #[arg(long)]
+    pub schedule: Option<Schedule>,
+    /// RAM for expert slots: a size (e.g. 2GiB) or a share of the model's
+    /// expert bytes (e.g. 25%); experts stream from the file. Experts of
+    /// different sizes get slots of their size, each size the same share.
+    #[arg(long)]
+    pub expert_mem: Option<String>,
+    /// Number of expert slots (instead of --expert-mem), split across expert
+    /// sizes by their expert counts.
+    #[arg(long, conflicts_with = "expert_mem")]
+    pub slots: Option<usize>,
+    /// The file device's I/O settings.
+    #[command(flatten)]
+    pub io: IoArgs,
+}
+
+impl ExpertArgs {
+    /// Refuses a budget with `--schedule resident` (before the model loads).
+    pub fn check(&self) -> Result<(), Box<dyn Error>> {
+        if self.schedule == Some(Schedule::Resident)
+            && (self.expert_mem.is_some() || self.slots.is_some())
+        {
+            return Err(
+                "--expert-mem and --slots size the slots of on-demand and les; \
+                        --schedule resident keeps every expert in RAM"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The schedule and slot budget for `model` ([`resolve_budget`]).
+    pub fn resolve(&self, model: &Model) -> Result<(Schedule, SlotBudget), Box<dyn Error>> {
+        resolve_budget(
+            model,
+            self.schedule,
+            self.expert_mem.as_deref(),
+            self.slots,
+            &self.io,
+        )
     }
 }
 
@@ -430,15 +466,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
         (None, None) => return Err("give a prompt: -p TEXT or -f FILE".into()),
     };
-    if args.schedule == Some(Schedule::Resident)
-        && (args.expert_mem.is_some() || args.slots.is_some())
-    {
-        return Err(
-            "--expert-mem and --slots size the slots of on-demand and les; \
-                    --schedule resident keeps every expert in RAM"
-                .into(),
-        );
-    }
+    args.experts.check()?;
     let model = Model::open(&args.model)?;
     // Created before the work (slots, images, prompt), so a bad path fails at once.
     let mut npy = match &args.logits_out {
@@ -446,13 +474,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         None => None,
     };
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
-    let (schedule, budget) = resolve_budget(
-        &model,
-        args.schedule,
-        args.expert_mem.as_deref(),
-        args.slots,
-        &args.io,
-    )?;
+    let (schedule, budget) = args.experts.resolve(&model)?;
     let clip = match &args.mmproj {
         Some(path) => {
             let clip = ClipModel::open(path)?;

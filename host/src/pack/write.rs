@@ -64,14 +64,7 @@ pub fn check_output(input: &Path, output: &Path) -> Result<(), PackError> {
 /// Creates the temporary file `output` is written under (`.NAME.les-pack-PID.tmp`
 /// next to it, a new file), removed unless committed (also on interrupt).
 fn temp_file(output: &Path) -> Result<(TempFile, File), PackError> {
-    let name = output
-        .file_name()
-        .ok_or_else(|| PackError::BadOption(format!("{} is not a file name", output.display())))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".les-pack-{}.tmp", std::process::id()));
-    let path = output.with_file_name(tmp_name);
-    TempFile::create(&path, true).map_err(|e| io_err(&path, e))
+    TempFile::beside(output, "pack").map_err(|e| io_err(output, e))
 }
 
 /// Counts the bytes that reach the file and reports them.
