@@ -85,14 +85,28 @@ pub fn restore(
     kv_types: KvTypes,
     prompt: &[u32],
 ) -> Result<Result<Restored, CacheMiss>, String> {
-    let name = path.display();
+    let name = path.display().to_string();
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Err(CacheMiss::Absent)),
         Err(e) => return Err(format!("{name}: {e}")),
     };
     let len = file.metadata().map_err(|e| format!("{name}: {e}"))?.len();
-    let mut input = BufReader::new(file);
+    let input = BufReader::new(file);
+    restore_from(input, len, &name, model, session, kv_types, prompt)
+}
+
+/// [`restore`] from a file of `len` bytes read from `input` (named `name` in
+/// errors). Nothing is allocated for counts the file's length does not hold.
+pub fn restore_from(
+    mut input: impl Read,
+    len: u64,
+    name: &str,
+    model: &Model,
+    session: &mut Session<'_>,
+    kv_types: KvTypes,
+    prompt: &[u32],
+) -> Result<Result<Restored, CacheMiss>, String> {
     let mut head = [0u8; HEADER_LEN as usize];
     if input.read_exact(&mut head).is_err() || &head[..8] != MAGIC {
         return Err(format!(
