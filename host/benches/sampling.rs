@@ -10,7 +10,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
-use les::sampling::{RepeatPenalty, Sampler, SamplerConfig};
+use les::sampling::{Penalties, Sampler, SamplerConfig};
 
 /// Logits as a random-weight model's output layer gives them: uniform in
 /// [-3, 3), deterministic.
@@ -29,10 +29,7 @@ fn logits(n: usize) -> Vec<f32> {
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     let penalized = SamplerConfig {
-        repeat_penalty: Some(RepeatPenalty {
-            penalty: 1.1,
-            last_n: 64,
-        }),
+        penalties: Some(Penalties::repeat(1.1, 64)),
         ..SamplerConfig::default()
     };
     let configs = [

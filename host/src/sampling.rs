@@ -7,9 +7,11 @@
 //! top-n-sigma, top-k, typical-p, top-p, min-p, XTC, temperature, then `dist`)
 //! that LES supports, in the same order:
 //!
-//! 1. **repeat penalty** (off by default) over the last `last_n` accepted tokens,
-//!    each distinct token once: a logit `<= 0` is multiplied by the penalty, a
-//!    positive one divided (`llama_sampler_penalties_apply`);
+//! 1. **penalties** (off by default) over the last `last_n` accepted tokens,
+//!    each distinct token once: a logit `<= 0` is multiplied by the repeat
+//!    penalty, a positive one divided, then the frequency penalty times the
+//!    token's count in the window and the presence penalty are subtracted
+//!    (`llama_sampler_penalties_apply`);
 //! 2. **top-k** (`top_k == 0`: off): keep the `k` highest logits;
 //! 3. **top-p** (`top_p >= 1`: off): softmax of the remaining logits (at
 //!    temperature 1, as llama.cpp: the temperature comes later), keep the shortest
@@ -21,8 +23,8 @@
 //! 6. **draw**: softmax of the rest, `u` uniform in `[0, 1)`, and the first token
 //!    (by descending logit) whose running sum of weights exceeds `u * total`.
 //!
-//! `temperature <= 0` (or NaN) is greedy: the highest logit after the repeat
-//! penalty, the lowest id among ties (as llama.cpp's greedy sampler).
+//! `temperature <= 0` (or NaN) is greedy: the highest logit after the
+//! penalties, the lowest id among ties (as llama.cpp's greedy sampler).
 //!
 //! # Reproducibility
 //!
@@ -51,14 +53,58 @@
 use std::cmp::Ordering;
 use std::collections::VecDeque;
 
-/// The repeat penalty (llama.cpp's `--repeat-penalty` / `--repeat-last-n`).
+/// The penalties on recently accepted tokens (llama.cpp's `--repeat-penalty`,
+/// `--frequency-penalty` and `--presence-penalty` over `--repeat-last-n`).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RepeatPenalty {
-    /// Penalty factor; 1 is no penalty. Non-finite or non-positive values turn
-    /// the penalty off.
-    pub penalty: f32,
+pub struct Penalties {
+    /// Repeat penalty factor; 1 is none. Non-finite or non-positive values
+    /// are none too.
+    pub repeat: f32,
+    /// Subtracted from a token's logit once per time it is in the window
+    /// (0: none; non-finite values are none).
+    pub frequency: f32,
+    /// Subtracted once from the logit of a token in the window (0: none;
+    /// non-finite values are none).
+    pub presence: f32,
     /// How many of the most recent accepted tokens are penalized (0: off).
     pub last_n: usize,
+}
+
+impl Penalties {
+    /// Only the repeat penalty `repeat` over the last `last_n` tokens.
+    pub fn repeat(repeat: f32, last_n: usize) -> Self {
+        Penalties {
+            repeat,
+            frequency: 0.0,
+            presence: 0.0,
+            last_n,
+        }
+    }
+
+    /// The repeat factor (1 where it is not a positive finite number).
+    fn repeat_factor(&self) -> f32 {
+        if self.repeat.is_finite() && self.repeat > 0.0 {
+            self.repeat
+        } else {
+            1.0
+        }
+    }
+
+    /// What is subtracted from the logit of a token `count` times in the
+    /// window.
+    fn subtracted(&self, count: usize) -> f64 {
+        let finite = |v: f32| if v.is_finite() { f64::from(v) } else { 0.0 };
+        count as f64 * finite(self.frequency) + finite(self.presence)
+    }
+
+    /// Whether they change anything.
+    fn active(&self) -> bool {
+        let finite_nonzero = |v: f32| v.is_finite() && v != 0.0;
+        self.last_n > 0
+            && (self.repeat_factor() != 1.0
+                || finite_nonzero(self.frequency)
+                || finite_nonzero(self.presence))
+    }
 }
 
 /// Settings of a [`Sampler`].
@@ -72,8 +118,8 @@ pub struct SamplerConfig {
     pub top_p: f32,
     /// Keep tokens with `p >= min_p * p_max`; `None` or `<= 0` keeps all.
     pub min_p: Option<f32>,
-    /// Repeat penalty; `None` is off.
-    pub repeat_penalty: Option<RepeatPenalty>,
+    /// Penalties on recent tokens; `None` is off.
+    pub penalties: Option<Penalties>,
     /// Seed of the random generator.
     pub seed: u64,
 }
@@ -87,7 +133,7 @@ impl Default for SamplerConfig {
             top_k: 40,
             top_p: 0.95,
             min_p: Some(0.05),
-            repeat_penalty: None,
+            penalties: None,
             seed: 0,
         }
     }
@@ -101,7 +147,7 @@ impl SamplerConfig {
             top_k: 0,
             top_p: 1.0,
             min_p: None,
-            repeat_penalty: None,
+            penalties: None,
             seed: 0,
         }
     }
@@ -137,9 +183,11 @@ fn clean(l: f32) -> f64 {
 pub struct Sampler {
     config: SamplerConfig,
     rng: Xoshiro256StarStar,
-    /// Accepted tokens, most recent last, at most `repeat_penalty.last_n`.
+    /// Accepted tokens, most recent last, at most `penalties.last_n`.
     history: VecDeque<u32>,
     candidates: Vec<Candidate>,
+    /// The window's tokens sorted (a buffer of `collect_adjusted`).
+    recent: Vec<u32>,
     /// Tokens whose logit the penalty or a ban changes, sorted by id.
     adjusted: Vec<(u32, Adjust)>,
     /// Tokens never picked ([`ban`](Self::ban)), sorted.
@@ -153,6 +201,7 @@ impl Sampler {
             config,
             rng: Xoshiro256StarStar::seed_from_u64(config.seed),
             history: VecDeque::new(),
+            recent: Vec::new(),
             candidates: Vec::new(),
             adjusted: Vec::new(),
             banned: Vec::new(),
@@ -181,7 +230,7 @@ impl Sampler {
         self.rng = Xoshiro256StarStar::seed_from_u64(self.config.seed);
     }
 
-    /// Records `token` for the repeat penalty (as llama.cpp's `accept`): call it
+    /// Records `token` for the penalties (as llama.cpp's `accept`): call it
     /// for prompt tokens; [`sample`](Self::sample) records its own picks.
     pub fn accept(&mut self, token: u32) {
         let n = self.penalty().map_or(0, |p| p.last_n);
@@ -194,12 +243,9 @@ impl Sampler {
         self.history.push_back(token);
     }
 
-    /// The repeat penalty, if it is on.
-    fn penalty(&self) -> Option<RepeatPenalty> {
-        self.config
-            .repeat_penalty
-            .filter(|p| p.penalty.is_finite() && p.penalty > 0.0 && p.penalty != 1.0)
-            .filter(|p| p.last_n > 0)
+    /// The penalties, if they change anything.
+    fn penalty(&self) -> Option<Penalties> {
+        self.config.penalties.filter(Penalties::active)
     }
 
     /// Picks the next token from `logits` (one per vocabulary id) and records it
@@ -242,11 +288,17 @@ impl Sampler {
     fn collect_adjusted(&mut self) {
         self.adjusted.clear();
         if let Some(p) = self.penalty() {
-            self.adjusted.extend(
-                self.history
-                    .iter()
-                    .map(|&t| (t, Adjust::Penalty(p.penalty))),
-            );
+            let mut recent = std::mem::take(&mut self.recent);
+            recent.clear();
+            recent.extend(self.history.iter().copied());
+            recent.sort_unstable();
+            let repeat = p.repeat_factor();
+            self.adjusted
+                .extend(recent.chunk_by(|a, b| a == b).map(|run| {
+                    let subtract = p.subtracted(run.len());
+                    (run[0], Adjust::Penalty { repeat, subtract })
+                }));
+            self.recent = recent;
         }
         self.adjusted
             .extend(self.banned.iter().map(|&t| (t, Adjust::Ban)));
@@ -352,8 +404,9 @@ impl Sampler {
 /// How a token's logit is adjusted before sampling.
 #[derive(Clone, Copy, Debug)]
 enum Adjust {
-    /// The repeat penalty: a logit `<= 0` multiplied by it, a positive one divided.
-    Penalty(f32),
+    /// The penalties: a logit `<= 0` multiplied by `repeat`, a positive one
+    /// divided, then `subtract` subtracted.
+    Penalty { repeat: f32, subtract: f64 },
     /// Never picked: read as `-inf`.
     Ban,
 }
@@ -361,8 +414,10 @@ enum Adjust {
 impl Adjust {
     fn apply(self, logit: f64) -> f64 {
         match self {
-            Adjust::Penalty(p) if logit <= 0.0 => logit * f64::from(p),
-            Adjust::Penalty(p) => logit / f64::from(p),
+            Adjust::Penalty { repeat, subtract } if logit <= 0.0 => {
+                logit * f64::from(repeat) - subtract
+            }
+            Adjust::Penalty { repeat, subtract } => logit / f64::from(repeat) - subtract,
             Adjust::Ban => f64::NEG_INFINITY,
         }
     }
@@ -528,8 +583,16 @@ mod tests {
             recent.sort_unstable();
             recent.dedup();
             for t in recent {
+                let count = s.history.iter().filter(|&&h| h == t).count();
                 if let Some(c) = cands.get_mut(t as usize) {
-                    c.logit = Adjust::Penalty(p.penalty).apply(c.logit);
+                    // llama_sampler_penalties_apply, in f64.
+                    let r = f64::from(p.repeat_factor());
+                    let l = if c.logit <= 0.0 {
+                        c.logit * r
+                    } else {
+                        c.logit / r
+                    };
+                    c.logit = l - count as f64 * f64::from(p.frequency) - f64::from(p.presence);
                 }
             }
         }
@@ -588,7 +651,7 @@ mod tests {
         fn sampling_one_pass_gather_holds_the_top_k(
             logits in logit_vec(3000),
             k in prop_oneof![1usize..8, 30usize..80],
-            adjusted in proptest::collection::vec((0u32..3000, prop_oneof![Just(Adjust::Ban), (0.5f32..2.0).prop_map(Adjust::Penalty)]), 0..8),
+            adjusted in proptest::collection::vec((0u32..3000, prop_oneof![Just(Adjust::Ban), (0.5f32..2.0, -1.0f64..1.0).prop_map(|(repeat, subtract)| Adjust::Penalty { repeat, subtract })]), 0..8),
         ) {
             let mut adjusted = adjusted;
             adjusted.sort_by_key(|&(t, _)| t);
@@ -619,11 +682,16 @@ mod tests {
             temperature in prop_oneof![Just(0.0f32), Just(0.8), Just(1.5), Just(f32::NAN)],
             top_p in prop_oneof![Just(1.0f32), 0.05f32..1.0],
             min_p in prop_oneof![Just(None), (0.0f32..0.5).prop_map(Some)],
-            penalty in prop_oneof![Just(None), (0.5f32..2.0, 1usize..16).prop_map(|(penalty, last_n)| Some(RepeatPenalty { penalty, last_n }))],
+            penalty in prop_oneof![
+                Just(None),
+                (0.5f32..2.0, 1usize..16).prop_map(|(repeat, last_n)| Some(Penalties::repeat(repeat, last_n))),
+                (prop_oneof![Just(1.0f32), 0.5f32..2.0], -1.0f32..2.0, -1.0f32..2.0, 1usize..16)
+                    .prop_map(|(repeat, frequency, presence, last_n)| Some(Penalties { repeat, frequency, presence, last_n })),
+            ],
             banned in proptest::collection::vec(0u32..1600, 0..6),
             seed in any::<u64>(),
         ) {
-            let config = SamplerConfig { temperature, top_k, top_p, min_p, repeat_penalty: penalty, seed };
+            let config = SamplerConfig { temperature, top_k, top_p, min_p, penalties: penalty, seed };
             let (mut fast, mut reference) = (Sampler::new(config), Sampler::new(config));
             fast.ban(banned.iter().copied());
             reference.ban(banned.iter().copied());

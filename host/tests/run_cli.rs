@@ -91,9 +91,26 @@ fn sampling_options_and_prompt_files() {
     // The tiny model's greedy continuation repeats itself: a penalty changes it.
     let penalized = json_run(&m, &["--temp", "0", "-n", "24", "--repeat-penalty", "1.5"]);
     assert_ne!(tokens(&penalized), greedy);
+    // So do the frequency and presence penalties, each its own way.
+    let frequency = json_run(&m, &["--temp", "0", "-n", "24", "--frequency-penalty", "1"]);
+    let presence = json_run(
+        &m,
+        &["--temp", "0", "-n", "24", "--presence-penalty", "1.5"],
+    );
+    assert_ne!(tokens(&frequency), greedy);
+    assert_ne!(tokens(&presence), greedy);
     let off = [
         &["--repeat-penalty", "1"][..],
         &["--repeat-penalty", "1.5", "--repeat-last-n", "0"],
+        &["--presence-penalty", "0", "--frequency-penalty", "0"],
+        &[
+            "--presence-penalty",
+            "2",
+            "--frequency-penalty",
+            "-1",
+            "--repeat-last-n",
+            "0",
+        ],
     ];
     for args in off {
         let got = json_run(&m, &[&["--temp", "0", "-n", "24"], args].concat());
@@ -617,6 +634,8 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--min-p", "nan"], "--min-p"),
         (vec!["--repeat-penalty", "0"], "--repeat-penalty"),
         (vec!["--repeat-penalty", "inf"], "--repeat-penalty"),
+        (vec!["--presence-penalty", "nan"], "--presence-penalty"),
+        (vec!["--frequency-penalty=-inf"], "--frequency-penalty"),
         (vec!["-b", "0"], "--batch-size"),
         (vec!["-b", "100000"], "--batch-size"),
         (vec!["--draft-max", "0"], "--draft-max"),

@@ -1,6 +1,6 @@
 //! `Sampler`: greedy, reproducibility, the filters, the distribution, robustness.
 
-use les::sampling::{RepeatPenalty, Sampler, SamplerConfig};
+use les::sampling::{Penalties, Sampler, SamplerConfig};
 use proptest::prelude::*;
 
 fn random(seed: u64) -> SamplerConfig {
@@ -9,7 +9,7 @@ fn random(seed: u64) -> SamplerConfig {
         top_k: 0,
         top_p: 1.0,
         min_p: None,
-        repeat_penalty: None,
+        penalties: None,
         seed,
     }
 }
@@ -209,10 +209,7 @@ fn sampling_distribution_matches_softmax() {
 #[test]
 fn sampling_repeat_penalty_discourages_recent_tokens() {
     let cfg = SamplerConfig {
-        repeat_penalty: Some(RepeatPenalty {
-            penalty: 1.5,
-            last_n: 2,
-        }),
+        penalties: Some(Penalties::repeat(1.5, 2)),
         ..SamplerConfig::greedy()
     };
     let mut s = Sampler::new(cfg);
@@ -231,6 +228,56 @@ fn sampling_repeat_penalty_discourages_recent_tokens() {
     let mut s = Sampler::new(cfg);
     s.accept(1_000_000);
     assert_eq!(s.sample(&[1.0, 0.0]), 0);
+}
+
+/// llama.cpp's frequency and presence penalties: the frequency penalty times
+/// a token's count among the last `last_n`, plus the presence penalty, is
+/// subtracted after the repeat penalty's division or multiplication.
+#[test]
+fn sampling_frequency_and_presence_penalties_subtract() {
+    let pick = |repeat: f32, frequency: f32, presence: f32, logits: &[f32]| {
+        let mut s = Sampler::new(SamplerConfig {
+            penalties: Some(Penalties {
+                repeat,
+                frequency,
+                presence,
+                last_n: 8,
+            }),
+            ..SamplerConfig::greedy()
+        });
+        // Token 0 twice in the window, token 1 once.
+        for t in [0, 1, 0] {
+            s.accept(t);
+        }
+        s.sample(logits)
+    };
+    let l = [3.0, 2.0, 1.75];
+    assert_eq!(pick(1.0, 0.0, 0.0, &l), 0);
+    // Presence alone: 2.5, 1.5, 1.75.
+    assert_eq!(pick(1.0, 0.0, 0.5, &l), 0);
+    // Frequency alone: 3 - 2 * 0.75 = 1.5, 2 - 0.75 = 1.25, 1.75.
+    assert_eq!(pick(1.0, 0.75, 0.0, &l), 2);
+    // Both: 3 - 1 - 0.5 = 1.5, 2 - 0.5 - 0.5 = 1.0, 1.75.
+    assert_eq!(pick(1.0, 0.5, 0.5, &l), 2);
+    // After the repeat penalty: 3 / 1.5 - 0.25 = 1.75 against 1.7 untouched (- 0.35: 1.65).
+    assert_eq!(pick(1.5, 0.0, 0.25, &[3.0, -5.0, 1.7]), 0);
+    assert_eq!(pick(1.5, 0.0, 0.35, &[3.0, -5.0, 1.7]), 2);
+    // A negative logit is multiplied first: -1 * 2 - 0.5 = -2.5 < -2.4.
+    assert_eq!(pick(2.0, 0.0, 0.5, &[-1.0, -9.0, -2.4]), 2);
+    // Negative penalties favour the window's tokens.
+    assert_eq!(pick(1.0, 0.0, -2.0, &[1.0, 0.5, 2.0]), 0);
+    // A window of 0 turns them all off.
+    let mut s = Sampler::new(SamplerConfig {
+        penalties: Some(Penalties {
+            repeat: 1.0,
+            frequency: 5.0,
+            presence: 5.0,
+            last_n: 0,
+        }),
+        ..SamplerConfig::greedy()
+    });
+    s.accept(0);
+    assert_eq!(s.sample(&l), 0);
 }
 
 #[test]
@@ -309,7 +356,7 @@ proptest! {
             top_k,
             top_p,
             min_p,
-            repeat_penalty: penalty.map(|(penalty, last_n)| RepeatPenalty { penalty, last_n }),
+            penalties: penalty.map(|(penalty, last_n)| Penalties::repeat(penalty, last_n)),
             seed,
         });
         for t in history {

@@ -16,7 +16,7 @@ use les::draft::{
 use les::engine::{generate_from, Control, GenStats, Session};
 use les::flash::FileDeviceConfig;
 use les::model::Model;
-use les::sampling::{RepeatPenalty, Sampler, SamplerConfig};
+use les::sampling::{Penalties, Sampler, SamplerConfig};
 use les::supply::{Schedule, SlotBudget, Supply};
 use les::tokenizer::Tokenizer;
 use les_core::gemv::Isa;
@@ -212,10 +212,7 @@ fn samplers() -> [SamplerConfig; 3] {
         // The penalty makes each pick depend on the tokens accepted before it:
         // verification must sample each position once, in order.
         SamplerConfig {
-            repeat_penalty: Some(RepeatPenalty {
-                penalty: 1.5,
-                last_n: 8,
-            }),
+            penalties: Some(Penalties::repeat(1.5, 8)),
             ..SamplerConfig::greedy()
         },
     ]

@@ -16,7 +16,7 @@ use crate::draft::{Drafter, Speculation};
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::model::Model;
-use crate::sampling::{RepeatPenalty, Sampler, SamplerConfig};
+use crate::sampling::{Penalties, Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::{Conversation, Tokenizer};
 use crate::vision::prompt::PromptItem;
@@ -58,7 +58,16 @@ pub struct RunArgs {
     /// among the last --repeat-last-n, the prompt's included, by this (1 = off).
     #[arg(long, default_value_t = 1.0, value_parser = super::values::positive)]
     pub repeat_penalty: f32,
-    /// How many of the last tokens the repeat penalty looks at (0 = off).
+    /// Subtract this from the logits of the tokens among the last
+    /// --repeat-last-n, once per time each is there (0 = off; llama.cpp's).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = super::values::finite)]
+    pub frequency_penalty: f32,
+    /// Subtract this once from the logits of the tokens among the last
+    /// --repeat-last-n (0 = off; llama.cpp's; Qwen's models suggest up to
+    /// 1.5 against endless repetition).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = super::values::finite)]
+    pub presence_penalty: f32,
+    /// How many of the last tokens the penalties look at (0 = off).
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
     /// Never sample an end-of-generation token: generate until -n or the
@@ -597,8 +606,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         top_k: args.top_k,
         top_p: args.top_p,
         min_p: Some(args.min_p),
-        repeat_penalty: Some(RepeatPenalty {
-            penalty: args.repeat_penalty,
+        penalties: Some(Penalties {
+            repeat: args.repeat_penalty,
+            frequency: args.frequency_penalty,
+            presence: args.presence_penalty,
             last_n: args.repeat_last_n,
         }),
         seed,

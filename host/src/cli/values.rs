@@ -22,6 +22,15 @@ pub fn positive(s: &str) -> Result<f32, String> {
     }
 }
 
+/// A finite number (negative allowed).
+pub fn finite(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err(format!("{s} is not a finite number")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A probability, `0..=1`.
 pub fn probability(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
