@@ -458,7 +458,8 @@ enum PickStatus {
 #[derive(Clone, Copy, Debug)]
 struct Queued {
     key: ExpertKey,
-    /// 1 = the next layer.
+    /// 1 = the next layer; 0 = known to be picked
+    /// ([`prefetch_known`](Scheduler::prefetch_known)).
     depth: u8,
     /// 0 = the most confident.
     rank: u8,
@@ -875,6 +876,64 @@ where
             self.predictions.remove(0);
         }
         let _ = self.predictions.push(Prediction { layer, depth, set });
+        self.pump(dev, src)
+    }
+
+    /// Queues reads of `experts` of `layer` known to be picked next (a batch's
+    /// next group of a layer's picks, see
+    /// [`forward_batch`](crate::model::forward::forward_batch)), ahead of every
+    /// lookahead prediction: they are not predictions (never scored, never
+    /// held back for an idle device, not counted in the token's prefetch
+    /// budget), and replace the known reads queued before. Only with
+    /// [`SchedulerConfig::prefetch`]. Like a prefetch, a
+    /// read the layer's picks do not name is cancelled, and none evicts an
+    /// expert of `layer` or a pick of the current layer.
+    pub fn prefetch_known<D, X>(
+        &mut self,
+        layer: u16,
+        experts: &[u16],
+        dev: &mut D,
+        src: &X,
+    ) -> Result<(), Error<D::Error>>
+    where
+        D: BlockDevice + SlotMemory,
+        X: ExpertSource,
+    {
+        if layer >= self.table.n_layers() {
+            return Err(Error::BadRouting);
+        }
+        self.queue.retain(|q| q.depth != 0);
+        if !self.config.prefetch {
+            // The on-demand baseline reads a group when it is asked for.
+            return Ok(());
+        }
+        for (rank, &expert) in experts.iter().enumerate().take(MAX_PREDICTED) {
+            let key = ExpertKey { layer, expert };
+            if expert >= self.table.n_experts()
+                || self.table.lookup(key).is_some()
+                || self.queue.iter().any(|q| q.key == key)
+            {
+                continue;
+            }
+            if self.queue.is_full() {
+                // Room made by the deepest, least confident prediction.
+                let deepest = (0..self.queue.len())
+                    .max_by_key(|&i| (self.queue[i].depth, self.queue[i].rank))
+                    .filter(|&i| self.queue[i].depth > 0);
+                match deepest {
+                    Some(i) => {
+                        self.queue.swap_remove(i);
+                    }
+                    None => break,
+                }
+            }
+            let _ = self.queue.push(Queued {
+                key,
+                depth: 0,
+                rank: rank as u8,
+            }); // room made just above
+        }
+        self.queue.sort_unstable_by_key(|q| (q.depth, q.rank));
         self.pump(dev, src)
     }
 
@@ -1391,7 +1450,9 @@ where
                 self.queue.remove(0);
                 continue;
             }
+            let known = depth == 0;
             if self.in_flight > 0
+                && !known
                 && (depth > 1 || self.rank_precision(depth, rank) < self.config.idle_only_below)
             {
                 // Later entries are deeper or less confident, measured no better in
@@ -1401,7 +1462,7 @@ where
             let (ext, c) = self.placement(key, src)?;
             let class = self.class_slots(c);
             let bytes: u64 = ext.iter().map(|e| e.len as u64).sum();
-            if self.token_prefetch_bytes + bytes > self.config.prefetch_budget {
+            if !known && self.token_prefetch_bytes + bytes > self.config.prefetch_budget {
                 self.queue.clear(); // budget spent for this token
                 break;
             }

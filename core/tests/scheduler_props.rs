@@ -1075,3 +1075,60 @@ fn groups_of_one_layer_count_the_popularity_once_a_token() {
     let after: Vec<u32> = (0..4).map(|e| pop(&sched, e)).collect();
     assert_eq!(before, after);
 }
+
+/// Reads of a batch's next group of picks (`prefetch_known`) start while the
+/// current group computes, even with the prefetch budget spent, so the group
+/// is there when asked for; lookahead predictions under the same budget read
+/// nothing, and the on-demand baseline reads the group only when asked.
+#[test]
+fn known_next_picks_are_read_ahead_where_predictions_are_not() {
+    let (n_layers, n_experts) = (2u16, 16u16);
+    let m = Model::new(&mut Rng(5), n_layers, n_experts, 1);
+    let slots = 12;
+    let run = |config: SchedulerConfig| {
+        let mut mem = vec![0u8; slots * m.slot_bytes as usize];
+        let mut dev = fault_free_device(&m, &mut mem);
+        let mut sched = m.scheduler(config, slots);
+        sched.begin_token();
+        sched.begin_layer(0, &[0, 1, 2, 3], &mut dev, &m).unwrap();
+        sched.prefetch(1, &[8, 9, 10], &mut dev, &m).unwrap();
+        sched
+            .prefetch_known(0, &[4, 5, 6, 7], &mut dev, &m)
+            .unwrap();
+        macro_rules! drain {
+            () => {
+                loop {
+                    match sched.next(&mut dev, &m).unwrap() {
+                        Next::Compute { index, .. } => sched.finish::<()>(index).unwrap(),
+                        // Waiting out the reads in flight stands for the time
+                        // the group's products take.
+                        Next::Wait => dev.wait(),
+                        Next::Done if sched.reads_in_flight() > 0 => dev.wait(),
+                        Next::Done => break,
+                        Next::ComputeFirst { .. } | Next::ComputeRest { .. } => unreachable!(),
+                    }
+                }
+            };
+        }
+        drain!();
+        // Read while the first group computed (as the device had room).
+        let ahead = dev.log.len();
+        let before = sched.stats();
+        sched.begin_layer(0, &[4, 5, 6, 7], &mut dev, &m).unwrap();
+        drain!();
+        let after = sched.stats();
+        (ahead, after.misses - before.misses, dev.log.len())
+    };
+    let mut les = SchedulerConfig::les();
+    les.prefetch_budget = 0;
+    let (ahead, misses, reads) = run(les);
+    assert_eq!(
+        ahead, 8,
+        "the four picks, then the four known ones, no prediction"
+    );
+    assert_eq!(misses, 0, "the next group was read ahead");
+    assert_eq!(reads, 8);
+    let (ahead, misses, reads) = run(SchedulerConfig::on_demand());
+    assert_eq!(ahead, 4, "on-demand reads only what is asked for");
+    assert_eq!((misses, reads), (4, 8));
+}

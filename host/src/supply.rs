@@ -506,6 +506,15 @@ impl Experts for Supply<'_> {
         }
     }
 
+    fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), SupplyError> {
+        match self {
+            Supply::Resident(_) => Ok(()),
+            Supply::Streamed(s) => s
+                .prefetch_known(layer, experts)
+                .map_err(SupplyError::Stream),
+        }
+    }
+
     fn next(&mut self) -> Result<Option<Handout<'_>>, SupplyError> {
         match self {
             Supply::Resident(r) => r.next(),

@@ -56,6 +56,9 @@ impl<X: Experts, W: Watcher<X>> Experts for Watched<'_, X, W> {
     fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
         self.inner.prefetch(layer, predicted)
     }
+    fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), X::Error> {
+        self.inner.prefetch_known(layer, experts)
+    }
     fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
         self.inner.next()
     }

@@ -267,6 +267,57 @@ fn every_schedule_and_budget_gives_bit_identical_logits() {
     }
 }
 
+/// A batch's union of picks larger than one group (here 160 experts, groups
+/// of at most 64): `les` reads each next group while the current one
+/// computes (the prompt alone, `-n 1`, so these are the only reads ahead),
+/// `on-demand` only when asked; the logits are the resident run's.
+#[test]
+fn batched_prompts_read_the_next_group_ahead() {
+    let m = synth_once(
+        "run_cli_groups.gguf",
+        &[
+            "--arch",
+            "qwen3moe",
+            "--preset",
+            "tiny",
+            "--experts",
+            "160",
+            "--top-k",
+            "8",
+            "--layers",
+            "2",
+            "--seed",
+            "8",
+        ],
+    );
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+    let go = |extra: &[&str]| {
+        let path = tmp(&format!("groups_{}.npy", extra.join("_")));
+        let out = les()
+            .args(["run", "-m"])
+            .arg(&m)
+            .args([
+                "-p", &prompt, "-n", "1", "--temp", "0", "-b", "256", "--json",
+            ])
+            .args(["--logits-out", path.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        (json_ok(out, "groups"), npy(&path))
+    };
+    let (_, want) = go(&["--schedule", "resident"]);
+    let (les_run, got) = go(&["--schedule", "les", "--slots", "200"]);
+    assert!(got == want, "les: logits differ");
+    assert!(
+        les_run["stats"]["prefetch_bytes"].as_u64().unwrap() > 0,
+        "{}",
+        les_run["stats"]
+    );
+    let (od, got) = go(&["--schedule", "on-demand", "--slots", "200"]);
+    assert!(got == want, "on-demand: logits differ");
+    assert_eq!(od["stats"]["prefetch_bytes"], 0, "{}", od["stats"]);
+}
+
 /// The prompt evaluated in batches (`-b`, layer by layer) or one position at a
 /// time gives the same tokens and logits, resident and streamed.
 #[test]

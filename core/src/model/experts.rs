@@ -289,6 +289,12 @@ where
             .map_err(StreamError::Schedule)
     }
 
+    fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), Self::Error> {
+        self.scheduler
+            .prefetch_known(layer as u16, experts, &mut self.device, &self.source)
+            .map_err(StreamError::Schedule)
+    }
+
     fn next(&mut self) -> Result<Option<Handout<'_>>, Self::Error> {
         let next = self
             .scheduler

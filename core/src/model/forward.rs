@@ -239,6 +239,13 @@ pub trait Experts {
         let _ = (layer, predicted);
         Ok(())
     }
+    /// `experts` of `layer` will be asked for next, for certain (a batch's
+    /// next group of picks, during the current group): a supplier that reads
+    /// ahead may start their reads now.
+    fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), Self::Error> {
+        let _ = (layer, experts);
+        Ok(())
+    }
     /// The next picked expert to compute, or `None` once every picked expert was
     /// handed out and finished.
     fn next(&mut self) -> Result<Option<Handout<'_>>, Self::Error>;

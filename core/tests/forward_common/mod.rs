@@ -171,6 +171,9 @@ impl<X: Experts> Experts for CountPending<X> {
     fn prefetch(&mut self, layer: usize, predicted: &[u16]) -> Result<(), X::Error> {
         self.inner.prefetch(layer, predicted)
     }
+    fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), X::Error> {
+        self.inner.prefetch_known(layer, experts)
+    }
     fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
         self.inner.next()
     }

@@ -212,7 +212,9 @@ const NO_EXPERT: u16 = u16::MAX;
 /// input in turn would give, bit for bit, with the caches and states left as
 /// it would leave them.
 /// Makes no lookahead predictions (a layer's whole union of picks is known at
-/// once). Needs at least one input, and at most `b.positions()`.
+/// once); where the union is asked for in several groups, each next group is
+/// named to [`Experts::prefetch_known`] while the current one computes. Needs
+/// at least one input, and at most `b.positions()`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_batch<W, M, X>(
     hp: &Hparams,
@@ -558,6 +560,13 @@ fn moe_union<X: Experts, M: MatVec>(
         experts
             .begin_layer(layer, &chunk)
             .map_err(ForwardError::Experts)?;
+        // The next group's reads overlap this group's products.
+        if first < n_union {
+            let next = &b.union[first..(first + group).min(n_union)];
+            experts
+                .prefetch_known(layer, next)
+                .map_err(ForwardError::Experts)?;
+        }
         loop {
             // Whole experts only: a batch multiplies each by every input at once.
             match next_step(experts, shared_left.is_some(), false)? {
