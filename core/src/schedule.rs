@@ -44,7 +44,7 @@ use crate::blockdev::{
 };
 use crate::slot_classes::{class_for, SlotClass, MAX_SLOT_CLASSES};
 use crate::slots::{
-    EvictionPolicy, ExpertKey, IndexEntry, Load, Slot, SlotError, SlotState, SlotTable,
+    EvictionPolicy, ExpertKey, IndexEntry, Load, Residency, Slot, SlotError, SlotState, SlotTable,
 };
 
 /// Most experts one layer's router may pick.
@@ -657,6 +657,11 @@ where
             .chain([self.table.capacity(), MAX_PICKS])
             .min()
             .unwrap_or(0)
+    }
+
+    /// Whether `expert` of `layer` is in a slot, on its way, or neither.
+    pub fn residency(&self, layer: u16, expert: u16) -> Residency {
+        self.table.residency(ExpertKey { layer, expert })
     }
 
     /// Device reads submitted and not yet completed.

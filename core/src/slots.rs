@@ -111,6 +111,17 @@ impl SlotState {
     }
 }
 
+/// Where an expert is, as far as its slots go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Residency {
+    /// A read into a slot is in flight (and not cancelled).
+    Loading,
+    /// In a slot, complete.
+    Ready,
+    /// In no slot (or its read was cancelled or failed).
+    Missing,
+}
+
 /// One entry of slot storage. Create storage with [`Slot::EMPTY`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slot {
@@ -395,6 +406,16 @@ where
         match self.index.as_ref()[i].slot {
             0 => None,
             s => Some(SlotId(s - 1)),
+        }
+    }
+
+    /// Whether `key` is in a slot, on its way, or neither (also for keys
+    /// outside the model).
+    pub fn residency(&self, key: ExpertKey) -> Residency {
+        match self.lookup(key).map(|slot| self.state(slot)) {
+            Some(SlotState::Ready { .. } | SlotState::InUse { .. }) => Residency::Ready,
+            Some(SlotState::Loading(l)) if !l.cancelled && !l.failed => Residency::Loading,
+            _ => Residency::Missing,
         }
     }
 
@@ -826,6 +847,27 @@ mod tests {
             None,
             "out of range keys are simply absent"
         );
+    }
+
+    #[test]
+    fn residency_follows_the_slot() {
+        let mut t = table(4);
+        let k = key(1, 2);
+        assert_eq!(t.residency(k), Residency::Missing);
+        t.start_load(SlotId(0), load(k, 7)).unwrap();
+        assert_eq!(t.residency(k), Residency::Loading);
+        t.load_mut(SlotId(0)).unwrap().cancelled = true;
+        assert_eq!(t.residency(k), Residency::Missing, "cancelled");
+        t.load_mut(SlotId(0)).unwrap().cancelled = false;
+        t.finish_load(SlotId(0)).unwrap();
+        assert_eq!(t.residency(k), Residency::Ready);
+        t.pin(SlotId(0)).unwrap();
+        assert_eq!(t.residency(k), Residency::Ready, "in use");
+        t.unpin(SlotId(0)).unwrap();
+        t.evict(SlotId(0)).unwrap();
+        assert_eq!(t.residency(k), Residency::Missing);
+        assert_eq!(t.residency(key(9, 0)), Residency::Missing, "outside");
+        assert!(Residency::Loading < Residency::Ready && Residency::Ready < Residency::Missing);
     }
 
     #[test]

@@ -623,6 +623,51 @@ fn batched_prefill_equals_one_position_at_a_time() {
     }
 }
 
+/// A batch streamed with LES reads the next layer's likeliest experts ahead
+/// (its router on the batch's residual streams; the first layer's from the
+/// embeddings) even where each layer's picks are asked for at once, and they
+/// are picked; the on-demand baseline reads only what is asked for. Exact
+/// either way.
+#[test]
+fn batches_read_the_next_layer_ahead() {
+    let m = build(
+        11,
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+    );
+    let want = resident(&m);
+    let plan: &[Eval] = &[Eval::Batch(TOKENS.len())];
+    for (seed, cfg) in [SchedulerConfig::les(), SchedulerConfig::on_demand()]
+        .into_iter()
+        .enumerate()
+    {
+        let experts = m.packed(1);
+        let out = StreamedRun {
+            experts: &experts,
+            n_layers: m.hp.n_layers,
+            n_experts: 8,
+            // More than a layer's experts: one group a layer.
+            slots: 16,
+            predict: cfg.prefetch,
+            seed: seed as u64,
+            config: cfg,
+            lookahead: Lookahead {
+                predictor: PredictorConfig::top_k(3),
+                layers: LayerMask::first(m.hp.n_layers).unwrap(),
+                depth: 1,
+            },
+        }
+        .run(&mut BatchDecoder(&m, plan));
+        assert_bits_eq(&out.logits, &want[TOKENS.len() - 1..], "last position");
+        let st = out.stats;
+        if cfg.prefetch {
+            assert!(st.prefetches > 0 && st.useful_prefetches > 0, "{st:?}");
+        } else {
+            assert_eq!(st.prefetches, 0, "{st:?}");
+        }
+    }
+}
+
 /// Calls `forward_batch` cannot serve are errors, not panics: no inputs, more
 /// than the scratch holds, past the context, scratch made for another shape,
 /// logits of another length.

@@ -509,6 +509,10 @@ pub struct PrefillReport {
     pub time: Duration,
     /// Bytes read from the model file meanwhile.
     pub bytes_read: u64,
+    /// Time blocked on reads meanwhile.
+    pub stall: Duration,
+    /// Time the device had reads outstanding meanwhile.
+    pub busy: Duration,
     /// The last position's logits.
     pub logits: Vec<f32>,
 }
@@ -522,6 +526,16 @@ impl PrefillReport {
     /// Bytes read per prompt position.
     pub fn bytes_per_token(&self) -> f64 {
         self.bytes_read as f64 / self.tokens.max(1) as f64
+    }
+
+    /// The share of the time blocked on reads.
+    pub fn stall_share(&self) -> f64 {
+        self.stall.as_secs_f64() / self.time.as_secs_f64().max(1e-9)
+    }
+
+    /// The share of the time the device had reads outstanding.
+    pub fn busy_share(&self) -> f64 {
+        self.busy.as_secs_f64() / self.time.as_secs_f64().max(1e-9)
     }
 }
 
@@ -541,7 +555,7 @@ pub fn run_prefill(
     session.set_prefill_batch(batch)?;
     let inputs: Vec<TokenInput<'_>> = cfg.prompt.iter().map(|&t| TokenInput::Token(t)).collect();
     let mut logits = vec![0f32; model.hp.n_vocab];
-    let read0 = file_bytes_read(&supply);
+    let io0 = io_snapshot(&supply);
     let t0 = Instant::now();
     crate::engine::prefill(
         &mut session,
@@ -552,13 +566,15 @@ pub fn run_prefill(
         &mut logits,
     )?;
     let time = t0.elapsed();
-    let read1 = file_bytes_read(&supply);
+    let io = io_snapshot(&supply) - io0;
     Ok(PrefillReport {
         schedule,
         batch: session.prefill_batch(),
         tokens: inputs.len(),
         time,
-        bytes_read: read1 - read0,
+        bytes_read: io.file_bytes,
+        stall: Duration::from_nanos(io.stall_nanos),
+        busy: Duration::from_nanos(io.busy_nanos),
         logits,
     })
 }

@@ -13,7 +13,7 @@ use std::str::FromStr;
 
 use les_core::gemv::GemvError;
 use les_core::model::experts::{ExpertFormat, Resident, StreamError, Streamed};
-use les_core::model::forward::{ExpertMatrices, Experts, Handout, Step};
+use les_core::model::forward::{ExpertMatrices, Experts, Handout, Residency, Step};
 use les_core::schedule::{
     ExpertSource, Extent, Extents, LayerState, Scheduler, SchedulerConfig, Stats,
 };
@@ -512,6 +512,13 @@ impl Experts for Supply<'_> {
             Supply::Streamed(s) => s
                 .prefetch_known(layer, experts)
                 .map_err(SupplyError::Stream),
+        }
+    }
+
+    fn residency(&self, layer: usize, expert: u16) -> Residency {
+        match self {
+            Supply::Resident(r) => r.residency(layer, expert),
+            Supply::Streamed(s) => s.residency(layer, expert),
         }
     }
 

@@ -5,7 +5,7 @@
 //! first shows each layer's routing to a [`Watcher`], which may read the
 //! supplier's counters then. A pair of watchers watches together.
 
-use les_core::model::forward::{Experts, Handout, Step};
+use les_core::model::forward::{Experts, Handout, Residency, Step};
 
 /// Sees each layer's routing before the supplier `X` does.
 pub trait Watcher<X> {
@@ -58,6 +58,9 @@ impl<X: Experts, W: Watcher<X>> Experts for Watched<'_, X, W> {
     }
     fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), X::Error> {
         self.inner.prefetch_known(layer, experts)
+    }
+    fn residency(&self, layer: usize, expert: u16) -> Residency {
+        self.inner.residency(layer, expert)
     }
     fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
         self.inner.next()

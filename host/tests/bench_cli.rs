@@ -792,6 +792,16 @@ fn bench_prefill_batches_compares_batch_sizes_with_identical_logits() {
         eight < one,
         "batches read each expert once: {eight} < {one}"
     );
+    // The shares of the time blocked on reads and with reads outstanding:
+    // none without reads, some while streaming.
+    for r in runs {
+        for key in ["stall_share", "busy_share"] {
+            let x = r[key].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&x), "{key} {x}: {r}");
+        }
+    }
+    assert_eq!(row("resident", 8)["busy_share"], 0.0);
+    assert!(row("les", 1)["busy_share"].as_f64().unwrap() > 0.0);
     cleanup(&m);
 }
 

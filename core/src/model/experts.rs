@@ -1,6 +1,6 @@
 //! The two [`Experts`] suppliers: all resident, and streamed by the LES scheduler.
 
-use super::forward::{Down, ExpertMatrices, Experts, GateUp, Handout, Step};
+use super::forward::{Down, ExpertMatrices, Experts, GateUp, Handout, Residency, Step};
 use crate::blockdev::{BlockDevice, SlotId, SlotMemory};
 use crate::gemv::{GemvError, MatrixView};
 use crate::quant::GgmlType;
@@ -293,6 +293,10 @@ where
         self.scheduler
             .prefetch_known(layer as u16, experts, &mut self.device, &self.source)
             .map_err(StreamError::Schedule)
+    }
+
+    fn residency(&self, layer: usize, expert: u16) -> Residency {
+        u16::try_from(layer).map_or(Residency::Missing, |l| self.scheduler.residency(l, expert))
     }
 
     fn next(&mut self) -> Result<Option<Handout<'_>>, Self::Error> {

@@ -27,6 +27,7 @@ use crate::router::{
 
 mod batch;
 pub mod nextn;
+pub use crate::slots::Residency;
 pub use batch::{forward_batch, BatchScratch};
 
 /// Weights of one shared (always-resident) expert.
@@ -239,12 +240,21 @@ pub trait Experts {
         let _ = (layer, predicted);
         Ok(())
     }
-    /// `experts` of `layer` will be asked for next, for certain (a batch's
-    /// next group of picks, during the current group): a supplier that reads
-    /// ahead may start their reads now.
+    /// `experts` of `layer` will be asked for next, for certain or nearly (a
+    /// batch's next group of picks, during the current group; the experts most
+    /// of a batch's positions are predicted to pick in the next layer, during
+    /// this layer's last group): a supplier that reads ahead may start their
+    /// reads now.
     fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), Self::Error> {
         let _ = (layer, experts);
         Ok(())
+    }
+    /// Whether `expert` of `layer` is resident, on its way, or neither. A batch
+    /// asks for a layer's picks in that order ([`forward_batch`]); the default
+    /// is [`Residency::Missing`] for all.
+    fn residency(&self, layer: usize, expert: u16) -> Residency {
+        let _ = (layer, expert);
+        Residency::Missing
     }
     /// The next picked expert to compute, or `None` once every picked expert was
     /// handed out and finished.

@@ -10,7 +10,9 @@ use les_core::blockdev::ReadRequest;
 use les_core::gemv::{Isa, MatrixView};
 use les_core::layout;
 use les_core::model::experts::{ExpertFormat, Streamed};
-use les_core::model::forward::{Experts, Handout, Lookahead, MatVec, SerialMatVec, Step};
+use les_core::model::forward::{
+    Experts, Handout, Lookahead, MatVec, Residency, SerialMatVec, Step,
+};
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::{self, GgmlType};
@@ -173,6 +175,9 @@ impl<X: Experts> Experts for CountPending<X> {
     }
     fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), X::Error> {
         self.inner.prefetch_known(layer, experts)
+    }
+    fn residency(&self, layer: usize, expert: u16) -> Residency {
+        self.inner.residency(layer, expert)
     }
     fn next(&mut self) -> Result<Option<Handout<'_>>, X::Error> {
         self.inner.next()

@@ -86,6 +86,8 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
                     "batch": r.batch,
                     "tok_s": r.tok_s(),
                     "bytes_per_token": r.bytes_per_token(),
+                    "stall_share": r.stall_share(),
+                    "busy_share": r.busy_share(),
                     "speedup": r.tok_s() / base(r.schedule).max(1e-12),
                 })
             })
@@ -106,23 +108,25 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
     } else {
         writeln!(
             out,
-            "{:<10} {:>6} {:>13} {:>11} {:>8}",
-            "schedule", "batch", "prompt tok/s", "MiB/token", "speedup"
+            "{:<10} {:>6} {:>13} {:>11} {:>7} {:>7} {:>8}",
+            "schedule", "batch", "prompt tok/s", "MiB/token", "stall", "busy", "speedup"
         )?;
         for r in &medians {
             writeln!(
                 out,
-                "{:<10} {:>6} {:>13.2} {:>11.2} {:>7.2}x",
+                "{:<10} {:>6} {:>13.2} {:>11.2} {:>6.0}% {:>6.0}% {:>7.2}x",
                 r.schedule.name(),
                 r.batch,
                 r.tok_s(),
                 mib(r.bytes_per_token()),
+                100.0 * r.stall_share(),
+                100.0 * r.busy_share(),
                 r.tok_s() / base(r.schedule).max(1e-12),
             )?;
         }
         writeln!(
             out,
-            "speedup: over the same schedule's first batch size ({}); identical last-position logits across all runs: {}",
+            "stall: share of the time blocked on reads; busy: share with reads outstanding\nspeedup: over the same schedule's first batch size ({}); identical last-position logits across all runs: {}",
             args.prefill_batches[0],
             if identical { "yes" } else { "NO" }
         )?;

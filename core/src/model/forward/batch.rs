@@ -22,12 +22,12 @@ use super::{
     add_into, cached, combine, deltanet_state, deltanet_step, embed, gate_shared, next_step,
     output_gate, project_position, router_config, swiglu_ffn_checked, AttentionWeights,
     ExpertMatrices, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState,
-    Scratch, SharedExpert, Step, TokenInput, Weights,
+    Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{Hparams, HybridParams};
 use crate::model::ops::{rms_norm, swiglu, AttnShape};
-use crate::router::Routing;
+use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
 /// positions, carved from caller memory (floats, and expert ids).
@@ -69,13 +69,17 @@ pub struct BatchScratch<'a> {
     ids: &'a mut [u16],
     /// The layer's union of picks (`n_experts`).
     union: &'a mut [u16],
+    /// The next layer's predicted picks per expert (`n_experts`).
+    votes: &'a mut [u16],
+    /// The next layer's predicted experts to read ahead (`n_experts`).
+    ahead: &'a mut [u16],
     n: usize,
     /// The buffer lengths, for the model the scratch was made for.
     lens: Lens,
 }
 
 /// Lengths of a [`BatchScratch`]'s float and id buffers.
-type Lens = ([usize; 20], [usize; 2]);
+type Lens = ([usize; 20], [usize; 4]);
 
 impl<'a> BatchScratch<'a> {
     fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> Lens {
@@ -107,7 +111,7 @@ impl<'a> BatchScratch<'a> {
                 n * d_alpha,
                 n * d_out,
             ],
-            [n * k, n_exp],
+            [n * k, n_exp, n_exp, n_exp],
         )
     }
 
@@ -136,7 +140,7 @@ impl<'a> BatchScratch<'a> {
         let lens = Self::lens(hp, hy, n);
         let (
             [l_h, l_x, l_out, l_sh, l_w, l_ga, l_gb, l_gx, l_go, l_lg, l_aq, l_ak, l_av, l_att, l_aqr, l_dqkv, l_dz, l_db, l_da, l_do],
-            [l_ids, l_union],
+            [l_ids, l_union, l_votes, l_ahead],
         ) = lens;
         let (h, rest) = floats.split_at_mut(l_h);
         let (x, rest) = rest.split_at_mut(l_x);
@@ -159,7 +163,9 @@ impl<'a> BatchScratch<'a> {
         let (dalpha, rest) = rest.split_at_mut(l_da);
         let (dout, _) = rest.split_at_mut(l_do);
         let (ids, rest) = ids.split_at_mut(l_ids);
-        let (union, _) = rest.split_at_mut(l_union);
+        let (union, rest) = rest.split_at_mut(l_union);
+        let (votes, rest) = rest.split_at_mut(l_votes);
+        let (ahead, _) = rest.split_at_mut(l_ahead);
         Some(BatchScratch {
             h,
             x,
@@ -183,6 +189,8 @@ impl<'a> BatchScratch<'a> {
             dout,
             ids,
             union,
+            votes,
+            ahead,
             n,
             lens,
         })
@@ -211,10 +219,13 @@ const NO_EXPERT: u16 = u16::MAX;
 /// needs. They are what [`forward_hybrid`](super::forward_hybrid) of each
 /// input in turn would give, bit for bit, with the caches and states left as
 /// it would leave them.
-/// Makes no lookahead predictions (a layer's whole union of picks is known at
-/// once); where the union is asked for in several groups, each next group is
-/// named to [`Experts::prefetch_known`] while the current one computes. Needs
-/// at least one input, and at most `b.positions()`.
+/// Reads ahead where `experts` [wants predictions](Experts::wants_predictions):
+/// a layer's union of picks is asked for in groups, those on their way first,
+/// then the resident ones ([`Experts::residency`]), and each next group is
+/// named to [`Experts::prefetch_known`] while the current one computes; during
+/// the last group, the next layer's likeliest experts (its router on each
+/// position's residual stream, see [`predict_batch`]) are named. Needs at
+/// least one input, and at most `b.positions()`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_batch<W, M, X>(
     hp: &Hparams,
@@ -261,6 +272,17 @@ where
     let router_cfg = router_config(hp)?;
     for _ in 0..n {
         experts.begin_token();
+    }
+    let read_ahead = experts.wants_predictions();
+    // The first layer's likeliest experts, from the embeddings: their reads
+    // overlap its attention.
+    if let (true, Some(rc)) = (read_ahead, router_cfg.as_ref()) {
+        let ahead = predict_batch(hp, weights, rc, 0, n, mv, b, experts)?;
+        if ahead > 0 {
+            experts
+                .prefetch_known(0, &b.ahead[..ahead])
+                .map_err(ForwardError::Experts)?;
+        }
     }
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
     for l in 0..hp.n_layers {
@@ -319,7 +341,19 @@ where
                         }
                     }
                 }
-                moe_union(experts, mv, l, n_union, k, n, shared.as_ref(), b, s)?;
+                let mut ahead = 0;
+                if read_ahead {
+                    // Groups of picks on their way or resident first: the
+                    // reads of the rest go on while they compute.
+                    if n_union > experts.max_picks(l).max(1) {
+                        let union = &mut b.union[..n_union];
+                        union.sort_unstable_by_key(|&x| (experts.residency(l, x), x));
+                    }
+                    if l + 1 < hp.n_layers {
+                        ahead = predict_batch(hp, weights, rc, l + 1, n, mv, b, experts)?;
+                    }
+                }
+                moe_union(experts, mv, l, n_union, ahead, k, n, shared.as_ref(), b, s)?;
                 // Combine each position's outputs in its router order, the
                 // shared expert's last, as the one-position pass does.
                 for j in 0..n {
@@ -526,18 +560,80 @@ fn shared_batch<M: MatVec, E>(
     Ok(())
 }
 
+/// A batch's lookahead for `layer`, where it is an MoE layer: its router
+/// ([`Weights::lookahead_router`] where the weights have a cheaper copy) on
+/// each position's residual stream (`b.h`, normed by that layer's FFN norm, as
+/// [`forward_hybrid`](super::forward_hybrid)'s lookahead does for one
+/// position). Each position's top picks vote; the experts neither resident nor
+/// on their way ([`Experts::residency`]) go to `b.ahead`, most votes first, at
+/// most one group ([`Experts::max_picks`]). Returns how many. Uses `b.gx` and
+/// `b.logits`.
+#[allow(clippy::too_many_arguments)]
+fn predict_batch<W: Weights, M: MatVec, X: Experts>(
+    hp: &Hparams,
+    weights: &W,
+    rc: &RouterConfig,
+    layer: usize,
+    n: usize,
+    mv: &mut M,
+    b: &mut BatchScratch<'_>,
+    experts: &X,
+) -> Result<usize, ForwardError<X::Error>> {
+    let w = weights.block(layer);
+    let Ffn::Moe { router, .. } = w.ffn else {
+        return Ok(0);
+    };
+    let r = weights
+        .lookahead_router(layer)
+        .filter(|c| c.rows() == router.rows() && c.cols() == router.cols())
+        .unwrap_or(router);
+    let (e, n_exp) = (hp.n_embd, b.votes.len());
+    if r.rows() != n_exp {
+        return Err(ForwardError::Shape("router rows"));
+    }
+    let x = &mut b.gx[..n * e];
+    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
+        rms_norm(h, w.ffn_norm, hp.norm_eps, x);
+    }
+    let logits = &mut b.logits[..n * n_exp];
+    mv.matmul(&r, x, logits)?;
+    b.votes.fill(0);
+    let mut routing = Routing::new();
+    for lg in logits.chunks_exact(n_exp) {
+        rc.route(lg, None, &mut routing)?;
+        for p in routing.iter() {
+            if let Some(v) = b.votes.get_mut(usize::from(p.expert)) {
+                *v = v.saturating_add(1);
+            }
+        }
+    }
+    let mut ahead = 0;
+    for (x, &v) in (0..).zip(b.votes.iter()) {
+        if v > 0 && experts.residency(layer, x) == Residency::Missing {
+            b.ahead[ahead] = x;
+            ahead += 1;
+        }
+    }
+    let votes = &b.votes;
+    b.ahead[..ahead].sort_unstable_by_key(|&x| (core::cmp::Reverse(votes[usize::from(x)]), x));
+    Ok(ahead.min(experts.max_picks(layer)))
+}
+
 /// One MoE layer's routed experts for every position: the union of picks
 /// (`b.union[..n_union]`) asked of `experts` in groups of
 /// [`Experts::max_picks`], each expert handed out computed for every position
 /// that picked it (`b.ids`: `k` per position) at once, into `b.out` (`k x
 /// n_embd` per position). The positions' shared experts (into `b.shared`) are
-/// computed the first time no routed expert is ready, or last.
+/// computed the first time no routed expert is ready, or last. The next
+/// layer's predicted experts (`b.ahead[..ahead]`) are named to
+/// [`Experts::prefetch_known`] when the last group starts.
 #[allow(clippy::too_many_arguments)]
 fn moe_union<X: Experts, M: MatVec>(
     experts: &mut X,
     mv: &mut M,
     layer: usize,
     n_union: usize,
+    ahead: usize,
     k: usize,
     n: usize,
     shared: Option<&SharedExpert<'_>>,
@@ -560,11 +656,16 @@ fn moe_union<X: Experts, M: MatVec>(
         experts
             .begin_layer(layer, &chunk)
             .map_err(ForwardError::Experts)?;
-        // The next group's reads overlap this group's products.
+        // The next group's reads overlap this group's products; the next
+        // layer's, the last group's and the next attention.
         if first < n_union {
             let next = &b.union[first..(first + group).min(n_union)];
             experts
                 .prefetch_known(layer, next)
+                .map_err(ForwardError::Experts)?;
+        } else if ahead > 0 {
+            experts
+                .prefetch_known(layer + 1, &b.ahead[..ahead])
                 .map_err(ForwardError::Experts)?;
         }
         loop {
