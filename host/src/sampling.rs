@@ -5,8 +5,10 @@
 //! The chain is the part of llama.cpp's default sampler sequence
 //! (`common_params_sampling::samplers` in `common/common.h`: penalties, DRY,
 //! top-n-sigma, top-k, typical-p, top-p, min-p, XTC, temperature, then `dist`)
-//! that LES supports, in the same order:
+//! that LES supports, in the same order, after llama.cpp's logit bias:
 //!
+//! 0. **logit bias** ([`Sampler::bias`], [`Sampler::ban`]: `-inf`): added to
+//!    the token's logit (`llama_sampler_init_logit_bias`, first in the chain);
 //! 1. **penalties** (off by default) over the last `last_n` accepted tokens,
 //!    each distinct token once: a logit `<= 0` is multiplied by the repeat
 //!    penalty, a positive one divided, then the frequency penalty times the
@@ -188,10 +190,11 @@ pub struct Sampler {
     candidates: Vec<Candidate>,
     /// The window's tokens sorted (a buffer of `collect_adjusted`).
     recent: Vec<u32>,
-    /// Tokens whose logit the penalty or a ban changes, sorted by id.
+    /// Tokens whose logit a bias or the penalties change, sorted by id.
     adjusted: Vec<(u32, Adjust)>,
-    /// Tokens never picked ([`ban`](Self::ban)), sorted.
-    banned: Vec<u32>,
+    /// Logit biases ([`bias`](Self::bias), [`ban`](Self::ban)), sorted by
+    /// token, one per token (a token's biases summed).
+    biases: Vec<(u32, f64)>,
 }
 
 impl Sampler {
@@ -204,7 +207,7 @@ impl Sampler {
             recent: Vec::new(),
             candidates: Vec::new(),
             adjusted: Vec::new(),
-            banned: Vec::new(),
+            biases: Vec::new(),
         }
     }
 
@@ -213,9 +216,27 @@ impl Sampler {
     /// tokens); [`reset`](Self::reset) keeps the bans. If every token is banned
     /// the greedy rule's token 0 comes back, as for all logits `-inf`.
     pub fn ban(&mut self, tokens: impl IntoIterator<Item = u32>) {
-        self.banned.extend(tokens);
-        self.banned.sort_unstable();
-        self.banned.dedup();
+        for t in tokens {
+            self.add_bias(t, f64::NEG_INFINITY);
+        }
+    }
+
+    /// Adds `bias` to `token`'s logit before the penalties, as llama.cpp's
+    /// `--logit-bias` (several biases of a token add up; `-inf` is a
+    /// [`ban`](Self::ban)). A `bias` that is NaN or `+inf` is ignored: it
+    /// would make every probability NaN. [`reset`](Self::reset) keeps the
+    /// biases.
+    pub fn bias(&mut self, token: u32, bias: f32) {
+        if !bias.is_nan() && bias != f32::INFINITY {
+            self.add_bias(token, f64::from(bias));
+        }
+    }
+
+    fn add_bias(&mut self, token: u32, bias: f64) {
+        match self.biases.binary_search_by_key(&token, |&(t, _)| t) {
+            Ok(i) => self.biases[i].1 += bias,
+            Err(i) => self.biases.insert(i, (token, bias)),
+        }
     }
 
     /// The settings.
@@ -282,11 +303,20 @@ impl Sampler {
         token
     }
 
-    /// Fills `adjusted` with the tokens whose logit is not read as it is: the
-    /// repeat penalty's (each distinct recent token once), then the banned ones
-    /// (`-inf`, over a penalty), sorted by id.
+    /// Fills `adjusted` with the tokens whose logit is not read as it is,
+    /// sorted by id: the biased ones and the penalized ones (each distinct
+    /// recent token once), a token both biased and penalized once.
     fn collect_adjusted(&mut self) {
         self.adjusted.clear();
+        self.adjusted.extend(self.biases.iter().map(|&(t, bias)| {
+            (
+                t,
+                Adjust {
+                    bias,
+                    penalty: None,
+                },
+            )
+        }));
         if let Some(p) = self.penalty() {
             let mut recent = std::mem::take(&mut self.recent);
             recent.clear();
@@ -296,24 +326,32 @@ impl Sampler {
             self.adjusted
                 .extend(recent.chunk_by(|a, b| a == b).map(|run| {
                     let subtract = p.subtracted(run.len());
-                    (run[0], Adjust::Penalty { repeat, subtract })
+                    (
+                        run[0],
+                        Adjust {
+                            bias: 0.0,
+                            penalty: Some((repeat, subtract)),
+                        },
+                    )
                 }));
             self.recent = recent;
-        }
-        self.adjusted
-            .extend(self.banned.iter().map(|&t| (t, Adjust::Ban)));
-        // Stable: a banned token's entry stays after its penalty's; the last wins.
-        self.adjusted.sort_by_key(|&(t, _)| t);
-        let mut w = 0;
-        for r in 0..self.adjusted.len() {
-            if w > 0 && self.adjusted[w - 1].0 == self.adjusted[r].0 {
-                self.adjusted[w - 1] = self.adjusted[r];
-            } else {
-                self.adjusted[w] = self.adjusted[r];
-                w += 1;
+            // Both lists are sorted and hold a token at most once each: a
+            // token in both ends up as one entry with its bias and penalty.
+            self.adjusted.sort_by_key(|&(t, _)| t);
+            let mut w = 0;
+            for r in 0..self.adjusted.len() {
+                let (t, a) = self.adjusted[r];
+                if w > 0 && self.adjusted[w - 1].0 == t {
+                    let merged = &mut self.adjusted[w - 1].1;
+                    merged.bias += a.bias;
+                    merged.penalty = merged.penalty.or(a.penalty);
+                } else {
+                    self.adjusted[w] = (t, a);
+                    w += 1;
+                }
             }
+            self.adjusted.truncate(w);
         }
-        self.adjusted.truncate(w);
     }
 
     /// The highest adjusted logit's token, the lowest id among ties; 0 if none
@@ -403,22 +441,21 @@ impl Sampler {
 
 /// How a token's logit is adjusted before sampling.
 #[derive(Clone, Copy, Debug)]
-enum Adjust {
-    /// The penalties: a logit `<= 0` multiplied by `repeat`, a positive one
-    /// divided, then `subtract` subtracted.
-    Penalty { repeat: f32, subtract: f64 },
-    /// Never picked: read as `-inf`.
-    Ban,
+struct Adjust {
+    /// Added first (`-inf`: never picked).
+    bias: f64,
+    /// Then the penalties `(repeat, subtract)`: a logit `<= 0` multiplied by
+    /// `repeat`, a positive one divided, then `subtract` subtracted.
+    penalty: Option<(f32, f64)>,
 }
 
 impl Adjust {
     fn apply(self, logit: f64) -> f64 {
-        match self {
-            Adjust::Penalty { repeat, subtract } if logit <= 0.0 => {
-                logit * f64::from(repeat) - subtract
-            }
-            Adjust::Penalty { repeat, subtract } => logit / f64::from(repeat) - subtract,
-            Adjust::Ban => f64::NEG_INFINITY,
+        let l = logit + self.bias;
+        match self.penalty {
+            Some((repeat, subtract)) if l <= 0.0 => l * f64::from(repeat) - subtract,
+            Some((repeat, subtract)) => l / f64::from(repeat) - subtract,
+            None => l,
         }
     }
 }
@@ -567,8 +604,38 @@ mod tests {
         }
     }
 
+    #[test]
+    fn sampling_logit_bias_comes_before_the_penalties() {
+        // Token 0 at 4, biased -2, recent with a repeat penalty of 2: (4 - 2)
+        // / 2 = 1 beats token 1's 0.5 (the penalty first would give 0).
+        let mut s = Sampler::new(SamplerConfig {
+            penalties: Some(Penalties::repeat(2.0, 8)),
+            ..SamplerConfig::greedy()
+        });
+        s.accept(0);
+        s.bias(0, -2.0);
+        assert_eq!(s.sample(&[4.0, 0.5]), 0);
+        // Biases of a token add up; NaN and +inf are ignored.
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        s.bias(1, 3.0);
+        s.bias(1, 3.0);
+        s.bias(0, f32::NAN);
+        s.bias(0, f32::INFINITY);
+        assert_eq!(s.sample(&[5.5, 0.0]), 1);
+        // -inf is a ban, and the reset keeps it.
+        s.bias(1, f32::NEG_INFINITY);
+        s.reset();
+        assert_eq!(s.sample(&[0.0, 100.0]), 0);
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            ..SamplerConfig::default()
+        });
+        s.bias(2, 50.0);
+        assert!((0..20).all(|_| s.sample(&[1.0, 2.0, 0.0]) == 2));
+    }
+
     /// The sampler as it was before candidates were gathered in one pass: every
-    /// token a candidate, the penalty and the bans applied to the whole list.
+    /// token a candidate, the biases then the penalty applied to the whole list.
     fn reference_pick(s: &mut Sampler, logits: &[f32]) -> u32 {
         let mut cands: Vec<Candidate> = logits
             .iter()
@@ -578,6 +645,11 @@ mod tests {
                 logit: clean(l),
             })
             .collect();
+        for &(t, b) in &s.biases {
+            if let Some(c) = cands.get_mut(t as usize) {
+                c.logit += b;
+            }
+        }
         if let Some(p) = s.penalty() {
             let mut recent: Vec<u32> = s.history.iter().copied().collect();
             recent.sort_unstable();
@@ -594,11 +666,6 @@ mod tests {
                     };
                     c.logit = l - count as f64 * f64::from(p.frequency) - f64::from(p.presence);
                 }
-            }
-        }
-        for &t in &s.banned {
-            if let Some(c) = cands.get_mut(t as usize) {
-                c.logit = f64::NEG_INFINITY;
             }
         }
         let t = s.config.temperature;
@@ -631,6 +698,15 @@ mod tests {
         ]
     }
 
+    /// A logit bias: small, large, or `-inf`.
+    fn bias() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            3 => -3.0f32..3.0,
+            1 => prop_oneof![Just(-100.0f32), Just(100.0)],
+            1 => Just(f32::NEG_INFINITY),
+        ]
+    }
+
     /// Logits of every kind, only finite ones (so the top is not a run of
     /// `+inf`s, which hides a wrong threshold), or few distinct values.
     fn logit_vec(max: usize) -> impl Strategy<Value = Vec<f32>> {
@@ -651,7 +727,7 @@ mod tests {
         fn sampling_one_pass_gather_holds_the_top_k(
             logits in logit_vec(3000),
             k in prop_oneof![1usize..8, 30usize..80],
-            adjusted in proptest::collection::vec((0u32..3000, prop_oneof![Just(Adjust::Ban), (0.5f32..2.0, -1.0f64..1.0).prop_map(|(repeat, subtract)| Adjust::Penalty { repeat, subtract })]), 0..8),
+            adjusted in proptest::collection::vec((0u32..3000, bias(), prop_oneof![Just(None), (0.5f32..2.0, -1.0f64..1.0).prop_map(Some)]).prop_map(|(t, b, penalty)| (t, Adjust { bias: f64::from(b), penalty })), 0..8),
         ) {
             let mut adjusted = adjusted;
             adjusted.sort_by_key(|&(t, _)| t);
@@ -689,12 +765,17 @@ mod tests {
                     .prop_map(|(repeat, frequency, presence, last_n)| Some(Penalties { repeat, frequency, presence, last_n })),
             ],
             banned in proptest::collection::vec(0u32..1600, 0..6),
+            biases in proptest::collection::vec((0u32..1600, bias()), 0..6),
             seed in any::<u64>(),
         ) {
             let config = SamplerConfig { temperature, top_k, top_p, min_p, penalties: penalty, seed };
             let (mut fast, mut reference) = (Sampler::new(config), Sampler::new(config));
-            fast.ban(banned.iter().copied());
-            reference.ban(banned.iter().copied());
+            for s in [&mut fast, &mut reference] {
+                s.ban(banned.iter().copied());
+                for &(t, b) in &biases {
+                    s.bias(t, b);
+                }
+            }
             for t in [3u32, 3, 7, 1, 1200] {
                 fast.accept(t);
                 reference.accept(t);

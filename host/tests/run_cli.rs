@@ -208,6 +208,51 @@ fn ignore_eos_generates_to_n() {
     assert!(tokens(&stopped).len() < 100);
 }
 
+/// `--logit-bias` (`-l`), as llama.cpp's: a large bias makes greedy decoding
+/// pick its token every time, `-inf` never, and biases of a token add up.
+#[test]
+fn logit_bias_steers_sampling() {
+    let m = model("qwen3moe");
+    let greedy = tokens(&json_run(&m, &["--temp", "0", "-n", "8"]));
+    let first = greedy[0];
+    let run = |extra: &[&str]| {
+        tokens(&json_run(
+            &m,
+            &[&["--temp", "0", "-n", "8"], extra].concat(),
+        ))
+    };
+    let banned = run(&["-l", &format!("{first}-inf")]);
+    assert_ne!(banned[0], first, "{banned:?}");
+    assert!(!banned.contains(&first), "{banned:?}");
+    // A token the model generated (not an end of generation), favoured.
+    let other = *greedy.iter().find(|&&t| t != first).unwrap_or(&banned[0]);
+    let favoured = run(&["--logit-bias", &format!("{other}+1000")]);
+    assert_eq!(favoured, vec![other; 8]);
+    // Two biases of a token add up: +1000 and -1000 change nothing.
+    let cancelled = run(&[
+        "-l",
+        &format!("{other}+1000"),
+        "-l",
+        &format!("{other}-1000"),
+    ]);
+    assert_eq!(cancelled, greedy);
+    // And a bias applies at every temperature.
+    let drawn = tokens(&json_run(
+        &m,
+        &[
+            "--temp",
+            "1.5",
+            "--seed",
+            "3",
+            "-n",
+            "8",
+            "-l",
+            &format!("{other}+1000"),
+        ],
+    ));
+    assert_eq!(drawn, vec![other; 8]);
+}
+
 /// A greedy `--json` run with `args` writing its logits to `logits_{name}.npy`:
 /// the JSON, the `.npy` (rows, columns, data) and stderr.
 fn greedy_with_logits(
@@ -695,6 +740,8 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--speculate", "bogus"], "--speculate"),
         (vec!["--cache-type-k", "q8_0"], "--cache-type-k"),
         (vec!["--cache-type-v", "f64"], "--cache-type-v"),
+        (vec!["--logit-bias", "5+inf"], "--logit-bias"),
+        (vec!["-l", "5*2"], "--logit-bias"),
     ] {
         let out = run(&m, &args);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -784,6 +831,18 @@ fn errors_are_one_line_and_nonzero() {
         (
             vec!["run", "-m", m.to_str().unwrap(), "-p", "x", "--draft-fixed"],
             "speculative decoding, which is not on",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "x",
+                "-l",
+                "100000+1",
+            ],
+            "--logit-bias: token 100000 is outside the vocabulary",
         ),
         (
             vec![

@@ -74,6 +74,10 @@ pub struct RunArgs {
     /// context is full.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Add BIAS to a token's logit before sampling, as llama.cpp's
+    /// (repeatable): `15043+1` favours token 15043, `15043-inf` bans it.
+    #[arg(short = 'l', long, value_name = "TOKEN_ID(+/-)BIAS", value_parser = super::values::logit_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
     /// Random seed (default: from the clock, printed in the stats).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -616,6 +620,16 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     });
     if args.ignore_eos {
         sampler.ban((0..model.hp.n_vocab as u32).filter(|&t| tokenizer.is_eog(t)));
+    }
+    for &(token, bias) in &args.logit_bias {
+        if token as usize >= model.hp.n_vocab {
+            return Err(format!(
+                "--logit-bias: token {token} is outside the vocabulary ({} tokens)",
+                model.hp.n_vocab
+            )
+            .into());
+        }
+        sampler.bias(token, bias);
     }
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);

@@ -129,6 +129,28 @@ pub fn expert_mem(s: &str) -> Result<ExpertMem, String> {
     }
 }
 
+/// A logit bias as llama.cpp's `--logit-bias` takes it: `TOKEN_ID+BIAS` or
+/// `TOKEN_ID-BIAS` (e.g. `15043+1`, `15043-inf`: never that token). The bias
+/// is a finite number, or `inf` after `-`.
+pub fn logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let want = || format!("{s:?} is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043+1, 15043-inf)");
+    let t = s.trim();
+    let at = t.find(['+', '-']).ok_or_else(want)?;
+    let (id, rest) = t.split_at(at);
+    let id: u32 = id.trim().parse().map_err(|_| want())?;
+    let (sign, value) = rest.split_at(1);
+    let value = value.trim();
+    if value.starts_with(['+', '-']) {
+        return Err(want());
+    }
+    let magnitude: f32 = value.parse().map_err(|_| want())?;
+    let bias = if sign == "-" { -magnitude } else { magnitude };
+    if bias.is_nan() || bias == f32::INFINITY {
+        return Err(format!("{s:?}: the bias must be a finite number or -inf"));
+    }
+    Ok((id, bias))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,6 +182,26 @@ mod tests {
         assert_eq!(ExpertMem::Bytes(7).bytes(12345), 7);
         for bad in ["0%", "101%", "%", "x%", "-5%", "nan%", "2 parsecs"] {
             assert!(expert_mem(bad).is_err(), "{bad}");
+        }
+        assert_eq!(logit_bias("15043+1"), Ok((15043, 1.0)));
+        assert_eq!(logit_bias("15043-1.5"), Ok((15043, -1.5)));
+        assert_eq!(logit_bias(" 7 -inf"), Ok((7, f32::NEG_INFINITY)));
+        assert_eq!(logit_bias("0+0"), Ok((0, 0.0)));
+        for bad in [
+            "15043",
+            "15043+",
+            "+1",
+            "x+1",
+            "15043*2",
+            "15043+inf",
+            "15043+nan",
+            "15043--1",
+            "15043+-1",
+            "-1+2",
+            "99999999999+1",
+            "",
+        ] {
+            assert!(logit_bias(bad).is_err(), "{bad}");
         }
         assert_eq!(tokens("3"), Ok(3));
         assert!(tokens("0").is_err());
