@@ -208,6 +208,58 @@ fn ignore_eos_generates_to_n() {
     assert!(tokens(&stopped).len() < 100);
 }
 
+/// `--stop` (`-r`): the reply ends where its text contains a stop string,
+/// which is not printed; text that may start one is held back until the next
+/// token tells, so what is printed is the JSON's text.
+#[test]
+fn stop_strings_end_the_reply() {
+    let m = model("qwen3moe");
+    let base = ["--temp", "0", "-n", "24"];
+    let full = json_run(&m, &base);
+    let text = full["text"].as_str().unwrap().to_string();
+    let all = tokens(&full);
+    let chars: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+    assert!(chars.len() > 8, "{text:?}");
+    let mut tried = 0;
+    for (a, b) in [(2, 5), (5, 6), (1, 8), (0, 2)] {
+        let stop = &text[chars[a]..chars[b]];
+        if stop.contains('\\') {
+            continue; // would be read as an escape
+        }
+        tried += 1;
+        let at = text.find(stop).unwrap();
+        let flag = format!("--stop={stop}");
+        let args = [&base[..], &[flag.as_str()]].concat();
+        let v = json_run(&m, &args);
+        assert_eq!(v["text"], text[..at], "stop {stop:?}");
+        assert_eq!(v["stats"]["stop"], "string", "{v}");
+        assert_eq!(v["stats"]["stop_string"], stop, "{v}");
+        let got = tokens(&v);
+        assert!(all.starts_with(&got) && got.len() < all.len(), "{got:?}");
+        let out = run(&m, &args);
+        assert!(out.status.success());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("{}\n", &text[..at]),
+            "stop {stop:?}"
+        );
+    }
+    assert!(tried >= 3);
+    // Another stop string that does not occur changes nothing.
+    let args = [
+        &base[..],
+        &["-r", "never in this text", "--reverse-prompt", "nor this"],
+    ]
+    .concat();
+    let v = json_run(&m, &args);
+    assert_eq!(
+        (&v["text"], &v["stats"]["stop"]),
+        (&full["text"], &full["stats"]["stop"])
+    );
+    let out = run(&m, &args);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{text}\n"));
+}
+
 /// `--logit-bias` (`-l`), as llama.cpp's: a large bias makes greedy decoding
 /// pick its token every time, `-inf` never, and biases of a token add up.
 #[test]
@@ -1397,6 +1449,21 @@ fn conversation_answers_each_line_of_stdin() {
     // Nothing read, nothing done.
     let (out, _) = converse(&["--conversation"], "");
     assert!(out.is_empty());
+    // A stop string ends a turn (cut there), and the conversation goes on.
+    let (plain, _) = converse(&["--cnv", "-p", "Hello"], "More\n");
+    let plain = String::from_utf8(plain).unwrap();
+    let at: Vec<usize> = plain.char_indices().map(|(i, _)| i).collect();
+    let stop = &plain[at[1]..at[3]];
+    assert!(!stop.contains(['\n', '\\']), "{plain:?}");
+    let flag = format!("--stop={stop}");
+    let (cut, err) = converse(&["--cnv", "-p", "Hello", &flag], "More\n");
+    let cut = String::from_utf8(cut).unwrap();
+    let first = &plain[..plain.find(stop).unwrap()];
+    assert!(
+        cut.starts_with(&format!("{first}\n")),
+        "{cut:?} after {plain:?}"
+    );
+    assert_eq!(err.matches("les: turn of").count(), 1, "{err}");
     // MTP drafting carries across the turns too.
     let (_, err) = converse(
         &[

@@ -74,6 +74,11 @@ pub struct RunArgs {
     /// context is full.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// End the reply (or the conversation's turn) where its text contains
+    /// TEXT, which is not printed (repeatable; `\n`, `\t`, `\r` and `\\`
+    /// are read as escapes, as llama.cpp's).
+    #[arg(short = 'r', long, visible_alias = "reverse-prompt", value_name = "TEXT", value_parser = super::values::stop_string)]
+    pub stop: Vec<String>,
     /// Add BIAS to a token's logit before sampling, as llama.cpp's
     /// (repeatable): `15043+1` favours token 15043, `15043-inf` bans it.
     #[arg(short = 'l', long, value_name = "TOKEN_ID(+/-)BIAS", value_parser = super::values::logit_bias)]
@@ -711,7 +716,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         None => None,
     };
     let pre = cached.map_or(0, |c| c.evaluated + c.restored);
-    let mut reply = Reply::new(&tokenizer);
+    let mut reply = Reply::new(&tokenizer, &args.stop);
     let mut stats = generate_from(
         &mut session,
         &mut mv,
@@ -742,10 +747,16 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     }
     let tail = reply.finish()?;
     let Reply {
-        tokens, text, eog, ..
+        tokens,
+        text,
+        eog,
+        stopped,
+        ..
     } = reply;
     let stop = if eog.is_some() {
         "eog"
+    } else if stopped.is_some() {
+        "string"
     } else if n_predict < args.n_predict && stats.generated == n_predict {
         note!("\nles: the context is full ({ctx} positions); raise it with --ctx");
         "ctx"
@@ -780,6 +791,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         });
         if let Some(c) = cached {
             st["prompt_cache_restored"] = json!(c.restored);
+        }
+        if let Some((i, _)) = &stopped {
+            st["stop_string"] = json!(args.stop[*i]);
         }
         if n_images > 0 {
             st["images"] = json!(n_images);
@@ -1047,7 +1061,7 @@ fn converse(
             }
         }
         let n_turn = args.n_predict.min(room + 1 - prompt.len());
-        let mut reply = Reply::new(tokenizer);
+        let mut reply = Reply::new(tokenizer, &args.stop);
         let st = generate_from(
             session,
             mv,
@@ -1077,41 +1091,56 @@ fn converse(
             session.position()
         );
         conv.fed(&prompt.token_ids(n_vocab));
-        conv.replied(&reply.tokens, &reply.text, reply.eog);
-        if reply.eog.is_none() && st.generated < args.n_predict {
+        // The session holds the text cut at a stop string too.
+        let held = match &reply.stopped {
+            Some((_, cut)) => format!("{}{cut}", reply.text),
+            None => reply.text.clone(),
+        };
+        conv.replied(&reply.tokens, &held, reply.eog);
+        if reply.eog.is_none() && reply.stopped.is_none() && st.generated < args.n_predict {
             return Err(context_full(ctx).into());
         }
     }
 }
 
 /// A reply as it is generated: its tokens and text up to an
-/// end-of-generation token (kept apart), each token's text streamed to an
-/// output as it comes.
+/// end-of-generation token (kept apart) or a stop string (`--stop`: the text
+/// from it on kept apart), each token's text streamed to an output as it
+/// comes, less what may be the start of a stop string.
 struct Reply<'t> {
     tokenizer: &'t Tokenizer,
     decoder: crate::tokenizer::StreamDecoder<'t>,
     tokens: Vec<u32>,
     text: String,
     eog: Option<u32>,
+    stops: &'t [String],
+    /// Bytes of `text` written to the output (or, without one, passed).
+    written: usize,
+    /// The stop string that ended the reply (its index in `stops`), and the
+    /// text cut from it on.
+    stopped: Option<(usize, String)>,
     /// The first error writing the reply (or anything else the caller
     /// stopped generating for), returned by [`finish`](Self::finish).
     write_err: Option<std::io::Error>,
 }
 
 impl<'t> Reply<'t> {
-    fn new(tokenizer: &'t Tokenizer) -> Self {
+    fn new(tokenizer: &'t Tokenizer, stops: &'t [String]) -> Self {
         Reply {
             tokenizer,
             decoder: tokenizer.stream_decoder(false),
             tokens: Vec::new(),
             text: String::new(),
             eog: None,
+            stops,
+            written: 0,
+            stopped: None,
             write_err: None,
         }
     }
 
     /// Takes the sampled token `t`, writing its text to `out` if given; stops
-    /// at an end-of-generation token or a write error.
+    /// at an end-of-generation token, a stop string or a write error.
     fn take(&mut self, t: u32, out: Option<&mut dyn Write>) -> Control {
         if self.tokenizer.is_eog(t) {
             self.eog = Some(t);
@@ -1119,26 +1148,88 @@ impl<'t> Reply<'t> {
         }
         self.tokens.push(t);
         let piece = self.decoder.decode_piece(t);
-        if let Some(out) = out {
-            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+        let from = self.text.len();
+        self.text.push_str(&piece);
+        let stopped = self.cut_at_stop(from);
+        let end = if stopped {
+            self.text.len()
+        } else {
+            self.text.len() - held_back(&self.text, self.stops)
+        };
+        if let (Some(out), true) = (out, end > self.written) {
+            let new = &self.text.as_bytes()[self.written..end];
+            if let Err(e) = out.write_all(new).and_then(|()| out.flush()) {
                 self.write_err = Some(e);
                 return Control::Stop;
             }
         }
-        self.text.push_str(&piece);
-        Control::Continue
+        self.written = self.written.max(end);
+        if stopped {
+            Control::Stop
+        } else {
+            Control::Continue
+        }
     }
 
-    /// The text the decoder still held (added to the reply; the caller writes
+    /// Where a stop string ends in `text` past byte `from` (text before it
+    /// was searched already), cuts `text` where the earliest such one starts.
+    fn cut_at_stop(&mut self, from: usize) -> bool {
+        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
+        let mut start = from.saturating_sub(longest.saturating_sub(1));
+        while !self.text.is_char_boundary(start) {
+            start -= 1;
+        }
+        let found = self
+            .stops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, stop)| {
+                self.text[start..]
+                    .find(stop.as_str())
+                    .map(|at| (start + at, i))
+            })
+            .min();
+        match found {
+            Some((at, i)) => {
+                let cut = self.text.split_off(at);
+                self.stopped = Some((i, cut));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The text not yet written (what the decoder still held, and what was
+    /// held back as the possible start of a stop string; the caller writes
     /// it), or the error that stopped the reply.
     fn finish(&mut self) -> Result<String, std::io::Error> {
         if let Some(e) = self.write_err.take() {
             return Err(e);
         }
         let tail = self.decoder.finish();
+        let from = self.text.len();
         self.text.push_str(&tail);
-        Ok(tail)
+        if self.stopped.is_none() {
+            self.cut_at_stop(from);
+        }
+        let rest = self.text[self.written.min(self.text.len())..].to_string();
+        self.written = self.text.len();
+        Ok(rest)
     }
+}
+
+/// How many bytes at the end of `text` are the start of some stop string
+/// (held back from the output until the next token tells).
+fn held_back(text: &str, stops: &[String]) -> usize {
+    stops
+        .iter()
+        .flat_map(|stop| {
+            (1..stop.len())
+                .filter(|&k| stop.is_char_boundary(k) && text.ends_with(&stop[..k]))
+                .max()
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// What `--conversation` prints before it reads stdin.

@@ -129,6 +129,34 @@ pub fn expert_mem(s: &str) -> Result<ExpertMem, String> {
     }
 }
 
+/// A stop string: not empty, with `\n`, `\t`, `\r` and `\\` read as
+/// escapes (llama.cpp's `--escape`, its default); another backslash stays.
+pub fn stop_string(s: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('t') => out.push('\t'),
+            Some('r') => out.push('\r'),
+            Some('\\') => out.push('\\'),
+            Some(other) => {
+                out.push('\\');
+                out.push(other);
+            }
+            None => out.push('\\'),
+        }
+    }
+    if out.is_empty() {
+        return Err("a stop string must not be empty".into());
+    }
+    Ok(out)
+}
+
 /// A logit bias as llama.cpp's `--logit-bias` takes it: `TOKEN_ID+BIAS` or
 /// `TOKEN_ID-BIAS` (e.g. `15043+1`, `15043-inf`: never that token). The bias
 /// is a finite number, or `inf` after `-`.
@@ -183,6 +211,11 @@ mod tests {
         for bad in ["0%", "101%", "%", "x%", "-5%", "nan%", "2 parsecs"] {
             assert!(expert_mem(bad).is_err(), "{bad}");
         }
+        assert_eq!(stop_string("\\n\\nUser:"), Ok("\n\nUser:".into()));
+        assert_eq!(stop_string("a\\tb\\\\n\\r"), Ok("a\tb\\n\r".into()));
+        assert_eq!(stop_string("\\x\\"), Ok("\\x\\".into()));
+        assert_eq!(stop_string("</s>"), Ok("</s>".into()));
+        assert!(stop_string("").is_err());
         assert_eq!(logit_bias("15043+1"), Ok((15043, 1.0)));
         assert_eq!(logit_bias("15043-1.5"), Ok((15043, -1.5)));
         assert_eq!(logit_bias(" 7 -inf"), Ok((7, f32::NEG_INFINITY)));
