@@ -6,7 +6,8 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng, StreamedRun,
+    assert_bits_eq, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng, StreamedOutput,
+    StreamedRun,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::HybridParams;
@@ -544,6 +545,35 @@ impl Decode for BatchDecoder<'_> {
     }
 }
 
+/// [`TOKENS`] evaluated as `plan` says with the experts (in `parts` reads
+/// each) streamed through `slots` slots of a scheduler with `cfg`.
+fn streamed_batches(
+    m: &Model,
+    plan: &[Eval],
+    slots: usize,
+    parts: usize,
+    predict: bool,
+    seed: u64,
+    cfg: SchedulerConfig,
+) -> StreamedOutput {
+    let experts = m.packed(parts);
+    StreamedRun {
+        experts: &experts,
+        n_layers: m.hp.n_layers,
+        n_experts: 8,
+        slots,
+        predict,
+        seed,
+        config: cfg,
+        lookahead: Lookahead {
+            predictor: PredictorConfig::top_k(3),
+            layers: LayerMask::first(m.hp.n_layers).unwrap(),
+            depth: 1,
+        },
+    }
+    .run(&mut BatchDecoder(m, plan))
+}
+
 const PLANS: [&[Eval]; 7] = [
     &[Eval::Batch(6)],
     &[Eval::Batch(1), Eval::Batch(5)],
@@ -589,22 +619,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
                 for parts in [1, 3, 2] {
                     for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
                         seed += 1;
-                        let experts = m.packed(parts);
-                        let out = StreamedRun {
-                            experts: &experts,
-                            n_layers: m.hp.n_layers,
-                            n_experts: 8,
-                            slots,
-                            predict: true,
-                            seed,
-                            config: cfg,
-                            lookahead: Lookahead {
-                                predictor: PredictorConfig::top_k(3),
-                                layers: LayerMask::first(m.hp.n_layers).unwrap(),
-                                depth: 1,
-                            },
-                        }
-                        .run(&mut BatchDecoder(&m, plan));
+                        let out = streamed_batches(&m, plan, slots, parts, true, seed, cfg);
                         let positions = reported_positions(plan);
                         assert_eq!(positions.len(), out.logits.len());
                         for (pos, got) in positions.into_iter().zip(&out.logits) {
@@ -641,23 +656,8 @@ fn batches_read_the_next_layer_ahead() {
         .into_iter()
         .enumerate()
     {
-        let experts = m.packed(1);
-        let out = StreamedRun {
-            experts: &experts,
-            n_layers: m.hp.n_layers,
-            n_experts: 8,
-            // More than a layer's experts: one group a layer.
-            slots: 16,
-            predict: cfg.prefetch,
-            seed: seed as u64,
-            config: cfg,
-            lookahead: Lookahead {
-                predictor: PredictorConfig::top_k(3),
-                layers: LayerMask::first(m.hp.n_layers).unwrap(),
-                depth: 1,
-            },
-        }
-        .run(&mut BatchDecoder(&m, plan));
+        // More slots than a layer's experts: one group a layer.
+        let out = streamed_batches(&m, plan, 16, 1, cfg.prefetch, seed as u64, cfg);
         assert_bits_eq(&out.logits, &want[TOKENS.len() - 1..], "last position");
         let st = out.stats;
         if cfg.prefetch {
