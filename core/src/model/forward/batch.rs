@@ -224,8 +224,8 @@ const NO_EXPERT: u16 = u16::MAX;
 /// then the resident ones ([`Experts::residency`]), and each next group is
 /// named to [`Experts::prefetch_known`] while the current one computes; during
 /// the last group, the next layer's likeliest experts (its router on each
-/// position's residual stream, each position's top picks voting) are named. Needs at
-/// least one input, and at most `b.positions()`.
+/// position's residual stream, each position's top picks voting) are named.
+/// Needs at least one input, and at most `b.positions()`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_batch<W, M, X>(
     hp: &Hparams,
