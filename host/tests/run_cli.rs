@@ -260,6 +260,37 @@ fn stop_strings_end_the_reply() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{text}\n"));
 }
 
+/// `-p` and `--stop` read llama.cpp's escapes (`\n`, `\xHH`...) unless
+/// `--no-escape`; a prompt file is read as it is.
+#[test]
+fn prompt_escapes_are_read_unless_no_escape() {
+    let m = model("qwen3moe");
+    let prompt = |extra: &[&str]| {
+        let out = les()
+            .args(["run", "--json", "--temp", "0", "-n", "1", "-m"])
+            .arg(&m)
+            .args(extra)
+            .output()
+            .unwrap();
+        json_ok(out, "escapes")["prompt_tokens"].clone()
+    };
+    let real = prompt(&["-p", "one\ntwo\tA"]);
+    assert_eq!(prompt(&["-p", r"one\ntwo\t\x41"]), real);
+    assert_ne!(prompt(&["-p", r"one\ntwo\t\x41", "--no-escape"]), real);
+    let path = tmp("escapes_prompt.txt");
+    std::fs::write(&path, r"one\ntwo").unwrap();
+    let from_file = prompt(&["-f", path.to_str().unwrap()]);
+    assert_eq!(from_file, prompt(&["-p", r"one\ntwo", "--no-escape"]));
+    // A \x escape that is not UTF-8 is a one-line error naming -p.
+    let out = les()
+        .args(["run", "-n", "1", "-p", r"\xff", "-m"])
+        .arg(&m)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("-p:"), "{err}");
+}
+
 /// `--logit-bias` (`-l`), as llama.cpp's: a large bias makes greedy decoding
 /// pick its token every time, `-inf` never, and biases of a token add up.
 #[test]

@@ -31,7 +31,9 @@ pub struct RunArgs {
     /// The model (GGUF).
     #[arg(short, long)]
     pub model: PathBuf,
-    /// The prompt, used raw (completion mode) unless `--chat`.
+    /// The prompt, used raw (completion mode) unless `--chat`. Escapes are
+    /// read as llama.cpp does (`\n`, `\t`, `\\`, `\xHH`...) unless
+    /// --no-escape.
     #[arg(short, long, required_unless_present_any = ["file", "conversation"])]
     pub prompt: Option<String>,
     /// Read the prompt from this file instead (UTF-8; one trailing newline is
@@ -75,10 +77,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// End the reply (or the conversation's turn) where its text contains
-    /// TEXT, which is not printed (repeatable; `\n`, `\t`, `\r` and `\\`
-    /// are read as escapes, as llama.cpp's).
+    /// TEXT, which is not printed (repeatable; escapes read as in -p).
     #[arg(short = 'r', long, visible_alias = "reverse-prompt", value_name = "TEXT", value_parser = super::values::stop_string)]
     pub stop: Vec<String>,
+    /// Read -p and --stop as they are: no escapes.
+    #[arg(long)]
+    pub no_escape: bool,
     /// Add BIAS to a token's logit before sampling, as llama.cpp's
     /// (repeatable): `15043+1` favours token 15043, `15043-inf` bans it.
     #[arg(short = 'l', long, value_name = "TOKEN_ID(+/-)BIAS", value_parser = super::values::logit_bias)]
@@ -473,8 +477,20 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     // /image lines before its first message.
     let mut image_paths = args.images.clone();
     // Before the model loads: a bad prompt file fails at once.
+    let escaped = |s: &str| {
+        if args.no_escape {
+            Ok(s.to_string())
+        } else {
+            super::values::process_escapes(s)
+        }
+    };
+    let stops = args
+        .stop
+        .iter()
+        .map(|s| escaped(s).map_err(|e| format!("--stop: {e}")))
+        .collect::<Result<Vec<String>, String>>()?;
     let prompt_arg = match (&args.prompt, &args.file) {
-        (Some(p), _) => p.clone(),
+        (Some(p), _) => escaped(p).map_err(|e| format!("-p: {e}"))?,
         (None, Some(path)) => read_prompt_file(path)?,
         (None, None) if args.conversation => {
             match first_message(&mut image_paths, args.mmproj.is_some())? {
@@ -716,7 +732,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         None => None,
     };
     let pre = cached.map_or(0, |c| c.evaluated + c.restored);
-    let mut reply = Reply::new(&tokenizer, &args.stop);
+    let mut reply = Reply::new(&tokenizer, &stops);
     let mut stats = generate_from(
         &mut session,
         &mut mv,
@@ -793,7 +809,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             st["prompt_cache_restored"] = json!(c.restored);
         }
         if let Some((i, _)) = &stopped {
-            st["stop_string"] = json!(args.stop[*i]);
+            st["stop_string"] = json!(stops[*i]);
         }
         if n_images > 0 {
             st["images"] = json!(n_images);
@@ -865,6 +881,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 drafter: drafter.as_deref_mut(),
                 max_draft,
                 sampler: &mut sampler,
+                stops: &stops,
             },
             conv,
             out,
@@ -967,6 +984,8 @@ struct Turns<'a, 'm, 'd> {
     drafter: Option<&'a mut (dyn Drafter + 'd)>,
     max_draft: usize,
     sampler: &'a mut Sampler,
+    /// The stop strings, escapes read.
+    stops: &'a [String],
 }
 
 /// The conversation after its first reply: each message read from stdin is
@@ -988,6 +1007,7 @@ fn converse(
         mut drafter,
         max_draft,
         sampler,
+        stops,
     } = t;
     let ctx = session.max_positions();
     let (n_embd, n_vocab) = (model.hp.n_embd, model.hp.n_vocab as u32);
@@ -1061,7 +1081,7 @@ fn converse(
             }
         }
         let n_turn = args.n_predict.min(room + 1 - prompt.len());
-        let mut reply = Reply::new(tokenizer, &args.stop);
+        let mut reply = Reply::new(tokenizer, stops);
         let st = generate_from(
             session,
             mv,

@@ -129,32 +129,58 @@ pub fn expert_mem(s: &str) -> Result<ExpertMem, String> {
     }
 }
 
-/// A stop string: not empty, with `\n`, `\t`, `\r` and `\\` read as
-/// escapes (llama.cpp's `--escape`, its default); another backslash stays.
+/// A stop string: not empty (escapes are read later, see
+/// [`process_escapes`]).
 pub fn stop_string(s: &str) -> Result<String, String> {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c != '\\' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('n') => out.push('\n'),
-            Some('t') => out.push('\t'),
-            Some('r') => out.push('\r'),
-            Some('\\') => out.push('\\'),
-            Some(other) => {
-                out.push('\\');
-                out.push(other);
-            }
-            None => out.push('\\'),
-        }
-    }
-    if out.is_empty() {
+    if s.is_empty() {
         return Err("a stop string must not be empty".into());
     }
-    Ok(out)
+    Ok(s.to_string())
+}
+
+/// `s` with llama.cpp's escapes read (its `--escape`, on by default): `\n`,
+/// `\r`, `\t`, `\'`, `\"`, `\\` and `\xHH` (a byte); a backslash before
+/// anything else stays, as does a trailing one. An error where `\xHH` bytes
+/// do not make UTF-8.
+pub fn process_escapes(s: &str) -> Result<String, String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] != b'\\' || i + 1 == b.len() {
+            out.push(b[i]);
+            i += 1;
+            continue;
+        }
+        let byte = match b[i + 1] {
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            c @ (b'\'' | b'"' | b'\\') => Some(c),
+            _ => None,
+        };
+        if let Some(c) = byte {
+            out.push(c);
+            i += 2;
+            continue;
+        }
+        let hex = (b[i + 1] == b'x')
+            .then(|| b.get(i + 2..i + 4))
+            .flatten()
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(v) => {
+                out.push(v);
+                i += 4;
+            }
+            None => {
+                out.push(b'\\');
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("{s:?}: its \\x escapes do not make UTF-8 text"))
 }
 
 /// A logit bias as llama.cpp's `--logit-bias` takes it: `TOKEN_ID+BIAS` or
@@ -211,11 +237,15 @@ mod tests {
         for bad in ["0%", "101%", "%", "x%", "-5%", "nan%", "2 parsecs"] {
             assert!(expert_mem(bad).is_err(), "{bad}");
         }
-        assert_eq!(stop_string("\\n\\nUser:"), Ok("\n\nUser:".into()));
-        assert_eq!(stop_string("a\\tb\\\\n\\r"), Ok("a\tb\\n\r".into()));
-        assert_eq!(stop_string("\\x\\"), Ok("\\x\\".into()));
         assert_eq!(stop_string("</s>"), Ok("</s>".into()));
         assert!(stop_string("").is_err());
+        assert_eq!(process_escapes(r"\n\nUser:"), Ok("\n\nUser:".into()));
+        assert_eq!(process_escapes(r"a\tb\\n\r"), Ok("a\tb\\n\r".into()));
+        assert_eq!(process_escapes(r#"\'\"\x41\xc3\xa9"#), Ok("'\"Aé".into()));
+        // Unknown escapes, a short or bad \x, and a trailing backslash stay.
+        assert_eq!(process_escapes(r"\q\x4\xzz\"), Ok(r"\q\x4\xzz\".into()));
+        assert_eq!(process_escapes("plain é"), Ok("plain é".into()));
+        assert!(process_escapes(r"\xff").is_err());
         assert_eq!(logit_bias("15043+1"), Ok((15043, 1.0)));
         assert_eq!(logit_bias("15043-1.5"), Ok((15043, -1.5)));
         assert_eq!(logit_bias(" 7 -inf"), Ok((7, f32::NEG_INFINITY)));
