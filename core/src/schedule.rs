@@ -855,17 +855,8 @@ where
                 if self.table.lookup(key).is_some() {
                     continue;
                 }
-                if self.queue.is_full() {
-                    // Room for a nearer layer: drop the deepest, least confident.
-                    let deepest = (0..self.queue.len())
-                        .max_by_key(|&i| (self.queue[i].depth, self.queue[i].rank))
-                        .filter(|&i| self.queue[i].depth > depth);
-                    match deepest {
-                        Some(i) => {
-                            self.queue.swap_remove(i);
-                        }
-                        None => continue,
-                    }
+                if !self.make_room(depth) {
+                    continue;
                 }
                 let _ = self.queue.push(Queued {
                     key,
@@ -884,8 +875,9 @@ where
         self.pump(dev, src)
     }
 
-    /// Queues reads of `experts` of `layer` known to be picked next (a batch's
-    /// next group of a layer's picks, see
+    /// Queues reads of `experts` of `layer` known, or nearly, to be picked next
+    /// (a batch's next group of a layer's picks, or the next layer's experts
+    /// most of its positions are predicted to pick, see
     /// [`forward_batch`](crate::model::forward::forward_batch)), ahead of every
     /// lookahead prediction: they are not predictions (never scored, never
     /// held back for an idle device, not counted in the token's prefetch
@@ -920,17 +912,8 @@ where
             {
                 continue;
             }
-            if self.queue.is_full() {
-                // Room made by the deepest, least confident prediction.
-                let deepest = (0..self.queue.len())
-                    .max_by_key(|&i| (self.queue[i].depth, self.queue[i].rank))
-                    .filter(|&i| self.queue[i].depth > 0);
-                match deepest {
-                    Some(i) => {
-                        self.queue.swap_remove(i);
-                    }
-                    None => break,
-                }
+            if !self.make_room(0) {
+                break;
             }
             let _ = self.queue.push(Queued {
                 key,
@@ -940,6 +923,24 @@ where
         }
         self.queue.sort_unstable_by_key(|q| (q.depth, q.rank));
         self.pump(dev, src)
+    }
+
+    /// Whether the queue has room for a read of `depth`: where it is full, the
+    /// deepest, least confident queued read deeper than `depth` is dropped.
+    fn make_room(&mut self, depth: u8) -> bool {
+        if !self.queue.is_full() {
+            return true;
+        }
+        let deepest = (0..self.queue.len())
+            .max_by_key(|&i| (self.queue[i].depth, self.queue[i].rank))
+            .filter(|&i| self.queue[i].depth > depth);
+        match deepest {
+            Some(i) => {
+                self.queue.swap_remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Processes completions, submits what can be submitted, and says what to do

@@ -1453,10 +1453,7 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
     for layer in targets.filter(|l| la.layers.is_enabled(*l)) {
         let w = weights.block(layer);
         if let Ffn::Moe { router, .. } = w.ffn {
-            let r = weights
-                .lookahead_router(layer)
-                .filter(|c| c.rows() == router.rows() && c.cols() == router.cols())
-                .unwrap_or(router);
+            let r = lookahead_matrix(weights, layer, router);
             rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
             mv.matvec(&r, s.pred_x, s.router)?;
             router::predict(s.router, None, rc, &la.predictor, &mut prediction)?;
@@ -1468,6 +1465,20 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
         }
     }
     Ok(())
+}
+
+/// The router matrix `layer`'s lookahead multiplies: the weights' cheaper
+/// copy ([`Weights::lookahead_router`]) where it has the router's shape, else
+/// the router itself.
+pub(super) fn lookahead_matrix<'w, W: Weights>(
+    weights: &'w W,
+    layer: usize,
+    router: MatrixView<'w>,
+) -> MatrixView<'w> {
+    weights
+        .lookahead_router(layer)
+        .filter(|c| c.rows() == router.rows() && c.cols() == router.cols())
+        .unwrap_or(router)
 }
 
 /// The shared expert of `x` into `out`, scaled by its gate where it has one.

@@ -19,8 +19,8 @@
 
 use super::deltanet::DeltaNetWeights;
 use super::{
-    add_into, cached, combine, deltanet_state, deltanet_step, embed, gate_shared, next_step,
-    output_gate, project_position, router_config, swiglu_ffn_checked, AttentionWeights,
+    add_into, cached, combine, deltanet_state, deltanet_step, embed, gate_shared, lookahead_matrix,
+    next_step, output_gate, project_position, router_config, swiglu_ffn_checked, AttentionWeights,
     ExpertMatrices, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState,
     Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
 };
@@ -583,10 +583,7 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     let Ffn::Moe { router, .. } = w.ffn else {
         return Ok(0);
     };
-    let r = weights
-        .lookahead_router(layer)
-        .filter(|c| c.rows() == router.rows() && c.cols() == router.cols())
-        .unwrap_or(router);
+    let r = lookahead_matrix(weights, layer, router);
     let (e, n_exp) = (hp.n_embd, b.votes.len());
     if r.rows() != n_exp {
         return Err(ForwardError::Shape("router rows"));
