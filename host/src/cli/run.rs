@@ -866,7 +866,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         if stop == "ctx" {
             return Err(context_full(ctx).into());
         }
-        conv.fed(&prompt.token_ids(model.hp.n_vocab as u32));
+        conv.fed(&prompt_ids);
         conv.replied(&tokens, &text, eog);
         converse(
             Turns {
