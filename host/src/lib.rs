@@ -8,7 +8,7 @@
 //! - [`tokenizer`]: tokenizers built from the GGUF's `tokenizer.ggml.*` metadata.
 //! - [`compute`]: a persistent thread pool and the multi-threaded `MatVec`.
 //! - [`sampling`]: reproducible token sampling (greedy, repeat penalty, top-k,
-//!   top-p, min-p, banned tokens).
+//!   top-p, min-p, banned tokens); [`grammar`], GBNF grammars that constrain it.
 //! - [`engine`]: KV cache, prefill and the decode loop ([`prompt_cache`]: a
 //!   prompt's evaluated state kept in a file); [`draft`], the guesses
 //!   speculative decoding verifies (prompt lookup, a draft model, or the
@@ -56,6 +56,7 @@ pub mod draft;
 pub mod engine;
 pub mod flash;
 pub mod gguf;
+pub mod grammar;
 pub mod hugepages;
 pub mod interrupt;
 pub mod layer_costs;

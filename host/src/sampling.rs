@@ -28,6 +28,17 @@
 //! `temperature <= 0` (or NaN) is greedy: the highest logit after the
 //! penalties, the lowest id among ties (as llama.cpp's greedy sampler).
 //!
+//! # Grammars
+//!
+//! With a grammar ([`Sampler::constrain`]) the pick is checked as llama.cpp's
+//! `common_sampler_sample` does: the token the chain picks is kept if the
+//! grammar allows it; if not, the chain runs again over the tokens the grammar
+//! allows (the grammar first, then bias, penalties, filters and a new draw), and
+//! the grammar moves past the token picked. Greedy decoding thus picks the best
+//! allowed token. Where the grammar allows no token at all (it is complete and
+//! the end-of-generation tokens are banned, say), [`Sampler::grammar_error`]
+//! says so.
+//!
 //! # Reproducibility
 //!
 //! For a given seed and the same calls the tokens are the same on every platform:
@@ -54,6 +65,8 @@
 
 use std::cmp::Ordering;
 use std::collections::VecDeque;
+
+use crate::grammar::{GrammarError, TokenGrammar};
 
 /// The penalties on recently accepted tokens (llama.cpp's `--repeat-penalty`,
 /// `--frequency-penalty` and `--presence-penalty` over `--repeat-last-n`).
@@ -195,6 +208,10 @@ pub struct Sampler {
     /// Logit biases ([`bias`](Self::bias), [`ban`](Self::ban)), sorted by
     /// token, one per token (a token's biases summed).
     biases: Vec<(u32, f64)>,
+    /// The grammar picks must follow ([`constrain`](Self::constrain)).
+    grammar: Option<TokenGrammar>,
+    /// Why the last pick broke the grammar, until taken.
+    grammar_error: Option<GrammarError>,
 }
 
 impl Sampler {
@@ -208,7 +225,30 @@ impl Sampler {
             candidates: Vec::new(),
             adjusted: Vec::new(),
             biases: Vec::new(),
+            grammar: None,
+            grammar_error: None,
         }
+    }
+
+    /// Picks only tokens `grammar` allows from now on (see the [module
+    /// docs](self#grammars)); [`reset`](Self::reset) takes it back to its
+    /// start.
+    pub fn constrain(&mut self, grammar: TokenGrammar) {
+        self.grammar = Some(grammar);
+    }
+
+    /// Takes the grammar back to its start (a new reply), keeping the rest.
+    pub fn reset_grammar(&mut self) {
+        if let Some(g) = &mut self.grammar {
+            g.reset();
+        }
+        self.grammar_error = None;
+    }
+
+    /// Why the last [`sample`](Self::sample) could not follow the grammar
+    /// (no token was allowed), taken: the caller should stop generating.
+    pub fn grammar_error(&mut self) -> Option<GrammarError> {
+        self.grammar_error.take()
     }
 
     /// Never picks `tokens` (their logits read as `-inf`, as a logit bias of
@@ -249,6 +289,7 @@ impl Sampler {
     pub fn reset(&mut self) {
         self.history.clear();
         self.rng = Xoshiro256StarStar::seed_from_u64(self.config.seed);
+        self.reset_grammar();
     }
 
     /// Records `token` for the penalties (as llama.cpp's `accept`): call it
@@ -272,31 +313,69 @@ impl Sampler {
     /// Picks the next token from `logits` (one per vocabulary id) and records it
     /// with [`accept`](Self::accept). Never panics; returns 0 for an empty slice.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let token = self.pick(logits);
+        let token = match self.grammar.take() {
+            None => self.pick(logits, &mut |_| true).unwrap_or(0),
+            Some(mut grammar) => {
+                let token = self.pick_in_grammar(logits, &mut grammar);
+                self.grammar = Some(grammar);
+                token
+            }
+        };
         self.accept(token);
         token
     }
 
-    fn pick(&mut self, logits: &[f32]) -> u32 {
+    /// The pick under `grammar` (see the [module docs](self#grammars)), and
+    /// the grammar moved past it; token 0 and an error kept for
+    /// [`grammar_error`](Self::grammar_error) where no token is allowed.
+    fn pick_in_grammar(&mut self, logits: &[f32], grammar: &mut TokenGrammar) -> u32 {
+        let first = self.pick(logits, &mut |_| true).unwrap_or(0);
+        let token = if grammar.allows(first) {
+            Some(first)
+        } else {
+            self.pick(logits, &mut |t| grammar.allows(t))
+        };
+        match token {
+            Some(t) => {
+                if let Err(e) = grammar.accept(t) {
+                    self.grammar_error = Some(e);
+                }
+                t
+            }
+            None => {
+                self.grammar_error = Some(GrammarError(
+                    "grammar: no token can continue it (is it complete, with the \
+                     end-of-generation tokens banned?)"
+                        .into(),
+                ));
+                0
+            }
+        }
+    }
+
+    /// The chain's pick among the tokens `allowed` lets through (each asked
+    /// at most once, and only for tokens that could be picked); `None` if
+    /// there is none with a finite logit.
+    fn pick(&mut self, logits: &[f32], allowed: &mut impl FnMut(u32) -> bool) -> Option<u32> {
         // Token ids are u32; a longer slice is cut (no vocabulary is that large).
         let logits = &logits[..logits.len().min(u32::MAX as usize)];
         self.collect_adjusted();
         let cfg = self.config;
         // NaN temperature is greedy too.
         if cfg.temperature.is_nan() || cfg.temperature <= 0.0 {
-            return self.greedy(logits);
+            return self.greedy(logits, allowed);
         }
         let mut cands = std::mem::take(&mut self.candidates);
         cands.clear();
         if cfg.top_k == 0 || cfg.top_k >= logits.len() {
             for_each_value(logits, &self.adjusted, |id, value| {
                 let logit = value.logit();
-                if logit > f64::NEG_INFINITY {
+                if logit > f64::NEG_INFINITY && allowed(id) {
                     cands.push(Candidate { id, logit });
                 }
             });
         } else {
-            gather_top_k(logits, &self.adjusted, cfg.top_k, &mut cands);
+            gather_top_k(logits, &self.adjusted, cfg.top_k, &mut cands, allowed);
         }
         let token = self.pick_from(&mut cands);
         self.candidates = cands;
@@ -354,27 +433,28 @@ impl Sampler {
         }
     }
 
-    /// The highest adjusted logit's token, the lowest id among ties; 0 if none
-    /// (every logit `-inf`, or none at all).
-    fn greedy(&self, logits: &[f32]) -> u32 {
-        let mut best = Candidate {
-            id: 0,
-            logit: f64::NEG_INFINITY,
-        };
+    /// The highest adjusted logit's allowed token, the lowest id among ties;
+    /// `None` if none (every logit `-inf`, or none at all).
+    fn greedy(&self, logits: &[f32], allowed: &mut impl FnMut(u32) -> bool) -> Option<u32> {
+        let mut best: Option<Candidate> = None;
+        let mut bound = f64::NEG_INFINITY;
         for_each_value(logits, &self.adjusted, |id, value| {
-            if let Some(logit) = value.above(best.logit) {
-                best = Candidate { id, logit };
+            if let Some(logit) = value.above(bound) {
+                if allowed(id) {
+                    best = Some(Candidate { id, logit });
+                    bound = logit;
+                }
             }
         });
-        best.id
+        best.map(|c| c.id)
     }
 
     /// Top-k, top-p, min-p, temperature and the draw over `cands`: the finite
     /// candidates, every one or (with top-k) at least the `top_k` best by rank.
-    fn pick_from(&mut self, cands: &mut Vec<Candidate>) -> u32 {
+    fn pick_from(&mut self, cands: &mut Vec<Candidate>) -> Option<u32> {
         let cfg = self.config;
         if cands.is_empty() {
-            return 0;
+            return None;
         }
 
         // Top-k (sorted either way: top-p and the draw walk in rank order).
@@ -431,11 +511,11 @@ impl Sampler {
             }
             cum += w;
             if cum > target {
-                return c.id;
+                return Some(c.id);
             }
         }
         // Only reached through rounding of `total` against the running sum.
-        last
+        Some(last)
     }
 }
 
@@ -519,12 +599,21 @@ fn for_each_value(logits: &[f32], adjusted: &[(u32, Adjust)], mut f: impl FnMut(
 /// passes top-k: `cands` holds the same `k` best as the whole list (with fewer
 /// finite tokens than `k`, all of them), and the pass costs a comparison a
 /// token instead of a 16-byte candidate each and a selection over them all.
-fn gather_top_k(logits: &[f32], adjusted: &[(u32, Adjust)], k: usize, cands: &mut Vec<Candidate>) {
+///
+/// Only tokens `allowed` lets through are kept; it is asked only for tokens
+/// above the threshold, so a grammar is consulted for few of them.
+fn gather_top_k(
+    logits: &[f32],
+    adjusted: &[(u32, Adjust)],
+    k: usize,
+    cands: &mut Vec<Candidate>,
+    allowed: &mut impl FnMut(u32) -> bool,
+) {
     let k = k.max(1);
     let cap = k.saturating_mul(4).max(256);
     let mut threshold = f64::NEG_INFINITY;
     for_each_value(logits, adjusted, |id, value| {
-        if let Some(logit) = value.above(threshold) {
+        if let Some(logit) = value.above(threshold).filter(|_| allowed(id)) {
             cands.push(Candidate { id, logit });
             if cands.len() >= cap {
                 cands.select_nth_unstable_by(k - 1, by_rank);
@@ -634,6 +723,76 @@ mod tests {
         assert!((0..20).all(|_| s.sample(&[1.0, 2.0, 0.0]) == 2));
     }
 
+    /// A grammar over tokens "a", "b", "ab", "c" and an end token (4).
+    fn abc_grammar(text: &str) -> TokenGrammar {
+        let pieces: [(&[u8], bool); 5] = [
+            (b"a", false),
+            (b"b", false),
+            (b"ab", false),
+            (b"c", false),
+            (b"", true),
+        ];
+        TokenGrammar::from_pieces(crate::grammar::Grammar::parse(text).unwrap(), pieces).unwrap()
+    }
+
+    #[test]
+    fn sampling_follows_a_grammar() {
+        // Greedy: the best allowed token, then only the end.
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        s.constrain(abc_grammar("root ::= (\"a\" | \"b\") \"c\""));
+        let logits = [1.0, 2.0, 9.0, 5.0, 7.0];
+        assert_eq!(
+            s.sample(&logits),
+            1,
+            "ab and c not allowed first; b beats a"
+        );
+        assert_eq!(s.sample(&logits), 3, "only c now");
+        assert_eq!(s.sample(&logits), 4, "complete: only the end");
+        assert!(s.grammar_error().is_none());
+        // The reset starts the grammar over; the unconstrained best is kept
+        // when allowed.
+        s.reset();
+        assert_eq!(s.sample(&[5.0, 1.0, 0.0, 0.0, 9.0]), 0);
+        // Sampling at a temperature, with and without top-k: only allowed
+        // tokens, from both of them.
+        for top_k in [0, 2, 40] {
+            let mut s = Sampler::new(SamplerConfig {
+                temperature: 1.0,
+                top_k,
+                top_p: 1.0,
+                min_p: None,
+                seed: 7,
+                ..SamplerConfig::default()
+            });
+            s.constrain(abc_grammar("root ::= (\"a\" | \"b\") \"c\""));
+            let mut seen = [0usize; 5];
+            for _ in 0..200 {
+                s.reset_grammar();
+                let first = s.sample(&[0.0, 0.0, 3.0, 3.0, 3.0]);
+                assert!(first <= 1, "top_k {top_k}: {first}");
+                seen[first as usize] += 1;
+                assert_eq!(s.sample(&[0.0, 0.0, 3.0, 3.0, 3.0]), 3);
+                assert_eq!(s.sample(&[0.0, 0.0, 3.0, 3.0, 3.0]), 4);
+            }
+            assert!(seen[0] > 50 && seen[1] > 50, "top_k {top_k}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn a_grammar_that_allows_nothing_is_reported() {
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        s.constrain(abc_grammar("root ::= \"a\""));
+        // The end token is banned, as --ignore-eos does.
+        s.ban([4]);
+        assert_eq!(s.sample(&[1.0, 2.0, 3.0, 4.0, 5.0]), 0);
+        assert!(s.grammar_error().is_none());
+        s.sample(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        let e = s.grammar_error().expect("nothing is allowed");
+        assert!(e.0.contains("no token"), "{e}");
+        // Taken once.
+        assert!(s.grammar_error().is_none());
+    }
+
     /// The sampler as it was before candidates were gathered in one pass: every
     /// token a candidate, the biases then the penalty applied to the whole list.
     fn reference_pick(s: &mut Sampler, logits: &[f32]) -> u32 {
@@ -680,7 +839,7 @@ mod tests {
             best.map_or(0, |b| b.id)
         } else {
             cands.retain(|c| c.logit > f64::NEG_INFINITY);
-            s.pick_from(&mut cands)
+            s.pick_from(&mut cands).unwrap_or(0)
         };
         s.accept(token);
         token
@@ -733,7 +892,7 @@ mod tests {
             adjusted.sort_by_key(|&(t, _)| t);
             adjusted.dedup_by_key(|&mut (t, _)| t);
             let mut gathered = Vec::new();
-            gather_top_k(&logits, &adjusted, k, &mut gathered);
+            gather_top_k(&logits, &adjusted, k, &mut gathered, &mut |_| true);
             let mut all = Vec::new();
             for_each_value(&logits, &adjusted, |id, value| {
                 let logit = value.logit();

@@ -1519,3 +1519,153 @@ fn conversation_answers_each_line_of_stdin() {
         assert_eq!(out.status.code(), Some(2), "{extra:?}");
     }
 }
+
+/// `--grammar` / `--grammar-file` (llama.cpp's GBNF): every reply is text the
+/// grammar derives, at any temperature and with speculative decoding (the
+/// same tokens as without), ending where the grammar is complete; a grammar
+/// that can allow nothing more (complete, end of generation banned) stops
+/// with `"stop": "grammar"`; each conversation turn starts the grammar over.
+#[test]
+fn grammar_constrains_the_reply() {
+    let m = model("qwen3moe");
+    let yes_no = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../grammars/yes_no.gbnf")
+        .to_str()
+        .unwrap()
+        .to_string();
+    for extra in [
+        &["--temp", "0"][..],
+        &["--temp", "1.5", "--seed", "1"],
+        &["--temp", "1.5", "--seed", "2", "--top-k", "0"],
+        &[
+            "--temp", "1.5", "--seed", "3", "--top-k", "0", "--top-p", "0.5",
+        ],
+    ] {
+        let v = json_run(
+            &m,
+            &[&["--grammar-file", &yes_no, "-n", "20"], extra].concat(),
+        );
+        let text = v["text"].as_str().unwrap();
+        assert!(text == "yes" || text == "no", "{extra:?}: {text:?}");
+        assert_eq!(v["stats"]["stop"], "eog", "{extra:?}");
+    }
+    // A grammar a reply can only finish one way: a small JSON object.
+    let g = r#"root ::= "{\"n\": " [1-9] [0-9]{0,2} ", \"ok\": " ("true" | "false") "}""#;
+    let plain = json_run(&m, &["--temp", "0", "-n", "40", "--grammar", g]);
+    let text = plain["text"].as_str().unwrap();
+    let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        parsed["n"].as_u64().is_some_and(|n| (1..1000).contains(&n)),
+        "{text}"
+    );
+    assert!(parsed["ok"].is_boolean(), "{text}");
+    // Speculative decoding samples the same tokens under the grammar.
+    let spec = json_run(
+        &m,
+        &[
+            "--temp",
+            "0",
+            "-n",
+            "40",
+            "--grammar",
+            g,
+            "--speculate",
+            "ngram",
+        ],
+    );
+    assert_eq!(tokens(&spec), tokens(&plain));
+    // Complete, with the end of generation banned: nothing is allowed.
+    let out = run(
+        &m,
+        &[
+            "--temp",
+            "0",
+            "-n",
+            "20",
+            "--grammar",
+            "root ::= \"yes\"",
+            "--ignore-eos",
+            "--json",
+        ],
+    );
+    let v = json_ok(out, "grammar with --ignore-eos");
+    assert_eq!(v["text"], "yes");
+    assert_eq!(v["stats"]["stop"], "grammar");
+    // Each conversation turn follows the grammar from its start.
+    use std::io::Write as _;
+    let mut child = les()
+        .args(["run", "-m"])
+        .arg(&m)
+        .args(["--temp", "0", "-n", "10", "--cnv", "-p", "Hello"])
+        .args(["--grammar-file", &yes_no])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Again?\nAnd again?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let replies: Vec<&str> = stdout.lines().collect();
+    assert_eq!(replies.len(), 3, "{stdout:?}");
+    assert!(
+        replies.iter().all(|r| *r == "yes" || *r == "no"),
+        "{stdout:?}"
+    );
+}
+
+/// Bad grammars are one-line errors naming the flag or file and the place.
+#[test]
+fn grammar_errors_are_clear() {
+    let m = model("qwen3moe");
+    let dir = tmp("grammar_errors");
+    std::fs::create_dir_all(&dir).unwrap();
+    let big = dir.join("big.gbnf");
+    std::fs::write(&big, vec![b'#'; (1 << 20) + 1]).unwrap();
+    let latin1 = dir.join("latin1.gbnf");
+    std::fs::write(&latin1, b"root ::= \"\xe9\"\n").unwrap();
+    let missing = dir.join("missing.gbnf");
+    for (args, want) in [
+        (
+            vec!["--grammar", "root ::= undefined"],
+            "--grammar: grammar: undefined rule `undefined`".to_string(),
+        ),
+        (
+            vec!["--grammar", "root ::= \"a\"\nx ::= \"b\" }"],
+            "expecting a line break or the end at line 2, column 11".into(),
+        ),
+        (
+            vec!["--grammar", "item ::= \"a\""],
+            "--grammar: grammar: no `root` rule".into(),
+        ),
+        (
+            vec!["--grammar", "root ::= root \"a\""],
+            "left-recursive".into(),
+        ),
+        (
+            vec!["--grammar-file", big.to_str().unwrap()],
+            "grammar file larger than 1024 KiB".into(),
+        ),
+        (
+            vec!["--grammar-file", latin1.to_str().unwrap()],
+            "grammar is not UTF-8".into(),
+        ),
+        (
+            vec!["--grammar-file", missing.to_str().unwrap()],
+            format!("{}", missing.display()),
+        ),
+    ] {
+        let out = run(&m, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(&want), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+    }
+    let out = run(&m, &["--grammar", "root ::= \"a\"", "--grammar-file", "x"]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -42,9 +42,9 @@ pub enum Command {
     /// Rewrite a MoE GGUF so each expert is one aligned extent, optionally requantized.
     Pack(PackArgs),
     /// Generate text from a prompt.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Compare expert schedules on one model and budget, cold cache.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// A model's perplexity over a text, or its KL divergence from a base model's.
     Perplexity(Box<PerplexityArgs>),
     /// Write a deterministic synthetic model (random weights) of a real architecture.

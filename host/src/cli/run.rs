@@ -15,6 +15,7 @@ use crate::compute::{default_threads, ThreadedMatVec};
 use crate::draft::{Drafter, Speculation};
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
+use crate::grammar::{Grammar, GrammarError, TokenGrammar};
 use crate::model::Model;
 use crate::sampling::{Penalties, Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
@@ -87,6 +88,14 @@ pub struct RunArgs {
     /// (repeatable): `15043+1` favours token 15043, `15043-inf` bans it.
     #[arg(short = 'l', long, value_name = "TOKEN_ID(+/-)BIAS", value_parser = super::values::logit_bias)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Generate only text a GBNF grammar derives (llama.cpp's `--grammar`:
+    /// rules `name ::= ...` from `root`; see grammars/ for examples). The
+    /// reply ends where the grammar is complete and the model ends it.
+    #[arg(long, value_name = "GBNF", conflicts_with = "grammar_file")]
+    pub grammar: Option<String>,
+    /// --grammar, read from a file.
+    #[arg(long, value_name = "FILE")]
+    pub grammar_file: Option<PathBuf>,
     /// Random seed (default: from the clock, printed in the stats).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -411,6 +420,59 @@ pub fn resolve_budget(
 /// Largest prompt file `-f` reads: far more text than any context holds.
 pub const MAX_PROMPT_FILE: u64 = 64 << 20;
 
+/// `sampler`'s pick; where it broke the grammar (no token allowed), the
+/// reason goes to `stuck` for the token callback to stop on.
+fn sample_in_grammar(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    stuck: &std::cell::RefCell<Option<GrammarError>>,
+) -> u32 {
+    let token = sampler.sample(logits);
+    if let Some(e) = sampler.grammar_error() {
+        *stuck.borrow_mut() = Some(e);
+    }
+    token
+}
+
+/// Largest grammar `--grammar-file` reads.
+pub const MAX_GRAMMAR_FILE: u64 = 1 << 20;
+
+/// The grammar of `--grammar` or `--grammar-file` over `tokenizer`'s
+/// vocabulary, if one is given; errors name the file.
+fn read_grammar(
+    args: &RunArgs,
+    tokenizer: &Tokenizer,
+) -> Result<Option<TokenGrammar>, Box<dyn Error>> {
+    use std::io::Read;
+    let (text, source) = match (&args.grammar, &args.grammar_file) {
+        (Some(text), _) => (text.clone(), "--grammar".to_string()),
+        (None, Some(path)) => {
+            let named = |e: std::io::Error| with_path(path, e);
+            let file = std::fs::File::open(path).map_err(named)?;
+            let mut bytes = Vec::new();
+            file.take(MAX_GRAMMAR_FILE + 1)
+                .read_to_end(&mut bytes)
+                .map_err(named)?;
+            if bytes.len() as u64 > MAX_GRAMMAR_FILE {
+                return Err(format!(
+                    "{}: grammar file larger than {} KiB",
+                    path.display(),
+                    MAX_GRAMMAR_FILE >> 10
+                )
+                .into());
+            }
+            let text = String::from_utf8(bytes)
+                .map_err(|e| format!("{}: grammar is not UTF-8 ({e})", path.display()))?;
+            (text, path.display().to_string())
+        }
+        (None, None) => return Ok(None),
+    };
+    let grammar = Grammar::parse(&text).map_err(|e| format!("{source}: {e}"))?;
+    Ok(Some(
+        TokenGrammar::new(grammar, tokenizer).map_err(|e| format!("{source}: {e}"))?,
+    ))
+}
+
 /// The prompt in `path` (`-f`), without one trailing newline (`\n` or
 /// `\r\n`); errors name the file, and a file over [`MAX_PROMPT_FILE`] or not
 /// UTF-8 is refused.
@@ -652,6 +714,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
         sampler.bias(token, bias);
     }
+    if let Some(grammar) = read_grammar(args, &tokenizer)? {
+        sampler.constrain(grammar);
+    }
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::with_kv_types(&model, ctx, args.cache.types())?;
@@ -733,6 +798,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     };
     let pre = cached.map_or(0, |c| c.evaluated + c.restored);
     let mut reply = Reply::new(&tokenizer, &stops);
+    // Set by the sampler's closure where the grammar allows no token; the
+    // token closure then stops before taking it.
+    let grammar_stuck: std::cell::RefCell<Option<GrammarError>> = Default::default();
     let mut stats = generate_from(
         &mut session,
         &mut mv,
@@ -746,8 +814,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             context: &prompt_ids[..pre],
         }),
         n_predict,
-        |logits| sampler.sample(logits),
+        |logits| sample_in_grammar(&mut sampler, logits, &grammar_stuck),
         |t, logits| {
+            if grammar_stuck.borrow().is_some() {
+                return Control::Stop;
+            }
             if let Some(npy) = &mut npy {
                 if let Err(e) = npy.push(logits) {
                     reply.write_err = Some(e);
@@ -769,8 +840,14 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         stopped,
         ..
     } = reply;
+    let stuck = grammar_stuck.into_inner();
+    if let Some(e) = &stuck {
+        note!("\nles: {e}; stopping");
+    }
     let stop = if eog.is_some() {
         "eog"
+    } else if stuck.is_some() {
+        "grammar"
     } else if stopped.is_some() {
         "string"
     } else if n_predict < args.n_predict && stats.generated == n_predict {
@@ -1082,6 +1159,9 @@ fn converse(
         }
         let n_turn = args.n_predict.min(room + 1 - prompt.len());
         let mut reply = Reply::new(tokenizer, stops);
+        // Each reply follows the grammar from its start.
+        sampler.reset_grammar();
+        let grammar_stuck: std::cell::RefCell<Option<GrammarError>> = Default::default();
         let st = generate_from(
             session,
             mv,
@@ -1095,9 +1175,17 @@ fn converse(
                 context: conv.held(),
             }),
             n_turn,
-            |logits| sampler.sample(logits),
-            |t, _| reply.take(t, Some(&mut *out)),
+            |logits| sample_in_grammar(sampler, logits, &grammar_stuck),
+            |t, _| {
+                if grammar_stuck.borrow().is_some() {
+                    return Control::Stop;
+                }
+                reply.take(t, Some(&mut *out))
+            },
         )?;
+        if let Some(e) = grammar_stuck.take() {
+            note!("\nles: {e}; the turn ends");
+        }
         let tail = reply.finish()?;
         writeln!(out, "{tail}")?;
         out.flush()?;

@@ -1,0 +1,512 @@
+use std::collections::BTreeSet;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn matcher(text: &str) -> Matcher {
+    Matcher::new(Grammar::parse(text).expect("grammar parses")).expect("grammar starts")
+}
+
+fn err(text: &str) -> String {
+    match Grammar::parse(text) {
+        Ok(_) => panic!("{text:?} parsed"),
+        Err(e) => e.0,
+    }
+}
+
+#[test]
+fn literals_classes_and_any() {
+    let mut m = matcher(r#"root ::= "ab" [0-9] [^x-z] . "\x41\u00e9\t\"\\""#);
+    assert!(m.derives("ab5qZAé\t\"\\"));
+    assert!(m.derives("ab0aéAé\t\"\\"));
+    assert!(!m.derives("ab5yZAé\t\"\\"), "negated class");
+    assert!(!m.derives("abxqZAé\t\"\\"), "range");
+    assert!(!m.derives("ab5qZAé\t\""), "too short");
+    assert!(!m.derives("ab5qZAé\t\"\\!"), "too long");
+}
+
+#[test]
+fn repetitions() {
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        (r#"root ::= "a"*"#, &["", "a", "aaaa"], &["b", "ab"]),
+        (r#"root ::= "a"+"#, &["a", "aaa"], &[""]),
+        (r#"root ::= "a"? "b""#, &["b", "ab"], &["aab", "a"]),
+        (r#"root ::= "a"{3}"#, &["aaa"], &["aa", "aaaa"]),
+        (r#"root ::= "a"{2,}"#, &["aa", "aaaaa"], &["a"]),
+        (r#"root ::= "a"{1,3}"#, &["a", "aa", "aaa"], &["", "aaaa"]),
+        (r#"root ::= "a"{0,2} "b""#, &["b", "ab", "aab"], &["aaab"]),
+        (
+            r#"root ::= ("ab" | "c"){2}"#,
+            &["abab", "abc", "cc"],
+            &["ab", "abcc"],
+        ),
+        (r#"root ::= "x"{ 2 , 3 }"#, &["xx", "xxx"], &["x"]),
+    ];
+    for &(g, yes, no) in cases {
+        let mut m = matcher(g);
+        for s in yes {
+            assert!(m.derives(s), "{g} should derive {s:?}");
+        }
+        for s in no {
+            assert!(!m.derives(s), "{g} should not derive {s:?}");
+        }
+    }
+}
+
+#[test]
+fn rules_comments_and_line_breaks() {
+    let g = r#"
+# a comment
+root ::= greeting ws name   # trailing comment
+greeting ::= "hi" |
+    "hello"
+name ::= (
+    "bob"
+  | "alice"
+)
+ws ::= [ \t]+
+"#;
+    let mut m = matcher(g);
+    assert!(m.derives("hi bob"));
+    assert!(m.derives("hello \talice"));
+    assert!(!m.derives("hibob"));
+    assert!(!m.derives("hey bob"));
+}
+
+#[test]
+fn a_rule_defined_again_replaces_the_first_as_in_llama_cpp() {
+    let mut m = matcher("root ::= \"a\"\nroot ::= \"b\"\n");
+    assert!(m.derives("b"));
+    assert!(!m.derives("a"));
+}
+
+#[test]
+fn parse_errors_are_clear() {
+    assert!(err("").contains("no `root` rule"));
+    assert!(err("start ::= \"a\"").contains("no `root` rule"));
+    assert!(err("root ::= missing").contains("undefined rule `missing`"));
+    assert!(err("root ::= root \"a\" | \"b\"").contains("left-recursive"));
+    // Through a rule that can be empty.
+    assert!(err("root ::= opt root \"a\" | \"b\"\nopt ::= \"x\"?").contains("left-recursive"));
+    assert!(err("root ::= (\"\")*").contains("left-recursive"));
+    assert!(err("root ::= \"a").contains("end of input"));
+    assert!(err("root ::= [a-").contains("end of input"));
+    assert!(err("root ::= \"\\q\"").contains("unknown escape"));
+    assert!(err("root ::= \"\\x4\"").contains("hex digits"));
+    assert!(err("root ::= \"a\"{2001}").contains("2001 repetitions"));
+    assert!(err("root ::= \"a\"{99999999999999999999}").contains("repetitions"));
+    assert!(err("root ::= \"a\"{3,1}").contains("below the minimum"));
+    assert!(err("root ::= \"a\"{x}").contains("expecting an integer"));
+    assert!(err("root ::= *").contains("expecting an item"));
+    assert!(err("root ::= (\"a\"").contains("expecting ')'"));
+    assert!(err("root = \"a\"").contains("expecting ::="));
+    assert!(err("root ::= \"a\" )").contains("expecting a line break"));
+    let e = err("root ::= \"a\"\nx ::= \"b\" }");
+    assert!(e.contains("line 2, column 11"), "{e}");
+    let deep = format!("root ::= {}\"a\"{}", "(".repeat(300), ")".repeat(300));
+    assert!(err(&deep).contains("nested deeper"));
+    // Repetitions that would write out too many symbols.
+    // (A group repeats as one rule reference; a literal's code points are
+    // copied.)
+    let wide = format!("root ::= \"{}\"{{2000}}", "ab".repeat(300));
+    assert!(err(&wide).contains("symbols"));
+}
+
+#[test]
+fn partial_utf8_follows_llama_cpp() {
+    let mut m = matcher("root ::= \"é\" \"x\"");
+    // é is C3 A9: the first byte alone may still become é.
+    assert!(m.allows(&[0xc3]));
+    assert!(!m.allows(&[0xc4]), "C4 starts U+0100..U+013F");
+    m.accept(&[0xc3]).unwrap();
+    assert!(!m.can_end());
+    assert!(m.allows(&[0xa9]));
+    assert!(m.allows(&[0xa9, b'x']));
+    assert!(!m.allows(b"x"), "a continuation byte is due");
+    m.accept(&[0xa9, b'x']).unwrap();
+    assert!(m.can_end());
+
+    let mut neg = matcher("root ::= [^é]");
+    // The partial sequence may complete to é: a negated set refuses it.
+    assert!(!neg.allows(&[0xc3]));
+    assert!(neg.allows(&[0xc4]));
+    assert!(neg.allows("ç".as_bytes()));
+    // Invalid UTF-8, an empty piece, a leading NUL: never.
+    let mut any = matcher("root ::= .*");
+    assert!(!any.allows(&[0x80]));
+    assert!(!any.allows(&[]));
+    assert!(!any.allows(&[0, b'a']));
+    assert!(any.allows(b"a\0b"), "read up to the NUL, as a C string");
+    // Bytes inside a sequence must continue it (stricter than llama.cpp),
+    // and F8-FF start nothing.
+    assert!(!any.allows(&[0xf0, b'A', b'B', b'C']));
+    assert!(!any.allows(&[0xe2, 0x82, b'x']));
+    assert!(any.allows(&[0xe2, 0x82, 0xac, b'x']));
+    assert!(!any.allows(&[0xf8]));
+    // Overlong, surrogate and past U+10FFFF, whole or begun.
+    assert!(!any.allows(&[0xe0, 0x80, 0x80]));
+    assert!(!any.allows(&[0xe0, 0x9f]));
+    assert!(!any.allows(&[0xed, 0xa0, 0x80]));
+    assert!(!any.allows(&[0xed, 0xa0]));
+    assert!(!any.allows(&[0xf4, 0x90]));
+    assert!(!any.allows(&[0xf5]));
+    assert!(any.allows(&[0xf4, 0x8f]));
+    assert!(any.allows("😀".as_bytes()));
+    // An overlong two-byte start (C0, C1) cannot complete to anything valid.
+    assert!(!any.allows(&[0xc1]));
+    assert!(any.allows(&[0xe0]));
+    // A four-byte sequence split over tokens.
+    any.accept(&[0xf0, 0x9f]).unwrap();
+    assert!(!any.allows(b"a"));
+    assert!(any.allows(&[0x98, 0x80, b'a']));
+}
+
+#[test]
+fn accept_refuses_without_changing_the_state() {
+    let mut m = matcher("root ::= \"ab\"");
+    assert!(m.accept(b"b").is_err());
+    m.accept(b"a").unwrap();
+    assert!(m.accept(b"c").is_err());
+    m.accept(b"b").unwrap();
+    assert!(m.can_end());
+    assert!(m.accept(b"b").is_err(), "nothing after the end");
+}
+
+#[test]
+fn deep_nesting_is_an_error_not_a_crash() {
+    let mut m = matcher("root ::= \"(\" root \")\" | \"\"");
+    assert!(m.derives("((()))"));
+    let deep = "(".repeat(MAX_DEPTH + 10);
+    let e = m.accept(deep.as_bytes()).unwrap_err();
+    assert!(e.0.contains("deeper"), "{e}");
+    // The state did not move: it still starts at the beginning.
+    assert!(m.allows(b"("));
+}
+
+#[test]
+fn tokens_end_generation_only_where_the_grammar_may_end() {
+    // Tokens: 0 "a", 1 "b", 2 "ab", 3 EOG, 4 "" (empty), 5 "\xc3", 6 "\xa9".
+    let pieces: [(&[u8], bool); 7] = [
+        (b"a", false),
+        (b"b", false),
+        (b"ab", false),
+        (b"</s>", true),
+        (b"", false),
+        (&[0xc3], false),
+        (&[0xa9], false),
+    ];
+    let g = Grammar::parse("root ::= \"a\" \"b\"? | \"é\"").unwrap();
+    let mut tg = TokenGrammar::from_pieces(g, pieces).unwrap();
+    let allowed = |tg: &mut TokenGrammar| (0..8).filter(|&t| tg.allows(t)).collect::<Vec<u32>>();
+    assert_eq!(allowed(&mut tg), [0, 2, 5]);
+    tg.accept(0).unwrap();
+    assert_eq!(allowed(&mut tg), [1, 3]);
+    tg.accept(1).unwrap();
+    assert_eq!(allowed(&mut tg), [3]);
+    tg.accept(3).unwrap();
+    tg.reset();
+    assert!(tg.accept(3).is_err(), "end before the grammar may end");
+    assert!(tg.accept(7).is_err(), "outside the vocabulary");
+    tg.accept(5).unwrap();
+    assert_eq!(allowed(&mut tg), [6]);
+}
+
+// --- Property test: the matcher against a plain reference --------------
+
+/// A regular expression over a small alphabet, written out as GBNF and
+/// matched by [`ends`] directly.
+#[derive(Clone, Debug)]
+enum Re {
+    Lit(Vec<char>),
+    Class(bool, Vec<(char, char)>),
+    Any,
+    Seq(Vec<Re>),
+    Alt(Vec<Re>),
+    Rep(Box<Re>, u32, Option<u32>),
+    /// A named rule `r{index}` (defined after the root).
+    Named(usize),
+}
+
+const ALPHABET: [char; 3] = ['a', 'b', 'é'];
+
+/// Every position `re` can end at starting from `start` in `s`.
+fn ends(re: &Re, rules: &[Re], s: &[char], start: usize) -> BTreeSet<usize> {
+    match re {
+        Re::Lit(cs) => {
+            let end = start + cs.len();
+            if s.get(start..end) == Some(cs.as_slice()) {
+                [end].into()
+            } else {
+                BTreeSet::new()
+            }
+        }
+        Re::Class(neg, ranges) => match s.get(start) {
+            Some(&c) if ranges.iter().any(|&(lo, hi)| lo <= c && c <= hi) != *neg => {
+                [start + 1].into()
+            }
+            _ => BTreeSet::new(),
+        },
+        Re::Any => match s.get(start) {
+            Some(_) => [start + 1].into(),
+            None => BTreeSet::new(),
+        },
+        Re::Seq(items) => {
+            let mut at: BTreeSet<usize> = [start].into();
+            for item in items {
+                at = at.iter().flat_map(|&p| ends(item, rules, s, p)).collect();
+            }
+            at
+        }
+        Re::Alt(alts) => alts.iter().flat_map(|a| ends(a, rules, s, start)).collect(),
+        Re::Rep(body, min, max) => {
+            let mut at: BTreeSet<usize> = [start].into();
+            let mut out = BTreeSet::new();
+            let mut n = 0u32;
+            loop {
+                if n >= *min {
+                    out.extend(at.iter().copied());
+                }
+                if max.is_some_and(|m| n >= m) || at.is_empty() || n > s.len() as u32 + min {
+                    break;
+                }
+                at = at.iter().flat_map(|&p| ends(body, rules, s, p)).collect();
+                n += 1;
+            }
+            out
+        }
+        Re::Named(i) => ends(&rules[*i], rules, s, start),
+    }
+}
+
+fn nullable(re: &Re, rules: &[Re]) -> bool {
+    ends(re, rules, &[], 0).contains(&0)
+}
+
+fn gbnf_char(c: char, escape: bool) -> String {
+    match c {
+        '"' => "\\\"".into(),
+        '\\' => "\\\\".into(),
+        ']' => "\\]".into(),
+        '[' => "\\[".into(),
+        c if escape && c as u32 <= 0xff => format!("\\x{:02x}", c as u32),
+        c if escape => format!("\\u{:04x}", c as u32),
+        c => c.to_string(),
+    }
+}
+
+fn gbnf(re: &Re, escape: bool) -> String {
+    match re {
+        Re::Lit(cs) => format!(
+            "\"{}\"",
+            cs.iter().map(|&c| gbnf_char(c, escape)).collect::<String>()
+        ),
+        Re::Class(neg, ranges) => format!(
+            "[{}{}]",
+            if *neg { "^" } else { "" },
+            ranges
+                .iter()
+                .map(|&(lo, hi)| if lo == hi {
+                    gbnf_char(lo, escape)
+                } else {
+                    format!("{}-{}", gbnf_char(lo, escape), gbnf_char(hi, escape))
+                })
+                .collect::<String>()
+        ),
+        Re::Any => ".".into(),
+        Re::Seq(items) if items.is_empty() => "\"\"".into(),
+        Re::Seq(items) => format!(
+            "({})",
+            items
+                .iter()
+                .map(|i| gbnf(i, escape))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+        Re::Alt(alts) => format!(
+            "({})",
+            alts.iter()
+                .map(|a| gbnf(a, escape))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
+        Re::Rep(body, min, max) => {
+            let b = gbnf(body, escape);
+            match (min, max) {
+                (0, None) => format!("{b}*"),
+                (1, None) => format!("{b}+"),
+                (0, Some(1)) => format!("{b}?"),
+                (m, None) => format!("{b}{{{m},}}"),
+                (m, Some(x)) if m == x => format!("{b}{{{m}}}"),
+                (m, Some(x)) => format!("{b}{{{m},{x}}}"),
+            }
+        }
+        Re::Named(i) => format!("r{i}"),
+    }
+}
+
+fn alphabet_char() -> impl Strategy<Value = char> {
+    prop::sample::select(ALPHABET.to_vec())
+}
+
+/// An expression that may name rules `from..n_rules` (rules only name later
+/// ones: no recursion).
+fn re(from: usize, n_rules: usize) -> impl Strategy<Value = Re> {
+    let leaf = prop_oneof![
+        prop::collection::vec(alphabet_char(), 0..3).prop_map(Re::Lit),
+        (
+            any::<bool>(),
+            prop::collection::vec((alphabet_char(), alphabet_char()), 1..3)
+        )
+            .prop_map(|(n, r)| Re::Class(n, r)),
+        Just(Re::Any),
+        (from..n_rules.max(from + 1)).prop_map(move |i| if i < n_rules {
+            Re::Named(i)
+        } else {
+            Re::Lit(vec!['a'])
+        }),
+    ];
+    leaf.prop_recursive(3, 12, 3, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..3).prop_map(Re::Seq),
+            prop::collection::vec(inner.clone(), 1..3).prop_map(Re::Alt),
+            (inner, 0u32..3, prop::option::of(0u32..3)).prop_map(|(b, min, extra)| Re::Rep(
+                Box::new(b),
+                min,
+                extra.map(|e| min + e)
+            )),
+        ]
+    })
+}
+
+/// Unbounded repetitions of a body that can be empty are left-recursive
+/// once rewritten (refused by llama.cpp and here): bound them.
+fn bound_empty_loops(re: Re, rules: &[Re]) -> Re {
+    match re {
+        Re::Seq(items) => Re::Seq(
+            items
+                .into_iter()
+                .map(|i| bound_empty_loops(i, rules))
+                .collect(),
+        ),
+        Re::Alt(alts) => Re::Alt(
+            alts.into_iter()
+                .map(|a| bound_empty_loops(a, rules))
+                .collect(),
+        ),
+        Re::Rep(body, min, max) => {
+            let body = bound_empty_loops(*body, rules);
+            let max = match max {
+                None if nullable(&body, rules) => Some(min + 2),
+                m => m,
+            };
+            Re::Rep(Box::new(body), min, max)
+        }
+        other => other,
+    }
+}
+
+/// Every string over the alphabet up to `len` code points.
+fn all_strings(len: usize) -> Vec<Vec<char>> {
+    let mut out = vec![Vec::new()];
+    let mut last = vec![Vec::new()];
+    for _ in 0..len {
+        let mut next = Vec::new();
+        for s in &last {
+            for &c in &ALPHABET {
+                let mut t: Vec<char> = s.clone();
+                t.push(c);
+                next.push(t);
+            }
+        }
+        out.extend(next.iter().cloned());
+        last = next;
+    }
+    out
+}
+
+fn grammar_strategy() -> impl Strategy<Value = (Re, Vec<Re>, bool)> {
+    (0usize..3).prop_flat_map(|n| {
+        let rules: Vec<_> = (0..n).map(|i| re(i + 1, n).boxed()).collect();
+        (re(0, n), rules, any::<bool>())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// For every string of up to 4 code points, the matcher derives it iff
+    /// the plain reference does; and feeding its bytes one token at a time
+    /// (splitting `é`) agrees too, with end of generation allowed exactly at
+    /// the end of a derived string.
+    #[test]
+    fn matcher_agrees_with_a_plain_reference((root, rules, escape) in grammar_strategy()) {
+        // Rules only name later rules, so bounding goes back to front.
+        let mut fixed = vec![Re::Lit(vec![]); rules.len()];
+        for i in (0..rules.len()).rev() {
+            fixed[i] = bound_empty_loops(rules[i].clone(), &fixed);
+        }
+        let root = bound_empty_loops(root, &fixed);
+        let mut text = format!("root ::= {}\n", gbnf(&root, escape));
+        for (i, r) in fixed.iter().enumerate() {
+            text += &format!("r{i} ::= {}\n", gbnf(r, escape));
+        }
+        let g = Grammar::parse(&text).map_err(|e| TestCaseError::fail(format!("{text}: {e}")))?;
+        let mut m = Matcher::new(g.clone()).unwrap();
+        let mut bytes: Vec<(Vec<u8>, bool)> = (0..=255u8).map(|b| (vec![b], false)).collect();
+        bytes.push((b"<eog>".to_vec(), true));
+        let mut tg = TokenGrammar::from_pieces(g, bytes.iter().map(|(p, e)| (p.as_slice(), *e))).unwrap();
+        for s in all_strings(4) {
+            let want = ends(&root, &fixed, &s, 0).contains(&s.len());
+            let string: String = s.iter().collect();
+            prop_assert_eq!(m.derives(&string), want, "{}: {:?}", text, string);
+            tg.reset();
+            let mut fed = true;
+            for &b in string.as_bytes() {
+                if !tg.allows(u32::from(b)) {
+                    fed = false;
+                    break;
+                }
+                tg.accept(u32::from(b)).unwrap();
+            }
+            let end = fed && tg.allows(256);
+            prop_assert_eq!(end, want, "{}: bytes of {:?}", text, string);
+        }
+    }
+
+    /// Parsing arbitrary text never panics, and a grammar that parses starts.
+    #[test]
+    fn parsing_anything_is_an_answer(text in "[a-z:= \"|()*+?{},0-9\\[\\]^.\\\\\n#-]{0,60}") {
+        if let Ok(g) = Grammar::parse(&text) {
+            let mut m = Matcher::new(g).unwrap();
+            let _ = m.allows(b"a");
+            let _ = m.accept(b"ab");
+        }
+    }
+}
+
+/// The shipped JSON grammar derives JSON objects and nothing else it is
+/// shown (checked against serde_json on each example).
+#[test]
+fn the_json_grammar_derives_json_objects() {
+    let mut m = matcher(include_str!("../../../grammars/json.gbnf"));
+    let examples = [
+        r#"{}"#,
+        r#"{"a": 1}"#,
+        "{\n  \"a\": [1, -2.5e+3, true, null, \"x\\u00e9\\n\"],\n  \"b\": {\"c\": {}}\n}",
+        r#"{"k": "é ☃ 😀", "n": 0.5, "e": [], "f": false} "#,
+        r#"{"a": 01}"#,
+        r#"{"a": 1,}"#,
+        r#"{"a" 1}"#,
+        r#"[1, 2]"#,
+        r#"{"a": "\q"}"#,
+        "{\"a\": \"tab\there\"}",
+        r#"{'a': 1}"#,
+        r#"{"a": 1e}"#,
+        r#"{"a": -}"#,
+    ];
+    for text in examples {
+        let json = serde_json::from_str::<serde_json::Value>(text).is_ok_and(|v| v.is_object());
+        assert_eq!(m.derives(text), json, "{text:?}");
+    }
+}
