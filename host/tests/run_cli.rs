@@ -1477,6 +1477,14 @@ fn conversation_answers_each_line_of_stdin() {
     let (b, err) = converse(&["--conversation"], "Hello\n");
     assert_eq!(a, b);
     assert_eq!(err.matches("les: turn of").count(), 0, "{err}");
+    // Lines read escapes as -p does (llama-cli's), unless --no-escape.
+    let (c, _) = converse(&["--conversation"], "\\x48ello\n");
+    assert_eq!(c, b);
+    let (out, err) = converse(&["--conversation"], "\\xff\n");
+    assert!(out.is_empty(), "{err}");
+    assert!(err.contains("was not sent"), "{err}");
+    let (out, err) = converse(&["--conversation", "--no-escape"], "\\xff\n");
+    assert!(!out.is_empty(), "{err}");
     // Nothing read, nothing done.
     let (out, _) = converse(&["--conversation"], "");
     assert!(out.is_empty());

@@ -81,7 +81,7 @@ pub struct RunArgs {
     /// TEXT, which is not printed (repeatable; escapes read as in -p).
     #[arg(short = 'r', long, visible_alias = "reverse-prompt", value_name = "TEXT", value_parser = super::values::stop_string)]
     pub stop: Vec<String>,
-    /// Read -p and --stop as they are: no escapes.
+    /// Read -p, --stop and the conversation's lines as they are: no escapes.
     #[arg(long)]
     pub no_escape: bool,
     /// Add BIAS to a token's logit before sampling, as llama.cpp's
@@ -555,7 +555,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         (Some(p), _) => escaped(p).map_err(|e| format!("-p: {e}"))?,
         (None, Some(path)) => read_prompt_file(path)?,
         (None, None) if args.conversation => {
-            match first_message(&mut image_paths, args.mmproj.is_some())? {
+            match first_message(&mut image_paths, args.mmproj.is_some(), args.no_escape)? {
                 Some(message) => message,
                 None => return Ok(()),
             }
@@ -1127,7 +1127,10 @@ fn converse(
                 }
                 continue;
             }
-            Input::Message(message) => message,
+            Input::Message(message) => match line_escapes(message, args.no_escape) {
+                Some(message) => message,
+                None => continue,
+            },
         };
         let content = vision::place_markers(&message, images.len());
         let markers = content.matches(MEDIA_MARKER).count();
@@ -1417,6 +1420,22 @@ fn parse_input(
     }
 }
 
+/// A conversation line with the escapes -p reads read too (as llama-cli
+/// does), unless `no_escape`; `None`, noted, where they are not UTF-8 (the
+/// line is not sent).
+fn line_escapes(message: String, no_escape: bool) -> Option<String> {
+    if no_escape {
+        return Some(message);
+    }
+    match values::process_escapes(&message) {
+        Ok(message) => Some(message),
+        Err(e) => {
+            note!("les: {e}; the message was not sent");
+            None
+        }
+    }
+}
+
 /// A conversation's first message, read from stdin before the model loads:
 /// the images named before it (by `/image`, checked at once: a missing or
 /// unreadable file is reported and left out) go to `images`; `None` if the
@@ -1424,11 +1443,16 @@ fn parse_input(
 fn first_message(
     images: &mut Vec<PathBuf>,
     has_projector: bool,
+    no_escape: bool,
 ) -> Result<Option<String>, Box<dyn Error>> {
     let given = images.len();
     loop {
         match read_input()? {
-            Input::Message(message) => return Ok(Some(message)),
+            Input::Message(message) => {
+                if let Some(message) = line_escapes(message, no_escape) {
+                    return Ok(Some(message));
+                }
+            }
             Input::Quit => return Ok(None),
             Input::Clear => images.truncate(given),
             Input::Image(_) if !has_projector => {
