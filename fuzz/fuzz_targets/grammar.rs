@@ -1,10 +1,12 @@
 //! GBNF grammars from arbitrary text: parsing gives a grammar or an error,
 //! never a panic, hang or huge allocation; a grammar that parses then checks
 //! and accepts arbitrary byte pieces (its bounds stop runaway grammars with an
-//! error), and whatever it accepted it keeps allowing from the start.
+//! error), and whatever it accepted it keeps allowing from the start. Text
+//! that is a JSON Schema the converter takes gives GBNF that parses (unless
+//! the schema only refers to itself, or outgrows the bounds).
 #![no_main]
 
-use les::grammar::{Grammar, Matcher};
+use les::grammar::{json_schema_to_gbnf, Grammar, Matcher};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -16,6 +18,14 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(text) else {
         return;
     };
+    if let Ok(gbnf) = json_schema_to_gbnf(text) {
+        if let Err(e) = Grammar::parse(&gbnf) {
+            assert!(
+                e.0.contains("left-recursive") || e.0.contains("symbols") || e.0.contains("rules"),
+                "{text:?} gave GBNF that does not parse: {e}\n{gbnf}"
+            );
+        }
+    }
     let Ok(grammar) = Grammar::parse(text) else {
         return;
     };

@@ -1677,3 +1677,62 @@ fn grammar_errors_are_clear() {
     let out = run(&m, &["--grammar", "root ::= \"a\"", "--grammar-file", "x"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `-j`/`--json-schema` (and `--json-schema-file`, llama.cpp's `-jf`): the
+/// reply is a JSON document of the schema, required members first in
+/// schema order; unsupported keywords are one-line errors naming them.
+#[test]
+fn json_schema_shapes_the_reply() {
+    let m = model("qwen3moe");
+    let schema = r#"{"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}, "xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}, "required": ["n", "ok", "tag", "xs"]}"#;
+    let file = tmp("schema.json");
+    std::fs::write(&file, schema).unwrap();
+    for (seed, flag, value) in [
+        ("1", "-j", schema.to_string()),
+        ("2", "--json-schema", schema.to_string()),
+        (
+            "3",
+            "--json-schema-file",
+            file.to_str().unwrap().to_string(),
+        ),
+    ] {
+        let v = json_run(
+            &m,
+            &["--temp", "0.8", "--seed", seed, "-n", "200", flag, &value],
+        );
+        let text = v["text"].as_str().unwrap();
+        assert_eq!(v["stats"]["stop"], "eog", "{text:?}");
+        let doc: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let keys: Vec<&str> = doc
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(keys.len(), 4, "{text}");
+        assert!(doc["n"].is_i64() || doc["n"].is_u64(), "{text}");
+        assert!(doc["ok"].is_boolean(), "{text}");
+        assert!(doc["tag"] == "a" || doc["tag"] == "b", "{text}");
+        let xs = doc["xs"].as_array().unwrap();
+        assert!(
+            xs.len() <= 3 && xs.iter().all(|x| x.is_i64() || x.is_u64()),
+            "{text}"
+        );
+        // In the schema's order.
+        let at = |k: &str| text.find(&format!("\"{k}\"")).unwrap();
+        assert!(
+            at("n") < at("ok") && at("ok") < at("tag") && at("tag") < at("xs"),
+            "{text}"
+        );
+    }
+    let out = run(&m, &["-j", r#"{"type": "string", "pattern": "^a+$"}"#]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--json-schema: json schema: unsupported keyword `pattern` at /"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let out = run(&m, &["-j", "{}", "--grammar", "root ::= \"a\""]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -15,7 +15,7 @@ use crate::compute::{default_threads, ThreadedMatVec};
 use crate::draft::{Drafter, Speculation};
 use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
-use crate::grammar::{Grammar, GrammarError, TokenGrammar};
+use crate::grammar::{json_schema_to_gbnf, Grammar, GrammarError, TokenGrammar};
 use crate::model::Model;
 use crate::sampling::{Penalties, Sampler, SamplerConfig};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
@@ -94,8 +94,22 @@ pub struct RunArgs {
     #[arg(long, value_name = "GBNF", conflicts_with = "grammar_file")]
     pub grammar: Option<String>,
     /// --grammar, read from a file.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["json_schema", "json_schema_file"])]
     pub grammar_file: Option<PathBuf>,
+    /// Generate only JSON that a JSON Schema allows (llama.cpp's `-j`):
+    /// the schema becomes a grammar (`type`, `properties`, `required`,
+    /// `items`, `enum`, `const`, `anyOf`, `$ref`...; other constraints are an
+    /// error).
+    #[arg(short = 'j', long, value_name = "SCHEMA", conflicts_with_all = ["grammar", "json_schema_file"])]
+    pub json_schema: Option<String>,
+    /// --json-schema, read from a file.
+    #[arg(
+        long,
+        visible_alias = "jf",
+        value_name = "FILE",
+        conflicts_with = "grammar"
+    )]
+    pub json_schema_file: Option<PathBuf>,
     /// Random seed (default: from the clock, printed in the stats).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -434,38 +448,51 @@ fn sample_in_grammar(
     token
 }
 
-/// Largest grammar `--grammar-file` reads.
+/// Largest grammar or schema `--grammar-file` and `--json-schema-file` read.
 pub const MAX_GRAMMAR_FILE: u64 = 1 << 20;
 
-/// The grammar of `--grammar` or `--grammar-file` over `tokenizer`'s
-/// vocabulary, if one is given; errors name the file.
+/// The grammar of `--grammar`, `--grammar-file`, `--json-schema` or
+/// `--json-schema-file` over `tokenizer`'s vocabulary, if one is given;
+/// errors name the flag or file.
 fn read_grammar(
     args: &RunArgs,
     tokenizer: &Tokenizer,
 ) -> Result<Option<TokenGrammar>, Box<dyn Error>> {
     use std::io::Read;
-    let (text, source) = match (&args.grammar, &args.grammar_file) {
-        (Some(text), _) => (text.clone(), "--grammar".to_string()),
-        (None, Some(path)) => {
-            let named = |e: std::io::Error| with_path(path, e);
-            let file = std::fs::File::open(path).map_err(named)?;
-            let mut bytes = Vec::new();
-            file.take(MAX_GRAMMAR_FILE + 1)
-                .read_to_end(&mut bytes)
-                .map_err(named)?;
-            if bytes.len() as u64 > MAX_GRAMMAR_FILE {
-                return Err(format!(
-                    "{}: grammar file larger than {} KiB",
-                    path.display(),
-                    MAX_GRAMMAR_FILE >> 10
-                )
-                .into());
-            }
-            let text = String::from_utf8(bytes)
-                .map_err(|e| format!("{}: grammar is not UTF-8 ({e})", path.display()))?;
-            (text, path.display().to_string())
+    let read = |path: &std::path::Path, what: &str| -> Result<String, Box<dyn Error>> {
+        let named = |e: std::io::Error| with_path(path, e);
+        let file = std::fs::File::open(path).map_err(named)?;
+        let mut bytes = Vec::new();
+        file.take(MAX_GRAMMAR_FILE + 1)
+            .read_to_end(&mut bytes)
+            .map_err(named)?;
+        if bytes.len() as u64 > MAX_GRAMMAR_FILE {
+            return Err(format!(
+                "{}: {what} file larger than {} KiB",
+                path.display(),
+                MAX_GRAMMAR_FILE >> 10
+            )
+            .into());
         }
-        (None, None) => return Ok(None),
+        Ok(String::from_utf8(bytes)
+            .map_err(|e| format!("{}: {what} is not UTF-8 ({e})", path.display()))?)
+    };
+    let schema =
+        |text: &str, source: &str| json_schema_to_gbnf(text).map_err(|e| format!("{source}: {e}"));
+    let (text, source) = match (
+        &args.grammar,
+        &args.grammar_file,
+        &args.json_schema,
+        &args.json_schema_file,
+    ) {
+        (Some(text), ..) => (text.clone(), "--grammar".to_string()),
+        (None, Some(path), ..) => (read(path, "grammar")?, path.display().to_string()),
+        (None, None, Some(text), _) => (schema(text, "--json-schema")?, "--json-schema".into()),
+        (None, None, None, Some(path)) => {
+            let source = path.display().to_string();
+            (schema(&read(path, "schema")?, &source)?, source)
+        }
+        (None, None, None, None) => return Ok(None),
     };
     let grammar = Grammar::parse(&text).map_err(|e| format!("{source}: {e}"))?;
     Ok(Some(

@@ -15,6 +15,8 @@
 //!   UTF-8 sequence a token may have ended in. It answers whether a token's
 //!   bytes may come next ([`Matcher::allows`]) and moves on by them
 //!   ([`Matcher::accept`]).
+//! - [`json_schema_to_gbnf`] writes the grammar of a JSON Schema's documents
+//!   (`--json-schema`).
 //! - [`TokenGrammar`] binds a matcher to a vocabulary (each token's bytes,
 //!   special tokens written out, and which tokens end generation), which is
 //!   what [`crate::sampling::Sampler::constrain`] takes.
@@ -33,9 +35,11 @@
 //! bounded ([`MAX_STACKS`], [`MAX_DEPTH`], [`MAX_EXPANSIONS`]) and reports an
 //! error instead.
 
+mod json_schema;
 mod matcher;
 mod parse;
 
+pub use json_schema::{json_schema_to_gbnf, Json};
 pub use matcher::{Matcher, TokenGrammar};
 
 use std::fmt;

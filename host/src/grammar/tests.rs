@@ -510,3 +510,197 @@ fn the_json_grammar_derives_json_objects() {
         assert_eq!(m.derives(text), json, "{text:?}");
     }
 }
+
+// --- JSON Schema -------------------------------------------------------
+
+fn schema_matcher(schema: &str) -> Matcher {
+    let gbnf = json_schema_to_gbnf(schema).unwrap_or_else(|e| panic!("{schema}: {e}"));
+    let g = Grammar::parse(&gbnf).unwrap_or_else(|e| panic!("{schema}:\n{gbnf}\n{e}"));
+    Matcher::new(g).unwrap()
+}
+
+#[test]
+fn json_schemas_become_grammars_of_their_documents() {
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        (
+            r#"{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}"#,
+            &[r#"{"name": "x", "age": 3}"#, r#"{"name":"é\n","age":-10}"#],
+            &[
+                r#"{"age": 3, "name": "x"}"#,
+                r#"{"name": "x"}"#,
+                r#"{"name": "x", "age": 1.5}"#,
+                r#"{"name": "x", "age": 3, "z": 1}"#,
+            ],
+        ),
+        (
+            r#"{"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}}"#,
+            &[
+                "{}",
+                r#"{"a": 1}"#,
+                r#"{"b": 1}"#,
+                r#"{"a": 1, "c": 2}"#,
+                r#"{"a":1,"b":2,"c":3}"#,
+            ],
+            &[
+                r#"{"c": 1, "a": 2}"#,
+                r#"{"a": 1, "a": 1}"#,
+                r#"{, "a": 1}"#,
+            ],
+        ),
+        (
+            // Required first, then the optional ones, each in schema order.
+            r#"{"properties": {"opt": {"type": "boolean"}, "id": {"type": "integer"}}, "required": ["id"]}"#,
+            &[r#"{"id": 1}"#, r#"{"id": 1, "opt": true}"#],
+            &[r#"{"opt": true, "id": 1}"#, r#"{"opt": true}"#],
+        ),
+        (
+            r#"{"enum": ["red", "green", 1, null]}"#,
+            &[r#""red""#, "1", "null"],
+            &[r#""blue""#, "2"],
+        ),
+        (
+            r#"{"const": {"a": [1, 2]}}"#,
+            &[r#"{"a":[1,2]}"#],
+            &[r#"{"a":[1]}"#],
+        ),
+        (
+            r#"{"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3}"#,
+            &["[1]", "[1, 2.5, -3e2]"],
+            &["[]", "[1, 2, 3, 4]", r#"["a"]"#],
+        ),
+        (
+            r#"{"type": "array", "items": {"type": "integer"}, "maxItems": 2}"#,
+            &["[]", "[1]", "[1,2]"],
+            &["[1,2,3]"],
+        ),
+        (
+            r#"{"type": "string", "minLength": 2, "maxLength": 3}"#,
+            &[r#""ab""#, r#""a\"c""#, r#""\u00e9zz""#],
+            &[r#""a""#, r#""abcd""#],
+        ),
+        (
+            r#"{"type": ["string", "null"]}"#,
+            &[r#""x""#, "null"],
+            &["1"],
+        ),
+        (
+            r#"{"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "boolean"}}]}"#,
+            &["7", "[true, false]"],
+            &["[1]", "1.5"],
+        ),
+        (
+            r##"{"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"]}}, "$ref": "#/$defs/node"}"##,
+            &[r#"{"v": 1, "next": {"v": 2, "next": null}}"#],
+            &[r#"{"v": 1, "next": {"v": 2}}"#],
+        ),
+        (
+            r#"{"properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": true}"#,
+            &[r#"{"a": 1}"#, r#"{"a": 1, "x": [1], "y": "z"}"#],
+            &[r#"{"x": 1}"#],
+        ),
+        (
+            r#"{"additionalProperties": {"type": "integer"}}"#,
+            &["{}", r#"{"k": 1, "j": 2}"#],
+            &[r#"{"k": "s"}"#],
+        ),
+        (
+            r#"{"prefixItems": [{"type": "string"}, {"type": "integer"}]}"#,
+            &[r#"["a", 1]"#],
+            &[r#"["a"]"#, r#"["a", 1, 2]"#],
+        ),
+        (
+            r#"{"title": "anything", "description": "annotations only"}"#,
+            &["1", r#"{"a": [null, "x"]}"#, "[]"],
+            &["nul", "{"],
+        ),
+        ("true", &["false", r#""s""#], &["x"]),
+    ];
+    for &(schema, yes, no) in cases {
+        let mut m = schema_matcher(schema);
+        for doc in yes {
+            assert!(m.derives(doc), "{schema} should derive {doc}");
+            // Every document derived is JSON.
+            serde_json::from_str::<serde_json::Value>(doc).unwrap();
+        }
+        for doc in no {
+            assert!(!m.derives(doc), "{schema} should not derive {doc}");
+        }
+    }
+    // Pretty-printed documents too (a line break and an indent are spaces).
+    let mut m = schema_matcher(
+        r#"{"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}}}, "required": ["xs"]}"#,
+    );
+    let doc = serde_json::json!({"xs": [{"k": "a"}, {}, {"k": "b"}]});
+    assert!(m.derives(&serde_json::to_string_pretty(&doc).unwrap()));
+}
+
+#[test]
+fn json_schema_errors_name_the_keyword_and_place() {
+    for (schema, want) in [
+        (
+            r#"{"type": "string", "pattern": "a+"}"#,
+            "unsupported keyword `pattern` at /",
+        ),
+        (
+            r#"{"properties": {"when": {"type": "string", "format": "date"}}}"#,
+            "unsupported keyword `format` at /properties/when",
+        ),
+        (
+            r#"{"$ref": "https://example.com/s.json"}"#,
+            "is not in this schema",
+        ),
+        (r##"{"$ref": "#/$defs/missing"}"##, "points at nothing"),
+        ("false", "allows nothing"),
+        (r#"{"allOf": [{}, {}]}"#, "`allOf` of more than one"),
+        (
+            r#"{"required": ["z"], "properties": {}}"#,
+            "required property `z`",
+        ),
+        (
+            r#"{"type": "array", "maxItems": 99999}"#,
+            "`maxItems` must be a whole number",
+        ),
+        (r#"{"type": "date"}"#, "unknown type `date`"),
+        (r#"{"enum": []}"#, "empty `enum`"),
+        ("{", "not JSON"),
+    ] {
+        let e = json_schema_to_gbnf(schema).unwrap_err();
+        assert!(e.0.contains(want), "{schema}: {e}");
+    }
+    // A schema that is only a reference to itself is left-recursive.
+    let gbnf = json_schema_to_gbnf(r##"{"$ref": "#"}"##).unwrap();
+    assert!(Grammar::parse(&gbnf)
+        .unwrap_err()
+        .0
+        .contains("left-recursive"));
+}
+
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value as V;
+    let leaf = prop_oneof![
+        Just(V::Null),
+        any::<bool>().prop_map(V::Bool),
+        (-1_000_000i64..1_000_000).prop_map(V::from),
+        (-4000i32..4000).prop_map(|k| V::from(f64::from(k) / 8.0)),
+        "[a-zé\"\\\\\n\t ]{0,6}".prop_map(V::from),
+    ];
+    leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(V::Array),
+            prop::collection::btree_map("[a-z]{1,3}", inner, 0..4)
+                .prop_map(|m| V::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    /// The schema `{}` derives any JSON document, compact or pretty.
+    #[test]
+    fn the_empty_schema_derives_any_json(v in json_value()) {
+        let mut m = schema_matcher("{}");
+        let compact = serde_json::to_string(&v).unwrap();
+        let pretty = serde_json::to_string_pretty(&v).unwrap();
+        prop_assert!(m.derives(&compact), "{}", compact);
+        prop_assert!(m.derives(&pretty), "{}", pretty);
+    }
+}
