@@ -485,7 +485,10 @@ fn cold_supply<'m>(
     } else {
         cfg.budget.clone()
     };
-    Ok(Supply::new(model, path, schedule, budget)?)
+    let supply = Supply::new(model, path, schedule, budget)?;
+    // As `les run` loads: the resident weights in memory, the experts not.
+    model.populate_resident();
+    Ok(supply)
 }
 
 /// Bytes `supply`'s file device has read from the model file so far (0 when

@@ -179,6 +179,7 @@ pub fn run(args: &PerplexityArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     let mut session = Session::with_kv_types(&model, n_ctx, args.cache.types())?;
     let batch = session.set_prefill_batch(args.batch_size.min(n_ctx))?;
     let supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
+    model.populate_resident();
     let mut eval = Evaluator {
         session,
         mv: ThreadedMatVec::new(threads, Isa::detect()),

@@ -745,6 +745,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         sampler.constrain(grammar);
     }
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
+    model.populate_resident();
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::with_kv_types(&model, ctx, args.cache.types())?;
     session.set_prefill_batch(args.batch_size)?;

@@ -61,6 +61,25 @@ impl MappedFile {
     }
 }
 
+impl MappedFile {
+    /// Tells the kernel the bytes `offset..offset + len` will be read soon
+    /// (`madvise(MADV_WILLNEED)`: it starts reading them in). Only a hint;
+    /// errors (an unsupported platform, a range past the end) are returned for
+    /// the caller to ignore.
+    pub fn will_need(&self, offset: usize, len: usize) -> io::Result<()> {
+        #[cfg(unix)]
+        {
+            self.map
+                .advise_range(memmap2::Advice::WillNeed, offset, len)
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = (offset, len);
+            Ok(())
+        }
+    }
+}
+
 impl Deref for MappedFile {
     type Target = [u8];
     fn deref(&self) -> &[u8] {

@@ -104,6 +104,11 @@ impl<B: AsRef<[u8]>> Gguf<B> {
         self.buf.as_ref()
     }
 
+    /// The buffer.
+    pub fn source(&self) -> &B {
+        &self.buf
+    }
+
     /// Gives the buffer back.
     pub fn into_inner(self) -> B {
         self.buf
