@@ -1657,7 +1657,7 @@ fn grammar_errors_are_clear() {
         ),
         (
             vec!["--grammar-file", big.to_str().unwrap()],
-            "grammar file larger than 1024 KiB".into(),
+            "grammar file larger than 1 MiB".into(),
         ),
         (
             vec!["--grammar-file", latin1.to_str().unwrap()],

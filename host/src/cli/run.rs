@@ -458,25 +458,7 @@ fn read_grammar(
     args: &RunArgs,
     tokenizer: &Tokenizer,
 ) -> Result<Option<TokenGrammar>, Box<dyn Error>> {
-    use std::io::Read;
-    let read = |path: &std::path::Path, what: &str| -> Result<String, Box<dyn Error>> {
-        let named = |e: std::io::Error| with_path(path, e);
-        let file = std::fs::File::open(path).map_err(named)?;
-        let mut bytes = Vec::new();
-        file.take(MAX_GRAMMAR_FILE + 1)
-            .read_to_end(&mut bytes)
-            .map_err(named)?;
-        if bytes.len() as u64 > MAX_GRAMMAR_FILE {
-            return Err(format!(
-                "{}: {what} file larger than {} KiB",
-                path.display(),
-                MAX_GRAMMAR_FILE >> 10
-            )
-            .into());
-        }
-        Ok(String::from_utf8(bytes)
-            .map_err(|e| format!("{}: {what} is not UTF-8 ({e})", path.display()))?)
-    };
+    let read = |path: &std::path::Path, what: &str| read_text_file(path, MAX_GRAMMAR_FILE, what);
     let schema =
         |text: &str, source: &str| json_schema_to_gbnf(text).map_err(|e| format!("{source}: {e}"));
     let (text, source) = match (
@@ -500,27 +482,31 @@ fn read_grammar(
     ))
 }
 
-/// The prompt in `path` (`-f`), without one trailing newline (`\n` or
-/// `\r\n`); errors name the file, and a file over [`MAX_PROMPT_FILE`] or not
-/// UTF-8 is refused.
-pub fn read_prompt_file(path: &std::path::Path) -> Result<String, Box<dyn Error>> {
+/// The text in `path`, at most `max` bytes: errors name the file, and a
+/// larger file or one that is not UTF-8 is refused (`what` names the text).
+fn read_text_file(path: &std::path::Path, max: u64, what: &str) -> Result<String, Box<dyn Error>> {
     use std::io::Read;
     let named = |e: std::io::Error| with_path(path, e);
     let file = std::fs::File::open(path).map_err(named)?;
     let mut bytes = Vec::new();
-    file.take(MAX_PROMPT_FILE + 1)
-        .read_to_end(&mut bytes)
-        .map_err(named)?;
-    if bytes.len() as u64 > MAX_PROMPT_FILE {
+    file.take(max + 1).read_to_end(&mut bytes).map_err(named)?;
+    if bytes.len() as u64 > max {
         return Err(format!(
-            "{}: prompt file larger than {} MiB",
+            "{}: {what} file larger than {} MiB",
             path.display(),
-            MAX_PROMPT_FILE >> 20
+            max >> 20
         )
         .into());
     }
-    let mut text = String::from_utf8(bytes)
-        .map_err(|e| format!("{}: prompt is not UTF-8 ({e})", path.display()))?;
+    Ok(String::from_utf8(bytes)
+        .map_err(|e| format!("{}: {what} is not UTF-8 ({e})", path.display()))?)
+}
+
+/// The prompt in `path` (`-f`), without one trailing newline (`\n` or
+/// `\r\n`); errors name the file, and a file over [`MAX_PROMPT_FILE`] or not
+/// UTF-8 is refused.
+pub fn read_prompt_file(path: &std::path::Path) -> Result<String, Box<dyn Error>> {
+    let mut text = read_text_file(path, MAX_PROMPT_FILE, "prompt")?;
     if text.ends_with('\n') {
         text.pop();
         if text.ends_with('\r') {

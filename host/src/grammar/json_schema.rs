@@ -348,6 +348,20 @@ impl Converter<'_> {
         }
     }
 
+    /// [`visit`](Self::visit) of each schema in `list` (at `path/i`).
+    fn visit_each(
+        &mut self,
+        list: &[Json],
+        hint: &str,
+        path: &str,
+    ) -> Result<Vec<String>, GrammarError> {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, sub) in list.iter().enumerate() {
+            out.push(self.visit(sub, &format!("{hint}-{i}"), &format!("{path}/{i}"))?);
+        }
+        Ok(out)
+    }
+
     /// An expression (usable in a sequence) for the text `s` allows.
     fn visit(&mut self, s: &Json, hint: &str, path: &str) -> Result<String, GrammarError> {
         let members = match s {
@@ -398,14 +412,7 @@ impl Converter<'_> {
                 if list.is_empty() {
                     return Err(Self::unsupported(path, &format!("an empty `{key}`")));
                 }
-                let mut alts = Vec::new();
-                for (i, sub) in list.iter().enumerate() {
-                    alts.push(self.visit(
-                        sub,
-                        &format!("{hint}-{i}"),
-                        &format!("{path}/{key}/{i}"),
-                    )?);
-                }
+                let alts = self.visit_each(list, hint, &format!("{path}/{key}"))?;
                 return Ok(format!("({})", alts.join(" | ")));
             }
         }
@@ -497,15 +504,7 @@ impl Converter<'_> {
         let prefix: Vec<String> = match s.get("prefixItems") {
             None => Vec::new(),
             Some(Json::Array(items)) => {
-                let mut out = Vec::new();
-                for (i, item) in items.iter().enumerate() {
-                    out.push(self.visit(
-                        item,
-                        &format!("{hint}-{i}"),
-                        &format!("{path}/prefixItems/{i}"),
-                    )?);
-                }
-                out
+                self.visit_each(items, hint, &format!("{path}/prefixItems"))?
             }
             Some(_) => return Err(Self::unsupported(path, "`prefixItems` is not an array")),
         };
