@@ -6,11 +6,12 @@
 //! llama.cpp orders them), `required`, `additionalProperties` (absent or
 //! `false`: none; `true` or a schema: further members of any key after the
 //! listed ones), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
-//! `maxLength`, `enum`, `const`, `anyOf`, `oneOf`, `allOf` of one schema, and
-//! `$ref` to `#` or `#/...` (recursive schemas included). Annotations
+//! `maxLength`, `format` of strings (`date`, `time`, `date-time` as RFC 3339
+//! has them, `uuid`), `enum`, `const`, `anyOf`, `oneOf`, `allOf` of one
+//! schema, and `$ref` to `#` or `#/...` (recursive schemas included). Annotations
 //! (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
 //! `$comment`, `deprecated`, `readOnly`, `writeOnly`, `$defs`, `definitions`)
-//! are ignored. Any other keyword (`pattern`, `format`, `minimum`, ...) is an
+//! are ignored. Any other keyword (`pattern`, `minimum`, ...) is an
 //! error naming it and where it is, rather than a grammar that silently
 //! allows more than the schema.
 //!
@@ -183,7 +184,16 @@ const HANDLED: &[&str] = &[
     "oneOf",
     "allOf",
     "$ref",
+    "format",
 ];
+
+/// RFC 3339 `full-date`, with months 01-12 and days 01-31.
+const DATE: &str =
+    r#"[0-9]{4} "-" ("0" [1-9] | "1" [0-2]) "-" ("0" [1-9] | [12] [0-9] | "3" [01])"#;
+/// RFC 3339 `full-time`: hours 00-23, a fraction optional, an offset.
+const TIME: &str = r#"([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{1,9})? ("Z" | [+-] ([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9])"#;
+/// A UUID in its 8-4-4-4-12 hex form.
+const UUID: &str = r#"[0-9a-fA-F]{8} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{12}"#;
 
 /// The rules every grammar may use, by name.
 const PRIMITIVES: &[(&str, &str)] = &[
@@ -248,7 +258,11 @@ pub fn json_schema_to_gbnf(schema: &str) -> Result<String, GrammarError> {
     let mut c = Converter {
         root: &root,
         rules: Vec::new(),
-        taken: PRIMITIVES.iter().map(|(n, _)| n.to_string()).collect(),
+        taken: PRIMITIVES
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .chain(["date", "time", "uuid"].map(String::from))
+            .collect(),
         used: HashSet::new(),
         refs: HashMap::new(),
     };
@@ -477,6 +491,9 @@ impl Converter<'_> {
             "integer" => Ok(self.prim("integer")),
             "number" => Ok(self.prim("number")),
             "string" => {
+                if let Some(f) = s.get("format") {
+                    return self.format(f, s, path);
+                }
                 let min = Self::count(s, "minLength", path)?;
                 let max = Self::count(s, "maxLength", path)?;
                 if min.is_none() && max.is_none() {
@@ -496,6 +513,50 @@ impl Converter<'_> {
             "array" => self.array(s, hint, path),
             "object" => self.object(s, hint, path),
             other => Err(Self::unsupported(path, &format!("unknown type `{other}`"))),
+        }
+    }
+
+    /// A string of a `format`: `date`, `time`, `date-time` (RFC 3339) or
+    /// `uuid`, as llama.cpp supports them.
+    fn format(&mut self, f: &Json, s: &Json, path: &str) -> Result<String, GrammarError> {
+        let Json::String(f) = f else {
+            return Err(Self::unsupported(path, "`format` is not a string"));
+        };
+        if s.get("minLength").is_some() || s.get("maxLength").is_some() {
+            return Err(Self::unsupported(
+                path,
+                "`minLength`/`maxLength` with `format` are not supported",
+            ));
+        }
+        let body = match f.as_str() {
+            "date" | "time" | "date-time" => {
+                self.define_once("date", DATE);
+                self.define_once("time", TIME);
+                match f.as_str() {
+                    "date" => "date",
+                    "time" => "time",
+                    _ => "date \"T\" time",
+                }
+                .to_string()
+            }
+            "uuid" => {
+                self.define_once("uuid", UUID);
+                "uuid".to_string()
+            }
+            other => {
+                return Err(Self::unsupported(
+                    path,
+                    &format!("unsupported `format` {other:?} (date, time, date-time and uuid are)"),
+                ))
+            }
+        };
+        Ok(format!("\"\\\"\" {body} \"\\\"\" {}", self.prim("space")))
+    }
+
+    /// Adds rule `name` (a reserved name) with `body` unless it is there.
+    fn define_once(&mut self, name: &str, body: &str) {
+        if !self.rules.iter().any(|(n, _)| n == name) {
+            self.rules.push((name.to_string(), body.to_string()));
         }
     }
 

@@ -614,6 +614,29 @@ fn json_schemas_become_grammars_of_their_documents() {
             &["nul", "{"],
         ),
         ("true", &["false", r#""s""#], &["x"]),
+        (
+            r#"{"type": "string", "format": "date-time"}"#,
+            &[
+                r#""2024-01-31T12:00:00Z""#,
+                r#""1999-12-09T23:59:59.123+02:00""#,
+            ],
+            &[
+                r#""2024-13-01T12:00:00Z""#,
+                r#""2024-01-31 12:00:00Z""#,
+                r#""2024-01-31T24:00:00Z""#,
+            ],
+        ),
+        (
+            r#"{"properties": {"d": {"type": "string", "format": "date"}, "t": {"type": "string", "format": "time"}, "id": {"type": "string", "format": "uuid"}}, "required": ["d", "t", "id"]}"#,
+            &[
+                r#"{"d": "2024-02-29", "t": "08:30:00-05:00", "id": "123e4567-e89b-12d3-a456-426614174000"}"#,
+            ],
+            &[
+                r#"{"d": "2024-2-29", "t": "08:30:00-05:00", "id": "123e4567-e89b-12d3-a456-426614174000"}"#,
+                r#"{"d": "2024-02-29", "t": "08:30:00", "id": "123e4567-e89b-12d3-a456-426614174000"}"#,
+                r#"{"d": "2024-02-29", "t": "08:30:00Z", "id": "123e4567e89b12d3a456426614174000"}"#,
+            ],
+        ),
     ];
     for &(schema, yes, no) in cases {
         let mut m = schema_matcher(schema);
@@ -642,8 +665,12 @@ fn json_schema_errors_name_the_keyword_and_place() {
             "unsupported keyword `pattern` at /",
         ),
         (
-            r#"{"properties": {"when": {"type": "string", "format": "date"}}}"#,
-            "unsupported keyword `format` at /properties/when",
+            r#"{"properties": {"when": {"type": "string", "format": "email"}}}"#,
+            "unsupported `format` \"email\" (date, time, date-time and uuid are) at /properties/when",
+        ),
+        (
+            r#"{"properties": {"when": {"type": "string", "minimum": 3}}}"#,
+            "unsupported keyword `minimum` at /properties/when",
         ),
         (
             r#"{"$ref": "https://example.com/s.json"}"#,
