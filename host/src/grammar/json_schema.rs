@@ -7,11 +7,14 @@
 //! `false`: none; `true` or a schema: further members of any key after the
 //! listed ones), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
 //! `maxLength`, `format` of strings (`date`, `time`, `date-time` as RFC 3339
-//! has them, `uuid`), `enum`, `const`, `anyOf`, `oneOf`, `allOf` of one
-//! schema, and `$ref` to `#` or `#/...` (recursive schemas included). Annotations
+//! has them, `uuid`), `minimum`, `maximum`, `exclusiveMinimum` and
+//! `exclusiveMaximum` of integers (a grammar of the digit strings in range),
+//! `enum`, `const`, `anyOf`, `oneOf`, `allOf` of one schema, and `$ref` to
+//! `#` or `#/...` (recursive schemas included). Annotations
 //! (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
 //! `$comment`, `deprecated`, `readOnly`, `writeOnly`, `$defs`, `definitions`)
-//! are ignored. Any other keyword (`pattern`, `minimum`, ...) is an
+//! are ignored. Any other keyword (`pattern`, `multipleOf`, bounds of
+//! non-integers, ...) is an
 //! error naming it and where it is, rather than a grammar that silently
 //! allows more than the schema.
 //!
@@ -185,7 +188,17 @@ const HANDLED: &[&str] = &[
     "allOf",
     "$ref",
     "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
 ];
+
+/// The bounds of integers.
+const BOUNDS: [&str; 4] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+
+/// The largest magnitude `integral-part` writes (16 digits).
+const MAX_INTEGER: i64 = 9_999_999_999_999_999;
 
 /// RFC 3339 `full-date`, with months 01-12 and days 01-31.
 const DATE: &str =
@@ -472,6 +485,12 @@ impl Converter<'_> {
             }
             Some(_) => return Err(Self::unsupported(path, "`type` is not a string or a list")),
         };
+        if types != ["integer"] && BOUNDS.iter().any(|b| s.get(b).is_some()) {
+            return Err(Self::unsupported(
+                path,
+                "`minimum`/`maximum` are supported for integers only",
+            ));
+        }
         let mut alts = Vec::new();
         for t in types {
             alts.push(self.typed(s, t, hint, path)?);
@@ -488,7 +507,7 @@ impl Converter<'_> {
         match t {
             "null" => Ok(self.prim("null")),
             "boolean" => Ok(self.prim("boolean")),
-            "integer" => Ok(self.prim("integer")),
+            "integer" => self.integer(s, path),
             "number" => Ok(self.prim("number")),
             "string" => {
                 if let Some(f) = s.get("format") {
@@ -514,6 +533,42 @@ impl Converter<'_> {
             "object" => self.object(s, hint, path),
             other => Err(Self::unsupported(path, &format!("unknown type `{other}`"))),
         }
+    }
+
+    /// An integer within the schema's `minimum`, `maximum`,
+    /// `exclusiveMinimum` and `exclusiveMaximum` (numbers; at most 16
+    /// digits either way, as `integral-part`).
+    fn integer(&mut self, s: &Json, path: &str) -> Result<String, GrammarError> {
+        if BOUNDS.iter().all(|b| s.get(b).is_none()) {
+            return Ok(self.prim("integer"));
+        }
+        let bound = |key: &str| -> Result<Option<f64>, GrammarError> {
+            match s.get(key) {
+                None => Ok(None),
+                Some(Json::Number(n)) => Ok(n.as_f64()),
+                Some(_) => Err(Self::unsupported(path, &format!("`{key}` is not a number"))),
+            }
+        };
+        // `as` saturates at i64's bounds; the clamp is then exact.
+        let clamp = |v: f64| (v as i64).clamp(-MAX_INTEGER, MAX_INTEGER);
+        let mut lo = -MAX_INTEGER;
+        let mut hi = MAX_INTEGER;
+        if let Some(v) = bound("minimum")? {
+            lo = lo.max(clamp(v.ceil()));
+        }
+        if let Some(v) = bound("exclusiveMinimum")? {
+            lo = lo.max(clamp(v.floor()).saturating_add(1));
+        }
+        if let Some(v) = bound("maximum")? {
+            hi = hi.min(clamp(v.floor()));
+        }
+        if let Some(v) = bound("exclusiveMaximum")? {
+            hi = hi.min(clamp(v.ceil()).saturating_sub(1));
+        }
+        if lo > hi {
+            return Err(Self::unsupported(path, "the bounds leave no integer"));
+        }
+        Ok(format!("{} {}", integer_range(lo, hi), self.prim("space")))
     }
 
     /// A string of a `format`: `date`, `time`, `date-time` (RFC 3339) or
@@ -757,4 +812,94 @@ impl Converter<'_> {
         self.rules[at].1 = body;
         Ok(name)
     }
+}
+
+/// GBNF for the integers in `lo..=hi` (|both| <= [`MAX_INTEGER`]) written
+/// as JSON writes them: no leading zeros, `-` before negatives, no `-0`.
+fn integer_range(lo: i64, hi: i64) -> String {
+    let mut alts = Vec::new();
+    if lo < 0 {
+        let from = if hi < 0 { -hi } else { 1 };
+        alts.push(format!(
+            "\"-\" {}",
+            natural_range(from as u64, lo.unsigned_abs())
+        ));
+    }
+    if hi >= 0 {
+        alts.push(natural_range(lo.max(0) as u64, hi as u64));
+    }
+    format!("({})", alts.join(" | "))
+}
+
+/// GBNF for the whole numbers in `a..=b` without leading zeros: one
+/// alternative per digit count.
+fn natural_range(a: u64, b: u64) -> String {
+    let digits = |v: u64| v.to_string().len() as u32;
+    let mut alts = Vec::new();
+    for len in digits(a)..=digits(b) {
+        let floor = if len == 1 { 0 } else { 10u64.pow(len - 1) };
+        let ceil = 10u64.pow(len) - 1;
+        let (x, y) = (a.max(floor), b.min(ceil));
+        if x <= y {
+            alts.push(same_length(
+                x.to_string().as_bytes(),
+                y.to_string().as_bytes(),
+            ));
+        }
+    }
+    format!("({})", alts.join(" | "))
+}
+
+/// GBNF for the digit strings of `x.len()` digits from `x` to `y`
+/// (`x <= y`, leading zeros allowed past the first call's first digit), of
+/// size quadratic in the length: a full range of the rest is one class.
+fn same_length(x: &[u8], y: &[u8]) -> String {
+    let digit = |lo: u8, hi: u8| {
+        if lo == hi {
+            format!("\"{}\"", lo as char)
+        } else {
+            format!("[{}-{}]", lo as char, hi as char)
+        }
+    };
+    let (Some((&a, xr)), Some((&b, yr))) = (x.split_first(), y.split_first()) else {
+        return String::new();
+    };
+    let n = xr.len();
+    let any = |n: usize| {
+        if n == 0 {
+            String::new()
+        } else {
+            format!(" [0-9]{{{n}}}")
+        }
+    };
+    let zeros = xr.iter().all(|&d| d == b'0');
+    let nines = yr.iter().all(|&d| d == b'9');
+    if a == b {
+        if zeros && nines {
+            return format!("{}{}", digit(a, a), any(n));
+        }
+        return format!("{} {}", digit(a, a), same_length(xr, yr));
+    }
+    let mut alts = Vec::new();
+    // The first digits whose every continuation is in the range.
+    let from = if zeros { a } else { a + 1 };
+    let to = if nines { b } else { b - 1 };
+    if !zeros {
+        alts.push(format!(
+            "{} {}",
+            digit(a, a),
+            same_length(xr, &vec![b'9'; n])
+        ));
+    }
+    if from <= to {
+        alts.push(format!("{}{}", digit(from, to), any(n)));
+    }
+    if !nines {
+        alts.push(format!(
+            "{} {}",
+            digit(b, b),
+            same_length(&vec![b'0'; n], yr)
+        ));
+    }
+    format!("({})", alts.join(" | "))
 }

@@ -670,7 +670,7 @@ fn json_schema_errors_name_the_keyword_and_place() {
         ),
         (
             r#"{"properties": {"when": {"type": "string", "minimum": 3}}}"#,
-            "unsupported keyword `minimum` at /properties/when",
+            "`minimum`/`maximum` are supported for integers only at /properties/when",
         ),
         (
             r#"{"$ref": "https://example.com/s.json"}"#,
@@ -730,4 +730,65 @@ proptest! {
         prop_assert!(m.derives(&compact), "{}", compact);
         prop_assert!(m.derives(&pretty), "{}", pretty);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// `minimum`/`maximum` (and the exclusive ones) on integers: exactly the
+    /// integers within, as JSON writes them.
+    #[test]
+    fn integer_bounds_allow_exactly_the_integers_within(
+        lo in prop::option::of(-3000i64..3000),
+        span in 0i64..4000,
+        exclusive in any::<bool>(),
+        upper in any::<bool>(),
+        probes in prop::collection::vec(-5000i64..5000, 20),
+    ) {
+        let hi = if upper { Some(lo.unwrap_or(-1000) + span) } else { None };
+        let (lo_key, hi_key) = if exclusive {
+            ("exclusiveMinimum", "exclusiveMaximum")
+        } else {
+            ("minimum", "maximum")
+        };
+        let mut schema = String::from(r#"{"type": "integer""#);
+        if let Some(lo) = lo {
+            schema += &format!(r#", "{lo_key}": {lo}"#);
+        }
+        if let Some(hi) = hi {
+            schema += &format!(r#", "{hi_key}": {hi}"#);
+        }
+        schema += "}";
+        let (min, max) = if exclusive {
+            (lo.map(|v| v + 1), hi.map(|v| v - 1))
+        } else {
+            (lo, hi)
+        };
+        if min.zip(max).is_some_and(|(a, b)| a > b) {
+            prop_assert!(json_schema_to_gbnf(&schema).is_err());
+            return Ok(());
+        }
+        let mut m = schema_matcher(&schema);
+        let edges = [min, max].into_iter().flatten().flat_map(|v| [v - 1, v, v + 1]);
+        for n in probes.into_iter().chain(edges).chain([0, -1, 1, 9, 10, -10, 99, 100]) {
+            let want = min.is_none_or(|a| n >= a) && max.is_none_or(|b| n <= b);
+            prop_assert_eq!(m.derives(&n.to_string()), want, "{} on {}", schema, n);
+        }
+        // Never a leading zero.
+        prop_assert!(!m.derives("007"));
+    }
+}
+
+#[test]
+fn integer_bounds_reach_sixteen_digits() {
+    let mut m = schema_matcher(r#"{"type": "integer", "minimum": 1e20}"#);
+    assert!(m.derives("9999999999999999"));
+    assert!(!m.derives("999999999999999"));
+    let mut m = schema_matcher(r#"{"type": "integer", "minimum": 0.5, "maximum": 2.5}"#);
+    assert!(m.derives("1") && m.derives("2"));
+    assert!(!m.derives("0") && !m.derives("3"));
+    let e = json_schema_to_gbnf(r#"{"type": "number", "minimum": 0}"#).unwrap_err();
+    assert!(e.0.contains("integers only"), "{e}");
+    let e = json_schema_to_gbnf(r#"{"type": "integer", "minimum": 3, "maximum": 2}"#).unwrap_err();
+    assert!(e.0.contains("no integer"), "{e}");
 }
