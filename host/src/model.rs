@@ -924,34 +924,18 @@ impl Model {
     /// each new token reads one) is read from the file by a page fault in the
     /// middle of a token, with the device otherwise idle: up to 17 ms a token
     /// on `a3b` after the page cache was dropped. Experts are read by the
-    /// file device into slots and stay out of the page cache.
+    /// file device into slots and stay out of the page cache. The reads are
+    /// [`MappedFile::populate`]'s (large, on several threads).
     pub fn populate_resident(&self) -> u64 {
         let experts = self.expert_ranges();
-        let file = self.gguf.source();
-        let bytes = self.gguf.bytes();
         let resident: Vec<std::ops::Range<usize>> = self
             .gguf
             .tensors()
             .filter(|t| !experts.iter().any(|r| r.contains(&t.offset())))
             .map(|t| t.offset() as usize..(t.offset() + t.size()) as usize)
-            .filter(|r| r.end <= bytes.len())
             .collect();
-        // Ask for all of it first (the kernel reads ahead in large requests),
-        // then touch each page so that it is mapped.
-        for r in &resident {
-            let _ = file.will_need(r.start, r.len());
-        }
-        const PAGE: usize = 4096;
-        let mut acc = 0u8;
-        let mut total = 0u64;
-        for r in resident {
-            total += r.len() as u64;
-            for i in (r.start..r.end).step_by(PAGE) {
-                acc ^= bytes[i];
-            }
-        }
-        std::hint::black_box(acc);
-        total
+        self.gguf.source().populate(&resident);
+        resident.iter().map(|r| r.len() as u64).sum()
     }
 
     /// Expert `expert` of layer `layer`, viewed in the mapped file.
