@@ -3,9 +3,10 @@
 //!
 //! Supported: `type` (one or a list), `properties` (required ones first,
 //! then the optional ones, each in the order the schema lists them, as
-//! llama.cpp orders them), `required`, `additionalProperties` (absent or
-//! `false`: none; `true` or a schema: further members of any key after the
-//! listed ones), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
+//! llama.cpp orders them), `required`, `additionalProperties` (with
+//! properties, absent or `false`: none; `true` or a schema: further members
+//! of any key after the listed ones; an object schema without properties
+//! takes any object unless it is `false` or a schema), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
 //! `maxLength`, `format` of strings (`date`, `time`, `date-time` as RFC 3339
 //! has them, `uuid`), `minimum`, `maximum`, `exclusiveMinimum` and
 //! `exclusiveMaximum` of integers (a grammar of the digit strings in range),
@@ -668,6 +669,16 @@ impl Converter<'_> {
     }
 
     fn object(&mut self, s: &Json, hint: &str, path: &str) -> Result<String, GrammarError> {
+        // No properties named and other ones not refused: any object (as
+        // llama.cpp reads `{"type": "object"}`). With properties, others are
+        // refused unless `additionalProperties` allows them (llama.cpp's
+        // reading too, stricter than JSON Schema's default).
+        if s.get("properties").is_none()
+            && s.get("required").is_none()
+            && matches!(s.get("additionalProperties"), None | Some(Json::Bool(true)))
+        {
+            return Ok(self.prim("object"));
+        }
         let sp = self.prim("space");
         let props: &[(String, Json)] = match s.get("properties") {
             None => &[],

@@ -615,6 +615,16 @@ fn json_schemas_become_grammars_of_their_documents() {
         ),
         ("true", &["false", r#""s""#], &["x"]),
         (
+            r#"{"type": "object"}"#,
+            &["{}", r#"{"a": [1, {"b": null}]}"#],
+            &["[]", "1"],
+        ),
+        (
+            r#"{"type": "object", "additionalProperties": false}"#,
+            &["{}"],
+            &[r#"{"a": 1}"#],
+        ),
+        (
             r#"{"type": "string", "format": "date-time"}"#,
             &[
                 r#""2024-01-31T12:00:00Z""#,
