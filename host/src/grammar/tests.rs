@@ -615,6 +615,20 @@ fn json_schemas_become_grammars_of_their_documents() {
         ),
         ("true", &["false", r#""s""#], &["x"]),
         (
+            // As pydantic writes a model's schema.
+            r##"{"properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer", "exclusiveMinimum": 0}, "tags": {"items": {"type": "string"}, "title": "Tags", "type": "array"}, "kind": {"$ref": "#/$defs/Kind"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": null, "title": "Note"}}, "required": ["name", "age", "tags", "kind"], "title": "Person", "type": "object", "$defs": {"Kind": {"enum": ["a", "b"], "title": "Kind", "type": "string"}}}"##,
+            &[
+                r#"{"name": "Ann", "age": 31, "tags": [], "kind": "a"}"#,
+                r#"{"name": "Bo", "age": 1, "tags": ["x", "y"], "kind": "b", "note": null}"#,
+                r#"{"name": "Bo", "age": 1, "tags": ["x"], "kind": "b", "note": "hi"}"#,
+            ],
+            &[
+                r#"{"name": "Ann", "age": 0, "tags": [], "kind": "a"}"#,
+                r#"{"name": "Ann", "age": 31, "tags": [], "kind": "c"}"#,
+                r#"{"name": "Ann", "age": 31, "kind": "a"}"#,
+            ],
+        ),
+        (
             r#"{"type": "object"}"#,
             &["{}", r#"{"a": [1, {"b": null}]}"#],
             &["[]", "1"],
