@@ -376,6 +376,19 @@ impl Converter<'_> {
         }
     }
 
+    /// The strings of `key`'s list, or an error naming it.
+    fn strings<'j>(list: &'j [Json], key: &str, path: &str) -> Result<Vec<&'j str>, GrammarError> {
+        list.iter()
+            .map(|v| match v {
+                Json::String(v) => Ok(v.as_str()),
+                _ => Err(Self::unsupported(
+                    path,
+                    &format!("`{key}` lists a non-string"),
+                )),
+            })
+            .collect()
+    }
+
     /// [`visit`](Self::visit) of each schema in `list` (at `path/i`).
     fn visit_each(
         &mut self,
@@ -469,13 +482,7 @@ impl Converter<'_> {
             }
             Some(Json::String(t)) => vec![t.as_str()],
             Some(Json::Array(ts)) => {
-                let mut out = Vec::new();
-                for t in ts {
-                    match t {
-                        Json::String(t) => out.push(t.as_str()),
-                        _ => return Err(Self::unsupported(path, "`type` lists a non-string")),
-                    }
-                }
+                let out = Self::strings(ts, "type", path)?;
                 if out.is_empty() {
                     return Err(Self::unsupported(
                         path,
@@ -687,16 +694,7 @@ impl Converter<'_> {
         };
         let required: Vec<&str> = match s.get("required") {
             None => Vec::new(),
-            Some(Json::Array(r)) => {
-                let mut out = Vec::new();
-                for k in r {
-                    match k {
-                        Json::String(k) => out.push(k.as_str()),
-                        _ => return Err(Self::unsupported(path, "`required` lists a non-string")),
-                    }
-                }
-                out
-            }
+            Some(Json::Array(r)) => Self::strings(r, "required", path)?,
             Some(_) => return Err(Self::unsupported(path, "`required` is not an array")),
         };
         for k in &required {
