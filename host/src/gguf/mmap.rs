@@ -61,9 +61,7 @@ impl MappedFile {
         let map = unsafe { Mmap::map(&file)? };
         Ok(MappedFile { map, file })
     }
-}
 
-impl MappedFile {
     /// Brings the bytes of `ranges` into memory and maps them, fast: first
     /// the page cache is filled by reads of up to 1 MiB on up to 8 threads (a
     /// few large requests at a time instead of the page faults' readahead:

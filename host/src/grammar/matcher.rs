@@ -295,6 +295,31 @@ impl Grammar {
         })
     }
 
+    /// The stacks after `code_points` from `from`, into `cur` (`next` a
+    /// buffer); `false` where they run out (the text does not continue the
+    /// grammar).
+    fn walk(
+        &self,
+        from: &Stacks,
+        code_points: &[u32],
+        cur: &mut Stacks,
+        next: &mut Stacks,
+    ) -> Result<bool, GrammarError> {
+        let Some((&first, rest)) = code_points.split_first() else {
+            cur.clone_from(from);
+            return Ok(true);
+        };
+        self.step(from, first, cur)?;
+        for &c in rest {
+            if cur.is_empty() {
+                break;
+            }
+            self.step(cur, c, next)?;
+            std::mem::swap(cur, next);
+        }
+        Ok(!cur.is_empty())
+    }
+
     /// The stacks the grammar starts with: one per alternative of `root`,
     /// expanded.
     fn start(&self) -> Result<Stacks, GrammarError> {
@@ -315,32 +340,34 @@ impl Grammar {
 #[derive(Clone, Debug)]
 pub struct Matcher {
     grammar: Grammar,
+    /// The stacks at the grammar's start.
+    start: Stacks,
     stacks: Stacks,
     partial: Partial,
     /// Buffers of [`allows`](Self::allows).
     code_points: Vec<u32>,
-    a: Stacks,
-    b: Stacks,
+    cur: Stacks,
+    next: Stacks,
 }
 
 impl Matcher {
     /// A matcher at the start of `grammar`.
     pub fn new(grammar: Grammar) -> Result<Matcher, GrammarError> {
-        let stacks = grammar.start()?;
+        let start = grammar.start()?;
         Ok(Matcher {
             grammar,
-            stacks,
+            stacks: start.clone(),
+            start,
             partial: Partial::default(),
             code_points: Vec::new(),
-            a: Stacks::default(),
-            b: Stacks::default(),
+            cur: Stacks::default(),
+            next: Stacks::default(),
         })
     }
 
     /// Back to the start of the grammar.
     pub fn reset(&mut self) {
-        // The start was computed once without error in `new`.
-        self.stacks = self.grammar.start().unwrap_or_default();
+        self.stacks.clone_from(&self.start);
         self.partial = Partial::default();
     }
 
@@ -362,41 +389,23 @@ impl Matcher {
         if partial.remain < 0 {
             return false;
         }
-        let Matcher {
-            grammar: g,
-            stacks,
-            code_points,
-            a,
-            b,
-            ..
-        } = self;
+        let g = &self.grammar;
         // Most tokens fail on their first code point: test that before
         // building any stack.
-        if let Some(&c) = code_points.first() {
-            if !g.any_top_matches(stacks, c) {
+        if let Some(&c) = self.code_points.first() {
+            if !g.any_top_matches(&self.stacks, c) {
                 return false;
             }
         }
-        // Which buffer holds the stacks after the code points so far (None:
-        // none read yet).
-        let mut in_a: Option<bool> = None;
-        for &c in code_points.iter() {
-            let (from, to) = match in_a {
-                None => (&*stacks, &mut *a),
-                Some(true) => (&*a, &mut *b),
-                Some(false) => (&*b, &mut *a),
-            };
-            if g.step(from, c, to).is_err() || to.is_empty() {
-                return false;
-            }
-            in_a = Some(!in_a.unwrap_or(false));
-        }
-        let last = match in_a {
-            None => &*stacks,
-            Some(true) => &*a,
-            Some(false) => &*b,
-        };
-        partial.remain == 0 || g.partial_fits(last, partial)
+        matches!(
+            g.walk(
+                &self.stacks,
+                &self.code_points,
+                &mut self.cur,
+                &mut self.next
+            ),
+            Ok(true)
+        ) && (partial.remain == 0 || g.partial_fits(&self.cur, partial))
     }
 
     /// Moves past `bytes`: an error (the state unchanged) where the grammar
@@ -414,16 +423,14 @@ impl Matcher {
         if trimmed.is_empty() || partial.remain < 0 {
             return Err(refused());
         }
-        let mut stacks = self.stacks.clone();
-        let mut next = Stacks::default();
-        for c in code_points {
-            self.grammar.step(&stacks, c, &mut next)?;
-            if next.is_empty() {
-                return Err(refused());
-            }
-            std::mem::swap(&mut stacks, &mut next);
-        }
-        if partial.remain > 0 && !self.grammar.partial_fits(&stacks, partial) {
+        let mut stacks = Stacks::default();
+        let continues = self.grammar.walk(
+            &self.stacks,
+            &code_points,
+            &mut stacks,
+            &mut Stacks::default(),
+        )?;
+        if !continues || (partial.remain > 0 && !self.grammar.partial_fits(&stacks, partial)) {
             return Err(refused());
         }
         self.stacks = stacks;
@@ -529,15 +536,5 @@ impl TokenGrammar {
     /// Back to the start of the grammar.
     pub fn reset(&mut self) {
         self.matcher.reset();
-    }
-
-    /// Whether the text so far is a whole derivation.
-    pub fn can_end(&self) -> bool {
-        self.matcher.can_end()
-    }
-
-    /// Vocabulary size.
-    pub fn n_vocab(&self) -> usize {
-        self.ends.len()
     }
 }

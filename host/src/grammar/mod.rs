@@ -114,8 +114,6 @@ pub struct Grammar {
     alts: Vec<Vec<u32>>,
     /// The code point sets [`Sym::Chars`] name.
     sets: Vec<CharSet>,
-    /// Each rule's name (generated ones `parent_N`, as llama.cpp names them).
-    names: Vec<String>,
     /// The start rule.
     root: u32,
 }
@@ -124,16 +122,6 @@ impl Grammar {
     /// Reads GBNF text whose start rule is `root`.
     pub fn parse(text: &str) -> Result<Grammar, GrammarError> {
         parse::parse(text)
-    }
-
-    /// Number of rules, generated ones included.
-    pub fn n_rules(&self) -> usize {
-        self.alts.len()
-    }
-
-    /// A rule's name.
-    pub fn rule_name(&self, rule: usize) -> Option<&str> {
-        self.names.get(rule).map(String::as_str)
     }
 }
 

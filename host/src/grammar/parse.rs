@@ -172,15 +172,13 @@ impl Parser<'_> {
     fn sequence(&mut self, rule: &str, depth: usize) -> Result<Vec<Sym>, GrammarError> {
         let nested = depth > 0;
         let mut seq: Vec<Sym> = Vec::new();
-        // Where the last item starts (`seq.len()` when there is none yet).
-        let mut last = 0usize;
-        let mut has_last = false;
+        // Where the last item starts, once there is one.
+        let mut last: Option<usize> = None;
         while let Some(b) = self.peek() {
             match b {
                 b'"' => {
                     self.pos += 1;
-                    last = seq.len();
-                    has_last = true;
+                    last = Some(seq.len());
                     while self.peek() != Some(b'"') {
                         let c = self.char()?;
                         seq.push(self.chars(CharSet {
@@ -208,14 +206,12 @@ impl Parser<'_> {
                         ranges.push((lo, hi));
                     }
                     self.pos += 1;
-                    last = seq.len();
-                    has_last = true;
+                    last = Some(seq.len());
                     seq.push(self.chars(CharSet { negated, ranges })?);
                 }
                 b'.' => {
                     self.pos += 1;
-                    last = seq.len();
-                    has_last = true;
+                    last = Some(seq.len());
                     seq.push(self.chars(CharSet {
                         negated: false,
                         ranges: vec![(0, u32::MAX)],
@@ -236,26 +232,22 @@ impl Parser<'_> {
                         return Err(self.error("expecting ')'"));
                     }
                     self.pos += 1;
-                    last = seq.len();
-                    has_last = true;
+                    last = Some(seq.len());
                     self.grow(1)?;
                     seq.push(Sym::Rule(id));
                 }
                 b'*' | b'+' | b'?' | b'{' => {
                     let (min, max) = self.repetition()?;
-                    if !has_last {
+                    let Some(last) = last else {
                         return Err(self.error("expecting an item before */+/?/{"));
-                    }
+                    };
+                    // `a**` repeats the rewrite, as in llama.cpp.
                     self.repeat(rule, &mut seq, last, min, max)?;
-                    // A repeated item cannot be repeated again without
-                    // parentheses in llama.cpp either: `a**` repeats the
-                    // rewrite, which is what this does too.
                 }
                 b if is_word(b) => {
                     let name = self.name()?.to_string();
                     let id = self.rule_id(&name)?;
-                    last = seq.len();
-                    has_last = true;
+                    last = Some(seq.len());
                     self.grow(1)?;
                     seq.push(Sym::Rule(id));
                 }
@@ -452,7 +444,6 @@ impl Parser<'_> {
             syms,
             alts,
             sets,
-            names,
             root,
         })
     }
