@@ -1433,29 +1433,33 @@ fn an_interrupted_logits_out_holds_the_rows_so_far() {
 /// stdin, then each further line is a turn answered in the same session,
 /// until end of input or `/exit`; it does not mix with --json or --logits-out.
 /// (Images and `/clear`: `vision_cli`.)
-#[test]
-fn conversation_answers_each_line_of_stdin() {
+/// `les run -m model args...` with `stdin` written to its standard input.
+fn run_with_stdin(model: &Path, args: &[&str], stdin: &str) -> Output {
     use std::io::Write as _;
     use std::process::Stdio;
+    let mut child = les()
+        .args(["run", "-m"])
+        .arg(model)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn conversation_answers_each_line_of_stdin() {
     let m = model("qwen35moe");
     let converse = |extra: &[&str], stdin: &str| {
-        let mut child = les()
-            .args(["run", "-m"])
-            .arg(&m)
-            .args(["--temp", "0", "-n", "6"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(stdin.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = run_with_stdin(&m, &[&["--temp", "0", "-n", "6"], extra].concat(), stdin);
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "{extra:?}: {err}");
         (out.stdout, err)
@@ -1600,24 +1604,21 @@ fn grammar_constrains_the_reply() {
     assert_eq!(v["text"], "yes");
     assert_eq!(v["stats"]["stop"], "grammar");
     // Each conversation turn follows the grammar from its start.
-    use std::io::Write as _;
-    let mut child = les()
-        .args(["run", "-m"])
-        .arg(&m)
-        .args(["--temp", "0", "-n", "10", "--cnv", "-p", "Hello"])
-        .args(["--grammar-file", &yes_no])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"Again?\nAnd again?\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_with_stdin(
+        &m,
+        &[
+            "--temp",
+            "0",
+            "-n",
+            "10",
+            "--cnv",
+            "-p",
+            "Hello",
+            "--grammar-file",
+            &yes_no,
+        ],
+        "Again?\nAnd again?\n",
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let replies: Vec<&str> = stdout.lines().collect();
     assert_eq!(replies.len(), 3, "{stdout:?}");
