@@ -98,8 +98,8 @@ pub struct RunArgs {
     pub grammar_file: Option<PathBuf>,
     /// Generate only JSON that a JSON Schema allows (llama.cpp's `-j`):
     /// the schema becomes a grammar (`type`, `properties`, `required`,
-    /// `items`, `enum`, `const`, `anyOf`, `$ref`...; other constraints are an
-    /// error).
+    /// `items`, `enum`, `const`, `anyOf`, `$ref`, string `pattern`s...; other
+    /// constraints are an error).
     #[arg(short = 'j', long, value_name = "SCHEMA", conflicts_with_all = ["grammar", "json_schema_file"])]
     pub json_schema: Option<String>,
     /// --json-schema, read from a file.

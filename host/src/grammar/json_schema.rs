@@ -8,13 +8,15 @@
 //! of any key after the listed ones; an object schema without properties
 //! takes any object unless it is `false` or a schema), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
 //! `maxLength`, `format` of strings (`date`, `time`, `date-time` as RFC 3339
-//! has them, `uuid`), `minimum`, `maximum`, `exclusiveMinimum` and
+//! has them, `uuid`), `pattern` of strings (an ECMA-262 regular expression,
+//! matched anywhere unless anchored, its characters written as the JSON text
+//! they need; see [`super::pattern`]), `minimum`, `maximum`, `exclusiveMinimum` and
 //! `exclusiveMaximum` of integers (a grammar of the digit strings in range),
 //! `enum`, `const`, `anyOf`, `oneOf`, `allOf` of one schema, and `$ref` to
 //! `#` or `#/...` (recursive schemas included). Annotations
 //! (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
 //! `$comment`, `deprecated`, `readOnly`, `writeOnly`, `$defs`, `definitions`)
-//! are ignored. Any other keyword (`pattern`, `multipleOf`, bounds of
+//! are ignored. Any other keyword (`multipleOf`, `patternProperties`, bounds of
 //! non-integers, ...) is an
 //! error naming it and where it is, rather than a grammar that silently
 //! allows more than the schema.
@@ -28,6 +30,7 @@ use std::fmt::Write as _;
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
+use super::pattern::pattern_to_gbnf;
 use super::{GrammarError, MAX_REPETITION};
 
 /// A JSON value whose objects keep their members in order (a schema's
@@ -182,6 +185,7 @@ const HANDLED: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "pattern",
     "enum",
     "const",
     "anyOf",
@@ -474,7 +478,10 @@ impl Converter<'_> {
                     vec!["object"]
                 } else if s.get("items").is_some() || s.get("prefixItems").is_some() {
                     vec!["array"]
-                } else if s.get("minLength").is_some() || s.get("maxLength").is_some() {
+                } else if ["minLength", "maxLength", "pattern"]
+                    .iter()
+                    .any(|k| s.get(k).is_some())
+                {
                     vec!["string"]
                 } else {
                     return Ok(self.prim("value"));
@@ -518,6 +525,9 @@ impl Converter<'_> {
             "integer" => self.integer(s, path),
             "number" => Ok(self.prim("number")),
             "string" => {
+                if let Some(p) = s.get("pattern") {
+                    return self.pattern(p, s, hint, path);
+                }
                 if let Some(f) = s.get("format") {
                     return self.format(f, s, path);
                 }
@@ -613,6 +623,33 @@ impl Converter<'_> {
                 ))
             }
         };
+        Ok(format!("\"\\\"\" {body} \"\\\"\" {}", self.prim("space")))
+    }
+
+    /// A string whose value `pattern` (an ECMA-262 regular expression)
+    /// matches, anywhere unless anchored ([`super::pattern`]).
+    fn pattern(
+        &mut self,
+        p: &Json,
+        s: &Json,
+        hint: &str,
+        path: &str,
+    ) -> Result<String, GrammarError> {
+        let Json::String(p) = p else {
+            return Err(Self::unsupported(path, "`pattern` is not a string"));
+        };
+        if ["format", "minLength", "maxLength"]
+            .iter()
+            .any(|k| s.get(k).is_some())
+        {
+            return Err(Self::unsupported(
+                path,
+                "`pattern` with `format`, `minLength` or `maxLength` is not supported",
+            ));
+        }
+        let hint = format!("{hint}-char");
+        let body = pattern_to_gbnf(p, &mut |body| self.rule(&hint, body))
+            .map_err(|e| Self::unsupported(path, &format!("`pattern` {p:?}: {e}")))?;
         Ok(format!("\"\\\"\" {body} \"\\\"\" {}", self.prim("space")))
     }
 

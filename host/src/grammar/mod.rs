@@ -16,7 +16,8 @@
 //!   bytes may come next ([`Matcher::allows`]) and moves on by them
 //!   ([`Matcher::accept`]).
 //! - [`json_schema_to_gbnf`] writes the grammar of a JSON Schema's documents
-//!   (`--json-schema`).
+//!   (`--json-schema`), a string's `pattern` through `pattern` (ECMA-262
+//!   regular expressions over the string's JSON text).
 //! - [`TokenGrammar`] binds a matcher to a vocabulary (each token's bytes,
 //!   special tokens written out, and which tokens end generation), which is
 //!   what [`crate::sampling::Sampler::constrain`] takes.
@@ -38,6 +39,7 @@
 mod json_schema;
 mod matcher;
 mod parse;
+mod pattern;
 
 pub use json_schema::{json_schema_to_gbnf, Json};
 pub use matcher::{Matcher, TokenGrammar};

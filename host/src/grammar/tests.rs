@@ -685,8 +685,16 @@ fn json_schemas_become_grammars_of_their_documents() {
 fn json_schema_errors_name_the_keyword_and_place() {
     for (schema, want) in [
         (
-            r#"{"type": "string", "pattern": "a+"}"#,
-            "unsupported keyword `pattern` at /",
+            r#"{"type": "number", "multipleOf": 2}"#,
+            "unsupported keyword `multipleOf` at /",
+        ),
+        (
+            r#"{"properties": {"id": {"type": "string", "pattern": "(?=a)"}}}"#,
+            "`pattern` \"(?=a)\": lookaround assertions are not supported (at character 2) at /properties/id",
+        ),
+        (
+            r#"{"type": "string", "pattern": "^a$", "maxLength": 3}"#,
+            "`pattern` with `format`, `minLength` or `maxLength` is not supported",
         ),
         (
             r#"{"properties": {"when": {"type": "string", "format": "email"}}}"#,
@@ -815,4 +823,337 @@ fn integer_bounds_reach_sixteen_digits() {
     assert!(e.0.contains("integers only"), "{e}");
     let e = json_schema_to_gbnf(r#"{"type": "integer", "minimum": 3, "maximum": 2}"#).unwrap_err();
     assert!(e.0.contains("no integer"), "{e}");
+}
+
+#[test]
+fn json_schema_patterns_constrain_the_string_value() {
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        (
+            r#"{"type": "string", "pattern": "^\\d{3}-\\d{4}$"}"#,
+            &[r#""555-1234""#],
+            &[r#""5551234""#, r#""555-12345""#, r#""x555-1234""#],
+        ),
+        // Not anchored: anywhere in the string.
+        (
+            r#"{"pattern": "ab+"}"#,
+            &[r#""ab""#, r#""xxabbby""#, r#""\"ab\\""#],
+            &[r#""a b""#, r#""""#, "12"],
+        ),
+        // A quote or a backslash in the value is written escaped; a bare
+        // one would end the string.
+        (
+            r#"{"type": "string", "pattern": "^[^a]*$"}"#,
+            &[r#""x\"y\\z\n""#, r#""""#, "\"\\u0001é😀\""],
+            &[r#""xay""#, "\"x\"y\"", "\"\u{1}\""],
+        ),
+        (
+            r#"{"type": "string", "pattern": "^(?:[A-Z]{2}|x)-(?<n>[0-9]+)$"}"#,
+            &[r#""AB-12""#, r#""x-0""#],
+            &[r#""A-1""#, r#""AB-""#, r#""ab-1""#],
+        ),
+        (
+            r#"{"type": "string", "pattern": "^a$|^b"}"#,
+            &[r#""a""#, r#""bcd""#],
+            &[r#""ab""#, r#""cb""#],
+        ),
+        (
+            r#"{"type": "string", "pattern": "^.$"}"#,
+            &[r#""x""#, r#""\"""#, r#""\t""#],
+            &[r#""\n""#, r#""\r""#, r#""xy""#],
+        ),
+    ];
+    for &(schema, yes, no) in cases {
+        let mut m = schema_matcher(schema);
+        for doc in yes {
+            assert!(m.derives(doc), "{schema} should derive {doc}");
+        }
+        for doc in no {
+            assert!(!m.derives(doc), "{schema} should not derive {doc}");
+        }
+    }
+    // In an object, as pydantic writes a constrained field.
+    let mut m = schema_matcher(
+        r#"{"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}\\d{2}$"}}, "required": ["sku"]}"#,
+    );
+    assert!(m.derives(r#"{"sku": "ABC12"}"#));
+    assert!(!m.derives(r#"{"sku": "ABC1"}"#));
+}
+
+/// A regular expression for the pattern oracle: rendered as ECMA-262 text
+/// (what the converter reads) and as the `regex` crate's syntax.
+#[derive(Clone, Debug)]
+enum Rx {
+    Lit(char, bool),
+    Class(Vec<(char, char)>, Vec<usize>, bool),
+    Dot,
+    /// `\d \D \w \W \s \S` by index.
+    Esc(usize),
+    Seq(Vec<Rx>),
+    Alt(Vec<Rx>),
+    Group(Box<Rx>, usize),
+    Repeat(Box<Rx>, u32, Option<u32>, bool),
+}
+
+const RX_ALPHABET: &[char] = &[
+    'a', 'b', 'Z', '0', '7', '_', ' ', '-', '"', '\\', '\n', '\r', '\t', '\u{1}', 'é', '\u{2028}',
+    '😀', '.', '*', '[', ']', '{', '^', '$', '|', '(',
+];
+const RX_ESCAPES: [&str; 6] = ["d", "D", "w", "W", "s", "S"];
+const RX_DIGIT: &str = "0-9";
+const RX_WORD: &str = "0-9A-Za-z_";
+const RX_SPACE: &str = r"\t\n\x0B\x0C\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}";
+
+fn ecma_char(c: char) -> String {
+    if c.is_ascii_alphanumeric() || c == '_' {
+        return c.to_string();
+    }
+    let u = c as u32;
+    if u <= 0xFF {
+        format!("\\x{u:02x}")
+    } else if u <= 0xFFFF {
+        format!("\\u{u:04x}")
+    } else {
+        let v = u - 0x10000;
+        format!(
+            "\\u{:04x}\\u{:04x}",
+            0xD800 + (v >> 10),
+            0xDC00 + (v & 0x3FF)
+        )
+    }
+}
+
+fn rust_char(c: char) -> String {
+    if c.is_ascii_alphanumeric() || c == '_' {
+        c.to_string()
+    } else {
+        format!("\\x{{{:X}}}", c as u32)
+    }
+}
+
+impl Rx {
+    fn ecma(&self) -> String {
+        match self {
+            // Unescaped where ECMA-262 allows it.
+            Rx::Lit(c, true) if !"\\^$.|?*+()[]{}/".contains(*c) => c.to_string(),
+            Rx::Lit(c, _) => ecma_char(*c),
+            Rx::Class(ranges, escapes, negated) => {
+                let mut s = String::from(if *negated { "[^" } else { "[" });
+                for &(lo, hi) in ranges {
+                    s += &ecma_char(lo);
+                    if hi != lo {
+                        s += "-";
+                        s += &ecma_char(hi);
+                    }
+                }
+                for &e in escapes {
+                    s += "\\";
+                    s += RX_ESCAPES[e];
+                }
+                s + "]"
+            }
+            Rx::Dot => ".".into(),
+            Rx::Esc(e) => format!("\\{}", RX_ESCAPES[*e]),
+            Rx::Seq(items) => items
+                .iter()
+                .map(|i| match i {
+                    Rx::Alt(_) => format!("(?:{})", i.ecma()),
+                    _ => i.ecma(),
+                })
+                .collect(),
+            Rx::Alt(alts) => alts.iter().map(Rx::ecma).collect::<Vec<_>>().join("|"),
+            Rx::Group(inner, kind) => {
+                let open = ["(", "(?:", "(?<g>"][*kind % 3];
+                format!("{open}{})", inner.ecma())
+            }
+            Rx::Repeat(inner, min, max, lazy) => {
+                let q = match (min, max) {
+                    (0, None) => "*".to_string(),
+                    (1, None) => "+".to_string(),
+                    (0, Some(1)) => "?".to_string(),
+                    (m, None) => format!("{{{m},}}"),
+                    (m, Some(n)) if m == n => format!("{{{m}}}"),
+                    (m, Some(n)) => format!("{{{m},{n}}}"),
+                };
+                format!("(?:{}){q}{}", inner.ecma(), if *lazy { "?" } else { "" })
+            }
+        }
+    }
+
+    fn rust(&self) -> String {
+        let class_of = |e: usize| -> String {
+            let body = [RX_DIGIT, RX_WORD, RX_SPACE][e / 2];
+            if e.is_multiple_of(2) {
+                format!("[{body}]")
+            } else {
+                format!("[^{body}]")
+            }
+        };
+        match self {
+            Rx::Lit(c, _) => rust_char(*c),
+            Rx::Class(ranges, escapes, negated) => {
+                if ranges.is_empty() && escapes.is_empty() {
+                    // ECMA's `[]` matches nothing, `[^]` anything.
+                    return if *negated {
+                        r"[\s\S]".into()
+                    } else {
+                        r"[^\s\S]".into()
+                    };
+                }
+                let mut s = String::from(if *negated { "[^" } else { "[" });
+                for &(lo, hi) in ranges {
+                    s += &rust_char(lo);
+                    if hi != lo {
+                        s += "-";
+                        s += &rust_char(hi);
+                    }
+                }
+                for &e in escapes {
+                    s += &class_of(e);
+                }
+                s + "]"
+            }
+            Rx::Dot => r"[^\n\r\x{2028}\x{2029}]".into(),
+            Rx::Esc(e) => class_of(*e),
+            Rx::Seq(items) => items.iter().map(|i| format!("(?:{})", i.rust())).collect(),
+            Rx::Alt(alts) => alts
+                .iter()
+                .map(|a| format!("(?:{})", a.rust()))
+                .collect::<Vec<_>>()
+                .join("|"),
+            Rx::Group(inner, _) => format!("(?:{})", inner.rust()),
+            Rx::Repeat(inner, min, max, _) => match max {
+                Some(n) => format!("(?:{}){{{min},{n}}}", inner.rust()),
+                None => format!("(?:{}){{{min},}}", inner.rust()),
+            },
+        }
+    }
+}
+
+impl Rx {
+    /// A string the expression matches whole (`None` if it matches none),
+    /// choices made by `pick(n)` (a number below `n`).
+    fn example(&self, pick: &mut dyn FnMut(usize) -> usize) -> Option<String> {
+        match self {
+            Rx::Lit(c, _) => Some(c.to_string()),
+            Rx::Class(..) | Rx::Dot | Rx::Esc(_) => {
+                let one = regex::Regex::new(&format!("^(?:{})$", self.rust())).ok()?;
+                let fits: Vec<char> = RX_ALPHABET
+                    .iter()
+                    .copied()
+                    .filter(|c| one.is_match(&c.to_string()))
+                    .collect();
+                (!fits.is_empty()).then(|| fits[pick(fits.len())].to_string())
+            }
+            Rx::Seq(items) => items.iter().map(|i| i.example(pick)).collect(),
+            Rx::Alt(alts) => {
+                let first = pick(alts.len());
+                (0..alts.len()).find_map(|k| alts[(first + k) % alts.len()].example(pick))
+            }
+            Rx::Group(inner, _) => inner.example(pick),
+            Rx::Repeat(inner, min, max, _) => {
+                let most = max.unwrap_or(min + 2).min(min + 2);
+                let n = *min as usize + pick((most - min) as usize + 1);
+                (0..n).map(|_| inner.example(pick)).collect()
+            }
+        }
+    }
+}
+
+fn rx_char() -> impl Strategy<Value = char> {
+    prop::sample::select(RX_ALPHABET)
+}
+
+fn rx() -> impl Strategy<Value = Rx> {
+    let leaf = prop_oneof![
+        4 => (rx_char(), any::<bool>()).prop_map(|(c, raw)| Rx::Lit(c, raw)),
+        2 => (
+            prop::collection::vec((rx_char(), rx_char()), 0..3),
+            prop::collection::vec(0..6usize, 0..2),
+            any::<bool>()
+        )
+            .prop_map(|(pairs, escapes, negated)| {
+                let ranges = pairs
+                    .into_iter()
+                    .map(|(a, b)| if a <= b { (a, b) } else { (b, a) })
+                    .collect();
+                Rx::Class(ranges, escapes, negated)
+            }),
+        1 => Just(Rx::Dot),
+        1 => (0..6usize).prop_map(Rx::Esc),
+    ];
+    leaf.prop_recursive(3, 16, 3, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Rx::Seq),
+            prop::collection::vec(inner.clone(), 2..4).prop_map(Rx::Alt),
+            (inner.clone(), 0..3usize).prop_map(|(r, k)| Rx::Group(Box::new(r), k)),
+            (inner, 0..3u32, prop::option::of(0..3u32), any::<bool>()).prop_map(
+                |(r, min, extra, lazy)| Rx::Repeat(Box::new(r), min, extra.map(|e| min + e), lazy)
+            ),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// A string's JSON text derives from a `pattern` schema exactly when
+    /// the `regex` crate finds the same expression in the string.
+    #[test]
+    fn pattern_grammars_agree_with_the_regex_crate(
+        rx in rx(),
+        start in any::<bool>(),
+        end in any::<bool>(),
+        strings in prop::collection::vec(prop::collection::vec(rx_char(), 0..6), 24),
+        picks in prop::collection::vec(any::<usize>(), 64),
+    ) {
+        // Grouped, so that the anchors bind as in the oracle's.
+        let pattern = format!("{}(?:{}){}", if start { "^" } else { "" }, rx.ecma(), if end { "$" } else { "" });
+        let rust = format!("{}(?:{}){}", if start { "^" } else { "" }, rx.rust(), if end { "$" } else { "" });
+        let oracle = regex::Regex::new(&rust).unwrap();
+        let schema = serde_json::json!({"type": "string", "pattern": pattern}).to_string();
+        let gbnf = json_schema_to_gbnf(&schema).unwrap();
+        let mut m = Matcher::new(Grammar::parse(&gbnf).unwrap()).unwrap();
+        // Random strings, and strings made to match (with text around them
+        // where the pattern is not anchored).
+        let mut next = picks.iter().cycle();
+        let mut pick = |n: usize| next.next().map_or(0, |p| p % n.max(1));
+        let mut made = Vec::new();
+        for k in 0..4 {
+            if let Some(e) = rx.example(&mut pick) {
+                let before = if start || k % 2 == 0 { "" } else { "x\"" };
+                let after = if end || k < 2 { "" } else { "\n0" };
+                made.push(format!("{before}{e}{after}"));
+            }
+        }
+        for s in strings.into_iter().map(|s| s.into_iter().collect::<String>()).chain(made) {
+            let doc = serde_json::to_string(&s).unwrap();
+            prop_assert_eq!(m.derives(&doc), oracle.is_match(&s), "{} on {:?}\n{}", pattern, s, gbnf);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(5000))]
+
+    /// Any pattern text gives an error, or a grammar that parses (no
+    /// left-recursive repetition of an optional part) and starts.
+    #[test]
+    fn any_pattern_gives_an_error_or_a_grammar(
+        chars in prop::collection::vec(
+            prop::sample::select(&[
+                'a', 'b', '0', '9', '^', '$', '.', '|', '?', '*', '+', '(', ')', '[', ']', '{',
+                '}', '\\', '-', ',', 'd', 'W', 's', 'x', 'u', 'c', 'k', '<', '>', '=', '!',
+                ':', '"', 'D', 'é',
+            ][..]),
+            0..24,
+        ),
+    ) {
+        let pattern: String = chars.into_iter().collect();
+        let schema = serde_json::json!({"pattern": pattern}).to_string();
+        if let Ok(gbnf) = json_schema_to_gbnf(&schema) {
+            let g = Grammar::parse(&gbnf);
+            prop_assert!(g.is_ok(), "{:?}: {:?}\n{}", pattern, g.err(), gbnf);
+            prop_assert!(Matcher::new(g.unwrap()).is_ok());
+        }
+    }
 }
