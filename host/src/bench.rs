@@ -279,6 +279,12 @@ impl ScheduleReport {
         }
     }
 
+    /// Time per token not stalled on a read, seconds: the compute, as
+    /// slowed by whatever the reads cost it.
+    pub fn compute_per_token(&self) -> f64 {
+        (self.decode.as_secs_f64() - self.stall.as_secs_f64()).max(0.0) / self.n()
+    }
+
     /// `max(compute, minimum I/O) / actual` (1 = perfect overlap).
     pub fn overlap_efficiency(&self) -> f64 {
         let actual = self.decode.as_secs_f64().max(1e-9);
@@ -893,6 +899,7 @@ mod tests {
     fn overlap_bound_is_on_demand_time_over_the_longer_of_compute_and_io_with_the_output_layer() {
         // On-demand: 400 ms/token, 150 of them stalled: 250 ms of compute.
         let od = report(Schedule::OnDemand, 4000, 1500, 0);
+        assert!((od.compute_per_token() - 0.25).abs() < 1e-9);
         // 100 MB/token at 1 GB/s = 100 ms < 250 ms: compute bounds.
         let les = report(Schedule::Les, 3000, 100, 1_000_000_000);
         assert!((les.overlap_bound(&od).unwrap() - 1.6).abs() < 1e-9);

@@ -1726,11 +1726,40 @@ fn json_schema_shapes_the_reply() {
             "{text}"
         );
     }
-    let out = run(&m, &["-j", r#"{"type": "string", "pattern": "^a+$"}"#]);
+    // A string pattern: the value matches it, its quote and backslash escaped.
+    for seed in ["1", "2", "3"] {
+        let v = json_run(
+            &m,
+            &[
+                "--temp",
+                "0.8",
+                "--seed",
+                seed,
+                "-n",
+                "200",
+                "-j",
+                r#"{"type": "string", "pattern": "^[ab\"\\\\]{2}-\\d{1,3}$"}"#,
+            ],
+        );
+        let text = v["text"].as_str().unwrap();
+        assert_eq!(v["stats"]["stop"], "eog", "{text:?}");
+        let doc: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let s = doc.as_str().unwrap_or_else(|| panic!("{text}"));
+        let (head, digits) = s.split_once('-').unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            head.chars().count() == 2 && head.chars().all(|c| "ab\"\\".contains(c)),
+            "{text}"
+        );
+        assert!(
+            (1..=3).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit()),
+            "{text}"
+        );
+    }
+    let out = run(&m, &["-j", r#"{"type": "number", "multipleOf": 2}"#]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("--json-schema: json schema: unsupported keyword `pattern` at /"),
+        err.contains("--json-schema: json schema: unsupported keyword `multipleOf` at /"),
         "{err}"
     );
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");

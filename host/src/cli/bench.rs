@@ -443,6 +443,25 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             busy.join(", ")
         )?;
     }
+    if reports.len() > 1 {
+        let computes: Vec<String> = reports
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {:.1} ms ({:.0} MiB read)",
+                    r.schedule.name(),
+                    1e3 * r.compute_per_token(),
+                    mib(r.bytes_per_token())
+                )
+            })
+            .collect();
+        writeln!(
+            out,
+            "compute per token (decode time less stall): {}; the kernels are the same, so a \
+             difference is the schedule's own work and what its reads cost the compute",
+            computes.join(", ")
+        )?;
+    }
     let steals: Vec<(Schedule, f64)> = reports
         .iter()
         .filter_map(|r| Some((r.schedule, r.cpu_steal?)))
@@ -645,6 +664,7 @@ fn schedules_json(runs: &[Runs], n_layers: usize) -> (Value, Value, Value) {
                 "tok_s_runs": x.tok_s,
                 "bytes_per_token": r.bytes_per_token(),
                 "stall_s_per_token": r.stall_per_token(),
+                "compute_s_per_token": r.compute_per_token(),
                 "output_layer_s_per_token": r.output_per_token(),
                 "hit_rate": r.hit_rate(),
                 "ready_hit_rate": r.ready_hit_rate(),

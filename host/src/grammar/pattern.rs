@@ -23,7 +23,9 @@
 //! top-level alternatives. Refused with an error: back-references,
 //! lookaround, word boundaries, Unicode property escapes, anchors anywhere
 //! else, counts above [`MAX_REPETITION`] and nesting deeper than
-//! [`MAX_NESTING`].
+//! [`MAX_NESTING`]. Characters are Unicode code points (as with ECMA-262's
+//! `u` flag, and as most JSON Schema validators match), so `.` matches one
+//! emoji, not half of its UTF-16 pair.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -260,8 +262,11 @@ impl Parser {
                                 break;
                             }
                         }
-                    } else {
+                    } else if matches!(self.peek(), Some('=' | '!' | '<')) {
                         return self.err("lookaround assertions are not supported");
+                    } else {
+                        return self
+                            .err("groups `(?` other than `(?:` and `(?<name>` are not supported");
                     }
                 }
                 self.depth += 1;
@@ -814,6 +819,7 @@ mod tests {
             ("(a)\\1", "back-references"),
             ("(?=a)", "lookaround"),
             ("(?<!a)b", "lookaround"),
+            ("(?i)a", "other than"),
             ("\\bword", "word boundaries"),
             ("a^b", "`^` and `$`"),
             ("(a$)", "`^` and `$`"),

@@ -856,6 +856,12 @@ fn json_schema_patterns_constrain_the_string_value() {
             &[r#""a""#, r#""bcd""#],
             &[r#""ab""#, r#""cb""#],
         ),
+        // A range that ends next to the surrogates.
+        (
+            r#"{"type": "string", "pattern": "^[^\\uE000-\\uFFFF]$"}"#,
+            &[r#""a""#, "\"😀\"", "\"\u{D7FF}\""],
+            &["\"\u{E001}\"", r#""ab""#],
+        ),
         (
             r#"{"type": "string", "pattern": "^.$"}"#,
             &[r#""x""#, r#""\"""#, r#""\t""#],
