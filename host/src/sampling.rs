@@ -14,19 +14,31 @@
 //!    penalty, a positive one divided, then the frequency penalty times the
 //!    token's count in the window and the presence penalty are subtracted
 //!    (`llama_sampler_penalties_apply`);
-//! 2. **top-k** (`top_k == 0`: off): keep the `k` highest logits;
-//! 3. **top-p** (`top_p >= 1`: off): softmax of the remaining logits (at
+//! 2. **top-n-sigma** (`top_n_sigma <= 0`: off): keep the logits at least
+//!    `max - n * sigma`, sigma the population deviation of every candidate's
+//!    logit (`llama_sampler_top_n_sigma_apply`);
+//! 3. **top-k** (`top_k == 0`: off): keep the `k` highest logits;
+//! 4. **typical-p** (`typical_p >= 1`: off): on the softmax at temperature 1,
+//!    order the tokens by how far their surprise `-ln p` is from the entropy
+//!    (nearest first, ties by rank) and keep them until their mass exceeds
+//!    `typical_p` (`llama_sampler_typical_apply`; it may drop the best);
+//! 5. **top-p** (`top_p >= 1`: off): softmax of the remaining logits (at
 //!    temperature 1, as llama.cpp: the temperature comes later), keep the shortest
 //!    prefix, by descending logit, whose probability mass is `>= top_p`; at least
 //!    one token;
-//! 4. **min-p** (`None` or `<= 0`: off): keep the tokens with
+//! 6. **min-p** (`None` or `<= 0`: off): keep the tokens with
 //!    `logit >= max_logit + ln(min_p)`, i.e. `p >= min_p * p_max`;
-//! 5. **temperature**: logits divided by `temperature`;
-//! 6. **draw**: softmax of the rest, `u` uniform in `[0, 1)`, and the first token
+//! 7. **XTC** (`xtc_probability <= 0` or `xtc_threshold > 0.5`: off): with
+//!    probability `xtc_probability` (a draw of its own generator, made
+//!    whenever two or more tokens are left), drop the tokens at least
+//!    `xtc_threshold` likely but the last of them (`llama_sample_xtc_apply`);
+//! 8. **temperature**: logits divided by `temperature`;
+//! 9. **draw**: softmax of the rest, `u` uniform in `[0, 1)`, and the first token
 //!    (by descending logit) whose running sum of weights exceeds `u * total`.
 //!
 //! `temperature <= 0` (or NaN) is greedy: the highest logit after the
-//! penalties, the lowest id among ties (as llama.cpp's greedy sampler).
+//! penalties, the lowest id among ties (as llama.cpp's greedy sampler; the
+//! filters then play no part).
 //!
 //! # Grammars
 //!
@@ -133,6 +145,20 @@ pub struct SamplerConfig {
     pub top_p: f32,
     /// Keep tokens with `p >= min_p * p_max`; `None` or `<= 0` keeps all.
     pub min_p: Option<f32>,
+    /// Locally typical sampling: keep the tokens whose surprise is closest
+    /// to the distribution's entropy, up to this probability mass; `>= 1`
+    /// (or NaN) keeps all.
+    pub typical_p: f32,
+    /// Top-n-sigma: keep the tokens whose logit is within `n` standard
+    /// deviations (over every candidate's logit) of the highest; `<= 0` (or
+    /// NaN) keeps all.
+    pub top_n_sigma: f32,
+    /// XTC ("exclude top choices"): with this probability, drop every token
+    /// at least [`xtc_threshold`](Self::xtc_threshold) likely but the least
+    /// likely of them; `<= 0` is off.
+    pub xtc_probability: f32,
+    /// XTC's threshold; above 0.5 XTC is off.
+    pub xtc_threshold: f32,
     /// Penalties on recent tokens; `None` is off.
     pub penalties: Option<Penalties>,
     /// Seed of the random generator.
@@ -141,13 +167,18 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     /// llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05,
-    /// no repeat penalty (llama.cpp's default factor is 1.0), seed 0.
+    /// no repeat penalty (llama.cpp's default factor is 1.0), typical-p,
+    /// top-n-sigma and XTC off (XTC's threshold 0.1), seed 0.
     fn default() -> Self {
         SamplerConfig {
             temperature: 0.8,
             top_k: 40,
             top_p: 0.95,
             min_p: Some(0.05),
+            typical_p: 1.0,
+            top_n_sigma: -1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
             penalties: None,
             seed: 0,
         }
@@ -164,9 +195,14 @@ impl SamplerConfig {
             min_p: None,
             penalties: None,
             seed: 0,
+            ..SamplerConfig::default()
         }
     }
 }
+
+/// Mixed into the seed of XTC's generator, so that its stream is not the
+/// draw's.
+const XTC_STREAM: u64 = 0x5854_435F_5354_524D;
 
 /// A candidate token: id and (cleaned, penalized) logit.
 #[derive(Clone, Copy, Debug)]
@@ -198,6 +234,9 @@ fn clean(l: f32) -> f64 {
 pub struct Sampler {
     config: SamplerConfig,
     rng: Xoshiro256StarStar,
+    /// XTC's own generator (as llama.cpp's XTC has its own), so that XTC
+    /// turned off leaves the draws, and the tokens, as they were.
+    xtc_rng: Xoshiro256StarStar,
     /// Accepted tokens, most recent last, at most `penalties.last_n`.
     history: VecDeque<u32>,
     candidates: Vec<Candidate>,
@@ -220,6 +259,7 @@ impl Sampler {
         Sampler {
             config,
             rng: Xoshiro256StarStar::seed_from_u64(config.seed),
+            xtc_rng: Xoshiro256StarStar::seed_from_u64(config.seed ^ XTC_STREAM),
             history: VecDeque::new(),
             recent: Vec::new(),
             candidates: Vec::new(),
@@ -289,6 +329,7 @@ impl Sampler {
     pub fn reset(&mut self) {
         self.history.clear();
         self.rng = Xoshiro256StarStar::seed_from_u64(self.config.seed);
+        self.xtc_rng = Xoshiro256StarStar::seed_from_u64(self.config.seed ^ XTC_STREAM);
         self.reset_grammar();
     }
 
@@ -367,7 +408,8 @@ impl Sampler {
         }
         let mut cands = std::mem::take(&mut self.candidates);
         cands.clear();
-        if cfg.top_k == 0 || cfg.top_k >= logits.len() {
+        // Top-n-sigma's deviation is over every candidate: gather them all.
+        if cfg.top_k == 0 || cfg.top_k >= logits.len() || top_n_sigma(cfg).is_some() {
             for_each_value(logits, &self.adjusted, |id, value| {
                 let logit = value.logit();
                 if logit > f64::NEG_INFINITY && allowed(id) {
@@ -449,12 +491,32 @@ impl Sampler {
         best.map(|c| c.id)
     }
 
-    /// Top-k, top-p, min-p, temperature and the draw over `cands`: the finite
-    /// candidates, every one or (with top-k) at least the `top_k` best by rank.
+    /// Top-n-sigma, top-k, typical-p, top-p, min-p, XTC, temperature and the
+    /// draw over `cands`: the finite candidates, every one or (with top-k and
+    /// no top-n-sigma) at least the `top_k` best by rank.
     fn pick_from(&mut self, cands: &mut Vec<Candidate>) -> Option<u32> {
         let cfg = self.config;
         if cands.is_empty() {
             return None;
+        }
+
+        // Top-n-sigma (llama_sampler_top_n_sigma_apply): the population
+        // deviation of the logits; keep those within n of it of the best.
+        if let Some(n) = top_n_sigma(cfg) {
+            if cands.len() > 1 {
+                let len = cands.len() as f64;
+                let max = cands
+                    .iter()
+                    .map(|c| c.logit)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let mean = cands.iter().map(|c| c.logit).sum::<f64>() / len;
+                let var = cands.iter().map(|c| (c.logit - mean).powi(2)).sum::<f64>() / len;
+                // n = inf keeps all (and times a deviation of 0, all equal).
+                let spread = n * var.sqrt();
+                if spread.is_finite() {
+                    cands.retain(|c| c.logit >= max - spread);
+                }
+            }
         }
 
         // Top-k (sorted either way: top-p and the draw walk in rank order).
@@ -468,6 +530,11 @@ impl Sampler {
             cands.truncate(k);
         }
         cands.sort_unstable_by(by_rank);
+
+        // Typical-p (llama_sampler_typical_apply); it may drop the best.
+        if cfg.typical_p < 1.0 {
+            typical(cands, f64::from(cfg.typical_p));
+        }
         let max = cands[0].logit;
 
         // Top-p, on the softmax at temperature 1.
@@ -497,6 +564,24 @@ impl Sampler {
             cands.truncate(keep);
         }
 
+        // XTC (llama_sample_xtc_apply): drawn first, then every candidate at
+        // least `threshold` likely is dropped but the last of them.
+        if cfg.xtc_probability > 0.0 && cfg.xtc_threshold <= 0.5 && cands.len() >= 2 {
+            let chance = self.xtc_rng.next_f64();
+            if chance <= f64::from(cfg.xtc_probability) {
+                let total: f64 = cands.iter().map(|c| libm::exp(c.logit - max)).sum();
+                let threshold = f64::from(cfg.xtc_threshold) * total;
+                let above = cands
+                    .iter()
+                    .take_while(|c| libm::exp(c.logit - max) >= threshold)
+                    .count();
+                if above > 1 {
+                    cands.drain(..above - 1);
+                }
+            }
+        }
+        let max = cands[0].logit;
+
         // Temperature and draw. (l - max) / t <= 0, so no overflow even for tiny t.
         let t = f64::from(cfg.temperature);
         let weight = |c: &Candidate| libm::exp((c.logit - max) / t);
@@ -517,6 +602,61 @@ impl Sampler {
         // Only reached through rounding of `total` against the running sum.
         Some(last)
     }
+}
+
+/// Top-n-sigma's `n`, if it is on.
+fn top_n_sigma(cfg: SamplerConfig) -> Option<f64> {
+    (cfg.top_n_sigma > 0.0).then_some(f64::from(cfg.top_n_sigma))
+}
+
+/// Locally typical sampling over `cands` (sorted by rank, not empty): by
+/// the distance of each token's surprise `-ln p` from the entropy, nearest
+/// first (ties in rank order), keep tokens until their mass exceeds `mass`;
+/// `cands` stays sorted by rank. A token whose probability underflows to 0
+/// adds nothing to the entropy and comes last (llama.cpp's `0 * ln 0` would
+/// make the entropy NaN).
+fn typical(cands: &mut Vec<Candidate>, mass: f64) {
+    let max = cands[0].logit;
+    let total: f64 = cands.iter().map(|c| libm::exp(c.logit - max)).sum();
+    let p: Vec<f64> = cands
+        .iter()
+        .map(|c| libm::exp(c.logit - max) / total)
+        .collect();
+    let entropy: f64 = p
+        .iter()
+        .filter(|&&p| p > 0.0)
+        .map(|&p| -p * libm::log(p))
+        .sum();
+    let mut order: Vec<(f64, usize)> = p
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| {
+            let d = if p > 0.0 {
+                (-libm::log(p) - entropy).abs()
+            } else {
+                f64::INFINITY
+            };
+            (d, i)
+        })
+        .collect();
+    order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut cum = 0.0;
+    let mut keep = order.len();
+    for (n, &(_, i)) in order.iter().enumerate() {
+        cum += p[i];
+        if cum > mass {
+            keep = n + 1;
+            break;
+        }
+    }
+    let mut kept: Vec<usize> = order[..keep].iter().map(|&(_, i)| i).collect();
+    kept.sort_unstable();
+    let mut w = 0;
+    for i in kept {
+        cands[w] = cands[i];
+        w += 1;
+    }
+    cands.truncate(w);
 }
 
 /// How a token's logit is adjusted before sampling.
@@ -675,6 +815,7 @@ impl Xoshiro256StarStar {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn sampling_splitmix64_reference_vector() {
@@ -845,6 +986,98 @@ mod tests {
         token
     }
 
+    /// The tokens `config` draws from `logits` over many seeds.
+    fn drawn(config: SamplerConfig, logits: &[f32]) -> BTreeSet<u32> {
+        (0..400)
+            .map(|seed| Sampler::new(SamplerConfig { seed, ..config }).sample(logits))
+            .collect()
+    }
+
+    /// Only the sampler under test: no top-k, top-p or min-p, temperature 1.
+    fn plain() -> SamplerConfig {
+        SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: None,
+            ..SamplerConfig::default()
+        }
+    }
+
+    fn logits_of(p: &[f64]) -> Vec<f32> {
+        p.iter().map(|&p| libm::log(p) as f32).collect()
+    }
+
+    #[test]
+    fn top_n_sigma_keeps_the_logits_near_the_best() {
+        // Mean 0.917, population deviation 1.304: within one of 3, 3 and 2.5.
+        let logits = [3.0, 2.5, 0.0, 0.0, 0.0, 0.0];
+        let one = SamplerConfig {
+            top_n_sigma: 1.0,
+            ..plain()
+        };
+        assert_eq!(drawn(one, &logits), BTreeSet::from([0, 1]));
+        // Within three (down to -0.9): all.
+        let three = SamplerConfig {
+            top_n_sigma: 3.0,
+            ..plain()
+        };
+        assert_eq!(drawn(three, &logits).len(), 6);
+        // Before top-k, over every token: top-k 1 keeps token 0 alone.
+        let k1 = SamplerConfig {
+            top_n_sigma: 1.0,
+            top_k: 1,
+            ..plain()
+        };
+        assert_eq!(drawn(k1, &logits), BTreeSet::from([0]));
+    }
+
+    #[test]
+    fn typical_p_can_drop_the_most_likely_token() {
+        // p = 0.4, 0.3, 0.3: entropy 1.089; surprise 0.916 (0.173 away) and
+        // 1.204 (0.115 away): tokens 1 and 2 are the typical ones, and their
+        // 0.6 exceeds 0.5.
+        let logits = logits_of(&[0.4, 0.3, 0.3]);
+        let typical = SamplerConfig {
+            typical_p: 0.5,
+            ..plain()
+        };
+        assert_eq!(drawn(typical, &logits), BTreeSet::from([1, 2]));
+        // Their 0.6 does not exceed 0.65: token 0 joins.
+        let more = SamplerConfig {
+            typical_p: 0.65,
+            ..plain()
+        };
+        assert_eq!(drawn(more, &logits), BTreeSet::from([0, 1, 2]));
+    }
+
+    #[test]
+    fn xtc_drops_the_likely_tokens_but_the_last_of_them() {
+        let logits = logits_of(&[0.4, 0.3, 0.2, 0.1]);
+        let xtc = |probability, threshold| SamplerConfig {
+            xtc_probability: probability,
+            xtc_threshold: threshold,
+            ..plain()
+        };
+        // 0.4, 0.3 and 0.2 reach 0.19: the first two go.
+        assert_eq!(drawn(xtc(1.0, 0.19), &logits), BTreeSet::from([2, 3]));
+        // Only the best reaches 0.35: nothing goes.
+        assert_eq!(drawn(xtc(1.0, 0.35), &logits).len(), 4);
+        // Above 0.5, off.
+        assert_eq!(drawn(xtc(1.0, 0.55), &logits).len(), 4);
+        // Half the time: every token still comes up.
+        assert_eq!(drawn(xtc(0.5, 0.19), &logits).len(), 4);
+        // Off, XTC draws nothing: the tokens are those of no XTC at all.
+        let mut a = Sampler::new(SamplerConfig {
+            seed: 7,
+            ..xtc(0.0, 0.2)
+        });
+        let mut b = Sampler::new(SamplerConfig { seed: 7, ..plain() });
+        for _ in 0..50 {
+            assert_eq!(a.sample(&logits), b.sample(&logits));
+        }
+    }
+
     fn logit() -> impl Strategy<Value = f32> {
         prop_oneof![
             4 => -8.0f32..8.0,
@@ -926,8 +1159,14 @@ mod tests {
             banned in proptest::collection::vec(0u32..1600, 0..6),
             biases in proptest::collection::vec((0u32..1600, bias()), 0..6),
             seed in any::<u64>(),
+            typical_p in prop_oneof![Just(1.0f32), 0.2f32..1.0],
+            top_n_sigma in prop_oneof![Just(-1.0f32), 0.2f32..3.0],
+            (xtc_probability, xtc_threshold) in prop_oneof![Just((0.0f32, 0.1f32)), (0.0f32..1.0, 0.0f32..0.6)],
         ) {
-            let config = SamplerConfig { temperature, top_k, top_p, min_p, penalties: penalty, seed };
+            let config = SamplerConfig {
+                temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability,
+                xtc_threshold, penalties: penalty, seed,
+            };
             let (mut fast, mut reference) = (Sampler::new(config), Sampler::new(config));
             for s in [&mut fast, &mut reference] {
                 s.ban(banned.iter().copied());

@@ -162,6 +162,55 @@ fn sampling_options_and_prompt_files() {
         ];
         assert_eq!(tokens(&json_run(&m, &args)), greedy, "seed {seed}");
     }
+    // Top-n-sigma with a tiny n leaves the most likely token too.
+    for seed in ["1", "2"] {
+        let args = [
+            "--temp",
+            "2",
+            "--top-k",
+            "0",
+            "--min-p",
+            "0",
+            "--top-nsigma",
+            "1e-6",
+            "--seed",
+            seed,
+            "-n",
+            "24",
+        ];
+        assert_eq!(tokens(&json_run(&m, &args)), greedy, "seed {seed}");
+    }
+    // XTC always on at threshold 0 drops all but the least likely of the
+    // top-k 2: the second most likely token, whatever the seed.
+    let second: Vec<_> = ["1", "2", "3"]
+        .iter()
+        .map(|seed| {
+            let args = [
+                "--temp",
+                "1",
+                "--top-k",
+                "2",
+                "--top-p",
+                "1",
+                "--min-p",
+                "0",
+                "--xtc-probability",
+                "1",
+                "--xtc-threshold",
+                "0",
+                "--seed",
+                seed,
+                "-n",
+                "1",
+            ];
+            tokens(&json_run(&m, &args))
+        })
+        .collect();
+    assert!(second.windows(2).all(|w| w[0] == w[1]), "{second:?}");
+    assert_ne!(second[0][0], greedy[0]);
+    // Typical-p runs (its effect is the sampler's unit tests').
+    let args = ["--typical", "0.5", "--seed", "3", "-n", "8", "--ignore-eos"];
+    assert_eq!(tokens(&json_run(&m, &args)).len(), 8);
 
     let file_run = |contents: &[u8]| {
         let path = tmp(&format!("prompt_{}.txt", contents.len()));
@@ -811,6 +860,10 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--predict-min-prob", "1.5"], "--predict-min-prob"),
         (vec!["--min-p", "1.5"], "--min-p"),
         (vec!["--min-p", "nan"], "--min-p"),
+        (vec!["--typical", "1.5"], "--typical"),
+        (vec!["--top-nsigma", "nan"], "--top-nsigma"),
+        (vec!["--xtc-probability", "2"], "--xtc-probability"),
+        (vec!["--xtc-threshold=-0.1"], "--xtc-threshold"),
         (vec!["--repeat-penalty", "0"], "--repeat-penalty"),
         (vec!["--repeat-penalty", "inf"], "--repeat-penalty"),
         (vec!["--presence-penalty", "nan"], "--presence-penalty"),

@@ -11,6 +11,7 @@ fn random(seed: u64) -> SamplerConfig {
         min_p: None,
         penalties: None,
         seed,
+        ..SamplerConfig::default()
     }
 }
 
@@ -350,12 +351,18 @@ proptest! {
         penalty in prop::option::of((any_param(), 0usize..8)),
         history in prop::collection::vec(0u32..60, 0..10),
         seed in any::<u64>(),
+        (typical_p, top_n_sigma, xtc_probability, xtc_threshold) in
+            (any_param(), any_param(), any_param(), any_param()),
     ) {
         let mut s = Sampler::new(SamplerConfig {
             temperature,
             top_k,
             top_p,
             min_p,
+            typical_p,
+            top_n_sigma,
+            xtc_probability,
+            xtc_threshold,
             penalties: penalty.map(|(penalty, last_n)| Penalties::repeat(penalty, last_n)),
             seed,
         });

@@ -57,6 +57,22 @@ pub struct RunArgs {
     /// (0 = off).
     #[arg(long, default_value_t = 0.05, value_parser = super::values::probability)]
     pub min_p: f32,
+    /// Locally typical sampling: keep the tokens whose surprise is nearest
+    /// the distribution's entropy, up to this probability mass (1 = off;
+    /// llama.cpp's --typical).
+    #[arg(long = "typical", value_name = "P", default_value_t = 1.0, value_parser = super::values::probability)]
+    pub typical_p: f32,
+    /// Keep the tokens whose logit is within N standard deviations of the
+    /// highest (0 or less = off; llama.cpp's --top-nsigma).
+    #[arg(long = "top-nsigma", value_name = "N", default_value_t = -1.0, allow_negative_numbers = true, value_parser = super::values::finite)]
+    pub top_n_sigma: f32,
+    /// XTC: the chance, each token, of dropping the most likely tokens above
+    /// --xtc-threshold but the least likely of them (0 = off; llama.cpp's).
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = super::values::probability)]
+    pub xtc_probability: f32,
+    /// XTC's threshold of probability (above 0.5, XTC is off).
+    #[arg(long, value_name = "P", default_value_t = 0.1, value_parser = super::values::probability)]
+    pub xtc_threshold: f32,
     /// Divide the positive logits (multiply the negative ones) of the tokens
     /// among the last --repeat-last-n, the prompt's included, by this (1 = off).
     #[arg(long, default_value_t = 1.0, value_parser = super::values::positive)]
@@ -706,6 +722,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         top_k: args.top_k,
         top_p: args.top_p,
         min_p: Some(args.min_p),
+        typical_p: args.typical_p,
+        top_n_sigma: args.top_n_sigma,
+        xtc_probability: args.xtc_probability,
+        xtc_threshold: args.xtc_threshold,
         penalties: Some(Penalties {
             repeat: args.repeat_penalty,
             frequency: args.frequency_penalty,
