@@ -2,10 +2,10 @@
 //!
 //! # What is followed
 //!
-//! The chain is the part of llama.cpp's default sampler sequence
+//! The chain is llama.cpp's default sampler sequence
 //! (`common_params_sampling::samplers` in `common/common.h`: penalties, DRY,
-//! top-n-sigma, top-k, typical-p, top-p, min-p, XTC, temperature, then `dist`)
-//! that LES supports, in the same order, after llama.cpp's logit bias:
+//! top-n-sigma, top-k, typical-p, top-p, min-p, XTC, temperature, then `dist`),
+//! in the same order, after llama.cpp's logit bias:
 //!
 //! 0. **logit bias** ([`Sampler::bias`], [`Sampler::ban`]: `-inf`): added to
 //!    the token's logit (`llama_sampler_init_logit_bias`, first in the chain);
@@ -14,6 +14,9 @@
 //!    penalty, a positive one divided, then the frequency penalty times the
 //!    token's count in the window and the presence penalty are subtracted
 //!    (`llama_sampler_penalties_apply`);
+//!    Then **DRY** ([`Sampler::set_dry`], [`Dry`]): the tokens that would
+//!    extend a repetition of the recent text lose
+//!    `multiplier * base^(length - allowed_length)`;
 //! 2. **top-n-sigma** (`top_n_sigma <= 0`: off): keep the logits at least
 //!    `max - n * sigma`, sigma the population deviation of every candidate's
 //!    logit (`llama_sampler_top_n_sigma_apply`);
@@ -74,6 +77,10 @@
 //! NaN is read as `-inf`, `+inf` as `f32::MAX` (tokens at `+inf` share the mass
 //! equally), `-0.0` as `0.0`. Tokens at `-inf` are never drawn. If every logit is
 //! `-inf` (or NaN), or with an empty slice, the greedy rule gives token 0.
+
+pub mod dry;
+
+pub use dry::{Dry, DrySettings, DEFAULT_BREAKERS};
 
 use std::cmp::Ordering;
 use std::collections::VecDeque;
@@ -247,6 +254,8 @@ pub struct Sampler {
     /// Logit biases ([`bias`](Self::bias), [`ban`](Self::ban)), sorted by
     /// token, one per token (a token's biases summed).
     biases: Vec<(u32, f64)>,
+    /// DRY's state ([`set_dry`](Self::set_dry)).
+    dry: Option<Dry>,
     /// The grammar picks must follow ([`constrain`](Self::constrain)).
     grammar: Option<TokenGrammar>,
     /// Why the last pick broke the grammar, until taken.
@@ -265,9 +274,16 @@ impl Sampler {
             candidates: Vec::new(),
             adjusted: Vec::new(),
             biases: Vec::new(),
+            dry: None,
             grammar: None,
             grammar_error: None,
         }
+    }
+
+    /// Applies DRY from now on: its penalties come after the repetition
+    /// penalties, and it sees every token [`accept`](Self::accept)ed.
+    pub fn set_dry(&mut self, dry: Dry) {
+        self.dry = Some(dry);
     }
 
     /// Picks only tokens `grammar` allows from now on (see the [module
@@ -330,12 +346,18 @@ impl Sampler {
         self.history.clear();
         self.rng = Xoshiro256StarStar::seed_from_u64(self.config.seed);
         self.xtc_rng = Xoshiro256StarStar::seed_from_u64(self.config.seed ^ XTC_STREAM);
+        if let Some(dry) = &mut self.dry {
+            dry.clear();
+        }
         self.reset_grammar();
     }
 
     /// Records `token` for the penalties (as llama.cpp's `accept`): call it
     /// for prompt tokens; [`sample`](Self::sample) records its own picks.
     pub fn accept(&mut self, token: u32) {
+        if let Some(dry) = &mut self.dry {
+            dry.accept(token);
+        }
         let n = self.penalty().map_or(0, |p| p.last_n);
         if n == 0 {
             return;
@@ -435,9 +457,25 @@ impl Sampler {
                 Adjust {
                     bias,
                     penalty: None,
+                    dry: 0.0,
                 },
             )
         }));
+        let mut merge = false;
+        if let Some(dry) = &self.dry {
+            let penalties = dry.penalties();
+            merge = !penalties.is_empty();
+            self.adjusted.extend(penalties.into_iter().map(|(t, dry)| {
+                (
+                    t,
+                    Adjust {
+                        bias: 0.0,
+                        penalty: None,
+                        dry,
+                    },
+                )
+            }));
+        }
         if let Some(p) = self.penalty() {
             let mut recent = std::mem::take(&mut self.recent);
             recent.clear();
@@ -452,12 +490,16 @@ impl Sampler {
                         Adjust {
                             bias: 0.0,
                             penalty: Some((repeat, subtract)),
+                            dry: 0.0,
                         },
                     )
                 }));
             self.recent = recent;
-            // Both lists are sorted and hold a token at most once each: a
-            // token in both ends up as one entry with its bias and penalty.
+            merge = true;
+        }
+        if merge {
+            // Each list is sorted and holds a token at most once: a token in
+            // several ends up as one entry with its bias, penalty and DRY.
             self.adjusted.sort_by_key(|&(t, _)| t);
             let mut w = 0;
             for r in 0..self.adjusted.len() {
@@ -466,6 +508,7 @@ impl Sampler {
                     let merged = &mut self.adjusted[w - 1].1;
                     merged.bias += a.bias;
                     merged.penalty = merged.penalty.or(a.penalty);
+                    merged.dry += a.dry;
                 } else {
                     self.adjusted[w] = (t, a);
                     w += 1;
@@ -667,16 +710,19 @@ struct Adjust {
     /// Then the penalties `(repeat, subtract)`: a logit `<= 0` multiplied by
     /// `repeat`, a positive one divided, then `subtract` subtracted.
     penalty: Option<(f32, f64)>,
+    /// Then DRY's penalty, subtracted.
+    dry: f64,
 }
 
 impl Adjust {
     fn apply(self, logit: f64) -> f64 {
         let l = logit + self.bias;
-        match self.penalty {
+        let l = match self.penalty {
             Some((repeat, subtract)) if l <= 0.0 => l * f64::from(repeat) - subtract,
             Some((repeat, subtract)) => l / f64::from(repeat) - subtract,
             None => l,
-        }
+        };
+        l - self.dry
     }
 }
 
@@ -1119,7 +1165,11 @@ mod tests {
         fn sampling_one_pass_gather_holds_the_top_k(
             logits in logit_vec(3000),
             k in prop_oneof![1usize..8, 30usize..80],
-            adjusted in proptest::collection::vec((0u32..3000, bias(), prop_oneof![Just(None), (0.5f32..2.0, -1.0f64..1.0).prop_map(Some)]).prop_map(|(t, b, penalty)| (t, Adjust { bias: f64::from(b), penalty })), 0..8),
+            adjusted in proptest::collection::vec(
+                (0u32..3000, bias(), prop_oneof![Just(None), (0.5f32..2.0, -1.0f64..1.0).prop_map(Some)], prop_oneof![Just(0.0f64), 0.0f64..10.0])
+                    .prop_map(|(t, b, penalty, dry)| (t, Adjust { bias: f64::from(b), penalty, dry })),
+                0..8,
+            ),
         ) {
             let mut adjusted = adjusted;
             adjusted.sort_by_key(|&(t, _)| t);

@@ -155,6 +155,31 @@ fn sampling_options_and_prompt_files() {
         tokens(&json_ok(out, "run -n 1"))
     };
     assert_ne!(first(&["--repeat-penalty", "1.5"]), first(&[]));
+    // DRY breaks the greedy decode's loop (one token repeated); over no
+    // tokens it does nothing.
+    let greedy_24 = tokens(&json_run(&m, &["--temp", "0", "-n", "24"]));
+    let dry = tokens(&json_run(
+        &m,
+        &["--temp", "0", "-n", "24", "--dry-multiplier", "5"],
+    ));
+    assert_ne!(dry, greedy_24);
+    let longest_run = |t: &[u64]| t.chunk_by(|a, b| a == b).map(<[u64]>::len).max();
+    assert!(longest_run(&dry) <= Some(3), "{dry:?}");
+    assert!(
+        longest_run(&greedy_24) > Some(3),
+        "the loop this test breaks: {greedy_24:?}"
+    );
+    let args = [
+        "--temp",
+        "0",
+        "-n",
+        "24",
+        "--dry-multiplier",
+        "5",
+        "--dry-penalty-last-n",
+        "0",
+    ];
+    assert_eq!(tokens(&json_run(&m, &args)), greedy_24);
     // min-p 1 leaves the most likely token, whatever the temperature and seed.
     for seed in ["1", "2"] {
         let args = [
@@ -861,6 +886,9 @@ fn out_of_range_options_are_usage_errors() {
         (vec!["--min-p", "1.5"], "--min-p"),
         (vec!["--min-p", "nan"], "--min-p"),
         (vec!["--typical", "1.5"], "--typical"),
+        (vec!["--dry-multiplier=-1"], "--dry-multiplier"),
+        (vec!["--dry-penalty-last-n=-2"], "--dry-penalty-last-n"),
+        (vec!["--dry-base", "inf"], "--dry-base"),
         (vec!["--top-nsigma", "nan"], "--top-nsigma"),
         (vec!["--xtc-probability", "2"], "--xtc-probability"),
         (vec!["--xtc-threshold=-0.1"], "--xtc-threshold"),

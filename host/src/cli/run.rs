@@ -17,7 +17,7 @@ use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::grammar::{json_schema_to_gbnf, Grammar, GrammarError, TokenGrammar};
 use crate::model::Model;
-use crate::sampling::{Penalties, Sampler, SamplerConfig};
+use crate::sampling::{Dry, DrySettings, Penalties, Sampler, SamplerConfig, DEFAULT_BREAKERS};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::{Conversation, Tokenizer};
 use crate::vision::prompt::PromptItem;
@@ -89,6 +89,25 @@ pub struct RunArgs {
     /// How many of the last tokens the penalties look at (0 = off).
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
+    /// DRY: lower the logits of tokens that would extend a repetition of
+    /// the recent text, by this times --dry-base to the power of the
+    /// repeat's length past --dry-allowed-length (0 = off; llama.cpp's).
+    #[arg(long, default_value_t = 0.0, value_parser = super::values::non_negative)]
+    pub dry_multiplier: f32,
+    /// DRY's base (below 1: off).
+    #[arg(long, default_value_t = 1.75, value_parser = super::values::finite)]
+    pub dry_base: f32,
+    /// Repeats up to this many tokens long go unpenalized by DRY.
+    #[arg(long, default_value_t = 2)]
+    pub dry_allowed_length: usize,
+    /// Tokens DRY looks back over (-1: the model's context; 0: off).
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true, value_parser = super::values::last_n)]
+    pub dry_penalty_last_n: i64,
+    /// A text that stops a repetition for DRY (repeatable; the first one
+    /// given replaces the defaults "\n", ":", "\"" and "*"; "none" for
+    /// none; escapes read unless --no-escape).
+    #[arg(long = "dry-sequence-breaker", value_name = "TEXT")]
+    pub dry_sequence_breakers: Vec<String>,
     /// Never sample an end-of-generation token: generate until -n or the
     /// context is full.
     #[arg(long)]
@@ -734,6 +753,32 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }),
         seed,
     });
+    let dry = DrySettings {
+        multiplier: args.dry_multiplier,
+        base: args.dry_base,
+        allowed_length: args.dry_allowed_length,
+        // -1: the model's context, which also bounds any other value (as in
+        // llama.cpp).
+        last_n: match (usize::try_from(args.dry_penalty_last_n), model.n_ctx_train) {
+            (Ok(n), 0) => n,
+            (Ok(n), train) => n.min(train),
+            (Err(_), 0) => ctx,
+            (Err(_), train) => train,
+        },
+    };
+    if dry.enabled() {
+        let breakers = if args.dry_sequence_breakers.is_empty() {
+            DEFAULT_BREAKERS.iter().map(|b| b.to_string()).collect()
+        } else if args.dry_sequence_breakers.iter().any(|b| b == "none") {
+            Vec::new()
+        } else {
+            args.dry_sequence_breakers
+                .iter()
+                .map(|b| escaped(b).map_err(|e| format!("--dry-sequence-breaker: {e}")))
+                .collect::<Result<Vec<String>, String>>()?
+        };
+        sampler.set_dry(Dry::new(dry, &breakers, &tokenizer));
+    }
     if args.ignore_eos {
         sampler.ban((0..model.hp.n_vocab as u32).filter(|&t| tokenizer.is_eog(t)));
     }

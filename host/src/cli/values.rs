@@ -129,6 +129,16 @@ pub fn expert_mem(s: &str) -> Result<ExpertMem, String> {
     }
 }
 
+/// A count of last tokens, or -1 for the whole context.
+pub fn last_n(s: &str) -> Result<i64, String> {
+    match s.parse::<i64>() {
+        Ok(v) if v >= -1 => Ok(v),
+        _ => Err(format!(
+            "{s} is not a count of tokens (or -1 for the context)"
+        )),
+    }
+}
+
 /// A stop string: not empty (escapes are read later, see
 /// [`process_escapes`]).
 pub fn stop_string(s: &str) -> Result<String, String> {
