@@ -19,6 +19,15 @@ fn tokenizer() -> Tokenizer {
     Tokenizer::from_gguf(model.gguf()).unwrap()
 }
 
+fn settings() -> DrySettings {
+    DrySettings {
+        multiplier: 0.8,
+        base: 1.75,
+        allowed_length: 2,
+        last_n: 1000,
+    }
+}
+
 fn one(tok: &Tokenizer, text: &str) -> u32 {
     let ids = tok.encode(text, false, false);
     assert_eq!(ids.len(), 1, "{text:?} is {ids:?}");
@@ -36,18 +45,8 @@ fn penalized(dry: &mut Dry, tokens: &[u32]) -> Vec<u32> {
 #[test]
 fn breakers_from_text_cut_repeats_and_are_not_penalized() {
     let tok = tokenizer();
-    let settings = DrySettings {
-        multiplier: 0.8,
-        base: 1.75,
-        allowed_length: 2,
-        last_n: 1000,
-    };
-    let (a, b, c, x) = (
-        one(&tok, "a"),
-        one(&tok, "b"),
-        one(&tok, "c"),
-        one(&tok, "x"),
-    );
+    let settings = settings();
+    let [a, b, c, x] = ["a", "b", "c", "x"].map(|t| one(&tok, t));
     let colon = one(&tok, ":");
     let mut plain = Dry::new(settings, &[], &tok);
     let mut with_colon = Dry::new(settings, &[":".to_string()], &tok);
@@ -76,18 +75,8 @@ fn breakers_from_text_cut_repeats_and_are_not_penalized() {
 #[test]
 fn a_breaker_of_several_tokens_stops_a_repeat_where_it_is_complete() {
     let tok = tokenizer();
-    let settings = DrySettings {
-        multiplier: 0.8,
-        base: 1.75,
-        allowed_length: 2,
-        last_n: 1000,
-    };
-    let (a, b, c, x) = (
-        one(&tok, "a"),
-        one(&tok, "b"),
-        one(&tok, "c"),
-        one(&tok, "x"),
-    );
+    let settings = settings();
+    let [a, b, c, x] = ["a", "b", "c", "x"].map(|t| one(&tok, t));
     // "qz" is two tokens here ("q", "z"): a breaker only as a pair.
     let (q, z) = (one(&tok, "q"), one(&tok, "z"));
     assert_eq!(tok.encode("qz", false, false), vec![q, z]);

@@ -28,8 +28,8 @@
 //! emoji, not half of its UTF-16 pair.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 
+use super::json_schema::literal;
 use super::{MAX_NESTING, MAX_REPETITION};
 
 /// The largest code point.
@@ -592,23 +592,6 @@ fn json_text(c: u32) -> String {
         c if c < 0x20 || c == 0x7F => format!("\\u{c:04x}"),
         c => char::from_u32(c).map(String::from).unwrap_or_default(),
     }
-}
-
-/// A GBNF string literal.
-fn literal(text: &str) -> String {
-    let mut out = String::from("\"");
-    for ch in text.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\x{:02x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// A GBNF class of `set`'s ranges (not empty), every bound escaped.
