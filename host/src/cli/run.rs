@@ -92,16 +92,16 @@ pub struct RunArgs {
     /// DRY: lower the logits of tokens that would extend a repetition of
     /// the recent text, by this times --dry-base to the power of the
     /// repeat's length past --dry-allowed-length (0 = off; llama.cpp's).
-    #[arg(long, default_value_t = 0.0, value_parser = super::values::non_negative)]
+    #[arg(long, value_name = "M", default_value_t = 0.0, value_parser = super::values::non_negative)]
     pub dry_multiplier: f32,
     /// DRY's base (below 1: off).
-    #[arg(long, default_value_t = 1.75, value_parser = super::values::finite)]
+    #[arg(long, value_name = "B", default_value_t = 1.75, value_parser = super::values::finite)]
     pub dry_base: f32,
     /// Repeats up to this many tokens long go unpenalized by DRY.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, value_name = "N", default_value_t = 2)]
     pub dry_allowed_length: usize,
     /// Tokens DRY looks back over (-1: the model's context; 0: off).
-    #[arg(long, default_value_t = -1, allow_negative_numbers = true, value_parser = super::values::last_n)]
+    #[arg(long, value_name = "N", default_value_t = -1, allow_negative_numbers = true, value_parser = super::values::last_n)]
     pub dry_penalty_last_n: i64,
     /// A text that stops a repetition for DRY (repeatable; the first one
     /// given replaces the defaults "\n", ":", "\"" and "*"; "none" for
