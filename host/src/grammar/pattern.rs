@@ -196,11 +196,7 @@ impl Parser {
                 break;
             }
         }
-        Ok(if alts.len() == 1 {
-            alts.pop().unwrap_or(Node::Seq(Vec::new()))
-        } else {
-            Node::Alt(alts)
-        })
+        Ok(alternation(alts))
     }
 
     /// Alternatives inside a group, up to its `)`.
@@ -209,11 +205,7 @@ impl Parser {
         while self.eat('|') {
             alts.push(self.sequence(false)?);
         }
-        Ok(if alts.len() == 1 {
-            alts.pop().unwrap_or(Node::Seq(Vec::new()))
-        } else {
-            Node::Alt(alts)
-        })
+        Ok(alternation(alts))
     }
 
     /// Quantified atoms up to `|`, `)`, the end, or (at the top level) a
@@ -278,7 +270,7 @@ impl Parser {
                 inner
             }
             '*' | '+' | '?' => return self.err("nothing to repeat"),
-            '{' if self.counts().is_some() => return self.err("nothing to repeat"),
+            '{' if self.counts(self.pos).is_some() => return self.err("nothing to repeat"),
             '\\' => match self.escape(false)? {
                 Escaped::Char(c) => Node::Chars(Set::char(c)),
                 Escaped::Class(s) => Node::Chars(s),
@@ -287,10 +279,11 @@ impl Parser {
         })
     }
 
-    /// `{n}`, `{n,}` or `{n,m}` at the position after `{`, without moving;
-    /// `None` if the text there is not one (then `{` is a literal).
-    fn counts(&self) -> Option<(usize, u64, Option<u64>)> {
-        let mut i = self.pos;
+    /// The counts of `{n}`, `{n,}` or `{n,m}` whose `{` is just before
+    /// `from`, and how many characters after the `{` they take; `None` if
+    /// the text there is not one (then `{` is a literal).
+    fn counts(&self, from: usize) -> Option<(usize, u64, Option<u64>)> {
+        let mut i = from;
         let number = |i: &mut usize| -> Option<u64> {
             let start = *i;
             let mut v: u64 = 0;
@@ -307,7 +300,7 @@ impl Parser {
         } else {
             Some(min)
         };
-        (self.chars.get(i) == Some(&'}')).then_some((i + 1 - self.pos, min, max))
+        (self.chars.get(i) == Some(&'}')).then_some((i + 1 - from, min, max))
     }
 
     fn quantified(&mut self, atom: Node) -> Result<Node, String> {
@@ -315,22 +308,17 @@ impl Parser {
             Some('*') => (0, None),
             Some('+') => (1, None),
             Some('?') => (0, Some(1)),
-            Some('{') => {
-                self.pos += 1;
-                match self.counts() {
-                    Some((len, min, max)) => {
-                        self.pos += len - 1;
-                        (min, max)
-                    }
-                    None => {
-                        // A literal `{`: it was the next atom.
-                        self.pos -= 1;
-                        return Ok(atom);
-                    }
+            Some('{') => match self.counts(self.pos + 1) {
+                Some((len, min, max)) => {
+                    self.pos += len;
+                    (min, max)
                 }
-            }
+                // A literal `{`: the next atom.
+                None => return Ok(atom),
+            },
             _ => return Ok(atom),
         };
+        // The quantifier's first character (`*`, `+`, `?` or `{`).
         self.pos += 1;
         // Lazy: the same strings.
         self.eat('?');
@@ -471,6 +459,15 @@ impl Parser {
     }
 }
 
+/// One alternative as itself, several as a [`Node::Alt`].
+fn alternation(mut alts: Vec<Node>) -> Node {
+    if alts.len() == 1 {
+        alts.pop().unwrap_or(Node::Seq(Vec::new()))
+    } else {
+        Node::Alt(alts)
+    }
+}
+
 /// What an escape stands for.
 enum Escaped {
     Char(u32),
@@ -579,16 +576,24 @@ fn escaped_chars() -> Set {
     Set::of([(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)])
 }
 
+/// The characters JSON escapes with a backslash and a letter (or
+/// themselves), and that escape.
+const SHORT_ESCAPES: [(u32, &str); 7] = [
+    (0x22, "\\\""),
+    (0x5C, "\\\\"),
+    (0x08, "\\b"),
+    (0x09, "\\t"),
+    (0x0A, "\\n"),
+    (0x0C, "\\f"),
+    (0x0D, "\\r"),
+];
+
 /// The JSON text of one character.
 fn json_text(c: u32) -> String {
+    if let Some(&(_, e)) = SHORT_ESCAPES.iter().find(|&&(x, _)| x == c) {
+        return e.into();
+    }
     match c {
-        0x22 => "\\\"".into(),
-        0x5C => "\\\\".into(),
-        0x08 => "\\b".into(),
-        0x09 => "\\t".into(),
-        0x0A => "\\n".into(),
-        0x0C => "\\f".into(),
-        0x0D => "\\r".into(),
         c if c < 0x20 || c == 0x7F => format!("\\u{c:04x}"),
         c => char::from_u32(c).map(String::from).unwrap_or_default(),
     }
@@ -656,9 +661,9 @@ impl Writer<'_> {
         if !plain.0.is_empty() {
             alts.push(class(&plain));
         }
-        for c in [0x22, 0x5C, 0x08, 0x09, 0x0A, 0x0C, 0x0D] {
+        for &(c, e) in &SHORT_ESCAPES {
             if set.contains(c) {
-                alts.push(literal(&json_text(c)));
+                alts.push(literal(e));
             }
         }
         // The other controls and DEL, as `\u00XX` (by high nibble).
@@ -669,7 +674,7 @@ impl Writer<'_> {
                     set.contains(c)
                         && match high {
                             7 => c == 0x7F,
-                            _ => !matches!(c, 0x08 | 0x09 | 0x0A | 0x0C | 0x0D),
+                            _ => !SHORT_ESCAPES.iter().any(|&(x, _)| x == c),
                         }
                 })
                 .collect();
