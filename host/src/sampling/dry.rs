@@ -133,7 +133,7 @@ impl Dry {
         let r: Vec<u32> = self.recent.iter().rev().copied().collect();
         // The repeat may not reach back past the most recent breaker.
         let mut limit = n;
-        'find: for i in 0..n {
+        for i in 0..n {
             let Some(tails) = self.breakers.get(&r[i]) else {
                 continue;
             };
@@ -149,7 +149,7 @@ impl Dry {
             }
             if let Some(l) = longest {
                 limit = i - l;
-                break 'find;
+                break;
             }
         }
         if limit < s.allowed_length {
@@ -223,31 +223,40 @@ fn breaker_sequences(breakers: &[&str], tokenizer: &Tokenizer, out: &mut Vec<Vec
     if breakers.is_empty() {
         return;
     }
+    // Each breaker's tail after its first `i` bytes, tokenized once (`None`
+    // where `i` is not a character boundary: the tokenizer takes text).
+    let tails: Vec<Vec<Option<Vec<u32>>>> = breakers
+        .iter()
+        .map(|b| {
+            (0..b.len())
+                .map(|i| {
+                    let tail = b.get(i..)?;
+                    let mut t = tokenizer.encode(tail, false, false);
+                    t.truncate(MAX_TAIL_TOKENS);
+                    Some(t)
+                })
+                .collect()
+        })
+        .collect();
     let n_vocab = u32::try_from(tokenizer.n_vocab()).unwrap_or(u32::MAX);
     for id in 0..n_vocab {
         // The token's text as llama.cpp's `detokenize` gives it (special
         // tokens written out, the space prefix dropped).
         let word = tokenizer.decode_with(&[id], true).into_bytes();
-        for b in breakers {
+        for (b, tails) in breakers.iter().zip(&tails) {
             let bb = b.as_bytes();
             if word.windows(bb.len()).any(|w| w == bb) {
                 out.push(vec![id]);
                 continue;
             }
-            // Each place where the word ends with a start of `b`.
+            // Each place where the word ends with a start of `b`: the rest
+            // of the breaker is the tail.
             for pos in 0..word.len() {
                 let rest = &word[pos..];
                 if rest.len() < bb.len() && bb.starts_with(rest) {
-                    // The rest of the breaker, tokenized (if it starts on a
-                    // character boundary: the tokenizer takes text).
-                    if let Some(tail) = b.get(rest.len()..) {
+                    if let Some(tail) = &tails[rest.len()] {
                         let mut seq = vec![id];
-                        seq.extend(
-                            tokenizer
-                                .encode(tail, false, false)
-                                .into_iter()
-                                .take(MAX_TAIL_TOKENS),
-                        );
+                        seq.extend_from_slice(tail);
                         out.push(seq);
                     }
                 }
