@@ -31,8 +31,12 @@ F16_FIELDS = {
     T.Q6_K: [208],
     T.IQ4_NL: [0],
     T.IQ4_XS: [0],
+    T.MXFP4: [],  # an E8M0 exponent byte: every value is valid
 }
-QUANTIZE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16]
+QUANTIZE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16, T.MXFP4]
+# MXFP4's exponent of a block under 2^-125 is a negative float cast to uint8, which
+# C leaves undefined (and numpy's result varies), so it has no edge data.
+QUANTIZE_EDGE = [t for t in QUANTIZE if t != T.MXFP4]
 N_BLOCKS = 64
 
 
@@ -87,7 +91,7 @@ def main():
     # depend on how numpy casts non-finite floats to integers, which differs between
     # CPUs, so they live in separate files (<type>.qin_edge / <type>.qout_edge).
     with np.errstate(all="ignore"):
-        for qtype in QUANTIZE:
+        for qtype in QUANTIZE_EDGE:
             name = qtype.name.lower()
             n = N_BLOCKS * 32
             x = rng.standard_normal(n).astype(np.float32)
@@ -100,6 +104,17 @@ def main():
             q = quants.quantize(x.reshape(1, -1), qtype).reshape(-1)
             x.astype("<f4").tofile(os.path.join(args.out_dir, f"{name}.qin_edge"))
             q.tofile(os.path.join(args.out_dir, f"{name}.qout_edge"))
+    # MXFP4 over every magnitude whose exponent C defines (block maxima from 2^-125 up).
+    n = N_BLOCKS * 32
+    x = rng.standard_normal(n).astype(np.float32)
+    scale = np.power(10.0, rng.uniform(-35, 37, size=N_BLOCKS)).astype(np.float32)
+    scale[:4] = [3e38, 1e-36, 2.0, 0.0]
+    with np.errstate(over="ignore"):
+        x = (x.reshape(N_BLOCKS, 32) * scale[:, None]).reshape(-1)
+    x = np.clip(x, np.float32(-3e38), np.float32(3e38))
+    q = quants.quantize(x.reshape(1, -1), T.MXFP4).reshape(-1)
+    x.astype("<f4").tofile(os.path.join(args.out_dir, "mxfp4.qin_wide"))
+    q.tofile(os.path.join(args.out_dir, "mxfp4.qout_wide"))
     print(f"wrote reference data for {len(weight_types)} types to {args.out_dir}")
 
 

@@ -58,7 +58,7 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
         T::Q6K => &[208],
         T::Q2K => &[80, 82],
         T::Q4_1 | T::Q5_1 | T::Q4K | T::Q5K => &[0, 2],
-        T::F32 | T::F16 | T::BF16 => &[],
+        T::F32 | T::F16 | T::BF16 | T::MXFP4 => &[],
         _ => &[0],
     }
 }
@@ -80,6 +80,9 @@ fn matrix(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
             for b in v.chunks_exact_mut(ty.block_bytes()) {
                 for &o in scale_offsets(ty) {
                     b[o..o + 2].copy_from_slice(&rng.f16());
+                }
+                if ty == GgmlType::MXFP4 {
+                    b[0] = 127; // a scale of 0.5, never subnormal
                 }
             }
             v

@@ -24,10 +24,12 @@ use core::arch::x86_64::*;
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
-    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
+    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
+    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
+    KVALUES_MXFP4,
 };
 use crate::quant::kscales::{scales_mins_k4, scales_q3k};
+use crate::quant::mxfp4::e8m0_to_f32_half;
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
 #[derive(Clone, Copy)]
@@ -74,6 +76,7 @@ impl Kernels for Avx2 {
         q5_1(&[BlockQ5_1], &[BlockQ8_1]);
         q8_0(&[BlockQ8_0], &[BlockQ8_0]);
         iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
+        mxfp4(&[BlockMXFP4], &[BlockQ8_0]);
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q4_k(&[BlockQ4K], &[BlockQ8K]);
@@ -195,6 +198,13 @@ pub(super) fn term(dw: [u8; 2], dx: [u8; 2], isum: i32) -> f32 {
     (hx(dw) * hx(dx)) * isum as f32
 }
 
+/// [`r::term_e8m0`] with F16C conversions.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn term_e8m0(e: u8, dx: [u8; 2], isum: i32) -> f32 {
+    (hx(dx) * e8m0_to_f32_half(e)) * isum as f32
+}
+
 /// [`r::term_m`] with F16C conversions.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -237,6 +247,15 @@ pub(super) fn pairs8(b: [u8; 8]) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn acc4(acc: __m128, isum: __m128i, dw: [[u8; 2]; 4], dx: [[u8; 2]; 4]) -> __m128 {
     let d = _mm_mul_ps(h4(dw), h4(dx));
+    _mm_add_ps(acc, _mm_mul_ps(d, _mm_cvtepi32_ps(isum)))
+}
+
+/// As [`acc4`] for `MXFP4`'s power-of-two scales ([`r::term_e8m0`]): `(dx * 2^(e - 128)) * isum`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn acc4_e8m0(acc: __m128, isum: __m128i, e: [u8; 4], dx: [[u8; 2]; 4]) -> __m128 {
+    let s = e.map(e8m0_to_f32_half);
+    let d = _mm_mul_ps(h4(dx), _mm_setr_ps(s[0], s[1], s[2], s[3]));
     _mm_add_ps(acc, _mm_mul_ps(d, _mm_cvtepi32_ps(isum)))
 }
 
@@ -313,6 +332,15 @@ pub(super) fn iq4_table() -> __m256i {
     _mm256_set_m128i(t, t)
 }
 
+/// The MXFP4 codebook (doubled E2M1 values) in both 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn mxfp4_table() -> __m256i {
+    let k: [u8; 16] = KVALUES_MXFP4.map(|v| v as u8);
+    let t = ld128(&k);
+    _mm256_set_m128i(t, t)
+}
+
 /// Pairwise `i32` sums of `sum(a[i] * b[i])` for unsigned `a <= 63` and any `b`:
 /// eight partial sums, exact.
 #[inline]
@@ -332,11 +360,11 @@ fn dot_u_off(a: __m256i, off: i8, b: __m256i) -> __m256i {
     _mm256_madd_epi16(p, _mm256_set1_epi16(1))
 }
 
-/// `sum(k[i] * y[i])` partial sums for `k` from the IQ4_NL codebook (never -128) and
+/// `sum(k[i] * y[i])` partial sums for `k` from the IQ4_NL or MXFP4 codebook (never -128) and
 /// any `y`: `|y|` (as unsigned, so -128 is 128) times `k` with `y`'s sign.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_signed_k(k: __m256i, y: __m256i) -> __m256i {
+pub(super) fn dot_signed_k(k: __m256i, y: __m256i) -> __m256i {
     _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(k, y))
 }
 
@@ -425,19 +453,22 @@ macro_rules! blocks32_kernel {
                     isum(&w4[2], &x4[2]),
                     isum(&w4[3], &x4[3]),
                 );
-                acc = blocks32_kernel!(@acc acc, s, w4, x4, $X);
+                acc = blocks32_kernel!(@acc acc, s, w4, x4, $W, $X);
             }
             let mut lanes = lanes4(acc);
             for (l, (w, x)) in w[full..n].iter().zip(&x[full..n]).enumerate() {
-                lanes[l] += blocks32_kernel!(@term w, x, hsum(isum(w, x)), $X);
+                lanes[l] += blocks32_kernel!(@term w, x, hsum(isum(w, x)), $W, $X);
             }
             r::fold(lanes)
         }
     };
-    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_0) => {
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockMXFP4, BlockQ8_0) => {
+        acc4_e8m0($acc, $s, [0, 1, 2, 3].map(|i| $w4[i].e), [0, 1, 2, 3].map(|i| $x4[i].d))
+    };
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, $W:ident, BlockQ8_0) => {
         acc4($acc, $s, [0, 1, 2, 3].map(|i| $w4[i].d), [0, 1, 2, 3].map(|i| $x4[i].d))
     };
-    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, BlockQ8_1) => {
+    (@acc $acc:ident, $s:ident, $w4:ident, $x4:ident, $W:ident, BlockQ8_1) => {
         acc4_m(
             $acc,
             $s,
@@ -447,10 +478,13 @@ macro_rules! blocks32_kernel {
             [0, 1, 2, 3].map(|i| $x4[i].s),
         )
     };
-    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_0) => {
+    (@term $w:ident, $x:ident, $isum:expr, BlockMXFP4, BlockQ8_0) => {
+        term_e8m0($w.e, $x.d, $isum)
+    };
+    (@term $w:ident, $x:ident, $isum:expr, $W:ident, BlockQ8_0) => {
         term($w.d, $x.d, $isum)
     };
-    (@term $w:ident, $x:ident, $isum:expr, BlockQ8_1) => {
+    (@term $w:ident, $x:ident, $isum:expr, $W:ident, BlockQ8_1) => {
         term_m($w.d, $w.m, $x, $isum)
     };
 }
@@ -472,6 +506,10 @@ blocks32_kernel!("avx2,fma,f16c", pub(super) q5_1, BlockQ5_1, BlockQ8_1, |w, x| 
 blocks32_kernel!("avx2,fma,f16c", pub(super) q8_0, BlockQ8_0, BlockQ8_0, |w, x| isum_q8_0(w, x));
 blocks32_kernel!("avx2,fma,f16c", pub(super) iq4_nl, BlockIQ4NL, BlockQ8_0, |w, x| {
     let k = _mm256_shuffle_epi8(iq4_table(), nib32(&w.qs));
+    _mm256_madd_epi16(dot_signed_k(k, ld256i(&x.qs)), _mm256_set1_epi16(1))
+});
+blocks32_kernel!("avx2,fma,f16c", pub(super) mxfp4, BlockMXFP4, BlockQ8_0, |w, x| {
+    let k = _mm256_shuffle_epi8(mxfp4_table(), nib32(&w.qs));
     _mm256_madd_epi16(dot_signed_k(k, ld256i(&x.qs)), _mm256_set1_epi16(1))
 });
 

@@ -24,8 +24,8 @@ use super::reference::{self as r, FLOAT_LANES};
 use super::vnni::{evex, inner_methods, vnni_methods};
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
-    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
+    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 /// Proof that the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C.
@@ -96,6 +96,7 @@ impl Kernels for Avx512 {
         q5_0(&[BlockQ5_0], &[BlockQ8_0]);
         q5_1(&[BlockQ5_1], &[BlockQ8_1]);
         iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
+        mxfp4(&[BlockMXFP4], &[BlockQ8_0]);
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q5_k(&[BlockQ5K], &[BlockQ8K]);

@@ -16,7 +16,7 @@
 //!   AVX-512 (F, BW, VL) on x86-64 and NEON on aarch64; a type without a SIMD kernel
 //!   for the chosen ISA runs the reference kernel (AVX-512 falls back to AVX2 first).
 //!   `Isa::AvxVnni` and `Isa::Avx512Vnni` sum the integer products of `Q4_K`,
-//!   `Q5_K`, `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1` and `IQ4_NL` (and, with
+//!   `Q5_K`, `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `IQ4_NL` and `MXFP4` (and, with
 //!   AVX-512, `Q6_K`) with `vpdpbusd` (one source, both encodings: `vnni`).
 //!   From cache here (`cargo bench -p les-core --bench gemv`): `Q4_K`
 //!   1.09-1.20x the AVX2 kernel, `Q5_K` 1.27x, `Q8_0` 1.34x, the other
@@ -68,8 +68,8 @@ use core::fmt;
 use core::ops::Range;
 
 use crate::quant::blocks::{
-    as_blocks, Block, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    as_blocks, Block, BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0,
+    BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 use crate::quant::GgmlType;
 
@@ -224,7 +224,7 @@ pub const fn activation_format(ty: GgmlType) -> Option<ActivationFormat> {
     use GgmlType as T;
     match ty {
         T::F32 | T::F16 | T::BF16 => Some(ActivationFormat::F32),
-        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4NL => Some(ActivationFormat::Q8_0),
+        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4NL | T::MXFP4 => Some(ActivationFormat::Q8_0),
         T::Q4_1 | T::Q5_1 => Some(ActivationFormat::Q8_1),
         T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::IQ4XS => Some(ActivationFormat::Q8K),
         T::Q8_1 | T::Q8K | T::I8 => None,
@@ -718,6 +718,9 @@ pub(crate) trait Kernels: Copy {
     fn iq4_nl(self, w: &[BlockIQ4NL], x: &[BlockQ8_0]) -> f32 {
         reference::dot_iq4_nl(w, x)
     }
+    fn mxfp4(self, w: &[BlockMXFP4], x: &[BlockQ8_0]) -> f32 {
+        reference::dot_mxfp4(w, x)
+    }
     fn q2_k(self, w: &[BlockQ2K], x: &[BlockQ8K]) -> f32 {
         reference::dot_q2_k(w, x)
     }
@@ -843,6 +846,7 @@ fn run<K: Kernels>(
         T::Q5_1 => rows_of(k, data, rb, y, prefetch, |w| k.q5_1(w, x.q8_1)),
         T::Q8_0 => rows_of(k, data, rb, y, prefetch, |w| k.q8_0(w, x.q8_0)),
         T::IQ4NL => rows_of(k, data, rb, y, prefetch, |w| k.iq4_nl(w, x.q8_0)),
+        T::MXFP4 => rows_of(k, data, rb, y, prefetch, |w| k.mxfp4(w, x.q8_0)),
         T::Q2K => rows_of(k, data, rb, y, prefetch, |w| k.q2_k(w, x.q8k)),
         T::Q3K => rows_of(k, data, rb, y, prefetch, |w| k.q3_k(w, x.q8k)),
         T::Q4K => rows_of(k, data, rb, y, prefetch, |w| k.q4_k(w, x.q8k)),

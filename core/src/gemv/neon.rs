@@ -34,8 +34,8 @@ use core::arch::aarch64::*;
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
-    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
+    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 /// The NEON kernels (NEON is a compile-time feature here, so no run-time token).
@@ -86,6 +86,7 @@ macro_rules! neon_methods {
             q5_1(&[BlockQ5_1], &[BlockQ8_1]);
             q8_0(&[BlockQ8_0], &[BlockQ8_0]);
             iq4_nl(&[BlockIQ4NL], &[BlockQ8_0]);
+            mxfp4(&[BlockMXFP4], &[BlockQ8_0]);
             q2_k(&[BlockQ2K], &[BlockQ8K]);
             q3_k(&[BlockQ3K], &[BlockQ8K]);
             q4_k(&[BlockQ4K], &[BlockQ8K]);
@@ -224,9 +225,9 @@ macro_rules! int_kernels {
         use super::{arr, ld_s8, ld_u8};
         use crate::gemv::reference as r;
         use crate::quant::blocks::{
-            BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-            BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
-            KVALUES_IQ4NL,
+            BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0,
+            BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+            KVALUES_IQ4NL, KVALUES_MXFP4,
         };
         use crate::quant::kscales::{scale_min_k4, scales_q3k};
 
@@ -266,7 +267,12 @@ macro_rules! int_kernels {
         blocks32_kernel!($features, iq4_nl, BlockIQ4NL, BlockQ8_0, |w, x| r::term(
             w.d,
             x.d,
-            isum_iq4(&w.qs, &x.qs)
+            isum_table(&KVALUES_IQ4NL, &w.qs, &x.qs)
+        ));
+        blocks32_kernel!($features, mxfp4, BlockMXFP4, BlockQ8_0, |w, x| r::term_e8m0(
+            w.e,
+            x.d,
+            isum_table(&KVALUES_MXFP4, &w.qs, &x.qs)
         ));
 
         /// The fifth bits of a `Q5_0`/`Q5_1` block as `0x10` bytes: elements 0..16 and 16..32.
@@ -300,11 +306,11 @@ macro_rules! int_kernels {
             vaddvq_s32(mac16(acc, hi, ld_s8(arr(y, 16))))
         }
 
-        /// `sum(KVALUES_IQ4NL[q_j] * y_j)` over 32 elements (nibble layout as `Q4_0`).
+        /// `sum(codebook[q_j] * y_j)` over 32 elements (nibble layout as `Q4_0`).
         #[inline]
         #[target_feature(enable = $features)]
-        fn isum_iq4(qs: &[u8; 16], y: &[i8; 32]) -> i32 {
-            let table = ld_s8(&KVALUES_IQ4NL);
+        fn isum_table(codebook: &[i8; 16], qs: &[u8; 16], y: &[i8; 32]) -> i32 {
+            let table = ld_s8(codebook);
             let q = ld_u8(qs);
             let lo = vqtbl1q_s8(table, vandq_u8(q, vdupq_n_u8(15)));
             let hi = vqtbl1q_s8(table, vshrq_n_u8::<4>(q));

@@ -9,10 +9,12 @@
 //! one are ignored ([`super::gemv`] checks lengths before calling).
 
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
-    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
+    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
+    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
+    KVALUES_MXFP4,
 };
 use crate::quant::kscales::{scale_min_k4, scales_q3k};
+use crate::quant::mxfp4::e8m0_to_f32_half;
 use crate::quant::{bf16_to_f32, f16_to_f32};
 
 /// Partial sums of the float-weight dot products: element `i` goes to lane `i % 64`.
@@ -123,6 +125,12 @@ pub(crate) fn term(dw: [u8; 2], dx: [u8; 2], isum: i32) -> f32 {
     (h(dw) * h(dx)) * isum as f32
 }
 
+/// The float term of an `MXFP4` block: `(dx * 2^(e - 128)) * isum`, ggml's order.
+#[inline(always)]
+pub(crate) fn term_e8m0(e: u8, dx: [u8; 2], isum: i32) -> f32 {
+    (h(dx) * e8m0_to_f32_half(e)) * isum as f32
+}
+
 /// The float term of a `Q4_1`/`Q5_1` block: `(dw * dx) * isum + mw * sx`.
 #[inline(always)]
 pub(crate) fn term_m(w_d: [u8; 2], w_m: [u8; 2], x: &BlockQ8_1, isum: i32) -> f32 {
@@ -203,6 +211,18 @@ pub fn dot_iq4_nl(w: &[BlockIQ4NL], x: &[BlockQ8_0]) -> f32 {
             isum += KVALUES_IQ4NL[(w.qs[j] >> 4) as usize] as i32 * x.qs[j + 16] as i32;
         }
         term(w.d, x.d, isum)
+    }))
+}
+
+/// `MXFP4` weights times `Q8_0` activations.
+pub fn dot_mxfp4(w: &[BlockMXFP4], x: &[BlockQ8_0]) -> f32 {
+    blocks4(w.iter().zip(x).map(|(w, x)| {
+        let mut isum = 0i32;
+        for j in 0..16 {
+            isum += KVALUES_MXFP4[(w.qs[j] & 15) as usize] as i32 * x.qs[j] as i32;
+            isum += KVALUES_MXFP4[(w.qs[j] >> 4) as usize] as i32 * x.qs[j + 16] as i32;
+        }
+        term_e8m0(w.e, x.d, isum)
     }))
 }
 

@@ -83,6 +83,10 @@ fn random_matrix(ty: GgmlType, nrows: usize, cols: usize, rng: &mut Rng) -> Vec<
                 for &o in scale_offsets(ty) {
                     block[o..o + 2].copy_from_slice(&rng.f16());
                 }
+                if ty == GgmlType::MXFP4 {
+                    // Exponents from 2^-16 to 2^15, as the f16 scales span.
+                    block[0] = 112 + (rng.next() % 32) as u8;
+                }
             }
             v
         }
@@ -200,7 +204,7 @@ proptest! {
     #[test]
     fn fast_kernels_equal_reference_32(units in 0usize..=13, seed in any::<u64>()) {
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
-                   GgmlType::Q8_0, GgmlType::IQ4NL] {
+                   GgmlType::Q8_0, GgmlType::IQ4NL, GgmlType::MXFP4] {
             check_fast_equals_reference(ty, units, seed);
         }
     }
@@ -217,7 +221,7 @@ proptest! {
     /// is a hint and never changes a bit.
     #[test]
     fn gemv_over_a_range_equals_row_dots(
-        ty_i in 0usize..15,
+        ty_i in 0usize..16,
         units in 0usize..=5,
         nrows in 0usize..=7,
         a in 0usize..=7,
@@ -380,6 +384,9 @@ fn extreme_quants_match_reference() {
             for block in w.chunks_exact_mut(ty.block_bytes()) {
                 for &o in scale_offsets(ty) {
                     block[o..o + 2].copy_from_slice(&f32_to_f16(0.5).to_le_bytes());
+                }
+                if ty == GgmlType::MXFP4 {
+                    block[0] = 127; // 0.5
                 }
             }
             let mut acts = Acts::random(cols, &mut rng);
@@ -572,6 +579,26 @@ fn dequant(ty: GgmlType, row: &[u8]) -> Vec<f32> {
                     let byte = b.qs[16 * j + i % 16];
                     let q = if i % 32 < 16 { byte & 15 } else { byte >> 4 };
                     out.push(hf(b.d) * (ls - 32) as f32 * KVALUES_IQ4NL[q as usize] as f32);
+                }
+            }
+        }
+        T::MXFP4 => {
+            for b in as_blocks::<BlockMXFP4>(row).unwrap() {
+                // 2^(e - 127) times the E2M1 value (the codebook holds it doubled).
+                let scale = libm::ldexpf(1.0, b.e as i32 - 127);
+                let e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+                let value = |q: u8| {
+                    let v = e2m1[(q & 7) as usize];
+                    if q & 8 != 0 {
+                        -v
+                    } else {
+                        v
+                    }
+                };
+                for i in 0..32 {
+                    let byte = b.qs[i % 16];
+                    let q = if i < 16 { byte & 15 } else { byte >> 4 };
+                    out.push(scale * value(q));
                 }
             }
         }

@@ -18,8 +18,8 @@
 use super::avx2::Avx2;
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
-    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
+    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 /// Byte indices for `vpshufb` over the eight scales (in both 128-bit lanes) that
@@ -48,13 +48,13 @@ macro_rules! vnni_kernels {
         use core::arch::x86_64::*;
 
         use crate::gemv::avx2::{
-            self, acc4, acc4_m, arr, blocks32_kernel, hsum, hsum4, k4_kernel, k4_term, k4_terms2,
-            lanes4, lanes4i, ld256, ld256i, term, term_m,
+            self, acc4, acc4_e8m0, acc4_m, arr, blocks32_kernel, hsum, hsum4, k4_kernel, k4_term,
+            k4_terms2, lanes4, lanes4i, ld256, ld256i, term, term_e8m0, term_m,
         };
         use crate::gemv::reference as r;
         use crate::quant::blocks::{
-            BlockIQ4NL, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ8K,
-            BlockQ8_0, BlockQ8_1,
+            BlockIQ4NL, BlockMXFP4, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
+            BlockQ8K, BlockQ8_0, BlockQ8_1,
         };
         use crate::quant::kscales::scales_mins_k4;
 
@@ -129,6 +129,16 @@ macro_rules! vnni_kernels {
             BlockQ8_0,
             |w, x| {
                 let k = _mm256_shuffle_epi8(avx2::iq4_table(), avx2::nib32(&w.qs));
+                dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
+            }
+        );
+        blocks32_kernel!(
+            $features,
+            pub(crate) mxfp4_vnni,
+            BlockMXFP4,
+            BlockQ8_0,
+            |w, x| {
+                let k = _mm256_shuffle_epi8(avx2::mxfp4_table(), avx2::nib32(&w.qs));
                 dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
             }
         );
@@ -310,6 +320,7 @@ macro_rules! vnni_methods {
             q5_0 => q5_0_vnni(&[BlockQ5_0], &[BlockQ8_0]);
             q5_1 => q5_1_vnni(&[BlockQ5_1], &[BlockQ8_1]);
             iq4_nl => iq4_nl_vnni(&[BlockIQ4NL], &[BlockQ8_0]);
+            mxfp4 => mxfp4_vnni(&[BlockMXFP4], &[BlockQ8_0]);
             q4_k => q4_k_vnni(&[BlockQ4K], &[BlockQ8K]);
             q5_k => q5_k_vnni(&[BlockQ5K], &[BlockQ8K]);
         }

@@ -192,6 +192,21 @@ pub struct BlockIQ4XS {
     pub qs: [u8; QK_K / 2],
 }
 
+/// `MXFP4` (OCP microscaling FP4): `2^(e - 128) * KVALUES_MXFP4[q]`, a shared
+/// E8M0 exponent and 4-bit E2M1 codes, nibble layout as [`BlockQ4_0`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockMXFP4 {
+    /// Shared exponent (E8M0: the scale is `2^(e - 127)`, halved with the doubled codebook).
+    pub e: u8,
+    /// Nibbles.
+    pub qs: [u8; QK / 2],
+}
+
+/// The MXFP4 codebook: the E2M1 values doubled (0, 0.5, 1, ..., 6 become 0, 1, 2, ..., 12),
+/// so that they are integers; [`BlockMXFP4`]'s scale is halved to match.
+pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
 /// The IQ4_NL / IQ4_XS non-linear codebook.
 pub const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
@@ -223,6 +238,7 @@ assert_layout! {
     BlockQ8K => 292,
     BlockIQ4NL => 18,
     BlockIQ4XS => 136,
+    BlockMXFP4 => 17,
 }
 
 mod sealed {

@@ -15,6 +15,7 @@ pub mod iq4;
 pub mod kquants;
 pub mod kscales;
 pub mod legacy;
+pub mod mxfp4;
 
 pub use half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
@@ -47,6 +48,7 @@ pub enum GgmlType {
     /// Plain bytes (`GGML_TYPE_I8`); LES stores packed expert extents as I8 tensors.
     I8 = 24,
     BF16 = 30,
+    MXFP4 = 39,
 }
 
 /// A ggml type id that LES does not support.
@@ -63,7 +65,7 @@ impl core::error::Error for UnsupportedType {}
 
 impl GgmlType {
     /// Every supported type, in id order.
-    pub const ALL: [GgmlType; 18] = [
+    pub const ALL: [GgmlType; 19] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -82,6 +84,7 @@ impl GgmlType {
         GgmlType::IQ4XS,
         GgmlType::I8,
         GgmlType::BF16,
+        GgmlType::MXFP4,
     ];
 
     /// The type with GGUF id `id`.
@@ -108,7 +111,8 @@ impl GgmlType {
             | GgmlType::Q5_1
             | GgmlType::Q8_0
             | GgmlType::Q8_1
-            | GgmlType::IQ4NL => 32,
+            | GgmlType::IQ4NL
+            | GgmlType::MXFP4 => 32,
             GgmlType::Q2K
             | GgmlType::Q3K
             | GgmlType::Q4K
@@ -140,6 +144,7 @@ impl GgmlType {
             GgmlType::Q8K => size_of::<blocks::BlockQ8K>(),
             GgmlType::IQ4NL => size_of::<blocks::BlockIQ4NL>(),
             GgmlType::IQ4XS => size_of::<blocks::BlockIQ4XS>(),
+            GgmlType::MXFP4 => size_of::<blocks::BlockMXFP4>(),
         }
     }
 
@@ -174,6 +179,7 @@ impl GgmlType {
             GgmlType::IQ4XS => "iq4_xs",
             GgmlType::BF16 => "bf16",
             GgmlType::I8 => "i8",
+            GgmlType::MXFP4 => "mxfp4",
         }
     }
 
@@ -262,6 +268,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Quant
         GgmlType::Q6K => kquants::dequantize_q6k(as_blocks(src).ok_or(err)?, out),
         GgmlType::IQ4NL => iq4::dequantize_iq4nl(as_blocks(src).ok_or(err)?, out),
         GgmlType::IQ4XS => iq4::dequantize_iq4xs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::MXFP4 => mxfp4::dequantize_mxfp4(as_blocks(src).ok_or(err)?, out),
         GgmlType::I8 => {
             for (b, o) in src.iter().zip(out.iter_mut()) {
                 *o = *b as i8 as f32;
@@ -310,6 +317,7 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
         GgmlType::Q5K => kquants::quantize_q5k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q6K => kquants::quantize_q6k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q8K => kquants::quantize_q8k(x, as_blocks_mut(out).ok_or(err)?),
+        GgmlType::MXFP4 => mxfp4::quantize_mxfp4(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q2K | GgmlType::Q3K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::I8 => {
             return Err(QuantError::NoQuantizer(ty))
         }
@@ -350,6 +358,7 @@ mod tests {
             (GgmlType::IQ4XS, 256, 136),
             (GgmlType::BF16, 1, 2),
             (GgmlType::I8, 1, 1),
+            (GgmlType::MXFP4, 32, 17),
         ];
         for (t, elems, bytes) in expect {
             assert_eq!(t.block_elems(), elems, "{t}");

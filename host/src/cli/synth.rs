@@ -96,7 +96,7 @@ pub struct SynthArgs {
     /// RoPE frequency base.
     #[arg(long)]
     pub rope_base: Option<f32>,
-    /// Type of the routed experts (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k, f16, bf16, f32).
+    /// Type of the routed experts (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k, mxfp4, f16, bf16, f32).
     #[arg(long, value_parser = parse_type)]
     pub expert_type: Option<GgmlType>,
     /// Type of attention, dense FFN and shared-expert matrices.

@@ -957,6 +957,7 @@ pub fn file_type(ty: GgmlType) -> u32 {
         GgmlType::IQ4NL => 25,
         GgmlType::IQ4XS => 30,
         GgmlType::BF16 => 32,
+        GgmlType::MXFP4 => 38, // LLAMA_FTYPE_MOSTLY_MXFP4_MOE
         GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::I8 => 7,
     }
 }
