@@ -55,6 +55,10 @@ pub enum Gating {
     Softmax,
     /// Independent sigmoid per expert (DeepSeek-V3 style).
     Sigmoid,
+    /// Top-k of the raw logits, then a softmax over the picked logits only
+    /// (gpt-oss; llama.cpp's `SOFTMAX_WEIGHT`). Predictions and their
+    /// thresholds use the softmax over all experts, which ranks them the same.
+    SoftmaxWeight,
 }
 
 impl Gating {
@@ -64,6 +68,7 @@ impl Gating {
         match id {
             1 => Some(Gating::Softmax),
             2 => Some(Gating::Sigmoid),
+            3 => Some(Gating::SoftmaxWeight),
             _ => None,
         }
     }
@@ -331,6 +336,23 @@ impl RouterConfig {
         let probs = Probs::new(logits, self.gating);
         let mut sel: Vec<Candidate, MAX_TOP_K> = Vec::new();
         select(&probs, bias, self.top_k, None, &mut sel);
+        if self.gating == Gating::SoftmaxWeight {
+            // The picks' logits through a softmax of their own, as ggml's
+            // `soft_max` over the selected rows.
+            let logit = |c: &Candidate| sanitize(logits[c.expert as usize]);
+            let max = sel.iter().fold(f32::NEG_INFINITY, |m, c| m.max(logit(c)));
+            let sum: f64 = sel
+                .iter()
+                .map(|c| f64::from(shifted_exp(logit(c), max)))
+                .sum();
+            for c in sel.iter_mut() {
+                c.prob = shifted_exp(logit(c), max);
+            }
+            let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 1.0 };
+            for c in sel.iter_mut() {
+                c.prob *= inv;
+            }
+        }
 
         let sum = if self.normalize {
             let s = sel.iter().fold(0.0f32, |s, c| s + c.prob);
@@ -591,7 +613,7 @@ impl<'a> Probs<'a> {
     fn new(logits: &'a [f32], gating: Gating) -> Self {
         let mut max = f32::NEG_INFINITY;
         let mut inv_sum = 1.0;
-        if gating == Gating::Softmax {
+        if matches!(gating, Gating::Softmax | Gating::SoftmaxWeight) {
             for &x in logits {
                 let x = sanitize(x);
                 if x > max {
@@ -620,8 +642,18 @@ impl<'a> Probs<'a> {
     fn prob(&self, i: usize) -> f32 {
         let x = sanitize(self.logits[i]);
         match self.gating {
-            Gating::Softmax => shifted_exp(x, self.max) * self.inv_sum,
+            Gating::Softmax | Gating::SoftmaxWeight => shifted_exp(x, self.max) * self.inv_sum,
             Gating::Sigmoid => sigmoid(x),
+        }
+    }
+
+    /// What experts are ranked by: the raw logit for [`Gating::SoftmaxWeight`]
+    /// (ggml takes its top-k of the logits), the probability otherwise.
+    #[inline]
+    fn rank(&self, i: usize, prob: f32) -> f32 {
+        match self.gating {
+            Gating::SoftmaxWeight => sanitize(self.logits[i]),
+            _ => prob,
         }
     }
 }
@@ -665,13 +697,19 @@ fn select<const N: usize>(
     }
     for i in 0..probs.logits.len() {
         let prob = probs.prob(i);
+        let rank = probs.rank(i, prob);
         let key = sanitize(match bias {
-            Some(b) => prob + b[i],
-            None => prob,
+            Some(b) => rank + b[i],
+            None => rank,
         });
         if let Some(t) = min_key {
-            // `key` is never NaN; a NaN threshold admits nothing.
-            if t.is_nan() || key < t {
+            // The threshold is on the probability (plus the selection bias).
+            let score = match probs.gating {
+                Gating::SoftmaxWeight => sanitize(prob + bias.map_or(0.0, |b| b[i])),
+                _ => key,
+            };
+            // `score` is never NaN; a NaN threshold admits nothing.
+            if t.is_nan() || score < t {
                 continue;
             }
         }

@@ -76,7 +76,9 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
             normalize: true,
             weights_scale: 1.0,
             n_ff_shared: Some(32),
+            act: les_core::model::config::ExpertAct::SwiGlu,
         }),
+        rope_yarn: None,
     };
     let e = hp.n_embd;
     let mut layers = Vec::new();
@@ -162,6 +164,8 @@ impl Weights for Model {
                     down: d.view(),
                     gate_inp: Some(gi.view()),
                 }),
+                expert_bias: None,
+                router_bias: None,
             },
             _ => unreachable!(),
         };
@@ -177,6 +181,9 @@ impl Weights for Model {
                 bv: None,
                 q_norm: Some(&ly.q_norm),
                 k_norm: Some(&ly.k_norm),
+                bo: None,
+                sinks: None,
+                window: None,
             }),
             ffn_norm: &ly.ffn_norm,
             ffn,

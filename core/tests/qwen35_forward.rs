@@ -111,7 +111,9 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) 
             normalize: true,
             weights_scale: 1.0,
             n_ff_shared: Some(FF),
+            act: les_core::model::config::ExpertAct::SwiGlu,
         }),
+        rope_yarn: None,
     };
     let hy = HybridParams {
         n_attn_layers: 2,
@@ -237,6 +239,9 @@ fn layer_block(ly: &Layer) -> Block<'_> {
                 bv: None,
                 q_norm: Some(&a.q_norm),
                 k_norm: Some(&a.k_norm),
+                bo: None,
+                sinks: None,
+                window: None,
             }),
             Mix::Delta(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape: DELTA,
@@ -264,6 +269,8 @@ fn layer_block(ly: &Layer) -> Block<'_> {
                     down: dn.view(),
                     gate_inp: Some(ly.shared_gate.view()),
                 }),
+                expert_bias: None,
+                router_bias: None,
             },
         }
     }

@@ -224,6 +224,7 @@ fn attention_summary(n: usize, isa: Isa, budget: Duration) {
         k: KvRows::F32(&k),
         v: KvRows::F32(&v),
         positions: n,
+        sinks: None,
     };
     let (mut scores, mut out) = (vec![0f32; n], vec![0f32; q.len()]);
     let mut threaded: Vec<Variant<'_>> = variants()
@@ -266,11 +267,13 @@ fn kv_type_summary(n: usize, isa: Isa, budget: Duration) {
         k: KvRows::F32(&k),
         v: KvRows::F32(&v),
         positions: n,
+        sinks: None,
     };
     let f16_kv = KvView {
         k: KvRows::F16(&hk),
         v: KvRows::F16(&hv),
         positions: n,
+        sinks: None,
     };
     let mut mv = ThreadedMatVec::new(default_threads(), isa);
     let mut scores = vec![0f32; n];

@@ -1076,6 +1076,7 @@ mod tests {
                     k: KvRows::F32(&k),
                     v: KvRows::F32(&v),
                     positions: n,
+                    sinks: None,
                 };
                 ops::attention(Isa::Scalar, shape, &q, kv, &mut vec![0.0; n], &mut want);
                 for threads in [1, 2, 3] {
@@ -1126,6 +1127,7 @@ mod tests {
                         k: KvRows::F32(&k),
                         v: KvRows::F32(&v),
                         positions: first + i + 1,
+                        sinks: None,
                     };
                     let qi = &q[i * q_dim..][..q_dim];
                     let oi = &mut want[i * q_dim..][..q_dim];
@@ -1135,6 +1137,7 @@ mod tests {
                     k: KvRows::F32(&k),
                     v: KvRows::F32(&v),
                     positions: n,
+                    sinks: None,
                 };
                 for threads in [1, 2, 3] {
                     let mut mv = ThreadedMatVec::new(threads, Isa::detect());

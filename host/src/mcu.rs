@@ -44,6 +44,7 @@
 use std::fmt;
 
 use les_core::gemv::MatrixView;
+use les_core::model::config::ExpertAct;
 use les_core::model::forward::{Ffn, Mixer, Weights};
 use les_core::model::ops::RopeStyle;
 use les_core::router::Gating;
@@ -178,6 +179,12 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             w.word(match m.gating {
                 Gating::Softmax => 0,
                 Gating::Sigmoid => 1,
+                Gating::SoftmaxWeight => {
+                    return Err(McuIndexError(
+                        "the firmware does not run gpt-oss's gating (a softmax of the picks)"
+                            .into(),
+                    ))
+                }
             });
             w.word(m.normalize as u32);
             w.f32(m.weights_scale);
@@ -207,6 +214,29 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                 "layer {l} is not an attention layer (the firmware runs plain transformers)"
             )));
         };
+        let moe_extras = matches!(
+            b.ffn,
+            Ffn::Moe {
+                router_bias: Some(_),
+                ..
+            } | Ffn::Moe {
+                expert_bias: Some(_),
+                ..
+            }
+        );
+        let act = hp.moe.map(|m| m.act);
+        if a.bo.is_some()
+            || a.sinks.is_some()
+            || a.window.is_some()
+            || moe_extras
+            || hp.rope_yarn.is_some()
+            || act.is_some_and(|x| x != ExpertAct::SwiGlu)
+        {
+            return Err(McuIndexError(format!(
+                "layer {l} needs what the firmware does not run (gpt-oss's output and \
+                 expert biases, attention sinks, sliding windows, YaRN or clamped SwiGLU)"
+            )));
+        }
         w.vector(b.attn_norm)?;
         for m in [&a.wq, &a.wk, &a.wv, &a.wo] {
             w.matrix(m)?;
@@ -222,7 +252,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                     w.matrix(m)?;
                 }
             }
-            Ffn::Moe { router, shared } => {
+            Ffn::Moe { router, shared, .. } => {
                 w.word(1);
                 w.matrix(&router)?;
                 match shared {

@@ -11,14 +11,16 @@ use std::fmt;
 use std::path::Path;
 
 use les_core::gemv::MatrixView;
-use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
+use les_core::model::config::{
+    DeltaNetShape, ExpertAct, Hparams, HybridParams, MoeParams, SlidingWindow,
+};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
 use les_core::model::forward::nextn::NextnBlock;
 use les_core::model::forward::{
-    AttentionWeights, Block, ExpertMatrices, Ffn, Mixer, SharedExpert, Weights,
+    AttentionWeights, Block, ExpertBiases, ExpertMatrices, Ffn, Mixer, SharedExpert, Weights,
 };
-use les_core::model::ops::RopeStyle;
+use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::{self, GgmlType};
 use les_core::router::Gating;
 use les_core::schedule::{Extent, Extents};
@@ -76,6 +78,10 @@ pub enum Arch {
     /// Qwen3.5-MoE (MiniCPM-V 4.7's language model): gated DeltaNet layers
     /// interleaved with gated attention, routed plus gated shared experts.
     Qwen35Moe,
+    /// gpt-oss (llama.cpp's `OPENAI_MOE`): attention with biases, sinks and a
+    /// sliding window on every other layer, YaRN RoPE, routed experts with
+    /// biases and a clamped SwiGLU, softmax over the picked experts' logits.
+    GptOss,
 }
 
 impl Arch {
@@ -87,6 +93,7 @@ impl Arch {
             "qwen2moe" => Arch::Qwen2Moe,
             "olmoe" => Arch::Olmoe,
             "qwen35moe" => Arch::Qwen35Moe,
+            "gpt-oss" => Arch::GptOss,
             _ => return None,
         })
     }
@@ -99,6 +106,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Olmoe => "olmoe",
             Arch::Qwen35Moe => "qwen35moe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 
@@ -145,6 +153,8 @@ enum ExpertStore {
     Packed(Box<crate::pack::PackedLayer>),
 }
 
+// One per layer: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum FfnRefs {
     Dense([Tref; 3]),
@@ -152,6 +162,10 @@ enum FfnRefs {
         router: Tref,
         experts: ExpertStore,
         shared: Option<([Tref; 3], Option<Tref>)>,
+        /// The router's bias (gpt-oss).
+        router_bias: Option<Vec<f32>>,
+        /// The experts' gate, up and down biases (gpt-oss), all experts' back to back.
+        expert_bias: Option<Box<[Vec<f32>; 3]>>,
     },
 }
 
@@ -166,6 +180,9 @@ struct AttnRefs {
     bv: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    bo: Option<Vec<f32>>,
+    sinks: Option<Vec<f32>>,
+    window: Option<usize>,
 }
 
 /// A gated DeltaNet layer (qwen35moe).
@@ -508,6 +525,54 @@ fn delta_refs(
     })
 }
 
+/// RoPE scaling from `{arch}.rope.scaling.*`, as llama.cpp reads it: `yarn`
+/// (ext factor 1, betas 32 and 1 unless the file says otherwise) or `linear`
+/// (the angles scaled by `1 / factor`, nothing else; llama.cpp's default type
+/// when only a factor is given); `none`, or no factor, none.
+fn rope_scaling(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    n_ctx_train: usize,
+) -> Result<Option<Yarn>, ModelError> {
+    let k = |s: &str| format!("{a}.rope.scaling.{s}");
+    let f = |s: &str, default: f32| -> Result<f32, ModelError> {
+        match g.get_f32(&k(s)).optional()? {
+            Some(v) if v.is_finite() => Ok(v),
+            Some(v) => Err(invalid(format!("{} = {v} is not finite", k(s)))),
+            None => Ok(default),
+        }
+    };
+    // llama.cpp's default type is `linear`: a `factor` alone scales the angles.
+    let kind = g.get_str(&k("type")).optional()?.unwrap_or("linear");
+    let factor = f("factor", 0.0)?;
+    let ext_factor = match kind {
+        "none" => return Ok(None),
+        "linear" if factor == 0.0 || factor == 1.0 => return Ok(None),
+        "linear" => 0.0,
+        "yarn" => 1.0,
+        other => {
+            return Err(invalid(format!(
+                "{} = {other:?}: les supports yarn, linear and none",
+                k("type")
+            )))
+        }
+    };
+    if factor < 0.0 {
+        return Err(invalid(format!("{} = {factor} is negative", k("factor"))));
+    }
+    let freq_scale = if factor == 0.0 { 1.0 } else { 1.0 / factor };
+    let n_ctx_orig = opt_usize(g, &k("original_context_length"))?.unwrap_or(n_ctx_train);
+    Ok(Some(Yarn {
+        freq_scale,
+        ext_factor,
+        attn_factor: f("attn_factor", 1.0)?,
+        beta_fast: f("yarn_beta_fast", 32.0)?,
+        beta_slow: f("yarn_beta_slow", 1.0)?,
+        n_ctx_orig: u32::try_from(n_ctx_orig)
+            .map_err(|_| invalid(format!("{} is too large", k("original_context_length"))))?,
+    }))
+}
+
 /// Largest dimension accepted from metadata, to bound allocations made from it.
 const MAX_DIM: usize = 1 << 20;
 
@@ -588,6 +653,16 @@ impl Model {
                 gating = Gating::Softmax;
                 normalize = true;
             }
+            let mut act = ExpertAct::SwiGlu;
+            if arch == Arch::GptOss {
+                // Fixed by llama.cpp's graph for this arch, as are alpha and limit.
+                gating = Gating::SoftmaxWeight;
+                normalize = false;
+                act = ExpertAct::SwiGluOai {
+                    alpha: 1.702,
+                    limit: 7.0,
+                };
+            }
             // llama.cpp scales the weights only when the scale is neither 0 nor 1.
             let weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
                 None => 1.0,
@@ -608,9 +683,22 @@ impl Model {
                 normalize,
                 weights_scale,
                 n_ff_shared,
+                act,
             })
         } else {
             None
+        };
+        let rope_yarn = rope_scaling(&g, a, n_ctx_train)?;
+        // Sliding-window attention: gpt-oss's even layers (llama.cpp's
+        // `set_swa_pattern(2)`), over `attention.sliding_window` positions.
+        let swa = match (arch, opt_usize(&g, &k("attention.sliding_window"))?) {
+            (Arch::GptOss, Some(0)) | (Arch::GptOss, None) => {
+                return Err(invalid(format!(
+                    "{a}.attention.sliding_window must be a positive window"
+                )))
+            }
+            (Arch::GptOss, Some(window)) => Some(SlidingWindow { window, pattern: 2 }),
+            _ => None,
         };
         let hp = Hparams {
             n_layers,
@@ -625,6 +713,7 @@ impl Model {
             rope_style: arch.rope_style(),
             norm_eps,
             moe,
+            rope_yarn,
         };
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
         let (hybrid, recurrent) = if arch == Arch::Qwen35Moe {
@@ -667,6 +756,15 @@ impl Model {
                         ))
                     }
                 };
+                let (ne, nf) = (m.n_experts, m.n_ff_exp);
+                let expert_bias = match g.tensor(&t("ffn_gate_exps.bias")) {
+                    None => None,
+                    Some(_) => Some(Box::new([
+                        vector(&g, &t("ffn_gate_exps.bias"), ne * nf)?,
+                        vector(&g, &t("ffn_up_exps.bias"), ne * nf)?,
+                        vector(&g, &t("ffn_down_exps.bias"), ne * n_embd)?,
+                    ])),
+                };
                 FfnRefs::Moe {
                     router: tensor_ref(&g, &t("ffn_gate_inp.weight"), m.n_experts, n_embd)?,
                     experts: match packed_layer {
@@ -691,6 +789,8 @@ impl Model {
                         }
                     },
                     shared,
+                    router_bias: optional_vector(&g, &t("ffn_gate_inp.bias"), m.n_experts)?,
+                    expert_bias,
                 }
             } else {
                 FfnRefs::Dense([
@@ -718,10 +818,13 @@ impl Model {
                         bv: optional_vector(&g, &t("attn_v.bias"), kv_dim)?,
                         q_norm: qk_norm("attn_q_norm.weight", q_dim)?,
                         k_norm: qk_norm("attn_k_norm.weight", kv_dim)?,
+                        bo: optional_vector(&g, &t("attn_output.bias"), n_embd)?,
+                        sinks: optional_vector(&g, &t("attn_sinks.weight"), hp.n_head)?,
+                        window: swa.and_then(|w| w.of_layer(l)),
                     })
                 }
             };
-            let ffn_norm = if arch == Arch::Qwen35Moe {
+            let ffn_norm = if matches!(arch, Arch::Qwen35Moe | Arch::GptOss) {
                 "post_attention_norm.weight"
             } else {
                 "ffn_norm.weight"
@@ -1037,15 +1140,27 @@ impl Model {
 }
 
 impl Model {
-    fn ffn(&self, l: &LayerRefs) -> Ffn<'_> {
+    fn ffn<'a>(&'a self, l: &'a LayerRefs) -> Ffn<'a> {
         match &l.ffn {
             FfnRefs::Dense([g, u, d]) => Ffn::Dense {
                 gate: self.view(g),
                 up: self.view(u),
                 down: self.view(d),
             },
-            FfnRefs::Moe { router, shared, .. } => Ffn::Moe {
+            FfnRefs::Moe {
+                router,
+                shared,
+                router_bias,
+                expert_bias,
+                ..
+            } => Ffn::Moe {
                 router: self.view(router),
+                router_bias: router_bias.as_deref(),
+                expert_bias: expert_bias.as_deref().map(|[g, u, d]| ExpertBiases {
+                    gate: g,
+                    up: u,
+                    down: d,
+                }),
                 shared: shared.as_ref().map(|([g, u, d], gi)| SharedExpert {
                     gate: self.view(g),
                     up: self.view(u),
@@ -1067,6 +1182,9 @@ impl Model {
             bv: a.bv.as_deref(),
             q_norm: a.q_norm.as_deref(),
             k_norm: a.k_norm.as_deref(),
+            bo: a.bo.as_deref(),
+            sinks: a.sinks.as_deref(),
+            window: a.window,
         }
     }
 

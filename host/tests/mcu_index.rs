@@ -115,6 +115,7 @@ fn check(path: &Path) {
                 Ffn::Moe {
                     router: r,
                     shared: s,
+                    ..
                 },
             ) => {
                 same_matrix(file, &router, &r);

@@ -479,7 +479,7 @@ macro_rules! int_kernels {
             for (w, x) in w.iter().zip(x) {
                 let mut sumi = 0i32;
                 for j in 0..8 {
-                    sumi += r::iq4xs_scale(w, j) * isum_iq4(arr(&w.qs, 16 * j), arr(&x.qs, 32 * j));
+                    sumi += r::iq4xs_scale(w, j) * isum_table(&KVALUES_IQ4NL, arr(&w.qs, 16 * j), arr(&x.qs, 32 * j));
                 }
                 acc += (r::h(w.d) * r::q8k_d(x)) * sumi as f32;
             }

@@ -113,8 +113,20 @@ const SUM_LANES: usize = 8;
 /// elements past the last whole 8 in order; each element is then multiplied
 /// by `(1 / sum) as f32`. The same bits with every `isa` for finite inputs.
 pub fn softmax(isa: Isa, x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum = match isa {
+    softmax_with_sink(isa, x, None);
+}
+
+/// [`softmax`] with an extra logit `sink` in the normalisation (an attention
+/// sink, gpt-oss's: a key that every query sees and whose value is zero):
+/// the max is taken over `x` and `sink`, and `e^(sink - max)` is added to the
+/// sum after `x`'s terms, as ggml's `soft_max` with sinks does. `None` is
+/// [`softmax`], bit for bit.
+pub fn softmax_with_sink(isa: Isa, x: &mut [f32], sink: Option<f32>) {
+    let mut max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if let Some(s) = sink {
+        max = max.max(s);
+    }
+    let mut sum = match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx512() => {
             // SAFETY: the CPU supports AVX-512 F (checked just above).
@@ -132,6 +144,9 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
         }
         _ => exp_sum(x, max),
     };
+    if let Some(s) = sink {
+        sum += exp(s - max) as f64;
+    }
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;

@@ -1,7 +1,44 @@
 //! Hyperparameters of a decoder-only transformer with optional MoE FFNs.
 
-use super::ops::RopeStyle;
+use super::ops::{RopeStyle, Yarn};
 use crate::router::Gating;
+
+/// The activation between a routed expert's gate/up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertAct {
+    /// `silu(gate) * up` (every architecture but gpt-oss).
+    SwiGlu,
+    /// gpt-oss's clamped SwiGLU (ggml's `swiglu_oai`): with
+    /// `g = min(gate, limit)` and `u = clamp(up, -limit, limit)`,
+    /// `g * sigmoid(alpha * g) * (u + 1)`.
+    SwiGluOai {
+        /// Slope of the sigmoid (1.702).
+        alpha: f32,
+        /// Clamp of gate and up (7).
+        limit: f32,
+    },
+}
+
+/// Sliding-window attention on some layers (llama.cpp's `n_swa` with a
+/// `swa_pattern`): layer `l` attends only to the last `window` positions
+/// (itself included) when `l % pattern < pattern - 1`, to all otherwise. A
+/// model's [`Weights`](super::forward::Weights) say so per layer
+/// ([`AttentionWeights::window`](super::forward::AttentionWeights::window)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// Positions a windowed layer sees (positive).
+    pub window: usize,
+    /// Period of the windowed / full layers (positive; 2 for gpt-oss: even
+    /// layers windowed).
+    pub pattern: usize,
+}
+
+impl SlidingWindow {
+    /// Layer `layer`'s window, `None` where it attends to every position.
+    pub fn of_layer(&self, layer: usize) -> Option<usize> {
+        (layer % self.pattern.max(1) < self.pattern.saturating_sub(1)).then_some(self.window)
+    }
+}
 
 /// The MoE part of a model.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -20,6 +57,8 @@ pub struct MoeParams {
     pub weights_scale: f32,
     /// Hidden size of the shared expert, if the model has one.
     pub n_ff_shared: Option<usize>,
+    /// The routed experts' activation.
+    pub act: ExpertAct,
 }
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -49,6 +88,8 @@ pub struct Hparams {
     pub norm_eps: f32,
     /// Mixture-of-experts parameters, if any layer has experts.
     pub moe: Option<MoeParams>,
+    /// YaRN scaling of RoPE (gpt-oss), if any.
+    pub rope_yarn: Option<Yarn>,
 }
 
 impl Hparams {
@@ -89,6 +130,29 @@ impl Hparams {
         }
         if self.n_layers > u16::MAX as usize {
             return Err("too many layers");
+        }
+        if let Some(y) = self.rope_yarn {
+            let finite = [
+                y.freq_scale,
+                y.ext_factor,
+                y.attn_factor,
+                y.beta_fast,
+                y.beta_slow,
+            ]
+            .iter()
+            .all(|v| v.is_finite());
+            if !finite || y.freq_scale <= 0.0 || y.beta_fast <= 0.0 || y.beta_slow <= 0.0 {
+                return Err("YaRN parameters must be finite, the scale and betas positive");
+            }
+        }
+        if let Some(MoeParams {
+            act: ExpertAct::SwiGluOai { alpha, limit },
+            ..
+        }) = self.moe
+        {
+            if !(alpha.is_finite() && limit.is_finite()) {
+                return Err("swiglu_oai alpha and limit must be finite");
+            }
         }
         Ok(())
     }

@@ -12,11 +12,11 @@
 
 use core::fmt;
 
-use super::config::{Hparams, HybridParams};
+use super::config::{ExpertAct, Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::ops::{
-    rms_norm, rms_norm_heads, rope, rope_imrope, sigmoid, swiglu, AttnShape, KvRows, KvView,
-    MAX_F16_HEAD_DIM,
+    rms_norm, rms_norm_heads, rope, rope_imrope, rope_yarn, sigmoid, swiglu, swiglu_oai, AttnShape,
+    KvRows, KvView, MAX_F16_HEAD_DIM,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -61,7 +61,72 @@ pub enum Ffn<'a> {
         router: MatrixView<'a>,
         /// Shared expert.
         shared: Option<SharedExpert<'a>>,
+        /// Bias added to the router's logits (gpt-oss).
+        router_bias: Option<&'a [f32]>,
+        /// The routed experts' biases (gpt-oss), resident.
+        expert_bias: Option<ExpertBiases<'a>>,
     },
+}
+
+/// The biases of a layer's routed experts, resident (gpt-oss): expert `e`'s
+/// gate and up biases are `gate[e * n_ff_exp..][..n_ff_exp]` and
+/// `up[..]` alike, its down bias `down[e * n_embd..][..n_embd]`, each added
+/// to its product.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertBiases<'a> {
+    /// Gate biases, `n_experts * n_ff_exp`.
+    pub gate: &'a [f32],
+    /// Up biases, `n_experts * n_ff_exp`.
+    pub up: &'a [f32],
+    /// Down biases, `n_experts * n_embd`.
+    pub down: &'a [f32],
+}
+
+impl<'a> ExpertBiases<'a> {
+    /// Expert `expert`'s three biases, if the slices hold them.
+    fn of(&self, expert: usize, n_ff: usize, n_embd: usize) -> Option<[&'a [f32]; 3]> {
+        Some([
+            self.gate.get(expert * n_ff..)?.get(..n_ff)?,
+            self.up.get(expert * n_ff..)?.get(..n_ff)?,
+            self.down.get(expert * n_embd..)?.get(..n_embd)?,
+        ])
+    }
+}
+
+/// How an expert's products are finished: the activation between gate/up and
+/// down, and the expert's biases where the model has them.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ExpertTail<'a> {
+    pub(super) act: ExpertAct,
+    pub(super) biases: Option<[&'a [f32]; 3]>,
+}
+
+impl ExpertTail<'_> {
+    /// Plain SwiGLU without biases (dense FFNs, shared experts, every
+    /// architecture's routed experts but gpt-oss's).
+    pub(super) const PLAIN: ExpertTail<'static> = ExpertTail {
+        act: ExpertAct::SwiGlu,
+        biases: None,
+    };
+}
+
+/// The tail of routed expert `expert` of a layer with `biases`.
+pub(super) fn expert_tail<'a, E>(
+    hp: &Hparams,
+    biases: Option<&ExpertBiases<'a>>,
+    expert: u16,
+) -> Result<ExpertTail<'a>, ForwardError<E>> {
+    let Some(m) = hp.moe else {
+        return Ok(ExpertTail::PLAIN);
+    };
+    let biases = match biases {
+        Some(b) => Some(
+            b.of(expert as usize, m.n_ff_exp, hp.n_embd)
+                .ok_or(ForwardError::Shape("expert bias length"))?,
+        ),
+        None => None,
+    };
+    Ok(ExpertTail { act: m.act, biases })
 }
 
 /// The attention of a layer (full, causal, grouped-query).
@@ -86,6 +151,14 @@ pub struct AttentionWeights<'a> {
     pub q_norm: Option<&'a [f32]>,
     /// Key RMSNorm (same rule).
     pub k_norm: Option<&'a [f32]>,
+    /// Output projection bias (gpt-oss).
+    pub bo: Option<&'a [f32]>,
+    /// Attention sinks, one logit per query head (gpt-oss; see
+    /// [`KvView::sinks`]).
+    pub sinks: Option<&'a [f32]>,
+    /// Sliding window: a query sees only the last `window` positions, itself
+    /// included (gpt-oss's even layers; [`SlidingWindow`](super::config::SlidingWindow)).
+    pub window: Option<usize>,
 }
 
 /// What mixes positions in a layer.
@@ -904,14 +977,17 @@ pub(super) fn swiglu_ffn<M: MatVec>(
     ff_b: &mut [f32],
     out: &mut [f32],
 ) -> Result<(), GemvError> {
-    swiglu_ffn_checked(mv, w, x, ff_a, ff_b, out, false).map(|_| ())
+    swiglu_ffn_checked(mv, w, ExpertTail::PLAIN, x, ff_a, ff_b, out, false).map(|_| ())
 }
 
-/// [`swiglu_ffn`], also returning the CRC-32 of gate, up and down back to back
-/// when `verify` (each hashed by [`MatVec::matvec_checksum`]).
+/// [`swiglu_ffn`] finished by `tail` (its activation and biases), also
+/// returning the CRC-32 of gate, up and down back to back when `verify` (each
+/// hashed by [`MatVec::matvec_checksum`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn swiglu_ffn_checked<M: MatVec>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
+    tail: ExpertTail<'_>,
     x: &[f32],
     ff_a: &mut [f32],
     ff_b: &mut [f32],
@@ -926,24 +1002,30 @@ pub(super) fn swiglu_ffn_checked<M: MatVec>(
             cols: down.cols(),
         });
     }
-    let crc_gate_up = gate_up_checked(mv, gate, up, x, ff_a, ff_b, verify)?;
-    let crc_down = product_checked(mv, down, &ff_a[..n], out, verify)?;
+    let crc_gate_up = gate_up_checked(mv, gate, up, tail, x, ff_a, ff_b, verify)?;
+    let crc_down = down_checked(mv, down, tail, &ff_a[..n], out, verify)?;
     Ok(concat_checksums(crc_gate_up, crc_down, down))
 }
 
-/// The first half of [`swiglu_ffn_checked`]: `swiglu(gate x, up x)` into
+/// The first half of [`swiglu_ffn_checked`]: the activation of `gate x` and
+/// `up x` (each plus its bias where `tail` has them) into
 /// `ff_a[..gate.rows()]`, and with `verify` the CRC-32 of gate and up back to back.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn gate_up_checked<M: MatVec>(
     mv: &mut M,
     gate: &MatrixView<'_>,
     up: &MatrixView<'_>,
+    tail: ExpertTail<'_>,
     x: &[f32],
     ff_a: &mut [f32],
     ff_b: &mut [f32],
     verify: bool,
 ) -> Result<Option<u32>, GemvError> {
     let n = gate.rows();
-    if up.rows() != n || n > ff_a.len() || n > ff_b.len() {
+    let bias_fits = tail
+        .biases
+        .is_none_or(|[g, u, _]| g.len() == n && u.len() == n);
+    if up.rows() != n || n > ff_a.len() || n > ff_b.len() || !bias_fits {
         return Err(GemvError::RowLength {
             ty: up.ty(),
             cols: up.cols(),
@@ -952,8 +1034,38 @@ pub(super) fn gate_up_checked<M: MatVec>(
     let (a, b) = (&mut ff_a[..n], &mut ff_b[..n]);
     let crc_gate = product_checked(mv, gate, x, a, verify)?;
     let crc_up = product_checked(mv, up, x, b, verify)?;
-    swiglu(a, b);
+    if let Some([gb, ub, _]) = tail.biases {
+        add_into(a, gb);
+        add_into(b, ub);
+    }
+    match tail.act {
+        ExpertAct::SwiGlu => swiglu(a, b),
+        ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
+    }
     Ok(concat_checksums(crc_gate, crc_up, up))
+}
+
+/// The second half of [`swiglu_ffn_checked`]: `down act` plus the down bias
+/// where `tail` has one, and with `verify` the CRC-32 of `down`.
+pub(super) fn down_checked<M: MatVec>(
+    mv: &mut M,
+    down: &MatrixView<'_>,
+    tail: ExpertTail<'_>,
+    act: &[f32],
+    out: &mut [f32],
+    verify: bool,
+) -> Result<Option<u32>, GemvError> {
+    let crc = product_checked(mv, down, act, out, verify)?;
+    if let Some([_, _, db]) = tail.biases {
+        if db.len() != out.len() {
+            return Err(GemvError::RowLength {
+                ty: down.ty(),
+                cols: down.cols(),
+            });
+        }
+        add_into(out, db);
+    }
+    Ok(crc)
 }
 
 /// `y = w x`, and with `verify` the CRC-32 of `w`'s bytes.
@@ -1109,11 +1221,16 @@ where
                 )?;
                 add_into(s.h, s.tmp);
             }
-            Ffn::Moe { router, shared } => {
+            Ffn::Moe {
+                router,
+                shared,
+                router_bias,
+                expert_bias,
+            } => {
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                route(l, &router, rc, mv, s, experts, &mut routing)?;
+                route(l, &router, router_bias, rc, mv, s, experts, &mut routing)?;
 
                 // Lookahead: the next layer's router on this layer's hidden state
                 // (whatever mixes positions in the next layer: it only needs the
@@ -1123,7 +1240,11 @@ where
                     predict_layers(hp, weights, rc, la, next, mv, s, experts)?;
                 }
 
-                compute_picks(hp, mv, s, experts, &routing, shared.as_ref())?;
+                let ffn = MoeFfn {
+                    shared: shared.as_ref(),
+                    expert_bias: expert_bias.as_ref(),
+                };
+                compute_picks(hp, mv, s, experts, &routing, ffn)?;
             }
         }
     }
@@ -1132,12 +1253,14 @@ where
     Ok(())
 }
 
-/// Routes MoE layer `layer` on its normed input `s.x` with `router` into
-/// `routing`, shows `experts` the router's scores, and begins the layer with
-/// the picks ([`Experts::begin_layer`]).
+/// Routes MoE layer `layer` on its normed input `s.x` with `router` (and its
+/// `bias`, added to the logits) into `routing`, shows `experts` the router's
+/// scores, and begins the layer with the picks ([`Experts::begin_layer`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn route<M: MatVec, X: Experts>(
     layer: usize,
     router: &MatrixView<'_>,
+    bias: Option<&[f32]>,
     rc: &RouterConfig,
     mv: &mut M,
     s: &mut Scratch<'_>,
@@ -1145,6 +1268,7 @@ pub(super) fn route<M: MatVec, X: Experts>(
     routing: &mut Routing,
 ) -> Result<(), ForwardError<X::Error>> {
     mv.matvec(router, s.x, s.router)?;
+    add_bias(s.router, bias).map_err(ForwardError::Shape)?;
     experts.router_logits(layer, s.router);
     rc.route(s.router, None, routing)?;
     let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
@@ -1152,6 +1276,14 @@ pub(super) fn route<M: MatVec, X: Experts>(
     experts
         .begin_layer(layer, &ids)
         .map_err(ForwardError::Experts)
+}
+
+/// What a MoE layer computes besides its routed experts' products: its
+/// shared expert and its experts' biases, where it has them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct MoeFfn<'r, 'a> {
+    pub(super) shared: Option<&'r SharedExpert<'a>>,
+    pub(super) expert_bias: Option<&'r ExpertBiases<'a>>,
 }
 
 /// A MoE layer's routed experts, after [`Experts::begin_layer`]: computed
@@ -1164,8 +1296,15 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
     s: &mut Scratch<'_>,
     experts: &mut X,
     routing: &Routing,
-    shared: Option<&SharedExpert<'_>>,
+    ffn: MoeFfn<'_, '_>,
 ) -> Result<(), ForwardError<X::Error>> {
+    let shared = ffn.shared;
+    let tail = |index: usize| {
+        let r = routing
+            .get(index)
+            .ok_or(ForwardError::Shape("routing index"))?;
+        expert_tail(hp, ffn.expert_bias, r.expert)
+    };
     // Ready-first: compute in whatever order experts become ready.
     // The shared expert is resident: it is computed the first time
     // no routed expert is ready (while reads are in flight), or last.
@@ -1185,7 +1324,16 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .expert_out
                     .get_mut(index * e..(index + 1) * e)
                     .ok_or(ForwardError::Shape("routing index"))?;
-                let crc = swiglu_ffn_checked(mv, &matrices, s.x, s.ff_a, s.ff_b, out, verify)?;
+                let crc = swiglu_ffn_checked(
+                    mv,
+                    &matrices,
+                    tail(index)?,
+                    s.x,
+                    s.ff_a,
+                    s.ff_b,
+                    out,
+                    verify,
+                )?;
                 experts.finish(index, crc).map_err(ForwardError::Experts)?;
             }
             Step::GateUp(GateUp {
@@ -1199,7 +1347,7 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .expert_act
                     .get_mut(index * n..(index + 1) * n)
                     .ok_or(ForwardError::Shape("routing index"))?;
-                let crc = gate_up_checked(mv, &gate, &up, s.x, act, s.ff_b, verify)?;
+                let crc = gate_up_checked(mv, &gate, &up, tail(index)?, s.x, act, s.ff_b, verify)?;
                 *first_crc
                     .get_mut(index)
                     .ok_or(ForwardError::Shape("routing index"))? = crc;
@@ -1217,7 +1365,7 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                 let (Some(act), Some(out)) = (act, out) else {
                     return Err(ForwardError::Shape("routing index"));
                 };
-                let crc = product_checked(mv, &down, act, out, verify)?;
+                let crc = down_checked(mv, &down, tail(index)?, act, out, verify)?;
                 let first = first_crc.get(index).copied().flatten();
                 let crc = concat_checksums(first, crc, &down);
                 experts.finish(index, crc).map_err(ForwardError::Experts)?;
@@ -1452,10 +1600,16 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
     let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
     for layer in targets.filter(|l| la.layers.is_enabled(*l)) {
         let w = weights.block(layer);
-        if let Ffn::Moe { router, .. } = w.ffn {
+        if let Ffn::Moe {
+            router,
+            router_bias,
+            ..
+        } = w.ffn
+        {
             let r = lookahead_matrix(weights, layer, router);
             rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
             mv.matvec(&r, s.pred_x, s.router)?;
+            add_bias(s.router, router_bias).map_err(ForwardError::Shape)?;
             router::predict(s.router, None, rc, &la.predictor, &mut prediction)?;
             ids.clear();
             ids.extend(prediction.iter().map(|p| p.expert));
@@ -1531,6 +1685,7 @@ fn attention_layer<M: MatVec, E>(
     mv.matvec(&aw.wv, s.x, s.v)?;
     attend(hp, hy, aw, mv, s, kv, cache_layer, layer_stride, pos, shape)?;
     mv.matvec(&aw.wo, s.att, s.tmp)?;
+    add_bias(s.tmp, aw.bo).map_err(ForwardError::Shape)?;
     Ok(())
 }
 
@@ -1552,12 +1707,35 @@ pub(super) fn attend<M: MatVec, E>(
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
     project_position(hp, hy, aw, s, kv, cache_layer, layer_stride, pos)?;
-    let kv = cached(kv, cache_layer, layer_stride, pos + 1);
+    let kv = attended(
+        aw,
+        cached(kv, cache_layer, layer_stride, pos + 1),
+        hp.kv_dim(),
+    )?;
     mv.attention(shape, s.q, kv, s.scores, s.att);
     if hy.attn_output_gate {
         output_gate(hp.head_dim, s.qg, s.att);
     }
     Ok(())
+}
+
+/// What a query of a layer with attention weights `aw` attends over, of the
+/// cached positions `kv` (the query's own the last): its sinks, and only the
+/// last `window` positions where the layer has a sliding window.
+pub(super) fn attended<'k, E>(
+    aw: &AttentionWeights<'k>,
+    kv: KvView<'k>,
+    kv_dim: usize,
+) -> Result<KvView<'k>, ForwardError<E>> {
+    let kv = KvView {
+        sinks: aw.sinks,
+        ..kv
+    };
+    Ok(match aw.window {
+        Some(0) => return Err(ForwardError::Shape("sliding window of 0 positions")),
+        Some(w) => kv.from_position(kv.positions.saturating_sub(w), kv_dim),
+        None => kv,
+    })
 }
 
 /// The keys and values of `kv` (cache layer `cache_layer`) at positions `0..n`.
@@ -1572,6 +1750,7 @@ pub(super) fn cached<'k>(
         k: kv.k.rows(base..base + layer_stride),
         v: kv.v.rows(base..base + layer_stride),
         positions: n,
+        sinks: None,
     }
 }
 
@@ -1630,22 +1809,27 @@ pub(super) fn project_position<E>(
             }
         }
         None => {
-            rope(
-                s.q,
-                hp.head_dim,
-                hp.n_rot,
-                pos as u32,
-                hp.rope_base,
-                hp.rope_style,
-            );
-            rope(
-                s.k,
-                hp.head_dim,
-                hp.n_rot,
-                pos as u32,
-                hp.rope_base,
-                hp.rope_style,
-            );
+            for x in [&mut *s.q, &mut *s.k] {
+                match &hp.rope_yarn {
+                    Some(y) => rope_yarn(
+                        x,
+                        hp.head_dim,
+                        hp.n_rot,
+                        pos as u32,
+                        hp.rope_base,
+                        hp.rope_style,
+                        y,
+                    ),
+                    None => rope(
+                        x,
+                        hp.head_dim,
+                        hp.n_rot,
+                        pos as u32,
+                        hp.rope_base,
+                        hp.rope_style,
+                    ),
+                }
+            }
         }
     }
     let base = cache_layer * layer_stride;

@@ -74,6 +74,86 @@ pub fn rope(
     });
 }
 
+/// YaRN context extension of RoPE (ggml's `rope_yarn`): each pair's angle
+/// `theta` (the plain one, "extrapolated") is mixed with `freq_scale * theta`
+/// ("interpolated") by a ramp over the pairs between the correction dimensions
+/// of `beta_fast` and `beta_slow` rotations within `n_ctx_orig` positions, and
+/// the cosine and sine are scaled by `attn_factor * (1 + 0.1 ln(1 / freq_scale))`
+/// when `ext_factor` is not 0.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// `1 / rope.scaling.factor`.
+    pub freq_scale: f32,
+    /// Weight of the extrapolated angle on the ramp (1 for YaRN).
+    pub ext_factor: f32,
+    /// Magnitude scale of the rotation (`rope.scaling.attn_factor`, 1 by default).
+    pub attn_factor: f32,
+    /// Rotations at which the ramp starts (32).
+    pub beta_fast: f32,
+    /// Rotations at which it ends (1).
+    pub beta_slow: f32,
+    /// Context length the model was trained at (`rope.scaling.original_context_length`).
+    pub n_ctx_orig: u32,
+}
+
+impl Yarn {
+    /// The pairs where the ramp runs, `[low, high]` (ggml's
+    /// `ggml_rope_yarn_corr_dims`): floor and ceiling of the dimensions whose
+    /// wavelength fits `beta_fast` and `beta_slow` rotations in `n_ctx_orig`.
+    pub fn corr_dims(&self, n_rot: usize, freq_base: f32) -> [f32; 2] {
+        let dim = |rotations: f32| {
+            let two_pi = 2.0 * core::f32::consts::PI;
+            n_rot as f32 * libm::logf(self.n_ctx_orig as f32 / (rotations * two_pi))
+                / (2.0 * libm::logf(freq_base))
+        };
+        let start = libm::floorf(dim(self.beta_fast));
+        let end = libm::ceilf(dim(self.beta_slow));
+        [start.max(0.0), end.min(n_rot as f32 - 1.0)]
+    }
+
+    /// Pair `i`'s cosine and sine for the plain angle `theta_extrap`.
+    fn angle(&self, theta_extrap: f32, corr: [f32; 2], i: usize) -> (f32, f32) {
+        let theta_interp = self.freq_scale * theta_extrap;
+        let mut theta = theta_interp;
+        let mut mscale = self.attn_factor;
+        if self.ext_factor != 0.0 {
+            let y = (i as f32 - corr[0]) / (corr[1] - corr[0]).max(0.001);
+            let ramp_mix = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+            theta = theta_interp * (1.0 - ramp_mix) + theta_extrap * ramp_mix;
+            mscale *= 1.0 + 0.1 * libm::logf(1.0 / self.freq_scale);
+        }
+        (cosf(theta) * mscale, sinf(theta) * mscale)
+    }
+}
+
+/// [`rope`] with YaRN scaling ([`Yarn`]).
+pub fn rope_yarn(
+    x: &mut [f32],
+    head_dim: usize,
+    n_rot: usize,
+    pos: u32,
+    freq_base: f32,
+    style: RopeStyle,
+    yarn: &Yarn,
+) {
+    assert!(
+        n_rot.is_multiple_of(2)
+            && n_rot <= head_dim
+            && head_dim > 0
+            && x.len().is_multiple_of(head_dim),
+        "rope_yarn: bad dimensions"
+    );
+    let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
+    let corr = yarn.corr_dims(n_rot, freq_base);
+    let mut theta = pos as f32;
+    rotate_pairs(x, head_dim, n_rot / 2, style, |i0, cs| {
+        for (i, c) in (i0..).zip(cs) {
+            *c = yarn.angle(theta, corr, i);
+            theta *= theta_scale;
+        }
+    });
+}
+
 /// Pairs [`rotate_pairs`] takes the angles of at a time.
 const ROPE_PAIRS: usize = 64;
 
@@ -203,6 +283,25 @@ pub fn swiglu(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU in place of the gate `x` (ggml's `swiglu_oai`):
+/// `g * sigmoid(alpha * g) * (u + 1)` with `g = min(x, limit)` and
+/// `u = clamp(y, -limit, limit)`, comparisons as C++'s `std::min` and `std::clamp`.
+pub fn swiglu_oai(x: &mut [f32], y: &[f32], alpha: f32, limit: f32) {
+    assert_eq!(x.len(), y.len(), "swiglu_oai: lengths differ");
+    for (a, &b) in x.iter_mut().zip(y) {
+        let g = if limit < *a { limit } else { *a };
+        let u = if b < -limit {
+            -limit
+        } else if limit < b {
+            limit
+        } else {
+            b
+        };
+        let glu = g / (1.0 + expf(alpha * (-g)));
+        *a = glu * (u + 1.0);
+    }
+}
+
 /// Shape of grouped-query attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
@@ -296,6 +395,23 @@ pub struct KvView<'a> {
     pub v: KvRows<'a>,
     /// Positions attended to (`n_past + 1`).
     pub positions: usize,
+    /// Attention sinks (gpt-oss): one logit per query head, taking part in its
+    /// softmax as a key whose value is zero ([`vector::softmax_with_sink`]).
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl<'a> KvView<'a> {
+    /// The view of positions `start..positions` only (a sliding window), each
+    /// position `kv_stride` values.
+    pub fn from_position(self, start: usize, kv_stride: usize) -> KvView<'a> {
+        let start = start.min(self.positions);
+        KvView {
+            k: self.k.from(start * kv_stride),
+            v: self.v.from(start * kv_stride),
+            positions: self.positions - start,
+            sinks: self.sinks,
+        }
+    }
 }
 
 /// Floats of the stack buffer an `f16` cache's rows are widened into, a tile
@@ -443,6 +559,7 @@ pub fn attention_fits(
         && kv.v.len() >= len
         && scores.len() >= n_kv_positions
         && f16_fits(kv, head_dim)
+        && kv.sinks.is_none_or(|s| s.len() == n_head)
 }
 
 /// An `f16` cache's rows fit a tile.
@@ -493,8 +610,8 @@ pub fn attention_heads(
         let o = &mut out[(h0 - heads.start) * head_dim..(h1 - heads.start) * head_dim];
         o.fill(0.0);
         tiled_dots(isa, qs, k, n, kv_stride, head_dim, scale, sc);
-        for row in sc.chunks_exact_mut(n.max(1)) {
-            vector::softmax(isa, row);
+        for (h, row) in (h0..).zip(sc.chunks_exact_mut(n.max(1))) {
+            vector::softmax_with_sink(isa, row, kv.sinks.map(|s| s[h]));
         }
         tiled_sums(isa, sc, n, v, (0, n), kv_stride, head_dim, o);
         h0 = h1;
@@ -537,6 +654,7 @@ pub fn attention_causal_fits(
         && kv.v.len() >= len
         && scratch >= attention_causal_scratch(shape, g, kv.positions)
         && f16_fits(kv, shape.head_dim)
+        && kv.sinks.is_none_or(|s| s.len() == shape.n_head)
 }
 
 /// Causal attention of the `g` consecutive positions `first..first + g` at
@@ -589,7 +707,8 @@ pub fn attention_causal(
         let (k, v) = (kv.k.from(kvh * d), kv.v.from(kvh * d));
         tiled_dots(isa, qs, k, n, kv_stride, d, scale, sc);
         for (r, row) in sc.chunks_exact_mut(n).enumerate() {
-            vector::softmax(isa, &mut row[..first + r / nb + 1]);
+            let sink = kv.sinks.map(|s| s[kvh * nb + r % nb]);
+            vector::softmax_with_sink(isa, &mut row[..first + r / nb + 1], sink);
         }
         os.fill(0.0);
         // Positions `0..=first`, which every row sees, then each position's
@@ -784,6 +903,7 @@ mod tests {
             k: KvRows::F32(&k),
             v: KvRows::F32(&v),
             positions: n,
+            sinks: None,
         };
         attention(Isa::Scalar, shape, &q, kv, &mut scores, &mut whole);
         // Head ranges crossing KV groups, in batches of 1, 2 and 3 heads, with
@@ -838,6 +958,7 @@ mod tests {
                 k: KvRows::F32(wk),
                 v: KvRows::F32(wv),
                 positions: n,
+                sinks: None,
             };
             let mut scores = std::vec![0f32; 2 * n];
             let mut want = std::vec![0f32; q_dim];
@@ -868,7 +989,12 @@ mod tests {
                 (KvRows::F16(hk), KvRows::F32(wv)),
                 (KvRows::F32(wk), KvRows::F16(hv)),
             ] {
-                let kv = KvView { k, v, positions: n };
+                let kv = KvView {
+                    k,
+                    v,
+                    positions: n,
+                    sinks: None,
+                };
                 for isa in Isa::available() {
                     let mut got = std::vec![f32::NAN; q_dim];
                     attention(isa, shape, &q[..q_dim], kv, &mut scores, &mut got);
@@ -891,12 +1017,18 @@ mod tests {
             std::vec![0f32; MAX_F16_HEAD_DIM + 1],
         );
         let (k, v) = (KvRows::F16(&h), KvRows::F32(&w));
-        let kv = KvView { k, v, positions: 1 };
+        let kv = KvView {
+            k,
+            v,
+            positions: 1,
+            sinks: None,
+        };
         assert!(!attention_fits(shape, &(0..1), &w, kv, &[0.0], &w));
         let kv = KvView {
             k: v,
             v,
             positions: 1,
+            sinks: None,
         };
         assert!(attention_fits(shape, &(0..1), &w, kv, &[0.0], &w));
     }
@@ -932,6 +1064,7 @@ mod tests {
                         k: KvRows::F32(&k),
                         v: KvRows::F32(&v),
                         positions: first + i + 1,
+                        sinks: None,
                     };
                     let (qi, oi) = (&q[i * q_dim..][..q_dim], &mut want[i * q_dim..][..q_dim]);
                     attention(Isa::Scalar, shape, qi, kv, &mut scores, oi);
@@ -940,6 +1073,7 @@ mod tests {
                     k: KvRows::F32(&k),
                     v: KvRows::F32(&v),
                     positions: n,
+                    sinks: None,
                 };
                 for isa in Isa::available() {
                     let mut scratch = std::vec![f32::NAN; attention_causal_scratch(shape, g, n)];
@@ -983,6 +1117,7 @@ mod tests {
                 k: KvRows::F32(&[0.5, 0.5]),
                 v: KvRows::F32(&[7.0, -1.0]),
                 positions: 1,
+                sinks: None,
             },
             &mut scores,
             &mut out,
@@ -1007,11 +1142,84 @@ mod tests {
                 k: KvRows::F32(&[0.0, 2.0]),
                 v: KvRows::F32(&[10.0, 20.0]),
                 positions: 2,
+                sinks: None,
             },
             &mut scores,
             &mut out,
         );
         let w1 = 2f32.exp() / (1.0 + 2f32.exp());
         assert!((out[0] - (10.0 * (1.0 - w1) + 20.0 * w1)).abs() < 1e-4);
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+    use crate::quant::{f16_to_f32, f32_to_f16};
+
+    /// A windowed view of an `f16` cache attends exactly as the same window of
+    /// an `f32` cache holding the same (rounded) values, at every start and
+    /// length, with sinks or without.
+    #[test]
+    fn windowed_f16_view_equals_f32() {
+        let shape = AttnShape {
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 16,
+        };
+        let stride = shape.n_head_kv * shape.head_dim;
+        let total = 24;
+        let vals = |seed: u32| -> std::vec::Vec<u16> {
+            (0..total * stride)
+                .map(|i| {
+                    let x = libm::sinf((i as u32 * 7 + seed) as f32 * 0.37) * 2.0;
+                    f32_to_f16(x)
+                })
+                .collect()
+        };
+        let (hk, hv) = (vals(1), vals(2));
+        let wk: std::vec::Vec<f32> = hk.iter().map(|&h| f16_to_f32(h)).collect();
+        let wv: std::vec::Vec<f32> = hv.iter().map(|&h| f16_to_f32(h)).collect();
+        let q: std::vec::Vec<f32> = (0..shape.n_head * shape.head_dim)
+            .map(|i| libm::cosf(i as f32))
+            .collect();
+        let sinks = [0.5f32, -1.0, 2.0, 0.0];
+        for isa in crate::gemv::Isa::available() {
+            for positions in 1..=total {
+                for start in 0..positions {
+                    for s in [None, Some(&sinks[..])] {
+                        let view = |k, v| {
+                            KvView {
+                                k,
+                                v,
+                                positions,
+                                sinks: s,
+                            }
+                            .from_position(start, stride)
+                        };
+                        let mut sc = std::vec![0f32; 4 * total];
+                        let mut a = std::vec![0f32; q.len()];
+                        let mut b = std::vec![0f32; q.len()];
+                        attention(
+                            isa,
+                            shape,
+                            &q,
+                            view(KvRows::F16(&hk), KvRows::F16(&hv)),
+                            &mut sc,
+                            &mut a,
+                        );
+                        attention(
+                            isa,
+                            shape,
+                            &q,
+                            view(KvRows::F32(&wk), KvRows::F32(&wv)),
+                            &mut sc,
+                            &mut b,
+                        );
+                        assert_eq!(a, b, "{isa} positions {positions} start {start}");
+                    }
+                }
+            }
+        }
     }
 }

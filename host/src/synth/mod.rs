@@ -89,6 +89,10 @@ pub enum Arch {
     /// Qwen3.5-MoE (MiniCPM-V 4.7's language model): gated DeltaNet and gated
     /// attention layers, routed plus shared experts, a multi-token-prediction block.
     Qwen35moe,
+    /// gpt-oss: attention biases and sinks, a sliding window on even layers,
+    /// YaRN RoPE, routed experts with biases and a clamped SwiGLU.
+    #[value(name = "gpt-oss")]
+    GptOss,
 }
 
 impl Arch {
@@ -100,6 +104,7 @@ impl Arch {
             Arch::Qwen2moe => "qwen2moe",
             Arch::Llama | Arch::Mixtral => "llama",
             Arch::Qwen35moe => "qwen35moe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 
@@ -962,6 +967,18 @@ pub fn file_type(ty: GgmlType) -> u32 {
     }
 }
 
+/// gpt-oss's sliding window in a synthetic model: 128 positions as the real
+/// models, 16 in `tiny` so that its short tests reach past it.
+pub fn gpt_oss_window(preset: Preset) -> u64 {
+    match preset {
+        Preset::Tiny => 16,
+        _ => 128,
+    }
+}
+
+/// gpt-oss's YaRN: a factor of 32 over an original context of 4096 positions.
+const GPT_OSS_YARN: (f32, u64) = (32.0, 4096);
+
 /// Most layers `les synth` writes.
 const MAX_LAYERS: u64 = 4096;
 /// Widest row or column `les synth` writes (embedding, feed-forward widths).
@@ -1004,6 +1021,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         let lay = Some(l);
         if cfg.arch == Arch::Qwen35moe {
             qwen35moe_layer(cfg, l, &mut add);
+            continue;
+        }
+        if cfg.arch == Arch::GptOss {
+            gpt_oss_layer(cfg, l, &mut add);
             continue;
         }
         add(
@@ -1212,6 +1233,51 @@ fn shared_expert(
     );
 }
 
+/// The tensors of gpt-oss block `l`, in llama.cpp's names and shapes: biases
+/// everywhere but the norms, one sink logit per head, the FFN norm named
+/// `post_attention_norm`.
+fn gpt_oss_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let lay = Some(l);
+    let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
+    let (x, f) = (s.experts, s.expert_ff);
+    add(
+        n("attn_norm.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+        let w = n(&format!("{part}.weight"));
+        add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
+        let b = n(&format!("{part}.bias"));
+        add(b, vec![rows], GgmlType::F32, Init::Normal(0.1), lay);
+    }
+    let wo = n("attn_output.weight");
+    add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+    let bo = n("attn_output.bias");
+    add(bo, vec![e], GgmlType::F32, Init::Normal(0.02), lay);
+    let sinks = n("attn_sinks.weight");
+    add(sinks, vec![s.heads], GgmlType::F32, Init::Normal(1.0), lay);
+    let norm = n("post_attention_norm.weight");
+    add(norm, vec![e], GgmlType::F32, Init::Norm, lay);
+    routed_experts(cfg, l, add);
+    let bias = |name: &str, dims: Vec<u64>, std: f32, add: &mut dyn FnMut(_, _, _, _, _)| {
+        add(n(name), dims, GgmlType::F32, Init::Normal(std), lay)
+    };
+    bias("ffn_gate_inp.bias", vec![x], 0.5, add);
+    bias("ffn_gate_exps.bias", vec![f, x], 0.1, add);
+    bias("ffn_up_exps.bias", vec![f, x], 0.1, add);
+    bias("ffn_down_exps.bias", vec![e, x], 0.02, add);
+}
+
 /// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
 /// in llama.cpp's names and shapes.
 fn qwen35moe_layer(
@@ -1411,6 +1477,17 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         if s.mtp_layers > 0 {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
+    }
+    if cfg.arch == Arch::GptOss {
+        let window = gpt_oss_window(cfg.preset);
+        kv(format!("{a}.attention.sliding_window"), u32v(window));
+        let (factor, orig) = GPT_OSS_YARN;
+        kv(format!("{a}.rope.scaling.type"), "yarn".into());
+        kv(format!("{a}.rope.scaling.factor"), MetaValue::F32(factor));
+        kv(
+            format!("{a}.rope.scaling.original_context_length"),
+            u32v(orig),
+        );
     }
     kv(format!("{a}.rope.freq_base"), MetaValue::F32(s.rope_base));
     kv(

@@ -256,6 +256,7 @@ impl<'a, const L: usize> Index<'a, L> {
             normalize,
             weights_scale,
             n_ff_shared: (n_ff_shared > 0).then_some(n_ff_shared),
+            act: les_core::model::config::ExpertAct::SwiGlu,
         });
         let hp = Hparams {
             n_layers,
@@ -270,6 +271,7 @@ impl<'a, const L: usize> Index<'a, L> {
             rope_style,
             norm_eps,
             moe,
+            rope_yarn: None,
         };
         hp.validate()?;
         let embedding = c.tensor(model_len)?;

@@ -74,6 +74,8 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                         Ffn::Moe {
                             router: matrix(model, &router)?,
                             shared,
+                            router_bias: None,
+                            expert_bias: None,
                         },
                         Some(format),
                     )
@@ -91,6 +93,9 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                     bv: opt(&d.bv)?,
                     q_norm: opt(&d.q_norm)?,
                     k_norm: opt(&d.k_norm)?,
+                    bo: None,
+                    sinks: None,
+                    window: None,
                 }),
                 ffn_norm: vector(ib, &d.ffn_norm)?,
                 ffn,

@@ -19,14 +19,15 @@
 
 use super::deltanet::DeltaNetWeights;
 use super::{
-    add_into, cached, combine, deltanet_state, deltanet_step, embed, gate_shared, lookahead_matrix,
-    next_step, output_gate, project_position, router_config, swiglu_ffn_checked, AttentionWeights,
-    ExpertMatrices, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer, RecurrentState,
-    Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
+    add_bias, add_into, attended, cached, combine, deltanet_state, deltanet_step, embed,
+    expert_tail, gate_shared, lookahead_matrix, next_step, output_gate, project_position,
+    router_config, swiglu_ffn_checked, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn,
+    ForwardError, Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch,
+    SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
-use crate::model::config::{Hparams, HybridParams};
-use crate::model::ops::{rms_norm, swiglu, AttnShape};
+use crate::model::config::{ExpertAct, Hparams, HybridParams};
+use crate::model::ops::{rms_norm, swiglu, swiglu_oai, AttnShape, KvView};
 use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -310,12 +311,17 @@ where
             Ffn::Dense { gate, up, down } => {
                 let m = ExpertMatrices { gate, up, down };
                 let (x, out) = (&b.x[..n * e], &mut b.go[..n * e]);
-                swiglu_ffn_batch(mv, &m, x, b.ga, b.gb, out)?;
+                swiglu_ffn_batch(mv, &m, ExpertTail::PLAIN, x, b.ga, b.gb, out)?;
                 for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
                     add_into(h, o);
                 }
             }
-            Ffn::Moe { router, shared } => {
+            Ffn::Moe {
+                router,
+                shared,
+                router_bias,
+                expert_bias,
+            } => {
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
@@ -324,7 +330,9 @@ where
                 mv.matmul(&router, &b.x[..n * e], logits)?;
                 let mut routing = Routing::new();
                 let mut n_union = 0;
-                for (j, lg) in logits.chunks_exact(n_exp).enumerate() {
+                for (j, lg) in logits.chunks_exact_mut(n_exp).enumerate() {
+                    add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
+                    let lg = &*lg;
                     experts.router_logits(l, lg);
                     rc.route(lg, None, &mut routing)?;
                     let ids = &mut b.ids[j * k..][..k];
@@ -353,7 +361,11 @@ where
                         ahead = predict_batch(hp, weights, rc, l + 1, n, mv, b, experts)?;
                     }
                 }
-                moe_union(experts, mv, l, n_union, ahead, k, n, shared.as_ref(), b, s)?;
+                let ffn = MoeFfn {
+                    shared: shared.as_ref(),
+                    expert_bias: expert_bias.as_ref(),
+                };
+                moe_union(hp, experts, mv, l, n_union, ahead, k, n, ffn, b, s)?;
                 // Combine each position's outputs in its router order, the
                 // shared expert's last, as the one-position pass does.
                 for j in 0..n {
@@ -444,7 +456,19 @@ fn attention_batch<M: MatVec, E>(
     }
     let att = &mut b.aatt[..n * q_dim];
     let cached = cached(kv, cache_layer, layer_stride, pos + n);
-    mv.attention_causal(shape, qr, cached, pos, s.scores, att);
+    if aw.window.is_some() {
+        // Each position over its own window of the positions before it.
+        for (j, (qj, oj)) in qr.chunks(q_dim).zip(att.chunks_mut(q_dim)).enumerate() {
+            let upto = KvView {
+                positions: pos + j + 1,
+                ..cached
+            };
+            mv.attention(shape, qj, attended(aw, upto, kv_dim)?, s.scores, oj);
+        }
+    } else {
+        let cached = attended(aw, cached, kv_dim)?;
+        mv.attention_causal(shape, qr, cached, pos, s.scores, att);
+    }
     if hy.attn_output_gate {
         for (qg, a) in q.chunks_exact(q_rows).zip(att.chunks_exact_mut(q_dim)) {
             output_gate(hp.head_dim, qg, a);
@@ -452,7 +476,8 @@ fn attention_batch<M: MatVec, E>(
     }
     let out = &mut b.go[..n * e];
     mv.matmul(&aw.wo, &b.aatt[..n * q_dim], out)?;
-    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
+    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact_mut(e)) {
+        add_bias(o, aw.bo).map_err(ForwardError::Shape)?;
         add_into(h, o);
     }
     Ok(())
@@ -509,9 +534,11 @@ fn deltanet_batch<M: MatVec, E>(
 /// [`swiglu_ffn`](super::swiglu_ffn) of every input in `xs` (`n_embd` each)
 /// into `outs`, each product over all the inputs at once ([`MatVec::matmul`]);
 /// `a` and `b` hold the gate and up projections (`n_ff` an input).
+#[allow(clippy::too_many_arguments)]
 fn swiglu_ffn_batch<M: MatVec>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
+    tail: ExpertTail<'_>,
     xs: &[f32],
     a: &mut [f32],
     b: &mut [f32],
@@ -520,7 +547,10 @@ fn swiglu_ffn_batch<M: MatVec>(
     let ExpertMatrices { gate, up, down } = w;
     let n = gate.rows();
     let m = xs.len() / gate.cols().max(1);
-    if up.rows() != n || down.cols() != n || m * n > a.len() || m * n > b.len() {
+    let bias_fits = tail
+        .biases
+        .is_none_or(|[g, u, d]| g.len() == n && u.len() == n && d.len() == down.rows());
+    if up.rows() != n || down.cols() != n || m * n > a.len() || m * n > b.len() || !bias_fits {
         return Err(GemvError::RowLength {
             ty: down.ty(),
             cols: down.cols(),
@@ -529,8 +559,23 @@ fn swiglu_ffn_batch<M: MatVec>(
     let (a, b) = (&mut a[..m * n], &mut b[..m * n]);
     mv.matmul(gate, xs, a)?;
     mv.matmul(up, xs, b)?;
-    swiglu(a, b);
-    mv.matmul(down, a, outs)
+    if let Some([gb, ub, _]) = tail.biases {
+        for (ar, br) in a.chunks_exact_mut(n).zip(b.chunks_exact_mut(n)) {
+            add_into(ar, gb);
+            add_into(br, ub);
+        }
+    }
+    match tail.act {
+        ExpertAct::SwiGlu => swiglu(a, b),
+        ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
+    }
+    mv.matmul(down, a, outs)?;
+    if let Some([_, _, db]) = tail.biases {
+        for o in outs.chunks_exact_mut(db.len().max(1)) {
+            add_into(o, db);
+        }
+    }
+    Ok(())
 }
 
 /// The shared expert of the first `n` positions of `b.x` into `b.shared`, each
@@ -549,7 +594,7 @@ fn shared_batch<M: MatVec, E>(
         down: sh.down,
     };
     let (x, out) = (&b.x[..n * e], &mut b.shared[..n * e]);
-    swiglu_ffn_batch(mv, &m, x, b.ga, b.gb, out)?;
+    swiglu_ffn_batch(mv, &m, ExpertTail::PLAIN, x, b.ga, b.gb, out)?;
     if let Some(g) = sh.gate_inp {
         let logits = &mut b.gx[..n];
         mv.matmul(&g, x, logits)?;
@@ -580,7 +625,12 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     experts: &X,
 ) -> Result<usize, ForwardError<X::Error>> {
     let w = weights.block(layer);
-    let Ffn::Moe { router, .. } = w.ffn else {
+    let Ffn::Moe {
+        router,
+        router_bias,
+        ..
+    } = w.ffn
+    else {
         return Ok(0);
     };
     let r = lookahead_matrix(weights, layer, router);
@@ -596,7 +646,8 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     mv.matmul(&r, x, logits)?;
     b.votes.fill(0);
     let mut routing = Routing::new();
-    for lg in logits.chunks_exact(n_exp) {
+    for lg in logits.chunks_exact_mut(n_exp) {
+        add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
         rc.route(lg, None, &mut routing)?;
         for p in routing.iter() {
             if let Some(v) = b.votes.get_mut(usize::from(p.expert)) {
@@ -626,6 +677,7 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
 /// [`Experts::prefetch_known`] when the last group starts.
 #[allow(clippy::too_many_arguments)]
 fn moe_union<X: Experts, M: MatVec>(
+    hp: &Hparams,
     experts: &mut X,
     mv: &mut M,
     layer: usize,
@@ -633,12 +685,12 @@ fn moe_union<X: Experts, M: MatVec>(
     ahead: usize,
     k: usize,
     n: usize,
-    shared: Option<&SharedExpert<'_>>,
+    ffn: MoeFfn<'_, '_>,
     b: &mut BatchScratch<'_>,
     s: &mut Scratch<'_>,
 ) -> Result<(), ForwardError<X::Error>> {
     let e = s.h.len();
-    let mut shared_left = shared;
+    let mut shared_left = ffn.shared;
     let group = experts.max_picks(layer).max(1);
     let mut first = 0;
     while first < n_union {
@@ -676,6 +728,7 @@ fn moe_union<X: Experts, M: MatVec>(
                     let expert = *chunk
                         .get(index)
                         .ok_or(ForwardError::Shape("routing index"))?;
+                    let tail = expert_tail(hp, ffn.expert_bias, expert)?;
                     // With `verify`, the first pick computes the checksum as it
                     // goes; the others' inputs are gathered and multiplied at
                     // once, and their outputs scattered back in the same order.
@@ -685,7 +738,7 @@ fn moe_union<X: Experts, M: MatVec>(
                     if let Some(p) = checked {
                         let x = &b.x[(p / k) * e..][..e];
                         let o = &mut b.out[p * e..][..e];
-                        crc = swiglu_ffn_checked(mv, &matrices, x, s.ff_a, s.ff_b, o, true)?;
+                        crc = swiglu_ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, o, true)?;
                     }
                     let mut m = 0;
                     for p in picks {
@@ -694,7 +747,7 @@ fn moe_union<X: Experts, M: MatVec>(
                     }
                     if m > 0 {
                         let (xs, outs) = (&b.gx[..m * e], &mut b.go[..m * e]);
-                        swiglu_ffn_batch(mv, &matrices, xs, b.ga, b.gb, outs)?;
+                        swiglu_ffn_batch(mv, &matrices, tail, xs, b.ga, b.gb, outs)?;
                         let picks = (0..n * k)
                             .filter(|&p| b.ids[p] == expert)
                             .filter(|&p| Some(p) != checked);

@@ -23,7 +23,7 @@ use super::super::config::{Hparams, HybridParams};
 use super::super::ops::rms_norm;
 use super::{
     compute_picks, embed, mix, route, router_config, Block, Experts, Ffn, ForwardError, KvCache,
-    MatVec, Mixer, RecurrentState, Scratch, TokenInput,
+    MatVec, Mixer, MoeFfn, RecurrentState, Scratch, TokenInput,
 };
 use crate::gemv::MatrixView;
 use crate::router::Routing;
@@ -91,7 +91,13 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     if !matches!(w.block.mixer, Mixer::Attention(_)) {
         return Err(ForwardError::Shape("a nextn block without attention"));
     }
-    let Ffn::Moe { router, shared } = w.block.ffn else {
+    let Ffn::Moe {
+        router,
+        shared,
+        router_bias,
+        expert_bias,
+    } = w.block.ffn
+    else {
         return Err(ForwardError::Shape("a nextn block without routed experts"));
     };
     let rc = router_config::<X::Error>(hp)?
@@ -116,8 +122,21 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     )?;
     rms_norm(s.h, w.block.ffn_norm, hp.norm_eps, s.x);
     let mut routing = Routing::new();
-    route(layer, &router, &rc, mv, s, experts, &mut routing)?;
-    compute_picks(hp, mv, s, experts, &routing, shared.as_ref())?;
+    route(
+        layer,
+        &router,
+        router_bias,
+        &rc,
+        mv,
+        s,
+        experts,
+        &mut routing,
+    )?;
+    let ffn = MoeFfn {
+        shared: shared.as_ref(),
+        expert_bias: expert_bias.as_ref(),
+    };
+    compute_picks(hp, mv, s, experts, &routing, ffn)?;
 
     rms_norm(s.h, w.head_norm, hp.norm_eps, h_out);
     if let Some(logits) = logits {
