@@ -753,6 +753,36 @@ mod tests {
         out
     }
 
+    /// gpt-oss: the top-k of the logits, weighted by a softmax over theirs
+    /// alone (not renormalised probabilities of all experts, which differ in
+    /// the last bits); predictions rank the same and threshold on the full
+    /// softmax.
+    #[test]
+    fn softmax_weight_is_a_softmax_of_the_picks() {
+        let c = cfg(5, 2, Gating::SoftmaxWeight, false, 1.0);
+        let logits = [0.5f32, 3.0, -1.0, 2.0, 2.0];
+        let r = route(&c, &logits, None);
+        assert_eq!(experts(&r), [1, 3]);
+        let (a, b) = (libm::expf(0.0), libm::expf(2.0 - 3.0));
+        let inv = (1.0 / (f64::from(a) + f64::from(b))) as f32;
+        assert_eq!(weights(&r), [a * inv, b * inv]);
+        // Ties keep the lower id, as for every gating.
+        let r = route(&cfg(5, 3, Gating::SoftmaxWeight, false, 1.0), &logits, None);
+        assert_eq!(experts(&r), [1, 3, 4]);
+        let mut p = Prediction::new();
+        let pc = PredictorConfig {
+            mode: PredictMode::Threshold {
+                min_prob: 0.25,
+                max: 5,
+            },
+        };
+        predict(&logits, None, &c, &pc, &mut p).unwrap();
+        let ids: std::vec::Vec<u16> = p.iter().map(|x| x.expert).collect();
+        // Full softmax: 3.0 -> 0.545, 2.0 -> 0.200 each; only expert 1 passes 0.25.
+        assert_eq!(ids, [1]);
+        assert!(p.iter().all(|x| x.prob > 0.5 && x.prob < 0.6));
+    }
+
     fn experts(r: &[ExpertWeight]) -> StdVec<u16> {
         r.iter().map(|e| e.expert).collect()
     }

@@ -10,14 +10,16 @@ use forward_common::{
     StreamedRun,
 };
 use les_core::gemv::MatrixView;
+use les_core::model::config::ExpertAct;
 use les_core::model::config::HybridParams;
 use les_core::model::config::{Hparams, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident};
+use les_core::model::forward::ExpertBiases;
 use les_core::model::forward::{
     forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvBuf, KvCache,
     Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
-use les_core::model::ops::RopeStyle;
+use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::GgmlType;
 use les_core::router::{Gating, LayerMask, PredictorConfig};
 use les_core::schedule::SchedulerConfig;
@@ -34,7 +36,32 @@ struct Layer {
     dense: Option<[Mat; 3]>,
     router: Option<Mat>,
     shared: Option<([Mat; 3], Mat)>,
+    /// gpt-oss's extras, in the gpt-oss variant ([`build_oss`]).
+    oss: Option<OssLayer>,
 }
+
+/// What a gpt-oss layer adds: output bias, sinks, sliding window, router bias
+/// and the experts' biases (`[gate, up, down]`, every expert's back to back).
+struct OssLayer {
+    bo: Vec<f32>,
+    sinks: Vec<f32>,
+    window: Option<usize>,
+    router_bias: Vec<f32>,
+    expert_bias: [Vec<f32>; 3],
+}
+
+/// The gpt-oss variant's YaRN (a large factor, so that the ramp and the
+/// magnitude scale both matter at these positions).
+const OSS_YARN: Yarn = Yarn {
+    freq_scale: 1.0 / 32.0,
+    ext_factor: 1.0,
+    attn_factor: 1.0,
+    beta_fast: 32.0,
+    beta_slow: 1.0,
+    n_ctx_orig: 4096,
+};
+/// The gpt-oss variant's window on its even layers: shorter than [`TOKENS`].
+const OSS_WINDOW: usize = 3;
 
 struct Model {
     hp: Hparams,
@@ -55,6 +82,16 @@ fn norm_w(rng: &mut Rng, n: usize) -> Vec<f32> {
 }
 
 fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, false)
+}
+
+/// The gpt-oss variant of [`build`]: biases, sinks, windows on even layers,
+/// YaRN, a softmax over the picks' logits and the clamped SwiGLU.
+fn build_oss(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, true)
+}
+
+fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], oss: bool) -> Model {
     let mut rng = Rng(seed);
     let hp = Hparams {
         n_layers: 3,
@@ -80,6 +117,17 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
         }),
         rope_yarn: None,
     };
+    let mut hp = hp;
+    if oss {
+        let moe = hp.moe.as_mut().unwrap();
+        moe.gating = Gating::SoftmaxWeight;
+        moe.normalize = false;
+        moe.act = ExpertAct::SwiGluOai {
+            alpha: 1.702,
+            limit: 7.0,
+        };
+        hp.rope_yarn = Some(OSS_YARN);
+    }
     let e = hp.n_embd;
     let mut layers = Vec::new();
     let mut experts = Vec::new();
@@ -113,6 +161,19 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
                     ],
                     Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
                 )
+            }),
+            oss: oss.then(|| {
+                let mut v = |n: usize, std: f32| -> Vec<f32> {
+                    (0..n).map(|_| std * rng.normal()).collect()
+                };
+                OssLayer {
+                    bo: v(e, 0.1),
+                    sinks: v(hp.n_head, 1.0),
+                    window: (l % 2 == 0).then_some(OSS_WINDOW),
+                    router_bias: v(8, 0.5),
+                    // Large enough that the clamp at 7 bites now and then.
+                    expert_bias: [v(8 * 32, 3.0), v(8 * 32, 3.0), v(8 * e, 0.1)],
+                }
             }),
         });
         let mut le = Vec::new();
@@ -164,8 +225,12 @@ impl Weights for Model {
                     down: d.view(),
                     gate_inp: Some(gi.view()),
                 }),
-                expert_bias: None,
-                router_bias: None,
+                expert_bias: ly.oss.as_ref().map(|o| ExpertBiases {
+                    gate: &o.expert_bias[0],
+                    up: &o.expert_bias[1],
+                    down: &o.expert_bias[2],
+                }),
+                router_bias: ly.oss.as_ref().map(|o| &o.router_bias[..]),
             },
             _ => unreachable!(),
         };
@@ -181,9 +246,9 @@ impl Weights for Model {
                 bv: None,
                 q_norm: Some(&ly.q_norm),
                 k_norm: Some(&ly.k_norm),
-                bo: None,
-                sinks: None,
-                window: None,
+                bo: ly.oss.as_ref().map(|o| &o.bo[..]),
+                sinks: ly.oss.as_ref().map(|o| &o.sinks[..]),
+                window: ly.oss.as_ref().and_then(|o| o.window),
             }),
             ffn_norm: &ly.ffn_norm,
             ffn,
@@ -224,6 +289,26 @@ impl Model {
 }
 
 const TOKENS: [u32; 6] = [3, 17, 5, 39, 0, 22];
+
+/// The models the exactness tests run: weight and expert types, and whether
+/// it is the gpt-oss variant ([`build_oss`]).
+const VARIANTS: [(GgmlType, [GgmlType; 3], bool); 3] = [
+    (
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+        false,
+    ),
+    (
+        GgmlType::F16,
+        [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
+        false,
+    ),
+    (
+        GgmlType::Q8_0,
+        [GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::Q8_0],
+        true,
+    ),
+];
 
 struct Buffers {
     kv_k: Vec<f32>,
@@ -374,17 +459,8 @@ fn streamed(
 
 #[test]
 fn streamed_equals_resident_bit_for_bit() {
-    for (ty, ety) in [
-        (
-            GgmlType::Q8_0,
-            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
-        ),
-        (
-            GgmlType::F16,
-            [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
-        ),
-    ] {
-        let m = build(11, ty, ety);
+    for (ty, ety, oss) in VARIANTS {
+        let m = build_with(11, ty, ety, oss);
         let want = resident(&m);
         let mut seed = 1;
         let (mut les_pending, mut les_halves) = (0, 0);
@@ -598,17 +674,8 @@ const PLANS: [&[Eval]; 7] = [
 /// (the later steps see it).
 #[test]
 fn batched_prefill_equals_one_position_at_a_time() {
-    for (ty, ety) in [
-        (
-            GgmlType::Q8_0,
-            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
-        ),
-        (
-            GgmlType::F16,
-            [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
-        ),
-    ] {
-        let m = build(11, ty, ety);
+    for (ty, ety, oss) in VARIANTS {
+        let m = build_with(11, ty, ety, oss);
         let want = resident(&m);
         let packed = m.packed(1);
         let fmt = packed.format;
@@ -772,20 +839,66 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
         for h in x.chunks_mut(hp.head_dim) {
             let half = hp.n_rot / 2;
             for i in 0..half {
-                let theta =
-                    pos as f64 * (hp.rope_base as f64).powf(-2.0 * i as f64 / hp.n_rot as f64);
+                let base = hp.rope_base as f64;
+                let theta = pos as f64 * base.powf(-2.0 * i as f64 / hp.n_rot as f64);
+                // YaRN (the YaRN paper's ramp between the dimensions that turn
+                // beta_fast and beta_slow times in the original context).
+                let (theta, mscale) = match hp.rope_yarn {
+                    None => (theta, 1.0),
+                    Some(y) => {
+                        let dim = |rot: f64| {
+                            hp.n_rot as f64
+                                * (y.n_ctx_orig as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()
+                                / (2.0 * base.ln())
+                        };
+                        let low = dim(y.beta_fast as f64).floor().max(0.0);
+                        let high = dim(y.beta_slow as f64).ceil().min(hp.n_rot as f64 - 1.0);
+                        let r = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+                        let mix = (1.0 - r) * y.ext_factor as f64;
+                        let fs = y.freq_scale as f64;
+                        let t = fs * theta * (1.0 - mix) + theta * mix;
+                        (t, y.attn_factor as f64 * (1.0 + 0.1 * (1.0 / fs).ln()))
+                    }
+                };
                 let (a, b) = (h[i] as f64, h[i + half] as f64);
-                h[i] = (a * theta.cos() - b * theta.sin()) as f32;
-                h[i + half] = (a * theta.sin() + b * theta.cos()) as f32;
+                let (c, s) = (theta.cos() * mscale, theta.sin() * mscale);
+                h[i] = (a * c - b * s) as f32;
+                h[i + half] = (a * s + b * c) as f32;
             }
         }
     };
     let silu = |x: f32| x / (1.0 + (-x).exp());
+    let act = |g: f32, u: f32| match hp.moe.unwrap().act {
+        ExpertAct::SwiGlu => silu(g) * u,
+        ExpertAct::SwiGluOai { alpha, limit } => {
+            let g = g.min(limit);
+            let u = u.clamp(-limit, limit);
+            g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
+        }
+    };
     let ffn = |w: &[Mat; 3], x: &[f32]| -> Vec<f32> {
         let g = w[0].apply(x);
         let u = w[1].apply(x);
         let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
         w[2].apply(&a)
+    };
+    // A routed expert `i` of layer `ly`, with its biases where it has them.
+    let expert = |w: &[Mat; 3], ly: &Layer, i: usize, x: &[f32]| -> Vec<f32> {
+        let (mut g, mut u) = (w[0].apply(x), w[1].apply(x));
+        if let Some(o) = &ly.oss {
+            for (j, (g, u)) in g.iter_mut().zip(u.iter_mut()).enumerate() {
+                *g += o.expert_bias[0][i * 32 + j];
+                *u += o.expert_bias[1][i * 32 + j];
+            }
+        }
+        let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| act(*g, *u)).collect();
+        let mut y = w[2].apply(&a);
+        if let Some(o) = &ly.oss {
+            for (j, y) in y.iter_mut().enumerate() {
+                *y += o.expert_bias[2][i * hp.n_embd + j];
+            }
+        }
+        y
     };
     let mut keys: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
     let mut vals: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
@@ -811,7 +924,12 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
             for head in 0..hp.n_head {
                 let kvh = head / (hp.n_head / hp.n_head_kv);
                 let qh = &q[head * hp.head_dim..][..hp.head_dim];
-                let scores: Vec<f64> = keys[l]
+                // A windowed layer sees its last `window` positions only.
+                let first = match ly.oss.as_ref().and_then(|o| o.window) {
+                    Some(w) => (pos + 1).saturating_sub(w),
+                    None => 0,
+                };
+                let scores: Vec<f64> = keys[l][first..]
                     .iter()
                     .map(|k| {
                         let kh = &k[kvh * hp.head_dim..][..hp.head_dim];
@@ -822,16 +940,23 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                             / (hp.head_dim as f64).sqrt()
                     })
                     .collect();
-                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
-                let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
-                for (p, v) in scores.iter().zip(&vals[l]) {
+                // A sink is one more logit in the softmax, with no value.
+                let sink = ly.oss.as_ref().map(|o| o.sinks[head] as f64);
+                let mx = scores.iter().cloned().chain(sink).fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().chain(&sink).map(|s| (s - mx).exp()).sum();
+                for (p, v) in scores.iter().zip(&vals[l][first..]) {
                     let w = (p - mx).exp() / z;
                     for d in 0..hp.head_dim {
                         att[head * hp.head_dim + d] += (w * v[kvh * hp.head_dim + d] as f64) as f32;
                     }
                 }
             }
-            let o = ly.wo.apply(&att);
+            let mut o = ly.wo.apply(&att);
+            if let Some(x) = &ly.oss {
+                for (a, b) in o.iter_mut().zip(&x.bo) {
+                    *a += b;
+                }
+            }
             for (a, b) in h.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -839,18 +964,33 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
             let y = if let Some(d) = &ly.dense {
                 ffn(d, &x)
             } else {
-                let logits = ly.router.as_ref().unwrap().apply(&x);
+                let mut logits = ly.router.as_ref().unwrap().apply(&x);
+                if let Some(o) = &ly.oss {
+                    for (a, b) in logits.iter_mut().zip(&o.router_bias) {
+                        *a += b;
+                    }
+                }
                 let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
                 let p: Vec<f32> = logits.iter().map(|v| (v - mx).exp()).collect();
                 let mut idx: Vec<usize> = (0..8).collect();
                 idx.sort_by(|a, b| p[*b].partial_cmp(&p[*a]).unwrap().then(a.cmp(b)));
                 let top = &idx[..3];
-                let sum: f32 = top.iter().map(|i| p[*i]).sum();
+                // gpt-oss: a softmax over the picks' logits; else the picks'
+                // probabilities renormalised.
+                let weight = |i: usize| -> f32 {
+                    if ly.oss.is_some() {
+                        let tm = top.iter().map(|&j| logits[j]).fold(f32::MIN, f32::max);
+                        let z: f32 = top.iter().map(|&j| (logits[j] - tm).exp()).sum();
+                        (logits[i] - tm).exp() / z
+                    } else {
+                        p[i] / top.iter().map(|j| p[*j]).sum::<f32>()
+                    }
+                };
                 let mut y = vec![0f32; hp.n_embd];
                 for &i in top {
-                    let o = ffn(&m.experts[l][i], &x);
+                    let o = expert(&m.experts[l][i], ly, i, &x);
                     for (a, b) in y.iter_mut().zip(&o) {
-                        *a += p[i] / sum * b;
+                        *a += weight(i) * b;
                     }
                 }
                 if let Some((sw, gi)) = &ly.shared {
@@ -907,9 +1047,49 @@ fn f16_cache_forward_matches_the_reference_with_rounded_keys_and_values() {
 #[test]
 fn forward_matches_plain_f32_reference() {
     // F32 weights everywhere: the engine's only approximations are float rounding.
-    let m = build(5, GgmlType::F32, [GgmlType::F32; 3]);
-    let got = resident(&m);
+    for m in [
+        build(5, GgmlType::F32, [GgmlType::F32; 3]),
+        build_oss(5, GgmlType::F32, [GgmlType::F32; 3]),
+    ] {
+        check_against_reference(&m);
+    }
+}
+
+/// The gpt-oss variant's parts each matter: without its sinks, windows or
+/// biases the reference's logits move.
+#[test]
+fn gpt_oss_variant_exercises_its_parts() {
+    let m = build_oss(5, GgmlType::F32, [GgmlType::F32; 3]);
     let want = reference(&m);
+    let moved = |mut f: Box<dyn FnMut(&mut Model)>| {
+        let mut m2 = build_oss(5, GgmlType::F32, [GgmlType::F32; 3]);
+        f(&mut m2);
+        reference(&m2) != want
+    };
+    assert!(moved(Box::new(|m| m.layers.iter_mut().for_each(|l| l
+        .oss
+        .as_mut()
+        .unwrap()
+        .sinks
+        .fill(-1e9)))));
+    assert!(moved(Box::new(|m| m.layers.iter_mut().for_each(|l| l
+        .oss
+        .as_mut()
+        .unwrap()
+        .window =
+        None))));
+    assert!(moved(Box::new(|m| m.layers.iter_mut().for_each(|l| l
+        .oss
+        .as_mut()
+        .unwrap()
+        .expert_bias[0]
+        .fill(0.0)))));
+    assert!(moved(Box::new(|m| m.hp.rope_yarn = None)));
+}
+
+fn check_against_reference(m: &Model) {
+    let got = resident(m);
+    let want = reference(m);
     for (t, (g, w)) in got.iter().zip(&want).enumerate() {
         let err = g
             .iter()

@@ -1255,6 +1255,35 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    /// A sink takes its share of the mass: the weights sum to `1 - p(sink)`
+    /// and keep their ratios; `None` is the plain softmax bit for bit, and a
+    /// sink above every score is the max (no overflow).
+    #[test]
+    fn softmax_with_sink_adds_a_valueless_logit() {
+        let x0 = [0.5f32, 1.5, -2.0, 0.0, 3.0, 1.0, -1.0, 2.0, 0.25, 4.0];
+        for isa in Isa::available() {
+            let mut plain = x0;
+            softmax(isa, &mut plain);
+            let mut none = x0;
+            softmax_with_sink(isa, &mut none, None);
+            assert_eq!(plain.map(f32::to_bits), none.map(f32::to_bits));
+            for sink in [-1.0f32, 2.0, 90.0] {
+                let mut x = x0;
+                softmax_with_sink(isa, &mut x, Some(sink));
+                let mx = 4.0f64.max(sink as f64);
+                let z: f64 = x0.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>()
+                    + (sink as f64 - mx).exp();
+                for (g, &v) in x.iter().zip(&x0) {
+                    let want = (v as f64 - mx).exp() / z;
+                    assert!(
+                        (*g as f64 - want).abs() < 1e-6,
+                        "{isa:?} {sink}: {g} {want}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Every `f16` value widens to the scalar conversion's bits on every ISA,
     /// at every offset into a SIMD group (and through the tails).
     #[test]

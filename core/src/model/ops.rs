@@ -742,6 +742,52 @@ mod tests {
         assert!((out[1] - 8.0 / rms).abs() < 1e-6);
     }
 
+    /// gpt-oss's activation clamps the gate from above only and the up
+    /// projection both ways, as ggml's `swiglu_oai`.
+    #[test]
+    fn swiglu_oai_clamps_as_ggml() {
+        let mut g = [10.0f32, -10.0, 1.0, 0.0];
+        let u = [10.0f32, -10.0, -0.5, 3.0];
+        swiglu_oai(&mut g, &u, 1.702, 7.0);
+        let f = |g: f32, u: f32| g / (1.0 + expf(1.702 * -g)) * (u + 1.0);
+        assert_eq!(g, [f(7.0, 7.0), f(-10.0, -7.0), f(1.0, -0.5), 0.0]);
+    }
+
+    /// With ext_factor 0 YaRN is linear scaling: angles times freq_scale and
+    /// no magnitude change; at pair 0 (past the ramp's fast end) it is the
+    /// plain angle scaled by the magnitude factor.
+    #[test]
+    fn rope_yarn_reduces_to_its_parts() {
+        let x0: std::vec::Vec<f32> = (0..32).map(|i| libm::sinf(i as f32)).collect();
+        let base = 10000.0;
+        let mut plain = x0.clone();
+        rope(&mut plain, 16, 16, 7, base, RopeStyle::Neox);
+        let linear = Yarn {
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            n_ctx_orig: 4096,
+        };
+        let mut got = x0.clone();
+        rope_yarn(&mut got, 16, 16, 7, base, RopeStyle::Neox, &linear);
+        assert_eq!(got, plain, "freq_scale 1 without ext is plain RoPE");
+        let yarn = Yarn {
+            freq_scale: 0.25,
+            ext_factor: 1.0,
+            ..linear
+        };
+        let mut got = x0.clone();
+        rope_yarn(&mut got, 16, 16, 7, base, RopeStyle::Neox, &yarn);
+        let m = 1.0 + 0.1 * libm::logf(4.0);
+        let (c, s) = (cosf(7.0) * m, sinf(7.0) * m);
+        assert_eq!(got[0], x0[0] * c - x0[8] * s);
+        assert_eq!(got[8], x0[0] * s + x0[8] * c);
+        let [low, high] = yarn.corr_dims(16, base);
+        assert!(low >= 0.0 && low <= high && high <= 15.0, "{low} {high}");
+    }
+
     #[test]
     fn rope_rotates_pairs_by_position() {
         // Position 0 is the identity; rotation preserves pair norms.
