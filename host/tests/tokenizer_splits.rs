@@ -13,6 +13,12 @@
 //!
 //! The two references agreed on every case; the literals below are their output.
 //!
+//! `GPT4O` (2026-12-04, `regex` 2026.5.9) is reference A only, over the pattern
+//! llama.cpp runs for `gpt-4o` (its `std::regex` rewrite of o200k's, with
+//! lookaheads for the `\p{Lu}`/`\p{Ll}` classes, which splits some words the
+//! original keeps whole, e.g. `ÉCOLE`): the inputs of `QWEN35` plus cases of
+//! case, marks, scripts and `/`.
+//!
 //! Everything sits in `mod tokenizer_splits` so that `cargo test tokenizer` selects it.
 
 mod tokenizer_splits {
@@ -52,6 +58,11 @@ mod tokenizer_splits {
     }
 
     #[test]
+    fn gpt4o_splits() {
+        check(PreTokenizer::Gpt4o, GPT4O);
+    }
+
+    #[test]
     fn default_splits() {
         check(PreTokenizer::Default, DEFAULT);
     }
@@ -69,6 +80,8 @@ mod tokenizer_splits {
             ("qwen2", PreTokenizer::Qwen2),
             ("deepseek-r1-qwen", PreTokenizer::Qwen2),
             ("qwen35", PreTokenizer::Qwen35),
+            ("gpt-4o", PreTokenizer::Gpt4o),
+            ("minimax-m2", PreTokenizer::Gpt4o),
         ] {
             assert_eq!(PreTokenizer::from_name(name), Some(pre), "{name}");
         }
@@ -470,6 +483,120 @@ mod tokenizer_splits {
         ("\u{0}\u{1}x", &["\u{0}\u{1}", "x"]),
         (" 😀", &[" 😀"]),
         ("   😀", &["  ", " 😀"]),
+    ];
+
+    const GPT4O: Cases = &[
+        ("Hello world", &["Hello", " world"]),
+        (
+            "I'm you're they've he'll she'd it's don't I'M YOU'RE We'Ll",
+            &[
+                "I'm", " you're", " they've", " he'll", " she'd", " it's", " don't", " I'M",
+                " YOU'RE", " We'Ll",
+            ],
+        ),
+        ("'", &["'"]),
+        ("''", &["''"]),
+        ("'ss", &["'ss"]),
+        ("x'", &["x", "'"]),
+        (" 's", &[" '", "s"]),
+        ("'s'S'rE", &["'s'S", "'r", "E"]),
+        (
+            "12345 1234567 3.14159 1,000,000",
+            &[
+                "123", "45", " ", "123", "456", "7", " ", "3", ".", "141", "59", " ", "1", ",",
+                "000", ",", "000",
+            ],
+        ),
+        (
+            "２０２４年 ٣٤٥ ½ Ⅻ",
+            &["２０２", "４", "年", " ", "٣٤٥", " ", "½", " ", "Ⅻ"],
+        ),
+        (
+            "a1b22c333d4444",
+            &["a", "1", "b", "22", "c", "333", "d", "444", "4"],
+        ),
+        ("   leading spaces", &["  ", " leading", " spaces"]),
+        ("trailing   ", &["trailing", "   "]),
+        ("a  b   c", &["a", " ", " b", "  ", " c"]),
+        ("\n\n\nx", &["\n\n\n", "x"]),
+        (
+            "line1\nline2\r\n\r\nline3",
+            &["line", "1", "\n", "line", "2", "\r\n\r\n", "line", "3"],
+        ),
+        (" \n ", &[" \n", " "]),
+        ("\t\tindent", &["\t", "\tindent"]),
+        ("a \n b", &["a", " \n", " b"]),
+        ("x \n\n  y", &["x", " \n\n", " ", " y"]),
+        ("end\n", &["end", "\n"]),
+        ("  ", &["  "]),
+        (
+            "Hello, world!!! (test) [x] {y} <z> ... --- ?!",
+            &[
+                "Hello", ",", " world", "!!!", " (", "test", ")", " [", "x", "]", " {", "y", "}",
+                " <", "z", ">", " ...", " ---", " ?!",
+            ],
+        ),
+        (
+            "a+b=c; $100 #tag @user ~home ^caret |pipe `tick`",
+            &[
+                "a", "+b", "=c", ";", " $", "100", " #", "tag", " @", "user", " ~", "home", " ^",
+                "caret", " |", "pipe", " `", "tick", "`",
+            ],
+        ),
+        (
+            "x86_64-linux-gnu",
+            &["x", "86", "_", "64", "-linux", "-gnu"],
+        ),
+        ("...\n\nabc", &["...\n\n", "abc"]),
+        ("!\r\n", &["!\r\n"]),
+        (
+            "你好世界，这是一个测试。",
+            &["你好世界", "，这是一个测试", "。"],
+        ),
+        (
+            "日本語のテキスト、カタカナ",
+            &["日本語のテキスト", "、カタカナ"],
+        ),
+        ("한국어 텍스트", &["한국어", " 텍스트"]),
+        ("I ❤️ 🦀 rust 👨‍👩‍👧", &["I", " ❤️", " 🦀", " rust", " 👨‍👩‍👧"]),
+        ("😀😀 😀", &["😀😀", " 😀"]),
+        (
+            "Привет мир! Ελληνικά café naïve",
+            &["Привет", " мир", "!", " Ελληνικά", " café", " naïve"],
+        ),
+        ("عربي ١٢٣ עברית", &["عربي", " ", "١٢٣", " עברית"]),
+        ("mixedCASE123abc", &["mixed", "CASE", "123", "abc"]),
+        ("e\u{301}te\u{301}", &["e", "\u{301}te", "\u{301}"]),
+        ("नमस्ते दुनिया", &["नमस", "्त", "े", " द", "ुन", "िय", "ा"]),
+        (" nbsp　ideo", &[" nbsp", "　ideo"]),
+        ("tab\there", &["tab", "\there"]),
+        ("a b", &["a", " b"]),
+        ("\u{0}\u{1}x", &["\u{0}\u{1}", "x"]),
+        (" 😀", &[" 😀"]),
+        ("   😀", &["  ", " 😀"]),
+        ("HELLOworld", &["HELLOworld"]),
+        ("HelloWORLD", &["Hello", "WORLD"]),
+        ("ÉCOLE école", &["É", "COLE", " école"]),
+        ("naïve café", &["naïve", " café"]),
+        ("Straße STRASSE", &["Straße", " STRASSE"]),
+        ("ǅungla ǈ", &["ǅungla", " ǈ"]),
+        ("(hello) [World]!", &["(hello", ")", " [", "World", "]!"]),
+        ("foo/bar\n/baz", &["foo", "/bar", "\n", "/baz"]),
+        ("a//b\r\n//c", &["a", "//", "b", "\r\n", "//", "c"]),
+        ("don'T I'LL WE'VE", &["don'T", " I'LL", " WE'VE"]),
+        ("x2y 12345", &["x", "2", "y", " ", "123", "45"]),
+        ("İstanbul", &["İstanbul"]),
+        ("e\u{301}te\u{301}", &["e", "\u{301}te", "\u{301}"]),
+        ("ΑΒΓαβγ Σίσυφος", &["ΑΒΓαβγ", " Σίσυφος"]),
+        ("日本語テキスト", &["日本語テキスト"]),
+        ("   \n\n  x", &["   \n\n", " ", " x"]),
+        ("tab\tsep", &["tab", "\tsep"]),
+        ("mixedCASEWord", &["mixed", "CASEWord"]),
+        ("ABCdef GHIjkl", &["ABCdef", " GHIjkl"]),
+        ("ᾼ title", &["ᾼ", " title"]),
+        ("'quoted' \"dq\"", &["'quoted", "'", " \"", "dq", "\""]),
+        ("x'", &["x", "'"]),
+        ("'S", &["'S"]),
     ];
 
     const QWEN35: Cases = &[

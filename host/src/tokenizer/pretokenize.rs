@@ -32,6 +32,15 @@ pub enum PreTokenizer {
     /// As [`PreTokenizer::Qwen2`] with marks joining letters: `[\p{L}\p{M}]+` for
     /// `\p{L}+`, and `\p{M}` kept out of the punctuation class (`qwen35`).
     Qwen35,
+    /// The o200k pattern of GPT-4o and gpt-oss (`gpt-4o`, `minimax-m2`), as
+    /// llama.cpp rewrites it for `std::regex`: words are an optional
+    /// `[^\r\n\p{L}\p{N}]`, then "upper" letters (any but `a-z`) and "lower"
+    /// ones (any but `A-Z`) as `U*L+` or else `U+L*`, then an optional
+    /// case-insensitive contraction; `\p{N}{1,3}`;
+    /// ` ?[^\s\p{L}\p{N}]+[\r\n/]*`; then whitespace as llama-3's. (The
+    /// original's `\p{Lu}`/`\p{Ll}` classes and marks are llama.cpp's to
+    /// approximate; this follows llama.cpp.)
+    Gpt4o,
 }
 
 impl PreTokenizer {
@@ -51,6 +60,7 @@ impl PreTokenizer {
             "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
             | "hunyuan" | "solar-open" => Self::Qwen2,
             "qwen35" => Self::Qwen35,
+            "gpt-4o" | "minimax-m2" => Self::Gpt4o,
             _ => return None,
         })
     }
@@ -80,6 +90,7 @@ impl PreTokenizer {
             Self::Llama3 => &[LLAMA3],
             Self::Qwen2 => &[QWEN2],
             Self::Qwen35 => &[QWEN35],
+            Self::Gpt4o => &[Stage::O200k],
         }
     }
 
@@ -140,6 +151,8 @@ enum Stage {
     Gpt2,
     /// The llama-3 family: digits per group and the letter class vary.
     Llama { max_digits: usize, word: u8 },
+    /// The o200k pattern ([`PreTokenizer::Gpt4o`]).
+    O200k,
 }
 
 impl Stage {
@@ -173,6 +186,7 @@ impl Stage {
             }),
             Self::Gpt2 => gpt2(cps, base, out),
             Self::Llama { max_digits, word } => llama(cps, base, out, max_digits, word),
+            Self::O200k => o200k(cps, base, out),
         }
     }
 }
@@ -337,5 +351,78 @@ fn llama(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>, max_digits: usi
             pos = whitespace_end(cps, pos, true);
         }
         out.push((base + start, base + pos));
+    }
+}
+
+/// The o200k pattern as llama.cpp runs it ([`PreTokenizer::Gpt4o`]), with
+/// `std::regex`'s ordered alternation and backtracking worked out: at each
+/// position the first alternative that matches, each quantifier greedy.
+fn o200k(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>) {
+    let n = cps.len();
+    let letter = |i: usize| cps.get(i).is_some_and(|cp| cp.f & LETTER != 0);
+    // "Upper": a letter but `a-z`; "lower": a letter but `A-Z`.
+    let upper = |i: usize| letter(i) && !cps[i].c.is_ascii_lowercase();
+    let lower = |i: usize| letter(i) && !cps[i].c.is_ascii_uppercase();
+    // `[^\r\n\p{L}\p{N}]`
+    let lead = |i: usize| {
+        cps.get(i)
+            .is_some_and(|cp| cp.c != '\r' && cp.c != '\n' && cp.f & (LETTER | NUMBER) == 0)
+    };
+    let run = |from: usize, pred: &dyn Fn(usize) -> bool| {
+        let mut i = from;
+        while i < n && pred(i) {
+            i += 1;
+        }
+        i
+    };
+    // `U*L+` then `U+L*` from `s`, each with its optional contraction: the end.
+    let word_at = |s: usize| -> Option<usize> {
+        let ups = run(s, &upper);
+        // `U*` gives back letters until `L+` can start.
+        let first = (s..=ups).rev().find(|&i| lower(i));
+        let end = match first {
+            Some(i) => run(i, &lower),
+            None if ups > s => run(ups, &lower),
+            None => return None,
+        };
+        Some(end + contraction_at(cps, end))
+    };
+    let mut pos = 0;
+    while pos < n {
+        let start = pos;
+        // `P? word`: with the lead character if that matches, else without.
+        let word = if lead(pos) {
+            word_at(pos + 1).or_else(|| word_at(pos))
+        } else {
+            word_at(pos)
+        };
+        pos = if let Some(end) = word {
+            end
+        } else if cps[pos].f & NUMBER != 0 {
+            // `\p{N}{1,3}`
+            run(pos, &|i| i < start + 3 && cps[i].f & NUMBER != 0)
+        } else if {
+            let s = pos + usize::from(cps[pos].c == ' ');
+            cps.get(s)
+                .is_some_and(|cp| cp.f & (SPACE | LETTER | NUMBER) == 0)
+        } {
+            // ` ?[^\s\p{L}\p{N}]+[\r\n/]*`
+            let s = pos + usize::from(cps[pos].c == ' ');
+            let e = run(s, &|i| cps[i].f & (SPACE | LETTER | NUMBER) == 0);
+            run(e, &|i| matches!(cps[i].c, '\r' | '\n' | '/'))
+        } else {
+            whitespace_end(cps, pos, true)
+        };
+        out.push((base + start, base + pos));
+    }
+}
+
+/// The length of `(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])` at
+/// `pos` (0 where none matches or `pos` is past the end).
+fn contraction_at(cps: &[Cp], pos: usize) -> usize {
+    if pos < cps.len() {
+        contraction(cps, pos, true)
+    } else {
+        0
     }
 }
