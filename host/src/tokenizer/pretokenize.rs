@@ -396,19 +396,16 @@ fn o200k(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>) {
         } else {
             word_at(pos)
         };
+        let other = |i: usize| cps[i].f & (SPACE | LETTER | NUMBER) == 0;
+        let after_space = pos + usize::from(cps[pos].c == ' ');
         pos = if let Some(end) = word {
             end
         } else if cps[pos].f & NUMBER != 0 {
             // `\p{N}{1,3}`
             run(pos, &|i| i < start + 3 && cps[i].f & NUMBER != 0)
-        } else if {
-            let s = pos + usize::from(cps[pos].c == ' ');
-            cps.get(s)
-                .is_some_and(|cp| cp.f & (SPACE | LETTER | NUMBER) == 0)
-        } {
+        } else if after_space < n && other(after_space) {
             // ` ?[^\s\p{L}\p{N}]+[\r\n/]*`
-            let s = pos + usize::from(cps[pos].c == ' ');
-            let e = run(s, &|i| cps[i].f & (SPACE | LETTER | NUMBER) == 0);
+            let e = run(after_space, &other);
             run(e, &|i| matches!(cps[i].c, '\r' | '\n' | '/'))
         } else {
             whitespace_end(cps, pos, true)
