@@ -160,6 +160,12 @@ pub enum Preset {
     /// 256 experts of 512, top-8, a shared expert of 512, vocabulary 248320, one
     /// MTP block; about 21.7 GB in the `Q4_K_M` mix.
     Minicpmv47,
+    /// The shape of gpt-oss-20b (arch `gpt-oss` only): 24 layers, 2880 wide,
+    /// 64 query and 8 KV heads of 64, 32 experts of 2880, top-4, vocabulary
+    /// 201088; `MXFP4` experts and `q8_0` elsewhere, about 12.1 GB (the size
+    /// of ggml-org's `MXFP4` download).
+    #[value(name = "gpt-oss-20b")]
+    GptOss20b,
 }
 
 /// Model dimensions.
@@ -393,6 +399,7 @@ impl Preset {
             Preset::Small => "small",
             Preset::A3b => "a3b",
             Preset::Minicpmv47 => "minicpmv47",
+            Preset::GptOss20b => "gpt-oss-20b",
         }
     }
 
@@ -496,6 +503,37 @@ impl Preset {
             // mrope_section [11, 11, 10], mtp_num_hidden_layers 1,
             // max_position_embeddings 262144. MiniCPM-V 4.7's own config.json was
             // not reachable; these are the base model's.
+            // openai/gpt-oss-20b `config.json` as published (from memory: Hugging
+            // Face is not reachable from the machine this was written on):
+            // hidden_size 2880, intermediate_size 2880, num_hidden_layers 24,
+            // num_attention_heads 64, num_key_value_heads 8, head_dim 64,
+            // num_local_experts 32, num_experts_per_tok 4, vocab_size 201088,
+            // sliding_window 128, rope_theta 150000, rope_scaling yarn factor 32
+            // over 4096, max_position_embeddings 131072, rms_norm_eps 1e-5.
+            Preset::GptOss20b => Shape {
+                layers: 24,
+                embd: 2880,
+                heads: 64,
+                kv_heads: 8,
+                head_dim: 64,
+                vocab: 201_088,
+                context: 131_072,
+                ff: 2880,
+                experts: 32,
+                top_k: 4,
+                expert_ff: 2880,
+                shared_ff: 0,
+                rope_base: 150_000.0,
+                norm_eps: 1e-5,
+                rope_dim: 64,
+                rope_sections: [0; 4],
+                full_attn_interval: 0,
+                ssm_k_heads: 0,
+                ssm_v_heads: 0,
+                ssm_head_dim: 0,
+                ssm_conv: 0,
+                mtp_layers: 0,
+            },
             Preset::Minicpmv47 => Shape {
                 layers: 40,
                 embd: 2048,
@@ -535,6 +573,13 @@ impl Preset {
             },
             // What llama.cpp's Q4_K_M gives these models: q4_k with the recipe's
             // q6_k / q5_k tensors, token_embd q4_k, output q6_k.
+            Preset::GptOss20b => Types {
+                expert: GgmlType::MXFP4,
+                dense: GgmlType::Q8_0,
+                embd: GgmlType::Q8_0,
+                output: GgmlType::Q8_0,
+                mix: Mix::Uniform,
+            },
             Preset::Small | Preset::A3b | Preset::Minicpmv47 => Types {
                 expert: GgmlType::Q4K,
                 dense: GgmlType::Q4K,
@@ -663,6 +708,17 @@ impl SynthConfig {
             mtp_layers: o.mtp_layers.unwrap_or(p.mtp_layers),
         };
         let name = arch.cli_name();
+        if (preset == Preset::GptOss20b) != (arch == Arch::GptOss) && preset != Preset::Tiny {
+            return config_err(format!(
+                "preset {} is for {}, not {name}",
+                preset.name(),
+                if arch == Arch::GptOss {
+                    "other architectures"
+                } else {
+                    "gpt-oss"
+                }
+            ));
+        }
         if arch != Arch::Qwen35moe {
             if o.mtp_layers.is_some() {
                 return config_err(format!("--mtp-layers applies to qwen35moe, not {name}"));
@@ -1721,6 +1777,16 @@ mod tests {
                         t.ty
                     );
                 }
+            }
+        }
+        for preset in [Preset::Tiny, Preset::GptOss20b] {
+            for t in plan(Arch::GptOss, preset, Overrides::default()) {
+                assert!(
+                    can_quantize(t.ty),
+                    "gpt-oss {preset:?}: {} is {}",
+                    t.name,
+                    t.ty
+                );
             }
         }
     }
