@@ -202,28 +202,34 @@ pub fn dot_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
     }))
 }
 
+/// `sum_j codebook[qs[j] & 15] * y[j] + codebook[qs[j] >> 4] * y[j + 16]`: the
+/// integer dot product of the 32-element codebook formats (`IQ4_NL`, `MXFP4`).
+#[inline(always)]
+fn codebook_dot(codebook: &[i8; 16], qs: &[u8; 16], y: &[i8; 32]) -> i32 {
+    let mut isum = 0i32;
+    for j in 0..16 {
+        isum += codebook[(qs[j] & 15) as usize] as i32 * y[j] as i32;
+        isum += codebook[(qs[j] >> 4) as usize] as i32 * y[j + 16] as i32;
+    }
+    isum
+}
+
 /// `IQ4_NL` weights times `Q8_0` activations.
 pub fn dot_iq4_nl(w: &[BlockIQ4NL], x: &[BlockQ8_0]) -> f32 {
-    blocks4(w.iter().zip(x).map(|(w, x)| {
-        let mut isum = 0i32;
-        for j in 0..16 {
-            isum += KVALUES_IQ4NL[(w.qs[j] & 15) as usize] as i32 * x.qs[j] as i32;
-            isum += KVALUES_IQ4NL[(w.qs[j] >> 4) as usize] as i32 * x.qs[j + 16] as i32;
-        }
-        term(w.d, x.d, isum)
-    }))
+    blocks4(
+        w.iter()
+            .zip(x)
+            .map(|(w, x)| term(w.d, x.d, codebook_dot(&KVALUES_IQ4NL, &w.qs, &x.qs))),
+    )
 }
 
 /// `MXFP4` weights times `Q8_0` activations.
 pub fn dot_mxfp4(w: &[BlockMXFP4], x: &[BlockQ8_0]) -> f32 {
-    blocks4(w.iter().zip(x).map(|(w, x)| {
-        let mut isum = 0i32;
-        for j in 0..16 {
-            isum += KVALUES_MXFP4[(w.qs[j] & 15) as usize] as i32 * x.qs[j] as i32;
-            isum += KVALUES_MXFP4[(w.qs[j] >> 4) as usize] as i32 * x.qs[j + 16] as i32;
-        }
-        term_e8m0(w.e, x.d, isum)
-    }))
+    blocks4(
+        w.iter()
+            .zip(x)
+            .map(|(w, x)| term_e8m0(w.e, x.d, codebook_dot(&KVALUES_MXFP4, &w.qs, &x.qs))),
+    )
 }
 
 /// `Q2_K` weights times `Q8_K` activations.

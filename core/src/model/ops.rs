@@ -57,13 +57,7 @@ pub fn rope(
     freq_base: f32,
     style: RopeStyle,
 ) {
-    assert!(
-        n_rot.is_multiple_of(2)
-            && n_rot <= head_dim
-            && head_dim > 0
-            && x.len().is_multiple_of(head_dim),
-        "rope: bad dimensions"
-    );
+    assert!(rope_fits(x, head_dim, n_rot), "rope: bad dimensions");
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
     let mut theta = pos as f32;
     rotate_pairs(x, head_dim, n_rot / 2, style, |_, cs| {
@@ -136,13 +130,7 @@ pub fn rope_yarn(
     style: RopeStyle,
     yarn: &Yarn,
 ) {
-    assert!(
-        n_rot.is_multiple_of(2)
-            && n_rot <= head_dim
-            && head_dim > 0
-            && x.len().is_multiple_of(head_dim),
-        "rope_yarn: bad dimensions"
-    );
+    assert!(rope_fits(x, head_dim, n_rot), "rope_yarn: bad dimensions");
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
     let corr = yarn.corr_dims(n_rot, freq_base);
     let mut theta = pos as f32;
@@ -152,6 +140,12 @@ pub fn rope_yarn(
             theta *= theta_scale;
         }
     });
+}
+
+/// Whether `x` is whole heads of `head_dim` whose first `n_rot` (even)
+/// dimensions can be rotated.
+fn rope_fits(x: &[f32], head_dim: usize, n_rot: usize) -> bool {
+    n_rot.is_multiple_of(2) && n_rot <= head_dim && head_dim > 0 && x.len().is_multiple_of(head_dim)
 }
 
 /// Pairs [`rotate_pairs`] takes the angles of at a time.
