@@ -6,12 +6,14 @@
 //! llama-cpp-python at hand, the greedy continuation equals llama.cpp's.
 
 mod cli;
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use cli::{json_ok, les, npy, pack, synth_once, tmp, tokens};
-use les::gguf::Gguf;
+use common::rewrite_gguf;
+use les::gguf::{Gguf, MetaValue};
 use serde_json::Value;
 
 /// A synthetic gpt-oss `tiny` written once per test binary (`extra` args).
@@ -137,6 +139,59 @@ fn packed_mxfp4_experts_stream_exactly() {
         les_core::quant::GgmlType::MXFP4
     );
     assert!(!tokens(&json_run(&requant, &[])).is_empty());
+}
+
+/// RoPE scaling keys as llama.cpp reads them: an unknown type is refused by
+/// key, `none` turns YaRN off (other logits), a lone factor is linear
+/// scaling (other logits again), and qwen35moe's multi-section RoPE refuses
+/// any scaling rather than decode unscaled.
+#[test]
+fn rope_scaling_keys_are_read_or_refused() {
+    let m = model("mxfp4", &["--expert-type", "mxfp4"]);
+    let (_, yarn) = logits(&m, "yarn", &[]);
+    let with = |name: &str, kind: Option<&str>| {
+        let dst = tmp(&format!("gpt_oss_rope_{name}.gguf"));
+        let kind = kind.map(str::to_owned);
+        rewrite_gguf(
+            &m,
+            &dst,
+            |k, v| {
+                if k == "gpt-oss.rope.scaling.type" {
+                    kind.clone().map(MetaValue::from)
+                } else {
+                    Some(v)
+                }
+            },
+            vec![],
+        );
+        dst
+    };
+    let out = run(&with("foo", Some("foo")), &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("gpt-oss.rope.scaling.type"), "{err}");
+    let (_, none) = logits(&with("none", Some("none")), "none", &[]);
+    let (_, linear) = logits(&with("linear", None), "linear", &[]);
+    assert!(none != yarn && linear != yarn && linear != none);
+
+    let q = synth_once(
+        "gpt_oss_qwen35.gguf",
+        &["--arch", "qwen35moe", "--preset", "tiny"],
+    );
+    let dst = tmp("gpt_oss_qwen35_yarn.gguf");
+    rewrite_gguf(
+        &q,
+        &dst,
+        |_, v| Some(v),
+        vec![
+            ("qwen35moe.rope.scaling.type", MetaValue::from("yarn")),
+            ("qwen35moe.rope.scaling.factor", MetaValue::F32(4.0)),
+        ],
+    );
+    let out = run(&dst, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("multi-section RoPE"), "{err}");
 }
 
 /// Greedy continuation against llama.cpp through llama-cpp-python

@@ -210,6 +210,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "llama",
         "mixtral",
         "qwen35moe",
+        "gpt-oss",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.
