@@ -63,7 +63,8 @@ pub enum Gating {
 
 impl Gating {
     /// The gating for a GGUF `{arch}.expert_gating_func` value (1 softmax,
-    /// 2 sigmoid); `None` for the values LES does not support.
+    /// 2 sigmoid, 3 softmax of the picks); `None` for the values LES does not
+    /// support.
     pub const fn from_gguf(id: u32) -> Option<Gating> {
         match id {
             1 => Some(Gating::Softmax),
@@ -1037,8 +1038,9 @@ mod tests {
         assert!((shared_expert_gate(2.0) - 0.880_797_1).abs() < 1e-6);
         assert_eq!(Gating::from_gguf(1), Some(Gating::Softmax));
         assert_eq!(Gating::from_gguf(2), Some(Gating::Sigmoid));
+        assert_eq!(Gating::from_gguf(3), Some(Gating::SoftmaxWeight));
         assert_eq!(Gating::from_gguf(0), None);
-        assert_eq!(Gating::from_gguf(3), None);
+        assert_eq!(Gating::from_gguf(4), None);
     }
 
     #[test]

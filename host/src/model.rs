@@ -640,9 +640,12 @@ impl Model {
             let n_ff_exp =
                 uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?.unwrap_or(n_ff);
             let mut gating = match opt_usize(&g, &k("expert_gating_func"))? {
-                None | Some(0) | Some(1) => Gating::Softmax,
-                Some(2) => Gating::Sigmoid,
-                Some(x) => return Err(invalid(format!("{a}.expert_gating_func = {x} is unknown"))),
+                // 0 ("none") is llama.cpp's default, a softmax.
+                None | Some(0) => Gating::Softmax,
+                Some(x) => u32::try_from(x)
+                    .ok()
+                    .and_then(Gating::from_gguf)
+                    .ok_or_else(|| invalid(format!("{a}.expert_gating_func = {x} is unknown")))?,
             };
             let mut normalize = g
                 .get_bool(&k("expert_weights_norm"))
