@@ -692,13 +692,6 @@ impl Model {
             None
         };
         let rope_yarn = rope_scaling(&g, a, n_ctx_train)?;
-        if rope_yarn.is_some() && arch == Arch::Qwen35Moe {
-            // Its multi-section RoPE takes no scaling here; refusing beats
-            // decoding with angles llama.cpp would scale.
-            return Err(invalid(format!(
-                "{a}.rope.scaling.*: les does not scale multi-section RoPE (qwen35moe)"
-            )));
-        }
         // Sliding-window attention: gpt-oss's even layers (llama.cpp's
         // `set_swa_pattern(2)`), over `attention.sliding_window` positions.
         let swa = match (arch, opt_usize(&g, &k("attention.sliding_window"))?) {

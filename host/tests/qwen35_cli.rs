@@ -5,11 +5,14 @@
 //! llama.cpp build at hand, the greedy continuation equals llama.cpp's.
 
 mod cli;
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use cli::{json_ok, les, npy, pack, synth_once, tmp, tokens};
+use common::rewrite_gguf;
+use les::gguf::MetaValue;
 use serde_json::Value;
 
 /// A synthetic qwen35moe `tiny` written once per test binary (`extra` args).
@@ -147,6 +150,84 @@ fn greedy_continuation_equals_llama_cpp() {
         "greedy continuations differ"
     );
     assert_eq!(ours, theirs);
+}
+
+/// YaRN on multi-section RoPE (a file with `rope.scaling.type = yarn`, factor
+/// 4 over 64 positions, f32 weights) against llama.cpp through
+/// llama-cpp-python: llama.cpp's log-probabilities over this crate's sample
+/// text (`host/tests/scripts/llama_kld_base.py`) are les's within rounding,
+/// and measurably not the unscaled model's; the greedy continuations agree.
+#[test]
+#[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
+fn yarn_equals_llama_cpp() {
+    let f32_types = [
+        "--expert-type",
+        "f32",
+        "--dense-type",
+        "f32",
+        "--embd-type",
+        "f32",
+        "--output-type",
+        "f32",
+    ];
+    let plain = model("f32", &f32_types);
+    let m = tmp("qwen35_yarn_f32.gguf");
+    rewrite_gguf(
+        &plain,
+        &m,
+        |_, v| Some(v),
+        vec![
+            ("qwen35moe.rope.scaling.type", MetaValue::from("yarn")),
+            ("qwen35moe.rope.scaling.factor", MetaValue::F32(4.0)),
+            (
+                "qwen35moe.rope.scaling.original_context_length",
+                MetaValue::U32(64),
+            ),
+        ],
+    );
+    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts");
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/synth/sample.txt");
+    let base = tmp("qwen35_yarn.kld");
+    let out = Command::new("python3")
+        .arg(scripts.join("llama_kld_base.py"))
+        .arg(&m)
+        .arg(&text)
+        .arg(&base)
+        .args(["128", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "llama_kld_base.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let kld = |model: &Path| -> Value {
+        let out = les()
+            .args(["perplexity", "-m"])
+            .arg(model)
+            .arg("--kl-divergence-base")
+            .arg(&base)
+            .args(["--kl-divergence", "--json"])
+            .output()
+            .unwrap();
+        json_ok(out, "perplexity")["kld"].clone()
+    };
+    let scaled = kld(&m);
+    assert!(scaled["max"].as_f64().unwrap() < 1e-4, "{scaled}");
+    assert_eq!(scaled["same_top"], 1.0, "{scaled}");
+    let unscaled = kld(&plain);
+    assert!(unscaled["max"].as_f64().unwrap() > 1e-3, "{unscaled}");
+
+    let out = Command::new("python3")
+        .arg(scripts.join("llama_greedy.py"))
+        .arg(&m)
+        .args(["The quick brown fox", "24"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_run(&m, &[]);
+    assert_eq!(serde_json::json!(tokens(&v)), theirs["tokens"]);
 }
 
 #[test]

@@ -15,8 +15,8 @@ use core::fmt;
 use super::config::{ExpertAct, Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::ops::{
-    rms_norm, rms_norm_heads, rope, rope_imrope, rope_yarn, sigmoid, swiglu, swiglu_oai, AttnShape,
-    KvRows, KvView, MAX_F16_HEAD_DIM,
+    rms_norm, rms_norm_heads, rope, rope_imrope_scaled, rope_yarn, sigmoid, swiglu, swiglu_oai,
+    AttnShape, KvRows, KvView, MAX_F16_HEAD_DIM,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -1798,13 +1798,14 @@ pub(super) fn project_position<E>(
         Some(sections) => {
             let p = pos as u32;
             for x in [&mut *s.q, &mut *s.k] {
-                rope_imrope(
+                rope_imrope_scaled(
                     x,
                     hp.head_dim,
                     hp.n_rot,
                     [p, p, p, 0],
                     sections,
                     hp.rope_base,
+                    hp.rope_yarn.as_ref(),
                 );
             }
         }

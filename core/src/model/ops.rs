@@ -198,16 +198,28 @@ pub fn rope_imrope(
     sections: [u32; 4],
     freq_base: f32,
 ) {
+    rope_imrope_scaled(x, head_dim, n_rot, pos, sections, freq_base, None);
+}
+
+/// [`rope_imrope`] with YaRN scaling where `yarn` is given: each pair's
+/// section angle through [`Yarn`]'s mix and magnitude, as ggml's
+/// `rope_multi` does (the ramp over the pairs of all sections alike).
+pub fn rope_imrope_scaled(
+    x: &mut [f32],
+    head_dim: usize,
+    n_rot: usize,
+    pos: [u32; 4],
+    sections: [u32; 4],
+    freq_base: f32,
+    yarn: Option<&Yarn>,
+) {
     let sect_dims: usize = sections.iter().map(|&s| s as usize).sum();
     assert!(
-        n_rot.is_multiple_of(2)
-            && n_rot <= head_dim
-            && head_dim > 0
-            && x.len().is_multiple_of(head_dim)
-            && sect_dims > 0,
+        rope_fits(x, head_dim, n_rot) && sect_dims > 0,
         "rope_imrope: bad dimensions"
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
+    let corr = yarn.map(|y| y.corr_dims(n_rot, freq_base));
     let s = sections.map(|v| v as usize);
     let mut theta = pos.map(|p| p as f32);
     rotate_pairs(x, head_dim, n_rot / 2, RopeStyle::Neox, |i0, cs| {
@@ -222,7 +234,10 @@ pub fn rope_imrope(
             } else {
                 3
             };
-            *c = (cosf(theta[which]), sinf(theta[which]));
+            *c = match (yarn, corr) {
+                (Some(y), Some(corr)) => y.angle(theta[which], corr, i),
+                _ => (cosf(theta[which]), sinf(theta[which])),
+            };
             for t in theta.iter_mut() {
                 *t *= theta_scale;
             }
