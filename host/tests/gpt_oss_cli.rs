@@ -237,4 +237,33 @@ fn greedy_continuation_equals_llama_cpp() {
             "{name}: greedy continuations differ"
         );
     }
+    // The f32 model's log-probabilities over 2 x 128 positions (past the
+    // window of 16) are llama.cpp's within rounding.
+    let m = model("f32", &f32_types);
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/synth/sample.txt");
+    let base = tmp("gpt_oss_f32.kld");
+    let out = Command::new("python3")
+        .arg(script.with_file_name("llama_kld_base.py"))
+        .arg(&m)
+        .arg(&text)
+        .arg(&base)
+        .args(["128", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = les()
+        .args(["perplexity", "-m"])
+        .arg(&m)
+        .arg("--kl-divergence-base")
+        .arg(&base)
+        .args(["--kl-divergence", "--json"])
+        .output()
+        .unwrap();
+    let kld = json_ok(out, "perplexity")["kld"].clone();
+    assert!(kld["max"].as_f64().unwrap() < 1e-4, "{kld}");
+    assert_eq!(kld["same_top"], 1.0, "{kld}");
 }
