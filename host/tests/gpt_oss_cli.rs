@@ -8,13 +8,14 @@
 mod cli;
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
 
-use cli::{json_ok, les, npy, pack, synth_once, tmp, tokens};
+use cli::{
+    greedy, greedy_json, greedy_logits, kld, les, llama_greedy, llama_kld_base, pack, stdout_ok,
+    synth_once, tmp, tokens, F32_WEIGHTS,
+};
 use common::rewrite_gguf;
 use les::gguf::{Gguf, MetaValue};
-use serde_json::Value;
 
 /// A synthetic gpt-oss `tiny` written once per test binary (`extra` args).
 fn model(name: &str, extra: &[&str]) -> PathBuf {
@@ -23,31 +24,6 @@ fn model(name: &str, extra: &[&str]) -> PathBuf {
         &format!("gpt_oss_{name}.gguf"),
         &[&args[..], extra].concat(),
     )
-}
-
-fn run(model: &Path, extra: &[&str]) -> Output {
-    les()
-        .args(["run", "-m"])
-        .arg(model)
-        .args(["-p", "The quick brown fox", "-n", "24", "--temp", "0"])
-        .args(extra)
-        .output()
-        .unwrap()
-}
-
-fn json_run(model: &Path, extra: &[&str]) -> Value {
-    let out = run(model, &[&["--json"], extra].concat());
-    json_ok(out, &format!("run {extra:?}"))
-}
-
-/// Tokens and raw logits (`--logits-out`).
-fn logits(model: &Path, name: &str, extra: &[&str]) -> (Vec<u64>, Vec<u8>) {
-    let path = tmp(&format!("gpt_oss_logits_{name}.npy"));
-    let v = json_run(
-        model,
-        &[extra, &["--logits-out", path.to_str().unwrap()]].concat(),
-    );
-    (tokens(&v), npy(&path).2)
 }
 
 #[test]
@@ -88,7 +64,7 @@ fn packed_mxfp4_experts_stream_exactly() {
     let m = model("mxfp4", &["--expert-type", "mxfp4"]);
     let packed = tmp("gpt_oss_mxfp4.p.gguf");
     pack(&m, &packed);
-    let (want_tokens, want) = logits(&m, "plain", &[]);
+    let (want_tokens, want) = greedy_logits(&m, "plain", &[]);
     assert_eq!(want_tokens.len(), 24);
     for (name, file, extra) in [
         ("packed", &packed, &[][..]),
@@ -108,7 +84,7 @@ fn packed_mxfp4_experts_stream_exactly() {
             &["--schedule", "les", "--slots", "4", "-b", "1"],
         ),
     ] {
-        let (t, got) = logits(file, name, extra);
+        let (t, got) = greedy_logits(file, name, extra);
         assert_eq!(t, want_tokens, "{name}");
         assert!(got == want, "{name}: logits differ");
     }
@@ -122,11 +98,7 @@ fn packed_mxfp4_experts_stream_exactly() {
         .args(["--expert-types", "0-:mxfp4"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    stdout_ok(out, "les pack --expert-types 0-:mxfp4");
     let g = Gguf::open(&requant).unwrap();
     assert_eq!(
         les::pack::PackedIndex::from_gguf(&g)
@@ -138,7 +110,7 @@ fn packed_mxfp4_experts_stream_exactly() {
             .gate,
         les_core::quant::GgmlType::MXFP4
     );
-    assert!(!tokens(&json_run(&requant, &[])).is_empty());
+    assert!(!tokens(&greedy_json(&requant, &[])).is_empty());
 }
 
 /// RoPE scaling keys as llama.cpp reads them: an unknown type is refused by
@@ -148,7 +120,7 @@ fn packed_mxfp4_experts_stream_exactly() {
 #[test]
 fn rope_scaling_keys_are_read_or_refused() {
     let m = model("mxfp4", &["--expert-type", "mxfp4"]);
-    let (_, yarn) = logits(&m, "yarn", &[]);
+    let (_, yarn) = greedy_logits(&m, "yarn", &[]);
     let with = |name: &str, kind: Option<&str>| {
         let dst = tmp(&format!("gpt_oss_rope_{name}.gguf"));
         let kind = kind.map(str::to_owned);
@@ -166,12 +138,12 @@ fn rope_scaling_keys_are_read_or_refused() {
         );
         dst
     };
-    let out = run(&with("foo", Some("foo")), &[]);
+    let out = greedy(&with("foo", Some("foo")), &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("gpt-oss.rope.scaling.type"), "{err}");
-    let (_, none) = logits(&with("none", Some("none")), "none", &[]);
-    let (_, linear) = logits(&with("linear", None), "linear", &[]);
+    let (_, none) = greedy_logits(&with("none", Some("none")), "none", &[]);
+    let (_, linear) = greedy_logits(&with("linear", None), "linear", &[]);
     assert!(none != yarn && linear != yarn && linear != none);
 
     let q = synth_once(
@@ -188,8 +160,8 @@ fn rope_scaling_keys_are_read_or_refused() {
             ("qwen35moe.rope.scaling.factor", MetaValue::F32(4.0)),
         ],
     );
-    let (_, plain) = logits(&q, "qwen35_plain", &[]);
-    let (_, scaled) = logits(&dst, "qwen35_yarn", &[]);
+    let (_, plain) = greedy_logits(&q, "qwen35_plain", &[]);
+    let (_, scaled) = greedy_logits(&dst, "qwen35_yarn", &[]);
     assert!(plain != scaled, "YaRN changed nothing on qwen35moe");
 }
 
@@ -199,35 +171,13 @@ fn rope_scaling_keys_are_read_or_refused() {
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_continuation_equals_llama_cpp() {
-    let f32_types = [
-        "--expert-type",
-        "f32",
-        "--dense-type",
-        "f32",
-        "--embd-type",
-        "f32",
-        "--output-type",
-        "f32",
-    ];
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/llama_greedy.py");
     for (name, extra) in [
-        ("f32", &f32_types[..]),
+        ("f32", &F32_WEIGHTS[..]),
         ("mxfp4", &["--expert-type", "mxfp4"][..]),
     ] {
         let m = model(name, extra);
-        let out = Command::new("python3")
-            .arg(&script)
-            .arg(&m)
-            .args(["The quick brown fox", "24"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "llama_greedy.py: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let v = json_run(&m, &[]);
+        let theirs = llama_greedy(&m);
+        let v = greedy_json(&m, &[]);
         assert_eq!(v["prompt_tokens"], theirs["prompt"], "{name}: prompt");
         let ours = tokens(&v);
         assert!(ours.len() > 10, "{name}: {ours:?}");
@@ -239,31 +189,10 @@ fn greedy_continuation_equals_llama_cpp() {
     }
     // The f32 model's log-probabilities over 2 x 128 positions (past the
     // window of 16) are llama.cpp's within rounding.
-    let m = model("f32", &f32_types);
-    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/synth/sample.txt");
+    let m = model("f32", &F32_WEIGHTS);
     let base = tmp("gpt_oss_f32.kld");
-    let out = Command::new("python3")
-        .arg(script.with_file_name("llama_kld_base.py"))
-        .arg(&m)
-        .arg(&text)
-        .arg(&base)
-        .args(["128", "2"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = les()
-        .args(["perplexity", "-m"])
-        .arg(&m)
-        .arg("--kl-divergence-base")
-        .arg(&base)
-        .args(["--kl-divergence", "--json"])
-        .output()
-        .unwrap();
-    let kld = json_ok(out, "perplexity")["kld"].clone();
+    llama_kld_base(&m, &base);
+    let kld = kld(&m, &base);
     assert!(kld["max"].as_f64().unwrap() < 1e-4, "{kld}");
     assert_eq!(kld["same_top"], 1.0, "{kld}");
 }

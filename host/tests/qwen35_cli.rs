@@ -8,12 +8,14 @@ mod cli;
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-use cli::{json_ok, les, npy, pack, synth_once, tmp, tokens};
+use cli::{
+    greedy_json, greedy_logits, kld, les, llama_greedy, llama_kld_base, pack, synth_once, tmp,
+    tokens, F32_WEIGHTS,
+};
 use common::rewrite_gguf;
 use les::gguf::MetaValue;
-use serde_json::Value;
 
 /// A synthetic qwen35moe `tiny` written once per test binary (`extra` args).
 fn model(name: &str, extra: &[&str]) -> PathBuf {
@@ -21,35 +23,10 @@ fn model(name: &str, extra: &[&str]) -> PathBuf {
     synth_once(&format!("qwen35_{name}.gguf"), &[&args[..], extra].concat())
 }
 
-fn run(model: &Path, extra: &[&str]) -> Output {
-    les()
-        .args(["run", "-m"])
-        .arg(model)
-        .args(["-p", "The quick brown fox", "-n", "24", "--temp", "0"])
-        .args(extra)
-        .output()
-        .unwrap()
-}
-
-fn json_run(model: &Path, extra: &[&str]) -> Value {
-    let out = run(model, &[&["--json"], extra].concat());
-    json_ok(out, &format!("run {extra:?}"))
-}
-
-/// Logits written with `--logits-out`, as raw bytes.
-fn logits(model: &Path, name: &str, extra: &[&str]) -> (Vec<u64>, Vec<u8>) {
-    let path = tmp(&format!("qwen35_logits_{name}.npy"));
-    let v = json_run(
-        model,
-        &[extra, &["--logits-out", path.to_str().unwrap()]].concat(),
-    );
-    (tokens(&v), npy(&path).2)
-}
-
 #[test]
 fn every_schedule_and_the_packed_file_give_bit_identical_logits() {
     let m = model("mtp", &[]);
-    let (want_tokens, want) = logits(&m, "resident", &["--schedule", "resident"]);
+    let (want_tokens, want) = greedy_logits(&m, "resident", &["--schedule", "resident"]);
     assert_eq!(want_tokens.len(), 24);
     assert!(!want.is_empty());
     for args in [
@@ -61,7 +38,7 @@ fn every_schedule_and_the_packed_file_give_bit_identical_logits() {
         &["--schedule", "les", "--slots", "3", "-t", "1"],
     ] {
         let name = args.join("_").replace(['-', ' '], "");
-        let (t, l) = logits(&m, &name, args);
+        let (t, l) = greedy_logits(&m, &name, args);
         assert_eq!(t, want_tokens, "{args:?}");
         assert!(l == want, "{args:?}: logits differ");
     }
@@ -74,7 +51,7 @@ fn every_schedule_and_the_packed_file_give_bit_identical_logits() {
         &["--schedule", "on-demand", "--slots", "3"],
     ] {
         let name = format!("packed_{}", args.join("_").replace(['-', ' '], ""));
-        let (t, l) = logits(&packed, &name, args);
+        let (t, l) = greedy_logits(&packed, &name, args);
         assert_eq!(t, want_tokens, "packed {args:?}");
         assert!(l == want, "packed {args:?}: logits differ");
     }
@@ -83,8 +60,8 @@ fn every_schedule_and_the_packed_file_give_bit_identical_logits() {
 #[test]
 fn greedy_output_does_not_depend_on_threads() {
     let m = model("mtp", &[]);
-    let a = json_run(&m, &["-t", "1"]);
-    let b = json_run(&m, &["-t", "2"]);
+    let a = greedy_json(&m, &["-t", "1"]);
+    let b = greedy_json(&m, &["-t", "2"]);
     assert_eq!(tokens(&a), tokens(&b));
 }
 
@@ -105,8 +82,8 @@ fn mtp_block_is_loaded_and_skipped() {
     let n = les::model::Model::open(&without).unwrap();
     assert_eq!((n.hp.n_layers, n.n_nextn_layers), (4, 0));
     // The main stack is the same: the same logits, bit for bit.
-    let (ta, la) = logits(&with, "mtp_res", &[]);
-    let (tb, lb) = logits(&without, "nomtp_res", &[]);
+    let (ta, la) = greedy_logits(&with, "mtp_res", &[]);
+    let (tb, lb) = greedy_logits(&without, "nomtp_res", &[]);
     assert_eq!(ta, tb);
     assert!(la == lb, "logits differ with and without the MTP block");
 }
@@ -136,7 +113,7 @@ fn greedy_continuation_equals_llama_cpp() {
     // llama-simple prints the prompt, the pieces, then a newline.
     let theirs = out.stdout.strip_prefix(prompt.as_bytes()).unwrap();
     let theirs = theirs.strip_suffix(b"\n").unwrap_or(theirs).to_vec();
-    let v = json_run(&m, &[]);
+    let v = greedy_json(&m, &[]);
     let g = les::gguf::Gguf::open(&m).unwrap();
     let tok = les::tokenizer::Tokenizer::from_gguf(&g).unwrap();
     let ours: Vec<u8> = tokens(&v)
@@ -160,17 +137,7 @@ fn greedy_continuation_equals_llama_cpp() {
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn yarn_equals_llama_cpp() {
-    let f32_types = [
-        "--expert-type",
-        "f32",
-        "--dense-type",
-        "f32",
-        "--embd-type",
-        "f32",
-        "--output-type",
-        "f32",
-    ];
-    let plain = model("f32", &f32_types);
+    let plain = model("f32", &F32_WEIGHTS);
     let m = tmp("qwen35_yarn_f32.gguf");
     rewrite_gguf(
         &plain,
@@ -185,48 +152,16 @@ fn yarn_equals_llama_cpp() {
             ),
         ],
     );
-    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts");
-    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/synth/sample.txt");
     let base = tmp("qwen35_yarn.kld");
-    let out = Command::new("python3")
-        .arg(scripts.join("llama_kld_base.py"))
-        .arg(&m)
-        .arg(&text)
-        .arg(&base)
-        .args(["128", "2"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "llama_kld_base.py: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let kld = |model: &Path| -> Value {
-        let out = les()
-            .args(["perplexity", "-m"])
-            .arg(model)
-            .arg("--kl-divergence-base")
-            .arg(&base)
-            .args(["--kl-divergence", "--json"])
-            .output()
-            .unwrap();
-        json_ok(out, "perplexity")["kld"].clone()
-    };
-    let scaled = kld(&m);
+    llama_kld_base(&m, &base);
+    let scaled = kld(&m, &base);
     assert!(scaled["max"].as_f64().unwrap() < 1e-4, "{scaled}");
     assert_eq!(scaled["same_top"], 1.0, "{scaled}");
-    let unscaled = kld(&plain);
+    let unscaled = kld(&plain, &base);
     assert!(unscaled["max"].as_f64().unwrap() > 1e-3, "{unscaled}");
 
-    let out = Command::new("python3")
-        .arg(scripts.join("llama_greedy.py"))
-        .arg(&m)
-        .args(["The quick brown fox", "24"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let v = json_run(&m, &[]);
+    let theirs = llama_greedy(&m);
+    let v = greedy_json(&m, &[]);
     assert_eq!(serde_json::json!(tokens(&v)), theirs["tokens"]);
 }
 
@@ -299,7 +234,7 @@ fn rewrite(
 fn layer_kinds_and_expert_sizes_as_llama_cpp_reads_them() {
     use les::gguf::{MetaArray, MetaValue, ValueType};
     let src = model("mtp", &[]);
-    let (want_tokens, want) = logits(&src, "kinds_ref", &[]);
+    let (want_tokens, want) = greedy_logits(&src, "kinds_ref", &[]);
     // Without `attention.recurrent_layers` the pattern follows
     // `full_attention_interval`; a per-layer `expert_feed_forward_length` array
     // of equal values is one size.
@@ -313,7 +248,7 @@ fn layer_kinds_and_expert_sizes_as_llama_cpp_reads_them() {
     });
     let m = les::model::Model::open(&dst).unwrap();
     assert!(m.is_linear_layer(0) && !m.is_linear_layer(1) && m.is_linear_layer(2));
-    let (t, l) = logits(&dst, "kinds_interval", &[]);
+    let (t, l) = greedy_logits(&dst, "kinds_interval", &[]);
     assert_eq!(t, want_tokens);
     assert!(l == want, "logits differ");
     // An explicit pattern is obeyed: as all-attention, layer 0 lacks its query.

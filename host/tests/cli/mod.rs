@@ -109,3 +109,108 @@ pub fn pack(input: &Path, output: &Path) {
         .unwrap();
     stdout_ok(out, "les pack");
 }
+
+/// `les synth` options for `f32` weights everywhere (where les and llama.cpp
+/// differ only by rounding).
+pub const F32_WEIGHTS: [&str; 8] = [
+    "--expert-type",
+    "f32",
+    "--dense-type",
+    "f32",
+    "--embd-type",
+    "f32",
+    "--output-type",
+    "f32",
+];
+
+/// `les run -m model -p "The quick brown fox" -n 24 --temp 0 <extra>`.
+pub fn greedy(model: &Path, extra: &[&str]) -> Output {
+    les()
+        .args(["run", "-m"])
+        .arg(model)
+        .args(["-p", "The quick brown fox", "-n", "24", "--temp", "0"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// [`greedy`] with `--json`, which must succeed: its JSON.
+pub fn greedy_json(model: &Path, extra: &[&str]) -> Value {
+    let out = greedy(model, &[&["--json"], extra].concat());
+    json_ok(out, &format!("run {extra:?}"))
+}
+
+/// [`greedy_json`]'s tokens and its logits (`--logits-out`, raw bytes), the
+/// file named after the model and `name`.
+pub fn greedy_logits(model: &Path, name: &str, extra: &[&str]) -> (Vec<u64>, Vec<u8>) {
+    let stem = model.file_stem().unwrap().to_str().unwrap();
+    let path = tmp(&format!("logits_{stem}_{name}.npy"));
+    let v = greedy_json(
+        model,
+        &[extra, &["--logits-out", path.to_str().unwrap()]].concat(),
+    );
+    (tokens(&v), npy(&path).2)
+}
+
+/// `host/tests/scripts/<script> <args>` under python3 (llama.cpp through
+/// llama-cpp-python), which must succeed: its standard output.
+fn llama_script(script: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/scripts")
+        .join(script);
+    let out = Command::new("python3")
+        .arg(path)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// llama.cpp's greedy continuation of "The quick brown fox" (24 tokens at
+/// most, `llama_greedy.py`): `{"prompt": [...], "tokens": [...]}`.
+pub fn llama_greedy(model: &Path) -> Value {
+    let out = llama_script(
+        "llama_greedy.py",
+        &[
+            model.as_os_str(),
+            "The quick brown fox".as_ref(),
+            "24".as_ref(),
+        ],
+    );
+    serde_json::from_slice(&out).unwrap()
+}
+
+/// llama.cpp's log-probabilities over `src/synth/sample.txt`, 2 chunks of
+/// 128 positions, written to `base` as llama-perplexity's base file
+/// (`llama_kld_base.py`).
+pub fn llama_kld_base(model: &Path, base: &Path) {
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/synth/sample.txt");
+    llama_script(
+        "llama_kld_base.py",
+        &[
+            model.as_os_str(),
+            text.as_os_str(),
+            base.as_os_str(),
+            "128".as_ref(),
+            "2".as_ref(),
+        ],
+    );
+}
+
+/// `les perplexity --kl-divergence` of `model` against `base`: its `kld` object.
+pub fn kld(model: &Path, base: &Path) -> Value {
+    let out = les()
+        .args(["perplexity", "-m"])
+        .arg(model)
+        .arg("--kl-divergence-base")
+        .arg(base)
+        .args(["--kl-divergence", "--json"])
+        .output()
+        .unwrap();
+    json_ok(out, "perplexity")["kld"].clone()
+}
