@@ -15,7 +15,7 @@ use core::fmt;
 use super::config::{ExpertAct, Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::ops::{
-    rms_norm, rms_norm_heads, rope, rope_imrope_scaled, rope_yarn, sigmoid, swiglu, swiglu_oai,
+    rms_norm, rms_norm_heads, rope_imrope_scaled, rope_scaled, sigmoid, swiglu, swiglu_oai,
     AttnShape, KvRows, KvView, MAX_F16_HEAD_DIM,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
@@ -1811,25 +1811,15 @@ pub(super) fn project_position<E>(
         }
         None => {
             for x in [&mut *s.q, &mut *s.k] {
-                match &hp.rope_yarn {
-                    Some(y) => rope_yarn(
-                        x,
-                        hp.head_dim,
-                        hp.n_rot,
-                        pos as u32,
-                        hp.rope_base,
-                        hp.rope_style,
-                        y,
-                    ),
-                    None => rope(
-                        x,
-                        hp.head_dim,
-                        hp.n_rot,
-                        pos as u32,
-                        hp.rope_base,
-                        hp.rope_style,
-                    ),
-                }
+                rope_scaled(
+                    x,
+                    hp.head_dim,
+                    hp.n_rot,
+                    pos as u32,
+                    hp.rope_base,
+                    hp.rope_style,
+                    hp.rope_yarn.as_ref(),
+                );
             }
         }
     }

@@ -57,15 +57,7 @@ pub fn rope(
     freq_base: f32,
     style: RopeStyle,
 ) {
-    assert!(rope_fits(x, head_dim, n_rot), "rope: bad dimensions");
-    let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
-    let mut theta = pos as f32;
-    rotate_pairs(x, head_dim, n_rot / 2, style, |_, cs| {
-        for c in cs {
-            *c = (cosf(theta), sinf(theta));
-            theta *= theta_scale;
-        }
-    });
+    rope_scaled(x, head_dim, n_rot, pos, freq_base, style, None);
 }
 
 /// YaRN context extension of RoPE (ggml's `rope_yarn`): each pair's angle
@@ -120,23 +112,33 @@ impl Yarn {
     }
 }
 
-/// [`rope`] with YaRN scaling ([`Yarn`]).
-pub fn rope_yarn(
+/// Pair `i`'s cosine and sine for the plain angle `theta`: scaled by `yarn`
+/// (with its correction dimensions) where given.
+#[inline]
+fn pair_angle(yarn: Option<(&Yarn, [f32; 2])>, theta: f32, i: usize) -> (f32, f32) {
+    match yarn {
+        Some((y, corr)) => y.angle(theta, corr, i),
+        None => (cosf(theta), sinf(theta)),
+    }
+}
+
+/// [`rope`] with YaRN scaling ([`Yarn`]) where `yarn` is given.
+pub fn rope_scaled(
     x: &mut [f32],
     head_dim: usize,
     n_rot: usize,
     pos: u32,
     freq_base: f32,
     style: RopeStyle,
-    yarn: &Yarn,
+    yarn: Option<&Yarn>,
 ) {
-    assert!(rope_fits(x, head_dim, n_rot), "rope_yarn: bad dimensions");
+    assert!(rope_fits(x, head_dim, n_rot), "rope: bad dimensions");
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
-    let corr = yarn.corr_dims(n_rot, freq_base);
+    let yarn = yarn.map(|y| (y, y.corr_dims(n_rot, freq_base)));
     let mut theta = pos as f32;
     rotate_pairs(x, head_dim, n_rot / 2, style, |i0, cs| {
         for (i, c) in (i0..).zip(cs) {
-            *c = yarn.angle(theta, corr, i);
+            *c = pair_angle(yarn, theta, i);
             theta *= theta_scale;
         }
     });
@@ -219,7 +221,7 @@ pub fn rope_imrope_scaled(
         "rope_imrope: bad dimensions"
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
-    let corr = yarn.map(|y| y.corr_dims(n_rot, freq_base));
+    let yarn = yarn.map(|y| (y, y.corr_dims(n_rot, freq_base)));
     let s = sections.map(|v| v as usize);
     let mut theta = pos.map(|p| p as f32);
     rotate_pairs(x, head_dim, n_rot / 2, RopeStyle::Neox, |i0, cs| {
@@ -234,10 +236,7 @@ pub fn rope_imrope_scaled(
             } else {
                 3
             };
-            *c = match (yarn, corr) {
-                (Some(y), Some(corr)) => y.angle(theta[which], corr, i),
-                _ => (cosf(theta[which]), sinf(theta[which])),
-            };
+            *c = pair_angle(yarn, theta[which], i);
             for t in theta.iter_mut() {
                 *t *= theta_scale;
             }
@@ -780,7 +779,7 @@ mod tests {
             n_ctx_orig: 4096,
         };
         let mut got = x0.clone();
-        rope_yarn(&mut got, 16, 16, 7, base, RopeStyle::Neox, &linear);
+        rope_scaled(&mut got, 16, 16, 7, base, RopeStyle::Neox, Some(&linear));
         assert_eq!(got, plain, "freq_scale 1 without ext is plain RoPE");
         let yarn = Yarn {
             freq_scale: 0.25,
@@ -788,7 +787,7 @@ mod tests {
             ..linear
         };
         let mut got = x0.clone();
-        rope_yarn(&mut got, 16, 16, 7, base, RopeStyle::Neox, &yarn);
+        rope_scaled(&mut got, 16, 16, 7, base, RopeStyle::Neox, Some(&yarn));
         let m = 1.0 + 0.1 * libm::logf(4.0);
         let (c, s) = (cosf(7.0) * m, sinf(7.0) * m);
         assert_eq!(got[0], x0[0] * c - x0[8] * s);
