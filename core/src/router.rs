@@ -342,13 +342,10 @@ impl RouterConfig {
             // `soft_max` over the selected rows.
             let logit = |c: &Candidate| sanitize(logits[c.expert as usize]);
             let max = sel.iter().fold(f32::NEG_INFINITY, |m, c| m.max(logit(c)));
-            let sum: f64 = sel
-                .iter()
-                .map(|c| f64::from(shifted_exp(logit(c), max)))
-                .sum();
             for c in sel.iter_mut() {
                 c.prob = shifted_exp(logit(c), max);
             }
+            let sum: f64 = sel.iter().map(|c| f64::from(c.prob)).sum();
             let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 1.0 };
             for c in sel.iter_mut() {
                 c.prob *= inv;

@@ -323,20 +323,12 @@ pub(super) fn bits32(qh: [u8; 4]) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m)
 }
 
-/// The IQ4_NL codebook in both 128-bit lanes.
+/// A 16-entry codebook (`KVALUES_IQ4NL`, `KVALUES_MXFP4`) in both 128-bit
+/// lanes, for `vpshufb` lookups by nibble.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn iq4_table() -> __m256i {
-    let k: [u8; 16] = KVALUES_IQ4NL.map(|v| v as u8);
-    let t = ld128(&k);
-    _mm256_set_m128i(t, t)
-}
-
-/// The MXFP4 codebook (doubled E2M1 values) in both 128-bit lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn mxfp4_table() -> __m256i {
-    let k: [u8; 16] = KVALUES_MXFP4.map(|v| v as u8);
+pub(super) fn codebook(values: &[i8; 16]) -> __m256i {
+    let k: [u8; 16] = values.map(|v| v as u8);
     let t = ld128(&k);
     _mm256_set_m128i(t, t)
 }
@@ -505,11 +497,11 @@ blocks32_kernel!("avx2,fma,f16c", pub(super) q5_1, BlockQ5_1, BlockQ8_1, |w, x| 
 });
 blocks32_kernel!("avx2,fma,f16c", pub(super) q8_0, BlockQ8_0, BlockQ8_0, |w, x| isum_q8_0(w, x));
 blocks32_kernel!("avx2,fma,f16c", pub(super) iq4_nl, BlockIQ4NL, BlockQ8_0, |w, x| {
-    let k = _mm256_shuffle_epi8(iq4_table(), nib32(&w.qs));
+    let k = _mm256_shuffle_epi8(codebook(&KVALUES_IQ4NL), nib32(&w.qs));
     _mm256_madd_epi16(dot_signed_k(k, ld256i(&x.qs)), _mm256_set1_epi16(1))
 });
 blocks32_kernel!("avx2,fma,f16c", pub(super) mxfp4, BlockMXFP4, BlockQ8_0, |w, x| {
-    let k = _mm256_shuffle_epi8(mxfp4_table(), nib32(&w.qs));
+    let k = _mm256_shuffle_epi8(codebook(&KVALUES_MXFP4), nib32(&w.qs));
     _mm256_madd_epi16(dot_signed_k(k, ld256i(&x.qs)), _mm256_set1_epi16(1))
 });
 
@@ -801,7 +793,7 @@ pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn iq4_xs(w: &[BlockIQ4XS], x: &[BlockQ8K]) -> f32 {
-    let table = iq4_table();
+    let table = codebook(&KVALUES_IQ4NL);
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
         let mut v = _mm256_setzero_si256();

@@ -54,7 +54,7 @@ macro_rules! vnni_kernels {
         use crate::gemv::reference as r;
         use crate::quant::blocks::{
             BlockIQ4NL, BlockMXFP4, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
-            BlockQ8K, BlockQ8_0, BlockQ8_1,
+            BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL, KVALUES_MXFP4,
         };
         use crate::quant::kscales::scales_mins_k4;
 
@@ -128,7 +128,7 @@ macro_rules! vnni_kernels {
             BlockIQ4NL,
             BlockQ8_0,
             |w, x| {
-                let k = _mm256_shuffle_epi8(avx2::iq4_table(), avx2::nib32(&w.qs));
+                let k = _mm256_shuffle_epi8(avx2::codebook(&KVALUES_IQ4NL), avx2::nib32(&w.qs));
                 dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
             }
         );
@@ -138,7 +138,7 @@ macro_rules! vnni_kernels {
             BlockMXFP4,
             BlockQ8_0,
             |w, x| {
-                let k = _mm256_shuffle_epi8(avx2::mxfp4_table(), avx2::nib32(&w.qs));
+                let k = _mm256_shuffle_epi8(avx2::codebook(&KVALUES_MXFP4), avx2::nib32(&w.qs));
                 dot_u_off_vnni(flip(k), i8::MIN, ld256i(&x.qs))
             }
         );
