@@ -35,10 +35,27 @@ struct Layer {
     ffn_norm: Vec<f32>,
     dense: Option<[Mat; 3]>,
     router: Option<Mat>,
-    shared: Option<([Mat; 3], Mat)>,
+    /// The shared expert and its gate's row (none in the GLM variant).
+    shared: Option<([Mat; 3], Option<Mat>)>,
     /// gpt-oss's extras, in the gpt-oss variant ([`build_oss`]).
     oss: Option<OssLayer>,
+    /// The experts' selection bias, in the GLM variant ([`build_glm`]).
+    selection_bias: Option<Vec<f32>>,
 }
+
+/// Which model family's parts a test model has.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Flavor {
+    /// Softmax gating, renormalised; a sigmoid-gated shared expert.
+    Plain,
+    /// gpt-oss ([`build_oss`]).
+    Oss,
+    /// GLM-4.5 ([`build_glm`]).
+    Glm,
+}
+
+/// The GLM variant's expert weights scale (GLM-4.5's `routed_scaling_factor`).
+const GLM_SCALE: f32 = 2.5;
 
 /// What a gpt-oss layer adds: output bias, sinks, sliding window, router bias
 /// and the experts' biases (`[gate, up, down]`, every expert's back to back).
@@ -82,16 +99,24 @@ fn norm_w(rng: &mut Rng, n: usize) -> Vec<f32> {
 }
 
 fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
-    build_with(seed, ty, expert_ty, false)
+    build_with(seed, ty, expert_ty, Flavor::Plain)
 }
 
 /// The gpt-oss variant of [`build`]: biases, sinks, windows on even layers,
 /// YaRN, a softmax over the picks' logits and the clamped SwiGLU.
 fn build_oss(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
-    build_with(seed, ty, expert_ty, true)
+    build_with(seed, ty, expert_ty, Flavor::Oss)
 }
 
-fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], oss: bool) -> Model {
+/// The GLM-4.5 variant of [`build`]: sigmoid gating with a selection bias,
+/// renormalised and scaled, an ungated shared expert.
+fn build_glm(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, Flavor::Glm)
+}
+
+fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor) -> Model {
+    let oss = flavor == Flavor::Oss;
+    let glm = flavor == Flavor::Glm;
     let mut rng = Rng(seed);
     let hp = Hparams {
         n_layers: 3,
@@ -128,6 +153,11 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], oss: bool) -> M
         };
         hp.rope_yarn = Some(OSS_YARN);
     }
+    if glm {
+        let moe = hp.moe.as_mut().unwrap();
+        moe.gating = Gating::Sigmoid;
+        moe.weights_scale = GLM_SCALE;
+    }
     let e = hp.n_embd;
     let mut layers = Vec::new();
     let mut experts = Vec::new();
@@ -159,9 +189,11 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], oss: bool) -> M
                         Mat::new(&mut rng, ty, 32, e, 0.15),
                         Mat::new(&mut rng, ty, e, 32, 0.15),
                     ],
-                    Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3),
+                    (!glm).then(|| Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3)),
                 )
             }),
+            // Sigmoid scores lie in (0, 1): this reorders the close ones.
+            selection_bias: (glm && !dense).then(|| (0..8).map(|_| 0.1 * rng.normal()).collect()),
             oss: oss.then(|| {
                 let mut v = |n: usize, std: f32| -> Vec<f32> {
                     (0..n).map(|_| std * rng.normal()).collect()
@@ -223,8 +255,9 @@ impl Weights for Model {
                     gate: g.view(),
                     up: u.view(),
                     down: d.view(),
-                    gate_inp: Some(gi.view()),
+                    gate_inp: gi.as_ref().map(|g| g.view()),
                 }),
+                selection_bias: ly.selection_bias.as_deref(),
                 expert_bias: ly.oss.as_ref().map(|o| ExpertBiases {
                     gate: &o.expert_bias[0],
                     up: &o.expert_bias[1],
@@ -290,23 +323,28 @@ impl Model {
 
 const TOKENS: [u32; 6] = [3, 17, 5, 39, 0, 22];
 
-/// The models the exactness tests run: weight and expert types, and whether
-/// it is the gpt-oss variant ([`build_oss`]).
-const VARIANTS: [(GgmlType, [GgmlType; 3], bool); 3] = [
+/// The models the exactness tests run: weight and expert types, and the
+/// model family.
+const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 4] = [
     (
         GgmlType::Q8_0,
         [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
-        false,
+        Flavor::Plain,
     ),
     (
         GgmlType::F16,
         [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
-        false,
+        Flavor::Plain,
     ),
     (
         GgmlType::Q8_0,
         [GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::Q8_0],
-        true,
+        Flavor::Oss,
+    ),
+    (
+        GgmlType::BF16,
+        [GgmlType::Q5_0, GgmlType::Q4_1, GgmlType::Q8_0],
+        Flavor::Glm,
     ),
 ];
 
@@ -459,8 +497,8 @@ fn streamed(
 
 #[test]
 fn streamed_equals_resident_bit_for_bit() {
-    for (ty, ety, oss) in VARIANTS {
-        let m = build_with(11, ty, ety, oss);
+    for (ty, ety, flavor) in VARIANTS {
+        let m = build_with(11, ty, ety, flavor);
         let want = resident(&m);
         let mut seed = 1;
         let (mut les_pending, mut les_halves) = (0, 0);
@@ -674,8 +712,8 @@ const PLANS: [&[Eval]; 7] = [
 /// (the later steps see it).
 #[test]
 fn batched_prefill_equals_one_position_at_a_time() {
-    for (ty, ety, oss) in VARIANTS {
-        let m = build_with(11, ty, ety, oss);
+    for (ty, ety, flavor) in VARIANTS {
+        let m = build_with(11, ty, ety, flavor);
         let want = resident(&m);
         let packed = m.packed(1);
         let fmt = packed.format;
@@ -970,20 +1008,31 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                         *a += b;
                     }
                 }
+                // GLM: sigmoid scores, chosen by score plus selection bias;
+                // else a softmax (unnormalised: only ratios matter below).
+                let glm = ly.selection_bias.as_ref();
                 let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
-                let p: Vec<f32> = logits.iter().map(|v| (v - mx).exp()).collect();
+                let p: Vec<f32> = match glm {
+                    Some(_) => logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                    None => logits.iter().map(|v| (v - mx).exp()).collect(),
+                };
+                let key: Vec<f32> = match glm {
+                    Some(b) => p.iter().zip(b).map(|(p, b)| p + b).collect(),
+                    None => p.clone(),
+                };
                 let mut idx: Vec<usize> = (0..8).collect();
-                idx.sort_by(|a, b| p[*b].partial_cmp(&p[*a]).unwrap().then(a.cmp(b)));
+                idx.sort_by(|a, b| key[*b].partial_cmp(&key[*a]).unwrap().then(a.cmp(b)));
                 let top = &idx[..3];
                 // gpt-oss: a softmax over the picks' logits; else the picks'
-                // probabilities renormalised.
+                // probabilities renormalised (and GLM's scaled).
                 let weight = |i: usize| -> f32 {
                     if ly.oss.is_some() {
                         let tm = top.iter().map(|&j| logits[j]).fold(f32::MIN, f32::max);
                         let z: f32 = top.iter().map(|&j| (logits[j] - tm).exp()).sum();
                         (logits[i] - tm).exp() / z
                     } else {
-                        p[i] / top.iter().map(|j| p[*j]).sum::<f32>()
+                        let scale = if glm.is_some() { GLM_SCALE } else { 1.0 };
+                        p[i] / top.iter().map(|j| p[*j]).sum::<f32>() * scale
                     }
                 };
                 let mut y = vec![0f32; hp.n_embd];
@@ -994,7 +1043,9 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                     }
                 }
                 if let Some((sw, gi)) = &ly.shared {
-                    let g = 1.0 / (1.0 + (-gi.apply(&x)[0]).exp());
+                    let g = gi
+                        .as_ref()
+                        .map_or(1.0, |gi| 1.0 / (1.0 + (-gi.apply(&x)[0]).exp()));
                     for (a, b) in y.iter_mut().zip(ffn(sw, &x)) {
                         *a += g * b;
                     }
@@ -1050,6 +1101,7 @@ fn forward_matches_plain_f32_reference() {
     for m in [
         build(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_oss(5, GgmlType::F32, [GgmlType::F32; 3]),
+        build_glm(5, GgmlType::F32, [GgmlType::F32; 3]),
     ] {
         check_against_reference(&m);
     }
@@ -1102,4 +1154,34 @@ fn check_against_reference(m: &Model) {
             "token {t}: max error {err} (scale {scale})"
         );
     }
+}
+
+/// The GLM variant's selection bias and scale each matter: without them the
+/// reference's logits move (the bias changes picks, not just weights).
+#[test]
+fn glm_variant_exercises_its_parts() {
+    let m = build_glm(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let want = reference(&m);
+    let mut m2 = build_glm(5, GgmlType::F32, [GgmlType::F32; 3]);
+    for l in &mut m2.layers {
+        if let Some(b) = &mut l.selection_bias {
+            b.fill(0.0);
+        }
+    }
+    assert!(reference(&m2) != want, "the selection bias changes nothing");
+    // A bias shared by every expert reorders nothing: the logits stay.
+    let mut m3 = build_glm(5, GgmlType::F32, [GgmlType::F32; 3]);
+    for l in &mut m3.layers {
+        if let Some(b) = &mut l.selection_bias {
+            b.fill(0.3);
+        }
+    }
+    let mut m4 = build_glm(5, GgmlType::F32, [GgmlType::F32; 3]);
+    for l in &mut m4.layers {
+        if let Some(b) = &mut l.selection_bias {
+            b.fill(-0.2);
+        }
+    }
+    assert!(reference(&m3) == reference(&m4));
+    check_against_reference(&m3);
 }

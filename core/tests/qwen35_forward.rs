@@ -271,6 +271,7 @@ fn layer_block(ly: &Layer) -> Block<'_> {
                 }),
                 expert_bias: None,
                 router_bias: None,
+                selection_bias: None,
             },
         }
     }

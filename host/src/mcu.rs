@@ -220,6 +220,9 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                 router_bias: Some(_),
                 ..
             } | Ffn::Moe {
+                selection_bias: Some(_),
+                ..
+            } | Ffn::Moe {
                 expert_bias: Some(_),
                 ..
             }
@@ -234,7 +237,8 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
         {
             return Err(McuIndexError(format!(
                 "layer {l} needs what the firmware does not run (gpt-oss's output and \
-                 expert biases, attention sinks, sliding windows, YaRN or clamped SwiGLU)"
+                 expert biases, attention sinks, sliding windows, YaRN or clamped SwiGLU, \
+                 or an expert selection bias)"
             )));
         }
         w.vector(b.attn_norm)?;

@@ -82,6 +82,11 @@ pub enum Arch {
     /// sliding window on every other layer, YaRN RoPE, routed experts with
     /// biases and a clamped SwiGLU, softmax over the picked experts' logits.
     GptOss,
+    /// GLM-4.5 / GLM-4.5-Air (llama.cpp's `GLM4_MOE`): attention with Q/K/V
+    /// biases and a partial NeoX RoPE, dense leading layers, routed experts
+    /// chosen by sigmoid scores plus a selection bias, an ungated shared
+    /// expert, a multi-token-prediction block after the main stack.
+    Glm4Moe,
 }
 
 impl Arch {
@@ -94,6 +99,7 @@ impl Arch {
             "olmoe" => Arch::Olmoe,
             "qwen35moe" => Arch::Qwen35Moe,
             "gpt-oss" => Arch::GptOss,
+            "glm4moe" => Arch::Glm4Moe,
             _ => return None,
         })
     }
@@ -107,6 +113,7 @@ impl Arch {
             Arch::Olmoe => "olmoe",
             Arch::Qwen35Moe => "qwen35moe",
             Arch::GptOss => "gpt-oss",
+            Arch::Glm4Moe => "glm4moe",
         }
     }
 
@@ -164,6 +171,8 @@ enum FfnRefs {
         shared: Option<([Tref; 3], Option<Tref>)>,
         /// The router's bias (gpt-oss).
         router_bias: Option<Vec<f32>>,
+        /// The experts' selection bias (`exp_probs_b`: glm4moe).
+        selection_bias: Option<Vec<f32>>,
         /// The experts' gate, up and down biases (gpt-oss), all experts' back to back.
         expert_bias: Option<Box<[Vec<f32>; 3]>>,
     },
@@ -640,7 +649,8 @@ impl Model {
             let n_ff_exp =
                 uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?.unwrap_or(n_ff);
             let mut gating = match opt_usize(&g, &k("expert_gating_func"))? {
-                // 0 ("none") is llama.cpp's default, a softmax.
+                // 0 ("none") is llama.cpp's default: a softmax, glm4moe's a sigmoid.
+                None | Some(0) if arch == Arch::Glm4Moe => Gating::Sigmoid,
                 None | Some(0) => Gating::Softmax,
                 Some(x) => u32::try_from(x)
                     .ok()
@@ -692,6 +702,20 @@ impl Model {
             None
         };
         let rope_yarn = rope_scaling(&g, a, n_ctx_train)?;
+        // GLM-4.xV's language models carry M-RoPE sections (llama.cpp then
+        // rotates by image positions too); LES runs glm4moe text models only.
+        if arch == Arch::Glm4Moe && g.get(&k("rope.dimension_sections")).is_some() {
+            let any = g
+                .get_array(&k("rope.dimension_sections"))
+                .map_err(|e| invalid(format!("{a}: {e}")))?
+                .iter()
+                .any(|x| x.as_u64() != Some(0));
+            if any {
+                return Err(ModelError::Unsupported(format!(
+                    "{a} with M-RoPE sections (a GLM-4.xV vision model)"
+                )));
+            }
+        }
         // Sliding-window attention: gpt-oss's even layers (llama.cpp's
         // `set_swa_pattern(2)`), over `attention.sliding_window` positions.
         let swa = match (arch, opt_usize(&g, &k("attention.sliding_window"))?) {
@@ -793,6 +817,7 @@ impl Model {
                     },
                     shared,
                     router_bias: optional_vector(&g, &t("ffn_gate_inp.bias"), m.n_experts)?,
+                    selection_bias: optional_vector(&g, &t("exp_probs_b.bias"), m.n_experts)?,
                     expert_bias,
                 }
             } else {
@@ -827,7 +852,7 @@ impl Model {
                     })
                 }
             };
-            let ffn_norm = if matches!(arch, Arch::Qwen35Moe | Arch::GptOss) {
+            let ffn_norm = if matches!(arch, Arch::Qwen35Moe | Arch::GptOss | Arch::Glm4Moe) {
                 "post_attention_norm.weight"
             } else {
                 "ffn_norm.weight"
@@ -1154,11 +1179,13 @@ impl Model {
                 router,
                 shared,
                 router_bias,
+                selection_bias,
                 expert_bias,
                 ..
             } => Ffn::Moe {
                 router: self.view(router),
                 router_bias: router_bias.as_deref(),
+                selection_bias: selection_bias.as_deref(),
                 expert_bias: expert_bias.as_deref().map(|[g, u, d]| ExpertBiases {
                     gate: g,
                     up: u,

@@ -63,6 +63,9 @@ pub enum Ffn<'a> {
         shared: Option<SharedExpert<'a>>,
         /// Bias added to the router's logits (gpt-oss).
         router_bias: Option<&'a [f32]>,
+        /// Per-expert bias added to the gating probabilities to choose the picks,
+        /// not to weigh them (DeepSeek-V3's and GLM-4.5's `exp_probs_b`).
+        selection_bias: Option<&'a [f32]>,
         /// The routed experts' biases (gpt-oss), resident.
         expert_bias: Option<ExpertBiases<'a>>,
     },
@@ -1225,12 +1228,17 @@ where
                 router,
                 shared,
                 router_bias,
+                selection_bias,
                 expert_bias,
             } => {
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                route(l, &router, router_bias, rc, mv, s, experts, &mut routing)?;
+                let biases = RouterBiases {
+                    logits: router_bias,
+                    selection: selection_bias,
+                };
+                route(l, &router, biases, rc, mv, s, experts, &mut routing)?;
 
                 // Lookahead: the next layer's router on this layer's hidden state
                 // (whatever mixes positions in the next layer: it only needs the
@@ -1253,14 +1261,24 @@ where
     Ok(())
 }
 
+/// A router's two optional biases ([`Ffn::Moe`]'s `router_bias` and
+/// `selection_bias`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RouterBiases<'a> {
+    /// Added to the logits.
+    pub(super) logits: Option<&'a [f32]>,
+    /// Added to the gating probabilities to choose the picks.
+    pub(super) selection: Option<&'a [f32]>,
+}
+
 /// Routes MoE layer `layer` on its normed input `s.x` with `router` (and its
-/// `bias`, added to the logits) into `routing`, shows `experts` the router's
-/// scores, and begins the layer with the picks ([`Experts::begin_layer`]).
+/// `biases`) into `routing`, shows `experts` the router's scores, and begins
+/// the layer with the picks ([`Experts::begin_layer`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn route<M: MatVec, X: Experts>(
     layer: usize,
     router: &MatrixView<'_>,
-    bias: Option<&[f32]>,
+    biases: RouterBiases<'_>,
     rc: &RouterConfig,
     mv: &mut M,
     s: &mut Scratch<'_>,
@@ -1268,9 +1286,9 @@ pub(super) fn route<M: MatVec, X: Experts>(
     routing: &mut Routing,
 ) -> Result<(), ForwardError<X::Error>> {
     mv.matvec(router, s.x, s.router)?;
-    add_bias(s.router, bias).map_err(ForwardError::Shape)?;
+    add_bias(s.router, biases.logits).map_err(ForwardError::Shape)?;
     experts.router_logits(layer, s.router);
-    rc.route(s.router, None, routing)?;
+    rc.route(s.router, biases.selection, routing)?;
     let mut ids: heapless::Vec<u16, { router::MAX_PREDICTED }> = heapless::Vec::new();
     ids.extend(routing.iter().map(|r| r.expert));
     experts
@@ -1603,6 +1621,7 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
         if let Ffn::Moe {
             router,
             router_bias,
+            selection_bias,
             ..
         } = w.ffn
         {
@@ -1610,7 +1629,8 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
             rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
             mv.matvec(&r, s.pred_x, s.router)?;
             add_bias(s.router, router_bias).map_err(ForwardError::Shape)?;
-            router::predict(s.router, None, rc, &la.predictor, &mut prediction)?;
+            let p = &la.predictor;
+            router::predict(s.router, selection_bias, rc, p, &mut prediction)?;
             ids.clear();
             ids.extend(prediction.iter().map(|p| p.expert));
             experts

@@ -93,6 +93,11 @@ pub enum Arch {
     /// YaRN RoPE, routed experts with biases and a clamped SwiGLU.
     #[value(name = "gpt-oss")]
     GptOss,
+    /// GLM-4.5 (llama.cpp's `glm4moe`): Q/K/V biases, half of each head
+    /// rotated (NeoX), the first layer dense, routed experts chosen by sigmoid
+    /// scores plus a selection bias (`exp_probs_b`) and scaled by 2.5, an
+    /// ungated shared expert, and one nextn (MTP) block after the main stack.
+    Glm4moe,
 }
 
 impl Arch {
@@ -105,6 +110,7 @@ impl Arch {
             Arch::Llama | Arch::Mixtral => "llama",
             Arch::Qwen35moe => "qwen35moe",
             Arch::GptOss => "gpt-oss",
+            Arch::Glm4moe => "glm4moe",
         }
     }
 
@@ -133,13 +139,18 @@ impl Arch {
     fn normalizes(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe
+            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe | Arch::Glm4moe
         )
     }
 
     /// Whether the architecture has a shared expert.
     fn has_shared_expert(self) -> bool {
-        matches!(self, Arch::Qwen2moe | Arch::Qwen35moe)
+        matches!(self, Arch::Qwen2moe | Arch::Qwen35moe | Arch::Glm4moe)
+    }
+
+    /// Whether the architecture ends with multi-token-prediction (nextn) blocks.
+    fn has_mtp(self) -> bool {
+        matches!(self, Arch::Qwen35moe | Arch::Glm4moe)
     }
 }
 
@@ -719,13 +730,30 @@ impl SynthConfig {
                 }
             ));
         }
-        if arch != Arch::Qwen35moe {
+        if !arch.has_mtp() {
             if o.mtp_layers.is_some() {
-                return config_err(format!("--mtp-layers applies to qwen35moe, not {name}"));
+                return config_err(format!(
+                    "--mtp-layers applies to qwen35moe and glm4moe, not {name}"
+                ));
             }
             s.mtp_layers = 0;
+        }
+        if arch != Arch::Qwen35moe {
             s.full_attn_interval = 0;
             s.rope_dim = s.head_dim;
+        }
+        if arch == Arch::Glm4moe {
+            // GLM-4.5's partial_rotary_factor 0.5; its shared expert is
+            // `expert_shared_count` routed experts wide.
+            s.rope_dim = s.head_dim / 2;
+            if o.shared_ff.is_none() {
+                s.shared_ff = s.expert_ff;
+            }
+            if s.expert_ff == 0 || s.shared_ff == 0 || !s.shared_ff.is_multiple_of(s.expert_ff) {
+                return config_err(
+                    "glm4moe: --shared-ff must be a positive multiple of --expert-ff",
+                );
+            }
         }
         if arch == Arch::Llama && o.experts.is_none() {
             s.experts = 0;
@@ -733,7 +761,7 @@ impl SynthConfig {
         if !arch.has_shared_expert() {
             if o.shared_ff.is_some() {
                 return config_err(format!(
-                    "--shared-ff applies to qwen2moe and qwen35moe, not {name}"
+                    "--shared-ff applies to qwen2moe, qwen35moe and glm4moe, not {name}"
                 ));
             }
             s.shared_ff = 0;
@@ -868,9 +896,15 @@ impl SynthConfig {
             if s.full_attn_interval == 0 {
                 return config_err("qwen35moe: full_attention_interval must be positive");
             }
-            if s.mtp_layers > 4 {
-                return config_err("--mtp-layers: at most 4");
-            }
+        }
+        if s.mtp_layers > 4 {
+            return config_err("--mtp-layers: at most 4");
+        }
+        if self.arch == Arch::Glm4moe && (s.layers < 2 || s.ff == 0) {
+            return config_err("glm4moe: needs 2 or more layers (the first is dense) and --ff");
+        }
+        if self.arch == Arch::Glm4moe && !s.rope_dim.is_multiple_of(2) {
+            return config_err("glm4moe: head_dim must be a multiple of 4 (half of it is rotated)");
         }
         if s.vocab < vocab::MIN_VOCAB as u64 {
             return config_err(format!("--vocab must be at least {}", vocab::MIN_VOCAB));
@@ -1081,6 +1115,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         }
         if cfg.arch == Arch::GptOss {
             gpt_oss_layer(cfg, l, &mut add);
+            continue;
+        }
+        if cfg.arch == Arch::Glm4moe {
+            glm4moe_layer(cfg, l, &mut add);
             continue;
         }
         add(
@@ -1334,6 +1372,102 @@ fn gpt_oss_layer(
     bias("ffn_down_exps.bias", vec![e, x], 0.02, add);
 }
 
+/// GLM-4.5's leading dense layers: one, as GLM-4.5-Air's.
+pub const GLM4MOE_DENSE_LAYERS: u64 = 1;
+/// GLM-4.5's `routed_scaling_factor` (GLM-4.5-Air's is 1).
+pub const GLM4MOE_WEIGHTS_SCALE: f32 = 2.5;
+
+/// The tensors of glm4moe block `l` (a main layer, or a nextn block past them),
+/// in llama.cpp's names and shapes: Q/K/V biases, the FFN norm named
+/// `post_attention_norm`, the first [`GLM4MOE_DENSE_LAYERS`] dense, the others
+/// routed experts with a selection bias and an ungated shared expert.
+fn glm4moe_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let lay = Some(l);
+    let (e, q, kv, f) = (s.embd, s.q_dim(), s.kv_dim(), s.shared_ff);
+    add(
+        n("attn_norm.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+        let w = n(&format!("{part}.weight"));
+        add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
+        let b = n(&format!("{part}.bias"));
+        add(b, vec![rows], GgmlType::F32, Init::Normal(0.1), lay);
+    }
+    let wo = n("attn_output.weight");
+    add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+    let norm = n("post_attention_norm.weight");
+    add(norm, vec![e], GgmlType::F32, Init::Norm, lay);
+    if l < GLM4MOE_DENSE_LAYERS {
+        let ff = s.ff;
+        add(
+            n("ffn_gate.weight"),
+            vec![e, ff],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("ffn_up.weight"),
+            vec![e, ff],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        let down = n("ffn_down.weight");
+        add(down, vec![ff, e], t.dense, Init::Normal(r * inv(ff)), lay);
+    } else {
+        routed_experts(cfg, l, add);
+        // Sigmoid scores lie in (0, 1): a bias of this size reorders the
+        // close ones, as DeepSeek-V3's load-balancing biases do.
+        let bias = n("exp_probs_b.bias");
+        add(
+            bias,
+            vec![s.experts],
+            GgmlType::F32,
+            Init::Normal(0.05),
+            lay,
+        );
+        add(
+            n("ffn_gate_shexp.weight"),
+            vec![e, f],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("ffn_up_shexp.weight"),
+            vec![e, f],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        let down = n("ffn_down_shexp.weight");
+        add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
+    }
+    if l >= s.layers {
+        let eh = n("nextn.eh_proj.weight");
+        add(eh, vec![2 * e, e], t.dense, Init::Normal(inv(2 * e)), lay);
+        for name in [
+            "nextn.enorm.weight",
+            "nextn.hnorm.weight",
+            "nextn.shared_head_norm.weight",
+        ] {
+            add(n(name), vec![e], GgmlType::F32, Init::Norm, lay);
+        }
+    }
+}
+
 /// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
 /// in llama.cpp's names and shapes.
 fn qwen35moe_layer(
@@ -1534,6 +1668,24 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
     }
+    if cfg.arch == Arch::Glm4moe {
+        kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
+        kv(
+            format!("{a}.leading_dense_block_count"),
+            u32v(GLM4MOE_DENSE_LAYERS),
+        );
+        kv(
+            format!("{a}.expert_shared_count"),
+            u32v(s.shared_ff / s.expert_ff.max(1)),
+        );
+        kv(
+            format!("{a}.expert_weights_scale"),
+            MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
+        );
+        if s.mtp_layers > 0 {
+            kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
+        }
+    }
     if cfg.arch == Arch::GptOss {
         let window = gpt_oss_window(cfg.preset);
         kv(format!("{a}.attention.sliding_window"), u32v(window));
@@ -1555,7 +1707,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.expert_count"), u32v(s.experts));
         kv(format!("{a}.expert_used_count"), u32v(s.top_k));
         kv(format!("{a}.expert_feed_forward_length"), u32v(s.expert_ff));
-        if s.shared_ff > 0 {
+        if s.shared_ff > 0 && cfg.arch != Arch::Glm4moe {
             kv(
                 format!("{a}.expert_shared_feed_forward_length"),
                 u32v(s.shared_ff),
@@ -1565,7 +1717,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             format!("{a}.expert_weights_norm"),
             MetaValue::Bool(cfg.arch.normalizes()),
         );
-        kv(format!("{a}.expert_gating_func"), MetaValue::U32(1));
+        // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
+        let gating = if cfg.arch == Arch::Glm4moe { 2 } else { 1 };
+        kv(format!("{a}.expert_gating_func"), MetaValue::U32(gating));
     }
     let k = &cfg.knobs;
     kv("les.synth.preset".into(), cfg.preset.name().into());

@@ -75,6 +75,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                             router: matrix(model, &router)?,
                             shared,
                             router_bias: None,
+                            selection_bias: None,
                             expert_bias: None,
                         },
                         Some(format),

@@ -320,6 +320,7 @@ where
                 router,
                 shared,
                 router_bias,
+                selection_bias,
                 expert_bias,
             } => {
                 let rc = router_cfg
@@ -334,7 +335,7 @@ where
                     add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
                     let lg = &*lg;
                     experts.router_logits(l, lg);
-                    rc.route(lg, None, &mut routing)?;
+                    rc.route(lg, selection_bias, &mut routing)?;
                     let ids = &mut b.ids[j * k..][..k];
                     let wts = &mut b.weights[j * k..][..k];
                     ids.fill(NO_EXPERT);
@@ -628,6 +629,7 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     let Ffn::Moe {
         router,
         router_bias,
+        selection_bias,
         ..
     } = w.ffn
     else {
@@ -648,7 +650,7 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     let mut routing = Routing::new();
     for lg in logits.chunks_exact_mut(n_exp) {
         add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
-        rc.route(lg, None, &mut routing)?;
+        rc.route(lg, selection_bias, &mut routing)?;
         for p in routing.iter() {
             if let Some(v) = b.votes.get_mut(usize::from(p.expert)) {
                 *v = v.saturating_add(1);

@@ -9,7 +9,7 @@
 //! ```text
 //! h  = eh_proj · [enorm(embed(x_p)); hnorm(h_{p-1})]
 //! h += attention(attn_norm(h))                    // its own KV cache, position p
-//! h += moe(post_attention_norm(h))                // routed experts + gated shared one
+//! h += moe(post_attention_norm(h))                // routed experts + (gated) shared one
 //! h' = head_norm(h);  logits = head · h'
 //! ```
 //!
@@ -23,7 +23,7 @@ use super::super::config::{Hparams, HybridParams};
 use super::super::ops::rms_norm;
 use super::{
     compute_picks, embed, mix, route, router_config, Block, Experts, Ffn, ForwardError, KvCache,
-    MatVec, Mixer, MoeFfn, RecurrentState, Scratch, TokenInput,
+    MatVec, Mixer, MoeFfn, RecurrentState, RouterBiases, Scratch, TokenInput,
 };
 use crate::gemv::MatrixView;
 use crate::router::Routing;
@@ -95,6 +95,7 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
         router,
         shared,
         router_bias,
+        selection_bias,
         expert_bias,
     } = w.block.ffn
     else {
@@ -122,16 +123,11 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     )?;
     rms_norm(s.h, w.block.ffn_norm, hp.norm_eps, s.x);
     let mut routing = Routing::new();
-    route(
-        layer,
-        &router,
-        router_bias,
-        &rc,
-        mv,
-        s,
-        experts,
-        &mut routing,
-    )?;
+    let biases = RouterBiases {
+        logits: router_bias,
+        selection: selection_bias,
+    };
+    route(layer, &router, biases, &rc, mv, s, experts, &mut routing)?;
     let ffn = MoeFfn {
         shared: shared.as_ref(),
         expert_bias: expert_bias.as_ref(),
