@@ -211,6 +211,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "mixtral",
         "qwen35moe",
         "gpt-oss",
+        "glm4moe",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

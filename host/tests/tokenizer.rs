@@ -184,6 +184,16 @@ mod tokenizer {
             bpe("qwen2", &extra, &[]).encode("xyz", false, false),
             bytes_of("xyz")
         );
+        // GLM-4.5's `glm4` (and `glm5`) too, llama.cpp's `ignore_merges`;
+        // `chatglm-bpe` (GLM-4) merges.
+        for pre in ["glm4", "glm5"] {
+            let tok = bpe(pre, &extra, &[]);
+            assert_eq!(tok.encode("xyz", false, false), [256], "{pre}");
+        }
+        assert_eq!(
+            bpe("chatglm-bpe", &extra, &[]).encode("xyz", false, false),
+            bytes_of("xyz")
+        );
     }
 
     #[test]

@@ -507,7 +507,10 @@ impl Tokenizer {
         let is_llama3_name =
             kind == ModelKind::Bpe && pre_name.is_some_and(|p| llama3_names.contains(&p));
         let no_default_bos =
-            kind == ModelKind::Bpe && matches!(pre_name, Some("glm4" | "chatglm-bpe"));
+            kind == ModelKind::Bpe && matches!(pre_name, Some("glm4" | "glm5" | "chatglm-bpe"));
+        // llama.cpp's `ignore_merges`: the llama-3 names, and GLM-4.5's.
+        let ignore_merges =
+            is_llama3_name || (kind == ModelKind::Bpe && matches!(pre_name, Some("glm4" | "glm5")));
 
         let n = data.tokens.len();
         if n == 0 {
@@ -687,7 +690,7 @@ impl Tokenizer {
         }
 
         let bpe = match kind {
-            ModelKind::Bpe => Some(bpe::Bpe::new(&data.merges, lookup, is_llama3_name)?),
+            ModelKind::Bpe => Some(bpe::Bpe::new(&data.merges, lookup, ignore_merges)?),
             ModelKind::Spm => None,
         };
         let mut spm_byte_tokens = [None; 256];
