@@ -302,6 +302,10 @@ mod tokenizer {
     // Special tokens
 
     fn chatml() -> Tokenizer {
+        Tokenizer::new(chatml_data()).unwrap()
+    }
+
+    fn chatml_data() -> TokenizerData {
         let mut data = bpe_data(
             "qwen2",
             &[
@@ -317,7 +321,7 @@ mod tokenizer {
         types.extend([3, 3, 4, 3, 1]);
         data.token_type = Some(types);
         data.eos_id = Some(260);
-        Tokenizer::new(data).unwrap()
+        data
     }
 
     #[test]
@@ -364,6 +368,12 @@ mod tokenizer {
         assert_eq!(tok.eot(), Some(257)); // the lowest id among llama.cpp's EOT texts
         assert_eq!(tok.eos(), Some(260));
         assert_eq!(tok.eog_ids(), [257, 260]);
+        // An end-of-message id in the metadata ends generation too (GLM-4.5's
+        // `<|observation|>`), whatever its text.
+        let mut data = chatml_data();
+        data.eom_id = Some(256);
+        let tok = Tokenizer::new(data).unwrap();
+        assert_eq!(tok.eog_ids(), [256, 257, 260]);
     }
 
     #[test]
@@ -917,7 +927,7 @@ count={{ ns.n }} json={{ {'k': [1, 'é']} | tojson }} {{ eos_token }}
             merge_mode in 0..3u8,
             garbage_merges in proptest::collection::vec(".{0,5}", 0..20),
             pairs in proptest::collection::vec((any::<usize>(), any::<usize>()), 0..10),
-            ids in proptest::collection::vec(proptest::option::weighted(0.3, 0u32..300), 5),
+            ids in proptest::collection::vec(proptest::option::weighted(0.3, 0u32..300), 6),
             dedup in proptest::bool::weighted(0.8),
             flags in proptest::collection::vec(proptest::option::of(any::<bool>()), 3),
             template in proptest::option::of(".{0,30}"),
@@ -957,6 +967,7 @@ count={{ ns.n }} json={{ {'k': [1, 'é']} | tojson }} {{ eos_token }}
                 merges,
                 scores: per_token(score_mode, scores, n),
                 bos_id: ids[0], eos_id: ids[1], unk_id: ids[2], pad_id: ids[3], eot_id: ids[4],
+                eom_id: ids[5],
                 add_bos: flags[0], add_eos: flags[1], add_space_prefix: flags[2],
                 chat_template: template,
             };

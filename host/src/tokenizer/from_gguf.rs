@@ -80,6 +80,7 @@ impl Tokenizer {
             unk_id: id("unknown_token_id")?,
             pad_id: id("padding_token_id")?,
             eot_id: id("eot_token_id")?,
+            eom_id: id("eom_token_id")?,
             add_bos: g.get_bool(&k("add_bos_token")).optional()?,
             add_eos: g.get_bool(&k("add_eos_token")).optional()?,
             add_space_prefix: g.get_bool(&k("add_space_prefix")).optional()?,

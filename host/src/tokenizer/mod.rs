@@ -86,6 +86,9 @@ pub struct TokenizerData {
     pub pad_id: Option<u32>,
     /// `tokenizer.ggml.eot_token_id`.
     pub eot_id: Option<u32>,
+    /// `tokenizer.ggml.eom_token_id` (end of message: GLM-4.5's
+    /// `<|observation|>`, llama-3.1's `<|eom_id|>`); it ends generation.
+    pub eom_id: Option<u32>,
     /// `tokenizer.ggml.add_bos_token`.
     pub add_bos: Option<bool>,
     /// `tokenizer.ggml.add_eos_token`.
@@ -620,6 +623,7 @@ impl Tokenizer {
         );
         let pad = given("tokenizer.ggml.padding_token_id", data.pad_id)?;
         let mut eot = given("tokenizer.ggml.eot_token_id", data.eot_id)?;
+        let eom = given("tokenizer.ggml.eom_token_id", data.eom_id)?;
 
         let add_bos = data
             .add_bos
@@ -649,9 +653,15 @@ impl Tokenizer {
                 make_control(&mut types, id);
             }
         }
-        if let Some(id) = lookup("<|eom_id|>") {
-            make_control(&mut types, id);
-            eog.push(id);
+        // llama.cpp looks the end-of-message token up by text only without the key.
+        match eom {
+            Some(id) => eog.push(id),
+            None => {
+                if let Some(id) = lookup("<|eom_id|>") {
+                    make_control(&mut types, id);
+                    eog.push(id);
+                }
+            }
         }
         for (texts, ends_generation) in FIM_TEXTS {
             if let Some(id) = texts.iter().filter_map(|t| lookup(t)).min() {
