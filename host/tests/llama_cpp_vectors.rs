@@ -152,7 +152,8 @@ fn sentencepiece_vocabularies_tokenize_as_llama_cpp() {
 }
 
 /// Every real template in the data renders a conversation with all its
-/// messages; the Qwen3.5 and MiniCPM ones exactly as Hugging Face renders them.
+/// messages; the Qwen3.5, Gemma 2, MiniCPM and GLM ones exactly as Hugging
+/// Face renders them.
 #[test]
 fn real_chat_templates_render() {
     let conversation = [
@@ -202,6 +203,11 @@ fn real_chat_templates_render() {
                  <start_of_turn>model\nHi there<end_of_turn>\n\
                  <start_of_turn>user\nHow are you?<end_of_turn>\n<start_of_turn>model\n",
             ),
+            // GLM-4.5 / 4.6 (glm4moe), as jinja2 renders it for Hugging Face.
+            "GLM-4.6.jinja" => Some(
+                "[gMASK]<sop><|system|>\nYou are helpful.<|user|>\nHello<|assistant|>\n\
+                 <think></think>\nHi there<|user|>\nHow are you?<|assistant|>",
+            ),
             "openbmb-MiniCPM5-1B.jinja" => Some(
                 "<s><|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n\
                  <|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n\
@@ -214,7 +220,7 @@ fn real_chat_templates_render() {
         }
         seen += 1;
     }
-    assert!(seen >= 9, "{seen} templates");
+    assert!(seen >= 10, "{seen} templates");
 }
 
 /// The vocabulary file's own chat template, through the tokenizer as `les run
