@@ -1,8 +1,9 @@
 //! `les synth`: deterministic synthetic models (random weights) in GGUF, shaped
 //! and named exactly as llama.cpp expects for `qwen3moe`, `olmoe`, `qwen2moe`,
-//! `llama` (dense, or Mixtral-style with experts) and `qwen35moe` (the hybrid gated
+//! `llama` (dense, or Mixtral-style with experts), `qwen35moe` (the hybrid gated
 //! DeltaNet / gated attention model of MiniCPM-V 4.7, with its multi-token
-//! prediction block), with a small byte-level BPE vocabulary ([`vocab`]).
+//! prediction block), `gpt-oss` and `glm4moe` (GLM-4.5), with a small
+//! byte-level BPE vocabulary ([`vocab`]).
 //!
 //! # Shapes
 //! A [`Preset`] gives the dimensions ([`Shape`]) and tensor types ([`Types`]);
@@ -15,7 +16,11 @@
 //! (query and gate interleaved per head in `attn_q`, partial IMRoPE over
 //! `rope_dim` dimensions) and the others gated DeltaNet (`attn_qkv`, `attn_gate`,
 //! `ssm_*`), all with routed experts plus a sigmoid-gated shared expert, then
-//! appends `mtp_layers` nextn blocks (`nextn_predict_layers`).
+//! appends `mtp_layers` nextn blocks (`nextn_predict_layers`). `gpt-oss` has
+//! attention biases and sinks, a sliding window on even layers, YaRN and
+//! expert biases; `glm4moe` Q/K/V biases, half of each head rotated, a dense
+//! first layer, sigmoid routing with a selection bias (`exp_probs_b`), an
+//! ungated shared expert and one nextn block.
 //! The `small`, `a3b` and `minicpmv47` presets are typed as llama.cpp's `Q4_K_M`
 //! quantization types those models ([`Mix::Q4KM`]: `q4_k`, with `q6_k` for `attn_v`
 //! and `ffn_down*` of every third layer and the first and last eighth; `a3b` then has
@@ -1921,6 +1926,7 @@ mod tests {
             Arch::Llama,
             Arch::Mixtral,
             Arch::Qwen35moe,
+            Arch::Glm4moe,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
