@@ -184,3 +184,17 @@ fn hybrid_models_are_refused_with_a_clear_error() {
     let err = les::mcu::write_index(&model).unwrap_err().to_string();
     assert!(err.contains("not an attention layer"), "{err}");
 }
+
+/// What the firmware does not run is refused by name: gpt-oss's gating and
+/// glm4moe's selection bias.
+#[test]
+fn unsupported_routing_is_refused_with_a_clear_error() {
+    for (arch, why) in [
+        ("gpt-oss", "softmax of the picks"),
+        ("glm4moe", "expert selection bias"),
+    ] {
+        let model = Model::open(model(arch, false)).unwrap();
+        let err = les::mcu::write_index(&model).unwrap_err().to_string();
+        assert!(err.contains(why), "{arch}: {err}");
+    }
+}
