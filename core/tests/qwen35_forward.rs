@@ -82,6 +82,7 @@ const DELTA: DeltaNetShape = DeltaNetShape {
     n_v_heads: 4,
     head_dim: 16,
     conv_kernel: 4,
+    grouped_values: false,
 };
 
 /// Layers 0 and 2 are DeltaNet, 1 and 3 gated attention.
@@ -90,6 +91,26 @@ fn is_linear(l: usize) -> bool {
 }
 
 fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) -> Model {
+    build_with(seed, ty, expert_ty, Some(sections), false)
+}
+
+/// The qwen3next variant of [`build`]: plain (NeoX) partial RoPE, and value
+/// heads grouped by key head. Its reference is [`reference`] with sections
+/// `[2, 1, 1, 0]`, which rotate every pair by the position as plain RoPE does.
+fn build_next(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, None, true)
+}
+
+/// Every pair rotated by the text position: plain RoPE in the reference.
+const PLAIN_ROPE: [u32; 4] = [2, 1, 1, 0];
+
+fn build_with(
+    seed: u64,
+    ty: GgmlType,
+    expert_ty: [GgmlType; 3],
+    sections: Option<[u32; 4]>,
+    grouped_values: bool,
+) -> Model {
     let mut rng = Rng(seed);
     let hp = Hparams {
         n_layers: 4,
@@ -115,15 +136,18 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], sections: [u32; 4]) 
         }),
         rope_yarn: None,
     };
+    let d = DeltaNetShape {
+        grouped_values,
+        ..DELTA
+    };
     let hy = HybridParams {
         n_attn_layers: 2,
-        linear: Some((2, DELTA)),
+        linear: Some((2, d)),
         attn_output_gate: true,
-        rope_sections: Some(sections),
+        rope_sections: sections,
     };
     hy.validate(&hp).unwrap();
     let e = hp.n_embd;
-    let d = DELTA;
     let mut layers = Vec::new();
     let mut experts = Vec::new();
     let mut image = Vec::new();
@@ -212,7 +236,7 @@ fn expert(rng: &mut Rng, ty: [GgmlType; 3], e: usize) -> [Mat; 3] {
 
 impl Weights for Model {
     fn block(&self, l: usize) -> Block<'_> {
-        layer_block(&self.layers[l])
+        layer_block(&self.layers[l], self.hy.linear.unwrap().1)
     }
     fn embedding(&self) -> MatrixView<'_> {
         self.embd.view()
@@ -226,7 +250,7 @@ impl Weights for Model {
 }
 
 /// The engine's view of a layer's resident weights.
-fn layer_block(ly: &Layer) -> Block<'_> {
+fn layer_block(ly: &Layer, shape: DeltaNetShape) -> Block<'_> {
     {
         let mixer = match &ly.mix {
             Mix::Attn(a) => Mixer::Attention(AttentionWeights {
@@ -244,7 +268,7 @@ fn layer_block(ly: &Layer) -> Block<'_> {
                 window: None,
             }),
             Mix::Delta(d) => Mixer::DeltaNet(DeltaNetWeights {
-                shape: DELTA,
+                shape,
                 qkv: d.qkv.view(),
                 gate: d.gate.view(),
                 beta: d.beta.view(),
@@ -494,19 +518,20 @@ fn streamed_equals_resident_bit_for_bit() {
             [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
         ),
     ] {
-        let m = build(11, ty, ety, [2, 1, 1, 0]);
-        let want = resident(&m);
-        let mut seed = 1;
-        for slots in [TOP_K, 3, 5, 16] {
-            for predict in [false, true] {
-                for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
-                    seed += 1;
-                    let got = streamed(&m, slots, predict, seed, cfg);
-                    assert_bits_eq(
-                        &got,
-                        &want,
-                        &format!("{ty} slots={slots} predict={predict} {cfg:?}"),
-                    );
+        for m in [build(11, ty, ety, [2, 1, 1, 0]), build_next(11, ty, ety)] {
+            let want = resident(&m);
+            let mut seed = 1;
+            for slots in [TOP_K, 3, 5, 16] {
+                for predict in [false, true] {
+                    for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
+                        seed += 1;
+                        let got = streamed(&m, slots, predict, seed, cfg);
+                        assert_bits_eq(
+                            &got,
+                            &want,
+                            &format!("{ty} slots={slots} predict={predict} {cfg:?}"),
+                        );
+                    }
                 }
             }
         }
@@ -664,7 +689,7 @@ fn ref_layer(
     seq: &mut RefSeq,
 ) {
     let hp = m.hp;
-    let d = DELTA;
+    let d = m.hy.linear.unwrap().1;
     let eps = hp.norm_eps as f64;
     let rms = |x: &[f32], w: &[f32]| ref_rms(x, w, eps);
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x as f64).exp()) as f32;
@@ -768,7 +793,12 @@ fn ref_layer(
             let (kd, hdv) = (d.key_dim(), d.head_dim);
             let mut o = Vec::new();
             for vh in 0..d.n_v_heads {
-                let kh = vh % d.n_k_heads;
+                // qwen3next's value heads are grouped by key head, qwen35's tiled.
+                let kh = if d.grouped_values {
+                    vh / (d.n_v_heads / d.n_k_heads)
+                } else {
+                    vh % d.n_k_heads
+                };
                 let q = l2(&conv[kh * hdv..][..hdv]);
                 let k = l2(&conv[kd + kh * hdv..][..hdv]);
                 let v = &conv[2 * kd + vh * hdv..][..hdv];
@@ -866,20 +896,52 @@ fn forward_matches_plain_f32_reference() {
     // last pair on the extra (zero) position.
     for sections in [[2, 1, 1, 0], [1, 1, 1, 1]] {
         let m = build(5, GgmlType::F32, [GgmlType::F32; 3], sections);
-        let got = resident(&m);
-        let want = reference(&m, sections);
-        for (t, (g, w)) in got.iter().zip(&want).enumerate() {
-            let err = g
-                .iter()
-                .zip(w)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
-            assert!(
-                err <= 2e-4 * scale.max(1.0),
-                "sections {sections:?} token {t}: max error {err} (scale {scale})"
-            );
-        }
+        check_against_reference(&m, sections);
+    }
+    check_against_reference(
+        &build_next(5, GgmlType::F32, [GgmlType::F32; 3]),
+        PLAIN_ROPE,
+    );
+}
+
+/// The qwen3next variant's parts matter: its grouped value heads and plain
+/// RoPE give other logits than qwen35's tiled heads and sections would.
+#[test]
+fn qwen3next_variant_differs_from_qwen35() {
+    let next = build_next(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let tiled = build_with(5, GgmlType::F32, [GgmlType::F32; 3], None, false);
+    assert!(
+        resident(&next) != resident(&tiled),
+        "grouped heads changed nothing"
+    );
+    let sectioned = build_with(
+        5,
+        GgmlType::F32,
+        [GgmlType::F32; 3],
+        Some([1, 1, 1, 1]),
+        true,
+    );
+    assert!(
+        resident(&next) != resident(&sectioned),
+        "plain RoPE changed nothing"
+    );
+}
+
+/// The engine's logits are the plain reference's (with `sections`) within rounding.
+fn check_against_reference(m: &Model, sections: [u32; 4]) {
+    let got = resident(m);
+    let want = reference(m, sections);
+    for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        assert!(
+            err <= 2e-4 * scale.max(1.0),
+            "sections {sections:?} token {t}: max error {err} (scale {scale})"
+        );
     }
 }
 
@@ -959,7 +1021,7 @@ fn nextn_engine(m: &Model, nx: &Nextn) -> Vec<Vec<f32>> {
         }
     }
     let block = NextnBlock {
-        block: layer_block(&nx.layer),
+        block: layer_block(&nx.layer, DELTA),
         eh_proj: nx.eh_proj.view(),
         enorm: &nx.enorm,
         hnorm: &nx.hnorm,

@@ -78,6 +78,9 @@ pub enum Arch {
     /// Qwen3.5-MoE (MiniCPM-V 4.7's language model): gated DeltaNet layers
     /// interleaved with gated attention, routed plus gated shared experts.
     Qwen35Moe,
+    /// Qwen3-Next (Qwen3-Next-80B-A3B): qwen35moe's layers with plain partial
+    /// RoPE, value heads grouped by key head, a fused `ssm_ba`.
+    Qwen3Next,
     /// gpt-oss (llama.cpp's `OPENAI_MOE`): attention with biases, sinks and a
     /// sliding window on every other layer, YaRN RoPE, routed experts with
     /// biases and a clamped SwiGLU, softmax over the picked experts' logits.
@@ -98,6 +101,7 @@ impl Arch {
             "qwen2moe" => Arch::Qwen2Moe,
             "olmoe" => Arch::Olmoe,
             "qwen35moe" => Arch::Qwen35Moe,
+            "qwen3next" => Arch::Qwen3Next,
             "gpt-oss" => Arch::GptOss,
             "glm4moe" => Arch::Glm4Moe,
             _ => return None,
@@ -112,6 +116,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Olmoe => "olmoe",
             Arch::Qwen35Moe => "qwen35moe",
+            Arch::Qwen3Next => "qwen3next",
             Arch::GptOss => "gpt-oss",
             Arch::Glm4Moe => "glm4moe",
         }
@@ -119,7 +124,10 @@ impl Arch {
 
     /// llama.cpp's default for renormalising the top-k weights.
     fn default_norm_topk(self) -> bool {
-        matches!(self, Arch::Llama | Arch::Qwen3Moe | Arch::Qwen35Moe)
+        matches!(
+            self,
+            Arch::Llama | Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::Qwen3Next
+        )
     }
 
     fn rope_style(self) -> RopeStyle {
@@ -128,6 +136,19 @@ impl Arch {
             _ => RopeStyle::Neox,
         }
     }
+}
+
+/// A resident matrix: in the file, or rows of one copied out and regrouped
+/// (qwen3next's fused `ssm_ba`, bytes as they are).
+#[derive(Debug)]
+enum MatRef {
+    File(Tref),
+    Owned {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    },
 }
 
 /// Where a tensor's bytes are in the file, checked at load.
@@ -199,8 +220,8 @@ struct AttnRefs {
 struct DeltaRefs {
     qkv: Tref,
     gate: Tref,
-    beta: Tref,
-    alpha: Tref,
+    beta: MatRef,
+    alpha: MatRef,
     dt_bias: Vec<f32>,
     a: Vec<f32>,
     conv: Vec<f32>,
@@ -408,16 +429,20 @@ fn uniform_usize(g: &Gguf<MappedFile>, key: &str, n: usize) -> Result<Option<usi
 /// Bound on DeltaNet dimensions read from metadata.
 const MAX_SSM_DIM: usize = 1 << 16;
 
-/// The qwen35moe hyperparameters beyond [`Hparams`], and which of the main
-/// layers are linear attention, as llama.cpp's loader reads them.
+/// The qwen35moe and qwen3next hyperparameters beyond [`Hparams`], and which
+/// of the main layers are linear attention, as llama.cpp's loader reads them.
 fn hybrid_params(
     g: &Gguf<MappedFile>,
-    a: &str,
+    arch: Arch,
     hp: &Hparams,
     n_layers_all: usize,
 ) -> Result<(HybridParams, Vec<bool>), ModelError> {
+    let a = arch.name();
     let k = |s: &str| format!("{a}.{s}");
     let shape = DeltaNetShape {
+        // llama.cpp repeat-interleaves qwen3next's key heads; its converter
+        // tiles qwen35's value heads.
+        grouped_values: arch == Arch::Qwen3Next,
         n_k_heads: key_usize(g, &k("ssm.group_count"))?,
         n_v_heads: key_usize(g, &k("ssm.time_step_rank"))?,
         head_dim: key_usize(g, &k("ssm.state_size"))?,
@@ -474,29 +499,34 @@ fn hybrid_params(
         }
     };
     let n_linear = recurrent.iter().filter(|r| **r).count();
-    let sections = g
-        .get_array(&k("rope.dimension_sections"))
-        .map_err(|e| invalid(format!("{a}: {e}")))?;
-    let vals: Option<Vec<u64>> = sections.iter().map(|x| x.as_u64()).collect();
-    let rope_sections = match vals.as_deref() {
-        Some(v) if !v.is_empty() && v.len() <= 4 && v.iter().all(|x| *x <= u32::MAX as u64) => {
-            let mut out = [0u32; 4];
-            for (o, x) in out.iter_mut().zip(v) {
-                *o = *x as u32;
+    // qwen35moe rotates by sections (IMRoPE); qwen3next by plain NeoX RoPE.
+    let rope_sections = if arch == Arch::Qwen3Next {
+        None
+    } else {
+        let sections = g
+            .get_array(&k("rope.dimension_sections"))
+            .map_err(|e| invalid(format!("{a}: {e}")))?;
+        let vals: Option<Vec<u64>> = sections.iter().map(|x| x.as_u64()).collect();
+        match vals.as_deref() {
+            Some(v) if !v.is_empty() && v.len() <= 4 && v.iter().all(|x| *x <= u32::MAX as u64) => {
+                let mut out = [0u32; 4];
+                for (o, x) in out.iter_mut().zip(v) {
+                    *o = *x as u32;
+                }
+                Some(out)
             }
-            out
-        }
-        _ => {
-            return Err(invalid(format!(
-                "{a}.rope.dimension_sections must be up to 4 non-negative integers"
-            )))
+            _ => {
+                return Err(invalid(format!(
+                    "{a}.rope.dimension_sections must be up to 4 non-negative integers"
+                )))
+            }
         }
     };
     let hy = HybridParams {
         n_attn_layers: hp.n_layers - n_linear,
         linear: (n_linear > 0).then_some((n_linear, shape)),
         attn_output_gate: true,
-        rope_sections: Some(rope_sections),
+        rope_sections,
     };
     hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
     Ok((hy, recurrent))
@@ -521,17 +551,57 @@ fn delta_refs(
             shape.conv_kernel
         )));
     }
+    if g.tensor(&t("attn_qkv.weight")).is_none() && g.tensor(&t("ssm_in.weight")).is_some() {
+        return Err(invalid(format!(
+            "layer {l} has the fused ssm_in of early qwen3next conversions; \
+             convert the model again with a current llama.cpp (attn_qkv and attn_gate)"
+        )));
+    }
+    let (beta, alpha) = match g.tensor(&t("ssm_ba.weight")) {
+        None => (
+            MatRef::File(tensor_ref(g, &t("ssm_beta.weight"), nv, n_embd)?),
+            MatRef::File(tensor_ref(g, &t("ssm_alpha.weight"), nv, n_embd)?),
+        ),
+        Some(_) => {
+            let ba = tensor_ref(g, &t("ssm_ba.weight"), 2 * nv, n_embd)?;
+            split_beta_alpha(&g.bytes()[ba.offset..][..ba.len], ba, shape)
+        }
+    };
     Ok(DeltaRefs {
         qkv: tensor_ref(g, &t("attn_qkv.weight"), cd, n_embd)?,
         gate: tensor_ref(g, &t("attn_gate.weight"), vd, n_embd)?,
-        beta: tensor_ref(g, &t("ssm_beta.weight"), nv, n_embd)?,
-        alpha: tensor_ref(g, &t("ssm_alpha.weight"), nv, n_embd)?,
+        beta,
+        alpha,
         dt_bias: vector(g, &t("ssm_dt.bias"), nv)?,
         a: vector(g, &t("ssm_a"), nv)?,
         conv: vector(g, &conv_name, cd * shape.conv_kernel)?,
         norm: vector(g, &t("ssm_norm.weight"), shape.head_dim)?,
         out: tensor_ref(g, &t("ssm_out.weight"), n_embd, vd)?,
     })
+}
+
+/// qwen3next's `ssm_ba` (`2 n_v_heads` rows) as its beta and alpha
+/// projections: per key head, the `beta` rows of its value heads, then their
+/// `alpha` rows (llama.cpp's split of `mixed_ba`). Rows are copied as stored.
+fn split_beta_alpha(bytes: &[u8], ba: Tref, shape: DeltaNetShape) -> (MatRef, MatRef) {
+    let row = ba.len / ba.rows.max(1);
+    let r = shape.n_v_heads / shape.n_k_heads.max(1);
+    let (mut beta, mut alpha) = (
+        Vec::with_capacity(ba.len / 2),
+        Vec::with_capacity(ba.len / 2),
+    );
+    for group in bytes.chunks_exact(2 * r * row) {
+        let (b, a) = group.split_at(r * row);
+        beta.extend_from_slice(b);
+        alpha.extend_from_slice(a);
+    }
+    let owned = |bytes| MatRef::Owned {
+        ty: ba.ty,
+        rows: shape.n_v_heads,
+        cols: ba.cols,
+        bytes,
+    };
+    (owned(beta), owned(alpha))
 }
 
 /// RoPE scaling from `{arch}.rope.scaling.*`, as llama.cpp reads it: `yarn`
@@ -661,7 +731,7 @@ impl Model {
                 .get_bool(&k("expert_weights_norm"))
                 .optional()?
                 .unwrap_or(arch.default_norm_topk());
-            if arch == Arch::Qwen35Moe {
+            if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
                 normalize = true;
@@ -743,8 +813,8 @@ impl Model {
             rope_yarn,
         };
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
-        let (hybrid, recurrent) = if arch == Arch::Qwen35Moe {
-            hybrid_params(&g, a, &hp, n_layers_all)?
+        let (hybrid, recurrent) = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
+            hybrid_params(&g, arch, &hp, n_layers_all)?
         } else {
             (HybridParams::plain(&hp), vec![false; n_layers])
         };
@@ -852,7 +922,10 @@ impl Model {
                     })
                 }
             };
-            let ffn_norm = if matches!(arch, Arch::Qwen35Moe | Arch::GptOss | Arch::Glm4Moe) {
+            let ffn_norm = if matches!(
+                arch,
+                Arch::Qwen35Moe | Arch::Qwen3Next | Arch::GptOss | Arch::Glm4Moe
+            ) {
                 "post_attention_norm.weight"
             } else {
                 "ffn_norm.weight"
@@ -931,6 +1004,19 @@ impl Model {
     fn view(&self, t: &Tref) -> MatrixView<'_> {
         let bytes = &self.gguf.bytes()[t.offset..t.offset + t.len];
         MatrixView::new(t.ty, t.rows, t.cols, bytes).expect("shape and bytes validated at load")
+    }
+
+    fn mat<'m>(&'m self, m: &'m MatRef) -> MatrixView<'m> {
+        match m {
+            MatRef::File(t) => self.view(t),
+            MatRef::Owned {
+                ty,
+                rows,
+                cols,
+                bytes,
+            } => MatrixView::new(*ty, *rows, *cols, bytes)
+                .expect("rows copied whole from a validated tensor"),
+        }
     }
 
     /// The experts of layer `layer`; layer `n_layers` is the nextn block's.
@@ -1261,8 +1347,8 @@ impl Model {
                     .1,
                 qkv: self.view(&d.qkv),
                 gate: self.view(&d.gate),
-                beta: self.view(&d.beta),
-                alpha: self.view(&d.alpha),
+                beta: self.mat(&d.beta),
+                alpha: self.mat(&d.alpha),
                 dt_bias: &d.dt_bias,
                 a: &d.a,
                 conv: &d.conv,

@@ -210,6 +210,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "llama",
         "mixtral",
         "qwen35moe",
+        "qwen3next",
         "gpt-oss",
         "glm4moe",
     ] {

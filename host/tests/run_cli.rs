@@ -526,7 +526,7 @@ fn batched_prompts_read_the_next_group_ahead() {
 /// time gives the same tokens and logits, resident and streamed.
 #[test]
 fn prompt_batch_size_does_not_change_the_logits() {
-    for arch in ["qwen3moe", "qwen35moe", "gpt-oss", "glm4moe"] {
+    for arch in ["qwen3moe", "qwen35moe", "qwen3next", "gpt-oss", "glm4moe"] {
         let m = model(arch);
         let (want, (_, _, want_logits), _) = greedy_with_logits(
             &m,

@@ -160,9 +160,11 @@ impl Hparams {
 
 /// Shape of the gated DeltaNet (linear-attention) layers of a hybrid model.
 ///
-/// Value head `h` uses key head `h % n_k_heads`: llama.cpp's converter reorders the
-/// value heads of Hugging Face checkpoints (grouped by key head) into this tiled
-/// order, which is what ggml's broadcasting computes.
+/// Value head `h` uses key head `h % n_k_heads` (tiled): llama.cpp's converter
+/// reorders qwen35's value heads (grouped by key head in Hugging Face
+/// checkpoints) into this order, which ggml's broadcasting computes. qwen3next
+/// files keep them grouped ([`grouped_values`](Self::grouped_values)): value head
+/// `h` uses key head `h / (n_v_heads / n_k_heads)`, as llama.cpp's repeat-interleave.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeltaNetShape {
     /// Query/key heads (`ssm.group_count`).
@@ -173,9 +175,20 @@ pub struct DeltaNetShape {
     pub head_dim: usize,
     /// Width of the causal convolution (`ssm.conv_kernel`).
     pub conv_kernel: usize,
+    /// Value heads grouped by key head (qwen3next) rather than tiled (qwen35).
+    pub grouped_values: bool,
 }
 
 impl DeltaNetShape {
+    /// The key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        if self.grouped_values {
+            h / (self.n_v_heads / self.n_k_heads).max(1)
+        } else {
+            h % self.n_k_heads.max(1)
+        }
+    }
+
     /// Width of all query (or key) heads.
     pub fn key_dim(&self) -> usize {
         self.n_k_heads * self.head_dim

@@ -8,7 +8,7 @@
 //! 2. A causal depthwise convolution of width `K` over the last `K` `qkv` vectors
 //!    (the previous `K - 1` live in the convolution state), then SiLU.
 //! 3. `q`, `k`, `v` split from it; `q` and `k` L2-normalised per head.
-//! 4. Per value head `h` (key head `h % n_k_heads`), with its state matrix `S`
+//! 4. Per value head `h` (key head [`DeltaNetShape::key_head`]), with its state matrix `S`
 //!    (`S[i][j]`, `i` over key and `j` over value dimensions):
 //!    `S *= exp(g)`, `d = (v - S^T k) * beta`, `S += k d^T`,
 //!    `o = S^T q / sqrt(head_dim)` (the delta rule).
@@ -108,7 +108,7 @@ pub fn step(
     out: &mut [f32],
 ) {
     let s = &w.shape;
-    let (hd, nk, nv, kd) = (s.head_dim, s.n_k_heads, s.n_v_heads, s.key_dim());
+    let (hd, nv, kd) = (s.head_dim, s.n_v_heads, s.key_dim());
     let taps = s.conv_kernel;
     assert!(
         p.qkv.len() == s.conv_dim()
@@ -145,7 +145,7 @@ pub fn step(
     let scale = 1.0 / libm::sqrtf(hd as f32);
     let isa = Isa::detect();
     for h in 0..nv {
-        let kh = h % nk;
+        let kh = s.key_head(h);
         let (qh, khv) = (&q[kh * hd..][..hd], &k[kh * hd..][..hd]);
         let vh = &v[h * hd..][..hd];
         let g = softplus(p.alpha[h] + w.dt_bias[h]) * w.a[h];

@@ -94,6 +94,9 @@ pub enum Arch {
     /// Qwen3.5-MoE (MiniCPM-V 4.7's language model): gated DeltaNet and gated
     /// attention layers, routed plus shared experts, a multi-token-prediction block.
     Qwen35moe,
+    /// Qwen3-Next: qwen35moe's layers with plain partial RoPE (no sections),
+    /// value heads grouped by key head and a fused `ssm_ba`.
+    Qwen3next,
     /// gpt-oss: attention biases and sinks, a sliding window on even layers,
     /// YaRN RoPE, routed experts with biases and a clamped SwiGLU.
     #[value(name = "gpt-oss")]
@@ -114,6 +117,7 @@ impl Arch {
             Arch::Qwen2moe => "qwen2moe",
             Arch::Llama | Arch::Mixtral => "llama",
             Arch::Qwen35moe => "qwen35moe",
+            Arch::Qwen3next => "qwen3next",
             Arch::GptOss => "gpt-oss",
             Arch::Glm4moe => "glm4moe",
         }
@@ -136,7 +140,7 @@ impl Arch {
     fn may_tie(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe
+            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe | Arch::Qwen3next
         )
     }
 
@@ -144,18 +148,31 @@ impl Arch {
     fn normalizes(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe | Arch::Glm4moe
+            Arch::Qwen3moe
+                | Arch::Llama
+                | Arch::Mixtral
+                | Arch::Qwen35moe
+                | Arch::Qwen3next
+                | Arch::Glm4moe
         )
     }
 
     /// Whether the architecture has a shared expert.
     fn has_shared_expert(self) -> bool {
-        matches!(self, Arch::Qwen2moe | Arch::Qwen35moe | Arch::Glm4moe)
+        matches!(
+            self,
+            Arch::Qwen2moe | Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe
+        )
     }
 
     /// Whether the architecture ends with multi-token-prediction (nextn) blocks.
     fn has_mtp(self) -> bool {
-        matches!(self, Arch::Qwen35moe | Arch::Glm4moe)
+        matches!(self, Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe)
+    }
+
+    /// Whether layers mix gated DeltaNet with gated attention (qwen35moe, qwen3next).
+    fn is_hybrid(self) -> bool {
+        matches!(self, Arch::Qwen35moe | Arch::Qwen3next)
     }
 }
 
@@ -743,7 +760,7 @@ impl SynthConfig {
             }
             s.mtp_layers = 0;
         }
-        if arch != Arch::Qwen35moe {
+        if !arch.is_hybrid() {
             s.full_attn_interval = 0;
             s.rope_dim = s.head_dim;
         }
@@ -884,7 +901,7 @@ impl SynthConfig {
         if !s.head_dim.is_multiple_of(2) {
             return config_err("head_dim must be even (RoPE rotates pairs)");
         }
-        if self.arch == Arch::Qwen35moe {
+        if self.arch.is_hybrid() {
             if s.rope_dim == 0 || s.rope_dim > s.head_dim || !s.rope_dim.is_multiple_of(2) {
                 return config_err("qwen35moe: rope_dim must be even and at most head_dim");
             }
@@ -1114,7 +1131,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
     for l in 0..s.layers + s.mtp_layers {
         let n = |part: &str| format!("blk.{l}.{part}");
         let lay = Some(l);
-        if cfg.arch == Arch::Qwen35moe {
+        if cfg.arch.is_hybrid() {
             qwen35moe_layer(cfg, l, &mut add);
             continue;
         }
@@ -1532,20 +1549,31 @@ fn qwen35moe_layer(
             Init::Uniform(-1.0, -0.05),
             lay,
         );
-        add(
-            n("ssm_beta.weight"),
-            vec![e, nv],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        add(
-            n("ssm_alpha.weight"),
-            vec![e, nv],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
+        if cfg.arch == Arch::Qwen3next {
+            // Per key head: its value heads' beta rows, then their alpha rows.
+            add(
+                n("ssm_ba.weight"),
+                vec![e, 2 * nv],
+                t.dense,
+                Init::Normal(inv(e)),
+                lay,
+            );
+        } else {
+            add(
+                n("ssm_beta.weight"),
+                vec![e, nv],
+                t.dense,
+                Init::Normal(inv(e)),
+                lay,
+            );
+            add(
+                n("ssm_alpha.weight"),
+                vec![e, nv],
+                t.dense,
+                Init::Normal(inv(e)),
+                lay,
+            );
+        }
         norm(add, "ssm_norm.weight", s.ssm_head_dim);
         add(
             n("ssm_out.weight"),
@@ -1642,16 +1670,18 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     if matches!(cfg.arch, Arch::Llama | Arch::Mixtral) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
     }
-    if cfg.arch == Arch::Qwen35moe {
+    if cfg.arch.is_hybrid() {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
-        let sections = s.rope_sections.iter().map(|&x| MetaValue::I32(x as i32));
-        kv(
-            format!("{a}.rope.dimension_sections"),
-            MetaValue::Array(
-                MetaArray::new(ValueType::I32, sections.collect())
-                    .expect("i32 items in an i32 array"),
-            ),
-        );
+        if cfg.arch == Arch::Qwen35moe {
+            let sections = s.rope_sections.iter().map(|&x| MetaValue::I32(x as i32));
+            kv(
+                format!("{a}.rope.dimension_sections"),
+                MetaValue::Array(
+                    MetaArray::new(ValueType::I32, sections.collect())
+                        .expect("i32 items in an i32 array"),
+                ),
+            );
+        }
         kv(format!("{a}.ssm.conv_kernel"), u32v(s.ssm_conv));
         kv(format!("{a}.ssm.state_size"), u32v(s.ssm_head_dim));
         kv(format!("{a}.ssm.group_count"), u32v(s.ssm_k_heads));
@@ -1926,6 +1956,7 @@ mod tests {
             Arch::Llama,
             Arch::Mixtral,
             Arch::Qwen35moe,
+            Arch::Qwen3next,
             Arch::Glm4moe,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
