@@ -335,7 +335,7 @@ pub enum DraftSource {
     Ngram,
     /// The greedy continuation of the --model-draft model.
     Model,
-    /// The model's own multi-token-prediction block (qwen35moe).
+    /// The model's own multi-token-prediction block (qwen35moe, qwen3next, glm4moe).
     Mtp,
 }
 
@@ -345,7 +345,7 @@ pub struct SpecArgs {
     /// Speculative decoding: `ngram` guesses the next tokens from an earlier
     /// occurrence of the last ones in the prompt or output (prompt lookup),
     /// `model` asks the --model-draft model, `mtp` the model's own
-    /// multi-token-prediction block (qwen35moe), and the guess is checked in one
+    /// multi-token-prediction block (qwen35moe, qwen3next, glm4moe), and the guess is checked in one
     /// pass, which reads each layer's experts once for all of it; `none`
     /// decodes one token a pass. The tokens and logits are the same either way.
     /// Default: `model` with --model-draft, else `none`.

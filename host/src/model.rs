@@ -215,7 +215,7 @@ struct AttnRefs {
     window: Option<usize>,
 }
 
-/// A gated DeltaNet layer (qwen35moe).
+/// A gated DeltaNet layer (qwen35moe, qwen3next).
 #[derive(Debug)]
 struct DeltaRefs {
     qkv: Tref,
@@ -669,7 +669,7 @@ impl Model {
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
         let n_layers_all = key_usize(&g, &k("block_count"))?;
-        // Multi-token-prediction blocks follow the main stack (qwen35moe); they are
+        // Multi-token-prediction blocks follow the main stack (qwen35moe, qwen3next, glm4moe); they are
         // for speculative decoding and never run in the main pass.
         let n_nextn_layers = opt_usize(&g, &k("nextn_predict_layers"))?.unwrap_or(0);
         if n_nextn_layers >= n_layers_all.max(1) {

@@ -1,5 +1,5 @@
 //! [`NextnDrafter`]: drafts from the model's own multi-token-prediction block
-//! (llama.cpp's `draft-mtp` for qwen35moe).
+//! (llama.cpp's `draft-mtp` for qwen35moe, qwen3next and glm4moe).
 
 use les_core::gemv::Isa;
 use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
@@ -63,7 +63,7 @@ impl<'m> NextnDrafter<'m> {
         let block = model.nextn_block().ok_or_else(|| {
             format!(
                 "the model ({}) has no multi-token-prediction block to draft with \
-                 (qwen35moe files converted with their MTP layers have one)",
+                 (qwen35moe, qwen3next and glm4moe files converted with their MTP layers have one)",
                 model.arch.name()
             )
         })?;
