@@ -8,8 +8,11 @@
 //!    [`Gating::Sigmoid`] per expert;
 //! 2. an optional per-expert *selection bias* (DeepSeek-V3's `exp_probs_b`) added to
 //!    the probabilities for selection only;
-//! 3. top-k selection on the (biased) scores, highest first;
-//! 4. the weights are the *unbiased* probabilities of the selected experts,
+//! 3. with [`ExpertGroups`] (DeepSeek-V3's group-limited routing), only the
+//!    experts of the best groups compete, a group scoring the sum of its two
+//!    best (biased) scores;
+//! 4. top-k selection on the (biased) scores, highest first;
+//! 5. the weights are the *unbiased* probabilities of the selected experts,
 //!    optionally renormalised to sum to 1 (the sum clamped below at
 //!    [`WEIGHT_SUM_MIN`]), then multiplied by `expert_weights_scale`.
 //!
@@ -47,6 +50,23 @@ pub const MAX_EXPERTS: usize = 1 << 16;
 /// 6.103515625e-5, the smallest normal f16, as llama.cpp uses to avoid dividing by
 /// zero.
 pub const WEIGHT_SUM_MIN: f32 = 1.0 / 16384.0;
+
+/// Most expert groups [`ExpertGroups`] may have (DeepSeek-V3 has 8).
+pub const MAX_EXPERT_GROUPS: usize = 64;
+
+/// Group-limited routing (GGUF `expert_group_count` and
+/// `expert_group_used_count`, DeepSeek-V3's `n_group` and `topk_group`): the
+/// experts are `count` groups of consecutive ids; each group scores the sum of
+/// its two best selection scores (probability plus selection bias), and only
+/// the experts of the `used` best groups are picked or predicted, as
+/// llama.cpp's `build_moe_ffn` masks the others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertGroups {
+    /// Groups of experts (divides the expert count).
+    pub count: usize,
+    /// Groups whose experts may be picked.
+    pub used: usize,
+}
 
 /// How router logits become gating probabilities (GGUF `expert_gating_func`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -152,6 +172,17 @@ pub enum RouterError {
         /// The layer index.
         layer: usize,
     },
+    /// [`ExpertGroups`] that do not fit the router: the count must divide the
+    /// experts into groups of two or more, at most [`MAX_EXPERT_GROUPS`]; the
+    /// used groups must be fewer than all and hold at least `top_k` experts.
+    BadGroups {
+        /// The groups asked for.
+        groups: ExpertGroups,
+        /// Experts in the layer.
+        n_experts: usize,
+        /// Experts used per token.
+        top_k: usize,
+    },
 }
 
 impl fmt::Display for RouterError {
@@ -187,6 +218,17 @@ impl fmt::Display for RouterError {
                     LayerMask::CAPACITY
                 )
             }
+            RouterError::BadGroups {
+                groups,
+                n_experts,
+                top_k,
+            } => write!(
+                f,
+                "{} expert groups, {} used, do not fit {n_experts} experts and top_k {top_k} \
+                 (groups of 2 or more experts, at most {MAX_EXPERT_GROUPS}, fewer used than \
+                 all, holding top_k experts)",
+                groups.count, groups.used
+            ),
         }
     }
 }
@@ -216,6 +258,7 @@ pub struct RouterConfig {
     gating: Gating,
     normalize: bool,
     weights_scale: f32,
+    groups: Option<ExpertGroups>,
 }
 
 impl RouterConfig {
@@ -257,7 +300,36 @@ impl RouterConfig {
             gating,
             normalize,
             weights_scale,
+            groups: None,
         })
+    }
+
+    /// This router with group-limited routing ([`ExpertGroups`]), checked.
+    pub fn with_groups(self, groups: ExpertGroups) -> Result<Self, RouterError> {
+        let ExpertGroups { count, used } = groups;
+        let fits = count > 1
+            && count <= MAX_EXPERT_GROUPS
+            && count < self.n_experts
+            && self.n_experts.is_multiple_of(count)
+            && used > 0
+            && used < count
+            && self.top_k <= used * (self.n_experts / count);
+        if !fits {
+            return Err(RouterError::BadGroups {
+                groups,
+                n_experts: self.n_experts,
+                top_k: self.top_k,
+            });
+        }
+        Ok(RouterConfig {
+            groups: Some(groups),
+            ..self
+        })
+    }
+
+    /// Group-limited routing, if any.
+    pub const fn groups(&self) -> Option<ExpertGroups> {
+        self.groups
     }
 
     /// Number of experts (length of the logits).
@@ -336,7 +408,7 @@ impl RouterConfig {
         self.check(logits, bias)?;
         let probs = Probs::new(logits, self.gating);
         let mut sel: Vec<Candidate, MAX_TOP_K> = Vec::new();
-        select(&probs, bias, self.top_k, None, &mut sel);
+        select(&probs, bias, self.groups, self.top_k, None, &mut sel);
         if self.gating == Gating::SoftmaxWeight {
             // The picks' logits through a softmax of their own, as ggml's
             // `soft_max` over the selected rows.
@@ -447,7 +519,7 @@ pub fn predict(
     router.check(logits, bias)?;
     let probs = Probs::new(logits, router.gating);
     let mut sel: Vec<Candidate, MAX_PREDICTED> = Vec::new();
-    select(&probs, bias, limit, min_key, &mut sel);
+    select(&probs, bias, router.groups, limit, min_key, &mut sel);
     for c in &sel {
         // Cannot fail: same capacity.
         let _ = out.push(Predicted {
@@ -678,12 +750,55 @@ struct Candidate {
     prob: f32,
 }
 
+/// Expert `i`'s gating probability and selection key (its rank plus the
+/// selection bias; never NaN).
+fn key_of(probs: &Probs<'_>, bias: Option<&[f32]>, i: usize) -> (f32, f32) {
+    let prob = probs.prob(i);
+    let rank = probs.rank(i, prob);
+    let key = sanitize(match bias {
+        Some(b) => rank + b[i],
+        None => rank,
+    });
+    (prob, key)
+}
+
+/// The groups whose experts may be picked, as a bit mask: the `used` best by
+/// the sum of each group's two best keys (the best first, as ggml sums the
+/// top two), higher first and, on equal sums, the lower group first.
+fn allowed_groups(probs: &Probs<'_>, bias: Option<&[f32]>, g: ExpertGroups) -> u64 {
+    let per = probs.logits.len() / g.count.max(1);
+    let mut best: Vec<(f32, usize), MAX_EXPERT_GROUPS> = Vec::new();
+    for group in 0..g.count.min(MAX_EXPERT_GROUPS) {
+        let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for i in group * per..(group + 1) * per {
+            let (_, key) = key_of(probs, bias, i);
+            if key > a {
+                (a, b) = (key, a);
+            } else if key > b {
+                b = key;
+            }
+        }
+        let score = sanitize(a + b);
+        let mut pos = best.len();
+        while pos > 0 && best[pos - 1].0 < score {
+            pos -= 1;
+        }
+        // Cannot fail: at most MAX_EXPERT_GROUPS groups.
+        let _ = best.insert(pos, (score, group));
+    }
+    best.iter()
+        .take(g.used)
+        .fold(0u64, |mask, &(_, group)| mask | 1 << group)
+}
+
 /// Keeps in `sel` the `limit` best experts by (key descending, id ascending),
-/// considering only keys `>= min_key` when given. Insertion into a sorted buffer:
-/// O(n) for the usual small k, as most experts fail the first comparison.
+/// considering only keys `>= min_key` when given and, with `groups`, only the
+/// experts of the allowed groups. Insertion into a sorted buffer: O(n) for the
+/// usual small k, as most experts fail the first comparison.
 fn select<const N: usize>(
     probs: &Probs<'_>,
     bias: Option<&[f32]>,
+    groups: Option<ExpertGroups>,
     limit: usize,
     min_key: Option<f32>,
     sel: &mut Vec<Candidate, N>,
@@ -693,13 +808,17 @@ fn select<const N: usize>(
     if limit == 0 {
         return;
     }
+    let allowed = groups.map(|g| {
+        let per = probs.logits.len() / g.count.max(1);
+        (allowed_groups(probs, bias, g), per.max(1))
+    });
     for i in 0..probs.logits.len() {
-        let prob = probs.prob(i);
-        let rank = probs.rank(i, prob);
-        let key = sanitize(match bias {
-            Some(b) => rank + b[i],
-            None => rank,
-        });
+        if let Some((mask, per)) = allowed {
+            if mask >> (i / per) & 1 == 0 {
+                continue;
+            }
+        }
+        let (prob, key) = key_of(probs, bias, i);
         if let Some(t) = min_key {
             // The threshold is on the probability (plus the selection bias).
             let score = match probs.gating {
@@ -1346,6 +1465,94 @@ mod tests {
                 let above = probs.iter().filter(|&&p| p >= lo).count();
                 prop_assert_eq!(a.len(), above.min(max));
             }
+        }
+    }
+
+    /// Group-limited routing as llama.cpp's `build_moe_ffn` computes it, the
+    /// slow way: every key, each group's two best summed, the best groups
+    /// kept, the others' keys `-inf`, then the top k of what is left.
+    fn grouped_reference(
+        c: &RouterConfig,
+        g: ExpertGroups,
+        logits: &[f32],
+        bias: Option<&[f32]>,
+    ) -> StdVec<u16> {
+        let mut probs = std::vec![0.0; c.n_experts()];
+        c.probabilities(logits, &mut probs).unwrap();
+        let keys: StdVec<f32> = (0..c.n_experts())
+            .map(|i| sanitize(probs[i] + bias.map_or(0.0, |b| b[i])))
+            .collect();
+        let per = c.n_experts() / g.count;
+        let mut scores: StdVec<(f32, usize)> = (0..g.count)
+            .map(|gi| {
+                let mut k: StdVec<f32> = keys[gi * per..(gi + 1) * per].to_vec();
+                k.sort_by(|a, b| b.partial_cmp(a).unwrap());
+                (sanitize(k[0] + k[1]), gi)
+            })
+            .collect();
+        scores.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+        let kept: StdVec<usize> = scores[..g.used].iter().map(|s| s.1).collect();
+        let mut idx: StdVec<usize> = (0..c.n_experts())
+            .filter(|i| kept.contains(&(i / per)))
+            .collect();
+        idx.sort_by(|a, b| keys[*b].partial_cmp(&keys[*a]).unwrap().then(a.cmp(b)));
+        idx[..c.top_k()].iter().map(|&i| i as u16).collect()
+    }
+
+    #[test]
+    fn groups_limit_the_picks_to_the_best_groups() {
+        // 8 experts in 4 groups of 2; expert 0 alone is the best, but group 0's
+        // pair of probabilities sums less than groups 2's and 3's.
+        let logits = [3.0, -5.0, 1.0, 0.5, 2.6, 2.6, 2.5, 2.5];
+        let plain = cfg(8, 2, Gating::Softmax, true, 1.0);
+        assert_eq!(route(&plain, &logits, None)[0].expert, 0);
+        let g = ExpertGroups { count: 4, used: 2 };
+        let grouped = plain.with_groups(g).unwrap();
+        let r = route(&grouped, &logits, None);
+        let ids: StdVec<u16> = r.iter().map(|x| x.expert).collect();
+        assert_eq!(ids, [4, 5]);
+        assert_eq!(ids, grouped_reference(&grouped, g, &logits, None));
+        // Renormalised over the picks, as without groups.
+        assert!((r[0].weight + r[1].weight - 1.0).abs() < 1e-6);
+        // Predictions keep to the same groups.
+        let mut p = Prediction::new();
+        predict(&logits, None, &grouped, &PredictorConfig::top_k(4), &mut p).unwrap();
+        let predicted: StdVec<u16> = p.iter().map(|x| x.expert).collect();
+        assert_eq!(predicted, [4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn groups_that_do_not_fit_are_refused() {
+        let c = cfg(8, 3, Gating::Sigmoid, true, 1.0);
+        for (count, used) in [(3, 1), (1, 1), (8, 2), (4, 0), (4, 4), (4, 1), (128, 2)] {
+            let g = ExpertGroups { count, used };
+            let e = c.with_groups(g).unwrap_err();
+            assert!(matches!(e, RouterError::BadGroups { .. }), "{count}/{used}");
+            assert!(std::format!("{e}").contains("expert groups"), "{e}");
+        }
+        assert!(c.with_groups(ExpertGroups { count: 4, used: 2 }).is_ok());
+    }
+
+    proptest! {
+        #[test]
+        fn grouped_routing_equals_the_reference(
+            logits in proptest::collection::vec(-8.0f32..8.0, 16),
+            bias in proptest::option::of(proptest::collection::vec(-0.5f32..0.5, 16)),
+            sigmoid: bool,
+            (count, used, k) in prop_oneof![
+                Just((2usize, 1usize, 4usize)),
+                Just((4, 2, 3)),
+                Just((4, 3, 6)),
+                Just((8, 2, 4)),
+                Just((8, 5, 2)),
+            ],
+        ) {
+            let gating = if sigmoid { Gating::Sigmoid } else { Gating::Softmax };
+            let g = ExpertGroups { count, used };
+            let c = cfg(16, k, gating, true, 2.5).with_groups(g).unwrap();
+            let r = route(&c, &logits, bias.as_deref());
+            let ids: StdVec<u16> = r.iter().map(|x| x.expert).collect();
+            prop_assert_eq!(ids, grouped_reference(&c, g, &logits, bias.as_deref()));
         }
     }
 }

@@ -139,6 +139,7 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
             weights_scale: 1.0,
             n_ff_shared: Some(32),
             act: les_core::model::config::ExpertAct::SwiGlu,
+            groups: None,
         }),
         rope_yarn: None,
     };

@@ -133,6 +133,7 @@ fn build_with(
             weights_scale: 1.0,
             n_ff_shared: Some(FF),
             act: les_core::model::config::ExpertAct::SwiGlu,
+            groups: None,
         }),
         rope_yarn: None,
     };

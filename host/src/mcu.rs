@@ -173,6 +173,11 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
     w.f32(hp.norm_eps);
     match hp.moe {
         Some(m) => {
+            if m.groups.is_some() {
+                return Err(McuIndexError(
+                    "the firmware does not run group-limited routing (expert_group_count)".into(),
+                ));
+            }
             w.usize(m.n_experts)?;
             w.usize(m.top_k)?;
             w.usize(m.n_ff_exp)?;

@@ -22,7 +22,7 @@ use les_core::model::forward::{
 };
 use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::{self, GgmlType};
-use les_core::router::Gating;
+use les_core::router::{ExpertGroups, Gating};
 use les_core::schedule::{Extent, Extents};
 use les_core::slot_classes::{class_for, SizeGroup, SlotClass};
 use les_core::slots::ExpertKey;
@@ -758,6 +758,15 @@ impl Model {
                 }
             };
             let n_ff_shared = opt_usize(&g, &k("expert_shared_feed_forward_length"))?;
+            // Group-limited routing, read for every architecture as llama.cpp
+            // does (a count of 0 or 1 is none).
+            let groups = match opt_usize(&g, &k("expert_group_count"))? {
+                None | Some(0) | Some(1) => None,
+                Some(count) => Some(ExpertGroups {
+                    count,
+                    used: opt_usize(&g, &k("expert_group_used_count"))?.unwrap_or(0),
+                }),
+            };
             Some(MoeParams {
                 n_experts,
                 top_k,
@@ -767,6 +776,7 @@ impl Model {
                 weights_scale,
                 n_ff_shared,
                 act,
+                groups,
             })
         } else {
             None

@@ -8,14 +8,16 @@
 //! log-probabilities are llama.cpp's.
 
 mod cli;
+mod common;
 
 use std::path::{Path, PathBuf};
 
 use cli::{
-    greedy_json, greedy_logits, kld, llama_greedy, llama_kld_base, pack, synth_once, tmp, tokens,
-    F32_WEIGHTS,
+    greedy, greedy_json, greedy_logits, kld, llama_greedy, llama_kld_base, pack, synth_once, tmp,
+    tokens, F32_WEIGHTS,
 };
-use les::gguf::Gguf;
+use common::rewrite_gguf;
+use les::gguf::{Gguf, MetaValue};
 use les_core::router::Gating;
 
 /// A synthetic glm4moe `tiny` written once per test binary (`extra` args).
@@ -44,6 +46,23 @@ fn without_selection_bias(src: &Path, name: &str) -> PathBuf {
     }
     assert_eq!(n, 4, "three main MoE layers and the nextn block");
     std::fs::write(&dst, bytes).unwrap();
+    dst
+}
+
+/// A copy of `src` with group-limited routing: `count` groups of experts,
+/// `used` of them picked from (DeepSeek-V3's keys, which llama.cpp reads for
+/// every architecture).
+fn with_groups(src: &Path, name: &str, count: u32, used: u32) -> PathBuf {
+    let dst = tmp(&format!("glm4moe_{name}_groups_{count}_{used}.gguf"));
+    rewrite_gguf(
+        src,
+        &dst,
+        |_, v| Some(v),
+        vec![
+            ("glm4moe.expert_group_count", MetaValue::U32(count)),
+            ("glm4moe.expert_group_used_count", MetaValue::U32(used)),
+        ],
+    );
     dst
 }
 
@@ -105,6 +124,36 @@ fn the_selection_bias_changes_the_picks() {
     let (_, with) = greedy_logits(&m, "bias", &[]);
     let (_, without) = greedy_logits(&without_selection_bias(&m, "q"), "nobias", &[]);
     assert!(with != without, "the selection bias changed nothing");
+}
+
+/// Group-limited routing is read as llama.cpp reads it: 4 groups of 2 with 2
+/// used change the logits, a packed copy streams them exactly, and groups
+/// that cannot hold the picks are refused with the reason.
+#[test]
+fn expert_groups_limit_the_picks() {
+    let m = model("q", &[]);
+    let grouped = with_groups(&m, "q", 4, 2);
+    let (_, plain) = greedy_logits(&m, "ungrouped", &[]);
+    let (want_tokens, want) = greedy_logits(&grouped, "grouped", &[]);
+    assert!(plain != want, "expert groups changed nothing");
+    let model = les::model::Model::open(&grouped).unwrap();
+    assert_eq!(
+        model.hp.moe.unwrap().groups,
+        Some(les_core::router::ExpertGroups { count: 4, used: 2 })
+    );
+    let packed = tmp("glm4moe_q_groups.p.gguf");
+    pack(&grouped, &packed);
+    let (t, got) = greedy_logits(&packed, "grouped_les", &["--slots", "3"]);
+    assert_eq!(t, want_tokens);
+    assert!(got == want, "streamed grouped logits differ");
+    // 3 groups do not divide 8 experts; all 4 used is no limit (llama.cpp
+    // asserts fewer).
+    for (count, used) in [(3, 1), (4, 4)] {
+        let out = greedy(&with_groups(&m, "q", count, used), &[]);
+        assert!(!out.status.success(), "{count}/{used}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("expert_group_count"), "{err}");
+    }
 }
 
 /// A packed copy gives the resident logits under every schedule, slot count
@@ -179,6 +228,19 @@ fn greedy_and_log_probabilities_equal_llama_cpp() {
     assert!(same["max"].as_f64().unwrap() < 1e-4, "{same}");
     assert_eq!(same["same_top"], 1.0, "{same}");
     let apart = kld(&without_selection_bias(&m, "f32"), &base);
+    assert!(apart["mean"].as_f64().unwrap() > 1e-2, "{apart}");
+
+    // Group-limited routing (4 groups of 2, 2 used): llama.cpp's tokens and
+    // log-probabilities, far from the ungrouped model's.
+    let grouped = with_groups(&m, "f32", 4, 2);
+    let theirs = llama_greedy(&grouped);
+    let v = greedy_json(&grouped, &[]);
+    assert_eq!(serde_json::json!(tokens(&v)), theirs["tokens"], "grouped");
+    let base = tmp("glm4moe_f32_groups.kld");
+    llama_kld_base(&grouped, &base);
+    let same = kld(&grouped, &base);
+    assert!(same["max"].as_f64().unwrap() < 1e-4, "{same}");
+    let apart = kld(&m, &base);
     assert!(apart["mean"].as_f64().unwrap() > 1e-2, "{apart}");
 
     let q = model("q", &[]);

@@ -11,6 +11,7 @@ use les_core::gemv::MatrixView;
 use les_core::model::forward::{Ffn, Mixer, Weights};
 use les_core::slots::ExpertKey;
 
+mod common;
 #[allow(dead_code)]
 #[path = "../../tests/firmware/src/index.rs"]
 mod index;
@@ -185,8 +186,8 @@ fn hybrid_models_are_refused_with_a_clear_error() {
     assert!(err.contains("not an attention layer"), "{err}");
 }
 
-/// What the firmware does not run is refused by name: gpt-oss's gating and
-/// glm4moe's selection bias.
+/// What the firmware does not run is refused by name: gpt-oss's gating,
+/// glm4moe's selection bias, group-limited routing.
 #[test]
 fn unsupported_routing_is_refused_with_a_clear_error() {
     for (arch, why) in [
@@ -197,4 +198,20 @@ fn unsupported_routing_is_refused_with_a_clear_error() {
         let err = les::mcu::write_index(&model).unwrap_err().to_string();
         assert!(err.contains(why), "{arch}: {err}");
     }
+    let grouped = common::tmp("mcu-qwen3moe-groups.gguf");
+    common::rewrite_gguf(
+        &model("qwen3moe", false),
+        &grouped,
+        |_, v| Some(v),
+        vec![
+            ("qwen3moe.expert_group_count", les::gguf::MetaValue::U32(4)),
+            (
+                "qwen3moe.expert_group_used_count",
+                les::gguf::MetaValue::U32(2),
+            ),
+        ],
+    );
+    let model = Model::open(&grouped).unwrap();
+    let err = les::mcu::write_index(&model).unwrap_err().to_string();
+    assert!(err.contains("group-limited"), "{err}");
 }

@@ -1,7 +1,7 @@
 //! Hyperparameters of a decoder-only transformer with optional MoE FFNs.
 
 use super::ops::{RopeStyle, Yarn};
-use crate::router::Gating;
+use crate::router::{ExpertGroups, Gating};
 
 /// The activation between a routed expert's gate/up and down projections.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -59,6 +59,8 @@ pub struct MoeParams {
     pub n_ff_shared: Option<usize>,
     /// The routed experts' activation.
     pub act: ExpertAct,
+    /// Group-limited routing (DeepSeek-V3 style), if any.
+    pub groups: Option<ExpertGroups>,
 }
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -126,6 +128,22 @@ impl Hparams {
             }
             if m.n_experts > u16::MAX as usize || m.n_ff_exp == 0 {
                 return Err("expert_count must be below 65536 and experts non-empty");
+            }
+            if let Some(g) = m.groups {
+                let rc = crate::router::RouterConfig::new(
+                    m.n_experts,
+                    m.top_k,
+                    m.gating,
+                    m.normalize,
+                    1.0,
+                );
+                if rc.and_then(|rc| rc.with_groups(g)).is_err() {
+                    return Err(
+                        "expert_group_count must divide the experts into groups of 2 \
+                                or more (at most 64), expert_group_used_count be below it and \
+                                its groups hold expert_used_count experts",
+                    );
+                }
             }
         }
         if self.n_layers > u16::MAX as usize {

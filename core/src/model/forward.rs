@@ -1432,13 +1432,14 @@ pub(super) fn embed<E>(
 /// The router configuration of an MoE model (`None` for a dense one).
 pub(super) fn router_config<E>(hp: &Hparams) -> Result<Option<RouterConfig>, ForwardError<E>> {
     Ok(match hp.moe {
-        Some(m) => Some(RouterConfig::new(
-            m.n_experts,
-            m.top_k,
-            m.gating,
-            m.normalize,
-            m.weights_scale,
-        )?),
+        Some(m) => {
+            let rc =
+                RouterConfig::new(m.n_experts, m.top_k, m.gating, m.normalize, m.weights_scale)?;
+            Some(match m.groups {
+                Some(g) => rc.with_groups(g)?,
+                None => rc,
+            })
+        }
         None => None,
     })
 }

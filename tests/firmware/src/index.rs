@@ -257,6 +257,7 @@ impl<'a, const L: usize> Index<'a, L> {
             weights_scale,
             n_ff_shared: (n_ff_shared > 0).then_some(n_ff_shared),
             act: les_core::model::config::ExpertAct::SwiGlu,
+            groups: None,
         });
         let hp = Hparams {
             n_layers,
