@@ -146,6 +146,7 @@ fn build_with(
         linear: Some((2, d)),
         attn_output_gate: true,
         rope_sections: sections,
+        mla: None,
     };
     hy.validate(&hp).unwrap();
     let e = hp.n_embd;

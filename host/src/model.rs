@@ -527,6 +527,7 @@ fn hybrid_params(
         linear: (n_linear > 0).then_some((n_linear, shape)),
         attn_output_gate: true,
         rope_sections,
+        mla: None,
     };
     hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
     Ok((hy, recurrent))

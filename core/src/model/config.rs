@@ -248,9 +248,10 @@ impl DeltaNetShape {
 
 /// What a hybrid model adds to [`Hparams`]: which layers are gated DeltaNet
 /// (linear attention) rather than attention, the output gate of attention, and
-/// multi-section RoPE. [`HybridParams::plain`] describes a plain transformer, for
-/// which the forward pass is the same arithmetic as before these existed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// multi-section RoPE, multi-head latent attention. [`HybridParams::plain`]
+/// describes a plain transformer, for which the forward pass is the same
+/// arithmetic as before these existed.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HybridParams {
     /// Layers with attention (they own a slice of the KV cache).
     pub n_attn_layers: usize,
@@ -264,6 +265,63 @@ pub struct HybridParams {
     /// pair `i` of the rotated dimensions takes the temporal, height, width or
     /// extra position by `i % 3` within `sections`. Text positions are `[p, p, p, 0]`.
     pub rope_sections: Option<[u32; 4]>,
+    /// Multi-head latent attention (deepseek2): the attention layers are
+    /// [`Mixer::Mla`](super::forward::Mixer::Mla) of this shape.
+    pub mla: Option<MlaShape>,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3, llama.cpp's `deepseek2` in its
+/// `attn_k_b` / `attn_v_b` form), computed as llama.cpp computes it: the key
+/// up-projection absorbed into the queries, so that attention runs over the
+/// cached latent as one shared key/value head of `kv_lora + rope` dimensions
+/// ([`Hparams::head_dim`], with `n_head_kv = 1` and `n_rot = rope`); each
+/// head's output, in the latent's first `kv_lora` dimensions, goes through
+/// its value up-projection. The cache keeps the latent as key and value alike.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaShape {
+    /// Rank of the query compression (`attention.q_lora_rank`; 0: the queries
+    /// are projected directly, as in DeepSeek-V2-Lite).
+    pub q_lora: usize,
+    /// Rank of the key-value compression (`attention.kv_lora_rank`).
+    pub kv_lora: usize,
+    /// Query and key dimensions of a head that are not rotated.
+    pub nope: usize,
+    /// Rotated dimensions of a head (its key's are shared by all heads).
+    pub rope: usize,
+    /// Value dimensions of a head.
+    pub v_head_dim: usize,
+    /// The attention scale: `mscale^2 / sqrt(nope + rope)`, `mscale` YaRN's
+    /// magnitude correction (1 without YaRN).
+    pub kq_scale: f32,
+}
+
+impl MlaShape {
+    /// A head's query width before absorption (`nope + rope`).
+    pub fn q_head(&self) -> usize {
+        self.nope + self.rope
+    }
+
+    /// Width of the cached latent, the shared key (`kv_lora + rope`).
+    pub fn latent(&self) -> usize {
+        self.kv_lora + self.rope
+    }
+
+    /// Checks the shape against `hp`; the message names the first problem.
+    pub fn validate(&self, hp: &Hparams) -> Result<(), &'static str> {
+        if self.kv_lora == 0 || self.nope == 0 || self.rope == 0 || self.v_head_dim == 0 {
+            return Err("MLA ranks and head dimensions must be positive");
+        }
+        if !self.rope.is_multiple_of(2) {
+            return Err("MLA rotated dimensions must be even");
+        }
+        if hp.n_head_kv != 1 || hp.head_dim != self.latent() || hp.n_rot != self.rope {
+            return Err("MLA attends over one latent head of kv_lora + rope dimensions");
+        }
+        if !(self.kq_scale.is_finite() && self.kq_scale > 0.0) {
+            return Err("MLA attention scale must be finite and positive");
+        }
+        Ok(())
+    }
 }
 
 impl HybridParams {
@@ -274,6 +332,7 @@ impl HybridParams {
             linear: None,
             attn_output_gate: false,
             rope_sections: None,
+            mla: None,
         }
     }
 
@@ -294,6 +353,12 @@ impl HybridParams {
             let total: u64 = s.iter().map(|&x| x as u64).sum();
             if total == 0 || total > hp.head_dim as u64 {
                 return Err("rope sections must sum to between 1 and head_dim");
+            }
+        }
+        if let Some(m) = self.mla {
+            m.validate(hp)?;
+            if self.linear.is_some() || self.attn_output_gate || self.rope_sections.is_some() {
+                return Err("MLA does not combine with linear attention, gates or sections");
             }
         }
         Ok(())

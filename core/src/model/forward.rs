@@ -26,9 +26,11 @@ use crate::router::{
 };
 
 mod batch;
+pub mod mla;
 pub mod nextn;
 pub use crate::slots::Residency;
 pub use batch::{forward_batch, BatchScratch};
+pub use mla::MlaWeights;
 
 /// Weights of one shared (always-resident) expert.
 #[derive(Clone, Copy, Debug)]
@@ -171,6 +173,9 @@ pub enum Mixer<'a> {
     Attention(AttentionWeights<'a>),
     /// Gated DeltaNet over the layer's recurrent state.
     DeltaNet(DeltaNetWeights<'a>),
+    /// Multi-head latent attention over the KV cache (deepseek2; the shape is
+    /// [`HybridParams::mla`]).
+    Mla(MlaWeights<'a>),
 }
 
 /// The resident weights of one layer of any supported architecture.
@@ -771,6 +776,10 @@ pub struct Scratch<'a> {
     d_beta: &'a mut [f32],
     d_alpha: &'a mut [f32],
     d_out: &'a mut [f32],
+    /// MLA's compressed query (`q_lora`) and its per-head queries, then the
+    /// heads' values (empty without MLA).
+    mla_qa: &'a mut [f32],
+    mla_q: &'a mut [f32],
 }
 
 fn max_ff(hp: &Hparams) -> usize {
@@ -780,12 +789,17 @@ fn max_ff(hp: &Hparams) -> usize {
     hp.n_ff.max(m).max(1)
 }
 
-/// Extra scratch of `hy`: gated query, then DeltaNet `qkv, z, beta, alpha, out`.
-fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 6] {
+/// Extra scratch of `hy`: gated query, then DeltaNet `qkv, z, beta, alpha,
+/// out`, then MLA's compressed query and per-head queries.
+fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 8] {
     let qg = if hy.attn_output_gate {
         2 * hp.q_dim()
     } else {
         0
+    };
+    let [qa, q] = match hy.mla {
+        Some(m) => [m.q_lora, hp.n_head * m.q_head().max(m.v_head_dim)],
+        None => [0, 0],
     };
     match hy.linear {
         Some((_, d)) => [
@@ -795,8 +809,10 @@ fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 6] {
             d.n_v_heads,
             d.n_v_heads,
             d.value_dim(),
+            qa,
+            q,
         ],
-        None => [qg, 0, 0, 0, 0, 0],
+        None => [qg, 0, 0, 0, 0, 0, qa, q],
     }
 }
 
@@ -863,13 +879,15 @@ impl<'a> Scratch<'a> {
         let (expert_act, rest) = rest.split_at_mut(top_k * ff_exp);
         let (router, rest) = rest.split_at_mut(n_exp);
         let (pred_x, rest) = rest.split_at_mut(e);
-        let [l_qg, l_qkv, l_z, l_beta, l_alpha, l_out] = extra_lens(hp, hy);
+        let [l_qg, l_qkv, l_z, l_beta, l_alpha, l_out, l_mla_qa, l_mla_q] = extra_lens(hp, hy);
         let (qg, rest) = rest.split_at_mut(l_qg);
         let (d_qkv, rest) = rest.split_at_mut(l_qkv);
         let (d_z, rest) = rest.split_at_mut(l_z);
         let (d_beta, rest) = rest.split_at_mut(l_beta);
         let (d_alpha, rest) = rest.split_at_mut(l_alpha);
-        let (d_out, _) = rest.split_at_mut(l_out);
+        let (d_out, rest) = rest.split_at_mut(l_out);
+        let (mla_qa, rest) = rest.split_at_mut(l_mla_qa);
+        let (mla_q, _) = rest.split_at_mut(l_mla_q);
         Some(Scratch {
             h,
             x,
@@ -892,6 +910,8 @@ impl<'a> Scratch<'a> {
             d_beta,
             d_alpha,
             d_out,
+            mla_qa,
+            mla_q,
         })
     }
 }
@@ -1476,6 +1496,15 @@ pub(super) fn mix<M: MatVec, E>(
                 ));
             }
             attention_layer(hp, hy, aw, mv, s, kv, *attn_idx, layer_stride, pos, shape)?;
+            *attn_idx += 1;
+        }
+        Mixer::Mla(mw) => {
+            if *attn_idx >= kv.n_layers {
+                return Err(ForwardError::Shape(
+                    "more attention layers than the KV cache",
+                ));
+            }
+            mla::mla_layer(hp, hy, mw, mv, s, kv, *attn_idx, layer_stride, pos)?;
             *attn_idx += 1;
         }
         Mixer::DeltaNet(dw) => {

@@ -84,7 +84,7 @@ type Lens = ([usize; 20], [usize; 4]);
 
 impl<'a> BatchScratch<'a> {
     fn lens(hp: &Hparams, hy: &HybridParams, n: usize) -> Lens {
-        let [_, d_qkv, d_z, d_beta, d_alpha, d_out] = super::extra_lens(hp, hy);
+        let [_, d_qkv, d_z, d_beta, d_alpha, d_out, _, _] = super::extra_lens(hp, hy);
         let (e, ff) = (hp.n_embd, super::max_ff(hp));
         let q_rows = if hy.attn_output_gate { 2 } else { 1 } * hp.q_dim();
         let (k, n_exp) = hp.moe.map_or((0, 0), |m| (m.top_k, m.n_experts));
@@ -301,6 +301,22 @@ where
             Mixer::DeltaNet(dw) => {
                 deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
                 lin_idx += 1;
+            }
+            Mixer::Mla(mw) => {
+                if attn_idx >= kv.n_layers {
+                    return Err(ForwardError::Shape(
+                        "more attention layers than the KV cache",
+                    ));
+                }
+                // One position after another: the same arithmetic as the
+                // one-position pass, so batches give its bits.
+                let stride = kv.max_positions * hp.kv_dim();
+                for (i, h) in b.h.chunks_exact_mut(e).take(n).enumerate() {
+                    rms_norm(h, lw.attn_norm, hp.norm_eps, s.x);
+                    super::mla::mla_layer(hp, hy, mw, mv, s, kv, attn_idx, stride, pos + i)?;
+                    add_into(h, s.tmp);
+                }
+                attn_idx += 1;
             }
         }
         for (h, x) in b.h.chunks_exact(e).zip(b.x.chunks_exact_mut(e)).take(n) {

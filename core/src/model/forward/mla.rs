@@ -1,0 +1,177 @@
+//! Multi-head latent attention (DeepSeek-V2/V3, llama.cpp's `deepseek2`), one
+//! position at a time, as llama.cpp computes it with its absorbed key
+//! projection ([`MlaShape`]):
+//!
+//! ```text
+//! q      = W_q x                  or W_qb rmsnorm(W_qa x)   n_head x (nope + rope)
+//! [c, r] = W_kva x                                           kv_lora + rope
+//! c      = rmsnorm(c);  r = rope(r)                          the cached latent [c, r]
+//! q_h    = [W_kb,h q_nope,h ; rope(q_rope,h)]                kv_lora + rope each
+//! o_h    = attention of q_h over the latents (one key/value head, scale kq_scale)
+//! out    = W_o concat_h(W_vb,h o_h[..kv_lora])
+//! ```
+//!
+//! The latent is stored as the key and, whole, as the value: each head's
+//! output then carries the rotated part's weighted sum in its last `rope`
+//! dimensions, which the value up-projection does not read. Queries are
+//! scaled by `kq_scale * sqrt(kv_lora + rope)` before the attention kernel's
+//! own `1 / sqrt(head_dim)`.
+
+use super::super::config::{Hparams, HybridParams, MlaShape};
+use super::super::ops::{rms_norm_heads, rope_scaled, AttnShape};
+use super::{cached, ForwardError, KvCache, MatVec, Scratch};
+use crate::gemv::MatrixView;
+
+/// The weights of one multi-head latent attention layer (llama.cpp tensor
+/// names in brackets).
+#[derive(Clone, Copy, Debug)]
+pub struct MlaWeights<'a> {
+    /// Query compression (`attn_q_a`, `q_lora` x `n_embd`) and its RMSNorm
+    /// weight (`attn_q_a_norm`); `None` where queries are projected directly.
+    pub q_a: Option<(MatrixView<'a>, &'a [f32])>,
+    /// Query projection: `attn_q_b` (`n_head (nope + rope)` x `q_lora`), or
+    /// `attn_q` (x `n_embd`) without compression.
+    pub q: MatrixView<'a>,
+    /// Latent and rotated key projection (`attn_kv_a_mqa`,
+    /// `kv_lora + rope` x `n_embd`).
+    pub kv_a: MatrixView<'a>,
+    /// RMSNorm weight of the latent (`attn_kv_a_norm`, `kv_lora`).
+    pub kv_a_norm: &'a [f32],
+    /// Key up-projections, absorbed into the queries (`attn_k_b`: head `h`'s
+    /// `kv_lora` x `nope` block is rows `h kv_lora..`).
+    pub k_b: MatrixView<'a>,
+    /// Value up-projections (`attn_v_b`: head `h`'s `v_head_dim` x `kv_lora`
+    /// block is rows `h v_head_dim..`).
+    pub v_b: MatrixView<'a>,
+    /// Output projection (`attn_output`, `n_embd` x `n_head v_head_dim`).
+    pub wo: MatrixView<'a>,
+}
+
+/// Rows `h * rows..` of `m`: one head's block of a stacked projection.
+fn head_block<'a, E>(
+    m: &MatrixView<'a>,
+    h: usize,
+    rows: usize,
+) -> Result<MatrixView<'a>, ForwardError<E>> {
+    let rb = m.row_bytes();
+    let bytes = m
+        .bytes()
+        .get(h * rows * rb..(h + 1) * rows * rb)
+        .ok_or(ForwardError::Shape("MLA head block"))?;
+    MatrixView::new(m.ty(), rows, m.cols(), bytes)
+        .map_err(|_| ForwardError::Shape("MLA head block"))
+}
+
+/// Checks `w` against the model's shape `m` and `hp`.
+fn check<E>(hp: &Hparams, m: &MlaShape, w: &MlaWeights<'_>) -> Result<(), ForwardError<E>> {
+    let n = hp.n_head;
+    let q_in = match w.q_a {
+        Some((qa, norm)) => {
+            if qa.rows() != m.q_lora || qa.cols() != hp.n_embd || norm.len() != m.q_lora {
+                return Err(ForwardError::Shape("MLA query compression"));
+            }
+            m.q_lora
+        }
+        None => hp.n_embd,
+    };
+    let ok = w.q.rows() == n * m.q_head()
+        && w.q.cols() == q_in
+        && w.kv_a.rows() == m.latent()
+        && w.kv_a.cols() == hp.n_embd
+        && w.kv_a_norm.len() == m.kv_lora
+        && w.k_b.rows() == n * m.kv_lora
+        && w.k_b.cols() == m.nope
+        && w.v_b.rows() == n * m.v_head_dim
+        && w.v_b.cols() == m.kv_lora
+        && w.wo.rows() == hp.n_embd
+        && w.wo.cols() == n * m.v_head_dim;
+    if ok {
+        Ok(())
+    } else {
+        Err(ForwardError::Shape("MLA weights"))
+    }
+}
+
+/// The MLA layer at position `pos` on the normed input `s.x`: the latent into
+/// cache layer `cache_layer` (`layer_stride` floats a layer) and the layer's
+/// output into `s.tmp`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn mla_layer<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    w: &MlaWeights<'_>,
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    cache_layer: usize,
+    layer_stride: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    let m = hy
+        .mla
+        .ok_or(ForwardError::Shape("MLA weights without an MLA shape"))?;
+    check(hp, &m, w)?;
+    let (n, qh, lat, kvl, vd) = (hp.n_head, m.q_head(), m.latent(), m.kv_lora, m.v_head_dim);
+    if s.mla_q.len() < n * qh.max(vd) || s.mla_qa.len() != m.q_lora {
+        return Err(ForwardError::Shape("MLA scratch"));
+    }
+    let rope = |x: &mut [f32]| {
+        rope_scaled(
+            x,
+            m.rope,
+            m.rope,
+            pos as u32,
+            hp.rope_base,
+            hp.rope_style,
+            hp.rope_yarn.as_ref(),
+        )
+    };
+
+    // Queries, then the latent: [rmsnorm(c), rope(r)], key and value alike.
+    let q_raw = &mut s.mla_q[..n * qh];
+    match w.q_a {
+        Some((qa, norm)) => {
+            mv.matvec(&qa, s.x, s.mla_qa)?;
+            rms_norm_heads(s.mla_qa, norm, hp.norm_eps);
+            mv.matvec(&w.q, s.mla_qa, q_raw)?;
+        }
+        None => mv.matvec(&w.q, s.x, q_raw)?,
+    }
+    mv.matvec(&w.kv_a, s.x, s.k)?;
+    let (c, r) = s.k.split_at_mut(kvl);
+    rms_norm_heads(c, w.kv_a_norm, hp.norm_eps);
+    rope(r);
+    s.v.copy_from_slice(s.k);
+    let base = cache_layer * layer_stride;
+    kv.k.store(base + pos * lat, s.k);
+    kv.v.store(base + pos * lat, s.v);
+
+    // Each head's query in the latent's space, scaled for the kernel.
+    let pre = m.kq_scale * libm::sqrtf(lat as f32);
+    for h in 0..n {
+        let (qn, qr) = q_raw[h * qh..][..qh].split_at_mut(m.nope);
+        let out = &mut s.q[h * lat..][..lat];
+        mv.matvec(&head_block(&w.k_b, h, kvl)?, qn, &mut out[..kvl])?;
+        rope(qr);
+        out[kvl..].copy_from_slice(qr);
+        for v in out.iter_mut() {
+            *v *= pre;
+        }
+    }
+    let shape = AttnShape {
+        n_head: n,
+        n_head_kv: 1,
+        head_dim: lat,
+    };
+    let view = cached(kv, cache_layer, layer_stride, pos + 1);
+    mv.attention(shape, s.q, view, s.scores, s.att);
+
+    // Each head's value up-projection, then the output projection.
+    let o = &mut s.mla_q[..n * vd];
+    for h in 0..n {
+        let att = &s.att[h * lat..][..kvl];
+        mv.matvec(&head_block(&w.v_b, h, vd)?, att, &mut o[h * vd..][..vd])?;
+    }
+    mv.matvec(&w.wo, o, s.tmp)?;
+    Ok(())
+}
