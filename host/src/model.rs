@@ -12,13 +12,14 @@ use std::path::Path;
 
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
-    DeltaNetShape, ExpertAct, Hparams, HybridParams, MoeParams, SlidingWindow,
+    DeltaNetShape, ExpertAct, Hparams, HybridParams, MlaShape, MoeParams, SlidingWindow,
 };
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
 use les_core::model::forward::nextn::NextnBlock;
 use les_core::model::forward::{
-    AttentionWeights, Block, ExpertBiases, ExpertMatrices, Ffn, Mixer, SharedExpert, Weights,
+    AttentionWeights, Block, ExpertBiases, ExpertMatrices, Ffn, Mixer, MlaWeights, SharedExpert,
+    Weights,
 };
 use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::{self, GgmlType};
@@ -90,6 +91,11 @@ pub enum Arch {
     /// chosen by sigmoid scores plus a selection bias, an ungated shared
     /// expert, a multi-token-prediction block after the main stack.
     Glm4Moe,
+    /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
+    /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
+    /// layers, routed experts (softmax, or sigmoid with a selection bias and
+    /// expert groups), ungated shared experts.
+    Deepseek2,
 }
 
 impl Arch {
@@ -104,6 +110,7 @@ impl Arch {
             "qwen3next" => Arch::Qwen3Next,
             "gpt-oss" => Arch::GptOss,
             "glm4moe" => Arch::Glm4Moe,
+            "deepseek2" => Arch::Deepseek2,
             _ => return None,
         })
     }
@@ -119,6 +126,7 @@ impl Arch {
             Arch::Qwen3Next => "qwen3next",
             Arch::GptOss => "gpt-oss",
             Arch::Glm4Moe => "glm4moe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 
@@ -132,7 +140,7 @@ impl Arch {
 
     fn rope_style(self) -> RopeStyle {
         match self {
-            Arch::Llama => RopeStyle::Normal,
+            Arch::Llama | Arch::Deepseek2 => RopeStyle::Normal,
             _ => RopeStyle::Neox,
         }
     }
@@ -229,10 +237,23 @@ struct DeltaRefs {
     out: Tref,
 }
 
+/// A multi-head latent attention layer (deepseek2).
+#[derive(Debug)]
+struct MlaRefs {
+    q_a: Option<(Tref, Vec<f32>)>,
+    q: Tref,
+    kv_a: Tref,
+    kv_a_norm: Vec<f32>,
+    k_b: Tref,
+    v_b: Tref,
+    wo: Tref,
+}
+
 #[derive(Debug)]
 enum MixerRefs {
     Attention(AttnRefs),
     DeltaNet(DeltaRefs),
+    Mla(MlaRefs),
 }
 
 #[derive(Debug)]
@@ -581,6 +602,150 @@ fn delta_refs(
     })
 }
 
+/// deepseek2's multi-head latent attention shape, as llama.cpp reads it: the
+/// ranks, the per-head key width (`attention.key_length_mla`, else
+/// `key_length` in older files) less the `rope` rotated dimensions, the value
+/// width; and YaRN as llama.cpp applies it to this architecture. With
+/// `rope.scaling.yarn_log_multiplier` (written as 0.1 times the model's
+/// `mscale_all_dim`), the rotation's own magnitude is cancelled and the
+/// attention scale becomes `mscale^2 / sqrt(nope + rope)`, `mscale =
+/// attn_factor (1 + 0.1 mscale_all_dim ln(factor))`.
+fn mla_shape(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    rope: usize,
+    yarn: Option<Yarn>,
+) -> Result<(MlaShape, Option<Yarn>), ModelError> {
+    let k = |s: &str| format!("{a}.{s}");
+    let kv_lora = key_usize(g, &k("attention.kv_lora_rank"))?;
+    let q_lora = opt_usize(g, &k("attention.q_lora_rank"))?.unwrap_or(0);
+    let either = |mla: &str, plain: &str| -> Result<usize, ModelError> {
+        match opt_usize(g, &k(mla))? {
+            Some(v) => Ok(v),
+            None => key_usize(g, &k(plain)),
+        }
+    };
+    let key_len = either("attention.key_length_mla", "attention.key_length")?;
+    let v_head_dim = either("attention.value_length_mla", "attention.value_length")?;
+    for (name, v) in [
+        ("attention.kv_lora_rank", kv_lora),
+        ("attention.q_lora_rank", q_lora),
+        ("attention.key_length_mla", key_len),
+        ("attention.value_length_mla", v_head_dim),
+    ] {
+        if v > MAX_DIM {
+            return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
+        }
+    }
+    if key_len <= rope {
+        return Err(invalid(format!(
+            "{a}: a head's key ({key_len}) must be wider than its {rope} rotated dimensions"
+        )));
+    }
+    let log_mul = match g
+        .get_f32(&k("rope.scaling.yarn_log_multiplier"))
+        .optional()?
+    {
+        None => 0.0,
+        Some(v) if v.is_finite() => v / 0.1,
+        Some(v) => {
+            return Err(invalid(format!(
+                "{a}.rope.scaling.yarn_log_multiplier = {v} is not finite"
+            )))
+        }
+    };
+    let mut yarn = yarn;
+    let ln = |fs: f32| libm::logf(1.0 / fs);
+    if let Some(y) = yarn
+        .as_mut()
+        .filter(|y| y.ext_factor != 0.0 && log_mul != 0.0)
+    {
+        y.attn_factor /= 1.0 + 0.1 * ln(y.freq_scale);
+    }
+    let (attn_factor, fs) = yarn.map_or((1.0, 1.0), |y| (y.attn_factor, y.freq_scale));
+    let mscale = attn_factor * (1.0 + 0.1 * ln(fs)) * (1.0 + 0.1 * log_mul * ln(fs));
+    let shape = MlaShape {
+        q_lora,
+        kv_lora,
+        nope: key_len - rope,
+        rope,
+        v_head_dim,
+        kq_scale: mscale * mscale / libm::sqrtf(key_len as f32),
+    };
+    Ok((shape, yarn))
+}
+
+/// A 3-D tensor `{cols, rows, n}` as one `n * rows` x `cols` matrix (the
+/// heads' blocks of deepseek2's `attn_k_b` and `attn_v_b`).
+fn stacked_ref(
+    g: &Gguf<MappedFile>,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    n: usize,
+) -> Result<Tref, ModelError> {
+    let t = g.require_tensor(name)?;
+    if t.dims() != [cols as u64, rows as u64, n as u64] {
+        return Err(invalid(format!(
+            "tensor {name} has shape {:?}, expected [{cols}, {rows}, {n}]",
+            t.dims()
+        )));
+    }
+    let ty = t.ggml_type();
+    MatrixView::new(ty, n * rows, cols, t.data()).map_err(|e| {
+        invalid(format!(
+            "tensor {name} ({ty}) cannot be a weight matrix: {e}"
+        ))
+    })?;
+    Ok(Tref {
+        ty,
+        rows: n * rows,
+        cols,
+        offset: t.offset() as usize,
+        len: t.size() as usize,
+    })
+}
+
+/// The tensors of deepseek2 layer `l`'s multi-head latent attention. Files
+/// from before llama.cpp split `attn_kv_b` into `attn_k_b` and `attn_v_b`
+/// are refused with the reason.
+fn mla_refs(
+    g: &Gguf<MappedFile>,
+    l: usize,
+    n_embd: usize,
+    n_head: usize,
+    m: MlaShape,
+) -> Result<MlaRefs, ModelError> {
+    let t = |s: &str| format!("blk.{l}.{s}");
+    if g.tensor(&t("attn_k_b.weight")).is_none() && g.tensor(&t("attn_kv_b.weight")).is_some() {
+        return Err(invalid(format!(
+            "layer {l} has the unsplit attn_kv_b of older deepseek2 conversions; convert \
+             the model again with a current llama.cpp (attn_k_b and attn_v_b)"
+        )));
+    }
+    let q_rows = n_head * m.q_head();
+    let (q_a, q) = if m.q_lora > 0 {
+        (
+            Some((
+                tensor_ref(g, &t("attn_q_a.weight"), m.q_lora, n_embd)?,
+                vector(g, &t("attn_q_a_norm.weight"), m.q_lora)?,
+            )),
+            tensor_ref(g, &t("attn_q_b.weight"), q_rows, m.q_lora)?,
+        )
+    } else {
+        (None, tensor_ref(g, &t("attn_q.weight"), q_rows, n_embd)?)
+    };
+    Ok(MlaRefs {
+        q_a,
+        q,
+        kv_a: tensor_ref(g, &t("attn_kv_a_mqa.weight"), m.latent(), n_embd)?,
+        kv_a_norm: vector(g, &t("attn_kv_a_norm.weight"), m.kv_lora)?,
+        k_b: stacked_ref(g, &t("attn_k_b.weight"), m.kv_lora, m.nope, n_head)?,
+        v_b: stacked_ref(g, &t("attn_v_b.weight"), m.v_head_dim, m.kv_lora, n_head)?,
+        wo: tensor_ref(g, &t("attn_output.weight"), n_embd, n_head * m.v_head_dim)?,
+    })
+}
+
 /// qwen3next's `ssm_ba` (`2 n_v_heads` rows) as its beta and alpha
 /// projections: per key head, the `beta` rows of its value heads, then their
 /// `alpha` rows (llama.cpp's split of `mixed_ba`). Rows are copied as stored.
@@ -808,6 +973,14 @@ impl Model {
             (Arch::GptOss, Some(window)) => Some(SlidingWindow { window, pattern: 2 }),
             _ => None,
         };
+        // Multi-head latent attention attends over one cached latent head of
+        // kv_lora + rope dimensions; YaRN's scale goes into the attention.
+        let (mla, n_head_kv, head_dim, rope_yarn) = if arch == Arch::Deepseek2 {
+            let (shape, yarn) = mla_shape(&g, a, n_rot, rope_yarn)?;
+            (Some(shape), 1, shape.latent(), yarn)
+        } else {
+            (None, n_head_kv, head_dim, rope_yarn)
+        };
         let hp = Hparams {
             n_layers,
             n_embd,
@@ -827,7 +1000,12 @@ impl Model {
         let (hybrid, recurrent) = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
             hybrid_params(&g, arch, &hp, n_layers_all)?
         } else {
-            (HybridParams::plain(&hp), vec![false; n_layers])
+            let hy = HybridParams {
+                mla,
+                ..HybridParams::plain(&hp)
+            };
+            hy.validate(&hp).map_err(|e| invalid(format!("{a}: {e}")))?;
+            (hy, vec![false; n_layers])
         };
 
         let packed = crate::pack::PackedIndex::from_gguf(&g)
@@ -908,8 +1086,11 @@ impl Model {
                     tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
                 ])
             };
-            let mixer = match hybrid.linear {
-                Some((_, d)) if is_recurrent => MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?),
+            let mixer = match (hybrid.linear, hybrid.mla) {
+                (Some((_, d)), _) if is_recurrent => {
+                    MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?)
+                }
+                (_, Some(m)) => MixerRefs::Mla(mla_refs(&g, l, n_embd, n_head, m)?),
                 _ => {
                     // A gated query projection yields a query and a gate per head.
                     let q_rows = if hybrid.attn_output_gate {
@@ -1350,6 +1531,15 @@ impl Model {
     fn block_of<'a>(&'a self, l: &'a LayerRefs) -> Block<'a> {
         let mixer = match &l.mixer {
             MixerRefs::Attention(a) => Mixer::Attention(self.attention_weights(a)),
+            MixerRefs::Mla(m) => Mixer::Mla(MlaWeights {
+                q_a: m.q_a.as_ref().map(|(t, norm)| (self.view(t), &norm[..])),
+                q: self.view(&m.q),
+                kv_a: self.view(&m.kv_a),
+                kv_a_norm: &m.kv_a_norm,
+                k_b: self.view(&m.k_b),
+                v_b: self.view(&m.v_b),
+                wo: self.view(&m.wo),
+            }),
             MixerRefs::DeltaNet(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape: self
                     .hybrid

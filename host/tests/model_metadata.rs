@@ -213,6 +213,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "qwen3next",
         "gpt-oss",
         "glm4moe",
+        "deepseek2",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

@@ -41,7 +41,14 @@ fn json_run(model: &Path, extra: &[&str]) -> Value {
 #[test]
 fn greedy_output_does_not_depend_on_threads() {
     for arch in [
-        "qwen3moe", "qwen2moe", "olmoe", "llama", "mixtral", "gpt-oss", "glm4moe",
+        "qwen3moe",
+        "qwen2moe",
+        "olmoe",
+        "llama",
+        "mixtral",
+        "gpt-oss",
+        "glm4moe",
+        "deepseek2",
     ] {
         let m = model(arch);
         let a = json_run(&m, &["--temp", "0", "-t", "1"]);
@@ -435,7 +442,14 @@ fn greedy_with_logits(
 
 #[test]
 fn every_schedule_and_budget_gives_bit_identical_logits() {
-    for arch in ["qwen3moe", "qwen2moe", "mixtral", "gpt-oss", "glm4moe"] {
+    for arch in [
+        "qwen3moe",
+        "qwen2moe",
+        "mixtral",
+        "gpt-oss",
+        "glm4moe",
+        "deepseek2",
+    ] {
         let m = model(arch);
         let (want, (rows, cols, want_logits), _) =
             greedy_with_logits(&m, &["--schedule", "resident"], &format!("{arch}_resident"));
@@ -526,7 +540,14 @@ fn batched_prompts_read_the_next_group_ahead() {
 /// time gives the same tokens and logits, resident and streamed.
 #[test]
 fn prompt_batch_size_does_not_change_the_logits() {
-    for arch in ["qwen3moe", "qwen35moe", "qwen3next", "gpt-oss", "glm4moe"] {
+    for arch in [
+        "qwen3moe",
+        "qwen35moe",
+        "qwen3next",
+        "gpt-oss",
+        "glm4moe",
+        "deepseek2",
+    ] {
         let m = model(arch);
         let (want, (_, _, want_logits), _) = greedy_with_logits(
             &m,

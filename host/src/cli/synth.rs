@@ -126,10 +126,14 @@ pub struct SynthArgs {
     /// Spread of the router logits (default 2.0).
     #[arg(long)]
     pub router_scale: Option<f32>,
-    /// Multi-token-prediction blocks after the main stack (qwen35moe; 0 = like a
-    /// `--no-mtp` conversion).
+    /// Multi-token-prediction blocks after the main stack (qwen35moe, qwen3next,
+    /// glm4moe; 0 = like a `--no-mtp` conversion).
     #[arg(long)]
     pub mtp_layers: Option<u64>,
+    /// deepseek2's query compression rank (0: queries projected directly, as
+    /// DeepSeek-V2-Lite's); default four times the head size.
+    #[arg(long)]
+    pub q_lora_rank: Option<u64>,
     /// Omit output.weight (qwen3moe, llama): llama.cpp then uses token_embd.weight.
     #[arg(long)]
     pub tie_embeddings: bool,
@@ -198,6 +202,7 @@ impl SynthArgs {
             router_scale: self.router_scale,
             tie_embeddings: self.tie_embeddings,
             mtp_layers: self.mtp_layers,
+            q_lora_rank: self.q_lora_rank,
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)
     }

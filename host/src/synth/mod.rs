@@ -106,6 +106,11 @@ pub enum Arch {
     /// scores plus a selection bias (`exp_probs_b`) and scaled by 2.5, an
     /// ungated shared expert, and one nextn (MTP) block after the main stack.
     Glm4moe,
+    /// DeepSeek-V3 (llama.cpp's `deepseek2`): multi-head latent attention
+    /// (split `attn_k_b` / `attn_v_b`, YaRN with `yarn_log_multiplier`), the
+    /// first layer dense, sigmoid routing with a selection bias over expert
+    /// groups, weights scaled by 2.5, an ungated shared expert.
+    Deepseek2,
 }
 
 impl Arch {
@@ -120,6 +125,7 @@ impl Arch {
             Arch::Qwen3next => "qwen3next",
             Arch::GptOss => "gpt-oss",
             Arch::Glm4moe => "glm4moe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 
@@ -154,6 +160,7 @@ impl Arch {
                 | Arch::Qwen35moe
                 | Arch::Qwen3next
                 | Arch::Glm4moe
+                | Arch::Deepseek2
         )
     }
 
@@ -161,7 +168,7 @@ impl Arch {
     fn has_shared_expert(self) -> bool {
         matches!(
             self,
-            Arch::Qwen2moe | Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe
+            Arch::Qwen2moe | Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe | Arch::Deepseek2
         )
     }
 
@@ -652,6 +659,7 @@ pub struct Overrides {
     pub router_scale: Option<f32>,
     pub tie_embeddings: bool,
     pub mtp_layers: Option<u64>,
+    pub q_lora_rank: Option<u64>,
 }
 
 /// Why a configuration or a write failed.
@@ -710,6 +718,8 @@ pub struct SynthConfig {
     pub seed: u64,
     /// Omit `output.weight` (llama.cpp then uses `token_embd.weight`).
     pub tie_embeddings: bool,
+    /// deepseek2's query compression rank (0: none).
+    pub q_lora_rank: u64,
 }
 
 impl SynthConfig {
@@ -764,17 +774,22 @@ impl SynthConfig {
             s.full_attn_interval = 0;
             s.rope_dim = s.head_dim;
         }
-        if arch == Arch::Glm4moe {
-            // GLM-4.5's partial_rotary_factor 0.5; its shared expert is
+        if o.q_lora_rank.is_some() && arch != Arch::Deepseek2 {
+            return config_err(format!("--q-lora-rank applies to deepseek2, not {name}"));
+        }
+        if matches!(arch, Arch::Glm4moe | Arch::Deepseek2) {
+            // GLM-4.5's partial_rotary_factor 0.5; the shared expert is
             // `expert_shared_count` routed experts wide.
-            s.rope_dim = s.head_dim / 2;
+            if arch == Arch::Glm4moe {
+                s.rope_dim = s.head_dim / 2;
+            }
             if o.shared_ff.is_none() {
                 s.shared_ff = s.expert_ff;
             }
             if s.expert_ff == 0 || s.shared_ff == 0 || !s.shared_ff.is_multiple_of(s.expert_ff) {
-                return config_err(
-                    "glm4moe: --shared-ff must be a positive multiple of --expert-ff",
-                );
+                return config_err(format!(
+                    "{name}: --shared-ff must be a positive multiple of --expert-ff"
+                ));
             }
         }
         if arch == Arch::Llama && o.experts.is_none() {
@@ -842,6 +857,7 @@ impl SynthConfig {
             knobs,
             seed,
             tie_embeddings: o.tie_embeddings,
+            q_lora_rank: o.q_lora_rank.unwrap_or(4 * s.head_dim),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -922,8 +938,14 @@ impl SynthConfig {
         if s.mtp_layers > 4 {
             return config_err("--mtp-layers: at most 4");
         }
-        if self.arch == Arch::Glm4moe && (s.layers < 2 || s.ff == 0) {
-            return config_err("glm4moe: needs 2 or more layers (the first is dense) and --ff");
+        if matches!(self.arch, Arch::Glm4moe | Arch::Deepseek2) && (s.layers < 2 || s.ff == 0) {
+            return config_err(format!(
+                "{}: needs 2 or more layers (the first is dense) and --ff",
+                self.arch.cli_name()
+            ));
+        }
+        if self.arch == Arch::Deepseek2 && s.experts < 4 {
+            return config_err("deepseek2: needs 4 or more experts (they route in groups)");
         }
         if self.arch == Arch::Glm4moe && !s.rope_dim.is_multiple_of(2) {
             return config_err("glm4moe: head_dim must be a multiple of 4 (half of it is rotated)");
@@ -1031,9 +1053,9 @@ impl TensorPlan {
         n / self.ty.block_elems() as u64 * self.ty.block_bytes() as u64
     }
 
-    /// Whether this is a routed-expert tensor (3-D).
+    /// Whether this is a routed-expert tensor (`ffn_*_exps`).
     pub fn is_expert(&self) -> bool {
-        self.dims.len() == 3
+        self.dims.len() == 3 && self.name.contains("_exps.")
     }
 }
 
@@ -1141,6 +1163,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         }
         if cfg.arch == Arch::Glm4moe {
             glm4moe_layer(cfg, l, &mut add);
+            continue;
+        }
+        if cfg.arch == Arch::Deepseek2 {
+            deepseek2_layer(cfg, l, &mut add);
             continue;
         }
         add(
@@ -1490,6 +1516,169 @@ fn glm4moe_layer(
     }
 }
 
+/// deepseek2's latent attention in a synthetic model, from the head size `d`:
+/// `nope = 2d`, `rope = d`, `v = 2d`, `kv_lora = 4d` (DeepSeek-V3 has
+/// 128 / 64 / 128 / 512).
+pub fn deepseek2_mla(head_dim: u64) -> [u64; 4] {
+    [2 * head_dim, head_dim, 2 * head_dim, 4 * head_dim]
+}
+
+/// deepseek2's expert groups in a synthetic model: groups of two experts,
+/// half of them used (DeepSeek-V3: 8 groups of 32, 4 used).
+pub fn deepseek2_groups(experts: u64) -> (u64, u64) {
+    (experts / 2, experts / 4)
+}
+
+/// deepseek2's YaRN: factor 4 over a quarter of the context, DeepSeek-V3's
+/// `mscale_all_dim` (the key holds a tenth of it, as llama.cpp's converter writes).
+const DEEPSEEK2_YARN: (f32, f32) = (4.0, 0.1 * 0.707);
+
+/// The tensors of deepseek2 block `l`, in llama.cpp's names and shapes.
+fn deepseek2_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let lay = Some(l);
+    let (e, h, f) = (s.embd, s.heads, s.shared_ff);
+    let [nope, rope, v, kv_lora] = deepseek2_mla(s.head_dim);
+    let ql = cfg.q_lora_rank;
+    add(
+        n("attn_norm.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    if ql > 0 {
+        add(
+            n("attn_q_a.weight"),
+            vec![e, ql],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("attn_q_a_norm.weight"),
+            vec![ql],
+            GgmlType::F32,
+            Init::Norm,
+            lay,
+        );
+        let qb = n("attn_q_b.weight");
+        add(
+            qb,
+            vec![ql, h * (nope + rope)],
+            t.dense,
+            Init::Normal(inv(ql)),
+            lay,
+        );
+    } else {
+        let q = n("attn_q.weight");
+        add(
+            q,
+            vec![e, h * (nope + rope)],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+    }
+    let kva = n("attn_kv_a_mqa.weight");
+    add(
+        kva,
+        vec![e, kv_lora + rope],
+        t.dense,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    add(
+        n("attn_kv_a_norm.weight"),
+        vec![kv_lora],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    let kb = n("attn_k_b.weight");
+    add(
+        kb,
+        vec![nope, kv_lora, h],
+        t.dense,
+        Init::Normal(inv(nope)),
+        lay,
+    );
+    let vb = n("attn_v_b.weight");
+    add(
+        vb,
+        vec![kv_lora, v, h],
+        t.dense,
+        Init::Normal(inv(kv_lora)),
+        lay,
+    );
+    let wo = n("attn_output.weight");
+    add(
+        wo,
+        vec![h * v, e],
+        t.dense,
+        Init::Normal(r * inv(h * v)),
+        lay,
+    );
+    add(
+        n("ffn_norm.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    if l < GLM4MOE_DENSE_LAYERS {
+        let ff = s.ff;
+        add(
+            n("ffn_gate.weight"),
+            vec![e, ff],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("ffn_up.weight"),
+            vec![e, ff],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        let down = n("ffn_down.weight");
+        add(down, vec![ff, e], t.dense, Init::Normal(r * inv(ff)), lay);
+    } else {
+        routed_experts(cfg, l, add);
+        let bias = n("exp_probs_b.bias");
+        add(
+            bias,
+            vec![s.experts],
+            GgmlType::F32,
+            Init::Normal(0.05),
+            lay,
+        );
+        add(
+            n("ffn_gate_shexp.weight"),
+            vec![e, f],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        add(
+            n("ffn_up_shexp.weight"),
+            vec![e, f],
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        let down = n("ffn_down_shexp.weight");
+        add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
+    }
+}
+
 /// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
 /// in llama.cpp's names and shapes.
 fn qwen35moe_layer(
@@ -1662,10 +1851,19 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     };
     kv(format!("{a}.feed_forward_length"), u32v(ff));
     kv(format!("{a}.attention.head_count"), u32v(s.heads));
-    kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
-    if !cfg.arch.square_attention() {
-        kv(format!("{a}.attention.key_length"), u32v(s.head_dim));
-        kv(format!("{a}.attention.value_length"), u32v(s.head_dim));
+    if cfg.arch == Arch::Deepseek2 {
+        // MLA as llama.cpp's converter writes it: one latent head, keys of
+        // kv_lora + rope and values of kv_lora (the `_mla` keys hold a head's).
+        let [_, rope, _, kv_lora] = deepseek2_mla(s.head_dim);
+        kv(format!("{a}.attention.head_count_kv"), u32v(1));
+        kv(format!("{a}.attention.key_length"), u32v(kv_lora + rope));
+        kv(format!("{a}.attention.value_length"), u32v(kv_lora));
+    } else {
+        kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
+        if !cfg.arch.square_attention() {
+            kv(format!("{a}.attention.key_length"), u32v(s.head_dim));
+            kv(format!("{a}.attention.value_length"), u32v(s.head_dim));
+        }
     }
     if matches!(cfg.arch, Arch::Llama | Arch::Mixtral) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
@@ -1721,6 +1919,40 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
     }
+    if cfg.arch == Arch::Deepseek2 {
+        let [nope, rope, v, kv_lora] = deepseek2_mla(s.head_dim);
+        kv(format!("{a}.attention.q_lora_rank"), u32v(cfg.q_lora_rank));
+        kv(format!("{a}.attention.kv_lora_rank"), u32v(kv_lora));
+        kv(format!("{a}.attention.key_length_mla"), u32v(nope + rope));
+        kv(format!("{a}.attention.value_length_mla"), u32v(v));
+        kv(format!("{a}.rope.dimension_count"), u32v(rope));
+        kv(
+            format!("{a}.leading_dense_block_count"),
+            u32v(GLM4MOE_DENSE_LAYERS),
+        );
+        kv(
+            format!("{a}.expert_shared_count"),
+            u32v(s.shared_ff / s.expert_ff.max(1)),
+        );
+        kv(
+            format!("{a}.expert_weights_scale"),
+            MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
+        );
+        let (groups, used) = deepseek2_groups(s.experts);
+        kv(format!("{a}.expert_group_count"), u32v(groups));
+        kv(format!("{a}.expert_group_used_count"), u32v(used));
+        let (factor, log_mul) = DEEPSEEK2_YARN;
+        kv(format!("{a}.rope.scaling.type"), "yarn".into());
+        kv(format!("{a}.rope.scaling.factor"), MetaValue::F32(factor));
+        kv(
+            format!("{a}.rope.scaling.original_context_length"),
+            u32v(s.context / 4),
+        );
+        kv(
+            format!("{a}.rope.scaling.yarn_log_multiplier"),
+            MetaValue::F32(log_mul),
+        );
+    }
     if cfg.arch == Arch::GptOss {
         let window = gpt_oss_window(cfg.preset);
         kv(format!("{a}.attention.sliding_window"), u32v(window));
@@ -1742,7 +1974,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.expert_count"), u32v(s.experts));
         kv(format!("{a}.expert_used_count"), u32v(s.top_k));
         kv(format!("{a}.expert_feed_forward_length"), u32v(s.expert_ff));
-        if s.shared_ff > 0 && cfg.arch != Arch::Glm4moe {
+        if s.shared_ff > 0 && !matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
             kv(
                 format!("{a}.expert_shared_feed_forward_length"),
                 u32v(s.shared_ff),
@@ -1753,7 +1985,11 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             MetaValue::Bool(cfg.arch.normalizes()),
         );
         // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
-        let gating = if cfg.arch == Arch::Glm4moe { 2 } else { 1 };
+        let gating = if matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
+            2
+        } else {
+            1
+        };
         kv(format!("{a}.expert_gating_func"), MetaValue::U32(gating));
     }
     let k = &cfg.knobs;
@@ -1958,6 +2194,7 @@ mod tests {
             Arch::Qwen35moe,
             Arch::Qwen3next,
             Arch::Glm4moe,
+            Arch::Deepseek2,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {

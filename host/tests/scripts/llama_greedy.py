@@ -11,6 +11,7 @@ on its own (n_batch 1).
 import json
 import sys
 
+import llama_cpp
 from llama_cpp import Llama
 
 
@@ -19,8 +20,11 @@ def main():
     llm = Llama(model_path=path, n_ctx=256, n_threads=2, n_batch=1, verbose=False)
     toks = llm.tokenize(prompt.encode(), add_bos=True, special=False)
     out = []
+    # llama.cpp's own end-of-generation set (EOS, EOT and the tokens it knows
+    # by text, such as <|endoftext|>), as llama-cli stops on.
+    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     for t in llm.generate(toks, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-        if llm.token_is_eog(t) if hasattr(llm, "token_is_eog") else t == llm.token_eos():
+        if llama_cpp.llama_vocab_is_eog(vocab, t):
             break
         out.append(t)
         if len(out) == n:

@@ -1,0 +1,204 @@
+//! `les` on synthetic deepseek2 models (DeepSeek-V3's shape of llama.cpp's
+//! `deepseek2`: multi-head latent attention with split `attn_k_b` /
+//! `attn_v_b`, YaRN with `yarn_log_multiplier`, a dense first layer, sigmoid
+//! routing with a selection bias over expert groups, an ungated shared
+//! expert): the file carries llama.cpp's keys and tensors, the loader reads
+//! them as llama.cpp does, older unsplit files are refused with the reason, a
+//! packed copy streams with the resident logits, and, with llama-cpp-python at
+//! hand, les's log-probabilities are llama.cpp's.
+
+mod cli;
+mod common;
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::PathBuf;
+
+use cli::{
+    greedy, greedy_json, greedy_logits, kld, llama_greedy, llama_kld_base, pack, synth_once, tmp,
+    tokens, F32_WEIGHTS,
+};
+use les::gguf::{Gguf, GgufWriter};
+use les_core::router::{ExpertGroups, Gating};
+
+/// A synthetic deepseek2 `tiny` written once per test binary (`extra` args).
+fn model(name: &str, extra: &[&str]) -> PathBuf {
+    let args = ["--arch", "deepseek2", "--preset", "tiny", "--seed", "5"];
+    synth_once(
+        &format!("deepseek2_{name}.gguf"),
+        &[&args[..], extra].concat(),
+    )
+}
+
+#[test]
+fn synth_writes_llama_cpp_names_and_keys() {
+    let m = model("q", &[]);
+    let g = Gguf::open(&m).unwrap();
+    assert_eq!(g.get_str("general.architecture").unwrap(), "deepseek2");
+    for (key, want) in [
+        ("deepseek2.attention.head_count_kv", 1),
+        ("deepseek2.attention.q_lora_rank", 64),
+        ("deepseek2.attention.kv_lora_rank", 64),
+        ("deepseek2.attention.key_length", 80),
+        ("deepseek2.attention.value_length", 64),
+        ("deepseek2.attention.key_length_mla", 48),
+        ("deepseek2.attention.value_length_mla", 32),
+        ("deepseek2.rope.dimension_count", 16),
+        ("deepseek2.leading_dense_block_count", 1),
+        ("deepseek2.expert_group_count", 4),
+        ("deepseek2.expert_group_used_count", 2),
+        ("deepseek2.expert_gating_func", 2),
+    ] {
+        assert_eq!(g.get_u32(key).unwrap(), want, "{key}");
+    }
+    for name in [
+        "blk.0.attn_q_a.weight",
+        "blk.0.attn_q_b.weight",
+        "blk.0.attn_kv_a_mqa.weight",
+        "blk.0.attn_k_b.weight",
+        "blk.0.attn_v_b.weight",
+        "blk.0.ffn_gate.weight",
+        "blk.1.exp_probs_b.bias",
+        "blk.1.ffn_up_shexp.weight",
+    ] {
+        assert!(g.tensor(name).is_some(), "{name}");
+    }
+    assert_eq!(
+        g.tensor("blk.0.attn_k_b.weight").unwrap().dims(),
+        [32, 64, 4]
+    );
+    drop(g);
+    let model = les::model::Model::open(&m).unwrap();
+    let hp = model.hp;
+    assert_eq!(
+        (hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot),
+        (4, 1, 80, 16)
+    );
+    let mla = model.hybrid.mla.unwrap();
+    assert_eq!(
+        (mla.q_lora, mla.kv_lora, mla.nope, mla.v_head_dim),
+        (64, 64, 32, 32)
+    );
+    // YaRN factor 4 with mscale_all_dim 0.707: mscale = 1 + 0.0707 ln 4.
+    let mscale = 1.0 + 0.1 * 0.707 * 4f32.ln();
+    let want = mscale * mscale / 48f32.sqrt();
+    assert!(
+        (mla.kq_scale - want).abs() < 1e-6,
+        "{} vs {want}",
+        mla.kq_scale
+    );
+    let moe = hp.moe.unwrap();
+    assert_eq!(moe.gating, Gating::Sigmoid);
+    assert_eq!(moe.groups, Some(ExpertGroups { count: 4, used: 2 }));
+    assert!(!model.is_moe_layer(0) && model.is_moe_layer(1));
+    // Without query compression (DeepSeek-V2-Lite): attn_q.
+    let lite = model_lite();
+    let g = Gguf::open(&lite).unwrap();
+    assert!(g.tensor("blk.0.attn_q.weight").is_some());
+    assert!(g.tensor("blk.0.attn_q_a.weight").is_none());
+    drop(g);
+    let l = les::model::Model::open(&lite).unwrap();
+    assert_eq!(l.hybrid.mla.unwrap().q_lora, 0);
+}
+
+fn model_lite() -> PathBuf {
+    model("lite", &["--q-lora-rank", "0"])
+}
+
+/// A file with llama.cpp's older unsplit `attn_kv_b` in place of `attn_k_b`
+/// is refused with the reason, not misread.
+#[test]
+fn unsplit_kv_b_is_refused_with_the_reason() {
+    let m = model("q", &[]);
+    let dst = tmp("deepseek2_kv_b.gguf");
+    let g = Gguf::open(&m).unwrap();
+    let rename = |n: &str| n.replace("attn_k_b", "attn_kv_b");
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add_kv(k, v.to_meta()).unwrap();
+    }
+    for t in g.tensors() {
+        w.add_tensor(rename(t.name()), t.dims(), t.ggml_type())
+            .unwrap();
+    }
+    let mut data = w
+        .write_header(BufWriter::new(File::create(&dst).unwrap()))
+        .unwrap();
+    for t in g.tensors() {
+        data.write_tensor(&rename(t.name()), t.data()).unwrap();
+    }
+    data.finish().unwrap();
+    let out = greedy(&dst, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("attn_kv_b") && err.contains("convert the model again"),
+        "{err}"
+    );
+}
+
+/// A packed copy gives the resident logits under every schedule, slot count
+/// and batch size.
+#[test]
+fn packed_experts_stream_exactly() {
+    let m = model("q", &[]);
+    let packed = tmp("deepseek2_q.p.gguf");
+    pack(&m, &packed);
+    let (want_tokens, want) = greedy_logits(&m, "plain", &[]);
+    assert!(!want_tokens.is_empty());
+    for (name, file, extra) in [
+        ("packed", &packed, &[][..]),
+        ("les3", &packed, &["--schedule", "les", "--slots", "3"][..]),
+        ("od5", &packed, &["--schedule", "on-demand", "--slots", "5"]),
+        (
+            "les2_b1",
+            &packed,
+            &["--schedule", "les", "--slots", "2", "-b", "1"],
+        ),
+        ("plain_les", &m, &["--schedule", "les", "--slots", "4"]),
+    ] {
+        let (t, got) = greedy_logits(file, name, extra);
+        assert_eq!(t, want_tokens, "{name}");
+        assert!(got == want, "{name}: logits differ");
+    }
+}
+
+/// Against llama.cpp through llama-cpp-python: with f32 weights, with and
+/// without query compression, the same greedy tokens and log-probabilities
+/// within rounding; with the preset's quantized weights close (a mean KL
+/// divergence of 0.003 on this model, most of it llama.cpp's f16 rounding of
+/// queries and attention weights over an f16 cache: 6e-4 with both caches f32).
+#[test]
+#[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
+fn log_probabilities_equal_llama_cpp() {
+    for (name, m) in [
+        ("f32", model("f32", &F32_WEIGHTS)),
+        (
+            "lite_f32",
+            model(
+                "lite_f32",
+                &[&F32_WEIGHTS[..], &["--q-lora-rank", "0"]].concat(),
+            ),
+        ),
+    ] {
+        let theirs = llama_greedy(&m);
+        let v = greedy_json(&m, &[]);
+        assert_eq!(v["prompt_tokens"], theirs["prompt"], "{name}: prompt");
+        assert_eq!(
+            serde_json::json!(tokens(&v)),
+            theirs["tokens"],
+            "{name}: greedy continuations differ"
+        );
+        let base = tmp(&format!("deepseek2_{name}.kld"));
+        llama_kld_base(&m, &base);
+        let d = kld(&m, &base);
+        assert!(d["max"].as_f64().unwrap() < 1e-4, "{name}: {d}");
+        assert_eq!(d["same_top"], 1.0, "{name}: {d}");
+    }
+    let q = model("q", &[]);
+    let base = tmp("deepseek2_q.kld");
+    llama_kld_base(&q, &base);
+    let d = kld(&q, &base);
+    assert!(d["mean"].as_f64().unwrap() < 1e-2, "{d}");
+    assert!(d["same_top"].as_f64().unwrap() > 0.9, "{d}");
+}
