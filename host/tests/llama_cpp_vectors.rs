@@ -84,6 +84,18 @@ fn check(gguf: &Path, pre: &str, inp: &str, out: &str, byte_level: bool) {
     );
 }
 
+/// DeepSeek-V2's vocabulary and its six literal-range regexes.
+#[test]
+fn deepseek_llm_tokenizes_as_llama_cpp() {
+    check(
+        &vocab("deepseek-llm"),
+        "deepseek-llm",
+        "ggml-vocab-deepseek-llm.gguf.inp",
+        "ggml-vocab-deepseek-llm.gguf.out",
+        true,
+    );
+}
+
 #[test]
 fn qwen35_tokenizes_as_llama_cpp() {
     // MiniCPM-V 4.7's language model (Qwen3.5) and its pre-tokenizer.

@@ -19,6 +19,12 @@
 //! original keeps whole, e.g. `ÉCOLE`): the inputs of `QWEN35` plus cases of
 //! case, marks, scripts and `/`.
 //!
+//! `DEEPSEEK3` (2026-12-04, `regex` 2026.5.9) is reference A only, over
+//! llama.cpp's three regexes for `deepseek-v3` (numbers in threes; CJK and
+//! kana runs; the rest), on cases of punctuation before letters, symbols,
+//! scripts, marks and whitespace. (5000 random strings over those characters
+//! agreed the same way, a throwaway check.)
+//!
 //! Everything sits in `mod tokenizer_splits` so that `cargo test tokenizer` selects it.
 
 mod tokenizer_splits {
@@ -63,6 +69,11 @@ mod tokenizer_splits {
     }
 
     #[test]
+    fn deepseek3_splits() {
+        check(PreTokenizer::Deepseek3, DEEPSEEK3);
+    }
+
+    #[test]
     fn default_splits() {
         check(PreTokenizer::Default, DEFAULT);
     }
@@ -82,10 +93,13 @@ mod tokenizer_splits {
             ("qwen35", PreTokenizer::Qwen35),
             ("gpt-4o", PreTokenizer::Gpt4o),
             ("minimax-m2", PreTokenizer::Gpt4o),
+            ("deepseek-v3", PreTokenizer::Deepseek3),
+            ("deepseek-llm", PreTokenizer::DeepseekLlm),
+            ("glm5", PreTokenizer::Llama3),
         ] {
             assert_eq!(PreTokenizer::from_name(name), Some(pre), "{name}");
         }
-        for name in ["gpt2", "qwen3", "deepseek-llm", "", "LLAMA-BPE"] {
+        for name in ["gpt2", "qwen3", "kimi-k2", "", "LLAMA-BPE"] {
             assert_eq!(PreTokenizer::from_name(name), None, "{name}");
         }
     }
@@ -803,5 +817,64 @@ mod tokenizer_splits {
         ("\u{0}\u{1}x", &["\u{0}\u{1}", "x"]),
         (" 😀", &[" 😀"]),
         ("   😀", &["  ", " 😀"]),
+    ];
+
+    const DEEPSEEK3: Cases = &[
+        ("Hello world", &["Hello", " world"]),
+        (
+            "It's a test, isn't it?",
+            &["It", "'s", " a", " test", ",", " isn", "'t", " it", "?"],
+        ),
+        (
+            "(hello) [world] {x}",
+            &["(hello", ")", " [", "world", "]", " {", "x", "}"],
+        ),
+        (
+            "www.example.com/path?q=1",
+            &["www", ".example", ".com", "/path", "?q", "=", "1"],
+        ),
+        (
+            "$100 + 20% = €120",
+            &["$", "100", " +", " ", "20", "%", " =", " €", "120"],
+        ),
+        ("a+b=c", &["a", "+b", "=c"]),
+        ("12345678", &["123", "456", "78"]),
+        ("３４５ and ٣٤٥", &["３４５", " and", " ", "٣٤٥"]),
+        (
+            "中文测试和日本語のテキスト",
+            &["中文测试和日本語のテキスト"],
+        ),
+        ("ひらがなカタカナ漢字", &["ひらがなカタカナ漢字"]),
+        ("한국어 텍스트", &["한국어", " 텍스트"]),
+        ("Ünïcödé café naïve", &["Ünïcödé", " café", " naïve"]),
+        ("école", &["école"]),
+        ("́abc", &["́abc"]),
+        (
+            "line1\nline2\r\n\r\nline3",
+            &["line", "1", "\n", "line", "2", "\r\n\r\n", "line", "3"],
+        ),
+        (
+            "  leading and trailing  ",
+            &[" ", " leading", " and", " trailing", "  "],
+        ),
+        ("tabs\tand nbsp", &["tabs", "\tand", " nbsp"]),
+        ("emoji 😀👍 ok", &["emoji", " 😀👍", " ok"]),
+        ("#hashtag @user", &["#hashtag", " @", "user"]),
+        ("x=[1,2,3];", &["x", "=[", "1", ",", "2", ",", "3", "];"]),
+        ("‘quoted’ “text”", &["‘", "quoted", "’", " “", "text", "”"]),
+        ("…ellipsis—dash", &["…", "ellipsis", "—", "dash"]),
+        ("C++ and C#", &["C", "++", " and", " C", "#"]),
+        (
+            "snake_case and camelCase",
+            &["snake", "_case", " and", " camelCase"],
+        ),
+        ("ÉCOLE ÉCOLE", &["ÉCOLE", " ÉCOLE"]),
+        ("Γειά σου Κόσμε", &["Γειά", " σου", " Κόσμε"]),
+        ("Привет мир", &["Привет", " мир"]),
+        ("مرحبا بالعالم", &["مرحبا", " بالعالم"]),
+        ("123abc456", &["123", "abc", "456"]),
+        ("\u{200B}zero width", &["\u{200B}zero", " width"]),
+        ("a\r\nb", &["a", "\r\n", "b"]),
+        ("!!!\n\nx", &["!!!\n\n", "x"]),
     ];
 }

@@ -7,7 +7,7 @@
 //! scanners for the GPT-2 and llama-3 patterns, `std::regex` over category-collapsed
 //! text for the rest).
 
-use super::unicode::{flags, LETTER, MARK, NUMBER, PUNCT, SPACE};
+use super::unicode::{flags, LETTER, MARK, NUMBER, PUNCT, SPACE, SYMBOL};
 
 /// A pre-tokenizer as llama.cpp selects it from `tokenizer.ggml.pre`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,6 +41,19 @@ pub enum PreTokenizer {
     /// original's `\p{Lu}`/`\p{Ll}` classes and marks are llama.cpp's to
     /// approximate; this follows llama.cpp.)
     Gpt4o,
+    /// DeepSeek-V3's (`deepseek-v3`), three regexes in turn: `\p{N}{1,3}`;
+    /// runs of CJK ideographs, hiragana and katakana (`[一-龥぀-ゟ゠-ヿ]+`);
+    /// then an ASCII punctuation mark with the ASCII letters after it,
+    /// `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`, ` ?[\p{P}\p{S}]+[\r\n]*`,
+    /// then whitespace as llama-3's.
+    Deepseek3,
+    /// DeepSeek-V2's (`deepseek-llm`), six regexes in turn: each `[\r\n]`;
+    /// `\s?` then a run of the letters of its list (Latin, Greek, Cyrillic,
+    /// Armenian, Georgian, ...); `\s?` then a run of ASCII and full-width
+    /// punctuation and quotes; trailing whitespace; runs of CJK and Hangul;
+    /// `\p{N}+`. Its ranges are literal characters, which llama.cpp matches
+    /// after turning non-ASCII whitespace into `\v` (so that `\s` sees it).
+    DeepseekLlm,
 }
 
 impl PreTokenizer {
@@ -61,6 +74,8 @@ impl PreTokenizer {
             | "hunyuan" | "solar-open" => Self::Qwen2,
             "qwen35" => Self::Qwen35,
             "gpt-4o" | "minimax-m2" => Self::Gpt4o,
+            "deepseek-v3" => Self::Deepseek3,
+            "deepseek-llm" => Self::DeepseekLlm,
             _ => return None,
         })
     }
@@ -91,6 +106,15 @@ impl PreTokenizer {
             Self::Qwen2 => &[QWEN2],
             Self::Qwen35 => &[QWEN35],
             Self::Gpt4o => &[Stage::O200k],
+            Self::Deepseek3 => &[Stage::NumberTriples, Stage::CjkKana, Stage::Deepseek3],
+            Self::DeepseekLlm => &[
+                Stage::EachNewline,
+                Stage::DsLetters,
+                Stage::DsPunct,
+                Stage::TrailingSpace,
+                Stage::CjkHangul,
+                Stage::NumberRuns,
+            ],
         }
     }
 
@@ -153,6 +177,22 @@ enum Stage {
     Llama { max_digits: usize, word: u8 },
     /// The o200k pattern ([`PreTokenizer::Gpt4o`]).
     O200k,
+    /// `\p{N}{1,3}`
+    NumberTriples,
+    /// `[一-龥぀-ゟ゠-ヿ]+`
+    CjkKana,
+    /// DeepSeek-V3's last regex ([`PreTokenizer::Deepseek3`]).
+    Deepseek3,
+    /// `[\r\n]`
+    EachNewline,
+    /// `\s?[<DEEPSEEK_LLM_LETTERS>]+`
+    DsLetters,
+    /// `\s?[!-/:-~！-／：-～‘-‟　-。]+`
+    DsPunct,
+    /// `\s+$`
+    TrailingSpace,
+    /// `[一-龥ࠀ-一가-퟿]+`
+    CjkHangul,
 }
 
 impl Stage {
@@ -187,6 +227,41 @@ impl Stage {
             Self::Gpt2 => gpt2(cps, base, out),
             Self::Llama { max_digits, word } => llama(cps, base, out, max_digits, word),
             Self::O200k => o200k(cps, base, out),
+            Self::NumberTriples => match_split(cps, base, out, |cps, i| {
+                run_len(&cps[i..], |cp| cp.f & NUMBER != 0).min(3)
+            }),
+            Self::CjkKana => match_split(cps, base, out, |cps, i| {
+                run_len(
+                    &cps[i..],
+                    |cp| matches!(cp.c, '\u{4e00}'..='\u{9fa5}' | '\u{3040}'..='\u{309f}' | '\u{30a0}'..='\u{30ff}'),
+                )
+            }),
+            Self::Deepseek3 => match_split(cps, base, out, deepseek3_match),
+            Self::EachNewline => match_split(cps, base, out, |cps, i| {
+                usize::from(matches!(cps[i].c, '\r' | '\n'))
+            }),
+            Self::DsLetters => match_split(cps, base, out, |cps, i| {
+                space_then_run(cps, i, |c| in_ranges(c, DEEPSEEK_LLM_LETTERS))
+            }),
+            Self::DsPunct => match_split(cps, base, out, |cps, i| {
+                space_then_run(cps, i, |c| {
+                    matches!(c, '!'..='/' | ':'..='~' | '\u{ff01}'..='\u{ff0f}'
+                        | '\u{ff1a}'..='\u{ff5e}' | '\u{2018}'..='\u{201f}' | '\u{3000}'..='\u{3002}')
+                })
+            }),
+            Self::TrailingSpace => match_split(cps, base, out, |cps, i| {
+                let rest = &cps[i..];
+                if rest.iter().all(|cp| cp.f & SPACE != 0) {
+                    rest.len()
+                } else {
+                    0
+                }
+            }),
+            Self::CjkHangul => match_split(cps, base, out, |cps, i| {
+                run_len(&cps[i..], |cp| {
+                    literal(cp) && matches!(cp.c, '\u{800}'..='\u{9fa5}' | '\u{ac00}'..='\u{d7ff}')
+                })
+            }),
         }
     }
 }
@@ -263,6 +338,157 @@ fn whitespace_end(cps: &[Cp], pos: usize, newline_first: bool) -> usize {
         _ if k > 0 => pos + k,
         _ => pos + 1,
     }
+}
+
+/// DeepSeek-V2's letters (`deepseek-llm`'s second regex), as llama.cpp lists them.
+const DEEPSEEK_LLM_LETTERS: &[(char, char)] = &[
+    ('\u{41}', '\u{5a}'),
+    ('\u{61}', '\u{7a}'),
+    ('\u{b5}', '\u{b5}'),
+    ('\u{c0}', '\u{d6}'),
+    ('\u{d8}', '\u{f6}'),
+    ('\u{f8}', '\u{1ba}'),
+    ('\u{1bc}', '\u{1bf}'),
+    ('\u{1c4}', '\u{293}'),
+    ('\u{295}', '\u{2af}'),
+    ('\u{370}', '\u{373}'),
+    ('\u{376}', '\u{376}'),
+    ('\u{377}', '\u{377}'),
+    ('\u{37b}', '\u{37d}'),
+    ('\u{37f}', '\u{37f}'),
+    ('\u{386}', '\u{386}'),
+    ('\u{388}', '\u{38a}'),
+    ('\u{38c}', '\u{38c}'),
+    ('\u{38e}', '\u{3a1}'),
+    ('\u{3a3}', '\u{3f5}'),
+    ('\u{3f7}', '\u{481}'),
+    ('\u{48a}', '\u{52f}'),
+    ('\u{531}', '\u{556}'),
+    ('\u{10a0}', '\u{10c5}'),
+    ('\u{13a0}', '\u{13f5}'),
+    ('\u{13f8}', '\u{13fd}'),
+    ('\u{1c90}', '\u{1cba}'),
+    ('\u{1cbd}', '\u{1cbf}'),
+    ('\u{1d00}', '\u{1d2b}'),
+    ('\u{1d6b}', '\u{1d77}'),
+    ('\u{1d79}', '\u{1d9a}'),
+    ('\u{1e00}', '\u{1f15}'),
+    ('\u{1f18}', '\u{1f1d}'),
+    ('\u{1f20}', '\u{1f45}'),
+    ('\u{1f48}', '\u{1f4d}'),
+    ('\u{1f50}', '\u{1f57}'),
+    ('\u{1f59}', '\u{1f59}'),
+    ('\u{1f5b}', '\u{1f5b}'),
+    ('\u{1f5d}', '\u{1f5d}'),
+    ('\u{1f5f}', '\u{1f7d}'),
+    ('\u{1f80}', '\u{1fb4}'),
+    ('\u{1fb6}', '\u{1fbc}'),
+    ('\u{1fbe}', '\u{1fbe}'),
+    ('\u{1fc2}', '\u{1fc4}'),
+    ('\u{1fc6}', '\u{1fcc}'),
+    ('\u{1fd0}', '\u{1fd3}'),
+    ('\u{1fd6}', '\u{1fdb}'),
+    ('\u{1fe0}', '\u{1fec}'),
+    ('\u{1ff2}', '\u{1ff4}'),
+    ('\u{1ff6}', '\u{1ffc}'),
+    ('\u{2102}', '\u{2102}'),
+    ('\u{2107}', '\u{2107}'),
+    ('\u{210a}', '\u{2113}'),
+    ('\u{2115}', '\u{2115}'),
+    ('\u{2119}', '\u{211d}'),
+    ('\u{2124}', '\u{2124}'),
+    ('\u{2126}', '\u{2126}'),
+    ('\u{2128}', '\u{2128}'),
+    ('\u{212a}', '\u{212d}'),
+    ('\u{212f}', '\u{2134}'),
+    ('\u{2139}', '\u{2139}'),
+    ('\u{213c}', '\u{213f}'),
+    ('\u{2145}', '\u{2149}'),
+    ('\u{214e}', '\u{214e}'),
+    ('\u{2183}', '\u{2183}'),
+    ('\u{2184}', '\u{2184}'),
+    ('\u{2c00}', '\u{2c7b}'),
+    ('\u{2c7e}', '\u{2ce4}'),
+    ('\u{2ceb}', '\u{2cee}'),
+    ('\u{2cf2}', '\u{2cf2}'),
+    ('\u{2cf3}', '\u{2cf3}'),
+    ('\u{a640}', '\u{a66d}'),
+    ('\u{a680}', '\u{a69b}'),
+    ('\u{a722}', '\u{a76f}'),
+    ('\u{a771}', '\u{a787}'),
+    ('\u{a78b}', '\u{a78e}'),
+    ('\u{ab70}', '\u{abbf}'),
+    ('\u{fb00}', '\u{fb06}'),
+    ('\u{fb13}', '\u{fb17}'),
+    ('\u{ff21}', '\u{ff3a}'),
+    ('\u{ff41}', '\u{ff5a}'),
+    ('\u{10400}', '\u{1044f}'),
+    ('\u{104b0}', '\u{104d3}'),
+    ('\u{104d8}', '\u{104fb}'),
+    ('\u{10c80}', '\u{10cb2}'),
+    ('\u{10cc0}', '\u{10cf2}'),
+    ('\u{118a0}', '\u{118df}'),
+    ('\u{1e900}', '\u{1e943}'),
+];
+
+fn in_ranges(c: char, ranges: &[(char, char)]) -> bool {
+    ranges.iter().any(|&(a, b)| (a..=b).contains(&c))
+}
+
+/// Whether a literal character class of llama.cpp's can match `cp`: it turns
+/// non-ASCII whitespace into `\v` before matching literal ranges.
+fn literal(cp: &Cp) -> bool {
+    cp.c.is_ascii() || cp.f & SPACE == 0
+}
+
+/// `\s?[class]+` at `i`: an optional whitespace character, then a run of the
+/// class (matched as llama.cpp does, [`literal`]).
+fn space_then_run(cps: &[Cp], i: usize, class: impl Fn(char) -> bool) -> usize {
+    let in_class = |cp: &Cp| literal(cp) && class(cp.c);
+    if cps[i].f & SPACE != 0 {
+        let n = run_len(&cps[i + 1..], in_class);
+        if n > 0 {
+            return 1 + n;
+        }
+    }
+    run_len(&cps[i..], in_class)
+}
+
+/// The length of DeepSeek-V3's last regex's match at `i` (0 for none):
+/// `[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+`, then
+/// `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`, then ` ?[\p{P}\p{S}]+[\r\n]*`,
+/// then `\s*[\r\n]+|\s+(?!\S)|\s+`, the first alternative that matches.
+fn deepseek3_match(cps: &[Cp], i: usize) -> usize {
+    let cp = cps[i];
+    let ascii_letters = |from: usize| run_len(&cps[from..], |cp| cp.c.is_ascii_alphabetic());
+    if cp.c.is_ascii_punctuation() {
+        let n = ascii_letters(i + 1);
+        if n > 0 {
+            return 1 + n;
+        }
+    }
+    let word = |from: usize| run_len(&cps[from..], |cp| cp.f & (LETTER | MARK) != 0);
+    let lead = !matches!(cp.c, '\r' | '\n') && cp.f & (LETTER | PUNCT | SYMBOL) == 0;
+    if lead && i + 1 < cps.len() {
+        let n = word(i + 1);
+        if n > 0 {
+            return 1 + n;
+        }
+    }
+    let n = word(i);
+    if n > 0 {
+        return n;
+    }
+    let space = usize::from(cp.c == ' ');
+    let n = run_len(&cps[i + space..], |cp| cp.f & (PUNCT | SYMBOL) != 0);
+    if n > 0 {
+        let from = i + space + n;
+        return space + n + run_len(&cps[from..], |cp| matches!(cp.c, '\r' | '\n'));
+    }
+    if cp.f & SPACE != 0 {
+        return whitespace_end(cps, i, true) - i;
+    }
+    0
 }
 
 /// The GPT-2 pattern, as llama.cpp's `unicode_regex_split_custom_gpt2`.

@@ -1,8 +1,9 @@
 //! Character classes the pre-tokenizers need, and GPT-2's byte-to-unicode table.
 //!
 //! Classes follow llama.cpp's `unicode_cpt_flags`: letter is `\p{L}`, number `\p{N}`,
-//! mark `\p{M}`, punctuation `\p{P}` (all by general category), and whitespace is
-//! the Unicode `White_Space` property, which is what llama.cpp's `\s` means.
+//! mark `\p{M}`, punctuation `\p{P}`, symbol `\p{S}` (all by general category),
+//! and whitespace is the Unicode `White_Space` property, which is what llama.cpp's
+//! `\s` means.
 
 use unicode_general_category::{get_general_category, GeneralCategory as Gc};
 
@@ -16,6 +17,8 @@ pub(crate) const SPACE: u8 = 4;
 pub(crate) const MARK: u8 = 8;
 /// `\p{P}`.
 pub(crate) const PUNCT: u8 = 16;
+/// `\p{S}`.
+pub(crate) const SYMBOL: u8 = 32;
 
 const fn ascii_flags() -> [u8; 128] {
     let mut t = [0u8; 128];
@@ -54,6 +57,11 @@ const fn ascii_flags() -> [u8; 128] {
                 | b'}'
         ) {
             PUNCT
+        } else if matches!(
+            b,
+            b'$' | b'+' | b'<' | b'=' | b'>' | b'^' | b'`' | b'|' | b'~'
+        ) {
+            SYMBOL
         } else {
             0
         };
@@ -87,6 +95,7 @@ pub(crate) fn flags(c: char) -> u8 {
         | Gc::InitialPunctuation
         | Gc::FinalPunctuation
         | Gc::OtherPunctuation => PUNCT,
+        Gc::MathSymbol | Gc::CurrencySymbol | Gc::ModifierSymbol | Gc::OtherSymbol => SYMBOL,
         _ => 0,
     };
     ws | cat
@@ -176,7 +185,8 @@ mod tests {
         assert_eq!(flags('\u{85}'), SPACE);
         assert_eq!(flags('\u{301}'), MARK);
         assert_eq!(flags('。'), PUNCT);
-        assert_eq!(flags('$'), 0);
-        assert_eq!(flags('😀'), 0);
+        assert_eq!(flags('$'), SYMBOL);
+        assert_eq!(flags('😀'), SYMBOL);
+        assert_eq!(flags('\u{200b}'), 0);
     }
 }
