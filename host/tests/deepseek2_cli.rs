@@ -163,6 +163,34 @@ fn packed_experts_stream_exactly() {
     }
 }
 
+/// A multi-token-prediction block (`--mtp-layers 1`, latent attention like
+/// the rest) leaves the main stack's logits as they were and drafts for
+/// `--speculate mtp` without changing the tokens.
+#[test]
+fn mtp_block_drafts_without_changing_the_logits() {
+    let plain = model("q", &[]);
+    let mtp = model("mtp", &["--mtp-layers", "1"]);
+    let g = Gguf::open(&mtp).unwrap();
+    assert_eq!(g.get_u32("deepseek2.nextn_predict_layers").unwrap(), 1);
+    assert!(g.tensor("blk.4.nextn.eh_proj.weight").is_some());
+    assert!(g.tensor("blk.4.attn_k_b.weight").is_some());
+    drop(g);
+    let (want_tokens, want) = greedy_logits(&plain, "nomtp", &[]);
+    let (t, got) = greedy_logits(&mtp, "mtp", &[]);
+    assert_eq!(t, want_tokens);
+    assert!(got == want, "the MTP block changed the main stack's logits");
+    let v = greedy_json(
+        &mtp,
+        &["--speculate", "mtp", "--draft-fixed", "--draft-max", "2"],
+    );
+    assert_eq!(tokens(&v), want_tokens);
+    assert!(
+        v["stats"]["drafted"].as_u64().unwrap() > 0,
+        "{}",
+        v["stats"]
+    );
+}
+
 /// Against llama.cpp through llama-cpp-python: with f32 weights, with and
 /// without query compression, the same greedy tokens and log-probabilities
 /// within rounding; with the preset's quantized weights close (a mean KL

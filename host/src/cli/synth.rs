@@ -127,7 +127,7 @@ pub struct SynthArgs {
     #[arg(long)]
     pub router_scale: Option<f32>,
     /// Multi-token-prediction blocks after the main stack (qwen35moe, qwen3next,
-    /// glm4moe; 0 = like a `--no-mtp` conversion).
+    /// glm4moe, deepseek2 (none unless asked); 0 = like a `--no-mtp` conversion).
     #[arg(long)]
     pub mtp_layers: Option<u64>,
     /// deepseek2's query compression rank (0: queries projected directly, as

@@ -174,7 +174,10 @@ impl Arch {
 
     /// Whether the architecture ends with multi-token-prediction (nextn) blocks.
     fn has_mtp(self) -> bool {
-        matches!(self, Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe)
+        matches!(
+            self,
+            Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe | Arch::Deepseek2
+        )
     }
 
     /// Whether layers mix gated DeltaNet with gated attention (qwen35moe, qwen3next).
@@ -768,6 +771,10 @@ impl SynthConfig {
                     "--mtp-layers applies to qwen35moe and glm4moe, not {name}"
                 ));
             }
+            s.mtp_layers = 0;
+        }
+        if arch == Arch::Deepseek2 && o.mtp_layers.is_none() {
+            // llama.cpp's converter long dropped DeepSeek-V3's MTP layer.
             s.mtp_layers = 0;
         }
         if !arch.is_hybrid() {
@@ -1677,6 +1684,17 @@ fn deepseek2_layer(
         let down = n("ffn_down_shexp.weight");
         add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
     }
+    if l >= s.layers {
+        let eh = n("nextn.eh_proj.weight");
+        add(eh, vec![2 * e, e], t.dense, Init::Normal(inv(2 * e)), lay);
+        for name in [
+            "nextn.enorm.weight",
+            "nextn.hnorm.weight",
+            "nextn.shared_head_norm.weight",
+        ] {
+            add(n(name), vec![e], GgmlType::F32, Init::Norm, lay);
+        }
+    }
 }
 
 /// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
@@ -1952,6 +1970,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             format!("{a}.rope.scaling.yarn_log_multiplier"),
             MetaValue::F32(log_mul),
         );
+        if s.mtp_layers > 0 {
+            kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
+        }
     }
     if cfg.arch == Arch::GptOss {
         let window = gpt_oss_window(cfg.preset);

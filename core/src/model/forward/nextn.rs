@@ -88,7 +88,7 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     if h_prev.len() != e || h_out.len() != e || cat.len() != 2 * e || s.h.len() != e {
         return Err(ForwardError::Shape("nextn buffers"));
     }
-    if !matches!(w.block.mixer, Mixer::Attention(_)) {
+    if !matches!(w.block.mixer, Mixer::Attention(_) | Mixer::Mla(_)) {
         return Err(ForwardError::Shape("a nextn block without attention"));
     }
     let Ffn::Moe {
