@@ -15,19 +15,15 @@ use std::io::BufWriter;
 use std::path::PathBuf;
 
 use cli::{
-    greedy, greedy_json, greedy_logits, kld, llama_greedy, llama_kld_base, pack, synth_once, tmp,
-    tokens, F32_WEIGHTS,
+    assert_equals_llama_cpp, greedy, greedy_logits, kld, llama_kld_base, mtp_tokens,
+    streams_exactly, tiny, tmp, F32_WEIGHTS,
 };
 use les::gguf::{Gguf, GgufWriter};
 use les_core::router::{ExpertGroups, Gating};
 
 /// A synthetic deepseek2 `tiny` written once per test binary (`extra` args).
 fn model(name: &str, extra: &[&str]) -> PathBuf {
-    let args = ["--arch", "deepseek2", "--preset", "tiny", "--seed", "5"];
-    synth_once(
-        &format!("deepseek2_{name}.gguf"),
-        &[&args[..], extra].concat(),
-    )
+    tiny("deepseek2", name, extra)
 }
 
 #[test]
@@ -141,26 +137,7 @@ fn unsplit_kv_b_is_refused_with_the_reason() {
 /// and batch size.
 #[test]
 fn packed_experts_stream_exactly() {
-    let m = model("q", &[]);
-    let packed = tmp("deepseek2_q.p.gguf");
-    pack(&m, &packed);
-    let (want_tokens, want) = greedy_logits(&m, "plain", &[]);
-    assert!(!want_tokens.is_empty());
-    for (name, file, extra) in [
-        ("packed", &packed, &[][..]),
-        ("les3", &packed, &["--schedule", "les", "--slots", "3"][..]),
-        ("od5", &packed, &["--schedule", "on-demand", "--slots", "5"]),
-        (
-            "les2_b1",
-            &packed,
-            &["--schedule", "les", "--slots", "2", "-b", "1"],
-        ),
-        ("plain_les", &m, &["--schedule", "les", "--slots", "4"]),
-    ] {
-        let (t, got) = greedy_logits(file, name, extra);
-        assert_eq!(t, want_tokens, "{name}");
-        assert!(got == want, "{name}: logits differ");
-    }
+    streams_exactly(&model("q", &[]), "deepseek2_q");
 }
 
 /// A multi-token-prediction block (`--mtp-layers 1`, latent attention like
@@ -179,16 +156,7 @@ fn mtp_block_drafts_without_changing_the_logits() {
     let (t, got) = greedy_logits(&mtp, "mtp", &[]);
     assert_eq!(t, want_tokens);
     assert!(got == want, "the MTP block changed the main stack's logits");
-    let v = greedy_json(
-        &mtp,
-        &["--speculate", "mtp", "--draft-fixed", "--draft-max", "2"],
-    );
-    assert_eq!(tokens(&v), want_tokens);
-    assert!(
-        v["stats"]["drafted"].as_u64().unwrap() > 0,
-        "{}",
-        v["stats"]
-    );
+    assert_eq!(mtp_tokens(&mtp, &[]), want_tokens);
 }
 
 /// Against llama.cpp through llama-cpp-python: with f32 weights, with and
@@ -199,30 +167,9 @@ fn mtp_block_drafts_without_changing_the_logits() {
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn log_probabilities_equal_llama_cpp() {
-    for (name, m) in [
-        ("f32", model("f32", &F32_WEIGHTS)),
-        (
-            "lite_f32",
-            model(
-                "lite_f32",
-                &[&F32_WEIGHTS[..], &["--q-lora-rank", "0"]].concat(),
-            ),
-        ),
-    ] {
-        let theirs = llama_greedy(&m);
-        let v = greedy_json(&m, &[]);
-        assert_eq!(v["prompt_tokens"], theirs["prompt"], "{name}: prompt");
-        assert_eq!(
-            serde_json::json!(tokens(&v)),
-            theirs["tokens"],
-            "{name}: greedy continuations differ"
-        );
-        let base = tmp(&format!("deepseek2_{name}.kld"));
-        llama_kld_base(&m, &base);
-        let d = kld(&m, &base);
-        assert!(d["max"].as_f64().unwrap() < 1e-4, "{name}: {d}");
-        assert_eq!(d["same_top"], 1.0, "{name}: {d}");
-    }
+    assert_equals_llama_cpp(&model("f32", &F32_WEIGHTS), "deepseek2_f32", 1e-4, 1.0);
+    let lite = [&F32_WEIGHTS[..], &["--q-lora-rank", "0"]].concat();
+    assert_equals_llama_cpp(&model("lite_f32", &lite), "deepseek2_lite_f32", 1e-4, 1.0);
     let q = model("q", &[]);
     let base = tmp("deepseek2_q.kld");
     llama_kld_base(&q, &base);

@@ -13,8 +13,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use cli::{
-    greedy, greedy_json, greedy_logits, kld, llama_greedy, llama_kld_base, pack, synth_once, tmp,
-    tokens, F32_WEIGHTS,
+    assert_equals_llama_cpp, greedy, greedy_logits, kld, llama_kld_base, mtp_tokens, pack,
+    streams_exactly, tiny, tmp, F32_WEIGHTS,
 };
 use common::rewrite_gguf;
 use les::gguf::{Gguf, MetaValue};
@@ -22,11 +22,7 @@ use les_core::router::Gating;
 
 /// A synthetic glm4moe `tiny` written once per test binary (`extra` args).
 fn model(name: &str, extra: &[&str]) -> PathBuf {
-    let args = ["--arch", "glm4moe", "--preset", "tiny", "--seed", "5"];
-    synth_once(
-        &format!("glm4moe_{name}.gguf"),
-        &[&args[..], extra].concat(),
-    )
+    tiny("glm4moe", name, extra)
 }
 
 /// A copy of `src` with every `exp_probs_b.bias` zeroed (the tensors are f32:
@@ -160,44 +156,9 @@ fn expert_groups_limit_the_picks() {
 /// and batch size; drafting with the nextn block keeps the tokens.
 #[test]
 fn packed_experts_stream_exactly() {
-    let m = model("q", &[]);
-    let packed = tmp("glm4moe_q.p.gguf");
-    pack(&m, &packed);
-    let (want_tokens, want) = greedy_logits(&m, "plain", &[]);
+    let (packed, want_tokens) = streams_exactly(&model("q", &[]), "glm4moe_q");
     assert_eq!(want_tokens.len(), 24);
-    for (name, file, extra) in [
-        ("packed", &packed, &[][..]),
-        ("les3", &packed, &["--schedule", "les", "--slots", "3"][..]),
-        ("od5", &packed, &["--schedule", "on-demand", "--slots", "5"]),
-        (
-            "les2_b1",
-            &packed,
-            &["--schedule", "les", "--slots", "2", "-b", "1"],
-        ),
-        ("plain_les", &m, &["--schedule", "les", "--slots", "4"]),
-    ] {
-        let (t, got) = greedy_logits(file, name, extra);
-        assert_eq!(t, want_tokens, "{name}");
-        assert!(got == want, "{name}: logits differ");
-    }
-    let v = greedy_json(
-        &packed,
-        &[
-            "--speculate",
-            "mtp",
-            "--draft-fixed",
-            "--draft-max",
-            "2",
-            "--slots",
-            "3",
-        ],
-    );
-    assert_eq!(tokens(&v), want_tokens);
-    assert!(
-        v["stats"]["drafted"].as_u64().unwrap() > 0,
-        "{}",
-        v["stats"]
-    );
+    assert_eq!(mtp_tokens(&packed, &["--slots", "3"]), want_tokens);
 }
 
 /// Against llama.cpp through llama-cpp-python, with f32 weights (where the
@@ -212,34 +173,16 @@ fn packed_experts_stream_exactly() {
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_and_log_probabilities_equal_llama_cpp() {
     let m = model("f32", &F32_WEIGHTS);
-    let theirs = llama_greedy(&m);
-    let v = greedy_json(&m, &[]);
-    assert_eq!(v["prompt_tokens"], theirs["prompt"], "prompt");
-    let ours = tokens(&v);
-    assert!(ours.len() > 10, "{ours:?}");
-    assert_eq!(
-        serde_json::json!(ours),
-        theirs["tokens"],
-        "greedy continuations differ"
-    );
+    assert_equals_llama_cpp(&m, "glm4moe_f32", 1e-4, 1.0);
     let base = tmp("glm4moe_f32.kld");
-    llama_kld_base(&m, &base);
-    let same = kld(&m, &base);
-    assert!(same["max"].as_f64().unwrap() < 1e-4, "{same}");
-    assert_eq!(same["same_top"], 1.0, "{same}");
     let apart = kld(&without_selection_bias(&m, "f32"), &base);
     assert!(apart["mean"].as_f64().unwrap() > 1e-2, "{apart}");
 
     // Group-limited routing (4 groups of 2, 2 used): llama.cpp's tokens and
     // log-probabilities, far from the ungrouped model's.
     let grouped = with_groups(&m, "f32", 4, 2);
-    let theirs = llama_greedy(&grouped);
-    let v = greedy_json(&grouped, &[]);
-    assert_eq!(serde_json::json!(tokens(&v)), theirs["tokens"], "grouped");
+    assert_equals_llama_cpp(&grouped, "glm4moe_f32_groups", 1e-4, 1.0);
     let base = tmp("glm4moe_f32_groups.kld");
-    llama_kld_base(&grouped, &base);
-    let same = kld(&grouped, &base);
-    assert!(same["max"].as_f64().unwrap() < 1e-4, "{same}");
     let apart = kld(&m, &base);
     assert!(apart["mean"].as_f64().unwrap() > 1e-2, "{apart}");
 

@@ -1445,7 +1445,7 @@ fn glm4moe_layer(
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
-    let (e, q, kv, f) = (s.embd, s.q_dim(), s.kv_dim(), s.shared_ff);
+    let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
     add(
         n("attn_norm.weight"),
         vec![e],
@@ -1463,63 +1463,64 @@ fn glm4moe_layer(
     add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
     let norm = n("post_attention_norm.weight");
     add(norm, vec![e], GgmlType::F32, Init::Norm, lay);
-    if l < GLM4MOE_DENSE_LAYERS {
-        let ff = s.ff;
-        add(
-            n("ffn_gate.weight"),
-            vec![e, ff],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        add(
-            n("ffn_up.weight"),
-            vec![e, ff],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        let down = n("ffn_down.weight");
-        add(down, vec![ff, e], t.dense, Init::Normal(r * inv(ff)), lay);
+    lead_dense_or_biased_moe(cfg, l, add);
+    nextn_head(cfg, l, add);
+}
+
+/// The FFN of glm4moe and deepseek2 block `l`: the first
+/// [`GLM4MOE_DENSE_LAYERS`] dense, the others routed experts with a selection
+/// bias (`exp_probs_b`) and an ungated shared expert.
+fn lead_dense_or_biased_moe(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, lay) = (s.embd, Some(l));
+    let (f, suffix) = if l < GLM4MOE_DENSE_LAYERS {
+        (s.ff, "")
     } else {
         routed_experts(cfg, l, add);
         // Sigmoid scores lie in (0, 1): a bias of this size reorders the
         // close ones, as DeepSeek-V3's load-balancing biases do.
         let bias = n("exp_probs_b.bias");
-        add(
-            bias,
-            vec![s.experts],
-            GgmlType::F32,
-            Init::Normal(0.05),
-            lay,
-        );
-        add(
-            n("ffn_gate_shexp.weight"),
-            vec![e, f],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        add(
-            n("ffn_up_shexp.weight"),
-            vec![e, f],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        let down = n("ffn_down_shexp.weight");
-        add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
+        let std = Init::Normal(0.05);
+        add(bias, vec![s.experts], GgmlType::F32, std, lay);
+        (s.shared_ff, "_shexp")
+    };
+    for part in ["gate", "up"] {
+        let name = n(&format!("ffn_{part}{suffix}.weight"));
+        add(name, vec![e, f], t.dense, Init::Normal(inv(e)), lay);
     }
-    if l >= s.layers {
-        let eh = n("nextn.eh_proj.weight");
-        add(eh, vec![2 * e, e], t.dense, Init::Normal(inv(2 * e)), lay);
-        for name in [
-            "nextn.enorm.weight",
-            "nextn.hnorm.weight",
-            "nextn.shared_head_norm.weight",
-        ] {
-            add(n(name), vec![e], GgmlType::F32, Init::Norm, lay);
-        }
+    let down = n(&format!("ffn_down{suffix}.weight"));
+    add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
+}
+
+/// The nextn head of block `l` when it is past the main stack:
+/// `[enorm(embedding), hnorm(hidden)] -> eh_proj -> the block`, then its own
+/// head norm (the head is the model's).
+fn nextn_head(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let s = &cfg.shape;
+    if l < s.layers {
+        return;
+    }
+    let (e, lay) = (s.embd, Some(l));
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let eh = n("nextn.eh_proj.weight");
+    let std = 1.0 / ((2 * e) as f32).sqrt();
+    add(eh, vec![2 * e, e], cfg.types.dense, Init::Normal(std), lay);
+    for name in [
+        "nextn.enorm.weight",
+        "nextn.hnorm.weight",
+        "nextn.shared_head_norm.weight",
+    ] {
+        add(n(name), vec![e], GgmlType::F32, Init::Norm, lay);
     }
 }
 
@@ -1550,7 +1551,7 @@ fn deepseek2_layer(
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
-    let (e, h, f) = (s.embd, s.heads, s.shared_ff);
+    let (e, h) = (s.embd, s.heads);
     let [nope, rope, v, kv_lora] = deepseek2_mla(s.head_dim);
     let ql = cfg.q_lora_rank;
     add(
@@ -1639,62 +1640,8 @@ fn deepseek2_layer(
         Init::Norm,
         lay,
     );
-    if l < GLM4MOE_DENSE_LAYERS {
-        let ff = s.ff;
-        add(
-            n("ffn_gate.weight"),
-            vec![e, ff],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        add(
-            n("ffn_up.weight"),
-            vec![e, ff],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        let down = n("ffn_down.weight");
-        add(down, vec![ff, e], t.dense, Init::Normal(r * inv(ff)), lay);
-    } else {
-        routed_experts(cfg, l, add);
-        let bias = n("exp_probs_b.bias");
-        add(
-            bias,
-            vec![s.experts],
-            GgmlType::F32,
-            Init::Normal(0.05),
-            lay,
-        );
-        add(
-            n("ffn_gate_shexp.weight"),
-            vec![e, f],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        add(
-            n("ffn_up_shexp.weight"),
-            vec![e, f],
-            t.dense,
-            Init::Normal(inv(e)),
-            lay,
-        );
-        let down = n("ffn_down_shexp.weight");
-        add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
-    }
-    if l >= s.layers {
-        let eh = n("nextn.eh_proj.weight");
-        add(eh, vec![2 * e, e], t.dense, Init::Normal(inv(2 * e)), lay);
-        for name in [
-            "nextn.enorm.weight",
-            "nextn.hnorm.weight",
-            "nextn.shared_head_norm.weight",
-        ] {
-            add(n(name), vec![e], GgmlType::F32, Init::Norm, lay);
-        }
-    }
+    lead_dense_or_biased_moe(cfg, l, add);
+    nextn_head(cfg, l, add);
 }
 
 /// The tensors of qwen35moe block `l` (a main layer, or an MTP block past them),
@@ -1711,7 +1658,6 @@ fn qwen35moe_layer(
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
     let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
-    let mtp = l >= s.layers;
     let norm = |add: &mut dyn FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
                 name: &str,
                 len| { add(n(name), vec![len], GgmlType::F32, Init::Norm, lay) };
@@ -1824,19 +1770,7 @@ fn qwen35moe_layer(
     }
     routed_experts(cfg, l, add);
     shared_expert(cfg, l, add);
-    if mtp {
-        // The nextn head: [enorm(embedding), hnorm(hidden)] -> eh_proj -> the block.
-        add(
-            n("nextn.eh_proj.weight"),
-            vec![2 * e, e],
-            t.dense,
-            Init::Normal(inv(2 * e)),
-            lay,
-        );
-        norm(add, "nextn.enorm.weight", e);
-        norm(add, "nextn.hnorm.weight", e);
-        norm(add, "nextn.shared_head_norm.weight", e);
-    }
+    nextn_head(cfg, l, add);
 }
 
 /// Every metadata pair, in file order (`general.*`, hyperparameters, provenance,

@@ -52,6 +52,77 @@ pub fn synth_once(file: &str, args: &[&str]) -> PathBuf {
     path
 }
 
+/// A synthetic `tiny` of `arch` with seed 5 and `extra` args, written once
+/// per test binary as `{arch}_{name}.gguf`.
+pub fn tiny(arch: &str, name: &str, extra: &[&str]) -> PathBuf {
+    let args = ["--arch", arch, "--preset", "tiny", "--seed", "5"];
+    synth_once(&format!("{arch}_{name}.gguf"), &[&args[..], extra].concat())
+}
+
+/// Packs `plain` and checks that the packed copy gives `plain`'s greedy
+/// tokens and logits, bit for bit, resident and streamed (les with 3 and 2
+/// slots, the latter one position a batch; on-demand with 5), and the plain
+/// file streamed; returns the packed file and the tokens.
+pub fn streams_exactly(plain: &Path, tag: &str) -> (PathBuf, Vec<u64>) {
+    let packed = tmp(&format!("{tag}.p.gguf"));
+    pack(plain, &packed);
+    let (want_tokens, want) = greedy_logits(plain, &format!("{tag}_plain"), &[]);
+    assert!(!want_tokens.is_empty());
+    for (name, file, extra) in [
+        ("packed", &packed, &[][..]),
+        ("les3", &packed, &["--schedule", "les", "--slots", "3"][..]),
+        ("od5", &packed, &["--schedule", "on-demand", "--slots", "5"]),
+        (
+            "les2_b1",
+            &packed,
+            &["--schedule", "les", "--slots", "2", "-b", "1"],
+        ),
+        (
+            "plain_les",
+            &plain.to_path_buf(),
+            &["--schedule", "les", "--slots", "4"],
+        ),
+    ] {
+        let (t, got) = greedy_logits(file, &format!("{tag}_{name}"), extra);
+        assert_eq!(t, want_tokens, "{tag} {name}");
+        assert!(got == want, "{tag} {name}: logits differ");
+    }
+    (packed, want_tokens)
+}
+
+/// `les run --speculate mtp` (fixed drafts of 2) on `model`: its tokens, with
+/// at least one token drafted.
+pub fn mtp_tokens(model: &Path, extra: &[&str]) -> Vec<u64> {
+    let args = ["--speculate", "mtp", "--draft-fixed", "--draft-max", "2"];
+    let v = greedy_json(model, &[&args[..], extra].concat());
+    assert!(
+        v["stats"]["drafted"].as_u64().unwrap() > 0,
+        "{}",
+        v["stats"]
+    );
+    tokens(&v)
+}
+
+/// `model`'s greedy tokens and llama.cpp's (llama-cpp-python) are the same,
+/// and les's log-probabilities are within a KL divergence of `max_kld` of
+/// llama.cpp's everywhere, with the same top token at a share of the
+/// positions of at least `same_top`.
+pub fn assert_equals_llama_cpp(model: &Path, tag: &str, max_kld: f64, same_top: f64) {
+    let theirs = llama_greedy(model);
+    let v = greedy_json(model, &[]);
+    assert_eq!(v["prompt_tokens"], theirs["prompt"], "{tag}: prompt");
+    assert_eq!(
+        serde_json::json!(tokens(&v)),
+        theirs["tokens"],
+        "{tag}: greedy continuations differ"
+    );
+    let base = tmp(&format!("{tag}.kld"));
+    llama_kld_base(model, &base);
+    let d = kld(model, &base);
+    assert!(d["max"].as_f64().unwrap() < max_kld, "{tag}: {d}");
+    assert!(d["same_top"].as_f64().unwrap() >= same_top, "{tag}: {d}");
+}
+
 /// The standard output of a successful run; panics with its stderr otherwise.
 pub fn stdout_ok(out: Output, what: &str) -> String {
     assert!(
