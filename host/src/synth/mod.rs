@@ -1382,10 +1382,9 @@ fn shared_expert(
     );
 }
 
-/// The tensors of gpt-oss block `l`, in llama.cpp's names and shapes: biases
-/// everywhere but the norms, one sink logit per head, the FFN norm named
-/// `post_attention_norm`.
-fn gpt_oss_layer(
+/// Block `l`'s attention with Q/K/V biases (gpt-oss, glm4moe): its norm, the
+/// projections and their biases, the output projection.
+fn biased_attention(
     cfg: &SynthConfig,
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
@@ -1395,7 +1394,6 @@ fn gpt_oss_layer(
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
     let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
-    let (x, f) = (s.experts, s.expert_ff);
     add(
         n("attn_norm.weight"),
         vec![e],
@@ -1411,6 +1409,21 @@ fn gpt_oss_layer(
     }
     let wo = n("attn_output.weight");
     add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+}
+
+/// The tensors of gpt-oss block `l`, in llama.cpp's names and shapes: biases
+/// everywhere but the norms, one sink logit per head, the FFN norm named
+/// `post_attention_norm`.
+fn gpt_oss_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let s = &cfg.shape;
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (lay, e) = (Some(l), s.embd);
+    let (x, f) = (s.experts, s.expert_ff);
+    biased_attention(cfg, l, add);
     let bo = n("attn_output.bias");
     add(bo, vec![e], GgmlType::F32, Init::Normal(0.02), lay);
     let sinks = n("attn_sinks.weight");
@@ -1441,27 +1454,10 @@ fn glm4moe_layer(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
-    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
-    let lay = Some(l);
-    let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
-    add(
-        n("attn_norm.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Norm,
-        lay,
-    );
-    for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
-        let w = n(&format!("{part}.weight"));
-        add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
-        let b = n(&format!("{part}.bias"));
-        add(b, vec![rows], GgmlType::F32, Init::Normal(0.1), lay);
-    }
-    let wo = n("attn_output.weight");
-    add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+    biased_attention(cfg, l, add);
     let norm = n("post_attention_norm.weight");
+    let (e, lay) = (cfg.shape.embd, Some(l));
     add(norm, vec![e], GgmlType::F32, Init::Norm, lay);
     lead_dense_or_biased_moe(cfg, l, add);
     nextn_head(cfg, l, add);
