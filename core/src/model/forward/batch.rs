@@ -27,7 +27,9 @@ use super::{
 };
 use crate::gemv::GemvError;
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
-use crate::model::ops::{rms_norm, swiglu, swiglu_oai, AttnShape, KvView};
+use crate::model::ops::{
+    rms_norm, rms_norm_heads, rope_scaled, swiglu, swiglu_oai, AttnShape, KvView,
+};
 use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -308,14 +310,7 @@ where
                         "more attention layers than the KV cache",
                     ));
                 }
-                // One position after another: the same arithmetic as the
-                // one-position pass, so batches give its bits.
-                let stride = kv.max_positions * hp.kv_dim();
-                for (i, h) in b.h.chunks_exact_mut(e).take(n).enumerate() {
-                    rms_norm(h, lw.attn_norm, hp.norm_eps, s.x);
-                    super::mla::mla_layer(hp, hy, mw, mv, s, kv, attn_idx, stride, pos + i)?;
-                    add_into(h, s.tmp);
-                }
+                mla_batch(hp, hy, mw, lw.attn_norm, mv, s, kv, b, n, attn_idx, pos)?;
                 attn_idx += 1;
             }
         }
@@ -404,6 +399,141 @@ where
     } else {
         rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
         mv.matvec(&weights.output(), s.x, logits)?;
+    }
+    Ok(())
+}
+
+/// Multi-head latent attention over a batch ([`super::mla`]): the projections
+/// of every position at once, each head's absorption and value up-projection
+/// over all positions, the attention of them all together. Each step is the
+/// one-position pass's arithmetic (`matmul` rows are `matvec`'s, the grouped
+/// attention each position's), so the bits are the same. Where a buffer of
+/// the batch is too short for the shape it runs one position after another.
+#[allow(clippy::too_many_arguments)]
+fn mla_batch<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    w: &super::mla::MlaWeights<'_>,
+    attn_norm: &[f32],
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    kv: &mut KvCache<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    cache_layer: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    use super::mla::{check, head_block};
+    let m = hy
+        .mla
+        .ok_or(ForwardError::Shape("MLA weights without an MLA shape"))?;
+    check(hp, &m, w)?;
+    let (e, nh, qh, lat, kvl, vd) = (
+        hp.n_embd,
+        hp.n_head,
+        m.q_head(),
+        m.latent(),
+        m.kv_lora,
+        m.v_head_dim,
+    );
+    let stride = kv.max_positions * hp.kv_dim();
+    let gather = kvl.max(m.nope).max(vd);
+    let fits = m.q_lora <= e
+        && qh <= lat
+        && vd <= lat
+        && b.ga.len() >= n * gather
+        && b.gb.len() >= n * gather;
+    if !fits {
+        for (i, h) in b.h.chunks_exact_mut(e).take(n).enumerate() {
+            rms_norm(h, attn_norm, hp.norm_eps, s.x);
+            super::mla::mla_layer(hp, hy, w, mv, s, kv, cache_layer, stride, pos + i)?;
+            add_into(h, s.tmp);
+        }
+        return Ok(());
+    }
+    let x = &mut b.gx[..n * e];
+    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
+        rms_norm(h, attn_norm, hp.norm_eps, x);
+    }
+    let rope = |x: &mut [f32], p: usize| {
+        rope_scaled(
+            x,
+            m.rope,
+            m.rope,
+            p as u32,
+            hp.rope_base,
+            hp.rope_style,
+            hp.rope_yarn.as_ref(),
+        )
+    };
+    // Queries, then the latents: rotated, normed, cached as key and value.
+    let q_raw = &mut b.aqr[..n * nh * qh];
+    match w.q_a {
+        Some((qa, norm)) => {
+            let c = &mut b.x[..n * m.q_lora];
+            mv.matmul(&qa, x, c)?;
+            for row in c.chunks_exact_mut(m.q_lora) {
+                rms_norm_heads(row, norm, hp.norm_eps);
+            }
+            mv.matmul(&w.q, c, q_raw)?;
+        }
+        None => mv.matmul(&w.q, x, q_raw)?,
+    }
+    let lats = &mut b.ak[..n * lat];
+    mv.matmul(&w.kv_a, x, lats)?;
+    let base = cache_layer * stride;
+    for (j, l) in lats.chunks_exact_mut(lat).enumerate() {
+        let (c, r) = l.split_at_mut(kvl);
+        rms_norm_heads(c, w.kv_a_norm, hp.norm_eps);
+        rope(r, pos + j);
+        kv.k.store(base + (pos + j) * lat, l);
+        kv.v.store(base + (pos + j) * lat, l);
+    }
+    // Each head's queries in the latent's space, for every position.
+    let pre = m.kq_scale * libm::sqrtf(lat as f32);
+    let q = &mut b.aq[..n * nh * lat];
+    let (gin, gout) = (&mut b.ga[..n * gather], &mut b.gb[..n * gather]);
+    for h in 0..nh {
+        for j in 0..n {
+            gin[j * m.nope..][..m.nope].copy_from_slice(&q_raw[(j * nh + h) * qh..][..m.nope]);
+        }
+        let kb = head_block(&w.k_b, h, kvl)?;
+        mv.matmul(&kb, &gin[..n * m.nope], &mut gout[..n * kvl])?;
+        for j in 0..n {
+            let out = &mut q[(j * nh + h) * lat..][..lat];
+            out[..kvl].copy_from_slice(&gout[j * kvl..][..kvl]);
+            let qr = &mut q_raw[(j * nh + h) * qh + m.nope..][..m.rope];
+            rope(qr, pos + j);
+            out[kvl..].copy_from_slice(qr);
+            for v in out.iter_mut() {
+                *v *= pre;
+            }
+        }
+    }
+    let shape = AttnShape {
+        n_head: nh,
+        n_head_kv: 1,
+        head_dim: lat,
+    };
+    let att = &mut b.aatt[..n * nh * lat];
+    let view = cached(kv, cache_layer, stride, pos + n);
+    mv.attention_causal(shape, q, view, pos, s.scores, att);
+    // Each head's value up-projection for every position, then `wo`.
+    let o = &mut b.aqr[..n * nh * vd];
+    for h in 0..nh {
+        for j in 0..n {
+            gin[j * kvl..][..kvl].copy_from_slice(&att[(j * nh + h) * lat..][..kvl]);
+        }
+        let vb = head_block(&w.v_b, h, vd)?;
+        mv.matmul(&vb, &gin[..n * kvl], &mut gout[..n * vd])?;
+        for j in 0..n {
+            o[(j * nh + h) * vd..][..vd].copy_from_slice(&gout[j * vd..][..vd]);
+        }
+    }
+    let out = &mut b.go[..n * e];
+    mv.matmul(&w.wo, o, out)?;
+    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
+        add_into(h, o);
     }
     Ok(())
 }

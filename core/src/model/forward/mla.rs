@@ -48,7 +48,7 @@ pub struct MlaWeights<'a> {
 }
 
 /// Rows `h * rows..` of `m`: one head's block of a stacked projection.
-fn head_block<'a, E>(
+pub(super) fn head_block<'a, E>(
     m: &MatrixView<'a>,
     h: usize,
     rows: usize,
@@ -63,7 +63,11 @@ fn head_block<'a, E>(
 }
 
 /// Checks `w` against the model's shape `m` and `hp`.
-fn check<E>(hp: &Hparams, m: &MlaShape, w: &MlaWeights<'_>) -> Result<(), ForwardError<E>> {
+pub(super) fn check<E>(
+    hp: &Hparams,
+    m: &MlaShape,
+    w: &MlaWeights<'_>,
+) -> Result<(), ForwardError<E>> {
     let n = hp.n_head;
     let q_in = match w.q_a {
         Some((qa, norm)) => {
