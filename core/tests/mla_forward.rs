@@ -8,13 +8,12 @@
 
 mod forward_common;
 
-use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, StreamedRun};
+use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun};
 use les_core::gemv::MatrixView;
 use les_core::model::config::{ExpertAct, Hparams, HybridParams, MlaShape, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, BatchScratch, Block, ExpertMatrices, Experts, Ffn, KvCache,
-    Lookahead, Mixer, MlaWeights, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    Block, ExpertMatrices, Experts, Ffn, Lookahead, Mixer, MlaWeights, SharedExpert, Weights,
 };
 use les_core::model::ops::RopeStyle;
 use les_core::quant::GgmlType;
@@ -244,25 +243,45 @@ impl Model {
     }
 }
 
-struct Buffers {
-    kv_k: Vec<f32>,
-    kv_v: Vec<f32>,
-    scratch: Vec<f32>,
-    quant: QuantScratch,
+/// [`SeqBuffers`] for [`TOKENS`] of one test model.
+struct Buffers(SeqBuffers);
+
+impl std::ops::Deref for Buffers {
+    type Target = SeqBuffers;
+    fn deref(&self) -> &SeqBuffers {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Buffers {
+    fn deref_mut(&mut self) -> &mut SeqBuffers {
+        &mut self.0
+    }
 }
 
 impl Buffers {
     fn new(m: &Model) -> Buffers {
-        let n = TOKENS.len();
-        Buffers {
-            kv_k: vec![0.0; KvCache::len_for(&m.hp, &m.hy, n)],
-            kv_v: vec![0.0; KvCache::len_for(&m.hp, &m.hy, n)],
-            scratch: vec![0.0; Scratch::len_for(&m.hp, &m.hy, n)],
-            quant: QuantScratch::new(),
-        }
+        Buffers(SeqBuffers::new(&m.hp, &m.hy, TOKENS.len()))
     }
 
-    /// `tokens` at positions `start..`, one at a time: each position's logits.
+    /// Runs `tokens` at positions `start..` in one `forward_batch`, returning the
+    /// last position's logits, or with `every` each position's.
+    fn run_batch<X: Experts>(
+        &mut self,
+        m: &Model,
+        experts: &mut X,
+        start: usize,
+        tokens: &[u32],
+        every: bool,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        self.0
+            .run_batch(&m.hp, &m.hy, m, experts, start, tokens, every)
+    }
+
+    /// Runs `tokens` at positions `start..`, returning each position's logits.
     fn run<X: Experts>(
         &mut self,
         m: &Model,
@@ -274,74 +293,8 @@ impl Buffers {
     where
         X::Error: std::fmt::Debug,
     {
-        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
-        let mut rs = RecurrentState::new(hy, &mut [], &mut []).unwrap();
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
-        let mut mv = self.quant.matvec();
-        let mut out = Vec::new();
-        for (i, &t) in tokens.iter().enumerate() {
-            let mut logits = vec![0f32; hp.n_vocab];
-            forward_hybrid(
-                hp,
-                hy,
-                m,
-                &mut mv,
-                experts,
-                lookahead,
-                TokenInput::Token(t),
-                start + i,
-                &mut kv,
-                &mut rs,
-                &mut s,
-                &mut logits,
-            )
-            .unwrap();
-            out.push(logits);
-        }
-        out
-    }
-
-    /// `tokens` at positions `start..` in one batch: each position's logits.
-    fn run_batch<X: Experts>(
-        &mut self,
-        m: &Model,
-        experts: &mut X,
-        start: usize,
-        tokens: &[u32],
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
-        let mut rs = RecurrentState::new(hy, &mut [], &mut []).unwrap();
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
-        let mut floats = vec![0f32; BatchScratch::floats(hp, hy, tokens.len())];
-        let mut ids = vec![0u16; BatchScratch::ids(hp, hy, tokens.len())];
-        let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
-        let mut mv = self.quant.matvec();
-        let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
-        let mut logits = vec![0f32; hp.n_vocab * tokens.len()];
-        forward_batch(
-            hp,
-            hy,
-            m,
-            &mut mv,
-            experts,
-            &inputs,
-            start,
-            &mut kv,
-            &mut rs,
-            &mut s,
-            &mut b,
-            &mut logits,
-        )
-        .unwrap();
-        logits
-            .chunks_exact(hp.n_vocab)
-            .map(<[f32]>::to_vec)
-            .collect()
+        self.0
+            .run(&m.hp, &m.hy, m, experts, lookahead, start, tokens)
     }
 }
 
@@ -579,7 +532,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
     let want = resident(&m);
     for split in [1, 3, TOKENS.len()] {
         let mut b = Buffers::new(&m);
-        let mut got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split]);
+        let mut got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split], true);
         got.extend(b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]));
         assert_bits_eq(
             &got,

@@ -9,7 +9,7 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng, StreamedRun,
+    assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, SeqBuffers, StreamedRun,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
@@ -17,8 +17,8 @@ use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, AttentionWeights, BatchScratch, Block, ExpertMatrices, Experts,
-    Ffn, KvCache, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, Lookahead,
+    Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::{rms_norm, RopeStyle};
 use les_core::quant::GgmlType;
@@ -327,28 +327,25 @@ impl Model {
 
 const TOKENS: [u32; 9] = [3, 17, 5, 39, 0, 22, 22, 8, 31];
 
-/// Every buffer of a sequence: KV cache, recurrent state, scratch, activations.
-struct Buffers {
-    kv_k: Vec<f32>,
-    kv_v: Vec<f32>,
-    conv: Vec<f32>,
-    ssm: Vec<f32>,
-    scratch: Vec<f32>,
-    quant: QuantScratch,
+/// [`SeqBuffers`] for [`TOKENS`] of one test model.
+struct Buffers(SeqBuffers);
+
+impl std::ops::Deref for Buffers {
+    type Target = SeqBuffers;
+    fn deref(&self) -> &SeqBuffers {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Buffers {
+    fn deref_mut(&mut self) -> &mut SeqBuffers {
+        &mut self.0
+    }
 }
 
 impl Buffers {
     fn new(m: &Model) -> Buffers {
-        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
-        let (c, s) = RecurrentState::len(hy);
-        Buffers {
-            kv_k: vec![0.0; KvCache::len_for(hp, hy, n)],
-            kv_v: vec![0.0; KvCache::len_for(hp, hy, n)],
-            conv: vec![0.0; c],
-            ssm: vec![0.0; s],
-            scratch: vec![0.0; Scratch::len_for(hp, hy, n)],
-            quant: QuantScratch::new(),
-        }
+        Buffers(SeqBuffers::new(&m.hp, &m.hy, TOKENS.len()))
     }
 
     /// Runs `tokens` at positions `start..` in one `forward_batch`, returning the
@@ -364,35 +361,8 @@ impl Buffers {
     where
         X::Error: std::fmt::Debug,
     {
-        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
-        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
-        let mut floats = vec![0f32; BatchScratch::floats(hp, hy, tokens.len())];
-        let mut ids = vec![0u16; BatchScratch::ids(hp, hy, tokens.len())];
-        let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
-        let mut mv = Grouped(self.quant.matvec(), 2);
-        let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
-        let mut logits = vec![0f32; hp.n_vocab * if every { tokens.len() } else { 1 }];
-        forward_batch(
-            hp,
-            hy,
-            m,
-            &mut mv,
-            experts,
-            &inputs,
-            start,
-            &mut kv,
-            &mut rs,
-            &mut s,
-            &mut b,
-            &mut logits,
-        )
-        .unwrap();
-        logits
-            .chunks_exact(hp.n_vocab)
-            .map(<[f32]>::to_vec)
-            .collect()
+        self.0
+            .run_batch(&m.hp, &m.hy, m, experts, start, tokens, every)
     }
 
     /// Runs `tokens` at positions `start..`, returning each position's logits.
@@ -407,34 +377,8 @@ impl Buffers {
     where
         X::Error: std::fmt::Debug,
     {
-        let (hp, hy, n) = (&m.hp, &m.hy, TOKENS.len());
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, n).unwrap();
-        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, n).unwrap();
-        let mut mv = self.quant.matvec();
-        tokens
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| {
-                let mut logits = vec![0f32; hp.n_vocab];
-                forward_hybrid(
-                    hp,
-                    hy,
-                    m,
-                    &mut mv,
-                    experts,
-                    lookahead,
-                    TokenInput::Token(t),
-                    start + i,
-                    &mut kv,
-                    &mut rs,
-                    &mut s,
-                    &mut logits,
-                )
-                .unwrap();
-                logits
-            })
-            .collect()
+        self.0
+            .run(&m.hp, &m.hy, m, experts, lookahead, start, tokens)
     }
 }
 
@@ -994,7 +938,8 @@ fn nextn_engine(m: &Model, nx: &Nextn) -> Vec<Vec<f32>> {
     let (hp, hy, e) = (&m.hp, &m.hy, m.hp.n_embd);
     let n = TOKENS.len() + 2;
     // The main model's final hidden states.
-    let mut b = Buffers::new(m);
+    let mut buffers = Buffers::new(m);
+    let b = &mut buffers.0;
     let mut hidden = Vec::new();
     {
         let mut kv = KvCache::new_for(hp, hy, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();

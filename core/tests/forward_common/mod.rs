@@ -1,4 +1,5 @@
-//! Scaffolding shared by the forward-pass tests (`forward_exact`, `qwen35_forward`):
+//! Scaffolding shared by the forward-pass tests (`forward_exact`, `qwen35_forward`,
+//! `mla_forward`):
 //! a deterministic generator, matrices kept both quantized and as the f32 values
 //! they stand for, a packed expert image as an [`ExpertSource`], and the streamed
 //! run (scheduler over a simulated device with shuffled completions and transient
@@ -9,9 +10,11 @@ use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
 use les_core::blockdev::ReadRequest;
 use les_core::gemv::{Isa, MatrixView};
 use les_core::layout;
+use les_core::model::config::{Hparams, HybridParams};
 use les_core::model::experts::{ExpertFormat, Streamed};
 use les_core::model::forward::{
-    Experts, Handout, Lookahead, MatVec, Residency, SerialMatVec, Step,
+    forward_batch, forward_hybrid, BatchScratch, Experts, Handout, KvCache, Lookahead, MatVec,
+    RecurrentState, Residency, Scratch, SerialMatVec, Step, TokenInput, Weights,
 };
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -403,5 +406,122 @@ impl<M: MatVec> MatVec for Grouped<M> {
             let mut scratch = vec![0f32; ops::attention_causal_scratch(shape, g, from + g)];
             ops::attention_causal(Isa::detect(), shape, qc, cut, from, &mut scratch, oc);
         }
+    }
+}
+
+/// Every buffer of one sequence of up to `max` positions of a hybrid model:
+/// KV cache, recurrent state, scratch, activations (`qwen35_forward`,
+/// `mla_forward`).
+pub struct SeqBuffers {
+    pub kv_k: Vec<f32>,
+    pub kv_v: Vec<f32>,
+    pub conv: Vec<f32>,
+    pub ssm: Vec<f32>,
+    pub scratch: Vec<f32>,
+    pub quant: QuantScratch,
+    pub max: usize,
+}
+
+impl SeqBuffers {
+    pub fn new(hp: &Hparams, hy: &HybridParams, max: usize) -> SeqBuffers {
+        let (c, s) = RecurrentState::len(hy);
+        SeqBuffers {
+            kv_k: vec![0.0; KvCache::len_for(hp, hy, max)],
+            kv_v: vec![0.0; KvCache::len_for(hp, hy, max)],
+            conv: vec![0.0; c],
+            ssm: vec![0.0; s],
+            scratch: vec![0.0; Scratch::len_for(hp, hy, max)],
+            quant: QuantScratch::new(),
+            max,
+        }
+    }
+
+    /// `tokens` at positions `start..`, one at a time: each position's logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<W: Weights, X: Experts>(
+        &mut self,
+        hp: &Hparams,
+        hy: &HybridParams,
+        w: &W,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+        start: usize,
+        tokens: &[u32],
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
+        let mut mv = self.quant.matvec();
+        let mut out = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            let mut logits = vec![0f32; hp.n_vocab];
+            forward_hybrid(
+                hp,
+                hy,
+                w,
+                &mut mv,
+                experts,
+                lookahead,
+                TokenInput::Token(t),
+                start + i,
+                &mut kv,
+                &mut rs,
+                &mut s,
+                &mut logits,
+            )
+            .unwrap();
+            out.push(logits);
+        }
+        out
+    }
+
+    /// `tokens` at positions `start..` in one `forward_batch`, the attention
+    /// grouped by two: the last position's logits, or with `every` each
+    /// position's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_batch<W: Weights, X: Experts>(
+        &mut self,
+        hp: &Hparams,
+        hy: &HybridParams,
+        w: &W,
+        experts: &mut X,
+        start: usize,
+        tokens: &[u32],
+        every: bool,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
+        let mut floats = vec![0f32; BatchScratch::floats(hp, hy, tokens.len())];
+        let mut ids = vec![0u16; BatchScratch::ids(hp, hy, tokens.len())];
+        let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
+        let mut mv = Grouped(self.quant.matvec(), 2);
+        let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
+        let mut logits = vec![0f32; hp.n_vocab * if every { tokens.len() } else { 1 }];
+        forward_batch(
+            hp,
+            hy,
+            w,
+            &mut mv,
+            experts,
+            &inputs,
+            start,
+            &mut kv,
+            &mut rs,
+            &mut s,
+            &mut b,
+            &mut logits,
+        )
+        .unwrap();
+        logits
+            .chunks_exact(hp.n_vocab)
+            .map(<[f32]>::to_vec)
+            .collect()
     }
 }
