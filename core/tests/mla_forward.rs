@@ -8,7 +8,9 @@
 
 mod forward_common;
 
-use forward_common::{assert_bits_eq, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun};
+use forward_common::{
+    assert_bits_eq, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun, TestModel,
+};
 use les_core::gemv::MatrixView;
 use les_core::model::config::{ExpertAct, Hparams, HybridParams, MlaShape, MoeParams};
 use les_core::model::experts::{ExpertFormat, Resident};
@@ -243,60 +245,17 @@ impl Model {
     }
 }
 
-/// [`SeqBuffers`] for [`TOKENS`] of one test model.
-struct Buffers(SeqBuffers);
-
-impl std::ops::Deref for Buffers {
-    type Target = SeqBuffers;
-    fn deref(&self) -> &SeqBuffers {
-        &self.0
+impl TestModel for Model {
+    fn hp(&self) -> &Hparams {
+        &self.hp
+    }
+    fn hy(&self) -> &HybridParams {
+        &self.hy
     }
 }
 
-impl std::ops::DerefMut for Buffers {
-    fn deref_mut(&mut self) -> &mut SeqBuffers {
-        &mut self.0
-    }
-}
-
-impl Buffers {
-    fn new(m: &Model) -> Buffers {
-        Buffers(SeqBuffers::new(&m.hp, &m.hy, TOKENS.len()))
-    }
-
-    /// Runs `tokens` at positions `start..` in one `forward_batch`, returning the
-    /// last position's logits, or with `every` each position's.
-    fn run_batch<X: Experts>(
-        &mut self,
-        m: &Model,
-        experts: &mut X,
-        start: usize,
-        tokens: &[u32],
-        every: bool,
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        self.0
-            .run_batch(&m.hp, &m.hy, m, experts, start, tokens, every)
-    }
-
-    /// Runs `tokens` at positions `start..`, returning each position's logits.
-    fn run<X: Experts>(
-        &mut self,
-        m: &Model,
-        experts: &mut X,
-        lookahead: Option<&Lookahead>,
-        start: usize,
-        tokens: &[u32],
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        self.0
-            .run(&m.hp, &m.hy, m, experts, lookahead, start, tokens)
-    }
-}
+/// [`SeqBuffers`] for [`TOKENS`]: `Buffers::new(&model, TOKENS.len())`.
+type Buffers = SeqBuffers;
 
 type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
 
@@ -306,7 +265,7 @@ fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
 }
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
-    Buffers::new(m).run(m, &mut resident_experts(m), None, 0, &TOKENS)
+    Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
 }
 
 /// The reference's RMSNorm, in f64.
@@ -482,7 +441,7 @@ impl Decode for Decoder<'_> {
     where
         X::Error: std::fmt::Debug,
     {
-        Buffers::new(self.0).run(self.0, experts, lookahead, 0, &TOKENS)
+        Buffers::new(self.0, TOKENS.len()).run(self.0, experts, lookahead, 0, &TOKENS)
     }
 }
 
@@ -531,7 +490,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
     let m = build(7, GgmlType::Q8_0, [GgmlType::Q4_0; 3], true);
     let want = resident(&m);
     for split in [1, 3, TOKENS.len()] {
-        let mut b = Buffers::new(&m);
+        let mut b = Buffers::new(&m, TOKENS.len());
         let mut got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split], true);
         got.extend(b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]));
         assert_bits_eq(

@@ -10,6 +10,7 @@ mod forward_common;
 
 use forward_common::{
     assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, SeqBuffers, StreamedRun,
+    TestModel,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
@@ -327,60 +328,17 @@ impl Model {
 
 const TOKENS: [u32; 9] = [3, 17, 5, 39, 0, 22, 22, 8, 31];
 
-/// [`SeqBuffers`] for [`TOKENS`] of one test model.
-struct Buffers(SeqBuffers);
-
-impl std::ops::Deref for Buffers {
-    type Target = SeqBuffers;
-    fn deref(&self) -> &SeqBuffers {
-        &self.0
+impl TestModel for Model {
+    fn hp(&self) -> &Hparams {
+        &self.hp
+    }
+    fn hy(&self) -> &HybridParams {
+        &self.hy
     }
 }
 
-impl std::ops::DerefMut for Buffers {
-    fn deref_mut(&mut self) -> &mut SeqBuffers {
-        &mut self.0
-    }
-}
-
-impl Buffers {
-    fn new(m: &Model) -> Buffers {
-        Buffers(SeqBuffers::new(&m.hp, &m.hy, TOKENS.len()))
-    }
-
-    /// Runs `tokens` at positions `start..` in one `forward_batch`, returning the
-    /// last position's logits, or with `every` each position's.
-    fn run_batch<X: Experts>(
-        &mut self,
-        m: &Model,
-        experts: &mut X,
-        start: usize,
-        tokens: &[u32],
-        every: bool,
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        self.0
-            .run_batch(&m.hp, &m.hy, m, experts, start, tokens, every)
-    }
-
-    /// Runs `tokens` at positions `start..`, returning each position's logits.
-    fn run<X: Experts>(
-        &mut self,
-        m: &Model,
-        experts: &mut X,
-        lookahead: Option<&Lookahead>,
-        start: usize,
-        tokens: &[u32],
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        self.0
-            .run(&m.hp, &m.hy, m, experts, lookahead, start, tokens)
-    }
-}
+/// [`SeqBuffers`] for [`TOKENS`]: `Buffers::new(&model, TOKENS.len())`.
+type Buffers = SeqBuffers;
 
 type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
 
@@ -390,7 +348,7 @@ fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
 }
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
-    Buffers::new(m).run(m, &mut resident_experts(m), None, 0, &TOKENS)
+    Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
 }
 
 /// The whole token sequence from position 0, for [`StreamedRun::run`].
@@ -405,7 +363,7 @@ impl Decode for Decoder<'_> {
     where
         X::Error: std::fmt::Debug,
     {
-        Buffers::new(self.0).run(self.0, experts, lookahead, 0, &TOKENS)
+        Buffers::new(self.0, TOKENS.len()).run(self.0, experts, lookahead, 0, &TOKENS)
     }
 }
 
@@ -491,9 +449,9 @@ fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
     for split in [1, 4, TOKENS.len() - 1] {
         // Prefill the first `split` tokens, then carry only the KV cache and the
         // recurrent state (copied) into fresh buffers, and decode the rest.
-        let mut a = Buffers::new(&m);
+        let mut a = Buffers::new(&m, TOKENS.len());
         let mut got = a.run(&m, &mut resident_experts(&m), None, 0, &TOKENS[..split]);
-        let mut b = Buffers::new(&m);
+        let mut b = Buffers::new(&m, TOKENS.len());
         b.kv_k.copy_from_slice(&a.kv_k);
         b.kv_v.copy_from_slice(&a.kv_v);
         b.conv.copy_from_slice(&a.conv);
@@ -502,13 +460,13 @@ fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
         assert_bits_eq(&got, &want, &format!("prefill {split} then decode"));
     }
     // Position 0 starts a new sequence, whatever the buffers held.
-    let mut dirty = Buffers::new(&m);
+    let mut dirty = Buffers::new(&m, TOKENS.len());
     dirty.run(&m, &mut resident_experts(&m), None, 0, &[9, 9, 1, 2, 3]);
     let again = dirty.run(&m, &mut resident_experts(&m), None, 0, &TOKENS);
     assert_bits_eq(&again, &want, "reused buffers");
     // And the recurrent state matters: without it the logits change.
-    let mut b = Buffers::new(&m);
-    let mut a = Buffers::new(&m);
+    let mut b = Buffers::new(&m, TOKENS.len());
+    let mut a = Buffers::new(&m, TOKENS.len());
     a.run(&m, &mut resident_experts(&m), None, 0, &TOKENS[..4]);
     b.kv_k.copy_from_slice(&a.kv_k);
     b.kv_v.copy_from_slice(&a.kv_v);
@@ -526,7 +484,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
     let want = resident(&m);
     for split in [2, 4, TOKENS.len()] {
         for every in [false, true] {
-            let mut b = Buffers::new(&m);
+            let mut b = Buffers::new(&m, TOKENS.len());
             let got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split], every);
             let first = if every { 0 } else { split - 1 };
             assert_bits_eq(
@@ -549,7 +507,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
         where
             X::Error: std::fmt::Debug,
         {
-            let mut b = Buffers::new(self.0);
+            let mut b = Buffers::new(self.0, TOKENS.len());
             let mut out = b.run_batch(self.0, experts, 0, &TOKENS[..4], true);
             out.extend(b.run(self.0, experts, None, 4, &TOKENS[4..]));
             out
@@ -938,8 +896,8 @@ fn nextn_engine(m: &Model, nx: &Nextn) -> Vec<Vec<f32>> {
     let (hp, hy, e) = (&m.hp, &m.hy, m.hp.n_embd);
     let n = TOKENS.len() + 2;
     // The main model's final hidden states.
-    let mut buffers = Buffers::new(m);
-    let b = &mut buffers.0;
+    let mut buffers = Buffers::new(m, TOKENS.len());
+    let b = &mut buffers;
     let mut hidden = Vec::new();
     {
         let mut kv = KvCache::new_for(hp, hy, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();

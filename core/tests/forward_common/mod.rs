@@ -409,6 +409,12 @@ impl<M: MatVec> MatVec for Grouped<M> {
     }
 }
 
+/// A test model: weights and the hyperparameters they go with.
+pub trait TestModel: Weights {
+    fn hp(&self) -> &Hparams;
+    fn hy(&self) -> &HybridParams;
+}
+
 /// Every buffer of one sequence of up to `max` positions of a hybrid model:
 /// KV cache, recurrent state, scratch, activations (`qwen35_forward`,
 /// `mla_forward`).
@@ -423,7 +429,8 @@ pub struct SeqBuffers {
 }
 
 impl SeqBuffers {
-    pub fn new(hp: &Hparams, hy: &HybridParams, max: usize) -> SeqBuffers {
+    pub fn new(m: &impl TestModel, max: usize) -> SeqBuffers {
+        let (hp, hy) = (m.hp(), m.hy());
         let (c, s) = RecurrentState::len(hy);
         SeqBuffers {
             kv_k: vec![0.0; KvCache::len_for(hp, hy, max)],
@@ -437,12 +444,9 @@ impl SeqBuffers {
     }
 
     /// `tokens` at positions `start..`, one at a time: each position's logits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn run<W: Weights, X: Experts>(
+    pub fn run<X: Experts>(
         &mut self,
-        hp: &Hparams,
-        hy: &HybridParams,
-        w: &W,
+        m: &impl TestModel,
         experts: &mut X,
         lookahead: Option<&Lookahead>,
         start: usize,
@@ -451,6 +455,7 @@ impl SeqBuffers {
     where
         X::Error: std::fmt::Debug,
     {
+        let (hp, hy) = (m.hp(), m.hy());
         let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
         let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
         let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
@@ -461,7 +466,7 @@ impl SeqBuffers {
             forward_hybrid(
                 hp,
                 hy,
-                w,
+                m,
                 &mut mv,
                 experts,
                 lookahead,
@@ -481,12 +486,9 @@ impl SeqBuffers {
     /// `tokens` at positions `start..` in one `forward_batch`, the attention
     /// grouped by two: the last position's logits, or with `every` each
     /// position's.
-    #[allow(clippy::too_many_arguments)]
-    pub fn run_batch<W: Weights, X: Experts>(
+    pub fn run_batch<X: Experts>(
         &mut self,
-        hp: &Hparams,
-        hy: &HybridParams,
-        w: &W,
+        m: &impl TestModel,
         experts: &mut X,
         start: usize,
         tokens: &[u32],
@@ -495,6 +497,7 @@ impl SeqBuffers {
     where
         X::Error: std::fmt::Debug,
     {
+        let (hp, hy) = (m.hp(), m.hy());
         let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
         let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
         let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
@@ -507,7 +510,7 @@ impl SeqBuffers {
         forward_batch(
             hp,
             hy,
-            w,
+            m,
             &mut mv,
             experts,
             &inputs,
