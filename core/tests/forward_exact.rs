@@ -6,8 +6,8 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng, StreamedOutput,
-    StreamedRun,
+    assert_bits_eq, assert_close, Decode, Grouped, Mat, PackedExperts, QuantScratch, Rng,
+    StreamedOutput, StreamedRun,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::ExpertAct;
@@ -1141,20 +1141,7 @@ fn gpt_oss_variant_exercises_its_parts() {
 }
 
 fn check_against_reference(m: &Model) {
-    let got = resident(m);
-    let want = reference(m);
-    for (t, (g, w)) in got.iter().zip(&want).enumerate() {
-        let err = g
-            .iter()
-            .zip(w)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
-        assert!(
-            err <= 1e-4 * scale.max(1.0),
-            "token {t}: max error {err} (scale {scale})"
-        );
-    }
+    assert_close(&resident(m), &reference(m), 1e-4, "forward");
 }
 
 /// The GLM variant's selection bias and scale each matter: without them the

@@ -9,7 +9,8 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun, TestModel,
+    assert_bits_eq, assert_close, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun,
+    TestModel,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{ExpertAct, Hparams, HybridParams, MlaShape, MoeParams};
@@ -397,20 +398,7 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
 }
 
 fn check_against_reference(m: &Model) {
-    let got = resident(m);
-    let want = reference(m);
-    for (t, (g, w)) in got.iter().zip(&want).enumerate() {
-        let err = g
-            .iter()
-            .zip(w)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
-        assert!(
-            err <= 2e-4 * scale.max(1.0),
-            "token {t}: max error {err} (scale {scale})"
-        );
-    }
+    assert_close(&resident(m), &reference(m), 2e-4, "MLA");
 }
 
 #[test]

@@ -9,8 +9,8 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, Decode, Mat, PackedExperts, QuantScratch, Rng, SeqBuffers, StreamedRun,
-    TestModel,
+    assert_bits_eq, assert_close, Decode, Mat, PackedExperts, QuantScratch, Rng, SeqBuffers,
+    StreamedRun, TestModel,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
@@ -833,20 +833,8 @@ fn qwen3next_variant_differs_from_qwen35() {
 
 /// The engine's logits are the plain reference's (with `sections`) within rounding.
 fn check_against_reference(m: &Model, sections: [u32; 4]) {
-    let got = resident(m);
-    let want = reference(m, sections);
-    for (t, (g, w)) in got.iter().zip(&want).enumerate() {
-        let err = g
-            .iter()
-            .zip(w)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
-        assert!(
-            err <= 2e-4 * scale.max(1.0),
-            "sections {sections:?} token {t}: max error {err} (scale {scale})"
-        );
-    }
+    let what = format!("sections {sections:?}");
+    assert_close(&resident(m), &reference(m, sections), 2e-4, &what);
 }
 
 /// A multi-token-prediction block for a model [`build`] made: a gated-attention

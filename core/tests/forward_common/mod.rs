@@ -528,3 +528,21 @@ impl SeqBuffers {
             .collect()
     }
 }
+
+/// Asserts that each position's logits in `got` are within `rel` times the
+/// largest magnitude of the reference's (at least 1) of those in `want`.
+pub fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], rel: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (t, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        assert!(
+            err <= rel * scale.max(1.0),
+            "{what}: token {t}: max error {err} (scale {scale})"
+        );
+    }
+}
