@@ -620,7 +620,8 @@ fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
 /// The nextn block's drafts against llama.cpp's `draft-mtp`, driven by
 /// `tests/scripts/llama_mtp.cpp` (how to build it is at its top), on the tiny
 /// qwen35moe with f32 weights (only float rounding apart) and with its
-/// quantized ones (also the two kernels' quantized activations): the same
+/// quantized ones (also the two kernels' quantized activations), and on tiny
+/// qwen3next, glm4moe and deepseek2 with f32 weights: the same
 /// greedy token after the prompt, and for each of four drafting steps the same
 /// greedy guess, with logits within four times the difference the model's own
 /// logits show (the drafts start from its hidden states, so theirs carries
@@ -646,8 +647,31 @@ fn mtp_drafts_equal_llama_cpp() {
             "f32",
         ],
     );
+    // The other architectures with nextn blocks, f32 weights: qwen3next,
+    // glm4moe and deepseek2 (latent attention in its block).
+    let f32_args = [
+        "--expert-type",
+        "f32",
+        "--dense-type",
+        "f32",
+        "--embd-type",
+        "f32",
+        "--output-type",
+        "f32",
+        "--mtp-layers",
+        "1",
+    ];
+    let others: Vec<PathBuf> = ["qwen3next", "glm4moe", "deepseek2"]
+        .iter()
+        .map(|arch| {
+            let args = [&["--arch", arch, "--preset", "tiny"][..], &f32_args].concat();
+            synth(&format!("mtp-f32-{arch}"), &args)
+        })
+        .collect();
     let steps = 4;
-    for (path, exact) in [(f32_model.as_path(), true), (qwen35moe_plain(), false)] {
+    let mut models = vec![(f32_model.as_path(), true), (qwen35moe_plain(), false)];
+    models.extend(others.iter().map(|p| (p.as_path(), true)));
+    for (path, exact) in models {
         let out = Command::new(&bin)
             .arg(path)
             .arg(steps.to_string())
