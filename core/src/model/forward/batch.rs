@@ -27,9 +27,7 @@ use super::{
 };
 use crate::gemv::GemvError;
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
-use crate::model::ops::{
-    rms_norm, rms_norm_heads, rope_scaled, swiglu, swiglu_oai, AttnShape, KvView,
-};
+use crate::model::ops::{rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape, KvView};
 use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -423,11 +421,8 @@ fn mla_batch<M: MatVec, E>(
     cache_layer: usize,
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    use super::mla::{check, head_block};
-    let m = hy
-        .mla
-        .ok_or(ForwardError::Shape("MLA weights without an MLA shape"))?;
-    check(hp, &m, w)?;
+    use super::mla::{cache_latent, finish_query, head_block, query_prescale, shape};
+    let m = shape(hp, hy, w)?;
     let (e, nh, qh, lat, kvl, vd) = (
         hp.n_embd,
         hp.n_head,
@@ -455,17 +450,6 @@ fn mla_batch<M: MatVec, E>(
     for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
         rms_norm(h, attn_norm, hp.norm_eps, x);
     }
-    let rope = |x: &mut [f32], p: usize| {
-        rope_scaled(
-            x,
-            m.rope,
-            m.rope,
-            p as u32,
-            hp.rope_base,
-            hp.rope_style,
-            hp.rope_yarn.as_ref(),
-        )
-    };
     // Queries, then the latents: rotated, normed, cached as key and value.
     let q_raw = &mut b.aqr[..n * nh * qh];
     match w.q_a {
@@ -483,14 +467,10 @@ fn mla_batch<M: MatVec, E>(
     mv.matmul(&w.kv_a, x, lats)?;
     let base = cache_layer * stride;
     for (j, l) in lats.chunks_exact_mut(lat).enumerate() {
-        let (c, r) = l.split_at_mut(kvl);
-        rms_norm_heads(c, w.kv_a_norm, hp.norm_eps);
-        rope(r, pos + j);
-        kv.k.store(base + (pos + j) * lat, l);
-        kv.v.store(base + (pos + j) * lat, l);
+        cache_latent(hp, &m, w.kv_a_norm, l, kv, base, pos + j);
     }
     // Each head's queries in the latent's space, for every position.
-    let pre = m.kq_scale * libm::sqrtf(lat as f32);
+    let pre = query_prescale(&m);
     let q = &mut b.aq[..n * nh * lat];
     let (gin, gout) = (&mut b.ga[..n * gather], &mut b.gb[..n * gather]);
     for h in 0..nh {
@@ -503,11 +483,7 @@ fn mla_batch<M: MatVec, E>(
             let out = &mut q[(j * nh + h) * lat..][..lat];
             out[..kvl].copy_from_slice(&gout[j * kvl..][..kvl]);
             let qr = &mut q_raw[(j * nh + h) * qh + m.nope..][..m.rope];
-            rope(qr, pos + j);
-            out[kvl..].copy_from_slice(qr);
-            for v in out.iter_mut() {
-                *v *= pre;
-            }
+            finish_query(hp, &m, out, qr, pos + j, pre);
         }
     }
     let shape = AttnShape {

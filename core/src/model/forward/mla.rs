@@ -62,12 +62,77 @@ pub(super) fn head_block<'a, E>(
         .map_err(|_| ForwardError::Shape("MLA head block"))
 }
 
-/// Checks `w` against the model's shape `m` and `hp`.
-pub(super) fn check<E>(
+/// The model's MLA shape, checked against `w` and `hp`.
+pub(super) fn shape<E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    w: &MlaWeights<'_>,
+) -> Result<MlaShape, ForwardError<E>> {
+    let m = hy
+        .mla
+        .ok_or(ForwardError::Shape("MLA weights without an MLA shape"))?;
+    check(hp, &m, w)?;
+    Ok(m)
+}
+
+/// RoPE of a rotated part `x` (`rope` dimensions) at position `pos`.
+pub(super) fn rope_part(hp: &Hparams, m: &MlaShape, x: &mut [f32], pos: usize) {
+    rope_scaled(
+        x,
+        m.rope,
+        m.rope,
+        pos as u32,
+        hp.rope_base,
+        hp.rope_style,
+        hp.rope_yarn.as_ref(),
+    )
+}
+
+/// The projected latent `l` (`kv_lora + rope`) made ready, its first `kv_lora`
+/// normed by `norm` and the rest rotated, and cached at `pos` as key and value
+/// (`base` is the cache layer's first float).
+pub(super) fn cache_latent(
     hp: &Hparams,
     m: &MlaShape,
-    w: &MlaWeights<'_>,
-) -> Result<(), ForwardError<E>> {
+    norm: &[f32],
+    l: &mut [f32],
+    kv: &mut KvCache<'_>,
+    base: usize,
+    pos: usize,
+) {
+    let (c, r) = l.split_at_mut(m.kv_lora);
+    rms_norm_heads(c, norm, hp.norm_eps);
+    rope_part(hp, m, r, pos);
+    kv.k.store(base + pos * m.latent(), l);
+    kv.v.store(base + pos * m.latent(), l);
+}
+
+/// The factor queries are scaled by before the attention kernel, whose own
+/// scale is `1 / sqrt(kv_lora + rope)`: together the file's `kq_scale`.
+pub(super) fn query_prescale(m: &MlaShape) -> f32 {
+    m.kq_scale * libm::sqrtf(m.latent() as f32)
+}
+
+/// A head's query at `pos` made ready: `out` holds its absorbed part
+/// (`kv_lora`); the rotated part `qr` goes after it, rotated, and all of it
+/// is scaled by `pre` for the kernel.
+pub(super) fn finish_query(
+    hp: &Hparams,
+    m: &MlaShape,
+    out: &mut [f32],
+    qr: &mut [f32],
+    pos: usize,
+    pre: f32,
+) {
+    rope_part(hp, m, qr, pos);
+    out[m.kv_lora..].copy_from_slice(qr);
+    for v in out.iter_mut() {
+        *v *= pre;
+    }
+}
+
+/// Checks `w` against the model's shape `m` and `hp`.
+fn check<E>(hp: &Hparams, m: &MlaShape, w: &MlaWeights<'_>) -> Result<(), ForwardError<E>> {
     let n = hp.n_head;
     let q_in = match w.q_a {
         Some((qa, norm)) => {
@@ -111,25 +176,11 @@ pub(super) fn mla_layer<M: MatVec, E>(
     layer_stride: usize,
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    let m = hy
-        .mla
-        .ok_or(ForwardError::Shape("MLA weights without an MLA shape"))?;
-    check(hp, &m, w)?;
+    let m = shape(hp, hy, w)?;
     let (n, qh, lat, kvl, vd) = (hp.n_head, m.q_head(), m.latent(), m.kv_lora, m.v_head_dim);
     if s.mla_q.len() < n * qh.max(vd) || s.mla_qa.len() != m.q_lora {
         return Err(ForwardError::Shape("MLA scratch"));
     }
-    let rope = |x: &mut [f32]| {
-        rope_scaled(
-            x,
-            m.rope,
-            m.rope,
-            pos as u32,
-            hp.rope_base,
-            hp.rope_style,
-            hp.rope_yarn.as_ref(),
-        )
-    };
 
     // Queries, then the latent: [rmsnorm(c), rope(r)], key and value alike.
     let q_raw = &mut s.mla_q[..n * qh];
@@ -142,25 +193,16 @@ pub(super) fn mla_layer<M: MatVec, E>(
         None => mv.matvec(&w.q, s.x, q_raw)?,
     }
     mv.matvec(&w.kv_a, s.x, s.k)?;
-    let (c, r) = s.k.split_at_mut(kvl);
-    rms_norm_heads(c, w.kv_a_norm, hp.norm_eps);
-    rope(r);
-    s.v.copy_from_slice(s.k);
     let base = cache_layer * layer_stride;
-    kv.k.store(base + pos * lat, s.k);
-    kv.v.store(base + pos * lat, s.v);
+    cache_latent(hp, &m, w.kv_a_norm, s.k, kv, base, pos);
 
     // Each head's query in the latent's space, scaled for the kernel.
-    let pre = m.kq_scale * libm::sqrtf(lat as f32);
+    let pre = query_prescale(&m);
     for h in 0..n {
         let (qn, qr) = q_raw[h * qh..][..qh].split_at_mut(m.nope);
         let out = &mut s.q[h * lat..][..lat];
         mv.matvec(&head_block(&w.k_b, h, kvl)?, qn, &mut out[..kvl])?;
-        rope(qr);
-        out[kvl..].copy_from_slice(qr);
-        for v in out.iter_mut() {
-            *v *= pre;
-        }
+        finish_query(hp, &m, out, qr, pos, pre);
     }
     let shape = AttnShape {
         n_head: n,
