@@ -5,9 +5,13 @@
 //! it, for qwen3moe and for qwen35moe (whose recurrent state is rolled back
 //! when a draft is rejected).
 
+mod cli;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+
+use cli::F32_WEIGHTS;
 
 use les::compute::ThreadedMatVec;
 use les::draft::{
@@ -630,47 +634,21 @@ fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
 #[ignore = "needs a llama.cpp build: LLAMA_MTP=/path/to/llama-mtp"]
 fn mtp_drafts_equal_llama_cpp() {
     let bin = std::env::var("LLAMA_MTP").expect("LLAMA_MTP");
-    let f32_model = synth(
-        "mtp-f32",
-        &[
-            "--arch",
-            "qwen35moe",
-            "--preset",
-            "tiny",
-            "--expert-type",
-            "f32",
-            "--dense-type",
-            "f32",
-            "--embd-type",
-            "f32",
-            "--output-type",
-            "f32",
-        ],
-    );
-    // The other architectures with nextn blocks, f32 weights: qwen3next,
-    // glm4moe and deepseek2 (latent attention in its block).
-    let f32_args = [
-        "--expert-type",
-        "f32",
-        "--dense-type",
-        "f32",
-        "--embd-type",
-        "f32",
-        "--output-type",
-        "f32",
-        "--mtp-layers",
-        "1",
-    ];
-    let others: Vec<PathBuf> = ["qwen3next", "glm4moe", "deepseek2"]
+    // f32 weights for every architecture with a nextn block (deepseek2's
+    // with latent attention in it).
+    let f32_models: Vec<PathBuf> = ["qwen35moe", "qwen3next", "glm4moe", "deepseek2"]
         .iter()
         .map(|arch| {
-            let args = [&["--arch", arch, "--preset", "tiny"][..], &f32_args].concat();
-            synth(&format!("mtp-f32-{arch}"), &args)
+            let args = [&["--arch", arch, "--preset", "tiny"][..], &F32_WEIGHTS].concat();
+            synth(
+                &format!("mtp-f32-{arch}"),
+                &[&args[..], &["--mtp-layers", "1"]].concat(),
+            )
         })
         .collect();
     let steps = 4;
-    let mut models = vec![(f32_model.as_path(), true), (qwen35moe_plain(), false)];
-    models.extend(others.iter().map(|p| (p.as_path(), true)));
+    let mut models: Vec<(&Path, bool)> = f32_models.iter().map(|p| (p.as_path(), true)).collect();
+    models.insert(1, (qwen35moe_plain(), false));
     for (path, exact) in models {
         let out = Command::new(&bin)
             .arg(path)
