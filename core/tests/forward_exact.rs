@@ -12,12 +12,12 @@ use forward_common::{
 use les_core::gemv::MatrixView;
 use les_core::model::config::ExpertAct;
 use les_core::model::config::HybridParams;
-use les_core::model::config::{Hparams, MoeParams};
+use les_core::model::config::{Hparams, MoeParams, SlidingWindow};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::ExpertBiases;
 use les_core::model::forward::{
     forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvBuf, KvCache,
-    Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    KvRing, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::GgmlType;
@@ -1172,4 +1172,178 @@ fn glm_variant_exercises_its_parts() {
     }
     assert!(reference(&m3) == reference(&m4));
     check_against_reference(&m3);
+}
+
+/// One pass of [`ring_run`]: `tokens` at positions `pos..` (one with
+/// [`forward`], more with [`forward_batch`] and every position's logits).
+struct Pass {
+    pos: usize,
+    tokens: Vec<u32>,
+}
+
+/// Positions [`ring_run`]'s caches hold.
+const RING_POSITIONS: usize = 40;
+
+/// The gpt-oss variant through `passes` over a cache of [`RING_POSITIONS`]
+/// with its windowed layers in `ring` (or none), `f16` or `f32`: each pass's
+/// logits, or its error.
+fn ring_run(
+    m: &Model,
+    passes: &[Pass],
+    ring: Option<KvRing>,
+    f16: bool,
+) -> Vec<Result<Vec<f32>, String>> {
+    let (hp, n) = (m.hp, RING_POSITIONS);
+    let hy = HybridParams::plain(&hp);
+    let len = KvCache::len_with(&hp, &hy, n, ring);
+    let (mut k32, mut v32, mut k16, mut v16) = (
+        vec![0f32; len],
+        vec![0f32; len],
+        vec![0u16; len],
+        vec![0u16; len],
+    );
+    let (k, v) = if f16 {
+        (KvBuf::F16(&mut k16), KvBuf::F16(&mut v16))
+    } else {
+        (KvBuf::F32(&mut k32), KvBuf::F32(&mut v32))
+    };
+    let mut kv = KvCache::new_with(&hp, &hy, k, v, n, ring).expect("sized");
+    let mut scratch = vec![0f32; Scratch::len(&hp, n)];
+    let mut s = Scratch::new(&hp, &mut scratch, n).unwrap();
+    let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, 8)];
+    let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, 8)];
+    let mut bs = BatchScratch::new(&hp, &hy, 8, &mut floats, &mut ids).unwrap();
+    let mut quant = QuantScratch::new();
+    let mut mv = quant.matvec();
+    let packed = m.packed(1);
+    let fmt = packed.format;
+    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+    passes
+        .iter()
+        .map(|p| {
+            let mut logits = vec![0f32; hp.n_vocab * p.tokens.len()];
+            let inputs: Vec<TokenInput<'_>> =
+                p.tokens.iter().map(|&t| TokenInput::Token(t)).collect();
+            let r = match inputs[..] {
+                [one] => forward(
+                    &hp,
+                    m,
+                    &mut mv,
+                    &mut ex,
+                    None,
+                    one,
+                    p.pos,
+                    &mut kv,
+                    &mut s,
+                    &mut logits,
+                ),
+                _ => forward_batch(
+                    &hp,
+                    &hy,
+                    m,
+                    &mut mv,
+                    &mut ex,
+                    &inputs,
+                    p.pos,
+                    &mut kv,
+                    &mut RecurrentState::empty(),
+                    &mut s,
+                    &mut bs,
+                    &mut logits,
+                ),
+            };
+            r.map(|()| logits).map_err(|e| format!("{e:?}"))
+        })
+        .collect()
+}
+
+/// A speculative decode's passes over `positions`: a prompt batch of `first`,
+/// then drafts of `draft` checked at once, of which a varying number stand
+/// (the rest are overwritten by the next pass, as after a rejected draft).
+fn speculative_passes(m: &Model, first: usize, draft: usize, positions: usize) -> Vec<Pass> {
+    let mut rng = Rng(77);
+    let mut token = || (rng.next() % m.hp.n_vocab as u64) as u32;
+    let mut passes = vec![Pass {
+        pos: 0,
+        tokens: (0..first).map(|_| token()).collect(),
+    }];
+    let (mut pos, mut i) = (first, 0);
+    while pos + draft <= positions {
+        passes.push(Pass {
+            pos,
+            tokens: (0..draft).map(|_| token()).collect(),
+        });
+        pos += 1 + i % draft;
+        i += 1;
+    }
+    passes
+}
+
+/// Sliding-window layers kept in rings (llama.cpp's SWA cache) give the
+/// logits of a full cache bit for bit, `f32` and `f16`, one position at a
+/// time and in batches with drafts rejected and overwritten, over many turns
+/// of the rings; a pass longer than a ring holds, or a layer without a
+/// window over a ring, is an error, never a wrong answer.
+#[test]
+fn sliding_window_rings_equal_a_full_cache() {
+    let m = build_oss(
+        21,
+        GgmlType::Q8_0,
+        [GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::Q8_0],
+    );
+    let window = SlidingWindow {
+        window: OSS_WINDOW,
+        pattern: 2,
+    };
+    let one_at_a_time: Vec<Pass> = speculative_passes(&m, 1, 1, RING_POSITIONS);
+    for (passes, largest) in [
+        (one_at_a_time, 1),
+        (speculative_passes(&m, 4, 4, RING_POSITIONS), 4),
+        (speculative_passes(&m, 2, 3, RING_POSITIONS), 3),
+    ] {
+        let ring = KvRing::for_passes(window, largest);
+        assert!(3 * ring.span < RING_POSITIONS, "the rings turn over");
+        for f16 in [false, true] {
+            let want = ring_run(&m, &passes, None, f16);
+            let got = ring_run(&m, &passes, Some(ring), f16);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                let (w, g) = (w.clone().unwrap(), g.clone().unwrap());
+                assert_bits_eq(
+                    &[w],
+                    &[g],
+                    &format!("pass {i} at {} (f16 {f16})", passes[i].pos),
+                );
+            }
+        }
+        // A ring for shorter passes refuses the longest.
+        if largest > 1 {
+            let short = KvRing::for_passes(window, largest - 1);
+            let got = ring_run(&m, &passes, Some(short), false);
+            let first = passes
+                .iter()
+                .position(|p| p.tokens.len() == largest)
+                .unwrap();
+            assert!(got[..first].iter().all(|r| r.is_ok()));
+            let err = got[first].as_ref().unwrap_err();
+            assert!(err.contains("ring"), "{err}");
+        }
+    }
+    // Rings on the even layers, which here attend to all positions: once the
+    // positions outgrow the window, an error.
+    let mut full = build_oss(
+        21,
+        GgmlType::Q8_0,
+        [GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::Q8_0],
+    );
+    for l in &mut full.layers {
+        l.oss.as_mut().unwrap().window = None;
+    }
+    let got = ring_run(
+        &full,
+        &speculative_passes(&m, 1, 1, 8),
+        Some(KvRing::for_passes(window, 1)),
+        false,
+    );
+    assert!(got[..OSS_WINDOW].iter().all(|r| r.is_ok()));
+    assert!(got[OSS_WINDOW].as_ref().unwrap_err().contains("ring"));
 }

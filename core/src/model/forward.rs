@@ -16,7 +16,7 @@ use super::config::{ExpertAct, Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::ops::{
     rms_norm, rms_norm_heads, rope_imrope_scaled, rope_scaled, sigmoid, swiglu, swiglu_oai,
-    AttnShape, KvRows, KvView, MAX_F16_HEAD_DIM,
+    AttnShape, KvView,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -26,10 +26,12 @@ use crate::router::{
 };
 
 mod batch;
+mod kv;
 pub mod mla;
 pub mod nextn;
 pub use crate::slots::Residency;
 pub use batch::{forward_batch, BatchScratch};
+pub use kv::{KvBuf, KvCache, KvRing, KvType};
 pub use mla::MlaWeights;
 
 /// Weights of one shared (always-resident) expert.
@@ -559,157 +561,6 @@ pub struct Lookahead {
     /// The first `depth` layers are predicted from the token's embedding, at the
     /// start of the token.
     pub depth: usize,
-}
-
-/// Element type of a KV cache's keys or values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum KvType {
-    /// `f32`: exactly what attention computed.
-    F32,
-    /// IEEE binary16, rounded to nearest even as ggml rounds its `f16` cache
-    /// (llama.cpp's default): half the memory, and half the bytes attention
-    /// streams every token.
-    #[default]
-    F16,
-}
-
-impl KvType {
-    /// Bytes a value takes.
-    pub fn bytes(self) -> usize {
-        match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        }
-    }
-
-    /// The name llama.cpp's `--cache-type-k` uses for it.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvType::F32 => "f32",
-            KvType::F16 => "f16",
-        }
-    }
-
-    /// Whether a cache of this type holds heads of `head_dim` values: any for
-    /// `f32`; for `f16` at most [`MAX_F16_HEAD_DIM`], since attention widens
-    /// its rows a tile at a time.
-    pub fn holds_head_dim(self, head_dim: usize) -> bool {
-        self == KvType::F32 || head_dim <= MAX_F16_HEAD_DIM
-    }
-}
-
-/// Caller memory for a KV cache's keys or values, in its element type.
-#[derive(Debug)]
-pub enum KvBuf<'a> {
-    /// `f32` values.
-    F32(&'a mut [f32]),
-    /// `f16` bits.
-    F16(&'a mut [u16]),
-}
-
-impl KvBuf<'_> {
-    /// Its element type.
-    pub fn ty(&self) -> KvType {
-        match self {
-            KvBuf::F32(_) => KvType::F32,
-            KvBuf::F16(_) => KvType::F16,
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            KvBuf::F32(x) => x.len(),
-            KvBuf::F16(x) => x.len(),
-        }
-    }
-
-    /// The values `range` as attention reads them.
-    fn rows(&self, range: core::ops::Range<usize>) -> KvRows<'_> {
-        match self {
-            KvBuf::F32(x) => KvRows::F32(&x[range]),
-            KvBuf::F16(x) => KvRows::F16(&x[range]),
-        }
-    }
-
-    /// `x` stored from `at` on (rounded to nearest even for `f16`).
-    fn store(&mut self, at: usize, x: &[f32]) {
-        match self {
-            KvBuf::F32(b) => b[at..][..x.len()].copy_from_slice(x),
-            KvBuf::F16(b) => {
-                for (d, &v) in b[at..][..x.len()].iter_mut().zip(x) {
-                    *d = crate::quant::f32_to_f16(v);
-                }
-            }
-        }
-    }
-}
-
-/// Per-layer KV cache over caller memory: `[layer][position][kv_dim]` for keys and
-/// values each, one layer per attention layer (linear-attention layers have none).
-pub struct KvCache<'a> {
-    k: KvBuf<'a>,
-    v: KvBuf<'a>,
-    max_positions: usize,
-    n_layers: usize,
-}
-
-impl<'a> KvCache<'a> {
-    /// Floats each of `k` and `v` must hold (every layer with attention).
-    pub fn len(hp: &Hparams, max_positions: usize) -> usize {
-        hp.n_layers * max_positions * hp.kv_dim()
-    }
-
-    /// A cache of `max_positions` positions; `k` and `v` hold [`len`](Self::len) floats.
-    pub fn new(
-        hp: &Hparams,
-        k: &'a mut [f32],
-        v: &'a mut [f32],
-        max_positions: usize,
-    ) -> Option<Self> {
-        Self::new_for(hp, &HybridParams::plain(hp), k, v, max_positions)
-    }
-
-    /// Floats each of `k` and `v` must hold for the attention layers of `hy`.
-    pub fn len_for(hp: &Hparams, hy: &HybridParams, max_positions: usize) -> usize {
-        hy.n_attn_layers * max_positions * hp.kv_dim()
-    }
-
-    /// A cache for the attention layers of `hy`; `k` and `v` hold
-    /// [`len_for`](Self::len_for) floats.
-    pub fn new_for(
-        hp: &Hparams,
-        hy: &HybridParams,
-        k: &'a mut [f32],
-        v: &'a mut [f32],
-        max_positions: usize,
-    ) -> Option<Self> {
-        Self::new_typed(hp, hy, KvBuf::F32(k), KvBuf::F32(v), max_positions)
-    }
-
-    /// [`new_for`](Self::new_for) with keys and values of any [`KvType`],
-    /// each holding [`len_for`](Self::len_for) values, whose types hold the
-    /// model's heads ([`KvType::holds_head_dim`]).
-    pub fn new_typed(
-        hp: &Hparams,
-        hy: &HybridParams,
-        k: KvBuf<'a>,
-        v: KvBuf<'a>,
-        max_positions: usize,
-    ) -> Option<Self> {
-        let n = Self::len_for(hp, hy, max_positions);
-        let fits = k.ty().holds_head_dim(hp.head_dim) && v.ty().holds_head_dim(hp.head_dim);
-        (k.len() == n && v.len() == n && fits).then_some(KvCache {
-            k,
-            v,
-            max_positions,
-            n_layers: hy.n_attn_layers,
-        })
-    }
-
-    /// Positions it holds at most.
-    pub fn max_positions(&self) -> usize {
-        self.max_positions
-    }
 }
 
 /// The recurrent state of the linear-attention layers, over caller memory: per
@@ -1486,7 +1337,6 @@ pub(super) fn mix<M: MatVec, E>(
         n_head_kv: hp.n_head_kv,
         head_dim: hp.head_dim,
     };
-    let layer_stride = kv.max_positions * hp.kv_dim();
     rms_norm(s.h, lw.attn_norm, hp.norm_eps, s.x);
     match &lw.mixer {
         Mixer::Attention(aw) => {
@@ -1495,7 +1345,7 @@ pub(super) fn mix<M: MatVec, E>(
                     "more attention layers than the KV cache",
                 ));
             }
-            attention_layer(hp, hy, aw, mv, s, kv, *attn_idx, layer_stride, pos, shape)?;
+            attention_layer(hp, hy, aw, mv, s, kv, *attn_idx, pos, shape)?;
             *attn_idx += 1;
         }
         Mixer::Mla(mw) => {
@@ -1504,7 +1354,7 @@ pub(super) fn mix<M: MatVec, E>(
                     "more attention layers than the KV cache",
                 ));
             }
-            mla::mla_layer(hp, hy, mw, mv, s, kv, *attn_idx, layer_stride, pos)?;
+            mla::mla_layer(hp, hy, mw, mv, s, kv, *attn_idx, pos)?;
             *attn_idx += 1;
         }
         Mixer::DeltaNet(dw) => {
@@ -1719,7 +1569,6 @@ fn attention_layer<M: MatVec, E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    layer_stride: usize,
     pos: usize,
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
@@ -1733,7 +1582,7 @@ fn attention_layer<M: MatVec, E>(
     }
     mv.matvec(&aw.wk, s.x, s.k)?;
     mv.matvec(&aw.wv, s.x, s.v)?;
-    attend(hp, hy, aw, mv, s, kv, cache_layer, layer_stride, pos, shape)?;
+    attend(hp, hy, aw, mv, s, kv, cache_layer, pos, shape)?;
     mv.matvec(&aw.wo, s.att, s.tmp)?;
     add_bias(s.tmp, aw.bo).map_err(ForwardError::Shape)?;
     Ok(())
@@ -1752,16 +1601,11 @@ pub(super) fn attend<M: MatVec, E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    layer_stride: usize,
     pos: usize,
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
-    project_position(hp, hy, aw, s, kv, cache_layer, layer_stride, pos)?;
-    let kv = attended(
-        aw,
-        cached(kv, cache_layer, layer_stride, pos + 1),
-        hp.kv_dim(),
-    )?;
+    project_position(hp, hy, aw, s, kv, cache_layer, pos)?;
+    let kv = attended(aw, kv, cache_layer, pos + 1)?;
     mv.attention(shape, s.q, kv, s.scores, s.att);
     if hy.attn_output_gate {
         output_gate(hp.head_dim, s.qg, s.att);
@@ -1769,39 +1613,37 @@ pub(super) fn attend<M: MatVec, E>(
     Ok(())
 }
 
-/// What a query of a layer with attention weights `aw` attends over, of the
-/// cached positions `kv` (the query's own the last): its sinks, and only the
-/// last `window` positions where the layer has a sliding window.
+/// What the query at position `end - 1` of a layer with attention weights
+/// `aw` attends over in cache layer `cache_layer`: the positions up to its
+/// own, only the last `window` of them where the layer has a sliding window,
+/// and its sinks.
 pub(super) fn attended<'k, E>(
     aw: &AttentionWeights<'k>,
-    kv: KvView<'k>,
-    kv_dim: usize,
+    kv: &'k KvCache<'_>,
+    cache_layer: usize,
+    end: usize,
 ) -> Result<KvView<'k>, ForwardError<E>> {
-    let kv = KvView {
-        sinks: aw.sinks,
-        ..kv
-    };
-    Ok(match aw.window {
+    let start = match aw.window {
         Some(0) => return Err(ForwardError::Shape("sliding window of 0 positions")),
-        Some(w) => kv.from_position(kv.positions.saturating_sub(w), kv_dim),
-        None => kv,
+        Some(w) => end.saturating_sub(w),
+        None => 0,
+    };
+    Ok(KvView {
+        sinks: aw.sinks,
+        ..cached(kv, cache_layer, start..end)?
     })
 }
 
-/// The keys and values of `kv` (cache layer `cache_layer`) at positions `0..n`.
-pub(super) fn cached<'k>(
+/// The keys and values of `kv` (cache layer `cache_layer`) at positions
+/// `range`, which ends at the position cached last.
+pub(super) fn cached<'k, E>(
     kv: &'k KvCache<'_>,
     cache_layer: usize,
-    layer_stride: usize,
-    n: usize,
-) -> KvView<'k> {
-    let base = cache_layer * layer_stride;
-    KvView {
-        k: kv.k.rows(base..base + layer_stride),
-        v: kv.v.rows(base..base + layer_stride),
-        positions: n,
-        sinks: None,
-    }
+    range: core::ops::Range<usize>,
+) -> Result<KvView<'k>, ForwardError<E>> {
+    kv.view(cache_layer, range).ok_or(ForwardError::Shape(
+        "attention over more positions than the layer's KV cache ring holds",
+    ))
 }
 
 /// An attention output `att` gated by the gate halves of the projected
@@ -1825,10 +1667,8 @@ pub(super) fn project_position<E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    layer_stride: usize,
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    let kv_dim = hp.kv_dim();
     if hy.attn_output_gate {
         // [q_h, g_h] per head: split the query from its gate.
         let hd = hp.head_dim;
@@ -1873,8 +1713,6 @@ pub(super) fn project_position<E>(
             }
         }
     }
-    let base = cache_layer * layer_stride;
-    kv.k.store(base + pos * kv_dim, &s.k[..kv_dim]);
-    kv.v.store(base + pos * kv_dim, &s.v[..kv_dim]);
+    kv.store(cache_layer, pos, s.k, s.v);
     Ok(())
 }

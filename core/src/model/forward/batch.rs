@@ -27,7 +27,7 @@ use super::{
 };
 use crate::gemv::GemvError;
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
-use crate::model::ops::{rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape, KvView};
+use crate::model::ops::{rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape};
 use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -431,7 +431,6 @@ fn mla_batch<M: MatVec, E>(
         m.kv_lora,
         m.v_head_dim,
     );
-    let stride = kv.max_positions * hp.kv_dim();
     let gather = kvl.max(m.nope).max(vd);
     let fits = m.q_lora <= e
         && qh <= lat
@@ -441,7 +440,7 @@ fn mla_batch<M: MatVec, E>(
     if !fits {
         for (i, h) in b.h.chunks_exact_mut(e).take(n).enumerate() {
             rms_norm(h, attn_norm, hp.norm_eps, s.x);
-            super::mla::mla_layer(hp, hy, w, mv, s, kv, cache_layer, stride, pos + i)?;
+            super::mla::mla_layer(hp, hy, w, mv, s, kv, cache_layer, pos + i)?;
             add_into(h, s.tmp);
         }
         return Ok(());
@@ -465,9 +464,8 @@ fn mla_batch<M: MatVec, E>(
     }
     let lats = &mut b.ak[..n * lat];
     mv.matmul(&w.kv_a, x, lats)?;
-    let base = cache_layer * stride;
     for (j, l) in lats.chunks_exact_mut(lat).enumerate() {
-        cache_latent(hp, &m, w.kv_a_norm, l, kv, base, pos + j);
+        cache_latent(hp, &m, w.kv_a_norm, l, kv, cache_layer, pos + j);
     }
     // Each head's queries in the latent's space, for every position.
     let pre = query_prescale(&m);
@@ -492,7 +490,7 @@ fn mla_batch<M: MatVec, E>(
         head_dim: lat,
     };
     let att = &mut b.aatt[..n * nh * lat];
-    let view = cached(kv, cache_layer, stride, pos + n);
+    let view = cached(kv, cache_layer, 0..pos + n)?;
     mv.attention_causal(shape, q, view, pos, s.scores, att);
     // Each head's value up-projection for every position, then `wo`.
     let o = &mut b.aqr[..n * nh * vd];
@@ -560,7 +558,11 @@ fn attention_batch<M: MatVec, E>(
         n_head_kv: hp.n_head_kv,
         head_dim: hp.head_dim,
     };
-    let layer_stride = kv.max_positions * kv_dim;
+    if !kv.holds_pass(cache_layer, n) {
+        return Err(ForwardError::Shape(
+            "a pass of more positions than the layer's KV cache ring holds",
+        ));
+    }
     // Every position's query made ready (into `aqr`) and its key and value
     // cached, then the attention of them all, each over the positions up to
     // its own.
@@ -574,22 +576,23 @@ fn attention_batch<M: MatVec, E>(
         }
         s.k.copy_from_slice(&k[j * kv_dim..][..kv_dim]);
         s.v.copy_from_slice(&v[j * kv_dim..][..kv_dim]);
-        project_position(hp, hy, aw, s, kv, cache_layer, layer_stride, pos + j)?;
+        project_position(hp, hy, aw, s, kv, cache_layer, pos + j)?;
         qr[j * q_dim..][..q_dim].copy_from_slice(s.q);
     }
     let att = &mut b.aatt[..n * q_dim];
-    let cached = cached(kv, cache_layer, layer_stride, pos + n);
     if aw.window.is_some() {
         // Each position over its own window of the positions before it.
         for (j, (qj, oj)) in qr.chunks(q_dim).zip(att.chunks_mut(q_dim)).enumerate() {
-            let upto = KvView {
-                positions: pos + j + 1,
-                ..cached
-            };
-            mv.attention(shape, qj, attended(aw, upto, kv_dim)?, s.scores, oj);
+            mv.attention(
+                shape,
+                qj,
+                attended(aw, kv, cache_layer, pos + j + 1)?,
+                s.scores,
+                oj,
+            );
         }
     } else {
-        let cached = attended(aw, cached, kv_dim)?;
+        let cached = attended(aw, kv, cache_layer, pos + n)?;
         mv.attention_causal(shape, qr, cached, pos, s.scores, att);
     }
     if hy.attn_output_gate {

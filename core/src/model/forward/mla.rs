@@ -97,14 +97,13 @@ pub(super) fn cache_latent(
     norm: &[f32],
     l: &mut [f32],
     kv: &mut KvCache<'_>,
-    base: usize,
+    cache_layer: usize,
     pos: usize,
 ) {
     let (c, r) = l.split_at_mut(m.kv_lora);
     rms_norm_heads(c, norm, hp.norm_eps);
     rope_part(hp, m, r, pos);
-    kv.k.store(base + pos * m.latent(), l);
-    kv.v.store(base + pos * m.latent(), l);
+    kv.store(cache_layer, pos, l, l);
 }
 
 /// The factor queries are scaled by before the attention kernel, whose own
@@ -162,7 +161,7 @@ fn check<E>(hp: &Hparams, m: &MlaShape, w: &MlaWeights<'_>) -> Result<(), Forwar
 }
 
 /// The MLA layer at position `pos` on the normed input `s.x`: the latent into
-/// cache layer `cache_layer` (`layer_stride` floats a layer) and the layer's
+/// cache layer `cache_layer` and the layer's
 /// output into `s.tmp`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn mla_layer<M: MatVec, E>(
@@ -173,7 +172,6 @@ pub(super) fn mla_layer<M: MatVec, E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    layer_stride: usize,
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
     let m = shape(hp, hy, w)?;
@@ -193,8 +191,7 @@ pub(super) fn mla_layer<M: MatVec, E>(
         None => mv.matvec(&w.q, s.x, q_raw)?,
     }
     mv.matvec(&w.kv_a, s.x, s.k)?;
-    let base = cache_layer * layer_stride;
-    cache_latent(hp, &m, w.kv_a_norm, s.k, kv, base, pos);
+    cache_latent(hp, &m, w.kv_a_norm, s.k, kv, cache_layer, pos);
 
     // Each head's query in the latent's space, scaled for the kernel.
     let pre = query_prescale(&m);
@@ -209,7 +206,7 @@ pub(super) fn mla_layer<M: MatVec, E>(
         n_head_kv: 1,
         head_dim: lat,
     };
-    let view = cached(kv, cache_layer, layer_stride, pos + 1);
+    let view = cached(kv, cache_layer, 0..pos + 1)?;
     mv.attention(shape, s.q, view, s.scores, s.att);
 
     // Each head's value up-projection, then the output projection.
