@@ -17,7 +17,7 @@ use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::ExpertBiases;
 use les_core::model::forward::{
     forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvBuf, KvCache,
-    KvRing, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    KvLayout, KvRing, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::GgmlType;
@@ -1195,7 +1195,8 @@ fn ring_run(
 ) -> Vec<Result<Vec<f32>, String>> {
     let (hp, n) = (m.hp, RING_POSITIONS);
     let hy = HybridParams::plain(&hp);
-    let len = KvCache::len_with(&hp, &hy, n, ring);
+    let layout = KvLayout::new(&hp, &hy, n, ring).unwrap();
+    let len = layout.len();
     let (mut k32, mut v32, mut k16, mut v16) = (
         vec![0f32; len],
         vec![0f32; len],
@@ -1207,7 +1208,7 @@ fn ring_run(
     } else {
         (KvBuf::F32(&mut k32), KvBuf::F32(&mut v32))
     };
-    let mut kv = KvCache::new_with(&hp, &hy, k, v, n, ring).expect("sized");
+    let mut kv = KvCache::with_layout(&hp, layout, k, v).expect("sized");
     let mut scratch = vec![0f32; Scratch::len(&hp, n)];
     let mut s = Scratch::new(&hp, &mut scratch, n).unwrap();
     let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, 8)];

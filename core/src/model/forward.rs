@@ -31,7 +31,7 @@ pub mod mla;
 pub mod nextn;
 pub use crate::slots::Residency;
 pub use batch::{forward_batch, BatchScratch};
-pub use kv::{KvBuf, KvCache, KvRing, KvType};
+pub use kv::{KvBuf, KvCache, KvLayout, KvRing, KvType};
 pub use mla::MlaWeights;
 
 /// Weights of one shared (always-resident) expert.

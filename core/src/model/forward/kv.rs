@@ -149,17 +149,117 @@ impl KvRing {
     }
 }
 
-/// Per-layer KV cache over caller memory: `[layer][row][kv_dim]` for keys and
-/// values each, one layer per attention layer (linear-attention layers have
-/// none); a row per position, or a ring of rows for windowed layers
-/// ([`KvRing`]).
+/// Where a KV cache keeps each layer's positions: `[layer][row][kv_dim]`
+/// for keys and values each, one layer per attention layer (linear-attention
+/// layers have none); a row per position, or a ring of rows for windowed
+/// layers ([`KvRing`]). A host reads and writes a cache's memory through it
+/// (saving a session, growing its rings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    n_layers: usize,
+    max_positions: usize,
+    kv_dim: usize,
+    ring: Option<KvRing>,
+}
+
+impl KvLayout {
+    /// The layout of a cache of `max_positions` positions for the attention
+    /// layers of `hy`, with the windowed layers in `ring` where given; `None`
+    /// where the ring does not hold its window (a window and span of at least
+    /// one position, the span at least the window).
+    pub fn new(
+        hp: &Hparams,
+        hy: &HybridParams,
+        max_positions: usize,
+        ring: Option<KvRing>,
+    ) -> Option<KvLayout> {
+        ring.is_none_or(|r| r.valid()).then_some(KvLayout {
+            n_layers: hy.n_attn_layers,
+            max_positions,
+            kv_dim: hp.kv_dim(),
+            ring,
+        })
+    }
+
+    /// Values each of the keys and the values take.
+    pub fn len(&self) -> usize {
+        self.base(self.n_layers)
+    }
+
+    /// Whether it holds nothing (no attention layers, or no positions).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Cache layers (attention layers).
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    /// Positions it holds at most.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Values of one position of one layer.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    /// Its rings, if its windowed layers have them.
+    pub fn ring(&self) -> Option<KvRing> {
+        self.ring
+    }
+
+    /// The ring of cache layer `c`, if it has one.
+    pub fn ring_of(&self, c: usize) -> Option<KvRing> {
+        self.ring.filter(|r| r.holds(c))
+    }
+
+    /// The first value of cache layer `c` (the end of the last for
+    /// `c = n_layers`).
+    fn base(&self, c: usize) -> usize {
+        let rows = match self.ring {
+            None => c * self.max_positions,
+            Some(r) => {
+                let w = r.before(c);
+                (c - w) * self.max_positions + w * 2 * r.span
+            }
+        };
+        rows * self.kv_dim
+    }
+
+    /// Where position `pos` of cache layer `c` is stored: the first value of
+    /// each of its copies (one; two in a ring).
+    pub fn slots(&self, c: usize, pos: usize) -> ([usize; 2], usize) {
+        let base = self.base(c);
+        match self.ring_of(c) {
+            None => ([base + pos * self.kv_dim, 0], 1),
+            Some(r) => {
+                let row = pos % r.span;
+                let at = |row: usize| base + row * self.kv_dim;
+                ([at(row), at(row + r.span)], 2)
+            }
+        }
+    }
+
+    /// The positions of cache layer `c` it still holds once positions
+    /// `..end` are written: all of them, or a ring's last `span`.
+    pub fn held(&self, c: usize, end: usize) -> Range<usize> {
+        match self.ring_of(c) {
+            None => 0..end,
+            Some(r) => end.saturating_sub(r.span)..end,
+        }
+    }
+}
+
+/// Per-layer KV cache over caller memory, laid out as its [`KvLayout`] says.
 pub struct KvCache<'a> {
     pub(super) k: KvBuf<'a>,
     pub(super) v: KvBuf<'a>,
     pub(super) max_positions: usize,
     pub(super) n_layers: usize,
-    kv_dim: usize,
-    ring: Option<KvRing>,
+    layout: KvLayout,
 }
 
 impl<'a> KvCache<'a> {
@@ -180,26 +280,7 @@ impl<'a> KvCache<'a> {
 
     /// Floats each of `k` and `v` must hold for the attention layers of `hy`.
     pub fn len_for(hp: &Hparams, hy: &HybridParams, max_positions: usize) -> usize {
-        Self::len_with(hp, hy, max_positions, None)
-    }
-
-    /// Values each of `k` and `v` must hold for the attention layers of `hy`
-    /// with the windowed layers in `ring` where given.
-    pub fn len_with(
-        hp: &Hparams,
-        hy: &HybridParams,
-        max_positions: usize,
-        ring: Option<KvRing>,
-    ) -> usize {
-        let n = hy.n_attn_layers;
-        let rows = match ring {
-            None => n * max_positions,
-            Some(r) => {
-                let w = r.before(n);
-                (n - w) * max_positions + w * 2 * r.span
-            }
-        };
-        rows * hp.kv_dim()
+        hy.n_attn_layers * max_positions * hp.kv_dim()
     }
 
     /// A cache for the attention layers of `hy`; `k` and `v` hold
@@ -224,31 +305,21 @@ impl<'a> KvCache<'a> {
         v: KvBuf<'a>,
         max_positions: usize,
     ) -> Option<Self> {
-        Self::new_with(hp, hy, k, v, max_positions, None)
+        Self::with_layout(hp, KvLayout::new(hp, hy, max_positions, None)?, k, v)
     }
 
-    /// [`new_typed`](Self::new_typed) with the windowed layers in `ring`
-    /// where given (a window and span of at least one position, the span at
-    /// least the window); `k` and `v` each hold [`len_with`](Self::len_with)
-    /// values.
-    pub fn new_with(
-        hp: &Hparams,
-        hy: &HybridParams,
-        k: KvBuf<'a>,
-        v: KvBuf<'a>,
-        max_positions: usize,
-        ring: Option<KvRing>,
-    ) -> Option<Self> {
-        let n = Self::len_with(hp, hy, max_positions, ring);
+    /// A cache laid out as `layout` (of the model `hp`), whose keys and
+    /// values each hold [`KvLayout::len`] values of types that hold the
+    /// model's heads.
+    pub fn with_layout(hp: &Hparams, layout: KvLayout, k: KvBuf<'a>, v: KvBuf<'a>) -> Option<Self> {
+        let n = layout.len();
         let fits = k.ty().holds_head_dim(hp.head_dim) && v.ty().holds_head_dim(hp.head_dim);
-        let ring_ok = ring.is_none_or(|r| r.valid());
-        (k.len() == n && v.len() == n && fits && ring_ok).then_some(KvCache {
+        (k.len() == n && v.len() == n && fits && layout.kv_dim == hp.kv_dim()).then_some(KvCache {
             k,
             v,
-            max_positions,
-            n_layers: hy.n_attn_layers,
-            kv_dim: hp.kv_dim(),
-            ring,
+            max_positions: layout.max_positions,
+            n_layers: layout.n_layers,
+            layout,
         })
     }
 
@@ -257,52 +328,27 @@ impl<'a> KvCache<'a> {
         self.max_positions
     }
 
-    /// Its rings, if its windowed layers have them.
-    pub fn ring(&self) -> Option<KvRing> {
-        self.ring
-    }
-
-    /// The ring of cache layer `c`, if it has one.
-    fn ring_of(&self, c: usize) -> Option<KvRing> {
-        self.ring.filter(|r| r.holds(c))
-    }
-
-    /// The first value of cache layer `c`.
-    fn base(&self, c: usize) -> usize {
-        let rows = match self.ring {
-            None => c * self.max_positions,
-            Some(r) => {
-                let w = r.before(c);
-                (c - w) * self.max_positions + w * 2 * r.span
-            }
-        };
-        rows * self.kv_dim
+    /// How it is laid out.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
     }
 
     /// Whether cache layer `c` holds a pass of `n` positions: always for a
     /// layer without a ring, else where its span is at least the window plus
     /// `n - 1`.
     pub fn holds_pass(&self, c: usize, n: usize) -> bool {
-        self.ring_of(c).is_none_or(|r| n <= r.passes())
+        self.layout.ring_of(c).is_none_or(|r| n <= r.passes())
     }
 
     /// Stores the key `k` and value `v` of position `pos` (below
     /// [`max_positions`](Self::max_positions)) in cache layer `c`, each
     /// `kv_dim` values.
     pub(super) fn store(&mut self, c: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let (base, d) = (self.base(c), self.kv_dim);
-        match self.ring_of(c) {
-            None => {
-                self.k.store(base + pos * d, &k[..d]);
-                self.v.store(base + pos * d, &v[..d]);
-            }
-            Some(r) => {
-                let row = pos % r.span;
-                for at in [row, row + r.span] {
-                    self.k.store(base + at * d, &k[..d]);
-                    self.v.store(base + at * d, &v[..d]);
-                }
-            }
+        let d = self.layout.kv_dim;
+        let (at, copies) = self.layout.slots(c, pos);
+        for &at in &at[..copies] {
+            self.k.store(at, &k[..d]);
+            self.v.store(at, &v[..d]);
         }
     }
 
@@ -315,13 +361,11 @@ impl<'a> KvCache<'a> {
         if c >= self.n_layers || range.end > self.max_positions {
             return None;
         }
-        let first_row = match self.ring_of(c) {
-            None => range.start,
-            Some(r) if n <= r.window.window => range.start % r.span,
-            Some(_) => return None,
-        };
-        let at = self.base(c) + first_row * self.kv_dim;
-        let values = at..at + n * self.kv_dim;
+        if self.layout.ring_of(c).is_some_and(|r| n > r.window.window) {
+            return None;
+        }
+        let (at, _) = self.layout.slots(c, range.start);
+        let values = at[0]..at[0] + n * self.layout.kv_dim;
         Some(KvView {
             k: self.k.rows(values.clone()),
             v: self.v.rows(values),
@@ -356,7 +400,7 @@ mod tests {
         }
     }
 
-    /// Rows per layer add up to `len_with`, and each layer starts where the
+    /// Rows per layer add up to the layout's length, and each layer starts where the
     /// one before it ends, for several patterns.
     #[test]
     fn layers_tile_the_buffer() {
@@ -370,20 +414,11 @@ mod tests {
                 span,
             };
             let (max, d) = (32, hp.kv_dim());
-            let n = KvCache::len_with(&hp, &hy, max, Some(ring));
-            let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-            let kv = KvCache::new_with(
-                &hp,
-                &hy,
-                KvBuf::F32(&mut k),
-                KvBuf::F32(&mut v),
-                max,
-                Some(ring),
-            )
-            .expect("sized");
+            let layout = KvLayout::new(&hp, &hy, max, Some(ring)).unwrap();
+            let n = layout.len();
             let mut at = 0;
             for c in 0..layers {
-                assert_eq!(kv.base(c), at, "layer {c}");
+                assert_eq!(layout.base(c), at, "layer {c}");
                 at += d * if ring.holds(c) { 2 * span } else { max };
             }
             assert_eq!(at, n);
@@ -402,17 +437,11 @@ mod tests {
             window: SlidingWindow { window, pattern: 2 },
             span,
         };
-        let n = KvCache::len_with(&hp, &hy, max, Some(ring));
+        let layout = KvLayout::new(&hp, &hy, max, Some(ring)).unwrap();
+        let n = layout.len();
         let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let mut kv = KvCache::new_with(
-            &hp,
-            &hy,
-            KvBuf::F32(&mut k),
-            KvBuf::F32(&mut v),
-            max,
-            Some(ring),
-        )
-        .expect("sized");
+        let mut kv =
+            KvCache::with_layout(&hp, layout, KvBuf::F32(&mut k), KvBuf::F32(&mut v)).unwrap();
         let row = |p: usize, s: f32| (0..d).map(|i| s * (p * d + i) as f32).collect::<Vec<_>>();
         for p in 0..max {
             for c in 0..2 {
@@ -430,6 +459,8 @@ mod tests {
             // The full layer reads any range; the ring none wider than its window.
             assert!(kv.view(1, 0..p + 1).is_some());
             assert_eq!(kv.view(0, 0..p + 1).is_some(), p < window);
+            assert_eq!(layout.held(0, p + 1), (p + 1).saturating_sub(span)..p + 1);
+            assert_eq!(layout.held(1, p + 1), 0..p + 1);
         }
         assert!(kv.view(1, 0..max + 1).is_none());
         assert!(kv.view(2, 0..1).is_none());
@@ -447,17 +478,9 @@ mod tests {
             },
             span: 3,
         };
-        let n = KvCache::len_with(&hp, &hy, 16, Some(ring));
-        let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-        assert!(KvCache::new_with(
-            &hp,
-            &hy,
-            KvBuf::F32(&mut k),
-            KvBuf::F32(&mut v),
-            16,
-            Some(ring)
-        )
-        .is_none());
+        assert!(KvLayout::new(&hp, &hy, 16, Some(ring)).is_none());
+        let fits = KvRing { span: 4, ..ring };
+        assert!(KvLayout::new(&hp, &hy, 16, Some(fits)).is_some());
         assert_eq!(KvRing::for_passes(ring.window, 3).span, 6);
         assert_eq!(KvRing::for_passes(ring.window, 3).passes(), 3);
     }
