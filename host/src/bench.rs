@@ -358,6 +358,8 @@ pub struct BenchConfig {
     pub trace: bool,
     /// The KV cache's element types.
     pub kv_types: crate::engine::KvTypes,
+    /// How the sliding-window layers' keys and values are kept.
+    pub swa: crate::engine::SwaCache,
 }
 
 /// Bandwidth of expert-sized reads at full queue depth, cold cache, over about
@@ -560,7 +562,7 @@ pub fn run_prefill(
     let mut supply = cold_supply(model, path, cfg, schedule)?;
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
-    let mut session = Session::with_kv_types(model, cfg.prompt.len(), cfg.kv_types)?;
+    let mut session = Session::with_kv(model, cfg.prompt.len(), cfg.kv_types, cfg.swa)?;
     session.set_prefill_batch(batch)?;
     let inputs: Vec<TokenInput<'_>> = cfg.prompt.iter().map(|&t| TokenInput::Token(t)).collect();
     let mut logits = vec![0f32; model.hp.n_vocab];
@@ -642,10 +644,11 @@ pub fn run_speculative(
     let mut supply = cold_supply(model, path, cfg, schedule)?;
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
-    let mut session = Session::with_kv_types(
+    let mut session = Session::with_kv(
         model,
         cfg.prompt.len().saturating_add(cfg.n_tokens),
         cfg.kv_types,
+        cfg.swa,
     )?;
     session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)?;
     let ctx = cfg.prompt.len().saturating_add(cfg.n_tokens);
@@ -728,10 +731,11 @@ pub fn run_schedule(
         time: Duration::ZERO,
         trace: None,
     };
-    let mut session = Session::with_kv_types(
+    let mut session = Session::with_kv(
         model,
         cfg.prompt.len().saturating_add(cfg.n_tokens),
         cfg.kv_types,
+        cfg.swa,
     )?;
     let mut logits = vec![0f32; model.hp.n_vocab];
     let t0 = Instant::now();

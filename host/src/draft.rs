@@ -30,7 +30,7 @@ use les_core::gemv::Isa;
 use les_core::model::forward::TokenInput;
 
 use crate::compute::ThreadedMatVec;
-use crate::engine::Session;
+use crate::engine::{Session, SwaCache};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
@@ -203,7 +203,10 @@ impl<'m> ModelDrafter<'m> {
             Schedule::Resident,
             SlotBudget::none(crate::flash::FileDeviceConfig::default()),
         )?;
-        let mut session = Session::new(model, ctx).map_err(|e| e.to_string())?;
+        // Every position of any sliding-window layers: the draft goes back to
+        // wherever the main model's tokens part from its own.
+        let mut session = Session::with_kv(model, ctx, Default::default(), SwaCache::Full)
+            .map_err(|e| e.to_string())?;
         session
             .set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)
             .map_err(|e| e.to_string())?;

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, BatchScratch, Experts, ForwardError, KvBuf, KvCache, KvType,
-    Lookahead, MatVec, RecurrentState, Scratch, TokenInput,
+    forward_batch, forward_hybrid, BatchScratch, Experts, ForwardError, KvBuf, KvCache, KvLayout,
+    KvRing, KvType, Lookahead, MatVec, RecurrentState, Scratch, TokenInput,
 };
 
 use les_core::model::ops::MAX_F16_HEAD_DIM;
@@ -87,6 +87,22 @@ pub struct Session<'m> {
     keep_hidden: bool,
     hidden: Vec<f32>,
     pos: usize,
+    swa: SwaCache,
+}
+
+/// How a session keeps the keys and values of sliding-window layers
+/// (gpt-oss's even layers), as llama.cpp's `--swa-full` chooses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SwaCache {
+    /// In rings of the window plus the largest pass (prefill batch or
+    /// verified draft) less one position, as llama.cpp does by default:
+    /// about half the KV memory of gpt-oss at long contexts. The session then
+    /// goes back ([`Session::rewind`]) at most that pass, and a prompt cache
+    /// it saves restores only (nearly) all of its tokens.
+    #[default]
+    Window,
+    /// Every position, as the other layers (`--swa-full`).
+    Full,
 }
 
 /// Positions a prompt is evaluated in at once by default (see
@@ -185,6 +201,72 @@ impl KvStore {
             KvStore::F16(x) => KvBuf::F16(x),
         }
     }
+
+    fn ty(&self) -> KvType {
+        match self {
+            KvStore::F32(_) => KvType::F32,
+            KvStore::F16(_) => KvType::F16,
+        }
+    }
+
+    /// Copies `n` values from `from` to each of `to` in `into` (of the same type).
+    fn copy_into(&self, from: usize, n: usize, into: &mut KvStore, to: &[usize]) {
+        for &at in to {
+            match (self, &mut *into) {
+                (KvStore::F32(a), KvStore::F32(b)) => {
+                    b[at..at + n].copy_from_slice(&a[from..from + n])
+                }
+                (KvStore::F16(a), KvStore::F16(b)) => {
+                    b[at..at + n].copy_from_slice(&a[from..from + n])
+                }
+                _ => unreachable!("stores of one session share their type"),
+            }
+        }
+    }
+}
+
+/// Reads one row (`layout.kv_dim()` values) of position `pos` of cache layer
+/// `c` from `input` into `store`, in every copy `layout` keeps of it, or
+/// skips it where not `keep`.
+fn read_row(
+    store: &mut KvStore,
+    layout: KvLayout,
+    c: usize,
+    pos: usize,
+    keep: bool,
+    input: &mut dyn std::io::Read,
+) -> std::io::Result<()> {
+    let d = layout.kv_dim();
+    if !keep {
+        return store.read(0, d, 0, input);
+    }
+    let (at, copies) = layout.slots(c, pos);
+    store.read(at[0], d, d, input)?;
+    let (from, rest) = (at[0], &at[1..copies]);
+    for &to in rest {
+        match store {
+            KvStore::F32(x) => x.copy_within(from..from + d, to),
+            KvStore::F16(x) => x.copy_within(from..from + d, to),
+        }
+    }
+    Ok(())
+}
+
+/// The KV layout of a session of `model` over `max_positions` positions
+/// whose passes and rewinds take at most `passes` positions: with
+/// [`SwaCache::Window`], rings for the sliding-window layers where they take
+/// less memory than the positions (models whose layers all have attention).
+fn kv_layout(model: &Model, max_positions: usize, swa: SwaCache, passes: usize) -> KvLayout {
+    let (hp, hy) = (&model.hp, &model.hybrid);
+    let ring = match (swa, model.sliding_window) {
+        (SwaCache::Window, Some(w)) if hy.n_attn_layers == hp.n_layers && hy.mla.is_none() => {
+            Some(KvRing::for_passes(w, passes)).filter(|r| r.span.saturating_mul(2) < max_positions)
+        }
+        _ => None,
+    };
+    KvLayout::new(hp, hy, max_positions, ring)
+        .or_else(|| KvLayout::new(hp, hy, max_positions, None))
+        .expect("a layout without rings")
 }
 
 /// A sequence's KV cache, recurrent state and scratch, as allocated by
@@ -192,6 +274,8 @@ impl KvStore {
 struct SequenceBuffers {
     kv_k: KvStore,
     kv_v: KvStore,
+    /// Where `kv_k` and `kv_v` keep each layer's positions.
+    layout: KvLayout,
     conv_state: Vec<f32>,
     ssm_state: Vec<f32>,
     scratch: Vec<f32>,
@@ -207,7 +291,7 @@ impl SequenceBuffers {
     ) -> (KvCache<'_>, RecurrentState<'_>, Scratch<'_>) {
         let (hp, hy) = (&model.hp, &model.hybrid);
         (
-            KvCache::new_typed(hp, hy, self.kv_k.buf(), self.kv_v.buf(), max_positions)
+            KvCache::with_layout(hp, self.layout, self.kv_k.buf(), self.kv_v.buf())
                 .expect("KV buffers sized and typed by Session::new"),
             RecurrentState::new(hy, &mut self.conv_state, &mut self.ssm_state)
                 .expect("recurrent state sized by Session::new"),
@@ -304,6 +388,17 @@ impl<'m> Session<'m> {
         max_positions: usize,
         kv_types: KvTypes,
     ) -> Result<Session<'m>, SessionError> {
+        Self::with_kv(model, max_positions, kv_types, SwaCache::default())
+    }
+
+    /// [`with_kv_types`](Self::with_kv_types) with the sliding-window
+    /// layers' keys and values kept as `swa` says.
+    pub fn with_kv(
+        model: &'m Model,
+        max_positions: usize,
+        kv_types: KvTypes,
+        swa: SwaCache,
+    ) -> Result<Session<'m>, SessionError> {
         let (hp, hy) = (&model.hp, &model.hybrid);
         if ![kv_types.k, kv_types.v]
             .iter()
@@ -320,7 +415,8 @@ impl<'m> Session<'m> {
             }
             .into());
         }
-        let kv = KvCache::len_for(hp, hy, max_positions);
+        let layout = kv_layout(model, max_positions, swa, 1);
+        let kv = layout.len();
         let scratch = Scratch::len_for(hp, hy, max_positions);
         let err = SessionAllocError {
             positions: max_positions,
@@ -333,6 +429,7 @@ impl<'m> Session<'m> {
             state: SequenceBuffers {
                 kv_k: KvStore::zeroed(kv_types.k, kv).ok_or(err)?,
                 kv_v: KvStore::zeroed(kv_types.v, kv).ok_or(err)?,
+                layout,
                 conv_state: zeroed(conv).ok_or(err)?,
                 ssm_state: zeroed(ssm).ok_or(err)?,
                 scratch: zeroed(scratch).ok_or(err)?,
@@ -348,46 +445,65 @@ impl<'m> Session<'m> {
             keep_hidden: false,
             hidden: Vec::new(),
             pos: 0,
+            swa,
         })
     }
 
-    /// Bytes [`write_state`](Self::write_state) writes for `n` positions.
-    pub fn state_bytes(&self, n: usize) -> u64 {
-        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+    /// Whether [`write_state`](Self::write_state) saves only the last
+    /// window of the sliding-window layers (the session keeps them in rings).
+    pub fn saves_windows(&self) -> bool {
+        self.state.layout.ring().is_some()
+    }
+
+    /// The positions of cache layer `c` a state of `n` positions holds: all
+    /// of them, or the last window of a sliding-window layer in a state that
+    /// [`saves_windows`](Self::saves_windows).
+    fn saved_positions(&self, c: usize, n: usize, windows: bool) -> std::ops::Range<usize> {
+        match self.model.sliding_window {
+            Some(w) if windows && w.of_layer(c).is_some() => n.saturating_sub(w.window)..n,
+            _ => 0..n,
+        }
+    }
+
+    /// Bytes [`write_state`](Self::write_state) writes for `n` positions, in
+    /// a state that keeps only the last window of sliding-window layers where
+    /// `windows` (see [`saves_windows`](Self::saves_windows)).
+    pub fn state_bytes(&self, n: usize, windows: bool) -> u64 {
+        let hy = &self.model.hybrid;
         let kv = (self.state.kv_k.element_bytes() + self.state.kv_v.element_bytes()) as u64;
         let recurrent = 4 * (self.state.conv_state.len() + self.state.ssm_state.len()) as u64;
-        hy.n_attn_layers as u64 * n as u64 * hp.kv_dim() as u64 * kv + recurrent
+        let rows: u64 = (0..hy.n_attn_layers)
+            .map(|c| self.saved_positions(c, n, windows).len() as u64)
+            .sum();
+        rows * self.model.hp.kv_dim() as u64 * kv + recurrent
     }
 
     /// Writes the state of the positions evaluated so far: each attention
-    /// layer's keys, then its values, of positions `0..position()`, in the
-    /// cache's element type, then the recurrent state (f32); little-endian.
+    /// layer's keys, then its values, of positions `0..position()` (of a
+    /// sliding-window layer kept in a ring, its last window only: see
+    /// [`saves_windows`](Self::saves_windows)), in the cache's element type,
+    /// then the recurrent state (f32); little-endian.
     /// [`read_state`](Self::read_state) of a session of the same model and KV
     /// types takes it back.
     pub fn write_state(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
-        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
-        let (dim, stride) = (hp.kv_dim(), self.max_positions * hp.kv_dim());
-        for layer in 0..hy.n_attn_layers {
-            let rows = layer * stride..layer * stride + self.pos * dim;
-            self.state.kv_k.write(rows.clone(), out)?;
-            self.state.kv_v.write(rows, out)?;
+        let (layout, windows) = (self.state.layout, self.saves_windows());
+        let d = layout.kv_dim();
+        for c in 0..layout.n_layers() {
+            for store in [&self.state.kv_k, &self.state.kv_v] {
+                for p in self.saved_positions(c, self.pos, windows) {
+                    let (at, _) = layout.slots(c, p);
+                    store.write(at[0]..at[0] + d, out)?;
+                }
+            }
         }
         let recurrent = self.state.conv_state.iter().chain(&self.state.ssm_state);
         let bytes: Vec<u8> = recurrent.flat_map(|v| v.to_le_bytes()).collect();
         out.write_all(&bytes)
     }
 
-    /// Reads a state of `n` positions written by
-    /// [`write_state`](Self::write_state) and continues after its first
-    /// `keep`: the session is then as if those positions had been evaluated.
-    /// A recurrent state holds all `n`, so for models with linear attention
-    /// `keep` must be `n`. On an error the session is back at position 0.
-    pub fn read_state(
-        &mut self,
-        input: &mut dyn std::io::Read,
-        n: usize,
-        keep: usize,
-    ) -> Result<(), String> {
+    /// Whether a state of `n` positions ([`saves_windows`](Self::saves_windows)
+    /// where `windows`) can continue after its first `keep`; why not if not.
+    pub fn can_restore(&self, n: usize, keep: usize, windows: bool) -> Result<(), String> {
         if keep > n || keep > self.max_positions {
             return Err(format!(
                 "{keep} positions of a state of {n} in a session of {}",
@@ -397,20 +513,44 @@ impl<'m> Session<'m> {
         if keep != n && self.model.hybrid.linear.is_some() {
             return Err("a recurrent state cannot be cut short".into());
         }
+        if let Some(w) = self.model.sliding_window.filter(|_| windows && keep < n) {
+            // The next position's window: the `window - 1` before it.
+            let needed = keep.saturating_sub(w.window - 1);
+            if needed < n.saturating_sub(w.window) {
+                return Err(format!(
+                    "it keeps the last {} positions of the sliding-window layers, too few to go \
+                     back to {keep} of its {n} (--swa-full keeps them all)",
+                    w.window
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a state of `n` positions written by
+    /// [`write_state`](Self::write_state) (of a session that
+    /// [`saves_windows`](Self::saves_windows) where `windows`) and continues
+    /// after its first `keep`: the session is then as if those positions had
+    /// been evaluated. What [`can_restore`](Self::can_restore) refuses is an
+    /// error. On an error the session is back at position 0.
+    pub fn read_state(
+        &mut self,
+        input: &mut dyn std::io::Read,
+        n: usize,
+        keep: usize,
+        windows: bool,
+    ) -> Result<(), String> {
+        self.can_restore(n, keep, windows)?;
         self.pos = 0;
-        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
-        let (dim, stride) = (hp.kv_dim(), self.max_positions * hp.kv_dim());
+        let layout = self.state.layout;
         let io = |e: std::io::Error| e.to_string();
-        for layer in 0..hy.n_attn_layers {
-            let at = layer * stride;
-            self.state
-                .kv_k
-                .read(at, n * dim, keep * dim, input)
-                .map_err(io)?;
-            self.state
-                .kv_v
-                .read(at, n * dim, keep * dim, input)
-                .map_err(io)?;
+        for c in 0..layout.n_layers() {
+            for p in self.saved_positions(c, n, windows) {
+                read_row(&mut self.state.kv_k, layout, c, p, p < keep, input).map_err(io)?;
+            }
+            for p in self.saved_positions(c, n, windows) {
+                read_row(&mut self.state.kv_v, layout, c, p, p < keep, input).map_err(io)?;
+            }
         }
         let n_conv = self.state.conv_state.len();
         let mut bytes = vec![0u8; 4 * (n_conv + self.state.ssm_state.len())];
@@ -472,7 +612,40 @@ impl<'m> Session<'m> {
         ids.resize(ni, 0);
         (self.batch_floats, self.batch_ids) = (floats, ids);
         self.batch_positions = n;
+        self.grow_rings(n)
+    }
+
+    /// Makes the sliding-window layers' rings (if any) hold passes of `n`
+    /// positions, keeping the positions they hold.
+    fn grow_rings(&mut self, n: usize) -> Result<(), SessionAllocError> {
+        let old = self.state.layout;
+        if old.ring().is_none_or(|r| n <= r.passes()) {
+            return Ok(());
+        }
+        let new = kv_layout(self.model, self.max_positions, self.swa, n);
+        let len = new.len();
+        let bytes = self.state.kv_k.element_bytes() + self.state.kv_v.element_bytes();
+        let err = SessionAllocError {
+            positions: self.max_positions,
+            bytes: bytes as u128 * len as u128,
+        };
+        let mut k = KvStore::zeroed(self.state.kv_k.ty(), len).ok_or(err)?;
+        let mut v = KvStore::zeroed(self.state.kv_v.ty(), len).ok_or(err)?;
+        let d = old.kv_dim();
+        for c in 0..old.n_layers() {
+            for p in old.held(c, self.pos) {
+                let ((from, _), (to, copies)) = (old.slots(c, p), new.slots(c, p));
+                self.state.kv_k.copy_into(from[0], d, &mut k, &to[..copies]);
+                self.state.kv_v.copy_into(from[0], d, &mut v, &to[..copies]);
+            }
+        }
+        (self.state.kv_k, self.state.kv_v, self.state.layout) = (k, v, new);
         Ok(())
+    }
+
+    /// The sliding-window layers' rings, if the session keeps them in rings.
+    pub fn kv_ring(&self) -> Option<KvRing> {
+        self.state.layout.ring()
     }
 
     /// How many prompt positions [`generate_from`] evaluates at once
@@ -555,13 +728,23 @@ impl<'m> Session<'m> {
     /// only the first `pos` inputs had been evaluated: the KV cache needs
     /// nothing (later positions are overwritten). A recurrent state cannot go
     /// back, so for models with linear attention only `pos == 0` (a new
-    /// sequence) or the current position is accepted.
+    /// sequence) or the current position is accepted; sliding-window layers
+    /// in rings ([`SwaCache::Window`]) go back to 0 or by at most the largest
+    /// pass the session was set up for (prefill batch, verified draft).
     pub fn rewind(&mut self, pos: usize) -> Result<(), &'static str> {
         if pos > self.pos {
             return Err("rewinding past the session's position");
         }
         if pos != 0 && pos != self.pos && self.model.hybrid.linear.is_some() {
             return Err("a recurrent state cannot go back");
+        }
+        if let Some(r) = self.state.layout.ring() {
+            if pos != 0 && self.pos - pos > r.passes() {
+                return Err(
+                    "going back further than the sliding-window layers' KV rings hold \
+                     (--swa-full keeps every position)",
+                );
+            }
         }
         self.pos = pos;
         Ok(())

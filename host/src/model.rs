@@ -292,6 +292,8 @@ pub struct Model {
     pub n_nextn_layers: usize,
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
+    /// Its sliding-window attention layers (gpt-oss's even layers), if any.
+    pub sliding_window: Option<SlidingWindow>,
     layers: Vec<LayerRefs>,
     /// The multi-token-prediction block, if the file has one, or why it
     /// cannot be used.
@@ -1179,6 +1181,7 @@ impl Model {
             hybrid,
             n_nextn_layers,
             n_ctx_train,
+            sliding_window: swa,
             layers,
             nextn,
             embedding,

@@ -4,15 +4,19 @@
 //!
 //! The file: `LESPCACH`, the format version (u32), the model's fingerprint
 //! (u64: see [`fingerprint`]), the KV cache's element types (two u8s: 0 f32,
-//! 1 f16, then two zero bytes), the token count `n` (u32) and the tokens (u32
-//! each), then [`Session::write_state`] of those `n` positions; all
-//! little-endian. A file of another model or KV type is ignored (and
+//! 1 f16), whether the sliding-window layers hold only their last window (a
+//! u8: 1 where the session kept them in rings, see
+//! [`Session::saves_windows`]; else 0), a zero byte, the token count `n` (u32)
+//! and the tokens (u32 each), then [`Session::write_state`] of those `n`
+//! positions; all little-endian. A file of another model or KV type is ignored (and
 //! rewritten); a file that is not a prompt cache is never overwritten.
 //!
 //! Restoring is exact: the logits after a restored prefix are those of
 //! evaluating it (`host/tests/prompt_cache.rs`). A model with linear
 //! attention (qwen35moe) restores only a cache whose tokens all start the
-//! prompt, since its recurrent state cannot be cut back.
+//! prompt, since its recurrent state cannot be cut back; nor can a cache of
+//! sliding-window layers kept in rings (gpt-oss without `--swa-full`) by more
+//! than a position.
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -129,10 +133,15 @@ pub fn restore_from(
     if (head[20], head[21]) != types {
         return stale("made with another KV cache type".into());
     }
+    let windows = match head[22] {
+        0 => false,
+        1 => true,
+        x => return stale(format!("an unknown sliding-window flag {x}")),
+    };
     let n = u32_at(24) as usize;
     if n > crate::engine::MAX_POSITIONS
         || u128::from(len)
-            != u128::from(HEADER_LEN) + 4 * n as u128 + u128::from(session.state_bytes(n))
+            != u128::from(HEADER_LEN) + 4 * n as u128 + u128::from(session.state_bytes(n, windows))
     {
         return stale(format!(
             "its size ({len} bytes) does not match its {n} tokens"
@@ -164,8 +173,11 @@ pub fn restore_from(
     if keep > session.max_positions() {
         return stale(format!("{keep} positions do not fit the context"));
     }
+    if let Err(why) = session.can_restore(n, keep, windows) {
+        return stale(why);
+    }
     session
-        .read_state(&mut input, n, keep)
+        .read_state(&mut input, n, keep, windows)
         .map_err(|e| format!("{name}: {e}"))?;
     Ok(Ok(Restored {
         positions: keep,
@@ -197,7 +209,8 @@ pub fn save(
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(&VERSION.to_le_bytes());
     head.extend_from_slice(&fingerprint(model).to_le_bytes());
-    head.extend_from_slice(&[type_code(kv_types.k), type_code(kv_types.v), 0, 0]);
+    let windows = u8::from(session.saves_windows());
+    head.extend_from_slice(&[type_code(kv_types.k), type_code(kv_types.v), windows, 0]);
     head.extend_from_slice(&n.to_le_bytes());
     out.write_all(&head).map_err(err)?;
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();

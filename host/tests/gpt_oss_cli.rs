@@ -196,3 +196,204 @@ fn greedy_continuation_equals_llama_cpp() {
     assert!(kld["max"].as_f64().unwrap() < 1e-4, "{kld}");
     assert_eq!(kld["same_top"], 1.0, "{kld}");
 }
+
+/// A prompt and continuation several windows (16 positions in `tiny`) long.
+const LONG: &str = "The quick brown fox jumps over the lazy dog, and the dog, who \
+                    was not lazy at all, ran after the fox through the field and \
+                    over the hill until both of them were tired and slept.";
+
+/// `les run --json` of [`LONG`] with `extra`: its JSON and logits.
+fn long_run(m: &std::path::Path, name: &str, extra: &[&str]) -> (serde_json::Value, Vec<u8>) {
+    let logits = tmp(&format!("gpt_oss_long_{name}.npy"));
+    let out = les()
+        .args(["run", "-m"])
+        .arg(m)
+        .args([
+            "-p", LONG, "-n", "64", "--temp", "0", "--json", "--ctx", "160",
+        ])
+        .args(["--logits-out", logits.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&stdout_ok(out, name)).unwrap();
+    (v, cli::npy(&logits).2)
+}
+
+/// The sliding-window layers kept in rings of the window plus a pass (the
+/// default, llama.cpp's SWA cache) decode as with every position kept
+/// (`--swa-full`): the same tokens and logits, bit for bit, over a prompt
+/// and continuation many windows long, in prompt batches of several sizes
+/// and with drafts verified and rejected; the rings take less memory.
+#[test]
+fn sliding_window_rings_change_nothing_but_memory() {
+    let m = model("mxfp4", &["--expert-type", "mxfp4"]);
+    let (full, full_logits) = long_run(&m, "full", &["--swa-full"]);
+    let full_bytes = full["stats"]["kv_cache"]["bytes"].as_u64().unwrap();
+    assert!(full["stats"]["kv_cache"]["swa_ring_positions"].is_null());
+    assert!(full["prompt_tokens"].as_array().unwrap().len() > 2 * 16);
+    for (name, extra, span) in [
+        ("b1", &["--batch-size", "1"][..], 16),
+        ("b5", &["--batch-size", "5"], 20),
+        ("b256", &[], 16 + 159),
+        (
+            "ngram",
+            &[
+                "--batch-size",
+                "3",
+                "--speculate",
+                "ngram",
+                "--draft-fixed",
+                "--draft-max",
+                "4",
+            ],
+            16 + 4,
+        ),
+    ] {
+        let (v, logits) = long_run(&m, name, extra);
+        assert_eq!(tokens(&v), tokens(&full), "{name}");
+        assert!(logits == full_logits, "{name}: logits differ");
+        let kv = &v["stats"]["kv_cache"];
+        // With a batch of the whole context, a ring would outgrow it.
+        if name == "b256" {
+            assert!(kv["swa_ring_positions"].is_null(), "{kv}");
+            assert_eq!(kv["bytes"].as_u64().unwrap(), full_bytes);
+            continue;
+        }
+        assert_eq!(kv["swa_ring_positions"], span, "{name}");
+        assert!(
+            kv["bytes"].as_u64().unwrap() < full_bytes * 3 / 4,
+            "{name}: {kv}"
+        );
+        if name == "ngram" {
+            let (drafted, accepted) = (
+                v["stats"]["drafted"].as_u64(),
+                v["stats"]["accepted"].as_u64(),
+            );
+            assert!(
+                drafted > accepted,
+                "rejected drafts: {drafted:?} {accepted:?}"
+            );
+        }
+    }
+}
+
+/// A session's rings against a session keeping every position, through the
+/// engine's API: one position at a time while the rings turn over, rings
+/// grown in the middle of a sequence (a larger batch), batches, going back
+/// (as far as a pass, and no further), and a saved state restored, cut back
+/// as far as it can be; the logits bit for bit the same throughout.
+#[test]
+fn session_rings_grow_rewind_and_restore_like_full_caches() {
+    use les::compute::ThreadedMatVec;
+    use les::engine::{KvTypes, Session, SwaCache};
+    use les::flash::FileDeviceConfig;
+    use les::model::Model;
+    use les::supply::{Schedule, SlotBudget, Supply};
+    use les_core::gemv::Isa;
+    use les_core::model::forward::TokenInput;
+
+    let path = model("mxfp4", &["--expert-type", "mxfp4"]);
+    let model = Model::open(&path).unwrap();
+    let window = model.sliding_window.unwrap().window;
+    let supply = || {
+        Supply::new(
+            &model,
+            &path,
+            Schedule::Resident,
+            SlotBudget::none(FileDeviceConfig::default()),
+        )
+        .unwrap()
+    };
+    let (mut ring_x, mut full_x) = (supply(), supply());
+    let mut mv = ThreadedMatVec::new(1, Isa::detect());
+    let n_vocab = model.hp.n_vocab;
+    let ids: Vec<u32> = (0..120u32)
+        .map(|i| (i * 7919 + 13) % n_vocab as u32)
+        .collect();
+    let input = |r: std::ops::Range<usize>| -> Vec<TokenInput<'static>> {
+        ids[r].iter().map(|&t| TokenInput::Token(t)).collect()
+    };
+    let kv = KvTypes::default();
+    let mut ring = Session::with_kv(&model, 120, kv, SwaCache::Window).unwrap();
+    let mut full = Session::with_kv(&model, 120, kv, SwaCache::Full).unwrap();
+    let full_bytes = full.kv_bytes();
+    assert_eq!(ring.kv_ring().unwrap().span, window);
+    assert!(ring.kv_bytes() < full_bytes * 3 / 4);
+
+    // Both sessions through the same steps, the logits compared.
+    let mut same = |ring: &mut Session<'_>, full: &mut Session<'_>, r: std::ops::Range<usize>| {
+        let (mut a, mut b) = (vec![0f32; n_vocab], vec![0f32; n_vocab]);
+        if r.len() == 1 {
+            let t = input(r.clone())[0];
+            ring.eval(&mut mv, &mut ring_x, None, t, &mut a).unwrap();
+            full.eval(&mut mv, &mut full_x, None, t, &mut b).unwrap();
+        } else {
+            ring.eval_batch(&mut mv, &mut ring_x, &input(r.clone()), &mut a)
+                .unwrap();
+            full.eval_batch(&mut mv, &mut full_x, &input(r.clone()), &mut b)
+                .unwrap();
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b), "positions {r:?}");
+    };
+    for p in 0..2 * window + 3 {
+        same(&mut ring, &mut full, p..p + 1);
+    }
+    // Batches of 6: the rings grow, keeping what they hold.
+    let mut pos = ring.position();
+    assert_eq!(ring.set_prefill_batch(6).unwrap(), 6);
+    full.set_prefill_batch(6).unwrap();
+    assert_eq!(ring.kv_ring().unwrap().span, window + 5);
+    for _ in 0..5 {
+        same(&mut ring, &mut full, pos..pos + 6);
+        pos += 6;
+    }
+    // Back by a pass (positions overwritten with other tokens), not further.
+    assert!(ring.rewind(pos - 7).is_err());
+    assert_eq!(ring.position(), pos);
+    ring.rewind(pos - 6).unwrap();
+    full.rewind(pos - 6).unwrap();
+    pos -= 6;
+    same(&mut ring, &mut full, pos + 40..pos + 41);
+    pos += 1;
+    same(&mut ring, &mut full, pos..pos + 4);
+    pos += 4;
+
+    // Saved: the rings' state holds the last window of the windowed layers.
+    let (mut saved_ring, mut saved_full) = (Vec::new(), Vec::new());
+    ring.write_state(&mut saved_ring).unwrap();
+    full.write_state(&mut saved_full).unwrap();
+    assert!(ring.saves_windows() && !full.saves_windows());
+    assert_eq!(saved_ring.len() as u64, ring.state_bytes(pos, true));
+    assert_eq!(saved_full.len() as u64, full.state_bytes(pos, false));
+    assert!(saved_ring.len() < saved_full.len());
+    let mut fresh = Session::with_kv(&model, 120, kv, SwaCache::Window).unwrap();
+    let mut fresh_full = Session::with_kv(&model, 120, kv, SwaCache::Full).unwrap();
+    // A ring state goes back a position, no further; a full one anywhere,
+    // into rings or not.
+    assert!(fresh.can_restore(pos, pos - 1, true).is_ok());
+    let err = fresh.can_restore(pos, pos - 2, true).unwrap_err();
+    assert!(err.contains("--swa-full"), "{err}");
+    assert!(fresh
+        .read_state(&mut &saved_ring[..], pos, pos - 2, true)
+        .is_err());
+    for (keep, state, windows) in [
+        (pos, &saved_ring, true),
+        (pos - 1, &saved_ring, true),
+        (pos - 9, &saved_full, false),
+        (window - 3, &saved_full, false),
+    ] {
+        fresh.rewind(0).unwrap();
+        fresh_full.rewind(0).unwrap();
+        fresh
+            .read_state(&mut &state[..], pos, keep, windows)
+            .unwrap();
+        fresh_full
+            .read_state(&mut &saved_full[..], pos, keep, false)
+            .unwrap();
+        assert_eq!(fresh.position(), keep);
+        for p in keep..keep + 3 {
+            same(&mut fresh, &mut fresh_full, p..p + 1);
+        }
+    }
+}

@@ -194,3 +194,50 @@ fn other_files_and_options_are_refused() {
         assert_eq!(run(&m, FOX, extra).status.code(), Some(2), "{extra:?}");
     }
 }
+
+/// gpt-oss's sliding-window layers kept in rings (the default) save only
+/// their last window: such a cache restores a prompt that starts with all
+/// of its tokens, not one that parts from them earlier (it says why); one
+/// saved with `--swa-full` restores any common start, into rings or not.
+/// The logits are always those of evaluating the prompt.
+#[test]
+fn sliding_window_caches_restore_what_they_hold() {
+    let m = model("gpt-oss", "3");
+    let cache = tmp("pcache_gpt_oss.bin");
+    let c = cache.to_str().unwrap();
+    let _ = std::fs::remove_file(&cache);
+    let long = format!("{FOX}, and the dog, who was not lazy at all, ran after the fox");
+    let other = format!("{FOX}, and the cat, who was lazy, slept on");
+    let restored = |v: &Value| v["stats"]["prompt_cache_restored"].as_u64().unwrap() as usize;
+    let n_prompt = |v: &Value| v["prompt_tokens"].as_array().unwrap().len();
+    let rings = ["--temp", "0", "--batch-size", "4", "--ctx", "160"];
+    let check = |prompt: &str, extra: &[&str]| {
+        let (want, want_logits, _) = generate(&m, prompt, &rings);
+        let args = [&rings[..], extra, &["--prompt-cache", c]].concat();
+        let (got, logits, err) = generate(&m, prompt, &args);
+        assert_eq!(tokens(&got), tokens(&want), "{prompt} {extra:?}");
+        assert!(logits == want_logits, "{prompt} {extra:?}: logits differ");
+        (got, err)
+    };
+    let (v, err) = check(&long, &[]);
+    assert!(n_prompt(&v) > 2 * 16, "longer than two windows");
+    assert!(err.contains("the state saved"), "{err}");
+    let (v, _) = check(&long, &[]);
+    assert_eq!(restored(&v), n_prompt(&v) - 1);
+    let (v, _) = check(&format!("{long} through the field"), &["--prompt-cache-ro"]);
+    assert!(restored(&v) > 2 * 16, "the cached tokens start the prompt");
+    // Parting from the cached tokens well before their end: not restored.
+    let (v, err) = check(&other, &[]);
+    assert_eq!(restored(&v), 0, "{err}");
+    assert!(
+        err.contains("sliding-window") && err.contains("--swa-full"),
+        "{err}"
+    );
+    // Saved with every position, it restores the common start, also into rings.
+    let (_, err) = check(&long, &["--swa-full"]);
+    assert!(err.contains("the state saved"), "{err}");
+    let (v, err) = check(&other, &["--prompt-cache-ro"]);
+    assert!(restored(&v) > 5 && restored(&v) < n_prompt(&v) - 1, "{err}");
+    let (v, err) = check(&other, &["--swa-full"]);
+    assert!(restored(&v) > 5 && restored(&v) < n_prompt(&v) - 1, "{err}");
+}

@@ -138,6 +138,7 @@ pub(super) fn decode_config(
         sampler: sampler(args),
         trace: args.trace.is_some(),
         kv_types: args.cache.types(),
+        swa: args.cache.swa(),
     })
 }
 
@@ -1016,6 +1017,7 @@ fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             sampler: sampler(args),
             trace: false,
             kv_types: args.cache.types(),
+            swa: args.cache.swa(),
         };
         let mut base = None;
         let mut lru_hit = None;

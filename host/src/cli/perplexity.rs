@@ -176,7 +176,7 @@ pub fn run(args: &PerplexityArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     let (schedule, budget) = args.experts.resolve(&model)?;
     let threads = args.threads.unwrap_or_else(default_threads).max(1);
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    let mut session = Session::with_kv_types(&model, n_ctx, args.cache.types())?;
+    let mut session = Session::with_kv(&model, n_ctx, args.cache.types(), args.cache.swa())?;
     let batch = session.set_prefill_batch(args.batch_size.min(n_ctx))?;
     let supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     model.populate_resident();

@@ -34,6 +34,7 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         sampler: crate::sampling::SamplerConfig::greedy(),
         trace: false,
         kv_types: args.cache.types(),
+        swa: args.cache.swa(),
     };
     note!(
         "les bench: {} ({} layers), prompt of {} tokens, {}, {} threads",

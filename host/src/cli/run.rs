@@ -320,9 +320,24 @@ pub struct CacheArgs {
     /// KV cache type of the values: f16 or f32.
     #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16", value_parser = super::values::kv_type)]
     pub v: les_core::model::forward::KvType,
+    /// Keep every position of the sliding-window layers (gpt-oss's even
+    /// layers), as llama.cpp's --swa-full: without it they keep only their
+    /// window plus a batch, about half the KV memory at long contexts, and a
+    /// --prompt-cache restores only a prompt that starts with all its tokens.
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
 }
 
 impl CacheArgs {
+    /// How the session keeps the sliding-window layers' keys and values.
+    pub fn swa(&self) -> crate::engine::SwaCache {
+        if self.swa_full {
+            crate::engine::SwaCache::Full
+        } else {
+            crate::engine::SwaCache::Window
+        }
+    }
+
     /// The session's KV types.
     pub fn types(&self) -> crate::engine::KvTypes {
         crate::engine::KvTypes {
@@ -798,7 +813,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let mut supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     model.populate_resident();
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    let mut session = Session::with_kv_types(&model, ctx, args.cache.types())?;
+    let mut session = Session::with_kv(&model, ctx, args.cache.types(), args.cache.swa())?;
     session.set_prefill_batch(args.batch_size)?;
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let mut drafter = args
@@ -811,7 +826,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let io_engine = supply.device().map(crate::flash::FileDevice::engine_name);
     note!(
         "les: {} ({} layers, {} experts), schedule {schedule}{}{}, {threads} threads, \
-         KV cache {ctx} positions {}/{} ({:.1} MiB), loaded in {:.2?}",
+         KV cache {ctx} positions {}/{}{} ({:.1} MiB), loaded in {:.2?}",
         model.arch.name(),
         model.hp.n_layers,
         model.hp.moe.map_or(0, |m| m.n_experts),
@@ -834,6 +849,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         },
         args.cache.k.name(),
         args.cache.v.name(),
+        match session.kv_ring() {
+            Some(r) => format!(", sliding-window layers in rings of {} positions", r.span),
+            None => String::new(),
+        },
         session.kv_bytes() as f64 / (1 << 20) as f64,
         t0.elapsed().saturating_sub(image_encode)
     );
@@ -956,6 +975,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 "k": args.cache.k.name(),
                 "v": args.cache.v.name(),
                 "bytes": session.kv_bytes(),
+                "swa_ring_positions": session.kv_ring().map(|r| r.span),
             },
             "peak_rss_bytes": crate::engine::peak_rss_bytes(),
             "resident_weight_bytes": model.gguf().bytes().len() as u64 - model.total_expert_bytes(),
