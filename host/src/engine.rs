@@ -616,7 +616,9 @@ impl<'m> Session<'m> {
     }
 
     /// Makes the sliding-window layers' rings (if any) hold passes of `n`
-    /// positions, keeping the positions they hold.
+    /// positions, keeping the positions they hold. At position 0 the old
+    /// rings go first (the memory is never held twice); should the new ones
+    /// then not be allocated, the session holds no positions at all.
     fn grow_rings(&mut self, n: usize) -> Result<(), SessionAllocError> {
         let old = self.state.layout;
         if old.ring().is_none_or(|r| n <= r.passes()) {
@@ -624,13 +626,20 @@ impl<'m> Session<'m> {
         }
         let new = kv_layout(self.model, self.max_positions, self.swa, n);
         let len = new.len();
-        let bytes = self.state.kv_k.element_bytes() + self.state.kv_v.element_bytes();
+        let (tk, tv) = (self.state.kv_k.ty(), self.state.kv_v.ty());
         let err = SessionAllocError {
             positions: self.max_positions,
-            bytes: bytes as u128 * len as u128,
+            bytes: (tk.bytes() + tv.bytes()) as u128 * len as u128,
         };
-        let mut k = KvStore::zeroed(self.state.kv_k.ty(), len).ok_or(err)?;
-        let mut v = KvStore::zeroed(self.state.kv_v.ty(), len).ok_or(err)?;
+        if self.pos == 0 {
+            let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+            let empty = KvLayout::new(hp, hy, 0, None).expect("a layout without rings");
+            self.state.kv_k = KvStore::zeroed(tk, 0).ok_or(err)?;
+            self.state.kv_v = KvStore::zeroed(tv, 0).ok_or(err)?;
+            self.state.layout = empty;
+        }
+        let mut k = KvStore::zeroed(tk, len).ok_or(err)?;
+        let mut v = KvStore::zeroed(tv, len).ok_or(err)?;
         let d = old.kv_dim();
         for c in 0..old.n_layers() {
             for p in old.held(c, self.pos) {
