@@ -275,12 +275,18 @@ pub fn llama_kld_base(model: &Path, base: &Path) {
 
 /// `les perplexity --kl-divergence` of `model` against `base`: its `kld` object.
 pub fn kld(model: &Path, base: &Path) -> Value {
+    kld_with(model, base, &[])
+}
+
+/// [`kld`] with `extra` arguments to `les perplexity`.
+pub fn kld_with(model: &Path, base: &Path, extra: &[&str]) -> Value {
     let out = les()
         .args(["perplexity", "-m"])
         .arg(model)
         .arg("--kl-divergence-base")
         .arg(base)
         .args(["--kl-divergence", "--json"])
+        .args(extra)
         .output()
         .unwrap();
     json_ok(out, "perplexity")["kld"].clone()
