@@ -91,6 +91,14 @@ pub enum Arch {
     /// chosen by sigmoid scores plus a selection bias, an ungated shared
     /// expert, a multi-token-prediction block after the main stack.
     Glm4Moe,
+    /// ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, -300B-A47B; llama.cpp's
+    /// `ernie4_5-moe`): Llama attention, dense leading layers, routed experts
+    /// picked by softmax probabilities plus a selection bias, renormalised,
+    /// an ungated shared expert.
+    Ernie45Moe,
+    /// ERNIE 4.5's dense models (ERNIE-4.5-0.3B, a draft model for the MoE
+    /// ones: the same vocabulary).
+    Ernie45,
     /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
     /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
@@ -111,6 +119,8 @@ impl Arch {
             "gpt-oss" => Arch::GptOss,
             "glm4moe" => Arch::Glm4Moe,
             "deepseek2" => Arch::Deepseek2,
+            "ernie4_5-moe" => Arch::Ernie45Moe,
+            "ernie4_5" => Arch::Ernie45,
             _ => return None,
         })
     }
@@ -127,6 +137,8 @@ impl Arch {
             Arch::GptOss => "gpt-oss",
             Arch::Glm4Moe => "glm4moe",
             Arch::Deepseek2 => "deepseek2",
+            Arch::Ernie45Moe => "ernie4_5-moe",
+            Arch::Ernie45 => "ernie4_5",
         }
     }
 
@@ -140,7 +152,7 @@ impl Arch {
 
     fn rope_style(self) -> RopeStyle {
         match self {
-            Arch::Llama | Arch::Deepseek2 => RopeStyle::Normal,
+            Arch::Llama | Arch::Deepseek2 | Arch::Ernie45Moe | Arch::Ernie45 => RopeStyle::Normal,
             _ => RopeStyle::Neox,
         }
     }
@@ -899,10 +911,29 @@ impl Model {
                 .get_bool(&k("expert_weights_norm"))
                 .optional()?
                 .unwrap_or(arch.default_norm_topk());
-            if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
+            if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next | Arch::Ernie45Moe) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
                 normalize = true;
+            }
+            if arch == Arch::Ernie45Moe {
+                // llama.cpp's loader makes every layer past the leading dense
+                // ones an MoE layer and its graph then uses dense weights for
+                // those off the step: only a step of 1 runs there.
+                match opt_usize(&g, &k("interleave_moe_layer_step"))? {
+                    Some(1) => {}
+                    None | Some(0) => {
+                        return Err(invalid(format!(
+                            "{a}.interleave_moe_layer_step must be given and positive"
+                        )))
+                    }
+                    Some(step) => {
+                        return Err(ModelError::Unsupported(format!(
+                            "{a} with experts every {step} layers (interleave_moe_layer_step); \
+                             llama.cpp runs a step of 1 only"
+                        )))
+                    }
+                }
             }
             let mut act = ExpertAct::SwiGlu;
             if arch == Arch::GptOss {

@@ -20,7 +20,9 @@
 //! attention biases and sinks, a sliding window on even layers, YaRN and
 //! expert biases; `glm4moe` Q/K/V biases, half of each head rotated, a dense
 //! first layer, sigmoid routing with a selection bias (`exp_probs_b`), an
-//! ungated shared expert and one nextn block.
+//! ungated shared expert and one nextn block; `ernie4_5-moe` Llama attention,
+//! a dense first layer, softmax routing with a selection bias and an ungated
+//! shared expert.
 //! The `small`, `a3b` and `minicpmv47` presets are typed as llama.cpp's `Q4_K_M`
 //! quantization types those models ([`Mix::Q4KM`]: `q4_k`, with `q6_k` for `attn_v`
 //! and `ffn_down*` of every third layer and the first and last eighth; `a3b` then has
@@ -111,6 +113,11 @@ pub enum Arch {
     /// first layer dense, sigmoid routing with a selection bias over expert
     /// groups, weights scaled by 2.5, an ungated shared expert.
     Deepseek2,
+    /// ERNIE 4.5 MoE (llama.cpp's `ernie4_5-moe`): Llama attention, the first
+    /// layer dense, routed experts picked by softmax probabilities plus a
+    /// selection bias (`exp_probs_b`), an ungated shared expert.
+    #[value(name = "ernie4_5-moe")]
+    Ernie45moe,
 }
 
 impl Arch {
@@ -126,6 +133,7 @@ impl Arch {
             Arch::GptOss => "gpt-oss",
             Arch::Glm4moe => "glm4moe",
             Arch::Deepseek2 => "deepseek2",
+            Arch::Ernie45moe => "ernie4_5-moe",
         }
     }
 
@@ -146,7 +154,12 @@ impl Arch {
     fn may_tie(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3moe | Arch::Llama | Arch::Mixtral | Arch::Qwen35moe | Arch::Qwen3next
+            Arch::Qwen3moe
+                | Arch::Llama
+                | Arch::Mixtral
+                | Arch::Qwen35moe
+                | Arch::Qwen3next
+                | Arch::Ernie45moe
         )
     }
 
@@ -168,7 +181,12 @@ impl Arch {
     fn has_shared_expert(self) -> bool {
         matches!(
             self,
-            Arch::Qwen2moe | Arch::Qwen35moe | Arch::Qwen3next | Arch::Glm4moe | Arch::Deepseek2
+            Arch::Qwen2moe
+                | Arch::Qwen35moe
+                | Arch::Qwen3next
+                | Arch::Glm4moe
+                | Arch::Deepseek2
+                | Arch::Ernie45moe
         )
     }
 
@@ -784,7 +802,7 @@ impl SynthConfig {
         if o.q_lora_rank.is_some() && arch != Arch::Deepseek2 {
             return config_err(format!("--q-lora-rank applies to deepseek2, not {name}"));
         }
-        if matches!(arch, Arch::Glm4moe | Arch::Deepseek2) {
+        if matches!(arch, Arch::Glm4moe | Arch::Deepseek2 | Arch::Ernie45moe) {
             // GLM-4.5's partial_rotary_factor 0.5; the shared expert is
             // `expert_shared_count` routed experts wide.
             if arch == Arch::Glm4moe {
@@ -945,7 +963,11 @@ impl SynthConfig {
         if s.mtp_layers > 4 {
             return config_err("--mtp-layers: at most 4");
         }
-        if matches!(self.arch, Arch::Glm4moe | Arch::Deepseek2) && (s.layers < 2 || s.ff == 0) {
+        if matches!(
+            self.arch,
+            Arch::Glm4moe | Arch::Deepseek2 | Arch::Ernie45moe
+        ) && (s.layers < 2 || s.ff == 0)
+        {
             return config_err(format!(
                 "{}: needs 2 or more layers (the first is dense) and --ff",
                 self.arch.cli_name()
@@ -1250,7 +1272,9 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             Init::Norm,
             lay,
         );
-        if cfg.is_moe() {
+        if cfg.arch == Arch::Ernie45moe {
+            lead_dense_or_biased_moe(cfg, l, &mut add);
+        } else if cfg.is_moe() {
             routed_experts(cfg, l, &mut add);
             if s.shared_ff > 0 {
                 shared_expert(cfg, l, &mut add);
@@ -1463,7 +1487,7 @@ fn glm4moe_layer(
     nextn_head(cfg, l, add);
 }
 
-/// The FFN of glm4moe and deepseek2 block `l`: the first
+/// The FFN of glm4moe, deepseek2 and ernie4_5-moe block `l`: the first
 /// [`GLM4MOE_DENSE_LAYERS`] dense, the others routed experts with a selection
 /// bias (`exp_probs_b`) and an ungated shared expert.
 fn lead_dense_or_biased_moe(
@@ -1904,6 +1928,19 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
     }
+    if cfg.arch == Arch::Ernie45moe {
+        // As llama.cpp's converter writes them (no gating or norm keys: its
+        // graph fixes a softmax and renormalised weights).
+        kv(
+            format!("{a}.leading_dense_block_count"),
+            u32v(GLM4MOE_DENSE_LAYERS),
+        );
+        kv(format!("{a}.interleave_moe_layer_step"), u32v(1));
+        kv(
+            format!("{a}.expert_shared_count"),
+            u32v(s.shared_ff / s.expert_ff.max(1)),
+        );
+    }
     if cfg.arch == Arch::GptOss {
         let window = gpt_oss_window(cfg.preset);
         kv(format!("{a}.attention.sliding_window"), u32v(window));
@@ -1931,17 +1968,19 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
                 u32v(s.shared_ff),
             );
         }
-        kv(
-            format!("{a}.expert_weights_norm"),
-            MetaValue::Bool(cfg.arch.normalizes()),
-        );
-        // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
-        let gating = if matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
-            2
-        } else {
-            1
-        };
-        kv(format!("{a}.expert_gating_func"), MetaValue::U32(gating));
+        if cfg.arch != Arch::Ernie45moe {
+            kv(
+                format!("{a}.expert_weights_norm"),
+                MetaValue::Bool(cfg.arch.normalizes()),
+            );
+            // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
+            let gating = if matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
+                2
+            } else {
+                1
+            };
+            kv(format!("{a}.expert_gating_func"), MetaValue::U32(gating));
+        }
     }
     let k = &cfg.knobs;
     kv("les.synth.preset".into(), cfg.preset.name().into());
@@ -2146,6 +2185,7 @@ mod tests {
             Arch::Qwen3next,
             Arch::Glm4moe,
             Arch::Deepseek2,
+            Arch::Ernie45moe,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
