@@ -1504,9 +1504,13 @@ fn lead_dense_or_biased_moe(
     } else {
         routed_experts(cfg, l, add);
         // Sigmoid scores lie in (0, 1): a bias of this size reorders the
-        // close ones, as DeepSeek-V3's load-balancing biases do.
+        // close ones, as DeepSeek-V3's load-balancing biases do. Softmax
+        // probabilities (ernie4_5-moe) average 1 / experts: a fifth of that.
         let bias = n("exp_probs_b.bias");
-        let std = Init::Normal(0.05);
+        let std = Init::Normal(match cfg.arch {
+            Arch::Ernie45moe => 0.2 / s.experts as f32,
+            _ => 0.05,
+        });
         add(bias, vec![s.experts], GgmlType::F32, std, lay);
         (s.shared_ff, "_shexp")
     };
