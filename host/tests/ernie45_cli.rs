@@ -25,24 +25,9 @@ fn model(name: &str, extra: &[&str]) -> PathBuf {
     tiny("ernie4_5-moe", name, extra)
 }
 
-/// A copy of `src` with every `exp_probs_b.bias` zeroed (the tensors are f32:
-/// zero bytes are zeros).
+/// A copy of `src` without its selection biases (3 tensors).
 fn without_selection_bias(src: &Path, name: &str) -> PathBuf {
-    let dst = tmp(&format!("ernie_{name}_nobias.gguf"));
-    let mut bytes = std::fs::read(src).unwrap();
-    let g = Gguf::open(src).unwrap();
-    let mut n = 0;
-    for t in g
-        .tensors()
-        .filter(|t| t.name().ends_with("exp_probs_b.bias"))
-    {
-        let at = t.offset() as usize;
-        bytes[at..at + t.size() as usize].fill(0);
-        n += 1;
-    }
-    assert_eq!(n, 3, "the three MoE layers");
-    std::fs::write(&dst, bytes).unwrap();
-    dst
+    cli::without_selection_bias(src, &format!("ernie_{name}"), 3)
 }
 
 /// A copy of `src` with `key` set to `value` (or removed for `None`).

@@ -25,24 +25,10 @@ fn model(name: &str, extra: &[&str]) -> PathBuf {
     tiny("glm4moe", name, extra)
 }
 
-/// A copy of `src` with every `exp_probs_b.bias` zeroed (the tensors are f32:
-/// zero bytes are zeros).
+/// A copy of `src` without its selection biases (the three main MoE layers' and
+/// the nextn block's).
 fn without_selection_bias(src: &Path, name: &str) -> PathBuf {
-    let dst = tmp(&format!("glm4moe_{name}_nobias.gguf"));
-    let mut bytes = std::fs::read(src).unwrap();
-    let g = Gguf::open(src).unwrap();
-    let mut n = 0;
-    for t in g
-        .tensors()
-        .filter(|t| t.name().ends_with("exp_probs_b.bias"))
-    {
-        let at = t.offset() as usize;
-        bytes[at..at + t.size() as usize].fill(0);
-        n += 1;
-    }
-    assert_eq!(n, 4, "three main MoE layers and the nextn block");
-    std::fs::write(&dst, bytes).unwrap();
-    dst
+    cli::without_selection_bias(src, &format!("glm4moe_{name}"), 4)
 }
 
 /// A copy of `src` with group-limited routing: `count` groups of experts,

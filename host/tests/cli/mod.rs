@@ -291,3 +291,22 @@ pub fn kld_with(model: &Path, base: &Path, extra: &[&str]) -> Value {
         .unwrap();
     json_ok(out, "perplexity")["kld"].clone()
 }
+
+/// A copy of `src` (named after `tag`) with every `exp_probs_b.bias` zeroed
+/// (the tensors are f32: zero bytes are zeros), which must be `n` tensors.
+pub fn without_selection_bias(src: &Path, tag: &str, n: usize) -> PathBuf {
+    let dst = tmp(&format!("{tag}_nobias.gguf"));
+    let mut bytes = std::fs::read(src).unwrap();
+    let g = les::gguf::Gguf::open(src).unwrap();
+    let biases: Vec<_> = g
+        .tensors()
+        .filter(|t| t.name().ends_with("exp_probs_b.bias"))
+        .map(|t| (t.offset() as usize, t.size() as usize))
+        .collect();
+    assert_eq!(biases.len(), n, "{tag}: selection biases");
+    for (at, len) in biases {
+        bytes[at..at + len].fill(0);
+    }
+    std::fs::write(&dst, bytes).unwrap();
+    dst
+}
