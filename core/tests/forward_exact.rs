@@ -283,6 +283,7 @@ impl Weights for Model {
                 bo: ly.oss.as_ref().map(|o| &o.bo[..]),
                 sinks: ly.oss.as_ref().map(|o| &o.sinks[..]),
                 window: ly.oss.as_ref().and_then(|o| o.window),
+                rope_freqs: None,
             }),
             ffn_norm: &ly.ffn_norm,
             ffn,

@@ -269,6 +269,7 @@ fn layer_block(ly: &Layer, shape: DeltaNetShape) -> Block<'_> {
                 bo: None,
                 sinks: None,
                 window: None,
+                rope_freqs: None,
             }),
             Mix::Delta(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape,

@@ -236,14 +236,15 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
         if a.bo.is_some()
             || a.sinks.is_some()
             || a.window.is_some()
+            || a.rope_freqs.is_some()
             || moe_extras
             || hp.rope_yarn.is_some()
             || act.is_some_and(|x| x != ExpertAct::SwiGlu)
         {
             return Err(McuIndexError(format!(
                 "layer {l} needs what the firmware does not run (gpt-oss's output and \
-                 expert biases, attention sinks, sliding windows, YaRN or clamped SwiGLU, \
-                 or an expert selection bias)"
+                 expert biases, attention sinks, sliding windows, YaRN, RoPE frequency \
+                 factors or clamped SwiGLU, or an expert selection bias)"
             )));
         }
         w.vector(b.attn_norm)?;

@@ -306,6 +306,9 @@ pub struct Model {
     pub n_ctx_train: usize,
     /// Its sliding-window attention layers (gpt-oss's even layers), if any.
     pub sliding_window: Option<SlidingWindow>,
+    /// RoPE frequency factors (`rope_freqs.weight`, Llama 3.1's scaling),
+    /// where the architecture reads them and the file has them.
+    rope_freqs: Option<Vec<f32>>,
     layers: Vec<LayerRefs>,
     /// The multi-token-prediction block, if the file has one, or why it
     /// cannot be used.
@@ -1198,6 +1201,12 @@ impl Model {
         } else {
             Ok(None)
         };
+        // Llama 3.1's RoPE scaling, as llama.cpp's llama loader reads it (its
+        // other loaders here ignore the tensor).
+        let rope_freqs = match arch {
+            Arch::Llama => optional_vector(&g, "rope_freqs.weight", hp.n_rot / 2)?,
+            _ => None,
+        };
         let embedding = tensor_ref(&g, "token_embd.weight", n_vocab, n_embd)?;
         let output = if g.tensor("output.weight").is_some() {
             tensor_ref(&g, "output.weight", n_vocab, n_embd)?
@@ -1213,6 +1222,7 @@ impl Model {
             n_nextn_layers,
             n_ctx_train,
             sliding_window: swa,
+            rope_freqs,
             layers,
             nextn,
             embedding,
@@ -1527,6 +1537,7 @@ impl Model {
             bo: a.bo.as_deref(),
             sinks: a.sinks.as_deref(),
             window: a.window,
+            rope_freqs: self.rope_freqs.as_deref(),
         }
     }
 

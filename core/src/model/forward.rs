@@ -15,7 +15,7 @@ use core::fmt;
 use super::config::{ExpertAct, Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::ops::{
-    rms_norm, rms_norm_heads, rope_imrope_scaled, rope_scaled, sigmoid, swiglu, swiglu_oai,
+    rms_norm, rms_norm_heads, rope_factored, rope_imrope_scaled, sigmoid, swiglu, swiglu_oai,
     AttnShape, KvView,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
@@ -166,6 +166,10 @@ pub struct AttentionWeights<'a> {
     /// Sliding window: a query sees only the last `window` positions, itself
     /// included (gpt-oss's even layers; [`SlidingWindow`](super::config::SlidingWindow)).
     pub window: Option<usize>,
+    /// RoPE frequency factors, `n_rot / 2` of them (Llama 3.1's
+    /// `rope_freqs.weight`): each pair's angle is divided by its factor
+    /// ([`rope_factored`](super::ops::rope_factored)).
+    pub rope_freqs: Option<&'a [f32]>,
 }
 
 /// What mixes positions in a layer.
@@ -1685,6 +1689,9 @@ pub(super) fn project_position<E>(
     norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
     norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
     match hy.rope_sections {
+        Some(_) if aw.rope_freqs.is_some() => {
+            return Err(ForwardError::Shape("RoPE frequency factors with sections"));
+        }
         Some(sections) => {
             let p = pos as u32;
             for x in [&mut *s.q, &mut *s.k] {
@@ -1700,8 +1707,11 @@ pub(super) fn project_position<E>(
             }
         }
         None => {
+            if aw.rope_freqs.is_some_and(|f| f.len() != hp.n_rot / 2) {
+                return Err(ForwardError::Shape("RoPE frequency factors"));
+            }
             for x in [&mut *s.q, &mut *s.k] {
-                rope_scaled(
+                rope_factored(
                     x,
                     hp.head_dim,
                     hp.n_rot,
@@ -1709,6 +1719,7 @@ pub(super) fn project_position<E>(
                     hp.rope_base,
                     hp.rope_style,
                     hp.rope_yarn.as_ref(),
+                    aw.rope_freqs,
                 );
             }
         }

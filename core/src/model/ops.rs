@@ -132,13 +132,38 @@ pub fn rope_scaled(
     style: RopeStyle,
     yarn: Option<&Yarn>,
 ) {
+    rope_factored(x, head_dim, n_rot, pos, freq_base, style, yarn, None);
+}
+
+/// [`rope_scaled`] with per-pair frequency factors where `factors` is given
+/// (`n_rot / 2` of them: Llama 3.1's `rope_freqs.weight`, ggml's
+/// `freq_factors`): pair `i`'s plain angle is divided by `factors[i]` before
+/// any YaRN mixing, as ggml divides it.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_factored(
+    x: &mut [f32],
+    head_dim: usize,
+    n_rot: usize,
+    pos: u32,
+    freq_base: f32,
+    style: RopeStyle,
+    yarn: Option<&Yarn>,
+    factors: Option<&[f32]>,
+) {
     assert!(rope_fits(x, head_dim, n_rot), "rope: bad dimensions");
+    assert!(
+        factors.is_none_or(|f| f.len() == n_rot / 2),
+        "rope: one frequency factor a pair"
+    );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
     let yarn = yarn.map(|y| (y, y.corr_dims(n_rot, freq_base)));
     let mut theta = pos as f32;
     rotate_pairs(x, head_dim, n_rot / 2, style, |i0, cs| {
         for (i, c) in (i0..).zip(cs) {
-            *c = pair_angle(yarn, theta, i);
+            *c = match factors {
+                Some(f) => pair_angle(yarn, theta / f[i], i),
+                None => pair_angle(yarn, theta, i),
+            };
             theta *= theta_scale;
         }
     });
@@ -904,6 +929,51 @@ mod tests {
                     imrope_per_head(&mut e[..n], head_dim, n_rot, p, 1e6);
                     for (x, y) in c.iter().zip(&e) {
                         assert_eq!(x.to_bits(), y.to_bits(), "imrope {head_dim} {n_rot} {pos}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Frequency factors divide each pair's angle before YaRN: factors of 1
+    /// change nothing, and factors of 2 at position `2p` rotate as none at
+    /// `p` (doubling and halving are exact), bit for bit, with and without
+    /// YaRN; one factor of 2 moves only its own pair.
+    #[test]
+    fn rope_frequency_factors_divide_the_angles() {
+        let x: std::vec::Vec<f32> = (0..48).map(|i| (i as f32 * 0.61).cos()).collect();
+        let yarn = Yarn {
+            freq_scale: 0.25,
+            ext_factor: 1.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            n_ctx_orig: 64,
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<std::vec::Vec<_>>();
+        for style in [RopeStyle::Normal, RopeStyle::Neox] {
+            for y in [None, Some(&yarn)] {
+                for pos in [0u32, 1, 5, 333] {
+                    let (mut a, mut b, mut c) = (x.clone(), x.clone(), x.clone());
+                    rope_scaled(&mut a, 16, 12, pos, 1e4, style, y);
+                    rope_factored(&mut b, 16, 12, pos, 1e4, style, y, Some(&[1.0; 6]));
+                    rope_factored(&mut c, 16, 12, 2 * pos, 1e4, style, y, Some(&[2.0; 6]));
+                    assert_eq!(bits(&a), bits(&b), "{style:?} {pos}");
+                    assert_eq!(bits(&a), bits(&c), "{style:?} {pos}");
+                    let mut d = x.clone();
+                    let one = [1.0, 1.0, 1.0, 2.0, 1.0, 1.0];
+                    rope_factored(&mut d, 16, 12, pos, 1e4, style, y, Some(&one));
+                    let pair = |i: usize| match style {
+                        RopeStyle::Normal => [2 * i, 2 * i + 1],
+                        RopeStyle::Neox => [i, i + 6],
+                    };
+                    for i in 0..6 {
+                        for head in 0..3 {
+                            for k in pair(i) {
+                                let same = a[head * 16 + k].to_bits() == d[head * 16 + k].to_bits();
+                                assert!(same || (i == 3 && pos > 0), "{style:?} {pos} pair {i}");
+                            }
+                        }
                     }
                 }
             }

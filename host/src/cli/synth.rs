@@ -134,6 +134,12 @@ pub struct SynthArgs {
     /// DeepSeek-V2-Lite's); default four times the head size.
     #[arg(long)]
     pub q_lora_rank: Option<u64>,
+    /// Write Llama 3.1's RoPE frequency factors (`rope_freqs.weight`, as
+    /// llama.cpp's converter computes them: factor 8, low and high frequency
+    /// factors 1 and 4), over an original context of 256 positions so that
+    /// they matter within a few dozen (llama, mixtral).
+    #[arg(long)]
+    pub rope_freqs: bool,
     /// Omit output.weight (qwen3moe, llama): llama.cpp then uses token_embd.weight.
     #[arg(long)]
     pub tie_embeddings: bool,
@@ -203,6 +209,7 @@ impl SynthArgs {
             tie_embeddings: self.tie_embeddings,
             mtp_layers: self.mtp_layers,
             q_lora_rank: self.q_lora_rank,
+            rope_freqs: self.rope_freqs,
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)
     }

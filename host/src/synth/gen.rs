@@ -126,6 +126,13 @@ impl<'c> Generator<'c> {
                     *v = lo + (hi - lo) * (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
                 }
             }
+            Init::RopeFactors => {
+                let s = &self.cfg.shape;
+                x.copy_from_slice(&super::llama3_rope_factors(
+                    s.head_dim as usize,
+                    s.rope_base,
+                ));
+            }
             Init::Router => unreachable!("routers are generated in order by `router`"),
         }
         let mut out = vec![0u8; t.ty.row_bytes(x.len()).expect("planned sizes fit")];

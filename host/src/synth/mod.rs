@@ -681,6 +681,7 @@ pub struct Overrides {
     pub tie_embeddings: bool,
     pub mtp_layers: Option<u64>,
     pub q_lora_rank: Option<u64>,
+    pub rope_freqs: bool,
 }
 
 /// Why a configuration or a write failed.
@@ -741,6 +742,8 @@ pub struct SynthConfig {
     pub tie_embeddings: bool,
     /// deepseek2's query compression rank (0: none).
     pub q_lora_rank: u64,
+    /// Llama 3.1's `rope_freqs.weight` (llama and mixtral).
+    pub rope_freqs: bool,
 }
 
 impl SynthConfig {
@@ -798,6 +801,11 @@ impl SynthConfig {
         if !arch.is_hybrid() {
             s.full_attn_interval = 0;
             s.rope_dim = s.head_dim;
+        }
+        if o.rope_freqs && !matches!(arch, Arch::Llama | Arch::Mixtral) {
+            return config_err(format!(
+                "--rope-freqs applies to llama and mixtral, not {name}"
+            ));
         }
         if o.q_lora_rank.is_some() && arch != Arch::Deepseek2 {
             return config_err(format!("--q-lora-rank applies to deepseek2, not {name}"));
@@ -883,6 +891,7 @@ impl SynthConfig {
             seed,
             tie_embeddings: o.tie_embeddings,
             q_lora_rank: o.q_lora_rank.unwrap_or(4 * s.head_dim),
+            rope_freqs: o.rope_freqs,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1058,6 +1067,39 @@ pub enum Init {
     Router,
     /// Uniform in `[lo, hi)`.
     Uniform(f32, f32),
+    /// Llama 3.1's RoPE frequency factors ([`llama3_rope_factors`]).
+    RopeFactors,
+}
+
+/// The original context of the synthetic `--rope-freqs` factors: Llama 3.1's
+/// are 8192 positions, and a shorter one makes the factors matter within a
+/// test's few dozen positions (the head's pairs then get factors of 1, 8 and
+/// the ramp between).
+pub const LLAMA3_ORIGINAL_CONTEXT: f32 = 256.0;
+
+/// Llama 3.1's RoPE frequency factors for heads of `dim` rotated dimensions
+/// and RoPE base `base`, as llama.cpp's converter computes them (scaling
+/// factor 8, low- and high-frequency factors 1 and 4) over
+/// [`LLAMA3_ORIGINAL_CONTEXT`] positions: 1 for the pairs whose wavelength
+/// is under a quarter of it, 8 past the whole of it, a ramp between.
+pub fn llama3_rope_factors(dim: usize, base: f32) -> Vec<f32> {
+    // In f32 throughout, as the converter's torch tensors are.
+    let (factor, low, high, old) = (8.0f32, 1.0f32, 4.0f32, LLAMA3_ORIGINAL_CONTEXT);
+    let (low_wavelen, high_wavelen) = (old / low, old / high);
+    (0..dim / 2)
+        .map(|i| {
+            let freq = 1.0 / base.powf((2 * i) as f32 / dim as f32);
+            let wavelen = 2.0 * std::f32::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
 }
 
 /// One tensor of the plan.
@@ -1303,6 +1345,16 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
                 lay,
             );
         }
+    }
+    if cfg.rope_freqs {
+        let pairs = vec![s.head_dim / 2];
+        add(
+            "rope_freqs.weight".into(),
+            pairs,
+            GgmlType::F32,
+            Init::RopeFactors,
+            None,
+        );
     }
     add(
         "output_norm.weight".into(),

@@ -97,6 +97,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                     bo: None,
                     sinks: None,
                     window: None,
+                    rope_freqs: None,
                 }),
                 ffn_norm: vector(ib, &d.ffn_norm)?,
                 ffn,
