@@ -99,6 +99,12 @@ pub enum Arch {
     /// ERNIE 4.5's dense models (ERNIE-4.5-0.3B, a draft model for the MoE
     /// ones: the same vocabulary).
     Ernie45,
+    /// Ling 2.0 / Ring 2.0 (Ling-mini-2.0, Ling-flash-2.0; llama.cpp's
+    /// `bailingmoe2`): a fused QKV projection, per-head Q/K norms, partial
+    /// NeoX RoPE, dense leading layers, routed experts by sigmoid scores with
+    /// a selection bias over expert groups, ungated shared experts; its MTP
+    /// layers are skipped, as llama.cpp skips them.
+    BailingMoe2,
     /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
     /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
@@ -121,6 +127,7 @@ impl Arch {
             "deepseek2" => Arch::Deepseek2,
             "ernie4_5-moe" => Arch::Ernie45Moe,
             "ernie4_5" => Arch::Ernie45,
+            "bailingmoe2" => Arch::BailingMoe2,
             _ => return None,
         })
     }
@@ -139,6 +146,7 @@ impl Arch {
             Arch::Deepseek2 => "deepseek2",
             Arch::Ernie45Moe => "ernie4_5-moe",
             Arch::Ernie45 => "ernie4_5",
+            Arch::BailingMoe2 => "bailingmoe2",
         }
     }
 
@@ -179,6 +187,20 @@ struct Tref {
     cols: usize,
     offset: usize,
     len: usize,
+}
+
+impl Tref {
+    /// Its rows `first..first + n` (within it: callers split a fused matrix
+    /// whose shape was checked).
+    fn rows(&self, first: usize, n: usize) -> Tref {
+        let row_bytes = self.len / self.rows.max(1);
+        Tref {
+            rows: n,
+            offset: self.offset + first * row_bytes,
+            len: n * row_bytes,
+            ..*self
+        }
+    }
 }
 
 /// A routed-expert tensor stack (`{cols, rows, n_expert}`).
@@ -1044,6 +1066,12 @@ impl Model {
             (hy, vec![false; n_layers])
         };
 
+        // bailingmoe2's shared experts are this many experts wide (its loader
+        // requires the key).
+        let shared_count = match arch {
+            Arch::BailingMoe2 => Some(key_usize(&g, &k("expert_shared_count"))?.min(MAX_DIM)),
+            _ => None,
+        };
         let packed = crate::pack::PackedIndex::from_gguf(&g)
             .map_err(|e| invalid(format!("packed expert index: {e}")))?;
         let load_layer = |l: usize, is_recurrent: bool| -> Result<LayerRefs, ModelError> {
@@ -1067,7 +1095,12 @@ impl Model {
                 let shared = match (g.tensor(&t("ffn_gate_shexp.weight")), m.n_ff_shared) {
                     (None, _) => None,
                     (Some(sh), n) => {
-                        let n_sh = n.unwrap_or(*sh.dims().get(1).unwrap_or(&0) as usize);
+                        let n_sh = match shared_count {
+                            // llama.cpp's bailingmoe2: the key (else an
+                            // expert's width) times the shared experts.
+                            Some(count) => n.unwrap_or(m.n_ff_exp).saturating_mul(count),
+                            None => n.unwrap_or(*sh.dims().get(1).unwrap_or(&0) as usize),
+                        };
                         Some((
                             [
                                 tensor_ref(&g, &t("ffn_gate_shexp.weight"), n_sh, n_embd)?,
@@ -1134,10 +1167,27 @@ impl Model {
                     } else {
                         q_dim
                     };
+                    // A fused projection (bailingmoe2's `attn_qkv`): the
+                    // query, key and value rows one after another.
+                    let [wq, wk, wv] = if g.tensor(&t("attn_qkv.weight")).is_some() {
+                        let qkv =
+                            tensor_ref(&g, &t("attn_qkv.weight"), q_rows + 2 * kv_dim, n_embd)?;
+                        [
+                            qkv.rows(0, q_rows),
+                            qkv.rows(q_rows, kv_dim),
+                            qkv.rows(q_rows + kv_dim, kv_dim),
+                        ]
+                    } else {
+                        [
+                            tensor_ref(&g, &t("attn_q.weight"), q_rows, n_embd)?,
+                            tensor_ref(&g, &t("attn_k.weight"), kv_dim, n_embd)?,
+                            tensor_ref(&g, &t("attn_v.weight"), kv_dim, n_embd)?,
+                        ]
+                    };
                     MixerRefs::Attention(AttnRefs {
-                        wq: tensor_ref(&g, &t("attn_q.weight"), q_rows, n_embd)?,
-                        wk: tensor_ref(&g, &t("attn_k.weight"), kv_dim, n_embd)?,
-                        wv: tensor_ref(&g, &t("attn_v.weight"), kv_dim, n_embd)?,
+                        wq,
+                        wk,
+                        wv,
                         wo: tensor_ref(&g, &t("attn_output.weight"), n_embd, q_dim)?,
                         bq: optional_vector(&g, &t("attn_q.bias"), q_dim)?,
                         bk: optional_vector(&g, &t("attn_k.bias"), kv_dim)?,
@@ -1193,7 +1243,11 @@ impl Model {
         };
         // A malformed block only matters to `--speculate mtp`, which reports
         // why; the model runs without it, as llama.cpp's skips it unasked.
-        let nextn = if n_nextn_layers > 0
+        let nextn = if arch == Arch::BailingMoe2 && n_nextn_layers > 0 {
+            Err(format!(
+                "{a}'s multi-token-prediction layers are not run (llama.cpp skips them too)"
+            ))
+        } else if n_nextn_layers > 0
             && g.tensor(&format!("blk.{n_layers}.nextn.eh_proj.weight"))
                 .is_some()
         {

@@ -118,6 +118,11 @@ pub enum Arch {
     /// selection bias (`exp_probs_b`), an ungated shared expert.
     #[value(name = "ernie4_5-moe")]
     Ernie45moe,
+    /// Ling 2.0 (llama.cpp's `bailingmoe2`): a fused QKV projection, per-head
+    /// Q/K norms, half of each head rotated (NeoX), the first layer dense,
+    /// sigmoid routing with a selection bias over expert groups, weights
+    /// scaled by 2.5, an ungated shared expert.
+    Bailingmoe2,
 }
 
 impl Arch {
@@ -134,6 +139,7 @@ impl Arch {
             Arch::Glm4moe => "glm4moe",
             Arch::Deepseek2 => "deepseek2",
             Arch::Ernie45moe => "ernie4_5-moe",
+            Arch::Bailingmoe2 => "bailingmoe2",
         }
     }
 
@@ -174,6 +180,7 @@ impl Arch {
                 | Arch::Qwen3next
                 | Arch::Glm4moe
                 | Arch::Deepseek2
+                | Arch::Bailingmoe2
         )
     }
 
@@ -187,6 +194,7 @@ impl Arch {
                 | Arch::Glm4moe
                 | Arch::Deepseek2
                 | Arch::Ernie45moe
+                | Arch::Bailingmoe2
         )
     }
 
@@ -810,10 +818,13 @@ impl SynthConfig {
         if o.q_lora_rank.is_some() && arch != Arch::Deepseek2 {
             return config_err(format!("--q-lora-rank applies to deepseek2, not {name}"));
         }
-        if matches!(arch, Arch::Glm4moe | Arch::Deepseek2 | Arch::Ernie45moe) {
-            // GLM-4.5's partial_rotary_factor 0.5; the shared expert is
-            // `expert_shared_count` routed experts wide.
-            if arch == Arch::Glm4moe {
+        if matches!(
+            arch,
+            Arch::Glm4moe | Arch::Deepseek2 | Arch::Ernie45moe | Arch::Bailingmoe2
+        ) {
+            // GLM-4.5's and Ling 2.0's partial_rotary_factor 0.5; the shared
+            // expert is `expert_shared_count` routed experts wide.
+            if matches!(arch, Arch::Glm4moe | Arch::Bailingmoe2) {
                 s.rope_dim = s.head_dim / 2;
             }
             if o.shared_ff.is_none() {
@@ -982,11 +993,17 @@ impl SynthConfig {
                 self.arch.cli_name()
             ));
         }
-        if self.arch == Arch::Deepseek2 && s.experts < 4 {
-            return config_err("deepseek2: needs 4 or more experts (they route in groups)");
+        if matches!(self.arch, Arch::Deepseek2 | Arch::Bailingmoe2) && s.experts < 4 {
+            return config_err(format!(
+                "{}: needs 4 or more experts (they route in groups)",
+                self.arch.cli_name()
+            ));
         }
-        if self.arch == Arch::Glm4moe && !s.rope_dim.is_multiple_of(2) {
-            return config_err("glm4moe: head_dim must be a multiple of 4 (half of it is rotated)");
+        if matches!(self.arch, Arch::Glm4moe | Arch::Bailingmoe2) && !s.rope_dim.is_multiple_of(2) {
+            return config_err(format!(
+                "{}: head_dim must be a multiple of 4 (half of it is rotated)",
+                self.arch.cli_name()
+            ));
         }
         if s.vocab < vocab::MIN_VOCAB as u64 {
             return config_err(format!("--vocab must be at least {}", vocab::MIN_VOCAB));
@@ -1238,6 +1255,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         }
         if cfg.arch == Arch::Deepseek2 {
             deepseek2_layer(cfg, l, &mut add);
+            continue;
+        }
+        if cfg.arch == Arch::Bailingmoe2 {
+            bailingmoe2_layer(cfg, l, &mut add);
             continue;
         }
         add(
@@ -1539,7 +1560,49 @@ fn glm4moe_layer(
     nextn_head(cfg, l, add);
 }
 
-/// The FFN of glm4moe, deepseek2 and ernie4_5-moe block `l`: the first
+/// The tensors of bailingmoe2 block `l`, in llama.cpp's names and shapes:
+/// the query, key and value projections fused in `attn_qkv`, per-head Q/K
+/// norms, then the FFN of [`lead_dense_or_biased_moe`].
+fn bailingmoe2_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, q, kv, lay) = (s.embd, s.q_dim(), s.kv_dim(), Some(l));
+    add(
+        n("attn_norm.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    let qkv = vec![e, q + 2 * kv];
+    add(
+        n("attn_qkv.weight"),
+        qkv,
+        t.dense,
+        Init::Normal(inv(e)),
+        lay,
+    );
+    let wo = n("attn_output.weight");
+    add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+    for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+        add(n(norm), vec![s.head_dim], GgmlType::F32, Init::Norm, lay);
+    }
+    add(
+        n("ffn_norm.weight"),
+        vec![e],
+        GgmlType::F32,
+        Init::Norm,
+        lay,
+    );
+    lead_dense_or_biased_moe(cfg, l, add);
+}
+
+/// The FFN of glm4moe, deepseek2, ernie4_5-moe and bailingmoe2 block `l`: the first
 /// [`GLM4MOE_DENSE_LAYERS`] dense, the others routed experts with a selection
 /// bias (`exp_probs_b`) and an ungated shared expert.
 fn lead_dense_or_biased_moe(
@@ -1984,6 +2047,24 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
     }
+    if cfg.arch == Arch::Bailingmoe2 {
+        kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
+        kv(
+            format!("{a}.leading_dense_block_count"),
+            u32v(GLM4MOE_DENSE_LAYERS),
+        );
+        kv(
+            format!("{a}.expert_shared_count"),
+            u32v(s.shared_ff / s.expert_ff.max(1)),
+        );
+        kv(
+            format!("{a}.expert_weights_scale"),
+            MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
+        );
+        let (groups, used) = deepseek2_groups(s.experts);
+        kv(format!("{a}.expert_group_count"), u32v(groups));
+        kv(format!("{a}.expert_group_used_count"), u32v(used));
+    }
     if cfg.arch == Arch::Ernie45moe {
         // As llama.cpp's converter writes them (no gating or norm keys: its
         // graph fixes a softmax and renormalised weights).
@@ -2019,6 +2100,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.expert_used_count"), u32v(s.top_k));
         kv(format!("{a}.expert_feed_forward_length"), u32v(s.expert_ff));
         if s.shared_ff > 0 && !matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
+            // bailingmoe2: one expert's width, times `expert_shared_count`.
             kv(
                 format!("{a}.expert_shared_feed_forward_length"),
                 u32v(s.shared_ff),
@@ -2030,7 +2112,10 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
                 MetaValue::Bool(cfg.arch.normalizes()),
             );
             // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
-            let gating = if matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
+            let gating = if matches!(
+                cfg.arch,
+                Arch::Glm4moe | Arch::Deepseek2 | Arch::Bailingmoe2
+            ) {
                 2
             } else {
                 1
@@ -2059,6 +2144,11 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         MetaValue::F32(k.router_scale),
     );
     for (key, v) in vocab.metadata() {
+        // Ling 2.0's pre-tokenizer name (llama.cpp splits as for qwen2).
+        let v = match (key, cfg.arch) {
+            ("tokenizer.ggml.pre", Arch::Bailingmoe2) => "bailingmoe2".into(),
+            _ => v,
+        };
         m.push((key.to_string(), v));
     }
     m
@@ -2242,6 +2332,7 @@ mod tests {
             Arch::Glm4moe,
             Arch::Deepseek2,
             Arch::Ernie45moe,
+            Arch::Bailingmoe2,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {

@@ -27,7 +27,8 @@ pub enum PreTokenizer {
     /// (`llama-bpe`, `llama3`, `dbrx`, `smaug-bpe`, `glm4`, ...).
     Llama3,
     /// As [`PreTokenizer::Llama3`] but with single digits (`\p{N}` for `\p{N}{1,3}`)
-    /// (`qwen2`, `deepseek-r1-qwen`, `stablelm2`, `megrez`, `hunyuan`, ...).
+    /// (`qwen2`, `deepseek-r1-qwen`, `stablelm2`, `megrez`, `hunyuan`,
+    /// `bailingmoe2`, ...).
     Qwen2,
     /// As [`PreTokenizer::Qwen2`] with marks joining letters: `[\p{L}\p{M}]+` for
     /// `\p{L}+`, and `\p{M}` kept out of the punctuation class (`qwen35`).
@@ -72,6 +73,10 @@ impl PreTokenizer {
             | "chatglm-bpe" => Self::Llama3,
             "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
             | "hunyuan" | "solar-open" => Self::Qwen2,
+            // llama.cpp's BAILINGMOE pattern is qwen2's with its contractions
+            // spelled per letter and `\s*[\r\n]` for `\s*[\r\n]+`: the same
+            // splits (greedy `\s*` backs off to the last newline either way).
+            "bailingmoe" | "bailingmoe2" | "llada-moe" => Self::Qwen2,
             "qwen35" => Self::Qwen35,
             "gpt-4o" | "minimax-m2" => Self::Gpt4o,
             "deepseek-v3" => Self::Deepseek3,
