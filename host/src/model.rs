@@ -105,6 +105,10 @@ pub enum Arch {
     /// a selection bias over expert groups, ungated shared experts; its MTP
     /// layers are skipped, as llama.cpp skips them.
     BailingMoe2,
+    /// MiniMax-M2 (llama.cpp's `minimax-m2`): Q/K RMS norms over all heads
+    /// at once, partial NeoX RoPE, every layer routed experts picked by
+    /// sigmoid scores plus a selection bias, renormalised, no shared expert.
+    MinimaxM2,
     /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
     /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
@@ -128,6 +132,7 @@ impl Arch {
             "ernie4_5-moe" => Arch::Ernie45Moe,
             "ernie4_5" => Arch::Ernie45,
             "bailingmoe2" => Arch::BailingMoe2,
+            "minimax-m2" => Arch::MinimaxM2,
             _ => return None,
         })
     }
@@ -147,6 +152,7 @@ impl Arch {
             Arch::Ernie45Moe => "ernie4_5-moe",
             Arch::Ernie45 => "ernie4_5",
             Arch::BailingMoe2 => "bailingmoe2",
+            Arch::MinimaxM2 => "minimax-m2",
         }
     }
 
@@ -921,8 +927,12 @@ impl Model {
         let n_experts = opt_usize(&g, &k("expert_count"))?.unwrap_or(0);
         let moe = if n_experts > 0 {
             let top_k = key_usize(&g, &k("expert_used_count"))?;
-            let n_ff_exp =
-                uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?.unwrap_or(n_ff);
+            let n_ff_exp = match arch {
+                // llama.cpp's minimax-m2 loader sizes its experts by `n_ff`.
+                Arch::MinimaxM2 => n_ff,
+                _ => uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
+                    .unwrap_or(n_ff),
+            };
             let mut gating = match opt_usize(&g, &k("expert_gating_func"))? {
                 // 0 ("none") is llama.cpp's default: a softmax, glm4moe's a sigmoid.
                 None | Some(0) if arch == Arch::Glm4Moe => Gating::Sigmoid,
@@ -939,6 +949,10 @@ impl Model {
             if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next | Arch::Ernie45Moe) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
+                normalize = true;
+            }
+            if arch == Arch::MinimaxM2 {
+                // Its graph renormalises whatever the metadata says.
                 normalize = true;
             }
             if arch == Arch::Ernie45Moe {
@@ -1167,9 +1181,12 @@ impl Model {
                     } else {
                         q_dim
                     };
-                    // A fused projection (bailingmoe2's `attn_qkv`): the
+                    // A fused projection (bailingmoe2's `attn_qkv`, which
+                    // llama.cpp's loaders take for any plain attention): the
                     // query, key and value rows one after another.
-                    let [wq, wk, wv] = if g.tensor(&t("attn_qkv.weight")).is_some() {
+                    let fused =
+                        !hybrid.attn_output_gate && g.tensor(&t("attn_qkv.weight")).is_some();
+                    let [wq, wk, wv] = if fused {
                         let qkv =
                             tensor_ref(&g, &t("attn_qkv.weight"), q_rows + 2 * kv_dim, n_embd)?;
                         [
@@ -1184,14 +1201,25 @@ impl Model {
                             tensor_ref(&g, &t("attn_v.weight"), kv_dim, n_embd)?,
                         ]
                     };
+                    if fused && g.tensor(&t("attn_qkv.bias")).is_some() {
+                        return Err(ModelError::Unsupported(format!(
+                            "a fused QKV bias ({}): none of the architectures les runs has one",
+                            t("attn_qkv.bias")
+                        )));
+                    }
+                    let [bq, bk, bv] = [
+                        optional_vector(&g, &t("attn_q.bias"), q_dim)?,
+                        optional_vector(&g, &t("attn_k.bias"), kv_dim)?,
+                        optional_vector(&g, &t("attn_v.bias"), kv_dim)?,
+                    ];
                     MixerRefs::Attention(AttnRefs {
                         wq,
                         wk,
                         wv,
                         wo: tensor_ref(&g, &t("attn_output.weight"), n_embd, q_dim)?,
-                        bq: optional_vector(&g, &t("attn_q.bias"), q_dim)?,
-                        bk: optional_vector(&g, &t("attn_k.bias"), kv_dim)?,
-                        bv: optional_vector(&g, &t("attn_v.bias"), kv_dim)?,
+                        bq,
+                        bk,
+                        bv,
                         q_norm: qk_norm("attn_q_norm.weight", q_dim)?,
                         k_norm: qk_norm("attn_k_norm.weight", kv_dim)?,
                         bo: optional_vector(&g, &t("attn_output.bias"), n_embd)?,

@@ -123,6 +123,11 @@ pub enum Arch {
     /// sigmoid routing with a selection bias over expert groups, weights
     /// scaled by 2.5, an ungated shared expert.
     Bailingmoe2,
+    /// MiniMax-M2 (llama.cpp's `minimax-m2`): Q/K norms over all heads at
+    /// once, half of each head rotated (NeoX), every layer routed experts
+    /// picked by sigmoid scores plus a selection bias, no shared expert.
+    #[value(name = "minimax-m2")]
+    MinimaxM2,
 }
 
 impl Arch {
@@ -140,6 +145,7 @@ impl Arch {
             Arch::Deepseek2 => "deepseek2",
             Arch::Ernie45moe => "ernie4_5-moe",
             Arch::Bailingmoe2 => "bailingmoe2",
+            Arch::MinimaxM2 => "minimax-m2",
         }
     }
 
@@ -181,6 +187,7 @@ impl Arch {
                 | Arch::Glm4moe
                 | Arch::Deepseek2
                 | Arch::Bailingmoe2
+                | Arch::MinimaxM2
         )
     }
 
@@ -810,6 +817,10 @@ impl SynthConfig {
             s.full_attn_interval = 0;
             s.rope_dim = s.head_dim;
         }
+        if arch == Arch::MinimaxM2 {
+            // MiniMax-M2's rotary_dim: half of each head.
+            s.rope_dim = s.head_dim / 2;
+        }
         if o.rope_freqs && !matches!(arch, Arch::Llama | Arch::Mixtral) {
             return config_err(format!(
                 "--rope-freqs applies to llama and mixtral, not {name}"
@@ -999,7 +1010,11 @@ impl SynthConfig {
                 self.arch.cli_name()
             ));
         }
-        if matches!(self.arch, Arch::Glm4moe | Arch::Bailingmoe2) && !s.rope_dim.is_multiple_of(2) {
+        if matches!(
+            self.arch,
+            Arch::Glm4moe | Arch::Bailingmoe2 | Arch::MinimaxM2
+        ) && !s.rope_dim.is_multiple_of(2)
+        {
             return config_err(format!(
                 "{}: head_dim must be a multiple of 4 (half of it is rotated)",
                 self.arch.cli_name()
@@ -1310,7 +1325,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
                     lay,
                 );
             }
-            Arch::Olmoe => {
+            Arch::Olmoe | Arch::MinimaxM2 => {
                 add(
                     n("attn_q_norm.weight"),
                     vec![q],
@@ -1339,6 +1354,17 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lead_dense_or_biased_moe(cfg, l, &mut add);
         } else if cfg.is_moe() {
             routed_experts(cfg, l, &mut add);
+            if cfg.arch == Arch::MinimaxM2 {
+                // Sigmoid scores: as glm4moe's (see `lead_dense_or_biased_moe`).
+                let bias = n("exp_probs_b.bias");
+                add(
+                    bias,
+                    vec![s.experts],
+                    GgmlType::F32,
+                    Init::Normal(0.05),
+                    lay,
+                );
+            }
             if s.shared_ff > 0 {
                 shared_expert(cfg, l, &mut add);
             }
@@ -1935,8 +1961,8 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     kv(format!("{a}.context_length"), u32v(s.context));
     kv(format!("{a}.embedding_length"), u32v(s.embd));
     let ff = match cfg.arch {
-        // OLMoE and Mixtral size their experts with feed_forward_length.
-        Arch::Olmoe => s.expert_ff,
+        // OLMoE, MiniMax-M2 and Mixtral size their experts with feed_forward_length.
+        Arch::Olmoe | Arch::MinimaxM2 => s.expert_ff,
         Arch::Llama | Arch::Mixtral if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
@@ -2047,6 +2073,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
     }
+    if cfg.arch == Arch::MinimaxM2 {
+        kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
+    }
     if cfg.arch == Arch::Bailingmoe2 {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
         kv(
@@ -2114,7 +2143,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
             let gating = if matches!(
                 cfg.arch,
-                Arch::Glm4moe | Arch::Deepseek2 | Arch::Bailingmoe2
+                Arch::Glm4moe | Arch::Deepseek2 | Arch::Bailingmoe2 | Arch::MinimaxM2
             ) {
                 2
             } else {
@@ -2147,6 +2176,8 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         // Ling 2.0's pre-tokenizer name (llama.cpp splits as for qwen2).
         let v = match (key, cfg.arch) {
             ("tokenizer.ggml.pre", Arch::Bailingmoe2) => "bailingmoe2".into(),
+            // MiniMax-M2's (llama.cpp: the o200k pattern, as gpt-4o's).
+            ("tokenizer.ggml.pre", Arch::MinimaxM2) => "minimax-m2".into(),
             _ => v,
         };
         m.push((key.to_string(), v));
@@ -2333,6 +2364,7 @@ mod tests {
             Arch::Deepseek2,
             Arch::Ernie45moe,
             Arch::Bailingmoe2,
+            Arch::MinimaxM2,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
