@@ -117,6 +117,23 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Every architecture les runs.
+    pub const ALL: [Arch; 13] = [
+        Arch::Llama,
+        Arch::Qwen3Moe,
+        Arch::Qwen2Moe,
+        Arch::Olmoe,
+        Arch::Qwen35Moe,
+        Arch::Qwen3Next,
+        Arch::GptOss,
+        Arch::Glm4Moe,
+        Arch::Deepseek2,
+        Arch::Ernie45Moe,
+        Arch::Ernie45,
+        Arch::BailingMoe2,
+        Arch::MinimaxM2,
+    ];
+
     /// From `general.architecture`.
     pub fn from_name(name: &str) -> Option<Arch> {
         Some(match name {
@@ -876,7 +893,10 @@ impl Model {
     /// Validates an opened GGUF as a model.
     pub fn from_gguf(g: Gguf<MappedFile>) -> Result<Model, ModelError> {
         let arch_name = g.architecture()?.to_string();
-        let arch = Arch::from_name(&arch_name).ok_or(ModelError::Unsupported(arch_name.clone()))?;
+        let arch = Arch::from_name(&arch_name).ok_or_else(|| {
+            let known: Vec<&str> = Arch::ALL.iter().map(|a| a.name()).collect();
+            ModelError::Unsupported(format!("{arch_name} (les runs {})", known.join(", ")))
+        })?;
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
         let n_layers_all = key_usize(&g, &k("block_count"))?;
@@ -1746,4 +1766,53 @@ fn q8_0_copy(m: MatrixView<'_>) -> Option<Vec<u8>> {
         quant::quantize(GgmlType::Q8_0, &row, dst).ok()?;
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Arch;
+
+    /// A file of an architecture les does not run says which it runs.
+    #[test]
+    fn unknown_architectures_are_named_with_the_known_ones() {
+        use crate::gguf::{GgufWriter, MetaValue};
+        let path = std::env::temp_dir().join(format!("les-arch-{}.gguf", std::process::id()));
+        let mut w = GgufWriter::new();
+        w.add_kv("general.architecture", MetaValue::from("llama4"))
+            .unwrap();
+        let file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+        w.write_header(file).unwrap().finish().unwrap();
+        let err = super::Model::open(&path).unwrap_err().to_string();
+        let _ = std::fs::remove_file(&path);
+        assert!(err.contains("unsupported architecture: llama4"), "{err}");
+        for a in Arch::ALL {
+            assert!(err.contains(a.name()), "{err}");
+        }
+    }
+
+    /// `Arch::ALL` names each architecture once, and names read back.
+    #[test]
+    fn every_architecture_is_listed_once_by_its_name() {
+        let names: std::collections::HashSet<&str> = Arch::ALL.iter().map(|a| a.name()).collect();
+        assert_eq!(names.len(), Arch::ALL.len());
+        for a in Arch::ALL {
+            assert_eq!(Arch::from_name(a.name()), Some(a));
+            // A new variant fails to compile here until it is listed above.
+            match a {
+                Arch::Llama
+                | Arch::Qwen3Moe
+                | Arch::Qwen2Moe
+                | Arch::Olmoe
+                | Arch::Qwen35Moe
+                | Arch::Qwen3Next
+                | Arch::GptOss
+                | Arch::Glm4Moe
+                | Arch::Deepseek2
+                | Arch::Ernie45Moe
+                | Arch::Ernie45
+                | Arch::BailingMoe2
+                | Arch::MinimaxM2 => {}
+            }
+        }
+    }
 }
