@@ -12,10 +12,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use cli::{
-    assert_equals_llama_cpp, greedy_logits, kld, llama_kld_base, streams_exactly, tiny, tmp,
-    without_selection_bias, F32_WEIGHTS,
-};
+use cli::{streams_exactly, tiny, tmp, F32_WEIGHTS};
 use les::gguf::Gguf;
 use les_core::router::{ExpertGroups, Gating};
 
@@ -68,11 +65,7 @@ fn synth_writes_llama_cpp_names_and_keys() {
 /// The selection bias decides picks: zeroed, the logits move.
 #[test]
 fn the_selection_bias_changes_the_picks() {
-    let m = model("q", &[]);
-    let (_, with) = greedy_logits(&m, "bias", &[]);
-    let plain = without_selection_bias(&m, "bailingmoe2_q", 3);
-    let (_, without) = greedy_logits(&plain, "nobias", &[]);
-    assert!(with != without, "the selection bias changed nothing");
+    cli::assert_selection_bias_matters(&model("q", &[]), "bailingmoe2_q", 3);
 }
 
 /// A packed copy gives the resident logits under every schedule, slot count
@@ -90,18 +83,8 @@ fn packed_experts_stream_exactly() {
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_and_log_probabilities_equal_llama_cpp() {
-    let m = model("f32", &F32_WEIGHTS);
-    assert_equals_llama_cpp(&m, "bailingmoe2_f32", 1e-4, 1.0);
-    let plain = without_selection_bias(&m, "bailingmoe2_f32", 3);
-    let apart = kld(&plain, &tmp("bailingmoe2_f32.kld"));
-    assert!(apart["max"].as_f64().unwrap() > 1e-3, "{apart}");
-
-    let q = model("q", &[]);
-    let base = tmp("bailingmoe2_q.kld");
-    llama_kld_base(&q, &base);
-    let close = kld(&q, &base);
-    assert!(close["mean"].as_f64().unwrap() < 2e-3, "{close}");
-    assert!(close["same_top"].as_f64().unwrap() > 0.9, "{close}");
+    let (f32, q) = (model("f32", &F32_WEIGHTS), model("q", &[]));
+    cli::assert_biased_routing_equals_llama_cpp(&f32, &q, "bailingmoe2", 3);
 }
 
 /// Its multi-token-prediction layers are skipped, as llama.cpp skips them:

@@ -12,10 +12,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use cli::{
-    assert_equals_llama_cpp, greedy, greedy_logits, kld, llama_kld_base, streams_exactly, tiny,
-    tmp, F32_WEIGHTS,
-};
+use cli::{greedy, greedy_logits, streams_exactly, tiny, tmp, F32_WEIGHTS};
 use common::rewrite_gguf;
 use les::gguf::{Gguf, MetaValue};
 use les_core::router::Gating;
@@ -23,11 +20,6 @@ use les_core::router::Gating;
 /// A synthetic ernie4_5-moe `tiny` written once per test binary (`extra` args).
 fn model(name: &str, extra: &[&str]) -> PathBuf {
     tiny("ernie4_5-moe", name, extra)
-}
-
-/// A copy of `src` without its selection biases (3 tensors).
-fn without_selection_bias(src: &Path, name: &str) -> PathBuf {
-    cli::without_selection_bias(src, &format!("ernie_{name}"), 3)
 }
 
 /// A copy of `src` with `key` set to `value` (or removed for `None`).
@@ -97,10 +89,7 @@ fn synth_writes_llama_cpp_names_and_keys() {
 /// The selection bias decides picks: zeroed, the logits move.
 #[test]
 fn the_selection_bias_changes_the_picks() {
-    let m = model("q", &[]);
-    let (_, with) = greedy_logits(&m, "bias", &[]);
-    let (_, without) = greedy_logits(&without_selection_bias(&m, "q"), "nobias", &[]);
-    assert!(with != without, "the selection bias changed nothing");
+    cli::assert_selection_bias_matters(&model("q", &[]), "ernie_q", 3);
 }
 
 /// Experts every other layer, which llama.cpp's graph cannot run (its loader
@@ -142,18 +131,8 @@ fn packed_experts_stream_exactly() {
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_and_log_probabilities_equal_llama_cpp() {
-    let m = model("f32", &F32_WEIGHTS);
-    assert_equals_llama_cpp(&m, "ernie_f32", 1e-4, 1.0);
-    let base = tmp("ernie_f32.kld");
-    let apart = kld(&without_selection_bias(&m, "f32"), &base);
-    assert!(apart["max"].as_f64().unwrap() > 1e-3, "{apart}");
-
-    let q = model("q", &[]);
-    let base = tmp("ernie_q.kld");
-    llama_kld_base(&q, &base);
-    let close = kld(&q, &base);
-    assert!(close["mean"].as_f64().unwrap() < 2e-3, "{close}");
-    assert!(close["same_top"].as_f64().unwrap() > 0.9, "{close}");
+    let (f32, q) = (model("f32", &F32_WEIGHTS), model("q", &[]));
+    cli::assert_biased_routing_equals_llama_cpp(&f32, &q, "ernie", 3);
 }
 
 /// A dense `ernie4_5` file (ERNIE-4.5-0.3B's architecture: Llama's layers

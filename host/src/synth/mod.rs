@@ -2020,18 +2020,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     }
     if cfg.arch == Arch::Glm4moe {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
-        kv(
-            format!("{a}.leading_dense_block_count"),
-            u32v(GLM4MOE_DENSE_LAYERS),
-        );
-        kv(
-            format!("{a}.expert_shared_count"),
-            u32v(s.shared_ff / s.expert_ff.max(1)),
-        );
-        kv(
-            format!("{a}.expert_weights_scale"),
-            MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
-        );
+        dense_lead_shared_keys(&mut kv, cfg, false);
         if s.mtp_layers > 0 {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
         }
@@ -2043,21 +2032,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.attention.key_length_mla"), u32v(nope + rope));
         kv(format!("{a}.attention.value_length_mla"), u32v(v));
         kv(format!("{a}.rope.dimension_count"), u32v(rope));
-        kv(
-            format!("{a}.leading_dense_block_count"),
-            u32v(GLM4MOE_DENSE_LAYERS),
-        );
-        kv(
-            format!("{a}.expert_shared_count"),
-            u32v(s.shared_ff / s.expert_ff.max(1)),
-        );
-        kv(
-            format!("{a}.expert_weights_scale"),
-            MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
-        );
-        let (groups, used) = deepseek2_groups(s.experts);
-        kv(format!("{a}.expert_group_count"), u32v(groups));
-        kv(format!("{a}.expert_group_used_count"), u32v(used));
+        dense_lead_shared_keys(&mut kv, cfg, true);
         let (factor, log_mul) = DEEPSEEK2_YARN;
         kv(format!("{a}.rope.scaling.type"), "yarn".into());
         kv(format!("{a}.rope.scaling.factor"), MetaValue::F32(factor));
@@ -2078,21 +2053,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     }
     if cfg.arch == Arch::Bailingmoe2 {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
-        kv(
-            format!("{a}.leading_dense_block_count"),
-            u32v(GLM4MOE_DENSE_LAYERS),
-        );
-        kv(
-            format!("{a}.expert_shared_count"),
-            u32v(s.shared_ff / s.expert_ff.max(1)),
-        );
-        kv(
-            format!("{a}.expert_weights_scale"),
-            MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
-        );
-        let (groups, used) = deepseek2_groups(s.experts);
-        kv(format!("{a}.expert_group_count"), u32v(groups));
-        kv(format!("{a}.expert_group_used_count"), u32v(used));
+        dense_lead_shared_keys(&mut kv, cfg, true);
     }
     if cfg.arch == Arch::Ernie45moe {
         // As llama.cpp's converter writes them (no gating or norm keys: its
@@ -2183,6 +2144,32 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         m.push((key.to_string(), v));
     }
     m
+}
+
+/// The routing keys glm4moe, deepseek2 and bailingmoe2 share: one dense
+/// leading layer, the shared expert `expert_shared_count` routed experts
+/// wide, weights scaled by [`GLM4MOE_WEIGHTS_SCALE`], and with `groups`
+/// DeepSeek-V3's expert groups ([`deepseek2_groups`]).
+fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthConfig, groups: bool) {
+    let (s, a) = (&cfg.shape, cfg.arch.gguf_name());
+    let u32v = |v: u64| MetaValue::U32(v as u32);
+    kv(
+        format!("{a}.leading_dense_block_count"),
+        u32v(GLM4MOE_DENSE_LAYERS),
+    );
+    kv(
+        format!("{a}.expert_shared_count"),
+        u32v(s.shared_ff / s.expert_ff.max(1)),
+    );
+    kv(
+        format!("{a}.expert_weights_scale"),
+        MetaValue::F32(GLM4MOE_WEIGHTS_SCALE),
+    );
+    if groups {
+        let (count, used) = deepseek2_groups(s.experts);
+        kv(format!("{a}.expert_group_count"), u32v(count));
+        kv(format!("{a}.expert_group_used_count"), u32v(used));
+    }
 }
 
 /// The header writer with every pair and tensor info added, and the plan.

@@ -310,3 +310,29 @@ pub fn without_selection_bias(src: &Path, tag: &str, n: usize) -> PathBuf {
     std::fs::write(&dst, bytes).unwrap();
     dst
 }
+
+/// Zeroing `model`'s `n` selection biases changes its logits (the biases
+/// decide picks).
+pub fn assert_selection_bias_matters(model: &Path, tag: &str, n: usize) {
+    let (_, with) = greedy_logits(model, &format!("{tag}_bias"), &[]);
+    let plain = without_selection_bias(model, tag, n);
+    let (_, without) = greedy_logits(&plain, &format!("{tag}_nobias"), &[]);
+    assert!(with != without, "{tag}: the selection bias changed nothing");
+}
+
+/// Against llama.cpp (llama-cpp-python), a model routed with `n` selection
+/// biases: with f32 weights (`f32`) the same prompt and greedy tokens and
+/// log-probabilities within rounding, and apart by far more once the
+/// biases are zeroed (so the comparison sees them); with quantized weights
+/// (`q`) close log-probabilities.
+pub fn assert_biased_routing_equals_llama_cpp(f32: &Path, q: &Path, tag: &str, n: usize) {
+    assert_equals_llama_cpp(f32, &format!("{tag}_f32"), 1e-4, 1.0);
+    let plain = without_selection_bias(f32, &format!("{tag}_f32"), n);
+    let apart = kld(&plain, &tmp(&format!("{tag}_f32.kld")));
+    assert!(apart["max"].as_f64().unwrap() > 1e-3, "{tag}: {apart}");
+    let base = tmp(&format!("{tag}_q.kld"));
+    llama_kld_base(q, &base);
+    let close = kld(q, &base);
+    assert!(close["mean"].as_f64().unwrap() < 2e-3, "{tag}: {close}");
+    assert!(close["same_top"].as_f64().unwrap() > 0.9, "{tag}: {close}");
+}
