@@ -109,6 +109,11 @@ pub enum Arch {
     /// at once, partial NeoX RoPE, every layer routed experts picked by
     /// sigmoid scores plus a selection bias, renormalised, no shared expert.
     MinimaxM2,
+    /// dots.llm1 (llama.cpp's `dots1`): Qwen3's attention (per-head Q/K
+    /// norms, NeoX RoPE), dense leading layers, routed experts (softmax or
+    /// sigmoid with a selection bias, as the file says) and shared experts
+    /// `expert_shared_count` experts wide.
+    Dots1,
     /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
     /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
@@ -118,7 +123,7 @@ pub enum Arch {
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 13] = [
+    pub const ALL: [Arch; 14] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -132,6 +137,7 @@ impl Arch {
         Arch::Ernie45,
         Arch::BailingMoe2,
         Arch::MinimaxM2,
+        Arch::Dots1,
     ];
 
     /// From `general.architecture`.
@@ -150,6 +156,7 @@ impl Arch {
             "ernie4_5" => Arch::Ernie45,
             "bailingmoe2" => Arch::BailingMoe2,
             "minimax-m2" => Arch::MinimaxM2,
+            "dots1" => Arch::Dots1,
             _ => return None,
         })
     }
@@ -170,6 +177,7 @@ impl Arch {
             Arch::Ernie45 => "ernie4_5",
             Arch::BailingMoe2 => "bailingmoe2",
             Arch::MinimaxM2 => "minimax-m2",
+            Arch::Dots1 => "dots1",
         }
     }
 
@@ -1100,10 +1108,12 @@ impl Model {
             (hy, vec![false; n_layers])
         };
 
-        // bailingmoe2's shared experts are this many experts wide (its loader
-        // requires the key).
+        // bailingmoe2's and dots1's shared experts are this many experts wide
+        // (their loaders require the key).
         let shared_count = match arch {
-            Arch::BailingMoe2 => Some(key_usize(&g, &k("expert_shared_count"))?.min(MAX_DIM)),
+            Arch::BailingMoe2 | Arch::Dots1 => {
+                Some(key_usize(&g, &k("expert_shared_count"))?.min(MAX_DIM))
+            }
             _ => None,
         };
         let packed = crate::pack::PackedIndex::from_gguf(&g)
@@ -1130,8 +1140,11 @@ impl Model {
                     (None, _) => None,
                     (Some(sh), n) => {
                         let n_sh = match shared_count {
-                            // llama.cpp's bailingmoe2: the key (else an
-                            // expert's width) times the shared experts.
+                            // llama.cpp's dots1: an expert's width times the
+                            // shared experts, whatever the key says.
+                            Some(count) if arch == Arch::Dots1 => m.n_ff_exp.saturating_mul(count),
+                            // Its bailingmoe2: the key (else an expert's
+                            // width) times the shared experts.
                             Some(count) => n.unwrap_or(m.n_ff_exp).saturating_mul(count),
                             None => n.unwrap_or(*sh.dims().get(1).unwrap_or(&0) as usize),
                         };
@@ -1811,7 +1824,8 @@ mod tests {
                 | Arch::Ernie45Moe
                 | Arch::Ernie45
                 | Arch::BailingMoe2
-                | Arch::MinimaxM2 => {}
+                | Arch::MinimaxM2
+                | Arch::Dots1 => {}
             }
         }
     }

@@ -217,6 +217,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "ernie4_5-moe",
         "bailingmoe2",
         "minimax-m2",
+        "dots1",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

@@ -128,6 +128,10 @@ pub enum Arch {
     /// picked by sigmoid scores plus a selection bias, no shared expert.
     #[value(name = "minimax-m2")]
     MinimaxM2,
+    /// dots.llm1 (llama.cpp's `dots1`): Qwen3's attention, the first layer
+    /// dense, sigmoid routing with a selection bias, weights scaled by 2.5,
+    /// an ungated shared expert.
+    Dots1,
 }
 
 impl Arch {
@@ -146,6 +150,7 @@ impl Arch {
             Arch::Ernie45moe => "ernie4_5-moe",
             Arch::Bailingmoe2 => "bailingmoe2",
             Arch::MinimaxM2 => "minimax-m2",
+            Arch::Dots1 => "dots1",
         }
     }
 
@@ -188,6 +193,7 @@ impl Arch {
                 | Arch::Deepseek2
                 | Arch::Bailingmoe2
                 | Arch::MinimaxM2
+                | Arch::Dots1
         )
     }
 
@@ -202,6 +208,7 @@ impl Arch {
                 | Arch::Deepseek2
                 | Arch::Ernie45moe
                 | Arch::Bailingmoe2
+                | Arch::Dots1
         )
     }
 
@@ -821,6 +828,13 @@ impl SynthConfig {
             // MiniMax-M2's rotary_dim: half of each head.
             s.rope_dim = s.head_dim / 2;
         }
+        if arch == Arch::Dots1 {
+            // llama.cpp's dots1 loader sizes keys and values as queries.
+            if o.kv_heads.is_some_and(|k| k != s.heads) {
+                return config_err("dots1: --kv-heads must equal --heads (no grouped queries)");
+            }
+            s.kv_heads = s.heads;
+        }
         if o.rope_freqs && !matches!(arch, Arch::Llama | Arch::Mixtral) {
             return config_err(format!(
                 "--rope-freqs applies to llama and mixtral, not {name}"
@@ -831,7 +845,7 @@ impl SynthConfig {
         }
         if matches!(
             arch,
-            Arch::Glm4moe | Arch::Deepseek2 | Arch::Ernie45moe | Arch::Bailingmoe2
+            Arch::Glm4moe | Arch::Deepseek2 | Arch::Ernie45moe | Arch::Bailingmoe2 | Arch::Dots1
         ) {
             // GLM-4.5's and Ling 2.0's partial_rotary_factor 0.5; the shared
             // expert is `expert_shared_count` routed experts wide.
@@ -1309,7 +1323,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lay,
         );
         match cfg.arch {
-            Arch::Qwen3moe => {
+            Arch::Qwen3moe | Arch::Dots1 => {
                 add(
                     n("attn_q_norm.weight"),
                     vec![s.head_dim],
@@ -1350,7 +1364,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             Init::Norm,
             lay,
         );
-        if cfg.arch == Arch::Ernie45moe {
+        if matches!(cfg.arch, Arch::Ernie45moe | Arch::Dots1) {
             lead_dense_or_biased_moe(cfg, l, &mut add);
         } else if cfg.is_moe() {
             routed_experts(cfg, l, &mut add);
@@ -1628,7 +1642,7 @@ fn bailingmoe2_layer(
     lead_dense_or_biased_moe(cfg, l, add);
 }
 
-/// The FFN of glm4moe, deepseek2, ernie4_5-moe and bailingmoe2 block `l`: the first
+/// The FFN of glm4moe, deepseek2, ernie4_5-moe, bailingmoe2 and dots1 block `l`: the first
 /// [`GLM4MOE_DENSE_LAYERS`] dense, the others routed experts with a selection
 /// bias (`exp_probs_b`) and an ungated shared expert.
 fn lead_dense_or_biased_moe(
@@ -2051,6 +2065,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     if cfg.arch == Arch::MinimaxM2 {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
     }
+    if cfg.arch == Arch::Dots1 {
+        dense_lead_shared_keys(&mut kv, cfg, false);
+    }
     if cfg.arch == Arch::Bailingmoe2 {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
         dense_lead_shared_keys(&mut kv, cfg, true);
@@ -2089,7 +2106,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.expert_count"), u32v(s.experts));
         kv(format!("{a}.expert_used_count"), u32v(s.top_k));
         kv(format!("{a}.expert_feed_forward_length"), u32v(s.expert_ff));
-        if s.shared_ff > 0 && !matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2) {
+        if s.shared_ff > 0 && !matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2 | Arch::Dots1) {
             // bailingmoe2: one expert's width, times `expert_shared_count`.
             kv(
                 format!("{a}.expert_shared_feed_forward_length"),
@@ -2104,7 +2121,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
             let gating = if matches!(
                 cfg.arch,
-                Arch::Glm4moe | Arch::Deepseek2 | Arch::Bailingmoe2 | Arch::MinimaxM2
+                Arch::Glm4moe | Arch::Deepseek2 | Arch::Bailingmoe2 | Arch::MinimaxM2 | Arch::Dots1
             ) {
                 2
             } else {
@@ -2146,7 +2163,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     m
 }
 
-/// The routing keys glm4moe, deepseek2 and bailingmoe2 share: one dense
+/// The routing keys glm4moe, deepseek2, bailingmoe2 and dots1 share: one dense
 /// leading layer, the shared expert `expert_shared_count` routed experts
 /// wide, weights scaled by [`GLM4MOE_WEIGHTS_SCALE`], and with `groups`
 /// DeepSeek-V3's expert groups ([`deepseek2_groups`]).
@@ -2352,6 +2369,7 @@ mod tests {
             Arch::Ernie45moe,
             Arch::Bailingmoe2,
             Arch::MinimaxM2,
+            Arch::Dots1,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
