@@ -1,5 +1,5 @@
 //! Tokenizer encode/decode round trip on arbitrary bytes: byte-level BPE (the
-//! synthetic vocabulary, under three pre-tokenizers) gives back the text it
+//! synthetic vocabulary, under five pre-tokenizers) gives back the text it
 //! encoded, and decoding arbitrary ids never panics.
 #![no_main]
 
@@ -10,7 +10,7 @@ use les::synth::Vocab;
 use les::tokenizer::Tokenizer;
 use libfuzzer_sys::fuzz_target;
 
-const PRES: [&str; 3] = ["qwen2", "llama-bpe", "gpt-2"];
+const PRES: [&str; 5] = ["qwen2", "llama-bpe", "gpt-2", "kimi-k2", "gpt-4o"];
 
 fn tokenizers() -> &'static [Tokenizer] {
     static T: OnceLock<Vec<Tokenizer>> = OnceLock::new();

@@ -25,6 +25,15 @@
 //! scripts, marks and whitespace. (5000 random strings over those characters
 //! agreed the same way, a throwaway check.)
 //!
+//! `KIMI_K2` (2026-12-04) is llama.cpp's own scanner for `kimi-k2` (no
+//! regex: `unicode_regex_split_custom_kimi_k2`), through llama-cpp-python
+//! 0.3.36 with a vocabulary written for the check, whose every piece of
+//! these splits (and of qwen2's) is one token: llama.cpp gave the ids these
+//! pieces give, for these cases and for 5000 random strings of Han, CJK
+//! extensions, kana, Latin of every case, marks, modifier letters, digits,
+//! symbols, controls and whitespace (a throwaway check; qwen2's splits gave
+//! other ids on 3391 of them, so the vocabulary tells splits apart).
+//!
 //! Everything sits in `mod tokenizer_splits` so that `cargo test tokenizer` selects it.
 
 mod tokenizer_splits {
@@ -36,6 +45,11 @@ mod tokenizer_splits {
         for (text, expected) in cases {
             assert_eq!(&pre.split(text), expected, "{pre:?} on {text:?}");
         }
+    }
+
+    #[test]
+    fn kimi_k2_splits() {
+        check(PreTokenizer::KimiK2, KIMI_K2);
     }
 
     #[test]
@@ -96,10 +110,13 @@ mod tokenizer_splits {
             ("deepseek-v3", PreTokenizer::Deepseek3),
             ("deepseek-llm", PreTokenizer::DeepseekLlm),
             ("glm5", PreTokenizer::Llama3),
+            ("kimi-k2", PreTokenizer::KimiK2),
+            ("bailingmoe2", PreTokenizer::Qwen2),
+            ("llada-moe", PreTokenizer::Qwen2),
         ] {
             assert_eq!(PreTokenizer::from_name(name), Some(pre), "{name}");
         }
-        for name in ["gpt2", "qwen3", "kimi-k2", "", "LLAMA-BPE"] {
+        for name in ["gpt2", "qwen3", "llama4", "", "LLAMA-BPE"] {
             assert_eq!(PreTokenizer::from_name(name), None, "{name}");
         }
     }
@@ -817,6 +834,46 @@ mod tokenizer_splits {
         ("\u{0}\u{1}x", &["\u{0}\u{1}", "x"]),
         (" 😀", &[" 😀"]),
         ("   😀", &["  ", " 😀"]),
+    ];
+
+    const KIMI_K2: Cases = &[
+        ("Hello world", &["Hello", " world"]),
+        (
+            "It's a test, ISN'T it? They'LL see",
+            &[
+                "It's", " a", " test", ",", " ISN'T", " it", "?", " They'LL", " see",
+            ],
+        ),
+        ("中文Text混合english", &["中文", "Text", "混合", "english"]),
+        ("㐀豈𠀀abc", &["㐀豈𠀀", "abc"]),
+        ("日本語のテキスト", &["日本語", "のテキスト"]),
+        ("12345678 and 9", &["123", "456", "78", " and", " ", "9"]),
+        ("x1y22z333", &["x", "1", "y", "22", "z", "333"]),
+        (
+            "  spaces   here\n\n  next\r\nline",
+            &[
+                " ", " spaces", "  ", " here", "\n\n", " ", " next", "\r\n", "line",
+            ],
+        ),
+        (
+            "(hello) [world] {x}",
+            &["(hello", ")", " [", "world", "]", " {", "x", "}"],
+        ),
+        (
+            "!!!hello ??? world\n\n",
+            &["!!!", "hello", " ???", " world", "\n\n"],
+        ),
+        (
+            "café naïve Ǆemo ʰmod",
+            &["café", " naïve", " Ǆemo", " ʰmod"],
+        ),
+        ("e\u{301} combining", &["e", "\u{301}", " combining"]),
+        ("$100 €50 ²³", &["$", "100", " €", "50", " ", "²³"]),
+        ("ไทย العربية", &["ไทย", " العربية"]),
+        (
+            "don't'll 've'm'd 're",
+            &["don't", "'ll", " '", "ve'm", "'d", " '", "re"],
+        ),
     ];
 
     const DEEPSEEK3: Cases = &[

@@ -55,6 +55,12 @@ pub enum PreTokenizer {
     /// `\p{N}+`. Its ranges are literal characters, which llama.cpp matches
     /// after turning non-ASCII whitespace into `\v` (so that `\s` sees it).
     DeepseekLlm,
+    /// Kimi K2's (`kimi-k2`), as llama.cpp's own scanner for it runs (its
+    /// `tokenization_kimi.py` pattern with Han excluded from words): runs of
+    /// Han; an optional `[^\r\n\p{L}\p{N}]` then non-Han letters and an
+    /// optional case-insensitive contraction; `\p{N}{1,3}`;
+    /// ` ?[^\s\p{L}\p{N}]+[\r\n]*`; then whitespace as llama-3's.
+    KimiK2,
 }
 
 impl PreTokenizer {
@@ -81,6 +87,7 @@ impl PreTokenizer {
             "gpt-4o" | "minimax-m2" => Self::Gpt4o,
             "deepseek-v3" => Self::Deepseek3,
             "deepseek-llm" => Self::DeepseekLlm,
+            "kimi-k2" => Self::KimiK2,
             _ => return None,
         })
     }
@@ -112,6 +119,7 @@ impl PreTokenizer {
             Self::Qwen35 => &[QWEN35],
             Self::Gpt4o => &[Stage::O200k],
             Self::Deepseek3 => &[Stage::NumberTriples, Stage::CjkKana, Stage::Deepseek3],
+            Self::KimiK2 => &[Stage::KimiK2],
             Self::DeepseekLlm => &[
                 Stage::EachNewline,
                 Stage::DsLetters,
@@ -198,6 +206,8 @@ enum Stage {
     TrailingSpace,
     /// `[一-龥ࠀ-一가-퟿]+`
     CjkHangul,
+    /// Kimi K2's scanner ([`PreTokenizer::KimiK2`]).
+    KimiK2,
 }
 
 impl Stage {
@@ -232,6 +242,7 @@ impl Stage {
             Self::Gpt2 => gpt2(cps, base, out),
             Self::Llama { max_digits, word } => llama(cps, base, out, max_digits, word),
             Self::O200k => o200k(cps, base, out),
+            Self::KimiK2 => kimi_k2(cps, base, out),
             Self::NumberTriples => match_split(cps, base, out, |cps, i| {
                 run_len(&cps[i..], |cp| cp.f & NUMBER != 0).min(3)
             }),
@@ -573,6 +584,87 @@ fn llama(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>, max_digits: usi
             // ` ?[^\s<word>\p{N}]+[\r\n]*`
             pos += usize::from(c == ' ');
             while is_other(pos) {
+                pos += 1;
+            }
+            while pos < n && matches!(cps[pos].c, '\r' | '\n') {
+                pos += 1;
+            }
+        } else {
+            pos = whitespace_end(cps, pos, true);
+        }
+        out.push((base + start, base + pos));
+    }
+}
+
+/// Whether `c` is Han, by llama.cpp's ranges (`unicode_cpt_is_han`): the
+/// CJK Unified Ideographs, extensions A to F and the compatibility ones.
+fn is_han(c: char) -> bool {
+    matches!(c as u32,
+        0x4E00..=0x9FFF
+        | 0x3400..=0x4DBF
+        | 0x20000..=0x2A6DF
+        | 0x2A700..=0x2B73F
+        | 0x2B740..=0x2B81F
+        | 0x2B820..=0x2CEAF
+        | 0x2CEB0..=0x2EBEF
+        | 0xF900..=0xFAFF
+        | 0x2F800..=0x2FA1F)
+}
+
+/// Kimi K2's pattern as llama.cpp's scanner for it runs it
+/// ([`PreTokenizer::KimiK2`]), step for step.
+fn kimi_k2(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>) {
+    let n = cps.len();
+    let word = |i: usize| {
+        cps.get(i)
+            .is_some_and(|cp| cp.f & LETTER != 0 && !is_han(cp.c))
+    };
+    let lower = |i: usize| {
+        cps.get(i).map(|cp| {
+            let mut l = cp.c.to_lowercase();
+            match (l.next(), l.next()) {
+                (Some(x), None) => x,
+                _ => cp.c,
+            }
+        })
+    };
+    let mut pos = 0;
+    while pos < n {
+        let start = pos;
+        let Cp { c, f, .. } = cps[pos];
+        let lead = c != '\r' && c != '\n' && f & (LETTER | NUMBER) == 0;
+        if is_han(c) {
+            // `[\p{Han}]+`
+            while pos < n && is_han(cps[pos].c) {
+                pos += 1;
+            }
+        } else if word(pos) || (lead && word(pos + 1)) {
+            // `[^\r\n\p{L}\p{N}]?` non-Han letters, then `(?i:'s|'t|'re|'ve|'m|'ll|'d)?`
+            pos += usize::from(lead);
+            while word(pos) {
+                pos += 1;
+            }
+            if cps[pos..].first().is_some_and(|cp| cp.c == '\'') && pos + 1 < n {
+                match (lower(pos + 1), lower(pos + 2)) {
+                    (Some('s' | 't' | 'm' | 'd'), _) => pos += 2,
+                    (Some('r' | 'v'), Some('e')) | (Some('l'), Some('l')) => pos += 3,
+                    _ => {}
+                }
+            }
+        } else if f & NUMBER != 0 {
+            // `\p{N}{1,3}`
+            let mut k = 0;
+            while k < 3 && pos < n && cps[pos].f & NUMBER != 0 {
+                pos += 1;
+                k += 1;
+            }
+        } else if cps
+            .get(pos + usize::from(c == ' '))
+            .is_some_and(|cp| cp.f & (SPACE | LETTER | NUMBER) == 0)
+        {
+            // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
+            pos += usize::from(c == ' ');
+            while pos < n && cps[pos].f & (SPACE | LETTER | NUMBER) == 0 {
                 pos += 1;
             }
             while pos < n && matches!(cps[pos].c, '\r' | '\n') {
