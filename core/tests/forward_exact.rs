@@ -284,6 +284,7 @@ impl Weights for Model {
                 sinks: ly.oss.as_ref().map(|o| &o.sinks[..]),
                 window: ly.oss.as_ref().and_then(|o| o.window),
                 rope_freqs: None,
+                norm_after_rope: false,
             }),
             ffn_norm: &ly.ffn_norm,
             ffn,

@@ -270,6 +270,7 @@ fn layer_block(ly: &Layer, shape: DeltaNetShape) -> Block<'_> {
                 sinks: None,
                 window: None,
                 rope_freqs: None,
+                norm_after_rope: false,
             }),
             Mix::Delta(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape,

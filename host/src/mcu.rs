@@ -237,6 +237,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             || a.sinks.is_some()
             || a.window.is_some()
             || a.rope_freqs.is_some()
+            || a.norm_after_rope
             || moe_extras
             || hp.rope_yarn.is_some()
             || act.is_some_and(|x| x != ExpertAct::SwiGlu)
@@ -244,7 +245,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             return Err(McuIndexError(format!(
                 "layer {l} needs what the firmware does not run (gpt-oss's output and \
                  expert biases, attention sinks, sliding windows, YaRN, RoPE frequency \
-                 factors or clamped SwiGLU, or an expert selection bias)"
+                 factors, Q/K norms after RoPE or clamped SwiGLU, or an expert selection bias)"
             )));
         }
         w.vector(b.attn_norm)?;

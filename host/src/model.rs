@@ -114,6 +114,10 @@ pub enum Arch {
     /// sigmoid with a selection bias, as the file says) and shared experts
     /// `expert_shared_count` experts wide.
     Dots1,
+    /// Hunyuan-A13B (llama.cpp's `hunyuan-moe`): Q/K norms per head after
+    /// RoPE (NeoX), every layer a softmax-routed, renormalised MoE sized by
+    /// `feed_forward_length` plus an ungated shared expert.
+    HunyuanMoe,
     /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
     /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
@@ -123,7 +127,7 @@ pub enum Arch {
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 14] = [
+    pub const ALL: [Arch; 15] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -138,6 +142,7 @@ impl Arch {
         Arch::BailingMoe2,
         Arch::MinimaxM2,
         Arch::Dots1,
+        Arch::HunyuanMoe,
     ];
 
     /// From `general.architecture`.
@@ -157,6 +162,7 @@ impl Arch {
             "bailingmoe2" => Arch::BailingMoe2,
             "minimax-m2" => Arch::MinimaxM2,
             "dots1" => Arch::Dots1,
+            "hunyuan-moe" => Arch::HunyuanMoe,
             _ => return None,
         })
     }
@@ -178,6 +184,7 @@ impl Arch {
             Arch::BailingMoe2 => "bailingmoe2",
             Arch::MinimaxM2 => "minimax-m2",
             Arch::Dots1 => "dots1",
+            Arch::HunyuanMoe => "hunyuan-moe",
         }
     }
 
@@ -956,8 +963,9 @@ impl Model {
         let moe = if n_experts > 0 {
             let top_k = key_usize(&g, &k("expert_used_count"))?;
             let n_ff_exp = match arch {
-                // llama.cpp's minimax-m2 loader sizes its experts by `n_ff`.
-                Arch::MinimaxM2 => n_ff,
+                // llama.cpp's minimax-m2 and hunyuan-moe loaders size their
+                // experts by `n_ff`.
+                Arch::MinimaxM2 | Arch::HunyuanMoe => n_ff,
                 _ => uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
                     .unwrap_or(n_ff),
             };
@@ -974,7 +982,10 @@ impl Model {
                 .get_bool(&k("expert_weights_norm"))
                 .optional()?
                 .unwrap_or(arch.default_norm_topk());
-            if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next | Arch::Ernie45Moe) {
+            if matches!(
+                arch,
+                Arch::Qwen35Moe | Arch::Qwen3Next | Arch::Ernie45Moe | Arch::HunyuanMoe
+            ) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
                 normalize = true;
@@ -1653,6 +1664,7 @@ impl Model {
             sinks: a.sinks.as_deref(),
             window: a.window,
             rope_freqs: self.rope_freqs.as_deref(),
+            norm_after_rope: self.arch == Arch::HunyuanMoe,
         }
     }
 
@@ -1825,7 +1837,8 @@ mod tests {
                 | Arch::Ernie45
                 | Arch::BailingMoe2
                 | Arch::MinimaxM2
-                | Arch::Dots1 => {}
+                | Arch::Dots1
+                | Arch::HunyuanMoe => {}
             }
         }
     }

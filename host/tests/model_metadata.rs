@@ -218,6 +218,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "bailingmoe2",
         "minimax-m2",
         "dots1",
+        "hunyuan-moe",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

@@ -170,6 +170,8 @@ pub struct AttentionWeights<'a> {
     /// `rope_freqs.weight`): each pair's angle is divided by its factor
     /// ([`rope_factored`](super::ops::rope_factored)).
     pub rope_freqs: Option<&'a [f32]>,
+    /// The Q/K norms come after RoPE, not before (Hunyuan-A13B's order).
+    pub norm_after_rope: bool,
 }
 
 /// What mixes positions in a layer.
@@ -1686,8 +1688,10 @@ pub(super) fn project_position<E>(
     add_bias(s.q, aw.bq).map_err(ForwardError::Shape)?;
     add_bias(s.k, aw.bk).map_err(ForwardError::Shape)?;
     add_bias(s.v, aw.bv).map_err(ForwardError::Shape)?;
-    norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
-    norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+    if !aw.norm_after_rope {
+        norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+        norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+    }
     match hy.rope_sections {
         Some(_) if aw.rope_freqs.is_some() => {
             return Err(ForwardError::Shape("RoPE frequency factors with sections"));
@@ -1723,6 +1727,10 @@ pub(super) fn project_position<E>(
                 );
             }
         }
+    }
+    if aw.norm_after_rope {
+        norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+        norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
     }
     kv.store(cache_layer, pos, s.k, s.v);
     Ok(())

@@ -132,6 +132,10 @@ pub enum Arch {
     /// dense, sigmoid routing with a selection bias, weights scaled by 2.5,
     /// an ungated shared expert.
     Dots1,
+    /// Hunyuan-A13B (llama.cpp's `hunyuan-moe`): Q/K norms per head after
+    /// RoPE, every layer softmax-routed experts plus an ungated shared expert.
+    #[value(name = "hunyuan-moe")]
+    HunyuanMoe,
 }
 
 impl Arch {
@@ -151,6 +155,7 @@ impl Arch {
             Arch::Bailingmoe2 => "bailingmoe2",
             Arch::MinimaxM2 => "minimax-m2",
             Arch::Dots1 => "dots1",
+            Arch::HunyuanMoe => "hunyuan-moe",
         }
     }
 
@@ -194,6 +199,7 @@ impl Arch {
                 | Arch::Bailingmoe2
                 | Arch::MinimaxM2
                 | Arch::Dots1
+                | Arch::HunyuanMoe
         )
     }
 
@@ -209,6 +215,7 @@ impl Arch {
                 | Arch::Ernie45moe
                 | Arch::Bailingmoe2
                 | Arch::Dots1
+                | Arch::HunyuanMoe
         )
     }
 
@@ -1323,7 +1330,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lay,
         );
         match cfg.arch {
-            Arch::Qwen3moe | Arch::Dots1 => {
+            Arch::Qwen3moe | Arch::Dots1 | Arch::HunyuanMoe => {
                 add(
                     n("attn_q_norm.weight"),
                     vec![s.head_dim],
@@ -1368,6 +1375,18 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lead_dense_or_biased_moe(cfg, l, &mut add);
         } else if cfg.is_moe() {
             routed_experts(cfg, l, &mut add);
+            if cfg.arch == Arch::HunyuanMoe {
+                // Hunyuan-A13B's shared expert has no gate.
+                let (f, r) = (s.shared_ff, cfg.knobs.residual_scale);
+                let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+                for part in ["gate", "up"] {
+                    let name = n(&format!("ffn_{part}_shexp.weight"));
+                    add(name, vec![e, f], t.dense, Init::Normal(inv(e)), lay);
+                }
+                let down = n("ffn_down_shexp.weight");
+                add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
+                continue;
+            }
             if cfg.arch == Arch::MinimaxM2 {
                 // Sigmoid scores: as glm4moe's (see `lead_dense_or_biased_moe`).
                 let bias = n("exp_probs_b.bias");
@@ -1975,8 +1994,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     kv(format!("{a}.context_length"), u32v(s.context));
     kv(format!("{a}.embedding_length"), u32v(s.embd));
     let ff = match cfg.arch {
-        // OLMoE, MiniMax-M2 and Mixtral size their experts with feed_forward_length.
-        Arch::Olmoe | Arch::MinimaxM2 => s.expert_ff,
+        // OLMoE, MiniMax-M2, Hunyuan and Mixtral size their experts with
+        // feed_forward_length.
+        Arch::Olmoe | Arch::MinimaxM2 | Arch::HunyuanMoe => s.expert_ff,
         Arch::Llama | Arch::Mixtral if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
@@ -2156,6 +2176,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             ("tokenizer.ggml.pre", Arch::Bailingmoe2) => "bailingmoe2".into(),
             // MiniMax-M2's (llama.cpp: the o200k pattern, as gpt-4o's).
             ("tokenizer.ggml.pre", Arch::MinimaxM2) => "minimax-m2".into(),
+            ("tokenizer.ggml.pre", Arch::HunyuanMoe) => "hunyuan".into(),
             _ => v,
         };
         m.push((key.to_string(), v));
@@ -2370,6 +2391,7 @@ mod tests {
             Arch::Bailingmoe2,
             Arch::MinimaxM2,
             Arch::Dots1,
+            Arch::HunyuanMoe,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {

@@ -98,6 +98,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                     sinks: None,
                     window: None,
                     rope_freqs: None,
+                    norm_after_rope: false,
                 }),
                 ffn_norm: vector(ib, &d.ffn_norm)?,
                 ffn,
