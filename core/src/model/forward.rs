@@ -168,7 +168,7 @@ pub struct AttentionWeights<'a> {
     pub window: Option<usize>,
     /// RoPE frequency factors, `n_rot / 2` of them (Llama 3.1's
     /// `rope_freqs.weight`): each pair's angle is divided by its factor
-    /// ([`rope_factored`](super::ops::rope_factored)).
+    /// ([`rope_factored`]).
     pub rope_freqs: Option<&'a [f32]>,
     /// The Q/K norms come after RoPE, not before (Hunyuan-A13B's order).
     pub norm_after_rope: bool,

@@ -105,9 +105,14 @@ impl KvBuf<'_> {
     }
 }
 
-/// Rings for the sliding-window layers of a KV cache (see the [module
-/// docs](self)): which cache layers have a window, and how many positions
-/// each ring holds.
+/// Rings for the sliding-window layers of a KV cache: which cache layers
+/// have a window, and how many positions each ring holds. A ring of `span`
+/// positions keeps position `p` at rows `p % span` and `p % span + span`, so
+/// that any `span` consecutive positions are consecutive rows and attention
+/// reads a window as it reads a full cache, with the same logits. After
+/// position `p` is written it holds positions `p + 1 - span ..= p`: a pass
+/// of `n` positions over a window of `w` needs `span >= w + n - 1`, and so
+/// does going back `n` positions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvRing {
     /// The windowed layers, by their index among the cache's layers (the
