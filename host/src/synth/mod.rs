@@ -1375,55 +1375,17 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lead_dense_or_biased_moe(cfg, l, &mut add);
         } else if cfg.is_moe() {
             routed_experts(cfg, l, &mut add);
-            if cfg.arch == Arch::HunyuanMoe {
-                // Hunyuan-A13B's shared expert has no gate.
-                let (f, r) = (s.shared_ff, cfg.knobs.residual_scale);
-                let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
-                for part in ["gate", "up"] {
-                    let name = n(&format!("ffn_{part}_shexp.weight"));
-                    add(name, vec![e, f], t.dense, Init::Normal(inv(e)), lay);
-                }
-                let down = n("ffn_down_shexp.weight");
-                add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
-                continue;
-            }
             if cfg.arch == Arch::MinimaxM2 {
-                // Sigmoid scores: as glm4moe's (see `lead_dense_or_biased_moe`).
-                let bias = n("exp_probs_b.bias");
-                add(
-                    bias,
-                    vec![s.experts],
-                    GgmlType::F32,
-                    Init::Normal(0.05),
-                    lay,
-                );
+                selection_bias(cfg, l, &mut add);
             }
-            if s.shared_ff > 0 {
-                shared_expert(cfg, l, &mut add);
+            match cfg.arch {
+                // Hunyuan-A13B's shared expert has no gate.
+                Arch::HunyuanMoe => swiglu_ffn(cfg, l, &mut add, s.shared_ff, "_shexp"),
+                _ if s.shared_ff > 0 => shared_expert(cfg, l, &mut add),
+                _ => {}
             }
         } else {
-            let f = s.ff;
-            add(
-                n("ffn_gate.weight"),
-                vec![e, f],
-                t.dense,
-                Init::Normal(inv(e)),
-                lay,
-            );
-            add(
-                n("ffn_up.weight"),
-                vec![e, f],
-                t.dense,
-                Init::Normal(inv(e)),
-                lay,
-            );
-            add(
-                n("ffn_down.weight"),
-                vec![f, e],
-                t.dense,
-                Init::Normal(r * inv(f)),
-                lay,
-            );
+            swiglu_ffn(cfg, l, &mut add, s.ff, "");
         }
     }
     if cfg.rope_freqs {
@@ -1504,38 +1466,11 @@ fn shared_expert(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
-    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
-    let n = |part: &str| format!("blk.{l}.{part}");
-    let (e, f, lay) = (s.embd, s.shared_ff, Some(l));
-    add(
-        n("ffn_gate_inp_shexp.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_gate_shexp.weight"),
-        vec![e, f],
-        t.dense,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_up_shexp.weight"),
-        vec![e, f],
-        t.dense,
-        Init::Normal(inv(e)),
-        lay,
-    );
-    add(
-        n("ffn_down_shexp.weight"),
-        vec![f, e],
-        t.dense,
-        Init::Normal(r * inv(f)),
-        lay,
-    );
+    let e = cfg.shape.embd;
+    let gate = format!("blk.{l}.ffn_gate_inp_shexp.weight");
+    let std = Init::Normal(1.0 / (e as f32).sqrt());
+    add(gate, vec![e], GgmlType::F32, std, Some(l));
+    swiglu_ffn(cfg, l, add, cfg.shape.shared_ff, "_shexp");
 }
 
 /// Block `l`'s attention with Q/K/V biases (gpt-oss, glm4moe): its norm, the
@@ -1669,31 +1604,57 @@ fn lead_dense_or_biased_moe(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
-    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
-    let n = |part: &str| format!("blk.{l}.{part}");
-    let (e, lay) = (s.embd, Some(l));
+    let s = &cfg.shape;
     let (f, suffix) = if l < GLM4MOE_DENSE_LAYERS {
         (s.ff, "")
     } else {
         routed_experts(cfg, l, add);
-        // Sigmoid scores lie in (0, 1): a bias of this size reorders the
-        // close ones, as DeepSeek-V3's load-balancing biases do. Softmax
-        // probabilities (ernie4_5-moe) average 1 / experts: a fifth of that.
-        let bias = n("exp_probs_b.bias");
-        let std = Init::Normal(match cfg.arch {
-            Arch::Ernie45moe => 0.2 / s.experts as f32,
-            _ => 0.05,
-        });
-        add(bias, vec![s.experts], GgmlType::F32, std, lay);
+        selection_bias(cfg, l, add);
         (s.shared_ff, "_shexp")
     };
+    swiglu_ffn(cfg, l, add, f, suffix);
+}
+
+/// Block `l`'s experts' selection bias (`exp_probs_b`). Sigmoid scores lie
+/// in (0, 1): a bias of 0.05 reorders the close ones, as DeepSeek-V3's
+/// load-balancing biases do. Softmax probabilities (ernie4_5-moe) average
+/// 1 / experts: a fifth of that.
+fn selection_bias(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let s = &cfg.shape;
+    let std = Init::Normal(match cfg.arch {
+        Arch::Ernie45moe => 0.2 / s.experts as f32,
+        _ => 0.05,
+    });
+    let bias = format!("blk.{l}.exp_probs_b.bias");
+    add(bias, vec![s.experts], GgmlType::F32, std, Some(l));
+}
+
+/// Block `l`'s SwiGLU FFN `ffn_{gate,up,down}{suffix}` of `f` hidden units
+/// (a dense FFN, or a shared expert with `_shexp`).
+fn swiglu_ffn(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+    f: u64,
+    suffix: &str,
+) {
+    let (e, t, r) = (cfg.shape.embd, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.ffn_{part}{suffix}.weight");
     for part in ["gate", "up"] {
-        let name = n(&format!("ffn_{part}{suffix}.weight"));
-        add(name, vec![e, f], t.dense, Init::Normal(inv(e)), lay);
+        add(n(part), vec![e, f], t.dense, Init::Normal(inv(e)), Some(l));
     }
-    let down = n(&format!("ffn_down{suffix}.weight"));
-    add(down, vec![f, e], t.dense, Init::Normal(r * inv(f)), lay);
+    add(
+        n("down"),
+        vec![f, e],
+        t.dense,
+        Init::Normal(r * inv(f)),
+        Some(l),
+    );
 }
 
 /// The nextn head of block `l` when it is past the main stack:
