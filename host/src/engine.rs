@@ -545,11 +545,11 @@ impl<'m> Session<'m> {
         let layout = self.state.layout;
         let io = |e: std::io::Error| e.to_string();
         for c in 0..layout.n_layers() {
-            for p in self.saved_positions(c, n, windows) {
-                read_row(&mut self.state.kv_k, layout, c, p, p < keep, input).map_err(io)?;
-            }
-            for p in self.saved_positions(c, n, windows) {
-                read_row(&mut self.state.kv_v, layout, c, p, p < keep, input).map_err(io)?;
+            let saved = self.saved_positions(c, n, windows);
+            for store in [&mut self.state.kv_k, &mut self.state.kv_v] {
+                for p in saved.clone() {
+                    read_row(store, layout, c, p, p < keep, input).map_err(io)?;
+                }
             }
         }
         let n_conv = self.state.conv_state.len();

@@ -1046,8 +1046,8 @@ where
     M: MatVec,
     X: Experts,
 {
-    if pos >= kv.max_positions {
-        return Err(ForwardError::ContextFull(kv.max_positions));
+    if pos >= kv.max_positions() {
+        return Err(ForwardError::ContextFull(kv.max_positions()));
     }
     if logits.len() != hp.n_vocab {
         return Err(ForwardError::Shape("logits length"));
@@ -1346,7 +1346,7 @@ pub(super) fn mix<M: MatVec, E>(
     rms_norm(s.h, lw.attn_norm, hp.norm_eps, s.x);
     match &lw.mixer {
         Mixer::Attention(aw) => {
-            if *attn_idx >= kv.n_layers {
+            if *attn_idx >= kv.n_layers() {
                 return Err(ForwardError::Shape(
                     "more attention layers than the KV cache",
                 ));
@@ -1355,7 +1355,7 @@ pub(super) fn mix<M: MatVec, E>(
             *attn_idx += 1;
         }
         Mixer::Mla(mw) => {
-            if *attn_idx >= kv.n_layers {
+            if *attn_idx >= kv.n_layers() {
                 return Err(ForwardError::Shape(
                     "more attention layers than the KV cache",
                 ));

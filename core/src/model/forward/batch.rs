@@ -251,8 +251,8 @@ where
     if n == 0 || n > b.n {
         return Err(ForwardError::Shape("batch size"));
     }
-    if pos.saturating_add(n) > kv.max_positions {
-        return Err(ForwardError::ContextFull(kv.max_positions));
+    if pos.saturating_add(n) > kv.max_positions() {
+        return Err(ForwardError::ContextFull(kv.max_positions()));
     }
     let every_position = n > 1 && Some(logits.len()) == n.checked_mul(hp.n_vocab);
     if logits.len() != hp.n_vocab && !every_position {
@@ -290,7 +290,7 @@ where
         let lw = weights.block(l);
         match &lw.mixer {
             Mixer::Attention(aw) => {
-                if attn_idx >= kv.n_layers {
+                if attn_idx >= kv.n_layers() {
                     return Err(ForwardError::Shape(
                         "more attention layers than the KV cache",
                     ));
@@ -303,7 +303,7 @@ where
                 lin_idx += 1;
             }
             Mixer::Mla(mw) => {
-                if attn_idx >= kv.n_layers {
+                if attn_idx >= kv.n_layers() {
                     return Err(ForwardError::Shape(
                         "more attention layers than the KV cache",
                     ));

@@ -262,8 +262,6 @@ impl KvLayout {
 pub struct KvCache<'a> {
     pub(super) k: KvBuf<'a>,
     pub(super) v: KvBuf<'a>,
-    pub(super) max_positions: usize,
-    pub(super) n_layers: usize,
     layout: KvLayout,
 }
 
@@ -322,15 +320,18 @@ impl<'a> KvCache<'a> {
         (k.len() == n && v.len() == n && fits && layout.kv_dim == hp.kv_dim()).then_some(KvCache {
             k,
             v,
-            max_positions: layout.max_positions,
-            n_layers: layout.n_layers,
             layout,
         })
     }
 
     /// Positions it holds at most.
     pub fn max_positions(&self) -> usize {
-        self.max_positions
+        self.layout.max_positions
+    }
+
+    /// Cache layers (attention layers).
+    pub(super) fn n_layers(&self) -> usize {
+        self.layout.n_layers
     }
 
     /// How it is laid out.
@@ -363,7 +364,7 @@ impl<'a> KvCache<'a> {
     /// [`max_positions`](Self::max_positions), or wider than a ring's window.
     pub(super) fn view(&self, c: usize, range: Range<usize>) -> Option<KvView<'_>> {
         let n = range.end.checked_sub(range.start)?;
-        if c >= self.n_layers || range.end > self.max_positions {
+        if c >= self.layout.n_layers || range.end > self.layout.max_positions {
             return None;
         }
         if self.layout.ring_of(c).is_some_and(|r| n > r.window.window) {
