@@ -147,24 +147,7 @@ impl Arch {
 
     /// From `general.architecture`.
     pub fn from_name(name: &str) -> Option<Arch> {
-        Some(match name {
-            "llama" => Arch::Llama,
-            "qwen3moe" => Arch::Qwen3Moe,
-            "qwen2moe" => Arch::Qwen2Moe,
-            "olmoe" => Arch::Olmoe,
-            "qwen35moe" => Arch::Qwen35Moe,
-            "qwen3next" => Arch::Qwen3Next,
-            "gpt-oss" => Arch::GptOss,
-            "glm4moe" => Arch::Glm4Moe,
-            "deepseek2" => Arch::Deepseek2,
-            "ernie4_5-moe" => Arch::Ernie45Moe,
-            "ernie4_5" => Arch::Ernie45,
-            "bailingmoe2" => Arch::BailingMoe2,
-            "minimax-m2" => Arch::MinimaxM2,
-            "dots1" => Arch::Dots1,
-            "hunyuan-moe" => Arch::HunyuanMoe,
-            _ => return None,
-        })
+        Arch::ALL.into_iter().find(|a| a.name() == name)
     }
 
     /// The GGUF name.
