@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
+# One clean build: incremental caches would only double the disk it takes.
+export CARGO_INCREMENTAL=0
+df -h . 2>/dev/null | awk 'NR == 2 { print "disk: " $4 " free of " $2 }' >&2 || true
+
 step "installing test dependencies"
 if ! python3 -c "import gguf, numpy" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check gguf numpy
