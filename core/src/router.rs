@@ -5,7 +5,8 @@
 //! llama.cpp's `build_moe_ffn` gives each architecture:
 //!
 //! 1. gating probabilities: [`Gating::Softmax`] over all experts, or
-//!    [`Gating::Sigmoid`] per expert;
+//!    [`Gating::Sigmoid`] per expert (ranked by the raw logits for
+//!    [`Gating::SoftmaxWeight`] and [`Gating::SigmoidOfLogits`]);
 //! 2. an optional per-expert *selection bias* (DeepSeek-V3's `exp_probs_b`) added to
 //!    the probabilities for selection only;
 //! 3. with [`ExpertGroups`] (DeepSeek-V3's group-limited routing), only the
@@ -79,6 +80,11 @@ pub enum Gating {
     /// (gpt-oss; llama.cpp's `SOFTMAX_WEIGHT`). Predictions and their
     /// thresholds use the softmax over all experts, which ranks them the same.
     SoftmaxWeight,
+    /// Top-k of the raw logits, then each pick's own sigmoid (llama4, whose
+    /// llama.cpp graph ranks the logits: probabilities that round to the same
+    /// value near 0 or 1 still rank by logit). No GGUF id: the architecture
+    /// fixes it.
+    SigmoidOfLogits,
 }
 
 impl Gating {
@@ -713,16 +719,17 @@ impl<'a> Probs<'a> {
         let x = sanitize(self.logits[i]);
         match self.gating {
             Gating::Softmax | Gating::SoftmaxWeight => shifted_exp(x, self.max) * self.inv_sum,
-            Gating::Sigmoid => sigmoid(x),
+            Gating::Sigmoid | Gating::SigmoidOfLogits => sigmoid(x),
         }
     }
 
     /// What experts are ranked by: the raw logit for [`Gating::SoftmaxWeight`]
-    /// (ggml takes its top-k of the logits), the probability otherwise.
+    /// and [`Gating::SigmoidOfLogits`] (ggml takes its top-k of the logits),
+    /// the probability otherwise.
     #[inline]
     fn rank(&self, i: usize, prob: f32) -> f32 {
         match self.gating {
-            Gating::SoftmaxWeight => sanitize(self.logits[i]),
+            Gating::SoftmaxWeight | Gating::SigmoidOfLogits => sanitize(self.logits[i]),
             _ => prob,
         }
     }
@@ -822,7 +829,9 @@ fn select<const N: usize>(
         if let Some(t) = min_key {
             // The threshold is on the probability (plus the selection bias).
             let score = match probs.gating {
-                Gating::SoftmaxWeight => sanitize(prob + bias.map_or(0.0, |b| b[i])),
+                Gating::SoftmaxWeight | Gating::SigmoidOfLogits => {
+                    sanitize(prob + bias.map_or(0.0, |b| b[i]))
+                }
                 _ => key,
             };
             // `score` is never NaN; a NaN threshold admits nothing.
@@ -944,6 +953,32 @@ mod tests {
         assert_eq!(experts(&r), [3, 2]);
         // Renormalised top-2 of a softmax is the softmax of the two logits.
         assert_close(&weights(&r), &[0.731_058_6, 0.268_941_4], 1e-6);
+    }
+
+    /// llama4's gating ranks the logits: where the sigmoid saturates to 1.0
+    /// for several experts, the higher logit still wins (plain sigmoid gating
+    /// would take the lower id), and the weight is the pick's sigmoid.
+    #[test]
+    fn sigmoid_of_logits_ranks_the_logits() {
+        let logits = [20.0, 30.0, -1.0, 25.0];
+        assert_eq!(sigmoid(20.0), sigmoid(30.0));
+        let plain = route(&cfg(4, 1, Gating::Sigmoid, false, 1.0), &logits, None);
+        assert_eq!(experts(&plain), [0]);
+        let r = route(
+            &cfg(4, 2, Gating::SigmoidOfLogits, false, 1.0),
+            &logits,
+            None,
+        );
+        assert_eq!(experts(&r), [1, 3]);
+        assert_eq!(weights(&r), [sigmoid(30.0), sigmoid(25.0)]);
+        let logits = [0.0, 2.0, -1.0, 1.0];
+        let r = route(
+            &cfg(4, 2, Gating::SigmoidOfLogits, false, 1.0),
+            &logits,
+            None,
+        );
+        assert_eq!(experts(&r), [1, 3]);
+        assert_close(&weights(&r), &[0.880_797_1, 0.731_058_6], 1e-6);
     }
 
     #[test]
@@ -1352,10 +1387,15 @@ mod tests {
     }
 
     fn gating() -> impl Strategy<Value = Gating> {
-        prop_oneof![Just(Gating::Softmax), Just(Gating::Sigmoid)]
+        prop_oneof![
+            Just(Gating::Softmax),
+            Just(Gating::Sigmoid),
+            Just(Gating::SigmoidOfLogits),
+        ]
     }
 
-    /// (config, logits, optional bias).
+    /// (config, logits, optional bias; none for [`Gating::SigmoidOfLogits`],
+    /// whose architecture has none, so that its score is one scale).
     fn case() -> impl Strategy<Value = (RouterConfig, StdVec<f32>, Option<StdVec<f32>>)> {
         (1usize..=160)
             .prop_flat_map(|n| {
@@ -1370,6 +1410,7 @@ mod tests {
                 )
             })
             .prop_map(|(n, k, g, norm, scale, logits, bias)| {
+                let bias = bias.filter(|_| g != Gating::SigmoidOfLogits);
                 (cfg(n, k, g, norm, scale), logits, bias)
             })
     }
@@ -1384,7 +1425,11 @@ mod tests {
         let mut probs = std::vec![0.0; c.n_experts()];
         c.probabilities(logits, &mut probs).unwrap();
         let mut idx: StdVec<usize> = (0..c.n_experts()).collect();
-        let score = |i: usize| probs[i] + bias.map_or(0.0, |b| b[i]);
+        let score = |i: usize| match c.gating() {
+            Gating::SigmoidOfLogits if logits[i].is_nan() => f32::NEG_INFINITY,
+            Gating::SigmoidOfLogits => logits[i],
+            _ => probs[i] + bias.map_or(0.0, |b| b[i]),
+        };
         idx.sort_by(|&a, &b| score(b).partial_cmp(&score(a)).unwrap().then(a.cmp(&b)));
         idx.truncate(k);
         idx.into_iter().map(|i| i as u16).collect()

@@ -12,7 +12,7 @@ use forward_common::{
 use les_core::gemv::MatrixView;
 use les_core::model::config::ExpertAct;
 use les_core::model::config::HybridParams;
-use les_core::model::config::{Hparams, MoeParams, SlidingWindow};
+use les_core::model::config::{AttnTemperature, AttnWindow, Hparams, MoeParams, SlidingWindow};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::ExpertBiases;
 use les_core::model::forward::{
@@ -41,7 +41,26 @@ struct Layer {
     oss: Option<OssLayer>,
     /// The experts' selection bias, in the GLM variant ([`build_glm`]).
     selection_bias: Option<Vec<f32>>,
+    /// Llama 4's attention, in the Llama 4 variant ([`build_llama4`]).
+    llama4: Option<Llama4Layer>,
 }
+
+/// A Llama 4 layer's attention: chunked, or without RoPE (then with the
+/// query's temperature, and without the Q/K norms the others have after RoPE).
+struct Llama4Layer {
+    chunk: Option<usize>,
+    nope: Option<AttnTemperature>,
+}
+
+/// The Llama 4 variant's chunk: [`TOKENS`] cross a chunk's end.
+const LLAMA4_CHUNK: usize = 4;
+/// The Llama 4 variant's temperature, stepping every other position so that
+/// [`TOKENS`] see it (Llama 4's steps every 8192).
+const LLAMA4_TEMPERATURE: AttnTemperature = AttnTemperature {
+    floor_scale: 2,
+    scale: 0.1,
+    offset: 1.0,
+};
 
 /// Which model family's parts a test model has.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -52,6 +71,8 @@ enum Flavor {
     Oss,
     /// GLM-4.5 ([`build_glm`]).
     Glm,
+    /// Llama 4 ([`build_llama4`]).
+    Llama4,
 }
 
 /// The GLM variant's expert weights scale (GLM-4.5's `routed_scaling_factor`).
@@ -114,9 +135,17 @@ fn build_glm(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
     build_with(seed, ty, expert_ty, Flavor::Glm)
 }
 
+/// The Llama 4 variant of [`build`]: sigmoid gating ranked by logit, the
+/// weights scaling the experts' inputs, chunked layers with Q/K norms after
+/// RoPE around a NoPE layer with a temperature, an ungated shared expert.
+fn build_llama4(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, Flavor::Llama4)
+}
+
 fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor) -> Model {
     let oss = flavor == Flavor::Oss;
     let glm = flavor == Flavor::Glm;
+    let llama4 = flavor == Flavor::Llama4;
     let mut rng = Rng(seed);
     let hp = Hparams {
         n_layers: 3,
@@ -140,6 +169,7 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
             n_ff_shared: Some(32),
             act: les_core::model::config::ExpertAct::SwiGlu,
             groups: None,
+            weight_inputs: false,
         }),
         rope_yarn: None,
     };
@@ -159,6 +189,12 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
         moe.gating = Gating::Sigmoid;
         moe.weights_scale = GLM_SCALE;
     }
+    if llama4 {
+        let moe = hp.moe.as_mut().unwrap();
+        moe.gating = Gating::SigmoidOfLogits;
+        moe.normalize = false;
+        moe.weight_inputs = true;
+    }
     let e = hp.n_embd;
     let mut layers = Vec::new();
     let mut experts = Vec::new();
@@ -172,8 +208,15 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
             wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
             wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
             wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
-            q_norm: norm_w(&mut rng, hp.head_dim),
-            k_norm: norm_w(&mut rng, hp.head_dim),
+            // Llama 4's norms have no weights (ones, bit for bit the same).
+            q_norm: match llama4 {
+                true => vec![1.0; hp.head_dim],
+                false => norm_w(&mut rng, hp.head_dim),
+            },
+            k_norm: match llama4 {
+                true => vec![1.0; hp.head_dim],
+                false => norm_w(&mut rng, hp.head_dim),
+            },
             ffn_norm: norm_w(&mut rng, e),
             dense: dense.then(|| {
                 [
@@ -190,7 +233,7 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
                         Mat::new(&mut rng, ty, 32, e, 0.15),
                         Mat::new(&mut rng, ty, e, 32, 0.15),
                     ],
-                    (!glm).then(|| Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3)),
+                    (!glm && !llama4).then(|| Mat::new(&mut rng, GgmlType::F32, 1, e, 0.3)),
                 )
             }),
             // Sigmoid scores lie in (0, 1): this reorders the close ones.
@@ -207,6 +250,10 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
                     // Large enough that the clamp at 7 bites now and then.
                     expert_bias: [v(8 * 32, 3.0), v(8 * 32, 3.0), v(8 * e, 0.1)],
                 }
+            }),
+            llama4: llama4.then(|| Llama4Layer {
+                chunk: (l != 1).then_some(LLAMA4_CHUNK),
+                nope: (l == 1).then_some(LLAMA4_TEMPERATURE),
             }),
         });
         let mut le = Vec::new();
@@ -268,6 +315,7 @@ impl Weights for Model {
             },
             _ => unreachable!(),
         };
+        let nope = ly.llama4.as_ref().and_then(|l4| l4.nope);
         Block {
             attn_norm: &ly.attn_norm,
             mixer: Mixer::Attention(AttentionWeights {
@@ -278,13 +326,18 @@ impl Weights for Model {
                 bq: None,
                 bk: None,
                 bv: None,
-                q_norm: Some(&ly.q_norm),
-                k_norm: Some(&ly.k_norm),
+                q_norm: nope.is_none().then_some(&ly.q_norm[..]),
+                k_norm: nope.is_none().then_some(&ly.k_norm[..]),
                 bo: ly.oss.as_ref().map(|o| &o.bo[..]),
                 sinks: ly.oss.as_ref().map(|o| &o.sinks[..]),
-                window: ly.oss.as_ref().and_then(|o| o.window),
+                window: match (&ly.oss, &ly.llama4) {
+                    (Some(o), _) => o.window.map(AttnWindow::Sliding),
+                    (_, Some(l4)) => l4.chunk.map(AttnWindow::Chunked),
+                    _ => None,
+                },
                 rope_freqs: None,
-                norm_after_rope: false,
+                norm_after_rope: ly.llama4.is_some(),
+                nope,
             }),
             ffn_norm: &ly.ffn_norm,
             ffn,
@@ -328,7 +381,7 @@ const TOKENS: [u32; 6] = [3, 17, 5, 39, 0, 22];
 
 /// The models the exactness tests run: weight and expert types, and the
 /// model family.
-const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 4] = [
+const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 5] = [
     (
         GgmlType::Q8_0,
         [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
@@ -348,6 +401,11 @@ const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 4] = [
         GgmlType::BF16,
         [GgmlType::Q5_0, GgmlType::Q4_1, GgmlType::Q8_0],
         Flavor::Glm,
+    ),
+    (
+        GgmlType::F16,
+        [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_1],
+        Flavor::Llama4,
     ),
 ];
 
@@ -951,14 +1009,33 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
             let mut q = ly.wq.apply(&x);
             let mut k = ly.wk.apply(&x);
             let v = ly.wv.apply(&x);
-            for hd in q.chunks_mut(hp.head_dim) {
-                hd.copy_from_slice(&rms(hd, &ly.q_norm));
+            let norm = |x: &mut [f32], w: &[f32]| {
+                for hd in x.chunks_mut(hp.head_dim) {
+                    hd.copy_from_slice(&rms(hd, w));
+                }
+            };
+            match &ly.llama4 {
+                None => {
+                    norm(&mut q, &ly.q_norm);
+                    norm(&mut k, &ly.k_norm);
+                    rope(&mut q, pos);
+                    rope(&mut k, pos);
+                }
+                // Llama 4: no RoPE and no norms, the query scaled by
+                // ln(floor((pos + offset) / floor_scale) + 1) * scale + 1.
+                Some(Llama4Layer { nope: Some(t), .. }) => {
+                    let steps = ((pos as f64 + t.offset as f64) / t.floor_scale as f64).floor();
+                    let f = ((steps + 1.0).ln() * t.scale as f64 + 1.0) as f32;
+                    q.iter_mut().for_each(|v| *v *= f);
+                }
+                // Else RoPE, then norms without weights.
+                Some(_) => {
+                    rope(&mut q, pos);
+                    rope(&mut k, pos);
+                    norm(&mut q, &ly.q_norm);
+                    norm(&mut k, &ly.k_norm);
+                }
             }
-            for hd in k.chunks_mut(hp.head_dim) {
-                hd.copy_from_slice(&rms(hd, &ly.k_norm));
-            }
-            rope(&mut q, pos);
-            rope(&mut k, pos);
             keys[l].push(round(k));
             vals[l].push(round(v));
             let mut att = vec![0f32; hp.q_dim()];
@@ -966,9 +1043,12 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                 let kvh = head / (hp.n_head / hp.n_head_kv);
                 let qh = &q[head * hp.head_dim..][..hp.head_dim];
                 // A windowed layer sees its last `window` positions only.
-                let first = match ly.oss.as_ref().and_then(|o| o.window) {
-                    Some(w) => (pos + 1).saturating_sub(w),
-                    None => 0,
+                // A chunked one, the positions of its chunk.
+                let chunk = ly.llama4.as_ref().and_then(|l4| l4.chunk);
+                let first = match (ly.oss.as_ref().and_then(|o| o.window), chunk) {
+                    (Some(w), _) => (pos + 1).saturating_sub(w),
+                    (_, Some(c)) => pos / c * c,
+                    _ => 0,
                 };
                 let scores: Vec<f64> = keys[l][first..]
                     .iter()
@@ -1013,14 +1093,17 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                 }
                 // GLM: sigmoid scores, chosen by score plus selection bias;
                 // else a softmax (unnormalised: only ratios matter below).
+                // Llama 4: sigmoid weights, the experts ranked by logit.
                 let glm = ly.selection_bias.as_ref();
+                let llama4 = ly.llama4.is_some();
                 let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
-                let p: Vec<f32> = match glm {
-                    Some(_) => logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
-                    None => logits.iter().map(|v| (v - mx).exp()).collect(),
+                let p: Vec<f32> = match glm.is_some() || llama4 {
+                    true => logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                    false => logits.iter().map(|v| (v - mx).exp()).collect(),
                 };
                 let key: Vec<f32> = match glm {
                     Some(b) => p.iter().zip(b).map(|(p, b)| p + b).collect(),
+                    None if llama4 => logits.clone(),
                     None => p.clone(),
                 };
                 let mut idx: Vec<usize> = (0..8).collect();
@@ -1033,6 +1116,8 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                         let tm = top.iter().map(|&j| logits[j]).fold(f32::MIN, f32::max);
                         let z: f32 = top.iter().map(|&j| (logits[j] - tm).exp()).sum();
                         (logits[i] - tm).exp() / z
+                    } else if llama4 {
+                        p[i]
                     } else {
                         let scale = if glm.is_some() { GLM_SCALE } else { 1.0 };
                         p[i] / top.iter().map(|j| p[*j]).sum::<f32>() * scale
@@ -1040,9 +1125,17 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                 };
                 let mut y = vec![0f32; hp.n_embd];
                 for &i in top {
-                    let o = expert(&m.experts[l][i], ly, i, &x);
+                    // Llama 4 weighs the expert's input, not its output.
+                    let o = match llama4 {
+                        true => {
+                            let xw: Vec<f32> = x.iter().map(|v| v * weight(i)).collect();
+                            expert(&m.experts[l][i], ly, i, &xw)
+                        }
+                        false => expert(&m.experts[l][i], ly, i, &x),
+                    };
+                    let w = if llama4 { 1.0 } else { weight(i) };
                     for (a, b) in y.iter_mut().zip(&o) {
-                        *a += weight(i) * b;
+                        *a += w * b;
                     }
                 }
                 if let Some((sw, gi)) = &ly.shared {
@@ -1105,9 +1198,44 @@ fn forward_matches_plain_f32_reference() {
         build(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_oss(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_glm(5, GgmlType::F32, [GgmlType::F32; 3]),
+        build_llama4(5, GgmlType::F32, [GgmlType::F32; 3]),
     ] {
         check_against_reference(&m);
     }
+}
+
+/// The Llama 4 variant's parts each matter: without its chunks, its NoPE
+/// layer or that layer's temperature, its norms or its weighted inputs the
+/// engine's logits move; with them, they are the reference's. (Ranking by
+/// logit: the router's tests; norms of unit weight before or after RoPE differ
+/// by roundings only, a rotation keeping a head's length.)
+#[test]
+fn llama4_variant_exercises_its_parts() {
+    let m = build_llama4(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let want = resident(&m);
+    let moved = |f: &dyn Fn(&mut Model)| {
+        let mut m2 = build_llama4(5, GgmlType::F32, [GgmlType::F32; 3]);
+        f(&mut m2);
+        resident(&m2) != want
+    };
+    let each = |m: &mut Model, f: &dyn Fn(&mut Llama4Layer)| {
+        m.layers
+            .iter_mut()
+            .for_each(|l| f(l.llama4.as_mut().unwrap()))
+    };
+    assert!(moved(&|m| each(m, &|l| l.chunk = None)));
+    assert!(moved(&|m| each(m, &|l| l.nope = None)));
+    let flat = AttnTemperature {
+        scale: 0.0,
+        ..LLAMA4_TEMPERATURE
+    };
+    assert!(moved(&|m| each(m, &|l| l.nope = l.nope.map(|_| flat))));
+    assert!(moved(&|m| m
+        .layers
+        .iter_mut()
+        .for_each(|l| l.q_norm.fill(2.0))));
+    assert!(moved(&|m| m.hp.moe.as_mut().unwrap().weight_inputs = false));
+    check_against_reference(&m);
 }
 
 /// The gpt-oss variant's parts each matter: without its sinks, windows or

@@ -96,6 +96,7 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], q_lora: bool) -> Mod
             n_ff_shared: Some(FF),
             act: ExpertAct::SwiGlu,
             groups: Some(GROUPS),
+            weight_inputs: false,
         }),
         rope_yarn: None,
     };

@@ -135,6 +135,7 @@ fn build_with(
             n_ff_shared: Some(FF),
             act: les_core::model::config::ExpertAct::SwiGlu,
             groups: None,
+            weight_inputs: false,
         }),
         rope_yarn: None,
     };
@@ -271,6 +272,7 @@ fn layer_block(ly: &Layer, shape: DeltaNetShape) -> Block<'_> {
                 window: None,
                 rope_freqs: None,
                 norm_after_rope: false,
+                nope: None,
             }),
             Mix::Delta(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape,

@@ -178,6 +178,11 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                     "the firmware does not run group-limited routing (expert_group_count)".into(),
                 ));
             }
+            if m.weight_inputs {
+                return Err(McuIndexError(
+                    "the firmware does not run Llama 4's experts (weights on their inputs)".into(),
+                ));
+            }
             w.usize(m.n_experts)?;
             w.usize(m.top_k)?;
             w.usize(m.n_ff_exp)?;
@@ -188,6 +193,11 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                     return Err(McuIndexError(
                         "the firmware does not run gpt-oss's gating (a softmax of the picks)"
                             .into(),
+                    ))
+                }
+                Gating::SigmoidOfLogits => {
+                    return Err(McuIndexError(
+                        "the firmware does not run Llama 4's gating (picks by logit)".into(),
                     ))
                 }
             });
@@ -238,14 +248,16 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             || a.window.is_some()
             || a.rope_freqs.is_some()
             || a.norm_after_rope
+            || a.nope.is_some()
             || moe_extras
             || hp.rope_yarn.is_some()
             || act.is_some_and(|x| x != ExpertAct::SwiGlu)
         {
             return Err(McuIndexError(format!(
                 "layer {l} needs what the firmware does not run (gpt-oss's output and \
-                 expert biases, attention sinks, sliding windows, YaRN, RoPE frequency \
-                 factors, Q/K norms after RoPE or clamped SwiGLU, or an expert selection bias)"
+                 expert biases, attention sinks, sliding windows or chunks, YaRN, RoPE \
+                 frequency factors, Q/K norms after RoPE, layers without RoPE or clamped \
+                 SwiGLU, or an expert selection bias)"
             )));
         }
         w.vector(b.attn_norm)?;

@@ -12,7 +12,8 @@ use std::path::Path;
 
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
-    DeltaNetShape, ExpertAct, Hparams, HybridParams, MlaShape, MoeParams, SlidingWindow,
+    AttnTemperature, AttnWindow, DeltaNetShape, ExpertAct, Hparams, HybridParams, MlaShape,
+    MoeParams, SlidingWindow,
 };
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
@@ -118,6 +119,13 @@ pub enum Arch {
     /// RoPE (NeoX), every layer a softmax-routed, renormalised MoE sized by
     /// `feed_forward_length` plus an ungated shared expert.
     HunyuanMoe,
+    /// Llama 4 Scout / Maverick (llama.cpp's `llama4`, text only): chunked
+    /// attention (8192 positions) on three layers of four, the fourth without
+    /// RoPE and with a query temperature, Q/K norms without weights after
+    /// RoPE (not Maverick's), experts every `interleave_moe_layer_step`
+    /// layers, one expert picked by logit whose sigmoid weighs its *input*,
+    /// plus an ungated shared expert.
+    Llama4,
     /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
     /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
@@ -127,7 +135,7 @@ pub enum Arch {
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 15] = [
+    pub const ALL: [Arch; 16] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -143,6 +151,7 @@ impl Arch {
         Arch::MinimaxM2,
         Arch::Dots1,
         Arch::HunyuanMoe,
+        Arch::Llama4,
     ];
 
     /// From `general.architecture`.
@@ -168,6 +177,7 @@ impl Arch {
             Arch::MinimaxM2 => "minimax-m2",
             Arch::Dots1 => "dots1",
             Arch::HunyuanMoe => "hunyuan-moe",
+            Arch::Llama4 => "llama4",
         }
     }
 
@@ -181,7 +191,9 @@ impl Arch {
 
     fn rope_style(self) -> RopeStyle {
         match self {
-            Arch::Llama | Arch::Deepseek2 | Arch::Ernie45Moe | Arch::Ernie45 => RopeStyle::Normal,
+            Arch::Llama | Arch::Llama4 | Arch::Deepseek2 | Arch::Ernie45Moe | Arch::Ernie45 => {
+                RopeStyle::Normal
+            }
             _ => RopeStyle::Neox,
         }
     }
@@ -275,7 +287,9 @@ struct AttnRefs {
     k_norm: Option<Vec<f32>>,
     bo: Option<Vec<f32>>,
     sinks: Option<Vec<f32>>,
-    window: Option<usize>,
+    window: Option<AttnWindow>,
+    /// No RoPE, the query scaled by this temperature (Llama 4).
+    nope: Option<AttnTemperature>,
 }
 
 /// A gated DeltaNet layer (qwen35moe, qwen3next).
@@ -505,6 +519,97 @@ fn uniform_usize(g: &Gguf<MappedFile>, key: &str, n: usize) -> Result<Option<usi
             "{key} must be one value, or {n} equal values (LES needs one size for every layer)"
         ))),
     }
+}
+
+/// Llama 4's attention, as llama.cpp's loader and graph fix it: chunks of
+/// [`LLAMA4_CHUNK`] positions on the layers of `attention.sliding_window_pattern`
+/// (by default three of every four), no RoPE on every fourth layer (its
+/// query scaled by [`AttnTemperature::LLAMA4`] instead), and Q/K norms
+/// without weights after RoPE on the others unless the model has 128
+/// experts (Maverick).
+#[derive(Debug)]
+struct Llama4Attention {
+    chunked: Vec<bool>,
+    kq_norm: bool,
+}
+
+/// Positions of a chunk of Llama 4's chunked attention (llama.cpp fixes it,
+/// whatever `attention.sliding_window` says).
+pub const LLAMA4_CHUNK: usize = 8192;
+
+/// Every this many layers one has no RoPE in Llama 4 (llama.cpp's
+/// `n_no_rope_layer_step`).
+const LLAMA4_NOPE_STEP: usize = 4;
+
+impl Llama4Attention {
+    fn nope(&self, layer: usize) -> Option<AttnTemperature> {
+        (layer + 1)
+            .is_multiple_of(LLAMA4_NOPE_STEP)
+            .then_some(AttnTemperature::LLAMA4)
+    }
+
+    fn window(&self, layer: usize) -> Option<AttnWindow> {
+        self.chunked
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+            .then_some(AttnWindow::Chunked(LLAMA4_CHUNK))
+    }
+
+    /// The Q/K norm of layer `layer`: ones (a norm without weights, bit for
+    /// bit), on the layers with RoPE, where the model has them.
+    fn unit_norm(&self, layer: usize, head_dim: usize) -> Option<Vec<f32>> {
+        (self.kq_norm && self.nope(layer).is_none()).then(|| vec![1.0; head_dim])
+    }
+}
+
+fn llama4_attention(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    n_layers: usize,
+    rope_base: f32,
+    n_experts: usize,
+) -> Result<Llama4Attention, ModelError> {
+    if opt_usize(g, &format!("{a}.attention.sliding_window"))? == Some(0) {
+        return Err(ModelError::Unsupported(format!(
+            "{a} without chunked attention ({a}.attention.sliding_window = 0): llama.cpp's \
+             graph then leaves the last layer without RoPE and asks for a temperature it \
+             never set; only Llama 4's chunked layout runs here"
+        )));
+    }
+    let key = format!("{a}.attention.sliding_window_pattern");
+    let chunked = match g.get(&key) {
+        None => (0..n_layers).map(|l| l % 4 < 3).collect(),
+        Some(v) => match (v.as_u64(), v.as_array()) {
+            (Some(0), _) => vec![true; n_layers],
+            (Some(p), _) => {
+                let p = p as usize;
+                (0..n_layers).map(|l| l % p < p - 1).collect()
+            }
+            (None, Some(arr)) if arr.len() == n_layers => arr
+                .iter()
+                .map(|x| x.as_bool().or(x.as_u64().map(|v| v != 0)))
+                .collect::<Option<Vec<bool>>>()
+                .ok_or_else(|| invalid(format!("{key} must hold booleans")))?,
+            _ => {
+                return Err(invalid(format!(
+                    "{key} must be a number or {n_layers} booleans"
+                )))
+            }
+        },
+    };
+    if let Some(base) = g.get_f32(&format!("{a}.rope.freq_base_swa")).optional()? {
+        if base != rope_base {
+            return Err(ModelError::Unsupported(format!(
+                "{a} with a RoPE base of its own on the chunked layers \
+                 ({a}.rope.freq_base_swa = {base}, rope.freq_base = {rope_base})"
+            )));
+        }
+    }
+    Ok(Llama4Attention {
+        chunked,
+        kq_norm: n_experts != 128,
+    })
 }
 
 /// Bound on DeltaNet dimensions read from metadata.
@@ -996,6 +1101,27 @@ impl Model {
                     }
                 }
             }
+            let mut weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
+                // llama.cpp scales the weights only when the scale is neither 0 nor 1.
+                None => 1.0,
+                Some(0.0) => 1.0,
+                Some(x) if x.is_finite() => x,
+                Some(x) => {
+                    return Err(invalid(format!(
+                        "{a}.expert_weights_scale = {x} is not finite"
+                    )))
+                }
+            };
+            let mut n_ff_shared = opt_usize(&g, &k("expert_shared_feed_forward_length"))?;
+            if arch == Arch::Llama4 {
+                // Fixed by llama.cpp's graph: sigmoid weights of the picks by
+                // logit, unscaled, on the experts' inputs; the shared expert
+                // as wide as a routed one, whatever the keys say.
+                gating = Gating::SigmoidOfLogits;
+                normalize = false;
+                weights_scale = 1.0;
+                n_ff_shared = Some(n_ff_exp);
+            }
             let mut act = ExpertAct::SwiGlu;
             if arch == Arch::GptOss {
                 // Fixed by llama.cpp's graph for this arch, as are alpha and limit.
@@ -1006,18 +1132,6 @@ impl Model {
                     limit: 7.0,
                 };
             }
-            // llama.cpp scales the weights only when the scale is neither 0 nor 1.
-            let weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
-                None => 1.0,
-                Some(0.0) => 1.0,
-                Some(x) if x.is_finite() => x,
-                Some(x) => {
-                    return Err(invalid(format!(
-                        "{a}.expert_weights_scale = {x} is not finite"
-                    )))
-                }
-            };
-            let n_ff_shared = opt_usize(&g, &k("expert_shared_feed_forward_length"))?;
             // Group-limited routing, read for every architecture as llama.cpp
             // does (a count of 0 or 1 is none).
             let groups = match opt_usize(&g, &k("expert_group_count"))? {
@@ -1037,9 +1151,27 @@ impl Model {
                 n_ff_shared,
                 act,
                 groups,
+                weight_inputs: arch == Arch::Llama4,
             })
+        } else if arch == Arch::Llama4 {
+            return Err(invalid(format!(
+                "{a}.expert_count must be positive (llama.cpp's loader refuses a \
+                 Llama 4 without experts)"
+            )));
         } else {
             None
+        };
+        // Llama 4's experts are on every `interleave_moe_layer_step`-th layer.
+        let moe_step = match arch {
+            Arch::Llama4 => match opt_usize(&g, &k("interleave_moe_layer_step"))? {
+                Some(step) if step > 0 => Some(step),
+                _ => {
+                    return Err(invalid(format!(
+                        "{a}.interleave_moe_layer_step must be given and positive"
+                    )))
+                }
+            },
+            _ => None,
         };
         let rope_yarn = rope_scaling(&g, a, n_ctx_train)?;
         // GLM-4.xV's language models carry M-RoPE sections (llama.cpp then
@@ -1065,6 +1197,10 @@ impl Model {
                 )))
             }
             (Arch::GptOss, Some(window)) => Some(SlidingWindow { window, pattern: 2 }),
+            _ => None,
+        };
+        let llama4 = match arch {
+            Arch::Llama4 => Some(llama4_attention(&g, a, n_layers, rope_base, n_experts)?),
             _ => None,
         };
         // Multi-head latent attention attends over one cached latent head of
@@ -1126,7 +1262,25 @@ impl Model {
                 }
             };
             let packed_layer = packed.as_ref().and_then(|p| p.layer(l)).cloned();
-            let ffn = if g.tensor(&t("ffn_gate_inp.weight")).is_some() {
+            let has_router = g.tensor(&t("ffn_gate_inp.weight")).is_some();
+            if let Some(step) = moe_step {
+                if has_router != (l + 1).is_multiple_of(step) {
+                    return Err(invalid(format!(
+                        "layer {l} {} routed experts, but {a}.interleave_moe_layer_step = {step} \
+                         puts them on layers {}, {}, ...",
+                        if has_router { "has" } else { "lacks" },
+                        step - 1,
+                        2 * step - 1
+                    )));
+                }
+                if has_router && g.tensor(&t("ffn_gate_shexp.weight")).is_none() {
+                    return Err(invalid(format!(
+                        "{a} layer {l} has no shared expert ({} is missing)",
+                        t("ffn_gate_shexp.weight")
+                    )));
+                }
+            }
+            let ffn = if has_router {
                 let m = moe.ok_or_else(|| {
                     invalid(format!("layer {l} has a router but no {a}.expert_count"))
                 })?;
@@ -1247,11 +1401,21 @@ impl Model {
                         bq,
                         bk,
                         bv,
-                        q_norm: qk_norm("attn_q_norm.weight", q_dim)?,
-                        k_norm: qk_norm("attn_k_norm.weight", kv_dim)?,
+                        q_norm: match &llama4 {
+                            Some(l4) => l4.unit_norm(l, head_dim),
+                            None => qk_norm("attn_q_norm.weight", q_dim)?,
+                        },
+                        k_norm: match &llama4 {
+                            Some(l4) => l4.unit_norm(l, head_dim),
+                            None => qk_norm("attn_k_norm.weight", kv_dim)?,
+                        },
                         bo: optional_vector(&g, &t("attn_output.bias"), n_embd)?,
                         sinks: optional_vector(&g, &t("attn_sinks.weight"), hp.n_head)?,
-                        window: swa.and_then(|w| w.of_layer(l)),
+                        window: match &llama4 {
+                            Some(l4) => l4.window(l),
+                            None => swa.and_then(|w| w.of_layer(l)).map(AttnWindow::Sliding),
+                        },
+                        nope: llama4.as_ref().and_then(|l4| l4.nope(l)),
                     })
                 }
             };
@@ -1313,7 +1477,7 @@ impl Model {
         // Llama 3.1's RoPE scaling, as llama.cpp's llama loader reads it (its
         // other loaders here ignore the tensor).
         let rope_freqs = match arch {
-            Arch::Llama => optional_vector(&g, "rope_freqs.weight", hp.n_rot / 2)?,
+            Arch::Llama | Arch::Llama4 => optional_vector(&g, "rope_freqs.weight", hp.n_rot / 2)?,
             _ => None,
         };
         let embedding = tensor_ref(&g, "token_embd.weight", n_vocab, n_embd)?;
@@ -1647,7 +1811,8 @@ impl Model {
             sinks: a.sinks.as_deref(),
             window: a.window,
             rope_freqs: self.rope_freqs.as_deref(),
-            norm_after_rope: self.arch == Arch::HunyuanMoe,
+            norm_after_rope: matches!(self.arch, Arch::HunyuanMoe | Arch::Llama4),
+            nope: a.nope,
         }
     }
 
@@ -1786,13 +1951,13 @@ mod tests {
         use crate::gguf::{GgufWriter, MetaValue};
         let path = std::env::temp_dir().join(format!("les-arch-{}.gguf", std::process::id()));
         let mut w = GgufWriter::new();
-        w.add_kv("general.architecture", MetaValue::from("llama4"))
+        w.add_kv("general.architecture", MetaValue::from("granitemoe"))
             .unwrap();
         let file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
         w.write_header(file).unwrap().finish().unwrap();
         let err = super::Model::open(&path).unwrap_err().to_string();
         let _ = std::fs::remove_file(&path);
-        assert!(err.contains("unsupported architecture: llama4"), "{err}");
+        assert!(err.contains("unsupported architecture: granitemoe"), "{err}");
         for a in Arch::ALL {
             assert!(err.contains(a.name()), "{err}");
         }
@@ -1821,7 +1986,8 @@ mod tests {
                 | Arch::BailingMoe2
                 | Arch::MinimaxM2
                 | Arch::Dots1
-                | Arch::HunyuanMoe => {}
+                | Arch::HunyuanMoe
+                | Arch::Llama4 => {}
             }
         }
     }

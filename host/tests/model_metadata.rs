@@ -219,6 +219,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "minimax-m2",
         "dots1",
         "hunyuan-moe",
+        "llama4",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

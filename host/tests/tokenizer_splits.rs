@@ -107,6 +107,9 @@ mod tokenizer_splits {
             ("qwen35", PreTokenizer::Qwen35),
             ("gpt-4o", PreTokenizer::Gpt4o),
             ("minimax-m2", PreTokenizer::Gpt4o),
+            ("llama4", PreTokenizer::Gpt4o),
+            ("kanana2", PreTokenizer::Gpt4o),
+            ("talkie", PreTokenizer::Gpt4o),
             ("deepseek-v3", PreTokenizer::Deepseek3),
             ("deepseek-llm", PreTokenizer::DeepseekLlm),
             ("glm5", PreTokenizer::Llama3),
@@ -116,7 +119,7 @@ mod tokenizer_splits {
         ] {
             assert_eq!(PreTokenizer::from_name(name), Some(pre), "{name}");
         }
-        for name in ["gpt2", "qwen3", "llama4", "", "LLAMA-BPE"] {
+        for name in ["gpt2", "qwen3", "llama-4", "", "LLAMA-BPE"] {
             assert_eq!(PreTokenizer::from_name(name), None, "{name}");
         }
     }

@@ -40,6 +40,62 @@ impl SlidingWindow {
     }
 }
 
+/// Which earlier positions an attention layer's query sees, besides itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnWindow {
+    /// The last `n` positions, itself included (gpt-oss's windowed layers).
+    Sliding(usize),
+    /// The positions of its own chunk of `n`, from the last multiple of `n`
+    /// (Llama 4's chunked layers; llama.cpp's `LLAMA_SWA_TYPE_CHUNKED`).
+    Chunked(usize),
+}
+
+impl AttnWindow {
+    /// The first position the query at `end - 1` sees; `None` for a window of
+    /// no positions.
+    pub fn start(&self, end: usize) -> Option<usize> {
+        match *self {
+            AttnWindow::Sliding(0) | AttnWindow::Chunked(0) => None,
+            AttnWindow::Sliding(n) => Some(end.saturating_sub(n)),
+            AttnWindow::Chunked(n) => Some(end.saturating_sub(1) / n * n),
+        }
+    }
+}
+
+/// Llama 4's attention temperature on its NoPE layers: the query at position
+/// `p` is scaled by `ln(floor((p + offset) / floor_scale) + 1) * scale + 1`,
+/// with llama.cpp's roundings (`inp_attn_scale`): 1 before the first
+/// `floor_scale - offset` positions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnTemperature {
+    /// Positions per step of the logarithm (8192).
+    pub floor_scale: u32,
+    /// Growth per step (0.1).
+    pub scale: f32,
+    /// Added to the position first (1).
+    pub offset: f32,
+}
+
+impl AttnTemperature {
+    /// The values llama.cpp fixes for Llama 4.
+    pub const LLAMA4: AttnTemperature = AttnTemperature {
+        floor_scale: 8192,
+        scale: 0.1,
+        offset: 1.0,
+    };
+
+    /// The factor of the query at position `pos` (1 for a `floor_scale` of 0).
+    pub fn at(&self, pos: usize) -> f32 {
+        if self.floor_scale == 0 {
+            return 1.0;
+        }
+        // f32 as ggml's input is computed: the position and its quotient in
+        // f32, the logarithm in f64.
+        let steps = libm::floorf((pos as f32 + self.offset) / self.floor_scale as f32);
+        (libm::log(f64::from(steps) + 1.0) * f64::from(self.scale) + 1.0) as f32
+    }
+}
+
 /// The MoE part of a model.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeParams {
@@ -61,6 +117,10 @@ pub struct MoeParams {
     pub act: ExpertAct,
     /// Group-limited routing (DeepSeek-V3 style), if any.
     pub groups: Option<ExpertGroups>,
+    /// The picks' weights scale each routed expert's *input* and its output
+    /// is summed as it is (Llama 4; llama.cpp's `weight_before_ffn`), instead
+    /// of scaling the output.
+    pub weight_inputs: bool,
 }
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -362,5 +422,52 @@ impl HybridParams {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_start_where_llama_cpp_masks() {
+        // Sliding: the last n positions; chunked: from the chunk's start
+        // (llama.cpp masks key p0 for query p1 when p0 < p1 / n * n).
+        assert_eq!(AttnWindow::Sliding(4).start(10), Some(6));
+        assert_eq!(AttnWindow::Sliding(4).start(3), Some(0));
+        assert_eq!(AttnWindow::Chunked(4).start(1), Some(0));
+        assert_eq!(AttnWindow::Chunked(4).start(4), Some(0));
+        assert_eq!(AttnWindow::Chunked(4).start(5), Some(4));
+        assert_eq!(AttnWindow::Chunked(4).start(9), Some(8));
+        assert_eq!(AttnWindow::Chunked(4).start(0), Some(0));
+        assert_eq!(AttnWindow::Sliding(0).start(3), None);
+        assert_eq!(AttnWindow::Chunked(0).start(3), None);
+        for end in 1..40usize {
+            let start = AttnWindow::Chunked(8).start(end).unwrap();
+            let query = end - 1;
+            assert!((start..end).all(|key| key >= query / 8 * 8));
+            assert_eq!(start % 8, 0);
+        }
+    }
+
+    #[test]
+    fn llama4_temperature_steps_every_8192_positions() {
+        let t = AttnTemperature::LLAMA4;
+        assert_eq!(t.at(0), 1.0);
+        assert_eq!(t.at(8190), 1.0);
+        assert_eq!(
+            t.at(8191),
+            (libm::log(2.0) * f64::from(0.1f32) + 1.0) as f32
+        );
+        assert_eq!(t.at(16382), t.at(8191));
+        assert_eq!(
+            t.at(16383),
+            (libm::log(3.0) * f64::from(0.1f32) + 1.0) as f32
+        );
+        let none = AttnTemperature {
+            floor_scale: 0,
+            ..t
+        };
+        assert_eq!(none.at(1 << 20), 1.0);
     }
 }

@@ -12,7 +12,7 @@
 
 use core::fmt;
 
-use super::config::{ExpertAct, Hparams, HybridParams};
+use super::config::{AttnTemperature, AttnWindow, ExpertAct, Hparams, HybridParams};
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::ops::{
     rms_norm, rms_norm_heads, rope_factored, rope_imrope_scaled, sigmoid, swiglu, swiglu_oai,
@@ -163,15 +163,19 @@ pub struct AttentionWeights<'a> {
     /// Attention sinks, one logit per query head (gpt-oss; see
     /// [`KvView::sinks`]).
     pub sinks: Option<&'a [f32]>,
-    /// Sliding window: a query sees only the last `window` positions, itself
-    /// included (gpt-oss's even layers; [`SlidingWindow`](super::config::SlidingWindow)).
-    pub window: Option<usize>,
+    /// The positions a query sees where it is not all of them before it:
+    /// gpt-oss's sliding windows ([`SlidingWindow`](super::config::SlidingWindow)),
+    /// Llama 4's chunks.
+    pub window: Option<AttnWindow>,
     /// RoPE frequency factors, `n_rot / 2` of them (Llama 3.1's
     /// `rope_freqs.weight`): each pair's angle is divided by its factor
     /// ([`rope_factored`]).
     pub rope_freqs: Option<&'a [f32]>,
     /// The Q/K norms come after RoPE, not before (Hunyuan-A13B's order).
     pub norm_after_rope: bool,
+    /// No RoPE in this layer (Llama 4's every fourth, "NoPE"): the query is
+    /// scaled by this temperature at its position instead.
+    pub nope: Option<AttnTemperature>,
 }
 
 /// What mixes positions in a layer.
@@ -1200,6 +1204,13 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
             .ok_or(ForwardError::Shape("routing index"))?;
         expert_tail(hp, ffn.expert_bias, r.expert)
     };
+    let weigh = weighs_inputs(hp);
+    let input_weight = |index: usize| {
+        routing
+            .get(index)
+            .map(|r| weigh.then_some(r.weight))
+            .ok_or(ForwardError::Shape("routing index"))
+    };
     // Ready-first: compute in whatever order experts become ready.
     // The shared expert is resident: it is computed the first time
     // no routed expert is ready (while reads are in flight), or last.
@@ -1219,11 +1230,12 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .expert_out
                     .get_mut(index * e..(index + 1) * e)
                     .ok_or(ForwardError::Shape("routing index"))?;
+                let x = pick_input(s.x, input_weight(index)?, s.moe);
                 let crc = swiglu_ffn_checked(
                     mv,
                     &matrices,
                     tail(index)?,
-                    s.x,
+                    x,
                     s.ff_a,
                     s.ff_b,
                     out,
@@ -1242,7 +1254,8 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .expert_act
                     .get_mut(index * n..(index + 1) * n)
                     .ok_or(ForwardError::Shape("routing index"))?;
-                let crc = gate_up_checked(mv, &gate, &up, tail(index)?, s.x, act, s.ff_b, verify)?;
+                let x = pick_input(s.x, input_weight(index)?, s.moe);
+                let crc = gate_up_checked(mv, &gate, &up, tail(index)?, x, act, s.ff_b, verify)?;
                 *first_crc
                     .get_mut(index)
                     .ok_or(ForwardError::Shape("routing index"))? = crc;
@@ -1276,12 +1289,56 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
     }
     // Combine in router order, whatever the compute order was; the
     // shared expert's output (in `s.tmp`) last.
-    let picks = routing
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.weight, &s.expert_out[i * e..(i + 1) * e]));
+    let picks = routing.iter().enumerate().map(|(i, r)| {
+        (
+            output_weight(r.weight, weigh),
+            &s.expert_out[i * e..(i + 1) * e],
+        )
+    });
     combine(s.moe, picks, shared.is_some().then_some(&*s.tmp), s.h);
     Ok(())
+}
+
+/// Whether the picks' weights scale the routed experts' inputs
+/// ([`MoeParams::weight_inputs`](super::config::MoeParams::weight_inputs)).
+pub(super) fn weighs_inputs(hp: &Hparams) -> bool {
+    hp.moe.is_some_and(|m| m.weight_inputs)
+}
+
+/// A routed expert's input: the layer's normed input `x`, or, where its
+/// weight scales the input, `x` times `weight` written to `buf`
+/// (`n_embd` long, free while the experts compute).
+pub(super) fn pick_input<'b>(x: &'b [f32], weight: Option<f32>, buf: &'b mut [f32]) -> &'b [f32] {
+    match weight {
+        None => x,
+        Some(_) => {
+            copy_input(x, weight, buf);
+            &buf[..x.len().min(buf.len())]
+        }
+    }
+}
+
+/// A routed expert's input into `out`: `x`, times `weight` where there is one.
+pub(super) fn copy_input(x: &[f32], weight: Option<f32>, out: &mut [f32]) {
+    match weight {
+        None => out.copy_from_slice(x),
+        Some(w) => {
+            for (o, v) in out.iter_mut().zip(x) {
+                *o = v * w;
+            }
+        }
+    }
+}
+
+/// What a routed expert's output is multiplied by in the combine: its
+/// weight, or 1 where the weight scaled its input (`o * 1.0` is `o`, bit
+/// for bit, as llama.cpp sums those outputs unscaled).
+pub(super) fn output_weight(weight: f32, weighs_inputs: bool) -> f32 {
+    if weighs_inputs {
+        1.0
+    } else {
+        weight
+    }
 }
 
 /// The first layer's input for `input` into `h` (`n_embd` values): the
@@ -1621,8 +1678,7 @@ pub(super) fn attend<M: MatVec, E>(
 
 /// What the query at position `end - 1` of a layer with attention weights
 /// `aw` attends over in cache layer `cache_layer`: the positions up to its
-/// own, only the last `window` of them where the layer has a sliding window,
-/// and its sinks.
+/// own, only those of its window where the layer has one, and its sinks.
 pub(super) fn attended<'k, E>(
     aw: &AttentionWeights<'k>,
     kv: &'k KvCache<'_>,
@@ -1630,8 +1686,9 @@ pub(super) fn attended<'k, E>(
     end: usize,
 ) -> Result<KvView<'k>, ForwardError<E>> {
     let start = match aw.window {
-        Some(0) => return Err(ForwardError::Shape("sliding window of 0 positions")),
-        Some(w) => end.saturating_sub(w),
+        Some(w) => w
+            .start(end)
+            .ok_or(ForwardError::Shape("attention window of 0 positions"))?,
         None => 0,
     };
     Ok(KvView {
@@ -1663,7 +1720,8 @@ pub(super) fn output_gate(hd: usize, qg: &[f32], att: &mut [f32]) {
 }
 
 /// Position `pos`'s query, key and value, projected into `s.qg` (or `s.q`),
-/// `s.k` and `s.v`, made ready: biases, head norms and rotations; the query
+/// `s.k` and `s.v`, made ready: biases, head norms and rotations (a NoPE
+/// layer's temperature instead of the rotations); the query
 /// into `s.q`, the key and value into the cache at `pos`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn project_position<E>(
@@ -1692,39 +1750,46 @@ pub(super) fn project_position<E>(
         norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
         norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
     }
-    match hy.rope_sections {
-        Some(_) if aw.rope_freqs.is_some() => {
-            return Err(ForwardError::Shape("RoPE frequency factors with sections"));
+    if let Some(t) = aw.nope {
+        let f = t.at(pos);
+        for q in s.q.iter_mut() {
+            *q *= f;
         }
-        Some(sections) => {
-            let p = pos as u32;
-            for x in [&mut *s.q, &mut *s.k] {
-                rope_imrope_scaled(
-                    x,
-                    hp.head_dim,
-                    hp.n_rot,
-                    [p, p, p, 0],
-                    sections,
-                    hp.rope_base,
-                    hp.rope_yarn.as_ref(),
-                );
+    } else {
+        match hy.rope_sections {
+            Some(_) if aw.rope_freqs.is_some() => {
+                return Err(ForwardError::Shape("RoPE frequency factors with sections"));
             }
-        }
-        None => {
-            if aw.rope_freqs.is_some_and(|f| f.len() != hp.n_rot / 2) {
-                return Err(ForwardError::Shape("RoPE frequency factors"));
+            Some(sections) => {
+                let p = pos as u32;
+                for x in [&mut *s.q, &mut *s.k] {
+                    rope_imrope_scaled(
+                        x,
+                        hp.head_dim,
+                        hp.n_rot,
+                        [p, p, p, 0],
+                        sections,
+                        hp.rope_base,
+                        hp.rope_yarn.as_ref(),
+                    );
+                }
             }
-            for x in [&mut *s.q, &mut *s.k] {
-                rope_factored(
-                    x,
-                    hp.head_dim,
-                    hp.n_rot,
-                    pos as u32,
-                    hp.rope_base,
-                    hp.rope_style,
-                    hp.rope_yarn.as_ref(),
-                    aw.rope_freqs,
-                );
+            None => {
+                if aw.rope_freqs.is_some_and(|f| f.len() != hp.n_rot / 2) {
+                    return Err(ForwardError::Shape("RoPE frequency factors"));
+                }
+                for x in [&mut *s.q, &mut *s.k] {
+                    rope_factored(
+                        x,
+                        hp.head_dim,
+                        hp.n_rot,
+                        pos as u32,
+                        hp.rope_base,
+                        hp.rope_style,
+                        hp.rope_yarn.as_ref(),
+                        aw.rope_freqs,
+                    );
+                }
             }
         }
     }

@@ -137,9 +137,13 @@ pub struct SynthArgs {
     /// Write Llama 3.1's RoPE frequency factors (`rope_freqs.weight`, as
     /// llama.cpp's converter computes them: factor 8, low and high frequency
     /// factors 1 and 4), over an original context of 256 positions so that
-    /// they matter within a few dozen (llama, mixtral).
+    /// they matter within a few dozen (llama, mixtral, llama4).
     #[arg(long)]
     pub rope_freqs: bool,
+    /// llama4: experts on every N-th layer (`interleave_moe_layer_step`;
+    /// default 1 as Llama 4 Scout, 2 as Maverick), dense SwiGLU between.
+    #[arg(long, value_name = "N")]
+    pub moe_every: Option<u64>,
     /// Omit output.weight (qwen3moe, llama): llama.cpp then uses token_embd.weight.
     #[arg(long)]
     pub tie_embeddings: bool,
@@ -210,6 +214,7 @@ impl SynthArgs {
             mtp_layers: self.mtp_layers,
             q_lora_rank: self.q_lora_rank,
             rope_freqs: self.rope_freqs,
+            moe_every: self.moe_every,
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)
     }

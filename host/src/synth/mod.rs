@@ -136,6 +136,13 @@ pub enum Arch {
     /// RoPE, every layer softmax-routed experts plus an ungated shared expert.
     #[value(name = "hunyuan-moe")]
     HunyuanMoe,
+    /// Llama 4 (llama.cpp's `llama4`): Llama attention, chunked on three
+    /// layers of four and without RoPE on the fourth, experts every
+    /// `--moe-every` layers (Scout's 1 by default, Maverick's 2) picked by
+    /// logit and weighing their inputs, an ungated shared expert as wide as
+    /// one routed expert, dense SwiGLU layers in between.
+    #[value(name = "llama4")]
+    Llama4,
 }
 
 impl Arch {
@@ -156,6 +163,7 @@ impl Arch {
             Arch::MinimaxM2 => "minimax-m2",
             Arch::Dots1 => "dots1",
             Arch::HunyuanMoe => "hunyuan-moe",
+            Arch::Llama4 => "llama4",
         }
     }
 
@@ -182,6 +190,7 @@ impl Arch {
                 | Arch::Qwen35moe
                 | Arch::Qwen3next
                 | Arch::Ernie45moe
+                | Arch::Llama4
         )
     }
 
@@ -216,6 +225,7 @@ impl Arch {
                 | Arch::Bailingmoe2
                 | Arch::Dots1
                 | Arch::HunyuanMoe
+                | Arch::Llama4
         )
     }
 
@@ -711,6 +721,7 @@ pub struct Overrides {
     pub mtp_layers: Option<u64>,
     pub q_lora_rank: Option<u64>,
     pub rope_freqs: bool,
+    pub moe_every: Option<u64>,
 }
 
 /// Why a configuration or a write failed.
@@ -771,8 +782,11 @@ pub struct SynthConfig {
     pub tie_embeddings: bool,
     /// deepseek2's query compression rank (0: none).
     pub q_lora_rank: u64,
-    /// Llama 3.1's `rope_freqs.weight` (llama and mixtral).
+    /// Llama 3.1's `rope_freqs.weight` (llama, mixtral and llama4).
     pub rope_freqs: bool,
+    /// llama4's `interleave_moe_layer_step`: experts on every this many
+    /// layers (0 for the other architectures).
+    pub moe_every: u64,
 }
 
 impl SynthConfig {
@@ -842,10 +856,34 @@ impl SynthConfig {
             }
             s.kv_heads = s.heads;
         }
-        if o.rope_freqs && !matches!(arch, Arch::Llama | Arch::Mixtral) {
+        if o.rope_freqs && !matches!(arch, Arch::Llama | Arch::Mixtral | Arch::Llama4) {
             return config_err(format!(
-                "--rope-freqs applies to llama and mixtral, not {name}"
+                "--rope-freqs applies to llama, mixtral and llama4, not {name}"
             ));
+        }
+        let moe_every = match (arch, o.moe_every) {
+            (Arch::Llama4, None) => 1,
+            (Arch::Llama4, Some(0)) => return config_err("--moe-every must be positive"),
+            (Arch::Llama4, Some(n)) if n > s.layers => {
+                return config_err(format!(
+                    "--moe-every {n} leaves no layer of {} with experts",
+                    s.layers
+                ))
+            }
+            (Arch::Llama4, Some(n)) => n,
+            (_, Some(_)) => {
+                return config_err(format!("--moe-every applies to llama4, not {name}"))
+            }
+            (_, None) => 0,
+        };
+        if arch == Arch::Llama4 {
+            // llama.cpp's llama4 sizes the shared expert as a routed one.
+            if o.shared_ff
+                .is_some_and(|f| Some(f) != o.expert_ff.or(Some(s.expert_ff)))
+            {
+                return config_err("llama4: the shared expert is as wide as --expert-ff");
+            }
+            s.shared_ff = s.expert_ff;
         }
         if o.q_lora_rank.is_some() && arch != Arch::Deepseek2 {
             return config_err(format!("--q-lora-rank applies to deepseek2, not {name}"));
@@ -935,6 +973,7 @@ impl SynthConfig {
             tie_embeddings: o.tie_embeddings,
             q_lora_rank: o.q_lora_rank.unwrap_or(4 * s.head_dim),
             rope_freqs: o.rope_freqs,
+            moe_every,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1373,6 +1412,15 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         );
         if matches!(cfg.arch, Arch::Ernie45moe | Arch::Dots1) {
             lead_dense_or_biased_moe(cfg, l, &mut add);
+        } else if cfg.arch == Arch::Llama4 {
+            // Experts on every `moe_every`-th layer, each with an ungated
+            // shared expert; dense SwiGLU on the others.
+            if (l + 1).is_multiple_of(cfg.moe_every) {
+                routed_experts(cfg, l, &mut add);
+                swiglu_ffn(cfg, l, &mut add, s.shared_ff, "_shexp");
+            } else {
+                swiglu_ffn(cfg, l, &mut add, s.ff, "");
+            }
         } else if cfg.is_moe() {
             routed_experts(cfg, l, &mut add);
             if cfg.arch == Arch::MinimaxM2 {
@@ -1977,8 +2025,16 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.attention.value_length"), u32v(s.head_dim));
         }
     }
-    if matches!(cfg.arch, Arch::Llama | Arch::Mixtral) {
+    if matches!(cfg.arch, Arch::Llama | Arch::Mixtral | Arch::Llama4) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
+    }
+    if cfg.arch == Arch::Llama4 {
+        // As llama.cpp's converter writes a Llama 4 (no sliding-window key:
+        // its loader then chunks, as for Scout and Maverick).
+        kv(
+            format!("{a}.interleave_moe_layer_step"),
+            u32v(cfg.moe_every),
+        );
     }
     if cfg.arch.is_hybrid() {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
@@ -2087,14 +2143,21 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.expert_count"), u32v(s.experts));
         kv(format!("{a}.expert_used_count"), u32v(s.top_k));
         kv(format!("{a}.expert_feed_forward_length"), u32v(s.expert_ff));
-        if s.shared_ff > 0 && !matches!(cfg.arch, Arch::Glm4moe | Arch::Deepseek2 | Arch::Dots1) {
+        if s.shared_ff > 0
+            && !matches!(
+                cfg.arch,
+                Arch::Glm4moe | Arch::Deepseek2 | Arch::Dots1 | Arch::Llama4
+            )
+        {
             // bailingmoe2: one expert's width, times `expert_shared_count`.
             kv(
                 format!("{a}.expert_shared_feed_forward_length"),
                 u32v(s.shared_ff),
             );
         }
-        if cfg.arch != Arch::Ernie45moe {
+        // llama.cpp's graph fixes ERNIE's and Llama 4's routing; their
+        // converters write no such keys.
+        if !matches!(cfg.arch, Arch::Ernie45moe | Arch::Llama4) {
             kv(
                 format!("{a}.expert_weights_norm"),
                 MetaValue::Bool(cfg.arch.normalizes()),
@@ -2138,6 +2201,8 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             // MiniMax-M2's (llama.cpp: the o200k pattern, as gpt-4o's).
             ("tokenizer.ggml.pre", Arch::MinimaxM2) => "minimax-m2".into(),
             ("tokenizer.ggml.pre", Arch::HunyuanMoe) => "hunyuan".into(),
+            // Llama 4's (llama.cpp: the o200k pattern, as gpt-4o's).
+            ("tokenizer.ggml.pre", Arch::Llama4) => "llama4".into(),
             _ => v,
         };
         m.push((key.to_string(), v));
@@ -2353,6 +2418,7 @@ mod tests {
             Arch::MinimaxM2,
             Arch::Dots1,
             Arch::HunyuanMoe,
+            Arch::Llama4,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {

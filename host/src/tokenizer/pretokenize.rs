@@ -33,7 +33,8 @@ pub enum PreTokenizer {
     /// As [`PreTokenizer::Qwen2`] with marks joining letters: `[\p{L}\p{M}]+` for
     /// `\p{L}+`, and `\p{M}` kept out of the punctuation class (`qwen35`).
     Qwen35,
-    /// The o200k pattern of GPT-4o and gpt-oss (`gpt-4o`, `minimax-m2`), as
+    /// The o200k pattern of GPT-4o and gpt-oss (`gpt-4o`, `minimax-m2`,
+    /// `llama4`, `kanana2`, `talkie`), as
     /// llama.cpp rewrites it for `std::regex`: words are an optional
     /// `[^\r\n\p{L}\p{N}]`, then "upper" letters (any but `a-z`) and "lower"
     /// ones (any but `A-Z`) as `U*L+` or else `U+L*`, then an optional
@@ -84,7 +85,8 @@ impl PreTokenizer {
             // splits (greedy `\s*` backs off to the last newline either way).
             "bailingmoe" | "bailingmoe2" | "llada-moe" => Self::Qwen2,
             "qwen35" => Self::Qwen35,
-            "gpt-4o" | "minimax-m2" => Self::Gpt4o,
+            // llama.cpp maps these names to its GPT4O pattern.
+            "gpt-4o" | "minimax-m2" | "llama4" | "kanana2" | "talkie" => Self::Gpt4o,
             "deepseek-v3" => Self::Deepseek3,
             "deepseek-llm" => Self::DeepseekLlm,
             "kimi-k2" => Self::KimiK2,

@@ -258,6 +258,7 @@ impl<'a, const L: usize> Index<'a, L> {
             n_ff_shared: (n_ff_shared > 0).then_some(n_ff_shared),
             act: les_core::model::config::ExpertAct::SwiGlu,
             groups: None,
+            weight_inputs: false,
         });
         let hp = Hparams {
             n_layers,

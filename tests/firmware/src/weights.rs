@@ -99,6 +99,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                     window: None,
                     rope_freqs: None,
                     norm_after_rope: false,
+                    nope: None,
                 }),
                 ffn_norm: vector(ib, &d.ffn_norm)?,
                 ffn,

@@ -376,12 +376,18 @@ where
                     expert_bias: expert_bias.as_ref(),
                 };
                 moe_union(hp, experts, mv, l, n_union, ahead, k, n, ffn, b, s)?;
+                let weigh = super::weighs_inputs(hp);
                 // Combine each position's outputs in its router order, the
                 // shared expert's last, as the one-position pass does.
                 for j in 0..n {
                     let picks = (j * k..(j + 1) * k)
                         .filter(|&p| b.ids[p] != NO_EXPERT)
-                        .map(|p| (b.weights[p], &b.out[p * e..][..e]));
+                        .map(|p| {
+                            (
+                                super::output_weight(b.weights[p], weigh),
+                                &b.out[p * e..][..e],
+                            )
+                        });
                     let sh = shared.is_some().then(|| &b.shared[j * e..][..e]);
                     combine(s.moe, picks, sh, &mut b.h[j * e..][..e]);
                 }
@@ -862,14 +868,17 @@ fn moe_union<X: Experts, M: MatVec>(
                     let mut picks = (0..n * k).filter(|&p| b.ids[p] == expert);
                     let mut crc = None;
                     let checked = if verify { picks.next() } else { None };
+                    let weigh = super::weighs_inputs(hp);
                     if let Some(p) = checked {
                         let x = &b.x[(p / k) * e..][..e];
+                        let x = super::pick_input(x, weigh.then_some(b.weights[p]), s.moe);
                         let o = &mut b.out[p * e..][..e];
                         crc = swiglu_ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, o, true)?;
                     }
                     let mut m = 0;
                     for p in picks {
-                        b.gx[m * e..][..e].copy_from_slice(&b.x[(p / k) * e..][..e]);
+                        let (x, gx) = (&b.x[(p / k) * e..][..e], &mut b.gx[m * e..][..e]);
+                        super::copy_input(x, weigh.then_some(b.weights[p]), gx);
                         m += 1;
                     }
                     if m > 0 {
