@@ -1417,7 +1417,7 @@ fn speculative_passes(m: &Model, first: usize, draft: usize, positions: usize) -
 /// window over a ring, is an error, never a wrong answer.
 #[test]
 fn sliding_window_rings_equal_a_full_cache() {
-    let m = build_oss(
+    let oss = build_oss(
         21,
         GgmlType::Q8_0,
         [GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::Q8_0],
@@ -1426,39 +1426,53 @@ fn sliding_window_rings_equal_a_full_cache() {
         window: OSS_WINDOW,
         pattern: 2,
     };
-    let one_at_a_time: Vec<Pass> = speculative_passes(&m, 1, 1, RING_POSITIONS);
-    for (passes, largest) in [
-        (one_at_a_time, 1),
-        (speculative_passes(&m, 4, 4, RING_POSITIONS), 4),
-        (speculative_passes(&m, 2, 3, RING_POSITIONS), 3),
-    ] {
-        let ring = KvRing::for_passes(window, largest);
-        assert!(3 * ring.span < RING_POSITIONS, "the rings turn over");
-        for f16 in [false, true] {
-            let want = ring_run(&m, &passes, None, f16);
-            let got = ring_run(&m, &passes, Some(ring), f16);
-            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-                let (w, g) = (w.clone().unwrap(), g.clone().unwrap());
-                assert_bits_eq(
-                    &[w],
-                    &[g],
-                    &format!("pass {i} at {} (f16 {f16})", passes[i].pos),
-                );
+    // Llama 4's chunked layers (0 and 2 here) in rings of a chunk: a query
+    // sees at most a chunk back.
+    let llama4 = build_llama4(
+        21,
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_1],
+    );
+    let chunks = SlidingWindow {
+        window: LLAMA4_CHUNK,
+        pattern: 2,
+    };
+    for (m, window) in [(&oss, window), (&llama4, chunks)] {
+        let one_at_a_time: Vec<Pass> = speculative_passes(m, 1, 1, RING_POSITIONS);
+        for (passes, largest) in [
+            (one_at_a_time, 1),
+            (speculative_passes(m, 4, 4, RING_POSITIONS), 4),
+            (speculative_passes(m, 2, 3, RING_POSITIONS), 3),
+        ] {
+            let ring = KvRing::for_passes(window, largest);
+            assert!(3 * ring.span < RING_POSITIONS, "the rings turn over");
+            for f16 in [false, true] {
+                let want = ring_run(m, &passes, None, f16);
+                let got = ring_run(m, &passes, Some(ring), f16);
+                for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                    let (w, g) = (w.clone().unwrap(), g.clone().unwrap());
+                    assert_bits_eq(
+                        &[w],
+                        &[g],
+                        &format!("pass {i} at {} (f16 {f16})", passes[i].pos),
+                    );
+                }
+            }
+            // A ring for shorter passes refuses the longest.
+            if largest > 1 {
+                let short = KvRing::for_passes(window, largest - 1);
+                let got = ring_run(m, &passes, Some(short), false);
+                let first = passes
+                    .iter()
+                    .position(|p| p.tokens.len() == largest)
+                    .unwrap();
+                assert!(got[..first].iter().all(|r| r.is_ok()));
+                let err = got[first].as_ref().unwrap_err();
+                assert!(err.contains("ring"), "{err}");
             }
         }
-        // A ring for shorter passes refuses the longest.
-        if largest > 1 {
-            let short = KvRing::for_passes(window, largest - 1);
-            let got = ring_run(&m, &passes, Some(short), false);
-            let first = passes
-                .iter()
-                .position(|p| p.tokens.len() == largest)
-                .unwrap();
-            assert!(got[..first].iter().all(|r| r.is_ok()));
-            let err = got[first].as_ref().unwrap_err();
-            assert!(err.contains("ring"), "{err}");
-        }
     }
+    let m = oss;
     // Rings on the even layers, which here attend to all positions: once the
     // positions outgrow the window, an error.
     let mut full = build_oss(

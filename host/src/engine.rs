@@ -90,13 +90,16 @@ pub struct Session<'m> {
     swa: SwaCache,
 }
 
-/// How a session keeps the keys and values of sliding-window layers
-/// (gpt-oss's even layers), as llama.cpp's `--swa-full` chooses.
+/// How a session keeps the keys and values of the layers whose queries see
+/// only the last positions (gpt-oss's sliding windows, Llama 4's chunks:
+/// [`Model::kv_window`]), as llama.cpp's `--swa-full` chooses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SwaCache {
     /// In rings of the window plus the largest pass (prefill batch or
     /// verified draft) less one position, as llama.cpp does by default:
-    /// about half the KV memory of gpt-oss at long contexts. The session then
+    /// about half the KV memory of gpt-oss at long contexts, up to three
+    /// quarters of Llama 4's (its chunked layers keep twice a chunk and a
+    /// pass, past which rings start). The session then
     /// goes back ([`Session::rewind`]) at most that pass, and a prompt cache
     /// it saves restores only (nearly) all of its tokens.
     #[default]
@@ -258,7 +261,7 @@ fn read_row(
 /// less memory than the positions (models whose layers all have attention).
 fn kv_layout(model: &Model, max_positions: usize, swa: SwaCache, passes: usize) -> KvLayout {
     let (hp, hy) = (&model.hp, &model.hybrid);
-    let ring = match (swa, model.sliding_window) {
+    let ring = match (swa, model.kv_window) {
         (SwaCache::Window, Some(w)) if hy.n_attn_layers == hp.n_layers && hy.mla.is_none() => {
             Some(KvRing::for_passes(w, passes)).filter(|r| r.span.saturating_mul(2) < max_positions)
         }
@@ -459,7 +462,7 @@ impl<'m> Session<'m> {
     /// of them, or the last window of a sliding-window layer in a state that
     /// [`saves_windows`](Self::saves_windows).
     fn saved_positions(&self, c: usize, n: usize, windows: bool) -> std::ops::Range<usize> {
-        match self.model.sliding_window {
+        match self.model.kv_window {
             Some(w) if windows && w.of_layer(c).is_some() => n.saturating_sub(w.window)..n,
             _ => 0..n,
         }
@@ -513,7 +516,7 @@ impl<'m> Session<'m> {
         if keep != n && self.model.hybrid.linear.is_some() {
             return Err("a recurrent state cannot be cut short".into());
         }
-        if let Some(w) = self.model.sliding_window.filter(|_| windows && keep < n) {
+        if let Some(w) = self.model.kv_window.filter(|_| windows && keep < n) {
             // The next position's window: the `window - 1` before it.
             let needed = keep.saturating_sub(w.window - 1);
             if needed < n.saturating_sub(w.window) {

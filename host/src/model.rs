@@ -361,8 +361,11 @@ pub struct Model {
     pub n_nextn_layers: usize,
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
-    /// Its sliding-window attention layers (gpt-oss's even layers), if any.
-    pub sliding_window: Option<SlidingWindow>,
+    /// Its layers whose queries see at most `window` positions back, in the
+    /// period they repeat with: gpt-oss's sliding windows (its even layers),
+    /// Llama 4's chunks (three layers of four). The KV cache keeps those
+    /// layers in rings ([`SwaCache::Window`](crate::engine::SwaCache::Window)).
+    pub kv_window: Option<SlidingWindow>,
     /// RoPE frequency factors (`rope_freqs.weight`, Llama 3.1's scaling),
     /// where the architecture reads them and the file has them.
     rope_freqs: Option<Vec<f32>>,
@@ -530,6 +533,9 @@ fn uniform_usize(g: &Gguf<MappedFile>, key: &str, n: usize) -> Result<Option<usi
 #[derive(Debug)]
 struct Llama4Attention {
     chunked: Vec<bool>,
+    /// The period of the chunked layers (`l % pattern < pattern - 1`), where
+    /// they have one.
+    pattern: Option<usize>,
     kq_norm: bool,
 }
 
@@ -556,6 +562,15 @@ impl Llama4Attention {
             .then_some(AttnWindow::Chunked(LLAMA4_CHUNK))
     }
 
+    /// The chunked layers as a KV ring sees them: a query sees at most a
+    /// chunk back, as in a sliding window of a chunk.
+    fn kv_window(&self) -> Option<SlidingWindow> {
+        self.pattern.map(|pattern| SlidingWindow {
+            window: LLAMA4_CHUNK,
+            pattern,
+        })
+    }
+
     /// The Q/K norm of layer `layer`: ones (a norm without weights, bit for
     /// bit), on the layers with RoPE, where the model has them.
     fn unit_norm(&self, layer: usize, head_dim: usize) -> Option<Vec<f32>> {
@@ -578,12 +593,17 @@ fn llama4_attention(
         )));
     }
     let key = format!("{a}.attention.sliding_window_pattern");
+    let mut pattern = None;
     let chunked = match g.get(&key) {
-        None => (0..n_layers).map(|l| l % 4 < 3).collect(),
+        None => {
+            pattern = Some(4);
+            (0..n_layers).map(|l| l % 4 < 3).collect()
+        }
         Some(v) => match (v.as_u64(), v.as_array()) {
             (Some(0), _) => vec![true; n_layers],
             (Some(p), _) => {
-                let p = p as usize;
+                let p = p.min(n_layers as u64 + 1) as usize;
+                pattern = (p >= 2).then_some(p);
                 (0..n_layers).map(|l| l % p < p - 1).collect()
             }
             (None, Some(arr)) if arr.len() == n_layers => arr
@@ -608,6 +628,7 @@ fn llama4_attention(
     }
     Ok(Llama4Attention {
         chunked,
+        pattern,
         kq_norm: n_experts != 128,
     })
 }
@@ -1494,7 +1515,7 @@ impl Model {
             hybrid,
             n_nextn_layers,
             n_ctx_train,
-            sliding_window: swa,
+            kv_window: swa.or(llama4.as_ref().and_then(|l4| l4.kv_window())),
             rope_freqs,
             layers,
             nextn,
@@ -1957,7 +1978,10 @@ mod tests {
         w.write_header(file).unwrap().finish().unwrap();
         let err = super::Model::open(&path).unwrap_err().to_string();
         let _ = std::fs::remove_file(&path);
-        assert!(err.contains("unsupported architecture: granitemoe"), "{err}");
+        assert!(
+            err.contains("unsupported architecture: granitemoe"),
+            "{err}"
+        );
         for a in Arch::ALL {
             assert!(err.contains(a.name()), "{err}");
         }

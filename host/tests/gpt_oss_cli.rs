@@ -297,7 +297,7 @@ fn session_rings_grow_rewind_and_restore_like_full_caches() {
 
     let path = model("mxfp4", &["--expert-type", "mxfp4"]);
     let model = Model::open(&path).unwrap();
-    let window = model.sliding_window.unwrap().window;
+    let window = model.kv_window.unwrap().window;
     let supply = || {
         Supply::new(
             &model,

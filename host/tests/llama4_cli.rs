@@ -242,3 +242,39 @@ fn log_probabilities_past_the_first_chunk_equal_llama_cpp() {
     assert!(d["max"].as_f64().unwrap() < 1e-4, "{d}");
     assert_eq!(d["same_top"].as_f64().unwrap(), 1.0, "{d}");
 }
+
+/// With a context past twice a chunk and a pass, the chunked layers are kept
+/// in rings (llama.cpp's SWA cache) and decode as with every position kept
+/// (`--swa-full`): the same tokens and logits, bit for bit, in a fraction of
+/// the memory. (That the rings turn over exactly: les-core's
+/// `sliding_window_rings_equal_a_full_cache`, on chunks of 4.)
+#[test]
+fn chunked_layers_take_rings_at_long_contexts() {
+    let m = model("q", &[]);
+    let run = |name: &str, extra: &[&str]| {
+        let args = [&["--ctx", "20000", "-b", "64"][..], extra].concat();
+        let (tokens, logits) = cli::greedy_logits(&m, name, &args);
+        let v = cli::greedy_json(&m, &args);
+        (tokens, logits, v["stats"]["kv_cache"].clone())
+    };
+    let (full_tokens, full_logits, full) = run("full", &["--swa-full"]);
+    let (tokens, logits, rings) = run("rings", &[]);
+    assert_eq!(tokens, full_tokens);
+    assert!(logits == full_logits, "logits differ");
+    assert!(full["swa_ring_positions"].is_null(), "{full}");
+    assert_eq!(
+        rings["swa_ring_positions"],
+        LLAMA4_CHUNK + 64 - 1,
+        "{rings}"
+    );
+    // One layer of four keeps 20000 positions, three twice their ring.
+    let (r, f) = (
+        rings["bytes"].as_u64().unwrap(),
+        full["bytes"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        r * 20000,
+        f * (20000 + 3 * 2 * (LLAMA4_CHUNK as u64 + 63)) / 4,
+        "{rings} {full}"
+    );
+}

@@ -321,8 +321,9 @@ pub struct CacheArgs {
     #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16", value_parser = super::values::kv_type)]
     pub v: les_core::model::forward::KvType,
     /// Keep every position of the sliding-window layers (gpt-oss's even
-    /// layers), as llama.cpp's --swa-full: without it they keep only their
-    /// window plus a batch, about half the KV memory at long contexts, and a
+    /// layers) and chunked ones (Llama 4's), as llama.cpp's --swa-full:
+    /// without it they keep only their window or chunk plus a batch, half
+    /// to three quarters of the KV memory at long contexts, and a
     /// --prompt-cache restores only a prompt that starts with all its tokens.
     #[arg(long = "swa-full")]
     pub swa_full: bool,
