@@ -8,8 +8,9 @@
 //!   or several positions layer by layer ([`forward::forward_batch`], a prompt's
 //!   prefill), bit-identical to one at a time; [`forward::nextn`] runs
 //!   qwen35moe's multi-token-prediction block, which drafts for speculative
-//!   decoding; its [`forward::KvCache`] keeps sliding-window layers in rings
-//!   where the caller asks ([`forward::KvRing`]), with the same logits.
+//!   decoding; its [`forward::KvCache`] keeps sliding-window (and chunked)
+//!   layers in rings where the caller asks ([`forward::KvRing`]), with the
+//!   same logits.
 
 pub mod config;
 pub mod deltanet;

@@ -112,7 +112,8 @@ impl KvBuf<'_> {
 /// reads a window as it reads a full cache, with the same logits. After
 /// position `p` is written it holds positions `p + 1 - span ..= p`: a pass
 /// of `n` positions over a window of `w` needs `span >= w + n - 1`, and so
-/// does going back `n` positions.
+/// does going back `n` positions. A chunked layer (Llama 4's) sees at most
+/// a chunk back, so a ring whose window is the chunk holds it too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvRing {
     /// The windowed layers, by their index among the cache's layers (the
