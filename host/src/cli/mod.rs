@@ -7,6 +7,7 @@ mod pack;
 mod perplexity;
 mod prefill;
 mod run;
+mod serve;
 mod speculate;
 mod synth;
 pub(crate) mod values;
@@ -23,6 +24,7 @@ pub use mcu::McuIndexArgs;
 pub use pack::PackArgs;
 pub use perplexity::PerplexityArgs;
 pub use run::{NpyWriter, RunArgs};
+pub use serve::ServeArgs;
 pub use synth::SynthArgs;
 
 /// LES: large MoE models on small devices, experts streamed from flash.
@@ -43,6 +45,8 @@ pub enum Command {
     Pack(PackArgs),
     /// Generate text from a prompt.
     Run(Box<RunArgs>),
+    /// Serve the model over HTTP with llama-server's OpenAI-style endpoints.
+    Serve(Box<ServeArgs>),
     /// Compare expert schedules on one model and budget, cold cache.
     Bench(Box<BenchArgs>),
     /// A model's perplexity over a text, or its KL divergence from a base model's.
@@ -59,6 +63,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Command::Inspect(args) => inspect::run(args, out),
         Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
+        Command::Serve(args) => serve::run(args, out),
         Command::Bench(args) => bench::run(args, out),
         Command::Perplexity(args) => perplexity::run(args, out),
         Command::Synth(args) => synth::run(args, out),

@@ -17,6 +17,7 @@ use crate::engine::{generate_from, Control, Session};
 use crate::flash::{FileDeviceConfig, IoEngine};
 use crate::grammar::{json_schema_to_gbnf, Grammar, GrammarError, TokenGrammar};
 use crate::model::Model;
+use crate::reply::Reply;
 use crate::sampling::{Dry, DrySettings, Penalties, Sampler, SamplerConfig, DEFAULT_BREAKERS};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::{Conversation, Tokenizer};
@@ -1312,135 +1313,6 @@ fn converse(
             return Err(context_full(ctx).into());
         }
     }
-}
-
-/// A reply as it is generated: its tokens and text up to an
-/// end-of-generation token (kept apart) or a stop string (`--stop`: the text
-/// from it on kept apart), each token's text streamed to an output as it
-/// comes, less what may be the start of a stop string.
-struct Reply<'t> {
-    tokenizer: &'t Tokenizer,
-    decoder: crate::tokenizer::StreamDecoder<'t>,
-    tokens: Vec<u32>,
-    text: String,
-    eog: Option<u32>,
-    stops: &'t [String],
-    /// Bytes of `text` written to the output (or, without one, passed).
-    written: usize,
-    /// The stop string that ended the reply (its index in `stops`), and the
-    /// text cut from it on.
-    stopped: Option<(usize, String)>,
-    /// The first error writing the reply (or anything else the caller
-    /// stopped generating for), returned by [`finish`](Self::finish).
-    write_err: Option<std::io::Error>,
-}
-
-impl<'t> Reply<'t> {
-    fn new(tokenizer: &'t Tokenizer, stops: &'t [String]) -> Self {
-        Reply {
-            tokenizer,
-            decoder: tokenizer.stream_decoder(false),
-            tokens: Vec::new(),
-            text: String::new(),
-            eog: None,
-            stops,
-            written: 0,
-            stopped: None,
-            write_err: None,
-        }
-    }
-
-    /// Takes the sampled token `t`, writing its text to `out` if given; stops
-    /// at an end-of-generation token, a stop string or a write error.
-    fn take(&mut self, t: u32, out: Option<&mut dyn Write>) -> Control {
-        if self.tokenizer.is_eog(t) {
-            self.eog = Some(t);
-            return Control::Stop;
-        }
-        self.tokens.push(t);
-        let piece = self.decoder.decode_piece(t);
-        let from = self.text.len();
-        self.text.push_str(&piece);
-        let stopped = self.cut_at_stop(from);
-        let end = if stopped {
-            self.text.len()
-        } else {
-            self.text.len() - held_back(&self.text, self.stops)
-        };
-        if let (Some(out), true) = (out, end > self.written) {
-            let new = &self.text.as_bytes()[self.written..end];
-            if let Err(e) = out.write_all(new).and_then(|()| out.flush()) {
-                self.write_err = Some(e);
-                return Control::Stop;
-            }
-        }
-        self.written = self.written.max(end);
-        if stopped {
-            Control::Stop
-        } else {
-            Control::Continue
-        }
-    }
-
-    /// Where a stop string ends in `text` past byte `from` (text before it
-    /// was searched already), cuts `text` where the earliest such one starts.
-    fn cut_at_stop(&mut self, from: usize) -> bool {
-        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
-        let mut start = from.saturating_sub(longest.saturating_sub(1));
-        while !self.text.is_char_boundary(start) {
-            start -= 1;
-        }
-        let found = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, stop)| {
-                self.text[start..]
-                    .find(stop.as_str())
-                    .map(|at| (start + at, i))
-            })
-            .min();
-        match found {
-            Some((at, i)) => {
-                let cut = self.text.split_off(at);
-                self.stopped = Some((i, cut));
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The text not yet written (what the decoder still held, and what was
-    /// held back as the possible start of a stop string; the caller writes
-    /// it), or the error that stopped the reply.
-    fn finish(&mut self) -> Result<String, std::io::Error> {
-        if let Some(e) = self.write_err.take() {
-            return Err(e);
-        }
-        let tail = self.decoder.finish();
-        let from = self.text.len();
-        self.text.push_str(&tail);
-        if self.stopped.is_none() {
-            self.cut_at_stop(from);
-        }
-        let rest = self.text[self.written.min(self.text.len())..].to_string();
-        self.written = self.text.len();
-        Ok(rest)
-    }
-}
-
-/// How many bytes at the end of `text` are the start of some stop string
-/// (held back from the output until the next token tells).
-fn held_back(text: &str, stops: &[String]) -> usize {
-    stops
-        .iter()
-        .flat_map(|stop| {
-            (1..stop.len())
-                .filter(|&k| stop.is_char_boundary(k) && text.ends_with(&stop[..k]))
-                .max()
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// What `--conversation` prints before it reads stdin.

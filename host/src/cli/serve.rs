@@ -1,0 +1,153 @@
+//! `les serve`: llama-server's OpenAI-style endpoints over one model
+//! ([`crate::serve`]).
+
+use std::error::Error;
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use les_core::gemv::Isa;
+
+use super::run::{CacheArgs, ExpertArgs};
+use crate::compute::{default_threads, ThreadedMatVec};
+use crate::engine::Session;
+use crate::model::Model;
+use crate::serve::{http::Limits, serve, Engine, ServeOptions};
+use crate::supply::Supply;
+use crate::tokenizer::Tokenizer;
+use crate::vision::ClipModel;
+
+/// Arguments of `les serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The model (GGUF).
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// Vision projector (mmproj GGUF): chat messages may then carry images
+    /// (`image_url` parts with base64 `data:` URLs).
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// The model's name in answers and `/v1/models` (default: its file name).
+    #[arg(long)]
+    pub alias: Option<String>,
+    /// Context size in positions, shared by a request's prompt and reply
+    /// (default: the model's training context, at most 4096).
+    #[arg(long, value_parser = super::values::tokens)]
+    pub ctx: Option<usize>,
+    /// Compute threads (default: physical cores).
+    #[arg(short, long, value_parser = super::values::threads)]
+    pub threads: Option<usize>,
+    /// Where the experts live.
+    #[command(flatten)]
+    pub experts: ExpertArgs,
+    /// KV cache types.
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    /// Prompt positions evaluated at once (see `les run -b`).
+    #[arg(short = 'b', long, default_value_t = crate::engine::DEFAULT_PREFILL_BATCH,
+          value_parser = super::values::batch)]
+    pub batch_size: usize,
+    /// Lookahead prediction (les schedule).
+    #[command(flatten)]
+    pub lookahead: crate::bench::LookaheadArgs,
+    /// Require this key (`Authorization: Bearer KEY`) of every request but
+    /// `/health` (llama-server's --api-key); also read from `LES_API_KEY`.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Connections served at once; more are answered 503.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_connections: u16,
+}
+
+/// Runs `les serve` until the process is stopped.
+pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let t0 = Instant::now();
+    args.experts.check()?;
+    let model = Model::open(&args.model)?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    let clip = match &args.mmproj {
+        Some(path) => {
+            let clip = ClipModel::open(path)?;
+            if clip.hp.n_mmproj_embd != model.hp.n_embd {
+                return Err(format!(
+                    "the projector {} makes {}-wide embeddings, the model's are {} wide",
+                    path.display(),
+                    clip.hp.n_mmproj_embd,
+                    model.hp.n_embd
+                )
+                .into());
+            }
+            Some(clip)
+        }
+        None => None,
+    };
+    let train = model.n_ctx_train.max(1);
+    let ctx = args.ctx.unwrap_or(train.min(4096)).max(2);
+    if ctx > train {
+        note!(
+            "les: warning: the context of {ctx} positions (--ctx) is longer than the {train} \
+             the model was trained on; generation past them may degrade"
+        );
+    }
+    let (schedule, budget) = args.experts.resolve(&model)?;
+    let threads = args.threads.unwrap_or_else(default_threads).max(1);
+    let mv = ThreadedMatVec::new(threads, Isa::detect());
+    let supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
+    model.populate_resident();
+    let lookahead = crate::bench::lookahead(&model, &args.lookahead);
+    let mut session = Session::with_kv(&model, ctx, args.cache.types(), args.cache.swa())?;
+    session.set_prefill_batch(args.batch_size)?;
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .map_err(|e| format!("cannot listen on {}:{}: {e}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    let model_id = args.alias.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    note!(
+        "les: {} ({} layers, {} experts), schedule {schedule}, {threads} threads, KV cache {ctx} \
+         positions ({:.1} MiB), loaded in {:.2?}",
+        model.arch.name(),
+        model.hp.n_layers,
+        model.hp.moe.map_or(0, |m| m.n_experts),
+        session.kv_bytes() as f64 / (1 << 20) as f64,
+        t0.elapsed()
+    );
+    note!(
+        "les: listening on http://{addr} (POST /v1/chat/completions, /v1/completions; \
+         GET /v1/models, /health)"
+    );
+    let mut engine = Engine::new(
+        &model,
+        &tokenizer,
+        clip.as_ref(),
+        session,
+        mv,
+        supply,
+        lookahead,
+    );
+    serve(
+        listener,
+        &mut engine,
+        &ServeOptions {
+            model_id,
+            limits: Limits::default(),
+            max_connections: usize::from(args.max_connections),
+            api_key: args
+                .api_key
+                .clone()
+                .or_else(|| std::env::var("LES_API_KEY").ok())
+                .filter(|k| !k.is_empty()),
+        },
+    );
+    Ok(())
+}

@@ -1,0 +1,619 @@
+//! The OpenAI-style requests `les serve` takes (llama-server's subset of
+//! them), read from JSON into a [`Completion`], and the errors it answers
+//! with. What changes the answer and is not supported (`n > 1`, log
+//! probabilities, tools) is refused by name; other unknown fields are
+//! ignored, as clients send many.
+
+use serde_json::{json, Map, Value};
+
+use crate::grammar::json_schema_to_gbnf;
+use crate::vision::MEDIA_MARKER;
+
+/// Largest image a request may carry, decoded (as `--image` files).
+pub const MAX_IMAGE_BYTES: usize = 32 << 20;
+
+/// Images a request may carry.
+pub const MAX_IMAGES: usize = 16;
+
+/// Stop strings a request may give (OpenAI allows 4; llama-server more).
+pub const MAX_STOPS: usize = 16;
+
+/// An error answered as `{"error": {"code", "message", "type"}}`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    /// One line saying what is wrong.
+    pub message: String,
+}
+
+impl ApiError {
+    /// A 400: the request is wrong.
+    pub fn bad(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: 400,
+            message: message.into(),
+        }
+    }
+
+    /// The JSON body of the answer (llama-server's and OpenAI's shape).
+    pub fn body(&self) -> Value {
+        let kind = match self.status {
+            404 => "not_found_error",
+            400..=499 => "invalid_request_error",
+            503 => "unavailable_error",
+            _ => "server_error",
+        };
+        json!({"error": {"code": self.status, "message": self.message, "type": kind}})
+    }
+}
+
+/// What the prompt is made of.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// `/v1/chat/completions`: messages for the model's chat template.
+    Chat(Vec<Message>),
+    /// `/v1/completions`: text evaluated as it is (BOS added where the model
+    /// adds one).
+    Text(String),
+}
+
+/// One chat message: its role and its content, images in it as
+/// [`MEDIA_MARKER`]s in order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    /// "system", "user", "assistant", ...
+    pub role: String,
+    /// Its text, with a marker where each image goes.
+    pub content: String,
+}
+
+/// The samplers' settings of one request (llama-server's names and defaults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// `temperature` (0.8; 0 is greedy).
+    pub temperature: f32,
+    /// `top_k` (40; 0 is off).
+    pub top_k: usize,
+    /// `top_p` (0.95).
+    pub top_p: f32,
+    /// `min_p` (0.05).
+    pub min_p: f32,
+    /// `typical_p` (1: off).
+    pub typical_p: f32,
+    /// `repeat_penalty` (1: off).
+    pub repeat_penalty: f32,
+    /// `frequency_penalty` (0).
+    pub frequency_penalty: f32,
+    /// `presence_penalty` (0).
+    pub presence_penalty: f32,
+    /// `repeat_last_n` (64).
+    pub repeat_last_n: usize,
+    /// `seed` (none: a new one each request).
+    pub seed: Option<u64>,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            typical_p: 1.0,
+            repeat_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repeat_last_n: 64,
+            seed: None,
+        }
+    }
+}
+
+/// A completion request, read and checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// The images of the prompt's markers, in order (encoded files: PNG or JPEG).
+    pub images: Vec<Vec<u8>>,
+    /// Answer as server-sent events, a chunk a token.
+    pub stream: bool,
+    /// `max_tokens` / `max_completion_tokens` / `n_predict`: most tokens to
+    /// generate (none: until the end of generation or a full context).
+    pub max_tokens: Option<usize>,
+    /// The samplers.
+    pub sampling: Sampling,
+    /// Stop strings: the reply ends before the first one.
+    pub stop: Vec<String>,
+    /// A GBNF grammar the reply follows (from `grammar`, `json_schema` or
+    /// `response_format`).
+    pub grammar: Option<String>,
+}
+
+/// Reads a `/v1/chat/completions` body.
+pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
+    let obj = object(body)?;
+    let messages = obj
+        .get("messages")
+        .ok_or_else(|| ApiError::bad("'messages' is required"))?
+        .as_array()
+        .ok_or_else(|| ApiError::bad("'messages' must be an array"))?;
+    if messages.is_empty() {
+        return Err(ApiError::bad("'messages' is empty"));
+    }
+    let mut images = Vec::new();
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let m = m
+            .as_object()
+            .ok_or_else(|| ApiError::bad(format!("messages[{i}] must be an object")))?;
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad(format!("messages[{i}].role must be a string")))?;
+        let content = match m.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => content_parts(parts, i, &mut images)?,
+            Some(_) => {
+                return Err(ApiError::bad(format!(
+                    "messages[{i}].content must be a string or an array of parts"
+                )))
+            }
+        };
+        out.push(Message {
+            role: role.to_string(),
+            content,
+        });
+    }
+    completion(&obj, Prompt::Chat(out), images)
+}
+
+/// Reads a `/v1/completions` body.
+pub fn text_request(body: &[u8]) -> Result<Completion, ApiError> {
+    let obj = object(body)?;
+    let prompt = match obj.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            a[0].as_str().unwrap_or_default().to_string()
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad(
+                "'prompt' must be one string (batches of prompts are not supported)",
+            ))
+        }
+        Some(_) => return Err(ApiError::bad("'prompt' must be a string")),
+        None => return Err(ApiError::bad("'prompt' is required")),
+    };
+    completion(&obj, Prompt::Text(prompt), Vec::new())
+}
+
+fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(ApiError::bad("the body must be a JSON object")),
+        Err(e) => Err(ApiError::bad(format!("the body is not JSON: {e}"))),
+    }
+}
+
+/// A message's content parts as text, an image marker where each image is.
+fn content_parts(parts: &[Value], i: usize, images: &mut Vec<Vec<u8>>) -> Result<String, ApiError> {
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let at = format!("messages[{i}].content[{j}]");
+        let kind = part
+            .get("type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad(format!("{at}.type must be a string")))?;
+        match kind {
+            "text" => text.push_str(
+                part.get("text")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::bad(format!("{at}.text must be a string")))?,
+            ),
+            "image_url" => {
+                let url = part
+                    .get("image_url")
+                    .and_then(|u| u.get("url").or(Some(u)))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::bad(format!("{at}.image_url.url must be a string")))?;
+                if images.len() == MAX_IMAGES {
+                    return Err(ApiError::bad(format!(
+                        "more than {MAX_IMAGES} images in one request"
+                    )));
+                }
+                images.push(data_url(url).map_err(|e| ApiError::bad(format!("{at}: {e}")))?);
+                text.push_str(MEDIA_MARKER);
+            }
+            other => {
+                return Err(ApiError::bad(format!(
+                    "{at}: content parts of type {other:?} are not supported (text, image_url)"
+                )))
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// The bytes of a base64 `data:` URL (`data:image/png;base64,...`); other
+/// URLs are refused (the server fetches nothing).
+pub fn data_url(url: &str) -> Result<Vec<u8>, String> {
+    let rest = url
+        .strip_prefix("data:")
+        .ok_or("images must be data: URLs (base64); the server fetches nothing")?;
+    let (meta, data) = rest
+        .split_once(',')
+        .ok_or("a data: URL without a ',' before its data")?;
+    if !meta.ends_with(";base64") {
+        return Err("a data: URL that is not base64".into());
+    }
+    if data.len() / 4 * 3 > MAX_IMAGE_BYTES + 3 {
+        return Err(format!("an image over {} MiB", MAX_IMAGE_BYTES >> 20));
+    }
+    base64(data)
+}
+
+/// Standard base64 (RFC 4648, `+/`, padding optional; whitespace skipped).
+pub fn base64(text: &str) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(text.len() / 4 * 3 + 3);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    let mut padding = 0;
+    for (i, c) in text.bytes().enumerate() {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            b'=' => {
+                padding += 1;
+                continue;
+            }
+            b' ' | b'\n' | b'\r' | b'\t' => continue,
+            _ => return Err(format!("invalid base64 at byte {i}")),
+        };
+        if padding > 0 {
+            return Err(format!("base64 data after its padding at byte {i}"));
+        }
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    if bits >= 6 || padding > 2 {
+        return Err("truncated base64".into());
+    }
+    Ok(out)
+}
+
+/// The fields both endpoints share.
+fn completion(
+    obj: &Map<String, Value>,
+    prompt: Prompt,
+    images: Vec<Vec<u8>>,
+) -> Result<Completion, ApiError> {
+    for (key, what) in [
+        ("tools", "tool calls"),
+        ("functions", "tool calls"),
+        ("logprobs", "log probabilities"),
+        ("top_logprobs", "log probabilities"),
+        ("n_probs", "log probabilities"),
+        ("echo", "echoing the prompt"),
+        ("suffix", "suffixes"),
+        ("best_of", "best_of"),
+    ] {
+        match obj.get(key) {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(Value::Number(n)) if n.as_f64() == Some(0.0) => {}
+            Some(_) => return Err(ApiError::bad(format!("'{key}': {what} are not supported"))),
+        }
+    }
+    if let Some(n) = obj.get("n").filter(|v| !v.is_null()) {
+        if n.as_u64() != Some(1) {
+            return Err(ApiError::bad("'n': one choice a request (n = 1) only"));
+        }
+    }
+    let d = Sampling::default();
+    let sampling = Sampling {
+        temperature: float(obj, "temperature", d.temperature, 0.0..=100.0)?,
+        top_k: count(obj, "top_k")?.unwrap_or(d.top_k),
+        top_p: float(obj, "top_p", d.top_p, 0.0..=1.0)?,
+        min_p: float(obj, "min_p", d.min_p, 0.0..=1.0)?,
+        typical_p: float(obj, "typical_p", d.typical_p, 0.0..=1.0)?,
+        repeat_penalty: float(obj, "repeat_penalty", d.repeat_penalty, 0.0..=100.0)?,
+        frequency_penalty: float(obj, "frequency_penalty", d.frequency_penalty, -2.0..=2.0)?,
+        presence_penalty: float(obj, "presence_penalty", d.presence_penalty, -2.0..=2.0)?,
+        repeat_last_n: count(obj, "repeat_last_n")?.unwrap_or(d.repeat_last_n),
+        seed: match obj.get("seed") {
+            None | Some(Value::Null) => None,
+            // llama-server's -1: a new seed.
+            Some(v) if v.as_i64() == Some(-1) => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .ok_or_else(|| ApiError::bad("'seed' must be a non-negative integer"))?,
+            ),
+        },
+    };
+    let mut max_tokens = None;
+    for key in ["max_tokens", "max_completion_tokens", "n_predict"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_i64() == Some(-1) => {}
+            Some(v) => {
+                max_tokens = Some(v.as_u64().ok_or_else(|| {
+                    ApiError::bad(format!("'{key}' must be a non-negative integer"))
+                })? as usize)
+            }
+        }
+    }
+    let stop = match obj.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<String>>>()
+            .ok_or_else(|| ApiError::bad("'stop' must be a string or an array of strings"))?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'stop' must be a string or an array of strings",
+            ))
+        }
+    };
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::bad(format!("more than {MAX_STOPS} stop strings")));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("'stop' has an empty string"));
+    }
+    Ok(Completion {
+        prompt,
+        images,
+        stream: match obj.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| ApiError::bad("'stream' must be true or false"))?,
+        },
+        max_tokens,
+        sampling,
+        stop,
+        grammar: grammar(obj)?,
+    })
+}
+
+/// A float field in `range`, `default` where absent or null.
+fn float(
+    obj: &Map<String, Value>,
+    key: &str,
+    default: f32,
+    range: std::ops::RangeInclusive<f32>,
+) -> Result<f32, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => {
+            let x = v
+                .as_f64()
+                .ok_or_else(|| ApiError::bad(format!("'{key}' must be a number")))?
+                as f32;
+            if !range.contains(&x) {
+                return Err(ApiError::bad(format!(
+                    "'{key}' = {x} is outside {}..={}",
+                    range.start(),
+                    range.end()
+                )));
+            }
+            Ok(x)
+        }
+    }
+}
+
+/// A non-negative integer field, if present and not null.
+fn count(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(|x| Some(x.min(usize::MAX as u64) as usize))
+            .ok_or_else(|| ApiError::bad(format!("'{key}' must be a non-negative integer"))),
+    }
+}
+
+/// The grammar a request asks for: `grammar` (GBNF), `json_schema`, or
+/// `response_format` (`json_object`: any JSON object; `json_schema`: its
+/// `schema`), at most one of them.
+fn grammar(obj: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    let schema_gbnf = |schema: &Value, from: &str| {
+        json_schema_to_gbnf(&schema.to_string()).map_err(|e| ApiError::bad(format!("{from}: {e}")))
+    };
+    let mut found: Vec<String> = Vec::new();
+    if let Some(g) = obj.get("grammar").filter(|v| !v.is_null()) {
+        found.push(
+            g.as_str()
+                .ok_or_else(|| ApiError::bad("'grammar' must be a string"))?
+                .to_string(),
+        );
+    }
+    if let Some(s) = obj.get("json_schema").filter(|v| !v.is_null()) {
+        found.push(schema_gbnf(s, "json_schema")?);
+    }
+    if let Some(rf) = obj.get("response_format").filter(|v| !v.is_null()) {
+        let kind = rf
+            .get("type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad("'response_format.type' must be a string"))?;
+        match kind {
+            "text" => {}
+            "json_object" => {
+                let schema = rf
+                    .get("schema")
+                    .cloned()
+                    .unwrap_or_else(|| json!({"type": "object"}));
+                found.push(schema_gbnf(&schema, "response_format")?);
+            }
+            "json_schema" => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .or_else(|| rf.get("schema"))
+                    .ok_or_else(|| {
+                        ApiError::bad("'response_format.json_schema.schema' is required")
+                    })?;
+                found.push(schema_gbnf(schema, "response_format")?);
+            }
+            other => {
+                return Err(ApiError::bad(format!(
+                    "'response_format.type' = {other:?} (text, json_object or json_schema)"
+                )))
+            }
+        }
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop()),
+        _ => Err(ApiError::bad(
+            "give one of 'grammar', 'json_schema' and 'response_format'",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chat_request_reads_its_messages_and_samplers() {
+        let c = chat_request(
+            br#"{"model":"x","messages":[{"role":"system","content":"Be brief."},
+                {"role":"user","content":[{"type":"text","text":"Hi "},{"type":"text","text":"there"}]}],
+                "temperature":0,"max_tokens":5,"seed":7,"stop":"\n","stream":true,"user":"ignored"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.prompt,
+            Prompt::Chat(vec![
+                Message {
+                    role: "system".into(),
+                    content: "Be brief.".into()
+                },
+                Message {
+                    role: "user".into(),
+                    content: "Hi there".into()
+                },
+            ])
+        );
+        assert_eq!(c.sampling.temperature, 0.0);
+        assert_eq!(c.sampling.seed, Some(7));
+        assert_eq!(c.sampling.top_k, 40);
+        assert_eq!((c.max_tokens, c.stream), (Some(5), true));
+        assert_eq!(c.stop, ["\n"]);
+        assert_eq!(c.grammar, None);
+    }
+
+    #[test]
+    fn images_come_as_base64_data_urls_in_place() {
+        let png = [0x89, b'P', b'N', b'G', 0, 255, 7];
+        let url = format!("data:image/png;base64,{}", encode(&png));
+        let body = json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is "},
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "?"}]}]});
+        let c = chat_request(body.to_string().as_bytes()).unwrap();
+        assert_eq!(c.images, vec![png.to_vec()]);
+        let Prompt::Chat(m) = c.prompt else {
+            panic!("chat")
+        };
+        assert_eq!(m[0].content, format!("What is {MEDIA_MARKER}?"));
+        let remote = json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]});
+        let e = chat_request(remote.to_string().as_bytes()).unwrap_err();
+        assert!(e.message.contains("data: URLs"), "{e:?}");
+    }
+
+    /// Test-only encoder (the server only decodes).
+    fn encode(bytes: &[u8]) -> String {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = String::new();
+        for c in bytes.chunks(3) {
+            let n = (u32::from(c[0]) << 16)
+                | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+                | u32::from(*c.get(2).unwrap_or(&0));
+            for k in 0..4 {
+                if k <= c.len() {
+                    out.push(A[(n >> (18 - 6 * k) & 63) as usize] as char);
+                } else {
+                    out.push('=');
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn base64_round_trips_and_refuses_what_is_not() {
+        for len in 0..40usize {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 37 + 11) as u8).collect();
+            assert_eq!(base64(&encode(&bytes)).unwrap(), bytes, "{len}");
+            let unpadded = encode(&bytes).trim_end_matches('=').to_string();
+            assert_eq!(base64(&unpadded).unwrap(), bytes, "{len}");
+        }
+        assert_eq!(base64("aGk=\n").unwrap(), b"hi");
+        assert!(base64("a").is_err());
+        assert!(base64("aGk=aGk=").is_err());
+        assert!(base64("a*Gk").is_err());
+    }
+
+    #[test]
+    fn what_is_wrong_or_unsupported_is_named() {
+        let err = |body: &str| chat_request(body.as_bytes()).unwrap_err().message;
+        assert!(err("[").contains("not JSON"));
+        assert!(err("[]").contains("JSON object"));
+        assert!(err("{}").contains("'messages' is required"));
+        assert!(err(r#"{"messages":[]}"#).contains("empty"));
+        assert!(err(r#"{"messages":[{"content":"x"}]}"#).contains("role"));
+        let m = r#""messages":[{"role":"user","content":"x"}]"#;
+        assert!(err(&format!("{{{m},\"n\":2}}")).contains("'n'"));
+        assert!(err(&format!("{{{m},\"logprobs\":true}}")).contains("log probabilities"));
+        assert!(err(&format!("{{{m},\"tools\":[{{}}]}}")).contains("tool calls"));
+        assert!(err(&format!("{{{m},\"temperature\":\"hot\"}}")).contains("'temperature'"));
+        assert!(err(&format!("{{{m},\"top_p\":2}}")).contains("outside"));
+        assert!(err(&format!("{{{m},\"max_tokens\":-3}}")).contains("max_tokens"));
+        assert!(err(&format!("{{{m},\"stop\":[1]}}")).contains("'stop'"));
+        assert!(err(&format!(
+            "{{{m},\"grammar\":\"root ::= \\\"a\\\"\",\"json_schema\":{{}}}}"
+        ))
+        .contains("one of"));
+        // What does not change the answer is ignored, as clients send it.
+        let ok =
+            chat_request(format!("{{{m},\"n\":1,\"logprobs\":false,\"tools\":[]}}").as_bytes());
+        assert!(ok.is_ok());
+        let e = text_request(br#"{"prompt":["a","b"]}"#).unwrap_err();
+        assert!(e.message.contains("one string"));
+        assert_eq!(e.body()["error"]["code"], 400);
+    }
+
+    #[test]
+    fn response_formats_become_grammars() {
+        let m = r#""messages":[{"role":"user","content":"x"}]"#;
+        let g = |extra: &str| {
+            chat_request(format!("{{{m},{extra}}}").as_bytes())
+                .unwrap()
+                .grammar
+        };
+        assert!(g(r#""response_format":{"type":"json_object"}"#).is_some());
+        let s = g(r#""response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"integer"}}}"#)
+            .unwrap();
+        assert!(s.contains("root"), "{s}");
+        assert_eq!(g(r#""response_format":{"type":"text"}"#), None);
+        assert_eq!(
+            g(r#""grammar":"root ::= \"yes\"""#).as_deref(),
+            Some("root ::= \"yes\"")
+        );
+        let c = text_request(br#"{"prompt":"Once","max_tokens":3}"#).unwrap();
+        assert_eq!(c.prompt, Prompt::Text("Once".into()));
+    }
+}

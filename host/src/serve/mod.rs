@@ -1,0 +1,766 @@
+//! `les serve`: an HTTP server with llama-server's OpenAI-style endpoints
+//! over one model and one session.
+//!
+//! - [`http`]: HTTP/1.1 requests read within bounds, responses and
+//!   server-sent events written.
+//! - [`api`]: the JSON requests ([`api::Completion`]) and errors.
+//! - [`Engine`]: the model's session, which answers one completion at a
+//!   time and keeps what it evaluated, so that a request whose prompt
+//!   starts as the last one's (a chat's next turn) evaluates only the rest.
+//! - [`serve`]: the accept loop and a thread a connection; completions queue
+//!   for the engine, which runs on the calling thread, while `/health` and
+//!   `/v1/models` answer at once.
+//!
+//! Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`
+//! (images as base64 `data:` URLs with a vision projector) and `POST
+//! /v1/completions`, each with `stream` for server-sent events. A client
+//! that goes away stops its generation.
+
+pub mod api;
+pub mod http;
+
+use std::io::{BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use les_core::model::forward::Lookahead;
+use serde_json::{json, Value};
+
+use crate::compute::ThreadedMatVec;
+use crate::engine::{generate_from, Control, Session};
+use crate::grammar::{Grammar, TokenGrammar};
+use crate::model::Model;
+use crate::reply::Reply;
+use crate::sampling::{Penalties, Sampler, SamplerConfig};
+use crate::supply::Supply;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+use crate::vision::prompt::PromptItem;
+use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
+use api::{ApiError, Completion, Prompt};
+
+/// How long a connection may sit idle between requests (or mid-request).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What a finished completion reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finished {
+    /// The generated text (cut before a stop string).
+    pub text: String,
+    /// "stop" (an end-of-generation token or a stop string) or "length"
+    /// (`max_tokens`, or the context is full).
+    pub finish_reason: &'static str,
+    /// Prompt positions (tokens and image embeddings).
+    pub prompt_tokens: usize,
+    /// Of them, those kept from the previous request instead of evaluated.
+    pub cached_tokens: usize,
+    /// Tokens generated (an end-of-generation token not counted).
+    pub completion_tokens: usize,
+    /// Time on the prompt's new positions.
+    pub prompt_time: Duration,
+    /// Time generating.
+    pub predicted_time: Duration,
+}
+
+/// The model's session and what it needs to answer completions.
+pub struct Engine<'m> {
+    model: &'m Model,
+    tokenizer: &'m Tokenizer,
+    template: Option<ChatTemplate>,
+    clip: Option<&'m ClipModel>,
+    session: Session<'m>,
+    mv: ThreadedMatVec,
+    supply: Supply<'m>,
+    lookahead: Lookahead,
+    /// The positions the session holds: a token's id, or `None` for an
+    /// image embedding.
+    held: Vec<Option<u32>>,
+}
+
+impl<'m> Engine<'m> {
+    /// An engine over `session` (empty), `supply` and `mv` for `model`.
+    pub fn new(
+        model: &'m Model,
+        tokenizer: &'m Tokenizer,
+        clip: Option<&'m ClipModel>,
+        session: Session<'m>,
+        mv: ThreadedMatVec,
+        supply: Supply<'m>,
+        lookahead: Lookahead,
+    ) -> Self {
+        Engine {
+            model,
+            tokenizer,
+            template: tokenizer.chat_template().ok(),
+            clip,
+            session,
+            mv,
+            supply,
+            lookahead,
+            held: Vec::new(),
+        }
+    }
+
+    /// The prompt of `c`: the chat template applied to its messages, or its
+    /// text; its images encoded where its markers are.
+    fn prompt(&mut self, c: &Completion) -> Result<MultimodalPrompt, ApiError> {
+        let text = match &c.prompt {
+            Prompt::Text(t) => t.clone(),
+            Prompt::Chat(messages) => {
+                let template = self.template.as_ref().ok_or_else(|| {
+                    ApiError::bad(
+                        "the model has no chat template: use /v1/completions with a prompt",
+                    )
+                })?;
+                let mut msgs: Vec<(String, String)> = messages
+                    .iter()
+                    .map(|m| (m.role.clone(), m.content.clone()))
+                    .collect();
+                // As llama.cpp: a template without a system role gets the
+                // system prompt before the first user message.
+                if msgs.len() > 1
+                    && msgs[0].0 == "system"
+                    && msgs[1].0 == "user"
+                    && !template.supports_system_role()
+                {
+                    let (_, system) = msgs.remove(0);
+                    msgs[0].1 = format!("{system}\n{}", msgs[0].1);
+                }
+                self.tokenizer
+                    .chat_prompt_with(template, &msgs, true)
+                    .map_err(|e| ApiError::bad(format!("the chat template: {e}")))?
+            }
+        };
+        let n_embd = self.model.hp.n_embd;
+        if c.images.is_empty() {
+            return Ok(MultimodalPrompt::from_tokens(
+                self.tokenizer.encode(&text, true, true),
+                n_embd,
+            ));
+        }
+        let clip = self.clip.ok_or_else(|| {
+            ApiError::bad("images need a vision projector: start les serve with --mmproj")
+        })?;
+        let markers = text.matches(MEDIA_MARKER).count();
+        if markers != c.images.len() {
+            return Err(ApiError::bad(format!(
+                "the prompt has {markers} image marker(s) {MEDIA_MARKER} for {} image(s)",
+                c.images.len()
+            )));
+        }
+        let mut encoded = Vec::with_capacity(c.images.len());
+        let mut ctx = vision::Ctx {
+            isa: self.mv.isa(),
+            pool: self.mv.pool(),
+        };
+        for (i, bytes) in c.images.iter().enumerate() {
+            let img = vision::image::decode_image(bytes)
+                .map_err(|e| ApiError::bad(format!("image {}: {e}", i + 1)))?;
+            encoded.push(
+                vision::encode_image(&mut ctx, clip, &img)
+                    .map_err(|e| ApiError::bad(format!("image {}: {e}", i + 1)))?,
+            );
+        }
+        vision::build_prompt(
+            self.tokenizer,
+            clip.hp.projector,
+            &text,
+            true,
+            &encoded,
+            n_embd,
+        )
+        .map_err(|e| ApiError::bad(e.to_string()))
+    }
+
+    /// Answers `c`: `started` once the prompt is read and fits (an error
+    /// before it is the request's), then `delta` with each new piece of text
+    /// (streaming); generation stops early where `delta` returns false (the
+    /// client went away).
+    pub fn complete(
+        &mut self,
+        c: &Completion,
+        started: impl FnOnce(),
+        mut delta: impl FnMut(&str) -> bool,
+    ) -> Result<Finished, ApiError> {
+        let prompt = self.prompt(c)?;
+        let ctx = self.session.max_positions();
+        if prompt.is_empty() {
+            return Err(ApiError::bad("the prompt is empty after tokenization"));
+        }
+        if prompt.len() >= ctx {
+            return Err(ApiError::bad(format!(
+                "the prompt is {} positions; the context holds {ctx} (les serve --ctx)",
+                prompt.len()
+            )));
+        }
+        let tokenizer = self.tokenizer;
+        let mut sampler = sampler(c)?;
+        if let Some(g) = &c.grammar {
+            let g = Grammar::parse(g).map_err(|e| ApiError::bad(format!("the grammar: {e}")))?;
+            sampler.constrain(
+                TokenGrammar::new(g, tokenizer)
+                    .map_err(|e| ApiError::bad(format!("the grammar: {e}")))?,
+            );
+        }
+        let items: Vec<Option<u32>> = prompt
+            .items
+            .iter()
+            .map(|i| match *i {
+                PromptItem::Token(t) => Some(t),
+                PromptItem::Embedding(_) => None,
+            })
+            .collect();
+        // As llama.cpp: the prompt's tokens count for the repeat penalty.
+        for t in items.iter().flatten() {
+            sampler.accept(*t);
+        }
+        // What the session holds of this prompt already (tokens only; the
+        // last position is evaluated again for its logits).
+        let same = self
+            .held
+            .iter()
+            .zip(&items)
+            .take_while(|(a, b)| a.is_some() && a == b)
+            .count()
+            .min(items.len() - 1)
+            .min(self.session.position());
+        let keep = match self.session.rewind(same) {
+            Ok(()) => same,
+            Err(_) => {
+                self.session
+                    .rewind(0)
+                    .map_err(|e| server_error(e.to_string()))?;
+                0
+            }
+        };
+        self.held.truncate(keep);
+        started();
+        let inputs = prompt.inputs();
+        let room = ctx - prompt.len();
+        let n = c.max_tokens.unwrap_or(usize::MAX).min(room + 1);
+        let mut reply = Reply::new(tokenizer, &c.stop);
+        let mut sampled = Vec::new();
+        let mut gone = false;
+        let stuck = std::cell::Cell::new(false);
+        let stats = generate_from(
+            &mut self.session,
+            &mut self.mv,
+            &mut self.supply,
+            Some(&self.lookahead),
+            &inputs[keep..],
+            None,
+            n,
+            |logits| {
+                let t = sampler.sample(logits);
+                if sampler.grammar_error().is_some() {
+                    stuck.set(true);
+                }
+                t
+            },
+            |t, _| {
+                sampled.push(t);
+                if stuck.get() {
+                    return Control::Stop;
+                }
+                let mut piece = Vec::new();
+                let control = reply.take(t, Some(&mut piece));
+                if !piece.is_empty() && !delta(&String::from_utf8_lossy(&piece)) {
+                    gone = true;
+                    return Control::Stop;
+                }
+                control
+            },
+        )
+        .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
+        let tail = reply.finish().map_err(|e| server_error(e.to_string()))?;
+        if !tail.is_empty() && !gone {
+            delta(&tail);
+        }
+        // The session now holds the prompt and all but the last token sampled.
+        self.held = items;
+        self.held.extend(sampled.iter().map(|&t| Some(t)));
+        self.held.truncate(self.session.position());
+        let finish_reason = if reply.eog.is_some() || reply.stopped.is_some() || stuck.get() {
+            "stop"
+        } else {
+            "length"
+        };
+        Ok(Finished {
+            text: reply.text,
+            finish_reason,
+            prompt_tokens: prompt.len(),
+            cached_tokens: keep,
+            completion_tokens: reply.tokens.len(),
+            prompt_time: stats.prefill,
+            predicted_time: stats.decode,
+        })
+    }
+}
+
+fn server_error(message: String) -> ApiError {
+    ApiError {
+        status: 500,
+        message,
+    }
+}
+
+/// The sampler of a request: its settings, its seed or a new one.
+fn sampler(c: &Completion) -> Result<Sampler, ApiError> {
+    let s = &c.sampling;
+    let seed = s.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    Ok(Sampler::new(SamplerConfig {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: Some(s.min_p),
+        typical_p: s.typical_p,
+        top_n_sigma: -1.0,
+        xtc_probability: 0.0,
+        xtc_threshold: 0.1,
+        penalties: Some(Penalties {
+            repeat: s.repeat_penalty,
+            frequency: s.frequency_penalty,
+            presence: s.presence_penalty,
+            last_n: s.repeat_last_n,
+        }),
+        seed,
+    }))
+}
+
+/// Which endpoint a job came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Text,
+}
+
+/// A completion for the engine, and where its answer goes.
+struct Job {
+    completion: Completion,
+    endpoint: Endpoint,
+    events: Sender<Event>,
+}
+
+/// What the engine tells a connection of its job.
+enum Event {
+    Started,
+    Delta(String),
+    Done(Result<Finished, ApiError>),
+}
+
+/// Settings of [`serve`].
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// The model's name in responses and `/v1/models`.
+    pub model_id: String,
+    /// Request bounds.
+    pub limits: http::Limits,
+    /// Connections served at once; more are answered 503.
+    pub max_connections: usize,
+    /// The key requests must carry (`Authorization: Bearer KEY`), if any;
+    /// `/health` is open.
+    pub api_key: Option<String>,
+}
+
+/// Serves `listener` until the process ends: a thread accepts connections
+/// and one a connection reads its requests; completions run one at a time
+/// on this thread, in `engine`.
+pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions) {
+    let (jobs, queue) = channel::<Job>();
+    std::thread::scope(|scope| {
+        scope.spawn(|| accept(listener, jobs, opts));
+        work(engine, queue, &opts.model_id);
+    });
+}
+
+/// The engine's loop: each job's answer, in order.
+fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
+    for job in queue {
+        let events = &job.events;
+        let streaming = job.completion.stream;
+        let result = engine.complete(
+            &job.completion,
+            || {
+                let _ = events.send(Event::Started);
+            },
+            |piece| !streaming || events.send(Event::Delta(piece.to_string())).is_ok(),
+        );
+        if let Ok(f) = &result {
+            note!(
+                "les serve: {} ({}): prompt {} ({} kept), {} generated in {:.2?}, {}",
+                model_id,
+                match job.endpoint {
+                    Endpoint::Chat => "chat",
+                    Endpoint::Text => "text",
+                },
+                f.prompt_tokens,
+                f.cached_tokens,
+                f.completion_tokens,
+                f.prompt_time + f.predicted_time,
+                f.finish_reason
+            );
+        }
+        let _ = events.send(Event::Done(result));
+    }
+}
+
+/// Accepts connections until the listener fails.
+fn accept(listener: TcpListener, jobs: Sender<Job>, opts: &ServeOptions) {
+    let open = Arc::new(AtomicUsize::new(0));
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let (jobs, opts, open) = (jobs.clone(), opts.clone(), Arc::clone(&open));
+        if open.fetch_add(1, Ordering::SeqCst) >= opts.max_connections {
+            open.fetch_sub(1, Ordering::SeqCst);
+            let mut s = stream;
+            let e = ApiError {
+                status: 503,
+                message: "too many connections".into(),
+            };
+            let _ = respond_error(&mut s, &e, false);
+            continue;
+        }
+        std::thread::spawn(move || {
+            let _ = connection(stream, &jobs, &opts);
+            open.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
+
+/// Serves one connection's requests until it closes.
+fn connection(stream: TcpStream, jobs: &Sender<Job>, opts: &ServeOptions) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
+    stream.set_nodelay(true)?;
+    let mut out = stream.try_clone()?;
+    let mut input = BufReader::new(stream);
+    loop {
+        let req = match http::read_request(&mut input, &mut out, &opts.limits) {
+            Ok(r) => r,
+            Err(http::HttpError::Closed) | Err(http::HttpError::Io(_)) => return Ok(()),
+            Err(e) => {
+                let e = ApiError {
+                    status: e.status(),
+                    message: e.to_string(),
+                };
+                return respond_error(&mut out, &e, false);
+            }
+        };
+        let keep = req.keep_alive();
+        let path = req.path.trim_end_matches('/');
+        if !authorized(&req, path, opts.api_key.as_deref()) {
+            let e = ApiError {
+                status: 401,
+                message: "a valid API key is required (Authorization: Bearer KEY)".into(),
+            };
+            respond_error(&mut out, &e, keep)?;
+            if keep {
+                continue;
+            }
+            return Ok(());
+        }
+        let endpoint = match path {
+            "/v1/chat/completions" | "/chat/completions" => Some(Endpoint::Chat),
+            "/v1/completions" | "/completions" => Some(Endpoint::Text),
+            _ => None,
+        };
+        match (req.method.as_str(), path, endpoint) {
+            ("GET", "/health" | "/v1/health", _) => {
+                respond_json(&mut out, 200, &json!({"status": "ok"}), keep)?
+            }
+            ("GET", "/v1/models" | "/models", _) => {
+                let models = json!({"object": "list", "data": [{
+                    "id": opts.model_id, "object": "model", "created": now(), "owned_by": "les"}]});
+                respond_json(&mut out, 200, &models, keep)?
+            }
+            ("OPTIONS", ..) => http::write_response(
+                &mut out,
+                204,
+                "text/plain",
+                b"",
+                keep,
+                &[
+                    ("Access-Control-Allow-Methods", "GET, POST, OPTIONS"),
+                    (
+                        "Access-Control-Allow-Headers",
+                        "Content-Type, Authorization",
+                    ),
+                ],
+            )?,
+            ("POST", _, Some(endpoint)) => {
+                let parsed = match endpoint {
+                    Endpoint::Chat => api::chat_request(&req.body),
+                    Endpoint::Text => api::text_request(&req.body),
+                };
+                let c = match parsed {
+                    Ok(c) => c,
+                    Err(e) => {
+                        respond_error(&mut out, &e, keep)?;
+                        if keep {
+                            continue;
+                        }
+                        return Ok(());
+                    }
+                };
+                if !complete(&mut out, jobs, c, endpoint, &opts.model_id, keep)? {
+                    return Ok(());
+                }
+            }
+            (_, "/health" | "/v1/health" | "/v1/models" | "/models", _) | (_, _, Some(_)) => {
+                let e = ApiError {
+                    status: 405,
+                    message: format!("{} {} is not served", req.method, req.path),
+                };
+                respond_error(&mut out, &e, keep)?
+            }
+            _ => {
+                let e = ApiError {
+                    status: 404,
+                    message: format!("no endpoint {}", req.path),
+                };
+                respond_error(&mut out, &e, keep)?
+            }
+        }
+        if !keep {
+            return Ok(());
+        }
+    }
+}
+
+/// Whether `req` (to `path`) may be answered: `/health`, a preflight
+/// `OPTIONS` and, without a key, everything; else a request carrying it.
+fn authorized(req: &http::Request, path: &str, key: Option<&str>) -> bool {
+    let Some(key) = key else { return true };
+    if req.method == "OPTIONS" || matches!(path, "/health" | "/v1/health") {
+        return true;
+    }
+    let given = req
+        .header("authorization")
+        .and_then(|h| {
+            h.strip_prefix("Bearer ")
+                .or_else(|| h.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    // Compared in constant time: the answer's timing tells nothing of the key.
+    given.is_some_and(|g| {
+        g.len() == key.len()
+            && g.bytes()
+                .zip(key.bytes())
+                .fold(0u8, |d, (a, b)| d | (a ^ b))
+                == 0
+    })
+}
+
+/// Queues completion `c` and writes its answer; whether the connection
+/// stays open.
+fn complete(
+    out: &mut TcpStream,
+    jobs: &Sender<Job>,
+    c: Completion,
+    endpoint: Endpoint,
+    model_id: &str,
+    keep: bool,
+) -> std::io::Result<bool> {
+    let (events, answers) = channel();
+    let stream = c.stream;
+    let job = Job {
+        completion: c,
+        endpoint,
+        events,
+    };
+    if jobs.send(job).is_err() {
+        let e = server_error("the engine stopped".into());
+        respond_error(out, &e, false)?;
+        return Ok(false);
+    }
+    let id = format!(
+        "{}-{}",
+        match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Text => "cmpl",
+        },
+        completion_id()
+    );
+    let created = now();
+    let shape = Shape {
+        id: &id,
+        created,
+        model: model_id,
+        endpoint,
+    };
+    if !stream {
+        // Deltas are not sent: wait for the end.
+        for event in answers {
+            if let Event::Done(result) = event {
+                match result {
+                    Ok(f) => respond_json(out, 200, &shape.whole(&f), keep)?,
+                    Err(e) => respond_error(out, &e, keep)?,
+                }
+                return Ok(keep);
+            }
+        }
+        respond_error(out, &server_error("the engine stopped".into()), false)?;
+        return Ok(false);
+    }
+    let mut started = false;
+    for event in answers {
+        let written = match event {
+            Event::Started => {
+                started = true;
+                http::start_event_stream(out)
+                    .and_then(|()| http::write_event(out, &shape.chunk(Some(""), None).to_string()))
+            }
+            Event::Delta(text) => {
+                http::write_event(out, &shape.chunk(Some(&text), None).to_string())
+            }
+            Event::Done(Ok(f)) => {
+                let mut last = shape.chunk(None, Some(&f));
+                last["usage"] = usage(&f);
+                last["timings"] = timings(&f);
+                http::write_event(out, &last.to_string())
+                    .and_then(|()| http::write_event(out, "[DONE]"))?;
+                return Ok(false);
+            }
+            // Before the stream started, an answer of its own; after, an
+            // event (llama-server's), and the stream ends.
+            Event::Done(Err(e)) if started => {
+                http::write_event(out, &e.body().to_string())?;
+                return Ok(false);
+            }
+            Event::Done(Err(e)) => {
+                respond_error(out, &e, false)?;
+                return Ok(false);
+            }
+        };
+        if written.is_err() {
+            // The client went away: dropping `answers` stops the generation.
+            return Ok(false);
+        }
+    }
+    Ok(false)
+}
+
+/// The fixed parts of one completion's answers.
+struct Shape<'a> {
+    id: &'a str,
+    created: u64,
+    model: &'a str,
+    endpoint: Endpoint,
+}
+
+impl Shape<'_> {
+    /// The whole answer (`stream: false`).
+    fn whole(&self, f: &Finished) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({"index": 0, "finish_reason": f.finish_reason,
+                "message": {"role": "assistant", "content": f.text}}),
+            Endpoint::Text => json!({"index": 0, "finish_reason": f.finish_reason,
+                "text": f.text, "logprobs": null}),
+        };
+        json!({
+            "id": self.id,
+            "object": match self.endpoint {
+                Endpoint::Chat => "chat.completion",
+                Endpoint::Text => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(f),
+            "timings": timings(f),
+        })
+    }
+
+    /// One event of a stream: a piece of text, or the end.
+    fn chunk(&self, text: Option<&str>, end: Option<&Finished>) -> Value {
+        let reason = end.map(|f| f.finish_reason);
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match text {
+                    Some("") => json!({"role": "assistant", "content": ""}),
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                };
+                json!({"index": 0, "delta": delta, "finish_reason": reason})
+            }
+            Endpoint::Text => json!({"index": 0, "text": text.unwrap_or(""),
+                "logprobs": null, "finish_reason": reason}),
+        };
+        json!({
+            "id": self.id,
+            "object": match self.endpoint {
+                Endpoint::Chat => "chat.completion.chunk",
+                Endpoint::Text => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+}
+
+fn usage(f: &Finished) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    })
+}
+
+/// llama-server's `timings`.
+fn timings(f: &Finished) -> Value {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let per_s = |n: usize, d: Duration| {
+        if d.is_zero() {
+            0.0
+        } else {
+            n as f64 / d.as_secs_f64()
+        }
+    };
+    let evaluated = f.prompt_tokens - f.cached_tokens;
+    json!({
+        "cache_n": f.cached_tokens,
+        "prompt_n": evaluated,
+        "prompt_ms": ms(f.prompt_time),
+        "prompt_per_second": per_s(evaluated, f.prompt_time),
+        "predicted_n": f.completion_tokens,
+        "predicted_ms": ms(f.predicted_time),
+        "predicted_per_second": per_s(f.completion_tokens, f.predicted_time),
+    })
+}
+
+fn respond_json(out: &mut impl Write, status: u16, v: &Value, keep: bool) -> std::io::Result<()> {
+    http::write_response(
+        out,
+        status,
+        "application/json",
+        v.to_string().as_bytes(),
+        keep,
+        &[],
+    )
+}
+
+fn respond_error(out: &mut impl Write, e: &ApiError, keep: bool) -> std::io::Result<()> {
+    respond_json(out, e.status, &e.body(), keep)
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A new completion id: the time and a count, unique within the process.
+fn completion_id() -> String {
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}{:x}", COUNT.fetch_add(1, Ordering::Relaxed))
+}
