@@ -14,7 +14,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use cli::{
-    assert_equals_llama_cpp, kld, les, llama_kld_base, streams_exactly, synth_once, tiny, tmp,
+    assert_equals_llama_cpp, kld, llama_kld_base, streams_exactly, synth_once, tiny, tmp,
     F32_WEIGHTS,
 };
 use common::rewrite_gguf;
@@ -217,28 +217,8 @@ fn log_probabilities_past_the_first_chunk_equal_llama_cpp() {
     let sample = include_str!("../src/synth/sample.txt");
     std::fs::write(&text, sample.repeat(10)).unwrap();
     let base = tmp("llama4_long.kld");
-    let out = std::process::Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/llama_kld_base.py"))
-        .arg(&m)
-        .arg(&text)
-        .arg(&base)
-        .args(["8448", "1"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = les()
-        .args(["perplexity", "-m"])
-        .arg(&m)
-        .arg("--kl-divergence-base")
-        .arg(&base)
-        .args(["--kl-divergence", "--json"])
-        .output()
-        .unwrap();
-    let d = cli::json_ok(out, "perplexity")["kld"].clone();
+    cli::llama_kld_base_of(&m, &text, &base, 8448, 1);
+    let d = kld(&m, &base);
     assert!(d["max"].as_f64().unwrap() < 1e-4, "{d}");
     assert_eq!(d["same_top"].as_f64().unwrap(), 1.0, "{d}");
 }

@@ -21,7 +21,6 @@ use crate::reply::Reply;
 use crate::sampling::{Dry, DrySettings, Penalties, Sampler, SamplerConfig, DEFAULT_BREAKERS};
 use crate::supply::{parse_size, Schedule, SlotBudget, Supply};
 use crate::tokenizer::{Conversation, Tokenizer};
-use crate::vision::prompt::PromptItem;
 use crate::vision::{self, ClipModel, EncodedImage, MultimodalPrompt, MEDIA_MARKER};
 use les_core::slot_classes::{plan_by_bytes, plan_by_count};
 
@@ -594,6 +593,24 @@ fn context_size(prompt_len: usize, args: &RunArgs, n_ctx_train: usize) -> Result
     Ok(ctx)
 }
 
+/// The vision projector in `path`, which must make `model`'s embeddings.
+pub(super) fn open_projector(
+    path: &std::path::Path,
+    model: &Model,
+) -> Result<ClipModel, Box<dyn Error>> {
+    let clip = ClipModel::open(path)?;
+    if clip.hp.n_mmproj_embd != model.hp.n_embd {
+        return Err(format!(
+            "the projector {} makes {}-wide embeddings, the model's are {} wide",
+            path.display(),
+            clip.hp.n_mmproj_embd,
+            model.hp.n_embd
+        )
+        .into());
+    }
+    Ok(clip)
+}
+
 /// Runs `les run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
@@ -636,22 +653,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     };
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
     let (schedule, budget) = args.experts.resolve(&model)?;
-    let clip = match &args.mmproj {
-        Some(path) => {
-            let clip = ClipModel::open(path)?;
-            if clip.hp.n_mmproj_embd != model.hp.n_embd {
-                return Err(format!(
-                    "the projector {} makes {}-wide embeddings, the model's are {} wide",
-                    path.display(),
-                    clip.hp.n_mmproj_embd,
-                    model.hp.n_embd
-                )
-                .into());
-            }
-            Some(clip)
-        }
-        None => None,
-    };
+    let clip = args
+        .mmproj
+        .as_deref()
+        .map(|path| open_projector(path, &model))
+        .transpose()?;
     // Each image's size from its header: the prompt's length, and whether it
     // fits the context, are known before any image is decoded or encoded.
     let image_sizes = image_paths
@@ -725,14 +731,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             model.hp.n_embd,
         ),
     };
-    let prompt_tokens: Vec<Option<u32>> = prompt
-        .items
-        .iter()
-        .map(|i| match *i {
-            PromptItem::Token(t) => Some(t),
-            PromptItem::Embedding(_) => None,
-        })
-        .collect();
+    let prompt_tokens = prompt.tokens();
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
     }

@@ -17,7 +17,6 @@ use crate::model::Model;
 use crate::serve::{http::Limits, serve, Engine, ServeOptions};
 use crate::supply::Supply;
 use crate::tokenizer::Tokenizer;
-use crate::vision::ClipModel;
 
 /// Arguments of `les serve`.
 #[derive(Debug, Args)]
@@ -73,22 +72,11 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     args.experts.check()?;
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
-    let clip = match &args.mmproj {
-        Some(path) => {
-            let clip = ClipModel::open(path)?;
-            if clip.hp.n_mmproj_embd != model.hp.n_embd {
-                return Err(format!(
-                    "the projector {} makes {}-wide embeddings, the model's are {} wide",
-                    path.display(),
-                    clip.hp.n_mmproj_embd,
-                    model.hp.n_embd
-                )
-                .into());
-            }
-            Some(clip)
-        }
-        None => None,
-    };
+    let clip = args
+        .mmproj
+        .as_deref()
+        .map(|path| super::run::open_projector(path, &model))
+        .transpose()?;
     let train = model.n_ctx_train.max(1);
     let ctx = args.ctx.unwrap_or(train.min(4096)).max(2);
     if ctx > train {

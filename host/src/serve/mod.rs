@@ -37,7 +37,6 @@ use crate::reply::Reply;
 use crate::sampling::{Penalties, Sampler, SamplerConfig};
 use crate::supply::Supply;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
-use crate::vision::prompt::PromptItem;
 use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
 use api::{ApiError, Completion, Prompt};
 
@@ -204,14 +203,7 @@ impl<'m> Engine<'m> {
                     .map_err(|e| ApiError::bad(format!("the grammar: {e}")))?,
             );
         }
-        let items: Vec<Option<u32>> = prompt
-            .items
-            .iter()
-            .map(|i| match *i {
-                PromptItem::Token(t) => Some(t),
-                PromptItem::Embedding(_) => None,
-            })
-            .collect();
+        let items = prompt.tokens();
         // As llama.cpp: the prompt's tokens count for the repeat penalty.
         for t in items.iter().flatten() {
             sampler.accept(*t);

@@ -82,6 +82,17 @@ impl MultimodalPrompt {
             .collect()
     }
 
+    /// Its tokens, `None` at each image position.
+    pub fn tokens(&self) -> Vec<Option<u32>> {
+        self.items
+            .iter()
+            .map(|i| match *i {
+                PromptItem::Token(t) => Some(t),
+                PromptItem::Embedding(_) => None,
+            })
+            .collect()
+    }
+
     /// Positions.
     pub fn len(&self) -> usize {
         self.items.len()

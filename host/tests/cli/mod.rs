@@ -261,14 +261,20 @@ pub fn llama_greedy(model: &Path) -> Value {
 /// (`llama_kld_base.py`).
 pub fn llama_kld_base(model: &Path, base: &Path) {
     let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/synth/sample.txt");
+    llama_kld_base_of(model, &text, base, 128, 2);
+}
+
+/// [`llama_kld_base`] over `text` in `chunks` chunks of `ctx` tokens.
+pub fn llama_kld_base_of(model: &Path, text: &Path, base: &Path, ctx: usize, chunks: usize) {
+    let (ctx, chunks) = (ctx.to_string(), chunks.to_string());
     llama_script(
         "llama_kld_base.py",
         &[
             model.as_os_str(),
             text.as_os_str(),
             base.as_os_str(),
-            "128".as_ref(),
-            "2".as_ref(),
+            ctx.as_ref(),
+            chunks.as_ref(),
         ],
     );
 }
