@@ -27,6 +27,8 @@
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
 //!   preprocessing, embeddings spliced into the prompt.
+//! - [`serve`]: `les serve`, llama-server's OpenAI-style HTTP API over one
+//!   session; [`reply`], a reply's text cut at stop strings as it streams.
 //! - [`mcu`]: the compact model index a microcontroller firmware reads.
 //! - [`interrupt`]: partial outputs removed on Ctrl-C.
 
