@@ -493,3 +493,32 @@ fn an_api_key_guards_everything_but_health() {
         assert_eq!(status, want, "{key}: {text}");
     }
 }
+
+/// Speculative decoding changes how fast, not what: the same answers with
+/// n-gram drafts, some of them verified and accepted.
+#[test]
+fn speculative_decoding_answers_the_same() {
+    let m = model();
+    let plain = Server::start(&m, &[]);
+    let spec = Server::start(
+        &m,
+        &["--speculate", "ngram", "--draft-max", "4", "--draft-fixed"],
+    );
+    let text = "one two three four one two three four one two three four one two";
+    let mut drafted = 0;
+    for body in [
+        json!({"prompt": text, "temperature": 0, "max_tokens": 48}),
+        json!({"prompt": text, "seed": 3, "max_tokens": 48}),
+    ] {
+        let (_, want) = plain.post("/v1/completions", &body);
+        let (status, got) = spec.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(
+            got["choices"][0]["text"], want["choices"][0]["text"],
+            "{body}"
+        );
+        assert_eq!(want["timings"]["draft_n"], 0);
+        drafted += got["timings"]["draft_n"].as_u64().unwrap();
+    }
+    assert!(drafted > 0, "no drafts were verified");
+}

@@ -57,6 +57,9 @@ pub struct ServeArgs {
     /// Lookahead prediction (les schedule).
     #[command(flatten)]
     pub lookahead: crate::bench::LookaheadArgs,
+    /// Speculative decoding (the answers stay the same).
+    #[command(flatten)]
+    pub spec: crate::draft::SpecArgs,
     /// Require this key (`Authorization: Bearer KEY`) of every request but
     /// `/health` (llama-server's --api-key); also read from `LES_API_KEY`.
     #[arg(long, value_name = "KEY")]
@@ -72,6 +75,7 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     args.experts.check()?;
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let clip = args
         .mmproj
         .as_deref()
@@ -93,6 +97,13 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
     let mut session = Session::with_kv(&model, ctx, args.cache.types(), args.cache.swa())?;
     session.set_prefill_batch(args.batch_size)?;
+    let drafter = args
+        .spec
+        .drafter(&model, &args.model, draft_model.as_ref(), ctx, threads)?;
+    let max_draft = match drafter {
+        Some(_) => session.set_max_draft(args.spec.draft_max() as usize)?,
+        None => 0,
+    };
     let listener = TcpListener::bind((args.host.as_str(), args.port))
         .map_err(|e| format!("cannot listen on {}:{}: {e}", args.host, args.port))?;
     let addr = listener.local_addr()?;
@@ -123,6 +134,9 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
         supply,
         lookahead,
     );
+    if let Some(drafter) = drafter {
+        engine = engine.with_drafter(drafter, max_draft, !args.spec.draft_fixed);
+    }
     serve(
         listener,
         &mut engine,

@@ -30,6 +30,7 @@ use les_core::model::forward::Lookahead;
 use serde_json::{json, Value};
 
 use crate::compute::ThreadedMatVec;
+use crate::draft::{Drafter, Speculation};
 use crate::engine::{generate_from, Control, Session};
 use crate::grammar::{Grammar, TokenGrammar};
 use crate::model::Model;
@@ -61,6 +62,10 @@ pub struct Finished {
     pub prompt_time: Duration,
     /// Time generating.
     pub predicted_time: Duration,
+    /// Draft tokens verified (speculative decoding).
+    pub drafted: usize,
+    /// Of them, those the model's own samples agreed with.
+    pub accepted: usize,
 }
 
 /// The model's session and what it needs to answer completions.
@@ -73,6 +78,9 @@ pub struct Engine<'m> {
     mv: ThreadedMatVec,
     supply: Supply<'m>,
     lookahead: Lookahead,
+    /// Speculative decoding's drafter, its longest draft and whether drafts
+    /// are cut to what pays ([`Speculation`]).
+    drafter: Option<(Box<dyn Drafter + 'm>, usize, bool)>,
     /// The positions the session holds: a token's id, or `None` for an
     /// image embedding.
     held: Vec<Option<u32>>,
@@ -98,8 +106,22 @@ impl<'m> Engine<'m> {
             mv,
             supply,
             lookahead,
+            drafter: None,
             held: Vec::new(),
         }
+    }
+
+    /// This engine with speculative decoding: `drafter` guesses up to
+    /// `max_draft` tokens (the session set up for them), cut to what pays
+    /// where `adaptive`. The answers stay the same, bit for bit.
+    pub fn with_drafter(
+        mut self,
+        drafter: Box<dyn Drafter + 'm>,
+        max_draft: usize,
+        adaptive: bool,
+    ) -> Self {
+        self.drafter = Some((drafter, max_draft, adaptive));
+        self
     }
 
     /// The prompt of `c`: the chat template applied to its messages, or its
@@ -230,6 +252,7 @@ impl<'m> Engine<'m> {
         self.held.truncate(keep);
         started();
         let inputs = prompt.inputs();
+        let ids = prompt.token_ids(self.model.hp.n_vocab as u32);
         let room = ctx - prompt.len();
         let n = c.max_tokens.unwrap_or(usize::MAX).min(room + 1);
         let mut reply = Reply::new(tokenizer, &c.stop);
@@ -242,7 +265,14 @@ impl<'m> Engine<'m> {
             &mut self.supply,
             Some(&self.lookahead),
             &inputs[keep..],
-            None,
+            self.drafter
+                .as_mut()
+                .map(|(drafter, max_draft, adaptive)| Speculation {
+                    drafter: drafter.as_mut(),
+                    max_draft: *max_draft,
+                    adaptive: *adaptive,
+                    context: &ids[..keep],
+                }),
             n,
             |logits| {
                 let t = sampler.sample(logits);
@@ -287,6 +317,8 @@ impl<'m> Engine<'m> {
             completion_tokens: reply.tokens.len(),
             prompt_time: stats.prefill,
             predicted_time: stats.decode,
+            drafted: stats.drafted,
+            accepted: stats.accepted,
         })
     }
 }
@@ -724,6 +756,8 @@ fn timings(f: &Finished) -> Value {
         "predicted_n": f.completion_tokens,
         "predicted_ms": ms(f.predicted_time),
         "predicted_per_second": per_s(f.completion_tokens, f.predicted_time),
+        "draft_n": f.drafted,
+        "draft_n_accepted": f.accepted,
     })
 }
 
