@@ -107,6 +107,20 @@ fn load_edited(
     }
 }
 
+/// With 128 experts (Maverick) llama.cpp's graph norms neither queries nor
+/// keys; with any other count (Scout's 16) it does.
+#[test]
+fn maverick_has_no_qk_norms() {
+    let m = Model::open(model("q128", &["--experts", "128", "--moe-every", "2"])).unwrap();
+    assert_eq!(m.hp.moe.unwrap().n_experts, 128);
+    for l in 0..4 {
+        let Mixer::Attention(a) = m.block(l).mixer else {
+            panic!("attention")
+        };
+        assert!(a.q_norm.is_none() && a.k_norm.is_none(), "{l}");
+    }
+}
+
 /// What llama.cpp's loader refuses or cannot run is an error naming the key.
 #[test]
 fn the_loader_refuses_what_llama_cpp_cannot_run() {
@@ -174,14 +188,17 @@ fn packed_experts_stream_exactly() {
 
 /// Against llama.cpp through llama-cpp-python: with f32 weights the same
 /// prompt and greedy tokens and log-probabilities within rounding (Scout's
-/// and Maverick's layouts); with the preset's quantized weights, close
-/// log-probabilities.
+/// and Maverick's layouts, Maverick's 128 experts without Q/K norms); with
+/// the preset's quantized weights, close log-probabilities.
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_and_log_probabilities_equal_llama_cpp() {
     assert_equals_llama_cpp(&model("f32", &F32_WEIGHTS), "llama4_f32", 1e-4, 1.0);
     let every2 = [&F32_WEIGHTS[..], &["--moe-every", "2"]].concat();
     assert_equals_llama_cpp(&model("f32_2", &every2), "llama4_f32_2", 1e-4, 1.0);
+    // Maverick's 128 experts: no Q/K norms (largest divergence 5.6e-6).
+    let maverick = [&every2[..], &["--experts", "128"]].concat();
+    assert_equals_llama_cpp(&model("f32_128", &maverick), "llama4_f32_128", 1e-4, 1.0);
     let q = model("q", &[]);
     let base = tmp("llama4_q.kld");
     llama_kld_base(&q, &base);
