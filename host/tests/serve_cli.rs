@@ -6,6 +6,7 @@
 //! status; a client that leaves mid-stream stops its generation.
 
 mod cli;
+mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -521,4 +522,107 @@ fn speculative_decoding_answers_the_same() {
         drafted += got["timings"]["draft_n"].as_u64().unwrap();
     }
     assert!(drafted > 0, "no drafts were verified");
+}
+
+/// A copy of `src` (as `name`) whose tokens `renames` (id, text) have those
+/// texts, as user-defined tokens (4), so that a prompt spells them.
+fn with_tokens(src: &Path, name: &str, renames: &[(u32, &str)]) -> PathBuf {
+    use les::gguf::{MetaArray, MetaValue, ValueType};
+    let dst = tmp(name);
+    let renamed = |k: &str, v: MetaValue| {
+        let MetaValue::Array(a) = &v else {
+            return Some(v);
+        };
+        let mut items: Vec<MetaValue> = a.items().collect();
+        let (ty, value): (ValueType, fn(&str) -> MetaValue) = match k {
+            "tokenizer.ggml.tokens" => (ValueType::String, |t| MetaValue::String(t.into())),
+            "tokenizer.ggml.token_type" => (ValueType::I32, |_| MetaValue::I32(4)),
+            _ => return Some(v),
+        };
+        for &(id, text) in renames {
+            items[id as usize] = value(text);
+        }
+        Some(MetaValue::Array(MetaArray::new(ty, items).unwrap()))
+    };
+    common::rewrite_gguf(src, &dst, renamed, vec![]);
+    dst
+}
+
+/// A model that marks its reasoning with `<think>` tags: a chat answer's
+/// reasoning goes to `reasoning_content` (streamed as such), the rest to
+/// `content`; a prompt whose last tag opens the thought starts in it;
+/// `reasoning_format: none` leaves the text as generated.
+#[test]
+fn think_tags_set_the_reasoning_apart() {
+    let src = model();
+    // The token of byte 0xFF (never in UTF-8 text) becomes `<think>`; one
+    // the reply generates, not in the prompt, `</think>`.
+    let g = les::gguf::Gguf::open(&src).unwrap();
+    let ff = les::tokenizer::byte_token_text(0xFF);
+    let open_id = g
+        .get_array("tokenizer.ggml.tokens")
+        .unwrap()
+        .iter()
+        .position(|t| t.as_str() == Some(ff.as_str()))
+        .expect("a byte token") as u32;
+    drop(g);
+    let thinking = with_tokens(&src, "serve_think0.gguf", &[(open_id, "<think>")]);
+    let run = |m: &Path| {
+        let out = les()
+            .args([
+                "run",
+                "--json",
+                "--chat",
+                "--temp",
+                "0",
+                "-n",
+                "12",
+                "-p",
+                "Hi<think>",
+                "-m",
+            ])
+            .arg(m)
+            .output()
+            .unwrap();
+        cli::json_ok(out, "les run")
+    };
+    let v = run(&thinking);
+    let prompt: Vec<u64> = cli::tokens(&json!({"tokens": v["prompt_tokens"]}));
+    assert!(
+        prompt.contains(&(open_id as u64)),
+        "the prompt opens a thought"
+    );
+    let generated = cli::tokens(&v);
+    let close_id = generated[4] as u32;
+    assert!(!prompt.contains(&u64::from(close_id)) && close_id != open_id);
+    let both = with_tokens(
+        &src,
+        "serve_think.gguf",
+        &[(open_id, "<think>"), (close_id, "</think>")],
+    );
+    let server = Server::start(&both, &[]);
+    let body = json!({"messages": [user("Hi<think>")], "temperature": 0, "max_tokens": 12});
+    let v = server.chat(&body);
+    let message = &v["choices"][0]["message"];
+    let reasoning = message["reasoning_content"].as_str().unwrap().to_string();
+    let answer = message["content"].as_str().unwrap().to_string();
+    assert!(!reasoning.is_empty() && !answer.is_empty(), "{message}");
+    // Without the split: the same tokens, all of them in the answer (the
+    // closing tag a user-defined token spelled out).
+    let mut raw = body.clone();
+    raw["reasoning_format"] = json!("none");
+    let whole = content(&server.chat(&raw)).to_string();
+    assert_eq!(whole, format!("{reasoning}</think>{answer}"));
+    // Streamed: the same two parts, each in its own field.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/v1/chat/completions", &streamed);
+    let (mut r, mut a) = (String::new(), String::new());
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let delta = &c["choices"][0]["delta"];
+        r += delta["reasoning_content"].as_str().unwrap_or("");
+        a += delta["content"].as_str().unwrap_or("");
+    }
+    assert_eq!((r, a), (reasoning, answer));
 }

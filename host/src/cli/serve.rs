@@ -64,6 +64,12 @@ pub struct ServeArgs {
     /// `/health` (llama-server's --api-key); also read from `LES_API_KEY`.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// `auto`: the reasoning of models that mark it (`<think>` tags,
+    /// gpt-oss's analysis channel) goes to `reasoning_content`, apart from
+    /// the answer, unless a request says `reasoning_format: none`; `none`:
+    /// it stays in the answer as generated.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "none"])]
+    pub reasoning_format: String,
     /// Connections served at once; more are answered 503.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub max_connections: u16,
@@ -134,6 +140,9 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
         supply,
         lookahead,
     );
+    if args.reasoning_format == "none" {
+        engine = engine.without_reasoning();
+    }
     if let Some(drafter) = drafter {
         engine = engine.with_drafter(drafter, max_draft, !args.spec.draft_fixed);
     }

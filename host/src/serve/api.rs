@@ -129,6 +129,9 @@ pub struct Completion {
     /// A GBNF grammar the reply follows (from `grammar`, `json_schema` or
     /// `response_format`).
     pub grammar: Option<String>,
+    /// Tell the reasoning from the answer where the model marks it (chat
+    /// completions unless `reasoning_format` is `none`).
+    pub reasoning: bool,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -167,7 +170,21 @@ pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
             content,
         });
     }
-    completion(&obj, Prompt::Chat(out), images)
+    let reasoning = match obj.get("reasoning_format") {
+        None | Some(Value::Null) => true,
+        Some(Value::String(f)) if f == "none" => false,
+        Some(Value::String(f)) if matches!(f.as_str(), "auto" | "deepseek" | "deepseek-legacy") => {
+            true
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'reasoning_format' must be \"auto\", \"deepseek\" or \"none\"",
+            ))
+        }
+    };
+    let mut c = completion(&obj, Prompt::Chat(out), images)?;
+    c.reasoning = reasoning;
+    Ok(c)
 }
 
 /// Reads a `/v1/completions` body.
@@ -384,6 +401,7 @@ fn completion(
         sampling,
         stop,
         grammar: grammar(obj)?,
+        reasoning: false,
     })
 }
 

@@ -4,6 +4,8 @@
 //! - [`http`]: HTTP/1.1 requests read within bounds, responses and
 //!   server-sent events written.
 //! - [`api`]: the JSON requests ([`api::Completion`]) and errors.
+//! - [`reasoning`]: a reply's reasoning told from its answer by the model's
+//!   marker tokens (`<think>`, harmony channels).
 //! - [`Engine`]: the model's session, which answers one completion at a
 //!   time and keeps what it evaluated, so that a request whose prompt
 //!   starts as the last one's (a chat's next turn) evaluates only the rest.
@@ -18,6 +20,7 @@
 
 pub mod api;
 pub mod http;
+pub mod reasoning;
 
 use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -40,6 +43,7 @@ use crate::supply::Supply;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
 use api::{ApiError, Completion, Prompt};
+use reasoning::{Channel, Splitter};
 
 /// How long a connection may sit idle between requests (or mid-request).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -47,8 +51,11 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// What a finished completion reports.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Finished {
-    /// The generated text (cut before a stop string).
+    /// The generated text (cut before a stop string), its reasoning apart.
     pub text: String,
+    /// The reasoning, where the model's markers set it apart (chat
+    /// completions, unless `reasoning_format` is `none`).
+    pub reasoning: String,
     /// "stop" (an end-of-generation token or a stop string) or "length"
     /// (`max_tokens`, or the context is full).
     pub finish_reason: &'static str,
@@ -81,6 +88,8 @@ pub struct Engine<'m> {
     /// Speculative decoding's drafter, its longest draft and whether drafts
     /// are cut to what pays ([`Speculation`]).
     drafter: Option<(Box<dyn Drafter + 'm>, usize, bool)>,
+    /// How the model marks its reasoning, if it does (and it is told apart).
+    splitter: Option<Splitter>,
     /// The positions the session holds: a token's id, or `None` for an
     /// image embedding.
     held: Vec<Option<u32>>,
@@ -107,8 +116,16 @@ impl<'m> Engine<'m> {
             supply,
             lookahead,
             drafter: None,
+            splitter: Splitter::of(tokenizer),
             held: Vec::new(),
         }
+    }
+
+    /// This engine with the model's reasoning left in the answer
+    /// (`--reasoning-format none`), whatever requests ask.
+    pub fn without_reasoning(mut self) -> Self {
+        self.splitter = None;
+        self
     }
 
     /// This engine with speculative decoding: `drafter` guesses up to
@@ -197,13 +214,13 @@ impl<'m> Engine<'m> {
 
     /// Answers `c`: `started` once the prompt is read and fits (an error
     /// before it is the request's), then `delta` with each new piece of text
-    /// (streaming); generation stops early where `delta` returns false (the
-    /// client went away).
+    /// and whether it is reasoning or answer (streaming); generation stops
+    /// early where `delta` returns false (the client went away).
     pub fn complete(
         &mut self,
         c: &Completion,
         started: impl FnOnce(),
-        mut delta: impl FnMut(&str) -> bool,
+        mut delta: impl FnMut(Channel, &str) -> bool,
     ) -> Result<Finished, ApiError> {
         let prompt = self.prompt(c)?;
         let ctx = self.session.max_positions();
@@ -258,6 +275,14 @@ impl<'m> Engine<'m> {
         let mut reply = Reply::new(tokenizer, &c.stop);
         let mut sampled = Vec::new();
         let mut gone = false;
+        // Where the reasoning and the answer start in the reply's text.
+        let mut splitter = self.splitter.clone().filter(|_| c.reasoning);
+        let mut marks = Marks::default();
+        if let Some(s) = &mut splitter {
+            s.start(&items);
+            marks.set(0, s.channel());
+        }
+        let mut emitted = 0;
         let stuck = std::cell::Cell::new(false);
         let stats = generate_from(
             &mut self.session,
@@ -286,19 +311,44 @@ impl<'m> Engine<'m> {
                 if stuck.get() {
                     return Control::Stop;
                 }
+                if let Some(s) = &mut splitter {
+                    let text = tokenizer.token_text(t).unwrap_or_default();
+                    match s.route(t, text) {
+                        // Markers and headers are neither (an end of generation
+                        // still ends it).
+                        Channel::Hidden if !tokenizer.is_eog(t) => return Control::Continue,
+                        Channel::Hidden => {}
+                        to => marks.set(reply.text.len(), to),
+                    }
+                }
                 let mut piece = Vec::new();
                 let control = reply.take(t, Some(&mut piece));
-                if !piece.is_empty() && !delta(&String::from_utf8_lossy(&piece)) {
-                    gone = true;
-                    return Control::Stop;
+                let range = emitted..emitted + piece.len();
+                emitted = range.end;
+                // What the reply wrote is its text's next bytes.
+                for (to, r) in marks.split(range) {
+                    if !delta(to, &reply.text[r]) {
+                        gone = true;
+                        return Control::Stop;
+                    }
                 }
                 control
             },
         )
         .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
         let tail = reply.finish().map_err(|e| server_error(e.to_string()))?;
-        if !tail.is_empty() && !gone {
-            delta(&tail);
+        if !gone {
+            let start = reply.text.len() - tail.len();
+            for (to, r) in marks.split(start..reply.text.len()) {
+                delta(to, &reply.text[r]);
+            }
+        }
+        let (mut text, mut reasoning) = (String::new(), String::new());
+        for (to, r) in marks.split(0..reply.text.len()) {
+            match to {
+                Channel::Reasoning => reasoning.push_str(&reply.text[r]),
+                _ => text.push_str(&reply.text[r]),
+            }
         }
         // The session now holds the prompt and all but the last token sampled.
         self.held = items;
@@ -310,16 +360,53 @@ impl<'m> Engine<'m> {
             "length"
         };
         Ok(Finished {
-            text: reply.text,
+            text,
+            reasoning,
             finish_reason,
             prompt_tokens: prompt.len(),
             cached_tokens: keep,
-            completion_tokens: reply.tokens.len(),
+            // Every token sampled, markers included, but an end of generation.
+            completion_tokens: sampled.len() - usize::from(reply.eog.is_some()),
             prompt_time: stats.prefill,
             predicted_time: stats.decode,
             drafted: stats.drafted,
             accepted: stats.accepted,
         })
+    }
+}
+
+/// Where each part of a reply's text goes: the channel from each offset on.
+#[derive(Default)]
+struct Marks(Vec<(usize, Channel)>);
+
+impl Marks {
+    /// From byte `at` on, text goes to `to`.
+    fn set(&mut self, at: usize, to: Channel) {
+        if self.0.last().is_none_or(|&(_, c)| c != to) {
+            self.0.push((at, to));
+        }
+    }
+
+    /// `range` of the text cut where its channel changes (all content
+    /// without marks).
+    fn split(&self, range: std::ops::Range<usize>) -> Vec<(Channel, std::ops::Range<usize>)> {
+        let mut out = Vec::new();
+        let mut at = range.start;
+        while at < range.end {
+            let i = self.0.partition_point(|&(from, _)| from <= at);
+            let to = if i == 0 {
+                Channel::Content
+            } else {
+                self.0[i - 1].1
+            };
+            let end = self
+                .0
+                .get(i)
+                .map_or(range.end, |&(from, _)| from.min(range.end));
+            out.push((to, at..end));
+            at = end;
+        }
+        out
     }
 }
 
@@ -374,7 +461,7 @@ struct Job {
 /// What the engine tells a connection of its job.
 enum Event {
     Started,
-    Delta(String),
+    Delta(Channel, String),
     Done(Result<Finished, ApiError>),
 }
 
@@ -413,7 +500,7 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
             || {
                 let _ = events.send(Event::Started);
             },
-            |piece| !streaming || events.send(Event::Delta(piece.to_string())).is_ok(),
+            |to, piece| !streaming || events.send(Event::Delta(to, piece.to_string())).is_ok(),
         );
         if let Ok(f) = &result {
             note!(
@@ -636,11 +723,13 @@ fn complete(
         let written = match event {
             Event::Started => {
                 started = true;
-                http::start_event_stream(out)
-                    .and_then(|()| http::write_event(out, &shape.chunk(Some(""), None).to_string()))
+                http::start_event_stream(out).and_then(|()| {
+                    let first = shape.chunk(Some((Channel::Content, "")), None);
+                    http::write_event(out, &first.to_string())
+                })
             }
-            Event::Delta(text) => {
-                http::write_event(out, &shape.chunk(Some(&text), None).to_string())
+            Event::Delta(to, text) => {
+                http::write_event(out, &shape.chunk(Some((to, &text)), None).to_string())
             }
             Event::Done(Ok(f)) => {
                 let mut last = shape.chunk(None, Some(&f));
@@ -681,8 +770,13 @@ impl Shape<'_> {
     /// The whole answer (`stream: false`).
     fn whole(&self, f: &Finished) -> Value {
         let choice = match self.endpoint {
-            Endpoint::Chat => json!({"index": 0, "finish_reason": f.finish_reason,
-                "message": {"role": "assistant", "content": f.text}}),
+            Endpoint::Chat => {
+                let mut message = json!({"role": "assistant", "content": f.text});
+                if !f.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(f.reasoning);
+                }
+                json!({"index": 0, "finish_reason": f.finish_reason, "message": message})
+            }
             Endpoint::Text => json!({"index": 0, "finish_reason": f.finish_reason,
                 "text": f.text, "logprobs": null}),
         };
@@ -700,19 +794,21 @@ impl Shape<'_> {
         })
     }
 
-    /// One event of a stream: a piece of text, or the end.
-    fn chunk(&self, text: Option<&str>, end: Option<&Finished>) -> Value {
+    /// One event of a stream: a piece of text (the reasoning's or the
+    /// answer's), or the end.
+    fn chunk(&self, text: Option<(Channel, &str)>, end: Option<&Finished>) -> Value {
         let reason = end.map(|f| f.finish_reason);
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 let delta = match text {
-                    Some("") => json!({"role": "assistant", "content": ""}),
-                    Some(t) => json!({"content": t}),
+                    Some((_, "")) => json!({"role": "assistant", "content": ""}),
+                    Some((Channel::Reasoning, t)) => json!({"reasoning_content": t}),
+                    Some((_, t)) => json!({"content": t}),
                     None => json!({}),
                 };
                 json!({"index": 0, "delta": delta, "finish_reason": reason})
             }
-            Endpoint::Text => json!({"index": 0, "text": text.unwrap_or(""),
+            Endpoint::Text => json!({"index": 0, "text": text.map_or("", |(_, t)| t),
                 "logprobs": null, "finish_reason": reason}),
         };
         json!({
