@@ -626,3 +626,52 @@ fn think_tags_set_the_reasoning_apart() {
     }
     assert_eq!((r, a), (reasoning, answer));
 }
+
+/// llama-server's helpers: `/tokenize` and `/detokenize` round-trip, and
+/// `/apply-template` is the prompt a chat completion evaluates; `/props`
+/// tells the context and the template.
+#[test]
+fn tokenize_detokenize_apply_template_and_props() {
+    let m = model();
+    let server = Server::start(&m, &["--ctx", "96"]);
+    let (status, v) = server.post("/tokenize", &json!({"content": "Hello there"}));
+    assert_eq!(status, 200, "{v}");
+    let ids = v["tokens"].clone();
+    assert!(!ids.as_array().unwrap().is_empty());
+    let (_, back) = server.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(back["content"], "Hello there");
+    let (_, pieces) = server.post(
+        "/tokenize",
+        &json!({"content": "Hello there", "with_pieces": true}),
+    );
+    let joined: String = pieces["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["piece"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(joined, "Hello there");
+    let (status, bad) = server.post("/detokenize", &json!({"tokens": [1_000_000]}));
+    assert_eq!(status, 400, "{bad}");
+    // The template's prompt, tokenized, is what a chat completion counts.
+    let messages = json!([user("Hello there")]);
+    let (_, t) = server.post("/apply-template", &json!({"messages": messages}));
+    let prompt = t["prompt"].as_str().unwrap();
+    let (_, tokens) = server.post(
+        "/tokenize",
+        &json!({"content": prompt, "add_special": true}),
+    );
+    let v = server.chat(&json!({"messages": messages, "temperature": 0, "max_tokens": 1}));
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        tokens["tokens"].as_array().unwrap().len()
+    );
+    let (_, _, props) = server.request("GET", "/props", "");
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 96);
+    assert_eq!(props["total_slots"], 1);
+    assert!(props["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("messages"));
+}

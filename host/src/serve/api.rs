@@ -7,6 +7,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::grammar::json_schema_to_gbnf;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::MEDIA_MARKER;
 
 /// Largest image a request may carry, decoded (as `--image` files).
@@ -204,6 +205,97 @@ pub fn text_request(body: &[u8]) -> Result<Completion, ApiError> {
         None => return Err(ApiError::bad("'prompt' is required")),
     };
     completion(&obj, Prompt::Text(prompt), Vec::new())
+}
+
+/// Most tokens `/detokenize` takes.
+pub const MAX_DETOKENIZE: usize = 1 << 20;
+
+/// `/tokenize`: `content` (a string) as token ids, with the model's BOS
+/// where `add_special` (default false) and special tokens spelled in the
+/// text read as such unless `parse_special` is false; with `with_pieces`,
+/// each id with its text.
+pub fn tokenize(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError> {
+    let obj = object(body)?;
+    let content = obj
+        .get("content")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad("'content' must be a string"))?;
+    let flag = |key: &str, default: bool| match obj.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| ApiError::bad(format!("'{key}' must be true or false"))),
+    };
+    let ids = tokenizer.encode(
+        content,
+        flag("add_special", false)?,
+        flag("parse_special", true)?,
+    );
+    let tokens: Vec<Value> = if flag("with_pieces", false)? {
+        ids.iter()
+            .map(|&id| json!({"id": id, "piece": tokenizer.decode(&[id])}))
+            .collect()
+    } else {
+        ids.iter().map(|&id| json!(id)).collect()
+    };
+    Ok(json!({ "tokens": tokens }))
+}
+
+/// `/detokenize`: `tokens` (ids in the vocabulary) as text.
+pub fn detokenize(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError> {
+    let obj = object(body)?;
+    let tokens = obj
+        .get("tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad("'tokens' must be an array of token ids"))?;
+    if tokens.len() > MAX_DETOKENIZE {
+        return Err(ApiError::bad(format!("more than {MAX_DETOKENIZE} tokens")));
+    }
+    let n_vocab = tokenizer.n_vocab() as u64;
+    let ids = tokens
+        .iter()
+        .map(|t| t.as_u64().filter(|&id| id < n_vocab).map(|id| id as u32))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| ApiError::bad(format!("'tokens' must be ids below {n_vocab}")))?;
+    Ok(json!({ "content": tokenizer.decode(&ids) }))
+}
+
+/// `/apply-template`: `messages` through the model's chat template, as a
+/// chat completion would evaluate them (images as their markers).
+pub fn apply_template(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError> {
+    let Completion { prompt, .. } = chat_request(body)?;
+    let Prompt::Chat(messages) = prompt else {
+        return Err(ApiError::bad("'messages' is required"));
+    };
+    let template = tokenizer
+        .chat_template()
+        .map_err(|e| ApiError::bad(format!("the model's chat template: {e}")))?;
+    Ok(json!({ "prompt": chat_text(tokenizer, &template, &messages)? }))
+}
+
+/// `messages` through `template`, ready for the assistant's reply. As
+/// llama.cpp does, a template without a system role gets the system prompt
+/// before the first user message.
+pub fn chat_text(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[Message],
+) -> Result<String, ApiError> {
+    let mut msgs: Vec<(&str, String)> = messages
+        .iter()
+        .map(|m| (m.role.as_str(), m.content.clone()))
+        .collect();
+    if msgs.len() > 1
+        && msgs[0].0 == "system"
+        && msgs[1].0 == "user"
+        && !template.supports_system_role()
+    {
+        let (_, system) = msgs.remove(0);
+        msgs[0].1 = format!("{system}\n{}", msgs[0].1);
+    }
+    tokenizer
+        .chat_prompt_with(template, &msgs, true)
+        .map_err(|e| ApiError::bad(format!("the chat template: {e}")))
 }
 
 fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {

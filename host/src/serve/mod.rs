@@ -152,23 +152,7 @@ impl<'m> Engine<'m> {
                         "the model has no chat template: use /v1/completions with a prompt",
                     )
                 })?;
-                let mut msgs: Vec<(String, String)> = messages
-                    .iter()
-                    .map(|m| (m.role.clone(), m.content.clone()))
-                    .collect();
-                // As llama.cpp: a template without a system role gets the
-                // system prompt before the first user message.
-                if msgs.len() > 1
-                    && msgs[0].0 == "system"
-                    && msgs[1].0 == "user"
-                    && !template.supports_system_role()
-                {
-                    let (_, system) = msgs.remove(0);
-                    msgs[0].1 = format!("{system}\n{}", msgs[0].1);
-                }
-                self.tokenizer
-                    .chat_prompt_with(template, &msgs, true)
-                    .map_err(|e| ApiError::bad(format!("the chat template: {e}")))?
+                api::chat_text(self.tokenizer, template, messages)?
             }
         };
         let n_embd = self.model.hp.n_embd;
@@ -312,8 +296,7 @@ impl<'m> Engine<'m> {
                     return Control::Stop;
                 }
                 if let Some(s) = &mut splitter {
-                    let text = tokenizer.token_text(t).unwrap_or_default();
-                    match s.route(t, text) {
+                    match s.route(t, &tokenizer.decode(&[t])) {
                         // Markers and headers are neither (an end of generation
                         // still ends it).
                         Channel::Hidden if !tokenizer.is_eog(t) => return Control::Continue,
@@ -484,10 +467,24 @@ pub struct ServeOptions {
 /// on this thread, in `engine`.
 pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions) {
     let (jobs, queue) = channel::<Job>();
+    let about = About {
+        opts,
+        tokenizer: engine.tokenizer,
+        n_ctx: engine.session.max_positions(),
+        vision: engine.clip.is_some(),
+    };
     std::thread::scope(|scope| {
-        scope.spawn(|| accept(listener, jobs, opts));
+        scope.spawn(|| accept(scope, listener, jobs, &about));
         work(engine, queue, &opts.model_id);
     });
+}
+
+/// What the connections answer from themselves, without the engine.
+struct About<'a> {
+    opts: &'a ServeOptions,
+    tokenizer: &'a Tokenizer,
+    n_ctx: usize,
+    vision: bool,
 }
 
 /// The engine's loop: each job's answer, in order.
@@ -521,13 +518,19 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
     }
 }
 
-/// Accepts connections until the listener fails.
-fn accept(listener: TcpListener, jobs: Sender<Job>, opts: &ServeOptions) {
+/// Accepts connections until the listener fails, each served on a thread
+/// of `scope`.
+fn accept<'s, 'a: 's>(
+    scope: &'s std::thread::Scope<'s, '_>,
+    listener: TcpListener,
+    jobs: Sender<Job>,
+    about: &'a About<'a>,
+) {
     let open = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
-        let (jobs, opts, open) = (jobs.clone(), opts.clone(), Arc::clone(&open));
-        if open.fetch_add(1, Ordering::SeqCst) >= opts.max_connections {
+        let (jobs, open) = (jobs.clone(), Arc::clone(&open));
+        if open.fetch_add(1, Ordering::SeqCst) >= about.opts.max_connections {
             open.fetch_sub(1, Ordering::SeqCst);
             let mut s = stream;
             let e = ApiError {
@@ -537,15 +540,16 @@ fn accept(listener: TcpListener, jobs: Sender<Job>, opts: &ServeOptions) {
             let _ = respond_error(&mut s, &e, false);
             continue;
         }
-        std::thread::spawn(move || {
-            let _ = connection(stream, &jobs, &opts);
+        scope.spawn(move || {
+            let _ = connection(stream, &jobs, about);
             open.fetch_sub(1, Ordering::SeqCst);
         });
     }
 }
 
 /// Serves one connection's requests until it closes.
-fn connection(stream: TcpStream, jobs: &Sender<Job>, opts: &ServeOptions) -> std::io::Result<()> {
+fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::io::Result<()> {
+    let opts = about.opts;
     stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
     stream.set_nodelay(true)?;
     let mut out = stream.try_clone()?;
@@ -589,6 +593,18 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, opts: &ServeOptions) -> std
                     "id": opts.model_id, "object": "model", "created": now(), "owned_by": "les"}]});
                 respond_json(&mut out, 200, &models, keep)?
             }
+            ("GET", "/props", _) => respond_json(&mut out, 200, &props(about), keep)?,
+            ("POST", "/tokenize" | "/detokenize" | "/apply-template", _) => {
+                let answer = match path {
+                    "/tokenize" => api::tokenize(&req.body, about.tokenizer),
+                    "/detokenize" => api::detokenize(&req.body, about.tokenizer),
+                    _ => api::apply_template(&req.body, about.tokenizer),
+                };
+                match answer {
+                    Ok(v) => respond_json(&mut out, 200, &v, keep)?,
+                    Err(e) => respond_error(&mut out, &e, keep)?,
+                }
+            }
             ("OPTIONS", ..) => http::write_response(
                 &mut out,
                 204,
@@ -622,7 +638,13 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, opts: &ServeOptions) -> std
                     return Ok(());
                 }
             }
-            (_, "/health" | "/v1/health" | "/v1/models" | "/models", _) | (_, _, Some(_)) => {
+            (
+                _,
+                "/health" | "/v1/health" | "/v1/models" | "/models" | "/props" | "/tokenize"
+                | "/detokenize" | "/apply-template",
+                _,
+            )
+            | (_, _, Some(_)) => {
                 let e = ApiError {
                     status: 405,
                     message: format!("{} {} is not served", req.method, req.path),
@@ -822,6 +844,26 @@ impl Shape<'_> {
             "choices": [choice],
         })
     }
+}
+
+/// llama-server's `/props`: the context, the defaults, the template.
+fn props(about: &About<'_>) -> Value {
+    let d = api::Sampling::default();
+    json!({
+        "default_generation_settings": {
+            "n_ctx": about.n_ctx,
+            "params": {
+                "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                "min_p": d.min_p, "typical_p": d.typical_p, "repeat_penalty": d.repeat_penalty,
+                "repeat_last_n": d.repeat_last_n, "n_predict": -1,
+            },
+        },
+        "total_slots": 1,
+        "model_alias": about.opts.model_id,
+        "chat_template": about.tokenizer.chat_template_source().unwrap_or(""),
+        "modalities": {"vision": about.vision, "audio": false},
+        "build_info": format!("les {}", env!("CARGO_PKG_VERSION")),
+    })
 }
 
 fn usage(f: &Finished) -> Value {
