@@ -408,6 +408,24 @@ fn a_client_that_leaves_stops_its_generation() {
     assert_eq!(generated.len(), 2, "{:?}", server.log.lock().unwrap());
     assert!(generated[0] < 50000, "{generated:?}");
     assert_eq!(generated[1], 3);
+    // Without streaming too: the client sends its request and leaves.
+    let body = json!({"prompt": "The", "temperature": 0, "max_tokens": 50000}).to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(s);
+    let start = Instant::now();
+    while server.generated().len() < 3 && start.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let generated = server.generated();
+    assert_eq!(generated.len(), 3, "{:?}", server.log.lock().unwrap());
+    assert!(generated[2] < 50000, "{generated:?}");
 }
 
 #[test]

@@ -24,8 +24,8 @@ pub mod reasoning;
 
 use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -439,6 +439,8 @@ struct Job {
     completion: Completion,
     endpoint: Endpoint,
     events: Sender<Event>,
+    /// Set when the client went away before the answer.
+    cancel: Arc<AtomicBool>,
 }
 
 /// What the engine tells a connection of its job.
@@ -497,7 +499,10 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
             || {
                 let _ = events.send(Event::Started);
             },
-            |to, piece| !streaming || events.send(Event::Delta(to, piece.to_string())).is_ok(),
+            |to, piece| {
+                !job.cancel.load(Ordering::Relaxed)
+                    && (!streaming || events.send(Event::Delta(to, piece.to_string())).is_ok())
+            },
         );
         if let Ok(f) = &result {
             note!(
@@ -701,10 +706,12 @@ fn complete(
 ) -> std::io::Result<bool> {
     let (events, answers) = channel();
     let stream = c.stream;
+    let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         completion: c,
         endpoint,
         events,
+        cancel: Arc::clone(&cancel),
     };
     if jobs.send(job).is_err() {
         let e = server_error("the engine stopped".into());
@@ -727,18 +734,30 @@ fn complete(
         endpoint,
     };
     if !stream {
-        // Deltas are not sent: wait for the end.
-        for event in answers {
-            if let Event::Done(result) = event {
-                match result {
-                    Ok(f) => respond_json(out, 200, &shape.whole(&f), keep)?,
-                    Err(e) => respond_error(out, &e, keep)?,
+        // Deltas are not sent: wait for the end, looking now and then
+        // whether the client is still there.
+        loop {
+            match answers.recv_timeout(Duration::from_millis(100)) {
+                Ok(Event::Done(result)) => {
+                    match result {
+                        Ok(f) => respond_json(out, 200, &shape.whole(&f), keep)?,
+                        Err(e) => respond_error(out, &e, keep)?,
+                    }
+                    return Ok(keep);
                 }
-                return Ok(keep);
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    if client_gone(out) {
+                        cancel.store(true, Ordering::Relaxed);
+                        return Ok(false);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    respond_error(out, &server_error("the engine stopped".into()), false)?;
+                    return Ok(false);
+                }
             }
         }
-        respond_error(out, &server_error("the engine stopped".into()), false)?;
-        return Ok(false);
     }
     let mut started = false;
     for event in answers {
@@ -778,6 +797,24 @@ fn complete(
         }
     }
     Ok(false)
+}
+
+/// Whether the client closed its end (a waiting client sends nothing more;
+/// its next request, pipelined, is data, not a close).
+fn client_gone(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let peeked = s.peek(&mut [0u8; 1]);
+    let _ = s.set_nonblocking(false);
+    match peeked {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+        ),
+    }
 }
 
 /// The fixed parts of one completion's answers.
