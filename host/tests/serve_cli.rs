@@ -693,3 +693,36 @@ fn tokenize_detokenize_apply_template_and_props() {
         .unwrap()
         .contains("messages"));
 }
+
+/// A hybrid model (qwen35moe: DeltaNet layers, whose state cannot go back):
+/// a chat's next turn reuses the session where it can and answers as a
+/// fresh server would either way.
+#[test]
+fn a_recurrent_model_answers_each_turn_as_a_fresh_server() {
+    let m = synth_once(
+        "serve_q35.gguf",
+        &[
+            "--quiet",
+            "--arch",
+            "qwen35moe",
+            "--preset",
+            "tiny",
+            "--seed",
+            "5",
+        ],
+    );
+    let server = Server::start(&m, &[]);
+    let first = json!({"messages": [user("Hello there")], "temperature": 0, "max_tokens": 6});
+    let reply = content(&server.chat(&first)).to_string();
+    let turns = [
+        json!({"messages": [user("Hello there"), {"role": "assistant", "content": reply},
+            user("And then?")], "temperature": 0, "max_tokens": 6}),
+        json!({"messages": [user("Something else")], "temperature": 0, "max_tokens": 6}),
+        first.clone(),
+    ];
+    for body in &turns {
+        let v = server.chat(body);
+        let fresh = Server::start(&m, &[]);
+        assert_eq!(content(&v), content(&fresh.chat(body)), "{body}");
+    }
+}
