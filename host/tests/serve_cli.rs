@@ -726,3 +726,27 @@ fn a_recurrent_model_answers_each_turn_as_a_fresh_server() {
         assert_eq!(content(&v), content(&fresh.chat(body)), "{body}");
     }
 }
+
+/// Experts streamed from flash through a few slots (the LES schedule, and
+/// on demand) answer as the resident model does, turn after turn.
+#[test]
+fn streamed_experts_answer_as_resident_ones() {
+    let m = model();
+    let packed = tmp("serve_q3.p.gguf");
+    cli::pack(&m, &packed);
+    let resident = Server::start(&m, &[]);
+    let les_slots = Server::start(&packed, &["--schedule", "les", "--slots", "3"]);
+    let on_demand = Server::start(
+        &packed,
+        &["--schedule", "on-demand", "--slots", "2", "-b", "1"],
+    );
+    let first = json!({"messages": [user("Hello there")], "temperature": 0, "max_tokens": 12});
+    let want = content(&resident.chat(&first)).to_string();
+    let next = json!({"messages": [user("Hello there"), {"role": "assistant", "content": want},
+        user("Go on")], "seed": 9, "max_tokens": 12});
+    let want_next = content(&resident.chat(&next)).to_string();
+    for server in [&les_slots, &on_demand] {
+        assert_eq!(content(&server.chat(&first)), want);
+        assert_eq!(content(&server.chat(&next)), want_next);
+    }
+}
