@@ -142,6 +142,11 @@ impl Writer<'_> {
 pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
     let bytes = model.gguf().bytes();
     let hp = &model.hp;
+    if model.hybrid.rope_sections.is_some() {
+        return Err(McuIndexError(
+            "the firmware does not run M-RoPE sections (qwen35moe, Qwen3-VL)".into(),
+        ));
+    }
     let mut w = Writer {
         words: Vec::new(),
         base: bytes.as_ptr() as usize,

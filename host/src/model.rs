@@ -119,6 +119,12 @@ pub enum Arch {
     /// RoPE (NeoX), every layer a softmax-routed, renormalised MoE sized by
     /// `feed_forward_length` plus an ungated shared expert.
     HunyuanMoe,
+    /// Qwen3-VL's MoE language model (Qwen3-VL-30B-A3B, -235B-A22B;
+    /// llama.cpp's `qwen3vlmoe`), text only: qwen3moe's layers rotated by
+    /// IMRoPE sections; its vision tower (`qwen3vl_merger`) is not read.
+    Qwen3VlMoe,
+    /// Qwen3-VL's dense language model (llama.cpp's `qwen3vl`), text only.
+    Qwen3Vl,
     /// Llama 4 Scout / Maverick (llama.cpp's `llama4`, text only): chunked
     /// attention (8192 positions) on three layers of four, the fourth without
     /// RoPE and with a query temperature, Q/K norms without weights after
@@ -135,7 +141,7 @@ pub enum Arch {
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 16] = [
+    pub const ALL: [Arch; 18] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -152,6 +158,8 @@ impl Arch {
         Arch::Dots1,
         Arch::HunyuanMoe,
         Arch::Llama4,
+        Arch::Qwen3VlMoe,
+        Arch::Qwen3Vl,
     ];
 
     /// From `general.architecture`.
@@ -178,6 +186,8 @@ impl Arch {
             Arch::Dots1 => "dots1",
             Arch::HunyuanMoe => "hunyuan-moe",
             Arch::Llama4 => "llama4",
+            Arch::Qwen3VlMoe => "qwen3vlmoe",
+            Arch::Qwen3Vl => "qwen3vl",
         }
     }
 
@@ -633,6 +643,27 @@ fn llama4_attention(
     })
 }
 
+/// `{a}.rope.dimension_sections`: the pairs of each head each of M-RoPE's
+/// four position components rotates (qwen35moe's and Qwen3-VL's IMRoPE).
+fn rope_sections(g: &Gguf<MappedFile>, a: &str) -> Result<[u32; 4], ModelError> {
+    let sections = g
+        .get_array(&format!("{a}.rope.dimension_sections"))
+        .map_err(|e| invalid(format!("{a}: {e}")))?;
+    let vals: Option<Vec<u64>> = sections.iter().map(|x| x.as_u64()).collect();
+    match vals.as_deref() {
+        Some(v) if !v.is_empty() && v.len() <= 4 && v.iter().all(|x| *x <= u32::MAX as u64) => {
+            let mut out = [0u32; 4];
+            for (o, x) in out.iter_mut().zip(v) {
+                *o = *x as u32;
+            }
+            Ok(out)
+        }
+        _ => Err(invalid(format!(
+            "{a}.rope.dimension_sections must be up to 4 non-negative integers"
+        ))),
+    }
+}
+
 /// Bound on DeltaNet dimensions read from metadata.
 const MAX_SSM_DIM: usize = 1 << 16;
 
@@ -707,27 +738,9 @@ fn hybrid_params(
     };
     let n_linear = recurrent.iter().filter(|r| **r).count();
     // qwen35moe rotates by sections (IMRoPE); qwen3next by plain NeoX RoPE.
-    let rope_sections = if arch == Arch::Qwen3Next {
-        None
-    } else {
-        let sections = g
-            .get_array(&k("rope.dimension_sections"))
-            .map_err(|e| invalid(format!("{a}: {e}")))?;
-        let vals: Option<Vec<u64>> = sections.iter().map(|x| x.as_u64()).collect();
-        match vals.as_deref() {
-            Some(v) if !v.is_empty() && v.len() <= 4 && v.iter().all(|x| *x <= u32::MAX as u64) => {
-                let mut out = [0u32; 4];
-                for (o, x) in out.iter_mut().zip(v) {
-                    *o = *x as u32;
-                }
-                Some(out)
-            }
-            _ => {
-                return Err(invalid(format!(
-                    "{a}.rope.dimension_sections must be up to 4 non-negative integers"
-                )))
-            }
-        }
+    let rope_sections = match arch {
+        Arch::Qwen3Next => None,
+        _ => Some(rope_sections(g, a)?),
     };
     let hy = HybridParams {
         n_attn_layers: hp.n_layers - n_linear,
@@ -1075,6 +1088,11 @@ impl Model {
                 // llama.cpp's minimax-m2 and hunyuan-moe loaders size their
                 // experts by `n_ff`.
                 Arch::MinimaxM2 | Arch::HunyuanMoe => n_ff,
+                // llama.cpp's qwen3vlmoe: without the key, n_ff over the picks.
+                Arch::Qwen3VlMoe => {
+                    uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
+                        .unwrap_or(n_ff / top_k.max(1))
+                }
                 _ => uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
                     .unwrap_or(n_ff),
             };
@@ -1093,7 +1111,11 @@ impl Model {
                 .unwrap_or(arch.default_norm_topk());
             if matches!(
                 arch,
-                Arch::Qwen35Moe | Arch::Qwen3Next | Arch::Ernie45Moe | Arch::HunyuanMoe
+                Arch::Qwen35Moe
+                    | Arch::Qwen3Next
+                    | Arch::Ernie45Moe
+                    | Arch::HunyuanMoe
+                    | Arch::Qwen3VlMoe
             ) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
@@ -1251,8 +1273,13 @@ impl Model {
         let (hybrid, recurrent) = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
             hybrid_params(&g, arch, &hp, n_layers_all)?
         } else {
+            let rope_sections = match arch {
+                Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(rope_sections(&g, a)?),
+                _ => None,
+            };
             let hy = HybridParams {
                 mla,
+                rope_sections,
                 ..HybridParams::plain(&hp)
             };
             hy.validate(&hp).map_err(|e| invalid(format!("{a}: {e}")))?;
@@ -2011,7 +2038,9 @@ mod tests {
                 | Arch::MinimaxM2
                 | Arch::Dots1
                 | Arch::HunyuanMoe
-                | Arch::Llama4 => {}
+                | Arch::Llama4
+                | Arch::Qwen3VlMoe
+                | Arch::Qwen3Vl => {}
             }
         }
     }

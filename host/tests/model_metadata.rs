@@ -220,6 +220,8 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "dots1",
         "hunyuan-moe",
         "llama4",
+        "qwen3vlmoe",
+        "qwen3vl",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

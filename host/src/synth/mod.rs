@@ -143,6 +143,15 @@ pub enum Arch {
     /// one routed expert, dense SwiGLU layers in between.
     #[value(name = "llama4")]
     Llama4,
+    /// Qwen3-VL's MoE language model (llama.cpp's `qwen3vlmoe`): qwen3moe's
+    /// layers rotated by IMRoPE sections (`rope.dimension_sections`), the
+    /// vision tower's deepstack layers counted (`n_deepstack_layers`).
+    #[value(name = "qwen3vlmoe")]
+    Qwen3vlmoe,
+    /// Qwen3-VL's dense language model (llama.cpp's `qwen3vl`): Qwen3's
+    /// attention rotated by IMRoPE sections, dense SwiGLU layers.
+    #[value(name = "qwen3vl")]
+    Qwen3vl,
 }
 
 impl Arch {
@@ -164,6 +173,8 @@ impl Arch {
             Arch::Dots1 => "dots1",
             Arch::HunyuanMoe => "hunyuan-moe",
             Arch::Llama4 => "llama4",
+            Arch::Qwen3vlmoe => "qwen3vlmoe",
+            Arch::Qwen3vl => "qwen3vl",
         }
     }
 
@@ -191,6 +202,8 @@ impl Arch {
                 | Arch::Qwen3next
                 | Arch::Ernie45moe
                 | Arch::Llama4
+                | Arch::Qwen3vlmoe
+                | Arch::Qwen3vl
         )
     }
 
@@ -203,6 +216,7 @@ impl Arch {
                 | Arch::Mixtral
                 | Arch::Qwen35moe
                 | Arch::Qwen3next
+                | Arch::Qwen3vlmoe
                 | Arch::Glm4moe
                 | Arch::Deepseek2
                 | Arch::Bailingmoe2
@@ -906,8 +920,11 @@ impl SynthConfig {
                 ));
             }
         }
-        if arch == Arch::Llama && o.experts.is_none() {
+        if matches!(arch, Arch::Llama | Arch::Qwen3vl) && o.experts.is_none() {
             s.experts = 0;
+        }
+        if arch == Arch::Qwen3vl && s.experts > 0 {
+            return config_err("qwen3vl is dense: its MoE is qwen3vlmoe");
         }
         if !arch.has_shared_expert() {
             if o.shared_ff.is_some() {
@@ -917,7 +934,7 @@ impl SynthConfig {
             }
             s.shared_ff = 0;
         }
-        if s.experts == 0 && arch != Arch::Llama {
+        if s.experts == 0 && !matches!(arch, Arch::Llama | Arch::Qwen3vl) {
             return config_err(format!("{name} needs at least one expert"));
         }
         if s.experts > 0 && o.top_k.is_none() {
@@ -1369,7 +1386,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lay,
         );
         match cfg.arch {
-            Arch::Qwen3moe | Arch::Dots1 | Arch::HunyuanMoe => {
+            Arch::Qwen3moe | Arch::Dots1 | Arch::HunyuanMoe | Arch::Qwen3vlmoe | Arch::Qwen3vl => {
                 add(
                     n("attn_q_norm.weight"),
                     vec![s.head_dim],
@@ -2028,6 +2045,24 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     if matches!(cfg.arch, Arch::Llama | Arch::Mixtral | Arch::Llama4) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
     }
+    if matches!(cfg.arch, Arch::Qwen3vlmoe | Arch::Qwen3vl) {
+        // As llama.cpp's converter writes Qwen3-VL's language model: IMRoPE
+        // sections of a head's pairs (Qwen3-VL's 24 / 20 / 20 of 64), and
+        // the vision tower's deepstack layers (whose features only images
+        // add; text runs as without them).
+        let pairs = s.head_dim / 2;
+        let t = pairs * 3 / 8;
+        let h = (pairs - t) / 2;
+        let sections = [t, h, pairs - t - h, 0].map(|x| MetaValue::I32(x as i32));
+        kv(
+            format!("{a}.rope.dimension_sections"),
+            MetaValue::Array(
+                MetaArray::new(ValueType::I32, sections.to_vec())
+                    .expect("i32 items in an i32 array"),
+            ),
+        );
+        kv(format!("{a}.n_deepstack_layers"), u32v(3.min(s.layers)));
+    }
     if cfg.arch == Arch::Llama4 {
         // As llama.cpp's converter writes a Llama 4 (no sliding-window key:
         // its loader then chunks, as for Scout and Maverick).
@@ -2419,6 +2454,8 @@ mod tests {
             Arch::Dots1,
             Arch::HunyuanMoe,
             Arch::Llama4,
+            Arch::Qwen3vlmoe,
+            Arch::Qwen3vl,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
