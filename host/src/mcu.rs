@@ -142,11 +142,6 @@ impl Writer<'_> {
 pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
     let bytes = model.gguf().bytes();
     let hp = &model.hp;
-    if model.hybrid.rope_sections.is_some() {
-        return Err(McuIndexError(
-            "the firmware does not run M-RoPE sections (qwen35moe, Qwen3-VL)".into(),
-        ));
-    }
     let mut w = Writer {
         words: Vec::new(),
         base: bytes.as_ptr() as usize,
@@ -254,6 +249,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             || a.rope_freqs.is_some()
             || a.norm_after_rope
             || a.nope.is_some()
+            || model.hybrid.rope_sections.is_some()
             || moe_extras
             || hp.rope_yarn.is_some()
             || act.is_some_and(|x| x != ExpertAct::SwiGlu)
@@ -261,7 +257,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             return Err(McuIndexError(format!(
                 "layer {l} needs what the firmware does not run (gpt-oss's output and \
                  expert biases, attention sinks, sliding windows or chunks, YaRN, RoPE \
-                 frequency factors, Q/K norms after RoPE, layers without RoPE or clamped \
+                 frequency factors, M-RoPE sections, Q/K norms after RoPE, layers without RoPE or clamped \
                  SwiGLU, or an expert selection bias)"
             )));
         }
