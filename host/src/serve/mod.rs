@@ -533,7 +533,12 @@ fn accept<'s, 'a: 's>(
 ) {
     let open = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
+        let Ok(stream) = stream else {
+            // Out of file descriptors, say: give the open ones time to close
+            // instead of spinning.
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
         let (jobs, open) = (jobs.clone(), Arc::clone(&open));
         if open.fetch_add(1, Ordering::SeqCst) >= about.opts.max_connections {
             open.fetch_sub(1, Ordering::SeqCst);
