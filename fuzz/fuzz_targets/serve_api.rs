@@ -1,0 +1,39 @@
+//! `les serve`'s request bodies from arbitrary bytes: both endpoints' JSON
+//! readers (messages, content parts, base64 images, samplers, stop strings,
+//! response formats turned into grammars) and the helpers' give a request or
+//! a one-line 400, never a panic, hang or huge allocation; a request read
+//! keeps its bounds (images, stop strings), and a chat request's markers
+//! match its images.
+#![no_main]
+
+use les::serve::api::{self, Prompt, MAX_IMAGES, MAX_IMAGE_BYTES, MAX_STOPS};
+use les::vision::MEDIA_MARKER;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    for read in [api::chat_request, api::text_request] {
+        match read(data) {
+            Ok(c) => {
+                assert!(c.images.len() <= MAX_IMAGES);
+                assert!(c.images.iter().all(|i| i.len() <= MAX_IMAGE_BYTES + 3));
+                assert!(c.stop.len() <= MAX_STOPS && c.stop.iter().all(|s| !s.is_empty()));
+                if let Prompt::Chat(messages) = &c.prompt {
+                    // Markers the text spells itself count too: never fewer.
+                    let markers: usize = messages
+                        .iter()
+                        .map(|m| m.content.matches(MEDIA_MARKER).count())
+                        .sum();
+                    assert!(markers >= c.images.len());
+                }
+            }
+            Err(e) => {
+                assert_eq!(e.status, 400);
+                assert!(!e.message.contains('\n'), "{}", e.message);
+            }
+        }
+    }
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = api::base64(text);
+        let _ = api::data_url(text);
+    }
+});
