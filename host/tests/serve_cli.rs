@@ -750,3 +750,33 @@ fn streamed_experts_answer_as_resident_ones() {
         assert_eq!(content(&server.chat(&next)), want_next);
     }
 }
+
+/// Past `--max-connections`, a client reads a 503 (its request read first,
+/// so that it gets the answer, not a reset); a slot that frees is used again.
+#[test]
+fn too_many_connections_are_answered_503() {
+    let m = model();
+    let server = Server::start(&m, &["--max-connections", "1"]);
+    let idle = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    // The idle connection holds the one slot once its thread runs.
+    let start = Instant::now();
+    let (status, body) = loop {
+        let (status, _, body) = server.request("GET", "/v1/models", "");
+        if status == 503 || start.elapsed() > Duration::from_secs(10) {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("--max-connections"), "{body}");
+    drop(idle);
+    let start = Instant::now();
+    let status = loop {
+        let (status, _, _) = server.request("GET", "/health", "");
+        if status == 200 || start.elapsed() > Duration::from_secs(10) {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status, 200);
+}

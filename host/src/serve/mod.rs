@@ -542,12 +542,22 @@ fn accept<'s, 'a: 's>(
         let (jobs, open) = (jobs.clone(), Arc::clone(&open));
         if open.fetch_add(1, Ordering::SeqCst) >= about.opts.max_connections {
             open.fetch_sub(1, Ordering::SeqCst);
-            let mut s = stream;
+            // Read the request first (briefly), so that the client gets the
+            // answer instead of a reset for the bytes left unread.
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+            let drain = http::Limits {
+                max_body: 1 << 20,
+                ..about.opts.limits
+            };
+            let _ = http::read_request(&mut BufReader::new(&stream), &mut std::io::sink(), &drain);
             let e = ApiError {
                 status: 503,
-                message: "too many connections".into(),
+                message: format!(
+                    "too many connections (at most {}: les serve --max-connections)",
+                    about.opts.max_connections
+                ),
             };
-            let _ = respond_error(&mut s, &e, false);
+            let _ = respond_error(&mut &stream, &e, false);
             continue;
         }
         scope.spawn(move || {
