@@ -39,6 +39,15 @@
 //! 9. **draw**: softmax of the rest, `u` uniform in `[0, 1)`, and the first token
 //!    (by descending logit) whose running sum of weights exceeds `u * total`.
 //!
+//! **Mirostat** ([`SamplerConfig::mirostat`], llama.cpp's `--mirostat 1|2`)
+//! takes the place of the chain, as llama.cpp's `common_sampler` puts it:
+//! logit bias, temperature, then Mirostat (no penalties, DRY or filters).
+//! Version 2 keeps the tokens whose surprise `-log2 p` is at most `mu`,
+//! version 1 the `k` most likely, `k` from Zipf's exponent estimated over
+//! the 100 most likely; each draws from the renormalized rest and moves `mu`
+//! by `eta` times how far the pick's surprise was from `tau` (`mu` starts at
+//! `2 tau`).
+//!
 //! `temperature <= 0` (or NaN) is greedy: the highest logit after the
 //! penalties, the lowest id among ties (as llama.cpp's greedy sampler; the
 //! filters then play no part).
@@ -168,9 +177,39 @@ pub struct SamplerConfig {
     pub xtc_threshold: f32,
     /// Penalties on recent tokens; `None` is off.
     pub penalties: Option<Penalties>,
+    /// Mirostat instead of the chain (see the [module docs](self)); `None`
+    /// is off.
+    pub mirostat: Option<Mirostat>,
     /// Seed of the random generator.
     pub seed: u64,
 }
+
+/// Mirostat's settings (llama.cpp's `--mirostat`, `--mirostat-ent`,
+/// `--mirostat-lr`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Mirostat {
+    /// Version 2 (surprise-truncated) or 1 (top-k from Zipf's exponent).
+    pub v2: bool,
+    /// The target surprise `tau` (5).
+    pub tau: f32,
+    /// The learning rate `eta` (0.1).
+    pub eta: f32,
+}
+
+impl Mirostat {
+    /// llama.cpp's `mirostat` value (0: off, 1, 2; others off) with `tau`
+    /// and `eta`.
+    pub fn of(version: u8, tau: f32, eta: f32) -> Option<Mirostat> {
+        matches!(version, 1 | 2).then_some(Mirostat {
+            v2: version == 2,
+            tau,
+            eta,
+        })
+    }
+}
+
+/// Tokens Mirostat 1 estimates Zipf's exponent over (llama.cpp's `m`).
+const MIROSTAT_M: usize = 100;
 
 impl Default for SamplerConfig {
     /// llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05,
@@ -187,6 +226,7 @@ impl Default for SamplerConfig {
             xtc_probability: 0.0,
             xtc_threshold: 0.1,
             penalties: None,
+            mirostat: None,
             seed: 0,
         }
     }
@@ -260,6 +300,8 @@ pub struct Sampler {
     grammar: Option<TokenGrammar>,
     /// Why the last pick broke the grammar, until taken.
     grammar_error: Option<GrammarError>,
+    /// Mirostat's `mu` (its running surprise bound).
+    mu: f64,
 }
 
 impl Sampler {
@@ -277,6 +319,7 @@ impl Sampler {
             dry: None,
             grammar: None,
             grammar_error: None,
+            mu: mirostat_mu(config),
         }
     }
 
@@ -349,6 +392,7 @@ impl Sampler {
         if let Some(dry) = &mut self.dry {
             dry.clear();
         }
+        self.mu = mirostat_mu(self.config);
         self.reset_grammar();
     }
 
@@ -427,6 +471,9 @@ impl Sampler {
         // NaN temperature is greedy too.
         if cfg.temperature.is_nan() || cfg.temperature <= 0.0 {
             return self.greedy(logits, allowed);
+        }
+        if let Some(m) = cfg.mirostat {
+            return self.mirostat(logits, allowed, m);
         }
         let mut cands = std::mem::take(&mut self.candidates);
         cands.clear();
@@ -645,6 +692,102 @@ impl Sampler {
         // Only reached through rounding of `total` against the running sum.
         Some(last)
     }
+}
+
+impl Sampler {
+    /// Mirostat's pick (see the [module docs](self)): the logits biased
+    /// and divided by the temperature, truncated by `mu` (version 2) or to
+    /// the estimated `k` (version 1), one drawn from the rest, `mu` moved.
+    fn mirostat(
+        &mut self,
+        logits: &[f32],
+        allowed: &mut impl FnMut(u32) -> bool,
+        m: Mirostat,
+    ) -> Option<u32> {
+        let t = f64::from(self.config.temperature);
+        let mut cands = std::mem::take(&mut self.candidates);
+        cands.clear();
+        let mut biases = self.biases.iter().peekable();
+        for (id, &l) in logits.iter().enumerate() {
+            let id = id as u32;
+            let mut logit = clean(l);
+            while biases.next_if(|b| b.0 < id).is_some() {}
+            if let Some(&&(_, bias)) = biases.peek().filter(|b| b.0 == id) {
+                logit += bias;
+            }
+            if logit > f64::NEG_INFINITY && allowed(id) {
+                cands.push(Candidate {
+                    id,
+                    logit: logit / t,
+                });
+            }
+        }
+        if cands.is_empty() {
+            self.candidates = cands;
+            return None;
+        }
+        cands.sort_unstable_by(by_rank);
+        let probs = |cands: &[Candidate]| -> Vec<f64> {
+            let max = cands[0].logit;
+            let w: Vec<f64> = cands.iter().map(|c| libm::exp(c.logit - max)).collect();
+            let total: f64 = w.iter().sum();
+            w.into_iter().map(|x| x / total).collect()
+        };
+        let p = probs(&cands);
+        let keep = if m.v2 {
+            // The tokens whose surprise is at most mu, at least one.
+            p.iter()
+                .position(|&p| -libm::log2(p) > self.mu)
+                .unwrap_or(p.len())
+                .max(1)
+        } else {
+            // Zipf's exponent over the most likely, then the k whose
+            // expected surprise is mu.
+            let (mut ti_bi, mut ti_sq) = (0.0, 0.0);
+            for i in 0..(MIROSTAT_M - 1).min(p.len() - 1) {
+                let t_i = libm::log((i + 2) as f64 / (i + 1) as f64);
+                let b_i = libm::log(p[i] / p[i + 1]);
+                ti_bi += t_i * b_i;
+                ti_sq += t_i * t_i;
+            }
+            let s_hat = ti_bi / ti_sq;
+            let eps = s_hat - 1.0;
+            let n = logits.len() as f64;
+            let k = libm::pow(
+                eps * libm::pow(2.0, self.mu) / (1.0 - libm::pow(n, -eps)),
+                1.0 / s_hat,
+            );
+            if k.is_finite() && k >= 1.0 {
+                (k as usize).min(p.len())
+            } else if k.is_finite() {
+                1
+            } else {
+                p.len()
+            }
+        };
+        cands.truncate(keep);
+        let p = probs(&cands);
+        let target = self.rng.next_f64();
+        let mut cum = 0.0;
+        let mut pick = cands.len() - 1;
+        for (i, &pi) in p.iter().enumerate() {
+            cum += pi;
+            if cum > target {
+                pick = i;
+                break;
+            }
+        }
+        let surprise = -libm::log2(p[pick]);
+        self.mu -= f64::from(m.eta) * (surprise - f64::from(m.tau));
+        let id = cands[pick].id;
+        self.candidates = cands;
+        Some(id)
+    }
+}
+
+/// Mirostat's starting `mu`: twice its target surprise (0 without it).
+fn mirostat_mu(config: SamplerConfig) -> f64 {
+    config.mirostat.map_or(0.0, |m| 2.0 * f64::from(m.tau))
 }
 
 /// Top-n-sigma's `n`, if it is on.
@@ -1039,6 +1182,65 @@ mod tests {
             .collect()
     }
 
+    fn mirostat(v2: bool, tau: f32, seed: u64) -> SamplerConfig {
+        SamplerConfig {
+            temperature: 1.0,
+            mirostat: Some(Mirostat { v2, tau, eta: 0.1 }),
+            seed,
+            ..SamplerConfig::default()
+        }
+    }
+
+    /// With a target surprise near 0, both versions keep only the most
+    /// likely token, and `mu` grows by `eta * tau` a pick (its surprise,
+    /// renormalized alone, is 0); with a large one, version 2 truncates
+    /// nothing and draws across the distribution.
+    #[test]
+    fn mirostat_truncates_by_surprise_and_learns_mu() {
+        let logits = logits_of(&[0.4, 0.3, 0.2, 0.1]);
+        for v2 in [true, false] {
+            let mut s = Sampler::new(mirostat(v2, 0.01, 1));
+            assert_eq!(s.mu, 2.0 * f64::from(0.01f32));
+            let picks: Vec<u32> = (0..8).map(|_| s.sample(&logits)).collect();
+            assert!(picks.iter().all(|&t| t == 0), "v2 {v2}: {picks:?}");
+            let want = 2.0 * f64::from(0.01f32) + 8.0 * f64::from(0.1f32) * f64::from(0.01f32);
+            assert!((s.mu - want).abs() < 1e-12, "{}", s.mu);
+        }
+        let wide: BTreeSet<u32> = (0..200)
+            .map(|seed| Sampler::new(mirostat(true, 50.0, seed)).sample(&logits))
+            .collect();
+        assert_eq!(wide.len(), 4);
+    }
+
+    /// As llama.cpp's chain with Mirostat: the logit biases apply, the
+    /// penalties do not; the same seed gives the same picks, and a reset
+    /// (`mu` included) replays them.
+    #[test]
+    fn mirostat_takes_biases_not_penalties_and_replays() {
+        let logits = logits_of(&[0.4, 0.3, 0.2, 0.1]);
+        let mut s = Sampler::new(SamplerConfig {
+            penalties: Some(Penalties::repeat(100.0, 8)),
+            ..mirostat(true, 0.01, 1)
+        });
+        s.accept(0);
+        assert_eq!(s.sample(&logits), 0, "penalized, and picked");
+        s.ban([0]);
+        assert_eq!(s.sample(&logits), 1, "banned");
+        let zipf: Vec<f32> = (1..=50).map(|i| -(i as f32).ln()).collect();
+        for v2 in [true, false] {
+            let mut s = Sampler::new(mirostat(v2, 3.0, 7));
+            let a: Vec<u32> = (0..40).map(|_| s.sample(&zipf)).collect();
+            s.reset();
+            let b: Vec<u32> = (0..40).map(|_| s.sample(&zipf)).collect();
+            assert_eq!(a, b);
+            assert!(
+                a.iter().collect::<BTreeSet<_>>().len() > 1,
+                "v2 {v2}: {a:?}"
+            );
+            assert!(a.iter().all(|&t| t < 50));
+        }
+    }
+
     /// Only the sampler under test: no top-k, top-p or min-p, temperature 1.
     fn plain() -> SamplerConfig {
         SamplerConfig {
@@ -1159,6 +1361,37 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
 
+        /// Mirostat on any logits, biases and bans: a token of the
+        /// vocabulary with a finite (biased) logit where there is one, never a
+        /// banned one, `mu` a number whatever the surprise.
+        #[test]
+        fn mirostat_picks_a_live_token(
+            logits in logit_vec(300),
+            v2 in any::<bool>(),
+            tau in 0.0f32..20.0,
+            banned in proptest::collection::vec(0u32..300, 0..4),
+            temperature in prop_oneof![Just(0.3f32), Just(1.0), Just(2.0)],
+            seed in any::<u64>(),
+        ) {
+            let mut s = Sampler::new(SamplerConfig {
+                temperature,
+                mirostat: Some(Mirostat { v2, tau, eta: 0.1 }),
+                seed,
+                ..SamplerConfig::default()
+            });
+            s.ban(banned.iter().copied());
+            let live = |t: u32| {
+                (t as usize) < logits.len() && !banned.contains(&t) && clean(logits[t as usize]) > f64::NEG_INFINITY
+            };
+            for _ in 0..4 {
+                let t = s.sample(&logits);
+                if (0..logits.len() as u32).any(live) {
+                    prop_assert!(live(t), "{t}");
+                }
+                prop_assert!(!s.mu.is_nan(), "mu {}", s.mu);
+            }
+        }
+
         /// The one-pass gather holds the `k` best finite candidates by rank,
         /// as the full list sorted does.
         #[test]
@@ -1215,7 +1448,7 @@ mod tests {
         ) {
             let config = SamplerConfig {
                 temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability,
-                xtc_threshold, penalties: penalty, seed,
+                xtc_threshold, penalties: penalty, mirostat: None, seed,
             };
             let (mut fast, mut reference) = (Sampler::new(config), Sampler::new(config));
             for s in [&mut fast, &mut reference] {

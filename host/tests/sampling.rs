@@ -1,6 +1,6 @@
 //! `Sampler`: greedy, reproducibility, the filters, the distribution, robustness.
 
-use les::sampling::{Penalties, Sampler, SamplerConfig};
+use les::sampling::{Mirostat, Penalties, Sampler, SamplerConfig};
 use proptest::prelude::*;
 
 fn random(seed: u64) -> SamplerConfig {
@@ -353,6 +353,7 @@ proptest! {
         seed in any::<u64>(),
         (typical_p, top_n_sigma, xtc_probability, xtc_threshold) in
             (any_param(), any_param(), any_param(), any_param()),
+        mirostat in prop::option::of((any::<bool>(), any_param(), any_param())),
     ) {
         let mut s = Sampler::new(SamplerConfig {
             temperature,
@@ -364,6 +365,7 @@ proptest! {
             xtc_probability,
             xtc_threshold,
             penalties: penalty.map(|(penalty, last_n)| Penalties::repeat(penalty, last_n)),
+            mirostat: mirostat.map(|(v2, tau, eta)| Mirostat { v2, tau, eta }),
             seed,
         });
         for t in history {

@@ -199,6 +199,28 @@ fn chat_and_text_completions_answer_as_les_run() {
     );
     assert_eq!(content(&v), want);
     assert_eq!(content(&server.chat(&sampled)), want, "the same seed again");
+    // Mirostat 2, as les run's --mirostat.
+    let mut miro = sampled.clone();
+    miro["mirostat"] = json!(2);
+    miro["mirostat_tau"] = json!(3.0);
+    let (want_miro, _) = les_run(
+        &m,
+        &[
+            "--chat",
+            "-p",
+            "Once upon",
+            "--seed",
+            "42",
+            "-n",
+            "24",
+            "--mirostat",
+            "2",
+            "--mirostat-ent",
+            "3",
+        ],
+    );
+    assert_eq!(content(&server.chat(&miro)), want_miro);
+    assert_ne!(want_miro, want, "mirostat changes the picks");
     // Text completion: the prompt as it is.
     let (status, v) = server.post(
         "/v1/completions",

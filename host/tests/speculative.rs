@@ -205,7 +205,7 @@ fn generate(
 
 const PROMPT: [u32; 7] = [46, 77, 66, 68, 220, 84, 77];
 
-fn samplers() -> [SamplerConfig; 3] {
+fn samplers() -> [SamplerConfig; 4] {
     [
         SamplerConfig::greedy(),
         SamplerConfig {
@@ -218,6 +218,13 @@ fn samplers() -> [SamplerConfig; 3] {
         SamplerConfig {
             penalties: Some(Penalties::repeat(1.5, 8)),
             ..SamplerConfig::greedy()
+        },
+        // Mirostat's mu moves with each pick: the same order matters.
+        SamplerConfig {
+            temperature: 1.0,
+            mirostat: les::sampling::Mirostat::of(2, 3.0, 0.1),
+            seed: 11,
+            ..SamplerConfig::default()
         },
     ]
 }

@@ -73,6 +73,17 @@ pub struct RunArgs {
     /// XTC's threshold of probability (above 0.5, XTC is off).
     #[arg(long, value_name = "P", default_value_t = 0.1, value_parser = super::values::probability)]
     pub xtc_threshold: f32,
+    /// Mirostat instead of the sampler chain (llama.cpp's --mirostat): 0
+    /// off, 1 or 2. The logit biases and the temperature still apply; the
+    /// penalties, DRY and the filters do not, as in llama.cpp.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub mirostat: u8,
+    /// Mirostat's learning rate, eta (llama.cpp's --mirostat-lr).
+    #[arg(long = "mirostat-lr", value_name = "ETA", default_value_t = 0.1, value_parser = super::values::non_negative)]
+    pub mirostat_eta: f32,
+    /// Mirostat's target entropy, tau (llama.cpp's --mirostat-ent).
+    #[arg(long = "mirostat-ent", value_name = "TAU", default_value_t = 5.0, value_parser = super::values::non_negative)]
+    pub mirostat_tau: f32,
     /// Divide the positive logits (multiply the negative ones) of the tokens
     /// among the last --repeat-last-n, the prompt's included, by this (1 = off).
     #[arg(long, default_value_t = 1.0, value_parser = super::values::positive)]
@@ -767,6 +778,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             presence: args.presence_penalty,
             last_n: args.repeat_last_n,
         }),
+        mirostat: crate::sampling::Mirostat::of(
+            args.mirostat,
+            args.mirostat_tau,
+            args.mirostat_eta,
+        ),
         seed,
     });
     let dry = DrySettings {

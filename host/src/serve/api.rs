@@ -92,6 +92,12 @@ pub struct Sampling {
     pub repeat_last_n: usize,
     /// `seed` (none: a new one each request).
     pub seed: Option<u64>,
+    /// `mirostat` (0: off, 1 or 2).
+    pub mirostat: u8,
+    /// `mirostat_tau` (5).
+    pub mirostat_tau: f32,
+    /// `mirostat_eta` (0.1).
+    pub mirostat_eta: f32,
 }
 
 impl Default for Sampling {
@@ -107,6 +113,9 @@ impl Default for Sampling {
             presence_penalty: 0.0,
             repeat_last_n: 64,
             seed: None,
+            mirostat: 0,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
         }
     }
 }
@@ -438,6 +447,13 @@ fn completion(
         frequency_penalty: float(obj, "frequency_penalty", d.frequency_penalty, -2.0..=2.0)?,
         presence_penalty: float(obj, "presence_penalty", d.presence_penalty, -2.0..=2.0)?,
         repeat_last_n: count(obj, "repeat_last_n")?.unwrap_or(d.repeat_last_n),
+        mirostat: match count(obj, "mirostat")? {
+            None => d.mirostat,
+            Some(v) if v <= 2 => v as u8,
+            Some(_) => return Err(ApiError::bad("'mirostat' must be 0, 1 or 2")),
+        },
+        mirostat_tau: float(obj, "mirostat_tau", d.mirostat_tau, 0.0..=100.0)?,
+        mirostat_eta: float(obj, "mirostat_eta", d.mirostat_eta, 0.0..=10.0)?,
         seed: match obj.get("seed") {
             None | Some(Value::Null) => None,
             // llama-server's -1: a new seed.

@@ -423,6 +423,7 @@ fn sampler(c: &Completion) -> Result<Sampler, ApiError> {
             presence: s.presence_penalty,
             last_n: s.repeat_last_n,
         }),
+        mirostat: crate::sampling::Mirostat::of(s.mirostat, s.mirostat_tau, s.mirostat_eta),
         seed,
     }))
 }
