@@ -577,25 +577,29 @@ fn llama(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>, max_digits: usi
             }
         } else if f & NUMBER != 0 {
             // `\p{N}{1,max_digits}`
-            let mut k = 0;
-            while k < max_digits && pos < n && cps[pos].f & NUMBER != 0 {
-                pos += 1;
-                k += 1;
-            }
+            pos = digits_end(cps, pos, max_digits);
         } else if is_other(pos + usize::from(c == ' ')) {
             // ` ?[^\s<word>\p{N}]+[\r\n]*`
-            pos += usize::from(c == ' ');
-            while is_other(pos) {
-                pos += 1;
-            }
-            while pos < n && matches!(cps[pos].c, '\r' | '\n') {
-                pos += 1;
-            }
+            pos = symbols_end(cps, pos, SPACE | word | NUMBER);
         } else {
             pos = whitespace_end(cps, pos, true);
         }
         out.push((base + start, base + pos));
     }
+}
+
+/// Where `\p{N}{1,max}` that starts at `pos` ends.
+fn digits_end(cps: &[Cp], pos: usize, max: usize) -> usize {
+    pos + run_len(&cps[pos..], |cp| cp.f & NUMBER != 0).min(max)
+}
+
+/// Where ` ?[^...]+[\r\n]*` that starts at `pos` ends, the run's class being
+/// the code points with none of the `not` flags (the caller checked that
+/// one follows the optional space).
+fn symbols_end(cps: &[Cp], pos: usize, not: u8) -> usize {
+    let from = pos + usize::from(cps[pos].c == ' ');
+    let end = from + run_len(&cps[from..], |cp| cp.f & not == 0);
+    end + run_len(&cps[end..], |cp| matches!(cp.c, '\r' | '\n'))
 }
 
 /// Whether `c` is Han, by llama.cpp's ranges (`unicode_cpt_is_han`): the
@@ -655,23 +659,13 @@ fn kimi_k2(cps: &[Cp], base: usize, out: &mut Vec<(usize, usize)>) {
             }
         } else if f & NUMBER != 0 {
             // `\p{N}{1,3}`
-            let mut k = 0;
-            while k < 3 && pos < n && cps[pos].f & NUMBER != 0 {
-                pos += 1;
-                k += 1;
-            }
+            pos = digits_end(cps, pos, 3);
         } else if cps
             .get(pos + usize::from(c == ' '))
             .is_some_and(|cp| cp.f & (SPACE | LETTER | NUMBER) == 0)
         {
             // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
-            pos += usize::from(c == ' ');
-            while pos < n && cps[pos].f & (SPACE | LETTER | NUMBER) == 0 {
-                pos += 1;
-            }
-            while pos < n && matches!(cps[pos].c, '\r' | '\n') {
-                pos += 1;
-            }
+            pos = symbols_end(cps, pos, SPACE | LETTER | NUMBER);
         } else {
             pos = whitespace_end(cps, pos, true);
         }
