@@ -1353,13 +1353,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             bailingmoe2_layer(cfg, l, &mut add);
             continue;
         }
-        add(
-            n("attn_norm.weight"),
-            vec![e],
-            GgmlType::F32,
-            Init::Norm,
-            lay,
-        );
+        norm_tensor(&mut add, l, "attn_norm.weight", e);
         for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
             add(
                 n(&format!("{part}.weight")),
@@ -1387,46 +1381,16 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         );
         match cfg.arch {
             Arch::Qwen3moe | Arch::Dots1 | Arch::HunyuanMoe | Arch::Qwen3vlmoe | Arch::Qwen3vl => {
-                add(
-                    n("attn_q_norm.weight"),
-                    vec![s.head_dim],
-                    GgmlType::F32,
-                    Init::Norm,
-                    lay,
-                );
-                add(
-                    n("attn_k_norm.weight"),
-                    vec![s.head_dim],
-                    GgmlType::F32,
-                    Init::Norm,
-                    lay,
-                );
+                norm_tensor(&mut add, l, "attn_q_norm.weight", s.head_dim);
+                norm_tensor(&mut add, l, "attn_k_norm.weight", s.head_dim);
             }
             Arch::Olmoe | Arch::MinimaxM2 => {
-                add(
-                    n("attn_q_norm.weight"),
-                    vec![q],
-                    GgmlType::F32,
-                    Init::Norm,
-                    lay,
-                );
-                add(
-                    n("attn_k_norm.weight"),
-                    vec![kv],
-                    GgmlType::F32,
-                    Init::Norm,
-                    lay,
-                );
+                norm_tensor(&mut add, l, "attn_q_norm.weight", q);
+                norm_tensor(&mut add, l, "attn_k_norm.weight", kv);
             }
             _ => {}
         }
-        add(
-            n("ffn_norm.weight"),
-            vec![e],
-            GgmlType::F32,
-            Init::Norm,
-            lay,
-        );
+        norm_tensor(&mut add, l, "ffn_norm.weight", e);
         if matches!(cfg.arch, Arch::Ernie45moe | Arch::Dots1) {
             lead_dense_or_biased_moe(cfg, l, &mut add);
         } else if cfg.arch == Arch::Llama4 {
@@ -1550,13 +1514,7 @@ fn biased_attention(
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
     let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
-    add(
-        n("attn_norm.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Norm,
-        lay,
-    );
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
     for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
         let w = n(&format!("{part}.weight"));
         add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
@@ -1584,8 +1542,7 @@ fn gpt_oss_layer(
     add(bo, vec![e], GgmlType::F32, Init::Normal(0.02), lay);
     let sinks = n("attn_sinks.weight");
     add(sinks, vec![s.heads], GgmlType::F32, Init::Normal(1.0), lay);
-    let norm = n("post_attention_norm.weight");
-    add(norm, vec![e], GgmlType::F32, Init::Norm, lay);
+    norm_tensor(&mut *add, l, "post_attention_norm.weight", e);
     routed_experts(cfg, l, add);
     let bias = |name: &str, dims: Vec<u64>, std: f32, add: &mut dyn FnMut(_, _, _, _, _)| {
         add(n(name), dims, GgmlType::F32, Init::Normal(std), lay)
@@ -1610,11 +1567,8 @@ fn glm4moe_layer(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let n = |part: &str| format!("blk.{l}.{part}");
     biased_attention(cfg, l, add);
-    let norm = n("post_attention_norm.weight");
-    let (e, lay) = (cfg.shape.embd, Some(l));
-    add(norm, vec![e], GgmlType::F32, Init::Norm, lay);
+    norm_tensor(&mut *add, l, "post_attention_norm.weight", cfg.shape.embd);
     lead_dense_or_biased_moe(cfg, l, add);
     nextn_head(cfg, l, add);
 }
@@ -1631,13 +1585,7 @@ fn bailingmoe2_layer(
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let (e, q, kv, lay) = (s.embd, s.q_dim(), s.kv_dim(), Some(l));
-    add(
-        n("attn_norm.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Norm,
-        lay,
-    );
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
     let qkv = vec![e, q + 2 * kv];
     add(
         n("attn_qkv.weight"),
@@ -1649,16 +1597,26 @@ fn bailingmoe2_layer(
     let wo = n("attn_output.weight");
     add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
     for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
-        add(n(norm), vec![s.head_dim], GgmlType::F32, Init::Norm, lay);
+        norm_tensor(&mut *add, l, norm, s.head_dim);
     }
+    norm_tensor(&mut *add, l, "ffn_norm.weight", e);
+    lead_dense_or_biased_moe(cfg, l, add);
+}
+
+/// Block `l`'s norm weight `name`: `len` values in F32.
+fn norm_tensor(
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+    l: u64,
+    name: &str,
+    len: u64,
+) {
     add(
-        n("ffn_norm.weight"),
-        vec![e],
+        format!("blk.{l}.{name}"),
+        vec![len],
         GgmlType::F32,
         Init::Norm,
-        lay,
+        Some(l),
     );
-    lead_dense_or_biased_moe(cfg, l, add);
 }
 
 /// The FFN of glm4moe, deepseek2, ernie4_5-moe, bailingmoe2 and dots1 block `l`: the first
@@ -1744,7 +1702,7 @@ fn nextn_head(
         "nextn.hnorm.weight",
         "nextn.shared_head_norm.weight",
     ] {
-        add(n(name), vec![e], GgmlType::F32, Init::Norm, lay);
+        norm_tensor(&mut *add, l, name, e);
     }
 }
 
@@ -1778,13 +1736,7 @@ fn deepseek2_layer(
     let (e, h) = (s.embd, s.heads);
     let [nope, rope, v, kv_lora] = deepseek2_mla(s.head_dim);
     let ql = cfg.q_lora_rank;
-    add(
-        n("attn_norm.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Norm,
-        lay,
-    );
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
     if ql > 0 {
         add(
             n("attn_q_a.weight"),
@@ -1793,13 +1745,7 @@ fn deepseek2_layer(
             Init::Normal(inv(e)),
             lay,
         );
-        add(
-            n("attn_q_a_norm.weight"),
-            vec![ql],
-            GgmlType::F32,
-            Init::Norm,
-            lay,
-        );
+        norm_tensor(&mut *add, l, "attn_q_a_norm.weight", ql);
         let qb = n("attn_q_b.weight");
         add(
             qb,
@@ -1826,13 +1772,7 @@ fn deepseek2_layer(
         Init::Normal(inv(e)),
         lay,
     );
-    add(
-        n("attn_kv_a_norm.weight"),
-        vec![kv_lora],
-        GgmlType::F32,
-        Init::Norm,
-        lay,
-    );
+    norm_tensor(&mut *add, l, "attn_kv_a_norm.weight", kv_lora);
     let kb = n("attn_k_b.weight");
     add(
         kb,
@@ -1857,13 +1797,7 @@ fn deepseek2_layer(
         Init::Normal(r * inv(h * v)),
         lay,
     );
-    add(
-        n("ffn_norm.weight"),
-        vec![e],
-        GgmlType::F32,
-        Init::Norm,
-        lay,
-    );
+    norm_tensor(&mut *add, l, "ffn_norm.weight", e);
     lead_dense_or_biased_moe(cfg, l, add);
     nextn_head(cfg, l, add);
 }
@@ -1882,11 +1816,8 @@ fn qwen35moe_layer(
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
     let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
-    let norm = |add: &mut dyn FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
-                name: &str,
-                len| { add(n(name), vec![len], GgmlType::F32, Init::Norm, lay) };
-    norm(add, "attn_norm.weight", e);
-    norm(add, "post_attention_norm.weight", e);
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
+    norm_tensor(&mut *add, l, "post_attention_norm.weight", e);
     if s.is_linear(l) {
         let (kd, vd, cd, nv) = (
             s.ssm_key_dim(),
@@ -1951,7 +1882,7 @@ fn qwen35moe_layer(
                 lay,
             );
         }
-        norm(add, "ssm_norm.weight", s.ssm_head_dim);
+        norm_tensor(&mut *add, l, "ssm_norm.weight", s.ssm_head_dim);
         add(
             n("ssm_out.weight"),
             vec![vd, e],
@@ -1989,8 +1920,8 @@ fn qwen35moe_layer(
             Init::Normal(r * inv(q)),
             lay,
         );
-        norm(add, "attn_q_norm.weight", s.head_dim);
-        norm(add, "attn_k_norm.weight", s.head_dim);
+        norm_tensor(&mut *add, l, "attn_q_norm.weight", s.head_dim);
+        norm_tensor(&mut *add, l, "attn_k_norm.weight", s.head_dim);
     }
     routed_experts(cfg, l, add);
     shared_expert(cfg, l, add);
