@@ -452,18 +452,20 @@ fn a_client_that_leaves_stops_its_generation() {
 
 #[test]
 fn images_in_chat_messages_answer_as_les_run() {
-    let lm = tmp("serve_vlm.gguf");
     let mm = tmp("serve_vlm_mmproj.gguf");
-    let out = les()
-        .args([
-            "synth", "--arch", "qwen3moe", "--seed", "5", "--quiet", "-o",
-        ])
-        .arg(&lm)
-        .arg("--mmproj-out")
-        .arg(&mm)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let mm_arg = mm.to_str().unwrap();
+    let lm = synth_once(
+        "serve_vlm.gguf",
+        &[
+            "--quiet",
+            "--arch",
+            "qwen3moe",
+            "--seed",
+            "5",
+            "--mmproj-out",
+            mm_arg,
+        ],
+    );
     let image = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/test-image.png");
     let bytes = std::fs::read(&image).unwrap();
     let server = Server::start(&lm, &["--mmproj", mm.to_str().unwrap()]);
