@@ -107,6 +107,13 @@ impl<'t> Reply<'t> {
         }
     }
 
+    /// Bytes of [`text`](Self::text) passed on so far (written to the
+    /// output, or passed without one): what may still turn out to be the
+    /// start of a stop string is not.
+    pub fn written(&self) -> usize {
+        self.written
+    }
+
     /// The text not yet written (what the decoder still held, and what was
     /// held back as the possible start of a stop string; the caller writes
     /// it), or the error that stopped the reply.

@@ -218,7 +218,7 @@ impl<'m> Engine<'m> {
             )));
         }
         let tokenizer = self.tokenizer;
-        let mut sampler = sampler(c)?;
+        let mut sampler = sampler(c);
         if let Some(g) = &c.grammar {
             let g = Grammar::parse(g).map_err(|e| ApiError::bad(format!("the grammar: {e}")))?;
             sampler.constrain(
@@ -266,7 +266,6 @@ impl<'m> Engine<'m> {
             s.start(&items);
             marks.set(0, s.channel());
         }
-        let mut emitted = 0;
         let stuck = std::cell::Cell::new(false);
         let stats = generate_from(
             &mut self.session,
@@ -304,12 +303,10 @@ impl<'m> Engine<'m> {
                         to => marks.set(reply.text.len(), to),
                     }
                 }
-                let mut piece = Vec::new();
-                let control = reply.take(t, Some(&mut piece));
-                let range = emitted..emitted + piece.len();
-                emitted = range.end;
-                // What the reply wrote is its text's next bytes.
-                for (to, r) in marks.split(range) {
+                let from = reply.written();
+                let control = reply.take(t, None);
+                // What the reply passed on is its text's next bytes.
+                for (to, r) in marks.split(from..reply.written()) {
                     if !delta(to, &reply.text[r]) {
                         gone = true;
                         return Control::Stop;
@@ -319,10 +316,10 @@ impl<'m> Engine<'m> {
             },
         )
         .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
-        let tail = reply.finish().map_err(|e| server_error(e.to_string()))?;
+        let from = reply.written();
+        reply.finish().map_err(|e| server_error(e.to_string()))?;
         if !gone {
-            let start = reply.text.len() - tail.len();
-            for (to, r) in marks.split(start..reply.text.len()) {
+            for (to, r) in marks.split(from..reply.text.len()) {
                 delta(to, &reply.text[r]);
             }
         }
@@ -401,14 +398,14 @@ fn server_error(message: String) -> ApiError {
 }
 
 /// The sampler of a request: its settings, its seed or a new one.
-fn sampler(c: &Completion) -> Result<Sampler, ApiError> {
+fn sampler(c: &Completion) -> Sampler {
     let s = &c.sampling;
     let seed = s.seed.unwrap_or_else(|| {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     });
-    Ok(Sampler::new(SamplerConfig {
+    Sampler::new(SamplerConfig {
         temperature: s.temperature,
         top_k: s.top_k,
         top_p: s.top_p,
@@ -425,7 +422,7 @@ fn sampler(c: &Completion) -> Result<Sampler, ApiError> {
         }),
         mirostat: crate::sampling::Mirostat::of(s.mirostat, s.mirostat_tau, s.mirostat_eta),
         seed,
-    }))
+    })
 }
 
 /// Which endpoint a job came to.
