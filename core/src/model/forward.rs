@@ -1198,18 +1198,16 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
     ffn: MoeFfn<'_, '_>,
 ) -> Result<(), ForwardError<X::Error>> {
     let shared = ffn.shared;
-    let tail = |index: usize| {
+    let weigh = weighs_inputs(hp);
+    // Pick `index`'s tail, and its weight where it scales the input.
+    let pick = |index: usize| -> Result<_, ForwardError<X::Error>> {
         let r = routing
             .get(index)
             .ok_or(ForwardError::Shape("routing index"))?;
-        expert_tail(hp, ffn.expert_bias, r.expert)
-    };
-    let weigh = weighs_inputs(hp);
-    let input_weight = |index: usize| {
-        routing
-            .get(index)
-            .map(|r| weigh.then_some(r.weight))
-            .ok_or(ForwardError::Shape("routing index"))
+        Ok((
+            expert_tail(hp, ffn.expert_bias, r.expert)?,
+            weigh.then_some(r.weight),
+        ))
     };
     // Ready-first: compute in whatever order experts become ready.
     // The shared expert is resident: it is computed the first time
@@ -1230,17 +1228,9 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .expert_out
                     .get_mut(index * e..(index + 1) * e)
                     .ok_or(ForwardError::Shape("routing index"))?;
-                let x = pick_input(s.x, input_weight(index)?, s.moe);
-                let crc = swiglu_ffn_checked(
-                    mv,
-                    &matrices,
-                    tail(index)?,
-                    x,
-                    s.ff_a,
-                    s.ff_b,
-                    out,
-                    verify,
-                )?;
+                let (tail, weight) = pick(index)?;
+                let x = pick_input(s.x, weight, s.moe);
+                let crc = swiglu_ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, out, verify)?;
                 experts.finish(index, crc).map_err(ForwardError::Experts)?;
             }
             Step::GateUp(GateUp {
@@ -1254,8 +1244,9 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .expert_act
                     .get_mut(index * n..(index + 1) * n)
                     .ok_or(ForwardError::Shape("routing index"))?;
-                let x = pick_input(s.x, input_weight(index)?, s.moe);
-                let crc = gate_up_checked(mv, &gate, &up, tail(index)?, x, act, s.ff_b, verify)?;
+                let (tail, weight) = pick(index)?;
+                let x = pick_input(s.x, weight, s.moe);
+                let crc = gate_up_checked(mv, &gate, &up, tail, x, act, s.ff_b, verify)?;
                 *first_crc
                     .get_mut(index)
                     .ok_or(ForwardError::Shape("routing index"))? = crc;
@@ -1273,7 +1264,7 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                 let (Some(act), Some(out)) = (act, out) else {
                     return Err(ForwardError::Shape("routing index"));
                 };
-                let crc = down_checked(mv, &down, tail(index)?, act, out, verify)?;
+                let crc = down_checked(mv, &down, pick(index)?.0, act, out, verify)?;
                 let first = first_crc.get(index).copied().flatten();
                 let crc = concat_checksums(first, crc, &down);
                 experts.finish(index, crc).map_err(ForwardError::Experts)?;
