@@ -2,11 +2,11 @@
 //! readers (messages, content parts, base64 images, samplers, stop strings,
 //! response formats turned into grammars) and the helpers' give a request or
 //! a one-line 400, never a panic, hang or huge allocation; a request read
-//! keeps its bounds (images, stop strings), and a chat request's markers
+//! keeps its bounds (images, stop strings, log probabilities), and a chat request's markers
 //! match its images.
 #![no_main]
 
-use les::serve::api::{self, Prompt, MAX_IMAGES, MAX_IMAGE_BYTES, MAX_STOPS};
+use les::serve::api::{self, Prompt, MAX_IMAGES, MAX_IMAGE_BYTES, MAX_STOPS, MAX_TOP_LOGPROBS};
 use les::vision::MEDIA_MARKER;
 use libfuzzer_sys::fuzz_target;
 
@@ -17,6 +17,7 @@ fuzz_target!(|data: &[u8]| {
                 assert!(c.images.len() <= MAX_IMAGES);
                 assert!(c.images.iter().all(|i| i.len() <= MAX_IMAGE_BYTES + 3));
                 assert!(c.stop.len() <= MAX_STOPS && c.stop.iter().all(|s| !s.is_empty()));
+                assert!(c.logprobs.is_none_or(|n| n <= MAX_TOP_LOGPROBS));
                 if let Prompt::Chat(messages) = &c.prompt {
                     // Markers the text spells itself count too: never fewer.
                     let markers: usize = messages

@@ -88,6 +88,7 @@
 //! `-inf` (or NaN), or with an empty slice, the greedy rule gives token 0.
 
 pub mod dry;
+pub mod logprobs;
 
 pub use dry::{Dry, DrySettings, DEFAULT_BREAKERS};
 

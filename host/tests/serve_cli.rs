@@ -315,6 +315,205 @@ fn streams_add_up_to_the_whole_answer() {
     }
 }
 
+/// A token id and its log probability.
+type Logprob = (u64, f64);
+
+/// Each log probability in an answer: (token id, its log probability, the
+/// top ones).
+fn logprobs(choice: &Value) -> Vec<(u64, f64, Vec<Logprob>)> {
+    choice["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no logprobs: {choice}"))
+        .iter()
+        .map(|e| {
+            let top = e["top_logprobs"].as_array().unwrap();
+            let top = top
+                .iter()
+                .map(|t| (t["id"].as_u64().unwrap(), t["logprob"].as_f64().unwrap()))
+                .collect();
+            (
+                e["id"].as_u64().unwrap(),
+                e["logprob"].as_f64().unwrap(),
+                top,
+            )
+        })
+        .collect()
+}
+
+/// Log probabilities are the softmax of the logits `les run --logits-out`
+/// writes for the same completion, position by position (computed here
+/// apart); each entry's `bytes` are its token's; streamed, they add up to
+/// the whole answer's; a stop string's tokens are left out.
+#[test]
+fn log_probabilities_are_the_softmax_of_the_models_logits() {
+    let m = model();
+    let server = Server::start(&m, &[]);
+    let prompt = "The quick brown fox";
+    let body = json!({"prompt": prompt, "temperature": 0, "max_tokens": 12, "logprobs": 5});
+    let (status, v) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let got = logprobs(&v["choices"][0]);
+    let path = tmp("serve_logprobs.npy");
+    let out = les()
+        .args(["run", "--json", "-m"])
+        .arg(&m)
+        .args(["-p", prompt, "--temp", "0", "-n", "12", "--logits-out"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let run = cli::json_ok(out, "les run");
+    let (n, vocab, data) = cli::npy(&path);
+    let tokens: Vec<u64> = run["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!((n, got.len()), (12, 12));
+    let mut text = Vec::new();
+    for (i, (id, lp, top)) in got.iter().enumerate() {
+        let row: Vec<f64> = data[i * vocab * 4..(i + 1) * vocab * 4]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+            .collect();
+        let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let norm = max + row.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+        assert_eq!(*id, tokens[i], "position {i}");
+        assert!(
+            (lp - (row[*id as usize] - norm)).abs() < 1e-5,
+            "position {i}"
+        );
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        assert_eq!(top.len(), 5);
+        for (k, &(tid, tlp)) in top.iter().enumerate() {
+            assert_eq!(tid as usize, order[k], "position {i}, rank {k}");
+            assert!((tlp - (row[order[k]] - norm)).abs() < 1e-5);
+        }
+        // Greedy: the token taken is the most likely.
+        assert_eq!((top[0].0, top[0].1), (*id, *lp));
+        let entry = &v["choices"][0]["logprobs"]["content"][i];
+        text.extend(
+            entry["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&text),
+        v["choices"][0]["text"].as_str().unwrap()
+    );
+
+    // Streamed, chat and text: the chunks' entries are the whole answer's.
+    for (path, mut body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user("Hello there")], "seed": 4, "max_tokens": 16,
+                "logprobs": true, "top_logprobs": 2}),
+        ),
+        ("/v1/completions", body.clone()),
+    ] {
+        let (_, whole) = server.post(path, &body);
+        let want = logprobs(&whole["choices"][0]);
+        assert!(want
+            .iter()
+            .all(|e| e.2.len() == if path == "/v1/completions" { 5 } else { 2 }));
+        body["stream"] = json!(true);
+        let events = server.stream(path, &body);
+        let streamed: Vec<_> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .filter(|c| !c["choices"][0]["logprobs"].is_null())
+            .flat_map(|c| logprobs(&c["choices"][0]))
+            .collect();
+        assert_eq!(streamed, want, "{path}");
+    }
+
+    // A stop string: the entries end with the reply's text (the tokens of
+    // the stop string are left out), and without logprobs there are none.
+    let full: String = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let stop: String = full
+        .chars()
+        .skip(full.chars().count() / 2)
+        .take(2)
+        .collect();
+    let mut stopped = body.clone();
+    stopped["stop"] = json!([stop]);
+    let (_, s) = server.post("/v1/completions", &stopped);
+    assert_eq!(s["choices"][0]["finish_reason"], "stop");
+    let kept = logprobs(&s["choices"][0]);
+    assert!(
+        kept.len() < got.len() && kept[..] == got[..kept.len()],
+        "{s}"
+    );
+    let mut covered = Vec::new();
+    for e in s["choices"][0]["logprobs"]["content"].as_array().unwrap() {
+        covered.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    let reply = s["choices"][0]["text"].as_str().unwrap().as_bytes();
+    assert!(
+        covered.starts_with(reply) && covered.len() < full.len(),
+        "{s}"
+    );
+    let mut plain = body.clone();
+    plain["logprobs"] = json!(0);
+    let (_, p) = server.post("/v1/completions", &plain);
+    assert!(p["choices"][0]["logprobs"].is_null(), "{p}");
+    let (_, c) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [user("Hi")], "max_tokens": 2}),
+    );
+    assert!(c["choices"][0]["logprobs"].is_null(), "{c}");
+}
+
+/// Against llama.cpp (llama-cpp-python): with f32 weights, the same greedy
+/// tokens, the end of generation included, and the same log probabilities,
+/// the top five's too.
+#[test]
+#[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
+fn log_probabilities_equal_llama_cpp() {
+    let args = [
+        &[
+            "--quiet", "--arch", "qwen3moe", "--preset", "tiny", "--seed", "5",
+        ][..],
+        &cli::F32_WEIGHTS,
+    ]
+    .concat();
+    let m = synth_once("serve_q3_f32.gguf", &args);
+    let prompt = "Once upon a time";
+    let theirs = cli::llama_logprobs(&m, prompt, 12, 5);
+    let theirs = theirs.as_array().unwrap();
+    let server = Server::start(&m, &[]);
+    let body = json!({"prompt": prompt, "temperature": 0, "max_tokens": 12, "logprobs": 5});
+    let (status, v) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let ours = logprobs(&v["choices"][0]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(ours.len() > 2, "{v}");
+    assert_eq!(ours.len(), theirs.len(), "{v}");
+    // The two sum their f32 products in different orders (llama.cpp's KL
+    // divergence from les on these files is about 1e-6).
+    let mut worst = 0f64;
+    for (i, ((id, lp, top), t)) in ours.iter().zip(theirs).enumerate() {
+        assert_eq!(*id, t["id"].as_u64().unwrap(), "position {i}");
+        worst = worst.max((lp - t["logprob"].as_f64().unwrap()).abs());
+        for (k, (&(tid, tlp), t)) in top.iter().zip(t["top"].as_array().unwrap()).enumerate() {
+            assert_eq!(tid, t[0].as_u64().unwrap(), "position {i}, rank {k}");
+            worst = worst.max((tlp - t[1].as_f64().unwrap()).abs());
+        }
+    }
+    eprintln!("largest difference of a log probability from llama.cpp's: {worst:.2e}");
+    assert!(worst < 1e-3, "{worst}");
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();
@@ -551,13 +750,18 @@ fn speculative_decoding_answers_the_same() {
     let mut drafted = 0;
     for body in [
         json!({"prompt": text, "temperature": 0, "max_tokens": 48}),
-        json!({"prompt": text, "seed": 3, "max_tokens": 48}),
+        json!({"prompt": text, "seed": 3, "max_tokens": 48, "logprobs": 3}),
     ] {
         let (_, want) = plain.post("/v1/completions", &body);
         let (status, got) = spec.post("/v1/completions", &body);
         assert_eq!(status, 200, "{got}");
         assert_eq!(
             got["choices"][0]["text"], want["choices"][0]["text"],
+            "{body}"
+        );
+        // The verifying passes' logits are a single pass's, bit for bit.
+        assert_eq!(
+            got["choices"][0]["logprobs"], want["choices"][0]["logprobs"],
             "{body}"
         );
         assert_eq!(want["timings"]["draft_n"], 0);
@@ -764,13 +968,20 @@ fn streamed_experts_answer_as_resident_ones() {
         &packed,
         &["--schedule", "on-demand", "--slots", "2", "-b", "1"],
     );
-    let first = json!({"messages": [user("Hello there")], "temperature": 0, "max_tokens": 12});
-    let want = content(&resident.chat(&first)).to_string();
-    let next = json!({"messages": [user("Hello there"), {"role": "assistant", "content": want},
+    let first = json!({"messages": [user("Hello there")], "temperature": 0, "max_tokens": 12,
+        "logprobs": true, "top_logprobs": 4});
+    let want = resident.chat(&first);
+    let next = json!({"messages": [user("Hello there"), {"role": "assistant", "content": content(&want)},
         user("Go on")], "seed": 9, "max_tokens": 12});
     let want_next = content(&resident.chat(&next)).to_string();
     for server in [&les_slots, &on_demand] {
-        assert_eq!(content(&server.chat(&first)), want);
+        let got = server.chat(&first);
+        assert_eq!(content(&got), content(&want));
+        // The logits are the resident run's, bit for bit.
+        assert_eq!(
+            got["choices"][0]["logprobs"],
+            want["choices"][0]["logprobs"]
+        );
         assert_eq!(content(&server.chat(&next)), want_next);
     }
 }

@@ -1,8 +1,8 @@
 //! The OpenAI-style requests `les serve` takes (llama-server's subset of
 //! them), read from JSON into a [`Completion`], and the errors it answers
-//! with. What changes the answer and is not supported (`n > 1`, log
-//! probabilities, tools) is refused by name; other unknown fields are
-//! ignored, as clients send many.
+//! with. What changes the answer and is not supported (`n > 1`, tools,
+//! probabilities after the samplers) is refused by name; other unknown
+//! fields are ignored, as clients send many.
 
 use serde_json::{json, Map, Value};
 
@@ -18,6 +18,14 @@ pub const MAX_IMAGES: usize = 16;
 
 /// Stop strings a request may give (OpenAI allows 4; llama-server more).
 pub const MAX_STOPS: usize = 16;
+
+/// Most likely tokens a request may ask the log probabilities of, a
+/// position (OpenAI allows 20).
+pub const MAX_TOP_LOGPROBS: usize = 100;
+
+/// The most likely tokens reported where a chat request asks for `logprobs`
+/// without `top_logprobs` (llama-server's default).
+pub const DEFAULT_TOP_LOGPROBS: usize = 20;
 
 /// An error answered as `{"error": {"code", "message", "type"}}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,6 +150,10 @@ pub struct Completion {
     /// Tell the reasoning from the answer where the model marks it (chat
     /// completions unless `reasoning_format` is `none`).
     pub reasoning: bool,
+    /// Report each generated token's log probability and those of this many
+    /// most likely tokens at its position (`logprobs` with `top_logprobs`,
+    /// or a count in `logprobs` / `n_probs`).
+    pub logprobs: Option<usize>,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -417,9 +429,10 @@ fn completion(
     for (key, what) in [
         ("tools", "tool calls"),
         ("functions", "tool calls"),
-        ("logprobs", "log probabilities"),
-        ("top_logprobs", "log probabilities"),
-        ("n_probs", "log probabilities"),
+        (
+            "post_sampling_probs",
+            "probabilities after the samplers (log probabilities are the model's, before them)",
+        ),
         ("echo", "echoing the prompt"),
         ("suffix", "suffixes"),
         ("best_of", "best_of"),
@@ -510,7 +523,37 @@ fn completion(
         stop,
         grammar: grammar(obj)?,
         reasoning: false,
+        logprobs: logprobs(obj)?,
     })
+}
+
+/// How many most likely tokens' log probabilities a request asks for at
+/// each position, if it asks for log probabilities: chat's `logprobs: true`
+/// with `top_logprobs` (20 without it, as llama-server), or a count in
+/// `logprobs` (completions) or `n_probs` (llama-server's), where 0 asks for
+/// none.
+fn logprobs(obj: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
+    let bounded = |key: &str| match count(obj, key)? {
+        Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::bad(format!(
+            "'{key}' = {n}: at most {MAX_TOP_LOGPROBS} tokens a position"
+        ))),
+        n => Ok(n),
+    };
+    let top = bounded("top_logprobs")?;
+    let asked = match obj.get("logprobs") {
+        Some(Value::Bool(true)) => Some(top.unwrap_or(DEFAULT_TOP_LOGPROBS)),
+        Some(Value::Number(_)) => bounded("logprobs")?.filter(|&n| n > 0),
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'logprobs' must be true, false or a number of tokens",
+            ))
+        }
+    };
+    if top.is_some() && obj.get("logprobs") != Some(&Value::Bool(true)) {
+        return Err(ApiError::bad("'top_logprobs' needs 'logprobs': true"));
+    }
+    Ok(asked.or(bounded("n_probs")?.filter(|&n| n > 0)))
 }
 
 /// A float field in `range`, `default` where absent or null.
@@ -694,6 +737,31 @@ mod tests {
     }
 
     #[test]
+    fn log_probabilities_are_asked_as_openai_and_llama_server_ask() {
+        let m = r#""messages":[{"role":"user","content":"x"}]"#;
+        let chat = |extra: &str| chat_request(format!("{{{m}{extra}}}").as_bytes());
+        let text = |extra: &str| text_request(format!("{{\"prompt\":\"x\"{extra}}}").as_bytes());
+        assert_eq!(chat("").unwrap().logprobs, None);
+        assert_eq!(chat(",\"logprobs\":false").unwrap().logprobs, None);
+        assert_eq!(chat(",\"logprobs\":true").unwrap().logprobs, Some(20));
+        let top = ",\"logprobs\":true,\"top_logprobs\":3";
+        assert_eq!(chat(top).unwrap().logprobs, Some(3));
+        let none = ",\"logprobs\":true,\"top_logprobs\":0";
+        assert_eq!(chat(none).unwrap().logprobs, Some(0));
+        assert_eq!(chat(",\"n_probs\":4").unwrap().logprobs, Some(4));
+        assert_eq!(text(",\"logprobs\":5").unwrap().logprobs, Some(5));
+        assert_eq!(text(",\"logprobs\":0").unwrap().logprobs, None);
+        assert_eq!(text(",\"n_probs\":2").unwrap().logprobs, Some(2));
+        let err = |r: Result<Completion, ApiError>| r.unwrap_err().message;
+        assert!(err(chat(",\"top_logprobs\":3")).contains("needs 'logprobs': true"));
+        let many = ",\"logprobs\":true,\"top_logprobs\":101";
+        assert!(err(chat(many)).contains("at most 100"));
+        assert!(err(text(",\"logprobs\":1000")).contains("at most 100"));
+        assert!(err(text(",\"logprobs\":\"yes\"")).contains("'logprobs' must be"));
+        assert!(err(text(",\"logprobs\":-1")).contains("non-negative"));
+    }
+
+    #[test]
     fn what_is_wrong_or_unsupported_is_named() {
         let err = |body: &str| chat_request(body.as_bytes()).unwrap_err().message;
         assert!(err("[").contains("not JSON"));
@@ -703,7 +771,9 @@ mod tests {
         assert!(err(r#"{"messages":[{"content":"x"}]}"#).contains("role"));
         let m = r#""messages":[{"role":"user","content":"x"}]"#;
         assert!(err(&format!("{{{m},\"n\":2}}")).contains("'n'"));
-        assert!(err(&format!("{{{m},\"logprobs\":true}}")).contains("log probabilities"));
+        assert!(
+            err(&format!("{{{m},\"post_sampling_probs\":true}}")).contains("after the samplers")
+        );
         assert!(err(&format!("{{{m},\"tools\":[{{}}]}}")).contains("tool calls"));
         assert!(err(&format!("{{{m},\"temperature\":\"hot\"}}")).contains("'temperature'"));
         assert!(err(&format!("{{{m},\"top_p\":2}}")).contains("outside"));

@@ -38,6 +38,7 @@ use crate::engine::{generate_from, Control, Session};
 use crate::grammar::{Grammar, TokenGrammar};
 use crate::model::Model;
 use crate::reply::Reply;
+use crate::sampling::logprobs::{log_probs, PositionLogprobs, TokenLogprob};
 use crate::sampling::{Penalties, Sampler, SamplerConfig};
 use crate::supply::Supply;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
@@ -73,6 +74,10 @@ pub struct Finished {
     pub drafted: usize,
     /// Of them, those the model's own samples agreed with.
     pub accepted: usize,
+    /// Where the request asked for them, each generated token's log
+    /// probabilities, in order: the end-of-generation token's too, not
+    /// those of tokens from a stop string on.
+    pub logprobs: Option<Vec<PositionLogprobs>>,
 }
 
 /// The model's session and what it needs to answer completions.
@@ -197,14 +202,16 @@ impl<'m> Engine<'m> {
     }
 
     /// Answers `c`: `started` once the prompt is read and fits (an error
-    /// before it is the request's), then `delta` with each new piece of text
-    /// and whether it is reasoning or answer (streaming); generation stops
+    /// before it is the request's), then `delta` with each new piece of text,
+    /// whether it is reasoning or answer, and the log probabilities (where
+    /// asked) of the tokens generated since the last piece (streaming; those
+    /// left at the end are [`Finished::logprobs`]' last); generation stops
     /// early where `delta` returns false (the client went away).
     pub fn complete(
         &mut self,
         c: &Completion,
         started: impl FnOnce(),
-        mut delta: impl FnMut(Channel, &str) -> bool,
+        mut delta: impl FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
     ) -> Result<Finished, ApiError> {
         let prompt = self.prompt(c)?;
         let ctx = self.session.max_positions();
@@ -267,6 +274,11 @@ impl<'m> Engine<'m> {
             marks.set(0, s.channel());
         }
         let stuck = std::cell::Cell::new(false);
+        // Each token's log probabilities (where asked), where its text starts
+        // in the reply's, and how many of them were passed with a piece.
+        let mut probs = Vec::new();
+        let mut starts = Vec::new();
+        let mut passed = 0;
         let stats = generate_from(
             &mut self.session,
             &mut self.mv,
@@ -289,8 +301,12 @@ impl<'m> Engine<'m> {
                 }
                 t
             },
-            |t, _| {
+            |t, logits| {
                 sampled.push(t);
+                if let Some(top) = c.logprobs {
+                    probs.push(log_probs(logits, t, top));
+                    starts.push(reply.text.len());
+                }
                 if stuck.get() {
                     return Control::Stop;
                 }
@@ -305,9 +321,13 @@ impl<'m> Engine<'m> {
                 }
                 let from = reply.written();
                 let control = reply.take(t, None);
-                // What the reply passed on is its text's next bytes.
+                // What the reply passed on is its text's next bytes, with the
+                // tokens whose text starts before its end.
+                let upto = starts.partition_point(|&s| s < reply.written());
                 for (to, r) in marks.split(from..reply.written()) {
-                    if !delta(to, &reply.text[r]) {
+                    let with = probs[passed..upto].to_vec();
+                    passed = upto;
+                    if !delta(to, &reply.text[r], with) {
                         gone = true;
                         return Control::Stop;
                     }
@@ -318,9 +338,15 @@ impl<'m> Engine<'m> {
         .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
         let from = reply.written();
         reply.finish().map_err(|e| server_error(e.to_string()))?;
+        if reply.stopped.is_some() {
+            // The tokens of the stop string (and after) are not the reply's.
+            probs.truncate(starts.partition_point(|&s| s < reply.text.len()));
+        }
         if !gone {
             for (to, r) in marks.split(from..reply.text.len()) {
-                delta(to, &reply.text[r]);
+                let with = probs[passed.min(probs.len())..].to_vec();
+                passed = probs.len();
+                delta(to, &reply.text[r], with);
             }
         }
         let (mut text, mut reasoning) = (String::new(), String::new());
@@ -351,6 +377,7 @@ impl<'m> Engine<'m> {
             predicted_time: stats.decode,
             drafted: stats.drafted,
             accepted: stats.accepted,
+            logprobs: c.logprobs.map(|_| probs),
         })
     }
 }
@@ -444,7 +471,9 @@ struct Job {
 /// What the engine tells a connection of its job.
 enum Event {
     Started,
-    Delta(Channel, String),
+    /// A piece of text, with the log probabilities of the tokens since the
+    /// last piece (where asked).
+    Delta(Channel, String, Vec<PositionLogprobs>),
     Done(Result<Finished, ApiError>),
 }
 
@@ -497,9 +526,12 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
             || {
                 let _ = events.send(Event::Started);
             },
-            |to, piece| {
+            |to, piece, probs| {
                 !job.cancel.load(Ordering::Relaxed)
-                    && (!streaming || events.send(Event::Delta(to, piece.to_string())).is_ok())
+                    && (!streaming
+                        || events
+                            .send(Event::Delta(to, piece.to_string(), probs))
+                            .is_ok())
             },
         );
         if let Ok(f) = &result {
@@ -652,7 +684,14 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                         return Ok(());
                     }
                 };
-                if !complete(&mut out, jobs, c, endpoint, &opts.model_id, keep)? {
+                let shape = Shape {
+                    id: &completion_id(endpoint),
+                    created: now(),
+                    model: &opts.model_id,
+                    endpoint,
+                    tokenizer: about.tokenizer,
+                };
+                if !complete(&mut out, jobs, c, &shape, keep)? {
                     return Ok(());
                 }
             }
@@ -713,8 +752,7 @@ fn complete(
     out: &mut TcpStream,
     jobs: &Sender<Job>,
     c: Completion,
-    endpoint: Endpoint,
-    model_id: &str,
+    shape: &Shape<'_>,
     keep: bool,
 ) -> std::io::Result<bool> {
     let (events, answers) = channel();
@@ -722,7 +760,7 @@ fn complete(
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         completion: c,
-        endpoint,
+        endpoint: shape.endpoint,
         events,
         cancel: Arc::clone(&cancel),
     };
@@ -731,21 +769,6 @@ fn complete(
         respond_error(out, &e, false)?;
         return Ok(false);
     }
-    let id = format!(
-        "{}-{}",
-        match endpoint {
-            Endpoint::Chat => "chatcmpl",
-            Endpoint::Text => "cmpl",
-        },
-        completion_id()
-    );
-    let created = now();
-    let shape = Shape {
-        id: &id,
-        created,
-        model: model_id,
-        endpoint,
-    };
     if !stream {
         // Deltas are not sent: wait for the end, looking now and then
         // whether the client is still there.
@@ -773,20 +796,28 @@ fn complete(
         }
     }
     let mut started = false;
+    // Log probabilities sent with the pieces so far.
+    let mut sent = 0;
     for event in answers {
         let written = match event {
             Event::Started => {
                 started = true;
                 http::start_event_stream(out).and_then(|()| {
-                    let first = shape.chunk(Some((Channel::Content, "")), None);
+                    let first = shape.chunk(Some((Channel::Content, "")), None, &[]);
                     http::write_event(out, &first.to_string())
                 })
             }
-            Event::Delta(to, text) => {
-                http::write_event(out, &shape.chunk(Some((to, &text)), None).to_string())
+            Event::Delta(to, text, probs) => {
+                sent += probs.len();
+                let chunk = shape.chunk(Some((to, &text)), None, &probs);
+                http::write_event(out, &chunk.to_string())
             }
             Event::Done(Ok(f)) => {
-                let mut last = shape.chunk(None, Some(&f));
+                let rest = f
+                    .logprobs
+                    .as_deref()
+                    .map_or(&[][..], |p| &p[sent.min(p.len())..]);
+                let mut last = shape.chunk(None, Some(&f), rest);
                 last["usage"] = usage(&f);
                 last["timings"] = timings(&f);
                 http::write_event(out, &last.to_string())
@@ -836,12 +867,13 @@ struct Shape<'a> {
     created: u64,
     model: &'a str,
     endpoint: Endpoint,
+    tokenizer: &'a Tokenizer,
 }
 
 impl Shape<'_> {
     /// The whole answer (`stream: false`).
     fn whole(&self, f: &Finished) -> Value {
-        let choice = match self.endpoint {
+        let mut choice = match self.endpoint {
             Endpoint::Chat => {
                 let mut message = json!({"role": "assistant", "content": f.text});
                 if !f.reasoning.is_empty() {
@@ -852,6 +884,9 @@ impl Shape<'_> {
             Endpoint::Text => json!({"index": 0, "finish_reason": f.finish_reason,
                 "text": f.text, "logprobs": null}),
         };
+        if let Some(probs) = &f.logprobs {
+            choice["logprobs"] = self.logprobs(probs);
+        }
         json!({
             "id": self.id,
             "object": match self.endpoint {
@@ -867,10 +902,16 @@ impl Shape<'_> {
     }
 
     /// One event of a stream: a piece of text (the reasoning's or the
-    /// answer's), or the end.
-    fn chunk(&self, text: Option<(Channel, &str)>, end: Option<&Finished>) -> Value {
+    /// answer's), or the end, with the log probabilities of the tokens since
+    /// the last event.
+    fn chunk(
+        &self,
+        text: Option<(Channel, &str)>,
+        end: Option<&Finished>,
+        probs: &[PositionLogprobs],
+    ) -> Value {
         let reason = end.map(|f| f.finish_reason);
-        let choice = match self.endpoint {
+        let mut choice = match self.endpoint {
             Endpoint::Chat => {
                 let delta = match text {
                     Some((_, "")) => json!({"role": "assistant", "content": ""}),
@@ -883,6 +924,9 @@ impl Shape<'_> {
             Endpoint::Text => json!({"index": 0, "text": text.map_or("", |(_, t)| t),
                 "logprobs": null, "finish_reason": reason}),
         };
+        if !probs.is_empty() {
+            choice["logprobs"] = self.logprobs(probs);
+        }
         json!({
             "id": self.id,
             "object": match self.endpoint {
@@ -893,6 +937,39 @@ impl Shape<'_> {
             "model": self.model,
             "choices": [choice],
         })
+    }
+}
+
+impl Shape<'_> {
+    /// Log probabilities as llama-server writes them (OpenAI's chat shape,
+    /// for both endpoints): `{"content": [{"id", "token", "bytes",
+    /// "logprob", "top_logprobs": [...]}]}`.
+    fn logprobs(&self, probs: &[PositionLogprobs]) -> Value {
+        let one = |t: &TokenLogprob| {
+            // Special tokens as their text: what they are, not nothing.
+            let bytes = self.tokenizer.piece(t.id, true);
+            let token = match std::str::from_utf8(bytes) {
+                Ok(s) => s,
+                // A piece of a character: its whole characters, as llama-server.
+                Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default(),
+            };
+            // JSON has no -inf: the lowest float instead, as llama-server.
+            let logprob = if t.logprob.is_finite() {
+                t.logprob
+            } else {
+                f32::MIN
+            };
+            json!({"id": t.id, "token": token, "bytes": bytes, "logprob": logprob})
+        };
+        let content: Vec<Value> = probs
+            .iter()
+            .map(|p| {
+                let mut v = one(&p.token);
+                v["top_logprobs"] = p.top.iter().map(one).collect();
+                v
+            })
+            .collect();
+        json!({ "content": content })
     }
 }
 
@@ -971,10 +1048,18 @@ fn now() -> u64 {
 }
 
 /// A new completion id: the time and a count, unique within the process.
-fn completion_id() -> String {
+/// A new completion's id (`chatcmpl-...` or `cmpl-...`).
+fn completion_id(endpoint: Endpoint) -> String {
     static COUNT: AtomicUsize = AtomicUsize::new(0);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    format!("{nanos:x}{:x}", COUNT.fetch_add(1, Ordering::Relaxed))
+    let kind = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Text => "cmpl",
+    };
+    format!(
+        "{kind}-{nanos:x}{:x}",
+        COUNT.fetch_add(1, Ordering::Relaxed)
+    )
 }

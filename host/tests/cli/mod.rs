@@ -256,6 +256,15 @@ pub fn llama_greedy(model: &Path) -> Value {
     serde_json::from_slice(&out).unwrap()
 }
 
+/// llama.cpp's log probabilities along its greedy continuation of `prompt`
+/// (`n` tokens at most, the `top` most likely at each; `llama_logprobs.py`):
+/// `[{"id", "logprob", "top": [[id, logprob], ...]}, ...]`.
+pub fn llama_logprobs(model: &Path, prompt: &str, n: usize, top: usize) -> Value {
+    let (n, top) = (n.to_string(), top.to_string());
+    let args = [model.as_os_str(), prompt.as_ref(), n.as_ref(), top.as_ref()];
+    serde_json::from_slice(&llama_script("llama_logprobs.py", &args)).unwrap()
+}
+
 /// llama.cpp's log-probabilities over `src/synth/sample.txt`, 2 chunks of
 /// 128 positions, written to `base` as llama-perplexity's base file
 /// (`llama_kld_base.py`).
