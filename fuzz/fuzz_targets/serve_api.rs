@@ -2,11 +2,14 @@
 //! readers (messages, content parts, base64 images, samplers, stop strings,
 //! response formats turned into grammars) and the helpers' give a request or
 //! a one-line 400, never a panic, hang or huge allocation; a request read
-//! keeps its bounds (images, stop strings, log probabilities), and a chat request's markers
-//! match its images.
+//! keeps its bounds (images, stop strings, log probabilities, tools), a
+//! required tool call's grammar parses, and a chat request's markers
+//! match its images; the tool-call reader takes any text.
 #![no_main]
 
+use les::grammar::Grammar;
 use les::serve::api::{self, Prompt, MAX_IMAGES, MAX_IMAGE_BYTES, MAX_STOPS, MAX_TOP_LOGPROBS};
+use les::serve::tools::{self, ToolChoice, MAX_TOOLS};
 use les::vision::MEDIA_MARKER;
 use libfuzzer_sys::fuzz_target;
 
@@ -18,6 +21,15 @@ fuzz_target!(|data: &[u8]| {
                 assert!(c.images.iter().all(|i| i.len() <= MAX_IMAGE_BYTES + 3));
                 assert!(c.stop.len() <= MAX_STOPS && c.stop.iter().all(|s| !s.is_empty()));
                 assert!(c.logprobs.is_none_or(|n| n <= MAX_TOP_LOGPROBS));
+                if let Some(t) = &c.tools {
+                    assert!(!t.list.is_empty() && t.list.len() <= MAX_TOOLS);
+                    if t.choice != ToolChoice::Auto {
+                        let g = c.grammar.as_deref().expect("a required call's grammar");
+                        if let Err(e) = Grammar::parse(g) {
+                            panic!("{e}\n{g}");
+                        }
+                    }
+                }
                 if let Prompt::Chat(messages) = &c.prompt {
                     // Markers the text spells itself count too: never fewer.
                     let markers: usize = messages
@@ -36,5 +48,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
         let _ = api::base64(text);
         let _ = api::data_url(text);
+        let (content, calls) = tools::read_calls(text);
+        assert!(content.len() <= text.len() && calls.len() <= text.matches(tools::OPEN).count());
     }
 });

@@ -514,6 +514,146 @@ fn log_probabilities_equal_llama_cpp() {
     assert!(worst < 1e-3, "{worst}");
 }
 
+/// A copy of the test model whose chat template takes tools and writes
+/// Hermes-style calls (`tests/data/hermes_tools.jinja`, after Qwen's).
+fn tools_model() -> PathBuf {
+    use les::gguf::MetaValue;
+    let dst = tmp("serve_q3_tools.gguf");
+    let template = include_str!("data/hermes_tools.jinja");
+    let edit = |k: &str, v: MetaValue| match k {
+        "tokenizer.chat_template" => Some(MetaValue::String(template.into())),
+        _ => Some(v),
+    };
+    common::rewrite_gguf(&model(), &dst, edit, vec![]);
+    dst
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"]}}},
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    ])
+}
+
+/// Tools reach the chat template with the conversation's calls and
+/// answers; a required (or named) call is a grammar the reply follows and
+/// comes back as `tool_calls`, whole or streamed; `auto` reads what the
+/// model wrote; `none` answers as without tools; a template that does not
+/// take tools is refused by name.
+#[test]
+fn tool_calls_go_to_the_template_and_come_back_as_calls() {
+    let m = tools_model();
+    let server = Server::start(&m, &[]);
+    let weather = json!({"role": "user", "content": "Weather in Paris?"});
+    let history = json!([
+        weather,
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
+    ]);
+    let (status, t) = server.post(
+        "/apply-template",
+        &json!({"messages": history, "tools": weather_tools()}),
+    );
+    assert_eq!(status, 200, "{t}");
+    let prompt = t["prompt"].as_str().unwrap();
+    for want in [
+        // As Hugging Face's `tojson` (the keys sorted: the request's JSON is read
+        // into sorted maps).
+        "<tools>\n{\"function\": {\"description\": \"The weather in a city\", \"name\": \"get_weather\"",
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}\n</tool_call>",
+        "<tool_response>\n21 degrees\n</tool_response>",
+    ] {
+        assert!(prompt.contains(want), "{want:?} not in {prompt:?}");
+    }
+
+    // A named call: the grammar gives one, its arguments from the schema.
+    let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
+        "max_tokens": 300, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let v = server.chat(&named);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    assert!(
+        ["c", "f"].contains(&args["unit"].as_str().unwrap()),
+        "{args}"
+    );
+
+    // Streamed: the same call, in a delta of its own, before the last chunk.
+    let mut streamed = named.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/v1/chat/completions", &streamed);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(deltas.len(), 1, "{chunks:?}");
+    assert_eq!(deltas[0]["index"], 0);
+    assert_eq!(deltas[0]["function"], calls[0]["function"]);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "tool_calls"
+    );
+
+    // Auto: the random model writes no call; its text is the content, as
+    // the same prompt through /v1/completions gives.
+    let auto = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
+        "max_tokens": 12});
+    let v = server.chat(&auto);
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    let (_, t) = server.post(
+        "/apply-template",
+        &json!({"messages": [weather], "tools": weather_tools()}),
+    );
+    let (_, text) = server.post(
+        "/v1/completions",
+        &json!({"prompt": t["prompt"], "temperature": 0, "max_tokens": 12}),
+    );
+    assert_eq!(
+        content(&v).trim(),
+        text["choices"][0]["text"].as_str().unwrap().trim()
+    );
+    // None: no tools rendered, as a request without them.
+    let mut none = auto.clone();
+    none["tool_choice"] = json!("none");
+    let plain = json!({"messages": [weather], "temperature": 0, "max_tokens": 12});
+    assert_eq!(content(&server.chat(&none)), content(&server.chat(&plain)));
+
+    // A template without tools: refused by name.
+    let other = Server::start(&model(), &[]);
+    let (status, v) = other.post("/v1/chat/completions", &auto);
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("tools"),
+        "{v}"
+    );
+    // A grammar and a required call do not mix.
+    let mut both = named.clone();
+    both["grammar"] = json!("root ::= \"a\"");
+    let (status, v) = server.post("/v1/chat/completions", &both);
+    assert_eq!(status, 400, "{v}");
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

@@ -1,11 +1,12 @@
 //! The OpenAI-style requests `les serve` takes (llama-server's subset of
 //! them), read from JSON into a [`Completion`], and the errors it answers
-//! with. What changes the answer and is not supported (`n > 1`, tools,
-//! probabilities after the samplers) is refused by name; other unknown
-//! fields are ignored, as clients send many.
+//! with. What changes the answer and is not supported (`n > 1`, legacy
+//! `functions`, probabilities after the samplers) is refused by name; other
+//! unknown fields are ignored, as clients send many.
 
 use serde_json::{json, Map, Value};
 
+use super::tools::{ToolChoice, Tools};
 use crate::grammar::json_schema_to_gbnf;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::MEDIA_MARKER;
@@ -68,13 +69,52 @@ pub enum Prompt {
 }
 
 /// One chat message: its role and its content, images in it as
-/// [`MEDIA_MARKER`]s in order.
+/// [`MEDIA_MARKER`]s in order, and what tool calls add.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Message {
-    /// "system", "user", "assistant", ...
+    /// "system", "user", "assistant", "tool", ...
     pub role: String,
     /// Its text, with a marker where each image goes.
     pub content: String,
+    /// An assistant's calls (OpenAI's `tool_calls`, as given).
+    pub tool_calls: Option<Value>,
+    /// A tool's answer: the call it answers (`tool_call_id`).
+    pub tool_call_id: Option<String>,
+    /// A tool's answer: the tool's name (`name`).
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A message of `role` saying `content`, no tool fields.
+    pub fn text(role: &str, content: &str) -> Message {
+        Message {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
+
+    /// Whether the message carries a tool call or a tool's answer.
+    fn has_tool_fields(&self) -> bool {
+        self.tool_calls.is_some() || self.tool_call_id.is_some() || self.role == "tool"
+    }
+
+    /// The message as the chat template sees it.
+    fn to_json(&self) -> Value {
+        let mut m = json!({"role": self.role, "content": self.content});
+        if let Some(calls) = &self.tool_calls {
+            m["tool_calls"] = calls.clone();
+        }
+        if let Some(id) = &self.tool_call_id {
+            m["tool_call_id"] = json!(id);
+        }
+        if let Some(name) = &self.name {
+            m["name"] = json!(name);
+        }
+        m
+    }
 }
 
 /// The samplers' settings of one request (llama-server's names and defaults).
@@ -154,6 +194,9 @@ pub struct Completion {
     /// most likely tokens at its position (`logprobs` with `top_logprobs`,
     /// or a count in `logprobs` / `n_probs`).
     pub logprobs: Option<usize>,
+    /// The tools the model may call (chat completions; none with
+    /// `tool_choice: "none"`).
+    pub tools: Option<Tools>,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -187,9 +230,29 @@ pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
                 )))
             }
         };
+        let text = |key: &str| match m.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(ApiError::bad(format!(
+                "messages[{i}].{key} must be a string"
+            ))),
+        };
+        let tool_calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) if a.is_empty() => None,
+            Some(calls @ Value::Array(a)) if a.iter().all(Value::is_object) => Some(calls.clone()),
+            Some(_) => {
+                return Err(ApiError::bad(format!(
+                    "messages[{i}].tool_calls must be an array of objects"
+                )))
+            }
+        };
         out.push(Message {
             role: role.to_string(),
             content,
+            tool_calls,
+            tool_call_id: text("tool_call_id")?,
+            name: text("name")?,
         });
     }
     let reasoning = match obj.get("reasoning_format") {
@@ -206,6 +269,17 @@ pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
     };
     let mut c = completion(&obj, Prompt::Chat(out), images)?;
     c.reasoning = reasoning;
+    c.tools = Tools::read(&obj)?;
+    if let Some(t) = &c.tools {
+        if t.choice != ToolChoice::Auto {
+            if c.grammar.is_some() {
+                return Err(ApiError::bad(
+                    "a grammar (grammar, json_schema, response_format) and a required tool call cannot be combined",
+                ));
+            }
+            c.grammar = t.grammar()?;
+        }
+    }
     Ok(c)
 }
 
@@ -291,32 +365,40 @@ pub fn apply_template(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiEr
     let template = tokenizer
         .chat_template()
         .map_err(|e| ApiError::bad(format!("the model's chat template: {e}")))?;
-    Ok(json!({ "prompt": chat_text(tokenizer, &template, &messages)? }))
+    let tools = Tools::read(&object(body)?)?;
+    Ok(json!({ "prompt": chat_text(tokenizer, &template, &messages, tools.as_ref())? }))
 }
 
-/// `messages` through `template`, ready for the assistant's reply. As
-/// llama.cpp does, a template without a system role gets the system prompt
-/// before the first user message.
+/// `messages` (and `tools`) through `template`, ready for the assistant's
+/// reply. As llama.cpp does, a template without a system role gets the
+/// system prompt before the first user message.
 pub fn chat_text(
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     messages: &[Message],
+    tools: Option<&Tools>,
 ) -> Result<String, ApiError> {
-    let mut msgs: Vec<(&str, String)> = messages
-        .iter()
-        .map(|m| (m.role.as_str(), m.content.clone()))
-        .collect();
-    if msgs.len() > 1
-        && msgs[0].0 == "system"
-        && msgs[1].0 == "user"
+    let mut messages = messages.to_vec();
+    if messages.len() > 1
+        && messages[0].role == "system"
+        && messages[1].role == "user"
         && !template.supports_system_role()
     {
-        let (_, system) = msgs.remove(0);
-        msgs[0].1 = format!("{system}\n{}", msgs[0].1);
+        let system = messages.remove(0).content;
+        messages[0].content = format!("{system}\n{}", messages[0].content);
     }
-    tokenizer
-        .chat_prompt_with(template, &msgs, true)
-        .map_err(|e| ApiError::bad(format!("the chat template: {e}")))
+    let rendered = if tools.is_some() || messages.iter().any(Message::has_tool_fields) {
+        let msgs: Vec<Value> = messages.iter().map(Message::to_json).collect();
+        let tools = tools.map(|t| t.list.as_slice());
+        tokenizer.chat_prompt_json(template, &msgs, tools, true)
+    } else {
+        let msgs: Vec<(&str, &str)> = messages
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        tokenizer.chat_prompt_with(template, &msgs, true)
+    };
+    rendered.map_err(|e| ApiError::bad(format!("the chat template: {e}")))
 }
 
 fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -427,8 +509,7 @@ fn completion(
     images: Vec<Vec<u8>>,
 ) -> Result<Completion, ApiError> {
     for (key, what) in [
-        ("tools", "tool calls"),
-        ("functions", "tool calls"),
+        ("functions", "legacy function calls (use tools)"),
         (
             "post_sampling_probs",
             "probabilities after the samplers (log probabilities are the model's, before them)",
@@ -524,6 +605,7 @@ fn completion(
         grammar: grammar(obj)?,
         reasoning: false,
         logprobs: logprobs(obj)?,
+        tools: None,
     })
 }
 
@@ -665,14 +747,8 @@ mod tests {
         assert_eq!(
             c.prompt,
             Prompt::Chat(vec![
-                Message {
-                    role: "system".into(),
-                    content: "Be brief.".into()
-                },
-                Message {
-                    role: "user".into(),
-                    content: "Hi there".into()
-                },
+                Message::text("system", "Be brief."),
+                Message::text("user", "Hi there"),
             ])
         );
         assert_eq!(c.sampling.temperature, 0.0);
@@ -681,6 +757,46 @@ mod tests {
         assert_eq!((c.max_tokens, c.stream), (Some(5), true));
         assert_eq!(c.stop, ["\n"]);
         assert_eq!(c.grammar, None);
+    }
+
+    #[test]
+    fn tool_calls_and_answers_are_kept_in_their_messages() {
+        let c = chat_request(
+            br#"{"messages":[{"role":"user","content":"Weather?"},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                    "function":{"name":"w","arguments":"{}"}}]},
+                {"role":"tool","tool_call_id":"c1","name":"w","content":"sunny"}],
+                "tools":[{"type":"function","function":{"name":"w"}}],"tool_choice":"required"}"#,
+        )
+        .unwrap();
+        let Prompt::Chat(m) = &c.prompt else {
+            panic!("a chat")
+        };
+        assert_eq!(m[1].content, "");
+        assert_eq!(
+            m[1].tool_calls.as_ref().unwrap()[0]["function"]["name"],
+            "w"
+        );
+        assert_eq!(
+            (m[2].tool_call_id.as_deref(), m[2].name.as_deref()),
+            (Some("c1"), Some("w"))
+        );
+        assert_eq!(m[1].to_json()["tool_calls"][0]["id"], "c1");
+        assert_eq!(m[2].to_json()["tool_call_id"], "c1");
+        assert!(m[2].has_tool_fields() && !m[0].has_tool_fields());
+        // A required call is a grammar.
+        assert!(c.grammar.unwrap().contains("tool-block"));
+        let err = |b: &str| chat_request(b.as_bytes()).unwrap_err().message;
+        let m = r#""messages":[{"role":"assistant","content":"x","tool_calls":"#;
+        assert!(err(&format!("{{{m}3}}]}}")).contains("tool_calls must be an array"));
+        assert!(
+            err(r#"{"messages":[{"role":"tool","content":"x","tool_call_id":1}]}"#)
+                .contains("tool_call_id must be a string")
+        );
+        assert!(
+            err(r#"{"messages":[{"role":"user","content":"x"}],"functions":[{}]}"#)
+                .contains("legacy function calls")
+        );
     }
 
     #[test]
@@ -774,7 +890,7 @@ mod tests {
         assert!(
             err(&format!("{{{m},\"post_sampling_probs\":true}}")).contains("after the samplers")
         );
-        assert!(err(&format!("{{{m},\"tools\":[{{}}]}}")).contains("tool calls"));
+        assert!(err(&format!("{{{m},\"tools\":[{{}}]}}")).contains("tools[0].type"));
         assert!(err(&format!("{{{m},\"temperature\":\"hot\"}}")).contains("'temperature'"));
         assert!(err(&format!("{{{m},\"top_p\":2}}")).contains("outside"));
         assert!(err(&format!("{{{m},\"max_tokens\":-3}}")).contains("max_tokens"));

@@ -6,6 +6,8 @@
 //! - [`api`]: the JSON requests ([`api::Completion`]) and errors.
 //! - [`reasoning`]: a reply's reasoning told from its answer by the model's
 //!   marker tokens (`<think>`, harmony channels).
+//! - [`tools`]: tool calls, for chat templates that take tools and models
+//!   that write Hermes-style `<tool_call>` blocks.
 //! - [`Engine`]: the model's session, which answers one completion at a
 //!   time and keeps what it evaluated, so that a request whose prompt
 //!   starts as the last one's (a chat's next turn) evaluates only the rest.
@@ -21,6 +23,7 @@
 pub mod api;
 pub mod http;
 pub mod reasoning;
+pub mod tools;
 
 use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -45,6 +48,7 @@ use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
 use api::{ApiError, Completion, Prompt};
 use reasoning::{Channel, Splitter};
+use tools::ToolCall;
 
 /// How long a connection may sit idle between requests (or mid-request).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -78,6 +82,9 @@ pub struct Finished {
     /// probabilities, in order: the end-of-generation token's too, not
     /// those of tokens from a stop string on.
     pub logprobs: Option<Vec<PositionLogprobs>>,
+    /// The calls read from the reply where the request gave tools (the
+    /// text around them is `text`).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// The model's session and what it needs to answer completions.
@@ -98,6 +105,8 @@ pub struct Engine<'m> {
     /// The positions the session holds: a token's id, or `None` for an
     /// image embedding.
     held: Vec<Option<u32>>,
+    /// Whether the chat template takes tools and writes Hermes-style calls.
+    hermes: bool,
 }
 
 impl<'m> Engine<'m> {
@@ -111,10 +120,20 @@ impl<'m> Engine<'m> {
         supply: Supply<'m>,
         lookahead: Lookahead,
     ) -> Self {
+        let template = tokenizer.chat_template().ok();
+        let hermes = match (&template, tokenizer.chat_template_source()) {
+            (Some(t), Some(source)) => tools::hermes_template(source, |tool| {
+                let user = [serde_json::json!({"role": "user", "content": "hi"})];
+                let tools = tool.as_array().map(Vec::as_slice);
+                t.apply_json(&user, tools, true).ok()
+            }),
+            _ => false,
+        };
         Engine {
             model,
             tokenizer,
-            template: tokenizer.chat_template().ok(),
+            template,
+            hermes,
             clip,
             session,
             mv,
@@ -157,7 +176,14 @@ impl<'m> Engine<'m> {
                         "the model has no chat template: use /v1/completions with a prompt",
                     )
                 })?;
-                api::chat_text(self.tokenizer, template, messages)?
+                if c.tools.is_some() && !self.hermes {
+                    return Err(ApiError::bad(
+                        "tools: this model's chat template does not take tools as les reads them \
+                         (a template that renders `tools` and Hermes-style <tool_call> blocks: \
+                         Qwen 2.5/3, MiniCPM-V, Hermes)",
+                    ));
+                }
+                api::chat_text(self.tokenizer, template, messages, c.tools.as_ref())?
             }
         };
         let n_embd = self.model.hp.n_embd;
@@ -356,12 +382,20 @@ impl<'m> Engine<'m> {
                 _ => text.push_str(&reply.text[r]),
             }
         }
+        let mut tool_calls = Vec::new();
+        if c.tools.is_some() {
+            (text, tool_calls) = tools::read_calls(&text);
+        }
         // The session now holds the prompt and all but the last token sampled.
         self.held = items;
         self.held.extend(sampled.iter().map(|&t| Some(t)));
         self.held.truncate(self.session.position());
         let finish_reason = if reply.eog.is_some() || reply.stopped.is_some() || stuck.get() {
-            "stop"
+            if tool_calls.is_empty() {
+                "stop"
+            } else {
+                "tool_calls"
+            }
         } else {
             "length"
         };
@@ -378,6 +412,7 @@ impl<'m> Engine<'m> {
             drafted: stats.drafted,
             accepted: stats.accepted,
             logprobs: c.logprobs.map(|_| probs),
+            tool_calls,
         })
     }
 }
@@ -520,7 +555,9 @@ struct About<'a> {
 fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
     for job in queue {
         let events = &job.events;
-        let streaming = job.completion.stream;
+        // With tools, the reply is read whole for its calls: a stream gets it
+        // at the end.
+        let streaming = job.completion.stream && job.completion.tools.is_none();
         let result = engine.complete(
             &job.completion,
             || {
@@ -757,6 +794,8 @@ fn complete(
 ) -> std::io::Result<bool> {
     let (events, answers) = channel();
     let stream = c.stream;
+    // With tools, the engine sends no pieces: the reply comes at the end.
+    let whole_at_end = c.tools.is_some();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         completion: c,
@@ -817,6 +856,26 @@ fn complete(
                     .logprobs
                     .as_deref()
                     .map_or(&[][..], |p| &p[sent.min(p.len())..]);
+                if whole_at_end {
+                    let mut pieces = Vec::new();
+                    for (to, text) in [
+                        (Channel::Reasoning, &f.reasoning),
+                        (Channel::Content, &f.text),
+                    ] {
+                        if !text.is_empty() {
+                            pieces.push(shape.chunk(Some((to, text)), None, &[]));
+                        }
+                    }
+                    if !f.tool_calls.is_empty() {
+                        let mut calls = shape.chunk(None, None, &[]);
+                        calls["choices"][0]["delta"] =
+                            json!({ "tool_calls": shape.tool_calls(&f.tool_calls, true) });
+                        pieces.push(calls);
+                    }
+                    for p in pieces {
+                        http::write_event(out, &p.to_string())?;
+                    }
+                }
                 let mut last = shape.chunk(None, Some(&f), rest);
                 last["usage"] = usage(&f);
                 last["timings"] = timings(&f);
@@ -878,6 +937,12 @@ impl Shape<'_> {
                 let mut message = json!({"role": "assistant", "content": f.text});
                 if !f.reasoning.is_empty() {
                     message["reasoning_content"] = json!(f.reasoning);
+                }
+                if !f.tool_calls.is_empty() {
+                    message["tool_calls"] = self.tool_calls(&f.tool_calls, false);
+                    if f.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
                 }
                 json!({"index": 0, "finish_reason": f.finish_reason, "message": message})
             }
@@ -941,6 +1006,24 @@ impl Shape<'_> {
 }
 
 impl Shape<'_> {
+    /// The calls as OpenAI writes them (`{"id", "type", "function": {"name",
+    /// "arguments"}}`, and their `index` in a stream's delta).
+    fn tool_calls(&self, calls: &[ToolCall], indexed: bool) -> Value {
+        let tag = self.id.rsplit('-').next().unwrap_or_default();
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = json!({"id": format!("call_{tag}_{i}"), "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments}});
+                if indexed {
+                    v["index"] = json!(i);
+                }
+                v
+            })
+            .collect()
+    }
+
     /// Log probabilities as llama-server writes them (OpenAI's chat shape,
     /// for both endpoints): `{"content": [{"id", "token", "bytes",
     /// "logprob", "top_logprobs": [...]}]}`.

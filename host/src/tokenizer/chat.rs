@@ -66,6 +66,23 @@ impl fmt::Display for ChatTemplateError {
 
 impl std::error::Error for ChatTemplateError {}
 
+/// A JSON value as a template value (objects keep their keys' order).
+fn from_json(v: &serde_json::Value) -> Value {
+    use serde_json::Value as Json;
+    match v {
+        Json::Null => Value::from(()),
+        Json::Bool(b) => Value::from(*b),
+        Json::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (_, Some(u)) => Value::from(u),
+            _ => Value::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Json::String(s) => Value::from(s.as_str()),
+        Json::Array(a) => Value::from(a.iter().map(from_json).collect::<Vec<_>>()),
+        Json::Object(o) => Value::from_pairs(o.iter().map(|(k, v)| (k.as_str(), from_json(v)))),
+    }
+}
+
 /// Full message of a minijinja error, including its causes.
 fn describe(e: &Error) -> String {
     let mut s = e.to_string();
@@ -157,6 +174,22 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+        })
+    }
+
+    /// Renders `messages` given as JSON objects (`role`, `content` and what
+    /// else they carry, such as `tool_calls`), with `tools` where given.
+    pub fn apply_json(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let list = |items: &[serde_json::Value]| items.iter().map(from_json).collect::<Vec<_>>();
+        self.render(context! {
+            messages => list(messages),
+            tools => tools.map(list),
+            add_generation_prompt => add_generation_prompt,
         })
     }
 

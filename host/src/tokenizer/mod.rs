@@ -1065,19 +1065,38 @@ impl Tokenizer {
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
         let text = template.apply(messages, add_generation_prompt)?;
+        Ok(self.without_added_specials(&text))
+    }
+
+    /// [`chat_prompt_with`](Self::chat_prompt_with) of messages as JSON
+    /// objects (tool calls and answers in them), with `tools` where given.
+    pub fn chat_prompt_json(
+        &self,
+        template: &ChatTemplate,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let text = template.apply_json(messages, tools, add_generation_prompt)?;
+        Ok(self.without_added_specials(&text))
+    }
+
+    /// A rendered template without the BOS text it starts with where
+    /// encoding adds BOS, nor the EOS text it ends with where encoding adds EOS.
+    fn without_added_specials(&self, text: &str) -> String {
         let special = |on: bool, id: Option<u32>| {
             id.filter(|_| on)
                 .and_then(|id| self.token_text(id))
                 .filter(|t| !t.is_empty())
         };
-        let mut prompt = text.as_str();
+        let mut prompt = text;
         if let Some(bos) = special(self.add_bos, self.bos) {
             prompt = prompt.strip_prefix(bos).unwrap_or(prompt);
         }
         if let Some(eos) = special(self.add_eos, self.eos) {
             prompt = prompt.strip_suffix(eos).unwrap_or(prompt);
         }
-        Ok(prompt.to_string())
+        prompt.to_string()
     }
 }
 

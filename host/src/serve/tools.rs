@@ -1,0 +1,403 @@
+//! Tool calls (OpenAI's `tools`, `tool_choice`), for models whose chat
+//! template takes `tools` and whose calls are Hermes-style blocks,
+//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5 and
+//! 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin): the tools go to the
+//! template, the reply's blocks come back as `tool_calls`.
+//!
+//! `tool_choice: "required"` (or a named function) constrains the reply by a
+//! grammar to one call (several with `parallel_tool_calls`) of the tools
+//! given, its arguments following their `parameters` schema; `"auto"` lets
+//! the model choose and reads whatever blocks it wrote (a block that is not
+//! a call's JSON stays in the content); `"none"` renders no tools and reads
+//! no calls.
+
+use serde_json::{json, Map, Value};
+
+use super::api::ApiError;
+use crate::grammar::json_schema_to_gbnf;
+
+/// Tools a request may give.
+pub const MAX_TOOLS: usize = 128;
+
+/// What a model writes around each call.
+pub const OPEN: &str = "<tool_call>";
+/// See [`OPEN`].
+pub const CLOSE: &str = "</tool_call>";
+
+/// Whether the model may, must or must not call a tool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model chooses (the default).
+    Auto,
+    /// No tools: none rendered, no calls read.
+    None,
+    /// At least one call, to any of the tools.
+    Required,
+    /// A call to this function.
+    Function(String),
+}
+
+/// A request's tools.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tools {
+    /// The tools as given (`{"type": "function", "function": {...}}`), for
+    /// the chat template.
+    pub list: Vec<Value>,
+    /// `tool_choice`.
+    pub choice: ToolChoice,
+    /// `parallel_tool_calls` (false: at most one call where the grammar
+    /// decides).
+    pub parallel: bool,
+}
+
+/// One call the model made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as JSON text (OpenAI's `arguments` is a string).
+    pub arguments: String,
+}
+
+impl Tools {
+    /// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` without
+    /// tools (or with `tool_choice: "none"`).
+    pub fn read(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
+        let list = match obj.get("tools") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a.clone(),
+            Some(_) => return Err(ApiError::bad("'tools' must be an array")),
+        };
+        if list.len() > MAX_TOOLS {
+            return Err(ApiError::bad(format!("more than {MAX_TOOLS} tools")));
+        }
+        let mut names = Vec::with_capacity(list.len());
+        for (i, t) in list.iter().enumerate() {
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(ApiError::bad(format!(
+                    "tools[{i}].type must be \"function\""
+                )));
+            }
+            let f = t
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| ApiError::bad(format!("tools[{i}].function must be an object")))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| {
+                    ApiError::bad(format!("tools[{i}].function.name must be a string"))
+                })?;
+            if !matches!(f.get("parameters"), None | Some(Value::Object(_))) {
+                return Err(ApiError::bad(format!(
+                    "tools[{i}].function.parameters must be a JSON schema object"
+                )));
+            }
+            names.push(name);
+        }
+        let choice = match obj.get("tool_choice") {
+            None | Some(Value::Null) => ToolChoice::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "auto" => ToolChoice::Auto,
+                "none" => ToolChoice::None,
+                "required" => ToolChoice::Required,
+                _ => {
+                    return Err(ApiError::bad(
+                        "'tool_choice' must be \"auto\", \"none\", \"required\" or a function",
+                    ))
+                }
+            },
+            Some(v) => {
+                let name = v
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        ApiError::bad("'tool_choice' must name a function: {\"type\": \"function\", \"function\": {\"name\": ...}}")
+                    })?;
+                if !names.contains(&name) {
+                    return Err(ApiError::bad(format!(
+                        "'tool_choice' names {name:?}, which is not among the tools"
+                    )));
+                }
+                ToolChoice::Function(name.to_string())
+            }
+        };
+        let parallel = match obj.get("parallel_tool_calls") {
+            None | Some(Value::Null) => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| ApiError::bad("'parallel_tool_calls' must be true or false"))?,
+        };
+        if list.is_empty() {
+            return match choice {
+                ToolChoice::Auto | ToolChoice::None => Ok(None),
+                _ => Err(ApiError::bad(
+                    "'tool_choice' asks for a call, but there are no tools",
+                )),
+            };
+        }
+        if choice == ToolChoice::None {
+            return Ok(None);
+        }
+        Ok(Some(Tools {
+            list,
+            choice,
+            parallel,
+        }))
+    }
+
+    /// The grammar a reply must follow: for a required or named call, the
+    /// call blocks (one, or one or more with `parallel`), each call's
+    /// arguments following its function's `parameters`; `None` for `auto`.
+    pub fn grammar(&self) -> Result<Option<String>, ApiError> {
+        let wanted = |name: &str| match &self.choice {
+            ToolChoice::Function(f) => f == name,
+            _ => true,
+        };
+        let calls: Vec<Value> = self
+            .list
+            .iter()
+            .filter_map(|t| t.get("function"))
+            .filter(|f| f.get("name").and_then(Value::as_str).is_some_and(wanted))
+            .map(|f| {
+                let params = f
+                    .get("parameters")
+                    .cloned()
+                    .unwrap_or_else(|| json!({"type": "object"}));
+                json!({
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, "arguments": params},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        match self.choice {
+            ToolChoice::Auto | ToolChoice::None => return Ok(None),
+            _ => {}
+        }
+        let schema = json!({ "anyOf": calls });
+        let call = json_schema_to_gbnf(&schema.to_string())
+            .map_err(|e| ApiError::bad(format!("the tools' parameters: {e}")))?;
+        let call = rename_rule(&call, "root", "tool-call");
+        // The markers need no escapes in a GBNF literal.
+        let block = format!("tool-block ::= \"{OPEN}\\n\" tool-call \"\\n{CLOSE}\"");
+        let root = if self.parallel {
+            "root ::= tool-block (\"\\n\" tool-block)*"
+        } else {
+            "root ::= tool-block"
+        };
+        Ok(Some(format!("{root}\n{block}\n{call}")))
+    }
+}
+
+/// The reply's calls: each `<tool_call>` block whose JSON is an object with
+/// a string `name` and `arguments` (an object, or a string of JSON), and
+/// the text around them as the content (trimmed). A block that is not such
+/// a call, and all after it, stays content.
+pub fn read_calls(text: &str) -> (String, Vec<ToolCall>) {
+    let mut calls = Vec::new();
+    let mut content = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(OPEN) {
+        let inner = &rest[at + OPEN.len()..];
+        let (body, after) = match inner.find(CLOSE) {
+            Some(end) => (&inner[..end], &inner[end + CLOSE.len()..]),
+            // A reply cut short (max_tokens) may lack the close.
+            None => (inner, ""),
+        };
+        let Some(call) = call_of(body.trim()) else {
+            break;
+        };
+        content.push_str(&rest[..at]);
+        calls.push(call);
+        rest = after;
+    }
+    content.push_str(rest);
+    (content.trim().to_string(), calls)
+}
+
+/// A call's JSON: `{"name": "...", "arguments": {...} or "..."}`.
+fn call_of(json: &str) -> Option<ToolCall> {
+    let v: Value = serde_json::from_str(json).ok()?;
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments") {
+        Some(Value::String(s)) => s.clone(),
+        Some(a @ Value::Object(_)) => a.to_string(),
+        None | Some(Value::Null) => "{}".into(),
+        Some(_) => return None,
+    };
+    Some(ToolCall { name, arguments })
+}
+
+/// Whether a chat template writes Hermes-style tool calls: it renders the
+/// tools it is given (`probe`: the template rendered with a tool of this
+/// name) and its source spells [`OPEN`].
+pub fn hermes_template(source: &str, probe: impl FnOnce(&Value) -> Option<String>) -> bool {
+    const NAME: &str = "les_tool_probe";
+    let tool = json!([{"type": "function", "function": {"name": NAME,
+        "description": "probe", "parameters": {"type": "object", "properties": {}}}}]);
+    source.contains(OPEN) && probe(&tool).is_some_and(|text| text.contains(NAME))
+}
+
+/// `grammar` with rule `from` (defined and referenced) named `to`: rule
+/// names outside string literals and character classes.
+fn rename_rule(grammar: &str, from: &str, to: &str) -> String {
+    let mut out = String::with_capacity(grammar.len());
+    let mut chars = grammar.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' | '[' => {
+                let close = if c == '"' { '"' } else { ']' };
+                out.push(c);
+                while let Some((_, d)) = chars.next() {
+                    out.push(d);
+                    if d == '\\' {
+                        if let Some((_, e)) = chars.next() {
+                            out.push(e);
+                        }
+                    } else if d == close {
+                        break;
+                    }
+                }
+            }
+            c if c.is_ascii_alphanumeric() || c == '-' || c == '_' => {
+                let mut end = i + c.len_utf8();
+                while let Some(&(j, d)) = chars.peek() {
+                    if d.is_ascii_alphanumeric() || d == '-' || d == '_' {
+                        end = j + d.len_utf8();
+                        chars.next();
+                    } else {
+                        break;
+                    }
+                }
+                let word = &grammar[i..end];
+                out.push_str(if word == from { to } else { word });
+            }
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grammar::Grammar;
+
+    fn tools(extra: Value) -> Result<Option<Tools>, ApiError> {
+        let mut body = json!({"tools": [
+            {"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]}}},
+            {"type": "function", "function": {"name": "now"}}
+        ]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        Tools::read(body.as_object().unwrap())
+    }
+
+    #[test]
+    fn tools_and_the_choice_are_read_and_checked() {
+        let t = tools(json!({})).unwrap().unwrap();
+        assert_eq!(
+            (t.list.len(), &t.choice, t.parallel),
+            (2, &ToolChoice::Auto, false)
+        );
+        assert!(tools(json!({"tool_choice": "none"})).unwrap().is_none());
+        let named = json!({"tool_choice": {"type": "function", "function": {"name": "now"}}});
+        assert_eq!(
+            tools(named).unwrap().unwrap().choice,
+            ToolChoice::Function("now".into())
+        );
+        let err = |v: Value| tools(v).unwrap_err().message;
+        let other = json!({"tool_choice": {"type": "function", "function": {"name": "x"}}});
+        assert!(err(other).contains("not among the tools"));
+        assert!(err(json!({"tool_choice": "sometimes"})).contains("'tool_choice'"));
+        assert!(err(json!({"tools": [{"type": "code"}]})).contains("tools[0].type"));
+        assert!(err(json!({"tools": [{"type": "function", "function": {}}]})).contains("name"));
+        let bad_params = json!({"tools": [{"type": "function",
+            "function": {"name": "f", "parameters": 3}}]});
+        assert!(err(bad_params).contains("parameters"));
+        let many =
+            json!({"tools": vec![json!({"type": "function", "function": {"name": "f"}}); 129]});
+        assert!(err(many).contains("more than 128"));
+        let none = json!({"tools": [], "tool_choice": "required"});
+        assert!(err(none).contains("no tools"));
+        assert!(Tools::read(&Map::new()).unwrap().is_none());
+    }
+
+    #[test]
+    fn calls_are_read_from_their_blocks_and_the_rest_is_content() {
+        let (content, calls) = read_calls(
+            "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\":\"now\",\"arguments\":\"{}\"}</tool_call>",
+        );
+        assert_eq!(content, "Let me look.");
+        assert_eq!(
+            calls,
+            [
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: r#"{"city":"Paris"}"#.into()
+                },
+                ToolCall {
+                    name: "now".into(),
+                    arguments: "{}".into()
+                },
+            ]
+        );
+        // Cut short before its close: still a call.
+        let (_, calls) = read_calls("<tool_call>{\"name\": \"now\", \"arguments\": {}}");
+        assert_eq!(calls.len(), 1);
+        // Not a call's JSON: everything from it is content.
+        let text = "a <tool_call>{\"name\": 3}</tool_call> b";
+        assert_eq!(read_calls(text), (text.to_string(), vec![]));
+        assert_eq!(read_calls(" plain "), ("plain".to_string(), vec![]));
+    }
+
+    #[test]
+    fn a_required_call_is_a_grammar_of_the_tools() {
+        let t = tools(json!({"tool_choice": "required"})).unwrap().unwrap();
+        let g = t.grammar().unwrap().unwrap();
+        Grammar::parse(&g).unwrap_or_else(|e| panic!("{e}\n{g}"));
+        assert!(g.starts_with("root ::= tool-block\n"), "{g}");
+        assert!(
+            g.contains("tool-call ::= ") && !g.contains("\nroot ::= "),
+            "{g}"
+        );
+        assert!(g.contains("get_weather") && g.contains("now"), "{g}");
+        let named = json!({"tool_choice": {"type": "function", "function": {"name": "now"}},
+            "parallel_tool_calls": true});
+        let g = tools(named).unwrap().unwrap().grammar().unwrap().unwrap();
+        assert!(
+            !g.contains("get_weather") && g.contains("(\"\\n\" tool-block)*"),
+            "{g}"
+        );
+        assert_eq!(tools(json!({})).unwrap().unwrap().grammar().unwrap(), None);
+    }
+
+    #[test]
+    fn rules_are_renamed_outside_literals_and_classes() {
+        let g = "root ::= \"root\" [root] root-x root\nx ::= root";
+        assert_eq!(
+            rename_rule(g, "root", "call"),
+            "call ::= \"root\" [root] root-x call\nx ::= call"
+        );
+        assert_eq!(
+            rename_rule("a ::= \"\\\"root\"", "root", "b"),
+            "a ::= \"\\\"root\""
+        );
+    }
+
+    #[test]
+    fn hermes_templates_are_told_by_their_tools_and_blocks() {
+        let src = "{{ tools }} <tool_call>";
+        assert!(hermes_template(src, |t| Some(t.to_string())));
+        assert!(!hermes_template("{{ tools }}", |t| Some(t.to_string())));
+        assert!(!hermes_template(src, |_| Some(String::new())));
+        assert!(!hermes_template(src, |_| None));
+    }
+}
