@@ -59,7 +59,10 @@
 //! grammar allows it; if not, the chain runs again over the tokens the grammar
 //! allows (the grammar first, then bias, penalties, filters and a new draw), and
 //! the grammar moves past the token picked. Greedy decoding thus picks the best
-//! allowed token. Where the grammar allows no token at all (it is complete and
+//! allowed token. A lazy grammar ([`Sampler::constrain_from`], llama.cpp's
+//! lazy grammars with a trigger word) lets picks be free until the reply
+//! spells its trigger, then takes the text from the trigger on and
+//! constrains the rest. Where the grammar allows no token at all (it is complete and
 //! the end-of-generation tokens are banned, say), [`Sampler::grammar_error`]
 //! says so.
 //!
@@ -301,6 +304,11 @@ pub struct Sampler {
     grammar: Option<TokenGrammar>,
     /// Why the last pick broke the grammar, until taken.
     grammar_error: Option<GrammarError>,
+    /// A lazy grammar's trigger ([`constrain_from`](Self::constrain_from)).
+    trigger: Option<Vec<u8>>,
+    /// The reply's last bytes while the trigger has not come (what may be
+    /// its start); `None` once it came, or without one.
+    waiting: Option<Vec<u8>>,
     /// Mirostat's `mu` (its running surprise bound).
     mu: f64,
 }
@@ -320,6 +328,8 @@ impl Sampler {
             dry: None,
             grammar: None,
             grammar_error: None,
+            trigger: None,
+            waiting: None,
             mu: mirostat_mu(config),
         }
     }
@@ -335,6 +345,17 @@ impl Sampler {
     /// start.
     pub fn constrain(&mut self, grammar: TokenGrammar) {
         self.grammar = Some(grammar);
+        self.trigger = None;
+        self.waiting = None;
+    }
+
+    /// A lazy grammar: picks are free until the reply spells `trigger`
+    /// (non-empty), then the grammar takes the reply's text from the trigger
+    /// on (the grammar starts with it) and constrains every later pick.
+    pub fn constrain_from(&mut self, grammar: TokenGrammar, trigger: &str) {
+        self.grammar = Some(grammar);
+        self.trigger = Some(trigger.as_bytes().to_vec()).filter(|t| !t.is_empty());
+        self.waiting = self.trigger.as_ref().map(|_| Vec::new());
     }
 
     /// Takes the grammar back to its start (a new reply), keeping the rest.
@@ -343,6 +364,7 @@ impl Sampler {
             g.reset();
         }
         self.grammar_error = None;
+        self.waiting = self.trigger.as_ref().map(|_| Vec::new());
     }
 
     /// Why the last [`sample`](Self::sample) could not follow the grammar
@@ -424,13 +446,50 @@ impl Sampler {
         let token = match self.grammar.take() {
             None => self.pick(logits, &mut |_| true).unwrap_or(0),
             Some(mut grammar) => {
-                let token = self.pick_in_grammar(logits, &mut grammar);
+                let token = match self.waiting.take() {
+                    Some(mut tail) => {
+                        let token = self.pick(logits, &mut |_| true).unwrap_or(0);
+                        self.waiting = self.wait_for_trigger(&mut grammar, &mut tail, token);
+                        token
+                    }
+                    None => self.pick_in_grammar(logits, &mut grammar),
+                };
                 self.grammar = Some(grammar);
                 token
             }
         };
         self.accept(token);
         token
+    }
+
+    /// A lazy grammar's wait after the free pick `token`, `tail` the reply's
+    /// last bytes before it: the grammar fed the text from the trigger on
+    /// where it came (`None`: waiting no more), else the bytes that may
+    /// still start it.
+    fn wait_for_trigger(
+        &mut self,
+        grammar: &mut TokenGrammar,
+        tail: &mut Vec<u8>,
+        token: u32,
+    ) -> Option<Vec<u8>> {
+        let trigger = self.trigger.as_deref().unwrap_or_default();
+        if grammar.ends_generation(token) {
+            return Some(std::mem::take(tail));
+        }
+        tail.extend_from_slice(grammar.piece(token));
+        match tail.windows(trigger.len()).position(|w| w == trigger) {
+            Some(at) => {
+                if let Err(e) = grammar.accept_bytes(&tail[at..]) {
+                    self.grammar_error = Some(e);
+                }
+                None
+            }
+            None => {
+                let keep = tail.len().min(trigger.len() - 1);
+                tail.drain(..tail.len() - keep);
+                Some(std::mem::take(tail))
+            }
+        }
     }
 
     /// The pick under `grammar` (see the [module docs](self#grammars)), and
@@ -1107,6 +1166,40 @@ mod tests {
             }
             assert!(seen[0] > 50 && seen[1] > 50, "top_k {top_k}: {seen:?}");
         }
+    }
+
+    #[test]
+    fn a_lazy_grammar_starts_at_its_trigger() {
+        // Trigger "ab", spelled by "a" then "b", or by "ab" at once; the
+        // grammar starts with it and then wants "c" and the end.
+        let grammar = || abc_grammar("root ::= \"ab\" \"c\"");
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        s.constrain_from(grammar(), "ab");
+        // Free until the trigger: "c", then the end would be picked.
+        assert_eq!(s.sample(&[0.0, 0.0, 0.0, 9.0, 1.0]), 3);
+        assert_eq!(s.sample(&[5.0, 0.0, 0.0, 9.0, 1.0]), 3);
+        // "a" then "b" spell the trigger across two tokens: from then on only
+        // "c", then only the end.
+        assert_eq!(s.sample(&[9.0, 0.0, 0.0, 1.0, 5.0]), 0);
+        assert_eq!(s.sample(&[0.0, 9.0, 0.0, 1.0, 5.0]), 1);
+        assert_eq!(s.sample(&[9.0, 8.0, 7.0, 1.0, 5.0]), 3);
+        assert_eq!(s.sample(&[9.0, 8.0, 7.0, 1.0, 5.0]), 4);
+        assert!(s.grammar_error().is_none());
+        // A new reply waits for the trigger again; "ab" in one token.
+        s.reset();
+        assert_eq!(s.sample(&[0.0, 0.0, 0.0, 1.0, 9.0]), 4, "free: the end");
+        s.reset();
+        assert_eq!(s.sample(&[0.0, 0.0, 9.0, 1.0, 5.0]), 2);
+        assert_eq!(s.sample(&[9.0, 8.0, 7.0, 1.0, 5.0]), 3);
+        // Text after the trigger in the same token that the grammar refuses
+        // is reported: "ab" then "ab" again is not "abc".
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        s.constrain_from(abc_grammar("root ::= \"abc\""), "b");
+        assert_eq!(s.sample(&[0.0, 0.0, 9.0, 0.0, 0.0]), 2);
+        assert!(s.grammar_error().is_some(), "\"b\" does not start \"abc\"");
+        // `constrain` makes it strict again.
+        s.constrain(grammar());
+        assert_eq!(s.sample(&[0.0, 0.0, 1.0, 9.0, 5.0]), 2);
     }
 
     #[test]

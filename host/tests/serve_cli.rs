@@ -233,6 +233,37 @@ fn chat_and_text_completions_answer_as_les_run() {
     );
     assert_eq!(v["choices"][0]["text"], want.as_str());
     assert_eq!(v["object"], "text_completion");
+    // Logit biases, as les run's --logit-bias: one favoured, one banned.
+    let biased = json!({"prompt": "The quick brown fox", "temperature": 0, "max_tokens": 12,
+        "logit_bias": {"77": 3.5, "115": false}});
+    let (status, v) = server.post("/v1/completions", &biased);
+    assert_eq!(status, 200, "{v}");
+    let (want_biased, _) = les_run(
+        &m,
+        &[
+            "-p",
+            "The quick brown fox",
+            "--temp",
+            "0",
+            "-n",
+            "12",
+            "-l",
+            "77+3.5",
+            "-l",
+            "115-inf",
+        ],
+    );
+    assert_eq!(v["choices"][0]["text"], want_biased.as_str());
+    assert_ne!(want_biased, want, "the biases change the picks");
+    let (status, v) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "logit_bias": [[100000, 1]]}),
+    );
+    assert_eq!(status, 400);
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("outside the vocabulary"));
 }
 
 #[test]
@@ -633,6 +664,55 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
         content(&v).trim(),
         text["choices"][0]["text"].as_str().unwrap().trim()
     );
+    // Auto, with a model that spells the call's opening as one token and a
+    // bias that makes it write it: from there the grammar gives the call.
+    // The tokens of bytes 0xFF and 0xFE, never in UTF-8 text.
+    let (open_id, close_id) = (byte_token(&m, 0xFF), byte_token(&m, 0xFE));
+    let spelled = with_tokens(
+        &m,
+        "serve_q3_tools_open.gguf",
+        &[(open_id, "<tool_call>"), (close_id, "</tool_call>")],
+    );
+    let opener = Server::start(&spelled, &[]);
+    let mut called = auto.clone();
+    // The weather only: its arguments are finite (the bias would otherwise
+    // fill `now`'s free-form object's strings with the opening token).
+    called["tools"] = json!([weather_tools()[0]]);
+    called["logit_bias"] = json!({ open_id.to_string(): 100 });
+    called["max_tokens"] = json!(300);
+    let v = opener.chat(&called);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather", "{v}");
+    let args: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    // Streamed: the same call; no piece of it as content.
+    let mut streamed = called.clone();
+    streamed["stream"] = json!(true);
+    let events = opener.stream("/v1/chat/completions", &streamed);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "", "{chunks:?}");
+    let streamed_calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(streamed_calls.len(), 1);
+    assert_eq!(streamed_calls[0]["function"], calls[0]["function"]);
+
     // None: no tools rendered, as a request without them.
     let mut none = auto.clone();
     none["tool_choice"] = json!("none");
@@ -912,6 +992,17 @@ fn speculative_decoding_answers_the_same() {
 
 /// A copy of `src` (as `name`) whose tokens `renames` (id, text) have those
 /// texts, as user-defined tokens (4), so that a prompt spells them.
+/// The id of `src`'s token for byte `b`.
+fn byte_token(src: &Path, b: u8) -> u32 {
+    let g = les::gguf::Gguf::open(src).unwrap();
+    let text = les::tokenizer::byte_token_text(b);
+    g.get_array("tokenizer.ggml.tokens")
+        .unwrap()
+        .iter()
+        .position(|t| t.as_str() == Some(text.as_str()))
+        .expect("a byte token") as u32
+}
+
 fn with_tokens(src: &Path, name: &str, renames: &[(u32, &str)]) -> PathBuf {
     use les::gguf::{MetaArray, MetaValue, ValueType};
     let dst = tmp(name);
@@ -943,15 +1034,7 @@ fn think_tags_set_the_reasoning_apart() {
     let src = model();
     // The token of byte 0xFF (never in UTF-8 text) becomes `<think>`; one
     // the reply generates, not in the prompt, `</think>`.
-    let g = les::gguf::Gguf::open(&src).unwrap();
-    let ff = les::tokenizer::byte_token_text(0xFF);
-    let open_id = g
-        .get_array("tokenizer.ggml.tokens")
-        .unwrap()
-        .iter()
-        .position(|t| t.as_str() == Some(ff.as_str()))
-        .expect("a byte token") as u32;
-    drop(g);
+    let open_id = byte_token(&src, 0xFF);
     let thinking = with_tokens(&src, "serve_think0.gguf", &[(open_id, "<think>")]);
     let run = |m: &Path| {
         let out = les()

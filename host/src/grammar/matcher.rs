@@ -537,4 +537,28 @@ impl TokenGrammar {
     pub fn reset(&mut self) {
         self.matcher.reset();
     }
+
+    /// `token`'s bytes (special tokens written out; empty outside the
+    /// vocabulary).
+    pub fn piece(&self, token: u32) -> &[u8] {
+        let t = token as usize;
+        match self.ends.get(t) {
+            Some(&end) => {
+                let start = if t == 0 { 0 } else { self.ends[t - 1] as usize };
+                &self.bytes[start..end as usize]
+            }
+            None => &[],
+        }
+    }
+
+    /// Whether `token` ends generation.
+    pub fn ends_generation(&self, token: u32) -> bool {
+        self.eog.get(token as usize) == Some(&true)
+    }
+
+    /// Moves past `bytes` (text that came otherwise than token by token: a
+    /// lazy grammar's start); an error where the grammar does not allow them.
+    pub fn accept_bytes(&mut self, bytes: &[u8]) -> Result<(), GrammarError> {
+        self.matcher.accept(bytes)
+    }
 }

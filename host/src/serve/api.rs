@@ -146,6 +146,9 @@ pub struct Sampling {
     pub mirostat_tau: f32,
     /// `mirostat_eta` (0.1).
     pub mirostat_eta: f32,
+    /// `logit_bias`: added to a token's logit before the samplers (`-inf`:
+    /// never picked), as (token id, bias).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for Sampling {
@@ -164,6 +167,7 @@ impl Default for Sampling {
             mirostat: 0,
             mirostat_tau: 5.0,
             mirostat_eta: 0.1,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -548,6 +552,7 @@ fn completion(
         },
         mirostat_tau: float(obj, "mirostat_tau", d.mirostat_tau, 0.0..=100.0)?,
         mirostat_eta: float(obj, "mirostat_eta", d.mirostat_eta, 0.0..=10.0)?,
+        logit_bias: logit_bias(obj)?,
         seed: match obj.get("seed") {
             None | Some(Value::Null) => None,
             // llama-server's -1: a new seed.
@@ -607,6 +612,65 @@ fn completion(
         logprobs: logprobs(obj)?,
         tools: None,
     })
+}
+
+/// Most `logit_bias` entries a request may give.
+pub const MAX_LOGIT_BIAS: usize = 4096;
+
+/// `logit_bias`: OpenAI's `{"token id": bias}` or llama-server's `[[id,
+/// bias], ...]`, a bias of `false` banning the token (ids are checked
+/// against the vocabulary by the engine).
+fn logit_bias(obj: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let entries: Vec<(Value, &Value)> = match obj.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m.iter().map(|(k, v)| (json!(k), v)).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|e| match e.as_array().map(Vec::as_slice) {
+                Some([id, bias]) => Ok((id.clone(), bias)),
+                _ => Err(ApiError::bad(
+                    "'logit_bias' entries must be [token id, bias]",
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'logit_bias' must be an object of token ids or an array of [token id, bias]",
+            ))
+        }
+    };
+    if entries.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad(format!(
+            "more than {MAX_LOGIT_BIAS} 'logit_bias' entries"
+        )));
+    }
+    entries
+        .into_iter()
+        .map(|(id, bias)| {
+            let id = match &id {
+                Value::Number(n) => n.as_u64(),
+                Value::String(s) => s.parse().ok(),
+                _ => None,
+            }
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or_else(|| {
+                ApiError::bad(format!(
+                    "'logit_bias': {id} is not a token id (biases by text are not supported: see /tokenize)"
+                ))
+            })?;
+            let bias = match bias {
+                Value::Bool(false) => f32::NEG_INFINITY,
+                v => v
+                    .as_f64()
+                    .map(|b| b as f32)
+                    .filter(|b| b.is_finite())
+                    .ok_or_else(|| {
+                        ApiError::bad(format!("'logit_bias': token {id}'s bias must be a number or false"))
+                    })?,
+            };
+            Ok((id, bias))
+        })
+        .collect()
 }
 
 /// How many most likely tokens' log probabilities a request asks for at
@@ -850,6 +914,28 @@ mod tests {
         assert!(base64("a").is_err());
         assert!(base64("aGk=aGk=").is_err());
         assert!(base64("a*Gk").is_err());
+    }
+
+    #[test]
+    fn logit_biases_are_read_in_both_shapes() {
+        let text = |extra: &str| text_request(format!("{{\"prompt\":\"x\"{extra}}}").as_bytes());
+        let bias = |extra: &str| text(extra).unwrap().sampling.logit_bias;
+        assert_eq!(bias(""), []);
+        assert_eq!(
+            bias(",\"logit_bias\":{\"15\":2.5,\"3\":-100}"),
+            [(15, 2.5), (3, -100.0)]
+        );
+        assert_eq!(
+            bias(",\"logit_bias\":[[7,false],[8,1]]"),
+            [(7, f32::NEG_INFINITY), (8, 1.0)]
+        );
+        let err = |extra: &str| text(extra).unwrap_err().message;
+        assert!(err(",\"logit_bias\":{\"hello\":1}").contains("not a token id"));
+        assert!(err(",\"logit_bias\":[[\"hello\",1]]").contains("not a token id"));
+        assert!(err(",\"logit_bias\":{\"1\":\"x\"}").contains("a number or false"));
+        assert!(err(",\"logit_bias\":[[1]]").contains("[token id, bias]"));
+        assert!(err(",\"logit_bias\":3").contains("must be"));
+        assert!(err(",\"logit_bias\":{\"99999999999\":1}").contains("not a token id"));
     }
 
     #[test]

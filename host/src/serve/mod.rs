@@ -48,7 +48,7 @@ use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
 use api::{ApiError, Completion, Prompt};
 use reasoning::{Channel, Splitter};
-use tools::ToolCall;
+use tools::{ToolCall, ToolChoice};
 
 /// How long a connection may sit idle between requests (or mid-request).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -252,12 +252,37 @@ impl<'m> Engine<'m> {
         }
         let tokenizer = self.tokenizer;
         let mut sampler = sampler(c);
+        let n_vocab = self.model.hp.n_vocab;
+        for &(id, bias) in &c.sampling.logit_bias {
+            if id as usize >= n_vocab {
+                return Err(ApiError::bad(format!(
+                    "'logit_bias': token {id} is outside the vocabulary ({n_vocab} tokens)"
+                )));
+            }
+            if bias == f32::NEG_INFINITY {
+                sampler.ban([id]);
+            } else {
+                sampler.bias(id, bias);
+            }
+        }
         if let Some(g) = &c.grammar {
             let g = Grammar::parse(g).map_err(|e| ApiError::bad(format!("the grammar: {e}")))?;
             sampler.constrain(
                 TokenGrammar::new(g, tokenizer)
                     .map_err(|e| ApiError::bad(format!("the grammar: {e}")))?,
             );
+        }
+        if let Some(t) = c.tools.as_ref().filter(|t| t.choice == ToolChoice::Auto) {
+            if c.grammar.is_none() {
+                // Free until the model opens a call, which then follows the tools.
+                let g = Grammar::parse(&t.calls()?)
+                    .map_err(|e| ApiError::bad(format!("the tools' grammar: {e}")))?;
+                sampler.constrain_from(
+                    TokenGrammar::new(g, tokenizer)
+                        .map_err(|e| ApiError::bad(format!("the tools' grammar: {e}")))?,
+                    tools::OPEN,
+                );
+            }
         }
         let items = prompt.tokens();
         // As llama.cpp: the prompt's tokens count for the repeat penalty.
@@ -305,6 +330,10 @@ impl<'m> Engine<'m> {
         let mut probs = Vec::new();
         let mut starts = Vec::new();
         let mut passed = 0;
+        // Bytes of the reply's text passed on as pieces; with tools, none
+        // from the first call on (the calls come whole at the end).
+        let mut sent_to = 0;
+        let with_tools = c.tools.is_some();
         let stats = generate_from(
             &mut self.session,
             &mut self.mv,
@@ -345,12 +374,13 @@ impl<'m> Engine<'m> {
                         to => marks.set(reply.text.len(), to),
                     }
                 }
-                let from = reply.written();
                 let control = reply.take(t, None);
-                // What the reply passed on is its text's next bytes, with the
-                // tokens whose text starts before its end.
-                let upto = starts.partition_point(|&s| s < reply.written());
-                for (to, r) in marks.split(from..reply.written()) {
+                // What the reply passed on is its text's next bytes (short of
+                // what may be a tool call), with the tokens whose text starts
+                // before their end.
+                let end = passable(&reply, with_tools);
+                let upto = starts.partition_point(|&s| s < end);
+                for (to, r) in marks.split(sent_to..end) {
                     let with = probs[passed..upto].to_vec();
                     passed = upto;
                     if !delta(to, &reply.text[r], with) {
@@ -358,18 +388,23 @@ impl<'m> Engine<'m> {
                         return Control::Stop;
                     }
                 }
+                sent_to = sent_to.max(end);
                 control
             },
         )
         .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
-        let from = reply.written();
         reply.finish().map_err(|e| server_error(e.to_string()))?;
         if reply.stopped.is_some() {
             // The tokens of the stop string (and after) are not the reply's.
             probs.truncate(starts.partition_point(|&s| s < reply.text.len()));
         }
         if !gone {
-            for (to, r) in marks.split(from..reply.text.len()) {
+            let end = if with_tools {
+                tools::before_calls(&reply.text)
+            } else {
+                reply.text.len()
+            };
+            for (to, r) in marks.split(sent_to.min(end)..end) {
                 let with = probs[passed.min(probs.len())..].to_vec();
                 passed = probs.len();
                 delta(to, &reply.text[r], with);
@@ -449,6 +484,17 @@ impl Marks {
             at = end;
         }
         out
+    }
+}
+
+/// How much of `reply`'s text may be passed on: what it wrote, short of a
+/// tool call or what may start one where the request gave tools.
+fn passable(reply: &Reply<'_>, with_tools: bool) -> usize {
+    let written = reply.written();
+    if with_tools {
+        written.min(tools::streamable(&reply.text))
+    } else {
+        written
     }
 }
 
@@ -555,9 +601,7 @@ struct About<'a> {
 fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
     for job in queue {
         let events = &job.events;
-        // With tools, the reply is read whole for its calls: a stream gets it
-        // at the end.
-        let streaming = job.completion.stream && job.completion.tools.is_none();
+        let streaming = job.completion.stream;
         let result = engine.complete(
             &job.completion,
             || {
@@ -794,8 +838,6 @@ fn complete(
 ) -> std::io::Result<bool> {
     let (events, answers) = channel();
     let stream = c.stream;
-    // With tools, the engine sends no pieces: the reply comes at the end.
-    let whole_at_end = c.tools.is_some();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         completion: c,
@@ -856,25 +898,12 @@ fn complete(
                     .logprobs
                     .as_deref()
                     .map_or(&[][..], |p| &p[sent.min(p.len())..]);
-                if whole_at_end {
-                    let mut pieces = Vec::new();
-                    for (to, text) in [
-                        (Channel::Reasoning, &f.reasoning),
-                        (Channel::Content, &f.text),
-                    ] {
-                        if !text.is_empty() {
-                            pieces.push(shape.chunk(Some((to, text)), None, &[]));
-                        }
-                    }
-                    if !f.tool_calls.is_empty() {
-                        let mut calls = shape.chunk(None, None, &[]);
-                        calls["choices"][0]["delta"] =
-                            json!({ "tool_calls": shape.tool_calls(&f.tool_calls, true) });
-                        pieces.push(calls);
-                    }
-                    for p in pieces {
-                        http::write_event(out, &p.to_string())?;
-                    }
+                if !f.tool_calls.is_empty() {
+                    // The calls, whole, in a delta of their own.
+                    let mut calls = shape.chunk(None, None, &[]);
+                    calls["choices"][0]["delta"] =
+                        json!({ "tool_calls": shape.tool_calls(&f.tool_calls, true) });
+                    http::write_event(out, &calls.to_string())?;
                 }
                 let mut last = shape.chunk(None, Some(&f), rest);
                 last["usage"] = usage(&f);

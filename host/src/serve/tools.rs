@@ -7,9 +7,9 @@
 //! `tool_choice: "required"` (or a named function) constrains the reply by a
 //! grammar to one call (several with `parallel_tool_calls`) of the tools
 //! given, its arguments following their `parameters` schema; `"auto"` lets
-//! the model choose and reads whatever blocks it wrote (a block that is not
-//! a call's JSON stays in the content); `"none"` renders no tools and reads
-//! no calls.
+//! the model choose, and from the first `<tool_call>` it writes on the same
+//! grammar constrains the rest (llama.cpp's lazy grammar); `"none"` renders
+//! no tools and reads no calls.
 
 use serde_json::{json, Map, Value};
 
@@ -148,15 +148,27 @@ impl Tools {
         }))
     }
 
-    /// The grammar a reply must follow: for a required or named call, the
-    /// call blocks (one, or one or more with `parallel`), each call's
-    /// arguments following its function's `parameters`; `None` for `auto`.
+    /// The grammar a reply must follow from its start: [`calls`](Self::calls)
+    /// for a required or named call, `None` for `auto`.
     pub fn grammar(&self) -> Result<Option<String>, ApiError> {
+        match self.choice {
+            ToolChoice::Auto | ToolChoice::None => Ok(None),
+            _ => self.calls().map(Some),
+        }
+    }
+
+    /// The grammar of the calls: [`OPEN`] blocks (one, or one or more with
+    /// `parallel`) of a tool's name and arguments following its
+    /// `parameters` (the named one's only, where `tool_choice` names one).
+    /// For `auto` it constrains a reply from its first [`OPEN`] on.
+    pub fn calls(&self) -> Result<String, ApiError> {
         let wanted = |name: &str| match &self.choice {
             ToolChoice::Function(f) => f == name,
             _ => true,
         };
-        let calls: Vec<Value> = self
+        // Written out by hand: `name` before `arguments`, as the models write
+        // them (a JSON map here would sort the keys).
+        let calls: Vec<String> = self
             .list
             .iter()
             .filter_map(|t| t.get("function"))
@@ -166,20 +178,14 @@ impl Tools {
                     .get("parameters")
                     .cloned()
                     .unwrap_or_else(|| json!({"type": "object"}));
-                json!({
-                    "type": "object",
-                    "properties": {"name": {"const": f["name"]}, "arguments": params},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false,
-                })
+                format!(
+                    r#"{{"type":"object","properties":{{"name":{{"const":{}}},"arguments":{params}}},"required":["name","arguments"],"additionalProperties":false}}"#,
+                    f["name"]
+                )
             })
             .collect();
-        match self.choice {
-            ToolChoice::Auto | ToolChoice::None => return Ok(None),
-            _ => {}
-        }
-        let schema = json!({ "anyOf": calls });
-        let call = json_schema_to_gbnf(&schema.to_string())
+        let schema = format!(r#"{{"anyOf":[{}]}}"#, calls.join(","));
+        let call = json_schema_to_gbnf(&schema)
             .map_err(|e| ApiError::bad(format!("the tools' parameters: {e}")))?;
         let call = rename_rule(&call, "root", "tool-call");
         // The markers need no escapes in a GBNF literal.
@@ -189,14 +195,14 @@ impl Tools {
         } else {
             "root ::= tool-block"
         };
-        Ok(Some(format!("{root}\n{block}\n{call}")))
+        Ok(format!("{root}\n{block}\n{call}"))
     }
 }
 
 /// The reply's calls: each `<tool_call>` block whose JSON is an object with
 /// a string `name` and `arguments` (an object, or a string of JSON), and
-/// the text around them as the content (trimmed). A block that is not such
-/// a call, and all after it, stays content.
+/// the text around them as the content (trimmed; as it is without calls). A
+/// block that is not such a call, and all after it, stays content.
 pub fn read_calls(text: &str) -> (String, Vec<ToolCall>) {
     let mut calls = Vec::new();
     let mut content = String::new();
@@ -215,8 +221,30 @@ pub fn read_calls(text: &str) -> (String, Vec<ToolCall>) {
         calls.push(call);
         rest = after;
     }
+    if calls.is_empty() {
+        return (text.to_string(), calls);
+    }
     content.push_str(rest);
     (content.trim().to_string(), calls)
+}
+
+/// The text before the first call's [`OPEN`] (all of it without one).
+pub fn before_calls(text: &str) -> usize {
+    text.find(OPEN).unwrap_or(text.len())
+}
+
+/// How much of `text`, a reply as it is generated, can be no part of a
+/// call: up to the first [`OPEN`], or else all but an end that may be the
+/// start of one.
+pub fn streamable(text: &str) -> usize {
+    if let Some(at) = text.find(OPEN) {
+        return at;
+    }
+    let partial = (1..OPEN.len())
+        .rev()
+        .find(|&k| text.ends_with(&OPEN[..k]))
+        .unwrap_or(0);
+    text.len() - partial
 }
 
 /// A call's JSON: `{"name": "...", "arguments": {...} or "..."}`.
@@ -355,7 +383,18 @@ mod tests {
         // Not a call's JSON: everything from it is content.
         let text = "a <tool_call>{\"name\": 3}</tool_call> b";
         assert_eq!(read_calls(text), (text.to_string(), vec![]));
-        assert_eq!(read_calls(" plain "), ("plain".to_string(), vec![]));
+        assert_eq!(read_calls(" plain "), (" plain ".to_string(), vec![]));
+    }
+
+    #[test]
+    fn text_is_streamable_up_to_what_may_be_a_call() {
+        assert_eq!(streamable("Hello"), 5);
+        assert_eq!(streamable("Hello <tool"), 6);
+        assert_eq!(streamable("Hello <"), 6);
+        assert_eq!(streamable("a <tool_call>{\"name\""), 2);
+        assert_eq!(streamable("a <b> c"), 7);
+        assert_eq!(before_calls("x <tool_call> y"), 2);
+        assert_eq!(before_calls("x"), 1);
     }
 
     #[test]
@@ -369,6 +408,12 @@ mod tests {
             "{g}"
         );
         assert!(g.contains("get_weather") && g.contains("now"), "{g}");
+        // `name` before `arguments`, as the models write them.
+        let (name, args) = (
+            g.find("name\\\"").unwrap(),
+            g.find("arguments\\\"").unwrap(),
+        );
+        assert!(name < args, "{g}");
         let named = json!({"tool_choice": {"type": "function", "function": {"name": "now"}},
             "parallel_tool_calls": true});
         let g = tools(named).unwrap().unwrap().grammar().unwrap().unwrap();
