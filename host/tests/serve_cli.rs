@@ -593,9 +593,8 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     assert_eq!(status, 200, "{t}");
     let prompt = t["prompt"].as_str().unwrap();
     for want in [
-        // As Hugging Face's `tojson` (the keys sorted: the request's JSON is read
-        // into sorted maps).
-        "<tools>\n{\"function\": {\"description\": \"The weather in a city\", \"name\": \"get_weather\"",
+        // As Hugging Face's `tojson`, the keys in the request's order.
+        "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"The weather in a city\"",
         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}\n</tool_call>",
         "<tool_response>\n21 degrees\n</tool_response>",
     ] {
@@ -754,6 +753,20 @@ fn stop_strings_and_response_formats_shape_the_reply() {
     number["response_format"] = json!({"type": "json_schema",
         "json_schema": {"name": "n", "schema": {"type": "integer"}}});
     number["max_tokens"] = json!(8);
+    // Properties in the schema's order (as llama.cpp's converter and `les
+    // run --json-schema` keep it), not sorted.
+    let body = r#"{"messages": [{"role": "user", "content": "Hello there"}], "temperature": 0,
+        "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "o",
+        "schema": {"type": "object", "properties": {"zeta": {"const": 1}, "alpha": {"const": 2}},
+        "required": ["zeta", "alpha"]}}}}"#;
+    let (status, _, text) = server.request("POST", "/v1/chat/completions", body);
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let reply = content(&v);
+    assert!(
+        reply.find("zeta").unwrap() < reply.find("alpha").unwrap(),
+        "{reply}"
+    );
     let v = server.chat(&number);
     let text = content(&v);
     assert!(
