@@ -12,7 +12,9 @@ use forward_common::{
 use les_core::gemv::MatrixView;
 use les_core::model::config::ExpertAct;
 use les_core::model::config::HybridParams;
-use les_core::model::config::{AttnTemperature, AttnWindow, Hparams, MoeParams, SlidingWindow};
+use les_core::model::config::{
+    AttnTemperature, AttnWindow, Hparams, MoeParams, Scales, SlidingWindow,
+};
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::ExpertBiases;
 use les_core::model::forward::{
@@ -73,7 +75,18 @@ enum Flavor {
     Glm,
     /// Llama 4 ([`build_llama4`]).
     Llama4,
+    /// Granite ([`build_granite`]).
+    Granite,
 }
+
+/// The Granite variant's multipliers (Granite 3's are 12, 0.22, 1/128 and
+/// 8 or so; these move every part visibly at this size).
+const GRANITE_SCALES: Scales = Scales {
+    embedding: 3.0,
+    residual: 0.5,
+    attention: Some(0.2),
+    logit: 4.0,
+};
 
 /// The GLM variant's expert weights scale (GLM-4.5's `routed_scaling_factor`).
 const GLM_SCALE: f32 = 2.5;
@@ -142,6 +155,12 @@ fn build_llama4(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
     build_with(seed, ty, expert_ty, Flavor::Llama4)
 }
 
+/// The Granite variant of [`build`]: the embedding, the blocks' outputs and
+/// the logits scaled, the attention scores by a scale of their own.
+fn build_granite(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, Flavor::Granite)
+}
+
 fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor) -> Model {
     let oss = flavor == Flavor::Oss;
     let glm = flavor == Flavor::Glm;
@@ -172,6 +191,10 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
             weight_inputs: false,
         }),
         rope_yarn: None,
+        scales: match flavor {
+            Flavor::Granite => GRANITE_SCALES,
+            _ => Scales::NONE,
+        },
     };
     let mut hp = hp;
     if oss {
@@ -381,7 +404,7 @@ const TOKENS: [u32; 6] = [3, 17, 5, 39, 0, 22];
 
 /// The models the exactness tests run: weight and expert types, and the
 /// model family.
-const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 5] = [
+const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 6] = [
     (
         GgmlType::Q8_0,
         [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
@@ -406,6 +429,11 @@ const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 5] = [
         GgmlType::F16,
         [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_1],
         Flavor::Llama4,
+    ),
+    (
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0],
+        Flavor::Granite,
     ),
 ];
 
@@ -1003,7 +1031,11 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
     let mut vals: Vec<Vec<Vec<f32>>> = vec![Vec::new(); hp.n_layers];
     let mut out = Vec::new();
     for (pos, &t) in TOKENS.iter().enumerate() {
-        let mut h: Vec<f32> = m.embd.f32[t as usize * hp.n_embd..][..hp.n_embd].to_vec();
+        let sc = hp.scales;
+        let mut h: Vec<f32> = m.embd.f32[t as usize * hp.n_embd..][..hp.n_embd]
+            .iter()
+            .map(|v| v * sc.embedding)
+            .collect();
         for (l, ly) in m.layers.iter().enumerate() {
             let x = rms(&h, &ly.attn_norm);
             let mut q = ly.wq.apply(&x);
@@ -1058,7 +1090,8 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                             .zip(kh)
                             .map(|(a, b)| (*a * *b) as f64)
                             .sum::<f64>()
-                            / (hp.head_dim as f64).sqrt()
+                            * sc.attention
+                                .map_or(1.0 / (hp.head_dim as f64).sqrt(), f64::from)
                     })
                     .collect();
                 // A sink is one more logit in the softmax, with no value.
@@ -1079,7 +1112,7 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                 }
             }
             for (a, b) in h.iter_mut().zip(&o) {
-                *a += b;
+                *a += b * sc.residual;
             }
             let x = rms(&h, &ly.ffn_norm);
             let y = if let Some(d) = &ly.dense {
@@ -1149,10 +1182,11 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
                 y
             };
             for (a, b) in h.iter_mut().zip(&y) {
-                *a += b;
+                *a += b * sc.residual;
             }
         }
-        out.push(m.output.apply(&rms(&h, &m.out_norm)));
+        let logits = m.output.apply(&rms(&h, &m.out_norm));
+        out.push(logits.iter().map(|v| v / sc.logit).collect());
     }
     out
 }
@@ -1199,9 +1233,28 @@ fn forward_matches_plain_f32_reference() {
         build_oss(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_glm(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_llama4(5, GgmlType::F32, [GgmlType::F32; 3]),
+        build_granite(5, GgmlType::F32, [GgmlType::F32; 3]),
     ] {
         check_against_reference(&m);
     }
+}
+
+/// Each of the Granite variant's multipliers moves the logits; with them,
+/// they are the reference's.
+#[test]
+fn granite_variant_exercises_its_scales() {
+    let m = build_granite(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let want = resident(&m);
+    let moved = |f: &dyn Fn(&mut Scales)| {
+        let mut m2 = build_granite(5, GgmlType::F32, [GgmlType::F32; 3]);
+        f(&mut m2.hp.scales);
+        resident(&m2) != want
+    };
+    assert!(moved(&|s| s.embedding = 1.0));
+    assert!(moved(&|s| s.residual = 1.0));
+    assert!(moved(&|s| s.attention = None));
+    assert!(moved(&|s| s.logit = 1.0));
+    check_against_reference(&m);
 }
 
 /// The Llama 4 variant's parts each matter: without its chunks, its NoPE

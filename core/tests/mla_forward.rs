@@ -99,6 +99,7 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], q_lora: bool) -> Mod
             weight_inputs: false,
         }),
         rope_yarn: None,
+        scales: les_core::model::config::Scales::NONE,
     };
     let hy = HybridParams {
         mla: Some(MlaShape {

@@ -138,6 +138,7 @@ fn build_with(
             weight_inputs: false,
         }),
         rope_yarn: None,
+        scales: les_core::model::config::Scales::NONE,
     };
     let d = DeltaNetShape {
         grouped_values,

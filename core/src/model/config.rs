@@ -123,6 +123,43 @@ pub struct MoeParams {
     pub weight_inputs: bool,
 }
 
+/// Granite's multipliers of the embedding, the blocks' outputs, the
+/// attention scores and the logits ([`Scales::NONE`] for other models).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scales {
+    /// The input embedding (a token's row or an image's) times this.
+    pub embedding: f32,
+    /// Each block's attention (or mixer) and FFN outputs times this before
+    /// they join the residual stream.
+    pub residual: f32,
+    /// The attention scores' scale instead of `1 / sqrt(head_dim)`, if set.
+    pub attention: Option<f32>,
+    /// The logits divided by this (multiplied by its reciprocal, as
+    /// llama.cpp).
+    pub logit: f32,
+}
+
+impl Scales {
+    /// No multipliers: every model but Granite's.
+    pub const NONE: Scales = Scales {
+        embedding: 1.0,
+        residual: 1.0,
+        attention: None,
+        logit: 1.0,
+    };
+
+    /// Whether any multiplier changes something.
+    pub fn any(&self) -> bool {
+        *self != Scales::NONE
+    }
+}
+
+impl Default for Scales {
+    fn default() -> Self {
+        Scales::NONE
+    }
+}
+
 /// Everything the forward pass needs to know about a model's shape.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Hparams {
@@ -152,6 +189,8 @@ pub struct Hparams {
     pub moe: Option<MoeParams>,
     /// YaRN scaling of RoPE (gpt-oss), if any.
     pub rope_yarn: Option<Yarn>,
+    /// Granite's multipliers ([`Scales::NONE`] for other models).
+    pub scales: Scales,
 }
 
 impl Hparams {
@@ -181,6 +220,15 @@ impl Hparams {
         }
         if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
             return Err("rope_base must be finite and > 0");
+        }
+        let sc = self.scales;
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        if !(positive(sc.embedding)
+            && sc.residual.is_finite()
+            && positive(sc.logit)
+            && sc.attention.is_none_or(positive))
+        {
+            return Err("the embedding, residual, attention and logit scales must be finite (and all but the residual > 0)");
         }
         if let Some(m) = self.moe {
             if m.top_k == 0 || m.top_k > m.n_experts || m.top_k > crate::router::MAX_TOP_K {

@@ -842,6 +842,39 @@ pub(super) fn add_into(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// `dst += src * scale`, each product rounded before the sum (llama.cpp's
+/// `ggml_scale` then `ggml_add`); a plain sum at scale 1.
+pub(super) fn add_scaled_into(dst: &mut [f32], src: &[f32], scale: f32) {
+    if scale == 1.0 {
+        return add_into(dst, src);
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s * scale;
+    }
+}
+
+/// A block's output `out` into the residual stream `h`, times the model's
+/// residual scale.
+pub(super) fn add_residual(hp: &Hparams, h: &mut [f32], out: &[f32]) {
+    add_scaled_into(h, out, hp.scales.residual);
+}
+
+/// The input embedding `h` times the model's embedding scale.
+pub(super) fn scale_embedding(hp: &Hparams, h: &mut [f32]) {
+    let f = hp.scales.embedding;
+    if f != 1.0 {
+        h.iter_mut().for_each(|x| *x *= f);
+    }
+}
+
+/// The logits divided by the model's logit scale (times its reciprocal).
+pub(super) fn scale_logits(hp: &Hparams, logits: &mut [f32]) {
+    if hp.scales.logit != 1.0 {
+        let f = 1.0 / hp.scales.logit;
+        logits.iter_mut().for_each(|x| *x *= f);
+    }
+}
+
 fn norm_heads(x: &mut [f32], w: Option<&[f32]>, eps: f32) -> Result<(), &'static str> {
     if let Some(w) = w {
         if w.is_empty() || !x.len().is_multiple_of(w.len()) {
@@ -1057,6 +1090,7 @@ where
         return Err(ForwardError::Shape("logits length"));
     }
     embed(&weights.embedding(), input, s.h)?;
+    scale_embedding(hp, s.h);
     let router_cfg = router_config(hp)?;
     experts.begin_token();
     // The first layers' lookahead, from the token's embedding: their reads
@@ -1103,7 +1137,7 @@ where
                     s.ff_b,
                     s.tmp,
                 )?;
-                add_into(s.h, s.tmp);
+                add_residual(hp, s.h, s.tmp);
             }
             Ffn::Moe {
                 router,
@@ -1139,6 +1173,7 @@ where
     }
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
+    scale_logits(hp, logits);
     Ok(())
 }
 
@@ -1286,7 +1321,13 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
             &s.expert_out[i * e..(i + 1) * e],
         )
     });
-    combine(s.moe, picks, shared.is_some().then_some(&*s.tmp), s.h);
+    combine(
+        s.moe,
+        picks,
+        shared.is_some().then_some(&*s.tmp),
+        hp.scales.residual,
+        s.h,
+    );
     Ok(())
 }
 
@@ -1422,7 +1463,7 @@ pub(super) fn mix<M: MatVec, E>(
             *lin_idx += 1;
         }
     }
-    add_into(s.h, s.tmp);
+    add_residual(hp, s.h, s.tmp);
     Ok(())
 }
 
@@ -1507,6 +1548,7 @@ pub(super) fn combine<'o>(
     moe: &mut [f32],
     picks: impl Iterator<Item = (f32, &'o [f32])>,
     shared: Option<&[f32]>,
+    residual: f32,
     h: &mut [f32],
 ) {
     moe.fill(0.0);
@@ -1518,7 +1560,7 @@ pub(super) fn combine<'o>(
     if let Some(sh) = shared {
         add_into(moe, sh);
     }
-    add_into(h, moe);
+    add_scaled_into(h, moe, residual);
 }
 
 /// Scales a shared expert's output by its gate, `sigmoid(logit)`.
@@ -1787,6 +1829,12 @@ pub(super) fn project_position<E>(
     if aw.norm_after_rope {
         norm_heads(s.q, aw.q_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
         norm_heads(s.k, aw.k_norm, hp.norm_eps).map_err(ForwardError::Shape)?;
+    }
+    if let Some(scale) = hp.scales.attention {
+        // The kernels scale the scores by 1 / sqrt(head_dim): the query
+        // carries the rest.
+        let f = scale * libm::sqrtf(hp.head_dim as f32);
+        s.q.iter_mut().for_each(|q| *q *= f);
     }
     kv.store(cache_layer, pos, s.k, s.v);
     Ok(())

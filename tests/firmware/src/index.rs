@@ -274,6 +274,7 @@ impl<'a, const L: usize> Index<'a, L> {
             norm_eps,
             moe,
             rope_yarn: None,
+            scales: les_core::model::config::Scales::NONE,
         };
         hp.validate()?;
         let embedding = c.tensor(model_len)?;

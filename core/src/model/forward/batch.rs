@@ -19,11 +19,11 @@
 
 use super::deltanet::DeltaNetWeights;
 use super::{
-    add_bias, add_into, attended, cached, combine, deltanet_state, deltanet_step, embed,
-    expert_tail, gate_shared, lookahead_matrix, next_step, output_gate, project_position,
-    router_config, swiglu_ffn_checked, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn,
-    ForwardError, Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch,
-    SharedExpert, Step, TokenInput, Weights,
+    add_bias, add_into, add_residual, attended, cached, combine, deltanet_state, deltanet_step,
+    embed, expert_tail, gate_shared, lookahead_matrix, next_step, output_gate, project_position,
+    router_config, scale_embedding, scale_logits, swiglu_ffn_checked, AttentionWeights,
+    ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer,
+    MoeFfn, RecurrentState, Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
@@ -269,6 +269,7 @@ where
     let emb = weights.embedding();
     for (input, h) in inputs.iter().zip(b.h.chunks_exact_mut(e)) {
         embed(&emb, *input, h)?;
+        scale_embedding(hp, h);
     }
     let router_cfg = router_config(hp)?;
     for _ in 0..n {
@@ -322,7 +323,7 @@ where
                 let (x, out) = (&b.x[..n * e], &mut b.go[..n * e]);
                 swiglu_ffn_batch(mv, &m, ExpertTail::PLAIN, x, b.ga, b.gb, out)?;
                 for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
-                    add_into(h, o);
+                    add_residual(hp, h, o);
                 }
             }
             Ffn::Moe {
@@ -389,7 +390,7 @@ where
                             )
                         });
                     let sh = shared.is_some().then(|| &b.shared[j * e..][..e]);
-                    combine(s.moe, picks, sh, &mut b.h[j * e..][..e]);
+                    combine(s.moe, picks, sh, hp.scales.residual, &mut b.h[j * e..][..e]);
                 }
             }
         }
@@ -404,6 +405,7 @@ where
         rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
         mv.matvec(&weights.output(), s.x, logits)?;
     }
+    scale_logits(hp, logits);
     Ok(())
 }
 
@@ -447,7 +449,7 @@ fn mla_batch<M: MatVec, E>(
         for (i, h) in b.h.chunks_exact_mut(e).take(n).enumerate() {
             rms_norm(h, attn_norm, hp.norm_eps, s.x);
             super::mla::mla_layer(hp, hy, w, mv, s, kv, cache_layer, pos + i)?;
-            add_into(h, s.tmp);
+            add_residual(hp, h, s.tmp);
         }
         return Ok(());
     }
@@ -513,7 +515,7 @@ fn mla_batch<M: MatVec, E>(
     let out = &mut b.go[..n * e];
     mv.matmul(&w.wo, o, out)?;
     for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
-        add_into(h, o);
+        add_residual(hp, h, o);
     }
     Ok(())
 }
@@ -610,7 +612,7 @@ fn attention_batch<M: MatVec, E>(
     mv.matmul(&aw.wo, &b.aatt[..n * q_dim], out)?;
     for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact_mut(e)) {
         add_bias(o, aw.bo).map_err(ForwardError::Shape)?;
-        add_into(h, o);
+        add_residual(hp, h, o);
     }
     Ok(())
 }
@@ -658,7 +660,7 @@ fn deltanet_batch<M: MatVec, E>(
     let out = &mut b.go[..n * e];
     mv.matmul(&dw.out, &b.dout[..n * lo], out)?;
     for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
-        add_into(h, o);
+        add_residual(hp, h, o);
     }
     Ok(())
 }

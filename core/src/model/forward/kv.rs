@@ -404,6 +404,7 @@ mod tests {
             norm_eps: 1e-6,
             moe: None,
             rope_yarn: None,
+            scales: crate::model::config::Scales::NONE,
         }
     }
 
