@@ -215,6 +215,13 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
         }
     }
     w.usize(model.max_expert_bytes())?;
+    if hp.scales.any() {
+        return Err(McuIndexError(
+            "the firmware does not run Granite's multipliers (embedding, residual, \
+             attention and logit scales)"
+                .into(),
+        ));
+    }
 
     w.matrix(&model.embedding())?;
     w.matrix(&model.output())?;

@@ -13,7 +13,7 @@ use std::path::Path;
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
     AttnTemperature, AttnWindow, DeltaNetShape, ExpertAct, Hparams, HybridParams, MlaShape,
-    MoeParams, SlidingWindow,
+    MoeParams, Scales, SlidingWindow,
 };
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
@@ -137,11 +137,18 @@ pub enum Arch {
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
     /// expert groups), ungated shared experts.
     Deepseek2,
+    /// IBM Granite 3.x (dense): Llama's layers with Granite's multipliers of
+    /// the embedding, the blocks' outputs, the attention scores and the logits.
+    Granite,
+    /// IBM Granite 3.x MoE (1B-A400M, 3B-A800M; shared experts where
+    /// `expert_shared_feed_forward_length` says): [`Granite`](Arch::Granite)'s
+    /// layers with routed experts, a softmax renormalised over the picks.
+    GraniteMoe,
 }
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 18] = [
+    pub const ALL: [Arch; 20] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -160,6 +167,8 @@ impl Arch {
         Arch::Llama4,
         Arch::Qwen3VlMoe,
         Arch::Qwen3Vl,
+        Arch::Granite,
+        Arch::GraniteMoe,
     ];
 
     /// From `general.architecture`.
@@ -188,6 +197,8 @@ impl Arch {
             Arch::Llama4 => "llama4",
             Arch::Qwen3VlMoe => "qwen3vlmoe",
             Arch::Qwen3Vl => "qwen3vl",
+            Arch::Granite => "granite",
+            Arch::GraniteMoe => "granitemoe",
         }
     }
 
@@ -201,9 +212,13 @@ impl Arch {
 
     fn rope_style(self) -> RopeStyle {
         match self {
-            Arch::Llama | Arch::Llama4 | Arch::Deepseek2 | Arch::Ernie45Moe | Arch::Ernie45 => {
-                RopeStyle::Normal
-            }
+            Arch::Llama
+            | Arch::Llama4
+            | Arch::Deepseek2
+            | Arch::Ernie45Moe
+            | Arch::Ernie45
+            | Arch::Granite
+            | Arch::GraniteMoe => RopeStyle::Normal,
             _ => RopeStyle::Neox,
         }
     }
@@ -586,6 +601,46 @@ impl Llama4Attention {
     fn unit_norm(&self, layer: usize, head_dim: usize) -> Option<Vec<f32>> {
         (self.kq_norm && self.nope(layer).is_none()).then(|| vec![1.0; head_dim])
     }
+}
+
+/// Granite's multipliers, read as llama.cpp reads them: `logit_scale`
+/// required, `residual_scale`, `embedding_scale` and `attention.scale`
+/// optional, a 0 meaning none (the logits' must not be 0: they are divided
+/// by it). Granite Vision's deepstack inputs and Granite's switch for
+/// RoPE (`rope.scaling.finetuned` false: no RoPE) are refused by name.
+fn granite_scales(g: &Gguf, a: &str) -> Result<Scales, ModelError> {
+    let k = |s: &str| format!("{a}.{s}");
+    let scale = |key: &str| -> Result<Option<f32>, ModelError> {
+        match g.get_f32(&k(key)).optional()? {
+            None => Ok(None),
+            Some(0.0) => Ok(None),
+            Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+            Some(x) => Err(invalid(format!(
+                "{a}.{key} = {x} must be a positive number"
+            ))),
+        }
+    };
+    let logit = scale("logit_scale")?.ok_or_else(|| {
+        invalid(format!(
+            "{a}.logit_scale must be given and positive (the logits are divided by it)"
+        ))
+    })?;
+    if g.get(&k("deepstack_mapping")).is_some() {
+        return Err(ModelError::Unsupported(format!(
+            "{a} with deepstack inputs ({a}.deepstack_mapping: Granite Vision)"
+        )));
+    }
+    if g.get_bool(&k("rope.scaling.finetuned")).optional()? == Some(false) {
+        return Err(ModelError::Unsupported(format!(
+            "{a} without RoPE ({a}.rope.scaling.finetuned = false)"
+        )));
+    }
+    Ok(Scales {
+        embedding: scale("embedding_scale")?.unwrap_or(1.0),
+        residual: scale("residual_scale")?.unwrap_or(1.0),
+        attention: scale("attention.scale")?,
+        logit,
+    })
 }
 
 fn llama4_attention(
@@ -1085,9 +1140,9 @@ impl Model {
         let moe = if n_experts > 0 {
             let top_k = key_usize(&g, &k("expert_used_count"))?;
             let n_ff_exp = match arch {
-                // llama.cpp's minimax-m2 and hunyuan-moe loaders size their
-                // experts by `n_ff`.
-                Arch::MinimaxM2 | Arch::HunyuanMoe => n_ff,
+                // llama.cpp's minimax-m2, hunyuan-moe and granitemoe loaders
+                // size their experts by `n_ff`.
+                Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::GraniteMoe => n_ff,
                 // llama.cpp's qwen3vlmoe: without the key, n_ff over the picks.
                 Arch::Qwen3VlMoe => {
                     uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
@@ -1116,6 +1171,7 @@ impl Model {
                     | Arch::Ernie45Moe
                     | Arch::HunyuanMoe
                     | Arch::Qwen3VlMoe
+                    | Arch::GraniteMoe
             ) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
@@ -1254,6 +1310,10 @@ impl Model {
         } else {
             (None, n_head_kv, head_dim, rope_yarn)
         };
+        let scales = match arch {
+            Arch::Granite | Arch::GraniteMoe => granite_scales(&g, a)?,
+            _ => Scales::NONE,
+        };
         let hp = Hparams {
             n_layers,
             n_embd,
@@ -1268,6 +1328,7 @@ impl Model {
             norm_eps,
             moe,
             rope_yarn,
+            scales,
         };
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
         let (hybrid, recurrent) = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
@@ -1525,7 +1586,9 @@ impl Model {
         // Llama 3.1's RoPE scaling, as llama.cpp's llama loader reads it (its
         // other loaders here ignore the tensor).
         let rope_freqs = match arch {
-            Arch::Llama | Arch::Llama4 => optional_vector(&g, "rope_freqs.weight", hp.n_rot / 2)?,
+            Arch::Llama | Arch::Llama4 | Arch::Granite | Arch::GraniteMoe => {
+                optional_vector(&g, "rope_freqs.weight", hp.n_rot / 2)?
+            }
             _ => None,
         };
         let embedding = tensor_ref(&g, "token_embd.weight", n_vocab, n_embd)?;
@@ -1999,14 +2062,14 @@ mod tests {
         use crate::gguf::{GgufWriter, MetaValue};
         let path = std::env::temp_dir().join(format!("les-arch-{}.gguf", std::process::id()));
         let mut w = GgufWriter::new();
-        w.add_kv("general.architecture", MetaValue::from("granitemoe"))
+        w.add_kv("general.architecture", MetaValue::from("granitehybrid"))
             .unwrap();
         let file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
         w.write_header(file).unwrap().finish().unwrap();
         let err = super::Model::open(&path).unwrap_err().to_string();
         let _ = std::fs::remove_file(&path);
         assert!(
-            err.contains("unsupported architecture: granitemoe"),
+            err.contains("unsupported architecture: granitehybrid"),
             "{err}"
         );
         for a in Arch::ALL {
@@ -2040,7 +2103,9 @@ mod tests {
                 | Arch::HunyuanMoe
                 | Arch::Llama4
                 | Arch::Qwen3VlMoe
-                | Arch::Qwen3Vl => {}
+                | Arch::Qwen3Vl
+                | Arch::Granite
+                | Arch::GraniteMoe => {}
             }
         }
     }

@@ -152,7 +152,20 @@ pub enum Arch {
     /// attention rotated by IMRoPE sections, dense SwiGLU layers.
     #[value(name = "qwen3vl")]
     Qwen3vl,
+    /// IBM Granite 3.x, dense (llama.cpp's `granite`): Llama's layers with
+    /// Granite's multipliers ([`GRANITE_SCALES`]).
+    Granite,
+    /// IBM Granite 3.x MoE (llama.cpp's `granitemoe`): Granite's layers with
+    /// softmax-routed experts, renormalised, and an ungated shared expert
+    /// (`expert_shared_feed_forward_length`, as Granite's shared-expert MoEs).
+    Granitemoe,
 }
+
+/// The Granite presets' multipliers of the embedding, the blocks' outputs,
+/// the attention scores and the logits (granite-3.0-1b-a400m's
+/// `embedding_multiplier`, `residual_multiplier`, `attention_multiplier`
+/// and `logits_scaling`).
+pub const GRANITE_SCALES: [f32; 4] = [12.0, 0.22, 0.015625, 6.0];
 
 impl Arch {
     /// `general.architecture`.
@@ -175,6 +188,8 @@ impl Arch {
             Arch::Llama4 => "llama4",
             Arch::Qwen3vlmoe => "qwen3vlmoe",
             Arch::Qwen3vl => "qwen3vl",
+            Arch::Granite => "granite",
+            Arch::Granitemoe => "granitemoe",
         }
     }
 
@@ -204,6 +219,8 @@ impl Arch {
                 | Arch::Llama4
                 | Arch::Qwen3vlmoe
                 | Arch::Qwen3vl
+                | Arch::Granite
+                | Arch::Granitemoe
         )
     }
 
@@ -223,6 +240,7 @@ impl Arch {
                 | Arch::MinimaxM2
                 | Arch::Dots1
                 | Arch::HunyuanMoe
+                | Arch::Granitemoe
         )
     }
 
@@ -240,6 +258,7 @@ impl Arch {
                 | Arch::Dots1
                 | Arch::HunyuanMoe
                 | Arch::Llama4
+                | Arch::Granitemoe
         )
     }
 
@@ -920,11 +939,14 @@ impl SynthConfig {
                 ));
             }
         }
-        if matches!(arch, Arch::Llama | Arch::Qwen3vl) && o.experts.is_none() {
+        if matches!(arch, Arch::Llama | Arch::Qwen3vl | Arch::Granite) && o.experts.is_none() {
             s.experts = 0;
         }
         if arch == Arch::Qwen3vl && s.experts > 0 {
             return config_err("qwen3vl is dense: its MoE is qwen3vlmoe");
+        }
+        if arch == Arch::Granite && s.experts > 0 {
+            return config_err("granite is dense: its MoE is granitemoe");
         }
         if !arch.has_shared_expert() {
             if o.shared_ff.is_some() {
@@ -934,7 +956,7 @@ impl SynthConfig {
             }
             s.shared_ff = 0;
         }
-        if s.experts == 0 && !matches!(arch, Arch::Llama | Arch::Qwen3vl) {
+        if s.experts == 0 && !matches!(arch, Arch::Llama | Arch::Qwen3vl | Arch::Granite) {
             return config_err(format!("{name} needs at least one expert"));
         }
         if s.experts > 0 && o.top_k.is_none() {
@@ -1408,8 +1430,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
                 selection_bias(cfg, l, &mut add);
             }
             match cfg.arch {
-                // Hunyuan-A13B's shared expert has no gate.
-                Arch::HunyuanMoe => swiglu_ffn(cfg, l, &mut add, s.shared_ff, "_shexp"),
+                // Hunyuan-A13B's and Granite's shared experts have no gate.
+                Arch::HunyuanMoe | Arch::Granitemoe => {
+                    swiglu_ffn(cfg, l, &mut add, s.shared_ff, "_shexp")
+                }
                 _ if s.shared_ff > 0 => shared_expert(cfg, l, &mut add),
                 _ => {}
             }
@@ -1951,9 +1975,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     kv(format!("{a}.context_length"), u32v(s.context));
     kv(format!("{a}.embedding_length"), u32v(s.embd));
     let ff = match cfg.arch {
-        // OLMoE, MiniMax-M2, Hunyuan and Mixtral size their experts with
-        // feed_forward_length.
-        Arch::Olmoe | Arch::MinimaxM2 | Arch::HunyuanMoe => s.expert_ff,
+        // OLMoE, MiniMax-M2, Hunyuan, Granite MoE and Mixtral size their
+        // experts with feed_forward_length.
+        Arch::Olmoe | Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::Granitemoe => s.expert_ff,
         Arch::Llama | Arch::Mixtral if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
@@ -1973,8 +1997,18 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             kv(format!("{a}.attention.value_length"), u32v(s.head_dim));
         }
     }
-    if matches!(cfg.arch, Arch::Llama | Arch::Mixtral | Arch::Llama4) {
+    if matches!(
+        cfg.arch,
+        Arch::Llama | Arch::Mixtral | Arch::Llama4 | Arch::Granite | Arch::Granitemoe
+    ) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
+    }
+    if matches!(cfg.arch, Arch::Granite | Arch::Granitemoe) {
+        let [embedding, residual, attention, logit] = GRANITE_SCALES;
+        kv(format!("{a}.embedding_scale"), MetaValue::F32(embedding));
+        kv(format!("{a}.residual_scale"), MetaValue::F32(residual));
+        kv(format!("{a}.attention.scale"), MetaValue::F32(attention));
+        kv(format!("{a}.logit_scale"), MetaValue::F32(logit));
     }
     if matches!(cfg.arch, Arch::Qwen3vlmoe | Arch::Qwen3vl) {
         // As llama.cpp's converter writes Qwen3-VL's language model: IMRoPE
@@ -2169,6 +2203,8 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             ("tokenizer.ggml.pre", Arch::HunyuanMoe) => "hunyuan".into(),
             // Llama 4's (llama.cpp: the o200k pattern, as gpt-4o's).
             ("tokenizer.ggml.pre", Arch::Llama4) => "llama4".into(),
+            // Granite 3's (llama.cpp: each digit alone, then GPT-2's).
+            ("tokenizer.ggml.pre", Arch::Granite | Arch::Granitemoe) => "refact".into(),
             _ => v,
         };
         m.push((key.to_string(), v));
@@ -2387,6 +2423,8 @@ mod tests {
             Arch::Llama4,
             Arch::Qwen3vlmoe,
             Arch::Qwen3vl,
+            Arch::Granite,
+            Arch::Granitemoe,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
