@@ -846,6 +846,70 @@ fn chat_template_wraps_the_prompt() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--chat"));
 }
 
+/// `--chat-template-file` replaces the model's template, and
+/// `--chat-template-kwargs` are variables it sees: the prompt is the text the
+/// file renders, evaluated as a plain prompt of that text would be.
+#[test]
+fn chat_template_file_and_kwargs_replace_and_feed_the_template() {
+    let m = model("qwen3moe");
+    let file = tmp("run_cli_template.jinja");
+    std::fs::write(
+        &file,
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}\
+         {% if enable_thinking is defined and not enable_thinking %}(no thinking)\n{% endif %}\
+         [assistant] ",
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    let prompt_of = |extra: &[&str]| -> Value {
+        let mut args = vec!["--temp", "0", "-n", "1"];
+        args.extend_from_slice(extra);
+        json_run(&m, &args)["prompt_tokens"].clone()
+    };
+    let want = |text: &str| {
+        let out = les()
+            .args(["run", "--json", "-n", "1", "--temp", "0", "-m"])
+            .arg(&m)
+            .args(["-p", text])
+            .output()
+            .unwrap();
+        json_ok(out, "plain prompt")["prompt_tokens"].clone()
+    };
+    assert_eq!(
+        prompt_of(&["--chat", "--chat-template-file", file]),
+        want("[user] The quick brown fox\n[assistant] ")
+    );
+    assert_eq!(
+        prompt_of(&[
+            "--chat",
+            "--chat-template-file",
+            file,
+            "--chat-template-kwargs",
+            r#"{"enable_thinking": false}"#,
+        ]),
+        want("[user] The quick brown fox\n(no thinking)\n[assistant] ")
+    );
+    // Bad overrides are named; they need --chat.
+    let err = |extra: &[&str]| {
+        let out = run(&m, extra);
+        assert!(!out.status.success(), "{extra:?}");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    assert!(err(&["--chat", "--chat-template-kwargs", "[1]"]).contains("JSON object"));
+    assert!(err(&["--chat", "--chat-template-kwargs", "{"]).contains("not JSON"));
+    assert!(
+        err(&["--chat", "--chat-template-file", "/nonexistent.jinja"])
+            .contains("/nonexistent.jinja")
+    );
+    let broken = tmp("run_cli_broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}").unwrap();
+    assert!(
+        err(&["--chat", "--chat-template-file", broken.to_str().unwrap()])
+            .contains("does not parse")
+    );
+    assert!(err(&["--chat-template-file", file]).contains("--chat"));
+}
+
 #[test]
 fn generation_stops_when_the_context_is_full() {
     let m = model("qwen3moe");

@@ -733,6 +733,56 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     assert_eq!(status, 400, "{v}");
 }
 
+/// `--chat-template-file` and `--chat-template-kwargs` shape every chat
+/// prompt; a request's `chat_template_kwargs` go over the server's.
+#[test]
+fn chat_template_overrides_and_kwargs() {
+    let file = tmp("serve_template.jinja");
+    std::fs::write(
+        &file,
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}\
+         {% if not enable_thinking %}(no thinking)\n{% endif %}[assistant] ",
+    )
+    .unwrap();
+    let server = Server::start(
+        &model(),
+        &[
+            "--chat-template-file",
+            file.to_str().unwrap(),
+            "--chat-template-kwargs",
+            r#"{"enable_thinking": false}"#,
+        ],
+    );
+    let prompt = |extra: Value| {
+        let mut body = json!({"messages": [user("Hi")]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = server.post("/apply-template", &body);
+        assert_eq!(status, 200, "{v}");
+        v["prompt"].as_str().unwrap().to_string()
+    };
+    assert_eq!(prompt(json!({})), "[user] Hi\n(no thinking)\n[assistant] ");
+    let thinking = json!({"chat_template_kwargs": {"enable_thinking": true}});
+    assert_eq!(prompt(thinking.clone()), "[user] Hi\n[assistant] ");
+    // A completion evaluates that prompt: as /v1/completions of its text.
+    let mut chat = json!({"messages": [user("Hi")], "temperature": 0, "max_tokens": 6});
+    chat["chat_template_kwargs"] = thinking["chat_template_kwargs"].clone();
+    let v = server.chat(&chat);
+    assert_eq!(v["usage"]["prompt_tokens"], {
+        let (_, t) = server.post(
+            "/tokenize",
+            &json!({"content": "[user] Hi\n[assistant] ", "add_special": true}),
+        );
+        t["tokens"].as_array().unwrap().len()
+    });
+    let (status, v) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [user("Hi")], "chat_template_kwargs": 3}),
+    );
+    assert_eq!(status, 400, "{v}");
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

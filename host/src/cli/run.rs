@@ -175,6 +175,9 @@ pub struct RunArgs {
         requires = "chat_mode"
     )]
     pub system_prompt: Option<String>,
+    /// Chat template overrides (with --chat or --conversation).
+    #[command(flatten)]
+    pub template: TemplateArgs,
     /// A conversation in the chat template (llama-cli's `-cnv`): the prompt,
     /// if any, is the first user message, then each line read from stdin is
     /// the next one, answered after the replies so far (kept in the KV cache:
@@ -317,6 +320,58 @@ impl NpyWriter {
     /// Flushes; the header already holds the row count.
     pub fn finish(mut self) -> std::io::Result<()> {
         self.file.flush().map_err(|e| self.named(e))
+    }
+}
+
+/// Chat template overrides (`les run`, `les serve`), as llama.cpp's.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TemplateArgs {
+    /// A Jinja chat template to use instead of the model's (llama.cpp's
+    /// `--chat-template-file`): for a file without one, or with a broken one.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
+    /// Variables for the chat template, a JSON object (llama.cpp's
+    /// `--chat-template-kwargs`), e.g. '{"enable_thinking": false}' for
+    /// Qwen3's templates.
+    #[arg(long, value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
+}
+
+impl TemplateArgs {
+    /// Whether any override is given.
+    pub fn any(&self) -> bool {
+        self.chat_template_file.is_some() || self.chat_template_kwargs.is_some()
+    }
+
+    /// Sets the overrides on `tokenizer`: every chat prompt it renders then
+    /// follows them.
+    pub fn apply(&self, tokenizer: &mut Tokenizer) -> Result<(), Box<dyn Error>> {
+        if let Some(path) = &self.chat_template_file {
+            let len = std::fs::metadata(path)
+                .map_err(|e| format!("--chat-template-file {}: {e}", path.display()))?
+                .len();
+            if len > crate::tokenizer::MAX_TEMPLATE_LEN as u64 {
+                return Err(format!(
+                    "--chat-template-file {}: {len} bytes, more than the {} a template may have",
+                    path.display(),
+                    crate::tokenizer::MAX_TEMPLATE_LEN
+                )
+                .into());
+            }
+            let source = std::fs::read_to_string(path)
+                .map_err(|e| format!("--chat-template-file {}: {e}", path.display()))?;
+            tokenizer
+                .set_chat_template(&source)
+                .map_err(|e| format!("--chat-template-file {}: {e}", path.display()))?;
+        }
+        if let Some(text) = &self.chat_template_kwargs {
+            match serde_json::from_str(text) {
+                Ok(serde_json::Value::Object(m)) => tokenizer.set_chat_template_kwargs(m),
+                Ok(_) => return Err("--chat-template-kwargs must be a JSON object".into()),
+                Err(e) => return Err(format!("--chat-template-kwargs is not JSON: {e}").into()),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -662,7 +717,15 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Some(path) => Some(NpyWriter::create(path, model.hp.n_vocab)?),
         None => None,
     };
-    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    let mut tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    if args.template.any() && !(args.chat || args.conversation) {
+        return Err(
+            "--chat-template-file and --chat-template-kwargs apply with --chat or --conversation"
+                .into(),
+        );
+    }
+    args.template.apply(&mut tokenizer)?;
+    let tokenizer = tokenizer;
     let (schedule, budget) = args.experts.resolve(&model)?;
     let clip = args
         .mmproj

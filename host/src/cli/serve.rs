@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// Speculative decoding (the answers stay the same).
     #[command(flatten)]
     pub spec: crate::draft::SpecArgs,
+    /// Chat template overrides (a request's `chat_template_kwargs` go over
+    /// --chat-template-kwargs).
+    #[command(flatten)]
+    pub template: super::run::TemplateArgs,
     /// Require this key (`Authorization: Bearer KEY`) of every request but
     /// `/health` (llama-server's --api-key); also read from `LES_API_KEY`.
     #[arg(long, value_name = "KEY")]
@@ -80,7 +84,9 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     let t0 = Instant::now();
     args.experts.check()?;
     let model = Model::open(&args.model)?;
-    let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    let mut tokenizer = Tokenizer::from_gguf(model.gguf())?;
+    args.template.apply(&mut tokenizer)?;
+    let tokenizer = tokenizer;
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let clip = args
         .mmproj

@@ -201,6 +201,9 @@ pub struct Completion {
     /// The tools the model may call (chat completions; none with
     /// `tool_choice: "none"`).
     pub tools: Option<Tools>,
+    /// `chat_template_kwargs`: variables for the chat template (such as
+    /// Qwen3's `enable_thinking`), over the server's `--chat-template-kwargs`.
+    pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -274,6 +277,11 @@ pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
     let mut c = completion(&obj, Prompt::Chat(out), images)?;
     c.reasoning = reasoning;
     c.tools = Tools::read(&obj)?;
+    c.chat_template_kwargs = match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => Some(m.clone()),
+        Some(_) => return Err(ApiError::bad("'chat_template_kwargs' must be an object")),
+    };
     if let Some(t) = &c.tools {
         if t.choice != ToolChoice::Auto {
             if c.grammar.is_some() {
@@ -362,25 +370,38 @@ pub fn detokenize(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError>
 /// `/apply-template`: `messages` through the model's chat template, as a
 /// chat completion would evaluate them (images as their markers).
 pub fn apply_template(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError> {
-    let Completion { prompt, .. } = chat_request(body)?;
+    let Completion {
+        prompt,
+        tools,
+        chat_template_kwargs,
+        ..
+    } = chat_request(body)?;
     let Prompt::Chat(messages) = prompt else {
         return Err(ApiError::bad("'messages' is required"));
     };
     let template = tokenizer
         .chat_template()
         .map_err(|e| ApiError::bad(format!("the model's chat template: {e}")))?;
-    let tools = Tools::read(&object(body)?)?;
-    Ok(json!({ "prompt": chat_text(tokenizer, &template, &messages, tools.as_ref())? }))
+    let prompt = chat_text(
+        tokenizer,
+        &template,
+        &messages,
+        tools.as_ref(),
+        chat_template_kwargs.as_ref(),
+    )?;
+    Ok(json!({ "prompt": prompt }))
 }
 
-/// `messages` (and `tools`) through `template`, ready for the assistant's
-/// reply. As llama.cpp does, a template without a system role gets the
-/// system prompt before the first user message.
+/// `messages` (and `tools`, and `kwargs` for the template) through
+/// `template`, ready for the assistant's reply. As llama.cpp does, a
+/// template without a system role gets the system prompt before the first
+/// user message.
 pub fn chat_text(
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     messages: &[Message],
     tools: Option<&Tools>,
+    kwargs: Option<&Map<String, Value>>,
 ) -> Result<String, ApiError> {
     let mut messages = messages.to_vec();
     if messages.len() > 1
@@ -391,17 +412,18 @@ pub fn chat_text(
         let system = messages.remove(0).content;
         messages[0].content = format!("{system}\n{}", messages[0].content);
     }
-    let rendered = if tools.is_some() || messages.iter().any(Message::has_tool_fields) {
-        let msgs: Vec<Value> = messages.iter().map(Message::to_json).collect();
-        let tools = tools.map(|t| t.list.as_slice());
-        tokenizer.chat_prompt_json(template, &msgs, tools, true)
-    } else {
-        let msgs: Vec<(&str, &str)> = messages
-            .iter()
-            .map(|m| (m.role.as_str(), m.content.as_str()))
-            .collect();
-        tokenizer.chat_prompt_with(template, &msgs, true)
-    };
+    let rendered =
+        if tools.is_some() || kwargs.is_some() || messages.iter().any(Message::has_tool_fields) {
+            let msgs: Vec<Value> = messages.iter().map(Message::to_json).collect();
+            let tools = tools.map(|t| t.list.as_slice());
+            tokenizer.chat_prompt_json(template, &msgs, tools, true, kwargs)
+        } else {
+            let msgs: Vec<(&str, &str)> = messages
+                .iter()
+                .map(|m| (m.role.as_str(), m.content.as_str()))
+                .collect();
+            tokenizer.chat_prompt_with(template, &msgs, true)
+        };
     rendered.map_err(|e| ApiError::bad(format!("the chat template: {e}")))
 }
 
@@ -611,6 +633,7 @@ fn completion(
         reasoning: false,
         logprobs: logprobs(obj)?,
         tools: None,
+        chat_template_kwargs: None,
     })
 }
 

@@ -125,7 +125,7 @@ impl<'m> Engine<'m> {
             (Some(t), Some(source)) => tools::hermes_template(source, |tool| {
                 let user = [serde_json::json!({"role": "user", "content": "hi"})];
                 let tools = tool.as_array().map(Vec::as_slice);
-                t.apply_json(&user, tools, true).ok()
+                t.apply_json(&user, tools, true, None).ok()
             }),
             _ => false,
         };
@@ -183,7 +183,13 @@ impl<'m> Engine<'m> {
                          Qwen 2.5/3, MiniCPM-V, Hermes)",
                     ));
                 }
-                api::chat_text(self.tokenizer, template, messages, c.tools.as_ref())?
+                api::chat_text(
+                    self.tokenizer,
+                    template,
+                    messages,
+                    c.tools.as_ref(),
+                    c.chat_template_kwargs.as_ref(),
+                )?
             }
         };
         let n_embd = self.model.hp.n_embd;

@@ -26,6 +26,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Variables every render sees (`--chat-template-kwargs`), under the
+    /// ones a render sets.
+    kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -155,7 +158,31 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
+            kwargs: serde_json::Map::new(),
         })
+    }
+
+    /// This template with `kwargs` as variables of every render
+    /// (llama.cpp's `--chat-template-kwargs`, such as Qwen3's
+    /// `enable_thinking`); a render's own variables (`messages`, `tools`,
+    /// `add_generation_prompt`) win.
+    pub fn with_kwargs(mut self, kwargs: serde_json::Map<String, serde_json::Value>) -> Self {
+        self.kwargs = kwargs;
+        self
+    }
+
+    /// `vars` over `extra` over this template's kwargs, as one context.
+    fn context(
+        &self,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+        vars: impl IntoIterator<Item = (&'static str, Value)>,
+    ) -> Value {
+        let kwargs = self.kwargs.iter().chain(extra.into_iter().flatten());
+        Value::from_pairs(
+            kwargs
+                .map(|(k, v)| (Value::from(k.as_str()), from_json(v)))
+                .chain(vars.into_iter().map(|(k, v)| (Value::from(k), v))),
+        )
     }
 
     /// Renders `messages` (role, content) in order; with `add_generation_prompt` the
@@ -169,28 +196,35 @@ impl ChatTemplate {
             .iter()
             .map(|(role, content)| context! { role => role.as_ref(), content => content.as_ref() })
             .collect();
-        self.render(context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => &self.bos_token,
-            eos_token => &self.eos_token,
-        })
+        self.render(self.context(
+            None,
+            [
+                ("messages", Value::from(messages)),
+                ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ],
+        ))
     }
 
     /// Renders `messages` given as JSON objects (`role`, `content` and what
-    /// else they carry, such as `tool_calls`), with `tools` where given.
+    /// else they carry, such as `tool_calls`), with `tools` where given and
+    /// `kwargs` over the template's own (a request's `chat_template_kwargs`).
     pub fn apply_json(
         &self,
         messages: &[serde_json::Value],
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
+        kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<String, ChatTemplateError> {
         let list = |items: &[serde_json::Value]| items.iter().map(from_json).collect::<Vec<_>>();
-        self.render(context! {
-            messages => list(messages),
-            tools => tools.map(list),
-            add_generation_prompt => add_generation_prompt,
-        })
+        let tools = tools.map_or(Value::from(()), |t| Value::from(list(t)));
+        self.render(self.context(
+            kwargs,
+            [
+                ("messages", Value::from(list(messages))),
+                ("tools", tools),
+                ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ],
+        ))
     }
 
     /// Whether a system message shows in what the template renders. Some
@@ -558,6 +592,29 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kwargs_are_variables_under_the_renders_own() {
+        let src =
+            "{% if enable_thinking is defined and not enable_thinking %}[no think]{% endif %}\
+                   {{ messages | length }}{{ extra | default('-') }}";
+        let kw = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        assert_eq!(t.apply(&[("user", "hi")], true).unwrap(), "1-");
+        let t = t.with_kwargs(kw(
+            serde_json::json!({"enable_thinking": false, "messages": []}),
+        ));
+        // The template's kwargs are seen; they cannot replace `messages`.
+        assert_eq!(t.apply(&[("user", "hi")], true).unwrap(), "[no think]1-");
+        let msgs = [serde_json::json!({"role": "user", "content": "hi"})];
+        assert_eq!(
+            t.apply_json(&msgs, None, true, None).unwrap(),
+            "[no think]1-"
+        );
+        // A render's kwargs go over the template's.
+        let over = kw(serde_json::json!({"enable_thinking": true, "extra": 7}));
+        assert_eq!(t.apply_json(&msgs, None, true, Some(&over)).unwrap(), "17");
+    }
 
     #[test]
     fn system_prompts_fold_into_the_user_message_where_the_template_has_no_system_role() {

@@ -441,6 +441,8 @@ pub struct Tokenizer {
     /// `pieces[piece_ends[id - 1]..piece_ends[id]]` is token `id`'s piece.
     piece_ends: Vec<usize>,
     chat_template: Option<String>,
+    /// Variables every chat template render sees (`--chat-template-kwargs`).
+    chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -761,6 +763,7 @@ impl Tokenizer {
             pieces,
             piece_ends,
             chat_template,
+            chat_template_kwargs: serde_json::Map::new(),
         })
     }
 
@@ -849,9 +852,24 @@ impl Tokenizer {
         &self.eog
     }
 
-    /// The model's chat template source, if it has one.
+    /// The chat template's source: the model's, or the one set in its place
+    /// ([`set_chat_template`](Self::set_chat_template)).
     pub fn chat_template_source(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+
+    /// Uses `source` as the chat template instead of the model's
+    /// (`--chat-template-file`), once it compiles.
+    pub fn set_chat_template(&mut self, source: &str) -> Result<(), ChatTemplateError> {
+        ChatTemplate::new(source, "", "")?;
+        self.chat_template = Some(source.to_string());
+        Ok(())
+    }
+
+    /// Variables every chat template render sees (`--chat-template-kwargs`,
+    /// such as Qwen3's `enable_thinking`).
+    pub fn set_chat_template_kwargs(&mut self, kwargs: serde_json::Map<String, serde_json::Value>) {
+        self.chat_template_kwargs = kwargs;
     }
 
     /// Tokenizes `text`. With `add_special`, BOS and EOS are added as the model's
@@ -1030,7 +1048,8 @@ impl Tokenizer {
             .as_deref()
             .ok_or(ChatTemplateError::Missing)?;
         let text = |id: Option<u32>| id.and_then(|id| self.token_text(id)).unwrap_or("");
-        ChatTemplate::new(source, text(self.bos), text(self.eos))
+        Ok(ChatTemplate::new(source, text(self.bos), text(self.eos))?
+            .with_kwargs(self.chat_template_kwargs.clone()))
     }
 
     /// Renders `messages` (role, content) with the model's chat template.
@@ -1076,8 +1095,9 @@ impl Tokenizer {
         messages: &[serde_json::Value],
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
+        kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<String, ChatTemplateError> {
-        let text = template.apply_json(messages, tools, add_generation_prompt)?;
+        let text = template.apply_json(messages, tools, add_generation_prompt, kwargs)?;
         Ok(self.without_added_specials(&text))
     }
 
