@@ -119,6 +119,18 @@ impl Server {
             .map(|e| e.strip_prefix("data: ").expect("a data event").to_string())
             .collect()
     }
+
+    /// `body` streamed: its chunks, parsed (`[DONE]` checked and left out).
+    fn chunks(&self, path: &str, body: &Value) -> Vec<Value> {
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let events = self.stream(path, &streamed);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect()
+    }
 }
 
 impl Drop for Server {
@@ -309,14 +321,7 @@ fn streams_add_up_to_the_whole_answer() {
     ] {
         let (status, whole) = server.post(path, &body);
         assert_eq!(status, 200);
-        let mut streamed = body.clone();
-        streamed["stream"] = json!(true);
-        let events = server.stream(path, &streamed);
-        assert_eq!(events.last().unwrap(), "[DONE]");
-        let chunks: Vec<Value> = events[..events.len() - 1]
-            .iter()
-            .map(|e| serde_json::from_str(e).unwrap())
-            .collect();
+        let chunks = server.chunks(path, &body);
         let text: String = chunks
             .iter()
             .map(|c| {
@@ -451,11 +456,9 @@ fn log_probabilities_are_the_softmax_of_the_models_logits() {
         assert!(want
             .iter()
             .all(|e| e.2.len() == if path == "/v1/completions" { 5 } else { 2 }));
-        body["stream"] = json!(true);
-        let events = server.stream(path, &body);
-        let streamed: Vec<_> = events[..events.len() - 1]
-            .iter()
-            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        let streamed: Vec<_> = server
+            .chunks(path, &body)
+            .into_iter()
             .filter(|c| !c["choices"][0]["logprobs"].is_null())
             .flat_map(|c| logprobs(&c["choices"][0]))
             .collect();
@@ -559,6 +562,31 @@ fn tools_model() -> PathBuf {
     dst
 }
 
+/// The calls in a stream's deltas.
+fn streamed_calls(chunks: &[Value]) -> Vec<&Value> {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect()
+}
+
+/// A weather call's arguments, checked against the tool's enums.
+fn weather_args(call: &Value) -> Value {
+    assert_eq!(call["function"]["name"], "get_weather", "{call}");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    assert!(
+        ["c", "f"].contains(&args["unit"].as_str().unwrap()),
+        "{args}"
+    );
+    args
+}
+
 fn weather_tools() -> Value {
     json!([
         {"type": "function", "function": {"name": "get_weather",
@@ -612,31 +640,11 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     assert_eq!(calls.len(), 1, "{v}");
     assert_eq!(calls[0]["type"], "function");
     assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
-    assert_eq!(calls[0]["function"]["name"], "get_weather");
-    let args: Value =
-        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
-    assert!(
-        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
-        "{args}"
-    );
-    assert!(
-        ["c", "f"].contains(&args["unit"].as_str().unwrap()),
-        "{args}"
-    );
+    weather_args(&calls[0]);
 
     // Streamed: the same call, in a delta of its own, before the last chunk.
-    let mut streamed = named.clone();
-    streamed["stream"] = json!(true);
-    let events = server.stream("/v1/chat/completions", &streamed);
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
-    let deltas: Vec<&Value> = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
-        .flatten()
-        .collect();
+    let chunks = server.chunks("/v1/chat/completions", &named);
+    let deltas = streamed_calls(&chunks);
     assert_eq!(deltas.len(), 1, "{chunks:?}");
     assert_eq!(deltas[0]["index"], 0);
     assert_eq!(deltas[0]["function"], calls[0]["function"]);
@@ -684,33 +692,17 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
     let calls = choice["message"]["tool_calls"].as_array().unwrap();
     assert_eq!(calls.len(), 1, "{v}");
-    assert_eq!(calls[0]["function"]["name"], "get_weather", "{v}");
-    let args: Value =
-        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
-    assert!(
-        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
-        "{args}"
-    );
+    weather_args(&calls[0]);
     // Streamed: the same call; no piece of it as content.
-    let mut streamed = called.clone();
-    streamed["stream"] = json!(true);
-    let events = opener.stream("/v1/chat/completions", &streamed);
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = opener.chunks("/v1/chat/completions", &called);
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(text, "", "{chunks:?}");
-    let streamed_calls: Vec<&Value> = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
-        .flatten()
-        .collect();
-    assert_eq!(streamed_calls.len(), 1);
-    assert_eq!(streamed_calls[0]["function"], calls[0]["function"]);
+    let deltas = streamed_calls(&chunks);
+    assert_eq!(deltas.len(), 1);
+    assert_eq!(deltas[0]["function"], calls[0]["function"]);
 
     // None: no tools rendered, as a request without them.
     let mut none = auto.clone();
