@@ -384,7 +384,7 @@ impl<'m> Engine<'m> {
                 // What the reply passed on is its text's next bytes (short of
                 // what may be a tool call), with the tokens whose text starts
                 // before their end.
-                let end = passable(&reply, with_tools);
+                let end = passable(&reply.text, reply.written(), &marks, with_tools);
                 let upto = starts.partition_point(|&s| s < end);
                 for (to, r) in marks.split(sent_to..end) {
                     let with = probs[passed..upto].to_vec();
@@ -405,10 +405,12 @@ impl<'m> Engine<'m> {
             probs.truncate(starts.partition_point(|&s| s < reply.text.len()));
         }
         if !gone {
-            let end = if with_tools {
-                tools::before_calls(&reply.text)
-            } else {
-                reply.text.len()
+            let end = match marks.answer_start().filter(|_| with_tools) {
+                Some(at) => {
+                    let at = at.min(reply.text.len());
+                    at + tools::before_calls(&reply.text[at..])
+                }
+                None => reply.text.len(),
             };
             for (to, r) in marks.split(sent_to.min(end)..end) {
                 let with = probs[passed.min(probs.len())..].to_vec();
@@ -491,16 +493,28 @@ impl Marks {
         }
         out
     }
+
+    /// Where the answer's last run of text starts, if the reply is in the
+    /// answer (not in its reasoning).
+    fn answer_start(&self) -> Option<usize> {
+        match self.0.last() {
+            None => Some(0),
+            Some(&(at, Channel::Content)) => Some(at),
+            Some(_) => None,
+        }
+    }
 }
 
 /// How much of `reply`'s text may be passed on: what it wrote, short of a
-/// tool call or what may start one where the request gave tools.
-fn passable(reply: &Reply<'_>, with_tools: bool) -> usize {
-    let written = reply.written();
-    if with_tools {
-        written.min(tools::streamable(&reply.text))
-    } else {
-        written
+/// tool call in the answer, or what may start one, where the request gave
+/// tools (reasoning that spells a call's tag is passed on as it is).
+fn passable(text: &str, written: usize, marks: &Marks, with_tools: bool) -> usize {
+    match marks.answer_start().filter(|_| with_tools) {
+        Some(at) => {
+            let at = at.min(text.len());
+            written.min(at + tools::streamable(&text[at..]))
+        }
+        None => written,
     }
 }
 
@@ -1180,4 +1194,33 @@ fn completion_id(endpoint: Endpoint) -> String {
         "{kind}-{nanos:x}{:x}",
         COUNT.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_passed_on_short_of_a_call_in_the_answer_only() {
+        let text = "think <tool_call> more";
+        let mut thinking = Marks::default();
+        thinking.set(0, Channel::Reasoning);
+        // In the reasoning, a call's tag is text.
+        assert_eq!(passable(text, text.len(), &thinking, true), text.len());
+        // In the answer, the text stops short of it (and of its start).
+        let answer = Marks::default();
+        assert_eq!(passable(text, text.len(), &answer, true), 6);
+        assert_eq!(passable("ok <tool", 8, &answer, true), 3);
+        // What the reply held back (a stop string's start) stays held.
+        assert_eq!(passable("ok then", 4, &answer, true), 4);
+        // Without tools, all it wrote.
+        assert_eq!(passable(text, text.len(), &answer, false), text.len());
+        // Reasoning, then an answer from byte 6: the answer's call counts.
+        let mut both = Marks::default();
+        both.set(0, Channel::Reasoning);
+        both.set(6, Channel::Content);
+        assert_eq!(both.answer_start(), Some(6));
+        assert_eq!(passable("abcdefgh <tool_call>", 20, &both, true), 9);
+        assert_eq!(thinking.answer_start(), None);
+    }
 }
