@@ -443,7 +443,7 @@ fn log_probabilities_are_the_softmax_of_the_models_logits() {
     );
 
     // Streamed, chat and text: the chunks' entries are the whole answer's.
-    for (path, mut body) in [
+    for (path, body) in [
         (
             "/v1/chat/completions",
             json!({"messages": [user("Hello there")], "seed": 4, "max_tokens": 16,
