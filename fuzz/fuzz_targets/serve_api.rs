@@ -9,7 +9,7 @@
 
 use les::grammar::Grammar;
 use les::serve::api::{self, Prompt, MAX_IMAGES, MAX_IMAGE_BYTES, MAX_STOPS, MAX_TOP_LOGPROBS};
-use les::serve::tools::{self, ToolChoice, MAX_TOOLS};
+use les::serve::tools::{self, ToolChoice, ToolFormat, MAX_TOOLS};
 use les::vision::MEDIA_MARKER;
 use libfuzzer_sys::fuzz_target;
 
@@ -23,10 +23,14 @@ fuzz_target!(|data: &[u8]| {
                 assert!(c.logprobs.is_none_or(|n| n <= MAX_TOP_LOGPROBS));
                 if let Some(t) = &c.tools {
                     assert!(!t.list.is_empty() && t.list.len() <= MAX_TOOLS);
-                    if t.choice != ToolChoice::Auto {
-                        let g = c.grammar.as_deref().expect("a required call's grammar");
-                        if let Err(e) = Grammar::parse(g) {
-                            panic!("{e}\n{g}");
+                    for format in [ToolFormat::Hermes, ToolFormat::Harmony] {
+                        // A required call's grammar parses, where the
+                        // parameters are a schema les converts.
+                        if let Ok(Some(g)) = t.grammar(format) {
+                            assert!(t.choice != ToolChoice::Auto);
+                            if let Err(e) = Grammar::parse(&g) {
+                                panic!("{e}\n{g}");
+                            }
                         }
                     }
                 }

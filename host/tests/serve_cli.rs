@@ -551,15 +551,119 @@ fn log_probabilities_equal_llama_cpp() {
 /// A copy of the test model whose chat template takes tools and writes
 /// Hermes-style calls (`tests/data/hermes_tools.jinja`, after Qwen's).
 fn tools_model() -> PathBuf {
+    with_template(
+        &model(),
+        "serve_q3_tools.gguf",
+        include_str!("data/hermes_tools.jinja"),
+    )
+}
+
+/// A copy of `src` (as `name`) with `template` as its chat template.
+fn with_template(src: &Path, name: &str, template: &str) -> PathBuf {
     use les::gguf::MetaValue;
-    let dst = tmp("serve_q3_tools.gguf");
-    let template = include_str!("data/hermes_tools.jinja");
+    let dst = tmp(name);
     let edit = |k: &str, v: MetaValue| match k {
         "tokenizer.chat_template" => Some(MetaValue::String(template.into())),
         _ => Some(v),
     };
-    common::rewrite_gguf(&model(), &dst, edit, vec![]);
+    common::rewrite_gguf(src, &dst, edit, vec![]);
     dst
+}
+
+/// gpt-oss's harmony calls: a tiny gpt-oss whose vocabulary has harmony's
+/// markers (tokens of bytes no UTF-8 text has, renamed) and a harmony
+/// template with tools (`tests/data/harmony_tools.jinja`, after gpt-oss's).
+/// A required call is a grammar of `<|channel|>commentary to=functions.NAME
+/// <|constrain|>json<|message|>ARGS`; the message to the function comes back
+/// as the call, whole or streamed, not as content; the conversation's calls
+/// and tool answers reach the template.
+#[test]
+fn harmony_calls_come_back_as_calls() {
+    let src = synth_once(
+        "serve_oss.gguf",
+        &[
+            "--quiet", "--arch", "gpt-oss", "--preset", "tiny", "--seed", "5",
+        ],
+    );
+    let markers = [
+        "<|start|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|end|>",
+        "<|call|>",
+        "<|return|>",
+        "<|constrain|>",
+    ];
+    let ids: Vec<u32> = (0..markers.len() as u8)
+        .map(|i| byte_token(&src, 0xF5 + i))
+        .collect();
+    let renames: Vec<(u32, &str)> = ids.iter().copied().zip(markers).collect();
+    let renamed = with_tokens(&src, "serve_oss_harmony0.gguf", &renames);
+    let m = with_template(
+        &renamed,
+        "serve_oss_harmony.gguf",
+        include_str!("data/harmony_tools.jinja"),
+    );
+    let server = Server::start(&m, &[]);
+    let weather = json!({"role": "user", "content": "Weather in Paris?"});
+    // The conversation's call and answer, rendered.
+    let history = json!([
+        weather,
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "21"}
+    ]);
+    let (_, t) = server.post(
+        "/apply-template",
+        &json!({"messages": history, "tools": weather_tools()}),
+    );
+    let prompt = t["prompt"].as_str().unwrap();
+    for want in [
+        "type get_weather = (_: {\"type\": \"object\"",
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\"}<|call|>",
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|>",
+    ] {
+        assert!(prompt.contains(want), "{want:?} not in {prompt:?}");
+    }
+    // A required call. The markers favoured, as a real gpt-oss writes them as
+    // its tokens (the grammar reads text: a random model might spell them).
+    let bias: serde_json::Map<String, Value> = [1, 2, 4, 6]
+        .iter()
+        .map(|&i| (ids[i].to_string(), json!(30)))
+        .collect();
+    let required = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
+        "max_tokens": 200, "tool_choice": "required", "logit_bias": bias});
+    let v = server.chat(&required);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    let call = &calls[0];
+    match call["function"]["name"].as_str().unwrap() {
+        "get_weather" => {
+            weather_args(call);
+        }
+        name => {
+            assert_eq!(name, "now", "{v}");
+            let args = call["function"]["arguments"].as_str().unwrap();
+            assert!(serde_json::from_str::<Value>(args).unwrap().is_object());
+        }
+    }
+    // Streamed: the call in a delta of its own, no content.
+    let chunks = server.chunks("/v1/chat/completions", &required);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "", "{chunks:?}");
+    let deltas = streamed_calls(&chunks);
+    assert_eq!(deltas.len(), 1);
+    assert_eq!(deltas[0]["function"], call["function"]);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "tool_calls"
+    );
 }
 
 /// The calls in a stream's deltas.

@@ -283,13 +283,12 @@ pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
         Some(_) => return Err(ApiError::bad("'chat_template_kwargs' must be an object")),
     };
     if let Some(t) = &c.tools {
-        if t.choice != ToolChoice::Auto {
-            if c.grammar.is_some() {
-                return Err(ApiError::bad(
-                    "a grammar (grammar, json_schema, response_format) and a required tool call cannot be combined",
-                ));
-            }
-            c.grammar = t.grammar()?;
+        // The engine constrains a required call by a grammar of the model's
+        // call format.
+        if t.choice != ToolChoice::Auto && c.grammar.is_some() {
+            return Err(ApiError::bad(
+                "a grammar (grammar, json_schema, response_format) and a required tool call cannot be combined",
+            ));
         }
     }
     Ok(c)
@@ -871,8 +870,9 @@ mod tests {
         assert_eq!(m[1].to_json()["tool_calls"][0]["id"], "c1");
         assert_eq!(m[2].to_json()["tool_call_id"], "c1");
         assert!(m[2].has_tool_fields() && !m[0].has_tool_fields());
-        // A required call is a grammar.
-        assert!(c.grammar.unwrap().contains("tool-block"));
+        // A required call is the engine's grammar to make, none given.
+        assert_eq!(c.grammar, None);
+        assert_eq!(c.tools.unwrap().choice, ToolChoice::Required);
         let err = |b: &str| chat_request(b.as_bytes()).unwrap_err().message;
         let m = r#""messages":[{"role":"assistant","content":"x","tool_calls":"#;
         assert!(err(&format!("{{{m}3}}]}}")).contains("tool_calls must be an array"));

@@ -7,7 +7,7 @@
 //! - [`reasoning`]: a reply's reasoning told from its answer by the model's
 //!   marker tokens (`<think>`, harmony channels).
 //! - [`tools`]: tool calls, for chat templates that take tools and models
-//!   that write Hermes-style `<tool_call>` blocks.
+//!   that write Hermes-style `<tool_call>` blocks or gpt-oss's harmony calls.
 //! - [`Engine`]: the model's session, which answers one completion at a
 //!   time and keeps what it evaluated, so that a request whose prompt
 //!   starts as the last one's (a chat's next turn) evaluates only the rest.
@@ -48,7 +48,7 @@ use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
 use api::{ApiError, Completion, Prompt};
 use reasoning::{Channel, Splitter};
-use tools::{ToolCall, ToolChoice};
+use tools::{ToolCall, ToolChoice, ToolFormat};
 
 /// How long a connection may sit idle between requests (or mid-request).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -105,8 +105,11 @@ pub struct Engine<'m> {
     /// The positions the session holds: a token's id, or `None` for an
     /// image embedding.
     held: Vec<Option<u32>>,
-    /// Whether the chat template takes tools and writes Hermes-style calls.
-    hermes: bool,
+    /// How the model writes calls, where its chat template takes tools.
+    tool_format: Option<ToolFormat>,
+    /// A harmony model's splitter, for its calls whatever the reasoning's
+    /// format.
+    harmony: Option<Splitter>,
 }
 
 impl<'m> Engine<'m> {
@@ -121,19 +124,21 @@ impl<'m> Engine<'m> {
         lookahead: Lookahead,
     ) -> Self {
         let template = tokenizer.chat_template().ok();
-        let hermes = match (&template, tokenizer.chat_template_source()) {
-            (Some(t), Some(source)) => tools::hermes_template(source, |tool| {
+        let harmony = Splitter::of(tokenizer).filter(Splitter::is_harmony);
+        let tool_format = match (&template, tokenizer.chat_template_source()) {
+            (Some(t), Some(source)) => tools::template_format(source, harmony.is_some(), |tool| {
                 let user = [serde_json::json!({"role": "user", "content": "hi"})];
                 let tools = tool.as_array().map(Vec::as_slice);
                 t.apply_json(&user, tools, true, None).ok()
             }),
-            _ => false,
+            _ => None,
         };
         Engine {
             model,
             tokenizer,
             template,
-            hermes,
+            tool_format,
+            harmony,
             clip,
             session,
             mv,
@@ -176,11 +181,11 @@ impl<'m> Engine<'m> {
                         "the model has no chat template: use /v1/completions with a prompt",
                     )
                 })?;
-                if c.tools.is_some() && !self.hermes {
+                if c.tools.is_some() && self.tool_format.is_none() {
                     return Err(ApiError::bad(
                         "tools: this model's chat template does not take tools as les reads them \
-                         (a template that renders `tools` and Hermes-style <tool_call> blocks: \
-                         Qwen 2.5/3, MiniCPM-V, Hermes)",
+                         (a template that renders `tools`, with Hermes-style <tool_call> blocks: \
+                         Qwen 2.5/3, MiniCPM-V, Hermes; or gpt-oss's harmony calls)",
                     ));
                 }
                 api::chat_text(
@@ -278,16 +283,27 @@ impl<'m> Engine<'m> {
                     .map_err(|e| ApiError::bad(format!("the grammar: {e}")))?,
             );
         }
-        if let Some(t) = c.tools.as_ref().filter(|t| t.choice == ToolChoice::Auto) {
-            if c.grammar.is_none() {
-                // Free until the model opens a call, which then follows the tools.
-                let g = Grammar::parse(&t.calls()?)
+        let format = self.tool_format.filter(|_| c.tools.is_some());
+        if let (Some(t), Some(format)) = (&c.tools, format) {
+            let tools_grammar = |text: &str| {
+                let g = Grammar::parse(text)
                     .map_err(|e| ApiError::bad(format!("the tools' grammar: {e}")))?;
-                sampler.constrain_from(
-                    TokenGrammar::new(g, tokenizer)
-                        .map_err(|e| ApiError::bad(format!("the tools' grammar: {e}")))?,
-                    tools::OPEN,
-                );
+                TokenGrammar::new(g, tokenizer)
+                    .map_err(|e| ApiError::bad(format!("the tools' grammar: {e}")))
+            };
+            match (&t.choice, format) {
+                // A required call: the reply is one, from its start.
+                (ToolChoice::Required | ToolChoice::Function(_), _) => {
+                    if let Some(g) = t.grammar(format)? {
+                        sampler.constrain(tools_grammar(&g)?);
+                    }
+                }
+                // Free until the model opens a call, which then follows the
+                // tools (a grammar of the request's own stands instead).
+                (_, ToolFormat::Hermes) if c.grammar.is_none() => {
+                    sampler.constrain_from(tools_grammar(&t.calls()?)?, tools::OPEN);
+                }
+                _ => {}
             }
         }
         let items = prompt.tokens();
@@ -323,8 +339,12 @@ impl<'m> Engine<'m> {
         let mut reply = Reply::new(tokenizer, &c.stop);
         let mut sampled = Vec::new();
         let mut gone = false;
-        // Where the reasoning and the answer start in the reply's text.
-        let mut splitter = self.splitter.clone().filter(|_| c.reasoning);
+        // Where the reasoning and the answer start in the reply's text (and,
+        // for harmony calls, where a call's arguments are).
+        let mut splitter = match format {
+            Some(ToolFormat::Harmony) => self.harmony.clone(),
+            _ => self.splitter.clone().filter(|_| c.reasoning),
+        };
         let mut marks = Marks::default();
         if let Some(s) = &mut splitter {
             s.start(&items);
@@ -340,6 +360,8 @@ impl<'m> Engine<'m> {
         // from the first call on (the calls come whole at the end).
         let mut sent_to = 0;
         let with_tools = c.tools.is_some();
+        // Hermes-style calls are text: held back from the pieces.
+        let hold_calls = format == Some(ToolFormat::Hermes);
         let stats = generate_from(
             &mut self.session,
             &mut self.mv,
@@ -384,9 +406,15 @@ impl<'m> Engine<'m> {
                 // What the reply passed on is its text's next bytes (short of
                 // what may be a tool call), with the tokens whose text starts
                 // before their end.
-                let end = passable(&reply.text, reply.written(), &marks, with_tools);
+                let end = passable(&reply.text, reply.written(), &marks, hold_calls);
                 let upto = starts.partition_point(|&s| s < end);
                 for (to, r) in marks.split(sent_to..end) {
+                    // A harmony call's arguments come whole at the end.
+                    let to = match to {
+                        Channel::Call if with_tools => continue,
+                        Channel::Call => Channel::Content,
+                        to => to,
+                    };
                     let with = probs[passed..upto].to_vec();
                     passed = upto;
                     if !delta(to, &reply.text[r], with) {
@@ -405,7 +433,7 @@ impl<'m> Engine<'m> {
             probs.truncate(starts.partition_point(|&s| s < reply.text.len()));
         }
         if !gone {
-            let end = match marks.answer_start().filter(|_| with_tools) {
+            let end = match marks.answer_start().filter(|_| hold_calls) {
                 Some(at) => {
                     let at = at.min(reply.text.len());
                     at + tools::before_calls(&reply.text[at..])
@@ -413,21 +441,39 @@ impl<'m> Engine<'m> {
                 None => reply.text.len(),
             };
             for (to, r) in marks.split(sent_to.min(end)..end) {
+                let to = match to {
+                    Channel::Call if with_tools => continue,
+                    Channel::Call => Channel::Content,
+                    to => to,
+                };
                 let with = probs[passed.min(probs.len())..].to_vec();
                 passed = probs.len();
                 delta(to, &reply.text[r], with);
             }
         }
-        let (mut text, mut reasoning) = (String::new(), String::new());
+        let (mut text, mut reasoning, mut arguments) = (String::new(), String::new(), None);
         for (to, r) in marks.split(0..reply.text.len()) {
             match to {
                 Channel::Reasoning => reasoning.push_str(&reply.text[r]),
+                Channel::Call if with_tools => arguments
+                    .get_or_insert_with(String::new)
+                    .push_str(&reply.text[r]),
                 _ => text.push_str(&reply.text[r]),
             }
         }
         let mut tool_calls = Vec::new();
-        if c.tools.is_some() {
-            (text, tool_calls) = tools::read_calls(&text);
+        match format {
+            Some(ToolFormat::Hermes) => (text, tool_calls) = tools::read_calls(&text),
+            Some(ToolFormat::Harmony) => {
+                let name = splitter.as_ref().and_then(Splitter::recipient);
+                if let (Some(name), Some(arguments)) = (name, arguments) {
+                    tool_calls.push(ToolCall {
+                        name: name.to_string(),
+                        arguments: arguments.trim().to_string(),
+                    });
+                }
+            }
+            None => {}
         }
         // The session now holds the prompt and all but the last token sampled.
         self.held = items;
@@ -506,10 +552,10 @@ impl Marks {
 }
 
 /// How much of `reply`'s text may be passed on: what it wrote, short of a
-/// tool call in the answer, or what may start one, where the request gave
-/// tools (reasoning that spells a call's tag is passed on as it is).
-fn passable(text: &str, written: usize, marks: &Marks, with_tools: bool) -> usize {
-    match marks.answer_start().filter(|_| with_tools) {
+/// Hermes-style tool call in the answer, or what may start one, where
+/// `hold_calls` (reasoning that spells a call's tag is passed on as it is).
+fn passable(text: &str, written: usize, marks: &Marks, hold_calls: bool) -> usize {
+    match marks.answer_start().filter(|_| hold_calls) {
         Some(at) => {
             let at = at.min(text.len());
             written.min(at + tools::streamable(&text[at..]))

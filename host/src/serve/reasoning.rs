@@ -9,6 +9,10 @@
 //! - gpt-oss's harmony messages: `<|channel|>NAME<|message|>TEXT<|end|>`,
 //!   the `analysis` channel's text is reasoning, `final`'s (and any other's)
 //!   the answer; headers (`<|start|>assistant`, channel names) are neither.
+//!   A message whose header names a function as its recipient
+//!   (`to=functions.NAME`, before or after `<|channel|>`) is a tool call:
+//!   its text is the call's arguments ([`Channel::Call`],
+//!   [`Splitter::recipient`]).
 //!
 //! The markers are told by token id, never by text, so text that merely
 //! spells them stays text.
@@ -24,6 +28,9 @@ pub enum Channel {
     Reasoning,
     /// Neither: a marker or a header, dropped.
     Hidden,
+    /// A harmony tool call's arguments (the function is
+    /// [`Splitter::recipient`]).
+    Call,
 }
 
 /// The marker tokens of a format.
@@ -44,12 +51,28 @@ enum Format {
 /// Where a harmony reply is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Harmony {
-    /// In a header (`<|start|>` up to `<|channel|>`).
-    Header,
-    /// Reading a channel's name.
-    Name(String),
+    /// In a header (`<|start|>` up to `<|channel|>`), its text so far.
+    Header(String),
+    /// Reading a channel's name (and what follows it in the header), the
+    /// header's text before `<|channel|>` first.
+    Name(String, String),
     /// In a message of the channel.
     Message(Channel),
+}
+
+/// Longest header text kept (a role, a channel, a recipient and a
+/// constraint are a few words).
+const MAX_HEADER: usize = 256;
+
+/// The function a harmony header sends its message to: the word after
+/// `to=functions.` (a name ends at white space or `<`).
+fn recipient(header: &str) -> Option<String> {
+    let at = header.find("to=functions.")?;
+    let name: String = header[at + "to=functions.".len()..]
+        .chars()
+        .take_while(|c| !c.is_whitespace() && *c != '<')
+        .collect();
+    (!name.is_empty()).then_some(name)
 }
 
 /// Where a `<think>` reply is.
@@ -69,6 +92,8 @@ pub struct Splitter {
     format: Format,
     think: Think,
     harmony: Harmony,
+    /// The function of the last harmony call message.
+    recipient: Option<String>,
 }
 
 impl Splitter {
@@ -99,15 +124,27 @@ impl Splitter {
         Splitter {
             format,
             think: Think::Start,
-            harmony: Harmony::Header,
+            harmony: Harmony::Header(String::new()),
+            recipient: None,
         }
+    }
+
+    /// Whether the format is gpt-oss's harmony.
+    pub fn is_harmony(&self) -> bool {
+        matches!(self.format, Format::Harmony { .. })
+    }
+
+    /// The function the reply's last call message went to (harmony).
+    pub fn recipient(&self) -> Option<&str> {
+        self.recipient.as_deref()
     }
 
     /// Starts a reply after `prompt` (its tokens; `None` for an image):
     /// inside a thought where the prompt's last think tag opens one; a
     /// harmony reply starts in the assistant's header.
     pub fn start(&mut self, prompt: &[Option<u32>]) {
-        self.harmony = Harmony::Header;
+        self.harmony = Harmony::Header(String::new());
+        self.recipient = None;
         let opened = match self.format {
             Format::Think { open, close } => prompt
                 .iter()
@@ -159,29 +196,39 @@ impl Splitter {
                 end,
             } => {
                 if t == start || t == end {
-                    self.harmony = Harmony::Header;
+                    self.harmony = Harmony::Header(String::new());
                     return Channel::Hidden;
                 }
                 if t == channel {
-                    self.harmony = Harmony::Name(String::new());
+                    let before = match &mut self.harmony {
+                        Harmony::Header(h) => std::mem::take(h),
+                        _ => String::new(),
+                    };
+                    self.harmony = Harmony::Name(before, String::new());
                     return Channel::Hidden;
                 }
                 if t == message {
-                    let to = match &self.harmony {
-                        Harmony::Name(name) if name.trim().starts_with("analysis") => {
-                            Channel::Reasoning
+                    let (before, name) = match &self.harmony {
+                        Harmony::Name(before, name) => (before.as_str(), name.as_str()),
+                        Harmony::Header(h) => (h.as_str(), ""),
+                        Harmony::Message(_) => ("", ""),
+                    };
+                    let to = match recipient(&format!("{before} {name}")) {
+                        Some(f) => {
+                            self.recipient = Some(f);
+                            Channel::Call
                         }
-                        _ => Channel::Content,
+                        None if name.trim().starts_with("analysis") => Channel::Reasoning,
+                        None => Channel::Content,
                     };
                     self.harmony = Harmony::Message(to);
                     return Channel::Hidden;
                 }
                 match &mut self.harmony {
-                    Harmony::Header => Channel::Hidden,
-                    Harmony::Name(name) => {
-                        // A channel name is a few words; longer is not one.
-                        if name.len() < 256 {
-                            name.push_str(text);
+                    Harmony::Header(h) | Harmony::Name(_, h) => {
+                        // A header is a few words; longer is not one.
+                        if h.len() < MAX_HEADER {
+                            h.push_str(text);
                         }
                         Channel::Hidden
                     }
@@ -204,7 +251,7 @@ mod tests {
             match s.route(t, text) {
                 Channel::Reasoning => reasoning.push_str(text),
                 Channel::Content => content.push_str(text),
-                Channel::Hidden => {}
+                Channel::Hidden | Channel::Call => {}
             }
         }
         (reasoning, content)
@@ -313,6 +360,68 @@ mod tests {
         assert_eq!(
             split(&mut s, &prompt, &commentary),
             (String::new(), "Checking.".into())
+        );
+        assert_eq!(s.recipient(), None);
+    }
+
+    #[test]
+    fn harmony_messages_to_a_function_are_calls() {
+        let (start, channel, message, end) = (10, 11, 12, 13);
+        let mut s = Splitter::new(Format::Harmony {
+            start,
+            channel,
+            message,
+            end,
+        });
+        assert!(s.is_harmony());
+        let prompt = [Some(start), Some(4)];
+        // The recipient after the channel's name, a constraint after it.
+        let after = [
+            (channel, "<|channel|>"),
+            (1, "commentary to=functions.get"),
+            (2, "_weather <|constrain|>json"),
+            (message, "<|message|>"),
+            (3, "{\"city\": "),
+            (4, "\"Paris\"}"),
+        ];
+        s.start(&prompt);
+        let mut call = String::new();
+        for &(t, text) in &after {
+            if s.route(t, text) == Channel::Call {
+                call.push_str(text);
+            }
+        }
+        assert_eq!(
+            (call.as_str(), s.recipient()),
+            ("{\"city\": \"Paris\"}", Some("get_weather"))
+        );
+        // The recipient before `<|channel|>`, after thinking.
+        let before = [
+            (channel, "<|channel|>"),
+            (1, "analysis"),
+            (message, "<|message|>"),
+            (2, "Look it up."),
+            (end, "<|end|>"),
+            (start, "<|start|>"),
+            (3, "assistant to=functions.now"),
+            (channel, "<|channel|>"),
+            (4, "commentary json"),
+            (message, "<|message|>"),
+            (5, "{}"),
+        ];
+        s.start(&prompt);
+        let routed: Vec<Channel> = before.iter().map(|&(t, x)| s.route(t, x)).collect();
+        assert_eq!(routed[3], Channel::Reasoning);
+        assert_eq!(routed[10], Channel::Call);
+        assert_eq!(s.recipient(), Some("now"));
+        // A new reply forgets it; a recipient that is not a function is none.
+        s.start(&prompt);
+        assert_eq!(s.recipient(), None);
+        assert_eq!(recipient("to=browser.search"), None);
+        assert_eq!(recipient("to=functions."), None);
+        assert_eq!(
+            recipient("x to=functions.a_b-c<|constrain|>"),
+            Some("a_b-c".into())
         );
     }
 }

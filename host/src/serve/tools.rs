@@ -1,15 +1,18 @@
 //! Tool calls (OpenAI's `tools`, `tool_choice`), for models whose chat
-//! template takes `tools` and whose calls are Hermes-style blocks,
+//! template takes `tools` and whose calls are either Hermes-style blocks,
 //! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5 and
-//! 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin): the tools go to the
-//! template, the reply's blocks come back as `tool_calls`.
+//! 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin), or gpt-oss's harmony
+//! messages to a function, `<|channel|>commentary to=functions.NAME
+//! <|constrain|>json<|message|>{...}<|call|>` ([`ToolFormat`]): the tools go
+//! to the template, the reply's calls come back as `tool_calls`.
 //!
 //! `tool_choice: "required"` (or a named function) constrains the reply by a
 //! grammar to one call (several with `parallel_tool_calls`) of the tools
 //! given, its arguments following their `parameters` schema; `"auto"` lets
 //! the model choose, and from the first `<tool_call>` it writes on the same
-//! grammar constrains the rest (llama.cpp's lazy grammar); `"none"` renders
-//! no tools and reads no calls.
+//! grammar constrains the rest (llama.cpp's lazy grammar; Hermes-style
+//! only: a harmony reply is read as it comes); `"none"` renders no tools and
+//! reads no calls.
 
 use serde_json::{json, Map, Value};
 
@@ -23,6 +26,18 @@ pub const MAX_TOOLS: usize = 128;
 pub const OPEN: &str = "<tool_call>";
 /// See [`OPEN`].
 pub const CLOSE: &str = "</tool_call>";
+
+/// How a model writes its calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `<tool_call>` blocks of JSON.
+    Hermes,
+    /// gpt-oss's harmony messages to `functions.NAME`.
+    Harmony,
+}
+
+/// Most bytes of a tool's name (OpenAI's bound; names are `[A-Za-z0-9_-]`).
+pub const MAX_NAME: usize = 64;
 
 /// Whether the model may, must or must not call a tool.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,13 +97,20 @@ impl Tools {
                 .get("function")
                 .and_then(Value::as_object)
                 .ok_or_else(|| ApiError::bad(format!("tools[{i}].function must be an object")))?;
-            let name = f
-                .get("name")
-                .and_then(Value::as_str)
-                .filter(|n| !n.is_empty())
-                .ok_or_else(|| {
-                    ApiError::bad(format!("tools[{i}].function.name must be a string"))
-                })?;
+            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::bad(format!("tools[{i}].function.name must be a string"))
+            })?;
+            let fine = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+            if name.is_empty() || name.len() > MAX_NAME || !name.chars().all(fine) {
+                return Err(ApiError::bad(format!(
+                    "tools[{i}].function.name must be 1 to {MAX_NAME} of a-z, A-Z, 0-9, _ and -"
+                )));
+            }
+            if names.contains(&name) {
+                return Err(ApiError::bad(format!(
+                    "tools[{i}]: a second tool named {name:?}"
+                )));
+            }
             if !matches!(f.get("parameters"), None | Some(Value::Object(_))) {
                 return Err(ApiError::bad(format!(
                     "tools[{i}].function.parameters must be a JSON schema object"
@@ -148,13 +170,57 @@ impl Tools {
         }))
     }
 
-    /// The grammar a reply must follow from its start: [`calls`](Self::calls)
-    /// for a required or named call, `None` for `auto`.
-    pub fn grammar(&self) -> Result<Option<String>, ApiError> {
-        match self.choice {
-            ToolChoice::Auto | ToolChoice::None => Ok(None),
-            _ => self.calls().map(Some),
+    /// The grammar a reply in `format` must follow from its start, for a
+    /// required or named call ([`calls`](Self::calls),
+    /// [`harmony_call`](Self::harmony_call)); `None` for `auto`.
+    pub fn grammar(&self, format: ToolFormat) -> Result<Option<String>, ApiError> {
+        match (&self.choice, format) {
+            (ToolChoice::Auto | ToolChoice::None, _) => Ok(None),
+            (_, ToolFormat::Hermes) => self.calls().map(Some),
+            (_, ToolFormat::Harmony) => self.harmony_call().map(Some),
         }
+    }
+
+    /// The functions a call may go to (the named one only, where
+    /// `tool_choice` names one), with their `parameters` (any object where
+    /// none are given).
+    fn wanted(&self) -> Vec<(&str, Value)> {
+        self.list
+            .iter()
+            .filter_map(|t| t.get("function"))
+            .filter_map(|f| Some((f.get("name")?.as_str()?, f)))
+            .filter(|(name, _)| match &self.choice {
+                ToolChoice::Function(n) => n == name,
+                _ => true,
+            })
+            .map(|(name, f)| {
+                let params = f.get("parameters").cloned();
+                (name, params.unwrap_or_else(|| json!({"type": "object"})))
+            })
+            .collect()
+    }
+
+    /// The grammar of one harmony call: `<|channel|>commentary
+    /// to=functions.NAME <|constrain|>json<|message|>` and arguments
+    /// following that function's `parameters`; generation ends after it
+    /// (`<|call|>`, an end-of-generation token).
+    pub fn harmony_call(&self) -> Result<String, ApiError> {
+        let mut rules = String::new();
+        let mut alternatives = Vec::new();
+        for (i, (name, params)) in self.wanted().into_iter().enumerate() {
+            let g = json_schema_to_gbnf(&params.to_string())
+                .map_err(|e| ApiError::bad(format!("the parameters of {name:?}: {e}")))?;
+            // Each tool's rules apart from the others'.
+            let defined: Vec<&str> = g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
+            let g = rename_rules(&g, |r| defined.contains(&r).then(|| format!("t{i}-{r}")));
+            rules.push_str(&g);
+            // Names are [A-Za-z0-9_-]: a literal needs no escapes.
+            alternatives.push(format!("\"{name} <|constrain|>json<|message|>\" t{i}-root"));
+        }
+        Ok(format!(
+            "root ::= \"<|channel|>commentary to=functions.\" ({})\n{rules}",
+            alternatives.join(" | ")
+        ))
     }
 
     /// The grammar of the calls: [`OPEN`] blocks (one, or one or more with
@@ -162,32 +228,21 @@ impl Tools {
     /// `parameters` (the named one's only, where `tool_choice` names one).
     /// For `auto` it constrains a reply from its first [`OPEN`] on.
     pub fn calls(&self) -> Result<String, ApiError> {
-        let wanted = |name: &str| match &self.choice {
-            ToolChoice::Function(f) => f == name,
-            _ => true,
-        };
-        // Written out by hand: `name` before `arguments`, as the models write
-        // them (a JSON map here would sort the keys).
+        // Written out: `name` before `arguments`, as the models write them.
         let calls: Vec<String> = self
-            .list
-            .iter()
-            .filter_map(|t| t.get("function"))
-            .filter(|f| f.get("name").and_then(Value::as_str).is_some_and(wanted))
-            .map(|f| {
-                let params = f
-                    .get("parameters")
-                    .cloned()
-                    .unwrap_or_else(|| json!({"type": "object"}));
+            .wanted()
+            .into_iter()
+            .map(|(name, params)| {
                 format!(
                     r#"{{"type":"object","properties":{{"name":{{"const":{}}},"arguments":{params}}},"required":["name","arguments"],"additionalProperties":false}}"#,
-                    f["name"]
+                    json!(name)
                 )
             })
             .collect();
         let schema = format!(r#"{{"anyOf":[{}]}}"#, calls.join(","));
         let call = json_schema_to_gbnf(&schema)
             .map_err(|e| ApiError::bad(format!("the tools' parameters: {e}")))?;
-        let call = rename_rule(&call, "root", "tool-call");
+        let call = rename_rules(&call, |r| (r == "root").then(|| "tool-call".to_string()));
         // The markers need no escapes in a GBNF literal.
         let block = format!("tool-block ::= \"{OPEN}\\n\" tool-call \"\\n{CLOSE}\"");
         let root = if self.parallel {
@@ -260,19 +315,35 @@ fn call_of(json: &str) -> Option<ToolCall> {
     Some(ToolCall { name, arguments })
 }
 
-/// Whether a chat template writes Hermes-style tool calls: it renders the
-/// tools it is given (`probe`: the template rendered with a tool of this
-/// name) and its source spells [`OPEN`].
-pub fn hermes_template(source: &str, probe: impl FnOnce(&Value) -> Option<String>) -> bool {
+/// How a chat template's model writes tool calls, if the template renders
+/// the tools it is given (`probe`: the template rendered with a tool of a
+/// probe's name): gpt-oss's harmony where the vocabulary has harmony's
+/// markers (`harmony`) and the source sends messages `to=functions`,
+/// Hermes-style where the source spells [`OPEN`].
+pub fn template_format(
+    source: &str,
+    harmony: bool,
+    probe: impl FnOnce(&Value) -> Option<String>,
+) -> Option<ToolFormat> {
     const NAME: &str = "les_tool_probe";
+    let format = if harmony && source.contains("to=functions") {
+        ToolFormat::Harmony
+    } else if source.contains(OPEN) {
+        ToolFormat::Hermes
+    } else {
+        return None;
+    };
     let tool = json!([{"type": "function", "function": {"name": NAME,
         "description": "probe", "parameters": {"type": "object", "properties": {}}}}]);
-    source.contains(OPEN) && probe(&tool).is_some_and(|text| text.contains(NAME))
+    probe(&tool)
+        .is_some_and(|text| text.contains(NAME))
+        .then_some(format)
 }
 
-/// `grammar` with rule `from` (defined and referenced) named `to`: rule
-/// names outside string literals and character classes.
-fn rename_rule(grammar: &str, from: &str, to: &str) -> String {
+/// `grammar` with its rules (defined and referenced) renamed where
+/// `rename` gives a new name: rule names outside string literals and
+/// character classes.
+fn rename_rules(grammar: &str, rename: impl Fn(&str) -> Option<String>) -> String {
     let mut out = String::with_capacity(grammar.len());
     let mut chars = grammar.char_indices().peekable();
     while let Some((i, c)) = chars.next() {
@@ -302,7 +373,10 @@ fn rename_rule(grammar: &str, from: &str, to: &str) -> String {
                     }
                 }
                 let word = &grammar[i..end];
-                out.push_str(if word == from { to } else { word });
+                match rename(word) {
+                    Some(new) => out.push_str(&new),
+                    None => out.push_str(word),
+                }
             }
             _ => out.push(c),
         }
@@ -353,6 +427,11 @@ mod tests {
         let many =
             json!({"tools": vec![json!({"type": "function", "function": {"name": "f"}}); 129]});
         assert!(err(many).contains("more than 128"));
+        let twice =
+            json!({"tools": vec![json!({"type": "function", "function": {"name": "f"}}); 2]});
+        assert!(err(twice).contains("a second tool"));
+        let odd = json!({"tools": [{"type": "function", "function": {"name": "a b"}}]});
+        assert!(err(odd).contains("a-z"));
         let none = json!({"tools": [], "tool_choice": "required"});
         assert!(err(none).contains("no tools"));
         assert!(Tools::read(&Map::new()).unwrap().is_none());
@@ -400,7 +479,7 @@ mod tests {
     #[test]
     fn a_required_call_is_a_grammar_of_the_tools() {
         let t = tools(json!({"tool_choice": "required"})).unwrap().unwrap();
-        let g = t.grammar().unwrap().unwrap();
+        let g = t.grammar(ToolFormat::Hermes).unwrap().unwrap();
         Grammar::parse(&g).unwrap_or_else(|e| panic!("{e}\n{g}"));
         assert!(g.starts_with("root ::= tool-block\n"), "{g}");
         assert!(
@@ -416,33 +495,77 @@ mod tests {
         assert!(name < args, "{g}");
         let named = json!({"tool_choice": {"type": "function", "function": {"name": "now"}},
             "parallel_tool_calls": true});
-        let g = tools(named).unwrap().unwrap().grammar().unwrap().unwrap();
+        let g = tools(named)
+            .unwrap()
+            .unwrap()
+            .grammar(ToolFormat::Hermes)
+            .unwrap()
+            .unwrap();
         assert!(
             !g.contains("get_weather") && g.contains("(\"\\n\" tool-block)*"),
             "{g}"
         );
-        assert_eq!(tools(json!({})).unwrap().unwrap().grammar().unwrap(), None);
+        let auto = tools(json!({})).unwrap().unwrap();
+        assert_eq!(auto.grammar(ToolFormat::Hermes).unwrap(), None);
+        assert_eq!(auto.grammar(ToolFormat::Harmony).unwrap(), None);
     }
 
     #[test]
     fn rules_are_renamed_outside_literals_and_classes() {
+        let root = |r: &str| (r == "root").then(|| "call".to_string());
         let g = "root ::= \"root\" [root] root-x root\nx ::= root";
         assert_eq!(
-            rename_rule(g, "root", "call"),
+            rename_rules(g, root),
             "call ::= \"root\" [root] root-x call\nx ::= call"
         );
         assert_eq!(
-            rename_rule("a ::= \"\\\"root\"", "root", "b"),
+            rename_rules("a ::= \"\\\"root\"", root),
             "a ::= \"\\\"root\""
         );
     }
 
     #[test]
-    fn hermes_templates_are_told_by_their_tools_and_blocks() {
+    fn a_required_harmony_call_is_a_grammar_of_the_tools() {
+        let t = tools(json!({"tool_choice": "required"})).unwrap().unwrap();
+        let g = t.grammar(ToolFormat::Harmony).unwrap().unwrap();
+        let parsed = Grammar::parse(&g).unwrap_or_else(|e| panic!("{e}\n{g}"));
+        let mut m = crate::grammar::Matcher::new(parsed).unwrap();
+        let head = "<|channel|>commentary to=functions.";
+        for (text, ok) in [
+            (
+                r#"get_weather <|constrain|>json<|message|>{"city": "Paris"}"#,
+                true,
+            ),
+            (r#"now <|constrain|>json<|message|>{}"#, true),
+            (r#"get_weather <|constrain|>json<|message|>{}"#, false),
+            (r#"other <|constrain|>json<|message|>{}"#, false),
+        ] {
+            assert_eq!(m.derives(&format!("{head}{text}")), ok, "{text}");
+        }
+        let named = json!({"tool_choice": {"type": "function", "function": {"name": "now"}}});
+        let g = tools(named)
+            .unwrap()
+            .unwrap()
+            .grammar(ToolFormat::Harmony)
+            .unwrap()
+            .unwrap();
+        assert!(!g.contains("get_weather"), "{g}");
+    }
+
+    #[test]
+    fn templates_are_told_by_their_tools_and_call_syntax() {
+        let echo = |t: &Value| Some(t.to_string());
         let src = "{{ tools }} <tool_call>";
-        assert!(hermes_template(src, |t| Some(t.to_string())));
-        assert!(!hermes_template("{{ tools }}", |t| Some(t.to_string())));
-        assert!(!hermes_template(src, |_| Some(String::new())));
-        assert!(!hermes_template(src, |_| None));
+        assert_eq!(template_format(src, false, echo), Some(ToolFormat::Hermes));
+        assert_eq!(template_format("{{ tools }}", false, echo), None);
+        assert_eq!(template_format(src, false, |_| Some(String::new())), None);
+        assert_eq!(template_format(src, false, |_| None), None);
+        let harmony = "{{ tools }} <|start|>assistant to=functions.";
+        assert_eq!(
+            template_format(harmony, true, echo),
+            Some(ToolFormat::Harmony)
+        );
+        // Harmony's syntax without its markers in the vocabulary: none.
+        assert_eq!(template_format(harmony, false, echo), None);
     }
 }
