@@ -879,6 +879,47 @@ fn chat_template_overrides_and_kwargs() {
     assert_eq!(status, 400, "{v}");
 }
 
+/// With `--parallel 2`, two chats that take turns keep their caches: each
+/// one's next turn evaluates only what is new, where with one slot the other
+/// chat's request took it; the answers are a single slot's.
+#[test]
+fn slots_keep_the_chats_that_take_turns() {
+    let m = model();
+    let two = Server::start(&m, &["--parallel", "2"]);
+    let one = Server::start(&m, &[]);
+    let first = |text: &str| json!({"messages": [user(text)], "temperature": 0, "max_tokens": 8});
+    let next = |text: &str, answer: &Value| {
+        json!({"messages": [user(text), {"role": "assistant", "content": content(answer)},
+            user("Go on")], "temperature": 0, "max_tokens": 8})
+    };
+    let mut cached = Vec::new();
+    let mut answers = Vec::new();
+    for server in [&two, &one] {
+        let a = server.chat(&first("Hello there"));
+        let b = server.chat(&first("Once upon a time"));
+        let a2 = server.chat(&next("Hello there", &a));
+        let b2 = server.chat(&next("Once upon a time", &b));
+        let kept = |v: &Value| {
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        };
+        let prompt = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
+        cached.push([kept(&a2), kept(&b2), prompt(&a), prompt(&b)]);
+        answers.push([a, b, a2, b2].map(|v| content(&v).to_string()));
+    }
+    assert_eq!(answers[0], answers[1]);
+    let ([a2, b2, a_prompt, b_prompt], [a2_one, b2_one, ..]) = (cached[0], cached[1]);
+    // Two slots: each first turn's prompt at least is kept (its reply, as far
+    // as the template's text of it tokenizes the same).
+    assert!(a2 >= a_prompt && b2 >= b_prompt, "{cached:?}");
+    // One slot: only what the chats' prompts share (the template's start).
+    assert!(a2_one + 5 < a2 && b2_one + 5 < b2, "{cached:?}");
+    let log = two.log.lock().unwrap().join("\n");
+    assert!(log.contains("slot 0") && log.contains("slot 1"), "{log}");
+    drop(log);
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

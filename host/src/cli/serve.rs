@@ -74,6 +74,14 @@ pub struct ServeArgs {
     /// it stays in the answer as generated.
     #[arg(long, default_value = "auto", value_parser = ["auto", "none"])]
     pub reasoning_format: String,
+    /// Slots: sessions of --ctx positions each, with their own KV cache
+    /// (llama-server's --parallel). Completions still run one at a time; a
+    /// request goes to the slot whose cache it keeps best (the most of its
+    /// prompt held, less what would be dropped), so chats that take turns
+    /// keep their caches.
+    #[arg(long, visible_alias = "np", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub parallel: u16,
     /// Connections served at once; more are answered 503.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub max_connections: u16,
@@ -107,15 +115,28 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     let supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     model.populate_resident();
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    let mut session = Session::with_kv(&model, ctx, args.cache.types(), args.cache.swa())?;
-    session.set_prefill_batch(args.batch_size)?;
+    if args.parallel > 1 && args.spec.speculate == Some(crate::draft::DraftSource::Mtp) {
+        return Err(
+            "--parallel with --speculate mtp: the multi-token-prediction block keeps one cache"
+                .into(),
+        );
+    }
     let drafter = args
         .spec
         .drafter(&model, &args.model, draft_model.as_ref(), ctx, threads)?;
-    let max_draft = match drafter {
-        Some(_) => session.set_max_draft(args.spec.draft_max() as usize)?,
-        None => 0,
-    };
+    let mut sessions = Vec::with_capacity(usize::from(args.parallel));
+    let mut max_draft = 0;
+    for _ in 0..args.parallel {
+        let mut session = Session::with_kv(&model, ctx, args.cache.types(), args.cache.swa())?;
+        session.set_prefill_batch(args.batch_size)?;
+        if drafter.is_some() {
+            max_draft = session.set_max_draft(args.spec.draft_max() as usize)?;
+        }
+        sessions.push(session);
+    }
+    let kv_bytes: usize = sessions.iter().map(Session::kv_bytes).sum();
+    let mut sessions = sessions.into_iter();
+    let session = sessions.next().expect("--parallel is at least 1");
     let listener = TcpListener::bind((args.host.as_str(), args.port))
         .map_err(|e| format!("cannot listen on {}:{}: {e}", args.host, args.port))?;
     let addr = listener.local_addr()?;
@@ -126,11 +147,12 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     });
     note!(
         "les: {} ({} layers, {} experts), schedule {schedule}, {threads} threads, KV cache {ctx} \
-         positions ({:.1} MiB), loaded in {:.2?}",
+         positions x {} slot(s) ({:.1} MiB), loaded in {:.2?}",
         model.arch.name(),
         model.hp.n_layers,
         model.hp.moe.map_or(0, |m| m.n_experts),
-        session.kv_bytes() as f64 / (1 << 20) as f64,
+        args.parallel,
+        kv_bytes as f64 / (1 << 20) as f64,
         t0.elapsed()
     );
     note!(
@@ -145,7 +167,8 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
         mv,
         supply,
         lookahead,
-    );
+    )
+    .with_slots(sessions);
     if args.reasoning_format == "none" {
         engine = engine.without_reasoning();
     }

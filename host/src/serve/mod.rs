@@ -8,9 +8,12 @@
 //!   marker tokens (`<think>`, harmony channels).
 //! - [`tools`]: tool calls, for chat templates that take tools and models
 //!   that write Hermes-style `<tool_call>` blocks or gpt-oss's harmony calls.
-//! - [`Engine`]: the model's session, which answers one completion at a
-//!   time and keeps what it evaluated, so that a request whose prompt
-//!   starts as the last one's (a chat's next turn) evaluates only the rest.
+//! - [`Engine`]: the model's sessions (`--parallel` slots, each with its
+//!   own KV cache), which answer one completion at a time; each slot keeps
+//!   what it evaluated, and a request goes to the slot whose cache it keeps
+//!   best (the most of its prompt held, less what would be dropped; of
+//!   equals, the least recently used), so that a chat's next turn evaluates
+//!   only what is new, also between turns of other chats.
 //! - [`serve`]: the accept loop and a thread a connection; completions queue
 //!   for the engine, which runs on the calling thread, while `/health` and
 //!   `/v1/models` answer at once.
@@ -66,8 +69,11 @@ pub struct Finished {
     pub finish_reason: &'static str,
     /// Prompt positions (tokens and image embeddings).
     pub prompt_tokens: usize,
-    /// Of them, those kept from the previous request instead of evaluated.
+    /// Of them, those its slot held from an earlier request instead of
+    /// evaluated.
     pub cached_tokens: usize,
+    /// The slot (session) that answered.
+    pub slot: usize,
     /// Tokens generated (an end-of-generation token not counted).
     pub completion_tokens: usize,
     /// Time on the prompt's new positions.
@@ -93,7 +99,10 @@ pub struct Engine<'m> {
     tokenizer: &'m Tokenizer,
     template: Option<ChatTemplate>,
     clip: Option<&'m ClipModel>,
-    session: Session<'m>,
+    /// The sessions, one a slot (at least one).
+    slots: Vec<Slot<'m>>,
+    /// Completions answered: the slots' clock.
+    answered: u64,
     mv: ThreadedMatVec,
     supply: Supply<'m>,
     lookahead: Lookahead,
@@ -102,14 +111,40 @@ pub struct Engine<'m> {
     drafter: Option<(Box<dyn Drafter + 'm>, usize, bool)>,
     /// How the model marks its reasoning, if it does (and it is told apart).
     splitter: Option<Splitter>,
-    /// The positions the session holds: a token's id, or `None` for an
-    /// image embedding.
-    held: Vec<Option<u32>>,
     /// How the model writes calls, where its chat template takes tools.
     tool_format: Option<ToolFormat>,
     /// A harmony model's splitter, for its calls whatever the reasoning's
     /// format.
     harmony: Option<Splitter>,
+}
+
+/// One session and what it holds.
+struct Slot<'m> {
+    session: Session<'m>,
+    /// The positions the session holds: a token's id, or `None` for an
+    /// image embedding.
+    held: Vec<Option<u32>>,
+    /// When it last answered ([`Engine::answered`]).
+    used: u64,
+}
+
+impl<'m> Slot<'m> {
+    fn new(session: Session<'m>) -> Self {
+        Slot {
+            session,
+            held: Vec::new(),
+            used: 0,
+        }
+    }
+
+    /// How many of `items`' first positions it holds (tokens only).
+    fn holds(&self, items: &[Option<u32>]) -> usize {
+        self.held
+            .iter()
+            .zip(items)
+            .take_while(|(a, b)| a.is_some() && a == b)
+            .count()
+    }
 }
 
 impl<'m> Engine<'m> {
@@ -140,14 +175,26 @@ impl<'m> Engine<'m> {
             tool_format,
             harmony,
             clip,
-            session,
+            slots: vec![Slot::new(session)],
+            answered: 0,
             mv,
             supply,
             lookahead,
             drafter: None,
             splitter: Splitter::of(tokenizer),
-            held: Vec::new(),
         }
+    }
+
+    /// This engine with `sessions` (empty, each its own KV cache of the
+    /// first's size) as more slots.
+    pub fn with_slots(mut self, sessions: impl IntoIterator<Item = Session<'m>>) -> Self {
+        self.slots.extend(sessions.into_iter().map(Slot::new));
+        self
+    }
+
+    /// The positions a completion's prompt and reply may take.
+    pub fn max_positions(&self) -> usize {
+        self.slots[0].session.max_positions()
     }
 
     /// This engine with the model's reasoning left in the answer
@@ -251,7 +298,7 @@ impl<'m> Engine<'m> {
         mut delta: impl FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
     ) -> Result<Finished, ApiError> {
         let prompt = self.prompt(c)?;
-        let ctx = self.session.max_positions();
+        let ctx = self.max_positions();
         if prompt.is_empty() {
             return Err(ApiError::bad("the prompt is empty after tokenization"));
         }
@@ -311,26 +358,36 @@ impl<'m> Engine<'m> {
         for t in items.iter().flatten() {
             sampler.accept(*t);
         }
+        // The slot whose cache is best kept: the most of this prompt it
+        // holds, less what it holds past that (dropped); of equals, the
+        // least recently used.
+        let best = (0..self.slots.len())
+            .min_by_key(|&i| {
+                let slot = &self.slots[i];
+                let holds = slot.holds(&items) as i64;
+                let dropped = slot.held.len() as i64 - holds;
+                (std::cmp::Reverse(holds - dropped), slot.used)
+            })
+            .unwrap_or(0);
+        self.answered += 1;
+        let slot = &mut self.slots[best];
+        slot.used = self.answered;
         // What the session holds of this prompt already (tokens only; the
         // last position is evaluated again for its logits).
-        let same = self
-            .held
-            .iter()
-            .zip(&items)
-            .take_while(|(a, b)| a.is_some() && a == b)
-            .count()
+        let same = slot
+            .holds(&items)
             .min(items.len() - 1)
-            .min(self.session.position());
-        let keep = match self.session.rewind(same) {
+            .min(slot.session.position());
+        let keep = match slot.session.rewind(same) {
             Ok(()) => same,
             Err(_) => {
-                self.session
+                slot.session
                     .rewind(0)
                     .map_err(|e| server_error(e.to_string()))?;
                 0
             }
         };
-        self.held.truncate(keep);
+        slot.held.truncate(keep);
         started();
         let inputs = prompt.inputs();
         let ids = prompt.token_ids(self.model.hp.n_vocab as u32);
@@ -363,7 +420,7 @@ impl<'m> Engine<'m> {
         // Hermes-style calls are text: held back from the pieces.
         let hold_calls = format == Some(ToolFormat::Hermes);
         let stats = generate_from(
-            &mut self.session,
+            &mut slot.session,
             &mut self.mv,
             &mut self.supply,
             Some(&self.lookahead),
@@ -476,9 +533,9 @@ impl<'m> Engine<'m> {
             None => {}
         }
         // The session now holds the prompt and all but the last token sampled.
-        self.held = items;
-        self.held.extend(sampled.iter().map(|&t| Some(t)));
-        self.held.truncate(self.session.position());
+        slot.held = items;
+        slot.held.extend(sampled.iter().map(|&t| Some(t)));
+        slot.held.truncate(slot.session.position());
         let finish_reason = if reply.eog.is_some() || reply.stopped.is_some() || stuck.get() {
             if tool_calls.is_empty() {
                 "stop"
@@ -494,6 +551,7 @@ impl<'m> Engine<'m> {
             finish_reason,
             prompt_tokens: prompt.len(),
             cached_tokens: keep,
+            slot: best,
             // Every token sampled, markers included, but an end of generation.
             completion_tokens: sampled.len() - usize::from(reply.eog.is_some()),
             prompt_time: stats.prefill,
@@ -646,7 +704,7 @@ pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions
     let about = About {
         opts,
         tokenizer: engine.tokenizer,
-        n_ctx: engine.session.max_positions(),
+        n_ctx: engine.max_positions(),
         vision: engine.clip.is_some(),
     };
     std::thread::scope(|scope| {
@@ -683,12 +741,13 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
         );
         if let Ok(f) = &result {
             note!(
-                "les serve: {} ({}): prompt {} ({} kept), {} generated in {:.2?}, {}",
+                "les serve: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
                 model_id,
                 match job.endpoint {
                     Endpoint::Chat => "chat",
                     Endpoint::Text => "text",
                 },
+                f.slot,
                 f.prompt_tokens,
                 f.cached_tokens,
                 f.completion_tokens,
