@@ -350,6 +350,10 @@ impl<'m> Engine<'m> {
                 (_, ToolFormat::Hermes) if c.grammar.is_none() => {
                     sampler.constrain_from(tools_grammar(&t.calls()?)?, tools::OPEN);
                 }
+                (_, ToolFormat::Harmony) if c.grammar.is_none() => {
+                    let g = tools_grammar(&t.harmony_from_trigger()?)?;
+                    sampler.constrain_from(g, tools::HARMONY_TRIGGER);
+                }
                 _ => {}
             }
         }

@@ -10,8 +10,8 @@
 //! grammar to one call (several with `parallel_tool_calls`) of the tools
 //! given, its arguments following their `parameters` schema; `"auto"` lets
 //! the model choose, and from the first `<tool_call>` it writes on the same
-//! grammar constrains the rest (llama.cpp's lazy grammar; Hermes-style
-//! only: a harmony reply is read as it comes); `"none"` renders no tools and
+//! grammar constrains the rest (llama.cpp's lazy grammar; a harmony reply
+//! from its recipient, `to=functions.`, on); `"none"` renders no tools and
 //! reads no calls.
 
 use serde_json::{json, Map, Value};
@@ -35,6 +35,10 @@ pub enum ToolFormat {
     /// gpt-oss's harmony messages to `functions.NAME`.
     Harmony,
 }
+
+/// Where an `auto` harmony reply's call starts to be constrained (llama.cpp's
+/// lazy grammar for gpt-oss triggers on the recipient).
+pub const HARMONY_TRIGGER: &str = "to=functions.";
 
 /// Most bytes of a tool's name (OpenAI's bound; names are `[A-Za-z0-9_-]`).
 pub const MAX_NAME: usize = 64;
@@ -205,6 +209,33 @@ impl Tools {
     /// following that function's `parameters`; generation ends after it
     /// (`<|call|>`, an end-of-generation token).
     pub fn harmony_call(&self) -> Result<String, ApiError> {
+        self.harmony_grammar(
+            "<|channel|>commentary to=functions.",
+            " <|constrain|>json<|message|>",
+        )
+    }
+
+    /// The grammar of a harmony call from [`HARMONY_TRIGGER`] on, for
+    /// `auto`: a function's name, then the rest of the header as gpt-oss
+    /// writes it (the recipient after the channel: `<|constrain|>json` or
+    /// `json` or nothing; or before it: then the commentary channel), then
+    /// its arguments.
+    pub fn harmony_from_trigger(&self) -> Result<String, ApiError> {
+        self.harmony_grammar(
+            HARMONY_TRIGGER,
+            "(\" <|constrain|>json\" | \" json\")? \
+             (\"<|channel|>commentary\" (\" <|constrain|>json\" | \" json\")?)? \"<|message|>\"",
+        )
+    }
+
+    /// `start` (a literal), then one wanted function's name, `header` (a
+    /// literal, or GBNF in parentheses) and its arguments.
+    fn harmony_grammar(&self, start: &str, header: &str) -> Result<String, ApiError> {
+        let header = if header.starts_with('(') {
+            header.to_string()
+        } else {
+            format!("\"{header}\"")
+        };
         let mut rules = String::new();
         let mut alternatives = Vec::new();
         for (i, (name, params)) in self.wanted().into_iter().enumerate() {
@@ -215,10 +246,11 @@ impl Tools {
             let g = rename_rules(&g, |r| defined.contains(&r).then(|| format!("t{i}-{r}")));
             rules.push_str(&g);
             // Names are [A-Za-z0-9_-]: a literal needs no escapes.
-            alternatives.push(format!("\"{name} <|constrain|>json<|message|>\" t{i}-root"));
+            alternatives.push(format!("\"{name}\" t{i}-header t{i}-root"));
+            rules.push_str(&format!("t{i}-header ::= {header}\n"));
         }
         Ok(format!(
-            "root ::= \"<|channel|>commentary to=functions.\" ({})\n{rules}",
+            "root ::= \"{start}\" ({})\n{rules}",
             alternatives.join(" | ")
         ))
     }
@@ -550,6 +582,31 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(!g.contains("get_weather"), "{g}");
+        // Auto: from the recipient on, the header's forms as gpt-oss writes them.
+        let auto = tools(json!({})).unwrap().unwrap();
+        let g = auto.harmony_from_trigger().unwrap();
+        let mut m = crate::grammar::Matcher::new(Grammar::parse(&g).unwrap()).unwrap();
+        for (text, ok) in [
+            (r#"to=functions.now <|constrain|>json<|message|>{}"#, true),
+            (r#"to=functions.now json<|message|>{}"#, true),
+            (r#"to=functions.now<|message|>{}"#, true),
+            (
+                r#"to=functions.now<|channel|>commentary <|constrain|>json<|message|>{}"#,
+                true,
+            ),
+            (
+                r#"to=functions.now<|channel|>commentary<|message|>{}"#,
+                true,
+            ),
+            (
+                r#"to=functions.get_weather<|message|>{"city": "Rome"}"#,
+                true,
+            ),
+            (r#"to=functions.get_weather<|message|>{}"#, false),
+            (r#"to=functions.nope<|message|>{}"#, false),
+        ] {
+            assert_eq!(m.derives(text), ok, "{text}");
+        }
     }
 
     #[test]
