@@ -920,6 +920,95 @@ fn slots_keep_the_chats_that_take_turns() {
     drop(log);
 }
 
+/// llama-server's own `/completion`: the text of `/v1/completions`' answer
+/// with llama-server's fields (`stop_type`, `stopping_word`, `tokens_*`,
+/// `completion_probabilities`, the tokens with `return_tokens`), streamed as
+/// events that add up to it and end without `[DONE]`; a prompt of token ids
+/// is evaluated as given.
+#[test]
+fn llama_server_completion_endpoint() {
+    let server = Server::start(&model(), &[]);
+    let prompt = "The quick brown fox";
+    let body = json!({"prompt": prompt, "temperature": 0, "n_predict": 12,
+        "return_tokens": true, "n_probs": 2});
+    let (status, v) = server.post("/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    let (_, oai) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "temperature": 0, "max_tokens": 12}),
+    );
+    let text = oai["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(v["content"], text);
+    assert_eq!(
+        (v["stop"].clone(), v["stop_type"].clone()),
+        (json!(true), json!("limit"))
+    );
+    assert_eq!(v["tokens_predicted"], 12);
+    assert_eq!(v["tokens_evaluated"], oai["usage"]["prompt_tokens"]);
+    let tokens = v["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 12);
+    let probs = v["completion_probabilities"].as_array().unwrap();
+    assert_eq!(probs.len(), 12);
+    assert!(probs.iter().zip(tokens).all(|(p, t)| &p["id"] == t));
+    assert!(v["timings"]["predicted_n"].as_u64().is_some());
+    // A prompt of token ids: the text's, BOS included, gives the same.
+    let (_, ids) = server.post(
+        "/tokenize",
+        &json!({"content": prompt, "add_special": true}),
+    );
+    let by_ids = json!({"prompt": ids["tokens"], "temperature": 0, "n_predict": 12});
+    let (status, w) = server.post("/completion", &by_ids);
+    assert_eq!(status, 200, "{w}");
+    assert_eq!(w["content"], text);
+    // A stop string: its type and word.
+    let stop: String = text
+        .chars()
+        .skip(text.chars().count() / 2)
+        .take(2)
+        .collect();
+    let mut stopped = body.clone();
+    stopped["stop"] = json!([stop]);
+    let (_, s) = server.post("/completion", &stopped);
+    assert_eq!(
+        (s["stop_type"].as_str(), s["stopping_word"].as_str()),
+        (Some("word"), Some(stop.as_str())),
+        "{s}"
+    );
+    // Streamed: the pieces add up; the last event has the stats; no [DONE].
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/completion", &streamed);
+    assert!(events.iter().all(|e| e != "[DONE]"));
+    let chunks: Vec<Value> = events
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let pieces: String = chunks
+        .iter()
+        .map(|c| c["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(pieces, text);
+    let last = chunks.last().unwrap();
+    assert_eq!(
+        (last["stop"].clone(), last["tokens_predicted"].clone()),
+        (json!(true), json!(12))
+    );
+    let streamed_probs: usize = chunks
+        .iter()
+        .filter_map(|c| c["completion_probabilities"].as_array())
+        .map(Vec::len)
+        .sum();
+    assert_eq!(streamed_probs, 12);
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c["stop"] == false));
+    // Ids outside the vocabulary, or a batch of prompts: 400.
+    for bad in [json!([100000]), json!([[1, 2], [3]]), json!(["a", 1])] {
+        let (status, e) = server.post("/completion", &json!({"prompt": bad}));
+        assert_eq!(status, 400, "{e}");
+    }
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

@@ -66,6 +66,9 @@ pub enum Prompt {
     /// `/v1/completions`: text evaluated as it is (BOS added where the model
     /// adds one).
     Text(String),
+    /// Token ids evaluated as they are (no BOS added), as llama-server takes
+    /// a `prompt` of numbers.
+    Tokens(Vec<u32>),
 }
 
 /// One chat message: its role and its content, images in it as
@@ -204,6 +207,9 @@ pub struct Completion {
     /// `chat_template_kwargs`: variables for the chat template (such as
     /// Qwen3's `enable_thinking`), over the server's `--chat-template-kwargs`.
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// `return_tokens`: the generated token ids in llama-server's
+    /// `/completion` answer.
+    pub return_tokens: bool,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -294,23 +300,31 @@ pub fn chat_request(body: &[u8]) -> Result<Completion, ApiError> {
     Ok(c)
 }
 
-/// Reads a `/v1/completions` body.
+/// Reads a `/v1/completions` (or llama-server's `/completion`) body: a
+/// `prompt` of text, or of token ids.
 pub fn text_request(body: &[u8]) -> Result<Completion, ApiError> {
     let obj = object(body)?;
+    let batch = || {
+        ApiError::bad(
+            "'prompt' must be one string or one array of token ids (batches of prompts are not supported)",
+        )
+    };
     let prompt = match obj.get("prompt") {
-        Some(Value::String(s)) => s.clone(),
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            a[0].as_str().unwrap_or_default().to_string()
+            Prompt::Text(a[0].as_str().unwrap_or_default().to_string())
         }
-        Some(Value::Array(_)) => {
-            return Err(ApiError::bad(
-                "'prompt' must be one string (batches of prompts are not supported)",
-            ))
-        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Prompt::Tokens(
+            a.iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| ApiError::bad("'prompt': token ids are non-negative integers"))?,
+        ),
+        Some(Value::Array(_)) => return Err(batch()),
         Some(_) => return Err(ApiError::bad("'prompt' must be a string")),
         None => return Err(ApiError::bad("'prompt' is required")),
     };
-    completion(&obj, Prompt::Text(prompt), Vec::new())
+    completion(&obj, prompt, Vec::new())
 }
 
 /// Most tokens `/detokenize` takes.
@@ -633,6 +647,12 @@ fn completion(
         logprobs: logprobs(obj)?,
         tools: None,
         chat_template_kwargs: None,
+        return_tokens: match obj.get("return_tokens") {
+            None | Some(Value::Null) => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| ApiError::bad("'return_tokens' must be true or false"))?,
+        },
     })
 }
 

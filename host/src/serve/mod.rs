@@ -64,9 +64,15 @@ pub struct Finished {
     /// The reasoning, where the model's markers set it apart (chat
     /// completions, unless `reasoning_format` is `none`).
     pub reasoning: String,
-    /// "stop" (an end-of-generation token or a stop string) or "length"
-    /// (`max_tokens`, or the context is full).
+    /// "stop" (an end-of-generation token or a stop string), "tool_calls"
+    /// or "length" (`max_tokens`, or the context is full).
     pub finish_reason: &'static str,
+    /// The generated tokens where the request asked for them
+    /// (`return_tokens`; not an end-of-generation one, a stop string's as
+    /// generated).
+    pub tokens: Vec<u32>,
+    /// The stop string that ended the reply, if one did.
+    pub stopping_word: Option<String>,
     /// Prompt positions (tokens and image embeddings).
     pub prompt_tokens: usize,
     /// Of them, those its slot held from an earlier request instead of
@@ -222,6 +228,18 @@ impl<'m> Engine<'m> {
     fn prompt(&mut self, c: &Completion) -> Result<MultimodalPrompt, ApiError> {
         let text = match &c.prompt {
             Prompt::Text(t) => t.clone(),
+            Prompt::Tokens(ids) => {
+                let n_vocab = self.model.hp.n_vocab;
+                if let Some(t) = ids.iter().find(|&&t| t as usize >= n_vocab) {
+                    return Err(ApiError::bad(format!(
+                        "'prompt': token {t} is outside the vocabulary ({n_vocab} tokens)"
+                    )));
+                }
+                return Ok(MultimodalPrompt::from_tokens(
+                    ids.clone(),
+                    self.model.hp.n_embd,
+                ));
+            }
             Prompt::Chat(messages) => {
                 let template = self.template.as_ref().ok_or_else(|| {
                     ApiError::bad(
@@ -549,10 +567,17 @@ impl<'m> Engine<'m> {
         } else {
             "length"
         };
+        let stopping_word = reply.stopped.as_ref().map(|(i, _)| c.stop[*i].clone());
         Ok(Finished {
             text,
             reasoning,
             finish_reason,
+            tokens: if c.return_tokens {
+                reply.tokens.clone()
+            } else {
+                Vec::new()
+            },
+            stopping_word,
             prompt_tokens: prompt.len(),
             cached_tokens: keep,
             slot: best,
@@ -664,8 +689,12 @@ fn sampler(c: &Completion) -> Sampler {
 /// Which endpoint a job came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Endpoint {
+    /// `/v1/chat/completions`.
     Chat,
+    /// `/v1/completions`.
     Text,
+    /// llama-server's own `/completion`.
+    Native,
 }
 
 /// A completion for the engine, and where its answer goes.
@@ -749,7 +778,7 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
                 model_id,
                 match job.endpoint {
                     Endpoint::Chat => "chat",
-                    Endpoint::Text => "text",
+                    Endpoint::Text | Endpoint::Native => "text",
                 },
                 f.slot,
                 f.prompt_tokens,
@@ -841,7 +870,8 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
         }
         let endpoint = match path {
             "/v1/chat/completions" | "/chat/completions" => Some(Endpoint::Chat),
-            "/v1/completions" | "/completions" => Some(Endpoint::Text),
+            "/v1/completions" => Some(Endpoint::Text),
+            "/completion" | "/completions" => Some(Endpoint::Native),
             _ => None,
         };
         match (req.method.as_str(), path, endpoint) {
@@ -882,7 +912,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
             ("POST", _, Some(endpoint)) => {
                 let parsed = match endpoint {
                     Endpoint::Chat => api::chat_request(&req.body),
-                    Endpoint::Text => api::text_request(&req.body),
+                    Endpoint::Text | Endpoint::Native => api::text_request(&req.body),
                 };
                 let c = match parsed {
                     Ok(c) => c,
@@ -1035,6 +1065,11 @@ fn complete(
                     http::write_event(out, &calls.to_string())?;
                 }
                 let mut last = shape.chunk(None, Some(&f), rest);
+                if shape.endpoint == Endpoint::Native {
+                    // llama-server's own stream ends with its last event.
+                    http::write_event(out, &last.to_string())?;
+                    return Ok(false);
+                }
                 last["usage"] = usage(&f);
                 last["timings"] = timings(&f);
                 http::write_event(out, &last.to_string())
@@ -1090,6 +1125,9 @@ struct Shape<'a> {
 impl Shape<'_> {
     /// The whole answer (`stream: false`).
     fn whole(&self, f: &Finished) -> Value {
+        if self.endpoint == Endpoint::Native {
+            return self.native(f, &f.text, f.logprobs.as_deref().unwrap_or_default());
+        }
         let mut choice = match self.endpoint {
             Endpoint::Chat => {
                 let mut message = json!({"role": "assistant", "content": f.text});
@@ -1104,8 +1142,8 @@ impl Shape<'_> {
                 }
                 json!({"index": 0, "finish_reason": f.finish_reason, "message": message})
             }
-            Endpoint::Text => json!({"index": 0, "finish_reason": f.finish_reason,
-                "text": f.text, "logprobs": null}),
+            Endpoint::Text | Endpoint::Native => json!({"index": 0,
+                "finish_reason": f.finish_reason, "text": f.text, "logprobs": null}),
         };
         if let Some(probs) = &f.logprobs {
             choice["logprobs"] = self.logprobs(probs);
@@ -1114,7 +1152,7 @@ impl Shape<'_> {
             "id": self.id,
             "object": match self.endpoint {
                 Endpoint::Chat => "chat.completion",
-                Endpoint::Text => "text_completion",
+                Endpoint::Text | Endpoint::Native => "text_completion",
             },
             "created": self.created,
             "model": self.model,
@@ -1133,6 +1171,20 @@ impl Shape<'_> {
         end: Option<&Finished>,
         probs: &[PositionLogprobs],
     ) -> Value {
+        if self.endpoint == Endpoint::Native {
+            return match end {
+                // The last event: the stats, the text sent already.
+                Some(f) => self.native(f, "", probs),
+                None => {
+                    let mut v = json!({"index": 0, "content": text.map_or("", |(_, t)| t),
+                        "tokens": [], "stop": false});
+                    if !probs.is_empty() {
+                        v["completion_probabilities"] = self.logprobs(probs)["content"].take();
+                    }
+                    v
+                }
+            };
+        }
         let reason = end.map(|f| f.finish_reason);
         let mut choice = match self.endpoint {
             Endpoint::Chat => {
@@ -1144,8 +1196,8 @@ impl Shape<'_> {
                 };
                 json!({"index": 0, "delta": delta, "finish_reason": reason})
             }
-            Endpoint::Text => json!({"index": 0, "text": text.map_or("", |(_, t)| t),
-                "logprobs": null, "finish_reason": reason}),
+            Endpoint::Text | Endpoint::Native => json!({"index": 0,
+                "text": text.map_or("", |(_, t)| t), "logprobs": null, "finish_reason": reason}),
         };
         if !probs.is_empty() {
             choice["logprobs"] = self.logprobs(probs);
@@ -1154,7 +1206,7 @@ impl Shape<'_> {
             "id": self.id,
             "object": match self.endpoint {
                 Endpoint::Chat => "chat.completion.chunk",
-                Endpoint::Text => "text_completion",
+                Endpoint::Text | Endpoint::Native => "text_completion",
             },
             "created": self.created,
             "model": self.model,
@@ -1164,6 +1216,37 @@ impl Shape<'_> {
 }
 
 impl Shape<'_> {
+    /// llama-server's own `/completion` answer of `f`, its text `content`
+    /// (the whole answer's, or nothing in a stream's last event) and `probs`
+    /// (all, or those not sent yet).
+    fn native(&self, f: &Finished, content: &str, probs: &[PositionLogprobs]) -> Value {
+        let stop_type = match (f.finish_reason, &f.stopping_word) {
+            ("length", _) => "limit",
+            (_, Some(_)) => "word",
+            _ => "eos",
+        };
+        let mut v = json!({
+            "index": 0,
+            "content": content,
+            "tokens": f.tokens,
+            "id_slot": f.slot,
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": f.completion_tokens,
+            "tokens_evaluated": f.prompt_tokens,
+            "has_new_line": f.text.contains('\n'),
+            "truncated": false,
+            "stop_type": stop_type,
+            "stopping_word": f.stopping_word.as_deref().unwrap_or(""),
+            "tokens_cached": f.cached_tokens,
+            "timings": timings(f),
+        });
+        if !probs.is_empty() {
+            v["completion_probabilities"] = self.logprobs(probs)["content"].take();
+        }
+        v
+    }
+
     /// The calls as OpenAI writes them (`{"id", "type", "function": {"name",
     /// "arguments"}}`, and their `index` in a stream's delta).
     fn tool_calls(&self, calls: &[ToolCall], indexed: bool) -> Value {
@@ -1297,7 +1380,7 @@ fn completion_id(endpoint: Endpoint) -> String {
         .map_or(0, |d| d.as_nanos());
     let kind = match endpoint {
         Endpoint::Chat => "chatcmpl",
-        Endpoint::Text => "cmpl",
+        Endpoint::Text | Endpoint::Native => "cmpl",
     };
     format!(
         "{kind}-{nanos:x}{:x}",
