@@ -351,6 +351,14 @@ fn streams_add_up_to_the_whole_answer() {
     }
 }
 
+/// Two characters from the middle of `text`: a stop string it reaches.
+fn middle(text: &str) -> String {
+    text.chars()
+        .skip(text.chars().count() / 2)
+        .take(2)
+        .collect()
+}
+
 /// A token id and its log probability.
 type Logprob = (u64, f64);
 
@@ -468,11 +476,7 @@ fn log_probabilities_are_the_softmax_of_the_models_logits() {
     // A stop string: the entries end with the reply's text (the tokens of
     // the stop string are left out), and without logprobs there are none.
     let full: String = v["choices"][0]["text"].as_str().unwrap().to_string();
-    let stop: String = full
-        .chars()
-        .skip(full.chars().count() / 2)
-        .take(2)
-        .collect();
+    let stop = middle(&full);
     let mut stopped = body.clone();
     stopped["stop"] = json!([stop]);
     let (_, s) = server.post("/v1/completions", &stopped);
@@ -961,11 +965,7 @@ fn llama_server_completion_endpoint() {
     assert_eq!(status, 200, "{w}");
     assert_eq!(w["content"], text);
     // A stop string: its type and word.
-    let stop: String = text
-        .chars()
-        .skip(text.chars().count() / 2)
-        .take(2)
-        .collect();
+    let stop = middle(text);
     let mut stopped = body.clone();
     stopped["stop"] = json!([stop]);
     let (_, s) = server.post("/completion", &stopped);
@@ -1016,8 +1016,7 @@ fn stop_strings_and_response_formats_shape_the_reply() {
     let greedy = json!({"messages": [user("Hello there")], "temperature": 0, "max_tokens": 16});
     let full = content(&server.chat(&greedy)).to_string();
     // A stop string from the middle of the reply cuts it there.
-    let cut = full.char_indices().nth(full.chars().count() / 2).unwrap().0;
-    let stop: String = full[cut..].chars().take(2).collect();
+    let stop = middle(&full);
     let mut stopped = greedy.clone();
     stopped["stop"] = json!([stop]);
     let v = server.chat(&stopped);

@@ -321,15 +321,19 @@ mod tests {
         );
     }
 
-    #[test]
-    fn harmony_channels_split_analysis_from_final() {
-        let (start, channel, message, end) = (10, 11, 12, 13);
-        let mut s = Splitter::new(Format::Harmony {
+    fn harmony(start: u32, channel: u32, message: u32, end: u32) -> Splitter {
+        Splitter::new(Format::Harmony {
             start,
             channel,
             message,
             end,
-        });
+        })
+    }
+
+    #[test]
+    fn harmony_channels_split_analysis_from_final() {
+        let (start, channel, message, end) = (10, 11, 12, 13);
+        let mut s = harmony(start, channel, message, end);
         // The prompt ends with "<|start|>assistant"; the reply goes on.
         let reply = [
             (channel, "<|channel|>"),
@@ -367,12 +371,7 @@ mod tests {
     #[test]
     fn harmony_messages_to_a_function_are_calls() {
         let (start, channel, message, end) = (10, 11, 12, 13);
-        let mut s = Splitter::new(Format::Harmony {
-            start,
-            channel,
-            message,
-            end,
-        });
+        let mut s = harmony(start, channel, message, end);
         assert!(s.is_harmony());
         let prompt = [Some(start), Some(4)];
         // The recipient after the channel's name, a constraint after it.
