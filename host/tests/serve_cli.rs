@@ -1009,6 +1009,60 @@ fn llama_server_completion_endpoint() {
     }
 }
 
+/// `/slots` shows each slot's cache; with `--metrics`, `/metrics` counts the
+/// prompt positions evaluated (not those kept) and the tokens generated, in
+/// Prometheus' format; without it, a 501. `/props` counts the slots.
+#[test]
+fn slots_and_metrics_report_the_work() {
+    let server = Server::start(&model(), &["--parallel", "2", "--metrics"]);
+    let (_, _, props) = server.request("GET", "/props", "");
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!(props["total_slots"], 2);
+    let body = json!({"prompt": "The quick brown fox", "temperature": 0, "max_tokens": 6});
+    let (_, a) = server.post("/v1/completions", &body);
+    let (_, b) = server.post("/v1/completions", &body);
+    let (status, _, slots) = server.request("GET", "/slots", "");
+    assert_eq!(status, 200);
+    let slots: Value = serde_json::from_str(&slots).unwrap();
+    let slots = slots.as_array().unwrap();
+    assert_eq!(slots.len(), 2);
+    assert!(slots
+        .iter()
+        .all(|s| s["is_processing"] == false && s["n_ctx"] == 4096));
+    let cached: Vec<u64> = slots
+        .iter()
+        .map(|s| s["n_cached"].as_u64().unwrap())
+        .collect();
+    // Both requests went to one slot: it holds the prompt and all but the last token.
+    let prompt = a["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cached.iter().max(), Some(&(prompt + 5)), "{cached:?}");
+    assert_eq!(cached.iter().min(), Some(&0), "{cached:?}");
+    let (status, headers, text) = server.request("GET", "/metrics", "");
+    assert_eq!(status, 200);
+    assert!(headers.contains("text/plain"), "{headers}");
+    let metric = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
+            .unwrap_or_else(|| panic!("{name} in {text}"))
+            .parse()
+            .unwrap()
+    };
+    let evaluated = prompt
+        + (prompt
+            - b["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap());
+    assert_eq!(metric("prompt_tokens_total"), evaluated as f64, "{text}");
+    assert_eq!(metric("tokens_predicted_total"), 12.0, "{text}");
+    assert_eq!(metric("requests_processing"), 0.0);
+    assert_eq!(metric("requests_deferred"), 0.0);
+    assert!(metric("predicted_tokens_seconds") > 0.0);
+    assert!(text.contains("# TYPE llamacpp:prompt_tokens_total counter"));
+    let plain = Server::start(&model(), &[]);
+    let (status, _, _) = plain.request("GET", "/metrics", "");
+    assert_eq!(status, 501);
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

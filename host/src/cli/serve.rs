@@ -82,6 +82,11 @@ pub struct ServeArgs {
     #[arg(long, visible_alias = "np", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
+    /// Answer `GET /metrics` in Prometheus' format (llama-server's
+    /// `--metrics`: tokens and seconds of prompts and generation, the
+    /// completions answered and waiting).
+    #[arg(long)]
+    pub metrics: bool,
     /// Connections served at once; more are answered 503.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub max_connections: u16,
@@ -180,6 +185,7 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
         &mut engine,
         &ServeOptions {
             model_id,
+            metrics: args.metrics,
             limits: Limits::default(),
             max_connections: usize::from(args.max_connections),
             api_key: args

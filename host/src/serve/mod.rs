@@ -203,6 +203,11 @@ impl<'m> Engine<'m> {
         self.slots[0].session.max_positions()
     }
 
+    /// The positions each slot's cache holds.
+    pub fn slots_held(&self) -> Vec<usize> {
+        self.slots.iter().map(|s| s.held.len()).collect()
+    }
+
     /// This engine with the model's reasoning left in the answer
     /// (`--reasoning-format none`), whatever requests ask.
     pub fn without_reasoning(mut self) -> Self {
@@ -303,8 +308,8 @@ impl<'m> Engine<'m> {
         .map_err(|e| ApiError::bad(e.to_string()))
     }
 
-    /// Answers `c`: `started` once the prompt is read and fits (an error
-    /// before it is the request's), then `delta` with each new piece of text,
+    /// Answers `c`: `started` with the slot that answers once the prompt is
+    /// read and fits (an error before it is the request's), then `delta` with each new piece of text,
     /// whether it is reasoning or answer, and the log probabilities (where
     /// asked) of the tokens generated since the last piece (streaming; those
     /// left at the end are [`Finished::logprobs`]' last); generation stops
@@ -312,7 +317,7 @@ impl<'m> Engine<'m> {
     pub fn complete(
         &mut self,
         c: &Completion,
-        started: impl FnOnce(),
+        started: impl FnOnce(usize),
         mut delta: impl FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
     ) -> Result<Finished, ApiError> {
         let prompt = self.prompt(c)?;
@@ -410,7 +415,7 @@ impl<'m> Engine<'m> {
             }
         };
         slot.held.truncate(keep);
-        started();
+        started(best);
         let inputs = prompt.inputs();
         let ids = prompt.token_ids(self.model.hp.n_vocab as u32);
         let room = ctx - prompt.len();
@@ -720,6 +725,8 @@ enum Event {
 pub struct ServeOptions {
     /// The model's name in responses and `/v1/models`.
     pub model_id: String,
+    /// Answer `GET /metrics` (llama-server's `--metrics`).
+    pub metrics: bool,
     /// Request bounds.
     pub limits: http::Limits,
     /// Connections served at once; more are answered 503.
@@ -739,10 +746,19 @@ pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions
         tokenizer: engine.tokenizer,
         n_ctx: engine.max_positions(),
         vision: engine.clip.is_some(),
+        speculative: engine.drafter.is_some(),
+        activity: std::sync::Mutex::new(Activity {
+            slots: engine
+                .slots_held()
+                .into_iter()
+                .map(|n| (n, false))
+                .collect(),
+            ..Activity::default()
+        }),
     };
     std::thread::scope(|scope| {
         scope.spawn(|| accept(scope, listener, jobs, &about));
-        work(engine, queue, &opts.model_id);
+        work(engine, queue, &about);
     });
 }
 
@@ -752,16 +768,53 @@ struct About<'a> {
     tokenizer: &'a Tokenizer,
     n_ctx: usize,
     vision: bool,
+    speculative: bool,
+    /// What the engine's loop did, for `/slots` and `/metrics`.
+    activity: std::sync::Mutex<Activity>,
+}
+
+/// What the engine's loop did so far and does now.
+#[derive(Debug, Default)]
+struct Activity {
+    /// Each slot: the positions its cache holds, and whether it answers now.
+    slots: Vec<(usize, bool)>,
+    /// Prompt positions evaluated (not those kept), and the seconds taken.
+    prompt_tokens: u64,
+    prompt_seconds: f64,
+    /// Tokens generated, and the seconds taken.
+    predicted_tokens: u64,
+    predicted_seconds: f64,
+    /// Completions answered.
+    requests: u64,
+    /// Completions waiting for the engine.
+    deferred: usize,
+}
+
+impl About<'_> {
+    fn activity(&self) -> std::sync::MutexGuard<'_, Activity> {
+        // A poisoned lock still holds counters worth reporting.
+        self.activity
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The engine's loop: each job's answer, in order.
-fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
+fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
+    let model_id = &about.opts.model_id;
     for job in queue {
+        {
+            let mut a = about.activity();
+            a.deferred = a.deferred.saturating_sub(1);
+        }
         let events = &job.events;
         let streaming = job.completion.stream;
         let result = engine.complete(
             &job.completion,
-            || {
+            |slot| {
+                if let Some(s) = about.activity().slots.get_mut(slot) {
+                    s.1 = true;
+                }
                 let _ = events.send(Event::Started);
             },
             |to, piece, probs| {
@@ -787,6 +840,20 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, model_id: &str) {
                 f.prompt_time + f.predicted_time,
                 f.finish_reason
             );
+        }
+        {
+            let mut a = about.activity();
+            for ((held, busy), now) in a.slots.iter_mut().zip(engine.slots_held()) {
+                *held = now;
+                *busy = false;
+            }
+            if let Ok(f) = &result {
+                a.prompt_tokens += (f.prompt_tokens - f.cached_tokens) as u64;
+                a.prompt_seconds += f.prompt_time.as_secs_f64();
+                a.predicted_tokens += f.completion_tokens as u64;
+                a.predicted_seconds += f.predicted_time.as_secs_f64();
+                a.requests += 1;
+            }
         }
         let _ = events.send(Event::Done(result));
     }
@@ -884,6 +951,23 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                 respond_json(&mut out, 200, &models, keep)?
             }
             ("GET", "/props", _) => respond_json(&mut out, 200, &props(about), keep)?,
+            ("GET", "/slots", _) => respond_json(&mut out, 200, &slots(about), keep)?,
+            ("GET", "/metrics", _) if opts.metrics => http::write_response(
+                &mut out,
+                200,
+                "text/plain; version=0.0.4",
+                metrics(about).as_bytes(),
+                keep,
+                &[],
+            )?,
+            ("GET", "/metrics", _) => respond_error(
+                &mut out,
+                &ApiError {
+                    status: 501,
+                    message: "metrics are off: start les serve with --metrics".into(),
+                },
+                keep,
+            )?,
             ("POST", "/tokenize" | "/detokenize" | "/apply-template", _) => {
                 let answer = match path {
                     "/tokenize" => api::tokenize(&req.body, about.tokenizer),
@@ -931,6 +1015,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                     endpoint,
                     tokenizer: about.tokenizer,
                 };
+                about.activity().deferred += 1;
                 if !complete(&mut out, jobs, c, &shape, keep)? {
                     return Ok(());
                 }
@@ -1309,12 +1394,90 @@ fn props(about: &About<'_>) -> Value {
                 "repeat_last_n": d.repeat_last_n, "n_predict": -1,
             },
         },
-        "total_slots": 1,
+        "total_slots": about.activity().slots.len(),
         "model_alias": about.opts.model_id,
         "chat_template": about.tokenizer.chat_template_source().unwrap_or(""),
         "modalities": {"vision": about.vision, "audio": false},
         "build_info": format!("les {}", env!("CARGO_PKG_VERSION")),
     })
+}
+
+/// llama-server's `/slots`: each slot's context, whether it answers now,
+/// and the positions its cache holds.
+fn slots(about: &About<'_>) -> Value {
+    let a = about.activity();
+    a.slots
+        .iter()
+        .enumerate()
+        .map(|(id, &(held, busy))| {
+            json!({"id": id, "n_ctx": about.n_ctx, "is_processing": busy,
+                "speculative": about.speculative, "n_cached": held})
+        })
+        .collect()
+}
+
+/// llama-server's `/metrics`, in Prometheus' text format.
+fn metrics(about: &About<'_>) -> String {
+    let a = about.activity();
+    let busy = a.slots.iter().filter(|s| s.1).count();
+    let rate = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let rows: [(&str, &str, &str, f64); 8] = [
+        (
+            "prompt_tokens_total",
+            "counter",
+            "Prompt positions evaluated.",
+            a.prompt_tokens as f64,
+        ),
+        (
+            "prompt_seconds_total",
+            "counter",
+            "Seconds evaluating prompts.",
+            a.prompt_seconds,
+        ),
+        (
+            "tokens_predicted_total",
+            "counter",
+            "Tokens generated.",
+            a.predicted_tokens as f64,
+        ),
+        (
+            "tokens_predicted_seconds_total",
+            "counter",
+            "Seconds generating.",
+            a.predicted_seconds,
+        ),
+        (
+            "prompt_tokens_seconds",
+            "gauge",
+            "Average prompt throughput in tokens/s.",
+            rate(a.prompt_tokens, a.prompt_seconds),
+        ),
+        (
+            "predicted_tokens_seconds",
+            "gauge",
+            "Average generation throughput in tokens/s.",
+            rate(a.predicted_tokens, a.predicted_seconds),
+        ),
+        (
+            "requests_processing",
+            "gauge",
+            "Completions being answered.",
+            busy as f64,
+        ),
+        (
+            "requests_deferred",
+            "gauge",
+            "Completions waiting.",
+            a.deferred as f64,
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in rows {
+        out.push_str(&format!(
+            "# HELP llamacpp:{name} {help}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+        ));
+    }
+    out
 }
 
 fn usage(f: &Finished) -> Value {
