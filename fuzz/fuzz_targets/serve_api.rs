@@ -14,7 +14,7 @@ use les::vision::MEDIA_MARKER;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    for read in [api::chat_request, api::text_request] {
+    for read in [api::chat_request, api::text_request, api::infill_request] {
         match read(data) {
             Ok(c) => {
                 assert!(c.images.len() <= MAX_IMAGES);

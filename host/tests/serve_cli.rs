@@ -1063,6 +1063,84 @@ fn slots_and_metrics_report_the_work() {
     assert_eq!(status, 501);
 }
 
+/// llama-server's `/infill`: the prompt is its repository-level pattern of
+/// the model's fill-in-the-middle tokens (built here from `/tokenize`'s
+/// pieces, and answered the same through `/completion`); a model without
+/// those tokens, or a request without its prefix or suffix, gets a 400.
+#[test]
+fn infill_builds_llama_servers_fill_in_the_middle_prompt() {
+    let src = model();
+    let names = [
+        "<|fim_prefix|>",
+        "<|fim_suffix|>",
+        "<|fim_middle|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    ];
+    let ids: Vec<u32> = (0..names.len() as u8)
+        .map(|i| byte_token(&src, 0xF5 + i))
+        .collect();
+    let renames: Vec<(u32, &str)> = ids.iter().copied().zip(names).collect();
+    let m = with_tokens(&src, "serve_fim.gguf", &renames);
+    let server = Server::start(&m, &[]);
+    let tok = |text: &str| -> Vec<Value> {
+        let (_, t) = server.post("/tokenize", &json!({"content": text, "add_special": false}));
+        t["tokens"].as_array().unwrap().clone()
+    };
+    let (_, with_bos) = server.post("/tokenize", &json!({"content": "x", "add_special": true}));
+    let bos: Vec<Value> = match with_bos["tokens"].as_array().unwrap().len() {
+        2 => vec![with_bos["tokens"][0].clone()],
+        _ => vec![],
+    };
+    let [pre, suf, mid, repo, sep] = [0, 1, 2, 3, 4].map(|i| json!(ids[i]));
+    let mut want = vec![repo];
+    want.extend(tok("myproject\n"));
+    want.push(sep.clone());
+    want.extend(tok("util.py\n"));
+    want.extend(tok("X = 1"));
+    want.push(sep);
+    want.extend(tok("filename\n"));
+    want.extend(bos);
+    want.push(pre);
+    want.extend(tok("def f("));
+    want.extend(tok("a"));
+    want.push(suf);
+    want.extend(tok("):\n    return a"));
+    want.push(mid);
+    let body = json!({"input_prefix": "def f(", "input_suffix": "):\n    return a",
+        "input_extra": [{"filename": "util.py", "text": "X = 1"}], "prompt": "a",
+        "temperature": 0, "n_predict": 8});
+    let (status, v) = server.post("/infill", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["tokens_evaluated"], want.len(), "{v}");
+    let (_, same) = server.post(
+        "/completion",
+        &json!({"prompt": want, "temperature": 0, "n_predict": 8}),
+    );
+    assert_eq!(v["content"], same["content"]);
+    assert_eq!(v["tokens_predicted"], 8);
+    // Without the tokens, or without a part: 400.
+    let plain = Server::start(&src, &[]);
+    let (status, e) = plain.post("/infill", &body);
+    assert_eq!(status, 400);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("fill-in-the-middle"),
+        "{e}"
+    );
+    let (status, e) = server.post("/infill", &json!({"input_prefix": "x"}));
+    assert_eq!(status, 400);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("input_suffix"),
+        "{e}"
+    );
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

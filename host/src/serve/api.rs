@@ -69,6 +69,25 @@ pub enum Prompt {
     /// Token ids evaluated as they are (no BOS added), as llama-server takes
     /// a `prompt` of numbers.
     Tokens(Vec<u32>),
+    /// llama-server's `/infill`: code around a hole, for the model's
+    /// fill-in-the-middle tokens.
+    Infill(Infill),
+}
+
+/// Most `input_extra` chunks an infill request may give.
+pub const MAX_EXTRA_CHUNKS: usize = 1024;
+
+/// A fill-in-the-middle request's parts (llama-server's `/infill`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Infill {
+    /// The code before the hole (`input_prefix`).
+    pub prefix: String,
+    /// The code after it (`input_suffix`).
+    pub suffix: String,
+    /// Other files as context (`input_extra`: filename, text).
+    pub extra: Vec<(String, String)>,
+    /// Text the middle starts with (`prompt`).
+    pub prompt: String,
 }
 
 /// One chat message: its role and its content, images in it as
@@ -325,6 +344,58 @@ pub fn text_request(body: &[u8]) -> Result<Completion, ApiError> {
         None => return Err(ApiError::bad("'prompt' is required")),
     };
     completion(&obj, prompt, Vec::new())
+}
+
+/// Reads a `/infill` body (llama-server's): `input_prefix` and
+/// `input_suffix` (required), `input_extra` (`[{"filename", "text"}]`),
+/// `prompt`, and the completion fields.
+pub fn infill_request(body: &[u8]) -> Result<Completion, ApiError> {
+    let obj = object(body)?;
+    let text = |key: &str, required: bool| match obj.get(key) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) if !required => Ok(String::new()),
+        None | Some(Value::Null) => Err(ApiError::bad(format!("'{key}' is required"))),
+        Some(_) => Err(ApiError::bad(format!("'{key}' must be a string"))),
+    };
+    let extra = match obj.get("input_extra") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(chunks)) if chunks.len() <= MAX_EXTRA_CHUNKS => chunks
+            .iter()
+            .map(|c| {
+                let text = c
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::bad("'input_extra' chunks need a string \"text\""))?;
+                let filename = match c.get("filename") {
+                    None | Some(Value::Null) => "tmp",
+                    Some(Value::String(f)) => f,
+                    Some(_) => {
+                        return Err(ApiError::bad(
+                            "'input_extra' chunks' \"filename\" must be a string",
+                        ))
+                    }
+                };
+                Ok((filename.to_string(), text.to_string()))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad(format!(
+                "more than {MAX_EXTRA_CHUNKS} 'input_extra' chunks"
+            )))
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'input_extra' must be an array of {\"filename\": string, \"text\": string}",
+            ))
+        }
+    };
+    let infill = Infill {
+        prefix: text("input_prefix", true)?,
+        suffix: text("input_suffix", true)?,
+        extra,
+        prompt: text("prompt", false)?,
+    };
+    completion(&obj, Prompt::Infill(infill), Vec::new())
 }
 
 /// Most tokens `/detokenize` takes.

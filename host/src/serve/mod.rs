@@ -233,6 +233,11 @@ impl<'m> Engine<'m> {
     fn prompt(&mut self, c: &Completion) -> Result<MultimodalPrompt, ApiError> {
         let text = match &c.prompt {
             Prompt::Text(t) => t.clone(),
+            Prompt::Infill(infill) => {
+                let ids =
+                    infill_tokens(self.tokenizer, infill, self.max_positions(), c.max_tokens)?;
+                return Ok(MultimodalPrompt::from_tokens(ids, self.model.hp.n_embd));
+            }
             Prompt::Tokens(ids) => {
                 let n_vocab = self.model.hp.n_vocab;
                 if let Some(t) = ids.iter().find(|&&t| t as usize >= n_vocab) {
@@ -643,6 +648,79 @@ impl Marks {
     }
 }
 
+/// llama-server's default `--batch-size`, by which its `/infill` sizes the
+/// prefix and suffix it keeps.
+const INFILL_BATCH: usize = 2048;
+
+/// The prompt of a fill-in-the-middle request, as llama-server's
+/// `format_prompt_infill` builds it (its repository-level pattern): the
+/// extra files (after `<|repo_name|>myproject`, each after `<|file_sep|>`
+/// and its name, or a snippet separator without that token), as much of
+/// them as the context leaves, then BOS where the model adds one,
+/// `<|fim_prefix|>`, the prefix's last tokens and `prompt`,
+/// `<|fim_suffix|>`, the suffix's first tokens, and `<|fim_middle|>`.
+fn infill_tokens(
+    tk: &Tokenizer,
+    infill: &api::Infill,
+    n_ctx: usize,
+    n_predict: Option<usize>,
+) -> Result<Vec<u32>, ApiError> {
+    use crate::tokenizer::Fim;
+    let (Some(pre), Some(suf), Some(mid)) = (
+        tk.fim(Fim::Prefix),
+        tk.fim(Fim::Suffix),
+        tk.fim(Fim::Middle),
+    ) else {
+        return Err(ApiError::bad(
+            "the model has no fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)",
+        ));
+    };
+    let enc = |t: &str| tk.encode(t, false, false);
+    let mut extra = Vec::new();
+    if let Some(repo) = tk.fim(Fim::Repo) {
+        extra.push(repo);
+        extra.extend(enc("myproject\n"));
+    }
+    for (filename, text) in &infill.extra {
+        match tk.fim(Fim::FileSep) {
+            Some(sep) => {
+                extra.push(sep);
+                extra.extend(enc(&format!("{filename}\n")));
+            }
+            None => extra.extend(enc("\n\n--- snippet ---\n\n")),
+        }
+        extra.extend(enc(text));
+    }
+    if let Some(sep) = tk.fim(Fim::FileSep) {
+        extra.push(sep);
+        extra.extend(enc("filename\n"));
+    }
+    let prompt = enc(&infill.prompt);
+    let mut prefix = enc(&infill.prefix);
+    let mut suffix = enc(&infill.suffix);
+    // The prefix and suffix fit a batch, 3 to 1; the files fill the rest.
+    let prefix_take = prefix.len().min(3 * (INFILL_BATCH / 4));
+    let suffix_take = suffix
+        .len()
+        .min((INFILL_BATCH / 4).saturating_sub(2 + prompt.len()));
+    let predict = n_predict.map_or(-1, |n| n.min(i64::MAX as usize / 4) as i64);
+    let room = (n_ctx as i64 - INFILL_BATCH as i64 - 2 * predict).max(0) as usize;
+    let extra_take = room.min(extra.len());
+    prefix.drain(..prefix.len() - prefix_take);
+    suffix.truncate(suffix_take);
+    let mut out = extra[extra.len() - extra_take..].to_vec();
+    if tk.add_bos() {
+        out.extend(tk.bos());
+    }
+    out.push(pre);
+    out.extend(prefix);
+    out.extend(prompt);
+    out.push(suf);
+    out.extend(suffix);
+    out.push(mid);
+    Ok(out)
+}
+
 /// How much of `reply`'s text may be passed on: what it wrote, short of a
 /// Hermes-style tool call in the answer, or what may start one, where
 /// `hold_calls` (reasoning that spells a call's tag is passed on as it is).
@@ -938,7 +1016,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
         let endpoint = match path {
             "/v1/chat/completions" | "/chat/completions" => Some(Endpoint::Chat),
             "/v1/completions" => Some(Endpoint::Text),
-            "/completion" | "/completions" => Some(Endpoint::Native),
+            "/completion" | "/completions" | "/infill" => Some(Endpoint::Native),
             _ => None,
         };
         match (req.method.as_str(), path, endpoint) {
@@ -996,6 +1074,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
             ("POST", _, Some(endpoint)) => {
                 let parsed = match endpoint {
                     Endpoint::Chat => api::chat_request(&req.body),
+                    Endpoint::Native if path == "/infill" => api::infill_request(&req.body),
                     Endpoint::Text | Endpoint::Native => api::text_request(&req.body),
                 };
                 let c = match parsed {

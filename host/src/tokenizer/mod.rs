@@ -443,6 +443,26 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     /// Variables every chat template render sees (`--chat-template-kwargs`).
     chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Fill-in-the-middle tokens, found by text as llama.cpp finds them:
+    /// prefix, suffix, middle, pad, repository, file separator.
+    fim: [Option<u32>; 6],
+}
+
+/// A fill-in-the-middle token ([`Tokenizer::fim`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fim {
+    /// Before the prefix (`<|fim_prefix|>`).
+    Prefix = 0,
+    /// Before the suffix (`<|fim_suffix|>`).
+    Suffix = 1,
+    /// Where the middle goes (`<|fim_middle|>`).
+    Middle = 2,
+    /// Padding (`<|fim_pad|>`).
+    Pad = 3,
+    /// Before the repository's name (`<|repo_name|>`).
+    Repo = 4,
+    /// Before each file of a repository (`<|file_sep|>`).
+    FileSep = 5,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -665,9 +685,11 @@ impl Tokenizer {
                 }
             }
         }
-        for (texts, ends_generation) in FIM_TEXTS {
+        let mut fim = [None; 6];
+        for (slot, (texts, ends_generation)) in fim.iter_mut().zip(FIM_TEXTS) {
             if let Some(id) = texts.iter().filter_map(|t| lookup(t)).min() {
                 make_control(&mut types, id);
+                *slot = Some(id);
                 if ends_generation {
                     eog.push(id);
                 }
@@ -764,6 +786,7 @@ impl Tokenizer {
             piece_ends,
             chat_template,
             chat_template_kwargs: serde_json::Map::new(),
+            fim,
         })
     }
 
@@ -845,6 +868,11 @@ impl Tokenizer {
     /// Whether generating `id` ends generation (EOS, EOT and llama.cpp's list).
     pub fn is_eog(&self, id: u32) -> bool {
         self.eog.binary_search(&id).is_ok()
+    }
+
+    /// The fill-in-the-middle token `which`, if the vocabulary has one.
+    pub fn fim(&self, which: Fim) -> Option<u32> {
+        self.fim[which as usize]
     }
 
     /// All end-of-generation ids, sorted.
