@@ -161,8 +161,8 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
         t0.elapsed()
     );
     note!(
-        "les: listening on http://{addr} (POST /v1/chat/completions, /v1/completions; \
-         GET /v1/models, /health)"
+        "les: listening on http://{addr} (POST /v1/chat/completions, /v1/completions, \
+         /completion, /infill; GET /v1/models, /health, /slots)"
     );
     let mut engine = Engine::new(
         &model,

@@ -19,9 +19,12 @@
 //!   `/v1/models` answer at once.
 //!
 //! Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`
-//! (images as base64 `data:` URLs with a vision projector) and `POST
-//! /v1/completions`, each with `stream` for server-sent events. A client
-//! that goes away stops its generation.
+//! (images as base64 `data:` URLs with a vision projector; tools; log
+//! probabilities), `POST /v1/completions`, llama-server's `POST /completion`
+//! and `POST /infill`, each with `stream` for server-sent events; the
+//! helpers `/tokenize`, `/detokenize`, `/apply-template`, `GET /props`,
+//! `/slots` and (`--metrics`) `/metrics`. A client that goes away stops its
+//! generation.
 
 pub mod api;
 pub mod http;
