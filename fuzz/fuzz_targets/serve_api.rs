@@ -1,4 +1,4 @@
-//! `les serve`'s request bodies from arbitrary bytes: both endpoints' JSON
+//! `les serve`'s request bodies from arbitrary bytes: every endpoint's JSON
 //! readers (messages, content parts, base64 images, samplers, stop strings,
 //! response formats turned into grammars) and the helpers' give a request or
 //! a one-line 400, never a panic, hang or huge allocation; a request read
@@ -14,7 +14,12 @@ use les::vision::MEDIA_MARKER;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    for read in [api::chat_request, api::text_request, api::infill_request] {
+    for read in [
+        api::chat_request,
+        api::text_request,
+        api::infill_request,
+        les::serve::anthropic::messages_request,
+    ] {
         match read(data) {
             Ok(c) => {
                 assert!(c.images.len() <= MAX_IMAGES);

@@ -1141,6 +1141,84 @@ fn infill_builds_llama_servers_fill_in_the_middle_prompt() {
     );
 }
 
+/// Anthropic's `/v1/messages` answers as the chat endpoint does, in
+/// Anthropic's shapes: text, `tool_use` blocks (`stop_reason: tool_use`),
+/// named events when streamed, its error shape.
+#[test]
+fn anthropic_messages_answer_as_chat_completions() {
+    let server = Server::start(&tools_model(), &[]);
+    let ask = json!({"role": "user", "content": "Weather in Paris?"});
+    // Plain text: the chat answer's.
+    let text = json!({"model": "m", "max_tokens": 8, "temperature": 0, "messages": [ask]});
+    let (status, v) = server.post("/v1/messages", &text);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["type"].as_str(), v["role"].as_str()),
+        (Some("message"), Some("assistant"))
+    );
+    let chat = server.chat(&json!({"messages": [ask], "temperature": 0, "max_tokens": 8}));
+    assert_eq!(v["content"][0]["text"].as_str(), Some(content(&chat)));
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert_eq!(v["usage"]["output_tokens"], 8);
+    // A named tool: a tool_use block with the call's input.
+    let tool = json!({"name": "get_weather", "description": "The weather in a city",
+        "input_schema": weather_tools()[0]["function"]["parameters"]});
+    let call = json!({"model": "m", "max_tokens": 300, "temperature": 0, "messages": [ask],
+        "tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}});
+    let (status, v) = server.post("/v1/messages", &call);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let block = v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .unwrap();
+    assert_eq!(block["name"], "get_weather");
+    assert!(
+        ["Paris", "Rome"].contains(&block["input"]["city"].as_str().unwrap()),
+        "{v}"
+    );
+    // Streamed: Anthropic's named events, the call's input in a JSON delta.
+    let mut streamed = call.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = server.request("POST", "/v1/messages", &streamed.to_string());
+    assert_eq!(status, 200);
+    let events: Vec<(String, Value)> = body
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap();
+            let name = name.strip_prefix("event: ").unwrap().to_string();
+            (
+                name,
+                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(events.first().unwrap().0, "message_start");
+    assert_eq!(events.last().unwrap().0, "message_stop");
+    let json_delta: String = events
+        .iter()
+        .filter(|(_, v)| v["delta"]["type"] == "input_json_delta")
+        .map(|(_, v)| v["delta"]["partial_json"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        serde_json::from_str::<Value>(&json_delta).unwrap(),
+        block["input"]
+    );
+    let stop = events.iter().find(|(n, _)| n == "message_delta").unwrap();
+    assert_eq!(stop.1["delta"]["stop_reason"], "tool_use");
+    // Errors in Anthropic's shape.
+    let (status, e) = server.post("/v1/messages", &json!({"messages": "hi"}));
+    assert_eq!(status, 400);
+    assert_eq!(
+        (e["type"].as_str(), e["error"]["type"].as_str()),
+        (Some("error"), Some("invalid_request_error")),
+        "{e}"
+    );
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

@@ -527,7 +527,18 @@ pub fn start_event_stream(w: &mut impl Write) -> io::Result<()> {
 /// does, each line (split at CRLF, LF or CR, as an SSE reader splits them)
 /// goes out as its own `data:` line, which a reader joins back with '\n'.
 pub fn write_event(w: &mut impl Write, data: &str) -> io::Result<()> {
-    let mut out = Vec::with_capacity(data.len() + 8);
+    write_named_event(w, None, data)
+}
+
+/// [`write_event`] with an `event: {name}` line first, where given (names
+/// hold no line break).
+pub fn write_named_event(w: &mut impl Write, name: Option<&str>, data: &str) -> io::Result<()> {
+    let mut out = Vec::with_capacity(data.len() + 32);
+    if let Some(name) = name {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(name.replace(['\r', '\n'], " ").as_bytes());
+        out.push(b'\n');
+    }
     let mut rest = data;
     loop {
         out.extend_from_slice(b"data: ");

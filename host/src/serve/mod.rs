@@ -4,6 +4,8 @@
 //! - [`http`]: HTTP/1.1 requests read within bounds, responses and
 //!   server-sent events written.
 //! - [`api`]: the JSON requests ([`api::Completion`]) and errors.
+//! - [`anthropic`]: Anthropic's Messages API, translated to and from
+//!   [`api`]'s chat requests and answers.
 //! - [`reasoning`]: a reply's reasoning told from its answer by the model's
 //!   marker tokens (`<think>`, harmony channels).
 //! - [`tools`]: tool calls, for chat templates that take tools and models
@@ -21,11 +23,13 @@
 //! Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`
 //! (images as base64 `data:` URLs with a vision projector; tools; log
 //! probabilities), `POST /v1/completions`, llama-server's `POST /completion`
-//! and `POST /infill`, each with `stream` for server-sent events; the
+//! and `POST /infill`, Anthropic's `POST /v1/messages` ([`anthropic`]), each
+//! with `stream` for server-sent events; the
 //! helpers `/tokenize`, `/detokenize`, `/apply-template`, `GET /props`,
 //! `/slots` and (`--metrics`) `/metrics`. A client that goes away stops its
 //! generation.
 
+pub mod anthropic;
 pub mod api;
 pub mod http;
 pub mod reasoning;
@@ -781,6 +785,8 @@ enum Endpoint {
     Text,
     /// llama-server's own `/completion`.
     Native,
+    /// Anthropic's `/v1/messages`.
+    Messages,
 }
 
 /// A completion for the engine, and where its answer goes.
@@ -911,7 +917,7 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
                 "les serve: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
                 model_id,
                 match job.endpoint {
-                    Endpoint::Chat => "chat",
+                    Endpoint::Chat | Endpoint::Messages => "chat",
                     Endpoint::Text | Endpoint::Native => "text",
                 },
                 f.slot,
@@ -1020,6 +1026,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
             "/v1/chat/completions" | "/chat/completions" => Some(Endpoint::Chat),
             "/v1/completions" => Some(Endpoint::Text),
             "/completion" | "/completions" | "/infill" => Some(Endpoint::Native),
+            "/v1/messages" => Some(Endpoint::Messages),
             _ => None,
         };
         match (req.method.as_str(), path, endpoint) {
@@ -1077,11 +1084,19 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
             ("POST", _, Some(endpoint)) => {
                 let parsed = match endpoint {
                     Endpoint::Chat => api::chat_request(&req.body),
+                    Endpoint::Messages => anthropic::messages_request(&req.body),
                     Endpoint::Native if path == "/infill" => api::infill_request(&req.body),
                     Endpoint::Text | Endpoint::Native => api::text_request(&req.body),
                 };
                 let c = match parsed {
                     Ok(c) => c,
+                    Err(e) if endpoint == Endpoint::Messages => {
+                        respond_json(&mut out, e.status, &anthropic::error_body(&e), keep)?;
+                        if keep {
+                            continue;
+                        }
+                        return Ok(());
+                    }
                     Err(e) => {
                         respond_error(&mut out, &e, keep)?;
                         if keep {
@@ -1184,7 +1199,7 @@ fn complete(
                 Ok(Event::Done(result)) => {
                     match result {
                         Ok(f) => respond_json(out, 200, &shape.whole(&f), keep)?,
-                        Err(e) => respond_error(out, &e, keep)?,
+                        Err(e) => respond_json(out, e.status, &shape.error(&e), keep)?,
                     }
                     return Ok(keep);
                 }
@@ -1201,6 +1216,9 @@ fn complete(
                 }
             }
         }
+    }
+    if shape.endpoint == Endpoint::Messages {
+        return stream_messages(out, answers, shape);
     }
     let mut started = false;
     // Log probabilities sent with the pieces so far.
@@ -1262,6 +1280,47 @@ fn complete(
     Ok(false)
 }
 
+/// Writes a `/v1/messages` stream: Anthropic's named events.
+fn stream_messages(
+    out: &mut TcpStream,
+    answers: Receiver<Event>,
+    shape: &Shape<'_>,
+) -> std::io::Result<bool> {
+    let mut stream = anthropic::Stream::new(shape.tag(), shape.model);
+    let mut started = false;
+    let write = |out: &mut TcpStream, events: Vec<(&str, Value)>| {
+        events
+            .into_iter()
+            .try_for_each(|(name, v)| http::write_named_event(out, Some(name), &v.to_string()))
+    };
+    for event in answers {
+        let written = match event {
+            Event::Started => {
+                started = true;
+                http::start_event_stream(out).and_then(|()| write(out, stream.start()))
+            }
+            Event::Delta(to, text, _) => write(out, stream.piece(to, &text)),
+            Event::Done(Ok(f)) => {
+                write(out, stream.finish(&f))?;
+                return Ok(false);
+            }
+            Event::Done(Err(e)) if started => {
+                let body = anthropic::error_body(&e).to_string();
+                http::write_named_event(out, Some("error"), &body)?;
+                return Ok(false);
+            }
+            Event::Done(Err(e)) => {
+                respond_json(out, e.status, &anthropic::error_body(&e), false)?;
+                return Ok(false);
+            }
+        };
+        if written.is_err() {
+            return Ok(false);
+        }
+    }
+    Ok(false)
+}
+
 /// Whether the client closed its end (a waiting client sends nothing more;
 /// its next request, pipelined, is data, not a close).
 fn client_gone(s: &TcpStream) -> bool {
@@ -1295,8 +1354,11 @@ impl Shape<'_> {
         if self.endpoint == Endpoint::Native {
             return self.native(f, &f.text, f.logprobs.as_deref().unwrap_or_default());
         }
+        if self.endpoint == Endpoint::Messages {
+            return anthropic::message(self.tag(), self.model, f);
+        }
         let mut choice = match self.endpoint {
-            Endpoint::Chat => {
+            Endpoint::Chat | Endpoint::Messages => {
                 let mut message = json!({"role": "assistant", "content": f.text});
                 if !f.reasoning.is_empty() {
                     message["reasoning_content"] = json!(f.reasoning);
@@ -1318,7 +1380,7 @@ impl Shape<'_> {
         json!({
             "id": self.id,
             "object": match self.endpoint {
-                Endpoint::Chat => "chat.completion",
+                Endpoint::Chat | Endpoint::Messages => "chat.completion",
                 Endpoint::Text | Endpoint::Native => "text_completion",
             },
             "created": self.created,
@@ -1354,7 +1416,7 @@ impl Shape<'_> {
         }
         let reason = end.map(|f| f.finish_reason);
         let mut choice = match self.endpoint {
-            Endpoint::Chat => {
+            Endpoint::Chat | Endpoint::Messages => {
                 let delta = match text {
                     Some((_, "")) => json!({"role": "assistant", "content": ""}),
                     Some((Channel::Reasoning, t)) => json!({"reasoning_content": t}),
@@ -1372,7 +1434,7 @@ impl Shape<'_> {
         json!({
             "id": self.id,
             "object": match self.endpoint {
-                Endpoint::Chat => "chat.completion.chunk",
+                Endpoint::Chat | Endpoint::Messages => "chat.completion.chunk",
                 Endpoint::Text | Endpoint::Native => "text_completion",
             },
             "created": self.created,
@@ -1383,6 +1445,19 @@ impl Shape<'_> {
 }
 
 impl Shape<'_> {
+    /// The body of error `e` in this endpoint's shape.
+    fn error(&self, e: &ApiError) -> Value {
+        match self.endpoint {
+            Endpoint::Messages => anthropic::error_body(e),
+            _ => e.body(),
+        }
+    }
+
+    /// The id's unique part (after its kind).
+    fn tag(&self) -> &str {
+        self.id.rsplit('-').next().unwrap_or_default()
+    }
+
     /// llama-server's own `/completion` answer of `f`, its text `content`
     /// (the whole answer's, or nothing in a stream's last event) and `probs`
     /// (all, or those not sent yet).
@@ -1417,7 +1492,7 @@ impl Shape<'_> {
     /// The calls as OpenAI writes them (`{"id", "type", "function": {"name",
     /// "arguments"}}`, and their `index` in a stream's delta).
     fn tool_calls(&self, calls: &[ToolCall], indexed: bool) -> Value {
-        let tag = self.id.rsplit('-').next().unwrap_or_default();
+        let tag = self.tag();
         calls
             .iter()
             .enumerate()
@@ -1626,6 +1701,7 @@ fn completion_id(endpoint: Endpoint) -> String {
     let kind = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Text | Endpoint::Native => "cmpl",
+        Endpoint::Messages => "msg",
     };
     format!(
         "{kind}-{nanos:x}{:x}",
