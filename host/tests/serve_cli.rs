@@ -598,11 +598,7 @@ fn harmony_calls_come_back_as_calls() {
         "<|return|>",
         "<|constrain|>",
     ];
-    let ids: Vec<u32> = (0..markers.len() as u8)
-        .map(|i| byte_token(&src, 0xF5 + i))
-        .collect();
-    let renames: Vec<(u32, &str)> = ids.iter().copied().zip(markers).collect();
-    let renamed = with_tokens(&src, "serve_oss_harmony0.gguf", &renames);
+    let (renamed, ids) = with_special_tokens(&src, "serve_oss_harmony0.gguf", &markers);
     let m = with_template(
         &renamed,
         "serve_oss_harmony.gguf",
@@ -1077,11 +1073,7 @@ fn infill_builds_llama_servers_fill_in_the_middle_prompt() {
         "<|repo_name|>",
         "<|file_sep|>",
     ];
-    let ids: Vec<u32> = (0..names.len() as u8)
-        .map(|i| byte_token(&src, 0xF5 + i))
-        .collect();
-    let renames: Vec<(u32, &str)> = ids.iter().copied().zip(names).collect();
-    let m = with_tokens(&src, "serve_fim.gguf", &renames);
+    let (m, ids) = with_special_tokens(&src, "serve_fim.gguf", &names);
     let server = Server::start(&m, &[]);
     let tok = |text: &str| -> Vec<Value> {
         let (_, t) = server.post("/tokenize", &json!({"content": text, "add_special": false}));
@@ -1499,6 +1491,16 @@ fn byte_token(src: &Path, b: u8) -> u32 {
         .iter()
         .position(|t| t.as_str() == Some(text.as_str()))
         .expect("a byte token") as u32
+}
+
+/// A copy of `src` (as `name`) whose tokens of bytes 0xF5, 0xF6, ... (never
+/// in UTF-8 text) are `texts`, and their ids.
+fn with_special_tokens(src: &Path, name: &str, texts: &[&str]) -> (PathBuf, Vec<u32>) {
+    let ids: Vec<u32> = (0..texts.len() as u8)
+        .map(|i| byte_token(src, 0xF5 + i))
+        .collect();
+    let renames: Vec<(u32, &str)> = ids.iter().copied().zip(texts.iter().copied()).collect();
+    (with_tokens(src, name, &renames), ids)
 }
 
 fn with_tokens(src: &Path, name: &str, renames: &[(u32, &str)]) -> PathBuf {
