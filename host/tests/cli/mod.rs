@@ -123,6 +123,18 @@ pub fn assert_equals_llama_cpp(model: &Path, tag: &str, max_kld: f64, same_top: 
     assert!(d["same_top"].as_f64().unwrap() >= same_top, "{tag}: {d}");
 }
 
+/// With llama.cpp's log-probabilities over `src/synth/sample.txt` as the
+/// base (`llama_kld_base`), `model` (quantized weights) stays close: a mean
+/// KL divergence under 2e-3 and the same top token at over 90% of the
+/// positions; `tag` names the base file and the failure.
+pub fn assert_close_to_llama_cpp(model: &Path, tag: &str) {
+    let base = tmp(&format!("{tag}.kld"));
+    llama_kld_base(model, &base);
+    let close = kld(model, &base);
+    assert!(close["mean"].as_f64().unwrap() < 2e-3, "{tag}: {close}");
+    assert!(close["same_top"].as_f64().unwrap() > 0.9, "{tag}: {close}");
+}
+
 /// The standard output of a successful run; panics with its stderr otherwise.
 pub fn stdout_ok(out: Output, what: &str) -> String {
     assert!(
