@@ -94,21 +94,16 @@ fn granite_keys_are_read_as_llama_cpp_reads_them() {
         _ => Some(v),
     });
     assert!(open_err(negative).contains("embedding_scale"));
-    let no_rope = tmp("granite_no_rope.gguf");
-    common::rewrite_gguf(
-        &src,
-        &no_rope,
-        |_, v| Some(v),
-        vec![("granitemoe.rope.scaling.finetuned", MetaValue::Bool(false))],
-    );
+    let with = |name: &str, key: &str, value: MetaValue| {
+        let dst = tmp(name);
+        common::rewrite_gguf(&src, &dst, |_, v| Some(v), vec![(key, value)]);
+        dst
+    };
+    let finetuned = "granitemoe.rope.scaling.finetuned";
+    let no_rope = with("granite_no_rope.gguf", finetuned, MetaValue::Bool(false));
     assert!(open_err(no_rope).contains("without RoPE"));
-    let deepstack = tmp("granite_deepstack.gguf");
-    common::rewrite_gguf(
-        &src,
-        &deepstack,
-        |_, v| Some(v),
-        vec![("granitemoe.deepstack_mapping", MetaValue::I32(0))],
-    );
+    let deepstack = "granitemoe.deepstack_mapping";
+    let deepstack = with("granite_deepstack.gguf", deepstack, MetaValue::I32(0));
     assert!(open_err(deepstack).contains("deepstack"));
 }
 

@@ -651,28 +651,28 @@ fn harmony_calls_come_back_as_calls() {
         }
     }
     // Streamed: the call in a delta of its own, no content.
-    let chunks = server.chunks("/v1/chat/completions", &required);
+    assert_streamed_call(&server.chunks("/v1/chat/completions", &required), call);
+}
+
+/// A stream's chunks hold `call` (a whole answer's) and nothing else: no
+/// content, one call delta (index 0) of the same function, and the last
+/// chunk's reason `tool_calls`.
+fn assert_streamed_call(chunks: &[Value], call: &Value) {
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(text, "", "{chunks:?}");
-    let deltas = streamed_calls(&chunks);
-    assert_eq!(deltas.len(), 1);
-    assert_eq!(deltas[0]["function"], call["function"]);
-    assert_eq!(
-        chunks.last().unwrap()["choices"][0]["finish_reason"],
-        "tool_calls"
-    );
-}
-
-/// The calls in a stream's deltas.
-fn streamed_calls(chunks: &[Value]) -> Vec<&Value> {
-    chunks
+    let deltas: Vec<&Value> = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
         .flatten()
-        .collect()
+        .collect();
+    assert_eq!(deltas.len(), 1, "{chunks:?}");
+    assert_eq!(deltas[0]["index"], 0);
+    assert_eq!(deltas[0]["function"], call["function"]);
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls");
 }
 
 /// A weather call's arguments, checked against the tool's enums.
@@ -747,15 +747,7 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     weather_args(&calls[0]);
 
     // Streamed: the same call, in a delta of its own, before the last chunk.
-    let chunks = server.chunks("/v1/chat/completions", &named);
-    let deltas = streamed_calls(&chunks);
-    assert_eq!(deltas.len(), 1, "{chunks:?}");
-    assert_eq!(deltas[0]["index"], 0);
-    assert_eq!(deltas[0]["function"], calls[0]["function"]);
-    assert_eq!(
-        chunks.last().unwrap()["choices"][0]["finish_reason"],
-        "tool_calls"
-    );
+    assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
 
     // Auto: the random model writes no call; its text is the content, as
     // the same prompt through /v1/completions gives.
@@ -798,15 +790,7 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     assert_eq!(calls.len(), 1, "{v}");
     weather_args(&calls[0]);
     // Streamed: the same call; no piece of it as content.
-    let chunks = opener.chunks("/v1/chat/completions", &called);
-    let text: String = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
-        .collect();
-    assert_eq!(text, "", "{chunks:?}");
-    let deltas = streamed_calls(&chunks);
-    assert_eq!(deltas.len(), 1);
-    assert_eq!(deltas[0]["function"], calls[0]["function"]);
+    assert_streamed_call(&opener.chunks("/v1/chat/completions", &called), &calls[0]);
 
     // None: no tools rendered, as a request without them.
     let mut none = auto.clone();
