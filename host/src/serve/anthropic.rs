@@ -17,12 +17,7 @@ use super::Finished;
 
 /// Reads a `/v1/messages` body.
 pub fn messages_request(body: &[u8]) -> Result<Completion, ApiError> {
-    let obj = match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(o)) => o,
-        Ok(_) => return Err(ApiError::bad("the body must be a JSON object")),
-        Err(e) => return Err(ApiError::bad(format!("the body is not JSON: {e}"))),
-    };
-    let chat = to_chat(&obj)?;
+    let chat = to_chat(&api::object(body)?)?;
     api::chat_request(chat.to_string().as_bytes())
 }
 

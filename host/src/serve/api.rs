@@ -511,7 +511,8 @@ pub fn chat_text(
     rendered.map_err(|e| ApiError::bad(format!("the chat template: {e}")))
 }
 
-fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+/// A request body's JSON object.
+pub(super) fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => Ok(o),
         Ok(_) => Err(ApiError::bad("the body must be a JSON object")),

@@ -505,11 +505,8 @@ impl<'m> Engine<'m> {
                 let end = passable(&reply.text, reply.written(), &marks, hold_calls);
                 let upto = starts.partition_point(|&s| s < end);
                 for (to, r) in marks.split(sent_to..end) {
-                    // A harmony call's arguments come whole at the end.
-                    let to = match to {
-                        Channel::Call if with_tools => continue,
-                        Channel::Call => Channel::Content,
-                        to => to,
+                    let Some(to) = shown(to, with_tools) else {
+                        continue;
                     };
                     let with = probs[passed..upto].to_vec();
                     passed = upto;
@@ -537,10 +534,8 @@ impl<'m> Engine<'m> {
                 None => reply.text.len(),
             };
             for (to, r) in marks.split(sent_to.min(end)..end) {
-                let to = match to {
-                    Channel::Call if with_tools => continue,
-                    Channel::Call => Channel::Content,
-                    to => to,
+                let Some(to) = shown(to, with_tools) else {
+                    continue;
                 };
                 let with = probs[passed.min(probs.len())..].to_vec();
                 passed = probs.len();
@@ -726,6 +721,17 @@ fn infill_tokens(
     out.extend(suffix);
     out.push(mid);
     Ok(out)
+}
+
+/// Where a piece of text of channel `to` goes as it streams: a harmony
+/// call's arguments nowhere where the request gave tools (they come whole
+/// at the end), the answer's way where it did not.
+fn shown(to: Channel, with_tools: bool) -> Option<Channel> {
+    match to {
+        Channel::Call if with_tools => None,
+        Channel::Call => Some(Channel::Content),
+        to => Some(to),
+    }
 }
 
 /// How much of `reply`'s text may be passed on: what it wrote, short of a
@@ -1374,20 +1380,32 @@ impl Shape<'_> {
             Endpoint::Text | Endpoint::Native => json!({"index": 0,
                 "finish_reason": f.finish_reason, "text": f.text, "logprobs": null}),
         };
+        // Asked for, they are there even when no token was generated.
         if let Some(probs) = &f.logprobs {
+            choice["logprobs"] = self.logprobs(probs);
+        }
+        let mut v = self.envelope("chat.completion", choice, &[]);
+        v["usage"] = usage(f);
+        v["timings"] = timings(f);
+        v
+    }
+
+    /// An answer or a chunk of one: `choice`, with `probs` where there are
+    /// any, under the id, the object (`chat_object` for chat, else
+    /// `text_completion`), the time and the model.
+    fn envelope(&self, chat_object: &str, mut choice: Value, probs: &[PositionLogprobs]) -> Value {
+        if !probs.is_empty() {
             choice["logprobs"] = self.logprobs(probs);
         }
         json!({
             "id": self.id,
             "object": match self.endpoint {
-                Endpoint::Chat | Endpoint::Messages => "chat.completion",
+                Endpoint::Chat | Endpoint::Messages => chat_object,
                 Endpoint::Text | Endpoint::Native => "text_completion",
             },
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": usage(f),
-            "timings": timings(f),
         })
     }
 
@@ -1415,7 +1433,7 @@ impl Shape<'_> {
             };
         }
         let reason = end.map(|f| f.finish_reason);
-        let mut choice = match self.endpoint {
+        let choice = match self.endpoint {
             Endpoint::Chat | Endpoint::Messages => {
                 let delta = match text {
                     Some((_, "")) => json!({"role": "assistant", "content": ""}),
@@ -1428,19 +1446,7 @@ impl Shape<'_> {
             Endpoint::Text | Endpoint::Native => json!({"index": 0,
                 "text": text.map_or("", |(_, t)| t), "logprobs": null, "finish_reason": reason}),
         };
-        if !probs.is_empty() {
-            choice["logprobs"] = self.logprobs(probs);
-        }
-        json!({
-            "id": self.id,
-            "object": match self.endpoint {
-                Endpoint::Chat | Endpoint::Messages => "chat.completion.chunk",
-                Endpoint::Text | Endpoint::Native => "text_completion",
-            },
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
+        self.envelope("chat.completion.chunk", choice, probs)
     }
 }
 
