@@ -13,7 +13,7 @@ use forward_common::{
     StreamedRun, TestModel,
 };
 use les_core::gemv::MatrixView;
-use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, MoeParams};
+use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, LinearShape, MoeParams};
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
@@ -146,7 +146,7 @@ fn build_with(
     };
     let hy = HybridParams {
         n_attn_layers: 2,
-        linear: Some((2, d)),
+        linear: Some((2, LinearShape::DeltaNet(d))),
         attn_output_gate: true,
         rope_sections: sections,
         mla: None,
@@ -241,7 +241,7 @@ fn expert(rng: &mut Rng, ty: [GgmlType; 3], e: usize) -> [Mat; 3] {
 
 impl Weights for Model {
     fn block(&self, l: usize) -> Block<'_> {
-        layer_block(&self.layers[l], self.hy.linear.unwrap().1)
+        layer_block(&self.layers[l], self.delta())
     }
     fn embedding(&self) -> MatrixView<'_> {
         self.embd.view()
@@ -310,6 +310,11 @@ fn layer_block(ly: &Layer, shape: DeltaNetShape) -> Block<'_> {
 }
 
 impl Model {
+    /// The DeltaNet layers' shape.
+    fn delta(&self) -> DeltaNetShape {
+        self.hy.linear.and_then(|(_, s)| s.delta_net()).unwrap()
+    }
+
     fn format(&self) -> ExpertFormat {
         ExpertFormat {
             gate: self.expert_ty[0],
@@ -598,7 +603,7 @@ fn ref_layer(
     seq: &mut RefSeq,
 ) {
     let hp = m.hp;
-    let d = m.hy.linear.unwrap().1;
+    let d = m.delta();
     let eps = hp.norm_eps as f64;
     let rms = |x: &[f32], w: &[f32]| ref_rms(x, w, eps);
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x as f64).exp()) as f32;

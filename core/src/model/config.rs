@@ -77,6 +77,14 @@ pub struct AttnTemperature {
 }
 
 impl AttnTemperature {
+    /// No temperature (a factor of 1 everywhere): a layer without RoPE and
+    /// nothing in its place (Granite 4.0-H).
+    pub const NONE: AttnTemperature = AttnTemperature {
+        floor_scale: 0,
+        scale: 0.0,
+        offset: 0.0,
+    };
+
     /// The values llama.cpp fixes for Llama 4.
     pub const LLAMA4: AttnTemperature = AttnTemperature {
         floor_scale: 8192,
@@ -354,8 +362,126 @@ impl DeltaNetShape {
     }
 }
 
-/// What a hybrid model adds to [`Hparams`]: which layers are gated DeltaNet
-/// (linear attention) rather than attention, the output gate of attention, and
+/// Shape of the Mamba2 (selective state-space) layers of a hybrid model
+/// (Granite 4.0-H, llama.cpp's `granitehybrid`).
+///
+/// The input projection yields `z` (`d_inner`), the convolved channels `xBC`
+/// (`x`: `d_inner`, then `B` and `C`: `n_group * d_state` each) and one time
+/// step per head (`n_head`); head `h` reads group `h / (n_head / n_group)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mamba2Shape {
+    /// Width of the inner stream `x` (`ssm.inner_size`), `n_head * head_dim`.
+    pub d_inner: usize,
+    /// Size of each head's state per channel (`ssm.state_size`).
+    pub d_state: usize,
+    /// SSM heads (`ssm.time_step_rank`), each with one decay and time step.
+    pub n_head: usize,
+    /// Groups sharing `B` and `C` (`ssm.group_count`).
+    pub n_group: usize,
+    /// Width of the causal convolution (`ssm.conv_kernel`).
+    pub conv_kernel: usize,
+}
+
+impl Mamba2Shape {
+    /// Channels of one head.
+    pub fn head_dim(&self) -> usize {
+        self.d_inner / self.n_head.max(1)
+    }
+
+    /// The group head `h` reads `B` and `C` from.
+    pub fn group(&self, h: usize) -> usize {
+        h / (self.n_head / self.n_group.max(1)).max(1)
+    }
+
+    /// Channels of the convolution: `x`, `B` and `C` side by side.
+    pub fn conv_dim(&self) -> usize {
+        self.d_inner + 2 * self.n_group * self.d_state
+    }
+
+    /// Rows of the input projection: `z`, `xBC` and the time steps.
+    pub fn in_proj_dim(&self) -> usize {
+        self.d_inner + self.conv_dim() + self.n_head
+    }
+
+    /// Floats of one layer's convolution state (the last `conv_kernel - 1`
+    /// inputs of every channel).
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
+
+    /// Floats of one layer's recurrent state (`d_state` per channel of `x`).
+    pub fn ssm_state_len(&self) -> usize {
+        self.d_inner * self.d_state
+    }
+
+    /// Checks the shape is consistent; the message names the first problem.
+    pub fn validate(&self) -> Result<(), &'static str> {
+        if self.d_inner == 0 || self.d_state == 0 || self.n_head == 0 || self.conv_kernel < 2 {
+            return Err("Mamba2 sizes must be positive and conv_kernel >= 2");
+        }
+        if !self.d_inner.is_multiple_of(self.n_head) {
+            return Err("Mamba2 inner size must be a multiple of its heads");
+        }
+        if self.n_group == 0 || !self.n_head.is_multiple_of(self.n_group) {
+            return Err("Mamba2 heads must be a positive multiple of its groups");
+        }
+        Ok(())
+    }
+}
+
+/// The recurrent mixer of a hybrid model's linear-time layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearShape {
+    /// Gated DeltaNet (qwen3next, qwen35, qwen35moe).
+    DeltaNet(DeltaNetShape),
+    /// Mamba2 (granitehybrid).
+    Mamba2(Mamba2Shape),
+}
+
+impl LinearShape {
+    /// The DeltaNet shape, if these layers are DeltaNet.
+    pub fn delta_net(&self) -> Option<DeltaNetShape> {
+        match self {
+            LinearShape::DeltaNet(d) => Some(*d),
+            LinearShape::Mamba2(_) => None,
+        }
+    }
+
+    /// The Mamba2 shape, if these layers are Mamba2.
+    pub fn mamba2(&self) -> Option<Mamba2Shape> {
+        match self {
+            LinearShape::Mamba2(m) => Some(*m),
+            LinearShape::DeltaNet(_) => None,
+        }
+    }
+
+    /// Floats of one layer's convolution state.
+    pub fn conv_state_len(&self) -> usize {
+        match self {
+            LinearShape::DeltaNet(d) => d.conv_state_len(),
+            LinearShape::Mamba2(m) => m.conv_state_len(),
+        }
+    }
+
+    /// Floats of one layer's recurrent state.
+    pub fn ssm_state_len(&self) -> usize {
+        match self {
+            LinearShape::DeltaNet(d) => d.ssm_state_len(),
+            LinearShape::Mamba2(m) => m.ssm_state_len(),
+        }
+    }
+
+    /// Checks the shape is consistent; the message names the first problem.
+    pub fn validate(&self) -> Result<(), &'static str> {
+        match self {
+            LinearShape::DeltaNet(d) => d.validate(),
+            LinearShape::Mamba2(m) => m.validate(),
+        }
+    }
+}
+
+/// What a hybrid model adds to [`Hparams`]: which layers are recurrent (gated
+/// DeltaNet or Mamba2, linear in the sequence) rather than attention, the output gate of attention, and
 /// multi-section RoPE, multi-head latent attention. [`HybridParams::plain`]
 /// describes a plain transformer, for which the forward pass is the same
 /// arithmetic as before these existed.
@@ -363,8 +489,8 @@ impl DeltaNetShape {
 pub struct HybridParams {
     /// Layers with attention (they own a slice of the KV cache).
     pub n_attn_layers: usize,
-    /// Layers with gated DeltaNet (they own recurrent state), and their shape.
-    pub linear: Option<(usize, DeltaNetShape)>,
+    /// Recurrent layers (they own recurrent state), and their shape.
+    pub linear: Option<(usize, LinearShape)>,
     /// Attention output is gated: `wq` yields a query and a gate per head
     /// (`[q_h, g_h]` interleaved, `2 * q_dim` rows), and the attention output is
     /// multiplied by `sigmoid(g)` before `wo` (qwen3next, qwen35, qwen35moe).
@@ -444,7 +570,7 @@ impl HybridParams {
         }
     }
 
-    /// Linear-attention layers.
+    /// Recurrent (linear-attention or Mamba2) layers.
     pub fn n_linear_layers(&self) -> usize {
         self.linear.map_or(0, |(n, _)| n)
     }

@@ -12,8 +12,9 @@
 
 use core::fmt;
 
-use super::config::{AttnTemperature, AttnWindow, ExpertAct, Hparams, HybridParams};
+use super::config::{AttnTemperature, AttnWindow, ExpertAct, Hparams, HybridParams, LinearShape};
 use super::deltanet::{self, DeltaNetWeights, Projections};
+use super::mamba2::{self, Mamba2Weights};
 use super::ops::{
     rms_norm, rms_norm_heads, rope_factored, rope_imrope_scaled, sigmoid, swiglu, swiglu_oai,
     AttnShape, KvView,
@@ -185,6 +186,8 @@ pub enum Mixer<'a> {
     Attention(AttentionWeights<'a>),
     /// Gated DeltaNet over the layer's recurrent state.
     DeltaNet(DeltaNetWeights<'a>),
+    /// Mamba2 over the layer's recurrent state.
+    Mamba2(Mamba2Weights<'a>),
     /// Multi-head latent attention over the KV cache (deepseek2; the shape is
     /// [`HybridParams::mla`]).
     Mla(MlaWeights<'a>),
@@ -586,7 +589,10 @@ impl<'a> RecurrentState<'a> {
     /// Floats of the convolution state and of the DeltaNet state for `hy`.
     pub fn len(hy: &HybridParams) -> (usize, usize) {
         match hy.linear {
-            Some((n, shape)) => (n * shape.conv_state_len(), n * shape.ssm_state_len()),
+            Some((n, shape)) => (
+                n.saturating_mul(shape.conv_state_len()),
+                n.saturating_mul(shape.ssm_state_len()),
+            ),
             None => (0, 0),
         }
     }
@@ -663,7 +669,7 @@ fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 8] {
         None => [0, 0],
     };
     match hy.linear {
-        Some((_, d)) => [
+        Some((_, LinearShape::DeltaNet(d))) => [
             qg,
             d.conv_dim(),
             d.value_dim(),
@@ -673,6 +679,8 @@ fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 8] {
             qa,
             q,
         ],
+        // Mamba2's projection in `d_qkv`, its output in `d_out`.
+        Some((_, LinearShape::Mamba2(m))) => [qg, m.in_proj_dim(), 0, 0, 0, m.d_inner, qa, q],
         None => [qg, 0, 0, 0, 0, 0, qa, q],
     }
 }
@@ -1462,6 +1470,13 @@ pub(super) fn mix<M: MatVec, E>(
             mv.matvec(&dw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
+        Mixer::Mamba2(mw) => {
+            let (conv, ssm) = mamba2_state(hp, hy, mw, rs, *lin_idx)?;
+            mv.matvec(&mw.in_proj, s.x, s.d_qkv)?;
+            mamba2_step(hp, mw, s, conv, ssm, pos);
+            mv.matvec(&mw.out, s.d_out, s.tmp)?;
+            *lin_idx += 1;
+        }
     }
     add_residual(hp, s.h, s.tmp);
     Ok(())
@@ -1476,20 +1491,61 @@ pub(super) fn deltanet_state<'r, E>(
     rs: &'r mut RecurrentState<'_>,
     state: usize,
 ) -> Result<(&'r mut [f32], &'r mut [f32]), ForwardError<E>> {
-    let Some((_, dshape)) = hy.linear.filter(|_| state < rs.n_layers) else {
+    let Some((_, shape)) = hy.linear.filter(|_| state < rs.n_layers) else {
         return Err(ForwardError::Shape(
             "linear-attention layer without recurrent state",
         ));
     };
-    if dw.shape != dshape {
+    if shape != LinearShape::DeltaNet(dw.shape) {
         return Err(ForwardError::Shape("DeltaNet layer shape"));
     }
+    let dshape = dw.shape;
     dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
     let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
     Ok((
         &mut rs.conv[state * cl..][..cl],
         &mut rs.ssm[state * ml..][..ml],
     ))
+}
+
+/// The recurrent state (conv, ssm) of recurrent layer `state` for Mamba2
+/// weights `mw`, after checking they fit the model.
+pub(super) fn mamba2_state<'r, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    mw: &Mamba2Weights<'_>,
+    rs: &'r mut RecurrentState<'_>,
+    state: usize,
+) -> Result<(&'r mut [f32], &'r mut [f32]), ForwardError<E>> {
+    let Some((_, shape)) = hy.linear.filter(|_| state < rs.n_layers) else {
+        return Err(ForwardError::Shape("Mamba2 layer without recurrent state"));
+    };
+    if shape != LinearShape::Mamba2(mw.shape) {
+        return Err(ForwardError::Shape("Mamba2 layer shape"));
+    }
+    mw.check(hp.n_embd).map_err(ForwardError::Shape)?;
+    let (cl, ml) = (mw.shape.conv_state_len(), mw.shape.ssm_state_len());
+    Ok((
+        &mut rs.conv[state * cl..][..cl],
+        &mut rs.ssm[state * ml..][..ml],
+    ))
+}
+
+/// One Mamba2 step at position `pos` (position 0 starts from a zero state)
+/// from the input projection in `s.d_qkv`, into `s.d_out`.
+pub(super) fn mamba2_step(
+    hp: &Hparams,
+    mw: &Mamba2Weights<'_>,
+    s: &mut Scratch<'_>,
+    conv: &mut [f32],
+    ssm: &mut [f32],
+    pos: usize,
+) {
+    if pos == 0 {
+        conv.fill(0.0);
+        ssm.fill(0.0);
+    }
+    mamba2::step(mw, s.d_qkv, hp.norm_eps, conv, ssm, s.d_out);
 }
 
 /// One DeltaNet step at position `pos` (position 0 starts from a zero state)

@@ -3,6 +3,7 @@
 //! - [`config`]: the model shape ([`config::Hparams`]).
 //! - [`ops`]: the layer arithmetic (norms, RoPE, attention, SwiGLU).
 //! - [`deltanet`]: gated DeltaNet, the linear attention of hybrid models.
+//! - [`mamba2`]: Mamba2, the selective state-space layer of hybrid models.
 //! - [`forward`]: one token through the model, with routed experts supplied by an
 //!   [`forward::Experts`] implementation (resident, or streamed by the scheduler),
 //!   or several positions layer by layer ([`forward::forward_batch`], a prompt's
@@ -16,4 +17,5 @@ pub mod config;
 pub mod deltanet;
 pub mod experts;
 pub mod forward;
+pub mod mamba2;
 pub mod ops;

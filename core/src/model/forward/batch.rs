@@ -18,12 +18,14 @@
 //! [`forward_hybrid`]: super::forward_hybrid
 
 use super::deltanet::DeltaNetWeights;
+use super::mamba2::Mamba2Weights;
 use super::{
     add_bias, add_into, add_residual, attended, cached, combine, deltanet_state, deltanet_step,
-    embed, expert_tail, gate_shared, lookahead_matrix, next_step, output_gate, project_position,
-    router_config, scale_embedding, scale_logits, swiglu_ffn_checked, AttentionWeights,
-    ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer,
-    MoeFfn, RecurrentState, Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
+    embed, expert_tail, gate_shared, lookahead_matrix, mamba2_state, mamba2_step, next_step,
+    output_gate, project_position, router_config, scale_embedding, scale_logits,
+    swiglu_ffn_checked, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError,
+    Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch, SharedExpert,
+    Step, TokenInput, Weights,
 };
 use crate::gemv::GemvError;
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
@@ -301,6 +303,10 @@ where
             }
             Mixer::DeltaNet(dw) => {
                 deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
+                lin_idx += 1;
+            }
+            Mixer::Mamba2(mw) => {
+                mamba2_batch(hp, hy, mw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
                 lin_idx += 1;
             }
             Mixer::Mla(mw) => {
@@ -659,6 +665,46 @@ fn deltanet_batch<M: MatVec, E>(
     }
     let out = &mut b.go[..n * e];
     mv.matmul(&dw.out, &b.dout[..n * lo], out)?;
+    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
+        add_residual(hp, h, o);
+    }
+    Ok(())
+}
+
+/// One Mamba2 layer for the first `n` positions of `b.h` (positions `pos..`):
+/// what [`mix`](super::mix) does for each, with the input and output
+/// projections of all the positions at once ([`MatVec::matmul`]) and the
+/// scan a position at a time, in order.
+#[allow(clippy::too_many_arguments)]
+fn mamba2_batch<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    mw: &Mamba2Weights<'_>,
+    attn_norm: &[f32],
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    rs: &mut RecurrentState<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    state: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    let (conv, ssm) = mamba2_state(hp, hy, mw, rs, state)?;
+    let e = hp.n_embd;
+    let (lp, lo) = (s.d_qkv.len(), s.d_out.len());
+    let x = &mut b.gx[..n * e];
+    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
+        rms_norm(h, attn_norm, hp.norm_eps, x);
+    }
+    let proj = &mut b.dqkv[..n * lp];
+    mv.matmul(&mw.in_proj, x, proj)?;
+    for j in 0..n {
+        s.d_qkv.copy_from_slice(&proj[j * lp..][..lp]);
+        mamba2_step(hp, mw, s, conv, ssm, pos + j);
+        b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
+    }
+    let out = &mut b.go[..n * e];
+    mv.matmul(&mw.out, &b.dout[..n * lo], out)?;
     for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
         add_residual(hp, h, o);
     }

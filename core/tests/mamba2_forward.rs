@@ -1,0 +1,631 @@
+//! The granitehybrid forward pass (Mamba2 layers around an attention layer
+//! without RoPE, routed plus ungated shared experts, Granite's multipliers) on
+//! a tiny model: its math against a plain f64 reference written here (the
+//! Mamba2 recurrence over an explicit state, naive attention), offloaded ==
+//! resident bit for bit for every schedule, batches equal to one position at
+//! a time, and the sequence state living entirely in the caller's KV cache and
+//! recurrent state.
+
+mod forward_common;
+
+use forward_common::{
+    assert_bits_eq, assert_close, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun,
+    TestModel,
+};
+use les_core::gemv::MatrixView;
+use les_core::model::config::{
+    AttnTemperature, ExpertAct, Hparams, HybridParams, LinearShape, Mamba2Shape, MoeParams, Scales,
+};
+use les_core::model::experts::{ExpertFormat, Resident};
+use les_core::model::forward::{
+    AttentionWeights, Block, ExpertMatrices, Experts, Ffn, Lookahead, Mixer, SharedExpert, Weights,
+};
+use les_core::model::mamba2::Mamba2Weights;
+use les_core::model::ops::RopeStyle;
+use les_core::quant::GgmlType;
+use les_core::router::{Gating, LayerMask, PredictorConfig};
+use les_core::schedule::SchedulerConfig;
+
+struct Attn {
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+}
+
+struct Ssm {
+    in_proj: Mat,
+    conv: Vec<f32>,
+    conv_bias: Option<Vec<f32>>,
+    dt_bias: Vec<f32>,
+    a: Vec<f32>,
+    d: Vec<f32>,
+    norm: Vec<f32>,
+    out: Mat,
+}
+
+enum Mix {
+    Attn(Attn),
+    Ssm(Ssm),
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    mix: Mix,
+    ffn_norm: Vec<f32>,
+    router: Mat,
+    shared: [Mat; 3],
+}
+
+const N_EXP: usize = 8;
+const TOP_K: usize = 2;
+const FF: usize = 32;
+
+/// Granite 4.0-H's layout in small: two groups, two heads each.
+const SHAPE: Mamba2Shape = Mamba2Shape {
+    d_inner: 128,
+    d_state: 16,
+    n_head: 4,
+    n_group: 2,
+    conv_kernel: 4,
+};
+
+/// Multipliers unlike 1, so that each shows (Granite 4.0-H-Tiny's are 12,
+/// 0.22, 1/128 and 6).
+const SCALES: Scales = Scales {
+    embedding: 3.0,
+    residual: 0.5,
+    attention: Some(0.2),
+    logit: 4.0,
+};
+
+struct Model {
+    hp: Hparams,
+    hy: HybridParams,
+    embd: Mat,
+    out_norm: Vec<f32>,
+    output: Mat,
+    layers: Vec<Layer>,
+    experts: Vec<Vec<[Mat; 3]>>,
+    image: Vec<u8>,
+    offsets: Vec<Vec<usize>>,
+    expert_ty: [GgmlType; 3],
+}
+
+/// Layer 2 is attention, the others Mamba2.
+fn is_ssm(l: usize) -> bool {
+    l != 2
+}
+
+fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, true)
+}
+
+fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], conv_bias: bool) -> Model {
+    let mut rng = Rng(seed);
+    let hp = Hparams {
+        n_layers: 4,
+        n_embd: 64,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 16,
+        n_rot: 16,
+        n_vocab: 40,
+        n_ff: 0,
+        rope_base: 10000.0,
+        rope_style: RopeStyle::Normal,
+        norm_eps: 1e-5,
+        moe: Some(MoeParams {
+            n_experts: N_EXP,
+            top_k: TOP_K,
+            n_ff_exp: FF,
+            gating: Gating::Softmax,
+            normalize: true,
+            weights_scale: 1.0,
+            n_ff_shared: Some(FF),
+            act: ExpertAct::SwiGlu,
+            groups: None,
+            weight_inputs: false,
+        }),
+        rope_yarn: None,
+        scales: SCALES,
+    };
+    let hy = HybridParams {
+        n_attn_layers: 1,
+        linear: Some((3, LinearShape::Mamba2(SHAPE))),
+        ..HybridParams::plain(&hp)
+    };
+    hy.validate(&hp).unwrap();
+    let e = hp.n_embd;
+    let s = SHAPE;
+    let mut layers = Vec::new();
+    let mut experts = Vec::new();
+    let mut image = Vec::new();
+    let mut offsets = Vec::new();
+    for l in 0..hp.n_layers {
+        let attn_norm = rng.vec(e, 0.1, 1.0);
+        let mix = if is_ssm(l) {
+            Mix::Ssm(Ssm {
+                in_proj: Mat::new(&mut rng, ty, s.in_proj_dim(), e, 0.15),
+                conv: rng.vec(s.conv_dim() * s.conv_kernel, 0.5, 0.0),
+                conv_bias: conv_bias.then(|| rng.vec(s.conv_dim(), 0.1, 0.0)),
+                dt_bias: rng.vec(s.n_head, 0.5, -2.0),
+                a: (0..s.n_head).map(|_| -1.0 - 8.0 * rng.uniform()).collect(),
+                d: rng.vec(s.n_head, 0.2, 1.0),
+                norm: rng.vec(s.d_inner, 0.1, 1.0),
+                out: Mat::new(&mut rng, ty, e, s.d_inner, 0.15),
+            })
+        } else {
+            Mix::Attn(Attn {
+                wq: Mat::new(&mut rng, ty, hp.q_dim(), e, 0.15),
+                wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+                wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+                wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
+            })
+        };
+        layers.push(Layer {
+            attn_norm,
+            mix,
+            ffn_norm: rng.vec(e, 0.1, 1.0),
+            router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
+            shared: [
+                Mat::new(&mut rng, ty, FF, e, 0.15),
+                Mat::new(&mut rng, ty, FF, e, 0.15),
+                Mat::new(&mut rng, ty, e, FF, 0.15),
+            ],
+        });
+        let mut le = Vec::new();
+        let mut lo = Vec::new();
+        for _ in 0..N_EXP {
+            let m = [
+                Mat::new(&mut rng, expert_ty[0], FF, e, 0.2),
+                Mat::new(&mut rng, expert_ty[1], FF, e, 0.2),
+                Mat::new(&mut rng, expert_ty[2], e, FF, 0.2),
+            ];
+            lo.push(image.len());
+            for p in &m {
+                image.extend_from_slice(&p.bytes);
+            }
+            le.push(m);
+        }
+        experts.push(le);
+        offsets.push(lo);
+    }
+    Model {
+        hp,
+        hy,
+        embd: Mat::new(&mut rng, ty, hp.n_vocab, e, 0.3),
+        out_norm: rng.vec(e, 0.1, 1.0),
+        output: Mat::new(&mut rng, ty, hp.n_vocab, e, 0.2),
+        layers,
+        experts,
+        image,
+        offsets,
+        expert_ty,
+    }
+}
+
+impl Weights for Model {
+    fn block(&self, l: usize) -> Block<'_> {
+        let ly = &self.layers[l];
+        let mixer = match &ly.mix {
+            Mix::Attn(a) => Mixer::Attention(AttentionWeights {
+                wq: a.wq.view(),
+                wk: a.wk.view(),
+                wv: a.wv.view(),
+                wo: a.wo.view(),
+                bq: None,
+                bk: None,
+                bv: None,
+                q_norm: None,
+                k_norm: None,
+                bo: None,
+                sinks: None,
+                window: None,
+                rope_freqs: None,
+                norm_after_rope: false,
+                nope: Some(AttnTemperature::NONE),
+            }),
+            Mix::Ssm(m) => Mixer::Mamba2(Mamba2Weights {
+                shape: SHAPE,
+                in_proj: m.in_proj.view(),
+                conv: &m.conv,
+                conv_bias: m.conv_bias.as_deref(),
+                dt_bias: &m.dt_bias,
+                a: &m.a,
+                d: &m.d,
+                norm: &m.norm,
+                out: m.out.view(),
+            }),
+        };
+        let [g, u, dn] = &ly.shared;
+        Block {
+            attn_norm: &ly.attn_norm,
+            mixer,
+            ffn_norm: &ly.ffn_norm,
+            ffn: Ffn::Moe {
+                router: ly.router.view(),
+                shared: Some(SharedExpert {
+                    gate: g.view(),
+                    up: u.view(),
+                    down: dn.view(),
+                    gate_inp: None,
+                }),
+                expert_bias: None,
+                router_bias: None,
+                selection_bias: None,
+            },
+        }
+    }
+    fn embedding(&self) -> MatrixView<'_> {
+        self.embd.view()
+    }
+    fn output_norm(&self) -> &[f32] {
+        &self.out_norm
+    }
+    fn output(&self) -> MatrixView<'_> {
+        self.output.view()
+    }
+}
+
+impl Model {
+    fn format(&self) -> ExpertFormat {
+        ExpertFormat {
+            gate: self.expert_ty[0],
+            up: self.expert_ty[1],
+            down: self.expert_ty[2],
+            n_embd: self.hp.n_embd,
+            n_ff: FF,
+        }
+    }
+
+    fn packed(&self) -> PackedExperts<'_> {
+        PackedExperts {
+            image: &self.image,
+            offsets: &self.offsets,
+            format: self.format(),
+            parts: 1,
+        }
+    }
+}
+
+/// Longer than the convolution's window many times over.
+const TOKENS: [u32; 12] = [3, 17, 5, 39, 0, 22, 22, 8, 31, 4, 4, 19];
+
+impl TestModel for Model {
+    fn hp(&self) -> &Hparams {
+        &self.hp
+    }
+    fn hy(&self) -> &HybridParams {
+        &self.hy
+    }
+}
+
+type Buffers = SeqBuffers;
+
+type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
+
+fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
+    let fmt = m.format();
+    Resident::new(Box::new(move |l, e| fmt.matrices(m.packed().bytes(l, e))))
+}
+
+fn resident(m: &Model) -> Vec<Vec<f32>> {
+    Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
+}
+
+struct Decoder<'m>(&'m Model);
+
+impl Decode for Decoder<'_> {
+    fn decode<X: Experts>(
+        &mut self,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        Buffers::new(self.0, TOKENS.len()).run(self.0, experts, lookahead, 0, &TOKENS)
+    }
+}
+
+#[test]
+fn streamed_equals_resident_bit_for_bit() {
+    for (ty, ety) in [
+        (
+            GgmlType::Q8_0,
+            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+        ),
+        (
+            GgmlType::F16,
+            [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
+        ),
+    ] {
+        let m = build(11, ty, ety);
+        let want = resident(&m);
+        let experts = m.packed();
+        let mut seed = 1;
+        for slots in [TOP_K, 3, 5, 16] {
+            for predict in [false, true] {
+                for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
+                    seed += 1;
+                    let out = StreamedRun {
+                        experts: &experts,
+                        n_layers: m.hp.n_layers,
+                        n_experts: N_EXP,
+                        slots,
+                        predict,
+                        seed,
+                        config: cfg,
+                        lookahead: Lookahead {
+                            predictor: PredictorConfig::top_k(TOP_K),
+                            layers: LayerMask::first(m.hp.n_layers).unwrap(),
+                            depth: 2,
+                        },
+                    }
+                    .run(&mut Decoder(&m));
+                    let st = out.stats;
+                    assert_eq!(
+                        st.misses + st.hits + st.late_hits,
+                        (TOKENS.len() * m.hp.n_layers * TOP_K) as u64,
+                        "{st:?}"
+                    );
+                    if predict && cfg.prefetch {
+                        // Lookahead runs from Mamba2 layers too.
+                        assert!(
+                            out.layers.iter().all(|l| l.predicted > 0),
+                            "{:?}",
+                            out.layers
+                        );
+                    }
+                    assert_bits_eq(
+                        &out.logits,
+                        &want,
+                        &format!("{ty} slots={slots} predict={predict} {cfg:?}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
+    let m = build(7, GgmlType::Q8_0, [GgmlType::Q4_0; 3]);
+    let want = resident(&m);
+    for split in [1, 5, TOKENS.len() - 1] {
+        let mut a = Buffers::new(&m, TOKENS.len());
+        let mut got = a.run(&m, &mut resident_experts(&m), None, 0, &TOKENS[..split]);
+        let mut b = Buffers::new(&m, TOKENS.len());
+        b.kv_k.copy_from_slice(&a.kv_k);
+        b.kv_v.copy_from_slice(&a.kv_v);
+        b.conv.copy_from_slice(&a.conv);
+        b.ssm.copy_from_slice(&a.ssm);
+        got.extend(b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]));
+        assert_bits_eq(&got, &want, &format!("prefill {split} then decode"));
+    }
+    // Position 0 starts a new sequence, whatever the buffers held.
+    let mut dirty = Buffers::new(&m, TOKENS.len());
+    dirty.run(&m, &mut resident_experts(&m), None, 0, &[9, 9, 1, 2, 3]);
+    let again = dirty.run(&m, &mut resident_experts(&m), None, 0, &TOKENS);
+    assert_bits_eq(&again, &want, "reused buffers");
+    // Each half of the recurrent state matters: without it the logits change.
+    for lose_conv in [true, false] {
+        let mut a = Buffers::new(&m, TOKENS.len());
+        a.run(&m, &mut resident_experts(&m), None, 0, &TOKENS[..6]);
+        let mut b = Buffers::new(&m, TOKENS.len());
+        b.kv_k.copy_from_slice(&a.kv_k);
+        b.kv_v.copy_from_slice(&a.kv_v);
+        if lose_conv {
+            b.ssm.copy_from_slice(&a.ssm);
+        } else {
+            b.conv.copy_from_slice(&a.conv);
+        }
+        let lost = b.run(&m, &mut resident_experts(&m), None, 6, &TOKENS[6..7]);
+        assert_ne!(lost[0], want[6], "lost conv state {lose_conv}: no effect");
+    }
+}
+
+#[test]
+fn batched_prefill_equals_one_position_at_a_time() {
+    let m = build(5, GgmlType::Q8_0, [GgmlType::Q4_0; 3]);
+    let want = resident(&m);
+    for split in [2, 5, TOKENS.len()] {
+        for every in [false, true] {
+            let mut b = Buffers::new(&m, TOKENS.len());
+            let got = b.run_batch(&m, &mut resident_experts(&m), 0, &TOKENS[..split], every);
+            let first = if every { 0 } else { split - 1 };
+            assert_bits_eq(
+                &got,
+                &want[first..split],
+                &format!("batch of {split}, every position's logits: {every}"),
+            );
+            let rest = b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]);
+            assert_bits_eq(
+                &rest,
+                &want[split..],
+                &format!("decode after a batch of {split}"),
+            );
+        }
+    }
+}
+
+fn ref_rms(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let s = 1.0 / (ms + eps).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, w)| (*v as f64 * s) as f32 * w)
+        .collect()
+}
+
+/// The reference's sequence state per layer: past keys and values
+/// (attention), past input projections and each channel's state (Mamba2).
+#[derive(Default, Clone)]
+struct RefLayer {
+    keys: Vec<Vec<f32>>,
+    vals: Vec<Vec<f32>>,
+    hist: Vec<Vec<f32>>,
+    state: Vec<Vec<f64>>,
+}
+
+/// The logits of a plain f64 granitehybrid, written from the architecture
+/// description with no shared code, at each position of [`TOKENS`].
+fn reference(m: &Model) -> Vec<Vec<f32>> {
+    let hp = m.hp;
+    let s = SHAPE;
+    let (e, hd) = (hp.n_embd, hp.head_dim);
+    let eps = hp.norm_eps as f64;
+    let silu = |x: f64| x / (1.0 + (-x).exp());
+    let mut seq = vec![RefLayer::default(); hp.n_layers];
+    for r in &mut seq {
+        r.state = vec![vec![0f64; s.d_state]; s.d_inner];
+    }
+    let ffn = |w: &[Mat; 3], x: &[f32]| -> Vec<f32> {
+        let g = w[0].apply(x);
+        let u = w[1].apply(x);
+        let a: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| (silu(*g as f64) * *u as f64) as f32)
+            .collect();
+        w[2].apply(&a)
+    };
+    let mut out = Vec::new();
+    for (pos, &t) in TOKENS.iter().enumerate() {
+        let mut h: Vec<f32> = m.embd.f32[t as usize * e..][..e]
+            .iter()
+            .map(|v| v * SCALES.embedding)
+            .collect();
+        for (l, ly) in m.layers.iter().enumerate() {
+            let x = ref_rms(&h, &ly.attn_norm, eps);
+            let r = &mut seq[l];
+            let o = match &ly.mix {
+                Mix::Attn(a) => {
+                    // No RoPE: keys and queries as projected.
+                    let q = a.wq.apply(&x);
+                    r.keys.push(a.wk.apply(&x));
+                    r.vals.push(a.wv.apply(&x));
+                    let mut att = vec![0f32; hp.q_dim()];
+                    for head in 0..hp.n_head {
+                        let kvh = head / (hp.n_head / hp.n_head_kv);
+                        let qh = &q[head * hd..][..hd];
+                        let scores: Vec<f64> = r
+                            .keys
+                            .iter()
+                            .map(|k| {
+                                qh.iter()
+                                    .zip(&k[kvh * hd..][..hd])
+                                    .map(|(a, b)| *a as f64 * *b as f64)
+                                    .sum::<f64>()
+                                    * SCALES.attention.unwrap() as f64
+                            })
+                            .collect();
+                        let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                        let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
+                        for (p, v) in scores.iter().zip(&r.vals) {
+                            let w = (p - mx).exp() / z;
+                            for i in 0..hd {
+                                att[head * hd + i] += (w * v[kvh * hd + i] as f64) as f32;
+                            }
+                        }
+                    }
+                    a.wo.apply(&att)
+                }
+                Mix::Ssm(w) => {
+                    r.hist.push(w.in_proj.apply(&x));
+                    let p = &r.hist[pos];
+                    let (di, ds, k) = (s.d_inner, s.d_state, s.conv_kernel);
+                    // The convolution over the inputs so far, zeros before the first.
+                    let xbc: Vec<f64> = (0..s.conv_dim())
+                        .map(|c| {
+                            let mut acc = 0f64;
+                            for j in 0..k {
+                                let back = k - 1 - j;
+                                if let Some(q) = pos.checked_sub(back) {
+                                    acc += w.conv[c * k + j] as f64 * r.hist[q][di + c] as f64;
+                                }
+                            }
+                            silu(acc + w.conv_bias.as_ref().map_or(0.0, |b| b[c] as f64))
+                        })
+                        .collect();
+                    let (xs, bs, cs) = (
+                        &xbc[..di],
+                        &xbc[di..][..s.n_group * ds],
+                        &xbc[di + s.n_group * ds..],
+                    );
+                    let hdim = di / s.n_head;
+                    let mut y = vec![0f64; di];
+                    for head in 0..s.n_head {
+                        let raw = p[di + s.conv_dim() + head] as f64 + w.dt_bias[head] as f64;
+                        let dt = (1.0 + raw.exp()).ln();
+                        let decay = (dt * w.a[head] as f64).exp();
+                        let g = head * s.n_group / s.n_head;
+                        for i in 0..hdim {
+                            let c = head * hdim + i;
+                            let st = &mut r.state[c];
+                            let mut yc = 0f64;
+                            for n in 0..ds {
+                                st[n] = st[n] * decay + bs[g * ds + n] * xs[c] * dt;
+                                yc += st[n] * cs[g * ds + n];
+                            }
+                            y[c] = yc + xs[c] * w.d[head] as f64;
+                        }
+                    }
+                    let gated: Vec<f32> = y
+                        .iter()
+                        .zip(&p[..di])
+                        .map(|(v, z)| (v * silu(*z as f64)) as f32)
+                        .collect();
+                    let gw = di / s.n_group;
+                    let normed: Vec<f32> = gated
+                        .chunks(gw)
+                        .zip(w.norm.chunks(gw))
+                        .flat_map(|(g, nw)| ref_rms(g, nw, eps))
+                        .collect();
+                    w.out.apply(&normed)
+                }
+            };
+            for (a, b) in h.iter_mut().zip(&o) {
+                *a += b * SCALES.residual;
+            }
+            let x = ref_rms(&h, &ly.ffn_norm, eps);
+            let logits = ly.router.apply(&x);
+            let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
+            let pr: Vec<f64> = logits.iter().map(|v| ((v - mx) as f64).exp()).collect();
+            let mut idx: Vec<usize> = (0..N_EXP).collect();
+            idx.sort_by(|a, b| pr[*b].partial_cmp(&pr[*a]).unwrap().then(a.cmp(b)));
+            let top = &idx[..TOP_K];
+            let sum: f64 = top.iter().map(|i| pr[*i]).sum();
+            let mut y = vec![0f64; e];
+            for &i in top {
+                for (a, b) in y.iter_mut().zip(ffn(&m.experts[l][i], &x)) {
+                    *a += pr[i] / sum * b as f64;
+                }
+            }
+            for (a, b) in y.iter_mut().zip(ffn(&ly.shared, &x)) {
+                *a += b as f64;
+            }
+            for (a, b) in h.iter_mut().zip(&y) {
+                *a += (*b as f32) * SCALES.residual;
+            }
+        }
+        let logits = m.output.apply(&ref_rms(&h, &m.out_norm, eps));
+        out.push(logits.iter().map(|v| v / SCALES.logit).collect());
+    }
+    out
+}
+
+#[test]
+fn forward_matches_plain_f64_reference() {
+    // F32 weights everywhere: the engine's only approximations are float rounding.
+    for conv_bias in [true, false] {
+        let m = build_with(5, GgmlType::F32, [GgmlType::F32; 3], conv_bias);
+        assert_close(
+            &resident(&m),
+            &reference(&m),
+            2e-4,
+            &format!("conv bias {conv_bias}"),
+        );
+    }
+}
