@@ -182,8 +182,8 @@ pub struct ModelDrafter<'m> {
 
 impl<'m> ModelDrafter<'m> {
     /// A drafter over `model` (opened from `path`), for contexts of up to
-    /// `ctx` positions, on `threads` threads. Refuses models with linear
-    /// attention (their state cannot go back to a rejected draft's start).
+    /// `ctx` positions, on `threads` threads. Refuses models with recurrent
+    /// layers (their state cannot go back to a rejected draft's start).
     pub fn new(
         model: &'m Model,
         path: &std::path::Path,
@@ -192,8 +192,8 @@ impl<'m> ModelDrafter<'m> {
     ) -> Result<ModelDrafter<'m>, String> {
         if model.hybrid.linear.is_some() {
             return Err(format!(
-                "the draft model is {}, whose linear-attention state cannot go back to \
-                 a rejected draft; use an attention-only draft model",
+                "the draft model is {}, whose recurrent (linear-attention or Mamba2) state \
+                 cannot go back to a rejected draft; use an attention-only draft model",
                 model.arch.name()
             ));
         }

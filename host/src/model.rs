@@ -12,8 +12,8 @@ use std::path::Path;
 
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
-    AttnTemperature, AttnWindow, DeltaNetShape, ExpertAct, Hparams, HybridParams, MlaShape,
-    MoeParams, Scales, SlidingWindow,
+    AttnTemperature, AttnWindow, DeltaNetShape, ExpertAct, Hparams, HybridParams, LinearShape,
+    Mamba2Shape, MlaShape, MoeParams, Scales, SlidingWindow,
 };
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
@@ -22,6 +22,7 @@ use les_core::model::forward::{
     AttentionWeights, Block, ExpertBiases, ExpertMatrices, Ffn, Mixer, MlaWeights, SharedExpert,
     Weights,
 };
+use les_core::model::mamba2::Mamba2Weights;
 use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::{self, GgmlType};
 use les_core::router::{ExpertGroups, Gating};
@@ -144,11 +145,17 @@ pub enum Arch {
     /// `expert_shared_feed_forward_length` says): [`Granite`](Arch::Granite)'s
     /// layers with routed experts, a softmax renormalised over the picks.
     GraniteMoe,
+    /// IBM Granite 4.0-H (llama.cpp's `granitehybrid`): Mamba2 layers and a
+    /// few attention layers (a KV head count of 0 marks the Mamba2 ones),
+    /// without RoPE unless `rope.scaling.finetuned` asks for it, each
+    /// followed by [`GraniteMoe`](Arch::GraniteMoe)'s experts (or a dense
+    /// FFN), with Granite's multipliers.
+    GraniteHybrid,
 }
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 20] = [
+    pub const ALL: [Arch; 21] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -169,6 +176,7 @@ impl Arch {
         Arch::Qwen3Vl,
         Arch::Granite,
         Arch::GraniteMoe,
+        Arch::GraniteHybrid,
     ];
 
     /// From `general.architecture`.
@@ -199,6 +207,7 @@ impl Arch {
             Arch::Qwen3Vl => "qwen3vl",
             Arch::Granite => "granite",
             Arch::GraniteMoe => "granitemoe",
+            Arch::GraniteHybrid => "granitehybrid",
         }
     }
 
@@ -218,7 +227,8 @@ impl Arch {
             | Arch::Ernie45Moe
             | Arch::Ernie45
             | Arch::Granite
-            | Arch::GraniteMoe => RopeStyle::Normal,
+            | Arch::GraniteMoe
+            | Arch::GraniteHybrid => RopeStyle::Normal,
             _ => RopeStyle::Neox,
         }
     }
@@ -343,10 +353,25 @@ struct MlaRefs {
     wo: Tref,
 }
 
+/// A Mamba2 layer (granitehybrid).
+#[derive(Debug)]
+struct Mamba2Refs {
+    shape: Mamba2Shape,
+    in_proj: Tref,
+    conv: Vec<f32>,
+    conv_bias: Option<Vec<f32>>,
+    dt_bias: Vec<f32>,
+    a: Vec<f32>,
+    d: Vec<f32>,
+    norm: Vec<f32>,
+    out: Tref,
+}
+
 #[derive(Debug)]
 enum MixerRefs {
     Attention(AttnRefs),
     DeltaNet(DeltaRefs),
+    Mamba2(Mamba2Refs),
     Mla(MlaRefs),
 }
 
@@ -606,9 +631,10 @@ impl Llama4Attention {
 /// Granite's multipliers, read as llama.cpp reads them: `logit_scale`
 /// required, `residual_scale`, `embedding_scale` and `attention.scale`
 /// optional, a 0 meaning none (the logits' must not be 0: they are divided
-/// by it). Granite Vision's deepstack inputs and Granite's switch for
-/// RoPE (`rope.scaling.finetuned` false: no RoPE) are refused by name.
-fn granite_scales(g: &Gguf, a: &str) -> Result<Scales, ModelError> {
+/// by it). Granite Vision's deepstack inputs are refused by name, and so is
+/// Granite's switch for RoPE (`rope.scaling.finetuned` false: no RoPE) but
+/// in `granitehybrid` ([`granite_rope`]).
+fn granite_scales(g: &Gguf, arch: Arch, a: &str) -> Result<Scales, ModelError> {
     let k = |s: &str| format!("{a}.{s}");
     let scale = |key: &str| -> Result<Option<f32>, ModelError> {
         match g.get_f32(&k(key)).optional()? {
@@ -630,7 +656,7 @@ fn granite_scales(g: &Gguf, a: &str) -> Result<Scales, ModelError> {
             "{a} with deepstack inputs ({a}.deepstack_mapping: Granite Vision)"
         )));
     }
-    if g.get_bool(&k("rope.scaling.finetuned")).optional()? == Some(false) {
+    if arch != Arch::GraniteHybrid && !granite_rope(g, a)? {
         return Err(ModelError::Unsupported(format!(
             "{a} without RoPE ({a}.rope.scaling.finetuned = false)"
         )));
@@ -640,6 +666,139 @@ fn granite_scales(g: &Gguf, a: &str) -> Result<Scales, ModelError> {
         residual: scale("residual_scale")?.unwrap_or(1.0),
         attention: scale("attention.scale")?,
         logit,
+    })
+}
+
+/// Whether a Granite model's attention rotates by position: llama.cpp reads
+/// `rope.scaling.finetuned` as the switch, true when absent (Granite 4.0-H's
+/// converter writes false: its attention layers have no position encoding).
+fn granite_rope(g: &Gguf, a: &str) -> Result<bool, ModelError> {
+    Ok(g.get_bool(&format!("{a}.rope.scaling.finetuned"))
+        .optional()?
+        .unwrap_or(true))
+}
+
+/// `attention.head_count_kv` of granitehybrid, as llama.cpp reads it: one
+/// count per layer (or one for all), 0 marking a Mamba2 layer. The attention
+/// layers' count (they must share one) and which layers are recurrent.
+fn kv_heads_by_layer(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    n_layers_all: usize,
+    n_layers: usize,
+) -> Result<(usize, Vec<bool>), ModelError> {
+    let key = format!("{a}.attention.head_count_kv");
+    let v = g
+        .get(&key)
+        .ok_or_else(|| invalid(format!("{key} is missing (0 marks Mamba2 layers)")))?;
+    let counts: Vec<u64> = match v.as_u64() {
+        Some(x) => vec![x; n_layers_all],
+        None => {
+            let arr = v
+                .as_array()
+                .ok_or_else(|| invalid(format!("{key} must be an integer or an array")))?;
+            let vals: Option<Vec<u64>> = arr.iter().map(|x| x.as_u64()).collect();
+            match vals {
+                Some(c) if c.len() == n_layers_all => c,
+                _ => {
+                    return Err(invalid(format!(
+                        "{key} must hold {n_layers_all} integers, one a layer"
+                    )))
+                }
+            }
+        }
+    };
+    let counts = &counts[..n_layers];
+    let mut attn = counts.iter().filter(|c| **c != 0);
+    let n_head_kv = attn.next().copied().unwrap_or(0);
+    if attn.any(|c| *c != n_head_kv) {
+        return Err(ModelError::Unsupported(format!(
+            "{key} = {counts:?}: attention layers with different KV head counts"
+        )));
+    }
+    let n_head_kv = usize::try_from(n_head_kv)
+        .ok()
+        .filter(|n| *n <= MAX_DIM)
+        .ok_or_else(|| invalid(format!("{key} = {n_head_kv} is implausibly large")))?;
+    Ok((n_head_kv, counts.iter().map(|c| *c == 0).collect()))
+}
+
+/// granitehybrid's Mamba2 shape (`ssm.*`, as llama.cpp reads them), for the
+/// layers `recurrent` marks.
+fn mamba2_params(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    hp: &Hparams,
+    recurrent: &[bool],
+) -> Result<HybridParams, ModelError> {
+    let k = |s: &str| format!("{a}.{s}");
+    let shape = Mamba2Shape {
+        d_inner: key_usize(g, &k("ssm.inner_size"))?,
+        d_state: key_usize(g, &k("ssm.state_size"))?,
+        n_head: key_usize(g, &k("ssm.time_step_rank"))?,
+        n_group: key_usize(g, &k("ssm.group_count"))?,
+        conv_kernel: key_usize(g, &k("ssm.conv_kernel"))?,
+    };
+    for (name, v) in [
+        ("ssm.inner_size", shape.d_inner),
+        ("ssm.state_size", shape.d_state),
+        ("ssm.time_step_rank", shape.n_head),
+        ("ssm.group_count", shape.n_group),
+        ("ssm.conv_kernel", shape.conv_kernel),
+    ] {
+        if v > MAX_SSM_DIM {
+            return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
+        }
+    }
+    shape.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
+    if shape.d_inner.saturating_mul(shape.d_state) > MAX_DIM * 64 {
+        return Err(invalid(format!(
+            "{a}: a Mamba2 state of {} x {} floats is implausibly large",
+            shape.d_inner, shape.d_state
+        )));
+    }
+    let n_linear = recurrent.iter().filter(|r| **r).count();
+    let hy = HybridParams {
+        n_attn_layers: hp.n_layers - n_linear,
+        linear: (n_linear > 0).then_some((n_linear, LinearShape::Mamba2(shape))),
+        ..HybridParams::plain(hp)
+    };
+    hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
+    Ok(hy)
+}
+
+/// The tensors of Mamba2 layer `l`, checked against `shape`.
+fn mamba2_refs(
+    g: &Gguf<MappedFile>,
+    l: usize,
+    n_embd: usize,
+    shape: Mamba2Shape,
+) -> Result<Mamba2Refs, ModelError> {
+    let t = |s: &str| format!("blk.{l}.{s}");
+    let (nh, di, cd) = (shape.n_head, shape.d_inner, shape.conv_dim());
+    // ssm_conv1d is {conv_kernel, conv_dim}: the taps of each channel contiguous.
+    let conv_name = t("ssm_conv1d.weight");
+    let conv_t = g.require_tensor(&conv_name)?;
+    if conv_t.dims() != [shape.conv_kernel as u64, cd as u64] {
+        return Err(invalid(format!(
+            "tensor {conv_name} has shape {:?}, expected [{}, {cd}]",
+            conv_t.dims(),
+            shape.conv_kernel
+        )));
+    }
+    Ok(Mamba2Refs {
+        shape,
+        in_proj: tensor_ref(g, &t("ssm_in.weight"), shape.in_proj_dim(), n_embd)?,
+        conv: vector(g, &conv_name, cd * shape.conv_kernel)?,
+        conv_bias: match g.tensor(&t("ssm_conv1d.bias")) {
+            Some(_) => Some(vector(g, &t("ssm_conv1d.bias"), cd)?),
+            None => None,
+        },
+        dt_bias: vector(g, &t("ssm_dt.bias"), nh)?,
+        a: vector(g, &t("ssm_a"), nh)?,
+        d: vector(g, &t("ssm_d"), nh)?,
+        norm: vector(g, &t("ssm_norm.weight"), di)?,
+        out: tensor_ref(g, &t("ssm_out.weight"), n_embd, di)?,
     })
 }
 
@@ -799,7 +958,7 @@ fn hybrid_params(
     };
     let hy = HybridParams {
         n_attn_layers: hp.n_layers - n_linear,
-        linear: (n_linear > 0).then_some((n_linear, shape)),
+        linear: (n_linear > 0).then_some((n_linear, LinearShape::DeltaNet(shape))),
         attn_output_gate: true,
         rope_sections,
         mla: None,
@@ -1103,7 +1262,14 @@ impl Model {
         let n_layers = n_layers_all - n_nextn_layers;
         let n_embd = key_usize(&g, &k("embedding_length"))?;
         let n_head = key_usize(&g, &k("attention.head_count"))?;
-        let n_head_kv = opt_usize(&g, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+        // granitehybrid's KV head counts are per layer, 0 on Mamba2 layers.
+        let (n_head_kv, kv_recurrent) = if arch == Arch::GraniteHybrid {
+            let (n, r) = kv_heads_by_layer(&g, a, n_layers_all, n_layers)?;
+            (if n == 0 { n_head } else { n }, Some(r))
+        } else {
+            let n = opt_usize(&g, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+            (n, None)
+        };
         if n_head == 0 || n_embd == 0 {
             return Err(invalid("head_count and embedding_length must be positive"));
         }
@@ -1142,7 +1308,7 @@ impl Model {
             let n_ff_exp = match arch {
                 // llama.cpp's minimax-m2, hunyuan-moe and granitemoe loaders
                 // size their experts by `n_ff`.
-                Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::GraniteMoe => n_ff,
+                Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::GraniteMoe | Arch::GraniteHybrid => n_ff,
                 // llama.cpp's qwen3vlmoe: without the key, n_ff over the picks.
                 Arch::Qwen3VlMoe => {
                     uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
@@ -1172,6 +1338,7 @@ impl Model {
                     | Arch::HunyuanMoe
                     | Arch::Qwen3VlMoe
                     | Arch::GraniteMoe
+                    | Arch::GraniteHybrid
             ) {
                 // llama.cpp's graph for this arch fixes both, whatever the metadata.
                 gating = Gating::Softmax;
@@ -1311,7 +1478,7 @@ impl Model {
             (None, n_head_kv, head_dim, rope_yarn)
         };
         let scales = match arch {
-            Arch::Granite | Arch::GraniteMoe => granite_scales(&g, a)?,
+            Arch::Granite | Arch::GraniteMoe | Arch::GraniteHybrid => granite_scales(&g, arch, a)?,
             _ => Scales::NONE,
         };
         let hp = Hparams {
@@ -1333,6 +1500,8 @@ impl Model {
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
         let (hybrid, recurrent) = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
             hybrid_params(&g, arch, &hp, n_layers_all)?
+        } else if let Some(recurrent) = kv_recurrent {
+            (mamba2_params(&g, a, &hp, &recurrent)?, recurrent)
         } else {
             let rope_sections = match arch {
                 Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(rope_sections(&g, a)?),
@@ -1357,6 +1526,8 @@ impl Model {
         };
         let packed = crate::pack::PackedIndex::from_gguf(&g)
             .map_err(|e| invalid(format!("packed expert index: {e}")))?;
+        // Granite 4.0-H's attention layers: no RoPE, and nothing in its place.
+        let no_rope = arch == Arch::GraniteHybrid && !granite_rope(&g, a)?;
         let load_layer = |l: usize, is_recurrent: bool| -> Result<LayerRefs, ModelError> {
             let t = |s: &str| format!("blk.{l}.{s}");
             let (q_dim, kv_dim) = (hp.q_dim(), hp.kv_dim());
@@ -1460,8 +1631,11 @@ impl Model {
                 ])
             };
             let mixer = match (hybrid.linear, hybrid.mla) {
-                (Some((_, d)), _) if is_recurrent => {
+                (Some((_, LinearShape::DeltaNet(d))), _) if is_recurrent => {
                     MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?)
+                }
+                (Some((_, LinearShape::Mamba2(m))), _) if is_recurrent => {
+                    MixerRefs::Mamba2(mamba2_refs(&g, l, n_embd, m)?)
                 }
                 (_, Some(m)) => MixerRefs::Mla(mla_refs(&g, l, n_embd, n_head, m)?),
                 _ => {
@@ -1524,7 +1698,12 @@ impl Model {
                             Some(l4) => l4.window(l),
                             None => swa.and_then(|w| w.of_layer(l)).map(AttnWindow::Sliding),
                         },
-                        nope: llama4.as_ref().and_then(|l4| l4.nope(l)),
+                        nope: match &llama4 {
+                            Some(l4) => l4.nope(l),
+                            // Granite 4.0-H: no position encoding at all.
+                            None if no_rope => Some(AttnTemperature::NONE),
+                            None => None,
+                        },
                     })
                 }
             };
@@ -1586,7 +1765,7 @@ impl Model {
         // Llama 3.1's RoPE scaling, as llama.cpp's llama loader reads it (its
         // other loaders here ignore the tensor).
         let rope_freqs = match arch {
-            Arch::Llama | Arch::Llama4 | Arch::Granite | Arch::GraniteMoe => {
+            Arch::Llama | Arch::Llama4 | Arch::Granite | Arch::GraniteMoe | Arch::GraniteHybrid => {
                 optional_vector(&g, "rope_freqs.weight", hp.n_rot / 2)?
             }
             _ => None,
@@ -1927,11 +2106,12 @@ impl Model {
         }
     }
 
-    /// Whether layer `layer` is gated DeltaNet (linear attention).
+    /// Whether layer `layer` is recurrent (gated DeltaNet or Mamba2) rather
+    /// than attention.
     pub fn is_linear_layer(&self, layer: usize) -> bool {
         matches!(
             self.layers.get(layer).map(|l| &l.mixer),
-            Some(MixerRefs::DeltaNet(_))
+            Some(MixerRefs::DeltaNet(_) | MixerRefs::Mamba2(_))
         )
     }
 }
@@ -1971,12 +2151,23 @@ impl Model {
                 v_b: self.view(&m.v_b),
                 wo: self.view(&m.wo),
             }),
+            MixerRefs::Mamba2(m) => Mixer::Mamba2(Mamba2Weights {
+                shape: m.shape,
+                in_proj: self.view(&m.in_proj),
+                conv: &m.conv,
+                conv_bias: m.conv_bias.as_deref(),
+                dt_bias: &m.dt_bias,
+                a: &m.a,
+                d: &m.d,
+                norm: &m.norm,
+                out: self.view(&m.out),
+            }),
             MixerRefs::DeltaNet(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape: self
                     .hybrid
                     .linear
-                    .expect("DeltaNet layers exist only with a DeltaNet shape")
-                    .1,
+                    .and_then(|(_, s)| s.delta_net())
+                    .expect("DeltaNet layers exist only with a DeltaNet shape"),
                 qkv: self.view(&d.qkv),
                 gate: self.view(&d.gate),
                 beta: self.mat(&d.beta),
@@ -2062,14 +2253,14 @@ mod tests {
         use crate::gguf::{GgufWriter, MetaValue};
         let path = std::env::temp_dir().join(format!("les-arch-{}.gguf", std::process::id()));
         let mut w = GgufWriter::new();
-        w.add_kv("general.architecture", MetaValue::from("granitehybrid"))
+        w.add_kv("general.architecture", MetaValue::from("nemotron_h_moe"))
             .unwrap();
         let file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
         w.write_header(file).unwrap().finish().unwrap();
         let err = super::Model::open(&path).unwrap_err().to_string();
         let _ = std::fs::remove_file(&path);
         assert!(
-            err.contains("unsupported architecture: granitehybrid"),
+            err.contains("unsupported architecture: nemotron_h_moe"),
             "{err}"
         );
         for a in Arch::ALL {
@@ -2105,7 +2296,8 @@ mod tests {
                 | Arch::Qwen3VlMoe
                 | Arch::Qwen3Vl
                 | Arch::Granite
-                | Arch::GraniteMoe => {}
+                | Arch::GraniteMoe
+                | Arch::GraniteHybrid => {}
             }
         }
     }

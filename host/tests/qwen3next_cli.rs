@@ -54,7 +54,7 @@ fn synth_writes_llama_cpp_names_and_keys() {
     assert_eq!(model.hybrid.rope_sections, None);
     let (n_linear, shape) = model.hybrid.linear.unwrap();
     assert_eq!(n_linear, 2);
-    assert!(shape.grouped_values);
+    assert!(shape.delta_net().unwrap().grouped_values);
     assert!(model.is_linear_layer(0) && !model.is_linear_layer(1));
     assert!(model.nextn_block().is_some());
 }

@@ -126,6 +126,14 @@ impl<'c> Generator<'c> {
                     *v = lo + (hi - lo) * (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
                 }
             }
+            Init::DtBias(lo, hi) => {
+                let (lo, hi) = (f64::from(lo).ln(), f64::from(hi).ln());
+                for v in x.iter_mut() {
+                    let dt = (lo + (hi - lo) * (1.0 - rng.uniform_open0())).exp();
+                    // softplus^-1(dt) = dt + ln(1 - e^-dt)
+                    *v = (dt + (-(-dt).exp_m1()).ln()) as f32;
+                }
+            }
             Init::RopeFactors => {
                 let s = &self.cfg.shape;
                 x.copy_from_slice(&super::llama3_rope_factors(
@@ -424,6 +432,35 @@ pub fn write_model(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Mamba2's decay and time step land where the recurrence stays tame.
+    #[test]
+    fn mamba2_a_and_dt_bias_are_in_range() {
+        use super::super::{tensor_plan, Arch, Overrides, Preset};
+        let cfg =
+            SynthConfig::new(Arch::Granitehybrid, Preset::Small, &Overrides::default(), 0).unwrap();
+        let gen = Generator::new(&cfg);
+        let plan = tensor_plan(&cfg);
+        let values = |name: &str| -> Vec<f32> {
+            let t = plan.iter().find(|t| t.name == name).unwrap();
+            let bytes = gen.chunk(t, 0);
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let a = values("blk.0.ssm_a");
+        assert_eq!(a.len(), 32);
+        assert!(a.iter().all(|a| (-16.0..-1.0).contains(a)), "{a:?}");
+        let dt = values("blk.0.ssm_dt.bias");
+        let softplus = |x: f32| (1.0 + x.exp()).ln();
+        assert!(
+            dt.iter().all(|&b| (0.00099..0.1001).contains(&softplus(b))),
+            "{dt:?}"
+        );
+        let d = values("blk.0.ssm_d");
+        assert!(d.iter().all(|d| (0.9..1.1).contains(d)), "{d:?}");
+    }
 
     #[test]
     fn random_blocks_have_the_requested_spread() {

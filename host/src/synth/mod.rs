@@ -22,7 +22,9 @@
 //! first layer, sigmoid routing with a selection bias (`exp_probs_b`), an
 //! ungated shared expert and one nextn block; `ernie4_5-moe` Llama attention,
 //! a dense first layer, softmax routing with a selection bias and an ungated
-//! shared expert.
+//! shared expert. `granitehybrid` (Granite 4.0-H) has Mamba2 layers with a few
+//! attention layers among them ([`granitehybrid_is_attention`]), every one
+//! followed by routed experts and an ungated shared expert.
 //! The `small`, `a3b` and `minicpmv47` presets are typed as llama.cpp's `Q4_K_M`
 //! quantization types those models ([`Mix::Q4KM`]: `q4_k`, with `q6_k` for `attn_v`
 //! and `ffn_down*` of every third layer and the first and last eighth; `a3b` then has
@@ -159,6 +161,10 @@ pub enum Arch {
     /// softmax-routed experts, renormalised, and an ungated shared expert
     /// (`expert_shared_feed_forward_length`, as Granite's shared-expert MoEs).
     Granitemoe,
+    /// IBM Granite 4.0-H (llama.cpp's `granitehybrid`): Mamba2 layers with a
+    /// few attention layers among them (without RoPE), all followed by
+    /// granitemoe's experts and shared expert, Granite's multipliers.
+    Granitehybrid,
 }
 
 /// The Granite presets' multipliers of the embedding, the blocks' outputs,
@@ -166,6 +172,26 @@ pub enum Arch {
 /// `embedding_multiplier`, `residual_multiplier`, `attention_multiplier`
 /// and `logits_scaling`).
 pub const GRANITE_SCALES: [f32; 4] = [12.0, 0.22, 0.015625, 6.0];
+
+/// Whether layer `l` of a `granitehybrid` stack of `layers` is attention (the
+/// others are Mamba2): the middle layer of every run of `p = clamp(layers / 2,
+/// 2, 10)` (`l % p == p / 2`). Forty layers give layers 5, 15, 25 and 35, as
+/// Granite 4.0-H's `layer_types`; `tiny`'s four give 1 and 3, `small`'s
+/// sixteen 4 and 12, `a3b`'s 48 five.
+pub fn granitehybrid_is_attention(l: u64, layers: u64) -> bool {
+    let p = (layers / 2).clamp(2, 10);
+    l < layers && l % p == p / 2
+}
+
+/// The Mamba2 head size and state size of a synthetic `granitehybrid`:
+/// Granite 4.0-H's 64 and 128 (`mamba_d_head`, `mamba_d_state`), 16 and 16
+/// in `tiny`.
+pub fn granitehybrid_ssm(preset: Preset) -> (u64, u64) {
+    match preset {
+        Preset::Tiny => (16, 16),
+        _ => (64, 128),
+    }
+}
 
 impl Arch {
     /// `general.architecture`.
@@ -190,6 +216,7 @@ impl Arch {
             Arch::Qwen3vl => "qwen3vl",
             Arch::Granite => "granite",
             Arch::Granitemoe => "granitemoe",
+            Arch::Granitehybrid => "granitehybrid",
         }
     }
 
@@ -221,6 +248,7 @@ impl Arch {
                 | Arch::Qwen3vl
                 | Arch::Granite
                 | Arch::Granitemoe
+                | Arch::Granitehybrid
         )
     }
 
@@ -241,6 +269,7 @@ impl Arch {
                 | Arch::Dots1
                 | Arch::HunyuanMoe
                 | Arch::Granitemoe
+                | Arch::Granitehybrid
         )
     }
 
@@ -259,6 +288,7 @@ impl Arch {
                 | Arch::HunyuanMoe
                 | Arch::Llama4
                 | Arch::Granitemoe
+                | Arch::Granitehybrid
         )
     }
 
@@ -339,13 +369,13 @@ pub struct Shape {
     /// Every this many layers one is gated attention, the others gated DeltaNet
     /// (`full_attention_interval`, qwen35moe).
     pub full_attn_interval: u64,
-    /// DeltaNet query/key heads (`ssm.group_count`).
+    /// DeltaNet query/key heads; Mamba2 groups of `B` and `C` (`ssm.group_count`).
     pub ssm_k_heads: u64,
-    /// DeltaNet value heads (`ssm.time_step_rank`).
+    /// DeltaNet value heads; Mamba2 heads (`ssm.time_step_rank`).
     pub ssm_v_heads: u64,
-    /// DeltaNet head size (`ssm.state_size`).
+    /// DeltaNet head size; Mamba2 state size (`ssm.state_size`).
     pub ssm_head_dim: u64,
-    /// DeltaNet convolution width (`ssm.conv_kernel`).
+    /// DeltaNet or Mamba2 convolution width (`ssm.conv_kernel`).
     pub ssm_conv: u64,
     /// Multi-token-prediction blocks after the main stack (`nextn_predict_layers`).
     pub mtp_layers: u64,
@@ -372,6 +402,23 @@ impl Shape {
     /// DeltaNet convolution channels.
     pub fn ssm_conv_dim(&self) -> u64 {
         2 * self.ssm_key_dim() + self.ssm_value_dim()
+    }
+
+    /// Mamba2 inner width (`ssm.inner_size`): twice the embedding, the only
+    /// expansion llama.cpp's `granitehybrid` accepts.
+    pub fn mamba2_inner(&self) -> u64 {
+        2 * self.embd
+    }
+
+    /// Mamba2 convolution channels: `x`, then `B` and `C` per group.
+    pub fn mamba2_conv_dim(&self) -> u64 {
+        self.mamba2_inner() + 2 * self.ssm_k_heads * self.ssm_head_dim
+    }
+
+    /// Rows of Mamba2's `ssm_in`: the gate `z`, the convolution channels and
+    /// one time step per head.
+    pub fn mamba2_in_proj(&self) -> u64 {
+        self.mamba2_inner() + self.mamba2_conv_dim() + self.ssm_v_heads
     }
 
     /// Width of the query vector.
@@ -948,6 +995,19 @@ impl SynthConfig {
         if arch == Arch::Granite && s.experts > 0 {
             return config_err("granite is dense: its MoE is granitemoe");
         }
+        if arch == Arch::Granitehybrid {
+            // One group of B and C; heads of the preset's size over 2 * embd.
+            let (head, state) = granitehybrid_ssm(preset);
+            if !s.mamba2_inner().is_multiple_of(head) {
+                return config_err(format!(
+                    "granitehybrid: 2 * --embd must be a multiple of the Mamba2 head size {head}"
+                ));
+            }
+            s.ssm_k_heads = 1;
+            s.ssm_v_heads = s.mamba2_inner() / head;
+            s.ssm_head_dim = state;
+            s.ssm_conv = 4;
+        }
         if !arch.has_shared_expert() {
             if o.shared_ff.is_some() {
                 return config_err(format!(
@@ -1057,6 +1117,14 @@ impl SynthConfig {
             ("embd x expert-ff", s.embd * s.expert_ff),
             ("embd x shared-ff", s.embd * s.shared_ff),
             ("embd x experts", s.embd * s.experts.min(1 << 16)),
+            (
+                "embd x ssm_in rows",
+                if self.arch == Arch::Granitehybrid {
+                    s.embd * s.mamba2_in_proj()
+                } else {
+                    0
+                },
+            ),
         ];
         if let Some((n, v)) = matrices.iter().find(|(_, v)| *v > MAX_MATRIX) {
             return config_err(format!(
@@ -1092,6 +1160,9 @@ impl SynthConfig {
         }
         if s.mtp_layers > 4 {
             return config_err("--mtp-layers: at most 4");
+        }
+        if self.arch == Arch::Granitehybrid && s.layers < 2 {
+            return config_err("granitehybrid: needs 2 or more layers (Mamba2 and attention)");
         }
         if matches!(
             self.arch,
@@ -1198,6 +1269,9 @@ pub enum Init {
     Router,
     /// Uniform in `[lo, hi)`.
     Uniform(f32, f32),
+    /// Mamba2's time-step bias: the inverse softplus of a time step drawn
+    /// log-uniform in `[lo, hi)`, so that `softplus(bias)` lies there.
+    DtBias(f32, f32),
     /// Llama 3.1's RoPE frequency factors ([`llama3_rope_factors`]).
     RopeFactors,
 }
@@ -1373,6 +1447,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         }
         if cfg.arch == Arch::Bailingmoe2 {
             bailingmoe2_layer(cfg, l, &mut add);
+            continue;
+        }
+        if cfg.arch == Arch::Granitehybrid {
+            granitehybrid_layer(cfg, l, &mut add);
             continue;
         }
         norm_tensor(&mut add, l, "attn_norm.weight", e);
@@ -1625,6 +1703,56 @@ fn bailingmoe2_layer(
     }
     norm_tensor(&mut *add, l, "ffn_norm.weight", e);
     lead_dense_or_biased_moe(cfg, l, add);
+}
+
+/// The tensors of granitehybrid block `l`, in llama.cpp's names and shapes:
+/// attention without biases ([`granitehybrid_is_attention`]) or a Mamba2
+/// mixer, then routed experts and an ungated shared expert. The Mamba2
+/// values follow Mamba2's initialisation, so the recurrence stays tame over
+/// long prompts: `A = -U[1, 16)`, `dt_bias` the inverse softplus of a
+/// log-uniform time step in `[0.001, 0.1)`, `D` and the gated norm about 1.
+fn granitehybrid_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, lay) = (s.embd, Some(l));
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
+    if granitehybrid_is_attention(l, s.layers) {
+        let (q, kv) = (s.q_dim(), s.kv_dim());
+        for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+            let w = n(&format!("{part}.weight"));
+            add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
+        }
+        let wo = n("attn_output.weight");
+        add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+    } else {
+        let (inner, conv, heads) = (s.mamba2_inner(), s.mamba2_conv_dim(), s.ssm_v_heads);
+        let w_in = vec![e, s.mamba2_in_proj()];
+        add(n("ssm_in.weight"), w_in, t.dense, Init::Normal(inv(e)), lay);
+        let (k, g) = (s.ssm_conv, s.ssm_k_heads);
+        // `ssm_a` is -exp(A_log) as the converter stores it, Mamba2's A U[1, 16).
+        for (part, dims, init) in [
+            ("ssm_conv1d.weight", vec![k, conv], Init::Normal(inv(k))),
+            ("ssm_conv1d.bias", vec![conv], Init::Normal(0.1)),
+            ("ssm_dt.bias", vec![heads], Init::DtBias(0.001, 0.1)),
+            ("ssm_a", vec![1, heads], Init::Uniform(-16.0, -1.0)),
+            ("ssm_d", vec![1, heads], Init::Norm),
+            ("ssm_norm.weight", vec![inner / g, g], Init::Norm),
+        ] {
+            add(n(part), dims, GgmlType::F32, init, lay);
+        }
+        let wo = Init::Normal(r * inv(inner));
+        add(n("ssm_out.weight"), vec![inner, e], t.dense, wo, lay);
+    }
+    norm_tensor(&mut *add, l, "ffn_norm.weight", e);
+    routed_experts(cfg, l, add);
+    if s.shared_ff > 0 {
+        swiglu_ffn(cfg, l, add, s.shared_ff, "_shexp");
+    }
 }
 
 /// Block `l`'s norm weight `name`: `len` values in F32.
@@ -1977,7 +2105,11 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     let ff = match cfg.arch {
         // OLMoE, MiniMax-M2, Hunyuan, Granite MoE and Mixtral size their
         // experts with feed_forward_length.
-        Arch::Olmoe | Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::Granitemoe => s.expert_ff,
+        Arch::Olmoe
+        | Arch::MinimaxM2
+        | Arch::HunyuanMoe
+        | Arch::Granitemoe
+        | Arch::Granitehybrid => s.expert_ff,
         Arch::Llama | Arch::Mixtral if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
@@ -1991,7 +2123,27 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.attention.key_length"), u32v(kv_lora + rope));
         kv(format!("{a}.attention.value_length"), u32v(kv_lora));
     } else {
-        kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
+        if cfg.arch == Arch::Granitehybrid {
+            // Per layer, 0 on the Mamba2 ones (how llama.cpp tells them), in
+            // the converter's i32 array.
+            let heads = (0..s.layers).map(|l| {
+                let n = if granitehybrid_is_attention(l, s.layers) {
+                    s.kv_heads
+                } else {
+                    0
+                };
+                MetaValue::I32(n as i32)
+            });
+            kv(
+                format!("{a}.attention.head_count_kv"),
+                MetaValue::Array(
+                    MetaArray::new(ValueType::I32, heads.collect())
+                        .expect("i32 items in an i32 array"),
+                ),
+            );
+        } else {
+            kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
+        }
         if !cfg.arch.square_attention() {
             kv(format!("{a}.attention.key_length"), u32v(s.head_dim));
             kv(format!("{a}.attention.value_length"), u32v(s.head_dim));
@@ -1999,11 +2151,19 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     }
     if matches!(
         cfg.arch,
-        Arch::Llama | Arch::Mixtral | Arch::Llama4 | Arch::Granite | Arch::Granitemoe
+        Arch::Llama
+            | Arch::Mixtral
+            | Arch::Llama4
+            | Arch::Granite
+            | Arch::Granitemoe
+            | Arch::Granitehybrid
     ) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
     }
-    if matches!(cfg.arch, Arch::Granite | Arch::Granitemoe) {
+    if matches!(
+        cfg.arch,
+        Arch::Granite | Arch::Granitemoe | Arch::Granitehybrid
+    ) {
         let [embedding, residual, attention, logit] = GRANITE_SCALES;
         kv(format!("{a}.embedding_scale"), MetaValue::F32(embedding));
         kv(format!("{a}.residual_scale"), MetaValue::F32(residual));
@@ -2027,6 +2187,19 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             ),
         );
         kv(format!("{a}.n_deepstack_layers"), u32v(3.min(s.layers)));
+    }
+    if cfg.arch == Arch::Granitehybrid {
+        // As llama.cpp's converter writes Granite 4.0-H: no RoPE (its
+        // `rope.scaling.finetuned` switches RoPE), Mamba2's sizes.
+        kv(
+            format!("{a}.rope.scaling.finetuned"),
+            MetaValue::Bool(false),
+        );
+        kv(format!("{a}.ssm.conv_kernel"), u32v(s.ssm_conv));
+        kv(format!("{a}.ssm.state_size"), u32v(s.ssm_head_dim));
+        kv(format!("{a}.ssm.group_count"), u32v(s.ssm_k_heads));
+        kv(format!("{a}.ssm.inner_size"), u32v(s.mamba2_inner()));
+        kv(format!("{a}.ssm.time_step_rank"), u32v(s.ssm_v_heads));
     }
     if cfg.arch == Arch::Llama4 {
         // As llama.cpp's converter writes a Llama 4 (no sliding-window key:
@@ -2204,7 +2377,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             // Llama 4's (llama.cpp: the o200k pattern, as gpt-4o's).
             ("tokenizer.ggml.pre", Arch::Llama4) => "llama4".into(),
             // Granite 3's (llama.cpp: each digit alone, then GPT-2's).
-            ("tokenizer.ggml.pre", Arch::Granite | Arch::Granitemoe) => "refact".into(),
+            ("tokenizer.ggml.pre", Arch::Granite | Arch::Granitemoe | Arch::Granitehybrid) => {
+                "refact".into()
+            }
             _ => v,
         };
         m.push((key.to_string(), v));
@@ -2289,6 +2464,23 @@ pub fn describe(
         vocab.merges.len(),
         s.context
     )?;
+    if cfg.arch == Arch::Granitehybrid {
+        let attention: Vec<String> = (0..s.layers)
+            .filter(|&l| granitehybrid_is_attention(l, s.layers))
+            .map(|l| l.to_string())
+            .collect();
+        writeln!(
+            out,
+            "  mamba2: inner {}, heads {} x {}, state {}, groups {}, conv {}; attention layers {}",
+            s.mamba2_inner(),
+            s.ssm_v_heads,
+            s.mamba2_inner() / s.ssm_v_heads,
+            s.ssm_head_dim,
+            s.ssm_k_heads,
+            s.ssm_conv,
+            attention.join(",")
+        )?;
+    }
     if cfg.is_moe() {
         write!(
             out,
@@ -2425,6 +2617,7 @@ mod tests {
             Arch::Qwen3vl,
             Arch::Granite,
             Arch::Granitemoe,
+            Arch::Granitehybrid,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
@@ -2447,6 +2640,139 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn granitehybrid_attention_layers_follow_granite_4_0_h() {
+        let attention = |layers: u64| -> Vec<u64> {
+            (0..layers)
+                .filter(|&l| granitehybrid_is_attention(l, layers))
+                .collect()
+        };
+        assert_eq!(attention(40), [5, 15, 25, 35]);
+        assert_eq!(attention(4), [1, 3]);
+        assert_eq!(attention(16), [4, 12]);
+        assert_eq!(attention(48), [5, 15, 25, 35, 45]);
+        for layers in 2..=64 {
+            let a = attention(layers);
+            assert!(!a.is_empty() && !a.contains(&0), "{layers}: {a:?}");
+            assert!(layers - a.len() as u64 >= a.len() as u64, "{layers}: {a:?}");
+        }
+    }
+
+    /// The metadata and tensors llama.cpp's `granitehybrid` loader reads: the
+    /// per-layer KV head count is 0 exactly on the Mamba2 layers, which have
+    /// the Mamba2 tensors and no attention.
+    #[test]
+    fn granitehybrid_plan_and_metadata() {
+        for preset in [Preset::Tiny, Preset::Small, Preset::A3b] {
+            let cfg =
+                SynthConfig::new(Arch::Granitehybrid, preset, &Overrides::default(), 0).unwrap();
+            let s = &cfg.shape;
+            let (head, state) = granitehybrid_ssm(preset);
+            let (e, inner, heads) = (s.embd, 2 * s.embd, 2 * s.embd / head);
+            assert_eq!(
+                (s.ssm_v_heads, s.ssm_head_dim, s.ssm_k_heads),
+                (heads, state, 1)
+            );
+            let vocab = Vocab::build(s.vocab as usize).unwrap();
+            let meta = metadata(&cfg, &vocab);
+            let get = |k: &str| {
+                meta.iter()
+                    .find(|(key, _)| key == &format!("granitehybrid.{k}"))
+                    .unwrap_or_else(|| panic!("{k}"))
+                    .1
+                    .clone()
+            };
+            let MetaValue::Array(kv) = get("attention.head_count_kv") else {
+                panic!("head_count_kv is not an array");
+            };
+            let kv: Vec<MetaValue> = kv.items().collect();
+            assert_eq!(kv.len() as u64, s.layers);
+            let attention = (0..s.layers).filter(|&l| granitehybrid_is_attention(l, s.layers));
+            assert!(attention.count() >= 2);
+            let p = tensor_plan(&cfg);
+            let find = |name: &str| p.iter().find(|t| t.name == name);
+            for l in 0..s.layers {
+                let attn = granitehybrid_is_attention(l, s.layers);
+                let want = if attn { s.kv_heads as i32 } else { 0 };
+                assert_eq!(kv[l as usize], MetaValue::I32(want), "{preset:?} layer {l}");
+                let t = |part: &str| find(&format!("blk.{l}.{part}"));
+                assert_eq!(t("attn_q.weight").is_some(), attn);
+                assert_eq!(t("ssm_in.weight").is_some(), !attn);
+                for part in ["attn_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight"] {
+                    assert!(t(part).is_some(), "{part}");
+                }
+                for part in ["gate", "up", "down"] {
+                    assert!(t(&format!("ffn_{part}_exps.weight")).is_some());
+                    assert!(t(&format!("ffn_{part}_shexp.weight")).is_some());
+                }
+                if attn {
+                    continue;
+                }
+                let f32 = GgmlType::F32;
+                let conv = inner + 2 * state;
+                for (part, dims, small) in [
+                    (
+                        "ssm_in.weight",
+                        vec![e, 2 * inner + 2 * state + heads],
+                        false,
+                    ),
+                    ("ssm_conv1d.weight", vec![4, conv], true),
+                    ("ssm_conv1d.bias", vec![conv], true),
+                    ("ssm_dt.bias", vec![heads], true),
+                    ("ssm_a", vec![1, heads], true),
+                    ("ssm_d", vec![1, heads], true),
+                    ("ssm_norm.weight", vec![inner, 1], true),
+                    ("ssm_out.weight", vec![inner, e], false),
+                ] {
+                    let t = t(part).unwrap();
+                    assert_eq!(t.dims, dims, "{part}");
+                    assert_eq!(t.ty == f32, small, "{preset:?} {part} is {}", t.ty);
+                }
+            }
+            let u = |k: &str| match get(k) {
+                MetaValue::U32(v) => u64::from(v),
+                v => panic!("{k}: {v:?}"),
+            };
+            assert_eq!(u("ssm.inner_size"), inner);
+            assert_eq!(u("ssm.time_step_rank"), heads);
+            assert_eq!(u("ssm.state_size"), state);
+            assert_eq!(u("ssm.group_count"), 1);
+            assert_eq!(u("ssm.conv_kernel"), 4);
+            assert_eq!(u("feed_forward_length"), s.expert_ff);
+            assert_eq!(u("expert_shared_feed_forward_length"), s.shared_ff);
+            assert_eq!(get("rope.scaling.finetuned"), MetaValue::Bool(false));
+            assert_eq!(get("logit_scale"), MetaValue::F32(GRANITE_SCALES[3]));
+        }
+    }
+
+    #[test]
+    fn granitehybrid_q4_k_m_and_refusals() {
+        // Small: attn_v counts among the two attention layers' (the second gets
+        // q6_k), ssm_in / ssm_out take the class's q4_k.
+        let p = plan(Arch::Granitehybrid, Preset::Small, Overrides::default());
+        assert_eq!(ty(&p, "blk.4.attn_v.weight"), GgmlType::Q4K);
+        assert_eq!(ty(&p, "blk.12.attn_v.weight"), GgmlType::Q6K);
+        assert_eq!(ty(&p, "blk.1.ssm_in.weight"), GgmlType::Q4K);
+        assert_eq!(ty(&p, "blk.1.ssm_out.weight"), GgmlType::Q4K);
+        assert_eq!(ty(&p, "blk.0.ffn_down_exps.weight"), GgmlType::Q6K);
+        let new = |o: Overrides| SynthConfig::new(Arch::Granitehybrid, Preset::Small, &o, 0);
+        let e = new(Overrides {
+            embd: Some(1000),
+            ..Overrides::default()
+        });
+        assert!(e.unwrap_err().to_string().contains("Mamba2 head size 64"));
+        let e = new(Overrides {
+            layers: Some(1),
+            ..Overrides::default()
+        });
+        assert!(e.unwrap_err().to_string().contains("2 or more layers"));
+        let e = new(Overrides {
+            mtp_layers: Some(1),
+            ..Overrides::default()
+        });
+        assert!(e.is_err());
     }
 
     #[test]

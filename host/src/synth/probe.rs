@@ -163,10 +163,10 @@ impl<'g, B: AsRef<[u8]>> Model<'g, B> {
 /// measures routing statistics. The model must have routed experts.
 pub fn probe<B: AsRef<[u8]>>(g: &Gguf<B>, tokens: usize, seed: u64) -> Res<ProbeReport> {
     let arch = e(g.architecture())?.to_string();
-    if arch == "qwen35moe" {
-        // Its DeltaNet and gated attention layers are not modelled here; `les bench`
+    if arch == "qwen35moe" || arch == "granitehybrid" {
+        // Their DeltaNet / Mamba2 layers are not modelled here; `les bench`
         // reports the engine's own per-layer prediction quality.
-        return Err("the probe does not model qwen35moe; use `les bench`".into());
+        return Err(format!("the probe does not model {arch}; use `les bench`"));
     }
     let key = |k: &str| format!("{arch}.{k}");
     let layers = e(g.get_u32(&key("block_count")))? as usize;
