@@ -2,8 +2,8 @@
 //! wrong, partly right, out of the vocabulary), any draft length, sampler and
 //! expert schedule, `generate_from` hands out the tokens and logits of plain
 //! decoding, bit for bit, and leaves the session where plain decoding leaves
-//! it, for qwen3moe and for qwen35moe (whose recurrent state is rolled back
-//! when a draft is rejected).
+//! it, for qwen3moe and for qwen35moe and granitehybrid (whose DeltaNet and
+//! Mamba2 states are rolled back when a draft is rejected).
 
 mod cli;
 
@@ -79,6 +79,11 @@ fn qwen3moe() -> &'static Path {
 fn qwen35moe() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| packed("qwen35moe"))
+}
+
+fn granitehybrid() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| packed("granitehybrid"))
 }
 
 /// The plain (unpacked) tiny qwen35moe [`qwen35moe`] packed, for llama.cpp.
@@ -300,6 +305,11 @@ fn qwen3moe_drafts_change_nothing_but_speed() {
 #[test]
 fn qwen35moe_drafts_change_nothing_but_speed() {
     check(qwen35moe());
+}
+
+#[test]
+fn granitehybrid_drafts_change_nothing_but_speed() {
+    check(granitehybrid());
 }
 
 /// A draft that agrees in full is accepted in full: `max_draft` + 1 tokens a
