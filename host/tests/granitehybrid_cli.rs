@@ -95,6 +95,25 @@ fn synth_writes_llama_cpp_names_and_keys() {
     assert!(err.contains("Granite"), "{err}");
 }
 
+/// A dense granitehybrid (Granite 4.0-H-1B's kind: `--experts 0`) has a
+/// SwiGLU FFN in every layer and runs.
+#[test]
+fn dense_granitehybrid_runs() {
+    let m = model("dense", &["--experts", "0"]);
+    let g = Gguf::open(&m).unwrap();
+    assert!(g.tensor("blk.0.ffn_gate.weight").is_some());
+    assert!(g.tensor("blk.0.ffn_gate_inp.weight").is_none());
+    drop(g);
+    let model = Model::open(&m).unwrap();
+    assert!(model.hp.moe.is_none());
+    assert!(matches!(
+        model.hybrid.linear,
+        Some((_, LinearShape::Mamba2(_)))
+    ));
+    let (tokens, _) = greedy_logits(&m, "gh_dense", &[]);
+    assert!(!tokens.is_empty());
+}
+
 /// What llama.cpp reads otherwise or les cannot run is refused by name; the
 /// optional parts are optional, as in llama.cpp.
 #[test]
@@ -169,5 +188,12 @@ fn packed_experts_stream_exactly() {
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_and_log_probabilities_equal_llama_cpp() {
     assert_equals_llama_cpp(&model("f32", &F32_WEIGHTS), "granitehybrid_f32", 5e-6, 1.0);
+    let dense = [&F32_WEIGHTS[..], &["--experts", "0"]].concat();
+    assert_equals_llama_cpp(
+        &model("dense_f32", &dense),
+        "granitehybrid_dense",
+        5e-6,
+        1.0,
+    );
     assert_close_to_llama_cpp(&model("q", &[]), "granitehybrid_q");
 }

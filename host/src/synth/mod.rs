@@ -1016,7 +1016,11 @@ impl SynthConfig {
             }
             s.shared_ff = 0;
         }
-        if s.experts == 0 && !matches!(arch, Arch::Llama | Arch::Qwen3vl | Arch::Granite) {
+        // granitehybrid is dense only when asked (`--experts 0`: Granite
+        // 4.0-H-1B / 350M).
+        let dense_ok = matches!(arch, Arch::Llama | Arch::Qwen3vl | Arch::Granite)
+            || (arch == Arch::Granitehybrid && o.experts == Some(0));
+        if s.experts == 0 && !dense_ok {
             return config_err(format!("{name} needs at least one expert"));
         }
         if s.experts > 0 && o.top_k.is_none() {
@@ -1749,6 +1753,10 @@ fn granitehybrid_layer(
         add(n("ssm_out.weight"), vec![inner, e], t.dense, wo, lay);
     }
     norm_tensor(&mut *add, l, "ffn_norm.weight", e);
+    if !cfg.is_moe() {
+        swiglu_ffn(cfg, l, add, s.ff, "");
+        return;
+    }
     routed_experts(cfg, l, add);
     if s.shared_ff > 0 {
         swiglu_ffn(cfg, l, add, s.shared_ff, "_shexp");
@@ -2105,12 +2113,8 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     let ff = match cfg.arch {
         // OLMoE, MiniMax-M2, Hunyuan, Granite MoE and Mixtral size their
         // experts with feed_forward_length.
-        Arch::Olmoe
-        | Arch::MinimaxM2
-        | Arch::HunyuanMoe
-        | Arch::Granitemoe
-        | Arch::Granitehybrid => s.expert_ff,
-        Arch::Llama | Arch::Mixtral if cfg.is_moe() => s.expert_ff,
+        Arch::Olmoe | Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::Granitemoe => s.expert_ff,
+        Arch::Llama | Arch::Mixtral | Arch::Granitehybrid if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
     kv(format!("{a}.feed_forward_length"), u32v(ff));
