@@ -222,6 +222,9 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "llama4",
         "qwen3vlmoe",
         "qwen3vl",
+        "granite",
+        "granitemoe",
+        "granitehybrid",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

@@ -1,0 +1,74 @@
+//! Model files on arbitrary bytes (seeded with micro models of several
+//! architectures: MoE, DeltaNet and Mamba2 hybrids, MLA, sinks and windows):
+//! loading one never panics, and a model the loader accepts evaluates two
+//! tokens (resident, one thread; NaNs allowed) without a panic either. Every
+//! shape the forward pass relies on is checked at load, and refused there
+//! with an error.
+#![no_main]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use les::compute::ThreadedMatVec;
+use les::engine::Session;
+use les::flash::FileDeviceConfig;
+use les::gguf::Gguf;
+use les::model::Model;
+use les::supply::{Schedule, SlotBudget, Supply};
+use les_core::gemv::Isa;
+use les_core::model::forward::TokenInput;
+use libfuzzer_sys::fuzz_target;
+
+/// Where this process writes each input (a model is opened from a file).
+fn path() -> &'static PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let shm = std::path::Path::new("/dev/shm");
+        let dir = if shm.is_dir() {
+            shm.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        };
+        dir.join(format!("les-fuzz-model-{}.gguf", std::process::id()))
+    })
+}
+
+/// Most multiply-adds a token may cost: larger models are loaded but not
+/// run, so that each input stays fast.
+const MAX_WORK: usize = 1 << 24;
+
+fuzz_target!(|data: &[u8]| {
+    // Most inputs are not GGUF at all: skip the file for them.
+    if Gguf::parse(data).is_err() {
+        return;
+    }
+    let path = path();
+    std::fs::write(path, data).expect("the fuzzer writes its input");
+    let Ok(model) = Model::open(path) else {
+        return;
+    };
+    let hp = &model.hp;
+    let moe = hp.moe.map_or(0, |m| m.n_experts * m.n_ff_exp);
+    let work = hp.n_layers * hp.n_embd * (4 * hp.q_dim() + hp.n_ff + moe) + hp.n_vocab * hp.n_embd;
+    if work > MAX_WORK {
+        return;
+    }
+    let Ok(mut session) = Session::new(&model, 2) else {
+        return;
+    };
+    let budget = SlotBudget::none(FileDeviceConfig::default());
+    let Ok(mut supply) = Supply::new(&model, path, Schedule::Resident, budget) else {
+        return;
+    };
+    let mut mv = ThreadedMatVec::new(1, Isa::detect());
+    let mut logits = vec![0f32; hp.n_vocab];
+    for token in [0, hp.n_vocab as u32 - 1] {
+        let input = TokenInput::Token(token);
+        if session
+            .eval(&mut mv, &mut supply, None, input, &mut logits)
+            .is_err()
+        {
+            return;
+        }
+    }
+});
