@@ -1,8 +1,10 @@
 //! Attention's vector kernels (`les_core::gemv::vector`), one thread, on one
 //! key/value head of Qwen3-30B-A3B's shape (8 query heads of 128 sharing it)
-//! over 64, 512 and 4096 cached positions, and the delta rule of one DeltaNet
-//! layer of MiniCPM-V 4.7's (32 heads of 128): the scalar reference and the
-//! CPU's ISA side by side, interleaved, with their ratio.
+//! over 64, 512 and 4096 cached positions, the delta rule of one DeltaNet
+//! layer of MiniCPM-V 4.7's (32 heads of 128), and the SwiGLU of one layer's
+//! eight experts of Qwen3-30B-A3B's (8 x 768): the scalar reference and the
+//! CPU's ISA side by side, interleaved, with their ratio; SwiGLU also against
+//! the platform's `expf` (`libm`), which LES used before.
 //!
 //! `cargo bench -p les-core --bench attention` (`LES_BENCH_SECONDS` per case,
 //! default 1).
@@ -13,7 +15,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use les_core::gemv::vector::{delta_rule, scaled_dots, softmax, weighted_rows, Strided};
+use les_core::gemv::vector::{delta_rule, scaled_dots, softmax, swiglu, weighted_rows, Strided};
 use les_core::gemv::Isa;
 
 fn noise(state: &mut u64) -> f32 {
@@ -131,5 +133,41 @@ fn main() {
         s * 1e6,
         v * 1e6,
         s / v
+    );
+    // SwiGLU of eight experts of 768: with libm's `expf` (before), the
+    // scalar reference and the ISA's kernel.
+    let n = 8 * 768;
+    let gate: Vec<f32> = (0..n).map(|_| noise(&mut st) * 4.0).collect();
+    let up: Vec<f32> = (0..n).map(|_| noise(&mut st)).collect();
+    let mut x = gate.clone();
+    let mut t = [Vec::new(), Vec::new(), Vec::new()];
+    let start = Instant::now();
+    while start.elapsed() < budget || t[0].len() < 5 {
+        for (i, t) in t.iter_mut().enumerate() {
+            x.copy_from_slice(&gate);
+            let t0 = Instant::now();
+            match i {
+                0 => {
+                    for (a, b) in x.iter_mut().zip(&up) {
+                        *a = *a / (1.0 + libm::expf(-*a)) * b;
+                    }
+                }
+                1 => swiglu(Isa::Scalar, &mut x, &up),
+                _ => swiglu(isa, &mut x, &up),
+            }
+            t.push(t0.elapsed().as_secs_f64());
+            black_box(&x);
+        }
+    }
+    let [l, s, v] = t.map(|mut t| median(&mut t));
+    println!(
+        "{:<10} {:>9} {:>11.1} {:>11.1} {:>7.2}x  (libm expf {:.1} us: {:.2}x)",
+        "8 x 768",
+        "swiglu",
+        s * 1e6,
+        v * 1e6,
+        s / v,
+        l * 1e6,
+        l / v
     );
 }

@@ -108,6 +108,62 @@ pub fn exp(x: f32) -> f32 {
 /// Partial sums of [`softmax`]'s total (`f64`).
 const SUM_LANES: usize = 8;
 
+/// SwiGLU in place of the gate `x`: `x[i] = x[i] / (1 + exp(-x[i])) * y[i]`
+/// (`silu(x) y`, a divide, then a multiply) with [`exp`], eight lanes at a
+/// time where the ISA has them: the same bits with every `isa`. Below -88,
+/// where [`exp`] stops at `e^88`, a gate gives about `1e-36 y` for 0.
+pub fn swiglu(isa: Isa, x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "swiglu: lengths differ");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            unsafe { x86::swiglu_avx2(x, y) }
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon | Isa::NeonDot => {
+            // SAFETY: NEON is part of the target (`target_feature = "neon"`).
+            unsafe { neon::swiglu(x, y) }
+        }
+        _ => swiglu_tail(x, y),
+    }
+}
+
+/// `x[i] = x[i] / (1 + exp(-x[i]))` (SiLU) with [`exp`], as [`swiglu`]
+/// computes its gate: the same bits with every `isa`.
+pub fn silu(isa: Isa, x: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            unsafe { x86::silu_avx2(x) }
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon | Isa::NeonDot => {
+            // SAFETY: NEON is part of the target (`target_feature = "neon"`).
+            unsafe { neon::silu(x) }
+        }
+        _ => silu_tail(x),
+    }
+}
+
+/// [`silu`] one element at a time (the reference, and the SIMD kernels' tail).
+#[inline(always)]
+fn silu_tail(x: &mut [f32]) {
+    for a in x.iter_mut() {
+        *a /= 1.0 + exp(-*a);
+    }
+}
+
+/// [`swiglu`] one element at a time (the reference, and the SIMD kernels'
+/// tail).
+#[inline(always)]
+fn swiglu_tail(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a = *a / (1.0 + exp(-*a)) * b;
+    }
+}
+
 /// `x[i] = e^(x[i] - max) / sum_j e^(x[j] - max)` with [`exp`], the sum in
 /// `f64`: element `i` into partial sum `i % 8`, folded by halves, then the
 /// elements past the last whole 8 in order; each element is then multiplied
@@ -548,6 +604,36 @@ mod x86 {
         let y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e)));
         let y = _mm256_andnot_ps(low, y);
         _mm256_blendv_ps(y, x, nan)
+    }
+
+    /// `g / (1 + exp(-g))` of eight lanes, [`super::silu_tail`]'s steps.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn silu8(g: __m256) -> __m256 {
+        let e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0)));
+        _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e))
+    }
+
+    /// [`super::swiglu`] with AVX2, eight lanes at a time.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn swiglu_avx2(x: &mut [f32], y: &[f32]) {
+        let whole = x.len() / 8 * 8;
+        for c in (0..whole).step_by(8) {
+            let s = silu8(ld8(&x[c..]));
+            st8(&mut x[c..], _mm256_mul_ps(s, ld8(&y[c..])));
+        }
+        super::swiglu_tail(&mut x[whole..], &y[whole..]);
+    }
+
+    /// [`super::silu`] with AVX2, eight lanes at a time.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn silu_avx2(x: &mut [f32]) {
+        let whole = x.len() / 8 * 8;
+        for c in (0..whole).step_by(8) {
+            let s = silu8(ld8(&x[c..]));
+            st8(&mut x[c..], s);
+        }
+        super::silu_tail(&mut x[whole..]);
     }
 
     /// [`super::exp_sum`] with AVX2: the eight `f64` sums in two registers.
@@ -1161,6 +1247,36 @@ mod neon {
         vbslq_f32(nan, x, y)
     }
 
+    /// `g / (1 + exp(-g))` of four lanes, [`super::silu_tail`]'s steps.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn silu4(g: float32x4_t) -> float32x4_t {
+        let e = exp4(vnegq_f32(g));
+        vdivq_f32(g, vaddq_f32(vdupq_n_f32(1.0), e))
+    }
+
+    /// [`super::swiglu`], four lanes at a time.
+    #[target_feature(enable = "neon")]
+    pub(super) fn swiglu(x: &mut [f32], y: &[f32]) {
+        let whole = x.len() / 4 * 4;
+        for c in (0..whole).step_by(4) {
+            let s = silu4(ld4(&x[c..]));
+            st4(&mut x[c..], vmulq_f32(s, ld4(&y[c..])));
+        }
+        super::swiglu_tail(&mut x[whole..], &y[whole..]);
+    }
+
+    /// [`super::silu`], four lanes at a time.
+    #[target_feature(enable = "neon")]
+    pub(super) fn silu(x: &mut [f32]) {
+        let whole = x.len() / 4 * 4;
+        for c in (0..whole).step_by(4) {
+            let s = silu4(ld4(&x[c..]));
+            st4(&mut x[c..], s);
+        }
+        super::silu_tail(&mut x[whole..]);
+    }
+
     /// [`super::exp_sum`] with the eight `f64` sums in four registers.
     #[target_feature(enable = "neon")]
     pub(super) fn exp_sum(x: &mut [f32], max: f32) -> f64 {
@@ -1437,6 +1553,58 @@ mod tests {
                 let mut got = nan.clone();
                 softmax(isa, &mut got);
                 assert!(got[n / 2].is_nan(), "{isa}: NaN stays NaN");
+            }
+        }
+    }
+
+    /// `exp` stays within 2 ulp over SwiGLU's whole range, and every ISA's
+    /// SwiGLU and SiLU give the reference's bits, NaN and the extremes included.
+    #[test]
+    fn swiglu_and_silu_are_the_same_on_every_isa() {
+        let mut worst = 0u32;
+        let mut x = -87.3f32;
+        while x <= 88.0 {
+            let want = libm::exp(x as f64) as f32;
+            worst = worst.max(exp(x).to_bits().abs_diff(want.to_bits()));
+            x += 0.0173;
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        let mut seed = 13;
+        for n in [1, 7, 8, 9, 16, 37, 300] {
+            let mut gate: Vec<f32> = (0..n).map(|_| rng(&mut seed) * 12.0).collect();
+            let up: Vec<f32> = (0..n).map(|_| rng(&mut seed) * 3.0).collect();
+            if n > 8 {
+                gate[1] = f32::NAN;
+                gate[2] = 100.0;
+                gate[3] = -100.0;
+                gate[4] = f32::INFINITY;
+                gate[5] = -0.0;
+            }
+            let mut want = gate.clone();
+            swiglu(Isa::Scalar, &mut want, &up);
+            for (i, (w, (g, u))) in want.iter().zip(gate.iter().zip(&up)).enumerate() {
+                // Close to silu(g) u in f64; below -88, where `exp` stops at
+                // e^88, within 1e-30 of it (of 0).
+                let exact = (*g as f64) / (1.0 + (-(*g as f64)).exp()) * (*u as f64);
+                if g.is_nan() || g.is_infinite() {
+                    continue;
+                }
+                assert!(
+                    (*w as f64 - exact).abs() <= 1e-6 * exact.abs() + 1e-30,
+                    "{i}: {g} {u}: {w} against {exact}"
+                );
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            // SiLU is SwiGLU's gate (times 1, exactly).
+            let mut silu_want = gate.clone();
+            swiglu(Isa::Scalar, &mut silu_want, &vec![1.0; n]);
+            for isa in Isa::available() {
+                let mut got = gate.clone();
+                swiglu(isa, &mut got, &up);
+                assert_eq!(bits(&got), bits(&want), "{isa} swiglu of {n}");
+                let mut got = gate.clone();
+                silu(isa, &mut got);
+                assert_eq!(bits(&got), bits(&silu_want), "{isa} silu of {n}");
             }
         }
     }

@@ -135,15 +135,16 @@ pub fn step(
         sum += *x * kernel[taps - 1];
         st.copy_within(1.., 0);
         st[taps - 2] = *x;
-        *x = silu(sum);
+        *x = sum;
     }
+    let isa = Isa::detect();
+    vector::silu(isa, p.qkv);
     let (q, rest) = p.qkv.split_at_mut(kd);
     let (k, v) = rest.split_at_mut(kd);
     l2_norm_heads(q, hd, eps);
     l2_norm_heads(k, hd, eps);
 
     let scale = 1.0 / libm::sqrtf(hd as f32);
-    let isa = Isa::detect();
     for h in 0..nv {
         let kh = s.key_head(h);
         let (qh, khv) = (&q[kh * hd..][..hd], &k[kh * hd..][..hd]);

@@ -17,14 +17,14 @@
 //! The operations and their rounding follow ggml's `ssm_conv` and `ssm_scan`
 //! (scalar path: a multiply, then an add; never fused), except the dot
 //! product `s_i . C_g`, which runs in [`vector::dot`]'s fixed order (ggml's
-//! own depends on the ISA). Prompt tokens go through the same recurrence as
+//! own depends on the ISA), and SiLU, with LES's own `exp` ([`vector::silu`]). Prompt tokens go through the same recurrence as
 //! generated ones.
 
 use libm::expf;
 
 use super::config::Mamba2Shape;
-use super::ops::{rms_norm_heads, silu, softplus};
-use crate::gemv::{vector, MatrixView};
+use super::ops::{rms_norm_heads, softplus};
+use crate::gemv::{vector, Isa, MatrixView};
 
 /// The weights of one Mamba2 layer (llama.cpp tensor names in brackets).
 #[derive(Clone, Copy, Debug)]
@@ -102,6 +102,7 @@ pub fn step(
 
     // Causal convolution: window = [state (K-1 oldest first), this token],
     // summed in order from 0 (ggml's `ssm_conv`), then the bias and SiLU.
+    let isa = Isa::detect();
     for (c, ((x, kernel), st)) in xbc
         .iter_mut()
         .zip(w.conv.chunks_exact(taps))
@@ -118,8 +119,9 @@ pub fn step(
         if let Some(b) = w.conv_bias {
             sum += b[c];
         }
-        *x = silu(sum);
+        *x = sum;
     }
+    vector::silu(isa, xbc);
     let (x, bc) = xbc.split_at(di);
     let (b, c) = bc.split_at(ng * ds);
 
@@ -143,9 +145,8 @@ pub fn step(
 
     // Gate, then RMSNorm per group (ggml: swiglu_split(z, y), then rms_norm
     // of each `d_inner / n_group` group times the weight).
-    for (o, zi) in out.iter_mut().zip(z.iter()) {
-        *o *= silu(*zi);
-    }
+    vector::swiglu(isa, z, out);
+    out.copy_from_slice(z);
     let gw = di / ng;
     for (group, weight) in out.chunks_exact_mut(gw).zip(w.norm.chunks_exact(gw)) {
         rms_norm_heads(group, weight, eps);
@@ -155,6 +156,7 @@ pub fn step(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ops::silu;
     use crate::quant::GgmlType;
     use std::vec;
     use std::vec::Vec;

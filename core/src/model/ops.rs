@@ -274,9 +274,10 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + expf(-x))
 }
 
-/// `x / (1 + e^-x)`, as ggml's `silu`.
+/// `x / (1 + e^-x)`, as ggml's `silu`, with LES's own `exp` (the bits of
+/// [`vector::silu`]).
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + expf(-x))
+    x / (1.0 + vector::exp(-x))
 }
 
 /// `ln(1 + e^x)`, `x` itself above 20 (ggml's `softplus`).
@@ -308,12 +309,10 @@ pub fn l2_norm_heads(x: &mut [f32], head_dim: usize, eps: f32) {
     }
 }
 
-/// `x = silu(x) * y`, the SwiGLU of expert and dense FFNs.
+/// `x = silu(x) * y`, the SwiGLU of expert and dense FFNs, with LES's own
+/// vectorised `exp` ([`vector::swiglu`]: the same bits on every ISA).
 pub fn swiglu(x: &mut [f32], y: &[f32]) {
-    assert_eq!(x.len(), y.len(), "swiglu: lengths differ");
-    for (a, b) in x.iter_mut().zip(y) {
-        *a = *a / (1.0 + expf(-*a)) * b;
-    }
+    vector::swiglu(Isa::detect(), x, y);
 }
 
 /// gpt-oss's clamped SwiGLU in place of the gate `x` (ggml's `swiglu_oai`):
