@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use les_core::gemv::{GemvError, Isa, MatrixView};
-use les_core::model::forward::{Lookahead, MatVec, TokenInput, Weights};
+use les_core::model::forward::{HeadFn, Lookahead, MatVec, TokenInput, Weights};
 use les_core::model::ops::{AttnShape, KvView};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::schedule::{LayerState, Stats};
@@ -476,6 +476,27 @@ impl<M: MatVec> MatVec for TimedOutput<M> {
         out: &mut [f32],
     ) {
         self.inner.attention(shape, q, kv, scores, out)
+    }
+
+    fn matmul(&mut self, w: &MatrixView<'_>, xs: &[f32], ys: &mut [f32]) -> Result<(), GemvError> {
+        self.inner.matmul(w, xs, ys)
+    }
+
+    fn attention_causal(
+        &mut self,
+        shape: AttnShape,
+        q: &[f32],
+        kv: KvView<'_>,
+        first: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        self.inner
+            .attention_causal(shape, q, kv, first, scores, out)
+    }
+
+    fn for_heads(&mut self, n: usize, state: &mut [f32], out: &mut [f32], f: &HeadFn<'_>) {
+        self.inner.for_heads(n, state, out, f)
     }
 }
 

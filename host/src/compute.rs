@@ -29,7 +29,7 @@ use les_core::gemv::{
     MatrixView,
 };
 use les_core::layout::{checksum, checksum_concat};
-use les_core::model::forward::{attention_each_position, prepare_input, MatVec};
+use les_core::model::forward::{attention_each_position, each_head, prepare_input, HeadFn, MatVec};
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use les_core::quant::QK_K;
@@ -59,6 +59,9 @@ const MAX_CAUSAL_GROUP: usize = 16;
 /// Attention with fewer query-head x position x dimension products than this
 /// runs on the calling thread (about as long as waking the pool).
 const MIN_PARALLEL_ATTENTION: usize = 1 << 15;
+/// Recurrent layers with less state than this many floats run their heads on
+/// the calling thread ([`MatVec::for_heads`]).
+const MIN_PARALLEL_STATE: usize = 1 << 15;
 
 /// A [`MatVec`] that splits the rows of each product across a [`Pool`].
 ///
@@ -457,6 +460,36 @@ impl MatVec for ThreadedMatVec {
     ) -> Result<u32, GemvError> {
         let crc = self.product(w, x, y, true)?;
         Ok(crc.unwrap_or_else(|| checksum(w.bytes())))
+    }
+
+    /// The heads in as many contiguous runs as threads, each run's heads in
+    /// order on one thread: each head's bits are [`each_head`]'s. Layers with
+    /// less than [`MIN_PARALLEL_STATE`] floats of state stay on this thread.
+    fn for_heads(&mut self, n: usize, state: &mut [f32], out: &mut [f32], f: &HeadFn<'_>) {
+        let parts = self.threads().min(n);
+        let divides = n > 0 && state.len().is_multiple_of(n) && out.len().is_multiple_of(n);
+        if parts < 2 || !divides || state.len() < MIN_PARALLEL_STATE {
+            // Small, or malformed (then `each_head` panics with its message).
+            return each_head(n, state, out, f);
+        }
+        let (sl, ol) = (state.len() / n, out.len() / n);
+        let mut jobs = Vec::with_capacity(parts);
+        let (mut st_rest, mut out_rest) = (state, out);
+        for p in 0..parts {
+            let heads = p * n / parts..(p + 1) * n / parts;
+            let (st, tail) = st_rest.split_at_mut(heads.len() * sl);
+            st_rest = tail;
+            let (o, tail) = out_rest.split_at_mut(heads.len() * ol);
+            out_rest = tail;
+            jobs.push((heads, st, o));
+        }
+        let jobs = Parts::new(jobs);
+        self.pool.for_each(parts, &|p| {
+            if let Some((heads, st, o)) = jobs.take(p) {
+                let first = heads.start;
+                each_head(heads.len(), st, o, &|h, s, y| f(first + h, s, y));
+            }
+        });
     }
 }
 
@@ -1150,6 +1183,39 @@ mod tests {
                         "{shape:?} first={first} count={count} threads={threads}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Heads spread over the threads give [`each_head`]'s bits, whatever the
+    /// threads and heads (runs of unequal length included), and every head
+    /// runs once with its own chunks.
+    #[test]
+    fn threaded_heads_equal_serial_bit_for_bit() {
+        let f = |h: usize, st: &mut [f32], o: &mut [f32]| {
+            let mut acc = 0f32;
+            for (i, x) in st.iter_mut().enumerate() {
+                *x = *x * 0.9 + (h * 7 + i) as f32 * 1e-3;
+                acc += *x;
+            }
+            o[0] = acc;
+            o[1] += h as f32 + 1.0;
+        };
+        for threads in [1, 2, 3] {
+            let mut mv = ThreadedMatVec::new(threads, Isa::detect());
+            for n in [1, 3, 8, 13, 64] {
+                let per = 4096;
+                let init: Vec<f32> = (0..n * per).map(|i| (i % 97) as f32 * 0.01).collect();
+                let (mut a, mut b) = (init.clone(), init);
+                let (mut oa, mut ob) = (vec![0f32; 2 * n], vec![0f32; 2 * n]);
+                mv.for_heads(n, &mut a, &mut oa, &f);
+                each_head(n, &mut b, &mut ob, &f);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{threads} threads, {n} heads");
+                assert_eq!(bits(&oa), bits(&ob), "{threads} threads, {n} heads");
+                let once: Vec<f32> = (0..n).map(|h| h as f32 + 1.0).collect();
+                let ran: Vec<f32> = oa.chunks(2).map(|o| o[1]).collect();
+                assert_eq!(ran, once, "each head once");
             }
         }
     }

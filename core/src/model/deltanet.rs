@@ -23,6 +23,7 @@
 use libm::expf;
 
 use super::config::DeltaNetShape;
+use super::forward::MatVec;
 use super::ops::{l2_norm_heads, rms_norm_heads, sigmoid, silu, softplus};
 use crate::gemv::{vector, Isa, MatrixView};
 
@@ -99,7 +100,8 @@ pub struct Projections<'b> {
 /// (`value_dim`, the input of `W_out`) into `out`. The recurrence runs
 /// through [`vector::delta_rule`], one pass over each head's state with the
 /// CPU's vector kernels (the same bits on every ISA).
-pub fn step(
+pub fn step<M: MatVec + ?Sized>(
+    mv: &mut M,
     w: &DeltaNetWeights<'_>,
     p: Projections<'_>,
     eps: f32,
@@ -145,17 +147,19 @@ pub fn step(
     l2_norm_heads(k, hd, eps);
 
     let scale = 1.0 / libm::sqrtf(hd as f32);
-    for h in 0..nv {
+    let (q, k, v) = (&*q, &*k, &*v);
+    let (alpha, beta) = (p.alpha, p.beta);
+    // Each head reads only shared inputs and writes only its own state and
+    // output: `for_heads` may spread the heads over threads.
+    mv.for_heads(nv, ssm_state, out, &|h, m, oh| {
         let kh = s.key_head(h);
         let (qh, khv) = (&q[kh * hd..][..hd], &k[kh * hd..][..hd]);
         let vh = &v[h * hd..][..hd];
-        let g = softplus(p.alpha[h] + w.dt_bias[h]) * w.a[h];
-        let beta = sigmoid(p.beta[h]);
-        let m = &mut ssm_state[h * hd * hd..][..hd * hd];
+        let g = softplus(alpha[h] + w.dt_bias[h]) * w.a[h];
+        let b = sigmoid(beta[h]);
         let decay = expf(g);
-        let oh = &mut out[h * hd..][..hd];
-        vector::delta_rule(isa, m, khv, qh, vh, decay, beta, scale, oh);
-    }
+        vector::delta_rule(isa, m, khv, qh, vh, decay, b, scale, oh);
+    });
 
     // Gated RMSNorm: norm(o) * silu(z), per value head.
     rms_norm_heads(out, w.norm, eps);

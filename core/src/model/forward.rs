@@ -458,6 +458,36 @@ pub trait MatVec {
     ) {
         attention_each_position(self, shape, q, kv, first, scores, out);
     }
+
+    /// Runs `f(h, state_h, out_h)` for each head `h < n`, `state_h` and
+    /// `out_h` the `h`-th of `n` equal chunks of `state` and `out`: the
+    /// per-head recurrences of DeltaNet and Mamba2 layers. The default runs
+    /// them in order ([`each_head`]); an implementation may spread them over
+    /// threads: a head writes only its own chunks, so the bits are the same.
+    fn for_heads(&mut self, n: usize, state: &mut [f32], out: &mut [f32], f: &HeadFn<'_>) {
+        each_head(n, state, out, f);
+    }
+}
+
+/// A head's work for [`MatVec::for_heads`]: `(head, its state, its output)`.
+pub type HeadFn<'a> = dyn Fn(usize, &mut [f32], &mut [f32]) + Sync + 'a;
+
+/// [`MatVec::for_heads`] in order on this thread; panics unless `n` divides
+/// both lengths.
+pub fn each_head(n: usize, state: &mut [f32], out: &mut [f32], f: &HeadFn<'_>) {
+    assert!(
+        n > 0 && state.len().is_multiple_of(n) && out.len().is_multiple_of(n),
+        "each_head: lengths are not multiples of the heads"
+    );
+    let (sl, ol) = (state.len() / n, out.len() / n);
+    for (h, (st, o)) in state
+        .chunks_exact_mut(sl.max(1))
+        .zip(out.chunks_exact_mut(ol.max(1)))
+        .enumerate()
+        .take(n)
+    {
+        f(h, st, o);
+    }
 }
 
 /// [`MatVec::attention_causal`] one position after another through
@@ -1466,14 +1496,14 @@ pub(super) fn mix<M: MatVec, E>(
             mv.matvec(&dw.gate, s.x, s.d_z)?;
             mv.matvec(&dw.beta, s.x, s.d_beta)?;
             mv.matvec(&dw.alpha, s.x, s.d_alpha)?;
-            deltanet_step(hp, dw, s, conv, ssm, pos);
+            deltanet_step(hp, dw, mv, s, conv, ssm, pos);
             mv.matvec(&dw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
         Mixer::Mamba2(mw) => {
             let (conv, ssm) = mamba2_state(hp, hy, mw, rs, *lin_idx)?;
             mv.matvec(&mw.in_proj, s.x, s.d_qkv)?;
-            mamba2_step(hp, mw, s, conv, ssm, pos);
+            mamba2_step(hp, mw, mv, s, conv, ssm, pos);
             mv.matvec(&mw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
@@ -1533,9 +1563,10 @@ pub(super) fn mamba2_state<'r, E>(
 
 /// One Mamba2 step at position `pos` (position 0 starts from a zero state)
 /// from the input projection in `s.d_qkv`, into `s.d_out`.
-pub(super) fn mamba2_step(
+pub(super) fn mamba2_step<M: MatVec + ?Sized>(
     hp: &Hparams,
     mw: &Mamba2Weights<'_>,
+    mv: &mut M,
     s: &mut Scratch<'_>,
     conv: &mut [f32],
     ssm: &mut [f32],
@@ -1545,15 +1576,16 @@ pub(super) fn mamba2_step(
         conv.fill(0.0);
         ssm.fill(0.0);
     }
-    mamba2::step(mw, s.d_qkv, hp.norm_eps, conv, ssm, s.d_out);
+    mamba2::step(mv, mw, s.d_qkv, hp.norm_eps, conv, ssm, s.d_out);
 }
 
 /// One DeltaNet step at position `pos` (position 0 starts from a zero state)
 /// from the projections in `s.d_qkv`, `s.d_z`, `s.d_beta`, `s.d_alpha`, into
 /// `s.d_out`.
-pub(super) fn deltanet_step(
+pub(super) fn deltanet_step<M: MatVec + ?Sized>(
     hp: &Hparams,
     dw: &DeltaNetWeights<'_>,
+    mv: &mut M,
     s: &mut Scratch<'_>,
     conv: &mut [f32],
     ssm: &mut [f32],
@@ -1564,6 +1596,7 @@ pub(super) fn deltanet_step(
         ssm.fill(0.0);
     }
     deltanet::step(
+        mv,
         dw,
         Projections {
             qkv: s.d_qkv,

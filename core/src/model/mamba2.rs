@@ -23,6 +23,7 @@
 use libm::expf;
 
 use super::config::Mamba2Shape;
+use super::forward::MatVec;
 use super::ops::{rms_norm_heads, softplus};
 use crate::gemv::{vector, Isa, MatrixView};
 
@@ -79,7 +80,8 @@ impl Mamba2Weights<'_> {
 /// (`shape.ssm_state_len()`), from `zxbcdt` (`W_in u`, `in_proj_dim`; its
 /// `xBC` part is overwritten), and writes the gated, normalised output
 /// (`d_inner`, the input of `W_out`) into `out`.
-pub fn step(
+pub fn step<M: MatVec + ?Sized>(
+    mv: &mut M,
     w: &Mamba2Weights<'_>,
     zxbcdt: &mut [f32],
     eps: f32,
@@ -126,22 +128,24 @@ pub fn step(
     let (b, c) = bc.split_at(ng * ds);
 
     let hd = s.head_dim();
-    for h in 0..nh {
+    let dt = &*dt;
+    // Each head's scan reads only shared inputs and writes only its own
+    // state rows and outputs: `for_heads` may spread the heads over threads.
+    mv.for_heads(nh, ssm_state, out, &|h, rows, oh| {
         let dt_h = softplus(dt[h] + w.dt_bias[h]);
         let da = expf(dt_h * w.a[h]);
         let g = s.group(h);
         let (bg, cg) = (&b[g * ds..][..ds], &c[g * ds..][..ds]);
-        let rows = &mut ssm_state[h * hd * ds..][..hd * ds];
-        for (i, row) in rows.chunks_exact_mut(ds).enumerate() {
+        for (i, (row, o)) in rows.chunks_exact_mut(ds).zip(oh.iter_mut()).enumerate() {
             let xi = x[h * hd + i];
             let x_dt = xi * dt_h;
             for (st, bv) in row.iter_mut().zip(bg) {
                 *st = *st * da + *bv * x_dt;
             }
             let y = vector::dot(row, cg);
-            out[h * hd + i] = y + xi * w.d[h];
+            *o = y + xi * w.d[h];
         }
-    }
+    });
 
     // Gate, then RMSNorm per group (ggml: swiglu_split(z, y), then rms_norm
     // of each `d_inner / n_group` group times the weight).
@@ -156,10 +160,21 @@ pub fn step(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::forward::SerialMatVec;
     use crate::model::ops::silu;
     use crate::quant::GgmlType;
     use std::vec;
     use std::vec::Vec;
+
+    /// A [`MatVec`] for the heads only (no products: no activation scratch).
+    fn serial() -> SerialMatVec<'static> {
+        SerialMatVec {
+            isa: Isa::detect(),
+            q8_0: &mut [],
+            q8_1: &mut [],
+            q8k: &mut [],
+        }
+    }
 
     fn shape() -> Mamba2Shape {
         Mamba2Shape {
@@ -294,7 +309,15 @@ mod tests {
         for (t, input) in inputs.iter().enumerate() {
             let mut p = input.clone();
             let mut out = vec![0f32; s.d_inner];
-            step(&w, &mut p, 1e-6, &mut conv, &mut ssm, &mut out);
+            step(
+                &mut serial(),
+                &w,
+                &mut p,
+                1e-6,
+                &mut conv,
+                &mut ssm,
+                &mut out,
+            );
             assert_eq!(out, want[t], "token {t}");
         }
         // The state moved, and every output is finite.
@@ -316,7 +339,15 @@ mod tests {
             let mut out = vec![0f32; s.d_inner];
             for &t in tokens {
                 let mut p = vals(s.in_proj_dim(), t);
-                step(&w, &mut p, 1e-6, &mut conv, &mut ssm, &mut out);
+                step(
+                    &mut serial(),
+                    &w,
+                    &mut p,
+                    1e-6,
+                    &mut conv,
+                    &mut ssm,
+                    &mut out,
+                );
             }
             out
         };

@@ -362,7 +362,9 @@ impl QuantScratch {
 
 /// A [`MatVec`] whose prompt attention takes the positions in groups of
 /// `.1` through [`ops::attention_causal`] (the serial one takes them one at a
-/// time), so a batch's logits check the grouped attention too.
+/// time) and whose recurrent layers take their heads last to first, so a
+/// batch's logits check the grouped attention and the heads' independence
+/// too.
 pub struct Grouped<M>(pub M, pub usize);
 
 impl<M: MatVec> MatVec for Grouped<M> {
@@ -405,6 +407,20 @@ impl<M: MatVec> MatVec for Grouped<M> {
             };
             let mut scratch = vec![0f32; ops::attention_causal_scratch(shape, g, from + g)];
             ops::attention_causal(Isa::detect(), shape, qc, cut, from, &mut scratch, oc);
+        }
+    }
+    /// The heads last to first: a head's result must not depend on the
+    /// others' (as when threads take them).
+    fn for_heads(
+        &mut self,
+        n: usize,
+        state: &mut [f32],
+        out: &mut [f32],
+        f: &les_core::model::forward::HeadFn<'_>,
+    ) {
+        let (sl, ol) = (state.len() / n, out.len() / n);
+        for h in (0..n).rev() {
+            f(h, &mut state[h * sl..][..sl], &mut out[h * ol..][..ol]);
         }
     }
 }

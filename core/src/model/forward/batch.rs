@@ -660,7 +660,7 @@ fn deltanet_batch<M: MatVec, E>(
         s.d_z.copy_from_slice(&z[j * lz..][..lz]);
         s.d_beta.copy_from_slice(&beta[j * lb..][..lb]);
         s.d_alpha.copy_from_slice(&alpha[j * la..][..la]);
-        deltanet_step(hp, dw, s, conv, ssm, pos + j);
+        deltanet_step(hp, dw, mv, s, conv, ssm, pos + j);
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
     let out = &mut b.go[..n * e];
@@ -700,7 +700,7 @@ fn mamba2_batch<M: MatVec, E>(
     mv.matmul(&mw.in_proj, x, proj)?;
     for j in 0..n {
         s.d_qkv.copy_from_slice(&proj[j * lp..][..lp]);
-        mamba2_step(hp, mw, s, conv, ssm, pos + j);
+        mamba2_step(hp, mw, mv, s, conv, ssm, pos + j);
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
     let out = &mut b.go[..n * e];
