@@ -739,17 +739,17 @@ fn mamba2_params(
         n_group: key_usize(g, &k("ssm.group_count"))?,
         conv_kernel: key_usize(g, &k("ssm.conv_kernel"))?,
     };
-    for (name, v) in [
-        ("ssm.inner_size", shape.d_inner),
-        ("ssm.state_size", shape.d_state),
-        ("ssm.time_step_rank", shape.n_head),
-        ("ssm.group_count", shape.n_group),
-        ("ssm.conv_kernel", shape.conv_kernel),
-    ] {
-        if v > MAX_SSM_DIM {
-            return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
-        }
-    }
+    at_most(
+        a,
+        MAX_SSM_DIM,
+        &[
+            ("ssm.inner_size", shape.d_inner),
+            ("ssm.state_size", shape.d_state),
+            ("ssm.time_step_rank", shape.n_head),
+            ("ssm.group_count", shape.n_group),
+            ("ssm.conv_kernel", shape.conv_kernel),
+        ],
+    )?;
     shape.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
     if shape.d_inner.saturating_mul(shape.d_state) > MAX_DIM * 64 {
         return Err(invalid(format!(
@@ -878,7 +878,15 @@ fn rope_sections(g: &Gguf<MappedFile>, a: &str) -> Result<[u32; 4], ModelError> 
     }
 }
 
-/// Bound on DeltaNet dimensions read from metadata.
+/// Checks each of `dims` (a key under `a`, its value) is at most `max`.
+fn at_most(a: &str, max: usize, dims: &[(&str, usize)]) -> Result<(), ModelError> {
+    match dims.iter().find(|(_, v)| *v > max) {
+        Some((name, v)) => Err(invalid(format!("{a}.{name} = {v} is implausibly large"))),
+        None => Ok(()),
+    }
+}
+
+/// Bound on DeltaNet and Mamba2 dimensions read from metadata.
 const MAX_SSM_DIM: usize = 1 << 16;
 
 /// The qwen35moe and qwen3next hyperparameters beyond [`Hparams`], and which
@@ -900,16 +908,16 @@ fn hybrid_params(
         head_dim: key_usize(g, &k("ssm.state_size"))?,
         conv_kernel: key_usize(g, &k("ssm.conv_kernel"))?,
     };
-    for (name, v) in [
-        ("ssm.group_count", shape.n_k_heads),
-        ("ssm.time_step_rank", shape.n_v_heads),
-        ("ssm.state_size", shape.head_dim),
-        ("ssm.conv_kernel", shape.conv_kernel),
-    ] {
-        if v > MAX_SSM_DIM {
-            return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
-        }
-    }
+    at_most(
+        a,
+        MAX_SSM_DIM,
+        &[
+            ("ssm.group_count", shape.n_k_heads),
+            ("ssm.time_step_rank", shape.n_v_heads),
+            ("ssm.state_size", shape.head_dim),
+            ("ssm.conv_kernel", shape.conv_kernel),
+        ],
+    )?;
     shape.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
     let inner = key_usize(g, &k("ssm.inner_size"))?;
     if inner != shape.value_dim() {
@@ -1040,16 +1048,16 @@ fn mla_shape(
     };
     let key_len = either("attention.key_length_mla", "attention.key_length")?;
     let v_head_dim = either("attention.value_length_mla", "attention.value_length")?;
-    for (name, v) in [
-        ("attention.kv_lora_rank", kv_lora),
-        ("attention.q_lora_rank", q_lora),
-        ("attention.key_length_mla", key_len),
-        ("attention.value_length_mla", v_head_dim),
-    ] {
-        if v > MAX_DIM {
-            return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
-        }
-    }
+    at_most(
+        a,
+        MAX_DIM,
+        &[
+            ("attention.kv_lora_rank", kv_lora),
+            ("attention.q_lora_rank", q_lora),
+            ("attention.key_length_mla", key_len),
+            ("attention.value_length_mla", v_head_dim),
+        ],
+    )?;
     if key_len <= rope {
         return Err(invalid(format!(
             "{a}: a head's key ({key_len}) must be wider than its {rope} rotated dimensions"
@@ -1290,18 +1298,18 @@ impl Model {
             *emb.dims()
                 .get(1)
                 .ok_or_else(|| invalid("token_embd.weight must be 2-D"))? as usize;
-        for (name, v) in [
-            ("block_count", n_layers),
-            ("embedding_length", n_embd),
-            ("head_count", n_head),
-            ("head_count_kv", n_head_kv),
-            ("key_length", head_dim),
-            ("feed_forward_length", n_ff),
-        ] {
-            if v > MAX_DIM {
-                return Err(invalid(format!("{a}.{name} = {v} is implausibly large")));
-            }
-        }
+        at_most(
+            a,
+            MAX_DIM,
+            &[
+                ("block_count", n_layers),
+                ("embedding_length", n_embd),
+                ("head_count", n_head),
+                ("head_count_kv", n_head_kv),
+                ("key_length", head_dim),
+                ("feed_forward_length", n_ff),
+            ],
+        )?;
         let n_experts = opt_usize(&g, &k("expert_count"))?.unwrap_or(0);
         let moe = if n_experts > 0 {
             let top_k = key_usize(&g, &k("expert_used_count"))?;

@@ -1538,6 +1538,14 @@ pub(super) fn deltanet_state<'r, E>(
     ))
 }
 
+/// Position 0 starts a sequence: a recurrent layer's state from zero.
+fn clear_at_start(pos: usize, conv: &mut [f32], ssm: &mut [f32]) {
+    if pos == 0 {
+        conv.fill(0.0);
+        ssm.fill(0.0);
+    }
+}
+
 /// The recurrent state (conv, ssm) of recurrent layer `state` for Mamba2
 /// weights `mw`, after checking they fit the model.
 pub(super) fn mamba2_state<'r, E>(
@@ -1572,10 +1580,7 @@ pub(super) fn mamba2_step<M: MatVec + ?Sized>(
     ssm: &mut [f32],
     pos: usize,
 ) {
-    if pos == 0 {
-        conv.fill(0.0);
-        ssm.fill(0.0);
-    }
+    clear_at_start(pos, conv, ssm);
     mamba2::step(mv, mw, s.d_qkv, hp.norm_eps, conv, ssm, s.d_out);
 }
 
@@ -1591,10 +1596,7 @@ pub(super) fn deltanet_step<M: MatVec + ?Sized>(
     ssm: &mut [f32],
     pos: usize,
 ) {
-    if pos == 0 {
-        conv.fill(0.0);
-        ssm.fill(0.0);
-    }
+    clear_at_start(pos, conv, ssm);
     deltanet::step(
         mv,
         dw,

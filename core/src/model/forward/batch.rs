@@ -27,7 +27,7 @@ use super::{
     Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch, SharedExpert,
     Step, TokenInput, Weights,
 };
-use crate::gemv::GemvError;
+use crate::gemv::{GemvError, MatrixView};
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
 use crate::model::ops::{rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape};
 use crate::router::{RouterConfig, Routing};
@@ -459,10 +459,8 @@ fn mla_batch<M: MatVec, E>(
         }
         return Ok(());
     }
-    let x = &mut b.gx[..n * e];
-    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
-        rms_norm(h, attn_norm, hp.norm_eps, x);
-    }
+    norm_positions(hp, attn_norm, b, n);
+    let x = &b.gx[..n * e];
     // Queries, then the latents: rotated, normed, cached as key and value.
     let q_raw = &mut b.aqr[..n * nh * qh];
     match w.q_a {
@@ -555,10 +553,8 @@ fn attention_batch<M: MatVec, E>(
     if aw.wq.rows() != q_rows || (hy.attn_output_gate && s.qg.len() != q_rows) {
         return Err(ForwardError::Shape("query projection"));
     }
-    let x = &mut b.gx[..n * e];
-    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
-        rms_norm(h, attn_norm, hp.norm_eps, x);
-    }
+    norm_positions(hp, attn_norm, b, n);
+    let x = &b.gx[..n * e];
     let (q, k, v) = (
         &mut b.aq[..n * q_rows],
         &mut b.ak[..n * kv_dim],
@@ -645,10 +641,8 @@ fn deltanet_batch<M: MatVec, E>(
     let e = hp.n_embd;
     let (lq, lz, lb, la) = (s.d_qkv.len(), s.d_z.len(), s.d_beta.len(), s.d_alpha.len());
     let lo = s.d_out.len();
-    let x = &mut b.gx[..n * e];
-    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
-        rms_norm(h, attn_norm, hp.norm_eps, x);
-    }
+    norm_positions(hp, attn_norm, b, n);
+    let x = &b.gx[..n * e];
     let (qkv, z) = (&mut b.dqkv[..n * lq], &mut b.dz[..n * lz]);
     let (beta, alpha) = (&mut b.dbeta[..n * lb], &mut b.dalpha[..n * la]);
     mv.matmul(&dw.qkv, x, qkv)?;
@@ -663,12 +657,7 @@ fn deltanet_batch<M: MatVec, E>(
         deltanet_step(hp, dw, mv, s, conv, ssm, pos + j);
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
-    let out = &mut b.go[..n * e];
-    mv.matmul(&dw.out, &b.dout[..n * lo], out)?;
-    for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
-        add_residual(hp, h, o);
-    }
-    Ok(())
+    recurrent_out(hp, mv, &dw.out, b, n, lo)
 }
 
 /// One Mamba2 layer for the first `n` positions of `b.h` (positions `pos..`):
@@ -692,10 +681,8 @@ fn mamba2_batch<M: MatVec, E>(
     let (conv, ssm) = mamba2_state(hp, hy, mw, rs, state)?;
     let e = hp.n_embd;
     let (lp, lo) = (s.d_qkv.len(), s.d_out.len());
-    let x = &mut b.gx[..n * e];
-    for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
-        rms_norm(h, attn_norm, hp.norm_eps, x);
-    }
+    norm_positions(hp, attn_norm, b, n);
+    let x = &b.gx[..n * e];
     let proj = &mut b.dqkv[..n * lp];
     mv.matmul(&mw.in_proj, x, proj)?;
     for j in 0..n {
@@ -703,8 +690,31 @@ fn mamba2_batch<M: MatVec, E>(
         mamba2_step(hp, mw, mv, s, conv, ssm, pos + j);
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
+    recurrent_out(hp, mv, &mw.out, b, n, lo)
+}
+
+/// `b.gx` = the first `n` positions of `b.h` through the RMSNorm `weight`
+/// (a layer's input norm).
+fn norm_positions(hp: &Hparams, weight: &[f32], b: &mut BatchScratch<'_>, n: usize) {
+    let e = hp.n_embd;
+    for (h, x) in b.h.chunks_exact(e).zip(b.gx[..n * e].chunks_exact_mut(e)) {
+        rms_norm(h, weight, hp.norm_eps, x);
+    }
+}
+
+/// A recurrent layer's outputs in `b.dout` (`lo` floats a position) through
+/// `w`, added to the first `n` positions' residual streams.
+fn recurrent_out<M: MatVec, E>(
+    hp: &Hparams,
+    mv: &mut M,
+    w: &MatrixView<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    lo: usize,
+) -> Result<(), ForwardError<E>> {
+    let e = hp.n_embd;
     let out = &mut b.go[..n * e];
-    mv.matmul(&mw.out, &b.dout[..n * lo], out)?;
+    mv.matmul(w, &b.dout[..n * lo], out)?;
     for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
         add_residual(hp, h, o);
     }
