@@ -629,8 +629,8 @@ impl Llama4Attention {
 }
 
 /// Granite's multipliers, read as llama.cpp reads them: `logit_scale`
-/// required, `residual_scale`, `embedding_scale` and `attention.scale`
-/// optional, a 0 meaning none (the logits' must not be 0: they are divided
+/// required (optional in `granitehybrid`), `residual_scale`,
+/// `embedding_scale` and `attention.scale` optional, a 0 meaning none (the logits' must not be 0: they are divided
 /// by it). Granite Vision's deepstack inputs are refused by name, and so is
 /// Granite's switch for RoPE (`rope.scaling.finetuned` false: no RoPE) but
 /// in `granitehybrid` ([`granite_rope`]).
@@ -646,11 +646,17 @@ fn granite_scales(g: &Gguf, arch: Arch, a: &str) -> Result<Scales, ModelError> {
             ))),
         }
     };
-    let logit = scale("logit_scale")?.ok_or_else(|| {
-        invalid(format!(
-            "{a}.logit_scale must be given and positive (the logits are divided by it)"
-        ))
-    })?;
+    // llama.cpp's granitehybrid loader takes it as optional (Bamba has
+    // none); its granite and granitemoe loaders require it.
+    let logit = match scale("logit_scale")? {
+        Some(x) => x,
+        None if arch == Arch::GraniteHybrid => 1.0,
+        None => {
+            return Err(invalid(format!(
+                "{a}.logit_scale must be given and positive (the logits are divided by it)"
+            )))
+        }
+    };
     if g.get(&k("deepstack_mapping")).is_some() {
         return Err(ModelError::Unsupported(format!(
             "{a} with deepstack inputs ({a}.deepstack_mapping: Granite Vision)"

@@ -153,6 +153,13 @@ fn granitehybrid_keys_are_read_as_llama_cpp_reads_them() {
         vec![],
     );
     assert!(open_err(bad_groups).contains("groups"));
+    // The multipliers are optional here (Bamba has none), unlike granitemoe.
+    let plain = edited(
+        "gh_no_scales.gguf",
+        |k, v| (!k.ends_with("_scale") && !k.ends_with("attention.scale")).then_some(v),
+        vec![],
+    );
+    assert_eq!(Model::open(&plain).unwrap().hp.scales, Scales::NONE);
     // With `rope.scaling.finetuned` true (Bamba's), the attention rotates.
     let rope = edited(
         "gh_rope.gguf",
