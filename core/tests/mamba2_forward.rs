@@ -9,16 +9,16 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, assert_close, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun,
-    TestModel,
+    assert_bits_eq, assert_close, resident_experts, Mat, PackedExperts, PackedModel, Rng,
+    SeqBuffers, SeqDecoder, StreamedRun, TestModel,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
     AttnTemperature, ExpertAct, Hparams, HybridParams, LinearShape, Mamba2Shape, MoeParams, Scales,
 };
-use les_core::model::experts::{ExpertFormat, Resident};
+use les_core::model::experts::ExpertFormat;
 use les_core::model::forward::{
-    AttentionWeights, Block, ExpertMatrices, Experts, Ffn, Lookahead, Mixer, SharedExpert, Weights,
+    AttentionWeights, Block, Ffn, Lookahead, Mixer, SharedExpert, Weights,
 };
 use les_core::model::mamba2::Mamba2Weights;
 use les_core::model::ops::RopeStyle;
@@ -278,15 +278,6 @@ impl Model {
             n_ff: FF,
         }
     }
-
-    fn packed(&self) -> PackedExperts<'_> {
-        PackedExperts {
-            image: &self.image,
-            offsets: &self.offsets,
-            format: self.format(),
-            parts: 1,
-        }
-    }
 }
 
 /// Longer than the convolution's window many times over.
@@ -301,32 +292,21 @@ impl TestModel for Model {
     }
 }
 
-type Buffers = SeqBuffers;
-
-type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
-
-fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
-    let fmt = m.format();
-    Resident::new(Box::new(move |l, e| fmt.matrices(m.packed().bytes(l, e))))
+impl PackedModel for Model {
+    fn packed(&self) -> PackedExperts<'_> {
+        PackedExperts {
+            image: &self.image,
+            offsets: &self.offsets,
+            format: self.format(),
+            parts: 1,
+        }
+    }
 }
+
+type Buffers = SeqBuffers;
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
     Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
-}
-
-struct Decoder<'m>(&'m Model);
-
-impl Decode for Decoder<'_> {
-    fn decode<X: Experts>(
-        &mut self,
-        experts: &mut X,
-        lookahead: Option<&Lookahead>,
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        Buffers::new(self.0, TOKENS.len()).run(self.0, experts, lookahead, 0, &TOKENS)
-    }
 }
 
 #[test]
@@ -363,7 +343,7 @@ fn streamed_equals_resident_bit_for_bit() {
                             depth: 2,
                         },
                     }
-                    .run(&mut Decoder(&m));
+                    .run(&mut SeqDecoder(&m, &TOKENS));
                     let st = out.stats;
                     assert_eq!(
                         st.misses + st.hits + st.late_hits,

@@ -9,15 +9,13 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, assert_close, Decode, Mat, PackedExperts, Rng, SeqBuffers, StreamedRun,
-    TestModel,
+    assert_bits_eq, assert_close, resident_experts, Mat, PackedExperts, PackedModel, Rng,
+    SeqBuffers, SeqDecoder, StreamedRun, TestModel,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{ExpertAct, Hparams, HybridParams, MlaShape, MoeParams};
-use les_core::model::experts::{ExpertFormat, Resident};
-use les_core::model::forward::{
-    Block, ExpertMatrices, Experts, Ffn, Lookahead, Mixer, MlaWeights, SharedExpert, Weights,
-};
+use les_core::model::experts::ExpertFormat;
+use les_core::model::forward::{Block, Ffn, Lookahead, Mixer, MlaWeights, SharedExpert, Weights};
 use les_core::model::ops::RopeStyle;
 use les_core::quant::GgmlType;
 use les_core::router::{ExpertGroups, Gating, LayerMask, PredictorConfig};
@@ -231,7 +229,16 @@ impl Weights for Model {
     }
 }
 
-impl Model {
+impl TestModel for Model {
+    fn hp(&self) -> &Hparams {
+        &self.hp
+    }
+    fn hy(&self) -> &HybridParams {
+        &self.hy
+    }
+}
+
+impl PackedModel for Model {
     fn packed(&self) -> PackedExperts<'_> {
         PackedExperts {
             image: &self.image,
@@ -248,24 +255,8 @@ impl Model {
     }
 }
 
-impl TestModel for Model {
-    fn hp(&self) -> &Hparams {
-        &self.hp
-    }
-    fn hy(&self) -> &HybridParams {
-        &self.hy
-    }
-}
-
 /// [`SeqBuffers`] for [`TOKENS`]: `Buffers::new(&model, TOKENS.len())`.
 type Buffers = SeqBuffers;
-
-type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
-
-fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
-    let fmt = m.packed().format;
-    Resident::new(Box::new(move |l, e| fmt.matrices(m.packed().bytes(l, e))))
-}
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
     Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
@@ -419,22 +410,6 @@ fn absorbed_mla_matches_the_decompressed_reference() {
     );
 }
 
-/// The whole token sequence from position 0, for [`StreamedRun::run`].
-struct Decoder<'m>(&'m Model);
-
-impl Decode for Decoder<'_> {
-    fn decode<X: Experts>(
-        &mut self,
-        experts: &mut X,
-        lookahead: Option<&Lookahead>,
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        Buffers::new(self.0, TOKENS.len()).run(self.0, experts, lookahead, 0, &TOKENS)
-    }
-}
-
 #[test]
 fn streamed_equals_resident_bit_for_bit() {
     let m = build(
@@ -464,7 +439,7 @@ fn streamed_equals_resident_bit_for_bit() {
                         depth: 1,
                     },
                 }
-                .run(&mut Decoder(&m));
+                .run(&mut SeqDecoder(&m, &TOKENS));
                 let what = format!("slots={slots} predict={predict} {cfg:?}");
                 assert_bits_eq(&out.logits, &want, &what);
                 let st = out.stats;

@@ -9,8 +9,8 @@
 mod forward_common;
 
 use forward_common::{
-    assert_bits_eq, assert_close, Decode, Mat, PackedExperts, QuantScratch, Rng, SeqBuffers,
-    StreamedRun, TestModel,
+    assert_bits_eq, assert_close, resident_experts, Decode, Lookup, Mat, PackedExperts,
+    PackedModel, QuantScratch, Rng, SeqBuffers, SeqDecoder, StreamedRun, TestModel,
 };
 use les_core::gemv::MatrixView;
 use les_core::model::config::{DeltaNetShape, Hparams, HybridParams, LinearShape, MoeParams};
@@ -18,8 +18,8 @@ use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
 use les_core::model::forward::{
-    forward_hybrid, AttentionWeights, Block, ExpertMatrices, Experts, Ffn, KvCache, Lookahead,
-    Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    forward_hybrid, AttentionWeights, Block, Experts, Ffn, KvCache, Lookahead, Mixer,
+    RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::{rms_norm, RopeStyle};
 use les_core::quant::GgmlType;
@@ -324,16 +324,6 @@ impl Model {
             n_ff: FF,
         }
     }
-
-    /// The packed expert image as a source.
-    fn packed(&self) -> PackedExperts<'_> {
-        PackedExperts {
-            image: &self.image,
-            offsets: &self.offsets,
-            format: self.format(),
-            parts: 1,
-        }
-    }
 }
 
 const TOKENS: [u32; 9] = [3, 17, 5, 39, 0, 22, 22, 8, 31];
@@ -347,34 +337,22 @@ impl TestModel for Model {
     }
 }
 
+impl PackedModel for Model {
+    fn packed(&self) -> PackedExperts<'_> {
+        PackedExperts {
+            image: &self.image,
+            offsets: &self.offsets,
+            format: self.format(),
+            parts: 1,
+        }
+    }
+}
+
 /// [`SeqBuffers`] for [`TOKENS`]: `Buffers::new(&model, TOKENS.len())`.
 type Buffers = SeqBuffers;
 
-type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, les_core::gemv::GemvError> + 'm;
-
-fn resident_experts(m: &Model) -> Resident<'_, Box<Lookup<'_>>> {
-    let fmt = m.format();
-    Resident::new(Box::new(move |l, e| fmt.matrices(m.packed().bytes(l, e))))
-}
-
 fn resident(m: &Model) -> Vec<Vec<f32>> {
     Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
-}
-
-/// The whole token sequence from position 0, for [`StreamedRun::run`].
-struct Decoder<'m>(&'m Model);
-
-impl Decode for Decoder<'_> {
-    fn decode<X: Experts>(
-        &mut self,
-        experts: &mut X,
-        lookahead: Option<&Lookahead>,
-    ) -> Vec<Vec<f32>>
-    where
-        X::Error: std::fmt::Debug,
-    {
-        Buffers::new(self.0, TOKENS.len()).run(self.0, experts, lookahead, 0, &TOKENS)
-    }
 }
 
 fn streamed(
@@ -400,7 +378,7 @@ fn streamed(
             depth: 2,
         },
     }
-    .run(&mut Decoder(m));
+    .run(&mut SeqDecoder(m, &TOKENS));
     let st = out.stats;
     assert_eq!(
         st.misses + st.hits + st.late_hits,

@@ -8,13 +8,13 @@
 
 use les_core::blockdev::sim::{CompletionOrder, Fault, SimConfig, SimDevice};
 use les_core::blockdev::ReadRequest;
-use les_core::gemv::{Isa, MatrixView};
+use les_core::gemv::{GemvError, Isa, MatrixView};
 use les_core::layout;
 use les_core::model::config::{Hparams, HybridParams};
-use les_core::model::experts::{ExpertFormat, Streamed};
+use les_core::model::experts::{ExpertFormat, Resident, Streamed};
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, BatchScratch, Experts, Handout, KvCache, Lookahead, MatVec,
-    RecurrentState, Residency, Scratch, SerialMatVec, Step, TokenInput, Weights,
+    forward_batch, forward_hybrid, BatchScratch, ExpertMatrices, Experts, Handout, KvCache,
+    Lookahead, MatVec, RecurrentState, Residency, Scratch, SerialMatVec, Step, TokenInput, Weights,
 };
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -429,6 +429,37 @@ impl<M: MatVec> MatVec for Grouped<M> {
 pub trait TestModel: Weights {
     fn hp(&self) -> &Hparams;
     fn hy(&self) -> &HybridParams;
+}
+
+/// A test model whose routed experts are one packed image.
+pub trait PackedModel: TestModel {
+    fn packed(&self) -> PackedExperts<'_>;
+}
+
+/// How [`resident_experts`] finds an expert's matrices.
+pub type Lookup<'m> = dyn Fn(usize, u16) -> Result<ExpertMatrices<'m>, GemvError> + 'm;
+
+/// Every expert of `m` resident, read from its packed image.
+pub fn resident_experts<M: PackedModel>(m: &M) -> Resident<'_, Box<Lookup<'_>>> {
+    let p = m.packed();
+    Resident::new(Box::new(move |l, e| p.format.matrices(p.bytes(l, e))))
+}
+
+/// Decodes `.1` from position 0 in fresh buffers of `.0`: a [`Decode`] for
+/// [`StreamedRun::run`].
+pub struct SeqDecoder<'m, M>(pub &'m M, pub &'m [u32]);
+
+impl<M: TestModel> Decode for SeqDecoder<'_, M> {
+    fn decode<X: Experts>(
+        &mut self,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        SeqBuffers::new(self.0, self.1.len()).run(self.0, experts, lookahead, 0, self.1)
+    }
 }
 
 /// Every buffer of one sequence of up to `max` positions of a hybrid model:
