@@ -579,6 +579,11 @@ fn streamed(
     );
     if predict && cfg.prefetch {
         assert!(st.prefetches > 0, "{st:?}");
+        // Every MoE layer is predicted, the first (after the dense layer 0)
+        // from the token's embedding, whatever the depth.
+        for l in out.layers.iter().skip(1) {
+            assert!(l.predicted > 0, "{:?}", out.layers);
+        }
     }
     assert_eq!(st.split_computes, out.halves as u64, "{st:?}");
     (out.logits, out.pending, out.halves)

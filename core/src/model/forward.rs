@@ -597,12 +597,14 @@ pub struct Lookahead {
     pub predictor: PredictorConfig,
     /// Layers to predict for.
     pub layers: LayerMask,
-    /// How many layers ahead to predict: 1 = the next layer's router on this
-    /// layer's hidden state (LES); 2 also runs the router of the layer after it,
-    /// whose reads then have two layers of compute to complete in (for models
-    /// whose layers compute faster than an expert reads). 0 predicts nothing.
-    /// The first `depth` layers are predicted from the token's embedding, at the
-    /// start of the token.
+    /// How many MoE layers ahead to predict: 1 = the next MoE layer's router
+    /// on this layer's hidden state (LES); 2 also runs the router of the one
+    /// after it, whose reads then have two layers of compute to complete in
+    /// (for models whose layers compute faster than an expert reads). 0
+    /// predicts nothing. Layers without routed experts in between (Llama 4's
+    /// interleaved dense layers, leading dense layers) are passed over
+    /// ([`next_moe_layers`]). The first `depth` MoE layers are predicted from
+    /// the token's embedding, at the start of the token.
     pub depth: usize,
 }
 
@@ -1139,7 +1141,7 @@ where
             weights,
             rc,
             la,
-            0..la.depth.min(hp.n_layers),
+            next_moe_layers(weights, hp.n_layers, 0, la.depth),
             mv,
             s,
             experts,
@@ -1193,11 +1195,11 @@ where
                 };
                 route(l, &router, biases, rc, mv, s, experts, &mut routing)?;
 
-                // Lookahead: the next layer's router on this layer's hidden state
-                // (whatever mixes positions in the next layer: it only needs the
-                // residual stream).
+                // Lookahead: the next MoE layer's router on this layer's
+                // hidden state (whatever mixes positions in the layers up to
+                // it: it only needs the residual stream).
                 if let Some(la) = lookahead {
-                    let next = (l + 1..l + 1 + la.depth).take_while(|n| *n < hp.n_layers);
+                    let next = next_moe_layers(weights, hp.n_layers, l + 1, la.depth);
                     predict_layers(hp, weights, rc, la, next, mv, s, experts)?;
                 }
 
@@ -1706,6 +1708,19 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
         }
     }
     Ok(())
+}
+
+/// The first `depth` layers from `from` on (below `n_layers`) with routed
+/// experts: the layers a lookahead predicts.
+pub fn next_moe_layers<W: Weights>(
+    weights: &W,
+    n_layers: usize,
+    from: usize,
+    depth: usize,
+) -> impl Iterator<Item = usize> + '_ {
+    (from..n_layers)
+        .filter(|&l| matches!(weights.block(l).ffn, Ffn::Moe { .. }))
+        .take(depth)
 }
 
 /// The router matrix `layer`'s lookahead multiplies: the weights' cheaper

@@ -21,8 +21,8 @@ use super::deltanet::DeltaNetWeights;
 use super::mamba2::Mamba2Weights;
 use super::{
     add_bias, add_into, add_residual, attended, cached, combine, deltanet_state, deltanet_step,
-    embed, expert_tail, gate_shared, lookahead_matrix, mamba2_state, mamba2_step, next_step,
-    output_gate, project_position, router_config, scale_embedding, scale_logits,
+    embed, expert_tail, gate_shared, lookahead_matrix, mamba2_state, mamba2_step, next_moe_layers,
+    next_step, output_gate, project_position, router_config, scale_embedding, scale_logits,
     swiglu_ffn_checked, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError,
     Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch, SharedExpert,
     Step, TokenInput, Weights,
@@ -72,9 +72,9 @@ pub struct BatchScratch<'a> {
     ids: &'a mut [u16],
     /// The layer's union of picks (`n_experts`).
     union: &'a mut [u16],
-    /// The next layer's predicted picks per expert (`n_experts`).
+    /// The next MoE layer's predicted picks per expert (`n_experts`).
     votes: &'a mut [u16],
-    /// The next layer's predicted experts to read ahead (`n_experts`).
+    /// The next MoE layer's predicted experts to read ahead (`n_experts`).
     ahead: &'a mut [u16],
     n: usize,
     /// The buffer lengths, for the model the scratch was made for.
@@ -281,11 +281,13 @@ where
     // The first layer's likeliest experts, from the embeddings: their reads
     // overlap its attention.
     if let (true, Some(rc)) = (read_ahead, router_cfg.as_ref()) {
-        let ahead = predict_batch(hp, weights, rc, 0, n, mv, b, experts)?;
-        if ahead > 0 {
-            experts
-                .prefetch_known(0, &b.ahead[..ahead])
-                .map_err(ForwardError::Experts)?;
+        if let Some(first) = next_moe_layers(weights, hp.n_layers, 0, 1).next() {
+            let ahead = predict_batch(hp, weights, rc, first, n, mv, b, experts)?;
+            if ahead > 0 {
+                experts
+                    .prefetch_known(first, &b.ahead[..ahead])
+                    .map_err(ForwardError::Experts)?;
+            }
         }
     }
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
@@ -366,6 +368,8 @@ where
                         }
                     }
                 }
+                // The next MoE layer's likeliest experts (`ahead` of them).
+                let next = next_moe_layers(weights, hp.n_layers, l + 1, 1).next();
                 let mut ahead = 0;
                 if read_ahead {
                     // Groups of picks on their way or resident first: the
@@ -374,14 +378,15 @@ where
                         let union = &mut b.union[..n_union];
                         union.sort_unstable_by_key(|&x| (experts.residency(l, x), x));
                     }
-                    if l + 1 < hp.n_layers {
-                        ahead = predict_batch(hp, weights, rc, l + 1, n, mv, b, experts)?;
+                    if let Some(next) = next {
+                        ahead = predict_batch(hp, weights, rc, next, n, mv, b, experts)?;
                     }
                 }
                 let ffn = MoeFfn {
                     shared: shared.as_ref(),
                     expert_bias: expert_bias.as_ref(),
                 };
+                let ahead = next.map_or(Ahead::NONE, |layer| Ahead { layer, n: ahead });
                 moe_union(hp, experts, mv, l, n_union, ahead, k, n, ffn, b, s)?;
                 let weigh = super::weighs_inputs(hp);
                 // Combine each position's outputs in its router order, the
@@ -858,13 +863,25 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     Ok(ahead.min(experts.max_picks(layer)))
 }
 
+/// The next MoE layer's predicted experts, `b.ahead[..n]`.
+#[derive(Clone, Copy, Debug)]
+struct Ahead {
+    layer: usize,
+    n: usize,
+}
+
+impl Ahead {
+    /// No prediction.
+    const NONE: Ahead = Ahead { layer: 0, n: 0 };
+}
+
 /// One MoE layer's routed experts for every position: the union of picks
 /// (`b.union[..n_union]`) asked of `experts` in groups of
 /// [`Experts::max_picks`], each expert handed out computed for every position
 /// that picked it (`b.ids`: `k` per position) at once, into `b.out` (`k x
 /// n_embd` per position). The positions' shared experts (into `b.shared`) are
-/// computed the first time no routed expert is ready, or last. The next
-/// layer's predicted experts (`b.ahead[..ahead]`) are named to
+/// computed the first time no routed expert is ready, or last. The next MoE
+/// layer's predicted experts (`ahead`) are named to
 /// [`Experts::prefetch_known`] when the last group starts.
 #[allow(clippy::too_many_arguments)]
 fn moe_union<X: Experts, M: MatVec>(
@@ -873,7 +890,7 @@ fn moe_union<X: Experts, M: MatVec>(
     mv: &mut M,
     layer: usize,
     n_union: usize,
-    ahead: usize,
+    ahead: Ahead,
     k: usize,
     n: usize,
     ffn: MoeFfn<'_, '_>,
@@ -903,9 +920,9 @@ fn moe_union<X: Experts, M: MatVec>(
             experts
                 .prefetch_known(layer, next)
                 .map_err(ForwardError::Experts)?;
-        } else if ahead > 0 {
+        } else if ahead.n > 0 {
             experts
-                .prefetch_known(layer + 1, &b.ahead[..ahead])
+                .prefetch_known(ahead.layer, &b.ahead[..ahead.n])
                 .map_err(ForwardError::Experts)?;
         }
         loop {
