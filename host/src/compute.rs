@@ -464,7 +464,7 @@ impl MatVec for ThreadedMatVec {
 
     /// The heads in as many contiguous runs as threads, each run's heads in
     /// order on one thread: each head's bits are [`each_head`]'s. Layers with
-    /// less than [`MIN_PARALLEL_STATE`] floats of state stay on this thread.
+    /// less than 32 Ki floats of state (`MIN_PARALLEL_STATE`) stay on this thread.
     fn for_heads(&mut self, n: usize, state: &mut [f32], out: &mut [f32], f: &HeadFn<'_>) {
         let parts = self.threads().min(n);
         let divides = n > 0 && state.len().is_multiple_of(n) && out.len().is_multiple_of(n);
