@@ -44,10 +44,11 @@ pub struct LookaheadArgs {
     /// `--predict` of them).
     #[arg(long, value_parser = crate::cli::values::probability)]
     pub predict_min_prob: Option<f32>,
-    /// Layers ahead to predict and prefetch: 1 (default) = the next layer's
-    /// router on this layer's hidden state; 2 also runs the router of the layer
-    /// after it and reads its picks while the device is otherwise idle (helps
-    /// models whose layers compute faster than an expert reads).
+    /// MoE layers ahead to predict and prefetch: 1 (default) = the next MoE
+    /// layer's router on this layer's hidden state (layers without experts in
+    /// between passed over); 2 also runs the router of the one after it and
+    /// reads its picks while the device is otherwise idle (helps models whose
+    /// layers compute faster than an expert reads).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=les_core::schedule::MAX_DEPTH as i64))]
     pub lookahead_depth: u8,
 }
