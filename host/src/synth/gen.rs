@@ -115,9 +115,12 @@ impl<'c> Generator<'c> {
             Init::Embedding => {
                 let own = (1.0 - SHARED_DIR * SHARED_DIR).sqrt();
                 rng.fill_normal(&mut x, own);
+                // Granite multiplies the embedding: divided here, the stream
+                // starts at the others' scale.
+                let k = self.cfg.granite_scales().map_or(1.0, |[m, ..]| 1.0 / m);
                 for row in x.chunks_exact_mut(ne0 as usize) {
                     for (v, d) in row.iter_mut().zip(&self.dir) {
-                        *v += SHARED_DIR * d;
+                        *v = (*v + SHARED_DIR * d) * k;
                     }
                 }
             }

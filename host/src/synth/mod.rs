@@ -870,6 +870,27 @@ pub struct SynthConfig {
 }
 
 impl SynthConfig {
+    /// The output projections' scale (`attn_output`, `ffn_down*`,
+    /// `ssm_out`): the `residual_scale` knob, divided by Granite's residual
+    /// multiplier in the Granite architectures, so that the blocks add to the
+    /// residual stream as much as in the others (a trained Granite's weights
+    /// are scaled for its multipliers; without this, the stream would be the
+    /// token's embedding, 12 times over, and the routing would follow the
+    /// token alone rather than the context).
+    pub fn output_init(&self) -> f32 {
+        self.knobs.residual_scale / self.granite_scales().map_or(1.0, |[_, r, _, _]| r)
+    }
+
+    /// Granite's four multipliers ([`GRANITE_SCALES`]) where the
+    /// architecture has them.
+    pub fn granite_scales(&self) -> Option<[f32; 4]> {
+        matches!(
+            self.arch,
+            Arch::Granite | Arch::Granitemoe | Arch::Granitehybrid
+        )
+        .then_some(GRANITE_SCALES)
+    }
+
     /// The preset with the overrides and the architecture's rules applied.
     pub fn new(arch: Arch, preset: Preset, o: &Overrides, seed: u64) -> Result<Self, SynthError> {
         let p = preset.shape();
@@ -1405,7 +1426,7 @@ const MAX_MATRIX: u64 = 1 << 27;
 pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
     let s = &cfg.shape;
     let t = &cfg.types;
-    let r = cfg.knobs.residual_scale;
+    let r = cfg.output_init();
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let mut out = Vec::new();
     let mut add = |name: String, dims: Vec<u64>, ty: GgmlType, init: Init, layer: Option<u64>| {
@@ -1561,7 +1582,7 @@ fn routed_experts(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let (e, x, f, lay) = (s.embd, s.experts, s.expert_ff, Some(l));
@@ -1615,7 +1636,7 @@ fn biased_attention(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
@@ -1687,7 +1708,7 @@ fn bailingmoe2_layer(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let (e, q, kv, lay) = (s.embd, s.q_dim(), s.kv_dim(), Some(l));
@@ -1720,7 +1741,7 @@ fn granitehybrid_layer(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let (e, lay) = (s.embd, Some(l));
@@ -1825,7 +1846,7 @@ fn swiglu_ffn(
     f: u64,
     suffix: &str,
 ) {
-    let (e, t, r) = (cfg.shape.embd, &cfg.types, cfg.knobs.residual_scale);
+    let (e, t, r) = (cfg.shape.embd, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.ffn_{part}{suffix}.weight");
     for part in ["gate", "up"] {
@@ -1889,7 +1910,7 @@ fn deepseek2_layer(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.knobs.residual_scale);
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
@@ -1971,7 +1992,7 @@ fn qwen35moe_layer(
 ) {
     let s = &cfg.shape;
     let t = &cfg.types;
-    let r = cfg.knobs.residual_scale;
+    let r = cfg.output_init();
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
     let n = |part: &str| format!("blk.{l}.{part}");
     let lay = Some(l);
