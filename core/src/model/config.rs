@@ -447,14 +447,6 @@ impl LinearShape {
         }
     }
 
-    /// The Mamba2 shape, if these layers are Mamba2.
-    pub fn mamba2(&self) -> Option<Mamba2Shape> {
-        match self {
-            LinearShape::Mamba2(m) => Some(*m),
-            LinearShape::DeltaNet(_) => None,
-        }
-    }
-
     /// Floats of one layer's convolution state.
     pub fn conv_state_len(&self) -> usize {
         match self {

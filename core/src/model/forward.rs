@@ -1523,17 +1523,35 @@ pub(super) fn deltanet_state<'r, E>(
     rs: &'r mut RecurrentState<'_>,
     state: usize,
 ) -> Result<(&'r mut [f32], &'r mut [f32]), ForwardError<E>> {
-    let Some((_, shape)) = hy.linear.filter(|_| state < rs.n_layers) else {
-        return Err(ForwardError::Shape(
+    let shape = LinearShape::DeltaNet(dw.shape);
+    layer_state(hy, rs, shape, dw.check(hp.n_embd), state)
+}
+
+/// The recurrent state of layer `state`, whose weights have `shape` and
+/// `checked` says whether they fit the model: its conv and ssm slices, or
+/// the first problem (named by the layer's kind).
+fn layer_state<'r, E>(
+    hy: &HybridParams,
+    rs: &'r mut RecurrentState<'_>,
+    shape: LinearShape,
+    checked: Result<(), &'static str>,
+    state: usize,
+) -> Result<(&'r mut [f32], &'r mut [f32]), ForwardError<E>> {
+    let (missing, mismatch) = match shape {
+        LinearShape::DeltaNet(_) => (
             "linear-attention layer without recurrent state",
-        ));
+            "DeltaNet layer shape",
+        ),
+        LinearShape::Mamba2(_) => ("Mamba2 layer without recurrent state", "Mamba2 layer shape"),
     };
-    if shape != LinearShape::DeltaNet(dw.shape) {
-        return Err(ForwardError::Shape("DeltaNet layer shape"));
+    let Some((_, model_shape)) = hy.linear.filter(|_| state < rs.n_layers) else {
+        return Err(ForwardError::Shape(missing));
+    };
+    if model_shape != shape {
+        return Err(ForwardError::Shape(mismatch));
     }
-    let dshape = dw.shape;
-    dw.check(hp.n_embd).map_err(ForwardError::Shape)?;
-    let (cl, ml) = (dshape.conv_state_len(), dshape.ssm_state_len());
+    checked.map_err(ForwardError::Shape)?;
+    let (cl, ml) = (shape.conv_state_len(), shape.ssm_state_len());
     Ok((
         &mut rs.conv[state * cl..][..cl],
         &mut rs.ssm[state * ml..][..ml],
@@ -1557,18 +1575,8 @@ pub(super) fn mamba2_state<'r, E>(
     rs: &'r mut RecurrentState<'_>,
     state: usize,
 ) -> Result<(&'r mut [f32], &'r mut [f32]), ForwardError<E>> {
-    let Some((_, shape)) = hy.linear.filter(|_| state < rs.n_layers) else {
-        return Err(ForwardError::Shape("Mamba2 layer without recurrent state"));
-    };
-    if shape != LinearShape::Mamba2(mw.shape) {
-        return Err(ForwardError::Shape("Mamba2 layer shape"));
-    }
-    mw.check(hp.n_embd).map_err(ForwardError::Shape)?;
-    let (cl, ml) = (mw.shape.conv_state_len(), mw.shape.ssm_state_len());
-    Ok((
-        &mut rs.conv[state * cl..][..cl],
-        &mut rs.ssm[state * ml..][..ml],
-    ))
+    let shape = LinearShape::Mamba2(mw.shape);
+    layer_state(hy, rs, shape, mw.check(hp.n_embd), state)
 }
 
 /// One Mamba2 step at position `pos` (position 0 starts from a zero state)

@@ -297,6 +297,35 @@ mod tests {
         outs
     }
 
+    /// Each input through [`step`] in order from a zero state: every
+    /// output, and the final recurrent state.
+    fn steps(
+        s: Mamba2Shape,
+        w: &Mamba2Weights<'_>,
+        inputs: &[Vec<f32>],
+    ) -> (Vec<Vec<f32>>, Vec<f32>) {
+        let mut conv = vec![0f32; s.conv_state_len()];
+        let mut ssm = vec![0f32; s.ssm_state_len()];
+        let outs = inputs
+            .iter()
+            .map(|input| {
+                let mut p = input.clone();
+                let mut out = vec![0f32; s.d_inner];
+                step(
+                    &mut serial(),
+                    w,
+                    &mut p,
+                    1e-6,
+                    &mut conv,
+                    &mut ssm,
+                    &mut out,
+                );
+                out
+            })
+            .collect();
+        (outs, ssm)
+    }
+
     #[test]
     fn steps_equal_the_recurrence_written_out() {
         let s = shape();
@@ -304,21 +333,10 @@ mod tests {
         let w = weights(s, &l);
         let inputs: Vec<Vec<f32>> = (0..7).map(|t| vals(s.in_proj_dim(), 100 + t)).collect();
         let want = reference(s, &l, &inputs, 1e-6);
-        let mut conv = vec![0f32; s.conv_state_len()];
-        let mut ssm = vec![0f32; s.ssm_state_len()];
-        for (t, input) in inputs.iter().enumerate() {
-            let mut p = input.clone();
-            let mut out = vec![0f32; s.d_inner];
-            step(
-                &mut serial(),
-                &w,
-                &mut p,
-                1e-6,
-                &mut conv,
-                &mut ssm,
-                &mut out,
-            );
-            assert_eq!(out, want[t], "token {t}");
+        let (got, ssm) = steps(s, &w, &inputs);
+        assert_eq!(got.len(), want.len());
+        for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "token {t}");
         }
         // The state moved, and every output is finite.
         assert!(ssm.iter().any(|v| *v != 0.0));
@@ -334,22 +352,8 @@ mod tests {
         let l = layer(s);
         let w = weights(s, &l);
         let run = |tokens: &[u32]| {
-            let mut conv = vec![0f32; s.conv_state_len()];
-            let mut ssm = vec![0f32; s.ssm_state_len()];
-            let mut out = vec![0f32; s.d_inner];
-            for &t in tokens {
-                let mut p = vals(s.in_proj_dim(), t);
-                step(
-                    &mut serial(),
-                    &w,
-                    &mut p,
-                    1e-6,
-                    &mut conv,
-                    &mut ssm,
-                    &mut out,
-                );
-            }
-            out
+            let inputs: Vec<Vec<f32>> = tokens.iter().map(|&t| vals(s.in_proj_dim(), t)).collect();
+            steps(s, &w, &inputs).0.pop().unwrap()
         };
         assert_ne!(run(&[1, 2, 3, 6, 7]), run(&[4, 2, 3, 6, 7]));
         assert_ne!(run(&[1, 5, 3]), run(&[1, 2, 3]));
