@@ -330,6 +330,7 @@ struct AttnRefs {
 /// A gated DeltaNet layer (qwen35moe, qwen3next).
 #[derive(Debug)]
 struct DeltaRefs {
+    shape: DeltaNetShape,
     qkv: Tref,
     gate: Tref,
     beta: MatRef,
@@ -773,6 +774,25 @@ fn mamba2_params(
     Ok(hy)
 }
 
+/// Layer `l`'s causal convolution (`ssm_conv1d`, `{kernel, channels}`: the
+/// taps of each channel contiguous), checked and read.
+fn conv_taps(
+    g: &Gguf<MappedFile>,
+    l: usize,
+    kernel: usize,
+    channels: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let name = format!("blk.{l}.ssm_conv1d.weight");
+    let t = g.require_tensor(&name)?;
+    if t.dims() != [kernel as u64, channels as u64] {
+        return Err(invalid(format!(
+            "tensor {name} has shape {:?}, expected [{kernel}, {channels}]",
+            t.dims()
+        )));
+    }
+    vector(g, &name, channels * kernel)
+}
+
 /// The tensors of Mamba2 layer `l`, checked against `shape`.
 fn mamba2_refs(
     g: &Gguf<MappedFile>,
@@ -782,24 +802,12 @@ fn mamba2_refs(
 ) -> Result<Mamba2Refs, ModelError> {
     let t = |s: &str| format!("blk.{l}.{s}");
     let (nh, di, cd) = (shape.n_head, shape.d_inner, shape.conv_dim());
-    // ssm_conv1d is {conv_kernel, conv_dim}: the taps of each channel contiguous.
-    let conv_name = t("ssm_conv1d.weight");
-    let conv_t = g.require_tensor(&conv_name)?;
-    if conv_t.dims() != [shape.conv_kernel as u64, cd as u64] {
-        return Err(invalid(format!(
-            "tensor {conv_name} has shape {:?}, expected [{}, {cd}]",
-            conv_t.dims(),
-            shape.conv_kernel
-        )));
-    }
+    let conv = conv_taps(g, l, shape.conv_kernel, cd)?;
     Ok(Mamba2Refs {
         shape,
         in_proj: tensor_ref(g, &t("ssm_in.weight"), shape.in_proj_dim(), n_embd)?,
-        conv: vector(g, &conv_name, cd * shape.conv_kernel)?,
-        conv_bias: match g.tensor(&t("ssm_conv1d.bias")) {
-            Some(_) => Some(vector(g, &t("ssm_conv1d.bias"), cd)?),
-            None => None,
-        },
+        conv,
+        conv_bias: optional_vector(g, &t("ssm_conv1d.bias"), cd)?,
         dt_bias: vector(g, &t("ssm_dt.bias"), nh)?,
         a: vector(g, &t("ssm_a"), nh)?,
         d: vector(g, &t("ssm_d"), nh)?,
@@ -990,16 +998,7 @@ fn delta_refs(
 ) -> Result<DeltaRefs, ModelError> {
     let t = |s: &str| format!("blk.{l}.{s}");
     let (nv, vd, cd) = (shape.n_v_heads, shape.value_dim(), shape.conv_dim());
-    // ssm_conv1d is {conv_kernel, conv_dim}: the taps of each channel contiguous.
-    let conv_name = t("ssm_conv1d.weight");
-    let conv_t = g.require_tensor(&conv_name)?;
-    if conv_t.dims() != [shape.conv_kernel as u64, cd as u64] {
-        return Err(invalid(format!(
-            "tensor {conv_name} has shape {:?}, expected [{}, {cd}]",
-            conv_t.dims(),
-            shape.conv_kernel
-        )));
-    }
+    let conv = conv_taps(g, l, shape.conv_kernel, cd)?;
     if g.tensor(&t("attn_qkv.weight")).is_none() && g.tensor(&t("ssm_in.weight")).is_some() {
         return Err(invalid(format!(
             "layer {l} has the fused ssm_in of early qwen3next conversions; \
@@ -1017,13 +1016,14 @@ fn delta_refs(
         }
     };
     Ok(DeltaRefs {
+        shape,
         qkv: tensor_ref(g, &t("attn_qkv.weight"), cd, n_embd)?,
         gate: tensor_ref(g, &t("attn_gate.weight"), vd, n_embd)?,
         beta,
         alpha,
         dt_bias: vector(g, &t("ssm_dt.bias"), nv)?,
         a: vector(g, &t("ssm_a"), nv)?,
-        conv: vector(g, &conv_name, cd * shape.conv_kernel)?,
+        conv,
         norm: vector(g, &t("ssm_norm.weight"), shape.head_dim)?,
         out: tensor_ref(g, &t("ssm_out.weight"), n_embd, vd)?,
     })
@@ -2177,11 +2177,7 @@ impl Model {
                 out: self.view(&m.out),
             }),
             MixerRefs::DeltaNet(d) => Mixer::DeltaNet(DeltaNetWeights {
-                shape: self
-                    .hybrid
-                    .linear
-                    .and_then(|(_, s)| s.delta_net())
-                    .expect("DeltaNet layers exist only with a DeltaNet shape"),
+                shape: d.shape,
                 qkv: self.view(&d.qkv),
                 gate: self.view(&d.gate),
                 beta: self.mat(&d.beta),

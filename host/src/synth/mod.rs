@@ -2185,11 +2185,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     ) {
         kv(format!("{a}.rope.dimension_count"), u32v(s.head_dim));
     }
-    if matches!(
-        cfg.arch,
-        Arch::Granite | Arch::Granitemoe | Arch::Granitehybrid
-    ) {
-        let [embedding, residual, attention, logit] = GRANITE_SCALES;
+    if let Some([embedding, residual, attention, logit]) = cfg.granite_scales() {
         kv(format!("{a}.embedding_scale"), MetaValue::F32(embedding));
         kv(format!("{a}.residual_scale"), MetaValue::F32(residual));
         kv(format!("{a}.attention.scale"), MetaValue::F32(attention));
