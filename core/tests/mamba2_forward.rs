@@ -1,10 +1,12 @@
-//! The granitehybrid forward pass (Mamba2 layers around an attention layer
-//! without RoPE, routed plus ungated shared experts, Granite's multipliers) on
-//! a tiny model: its math against a plain f64 reference written here (the
-//! Mamba2 recurrence over an explicit state, naive attention), offloaded ==
-//! resident bit for bit for every schedule, batches equal to one position at
-//! a time, and the sequence state living entirely in the caller's KV cache and
-//! recurrent state.
+//! The Mamba2 hybrids' forward pass on tiny models: granitehybrid (Mamba2
+//! layers around an attention layer without RoPE, each followed by routed
+//! plus shared experts, Granite's multipliers) and Nemotron-H (layers of one
+//! sub-layer each: Mamba2, attention, or ungated ReLU² experts routed by
+//! sigmoid with a selection bias). Their math against a plain f64 reference
+//! written here (the Mamba2 recurrence over an explicit state, naive
+//! attention), offloaded == resident bit for bit for every schedule and
+//! read split, batches equal to one position at a time, and the sequence
+//! state living entirely in the caller's KV cache and recurrent state.
 
 mod forward_common;
 
@@ -49,12 +51,55 @@ enum Mix {
     Ssm(Ssm),
 }
 
+/// A layer's routed and shared experts.
+struct Moe {
+    norm: Vec<f32>,
+    router: Mat,
+    /// Gate (where gated), up, down.
+    shared: Vec<Mat>,
+    /// Nemotron-H's `exp_probs_b`.
+    selection_bias: Option<Vec<f32>>,
+}
+
+/// A layer: a mixer, experts, or (granitehybrid) both.
 struct Layer {
     attn_norm: Vec<f32>,
-    mix: Mix,
-    ffn_norm: Vec<f32>,
-    router: Mat,
-    shared: [Mat; 3],
+    mix: Option<Mix>,
+    moe: Option<Moe>,
+}
+
+/// Which architecture the tiny model has.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Arch {
+    /// Every layer a mixer then experts, Granite's multipliers.
+    Granite,
+    /// Mamba2, experts, attention, experts, Mamba2, experts: one sub-layer a
+    /// layer, ungated ReLU² experts, sigmoid routing with a selection bias.
+    Nemotron,
+}
+
+/// A layer's mixer (`Some(true)`: Mamba2, `Some(false)`: attention, `None`:
+/// none) and whether it has experts.
+type Kind = (Option<bool>, bool);
+
+/// The kind of each layer of `arch`.
+fn layer_kinds(arch: Arch) -> Vec<Kind> {
+    match arch {
+        Arch::Granite => vec![
+            (Some(true), true),
+            (Some(true), true),
+            (Some(false), true),
+            (Some(true), true),
+        ],
+        Arch::Nemotron => vec![
+            (Some(true), false),
+            (None, true),
+            (Some(false), false),
+            (None, true),
+            (Some(true), false),
+            (None, true),
+        ],
+    }
 }
 
 const N_EXP: usize = 8;
@@ -80,31 +125,36 @@ const SCALES: Scales = Scales {
 };
 
 struct Model {
+    arch: Arch,
     hp: Hparams,
     hy: HybridParams,
     embd: Mat,
     out_norm: Vec<f32>,
     output: Mat,
     layers: Vec<Layer>,
-    experts: Vec<Vec<[Mat; 3]>>,
+    /// Per layer (empty without experts), per expert: gate (where gated), up, down.
+    experts: Vec<Vec<Vec<Mat>>>,
     image: Vec<u8>,
     offsets: Vec<Vec<usize>>,
     expert_ty: [GgmlType; 3],
 }
 
-/// Layer 2 is attention, the others Mamba2.
-fn is_ssm(l: usize) -> bool {
-    l != 2
-}
-
 fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
-    build_with(seed, ty, expert_ty, true)
+    build_with(seed, ty, expert_ty, true, Arch::Granite)
 }
 
-fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], conv_bias: bool) -> Model {
+fn build_with(
+    seed: u64,
+    ty: GgmlType,
+    expert_ty: [GgmlType; 3],
+    conv_bias: bool,
+    arch: Arch,
+) -> Model {
     let mut rng = Rng(seed);
+    let kinds = layer_kinds(arch);
+    let nemotron = arch == Arch::Nemotron;
     let hp = Hparams {
-        n_layers: 4,
+        n_layers: kinds.len(),
         n_embd: 64,
         n_head: 4,
         n_head_kv: 2,
@@ -119,20 +169,30 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], conv_bias: bool
             n_experts: N_EXP,
             top_k: TOP_K,
             n_ff_exp: FF,
-            gating: Gating::Softmax,
+            gating: if nemotron {
+                Gating::Sigmoid
+            } else {
+                Gating::Softmax
+            },
             normalize: true,
-            weights_scale: 1.0,
+            weights_scale: if nemotron { 2.5 } else { 1.0 },
             n_ff_shared: Some(FF),
-            act: ExpertAct::SwiGlu,
+            act: if nemotron {
+                ExpertAct::ReluSqr
+            } else {
+                ExpertAct::SwiGlu
+            },
             groups: None,
             weight_inputs: false,
         }),
         rope_yarn: None,
-        scales: SCALES,
+        scales: if nemotron { Scales::NONE } else { SCALES },
     };
+    let count = |f: &dyn Fn(&Kind) -> bool| kinds.iter().filter(|k| f(k)).count();
     let hy = HybridParams {
-        n_attn_layers: 1,
-        linear: Some((3, LinearShape::Mamba2(SHAPE))),
+        n_attn_layers: count(&|k| k.0 == Some(false)),
+        linear: Some((count(&|k| k.0 == Some(true)), LinearShape::Mamba2(SHAPE))),
+        n_ffn_only_layers: count(&|k| k.0.is_none()),
         ..HybridParams::plain(&hp)
     };
     hy.validate(&hp).unwrap();
@@ -142,46 +202,54 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], conv_bias: bool
     let mut experts = Vec::new();
     let mut image = Vec::new();
     let mut offsets = Vec::new();
-    for l in 0..hp.n_layers {
+    // Gate (where gated), up, down of an FFN `FF` wide, of types `tys`.
+    let ffn_mats = |rng: &mut Rng, tys: [GgmlType; 3], scale: f32| -> Vec<Mat> {
+        let gate = (!nemotron).then(|| Mat::new(rng, tys[0], FF, e, scale));
+        gate.into_iter()
+            .chain([
+                Mat::new(rng, tys[1], FF, e, scale),
+                Mat::new(rng, tys[2], e, FF, scale),
+            ])
+            .collect()
+    };
+    for &(mixer, has_moe) in &kinds {
         let attn_norm = rng.vec(e, 0.1, 1.0);
-        let mix = if is_ssm(l) {
-            Mix::Ssm(Ssm {
-                in_proj: Mat::new(&mut rng, ty, s.in_proj_dim(), e, 0.15),
-                conv: rng.vec(s.conv_dim() * s.conv_kernel, 0.5, 0.0),
-                conv_bias: conv_bias.then(|| rng.vec(s.conv_dim(), 0.1, 0.0)),
-                dt_bias: rng.vec(s.n_head, 0.5, -2.0),
-                a: (0..s.n_head).map(|_| -1.0 - 8.0 * rng.uniform()).collect(),
-                d: rng.vec(s.n_head, 0.2, 1.0),
-                norm: rng.vec(s.d_inner, 0.1, 1.0),
-                out: Mat::new(&mut rng, ty, e, s.d_inner, 0.15),
-            })
-        } else {
-            Mix::Attn(Attn {
-                wq: Mat::new(&mut rng, ty, hp.q_dim(), e, 0.15),
-                wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
-                wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
-                wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
-            })
-        };
+        let mix = mixer.map(|ssm| {
+            if ssm {
+                Mix::Ssm(Ssm {
+                    in_proj: Mat::new(&mut rng, ty, s.in_proj_dim(), e, 0.15),
+                    conv: rng.vec(s.conv_dim() * s.conv_kernel, 0.5, 0.0),
+                    conv_bias: conv_bias.then(|| rng.vec(s.conv_dim(), 0.1, 0.0)),
+                    dt_bias: rng.vec(s.n_head, 0.5, -2.0),
+                    a: (0..s.n_head).map(|_| -1.0 - 8.0 * rng.uniform()).collect(),
+                    d: rng.vec(s.n_head, 0.2, 1.0),
+                    norm: rng.vec(s.d_inner, 0.1, 1.0),
+                    out: Mat::new(&mut rng, ty, e, s.d_inner, 0.15),
+                })
+            } else {
+                Mix::Attn(Attn {
+                    wq: Mat::new(&mut rng, ty, hp.q_dim(), e, 0.15),
+                    wk: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+                    wv: Mat::new(&mut rng, ty, hp.kv_dim(), e, 0.15),
+                    wo: Mat::new(&mut rng, ty, e, hp.q_dim(), 0.15),
+                })
+            }
+        });
+        let moe = has_moe.then(|| Moe {
+            norm: rng.vec(e, 0.1, 1.0),
+            router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
+            shared: ffn_mats(&mut rng, [ty; 3], 0.15),
+            selection_bias: nemotron.then(|| rng.vec(N_EXP, 0.3, 0.0)),
+        });
         layers.push(Layer {
             attn_norm,
             mix,
-            ffn_norm: rng.vec(e, 0.1, 1.0),
-            router: Mat::new(&mut rng, GgmlType::F32, N_EXP, e, 0.5),
-            shared: [
-                Mat::new(&mut rng, ty, FF, e, 0.15),
-                Mat::new(&mut rng, ty, FF, e, 0.15),
-                Mat::new(&mut rng, ty, e, FF, 0.15),
-            ],
+            moe,
         });
         let mut le = Vec::new();
         let mut lo = Vec::new();
-        for _ in 0..N_EXP {
-            let m = [
-                Mat::new(&mut rng, expert_ty[0], FF, e, 0.2),
-                Mat::new(&mut rng, expert_ty[1], FF, e, 0.2),
-                Mat::new(&mut rng, expert_ty[2], e, FF, 0.2),
-            ];
+        for _ in 0..N_EXP * usize::from(has_moe) {
+            let m = ffn_mats(&mut rng, expert_ty, 0.2);
             lo.push(image.len());
             for p in &m {
                 image.extend_from_slice(&p.bytes);
@@ -192,6 +260,7 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], conv_bias: bool
         offsets.push(lo);
     }
     Model {
+        arch,
         hp,
         hy,
         embd: Mat::new(&mut rng, ty, hp.n_vocab, e, 0.3),
@@ -209,7 +278,8 @@ impl Weights for Model {
     fn block(&self, l: usize) -> Block<'_> {
         let ly = &self.layers[l];
         let mixer = match &ly.mix {
-            Mix::Attn(a) => Mixer::Attention(AttentionWeights {
+            None => Mixer::None,
+            Some(Mix::Attn(a)) => Mixer::Attention(AttentionWeights {
                 wq: a.wq.view(),
                 wk: a.wk.view(),
                 wv: a.wv.view(),
@@ -226,7 +296,7 @@ impl Weights for Model {
                 norm_after_rope: false,
                 nope: Some(AttnTemperature::NONE),
             }),
-            Mix::Ssm(m) => Mixer::Mamba2(Mamba2Weights {
+            Some(Mix::Ssm(m)) => Mixer::Mamba2(Mamba2Weights {
                 shape: SHAPE,
                 in_proj: m.in_proj.view(),
                 conv: &m.conv,
@@ -238,22 +308,30 @@ impl Weights for Model {
                 out: m.out.view(),
             }),
         };
-        let [g, u, dn] = &ly.shared;
+        let Some(moe) = &ly.moe else {
+            return Block {
+                attn_norm: &ly.attn_norm,
+                mixer,
+                ffn_norm: &ly.attn_norm,
+                ffn: Ffn::None,
+            };
+        };
+        let (gate, [u, dn]) = gate_and_rest(&moe.shared);
         Block {
             attn_norm: &ly.attn_norm,
             mixer,
-            ffn_norm: &ly.ffn_norm,
+            ffn_norm: &moe.norm,
             ffn: Ffn::Moe {
-                router: ly.router.view(),
+                router: moe.router.view(),
                 shared: Some(SharedExpert {
-                    gate: g.view(),
+                    gate: gate.map(Mat::view),
                     up: u.view(),
                     down: dn.view(),
                     gate_inp: None,
                 }),
                 expert_bias: None,
                 router_bias: None,
-                selection_bias: None,
+                selection_bias: moe.selection_bias.as_deref(),
             },
         }
     }
@@ -268,10 +346,23 @@ impl Weights for Model {
     }
 }
 
+/// An FFN's matrices split into its gate (`None` when ungated) and up, down.
+fn gate_and_rest(m: &[Mat]) -> (Option<&Mat>, [&Mat; 2]) {
+    match m {
+        [g, u, d] => (Some(g), [u, d]),
+        [u, d] => (None, [u, d]),
+        _ => panic!("an FFN has 2 or 3 matrices"),
+    }
+}
+
 impl Model {
+    fn is_moe(&self, l: usize) -> bool {
+        self.layers[l].moe.is_some()
+    }
+
     fn format(&self) -> ExpertFormat {
         ExpertFormat {
-            gate: self.expert_ty[0],
+            gate: (self.arch == Arch::Granite).then_some(self.expert_ty[0]),
             up: self.expert_ty[1],
             down: self.expert_ty[2],
             n_embd: self.hp.n_embd,
@@ -294,11 +385,18 @@ impl TestModel for Model {
 
 impl PackedModel for Model {
     fn packed(&self) -> PackedExperts<'_> {
+        self.packed_in(1)
+    }
+}
+
+impl Model {
+    /// The experts read in `parts` extents (see [`PackedExperts::parts`]).
+    fn packed_in(&self, parts: usize) -> PackedExperts<'_> {
         PackedExperts {
             image: &self.image,
             offsets: &self.offsets,
             format: self.format(),
-            parts: 1,
+            parts,
         }
     }
 }
@@ -311,22 +409,31 @@ fn resident(m: &Model) -> Vec<Vec<f32>> {
 
 #[test]
 fn streamed_equals_resident_bit_for_bit() {
-    for (ty, ety) in [
+    for (ty, ety, arch) in [
         (
             GgmlType::Q8_0,
             [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+            Arch::Granite,
         ),
         (
             GgmlType::F16,
             [GgmlType::Q8_0, GgmlType::Q5_1, GgmlType::Q4_1],
+            Arch::Granite,
+        ),
+        (
+            GgmlType::Q8_0,
+            [GgmlType::Q4_0, GgmlType::Q5_1, GgmlType::Q8_0],
+            Arch::Nemotron,
         ),
     ] {
-        let m = build(11, ty, ety);
+        let m = build_with(11, ty, ety, true, arch);
         let want = resident(&m);
-        let experts = m.packed();
+        let n_moe = (0..m.hp.n_layers).filter(|&l| m.is_moe(l)).count();
         let mut seed = 1;
+        let mut halves = 0;
         for slots in [TOP_K, 3, 5, 16] {
-            for predict in [false, true] {
+            for (predict, parts) in [(false, 1), (true, 1), (true, 2), (false, 3)] {
+                let experts = m.packed_in(parts);
                 for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
                     seed += 1;
                     let out = StreamedRun {
@@ -347,25 +454,34 @@ fn streamed_equals_resident_bit_for_bit() {
                     let st = out.stats;
                     assert_eq!(
                         st.misses + st.hits + st.late_hits,
-                        (TOKENS.len() * m.hp.n_layers * TOP_K) as u64,
+                        (TOKENS.len() * n_moe * TOP_K) as u64,
                         "{st:?}"
                     );
                     if predict && cfg.prefetch {
-                        // Lookahead runs from Mamba2 layers too.
+                        // Lookahead runs from Mamba2 and attention layers
+                        // too, and predicts every MoE layer.
+                        let moe_layers =
+                            out.layers.iter().enumerate().filter(|(l, _)| m.is_moe(*l));
                         assert!(
-                            out.layers.iter().all(|l| l.predicted > 0),
+                            moe_layers.clone().all(|(_, l)| l.predicted > 0),
                             "{:?}",
                             out.layers
                         );
                     }
+                    halves += out.halves;
                     assert_bits_eq(
                         &out.logits,
                         &want,
-                        &format!("{ty} slots={slots} predict={predict} {cfg:?}"),
+                        &format!(
+                            "{arch:?} {ty} slots={slots} predict={predict} parts={parts} {cfg:?}"
+                        ),
                     );
                 }
             }
         }
+        // Experts were computed in halves (gate and up, or up alone, while
+        // the down projection was still loading).
+        assert!(halves > 0, "{arch:?}: no expert computed in halves");
     }
 }
 
@@ -408,7 +524,13 @@ fn sequence_state_lives_in_the_kv_cache_and_recurrent_state() {
 
 #[test]
 fn batched_prefill_equals_one_position_at_a_time() {
-    let m = build(5, GgmlType::Q8_0, [GgmlType::Q4_0; 3]);
+    for arch in [Arch::Granite, Arch::Nemotron] {
+        batched_prefill_equals_one_position_at_a_time_in(arch);
+    }
+}
+
+fn batched_prefill_equals_one_position_at_a_time_in(arch: Arch) {
+    let m = build_with(5, GgmlType::Q8_0, [GgmlType::Q4_0; 3], true, arch);
     let want = resident(&m);
     for split in [2, 5, TOKENS.len()] {
         for every in [false, true] {
@@ -418,7 +540,7 @@ fn batched_prefill_equals_one_position_at_a_time() {
             assert_bits_eq(
                 &got,
                 &want[first..split],
-                &format!("batch of {split}, every position's logits: {every}"),
+                &format!("{arch:?}: batch of {split}, every position's logits: {every}"),
             );
             let rest = b.run(&m, &mut resident_experts(&m), None, split, &TOKENS[split..]);
             assert_bits_eq(
@@ -449,8 +571,9 @@ struct RefLayer {
     state: Vec<Vec<f64>>,
 }
 
-/// The logits of a plain f64 granitehybrid, written from the architecture
-/// description with no shared code, at each position of [`TOKENS`].
+/// The logits of a plain f64 granitehybrid or Nemotron-H, written from the
+/// architecture descriptions with no shared code, at each position of
+/// [`TOKENS`].
 fn reference(m: &Model) -> Vec<Vec<f32>> {
     let hp = m.hp;
     let s = SHAPE;
@@ -461,27 +584,37 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
     for r in &mut seq {
         r.state = vec![vec![0f64; s.d_state]; s.d_inner];
     }
-    let ffn = |w: &[Mat; 3], x: &[f32]| -> Vec<f32> {
-        let g = w[0].apply(x);
-        let u = w[1].apply(x);
-        let a: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(g, u)| (silu(*g as f64) * *u as f64) as f32)
-            .collect();
-        w[2].apply(&a)
+    let scales = hp.scales;
+    // SwiGLU with a gate, relu(up)^2 without.
+    let ffn = |w: &[Mat], x: &[f32]| -> Vec<f32> {
+        let (gate, [up, down]) = gate_and_rest(w);
+        let u = up.apply(x);
+        let a: Vec<f32> = match gate {
+            Some(g) => g
+                .apply(x)
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| (silu(*g as f64) * *u as f64) as f32)
+                .collect(),
+            None => u
+                .iter()
+                .map(|u| (u.max(0.0) as f64).powi(2) as f32)
+                .collect(),
+        };
+        down.apply(&a)
     };
     let mut out = Vec::new();
     for (pos, &t) in TOKENS.iter().enumerate() {
         let mut h: Vec<f32> = m.embd.f32[t as usize * e..][..e]
             .iter()
-            .map(|v| v * SCALES.embedding)
+            .map(|v| v * scales.embedding)
             .collect();
         for (l, ly) in m.layers.iter().enumerate() {
             let x = ref_rms(&h, &ly.attn_norm, eps);
             let r = &mut seq[l];
             let o = match &ly.mix {
-                Mix::Attn(a) => {
+                None => vec![0f32; e],
+                Some(Mix::Attn(a)) => {
                     // No RoPE: keys and queries as projected.
                     let q = a.wq.apply(&x);
                     r.keys.push(a.wk.apply(&x));
@@ -498,7 +631,7 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
                                     .zip(&k[kvh * hd..][..hd])
                                     .map(|(a, b)| *a as f64 * *b as f64)
                                     .sum::<f64>()
-                                    * SCALES.attention.unwrap() as f64
+                                    * scales.attention.map_or(1.0 / (hd as f64).sqrt(), f64::from)
                             })
                             .collect();
                         let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
@@ -512,7 +645,7 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
                     }
                     a.wo.apply(&att)
                 }
-                Mix::Ssm(w) => {
+                Some(Mix::Ssm(w)) => {
                     r.hist.push(w.in_proj.apply(&x));
                     let p = &r.hist[pos];
                     let (di, ds, k) = (s.d_inner, s.d_state, s.conv_kernel);
@@ -566,32 +699,52 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
                     w.out.apply(&normed)
                 }
             };
-            for (a, b) in h.iter_mut().zip(&o) {
-                *a += b * SCALES.residual;
+            if ly.mix.is_some() {
+                for (a, b) in h.iter_mut().zip(&o) {
+                    *a += b * scales.residual;
+                }
             }
-            let x = ref_rms(&h, &ly.ffn_norm, eps);
-            let logits = ly.router.apply(&x);
-            let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
-            let pr: Vec<f64> = logits.iter().map(|v| ((v - mx) as f64).exp()).collect();
+            let Some(moe) = &ly.moe else { continue };
+            let x = ref_rms(&h, &moe.norm, eps);
+            let logits = moe.router.apply(&x);
+            // Granite: softmax; Nemotron-H: each expert's sigmoid, picked by
+            // it plus the selection bias, weighted by it alone.
+            let pr: Vec<f64> = match m.arch {
+                Arch::Granite => {
+                    let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
+                    logits.iter().map(|v| ((v - mx) as f64).exp()).collect()
+                }
+                Arch::Nemotron => logits
+                    .iter()
+                    .map(|v| 1.0 / (1.0 + (-*v as f64).exp()))
+                    .collect(),
+            };
+            let bias = |i: usize| moe.selection_bias.as_ref().map_or(0.0, |b| b[i] as f64);
             let mut idx: Vec<usize> = (0..N_EXP).collect();
-            idx.sort_by(|a, b| pr[*b].partial_cmp(&pr[*a]).unwrap().then(a.cmp(b)));
+            idx.sort_by(|a, b| {
+                (pr[*b] + bias(*b))
+                    .partial_cmp(&(pr[*a] + bias(*a)))
+                    .unwrap()
+                    .then(a.cmp(b))
+            });
             let top = &idx[..TOP_K];
             let sum: f64 = top.iter().map(|i| pr[*i]).sum();
+            let w_scale = hp.moe.unwrap().weights_scale as f64;
             let mut y = vec![0f64; e];
             for &i in top {
                 for (a, b) in y.iter_mut().zip(ffn(&m.experts[l][i], &x)) {
-                    *a += pr[i] / sum * b as f64;
+                    *a += pr[i] / sum * w_scale * b as f64;
                 }
             }
-            for (a, b) in y.iter_mut().zip(ffn(&ly.shared, &x)) {
+            for (a, b) in y.iter_mut().zip(ffn(&moe.shared, &x)) {
                 *a += b as f64;
             }
             for (a, b) in h.iter_mut().zip(&y) {
-                *a += (*b as f32) * SCALES.residual;
+                *a += (*b as f32) * scales.residual;
             }
         }
         let logits = m.output.apply(&ref_rms(&h, &m.out_norm, eps));
-        out.push(logits.iter().map(|v| v / SCALES.logit).collect());
+        out.push(logits.iter().map(|v| v / scales.logit).collect());
     }
     out
 }
@@ -599,13 +752,17 @@ fn reference(m: &Model) -> Vec<Vec<f32>> {
 #[test]
 fn forward_matches_plain_f64_reference() {
     // F32 weights everywhere: the engine's only approximations are float rounding.
-    for conv_bias in [true, false] {
-        let m = build_with(5, GgmlType::F32, [GgmlType::F32; 3], conv_bias);
+    for (conv_bias, arch) in [
+        (true, Arch::Granite),
+        (false, Arch::Granite),
+        (true, Arch::Nemotron),
+    ] {
+        let m = build_with(5, GgmlType::F32, [GgmlType::F32; 3], conv_bias, arch);
         assert_close(
             &resident(&m),
             &reference(&m),
             2e-4,
-            &format!("conv bias {conv_bias}"),
+            &format!("{arch:?}, conv bias {conv_bias}"),
         );
     }
 }

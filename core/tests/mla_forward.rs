@@ -185,14 +185,14 @@ impl Weights for Model {
         let m = &ly.mla;
         let ffn = match (&ly.dense, &ly.router) {
             (Some([g, u, d]), _) => Ffn::Dense {
-                gate: g.view(),
+                gate: Some(g.view()),
                 up: u.view(),
                 down: d.view(),
             },
             (None, Some(r)) => Ffn::Moe {
                 router: r.view(),
                 shared: ly.shared.as_ref().map(|[g, u, d]| SharedExpert {
-                    gate: g.view(),
+                    gate: Some(g.view()),
                     up: u.view(),
                     down: d.view(),
                     gate_inp: None,
@@ -244,7 +244,7 @@ impl PackedModel for Model {
             image: &self.image,
             offsets: &self.offsets,
             format: ExpertFormat {
-                gate: self.expert_ty[0],
+                gate: Some(self.expert_ty[0]),
                 up: self.expert_ty[1],
                 down: self.expert_ty[2],
                 n_embd: self.hp.n_embd,

@@ -147,6 +147,7 @@ fn build_with(
     let hy = HybridParams {
         n_attn_layers: 2,
         linear: Some((2, LinearShape::DeltaNet(d))),
+        n_ffn_only_layers: 0,
         attn_output_gate: true,
         rope_sections: sections,
         mla: None,
@@ -296,7 +297,7 @@ fn layer_block(ly: &Layer, shape: DeltaNetShape) -> Block<'_> {
             ffn: Ffn::Moe {
                 router: ly.router.view(),
                 shared: Some(SharedExpert {
-                    gate: g.view(),
+                    gate: Some(g.view()),
                     up: u.view(),
                     down: dn.view(),
                     gate_inp: Some(ly.shared_gate.view()),
@@ -317,7 +318,7 @@ impl Model {
 
     fn format(&self) -> ExpertFormat {
         ExpertFormat {
-            gate: self.expert_ty[0],
+            gate: Some(self.expert_ty[0]),
             up: self.expert_ty[1],
             down: self.expert_ty[2],
             n_embd: self.hp.n_embd,

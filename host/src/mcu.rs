@@ -276,10 +276,20 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
             w.opt_vector(v)?;
         }
         w.vector(b.ffn_norm)?;
+        let ungated = || {
+            McuIndexError(format!(
+                "layer {l} has an FFN without a gate (ReLU^2), which the firmware does not run"
+            ))
+        };
         match b.ffn {
+            Ffn::None => {
+                return Err(McuIndexError(format!(
+                    "layer {l} has no FFN, which the firmware does not run"
+                )))
+            }
             Ffn::Dense { gate, up, down } => {
                 w.word(0);
-                for m in [&gate, &up, &down] {
+                for m in [&gate.ok_or_else(ungated)?, &up, &down] {
                     w.matrix(m)?;
                 }
             }
@@ -289,7 +299,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                 match shared {
                     Some(s) => {
                         w.word(1);
-                        for m in [&s.gate, &s.up, &s.down] {
+                        for m in [&s.gate.ok_or_else(ungated)?, &s.up, &s.down] {
                             w.matrix(m)?;
                         }
                         w.opt_matrix(s.gate_inp.as_ref())?;
@@ -299,7 +309,7 @@ pub fn write_index(model: &Model) -> Result<Vec<u8>, McuIndexError> {
                 let format = model
                     .expert_format(l)
                     .ok_or_else(|| McuIndexError(format!("layer {l} has no expert format")))?;
-                for ty in [format.gate, format.up, format.down] {
+                for ty in format.types() {
                     w.word(ty.id());
                 }
                 let layer = packed.as_ref().and_then(|p| p.layer(l));

@@ -151,11 +151,20 @@ pub enum Arch {
     /// followed by [`GraniteMoe`](Arch::GraniteMoe)'s experts (or a dense
     /// FFN), with Granite's multipliers.
     GraniteHybrid,
+    /// NVIDIA Nemotron-H (dense: Nemotron-H 8B, Nemotron Nano 9B v2): layers
+    /// of one sub-layer each, Mamba2, attention without RoPE, or an FFN
+    /// without a gate (`relu(up x)^2`); `feed_forward_length` and
+    /// `attention.head_count_kv` per layer say which.
+    NemotronH,
+    /// NVIDIA Nemotron-H MoE (Nemotron 3 Nano 30B-A3B): [`NemotronH`](Arch::NemotronH)'s
+    /// layers with ungated ReLU² experts routed by sigmoid (plus `exp_probs_b`
+    /// to pick them) and an ungated shared expert.
+    NemotronHMoe,
 }
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 21] = [
+    pub const ALL: [Arch; 23] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -177,6 +186,8 @@ impl Arch {
         Arch::Granite,
         Arch::GraniteMoe,
         Arch::GraniteHybrid,
+        Arch::NemotronH,
+        Arch::NemotronHMoe,
     ];
 
     /// From `general.architecture`.
@@ -208,6 +219,8 @@ impl Arch {
             Arch::Granite => "granite",
             Arch::GraniteMoe => "granitemoe",
             Arch::GraniteHybrid => "granitehybrid",
+            Arch::NemotronH => "nemotron_h",
+            Arch::NemotronHMoe => "nemotron_h_moe",
         }
     }
 
@@ -217,6 +230,11 @@ impl Arch {
             self,
             Arch::Llama | Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::Qwen3Next
         )
+    }
+
+    /// Nemotron-H's layer structure (one sub-layer each, no RoPE).
+    fn is_nemotron(self) -> bool {
+        matches!(self, Arch::NemotronH | Arch::NemotronHMoe)
     }
 
     fn rope_style(self) -> RopeStyle {
@@ -285,21 +303,48 @@ struct ExpertStack {
 /// Where a layer's routed experts are.
 #[derive(Debug)]
 enum ExpertStore {
-    /// Three stacked tensors (a plain GGUF): three scattered reads per expert.
-    Plain([ExpertStack; 3]),
+    /// Stacked tensors (a plain GGUF): a scattered read per matrix of an expert.
+    Plain(Stacks),
     /// One packed tensor (`les pack`): one aligned extent per expert, checksummed.
     Packed(Box<crate::pack::PackedLayer>),
+}
+
+/// A plain GGUF's stacked expert tensors of one layer: gate (where the
+/// experts have one), up and down.
+#[derive(Debug)]
+struct Stacks {
+    gate: Option<ExpertStack>,
+    up: ExpertStack,
+    down: ExpertStack,
+}
+
+impl Stacks {
+    /// The stacks in slot order.
+    fn parts(&self) -> impl Iterator<Item = &ExpertStack> {
+        self.gate.iter().chain([&self.up, &self.down])
+    }
+}
+
+/// A dense FFN or a shared expert: gate (absent for ReLU²), up, down.
+#[derive(Debug)]
+struct FfnMatrices {
+    gate: Option<Tref>,
+    up: Tref,
+    down: Tref,
 }
 
 // One per layer: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum FfnRefs {
-    Dense([Tref; 3]),
+    /// No FFN (Nemotron-H's Mamba2 and attention layers).
+    None,
+    Dense(FfnMatrices),
     Moe {
         router: Tref,
         experts: ExpertStore,
-        shared: Option<([Tref; 3], Option<Tref>)>,
+        /// The shared expert and its scalar gate (`ffn_gate_inp_shexp`).
+        shared: Option<(FfnMatrices, Option<Tref>)>,
         /// The router's bias (gpt-oss).
         router_bias: Option<Vec<f32>>,
         /// The experts' selection bias (`exp_probs_b`: glm4moe).
@@ -370,6 +415,8 @@ struct Mamba2Refs {
 
 #[derive(Debug)]
 enum MixerRefs {
+    /// Nothing mixes positions (Nemotron-H's MoE layers).
+    None,
     Attention(AttnRefs),
     DeltaNet(DeltaRefs),
     Mamba2(Mamba2Refs),
@@ -629,6 +676,18 @@ impl Llama4Attention {
     }
 }
 
+/// The multiplier `{a}.{key}`: `None` where absent or 0 (llama.cpp's "none"),
+/// else a positive finite number.
+fn positive_scale(g: &Gguf, a: &str, key: &str) -> Result<Option<f32>, ModelError> {
+    match g.get_f32(&format!("{a}.{key}")).optional()? {
+        None | Some(0.0) => Ok(None),
+        Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+        Some(x) => Err(invalid(format!(
+            "{a}.{key} = {x} must be a positive number"
+        ))),
+    }
+}
+
 /// Granite's multipliers, read as llama.cpp reads them: `logit_scale`
 /// required (optional in `granitehybrid`), `residual_scale`,
 /// `embedding_scale` and `attention.scale` optional, a 0 meaning none (the logits' must not be 0: they are divided
@@ -637,16 +696,7 @@ impl Llama4Attention {
 /// in `granitehybrid` ([`granite_rope`]).
 fn granite_scales(g: &Gguf, arch: Arch, a: &str) -> Result<Scales, ModelError> {
     let k = |s: &str| format!("{a}.{s}");
-    let scale = |key: &str| -> Result<Option<f32>, ModelError> {
-        match g.get_f32(&k(key)).optional()? {
-            None => Ok(None),
-            Some(0.0) => Ok(None),
-            Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
-            Some(x) => Err(invalid(format!(
-                "{a}.{key} = {x} must be a positive number"
-            ))),
-        }
-    };
+    let scale = |key: &str| positive_scale(g, a, key);
     // llama.cpp's granitehybrid loader takes it as optional (Bamba has
     // none); its granite and granitemoe loaders require it.
     let logit = match scale("logit_scale")? {
@@ -685,9 +735,36 @@ fn granite_rope(g: &Gguf, a: &str) -> Result<bool, ModelError> {
         .unwrap_or(true))
 }
 
-/// `attention.head_count_kv` of granitehybrid, as llama.cpp reads it: one
-/// count per layer (or one for all), 0 marking a Mamba2 layer. The attention
-/// layers' count (they must share one) and which layers are recurrent.
+/// An integer key given per layer (llama.cpp's `get_key_or_arr`): one value
+/// for all `n_layers_all` layers, or an array of exactly that many; `None`
+/// where the file has no such key.
+fn per_layer(
+    g: &Gguf<MappedFile>,
+    key: &str,
+    n_layers_all: usize,
+) -> Result<Option<Vec<u64>>, ModelError> {
+    let Some(v) = g.get(key) else {
+        return Ok(None);
+    };
+    if let Some(x) = v.as_u64() {
+        return Ok(Some(vec![x; n_layers_all]));
+    }
+    let arr = v
+        .as_array()
+        .ok_or_else(|| invalid(format!("{key} must be an integer or an array")))?;
+    let vals: Option<Vec<u64>> = arr.iter().map(|x| x.as_u64()).collect();
+    match vals {
+        Some(c) if c.len() == n_layers_all => Ok(Some(c)),
+        _ => Err(invalid(format!(
+            "{key} must hold {n_layers_all} integers, one a layer"
+        ))),
+    }
+}
+
+/// `attention.head_count_kv` of granitehybrid and Nemotron-H, as llama.cpp
+/// reads it: one count per layer (or one for all), 0 marking a layer without
+/// attention. The attention layers' count (they must share one) and which
+/// layers have none.
 fn kv_heads_by_layer(
     g: &Gguf<MappedFile>,
     a: &str,
@@ -695,26 +772,8 @@ fn kv_heads_by_layer(
     n_layers: usize,
 ) -> Result<(usize, Vec<bool>), ModelError> {
     let key = format!("{a}.attention.head_count_kv");
-    let v = g
-        .get(&key)
+    let counts = per_layer(g, &key, n_layers_all)?
         .ok_or_else(|| invalid(format!("{key} is missing (0 marks Mamba2 layers)")))?;
-    let counts: Vec<u64> = match v.as_u64() {
-        Some(x) => vec![x; n_layers_all],
-        None => {
-            let arr = v
-                .as_array()
-                .ok_or_else(|| invalid(format!("{key} must be an integer or an array")))?;
-            let vals: Option<Vec<u64>> = arr.iter().map(|x| x.as_u64()).collect();
-            match vals {
-                Some(c) if c.len() == n_layers_all => c,
-                _ => {
-                    return Err(invalid(format!(
-                        "{key} must hold {n_layers_all} integers, one a layer"
-                    )))
-                }
-            }
-        }
-    };
     let counts = &counts[..n_layers];
     let mut attn = counts.iter().filter(|c| **c != 0);
     let n_head_kv = attn.next().copied().unwrap_or(0);
@@ -730,13 +789,15 @@ fn kv_heads_by_layer(
     Ok((n_head_kv, counts.iter().map(|c| *c == 0).collect()))
 }
 
-/// granitehybrid's Mamba2 shape (`ssm.*`, as llama.cpp reads them), for the
-/// layers `recurrent` marks.
+/// The Mamba2 shape (`ssm.*`, as llama.cpp reads them) of granitehybrid and
+/// Nemotron-H, for the layers `recurrent` marks; `n_ffn_only` layers are
+/// neither attention nor recurrent (Nemotron-H's FFN layers).
 fn mamba2_params(
     g: &Gguf<MappedFile>,
     a: &str,
     hp: &Hparams,
     recurrent: &[bool],
+    n_ffn_only: usize,
 ) -> Result<HybridParams, ModelError> {
     let k = |s: &str| format!("{a}.{s}");
     let shape = Mamba2Shape {
@@ -766,8 +827,9 @@ fn mamba2_params(
     }
     let n_linear = recurrent.iter().filter(|r| **r).count();
     let hy = HybridParams {
-        n_attn_layers: hp.n_layers - n_linear,
+        n_attn_layers: hp.n_layers - n_linear - n_ffn_only,
         linear: (n_linear > 0).then_some((n_linear, LinearShape::Mamba2(shape))),
+        n_ffn_only_layers: n_ffn_only,
         ..HybridParams::plain(hp)
     };
     hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
@@ -981,6 +1043,7 @@ fn hybrid_params(
     let hy = HybridParams {
         n_attn_layers: hp.n_layers - n_linear,
         linear: (n_linear > 0).then_some((n_linear, LinearShape::DeltaNet(shape))),
+        n_ffn_only_layers: 0,
         attn_output_gate: true,
         rope_sections,
         mla: None,
@@ -1276,8 +1339,9 @@ impl Model {
         let n_layers = n_layers_all - n_nextn_layers;
         let n_embd = key_usize(&g, &k("embedding_length"))?;
         let n_head = key_usize(&g, &k("attention.head_count"))?;
-        // granitehybrid's KV head counts are per layer, 0 on Mamba2 layers.
-        let (n_head_kv, kv_recurrent) = if arch == Arch::GraniteHybrid {
+        // granitehybrid's and Nemotron-H's KV head counts are per layer, 0
+        // on layers without attention.
+        let (n_head_kv, kv_recurrent) = if arch == Arch::GraniteHybrid || arch.is_nemotron() {
             let (n, r) = kv_heads_by_layer(&g, a, n_layers_all, n_layers)?;
             (if n == 0 { n_head } else { n }, Some(r))
         } else {
@@ -1289,15 +1353,31 @@ impl Model {
         }
         let head_dim = opt_usize(&g, &k("attention.key_length"))?.unwrap_or(n_embd / n_head);
         let n_rot = opt_usize(&g, &k("rope.dimension_count"))?.unwrap_or(head_dim);
-        let n_ff = opt_usize(&g, &k("feed_forward_length"))?.unwrap_or(0);
+        // Nemotron-H: the layers with a feed-forward length are an FFN alone
+        // (its widest is `n_ff`); llama.cpp's `n_ff(il) > 0`.
+        let (n_ff, ffn_only) = if arch.is_nemotron() {
+            let key = k("feed_forward_length");
+            let ff = per_layer(&g, &key, n_layers_all)?
+                .ok_or_else(|| invalid(format!("{key} is missing (it marks the FFN layers)")))?;
+            let widest = ff[..n_layers].iter().copied().max().unwrap_or(0);
+            let widest = usize::try_from(widest).unwrap_or(usize::MAX);
+            (widest, ff[..n_layers].iter().map(|f| *f > 0).collect())
+        } else {
+            let n_ff = opt_usize(&g, &k("feed_forward_length"))?.unwrap_or(0);
+            (n_ff, vec![false; n_layers])
+        };
         let rope_base = g
             .get_f32(&k("rope.freq_base"))
             .optional()?
             .unwrap_or(10000.0);
-        let norm_eps = g
+        let mut norm_eps = g
             .get_f32(&k("attention.layer_norm_rms_epsilon"))
-            .optional()?
-            .unwrap_or(1e-6);
+            .optional()?;
+        if arch.is_nemotron() && norm_eps.is_none() {
+            // llama.cpp's nemotron_h loader: the layer norm's epsilon.
+            norm_eps = g.get_f32(&k("attention.layer_norm_epsilon")).optional()?;
+        }
+        let norm_eps = norm_eps.unwrap_or(1e-6);
         let n_ctx_train = opt_usize(&g, &k("context_length"))?.unwrap_or(4096);
         let emb = g.require_tensor("token_embd.weight")?;
         let n_vocab =
@@ -1324,7 +1404,7 @@ impl Model {
                 // size their experts by `n_ff`.
                 Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::GraniteMoe | Arch::GraniteHybrid => n_ff,
                 // llama.cpp's qwen3vlmoe: without the key, n_ff over the picks.
-                Arch::Qwen3VlMoe => {
+                Arch::Qwen3VlMoe | Arch::NemotronH | Arch::NemotronHMoe => {
                     uniform_usize(&g, &k("expert_feed_forward_length"), n_layers_all)?
                         .unwrap_or(n_ff / top_k.max(1))
                 }
@@ -1412,6 +1492,17 @@ impl Model {
                     limit: 7.0,
                 };
             }
+            if arch.is_nemotron() {
+                // Fixed by llama.cpp's graph: each expert's sigmoid, ungated
+                // ReLU² experts.
+                gating = Gating::Sigmoid;
+                act = ExpertAct::ReluSqr;
+                if opt_usize(&g, &k("moe_latent_size"))?.is_some_and(|n| n > 0) {
+                    return Err(ModelError::Unsupported(format!(
+                        "{a} with latent experts ({a}.moe_latent_size: Nemotron 3 Super)"
+                    )));
+                }
+            }
             // Group-limited routing, read for every architecture as llama.cpp
             // does (a count of 0 or 1 is none).
             let groups = match opt_usize(&g, &k("expert_group_count"))? {
@@ -1493,6 +1584,11 @@ impl Model {
         };
         let scales = match arch {
             Arch::Granite | Arch::GraniteMoe | Arch::GraniteHybrid => granite_scales(&g, arch, a)?,
+            // llama.cpp's nemotron_h graph: the attention scale where given.
+            Arch::NemotronH | Arch::NemotronHMoe => Scales {
+                attention: positive_scale(&g, a, "attention.scale")?,
+                ..Scales::NONE
+            },
             _ => Scales::NONE,
         };
         let hp = Hparams {
@@ -1514,8 +1610,14 @@ impl Model {
         hp.validate().map_err(|e| invalid(format!("{a}: {e}")))?;
         let (hybrid, recurrent) = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) {
             hybrid_params(&g, arch, &hp, n_layers_all)?
-        } else if let Some(recurrent) = kv_recurrent {
-            (mamba2_params(&g, a, &hp, &recurrent)?, recurrent)
+        } else if let Some(no_kv) = kv_recurrent {
+            // Nemotron-H's FFN layers have no KV heads either.
+            let recurrent: Vec<bool> = no_kv.iter().zip(&ffn_only).map(|(r, f)| *r && !f).collect();
+            let n_ffn_only = ffn_only.iter().filter(|f| **f).count();
+            (
+                mamba2_params(&g, a, &hp, &recurrent, n_ffn_only)?,
+                recurrent,
+            )
         } else {
             let rope_sections = match arch {
                 Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(rope_sections(&g, a)?),
@@ -1540,8 +1642,11 @@ impl Model {
         };
         let packed = crate::pack::PackedIndex::from_gguf(&g)
             .map_err(|e| invalid(format!("packed expert index: {e}")))?;
-        // Granite 4.0-H's attention layers: no RoPE, and nothing in its place.
-        let no_rope = arch == Arch::GraniteHybrid && !granite_rope(&g, a)?;
+        // Granite 4.0-H's and Nemotron-H's attention layers: no RoPE, and
+        // nothing in its place.
+        let no_rope = arch.is_nemotron() || (arch == Arch::GraniteHybrid && !granite_rope(&g, a)?);
+        // Their experts and FFNs have no gate: `relu(up x)^2`.
+        let ungated = arch.is_nemotron();
         let load_layer = |l: usize, is_recurrent: bool| -> Result<LayerRefs, ModelError> {
             let t = |s: &str| format!("blk.{l}.{s}");
             let (q_dim, kv_dim) = (hp.q_dim(), hp.kv_dim());
@@ -1574,11 +1679,29 @@ impl Model {
                     )));
                 }
             }
-            let ffn = if has_router {
+            // Nemotron-H: an FFN layer has no mixer, the others no FFN.
+            let ffn_layer = ffn_only.get(l).copied().unwrap_or(false);
+            let ffn = if arch.is_nemotron() && !ffn_layer {
+                FfnRefs::None
+            } else if has_router {
                 let m = moe.ok_or_else(|| {
                     invalid(format!("layer {l} has a router but no {a}.expert_count"))
                 })?;
                 let shared = match (g.tensor(&t("ffn_gate_shexp.weight")), m.n_ff_shared) {
+                    // Nemotron-H's: ungated, always there, as wide as the key says.
+                    _ if ungated => {
+                        let n_sh = m.n_ff_shared.ok_or_else(|| {
+                            invalid(format!("{a}.expert_shared_feed_forward_length is missing"))
+                        })?;
+                        Some((
+                            FfnMatrices {
+                                gate: None,
+                                up: tensor_ref(&g, &t("ffn_up_shexp.weight"), n_sh, n_embd)?,
+                                down: tensor_ref(&g, &t("ffn_down_shexp.weight"), n_embd, n_sh)?,
+                            },
+                            None,
+                        ))
+                    }
                     (None, _) => None,
                     (Some(sh), n) => {
                         let n_sh = match shared_count {
@@ -1591,11 +1714,16 @@ impl Model {
                             None => n.unwrap_or(*sh.dims().get(1).unwrap_or(&0) as usize),
                         };
                         Some((
-                            [
-                                tensor_ref(&g, &t("ffn_gate_shexp.weight"), n_sh, n_embd)?,
-                                tensor_ref(&g, &t("ffn_up_shexp.weight"), n_sh, n_embd)?,
-                                tensor_ref(&g, &t("ffn_down_shexp.weight"), n_embd, n_sh)?,
-                            ],
+                            FfnMatrices {
+                                gate: Some(tensor_ref(
+                                    &g,
+                                    &t("ffn_gate_shexp.weight"),
+                                    n_sh,
+                                    n_embd,
+                                )?),
+                                up: tensor_ref(&g, &t("ffn_up_shexp.weight"), n_sh, n_embd)?,
+                                down: tensor_ref(&g, &t("ffn_down_shexp.weight"), n_embd, n_sh)?,
+                            },
                             optional_tensor_ref(&g, &t("ffn_gate_inp_shexp.weight"), 1, n_embd)?,
                         ))
                     }
@@ -1625,26 +1753,51 @@ impl Model {
                             let stack = |name: &str, rows, cols| {
                                 expert_stack(&g, &t(name), rows, cols, m.n_experts)
                             };
-                            ExpertStore::Plain([
-                                stack("ffn_gate_exps.weight", m.n_ff_exp, n_embd)?,
-                                stack("ffn_up_exps.weight", m.n_ff_exp, n_embd)?,
-                                stack("ffn_down_exps.weight", n_embd, m.n_ff_exp)?,
-                            ])
+                            let gate = if ungated {
+                                None
+                            } else {
+                                Some(stack("ffn_gate_exps.weight", m.n_ff_exp, n_embd)?)
+                            };
+                            ExpertStore::Plain(Stacks {
+                                gate,
+                                up: stack("ffn_up_exps.weight", m.n_ff_exp, n_embd)?,
+                                down: stack("ffn_down_exps.weight", n_embd, m.n_ff_exp)?,
+                            })
                         }
                     },
                     shared,
                     router_bias: optional_vector(&g, &t("ffn_gate_inp.bias"), m.n_experts)?,
-                    selection_bias: optional_vector(&g, &t("exp_probs_b.bias"), m.n_experts)?,
+                    selection_bias: if ungated {
+                        // llama.cpp's nemotron_h loader requires it.
+                        Some(vector(&g, &t("exp_probs_b.bias"), m.n_experts)?)
+                    } else {
+                        optional_vector(&g, &t("exp_probs_b.bias"), m.n_experts)?
+                    },
                     expert_bias,
                 }
+            } else if ungated {
+                for bias in ["ffn_up.bias", "ffn_down.bias"] {
+                    if g.tensor(&t(bias)).is_some() {
+                        return Err(ModelError::Unsupported(format!(
+                            "an FFN with biases ({})",
+                            t(bias)
+                        )));
+                    }
+                }
+                FfnRefs::Dense(FfnMatrices {
+                    gate: None,
+                    up: tensor_ref(&g, &t("ffn_up.weight"), n_ff, n_embd)?,
+                    down: tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
+                })
             } else {
-                FfnRefs::Dense([
-                    tensor_ref(&g, &t("ffn_gate.weight"), n_ff, n_embd)?,
-                    tensor_ref(&g, &t("ffn_up.weight"), n_ff, n_embd)?,
-                    tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
-                ])
+                FfnRefs::Dense(FfnMatrices {
+                    gate: Some(tensor_ref(&g, &t("ffn_gate.weight"), n_ff, n_embd)?),
+                    up: tensor_ref(&g, &t("ffn_up.weight"), n_ff, n_embd)?,
+                    down: tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
+                })
             };
             let mixer = match (hybrid.linear, hybrid.mla) {
+                _ if arch.is_nemotron() && ffn_layer => MixerRefs::None,
                 (Some((_, LinearShape::DeltaNet(d))), _) if is_recurrent => {
                     MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?)
                 }
@@ -1729,10 +1882,17 @@ impl Model {
             } else {
                 "ffn_norm.weight"
             };
+            let attn_norm = vector(&g, &t("attn_norm.weight"), n_embd)?;
+            // Nemotron-H norms every layer's one sub-layer by `attn_norm`.
+            let ffn_norm = if arch.is_nemotron() {
+                attn_norm.clone()
+            } else {
+                vector(&g, &t(ffn_norm), n_embd)?
+            };
             Ok(LayerRefs {
-                attn_norm: vector(&g, &t("attn_norm.weight"), n_embd)?,
+                attn_norm,
                 mixer,
-                ffn_norm: vector(&g, &t(ffn_norm), n_embd)?,
+                ffn_norm,
                 ffn,
             })
         };
@@ -1764,7 +1924,12 @@ impl Model {
         };
         // A malformed block only matters to `--speculate mtp`, which reports
         // why; the model runs without it, as llama.cpp's skips it unasked.
-        let nextn = if arch == Arch::BailingMoe2 && n_nextn_layers > 0 {
+        let nextn = if arch.is_nemotron() && n_nextn_layers > 0 {
+            Err(format!(
+                "{a}'s multi-token-prediction block is not run (it folds attention and \
+                 experts into one layer, which LES's nextn pass does not)"
+            ))
+        } else if arch == Arch::BailingMoe2 && n_nextn_layers > 0 {
             Err(format!(
                 "{a}'s multi-token-prediction layers are not run (llama.cpp skips them too)"
             ))
@@ -1841,7 +2006,7 @@ impl Model {
         };
         match &refs.ffn {
             FfnRefs::Moe { experts, .. } => Some(experts),
-            FfnRefs::Dense(_) => None,
+            FfnRefs::Dense(_) | FfnRefs::None => None,
         }
     }
 
@@ -1858,12 +2023,12 @@ impl Model {
     /// The layout of layer `layer`'s expert in a slot (gate, up, down back to back).
     pub fn expert_format(&self, layer: usize) -> Option<ExpertFormat> {
         Some(match self.store(layer)? {
-            ExpertStore::Plain([g, u, d]) => ExpertFormat {
-                gate: g.ty,
-                up: u.ty,
-                down: d.ty,
-                n_embd: g.cols,
-                n_ff: g.rows,
+            ExpertStore::Plain(s) => ExpertFormat {
+                gate: s.gate.as_ref().map(|g| g.ty),
+                up: s.up.ty,
+                down: s.down.ty,
+                n_embd: s.up.cols,
+                n_ff: s.up.rows,
             },
             ExpertStore::Packed(p) => p.format,
         })
@@ -1873,7 +2038,7 @@ impl Model {
     /// padding included, so O_DIRECT can serve it).
     fn expert_read_bytes(&self, layer: usize) -> Option<usize> {
         Some(match self.store(layer)? {
-            ExpertStore::Plain(s) => s.iter().map(|x| x.stride).sum(),
+            ExpertStore::Plain(s) => s.parts().map(|x| x.stride).sum(),
             ExpertStore::Packed(p) => p.stride as usize,
         })
     }
@@ -1934,7 +2099,7 @@ impl Model {
         for layer in 0..=self.hp.n_layers {
             match self.store(layer) {
                 Some(ExpertStore::Plain(stacks)) => {
-                    for s in stacks {
+                    for s in stacks.parts() {
                         out.push(s.offset as u64..s.offset as u64 + s.stride as u64 * n);
                     }
                 }
@@ -1982,9 +2147,9 @@ impl Model {
                         .expect("expert stacks validated at load")
                 };
                 Some(ExpertMatrices {
-                    gate: view(&s[0]),
-                    up: view(&s[1]),
-                    down: view(&s[2]),
+                    gate: s.gate.as_ref().map(view),
+                    up: view(&s.up),
+                    down: view(&s.down),
                 })
             }
             ExpertStore::Packed(p) => {
@@ -2006,7 +2171,7 @@ impl Model {
         match self.store(key.layer as usize) {
             Some(ExpertStore::Plain(s)) => {
                 let mut at = 0u32;
-                for x in s {
+                for x in s.parts() {
                     let _ = ext.push(Extent {
                         offset: (x.offset + key.expert as usize * x.stride) as u64,
                         len: x.stride as u32,
@@ -2069,10 +2234,11 @@ impl Model {
 impl Model {
     fn ffn<'a>(&'a self, l: &'a LayerRefs) -> Ffn<'a> {
         match &l.ffn {
-            FfnRefs::Dense([g, u, d]) => Ffn::Dense {
-                gate: self.view(g),
-                up: self.view(u),
-                down: self.view(d),
+            FfnRefs::None => Ffn::None,
+            FfnRefs::Dense(m) => Ffn::Dense {
+                gate: m.gate.as_ref().map(|g| self.view(g)),
+                up: self.view(&m.up),
+                down: self.view(&m.down),
             },
             FfnRefs::Moe {
                 router,
@@ -2090,10 +2256,10 @@ impl Model {
                     up: u,
                     down: d,
                 }),
-                shared: shared.as_ref().map(|([g, u, d], gi)| SharedExpert {
-                    gate: self.view(g),
-                    up: self.view(u),
-                    down: self.view(d),
+                shared: shared.as_ref().map(|(m, gi)| SharedExpert {
+                    gate: m.gate.as_ref().map(|g| self.view(g)),
+                    up: self.view(&m.up),
+                    down: self.view(&m.down),
                     gate_inp: gi.as_ref().map(|t| self.view(t)),
                 }),
             },
@@ -2155,6 +2321,7 @@ impl Model {
 
     fn block_of<'a>(&'a self, l: &'a LayerRefs) -> Block<'a> {
         let mixer = match &l.mixer {
+            MixerRefs::None => Mixer::None,
             MixerRefs::Attention(a) => Mixer::Attention(self.attention_weights(a)),
             MixerRefs::Mla(m) => Mixer::Mla(MlaWeights {
                 q_a: m.q_a.as_ref().map(|(t, norm)| (self.view(t), &norm[..])),
@@ -2224,7 +2391,7 @@ impl Weights for Model {
                 .iter()
                 .map(|l| match &l.ffn {
                     FfnRefs::Moe { router, .. } => q8_0_copy(self.view(router)),
-                    FfnRefs::Dense(_) => None,
+                    FfnRefs::Dense(_) | FfnRefs::None => None,
                 })
                 .collect()
         });
@@ -2263,16 +2430,13 @@ mod tests {
         use crate::gguf::{GgufWriter, MetaValue};
         let path = std::env::temp_dir().join(format!("les-arch-{}.gguf", std::process::id()));
         let mut w = GgufWriter::new();
-        w.add_kv("general.architecture", MetaValue::from("nemotron_h_moe"))
+        w.add_kv("general.architecture", MetaValue::from("jamba"))
             .unwrap();
         let file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
         w.write_header(file).unwrap().finish().unwrap();
         let err = super::Model::open(&path).unwrap_err().to_string();
         let _ = std::fs::remove_file(&path);
-        assert!(
-            err.contains("unsupported architecture: nemotron_h_moe"),
-            "{err}"
-        );
+        assert!(err.contains("unsupported architecture: jamba"), "{err}");
         for a in Arch::ALL {
             assert!(err.contains(a.name()), "{err}");
         }
@@ -2307,7 +2471,9 @@ mod tests {
                 | Arch::Qwen3Vl
                 | Arch::Granite
                 | Arch::GraniteMoe
-                | Arch::GraniteHybrid => {}
+                | Arch::GraniteHybrid
+                | Arch::NemotronH
+                | Arch::NemotronHMoe => {}
             }
         }
     }

@@ -108,7 +108,7 @@ fn packed_mxfp4_experts_stream_exactly() {
             .unwrap()
             .format
             .gate,
-        les_core::quant::GgmlType::MXFP4
+        Some(les_core::quant::GgmlType::MXFP4)
     );
     assert!(!tokens(&greedy_json(&requant, &[])).is_empty());
 }

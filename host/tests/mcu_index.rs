@@ -122,13 +122,13 @@ fn check(path: &Path) {
                 same_matrix(file, &router, &r);
                 assert_eq!(shared.is_some(), s.is_some());
                 if let (Some(a), Some(b)) = (shared, s) {
-                    same_matrix(file, &a.gate, &b.gate);
+                    same_matrix(file, &a.gate, &b.gate.unwrap());
                     same_matrix(file, &a.up, &b.up);
                     same_matrix(file, &a.down, &b.down);
                     assert_eq!(a.gate_inp.is_some(), b.gate_inp.is_some());
                 }
                 let f = model.expert_format(l).unwrap();
-                assert_eq!(types, [f.gate, f.up, f.down]);
+                assert_eq!(types[..], f.types().collect::<Vec<_>>()[..]);
                 for e in 0..model.hp.moe.unwrap().n_experts {
                     let key = ExpertKey {
                         layer: l as u16,
@@ -158,7 +158,7 @@ fn check(path: &Path) {
                     down: dn,
                 },
             ) => {
-                same_matrix(file, &gate, &g);
+                same_matrix(file, &gate, &g.unwrap());
                 same_matrix(file, &up, &u);
                 same_matrix(file, &down, &dn);
             }

@@ -6,8 +6,12 @@ use crate::router::{ExpertGroups, Gating};
 /// The activation between a routed expert's gate/up and down projections.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertAct {
-    /// `silu(gate) * up` (every architecture but gpt-oss).
+    /// `silu(gate) * up` (every architecture but gpt-oss and Nemotron-H).
     SwiGlu,
+    /// `relu(up)^2` of an expert without a gate projection (Nemotron-H's
+    /// routed and shared experts; llama.cpp's `LLM_FFN_RELU_SQR`, which it
+    /// only has ungated).
+    ReluSqr,
     /// gpt-oss's clamped SwiGLU (ggml's `swiglu_oai`): with
     /// `g = min(gate, limit)` and `u = clamp(up, -limit, limit)`,
     /// `g * sigmoid(alpha * g) * (u + 1)`.
@@ -17,6 +21,13 @@ pub enum ExpertAct {
         /// Clamp of gate and up (7).
         limit: f32,
     },
+}
+
+impl ExpertAct {
+    /// Whether the activation takes a gate projection (all but [`ReluSqr`](Self::ReluSqr)).
+    pub fn gated(&self) -> bool {
+        !matches!(self, ExpertAct::ReluSqr)
+    }
 }
 
 /// Sliding-window attention on some layers (llama.cpp's `n_swa` with a
@@ -483,6 +494,9 @@ pub struct HybridParams {
     pub n_attn_layers: usize,
     /// Recurrent layers (they own recurrent state), and their shape.
     pub linear: Option<(usize, LinearShape)>,
+    /// Layers that are an FFN alone, with nothing mixing positions
+    /// ([`Mixer::None`](super::forward::Mixer::None): Nemotron-H's MoE layers).
+    pub n_ffn_only_layers: usize,
     /// Attention output is gated: `wq` yields a query and a gate per head
     /// (`[q_h, g_h]` interleaved, `2 * q_dim` rows), and the attention output is
     /// multiplied by `sigmoid(g)` before `wo` (qwen3next, qwen35, qwen35moe).
@@ -556,6 +570,7 @@ impl HybridParams {
         HybridParams {
             n_attn_layers: hp.n_layers,
             linear: None,
+            n_ffn_only_layers: 0,
             attn_output_gate: false,
             rope_sections: None,
             mla: None,
@@ -569,8 +584,9 @@ impl HybridParams {
 
     /// Checks the parameters against `hp`; the message names the first problem.
     pub fn validate(&self, hp: &Hparams) -> Result<(), &'static str> {
-        if self.n_attn_layers + self.n_linear_layers() != hp.n_layers {
-            return Err("attention and linear-attention layers must add up to n_layers");
+        let layers = self.n_attn_layers + self.n_linear_layers() + self.n_ffn_only_layers;
+        if layers != hp.n_layers {
+            return Err("attention, recurrent and FFN-only layers must add up to n_layers");
         }
         if let Some((_, shape)) = self.linear {
             shape.validate()?;

@@ -7,11 +7,12 @@ use crate::quant::GgmlType;
 use crate::schedule::{Error, ExpertSource, LayerState, Next, Scheduler, MAX_PICKS};
 use crate::slots::{ExpertKey, IndexEntry, Slot};
 
-/// How one layer's expert is laid out in a slot: gate, up and down back to back.
+/// How one layer's expert is laid out in a slot: gate (where it has one), up
+/// and down back to back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExpertFormat {
-    /// Gate projection type.
-    pub gate: GgmlType,
+    /// Gate projection type; `None` for an ungated expert (ReLU², Nemotron-H).
+    pub gate: Option<GgmlType>,
     /// Up projection type.
     pub up: GgmlType,
     /// Down projection type.
@@ -23,13 +24,24 @@ pub struct ExpertFormat {
 }
 
 impl ExpertFormat {
-    /// Byte sizes of gate, up and down, or `None` if a row is not whole blocks.
+    /// Byte sizes of gate (0 without one), up and down, or `None` if a row is
+    /// not whole blocks.
     pub fn part_bytes(&self) -> Option<[usize; 3]> {
+        let gate = match self.gate {
+            Some(ty) => ty.row_bytes(self.n_embd)?.checked_mul(self.n_ff)?,
+            None => 0,
+        };
         Some([
-            self.gate.row_bytes(self.n_embd)?.checked_mul(self.n_ff)?,
+            gate,
             self.up.row_bytes(self.n_embd)?.checked_mul(self.n_ff)?,
             self.down.row_bytes(self.n_ff)?.checked_mul(self.n_embd)?,
         ])
+    }
+
+    /// The types of the projections in slot order: gate (where there is
+    /// one), up, down.
+    pub fn types(&self) -> impl Iterator<Item = GgmlType> {
+        self.gate.into_iter().chain([self.up, self.down])
     }
 
     /// Total bytes of one expert.
@@ -38,17 +50,21 @@ impl ExpertFormat {
         g.checked_add(u)?.checked_add(d)
     }
 
+    fn row_error(&self) -> GemvError {
+        GemvError::RowLength {
+            ty: self.gate.unwrap_or(self.up),
+            cols: self.n_embd,
+        }
+    }
+
     /// The matrices of an expert stored at the start of `slot`.
     pub fn matrices<'a>(&self, slot: &'a [u8]) -> Result<ExpertMatrices<'a>, GemvError> {
-        let [g, u, d] = self.part_bytes().ok_or(GemvError::RowLength {
-            ty: self.gate,
-            cols: self.n_embd,
-        })?;
+        let [g, u, d] = self.part_bytes().ok_or(self.row_error())?;
         let down = slot.get(g + u..g + u + d).ok_or(GemvError::MatrixBytes {
             expected: g + u + d,
             len: slot.len(),
         })?;
-        let [gate, up] = self.gate_up(slot)?;
+        let (gate, up) = self.gate_up(slot)?;
         Ok(ExpertMatrices {
             gate,
             up,
@@ -62,23 +78,25 @@ impl ExpertFormat {
         g.checked_add(u)
     }
 
-    /// The gate and up projections of an expert whose slot starts with `bytes`
-    /// (at least [`gate_up_bytes`](Self::gate_up_bytes) of them).
-    pub fn gate_up<'a>(&self, bytes: &'a [u8]) -> Result<[MatrixView<'a>; 2], GemvError> {
-        let [g, u, _] = self.part_bytes().ok_or(GemvError::RowLength {
-            ty: self.gate,
-            cols: self.n_embd,
-        })?;
+    /// The gate (where there is one) and up projections of an expert whose
+    /// slot starts with `bytes` (at least [`gate_up_bytes`](Self::gate_up_bytes)
+    /// of them).
+    pub fn gate_up<'a>(
+        &self,
+        bytes: &'a [u8],
+    ) -> Result<(Option<MatrixView<'a>>, MatrixView<'a>), GemvError> {
+        let [g, u, _] = self.part_bytes().ok_or(self.row_error())?;
         let too_short = GemvError::MatrixBytes {
             expected: g + u,
             len: bytes.len(),
         };
-        let gate = bytes.get(..g).ok_or(too_short)?;
+        let gate_bytes = bytes.get(..g).ok_or(too_short)?;
         let up = bytes.get(g..g + u).ok_or(too_short)?;
-        Ok([
-            MatrixView::new(self.gate, self.n_ff, self.n_embd, gate)?,
-            MatrixView::new(self.up, self.n_ff, self.n_embd, up)?,
-        ])
+        let gate = match self.gate {
+            Some(ty) => Some(MatrixView::new(ty, self.n_ff, self.n_embd, gate_bytes)?),
+            None => None,
+        };
+        Ok((gate, MatrixView::new(self.up, self.n_ff, self.n_embd, up)?))
     }
 }
 
@@ -226,7 +244,7 @@ where
                 bytes,
             } => {
                 let prefix = self.device.slot_prefix(slot, bytes as usize);
-                let [gate, up] = (self.format)(key.layer as usize)
+                let (gate, up) = (self.format)(key.layer as usize)
                     .gate_up(prefix)
                     .map_err(StreamError::Layout)?;
                 Step::GateUp(GateUp {

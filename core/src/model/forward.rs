@@ -16,8 +16,8 @@ use super::config::{AttnTemperature, AttnWindow, ExpertAct, Hparams, HybridParam
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::mamba2::{self, Mamba2Weights};
 use super::ops::{
-    rms_norm, rms_norm_heads, rope_factored, rope_imrope_scaled, sigmoid, swiglu, swiglu_oai,
-    AttnShape, KvView,
+    relu_sqr, rms_norm, rms_norm_heads, rope_factored, rope_imrope_scaled, sigmoid, swiglu,
+    swiglu_oai, AttnShape, KvView,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -38,8 +38,9 @@ pub use mla::MlaWeights;
 /// Weights of one shared (always-resident) expert.
 #[derive(Clone, Copy, Debug)]
 pub struct SharedExpert<'a> {
-    /// Gate projection (`n_ff_shared` x `n_embd`).
-    pub gate: MatrixView<'a>,
+    /// Gate projection (`n_ff_shared` x `n_embd`); `None` for an ungated
+    /// expert, whose activation is `relu(up x)^2` (Nemotron-H).
+    pub gate: Option<MatrixView<'a>>,
     /// Up projection.
     pub up: MatrixView<'a>,
     /// Down projection (`n_embd` x `n_ff_shared`).
@@ -51,10 +52,10 @@ pub struct SharedExpert<'a> {
 /// The FFN of a layer.
 #[derive(Clone, Copy, Debug)]
 pub enum Ffn<'a> {
-    /// A dense SwiGLU FFN.
+    /// A dense FFN: SwiGLU, or `relu(up x)^2` without a gate (Nemotron-H).
     Dense {
-        /// Gate projection.
-        gate: MatrixView<'a>,
+        /// Gate projection (`None`: ungated, ReLU²).
+        gate: Option<MatrixView<'a>>,
         /// Up projection.
         up: MatrixView<'a>,
         /// Down projection.
@@ -74,6 +75,9 @@ pub enum Ffn<'a> {
         /// The routed experts' biases (gpt-oss), resident.
         expert_bias: Option<ExpertBiases<'a>>,
     },
+    /// No FFN: the layer is its mixer alone (Nemotron-H's Mamba2 and
+    /// attention layers); its `ffn_norm` is not read.
+    None,
 }
 
 /// The biases of a layer's routed experts, resident (gpt-oss): expert `e`'s
@@ -110,12 +114,18 @@ pub(super) struct ExpertTail<'a> {
 }
 
 impl ExpertTail<'_> {
-    /// Plain SwiGLU without biases (dense FFNs, shared experts, every
-    /// architecture's routed experts but gpt-oss's).
-    pub(super) const PLAIN: ExpertTail<'static> = ExpertTail {
-        act: ExpertAct::SwiGlu,
-        biases: None,
-    };
+    /// No biases, and SwiGLU where there is a `gate`, ReLU² where there is
+    /// none (dense FFNs and shared experts).
+    pub(super) fn plain(gate: Option<&MatrixView<'_>>) -> ExpertTail<'static> {
+        ExpertTail {
+            act: if gate.is_some() {
+                ExpertAct::SwiGlu
+            } else {
+                ExpertAct::ReluSqr
+            },
+            biases: None,
+        }
+    }
 }
 
 /// The tail of routed expert `expert` of a layer with `biases`.
@@ -125,7 +135,7 @@ pub(super) fn expert_tail<'a, E>(
     expert: u16,
 ) -> Result<ExpertTail<'a>, ForwardError<E>> {
     let Some(m) = hp.moe else {
-        return Ok(ExpertTail::PLAIN);
+        return Err(ForwardError::Shape("MoE layer without MoE parameters"));
     };
     let biases = match biases {
         Some(b) => Some(
@@ -191,6 +201,10 @@ pub enum Mixer<'a> {
     /// Multi-head latent attention over the KV cache (deepseek2; the shape is
     /// [`HybridParams::mla`]).
     Mla(MlaWeights<'a>),
+    /// Nothing mixes positions: the layer is its FFN alone (Nemotron-H's MoE
+    /// layers, counted by [`HybridParams::n_ffn_only_layers`]); its
+    /// `attn_norm` is not read.
+    None,
 }
 
 /// The resident weights of one layer of any supported architecture.
@@ -227,11 +241,12 @@ pub trait Weights {
     }
 }
 
-/// The three matrices of one routed expert.
+/// The matrices of one routed expert.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertMatrices<'a> {
-    /// Gate projection (`n_ff_exp` x `n_embd`).
-    pub gate: MatrixView<'a>,
+    /// Gate projection (`n_ff_exp` x `n_embd`); `None` for the ungated
+    /// experts of [`ExpertAct::ReluSqr`].
+    pub gate: Option<MatrixView<'a>>,
     /// Up projection.
     pub up: MatrixView<'a>,
     /// Down projection (`n_embd` x `n_ff_exp`).
@@ -257,8 +272,8 @@ pub struct Handout<'a> {
 pub struct GateUp<'a> {
     /// Position in the routing passed to [`Experts::begin_layer`].
     pub index: usize,
-    /// Gate projection.
-    pub gate: MatrixView<'a>,
+    /// Gate projection (`None` for an ungated expert).
+    pub gate: Option<MatrixView<'a>>,
     /// Up projection.
     pub up: MatrixView<'a>,
     /// Compute the CRC-32 of gate and up (back to back) with the products, to
@@ -925,23 +940,25 @@ fn norm_heads(x: &mut [f32], w: Option<&[f32]>, eps: f32) -> Result<(), &'static
     Ok(())
 }
 
-/// SwiGLU FFN `down(silu(gate x) * up x)` into `out`.
-pub(super) fn swiglu_ffn<M: MatVec>(
+/// A dense or shared expert's FFN into `out`: `down(silu(gate x) * up x)`,
+/// or `down(relu(up x)^2)` without a gate.
+pub(super) fn ffn<M: MatVec, E>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
     x: &[f32],
     ff_a: &mut [f32],
     ff_b: &mut [f32],
     out: &mut [f32],
-) -> Result<(), GemvError> {
-    swiglu_ffn_checked(mv, w, ExpertTail::PLAIN, x, ff_a, ff_b, out, false).map(|_| ())
+) -> Result<(), ForwardError<E>> {
+    let tail = ExpertTail::plain(w.gate.as_ref());
+    ffn_checked(mv, w, tail, x, ff_a, ff_b, out, false).map(|_| ())
 }
 
-/// [`swiglu_ffn`] finished by `tail` (its activation and biases), also
-/// returning the CRC-32 of gate, up and down back to back when `verify` (each
-/// hashed by [`MatVec::matvec_checksum`]).
+/// [`ffn`] finished by `tail` (its activation and biases), also returning
+/// the CRC-32 of gate, up and down back to back when `verify` (each hashed
+/// by [`MatVec::matvec_checksum`]).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn swiglu_ffn_checked<M: MatVec>(
+pub(super) fn ffn_checked<M: MatVec, E>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
     tail: ExpertTail<'_>,
@@ -950,45 +967,68 @@ pub(super) fn swiglu_ffn_checked<M: MatVec>(
     ff_b: &mut [f32],
     out: &mut [f32],
     verify: bool,
-) -> Result<Option<u32>, GemvError> {
+) -> Result<Option<u32>, ForwardError<E>> {
     let ExpertMatrices { gate, up, down } = w;
-    let n = gate.rows();
+    let n = up.rows();
     if down.cols() != n {
         return Err(GemvError::RowLength {
             ty: down.ty(),
             cols: down.cols(),
-        });
+        }
+        .into());
     }
-    let crc_gate_up = gate_up_checked(mv, gate, up, tail, x, ff_a, ff_b, verify)?;
+    let crc_gate_up = gate_up_checked(mv, gate.as_ref(), up, tail, x, ff_a, ff_b, verify)?;
     let crc_down = down_checked(mv, down, tail, &ff_a[..n], out, verify)?;
     Ok(concat_checksums(crc_gate_up, crc_down, down))
 }
 
-/// The first half of [`swiglu_ffn_checked`]: the activation of `gate x` and
-/// `up x` (each plus its bias where `tail` has them) into
-/// `ff_a[..gate.rows()]`, and with `verify` the CRC-32 of gate and up back to back.
+/// Whether an expert with (or without) `gate` suits `act`: SwiGLU needs a
+/// gate, ReLU² has none.
+pub(super) fn check_gate<E>(act: ExpertAct, gate: bool) -> Result<(), ForwardError<E>> {
+    match (act.gated(), gate) {
+        (true, true) | (false, false) => Ok(()),
+        (true, false) => Err(ForwardError::Shape("gated activation without a gate")),
+        (false, true) => Err(ForwardError::Shape("ReLU^2 expert with a gate")),
+    }
+}
+
+/// The first half of [`ffn_checked`]: the activation of `gate x` and `up x`
+/// (each plus its bias where `tail` has them; `up x` alone without a gate)
+/// into `ff_a[..up.rows()]`, and with `verify` the CRC-32 of gate and up back
+/// to back.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gate_up_checked<M: MatVec>(
+pub(super) fn gate_up_checked<M: MatVec, E>(
     mv: &mut M,
-    gate: &MatrixView<'_>,
+    gate: Option<&MatrixView<'_>>,
     up: &MatrixView<'_>,
     tail: ExpertTail<'_>,
     x: &[f32],
     ff_a: &mut [f32],
     ff_b: &mut [f32],
     verify: bool,
-) -> Result<Option<u32>, GemvError> {
-    let n = gate.rows();
+) -> Result<Option<u32>, ForwardError<E>> {
+    check_gate(tail.act, gate.is_some())?;
+    let n = up.rows();
     let bias_fits = tail
         .biases
-        .is_none_or(|[g, u, _]| g.len() == n && u.len() == n);
-    if up.rows() != n || n > ff_a.len() || n > ff_b.len() || !bias_fits {
+        .is_none_or(|[g, u, _]| (gate.is_none() || g.len() == n) && u.len() == n);
+    if gate.is_some_and(|g| g.rows() != n) || n > ff_a.len() || n > ff_b.len() || !bias_fits {
         return Err(GemvError::RowLength {
             ty: up.ty(),
             cols: up.cols(),
-        });
+        }
+        .into());
     }
-    let (a, b) = (&mut ff_a[..n], &mut ff_b[..n]);
+    let a = &mut ff_a[..n];
+    let Some(gate) = gate else {
+        let crc_up = product_checked(mv, up, x, a, verify)?;
+        if let Some([_, ub, _]) = tail.biases {
+            add_into(a, ub);
+        }
+        relu_sqr(a);
+        return Ok(crc_up);
+    };
+    let b = &mut ff_b[..n];
     let crc_gate = product_checked(mv, gate, x, a, verify)?;
     let crc_up = product_checked(mv, up, x, b, verify)?;
     if let Some([gb, ub, _]) = tail.biases {
@@ -998,11 +1038,13 @@ pub(super) fn gate_up_checked<M: MatVec>(
     match tail.act {
         ExpertAct::SwiGlu => swiglu(a, b),
         ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
+        // Ungated: handled above (`check_gate`).
+        ExpertAct::ReluSqr => {}
     }
     Ok(concat_checksums(crc_gate, crc_up, up))
 }
 
-/// The second half of [`swiglu_ffn_checked`]: `down act` plus the down bias
+/// The second half of [`ffn_checked`]: `down act` plus the down bias
 /// where `tail` has one, and with `verify` the CRC-32 of `down`.
 pub(super) fn down_checked<M: MatVec>(
     mv: &mut M,
@@ -1166,10 +1208,13 @@ where
         )?;
 
         // FFN.
-        rms_norm(s.h, lw.ffn_norm, hp.norm_eps, s.x);
+        if !matches!(lw.ffn, Ffn::None) {
+            rms_norm(s.h, lw.ffn_norm, hp.norm_eps, s.x);
+        }
         match lw.ffn {
+            Ffn::None => {}
             Ffn::Dense { gate, up, down } => {
-                swiglu_ffn(
+                ffn(
                     mv,
                     &ExpertMatrices { gate, up, down },
                     s.x,
@@ -1305,7 +1350,7 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                     .ok_or(ForwardError::Shape("routing index"))?;
                 let (tail, weight) = pick(index)?;
                 let x = pick_input(s.x, weight, s.moe);
-                let crc = swiglu_ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, out, verify)?;
+                let crc = ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, out, verify)?;
                 experts.finish(index, crc).map_err(ForwardError::Experts)?;
             }
             Step::GateUp(GateUp {
@@ -1314,14 +1359,14 @@ pub(super) fn compute_picks<M: MatVec, X: Experts>(
                 up,
                 verify,
             }) => {
-                let n = gate.rows();
+                let n = up.rows();
                 let act = s
                     .expert_act
                     .get_mut(index * n..(index + 1) * n)
                     .ok_or(ForwardError::Shape("routing index"))?;
                 let (tail, weight) = pick(index)?;
                 let x = pick_input(s.x, weight, s.moe);
-                let crc = gate_up_checked(mv, &gate, &up, tail, x, act, s.ff_b, verify)?;
+                let crc = gate_up_checked(mv, gate.as_ref(), &up, tail, x, act, s.ff_b, verify)?;
                 *first_crc
                     .get_mut(index)
                     .ok_or(ForwardError::Shape("routing index"))? = crc;
@@ -1467,6 +1512,9 @@ pub(super) fn mix<M: MatVec, E>(
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
     let (attn_idx, lin_idx) = idx;
+    if let Mixer::None = lw.mixer {
+        return Ok(());
+    }
     let shape = AttnShape {
         n_head: hp.n_head,
         n_head_kv: hp.n_head_kv,
@@ -1509,6 +1557,7 @@ pub(super) fn mix<M: MatVec, E>(
             mv.matvec(&mw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
+        Mixer::None => {}
     }
     add_residual(hp, s.h, s.tmp);
     Ok(())
@@ -1759,7 +1808,7 @@ pub(super) fn shared_expert<M: MatVec, E>(
         up: sh.up,
         down: sh.down,
     };
-    swiglu_ffn(mv, &m, x, ff_a, ff_b, out)?;
+    ffn(mv, &m, x, ff_a, ff_b, out)?;
     if let Some(g) = sh.gate_inp {
         let mut logit = [0f32];
         mv.matvec(&g, x, &mut logit)?;

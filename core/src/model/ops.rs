@@ -315,6 +315,15 @@ pub fn swiglu(x: &mut [f32], y: &[f32]) {
     vector::swiglu(Isa::detect(), x, y);
 }
 
+/// `x = relu(x)^2` in place, as ggml's `relu` then `sqr` (Nemotron-H's
+/// ungated experts): negative values and NaN become 0.
+pub fn relu_sqr(x: &mut [f32]) {
+    for v in x {
+        let r = if *v > 0.0 { *v } else { 0.0 };
+        *v = r * r;
+    }
+}
+
 /// gpt-oss's clamped SwiGLU in place of the gate `x` (ggml's `swiglu_oai`):
 /// `g * sigmoid(alpha * g) * (u + 1)` with `g = min(x, limit)` and
 /// `u = clamp(y, -limit, limit)`, comparisons as C++'s `std::min` and `std::clamp`.
@@ -783,6 +792,14 @@ mod tests {
         swiglu_oai(&mut g, &u, 1.702, 7.0);
         let f = |g: f32, u: f32| g / (1.0 + expf(1.702 * -g)) * (u + 1.0);
         assert_eq!(g, [f(7.0, 7.0), f(-10.0, -7.0), f(1.0, -0.5), 0.0]);
+    }
+
+    #[test]
+    fn relu_sqr_zeroes_negatives_and_nan() {
+        let mut x = [3.0f32, -2.0, 0.5, -0.0, f32::NAN, f32::INFINITY];
+        relu_sqr(&mut x);
+        assert_eq!(x, [9.0, 0.0, 0.25, 0.0, 0.0, f32::INFINITY]);
+        assert!(x[3].is_sign_positive());
     }
 
     /// With ext_factor 0 YaRN is linear scaling: angles times freq_scale and

@@ -125,7 +125,8 @@ impl ExpertSource for PackedExperts<'_> {
         };
         let mut ext = Extents::new();
         let mut at = 0u32;
-        for &p in lens {
+        // An ungated expert has no gate bytes: no extent for them.
+        for &p in lens.iter().filter(|&&p| p > 0) {
             ext.push(Extent {
                 offset: off + at as u64,
                 len: p as u32,

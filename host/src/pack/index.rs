@@ -40,9 +40,9 @@ pub struct PackedLayer {
 }
 
 impl PackedLayer {
-    /// The types of gate, up and down.
-    pub fn types(&self) -> [GgmlType; 3] {
-        [self.format.gate, self.format.up, self.format.down]
+    /// The types of gate (where the experts have one), up and down.
+    pub fn types(&self) -> Vec<GgmlType> {
+        self.format.types().collect()
     }
 
     /// Where expert `expert` is, or `None` past the last expert.
@@ -169,15 +169,8 @@ impl PackedIndex {
             let name = t.name();
             let types_key = keys::types(layer);
             let ids = u32_array(g, &types_key)?;
-            let [g_id, u_id, d_id] = ids[..] else {
-                return Err(bad(format!(
-                    "{} has {} entries, expected 3 (gate, up, down)",
-                    types_key.as_str(),
-                    ids.len()
-                )));
-            };
-            let mut types = [GgmlType::F32; 3];
-            for (slot, id) in types.iter_mut().zip([g_id, u_id, d_id]) {
+            let mut types = Vec::with_capacity(3);
+            for &id in ids.iter().take(3) {
                 let ty = GgmlType::from_id(id)
                     .map_err(|e| bad(format!("{}: {e}", types_key.as_str())))?;
                 if ty.is_activation_only() {
@@ -186,22 +179,33 @@ impl PackedIndex {
                         types_key.as_str()
                     )));
                 }
-                *slot = ty;
+                types.push(ty);
             }
+            // Experts without a gate (ReLU^2) store up and down alone.
+            let (gate, up, down) = match (ids.len(), &types[..]) {
+                (3, &[g, u, d]) => (Some(g), u, d),
+                (2, &[u, d]) => (None, u, d),
+                _ => {
+                    return Err(bad(format!(
+                        "{} has {} entries, expected 3 (gate, up, down) or 2 (up, down)",
+                        types_key.as_str(),
+                        ids.len()
+                    )))
+                }
+            };
             let format = ExpertFormat {
-                gate: types[0],
-                up: types[1],
-                down: types[2],
+                gate,
+                up,
+                down,
                 n_embd,
                 n_ff,
             };
             let expert_bytes = format.bytes().ok_or_else(|| {
+                let names: Vec<String> = types.iter().map(|t| t.to_string()).collect();
                 bad(format!(
-                    "{}: types {}/{}/{} do not divide rows of {n_embd} and {n_ff} elements",
+                    "{}: types {} do not divide rows of {n_embd} and {n_ff} elements",
                     types_key.as_str(),
-                    types[0],
-                    types[1],
-                    types[2]
+                    names.join("/")
                 ))
             })? as u64;
             let stride_key = keys::stride(layer);

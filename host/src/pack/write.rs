@@ -290,7 +290,7 @@ pub(crate) fn write_packed(
     for l in &report.layers {
         let got = index.layer(l.layer);
         if got.map(|p| (&p.checksums, p.types(), p.stride))
-            != Some((&sums[&l.layer], l.types, l.stride))
+            != Some((&sums[&l.layer], l.types.to_vec(), l.stride))
         {
             return Err(PackError::Index(format!(
                 "layer {} reads back differently from what was written",

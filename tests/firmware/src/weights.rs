@@ -41,7 +41,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
             let (ffn, format) = match d.ffn {
                 FfnDesc::Dense { gate, up, down } => (
                     Ffn::Dense {
-                        gate: matrix(model, &gate)?,
+                        gate: Some(matrix(model, &gate)?),
                         up: matrix(model, &up)?,
                         down: matrix(model, &down)?,
                     },
@@ -55,7 +55,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                 } => {
                     let shared = match shared {
                         Some(s) => Some(SharedExpert {
-                            gate: matrix(model, &s.gate)?,
+                            gate: Some(matrix(model, &s.gate)?),
                             up: matrix(model, &s.up)?,
                             down: matrix(model, &s.down)?,
                             gate_inp: s.gate_inp.map(|g| matrix(model, &g)).transpose()?,
@@ -64,7 +64,7 @@ impl<'a, const L: usize> FlashWeights<'a, L> {
                     };
                     let moe = index.hp.moe.ok_or("MoE layer in a dense model")?;
                     let format = ExpertFormat {
-                        gate: types[0],
+                        gate: Some(types[0]),
                         up: types[1],
                         down: types[2],
                         n_embd: index.hp.n_embd,

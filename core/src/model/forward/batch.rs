@@ -21,15 +21,15 @@ use super::deltanet::DeltaNetWeights;
 use super::mamba2::Mamba2Weights;
 use super::{
     add_bias, add_into, add_residual, attended, cached, combine, deltanet_state, deltanet_step,
-    embed, expert_tail, gate_shared, lookahead_matrix, mamba2_state, mamba2_step, next_moe_layers,
-    next_step, output_gate, project_position, router_config, scale_embedding, scale_logits,
-    swiglu_ffn_checked, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError,
+    embed, expert_tail, ffn_checked, gate_shared, lookahead_matrix, mamba2_state, mamba2_step,
+    next_moe_layers, next_step, output_gate, project_position, router_config, scale_embedding,
+    scale_logits, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError,
     Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch, SharedExpert,
     Step, TokenInput, Weights,
 };
 use crate::gemv::{GemvError, MatrixView};
 use crate::model::config::{ExpertAct, Hparams, HybridParams};
-use crate::model::ops::{rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape};
+use crate::model::ops::{relu_sqr, rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape};
 use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -320,16 +320,21 @@ where
                 mla_batch(hp, hy, mw, lw.attn_norm, mv, s, kv, b, n, attn_idx, pos)?;
                 attn_idx += 1;
             }
+            Mixer::None => {}
         }
-        for (h, x) in b.h.chunks_exact(e).zip(b.x.chunks_exact_mut(e)).take(n) {
-            rms_norm(h, lw.ffn_norm, hp.norm_eps, x);
+        if !matches!(lw.ffn, Ffn::None) {
+            for (h, x) in b.h.chunks_exact(e).zip(b.x.chunks_exact_mut(e)).take(n) {
+                rms_norm(h, lw.ffn_norm, hp.norm_eps, x);
+            }
         }
 
         match lw.ffn {
+            Ffn::None => {}
             Ffn::Dense { gate, up, down } => {
                 let m = ExpertMatrices { gate, up, down };
                 let (x, out) = (&b.x[..n * e], &mut b.go[..n * e]);
-                swiglu_ffn_batch(mv, &m, ExpertTail::PLAIN, x, b.ga, b.gb, out)?;
+                let tail = ExpertTail::plain(gate.as_ref());
+                ffn_batch(mv, &m, tail, x, b.ga, b.gb, out)?;
                 for (h, o) in b.h.chunks_exact_mut(e).zip(out.chunks_exact(e)) {
                     add_residual(hp, h, o);
                 }
@@ -726,11 +731,12 @@ fn recurrent_out<M: MatVec, E>(
     Ok(())
 }
 
-/// [`swiglu_ffn`](super::swiglu_ffn) of every input in `xs` (`n_embd` each)
-/// into `outs`, each product over all the inputs at once ([`MatVec::matmul`]);
-/// `a` and `b` hold the gate and up projections (`n_ff` an input).
+/// [`ffn_checked`](super::ffn_checked)'s arithmetic for every input in `xs`
+/// (`n_embd` each) into `outs`, each product over all the inputs at once
+/// ([`MatVec::matmul`]); `a` and `b` hold the gate and up projections (`n_ff`
+/// an input).
 #[allow(clippy::too_many_arguments)]
-fn swiglu_ffn_batch<M: MatVec>(
+fn ffn_batch<M: MatVec, E>(
     mv: &mut M,
     w: &ExpertMatrices<'_>,
     tail: ExpertTail<'_>,
@@ -738,31 +744,44 @@ fn swiglu_ffn_batch<M: MatVec>(
     a: &mut [f32],
     b: &mut [f32],
     outs: &mut [f32],
-) -> Result<(), GemvError> {
+) -> Result<(), ForwardError<E>> {
     let ExpertMatrices { gate, up, down } = w;
-    let n = gate.rows();
-    let m = xs.len() / gate.cols().max(1);
-    let bias_fits = tail
-        .biases
-        .is_none_or(|[g, u, d]| g.len() == n && u.len() == n && d.len() == down.rows());
-    if up.rows() != n || down.cols() != n || m * n > a.len() || m * n > b.len() || !bias_fits {
+    super::check_gate(tail.act, gate.is_some())?;
+    let n = up.rows();
+    let m = xs.len() / up.cols().max(1);
+    let bias_fits = tail.biases.is_none_or(|[g, u, d]| {
+        (gate.is_none() || g.len() == n) && u.len() == n && d.len() == down.rows()
+    });
+    let gate_fits = gate.is_none_or(|g| g.rows() == n);
+    if !gate_fits || down.cols() != n || m * n > a.len() || m * n > b.len() || !bias_fits {
         return Err(GemvError::RowLength {
             ty: down.ty(),
             cols: down.cols(),
-        });
+        }
+        .into());
     }
     let (a, b) = (&mut a[..m * n], &mut b[..m * n]);
-    mv.matmul(gate, xs, a)?;
-    mv.matmul(up, xs, b)?;
-    if let Some([gb, ub, _]) = tail.biases {
-        for (ar, br) in a.chunks_exact_mut(n).zip(b.chunks_exact_mut(n)) {
-            add_into(ar, gb);
-            add_into(br, ub);
+    if let Some(gate) = gate {
+        mv.matmul(gate, xs, a)?;
+        mv.matmul(up, xs, b)?;
+        if let Some([gb, ub, _]) = tail.biases {
+            for (ar, br) in a.chunks_exact_mut(n).zip(b.chunks_exact_mut(n)) {
+                add_into(ar, gb);
+                add_into(br, ub);
+            }
+        }
+    } else {
+        mv.matmul(up, xs, a)?;
+        if let Some([_, ub, _]) = tail.biases {
+            for ar in a.chunks_exact_mut(n) {
+                add_into(ar, ub);
+            }
         }
     }
     match tail.act {
         ExpertAct::SwiGlu => swiglu(a, b),
         ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
+        ExpertAct::ReluSqr => relu_sqr(a),
     }
     mv.matmul(down, a, outs)?;
     if let Some([_, _, db]) = tail.biases {
@@ -789,7 +808,15 @@ fn shared_batch<M: MatVec, E>(
         down: sh.down,
     };
     let (x, out) = (&b.x[..n * e], &mut b.shared[..n * e]);
-    swiglu_ffn_batch(mv, &m, ExpertTail::PLAIN, x, b.ga, b.gb, out)?;
+    ffn_batch(
+        mv,
+        &m,
+        ExpertTail::plain(sh.gate.as_ref()),
+        x,
+        b.ga,
+        b.gb,
+        out,
+    )?;
     if let Some(g) = sh.gate_inp {
         let logits = &mut b.gx[..n];
         mv.matmul(&g, x, logits)?;
@@ -948,7 +975,7 @@ fn moe_union<X: Experts, M: MatVec>(
                         let x = &b.x[(p / k) * e..][..e];
                         let x = super::pick_input(x, weigh.then_some(b.weights[p]), s.moe);
                         let o = &mut b.out[p * e..][..e];
-                        crc = swiglu_ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, o, true)?;
+                        crc = ffn_checked(mv, &matrices, tail, x, s.ff_a, s.ff_b, o, true)?;
                     }
                     let mut m = 0;
                     for p in picks {
@@ -958,7 +985,7 @@ fn moe_union<X: Experts, M: MatVec>(
                     }
                     if m > 0 {
                         let (xs, outs) = (&b.gx[..m * e], &mut b.go[..m * e]);
-                        swiglu_ffn_batch(mv, &matrices, tail, xs, b.ga, b.gb, outs)?;
+                        ffn_batch(mv, &matrices, tail, xs, b.ga, b.gb, outs)?;
                         let picks = (0..n * k)
                             .filter(|&p| b.ids[p] == expert)
                             .filter(|&p| Some(p) != checked);

@@ -54,6 +54,7 @@ pub fn cache_params(hy: &HybridParams) -> HybridParams {
     HybridParams {
         n_attn_layers: 1,
         linear: None,
+        n_ffn_only_layers: 0,
         ..*hy
     }
 }
