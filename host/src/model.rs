@@ -1747,6 +1747,13 @@ impl Model {
                                     "packed layer {l} has the wrong expert shape"
                                 )));
                             }
+                            if f.gate.is_some() == ungated {
+                                return Err(invalid(format!(
+                                    "packed layer {l}'s experts {} a gate, {a}'s {}",
+                                    if ungated { "have" } else { "lack" },
+                                    if ungated { "have none" } else { "have one" },
+                                )));
+                            }
                             ExpertStore::Packed(Box::new(p))
                         }
                         None => {

@@ -411,8 +411,8 @@ fn pack_with_expert_types_plan() {
         assert_eq!(l.offset % 8192, 0);
         let r = report.layer_report(l.layer).unwrap();
         assert_eq!(
-            (r.types, r.expert_bytes, r.stride),
-            (w, l.expert_bytes, l.stride)
+            (r.types.clone(), r.expert_bytes, r.stride),
+            (w.to_vec(), l.expert_bytes, l.stride)
         );
     }
     // Layer 3's gate and up are already q4_k: copied, not requantized.

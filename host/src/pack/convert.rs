@@ -64,18 +64,18 @@ pub(crate) fn convert_matrix(
     })
 }
 
-/// Builds expert `e` of `layer` with types `to` into `buf` (gate, up, down back to
+/// Builds expert `e` of `layer` with types `to` into `buf` (its matrices back to
 /// back, zero padding to `buf.len()`), and returns the checksum of the unpadded bytes.
 pub(crate) fn build_expert(
     file: &[u8],
     layer: &SourceLayer,
-    to: [GgmlType; 3],
+    to: &[GgmlType],
     e: usize,
     buf: &mut [u8],
     threads: usize,
 ) -> Result<u32, QuantError> {
     let mut at = 0;
-    for (m, &ty) in layer.mats.iter().zip(&to) {
+    for (m, &ty) in layer.mats.iter().zip(to) {
         let n = ty.row_bytes(m.cols).ok_or(QuantError::Length {
             ty,
             bytes: 0,
@@ -102,7 +102,7 @@ pub(crate) fn spread(n: usize, k: usize) -> Vec<usize> {
     (0..k).map(|i| i * n / k).collect()
 }
 
-/// The relative reconstruction error of each candidate type triple on a
+/// The relative reconstruction error of each candidate's types on a
 /// sample of `layer`: sum of squared error over sum of squares, against the
 /// source dequantized to f32. A matrix whose candidate type equals its source
 /// type is copied by the packer, so it contributes no error.
@@ -110,7 +110,7 @@ pub(crate) fn measure_layer(
     file: &[u8],
     layer: &SourceLayer,
     n_experts: usize,
-    candidates: &[[GgmlType; 3]],
+    candidates: &[Vec<GgmlType>],
     sample_experts: usize,
     sample_rows: usize,
 ) -> Result<Vec<f64>, QuantError> {
@@ -142,7 +142,7 @@ fn measure_matrix(
     m: &Matrix,
     e: usize,
     mi: usize,
-    candidates: &[[GgmlType; 3]],
+    candidates: &[Vec<GgmlType>],
     sample_rows: usize,
     sse: &mut [f64],
     energy: &mut f64,

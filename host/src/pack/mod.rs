@@ -280,10 +280,10 @@ pub struct LayerReport {
     pub layer: usize,
     /// The choice that gave `types`.
     pub choice: Choice,
-    /// Source types of gate, up, down.
-    pub source: [GgmlType; 3],
-    /// Packed types of gate, up, down.
-    pub types: [GgmlType; 3],
+    /// Source types of gate (where the experts have one), up, down.
+    pub source: Vec<GgmlType>,
+    /// Packed types, in the same order.
+    pub types: Vec<GgmlType>,
     /// Bytes of one packed expert, without padding.
     pub expert_bytes: u64,
     /// Bytes of one source expert.
@@ -397,11 +397,12 @@ fn mib(bytes: u64) -> f64 {
 impl fmt::Display for PackReport {
     /// A table of the layers and a summary, one line each.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let types = |t: &[GgmlType; 3]| {
-            if t[0] == t[1] && t[1] == t[2] {
-                t[0].to_string()
+        let types = |t: &[GgmlType]| {
+            let names: Vec<String> = t.iter().map(|t| t.to_string()).collect();
+            if t.windows(2).all(|w| w[0] == w[1]) {
+                names.first().cloned().unwrap_or_default()
             } else {
-                format!("{}/{}/{}", t[0], t[1], t[2])
+                names.join("/")
             }
         };
         let err = |e: Option<f64>| match e {
@@ -476,7 +477,7 @@ pub struct Packer {
 }
 
 /// The types a layer's matrices get for `choice`, or why they cannot.
-fn resolve(l: &source::SourceLayer, choice: Choice) -> Result<[GgmlType; 3], PackError> {
+fn resolve(l: &source::SourceLayer, choice: Choice) -> Result<Vec<GgmlType>, PackError> {
     let Choice::Type(ty) = choice else {
         return Ok(l.types());
     };
@@ -485,7 +486,7 @@ fn resolve(l: &source::SourceLayer, choice: Choice) -> Result<[GgmlType; 3], Pac
             return Err(PackError::RowLength {
                 layer: l.layer,
                 ty,
-                matrix: source::MATRICES[m],
+                matrix: l.names()[m],
                 cols: mat.cols,
             });
         }
@@ -493,10 +494,10 @@ fn resolve(l: &source::SourceLayer, choice: Choice) -> Result<[GgmlType; 3], Pac
             return Err(PackError::NoQuantizer { layer: l.layer, ty });
         }
     }
-    Ok([ty; 3])
+    Ok(vec![ty; l.mats.len()])
 }
 
-fn expert_bytes(l: &source::SourceLayer, types: [GgmlType; 3]) -> u64 {
+fn expert_bytes(l: &source::SourceLayer, types: &[GgmlType]) -> u64 {
     l.mats
         .iter()
         .zip(types)
@@ -519,21 +520,22 @@ impl Packer {
         let src = MoeSource::from_gguf(&gguf)?;
         let mut layers = Vec::with_capacity(src.layers.len());
         let mut budget = None;
-        let new_layer = |l: &source::SourceLayer, choice, types, error, candidates| {
-            let bytes = expert_bytes(l, types);
-            LayerReport {
-                layer: l.layer,
-                choice,
-                source: l.types(),
-                types,
-                expert_bytes: bytes,
-                source_expert_bytes: l.mats.iter().map(|m| m.expert_bytes as u64).sum(),
-                stride: round_up(bytes, opts.align),
-                expert_weights: src.expert_weights(),
-                error,
-                candidates,
-            }
-        };
+        let new_layer =
+            |l: &source::SourceLayer, choice, types: Vec<GgmlType>, error, candidates| {
+                let bytes = expert_bytes(l, &types);
+                LayerReport {
+                    layer: l.layer,
+                    choice,
+                    source: l.types(),
+                    types,
+                    expert_bytes: bytes,
+                    source_expert_bytes: l.mats.iter().map(|m| m.expert_bytes as u64).sum(),
+                    stride: round_up(bytes, opts.align),
+                    expert_weights: l.expert_weights(),
+                    error,
+                    candidates,
+                }
+            };
         match &opts.types {
             ExpertTypes::Keep => {
                 for l in &src.layers {
@@ -666,7 +668,7 @@ fn plan_budget(
     new_layer: impl Fn(
         &source::SourceLayer,
         Choice,
-        [GgmlType; 3],
+        Vec<GgmlType>,
         Option<f64>,
         Vec<CandidateReport>,
     ) -> LayerReport,
@@ -676,7 +678,7 @@ fn plan_budget(
         .filter(|&t| can_quantize(t) && !t.is_activation_only())
         .collect();
     // Per layer: the candidates (keep first) and their types.
-    let options: Vec<Vec<(Choice, [GgmlType; 3])>> = src
+    let options: Vec<Vec<(Choice, Vec<GgmlType>)>> = src
         .layers
         .iter()
         .map(|l| {
@@ -692,7 +694,7 @@ fn plan_budget(
         })
         .collect();
     let errors: Vec<Vec<f64>> = convert::par_map(src.layers.len(), threads, |i| {
-        let types: Vec<[GgmlType; 3]> = options[i].iter().map(|c| c.1).collect();
+        let types: Vec<Vec<GgmlType>> = options[i].iter().map(|c| c.1.clone()).collect();
         convert::measure_layer(
             g.bytes(),
             &src.layers[i],
@@ -705,23 +707,23 @@ fn plan_budget(
     .map_err(|e: QuantError| PackError::Model(format!("measuring errors: {e}")))?;
 
     let n = src.n_experts as u64;
-    let weights = src.expert_weights() * n;
     let cands: Vec<Vec<plan::Candidate>> = src
         .layers
         .iter()
         .zip(&options)
         .zip(&errors)
         .map(|((l, opts), errs)| {
+            let weights = l.expert_weights() * n;
             opts.iter()
                 .zip(errs)
-                .map(|(&(_, types), &e)| plan::Candidate {
+                .map(|((_, types), &e)| plan::Candidate {
                     bytes: expert_bytes(l, types) * n,
                     error: e * weights as f64,
                 })
                 .collect()
         })
         .collect();
-    let total_weights = weights * src.layers.len() as u64;
+    let total_weights: u64 = src.layers.iter().map(|l| l.expert_weights() * n).sum();
     let budget = (bpw * total_weights as f64 / 8.0).floor() as u64;
     let pick = plan::allocate(&cands, budget).ok_or_else(|| {
         let min: u64 = cands
@@ -741,13 +743,13 @@ fn plan_budget(
             let reports = options[i]
                 .iter()
                 .zip(&errors[i])
-                .map(|(&(choice, types), &error)| CandidateReport {
-                    choice,
-                    bpw: expert_bytes(l, types) as f64 * 8.0 / src.expert_weights() as f64,
+                .map(|((choice, types), &error)| CandidateReport {
+                    choice: *choice,
+                    bpw: expert_bytes(l, types) as f64 * 8.0 / l.expert_weights() as f64,
                     error,
                 })
                 .collect();
-            let (choice, types) = options[i][pick[i]];
+            let (choice, types) = options[i][pick[i]].clone();
             new_layer(l, choice, types, Some(errors[i][pick[i]]), reports)
         })
         .collect())

@@ -7,7 +7,8 @@ use les_core::quant::GgmlType;
 use super::PackError;
 use crate::gguf::{Gguf, OptionalKey};
 
-/// Gate, up and down, the order of the matrices in a packed expert.
+/// Gate, up and down, the order of the matrices in a packed expert (an
+/// ungated expert has up and down alone).
 pub(crate) const MATRICES: [&str; 3] = ["gate", "up", "down"];
 
 /// `blk.N.ffn_{gate,up,down}_exps.weight` -> (N, matrix index).
@@ -55,17 +56,28 @@ impl Matrix {
     }
 }
 
-/// The three expert matrices of one MoE layer.
+/// The expert matrices of one MoE layer: gate, up and down, or up and down
+/// where the experts have no gate (Nemotron-H's ReLU² experts).
 #[derive(Clone, Debug)]
 pub(crate) struct SourceLayer {
     pub layer: usize,
-    pub mats: [Matrix; 3],
+    pub mats: Vec<Matrix>,
 }
 
 impl SourceLayer {
-    /// The source types of gate, up and down.
-    pub fn types(&self) -> [GgmlType; 3] {
-        self.mats.map(|m| m.ty)
+    /// The source types, in slot order.
+    pub fn types(&self) -> Vec<GgmlType> {
+        self.mats.iter().map(|m| m.ty).collect()
+    }
+
+    /// The names of the matrices, in slot order.
+    pub fn names(&self) -> &'static [&'static str] {
+        &MATRICES[MATRICES.len() - self.mats.len()..]
+    }
+
+    /// Weights (elements) of one expert.
+    pub fn expert_weights(&self) -> u64 {
+        self.mats.iter().map(|m| (m.rows * m.cols) as u64).sum()
     }
 }
 
@@ -73,8 +85,6 @@ impl SourceLayer {
 #[derive(Clone, Debug)]
 pub(crate) struct MoeSource {
     pub n_experts: usize,
-    pub n_embd: usize,
-    pub n_ff: usize,
     /// MoE layers, ascending.
     pub layers: Vec<SourceLayer>,
 }
@@ -137,7 +147,9 @@ impl MoeSource {
         let mut layers = Vec::with_capacity(found.len());
         for (layer, ts) in found {
             let mut mats = Vec::with_capacity(3);
-            for (m, t) in ts.iter().enumerate() {
+            // Without a gate (up and down there): ReLU² experts.
+            let ungated = ts[0].is_none() && ts[1].is_some() && ts[2].is_some();
+            for (m, t) in ts.iter().enumerate().skip(usize::from(ungated)) {
                 let name = expert_tensor_name(layer, m);
                 let Some(t) = t else {
                     return Err(PackError::Model(format!(
@@ -173,22 +185,9 @@ impl MoeSource {
                     expert_bytes,
                 });
             }
-            layers.push(SourceLayer {
-                layer,
-                mats: [mats[0], mats[1], mats[2]],
-            });
+            layers.push(SourceLayer { layer, mats });
         }
-        Ok(MoeSource {
-            n_experts,
-            n_embd,
-            n_ff,
-            layers,
-        })
-    }
-
-    /// Weights (elements) of one expert: gate, up and down.
-    pub fn expert_weights(&self) -> u64 {
-        3 * self.n_embd as u64 * self.n_ff as u64
+        Ok(MoeSource { n_experts, layers })
     }
 }
 

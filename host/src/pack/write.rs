@@ -92,7 +92,7 @@ impl<W: Write, F: FnMut(u64, u64)> Write for Counting<W, F> {
 struct ExpertStream<'a> {
     file: &'a [u8],
     layer: &'a SourceLayer,
-    types: [GgmlType; 3],
+    types: &'a [GgmlType],
     n_experts: usize,
     threads: usize,
     next: usize,
@@ -167,7 +167,7 @@ pub(crate) fn write_packed(
     for l in &report.layers {
         w.add_kv(
             keys::types(l.layer).as_str(),
-            l.types.map(|t| t.id()).to_vec(),
+            l.types.iter().map(|t| t.id()).collect::<Vec<u32>>(),
         )?;
         w.add_kv(keys::stride(l.layer).as_str(), l.stride)?;
     }
@@ -247,7 +247,7 @@ pub(crate) fn write_packed(
         let mut stream = ExpertStream {
             file: g.bytes(),
             layer: &src.layers[i],
-            types: l.types,
+            types: &l.types,
             n_experts: n,
             threads,
             next: 0,
@@ -290,7 +290,7 @@ pub(crate) fn write_packed(
     for l in &report.layers {
         let got = index.layer(l.layer);
         if got.map(|p| (&p.checksums, p.types(), p.stride))
-            != Some((&sums[&l.layer], l.types.to_vec(), l.stride))
+            != Some((&sums[&l.layer], l.types.clone(), l.stride))
         {
             return Err(PackError::Index(format!(
                 "layer {} reads back differently from what was written",
