@@ -2,7 +2,7 @@
 //!
 //! A packed model stores all experts of MoE layer `N` in one byte tensor
 //! `blk.N.ffn_exps_packed.weight` (type `I8`): expert `e` occupies bytes
-//! `e * stride .. e * stride + bytes` of it, gate then up then down back to back
+//! `e * stride .. e * stride + bytes` of it, gate (where the experts have one) then up then down back to back
 //! (the slot layout of [`crate::model::experts::ExpertFormat`]), padded to
 //! `stride`, a multiple of the file alignment (4 KiB by default), so that each
 //! expert is one aligned read that O_DIRECT can serve straight into a slot.
@@ -26,7 +26,8 @@ pub mod keys {
     /// The plan that chose the per-layer types (string, informational).
     pub const PLAN: &str = "les.pack.plan";
 
-    /// The ggml type ids of gate, up and down of layer `layer` (array of 3 u32).
+    /// The ggml type ids of gate, up and down of layer `layer` (array of 3
+    /// u32; 2, up and down, for experts without a gate).
     pub fn types(layer: usize) -> Key {
         Key::format(format_args!("les.pack.blk.{layer}.types"))
     }

@@ -1328,6 +1328,8 @@ impl Model {
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
         let n_layers_all = key_usize(&g, &k("block_count"))?;
+        // Before anything is sized by it (per-layer keys given as one value).
+        at_most(a, MAX_DIM, &[("block_count", n_layers_all)])?;
         // Multi-token-prediction blocks follow the main stack (qwen35moe, qwen3next, glm4moe); they are
         // for speculative decoding and never run in the main pass.
         let n_nextn_layers = opt_usize(&g, &k("nextn_predict_layers"))?.unwrap_or(0);

@@ -19,7 +19,7 @@
 //! | `les.pack.version` | u32 | [`les_core::layout::VERSION`] |
 //! | `les.pack.alignment` | u32 | alignment of every expert extent |
 //! | `les.pack.plan` | string | the per-layer types, in the `--expert-types` syntax |
-//! | `les.pack.blk.N.types` | u32\[3\] | ggml type ids of gate, up, down |
+//! | `les.pack.blk.N.types` | u32\[3\] or u32\[2\] | ggml type ids of gate, up, down (up, down: experts without a gate) |
 //! | `les.pack.blk.N.stride` | u64 | bytes from one expert to the next |
 //! | `les.pack.blk.N.checksums` | u32\[n_experts\] | CRC-32 of each expert's unpadded bytes |
 //!
