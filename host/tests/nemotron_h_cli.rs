@@ -395,8 +395,10 @@ fn streamed_experts_give_the_resident_logits() {
 /// Against llama.cpp through llama-cpp-python: with f32 weights the same
 /// prompt and greedy tokens and log-probabilities within rounding (and far
 /// apart once the selection biases are zeroed, so the comparison sees them);
-/// with the preset's quantized weights, close log-probabilities. The dense
-/// nemotron_h alike.
+/// with the preset's quantized weights, close log-probabilities. The same
+/// for twelve layers (six Mamba2, five MoE) and for the dense nemotron_h.
+/// (2026-12-05: largest KL divergences 5.3e-6, 6.9e-6 and 6.1e-6 with f32
+/// weights, 0.67 without the biases.)
 #[test]
 #[ignore = "needs llama-cpp-python (pip install llama-cpp-python)"]
 fn greedy_and_log_probabilities_equal_llama_cpp() {
@@ -406,7 +408,7 @@ fn greedy_and_log_probabilities_equal_llama_cpp() {
         "deep_f32",
         &[&F32_WEIGHTS[..], &["--layers", "12"]].concat(),
     );
-    cli::assert_equals_llama_cpp(&deep, "nemotron_h_moe_deep", 1e-4, 1.0);
-    cli::assert_equals_llama_cpp(&dense("f32", &F32_WEIGHTS), "nemotron_h_f32", 1e-4, 1.0);
+    cli::assert_equals_llama_cpp(&deep, "nemotron_h_moe_deep", 5e-5, 1.0);
+    cli::assert_equals_llama_cpp(&dense("f32", &F32_WEIGHTS), "nemotron_h_f32", 5e-5, 1.0);
     cli::assert_close_to_llama_cpp(&dense("q", &[]), "nemotron_h_q");
 }
