@@ -316,6 +316,46 @@ fn nemotron_keys_are_read_as_llama_cpp_reads_them() {
     assert!(with != without, "expert_weights_norm changed nothing");
 }
 
+/// `les synth` refuses what llama.cpp could not load, by name, writing
+/// nothing.
+#[test]
+fn synth_refuses_what_cannot_run() {
+    for (args, want) in [
+        (&["--layers", "2"][..], "3 or more layers"),
+        (&["--experts", "1"], "2 or more experts"),
+        (&["--experts", "0"], "the dense one is nemotron_h"),
+        (&["--shared-ff", "0"], "shared expert"),
+        (&["--mtp-layers", "1"], "--mtp-layers"),
+    ] {
+        let out_path = tmp(&format!("nh_refused_{}.gguf", args.join("")));
+        let out = cli::les()
+            .args(["synth", "--arch", A, "--preset", "tiny"])
+            .args(args)
+            .arg("-o")
+            .arg(&out_path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(!out_path.exists(), "{args:?}");
+    }
+    let out = cli::les()
+        .args([
+            "synth",
+            "--arch",
+            "nemotron_h",
+            "--experts",
+            "8",
+            "--dry-run",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nemotron_h_moe"));
+}
+
 /// The selection bias decides picks: zeroed, the logits move.
 #[test]
 fn the_selection_bias_changes_the_picks() {

@@ -227,8 +227,8 @@ pub enum NemotronLayer {
 /// last FFN, and those before alternate Mamba2 and FFN from Mamba2
 /// (`MEMEMEM*E` for `p = 9`); a last, shorter run stops where the stack
 /// does. Any stack of 3 or more layers has each kind; big ones have 4 Mamba2,
-/// 4 FFN and 1 attention layer in 9, Nemotron 3 Nano's 23 / 23 / 6 of 52
-/// (`MEMEM*EMEMEM*E...`). `tiny`'s four layers are `ME*E`, `small`'s sixteen
+/// 4 FFN and 1 attention layer in 9 (Nemotron 3 Nano: 23, 23 and 6 of 52,
+/// `MEMEM*EMEMEM*E...`). `tiny`'s four layers are `ME*E`, `small`'s sixteen
 /// `MEMEMEM*EMEMEMEM`, `a3b`'s 52 have attention at 7, 16, 25, 34 and 43
 /// (Nemotron 3 Nano at 5, 12, 19, 26, 33 and 42).
 pub fn nemotron_layer_kind(l: u64, layers: u64) -> NemotronLayer {
@@ -258,9 +258,10 @@ pub fn nemotron_ssm(preset: Preset) -> [u64; 4] {
 
 /// A preset's dimensions for Nemotron-H, before the overrides: the preset's
 /// with the Mamba2 mixer of [`nemotron_ssm`] and a layer-norm epsilon of
-/// 1e-5; `a3b` is Nemotron 3 Nano 30B-A3B's (NVIDIA's `config.json`: 52
-/// layers, hidden size 2688, 32 query and 2 KV heads of 128, 128 experts of
-/// 1856, 6 per token, a shared expert of 3712, vocabulary 131072).
+/// 1e-5; `a3b` is Nemotron 3 Nano 30B-A3B's (52 layers, hidden size 2688,
+/// 32 query and 2 KV heads of 128, 128 experts of 1856, 6 per token, a
+/// shared expert of 3712; the vocabulary of 131072 is Nemotron-H's as
+/// remembered, not read from the file: Hugging Face is not reachable here).
 pub fn nemotron_shape(preset: Preset) -> Shape {
     let p = preset.shape();
     let [heads, head, state, groups] = nemotron_ssm(preset);
@@ -1381,6 +1382,11 @@ impl SynthConfig {
         if self.arch == Arch::Granitehybrid && s.layers < 2 {
             return config_err("granitehybrid: needs 2 or more layers (Mamba2 and attention)");
         }
+        if self.arch == Arch::NemotronHMoe && s.experts < 2 {
+            // Its converter writes expert_group_count = 1, and llama.cpp
+            // asserts fewer groups than experts.
+            return config_err("nemotron_h_moe: needs 2 or more experts");
+        }
         if self.arch.is_nemotron() && s.layers < 3 {
             return config_err(format!(
                 "{}: needs 3 or more layers (Mamba2, attention and {})",
@@ -2004,8 +2010,8 @@ fn mamba2_mixer(
 
 /// The tensors of Nemotron-H block `l`, in llama.cpp's names and shapes: its
 /// one norm, `attn_norm`, then by [`nemotron_layer_kind`] a Mamba2 mixer
-/// (initialised as [`granitehybrid_layer`]'s, over [`nemotron_ssm`]'s heads
-/// and groups), attention without biases, or the router, its selection bias
+/// ([`mamba2_mixer`], over [`nemotron_ssm`]'s heads and groups), attention
+/// without biases, or the router, its selection bias
 /// (`exp_probs_b`), the ungated experts (`ffn_up_exps`, `ffn_down_exps`) and
 /// the ungated shared expert; `nemotron_h`'s FFN is `ffn_up`, `ffn_down`.
 fn nemotron_layer(
@@ -3416,6 +3422,8 @@ mod tests {
             ..Overrides::default()
         };
         assert!(err(Arch::NemotronHMoe, experts(0)).contains("nemotron_h"));
+        assert!(err(Arch::NemotronHMoe, experts(1)).contains("2 or more experts"));
+        assert!(new(Arch::NemotronHMoe, experts(2)).is_ok());
         assert!(err(Arch::NemotronH, experts(8)).contains("nemotron_h_moe"));
         let no_shared = Overrides {
             shared_ff: Some(0),
