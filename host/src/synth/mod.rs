@@ -24,7 +24,11 @@
 //! a dense first layer, softmax routing with a selection bias and an ungated
 //! shared expert. `granitehybrid` (Granite 4.0-H) has Mamba2 layers with a few
 //! attention layers among them ([`granitehybrid_is_attention`]), every one
-//! followed by routed experts and an ungated shared expert.
+//! followed by routed experts and an ungated shared expert. `nemotron_h_moe`
+//! (NVIDIA Nemotron 3 Nano) has layers of one sub-layer each, Mamba2, attention
+//! without RoPE or ungated ReLU² experts routed by sigmoid with a selection bias
+//! plus an ungated shared expert ([`nemotron_layer_kind`]); `nemotron_h` has
+//! ungated ReLU² FFNs in place of its experts.
 //! The `small`, `a3b` and `minicpmv47` presets are typed as llama.cpp's `Q4_K_M`
 //! quantization types those models ([`Mix::Q4KM`]: `q4_k`, with `q6_k` for `attn_v`
 //! and `ffn_down*` of every third layer and the first and last eighth; `a3b` then has
@@ -165,6 +169,17 @@ pub enum Arch {
     /// few attention layers among them (without RoPE), all followed by
     /// granitemoe's experts and shared expert, Granite's multipliers.
     Granitehybrid,
+    /// NVIDIA Nemotron-H MoE (llama.cpp's `nemotron_h_moe`, Nemotron 3 Nano
+    /// 30B-A3B): every layer one sub-layer ([`nemotron_layer_kind`]), Mamba2
+    /// ([`nemotron_ssm`]), attention without RoPE, or ungated ReLU² experts
+    /// picked by sigmoid scores plus a selection bias, weights renormalised
+    /// and scaled by 2.5, with an ungated ReLU² shared expert.
+    #[value(name = "nemotron_h_moe")]
+    NemotronHMoe,
+    /// NVIDIA Nemotron-H, dense (llama.cpp's `nemotron_h`): the MoE's layers
+    /// with an ungated ReLU² FFN (`--ff`) in place of the experts.
+    #[value(name = "nemotron_h")]
+    NemotronH,
 }
 
 /// The Granite presets' multipliers of the embedding, the blocks' outputs,
@@ -193,6 +208,121 @@ pub fn granitehybrid_ssm(preset: Preset) -> (u64, u64) {
     }
 }
 
+/// What a Nemotron-H layer is: llama.cpp tells them apart by their
+/// `attention.head_count_kv` and `feed_forward_length`, both 0 on Mamba2
+/// layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NemotronLayer {
+    /// A Mamba2 mixer (`M` in Nemotron's `hybrid_override_pattern`).
+    Mamba2,
+    /// Attention without RoPE (`*`).
+    Attention,
+    /// The routed and shared experts (`E`), or the dense FFN of `nemotron_h`
+    /// (`-`).
+    Ffn,
+}
+
+/// The kind of layer `l` of a Nemotron-H stack of `layers`: in every run of
+/// `p = clamp(layers, 3, 9)` layers, the second to last is attention, the
+/// last FFN, and those before alternate Mamba2 and FFN from Mamba2
+/// (`MEMEMEM*E` for `p = 9`); a last, shorter run stops where the stack
+/// does. Any stack of 3 or more layers has each kind; big ones have 4 Mamba2,
+/// 4 FFN and 1 attention layer in 9 (Nemotron 3 Nano: 23, 23 and 6 of 52,
+/// `MEMEM*EMEMEM*E...`). `tiny`'s four layers are `ME*E`, `small`'s sixteen
+/// `MEMEMEM*EMEMEMEM`, `a3b`'s 52 have attention at 7, 16, 25, 34 and 43
+/// (Nemotron 3 Nano at 5, 12, 19, 26, 33 and 42).
+pub fn nemotron_layer_kind(l: u64, layers: u64) -> NemotronLayer {
+    let p = layers.clamp(3, 9);
+    match l % p {
+        i if i + 2 == p => NemotronLayer::Attention,
+        i if i + 1 == p || i % 2 == 1 => NemotronLayer::Ffn,
+        _ => NemotronLayer::Mamba2,
+    }
+}
+
+/// The Mamba2 mixer of a synthetic Nemotron-H: heads, head size, state size
+/// and groups (`ssm.time_step_rank`, `ssm.inner_size / ssm.time_step_rank`,
+/// `ssm.state_size`, `ssm.group_count`). `a3b` has Nemotron 3 Nano's 64
+/// heads of 64, a state of 128 and 8 groups (an inner width of 4096 over an
+/// embedding of 2688); `small` 24 heads of 64 in 8 groups (1.5 times its
+/// embedding, as Nemotron 3 Nano's), `tiny` 6 heads of 16, a state of 16 and
+/// 2 groups. The inner width is not tied to the embedding, as it is in
+/// `granitehybrid`.
+pub fn nemotron_ssm(preset: Preset) -> [u64; 4] {
+    match preset {
+        Preset::Tiny => [6, 16, 16, 2],
+        Preset::Small => [24, 64, 128, 8],
+        _ => [64, 64, 128, 8],
+    }
+}
+
+/// A preset's dimensions for Nemotron-H, before the overrides: the preset's
+/// with the Mamba2 mixer of [`nemotron_ssm`] and a layer-norm epsilon of
+/// 1e-5; `a3b` is Nemotron 3 Nano 30B-A3B's (52 layers, hidden size 2688,
+/// 32 query and 2 KV heads of 128, 128 experts of 1856, 6 per token, a
+/// shared expert of 3712; the vocabulary of 131072 is Nemotron-H's as
+/// remembered, not read from the file: Hugging Face is not reachable here).
+pub fn nemotron_shape(preset: Preset) -> Shape {
+    let p = preset.shape();
+    let [heads, head, state, groups] = nemotron_ssm(preset);
+    let p = Shape {
+        norm_eps: 1e-5,
+        ssm_k_heads: groups,
+        ssm_v_heads: heads,
+        ssm_head_dim: state,
+        ssm_conv: 4,
+        ssm_inner: heads * head,
+        ..p
+    };
+    match preset {
+        Preset::A3b => Shape {
+            layers: 52,
+            embd: 2688,
+            heads: 32,
+            kv_heads: 2,
+            head_dim: 128,
+            vocab: 131_072,
+            experts: 128,
+            top_k: 6,
+            expert_ff: 1856,
+            shared_ff: 3712,
+            ..p
+        },
+        _ => p,
+    }
+}
+
+/// A Nemotron-H preset's default routing knobs: [`Preset::knobs`] with a
+/// stronger popularity skew, 2.75 in `small` (64 experts) and 1.5 in `a3b`
+/// (128; `tiny`, for tests, keeps the default 0.5). The residual scale
+/// cannot calibrate these: a synthetic Nemotron's hidden state carries
+/// little of its context (one attention layer in nine, and the random Mamba2
+/// layers read their state out per token and gate it per token), so
+/// consecutive tokens route nearly as independently as random ones, and
+/// plain LRU caching at a 25% budget hits 44-47% of `small`'s picks whatever
+/// the residual scale (0.7 to 2.0), 55% of a 12-layer cut of `a3b`'s. With
+/// these skews (`les bench --schedules on-demand,les`, sampled decode, 25%)
+/// LRU hits 72.7% (`small`) and 73.9% (the `a3b` cut), Belady's cache 88.0%
+/// and 88.4%, as the other presets are calibrated (72-76%, mid-range of the
+/// 60-85% trained MoE models show); the locality then comes from popular
+/// experts rather than from the context, so the picks concentrate on fewer
+/// experts than a trained, load-balanced model's.
+pub fn nemotron_knobs(preset: Preset) -> Knobs {
+    let d = preset.knobs();
+    let popularity_skew = match preset {
+        Preset::Tiny => return d,
+        Preset::Small => 2.75,
+        _ => 1.5,
+    };
+    Knobs {
+        popularity_skew,
+        ..d
+    }
+}
+
+/// Nemotron-H MoE's `routed_scaling_factor` (Nemotron 3 Nano's).
+pub const NEMOTRON_WEIGHTS_SCALE: f32 = 2.5;
+
 impl Arch {
     /// `general.architecture`.
     pub fn gguf_name(self) -> &'static str {
@@ -217,6 +347,8 @@ impl Arch {
             Arch::Granite => "granite",
             Arch::Granitemoe => "granitemoe",
             Arch::Granitehybrid => "granitehybrid",
+            Arch::NemotronHMoe => "nemotron_h_moe",
+            Arch::NemotronH => "nemotron_h",
         }
     }
 
@@ -249,6 +381,8 @@ impl Arch {
                 | Arch::Granite
                 | Arch::Granitemoe
                 | Arch::Granitehybrid
+                | Arch::NemotronHMoe
+                | Arch::NemotronH
         )
     }
 
@@ -270,6 +404,7 @@ impl Arch {
                 | Arch::HunyuanMoe
                 | Arch::Granitemoe
                 | Arch::Granitehybrid
+                | Arch::NemotronHMoe
         )
     }
 
@@ -289,6 +424,7 @@ impl Arch {
                 | Arch::Llama4
                 | Arch::Granitemoe
                 | Arch::Granitehybrid
+                | Arch::NemotronHMoe
         )
     }
 
@@ -304,6 +440,16 @@ impl Arch {
     fn is_hybrid(self) -> bool {
         matches!(self, Arch::Qwen35moe | Arch::Qwen3next)
     }
+
+    /// Whether this is Nemotron-H (layers of one sub-layer, [`nemotron_layer_kind`]).
+    pub fn is_nemotron(self) -> bool {
+        matches!(self, Arch::NemotronHMoe | Arch::NemotronH)
+    }
+
+    /// Whether the layers have Mamba2 mixers (granitehybrid, Nemotron-H).
+    fn has_mamba2(self) -> bool {
+        self == Arch::Granitehybrid || self.is_nemotron()
+    }
 }
 
 /// A named set of dimensions and types.
@@ -316,7 +462,8 @@ pub enum Preset {
     Small,
     /// The shape of Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts of 768, top-8;
     /// in llama.cpp's `Q4_K_M` mix ([`Mix::Q4KM`]) about 18.6 GB (17.28 GiB), the
-    /// size of that model's `Q4_K_M` download.
+    /// size of that model's `Q4_K_M` download. With `nemotron_h_moe`, Nemotron
+    /// 3 Nano 30B-A3B's shape ([`nemotron_shape`]), about 25.5 GB.
     A3b,
     /// The shape of MiniCPM-V 4.7's language model (Qwen3.5-35B-A3B, arch
     /// `qwen35moe`): 40 layers (30 gated DeltaNet, 10 gated attention), 2048 wide,
@@ -377,6 +524,9 @@ pub struct Shape {
     pub ssm_head_dim: u64,
     /// DeltaNet or Mamba2 convolution width (`ssm.conv_kernel`).
     pub ssm_conv: u64,
+    /// Mamba2 inner width (`ssm.inner_size`): `2 * embd` in granitehybrid,
+    /// heads times their size in Nemotron-H; 0 without Mamba2.
+    pub ssm_inner: u64,
     /// Multi-token-prediction blocks after the main stack (`nextn_predict_layers`).
     pub mtp_layers: u64,
 }
@@ -404,10 +554,11 @@ impl Shape {
         2 * self.ssm_key_dim() + self.ssm_value_dim()
     }
 
-    /// Mamba2 inner width (`ssm.inner_size`): twice the embedding, the only
-    /// expansion llama.cpp's `granitehybrid` accepts.
+    /// Mamba2 inner width (`ssm.inner_size`, [`ssm_inner`](Self::ssm_inner)):
+    /// in granitehybrid twice the embedding, the only expansion llama.cpp's
+    /// `granitehybrid` accepts.
     pub fn mamba2_inner(&self) -> u64 {
-        2 * self.embd
+        self.ssm_inner
     }
 
     /// Mamba2 convolution channels: `x`, then `B` and `C` per group.
@@ -492,6 +643,9 @@ fn apply_q4_k_m(cfg: &SynthConfig, plan: &mut [TensorPlan]) {
         .count() as u64;
     // The plan lists layers in order and at most one attn_v per layer.
     let mut i_wv = 0;
+    // Without experts llama.cpp counts the ffn_down tensors (Nemotron-H's
+    // FFNs are on some layers only); with them it reads the layer's number.
+    let mut i_ffn_down = 0;
     for p in plan.iter_mut() {
         let class = if p.is_expert() { t.expert } else { t.dense };
         let Some(layer) = p.layer else { continue };
@@ -507,7 +661,13 @@ fn apply_q4_k_m(cfg: &SynthConfig, plan: &mut [TensorPlan]) {
         } else if p.name.contains("attn_k.weight") {
             eight_experts.then_some(GgmlType::Q8_0)
         } else if p.name.contains("ffn_down") {
-            use_more_bits(layer, n_layer).then_some(GgmlType::Q6K)
+            let i = if cfg.shape.experts > 1 {
+                layer
+            } else {
+                i_ffn_down
+            };
+            i_ffn_down += 1;
+            use_more_bits(i, n_layer).then_some(GgmlType::Q6K)
         } else if p.name.contains("attn_output.weight") {
             eight_experts.then_some(GgmlType::Q5K)
         } else if p.name.contains("attn_qkv.weight") {
@@ -611,6 +771,7 @@ impl Preset {
                 ssm_v_heads: 4,
                 ssm_head_dim: 16,
                 ssm_conv: 4,
+                ssm_inner: 0,
                 mtp_layers: 1,
             },
             Preset::Small => Shape {
@@ -635,6 +796,7 @@ impl Preset {
                 ssm_v_heads: 16,
                 ssm_head_dim: 64,
                 ssm_conv: 4,
+                ssm_inner: 0,
                 mtp_layers: 1,
             },
             // Qwen/Qwen3-30B-A3B `config.json` (Hugging Face): hidden_size 2048,
@@ -665,6 +827,7 @@ impl Preset {
                 ssm_v_heads: 32,
                 ssm_head_dim: 128,
                 ssm_conv: 4,
+                ssm_inner: 0,
                 mtp_layers: 1,
             },
             // MiniCPM-V 4.7-35B-A3B: its language backbone is `qwen3_5_moe_text` with
@@ -712,6 +875,7 @@ impl Preset {
                 ssm_v_heads: 0,
                 ssm_head_dim: 0,
                 ssm_conv: 0,
+                ssm_inner: 0,
                 mtp_layers: 0,
             },
             Preset::Minicpmv47 => Shape {
@@ -736,6 +900,7 @@ impl Preset {
                 ssm_v_heads: 32,
                 ssm_head_dim: 128,
                 ssm_conv: 4,
+                ssm_inner: 0,
                 mtp_layers: 1,
             },
         }
@@ -893,7 +1058,11 @@ impl SynthConfig {
 
     /// The preset with the overrides and the architecture's rules applied.
     pub fn new(arch: Arch, preset: Preset, o: &Overrides, seed: u64) -> Result<Self, SynthError> {
-        let p = preset.shape();
+        let p = if arch.is_nemotron() {
+            nemotron_shape(preset)
+        } else {
+            preset.shape()
+        };
         let mut s = Shape {
             layers: o.layers.unwrap_or(p.layers),
             embd: o.embd.unwrap_or(p.embd),
@@ -916,6 +1085,7 @@ impl SynthConfig {
             ssm_v_heads: p.ssm_v_heads,
             ssm_head_dim: p.ssm_head_dim,
             ssm_conv: p.ssm_conv,
+            ssm_inner: p.ssm_inner,
             mtp_layers: o.mtp_layers.unwrap_or(p.mtp_layers),
         };
         let name = arch.cli_name();
@@ -1019,15 +1189,28 @@ impl SynthConfig {
         if arch == Arch::Granitehybrid {
             // One group of B and C; heads of the preset's size over 2 * embd.
             let (head, state) = granitehybrid_ssm(preset);
-            if !s.mamba2_inner().is_multiple_of(head) {
+            if !(2 * s.embd).is_multiple_of(head) {
                 return config_err(format!(
                     "granitehybrid: 2 * --embd must be a multiple of the Mamba2 head size {head}"
                 ));
             }
             s.ssm_k_heads = 1;
+            s.ssm_inner = 2 * s.embd;
             s.ssm_v_heads = s.mamba2_inner() / head;
             s.ssm_head_dim = state;
             s.ssm_conv = 4;
+        }
+        if arch == Arch::NemotronH && o.experts.is_some_and(|x| x > 0) {
+            return config_err("nemotron_h is dense: its MoE is nemotron_h_moe");
+        }
+        if arch == Arch::NemotronH {
+            s.experts = 0;
+        }
+        if arch == Arch::NemotronHMoe && s.shared_ff == 0 {
+            return config_err(
+                "nemotron_h_moe needs a shared expert (llama.cpp requires ffn_up_shexp): \
+                 --shared-ff must be positive",
+            );
         }
         if !arch.has_shared_expert() {
             if o.shared_ff.is_some() {
@@ -1039,10 +1222,16 @@ impl SynthConfig {
         }
         // granitehybrid is dense only when asked (`--experts 0`: Granite
         // 4.0-H-1B / 350M).
-        let dense_ok = matches!(arch, Arch::Llama | Arch::Qwen3vl | Arch::Granite)
-            || (arch == Arch::Granitehybrid && o.experts == Some(0));
+        let dense_ok = matches!(
+            arch,
+            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH
+        ) || (arch == Arch::Granitehybrid && o.experts == Some(0));
         if s.experts == 0 && !dense_ok {
-            return config_err(format!("{name} needs at least one expert"));
+            let dense = match arch {
+                Arch::NemotronHMoe => " (the dense one is nemotron_h)",
+                _ => "",
+            };
+            return config_err(format!("{name} needs at least one expert{dense}"));
         }
         if s.experts > 0 && o.top_k.is_none() {
             s.top_k = s.top_k.min(s.experts);
@@ -1080,7 +1269,11 @@ impl SynthConfig {
             output: o.output_type.unwrap_or(t.output),
             mix: o.mix.unwrap_or(t.mix),
         };
-        let d = preset.knobs();
+        let d = if arch.is_nemotron() {
+            nemotron_knobs(preset)
+        } else {
+            preset.knobs()
+        };
         let knobs = Knobs {
             router_corr: o.router_corr.unwrap_or(d.router_corr),
             popularity_skew: o.popularity_skew.unwrap_or(d.popularity_skew),
@@ -1144,7 +1337,7 @@ impl SynthConfig {
             ("embd x experts", s.embd * s.experts.min(1 << 16)),
             (
                 "embd x ssm_in rows",
-                if self.arch == Arch::Granitehybrid {
+                if self.arch.has_mamba2() {
                     s.embd * s.mamba2_in_proj()
                 } else {
                     0
@@ -1188,6 +1381,18 @@ impl SynthConfig {
         }
         if self.arch == Arch::Granitehybrid && s.layers < 2 {
             return config_err("granitehybrid: needs 2 or more layers (Mamba2 and attention)");
+        }
+        if self.arch == Arch::NemotronHMoe && s.experts < 2 {
+            // Its converter writes expert_group_count = 1, and llama.cpp
+            // asserts fewer groups than experts.
+            return config_err("nemotron_h_moe: needs 2 or more experts");
+        }
+        if self.arch.is_nemotron() && s.layers < 3 {
+            return config_err(format!(
+                "{}: needs 3 or more layers (Mamba2, attention and {})",
+                self.arch.cli_name(),
+                if self.is_moe() { "experts" } else { "FFN" }
+            ));
         }
         if matches!(
             self.arch,
@@ -1478,6 +1683,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             granitehybrid_layer(cfg, l, &mut add);
             continue;
         }
+        if cfg.arch.is_nemotron() {
+            nemotron_layer(cfg, l, &mut add);
+            continue;
+        }
         norm_tensor(&mut add, l, "attn_norm.weight", e);
         for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
             add(
@@ -1732,10 +1941,8 @@ fn bailingmoe2_layer(
 
 /// The tensors of granitehybrid block `l`, in llama.cpp's names and shapes:
 /// attention without biases ([`granitehybrid_is_attention`]) or a Mamba2
-/// mixer, then routed experts and an ungated shared expert. The Mamba2
-/// values follow Mamba2's initialisation, so the recurrence stays tame over
-/// long prompts: `A = -U[1, 16)`, `dt_bias` the inverse softplus of a
-/// log-uniform time step in `[0.001, 0.1)`, `D` and the gated norm about 1.
+/// mixer ([`mamba2_mixer`]), then routed experts and an ungated shared
+/// expert.
 fn granitehybrid_layer(
     cfg: &SynthConfig,
     l: u64,
@@ -1755,23 +1962,7 @@ fn granitehybrid_layer(
         let wo = n("attn_output.weight");
         add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
     } else {
-        let (inner, conv, heads) = (s.mamba2_inner(), s.mamba2_conv_dim(), s.ssm_v_heads);
-        let w_in = vec![e, s.mamba2_in_proj()];
-        add(n("ssm_in.weight"), w_in, t.dense, Init::Normal(inv(e)), lay);
-        let (k, g) = (s.ssm_conv, s.ssm_k_heads);
-        // `ssm_a` is -exp(A_log) as the converter stores it, Mamba2's A U[1, 16).
-        for (part, dims, init) in [
-            ("ssm_conv1d.weight", vec![k, conv], Init::Normal(inv(k))),
-            ("ssm_conv1d.bias", vec![conv], Init::Normal(0.1)),
-            ("ssm_dt.bias", vec![heads], Init::DtBias(0.001, 0.1)),
-            ("ssm_a", vec![1, heads], Init::Uniform(-16.0, -1.0)),
-            ("ssm_d", vec![1, heads], Init::Norm),
-            ("ssm_norm.weight", vec![inner / g, g], Init::Norm),
-        ] {
-            add(n(part), dims, GgmlType::F32, init, lay);
-        }
-        let wo = Init::Normal(r * inv(inner));
-        add(n("ssm_out.weight"), vec![inner, e], t.dense, wo, lay);
+        mamba2_mixer(cfg, l, add);
     }
     norm_tensor(&mut *add, l, "ffn_norm.weight", e);
     if !cfg.is_moe() {
@@ -1782,6 +1973,111 @@ fn granitehybrid_layer(
     if s.shared_ff > 0 {
         swiglu_ffn(cfg, l, add, s.shared_ff, "_shexp");
     }
+}
+
+/// Block `l`'s Mamba2 mixer (granitehybrid, Nemotron-H), in llama.cpp's
+/// names and shapes, with Mamba2's initialisation, so the recurrence stays
+/// tame over long prompts: `A = -U[1, 16)`, `dt_bias` the inverse softplus
+/// of a log-uniform time step in `[0.001, 0.1)`, `D` and the gated norm
+/// about 1.
+fn mamba2_mixer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, lay) = (s.embd, Some(l));
+    let (inner, conv, heads) = (s.mamba2_inner(), s.mamba2_conv_dim(), s.ssm_v_heads);
+    let w_in = vec![e, s.mamba2_in_proj()];
+    add(n("ssm_in.weight"), w_in, t.dense, Init::Normal(inv(e)), lay);
+    let (k, g) = (s.ssm_conv, s.ssm_k_heads);
+    // `ssm_a` is -exp(A_log) as the converter stores it, Mamba2's A U[1, 16).
+    for (part, dims, init) in [
+        ("ssm_conv1d.weight", vec![k, conv], Init::Normal(inv(k))),
+        ("ssm_conv1d.bias", vec![conv], Init::Normal(0.1)),
+        ("ssm_dt.bias", vec![heads], Init::DtBias(0.001, 0.1)),
+        ("ssm_a", vec![1, heads], Init::Uniform(-16.0, -1.0)),
+        ("ssm_d", vec![1, heads], Init::Norm),
+        ("ssm_norm.weight", vec![inner / g, g], Init::Norm),
+    ] {
+        add(n(part), dims, GgmlType::F32, init, lay);
+    }
+    let wo = Init::Normal(r * inv(inner));
+    add(n("ssm_out.weight"), vec![inner, e], t.dense, wo, lay);
+}
+
+/// The tensors of Nemotron-H block `l`, in llama.cpp's names and shapes: its
+/// one norm, `attn_norm`, then by [`nemotron_layer_kind`] a Mamba2 mixer
+/// ([`mamba2_mixer`], over [`nemotron_ssm`]'s heads and groups), attention
+/// without biases, or the router, its selection bias
+/// (`exp_probs_b`), the ungated experts (`ffn_up_exps`, `ffn_down_exps`) and
+/// the ungated shared expert; `nemotron_h`'s FFN is `ffn_up`, `ffn_down`.
+fn nemotron_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, lay) = (s.embd, Some(l));
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
+    match nemotron_layer_kind(l, s.layers) {
+        NemotronLayer::Attention => {
+            let (q, kv) = (s.q_dim(), s.kv_dim());
+            for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                let w = n(&format!("{part}.weight"));
+                add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
+            }
+            let wo = n("attn_output.weight");
+            add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+        }
+        NemotronLayer::Mamba2 => mamba2_mixer(cfg, l, add),
+        NemotronLayer::Ffn if cfg.is_moe() => {
+            let (x, f) = (s.experts, s.expert_ff);
+            add(
+                n("ffn_gate_inp.weight"),
+                vec![e, x],
+                GgmlType::F32,
+                Init::Router,
+                lay,
+            );
+            selection_bias(cfg, l, add);
+            let up = Init::Normal(inv(e));
+            add(n("ffn_up_exps.weight"), vec![e, f, x], t.expert, up, lay);
+            let down = Init::Normal(r * inv(f));
+            add(
+                n("ffn_down_exps.weight"),
+                vec![f, e, x],
+                t.expert,
+                down,
+                lay,
+            );
+            relu2_ffn(cfg, l, add, s.shared_ff, "_shexp");
+        }
+        NemotronLayer::Ffn => relu2_ffn(cfg, l, add, s.ff, ""),
+    }
+}
+
+/// Block `l`'s ungated FFN `ffn_{up,down}{suffix}` of `f` hidden units
+/// (Nemotron-H's `relu(up x)^2`: a dense FFN, or a shared expert with
+/// `_shexp`).
+fn relu2_ffn(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+    f: u64,
+    suffix: &str,
+) {
+    let (e, t, r) = (cfg.shape.embd, &cfg.types, cfg.output_init());
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.ffn_{part}{suffix}.weight");
+    let up = Init::Normal(inv(e));
+    add(n("up"), vec![e, f], t.dense, up, Some(l));
+    let down = Init::Normal(r * inv(f));
+    add(n("down"), vec![f, e], t.dense, down, Some(l));
 }
 
 /// Block `l`'s norm weight `name`: `len` values in F32.
@@ -2138,7 +2434,34 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         Arch::Llama | Arch::Mixtral | Arch::Granitehybrid if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
-    kv(format!("{a}.feed_forward_length"), u32v(ff));
+    let i32_array = |values: Vec<u64>| {
+        let items = values.into_iter().map(|v| MetaValue::I32(v as i32));
+        MetaValue::Array(
+            MetaArray::new(ValueType::I32, items.collect()).expect("i32 items in an i32 array"),
+        )
+    };
+    // Nemotron-H's per layer, in the converter's i32 arrays: the FFN's width
+    // on its FFN layers, the KV heads on its attention layers, 0 elsewhere
+    // (how llama.cpp tells the layers apart).
+    let nemotron_layers = |kind: NemotronLayer, v: u64| {
+        let per = (0..s.layers).map(|l| {
+            if nemotron_layer_kind(l, s.layers) == kind {
+                v
+            } else {
+                0
+            }
+        });
+        i32_array(per.collect())
+    };
+    if cfg.arch.is_nemotron() {
+        let width = if cfg.is_moe() { s.expert_ff } else { s.ff };
+        kv(
+            format!("{a}.feed_forward_length"),
+            nemotron_layers(NemotronLayer::Ffn, width),
+        );
+    } else {
+        kv(format!("{a}.feed_forward_length"), u32v(ff));
+    }
     kv(format!("{a}.attention.head_count"), u32v(s.heads));
     if cfg.arch == Arch::Deepseek2 {
         // MLA as llama.cpp's converter writes it: one latent head, keys of
@@ -2152,19 +2475,20 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             // Per layer, 0 on the Mamba2 ones (how llama.cpp tells them), in
             // the converter's i32 array.
             let heads = (0..s.layers).map(|l| {
-                let n = if granitehybrid_is_attention(l, s.layers) {
+                if granitehybrid_is_attention(l, s.layers) {
                     s.kv_heads
                 } else {
                     0
-                };
-                MetaValue::I32(n as i32)
+                }
             });
             kv(
                 format!("{a}.attention.head_count_kv"),
-                MetaValue::Array(
-                    MetaArray::new(ValueType::I32, heads.collect())
-                        .expect("i32 items in an i32 array"),
-                ),
+                i32_array(heads.collect()),
+            );
+        } else if cfg.arch.is_nemotron() {
+            kv(
+                format!("{a}.attention.head_count_kv"),
+                nemotron_layers(NemotronLayer::Attention, s.kv_heads),
             );
         } else {
             kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
@@ -2212,6 +2536,19 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     if cfg.arch == Arch::Granitehybrid {
         // As llama.cpp's converter writes Granite 4.0-H: no RoPE (its
         // `rope.scaling.finetuned` switches RoPE), Mamba2's sizes.
+        kv(
+            format!("{a}.rope.scaling.finetuned"),
+            MetaValue::Bool(false),
+        );
+        kv(format!("{a}.ssm.conv_kernel"), u32v(s.ssm_conv));
+        kv(format!("{a}.ssm.state_size"), u32v(s.ssm_head_dim));
+        kv(format!("{a}.ssm.group_count"), u32v(s.ssm_k_heads));
+        kv(format!("{a}.ssm.inner_size"), u32v(s.mamba2_inner()));
+        kv(format!("{a}.ssm.time_step_rank"), u32v(s.ssm_v_heads));
+    }
+    if cfg.arch.is_nemotron() {
+        // As llama.cpp's converter writes Nemotron-H (through granitehybrid's
+        // writer): no RoPE, Mamba2's sizes.
         kv(
             format!("{a}.rope.scaling.finetuned"),
             MetaValue::Bool(false),
@@ -2328,10 +2665,14 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         );
     }
     kv(format!("{a}.rope.freq_base"), MetaValue::F32(s.rope_base));
-    kv(
-        format!("{a}.attention.layer_norm_rms_epsilon"),
-        MetaValue::F32(s.norm_eps),
-    );
+    // Nemotron-H's converter writes the config's `layer_norm_epsilon`, which
+    // llama.cpp's loader requires and takes for the RMS norms.
+    let eps = if cfg.arch.is_nemotron() {
+        "layer_norm_epsilon"
+    } else {
+        "layer_norm_rms_epsilon"
+    };
+    kv(format!("{a}.attention.{eps}"), MetaValue::F32(s.norm_eps));
     kv(format!("{a}.vocab_size"), u32v(s.vocab));
     if cfg.is_moe() {
         kv(format!("{a}.expert_count"), u32v(s.experts));
@@ -2349,9 +2690,23 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
                 u32v(s.shared_ff),
             );
         }
-        // llama.cpp's graph fixes ERNIE's and Llama 4's routing; their
-        // converters write no such keys.
-        if !matches!(cfg.arch, Arch::Ernie45moe | Arch::Llama4) {
+        if cfg.arch == Arch::NemotronHMoe {
+            // As the converter writes Nemotron 3 Nano's (its gating, a
+            // sigmoid, is fixed by llama.cpp's graph: no key).
+            kv(format!("{a}.expert_shared_count"), u32v(1));
+            kv(format!("{a}.expert_weights_norm"), MetaValue::Bool(true));
+            kv(
+                format!("{a}.expert_weights_scale"),
+                MetaValue::F32(NEMOTRON_WEIGHTS_SCALE),
+            );
+            kv(format!("{a}.expert_group_count"), u32v(1));
+        }
+        // llama.cpp's graph fixes ERNIE's, Llama 4's and Nemotron-H's
+        // routing; their converters write no such keys.
+        if !matches!(
+            cfg.arch,
+            Arch::Ernie45moe | Arch::Llama4 | Arch::NemotronHMoe
+        ) {
             kv(
                 format!("{a}.expert_weights_norm"),
                 MetaValue::Bool(cfg.arch.normalizes()),
@@ -2502,6 +2857,26 @@ pub fn describe(
             attention.join(",")
         )?;
     }
+    if cfg.arch.is_nemotron() {
+        let pattern: String = (0..s.layers)
+            .map(|l| match nemotron_layer_kind(l, s.layers) {
+                NemotronLayer::Mamba2 => 'M',
+                NemotronLayer::Attention => '*',
+                NemotronLayer::Ffn if cfg.is_moe() => 'E',
+                NemotronLayer::Ffn => '-',
+            })
+            .collect();
+        writeln!(
+            out,
+            "  mamba2: inner {}, heads {} x {}, state {}, groups {}, conv {}; layers {pattern}",
+            s.mamba2_inner(),
+            s.ssm_v_heads,
+            s.mamba2_inner() / s.ssm_v_heads,
+            s.ssm_head_dim,
+            s.ssm_k_heads,
+            s.ssm_conv,
+        )?;
+    }
     if cfg.is_moe() {
         write!(
             out,
@@ -2639,6 +3014,8 @@ mod tests {
             Arch::Granite,
             Arch::Granitemoe,
             Arch::Granitehybrid,
+            Arch::NemotronHMoe,
+            Arch::NemotronH,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
@@ -2794,6 +3171,294 @@ mod tests {
             ..Overrides::default()
         });
         assert!(e.is_err());
+    }
+
+    #[test]
+    fn nemotron_layer_kinds_follow_nemotron_3_nano_mix() {
+        let pattern = |layers: u64| -> String {
+            (0..layers)
+                .map(|l| match nemotron_layer_kind(l, layers) {
+                    NemotronLayer::Mamba2 => 'M',
+                    NemotronLayer::Attention => '*',
+                    NemotronLayer::Ffn => 'E',
+                })
+                .collect()
+        };
+        assert_eq!(pattern(3), "M*E");
+        assert_eq!(pattern(4), "ME*E");
+        assert_eq!(pattern(7), "MEMEM*E");
+        assert_eq!(pattern(16), "MEMEMEM*EMEMEMEM");
+        let a3b = pattern(52);
+        assert_eq!(&a3b[..18], "MEMEMEM*EMEMEMEM*E");
+        let count = |p: &str, c: char| p.chars().filter(|x| *x == c).count();
+        // Nemotron 3 Nano: 23 Mamba2, 23 MoE and 6 attention layers of 52.
+        assert_eq!(
+            [count(&a3b, 'M'), count(&a3b, 'E'), count(&a3b, '*')],
+            [24, 23, 5]
+        );
+        for layers in 3..=200 {
+            let p = pattern(layers);
+            let [m, e, a] = [count(&p, 'M'), count(&p, 'E'), count(&p, '*')];
+            assert!(m > 0 && e > 0 && a > 0, "{layers}: {p}");
+            // Never two Mamba2 or two attention layers in a row.
+            assert!(!p.contains("MM") && !p.contains("**"), "{layers}: {p}");
+            if layers >= 36 {
+                // About 45% each of Mamba2 and FFN, 10% attention.
+                let share = |n: usize| n as f64 / layers as f64;
+                assert!((0.42..0.48).contains(&share(m)), "{layers}: {p}");
+                assert!((0.42..0.48).contains(&share(e)), "{layers}: {p}");
+                assert!((0.08..0.14).contains(&share(a)), "{layers}: {p}");
+            }
+        }
+    }
+
+    /// The metadata and tensors llama.cpp's `nemotron_h_moe` and `nemotron_h`
+    /// loaders read: per-layer KV heads and FFN widths, 0 except on the
+    /// attention and FFN layers, each layer one norm and one sub-layer.
+    #[test]
+    fn nemotron_plan_and_metadata() {
+        for (arch, preset) in [
+            (Arch::NemotronHMoe, Preset::Tiny),
+            (Arch::NemotronHMoe, Preset::Small),
+            (Arch::NemotronHMoe, Preset::A3b),
+            (Arch::NemotronH, Preset::Tiny),
+            (Arch::NemotronH, Preset::Small),
+        ] {
+            let cfg = SynthConfig::new(arch, preset, &Overrides::default(), 0).unwrap();
+            let s = &cfg.shape;
+            let moe = arch == Arch::NemotronHMoe;
+            assert_eq!(cfg.is_moe(), moe);
+            let [heads, head, state, groups] = nemotron_ssm(preset);
+            let (e, inner) = (s.embd, heads * head);
+            let vocab = Vocab::build(s.vocab as usize).unwrap();
+            let meta = metadata(&cfg, &vocab);
+            let a = arch.gguf_name();
+            let get = |k: &str| {
+                let key = format!("{a}.{k}");
+                meta.iter().find(|(x, _)| *x == key).map(|(_, v)| v.clone())
+            };
+            let array = |k: &str| -> Vec<MetaValue> {
+                let Some(MetaValue::Array(v)) = get(k) else {
+                    panic!("{k} is not an array");
+                };
+                v.items().collect()
+            };
+            let u = |k: &str| match get(k) {
+                Some(MetaValue::U32(v)) => u64::from(v),
+                v => panic!("{k}: {v:?}"),
+            };
+            let (kv, ff) = (
+                array("attention.head_count_kv"),
+                array("feed_forward_length"),
+            );
+            assert_eq!((kv.len() as u64, ff.len() as u64), (s.layers, s.layers));
+            let p = tensor_plan(&cfg);
+            let find = |name: &str| p.iter().find(|t| t.name == name);
+            let width = if moe { s.expert_ff } else { s.ff };
+            for l in 0..s.layers {
+                let kind = nemotron_layer_kind(l, s.layers);
+                let at = |k| if kind == k { 1 } else { 0 };
+                let want_kv = (at(NemotronLayer::Attention) * s.kv_heads) as i32;
+                let want_ff = (at(NemotronLayer::Ffn) * width) as i32;
+                assert_eq!(kv[l as usize], MetaValue::I32(want_kv), "{preset:?} {l}");
+                assert_eq!(ff[l as usize], MetaValue::I32(want_ff), "{preset:?} {l}");
+                let t = |part: &str| find(&format!("blk.{l}.{part}"));
+                assert!(t("attn_norm.weight").is_some());
+                assert!(t("ffn_norm.weight").is_none());
+                assert_eq!(
+                    t("attn_q.weight").is_some(),
+                    kind == NemotronLayer::Attention
+                );
+                assert_eq!(t("ssm_in.weight").is_some(), kind == NemotronLayer::Mamba2);
+                let ffn = kind == NemotronLayer::Ffn;
+                for part in [
+                    "ffn_gate_inp.weight",
+                    "exp_probs_b.bias",
+                    "ffn_up_exps.weight",
+                    "ffn_down_exps.weight",
+                    "ffn_up_shexp.weight",
+                    "ffn_down_shexp.weight",
+                ] {
+                    assert_eq!(t(part).is_some(), ffn && moe, "{l} {part}");
+                }
+                for part in ["ffn_up.weight", "ffn_down.weight"] {
+                    assert_eq!(t(part).is_some(), ffn && !moe, "{l} {part}");
+                }
+                // Ungated, everywhere.
+                for part in ["ffn_gate_exps", "ffn_gate_shexp", "ffn_gate"] {
+                    assert!(t(&format!("{part}.weight")).is_none());
+                }
+                if ffn && moe {
+                    let (x, f, sh) = (s.experts, s.expert_ff, s.shared_ff);
+                    assert_eq!(t("ffn_up_exps.weight").unwrap().dims, [e, f, x]);
+                    assert_eq!(t("ffn_down_exps.weight").unwrap().dims, [f, e, x]);
+                    assert_eq!(t("ffn_up_shexp.weight").unwrap().dims, [e, sh]);
+                    assert_eq!(t("ffn_down_shexp.weight").unwrap().dims, [sh, e]);
+                    let bias = t("exp_probs_b.bias").unwrap();
+                    assert_eq!((bias.dims.clone(), bias.ty), (vec![x], GgmlType::F32));
+                }
+                if kind != NemotronLayer::Mamba2 {
+                    continue;
+                }
+                let conv = inner + 2 * groups * state;
+                for (part, dims, small) in [
+                    (
+                        "ssm_in.weight",
+                        vec![e, 2 * inner + 2 * groups * state + heads],
+                        false,
+                    ),
+                    ("ssm_conv1d.weight", vec![4, conv], true),
+                    ("ssm_conv1d.bias", vec![conv], true),
+                    ("ssm_dt.bias", vec![heads], true),
+                    ("ssm_a", vec![1, heads], true),
+                    ("ssm_d", vec![1, heads], true),
+                    ("ssm_norm.weight", vec![inner / groups, groups], true),
+                    ("ssm_out.weight", vec![inner, e], false),
+                ] {
+                    let t = t(part).unwrap();
+                    assert_eq!(t.dims, dims, "{part}");
+                    assert_eq!(
+                        t.ty == GgmlType::F32,
+                        small,
+                        "{preset:?} {part} is {}",
+                        t.ty
+                    );
+                }
+            }
+            assert_eq!(u("ssm.inner_size"), inner);
+            assert_eq!(u("ssm.time_step_rank"), heads);
+            assert_eq!(u("ssm.state_size"), state);
+            assert_eq!(u("ssm.group_count"), groups);
+            assert_eq!(u("ssm.conv_kernel"), 4);
+            assert_eq!(u("attention.key_length"), s.head_dim);
+            assert_eq!(u("attention.value_length"), s.head_dim);
+            assert_eq!(
+                get("attention.layer_norm_epsilon"),
+                Some(MetaValue::F32(1e-5))
+            );
+            assert_eq!(get("attention.layer_norm_rms_epsilon"), None);
+            assert_eq!(get("rope.scaling.finetuned"), Some(MetaValue::Bool(false)));
+            assert_eq!(get("expert_gating_func"), None);
+            if moe {
+                assert_eq!(u("expert_count"), s.experts);
+                assert_eq!(u("expert_used_count"), s.top_k);
+                assert_eq!(u("expert_feed_forward_length"), s.expert_ff);
+                assert_eq!(u("expert_shared_feed_forward_length"), s.shared_ff);
+                assert_eq!(u("expert_shared_count"), 1);
+                assert_eq!(u("expert_group_count"), 1);
+                assert_eq!(get("expert_weights_norm"), Some(MetaValue::Bool(true)));
+                let scale = Some(MetaValue::F32(NEMOTRON_WEIGHTS_SCALE));
+                assert_eq!(get("expert_weights_scale"), scale);
+            } else {
+                assert_eq!(get("expert_count"), None);
+            }
+        }
+    }
+
+    #[test]
+    fn nemotron_a3b_is_nemotron_3_nano_and_refusals() {
+        let cfg =
+            SynthConfig::new(Arch::NemotronHMoe, Preset::A3b, &Overrides::default(), 0).unwrap();
+        let s = &cfg.shape;
+        assert_eq!(
+            [s.layers, s.embd, s.heads, s.kv_heads, s.head_dim, s.vocab],
+            [52, 2688, 32, 2, 128, 131_072]
+        );
+        assert_eq!(
+            [s.experts, s.top_k, s.expert_ff, s.shared_ff],
+            [128, 6, 1856, 3712]
+        );
+        assert_eq!(s.mamba2_inner(), 4096);
+        // The popularity skew calibrated for Nemotron's LRU hit rates
+        // (nemotron_knobs); an override still wins.
+        let skew = |preset, o: Overrides| {
+            SynthConfig::new(Arch::NemotronHMoe, preset, &o, 0)
+                .unwrap()
+                .knobs
+                .popularity_skew
+        };
+        assert_eq!(cfg.knobs.popularity_skew, 1.5);
+        assert_eq!(skew(Preset::Small, Overrides::default()), 2.75);
+        assert_eq!(skew(Preset::Tiny, Overrides::default()), 0.5);
+        let o = Overrides {
+            popularity_skew: Some(0.25),
+            ..Overrides::default()
+        };
+        assert_eq!(skew(Preset::Small, o), 0.25);
+        assert_eq!(cfg.knobs.residual_scale, Preset::A3b.knobs().residual_scale);
+        // Rows of 2688 take no K-quant: q4_k falls back to q5_0 and the
+        // more-bits q6_k to q8_0, as llama.cpp's quantizer does; rows of
+        // 1856 (ffn_down_exps) alike.
+        let p = tensor_plan(&cfg);
+        assert_eq!(ty(&p, "blk.1.ffn_up_exps.weight"), GgmlType::Q5_0);
+        assert_eq!(ty(&p, "blk.1.ffn_down_exps.weight"), GgmlType::Q8_0);
+        assert_eq!(ty(&p, "blk.21.ffn_down_exps.weight"), GgmlType::Q5_0);
+        assert_eq!(ty(&p, "blk.0.ssm_out.weight"), GgmlType::Q4K);
+        // attn_v counts among the five attention layers': the third and the
+        // fifth get more bits.
+        for (l, want) in [(7, 5), (16, 5), (25, 8), (34, 5), (43, 8)] {
+            let want = if want == 8 {
+                GgmlType::Q8_0
+            } else {
+                GgmlType::Q5_0
+            };
+            assert_eq!(ty(&p, &format!("blk.{l}.attn_v.weight")), want, "{l}");
+        }
+        // 25.5 GB: 31.6 billion weights, most of them in q5_0 and q8_0.
+        let bytes: u64 = p.iter().map(TensorPlan::bytes).sum();
+        assert_eq!(bytes, 25_490_741_248);
+
+        let new = |arch, o: Overrides| SynthConfig::new(arch, Preset::Tiny, &o, 0);
+        let err = |arch, o| new(arch, o).unwrap_err().to_string();
+        let layers = |n| Overrides {
+            layers: Some(n),
+            ..Overrides::default()
+        };
+        assert!(err(Arch::NemotronHMoe, layers(2)).contains("3 or more layers"));
+        assert!(err(Arch::NemotronH, layers(2)).contains("3 or more layers"));
+        assert!(new(Arch::NemotronHMoe, layers(3)).is_ok());
+        let experts = |n| Overrides {
+            experts: Some(n),
+            ..Overrides::default()
+        };
+        assert!(err(Arch::NemotronHMoe, experts(0)).contains("nemotron_h"));
+        assert!(err(Arch::NemotronHMoe, experts(1)).contains("2 or more experts"));
+        assert!(new(Arch::NemotronHMoe, experts(2)).is_ok());
+        assert!(err(Arch::NemotronH, experts(8)).contains("nemotron_h_moe"));
+        let no_shared = Overrides {
+            shared_ff: Some(0),
+            ..Overrides::default()
+        };
+        assert!(err(Arch::NemotronHMoe, no_shared).contains("shared expert"));
+        let mtp = Overrides {
+            mtp_layers: Some(1),
+            ..Overrides::default()
+        };
+        assert!(err(Arch::NemotronHMoe, mtp).contains("--mtp-layers"));
+        // The Mamba2 width is not tied to the embedding (unlike granitehybrid).
+        let wide = Overrides {
+            embd: Some(80),
+            ..Overrides::default()
+        };
+        let cfg = new(Arch::NemotronHMoe, wide).unwrap();
+        assert_eq!((cfg.shape.embd, cfg.shape.mamba2_inner()), (80, 96));
+    }
+
+    /// A dense Nemotron-H counts its FFN layers for the more-bits rule, as
+    /// llama.cpp does without experts.
+    #[test]
+    fn nemotron_h_q4_k_m_counts_ffn_layers() {
+        let p = plan(Arch::NemotronH, Preset::Small, Overrides::default());
+        let downs: Vec<(u64, GgmlType)> = p
+            .iter()
+            .filter(|t| t.name.ends_with("ffn_down.weight"))
+            .map(|t| (t.layer.unwrap(), t.ty))
+            .collect();
+        assert_eq!(downs.len(), 7);
+        for (i, (l, t)) in downs.iter().enumerate() {
+            let more = use_more_bits(i as u64, 16);
+            assert_eq!(*t == GgmlType::Q6K, more, "ffn_down #{i} (layer {l})");
+        }
     }
 
     #[test]

@@ -163,9 +163,13 @@ impl<'g, B: AsRef<[u8]>> Model<'g, B> {
 /// measures routing statistics. The model must have routed experts.
 pub fn probe<B: AsRef<[u8]>>(g: &Gguf<B>, tokens: usize, seed: u64) -> Res<ProbeReport> {
     let arch = e(g.architecture())?.to_string();
-    if arch == "qwen35moe" || arch == "granitehybrid" {
-        // Their DeltaNet / Mamba2 layers are not modelled here; `les bench`
-        // reports the engine's own per-layer prediction quality.
+    if matches!(
+        arch.as_str(),
+        "qwen35moe" | "granitehybrid" | "nemotron_h_moe" | "nemotron_h"
+    ) {
+        // Their DeltaNet / Mamba2 layers (and Nemotron-H's ungated experts)
+        // are not modelled here; `les bench` reports the engine's own
+        // per-layer prediction quality.
         return Err(format!("the probe does not model {arch}; use `les bench`"));
     }
     let key = |k: &str| format!("{arch}.{k}");
