@@ -1376,8 +1376,14 @@ impl Model {
             .get_f32(&k("attention.layer_norm_rms_epsilon"))
             .optional()?;
         if arch.is_nemotron() && norm_eps.is_none() {
-            // llama.cpp's nemotron_h loader: the layer norm's epsilon.
-            norm_eps = g.get_f32(&k("attention.layer_norm_epsilon")).optional()?;
+            // llama.cpp's nemotron_h loader: the layer norm's epsilon, which
+            // it requires.
+            let key = k("attention.layer_norm_epsilon");
+            norm_eps = Some(g.get_f32(&key).optional()?.ok_or_else(|| {
+                invalid(format!(
+                    "{key} is missing (and {a}.attention.layer_norm_rms_epsilon)"
+                ))
+            })?);
         }
         let norm_eps = norm_eps.unwrap_or(1e-6);
         let n_ctx_train = opt_usize(&g, &k("context_length"))?.unwrap_or(4096);
@@ -1586,11 +1592,6 @@ impl Model {
         };
         let scales = match arch {
             Arch::Granite | Arch::GraniteMoe | Arch::GraniteHybrid => granite_scales(&g, arch, a)?,
-            // llama.cpp's nemotron_h graph: the attention scale where given.
-            Arch::NemotronH | Arch::NemotronHMoe => Scales {
-                attention: positive_scale(&g, a, "attention.scale")?,
-                ..Scales::NONE
-            },
             _ => Scales::NONE,
         };
         let hp = Hparams {

@@ -225,6 +225,8 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "granite",
         "granitemoe",
         "granitehybrid",
+        "nemotron_h",
+        "nemotron_h_moe",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

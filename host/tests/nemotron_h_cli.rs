@@ -19,9 +19,11 @@ use std::path::{Path, PathBuf};
 use cli::{greedy_json, greedy_logits, tiny, tmp, tokens, F32_WEIGHTS};
 use les::gguf::{Gguf, GgufWriter, MetaArray, MetaValue, ValueType};
 use les::model::Model;
+use les::pack::PackedIndex;
 use les::synth::{nemotron_layer_kind, NemotronLayer};
 use les_core::model::config::{ExpertAct, LinearShape};
 use les_core::model::forward::{Ffn, Mixer, Weights};
+use les_core::quant::GgmlType;
 use les_core::router::Gating;
 
 const A: &str = "nemotron_h_moe";
@@ -299,6 +301,22 @@ fn nemotron_keys_are_read_as_llama_cpp_reads_them() {
         )],
     );
     assert_eq!(Model::open(&rms).unwrap().hp.norm_eps, 1e-3);
+    // Without either epsilon, refused as llama.cpp refuses it.
+    let eps_key = "nemotron_h_moe.attention.layer_norm_epsilon";
+    let no_eps = edited("nh_no_eps.gguf", |k, v| (k != eps_key).then_some(v), vec![]);
+    assert!(open_err(&no_eps).contains(eps_key));
+    // llama.cpp's nemotron_h loader never reads `attention.scale` (its graph
+    // scales by 1 / sqrt(head_dim)): a file with one decodes the same.
+    let scaled = edited(
+        "nh_attn_scale.gguf",
+        |_, v| Some(v),
+        vec![("nemotron_h_moe.attention.scale", MetaValue::F32(0.5))],
+    );
+    assert_eq!(Model::open(&scaled).unwrap().hp.scales.attention, None);
+    assert_eq!(
+        greedy_logits(&q, "nh_unscaled", &[]),
+        greedy_logits(&scaled, "nh_scaled", &[])
+    );
     // expert_weights_norm is read; the gating stays the graph's sigmoid
     // whatever a gating key says.
     let plain = edited(
@@ -429,6 +447,57 @@ fn streamed_experts_give_the_resident_logits() {
         let (t, l) = greedy_logits(&m, &name, args);
         assert_eq!(t, want_tokens, "{args:?}");
         assert!(l == want, "{args:?}: logits differ");
+    }
+}
+
+/// A packed copy (each ungated expert's up and down in one extent, a types
+/// key of two entries) gives the resident logits under every schedule, slot
+/// count and batch size; a requantizing plan and a bits-per-weight budget
+/// pack the two matrices alone, and the results run.
+#[test]
+fn packed_experts_stream_exactly() {
+    let q = model("q", &[]);
+    let (packed, want_tokens) = cli::streams_exactly(&q, "nemotron_q");
+    let g = Gguf::open(&packed).unwrap();
+    let index = PackedIndex::from_gguf(&g).unwrap().unwrap();
+    assert_eq!(index.layers().len(), 2);
+    for l in index.layers() {
+        assert!(l.format.gate.is_none(), "layer {}", l.layer);
+        let key = format!("les.pack.blk.{}.types", l.layer);
+        assert_eq!(g.get_array(&key).unwrap().len(), 2, "{key}");
+        let (up, down) = (l.format.up, l.format.down);
+        let want = up.row_bytes(64).unwrap() * 64 + down.row_bytes(64).unwrap() * 64;
+        assert_eq!(l.expert_bytes, want as u64);
+    }
+    for (name, args) in [
+        ("plan", &["--expert-types", "0-:q8_0"][..]),
+        ("bpw", &["--bits-per-weight", "6"]),
+    ] {
+        let out_path = tmp(&format!("nemotron_{name}.p.gguf"));
+        let out = cli::les()
+            .arg("pack")
+            .arg(&q)
+            .arg("-o")
+            .arg(&out_path)
+            .args(args)
+            .output()
+            .unwrap();
+        let report = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let g = Gguf::open(&out_path).unwrap();
+        let index = PackedIndex::from_gguf(&g).unwrap().unwrap();
+        for l in index.layers() {
+            assert_eq!(l.types().len(), 2, "{name}: {report}");
+            if name == "plan" {
+                assert_eq!(l.types(), [GgmlType::Q8_0; 2]);
+            }
+        }
+        let (t, _) = greedy_logits(&out_path, &format!("nemotron_{name}"), &[]);
+        assert_eq!(t.len(), want_tokens.len(), "{name}");
     }
 }
 
