@@ -12,20 +12,14 @@ mod common;
 use std::path::PathBuf;
 
 use cli::{
-    assert_close_to_llama_cpp, assert_equals_llama_cpp, greedy_logits, streams_exactly, tiny, tmp,
-    F32_WEIGHTS,
+    assert_close_to_llama_cpp, assert_equals_llama_cpp, greedy_logits, i32_array, streams_exactly,
+    tiny, tmp, F32_WEIGHTS,
 };
-use les::gguf::{Gguf, MetaArray, MetaValue, ValueType};
+use les::gguf::{Gguf, MetaValue};
 use les::model::Model;
 use les_core::model::config::{LinearShape, Scales};
 use les_core::model::forward::{Mixer, Weights};
 use les_core::router::Gating;
-
-/// `attention.head_count_kv` as the converter writes it: one i32 a layer.
-fn kv_counts(counts: &[i32]) -> MetaValue {
-    let items = counts.iter().map(|c| MetaValue::I32(*c)).collect();
-    MetaArray::new(ValueType::I32, items).unwrap().into()
-}
 
 fn model(name: &str, extra: &[&str]) -> PathBuf {
     tiny("granitehybrid", name, extra)
@@ -123,7 +117,7 @@ fn granitehybrid_keys_are_read_as_llama_cpp_reads_them() {
     let uneven = edited(
         "gh_uneven_kv.gguf",
         |k, v| match k {
-            "granitehybrid.attention.head_count_kv" => Some(kv_counts(&[0, 2, 0, 4])),
+            "granitehybrid.attention.head_count_kv" => Some(i32_array(&[0, 2, 0, 4])),
             _ => Some(v),
         },
         vec![],
@@ -132,7 +126,7 @@ fn granitehybrid_keys_are_read_as_llama_cpp_reads_them() {
     let short = edited(
         "gh_short_kv.gguf",
         |k, v| match k {
-            "granitehybrid.attention.head_count_kv" => Some(kv_counts(&[0, 2])),
+            "granitehybrid.attention.head_count_kv" => Some(i32_array(&[0, 2])),
             _ => Some(v),
         },
         vec![],

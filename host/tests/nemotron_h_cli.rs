@@ -16,8 +16,8 @@ use std::fs::{self, File};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
-use cli::{greedy_json, greedy_logits, tiny, tmp, tokens, F32_WEIGHTS};
-use les::gguf::{Gguf, GgufWriter, MetaArray, MetaValue, ValueType};
+use cli::{greedy_json, greedy_logits, i32_array, tiny, tmp, tokens, F32_WEIGHTS};
+use les::gguf::{Gguf, GgufWriter, MetaValue};
 use les::model::Model;
 use les::pack::PackedIndex;
 use les::synth::{nemotron_layer_kind, NemotronLayer};
@@ -37,12 +37,6 @@ fn model(name: &str, extra: &[&str]) -> PathBuf {
 
 fn dense(name: &str, extra: &[&str]) -> PathBuf {
     tiny("nemotron_h", name, extra)
-}
-
-/// A per-layer array as the converter writes it: one i32 a layer.
-fn i32_array(values: &[i32]) -> MetaValue {
-    let items = values.iter().map(|c| MetaValue::I32(*c)).collect();
-    MetaArray::new(ValueType::I32, items).unwrap().into()
 }
 
 /// A copy of the `q` model with `edit` applied to its metadata and `extra`

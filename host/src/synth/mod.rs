@@ -1948,19 +1948,10 @@ fn granitehybrid_layer(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
-    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
-    let n = |part: &str| format!("blk.{l}.{part}");
-    let (e, lay) = (s.embd, Some(l));
+    let (s, e) = (&cfg.shape, cfg.shape.embd);
     norm_tensor(&mut *add, l, "attn_norm.weight", e);
     if granitehybrid_is_attention(l, s.layers) {
-        let (q, kv) = (s.q_dim(), s.kv_dim());
-        for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
-            let w = n(&format!("{part}.weight"));
-            add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
-        }
-        let wo = n("attn_output.weight");
-        add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+        unbiased_attention(cfg, l, add);
     } else {
         mamba2_mixer(cfg, l, add);
     }
@@ -1973,6 +1964,26 @@ fn granitehybrid_layer(
     if s.shared_ff > 0 {
         swiglu_ffn(cfg, l, add, s.shared_ff, "_shexp");
     }
+}
+
+/// Block `l`'s attention projections without biases or norms
+/// (granitehybrid's, Nemotron-H's).
+fn unbiased_attention(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, lay) = (s.embd, Some(l));
+    let (q, kv) = (s.q_dim(), s.kv_dim());
+    for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+        let w = n(&format!("{part}.weight"));
+        add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
+    }
+    let wo = n("attn_output.weight");
+    add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
 }
 
 /// Block `l`'s Mamba2 mixer (granitehybrid, Nemotron-H), in llama.cpp's
@@ -2025,15 +2036,7 @@ fn nemotron_layer(
     let (e, lay) = (s.embd, Some(l));
     norm_tensor(&mut *add, l, "attn_norm.weight", e);
     match nemotron_layer_kind(l, s.layers) {
-        NemotronLayer::Attention => {
-            let (q, kv) = (s.q_dim(), s.kv_dim());
-            for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
-                let w = n(&format!("{part}.weight"));
-                add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
-            }
-            let wo = n("attn_output.weight");
-            add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
-        }
+        NemotronLayer::Attention => unbiased_attention(cfg, l, add),
         NemotronLayer::Mamba2 => mamba2_mixer(cfg, l, add),
         NemotronLayer::Ffn if cfg.is_moe() => {
             let (x, f) = (s.experts, s.expert_ff);

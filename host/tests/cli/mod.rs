@@ -13,6 +13,14 @@ pub fn les() -> Command {
     Command::new(env!("CARGO_BIN_EXE_les"))
 }
 
+/// A per-layer key as the converters write it: one i32 a layer
+/// (`attention.head_count_kv`, `feed_forward_length`).
+pub fn i32_array(values: &[i32]) -> les::gguf::MetaValue {
+    use les::gguf::{MetaArray, MetaValue, ValueType};
+    let items = values.iter().map(|c| MetaValue::I32(*c)).collect();
+    MetaArray::new(ValueType::I32, items).unwrap().into()
+}
+
 /// A path in the test scratch directory.
 pub fn tmp(name: &str) -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
