@@ -2,8 +2,9 @@
 //! wrong, partly right, out of the vocabulary), any draft length, sampler and
 //! expert schedule, `generate_from` hands out the tokens and logits of plain
 //! decoding, bit for bit, and leaves the session where plain decoding leaves
-//! it, for qwen3moe and for qwen35moe and granitehybrid (whose DeltaNet and
-//! Mamba2 states are rolled back when a draft is rejected).
+//! it, for qwen3moe and for qwen35moe, granitehybrid and nemotron_h_moe
+//! (whose DeltaNet and Mamba2 states are rolled back when a draft is
+//! rejected; Nemotron-H's layers are one sub-layer each, its experts ungated).
 
 mod cli;
 
@@ -84,6 +85,11 @@ fn qwen35moe() -> &'static Path {
 fn granitehybrid() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| packed("granitehybrid"))
+}
+
+fn nemotron_h_moe() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| packed("nemotron_h_moe"))
 }
 
 /// The plain (unpacked) tiny qwen35moe [`qwen35moe`] packed, for llama.cpp.
@@ -310,6 +316,11 @@ fn qwen35moe_drafts_change_nothing_but_speed() {
 #[test]
 fn granitehybrid_drafts_change_nothing_but_speed() {
     check(granitehybrid());
+}
+
+#[test]
+fn nemotron_h_moe_drafts_change_nothing_but_speed() {
+    check(nemotron_h_moe());
 }
 
 /// A draft that agrees in full is accepted in full: `max_draft` + 1 tokens a
