@@ -463,6 +463,19 @@ fn packed_experts_stream_exactly() {
         let want = up.row_bytes(64).unwrap() * 64 + down.row_bytes(64).unwrap() * 64;
         assert_eq!(l.expert_bytes, want as u64);
     }
+    // A packed layer whose types name a gate is refused for this
+    // architecture (the index alone cannot tell).
+    let gated = tmp("nemotron_gated.p.gguf");
+    let key = format!("les.pack.blk.{}.types", index.layers()[0].layer);
+    let ty = index.layers()[0].format.up.id();
+    common::rewrite_gguf(
+        &packed,
+        &gated,
+        |k, v| Some(if k == key { vec![ty; 3].into() } else { v }),
+        vec![],
+    );
+    let err = Model::open(&gated).err().unwrap().to_string();
+    assert!(err.contains("experts have a gate"), "{err}");
     for (name, args) in [
         ("plan", &["--expert-types", "0-:q8_0"][..]),
         ("bpw", &["--bits-per-weight", "6"]),

@@ -715,12 +715,28 @@ fn packed_index_rejects_corrupt_metadata() {
         4096,
         "blk.1.ffn_exps_packed.weight has shape",
     );
-    check(
-        &set("les.pack.blk.0.types", vec![8u32, 8].into()),
-        vec![],
+    for n in [1, 4] {
+        check(
+            &set("les.pack.blk.0.types", vec![8u32; n].into()),
+            vec![],
+            4096,
+            &format!("has {n} entries, expected 3 (gate, up, down) or 2 (up, down)"),
+        );
+    }
+    // Two entries are experts without a gate (Nemotron-H's): a layout the
+    // index reads (the loader checks it against the architecture:
+    // `nemotron_h_cli`).
+    rewrite(
+        &packed,
+        &bad,
         4096,
-        "has 2 entries, expected 3",
+        set("les.pack.blk.0.types", vec![8u32, 8].into()),
+        vec![],
     );
+    let ungated = PackedIndex::from_gguf(&Gguf::open(&bad).unwrap())
+        .unwrap()
+        .unwrap();
+    assert_eq!(ungated.layer(0).unwrap().format.gate, None);
     check(
         &set("les.pack.blk.0.types", vec![8u32, 8, 4].into()),
         vec![],
