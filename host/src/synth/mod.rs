@@ -1177,14 +1177,22 @@ impl SynthConfig {
                 ));
             }
         }
-        if matches!(arch, Arch::Llama | Arch::Qwen3vl | Arch::Granite) && o.experts.is_none() {
+        if matches!(
+            arch,
+            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH
+        ) && o.experts.is_none()
+        {
             s.experts = 0;
         }
-        if arch == Arch::Qwen3vl && s.experts > 0 {
-            return config_err("qwen3vl is dense: its MoE is qwen3vlmoe");
-        }
-        if arch == Arch::Granite && s.experts > 0 {
-            return config_err("granite is dense: its MoE is granitemoe");
+        // The dense architectures whose MoE is another.
+        let moe_of = match arch {
+            Arch::Qwen3vl => Some(Arch::Qwen3vlmoe),
+            Arch::Granite => Some(Arch::Granitemoe),
+            Arch::NemotronH => Some(Arch::NemotronHMoe),
+            _ => None,
+        };
+        if let Some(moe) = moe_of.filter(|_| s.experts > 0) {
+            return config_err(format!("{name} is dense: its MoE is {}", moe.cli_name()));
         }
         if arch == Arch::Granitehybrid {
             // One group of B and C; heads of the preset's size over 2 * embd.
@@ -1199,12 +1207,6 @@ impl SynthConfig {
             s.ssm_v_heads = s.mamba2_inner() / head;
             s.ssm_head_dim = state;
             s.ssm_conv = 4;
-        }
-        if arch == Arch::NemotronH && o.experts.is_some_and(|x| x > 0) {
-            return config_err("nemotron_h is dense: its MoE is nemotron_h_moe");
-        }
-        if arch == Arch::NemotronH {
-            s.experts = 0;
         }
         if arch == Arch::NemotronHMoe && s.shared_ff == 0 {
             return config_err(
@@ -1845,20 +1847,8 @@ fn biased_attention(
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
 ) {
-    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
-    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
-    let n = |part: &str| format!("blk.{l}.{part}");
-    let lay = Some(l);
-    let (e, q, kv) = (s.embd, s.q_dim(), s.kv_dim());
-    norm_tensor(&mut *add, l, "attn_norm.weight", e);
-    for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
-        let w = n(&format!("{part}.weight"));
-        add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
-        let b = n(&format!("{part}.bias"));
-        add(b, vec![rows], GgmlType::F32, Init::Normal(0.1), lay);
-    }
-    let wo = n("attn_output.weight");
-    add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
+    norm_tensor(&mut *add, l, "attn_norm.weight", cfg.shape.embd);
+    attention_projections(cfg, l, add, true);
 }
 
 /// The tensors of gpt-oss block `l`, in llama.cpp's names and shapes: biases
@@ -1951,7 +1941,7 @@ fn granitehybrid_layer(
     let (s, e) = (&cfg.shape, cfg.shape.embd);
     norm_tensor(&mut *add, l, "attn_norm.weight", e);
     if granitehybrid_is_attention(l, s.layers) {
-        unbiased_attention(cfg, l, add);
+        attention_projections(cfg, l, add, false);
     } else {
         mamba2_mixer(cfg, l, add);
     }
@@ -1966,12 +1956,14 @@ fn granitehybrid_layer(
     }
 }
 
-/// Block `l`'s attention projections without biases or norms
-/// (granitehybrid's, Nemotron-H's).
-fn unbiased_attention(
+/// Block `l`'s attention projections, without norms: Q, K and V (each with
+/// its bias where `biased`), then the output projection (unbiased:
+/// granitehybrid's, Nemotron-H's).
+fn attention_projections(
     cfg: &SynthConfig,
     l: u64,
     add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+    biased: bool,
 ) {
     let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
     let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
@@ -1981,6 +1973,10 @@ fn unbiased_attention(
     for (part, rows) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
         let w = n(&format!("{part}.weight"));
         add(w, vec![e, rows], t.dense, Init::Normal(inv(e)), lay);
+        if biased {
+            let b = n(&format!("{part}.bias"));
+            add(b, vec![rows], GgmlType::F32, Init::Normal(0.1), lay);
+        }
     }
     let wo = n("attn_output.weight");
     add(wo, vec![q, e], t.dense, Init::Normal(r * inv(q)), lay);
@@ -2036,7 +2032,7 @@ fn nemotron_layer(
     let (e, lay) = (s.embd, Some(l));
     norm_tensor(&mut *add, l, "attn_norm.weight", e);
     match nemotron_layer_kind(l, s.layers) {
-        NemotronLayer::Attention => unbiased_attention(cfg, l, add),
+        NemotronLayer::Attention => attention_projections(cfg, l, add, false),
         NemotronLayer::Mamba2 => mamba2_mixer(cfg, l, add),
         NemotronLayer::Ffn if cfg.is_moe() => {
             let (x, f) = (s.experts, s.expert_ff);
@@ -2536,22 +2532,10 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         );
         kv(format!("{a}.n_deepstack_layers"), u32v(3.min(s.layers)));
     }
-    if cfg.arch == Arch::Granitehybrid {
-        // As llama.cpp's converter writes Granite 4.0-H: no RoPE (its
+    if cfg.arch.has_mamba2() {
+        // As llama.cpp's converter writes Granite 4.0-H, and Nemotron-H
+        // through the same writer: no RoPE (granitehybrid's
         // `rope.scaling.finetuned` switches RoPE), Mamba2's sizes.
-        kv(
-            format!("{a}.rope.scaling.finetuned"),
-            MetaValue::Bool(false),
-        );
-        kv(format!("{a}.ssm.conv_kernel"), u32v(s.ssm_conv));
-        kv(format!("{a}.ssm.state_size"), u32v(s.ssm_head_dim));
-        kv(format!("{a}.ssm.group_count"), u32v(s.ssm_k_heads));
-        kv(format!("{a}.ssm.inner_size"), u32v(s.mamba2_inner()));
-        kv(format!("{a}.ssm.time_step_rank"), u32v(s.ssm_v_heads));
-    }
-    if cfg.arch.is_nemotron() {
-        // As llama.cpp's converter writes Nemotron-H (through granitehybrid's
-        // writer): no RoPE, Mamba2's sizes.
         kv(
             format!("{a}.rope.scaling.finetuned"),
             MetaValue::Bool(false),
