@@ -2,8 +2,8 @@
 //!
 //! A packed model stores all experts of MoE layer `N` in one byte tensor
 //! `blk.N.ffn_exps_packed.weight` (type `I8`): expert `e` occupies bytes
-//! `e * stride .. e * stride + bytes` of it, gate (where the experts have one) then up then down back to back
-//! (the slot layout of [`crate::model::experts::ExpertFormat`]), padded to
+//! `e * stride .. e * stride + bytes` of it, gate (where the experts have
+//! one) then up then down back to back (the slot layout of [`crate::model::experts::ExpertFormat`]), padded to
 //! `stride`, a multiple of the file alignment (4 KiB by default), so that each
 //! expert is one aligned read that O_DIRECT can serve straight into a slot.
 //! A CRC-32 of each expert's `bytes` lets the reader detect corruption.

@@ -78,25 +78,31 @@ enum Arch {
     Nemotron,
 }
 
-/// A layer's mixer (`Some(true)`: Mamba2, `Some(false)`: attention, `None`:
-/// none) and whether it has experts.
-type Kind = (Option<bool>, bool);
+/// What mixes positions in a layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum MixKind {
+    Mamba2,
+    Attention,
+}
+
+/// A layer's mixer (`None`: none) and whether it has experts.
+type Kind = (Option<MixKind>, bool);
 
 /// The kind of each layer of `arch`.
 fn layer_kinds(arch: Arch) -> Vec<Kind> {
     match arch {
         Arch::Granite => vec![
-            (Some(true), true),
-            (Some(true), true),
-            (Some(false), true),
-            (Some(true), true),
+            (Some(MixKind::Mamba2), true),
+            (Some(MixKind::Mamba2), true),
+            (Some(MixKind::Attention), true),
+            (Some(MixKind::Mamba2), true),
         ],
         Arch::Nemotron => vec![
-            (Some(true), false),
+            (Some(MixKind::Mamba2), false),
             (None, true),
-            (Some(false), false),
+            (Some(MixKind::Attention), false),
             (None, true),
-            (Some(true), false),
+            (Some(MixKind::Mamba2), false),
             (None, true),
         ],
     }
@@ -188,11 +194,11 @@ fn build_with(
         rope_yarn: None,
         scales: if nemotron { Scales::NONE } else { SCALES },
     };
-    let count = |f: &dyn Fn(&Kind) -> bool| kinds.iter().filter(|k| f(k)).count();
+    let count = |mix: Option<MixKind>| kinds.iter().filter(|k| k.0 == mix).count();
     let hy = HybridParams {
-        n_attn_layers: count(&|k| k.0 == Some(false)),
-        linear: Some((count(&|k| k.0 == Some(true)), LinearShape::Mamba2(SHAPE))),
-        n_ffn_only_layers: count(&|k| k.0.is_none()),
+        n_attn_layers: count(Some(MixKind::Attention)),
+        linear: Some((count(Some(MixKind::Mamba2)), LinearShape::Mamba2(SHAPE))),
+        n_ffn_only_layers: count(None),
         ..HybridParams::plain(&hp)
     };
     hy.validate(&hp).unwrap();
@@ -214,8 +220,8 @@ fn build_with(
     };
     for &(mixer, has_moe) in &kinds {
         let attn_norm = rng.vec(e, 0.1, 1.0);
-        let mix = mixer.map(|ssm| {
-            if ssm {
+        let mix = mixer.map(|kind| {
+            if kind == MixKind::Mamba2 {
                 Mix::Ssm(Ssm {
                     in_proj: Mat::new(&mut rng, ty, s.in_proj_dim(), e, 0.15),
                     conv: rng.vec(s.conv_dim() * s.conv_kernel, 0.5, 0.0),

@@ -1355,18 +1355,21 @@ impl Model {
         }
         let head_dim = opt_usize(&g, &k("attention.key_length"))?.unwrap_or(n_embd / n_head);
         let n_rot = opt_usize(&g, &k("rope.dimension_count"))?.unwrap_or(head_dim);
-        // Nemotron-H: the layers with a feed-forward length are an FFN alone
-        // (its widest is `n_ff`); llama.cpp's `n_ff(il) > 0`.
-        let (n_ff, ffn_only) = if arch.is_nemotron() {
+        // Nemotron-H: the layers with a feed-forward length are an FFN alone,
+        // the others a mixer alone (its widest is `n_ff`); llama.cpp's
+        // `n_ff(il) > 0`. `None` where every layer has both.
+        let (n_ff, ffn_only): (usize, Option<Vec<bool>>) = if arch.is_nemotron() {
             let key = k("feed_forward_length");
             let ff = per_layer(&g, &key, n_layers_all)?
                 .ok_or_else(|| invalid(format!("{key} is missing (it marks the FFN layers)")))?;
             let widest = ff[..n_layers].iter().copied().max().unwrap_or(0);
             let widest = usize::try_from(widest).unwrap_or(usize::MAX);
-            (widest, ff[..n_layers].iter().map(|f| *f > 0).collect())
+            (
+                widest,
+                Some(ff[..n_layers].iter().map(|f| *f > 0).collect()),
+            )
         } else {
-            let n_ff = opt_usize(&g, &k("feed_forward_length"))?.unwrap_or(0);
-            (n_ff, vec![false; n_layers])
+            (opt_usize(&g, &k("feed_forward_length"))?.unwrap_or(0), None)
         };
         let rope_base = g
             .get_f32(&k("rope.freq_base"))
@@ -1615,8 +1618,9 @@ impl Model {
             hybrid_params(&g, arch, &hp, n_layers_all)?
         } else if let Some(no_kv) = kv_recurrent {
             // Nemotron-H's FFN layers have no KV heads either.
-            let recurrent: Vec<bool> = no_kv.iter().zip(&ffn_only).map(|(r, f)| *r && !f).collect();
-            let n_ffn_only = ffn_only.iter().filter(|f| **f).count();
+            let ffn_at = |l: usize| ffn_only.as_ref().is_some_and(|f| f[l]);
+            let recurrent: Vec<bool> = (0..n_layers).map(|l| no_kv[l] && !ffn_at(l)).collect();
+            let n_ffn_only = (0..n_layers).filter(|&l| ffn_at(l)).count();
             (
                 mamba2_params(&g, a, &hp, &recurrent, n_ffn_only)?,
                 recurrent,
@@ -1682,9 +1686,10 @@ impl Model {
                     )));
                 }
             }
-            // Nemotron-H: an FFN layer has no mixer, the others no FFN.
-            let ffn_layer = ffn_only.get(l).copied().unwrap_or(false);
-            let ffn = if arch.is_nemotron() && !ffn_layer {
+            // Nemotron-H: an FFN layer has no mixer (`Some(true)`), the
+            // others no FFN (`Some(false)`).
+            let one_sublayer = ffn_only.as_ref().and_then(|f| f.get(l).copied());
+            let ffn = if one_sublayer == Some(false) {
                 FfnRefs::None
             } else if has_router {
                 let m = moe.ok_or_else(|| {
@@ -1785,29 +1790,28 @@ impl Model {
                     },
                     expert_bias,
                 }
-            } else if ungated {
-                for bias in ["ffn_up.bias", "ffn_down.bias"] {
-                    if g.tensor(&t(bias)).is_some() {
-                        return Err(ModelError::Unsupported(format!(
-                            "an FFN with biases ({})",
-                            t(bias)
-                        )));
-                    }
-                }
-                FfnRefs::Dense(FfnMatrices {
-                    gate: None,
-                    up: tensor_ref(&g, &t("ffn_up.weight"), n_ff, n_embd)?,
-                    down: tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
-                })
             } else {
+                let gate = if ungated {
+                    for bias in ["ffn_up.bias", "ffn_down.bias"] {
+                        if g.tensor(&t(bias)).is_some() {
+                            return Err(ModelError::Unsupported(format!(
+                                "an FFN with biases ({})",
+                                t(bias)
+                            )));
+                        }
+                    }
+                    None
+                } else {
+                    Some(tensor_ref(&g, &t("ffn_gate.weight"), n_ff, n_embd)?)
+                };
                 FfnRefs::Dense(FfnMatrices {
-                    gate: Some(tensor_ref(&g, &t("ffn_gate.weight"), n_ff, n_embd)?),
+                    gate,
                     up: tensor_ref(&g, &t("ffn_up.weight"), n_ff, n_embd)?,
                     down: tensor_ref(&g, &t("ffn_down.weight"), n_embd, n_ff)?,
                 })
             };
             let mixer = match (hybrid.linear, hybrid.mla) {
-                _ if arch.is_nemotron() && ffn_layer => MixerRefs::None,
+                _ if one_sublayer == Some(true) => MixerRefs::None,
                 (Some((_, LinearShape::DeltaNet(d))), _) if is_recurrent => {
                     MixerRefs::DeltaNet(delta_refs(&g, l, n_embd, d)?)
                 }

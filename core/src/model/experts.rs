@@ -92,10 +92,10 @@ impl ExpertFormat {
         };
         let gate_bytes = bytes.get(..g).ok_or(too_short)?;
         let up = bytes.get(g..g + u).ok_or(too_short)?;
-        let gate = match self.gate {
-            Some(ty) => Some(MatrixView::new(ty, self.n_ff, self.n_embd, gate_bytes)?),
-            None => None,
-        };
+        let gate = self
+            .gate
+            .map(|ty| MatrixView::new(ty, self.n_ff, self.n_embd, gate_bytes))
+            .transpose()?;
         Ok((gate, MatrixView::new(self.up, self.n_ff, self.n_embd, up)?))
     }
 }

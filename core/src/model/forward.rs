@@ -1019,29 +1019,37 @@ pub(super) fn gate_up_checked<M: MatVec, E>(
         }
         .into());
     }
-    let a = &mut ff_a[..n];
-    let Some(gate) = gate else {
-        let crc_up = product_checked(mv, up, x, a, verify)?;
-        if let Some([_, ub, _]) = tail.biases {
-            add_into(a, ub);
+    let (a, b) = (&mut ff_a[..n], &mut ff_b[..n]);
+    let crc = match gate {
+        Some(gate) => {
+            let crc_gate = product_checked(mv, gate, x, a, verify)?;
+            let crc_up = product_checked(mv, up, x, b, verify)?;
+            if let Some([gb, ub, _]) = tail.biases {
+                add_into(a, gb);
+                add_into(b, ub);
+            }
+            concat_checksums(crc_gate, crc_up, up)
         }
-        relu_sqr(a);
-        return Ok(crc_up);
+        None => {
+            let crc_up = product_checked(mv, up, x, a, verify)?;
+            if let Some([_, ub, _]) = tail.biases {
+                add_into(a, ub);
+            }
+            crc_up
+        }
     };
-    let b = &mut ff_b[..n];
-    let crc_gate = product_checked(mv, gate, x, a, verify)?;
-    let crc_up = product_checked(mv, up, x, b, verify)?;
-    if let Some([gb, ub, _]) = tail.biases {
-        add_into(a, gb);
-        add_into(b, ub);
-    }
-    match tail.act {
+    activate(tail.act, a, b);
+    Ok(crc)
+}
+
+/// `a` = the activation `act` of the gate products `a` and up products `b`
+/// (of `up` alone, in `a`, for [`ExpertAct::ReluSqr`]; `b` then unused).
+pub(super) fn activate(act: ExpertAct, a: &mut [f32], b: &[f32]) {
+    match act {
         ExpertAct::SwiGlu => swiglu(a, b),
         ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
-        // Ungated: handled above (`check_gate`).
-        ExpertAct::ReluSqr => {}
+        ExpertAct::ReluSqr => relu_sqr(a),
     }
-    Ok(concat_checksums(crc_gate, crc_up, up))
 }
 
 /// The second half of [`ffn_checked`]: `down act` plus the down bias
@@ -1557,7 +1565,8 @@ pub(super) fn mix<M: MatVec, E>(
             mv.matvec(&mw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
-        Mixer::None => {}
+        // Returned above, before the norm: nothing to add.
+        Mixer::None => return Ok(()),
     }
     add_residual(hp, s.h, s.tmp);
     Ok(())

@@ -169,8 +169,7 @@ impl PackedIndex {
             let name = t.name();
             let types_key = keys::types(layer);
             let ids = u32_array(g, &types_key)?;
-            let mut types = Vec::with_capacity(3);
-            for &id in ids.iter().take(3) {
+            let weight_type = |id: u32| {
                 let ty = GgmlType::from_id(id)
                     .map_err(|e| bad(format!("{}: {e}", types_key.as_str())))?;
                 if ty.is_activation_only() {
@@ -179,12 +178,12 @@ impl PackedIndex {
                         types_key.as_str()
                     )));
                 }
-                types.push(ty);
-            }
+                Ok(ty)
+            };
             // Experts without a gate (ReLU^2) store up and down alone.
-            let (gate, up, down) = match (ids.len(), &types[..]) {
-                (3, &[g, u, d]) => (Some(g), u, d),
-                (2, &[u, d]) => (None, u, d),
+            let (gate, up, down) = match ids[..] {
+                [g, u, d] => (Some(weight_type(g)?), weight_type(u)?, weight_type(d)?),
+                [u, d] => (None, weight_type(u)?, weight_type(d)?),
                 _ => {
                     return Err(bad(format!(
                         "{} has {} entries, expected 3 (gate, up, down) or 2 (up, down)",
@@ -201,7 +200,7 @@ impl PackedIndex {
                 n_ff,
             };
             let expert_bytes = format.bytes().ok_or_else(|| {
-                let names: Vec<String> = types.iter().map(|t| t.to_string()).collect();
+                let names: Vec<String> = format.types().map(|t| t.to_string()).collect();
                 bad(format!(
                     "{}: types {} do not divide rows of {n_embd} and {n_ff} elements",
                     types_key.as_str(),

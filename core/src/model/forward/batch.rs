@@ -28,8 +28,8 @@ use super::{
     Step, TokenInput, Weights,
 };
 use crate::gemv::{GemvError, MatrixView};
-use crate::model::config::{ExpertAct, Hparams, HybridParams};
-use crate::model::ops::{relu_sqr, rms_norm, rms_norm_heads, swiglu, swiglu_oai, AttnShape};
+use crate::model::config::{Hparams, HybridParams};
+use crate::model::ops::{rms_norm, rms_norm_heads, AttnShape};
 use crate::router::{RouterConfig, Routing};
 
 /// Per-position buffers of a batch of up to [`positions`](Self::positions)
@@ -778,11 +778,7 @@ fn ffn_batch<M: MatVec, E>(
             }
         }
     }
-    match tail.act {
-        ExpertAct::SwiGlu => swiglu(a, b),
-        ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
-        ExpertAct::ReluSqr => relu_sqr(a),
-    }
+    super::activate(tail.act, a, b);
     mv.matmul(down, a, outs)?;
     if let Some([_, _, db]) = tail.biases {
         for o in outs.chunks_exact_mut(db.len().max(1)) {
