@@ -60,8 +60,8 @@
 //! allows (the grammar first, then bias, penalties, filters and a new draw), and
 //! the grammar moves past the token picked. Greedy decoding thus picks the best
 //! allowed token. A lazy grammar ([`Sampler::constrain_from`], llama.cpp's
-//! lazy grammars with a trigger word) lets picks be free until the reply
-//! spells its trigger, then takes the text from the trigger on and
+//! lazy grammars with trigger words) lets picks be free until the reply
+//! spells one of its triggers, then takes the text from that trigger on and
 //! constrains the rest. Where the grammar allows no token at all (it is complete and
 //! the end-of-generation tokens are banned, say), [`Sampler::grammar_error`]
 //! says so.
@@ -304,8 +304,8 @@ pub struct Sampler {
     grammar: Option<TokenGrammar>,
     /// Why the last pick broke the grammar, until taken.
     grammar_error: Option<GrammarError>,
-    /// A lazy grammar's trigger ([`constrain_from`](Self::constrain_from)).
-    trigger: Option<Vec<u8>>,
+    /// A lazy grammar's triggers ([`constrain_from`](Self::constrain_from)).
+    triggers: Vec<Vec<u8>>,
     /// The reply's last bytes while the trigger has not come (what may be
     /// its start); `None` once it came, or without one.
     waiting: Option<Vec<u8>>,
@@ -328,7 +328,7 @@ impl Sampler {
             dry: None,
             grammar: None,
             grammar_error: None,
-            trigger: None,
+            triggers: Vec::new(),
             waiting: None,
             mu: mirostat_mu(config),
         }
@@ -345,17 +345,28 @@ impl Sampler {
     /// start.
     pub fn constrain(&mut self, grammar: TokenGrammar) {
         self.grammar = Some(grammar);
-        self.trigger = None;
+        self.triggers.clear();
         self.waiting = None;
     }
 
-    /// A lazy grammar: picks are free until the reply spells `trigger`
-    /// (non-empty), then the grammar takes the reply's text from the trigger
-    /// on (the grammar starts with it) and constrains every later pick.
-    pub fn constrain_from(&mut self, grammar: TokenGrammar, trigger: &str) {
+    /// A lazy grammar: picks are free until the reply spells one of
+    /// `triggers` (empty ones are ignored; none at all is
+    /// [`constrain`](Self::constrain)), then the grammar takes the reply's
+    /// text from the first trigger spelled on (the grammar starts with each)
+    /// and constrains every later pick.
+    pub fn constrain_from(&mut self, grammar: TokenGrammar, triggers: &[&str]) {
         self.grammar = Some(grammar);
-        self.trigger = Some(trigger.as_bytes().to_vec()).filter(|t| !t.is_empty());
-        self.waiting = self.trigger.as_ref().map(|_| Vec::new());
+        self.triggers = triggers
+            .iter()
+            .filter(|t| !t.is_empty())
+            .map(|t| t.as_bytes().to_vec())
+            .collect();
+        self.waiting = self.waiting_start();
+    }
+
+    /// What a new reply waits with: nothing seen yet, where there are triggers.
+    fn waiting_start(&self) -> Option<Vec<u8>> {
+        (!self.triggers.is_empty()).then(Vec::new)
     }
 
     /// Takes the grammar back to its start (a new reply), keeping the rest.
@@ -364,7 +375,7 @@ impl Sampler {
             g.reset();
         }
         self.grammar_error = None;
-        self.waiting = self.trigger.as_ref().map(|_| Vec::new());
+        self.waiting = self.waiting_start();
     }
 
     /// Why the last [`sample`](Self::sample) could not follow the grammar
@@ -472,12 +483,17 @@ impl Sampler {
         tail: &mut Vec<u8>,
         token: u32,
     ) -> Option<Vec<u8>> {
-        let trigger = self.trigger.as_deref().unwrap_or_default();
         if grammar.ends_generation(token) {
             return Some(std::mem::take(tail));
         }
         tail.extend_from_slice(grammar.piece(token));
-        match tail.windows(trigger.len()).position(|w| w == trigger) {
+        // Where the first trigger spelled starts.
+        let first = self
+            .triggers
+            .iter()
+            .filter_map(|t| tail.windows(t.len()).position(|w| w == t))
+            .min();
+        match first {
             Some(at) => {
                 if let Err(e) = grammar.accept_bytes(&tail[at..]) {
                     self.grammar_error = Some(e);
@@ -485,7 +501,8 @@ impl Sampler {
                 None
             }
             None => {
-                let keep = tail.len().min(trigger.len() - 1);
+                let longest = self.triggers.iter().map(Vec::len).max().unwrap_or(1);
+                let keep = tail.len().min(longest - 1);
                 tail.drain(..tail.len() - keep);
                 Some(std::mem::take(tail))
             }
@@ -1174,7 +1191,7 @@ mod tests {
         // grammar starts with it and then wants "c" and the end.
         let grammar = || abc_grammar("root ::= \"ab\" \"c\"");
         let mut s = Sampler::new(SamplerConfig::greedy());
-        s.constrain_from(grammar(), "ab");
+        s.constrain_from(grammar(), &["ab"]);
         // Free until the trigger: "c", then the end would be picked.
         assert_eq!(s.sample(&[0.0, 0.0, 0.0, 9.0, 1.0]), 3);
         assert_eq!(s.sample(&[5.0, 0.0, 0.0, 9.0, 1.0]), 3);
@@ -1194,12 +1211,32 @@ mod tests {
         // Text after the trigger in the same token that the grammar refuses
         // is reported: "ab" then "ab" again is not "abc".
         let mut s = Sampler::new(SamplerConfig::greedy());
-        s.constrain_from(abc_grammar("root ::= \"abc\""), "b");
+        s.constrain_from(abc_grammar("root ::= \"abc\""), &["b"]);
         assert_eq!(s.sample(&[0.0, 0.0, 9.0, 0.0, 0.0]), 2);
         assert!(s.grammar_error().is_some(), "\"b\" does not start \"abc\"");
         // `constrain` makes it strict again.
         s.constrain(grammar());
         assert_eq!(s.sample(&[0.0, 0.0, 1.0, 9.0, 5.0]), 2);
+        // Several triggers: whichever is spelled first starts the grammar,
+        // from where it starts ("bc" here, within "abc" spelled "ab", "c").
+        let either = || abc_grammar("root ::= \"ca\" | \"bc\" \"a\"");
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        s.constrain_from(either(), &["ca", "bc", ""]);
+        assert_eq!(s.sample(&[0.0, 0.0, 9.0, 0.0, 0.0]), 2);
+        assert_eq!(s.sample(&[0.0, 0.0, 0.0, 9.0, 0.0]), 3);
+        // Now under the grammar: "bc" wants "a", then the end.
+        assert_eq!(s.sample(&[0.0, 9.0, 0.0, 5.0, 1.0]), 0);
+        assert_eq!(s.sample(&[0.0, 9.0, 0.0, 5.0, 1.0]), 4);
+        assert!(s.grammar_error().is_none());
+        s.reset();
+        // "c" then "a": the other trigger.
+        assert_eq!(s.sample(&[0.0, 0.0, 0.0, 9.0, 0.0]), 3);
+        assert_eq!(s.sample(&[9.0, 0.0, 0.0, 0.0, 0.0]), 0);
+        assert_eq!(s.sample(&[9.0, 0.0, 0.0, 0.0, 1.0]), 4);
+        assert!(s.grammar_error().is_none());
+        // Only empty triggers: a strict grammar.
+        s.constrain_from(either(), &[""]);
+        assert_eq!(s.sample(&[0.0, 0.0, 9.0, 5.0, 1.0]), 3);
     }
 
     #[test]

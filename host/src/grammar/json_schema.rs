@@ -310,7 +310,7 @@ pub fn json_schema_to_gbnf(schema: &str) -> Result<String, GrammarError> {
 }
 
 /// `text` as a GBNF string literal.
-pub(super) fn literal(text: &str) -> String {
+pub fn literal(text: &str) -> String {
     let mut out = String::from("\"");
     for ch in text.chars() {
         match ch {

@@ -41,7 +41,7 @@ mod matcher;
 mod parse;
 mod pattern;
 
-pub use json_schema::{json_schema_to_gbnf, Json};
+pub use json_schema::{json_schema_to_gbnf, literal, Json};
 pub use matcher::{Matcher, TokenGrammar};
 
 use std::fmt;

@@ -498,7 +498,11 @@ pub fn chat_text(
     }
     let rendered =
         if tools.is_some() || kwargs.is_some() || messages.iter().any(Message::has_tool_fields) {
-            let msgs: Vec<Value> = messages.iter().map(Message::to_json).collect();
+            let mut msgs: Vec<Value> = messages.iter().map(Message::to_json).collect();
+            if messages.iter().any(|m| m.tool_calls.is_some()) && template.takes_object_arguments()
+            {
+                object_arguments(&mut msgs)?;
+            }
             let tools = tools.map(|t| t.list.as_slice());
             tokenizer.chat_prompt_json(template, &msgs, tools, true, kwargs)
         } else {
@@ -509,6 +513,33 @@ pub fn chat_text(
             tokenizer.chat_prompt_with(template, &msgs, true)
         };
     rendered.map_err(|e| ApiError::bad(format!("the chat template: {e}")))
+}
+
+/// Each call's `arguments` in `messages` as the object its string of JSON
+/// reads as, for templates that take objects
+/// ([`ChatTemplate::takes_object_arguments`]); a string that is not JSON is
+/// refused, as llama.cpp refuses it.
+fn object_arguments(messages: &mut [Value]) -> Result<(), ApiError> {
+    for (i, m) in messages.iter_mut().enumerate() {
+        let Some(Value::Array(calls)) = m.get_mut("tool_calls") else {
+            continue;
+        };
+        for (j, call) in calls.iter_mut().enumerate() {
+            if let Some(args) = call
+                .get_mut("function")
+                .and_then(|f| f.get_mut("arguments"))
+            {
+                if let Value::String(text) = args {
+                    *args = serde_json::from_str(text).map_err(|e| {
+                        ApiError::bad(format!(
+                            "messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}"
+                        ))
+                    })?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A request body's JSON object.

@@ -267,7 +267,8 @@ impl<'m> Engine<'m> {
                     return Err(ApiError::bad(
                         "tools: this model's chat template does not take tools as les reads them \
                          (a template that renders `tools`, with Hermes-style <tool_call> blocks: \
-                         Qwen 2.5/3, MiniCPM-V, Hermes; or gpt-oss's harmony calls)",
+                         Qwen 2.5/3, MiniCPM-V, Hermes; Qwen3-Coder's XML calls: Qwen3-Coder, \
+                         Qwen3.5, Nemotron 3 Nano; or gpt-oss's harmony calls)",
                     ));
                 }
                 api::chat_text(
@@ -382,12 +383,10 @@ impl<'m> Engine<'m> {
                 }
                 // Free until the model opens a call, which then follows the
                 // tools (a grammar of the request's own stands instead).
-                (_, ToolFormat::Hermes) if c.grammar.is_none() => {
-                    sampler.constrain_from(tools_grammar(&t.calls()?)?, tools::OPEN);
-                }
-                (_, ToolFormat::Harmony) if c.grammar.is_none() => {
-                    let g = tools_grammar(&t.harmony_from_trigger()?)?;
-                    sampler.constrain_from(g, tools::HARMONY_TRIGGER);
+                _ if c.grammar.is_none() => {
+                    let (g, starts) = t.lazy(format)?;
+                    let starts: Vec<&str> = starts.iter().map(String::as_str).collect();
+                    sampler.constrain_from(tools_grammar(&g)?, &starts);
                 }
                 _ => {}
             }
@@ -456,8 +455,8 @@ impl<'m> Engine<'m> {
         // from the first call on (the calls come whole at the end).
         let mut sent_to = 0;
         let with_tools = c.tools.is_some();
-        // Hermes-style calls are text: held back from the pieces.
-        let hold_calls = format == Some(ToolFormat::Hermes);
+        // Hermes-style and XML calls are text: held back from the pieces.
+        let call_starts = format.and_then(ToolFormat::call_starts);
         let stats = generate_from(
             &mut slot.session,
             &mut self.mv,
@@ -502,7 +501,7 @@ impl<'m> Engine<'m> {
                 // What the reply passed on is its text's next bytes (short of
                 // what may be a tool call), with the tokens whose text starts
                 // before their end.
-                let end = passable(&reply.text, reply.written(), &marks, hold_calls);
+                let end = passable(&reply.text, reply.written(), &marks, call_starts);
                 let upto = starts.partition_point(|&s| s < end);
                 for (to, r) in marks.split(sent_to..end) {
                     let Some(to) = shown(to, with_tools) else {
@@ -526,12 +525,12 @@ impl<'m> Engine<'m> {
             probs.truncate(starts.partition_point(|&s| s < reply.text.len()));
         }
         if !gone {
-            let end = match marks.answer_start().filter(|_| hold_calls) {
-                Some(at) => {
+            let end = match (marks.answer_start(), call_starts) {
+                (Some(at), Some(starts)) => {
                     let at = at.min(reply.text.len());
-                    at + tools::before_calls(&reply.text[at..])
+                    at + tools::before_calls(&reply.text[at..], starts)
                 }
-                None => reply.text.len(),
+                _ => reply.text.len(),
             };
             for (to, r) in marks.split(sent_to.min(end)..end) {
                 let Some(to) = shown(to, with_tools) else {
@@ -553,9 +552,12 @@ impl<'m> Engine<'m> {
             }
         }
         let mut tool_calls = Vec::new();
-        match format {
-            Some(ToolFormat::Hermes) => (text, tool_calls) = tools::read_calls(&text),
-            Some(ToolFormat::Harmony) => {
+        match (format, &c.tools) {
+            (Some(ToolFormat::Hermes), _) => (text, tool_calls) = tools::read_calls(&text),
+            (Some(ToolFormat::Xml { bare }), Some(t)) => {
+                (text, tool_calls) = t.read_xml_calls(&text, bare);
+            }
+            (Some(ToolFormat::Harmony), _) => {
                 let name = splitter.as_ref().and_then(Splitter::recipient);
                 if let (Some(name), Some(arguments)) = (name, arguments) {
                     tool_calls.push(ToolCall {
@@ -564,7 +566,7 @@ impl<'m> Engine<'m> {
                     });
                 }
             }
-            None => {}
+            _ => {}
         }
         // The session now holds the prompt and all but the last token sampled.
         slot.held = items;
@@ -735,15 +737,16 @@ fn shown(to: Channel, with_tools: bool) -> Option<Channel> {
 }
 
 /// How much of `reply`'s text may be passed on: what it wrote, short of a
-/// Hermes-style tool call in the answer, or what may start one, where
-/// `hold_calls` (reasoning that spells a call's tag is passed on as it is).
-fn passable(text: &str, written: usize, marks: &Marks, hold_calls: bool) -> usize {
-    match marks.answer_start().filter(|_| hold_calls) {
-        Some(at) => {
+/// tool call in the answer (one starting at any of `call_starts`, where
+/// calls are text), or what may start one (reasoning that spells a call's
+/// tag is passed on as it is).
+fn passable(text: &str, written: usize, marks: &Marks, call_starts: Option<&[&str]>) -> usize {
+    match (marks.answer_start(), call_starts) {
+        (Some(at), Some(starts)) => {
             let at = at.min(text.len());
-            written.min(at + tools::streamable(&text[at..]))
+            written.min(at + tools::streamable(&text[at..], starts))
         }
-        None => written,
+        _ => written,
     }
 }
 
@@ -1721,25 +1724,30 @@ mod tests {
 
     #[test]
     fn text_is_passed_on_short_of_a_call_in_the_answer_only() {
+        let hermes = ToolFormat::Hermes.call_starts();
         let text = "think <tool_call> more";
         let mut thinking = Marks::default();
         thinking.set(0, Channel::Reasoning);
         // In the reasoning, a call's tag is text.
-        assert_eq!(passable(text, text.len(), &thinking, true), text.len());
+        assert_eq!(passable(text, text.len(), &thinking, hermes), text.len());
         // In the answer, the text stops short of it (and of its start).
         let answer = Marks::default();
-        assert_eq!(passable(text, text.len(), &answer, true), 6);
-        assert_eq!(passable("ok <tool", 8, &answer, true), 3);
+        assert_eq!(passable(text, text.len(), &answer, hermes), 6);
+        assert_eq!(passable("ok <tool", 8, &answer, hermes), 3);
         // What the reply held back (a stop string's start) stays held.
-        assert_eq!(passable("ok then", 4, &answer, true), 4);
+        assert_eq!(passable("ok then", 4, &answer, hermes), 4);
         // Without tools, all it wrote.
-        assert_eq!(passable(text, text.len(), &answer, false), text.len());
+        assert_eq!(passable(text, text.len(), &answer, None), text.len());
         // Reasoning, then an answer from byte 6: the answer's call counts.
         let mut both = Marks::default();
         both.set(0, Channel::Reasoning);
         both.set(6, Channel::Content);
         assert_eq!(both.answer_start(), Some(6));
-        assert_eq!(passable("abcdefgh <tool_call>", 20, &both, true), 9);
+        assert_eq!(passable("abcdefgh <tool_call>", 20, &both, hermes), 9);
         assert_eq!(thinking.answer_start(), None);
+        // A bare XML format: a function line starts a call too.
+        let bare = ToolFormat::Xml { bare: true }.call_starts();
+        assert_eq!(passable("ok <function=f>", 15, &answer, bare), 3);
+        assert_eq!(passable("ok <function=f>", 15, &answer, hermes), 15);
     }
 }

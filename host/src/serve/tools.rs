@@ -1,23 +1,26 @@
 //! Tool calls (OpenAI's `tools`, `tool_choice`), for models whose chat
-//! template takes `tools` and whose calls are either Hermes-style blocks,
+//! template takes `tools` and whose calls are Hermes-style blocks,
 //! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5 and
-//! 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin), or gpt-oss's harmony
-//! messages to a function, `<|channel|>commentary to=functions.NAME
-//! <|constrain|>json<|message|>{...}<|call|>` ([`ToolFormat`]): the tools go
-//! to the template, the reply's calls come back as `tool_calls`.
+//! 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin), Qwen3-Coder's XML
+//! blocks, `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n
+//! </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano), or
+//! gpt-oss's harmony messages to a function, `<|channel|>commentary
+//! to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
+//! ([`ToolFormat`]): the tools go to the template, the reply's calls come
+//! back as `tool_calls`.
 //!
 //! `tool_choice: "required"` (or a named function) constrains the reply by a
 //! grammar to one call (several with `parallel_tool_calls`) of the tools
 //! given, its arguments following their `parameters` schema; `"auto"` lets
 //! the model choose, and from the first `<tool_call>` it writes on the same
-//! grammar constrains the rest (llama.cpp's lazy grammar; a harmony reply
-//! from its recipient, `to=functions.`, on); `"none"` renders no tools and
-//! reads no calls.
+//! grammar constrains the rest (llama.cpp's lazy grammar, [`Tools::lazy`]; a
+//! harmony reply from its recipient, `to=functions.`, on); `"none"` renders
+//! no tools and reads no calls.
 
 use serde_json::{json, Map, Value};
 
 use super::api::ApiError;
-use crate::grammar::json_schema_to_gbnf;
+use crate::grammar::{json_schema_to_gbnf, literal};
 
 /// Tools a request may give.
 pub const MAX_TOOLS: usize = 128;
@@ -34,7 +37,42 @@ pub enum ToolFormat {
     Hermes,
     /// gpt-oss's harmony messages to `functions.NAME`.
     Harmony,
+    /// Qwen3-Coder's `<tool_call>` blocks of XML: a [`FUNCTION_OPEN`] line,
+    /// then each argument as a [`PARAMETER_OPEN`] line, its value and
+    /// [`PARAMETER_CLOSE`], then [`FUNCTION_CLOSE`]. A value is its text
+    /// where the parameter's schema allows a string, else JSON (llama.cpp's
+    /// reading). Qwen3.5's and Nemotron 3 Nano's templates write them too.
+    Xml {
+        /// The first call may come without its `<tool_call>` line, as
+        /// Qwen3-Coder (a template without reasoning) sometimes writes it;
+        /// llama.cpp then also starts the lazy grammar at `<function=NAME>`.
+        bare: bool,
+    },
 }
+
+impl ToolFormat {
+    /// What may start a call in a text format's reply (`None` for harmony,
+    /// whose calls are told by markers).
+    pub fn call_starts(self) -> Option<&'static [&'static str]> {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Xml { bare: false } => Some(&[OPEN]),
+            ToolFormat::Xml { bare: true } => Some(&[OPEN, FUNCTION_OPEN]),
+            ToolFormat::Harmony => None,
+        }
+    }
+}
+
+/// An XML call's function line: `<function=NAME>` and a newline.
+pub const FUNCTION_OPEN: &str = "<function=";
+/// An XML call's parameter line: `<parameter=KEY>` and a newline.
+pub const PARAMETER_OPEN: &str = "<parameter=";
+/// What ends an XML call's parameter value: a line of its own.
+pub const PARAMETER_CLOSE: &str = "\n</parameter>\n";
+/// What ends an XML call's function.
+pub const FUNCTION_CLOSE: &str = "</function>\n";
+/// Required parameters an XML call may write in any order, up to this many
+/// (llama.cpp's `COMMON_CHAT_MAX_PERMUTE`); more go in the schema's order.
+const MAX_PERMUTE: usize = 6;
 
 /// Where an `auto` harmony reply's call starts to be constrained (llama.cpp's
 /// lazy grammar for gpt-oss triggers on the recipient).
@@ -182,7 +220,34 @@ impl Tools {
             (ToolChoice::Auto | ToolChoice::None, _) => Ok(None),
             (_, ToolFormat::Hermes) => self.calls().map(Some),
             (_, ToolFormat::Harmony) => self.harmony_call().map(Some),
+            (_, ToolFormat::Xml { bare }) => self.xml_calls(bare).map(Some),
         }
+    }
+
+    /// For `auto`: the grammar that constrains a reply in `format` from
+    /// where it starts a call, and the texts that start one (the grammar
+    /// starts with each): [`OPEN`], harmony's [`HARMONY_TRIGGER`], and for a
+    /// bare XML format also `<function=NAME>` of each tool, as llama.cpp
+    /// triggers.
+    pub fn lazy(&self, format: ToolFormat) -> Result<(String, Vec<String>), ApiError> {
+        Ok(match format {
+            ToolFormat::Hermes => (self.calls()?, vec![OPEN.to_string()]),
+            ToolFormat::Harmony => (
+                self.harmony_from_trigger()?,
+                vec![HARMONY_TRIGGER.to_string()],
+            ),
+            ToolFormat::Xml { bare } => {
+                let mut starts = vec![OPEN.to_string()];
+                if bare {
+                    starts.extend(
+                        self.wanted()
+                            .iter()
+                            .map(|(name, _)| format!("{FUNCTION_OPEN}{name}>")),
+                    );
+                }
+                (self.xml_calls(bare)?, starts)
+            }
+        })
     }
 
     /// The functions a call may go to (the named one only, where
@@ -284,6 +349,387 @@ impl Tools {
         };
         Ok(format!("{root}\n{block}\n{call}"))
     }
+
+    /// The grammar of XML calls ([`ToolFormat::Xml`]): `<tool_call>` blocks
+    /// (one, or one or more with `parallel`) of a wanted function's line,
+    /// its required parameters in any order (up to [`MAX_PERMUTE`]), then
+    /// any of its optional ones, as llama.cpp's grammar for Qwen3-Coder has
+    /// them. A value is text up to its [`PARAMETER_CLOSE`] where the schema
+    /// allows a string (one of the strings where it is an enum or const of
+    /// strings only), else JSON following the parameter's schema. `bare`:
+    /// the first block may leave out its `<tool_call>` line.
+    pub fn xml_calls(&self, bare: bool) -> Result<String, ApiError> {
+        let mut rules = String::new();
+        let mut functions = Vec::new();
+        let mut needs_text = false;
+        for (i, (name, params)) in self.wanted().into_iter().enumerate() {
+            let props = params.get("properties").and_then(Value::as_object);
+            let required: Vec<&str> = params
+                .get("required")
+                .and_then(Value::as_array)
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let mut required_rules = Vec::new();
+            let mut optional_rules = Vec::new();
+            for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
+                let rule = format!("t{i}-p{j}");
+                let value = match string_choices(schema) {
+                    Some(choices) => format!(
+                        "({}) {}",
+                        choices
+                            .iter()
+                            .map(|c| literal(c))
+                            .collect::<Vec<_>>()
+                            .join(" | "),
+                        literal(PARAMETER_CLOSE)
+                    ),
+                    None if types_of(schema, 0) & STRING != 0 => {
+                        needs_text = true;
+                        "xml-text".to_string()
+                    }
+                    None => {
+                        let g = json_schema_to_gbnf(&schema.to_string()).map_err(|e| {
+                            ApiError::bad(format!("the parameter {key:?} of {name:?}: {e}"))
+                        })?;
+                        let defined: Vec<&str> =
+                            g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
+                        let g = rename_rules(&g, |r| {
+                            defined.contains(&r).then(|| format!("{rule}-{r}"))
+                        });
+                        rules.push_str(&g);
+                        format!("{rule}-root {}", literal(PARAMETER_CLOSE))
+                    }
+                };
+                rules.push_str(&format!(
+                    "{rule} ::= {} {value}\n",
+                    literal(&format!("{PARAMETER_OPEN}{key}>\n"))
+                ));
+                if required.contains(&key.as_str()) {
+                    required_rules.push(rule);
+                } else {
+                    optional_rules.push(rule);
+                }
+            }
+            let mut args = permutation(&format!("t{i}-req"), &required_rules, &mut rules);
+            if !optional_rules.is_empty() {
+                rules.push_str(&format!("t{i}-opt ::= {}\n", optional_rules.join(" | ")));
+                args.push_str(&format!(" t{i}-opt*"));
+            }
+            // Names are [A-Za-z0-9_-]: the literal needs no escapes.
+            rules.push_str(&format!(
+                "t{i} ::= \"{FUNCTION_OPEN}{name}>\\n\" {args} {}\n",
+                literal(FUNCTION_CLOSE)
+            ));
+            functions.push(format!("t{i}"));
+        }
+        if needs_text {
+            rules.push_str(&text_through("xml-text", PARAMETER_CLOSE));
+        }
+        let first = if bare {
+            "xml-first ::= (\"<tool_call>\\n\")? xml-body"
+        } else {
+            "xml-first ::= xml-call"
+        };
+        let root = if self.parallel {
+            "root ::= xml-first (xml-space xml-call)* xml-space"
+        } else {
+            "root ::= xml-first xml-space"
+        };
+        Ok(format!(
+            "{root}\n{first}\nxml-call ::= \"<tool_call>\\n\" xml-body\n\
+             xml-body ::= ({}) \"</tool_call>\"\n\
+             xml-space ::= | \" \" | \"\\n\"{{1,2}} [ \\t]{{0,20}}\n{rules}",
+            functions.join(" | ")
+        ))
+    }
+
+    /// The reply's XML calls ([`ToolFormat::Xml`]) and the text around them
+    /// as the content (trimmed; as it is without calls): each block from a
+    /// `<tool_call>` (or, `bare`, a [`FUNCTION_OPEN`]) whose function line
+    /// and parameters read, each value typed by its parameter's schema (see
+    /// [`ToolFormat::Xml`]). A block that does not read, and all after it,
+    /// stays content; a block cut short (`max_tokens`) is a call of what it
+    /// has.
+    pub fn read_xml_calls(&self, text: &str, bare: bool) -> (String, Vec<ToolCall>) {
+        let starts: &[&str] = if bare {
+            &[OPEN, FUNCTION_OPEN]
+        } else {
+            &[OPEN]
+        };
+        let mut calls = Vec::new();
+        let mut content = String::new();
+        let mut rest = text;
+        while let Some(at) = first_of(rest, starts) {
+            let body = rest[at..].strip_prefix(OPEN).unwrap_or(&rest[at..]);
+            let Some((call, after)) = self.xml_call(body) else {
+                break;
+            };
+            content.push_str(&rest[..at]);
+            calls.push(call);
+            rest = after;
+        }
+        if calls.is_empty() {
+            return (text.to_string(), calls);
+        }
+        content.push_str(rest);
+        (content.trim().to_string(), calls)
+    }
+
+    /// One XML call from its function line on, and the text after it (and
+    /// after its `</tool_call>`).
+    fn xml_call<'t>(&self, text: &'t str) -> Option<(ToolCall, &'t str)> {
+        let rest = text.trim_start().strip_prefix(FUNCTION_OPEN)?;
+        let (name, mut rest) = rest.split_once('>')?;
+        if name.is_empty() || name.len() > MAX_NAME || name.contains('\n') {
+            return None;
+        }
+        let types = self.parameter_types(name);
+        let mut args = Map::new();
+        loop {
+            let line = rest.trim_start();
+            if let Some(p) = line.strip_prefix(PARAMETER_OPEN) {
+                let (key, value) = p.split_once('>')?;
+                if key.contains('\n') {
+                    return None;
+                }
+                let value = value.strip_prefix('\n').unwrap_or(value);
+                let (raw, after) = match value.find("</parameter>") {
+                    Some(end) => (&value[..end], &value[end + "</parameter>".len()..]),
+                    None => (value, ""),
+                };
+                let raw = raw.strip_suffix('\n').unwrap_or(raw);
+                let allowed = types
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .map_or(ANY, |&(_, t)| t);
+                args.insert(key.to_string(), typed_value(raw, allowed));
+                rest = after;
+            } else if let Some(after) = line.strip_prefix("</function>") {
+                rest = after;
+                break;
+            } else if line.is_empty() {
+                rest = line;
+                break;
+            } else {
+                return None;
+            }
+        }
+        let after = rest.trim_start();
+        let rest = after.strip_prefix(CLOSE).unwrap_or(rest);
+        let arguments = Value::Object(args).to_string();
+        Some((
+            ToolCall {
+                name: name.to_string(),
+                arguments,
+            },
+            rest,
+        ))
+    }
+
+    /// The JSON types each parameter of `function` takes (from its schema).
+    fn parameter_types(&self, function: &str) -> Vec<(String, u8)> {
+        self.list
+            .iter()
+            .filter_map(|t| t.get("function"))
+            .find(|f| f.get("name").and_then(Value::as_str) == Some(function))
+            .and_then(|f| f.get("parameters")?.get("properties")?.as_object())
+            .map(|props| {
+                props
+                    .iter()
+                    .map(|(k, schema)| (k.clone(), types_of(schema, 0)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// JSON types as bits ([`types_of`]).
+const STRING: u8 = 1;
+const NUMBER: u8 = 2;
+const BOOLEAN: u8 = 4;
+const NULL: u8 = 8;
+const OBJECT: u8 = 16;
+const ARRAY: u8 = 32;
+const ANY: u8 = 63;
+
+/// The JSON types a schema's values may have, as bits: from `type` (a name
+/// or a list), else `const` or `enum`, else the branches of `anyOf` or
+/// `oneOf`; any type where the schema says none of these (or nests past 16).
+fn types_of(schema: &Value, depth: u32) -> u8 {
+    let of_value = |v: &Value| match v {
+        Value::String(_) => STRING,
+        Value::Number(_) => NUMBER,
+        Value::Bool(_) => BOOLEAN,
+        Value::Null => NULL,
+        Value::Object(_) => OBJECT,
+        Value::Array(_) => ARRAY,
+    };
+    let of_name = |n: &Value| match n.as_str() {
+        Some("string") => STRING,
+        Some("number" | "integer") => NUMBER,
+        Some("boolean") => BOOLEAN,
+        Some("null") => NULL,
+        Some("object") => OBJECT,
+        Some("array") => ARRAY,
+        _ => 0,
+    };
+    let Some(s) = schema.as_object().filter(|_| depth < 16) else {
+        return ANY;
+    };
+    let bits = if let Some(t) = s.get("type") {
+        match t {
+            Value::Array(names) => names.iter().map(of_name).fold(0, |a, b| a | b),
+            name => of_name(name),
+        }
+    } else if let Some(c) = s.get("const") {
+        of_value(c)
+    } else if let Some(Value::Array(values)) = s.get("enum") {
+        values.iter().map(of_value).fold(0, |a, b| a | b)
+    } else if let Some(Value::Array(branches)) = s.get("anyOf").or_else(|| s.get("oneOf")) {
+        branches
+            .iter()
+            .map(|b| types_of(b, depth + 1))
+            .fold(0, |a, b| a | b)
+    } else {
+        ANY
+    };
+    if bits == 0 {
+        ANY
+    } else {
+        bits
+    }
+}
+
+/// The strings a schema allows where it is a `const` or `enum` of strings
+/// only (and has no other `type` than string).
+fn string_choices(schema: &Value) -> Option<Vec<&str>> {
+    let s = schema.as_object()?;
+    if s.get("type").is_some_and(|t| t.as_str() != Some("string")) {
+        return None;
+    }
+    let values: Vec<&Value> = match (s.get("const"), s.get("enum")) {
+        (Some(c), _) => vec![c],
+        (None, Some(Value::Array(v))) if !v.is_empty() => v.iter().collect(),
+        _ => return None,
+    };
+    values.into_iter().map(Value::as_str).collect()
+}
+
+/// An XML value as its parameter takes it (`allowed`: its JSON types): text
+/// where only strings are allowed; else JSON where the text reads as a
+/// value of an allowed type, else the text (llama.cpp's typing of values).
+fn typed_value(raw: &str, allowed: u8) -> Value {
+    if allowed == STRING {
+        return Value::String(raw.to_string());
+    }
+    match serde_json::from_str::<Value>(raw.trim()) {
+        Ok(v) if allowed & STRING == 0 || types_of(&json!({"const": v}), 0) & allowed != 0 => v,
+        _ => Value::String(raw.to_string()),
+    }
+}
+
+/// Rules `name` (and `name-NN`) deriving any text up to and including the
+/// first `end` (non-empty): a right-linear grammar of the automaton that
+/// finds `end` (each state: how much of `end` the text's last characters
+/// are), as llama.cpp's grammars read "up to a delimiter".
+fn text_through(name: &str, end: &str) -> String {
+    let end: Vec<char> = end.chars().collect();
+    let state = |i: usize| {
+        if i == 0 {
+            name.to_string()
+        } else {
+            format!("{name}-{i:02}")
+        }
+    };
+    // After `i` characters of `end` and then `c`: how many are matched.
+    let next = |i: usize, c: char| {
+        (0..=i + 1)
+            .rev()
+            .find(|&k| {
+                k == 0 || {
+                    let seen: Vec<char> = end[..i].iter().copied().chain([c]).collect();
+                    seen.ends_with(&end[..k])
+                }
+            })
+            .unwrap_or(0)
+    };
+    let mut alphabet: Vec<char> = end.clone();
+    alphabet.sort_unstable();
+    alphabet.dedup();
+    let mut out = String::new();
+    for i in 0..end.len() {
+        let mut alternatives = Vec::new();
+        // Characters that move to a state other than the start, by target.
+        let mut targets: Vec<(usize, Vec<char>)> = Vec::new();
+        for &c in &alphabet {
+            match next(i, c) {
+                0 => {}
+                k => match targets.iter_mut().find(|(t, _)| *t == k) {
+                    Some((_, cs)) => cs.push(c),
+                    None => targets.push((k, vec![c])),
+                },
+            }
+        }
+        for (k, cs) in &targets {
+            if *k == end.len() {
+                alternatives.push(char_class(cs, false));
+            } else {
+                alternatives.push(format!("{} {}", char_class(cs, false), state(*k)));
+            }
+        }
+        let specific: Vec<char> = targets
+            .iter()
+            .flat_map(|(_, cs)| cs.iter().copied())
+            .collect();
+        alternatives.push(format!("{} {}", char_class(&specific, true), state(0)));
+        out.push_str(&format!("{} ::= {}\n", state(i), alternatives.join(" | ")));
+    }
+    out
+}
+
+/// A GBNF character class of `chars` (`negated`: all but them).
+fn char_class(chars: &[char], negated: bool) -> String {
+    let mut out = String::from(if negated { "[^" } else { "[" });
+    for &c in chars {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\\' | ']' | '[' | '^' | '-' => {
+                out.push('\\');
+                out.push(c);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(']');
+    out
+}
+
+/// Rules for `items` (rule names) in any order, named `name-MASK` by the
+/// items still to come, added to `rules` (up to [`MAX_PERMUTE`] items; more,
+/// or one, in order); the expression that derives them.
+fn permutation(name: &str, items: &[String], rules: &mut String) -> String {
+    if items.len() <= 1 || items.len() > MAX_PERMUTE {
+        return items.join(" ");
+    }
+    let full = (1u32 << items.len()) - 1;
+    for mask in 1..=full {
+        let alternatives: Vec<String> = (0..items.len())
+            .filter(|&b| mask & (1 << b) != 0)
+            .map(|b| match mask & !(1 << b) {
+                0 => items[b].clone(),
+                left => format!("{} {name}-{left}", items[b]),
+            })
+            .collect();
+        rules.push_str(&format!("{name}-{mask} ::= {}\n", alternatives.join(" | ")));
+    }
+    format!("{name}-{full}")
+}
+
+/// Where the first of `starts` is in `text`.
+fn first_of(text: &str, starts: &[&str]) -> Option<usize> {
+    starts.iter().filter_map(|s| text.find(s)).min()
 }
 
 /// The reply's calls: each `<tool_call>` block whose JSON is an object with
@@ -315,21 +761,27 @@ pub fn read_calls(text: &str) -> (String, Vec<ToolCall>) {
     (content.trim().to_string(), calls)
 }
 
-/// The text before the first call's [`OPEN`] (all of it without one).
-pub fn before_calls(text: &str) -> usize {
-    text.find(OPEN).unwrap_or(text.len())
+/// The text before the first call (all of it without one), a call
+/// starting at any of `starts` ([`ToolFormat::call_starts`]).
+pub fn before_calls(text: &str, starts: &[&str]) -> usize {
+    first_of(text, starts).unwrap_or(text.len())
 }
 
 /// How much of `text`, a reply as it is generated, can be no part of a
-/// call: up to the first [`OPEN`], or else all but an end that may be the
-/// start of one.
-pub fn streamable(text: &str) -> usize {
-    if let Some(at) = text.find(OPEN) {
+/// call (one starting at any of `starts`): up to the first call, or else
+/// all but an end that may be the start of one.
+pub fn streamable(text: &str, starts: &[&str]) -> usize {
+    if let Some(at) = first_of(text, starts) {
         return at;
     }
-    let partial = (1..OPEN.len())
-        .rev()
-        .find(|&k| text.ends_with(&OPEN[..k]))
+    let partial = starts
+        .iter()
+        .filter_map(|s| {
+            (1..s.len())
+                .rev()
+                .find(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
+        })
+        .max()
         .unwrap_or(0);
     text.len() - partial
 }
@@ -349,18 +801,29 @@ fn call_of(json: &str) -> Option<ToolCall> {
 
 /// How a chat template's model writes tool calls, if the template renders
 /// the tools it is given (`probe`: the template rendered with a tool of a
-/// probe's name): gpt-oss's harmony where the vocabulary has harmony's
-/// markers (`harmony`) and the source sends messages `to=functions`,
-/// Hermes-style where the source spells [`OPEN`].
+/// probe's name), told by the template's source as llama.cpp tells them:
+/// gpt-oss's harmony where the vocabulary has harmony's markers (`harmony`)
+/// and the source sends messages `to=functions`; Qwen3-Coder's XML where it
+/// spells `<tool_call>`, `<function=` and `<parameter=` (not a variant
+/// without newlines between the tags, which les does not read), bare where
+/// it has no `<think>`; else Hermes-style where it spells [`OPEN`].
 pub fn template_format(
     source: &str,
     harmony: bool,
     probe: impl FnOnce(&Value) -> Option<String>,
 ) -> Option<ToolFormat> {
     const NAME: &str = "les_tool_probe";
-    let format = if harmony && source.contains("to=functions") {
+    let has = |s: &str| source.contains(s);
+    let format = if harmony && has("to=functions") {
         ToolFormat::Harmony
-    } else if source.contains(OPEN) {
+    } else if has(OPEN) && has(FUNCTION_OPEN) && has(PARAMETER_OPEN) {
+        if has("'<tool_call><function=' ~ tool_call.name ~ '>'") {
+            return None;
+        }
+        ToolFormat::Xml {
+            bare: !has("<think>"),
+        }
+    } else if has(OPEN) {
         ToolFormat::Hermes
     } else {
         return None;
@@ -499,13 +962,13 @@ mod tests {
 
     #[test]
     fn text_is_streamable_up_to_what_may_be_a_call() {
-        assert_eq!(streamable("Hello"), 5);
-        assert_eq!(streamable("Hello <tool"), 6);
-        assert_eq!(streamable("Hello <"), 6);
-        assert_eq!(streamable("a <tool_call>{\"name\""), 2);
-        assert_eq!(streamable("a <b> c"), 7);
-        assert_eq!(before_calls("x <tool_call> y"), 2);
-        assert_eq!(before_calls("x"), 1);
+        assert_eq!(streamable("Hello", &[OPEN]), 5);
+        assert_eq!(streamable("Hello <tool", &[OPEN]), 6);
+        assert_eq!(streamable("Hello <", &[OPEN]), 6);
+        assert_eq!(streamable("a <tool_call>{\"name\"", &[OPEN]), 2);
+        assert_eq!(streamable("a <b> c", &[OPEN]), 7);
+        assert_eq!(before_calls("x <tool_call> y", &[OPEN]), 2);
+        assert_eq!(before_calls("x", &[OPEN]), 1);
     }
 
     #[test]
@@ -606,6 +1069,317 @@ mod tests {
             (r#"to=functions.nope<|message|>{}"#, false),
         ] {
             assert_eq!(m.derives(text), ok, "{text}");
+        }
+    }
+
+    /// A matcher over `grammar`.
+    fn matcher(grammar: &str) -> crate::grammar::Matcher {
+        let parsed = Grammar::parse(grammar).unwrap_or_else(|e| panic!("{e}\n{grammar}"));
+        crate::grammar::Matcher::new(parsed).unwrap()
+    }
+
+    /// Tools whose parameters take each kind of value.
+    fn xml_tools(extra: Value) -> Tools {
+        let mut body = json!({"tools": [
+            {"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {
+                    "city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                    "days": {"type": "integer"}, "hourly": {"type": ["boolean", "string"]}},
+                    "required": ["city", "unit"]}}},
+            {"type": "function", "function": {"name": "now"}}
+        ]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        Tools::read(body.as_object().unwrap()).unwrap().unwrap()
+    }
+
+    fn xml_call(params: &[(&str, &str)]) -> String {
+        let mut s = String::from("<tool_call>\n<function=get_weather>\n");
+        for (k, v) in params {
+            s.push_str(&format!("<parameter={k}>\n{v}\n</parameter>\n"));
+        }
+        s + "</function>\n</tool_call>"
+    }
+
+    #[test]
+    fn a_required_xml_call_is_a_grammar_of_the_tools() {
+        let t = xml_tools(json!({"tool_choice": "required"}));
+        let g = t.grammar(ToolFormat::Xml { bare: false }).unwrap().unwrap();
+        let mut m = matcher(&g);
+        let ok = |m: &mut crate::grammar::Matcher, text: &str| m.derives(text);
+        // Required parameters in either order, then optional ones; text
+        // values may hold anything but their close, on lines of their own.
+        for (text, want) in [
+            (xml_call(&[("city", "Paris"), ("unit", "c")]), true),
+            (xml_call(&[("unit", "f"), ("city", "Rome")]), true),
+            (
+                xml_call(&[("city", "Paris"), ("unit", "c"), ("days", "3")]),
+                true,
+            ),
+            (
+                xml_call(&[("city", "a\n</param\n<b>\n</parameter>x"), ("unit", "c")]),
+                true,
+            ),
+            (
+                xml_call(&[("city", "x"), ("unit", "c"), ("hourly", "true")]),
+                true,
+            ),
+            (
+                xml_call(&[("city", "x"), ("unit", "c"), ("hourly", "every hour")]),
+                true,
+            ),
+            // A required one missing, an optional one first, an enum's
+            // other value, an integer's text, an unknown parameter.
+            (xml_call(&[("city", "Paris")]), false),
+            (
+                xml_call(&[("days", "3"), ("city", "Paris"), ("unit", "c")]),
+                false,
+            ),
+            (xml_call(&[("city", "Paris"), ("unit", "k")]), false),
+            (
+                xml_call(&[("city", "Paris"), ("unit", "c"), ("days", "three")]),
+                false,
+            ),
+            (
+                xml_call(&[("city", "Paris"), ("unit", "c"), ("x", "1")]),
+                false,
+            ),
+            (
+                "<tool_call>\n<function=now>\n</function>\n</tool_call>".to_string(),
+                true,
+            ),
+            (
+                "<tool_call>\n<function=later>\n</function>\n</tool_call>".to_string(),
+                false,
+            ),
+            // Not bare: the block's line is needed; one call only.
+            (
+                "<function=now>\n</function>\n</tool_call>".to_string(),
+                false,
+            ),
+            (
+                format!(
+                    "{}\n{}",
+                    xml_call(&[("city", "P"), ("unit", "c")]),
+                    xml_call(&[("city", "R"), ("unit", "f")])
+                ),
+                false,
+            ),
+        ] {
+            assert_eq!(ok(&mut m, &text), want, "{text:?}\n{g}");
+        }
+        // Parallel and bare: several calls, the first one's line optional.
+        let t = xml_tools(json!({"tool_choice": "required", "parallel_tool_calls": true}));
+        let g = t.grammar(ToolFormat::Xml { bare: true }).unwrap().unwrap();
+        let mut m = matcher(&g);
+        let two = format!(
+            "{}\n{}\n",
+            xml_call(&[("city", "P"), ("unit", "c")]),
+            xml_call(&[("city", "R"), ("unit", "f")])
+        );
+        assert!(m.derives(&two), "{g}");
+        assert!(m.derives("<function=now>\n</function>\n</tool_call>"));
+        // Named: that function only.
+        let named =
+            xml_tools(json!({"tool_choice": {"type": "function", "function": {"name": "now"}}}));
+        let g = named
+            .grammar(ToolFormat::Xml { bare: false })
+            .unwrap()
+            .unwrap();
+        assert!(!g.contains("get_weather"), "{g}");
+        // Auto: the same grammar from `<tool_call>` on, and bare, from each
+        // tool's function line too.
+        let auto = xml_tools(json!({}));
+        assert_eq!(auto.grammar(ToolFormat::Xml { bare: true }).unwrap(), None);
+        let (g, starts) = auto.lazy(ToolFormat::Xml { bare: true }).unwrap();
+        assert_eq!(
+            starts,
+            ["<tool_call>", "<function=get_weather>", "<function=now>"]
+        );
+        let mut m = matcher(&g);
+        assert!(m.derives("<tool_call>\n<function=now>\n</function>\n</tool_call>"));
+        assert!(m.derives("<function=now>\n</function>\n</tool_call>"));
+        let (_, starts) = auto.lazy(ToolFormat::Xml { bare: false }).unwrap();
+        assert_eq!(starts, ["<tool_call>"]);
+        assert_eq!(auto.lazy(ToolFormat::Hermes).unwrap().1, ["<tool_call>"]);
+        assert_eq!(auto.lazy(ToolFormat::Harmony).unwrap().1, [HARMONY_TRIGGER]);
+    }
+
+    #[test]
+    fn required_parameters_come_in_any_order_up_to_six() {
+        let props: Map<String, Value> = (0..7)
+            .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+            .collect();
+        let tools_of = |n: usize| {
+            let required: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
+            let props: Map<String, Value> = props
+                .iter()
+                .take(n)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let body = json!({"tools": [{"type": "function", "function": {"name": "f",
+                "parameters": {"type": "object", "properties": props, "required": required}}}],
+                "tool_choice": "required"});
+            Tools::read(body.as_object().unwrap()).unwrap().unwrap()
+        };
+        let call = |order: &[usize]| {
+            let mut s = String::from("<tool_call>\n<function=f>\n");
+            for i in order {
+                s.push_str(&format!("<parameter=p{i}>\n{i}\n</parameter>\n"));
+            }
+            s + "</function>\n</tool_call>"
+        };
+        let g = tools_of(6)
+            .grammar(ToolFormat::Xml { bare: false })
+            .unwrap()
+            .unwrap();
+        let mut m = matcher(&g);
+        assert!(m.derives(&call(&[5, 3, 1, 0, 2, 4])));
+        assert!(m.derives(&call(&[0, 1, 2, 3, 4, 5])));
+        assert!(!m.derives(&call(&[0, 1, 2, 3, 4])));
+        assert!(!m.derives(&call(&[0, 1, 2, 3, 4, 5, 5])));
+        // Seven: in the schema's order only.
+        let g = tools_of(7)
+            .grammar(ToolFormat::Xml { bare: false })
+            .unwrap()
+            .unwrap();
+        let mut m = matcher(&g);
+        assert!(m.derives(&call(&[0, 1, 2, 3, 4, 5, 6])));
+        assert!(!m.derives(&call(&[1, 0, 2, 3, 4, 5, 6])));
+    }
+
+    #[test]
+    fn text_through_its_end_matches_up_to_the_first_end() {
+        for end in ["\n</parameter>\n", "aab", "abab", "x"] {
+            let g = format!("root ::= t\n{}", text_through("t", end));
+            let mut m = matcher(&g);
+            // Brute force over short strings of the end's characters and one other.
+            let mut alphabet: Vec<char> = end.chars().collect();
+            alphabet.push('z');
+            alphabet.dedup();
+            let mut texts = vec![String::new()];
+            for _ in 0..6 {
+                let longer: Vec<String> = texts
+                    .iter()
+                    .flat_map(|t| alphabet.iter().map(move |c| format!("{t}{c}")))
+                    .collect();
+                texts.extend(longer);
+                texts.sort();
+                texts.dedup();
+            }
+            for body in &texts {
+                let text = format!("{body}{end}");
+                let first = text.find(end).unwrap() + end.len() == text.len();
+                assert_eq!(m.derives(&text), first, "{end:?}: {text:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn xml_calls_are_read_and_their_values_typed() {
+        let t = xml_tools(json!({}));
+        let text = format!(
+            "Let me check.\n{}\n{}",
+            xml_call(&[
+                ("city", "New York"),
+                ("unit", "c"),
+                ("days", "3"),
+                ("hourly", "true")
+            ]),
+            "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+        );
+        let (content, calls) = t.read_xml_calls(&text, false);
+        assert_eq!(content, "Let me check.");
+        assert_eq!(
+            calls,
+            [
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: r#"{"city":"New York","unit":"c","days":3,"hourly":true}"#.into()
+                },
+                ToolCall {
+                    name: "now".into(),
+                    arguments: "{}".into()
+                }
+            ]
+        );
+        // A string parameter keeps text that reads as JSON; one of several
+        // types keeps text that is none of its others; a value's own lines.
+        let (_, calls) = t.read_xml_calls(
+            &xml_call(&[
+                ("city", "42"),
+                ("unit", "c"),
+                ("hourly", "[1]"),
+                ("days", "x"),
+            ]),
+            false,
+        );
+        assert_eq!(
+            calls[0].arguments,
+            r#"{"city":"42","unit":"c","hourly":"[1]","days":"x"}"#
+        );
+        let (_, calls) = t.read_xml_calls(&xml_call(&[("city", "a\n\nb")]), false);
+        assert_eq!(calls[0].arguments, r#"{"city":"a\n\nb"}"#);
+        // Bare: a call without its block's line; not bare, that is content.
+        let bare = "Sure.\n<function=now>\n</function>\n</tool_call>";
+        assert_eq!(t.read_xml_calls(bare, true).1.len(), 1);
+        assert_eq!(t.read_xml_calls(bare, false), (bare.to_string(), vec![]));
+        // Cut short: a call of what it has.
+        let (_, calls) = t.read_xml_calls(
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+            false,
+        );
+        assert_eq!(calls[0].arguments, r#"{"city":"Par"}"#);
+        // Not a call: everything from it is content.
+        let odd = "a <tool_call>\n{\"name\": \"now\"}\n</tool_call> b";
+        assert_eq!(t.read_xml_calls(odd, false), (odd.to_string(), vec![]));
+    }
+
+    #[test]
+    fn xml_text_is_streamable_up_to_what_may_be_a_call() {
+        let bare = ToolFormat::Xml { bare: true }.call_starts().unwrap();
+        assert_eq!(streamable("Hi <func", bare), 3);
+        assert_eq!(streamable("Hi <tool", bare), 3);
+        assert_eq!(streamable("Hi <function=now>", bare), 3);
+        assert_eq!(streamable("Hi <functional>", bare), 15);
+        let plain = ToolFormat::Xml { bare: false }.call_starts().unwrap();
+        assert_eq!(streamable("Hi <function=now>", plain), 17);
+        assert_eq!(before_calls("a <function=x> <tool_call>", bare), 2);
+        assert_eq!(before_calls("a <function=x> <tool_call>", plain), 15);
+        assert_eq!(ToolFormat::Harmony.call_starts(), None);
+    }
+
+    #[test]
+    fn real_templates_are_told_by_their_call_syntax() {
+        use crate::tokenizer::ChatTemplate;
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/llama.cpp/templates/"
+        );
+        for (file, want) in [
+            ("Qwen3-Coder.jinja", Some(ToolFormat::Xml { bare: true })),
+            ("Qwen3.5-4B.jinja", Some(ToolFormat::Xml { bare: false })),
+            (
+                "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
+                Some(ToolFormat::Xml { bare: false }),
+            ),
+            ("Qwen-Qwen3-0.6B.jinja", Some(ToolFormat::Hermes)),
+            ("openai-gpt-oss-120b.jinja", None),
+            ("google-gemma-2-2b-it.jinja", None),
+        ] {
+            let source = std::fs::read_to_string(format!("{dir}{file}")).unwrap();
+            let t = ChatTemplate::new(&source, "", "").unwrap();
+            let got = template_format(&source, false, |tool| {
+                let user = [json!({"role": "user", "content": "hi"})];
+                t.apply_json(&user, tool.as_array().map(Vec::as_slice), true, None)
+                    .ok()
+            });
+            assert_eq!(got, want, "{file}");
+            // The XML templates iterate a call's arguments: objects.
+            let xml = matches!(want, Some(ToolFormat::Xml { .. }));
+
+            assert_eq!(t.takes_object_arguments(), xml, "{file}");
         }
     }
 

@@ -10,6 +10,13 @@ use minijinja::syntax::SyntaxConfig;
 use minijinja::value::Kwargs;
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 
+/// Jinja2's `iterable` test as Python answers it: `none` is not (minijinja's
+/// own says it is, and Qwen3-Coder's template then takes the length of
+/// `tools = none`); undefined is, as Jinja2's `Undefined` iterates as empty.
+fn is_iterable(value: &Value) -> bool {
+    !value.is_none() && value.try_iter().is_ok()
+}
+
 /// Longest template source accepted (bytes).
 pub const MAX_TEMPLATE_LEN: usize = 1 << 20;
 
@@ -152,6 +159,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_test("iterable", is_iterable);
         env.add_template_owned("chat", generation_blocks_as_if(source))
             .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
         Ok(Self {
@@ -235,6 +243,28 @@ impl ChatTemplate {
         const PROBE: &str = "les system prompt probe";
         self.apply(&[("system", PROBE), ("user", "user message")], false)
             .is_ok_and(|text| text.contains(PROBE))
+    }
+
+    /// Whether the template reads a tool call's `arguments` as an object
+    /// (Qwen3-Coder's, Qwen3.5's and GLM's iterate its items), where OpenAI
+    /// gives a string of JSON: rendered with an object, a probe argument's
+    /// name shows, and with that object as a string it does not (llama.cpp
+    /// probes its templates' `supports_object_arguments` alike, then parses
+    /// the strings).
+    pub fn takes_object_arguments(&self) -> bool {
+        const KEY: &str = "les_argument_probe";
+        let render = |arguments: serde_json::Value| {
+            let messages = [
+                serde_json::json!({"role": "user", "content": "user message"}),
+                serde_json::json!({"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "tool", "arguments": arguments}}]}),
+            ];
+            self.apply_json(&messages, None, false, None)
+                .is_ok_and(|text| text.contains(KEY))
+        };
+        let object = serde_json::json!({ KEY: "value" });
+        render(object.clone()) && !render(serde_json::Value::String(object.to_string()))
     }
 
     /// The conversation that starts with `system` and one user message
@@ -592,6 +622,19 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn iterable_is_pythons() {
+        let src = "{% for v in [none, 1, 'ab', [1], {'a': 1}, missing] %}\
+                   {{ v is iterable }} {% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let text = t.render(context! {}).unwrap();
+        assert_eq!(text, "False False True True True True ");
+        // As Qwen3-Coder's template asks it, with no tools given.
+        let src = "{% if tools is iterable and tools | length > 0 %}tools{% endif %}ok";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        assert_eq!(t.apply_json(&[], None, false, None).unwrap(), "ok");
+    }
 
     #[test]
     fn kwargs_are_variables_under_the_renders_own() {
