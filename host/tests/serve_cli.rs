@@ -813,6 +813,94 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     assert_eq!(status, 400, "{v}");
 }
 
+/// Qwen3-Coder's XML calls, with its own chat template (llama.cpp's copy):
+/// the conversation's calls reach the template as the objects it iterates,
+/// a required or named call is a grammar of `<function=NAME>` and
+/// `<parameter=KEY>` lines whose values follow the tools' schemas, and comes
+/// back as `tool_calls`, whole or streamed; `auto` starts that grammar at
+/// `<tool_call>`, or at a bare `<function=NAME>` as Qwen3-Coder may write it.
+#[test]
+fn xml_tool_calls_come_back_as_calls() {
+    let coder = include_str!("data/llama.cpp/templates/Qwen3-Coder.jinja");
+    let m = with_template(&model(), "serve_q3_coder.gguf", coder);
+    let server = Server::start(&m, &[]);
+    let weather = json!({"role": "user", "content": "Weather in Paris?"});
+    let history = json!([
+        weather,
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
+    ]);
+    let (status, t) = server.post(
+        "/apply-template",
+        &json!({"messages": history, "tools": weather_tools()}),
+    );
+    assert_eq!(status, 200, "{t}");
+    let prompt = t["prompt"].as_str().unwrap();
+    for want in [
+        "<function>\n<name>get_weather</name>\n<description>The weather in a city</description>",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
+         <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>",
+        "<tool_response>\n21 degrees\n</tool_response>",
+    ] {
+        assert!(prompt.contains(want), "{want:?} not in {prompt:?}");
+    }
+    // Arguments that are not JSON cannot become the object it iterates.
+    let mut bad = history.clone();
+    bad[1]["tool_calls"][0]["function"]["arguments"] = json!("{city: Paris");
+    let (status, v) = server.post("/apply-template", &json!({"messages": bad}));
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages[1].tool_calls[0].function.arguments is not JSON"),
+        "{v}"
+    );
+
+    // Named: one call of that function, its arguments from the schema.
+    let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
+        "max_tokens": 200, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let v = server.chat(&named);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    weather_args(&calls[0]);
+    assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+    // Required, of either tool.
+    let mut required = named.clone();
+    required["tool_choice"] = json!("required");
+    let v = server.chat(&required);
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args.is_object(), "{v}");
+
+    // Auto, with a model that spells the call's opening (or, bare, the
+    // function's line) as one token and a bias that makes it write it.
+    let (open_id, line_id) = (byte_token(&m, 0xFF), byte_token(&m, 0xFE));
+    let spelled = with_tokens(
+        &m,
+        "serve_q3_coder_open.gguf",
+        &[(open_id, "<tool_call>"), (line_id, "<function=get_weather>")],
+    );
+    let opener = Server::start(&spelled, &[]);
+    for id in [open_id, line_id] {
+        let auto = json!({"messages": [weather], "tools": [weather_tools()[0]],
+            "temperature": 0, "max_tokens": 200, "logit_bias": { id.to_string(): 100 }});
+        let v = opener.chat(&auto);
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{id}: {v}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{v}");
+        weather_args(&calls[0]);
+        assert_streamed_call(&opener.chunks("/v1/chat/completions", &auto), &calls[0]);
+    }
+}
+
 /// `--chat-template-file` and `--chat-template-kwargs` shape every chat
 /// prompt; a request's `chat_template_kwargs` go over the server's.
 #[test]
