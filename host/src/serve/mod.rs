@@ -554,8 +554,8 @@ impl<'m> Engine<'m> {
         let mut tool_calls = Vec::new();
         match (format, &c.tools) {
             (Some(ToolFormat::Hermes), _) => (text, tool_calls) = tools::read_calls(&text),
-            (Some(ToolFormat::Xml { bare }), Some(t)) => {
-                (text, tool_calls) = t.read_xml_calls(&text, bare);
+            (Some(f @ (ToolFormat::Xml { .. } | ToolFormat::Glm { .. })), Some(t)) => {
+                (text, tool_calls) = t.read_tagged_calls(&text, f);
             }
             (Some(ToolFormat::Harmony), _) => {
                 let name = splitter.as_ref().and_then(Splitter::recipient);

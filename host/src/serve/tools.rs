@@ -48,6 +48,14 @@ pub enum ToolFormat {
         /// llama.cpp then also starts the lazy grammar at `<function=NAME>`.
         bare: bool,
     },
+    /// GLM-4.5's `<tool_call>` blocks: the function's name, then each
+    /// argument as `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
+    /// (values typed as [`Xml`](Self::Xml)'s).
+    Glm {
+        /// A newline after the name and after each key and value (GLM-4.5
+        /// and 4.6; GLM-4.7 writes none).
+        newlines: bool,
+    },
 }
 
 impl ToolFormat {
@@ -55,11 +63,61 @@ impl ToolFormat {
     /// whose calls are told by markers).
     pub fn call_starts(self) -> Option<&'static [&'static str]> {
         match self {
-            ToolFormat::Hermes | ToolFormat::Xml { bare: false } => Some(&[OPEN]),
+            ToolFormat::Hermes | ToolFormat::Xml { bare: false } | ToolFormat::Glm { .. } => {
+                Some(&[OPEN])
+            }
             ToolFormat::Xml { bare: true } => Some(&[OPEN, FUNCTION_OPEN]),
             ToolFormat::Harmony => None,
         }
     }
+
+    /// The tags of a format whose arguments are tagged text.
+    fn tags(self) -> Option<Tags> {
+        Some(match self {
+            ToolFormat::Xml { bare } => Tags {
+                open: "<tool_call>\n",
+                head: (FUNCTION_OPEN, ">\n"),
+                key: (PARAMETER_OPEN, ">\n"),
+                value_end: PARAMETER_CLOSE,
+                function_end: FUNCTION_CLOSE,
+                bare,
+            },
+            ToolFormat::Glm { newlines } => Tags {
+                open: OPEN,
+                head: ("", if newlines { "\n" } else { "" }),
+                key: (
+                    "<arg_key>",
+                    if newlines {
+                        "</arg_key>\n<arg_value>"
+                    } else {
+                        "</arg_key><arg_value>"
+                    },
+                ),
+                value_end: if newlines {
+                    "</arg_value>\n"
+                } else {
+                    "</arg_value>"
+                },
+                function_end: "",
+                bare: false,
+            },
+            ToolFormat::Hermes | ToolFormat::Harmony => return None,
+        })
+    }
+}
+
+/// How a format with tagged arguments writes a call (see
+/// [`Tools::tagged_calls`]): `open`, then `head.0` NAME `head.1`, then for
+/// each argument `key.0` KEY `key.1` VALUE `value_end`, then
+/// `function_end` and [`CLOSE`].
+struct Tags {
+    open: &'static str,
+    head: (&'static str, &'static str),
+    key: (&'static str, &'static str),
+    value_end: &'static str,
+    function_end: &'static str,
+    /// The first block may leave out `open`.
+    bare: bool,
 }
 
 /// An XML call's function line: `<function=NAME>` and a newline.
@@ -220,7 +278,9 @@ impl Tools {
             (ToolChoice::Auto | ToolChoice::None, _) => Ok(None),
             (_, ToolFormat::Hermes) => self.calls().map(Some),
             (_, ToolFormat::Harmony) => self.harmony_call().map(Some),
-            (_, ToolFormat::Xml { bare }) => self.xml_calls(bare).map(Some),
+            (_, ToolFormat::Xml { .. } | ToolFormat::Glm { .. }) => {
+                self.tagged_calls(format).map(Some)
+            }
         }
     }
 
@@ -236,16 +296,16 @@ impl Tools {
                 self.harmony_from_trigger()?,
                 vec![HARMONY_TRIGGER.to_string()],
             ),
-            ToolFormat::Xml { bare } => {
+            ToolFormat::Xml { .. } | ToolFormat::Glm { .. } => {
                 let mut starts = vec![OPEN.to_string()];
-                if bare {
+                if format == (ToolFormat::Xml { bare: true }) {
                     starts.extend(
                         self.wanted()
                             .iter()
                             .map(|(name, _)| format!("{FUNCTION_OPEN}{name}>")),
                     );
                 }
-                (self.xml_calls(bare)?, starts)
+                (self.tagged_calls(format)?, starts)
             }
         })
     }
@@ -350,15 +410,20 @@ impl Tools {
         Ok(format!("{root}\n{block}\n{call}"))
     }
 
-    /// The grammar of XML calls ([`ToolFormat::Xml`]): `<tool_call>` blocks
-    /// (one, or one or more with `parallel`) of a wanted function's line,
-    /// its required parameters in any order (up to [`MAX_PERMUTE`]), then
-    /// any of its optional ones, as llama.cpp's grammar for Qwen3-Coder has
-    /// them. A value is text up to its [`PARAMETER_CLOSE`] where the schema
-    /// allows a string (one of the strings where it is an enum or const of
-    /// strings only), else JSON following the parameter's schema. `bare`:
-    /// the first block may leave out its `<tool_call>` line.
-    pub fn xml_calls(&self, bare: bool) -> Result<String, ApiError> {
+    /// The grammar of calls in a format with tagged arguments
+    /// ([`ToolFormat::Xml`], [`ToolFormat::Glm`]; any other is refused):
+    /// `<tool_call>` blocks (one, or one or more with `parallel`) of a
+    /// wanted function's name, its required arguments in any order (up to
+    /// [`MAX_PERMUTE`]), then any of its optional ones, as llama.cpp's
+    /// grammar for Qwen3-Coder has them. A value is text up to its close
+    /// where the schema allows a string (one of the strings where it is an
+    /// enum or const of strings only), else JSON following the parameter's
+    /// schema. A bare XML format's first block may leave out its
+    /// `<tool_call>` line.
+    pub fn tagged_calls(&self, format: ToolFormat) -> Result<String, ApiError> {
+        let t = format
+            .tags()
+            .ok_or_else(|| ApiError::bad("tool calls of this format have no tagged arguments"))?;
         let mut rules = String::new();
         let mut functions = Vec::new();
         let mut needs_text = false;
@@ -381,11 +446,11 @@ impl Tools {
                             .map(|c| literal(c))
                             .collect::<Vec<_>>()
                             .join(" | "),
-                        literal(PARAMETER_CLOSE)
+                        literal(t.value_end)
                     ),
                     None if types_of(schema, 0) & STRING != 0 => {
                         needs_text = true;
-                        "xml-text".to_string()
+                        "tc-text".to_string()
                     }
                     None => {
                         let g = json_schema_to_gbnf(&schema.to_string()).map_err(|e| {
@@ -397,12 +462,12 @@ impl Tools {
                             defined.contains(&r).then(|| format!("{rule}-{r}"))
                         });
                         rules.push_str(&g);
-                        format!("{rule}-root {}", literal(PARAMETER_CLOSE))
+                        format!("{rule}-root {}", literal(t.value_end))
                     }
                 };
                 rules.push_str(&format!(
                     "{rule} ::= {} {value}\n",
-                    literal(&format!("{PARAMETER_OPEN}{key}>\n"))
+                    literal(&format!("{}{key}{}", t.key.0, t.key.1))
                 ));
                 if required.contains(&key.as_str()) {
                     required_rules.push(rule);
@@ -415,53 +480,59 @@ impl Tools {
                 rules.push_str(&format!("t{i}-opt ::= {}\n", optional_rules.join(" | ")));
                 args.push_str(&format!(" t{i}-opt*"));
             }
-            // Names are [A-Za-z0-9_-]: the literal needs no escapes.
+            // Names are [A-Za-z0-9_-]: they need no escapes.
             rules.push_str(&format!(
-                "t{i} ::= \"{FUNCTION_OPEN}{name}>\\n\" {args} {}\n",
-                literal(FUNCTION_CLOSE)
+                "t{i} ::= {} {args} {}\n",
+                literal(&format!("{}{name}{}", t.head.0, t.head.1)),
+                literal(t.function_end)
             ));
             functions.push(format!("t{i}"));
         }
         if needs_text {
-            rules.push_str(&text_through("xml-text", PARAMETER_CLOSE));
+            rules.push_str(&text_through("tc-text", t.value_end));
         }
-        let first = if bare {
-            "xml-first ::= (\"<tool_call>\\n\")? xml-body"
+        let open = literal(t.open);
+        let first = if t.bare {
+            format!("tc-first ::= ({open})? tc-body")
         } else {
-            "xml-first ::= xml-call"
+            "tc-first ::= tc-call".to_string()
         };
         let root = if self.parallel {
-            "root ::= xml-first (xml-space xml-call)* xml-space"
+            "root ::= tc-first (tc-space tc-call)* tc-space"
         } else {
-            "root ::= xml-first xml-space"
+            "root ::= tc-first tc-space"
         };
         Ok(format!(
-            "{root}\n{first}\nxml-call ::= \"<tool_call>\\n\" xml-body\n\
-             xml-body ::= ({}) \"</tool_call>\"\n\
-             xml-space ::= | \" \" | \"\\n\"{{1,2}} [ \\t]{{0,20}}\n{rules}",
-            functions.join(" | ")
+            "{root}\n{first}\ntc-call ::= {open} tc-body\n\
+             tc-body ::= ({}) {}\n\
+             tc-space ::= | \" \" | \"\\n\"{{1,2}} [ \\t]{{0,20}}\n{rules}",
+            functions.join(" | "),
+            literal(CLOSE)
         ))
     }
 
-    /// The reply's XML calls ([`ToolFormat::Xml`]) and the text around them
-    /// as the content (trimmed; as it is without calls): each block from a
-    /// `<tool_call>` (or, `bare`, a [`FUNCTION_OPEN`]) whose function line
-    /// and parameters read, each value typed by its parameter's schema (see
-    /// [`ToolFormat::Xml`]). A block that does not read, and all after it,
-    /// stays content; a block cut short (`max_tokens`) is a call of what it
-    /// has.
-    pub fn read_xml_calls(&self, text: &str, bare: bool) -> (String, Vec<ToolCall>) {
-        let starts: &[&str] = if bare {
-            &[OPEN, FUNCTION_OPEN]
-        } else {
-            &[OPEN]
-        };
+    /// The reply's calls in a format with tagged arguments
+    /// ([`ToolFormat::Xml`], [`ToolFormat::Glm`]; none in any other) and the
+    /// text around them as the content (trimmed; as it is without calls):
+    /// each block from a `<tool_call>` (or, bare, a [`FUNCTION_OPEN`]) whose
+    /// function and arguments read, each value typed by its parameter's
+    /// schema (see [`ToolFormat::Xml`]). A block that does not read, and all
+    /// after it, stays content; a block cut short (`max_tokens`) is a call
+    /// of what it has.
+    pub fn read_tagged_calls(&self, text: &str, format: ToolFormat) -> (String, Vec<ToolCall>) {
+        let starts = format.call_starts().unwrap_or(&[]);
         let mut calls = Vec::new();
         let mut content = String::new();
         let mut rest = text;
         while let Some(at) = first_of(rest, starts) {
-            let body = rest[at..].strip_prefix(OPEN).unwrap_or(&rest[at..]);
-            let Some((call, after)) = self.xml_call(body) else {
+            let call = match format {
+                ToolFormat::Xml { .. } => {
+                    self.xml_call(rest[at..].strip_prefix(OPEN).unwrap_or(&rest[at..]))
+                }
+                ToolFormat::Glm { .. } => self.glm_call(&rest[at + OPEN.len()..]),
+                ToolFormat::Hermes | ToolFormat::Harmony => None,
+            };
+            let Some((call, after)) = call else {
                 break;
             };
             content.push_str(&rest[..at]);
@@ -473,6 +544,45 @@ impl Tools {
         }
         content.push_str(rest);
         (content.trim().to_string(), calls)
+    }
+
+    /// One GLM call after its `<tool_call>`, and the text after it.
+    fn glm_call<'t>(&self, text: &'t str) -> Option<(ToolCall, &'t str)> {
+        let end = text.find(['\n', '<']).unwrap_or(text.len());
+        let name = text[..end].trim();
+        if name.is_empty() || name.len() > MAX_NAME {
+            return None;
+        }
+        let types = self.parameter_types(name);
+        let mut args = Map::new();
+        let mut rest = &text[end..];
+        loop {
+            let line = rest.trim_start();
+            if let Some(k) = line.strip_prefix("<arg_key>") {
+                let (key, after) = k.split_once("</arg_key>")?;
+                let v = after.trim_start().strip_prefix("<arg_value>")?;
+                let (raw, after) = v.split_once("</arg_value>").unwrap_or((v, ""));
+                let allowed = types
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .map_or(ANY, |&(_, t)| t);
+                args.insert(key.to_string(), typed_value(raw, allowed));
+                rest = after;
+            } else if let Some(after) = line.strip_prefix(CLOSE) {
+                rest = after;
+                break;
+            } else if line.is_empty() {
+                rest = line;
+                break;
+            } else {
+                return None;
+            }
+        }
+        let call = ToolCall {
+            name: name.to_string(),
+            arguments: Value::Object(args).to_string(),
+        };
+        Some((call, rest))
     }
 
     /// One XML call from its function line on, and the text after it (and
@@ -806,7 +916,9 @@ fn call_of(json: &str) -> Option<ToolCall> {
 /// and the source sends messages `to=functions`; Qwen3-Coder's XML where it
 /// spells `<tool_call>`, `<function=` and `<parameter=` (not a variant
 /// without newlines between the tags, which les does not read), bare where
-/// it has no `<think>`; else Hermes-style where it spells [`OPEN`].
+/// it has no `<think>`; GLM's where it spells `<tool_call>`, `<arg_key>` and
+/// `<arg_value>` (without newlines where a key's close meets a value's open);
+/// else Hermes-style where it spells [`OPEN`].
 pub fn template_format(
     source: &str,
     harmony: bool,
@@ -822,6 +934,10 @@ pub fn template_format(
         }
         ToolFormat::Xml {
             bare: !has("<think>"),
+        }
+    } else if has(OPEN) && has("<arg_key>") && has("<arg_value>") {
+        ToolFormat::Glm {
+            newlines: !has("</arg_key><arg_value>"),
         }
     } else if has(OPEN) {
         ToolFormat::Hermes
@@ -1279,6 +1395,7 @@ mod tests {
     #[test]
     fn xml_calls_are_read_and_their_values_typed() {
         let t = xml_tools(json!({}));
+        let read = |text: &str, bare| t.read_tagged_calls(text, ToolFormat::Xml { bare });
         let text = format!(
             "Let me check.\n{}\n{}",
             xml_call(&[
@@ -1289,7 +1406,7 @@ mod tests {
             ]),
             "<tool_call>\n<function=now>\n</function>\n</tool_call>"
         );
-        let (content, calls) = t.read_xml_calls(&text, false);
+        let (content, calls) = t.read_tagged_calls(&text, ToolFormat::Xml { bare: false });
         assert_eq!(content, "Let me check.");
         assert_eq!(
             calls,
@@ -1306,7 +1423,7 @@ mod tests {
         );
         // A string parameter keeps text that reads as JSON; one of several
         // types keeps text that is none of its others; a value's own lines.
-        let (_, calls) = t.read_xml_calls(
+        let (_, calls) = read(
             &xml_call(&[
                 ("city", "42"),
                 ("unit", "c"),
@@ -1319,21 +1436,91 @@ mod tests {
             calls[0].arguments,
             r#"{"city":"42","unit":"c","hourly":"[1]","days":"x"}"#
         );
-        let (_, calls) = t.read_xml_calls(&xml_call(&[("city", "a\n\nb")]), false);
+        let (_, calls) = t.read_tagged_calls(
+            &xml_call(&[("city", "a\n\nb")]),
+            ToolFormat::Xml { bare: false },
+        );
         assert_eq!(calls[0].arguments, r#"{"city":"a\n\nb"}"#);
         // Bare: a call without its block's line; not bare, that is content.
         let bare = "Sure.\n<function=now>\n</function>\n</tool_call>";
-        assert_eq!(t.read_xml_calls(bare, true).1.len(), 1);
-        assert_eq!(t.read_xml_calls(bare, false), (bare.to_string(), vec![]));
+        assert_eq!(
+            t.read_tagged_calls(bare, ToolFormat::Xml { bare: true })
+                .1
+                .len(),
+            1
+        );
+        assert_eq!(
+            t.read_tagged_calls(bare, ToolFormat::Xml { bare: false }),
+            (bare.to_string(), vec![])
+        );
         // Cut short: a call of what it has.
-        let (_, calls) = t.read_xml_calls(
+        let (_, calls) = read(
             "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
             false,
         );
         assert_eq!(calls[0].arguments, r#"{"city":"Par"}"#);
         // Not a call: everything from it is content.
         let odd = "a <tool_call>\n{\"name\": \"now\"}\n</tool_call> b";
-        assert_eq!(t.read_xml_calls(odd, false), (odd.to_string(), vec![]));
+        assert_eq!(
+            t.read_tagged_calls(odd, ToolFormat::Xml { bare: false }),
+            (odd.to_string(), vec![])
+        );
+    }
+
+    #[test]
+    fn glm_calls_are_a_grammar_and_read_back() {
+        let glm_call = |newlines: bool, params: &[(&str, &str)]| {
+            let nl = if newlines { "\n" } else { "" };
+            let mut s = format!("<tool_call>get_weather{nl}");
+            for (k, v) in params {
+                s.push_str(&format!(
+                    "<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}"
+                ));
+            }
+            s + "</tool_call>"
+        };
+        let t = xml_tools(json!({"tool_choice": "required"}));
+        for newlines in [true, false] {
+            let format = ToolFormat::Glm { newlines };
+            let g = t.grammar(format).unwrap().unwrap();
+            let mut m = matcher(&g);
+            for (params, want) in [
+                (&[("city", "Paris"), ("unit", "c")][..], true),
+                (&[("unit", "f"), ("city", "a</arg_val>b")][..], true),
+                (&[("city", "Paris"), ("unit", "c"), ("days", "3")][..], true),
+                (&[("city", "Paris")][..], false),
+                (
+                    &[("city", "Paris"), ("unit", "c"), ("days", "x")][..],
+                    false,
+                ),
+            ] {
+                assert!(
+                    m.derives(&glm_call(newlines, params)) == want,
+                    "{params:?}\n{g}"
+                );
+                // The other spacing is not this format's.
+                assert!(!m.derives(&glm_call(!newlines, params)), "{params:?}");
+            }
+            let nl = if newlines { "\n" } else { "" };
+            assert!(m.derives(&format!("<tool_call>now{nl}</tool_call>")));
+            let text = format!(
+                "Checking. {}",
+                glm_call(newlines, &[("city", "Paris"), ("unit", "c"), ("days", "3")])
+            );
+            let (content, calls) = t.read_tagged_calls(&text, format);
+            assert_eq!(content, "Checking.");
+            assert_eq!(calls.len(), 1);
+            assert_eq!(calls[0].name, "get_weather");
+            assert_eq!(
+                calls[0].arguments,
+                r#"{"city":"Paris","unit":"c","days":3}"#
+            );
+            assert_eq!(t.lazy(format).unwrap().1, ["<tool_call>"]);
+        }
+        // Hermes JSON in a block is not a GLM call.
+        let hermes = "<tool_call>\n{\"name\": \"now\"}\n</tool_call>";
+        let (content, calls) = t.read_tagged_calls(hermes, ToolFormat::Glm { newlines: true });
+        assert_eq!((content.as_str(), calls.len()), (hermes, 0));
     }
 
     #[test]
@@ -1365,6 +1552,11 @@ mod tests {
                 Some(ToolFormat::Xml { bare: false }),
             ),
             ("Qwen-Qwen3-0.6B.jinja", Some(ToolFormat::Hermes)),
+            ("GLM-4.6.jinja", Some(ToolFormat::Glm { newlines: true })),
+            (
+                "GLM-4.7-Flash.jinja",
+                Some(ToolFormat::Glm { newlines: false }),
+            ),
             ("openai-gpt-oss-120b.jinja", None),
             ("google-gemma-2-2b-it.jinja", None),
         ] {
@@ -1376,8 +1568,8 @@ mod tests {
                     .ok()
             });
             assert_eq!(got, want, "{file}");
-            // The XML templates iterate a call's arguments: objects.
-            let xml = matches!(want, Some(ToolFormat::Xml { .. }));
+            // The XML and GLM templates iterate a call's arguments: objects.
+            let xml = matches!(want, Some(ToolFormat::Xml { .. } | ToolFormat::Glm { .. }));
 
             assert_eq!(t.takes_object_arguments(), xml, "{file}");
         }
