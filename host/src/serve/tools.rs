@@ -1523,6 +1523,35 @@ mod tests {
         assert_eq!((content.as_str(), calls.len()), (hermes, 0));
     }
 
+    proptest::proptest! {
+        /// Replies of call fragments in any order: reading never panics,
+        /// keeps a reply without calls whole, and gives object arguments.
+        #[test]
+        fn tagged_replies_read_without_panics(
+            parts in proptest::collection::vec(0usize..14, 0..24),
+            bare in proptest::bool::ANY,
+        ) {
+            const FRAGMENTS: [&str; 14] = [
+                "<tool_call>", "\n", "<function=now>", "<function=get_weather>",
+                "<parameter=city>", "</parameter>", "</function>", "</tool_call>",
+                "<arg_key>", "city", "</arg_key>", "<arg_value>", "</arg_value>", "é",
+            ];
+            let text: String = parts.iter().map(|&i| FRAGMENTS[i]).collect();
+            let t = xml_tools(json!({}));
+            for format in [ToolFormat::Xml { bare }, ToolFormat::Glm { newlines: bare }] {
+                let (content, calls) = t.read_tagged_calls(&text, format);
+                if calls.is_empty() {
+                    proptest::prop_assert_eq!(&content, &text);
+                }
+                for call in &calls {
+                    let args: Value = serde_json::from_str(&call.arguments).unwrap();
+                    proptest::prop_assert!(args.is_object());
+                }
+                let _ = streamable(&text, format.call_starts().unwrap());
+            }
+        }
+    }
+
     #[test]
     fn xml_text_is_streamable_up_to_what_may_be_a_call() {
         let bare = ToolFormat::Xml { bare: true }.call_starts().unwrap();
