@@ -904,40 +904,57 @@ fn xml_tool_calls_come_back_as_calls() {
     }
 }
 
-/// GLM-4.5's calls, with GLM-4.6's own chat template (llama.cpp's copy):
-/// the conversation's call is rendered from its arguments' object, and a
-/// named call is a grammar of `<arg_key>` / `<arg_value>` pairs that comes
-/// back as `tool_calls`.
+/// GLM-4.5's and MiniMax-M2's calls, with GLM-4.6's and MiniMax-M2's own
+/// chat templates (llama.cpp's copies): the conversation's call is rendered
+/// from its arguments' object, and a named call is a grammar of the
+/// format's tagged arguments that comes back as `tool_calls`, whole or
+/// streamed.
 #[test]
-fn glm_tool_calls_come_back_as_calls() {
-    let glm = include_str!("data/llama.cpp/templates/GLM-4.6.jinja");
-    let m = with_template(&model(), "serve_q3_glm.gguf", glm);
-    let server = Server::start(&m, &[]);
-    let weather = json!({"role": "user", "content": "Weather in Paris?"});
-    let history = json!([
-        weather,
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
-    ]);
-    let (status, t) = server.post(
-        "/apply-template",
-        &json!({"messages": history, "tools": weather_tools()}),
-    );
-    assert_eq!(status, 200, "{t}");
-    let prompt = t["prompt"].as_str().unwrap();
-    let want = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
-                <arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>";
-    assert!(prompt.contains(want), "{want:?} not in {prompt:?}");
-    let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
-        "max_tokens": 200, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
-    let v = server.chat(&named);
-    let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    let calls = choice["message"]["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.len(), 1, "{v}");
-    weather_args(&calls[0]);
-    assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+fn glm_and_minimax_tool_calls_come_back_as_calls() {
+    for (name, template, rendered) in [
+        (
+            "glm",
+            include_str!("data/llama.cpp/templates/GLM-4.6.jinja"),
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
+             <arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>",
+        ),
+        (
+            "minimax",
+            include_str!("data/llama.cpp/templates/MiniMax-M2.jinja"),
+            "<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
+             <parameter name=\"city\">Paris</parameter>\n<parameter name=\"unit\">c</parameter>\n\
+             </invoke>\n</minimax:tool_call>",
+        ),
+    ] {
+        let m = with_template(&model(), &format!("serve_q3_{name}.gguf"), template);
+        let server = Server::start(&m, &[]);
+        let weather = json!({"role": "user", "content": "Weather in Paris?"});
+        let history = json!([
+            weather,
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
+        ]);
+        let (status, t) = server.post(
+            "/apply-template",
+            &json!({"messages": history, "tools": weather_tools()}),
+        );
+        assert_eq!(status, 200, "{name}: {t}");
+        let prompt = t["prompt"].as_str().unwrap();
+        assert!(
+            prompt.contains(rendered),
+            "{name}: {rendered:?} not in {prompt:?}"
+        );
+        let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
+            "max_tokens": 200, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+        let v = server.chat(&named);
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{name}: {v}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{name}: {v}");
+        weather_args(&calls[0]);
+        assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+    }
 }
 
 /// `--chat-template-file` and `--chat-template-kwargs` shape every chat

@@ -554,7 +554,10 @@ impl<'m> Engine<'m> {
         let mut tool_calls = Vec::new();
         match (format, &c.tools) {
             (Some(ToolFormat::Hermes), _) => (text, tool_calls) = tools::read_calls(&text),
-            (Some(f @ (ToolFormat::Xml { .. } | ToolFormat::Glm { .. })), Some(t)) => {
+            (
+                Some(f @ (ToolFormat::Xml { .. } | ToolFormat::Glm { .. } | ToolFormat::MiniMax)),
+                Some(t),
+            ) => {
                 (text, tool_calls) = t.read_tagged_calls(&text, f);
             }
             (Some(ToolFormat::Harmony), _) => {

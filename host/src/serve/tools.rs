@@ -56,7 +56,16 @@ pub enum ToolFormat {
         /// and 4.6; GLM-4.7 writes none).
         newlines: bool,
     },
+    /// MiniMax-M2's `<minimax:tool_call>` blocks, each of one or more
+    /// `<invoke name="NAME">` elements of `<parameter name="KEY">VALUE</parameter>`
+    /// lines (values typed as [`Xml`](Self::Xml)'s).
+    MiniMax,
 }
+
+/// What opens a MiniMax-M2 block of calls.
+pub const MINIMAX_OPEN: &str = "<minimax:tool_call>";
+/// What closes it.
+pub const MINIMAX_CLOSE: &str = "</minimax:tool_call>";
 
 impl ToolFormat {
     /// What may start a call in a text format's reply (`None` for harmony,
@@ -67,6 +76,7 @@ impl ToolFormat {
                 Some(&[OPEN])
             }
             ToolFormat::Xml { bare: true } => Some(&[OPEN, FUNCTION_OPEN]),
+            ToolFormat::MiniMax => Some(&[MINIMAX_OPEN]),
             ToolFormat::Harmony => None,
         }
     }
@@ -76,6 +86,8 @@ impl ToolFormat {
         Some(match self {
             ToolFormat::Xml { bare } => Tags {
                 open: "<tool_call>\n",
+                close: CLOSE,
+                calls_per_block: false,
                 head: (FUNCTION_OPEN, ">\n"),
                 key: (PARAMETER_OPEN, ">\n"),
                 value_end: PARAMETER_CLOSE,
@@ -84,6 +96,8 @@ impl ToolFormat {
             },
             ToolFormat::Glm { newlines } => Tags {
                 open: OPEN,
+                close: CLOSE,
+                calls_per_block: false,
                 head: ("", if newlines { "\n" } else { "" }),
                 key: (
                     "<arg_key>",
@@ -101,6 +115,16 @@ impl ToolFormat {
                 function_end: "",
                 bare: false,
             },
+            ToolFormat::MiniMax => Tags {
+                open: "<minimax:tool_call>\n",
+                close: MINIMAX_CLOSE,
+                head: ("<invoke name=\"", "\">\n"),
+                key: ("<parameter name=\"", "\">"),
+                value_end: "</parameter>\n",
+                function_end: "</invoke>\n",
+                bare: false,
+                calls_per_block: true,
+            },
             ToolFormat::Hermes | ToolFormat::Harmony => return None,
         })
     }
@@ -109,9 +133,13 @@ impl ToolFormat {
 /// How a format with tagged arguments writes a call (see
 /// [`Tools::tagged_calls`]): `open`, then `head.0` NAME `head.1`, then for
 /// each argument `key.0` KEY `key.1` VALUE `value_end`, then
-/// `function_end` and [`CLOSE`].
+/// `function_end` and `close`.
 struct Tags {
     open: &'static str,
+    close: &'static str,
+    /// A block holds all the calls (parallel ones included) between its
+    /// `open` and `close`, not one each.
+    calls_per_block: bool,
     head: (&'static str, &'static str),
     key: (&'static str, &'static str),
     value_end: &'static str,
@@ -278,7 +306,7 @@ impl Tools {
             (ToolChoice::Auto | ToolChoice::None, _) => Ok(None),
             (_, ToolFormat::Hermes) => self.calls().map(Some),
             (_, ToolFormat::Harmony) => self.harmony_call().map(Some),
-            (_, ToolFormat::Xml { .. } | ToolFormat::Glm { .. }) => {
+            (_, ToolFormat::Xml { .. } | ToolFormat::Glm { .. } | ToolFormat::MiniMax) => {
                 self.tagged_calls(format).map(Some)
             }
         }
@@ -296,6 +324,7 @@ impl Tools {
                 self.harmony_from_trigger()?,
                 vec![HARMONY_TRIGGER.to_string()],
             ),
+            ToolFormat::MiniMax => (self.tagged_calls(format)?, vec![MINIMAX_OPEN.to_string()]),
             ToolFormat::Xml { .. } | ToolFormat::Glm { .. } => {
                 let mut starts = vec![OPEN.to_string()];
                 if format == (ToolFormat::Xml { bare: true }) {
@@ -497,17 +526,17 @@ impl Tools {
         } else {
             "tc-first ::= tc-call".to_string()
         };
-        let root = if self.parallel {
-            "root ::= tc-first (tc-space tc-call)* tc-space"
-        } else {
-            "root ::= tc-first tc-space"
+        let (root, body) = match (self.parallel, t.calls_per_block) {
+            (true, false) => ("root ::= tc-first (tc-space tc-call)* tc-space", "tc-fn"),
+            (true, true) => ("root ::= tc-first tc-space", "tc-fn+"),
+            (false, _) => ("root ::= tc-first tc-space", "tc-fn"),
         };
         Ok(format!(
             "{root}\n{first}\ntc-call ::= {open} tc-body\n\
-             tc-body ::= ({}) {}\n\
+             tc-body ::= {body} {}\ntc-fn ::= {}\n\
              tc-space ::= | \" \" | \"\\n\"{{1,2}} [ \\t]{{0,20}}\n{rules}",
+            literal(t.close),
             functions.join(" | "),
-            literal(CLOSE)
         ))
     }
 
@@ -525,18 +554,21 @@ impl Tools {
         let mut content = String::new();
         let mut rest = text;
         while let Some(at) = first_of(rest, starts) {
-            let call = match format {
-                ToolFormat::Xml { .. } => {
-                    self.xml_call(rest[at..].strip_prefix(OPEN).unwrap_or(&rest[at..]))
-                }
-                ToolFormat::Glm { .. } => self.glm_call(&rest[at + OPEN.len()..]),
+            let block = match format {
+                ToolFormat::Xml { .. } => self
+                    .xml_call(rest[at..].strip_prefix(OPEN).unwrap_or(&rest[at..]))
+                    .map(|(call, after)| (vec![call], after)),
+                ToolFormat::Glm { .. } => self
+                    .glm_call(&rest[at + OPEN.len()..])
+                    .map(|(call, after)| (vec![call], after)),
+                ToolFormat::MiniMax => self.minimax_calls(&rest[at + MINIMAX_OPEN.len()..]),
                 ToolFormat::Hermes | ToolFormat::Harmony => None,
             };
-            let Some((call, after)) = call else {
+            let Some((block, after)) = block else {
                 break;
             };
             content.push_str(&rest[..at]);
-            calls.push(call);
+            calls.extend(block);
             rest = after;
         }
         if calls.is_empty() {
@@ -544,6 +576,59 @@ impl Tools {
         }
         content.push_str(rest);
         (content.trim().to_string(), calls)
+    }
+
+    /// A MiniMax-M2 block's calls after its [`MINIMAX_OPEN`] (at least
+    /// one), and the text after its close.
+    fn minimax_calls<'t>(&self, text: &'t str) -> Option<(Vec<ToolCall>, &'t str)> {
+        let mut calls = Vec::new();
+        let mut rest = text;
+        loop {
+            let line = rest.trim_start();
+            if let Some(p) = line.strip_prefix("<invoke name=\"") {
+                let (name, mut body) = p.split_once("\">")?;
+                if name.is_empty() || name.len() > MAX_NAME || name.contains('\n') {
+                    return None;
+                }
+                let types = self.parameter_types(name);
+                let mut args = Map::new();
+                loop {
+                    let line = body.trim_start();
+                    if let Some(p) = line.strip_prefix("<parameter name=\"") {
+                        let (key, v) = p.split_once("\">")?;
+                        let (raw, after) = v.split_once("</parameter>").unwrap_or((v, ""));
+                        let allowed = types
+                            .iter()
+                            .find(|(k, _)| k == key)
+                            .map_or(ANY, |&(_, t)| t);
+                        args.insert(key.to_string(), typed_value(raw, allowed));
+                        body = after;
+                    } else if let Some(after) = line.strip_prefix("</invoke>") {
+                        body = after;
+                        break;
+                    } else if line.is_empty() {
+                        body = line;
+                        break;
+                    } else {
+                        return None;
+                    }
+                }
+                calls.push(ToolCall {
+                    name: name.to_string(),
+                    arguments: Value::Object(args).to_string(),
+                });
+                rest = body;
+            } else if let Some(after) = line.strip_prefix(MINIMAX_CLOSE) {
+                rest = after;
+                break;
+            } else if line.is_empty() {
+                rest = line;
+                break;
+            } else {
+                return None;
+            }
+        }
+        (!calls.is_empty()).then_some((calls, rest))
     }
 
     /// One GLM call after its `<tool_call>`, and the text after it.
@@ -918,7 +1003,9 @@ fn call_of(json: &str) -> Option<ToolCall> {
 /// without newlines between the tags, which les does not read), bare where
 /// it has no `<think>`; GLM's where it spells `<tool_call>`, `<arg_key>` and
 /// `<arg_value>` (without newlines where a key's close meets a value's open);
-/// else Hermes-style where it spells [`OPEN`].
+/// MiniMax-M2's where it spells [`MINIMAX_OPEN`] and `<invoke name=`
+/// (MiniMax-M3's namespaced ones are refused); else Hermes-style where it
+/// spells [`OPEN`].
 pub fn template_format(
     source: &str,
     harmony: bool,
@@ -935,6 +1022,11 @@ pub fn template_format(
         ToolFormat::Xml {
             bare: !has("<think>"),
         }
+    } else if has(MINIMAX_OPEN) && has("<invoke name=") {
+        ToolFormat::MiniMax
+    } else if has("]<]minimax[>[") {
+        // MiniMax-M3's namespaced calls: not read.
+        return None;
     } else if has(OPEN) && has("<arg_key>") && has("<arg_value>") {
         ToolFormat::Glm {
             newlines: !has("</arg_key><arg_value>"),
@@ -1528,17 +1620,19 @@ mod tests {
         /// keeps a reply without calls whole, and gives object arguments.
         #[test]
         fn tagged_replies_read_without_panics(
-            parts in proptest::collection::vec(0usize..14, 0..24),
+            parts in proptest::collection::vec(0usize..18, 0..24),
             bare in proptest::bool::ANY,
         ) {
-            const FRAGMENTS: [&str; 14] = [
+            const FRAGMENTS: [&str; 18] = [
                 "<tool_call>", "\n", "<function=now>", "<function=get_weather>",
                 "<parameter=city>", "</parameter>", "</function>", "</tool_call>",
                 "<arg_key>", "city", "</arg_key>", "<arg_value>", "</arg_value>", "é",
+                "<minimax:tool_call>", "<invoke name=\"now\">", "<parameter name=\"city\">",
+                "</invoke>",
             ];
             let text: String = parts.iter().map(|&i| FRAGMENTS[i]).collect();
             let t = xml_tools(json!({}));
-            for format in [ToolFormat::Xml { bare }, ToolFormat::Glm { newlines: bare }] {
+            for format in [ToolFormat::Xml { bare }, ToolFormat::Glm { newlines: bare }, ToolFormat::MiniMax] {
                 let (content, calls) = t.read_tagged_calls(&text, format);
                 if calls.is_empty() {
                     proptest::prop_assert_eq!(&content, &text);
@@ -1550,6 +1644,65 @@ mod tests {
                 let _ = streamable(&text, format.call_starts().unwrap());
             }
         }
+    }
+
+    #[test]
+    fn minimax_calls_are_a_grammar_and_read_back() {
+        let invoke = |name: &str, params: &[(&str, &str)]| {
+            let mut s = format!("<invoke name=\"{name}\">\n");
+            for (k, v) in params {
+                s.push_str(&format!("<parameter name=\"{k}\">{v}</parameter>\n"));
+            }
+            s + "</invoke>\n"
+        };
+        let block = |invokes: &[String]| {
+            format!(
+                "<minimax:tool_call>\n{}</minimax:tool_call>",
+                invokes.concat()
+            )
+        };
+        let weather = invoke(
+            "get_weather",
+            &[("city", "Paris"), ("unit", "c"), ("days", "2")],
+        );
+        let now = invoke("now", &[]);
+        let t = xml_tools(json!({"tool_choice": "required"}));
+        let g = t.grammar(ToolFormat::MiniMax).unwrap().unwrap();
+        let mut m = matcher(&g);
+        assert!(m.derives(&block(std::slice::from_ref(&weather))), "{g}");
+        assert!(m.derives(&block(std::slice::from_ref(&now))));
+        assert!(
+            !m.derives(&block(&[weather.clone(), now.clone()])),
+            "one call"
+        );
+        assert!(!m.derives(&block(&[invoke("get_weather", &[("city", "Paris")])])));
+        // Parallel: several invokes in one block.
+        let p = xml_tools(json!({"tool_choice": "required", "parallel_tool_calls": true}));
+        let mut m = matcher(&p.grammar(ToolFormat::MiniMax).unwrap().unwrap());
+        assert!(m.derives(&block(&[weather.clone(), now.clone()])));
+        assert!(!m.derives(&block(&[])));
+        // Read back, two calls of one block, values typed.
+        let text = format!("Let me see. {}", block(&[weather, now]));
+        let (content, calls) = t.read_tagged_calls(&text, ToolFormat::MiniMax);
+        assert_eq!(content, "Let me see.");
+        assert_eq!(
+            calls,
+            [
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: r#"{"city":"Paris","unit":"c","days":2}"#.into()
+                },
+                ToolCall {
+                    name: "now".into(),
+                    arguments: "{}".into()
+                }
+            ]
+        );
+        let (_, starts) = t.lazy(ToolFormat::MiniMax).unwrap();
+        assert_eq!(starts, [MINIMAX_OPEN]);
+        // An empty block is no call.
+        let empty = "<minimax:tool_call>\n</minimax:tool_call>";
+        assert_eq!(t.read_tagged_calls(empty, ToolFormat::MiniMax).1, vec![]);
     }
 
     #[test]
@@ -1598,7 +1751,10 @@ mod tests {
             });
             assert_eq!(got, want, "{file}");
             // The XML and GLM templates iterate a call's arguments: objects.
-            let xml = matches!(want, Some(ToolFormat::Xml { .. } | ToolFormat::Glm { .. }));
+            let xml = matches!(
+                want,
+                Some(ToolFormat::Xml { .. } | ToolFormat::Glm { .. } | ToolFormat::MiniMax)
+            );
 
             assert_eq!(t.takes_object_arguments(), xml, "{file}");
         }
