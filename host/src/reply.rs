@@ -47,6 +47,12 @@ impl<'t> Reply<'t> {
         }
     }
 
+    /// Writes out the text of `ids` even where they are control tokens (a
+    /// tool-call format's markers, which the reply's text must keep).
+    pub fn show(&mut self, ids: impl IntoIterator<Item = u32>) {
+        self.decoder.show(ids);
+    }
+
     /// Takes the sampled token `t`, writing its text to `out` if given; stops
     /// at an end-of-generation token, a stop string or a write error.
     pub fn take(&mut self, t: u32, out: Option<&mut dyn Write>) -> Control {

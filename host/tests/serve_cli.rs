@@ -954,6 +954,29 @@ fn glm_and_minimax_tool_calls_come_back_as_calls() {
         assert_eq!(calls.len(), 1, "{name}: {v}");
         weather_args(&calls[0]);
         assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+        // The block's markers as control tokens, whose text replies leave
+        // out: a tool call's are kept, so the call still reads (llama.cpp's
+        // preserved tokens). A bias makes the model open with the token.
+        let open = if name == "glm" {
+            "<tool_call>"
+        } else {
+            "<minimax:tool_call>"
+        };
+        let close = open.replace('<', "</");
+        let (open_id, close_id) = (byte_token(&m, 0xFF), byte_token(&m, 0xFE));
+        let control = with_typed_tokens(
+            &m,
+            &format!("serve_q3_{name}_control.gguf"),
+            &[(open_id, open), (close_id, &close)],
+            CONTROL,
+        );
+        let server = Server::start(&control, &[]);
+        let mut biased = named.clone();
+        biased["logit_bias"] = json!({ open_id.to_string(): 100 });
+        let v = server.chat(&biased);
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{name}: {v}");
+        weather_args(&choice["message"]["tool_calls"][0]);
     }
 }
 
@@ -1632,6 +1655,16 @@ fn with_special_tokens(src: &Path, name: &str, texts: &[&str]) -> (PathBuf, Vec<
 }
 
 fn with_tokens(src: &Path, name: &str, renames: &[(u32, &str)]) -> PathBuf {
+    with_typed_tokens(src, name, renames, USER_DEFINED)
+}
+
+/// llama.cpp's token types: control tokens (their text hidden in replies)
+/// and user-defined ones (shown).
+const CONTROL: i32 = 3;
+const USER_DEFINED: i32 = 4;
+
+/// [`with_tokens`], the renamed tokens of type `token_type`.
+fn with_typed_tokens(src: &Path, name: &str, renames: &[(u32, &str)], token_type: i32) -> PathBuf {
     use les::gguf::{MetaArray, MetaValue, ValueType};
     let dst = tmp(name);
     let renamed = |k: &str, v: MetaValue| {
@@ -1639,9 +1672,13 @@ fn with_tokens(src: &Path, name: &str, renames: &[(u32, &str)]) -> PathBuf {
             return Some(v);
         };
         let mut items: Vec<MetaValue> = a.items().collect();
-        let (ty, value): (ValueType, fn(&str) -> MetaValue) = match k {
-            "tokenizer.ggml.tokens" => (ValueType::String, |t| MetaValue::String(t.into())),
-            "tokenizer.ggml.token_type" => (ValueType::I32, |_| MetaValue::I32(4)),
+        let (ty, value): (ValueType, Box<dyn Fn(&str) -> MetaValue>) = match k {
+            "tokenizer.ggml.tokens" => {
+                (ValueType::String, Box::new(|t| MetaValue::String(t.into())))
+            }
+            "tokenizer.ggml.token_type" => {
+                (ValueType::I32, Box::new(|_| MetaValue::I32(token_type)))
+            }
             _ => return Some(v),
         };
         for &(id, text) in renames {

@@ -432,6 +432,9 @@ impl<'m> Engine<'m> {
         let room = ctx - prompt.len();
         let n = c.max_tokens.unwrap_or(usize::MAX).min(room + 1);
         let mut reply = Reply::new(tokenizer, &c.stop);
+        if let Some(f) = format {
+            reply.show(f.markers().iter().filter_map(|m| tokenizer.token_id(m)));
+        }
         let mut sampled = Vec::new();
         let mut gone = false;
         // Where the reasoning and the answer start in the reply's text (and,

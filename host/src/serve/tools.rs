@@ -81,6 +81,25 @@ impl ToolFormat {
         }
     }
 
+    /// The markers a reply's text must keep for its calls to be read (its
+    /// tokens written out where the vocabulary makes them control tokens,
+    /// as llama.cpp's "preserved tokens").
+    pub fn markers(self) -> &'static [&'static str] {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Xml { .. } => &[OPEN, CLOSE],
+            ToolFormat::Glm { .. } => &[
+                OPEN,
+                CLOSE,
+                "<arg_key>",
+                "</arg_key>",
+                "<arg_value>",
+                "</arg_value>",
+            ],
+            ToolFormat::MiniMax => &[MINIMAX_OPEN, MINIMAX_CLOSE],
+            ToolFormat::Harmony => &[],
+        }
+    }
+
     /// The tags of a format whose arguments are tagged text.
     fn tags(self) -> Option<Tags> {
         Some(match self {

@@ -1065,6 +1065,7 @@ impl Tokenizer {
         StreamDecoder {
             tokenizer: self,
             special,
+            shown: Vec::new(),
             pending: Vec::new(),
         }
     }
@@ -1207,14 +1208,24 @@ fn render_piece(kind: ModelKind, ty: TokenType, text: &str, out: &mut Vec<u8>) {
 pub struct StreamDecoder<'t> {
     tokenizer: &'t Tokenizer,
     special: bool,
+    /// Tokens written out even where `special` is off ([`show`](Self::show)).
+    shown: Vec<u32>,
     pending: Vec<u8>,
 }
 
 impl StreamDecoder<'_> {
+    /// Writes out the text of `ids` even where they are control tokens (as
+    /// llama-server keeps a chat format's "preserved tokens", such as the
+    /// markers of its tool calls, in the text its parser reads).
+    pub fn show(&mut self, ids: impl IntoIterator<Item = u32>) {
+        self.shown.extend(ids);
+    }
+
     /// Adds one token and returns the text that is now complete (may be empty).
     pub fn decode_piece(&mut self, id: u32) -> String {
+        let special = self.special || self.shown.contains(&id);
         self.pending
-            .extend_from_slice(self.tokenizer.piece(id, self.special));
+            .extend_from_slice(self.tokenizer.piece(id, special));
         let mut out = String::new();
         let mut rest = self.pending.as_slice();
         loop {
