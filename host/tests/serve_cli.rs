@@ -1672,17 +1672,16 @@ fn with_typed_tokens(src: &Path, name: &str, renames: &[(u32, &str)], token_type
             return Some(v);
         };
         let mut items: Vec<MetaValue> = a.items().collect();
-        let (ty, value): (ValueType, Box<dyn Fn(&str) -> MetaValue>) = match k {
-            "tokenizer.ggml.tokens" => {
-                (ValueType::String, Box::new(|t| MetaValue::String(t.into())))
-            }
-            "tokenizer.ggml.token_type" => {
-                (ValueType::I32, Box::new(|_| MetaValue::I32(token_type)))
-            }
+        let ty = match k {
+            "tokenizer.ggml.tokens" => ValueType::String,
+            "tokenizer.ggml.token_type" => ValueType::I32,
             _ => return Some(v),
         };
         for &(id, text) in renames {
-            items[id as usize] = value(text);
+            items[id as usize] = match ty {
+                ValueType::String => MetaValue::String(text.into()),
+                _ => MetaValue::I32(token_type),
+            };
         }
         Some(MetaValue::Array(MetaArray::new(ty, items).unwrap()))
     };
