@@ -904,19 +904,21 @@ fn xml_tool_calls_come_back_as_calls() {
     }
 }
 
-/// GLM-4.5's and MiniMax-M2's calls, with GLM-4.6's and MiniMax-M2's own
-/// chat templates (llama.cpp's copies): the conversation's call is rendered
-/// from its arguments' object, and a named call is a grammar of the
-/// format's tagged arguments that comes back as `tool_calls`, whole or
-/// streamed.
+/// GLM-4.5's, MiniMax-M2's and Kimi K2's calls, with their own chat
+/// templates (llama.cpp's copies): the conversation's call is rendered as
+/// the template renders it (GLM's and MiniMax's from its arguments'
+/// object), and a named call is a grammar of the format that comes back as
+/// `tool_calls`, whole or streamed, also where the format's markers are
+/// control tokens.
 #[test]
-fn glm_and_minimax_tool_calls_come_back_as_calls() {
-    for (name, template, rendered) in [
+fn glm_minimax_and_kimi_tool_calls_come_back_as_calls() {
+    for (name, template, rendered, markers) in [
         (
             "glm",
             include_str!("data/llama.cpp/templates/GLM-4.6.jinja"),
             "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
              <arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>",
+            ["<tool_call>", "</tool_call>"],
         ),
         (
             "minimax",
@@ -924,6 +926,15 @@ fn glm_and_minimax_tool_calls_come_back_as_calls() {
             "<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
              <parameter name=\"city\">Paris</parameter>\n<parameter name=\"unit\">c</parameter>\n\
              </invoke>\n</minimax:tool_call>",
+            ["<minimax:tool_call>", "</minimax:tool_call>"],
+        ),
+        (
+            "kimi",
+            include_str!("data/llama.cpp/templates/Kimi-K2-Instruct.jinja"),
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+             <|tool_call_argument_begin|>{\"city\": \"Paris\", \"unit\": \"c\"}<|tool_call_end|>\
+             <|tool_calls_section_end|>",
+            ["<|tool_call_begin|>", "<|tool_call_argument_begin|>"],
         ),
     ] {
         let m = with_template(&model(), &format!("serve_q3_{name}.gguf"), template);
@@ -957,17 +968,11 @@ fn glm_and_minimax_tool_calls_come_back_as_calls() {
         // The block's markers as control tokens, whose text replies leave
         // out: a tool call's are kept, so the call still reads (llama.cpp's
         // preserved tokens). A bias makes the model open with the token.
-        let open = if name == "glm" {
-            "<tool_call>"
-        } else {
-            "<minimax:tool_call>"
-        };
-        let close = open.replace('<', "</");
         let (open_id, close_id) = (byte_token(&m, 0xFF), byte_token(&m, 0xFE));
         let control = with_typed_tokens(
             &m,
             &format!("serve_q3_{name}_control.gguf"),
-            &[(open_id, open), (close_id, &close)],
+            &[(open_id, markers[0]), (close_id, markers[1])],
             CONTROL,
         );
         let server = Server::start(&control, &[]);

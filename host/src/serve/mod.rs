@@ -556,13 +556,6 @@ impl<'m> Engine<'m> {
         }
         let mut tool_calls = Vec::new();
         match (format, &c.tools) {
-            (Some(ToolFormat::Hermes), _) => (text, tool_calls) = tools::read_calls(&text),
-            (
-                Some(f @ (ToolFormat::Xml { .. } | ToolFormat::Glm { .. } | ToolFormat::MiniMax)),
-                Some(t),
-            ) => {
-                (text, tool_calls) = t.read_tagged_calls(&text, f);
-            }
             (Some(ToolFormat::Harmony), _) => {
                 let name = splitter.as_ref().and_then(Splitter::recipient);
                 if let (Some(name), Some(arguments)) = (name, arguments) {
@@ -572,6 +565,7 @@ impl<'m> Engine<'m> {
                     });
                 }
             }
+            (Some(f), Some(t)) => (text, tool_calls) = t.read_reply(&text, f),
             _ => {}
         }
         // The session now holds the prompt and all but the last token sampled.

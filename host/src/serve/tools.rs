@@ -60,7 +60,23 @@ pub enum ToolFormat {
     /// `<invoke name="NAME">` elements of `<parameter name="KEY">VALUE</parameter>`
     /// lines (values typed as [`Xml`](Self::Xml)'s).
     MiniMax,
+    /// Kimi K2's section of calls, each
+    /// `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{...}<|tool_call_end|>`
+    /// (`N` counting the conversation's calls), in
+    /// `<|tool_calls_section_begin|>` and `<|tool_calls_section_end|>`.
+    Kimi,
 }
+
+/// Kimi K2's markers: a section of calls, a call, its arguments, its end.
+pub const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+/// See [`KIMI_SECTION_BEGIN`].
+pub const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+/// See [`KIMI_SECTION_BEGIN`].
+pub const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
+/// See [`KIMI_SECTION_BEGIN`].
+pub const KIMI_ARGUMENTS_BEGIN: &str = "<|tool_call_argument_begin|>";
+/// See [`KIMI_SECTION_BEGIN`].
+pub const KIMI_CALL_END: &str = "<|tool_call_end|>";
 
 /// What opens a MiniMax-M2 block of calls.
 pub const MINIMAX_OPEN: &str = "<minimax:tool_call>";
@@ -77,6 +93,7 @@ impl ToolFormat {
             }
             ToolFormat::Xml { bare: true } => Some(&[OPEN, FUNCTION_OPEN]),
             ToolFormat::MiniMax => Some(&[MINIMAX_OPEN]),
+            ToolFormat::Kimi => Some(&[KIMI_SECTION_BEGIN, KIMI_CALL_BEGIN]),
             ToolFormat::Harmony => None,
         }
     }
@@ -96,6 +113,13 @@ impl ToolFormat {
                 "</arg_value>",
             ],
             ToolFormat::MiniMax => &[MINIMAX_OPEN, MINIMAX_CLOSE],
+            ToolFormat::Kimi => &[
+                KIMI_SECTION_BEGIN,
+                KIMI_SECTION_END,
+                KIMI_CALL_BEGIN,
+                KIMI_ARGUMENTS_BEGIN,
+                KIMI_CALL_END,
+            ],
             ToolFormat::Harmony => &[],
         }
     }
@@ -144,7 +168,7 @@ impl ToolFormat {
                 bare: false,
                 calls_per_block: true,
             },
-            ToolFormat::Hermes | ToolFormat::Harmony => return None,
+            ToolFormat::Hermes | ToolFormat::Harmony | ToolFormat::Kimi => return None,
         })
     }
 }
@@ -328,6 +352,7 @@ impl Tools {
             (_, ToolFormat::Xml { .. } | ToolFormat::Glm { .. } | ToolFormat::MiniMax) => {
                 self.tagged_calls(format).map(Some)
             }
+            (_, ToolFormat::Kimi) => self.kimi_calls(false).map(Some),
         }
     }
 
@@ -344,6 +369,7 @@ impl Tools {
                 vec![HARMONY_TRIGGER.to_string()],
             ),
             ToolFormat::MiniMax => (self.tagged_calls(format)?, vec![MINIMAX_OPEN.to_string()]),
+            ToolFormat::Kimi => (self.kimi_calls(true)?, vec![KIMI_CALL_BEGIN.to_string()]),
             ToolFormat::Xml { .. } | ToolFormat::Glm { .. } => {
                 let mut starts = vec![OPEN.to_string()];
                 if format == (ToolFormat::Xml { bare: true }) {
@@ -456,6 +482,88 @@ impl Tools {
             "root ::= tool-block"
         };
         Ok(format!("{root}\n{block}\n{call}"))
+    }
+
+    /// The grammar of Kimi K2's calls ([`ToolFormat::Kimi`]), as llama.cpp's
+    /// for Kimi K2 has it: one call (one or more with `parallel`) of a wanted
+    /// function, `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>`
+    /// and arguments following its `parameters`, each call's end marker and
+    /// the section's end optional. From the section's start (`lazy`: from
+    /// the first call's marker, which starts the grammar of an `auto` reply).
+    pub fn kimi_calls(&self, lazy: bool) -> Result<String, ApiError> {
+        let mut rules = String::new();
+        let mut alternatives = Vec::new();
+        for (i, (name, params)) in self.wanted().into_iter().enumerate() {
+            let g = json_schema_to_gbnf(&params.to_string())
+                .map_err(|e| ApiError::bad(format!("the parameters of {name:?}: {e}")))?;
+            let defined: Vec<&str> = g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
+            rules.push_str(&rename_rules(&g, |r| {
+                defined.contains(&r).then(|| format!("t{i}-{r}"))
+            }));
+            // Names are [A-Za-z0-9_-]: the literal needs no escapes.
+            alternatives.push(format!(
+                "\"{name}:\" [0-9]{{1,9}} {} t{i}-root ({})?",
+                literal(KIMI_ARGUMENTS_BEGIN),
+                literal(KIMI_CALL_END)
+            ));
+        }
+        let calls = if self.parallel {
+            "kimi-call+"
+        } else {
+            "kimi-call"
+        };
+        let section = if lazy {
+            String::new()
+        } else {
+            format!("({})? ", literal(KIMI_SECTION_BEGIN))
+        };
+        Ok(format!(
+            "root ::= {section}{calls} ({})?\nkimi-call ::= {} ({})\n{rules}",
+            literal(KIMI_SECTION_END),
+            literal(&format!("{KIMI_CALL_BEGIN}functions.")),
+            alternatives.join(" | ")
+        ))
+    }
+
+    /// The calls of a reply in a text `format` (not harmony's, whose calls
+    /// are told by markers: none) and the text around them as the content.
+    pub fn read_reply(&self, text: &str, format: ToolFormat) -> (String, Vec<ToolCall>) {
+        match format {
+            ToolFormat::Hermes => read_calls(text),
+            ToolFormat::Kimi => self.read_kimi_calls(text),
+            ToolFormat::Xml { .. } | ToolFormat::Glm { .. } | ToolFormat::MiniMax => {
+                self.read_tagged_calls(text, format)
+            }
+            ToolFormat::Harmony => (text.to_string(), Vec::new()),
+        }
+    }
+
+    /// The reply's Kimi K2 calls ([`ToolFormat::Kimi`]) and the text before
+    /// them as the content (trimmed; as it is without calls): each call from
+    /// its `<|tool_call_begin|>` whose id names a function
+    /// (`functions.NAME:N`) and whose arguments are a JSON object; the
+    /// section's markers are not content. A call that does not read, and
+    /// all after it, stays content.
+    pub fn read_kimi_calls(&self, text: &str) -> (String, Vec<ToolCall>) {
+        let mut calls = Vec::new();
+        let mut content = String::new();
+        let mut rest = text;
+        while let Some(at) = rest.find(KIMI_CALL_BEGIN) {
+            let Some((call, after)) = kimi_call(&rest[at + KIMI_CALL_BEGIN.len()..]) else {
+                break;
+            };
+            content.push_str(&rest[..at]);
+            calls.push(call);
+            rest = after;
+        }
+        if calls.is_empty() {
+            return (text.to_string(), calls);
+        }
+        content.push_str(rest);
+        let content = content
+            .replace(KIMI_SECTION_BEGIN, "")
+            .replace(KIMI_SECTION_END, "");
+        (content.trim().to_string(), calls)
     }
 
     /// The grammar of calls in a format with tagged arguments
@@ -581,7 +689,7 @@ impl Tools {
                     .glm_call(&rest[at + OPEN.len()..])
                     .map(|(call, after)| (vec![call], after)),
                 ToolFormat::MiniMax => self.minimax_calls(&rest[at + MINIMAX_OPEN.len()..]),
-                ToolFormat::Hermes | ToolFormat::Harmony => None,
+                ToolFormat::Hermes | ToolFormat::Harmony | ToolFormat::Kimi => None,
             };
             let Some((block, after)) = block else {
                 break;
@@ -842,6 +950,35 @@ fn typed_value(raw: &str, allowed: u8) -> Value {
     }
 }
 
+/// One Kimi K2 call after its `<|tool_call_begin|>`, and the text after it
+/// (and after its end marker).
+fn kimi_call(text: &str) -> Option<(ToolCall, &str)> {
+    let (id, rest) = text.split_once(KIMI_ARGUMENTS_BEGIN)?;
+    let id = id.trim();
+    let name = id.strip_prefix("functions.").unwrap_or(id);
+    let name = name.rsplit_once(':').map_or(name, |(n, _)| n);
+    if name.is_empty() || name.len() > MAX_NAME || name.contains(['\n', '<']) {
+        return None;
+    }
+    let (json, after) = match rest.find(KIMI_CALL_END) {
+        Some(end) => (&rest[..end], &rest[end + KIMI_CALL_END.len()..]),
+        None => match rest.find(KIMI_SECTION_END) {
+            Some(end) => (&rest[..end], &rest[end..]),
+            // Cut short (max_tokens).
+            None => (rest, ""),
+        },
+    };
+    let args: Value = serde_json::from_str(json.trim()).ok()?;
+    if !args.is_object() {
+        return None;
+    }
+    let call = ToolCall {
+        name: name.to_string(),
+        arguments: args.to_string(),
+    };
+    Some((call, after))
+}
+
 /// Rules `name` (and `name-NN`) deriving any text up to and including the
 /// first `end` (non-empty): a right-linear grammar of the automaton that
 /// finds `end` (each state: how much of `end` the text's last characters
@@ -1022,7 +1159,8 @@ fn call_of(json: &str) -> Option<ToolCall> {
 /// without newlines between the tags, which les does not read), bare where
 /// it has no `<think>`; GLM's where it spells `<tool_call>`, `<arg_key>` and
 /// `<arg_value>` (without newlines where a key's close meets a value's open);
-/// MiniMax-M2's where it spells [`MINIMAX_OPEN`] and `<invoke name=`
+/// Kimi K2's where it spells its section's and a call's markers; MiniMax-M2's
+/// where it spells [`MINIMAX_OPEN`] and `<invoke name=`
 /// (MiniMax-M3's namespaced ones are refused); else Hermes-style where it
 /// spells [`OPEN`].
 pub fn template_format(
@@ -1041,6 +1179,8 @@ pub fn template_format(
         ToolFormat::Xml {
             bare: !has("<think>"),
         }
+    } else if has(KIMI_SECTION_BEGIN) && has(KIMI_CALL_BEGIN) {
+        ToolFormat::Kimi
     } else if has(MINIMAX_OPEN) && has("<invoke name=") {
         ToolFormat::MiniMax
     } else if has("]<]minimax[>[") {
@@ -1722,6 +1862,64 @@ mod tests {
         // An empty block is no call.
         let empty = "<minimax:tool_call>\n</minimax:tool_call>";
         assert_eq!(t.read_tagged_calls(empty, ToolFormat::MiniMax).1, vec![]);
+    }
+
+    #[test]
+    fn kimi_calls_are_a_grammar_and_read_back() {
+        let call = |name: &str, n: u32, args: &str| {
+            format!("<|tool_call_begin|>functions.{name}:{n}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
+        };
+        let section = |calls: &[String]| {
+            format!(
+                "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>",
+                calls.concat()
+            )
+        };
+        let weather = call("get_weather", 0, r#"{"city": "Paris", "unit": "c"}"#);
+        let now = call("now", 1, "{}");
+        let t = xml_tools(json!({"tool_choice": "required"}));
+        let g = t.grammar(ToolFormat::Kimi).unwrap().unwrap();
+        let mut m = matcher(&g);
+        assert!(m.derives(&section(std::slice::from_ref(&weather))), "{g}");
+        assert!(m.derives(&weather), "the section's markers are optional");
+        assert!(
+            !m.derives(&section(&[weather.clone(), now.clone()])),
+            "one call"
+        );
+        assert!(!m.derives(&call("get_weather", 0, r#"{"city": "Paris"}"#)));
+        assert!(!m.derives(&call("later", 0, "{}")));
+        let p = xml_tools(json!({"tool_choice": "required", "parallel_tool_calls": true}));
+        let mut m = matcher(&p.grammar(ToolFormat::Kimi).unwrap().unwrap());
+        assert!(m.derives(&section(&[weather.clone(), now.clone()])));
+        // Auto: from the first call's marker on.
+        let (g, starts) = xml_tools(json!({})).lazy(ToolFormat::Kimi).unwrap();
+        assert_eq!(starts, [KIMI_CALL_BEGIN]);
+        let mut m = matcher(&g);
+        assert!(m.derives(&format!("{now}<|tool_calls_section_end|>")));
+        assert!(!m.derives(&section(std::slice::from_ref(&now))));
+        // Read back: ids name the functions, markers are not content.
+        let text = format!("Checking.{}", section(&[weather, now]));
+        let (content, calls) = t.read_reply(&text, ToolFormat::Kimi);
+        assert_eq!(content, "Checking.");
+        assert_eq!(
+            calls,
+            [
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: r#"{"city":"Paris","unit":"c"}"#.into()
+                },
+                ToolCall {
+                    name: "now".into(),
+                    arguments: "{}".into()
+                }
+            ]
+        );
+        // Arguments that are not an object: not a call.
+        let odd = section(&[call("now", 0, "[1]")]);
+        assert_eq!(t.read_reply(&odd, ToolFormat::Kimi), (odd.clone(), vec![]));
+        // Cut short: a call of what it has, if that reads.
+        let cut = "<|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}";
+        assert_eq!(t.read_reply(cut, ToolFormat::Kimi).1.len(), 1);
     }
 
     #[test]

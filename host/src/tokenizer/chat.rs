@@ -7,7 +7,7 @@ use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::Kwargs;
+use minijinja::value::{ArgType, Enumerator, Kwargs, Object, ObjectRepr, ValueKind, ValueOrKwargs};
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 
 /// Jinja2's `iterable` test as Python answers it: `none` is not (minijinja's
@@ -15,6 +15,104 @@ use minijinja::{context, Environment, Error, ErrorKind, Value};
 /// `tools = none`); undefined is, as Jinja2's `Undefined` iterates as empty.
 fn is_iterable(value: &Value) -> bool {
     !value.is_none() && value.try_iter().is_ok()
+}
+
+/// Jinja2's `namespace`, whose list attributes are Python's lists:
+/// `append`, `pop`, `extend` and `insert` change them in place (Kimi K2's
+/// template queues its calls' ids in `namespace(ids=[])`; minijinja's own
+/// lists cannot change).
+fn namespace(defaults: Option<ValueOrKwargs>) -> Result<Value, Error> {
+    let Some(defaults) = defaults else {
+        return minijinja::functions::namespace(None);
+    };
+    let value = defaults.into_value();
+    let pairs = match value.try_iter() {
+        Ok(keys) if value.as_object().is_some() => keys
+            .map(|k| {
+                let v = value.get_item(&k)?;
+                let v = match v.kind() {
+                    ValueKind::Seq => Value::from_object(MutableList(std::sync::Mutex::new(
+                        v.try_iter()?.collect(),
+                    ))),
+                    _ => v,
+                };
+                Ok((k.to_string(), v))
+            })
+            .collect::<Result<std::collections::BTreeMap<_, _>, Error>>()?,
+        _ => return minijinja::functions::namespace(ValueOrKwargs::from_value(Some(&value)).ok()),
+    };
+    let map = Value::from(pairs);
+    minijinja::functions::namespace(Some(ValueOrKwargs::from_value(Some(&map))?))
+}
+
+/// A list a template can change ([`namespace`]'s list attributes).
+#[derive(Debug)]
+struct MutableList(std::sync::Mutex<Vec<Value>>);
+
+impl MutableList {
+    fn items(&self) -> std::sync::MutexGuard<'_, Vec<Value>> {
+        // A panic while holding it cannot leave the list half-changed.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Object for MutableList {
+    fn repr(self: &std::sync::Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Seq
+    }
+
+    fn get_value(self: &std::sync::Arc<Self>, key: &Value) -> Option<Value> {
+        let items = self.items();
+        let i = i64::try_from(key.clone()).ok()?;
+        let i = if i < 0 { items.len() as i64 + i } else { i };
+        items.get(usize::try_from(i).ok()?).cloned()
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> Enumerator {
+        Enumerator::Values(self.items().clone())
+    }
+
+    fn enumerator_len(self: &std::sync::Arc<Self>) -> Option<usize> {
+        Some(self.items().len())
+    }
+
+    fn call_method(
+        self: &std::sync::Arc<Self>,
+        _state: &mut minijinja::State<'_, '_>,
+        method: &str,
+        args: &[Value],
+    ) -> Result<Value, Error> {
+        let mut items = self.items();
+        let bad = |m: &str| Error::new(ErrorKind::InvalidOperation, m.to_string());
+        match (method, args) {
+            ("append", [v]) => items.push(v.clone()),
+            ("extend", [vs]) => items.extend(vs.try_iter()?),
+            ("insert", [at, v]) => {
+                let at = i64::try_from(at.clone())?;
+                let len = items.len() as i64;
+                let at = if at < 0 {
+                    (len + at).max(0)
+                } else {
+                    at.min(len)
+                };
+                items.insert(at as usize, v.clone());
+            }
+            ("pop", []) => return items.pop().ok_or_else(|| bad("pop from empty list")),
+            ("pop", [at]) => {
+                let at = i64::try_from(at.clone())?;
+                let len = items.len() as i64;
+                let at = if at < 0 { len + at } else { at };
+                if !(0..len).contains(&at) {
+                    return Err(bad("pop index out of range"));
+                }
+                return Ok(items.remove(at as usize));
+            }
+            _ => return Err(Error::from(ErrorKind::UnknownMethod)),
+        }
+        Ok(Value::from(()))
+    }
 }
 
 /// Longest template source accepted (bytes).
@@ -160,6 +258,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_test("iterable", is_iterable);
+        env.add_function("namespace", namespace);
         env.add_template_owned("chat", generation_blocks_as_if(source))
             .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
         Ok(Self {
@@ -622,6 +721,34 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn namespace_lists_change_in_place() {
+        let src = "{% set ns = namespace(ids=[], n=0) %}\
+                   {% set _ = ns.ids.append('a') %}{% set _ = ns.ids.extend(['b', 'c']) %}\
+                   {% set _ = ns.ids.insert(0, 'z') %}{% set ns.n = ns.ids | length %}\
+                   {{ ns.n }} {{ ns.ids | join(',') }} {{ ns.ids[-1] }} {{ ns.ids.pop(0) }} \
+                   {{ ns.ids.pop() }} {{ ns.ids | tojson }} {% if ns.ids %}full{% endif %}\
+                   {% set _ = ns.ids.pop() %}{% set _ = ns.ids.pop() %}\
+                   {% if not ns.ids %} empty{% endif %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        assert_eq!(
+            t.render(context! {}).unwrap(),
+            "4 z,a,b,c c z c [\"a\", \"b\"] full empty"
+        );
+        let t =
+            ChatTemplate::new("{% set ns = namespace(l=[]) %}{{ ns.l.pop() }}", "", "").unwrap();
+        let e = t.render(context! {}).unwrap_err().to_string();
+        assert!(e.contains("pop from empty list"), "{e}");
+        // A namespace without lists, or of a dict, as before.
+        let t = ChatTemplate::new(
+            "{% set a = namespace() %}{% set a.x = 1 %}{% set b = namespace({'y': 2}) %}{{ a.x }}{{ b.y }}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(t.render(context! {}).unwrap(), "12");
+    }
 
     #[test]
     fn iterable_is_pythons() {
