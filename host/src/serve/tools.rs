@@ -1,21 +1,28 @@
 //! Tool calls (OpenAI's `tools`, `tool_choice`), for models whose chat
-//! template takes `tools` and whose calls are Hermes-style blocks,
-//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5 and
-//! 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin), Qwen3-Coder's XML
-//! blocks, `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n
-//! </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano), or
-//! gpt-oss's harmony messages to a function, `<|channel|>commentary
-//! to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
-//! ([`ToolFormat`]): the tools go to the template, the reply's calls come
-//! back as `tool_calls`.
+//! template takes `tools` and whose calls are in one of the formats llama.cpp
+//! reads ([`ToolFormat`], told from the template's source as llama.cpp tells
+//! them, [`template_format`]):
 //!
-//! `tool_choice: "required"` (or a named function) constrains the reply by a
-//! grammar to one call (several with `parallel_tool_calls`) of the tools
-//! given, its arguments following their `parameters` schema; `"auto"` lets
-//! the model choose, and from the first `<tool_call>` it writes on the same
-//! grammar constrains the rest (llama.cpp's lazy grammar, [`Tools::lazy`]; a
-//! harmony reply from its recipient, `to=functions.`, on); `"none"` renders
-//! no tools and reads no calls.
+//! - Hermes-style blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+//!   (Qwen 2.5 and 3, MiniCPM-V, Hermes 2 Pro and 3, and their kin);
+//! - Qwen3-Coder's XML blocks, `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`
+//!   (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano);
+//! - GLM-4.5's, `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`;
+//! - MiniMax-M2's, `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>`;
+//! - Kimi K2's, `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>`;
+//! - gpt-oss's harmony messages to a function, `<|channel|>commentary
+//!   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`.
+//!
+//! The tools go to the template; the reply's calls come back as
+//! `tool_calls` ([`Tools::read_reply`]), a tagged value typed by its
+//! parameter's schema. `tool_choice: "required"` (or a named function)
+//! constrains the reply by a grammar to one call (several with
+//! `parallel_tool_calls`) of the tools given, its arguments following their
+//! `parameters` schema ([`Tools::grammar`]); `"auto"` lets the model choose,
+//! and from where it starts a call the same grammar constrains the rest
+//! (llama.cpp's lazy grammar, [`Tools::lazy`]; a harmony reply from its
+//! recipient, `to=functions.`, on); `"none"` renders no tools and reads no
+//! calls.
 
 use serde_json::{json, Map, Value};
 
@@ -567,15 +574,16 @@ impl Tools {
     }
 
     /// The grammar of calls in a format with tagged arguments
-    /// ([`ToolFormat::Xml`], [`ToolFormat::Glm`]; any other is refused):
-    /// `<tool_call>` blocks (one, or one or more with `parallel`) of a
-    /// wanted function's name, its required arguments in any order (up to
-    /// [`MAX_PERMUTE`]), then any of its optional ones, as llama.cpp's
-    /// grammar for Qwen3-Coder has them. A value is text up to its close
-    /// where the schema allows a string (one of the strings where it is an
-    /// enum or const of strings only), else JSON following the parameter's
-    /// schema. A bare XML format's first block may leave out its
-    /// `<tool_call>` line.
+    /// ([`ToolFormat::Xml`], [`ToolFormat::Glm`], [`ToolFormat::MiniMax`];
+    /// any other is refused): blocks of calls (one, or one or more with
+    /// `parallel`; MiniMax's in one block) of a wanted function's name, its
+    /// required arguments in any order (up to six, llama.cpp's
+    /// `COMMON_CHAT_MAX_PERMUTE`), then any of its optional ones, as
+    /// llama.cpp's grammar for Qwen3-Coder has them. A value is text up to
+    /// its close where the schema allows a string (one of the strings where
+    /// it is an enum or const of strings only), else JSON following the
+    /// parameter's schema. A bare XML format's first block may leave out
+    /// its `<tool_call>` line.
     pub fn tagged_calls(&self, format: ToolFormat) -> Result<String, ApiError> {
         let t = format
             .tags()
