@@ -177,18 +177,64 @@ fn resizing_keeps_flat_colours_and_shapes() {
     // Same size: a copy.
     let g = gradient(30, 20);
     assert_eq!(resize(&g, 30, 20, ResizeAlgo::Bicubic), g);
-    // Integer downscale by 2 with bicubic samples the even pixels exactly.
-    let r = resize(&g, 15, 10, ResizeAlgo::Bicubic);
-    for y in 0..10 {
-        for x in 0..15 {
-            assert_eq!(r.pixel(x, y), g.pixel(2 * x, 2 * y));
+}
+
+/// The test image of [`resizing_is_pillows`] (and of the script there).
+fn pattern(w: usize, h: usize) -> RgbImage {
+    let mut img = RgbImage::filled(w, h, [0; 3]);
+    for y in 0..h {
+        for x in 0..w {
+            let v = |c: usize| {
+                ((x * 7 + y * 13 + c * 29 + (x * y) % 17 + ((x ^ y) & 8) * 9) % 256) as u8
+            };
+            img.set_pixel(x, y, [v(0), v(1), v(2)]);
         }
     }
-    // Bilinear is corner-aligned: the corners are kept.
-    let r = resize(&g, 59, 39, ResizeAlgo::Bilinear);
-    assert_eq!(r.pixel(0, 0), g.pixel(0, 0));
-    assert_eq!(r.pixel(58, 38), g.pixel(29, 19));
-    assert_eq!(r.pixel(2, 2), g.pixel(1, 1));
+    img
+}
+
+/// Resizing is Pillow's, byte for byte, as llama.cpp's `mtmd` (`resize_pillow`)
+/// makes it: the CRC-32 of each output below is Pillow 11.3.0's, from
+///
+/// ```python
+/// from PIL import Image; import zlib
+/// src = Image.frombytes("RGB", (sw, sh), bytes(pattern))  # as `pattern` here
+/// zlib.crc32(src.resize((dw, dh), Image.BILINEAR or Image.BICUBIC).tobytes())
+/// ```
+///
+/// Shrinking widens the filter (antialiasing) and growing does not; one
+/// axis alone, both, to one pixel and from one.
+#[test]
+fn resizing_is_pillows() {
+    let cases = [
+        ((64, 48), (30, 20), ResizeAlgo::Bilinear, 0x6e90c183),
+        ((64, 48), (30, 20), ResizeAlgo::Bicubic, 0x4abc7107),
+        ((64, 48), (17, 61), ResizeAlgo::Bilinear, 0xb2996313),
+        ((64, 48), (17, 61), ResizeAlgo::Bicubic, 0x5dae9447),
+        ((37, 23), (90, 51), ResizeAlgo::Bilinear, 0x8fdb3524),
+        ((37, 23), (90, 51), ResizeAlgo::Bicubic, 0xecc1b68b),
+        ((100, 80), (100, 33), ResizeAlgo::Bilinear, 0xffea1622),
+        ((100, 80), (100, 33), ResizeAlgo::Bicubic, 0x28fcf543),
+        ((100, 80), (41, 80), ResizeAlgo::Bilinear, 0xeec1cf50),
+        ((100, 80), (41, 80), ResizeAlgo::Bicubic, 0x0718baff),
+        ((13, 9), (448, 448), ResizeAlgo::Bilinear, 0x947502ce),
+        ((13, 9), (448, 448), ResizeAlgo::Bicubic, 0x9c8f78b9),
+        ((640, 480), (448, 336), ResizeAlgo::Bilinear, 0xae33a5ef),
+        ((640, 480), (448, 336), ResizeAlgo::Bicubic, 0xd11703d1),
+        ((333, 517), (224, 224), ResizeAlgo::Bilinear, 0xbeb2d2e1),
+        ((333, 517), (224, 224), ResizeAlgo::Bicubic, 0x0f375f7c),
+        ((5, 3), (1, 1), ResizeAlgo::Bilinear, 0x3b19f31f),
+        ((5, 3), (1, 1), ResizeAlgo::Bicubic, 0x3b19f31f),
+        ((1, 1), (7, 5), ResizeAlgo::Bilinear, 0x08435188),
+        ((1, 1), (7, 5), ResizeAlgo::Bicubic, 0x08435188),
+        ((300, 200), (560, 392), ResizeAlgo::Bilinear, 0xbd439507),
+        ((300, 200), (560, 392), ResizeAlgo::Bicubic, 0xd0c5c711),
+    ];
+    for ((sw, sh), (dw, dh), algo, want) in cases {
+        let r = resize(&pattern(sw, sh), dw, dh, algo);
+        assert_eq!((r.width, r.height), (dw, dh));
+        assert_eq!(crc32(&r.data), want, "{sw}x{sh} -> {dw}x{dh} {algo:?}");
+    }
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! Image preprocessing as llama.cpp's `tools/mtmd` does it: resizing (its
-//! bicubic and bilinear kernels, with or without aspect-preserving padding),
+//! Image preprocessing as llama.cpp's `tools/mtmd` does it: resizing (Pillow's
+//! bilinear and bicubic resampling in fixed point, as llama.cpp's
+//! `resize_pillow`, with or without aspect-preserving padding),
 //! MiniCPM-V's slicing of large images into a grid of slices plus an overview
 //! (llava-uhd style), and normalisation with the projector's mean and std.
 //!
@@ -11,9 +12,9 @@ use super::image::RgbImage;
 /// How to resample.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ResizeAlgo {
-    /// llama.cpp's bilinear kernel (corner-aligned).
+    /// Pillow's bilinear filter (a triangle, widened when shrinking).
     Bilinear,
-    /// llama.cpp's bicubic kernel (a = -0.5 Catmull-Rom on 4x4 neighbours).
+    /// Pillow's bicubic filter (a = -0.5, widened when shrinking).
     Bicubic,
 }
 
@@ -52,10 +53,7 @@ pub fn resize(src: &RgbImage, width: usize, height: usize, algo: ResizeAlgo) -> 
     if src.width == width && src.height == height {
         return src.clone();
     }
-    match algo {
-        ResizeAlgo::Bilinear => resize_bilinear(src, width, height),
-        ResizeAlgo::Bicubic => resize_bicubic(src, width, height),
-    }
+    resample(src, width, height, algo)
 }
 
 /// Resizes `src` into a `width` x `height` canvas keeping its aspect ratio: scaled
@@ -76,10 +74,7 @@ pub fn resize_padded(
     let scale = scale_w.min(scale_h);
     let new_w = ((src.width as f32 * scale).ceil() as usize).min(width);
     let new_h = ((src.height as f32 * scale).ceil() as usize).min(height);
-    let resized = match algo {
-        ResizeAlgo::Bilinear => resize_bilinear(src, new_w, new_h),
-        ResizeAlgo::Bicubic => resize_bicubic(src, new_w, new_h),
-    };
+    let resized = resample(src, new_w, new_h, algo);
     let mut dst = RgbImage::filled(width, height, pad);
     let (ox, oy) = ((width - new_w) / 2, (height - new_h) / 2);
     for y in 0..new_h {
@@ -104,91 +99,134 @@ pub fn crop(img: &RgbImage, x: usize, y: usize, w: usize, h: usize) -> RgbImage 
     }
 }
 
-fn lerp(s: f32, e: f32, t: f32) -> f32 {
-    s + (e - s) * t
-}
+/// Fractional bits of the resampler's fixed-point weights (Pillow's: 32 bits
+/// less 8 for the pixel, less 2 of headroom for the sums).
+const PRECISION_BITS: u32 = 22;
 
-fn resize_bilinear(src: &RgbImage, width: usize, height: usize) -> RgbImage {
-    let (width, height) = (width.max(1), height.max(1));
-    let mut dst = RgbImage::filled(width, height, [0; 3]);
-    let x_ratio = if width > 1 {
-        (src.width - 1) as f32 / (width - 1) as f32
-    } else {
-        0.0
-    };
-    let y_ratio = if height > 1 {
-        (src.height - 1) as f32 / (height - 1) as f32
-    } else {
-        0.0
-    };
-    for y in 0..height {
-        for x in 0..width {
-            let px = x as f32 * x_ratio;
-            let py = y as f32 * y_ratio;
-            let x0 = (px as usize).min(src.width - 1);
-            let y0 = (py as usize).min(src.height - 1);
-            let x1 = (x0 + 1).min(src.width - 1);
-            let y1 = (y0 + 1).min(src.height - 1);
-            let xf = px - x0 as f32;
-            let yf = py - y0 as f32;
-            let (p00, p10) = (src.pixel(x0, y0), src.pixel(x1, y0));
-            let (p01, p11) = (src.pixel(x0, y1), src.pixel(x1, y1));
-            let mut p = [0u8; 3];
-            for c in 0..3 {
-                let top = lerp(f32::from(p00[c]), f32::from(p10[c]), xf);
-                let bottom = lerp(f32::from(p01[c]), f32::from(p11[c]), xf);
-                p[c] = lerp(top, bottom, yf) as u8;
+/// The resampling filter at distance `x` (in input pixels, scaled).
+fn filter(algo: ResizeAlgo, x: f64) -> f64 {
+    let x = x.abs();
+    match algo {
+        ResizeAlgo::Bilinear => {
+            if x < 1.0 {
+                1.0 - x
+            } else {
+                0.0
             }
-            dst.set_pixel(x, y, p);
+        }
+        ResizeAlgo::Bicubic => {
+            // Pillow's a = -0.5.
+            const A: f64 = -0.5;
+            if x < 1.0 {
+                ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+            } else if x < 2.0 {
+                (((x - 5.0) * x + 8.0) * x - 4.0) * A
+            } else {
+                0.0
+            }
         }
     }
-    dst
 }
 
-/// One cubic interpolation step of llama.cpp's kernel: the coefficients are
-/// computed in double precision and stored as `f32`, the polynomial in `f32`.
-#[inline]
-fn cubic(p: [f32; 4], t: f32) -> f32 {
-    let (d0, d2, d3) = (p[0] - p[1], p[2] - p[1], p[3] - p[1]);
-    let a0 = p[1];
-    let (d0, d2, d3) = (f64::from(d0), f64::from(d2), f64::from(d3));
-    let a1 = (-1.0 / 3.0 * d0 + d2 - 1.0 / 6.0 * d3) as f32;
-    let a2 = (1.0 / 2.0 * d0 + 1.0 / 2.0 * d2) as f32;
-    let a3 = (-1.0 / 6.0 * d0 - 1.0 / 2.0 * d2 + 1.0 / 6.0 * d3) as f32;
-    a0 + a1 * t + a2 * t * t + a3 * t * t * t
+/// One axis's resampling: for each output pixel, the first input pixel it
+/// reads and its fixed-point weights (`ksize` of them, zero past those it
+/// uses).
+struct Axis {
+    ksize: usize,
+    /// `(first, count)` input pixels per output pixel.
+    bounds: Vec<(usize, usize)>,
+    weights: Vec<i32>,
 }
 
-fn resize_bicubic(src: &RgbImage, width: usize, height: usize) -> RgbImage {
-    let (nx, ny) = (src.width as i64, src.height as i64);
-    let mut dst = RgbImage::filled(width, height, [0; 3]);
-    let tx = nx as f32 / width as f32;
-    let ty = ny as f32 / height as f32;
-    let clip = |v: i64, hi: i64| v.clamp(0, hi - 1) as usize;
-    for i in 0..height {
-        let y = (ty * i as f32) as i64;
-        let dy = ty * i as f32 - y as f32;
-        let rows = [0, 1, 2, 3].map(|jj| clip(y - 1 + jj, ny) * src.width);
-        for j in 0..width {
-            let x = (tx * j as f32) as i64;
-            let dx = tx * j as f32 - x as f32;
-            let cols = [-1, 0, 1, 2].map(|o| clip(x + o, nx));
-            // col[k][jj]: row jj interpolated along x, channel k.
-            let mut col = [[0f32; 4]; 3];
-            for (jj, &row) in rows.iter().enumerate() {
-                let px = cols.map(|c| 3 * (row + c));
-                for (k, ck) in col.iter_mut().enumerate() {
-                    let p = px.map(|at| f32::from(src.data[at + k]));
-                    ck[jj] = cubic(p, dx);
+impl Axis {
+    /// Pillow's coefficients for resampling `in_size` pixels to `out_size`:
+    /// the filter widened by the scale when shrinking (antialiasing),
+    /// centred on each output pixel's centre, normalised, then rounded to
+    /// fixed point (Pillow's rounding: add a half away from zero, truncate).
+    fn new(in_size: usize, out_size: usize, algo: ResizeAlgo) -> Axis {
+        let radius = match algo {
+            ResizeAlgo::Bilinear => 1.0,
+            ResizeAlgo::Bicubic => 2.0,
+        };
+        let scale = in_size as f64 / out_size as f64;
+        let filterscale = scale.max(1.0);
+        let support = radius * filterscale;
+        let ksize = support.ceil() as usize * 2 + 1;
+        let mut bounds = Vec::with_capacity(out_size);
+        let mut weights = vec![0i32; out_size * ksize];
+        let mut w = vec![0f64; ksize];
+        for (xx, row) in weights.chunks_exact_mut(ksize).enumerate() {
+            let center = (xx as f64 + 0.5) * scale;
+            // Truncation toward zero, then clamped, as the C casts do.
+            let first = ((center - support + 0.5) as i64).max(0) as usize;
+            let end = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
+            let count = end.saturating_sub(first).min(ksize);
+            let mut total = 0.0;
+            for (x, wx) in w.iter_mut().enumerate().take(count) {
+                *wx = filter(algo, ((x + first) as f64 - center + 0.5) / filterscale);
+                total += *wx;
+            }
+            let one = f64::from(1u32 << PRECISION_BITS);
+            for (k, &wx) in row.iter_mut().zip(&w[..count]) {
+                let wx = if total != 0.0 { wx / total } else { wx };
+                *k = (wx * one + if wx < 0.0 { -0.5 } else { 0.5 }) as i32;
+            }
+            bounds.push((first, count));
+        }
+        Axis {
+            ksize,
+            bounds,
+            weights,
+        }
+    }
+
+    /// The weighted sum at output pixel `i` of the values `value(j)` of
+    /// input pixels `j`, rounded back to a byte.
+    #[inline]
+    fn sample(&self, i: usize, value: impl Fn(usize) -> u8) -> u8 {
+        let (first, count) = self.bounds[i];
+        let k = &self.weights[i * self.ksize..][..count];
+        let sum = k
+            .iter()
+            .enumerate()
+            .fold(1i64 << (PRECISION_BITS - 1), |acc, (j, &w)| {
+                acc + i64::from(value(first + j)) * i64::from(w)
+            });
+        (sum >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+}
+
+/// Resamples `src` to `width` x `height` as llama.cpp's `mtmd` does (its
+/// `resize_pillow`, Pillow's separable convolution in fixed point): across
+/// first, then down, each pass only where that size changes.
+fn resample(src: &RgbImage, width: usize, height: usize, algo: ResizeAlgo) -> RgbImage {
+    let (width, height) = (width.max(1), height.max(1));
+    let mut img = src.clone();
+    if width != img.width {
+        let axis = Axis::new(img.width, width, algo);
+        let mut out = RgbImage::filled(width, img.height, [0; 3]);
+        for y in 0..img.height {
+            let row = &img.data[3 * y * img.width..][..3 * img.width];
+            for x in 0..width {
+                for c in 0..3 {
+                    out.data[3 * (y * width + x) + c] = axis.sample(x, |j| row[3 * j + c]);
                 }
             }
-            let mut p = [0u8; 3];
-            for (out, ck) in p.iter_mut().zip(col) {
-                *out = cubic(ck, dy).round().clamp(0.0, 255.0) as u8;
-            }
-            dst.set_pixel(j, i, p);
         }
+        img = out;
     }
-    dst
+    if height != img.height {
+        let axis = Axis::new(img.height, height, algo);
+        let mut out = RgbImage::filled(img.width, height, [0; 3]);
+        let stride = 3 * img.width;
+        for y in 0..height {
+            for i in 0..stride {
+                out.data[y * stride + i] = axis.sample(y, |j| img.data[j * stride + i]);
+            }
+        }
+        img = out;
+    }
+    img
 }
 
 /// Where the slices of an image come from (llama.cpp's `slice_instructions`).
