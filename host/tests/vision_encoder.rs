@@ -7,6 +7,8 @@
 //! indices of `clip.cpp`; every weight dequantized to `f32` first. Element-wise
 //! functions have ggml's semantics (GELU through `f16`), written out here again.
 
+mod common;
+
 use std::path::PathBuf;
 
 use les::compute::Pool;
@@ -37,9 +39,26 @@ impl Weights {
     }
 }
 
-/// `y = W x + b` for each row of `x` (`W` stored as ggml: `rows` rows of `cols`).
+/// `v` rounded to f16.
+fn f16(v: f32) -> f32 {
+    f16_to_f32(f32_to_f16(v))
+}
+
+/// `y = W x + b` for each row of `x` (`W` stored as ggml: `rows` rows of `cols`);
+/// as ggml multiplies an f16 `W`, by `x` rounded to f16.
 fn linear(w: &Weights, prefix: &str, x: &[Vec<f32>]) -> Vec<Vec<f32>> {
-    let wt = w.get(&format!("{prefix}.weight"));
+    let name = format!("{prefix}.weight");
+    let wt = w.get(&name);
+    let x_f16: Vec<Vec<f32>>;
+    let x = if w.0.tensor(&name).unwrap().ggml_type() == GgmlType::F16 {
+        x_f16 = x
+            .iter()
+            .map(|r| r.iter().map(|&v| f16(v)).collect())
+            .collect();
+        &x_f16[..]
+    } else {
+        x
+    };
     let b = if w.has(&format!("{prefix}.bias")) {
         Some(w.get(&format!("{prefix}.bias")))
     } else {
@@ -172,9 +191,12 @@ fn vit_block(w: &Weights, hp: &Hp, l: usize, x: Vec<Vec<f32>>) -> Vec<Vec<f32>> 
     add(&x, &f)
 }
 
-/// Patch embedding as a convolution (kernel ne = [P, P, 3, width]) plus bias.
+/// Patch embedding as a convolution (kernel ne = [P, P, 3, width]) plus bias,
+/// in f16 as llama.cpp's `ggml_conv_2d` makes it: its `im2col` rounds the
+/// pixels to f16, and the product then the kernel.
 fn patch_embed(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
-    let k = w.get("v.patch_embd.weight");
+    let k: Vec<f32> = w.get("v.patch_embd.weight").into_iter().map(f16).collect();
+    let pixels: Vec<f32> = img.data.iter().map(|&v| f16(v)).collect();
     let b = w.get("v.patch_embd.bias");
     let p = hp.patch;
     let (pw, ph) = (img.width / p, img.height / p);
@@ -188,7 +210,7 @@ fn patch_embed(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
                     for ky in 0..p {
                         for kx in 0..p {
                             let wv = k[((oc * 3 + c) * p + ky) * p + kx];
-                            let xv = img.data[3 * ((py * p + ky) * img.width + px * p + kx) + c];
+                            let xv = pixels[3 * ((py * p + ky) * img.width + px * p + kx) + c];
                             s += f64::from(wv) * f64::from(xv);
                         }
                     }
@@ -371,7 +393,8 @@ fn test_image(width: usize, height: usize, seed: u32) -> ImageF32 {
     }
 }
 
-fn compare(got: &[f32], want: &[Vec<f32>], what: &str) {
+/// `got` against `want` within `tolerance` of the output's scale.
+fn compare(got: &[f32], want: &[Vec<f32>], what: &str, tolerance: f64) {
     let want: Vec<f32> = want.iter().flatten().copied().collect();
     assert_eq!(got.len(), want.len(), "{what}: length");
     let rms = (want.iter().map(|v| f64::from(v * v)).sum::<f64>() / want.len() as f64).sqrt();
@@ -383,9 +406,21 @@ fn compare(got: &[f32], want: &[Vec<f32>], what: &str) {
     eprintln!("{what}: max error {max_err:e}, rms {rms}");
     assert!(rms > 0.05, "{what}: degenerate output (rms {rms})");
     assert!(
-        max_err <= 1e-3 * rms.max(1.0),
+        max_err <= tolerance * rms.max(1.0),
         "{what}: max error {max_err} (rms {rms})"
     );
+}
+
+/// How close les's encoder is to the reference with matrices of `ty`: with
+/// f16 ones both round each product's activations to f16 (as ggml does), so
+/// a last-bit difference of a sum can round an activation to the
+/// neighbouring f16 (2^-11 of it away), which the next layers carry on.
+fn tolerance(ty: GgmlType) -> f64 {
+    if ty == GgmlType::F16 {
+        4e-3
+    } else {
+        1e-3
+    }
 }
 
 fn projector(ptype: ProjectorType, ty: GgmlType, name: &str) -> (PathBuf, MmprojConfig) {
@@ -430,7 +465,12 @@ fn minicpmv46_encoder_matches_the_reference() {
             assert_eq!(got.len(), output_tokens(&model, iw, ih) * 48);
             assert_eq!(output_tokens(&model, iw, ih), (iw / 56) * (ih / 56));
             let want = reference_minicpmv46(&w, &hp, &img);
-            compare(&got, &want, &format!("minicpmv4_6 {name} {iw}x{ih}"));
+            compare(
+                &got,
+                &want,
+                &format!("minicpmv4_6 {name} {iw}x{ih}"),
+                tolerance(ty),
+            );
         }
     }
 }
@@ -451,7 +491,7 @@ fn gemma3_encoder_matches_the_reference() {
         let got = encode(&mut ctx, &model, &img).unwrap();
         assert_eq!(output_tokens(&model, 224, 224), 16);
         let want = reference_gemma3(&w, &hp, &img, 4);
-        compare(&got, &want, &format!("gemma3 {name}"));
+        compare(&got, &want, &format!("gemma3 {name}"), tolerance(ty));
     }
 }
 
@@ -546,4 +586,131 @@ fn legacy_swapped_ffn_names_are_undone() {
         encode(&mut ctx, &m, &img).unwrap()
     };
     assert!(run(&path) == run(&swapped));
+}
+
+/// An image of `w` x `h` whose pixels vary in every direction, as PNG.
+fn png_of(w: u32, h: u32, path: &std::path::Path) {
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        let v = |c: u32| ((x * 7 + y * 13 + c * 29 + (x * y) % 17 + ((x ^ y) & 8) * 9) % 256) as u8;
+        image::Rgb([v(0), v(1), v(2)])
+    });
+    img.save(path).unwrap();
+}
+
+/// les's image embeddings against llama.cpp's own (`libmtmd` through
+/// llama-cpp-python, `scripts/mtmd_embed.py`), for both projectors on
+/// images that are sliced, resized up and down, and padded: the same
+/// chunks, in order, of the same token counts, and embeddings within float
+/// error. Needs llama-cpp-python with its `mtmd` library and Pillow (see the
+/// README's "Against llama.cpp").
+#[test]
+#[ignore = "needs llama-cpp-python and Pillow"]
+fn embeddings_equal_llama_cpps() {
+    let les = env!("CARGO_BIN_EXE_les");
+    let model = tmp("mtmd_text.gguf");
+    let status = std::process::Command::new(les)
+        .args([
+            "synth", "--quiet", "--arch", "qwen3moe", "--preset", "tiny", "-o",
+        ])
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let n_embd = Gguf::open(&model)
+        .unwrap()
+        .get_u64("qwen3moe.embedding_length")
+        .unwrap();
+    let mut pool = Pool::new(2);
+    let mut failures = Vec::new();
+    // Through SiLU (computed in f32 by both), f32 weights: the two differ by
+    // the order of their sums (gemma3: 3e-7; MiniCPM-V's merger has GELUs of
+    // its own). Through ggml's GELU, a table over f16 inputs, an input near
+    // the middle of two f16 values rounds to either side (5e-4 apart) on a
+    // last-bit difference, and the rest follows. With f16 weights (whose
+    // products both make with the activations rounded to f16) the two
+    // differ by up to 3e-4 even through SiLU, for reasons not pinned down.
+    // Measured: with the resize kernels llama.cpp replaced by Pillow's, the
+    // first case differed by 15% of the largest value; with the patch
+    // embedding in f32 instead of llama.cpp's f16 (`ggml_conv_2d`), 3e-4.
+    for (ptype, ty, silu, tolerance) in [
+        (ProjectorType::MiniCpmV46, GgmlType::F32, true, 1e-4),
+        (ProjectorType::Gemma3, GgmlType::F32, true, 1e-4),
+        (ProjectorType::MiniCpmV46, GgmlType::F32, false, 5e-4),
+        (ProjectorType::Gemma3, GgmlType::F32, false, 1e-4),
+        (ProjectorType::Gemma3, GgmlType::F16, true, 1e-3),
+        (ProjectorType::MiniCpmV46, GgmlType::F16, false, 2e-3),
+        (ProjectorType::Gemma3, GgmlType::F16, false, 2e-3),
+    ] {
+        let act = if silu { "silu" } else { "gelu" };
+        let projector = format!("{} {ty} {act}", ptype.name());
+        let mmproj = tmp(&format!("mtmd_{}_{ty}_{act}.gguf", ptype.name()));
+        let mut cfg = MmprojConfig::tiny(ptype, n_embd, 3);
+        cfg.ty = ty;
+        write_mmproj(&cfg, &mmproj).unwrap();
+        if silu {
+            use les::gguf::MetaValue;
+            let src = tmp(&format!("mtmd_{}_{ty}_gelu0.gguf", ptype.name()));
+            std::fs::rename(&mmproj, &src).unwrap();
+            common::rewrite_gguf(
+                &src,
+                &mmproj,
+                |k, v| (k != "clip.use_gelu").then_some(v),
+                vec![("clip.use_silu", MetaValue::Bool(true))],
+            );
+        }
+        let m = ClipModel::open(&mmproj).unwrap();
+        for (w, h) in [(300, 200), (640, 480), (97, 411), (224, 224), (1000, 180)] {
+            let png = tmp(&format!("mtmd_{w}x{h}.png"));
+            png_of(w, h, &png);
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_embed.py");
+            let out = std::process::Command::new("python3")
+                .arg(script)
+                .args([&model, &mmproj, &png])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let theirs: Vec<Vec<f32>> = chunks
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|c| c.get("image"))
+                .map(|e| {
+                    e.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_f64().unwrap() as f32)
+                        .collect()
+                })
+                .collect();
+            let img = les::vision::image::load_image(&png).unwrap();
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa: Isa::detect(),
+            };
+            let ours = les::vision::encode_image(&mut ctx, &m, &img).unwrap();
+            let what = format!("{projector} {w}x{h}");
+            assert_eq!(ours.chunks.len(), theirs.len(), "{what}: chunks");
+            let mut worst = 0f32;
+            for (i, (a, b)) in ours.chunks.iter().zip(&theirs).enumerate() {
+                assert_eq!(a.len(), b.len(), "{what}: chunk {i}'s size");
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                for (x, y) in a.iter().zip(b) {
+                    worst = worst.max((x - y).abs() / scale);
+                }
+            }
+            eprintln!(
+                "{what}: {} chunks, largest difference {worst:.2e} of the largest value",
+                theirs.len()
+            );
+            if worst >= tolerance {
+                failures.push(format!("{what}: {worst:.2e} >= {tolerance:.0e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -92,12 +92,15 @@ struct Plan {
 fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     let mut out = Vec::new();
     let mat_ty = cfg.ty;
+    // As llama.cpp's converter types them: vectors, the position embeddings
+    // and (Gemma 3's SigLIP `embeddings.*`) the patch embedding in `f32`;
+    // llama.cpp's CPU backend adds no `f16` position embeddings.
+    let gemma3 = cfg.projector == ProjectorType::Gemma3;
     let mut add = |name: &str, dims: &[u64], init: Init| {
-        let ty = if dims.len() == 1 {
-            GgmlType::F32
-        } else {
-            mat_ty
-        };
+        let f32_always = dims.len() == 1
+            || name == "v.position_embd.weight"
+            || (gemma3 && name == "v.patch_embd.weight");
+        let ty = if f32_always { GgmlType::F32 } else { mat_ty };
         out.push(Plan {
             name: name.to_string(),
             dims: dims.to_vec(),

@@ -110,6 +110,30 @@ pub struct Mat {
 }
 
 impl Mat {
+    /// This matrix with `f32` weights rounded to `f16` (others as they are);
+    /// `file` holds a mapped matrix's bytes.
+    fn f32_as_f16(self, file: &[u8]) -> Mat {
+        if self.ty != GgmlType::F32 {
+            return self;
+        }
+        let raw = match &self.bytes {
+            Bytes::Mapped(r) => &file[r.clone()],
+            Bytes::Owned(b) => &b[..],
+        };
+        let bytes = raw
+            .chunks_exact(4)
+            .flat_map(|c| {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                quant::f32_to_f16(v).to_le_bytes()
+            })
+            .collect();
+        Mat {
+            ty: GgmlType::F16,
+            bytes: Bytes::Owned(bytes),
+            ..self
+        }
+    }
+
     /// Rows (outputs).
     pub fn rows(&self) -> usize {
         self.rows
@@ -527,7 +551,10 @@ impl ClipModel {
                 "v.patch_embd.weight has shape {dims:?}, expected [{patch_size}, {patch_size}, 3, {n_embd}]"
             )));
         }
-        let patch_embd = l.mat_of(&pe, n_embd, pcols)?;
+        // llama.cpp's patch embedding (`ggml_conv_2d`) multiplies in f16: an
+        // f32 kernel is rounded to f16 (and the pixels with it, as for every
+        // f16 matrix in the encoder). A bf16 kernel multiplies f32 pixels.
+        let patch_embd = l.mat_of(&pe, n_embd, pcols)?.f32_as_f16(l.g.bytes());
         let patch_bias = l.opt_floats("v.patch_embd.bias", n_embd)?;
         let pos = l.tensor("v.position_embd.weight")?;
         if pos.dims().len() != 2
@@ -616,8 +643,8 @@ impl ClipModel {
             ProjectorType::Gemma3 => {
                 let soft_emb_norm = l.floats("mm.soft_emb_norm.weight", n_embd)?;
                 let t = l.tensor("mm.input_projection.weight")?;
-                // ne = {n_text, n_embd}: y = W^T x. Transposed here into an f32
-                // n_text x n_embd matrix.
+                // ne = {n_text, n_embd}: y = W^T x. Transposed here into an
+                // n_text x n_embd matrix (f16 where the file's is, else f32).
                 if t.dims().len() != 2
                     || t.dims()[1] != n_embd as u64
                     || t.dims()[0] == 0
@@ -630,15 +657,27 @@ impl ClipModel {
                 }
                 let n_text = t.dims()[0] as usize;
                 let raw = l.floats("mm.input_projection.weight", n_text * n_embd)?;
-                let mut bytes = vec![0u8; n_text * n_embd * 4];
+                // An f16 matrix stays f16 (exactly), so its product rounds the
+                // activations to f16 as ggml's does.
+                let ty = if t.ggml_type() == GgmlType::F16 {
+                    GgmlType::F16
+                } else {
+                    GgmlType::F32
+                };
+                let size = if ty == GgmlType::F16 { 2 } else { 4 };
+                let mut bytes = vec![0u8; n_text * n_embd * size];
                 for (j, row) in raw.chunks_exact(n_text).enumerate() {
-                    for (i, v) in row.iter().enumerate() {
-                        let at = 4 * (i * n_embd + j);
-                        bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                    for (i, &v) in row.iter().enumerate() {
+                        let at = size * (i * n_embd + j);
+                        if ty == GgmlType::F16 {
+                            bytes[at..at + 2].copy_from_slice(&quant::f32_to_f16(v).to_le_bytes());
+                        } else {
+                            bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                        }
                     }
                 }
                 let input_proj = Mat {
-                    ty: GgmlType::F32,
+                    ty,
                     rows: n_text,
                     cols: n_embd,
                     bytes: Bytes::Owned(bytes),

@@ -14,7 +14,7 @@
 use std::sync::{Mutex, OnceLock};
 
 use les_core::gemv::{vector, Isa};
-use les_core::quant::{f16_to_f32, f32_to_f16};
+use les_core::quant::{f16_to_f32, f32_to_f16, GgmlType};
 
 use super::clip::{ClipModel, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
 use super::gemm::matmul;
@@ -60,7 +60,13 @@ fn linear_wb(
         return Err(VisionError::Shape("linear input width"));
     }
     let mut y = vec![0f32; a.n * w.rows()];
-    matmul(ctx.pool, ctx.isa, &w, &a.x, a.n, &mut y)?;
+    if w.ty() == GgmlType::F16 {
+        // ggml multiplies f16 weights by activations rounded to f16.
+        let x: Vec<f32> = a.x.iter().map(|&v| f16_to_f32(f32_to_f16(v))).collect();
+        matmul(ctx.pool, ctx.isa, &w, &x, a.n, &mut y)?;
+    } else {
+        matmul(ctx.pool, ctx.isa, &w, &a.x, a.n, &mut y)?;
+    }
     if let Some(b) = b {
         for row in y.chunks_exact_mut(w.rows()) {
             for (v, b) in row.iter_mut().zip(b) {
@@ -498,7 +504,9 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     }
 
     // Patch embedding: a convolution with stride = kernel = patch, i.e. one GEMM
-    // over the patches, columns in (channel, y, x) order.
+    // over the patches, columns in (channel, y, x) order, in f16 as llama.cpp's
+    // `ggml_conv_2d` computes it (an f32 kernel is rounded to f16 at load,
+    // and `linear_wb` rounds the pixels).
     let cols = 3 * p * p;
     let mut patches = vec![0f32; n * cols];
     for py in 0..ph {
