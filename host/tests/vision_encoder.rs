@@ -601,7 +601,8 @@ fn png_of(w: u32, h: u32, path: &std::path::Path) {
 /// llama-cpp-python, `scripts/mtmd_embed.py`), for both projectors on
 /// images that are sliced, resized up and down, and padded: the same
 /// chunks, in order, of the same token counts, and embeddings within float
-/// error. Needs llama-cpp-python with its `mtmd` library and Pillow (see the
+/// error, in the same prompt layout. Needs llama-cpp-python with its `mtmd`
+/// library and Pillow (see the
 /// README's "Against llama.cpp").
 #[test]
 #[ignore = "needs llama-cpp-python and Pillow"]
@@ -620,6 +621,7 @@ fn embeddings_equal_llama_cpps() {
         .unwrap()
         .get_u64("qwen3moe.embedding_length")
         .unwrap();
+    let tok = les::tokenizer::Tokenizer::from_gguf(&Gguf::open(&model).unwrap()).unwrap();
     let mut pool = Pool::new(2);
     let mut failures = Vec::new();
     // Through SiLU (computed in f32 by both), f32 weights: the two differ by
@@ -694,6 +696,37 @@ fn embeddings_equal_llama_cpps() {
             };
             let ours = les::vision::encode_image(&mut ctx, &m, &img).unwrap();
             let what = format!("{projector} {w}x{h}");
+            // The prompt's layout: the same tokens around the same chunks.
+            let prompt = les::vision::prompt::build_prompt(
+                &tok,
+                ptype,
+                les::vision::prompt::MEDIA_MARKER,
+                false,
+                std::slice::from_ref(&ours),
+                n_embd as usize,
+            )
+            .unwrap();
+            let mut layout: Vec<serde_json::Value> = Vec::new();
+            for item in &prompt.items {
+                use les::vision::prompt::PromptItem;
+                match (item, layout.last_mut()) {
+                    (PromptItem::Token(t), Some(serde_json::Value::Array(ids))) => {
+                        ids.push((*t).into())
+                    }
+                    (PromptItem::Token(t), _) => layout.push(serde_json::json!([t])),
+                    (PromptItem::Embedding(_), Some(serde_json::Value::Number(n))) => {
+                        *n = (n.as_u64().unwrap() + 1).into()
+                    }
+                    (PromptItem::Embedding(_), _) => layout.push(1.into()),
+                }
+            }
+            let theirs_layout: Vec<serde_json::Value> = chunks
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.get("text").cloned().unwrap_or_else(|| c["n"].clone()))
+                .collect();
+            assert_eq!(layout, theirs_layout, "{what}: the prompt's layout");
             assert_eq!(ours.chunks.len(), theirs.len(), "{what}: chunks");
             let mut worst = 0f32;
             for (i, (a, b)) in ours.chunks.iter().zip(&theirs).enumerate() {
