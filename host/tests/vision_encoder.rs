@@ -602,8 +602,7 @@ fn png_of(w: u32, h: u32, path: &std::path::Path) {
 /// images that are sliced, resized up and down, and padded: the same
 /// chunks, in order, of the same token counts, and embeddings within float
 /// error, in the same prompt layout. Needs llama-cpp-python with its `mtmd`
-/// library and Pillow (see the
-/// README's "Against llama.cpp").
+/// library and Pillow (see the README's "Against llama.cpp").
 #[test]
 #[ignore = "needs llama-cpp-python and Pillow"]
 fn embeddings_equal_llama_cpps() {
