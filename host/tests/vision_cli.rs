@@ -621,3 +621,95 @@ fn conversation_takes_images_in_any_turn() {
     assert_eq!(a, b, "{err}");
     assert!(err.contains("320x240, for the next message"), "{err}");
 }
+
+/// A multimodal decode against llama.cpp's own (`libmtmd` through
+/// llama-cpp-python, `scripts/mtmd_greedy.py`: the prompt's chunks through
+/// `mtmd_helper_eval_chunks`, then token by token): a MiniCPM-V 4.6 style
+/// projector (f16 weights, as converted files have them) before an f32
+/// qwen3moe, the demo image and a larger one that is sliced. The same greedy
+/// tokens, and logits within 2e-3 (measured 3-5e-4: the image embeddings
+/// differ by ggml's f16-table GELU, see `vision_encoder`). Needs
+/// llama-cpp-python with its `mtmd` library and Pillow (the README's
+/// "Against llama.cpp").
+#[test]
+#[ignore = "needs llama-cpp-python and Pillow"]
+fn multimodal_decode_equals_llama_cpps() {
+    let (lm, mm) = (tmp("mtmd_lm_f32.gguf"), tmp("mtmd_mm_f16.gguf"));
+    let out = les()
+        .args([
+            "synth", "--arch", "qwen3moe", "--preset", "tiny", "--quiet", "-o",
+        ])
+        .arg(&lm)
+        .arg("--mmproj-out")
+        .arg(&mm)
+        .args(cli::F32_WEIGHTS)
+        .output()
+        .unwrap();
+    ok(out);
+    let large = tmp("mtmd_large.png");
+    image::RgbImage::from_fn(640, 400, |x, y| {
+        image::Rgb([
+            (x * 3 % 256) as u8,
+            (y * 5 % 256) as u8,
+            ((x ^ y) % 256) as u8,
+        ])
+    })
+    .save(&large)
+    .unwrap();
+    let prompt = "What is in <__media__>? It is";
+    for img in [image(), large] {
+        let logits = tmp("mtmd_les_logits.npy");
+        let v: Value = serde_json::from_str(&ok(run(
+            &lm,
+            &mm,
+            &[
+                "--image",
+                img.to_str().unwrap(),
+                "-p",
+                prompt,
+                "-n",
+                "12",
+                "--temp",
+                "0",
+                "--json",
+                "--logits-out",
+                logits.to_str().unwrap(),
+            ],
+        )))
+        .unwrap();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_greedy.py");
+        let theirs = std::process::Command::new("python3")
+            .arg(script)
+            .args([lm.as_os_str(), mm.as_os_str(), img.as_os_str()])
+            .args([prompt, "12"])
+            .output()
+            .unwrap();
+        let theirs: Value = serde_json::from_str(&stdout_ok(theirs, "mtmd_greedy.py")).unwrap();
+        let want: Vec<u64> = theirs["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect();
+        assert_eq!(tokens(&v), want, "{}: greedy tokens", img.display());
+        let (rows, cols, bytes) = cli::npy(&logits);
+        let ours: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let mut worst = 0f32;
+        for (r, row) in theirs["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .take(rows)
+        {
+            for (c, v) in row.as_array().unwrap().iter().enumerate().take(cols) {
+                worst = worst.max((ours[r * cols + c] - v.as_f64().unwrap() as f32).abs());
+            }
+        }
+        eprintln!("{}: largest logit difference {worst:.2e}", img.display());
+        assert!(worst < 2e-3, "{}: {worst}", img.display());
+    }
+}
