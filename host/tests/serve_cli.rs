@@ -691,6 +691,49 @@ fn weather_args(call: &Value) -> Value {
     args
 }
 
+/// The user's weather question.
+fn weather_question() -> Value {
+    json!({"role": "user", "content": "Weather in Paris?"})
+}
+
+/// The prompt the server renders for a conversation of the weather question,
+/// a call to `get_weather` (its arguments a string of JSON, as OpenAI's) and
+/// the tool's answer, with [`weather_tools`].
+fn weather_history_prompt(server: &Server) -> String {
+    let history = json!([
+        weather_question(),
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
+    ]);
+    let (status, t) = server.post(
+        "/apply-template",
+        &json!({"messages": history, "tools": weather_tools()}),
+    );
+    assert_eq!(status, 200, "{t}");
+    t["prompt"].as_str().unwrap().to_string()
+}
+
+/// A request that names `get_weather` (greedy, `max_tokens`): the server
+/// must answer with one call to it, its arguments following the schema, and
+/// stream the same call. The request and the call.
+fn assert_named_weather_call(server: &Server, max_tokens: u64) -> (Value, Value) {
+    let named = json!({"messages": [weather_question()], "tools": weather_tools(),
+        "temperature": 0, "max_tokens": max_tokens,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let v = server.chat(&named);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    weather_args(&calls[0]);
+    assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+    (named, calls[0].clone())
+}
+
 fn weather_tools() -> Value {
     json!([
         {"type": "function", "function": {"name": "get_weather",
@@ -711,19 +754,8 @@ fn weather_tools() -> Value {
 fn tool_calls_go_to_the_template_and_come_back_as_calls() {
     let m = tools_model();
     let server = Server::start(&m, &[]);
-    let weather = json!({"role": "user", "content": "Weather in Paris?"});
-    let history = json!([
-        weather,
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
-    ]);
-    let (status, t) = server.post(
-        "/apply-template",
-        &json!({"messages": history, "tools": weather_tools()}),
-    );
-    assert_eq!(status, 200, "{t}");
-    let prompt = t["prompt"].as_str().unwrap();
+    let weather = weather_question();
+    let prompt = weather_history_prompt(&server);
     for want in [
         // As Hugging Face's `tojson`, the keys in the request's order.
         "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"The weather in a city\"",
@@ -733,21 +765,9 @@ fn tool_calls_go_to_the_template_and_come_back_as_calls() {
         assert!(prompt.contains(want), "{want:?} not in {prompt:?}");
     }
 
-    // A named call: the grammar gives one, its arguments from the schema.
-    let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
-        "max_tokens": 300, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
-    let v = server.chat(&named);
-    let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    assert!(choice["message"]["content"].is_null(), "{v}");
-    let calls = choice["message"]["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.len(), 1, "{v}");
-    assert_eq!(calls[0]["type"], "function");
-    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
-    weather_args(&calls[0]);
-
-    // Streamed: the same call, in a delta of its own, before the last chunk.
-    assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+    // A named call: the grammar gives one, its arguments from the schema;
+    // streamed, the same call, in a delta of its own, before the last chunk.
+    let (named, _) = assert_named_weather_call(&server, 300);
 
     // Auto: the random model writes no call; its text is the content, as
     // the same prompt through /v1/completions gives.
@@ -824,19 +844,8 @@ fn xml_tool_calls_come_back_as_calls() {
     let coder = include_str!("data/llama.cpp/templates/Qwen3-Coder.jinja");
     let m = with_template(&model(), "serve_q3_coder.gguf", coder);
     let server = Server::start(&m, &[]);
-    let weather = json!({"role": "user", "content": "Weather in Paris?"});
-    let history = json!([
-        weather,
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
-    ]);
-    let (status, t) = server.post(
-        "/apply-template",
-        &json!({"messages": history, "tools": weather_tools()}),
-    );
-    assert_eq!(status, 200, "{t}");
-    let prompt = t["prompt"].as_str().unwrap();
+    let weather = weather_question();
+    let prompt = weather_history_prompt(&server);
     for want in [
         "<function>\n<name>get_weather</name>\n<description>The weather in a city</description>",
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
@@ -846,8 +855,9 @@ fn xml_tool_calls_come_back_as_calls() {
         assert!(prompt.contains(want), "{want:?} not in {prompt:?}");
     }
     // Arguments that are not JSON cannot become the object it iterates.
-    let mut bad = history.clone();
-    bad[1]["tool_calls"][0]["function"]["arguments"] = json!("{city: Paris");
+    let bad = json!([weather, {"role": "assistant", "content": null, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]);
     let (status, v) = server.post("/apply-template", &json!({"messages": bad}));
     assert_eq!(status, 400, "{v}");
     assert!(
@@ -859,16 +869,7 @@ fn xml_tool_calls_come_back_as_calls() {
     );
 
     // Named: one call of that function, its arguments from the schema.
-    let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
-        "max_tokens": 200, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
-    let v = server.chat(&named);
-    let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    assert!(choice["message"]["content"].is_null(), "{v}");
-    let calls = choice["message"]["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.len(), 1, "{v}");
-    weather_args(&calls[0]);
-    assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+    let (named, _) = assert_named_weather_call(&server, 200);
     // Required, of either tool.
     let mut required = named.clone();
     required["tool_choice"] = json!("required");
@@ -939,32 +940,12 @@ fn glm_minimax_and_kimi_tool_calls_come_back_as_calls() {
     ] {
         let m = with_template(&model(), &format!("serve_q3_{name}.gguf"), template);
         let server = Server::start(&m, &[]);
-        let weather = json!({"role": "user", "content": "Weather in Paris?"});
-        let history = json!([
-            weather,
-            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
-        ]);
-        let (status, t) = server.post(
-            "/apply-template",
-            &json!({"messages": history, "tools": weather_tools()}),
-        );
-        assert_eq!(status, 200, "{name}: {t}");
-        let prompt = t["prompt"].as_str().unwrap();
+        let prompt = weather_history_prompt(&server);
         assert!(
             prompt.contains(rendered),
             "{name}: {rendered:?} not in {prompt:?}"
         );
-        let named = json!({"messages": [weather], "tools": weather_tools(), "temperature": 0,
-            "max_tokens": 200, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
-        let v = server.chat(&named);
-        let choice = &v["choices"][0];
-        assert_eq!(choice["finish_reason"], "tool_calls", "{name}: {v}");
-        let calls = choice["message"]["tool_calls"].as_array().unwrap();
-        assert_eq!(calls.len(), 1, "{name}: {v}");
-        weather_args(&calls[0]);
-        assert_streamed_call(&server.chunks("/v1/chat/completions", &named), &calls[0]);
+        let (named, _) = assert_named_weather_call(&server, 200);
         // The block's markers as control tokens, whose text replies leave
         // out: a tool call's are kept, so the call still reads (llama.cpp's
         // preserved tokens). A bias makes the model open with the token.

@@ -623,7 +623,7 @@ fn conversation_takes_images_in_any_turn() {
 }
 
 /// A multimodal decode against llama.cpp's own (`libmtmd` through
-/// llama-cpp-python, `scripts/mtmd_greedy.py`: the prompt's chunks through
+/// llama-cpp-python, `scripts/mtmd_llama.py`: the prompt's chunks through
 /// `mtmd_helper_eval_chunks`, then token by token): a MiniCPM-V 4.6 style
 /// projector (f16 weights, as converted files have them) before an f32
 /// qwen3moe, the demo image and a larger one that is sliced. The same greedy
@@ -677,14 +677,16 @@ fn multimodal_decode_equals_llama_cpps() {
             ],
         )))
         .unwrap();
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_greedy.py");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
         let theirs = std::process::Command::new("python3")
             .arg(script)
+            .arg("greedy")
             .args([lm.as_os_str(), mm.as_os_str(), img.as_os_str()])
             .args([prompt, "12"])
             .output()
             .unwrap();
-        let theirs: Value = serde_json::from_str(&stdout_ok(theirs, "mtmd_greedy.py")).unwrap();
+        let theirs: Value =
+            serde_json::from_str(&stdout_ok(theirs, "mtmd_llama.py greedy")).unwrap();
         let want: Vec<u64> = theirs["tokens"]
             .as_array()
             .unwrap()

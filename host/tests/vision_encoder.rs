@@ -598,7 +598,7 @@ fn png_of(w: u32, h: u32, path: &std::path::Path) {
 }
 
 /// les's image embeddings against llama.cpp's own (`libmtmd` through
-/// llama-cpp-python, `scripts/mtmd_embed.py`), for both projectors on
+/// llama-cpp-python, `scripts/mtmd_llama.py`), for both projectors on
 /// images that are sliced, resized up and down, and padded: the same
 /// chunks, in order, of the same token counts, and embeddings within float
 /// error, in the same prompt layout. Needs llama-cpp-python with its `mtmd`
@@ -663,9 +663,10 @@ fn embeddings_equal_llama_cpps() {
         for (w, h) in [(300, 200), (640, 480), (97, 411), (224, 224), (1000, 180)] {
             let png = tmp(&format!("mtmd_{w}x{h}.png"));
             png_of(w, h, &png);
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_embed.py");
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
             let out = std::process::Command::new("python3")
                 .arg(script)
+                .arg("embed")
                 .args([&model, &mmproj, &png])
                 .output()
                 .unwrap();

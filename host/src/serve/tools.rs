@@ -85,6 +85,51 @@ pub const KIMI_ARGUMENTS_BEGIN: &str = "<|tool_call_argument_begin|>";
 /// See [`KIMI_SECTION_BEGIN`].
 pub const KIMI_CALL_END: &str = "<|tool_call_end|>";
 
+/// How a format with tagged arguments writes one argument, for reading it
+/// back ([`Tools::read_tagged_calls`]): `key_open` KEY `key_close`, then
+/// `value_open` (after any whitespace) where there is one, VALUE and
+/// `value_close`; the arguments end at `end`.
+struct ArgumentSyntax {
+    key_open: &'static str,
+    key_close: &'static str,
+    value_open: Option<&'static str>,
+    value_close: &'static str,
+    /// The value is on lines of its own: one newline before and after it
+    /// is not the value's.
+    value_lines: bool,
+    end: &'static str,
+}
+
+/// Qwen3-Coder's XML arguments.
+const XML_ARGUMENTS: ArgumentSyntax = ArgumentSyntax {
+    key_open: PARAMETER_OPEN,
+    key_close: ">",
+    value_open: None,
+    value_close: "</parameter>",
+    value_lines: true,
+    end: "</function>",
+};
+
+/// GLM-4.5's arguments.
+const GLM_ARGUMENTS: ArgumentSyntax = ArgumentSyntax {
+    key_open: "<arg_key>",
+    key_close: "</arg_key>",
+    value_open: Some("<arg_value>"),
+    value_close: "</arg_value>",
+    value_lines: false,
+    end: CLOSE,
+};
+
+/// MiniMax-M2's arguments.
+const MINIMAX_ARGUMENTS: ArgumentSyntax = ArgumentSyntax {
+    key_open: "<parameter name=\"",
+    key_close: "\">",
+    value_open: None,
+    value_close: "</parameter>",
+    value_lines: false,
+    end: "</invoke>",
+};
+
 /// What opens a MiniMax-M2 block of calls.
 pub const MINIMAX_OPEN: &str = "<minimax:tool_call>";
 /// What closes it.
@@ -552,21 +597,12 @@ impl Tools {
     /// section's markers are not content. A call that does not read, and
     /// all after it, stays content.
     pub fn read_kimi_calls(&self, text: &str) -> (String, Vec<ToolCall>) {
-        let mut calls = Vec::new();
-        let mut content = String::new();
-        let mut rest = text;
-        while let Some(at) = rest.find(KIMI_CALL_BEGIN) {
-            let Some((call, after)) = kimi_call(&rest[at + KIMI_CALL_BEGIN.len()..]) else {
-                break;
-            };
-            content.push_str(&rest[..at]);
-            calls.push(call);
-            rest = after;
-        }
+        let (content, calls) = read_blocks(text, &[KIMI_CALL_BEGIN], |from| {
+            kimi_call(&from[KIMI_CALL_BEGIN.len()..]).map(|(call, after)| (vec![call], after))
+        });
         if calls.is_empty() {
-            return (text.to_string(), calls);
+            return (content, calls);
         }
-        content.push_str(rest);
         let content = content
             .replace(KIMI_SECTION_BEGIN, "")
             .replace(KIMI_SECTION_END, "");
@@ -684,33 +720,20 @@ impl Tools {
     /// after it, stays content; a block cut short (`max_tokens`) is a call
     /// of what it has.
     pub fn read_tagged_calls(&self, text: &str, format: ToolFormat) -> (String, Vec<ToolCall>) {
-        let starts = format.call_starts().unwrap_or(&[]);
-        let mut calls = Vec::new();
-        let mut content = String::new();
-        let mut rest = text;
-        while let Some(at) = first_of(rest, starts) {
-            let block = match format {
+        read_blocks(
+            text,
+            format.call_starts().unwrap_or(&[]),
+            |from| match format {
                 ToolFormat::Xml { .. } => self
-                    .xml_call(rest[at..].strip_prefix(OPEN).unwrap_or(&rest[at..]))
+                    .xml_call(from.strip_prefix(OPEN).unwrap_or(from))
                     .map(|(call, after)| (vec![call], after)),
                 ToolFormat::Glm { .. } => self
-                    .glm_call(&rest[at + OPEN.len()..])
+                    .glm_call(&from[OPEN.len()..])
                     .map(|(call, after)| (vec![call], after)),
-                ToolFormat::MiniMax => self.minimax_calls(&rest[at + MINIMAX_OPEN.len()..]),
+                ToolFormat::MiniMax => self.minimax_calls(&from[MINIMAX_OPEN.len()..]),
                 ToolFormat::Hermes | ToolFormat::Harmony | ToolFormat::Kimi => None,
-            };
-            let Some((block, after)) = block else {
-                break;
-            };
-            content.push_str(&rest[..at]);
-            calls.extend(block);
-            rest = after;
-        }
-        if calls.is_empty() {
-            return (text.to_string(), calls);
-        }
-        content.push_str(rest);
-        (content.trim().to_string(), calls)
+            },
+        )
     }
 
     /// A MiniMax-M2 block's calls after its [`MINIMAX_OPEN`] (at least
@@ -721,38 +744,10 @@ impl Tools {
         loop {
             let line = rest.trim_start();
             if let Some(p) = line.strip_prefix("<invoke name=\"") {
-                let (name, mut body) = p.split_once("\">")?;
-                if name.is_empty() || name.len() > MAX_NAME || name.contains('\n') {
-                    return None;
-                }
-                let types = self.parameter_types(name);
-                let mut args = Map::new();
-                loop {
-                    let line = body.trim_start();
-                    if let Some(p) = line.strip_prefix("<parameter name=\"") {
-                        let (key, v) = p.split_once("\">")?;
-                        let (raw, after) = v.split_once("</parameter>").unwrap_or((v, ""));
-                        let allowed = types
-                            .iter()
-                            .find(|(k, _)| k == key)
-                            .map_or(ANY, |&(_, t)| t);
-                        args.insert(key.to_string(), typed_value(raw, allowed));
-                        body = after;
-                    } else if let Some(after) = line.strip_prefix("</invoke>") {
-                        body = after;
-                        break;
-                    } else if line.is_empty() {
-                        body = line;
-                        break;
-                    } else {
-                        return None;
-                    }
-                }
-                calls.push(ToolCall {
-                    name: name.to_string(),
-                    arguments: Value::Object(args).to_string(),
-                });
-                rest = body;
+                let (name, body) = p.split_once("\">")?;
+                let (call, after) = self.call_of(name, body, &MINIMAX_ARGUMENTS)?;
+                calls.push(call);
+                rest = after;
             } else if let Some(after) = line.strip_prefix(MINIMAX_CLOSE) {
                 rest = after;
                 break;
@@ -769,26 +764,59 @@ impl Tools {
     /// One GLM call after its `<tool_call>`, and the text after it.
     fn glm_call<'t>(&self, text: &'t str) -> Option<(ToolCall, &'t str)> {
         let end = text.find(['\n', '<']).unwrap_or(text.len());
-        let name = text[..end].trim();
-        if name.is_empty() || name.len() > MAX_NAME {
+        self.call_of(text[..end].trim(), &text[end..], &GLM_ARGUMENTS)
+    }
+
+    /// One XML call from its function line on, and the text after it (and
+    /// after its `</tool_call>`).
+    fn xml_call<'t>(&self, text: &'t str) -> Option<(ToolCall, &'t str)> {
+        let rest = text.trim_start().strip_prefix(FUNCTION_OPEN)?;
+        let (name, body) = rest.split_once('>')?;
+        let (call, rest) = self.call_of(name, body, &XML_ARGUMENTS)?;
+        let rest = rest.trim_start().strip_prefix(CLOSE).unwrap_or(rest);
+        Some((call, rest))
+    }
+
+    /// The call to `name` whose tagged arguments (in `syntax`) `text` starts
+    /// with, each value typed by its parameter's schema, and the text after
+    /// them: after `syntax.end`, or nothing where the text ends first (a
+    /// reply cut short). `None` where the name is not a tool's name's shape
+    /// or the text holds something else.
+    fn call_of<'t>(
+        &self,
+        name: &str,
+        text: &'t str,
+        syntax: &ArgumentSyntax,
+    ) -> Option<(ToolCall, &'t str)> {
+        if name.is_empty() || name.len() > MAX_NAME || name.contains(['\n', '<', '>']) {
             return None;
         }
         let types = self.parameter_types(name);
         let mut args = Map::new();
-        let mut rest = &text[end..];
+        let mut rest = text;
         loop {
             let line = rest.trim_start();
-            if let Some(k) = line.strip_prefix("<arg_key>") {
-                let (key, after) = k.split_once("</arg_key>")?;
-                let v = after.trim_start().strip_prefix("<arg_value>")?;
-                let (raw, after) = v.split_once("</arg_value>").unwrap_or((v, ""));
+            if let Some(k) = line.strip_prefix(syntax.key_open) {
+                let (key, value) = k.split_once(syntax.key_close)?;
+                if key.contains('\n') {
+                    return None;
+                }
+                let value = match syntax.value_open {
+                    Some(open) => value.trim_start().strip_prefix(open)?,
+                    None => value,
+                };
+                let (mut raw, after) = value.split_once(syntax.value_close).unwrap_or((value, ""));
+                if syntax.value_lines {
+                    raw = raw.strip_prefix('\n').unwrap_or(raw);
+                    raw = raw.strip_suffix('\n').unwrap_or(raw);
+                }
                 let allowed = types
                     .iter()
                     .find(|(k, _)| k == key)
                     .map_or(ANY, |&(_, t)| t);
                 args.insert(key.to_string(), typed_value(raw, allowed));
                 rest = after;
-            } else if let Some(after) = line.strip_prefix(CLOSE) {
+            } else if let Some(after) = line.strip_prefix(syntax.end) {
                 rest = after;
                 break;
             } else if line.is_empty() {
@@ -803,57 +831,6 @@ impl Tools {
             arguments: Value::Object(args).to_string(),
         };
         Some((call, rest))
-    }
-
-    /// One XML call from its function line on, and the text after it (and
-    /// after its `</tool_call>`).
-    fn xml_call<'t>(&self, text: &'t str) -> Option<(ToolCall, &'t str)> {
-        let rest = text.trim_start().strip_prefix(FUNCTION_OPEN)?;
-        let (name, mut rest) = rest.split_once('>')?;
-        if name.is_empty() || name.len() > MAX_NAME || name.contains('\n') {
-            return None;
-        }
-        let types = self.parameter_types(name);
-        let mut args = Map::new();
-        loop {
-            let line = rest.trim_start();
-            if let Some(p) = line.strip_prefix(PARAMETER_OPEN) {
-                let (key, value) = p.split_once('>')?;
-                if key.contains('\n') {
-                    return None;
-                }
-                let value = value.strip_prefix('\n').unwrap_or(value);
-                let (raw, after) = match value.find("</parameter>") {
-                    Some(end) => (&value[..end], &value[end + "</parameter>".len()..]),
-                    None => (value, ""),
-                };
-                let raw = raw.strip_suffix('\n').unwrap_or(raw);
-                let allowed = types
-                    .iter()
-                    .find(|(k, _)| k == key)
-                    .map_or(ANY, |&(_, t)| t);
-                args.insert(key.to_string(), typed_value(raw, allowed));
-                rest = after;
-            } else if let Some(after) = line.strip_prefix("</function>") {
-                rest = after;
-                break;
-            } else if line.is_empty() {
-                rest = line;
-                break;
-            } else {
-                return None;
-            }
-        }
-        let after = rest.trim_start();
-        let rest = after.strip_prefix(CLOSE).unwrap_or(rest);
-        let arguments = Value::Object(args).to_string();
-        Some((
-            ToolCall {
-                name: name.to_string(),
-                arguments,
-            },
-            rest,
-        ))
     }
 
     /// The JSON types each parameter of `function` takes (from its schema).
@@ -1096,21 +1073,36 @@ fn first_of(text: &str, starts: &[&str]) -> Option<usize> {
 /// the text around them as the content (trimmed; as it is without calls). A
 /// block that is not such a call, and all after it, stays content.
 pub fn read_calls(text: &str) -> (String, Vec<ToolCall>) {
-    let mut calls = Vec::new();
-    let mut content = String::new();
-    let mut rest = text;
-    while let Some(at) = rest.find(OPEN) {
-        let inner = &rest[at + OPEN.len()..];
+    read_blocks(text, &[OPEN], |from| {
+        let inner = &from[OPEN.len()..];
         let (body, after) = match inner.find(CLOSE) {
             Some(end) => (&inner[..end], &inner[end + CLOSE.len()..]),
             // A reply cut short (max_tokens) may lack the close.
             None => (inner, ""),
         };
-        let Some(call) = call_of(body.trim()) else {
+        call_of(body.trim()).map(|call| (vec![call], after))
+    })
+}
+
+/// The calls of the blocks of `text` that start at any of `starts`, each
+/// read by `block` (given the text from its start; its calls and the text
+/// after it), and the text around them as the content (trimmed; as it is
+/// without calls). A block that does not read, and all after it, stays
+/// content.
+fn read_blocks<'t>(
+    text: &'t str,
+    starts: &[&str],
+    mut block: impl FnMut(&'t str) -> Option<(Vec<ToolCall>, &'t str)>,
+) -> (String, Vec<ToolCall>) {
+    let mut calls = Vec::new();
+    let mut content = String::new();
+    let mut rest = text;
+    while let Some(at) = first_of(rest, starts) {
+        let Some((found, after)) = block(&rest[at..]) else {
             break;
         };
         content.push_str(&rest[..at]);
-        calls.push(call);
+        calls.extend(found);
         rest = after;
     }
     if calls.is_empty() {

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""llama.cpp's multimodal path (libmtmd, through llama-cpp-python's mtmd
+bindings) on one image decoded to RGB by Pillow (PNG pixels are exact
+everywhere). Set MTMD_CPP_LIB and LLAMA_CPP_LIB_PATH to a llama.cpp build
+for this CPU.
+
+Usage:
+  mtmd_llama.py embed MODEL.gguf MMPROJ.gguf IMAGE.png
+      Tokenizes the media marker alone with the image and prints one JSON
+      list of the chunks in order: {"text": [token ids]} or
+      {"image": [floats, n x n_embd], "n": n}.
+  mtmd_llama.py greedy MODEL.gguf MMPROJ.gguf IMAGE.png PROMPT N
+      Decodes PROMPT (the marker <__media__> where the image goes, BOS as
+      the model asks, special tokens parsed): its chunks through
+      mtmd_helper_eval_chunks, then N tokens greedily, one at a time
+      (stopping after an end of generation). Prints {"tokens": [ids],
+      "logits": [[n_vocab floats] per generated token]}.
+
+Attention runs in f32 (flash attention would round keys and values to f16).
+"""
+import ctypes
+import json
+import sys
+
+import llama_cpp
+import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+from llama_cpp import Llama
+from PIL import Image
+
+MARKER = b"<__media__>"
+
+
+def tokenize(model, mmproj, image, prompt, add_special):
+    """The model, the mtmd context and the chunks of `prompt` with the image."""
+    llm = Llama(model_path=model, n_ctx=4096, n_batch=512, n_threads=2, verbose=False)
+    p = mtmd.mtmd_context_params_default()
+    p.use_gpu = False
+    p.n_threads = 2
+    p.warmup = False
+    p.print_timings = False
+    p.media_marker = MARKER
+    p.flash_attn_type = 0
+    ctx = mtmd.mtmd_init_from_file(mmproj.encode(), llm._model.model, p)
+    assert ctx, "mtmd_init_from_file failed"
+    img = Image.open(image).convert("RGB")
+    data = img.tobytes()
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    bitmap = mtmd.mtmd_bitmap_init(img.width, img.height, buf)
+    text = mtmd.mtmd_input_text()
+    text.text = prompt
+    text.text_len = len(prompt)
+    text.add_special = add_special
+    text.parse_special = True
+    chunks = mtmd.mtmd_input_chunks_init()
+    bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+    rc = mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1)
+    assert rc == 0, f"mtmd_tokenize: {rc}"
+    return llm, ctx, chunks
+
+
+def embed(model, mmproj, image):
+    llm, ctx, chunks = tokenize(model, mmproj, image, MARKER, False)
+    n_embd = llama_cpp.llama_model_n_embd(llm._model.model)
+    out = []
+    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+        n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        if mtmd.mtmd_input_chunk_get_type(chunk) == 0:
+            count = ctypes.c_size_t()
+            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            out.append({"text": [ids[j] for j in range(count.value)]})
+        else:
+            assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0, "mtmd_encode_chunk failed"
+            values = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * n_embd,))
+            out.append({"image": [float(v) for v in values], "n": n})
+    return out
+
+
+def greedy(model, mmproj, image, prompt, n):
+    llm, ctx, chunks = tokenize(model, mmproj, image, prompt.encode(), True)
+    n_past = llama_cpp.llama_pos(0)
+    rc = mtmd.mtmd_helper_eval_chunks(ctx, llm._ctx.ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past))
+    assert rc == 0, f"mtmd_helper_eval_chunks: {rc}"
+    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+
+    def last_logits():
+        out = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(out, shape=(n_vocab,)).copy()
+
+    logits = last_logits()
+    llm.n_tokens = n_past.value
+    tokens, rows = [], []
+    for _ in range(int(n)):
+        t = int(np.argmax(logits))
+        tokens.append(t)
+        rows.append([float(v) for v in logits])
+        if llama_cpp.llama_vocab_is_eog(vocab, t):
+            break
+        llm.eval([t])
+        logits = last_logits()
+    return {"tokens": tokens, "logits": rows}
+
+
+def main():
+    mode, args = sys.argv[1], sys.argv[2:]
+    out = embed(*args) if mode == "embed" else greedy(*args)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
