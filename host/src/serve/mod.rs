@@ -266,9 +266,10 @@ impl<'m> Engine<'m> {
                 if c.tools.is_some() && self.tool_format.is_none() {
                     return Err(ApiError::bad(
                         "tools: this model's chat template does not take tools as les reads them \
-                         (a template that renders `tools`, with Hermes-style <tool_call> blocks: \
-                         Qwen 2.5/3, MiniCPM-V, Hermes; Qwen3-Coder's XML calls: Qwen3-Coder, \
-                         Qwen3.5, Nemotron 3 Nano; or gpt-oss's harmony calls)",
+                         (a template that renders `tools` and writes Hermes-style <tool_call> \
+                         blocks: Qwen 2.5/3, MiniCPM-V, Hermes; Qwen3-Coder's XML calls: \
+                         Qwen3-Coder, Qwen3.5, Nemotron 3 Nano; GLM-4.5's, MiniMax-M2's or \
+                         Kimi K2's calls; or gpt-oss's harmony calls)",
                     ));
                 }
                 api::chat_text(
@@ -458,7 +459,7 @@ impl<'m> Engine<'m> {
         // from the first call on (the calls come whole at the end).
         let mut sent_to = 0;
         let with_tools = c.tools.is_some();
-        // Hermes-style and XML calls are text: held back from the pieces.
+        // Calls written as text (all but harmony's): held back from the pieces.
         let call_starts = format.and_then(ToolFormat::call_starts);
         let stats = generate_from(
             &mut slot.session,
