@@ -4,7 +4,7 @@
 //! a one-line 400, never a panic, hang or huge allocation; a request read
 //! keeps its bounds (images, stop strings, log probabilities, tools), a
 //! required tool call's grammar parses, and a chat request's markers
-//! match its images; the tool-call reader takes any text.
+//! match its images; the tool-call readers of every format take any text.
 #![no_main]
 
 use les::grammar::Grammar;
@@ -12,6 +12,18 @@ use les::serve::api::{self, Prompt, MAX_IMAGES, MAX_IMAGE_BYTES, MAX_STOPS, MAX_
 use les::serve::tools::{self, ToolChoice, ToolFormat, MAX_TOOLS};
 use les::vision::MEDIA_MARKER;
 use libfuzzer_sys::fuzz_target;
+
+/// Every format les reads calls in.
+const FORMATS: [ToolFormat; 8] = [
+    ToolFormat::Hermes,
+    ToolFormat::Harmony,
+    ToolFormat::Xml { bare: false },
+    ToolFormat::Xml { bare: true },
+    ToolFormat::Glm { newlines: true },
+    ToolFormat::Glm { newlines: false },
+    ToolFormat::MiniMax,
+    ToolFormat::Kimi,
+];
 
 fuzz_target!(|data: &[u8]| {
     for read in [
@@ -28,14 +40,26 @@ fuzz_target!(|data: &[u8]| {
                 assert!(c.logprobs.is_none_or(|n| n <= MAX_TOP_LOGPROBS));
                 if let Some(t) = &c.tools {
                     assert!(!t.list.is_empty() && t.list.len() <= MAX_TOOLS);
-                    for format in [ToolFormat::Hermes, ToolFormat::Harmony] {
-                        // A required call's grammar parses, where the
-                        // parameters are a schema les converts.
+                    for format in FORMATS {
+                        // A required call's grammar and an auto reply's
+                        // lazy one parse, where the parameters are a
+                        // schema les converts.
                         if let Ok(Some(g)) = t.grammar(format) {
                             assert!(t.choice != ToolChoice::Auto);
                             if let Err(e) = Grammar::parse(&g) {
                                 panic!("{e}\n{g}");
                             }
+                        }
+                        if let Ok((g, starts)) = t.lazy(format) {
+                            assert!(!starts.is_empty());
+                            if let Err(e) = Grammar::parse(&g) {
+                                panic!("{e}\n{g}");
+                            }
+                        }
+                        // A reply of the request's own text reads.
+                        if let Ok(text) = std::str::from_utf8(data) {
+                            let (content, _) = t.read_reply(text, format);
+                            assert!(content.len() <= text.len());
                         }
                     }
                 }
@@ -59,5 +83,11 @@ fuzz_target!(|data: &[u8]| {
         let _ = api::data_url(text);
         let (content, calls) = tools::read_calls(text);
         assert!(content.len() <= text.len() && calls.len() <= text.matches(tools::OPEN).count());
+        for format in FORMATS.into_iter().filter_map(|f| f.call_starts()) {
+            let n = tools::before_calls(text, format);
+            assert!(n <= text.len() && text.is_char_boundary(n));
+            let n = tools::streamable(text, format);
+            assert!(n <= text.len() && text.is_char_boundary(n));
+        }
     }
 });
