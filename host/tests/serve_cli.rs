@@ -905,6 +905,30 @@ fn xml_tool_calls_come_back_as_calls() {
     }
 }
 
+/// Qwen3.5's template opens a thought at the reply's start (`<think>` in
+/// the generation prompt): a call written inside it ends the thought, as
+/// llama.cpp reads that format (`<tool_call>` is one of its thought's end
+/// tags), so a required call comes back as a call, whole or streamed.
+#[test]
+fn a_call_in_the_thought_ends_it() {
+    let qwen35 = include_str!("data/llama.cpp/templates/Qwen3.5-4B.jinja");
+    let src = model();
+    let (open_id, close_id) = (byte_token(&src, 0xFF), byte_token(&src, 0xFE));
+    let thinking = with_tokens(
+        &src,
+        "serve_q35_think.gguf",
+        &[(open_id, "<think>"), (close_id, "</think>")],
+    );
+    let m = with_template(&thinking, "serve_q35_tools.gguf", qwen35);
+    let server = Server::start(&m, &[]);
+    let prompt = weather_history_prompt(&server);
+    assert!(
+        prompt.ends_with("<|im_start|>assistant\n<think>\n"),
+        "{prompt:?}"
+    );
+    assert_named_weather_call(&server, 200);
+}
+
 /// GLM-4.5's, MiniMax-M2's and Kimi K2's calls, with their own chat
 /// templates (llama.cpp's copies): the conversation's call is rendered as
 /// the template renders it (GLM's and MiniMax's from its arguments'

@@ -461,6 +461,9 @@ impl<'m> Engine<'m> {
         let with_tools = c.tools.is_some();
         // Calls written as text (all but harmony's): held back from the pieces.
         let call_starts = format.and_then(ToolFormat::call_starts);
+        // Where a call in the reasoning ends it, what may start one is held
+        // back there too.
+        let ends_reasoning = format.is_some_and(ToolFormat::call_ends_reasoning);
         let stats = generate_from(
             &mut slot.session,
             &mut self.mv,
@@ -502,10 +505,27 @@ impl<'m> Engine<'m> {
                     }
                 }
                 let control = reply.take(t, None);
+                if let (true, Some(s), Some(starts)) = (ends_reasoning, &mut splitter, call_starts)
+                {
+                    if s.channel() == Channel::Reasoning {
+                        if let Some(at) = marks.reasoning_start().and_then(|from| {
+                            tools::first_call(&reply.text[from..], starts).map(|at| from + at)
+                        }) {
+                            marks.set(at, Channel::Content);
+                            s.end_thought();
+                        }
+                    }
+                }
                 // What the reply passed on is its text's next bytes (short of
                 // what may be a tool call), with the tokens whose text starts
                 // before their end.
-                let end = passable(&reply.text, reply.written(), &marks, call_starts);
+                let end = passable(
+                    &reply.text,
+                    reply.written(),
+                    &marks,
+                    call_starts,
+                    ends_reasoning,
+                );
                 let upto = starts.partition_point(|&s| s < end);
                 for (to, r) in marks.split(sent_to..end) {
                     let Some(to) = shown(to, with_tools) else {
@@ -642,6 +662,15 @@ impl Marks {
         out
     }
 
+    /// Where the reasoning's last run of text starts, if the reply is in
+    /// its reasoning.
+    fn reasoning_start(&self) -> Option<usize> {
+        match self.0.last() {
+            Some(&(at, Channel::Reasoning)) => Some(at),
+            _ => None,
+        }
+    }
+
     /// Where the answer's last run of text starts, if the reply is in the
     /// answer (not in its reasoning).
     fn answer_start(&self) -> Option<usize> {
@@ -739,10 +768,22 @@ fn shown(to: Channel, with_tools: bool) -> Option<Channel> {
 
 /// How much of `reply`'s text may be passed on: what it wrote, short of a
 /// tool call in the answer (one starting at any of `call_starts`, where
-/// calls are text), or what may start one (reasoning that spells a call's
-/// tag is passed on as it is).
-fn passable(text: &str, written: usize, marks: &Marks, call_starts: Option<&[&str]>) -> usize {
-    match (marks.answer_start(), call_starts) {
+/// calls are text), or what may start one. Reasoning that spells a call's
+/// tag is passed on as it is, unless `in_reasoning` (a call there ends the
+/// reasoning): then the reasoning holds back what may start one too.
+fn passable(
+    text: &str,
+    written: usize,
+    marks: &Marks,
+    call_starts: Option<&[&str]>,
+    in_reasoning: bool,
+) -> usize {
+    let from = if in_reasoning {
+        marks.reasoning_start().or(marks.answer_start())
+    } else {
+        marks.answer_start()
+    };
+    match (from, call_starts) {
         (Some(at), Some(starts)) => {
             let at = at.min(text.len());
             written.min(at + tools::streamable(&text[at..], starts))
@@ -1730,25 +1771,37 @@ mod tests {
         let mut thinking = Marks::default();
         thinking.set(0, Channel::Reasoning);
         // In the reasoning, a call's tag is text.
-        assert_eq!(passable(text, text.len(), &thinking, hermes), text.len());
+        assert_eq!(
+            passable(text, text.len(), &thinking, hermes, false),
+            text.len()
+        );
         // In the answer, the text stops short of it (and of its start).
         let answer = Marks::default();
-        assert_eq!(passable(text, text.len(), &answer, hermes), 6);
-        assert_eq!(passable("ok <tool", 8, &answer, hermes), 3);
+        assert_eq!(passable(text, text.len(), &answer, hermes, false), 6);
+        assert_eq!(passable("ok <tool", 8, &answer, hermes, false), 3);
         // What the reply held back (a stop string's start) stays held.
-        assert_eq!(passable("ok then", 4, &answer, hermes), 4);
+        assert_eq!(passable("ok then", 4, &answer, hermes, false), 4);
         // Without tools, all it wrote.
-        assert_eq!(passable(text, text.len(), &answer, None), text.len());
+        assert_eq!(passable(text, text.len(), &answer, None, false), text.len());
         // Reasoning, then an answer from byte 6: the answer's call counts.
         let mut both = Marks::default();
         both.set(0, Channel::Reasoning);
         both.set(6, Channel::Content);
         assert_eq!(both.answer_start(), Some(6));
-        assert_eq!(passable("abcdefgh <tool_call>", 20, &both, hermes), 9);
+        assert_eq!(
+            passable("abcdefgh <tool_call>", 20, &both, hermes, false),
+            9
+        );
         assert_eq!(thinking.answer_start(), None);
         // A bare XML format: a function line starts a call too.
         let bare = ToolFormat::Xml { bare: true }.call_starts();
-        assert_eq!(passable("ok <function=f>", 15, &answer, bare), 3);
-        assert_eq!(passable("ok <function=f>", 15, &answer, hermes), 15);
+        assert_eq!(passable("ok <function=f>", 15, &answer, bare, false), 3);
+        assert_eq!(passable("ok <function=f>", 15, &answer, hermes, false), 15);
+        // Where a call ends the reasoning, the reasoning holds back too.
+        let xml = ToolFormat::Xml { bare: false }.call_starts();
+        assert_eq!(passable("hmm <tool_c", 11, &thinking, xml, true), 4);
+        assert_eq!(passable("hmm <tool_c", 11, &thinking, xml, false), 11);
+        assert_eq!(thinking.reasoning_start(), Some(0));
+        assert_eq!(answer.reasoning_start(), None);
     }
 }

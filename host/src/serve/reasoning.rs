@@ -170,6 +170,14 @@ impl Splitter {
         }
     }
 
+    /// Ends a thought in progress: what comes next is the answer (a tool
+    /// call started inside the thought, which some formats take as its end).
+    pub fn end_thought(&mut self) {
+        if self.think == Think::Thinking {
+            self.think = Think::Answer;
+        }
+    }
+
     /// Where token `t` goes; `text` is its text (a harmony channel's name is
     /// read from it).
     pub fn route(&mut self, t: u32, text: &str) -> Channel {

@@ -150,6 +150,14 @@ impl ToolFormat {
         }
     }
 
+    /// Whether a call started inside the reasoning ends it, as llama.cpp
+    /// reads these formats: Qwen3-Coder's XML from templates that reason
+    /// (Qwen3.5, Nemotron 3 Nano: `<tool_call>` is one of the thought's end
+    /// tags) and Kimi K2's (its calls' markers end the thought).
+    pub fn call_ends_reasoning(self) -> bool {
+        matches!(self, ToolFormat::Xml { bare: false } | ToolFormat::Kimi)
+    }
+
     /// The markers a reply's text must keep for its calls to be read (its
     /// tokens written out where the vocabulary makes them control tokens,
     /// as llama.cpp's "preserved tokens").
@@ -1110,6 +1118,12 @@ fn read_blocks<'t>(
     }
     content.push_str(rest);
     (content.trim().to_string(), calls)
+}
+
+/// Where the first call of `text` starts, a call starting at any of
+/// `starts`.
+pub fn first_call(text: &str, starts: &[&str]) -> Option<usize> {
+    first_of(text, starts)
 }
 
 /// The text before the first call (all of it without one), a call
