@@ -504,14 +504,23 @@ impl<'m> Engine<'m> {
                         to => marks.set(reply.text.len(), to),
                     }
                 }
+                let before = reply.text.len();
                 let control = reply.take(t, None);
                 if let (true, Some(s), Some(starts)) = (ends_reasoning, &mut splitter, call_starts)
                 {
-                    if s.channel() == Channel::Reasoning {
-                        if let Some(at) = marks.reasoning_start().and_then(|from| {
-                            tools::first_call(&reply.text[from..], starts).map(|at| from + at)
-                        }) {
-                            marks.set(at, Channel::Content);
+                    if let Some(start) = marks
+                        .reasoning_start()
+                        .filter(|_| s.channel() == Channel::Reasoning)
+                    {
+                        // Only a start this token's text completes is new: it
+                        // begins less than a marker's length before that text.
+                        let longest = starts.iter().map(|m| m.len()).max().unwrap_or(0);
+                        let mut from = start.max(before.saturating_sub(longest));
+                        while !reply.text.is_char_boundary(from) {
+                            from -= 1;
+                        }
+                        if let Some(at) = tools::first_call(&reply.text[from..], starts) {
+                            marks.set(from + at, Channel::Content);
                             s.end_thought();
                         }
                     }

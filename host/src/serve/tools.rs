@@ -498,12 +498,8 @@ impl Tools {
         let mut rules = String::new();
         let mut alternatives = Vec::new();
         for (i, (name, params)) in self.wanted().into_iter().enumerate() {
-            let g = json_schema_to_gbnf(&params.to_string())
-                .map_err(|e| ApiError::bad(format!("the parameters of {name:?}: {e}")))?;
             // Each tool's rules apart from the others'.
-            let defined: Vec<&str> = g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
-            let g = rename_rules(&g, |r| defined.contains(&r).then(|| format!("t{i}-{r}")));
-            rules.push_str(&g);
+            rules.push_str(&parameters_rules(&params, &format!("t{i}"), name)?);
             // Names are [A-Za-z0-9_-]: a literal needs no escapes.
             alternatives.push(format!("\"{name}\" t{i}-header t{i}-root"));
             rules.push_str(&format!("t{i}-header ::= {header}\n"));
@@ -554,12 +550,7 @@ impl Tools {
         let mut rules = String::new();
         let mut alternatives = Vec::new();
         for (i, (name, params)) in self.wanted().into_iter().enumerate() {
-            let g = json_schema_to_gbnf(&params.to_string())
-                .map_err(|e| ApiError::bad(format!("the parameters of {name:?}: {e}")))?;
-            let defined: Vec<&str> = g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
-            rules.push_str(&rename_rules(&g, |r| {
-                defined.contains(&r).then(|| format!("t{i}-{r}"))
-            }));
+            rules.push_str(&parameters_rules(&params, &format!("t{i}"), name)?);
             // Names are [A-Za-z0-9_-]: the literal needs no escapes.
             alternatives.push(format!(
                 "\"{name}:\" [0-9]{{1,9}} {} t{i}-root ({})?",
@@ -661,14 +652,9 @@ impl Tools {
                         "tc-text".to_string()
                     }
                     None => {
-                        let g = json_schema_to_gbnf(&schema.to_string()).map_err(|e| {
+                        let g = schema_rules(schema, &rule).map_err(|e| {
                             ApiError::bad(format!("the parameter {key:?} of {name:?}: {e}"))
                         })?;
-                        let defined: Vec<&str> =
-                            g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
-                        let g = rename_rules(&g, |r| {
-                            defined.contains(&r).then(|| format!("{rule}-{r}"))
-                        });
                         rules.push_str(&g);
                         format!("{rule}-root {}", literal(t.value_end))
                     }
@@ -1214,6 +1200,22 @@ pub fn template_format(
     probe(&tool)
         .is_some_and(|text| text.contains(NAME))
         .then_some(format)
+}
+
+/// The grammar of `schema`'s documents with every rule it defines named
+/// `{prefix}-{rule}` (its start `{prefix}-root`), apart from other rules.
+fn schema_rules(schema: &Value, prefix: &str) -> Result<String, crate::grammar::GrammarError> {
+    let g = json_schema_to_gbnf(&schema.to_string())?;
+    let defined: Vec<&str> = g.lines().filter_map(|l| l.split(" ::= ").next()).collect();
+    Ok(rename_rules(&g, |r| {
+        defined.contains(&r).then(|| format!("{prefix}-{r}"))
+    }))
+}
+
+/// [`schema_rules`] of a tool's `parameters`, an error naming the tool.
+fn parameters_rules(params: &Value, prefix: &str, name: &str) -> Result<String, ApiError> {
+    schema_rules(params, prefix)
+        .map_err(|e| ApiError::bad(format!("the parameters of {name:?}: {e}")))
 }
 
 /// `grammar` with its rules (defined and referenced) renamed where

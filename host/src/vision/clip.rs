@@ -111,7 +111,7 @@ pub struct Mat {
 
 impl Mat {
     /// This matrix with `f32` weights rounded to `f16` (others as they are);
-    /// `file` holds a mapped matrix's bytes.
+    /// `file` holds a mapped matrix's bytes (an owned one's are its own).
     fn f32_as_f16(self, file: &[u8]) -> Mat {
         if self.ty != GgmlType::F32 {
             return self;
@@ -657,30 +657,25 @@ impl ClipModel {
                 }
                 let n_text = t.dims()[0] as usize;
                 let raw = l.floats("mm.input_projection.weight", n_text * n_embd)?;
-                // An f16 matrix stays f16 (exactly), so its product rounds the
-                // activations to f16 as ggml's does.
-                let ty = if t.ggml_type() == GgmlType::F16 {
-                    GgmlType::F16
-                } else {
-                    GgmlType::F32
-                };
-                let size = if ty == GgmlType::F16 { 2 } else { 4 };
-                let mut bytes = vec![0u8; n_text * n_embd * size];
+                let mut bytes = vec![0u8; n_text * n_embd * 4];
                 for (j, row) in raw.chunks_exact(n_text).enumerate() {
-                    for (i, &v) in row.iter().enumerate() {
-                        let at = size * (i * n_embd + j);
-                        if ty == GgmlType::F16 {
-                            bytes[at..at + 2].copy_from_slice(&quant::f32_to_f16(v).to_le_bytes());
-                        } else {
-                            bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
-                        }
+                    for (i, v) in row.iter().enumerate() {
+                        let at = 4 * (i * n_embd + j);
+                        bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
                     }
                 }
                 let input_proj = Mat {
-                    ty,
+                    ty: GgmlType::F32,
                     rows: n_text,
                     cols: n_embd,
                     bytes: Bytes::Owned(bytes),
+                };
+                // An f16 matrix stays f16 (exactly), so its product rounds the
+                // activations to f16 as ggml's does.
+                let input_proj = if t.ggml_type() == GgmlType::F16 {
+                    input_proj.f32_as_f16(&[])
+                } else {
+                    input_proj
                 };
                 (
                     Projector::Gemma3 {
