@@ -627,9 +627,17 @@ fn embeddings_equal_llama_cpps() {
     // the order of their sums (gemma3: 3e-7; MiniCPM-V's merger has GELUs of
     // its own). Through ggml's GELU, a table over f16 inputs, an input near
     // the middle of two f16 values rounds to either side (5e-4 apart) on a
-    // last-bit difference, and the rest follows. With f16 weights (whose
-    // products both make with the activations rounded to f16) the two
-    // differ by up to 3e-4 even through SiLU, for reasons not pinned down.
+    // last-bit difference, and the rest follows. With f16 weights both round
+    // each product's activations to f16 (ggml converts them to its f16 dot
+    // product's input), and the same happens there: an activation one f32 bit
+    // apart (their sums run in different orders) now and then rounds to the
+    // other f16 neighbour. Measured on gemma3 through SiLU, one matrix in f16
+    // at a time: 2e-6 to 1.5e-5 for each ViT matrix, 1e-4 for the input
+    // projection (the last product, nothing after it to average the flip
+    // out), 3e-4 with all of them. Moving les's activations by a few f32 bits
+    // before the rounding moves les's output as far (the input projection's
+    // case: by the very same 9.8e-5); ggml's f16 product alone matches "round
+    // the activations, then sum in f32" to 1e-7.
     // Measured: with the resize kernels llama.cpp replaced by Pillow's, the
     // first case differed by 15% of the largest value; with the patch
     // embedding in f32 instead of llama.cpp's f16 (`ggml_conv_2d`), 3e-4.
