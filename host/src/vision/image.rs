@@ -67,55 +67,6 @@ pub fn check_dimensions(width: u32, height: u32) -> Result<(), String> {
 /// The largest image file read, in bytes.
 pub const MAX_FILE_BYTES: u64 = 256 << 20;
 
-/// Whether the JPEG in `bytes` reaches its end-of-image marker: its segments
-/// are walked by their lengths (an embedded thumbnail's markers are skipped),
-/// and each scan's entropy-coded data up to the next marker. The decoder fills
-/// a truncated file's missing pixels with gray and reports nothing.
-pub fn jpeg_is_complete(bytes: &[u8]) -> bool {
-    if !bytes.starts_with(&[0xFF, 0xD8]) {
-        return false;
-    }
-    let mut i = 2;
-    loop {
-        // A marker: 0xFF (fill bytes 0xFF may repeat), then its code.
-        if bytes.get(i) != Some(&0xFF) {
-            return false;
-        }
-        while bytes.get(i) == Some(&0xFF) {
-            i += 1;
-        }
-        let Some(&code) = bytes.get(i) else {
-            return false;
-        };
-        i += 1;
-        match code {
-            0xD9 => return true,
-            // Markers without a length.
-            0x01 | 0xD0..=0xD7 => continue,
-            _ => {}
-        }
-        let Some(len) = bytes.get(i..i + 2) else {
-            return false;
-        };
-        let len = usize::from(u16::from_be_bytes([len[0], len[1]]));
-        if len < 2 {
-            return false;
-        }
-        i += len;
-        if code == 0xDA {
-            // Entropy-coded data: 0xFF is followed by 0x00 (a stuffed byte) or
-            // a restart marker inside it; anything else is the next marker.
-            loop {
-                match bytes.get(i..i + 2) {
-                    None => return false,
-                    Some([0xFF, next]) if *next != 0x00 && !(0xD0..=0xD7).contains(next) => break,
-                    Some(_) => i += 1,
-                }
-            }
-        }
-    }
-}
-
 /// `format` if it is one LES decodes (PNG, JPEG); `None` is an unknown one.
 fn supported(format: Option<ImageFormat>) -> Result<ImageFormat, String> {
     match format {
@@ -127,9 +78,10 @@ fn supported(format: Option<ImageFormat>) -> Result<ImageFormat, String> {
 
 fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     let format = supported(image::guess_format(bytes).ok())?;
-    // Before decoding: the decoder would fill a cut file with gray.
-    if format == ImageFormat::Jpeg && !jpeg_is_complete(bytes) {
-        return Err("the JPEG ends before its end-of-image marker (a truncated file?)".into());
+    // JPEG as llama.cpp decodes it (stb_image's arithmetic), which also
+    // refuses a file cut short (decoders fill its missing pixels with gray).
+    if format == ImageFormat::Jpeg {
+        return super::jpeg::decode(bytes);
     }
     // The header alone first, to bound the size before decoding.
     let (w, h) = ImageReader::with_format(Cursor::new(bytes), format)
@@ -171,17 +123,31 @@ fn open_bounded(path: &Path) -> Result<std::io::Take<std::fs::File>, String> {
     Ok(file.take(MAX_FILE_BYTES + 1))
 }
 
+/// The bytes of the file at `path`, at most [`MAX_FILE_BYTES`] of them.
+fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
+    let mut bytes = Vec::new();
+    open_bounded(path)?
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err("too large for an image file".into());
+    }
+    Ok(bytes)
+}
+
 /// The width and height of the PNG or JPEG file at `path`, from its header
 /// alone (the same checks as [`load_image`] on the file and the dimensions):
 /// what an image will cost is known before it is decoded.
 pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
     let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
-    let file = open_bounded(path).map_err(err)?;
-    let reader = ImageReader::new(std::io::BufReader::new(file))
-        .with_guessed_format()
+    let bytes = read_bounded(path).map_err(err)?;
+    let format = supported(image::guess_format(&bytes).ok()).map_err(err)?;
+    if format == ImageFormat::Jpeg {
+        return super::jpeg::dimensions(&bytes).map_err(err);
+    }
+    let (w, h) = ImageReader::with_format(Cursor::new(&bytes), format)
+        .into_dimensions()
         .map_err(|e| err(e.to_string()))?;
-    supported(reader.format()).map_err(err)?;
-    let (w, h) = reader.into_dimensions().map_err(|e| err(e.to_string()))?;
     check_dimensions(w, h).map_err(err)?;
     Ok((w as usize, h as usize))
 }
@@ -189,15 +155,7 @@ pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
 /// Reads and decodes the PNG or JPEG file at `path` (format from its content).
 pub fn load_image(path: &Path) -> Result<RgbImage, VisionError> {
     let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
-    let mut bytes = Vec::new();
-    open_bounded(path)
-        .map_err(err)?
-        .read_to_end(&mut bytes)
-        .map_err(|e| err(e.to_string()))?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(err("too large for an image file".into()));
-    }
-    decode(&bytes).map_err(err)
+    decode(&read_bounded(path).map_err(err)?).map_err(err)
 }
 
 /// Decodes a PNG or JPEG image held in memory.
@@ -222,15 +180,11 @@ mod tests {
     }
 
     #[test]
-    fn a_jpeg_is_complete_only_up_to_its_end_marker() {
+    fn a_jpeg_decodes_only_up_to_its_end_marker() {
         let full = jpeg(40, 30);
-        assert!(jpeg_is_complete(&full));
-        decode(&full).unwrap();
-        // Trailing bytes after the end are ignored, as decoders do.
-        let mut trailing = full.clone();
-        trailing.extend_from_slice(b"\0\0junk\xff");
-        assert!(jpeg_is_complete(&trailing));
-        // Every cut after the header is caught.
+        let img = decode(&full).unwrap();
+        assert_eq!((img.width, img.height), (40, 30));
+        // Every cut is caught (decoders fill the missing pixels with gray).
         let sos = full.windows(2).position(|w| w == [0xFF, 0xDA]).unwrap();
         for cut in [
             2,
@@ -241,7 +195,7 @@ mod tests {
             full.len() - 2,
             full.len() - 1,
         ] {
-            assert!(!jpeg_is_complete(&full[..cut]), "cut at {cut}");
+            assert!(decode(&full[..cut]).is_err(), "cut at {cut}");
         }
         let e = decode(&full[..full.len() - 2]).unwrap_err();
         assert!(e.contains("end-of-image marker"), "{e}");
@@ -250,43 +204,8 @@ mod tests {
         let mut app1 = full[..2].to_vec();
         app1.extend_from_slice(&[0xFF, 0xE1, 0x00, 0x06, 0xFF, 0xD9, 0xFF, 0xD9]);
         app1.extend_from_slice(&full[2..full.len() - 2]);
-        assert!(!jpeg_is_complete(&app1));
+        assert!(decode(&app1).is_err());
         app1.extend_from_slice(&[0xFF, 0xD9]);
-        assert!(jpeg_is_complete(&app1));
-        // A scan's stuffed 0xFF 0x00 and restart markers are data.
-        let mut scan = vec![0xFF, 0xD8, 0xFF, 0xDA, 0x00, 0x02];
-        scan.extend_from_slice(&[0x12, 0xFF, 0x00, 0x34, 0xFF, 0xD3, 0x56]);
-        assert!(!jpeg_is_complete(&scan));
-        scan.extend_from_slice(&[0xFF, 0xFF, 0xD9]);
-        assert!(jpeg_is_complete(&scan));
-        assert!(!jpeg_is_complete(b"\xff\xd8\xff\xe0\x00\x01"));
-        assert!(!jpeg_is_complete(b""));
-    }
-
-    proptest::proptest! {
-        /// No input makes the walk panic, and no strict prefix of a JPEG is
-        /// complete (here with random pixels, so the scan has stuffed bytes).
-        #[test]
-        fn any_bytes_are_walked_and_prefixes_are_incomplete(
-            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
-            seed in 0u32..1000,
-            cut in 0.0f64..1.0,
-        ) {
-            let _ = jpeg_is_complete(&bytes);
-            let mut with_soi = vec![0xFF, 0xD8];
-            with_soi.extend_from_slice(&bytes);
-            let _ = jpeg_is_complete(&with_soi);
-            let pixels = (0..24 * 16 * 3u32)
-                .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
-                .collect();
-            let mut full = Vec::new();
-            image::RgbImage::from_raw(24, 16, pixels)
-                .unwrap()
-                .write_to(&mut Cursor::new(&mut full), ImageFormat::Jpeg)
-                .unwrap();
-            proptest::prop_assert!(jpeg_is_complete(&full));
-            let n = (cut * full.len() as f64) as usize;
-            proptest::prop_assert!(!jpeg_is_complete(&full[..n]));
-        }
+        assert_eq!(decode(&app1).unwrap(), img);
     }
 }

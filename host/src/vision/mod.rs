@@ -20,6 +20,7 @@ pub mod clip;
 pub mod encoder;
 pub mod gemm;
 pub mod image;
+pub mod jpeg;
 pub mod preprocess;
 pub mod prompt;
 

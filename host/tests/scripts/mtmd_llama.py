@@ -15,6 +15,11 @@ Usage:
       mtmd_helper_eval_chunks, then N tokens greedily, one at a time
       (stopping after an end of generation). Prints {"tokens": [ids],
       "logits": [[n_vocab floats] per generated token]}.
+  mtmd_llama.py decode MODEL.gguf MMPROJ.gguf IMAGE...
+      Reads each image file as llama.cpp's tools do (stb_image, through
+      mtmd_helper_bitmap_init_from_file) and prints one JSON list of
+      {"width", "height", "rgb": hex of the RGB bytes} (null where it
+      fails).
 
 Attention runs in f32 (flash attention would round keys and values to f16).
 """
@@ -103,9 +108,34 @@ def greedy(model, mmproj, image, prompt, n):
     return {"tokens": tokens, "logits": rows}
 
 
+def decode(model, mmproj, *images):
+    llm = Llama(model_path=model, n_ctx=256, n_threads=2, verbose=False)
+    p = mtmd.mtmd_context_params_default()
+    p.use_gpu = False
+    p.warmup = False
+    p.print_timings = False
+    ctx = mtmd.mtmd_init_from_file(mmproj.encode(), llm._model.model, p)
+    assert ctx, "mtmd_init_from_file failed"
+    out = []
+    for image in images:
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_file(ctx, image.encode(), False)
+        if not bitmap:
+            out.append(None)
+            continue
+        n = mtmd.mtmd_bitmap_get_n_bytes(bitmap)
+        rgb = ctypes.string_at(mtmd.mtmd_bitmap_get_data(bitmap), n)
+        out.append({
+            "width": mtmd.mtmd_bitmap_get_nx(bitmap),
+            "height": mtmd.mtmd_bitmap_get_ny(bitmap),
+            "rgb": rgb.hex(),
+        })
+        mtmd.mtmd_bitmap_free(bitmap)
+    return out
+
+
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
-    out = embed(*args) if mode == "embed" else greedy(*args)
+    out = {"embed": embed, "greedy": greedy, "decode": decode}[mode](*args)
     print(json.dumps(out))
 
 

@@ -1,0 +1,138 @@
+//! JPEG files decode to llama.cpp's pixels: the fixtures in
+//! `tests/data/jpeg` (one layout or coding feature each, written by
+//! `scripts/jpeg_fixtures.py`) against the CRCs of what llama.cpp's
+//! stb_image gives for them, and (ignored: needs llama-cpp-python with its
+//! `mtmd` library) against libmtmd itself, also on any files a user adds.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use les::vision::image::load_image;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/jpeg")
+        .join(name)
+}
+
+/// File, width, height, and the CRC-32 of the RGB bytes llama.cpp 0.3.36
+/// reads from it (`mtmd_llama.py decode`: `mtmd_helper_bitmap_init_from_file`,
+/// stb_image 2.30 built with SSE2).
+const FIXTURES: [(&str, usize, usize, u32); 15] = [
+    ("b420.jpg", 45, 31, 0x5b3e_4a47),
+    // 4:2:2 of an odd width: stb_image's own weights in the last column.
+    ("b422.jpg", 45, 31, 0x5715_9ce3),
+    ("b444.jpg", 45, 31, 0x3a87_3ac5),
+    // Adobe CMYK (inverted, transform 0).
+    ("cmyk.jpg", 61, 47, 0xdf1f_d539),
+    ("gray_progressive.jpg", 61, 47, 0xa076_f177),
+    ("optimized.jpg", 61, 47, 0xc7d7_7fa5),
+    // Spectral selection and successive approximation.
+    ("progressive.jpg", 61, 47, 0xeae1_87f4),
+    ("progressive_restarts.jpg", 61, 47, 0x638e_2ee6),
+    ("q100.jpg", 40, 40, 0xfb0c_1e2e),
+    // Coarse quantization: samples clamped.
+    ("q5.jpg", 40, 40, 0x5fe4_6348),
+    // 16-bit quantization tables (extended sequential).
+    ("quant16.jpg", 61, 47, 0x7e85_3204),
+    // The same coefficients as progressive.jpg, in restart intervals.
+    ("restarts.jpg", 61, 47, 0xeae1_87f4),
+    ("tiny_17x1.jpg", 17, 1, 0x239c_bc37),
+    ("tiny_1x1.jpg", 1, 1, 0xda3d_6047),
+    ("tiny_1x17.jpg", 1, 17, 0x8ff6_3270),
+];
+
+#[test]
+fn fixtures_decode_to_llama_cpps_pixels() {
+    for (name, w, h, crc) in FIXTURES {
+        let img = load_image(&fixture(name)).unwrap();
+        assert_eq!((img.width, img.height), (w, h), "{name}");
+        assert_eq!(crc32fast::hash(&img.data), crc, "{name}");
+        let probed = les::vision::probe_image(&fixture(name)).unwrap();
+        assert_eq!(probed, (w, h), "{name}");
+    }
+}
+
+/// The decode of every fixture, and of every `.jpg` / `.jpeg` in the
+/// directory `LES_JPEG_DIR` if set (your own photos), byte for byte against
+/// llama.cpp's: set `MTMD_CPP_LIB` and `LLAMA_CPP_LIB_PATH` as for the other
+/// libmtmd comparisons (README, "Against llama.cpp").
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn jpegs_decode_as_llama_cpps() {
+    let mut files: Vec<PathBuf> = FIXTURES.iter().map(|f| fixture(f.0)).collect();
+    if let Ok(dir) = std::env::var("LES_JPEG_DIR") {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let ext = p.extension().and_then(|x| x.to_str()).unwrap_or("");
+            if ext.eq_ignore_ascii_case("jpg") || ext.eq_ignore_ascii_case("jpeg") {
+                files.push(p);
+            }
+        }
+    }
+    // Any model and projector: libmtmd wants a context to read files.
+    let model = common::tmp("jpeg_decode_text.gguf");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
+        .args([
+            "synth", "--quiet", "--arch", "qwen3moe", "--preset", "tiny", "-o",
+        ])
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let n_embd = les::gguf::Gguf::open(&model)
+        .unwrap()
+        .get_u64("qwen3moe.embedding_length")
+        .unwrap();
+    let mmproj = common::tmp("jpeg_decode_mmproj.gguf");
+    let cfg = les::synth::MmprojConfig::tiny(les::vision::ProjectorType::Gemma3, n_embd, 3);
+    les::synth::write_mmproj(&cfg, &mmproj).unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg("decode")
+        .args([&model, &mmproj])
+        .args(&files)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let mut failures = Vec::new();
+    for (path, t) in files.iter().zip(&theirs) {
+        let ours = load_image(path);
+        let what = path.display();
+        match (ours, t.get("rgb")) {
+            (Ok(img), Some(rgb)) => {
+                let rgb = unhex(rgb.as_str().unwrap());
+                let size = (t["width"].as_u64().unwrap(), t["height"].as_u64().unwrap());
+                let worst = img
+                    .data
+                    .iter()
+                    .zip(&rgb)
+                    .map(|(&a, &b)| a.abs_diff(b))
+                    .max()
+                    .unwrap_or(0);
+                eprintln!("{what}: {}x{}, largest difference {worst}", size.0, size.1);
+                if (img.width as u64, img.height as u64) != size || img.data != rgb {
+                    failures.push(format!("{what}: differs by up to {worst}"));
+                }
+            }
+            (Err(e), None) => eprintln!("{what}: refused by both ({e})"),
+            (Err(e), Some(_)) => failures.push(format!("{what}: les refuses it: {e}")),
+            (Ok(_), None) => failures.push(format!("{what}: llama.cpp refuses it")),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
