@@ -19,7 +19,7 @@ fn fixture(name: &str) -> PathBuf {
 /// File, width, height, and the CRC-32 of the RGB bytes llama.cpp 0.3.36
 /// reads from it (`mtmd_llama.py decode`: `mtmd_helper_bitmap_init_from_file`,
 /// stb_image 2.30 built with SSE2).
-const FIXTURES: [(&str, usize, usize, u32); 15] = [
+const FIXTURES: [(&str, usize, usize, u32); 23] = [
     ("b420.jpg", 45, 31, 0x5b3e_4a47),
     // 4:2:2 of an odd width: stb_image's own weights in the last column.
     ("b422.jpg", 45, 31, 0x5715_9ce3),
@@ -41,6 +41,20 @@ const FIXTURES: [(&str, usize, usize, u32); 15] = [
     ("tiny_17x1.jpg", 17, 1, 0x239c_bc37),
     ("tiny_1x1.jpg", 1, 1, 0xda3d_6047),
     ("tiny_1x17.jpg", 1, 17, 0x8ff6_3270),
+    // Layouts libjpeg does not write (the script's own encoder).
+    // RGB without a transform, told by Adobe's APP14 or by the ids R G B.
+    ("adobe_rgb.jpg", 41, 23, 0xffc5_25f1),
+    ("ids_rgb.jpg", 41, 23, 0xffc5_25f1),
+    ("adobe_ycck.jpg", 41, 23, 0xaaad_5caf),
+    // Upsampled by replication (stb_image's generic case).
+    ("sampling_31.jpg", 41, 23, 0xd18d_ce3c),
+    ("sampling_411.jpg", 41, 23, 0xfab9_66cd),
+    // 2x vertically only.
+    ("sampling_440.jpg", 41, 23, 0x58c1_dd14),
+    // Chroma planes of different sizes.
+    ("sampling_mixed.jpg", 41, 23, 0x0189_d600),
+    // Non-interleaved scans, with restart intervals.
+    ("scan_per_component.jpg", 41, 23, 0x2702_5556),
 ];
 
 #[test]
