@@ -94,14 +94,38 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     limits.max_image_height = Some(MAX_SIDE);
     limits.max_alloc = Some(MAX_PIXELS * 8);
     reader.limits(limits);
-    let rgb = reader.decode().map_err(|e| e.to_string())?.to_rgb8();
-    let (w, h) = rgb.dimensions();
+    let img = reader.decode().map_err(|e| e.to_string())?;
+    let (w, h) = (img.width(), img.height());
     check_dimensions(w, h)?;
     Ok(RgbImage {
         width: w as usize,
         height: h as usize,
-        data: rgb.into_raw(),
+        data: to_rgb8_as_stb_image(img),
     })
+}
+
+/// A decoded PNG's pixels as 8-bit RGB the way llama.cpp's stb_image makes
+/// them: alpha dropped (not composited), gray repeated, and 16-bit samples
+/// cut to their high byte (the `image` crate rounds them, off by one in a
+/// quarter of the samples).
+fn to_rgb8_as_stb_image(img: image::DynamicImage) -> Vec<u8> {
+    use image::DynamicImage::*;
+    let high = |v: &u16| (v >> 8) as u8;
+    match img {
+        ImageRgb16(i) => i.as_raw().iter().map(high).collect(),
+        ImageRgba16(i) => i
+            .as_raw()
+            .chunks_exact(4)
+            .flat_map(|p| [high(&p[0]), high(&p[1]), high(&p[2])])
+            .collect(),
+        ImageLuma16(i) => i.as_raw().iter().flat_map(|v| [high(v); 3]).collect(),
+        ImageLumaA16(i) => i
+            .as_raw()
+            .chunks_exact(2)
+            .flat_map(|p| [high(&p[0]); 3])
+            .collect(),
+        other => other.to_rgb8().into_raw(),
+    }
 }
 
 /// `path` opened for reading, if it is a regular file of at most

@@ -1,8 +1,9 @@
-//! JPEG files decode to llama.cpp's pixels: the fixtures in
+//! Image files decode to llama.cpp's pixels: the JPEG fixtures in
 //! `tests/data/jpeg` (one layout or coding feature each, written by
 //! `scripts/jpeg_fixtures.py`) against the CRCs of what llama.cpp's
-//! stb_image gives for them, and (ignored: needs llama-cpp-python with its
-//! `mtmd` library) against libmtmd itself, also on any files a user adds.
+//! stb_image gives for them, 16-bit PNGs cut to 8 bits as stb_image cuts
+//! them, and (ignored: needs llama-cpp-python with its `mtmd` library) all
+//! of it against libmtmd itself, also on any files a user adds.
 
 mod common;
 
@@ -68,25 +69,96 @@ fn fixtures_decode_to_llama_cpps_pixels() {
     }
 }
 
-/// The decode of every fixture, and of every `.jpg` / `.jpeg` in the
-/// directory `LES_JPEG_DIR` if set (your own photos), byte for byte against
-/// llama.cpp's: set `MTMD_CPP_LIB` and `LLAMA_CPP_LIB_PATH` as for the other
-/// libmtmd comparisons (README, "Against llama.cpp").
+/// PNGs of every sample layout the `image` crate writes.
+fn pngs() -> Vec<PathBuf> {
+    use image::{ImageBuffer, Luma, LumaA, Rgb, Rgba};
+    let (w, h) = (29, 13);
+    let v = |x: u32, y: u32, c: u32| {
+        ((x * 2_654_435_761) ^ (y * 40_503) ^ (c * 9_973)).wrapping_mul(2_246_822_519) >> 16
+    };
+    let path = |name: &str| common::tmp(&format!("image_decode_{name}.png"));
+    let out = vec![
+        path("rgb16"),
+        path("rgba16"),
+        path("gray16"),
+        path("graya16"),
+        path("rgba8"),
+        path("graya8"),
+    ];
+    ImageBuffer::from_fn(w, h, |x, y| Rgb([0, 1, 2].map(|c| v(x, y, c) as u16)))
+        .save(&out[0])
+        .unwrap();
+    ImageBuffer::from_fn(w, h, |x, y| Rgba([0, 1, 2, 3].map(|c| v(x, y, c) as u16)))
+        .save(&out[1])
+        .unwrap();
+    ImageBuffer::from_fn(w, h, |x, y| Luma([v(x, y, 0) as u16]))
+        .save(&out[2])
+        .unwrap();
+    ImageBuffer::from_fn(w, h, |x, y| LumaA([0, 1].map(|c| v(x, y, c) as u16)))
+        .save(&out[3])
+        .unwrap();
+    ImageBuffer::from_fn(w, h, |x, y| Rgba([0, 1, 2, 3].map(|c| v(x, y, c) as u8)))
+        .save(&out[4])
+        .unwrap();
+    ImageBuffer::from_fn(w, h, |x, y| LumaA([0, 1].map(|c| v(x, y, c) as u8)))
+        .save(&out[5])
+        .unwrap();
+    out
+}
+
+#[test]
+fn sixteen_bit_pngs_keep_their_high_bytes() {
+    let files = pngs();
+    for (path, channels) in files.iter().zip([3, 4, 1, 2]) {
+        let img = load_image(path).unwrap();
+        let raw: Vec<u16> = match image::open(path).unwrap() {
+            image::DynamicImage::ImageRgb16(i) => i.into_raw(),
+            image::DynamicImage::ImageRgba16(i) => i.into_raw(),
+            image::DynamicImage::ImageLuma16(i) => i.into_raw(),
+            image::DynamicImage::ImageLumaA16(i) => i.into_raw(),
+            other => panic!("{}: {:?}", path.display(), other.color()),
+        };
+        for (i, px) in raw.chunks_exact(channels).enumerate() {
+            // Gray repeated, alpha dropped.
+            let want = match channels {
+                1 | 2 => [px[0]; 3],
+                _ => [px[0], px[1], px[2]],
+            }
+            .map(|v| (v >> 8) as u8);
+            assert_eq!(
+                img.data[3 * i..3 * i + 3],
+                want,
+                "{} pixel {i}",
+                path.display()
+            );
+        }
+    }
+}
+
+/// The decode of every JPEG fixture, of PNGs of each sample layout, and of
+/// every `.jpg`, `.jpeg` or `.png` in the directory `LES_IMAGE_DIR` if set
+/// (your own pictures), byte for byte against llama.cpp's: set
+/// `MTMD_CPP_LIB` and `LLAMA_CPP_LIB_PATH` as for the other libmtmd
+/// comparisons (README, "Against llama.cpp").
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
-fn jpegs_decode_as_llama_cpps() {
+fn images_decode_as_llama_cpps() {
     let mut files: Vec<PathBuf> = FIXTURES.iter().map(|f| fixture(f.0)).collect();
-    if let Ok(dir) = std::env::var("LES_JPEG_DIR") {
+    files.extend(pngs());
+    if let Ok(dir) = std::env::var("LES_IMAGE_DIR") {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
             let ext = p.extension().and_then(|x| x.to_str()).unwrap_or("");
-            if ext.eq_ignore_ascii_case("jpg") || ext.eq_ignore_ascii_case("jpeg") {
+            if ["jpg", "jpeg", "png"]
+                .iter()
+                .any(|x| ext.eq_ignore_ascii_case(x))
+            {
                 files.push(p);
             }
         }
     }
     // Any model and projector: libmtmd wants a context to read files.
-    let model = common::tmp("jpeg_decode_text.gguf");
+    let model = common::tmp("image_decode_text.gguf");
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
         .args([
             "synth", "--quiet", "--arch", "qwen3moe", "--preset", "tiny", "-o",
@@ -99,7 +171,7 @@ fn jpegs_decode_as_llama_cpps() {
         .unwrap()
         .get_u64("qwen3moe.embedding_length")
         .unwrap();
-    let mmproj = common::tmp("jpeg_decode_mmproj.gguf");
+    let mmproj = common::tmp("image_decode_mmproj.gguf");
     let cfg = les::synth::MmprojConfig::tiny(les::vision::ProjectorType::Gemma3, n_embd, 3);
     les::synth::write_mmproj(&cfg, &mmproj).unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
