@@ -626,13 +626,13 @@ fn conversation_takes_images_in_any_turn() {
 /// llama-cpp-python, `scripts/mtmd_llama.py`: the prompt's chunks through
 /// `mtmd_helper_eval_chunks`, then token by token): a MiniCPM-V 4.6 style
 /// projector (f16 weights, as converted files have them) before an f32
-/// qwen3moe, the demo image and a larger one that is sliced. The same greedy
-/// tokens, and logits within 2e-3 (measured 3-5e-4: the image embeddings
-/// differ by ggml's f16-table GELU, see `vision_encoder`). Needs
-/// llama-cpp-python with its `mtmd` library and Pillow (the README's
-/// "Against llama.cpp").
+/// qwen3moe, the demo image, a larger one that is sliced and a progressive
+/// JPEG. The same greedy tokens, and logits within 2e-3 (measured 3-5e-4:
+/// the image embeddings differ by ggml's f16-table GELU, see
+/// `vision_encoder`). Needs llama-cpp-python with its `mtmd` library (the
+/// README's "Against llama.cpp").
 #[test]
-#[ignore = "needs llama-cpp-python and Pillow"]
+#[ignore = "needs llama-cpp-python's mtmd library"]
 fn multimodal_decode_equals_llama_cpps() {
     let (lm, mm) = (tmp("mtmd_lm_f32.gguf"), tmp("mtmd_mm_f16.gguf"));
     let out = les()
@@ -657,7 +657,8 @@ fn multimodal_decode_equals_llama_cpps() {
     .save(&large)
     .unwrap();
     let prompt = "What is in <__media__>? It is";
-    for img in [image(), large] {
+    let jpeg = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/jpeg/progressive.jpg");
+    for img in [image(), large, jpeg] {
         let logits = tmp("mtmd_les_logits.npy");
         let v: Value = serde_json::from_str(&ok(run(
             &lm,

@@ -602,9 +602,9 @@ fn png_of(w: u32, h: u32, path: &std::path::Path) {
 /// images that are sliced, resized up and down, and padded: the same
 /// chunks, in order, of the same token counts, and embeddings within float
 /// error, in the same prompt layout. Needs llama-cpp-python with its `mtmd`
-/// library and Pillow (see the README's "Against llama.cpp").
+/// library (see the README's "Against llama.cpp").
 #[test]
-#[ignore = "needs llama-cpp-python and Pillow"]
+#[ignore = "needs llama-cpp-python's mtmd library"]
 fn embeddings_equal_llama_cpps() {
     let les = env!("CARGO_BIN_EXE_les");
     let model = tmp("mtmd_text.gguf");
@@ -668,9 +668,24 @@ fn embeddings_equal_llama_cpps() {
             );
         }
         let m = ClipModel::open(&mmproj).unwrap();
-        for (w, h) in [(300, 200), (640, 480), (97, 411), (224, 224), (1000, 180)] {
-            let png = tmp(&format!("mtmd_{w}x{h}.png"));
-            png_of(w, h, &png);
+        let jpeg = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/jpeg/b422.jpg");
+        for (w, h) in [
+            (300, 200),
+            (640, 480),
+            (97, 411),
+            (224, 224),
+            (1000, 180),
+            (0, 0),
+        ] {
+            // PNGs of five shapes, and a JPEG (4:2:2, decoded as llama.cpp does).
+            let png = if w == 0 {
+                PathBuf::from(jpeg)
+            } else {
+                tmp(&format!("mtmd_{w}x{h}.png"))
+            };
+            if w > 0 {
+                png_of(w, h, &png);
+            }
             let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
             let out = std::process::Command::new("python3")
                 .arg(script)
@@ -703,7 +718,7 @@ fn embeddings_equal_llama_cpps() {
                 isa: Isa::detect(),
             };
             let ours = les::vision::encode_image(&mut ctx, &m, &img).unwrap();
-            let what = format!("{projector} {w}x{h}");
+            let what = format!("{projector} {}", png.file_name().unwrap().to_string_lossy());
             // The prompt's layout: the same tokens around the same chunks.
             let prompt = les::vision::prompt::build_prompt(
                 &tok,

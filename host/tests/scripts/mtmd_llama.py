@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """llama.cpp's multimodal path (libmtmd, through llama-cpp-python's mtmd
-bindings) on one image decoded to RGB by Pillow (PNG pixels are exact
-everywhere). Set MTMD_CPP_LIB and LLAMA_CPP_LIB_PATH to a llama.cpp build
-for this CPU.
+bindings) on one image file, read as llama.cpp's tools read it
+(mtmd_helper_bitmap_init_from_file: stb_image). Set MTMD_CPP_LIB and
+LLAMA_CPP_LIB_PATH to a llama.cpp build for this CPU.
 
 Usage:
   mtmd_llama.py embed MODEL.gguf MMPROJ.gguf IMAGE.png
@@ -31,7 +31,6 @@ import llama_cpp
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 from llama_cpp import Llama
-from PIL import Image
 
 MARKER = b"<__media__>"
 
@@ -48,10 +47,9 @@ def tokenize(model, mmproj, image, prompt, add_special):
     p.flash_attn_type = 0
     ctx = mtmd.mtmd_init_from_file(mmproj.encode(), llm._model.model, p)
     assert ctx, "mtmd_init_from_file failed"
-    img = Image.open(image).convert("RGB")
-    data = img.tobytes()
-    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-    bitmap = mtmd.mtmd_bitmap_init(img.width, img.height, buf)
+    # The file read as llama.cpp's tools read it (stb_image).
+    bitmap = mtmd.mtmd_helper_bitmap_init_from_file(ctx, image.encode(), False)
+    assert bitmap, f"llama.cpp cannot read {image}"
     text = mtmd.mtmd_input_text()
     text.text = prompt
     text.text_len = len(prompt)
