@@ -403,6 +403,9 @@ macro_rules! float_kernel {
                     *a = _mm256_fmadd_ps(wv, ldps(arr(xc, 8 * k)), *a);
                 }
             }
+            if full == n {
+                return fold64(acc);
+            }
             let mut lanes = [0.0f32; FLOAT_LANES];
             for (k, a) in acc.iter().enumerate() {
                 stps(arr_mut(&mut lanes, 8 * k), *a);
@@ -410,6 +413,20 @@ macro_rules! float_kernel {
             r::finish_float(lanes, $elems(w, full), x, full)
         }
     };
+}
+
+/// The 64 lanes of eight accumulators (lane `8k + l` in `acc[k]`) folded by
+/// halves as [`r::fold`] folds them, the same additions of the same values:
+/// `acc[k] + acc[k + 4]`, `+ 2`, `+ 1`, then within the vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fold64(acc: [__m256; 8]) -> f32 {
+    let a: [__m256; 4] = core::array::from_fn(|k| _mm256_add_ps(acc[k], acc[k + 4]));
+    let b = [_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3])];
+    let c = _mm256_add_ps(b[0], b[1]);
+    let d = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps::<1>(c));
+    let e = _mm_add_ps(d, _mm_movehl_ps(d, d));
+    _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps::<1>(e, e)))
 }
 
 float_kernel!(f32, 4, |c| _mm256_castsi256_ps(ld256(c)), r::f32_elems);
