@@ -439,6 +439,126 @@ float_kernel!(
 );
 
 // ---------------------------------------------------------------------------------
+// Float weights times several tokens (`super::tile`): one 8-lane accumulator per
+// output, element `i` into lane `i % 8`.
+
+macro_rules! tile_kernels {
+    ($tile:ident, $one:ident, $wbytes:expr, |$c:ident| $load:expr, $elems:path) => {
+        /// `R` weight rows times `T` tokens' activations (all of one length):
+        /// `out[r][t]`, each as [`r::finish8`] orders it.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $tile<const R: usize, const T: usize>(
+            w: [&[u8]; R],
+            x: [&[f32]; T],
+        ) -> [[f32; T]; R] {
+            const WB: usize = $wbytes;
+            let n = x[0].len();
+            let full = n / 8 * 8;
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let mut k = 0;
+            while k < full {
+                let wv: [__m256; R] = core::array::from_fn(|r| {
+                    let $c = arr::<u8, { 8 * WB }>(w[r], k * WB);
+                    $load
+                });
+                for (t, xt) in x.iter().enumerate() {
+                    let a = ldps(arr(xt, k));
+                    for r in 0..R {
+                        acc[r][t] = _mm256_fmadd_ps(wv[r], a, acc[r][t]);
+                    }
+                }
+                k += 8;
+            }
+            let mut out = [[0.0f32; T]; R];
+            for r in 0..R {
+                for t in 0..T {
+                    let mut lanes = [0.0f32; 8];
+                    stps(&mut lanes, acc[r][t]);
+                    out[r][t] = r::finish8(lanes, $elems(w[r], full), &x[t][full..]);
+                }
+            }
+            out
+        }
+
+        /// One weight row times one token's activations, as `$tile` computes
+        /// each of its products.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $one(w: &[u8], x: &[f32]) -> f32 {
+            const WB: usize = $wbytes;
+            let full = x.len() / 8 * 8;
+            let mut acc = _mm256_setzero_ps();
+            let mut k = 0;
+            while k < full {
+                let $c = arr::<u8, { 8 * WB }>(w, k * WB);
+                acc = _mm256_fmadd_ps($load, ldps(arr(x, k)), acc);
+                k += 8;
+            }
+            let mut lanes = [0.0f32; 8];
+            stps(&mut lanes, acc);
+            r::finish8(lanes, $elems(w, full), &x[full..])
+        }
+    };
+}
+
+tile_kernels!(
+    tile_f32,
+    one_f32,
+    4,
+    |c| _mm256_castsi256_ps(ld256(c)),
+    r::f32_elems
+);
+tile_kernels!(
+    tile_f16,
+    one_f16,
+    2,
+    |c| _mm256_cvtph_ps(ld128(c)),
+    r::f16_elems
+);
+tile_kernels!(
+    tile_bf16,
+    one_bf16,
+    2,
+    |c| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(ld128(c)))),
+    r::bf16_elems
+);
+
+impl Avx2 {
+    /// `tile_*` for `ty` (`F32`, `F16` or `BF16`; others give zeros).
+    pub(crate) fn float_tile<const R: usize, const N: usize>(
+        self,
+        ty: crate::quant::GgmlType,
+        w: [&[u8]; R],
+        x: [&[f32]; N],
+    ) -> [[f32; N]; R] {
+        use crate::quant::GgmlType as T;
+        // SAFETY: `self` is an `Avx2` token, which exists only if the CPU
+        // supports AVX2, FMA and F16C (checked in `Avx2::new`).
+        unsafe {
+            match ty {
+                T::F32 => tile_f32(w, x),
+                T::F16 => tile_f16(w, x),
+                T::BF16 => tile_bf16(w, x),
+                _ => [[0.0; N]; R],
+            }
+        }
+    }
+
+    /// `one_*` for `ty` (`F32`, `F16` or `BF16`; others give zero).
+    pub(crate) fn float_one(self, ty: crate::quant::GgmlType, w: &[u8], x: &[f32]) -> f32 {
+        use crate::quant::GgmlType as T;
+        // SAFETY: as in `float_tile`.
+        unsafe {
+            match ty {
+                T::F32 => one_f32(w, x),
+                T::F16 => one_f16(w, x),
+                T::BF16 => one_bf16(w, x),
+                _ => 0.0,
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
 // 32-element block formats.
 
 /// A kernel over 32-element blocks: `$isum` gives a block's eight `i32` partial

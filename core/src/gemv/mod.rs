@@ -74,6 +74,7 @@ use crate::quant::blocks::{
 use crate::quant::GgmlType;
 
 pub mod reference;
+pub mod tile;
 pub mod vector;
 
 #[cfg(target_arch = "x86_64")]

@@ -197,6 +197,134 @@ mod float {
         },
         r::bf16_elems
     );
+
+    /// Float weights times several tokens (`super::super::tile`): one 8-lane
+    /// accumulator (two registers) per output, element `i` into lane `i % 8`.
+    macro_rules! tile_kernels {
+        ($tile:ident, $one:ident, $wbytes:expr, |$c:ident| $load:expr, $elems:path) => {
+            /// `R` weight rows times `T` tokens' activations: `out[r][t]`.
+            #[target_feature(enable = "neon")]
+            pub(in super::super) fn $tile<const R: usize, const T: usize>(
+                w: [&[u8]; R],
+                x: [&[f32]; T],
+            ) -> [[f32; T]; R] {
+                const WB: usize = $wbytes;
+                let n = x[0].len();
+                let full = n / 8 * 8;
+                let mut acc = [[[vdupq_n_f32(0.0); 2]; T]; R];
+                let mut k = 0;
+                while k < full {
+                    for h in 0..2 {
+                        let wv: [float32x4_t; R] = core::array::from_fn(|r| {
+                            let $c = arr::<u8, { 4 * WB }>(w[r], (k + 4 * h) * WB);
+                            $load
+                        });
+                        for (t, xt) in x.iter().enumerate() {
+                            let a = ld_f32(arr(xt, k + 4 * h));
+                            for r in 0..R {
+                                acc[r][t][h] = vfmaq_f32(acc[r][t][h], wv[r], a);
+                            }
+                        }
+                    }
+                    k += 8;
+                }
+                let mut out = [[0.0f32; T]; R];
+                for r in 0..R {
+                    for t in 0..T {
+                        out[r][t] =
+                            r::finish8(lanes8(acc[r][t]), $elems(w[r], full), &x[t][full..]);
+                    }
+                }
+                out
+            }
+
+            /// One weight row times one token, as `$tile` computes each product.
+            #[target_feature(enable = "neon")]
+            pub(in super::super) fn $one(w: &[u8], x: &[f32]) -> f32 {
+                const WB: usize = $wbytes;
+                let full = x.len() / 8 * 8;
+                let mut acc = [vdupq_n_f32(0.0); 2];
+                let mut k = 0;
+                while k < full {
+                    for (h, a) in acc.iter_mut().enumerate() {
+                        let $c = arr::<u8, { 4 * WB }>(w, (k + 4 * h) * WB);
+                        *a = vfmaq_f32(*a, $load, ld_f32(arr(x, k + 4 * h)));
+                    }
+                    k += 8;
+                }
+                r::finish8(lanes8(acc), $elems(w, full), &x[full..])
+            }
+        };
+    }
+
+    /// Lanes 0-3 then 4-7.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn lanes8(acc: [float32x4_t; 2]) -> [f32; 8] {
+        let mut lanes = [0.0f32; 8];
+        for (h, a) in acc.iter().enumerate() {
+            let out = &mut lanes[4 * h..4 * h + 4];
+            // SAFETY: writes exactly the 4 floats of `out`.
+            unsafe { vst1q_f32(out.as_mut_ptr(), *a) };
+        }
+        lanes
+    }
+
+    tile_kernels!(
+        tile_f32,
+        one_f32,
+        4,
+        |c| vreinterpretq_f32_u8(ld_u8(c)),
+        r::f32_elems
+    );
+    tile_kernels!(tile_f16, one_f16, 2, |c| f16x4(c), r::f16_elems);
+    tile_kernels!(
+        tile_bf16,
+        one_bf16,
+        2,
+        |c| {
+            let c: &[u8; 8] = c;
+            // SAFETY: reads exactly the 8 bytes of `c`.
+            let v = unsafe { vld1_u8(c.as_ptr()) };
+            vreinterpretq_f32_u32(vshll_n_u16::<16>(vreinterpret_u16_u8(v)))
+        },
+        r::bf16_elems
+    );
+}
+
+impl Neon {
+    /// `float::tile_*` for `ty` (`F32`, `F16` or `BF16`; others give zeros).
+    pub(crate) fn float_tile<const R: usize, const N: usize>(
+        self,
+        ty: crate::quant::GgmlType,
+        w: [&[u8]; R],
+        x: [&[f32]; N],
+    ) -> [[f32; N]; R] {
+        use crate::quant::GgmlType as T;
+        // SAFETY: NEON is enabled for the whole build.
+        unsafe {
+            match ty {
+                T::F32 => float::tile_f32(w, x),
+                T::F16 => float::tile_f16(w, x),
+                T::BF16 => float::tile_bf16(w, x),
+                _ => [[0.0; N]; R],
+            }
+        }
+    }
+
+    /// `float::one_*` for `ty` (`F32`, `F16` or `BF16`; others give zero).
+    pub(crate) fn float_one(self, ty: crate::quant::GgmlType, w: &[u8], x: &[f32]) -> f32 {
+        use crate::quant::GgmlType as T;
+        // SAFETY: NEON is enabled for the whole build.
+        unsafe {
+            match ty {
+                T::F32 => float::one_f32(w, x),
+                T::F16 => float::one_f16(w, x),
+                T::BF16 => float::one_bf16(w, x),
+                _ => 0.0,
+            }
+        }
+    }
 }
 
 /// A kernel over 32-element blocks: exact block sums from `$isum`, float terms and

@@ -72,6 +72,17 @@ pub(crate) fn finish_float(
     fold(acc)
 }
 
+/// The lanes of a [`super::tile`] product (element `i` into lane `i % 8`)
+/// given the tail `x` from a multiple of 8 on and its weights `w`, folded by
+/// halves (`s[l] += s[l + 4]`, `+ 2`, `+ 1`).
+#[inline]
+pub(crate) fn finish8(mut acc: [f32; 8], w: impl Iterator<Item = f32>, x: &[f32]) -> f32 {
+    for (i, (wv, &xv)) in w.zip(x).enumerate() {
+        acc[i % 8] = libm::fmaf(wv, xv, acc[i % 8]);
+    }
+    fold(acc)
+}
+
 /// The `f32` weights of a little-endian byte row, from element `start`.
 #[inline]
 pub(crate) fn f32_elems(w: &[u8], start: usize) -> impl Iterator<Item = f32> + '_ {

@@ -8,14 +8,16 @@
 //! so the weights stream from memory once per token block instead of once per
 //! token.
 //!
-//! The dot products are [`les_core::gemv::gemv`]'s, for every weight type it
-//! reads (f32, f16, bf16, q8_0, the k-quants, ...), with the activations
-//! quantized once per token as that type's dot product requires. Every output
-//! element is one `gemv` row, so the result does not depend on the tiling or the
-//! thread count.
+//! Float weights (f32, f16, bf16: what vision towers ship) go through
+//! [`les_core::gemv::tile::float_tile`], two rows by four tokens in registers;
+//! every other type through [`les_core::gemv::gemv`], one token at a time, with
+//! the activations quantized once per token as that type's dot product
+//! requires. Either way each output element is computed in one fixed order, so
+//! the result does not depend on the tiling or the thread count.
 
 use std::sync::Mutex;
 
+use les_core::gemv::tile::{float_tile, tiles};
 use les_core::gemv::{
     activation_format, gemv, gemv_with_prefetch, ActivationFormat, GemvError, Input, Isa,
     MatrixView,
@@ -145,9 +147,14 @@ pub fn matmul(
         return Ok(());
     }
     let format = activation_format(w.ty()).ok_or(GemvError::UnsupportedType(w.ty()))?;
+    let float = tiles(w.ty());
     let acts = quantize_all(format, x, cols)?;
     // Every error that does not depend on the row range, checked once.
-    gemv(isa, w, &acts.input(0, cols), 0..0, &mut [])?;
+    if float {
+        float_tile(isa, w, &x[..cols], 1, 0..0, &mut [])?;
+    } else {
+        gemv(isa, w, &acts.input(0, cols), 0..0, &mut [])?;
+    }
 
     let row_block = (ROW_BLOCK_BYTES / w.row_bytes().max(1))
         .clamp(16, rows.max(16))
@@ -164,21 +171,31 @@ pub fn matmul(
         let tokens = tb * TOKEN_BLOCK..((tb + 1) * TOKEN_BLOCK).min(n);
         let r = rb * row_block..((rb + 1) * row_block).min(rows);
         let mut tile = vec![0f32; tokens.len() * r.len()];
-        for (t, out_t) in tokens.clone().zip(tile.chunks_exact_mut(r.len())) {
-            // The tile's rows come from RAM for its first token only; the
-            // others find them in cache, where prefetching only costs.
-            let prefetch = if t == tokens.start {
-                crate::compute::kernel_prefetch()
-            } else {
-                0
-            };
-            let input = acts.input(t, cols);
-            if let Err(e) = gemv_with_prefetch(isa, w, &input, r.clone(), out_t, prefetch) {
-                if let Ok(mut f) = first_error.lock() {
-                    f.get_or_insert(e);
-                }
-                return;
+        let done = if float {
+            let xs = &x[tokens.start * cols..tokens.end * cols];
+            float_tile(isa, w, xs, tokens.len(), r.clone(), &mut tile)
+        } else {
+            tokens
+                .clone()
+                .zip(tile.chunks_exact_mut(r.len()))
+                .try_for_each(|(t, out_t)| {
+                    // The tile's rows come from RAM for its first token only;
+                    // the others find them in cache, where prefetching only
+                    // costs.
+                    let prefetch = if t == tokens.start {
+                        crate::compute::kernel_prefetch()
+                    } else {
+                        0
+                    };
+                    let input = acts.input(t, cols);
+                    gemv_with_prefetch(isa, w, &input, r.clone(), out_t, prefetch)
+                })
+        };
+        if let Err(e) = done {
+            if let Ok(mut f) = first_error.lock() {
+                f.get_or_insert(e);
             }
+            return;
         }
         let mut y = out.lock().unwrap_or_else(|p| p.into_inner());
         for (t, tile_t) in tokens.zip(tile.chunks_exact(r.len())) {
@@ -211,12 +228,14 @@ mod tests {
     }
 
     /// Tiles over several row blocks and token blocks (with the prefetch only on
-    /// each tile's first token) give every token's product bit for bit.
+    /// each tile's first token) give every token's product bit for bit: `gemv`'s
+    /// for quantized weights, `float_tile`'s (one token at a time, scalar) for
+    /// float ones.
     #[test]
     fn matmul_equals_one_product_per_token() {
         let (rows, cols, n) = (300, 2048, 2 * TOKEN_BLOCK + 5);
         let mut st = 7;
-        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::F32] {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::F32, GgmlType::F16] {
             let vals: Vec<f32> = (0..rows * cols).map(|_| noise(&mut st)).collect();
             let mut data = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
             quantize(ty, &vals, &mut data).unwrap();
@@ -233,8 +252,12 @@ mod tests {
             let mut mv = ThreadedMatVec::new(1, isa);
             let mut want = vec![0f32; rows];
             for t in 0..n {
-                mv.matvec(&w, &x[t * cols..(t + 1) * cols], &mut want)
-                    .unwrap();
+                let xt = &x[t * cols..(t + 1) * cols];
+                if tiles(ty) {
+                    float_tile(Isa::Scalar, &w, xt, 1, 0..rows, &mut want).unwrap();
+                } else {
+                    mv.matvec(&w, xt, &mut want).unwrap();
+                }
                 let got = &y[t * rows..(t + 1) * rows];
                 assert!(
                     got.iter()

@@ -1,0 +1,114 @@
+//! A vision tower's matrix products, one thread: `gemv` token by token (how
+//! `les::vision::gemm` multiplied float weights before 2026-12-05) against
+//! `float_tile` (three rows by four tokens in registers), on the matrices of
+//! a SigLIP-400M block (1152 wide, 4304 hidden; MiniCPM-V's and Gemma 3's
+//! towers) for 64 patch tokens, `f16` and `f32` weights.
+//!
+//! `cargo bench -p les --bench vision_gemm`. After criterion's report, a
+//! summary times the two interleaved (median of 7 rounds) and prints their
+//! ratio.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use criterion::Criterion;
+use les_core::gemv::tile::float_tile;
+use les_core::gemv::{gemv, Input, Isa, MatrixView};
+use les_core::quant::{quantize, GgmlType};
+
+const TOKENS: usize = 64;
+
+struct Case {
+    name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    x: Vec<f32>,
+}
+
+fn case(ty: GgmlType, rows: usize, cols: usize) -> Case {
+    let mut st = 0x5eed_u64 ^ (rows * cols) as u64;
+    let mut noise = || {
+        st = st
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((st >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let vals: Vec<f32> = (0..rows * cols).map(|_| noise()).collect();
+    let mut data = vec![0u8; ty.row_bytes(cols).expect("float type") * rows];
+    quantize(ty, &vals, &mut data).expect("float type");
+    let x = (0..TOKENS * cols).map(|_| noise()).collect();
+    Case {
+        name: format!("{ty:?} {rows}x{cols} x {TOKENS} tokens"),
+        ty,
+        rows,
+        cols,
+        data,
+        x,
+    }
+}
+
+fn per_token(isa: Isa, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) {
+    let (rows, cols) = (w.rows(), w.cols());
+    for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
+        let input = Input {
+            f32: xt,
+            ..Input::default()
+        };
+        gemv(isa, w, &input, 0..rows, yt).unwrap();
+    }
+}
+
+fn tiled(isa: Isa, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) {
+    float_tile(isa, w, x, TOKENS, 0..w.rows(), y).unwrap();
+}
+
+fn main() {
+    let isa = Isa::detect();
+    let cases = [
+        case(GgmlType::F16, 1152, 1152),
+        case(GgmlType::F16, 4304, 1152),
+        case(GgmlType::F16, 1152, 4304),
+        case(GgmlType::F32, 1152, 1152),
+    ];
+    let mut c = Criterion::default().configure_from_args();
+    for k in &cases {
+        let w = MatrixView::new(k.ty, k.rows, k.cols, &k.data).unwrap();
+        let mut y = vec![0f32; TOKENS * k.rows];
+        let mut g = c.benchmark_group(&k.name);
+        g.bench_function("gemv per token", |b| {
+            b.iter(|| per_token(isa, black_box(&w), black_box(&k.x), &mut y))
+        });
+        g.bench_function("float_tile", |b| {
+            b.iter(|| tiled(isa, black_box(&w), black_box(&k.x), &mut y))
+        });
+        g.finish();
+    }
+    println!("\nsummary ({isa:?}, one thread, median of 7 interleaved rounds):");
+    for k in &cases {
+        let w = MatrixView::new(k.ty, k.rows, k.cols, &k.data).unwrap();
+        let mut y = vec![0f32; TOKENS * k.rows];
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..7 {
+            let t = Instant::now();
+            per_token(isa, &w, &k.x, &mut y);
+            a.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            tiled(isa, &w, &k.x, &mut y);
+            b.push(t.elapsed().as_secs_f64());
+        }
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        let flops = 2.0 * (TOKENS * k.rows * k.cols) as f64;
+        println!(
+            "  {:<34} gemv per token {:>7.2} ms ({:>5.1} GFLOP/s)  float_tile {:>7.2} ms ({:>5.1} GFLOP/s)  {:.2}x",
+            k.name,
+            a[3] * 1e3,
+            flops / a[3] / 1e9,
+            b[3] * 1e3,
+            flops / b[3] / 1e9,
+            a[3] / b[3]
+        );
+    }
+}
