@@ -2,7 +2,8 @@
 //! llama.cpp's `tools/mtmd` runs it.
 //!
 //! - [`image`](mod@image): decoding PNG and JPEG files (dimensions bounded before
-//!   decoding).
+//!   decoding) to the pixels llama.cpp's stb_image gives.
+//! - [`jpeg`]: the JPEG decoder, stb_image's arithmetic.
 //! - [`preprocess`]: resizing, MiniCPM-V's slicing into a grid of slices plus an
 //!   overview, normalisation.
 //! - [`clip`]: the mmproj file (`general.architecture = clip`): hyperparameters
