@@ -74,7 +74,9 @@ fn pngs() -> Vec<PathBuf> {
     use image::{ImageBuffer, Luma, LumaA, Rgb, Rgba};
     let (w, h) = (29, 13);
     let v = |x: u32, y: u32, c: u32| {
-        ((x * 2_654_435_761) ^ (y * 40_503) ^ (c * 9_973)).wrapping_mul(2_246_822_519) >> 16
+        (x.wrapping_mul(2_654_435_761) ^ y.wrapping_mul(40_503) ^ c.wrapping_mul(9_973))
+            .wrapping_mul(2_246_822_519)
+            >> 16
     };
     let path = |name: &str| common::tmp(&format!("image_decode_{name}.png"));
     let out = vec![
