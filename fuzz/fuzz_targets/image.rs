@@ -1,4 +1,4 @@
-//! Image files (JPEG through les's own decoder, PNG through the `image`
+//! Image files (JPEG through les's own decoder, PNG, GIF, BMP and PNM through the `image`
 //! crate) on arbitrary bytes: decoding never panics, hangs or allocates past
 //! the bounds, and an image it accepts is whole and within them.
 #![no_main]

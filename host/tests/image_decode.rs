@@ -2,7 +2,7 @@
 //! `tests/data/jpeg` (one layout or coding feature each, written by
 //! `scripts/jpeg_fixtures.py`) against the CRCs of what llama.cpp's
 //! stb_image gives for them, 16-bit PNGs cut to 8 bits as stb_image cuts
-//! them, and (ignored: needs llama-cpp-python with its `mtmd` library) all
+//! them, GIF, BMP and PPM as stb_image reads them, and (ignored: needs llama-cpp-python with its `mtmd` library) all
 //! of it against libmtmd itself, also on any files a user adds.
 
 mod common;
@@ -108,6 +108,81 @@ fn pngs() -> Vec<PathBuf> {
     out
 }
 
+/// A GIF (four colours, one of them transparent), a BMP and a PPM of the
+/// same picture, written by the `image` crate; and the picture.
+fn lossless_others() -> (Vec<PathBuf>, image::RgbaImage) {
+    let colours = [
+        [200, 30, 40, 255],
+        [10, 220, 90, 255],
+        [0, 0, 0, 0],
+        [250, 250, 5, 255],
+    ];
+    let img = image::RgbaImage::from_fn(23, 11, |x, y| {
+        image::Rgba(colours[((x * 7 + y * 3 + x * y) % 4) as usize])
+    });
+    let path = |ext: &str| common::tmp(&format!("image_decode_other.{ext}"));
+    let files = vec![path("gif"), path("bmp"), path("ppm")];
+    img.save(&files[0]).unwrap();
+    image::DynamicImage::ImageRgba8(img.clone())
+        .to_rgb8()
+        .save(&files[1])
+        .unwrap();
+    // Binary (P6), the PNM stb_image reads.
+    let rgb = image::DynamicImage::ImageRgba8(img.clone()).to_rgb8();
+    let mut ppm = format!("P6\n# les\n{} {}\n255\n", rgb.width(), rgb.height()).into_bytes();
+    ppm.extend_from_slice(rgb.as_raw());
+    std::fs::write(&files[2], ppm).unwrap();
+    (files, img)
+}
+
+#[test]
+fn gif_bmp_and_ppm_decode_as_stb_image_reads_them() {
+    let (files, img) = lossless_others();
+    for path in &files {
+        let ours = load_image(path).unwrap();
+        assert_eq!((ours.width, ours.height), (23, 11));
+        let gif = path.extension().unwrap() == "gif";
+        for (i, p) in img.pixels().enumerate() {
+            // stb_image's GIF canvas starts black: a transparent pixel is
+            // (0, 0, 0) whatever its palette colour.
+            let want = if gif && p[3] == 0 {
+                [0; 3]
+            } else {
+                [p[0], p[1], p[2]]
+            };
+            assert_eq!(
+                ours.data[3 * i..3 * i + 3],
+                want,
+                "{} pixel {i}",
+                path.display()
+            );
+        }
+    }
+    let tga = common::tmp("image_decode.tga");
+    std::fs::write(
+        &tga,
+        [
+            0u8, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 24, 0, 1, 2, 3,
+        ],
+    )
+    .unwrap();
+    let e = load_image(&tga).unwrap_err().to_string();
+    assert!(
+        e.contains("not a PNG, JPEG, GIF, BMP or PPM/PGM image"),
+        "{e}"
+    );
+    // PNM files stb_image does not read (ASCII; other maxima) are refused.
+    let pnm = common::tmp("image_decode_refused.ppm");
+    for (file, why) in [
+        (&b"P3\n1 1\n255\n1 2 3\n"[..], "binary"),
+        (&b"P6 1 1 100\n\x01\x02\x03"[..], "maximum value 100"),
+    ] {
+        std::fs::write(&pnm, file).unwrap();
+        let e = load_image(&pnm).unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+    }
+}
+
 #[test]
 fn sixteen_bit_pngs_keep_their_high_bytes() {
     let files = pngs();
@@ -137,24 +212,24 @@ fn sixteen_bit_pngs_keep_their_high_bytes() {
     }
 }
 
-/// The decode of every JPEG fixture, of PNGs of each sample layout, and of
-/// every `.jpg`, `.jpeg` or `.png` in the directory `LES_IMAGE_DIR` if set
-/// (your own pictures), byte for byte against llama.cpp's: set
-/// `MTMD_CPP_LIB` and `LLAMA_CPP_LIB_PATH` as for the other libmtmd
-/// comparisons (README, "Against llama.cpp").
+/// The decode of every JPEG fixture, of PNGs of each sample layout, of a
+/// GIF with transparency, a BMP and a PPM, and of every JPEG, PNG, GIF, BMP,
+/// PPM or PGM in the directory `LES_IMAGE_DIR` if set (your own pictures),
+/// byte for byte against llama.cpp's: set `MTMD_CPP_LIB` and
+/// `LLAMA_CPP_LIB_PATH` as for the other libmtmd comparisons (README,
+/// "Against llama.cpp").
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
 fn images_decode_as_llama_cpps() {
     let mut files: Vec<PathBuf> = FIXTURES.iter().map(|f| fixture(f.0)).collect();
     files.extend(pngs());
+    files.extend(lossless_others().0);
     if let Ok(dir) = std::env::var("LES_IMAGE_DIR") {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
             let ext = p.extension().and_then(|x| x.to_str()).unwrap_or("");
-            if ["jpg", "jpeg", "png"]
-                .iter()
-                .any(|x| ext.eq_ignore_ascii_case(x))
-            {
+            let exts = ["jpg", "jpeg", "png", "gif", "bmp", "ppm", "pgm"];
+            if exts.iter().any(|x| ext.eq_ignore_ascii_case(x)) {
                 files.push(p);
             }
         }

@@ -219,7 +219,7 @@ pub struct RunArgs {
     /// Vision projector (mmproj GGUF, `general.architecture = clip`) for --image.
     #[arg(long)]
     pub mmproj: Option<PathBuf>,
-    /// An image (PNG or JPEG) for the prompt; repeat for several. Each replaces
+    /// An image (PNG, JPEG, GIF, BMP, PPM) for the prompt; repeat for several. Each replaces
     /// one `<__media__>` marker in the prompt, in order; without markers the
     /// images go before the prompt text.
     #[arg(long = "image", requires = "mmproj")]
@@ -1447,7 +1447,7 @@ fn parse_input(
                 "/clear" => return Ok(Input::Clear),
                 "/quit" | "/exit" => return Ok(Input::Quit),
                 "/image" => {
-                    note!("les: /image PATH: the image file (PNG or JPEG) for the next message");
+                    note!("les: /image PATH: the image file (PNG, JPEG, GIF, BMP, PPM) for the next message");
                     continue;
                 }
                 command => {

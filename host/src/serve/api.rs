@@ -199,7 +199,7 @@ impl Default for Sampling {
 pub struct Completion {
     /// The prompt.
     pub prompt: Prompt,
-    /// The images of the prompt's markers, in order (encoded files: PNG or JPEG).
+    /// The images of the prompt's markers, in order (encoded files: PNG, JPEG, GIF, BMP, PPM).
     pub images: Vec<Vec<u8>>,
     /// Answer as server-sent events, a chunk a token.
     pub stream: bool,

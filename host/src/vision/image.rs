@@ -1,5 +1,6 @@
-//! Decoding image files (PNG, JPEG) into 8-bit RGB, with the dimensions bounded
-//! before any pixel is decoded.
+//! Decoding image files (PNG, JPEG, GIF, BMP, PPM/PGM) into 8-bit RGB, the
+//! pixels llama.cpp's stb_image gives, with the dimensions bounded before any
+//! pixel is decoded.
 
 use std::io::{Cursor, Read};
 use std::path::Path;
@@ -69,10 +70,13 @@ pub const MAX_FILE_BYTES: u64 = 256 << 20;
 
 /// `format` if it is one LES decodes (PNG, JPEG); `None` is an unknown one.
 fn supported(format: Option<ImageFormat>) -> Result<ImageFormat, String> {
+    use ImageFormat::*;
     match format {
-        Some(f @ (ImageFormat::Png | ImageFormat::Jpeg)) => Ok(f),
-        Some(f) => Err(format!("unsupported image format {f:?} (PNG and JPEG are)")),
-        None => Err("not a PNG or JPEG image".into()),
+        Some(f @ (Png | Jpeg | Gif | Bmp | Pnm)) => Ok(f),
+        Some(f) => Err(format!(
+            "unsupported image format {f:?} (PNG, JPEG, GIF, BMP and PPM/PGM are)"
+        )),
+        None => Err("not a PNG, JPEG, GIF, BMP or PPM/PGM image".into()),
     }
 }
 
@@ -82,6 +86,9 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     // refuses a file cut short (decoders fill its missing pixels with gray).
     if format == ImageFormat::Jpeg {
         return super::jpeg::decode(bytes);
+    }
+    if format == ImageFormat::Pnm {
+        check_pnm(bytes)?;
     }
     // The header alone first, to bound the size before decoding.
     let (w, h) = ImageReader::with_format(Cursor::new(bytes), format)
@@ -100,11 +107,72 @@ fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     Ok(RgbImage {
         width: w as usize,
         height: h as usize,
-        data: to_rgb8_as_stb_image(img),
+        data: if format == ImageFormat::Gif {
+            gif_rgb_as_stb_image(img)
+        } else {
+            to_rgb8_as_stb_image(img)
+        },
     })
 }
 
-/// A decoded PNG's pixels as 8-bit RGB the way llama.cpp's stb_image makes
+/// The PNM files stb_image reads: binary graymaps and pixmaps (`P5`, `P6`)
+/// of 8 or 16 bits (a maximum value of 255 or 65535; stb_image does not
+/// rescale other maxima, the `image` crate does, so they are refused).
+fn check_pnm(bytes: &[u8]) -> Result<(), String> {
+    if !(bytes.starts_with(b"P5") || bytes.starts_with(b"P6")) {
+        return Err("only binary PGM and PPM files (P5, P6) are read".into());
+    }
+    // Three numbers after the magic, separated by whitespace and comments.
+    let mut numbers = Vec::new();
+    let mut i = 2;
+    while numbers.len() < 3 {
+        match bytes.get(i) {
+            Some(b'#') => {
+                while bytes.get(i).is_some_and(|&b| b != b'\n') {
+                    i += 1;
+                }
+            }
+            Some(b) if b.is_ascii_whitespace() => i += 1,
+            Some(b) if b.is_ascii_digit() => {
+                let start = i;
+                while bytes.get(i).is_some_and(u8::is_ascii_digit) && i - start < 10 {
+                    i += 1;
+                }
+                let n: u64 = std::str::from_utf8(&bytes[start..i])
+                    .ok()
+                    .and_then(|t| t.parse().ok())
+                    .ok_or("bad PNM header")?;
+                numbers.push(n);
+            }
+            _ => return Err("bad PNM header".into()),
+        }
+    }
+    match numbers[2] {
+        255 | 65535 => Ok(()),
+        m => Err(format!(
+            "a PNM file with maximum value {m} (255 and 65535 are read, as llama.cpp reads them)"
+        )),
+    }
+}
+
+/// A GIF's first frame as stb_image gives it: transparent pixels black (its
+/// canvas starts as zeros; the `image` crate keeps the palette colour under
+/// a zero alpha).
+fn gif_rgb_as_stb_image(img: image::DynamicImage) -> Vec<u8> {
+    img.to_rgba8()
+        .as_raw()
+        .chunks_exact(4)
+        .flat_map(|p| {
+            if p[3] == 0 {
+                [0; 3]
+            } else {
+                [p[0], p[1], p[2]]
+            }
+        })
+        .collect()
+}
+
+/// A decoded image's pixels as 8-bit RGB the way llama.cpp's stb_image makes
 /// them: alpha dropped (not composited), gray repeated, and 16-bit samples
 /// cut to their high byte (the `image` crate rounds them, off by one in a
 /// quarter of the samples).
@@ -159,7 +227,7 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
     Ok(bytes)
 }
 
-/// The width and height of the PNG or JPEG file at `path`, from its header
+/// The width and height of the image file at `path`, from its header
 /// alone (the same checks as [`load_image`] on the file and the dimensions):
 /// what an image will cost is known before it is decoded.
 pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
@@ -176,13 +244,13 @@ pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
     Ok((w as usize, h as usize))
 }
 
-/// Reads and decodes the PNG or JPEG file at `path` (format from its content).
+/// Reads and decodes the image file at `path` (format from its content).
 pub fn load_image(path: &Path) -> Result<RgbImage, VisionError> {
     let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
     decode(&read_bounded(path).map_err(err)?).map_err(err)
 }
 
-/// Decodes a PNG or JPEG image held in memory.
+/// Decodes an image file held in memory.
 pub fn decode_image(bytes: &[u8]) -> Result<RgbImage, VisionError> {
     decode(bytes).map_err(VisionError::Image)
 }

@@ -1,7 +1,7 @@
 //! Images in: the vision tower of a multimodal model, from an mmproj GGUF, as
 //! llama.cpp's `tools/mtmd` runs it.
 //!
-//! - [`image`](mod@image): decoding PNG and JPEG files (dimensions bounded before
+//! - [`image`](mod@image): decoding PNG, JPEG, GIF, BMP and PPM files (dimensions bounded before
 //!   decoding) to the pixels llama.cpp's stb_image gives.
 //! - [`jpeg`]: the JPEG decoder, stb_image's arithmetic.
 //! - [`preprocess`]: resizing, MiniCPM-V's slicing into a grid of slices plus an
