@@ -12,6 +12,9 @@
 //!   split the rows of one matrix across threads.
 //! - [`reference`](mod@reference): the scalar kernels, one per weight format; they define the
 //!   result.
+//! - [`tile`]: float weights times many tokens at once (a vision tower's
+//!   products), three rows by four tokens in registers, in an order of its own
+//!   (one 8-lane accumulator a product), the same on every ISA.
 //! - [`Isa`]: which kernels to run. SIMD kernels exist for AVX2 (+FMA, F16C) and
 //!   AVX-512 (F, BW, VL) on x86-64 and NEON on aarch64; a type without a SIMD kernel
 //!   for the chosen ISA runs the reference kernel (AVX-512 falls back to AVX2 first).
