@@ -14,7 +14,7 @@
 use std::sync::{Mutex, OnceLock};
 
 use les_core::gemv::{vector, Isa};
-use les_core::quant::{f16_to_f32, f32_to_f16, GgmlType};
+use les_core::quant::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, GgmlType};
 
 use super::clip::{ClipModel, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
 use super::gemm::matmul;
@@ -61,8 +61,12 @@ fn linear_wb(
     }
     let mut y = vec![0f32; a.n * w.rows()];
     if w.ty() == GgmlType::F16 {
-        // ggml multiplies f16 weights by activations rounded to f16.
+        // ggml multiplies f16 weights by activations rounded to f16,
         let x: Vec<f32> = a.x.iter().map(|&v| f16_to_f32(f32_to_f16(v))).collect();
+        matmul(ctx.pool, ctx.isa, &w, &x, a.n, &mut y)?;
+    } else if w.ty() == GgmlType::BF16 {
+        // and bf16 ones by activations rounded to bf16.
+        let x: Vec<f32> = a.x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect();
         matmul(ctx.pool, ctx.isa, &w, &x, a.n, &mut y)?;
     } else {
         matmul(ctx.pool, ctx.isa, &w, &a.x, a.n, &mut y)?;
