@@ -264,7 +264,10 @@ fn bad_multimodal_inputs_fail_cleanly() {
     let garbage = tmp("vision_garbage.png");
     std::fs::write(&garbage, b"this is not an image at all").unwrap();
     let e = err(&["--image", garbage.to_str().unwrap(), "-p", "x"]);
-    assert!(e.contains("PNG or JPEG"), "{e}");
+    assert!(
+        e.contains("not a PNG, JPEG, GIF, BMP or PPM/PGM image"),
+        "{e}"
+    );
     // A projector for a model of another width.
     let other = tmp("vision_lm_wide.gguf");
     ok(les()
