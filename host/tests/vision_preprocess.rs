@@ -315,8 +315,14 @@ fn image_decoding_and_limits() {
     assert!(check_dimensions(16384, 4096).is_ok());
     assert!(check_dimensions(16385, 1).is_err());
 
+    // A format llama.cpp's stb_image does not read either (WebP), and a GIF
+    // whose header is garbage.
+    let e = decode_image(b"RIFF\0\0\0\0WEBPVP8 ")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unsupported image format WebP"), "{e}");
     let e = decode_image(b"GIF89a not really").unwrap_err().to_string();
-    assert!(e.contains("PNG") || e.contains("format"), "{e}");
+    assert!(!e.is_empty());
     let e = decode_image(&png[..100]).unwrap_err().to_string();
     assert!(!e.is_empty());
 }
