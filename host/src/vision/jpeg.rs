@@ -360,10 +360,15 @@ impl<'a> Stream<'a> {
     }
 }
 
-/// The most blocks all scans of a file may visit together: a 64 Mpx 4:4:4
-/// photo has 3 M blocks, so about 350 scans of it (real files have 1 to 20;
-/// an empty scan costs little in the file and a pass over every block).
-const MAX_BLOCK_VISITS: u64 = 1 << 30;
+/// The most coefficients all scans of a file may visit together, in passes
+/// over all of the image's coefficients: a scan costs little in the file and
+/// a pass over every block of its band, so a flood of scans could keep a
+/// decoder busy for minutes. Real progressive files make 2 to 4 passes
+/// (each band refined once or twice).
+const MAX_PASSES: u64 = 32;
+/// The same bound in coefficients, whatever the image's size (about 20
+/// passes of a 64 Mpx 4:4:4 photo).
+const MAX_COEFFICIENT_VISITS: u64 = 1 << 32;
 
 /// The decoder's state; fields named after the standard's.
 struct Decoder<'a> {
@@ -384,7 +389,8 @@ struct Decoder<'a> {
     v_max: usize,
     mcus_x: usize,
     mcus_y: usize,
-    block_visits: u64,
+    /// Coefficients the scans so far went over.
+    coefficient_visits: u64,
     // The scan being read.
     order: Vec<usize>,
     spec_start: usize,
@@ -422,7 +428,7 @@ impl<'a> Decoder<'a> {
             v_max: 1,
             mcus_x: 0,
             mcus_y: 0,
-            block_visits: 0,
+            coefficient_visits: 0,
             order: Vec::new(),
             spec_start: 0,
             spec_end: 63,
@@ -864,10 +870,17 @@ impl<'a> Decoder<'a> {
         Ok(())
     }
 
-    /// Counts `blocks` more visits against [`MAX_BLOCK_VISITS`].
+    /// Counts a scan over `blocks` blocks, of its band's coefficients each,
+    /// against [`MAX_PASSES`] and [`MAX_COEFFICIENT_VISITS`].
     fn visit(&mut self, blocks: u64) -> Result<(), String> {
-        self.block_visits += blocks;
-        if self.block_visits > MAX_BLOCK_VISITS {
+        let band = (self.spec_end + 1 - self.spec_start) as u64;
+        self.coefficient_visits += blocks * band;
+        let image: u64 = self
+            .comps
+            .iter()
+            .map(|c| (c.x.div_ceil(8) * c.y.div_ceil(8) * 64) as u64)
+            .sum();
+        if self.coefficient_visits > (MAX_PASSES * image).min(MAX_COEFFICIENT_VISITS) {
             return Err("the JPEG has too many scans for its size".into());
         }
         Ok(())
@@ -1470,6 +1483,28 @@ mod tests {
         assert_eq!(blinn_8x8(255, 255), 255);
         assert_eq!(blinn_8x8(255, 0), 0);
         assert_eq!(blinn_8x8(128, 128), 64);
+    }
+
+    #[test]
+    fn a_flood_of_scans_is_refused() {
+        // The progressive fixture's last scan again and again before the end.
+        let eoi = PROGRESSIVE.len() - 2;
+        let last_sos = PROGRESSIVE
+            .windows(2)
+            .rposition(|w| w == [0xFF, 0xDA])
+            .unwrap();
+        let scan = &PROGRESSIVE[last_sos..eoi];
+        let with = |copies: usize| {
+            let mut f = PROGRESSIVE[..eoi].to_vec();
+            for _ in 0..copies {
+                f.extend_from_slice(scan);
+            }
+            f.extend_from_slice(&PROGRESSIVE[eoi..]);
+            decode(&f)
+        };
+        with(3).unwrap();
+        let e = with(200).unwrap_err();
+        assert!(e.contains("too many scans"), "{e}");
     }
 
     #[test]
