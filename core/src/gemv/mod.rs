@@ -552,13 +552,7 @@ pub fn gemm_with_prefetch(
             });
         }
     }
-    if rows.start > rows.end || rows.end > matrix.rows {
-        return Err(GemvError::RowRange {
-            start: rows.start,
-            end: rows.end,
-            rows: matrix.rows,
-        });
-    }
+    check_row_range(matrix, &rows)?;
     let tile = (GEMM_TILE_BYTES / matrix.row_bytes.max(1)).max(1);
     let grouped = inputs.len() > 1 && matches!(matrix.ty, GgmlType::Q4K | GgmlType::Q6K);
     let mut start = rows.start;
@@ -666,13 +660,7 @@ pub fn gemv_with_prefetch(
             len,
         });
     }
-    if rows.start > rows.end || rows.end > matrix.rows {
-        return Err(GemvError::RowRange {
-            start: rows.start,
-            end: rows.end,
-            rows: matrix.rows,
-        });
-    }
+    check_row_range(matrix, &rows)?;
     if y.len() != rows.len() {
         return Err(GemvError::OutputLength {
             expected: rows.len(),
@@ -681,6 +669,21 @@ pub fn gemv_with_prefetch(
     }
     let data = &matrix.data[rows.start * matrix.row_bytes..rows.end * matrix.row_bytes];
     with_kernels!(isa, |k| run(k, matrix, data, input, y, prefetch));
+    Ok(())
+}
+
+/// `rows` as a range of `matrix`'s rows, or [`GemvError::RowRange`].
+pub(crate) fn check_row_range(
+    matrix: &MatrixView<'_>,
+    rows: &Range<usize>,
+) -> Result<(), GemvError> {
+    if rows.start > rows.end || rows.end > matrix.rows {
+        return Err(GemvError::RowRange {
+            start: rows.start,
+            end: rows.end,
+            rows: matrix.rows,
+        });
+    }
     Ok(())
 }
 

@@ -3,14 +3,16 @@
 //!
 //! [`gemv`](super::gemv) multiplies one token's activations by each row: every
 //! weight is loaded (and for `f16`, converted) once per token. [`float_tile`]
-//! multiplies two rows by four tokens in registers, so each converted weight
-//! serves four tokens and each activation two rows. Its products keep one
+//! multiplies three rows by four tokens in registers, so each converted weight
+//! serves four tokens and each activation three rows. Its products keep one
 //! 8-lane accumulator each: element `i` is added into lane `i % 8` by a fused
 //! multiply-add, in order, and the lanes are folded by halves (`s[l] += s[l +
 //! 4]`, `+ 2`, `+ 1`), on every ISA and whatever the tiling, so a product does
 //! not depend on where the tile boundaries fall, on the thread count or on the
 //! CPU. (This order differs from `gemv`'s 64 lanes: a product here is not
-//! bit for bit `gemv`'s.)
+//! bit for bit `gemv`'s. [`gemm`](super::gemm) is the multi-token product
+//! that is, for the language model's batches; with float weights its 64-lane
+//! products cannot share registers across tokens.)
 
 use core::ops::Range;
 
@@ -106,23 +108,13 @@ pub fn float_tile(
             len: x.len(),
         });
     }
-    if rows.start > rows.end || rows.end > w.rows {
-        return Err(GemvError::RowRange {
-            start: rows.start,
-            end: rows.end,
-            rows: w.rows,
-        });
-    }
+    super::check_row_range(w, &rows)?;
     let nr = rows.len();
     if out.len() != n * nr {
         return Err(GemvError::OutputLength {
             expected: n * nr,
             len: out.len(),
         });
-    }
-    if cols == 0 {
-        out.fill(0.0);
-        return Ok(());
     }
     let k = Kernels::of(isa)?;
     let (ty, rb) = (w.ty, w.row_bytes);

@@ -9,7 +9,7 @@
 //! token.
 //!
 //! Float weights (f32, f16, bf16: what vision towers ship) go through
-//! [`les_core::gemv::tile::float_tile`], two rows by four tokens in registers;
+//! [`les_core::gemv::tile::float_tile`], three rows by four tokens in registers;
 //! every other type through [`les_core::gemv::gemv`], one token at a time, with
 //! the activations quantized once per token as that type's dot product
 //! requires. Either way each output element is computed in one fixed order, so
