@@ -60,17 +60,15 @@ fn linear_wb(
         return Err(VisionError::Shape("linear input width"));
     }
     let mut y = vec![0f32; a.n * w.rows()];
-    if w.ty() == GgmlType::F16 {
-        // ggml multiplies f16 weights by activations rounded to f16,
-        let x: Vec<f32> = a.x.iter().map(|&v| f16_to_f32(f32_to_f16(v))).collect();
-        matmul(ctx.pool, ctx.isa, &w, &x, a.n, &mut y)?;
-    } else if w.ty() == GgmlType::BF16 {
-        // and bf16 ones by activations rounded to bf16.
-        let x: Vec<f32> = a.x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect();
-        matmul(ctx.pool, ctx.isa, &w, &x, a.n, &mut y)?;
-    } else {
-        matmul(ctx.pool, ctx.isa, &w, &a.x, a.n, &mut y)?;
-    }
+    // ggml multiplies f16 and bf16 weights by activations rounded to their type.
+    let round: Option<fn(f32) -> f32> = match w.ty() {
+        GgmlType::F16 => Some(|v| f16_to_f32(f32_to_f16(v))),
+        GgmlType::BF16 => Some(|v| bf16_to_f32(f32_to_bf16(v))),
+        _ => None,
+    };
+    let rounded: Option<Vec<f32>> = round.map(|r| a.x.iter().map(|&v| r(v)).collect());
+    let x = rounded.as_deref().unwrap_or(&a.x);
+    matmul(ctx.pool, ctx.isa, &w, x, a.n, &mut y)?;
     if let Some(b) = b {
         for row in y.chunks_exact_mut(w.rows()) {
             for (v, b) in row.iter_mut().zip(b) {

@@ -68,7 +68,8 @@ pub fn check_dimensions(width: u32, height: u32) -> Result<(), String> {
 /// The largest image file read, in bytes.
 pub const MAX_FILE_BYTES: u64 = 256 << 20;
 
-/// `format` if it is one LES decodes (PNG, JPEG); `None` is an unknown one.
+/// `format` if it is one LES decodes (PNG, JPEG, GIF, BMP, PNM); `None` is an
+/// unknown one.
 fn supported(format: Option<ImageFormat>) -> Result<ImageFormat, String> {
     use ImageFormat::*;
     match format {

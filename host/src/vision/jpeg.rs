@@ -738,12 +738,12 @@ impl<'a> Decoder<'a> {
     }
 
     /// A sequential block, dequantized, in natural order.
-    fn decode_block(&mut self, comp: usize, data: &mut [i16; 64]) -> Result<(), String> {
+    fn decode_block(&mut self, comp: usize) -> Result<[i16; 64], String> {
         let dc = self.decode_dc(comp)?;
         let c = &self.comps[comp];
         let q = &self.dequant[c.tq];
         let h = self.huff_ac[c.ha].as_deref().ok_or("no AC table")?;
-        *data = [0; 64];
+        let mut data = [0i16; 64];
         data[0] = checked_i16(dc, i32::from(q[0]))?;
         let mut k = 1;
         while k < 64 {
@@ -761,7 +761,7 @@ impl<'a> Decoder<'a> {
                 k += 1;
             }
         }
-        Ok(())
+        Ok(data)
     }
 
     /// A progressive DC scan's part of block `block` of `comp`.
@@ -810,25 +810,32 @@ impl<'a> Decoder<'a> {
         true
     }
 
+    /// The scan's part of block (`bx`, `by`) of component `n`: a sequential
+    /// block decoded and transformed into the plane, or a progressive scan's
+    /// bits of its coefficients.
+    fn decode_unit(&mut self, n: usize, bx: usize, by: usize) -> Result<(), String> {
+        let block = bx + by * (self.comps[n].w2 / 8);
+        if self.progressive && self.spec_start == 0 {
+            self.decode_dc_progressive(n, block)
+        } else if self.progressive {
+            self.decode_ac_progressive(n, block)
+        } else {
+            let data = self.decode_block(n)?;
+            let c = &mut self.comps[n];
+            idct_block(&mut c.data[c.w2 * by * 8 + bx * 8..], c.w2, &data);
+            Ok(())
+        }
+    }
+
     fn read_entropy_coded_data(&mut self) -> Result<(), String> {
         self.reset();
-        let mut block = [0i16; 64];
         if let [n] = self.order[..] {
             // One component: its blocks in raster order, each an MCU.
             let (bw, bh) = (self.comps[n].x.div_ceil(8), self.comps[n].y.div_ceil(8));
             self.visit((bw * bh) as u64)?;
-            let stride = self.comps[n].w2 / 8;
-            for j in 0..bh {
-                for i in 0..bw {
-                    if !self.progressive {
-                        self.decode_block(n, &mut block)?;
-                        let c = &mut self.comps[n];
-                        idct_block(&mut c.data[c.w2 * j * 8 + i * 8..], c.w2, &block);
-                    } else if self.spec_start == 0 {
-                        self.decode_dc_progressive(n, i + j * stride)?;
-                    } else {
-                        self.decode_ac_progressive(n, i + j * stride)?;
-                    }
+            for by in 0..bh {
+                for bx in 0..bw {
+                    self.decode_unit(n, bx, by)?;
                     if !self.end_of_mcu() {
                         return Ok(());
                     }
@@ -846,18 +853,11 @@ impl<'a> Decoder<'a> {
                     for k in 0..self.order.len() {
                         let n = self.order[k];
                         let (h, v) = (self.comps[n].h, self.comps[n].v);
+                        // Interleaved progressive scans are DC scans (the
+                        // scan header refuses others).
                         for y in 0..v {
                             for x in 0..h {
-                                let (bx, by) = (i * h + x, j * v + y);
-                                if self.progressive {
-                                    let stride = self.comps[n].w2 / 8;
-                                    self.decode_dc_progressive(n, bx + by * stride)?;
-                                } else {
-                                    self.decode_block(n, &mut block)?;
-                                    let c = &mut self.comps[n];
-                                    let at = c.w2 * by * 8 + bx * 8;
-                                    idct_block(&mut c.data[at..], c.w2, &block);
-                                }
+                                self.decode_unit(n, i * h + x, j * v + y)?;
                             }
                         }
                     }
