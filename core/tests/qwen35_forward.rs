@@ -18,7 +18,7 @@ use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
 use les_core::model::forward::{
-    forward_hybrid, AttentionWeights, Block, Experts, Ffn, KvCache, Lookahead, Mixer,
+    forward_hybrid, AttentionWeights, Block, Experts, Ffn, KvCache, Lookahead, Mixer, Place,
     RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::{rms_norm, RopeStyle};
@@ -150,6 +150,7 @@ fn build_with(
         n_ffn_only_layers: 0,
         attn_output_gate: true,
         rope_sections: sections,
+        n_deepstack: 0,
         mla: None,
     };
     hy.validate(&hp).unwrap();
@@ -578,6 +579,7 @@ fn ref_layer(
     experts: &[[Mat; 3]],
     l: usize,
     pos: usize,
+    rope_pos: [u32; 4],
     h: &mut [f32],
     seq: &mut RefSeq,
 ) {
@@ -592,18 +594,25 @@ fn ref_layer(
         let n = (x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() + eps).sqrt();
         x.iter().map(|v| (*v as f64 / n) as f32).collect()
     };
-    // IMRoPE over the first n_rot dims, NeoX pairs; text position [p, p, p, 0].
-    let rope = |x: &mut [f32], pos: usize| {
+    // IMRoPE over the first n_rot dims, NeoX pairs: pair i takes the
+    // temporal, row, column or extra position by its sector.
+    let rope = |x: &mut [f32], pos: [u32; 4]| {
         let total: usize = sections.iter().map(|s| *s as usize).sum();
         let s = sections.map(|v| v as usize);
         let half = hp.n_rot / 2;
         for h in x.chunks_mut(hp.head_dim) {
             for i in 0..half {
                 let sector = i % total;
-                let uses_pos = (sector % 3 == 1 && sector < 3 * s[1])
-                    || (sector % 3 == 2 && sector < 3 * s[2])
-                    || (sector.is_multiple_of(3) && sector < 3 * s[0]);
-                let p = if uses_pos { pos as f64 } else { 0.0 };
+                let which = if sector % 3 == 1 && sector < 3 * s[1] {
+                    1
+                } else if sector % 3 == 2 && sector < 3 * s[2] {
+                    2
+                } else if sector.is_multiple_of(3) && sector < 3 * s[0] {
+                    0
+                } else {
+                    3
+                };
+                let p = pos[which] as f64;
                 let theta = p * (hp.rope_base as f64).powf(-2.0 * i as f64 / hp.n_rot as f64);
                 let (a, b) = (h[i] as f64, h[i + half] as f64);
                 h[i] = (a * theta.cos() - b * theta.sin()) as f32;
@@ -632,8 +641,8 @@ fn ref_layer(
             for kh in a.wk.apply(&x).chunks(hd) {
                 k.extend(rms(kh, &a.k_norm));
             }
-            rope(&mut q, pos);
-            rope(&mut k, pos);
+            rope(&mut q, rope_pos);
+            rope(&mut k, rope_pos);
             seq.keys[l].push(k);
             seq.vals[l].push(a.wv.apply(&x));
             let mut att = vec![0f32; hp.q_dim()];
@@ -766,7 +775,18 @@ fn reference_hidden(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
     for (pos, &t) in TOKENS.iter().enumerate() {
         let mut h: Vec<f32> = m.embd.f32[t as usize * m.hp.n_embd..][..m.hp.n_embd].to_vec();
         for (l, ly) in m.layers.iter().enumerate() {
-            ref_layer(m, sections, ly, &m.experts[l], l, pos, &mut h, &mut seq);
+            let p = pos as u32;
+            ref_layer(
+                m,
+                sections,
+                ly,
+                &m.experts[l],
+                l,
+                pos,
+                [p, p, p, 0],
+                &mut h,
+                &mut seq,
+            );
         }
         out.push(h);
     }
@@ -780,6 +800,208 @@ fn reference(m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
         .iter()
         .map(|h| m.output.apply(&ref_rms(h, &m.out_norm, eps)))
         .collect()
+}
+
+/// A prompt with an image, as llama.cpp's `mtmd` lays it out for an M-RoPE
+/// model: two tokens, a 3 x 2 grid of image embeddings (each with two
+/// deepstack features after it) at temporal position 2 with their rows and
+/// columns added in the other sections, then two tokens from position
+/// 2 + max(3, 2) = 5 on. Inputs, their places, and the reference's view.
+struct ImagePrompt {
+    embeddings: Vec<Vec<f32>>,
+    places: Vec<Place>,
+}
+
+const DEEPSTACK: usize = 2;
+
+impl ImagePrompt {
+    fn new(e: usize) -> ImagePrompt {
+        let mut rng = Rng(99);
+        let (nx, ny) = (3usize, 2usize);
+        let mut places = vec![Place::text(0), Place::text(1)];
+        let mut embeddings = Vec::new();
+        for k in 0..nx * ny {
+            embeddings.push(rng.vec(e * (1 + DEEPSTACK), 0.5, 0.0));
+            let (y, x) = ((k / nx) as u32, (k % nx) as u32);
+            places.push(Place {
+                index: 2 + k,
+                rope: [2, 2 + y, 2 + x, 0],
+            });
+        }
+        let next = 2 + nx.max(ny) as u32;
+        places.push(Place::text_at(8, next));
+        places.push(Place::text_at(9, next + 1));
+        ImagePrompt { embeddings, places }
+    }
+
+    fn inputs(&self) -> Vec<TokenInput<'_>> {
+        let mut v = vec![TokenInput::Token(3), TokenInput::Token(17)];
+        v.extend(self.embeddings.iter().map(|x| TokenInput::Embedding(x)));
+        v.extend([TokenInput::Token(5), TokenInput::Token(39)]);
+        v
+    }
+
+    /// The plain reference: each input's embedding, rotated by its place,
+    /// its deepstack features added after the first layers.
+    fn reference(&self, m: &Model, sections: [u32; 4]) -> Vec<Vec<f32>> {
+        let e = m.hp.n_embd;
+        let eps = m.hp.norm_eps as f64;
+        let mut seq = RefSeq::new(m.hp.n_layers);
+        let mut out = Vec::new();
+        for (input, at) in self.inputs().into_iter().zip(&self.places) {
+            let (mut h, features) = match input {
+                TokenInput::Token(t) => (m.embd.f32[t as usize * e..][..e].to_vec(), None),
+                TokenInput::Embedding(x) => (x[..e].to_vec(), Some(x)),
+            };
+            for (l, ly) in m.layers.iter().enumerate() {
+                ref_layer(
+                    m,
+                    sections,
+                    ly,
+                    &m.experts[l],
+                    l,
+                    at.index,
+                    at.rope,
+                    &mut h,
+                    &mut seq,
+                );
+                if let Some(f) = features.filter(|_| l < DEEPSTACK) {
+                    for (a, b) in h.iter_mut().zip(&f[(l + 1) * e..][..e]) {
+                        *a += b;
+                    }
+                }
+            }
+            out.push(m.output.apply(&ref_rms(&h, &m.out_norm, eps)));
+        }
+        out
+    }
+}
+
+/// Image embeddings at their M-RoPE places with deepstack features
+/// (Qwen3-VL's inputs, through qwen35's layers): one position at a time and
+/// in batches, resident and streamed, the same bits, and the plain
+/// reference's logits within rounding. Places and features both change the
+/// logits.
+#[test]
+fn image_places_and_deepstack_features_match_the_reference() {
+    let sections = [2, 1, 1, 0];
+    let mut m = build(5, GgmlType::F32, [GgmlType::F32; 3], sections);
+    m.hy.n_deepstack = DEEPSTACK;
+    let prompt = ImagePrompt::new(m.hp.n_embd);
+    let inputs = prompt.inputs();
+    let n = inputs.len();
+    let want =
+        SeqBuffers::new(&m, n).run_at(&m, &mut resident_experts(&m), &inputs, &prompt.places);
+    assert_close(&want, &prompt.reference(&m, sections), 2e-4, "image prompt");
+    let rope: Vec<[u32; 4]> = prompt.places.iter().map(|p| p.rope).collect();
+    for split in [n, 4, 1] {
+        let mut b = SeqBuffers::new(&m, n);
+        let mut got = b.run_batch_at(
+            &m,
+            &mut resident_experts(&m),
+            0,
+            &inputs[..split],
+            &rope[..split],
+        );
+        if split < n {
+            got.extend(b.run_batch_at(
+                &m,
+                &mut resident_experts(&m),
+                split,
+                &inputs[split..],
+                &rope[split..],
+            ));
+        }
+        assert_bits_eq(&got, &want, &format!("batches from {split}"));
+    }
+    // Streamed through few slots, one position at a time and batched.
+    struct Image<'m>(&'m Model, &'m ImagePrompt, bool);
+    impl Decode for Image<'_> {
+        fn decode<X: Experts>(&mut self, experts: &mut X, _: Option<&Lookahead>) -> Vec<Vec<f32>>
+        where
+            X::Error: std::fmt::Debug,
+        {
+            let (m, p) = (self.0, self.1);
+            let inputs = p.inputs();
+            let mut b = SeqBuffers::new(m, inputs.len());
+            if self.2 {
+                let rope: Vec<[u32; 4]> = p.places.iter().map(|p| p.rope).collect();
+                b.run_batch_at(m, experts, 0, &inputs, &rope)
+            } else {
+                b.run_at(m, experts, &inputs, &p.places)
+            }
+        }
+    }
+    let experts = m.packed();
+    for (seed, slots, batched) in [(3, TOP_K, false), (4, 5, true), (5, 3, true)] {
+        let got = StreamedRun {
+            experts: &experts,
+            n_layers: m.hp.n_layers,
+            n_experts: N_EXP,
+            slots,
+            predict: true,
+            seed,
+            config: SchedulerConfig::les(),
+            lookahead: Lookahead {
+                predictor: PredictorConfig::top_k(TOP_K),
+                layers: LayerMask::first(m.hp.n_layers).unwrap(),
+                depth: 1,
+            },
+        }
+        .run(&mut Image(&m, &prompt, batched))
+        .logits;
+        assert_bits_eq(
+            &got,
+            &want,
+            &format!("streamed, {slots} slots, batched {batched}"),
+        );
+    }
+    // The places matter: as text positions the image's and the later
+    // tokens' logits change.
+    let text: Vec<Place> = (0..n).map(Place::text).collect();
+    let as_text = SeqBuffers::new(&m, n).run_at(&m, &mut resident_experts(&m), &inputs, &text);
+    assert_eq!(as_text[..3], want[..3]);
+    assert!(as_text[3..].iter().zip(&want[3..]).all(|(a, b)| a != b));
+    // So do the features: without them (plain embeddings) every position
+    // from the image on changes.
+    let plain: Vec<TokenInput<'_>> = inputs
+        .iter()
+        .map(|i| match *i {
+            TokenInput::Embedding(x) => TokenInput::Embedding(&x[..m.hp.n_embd]),
+            t => t,
+        })
+        .collect();
+    let without =
+        SeqBuffers::new(&m, n).run_at(&m, &mut resident_experts(&m), &plain, &prompt.places);
+    assert_eq!(without[..2], want[..2]);
+    assert!(without[2..].iter().zip(&want[2..]).all(|(a, b)| a != b));
+    // An embedding of another width is refused.
+    let odd = vec![0f32; m.hp.n_embd * 2];
+    let mut b = SeqBuffers::new(&m, n);
+    let (hp, hy) = (&m.hp, &m.hy);
+    let mut kv = KvCache::new_for(hp, hy, &mut b.kv_k, &mut b.kv_v, b.max).unwrap();
+    let mut rs = RecurrentState::new(hy, &mut b.conv, &mut b.ssm).unwrap();
+    let mut s = Scratch::new_for(hp, hy, &mut b.scratch, b.max).unwrap();
+    let mut logits = vec![0f32; hp.n_vocab];
+    let err = les_core::model::forward::forward_hybrid_at(
+        hp,
+        hy,
+        &m,
+        &mut b.quant.matvec(),
+        &mut resident_experts(&m),
+        None,
+        TokenInput::Embedding(&odd),
+        Place::text(0),
+        &mut kv,
+        &mut rs,
+        &mut s,
+        &mut logits,
+    )
+    .unwrap_err();
+    assert!(
+        format!("{err:?}").contains("input embedding length"),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -1002,6 +1224,7 @@ fn nextn_reference(m: &Model, nx: &Nextn, sections: [u32; 4]) -> Vec<Vec<f32>> {
             &nx.experts,
             0,
             pos,
+            [pos as u32, pos as u32, pos as u32, 0],
             &mut h,
             &mut seq,
         );

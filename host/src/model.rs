@@ -1046,6 +1046,7 @@ fn hybrid_params(
         n_ffn_only_layers: 0,
         attn_output_gate: true,
         rope_sections,
+        n_deepstack: 0,
         mla: None,
     };
     hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
@@ -1630,9 +1631,25 @@ impl Model {
                 Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(rope_sections(&g, a)?),
                 _ => None,
             };
+            // Qwen3-VL: image embeddings carry the vision tower's deepstack
+            // features, added after the first layers (llama.cpp reads the
+            // key as optional).
+            let n_deepstack = match arch {
+                Arch::Qwen3VlMoe | Arch::Qwen3Vl => {
+                    let n = opt_usize(&g, &format!("{a}.n_deepstack_layers"))?.unwrap_or(0);
+                    if n > n_layers {
+                        return Err(invalid(format!(
+                            "{a}.n_deepstack_layers = {n}, more than the {n_layers} layers"
+                        )));
+                    }
+                    n
+                }
+                _ => 0,
+            };
             let hy = HybridParams {
                 mla,
                 rope_sections,
+                n_deepstack,
                 ..HybridParams::plain(&hp)
             };
             hy.validate(&hp).map_err(|e| invalid(format!("{a}: {e}")))?;

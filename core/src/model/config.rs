@@ -505,6 +505,10 @@ pub struct HybridParams {
     /// pair `i` of the rotated dimensions takes the temporal, height, width or
     /// extra position by `i % 3` within `sections`. Text positions are `[p, p, p, 0]`.
     pub rope_sections: Option<[u32; 4]>,
+    /// Deepstack layers (Qwen3-VL): an image embedding carries this many
+    /// extra `n_embd` features after its input, the `i`-th added to the
+    /// residual stream after layer `i` (llama.cpp's `n_deepstack_layers`).
+    pub n_deepstack: usize,
     /// Multi-head latent attention (deepseek2): the attention layers are
     /// [`Mixer::Mla`](super::forward::Mixer::Mla) of this shape.
     pub mla: Option<MlaShape>,
@@ -573,6 +577,7 @@ impl HybridParams {
             n_ffn_only_layers: 0,
             attn_output_gate: false,
             rope_sections: None,
+            n_deepstack: 0,
             mla: None,
         }
     }

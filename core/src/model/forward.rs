@@ -31,7 +31,7 @@ mod kv;
 pub mod mla;
 pub mod nextn;
 pub use crate::slots::Residency;
-pub use batch::{forward_batch, BatchScratch};
+pub use batch::{forward_batch, forward_batch_at, BatchScratch};
 pub use kv::{KvBuf, KvCache, KvLayout, KvRing, KvType};
 pub use mla::MlaWeights;
 
@@ -1173,13 +1173,78 @@ where
     M: MatVec,
     X: Experts,
 {
+    let at = Place::text(pos);
+    forward_hybrid_at(
+        hp, hy, weights, mv, experts, lookahead, input, at, kv, rs, s, logits,
+    )
+}
+
+/// Where a position sits: its index in the KV cache (the positions before it
+/// are the ones it attends to) and the positions RoPE rotates it by.
+///
+/// They differ only for M-RoPE models ([`HybridParams::rope_sections`]) once
+/// an image is in the sequence: an image's embeddings share one temporal
+/// position and take their row and column in the other sections, and the
+/// text after it goes on from the temporal position plus the image's larger
+/// side (llama.cpp's `mtmd` positions). Other models rotate by `index` and
+/// ignore `rope`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// Index in the KV cache.
+    pub index: usize,
+    /// M-RoPE positions: temporal, height (row), width (column), extra.
+    pub rope: [u32; 4],
+}
+
+impl Place {
+    /// A text position: `[index, index, index, 0]`.
+    pub fn text(index: usize) -> Place {
+        Place::text_at(index, index as u32)
+    }
+
+    /// A text position at cache index `index` and temporal position `t`:
+    /// `[t, t, t, 0]`.
+    pub fn text_at(index: usize, t: u32) -> Place {
+        Place {
+            index,
+            rope: [t, t, t, 0],
+        }
+    }
+}
+
+/// [`forward_hybrid`] at an explicit [`Place`]: `at.index` is the KV cache
+/// position, `at.rope` the M-RoPE positions of models with sections. An
+/// image embedding of a model with deepstack layers
+/// ([`HybridParams::n_deepstack`]) may carry their features after its own
+/// `n_embd` values.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_hybrid_at<W, M, X>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    weights: &W,
+    mv: &mut M,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    input: TokenInput<'_>,
+    at: Place,
+    kv: &mut KvCache<'_>,
+    rs: &mut RecurrentState<'_>,
+    s: &mut Scratch<'_>,
+    logits: &mut [f32],
+) -> Result<(), ForwardError<X::Error>>
+where
+    W: Weights,
+    M: MatVec,
+    X: Experts,
+{
+    let pos = at.index;
     if pos >= kv.max_positions() {
         return Err(ForwardError::ContextFull(kv.max_positions()));
     }
     if logits.len() != hp.n_vocab {
         return Err(ForwardError::Shape("logits length"));
     }
-    embed(&weights.embedding(), input, s.h)?;
+    embed(&weights.embedding(), input, hy.n_deepstack, s.h)?;
     scale_embedding(hp, s.h);
     let router_cfg = router_config(hp)?;
     experts.begin_token();
@@ -1212,7 +1277,7 @@ where
             kv,
             rs,
             (&mut attn_idx, &mut lin_idx),
-            pos,
+            at,
         )?;
 
         // FFN.
@@ -1263,6 +1328,7 @@ where
                 compute_picks(hp, mv, s, experts, &routing, ffn)?;
             }
         }
+        add_deepstack(hp.n_embd, hy.n_deepstack, input, l, s.h);
     }
     rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
     mv.matvec(&weights.output(), s.x, logits)?;
@@ -1468,9 +1534,14 @@ pub(super) fn output_weight(weight: f32, weighs_inputs: bool) -> f32 {
 
 /// The first layer's input for `input` into `h` (`n_embd` values): the
 /// token's row of `emb` (the token embeddings), or the given embedding.
+///
+/// With `n_deepstack` deepstack layers an embedding may be `n_embd` values or
+/// `(1 + n_deepstack) * n_embd` (its deepstack features after it, for
+/// [`add_deepstack`]).
 pub(super) fn embed<E>(
     emb: &MatrixView<'_>,
     input: TokenInput<'_>,
+    n_deepstack: usize,
     h: &mut [f32],
 ) -> Result<(), ForwardError<E>> {
     match input {
@@ -1479,13 +1550,42 @@ pub(super) fn embed<E>(
             quant::dequantize(emb.ty(), row, h).map_err(ForwardError::Quant)?;
         }
         TokenInput::Embedding(e) => {
-            if e.len() != h.len() {
+            let n = h.len();
+            let with_features = n_deepstack
+                .checked_add(1)
+                .and_then(|k| k.checked_mul(n))
+                .is_some_and(|w| n_deepstack > 0 && e.len() == w);
+            if e.len() != n && !with_features {
                 return Err(ForwardError::Shape("input embedding length"));
             }
-            h.copy_from_slice(e);
+            h.copy_from_slice(&e[..n]);
         }
     }
     Ok(())
+}
+
+/// After layer `layer`, the residual stream `h` of an image embedding that
+/// carries deepstack features (see [`embed`]) takes the layer's feature
+/// (Qwen3-VL; llama.cpp adds it after the layer's FFN residual). Tokens and
+/// plain embeddings are left alone.
+pub(super) fn add_deepstack(
+    n_embd: usize,
+    n_deepstack: usize,
+    input: TokenInput<'_>,
+    layer: usize,
+    h: &mut [f32],
+) {
+    if layer >= n_deepstack {
+        return;
+    }
+    if let TokenInput::Embedding(e) = input {
+        if e.len() > n_embd {
+            let feature = &e[(layer + 1) * n_embd..][..n_embd];
+            for (x, f) in h.iter_mut().zip(feature) {
+                *x += f;
+            }
+        }
+    }
 }
 
 /// The router configuration of an MoE model (`None` for a dense one).
@@ -1517,8 +1617,9 @@ pub(super) fn mix<M: MatVec, E>(
     kv: &mut KvCache<'_>,
     rs: &mut RecurrentState<'_>,
     idx: (&mut usize, &mut usize),
-    pos: usize,
+    at: Place,
 ) -> Result<(), ForwardError<E>> {
+    let pos = at.index;
     let (attn_idx, lin_idx) = idx;
     if let Mixer::None = lw.mixer {
         return Ok(());
@@ -1536,7 +1637,7 @@ pub(super) fn mix<M: MatVec, E>(
                     "more attention layers than the KV cache",
                 ));
             }
-            attention_layer(hp, hy, aw, mv, s, kv, *attn_idx, pos, shape)?;
+            attention_layer(hp, hy, aw, mv, s, kv, *attn_idx, at, shape)?;
             *attn_idx += 1;
         }
         Mixer::Mla(mw) => {
@@ -1837,7 +1938,7 @@ fn attention_layer<M: MatVec, E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    pos: usize,
+    at: Place,
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
     if hy.attn_output_gate {
@@ -1850,7 +1951,7 @@ fn attention_layer<M: MatVec, E>(
     }
     mv.matvec(&aw.wk, s.x, s.k)?;
     mv.matvec(&aw.wv, s.x, s.v)?;
-    attend(hp, hy, aw, mv, s, kv, cache_layer, pos, shape)?;
+    attend(hp, hy, aw, mv, s, kv, cache_layer, at, shape)?;
     mv.matvec(&aw.wo, s.att, s.tmp)?;
     add_bias(s.tmp, aw.bo).map_err(ForwardError::Shape)?;
     Ok(())
@@ -1869,11 +1970,11 @@ pub(super) fn attend<M: MatVec, E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    pos: usize,
+    at: Place,
     shape: AttnShape,
 ) -> Result<(), ForwardError<E>> {
-    project_position(hp, hy, aw, s, kv, cache_layer, pos)?;
-    let kv = attended(aw, kv, cache_layer, pos + 1)?;
+    project_position(hp, hy, aw, s, kv, cache_layer, at)?;
+    let kv = attended(aw, kv, cache_layer, at.index + 1)?;
     mv.attention(shape, s.q, kv, s.scores, s.att);
     if hy.attn_output_gate {
         output_gate(hp.head_dim, s.qg, s.att);
@@ -1936,8 +2037,9 @@ pub(super) fn project_position<E>(
     s: &mut Scratch<'_>,
     kv: &mut KvCache<'_>,
     cache_layer: usize,
-    pos: usize,
+    at: Place,
 ) -> Result<(), ForwardError<E>> {
+    let pos = at.index;
     if hy.attn_output_gate {
         // [q_h, g_h] per head: split the query from its gate.
         let hd = hp.head_dim;
@@ -1966,13 +2068,12 @@ pub(super) fn project_position<E>(
                 return Err(ForwardError::Shape("RoPE frequency factors with sections"));
             }
             Some(sections) => {
-                let p = pos as u32;
                 for x in [&mut *s.q, &mut *s.k] {
                     rope_imrope_scaled(
                         x,
                         hp.head_dim,
                         hp.n_rot,
-                        [p, p, p, 0],
+                        at.rope,
                         sections,
                         hp.rope_base,
                         hp.rope_yarn.as_ref(),

@@ -13,8 +13,9 @@ use les_core::layout;
 use les_core::model::config::{Hparams, HybridParams};
 use les_core::model::experts::{ExpertFormat, Resident, Streamed};
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, BatchScratch, ExpertMatrices, Experts, Handout, KvCache,
-    Lookahead, MatVec, RecurrentState, Residency, Scratch, SerialMatVec, Step, TokenInput, Weights,
+    forward_batch, forward_batch_at, forward_hybrid, forward_hybrid_at, BatchScratch,
+    ExpertMatrices, Experts, Handout, KvCache, Lookahead, MatVec, Place, RecurrentState, Residency,
+    Scratch, SerialMatVec, Step, TokenInput, Weights,
 };
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -563,6 +564,94 @@ impl SeqBuffers {
             experts,
             &inputs,
             start,
+            &mut kv,
+            &mut rs,
+            &mut s,
+            &mut b,
+            &mut logits,
+        )
+        .unwrap();
+        logits
+            .chunks_exact(hp.n_vocab)
+            .map(<[f32]>::to_vec)
+            .collect()
+    }
+}
+
+impl SeqBuffers {
+    /// `inputs` at `places`, one at a time ([`forward_hybrid_at`]): each
+    /// position's logits.
+    pub fn run_at<X: Experts>(
+        &mut self,
+        m: &impl TestModel,
+        experts: &mut X,
+        inputs: &[TokenInput<'_>],
+        places: &[Place],
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        let (hp, hy) = (m.hp(), m.hy());
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
+        let mut mv = self.quant.matvec();
+        let mut out = Vec::new();
+        for (input, at) in inputs.iter().zip(places) {
+            let mut logits = vec![0f32; hp.n_vocab];
+            forward_hybrid_at(
+                hp,
+                hy,
+                m,
+                &mut mv,
+                experts,
+                None,
+                *input,
+                *at,
+                &mut kv,
+                &mut rs,
+                &mut s,
+                &mut logits,
+            )
+            .unwrap();
+            out.push(logits);
+        }
+        out
+    }
+
+    /// `inputs` at cache positions `start..` with M-RoPE positions `rope`, in
+    /// one [`forward_batch_at`] (attention grouped by two): every position's
+    /// logits.
+    pub fn run_batch_at<X: Experts>(
+        &mut self,
+        m: &impl TestModel,
+        experts: &mut X,
+        start: usize,
+        inputs: &[TokenInput<'_>],
+        rope: &[[u32; 4]],
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        let (hp, hy) = (m.hp(), m.hy());
+        let n = inputs.len();
+        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
+        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
+        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
+        let mut floats = vec![0f32; BatchScratch::floats(hp, hy, n)];
+        let mut ids = vec![0u16; BatchScratch::ids(hp, hy, n)];
+        let mut b = BatchScratch::new(hp, hy, n, &mut floats, &mut ids).unwrap();
+        let mut mv = Grouped(self.quant.matvec(), 2);
+        let mut logits = vec![0f32; hp.n_vocab * n];
+        forward_batch_at(
+            hp,
+            hy,
+            m,
+            &mut mv,
+            experts,
+            inputs,
+            start,
+            Some(rope),
             &mut kv,
             &mut rs,
             &mut s,

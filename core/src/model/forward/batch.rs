@@ -20,12 +20,12 @@
 use super::deltanet::DeltaNetWeights;
 use super::mamba2::Mamba2Weights;
 use super::{
-    add_bias, add_into, add_residual, attended, cached, combine, deltanet_state, deltanet_step,
-    embed, expert_tail, ffn_checked, gate_shared, lookahead_matrix, mamba2_state, mamba2_step,
-    next_moe_layers, next_step, output_gate, project_position, router_config, scale_embedding,
-    scale_logits, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError,
-    Handout, KvCache, MatVec, Mixer, MoeFfn, RecurrentState, Residency, Scratch, SharedExpert,
-    Step, TokenInput, Weights,
+    add_bias, add_deepstack, add_into, add_residual, attended, cached, combine, deltanet_state,
+    deltanet_step, embed, expert_tail, ffn_checked, gate_shared, lookahead_matrix, mamba2_state,
+    mamba2_step, next_moe_layers, next_step, output_gate, project_position, router_config,
+    scale_embedding, scale_logits, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn,
+    ForwardError, Handout, KvCache, MatVec, Mixer, MoeFfn, Place, RecurrentState, Residency,
+    Scratch, SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::{GemvError, MatrixView};
 use crate::model::config::{Hparams, HybridParams};
@@ -249,10 +249,51 @@ where
     M: MatVec,
     X: Experts,
 {
+    forward_batch_at(
+        hp, hy, weights, mv, experts, inputs, pos, None, kv, rs, s, b, logits,
+    )
+}
+
+/// [`forward_batch`] with each input's M-RoPE positions given (`rope`, one
+/// per input; `None`: text positions, the cache index): what
+/// [`forward_hybrid_at`](super::forward_hybrid_at) does for each input at
+/// [`Place`] `{ index: pos + j, rope: rope[j] }`. Image embeddings may carry
+/// deepstack features as there.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_batch_at<W, M, X>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    weights: &W,
+    mv: &mut M,
+    experts: &mut X,
+    inputs: &[TokenInput<'_>],
+    pos: usize,
+    rope: Option<&[[u32; 4]]>,
+    kv: &mut KvCache<'_>,
+    rs: &mut RecurrentState<'_>,
+    s: &mut Scratch<'_>,
+    b: &mut BatchScratch<'_>,
+    logits: &mut [f32],
+) -> Result<(), ForwardError<X::Error>>
+where
+    W: Weights,
+    M: MatVec,
+    X: Experts,
+{
     let n = inputs.len();
     if n == 0 || n > b.n {
         return Err(ForwardError::Shape("batch size"));
     }
+    if rope.is_some_and(|r| r.len() != n) {
+        return Err(ForwardError::Shape("one RoPE position per input"));
+    }
+    let place = |j: usize| match rope {
+        Some(r) => Place {
+            index: pos + j,
+            rope: r[j],
+        },
+        None => Place::text(pos + j),
+    };
     if pos.saturating_add(n) > kv.max_positions() {
         return Err(ForwardError::ContextFull(kv.max_positions()));
     }
@@ -270,7 +311,7 @@ where
     }
     let emb = weights.embedding();
     for (input, h) in inputs.iter().zip(b.h.chunks_exact_mut(e)) {
-        embed(&emb, *input, h)?;
+        embed(&emb, *input, hy.n_deepstack, h)?;
         scale_embedding(hp, h);
     }
     let router_cfg = router_config(hp)?;
@@ -300,7 +341,7 @@ where
                         "more attention layers than the KV cache",
                     ));
                 }
-                attention_batch(hp, hy, aw, lw.attn_norm, mv, s, kv, b, n, attn_idx, pos)?;
+                attention_batch(hp, hy, aw, lw.attn_norm, mv, s, kv, b, n, attn_idx, &place)?;
                 attn_idx += 1;
             }
             Mixer::DeltaNet(dw) => {
@@ -409,6 +450,9 @@ where
                     combine(s.moe, picks, sh, hp.scales.residual, &mut b.h[j * e..][..e]);
                 }
             }
+        }
+        for (input, h) in inputs.iter().zip(b.h.chunks_exact_mut(e)) {
+            add_deepstack(e, hy.n_deepstack, *input, l, h);
         }
     }
     s.h.copy_from_slice(&b.h[(n - 1) * e..][..e]);
@@ -552,8 +596,9 @@ fn attention_batch<M: MatVec, E>(
     b: &mut BatchScratch<'_>,
     n: usize,
     cache_layer: usize,
-    pos: usize,
+    place: &dyn Fn(usize) -> Place,
 ) -> Result<(), ForwardError<E>> {
+    let pos = place(0).index;
     let (e, q_dim, kv_dim) = (hp.n_embd, hp.q_dim(), hp.kv_dim());
     let q_rows = if hy.attn_output_gate {
         2 * q_dim
@@ -596,7 +641,7 @@ fn attention_batch<M: MatVec, E>(
         }
         s.k.copy_from_slice(&k[j * kv_dim..][..kv_dim]);
         s.v.copy_from_slice(&v[j * kv_dim..][..kv_dim]);
-        project_position(hp, hy, aw, s, kv, cache_layer, pos + j)?;
+        project_position(hp, hy, aw, s, kv, cache_layer, place(j))?;
         qr[j * q_dim..][..q_dim].copy_from_slice(s.q);
     }
     let att = &mut b.aatt[..n * q_dim];

@@ -23,7 +23,7 @@ use super::super::config::{Hparams, HybridParams};
 use super::super::ops::rms_norm;
 use super::{
     compute_picks, embed, mix, route, router_config, Block, Experts, Ffn, ForwardError, KvCache,
-    MatVec, Mixer, MoeFfn, RecurrentState, RouterBiases, Scratch, TokenInput,
+    MatVec, Mixer, MoeFfn, Place, RecurrentState, RouterBiases, Scratch, TokenInput,
 };
 use crate::gemv::MatrixView;
 use crate::router::Routing;
@@ -104,7 +104,7 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     };
     let rc = router_config::<X::Error>(hp)?
         .ok_or(ForwardError::Shape("a nextn block without MoE parameters"))?;
-    embed(&w.embedding, input, s.h)?;
+    embed(&w.embedding, input, 0, s.h)?;
     let (ce, ch) = cat.split_at_mut(e);
     rms_norm(s.h, w.enorm, hp.norm_eps, ce);
     rms_norm(h_prev, w.hnorm, hp.norm_eps, ch);
@@ -120,7 +120,7 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
         kv,
         &mut RecurrentState::empty(),
         (&mut 0, &mut 0),
-        pos,
+        Place::text(pos),
     )?;
     rms_norm(s.h, w.block.ffn_norm, hp.norm_eps, s.x);
     let mut routing = Routing::new();
