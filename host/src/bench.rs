@@ -690,6 +690,7 @@ pub fn run_speculative(
         &mut supply,
         Some(&lookahead),
         &inputs,
+        &[],
         &mut logits,
         drafter.as_deref_mut(),
     )?;
@@ -706,6 +707,7 @@ pub fn run_speculative(
         &mut supply,
         Some(&lookahead),
         &[TokenInput::Token(*last)],
+        &[],
         drafter.as_deref_mut().map(|d| crate::draft::Speculation {
             drafter: d,
             max_draft,

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward_batch, forward_hybrid, BatchScratch, Experts, ForwardError, KvBuf, KvCache, KvLayout,
-    KvRing, KvType, Lookahead, MatVec, RecurrentState, Scratch, TokenInput,
+    forward_batch_at, forward_hybrid_at, BatchScratch, Experts, ForwardError, KvBuf, KvCache,
+    KvLayout, KvRing, KvType, Lookahead, MatVec, Place, RecurrentState, Scratch, TokenInput,
 };
 
 use les_core::model::ops::MAX_F16_HEAD_DIM;
@@ -87,7 +87,39 @@ pub struct Session<'m> {
     keep_hidden: bool,
     hidden: Vec<f32>,
     pos: usize,
+    /// M-RoPE models ([`HybridParams::rope_sections`]): for each evaluated
+    /// position, the temporal position of the text after it (llama.cpp's
+    /// `n_past` after it: an image chunk advances it by its larger side, not
+    /// its count). Empty for other models, whose positions are their index.
+    next_t: Vec<u32>,
     swa: SwaCache,
+}
+
+/// Where an input of a prompt sits, for models that rotate by M-RoPE
+/// sections (Qwen3-VL, Qwen3.5), as llama.cpp's `mtmd` places them; other
+/// models place every input at its index. With `t` the temporal position
+/// after the inputs before (the index, until a grid of embeddings):
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputPlace {
+    /// A token: `[t, t, t, 0]`, then `t + 1`.
+    Text,
+    /// An embedding in sequence: `[t, t, t, t]`, then `t + 1` (`mtmd`'s
+    /// "normal" image positions, MiniCPM-V's overview and slices).
+    Sequence,
+    /// Embedding `k` of an image chunk of `nx` x `ny`, row by row: the
+    /// chunk's embeddings share the temporal position `t0` of the text
+    /// before it, their row and column added in the height and width
+    /// sections (`[t0, t0 + k / nx, t0 + k % nx, 0]`), and the text after
+    /// the chunk goes on from `t0 + max(nx, ny)` (Qwen3-VL's merged patches;
+    /// Gemma 3's embeddings as one row).
+    Image {
+        /// Index in the chunk.
+        k: u32,
+        /// Embeddings per row.
+        nx: u32,
+        /// Rows.
+        ny: u32,
+    },
 }
 
 /// How a session keeps the keys and values of the layers whose queries see
@@ -448,6 +480,7 @@ impl<'m> Session<'m> {
             keep_hidden: false,
             hidden: Vec::new(),
             pos: 0,
+            next_t: Vec::new(),
             swa,
         })
     }
@@ -544,7 +577,7 @@ impl<'m> Session<'m> {
         windows: bool,
     ) -> Result<(), String> {
         self.can_restore(n, keep, windows)?;
-        self.pos = 0;
+        self.set_pos(0);
         let layout = self.state.layout;
         let io = |e: std::io::Error| e.to_string();
         for c in 0..layout.n_layers() {
@@ -569,7 +602,12 @@ impl<'m> Session<'m> {
         {
             *d = values.next().unwrap_or(0.0);
         }
-        self.pos = keep;
+        // A saved state holds text positions only (prompt caches keep text
+        // prompts).
+        self.set_pos(0);
+        for i in 0..keep {
+            self.advance(Place::text(i), InputPlace::Text);
+        }
         Ok(())
     }
 
@@ -758,8 +796,71 @@ impl<'m> Session<'m> {
                 );
             }
         }
-        self.pos = pos;
+        self.set_pos(pos);
         Ok(())
+    }
+
+    /// Moves to position `pos` (at most the current one), forgetting the
+    /// places of the positions after it.
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
+        self.next_t.truncate(pos);
+    }
+
+    /// Whether positions rotate by M-RoPE sections (and so are placed by
+    /// [`InputPlace`]).
+    fn mrope(&self) -> bool {
+        self.model.hybrid.rope_sections.is_some()
+    }
+
+    /// Where the next input, placed as `place`, sits: its cache index and
+    /// (M-RoPE models) rotation positions; an error for an image place that
+    /// does not fit its chunk.
+    pub fn next_place(&self, place: InputPlace) -> Result<Place, &'static str> {
+        let index = self.pos;
+        if !self.mrope() {
+            return Ok(Place::text(index));
+        }
+        let text_t = match index.checked_sub(1) {
+            Some(p) => self.next_t.get(p).copied().unwrap_or(index as u32),
+            None => 0,
+        };
+        Ok(match place {
+            InputPlace::Text => Place::text_at(index, text_t),
+            InputPlace::Sequence => Place {
+                index,
+                rope: [text_t; 4],
+            },
+            InputPlace::Image { k, nx, ny } => {
+                if nx == 0 || ny == 0 || k >= nx.saturating_mul(ny) {
+                    return Err("an image embedding outside its chunk's grid");
+                }
+                // The chunk's temporal position: the text's before it, which
+                // its other embeddings recorded their end from.
+                let t0 = if k == 0 {
+                    text_t
+                } else {
+                    text_t.saturating_sub(nx.max(ny))
+                };
+                Place {
+                    index,
+                    rope: [t0, t0 + k / nx, t0 + k % nx, 0],
+                }
+            }
+        })
+    }
+
+    /// Records that the next position was evaluated at `at`, placed as
+    /// `place`.
+    fn advance(&mut self, at: Place, place: InputPlace) {
+        self.pos += 1;
+        if self.mrope() {
+            let next = match place {
+                InputPlace::Text | InputPlace::Sequence => at.rope[0] + 1,
+                InputPlace::Image { nx, ny, .. } => at.rope[0] + nx.max(ny),
+            };
+            self.next_t.push(next);
+        }
     }
 
     /// Most positions the session holds.
@@ -777,17 +878,31 @@ impl<'m> Session<'m> {
         input: TokenInput<'_>,
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
+        self.eval_placed(mv, experts, lookahead, input, InputPlace::Text, logits)
+    }
+
+    /// [`eval`](Self::eval) of an input placed as `place` (an image
+    /// embedding of an M-RoPE model).
+    pub fn eval_placed<M: MatVec, X: Experts>(
+        &mut self,
+        mv: &mut M,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
+        input: TokenInput<'_>,
+        place: InputPlace,
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
+        let at = self.next_place(place).map_err(ForwardError::Shape)?;
         let (hp, hy) = (&self.model.hp, &self.model.hybrid);
         let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
-        forward_hybrid(
-            hp, hy, self.model, mv, experts, lookahead, input, self.pos, &mut kv, &mut rs, &mut s,
-            logits,
+        forward_hybrid_at(
+            hp, hy, self.model, mv, experts, lookahead, input, at, &mut kv, &mut rs, &mut s, logits,
         )?;
         if self.keep_hidden {
             self.hidden.clear();
             self.hidden.extend_from_slice(s.hidden());
         }
-        self.pos += 1;
+        self.advance(at, place);
         Ok(())
     }
 }
@@ -805,23 +920,57 @@ impl Session<'_> {
         inputs: &[TokenInput<'_>],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
-        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
+        self.eval_batch_placed(mv, experts, inputs, &[], logits)
+    }
+
+    /// [`eval_batch`](Self::eval_batch) of inputs placed as `places` (one
+    /// each, or none: all text).
+    pub fn eval_batch_placed<M: MatVec, X: Experts>(
+        &mut self,
+        mv: &mut M,
+        experts: &mut X,
+        inputs: &[TokenInput<'_>],
+        places: &[InputPlace],
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
         let n = inputs.len();
         if n > self.batch_positions {
             return Err(ForwardError::Shape("more positions than the batch buffers"));
         }
+        if !places.is_empty() && places.len() != n {
+            return Err(ForwardError::Shape("one place per input"));
+        }
+        let place_of = |j: usize| places.get(j).copied().unwrap_or(InputPlace::Text);
+        // The places, found as the positions will be recorded, then undone
+        // until the pass has run.
+        let start = self.pos;
+        let mut at = Vec::with_capacity(n);
+        for j in 0..n {
+            let p = self.next_place(place_of(j));
+            let p = p
+                .inspect_err(|_| self.set_pos(start))
+                .map_err(ForwardError::Shape)?;
+            self.advance(p, place_of(j));
+            at.push(p);
+        }
+        self.set_pos(start);
+        let rope: Vec<[u32; 4]> = at.iter().map(|p| p.rope).collect();
+        let rope = self.mrope().then_some(&rope[..]);
+        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
         let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
         let mut b = BatchScratch::new(hp, hy, n, &mut self.batch_floats, &mut self.batch_ids)
             .expect("batch buffers sized by set_prefill_batch");
-        forward_batch(
-            hp, hy, self.model, mv, experts, inputs, self.pos, &mut kv, &mut rs, &mut s, &mut b,
-            logits,
+        forward_batch_at(
+            hp, hy, self.model, mv, experts, inputs, self.pos, rope, &mut kv, &mut rs, &mut s,
+            &mut b, logits,
         )?;
         if self.keep_hidden {
             self.hidden.clear();
             self.hidden.extend_from_slice(b.hidden(n));
         }
-        self.pos += n;
+        for (j, p) in at.into_iter().enumerate() {
+            self.advance(p, place_of(j));
+        }
         Ok(())
     }
 
@@ -869,13 +1018,13 @@ impl Session<'_> {
             return Ok(());
         }
         let start = self.pos - tokens.len();
-        self.pos = start + kept;
+        self.set_pos(start + kept);
         if self.saved_conv.is_empty() && self.saved_ssm.is_empty() {
             return Ok(());
         }
         self.state.conv_state.copy_from_slice(&self.saved_conv);
         self.state.ssm_state.copy_from_slice(&self.saved_ssm);
-        self.pos = start;
+        self.set_pos(start);
         let mut logits = std::mem::take(&mut self.replay_logits);
         let r = match &tokens[..kept] {
             [] => Ok(()),
@@ -899,29 +1048,42 @@ pub fn prefill<M: MatVec, X: Experts>(
     prompt: &[TokenInput<'_>],
     logits: &mut [f32],
 ) -> Result<(), ForwardError<X::Error>> {
-    prefill_observed(session, mv, experts, lookahead, prompt, logits, None)
+    prefill_observed(session, mv, experts, lookahead, prompt, &[], logits, None)
 }
 
-/// [`prefill`], showing each pass's positions to `drafter` where it wants
-/// the model's hidden states ([`Drafter::observe`]).
+/// [`prefill`] of inputs placed as `places` (one each, or none: all text;
+/// see [`InputPlace`]), showing each pass's positions to `drafter` where it
+/// wants the model's hidden states ([`Drafter::observe`]).
+#[allow(clippy::too_many_arguments)]
 pub fn prefill_observed<M: MatVec, X: Experts>(
     session: &mut Session<'_>,
     mv: &mut M,
     experts: &mut X,
     lookahead: Option<&Lookahead>,
     prompt: &[TokenInput<'_>],
+    places: &[InputPlace],
     logits: &mut [f32],
     mut drafter: Option<&mut (dyn Drafter + '_)>,
 ) -> Result<(), ForwardError<X::Error>> {
+    if !places.is_empty() && places.len() != prompt.len() {
+        return Err(ForwardError::Shape("one place per prompt input"));
+    }
     let watch = drafter.as_ref().is_some_and(|d| d.wants_hidden());
     if watch {
         session.set_keep_hidden(true);
     }
-    for chunk in prompt.chunks(session.prefill_batch) {
+    let batch = session.prefill_batch.max(1);
+    for (c, chunk) in prompt.chunks(batch).enumerate() {
         let at = session.pos;
+        let placed = places
+            .get(c * batch..c * batch + chunk.len())
+            .unwrap_or(&[]);
         match chunk {
-            [input] => session.eval(mv, experts, lookahead, *input, logits)?,
-            _ => session.eval_batch(mv, experts, chunk, logits)?,
+            [input] => {
+                let place = placed.first().copied().unwrap_or(InputPlace::Text);
+                session.eval_placed(mv, experts, lookahead, *input, place, logits)?
+            }
+            _ => session.eval_batch_placed(mv, experts, chunk, placed, logits)?,
         }
         if let Some(d) = drafter.as_deref_mut().filter(|_| watch) {
             d.observe(at, chunk, session.hidden());
@@ -953,12 +1115,22 @@ pub fn generate<M: MatVec, X: Experts>(
 ) -> Result<GenStats, ForwardError<X::Error>> {
     let inputs: Vec<TokenInput<'_>> = prompt.iter().map(|&t| TokenInput::Token(t)).collect();
     generate_from(
-        session, mv, experts, lookahead, &inputs, None, n, sample, on_token,
+        session,
+        mv,
+        experts,
+        lookahead,
+        &inputs,
+        &[],
+        None,
+        n,
+        sample,
+        on_token,
     )
 }
 
 /// [`generate`] from a prompt of tokens and given embeddings (image embeddings
-/// spliced into the text), optionally with speculative decoding.
+/// spliced into the text, placed as `places` says: one each, or none for all
+/// text; see [`InputPlace`]), optionally with speculative decoding.
 ///
 /// With `spec`, after each sampled token the drafter guesses up to
 /// [`Speculation::max_draft`] tokens after it (at most what `n` and the
@@ -983,6 +1155,7 @@ pub fn generate_from<M: MatVec, X: Experts>(
     experts: &mut X,
     lookahead: Option<&Lookahead>,
     prompt: &[TokenInput<'_>],
+    places: &[InputPlace],
     mut spec: Option<Speculation<'_>>,
     n: usize,
     mut sample: impl FnMut(&[f32]) -> u32,
@@ -1003,6 +1176,7 @@ pub fn generate_from<M: MatVec, X: Experts>(
         experts,
         lookahead,
         prompt,
+        places,
         &mut logits,
         spec.as_mut().map(|s| &mut *s.drafter),
     )?;

@@ -18,10 +18,8 @@ use les::model::Model;
 use les::sampling::{Sampler, SamplerConfig};
 use les::supply::{Schedule, SlotBudget, Supply};
 use les::tokenizer::{ChatTemplate, Conversation, Tokenizer};
-use les::vision::prompt::PromptItem;
 use les::vision::{self, EncodedImage, MultimodalPrompt, ProjectorType, MEDIA_MARKER};
 use les_core::gemv::Isa;
-use les_core::model::forward::TokenInput;
 
 fn synth(arch: &str) -> PathBuf {
     synth_once(
@@ -36,9 +34,10 @@ fn generate(
     session: &mut Session<'_>,
     supply: &mut Supply<'_>,
     tok: &Tokenizer,
-    inputs: &[TokenInput<'_>],
+    prompt: &MultimodalPrompt,
     n: usize,
 ) -> (Vec<u32>, Option<u32>, Vec<Vec<u32>>) {
+    let inputs = prompt.inputs();
     let mut mv = ThreadedMatVec::new(2, Isa::detect());
     let mut sampler = Sampler::new(SamplerConfig::greedy());
     let (mut tokens, mut eog, mut logits) = (Vec::new(), None, Vec::new());
@@ -47,7 +46,8 @@ fn generate(
         &mut mv,
         supply,
         None,
-        inputs,
+        &inputs,
+        &prompt.places(),
         None,
         n,
         |l| sampler.sample(l),
@@ -84,6 +84,7 @@ fn fake_image(n: usize, n_embd: usize) -> EncodedImage {
             .collect()],
         grid: (0, 0),
         n_embd,
+        chunk_grids: Vec::new(),
     }
 }
 
@@ -144,11 +145,10 @@ fn each_turn_continues_the_session_exactly() {
             let held_before = conv.held().len();
             conv.fed(&prompt.token_ids(n_vocab));
             assert_eq!(conv.held().len(), held_before + prompt.len());
-            append(&mut all, &prompt);
-            let (tokens, eog, logits) =
-                generate(&mut session, &mut supply, &tok, &prompt.inputs(), 5);
+            all.append(&prompt);
+            let (tokens, eog, logits) = generate(&mut session, &mut supply, &tok, &prompt, 5);
             let mut fresh = Session::new(&model, 512).unwrap();
-            let (t2, e2, l2) = generate(&mut fresh, &mut supply, &tok, &all.inputs(), 5);
+            let (t2, e2, l2) = generate(&mut fresh, &mut supply, &tok, &all, 5);
             assert_eq!((&t2, e2), (&tokens, eog), "{arch} turn {turn_no}");
             assert!(l2 == logits, "{arch} turn {turn_no}: logits differ");
             let reply = tok.decode(&tokens);
@@ -159,10 +159,7 @@ fn each_turn_continues_the_session_exactly() {
                 Some(_) => &tokens[..],
                 None => &tokens[..tokens.len().saturating_sub(1)],
             };
-            append(
-                &mut all,
-                &MultimodalPrompt::from_tokens(kept.to_vec(), n_embd),
-            );
+            all.append(&MultimodalPrompt::from_tokens(kept.to_vec(), n_embd));
             assert_eq!(conv.held(), &all.token_ids(n_vocab)[..]);
             if eog.is_none() && turn_no + 1 < messages.len() {
                 let mut probe = Conversation::new(&tok, tok.chat_template().unwrap(), None);
@@ -173,15 +170,6 @@ fn each_turn_continues_the_session_exactly() {
         }
         assert_eq!(conv.messages().len(), 5);
     }
-}
-
-fn append(all: &mut MultimodalPrompt, p: &MultimodalPrompt) {
-    let base = all.embeddings.len() / all.n_embd;
-    all.embeddings.extend_from_slice(&p.embeddings);
-    all.items.extend(p.items.iter().map(|i| match *i {
-        PromptItem::Token(t) => PromptItem::Token(t),
-        PromptItem::Embedding(r) => PromptItem::Embedding(base + r),
-    }));
 }
 
 #[test]

@@ -10,8 +10,15 @@ mod cli;
 use std::path::PathBuf;
 
 use cli::{assert_close_to_llama_cpp, assert_equals_llama_cpp, streams_exactly, tiny, F32_WEIGHTS};
+use les::compute::ThreadedMatVec;
+use les::engine::{prefill_observed, InputPlace, Session};
+use les::flash::FileDeviceConfig;
 use les::gguf::Gguf;
 use les::model::Model;
+use les::supply::{Schedule, SlotBudget, Supply};
+use les::vision::prompt::{ChunkGrid, MultimodalPrompt, PromptItem};
+use les_core::gemv::Isa;
+use les_core::model::forward::TokenInput;
 use les_core::model::forward::{Mixer, Weights};
 use les_core::router::Gating;
 
@@ -78,4 +85,132 @@ fn greedy_and_log_probabilities_equal_llama_cpp() {
         assert_equals_llama_cpp(&model(arch, "f32", &F32_WEIGHTS), &tag, 1e-4, 1.0);
         assert_close_to_llama_cpp(&model(arch, "q", &[]), &format!("{arch}_q"));
     }
+}
+
+/// The session places a prompt's inputs as llama.cpp's `mtmd` does for an
+/// M-RoPE model: tokens at `[t, t, t, 0]`, a grid's embeddings at the
+/// temporal position before them with their row and column added, text
+/// after a grid from `t0 + max(nx, ny)`, embeddings in sequence at
+/// `[t; 4]`; the same places (and logits, bit for bit) whatever the prefill
+/// batch, and after going back into an image.
+#[test]
+fn session_places_image_grids_as_mtmd_does() {
+    let path = model("qwen3vlmoe", "places", &[]);
+    let m = Model::open(&path).unwrap();
+    let (e, nds) = (m.hp.n_embd, m.hybrid.n_deepstack);
+    assert_eq!(nds, 3);
+    let width = e * (1 + nds);
+    // Tokens, a 3 x 2 grid, a token, a 2 x 3 grid right after a 1 x 1
+    // grid, two embeddings in sequence, two tokens.
+    let mut p = MultimodalPrompt::from_tokens(vec![1, 2], width);
+    let grid = |p: &mut MultimodalPrompt, nx: usize, ny: usize| {
+        let first = p.embeddings.len() / width;
+        p.grids.push(ChunkGrid { first, nx, ny });
+        for r in 0..nx * ny {
+            p.embeddings
+                .extend((0..width).map(|i| ((first + r) * 7 + i) as f32 % 13.0 * 0.01 - 0.06));
+            p.items.push(PromptItem::Embedding(first + r));
+        }
+    };
+    grid(&mut p, 3, 2);
+    p.items.push(PromptItem::Token(3));
+    grid(&mut p, 1, 1);
+    grid(&mut p, 2, 3);
+    for _ in 0..2 {
+        let r = p.embeddings.len() / width;
+        p.embeddings.extend(std::iter::repeat_n(0.02, width));
+        p.items.push(PromptItem::Embedding(r));
+    }
+    p.items.extend([PromptItem::Token(4), PromptItem::Token(5)]);
+    let (inputs, places) = (p.inputs(), p.places());
+    // The places by hand: index and [t, h, w, e].
+    let mut want: Vec<[u32; 4]> = vec![[0, 0, 0, 0], [1, 1, 1, 0]];
+    want.extend((0..6).map(|k| [2, 2 + k / 3, 2 + k % 3, 0]));
+    want.push([5, 5, 5, 0]); // 2 + max(3, 2)
+    want.push([6, 6, 6, 0]); // the 1 x 1 grid
+    want.extend((0..6).map(|k| [7, 7 + k / 2, 7 + k % 2, 0]));
+    want.extend([[10; 4], [11; 4]]); // 7 + max(2, 3), then in sequence
+    want.extend([[12, 12, 12, 0], [13, 13, 13, 0]]);
+    assert_eq!(want.len(), inputs.len());
+
+    let supply = || {
+        Supply::new(
+            &m,
+            &path,
+            Schedule::Resident,
+            SlotBudget::none(FileDeviceConfig::default()),
+        )
+        .unwrap()
+    };
+    let run = |batch: usize, rewind_to: Option<usize>| {
+        let mut s = Session::new(&m, 64).unwrap();
+        s.set_prefill_batch(batch).unwrap();
+        let mut mv = ThreadedMatVec::new(1, Isa::detect());
+        let mut sup = supply();
+        let mut logits = vec![0f32; m.hp.n_vocab];
+        let mut seen = Vec::new();
+        if batch == 1 {
+            for (i, (input, place)) in inputs.iter().zip(&places).enumerate() {
+                let at = s.next_place(*place).unwrap();
+                assert_eq!((at.index, at.rope), (i, want[i]), "input {i}");
+                s.eval_placed(&mut mv, &mut sup, None, *input, *place, &mut logits)
+                    .unwrap();
+                seen.push(logits.clone());
+            }
+        } else {
+            prefill_observed(
+                &mut s,
+                &mut mv,
+                &mut sup,
+                None,
+                &inputs,
+                &places,
+                &mut logits,
+                None,
+            )
+            .unwrap();
+            seen.push(logits.clone());
+        }
+        if let Some(back) = rewind_to {
+            // Back into the first grid, then its rest and everything after again.
+            s.rewind(back).unwrap();
+            let at = s.next_place(places[back]).unwrap();
+            assert_eq!(at.rope, want[back]);
+            prefill_observed(
+                &mut s,
+                &mut mv,
+                &mut sup,
+                None,
+                &inputs[back..],
+                &places[back..],
+                &mut logits,
+                None,
+            )
+            .unwrap();
+            seen.push(logits.clone());
+        }
+        // Generated text goes on from the last place.
+        assert_eq!(
+            s.next_place(InputPlace::Text).unwrap().rope,
+            [14, 14, 14, 0]
+        );
+        s.eval(&mut mv, &mut sup, None, TokenInput::Token(6), &mut logits)
+            .unwrap();
+        seen.push(logits);
+        seen
+    };
+    let one = run(1, None);
+    let last = one[inputs.len() - 1].clone();
+    for batch in [4, 64] {
+        let got = run(batch, Some(4));
+        assert!(got[0] == last && got[1] == last, "batch {batch}");
+        assert!(
+            got[2] == one[inputs.len()],
+            "batch {batch}: the token after"
+        );
+    }
+    // An image place outside its grid is refused.
+    let s = Session::new(&m, 64).unwrap();
+    let bad = InputPlace::Image { k: 6, nx: 3, ny: 2 };
+    assert!(s.next_place(bad).is_err());
 }

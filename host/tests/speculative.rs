@@ -178,6 +178,7 @@ fn generate(
         &mut supply,
         Some(&la),
         &inputs,
+        &[],
         drafter.map(|d| Speculation {
             drafter: d,
             max_draft,

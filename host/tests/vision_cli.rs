@@ -637,11 +637,27 @@ fn conversation_takes_images_in_any_turn() {
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
 fn multimodal_decode_equals_llama_cpps() {
-    let (lm, mm) = (tmp("mtmd_lm_f32.gguf"), tmp("mtmd_mm_f16.gguf"));
+    decode_equals_llama_cpps("qwen3moe", 2e-3);
+}
+
+/// [`multimodal_decode_equals_llama_cpps`] before MiniCPM-V 4.7's language
+/// model (qwen35moe): M-RoPE sections, where llama.cpp places MiniCPM-V's
+/// overview and slices in sequence, in every section. Logits within 1e-2
+/// (measured 1.3-4e-3: the recurrent layers carry the f16 embeddings'
+/// differences further; with the projector's weights in f32, 1e-4).
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn multimodal_decode_on_qwen35moe_equals_llama_cpps() {
+    decode_equals_llama_cpps("qwen35moe", 1e-2);
+}
+
+fn decode_equals_llama_cpps(arch: &str, tolerance: f32) {
+    let (lm, mm) = (
+        tmp(&format!("mtmd_lm_f32_{arch}.gguf")),
+        tmp(&format!("mtmd_mm_f16_{arch}.gguf")),
+    );
     let out = les()
-        .args([
-            "synth", "--arch", "qwen3moe", "--preset", "tiny", "--quiet", "-o",
-        ])
+        .args(["synth", "--arch", arch, "--preset", "tiny", "--quiet", "-o"])
         .arg(&lm)
         .arg("--mmproj-out")
         .arg(&mm)
@@ -649,7 +665,7 @@ fn multimodal_decode_equals_llama_cpps() {
         .output()
         .unwrap();
     ok(out);
-    let large = tmp("mtmd_large.png");
+    let large = tmp(&format!("mtmd_large_{arch}.png"));
     image::RgbImage::from_fn(640, 400, |x, y| {
         image::Rgb([
             (x * 3 % 256) as u8,
@@ -662,7 +678,7 @@ fn multimodal_decode_equals_llama_cpps() {
     let prompt = "What is in <__media__>? It is";
     let jpeg = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/jpeg/progressive.jpg");
     for img in [image(), large, jpeg] {
-        let logits = tmp("mtmd_les_logits.npy");
+        let logits = tmp(&format!("mtmd_les_logits_{arch}.npy"));
         let v: Value = serde_json::from_str(&ok(run(
             &lm,
             &mm,
@@ -715,7 +731,10 @@ fn multimodal_decode_equals_llama_cpps() {
                 worst = worst.max((ours[r * cols + c] - v.as_f64().unwrap() as f32).abs());
             }
         }
-        eprintln!("{}: largest logit difference {worst:.2e}", img.display());
-        assert!(worst < 2e-3, "{}: {worst}", img.display());
+        eprintln!(
+            "{arch}, {}: largest logit difference {worst:.2e}",
+            img.display()
+        );
+        assert!(worst < tolerance, "{arch}, {}: {worst}", img.display());
     }
 }

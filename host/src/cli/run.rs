@@ -950,6 +950,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         }
     }
     let inputs = prompt.inputs();
+    let places = prompt.places();
     // As llama.cpp: the prompt's tokens count for the repeat penalty.
     for input in &inputs {
         if let TokenInput::Token(t) = input {
@@ -985,6 +986,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         &mut supply,
         Some(&lookahead),
         &inputs[pre..],
+        &places[pre..],
         drafter.as_deref_mut().map(|d| Speculation {
             drafter: d,
             max_draft,
@@ -1350,6 +1352,7 @@ fn converse(
             supply,
             Some(lookahead),
             &inputs,
+            &prompt.places(),
             drafter.as_deref_mut().map(|d| Speculation {
                 drafter: d,
                 max_draft,

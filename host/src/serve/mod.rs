@@ -470,6 +470,7 @@ impl<'m> Engine<'m> {
             &mut self.supply,
             Some(&self.lookahead),
             &inputs[keep..],
+            &prompt.places()[keep..],
             self.drafter
                 .as_mut()
                 .map(|(drafter, max_draft, adaptive)| Speculation {

@@ -170,9 +170,20 @@ pub fn encode_image(
     for c in &pre.chunks {
         chunks.push(encoder::encode(ctx, m, c)?);
     }
+    // Where an M-RoPE language model places the embeddings (llama.cpp's
+    // `mtmd`): MiniCPM-V's overview and slices in sequence, Gemma 3's as
+    // one row of a grid.
+    let chunk_grids = match m.hp.projector {
+        ProjectorType::MiniCpmV46 => Vec::new(),
+        ProjectorType::Gemma3 => chunks
+            .iter()
+            .map(|c| (c.len() / m.hp.n_mmproj_embd.max(1), 1))
+            .collect(),
+    };
     Ok(EncodedImage {
         chunks,
         grid: pre.grid,
         n_embd: m.hp.n_mmproj_embd,
+        chunk_grids,
     })
 }

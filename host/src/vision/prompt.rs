@@ -13,6 +13,8 @@
 
 use les_core::model::forward::TokenInput;
 
+use crate::engine::InputPlace;
+
 use super::clip::ProjectorType;
 use super::{ImageLayout, VisionError};
 use crate::tokenizer::{Tokenizer, Turn};
@@ -31,6 +33,12 @@ pub struct EncodedImage {
     pub grid: (usize, usize),
     /// Width of one embedding.
     pub n_embd: usize,
+    /// Each chunk's embeddings as a grid, per row and rows (llama.cpp's
+    /// `clip_n_output_tokens_x` / `_y`: Qwen3-VL's merged patches, Gemma
+    /// 3's as one row), where M-RoPE places them as a grid
+    /// ([`InputPlace::Image`]); empty where llama.cpp places them in
+    /// sequence ([`InputPlace::Sequence`]: MiniCPM-V's overview and slices).
+    pub chunk_grids: Vec<(usize, usize)>,
 }
 
 impl EncodedImage {
@@ -38,6 +46,30 @@ impl EncodedImage {
     pub fn n_tokens(&self) -> usize {
         self.chunks.iter().map(|c| c.len() / self.n_embd).sum()
     }
+
+    /// Chunk `c`'s grid, where it is placed as one and the grid holds it.
+    pub fn chunk_grid(&self, c: usize) -> Option<(usize, usize)> {
+        let n = self
+            .chunks
+            .get(c)
+            .map_or(0, |x| x.len() / self.n_embd.max(1));
+        self.chunk_grids
+            .get(c)
+            .copied()
+            .filter(|&(nx, ny)| nx.checked_mul(ny) == Some(n))
+    }
+}
+
+/// An image chunk placed as a grid in a prompt: its first row in
+/// [`MultimodalPrompt::embeddings`], and its grid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkGrid {
+    /// First embedding row.
+    pub first: usize,
+    /// Embeddings per row.
+    pub nx: usize,
+    /// Rows.
+    pub ny: usize,
 }
 
 /// One prompt position.
@@ -58,6 +90,8 @@ pub struct MultimodalPrompt {
     pub embeddings: Vec<f32>,
     /// Width of one embedding.
     pub n_embd: usize,
+    /// The image chunks' grids, in row order.
+    pub grids: Vec<ChunkGrid>,
 }
 
 impl MultimodalPrompt {
@@ -67,7 +101,45 @@ impl MultimodalPrompt {
             items: tokens.into_iter().map(PromptItem::Token).collect(),
             embeddings: Vec::new(),
             n_embd,
+            grids: Vec::new(),
         }
+    }
+
+    /// Appends `other`'s positions (of embeddings as wide) after these.
+    pub fn append(&mut self, other: &MultimodalPrompt) {
+        let base = self.embeddings.len() / self.n_embd.max(1);
+        self.embeddings.extend_from_slice(&other.embeddings);
+        self.items.extend(other.items.iter().map(|i| match *i {
+            PromptItem::Embedding(r) => PromptItem::Embedding(base + r),
+            t => t,
+        }));
+        self.grids.extend(other.grids.iter().map(|g| ChunkGrid {
+            first: base + g.first,
+            ..*g
+        }));
+    }
+
+    /// Where each position sits ([`InputPlace`]): text, an embedding of its
+    /// image chunk's grid, or (a chunk without one) in sequence.
+    pub fn places(&self) -> Vec<InputPlace> {
+        self.items
+            .iter()
+            .map(|&i| match i {
+                PromptItem::Token(_) => InputPlace::Text,
+                PromptItem::Embedding(r) => {
+                    // The last chunk starting at or before row `r`.
+                    let at = self.grids.partition_point(|g| g.first <= r);
+                    match at.checked_sub(1).map(|c| self.grids[c]) {
+                        Some(g) if r - g.first < g.nx * g.ny => InputPlace::Image {
+                            k: (r - g.first) as u32,
+                            nx: g.nx as u32,
+                            ny: g.ny as u32,
+                        },
+                        _ => InputPlace::Sequence,
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Its token ids, `image_id` at each image position (a drafter's history,
@@ -128,9 +200,12 @@ impl MultimodalPrompt {
         self.items.extend(ids.into_iter().map(PromptItem::Token));
     }
 
-    fn push_chunk(&mut self, chunk: &[f32]) {
+    fn push_chunk(&mut self, chunk: &[f32], grid: Option<(usize, usize)>) {
         let first = self.embeddings.len() / self.n_embd.max(1);
         let n = chunk.len() / self.n_embd.max(1);
+        if let Some((nx, ny)) = grid {
+            self.grids.push(ChunkGrid { first, nx, ny });
+        }
         self.embeddings.extend_from_slice(chunk);
         self.items
             .extend((first..first + n).map(PromptItem::Embedding));
@@ -299,7 +374,7 @@ pub fn build_prompt(
         images,
         &mut |piece| match piece {
             Piece::Tokens(t) => p.push_tokens(t.iter().copied()),
-            Piece::Chunk(img, c) => p.push_chunk(&img.chunks[c]),
+            Piece::Chunk(img, c) => p.push_chunk(&img.chunks[c], img.chunk_grid(c)),
         },
     )?;
     Ok(p)
