@@ -1313,6 +1313,13 @@ fn rope_scaling(
 const MAX_DIM: usize = 1 << 20;
 
 impl Model {
+    /// Width of an input embedding from a vision projector (llama.cpp's
+    /// `n_embd_inp`): `n_embd`, times one plus the deepstack layers whose
+    /// features ride after it (Qwen3-VL).
+    pub fn n_embd_inp(&self) -> usize {
+        self.hp.n_embd * (1 + self.hybrid.n_deepstack)
+    }
+
     /// Loads and validates the model in `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Model, ModelError> {
         let g = Gguf::open(path)?;

@@ -797,12 +797,12 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
                 &prompt_text,
                 true,
                 &encoded,
-                model.hp.n_embd,
+                model.n_embd_inp(),
             )?
         }
         _ => MultimodalPrompt::from_tokens(
             tokenizer.encode(&prompt_text, true, true),
-            model.hp.n_embd,
+            model.n_embd_inp(),
         ),
     };
     let prompt_tokens = prompt.tokens();
@@ -1268,7 +1268,7 @@ fn converse(
         stops,
     } = t;
     let ctx = session.max_positions();
-    let (n_embd, n_vocab) = (model.hp.n_embd, model.hp.n_vocab as u32);
+    let (n_embd, n_vocab) = (model.n_embd_inp(), model.hp.n_vocab as u32);
     // The images of the next message, encoded as they are named.
     let mut images: Vec<EncodedImage> = Vec::new();
     loop {

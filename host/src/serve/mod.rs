@@ -281,7 +281,7 @@ impl<'m> Engine<'m> {
                 )?
             }
         };
-        let n_embd = self.model.hp.n_embd;
+        let n_embd = self.model.n_embd_inp();
         if c.images.is_empty() {
             return Ok(MultimodalPrompt::from_tokens(
                 self.tokenizer.encode(&text, true, true),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use les_core::quant::{quantize, GgmlType};
 
 use super::rng::Rng;
-use super::{gguf_writer, Init, SynthConfig, SynthError, TensorPlan, Vocab};
+use super::{gguf_writer, vocab_of, Init, SynthConfig, SynthError, TensorPlan};
 use crate::interrupt::TempFile;
 
 /// Elements per chunk of a 2-D tensor (rounded to whole rows): 8 MiB of `f32`.
@@ -377,7 +377,7 @@ pub fn write_model(
     opts: &WriteOptions,
 ) -> Result<WriteReport, SynthError> {
     let start = Instant::now();
-    let vocab = Vocab::build(cfg.shape.vocab as usize).map_err(SynthError::Config)?;
+    let vocab = vocab_of(cfg)?;
     let (writer, plan) = gguf_writer(cfg, &vocab)?;
     drop(vocab);
     let total = writer.file_len();

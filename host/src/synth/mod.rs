@@ -2776,6 +2776,15 @@ fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthCon
     }
 }
 
+/// The vocabulary of `cfg`'s model: Qwen3-VL's carry its image markers too.
+pub fn vocab_of(cfg: &SynthConfig) -> Result<Vocab, SynthError> {
+    let more: &[&str] = match cfg.arch {
+        Arch::Qwen3vlmoe | Arch::Qwen3vl => &vocab::QWEN_VL_TOKENS,
+        _ => &[],
+    };
+    Vocab::build_with(cfg.shape.vocab as usize, more).map_err(SynthError::Config)
+}
+
 /// The header writer with every pair and tensor info added, and the plan.
 pub fn gguf_writer(
     cfg: &SynthConfig,
@@ -2802,7 +2811,7 @@ pub fn describe(
     cfg: &SynthConfig,
     out: &mut dyn std::io::Write,
 ) -> Result<u64, Box<dyn std::error::Error>> {
-    let vocab = Vocab::build(cfg.shape.vocab as usize).map_err(SynthError::Config)?;
+    let vocab = vocab_of(cfg)?;
     let (w, plan) = gguf_writer(cfg, &vocab)?;
     let s = &cfg.shape;
     let t = &cfg.types;

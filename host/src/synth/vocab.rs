@@ -35,6 +35,11 @@ pub const MEDIA_TOKENS: [&str; 6] = [
     "<end_of_image>",
 ];
 
+/// The tokens Qwen-VL models (Qwen3-VL) wrap an image's embeddings in,
+/// added after [`MEDIA_TOKENS`] to those models' vocabularies only (the
+/// others' tokens stay as they were).
+pub const QWEN_VL_TOKENS: [&str; 2] = ["<|vision_start|>", "<|vision_end|>"];
+
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
 /// `tokenizer.ggml.token_type` of control tokens.
@@ -164,13 +169,20 @@ fn pretokenize(text: &str) -> Vec<&str> {
 impl Vocab {
     /// Builds a vocabulary of exactly `n_vocab` tokens (at least [`MIN_VOCAB`]).
     pub fn build(n_vocab: usize) -> Result<Self, String> {
+        Self::build_with(n_vocab, &[])
+    }
+
+    /// [`build`](Self::build) with `more` image-marker tokens after
+    /// [`MEDIA_TOKENS`] (where the vocabulary has room for them all).
+    pub fn build_with(n_vocab: usize, more: &[&str]) -> Result<Self, String> {
         if n_vocab < MIN_VOCAB {
             return Err(format!(
                 "vocabulary of {n_vocab} tokens: at least {MIN_VOCAB} needed"
             ));
         }
-        let media: &[&str] = if n_vocab >= MIN_VOCAB + MEDIA_TOKENS.len() {
-            &MEDIA_TOKENS
+        let all: Vec<&str> = MEDIA_TOKENS.iter().chain(more).copied().collect();
+        let media: &[&str] = if n_vocab >= MIN_VOCAB + all.len() {
+            &all
         } else {
             &[]
         };
