@@ -231,6 +231,12 @@ fn lay_out<I: ImageChunks>(
             require_token(tok, "\n")?,
         )),
         ProjectorType::Gemma3 => None,
+        // Placeholder until the language-model side lays Qwen3-VL prompts out.
+        ProjectorType::Qwen3Vl => {
+            return Err(VisionError::Prompt(
+                "qwen3vl_merger prompts are not supported yet".into(),
+            ))
+        }
     };
     for (i, part) in parts.iter().enumerate() {
         if !part.is_empty() {
