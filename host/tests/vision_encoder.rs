@@ -993,6 +993,223 @@ fn embeddings_equal_llama_cpps() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// les's Qwen3-VL image embeddings against llama.cpp's own (`libmtmd`
+/// through llama-cpp-python, `scripts/mtmd_llama.py`'s `embed`) on a
+/// synthetic qwen3vlmoe language model and a matching `qwen3vl_merger`
+/// projector made by one `les synth` command (`f16`, three deepstack
+/// mergers: rows of 4 x n_embd, the model's `n_embd_inp`), and on `f32`
+/// (GELU, and SiLU in the ViT) and `bf16` variants of it: the token grid
+/// ([`les::vision::merged_grid`], llama.cpp's `nx` x `ny`) of fifteen image
+/// sizes, then images resized up to the token minimum, down to the maximum,
+/// and neither, square, wide and tall: one image chunk each, its rows within
+/// float error. Needs llama-cpp-python with its `mtmd` library.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn qwen3vl_embeddings_equal_llama_cpps() {
+    let les = env!("CARGO_BIN_EXE_les");
+    let model = tmp("mtmd_q3vl_text.gguf");
+    let mmproj_f16 = tmp("mtmd_q3vl_F16.gguf");
+    let status = std::process::Command::new(les)
+        .args([
+            "synth",
+            "--quiet",
+            "--arch",
+            "qwen3vlmoe",
+            "--preset",
+            "tiny",
+            "--projector",
+            "qwen3vl_merger",
+            "--mmproj-out",
+        ])
+        .arg(&mmproj_f16)
+        .arg("-o")
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let g = Gguf::open(&model).unwrap();
+    let n_embd = g.get_u64("qwen3vlmoe.embedding_length").unwrap();
+    let n_deepstack = g.get_u64("qwen3vlmoe.n_deepstack_layers").unwrap();
+    drop(g);
+    // The token grid of images of many sizes, resized up, down and not
+    // (llama.cpp's `nx` x `ny` after its preprocessing; nothing encoded).
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+    let sizes = [
+        (1, 1),
+        (31, 33),
+        (64, 64),
+        (100, 100),
+        (90, 91),
+        (97, 411),
+        (300, 200),
+        (333, 777),
+        (1023, 1025),
+        (5000, 20),
+        (20, 5000),
+        (2200, 2000),
+        (4000, 3000),
+        (6000, 4000),
+        (16384, 1),
+    ];
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg("grid")
+        .args([&model, &mmproj_f16])
+        .args(sizes.iter().map(|(w, h)| format!("{w}x{h}")))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let grids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = ClipModel::open(&mmproj_f16).unwrap();
+    for ((w, h), g) in sizes.iter().zip(grids.as_array().unwrap()) {
+        let ours = les::vision::merged_grid(&m, *w, *h);
+        let theirs = (
+            g["nx"].as_u64().unwrap() as usize,
+            g["ny"].as_u64().unwrap() as usize,
+        );
+        assert_eq!(ours, theirs, "{w}x{h}: the token grid");
+        assert_eq!(ours.0 * ours.1, g["n"].as_u64().unwrap() as usize);
+        eprintln!("{w}x{h}: {} x {} tokens, as llama.cpp", ours.0, ours.1);
+    }
+    assert_eq!(grids.as_array().unwrap().len(), sizes.len());
+    drop(m);
+    let mut pool = Pool::new(2);
+    let mut failures = Vec::new();
+    // Every FFN here is ggml's GELU, a table over f16 inputs: an input near
+    // the middle of two f16 values rounds to either side on a last-bit
+    // difference of the sums before it (see `embeddings_equal_llama_cpps`);
+    // with f16 or bf16 matrices both round the activations of each product
+    // to that type too.
+    let mut variants = vec![(GgmlType::F16, false, mmproj_f16, 2e-3)];
+    for (ty, silu, tolerance) in [
+        (GgmlType::F32, false, 5e-4),
+        (GgmlType::F32, true, 5e-4),
+        (GgmlType::BF16, false, 5e-3),
+    ] {
+        let mut cfg = MmprojConfig::tiny(ProjectorType::Qwen3Vl, n_embd, 3);
+        cfg.ty = ty;
+        cfg.deepstack = n_deepstack;
+        let act = if silu { "silu" } else { "gelu" };
+        let path = tmp(&format!("mtmd_q3vl_{ty}_{act}.gguf"));
+        write_mmproj(&cfg, &path).unwrap();
+        if silu {
+            use les::gguf::MetaValue;
+            let src = tmp(&format!("mtmd_q3vl_{ty}_gelu0.gguf"));
+            std::fs::rename(&path, &src).unwrap();
+            common::rewrite_gguf(
+                &src,
+                &path,
+                |k, v| (k != "clip.use_gelu").then_some(v),
+                vec![("clip.use_silu", MetaValue::Bool(true))],
+            );
+        }
+        variants.push((ty, silu, path, tolerance));
+    }
+    for (ty, silu, mmproj, tolerance) in variants {
+        let m = ClipModel::open(&mmproj).unwrap();
+        assert_eq!(m.hp.n_deepstack as u64, n_deepstack);
+        let width = m.row_width();
+        assert_eq!(width as u64, n_embd * (1 + n_deepstack));
+        // 64 x 64 is under the 8-token minimum (scaled up to 96 x 96); 300 x
+        // 200 and 97 x 411 are rounded to multiples of 32; 256 x 256 is the
+        // table's own grid; 1000 x 180 is wide; 2200 x 2000 is over the
+        // 4096-token maximum (scaled down to 2144 x 1952, 16348 patches: a
+        // minute, and 4 GiB for llama.cpp's attention scores, so once).
+        let mut sizes: Vec<(u32, u32)> =
+            vec![(300, 200), (97, 411), (64, 64), (256, 256), (1000, 180)];
+        if ty == GgmlType::F16 {
+            sizes.push((2200, 2000));
+        }
+        for (w, h) in sizes {
+            let png = tmp(&format!("mtmd_{w}x{h}.png"));
+            png_of(w, h, &png);
+            let out = std::process::Command::new("python3")
+                .arg(script)
+                .arg("embed")
+                .args([&model, &mmproj, &png])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let images: Vec<&serde_json::Value> = chunks
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c.get("image").is_some())
+                .collect();
+            let act = if silu { "silu" } else { "gelu" };
+            let what = format!("qwen3vl_merger {ty} {act} {w}x{h}");
+            assert_eq!(images.len(), 1, "{what}: image chunks");
+            let theirs: Vec<f32> = images[0]["image"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            let grid = les::vision::merged_grid(&m, w as usize, h as usize);
+            let their_grid = (
+                images[0]["nx"].as_u64().unwrap() as usize,
+                images[0]["ny"].as_u64().unwrap() as usize,
+            );
+            assert_eq!(grid, their_grid, "{what}: the token grid");
+            let layout = les::vision::image_layout(&m, (w as usize, h as usize));
+            assert_eq!(layout.chunk_tokens, [grid.0 * grid.1], "{what}: layout");
+            let img = les::vision::image::load_image(&png).unwrap();
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa: Isa::detect(),
+            };
+            let ours = les::vision::encode_image(&mut ctx, &m, &img).unwrap();
+            assert_eq!(ours.chunks.len(), 1, "{what}: chunks");
+            assert_eq!(ours.n_embd, width, "{what}: row width");
+            assert_eq!(ours.chunks[0].len(), theirs.len(), "{what}: size");
+            assert_eq!(theirs.len(), grid.0 * grid.1 * width, "{what}: size");
+            let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let worst = ours.chunks[0]
+                .iter()
+                .zip(&theirs)
+                .map(|(a, b)| (a - b).abs() / scale)
+                .fold(0f32, f32::max);
+            // Where they differ: the parts of rows (the merger's output, each
+            // deepstack merger's) with a value more than 1e-5 apart. A GELU
+            // flip in a merger's hidden layer moves one part of one row; one
+            // in the ViT moves every token after it (attention mixes them).
+            let part = m.hp.n_mmproj_embd;
+            let apart = ours.chunks[0]
+                .chunks(part)
+                .zip(theirs.chunks(part))
+                .filter(|(a, b)| a.iter().zip(*b).any(|(x, y)| (x - y).abs() > 1e-5 * scale))
+                .count();
+            eprintln!(
+                "{what}: {} x {} tokens of {width}, largest difference {worst:.2e} of the \
+                 largest value ({scale:.3}); {apart} of {} row parts more than 1e-5 apart",
+                grid.0,
+                grid.1,
+                theirs.len() / part
+            );
+            if worst >= tolerance {
+                failures.push(format!("{what}: {worst:.2e} >= {tolerance:.0e}"));
+            }
+            // With SiLU in the ViT and f32 weights only the mergers' GELUs can
+            // flip: all but a few row parts agree to float rounding (measured:
+            // 0 to 12 of 36 to 744), where a systematic difference (an order,
+            // a position, an interpolation) would move them all.
+            if silu && ty == GgmlType::F32 && apart > theirs.len() / part / 8 {
+                failures.push(format!("{what}: {apart} row parts apart"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// Copies the GGUF `src` to `dst` without the tensors `drop` names (metadata
 /// and the other tensors unchanged).
 fn copy_without(src: &PathBuf, dst: &PathBuf, drop: &[&str]) {
