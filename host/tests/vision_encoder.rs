@@ -715,21 +715,30 @@ fn qwen3vl_encoder_matches_the_reference() {
 
 #[test]
 fn encoder_output_does_not_depend_on_threads_or_kernels() {
-    let (path, _) = projector(ProjectorType::MiniCpmV46, GgmlType::F16, "enc_threads.gguf");
-    let model = ClipModel::open(&path).unwrap();
-    let img = test_image(224, 168, 3);
-    let run = |threads: usize, isa: Isa| {
-        let mut pool = Pool::new(threads);
-        let mut ctx = Ctx {
-            pool: &mut pool,
-            isa,
+    for (ptype, (w, h)) in [
+        (ProjectorType::MiniCpmV46, (224, 168)),
+        (ProjectorType::Qwen3Vl, (192, 128)),
+    ] {
+        let name = format!("enc_threads_{}.gguf", ptype.name());
+        let (path, _) = projector(ptype, GgmlType::F16, &name);
+        let model = ClipModel::open(&path).unwrap();
+        let img = test_image(w, h, 3);
+        let run = |threads: usize, isa: Isa| {
+            let mut pool = Pool::new(threads);
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa,
+            };
+            encode(&mut ctx, &model, &img).unwrap()
         };
-        encode(&mut ctx, &model, &img).unwrap()
-    };
-    let base = run(1, Isa::Scalar);
-    for isa in Isa::available() {
-        for threads in [1, 2, 4] {
-            assert!(run(threads, isa) == base, "{isa} x {threads} threads");
+        let base = run(1, Isa::Scalar);
+        for isa in Isa::available() {
+            for threads in [1, 2, 4] {
+                assert!(
+                    run(threads, isa) == base,
+                    "{ptype:?}: {isa} x {threads} threads"
+                );
+            }
         }
     }
 }
