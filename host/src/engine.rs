@@ -909,8 +909,9 @@ impl<'m> Session<'m> {
 
 impl Session<'_> {
     /// Evaluates `inputs` at the next positions in one pass, layer by layer
-    /// ([`forward_batch`]: each layer's experts are asked for once for all the
-    /// positions), and writes the last one's next-token logits (`logits` holds
+    /// ([`forward_batch`](les_core::model::forward::forward_batch): each
+    /// layer's experts are asked for once for all the positions), and
+    /// writes the last one's next-token logits (`logits` holds
     /// `n_vocab` floats) or every one's (`inputs.len() * n_vocab`): the same
     /// logits, caches and state as [`eval`](Self::eval) of each input in turn.
     pub fn eval_batch<M: MatVec, X: Experts>(

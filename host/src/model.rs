@@ -121,10 +121,11 @@ pub enum Arch {
     /// `feed_forward_length` plus an ungated shared expert.
     HunyuanMoe,
     /// Qwen3-VL's MoE language model (Qwen3-VL-30B-A3B, -235B-A22B;
-    /// llama.cpp's `qwen3vlmoe`), text only: qwen3moe's layers rotated by
-    /// IMRoPE sections; its vision tower (`qwen3vl_merger`) is not read.
+    /// llama.cpp's `qwen3vlmoe`): qwen3moe's layers rotated by IMRoPE
+    /// sections; images through its `qwen3vl_merger` projector, with
+    /// deepstack features ([`HybridParams::n_deepstack`]).
     Qwen3VlMoe,
-    /// Qwen3-VL's dense language model (llama.cpp's `qwen3vl`), text only.
+    /// Qwen3-VL's dense language model (llama.cpp's `qwen3vl`).
     Qwen3Vl,
     /// Llama 4 Scout / Maverick (llama.cpp's `llama4`, text only): chunked
     /// attention (8192 positions) on three layers of four, the fourth without

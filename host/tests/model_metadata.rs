@@ -1,5 +1,5 @@
 //! Broken hyperparameters: every number in the metadata of each architecture's
-//! tiny synthetic model and of both synthetic vision projectors, set one at a
+//! tiny synthetic model and of each synthetic vision projector, set one at a
 //! time to values that break it (0, 1, odd, huge, the type's maximum; floats
 //! also negative, NaN and infinite), gives a clear one-line error when the file
 //! loads, or a model that decodes a few tokens (a projector that encodes an
@@ -44,8 +44,14 @@ fn synth(arch: &str) -> PathBuf {
     )
 }
 
-/// A synthetic projector of type `projector` for a tiny model.
+/// A synthetic projector of type `projector` for a tiny model (Qwen3-VL's for
+/// a qwen3vlmoe one, whose deepstack mergers it then has).
 fn synth_mmproj(projector: &str) -> PathBuf {
+    let arch = if projector == "qwen3vl_merger" {
+        "qwen3vlmoe"
+    } else {
+        "qwen3moe"
+    };
     let mm = tmp(&format!("meta-mmproj-{projector}.gguf"));
     let mm_arg = mm.to_str().expect("a UTF-8 scratch path");
     synth_once(
@@ -53,7 +59,7 @@ fn synth_mmproj(projector: &str) -> PathBuf {
         &[
             "--quiet",
             "--arch",
-            "qwen3moe",
+            arch,
             "--preset",
             "tiny",
             "--projector",
@@ -235,7 +241,7 @@ fn broken_hyperparameters_are_errors_not_panics() {
         edit_every_number(&src, &prefix, &mut lm, load_and_decode);
     }
     let mut vision = Tally::default();
-    for projector in ["minicpmv4_6", "gemma3"] {
+    for projector in ["minicpmv4_6", "gemma3", "qwen3vl_merger"] {
         let src = synth_mmproj(projector);
         edit_every_number(&src, "clip.", &mut vision, load_and_encode);
     }

@@ -463,6 +463,102 @@ fn image_layouts_and_prompt_lengths_are_known_before_encoding() {
     }
 }
 
+/// `les synth --arch qwen3vlmoe ... --mmproj-out P --projector
+/// qwen3vl_merger` makes the pair in one command: the tower's deepstack
+/// mergers follow the model's `n_deepstack_layers` (none for a model without
+/// them), on the blocks before the last; rows are `n_embd` per merger plus
+/// one; each image is one chunk of its merged grid, known before encoding.
+#[test]
+fn qwen3vl_projector_follows_its_language_model() {
+    use les::vision::{self, RgbImage};
+    let lm = tmp("vision_lm_q3vl.gguf");
+    let mm = tmp("vision_mmproj_q3vl.gguf");
+    let text = ok(les()
+        .args([
+            "synth",
+            "--arch",
+            "qwen3vlmoe",
+            "--preset",
+            "tiny",
+            "--quiet",
+        ])
+        .arg("-o")
+        .arg(&lm)
+        .arg("--mmproj-out")
+        .arg(&mm)
+        .args(["--projector", "qwen3vl_merger"])
+        .output()
+        .unwrap());
+    assert!(text.contains("qwen3vl_merger"), "{text}");
+    let g = les::gguf::Gguf::open(&lm).unwrap();
+    let n_embd = g.get_u32("qwen3vlmoe.embedding_length").unwrap() as usize;
+    assert_eq!(g.get_u32("qwen3vlmoe.n_deepstack_layers").unwrap(), 3);
+    let g = les::gguf::Gguf::open(&mm).unwrap();
+    assert_eq!(g.get_u32("clip.vision.block_count").unwrap(), 4);
+    let marks: Vec<bool> = g
+        .get_array("clip.vision.is_deepstack_layers")
+        .unwrap()
+        .iter()
+        .map(|v| v.as_bool().unwrap())
+        .collect();
+    assert_eq!(marks, [true, true, true, false]);
+    let clip = vision::ClipModel::open(&mm).unwrap();
+    assert_eq!(clip.hp.projector, vision::ProjectorType::Qwen3Vl);
+    assert_eq!(clip.hp.n_mmproj_embd, n_embd);
+    assert_eq!(clip.row_width(), 4 * n_embd);
+    let mut pool = les::compute::Pool::new(2);
+    let mut ctx = vision::Ctx {
+        pool: &mut pool,
+        isa: les_core::gemv::Isa::detect(),
+    };
+    for (w, h) in [(320, 240), (100, 60), (1000, 90), (90, 1000), (10, 10)] {
+        let layout = vision::image_layout(&clip, (w, h));
+        let grid = vision::merged_grid(&clip, w, h);
+        let e =
+            vision::encode_image(&mut ctx, &clip, &RgbImage::filled(w, h, [200, 100, 50])).unwrap();
+        assert_eq!(e.n_embd, clip.row_width());
+        assert_eq!((e.chunks.len(), e.grid), (1, (0, 0)));
+        assert_eq!(e.chunks[0].len(), grid.0 * grid.1 * e.n_embd, "{w}x{h}");
+        assert_eq!(layout.chunk_tokens, [grid.0 * grid.1], "{w}x{h}");
+    }
+    // A model without deepstack inputs gets a tower without mergers; a tower
+    // too shallow for the model's is refused before anything is written.
+    let lm2 = tmp("vision_lm_q3vl_plain.gguf");
+    let mm2 = tmp("vision_mmproj_q3vl_plain.gguf");
+    ok(les()
+        .args(["synth", "--arch", "qwen3moe", "--quiet", "-o"])
+        .arg(&lm2)
+        .arg("--mmproj-out")
+        .arg(&mm2)
+        .args(["--projector", "qwen3vl_merger"])
+        .output()
+        .unwrap());
+    let clip = vision::ClipModel::open(&mm2).unwrap();
+    assert_eq!(
+        (clip.hp.n_deepstack, clip.row_width()),
+        (0, clip.hp.n_mmproj_embd)
+    );
+    let out = les()
+        .args([
+            "synth",
+            "--arch",
+            "qwen3vlmoe",
+            "--preset",
+            "tiny",
+            "--quiet",
+            "-o",
+        ])
+        .arg(tmp("vision_lm_q3vl_shallow.gguf"))
+        .arg("--mmproj-out")
+        .arg(tmp("vision_mmproj_q3vl_shallow.gguf"))
+        .args(["--projector", "qwen3vl_merger", "--mmproj-layers", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("deepstack"), "{err}");
+}
+
 /// A prompt whose images do not fit the context fails before any image is
 /// decoded: here a JPEG cut short after its header, which would fail to decode.
 #[test]

@@ -1,5 +1,6 @@
 //! The vision encoder against an independent plain-`f32` reference, on tiny
-//! synthetic projectors (`minicpmv4_6` and `gemma3`, `f32` and `f16` weights).
+//! synthetic projectors (`minicpmv4_6`, `gemma3` and `qwen3vl_merger`, `f32`
+//! and `f16` weights).
 //!
 //! The reference follows llama.cpp's graphs literally: the patch embedding as a
 //! convolution, attention with full score matrices and, for MiniCPM-V 4.6's
@@ -376,6 +377,178 @@ fn reference_gemma3(w: &Weights, hp: &Hp, img: &ImageF32, k: usize) -> Vec<Vec<f
         .collect()
 }
 
+/// A convolution of `img` with the kernel `name` (ne = [P, P, 3, width]) at
+/// every patch, row-major, without bias, in f16 as `ggml_conv_2d` makes it
+/// (pixels and kernel rounded to f16, products summed).
+fn conv(w: &Weights, name: &str, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let k: Vec<f32> = w.get(name).into_iter().map(f16).collect();
+    let pixels: Vec<f32> = img.data.iter().map(|&v| f16(v)).collect();
+    let p = hp.patch;
+    let (pw, ph) = (img.width / p, img.height / p);
+    let mut out = Vec::new();
+    for py in 0..ph {
+        for px in 0..pw {
+            let e = (0..hp.width)
+                .map(|oc| {
+                    let mut s = 0f64;
+                    for c in 0..3 {
+                        for ky in 0..p {
+                            for kx in 0..p {
+                                let wv = k[((oc * 3 + c) * p + ky) * p + kx];
+                                let xv = pixels[3 * ((py * p + ky) * img.width + px * p + kx) + c];
+                                s += f64::from(wv) * f64::from(xv);
+                            }
+                        }
+                    }
+                    s as f32
+                })
+                .collect();
+            out.push(e);
+        }
+    }
+    out
+}
+
+/// Bilinear interpolation with aligned corners of the `side` x `side` table
+/// `pos` (rows of `d`) at the centres of a `pw` x `ph` grid: grid point
+/// `(x, y)` reads the table at `(x (side - 1) / (pw - 1), y (side - 1) / (ph -
+/// 1))`, weighted by distance (in f64).
+fn bilinear(pos: &[f32], side: usize, d: usize, pw: usize, ph: usize) -> Vec<Vec<f32>> {
+    let src = |i: usize, n: usize| {
+        if n > 1 && side > 1 {
+            i as f64 * (side - 1) as f64 / (n - 1) as f64
+        } else {
+            i as f64 * side as f64 / n as f64
+        }
+    };
+    let mut out = Vec::new();
+    for y in 0..ph {
+        for x in 0..pw {
+            let (sx, sy) = (src(x, pw), src(y, ph));
+            let (x0, y0) = (sx.floor() as usize, sy.floor() as usize);
+            let (x1, y1) = ((x0 + 1).min(side - 1), (y0 + 1).min(side - 1));
+            let (fx, fy) = (sx - x0 as f64, sy - y0 as f64);
+            let at = |yy: usize, xx: usize, c: usize| f64::from(pos[(yy * side + xx) * d + c]);
+            out.push(
+                (0..d)
+                    .map(|c| {
+                        (at(y0, x0, c) * (1.0 - fx) * (1.0 - fy)
+                            + at(y0, x1, c) * fx * (1.0 - fy)
+                            + at(y1, x0, c) * (1.0 - fx) * fy
+                            + at(y1, x1, c) * fx * fy) as f32
+                    })
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
+/// Rotates each head of `x` (tokens row-major on a `pw`-wide grid) as
+/// Qwen-VL's vision M-RoPE does: with head width `dh`, values `i` and
+/// `i + dh/2` turn together by `row * 10000^(-4i/dh)` for `i < dh/4` and by
+/// `column * 10000^(-4(i - dh/4)/dh)` for the rest of the first half.
+fn mrope_vision(x: &mut [Vec<f32>], heads: usize, pw: usize) {
+    for (t, xt) in x.iter_mut().enumerate() {
+        let (row, col) = ((t / pw) as f64, (t % pw) as f64);
+        let dh = xt.len() / heads;
+        for h in 0..heads {
+            let v = &mut xt[h * dh..(h + 1) * dh];
+            for i in 0..dh / 2 {
+                let (p, j) = if i < dh / 4 {
+                    (row, i)
+                } else {
+                    (col, i - dh / 4)
+                };
+                let a = p * 10000f64.powf(-4.0 * j as f64 / dh as f64);
+                let (x0, x1) = (f64::from(v[i]), f64::from(v[i + dh / 2]));
+                v[i] = (x0 * a.cos() - x1 * a.sin()) as f32;
+                v[i + dh / 2] = (x0 * a.sin() + x1 * a.cos()) as f32;
+            }
+        }
+    }
+}
+
+/// The tokens of a `pw` x `ph` grid (row-major) merged 2x2: for each 2x2
+/// block, blocks row by row, its top-left, top-right, bottom-left and
+/// bottom-right tokens concatenated.
+fn merge_2x2(x: &[Vec<f32>], pw: usize, ph: usize) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    for by in 0..ph / 2 {
+        for bx in 0..pw / 2 {
+            let mut row = Vec::new();
+            for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                row.extend_from_slice(&x[(2 * by + dy) * pw + 2 * bx + dx]);
+            }
+            out.push(row);
+        }
+    }
+    out
+}
+
+fn gelu_all(mut x: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    x.iter_mut().flatten().for_each(|v| *v = gelu(*v));
+    x
+}
+
+/// Qwen3-VL as `clip_graph_qwen3vl::build` computes it, written in the
+/// image's own (row-major) token order: attention does not depend on the
+/// order, so the 2x2 merge order only shows where tokens are merged.
+fn reference_qwen3vl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let d = hp.width;
+    // Both temporal kernels over the same picture, then the bias.
+    let bias = w.get("v.patch_embd.bias");
+    let c0 = conv(w, "v.patch_embd.weight", hp, img);
+    let c1 = conv(w, "v.patch_embd.weight.1", hp, img);
+    let mut x: Vec<Vec<f32>> = c0
+        .iter()
+        .zip(&c1)
+        .map(|(a, b)| (0..d).map(|c| a[c] + b[c] + bias[c]).collect())
+        .collect();
+    let pos = w.get("v.position_embd.weight");
+    let side = ((pos.len() / d) as f64).sqrt() as usize;
+    let pos = bilinear(&pos, side, d, pw, ph);
+    x = add(&x, &pos);
+    let mut features = Vec::new();
+    for l in 0..hp.layers {
+        let b = format!("v.blk.{l}");
+        let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
+        let qkv = linear(w, &format!("{b}.attn_qkv"), &h);
+        let part = |i: usize| -> Vec<Vec<f32>> {
+            qkv.iter().map(|r| r[i * d..(i + 1) * d].to_vec()).collect()
+        };
+        let (mut q, mut k, v) = (part(0), part(1), part(2));
+        mrope_vision(&mut q, hp.heads, pw);
+        mrope_vision(&mut k, hp.heads, pw);
+        let a = attention(&q, &k, &v, hp.heads, None);
+        let a = linear(w, &format!("{b}.attn_out"), &a);
+        x = add(&a, &x);
+        let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
+        let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
+        let f = linear(w, &format!("{b}.ffn_down"), &u);
+        x = add(&x, &f);
+        let ds = format!("v.deepstack.{l}");
+        if w.has(&format!("{ds}.fc1.weight")) {
+            let h = layer_norm(w, &format!("{ds}.norm"), &merge_2x2(&x, pw, ph), hp.eps);
+            let u = gelu_all(linear(w, &format!("{ds}.fc1"), &h));
+            features.push(linear(w, &format!("{ds}.fc2"), &u));
+        }
+    }
+    let x = layer_norm(w, "v.post_ln", &x, hp.eps);
+    let u = gelu_all(linear(w, "mm.0", &merge_2x2(&x, pw, ph)));
+    let out = linear(w, "mm.2", &u);
+    out.into_iter()
+        .enumerate()
+        .map(|(t, mut row)| {
+            for f in &features {
+                row.extend_from_slice(&f[t]);
+            }
+            row
+        })
+        .collect()
+}
+
 fn test_image(width: usize, height: usize, seed: u32) -> ImageF32 {
     let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
     let data = (0..width * height * 3)
@@ -496,22 +669,76 @@ fn gemma3_encoder_matches_the_reference() {
 }
 
 #[test]
+fn qwen3vl_encoder_matches_the_reference() {
+    // f32 and f16 weights with three deepstack mergers (blocks 0 to 2 of 4),
+    // and a tower without any.
+    for (ty, deepstack, layers, name) in [
+        (GgmlType::F32, 3, 4, "f32"),
+        (GgmlType::F16, 3, 4, "f16"),
+        (GgmlType::F16, 0, 2, "f16 no deepstack"),
+    ] {
+        let mut cfg = MmprojConfig::tiny(ProjectorType::Qwen3Vl, 48, 11);
+        cfg.ty = ty;
+        cfg.deepstack = deepstack;
+        cfg.layers = layers;
+        let path = tmp(&format!("enc_q3vl_{}.gguf", name.replace(' ', "_")));
+        write_mmproj(&cfg, &path).unwrap();
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!(model.hp.n_mmproj_embd, 48);
+        assert_eq!(model.hp.n_deepstack, deepstack as usize);
+        assert_eq!(model.row_width(), 48 * (1 + deepstack as usize));
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        let mut pool = Pool::new(3);
+        // The table's own 16 x 16 grid (no interpolation), grids smaller and
+        // larger than it, square and not, wide and tall.
+        for (iw, ih) in [(256, 256), (96, 64), (64, 160), (320, 96), (32, 32)] {
+            let img = test_image(iw, ih, 7);
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa: Isa::detect(),
+            };
+            let got = encode(&mut ctx, &model, &img).unwrap();
+            let tokens = (iw / 32) * (ih / 32);
+            assert_eq!(output_tokens(&model, iw, ih), tokens);
+            assert_eq!(got.len(), tokens * model.row_width());
+            let want = reference_qwen3vl(&w, &hp, &img);
+            compare(
+                &got,
+                &want,
+                &format!("qwen3vl_merger {name} {iw}x{ih}"),
+                tolerance(ty),
+            );
+        }
+    }
+}
+
+#[test]
 fn encoder_output_does_not_depend_on_threads_or_kernels() {
-    let (path, _) = projector(ProjectorType::MiniCpmV46, GgmlType::F16, "enc_threads.gguf");
-    let model = ClipModel::open(&path).unwrap();
-    let img = test_image(224, 168, 3);
-    let run = |threads: usize, isa: Isa| {
-        let mut pool = Pool::new(threads);
-        let mut ctx = Ctx {
-            pool: &mut pool,
-            isa,
+    for (ptype, (w, h)) in [
+        (ProjectorType::MiniCpmV46, (224, 168)),
+        (ProjectorType::Qwen3Vl, (192, 128)),
+    ] {
+        let name = format!("enc_threads_{}.gguf", ptype.name());
+        let (path, _) = projector(ptype, GgmlType::F16, &name);
+        let model = ClipModel::open(&path).unwrap();
+        let img = test_image(w, h, 3);
+        let run = |threads: usize, isa: Isa| {
+            let mut pool = Pool::new(threads);
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa,
+            };
+            encode(&mut ctx, &model, &img).unwrap()
         };
-        encode(&mut ctx, &model, &img).unwrap()
-    };
-    let base = run(1, Isa::Scalar);
-    for isa in Isa::available() {
-        for threads in [1, 2, 4] {
-            assert!(run(threads, isa) == base, "{isa} x {threads} threads");
+        let base = run(1, Isa::Scalar);
+        for isa in Isa::available() {
+            for threads in [1, 2, 4] {
+                assert!(
+                    run(threads, isa) == base,
+                    "{ptype:?}: {isa} x {threads} threads"
+                );
+            }
         }
     }
 }
@@ -773,4 +1000,353 @@ fn embeddings_equal_llama_cpps() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// les's Qwen3-VL image embeddings against llama.cpp's own (`libmtmd`
+/// through llama-cpp-python, `scripts/mtmd_llama.py`'s `embed`) on a
+/// synthetic qwen3vlmoe language model and a matching `qwen3vl_merger`
+/// projector made by one `les synth` command (`f16`, three deepstack
+/// mergers: rows of 4 x n_embd, the model's `n_embd_inp`), and on `f32`
+/// (GELU, and SiLU in the ViT) and `bf16` variants of it: the token grid
+/// ([`les::vision::merged_grid`], llama.cpp's `nx` x `ny`) of fifteen image
+/// sizes, then images resized up to the token minimum, down to the maximum,
+/// and neither, square, wide and tall: one image chunk each, its rows within
+/// float error. Needs llama-cpp-python with its `mtmd` library.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn qwen3vl_embeddings_equal_llama_cpps() {
+    let les = env!("CARGO_BIN_EXE_les");
+    let model = tmp("mtmd_q3vl_text.gguf");
+    let mmproj_f16 = tmp("mtmd_q3vl_F16.gguf");
+    let status = std::process::Command::new(les)
+        .args([
+            "synth",
+            "--quiet",
+            "--arch",
+            "qwen3vlmoe",
+            "--preset",
+            "tiny",
+            "--projector",
+            "qwen3vl_merger",
+            "--mmproj-out",
+        ])
+        .arg(&mmproj_f16)
+        .arg("-o")
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let g = Gguf::open(&model).unwrap();
+    let n_embd = g.get_u64("qwen3vlmoe.embedding_length").unwrap();
+    let n_deepstack = g.get_u64("qwen3vlmoe.n_deepstack_layers").unwrap();
+    drop(g);
+    // The token grid of images of many sizes, resized up, down and not
+    // (llama.cpp's `nx` x `ny` after its preprocessing; nothing encoded).
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+    let sizes = [
+        (1, 1),
+        (31, 33),
+        (64, 64),
+        (100, 100),
+        (90, 91),
+        (97, 411),
+        (300, 200),
+        (333, 777),
+        (1023, 1025),
+        (5000, 20),
+        (20, 5000),
+        (2200, 2000),
+        (4000, 3000),
+        (6000, 4000),
+        (16384, 1),
+    ];
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg("grid")
+        .args([&model, &mmproj_f16])
+        .args(sizes.iter().map(|(w, h)| format!("{w}x{h}")))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let grids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = ClipModel::open(&mmproj_f16).unwrap();
+    for ((w, h), g) in sizes.iter().zip(grids.as_array().unwrap()) {
+        let ours = les::vision::merged_grid(&m, *w, *h);
+        let theirs = (
+            g["nx"].as_u64().unwrap() as usize,
+            g["ny"].as_u64().unwrap() as usize,
+        );
+        assert_eq!(ours, theirs, "{w}x{h}: the token grid");
+        assert_eq!(ours.0 * ours.1, g["n"].as_u64().unwrap() as usize);
+        eprintln!("{w}x{h}: {} x {} tokens, as llama.cpp", ours.0, ours.1);
+    }
+    assert_eq!(grids.as_array().unwrap().len(), sizes.len());
+    drop(m);
+    let mut pool = Pool::new(2);
+    let mut failures = Vec::new();
+    // Every FFN here is ggml's GELU, a table over f16 inputs: an input near
+    // the middle of two f16 values rounds to either side on a last-bit
+    // difference of the sums before it (see `embeddings_equal_llama_cpps`);
+    // with f16 or bf16 matrices both round the activations of each product
+    // to that type too.
+    let mut variants = vec![(GgmlType::F16, false, mmproj_f16, 2e-3)];
+    for (ty, silu, tolerance) in [
+        (GgmlType::F32, false, 5e-4),
+        (GgmlType::F32, true, 5e-4),
+        (GgmlType::BF16, false, 5e-3),
+    ] {
+        let mut cfg = MmprojConfig::tiny(ProjectorType::Qwen3Vl, n_embd, 3);
+        cfg.ty = ty;
+        cfg.deepstack = n_deepstack;
+        let act = if silu { "silu" } else { "gelu" };
+        let path = tmp(&format!("mtmd_q3vl_{ty}_{act}.gguf"));
+        write_mmproj(&cfg, &path).unwrap();
+        if silu {
+            use les::gguf::MetaValue;
+            let src = tmp(&format!("mtmd_q3vl_{ty}_gelu0.gguf"));
+            std::fs::rename(&path, &src).unwrap();
+            common::rewrite_gguf(
+                &src,
+                &path,
+                |k, v| (k != "clip.use_gelu").then_some(v),
+                vec![("clip.use_silu", MetaValue::Bool(true))],
+            );
+        }
+        variants.push((ty, silu, path, tolerance));
+    }
+    for (ty, silu, mmproj, tolerance) in variants {
+        let m = ClipModel::open(&mmproj).unwrap();
+        assert_eq!(m.hp.n_deepstack as u64, n_deepstack);
+        let width = m.row_width();
+        assert_eq!(width as u64, n_embd * (1 + n_deepstack));
+        // 64 x 64 is under the 8-token minimum (scaled up to 96 x 96); 300 x
+        // 200 and 97 x 411 are rounded to multiples of 32; 256 x 256 is the
+        // table's own grid; 1000 x 180 is wide; 2200 x 2000 is over the
+        // 4096-token maximum (scaled down to 2144 x 1952, 16348 patches: a
+        // minute, and 4 GiB for llama.cpp's attention scores, so once).
+        let mut sizes: Vec<(u32, u32)> =
+            vec![(300, 200), (97, 411), (64, 64), (256, 256), (1000, 180)];
+        if ty == GgmlType::F16 {
+            sizes.push((2200, 2000));
+        }
+        for (w, h) in sizes {
+            let png = tmp(&format!("mtmd_{w}x{h}.png"));
+            png_of(w, h, &png);
+            let out = std::process::Command::new("python3")
+                .arg(script)
+                .arg("embed")
+                .args([&model, &mmproj, &png])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let images: Vec<&serde_json::Value> = chunks
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c.get("image").is_some())
+                .collect();
+            let act = if silu { "silu" } else { "gelu" };
+            let what = format!("qwen3vl_merger {ty} {act} {w}x{h}");
+            assert_eq!(images.len(), 1, "{what}: image chunks");
+            let theirs: Vec<f32> = images[0]["image"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            let grid = les::vision::merged_grid(&m, w as usize, h as usize);
+            let their_grid = (
+                images[0]["nx"].as_u64().unwrap() as usize,
+                images[0]["ny"].as_u64().unwrap() as usize,
+            );
+            assert_eq!(grid, their_grid, "{what}: the token grid");
+            let layout = les::vision::image_layout(&m, (w as usize, h as usize));
+            assert_eq!(layout.chunk_tokens, [grid.0 * grid.1], "{what}: layout");
+            let img = les::vision::image::load_image(&png).unwrap();
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa: Isa::detect(),
+            };
+            let ours = les::vision::encode_image(&mut ctx, &m, &img).unwrap();
+            assert_eq!(ours.chunks.len(), 1, "{what}: chunks");
+            assert_eq!(ours.n_embd, width, "{what}: row width");
+            assert_eq!(ours.chunks[0].len(), theirs.len(), "{what}: size");
+            assert_eq!(theirs.len(), grid.0 * grid.1 * width, "{what}: size");
+            let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let worst = ours.chunks[0]
+                .iter()
+                .zip(&theirs)
+                .map(|(a, b)| (a - b).abs() / scale)
+                .fold(0f32, f32::max);
+            // Where they differ: the parts of rows (the merger's output, each
+            // deepstack merger's) with a value more than 1e-5 apart. A GELU
+            // flip in a merger's hidden layer moves one part of one row; one
+            // in the ViT moves every token after it (attention mixes them).
+            let part = m.hp.n_mmproj_embd;
+            let apart = ours.chunks[0]
+                .chunks(part)
+                .zip(theirs.chunks(part))
+                .filter(|(a, b)| a.iter().zip(*b).any(|(x, y)| (x - y).abs() > 1e-5 * scale))
+                .count();
+            eprintln!(
+                "{what}: {} x {} tokens of {width}, largest difference {worst:.2e} of the \
+                 largest value ({scale:.3}); {apart} of {} row parts more than 1e-5 apart",
+                grid.0,
+                grid.1,
+                theirs.len() / part
+            );
+            if worst >= tolerance {
+                failures.push(format!("{what}: {worst:.2e} >= {tolerance:.0e}"));
+            }
+            // With SiLU in the ViT and f32 weights only the mergers' GELUs can
+            // flip: all but a few row parts agree to float rounding (measured:
+            // 0 to 12 of 36 to 744), where a systematic difference (an order,
+            // a position, an interpolation) would move them all.
+            if silu && ty == GgmlType::F32 && apart > theirs.len() / part / 8 {
+                failures.push(format!("{what}: {apart} row parts apart"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Copies the GGUF `src` to `dst` without the tensors `drop` names (metadata
+/// and the other tensors unchanged).
+fn copy_without(src: &PathBuf, dst: &PathBuf, drop: &[&str]) {
+    let g = Gguf::open(src).unwrap();
+    let mut w = les::gguf::GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add_kv(k, v.to_meta()).unwrap();
+    }
+    let keep = |n: &str| !drop.contains(&n);
+    for t in g.tensors().filter(|t| keep(t.name())) {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let mut data = w.write_header(std::fs::File::create(dst).unwrap()).unwrap();
+    for t in g.tensors().filter(|t| keep(t.name())) {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    data.finish().unwrap();
+}
+
+#[test]
+fn malformed_qwen3vl_files_are_errors() {
+    use les::gguf::MetaValue;
+    let (path, _) = projector(ProjectorType::Qwen3Vl, GgmlType::F16, "q3vl_ok.gguf");
+    ClipModel::open(&path).unwrap();
+    let bad = tmp("q3vl_bad.gguf");
+    let open_err = |p: &PathBuf| match ClipModel::open(p) {
+        Ok(_) => panic!("{} opened", p.display()),
+        Err(e) => e.to_string(),
+    };
+    // Keys out of range or of the wrong type.
+    let ds = |v: Vec<bool>| MetaValue::from(v);
+    for (key, value, says) in [
+        (
+            "clip.vision.spatial_merge_size",
+            MetaValue::U32(3),
+            "spatial_merge_size",
+        ),
+        (
+            "clip.vision.spatial_merge_size",
+            MetaValue::from("2"),
+            "spatial_merge_size",
+        ),
+        (
+            "clip.vision.attention.head_count",
+            MetaValue::U32(32),
+            "multiple of 4",
+        ),
+        (
+            "clip.vision.attention.head_count",
+            MetaValue::U32(5),
+            "multiple",
+        ),
+        ("clip.vision.patch_size", MetaValue::U32(4096), "patch"),
+        ("clip.vision.patch_size", MetaValue::U32(0), "patch_size"),
+        (
+            "clip.vision.embedding_length",
+            MetaValue::U64(1 << 40),
+            "out of range",
+        ),
+        ("clip.vision.block_count", MetaValue::U32(9), "v.blk.4"),
+        (
+            "clip.vision.attention.head_dim",
+            MetaValue::U32(8),
+            "head_dim",
+        ),
+        (
+            "clip.vision.is_deepstack_layers",
+            ds(vec![true, false, true, false]),
+            "block 1",
+        ),
+        ("clip.vision.is_deepstack_layers", ds(vec![true]), "entries"),
+        (
+            "clip.vision.is_deepstack_layers",
+            MetaValue::from(vec![1u32, 1, 1, 0]),
+            "bools",
+        ),
+        (
+            "clip.vision.is_deepstack_layers",
+            MetaValue::U32(1),
+            "array",
+        ),
+        (
+            "clip.projector_type",
+            MetaValue::from("qwen3vl"),
+            "not supported",
+        ),
+    ] {
+        let _ = std::fs::remove_file(&bad);
+        common::rewrite_gguf(
+            &path,
+            &bad,
+            |k, v| (k != key).then_some(v),
+            vec![(key, value)],
+        );
+        let e = open_err(&bad);
+        assert!(e.contains(says), "{key}: {e}");
+    }
+    // Tensors missing.
+    for (name, says) in [
+        ("v.patch_embd.weight.1", "v.patch_embd.weight.1"),
+        ("v.patch_embd.bias", "v.patch_embd.bias"),
+        ("v.blk.1.attn_qkv.bias", "v.blk.1.attn_qkv.bias"),
+        ("v.blk.3.attn_qkv.weight", "v.blk.3.attn_qkv.weight"),
+        ("mm.0.bias", "mm.0.bias"),
+        ("mm.2.weight", "mm.2.weight"),
+        ("v.deepstack.2.fc2.weight", "v.deepstack.2.fc2.weight"),
+        ("v.deepstack.1.fc1.weight", "block 1"),
+        ("v.position_embd.weight", "v.position_embd.weight"),
+    ] {
+        let _ = std::fs::remove_file(&bad);
+        copy_without(&path, &bad, &[name]);
+        let e = open_err(&bad);
+        assert!(e.contains(says), "without {name}: {e}");
+    }
+    // The file cut anywhere.
+    let bytes = std::fs::read(&path).unwrap();
+    for i in 0..64 {
+        let cut = bytes.len() * i / 64 + i % 7;
+        std::fs::write(&bad, &bytes[..cut.min(bytes.len() - 1)]).unwrap();
+        assert!(ClipModel::open(&bad).is_err(), "cut at {cut}");
+    }
+    // An image that is not a multiple of two patches a side.
+    let model = ClipModel::open(&path).unwrap();
+    let mut pool = Pool::new(1);
+    let mut ctx = Ctx {
+        pool: &mut pool,
+        isa: Isa::detect(),
+    };
+    let e = encode(&mut ctx, &model, &test_image(48, 64, 1)).unwrap_err();
+    assert!(e.to_string().contains("multiple"), "{e}");
 }

@@ -1,13 +1,15 @@
 //! Image preprocessing: the llava-uhd slicing MiniCPM-V uses (overview size, grid
 //! choice, refined size, slice rectangles) for several sizes and aspect ratios,
 //! with the expected values worked out by hand from llama.cpp's
-//! `mtmd_image_preprocessor_llava_uhd` (`mtmd-image.cpp`); the resize kernels;
-//! image decoding and its limits.
+//! `mtmd_image_preprocessor_llava_uhd` (`mtmd-image.cpp`); Qwen3-VL's resize to
+//! a token budget, likewise from `mtmd_image_preprocessor_dyn_size` and
+//! `calc_size_preserved_ratio`; the resize kernels; image decoding and its
+//! limits.
 
 use les::vision::image::{check_dimensions, decode_image, RgbImage};
 use les::vision::preprocess::{
     ensure_divide, get_best_grid, get_best_resize, normalize, resize, resize_padded, slice_image,
-    slice_instructions, ResizeAlgo, SliceInstructions,
+    slice_instructions, smart_resize, ResizeAlgo, SliceInstructions,
 };
 
 /// MiniCPM-V 4.6: 448 slices, patch 14 x merge 4 = 56.
@@ -124,6 +126,88 @@ fn every_slice_tiles_the_refined_image_in_aligned_sizes() {
             assert!(rows > cols, "{w}x{h}: {:?}", inst.grid);
         }
     }
+}
+
+/// Qwen3-VL (patch 16, 2x2 merge): sides in multiples of 32, between 8 and
+/// 4096 merged tokens (`clip.cpp`: `set_limit_image_tokens(8, 4096)` times a
+/// merged token's 32² pixels).
+fn qwen3vl(w: usize, h: usize) -> (usize, usize) {
+    smart_resize((w, h), 32, 8 * 32 * 32, 4096 * 32 * 32)
+}
+
+#[test]
+fn qwen3vl_sizes_follow_llama_cpps_smart_resize() {
+    // llama.cpp's `calc_size_preserved_ratio`: each side rounded to the
+    // nearest multiple of 32 (at least 32), in f32 with `std::round`.
+    // 300x200: 9.375 -> 9, 6.25 -> 6.
+    assert_eq!(qwen3vl(300, 200), (288, 192));
+    // 97x411: 3.03 -> 3, 12.84 -> 13; 96 x 416 = 39936 pixels, in budget.
+    assert_eq!(qwen3vl(97, 411), (96, 416));
+    // Already multiples of 32: unchanged, however thin (5000x20: 156.25 ->
+    // 156, 0.625 -> 1; 159744 pixels, 156 tokens of 1 row).
+    assert_eq!(qwen3vl(256, 256), (256, 256));
+    assert_eq!(qwen3vl(5000, 20), (4992, 32));
+    assert_eq!(qwen3vl(20, 5000), (32, 4992));
+    // Under 8192 pixels (8 tokens): scaled by sqrt(8192 / (w h)), each side
+    // rounded up: 64x64 -> 90.5 -> 96; 1x1: at least 32 a side first (1024
+    // pixels), then 1 x 90.5 -> 96; 90x91 rounds to 96x96 = 9216, in budget.
+    assert_eq!(qwen3vl(64, 64), (96, 96));
+    assert_eq!(qwen3vl(1, 1), (96, 96));
+    assert_eq!(qwen3vl(32, 32), (96, 96));
+    assert_eq!(qwen3vl(90, 91), (96, 96));
+    // Over 4194304 pixels (4096 tokens): rounded to 2208 x 2016 = 4451328, so
+    // scaled by 1 / sqrt(2200 x 2000 / 4194304) = 1 / 1.02423, each side
+    // rounded down: 2147.96 -> 2144 (67 x 32), 1952.69 -> 1952 (61 x 32).
+    assert_eq!(qwen3vl(2200, 2000), (2144, 1952));
+    // 4000x3000: 4000 x 3008 is over; beta = sqrt(12e6 / 4194304) = 1.69146:
+    // 2364.85 -> 2336, 1773.64 -> 1760 (73 x 55 = 4015 tokens).
+    assert_eq!(qwen3vl(4000, 3000), (2336, 1760));
+    // 16384² is 64 times the budget: beta 8, 2048 a side (64 x 64 tokens).
+    assert_eq!(qwen3vl(16384, 16384), (2048, 2048));
+    // Exactly the budget is kept (the test is "more than").
+    assert_eq!(qwen3vl(2048, 2048), (2048, 2048));
+    for (w, h) in [(1, 1), (333, 777), (1023, 1025), (6000, 4000), (16384, 1)] {
+        let (rw, rh) = qwen3vl(w, h);
+        assert!(rw % 32 == 0 && rh % 32 == 0 && rw > 0 && rh > 0, "{w}x{h}");
+        let tokens = (rw / 32) * (rh / 32);
+        assert!((8..=4096).contains(&tokens), "{w}x{h}: {tokens} tokens");
+    }
+    // Qwen2-VL's patch 14 (a merged token 28 pixels a side): 1024x768 ->
+    // 36.57 -> 37, 27.43 -> 27.
+    assert_eq!(
+        smart_resize((1024, 768), 28, 8 * 28 * 28, 4096 * 28 * 28),
+        (1036, 756)
+    );
+    assert_eq!(smart_resize((0, 10), 32, 0, 0), (0, 0));
+}
+
+#[test]
+fn qwen3vl_preprocessing_is_one_padded_chunk() {
+    use les::synth::{write_mmproj, MmprojConfig};
+    use les::vision::{image_layout, merged_grid, preprocess_image, ClipModel, ProjectorType};
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("pre_q3vl.gguf");
+    write_mmproj(&MmprojConfig::tiny(ProjectorType::Qwen3Vl, 32, 1), &path).unwrap();
+    let m = ClipModel::open(&path).unwrap();
+    assert_eq!(m.row_width(), 32 * 4);
+    // 97x411 -> 96x416: scaled by 96 / 97 to 96 x 407 (rounded up), centred
+    // on black (llama.cpp's default PAD_CEIL): 4 rows above, 5 below.
+    let img = RgbImage::filled(97, 411, [255, 255, 255]);
+    let pre = preprocess_image(&m, &img);
+    assert_eq!(pre.grid, (0, 0));
+    assert_eq!(pre.chunks.len(), 1);
+    let c = &pre.chunks[0];
+    assert_eq!((c.width, c.height), (96, 416));
+    // Normalised with mean 0.5, std 0.5: black is -1, white 1.
+    let at = |x: usize, y: usize| c.data[3 * (y * c.width + x)];
+    for y in [0, 3, 411, 415] {
+        assert_eq!(at(50, y), -1.0, "row {y}");
+    }
+    for y in [4, 200, 410] {
+        assert_eq!(at(50, y), 1.0, "row {y}");
+    }
+    assert_eq!(merged_grid(&m, 97, 411), (3, 13));
+    assert_eq!(image_layout(&m, (97, 411)).chunk_tokens, [39]);
+    assert_eq!(merged_grid(&m, 2200, 2000), (67, 61));
 }
 
 #[test]

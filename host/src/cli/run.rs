@@ -674,6 +674,16 @@ pub(super) fn open_projector(
         )
         .into());
     }
+    // Deepstack features (Qwen3-VL) go to as many of the model's layers.
+    if clip.row_width() != model.n_embd_inp() {
+        return Err(format!(
+            "the projector {} gives {} deepstack feature(s) an embedding, the model takes {}",
+            path.display(),
+            clip.hp.n_deepstack,
+            model.hybrid.n_deepstack
+        )
+        .into());
+    }
     Ok(clip)
 }
 

@@ -164,24 +164,29 @@ pub struct SynthArgs {
     /// marker tokens.
     #[arg(long, value_name = "MMPROJ.gguf")]
     pub mmproj_out: Option<PathBuf>,
-    /// The projector type of --mmproj-out: minicpmv4_6 or gemma3.
+    /// The projector type of --mmproj-out: minicpmv4_6, gemma3 or
+    /// qwen3vl_merger (with as many deepstack mergers as the model's
+    /// `n_deepstack_layers`).
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
     /// Width of the --mmproj-out vision transformer (default 64).
     #[arg(long, requires = "mmproj_out")]
     pub mmproj_width: Option<u64>,
-    /// Blocks of the --mmproj-out vision transformer (default 2).
+    /// Blocks of the --mmproj-out vision transformer (default 2; 4 for
+    /// qwen3vl_merger, more if it has more deepstack mergers).
     #[arg(long, requires = "mmproj_out")]
     pub mmproj_layers: Option<u64>,
     /// Input (slice) size of the --mmproj-out projector in pixels, a multiple of
-    /// 56 (default 224).
+    /// 4 patches (default 224; qwen3vl_merger: 256, the side of its table of
+    /// position embeddings).
     #[arg(long, requires = "mmproj_out")]
     pub mmproj_image_size: Option<u64>,
 }
 
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
-    ProjectorType::from_name(s)
-        .ok_or_else(|| format!("unknown projector type '{s}' (minicpmv4_6 or gemma3)"))
+    ProjectorType::from_name(s).ok_or_else(|| {
+        format!("unknown projector type '{s}' (minicpmv4_6, gemma3 or qwen3vl_merger)")
+    })
 }
 
 impl SynthArgs {
@@ -253,6 +258,12 @@ pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     let mmproj = match &args.mmproj_out {
         Some(mp) => {
             let mut mcfg = MmprojConfig::tiny(args.projector, cfg.shape.embd, cfg.seed);
+            if args.projector == ProjectorType::Qwen3Vl {
+                // The deepstack mergers follow the model (none for a model
+                // without deepstack inputs), on the blocks before the last.
+                mcfg.deepstack = cfg.n_deepstack_layers();
+                mcfg.layers = mcfg.layers.max(mcfg.deepstack + 1);
+            }
             if let Some(w) = args.mmproj_width {
                 mcfg.width = w;
                 mcfg.heads = (w / 64).max(1);

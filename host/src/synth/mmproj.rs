@@ -1,14 +1,19 @@
 //! Synthetic vision projectors (mmproj GGUFs, `general.architecture = clip`)
 //! matching a synthetic language model: the tensors and keys llama.cpp's
-//! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`) or Gemma 3 (`gemma3`), at
-//! a tiny size, with random weights, so the whole multimodal path runs without
-//! downloads.
+//! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`) or
+//! Qwen3-VL (`qwen3vl_merger`), at a tiny size, with random weights, so the
+//! whole multimodal path runs without downloads.
 //!
 //! Defaults: 224 x 224 input in 14 x 14 patches (a 16 x 16 grid), 2 blocks 64
 //! wide with 4 heads, FFN 128; `minicpmv4_6` puts its window-attention merger
 //! after block 0 and makes 16 embeddings per slice (4 x 4), `gemma3` pools 4 x 4
-//! into 16 embeddings. The output width is the language model's `n_embd`.
-//! Matrices are `f16` (as in llama.cpp's `mmproj-*-f16.gguf`), vectors `f32`.
+//! into 16 embeddings. `qwen3vl_merger` has 16 x 16 patches, a 16 x 16 table of
+//! position embeddings (`image_size` 256), 4 blocks and deepstack mergers on
+//! blocks 0 to 2 (as many as the language model's `n_deepstack_layers`, on the
+//! blocks before the last), and takes images of any size. The output width is
+//! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
+//! `mmproj-*-f16.gguf`), vectors and position embeddings `f32`, patch
+//! embeddings as llama.cpp's converter types them.
 
 use std::io::BufWriter;
 use std::path::Path;
@@ -42,6 +47,9 @@ pub struct MmprojConfig {
     pub patch: u64,
     /// Type of the matrices.
     pub ty: GgmlType,
+    /// `qwen3vl_merger`: deepstack mergers (the language model's
+    /// `n_deepstack_layers`), on the blocks before the last; 0 for the others.
+    pub deepstack: u64,
     /// Random seed.
     pub seed: u64,
 }
@@ -49,18 +57,27 @@ pub struct MmprojConfig {
 impl MmprojConfig {
     /// The default tiny projector of `projector` for a model `out_embd` wide.
     pub fn tiny(projector: ProjectorType, out_embd: u64, seed: u64) -> Self {
+        let qwen3vl = projector == ProjectorType::Qwen3Vl;
         MmprojConfig {
             projector,
             out_embd,
             width: 64,
             heads: 4,
             ff: 128,
-            layers: 2,
-            image_size: 224,
-            patch: 14,
+            layers: if qwen3vl { 4 } else { 2 },
+            image_size: if qwen3vl { 256 } else { 224 },
+            patch: if qwen3vl { 16 } else { 14 },
             ty: GgmlType::F16,
+            deepstack: if qwen3vl { 3 } else { 0 },
             seed,
         }
+    }
+
+    /// The blocks with a deepstack merger: the `deepstack` blocks before the
+    /// last (all of them when there are no more blocks).
+    pub fn deepstack_layers(&self) -> std::ops::Range<u64> {
+        let first = self.layers.saturating_sub(self.deepstack + 1);
+        first..first + self.deepstack
     }
 
     /// Rows of the position-embedding table: MiniCPM-V's 70 x 70 buckets (what
@@ -68,7 +85,7 @@ impl MmprojConfig {
     fn n_pos(&self) -> u64 {
         match self.projector {
             ProjectorType::MiniCpmV46 => 70 * 70,
-            ProjectorType::Gemma3 => (self.image_size / self.patch).pow(2),
+            ProjectorType::Gemma3 | ProjectorType::Qwen3Vl => (self.image_size / self.patch).pow(2),
         }
     }
 }
@@ -94,13 +111,21 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     let mat_ty = cfg.ty;
     // As llama.cpp's converter types them: vectors, the position embeddings
     // and (Gemma 3's SigLIP `embeddings.*`) the patch embedding in `f32`;
-    // llama.cpp's CPU backend adds no `f16` position embeddings.
+    // llama.cpp's CPU backend adds no `f16` position embeddings. Qwen3-VL's
+    // patch kernels are `f16` in an `f16` file, else `f32` (the converter's
+    // `tensor_force_quant`).
     let gemma3 = cfg.projector == ProjectorType::Gemma3;
+    let qwen3vl = cfg.projector == ProjectorType::Qwen3Vl;
     let mut add = |name: &str, dims: &[u64], init: Init| {
         let f32_always = dims.len() == 1
             || name == "v.position_embd.weight"
             || (gemma3 && name == "v.patch_embd.weight");
-        let ty = if f32_always { GgmlType::F32 } else { mat_ty };
+        let patch = qwen3vl && name.starts_with("v.patch_embd.weight");
+        let ty = if f32_always || (patch && mat_ty != GgmlType::F16) {
+            GgmlType::F32
+        } else {
+            mat_ty
+        };
         out.push(Plan {
             name: name.to_string(),
             dims: dims.to_vec(),
@@ -116,6 +141,10 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
         add(&format!("{prefix}.bias"), &[rows], bias);
     };
     add("v.patch_embd.weight", &[p, p, 3, w], inv(3 * p * p));
+    if qwen3vl {
+        // The second frame's kernel of the temporal patch (Conv3D split in two).
+        add("v.patch_embd.weight.1", &[p, p, 3, w], inv(3 * p * p));
+    }
     add("v.patch_embd.bias", &[w], bias);
     add(
         "v.position_embd.weight",
@@ -126,8 +155,13 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
         let b = format!("v.blk.{l}");
         add(&format!("{b}.ln1.weight"), &[w], Init::Norm);
         add(&format!("{b}.ln1.bias"), &[w], bias);
-        for part in ["attn_q", "attn_k", "attn_v", "attn_out"] {
-            linear(&mut add, &format!("{b}.{part}"), w, w);
+        if qwen3vl {
+            linear(&mut add, &format!("{b}.attn_qkv"), w, 3 * w);
+            linear(&mut add, &format!("{b}.attn_out"), w, w);
+        } else {
+            for part in ["attn_q", "attn_k", "attn_v", "attn_out"] {
+                linear(&mut add, &format!("{b}.{part}"), w, w);
+            }
         }
         add(&format!("{b}.ln2.weight"), &[w], Init::Norm);
         add(&format!("{b}.ln2.bias"), &[w], bias);
@@ -159,6 +193,22 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             add("mm.soft_emb_norm.weight", &[w], Init::Norm);
             add("mm.input_projection.weight", &[cfg.out_embd, w], inv(w));
         }
+        ProjectorType::Qwen3Vl => {
+            // Deepstack mergers (`visual.deepstack_merger_list.*`, named by
+            // block), the merger's norm (`v.post_ln`) and its MLP (`mm.0`,
+            // `mm.2`): hidden width 4 * w, as Qwen3-VL's.
+            for l in cfg.deepstack_layers() {
+                let d = format!("v.deepstack.{l}");
+                add(&format!("{d}.norm.weight"), &[4 * w], Init::Norm);
+                add(&format!("{d}.norm.bias"), &[4 * w], bias);
+                linear(&mut add, &format!("{d}.fc1"), 4 * w, 4 * w);
+                linear(&mut add, &format!("{d}.fc2"), 4 * w, cfg.out_embd);
+            }
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("v.post_ln.bias", &[w], bias);
+            linear(&mut add, "mm.0", 4 * w, 4 * w);
+            linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
+        }
     }
     out
 }
@@ -189,10 +239,21 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
         ),
         ("clip.vision.image_mean", vec![0.5f32, 0.5, 0.5].into()),
         ("clip.vision.image_std", vec![0.5f32, 0.5, 0.5].into()),
-        ("clip.vision.projector.scale_factor", MetaValue::U32(4)),
     ];
-    if cfg.projector == ProjectorType::MiniCpmV46 {
-        m.push(("clip.vision.wa_layer_indexes", vec![0i32].into()));
+    match cfg.projector {
+        ProjectorType::MiniCpmV46 => {
+            m.push(("clip.vision.projector.scale_factor", MetaValue::U32(4)));
+            m.push(("clip.vision.wa_layer_indexes", vec![0i32].into()));
+        }
+        ProjectorType::Gemma3 => {
+            m.push(("clip.vision.projector.scale_factor", MetaValue::U32(4)));
+        }
+        ProjectorType::Qwen3Vl => {
+            m.push(("clip.vision.spatial_merge_size", MetaValue::U32(2)));
+            let ds = cfg.deepstack_layers();
+            let marks: Vec<bool> = (0..cfg.layers).map(|l| ds.contains(&l)).collect();
+            m.push(("clip.vision.is_deepstack_layers", marks.into()));
+        }
     }
     m.push(("les.synth.seed", MetaValue::U64(cfg.seed)));
     m
@@ -247,6 +308,31 @@ impl MmprojConfig {
         }
         if self.layers == 0 || self.ff == 0 || self.out_embd == 0 {
             return bad("mmproj layers, ff and output width must be positive".into());
+        }
+        if self.projector == ProjectorType::Qwen3Vl {
+            if !(self.width / self.heads).is_multiple_of(4) {
+                return bad(format!(
+                    "qwen3vl_merger: head width {} is not a multiple of 4 (M-RoPE)",
+                    self.width / self.heads
+                ));
+            }
+            if self.patch > 32 {
+                return bad(format!(
+                    "qwen3vl_merger: patch {} is more than 32",
+                    self.patch
+                ));
+            }
+            if self.deepstack > self.layers {
+                return bad(format!(
+                    "qwen3vl_merger: {} deepstack mergers need as many blocks, not {}",
+                    self.deepstack, self.layers
+                ));
+            }
+        } else if self.deepstack != 0 {
+            return bad(format!(
+                "{} has no deepstack mergers",
+                self.projector.name()
+            ));
         }
         Ok(())
     }

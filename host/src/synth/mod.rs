@@ -1035,6 +1035,17 @@ pub struct SynthConfig {
 }
 
 impl SynthConfig {
+    /// Qwen3-VL's `n_deepstack_layers` (a matching vision tower's deepstack
+    /// mergers, whose features images add to the first layers' inputs): 3,
+    /// or the layers if fewer; 0 for the other architectures.
+    pub fn n_deepstack_layers(&self) -> u64 {
+        if matches!(self.arch, Arch::Qwen3vlmoe | Arch::Qwen3vl) {
+            3.min(self.shape.layers)
+        } else {
+            0
+        }
+    }
+
     /// The output projections' scale (`attn_output`, `ffn_down*`,
     /// `ssm_out`): the `residual_scale` knob, divided by Granite's residual
     /// multiplier in the Granite architectures, so that the blocks add to the
@@ -2530,7 +2541,10 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
                     .expect("i32 items in an i32 array"),
             ),
         );
-        kv(format!("{a}.n_deepstack_layers"), u32v(3.min(s.layers)));
+        kv(
+            format!("{a}.n_deepstack_layers"),
+            u32v(cfg.n_deepstack_layers()),
+        );
     }
     if cfg.arch.has_mamba2() {
         // As llama.cpp's converter writes Granite 4.0-H, and Nemotron-H

@@ -1,6 +1,10 @@
 //! An mmproj GGUF (`general.architecture = clip`) as a loaded vision encoder:
 //! hyperparameters, the ViT's tensors and the projector's.
 //!
+//! Projector types: `minicpmv4_6` (MiniCPM-V 4.6 / 4.7), `gemma3` (Gemma 3) and
+//! `qwen3vl_merger` (Qwen3-VL: a fused-QKV ViT with learned, interpolated
+//! position embeddings and M-RoPE, a 2x2 merger and deepstack mergers).
+//!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
 //! [`les_core::gemv`]'s kernels; vectors (norms, biases, position embeddings) are
@@ -23,6 +27,11 @@ pub enum ProjectorType {
     MiniCpmV46,
     /// Gemma 3 (`gemma3`): SigLIP ViT, average pooling, RMSNorm and a projection.
     Gemma3,
+    /// Qwen3-VL (`qwen3vl_merger`): ViT with two temporal patch kernels, learned
+    /// position embeddings interpolated to the image's grid, M-RoPE, a 2x2
+    /// merger MLP and deepstack mergers on some blocks; images of any size
+    /// (within a token budget), one chunk each.
+    Qwen3Vl,
 }
 
 impl ProjectorType {
@@ -31,6 +40,7 @@ impl ProjectorType {
         match self {
             ProjectorType::MiniCpmV46 => "minicpmv4_6",
             ProjectorType::Gemma3 => "gemma3",
+            ProjectorType::Qwen3Vl => "qwen3vl_merger",
         }
     }
 
@@ -39,6 +49,7 @@ impl ProjectorType {
         match name {
             "minicpmv4_6" => Some(ProjectorType::MiniCpmV46),
             "gemma3" => Some(ProjectorType::Gemma3),
+            "qwen3vl_merger" => Some(ProjectorType::Qwen3Vl),
             _ => None,
         }
     }
@@ -83,12 +94,23 @@ pub struct ClipHparams {
     /// The FFN activation.
     pub ffn_op: FfnOp,
     /// Spatial merge per side: 4 for MiniCPM-V 4.6 (2x2 twice), the pooling
-    /// kernel for Gemma 3.
+    /// kernel for Gemma 3, 2 for Qwen3-VL.
     pub n_merge: usize,
     /// MiniCPM-V 4.6: the ViT block after which the window-attention merger runs.
     pub insert_layer: usize,
-    /// Width of the output embeddings (the language model's `n_embd`).
+    /// Width of the projector's embeddings (the language model's `n_embd`).
+    /// Qwen3-VL's output rows are wider: this, then one more of this width
+    /// per deepstack merger ([`ClipModel::row_width`]).
     pub n_mmproj_embd: usize,
+    /// Qwen3-VL: deepstack mergers (blocks whose output is also merged and
+    /// projected into the row); 0 for the other projectors.
+    pub n_deepstack: usize,
+    /// Qwen3-VL: the fewest pixels an image is resized to (llama.cpp's
+    /// `image_min_pixels`: 8 merged tokens); 0 for the other projectors.
+    pub image_min_pixels: usize,
+    /// Qwen3-VL: the most pixels an image is resized to (llama.cpp's
+    /// `image_max_pixels`: 4096 merged tokens); 0 for the other projectors.
+    pub image_max_pixels: usize,
 }
 
 /// Where a matrix's bytes are.
@@ -132,6 +154,26 @@ impl Mat {
             bytes: Bytes::Owned(bytes),
             ..self
         }
+    }
+
+    /// Rows `start..end` of this matrix (a fused matrix's parts), or `None`
+    /// when the range is outside it or its type has no whole-row size.
+    fn row_range(&self, start: usize, end: usize) -> Option<Mat> {
+        if start > end || end > self.rows {
+            return None;
+        }
+        let rb = self.ty.row_bytes(self.cols)?;
+        let (a, b) = (start * rb, end * rb);
+        let bytes = match &self.bytes {
+            Bytes::Mapped(r) => Bytes::Mapped(r.start + a..r.start + b),
+            Bytes::Owned(v) => Bytes::Owned(v.get(a..b)?.to_vec()),
+        };
+        Some(Mat {
+            ty: self.ty,
+            rows: end - start,
+            cols: self.cols,
+            bytes,
+        })
     }
 
     /// Rows (outputs).
@@ -212,6 +254,21 @@ pub struct VitMerger {
     pub ds_down: Linear,
 }
 
+/// Qwen3-VL's deepstack merger on one ViT block: the block's output, 2x2
+/// tokens concatenated, through LayerNorm and a GELU MLP.
+#[derive(Clone, Debug)]
+pub struct Deepstack {
+    /// The block (0-based) whose output it takes.
+    pub layer: usize,
+    /// LayerNorm of the concatenated 2x2 tokens (`4 * n_embd`; a missing
+    /// weight is ones, as llama.cpp's `build_norm` skips it).
+    pub norm: Norm,
+    /// MLP up (`v.deepstack.N.fc1`).
+    pub fc1: Linear,
+    /// MLP down (`v.deepstack.N.fc2`), to `n_mmproj_embd`.
+    pub fc2: Linear,
+}
+
 /// The projector after the ViT.
 #[derive(Clone, Debug)]
 pub enum Projector {
@@ -232,6 +289,20 @@ pub enum Projector {
         soft_emb_norm: Vec<f32>,
         /// Projection, `n_mmproj_embd` x `n_embd` (transposed at load).
         input_proj: Mat,
+    },
+    /// Qwen3-VL: the second temporal patch kernel, the deepstack mergers and
+    /// the final 2x2 merger MLP (after `post_ln`, the merger's norm).
+    Qwen3Vl {
+        /// The patch kernel of the second frame (`v.patch_embd.weight.1`); a
+        /// still image is both frames, so the patch embedding is the sum of
+        /// both kernels' products.
+        patch_embd_1: Mat,
+        /// Deepstack mergers, by block.
+        deepstack: Vec<Deepstack>,
+        /// Merger MLP up (`mm.0`).
+        up: Linear,
+        /// Merger MLP down (`mm.2`), to `n_mmproj_embd`.
+        down: Linear,
     },
 }
 
@@ -273,6 +344,14 @@ fn err(m: impl Into<String>) -> VisionError {
 const MAX_DIM: usize = 1 << 16;
 /// The most patches a side of `clip.vision.image_size` may have.
 const MAX_PATCHES_PER_SIDE: usize = 128;
+/// The largest Qwen3-VL patch accepted: its 4096-token budget is 4096 x
+/// (2 x patch)² pixels (Qwen3-VL's 16: 4.2 M; 32: 16.8 M).
+const MAX_QWEN3VL_PATCH: usize = 32;
+/// llama.cpp's token budget for Qwen-VL images (`set_limit_image_tokens(8, 4096)`
+/// in `clip.cpp`): the fewest merged tokens...
+pub const QWEN3VL_MIN_TOKENS: usize = 8;
+/// ... and the most.
+pub const QWEN3VL_MAX_TOKENS: usize = 4096;
 
 struct Loader<'g> {
     g: &'g Gguf<MappedFile>,
@@ -381,6 +460,33 @@ impl<'g> Loader<'g> {
         })
     }
 
+    /// A norm whose weight may be missing (then ones: `x * 1` is `x`, as
+    /// llama.cpp's `build_norm` skipping it) and whose bias may be too.
+    fn norm_or_unit(&self, prefix: &str, n: usize) -> Result<Norm, VisionError> {
+        Ok(Norm {
+            w: self
+                .opt_floats(&format!("{prefix}.weight"), n)?
+                .unwrap_or_else(|| vec![1.0; n]),
+            b: self.opt_floats(&format!("{prefix}.bias"), n)?,
+        })
+    }
+
+    /// A fused `n` -> `3n` query-key-value projection with its bias, split into
+    /// its three parts (rows `0..n`, `n..2n`, `2n..3n`, as clip.cpp views it).
+    fn qkv(&self, prefix: &str, n: usize) -> Result<(Linear, Linear, Linear), VisionError> {
+        let w = self.mat(&format!("{prefix}.weight"), n, 3 * n)?;
+        let b = self.floats(&format!("{prefix}.bias"), 3 * n)?;
+        let part = |i: usize| -> Result<Linear, VisionError> {
+            Ok(Linear {
+                w: w.row_range(i * n, (i + 1) * n).ok_or_else(|| {
+                    err(format!("{prefix}.weight: type {} has no whole rows", w.ty))
+                })?,
+                b: Some(b[i * n..(i + 1) * n].to_vec()),
+            })
+        };
+        Ok((part(0)?, part(1)?, part(2)?))
+    }
+
     fn opt_norm(&self, prefix: &str, n: usize) -> Result<Option<Norm>, VisionError> {
         if self.g.tensor(&format!("{prefix}.weight")).is_some() {
             self.norm(prefix, n).map(Some)
@@ -388,6 +494,74 @@ impl<'g> Loader<'g> {
             Ok(None)
         }
     }
+}
+
+/// Qwen3-VL's deepstack mergers: one on each block `i` with a tensor
+/// `v.deepstack.{i}.fc1.weight` (what clip.cpp counts), checked against
+/// `clip.vision.is_deepstack_layers` where the file has it. Each takes the
+/// block's 2x2 tokens (`4 * n_embd`) to `out` values.
+fn load_deepstack(
+    l: &Loader<'_>,
+    n_layer: usize,
+    n_embd: usize,
+    out: usize,
+) -> Result<Vec<Deepstack>, VisionError> {
+    let key = "clip.vision.is_deepstack_layers";
+    let marked: Option<Vec<bool>> = match l.g.get(key) {
+        None => None,
+        Some(v) => {
+            let a = v
+                .as_array()
+                .ok_or_else(|| err(format!("{key} must be an array")))?;
+            if a.len() != n_layer {
+                return Err(err(format!(
+                    "{key} has {} entries for {n_layer} blocks",
+                    a.len()
+                )));
+            }
+            let flags: Option<Vec<bool>> = a.iter().map(|v| v.as_bool()).collect();
+            Some(flags.ok_or_else(|| err(format!("{key} must hold bools")))?)
+        }
+    };
+    let mut out_ds = Vec::new();
+    for layer in 0..n_layer {
+        let p = |s: &str| format!("v.deepstack.{layer}.{s}");
+        let present = l.g.tensor(&p("fc1.weight")).is_some();
+        if let Some(m) = &marked {
+            if m[layer] != present {
+                return Err(err(format!(
+                    "{key} marks block {layer} {}, but tensor {} is {}",
+                    if m[layer] {
+                        "deepstack"
+                    } else {
+                        "not deepstack"
+                    },
+                    p("fc1.weight"),
+                    if present { "present" } else { "missing" }
+                )));
+            }
+        }
+        if !present {
+            continue;
+        }
+        let norm = l.norm_or_unit(&p("norm"), 4 * n_embd)?;
+        let fc1 = l.linear_any(&p("fc1"), 4 * n_embd)?;
+        let fc2 = l.linear_any(&p("fc2"), fc1.w.rows)?;
+        if fc2.w.rows != out {
+            return Err(err(format!(
+                "tensor {} makes {} values, the merger {out}",
+                p("fc2.weight"),
+                fc2.w.rows
+            )));
+        }
+        out_ds.push(Deepstack {
+            layer,
+            norm,
+            fc1,
+            fc2,
+        });
+    }
+    Ok(out_ds)
 }
 
 fn get_usize(g: &Gguf<MappedFile>, key: &str) -> Result<usize, VisionError> {
@@ -453,7 +627,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6 and gemma3)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3 and qwen3vl_merger)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -517,7 +691,46 @@ impl ClipModel {
                 }
                 m
             }
+            ProjectorType::Qwen3Vl => {
+                // llama.cpp reads spatial_merge_size (default 2) but its graph
+                // and position ids merge 2x2 whatever the value.
+                let m = opt_u64(&g, "clip.vision.spatial_merge_size")?.unwrap_or(2);
+                if m != 2 {
+                    return Err(err(format!(
+                        "qwen3vl_merger: spatial_merge_size {m} (llama.cpp merges 2x2)"
+                    )));
+                }
+                2
+            }
         };
+        let qwen3vl = projector == ProjectorType::Qwen3Vl;
+        let (mut image_min_pixels, mut image_max_pixels) = (0, 0);
+        if qwen3vl {
+            let d_head = n_embd / n_head;
+            // ggml's vision RoPE rotates half a head in pairs (d_head / 2 even).
+            if !d_head.is_multiple_of(4) {
+                return Err(err(format!(
+                    "qwen3vl_merger: head width {d_head} ({n_embd} / {n_head} heads) is not a multiple of 4"
+                )));
+            }
+            if let Some(hd) = opt_u64(&g, "clip.vision.attention.head_dim")? {
+                if hd != d_head as u64 {
+                    return Err(err(format!(
+                        "qwen3vl_merger: attention.head_dim {hd} is not {n_embd} / {n_head} heads"
+                    )));
+                }
+            }
+            // The token budget is llama.cpp's (8 to 4096 merged tokens); the
+            // patch size sets the pixels, bounded here as real towers' (14, 16).
+            if patch_size > MAX_QWEN3VL_PATCH {
+                return Err(err(format!(
+                    "qwen3vl_merger: patch_size {patch_size} is more than {MAX_QWEN3VL_PATCH}"
+                )));
+            }
+            let merged_area = (patch_size * n_merge).pow(2);
+            image_min_pixels = QWEN3VL_MIN_TOKENS * merged_area;
+            image_max_pixels = QWEN3VL_MAX_TOKENS * merged_area;
+        }
         // The merger's window attention goes in after the first listed layer
         // (0 when the list is absent or empty).
         let insert_layer = match g.get("clip.vision.wa_layer_indexes") {
@@ -556,6 +769,25 @@ impl ClipModel {
         // f16 matrix in the encoder). A bf16 kernel multiplies f32 pixels.
         let patch_embd = l.mat_of(&pe, n_embd, pcols)?.f32_as_f16(l.g.bytes());
         let patch_bias = l.opt_floats("v.patch_embd.bias", n_embd)?;
+        let patch_embd_1 = if qwen3vl {
+            let name = "v.patch_embd.weight.1";
+            let pe1 = l.tensor(name)?;
+            if pe1.dims() != dims {
+                return Err(err(format!(
+                    "{name} has shape {:?}, expected {dims:?} as v.patch_embd.weight",
+                    pe1.dims()
+                )));
+            }
+            if patch_bias.is_none() {
+                return Err(err("qwen3vl_merger: tensor v.patch_embd.bias is missing"));
+            }
+            if g.tensor("v.class_embd").is_some() {
+                return Err(err("qwen3vl_merger: the ViT has no class embedding"));
+            }
+            Some(l.mat_of(&pe1, n_embd, pcols)?.f32_as_f16(l.g.bytes()))
+        } else {
+            None
+        };
         let pos = l.tensor("v.position_embd.weight")?;
         if pos.dims().len() != 2
             || pos.dims()[0] != n_embd as u64
@@ -574,8 +806,10 @@ impl ClipModel {
         for i in 0..n_layer {
             let p = |s: &str| format!("v.blk.{i}.{s}");
             // Older conversions (llama.cpp's legacy naming) swapped ffn_up and
-            // ffn_down; clip.cpp swaps them back when the shapes say so.
-            let swapped = n_ff != n_embd
+            // ffn_down; clip.cpp swaps them back when the shapes say so (for
+            // the older projector types, not Qwen3-VL).
+            let swapped = !qwen3vl
+                && n_ff != n_embd
                 && g.tensor(&p("ffn_down.weight"))
                     .is_some_and(|t| t.dims().first() == Some(&(n_embd as u64)));
             let (up_name, down_name) = if swapped {
@@ -588,18 +822,45 @@ impl ClipModel {
             } else {
                 None
             };
+            let (q, k, v) = if qwen3vl {
+                l.qkv(&p("attn_qkv"), n_embd)?
+            } else {
+                (
+                    l.linear(&p("attn_q"), n_embd, n_embd)?,
+                    l.linear(&p("attn_k"), n_embd, n_embd)?,
+                    l.linear(&p("attn_v"), n_embd, n_embd)?,
+                )
+            };
+            // Qwen3-VL's LayerNorms may lack weights (llama.cpp then only
+            // normalises); the other towers' have them.
+            let ln = |s: &str| {
+                if qwen3vl {
+                    l.norm_or_unit(&p(s), n_embd)
+                } else {
+                    l.norm(&p(s), n_embd)
+                }
+            };
             layers.push(VitLayer {
-                ln1: l.norm(&p("ln1"), n_embd)?,
-                q: l.linear(&p("attn_q"), n_embd, n_embd)?,
-                k: l.linear(&p("attn_k"), n_embd, n_embd)?,
-                v: l.linear(&p("attn_v"), n_embd, n_embd)?,
+                ln1: ln("ln1")?,
+                q,
+                k,
+                v,
                 o: l.linear(&p("attn_out"), n_embd, n_embd)?,
-                ls1: l.opt_floats(&p("ls1.weight"), n_embd)?,
-                ln2: l.norm(&p("ln2"), n_embd)?,
+                // Layer scales: not in Qwen3-VL's graph.
+                ls1: if qwen3vl {
+                    None
+                } else {
+                    l.opt_floats(&p("ls1.weight"), n_embd)?
+                },
+                ln2: ln("ln2")?,
                 ffn_up: l.linear(&p(up_name), n_embd, n_ff)?,
                 ffn_gate,
                 ffn_down: l.linear(&p(down_name), n_ff, n_embd)?,
-                ls2: l.opt_floats(&p("ls2.weight"), n_embd)?,
+                ls2: if qwen3vl {
+                    None
+                } else {
+                    l.opt_floats(&p("ls2.weight"), n_embd)?
+                },
             });
         }
 
@@ -685,6 +946,33 @@ impl ClipModel {
                     n_text,
                 )
             }
+            ProjectorType::Qwen3Vl => {
+                let patch_embd_1 =
+                    patch_embd_1.ok_or_else(|| err("tensor v.patch_embd.weight.1 is missing"))?;
+                // The merger: post_ln (its norm) per token, then an MLP of the
+                // 2x2 tokens concatenated. Both biases are required, as in
+                // clip.cpp.
+                let up = l.linear_any("mm.0", 4 * n_embd)?;
+                let down = l.linear_any("mm.2", up.w.rows)?;
+                if up.b.is_none() || down.b.is_none() {
+                    return Err(err("qwen3vl_merger: mm.0.bias and mm.2.bias are required"));
+                }
+                let out = down.w.rows;
+                let deepstack = load_deepstack(&l, n_layer, n_embd, out)?;
+                (
+                    Projector::Qwen3Vl {
+                        patch_embd_1,
+                        deepstack,
+                        up,
+                        down,
+                    },
+                    out,
+                )
+            }
+        };
+        let n_deepstack = match &projector_w {
+            Projector::Qwen3Vl { deepstack, .. } => deepstack.len(),
+            _ => 0,
         };
         let hp = ClipHparams {
             projector,
@@ -701,6 +989,9 @@ impl ClipModel {
             n_merge,
             insert_layer,
             n_mmproj_embd,
+            n_deepstack,
+            image_min_pixels,
+            image_max_pixels,
         };
         if projector == ProjectorType::Gemma3 {
             let side = image_size / patch_size;
@@ -710,6 +1001,22 @@ impl ClipModel {
             {
                 return Err(err(format!(
                     "gemma3: image_size {image_size}, patch {patch_size}, {n_pos} positions and pooling {n_merge} do not fit"
+                )));
+            }
+        }
+        if qwen3vl {
+            // clip.cpp reshapes the table to a square before interpolating it
+            // (ggml's interpolation reads f32).
+            let side = (n_pos as f64).sqrt() as usize;
+            if side * side != n_pos {
+                return Err(err(format!(
+                    "qwen3vl_merger: {n_pos} position embeddings are not a square grid"
+                )));
+            }
+            let ty = l.tensor("v.position_embd.weight")?.ggml_type();
+            if ty != GgmlType::F32 {
+                return Err(err(format!(
+                    "qwen3vl_merger: v.position_embd.weight is {ty}, llama.cpp interpolates f32"
                 )));
             }
         }
@@ -757,5 +1064,12 @@ impl ClipModel {
     /// The total size of the file.
     pub fn file_bytes(&self) -> usize {
         self.gguf.bytes().len()
+    }
+
+    /// The width of one output row ("token") of the encoder: `n_mmproj_embd`,
+    /// and for Qwen3-VL one more `n_mmproj_embd` per deepstack merger
+    /// (llama.cpp's `clip_n_mmproj_embd`; the language model's `n_embd_inp`).
+    pub fn row_width(&self) -> usize {
+        self.hp.n_mmproj_embd * (1 + self.hp.n_deepstack)
     }
 }

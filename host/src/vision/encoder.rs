@@ -1,7 +1,14 @@
 //! The vision tower's forward pass: patch embedding, ViT blocks, and the
 //! projector into the language model's embedding space, as llama.cpp's clip
 //! graphs compute them (`tools/mtmd/clip.cpp` `build_vit`,
-//! `models/minicpmv.cpp`, `models/siglip.cpp`).
+//! `models/minicpmv.cpp`, `models/siglip.cpp`, `models/qwen3vl.cpp`).
+//!
+//! Qwen3-VL's tower works on its tokens in the 2x2 merge order throughout
+//! (each 2x2 block of patches, blocks row by row, within a block top-left,
+//! top-right, bottom-left, bottom-right), rotates queries and keys by ggml's
+//! vision M-RoPE (half of each head by the patch's row, half by its column),
+//! and writes rows of its merger's output followed by each deepstack
+//! merger's.
 //!
 //! Activations are `f32`, `tokens x width`, row-major. Matrix products run on a
 //! [`Pool`] ([`super::gemm::matmul`], [`les_core::gemv`]'s kernels for every
@@ -16,7 +23,7 @@ use std::sync::{Mutex, OnceLock};
 use les_core::gemv::{vector, Isa};
 use les_core::quant::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, GgmlType};
 
-use super::clip::{ClipModel, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
+use super::clip::{ClipModel, Deepstack, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
 use super::gemm::matmul;
 use super::preprocess::ImageF32;
 use super::VisionError;
@@ -299,13 +306,86 @@ fn mul_rows(a: &mut Acts, s: &[f32]) {
     }
 }
 
-/// One ViT block (pre-norm attention and FFN, with residuals).
-fn vit_layer(ctx: &mut Ctx<'_>, m: &ClipModel, l: &VitLayer, x: Acts) -> Result<Acts, VisionError> {
+/// ggml's vision M-RoPE (`ggml_rope_multi`, `GGML_ROPE_TYPE_VISION`, as
+/// Qwen-VL's towers call it: `n_dims` half a head, four sections of a quarter
+/// head each, base 10000, no scaling): for each token, the cosines and sines
+/// of the angles of a head's `d_head / 2` pairs; pair `i` rotates values `i`
+/// and `i + d_head / 2`. Pairs of the first quarter turn by the token's first
+/// position (clip.cpp's row), those of the second quarter by its second (the
+/// column), each section's angle restarting at its position and shrinking by
+/// `10000^(-4 / d_head)` a pair, multiplied in `f32` one step at a time as
+/// ggml's cache does.
+struct VisionRope {
+    half: usize,
+    /// `(cos, sin)` of every pair of every token.
+    cs: Vec<(f32, f32)>,
+}
+
+impl VisionRope {
+    /// The rotation of heads `d_head` wide (a multiple of 4) for tokens at
+    /// `positions`: `(first, second)` = (row, column) for clip.cpp's Qwen-VL
+    /// positions.
+    fn new(d_head: usize, positions: &[(usize, usize)]) -> VisionRope {
+        let half = d_head / 2;
+        let quarter = d_head / 4;
+        let theta_scale = libm::powf(10000.0, -2.0 / half as f32);
+        let mut cs = Vec::with_capacity(positions.len() * half);
+        for &(p0, p1) in positions {
+            let (mut t0, mut t1) = (p0 as f32, p1 as f32);
+            for i in 0..half {
+                if i == 0 {
+                    t0 = p0 as f32;
+                } else if i == quarter {
+                    t1 = p1 as f32;
+                }
+                let theta = if i < quarter { t0 } else { t1 };
+                cs.push((libm::cosf(theta), libm::sinf(theta)));
+                t0 *= theta_scale;
+                t1 *= theta_scale;
+            }
+        }
+        VisionRope { half, cs }
+    }
+
+    /// Rotates every head of every token of `a` (`n_head` heads of
+    /// `2 * half` values per token) in place.
+    fn apply(&self, a: &mut Acts, n_head: usize) -> Result<(), VisionError> {
+        let (half, dh) = (self.half, 2 * self.half);
+        if a.dim != n_head * dh || self.cs.len() != a.n * half {
+            return Err(VisionError::Shape("rope operands"));
+        }
+        for (row, cs) in a.x.chunks_exact_mut(a.dim).zip(self.cs.chunks_exact(half)) {
+            for head in row.chunks_exact_mut(dh) {
+                let (lo, hi) = head.split_at_mut(half);
+                for ((x0, x1), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+                    let (a0, a1) = (*x0, *x1);
+                    *x0 = a0 * c - a1 * s;
+                    *x1 = a0 * s + a1 * c;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One ViT block (pre-norm attention and FFN, with residuals); queries and
+/// keys rotated by `rope` where given.
+fn vit_layer(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    l: &VitLayer,
+    x: Acts,
+    rope: Option<&VisionRope>,
+) -> Result<Acts, VisionError> {
     let hp = &m.hp;
     let h = layer_norm(&x, &l.ln1, hp.eps);
-    let q = linear(ctx, m, &l.q, &h)?;
-    let k = linear(ctx, m, &l.k, &h)?;
+    let mut q = linear(ctx, m, &l.q, &h)?;
+    let mut k = linear(ctx, m, &l.k, &h)?;
     let v = linear(ctx, m, &l.v, &h)?;
+    if let Some(r) = rope {
+        r.apply(&mut q, hp.n_head)?;
+        r.apply(&mut k, hp.n_head)?;
+    }
     let a = attention(ctx, &q, &k, &v, hp.n_head)?;
     let mut a = linear(ctx, m, &l.o, &a)?;
     if let Some(s) = &l.ls1 {
@@ -475,11 +555,173 @@ pub fn output_tokens(m: &ClipModel, width: usize, height: usize) -> usize {
             (pw / f) * (ph / f)
         }
         Projector::Gemma3 { .. } => (pw / m.hp.n_merge) * (ph / m.hp.n_merge),
+        Projector::Qwen3Vl { .. } => (pw / 2) * (ph / 2),
     }
 }
 
+/// The rows of the patches of `img` (`p` x `p` pixels each, on a grid `pw`
+/// patches wide) in the order `order` gives (row-major patch indices), each
+/// row in the kernel's (channel, y, x) order.
+fn patch_rows(img: &ImageF32, p: usize, pw: usize, order: impl Iterator<Item = usize>) -> Acts {
+    let cols = 3 * p * p;
+    let mut x = Vec::new();
+    let mut n = 0;
+    for t in order {
+        let (py, px) = (t / pw, t % pw);
+        let start = x.len();
+        x.resize(start + cols, 0.0);
+        let row = &mut x[start..];
+        for c in 0..3 {
+            for ky in 0..p {
+                for kx in 0..p {
+                    let (x, y) = (px * p + kx, py * p + ky);
+                    row[c * p * p + ky * p + kx] = img.data[3 * (y * img.width + x) + c];
+                }
+            }
+        }
+        n += 1;
+    }
+    Acts { n, dim: cols, x }
+}
+
+/// ggml's bilinear interpolation with aligned corners (`ggml_interpolate`,
+/// `GGML_SCALE_MODE_BILINEAR | GGML_SCALE_FLAG_ALIGN_CORNERS`, its CPU
+/// arithmetic in `f32`) of a `side` x `side` table of rows of `d` values to
+/// `pw` x `ph`, row-major; the table itself when the sizes are equal (as
+/// clip.cpp's `resize_position_embeddings` skips it).
+pub fn interpolate_positions(
+    table: &[f32],
+    side: usize,
+    d: usize,
+    pw: usize,
+    ph: usize,
+) -> Vec<f32> {
+    if pw == side && ph == side {
+        return table.to_vec();
+    }
+    let scale = |out: usize, inp: usize| {
+        if out > 1 && inp > 1 {
+            (out - 1) as f32 / (inp - 1) as f32
+        } else {
+            out as f32 / inp as f32
+        }
+    };
+    let (sf0, sf1) = (scale(pw, side), scale(ph, side));
+    let last = side as i64 - 1;
+    let at = |v: f32| {
+        let v0 = v.floor() as i64;
+        let (i0, i1) = (v0.clamp(0, last), (v0 + 1).clamp(0, last));
+        let dv = (v - i0 as f32).clamp(0.0, 1.0);
+        (i0 as usize, i1 as usize, dv)
+    };
+    let mut out = Vec::with_capacity(pw * ph * d);
+    for y in 0..ph {
+        let (y0, y1, dy) = at(y as f32 / sf1);
+        for x in 0..pw {
+            let (x0, x1, dx) = at(x as f32 / sf0);
+            let row = |yy: usize, xx: usize| &table[(yy * side + xx) * d..][..d];
+            let (a, b, c, e) = (row(y0, x0), row(y0, x1), row(y1, x0), row(y1, x1));
+            for i in 0..d {
+                out.push(
+                    a[i] * (1.0 - dx) * (1.0 - dy)
+                        + b[i] * dx * (1.0 - dy)
+                        + c[i] * (1.0 - dx) * dy
+                        + e[i] * dx * dy,
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Qwen3-VL's tower on a `pw` x `ph` patch grid (both even): see
+/// [`encode`].
+#[allow(clippy::too_many_arguments)]
+fn encode_qwen3vl(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    patch_embd_1: &Mat,
+    deepstack: &[Deepstack],
+    up: &Linear,
+    down: &Linear,
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let d = hp.n_embd;
+    let n = pw * ph;
+    // The tokens in the 2x2 merge order: row-major patch indices.
+    let order: Vec<usize> = windows_2x2(pw, ph).into_iter().flatten().collect();
+    // Both temporal kernels over the same picture (a still image is both
+    // frames), summed, then the bias: each product in f16 as `ggml_conv_2d`.
+    let patches = patch_rows(img, hp.patch_size, pw, order.iter().copied());
+    let mut x = linear_wb(ctx, m, &m.patch_embd, None, &patches)?;
+    let x1 = linear_wb(ctx, m, patch_embd_1, None, &patches)?;
+    drop(patches);
+    add_in_place(&mut x, &x1);
+    drop(x1);
+    if let Some(b) = &m.patch_bias {
+        for row in x.x.chunks_exact_mut(d) {
+            for (v, b) in row.iter_mut().zip(b) {
+                *v += b;
+            }
+        }
+    }
+    // The learned position embeddings, interpolated to the grid.
+    let side = (m.n_pos as f64).sqrt() as usize;
+    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+        return Err(VisionError::Shape(
+            "position embeddings are not a square table",
+        ));
+    }
+    let pos = interpolate_positions(&m.pos_embd, side, d, pw, ph);
+    for (row, &t) in x.x.chunks_exact_mut(d).zip(&order) {
+        for (v, e) in row.iter_mut().zip(&pos[t * d..(t + 1) * d]) {
+            *v += e;
+        }
+    }
+    drop(pos);
+    if let Some(ln) = &m.pre_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    // clip.cpp's positions: (row, column) of each token's patch.
+    let positions: Vec<(usize, usize)> = order.iter().map(|&t| (t / pw, t % pw)).collect();
+    let rope = VisionRope::new(d / hp.n_head, &positions);
+    let merged = |a: Acts| Acts {
+        n: a.n / 4,
+        dim: 4 * a.dim,
+        x: a.x,
+    };
+    let mut features = Vec::with_capacity(deepstack.len());
+    let mut ds = deepstack.iter().peekable();
+    for (il, l) in m.layers.iter().enumerate() {
+        x = vit_layer(ctx, m, l, x, Some(&rope))?;
+        if let Some(dsm) = ds.next_if(|dsm| dsm.layer == il) {
+            // Four consecutive tokens are a 2x2 block: a row of 4 * d.
+            let normed = layer_norm(&merged(x.clone()), &dsm.norm, hp.eps);
+            features.push(ffn(ctx, m, &normed, &dsm.fc1, None, &dsm.fc2, FfnOp::Gelu)?);
+        }
+    }
+    if let Some(ln) = &m.post_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    let out = ffn(ctx, m, &merged(x), up, None, down, FfnOp::Gelu)?;
+    let width = out.dim * (1 + features.len());
+    let mut rows = Vec::with_capacity(out.n * width);
+    for t in 0..out.n {
+        rows.extend_from_slice(out.row(t));
+        for f in &features {
+            rows.extend_from_slice(f.row(t));
+        }
+    }
+    debug_assert_eq!(n / 4, out.n);
+    Ok(rows)
+}
+
 /// Runs the tower on one preprocessed image (or slice): returns
-/// [`output_tokens`] embeddings of `n_mmproj_embd` values, row-major.
+/// [`output_tokens`] embeddings of [`ClipModel::row_width`] values (the
+/// projector's `n_mmproj_embd`, and for Qwen3-VL each deepstack merger's
+/// after it), row-major; Qwen3-VL's in the merged grid's row-major order.
 pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f32>, VisionError> {
     let hp = &m.hp;
     let p = hp.patch_size;
@@ -498,43 +740,29 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     let align = match m.projector {
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
+        Projector::Qwen3Vl { .. } => 2,
     };
     if !pw.is_multiple_of(align) || !ph.is_multiple_of(align) {
         return Err(VisionError::Shape(
             "image size is not a multiple of patch size x merge factor",
         ));
     }
+    if let Projector::Qwen3Vl {
+        patch_embd_1,
+        deepstack,
+        up,
+        down,
+    } = &m.projector
+    {
+        return encode_qwen3vl(ctx, m, img, (pw, ph), patch_embd_1, deepstack, up, down);
+    }
 
     // Patch embedding: a convolution with stride = kernel = patch, i.e. one GEMM
     // over the patches, columns in (channel, y, x) order, in f16 as llama.cpp's
     // `ggml_conv_2d` computes it (an f32 kernel is rounded to f16 at load,
     // and `linear_wb` rounds the pixels).
-    let cols = 3 * p * p;
-    let mut patches = vec![0f32; n * cols];
-    for py in 0..ph {
-        for px in 0..pw {
-            let row = &mut patches[(py * pw + px) * cols..(py * pw + px + 1) * cols];
-            for c in 0..3 {
-                for ky in 0..p {
-                    for kx in 0..p {
-                        let (x, y) = (px * p + kx, py * p + ky);
-                        row[c * p * p + ky * p + kx] = img.data[3 * (y * img.width + x) + c];
-                    }
-                }
-            }
-        }
-    }
-    let mut x = linear_wb(
-        ctx,
-        m,
-        &m.patch_embd,
-        m.patch_bias.as_deref(),
-        &Acts {
-            n,
-            dim: cols,
-            x: patches,
-        },
-    )?;
+    let patches = patch_rows(img, p, pw, 0..n);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
 
     // Learned position embeddings.
     let rows: Vec<usize> = match m.projector {
@@ -550,6 +778,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             }
             (0..n).collect()
         }
+        Projector::Qwen3Vl { .. } => return Err(VisionError::Shape("qwen3vl_merger tower")),
     };
     for (i, &r) in rows.iter().enumerate() {
         if r >= m.n_pos {
@@ -577,17 +806,17 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             match merger {
                 Some(mg) => {
                     for l in &m.layers[..=hp.insert_layer] {
-                        x = vit_layer(ctx, m, l, x)?;
+                        x = vit_layer(ctx, m, l, x, None)?;
                     }
                     x = vit_merger(ctx, m, mg, x, gw, gh)?;
                     (gw, gh) = (gw / 2, gh / 2);
                     for l in &m.layers[hp.insert_layer + 1..] {
-                        x = vit_layer(ctx, m, l, x)?;
+                        x = vit_layer(ctx, m, l, x, None)?;
                     }
                 }
                 None => {
                     for l in &m.layers {
-                        x = vit_layer(ctx, m, l, x)?;
+                        x = vit_layer(ctx, m, l, x, None)?;
                     }
                 }
             }
@@ -604,7 +833,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             input_proj,
         } => {
             for l in &m.layers {
-                x = vit_layer(ctx, m, l, x)?;
+                x = vit_layer(ctx, m, l, x, None)?;
             }
             if let Some(ln) = &m.post_ln {
                 x = layer_norm(&x, ln, hp.eps);
@@ -635,5 +864,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             let out = linear_wb(ctx, m, input_proj, None, &pooled)?;
             Ok(out.x)
         }
+        // Encoded above.
+        Projector::Qwen3Vl { .. } => Err(VisionError::Shape("qwen3vl_merger tower")),
     }
 }

@@ -5,10 +5,12 @@
 //!   decoding) to the pixels llama.cpp's stb_image gives.
 //! - [`jpeg`]: the JPEG decoder, stb_image's arithmetic.
 //! - [`preprocess`]: resizing, MiniCPM-V's slicing into a grid of slices plus an
-//!   overview, normalisation.
+//!   overview, Qwen-VL's resize to a token budget, normalisation.
 //! - [`clip`]: the mmproj file (`general.architecture = clip`): hyperparameters
-//!   and weights, for projector types `minicpmv4_6` (MiniCPM-V 4.6 and 4.7) and
-//!   `gemma3`.
+//!   and weights, for projector types `minicpmv4_6` (MiniCPM-V 4.6 and 4.7),
+//!   `gemma3` and `qwen3vl_merger` (Qwen3-VL; its rows carry the deepstack
+//!   features after the embedding: [`ClipModel::row_width`], and its tokens
+//!   form a grid: [`merged_grid`]).
 //! - [`encoder`]: the ViT and projector forward pass, multi-threaded.
 //! - [`prompt`]: the image embeddings spliced into the token sequence with the
 //!   model's special tokens.
@@ -110,6 +112,48 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: (0, 0),
             }
         }
+        ProjectorType::Qwen3Vl => {
+            // llama.cpp's dyn_size preprocessor: bicubic into the smart size,
+            // aspect kept and centred on black (its default PAD_CEIL).
+            let (w, h) = qwen3vl_size(m, (img.width, img.height));
+            let resized =
+                preprocess::resize_padded(img, w, h, preprocess::ResizeAlgo::Bicubic, [0; 3]);
+            Preprocessed {
+                chunks: vec![norm(&resized)],
+                grid: (0, 0),
+            }
+        }
+    }
+}
+
+/// The size Qwen3-VL's projector resizes an image of `size` to: multiples of
+/// two patches a side, between llama.cpp's 8 and 4096 merged tokens.
+fn qwen3vl_size(m: &ClipModel, size: (usize, usize)) -> (usize, usize) {
+    let hp = &m.hp;
+    preprocess::smart_resize(
+        size,
+        hp.patch_size * hp.n_merge,
+        hp.image_min_pixels,
+        hp.image_max_pixels,
+    )
+}
+
+/// The grid of merged tokens an image of `width` x `height` pixels becomes:
+/// `(tokens per row, rows)`, llama.cpp's `clip_n_output_tokens_x` and `_y`.
+/// For Qwen3-VL the encoder's rows are this grid, row-major (the language
+/// model's M-RoPE positions come from it); the other projectors' tokens are no
+/// grid: `(tokens, 1)` of the image's first chunk, as llama.cpp says.
+pub fn merged_grid(m: &ClipModel, width: usize, height: usize) -> (usize, usize) {
+    match m.hp.projector {
+        ProjectorType::Qwen3Vl => {
+            let (w, h) = qwen3vl_size(m, (width, height));
+            let p = m.hp.patch_size;
+            ((w / p) / 2, (h / p) / 2)
+        }
+        _ => {
+            let layout = image_layout(m, (width, height));
+            (layout.chunk_tokens.first().copied().unwrap_or(0), 1)
+        }
     }
 }
 
@@ -156,10 +200,15 @@ pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
             chunk_tokens: vec![tokens((m.hp.image_size, m.hp.image_size))],
             grid: (0, 0),
         },
+        ProjectorType::Qwen3Vl => ImageLayout {
+            chunk_tokens: vec![tokens(qwen3vl_size(m, size))],
+            grid: (0, 0),
+        },
     }
 }
 
-/// Preprocesses and encodes `img`: the embeddings of its overview and slices.
+/// Preprocesses and encodes `img`: the embeddings of its overview and slices
+/// (each embedding [`ClipModel::row_width`] values).
 pub fn encode_image(
     ctx: &mut Ctx<'_>,
     m: &ClipModel,
@@ -172,18 +221,19 @@ pub fn encode_image(
     }
     // Where an M-RoPE language model places the embeddings (llama.cpp's
     // `mtmd`): MiniCPM-V's overview and slices in sequence, Gemma 3's as
-    // one row of a grid.
+    // one row of a grid, Qwen3-VL's as its merged patches' grid.
     let chunk_grids = match m.hp.projector {
         ProjectorType::MiniCpmV46 => Vec::new(),
         ProjectorType::Gemma3 => chunks
             .iter()
-            .map(|c| (c.len() / m.hp.n_mmproj_embd.max(1), 1))
+            .map(|c| (c.len() / m.row_width().max(1), 1))
             .collect(),
+        ProjectorType::Qwen3Vl => vec![merged_grid(m, img.width, img.height)],
     };
     Ok(EncodedImage {
         chunks,
         grid: pre.grid,
-        n_embd: m.hp.n_mmproj_embd,
+        n_embd: m.row_width(),
         chunk_grids,
     })
 }

@@ -2,7 +2,8 @@
 //! bilinear and bicubic resampling in fixed point, as llama.cpp's
 //! `resize_pillow`, with or without aspect-preserving padding),
 //! MiniCPM-V's slicing of large images into a grid of slices plus an overview
-//! (llava-uhd style), and normalisation with the projector's mean and std.
+//! (llava-uhd style), Qwen-VL's "smart resize" to a token budget
+//! ([`smart_resize`]), and normalisation with the projector's mean and std.
 //!
 //! The arithmetic follows llama.cpp's (`mtmd-image.cpp`) step by step, in the
 //! same float widths, so the pixels fed to the encoder match llama.cpp's.
@@ -227,6 +228,43 @@ fn resample(src: &RgbImage, width: usize, height: usize, algo: ResizeAlgo) -> Rg
         img = out;
     }
     img
+}
+
+/// The size an image of `(width, height)` is resized to for a dynamic-size
+/// projector (llama.cpp's `calc_size_preserved_ratio` without a longest edge,
+/// transformers' "smart_resize"): each side rounded to the nearest multiple of
+/// `align` (at least `align`); then, if that is more than `max_pixels`, both
+/// sides scaled by `sqrt(w h / max_pixels)` and rounded down to multiples of
+/// `align` (at least `align`), or, if less than `min_pixels`, scaled up by
+/// `sqrt(min_pixels / (w h))` and rounded up. The arithmetic is llama.cpp's,
+/// in `f32` (`0` disables a bound). `(0, 0)` for an empty image.
+pub fn smart_resize(
+    (width, height): (usize, usize),
+    align: usize,
+    min_pixels: usize,
+    max_pixels: usize,
+) -> (usize, usize) {
+    if width == 0 || height == 0 || align == 0 {
+        return (0, 0);
+    }
+    let a = align as i64;
+    let f = align as f32;
+    let round_by = |x: f32| (x / f).round() as i64 * a;
+    let ceil_by = |x: f32| (x / f).ceil() as i64 * a;
+    let floor_by = |x: f32| (x / f).floor() as i64 * a;
+    let (wf, hf) = (width as f32, height as f32);
+    let mut w_bar = a.max(round_by(wf));
+    let mut h_bar = a.max(round_by(hf));
+    if max_pixels > 0 && h_bar * w_bar > max_pixels as i64 {
+        let beta = (hf * wf / max_pixels as f32).sqrt();
+        h_bar = a.max(floor_by(hf / beta));
+        w_bar = a.max(floor_by(wf / beta));
+    } else if min_pixels > 0 && h_bar * w_bar < min_pixels as i64 {
+        let beta = (min_pixels as f32 / (hf * wf)).sqrt();
+        h_bar = ceil_by(hf * beta);
+        w_bar = ceil_by(wf * beta);
+    }
+    (w_bar.max(0) as usize, h_bar.max(0) as usize)
 }
 
 /// Where the slices of an image come from (llama.cpp's `slice_instructions`).

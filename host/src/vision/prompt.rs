@@ -9,7 +9,11 @@
 //!   `<image>` overview `</image>`, then for each row of slices
 //!   `<slice>` slice `</slice>` ... with a `\n` token between rows (none after
 //!   the last);
-//! - Gemma 3: `<start_of_image>` embeddings `<end_of_image>`.
+//! - Gemma 3: `<start_of_image>` embeddings `<end_of_image>`;
+//! - Qwen3-VL: `<|vision_start|>` embeddings `<|vision_end|>`.
+//!
+//! [`MultimodalPrompt::places`] says where each position sits for language
+//! models with M-RoPE sections ([`InputPlace`]).
 
 use les_core::model::forward::TokenInput;
 
@@ -297,6 +301,9 @@ fn lay_out<I: ImageChunks>(
     if let Some(bos) = tok.bos().filter(|_| add_special && tok.add_bos()) {
         sink(Piece::Tokens(&[bos]));
     }
+    // MiniCPM-V's overview and slices in their tokens, or the others'
+    // chunks between a start and an end text (llama.cpp's `img_beg` /
+    // `img_end`).
     let minicpm = match projector {
         ProjectorType::MiniCpmV46 => Some((
             require_token(tok, "<image>")?,
@@ -305,7 +312,11 @@ fn lay_out<I: ImageChunks>(
             require_token(tok, "</slice>")?,
             require_token(tok, "\n")?,
         )),
-        ProjectorType::Gemma3 => None,
+        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl => None,
+    };
+    let (begin, end) = match projector {
+        ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
+        _ => ("<start_of_image>", "<end_of_image>"),
     };
     for (i, part) in parts.iter().enumerate() {
         if !part.is_empty() {
@@ -330,11 +341,11 @@ fn lay_out<I: ImageChunks>(
                 }
             }
             None => {
-                sink(Piece::Tokens(&tok.encode("<start_of_image>", false, true)));
+                sink(Piece::Tokens(&tok.encode(begin, false, true)));
                 for c in 0..img.n_chunks() {
                     sink(Piece::Chunk(img, c));
                 }
-                sink(Piece::Tokens(&tok.encode("<end_of_image>", false, true)));
+                sink(Piece::Tokens(&tok.encode(end, false, true)));
             }
         }
     }

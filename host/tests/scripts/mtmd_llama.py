@@ -8,7 +8,14 @@ Usage:
   mtmd_llama.py embed MODEL.gguf MMPROJ.gguf IMAGE.png
       Tokenizes the media marker alone with the image and prints one JSON
       list of the chunks in order: {"text": [token ids]} or
-      {"image": [floats, n x n_embd], "n": n}.
+      {"image": [floats, n x n_embd], "n": n, "nx": nx, "ny": ny}. n_embd is
+      the model's input width (llama_model_n_embd_inp: Qwen3-VL's rows carry
+      the deepstack features after the embedding); nx x ny is the image
+      chunk's token grid (mtmd_image_tokens_get_nx / _ny).
+  mtmd_llama.py grid MODEL.gguf MMPROJ.gguf WxH...
+      Tokenizes the media marker with a blank image of each size (no file,
+      nothing encoded) and prints one JSON list of the image chunks' token
+      grids {"nx", "ny", "n"}, one per size.
   mtmd_llama.py greedy MODEL.gguf MMPROJ.gguf IMAGE.png PROMPT N
       Decodes PROMPT (the marker <__media__> where the image goes, BOS as
       the model asks, special tokens parsed): its chunks through
@@ -35,8 +42,8 @@ from llama_cpp import Llama
 MARKER = b"<__media__>"
 
 
-def tokenize(model, mmproj, image, prompt, add_special):
-    """The model, the mtmd context and the chunks of `prompt` with the image."""
+def context(model, mmproj):
+    """The model and its mtmd context."""
     llm = Llama(model_path=model, n_ctx=4096, n_batch=512, n_threads=2, verbose=False)
     p = mtmd.mtmd_context_params_default()
     p.use_gpu = False
@@ -47,9 +54,20 @@ def tokenize(model, mmproj, image, prompt, add_special):
     p.flash_attn_type = 0
     ctx = mtmd.mtmd_init_from_file(mmproj.encode(), llm._model.model, p)
     assert ctx, "mtmd_init_from_file failed"
+    return llm, ctx
+
+
+def tokenize(model, mmproj, image, prompt, add_special):
+    """The model, the mtmd context and the chunks of `prompt` with the image."""
+    llm, ctx = context(model, mmproj)
     # The file read as llama.cpp's tools read it (stb_image).
     bitmap = mtmd.mtmd_helper_bitmap_init_from_file(ctx, image.encode(), False)
     assert bitmap, f"llama.cpp cannot read {image}"
+    return llm, ctx, chunks_of(ctx, bitmap, prompt, add_special)
+
+
+def chunks_of(ctx, bitmap, prompt, add_special):
+    """The chunks of `prompt` with the image `bitmap`."""
     text = mtmd.mtmd_input_text()
     text.text = prompt
     text.text_len = len(prompt)
@@ -59,12 +77,38 @@ def tokenize(model, mmproj, image, prompt, add_special):
     bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
     rc = mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1)
     assert rc == 0, f"mtmd_tokenize: {rc}"
-    return llm, ctx, chunks
+    return chunks
+
+
+def grid(model, mmproj, *sizes):
+    _, ctx = context(model, mmproj)
+    out = []
+    for size in sizes:
+        w, h = (int(v) for v in size.split("x"))
+        pixels = (ctypes.c_uint8 * (w * h * 3))()
+        bitmap = mtmd.mtmd_bitmap_init(w, h, pixels)
+        assert bitmap, f"mtmd_bitmap_init {size}"
+        chunks = chunks_of(ctx, bitmap, MARKER, False)
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(chunk) != 0:
+                image = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+                out.append({
+                    "nx": mtmd.mtmd_image_tokens_get_nx(image),
+                    "ny": mtmd.mtmd_image_tokens_get_ny(image),
+                    "n": mtmd.mtmd_input_chunk_get_n_tokens(chunk),
+                })
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+    return out
 
 
 def embed(model, mmproj, image):
     llm, ctx, chunks = tokenize(model, mmproj, image, MARKER, False)
-    n_embd = llama_cpp.llama_model_n_embd(llm._model.model)
+    # The width of an image embedding row: the model's input width, wider
+    # than n_embd where the projector adds deepstack features (Qwen3-VL).
+    n_embd_inp = getattr(llama_cpp, "llama_model_n_embd_inp", llama_cpp.llama_model_n_embd)
+    n_embd = n_embd_inp(llm._model.model)
     out = []
     for i in range(mtmd.mtmd_input_chunks_size(chunks)):
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)
@@ -76,7 +120,13 @@ def embed(model, mmproj, image):
         else:
             assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0, "mtmd_encode_chunk failed"
             values = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * n_embd,))
-            out.append({"image": [float(v) for v in values], "n": n})
+            image = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+            out.append({
+                "image": [float(v) for v in values],
+                "n": n,
+                "nx": mtmd.mtmd_image_tokens_get_nx(image),
+                "ny": mtmd.mtmd_image_tokens_get_ny(image),
+            })
     return out
 
 
@@ -133,7 +183,7 @@ def decode(model, mmproj, *images):
 
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
-    out = {"embed": embed, "greedy": greedy, "decode": decode}[mode](*args)
+    out = {"embed": embed, "grid": grid, "greedy": greedy, "decode": decode}[mode](*args)
     print(json.dumps(out))
 
 
