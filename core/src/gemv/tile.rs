@@ -151,8 +151,9 @@ pub fn float_tile(
     Ok(())
 }
 
-/// Rows of a register tile.
-const ROWS: usize = 3;
+/// Rows of a register tile: blocks of rows that are a multiple of it go
+/// through whole tiles only (a leftover row takes the slower one-row path).
+pub const ROWS: usize = 3;
 /// Tokens of a register tile.
 const TOKENS: usize = 4;
 

@@ -17,7 +17,7 @@
 
 use std::sync::Mutex;
 
-use les_core::gemv::tile::{float_tile, tiles};
+use les_core::gemv::tile::{self, float_tile, tiles};
 use les_core::gemv::{
     activation_format, gemv, gemv_with_prefetch, ActivationFormat, GemvError, Input, Isa,
     MatrixView,
@@ -156,9 +156,13 @@ pub fn matmul(
         gemv(isa, w, &acts.input(0, cols), 0..0, &mut [])?;
     }
 
+    // Float weights: whole register tiles of rows (a leftover row per block
+    // would take `float_tile`'s one-row path: 6% of a 4608-wide f16
+    // matrix's rows in blocks of 16 cost 15% of its time).
+    let step = if float { 16 * tile::ROWS } else { 16 };
     let row_block = (ROW_BLOCK_BYTES / w.row_bytes().max(1))
-        .clamp(16, rows.max(16))
-        .next_multiple_of(16)
+        .clamp(step, rows.max(step))
+        .next_multiple_of(step)
         .min(rows);
     let token_blocks = n.div_ceil(TOKEN_BLOCK);
     let row_blocks = rows.div_ceil(row_block);
