@@ -4,15 +4,22 @@
 //! a SigLIP-400M block (1152 wide, 4304 hidden; MiniCPM-V's and Gemma 3's
 //! towers) for 64 patch tokens, `f16` and `f32` weights.
 //!
+//! Then one attention head's scores, every query against every key in
+//! blocks of 16 queries as the tower runs them: `vector::scaled_dots` over
+//! the keys in place (how the tower scored before 2026-12-05) against
+//! transposing the head's keys once and `vector::scaled_dots_by_key` (lanes
+//! over keys, no horizontal sums).
+//!
 //! `cargo bench -p les --bench vision_gemm`. After criterion's report, a
-//! summary times the two interleaved (median of 7 rounds) and prints their
-//! ratio.
+//! summary times each pair interleaved (median of 7 rounds) and prints
+//! their ratio.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::Criterion;
 use les_core::gemv::tile::float_tile;
+use les_core::gemv::vector::{self, Strided};
 use les_core::gemv::{gemv, Input, Isa, MatrixView};
 use les_core::quant::{quantize, GgmlType};
 
@@ -64,6 +71,68 @@ fn tiled(isa: Isa, w: &MatrixView<'_>, x: &[f32], y: &mut [f32]) {
     float_tile(isa, w, x, TOKENS, 0..w.rows(), y).unwrap();
 }
 
+/// One head's attention inputs: `n` tokens of a `d`-wide activation whose
+/// head `dh` wide starts at column 0.
+struct Head {
+    name: String,
+    n: usize,
+    d: usize,
+    dh: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+}
+
+fn head(n: usize, d: usize, dh: usize) -> Head {
+    let mut st = 0x0a77_u64 ^ (n * dh) as u64;
+    let mut noise = || {
+        st = st
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((st >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    Head {
+        name: format!("scores, {n} tokens, head of {dh}"),
+        n,
+        d,
+        dh,
+        q: (0..n * dh).map(|_| noise()).collect(),
+        k: (0..n * d).map(|_| noise()).collect(),
+    }
+}
+
+const QUERY_BLOCK: usize = 16;
+
+/// Every query block against the keys where they are (rows `d` apart).
+fn scores_in_place(isa: Isa, h: &Head, out: &mut [f32]) {
+    let keys = Strided {
+        data: &h.k,
+        stride: h.d,
+        n: h.n,
+        d: h.dh,
+    };
+    for (q, o) in
+        h.q.chunks(QUERY_BLOCK * h.dh)
+            .zip(out.chunks_mut(QUERY_BLOCK * h.n))
+    {
+        vector::scaled_dots(isa, q, keys, 0.125, o);
+    }
+}
+
+/// The keys transposed once, then every query block against them.
+fn scores_by_key(isa: Isa, h: &Head, kt: &mut [f32], out: &mut [f32]) {
+    for (t, key) in h.k.chunks_exact(h.d).enumerate() {
+        for (i, &x) in key[..h.dh].iter().enumerate() {
+            kt[i * h.n + t] = x;
+        }
+    }
+    for (q, o) in
+        h.q.chunks(QUERY_BLOCK * h.dh)
+            .zip(out.chunks_mut(QUERY_BLOCK * h.n))
+    {
+        vector::scaled_dots_by_key(isa, q, h.dh, kt, h.n, 0.125, o);
+    }
+}
+
 fn main() {
     let isa = Isa::detect();
     let cases = [
@@ -82,6 +151,23 @@ fn main() {
         });
         g.bench_function("float_tile", |b| {
             b.iter(|| tiled(isa, black_box(&w), black_box(&k.x), &mut y))
+        });
+        g.finish();
+    }
+    // SigLIP's heads (1152 / 16) and Qwen3-VL's (1152 / 18).
+    let heads = [
+        head(1024, 1152, 72),
+        head(1024, 1152, 64),
+        head(4096, 1152, 64),
+    ];
+    for h in &heads {
+        let (mut kt, mut out) = (vec![0f32; h.n * h.dh], vec![0f32; h.n * h.n]);
+        let mut g = c.benchmark_group(&h.name);
+        g.bench_function("scaled_dots", |b| {
+            b.iter(|| scores_in_place(isa, black_box(h), &mut out))
+        });
+        g.bench_function("transposed, scaled_dots_by_key", |b| {
+            b.iter(|| scores_by_key(isa, black_box(h), &mut kt, &mut out))
         });
         g.finish();
     }
@@ -104,6 +190,30 @@ fn main() {
         println!(
             "  {:<34} gemv per token {:>7.2} ms ({:>5.1} GFLOP/s)  float_tile {:>7.2} ms ({:>5.1} GFLOP/s)  {:.2}x",
             k.name,
+            a[3] * 1e3,
+            flops / a[3] / 1e9,
+            b[3] * 1e3,
+            flops / b[3] / 1e9,
+            a[3] / b[3]
+        );
+    }
+    for h in &heads {
+        let (mut kt, mut out) = (vec![0f32; h.n * h.dh], vec![0f32; h.n * h.n]);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..7 {
+            let t = Instant::now();
+            scores_in_place(isa, h, &mut out);
+            a.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            scores_by_key(isa, h, &mut kt, &mut out);
+            b.push(t.elapsed().as_secs_f64());
+        }
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        let flops = 2.0 * (h.n * h.n * h.dh) as f64;
+        println!(
+            "  {:<34} scaled_dots {:>7.2} ms ({:>5.1} GFLOP/s)  by key {:>7.2} ms ({:>5.1} GFLOP/s)  {:.2}x",
+            h.name,
             a[3] * 1e3,
             flops / a[3] / 1e9,
             b[3] * 1e3,

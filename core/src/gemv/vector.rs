@@ -370,6 +370,67 @@ pub fn scaled_dots(isa: Isa, q: &[f32], keys: Strided<'_>, scale: f32, out: &mut
     }
 }
 
+/// `out[j * n + t] = (sum over i of q[j * d + i] * kt[i * n + t]) * scale`
+/// for the `nq = q.len() / d` queries and `n` keys given transposed (`kt`:
+/// `d` rows of `n` floats, key `t` in column `t`): each sum over `i` in
+/// order, a multiply then an add, from zero. The SIMD lanes run over keys,
+/// so no score needs a horizontal sum: for many keys of short heads (a
+/// vision tower's attention, where [`scaled_dots`]' folds cost as much as
+/// the products). The same bits on every ISA (not [`scaled_dots`]' bits:
+/// another order). Panics if `kt` holds fewer than `d * n` floats or `out`
+/// fewer than `nq * n`.
+pub fn scaled_dots_by_key(
+    isa: Isa,
+    q: &[f32],
+    d: usize,
+    kt: &[f32],
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let nq = q.len().checked_div(d).unwrap_or(0);
+    assert!(
+        d.checked_mul(n).is_some_and(|m| kt.len() >= m)
+            && nq.checked_mul(n).is_some_and(|m| out.len() >= m),
+        "scaled_dots_by_key: bad lengths"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Avx512Vnni if super::cpuid::has_avx2() => {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            unsafe { x86::dots_by_key_avx2(q, d, kt, n, scale, out) }
+        }
+        #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+        Isa::Neon | Isa::NeonDot => {
+            // SAFETY: NEON is part of the target (`target_feature = "neon"`).
+            unsafe { neon::dots_by_key(q, d, kt, n, scale, out) }
+        }
+        _ => dots_by_key_from(q, d, kt, n, 0, scale, out),
+    }
+}
+
+/// [`scaled_dots_by_key`] of keys `from..n` one at a time: the reference,
+/// and the SIMD kernels' last keys.
+fn dots_by_key_from(
+    q: &[f32],
+    d: usize,
+    kt: &[f32],
+    n: usize,
+    from: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    for (j, qj) in q.chunks_exact(d.max(1)).enumerate() {
+        for t in from..n {
+            let mut s = 0f32;
+            for (i, &x) in qj.iter().enumerate() {
+                s += x * kt[i * n + t];
+            }
+            out[j * n + t] = s * scale;
+        }
+    }
+}
+
 /// `o[j * d + i] += w[j * n + t] * (row t)[i]` for `t` in `0..n` in order, for
 /// the `nb = o.len() / d` outputs: the weighted sums of the values of `nb`
 /// heads sharing a value head, each value read once for all of them. Needs
@@ -812,6 +873,52 @@ mod x86 {
                 + tail_dot(&q[j * d + whole..j * d + k.len()], tk);
         }
         out
+    }
+
+    /// [`super::scaled_dots_by_key`]: four queries by sixteen keys in eight
+    /// registers (then one query, then eight keys), each lane one score's
+    /// sum in order; the last `n % 8` keys one at a time.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dots_by_key_avx2(
+        q: &[f32],
+        d: usize,
+        kt: &[f32],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let nq = q.len().checked_div(d).unwrap_or(0);
+        let sv = _mm256_set1_ps(scale);
+        let mut t = 0;
+        while t + 8 <= n {
+            let wide = t + 16 <= n;
+            let mut j = 0;
+            while j < nq {
+                let group = if nq - j >= 4 { 4 } else { 1 };
+                let mut lo = [_mm256_setzero_ps(); 4];
+                let mut hi = [_mm256_setzero_ps(); 4];
+                for i in 0..d {
+                    let row = &kt[i * n + t..];
+                    let k0 = ld8(row);
+                    let k1 = if wide { ld8(&row[8..]) } else { k0 };
+                    for g in 0..group {
+                        let qv = _mm256_set1_ps(q[(j + g) * d + i]);
+                        lo[g] = _mm256_add_ps(lo[g], _mm256_mul_ps(qv, k0));
+                        hi[g] = _mm256_add_ps(hi[g], _mm256_mul_ps(qv, k1));
+                    }
+                }
+                for g in 0..group {
+                    let o = &mut out[(j + g) * n + t..];
+                    st8(o, _mm256_mul_ps(lo[g], sv));
+                    if wide {
+                        st8(&mut o[8..], _mm256_mul_ps(hi[g], sv));
+                    }
+                }
+                j += group;
+            }
+            t += if wide { 16 } else { 8 };
+        }
+        super::dots_by_key_from(q, d, kt, n, t, scale, out);
     }
 
     macro_rules! scaled_dots_with {
@@ -1298,6 +1405,52 @@ mod neon {
         (vgetq_lane_f64::<0>(s2) + vgetq_lane_f64::<1>(s2)) + tail
     }
 
+    /// [`super::scaled_dots_by_key`]: four queries by sixteen keys in
+    /// sixteen registers (then one query, then four keys), each lane one
+    /// score's sum in order; the last `n % 4` keys one at a time.
+    #[target_feature(enable = "neon")]
+    pub(super) fn dots_by_key(
+        q: &[f32],
+        d: usize,
+        kt: &[f32],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let nq = q.len().checked_div(d).unwrap_or(0);
+        let mut t = 0;
+        while t + 4 <= n {
+            let vecs = ((n - t) / 4).min(4);
+            let mut j = 0;
+            while j < nq {
+                let group = if nq - j >= 4 { 4 } else { 1 };
+                let mut acc = [[vdupq_n_f32(0.0); 4]; 4];
+                for i in 0..d {
+                    let row = &kt[i * n + t..];
+                    let mut k = [vdupq_n_f32(0.0); 4];
+                    for (v, kv) in k.iter_mut().enumerate().take(vecs) {
+                        *kv = ld4(&row[4 * v..]);
+                    }
+                    for (g, a) in acc.iter_mut().enumerate().take(group) {
+                        let qv = vdupq_n_f32(q[(j + g) * d + i]);
+                        for v in 0..vecs {
+                            a[v] = vaddq_f32(a[v], vmulq_f32(qv, k[v]));
+                        }
+                    }
+                }
+                for (g, a) in acc.iter().enumerate().take(group) {
+                    let o = &mut out[(j + g) * n + t..];
+                    for (v, av) in a.iter().enumerate().take(vecs) {
+                        st4(&mut o[4 * v..], vmulq_n_f32(*av, scale));
+                    }
+                }
+                j += group;
+            }
+            t += 4 * vecs;
+        }
+        super::dots_by_key_from(q, d, kt, n, t, scale, out);
+    }
+
     #[target_feature(enable = "neon")]
     pub(super) fn scaled_dots(
         q: &[f32],
@@ -1422,6 +1575,58 @@ mod tests {
                     assert!(g.to_bits() == w.to_bits(), "{isa:?} {:#06x}", i + skew);
                 }
             }
+        }
+    }
+
+    /// [`scaled_dots_by_key`] gives the scalar order's bits on every ISA,
+    /// for query counts and key counts around every SIMD group and tile
+    /// edge (keys past the last whole group, one query after groups of four),
+    /// and the dot products within rounding of an `f64` sum.
+    #[test]
+    fn scaled_dots_by_key_is_exact_on_every_isa() {
+        let mut seed = 11;
+        for (nq, d, n) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (4, 16, 8),
+            (5, 64, 16),
+            (16, 64, 37),
+            (9, 72, 24),
+            (4, 3, 40),
+            (2, 8, 3),
+        ] {
+            let q: Vec<f32> = (0..nq * d).map(|_| rng(&mut seed)).collect();
+            let kt: Vec<f32> = (0..d * n).map(|_| rng(&mut seed)).collect();
+            let mut want = vec![f32::NAN; nq * n];
+            scaled_dots_by_key(Isa::Scalar, &q, d, &kt, n, 0.125, &mut want);
+            for j in 0..nq {
+                for t in 0..n {
+                    let exact: f64 = (0..d)
+                        .map(|i| q[j * d + i] as f64 * kt[i * n + t] as f64)
+                        .sum::<f64>()
+                        * 0.125;
+                    let w = want[j * n + t] as f64;
+                    assert!((w - exact).abs() < 1e-5, "{nq} {d} {n}: {w} {exact}");
+                }
+            }
+            for isa in Isa::available() {
+                let mut got = vec![f32::NAN; nq * n];
+                scaled_dots_by_key(isa, &q, d, &kt, n, 0.125, &mut got);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{isa:?}: {nq} queries of {d} by {n} keys"
+                );
+            }
+        }
+        // Too short a key table is refused, not read past.
+        for isa in Isa::available() {
+            let r = std::panic::catch_unwind(|| {
+                let mut out = vec![0f32; 16];
+                scaled_dots_by_key(isa, &[0.0; 4], 4, &[0.0; 15], 4, 1.0, &mut out);
+            });
+            assert!(r.is_err(), "{isa:?}");
         }
     }
 

@@ -231,8 +231,9 @@ const QUERY_BLOCK: usize = 16;
 /// per head, heads concatenated. Blocks of queries run on the pool; a block's
 /// queries of one head go through [`vector`]'s kernels together, so each key
 /// and value of the head is read once for the block (the scores, the softmax
-/// and the weighted sums in [`vector::scaled_dots`]', [`vector::softmax`]'s
-/// and [`vector::weighted_rows`]' fixed orders, the same bits with every ISA).
+/// and the weighted sums in [`vector::scaled_dots_by_key`]'s (over each
+/// head's keys transposed once), [`vector::softmax`]'s and
+/// [`vector::weighted_rows`]' fixed orders, the same bits with every ISA).
 /// Each query's arithmetic is the same whatever the block or thread.
 fn attention(
     ctx: &mut Ctx<'_>,
@@ -248,6 +249,16 @@ fn attention(
     let dh = d / n_head;
     let scale = 1.0 / (dh as f32).sqrt();
     let isa = ctx.isa;
+    // Each head's keys transposed (`dh` rows of `n`), for the scores' kernel
+    // that runs its lanes over keys.
+    let mut kt = vec![0f32; n * d];
+    for (h, kth) in kt.chunks_exact_mut(dh * n).enumerate() {
+        for (t, key) in k.x.chunks_exact(d).enumerate() {
+            for (i, &x) in key[h * dh..][..dh].iter().enumerate() {
+                kth[i * n + t] = x;
+            }
+        }
+    }
     let mut out = vec![0f32; n * d];
     let blocks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(QUERY_BLOCK * d).map(Mutex::new).collect();
     let task = |b: usize| {
@@ -261,19 +272,16 @@ fn attention(
             for (i, qh) in qs.chunks_exact_mut(dh).enumerate() {
                 qh.copy_from_slice(&q.row(b * QUERY_BLOCK + i)[h * dh..][..dh]);
             }
-            let keys = vector::Strided {
-                data: &k.x[h * dh..],
-                stride: d,
-                n,
-                d: dh,
-            };
-            vector::scaled_dots(isa, &qs, keys, scale, &mut scores);
+            let kth = &kt[h * dh * n..][..dh * n];
+            vector::scaled_dots_by_key(isa, &qs, dh, kth, n, scale, &mut scores);
             for row in scores.chunks_exact_mut(n) {
                 vector::softmax(isa, row);
             }
             let values = vector::Strided {
                 data: &v.x[h * dh..],
-                ..keys
+                stride: d,
+                n,
+                d: dh,
             };
             os.fill(0.0);
             vector::weighted_rows(isa, &scores, values, &mut os);
