@@ -1522,18 +1522,31 @@ fn a_client_that_leaves_stops_its_generation() {
 
 #[test]
 fn images_in_chat_messages_answer_as_les_run() {
-    let mm = tmp("serve_vlm_mmproj.gguf");
+    image_chat_answers_as_les_run("qwen3moe", "minicpmv4_6");
+}
+
+/// Qwen3-VL through `les serve`: its image tokens at their grid's M-RoPE
+/// places and their deepstack features, as in `les run`.
+#[test]
+fn qwen3vl_images_in_chat_messages_answer_as_les_run() {
+    image_chat_answers_as_les_run("qwen3vlmoe", "qwen3vl_merger");
+}
+
+fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
+    let mm = tmp(&format!("serve_vlm_{arch}_mmproj.gguf"));
     let mm_arg = mm.to_str().unwrap();
     let lm = synth_once(
-        "serve_vlm.gguf",
+        &format!("serve_vlm_{arch}.gguf"),
         &[
             "--quiet",
             "--arch",
-            "qwen3moe",
+            arch,
             "--seed",
             "5",
             "--mmproj-out",
             mm_arg,
+            "--projector",
+            projector,
         ],
     );
     let image = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/test-image.png");
