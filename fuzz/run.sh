@@ -16,7 +16,7 @@ seconds="${1:-8}"
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(gguf model packed_index scheduler tokenizer base_logprobs prompt_cache grammar http_request serve_api image)
+    targets=(gguf model packed_index scheduler tokenizer base_logprobs prompt_cache grammar http_request serve_api image mmproj)
 fi
 read -r -a flags <<<"${FUZZ_FLAGS:---dev -s none}"
 

@@ -10,8 +10,8 @@ mod cli;
 use std::path::{Path, PathBuf};
 
 use cli::{
-    assert_close_to_llama_cpp, assert_equals_llama_cpp, json_ok, les, npy, stdout_ok,
-    streams_exactly, tiny, tmp, tokens, F32_WEIGHTS,
+    assert_close_to_llama_cpp, assert_equals_llama_cpp, json_ok, les, stdout_ok, streams_exactly,
+    tiny, tmp, tokens, F32_WEIGHTS,
 };
 use les::compute::ThreadedMatVec;
 use les::engine::{prefill_observed, InputPlace, Session};
@@ -345,55 +345,7 @@ fn image_decode_equals_llama_cpps() {
         large,
         dir.join("tests/data/jpeg/progressive.jpg"),
     ] {
-        let logits = tmp("qwen3vl_mtmd_logits.npy");
-        let ours = les()
-            .args(["run", "-m"])
-            .arg(&lm)
-            .arg("--mmproj")
-            .arg(&mm)
-            .arg("--image")
-            .arg(&img)
-            .args(["-p", prompt, "-n", "12", "--temp", "0", "--json"])
-            .arg("--logits-out")
-            .arg(&logits)
-            .output()
-            .unwrap();
-        let ours = json_ok(ours, "les run");
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
-        let theirs = std::process::Command::new("python3")
-            .arg(script)
-            .arg("greedy")
-            .args([lm.as_os_str(), mm.as_os_str(), img.as_os_str()])
-            .args([prompt, "12"])
-            .output()
-            .unwrap();
-        let theirs: serde_json::Value =
-            serde_json::from_str(&stdout_ok(theirs, "mtmd_llama.py greedy")).unwrap();
-        let want: Vec<u64> = theirs["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap())
-            .collect();
-        assert_eq!(tokens(&ours), want, "{}: greedy tokens", img.display());
-        let (rows, cols, bytes) = npy(&logits);
-        let ours: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        let mut worst = 0f32;
-        for (r, row) in theirs["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .take(rows)
-        {
-            for (c, v) in row.as_array().unwrap().iter().enumerate().take(cols) {
-                worst = worst.max((ours[r * cols + c] - v.as_f64().unwrap() as f32).abs());
-            }
-        }
-        eprintln!("{}: largest logit difference {worst:.2e}", img.display());
+        let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, "qwen3vlmoe");
         assert!(worst < 5e-3, "{}: {worst}", img.display());
     }
 }

@@ -774,63 +774,7 @@ fn decode_equals_llama_cpps(arch: &str, tolerance: f32) {
     let prompt = "What is in <__media__>? It is";
     let jpeg = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/jpeg/progressive.jpg");
     for img in [image(), large, jpeg] {
-        let logits = tmp(&format!("mtmd_les_logits_{arch}.npy"));
-        let v: Value = serde_json::from_str(&ok(run(
-            &lm,
-            &mm,
-            &[
-                "--image",
-                img.to_str().unwrap(),
-                "-p",
-                prompt,
-                "-n",
-                "12",
-                "--temp",
-                "0",
-                "--json",
-                "--logits-out",
-                logits.to_str().unwrap(),
-            ],
-        )))
-        .unwrap();
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
-        let theirs = std::process::Command::new("python3")
-            .arg(script)
-            .arg("greedy")
-            .args([lm.as_os_str(), mm.as_os_str(), img.as_os_str()])
-            .args([prompt, "12"])
-            .output()
-            .unwrap();
-        let theirs: Value =
-            serde_json::from_str(&stdout_ok(theirs, "mtmd_llama.py greedy")).unwrap();
-        let want: Vec<u64> = theirs["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap())
-            .collect();
-        assert_eq!(tokens(&v), want, "{}: greedy tokens", img.display());
-        let (rows, cols, bytes) = cli::npy(&logits);
-        let ours: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        let mut worst = 0f32;
-        for (r, row) in theirs["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .take(rows)
-        {
-            for (c, v) in row.as_array().unwrap().iter().enumerate().take(cols) {
-                worst = worst.max((ours[r * cols + c] - v.as_f64().unwrap() as f32).abs());
-            }
-        }
-        eprintln!(
-            "{arch}, {}: largest logit difference {worst:.2e}",
-            img.display()
-        );
+        let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, arch);
         assert!(worst < tolerance, "{arch}, {}: {worst}", img.display());
     }
 }

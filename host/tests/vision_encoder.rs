@@ -917,19 +917,12 @@ fn embeddings_equal_llama_cpps() {
             if w > 0 {
                 png_of(w, h, &png);
             }
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
-            let out = std::process::Command::new("python3")
-                .arg(script)
-                .arg("embed")
-                .args([&model, &mmproj, &png])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let chunks = mtmd_llama([
+                "embed".as_ref(),
+                model.as_ref(),
+                mmproj.as_ref(),
+                png.as_ref(),
+            ]);
             let theirs: Vec<Vec<f32>> = chunks
                 .as_array()
                 .unwrap()
@@ -1042,7 +1035,6 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
     drop(g);
     // The token grid of images of many sizes, resized up, down and not
     // (llama.cpp's `nx` x `ny` after its preprocessing; nothing encoded).
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
     let sizes = [
         (1, 1),
         (31, 33),
@@ -1060,19 +1052,11 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
         (6000, 4000),
         (16384, 1),
     ];
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .arg("grid")
-        .args([&model, &mmproj_f16])
-        .args(sizes.iter().map(|(w, h)| format!("{w}x{h}")))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let grids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let sizes_arg: Vec<String> = sizes.iter().map(|(w, h)| format!("{w}x{h}")).collect();
+    let mut args: Vec<&std::ffi::OsStr> =
+        vec!["grid".as_ref(), model.as_ref(), mmproj_f16.as_ref()];
+    args.extend(sizes_arg.iter().map(std::ffi::OsStr::new));
+    let grids = mtmd_llama(args);
     let m = ClipModel::open(&mmproj_f16).unwrap();
     for ((w, h), g) in sizes.iter().zip(grids.as_array().unwrap()) {
         let ours = les::vision::merged_grid(&m, *w, *h);
@@ -1136,18 +1120,12 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
         for (w, h) in sizes {
             let png = tmp(&format!("mtmd_{w}x{h}.png"));
             png_of(w, h, &png);
-            let out = std::process::Command::new("python3")
-                .arg(script)
-                .arg("embed")
-                .args([&model, &mmproj, &png])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let chunks = mtmd_llama([
+                "embed".as_ref(),
+                model.as_ref(),
+                mmproj.as_ref(),
+                png.as_ref(),
+            ]);
             let images: Vec<&serde_json::Value> = chunks
                 .as_array()
                 .unwrap()
@@ -1349,4 +1327,21 @@ fn malformed_qwen3vl_files_are_errors() {
     };
     let e = encode(&mut ctx, &model, &test_image(48, 64, 1)).unwrap_err();
     assert!(e.to_string().contains("multiple"), "{e}");
+}
+
+/// `scripts/mtmd_llama.py` with `args` (a mode and its arguments), its JSON
+/// output; panics with its error output where it fails.
+fn mtmd_llama<'a>(args: impl IntoIterator<Item = &'a std::ffi::OsStr>) -> serde_json::Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }

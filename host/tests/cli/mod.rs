@@ -371,3 +371,77 @@ pub fn assert_biased_routing_equals_llama_cpp(f32: &Path, q: &Path, tag: &str, n
     assert!(close["mean"].as_f64().unwrap() < 2e-3, "{tag}: {close}");
     assert!(close["same_top"].as_f64().unwrap() > 0.9, "{tag}: {close}");
 }
+
+/// `les run -m lm --mmproj mm --image image -p prompt` and llama.cpp's
+/// libmtmd (`scripts/mtmd_llama.py greedy`: the prompt's chunks through
+/// `mtmd_helper_eval_chunks`, then token by token) decode `n` tokens
+/// greedily; asserts they give the same tokens and returns the largest
+/// difference between their logits (printed with `tag`). Needs
+/// llama-cpp-python with its `mtmd` library.
+pub fn image_decode_difference(
+    lm: &Path,
+    mm: &Path,
+    image: &Path,
+    prompt: &str,
+    n: usize,
+    tag: &str,
+) -> f32 {
+    let logits = tmp(&format!("mtmd_les_logits_{tag}.npy"));
+    let n = n.to_string();
+    let ours = les()
+        .args(["run", "-m"])
+        .arg(lm)
+        .arg("--mmproj")
+        .arg(mm)
+        .arg("--image")
+        .arg(image)
+        .args(["-p", prompt, "-n", &n, "--temp", "0", "--json"])
+        .arg("--logits-out")
+        .arg(&logits)
+        .output()
+        .unwrap();
+    let ours = json_ok(ours, "les run");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+    let theirs = Command::new("python3")
+        .arg(script)
+        .arg("greedy")
+        .args([lm.as_os_str(), mm.as_os_str(), image.as_os_str()])
+        .args([prompt, n.as_str()])
+        .output()
+        .unwrap();
+    let theirs: Value = serde_json::from_str(&stdout_ok(theirs, "mtmd_llama.py greedy")).unwrap();
+    let want: Vec<u64> = theirs["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        tokens(&ours),
+        want,
+        "{tag}, {}: greedy tokens",
+        image.display()
+    );
+    let (rows, cols, bytes) = npy(&logits);
+    let ours: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let mut worst = 0f32;
+    for (r, row) in theirs["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .take(rows)
+    {
+        for (c, v) in row.as_array().unwrap().iter().enumerate().take(cols) {
+            worst = worst.max((ours[r * cols + c] - v.as_f64().unwrap() as f32).abs());
+        }
+    }
+    eprintln!(
+        "{tag}, {}: largest logit difference {worst:.2e}",
+        image.display()
+    );
+    worst
+}
