@@ -349,3 +349,116 @@ fn image_decode_equals_llama_cpps() {
         assert!(worst < 5e-3, "{}: {worst}", img.display());
     }
 }
+
+/// `--image-min-tokens` / `--image-max-tokens` bound the merged tokens of a
+/// Qwen3-VL image (the layout, the encoder and the prompt agree), are
+/// refused out of range, and leave MiniCPM-V's fixed-size slices alone, as
+/// in llama.cpp.
+#[test]
+fn image_token_bounds_size_qwen3vl_images() {
+    let (lm, mm) = vl_models("bounds", &[]);
+    let img = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/test-image.png");
+    let run = |lm: &Path, mm: &Path, extra: &[&str]| {
+        les()
+            .args(["run", "-m"])
+            .arg(lm)
+            .arg("--mmproj")
+            .arg(mm)
+            .args(["--image", img, "-p", "x", "-n", "1", "--json"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let tokens_of = |extra: &[&str]| {
+        let v = json_ok(run(&lm, &mm, extra), "les run");
+        let n = v["stats"]["image_tokens"].as_u64().unwrap();
+        let nulls = v["prompt_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t.is_null())
+            .count() as u64;
+        assert_eq!(n, nulls, "{extra:?}");
+        n
+    };
+    // 320 x 240: 10 x 8 merged patches by default.
+    assert_eq!(tokens_of(&[]), 80);
+    // At most 16: scaled down by sqrt(320 * 240 / (16 * 32^2)) = 2.165 and
+    // rounded down to 128 x 96 (4 x 3).
+    assert_eq!(tokens_of(&["--image-max-tokens", "16"]), 12);
+    // At least 200: scaled up by sqrt(200 * 32^2 / (320 * 240)) = 1.633 and
+    // rounded up to 544 x 416 (17 x 13).
+    assert_eq!(tokens_of(&["--image-min-tokens", "200"]), 221);
+    for (args, says) in [
+        (&["--image-max-tokens", "0"][..], "--image-max-tokens 0"),
+        (&["--image-min-tokens", "20000"][..], "1 to 16384"),
+        (
+            &["--image-min-tokens", "300", "--image-max-tokens", "200"][..],
+            "more than --image-max-tokens 200",
+        ),
+    ] {
+        let out = run(&lm, &mm, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{args:?}: {err}"
+        );
+    }
+    // MiniCPM-V cuts fixed-size slices: the bounds change nothing.
+    let (mlm, mmm) = (
+        tmp("bounds_minicpm.gguf"),
+        tmp("bounds_minicpm_mmproj.gguf"),
+    );
+    let out = les()
+        .args([
+            "synth", "--arch", "qwen3moe", "--preset", "tiny", "--quiet", "-o",
+        ])
+        .arg(&mlm)
+        .arg("--mmproj-out")
+        .arg(&mmm)
+        .output()
+        .unwrap();
+    stdout_ok(out, "les synth");
+    let n = |extra: &[&str]| {
+        json_ok(run(&mlm, &mmm, extra), "les run")["stats"]["image_tokens"].clone()
+    };
+    assert_eq!(n(&["--image-max-tokens", "4"]), n(&[]));
+}
+
+/// The bounds as llama.cpp applies them (`mtmd_context_params`'
+/// `image_min_tokens` / `image_max_tokens`): the same merged grid for
+/// images of many shapes.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn image_token_bounds_equal_llama_cpps() {
+    use les::vision::ClipModel;
+    let (lm, mm) = vl_models("bounds_mtmd", &[]);
+    let sizes = [(320, 240), (97, 411), (2000, 1500), (40, 30), (6000, 100)];
+    for (min, max) in [(Some(1024), None), (None, Some(64)), (Some(100), Some(300))] {
+        let mut clip = ClipModel::open(&mm).unwrap();
+        clip.set_image_tokens(min, max).unwrap();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+        let mut cmd = std::process::Command::new("python3");
+        cmd.arg(script).arg("grid").arg(&lm).arg(&mm);
+        cmd.args(sizes.iter().map(|(w, h)| format!("{w}x{h}")));
+        if let Some(v) = min {
+            cmd.env("MTMD_IMAGE_MIN_TOKENS", v.to_string());
+        }
+        if let Some(v) = max {
+            cmd.env("MTMD_IMAGE_MAX_TOKENS", v.to_string());
+        }
+        let grids: serde_json::Value =
+            serde_json::from_str(&stdout_ok(cmd.output().unwrap(), "mtmd_llama.py grid")).unwrap();
+        for (g, &(w, h)) in grids.as_array().unwrap().iter().zip(&sizes) {
+            let want = (
+                g["nx"].as_u64().unwrap() as usize,
+                g["ny"].as_u64().unwrap() as usize,
+            );
+            assert_eq!(
+                les::vision::merged_grid(&clip, w, h),
+                want,
+                "{w}x{h}, min {min:?}, max {max:?}"
+            );
+        }
+    }
+}

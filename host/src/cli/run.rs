@@ -224,6 +224,9 @@ pub struct RunArgs {
     /// images go before the prompt text.
     #[arg(long = "image", requires = "mmproj")]
     pub images: Vec<PathBuf>,
+    /// Tokens an image may take.
+    #[command(flatten)]
+    pub image_tokens: ImageTokenArgs,
     /// Keep the prompt's evaluated state in FILE (llama-cli's
     /// --prompt-cache): a later run whose prompt starts with the same tokens
     /// restores them instead of evaluating them (exactly: the same logits),
@@ -659,12 +662,29 @@ fn context_size(prompt_len: usize, args: &RunArgs, n_ctx_train: usize) -> Result
     Ok(ctx)
 }
 
-/// The vision projector in `path`, which must make `model`'s embeddings.
+/// llama.cpp's bounds on the tokens of one image, for projectors that size
+/// images dynamically (Qwen3-VL); the others take images at fixed sizes.
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct ImageTokenArgs {
+    /// Fewest tokens one image may take, where the projector sizes images
+    /// (Qwen3-VL: 8 by default; llama.cpp suggests 1024 for grounding).
+    #[arg(long, value_name = "N", requires = "mmproj")]
+    pub image_min_tokens: Option<usize>,
+    /// Most tokens one image may take, where the projector sizes images
+    /// (Qwen3-VL: 4096 by default, at most 16384).
+    #[arg(long, value_name = "N", requires = "mmproj")]
+    pub image_max_tokens: Option<usize>,
+}
+
+/// The vision projector in `path`, which must make `model`'s embeddings,
+/// with the image token bounds of `tokens`.
 pub(super) fn open_projector(
     path: &std::path::Path,
     model: &Model,
+    tokens: ImageTokenArgs,
 ) -> Result<ClipModel, Box<dyn Error>> {
-    let clip = ClipModel::open(path)?;
+    let mut clip = ClipModel::open(path)?;
+    clip.set_image_tokens(tokens.image_min_tokens, tokens.image_max_tokens)?;
     if clip.hp.n_mmproj_embd != model.hp.n_embd {
         return Err(format!(
             "the projector {} makes {}-wide embeddings, the model's are {} wide",
@@ -740,7 +760,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let clip = args
         .mmproj
         .as_deref()
-        .map(|path| open_projector(path, &model))
+        .map(|path| open_projector(path, &model, args.image_tokens))
         .transpose()?;
     // Each image's size from its header: the prompt's length, and whether it
     // fits the context, are known before any image is decoded or encoded.

@@ -28,6 +28,9 @@ pub struct ServeArgs {
     /// (`image_url` parts with base64 `data:` URLs).
     #[arg(long)]
     pub mmproj: Option<PathBuf>,
+    /// Tokens an image may take.
+    #[command(flatten)]
+    pub image_tokens: super::run::ImageTokenArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -104,7 +107,7 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     let clip = args
         .mmproj
         .as_deref()
-        .map(|path| super::run::open_projector(path, &model))
+        .map(|path| super::run::open_projector(path, &model, args.image_tokens))
         .transpose()?;
     let train = model.n_ctx_train.max(1);
     let ctx = args.ctx.unwrap_or(train.min(4096)).max(2);

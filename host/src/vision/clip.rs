@@ -352,6 +352,9 @@ const MAX_QWEN3VL_PATCH: usize = 32;
 pub const QWEN3VL_MIN_TOKENS: usize = 8;
 /// ... and the most.
 pub const QWEN3VL_MAX_TOKENS: usize = 4096;
+/// The most merged tokens `--image-max-tokens` may let one image take (4x
+/// Qwen3-VL's default: a 16 Mpx picture at 16-pixel patches).
+pub const MAX_IMAGE_TOKENS: usize = 16384;
 
 struct Loader<'g> {
     g: &'g Gguf<MappedFile>,
@@ -1064,6 +1067,39 @@ impl ClipModel {
     /// The total size of the file.
     pub fn file_bytes(&self) -> usize {
         self.gguf.bytes().len()
+    }
+
+    /// llama.cpp's `--image-min-tokens` / `--image-max-tokens`: the fewest
+    /// and most merged tokens one image is resized to, for projectors that
+    /// size images dynamically (Qwen3-VL; `None` keeps its 8 and 4096); the
+    /// others take images at fixed sizes and ignore them, as llama.cpp does.
+    /// Each from 1 to [`MAX_IMAGE_TOKENS`], the fewest at most the most.
+    pub fn set_image_tokens(
+        &mut self,
+        min: Option<usize>,
+        max: Option<usize>,
+    ) -> Result<(), VisionError> {
+        for (name, v) in [("--image-min-tokens", min), ("--image-max-tokens", max)] {
+            if let Some(v) = v.filter(|&v| v == 0 || v > MAX_IMAGE_TOKENS) {
+                return Err(err(format!(
+                    "{name} {v}: an image takes 1 to {MAX_IMAGE_TOKENS} tokens"
+                )));
+            }
+        }
+        if self.hp.projector != ProjectorType::Qwen3Vl {
+            return Ok(());
+        }
+        let min = min.unwrap_or(QWEN3VL_MIN_TOKENS);
+        let max = max.unwrap_or(QWEN3VL_MAX_TOKENS);
+        if min > max {
+            return Err(err(format!(
+                "--image-min-tokens {min} is more than --image-max-tokens {max}"
+            )));
+        }
+        let merged_area = (self.hp.patch_size * self.hp.n_merge).pow(2);
+        self.hp.image_min_pixels = min * merged_area;
+        self.hp.image_max_pixels = max * merged_area;
+        Ok(())
     }
 
     /// The width of one output row ("token") of the encoder: `n_mmproj_embd`,

@@ -29,9 +29,12 @@ Usage:
       fails).
 
 Attention runs in f32 (flash attention would round keys and values to f16).
+MTMD_IMAGE_MIN_TOKENS / MTMD_IMAGE_MAX_TOKENS set llama.cpp's
+--image-min-tokens / --image-max-tokens.
 """
 import ctypes
 import json
+import os
 import sys
 
 import llama_cpp
@@ -52,6 +55,9 @@ def context(model, mmproj):
     p.print_timings = False
     p.media_marker = MARKER
     p.flash_attn_type = 0
+    # llama.cpp's --image-min-tokens / --image-max-tokens, where set.
+    p.image_min_tokens = int(os.environ.get("MTMD_IMAGE_MIN_TOKENS", "-1"))
+    p.image_max_tokens = int(os.environ.get("MTMD_IMAGE_MAX_TOKENS", "-1"))
     ctx = mtmd.mtmd_init_from_file(mmproj.encode(), llm._model.model, p)
     assert ctx, "mtmd_init_from_file failed"
     return llm, ctx
