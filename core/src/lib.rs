@@ -28,7 +28,9 @@
 //!   latent attention, gated DeltaNet and Mamba2 layers): one token
 //!   ([`model::forward::forward_hybrid`]), or a prompt's positions layer by layer
 //!   ([`model::forward::forward_batch`], each layer's experts asked for once as
-//!   the union of the positions' picks).
+//!   the union of the positions' picks); the `_at` variants take each
+//!   position's M-RoPE place ([`model::forward::Place`]) and image
+//!   embeddings with deepstack features.
 //!
 //! Exactness is the rule throughout: predictions only steer prefetching; every
 //! expert the real router picks is loaded and used, and expert outputs are combined

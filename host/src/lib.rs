@@ -25,8 +25,9 @@
 //! - [`perplexity`]: `les perplexity`, perplexity and KL divergence over a
 //!   text, with llama.cpp's base files.
 //! - [`pack`]: `les pack`, experts rewritten as aligned extents, and their index.
-//! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3), image
-//!   preprocessing, embeddings spliced into the prompt.
+//! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3,
+//!   Qwen3-VL), image preprocessing, embeddings spliced into the prompt and
+//!   placed as llama.cpp places them ([`engine::InputPlace`]).
 //! - [`serve`]: `les serve`, llama-server's OpenAI-style HTTP API over one
 //!   session; [`reply`], a reply's text cut at stop strings as it streams.
 //! - [`mcu`]: the compact model index a microcontroller firmware reads.
