@@ -27,7 +27,7 @@ mod nextn;
 pub use nextn::NextnDrafter;
 
 use les_core::gemv::Isa;
-use les_core::model::forward::TokenInput;
+use les_core::model::forward::{Place, TokenInput};
 
 use crate::compute::ThreadedMatVec;
 use crate::engine::{Session, SwaCache};
@@ -50,12 +50,13 @@ pub trait Drafter {
         false
     }
 
-    /// Sees positions `pos..` that the model evaluated and keeps: their inputs
-    /// and final hidden states (before the output norm, `n_embd` floats each).
-    /// Every kept position is seen once, in order, before the draft after it.
-    /// Called only where [`wants_hidden`](Self::wants_hidden).
-    fn observe(&mut self, pos: usize, inputs: &[TokenInput<'_>], hidden: &[f32]) {
-        let _ = (pos, inputs, hidden);
+    /// Sees positions that the model evaluated and keeps: where each sat
+    /// (`places`: its cache index and M-RoPE positions, consecutive indices),
+    /// their inputs and final hidden states (before the output norm, `n_embd`
+    /// floats each). Every kept position is seen once, in order, before the
+    /// draft after it. Called only where [`wants_hidden`](Self::wants_hidden).
+    fn observe(&mut self, places: &[Place], inputs: &[TokenInput<'_>], hidden: &[f32]) {
+        let _ = (places, inputs, hidden);
     }
 }
 

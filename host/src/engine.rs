@@ -92,6 +92,8 @@ pub struct Session<'m> {
     /// `n_past` after it: an image chunk advances it by its larger side, not
     /// its count). Empty for other models, whose positions are their index.
     next_t: Vec<u32>,
+    /// Where the last pass's positions sat ([`last_places`](Session::last_places)).
+    places: Vec<Place>,
     swa: SwaCache,
 }
 
@@ -481,6 +483,7 @@ impl<'m> Session<'m> {
             hidden: Vec::new(),
             pos: 0,
             next_t: Vec::new(),
+            places: Vec::new(),
             swa,
         })
     }
@@ -800,6 +803,14 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
+    /// Where the positions of the last [`eval`](Self::eval),
+    /// [`eval_batch`](Self::eval_batch) (or their `_placed` forms) or
+    /// [`keep`](Self::keep)'s replay sat, in order: what a drafter that
+    /// follows the model's positions ([`Drafter::observe`]) is shown.
+    pub fn last_places(&self) -> &[Place] {
+        &self.places
+    }
+
     /// Moves to position `pos` (at most the current one), forgetting the
     /// places of the positions after it.
     fn set_pos(&mut self, pos: usize) {
@@ -903,6 +914,8 @@ impl<'m> Session<'m> {
             self.hidden.extend_from_slice(s.hidden());
         }
         self.advance(at, place);
+        self.places.clear();
+        self.places.push(at);
         Ok(())
     }
 }
@@ -969,9 +982,10 @@ impl Session<'_> {
             self.hidden.clear();
             self.hidden.extend_from_slice(b.hidden(n));
         }
-        for (j, p) in at.into_iter().enumerate() {
+        for (j, &p) in at.iter().enumerate() {
             self.advance(p, place_of(j));
         }
+        self.places = at;
         Ok(())
     }
 
@@ -1075,7 +1089,6 @@ pub fn prefill_observed<M: MatVec, X: Experts>(
     }
     let batch = session.prefill_batch.max(1);
     for (c, chunk) in prompt.chunks(batch).enumerate() {
-        let at = session.pos;
         let placed = places
             .get(c * batch..c * batch + chunk.len())
             .unwrap_or(&[]);
@@ -1087,7 +1100,7 @@ pub fn prefill_observed<M: MatVec, X: Experts>(
             _ => session.eval_batch_placed(mv, experts, chunk, placed, logits)?,
         }
         if let Some(d) = drafter.as_deref_mut().filter(|_| watch) {
-            d.observe(at, chunk, session.hidden());
+            d.observe(session.last_places(), chunk, session.hidden());
         }
     }
     Ok(())
@@ -1257,12 +1270,11 @@ pub fn generate_from<M: MatVec, X: Experts>(
         draft.truncate(want);
         if draft.is_empty() {
             let t0 = Instant::now();
-            let at = session.pos;
             session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
             control.single_pass(t0.elapsed());
             if let Some(sp) = spec.as_mut().filter(|_| watch) {
-                sp.drafter
-                    .observe(at, &[TokenInput::Token(t)], session.hidden());
+                let (places, hidden) = (session.last_places(), session.hidden());
+                sp.drafter.observe(places, &[TokenInput::Token(t)], hidden);
             }
             if spec.is_some() {
                 history.push(t);
@@ -1315,9 +1327,9 @@ pub fn generate_from<M: MatVec, X: Experts>(
         if let Some(sp) = spec.as_mut().filter(|_| watch) {
             // The verifying pass's rows, or the replay's of the kept ones.
             let e = session.model.hp.n_embd;
-            let at = session.pos - kept;
+            let places = &session.last_places()[..kept];
             sp.drafter
-                .observe(at, &batch[..kept], &session.hidden()[..kept * e]);
+                .observe(places, &batch[..kept], &session.hidden()[..kept * e]);
         }
     }
     stats.decode = start.elapsed();

@@ -14,15 +14,16 @@ use cli::{
     tiny, tmp, tokens, F32_WEIGHTS,
 };
 use les::compute::ThreadedMatVec;
-use les::engine::{prefill_observed, InputPlace, Session};
+use les::draft::{Drafter, Speculation};
+use les::engine::{generate_from, prefill_observed, Control, InputPlace, Session};
 use les::flash::FileDeviceConfig;
 use les::gguf::Gguf;
 use les::model::Model;
 use les::supply::{Schedule, SlotBudget, Supply};
 use les::vision::prompt::{ChunkGrid, MultimodalPrompt, PromptItem};
 use les_core::gemv::Isa;
-use les_core::model::forward::TokenInput;
 use les_core::model::forward::{Mixer, Weights};
+use les_core::model::forward::{Place, TokenInput};
 use les_core::router::Gating;
 
 fn model(arch: &str, name: &str, extra: &[&str]) -> PathBuf {
@@ -472,4 +473,137 @@ fn image_token_bounds_equal_llama_cpps() {
             );
         }
     }
+}
+
+/// A drafter that guesses its last token again and records where each
+/// observed position sat.
+struct PlaceRecorder {
+    seen: Vec<Place>,
+}
+
+impl Drafter for PlaceRecorder {
+    fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        if let Some(&t) = history.last().filter(|_| max > 0) {
+            out.extend(std::iter::repeat_n(t, max.min(2)));
+        }
+    }
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+    fn observe(&mut self, places: &[Place], inputs: &[TokenInput<'_>], _: &[f32]) {
+        assert_eq!(places.len(), inputs.len());
+        self.seen.extend_from_slice(places);
+    }
+}
+
+/// A drafter that follows the model's positions (`--speculate mtp`) sees
+/// each kept position once, at the place the model evaluated it: the
+/// image's grid places, then text going on from `t0 + max(nx, ny)`, through
+/// prefill batches, verifying passes and their kept prefixes. With the
+/// model's own MTP block drafting (qwen35moe with Qwen3-VL's projector), the
+/// output is plain decoding's.
+#[test]
+fn drafters_see_the_places_the_model_used() {
+    let path = model("qwen3vlmoe", "places", &[]);
+    let m = Model::open(&path).unwrap();
+    let width = m.n_embd_inp();
+    let mut p = MultimodalPrompt::from_tokens(vec![1, 2], width);
+    let first = p.embeddings.len() / width;
+    p.grids.push(ChunkGrid {
+        first,
+        nx: 2,
+        ny: 3,
+    });
+    for r in 0..6 {
+        p.embeddings
+            .extend((0..width).map(|i| ((r * 5 + i) % 11) as f32 * 0.01 - 0.05));
+        p.items.push(PromptItem::Embedding(first + r));
+    }
+    p.items.extend([PromptItem::Token(3), PromptItem::Token(4)]);
+    let (inputs, places) = (p.inputs(), p.places());
+    let mut s = Session::new(&m, 64).unwrap();
+    s.set_prefill_batch(3).unwrap();
+    s.set_max_draft(2).unwrap();
+    let mut mv = ThreadedMatVec::new(1, Isa::detect());
+    let mut sup = Supply::new(
+        &m,
+        &path,
+        Schedule::Resident,
+        SlotBudget::none(FileDeviceConfig::default()),
+    )
+    .unwrap();
+    let mut rec = PlaceRecorder { seen: Vec::new() };
+    let stats = generate_from(
+        &mut s,
+        &mut mv,
+        &mut sup,
+        None,
+        &inputs,
+        &places,
+        Some(Speculation {
+            drafter: &mut rec,
+            max_draft: 2,
+            adaptive: false,
+            context: &[],
+        }),
+        8,
+        |l| {
+            l.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0 as u32
+        },
+        |_, _| Control::Continue,
+    )
+    .unwrap();
+    assert!(stats.drafted > 0, "{stats:?}");
+    // Two tokens, the 2 x 3 grid at t0 = 2, then text from 2 + 3 = 5 on.
+    let mut want: Vec<[u32; 4]> = vec![[0, 0, 0, 0], [1, 1, 1, 0]];
+    want.extend((0..6).map(|k| [2, 2 + k / 2, 2 + k % 2, 0]));
+    let seen = &rec.seen;
+    assert!(seen.len() > want.len() + 2, "{}", seen.len());
+    for (i, at) in seen.iter().enumerate() {
+        assert_eq!(at.index, i, "kept positions in order, once each");
+        let rope = match want.get(i) {
+            Some(&r) => r,
+            None => {
+                let t = (i - 8 + 5) as u32;
+                [t, t, t, 0]
+            }
+        };
+        assert_eq!(at.rope, rope, "position {i}");
+    }
+    // The model's own MTP block drafting after a Qwen3-VL image: plain
+    // decoding's tokens and logits.
+    let (lm, mm) = models_of("qwen35moe", "mtp", &[]);
+    let img = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/test-image.png");
+    let run = |tag: &str, extra: &[&str]| {
+        let logits = tmp(&format!("qwen35_mtp_image_{tag}.npy"));
+        let out = les()
+            .args(["run", "-m"])
+            .arg(&lm)
+            .arg("--mmproj")
+            .arg(&mm)
+            .args(["--image", img, "-p", "What is in <__media__>?", "--chat"])
+            .args(["-n", "16", "--temp", "0", "--json", "--logits-out"])
+            .arg(&logits)
+            .args(extra)
+            .output()
+            .unwrap();
+        (json_ok(out, "les run"), std::fs::read(&logits).unwrap())
+    };
+    let (want, want_logits) = run("plain", &[]);
+    let (got, logits) = run(
+        "mtp",
+        &["--speculate", "mtp", "--draft-max", "3", "--draft-fixed"],
+    );
+    assert_eq!(tokens(&got), tokens(&want));
+    assert!(logits == want_logits, "logits differ");
+    assert!(
+        got["stats"]["drafted"].as_u64().unwrap() > 0,
+        "{}",
+        got["stats"]
+    );
 }

@@ -25,7 +25,7 @@ use les::sampling::{Penalties, Sampler, SamplerConfig};
 use les::supply::{Schedule, SlotBudget, Supply};
 use les::tokenizer::Tokenizer;
 use les_core::gemv::Isa;
-use les_core::model::forward::{Lookahead, TokenInput};
+use les_core::model::forward::{Lookahead, Place, TokenInput};
 use les_core::router::{LayerMask, PredictorConfig};
 use les_core::slot_classes::plan_by_count;
 
@@ -470,8 +470,8 @@ impl Drafter for Recorded<'_> {
     fn wants_hidden(&self) -> bool {
         self.inner.wants_hidden()
     }
-    fn observe(&mut self, pos: usize, inputs: &[TokenInput<'_>], hidden: &[f32]) {
-        self.inner.observe(pos, inputs, hidden);
+    fn observe(&mut self, places: &[Place], inputs: &[TokenInput<'_>], hidden: &[f32]) {
+        self.inner.observe(places, inputs, hidden);
     }
 }
 

@@ -2,8 +2,8 @@
 //! (llama.cpp's `draft-mtp` for qwen35moe, qwen3next and glm4moe).
 
 use les_core::gemv::Isa;
-use les_core::model::forward::nextn::{cache_params, forward_nextn, NextnBlock};
-use les_core::model::forward::{KvCache, Scratch, TokenInput, Weights};
+use les_core::model::forward::nextn::{cache_params, forward_nextn_at, NextnBlock};
+use les_core::model::forward::{KvCache, Place, Scratch, TokenInput, Weights};
 use les_core::model::ops::rms_norm;
 
 use super::Drafter;
@@ -40,6 +40,10 @@ pub struct NextnDrafter<'m> {
     logits: Vec<f32>,
     /// The next position the block has not seen a kept input of.
     pos: usize,
+    /// The temporal M-RoPE position of the text after the last one seen
+    /// (the index but after an image of a model with sections): drafted
+    /// tokens go on from it, as the main model places them.
+    next_t: u32,
     max_positions: usize,
     greedy: Sampler,
     failed: bool,
@@ -94,19 +98,20 @@ impl<'m> NextnDrafter<'m> {
             h_draft: zeros(e)?,
             logits: zeros(hp.n_vocab)?,
             pos: 0,
+            next_t: 0,
             max_positions: ctx,
             greedy: Sampler::new(SamplerConfig::greedy()),
             failed: false,
         })
     }
 
-    /// The block at `pos` on `input` and `h` (the main model's state or its
+    /// The block at `at` on `input` and `h` (the main model's state or its
     /// own), into `self.h_out` and, with `logits`, `self.logits`.
     fn step(
         &mut self,
         input: TokenInput<'_>,
         from_draft: bool,
-        pos: usize,
+        at: Place,
         logits: bool,
     ) -> Result<(), String> {
         let model = self.model;
@@ -121,7 +126,7 @@ impl<'m> NextnDrafter<'m> {
         } else {
             &self.h_prev
         };
-        forward_nextn(
+        forward_nextn_at(
             hp,
             hy,
             &self.block,
@@ -130,7 +135,7 @@ impl<'m> NextnDrafter<'m> {
             &mut self.experts,
             input,
             h,
-            pos,
+            at,
             &mut kv,
             &mut s,
             &mut self.cat,
@@ -142,21 +147,24 @@ impl<'m> NextnDrafter<'m> {
 
     fn try_observe(
         &mut self,
-        pos: usize,
+        places: &[Place],
         inputs: &[TokenInput<'_>],
         hidden: &[f32],
     ) -> Result<(), String> {
         let e = self.model.hp.n_embd;
-        if hidden.len() != inputs.len() * e {
-            return Err("hidden states do not match the positions".into());
+        if hidden.len() != inputs.len() * e || places.len() != inputs.len() {
+            return Err("hidden states or places do not match the positions".into());
         }
+        let Some(pos) = places.first().map(|p| p.index) else {
+            return Ok(());
+        };
         if pos != self.pos {
             // Positions it did not see (none in a run it drafts for from the
             // start): the first one pairs with zeros, as a sequence's first does.
             self.h_prev.fill(0.0);
         }
-        for (i, (input, h)) in inputs.iter().zip(hidden.chunks_exact(e)).enumerate() {
-            self.step(*input, false, pos + i, false)?;
+        for ((input, h), &at) in inputs.iter().zip(hidden.chunks_exact(e)).zip(places) {
+            self.step(*input, false, at, false)?;
             rms_norm(
                 h,
                 Weights::output_norm(self.model),
@@ -165,20 +173,25 @@ impl<'m> NextnDrafter<'m> {
             );
         }
         self.pos = pos + inputs.len();
+        // A token's next is one on; an image's last embedding is followed by
+        // text in every prompt layout, so drafting never starts after it.
+        self.next_t = places.last().map_or(0, |p| p.rope[0].saturating_add(1));
         Ok(())
     }
 
     fn try_draft(&mut self, token: u32, max: usize, out: &mut Vec<u32>) -> Result<(), String> {
         let mut input = token;
         let mut from_draft = false;
-        let mut pos = self.pos;
+        let (mut pos, mut t) = (self.pos, self.next_t);
         while out.len() < max && pos < self.max_positions {
-            self.step(TokenInput::Token(input), from_draft, pos, true)?;
+            let at = Place::text_at(pos, t);
+            self.step(TokenInput::Token(input), from_draft, at, true)?;
             input = self.greedy.sample(&self.logits);
             out.push(input);
             std::mem::swap(&mut self.h_draft, &mut self.h_out);
             from_draft = true;
             pos += 1;
+            t = t.saturating_add(1);
         }
         Ok(())
     }
@@ -209,11 +222,11 @@ impl Drafter for NextnDrafter<'_> {
         !self.failed
     }
 
-    fn observe(&mut self, pos: usize, inputs: &[TokenInput<'_>], hidden: &[f32]) {
+    fn observe(&mut self, places: &[Place], inputs: &[TokenInput<'_>], hidden: &[f32]) {
         if self.failed {
             return;
         }
-        if let Err(e) = self.try_observe(pos, inputs, hidden) {
+        if let Err(e) = self.try_observe(places, inputs, hidden) {
             self.fail(e);
         }
     }

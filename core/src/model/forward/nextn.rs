@@ -82,6 +82,32 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
     h_out: &mut [f32],
     logits: Option<&mut [f32]>,
 ) -> Result<(), ForwardError<X::Error>> {
+    let at = Place::text(pos);
+    forward_nextn_at(
+        hp, hy, w, layer, mv, experts, input, h_prev, at, kv, s, cat, h_out, logits,
+    )
+}
+
+/// [`forward_nextn`] at an explicit [`Place`] (the main model's M-RoPE
+/// positions where they are not the cache index: after an image).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_nextn_at<M: MatVec, X: Experts>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    w: &NextnBlock<'_>,
+    layer: usize,
+    mv: &mut M,
+    experts: &mut X,
+    input: TokenInput<'_>,
+    h_prev: &[f32],
+    at: Place,
+    kv: &mut KvCache<'_>,
+    s: &mut Scratch<'_>,
+    cat: &mut [f32],
+    h_out: &mut [f32],
+    logits: Option<&mut [f32]>,
+) -> Result<(), ForwardError<X::Error>> {
+    let pos = at.index;
     let e = hp.n_embd;
     if pos >= kv.max_positions() {
         return Err(ForwardError::ContextFull(kv.max_positions()));
@@ -120,7 +146,7 @@ pub fn forward_nextn<M: MatVec, X: Experts>(
         kv,
         &mut RecurrentState::empty(),
         (&mut 0, &mut 0),
-        Place::text(pos),
+        at,
     )?;
     rms_norm(s.h, w.block.ffn_norm, hp.norm_eps, s.x);
     let mut routing = Routing::new();
