@@ -954,36 +954,40 @@ impl Session<'_> {
         if !places.is_empty() && places.len() != n {
             return Err(ForwardError::Shape("one place per input"));
         }
-        let place_of = |j: usize| places.get(j).copied().unwrap_or(InputPlace::Text);
-        // The places, found as the positions will be recorded, then undone
-        // until the pass has run.
+        // Each input's place, recorded as it is found (each depends on the
+        // ones before); all undone if a place or the pass fails.
         let start = self.pos;
         let mut at = Vec::with_capacity(n);
         for j in 0..n {
-            let p = self.next_place(place_of(j));
-            let p = p
-                .inspect_err(|_| self.set_pos(start))
-                .map_err(ForwardError::Shape)?;
-            self.advance(p, place_of(j));
-            at.push(p);
+            let place = places.get(j).copied().unwrap_or(InputPlace::Text);
+            match self.next_place(place) {
+                Ok(p) => {
+                    self.advance(p, place);
+                    at.push(p);
+                }
+                Err(e) => {
+                    self.set_pos(start);
+                    return Err(ForwardError::Shape(e));
+                }
+            }
         }
-        self.set_pos(start);
         let rope: Vec<[u32; 4]> = at.iter().map(|p| p.rope).collect();
         let rope = self.mrope().then_some(&rope[..]);
         let (hp, hy) = (&self.model.hp, &self.model.hybrid);
         let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
         let mut b = BatchScratch::new(hp, hy, n, &mut self.batch_floats, &mut self.batch_ids)
             .expect("batch buffers sized by set_prefill_batch");
-        forward_batch_at(
-            hp, hy, self.model, mv, experts, inputs, self.pos, rope, &mut kv, &mut rs, &mut s,
-            &mut b, logits,
-        )?;
+        let pass = forward_batch_at(
+            hp, hy, self.model, mv, experts, inputs, start, rope, &mut kv, &mut rs, &mut s, &mut b,
+            logits,
+        );
+        if let Err(e) = pass {
+            self.set_pos(start);
+            return Err(e);
+        }
         if self.keep_hidden {
             self.hidden.clear();
             self.hidden.extend_from_slice(b.hidden(n));
-        }
-        for (j, &p) in at.iter().enumerate() {
-            self.advance(p, place_of(j));
         }
         self.places = at;
         Ok(())
