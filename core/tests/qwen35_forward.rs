@@ -901,7 +901,8 @@ fn image_places_and_deepstack_features_match_the_reference() {
             &mut resident_experts(&m),
             0,
             &inputs[..split],
-            &rope[..split],
+            Some(&rope[..split]),
+            true,
         );
         if split < n {
             got.extend(b.run_batch_at(
@@ -909,7 +910,8 @@ fn image_places_and_deepstack_features_match_the_reference() {
                 &mut resident_experts(&m),
                 split,
                 &inputs[split..],
-                &rope[split..],
+                Some(&rope[split..]),
+                true,
             ));
         }
         assert_bits_eq(&got, &want, &format!("batches from {split}"));
@@ -926,7 +928,7 @@ fn image_places_and_deepstack_features_match_the_reference() {
             let mut b = SeqBuffers::new(m, inputs.len());
             if self.2 {
                 let rope: Vec<[u32; 4]> = p.places.iter().map(|p| p.rope).collect();
-                b.run_batch_at(m, experts, 0, &inputs, &rope)
+                b.run_batch_at(m, experts, 0, &inputs, Some(&rope), true)
             } else {
                 b.run_at(m, experts, &inputs, &p.places)
             }

@@ -13,9 +13,9 @@ use les_core::layout;
 use les_core::model::config::{Hparams, HybridParams};
 use les_core::model::experts::{ExpertFormat, Resident, Streamed};
 use les_core::model::forward::{
-    forward_batch, forward_batch_at, forward_hybrid, forward_hybrid_at, BatchScratch,
-    ExpertMatrices, Experts, Handout, KvCache, Lookahead, MatVec, Place, RecurrentState, Residency,
-    Scratch, SerialMatVec, Step, TokenInput, Weights,
+    forward_batch_at, forward_hybrid_at, BatchScratch, ExpertMatrices, Experts, Handout, KvCache,
+    Lookahead, MatVec, Place, RecurrentState, Residency, Scratch, SerialMatVec, Step, TokenInput,
+    Weights,
 };
 use les_core::model::ops::{self, AttnShape, KvView};
 use les_core::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
@@ -504,32 +504,9 @@ impl SeqBuffers {
     where
         X::Error: std::fmt::Debug,
     {
-        let (hp, hy) = (m.hp(), m.hy());
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
-        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
-        let mut mv = self.quant.matvec();
-        let mut out = Vec::new();
-        for (i, &t) in tokens.iter().enumerate() {
-            let mut logits = vec![0f32; hp.n_vocab];
-            forward_hybrid(
-                hp,
-                hy,
-                m,
-                &mut mv,
-                experts,
-                lookahead,
-                TokenInput::Token(t),
-                start + i,
-                &mut kv,
-                &mut rs,
-                &mut s,
-                &mut logits,
-            )
-            .unwrap();
-            out.push(logits);
-        }
-        out
+        let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
+        let places: Vec<Place> = (start..start + tokens.len()).map(Place::text).collect();
+        self.run_placed(m, experts, lookahead, &inputs, &places)
     }
 
     /// `tokens` at positions `start..` in one `forward_batch`, the attention
@@ -546,35 +523,8 @@ impl SeqBuffers {
     where
         X::Error: std::fmt::Debug,
     {
-        let (hp, hy) = (m.hp(), m.hy());
-        let mut kv = KvCache::new_for(hp, hy, &mut self.kv_k, &mut self.kv_v, self.max).unwrap();
-        let mut rs = RecurrentState::new(hy, &mut self.conv, &mut self.ssm).unwrap();
-        let mut s = Scratch::new_for(hp, hy, &mut self.scratch, self.max).unwrap();
-        let mut floats = vec![0f32; BatchScratch::floats(hp, hy, tokens.len())];
-        let mut ids = vec![0u16; BatchScratch::ids(hp, hy, tokens.len())];
-        let mut b = BatchScratch::new(hp, hy, tokens.len(), &mut floats, &mut ids).unwrap();
-        let mut mv = Grouped(self.quant.matvec(), 2);
         let inputs: Vec<TokenInput<'_>> = tokens.iter().map(|&t| TokenInput::Token(t)).collect();
-        let mut logits = vec![0f32; hp.n_vocab * if every { tokens.len() } else { 1 }];
-        forward_batch(
-            hp,
-            hy,
-            m,
-            &mut mv,
-            experts,
-            &inputs,
-            start,
-            &mut kv,
-            &mut rs,
-            &mut s,
-            &mut b,
-            &mut logits,
-        )
-        .unwrap();
-        logits
-            .chunks_exact(hp.n_vocab)
-            .map(<[f32]>::to_vec)
-            .collect()
+        self.run_batch_at(m, experts, start, &inputs, None, every)
     }
 }
 
@@ -585,6 +535,21 @@ impl SeqBuffers {
         &mut self,
         m: &impl TestModel,
         experts: &mut X,
+        inputs: &[TokenInput<'_>],
+        places: &[Place],
+    ) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        self.run_placed(m, experts, None, inputs, places)
+    }
+
+    /// [`run_at`](Self::run_at) with `lookahead`.
+    pub fn run_placed<X: Experts>(
+        &mut self,
+        m: &impl TestModel,
+        experts: &mut X,
+        lookahead: Option<&Lookahead>,
         inputs: &[TokenInput<'_>],
         places: &[Place],
     ) -> Vec<Vec<f32>>
@@ -605,7 +570,7 @@ impl SeqBuffers {
                 m,
                 &mut mv,
                 experts,
-                None,
+                lookahead,
                 *input,
                 *at,
                 &mut kv,
@@ -619,16 +584,18 @@ impl SeqBuffers {
         out
     }
 
-    /// `inputs` at cache positions `start..` with M-RoPE positions `rope`, in
-    /// one [`forward_batch_at`] (attention grouped by two): every position's
-    /// logits.
+    /// `inputs` at cache positions `start..` with M-RoPE positions `rope`
+    /// (`None`: text positions), in one [`forward_batch_at`] (attention
+    /// grouped by two): the last position's logits, or with `every` each
+    /// position's.
     pub fn run_batch_at<X: Experts>(
         &mut self,
         m: &impl TestModel,
         experts: &mut X,
         start: usize,
         inputs: &[TokenInput<'_>],
-        rope: &[[u32; 4]],
+        rope: Option<&[[u32; 4]]>,
+        every: bool,
     ) -> Vec<Vec<f32>>
     where
         X::Error: std::fmt::Debug,
@@ -642,7 +609,7 @@ impl SeqBuffers {
         let mut ids = vec![0u16; BatchScratch::ids(hp, hy, n)];
         let mut b = BatchScratch::new(hp, hy, n, &mut floats, &mut ids).unwrap();
         let mut mv = Grouped(self.quant.matvec(), 2);
-        let mut logits = vec![0f32; hp.n_vocab * n];
+        let mut logits = vec![0f32; hp.n_vocab * if every { n } else { 1 }];
         forward_batch_at(
             hp,
             hy,
@@ -651,7 +618,7 @@ impl SeqBuffers {
             experts,
             inputs,
             start,
-            Some(rope),
+            rope,
             &mut kv,
             &mut rs,
             &mut s,
