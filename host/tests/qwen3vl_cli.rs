@@ -137,15 +137,7 @@ fn session_places_image_grids_as_mtmd_does() {
     want.extend([[12, 12, 12, 0], [13, 13, 13, 0]]);
     assert_eq!(want.len(), inputs.len());
 
-    let supply = || {
-        Supply::new(
-            &m,
-            &path,
-            Schedule::Resident,
-            SlotBudget::none(FileDeviceConfig::default()),
-        )
-        .unwrap()
-    };
+    let supply = || resident(&m, &path);
     let run = |batch: usize, rewind_to: Option<usize>| {
         let mut s = Session::new(&m, 64).unwrap();
         s.set_prefill_batch(batch).unwrap();
@@ -326,23 +318,8 @@ fn qwen35moe_image_decode_equals_llama_cpps() {
 
 fn image_decode_of(arch: &str) {
     let (lm, mm) = models_of(arch, "mtmd", &F32_WEIGHTS);
-    let large = tmp(&format!("{arch}_mtmd_large.png"));
-    image::RgbImage::from_fn(640, 400, |x, y| {
-        image::Rgb([
-            (x * 3 % 256) as u8,
-            (y * 5 % 256) as u8,
-            ((x ^ y) % 256) as u8,
-        ])
-    })
-    .save(&large)
-    .unwrap();
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let prompt = "What is in <__media__>? It is";
-    for img in [
-        dir.join("../assets/test-image.png"),
-        large,
-        dir.join("tests/data/jpeg/progressive.jpg"),
-    ] {
+    for img in cli::decode_images(arch) {
         let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, arch);
         assert!(worst < 5e-3, "{}: {worst}", img.display());
     }
@@ -512,13 +489,7 @@ fn drafters_see_the_places_the_model_used() {
     s.set_prefill_batch(3).unwrap();
     s.set_max_draft(2).unwrap();
     let mut mv = ThreadedMatVec::new(1, Isa::detect());
-    let mut sup = Supply::new(
-        &m,
-        &path,
-        Schedule::Resident,
-        SlotBudget::none(FileDeviceConfig::default()),
-    )
-    .unwrap();
+    let mut sup = resident(&m, &path);
     let mut rec = PlaceRecorder { seen: Vec::new() };
     let stats = generate_from(
         &mut s,
@@ -596,4 +567,15 @@ fn run_with_image(lm: &Path, mm: &Path, tag: &str, extra: &[&str]) -> (serde_jso
         .output()
         .unwrap();
     (json_ok(out, "les run"), std::fs::read(&logits).unwrap())
+}
+
+/// `m`'s experts resident (mapped from `path`, its file).
+fn resident<'m>(m: &'m Model, path: &Path) -> Supply<'m> {
+    Supply::new(
+        m,
+        path,
+        Schedule::Resident,
+        SlotBudget::none(FileDeviceConfig::default()),
+    )
+    .unwrap()
 }

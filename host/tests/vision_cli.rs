@@ -761,19 +761,8 @@ fn decode_equals_llama_cpps(arch: &str, tolerance: f32) {
         .output()
         .unwrap();
     ok(out);
-    let large = tmp(&format!("mtmd_large_{arch}.png"));
-    image::RgbImage::from_fn(640, 400, |x, y| {
-        image::Rgb([
-            (x * 3 % 256) as u8,
-            (y * 5 % 256) as u8,
-            ((x ^ y) % 256) as u8,
-        ])
-    })
-    .save(&large)
-    .unwrap();
     let prompt = "What is in <__media__>? It is";
-    let jpeg = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/jpeg/progressive.jpg");
-    for img in [image(), large, jpeg] {
+    for img in cli::decode_images(arch) {
         let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, arch);
         assert!(worst < tolerance, "{arch}, {}: {worst}", img.display());
     }

@@ -372,6 +372,28 @@ pub fn assert_biased_routing_equals_llama_cpp(f32: &Path, q: &Path, tag: &str, n
     assert!(close["same_top"].as_f64().unwrap() > 0.9, "{tag}: {close}");
 }
 
+/// The images multimodal decodes are compared on: the demo image, a
+/// 640x400 pattern (MiniCPM-V slices it) written as `tag`'s, and a
+/// progressive JPEG.
+pub fn decode_images(tag: &str) -> [PathBuf; 3] {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let large = tmp(&format!("mtmd_large_{tag}.png"));
+    image::RgbImage::from_fn(640, 400, |x, y| {
+        image::Rgb([
+            (x * 3 % 256) as u8,
+            (y * 5 % 256) as u8,
+            ((x ^ y) % 256) as u8,
+        ])
+    })
+    .save(&large)
+    .unwrap();
+    [
+        dir.join("../assets/test-image.png"),
+        large,
+        dir.join("tests/data/jpeg/progressive.jpg"),
+    ]
+}
+
 /// `les run -m lm --mmproj mm --image image -p prompt` and llama.cpp's
 /// libmtmd (`scripts/mtmd_llama.py greedy`: the prompt's chunks through
 /// `mtmd_helper_eval_chunks`, then token by token) decode `n` tokens
