@@ -34,14 +34,18 @@ struct Case {
     x: Vec<f32>,
 }
 
-fn case(ty: GgmlType, rows: usize, cols: usize) -> Case {
-    let mut st = 0x5eed_u64 ^ (rows * cols) as u64;
-    let mut noise = || {
-        st = st
+/// Uniform values in [-1, 1) from an LCG seeded with `seed`.
+fn noise(mut seed: u64) -> impl FnMut() -> f32 {
+    move || {
+        seed = seed
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
-        ((st >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
+        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn case(ty: GgmlType, rows: usize, cols: usize) -> Case {
+    let mut noise = noise(0x5eed_u64 ^ (rows * cols) as u64);
     let vals: Vec<f32> = (0..rows * cols).map(|_| noise()).collect();
     let mut data = vec![0u8; ty.row_bytes(cols).expect("float type") * rows];
     quantize(ty, &vals, &mut data).expect("float type");
@@ -83,13 +87,7 @@ struct Head {
 }
 
 fn head(n: usize, d: usize, dh: usize) -> Head {
-    let mut st = 0x0a77_u64 ^ (n * dh) as u64;
-    let mut noise = || {
-        st = st
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        ((st >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
+    let mut noise = noise(0x0a77_u64 ^ (n * dh) as u64);
     Head {
         name: format!("scores, {n} tokens, head of {dh}"),
         n,
