@@ -6,28 +6,14 @@
 //! (NaNs allowed).
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
 use les::compute::Pool;
 use les::gguf::Gguf;
 use les::vision::{self, ClipModel, Ctx, RgbImage};
 use les_core::gemv::Isa;
 use libfuzzer_sys::fuzz_target;
 
-/// Where this process writes each input (a projector is opened from a file).
-fn path() -> &'static PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let shm = std::path::Path::new("/dev/shm");
-        let dir = if shm.is_dir() {
-            shm.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        };
-        dir.join(format!("les-fuzz-mmproj-{}.gguf", std::process::id()))
-    })
-}
+#[path = "input_file.rs"]
+mod input_file;
 
 /// Most multiply-adds an encode may cost: larger towers are loaded and laid
 /// out but not run, so that each input stays fast.
@@ -37,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
     if Gguf::parse(data).is_err() {
         return;
     }
-    let path = path();
+    let path = input_file::path("mmproj");
     std::fs::write(path, data).expect("the fuzzer writes its input");
     let Ok(m) = ClipModel::open(path) else {
         return;

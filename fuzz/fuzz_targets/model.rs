@@ -7,9 +7,6 @@
 //! with an error.
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
 use les::compute::ThreadedMatVec;
 use les::engine::Session;
 use les::flash::FileDeviceConfig;
@@ -20,19 +17,8 @@ use les_core::gemv::Isa;
 use les_core::model::forward::TokenInput;
 use libfuzzer_sys::fuzz_target;
 
-/// Where this process writes each input (a model is opened from a file).
-fn path() -> &'static PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let shm = std::path::Path::new("/dev/shm");
-        let dir = if shm.is_dir() {
-            shm.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        };
-        dir.join(format!("les-fuzz-model-{}.gguf", std::process::id()))
-    })
-}
+#[path = "input_file.rs"]
+mod input_file;
 
 /// Most multiply-adds a token may cost: larger models are loaded but not
 /// run, so that each input stays fast.
@@ -43,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
     if Gguf::parse(data).is_err() {
         return;
     }
-    let path = path();
+    let path = input_file::path("model");
     std::fs::write(path, data).expect("the fuzzer writes its input");
     let Ok(model) = Model::open(path) else {
         return;
