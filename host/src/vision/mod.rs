@@ -220,15 +220,13 @@ pub fn encode_image(
         chunks.push(encoder::encode(ctx, m, c)?);
     }
     // Where an M-RoPE language model places the embeddings (llama.cpp's
-    // `mtmd`): MiniCPM-V's overview and slices in sequence, Gemma 3's as
-    // one row of a grid, Qwen3-VL's as its merged patches' grid.
+    // `mtmd`): MiniCPM-V's overview and slices in sequence, the others' one
+    // chunk as its grid (Gemma 3's one row, Qwen3-VL's merged patches).
     let chunk_grids = match m.hp.projector {
         ProjectorType::MiniCpmV46 => Vec::new(),
-        ProjectorType::Gemma3 => chunks
-            .iter()
-            .map(|c| (c.len() / m.row_width().max(1), 1))
-            .collect(),
-        ProjectorType::Qwen3Vl => vec![merged_grid(m, img.width, img.height)],
+        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl => {
+            vec![merged_grid(m, img.width, img.height)]
+        }
     };
     Ok(EncodedImage {
         chunks,
