@@ -1,6 +1,6 @@
 //! The vision encoder against an independent plain-`f32` reference, on tiny
-//! synthetic projectors (`minicpmv4_6`, `gemma3` and `qwen3vl_merger`, `f32`
-//! and `f16` weights).
+//! synthetic projectors (`minicpmv4_6`, `gemma3`, `qwen3vl_merger` and
+//! `kimivl`, `f32` and `f16` weights).
 //!
 //! The reference follows llama.cpp's graphs literally: the patch embedding as a
 //! convolution, attention with full score matrices and, for MiniCPM-V 4.6's
@@ -549,6 +549,103 @@ fn reference_qwen3vl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// PyTorch's `interpolate(bilinear, align_corners=False, antialias=True)` of
+/// the `side` x `side` table `pos` (rows of `d`) to a `pw` x `ph` grid, in
+/// `f64`: per axis, output `i` reads the inputs within `support = max(1,
+/// in / out)` of its centre `(i + 0.5) in / out`, weighted by the triangle
+/// `1 - |j + 0.5 - centre| / support`, normalised; the two axes' weights
+/// multiply.
+fn bilinear_antialiased(pos: &[f32], side: usize, d: usize, pw: usize, ph: usize) -> Vec<Vec<f32>> {
+    let weights = |out: usize| -> Vec<Vec<(usize, f64)>> {
+        let scale = side as f64 / out as f64;
+        let support = scale.max(1.0);
+        (0..out)
+            .map(|i| {
+                let centre = (i as f64 + 0.5) * scale;
+                let taps: Vec<(usize, f64)> = (0..side)
+                    .map(|j| (j, 1.0 - ((j as f64 + 0.5 - centre) / support).abs()))
+                    .filter(|&(_, w)| w > 0.0)
+                    .collect();
+                let total: f64 = taps.iter().map(|t| t.1).sum();
+                taps.into_iter().map(|(j, w)| (j, w / total)).collect()
+            })
+            .collect()
+    };
+    let (wx, wy) = (weights(pw), weights(ph));
+    let mut out = Vec::new();
+    for ys in &wy {
+        for xs in &wx {
+            let mut row = vec![0f64; d];
+            for &(y, a) in ys {
+                for &(x, b) in xs {
+                    for (c, r) in row.iter_mut().enumerate() {
+                        *r += a * b * f64::from(pos[(y * side + x) * d + c]);
+                    }
+                }
+            }
+            out.push(row.into_iter().map(|v| v as f32).collect());
+        }
+    }
+    out
+}
+
+/// Rotates each head of `x` (tokens row-major on a `pw`-wide grid) as
+/// Kimi-VL's 2-D RoPE does: with head width `dh`, values `2i` and `2i + 1`
+/// of the first half turn by `column * 10000^(-4i/dh)`, those of the second
+/// half by `row` with the same frequencies.
+fn rope_2d(x: &mut [Vec<f32>], heads: usize, pw: usize) {
+    for (t, xt) in x.iter_mut().enumerate() {
+        let (col, row) = ((t % pw) as f64, (t / pw) as f64);
+        let dh = xt.len() / heads;
+        for h in 0..heads {
+            let v = &mut xt[h * dh..(h + 1) * dh];
+            for (half, p) in [(0, col), (dh / 2, row)] {
+                for i in 0..dh / 4 {
+                    let a = p * 10000f64.powf(-4.0 * i as f64 / dh as f64);
+                    let (j0, j1) = (half + 2 * i, half + 2 * i + 1);
+                    let (x0, x1) = (f64::from(v[j0]), f64::from(v[j1]));
+                    v[j0] = (x0 * a.cos() - x1 * a.sin()) as f32;
+                    v[j1] = (x0 * a.sin() + x1 * a.cos()) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Kimi-VL as `clip_graph_kimivl::build` computes it: the patch embedding,
+/// the position table interpolated with antialiasing, blocks with the 2-D
+/// RoPE, the final norm, then each 2 x 2 block of patches (top-left,
+/// top-right, bottom-left, bottom-right) with each patch LayerNormed
+/// (epsilon 1e-5), through the GELU MLP.
+fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let d = hp.width;
+    let mut x = patch_embed(w, hp, img);
+    let pos = w.get("v.position_embd.weight");
+    let side = ((pos.len() / d) as f64).sqrt() as usize;
+    x = add(&x, &bilinear_antialiased(&pos, side, d, pw, ph));
+    for l in 0..hp.layers {
+        let b = format!("v.blk.{l}");
+        let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
+        let mut q = linear(w, &format!("{b}.attn_q"), &h);
+        let mut k = linear(w, &format!("{b}.attn_k"), &h);
+        let v = linear(w, &format!("{b}.attn_v"), &h);
+        rope_2d(&mut q, hp.heads, pw);
+        rope_2d(&mut k, hp.heads, pw);
+        let a = attention(&q, &k, &v, hp.heads, None);
+        let a = linear(w, &format!("{b}.attn_out"), &a);
+        x = add(&a, &x);
+        let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
+        let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
+        let f = linear(w, &format!("{b}.ffn_down"), &u);
+        x = add(&x, &f);
+    }
+    let x = layer_norm(w, "v.post_ln", &x, hp.eps);
+    let normed = layer_norm(w, "mm.input_norm", &x, 1e-5);
+    let u = gelu_all(linear(w, "mm.1", &merge_2x2(&normed, pw, ph)));
+    linear(w, "mm.2", &u)
+}
+
 fn test_image(width: usize, height: usize, seed: u32) -> ImageF32 {
     let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
     let data = (0..width * height * 3)
@@ -714,10 +811,48 @@ fn qwen3vl_encoder_matches_the_reference() {
 }
 
 #[test]
+fn kimivl_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(
+            ProjectorType::KimiVl,
+            ty,
+            &format!("enc_kimivl_{name}.gguf"),
+        );
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
+        assert_eq!(model.row_width(), 48);
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        let mut pool = Pool::new(3);
+        // The table's own 16 x 16 grid (no interpolation), grids smaller and
+        // larger than it (up and down on each axis), square and not.
+        for (iw, ih) in [(224, 224), (84, 56), (56, 168), (336, 84), (28, 28)] {
+            let img = test_image(iw, ih, 7);
+            let mut ctx = Ctx {
+                pool: &mut pool,
+                isa: Isa::detect(),
+            };
+            let got = encode(&mut ctx, &model, &img).unwrap();
+            let tokens = (iw / 28) * (ih / 28);
+            assert_eq!(output_tokens(&model, iw, ih), tokens);
+            assert_eq!(got.len(), tokens * 48);
+            let want = reference_kimivl(&w, &hp, &img);
+            compare(
+                &got,
+                &want,
+                &format!("kimivl {name} {iw}x{ih}"),
+                tolerance(ty),
+            );
+        }
+    }
+}
+
+#[test]
 fn encoder_output_does_not_depend_on_threads_or_kernels() {
     for (ptype, (w, h)) in [
         (ProjectorType::MiniCpmV46, (224, 168)),
         (ProjectorType::Qwen3Vl, (192, 128)),
+        (ProjectorType::KimiVl, (196, 112)),
     ] {
         let name = format!("enc_threads_{}.gguf", ptype.name());
         let (path, _) = projector(ptype, GgmlType::F16, &name);
@@ -1008,21 +1143,36 @@ fn embeddings_equal_llama_cpps() {
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
 fn qwen3vl_embeddings_equal_llama_cpps() {
+    dyn_size_embeddings_equal_llama_cpps("qwen3vlmoe", ProjectorType::Qwen3Vl, 5e-3);
+}
+
+/// les's Kimi-VL image embeddings against llama.cpp's, as
+/// [`qwen3vl_embeddings_equal_llama_cpps`] compares Qwen3-VL's: a synthetic
+/// `deepseek2` language model (Kimi-VL's) and a matching `kimivl` projector
+/// (antialiased position embeddings, 2-D RoPE, 2 x 2 patch merger), the
+/// token grids of the same sizes under its 8 to 1024 token budget, and the
+/// embeddings of `f16`, `f32` (GELU and SiLU) and `bf16` towers. Needs
+/// llama-cpp-python with its `mtmd` library.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn kimivl_embeddings_equal_llama_cpps() {
+    // bf16: measured 3.2e-3 to 5.8e-3 (f16 3.8e-4 to 5.4e-4, 8 times less,
+    // as f16 keeps 3 bits more; Qwen3-VL's tower measured 3.8e-3).
+    dyn_size_embeddings_equal_llama_cpps("deepseek2", ProjectorType::KimiVl, 1e-2);
+}
+
+/// The body of the two tests above: a synthetic `arch` language model with a
+/// `ptype` projector (a projector that sizes images to a token budget);
+/// `bf16_tolerance` bounds its `bf16` tower (a rounding flip there costs 8
+/// times one in `f16`).
+fn dyn_size_embeddings_equal_llama_cpps(arch: &str, ptype: ProjectorType, bf16_tolerance: f32) {
     let les = env!("CARGO_BIN_EXE_les");
-    let model = tmp("mtmd_q3vl_text.gguf");
-    let mmproj_f16 = tmp("mtmd_q3vl_F16.gguf");
+    let name = ptype.name();
+    let model = tmp(&format!("mtmd_{name}_text.gguf"));
+    let mmproj_f16 = tmp(&format!("mtmd_{name}_F16.gguf"));
     let status = std::process::Command::new(les)
-        .args([
-            "synth",
-            "--quiet",
-            "--arch",
-            "qwen3vlmoe",
-            "--preset",
-            "tiny",
-            "--projector",
-            "qwen3vl_merger",
-            "--mmproj-out",
-        ])
+        .args(["synth", "--quiet", "--arch", arch, "--preset", "tiny"])
+        .args(["--projector", name, "--mmproj-out"])
         .arg(&mmproj_f16)
         .arg("-o")
         .arg(&model)
@@ -1030,8 +1180,10 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
         .unwrap();
     assert!(status.success());
     let g = Gguf::open(&model).unwrap();
-    let n_embd = g.get_u64("qwen3vlmoe.embedding_length").unwrap();
-    let n_deepstack = g.get_u64("qwen3vlmoe.n_deepstack_layers").unwrap();
+    let n_embd = g.get_u64(&format!("{arch}.embedding_length")).unwrap();
+    let n_deepstack = g
+        .get_u64(&format!("{arch}.n_deepstack_layers"))
+        .unwrap_or(0);
     drop(g);
     // The token grid of images of many sizes, resized up, down and not
     // (llama.cpp's `nx` x `ny` after its preprocessing; nothing encoded).
@@ -1081,17 +1233,17 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
     for (ty, silu, tolerance) in [
         (GgmlType::F32, false, 5e-4),
         (GgmlType::F32, true, 5e-4),
-        (GgmlType::BF16, false, 5e-3),
+        (GgmlType::BF16, false, bf16_tolerance),
     ] {
-        let mut cfg = MmprojConfig::tiny(ProjectorType::Qwen3Vl, n_embd, 3);
+        let mut cfg = MmprojConfig::tiny(ptype, n_embd, 3);
         cfg.ty = ty;
         cfg.deepstack = n_deepstack;
         let act = if silu { "silu" } else { "gelu" };
-        let path = tmp(&format!("mtmd_q3vl_{ty}_{act}.gguf"));
+        let path = tmp(&format!("mtmd_{name}_{ty}_{act}.gguf"));
         write_mmproj(&cfg, &path).unwrap();
         if silu {
             use les::gguf::MetaValue;
-            let src = tmp(&format!("mtmd_q3vl_{ty}_gelu0.gguf"));
+            let src = tmp(&format!("mtmd_{name}_{ty}_gelu0.gguf"));
             std::fs::rename(&path, &src).unwrap();
             common::rewrite_gguf(
                 &src,
@@ -1107,13 +1259,16 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
         assert_eq!(m.hp.n_deepstack as u64, n_deepstack);
         let width = m.row_width();
         assert_eq!(width as u64, n_embd * (1 + n_deepstack));
-        // 64 x 64 is under the 8-token minimum (scaled up to 96 x 96); 300 x
-        // 200 and 97 x 411 are rounded to multiples of 32; 256 x 256 is the
+        // Qwen3-VL (Kimi-VL): 64 x 64 is under the 8-token minimum (scaled
+        // up to 96 x 96, 84 x 84); 300 x 200 and 97 x 411 are rounded to
+        // multiples of a merged patch (32, 28); 256 x 256 (224 x 224) is the
         // table's own grid; 1000 x 180 is wide; 2200 x 2000 is over the
-        // 4096-token maximum (scaled down to 2144 x 1952, 16348 patches: a
-        // minute, and 4 GiB for llama.cpp's attention scores, so once).
+        // maximum (4096 tokens: scaled down to 2144 x 1952, 16348 patches, a
+        // minute and 4 GiB for llama.cpp's attention scores, so once; 1024
+        // tokens: 4092 patches).
+        let table = m.hp.image_size as u32;
         let mut sizes: Vec<(u32, u32)> =
-            vec![(300, 200), (97, 411), (64, 64), (256, 256), (1000, 180)];
+            vec![(300, 200), (97, 411), (64, 64), (table, table), (1000, 180)];
         if ty == GgmlType::F16 {
             sizes.push((2200, 2000));
         }
@@ -1133,7 +1288,7 @@ fn qwen3vl_embeddings_equal_llama_cpps() {
                 .filter(|c| c.get("image").is_some())
                 .collect();
             let act = if silu { "silu" } else { "gelu" };
-            let what = format!("qwen3vl_merger {ty} {act} {w}x{h}");
+            let what = format!("{name} {ty} {act} {w}x{h}");
             assert_eq!(images.len(), 1, "{what}: image chunks");
             let theirs: Vec<f32> = images[0]["image"]
                 .as_array()

@@ -1,8 +1,8 @@
 //! Synthetic vision projectors (mmproj GGUFs, `general.architecture = clip`)
 //! matching a synthetic language model: the tensors and keys llama.cpp's
-//! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`) or
-//! Qwen3-VL (`qwen3vl_merger`), at a tiny size, with random weights, so the
-//! whole multimodal path runs without downloads.
+//! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`),
+//! Qwen3-VL (`qwen3vl_merger`) or Kimi-VL (`kimivl`), at a tiny size, with
+//! random weights, so the whole multimodal path runs without downloads.
 //!
 //! Defaults: 224 x 224 input in 14 x 14 patches (a 16 x 16 grid), 2 blocks 64
 //! wide with 4 heads, FFN 128; `minicpmv4_6` puts its window-attention merger
@@ -10,7 +10,8 @@
 //! into 16 embeddings. `qwen3vl_merger` has 16 x 16 patches, a 16 x 16 table of
 //! position embeddings (`image_size` 256), 4 blocks and deepstack mergers on
 //! blocks 0 to 2 (as many as the language model's `n_deepstack_layers`, on the
-//! blocks before the last), and takes images of any size. The output width is
+//! blocks before the last), and takes images of any size; so does `kimivl`
+//! (a 16 x 16 table, `image_size` 224, 2 x 2 patch merger). The output width is
 //! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
 //! `mmproj-*-f16.gguf`), vectors and position embeddings `f32`, patch
 //! embeddings as llama.cpp's converter types them.
@@ -85,7 +86,9 @@ impl MmprojConfig {
     fn n_pos(&self) -> u64 {
         match self.projector {
             ProjectorType::MiniCpmV46 => 70 * 70,
-            ProjectorType::Gemma3 | ProjectorType::Qwen3Vl => (self.image_size / self.patch).pow(2),
+            ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
+                (self.image_size / self.patch).pow(2)
+            }
         }
     }
 }
@@ -209,6 +212,17 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             linear(&mut add, "mm.0", 4 * w, 4 * w);
             linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
         }
+        ProjectorType::KimiVl => {
+            // MoonViT's final LayerNorm, the projector's per-patch norm
+            // (`pre_norm`) and its MLP over 2 x 2 patches (hidden width
+            // 4 * w, as Kimi-VL's).
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("v.post_ln.bias", &[w], bias);
+            add("mm.input_norm.weight", &[w], Init::Norm);
+            add("mm.input_norm.bias", &[w], bias);
+            linear(&mut add, "mm.1", 4 * w, 4 * w);
+            linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
+        }
     }
     out
 }
@@ -253,6 +267,9 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
             let ds = cfg.deepstack_layers();
             let marks: Vec<bool> = (0..cfg.layers).map(|l| ds.contains(&l)).collect();
             m.push(("clip.vision.is_deepstack_layers", marks.into()));
+        }
+        ProjectorType::KimiVl => {
+            m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
         }
     }
     m.push(("les.synth.seed", MetaValue::U64(cfg.seed)));
@@ -309,19 +326,19 @@ impl MmprojConfig {
         if self.layers == 0 || self.ff == 0 || self.out_embd == 0 {
             return bad("mmproj layers, ff and output width must be positive".into());
         }
-        if self.projector == ProjectorType::Qwen3Vl {
+        if self.projector.token_budget().is_some() {
+            let name = self.projector.name();
             if !(self.width / self.heads).is_multiple_of(4) {
                 return bad(format!(
-                    "qwen3vl_merger: head width {} is not a multiple of 4 (M-RoPE)",
+                    "{name}: head width {} is not a multiple of 4 (2-D RoPE)",
                     self.width / self.heads
                 ));
             }
             if self.patch > 32 {
-                return bad(format!(
-                    "qwen3vl_merger: patch {} is more than 32",
-                    self.patch
-                ));
+                return bad(format!("{name}: patch {} is more than 32", self.patch));
             }
+        }
+        if self.projector == ProjectorType::Qwen3Vl {
             if self.deepstack > self.layers {
                 return bad(format!(
                     "qwen3vl_merger: {} deepstack mergers need as many blocks, not {}",

@@ -2790,10 +2790,12 @@ fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthCon
     }
 }
 
-/// The vocabulary of `cfg`'s model: Qwen3-VL's carry its image markers too.
+/// The vocabulary of `cfg`'s model: Qwen3-VL's and Kimi-VL's (`deepseek2`)
+/// carry their image markers too.
 pub fn vocab_of(cfg: &SynthConfig) -> Result<Vocab, SynthError> {
     let more: &[&str] = match cfg.arch {
         Arch::Qwen3vlmoe | Arch::Qwen3vl => &vocab::QWEN_VL_TOKENS,
+        Arch::Deepseek2 => &vocab::KIMI_VL_TOKENS,
         _ => &[],
     };
     Vocab::build_with(cfg.shape.vocab as usize, more).map_err(SynthError::Config)

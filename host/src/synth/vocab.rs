@@ -40,6 +40,11 @@ pub const MEDIA_TOKENS: [&str; 6] = [
 /// others' tokens stay as they were).
 pub const QWEN_VL_TOKENS: [&str; 2] = ["<|vision_start|>", "<|vision_end|>"];
 
+/// The tokens Kimi-VL wraps an image's embeddings in, added after
+/// [`MEDIA_TOKENS`] to the vocabularies of its language model's architecture
+/// (`deepseek2`) only.
+pub const KIMI_VL_TOKENS: [&str; 2] = ["<|media_start|>", "<|media_end|>"];
+
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
 /// `tokenizer.ggml.token_type` of control tokens.

@@ -3,7 +3,9 @@
 //!
 //! Projector types: `minicpmv4_6` (MiniCPM-V 4.6 / 4.7), `gemma3` (Gemma 3) and
 //! `qwen3vl_merger` (Qwen3-VL: a fused-QKV ViT with learned, interpolated
-//! position embeddings and M-RoPE, a 2x2 merger and deepstack mergers).
+//! position embeddings and M-RoPE, a 2x2 merger and deepstack mergers) and
+//! `kimivl` (Kimi-VL's MoonViT: learned position embeddings interpolated with
+//! antialiasing, a 2-D RoPE, an n x n patch merger and a LayerNorm + GELU MLP).
 //!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
@@ -32,6 +34,11 @@ pub enum ProjectorType {
     /// merger MLP and deepstack mergers on some blocks; images of any size
     /// (within a token budget), one chunk each.
     Qwen3Vl,
+    /// Kimi-VL (`kimivl`): MoonViT with learned position embeddings
+    /// interpolated to the image's grid, a 2-D RoPE (half of each head by the
+    /// patch's column, half by its row), an n x n patch merger, LayerNorm and
+    /// a GELU MLP; images of any size (within a token budget), one chunk each.
+    KimiVl,
 }
 
 impl ProjectorType {
@@ -41,6 +48,7 @@ impl ProjectorType {
             ProjectorType::MiniCpmV46 => "minicpmv4_6",
             ProjectorType::Gemma3 => "gemma3",
             ProjectorType::Qwen3Vl => "qwen3vl_merger",
+            ProjectorType::KimiVl => "kimivl",
         }
     }
 
@@ -50,7 +58,20 @@ impl ProjectorType {
             "minicpmv4_6" => Some(ProjectorType::MiniCpmV46),
             "gemma3" => Some(ProjectorType::Gemma3),
             "qwen3vl_merger" => Some(ProjectorType::Qwen3Vl),
+            "kimivl" => Some(ProjectorType::KimiVl),
             _ => None,
+        }
+    }
+
+    /// The merged tokens an image is resized to by default, `(fewest, most)`
+    /// (llama.cpp's `set_limit_image_tokens` in `clip.cpp`), for the
+    /// projectors that size images dynamically; `None` for those that take
+    /// fixed sizes.
+    pub fn token_budget(self) -> Option<(usize, usize)> {
+        match self {
+            ProjectorType::Qwen3Vl => Some((8, 4096)),
+            ProjectorType::KimiVl => Some((8, 1024)),
+            ProjectorType::MiniCpmV46 | ProjectorType::Gemma3 => None,
         }
     }
 }
@@ -94,7 +115,7 @@ pub struct ClipHparams {
     /// The FFN activation.
     pub ffn_op: FfnOp,
     /// Spatial merge per side: 4 for MiniCPM-V 4.6 (2x2 twice), the pooling
-    /// kernel for Gemma 3, 2 for Qwen3-VL.
+    /// kernel for Gemma 3, 2 for Qwen3-VL, the patch merger's for Kimi-VL.
     pub n_merge: usize,
     /// MiniCPM-V 4.6: the ViT block after which the window-attention merger runs.
     pub insert_layer: usize,
@@ -105,11 +126,13 @@ pub struct ClipHparams {
     /// Qwen3-VL: deepstack mergers (blocks whose output is also merged and
     /// projected into the row); 0 for the other projectors.
     pub n_deepstack: usize,
-    /// Qwen3-VL: the fewest pixels an image is resized to (llama.cpp's
-    /// `image_min_pixels`: 8 merged tokens); 0 for the other projectors.
+    /// Qwen3-VL and Kimi-VL: the fewest pixels an image is resized to
+    /// (llama.cpp's `image_min_pixels`: 8 merged tokens); 0 for the other
+    /// projectors.
     pub image_min_pixels: usize,
-    /// Qwen3-VL: the most pixels an image is resized to (llama.cpp's
-    /// `image_max_pixels`: 4096 merged tokens); 0 for the other projectors.
+    /// Qwen3-VL and Kimi-VL: the most pixels an image is resized to
+    /// (llama.cpp's `image_max_pixels`: 4096 merged tokens for Qwen3-VL, 1024
+    /// for Kimi-VL); 0 for the other projectors.
     pub image_max_pixels: usize,
 }
 
@@ -304,6 +327,17 @@ pub enum Projector {
         /// Merger MLP down (`mm.2`), to `n_mmproj_embd`.
         down: Linear,
     },
+    /// Kimi-VL: after the ViT (and `post_ln`), each `n_merge` x `n_merge`
+    /// block of patches concatenated, each patch LayerNormed, then a GELU MLP.
+    KimiVl {
+        /// LayerNorm of each patch before the MLP (`mm.input_norm`, `n_embd`
+        /// wide, epsilon 1e-5 whatever the file says, as clip.cpp).
+        input_norm: Norm,
+        /// MLP up (`mm.1`), from `n_merge² * n_embd`.
+        up: Linear,
+        /// MLP down (`mm.2`), to `n_mmproj_embd`.
+        down: Linear,
+    },
 }
 
 /// A loaded mmproj file.
@@ -344,14 +378,11 @@ fn err(m: impl Into<String>) -> VisionError {
 const MAX_DIM: usize = 1 << 16;
 /// The most patches a side of `clip.vision.image_size` may have.
 const MAX_PATCHES_PER_SIDE: usize = 128;
-/// The largest Qwen3-VL patch accepted: its 4096-token budget is 4096 x
-/// (2 x patch)² pixels (Qwen3-VL's 16: 4.2 M; 32: 16.8 M).
-const MAX_QWEN3VL_PATCH: usize = 32;
-/// llama.cpp's token budget for Qwen-VL images (`set_limit_image_tokens(8, 4096)`
-/// in `clip.cpp`): the fewest merged tokens...
-pub const QWEN3VL_MIN_TOKENS: usize = 8;
-/// ... and the most.
-pub const QWEN3VL_MAX_TOKENS: usize = 4096;
+/// The largest merged patch (patch x merge, pixels a side) of a projector
+/// that sizes images dynamically: its token budget is tokens x merged patch²
+/// pixels (Qwen3-VL's 32: 4096 tokens 4.2 M pixels; Kimi-VL's 28; 64 at
+/// [`MAX_IMAGE_TOKENS`]: 67 M).
+const MAX_MERGED_PATCH: usize = 64;
 /// The most merged tokens `--image-max-tokens` may let one image take (4x
 /// Qwen3-VL's default: a 16 Mpx picture at 16-pixel patches).
 pub const MAX_IMAGE_TOKENS: usize = 16384;
@@ -630,7 +661,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3 and qwen3vl_merger)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger and kimivl)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -705,34 +736,46 @@ impl ClipModel {
                 }
                 2
             }
+            ProjectorType::KimiVl => {
+                // clip.cpp's patch merger asserts a factor above 1 (its
+                // default, 1, fails there).
+                let m = scale
+                    .ok_or_else(|| err("kimivl: clip.vision.projector.scale_factor is missing"))?;
+                if !(2..=4).contains(&m) {
+                    return Err(err(format!("kimivl: scale_factor {m} (must be 2 to 4)")));
+                }
+                m as usize
+            }
         };
         let qwen3vl = projector == ProjectorType::Qwen3Vl;
+        let kimivl = projector == ProjectorType::KimiVl;
         let (mut image_min_pixels, mut image_max_pixels) = (0, 0);
-        if qwen3vl {
+        if let Some((min_tokens, max_tokens)) = projector.token_budget() {
+            let name = projector.name();
             let d_head = n_embd / n_head;
-            // ggml's vision RoPE rotates half a head in pairs (d_head / 2 even).
+            // Both 2-D RoPEs rotate half a head in pairs (d_head / 2 even).
             if !d_head.is_multiple_of(4) {
                 return Err(err(format!(
-                    "qwen3vl_merger: head width {d_head} ({n_embd} / {n_head} heads) is not a multiple of 4"
+                    "{name}: head width {d_head} ({n_embd} / {n_head} heads) is not a multiple of 4"
                 )));
             }
             if let Some(hd) = opt_u64(&g, "clip.vision.attention.head_dim")? {
                 if hd != d_head as u64 {
                     return Err(err(format!(
-                        "qwen3vl_merger: attention.head_dim {hd} is not {n_embd} / {n_head} heads"
+                        "{name}: attention.head_dim {hd} is not {n_embd} / {n_head} heads"
                     )));
                 }
             }
-            // The token budget is llama.cpp's (8 to 4096 merged tokens); the
-            // patch size sets the pixels, bounded here as real towers' (14, 16).
-            if patch_size > MAX_QWEN3VL_PATCH {
+            // The token budget is llama.cpp's; the patch and merge sizes set
+            // the pixels, bounded here beyond real towers' (32, 28).
+            if patch_size == 0 || patch_size * n_merge > MAX_MERGED_PATCH {
                 return Err(err(format!(
-                    "qwen3vl_merger: patch_size {patch_size} is more than {MAX_QWEN3VL_PATCH}"
+                    "{name}: patch_size {patch_size} x merge {n_merge} is not 1 to {MAX_MERGED_PATCH} pixels"
                 )));
             }
             let merged_area = (patch_size * n_merge).pow(2);
-            image_min_pixels = QWEN3VL_MIN_TOKENS * merged_area;
-            image_max_pixels = QWEN3VL_MAX_TOKENS * merged_area;
+            image_min_pixels = min_tokens * merged_area;
+            image_max_pixels = max_tokens * merged_area;
         }
         // The merger's window attention goes in after the first listed layer
         // (0 when the list is absent or empty).
@@ -825,7 +868,10 @@ impl ClipModel {
             } else {
                 None
             };
-            let (q, k, v) = if qwen3vl {
+            // Qwen3-VL's QKV is one matrix; Kimi-VL's converter splits its
+            // (clip.cpp takes either).
+            let fused = qwen3vl || (kimivl && g.tensor(&p("attn_qkv.weight")).is_some());
+            let (q, k, v) = if fused {
                 l.qkv(&p("attn_qkv"), n_embd)?
             } else {
                 (
@@ -972,6 +1018,23 @@ impl ClipModel {
                     out,
                 )
             }
+            ProjectorType::KimiVl => {
+                let input_norm = l.norm("mm.input_norm", n_embd)?;
+                let up = l.linear_any("mm.1", n_merge * n_merge * n_embd)?;
+                let down = l.linear_any("mm.2", up.w.rows)?;
+                if up.b.is_none() || down.b.is_none() {
+                    return Err(err("kimivl: mm.1.bias and mm.2.bias are required"));
+                }
+                let out = down.w.rows;
+                (
+                    Projector::KimiVl {
+                        input_norm,
+                        up,
+                        down,
+                    },
+                    out,
+                )
+            }
         };
         let n_deepstack = match &projector_w {
             Projector::Qwen3Vl { deepstack, .. } => deepstack.len(),
@@ -1007,19 +1070,20 @@ impl ClipModel {
                 )));
             }
         }
-        if qwen3vl {
+        if qwen3vl || kimivl {
             // clip.cpp reshapes the table to a square before interpolating it
             // (ggml's interpolation reads f32).
+            let name = projector.name();
             let side = (n_pos as f64).sqrt() as usize;
             if side * side != n_pos {
                 return Err(err(format!(
-                    "qwen3vl_merger: {n_pos} position embeddings are not a square grid"
+                    "{name}: {n_pos} position embeddings are not a square grid"
                 )));
             }
             let ty = l.tensor("v.position_embd.weight")?.ggml_type();
             if ty != GgmlType::F32 {
                 return Err(err(format!(
-                    "qwen3vl_merger: v.position_embd.weight is {ty}, llama.cpp interpolates f32"
+                    "{name}: v.position_embd.weight is {ty}, llama.cpp interpolates f32"
                 )));
             }
         }
@@ -1071,8 +1135,9 @@ impl ClipModel {
 
     /// llama.cpp's `--image-min-tokens` / `--image-max-tokens`: the fewest
     /// and most merged tokens one image is resized to, for projectors that
-    /// size images dynamically (Qwen3-VL; `None` keeps its 8 and 4096); the
-    /// others take images at fixed sizes and ignore them, as llama.cpp does.
+    /// size images dynamically (Qwen3-VL, Kimi-VL; `None` keeps the
+    /// projector's [`ProjectorType::token_budget`]); the others take images
+    /// at fixed sizes and ignore them, as llama.cpp does.
     /// Each from 1 to [`MAX_IMAGE_TOKENS`], the fewest at most the most.
     pub fn set_image_tokens(
         &mut self,
@@ -1086,11 +1151,11 @@ impl ClipModel {
                 )));
             }
         }
-        if self.hp.projector != ProjectorType::Qwen3Vl {
+        let Some((min_default, max_default)) = self.hp.projector.token_budget() else {
             return Ok(());
-        }
-        let min = min.unwrap_or(QWEN3VL_MIN_TOKENS);
-        let max = max.unwrap_or(QWEN3VL_MAX_TOKENS);
+        };
+        let min = min.unwrap_or(min_default);
+        let max = max.unwrap_or(max_default);
         if min > max {
             return Err(err(format!(
                 "--image-min-tokens {min} is more than --image-max-tokens {max}"

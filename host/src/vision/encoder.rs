@@ -1,7 +1,8 @@
 //! The vision tower's forward pass: patch embedding, ViT blocks, and the
 //! projector into the language model's embedding space, as llama.cpp's clip
 //! graphs compute them (`tools/mtmd/clip.cpp` `build_vit`,
-//! `models/minicpmv.cpp`, `models/siglip.cpp`, `models/qwen3vl.cpp`).
+//! `models/minicpmv.cpp`, `models/siglip.cpp`, `models/qwen3vl.cpp`,
+//! `models/kimivl.cpp`).
 //!
 //! Qwen3-VL's tower works on its tokens in the 2x2 merge order throughout
 //! (each 2x2 block of patches, blocks row by row, within a block top-left,
@@ -9,6 +10,11 @@
 //! vision M-RoPE (half of each head by the patch's row, half by its column),
 //! and writes rows of its merger's output followed by each deepstack
 //! merger's.
+//!
+//! Kimi-VL's tower works on its patches row by row, rotates the first half of
+//! each head by the patch's column and the second half by its row (ggml's
+//! normal RoPE, adjacent pairs, on each half), and merges each n x n block of
+//! patches into one row at the end.
 //!
 //! Activations are `f32`, `tokens x width`, row-major. Matrix products run on a
 //! [`Pool`] ([`super::gemm::matmul`], [`les_core::gemv`]'s kernels for every
@@ -376,6 +382,23 @@ impl VisionRope {
     }
 }
 
+/// How a tower rotates its queries and keys.
+enum Rope {
+    /// Qwen3-VL's vision M-RoPE.
+    Vision(VisionRope),
+    /// Kimi-VL's 2-D RoPE.
+    Split(Rope2d),
+}
+
+impl Rope {
+    fn apply(&self, a: &mut Acts, n_head: usize) -> Result<(), VisionError> {
+        match self {
+            Rope::Vision(r) => r.apply(a, n_head),
+            Rope::Split(r) => r.apply(a, n_head),
+        }
+    }
+}
+
 /// One ViT block (pre-norm attention and FFN, with residuals); queries and
 /// keys rotated by `rope` where given.
 fn vit_layer(
@@ -383,7 +406,7 @@ fn vit_layer(
     m: &ClipModel,
     l: &VitLayer,
     x: Acts,
-    rope: Option<&VisionRope>,
+    rope: Option<&Rope>,
 ) -> Result<Acts, VisionError> {
     let hp = &m.hp;
     let h = layer_norm(&x, &l.ln1, hp.eps);
@@ -564,6 +587,10 @@ pub fn output_tokens(m: &ClipModel, width: usize, height: usize) -> usize {
         }
         Projector::Gemma3 { .. } => (pw / m.hp.n_merge) * (ph / m.hp.n_merge),
         Projector::Qwen3Vl { .. } => (pw / 2) * (ph / 2),
+        Projector::KimiVl { .. } => {
+            let f = m.hp.n_merge;
+            pw.div_ceil(f) * ph.div_ceil(f)
+        }
     }
 }
 
@@ -694,7 +721,7 @@ fn encode_qwen3vl(
     }
     // clip.cpp's positions: (row, column) of each token's patch.
     let positions: Vec<(usize, usize)> = order.iter().map(|&t| (t / pw, t % pw)).collect();
-    let rope = VisionRope::new(d / hp.n_head, &positions);
+    let rope = Rope::Vision(VisionRope::new(d / hp.n_head, &positions));
     let merged = |a: Acts| Acts {
         n: a.n / 4,
         dim: 4 * a.dim,
@@ -726,6 +753,203 @@ fn encode_qwen3vl(
     Ok(rows)
 }
 
+/// clip.cpp's `build_rope_2d` without interleaved frequencies (Kimi-VL's):
+/// ggml's normal RoPE (`mode` 0: adjacent pairs) over the first half of each
+/// head by the first position (clip.cpp's column), then over the second half
+/// by the second (the row), each half's pair `i` turning by
+/// `pos * 10000^(-4 i / d_head)`, the angles multiplied in `f32` one step at
+/// a time as ggml's cache does.
+struct Rope2d {
+    quarter: usize,
+    /// `(cos, sin)` of every pair, for each token: the first half's pairs,
+    /// then the second's.
+    cs: Vec<(f32, f32)>,
+}
+
+impl Rope2d {
+    /// The rotation of heads `d_head` wide (a multiple of 4) for tokens at
+    /// `positions`: `(first half, second half)` = (column, row).
+    fn new(d_head: usize, base: f32, positions: &[(usize, usize)]) -> Rope2d {
+        let quarter = d_head / 4;
+        let theta_scale = libm::powf(base, -2.0 / (d_head / 2) as f32);
+        let mut cs = Vec::with_capacity(positions.len() * 2 * quarter);
+        for &(a, b) in positions {
+            for p in [a, b] {
+                let mut theta = p as f32;
+                for _ in 0..quarter {
+                    cs.push((libm::cosf(theta), libm::sinf(theta)));
+                    theta *= theta_scale;
+                }
+            }
+        }
+        Rope2d { quarter, cs }
+    }
+
+    /// Rotates every head of every token of `a` (`n_head` heads of
+    /// `4 * quarter` values per token) in place.
+    fn apply(&self, a: &mut Acts, n_head: usize) -> Result<(), VisionError> {
+        let (pairs, dh) = (2 * self.quarter, 4 * self.quarter);
+        if a.dim != n_head * dh || self.cs.len() != a.n * pairs {
+            return Err(VisionError::Shape("rope operands"));
+        }
+        for (row, cs) in a.x.chunks_exact_mut(a.dim).zip(self.cs.chunks_exact(pairs)) {
+            for head in row.chunks_exact_mut(dh) {
+                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = x0 * c - x1 * s;
+                    pair[1] = x0 * s + x1 * c;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// ggml's antialiased bilinear interpolation (`ggml_interpolate`,
+/// `GGML_SCALE_MODE_BILINEAR | GGML_SCALE_FLAG_ANTIALIAS`: PyTorch's
+/// `interpolate(bilinear, align_corners=False, antialias=True)`, ggml's CPU
+/// arithmetic in `f32`) of a `side` x `side` table of rows of `d` values to
+/// `pw` x `ph`, row-major; the table itself when the sizes are equal (as
+/// clip.cpp's `resize_position_embeddings` skips it).
+pub fn interpolate_positions_antialiased(
+    table: &[f32],
+    side: usize,
+    d: usize,
+    pw: usize,
+    ph: usize,
+) -> Vec<f32> {
+    if pw == side && ph == side {
+        return table.to_vec();
+    }
+    // For each output coordinate along an axis: the source indices it reads
+    // and their triangle-filter weights (support at least one pixel).
+    let taps = |out: usize| -> Vec<Vec<(usize, f32)>> {
+        let sf = out as f32 / side as f32;
+        let support = (1.0 / sf).max(1.0);
+        let invscale = 1.0 / support;
+        (0..out)
+            .map(|i| {
+                let x = (i as f32 + 0.5) / sf;
+                // C++'s float-to-int64 conversion truncates toward zero.
+                let lo = ((x - support + 0.5) as i64).max(0);
+                let hi = ((x + support + 0.5) as i64).min(side as i64);
+                (lo..hi)
+                    .map(|s| {
+                        let w = (1.0 - ((s as f32 - x + 0.5) * invscale).abs()).max(0.0);
+                        (s as usize, w)
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let (tx, ty) = (taps(pw), taps(ph));
+    let mut out = vec![0f32; pw * ph * d];
+    for (y, wys) in ty.iter().enumerate() {
+        for (x, wxs) in tx.iter().enumerate() {
+            let o = &mut out[(y * pw + x) * d..][..d];
+            // ggml sums each value's taps row by row, skipping zero weights,
+            // then divides by the sum of the weights.
+            let mut total = 0f32;
+            for &(sy, wy) in wys {
+                for &(sx, wx) in wxs {
+                    let w = wx * wy;
+                    if w <= 0.0 {
+                        continue;
+                    }
+                    total += w;
+                    let src = &table[(sy * side + sx) * d..][..d];
+                    for (o, v) in o.iter_mut().zip(src) {
+                        *o += v * w;
+                    }
+                }
+            }
+            if total > 0.0 {
+                o.iter_mut().for_each(|o| *o /= total);
+            }
+        }
+    }
+    out
+}
+
+/// Kimi-VL's tower on a `pw` x `ph` patch grid (both multiples of the
+/// merge): see [`encode`].
+fn encode_kimivl(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    input_norm: &Norm,
+    up: &Linear,
+    down: &Linear,
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let d = hp.n_embd;
+    let f = hp.n_merge;
+    // The patch embedding (in f16, as `ggml_conv_2d`) and its bias.
+    let patches = patch_rows(img, hp.patch_size, pw, 0..pw * ph);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
+    drop(patches);
+    // The learned position embeddings, interpolated to the grid.
+    let side = (m.n_pos as f64).sqrt() as usize;
+    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+        return Err(VisionError::Shape(
+            "position embeddings are not a square table",
+        ));
+    }
+    let pos = interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph);
+    add_in_place(
+        &mut x,
+        &Acts {
+            n: pw * ph,
+            dim: d,
+            x: pos,
+        },
+    );
+    if let Some(ln) = &m.pre_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    // clip.cpp's positions: the first half of a head by the patch's column,
+    // the second by its row (clip.cpp's `rope_theta` 10000).
+    let positions: Vec<(usize, usize)> = (0..pw * ph).map(|t| (t % pw, t / pw)).collect();
+    let rope = Rope::Split(Rope2d::new(d / hp.n_head, 10000.0, &positions));
+    for l in &m.layers {
+        x = vit_layer(ctx, m, l, x, Some(&rope))?;
+    }
+    if let Some(ln) = &m.post_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    // Each f x f block of patches (blocks row by row; within one, rows of
+    // the block top to bottom, each left to right) as one row, each patch
+    // normalised (clip.cpp's fixed epsilon), then the MLP.
+    let (gw, gh) = (pw / f, ph / f);
+    let mut merged = Vec::with_capacity(x.x.len());
+    for i in 0..gh {
+        for j in 0..gw {
+            for dy in 0..f {
+                let start = (f * i + dy) * pw + f * j;
+                merged.extend_from_slice(&x.x[start * d..(start + f) * d]);
+            }
+        }
+    }
+    drop(x);
+    let normed = layer_norm(
+        &Acts {
+            n: gw * gh * f * f,
+            dim: d,
+            x: merged,
+        },
+        input_norm,
+        1e-5,
+    );
+    let normed = Acts {
+        n: gw * gh,
+        dim: f * f * d,
+        x: normed.x,
+    };
+    let out = ffn(ctx, m, &normed, up, None, down, FfnOp::Gelu)?;
+    Ok(out.x)
+}
+
 /// Runs the tower on one preprocessed image (or slice): returns
 /// [`output_tokens`] embeddings of [`ClipModel::row_width`] values (the
 /// projector's `n_mmproj_embd`, and for Qwen3-VL each deepstack merger's
@@ -749,6 +973,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
         Projector::Qwen3Vl { .. } => 2,
+        Projector::KimiVl { .. } => hp.n_merge,
     };
     if !pw.is_multiple_of(align) || !ph.is_multiple_of(align) {
         return Err(VisionError::Shape(
@@ -763,6 +988,14 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     } = &m.projector
     {
         return encode_qwen3vl(ctx, m, img, (pw, ph), patch_embd_1, deepstack, up, down);
+    }
+    if let Projector::KimiVl {
+        input_norm,
+        up,
+        down,
+    } = &m.projector
+    {
+        return encode_kimivl(ctx, m, img, (pw, ph), input_norm, up, down);
     }
 
     // Patch embedding: a convolution with stride = kernel = patch, i.e. one GEMM
@@ -786,7 +1019,9 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             }
             (0..n).collect()
         }
-        Projector::Qwen3Vl { .. } => return Err(VisionError::Shape("qwen3vl_merger tower")),
+        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } => {
+            return Err(VisionError::Shape("tower encoded above"))
+        }
     };
     for (i, &r) in rows.iter().enumerate() {
         if r >= m.n_pos {
@@ -873,6 +1108,8 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             Ok(out.x)
         }
         // Encoded above.
-        Projector::Qwen3Vl { .. } => Err(VisionError::Shape("qwen3vl_merger tower")),
+        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } => {
+            Err(VisionError::Shape("tower encoded above"))
+        }
     }
 }

@@ -112,10 +112,10 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: (0, 0),
             }
         }
-        ProjectorType::Qwen3Vl => {
+        ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
             // llama.cpp's dyn_size preprocessor: bicubic into the smart size,
             // aspect kept and centred on black (its default PAD_CEIL).
-            let (w, h) = qwen3vl_size(m, (img.width, img.height));
+            let (w, h) = dyn_size(m, (img.width, img.height));
             let resized =
                 preprocess::resize_padded(img, w, h, preprocess::ResizeAlgo::Bicubic, [0; 3]);
             Preprocessed {
@@ -126,9 +126,11 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
     }
 }
 
-/// The size Qwen3-VL's projector resizes an image of `size` to: multiples of
-/// two patches a side, between llama.cpp's 8 and 4096 merged tokens.
-fn qwen3vl_size(m: &ClipModel, size: (usize, usize)) -> (usize, usize) {
+/// The size Qwen3-VL's and Kimi-VL's projectors resize an image of `size`
+/// to: multiples of a merged patch a side, within the projector's token
+/// budget (llama.cpp's 8 to 4096 merged tokens for Qwen3-VL, 8 to 1024 for
+/// Kimi-VL, or `--image-min-tokens` / `--image-max-tokens`).
+fn dyn_size(m: &ClipModel, size: (usize, usize)) -> (usize, usize) {
     let hp = &m.hp;
     preprocess::smart_resize(
         size,
@@ -146,7 +148,7 @@ fn qwen3vl_size(m: &ClipModel, size: (usize, usize)) -> (usize, usize) {
 pub fn merged_grid(m: &ClipModel, width: usize, height: usize) -> (usize, usize) {
     match m.hp.projector {
         ProjectorType::Qwen3Vl => {
-            let (w, h) = qwen3vl_size(m, (width, height));
+            let (w, h) = dyn_size(m, (width, height));
             let p = m.hp.patch_size;
             ((w / p) / 2, (h / p) / 2)
         }
@@ -200,8 +202,8 @@ pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
             chunk_tokens: vec![tokens((m.hp.image_size, m.hp.image_size))],
             grid: (0, 0),
         },
-        ProjectorType::Qwen3Vl => ImageLayout {
-            chunk_tokens: vec![tokens(qwen3vl_size(m, size))],
+        ProjectorType::Qwen3Vl | ProjectorType::KimiVl => ImageLayout {
+            chunk_tokens: vec![tokens(dyn_size(m, size))],
             grid: (0, 0),
         },
     }
@@ -221,10 +223,11 @@ pub fn encode_image(
     }
     // Where an M-RoPE language model places the embeddings (llama.cpp's
     // `mtmd`): MiniCPM-V's overview and slices in sequence, the others' one
-    // chunk as its grid (Gemma 3's one row, Qwen3-VL's merged patches).
+    // chunk as its grid (Gemma 3's and Kimi-VL's one row, Qwen3-VL's merged
+    // patches).
     let chunk_grids = match m.hp.projector {
         ProjectorType::MiniCpmV46 => Vec::new(),
-        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl => {
+        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
             vec![merged_grid(m, img.width, img.height)]
         }
     };

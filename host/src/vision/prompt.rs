@@ -10,7 +10,8 @@
 //!   `<slice>` slice `</slice>` ... with a `\n` token between rows (none after
 //!   the last);
 //! - Gemma 3: `<start_of_image>` embeddings `<end_of_image>`;
-//! - Qwen3-VL: `<|vision_start|>` embeddings `<|vision_end|>`.
+//! - Qwen3-VL: `<|vision_start|>` embeddings `<|vision_end|>`;
+//! - Kimi-VL: `<|media_start|>` embeddings `<|media_end|>`.
 //!
 //! [`MultimodalPrompt::places`] says where each position sits for language
 //! models with M-RoPE sections ([`InputPlace`]).
@@ -312,10 +313,11 @@ fn lay_out<I: ImageChunks>(
             require_token(tok, "</slice>")?,
             require_token(tok, "\n")?,
         )),
-        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl => None,
+        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => None,
     };
     let (begin, end) = match projector {
         ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
+        ProjectorType::KimiVl => ("<|media_start|>", "<|media_end|>"),
         _ => ("<start_of_image>", "<end_of_image>"),
     };
     for (i, part) in parts.iter().enumerate() {
