@@ -1352,6 +1352,94 @@ fn dyn_size_embeddings_equal_llama_cpps(arch: &str, ptype: ProjectorType, bf16_t
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+#[test]
+fn malformed_kimivl_files_are_errors() {
+    use les::gguf::MetaValue;
+    let (path, _) = projector(ProjectorType::KimiVl, GgmlType::F16, "kimivl_ok.gguf");
+    ClipModel::open(&path).unwrap();
+    let bad = tmp("kimivl_bad.gguf");
+    let open_err = |p: &PathBuf| match ClipModel::open(p) {
+        Ok(_) => panic!("{} opened", p.display()),
+        Err(e) => e.to_string(),
+    };
+    // Keys out of range, of the wrong type, or missing (`None`).
+    for (key, value, says) in [
+        (
+            "clip.vision.projector.scale_factor",
+            Some(MetaValue::U32(1)),
+            "scale_factor 1",
+        ),
+        (
+            "clip.vision.projector.scale_factor",
+            Some(MetaValue::U32(5)),
+            "scale_factor 5",
+        ),
+        (
+            "clip.vision.projector.scale_factor",
+            None,
+            "scale_factor is missing",
+        ),
+        (
+            "clip.vision.attention.head_count",
+            Some(MetaValue::U32(32)),
+            "multiple of 4",
+        ),
+        (
+            "clip.vision.patch_size",
+            Some(MetaValue::U32(40)),
+            "patch_size 40",
+        ),
+        (
+            "clip.vision.patch_size",
+            Some(MetaValue::U32(0)),
+            "patch_size",
+        ),
+        (
+            "clip.vision.attention.head_dim",
+            Some(MetaValue::U32(8)),
+            "head_dim",
+        ),
+    ] {
+        let _ = std::fs::remove_file(&bad);
+        common::rewrite_gguf(
+            &path,
+            &bad,
+            |k, v| (k != key).then_some(v),
+            value.map(|v| (key, v)).into_iter().collect(),
+        );
+        let e = open_err(&bad);
+        assert!(e.contains(says), "{key}: {e}");
+    }
+    // Tensors missing.
+    for (name, says) in [
+        ("mm.input_norm.weight", "mm.input_norm.weight"),
+        ("mm.1.bias", "mm.1.bias"),
+        ("mm.2.weight", "mm.2.weight"),
+        ("v.blk.1.attn_k.weight", "v.blk.1.attn_k.weight"),
+        ("v.position_embd.weight", "v.position_embd.weight"),
+    ] {
+        let _ = std::fs::remove_file(&bad);
+        copy_without(&path, &bad, &[name]);
+        let e = open_err(&bad);
+        assert!(e.contains(says), "without {name}: {e}");
+    }
+    // The file cut anywhere.
+    let bytes = std::fs::read(&path).unwrap();
+    for i in 0..64 {
+        let cut = bytes.len() * i / 64 + i % 7;
+        std::fs::write(&bad, &bytes[..cut.min(bytes.len() - 1)]).unwrap();
+        assert!(ClipModel::open(&bad).is_err(), "cut at {cut}");
+    }
+    // An image that is not a multiple of two patches a side.
+    let model = ClipModel::open(&path).unwrap();
+    let mut pool = Pool::new(1);
+    let mut ctx = Ctx {
+        pool: &mut pool,
+        isa: Isa::detect(),
+    };
+    let e = encode(&mut ctx, &model, &test_image(42, 56, 1)).unwrap_err();
+    assert!(e.to_string().contains("multiple"), "{e}");
+}
 /// Copies the GGUF `src` to `dst` without the tensors `drop` names (metadata
 /// and the other tensors unchanged).
 fn copy_without(src: &PathBuf, dst: &PathBuf, drop: &[&str]) {
