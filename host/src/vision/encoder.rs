@@ -57,6 +57,37 @@ impl Acts {
     }
 }
 
+/// Values per task of [`par_chunks`].
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
+
+/// Calls `f(offset, chunk)` for consecutive chunks of `x` (`chunk` values
+/// each, the last shorter; `offset` where it starts in `x`) on the pool:
+/// for element-wise work, whose results do not depend on the threads.
+fn par_chunks(
+    pool: &mut Pool,
+    x: &mut [f32],
+    chunk: usize,
+    f: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let chunk = chunk.max(1);
+    if x.len() <= chunk {
+        f(0, x);
+        return;
+    }
+    let parts: Vec<Mutex<&mut [f32]>> = x.chunks_mut(chunk).map(Mutex::new).collect();
+    pool.for_each(parts.len(), &|i| {
+        let mut part = parts[i].lock().unwrap_or_else(|p| p.into_inner());
+        f(i * chunk, &mut part);
+    });
+}
+
+/// `x[i] = f(x[i])` for every value, on the pool.
+fn par_map(pool: &mut Pool, x: &mut [f32], f: fn(f32) -> f32) {
+    par_chunks(pool, x, ELEMENTWISE_CHUNK, &|_, c| {
+        c.iter_mut().for_each(|v| *v = f(*v))
+    });
+}
+
 fn linear(ctx: &mut Ctx<'_>, m: &ClipModel, l: &Linear, a: &Acts) -> Result<Acts, VisionError> {
     linear_wb(ctx, m, &l.w, l.b.as_deref(), a)
 }
@@ -79,15 +110,23 @@ fn linear_wb(
         GgmlType::BF16 => Some(|v| bf16_to_f32(f32_to_bf16(v))),
         _ => None,
     };
-    let rounded: Option<Vec<f32>> = round.map(|r| a.x.iter().map(|&v| r(v)).collect());
+    let rounded: Option<Vec<f32>> = round.map(|r| {
+        let mut x = a.x.clone();
+        par_map(ctx.pool, &mut x, r);
+        x
+    });
     let x = rounded.as_deref().unwrap_or(&a.x);
     matmul(ctx.pool, ctx.isa, &w, x, a.n, &mut y)?;
     if let Some(b) = b {
-        for row in y.chunks_exact_mut(w.rows()) {
-            for (v, b) in row.iter_mut().zip(b) {
-                *v += b;
+        let width = w.rows();
+        let rows = ELEMENTWISE_CHUNK.div_ceil(width);
+        par_chunks(ctx.pool, &mut y, rows * width, &|_, c| {
+            for row in c.chunks_exact_mut(width) {
+                for (v, b) in row.iter_mut().zip(b) {
+                    *v += b;
+                }
             }
-        }
+        });
     }
     Ok(Acts {
         n: a.n,
@@ -204,11 +243,13 @@ fn ffn(
     match gate {
         Some(g) => {
             let g = linear(ctx, m, g, x)?;
-            for (u, g) in h.x.iter_mut().zip(&g.x) {
-                *u *= act(*g);
-            }
+            par_chunks(ctx.pool, &mut h.x, ELEMENTWISE_CHUNK, &|at, c| {
+                for (u, g) in c.iter_mut().zip(&g.x[at..]) {
+                    *u *= act(*g);
+                }
+            });
         }
-        None => h.x.iter_mut().for_each(|v| *v = act(*v)),
+        None => par_map(ctx.pool, &mut h.x, act),
     }
     linear(ctx, m, down, &h)
 }
