@@ -166,8 +166,8 @@ pub struct SynthArgs {
     pub mmproj_out: Option<PathBuf>,
     /// The projector type of --mmproj-out: minicpmv4_6, gemma3,
     /// qwen3vl_merger (with as many deepstack mergers as the model's
-    /// `n_deepstack_layers`) or kimivl (Kimi-VL's, whose language model is
-    /// `deepseek2`).
+    /// `n_deepstack_layers`), kimivl (Kimi-VL's, whose language model is
+    /// `deepseek2`) or llama4 (Llama 4's, for `llama4`).
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
     /// Width of the --mmproj-out vision transformer (default 64).
@@ -186,7 +186,9 @@ pub struct SynthArgs {
 
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
     ProjectorType::from_name(s).ok_or_else(|| {
-        format!("unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger or kimivl)")
+        format!(
+            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl or llama4)"
+        )
     })
 }
 

@@ -1,8 +1,9 @@
 //! Synthetic vision projectors (mmproj GGUFs, `general.architecture = clip`)
 //! matching a synthetic language model: the tensors and keys llama.cpp's
 //! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`),
-//! Qwen3-VL (`qwen3vl_merger`) or Kimi-VL (`kimivl`), at a tiny size, with
-//! random weights, so the whole multimodal path runs without downloads.
+//! Qwen3-VL (`qwen3vl_merger`), Kimi-VL (`kimivl`) or Llama 4 (`llama4`), at
+//! a tiny size, with random weights, so the whole multimodal path runs
+//! without downloads.
 //!
 //! Defaults: 224 x 224 input in 14 x 14 patches (a 16 x 16 grid), 2 blocks 64
 //! wide with 4 heads, FFN 128; `minicpmv4_6` puts its window-attention merger
@@ -11,7 +12,9 @@
 //! position embeddings (`image_size` 256), 4 blocks and deepstack mergers on
 //! blocks 0 to 2 (as many as the language model's `n_deepstack_layers`, on the
 //! blocks before the last), and takes images of any size; so does `kimivl`
-//! (a 16 x 16 table, `image_size` 224, 2 x 2 patch merger). The output width is
+//! (a 16 x 16 table, `image_size` 224, 2 x 2 patch merger). `llama4` takes
+//! 112 x 112 tiles (8 x 8 patches and a class token, a 2 x 2 pixel shuffle:
+//! 16 embeddings a tile). The output width is
 //! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
 //! `mmproj-*-f16.gguf`), vectors and position embeddings `f32`, patch
 //! embeddings as llama.cpp's converter types them.
@@ -66,7 +69,11 @@ impl MmprojConfig {
             heads: 4,
             ff: 128,
             layers: if qwen3vl { 4 } else { 2 },
-            image_size: if qwen3vl { 256 } else { 224 },
+            image_size: match projector {
+                ProjectorType::Qwen3Vl => 256,
+                ProjectorType::Llama4 => 112,
+                _ => 224,
+            },
             patch: if qwen3vl { 16 } else { 14 },
             ty: GgmlType::F16,
             deepstack: if qwen3vl { 3 } else { 0 },
@@ -89,6 +96,8 @@ impl MmprojConfig {
             ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
                 (self.image_size / self.patch).pow(2)
             }
+            // One more for the class token.
+            ProjectorType::Llama4 => (self.image_size / self.patch).pow(2) + 1,
         }
     }
 }
@@ -119,6 +128,7 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     // `tensor_force_quant`).
     let gemma3 = cfg.projector == ProjectorType::Gemma3;
     let qwen3vl = cfg.projector == ProjectorType::Qwen3Vl;
+    let llama4 = cfg.projector == ProjectorType::Llama4;
     let mut add = |name: &str, dims: &[u64], init: Init| {
         let f32_always = dims.len() == 1
             || name == "v.position_embd.weight"
@@ -143,12 +153,23 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
         add(&format!("{prefix}.weight"), &[cols, rows], inv(cols));
         add(&format!("{prefix}.bias"), &[rows], bias);
     };
-    add("v.patch_embd.weight", &[p, p, 3, w], inv(3 * p * p));
+    if llama4 {
+        // Llama 4's patch embedding is a linear layer over the unfolded
+        // patch (converted as a matrix), with no bias.
+        add("v.patch_embd.weight", &[3 * p * p, w], inv(3 * p * p));
+        add("v.class_embd", &[w], Init::Normal(0.1));
+        add("v.pre_ln.weight", &[w], Init::Norm);
+        add("v.pre_ln.bias", &[w], bias);
+    } else {
+        add("v.patch_embd.weight", &[p, p, 3, w], inv(3 * p * p));
+    }
     if qwen3vl {
         // The second frame's kernel of the temporal patch (Conv3D split in two).
         add("v.patch_embd.weight.1", &[p, p, 3, w], inv(3 * p * p));
     }
-    add("v.patch_embd.bias", &[w], bias);
+    if !llama4 {
+        add("v.patch_embd.bias", &[w], bias);
+    }
     add(
         "v.position_embd.weight",
         &[w, cfg.n_pos()],
@@ -223,6 +244,15 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             linear(&mut add, "mm.1", 4 * w, 4 * w);
             linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
         }
+        ProjectorType::Llama4 => {
+            // The vision adapter's two GELU layers and the projection, no
+            // biases (Llama 4: 4 x 1408 -> 4096 -> 4096 -> the model).
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("v.post_ln.bias", &[w], bias);
+            add("mm.model.mlp.1.weight", &[4 * w, 2 * w], inv(4 * w));
+            add("mm.model.mlp.2.weight", &[2 * w, 2 * w], inv(2 * w));
+            add("mm.model.fc.weight", &[2 * w, cfg.out_embd], inv(2 * w));
+        }
     }
     out
 }
@@ -268,7 +298,7 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
             let marks: Vec<bool> = (0..cfg.layers).map(|l| ds.contains(&l)).collect();
             m.push(("clip.vision.is_deepstack_layers", marks.into()));
         }
-        ProjectorType::KimiVl => {
+        ProjectorType::KimiVl | ProjectorType::Llama4 => {
             m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
         }
     }
@@ -326,7 +356,7 @@ impl MmprojConfig {
         if self.layers == 0 || self.ff == 0 || self.out_embd == 0 {
             return bad("mmproj layers, ff and output width must be positive".into());
         }
-        if self.projector.token_budget().is_some() {
+        if self.projector.token_budget().is_some() || self.projector == ProjectorType::Llama4 {
             let name = self.projector.name();
             if !(self.width / self.heads).is_multiple_of(4) {
                 return bad(format!(

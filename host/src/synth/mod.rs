@@ -2790,12 +2790,13 @@ fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthCon
     }
 }
 
-/// The vocabulary of `cfg`'s model: Qwen3-VL's and Kimi-VL's (`deepseek2`)
-/// carry their image markers too.
+/// The vocabulary of `cfg`'s model: Qwen3-VL's, Kimi-VL's (`deepseek2`)
+/// and Llama 4's carry their image markers too.
 pub fn vocab_of(cfg: &SynthConfig) -> Result<Vocab, SynthError> {
     let more: &[&str] = match cfg.arch {
         Arch::Qwen3vlmoe | Arch::Qwen3vl => &vocab::QWEN_VL_TOKENS,
         Arch::Deepseek2 => &vocab::KIMI_VL_TOKENS,
+        Arch::Llama4 => &vocab::LLAMA4_TOKENS,
         _ => &[],
     };
     Vocab::build_with(cfg.shape.vocab as usize, more).map_err(SynthError::Config)

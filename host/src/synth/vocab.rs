@@ -45,6 +45,10 @@ pub const QWEN_VL_TOKENS: [&str; 2] = ["<|vision_start|>", "<|vision_end|>"];
 /// (`deepseek2`) only.
 pub const KIMI_VL_TOKENS: [&str; 2] = ["<|media_start|>", "<|media_end|>"];
 
+/// The tokens Llama 4 wraps an image's tiles and overview in, added after
+/// [`MEDIA_TOKENS`] to `llama4` vocabularies only.
+pub const LLAMA4_TOKENS: [&str; 2] = ["<|image_start|>", "<|image_end|>"];
+
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
 /// `tokenizer.ggml.token_type` of control tokens.

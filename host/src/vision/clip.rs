@@ -5,7 +5,9 @@
 //! `qwen3vl_merger` (Qwen3-VL: a fused-QKV ViT with learned, interpolated
 //! position embeddings and M-RoPE, a 2x2 merger and deepstack mergers) and
 //! `kimivl` (Kimi-VL's MoonViT: learned position embeddings interpolated with
-//! antialiasing, a 2-D RoPE, an n x n patch merger and a LayerNorm + GELU MLP).
+//! antialiasing, a 2-D RoPE, an n x n patch merger and a LayerNorm + GELU MLP)
+//! and `llama4` (Llama 4's: a class token, the 2-D RoPE, a pixel shuffle and a
+//! GELU MLP; 336-pixel tiles plus an overview).
 //!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
@@ -39,6 +41,12 @@ pub enum ProjectorType {
     /// patch's column, half by its row), an n x n patch merger, LayerNorm and
     /// a GELU MLP; images of any size (within a token budget), one chunk each.
     KimiVl,
+    /// Llama 4 (`llama4`): a ViT over fixed-size tiles with a class token,
+    /// learned position embeddings and the 2-D RoPE (by column and row, from
+    /// 1; the class token at 0), a pixel shuffle of n x n patches and a
+    /// two-layer GELU MLP before a projection; a large image is cut into a
+    /// grid of up to 3 x 3 tiles plus an overview.
+    Llama4,
 }
 
 impl ProjectorType {
@@ -49,6 +57,7 @@ impl ProjectorType {
             ProjectorType::Gemma3 => "gemma3",
             ProjectorType::Qwen3Vl => "qwen3vl_merger",
             ProjectorType::KimiVl => "kimivl",
+            ProjectorType::Llama4 => "llama4",
         }
     }
 
@@ -59,6 +68,7 @@ impl ProjectorType {
             "gemma3" => Some(ProjectorType::Gemma3),
             "qwen3vl_merger" => Some(ProjectorType::Qwen3Vl),
             "kimivl" => Some(ProjectorType::KimiVl),
+            "llama4" => Some(ProjectorType::Llama4),
             _ => None,
         }
     }
@@ -71,7 +81,7 @@ impl ProjectorType {
         match self {
             ProjectorType::Qwen3Vl => Some((8, 4096)),
             ProjectorType::KimiVl => Some((8, 1024)),
-            ProjectorType::MiniCpmV46 | ProjectorType::Gemma3 => None,
+            ProjectorType::MiniCpmV46 | ProjectorType::Gemma3 | ProjectorType::Llama4 => None,
         }
     }
 }
@@ -115,7 +125,8 @@ pub struct ClipHparams {
     /// The FFN activation.
     pub ffn_op: FfnOp,
     /// Spatial merge per side: 4 for MiniCPM-V 4.6 (2x2 twice), the pooling
-    /// kernel for Gemma 3, 2 for Qwen3-VL, the patch merger's for Kimi-VL.
+    /// kernel for Gemma 3, 2 for Qwen3-VL, the patch merger's for Kimi-VL,
+    /// the pixel shuffle's for Llama 4.
     pub n_merge: usize,
     /// MiniCPM-V 4.6: the ViT block after which the window-attention merger runs.
     pub insert_layer: usize,
@@ -337,6 +348,19 @@ pub enum Projector {
         up: Linear,
         /// MLP down (`mm.2`), to `n_mmproj_embd`.
         down: Linear,
+    },
+    /// Llama 4: the class token, then after the ViT a pixel shuffle, two GELU
+    /// layers and a projection, none with a bias.
+    Llama4 {
+        /// The class token's embedding (`v.class_embd`), after the patches.
+        class_embd: Vec<f32>,
+        /// Adapter MLP's first layer (`mm.model.mlp.1`), from `n_merge² *
+        /// n_embd`.
+        mlp1: Mat,
+        /// Adapter MLP's second layer (`mm.model.mlp.2`).
+        mlp2: Mat,
+        /// The projection to the language model (`mm.model.fc`).
+        fc: Mat,
     },
 }
 
@@ -661,7 +685,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger and kimivl)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl and llama4)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -746,9 +770,37 @@ impl ClipModel {
                 }
                 m as usize
             }
+            ProjectorType::Llama4 => {
+                // The converter writes 1 / pixel_shuffle_ratio (Llama 4's: 2).
+                let m = scale
+                    .ok_or_else(|| err("llama4: clip.vision.projector.scale_factor is missing"))?;
+                if !(1..=4).contains(&m) {
+                    return Err(err(format!("llama4: scale_factor {m} (must be 1 to 4)")));
+                }
+                m as usize
+            }
         };
         let qwen3vl = projector == ProjectorType::Qwen3Vl;
         let kimivl = projector == ProjectorType::KimiVl;
+        let llama4 = projector == ProjectorType::Llama4;
+        if llama4 {
+            // Its tiles are image_size a side, a whole number of shuffled
+            // patches, and its heads turn by the 2-D RoPE.
+            if patch_size == 0
+                || !image_size.is_multiple_of(patch_size * n_merge)
+                || image_size == 0
+            {
+                return Err(err(format!(
+                    "llama4: image_size {image_size} is not a multiple of patch {patch_size} x scale {n_merge}"
+                )));
+            }
+            if !(n_embd / n_head).is_multiple_of(4) {
+                return Err(err(format!(
+                    "llama4: head width {} ({n_embd} / {n_head} heads) is not a multiple of 4",
+                    n_embd / n_head
+                )));
+            }
+        }
         let (mut image_min_pixels, mut image_max_pixels) = (0, 0);
         if let Some((min_tokens, max_tokens)) = projector.token_budget() {
             let name = projector.name();
@@ -800,11 +852,15 @@ impl ClipModel {
         let pe = l.tensor("v.patch_embd.weight")?;
         let pcols = 3 * patch_size * patch_size;
         let dims = pe.dims();
-        if dims.len() != 4
-            || dims[0] != patch_size as u64
-            || dims[1] != patch_size as u64
-            || dims[2] != 3
-            || dims[3] != n_embd as u64
+        // Llama 4's converter keeps its unfold-and-linear patch embedding as
+        // a matrix, [3 p p, n_embd]; the others write a kernel.
+        let flat = llama4 && dims == [pcols as u64, n_embd as u64];
+        if !flat
+            && (dims.len() != 4
+                || dims[0] != patch_size as u64
+                || dims[1] != patch_size as u64
+                || dims[2] != 3
+                || dims[3] != n_embd as u64)
         {
             return Err(err(format!(
                 "v.patch_embd.weight has shape {dims:?}, expected [{patch_size}, {patch_size}, 3, {n_embd}]"
@@ -813,8 +869,19 @@ impl ClipModel {
         // llama.cpp's patch embedding (`ggml_conv_2d`) multiplies in f16: an
         // f32 kernel is rounded to f16 (and the pixels with it, as for every
         // f16 matrix in the encoder). A bf16 kernel multiplies f32 pixels.
-        let patch_embd = l.mat_of(&pe, n_embd, pcols)?.f32_as_f16(l.g.bytes());
-        let patch_bias = l.opt_floats("v.patch_embd.bias", n_embd)?;
+        // Llama 4's (`ggml_im2col`, then a product) multiplies in the
+        // matrix's own type, and adds no bias.
+        let patch_embd = l.mat_of(&pe, n_embd, pcols)?;
+        let patch_embd = if llama4 {
+            patch_embd
+        } else {
+            patch_embd.f32_as_f16(l.g.bytes())
+        };
+        let patch_bias = if llama4 {
+            None
+        } else {
+            l.opt_floats("v.patch_embd.bias", n_embd)?
+        };
         let patch_embd_1 = if qwen3vl {
             let name = "v.patch_embd.weight.1";
             let pe1 = l.tensor(name)?;
@@ -1018,6 +1085,22 @@ impl ClipModel {
                     out,
                 )
             }
+            ProjectorType::Llama4 => {
+                let class_embd = l.floats("v.class_embd", n_embd)?;
+                let mlp1 = l.mat_any_rows("mm.model.mlp.1.weight", n_merge * n_merge * n_embd)?;
+                let mlp2 = l.mat_any_rows("mm.model.mlp.2.weight", mlp1.rows)?;
+                let fc = l.mat_any_rows("mm.model.fc.weight", mlp2.rows)?;
+                let out = fc.rows;
+                (
+                    Projector::Llama4 {
+                        class_embd,
+                        mlp1,
+                        mlp2,
+                        fc,
+                    },
+                    out,
+                )
+            }
             ProjectorType::KimiVl => {
                 let input_norm = l.norm("mm.input_norm", n_embd)?;
                 let up = l.linear_any("mm.1", n_merge * n_merge * n_embd)?;
@@ -1084,6 +1167,15 @@ impl ClipModel {
             if ty != GgmlType::F32 {
                 return Err(err(format!(
                     "{name}: v.position_embd.weight is {ty}, llama.cpp interpolates f32"
+                )));
+            }
+        }
+        if llama4 {
+            // One embedding per patch of a tile, then the class token's.
+            let side = image_size / patch_size;
+            if n_pos != side * side + 1 {
+                return Err(err(format!(
+                    "llama4: {n_pos} position embeddings for {side} x {side} patches and a class token"
                 )));
             }
         }

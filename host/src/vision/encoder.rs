@@ -2,7 +2,7 @@
 //! projector into the language model's embedding space, as llama.cpp's clip
 //! graphs compute them (`tools/mtmd/clip.cpp` `build_vit`,
 //! `models/minicpmv.cpp`, `models/siglip.cpp`, `models/qwen3vl.cpp`,
-//! `models/kimivl.cpp`).
+//! `models/kimivl.cpp`, `models/llama4.cpp`).
 //!
 //! Qwen3-VL's tower works on its tokens in the 2x2 merge order throughout
 //! (each 2x2 block of patches, blocks row by row, within a block top-left,
@@ -14,7 +14,10 @@
 //! Kimi-VL's tower works on its patches row by row, rotates the first half of
 //! each head by the patch's column and the second half by its row (ggml's
 //! normal RoPE, adjacent pairs, on each half), and merges each n x n block of
-//! patches into one row at the end.
+//! patches into one row at the end. Llama 4's appends a class token after the
+//! patches (RoPE positions from 1, the class token at 0), drops it after the
+//! blocks and shuffles each n x n block of patches into one row, blocks
+//! column by column (llama.cpp's order).
 //!
 //! Activations are `f32`, `tokens x width`, row-major. Matrix products run on a
 //! [`Pool`] ([`super::gemm::matmul`], [`les_core::gemv`]'s kernels for every
@@ -632,6 +635,7 @@ pub fn output_tokens(m: &ClipModel, width: usize, height: usize) -> usize {
             let f = m.hp.n_merge;
             pw.div_ceil(f) * ph.div_ceil(f)
         }
+        Projector::Llama4 { .. } => (pw / m.hp.n_merge) * (ph / m.hp.n_merge),
     }
 }
 
@@ -991,6 +995,80 @@ fn encode_kimivl(
     Ok(out.x)
 }
 
+/// Llama 4's tower on one `pw` x `ph` tile (`image_size` a side): see
+/// [`encode`].
+fn encode_llama4(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    class_embd: &[f32],
+    [mlp1, mlp2, fc]: [&Mat; 3],
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let (d, f) = (hp.n_embd, hp.n_merge);
+    let n = pw * ph;
+    if pw != ph || n + 1 != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+        return Err(VisionError::Shape(
+            "llama4 takes image_size x image_size tiles",
+        ));
+    }
+    // The patches (unfolded, times the matrix, no bias), then the class
+    // token; the position embeddings of all n + 1.
+    let patches = patch_rows(img, hp.patch_size, pw, 0..n);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, None, &patches)?;
+    drop(patches);
+    x.x.extend_from_slice(class_embd);
+    x.n += 1;
+    add_in_place(
+        &mut x,
+        &Acts {
+            n: n + 1,
+            dim: d,
+            x: m.pos_embd.clone(),
+        },
+    );
+    if let Some(ln) = &m.pre_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    // clip.cpp's positions: (column + 1, row + 1), the class token (0, 0).
+    let positions: Vec<(usize, usize)> = (0..n)
+        .map(|t| (t % pw + 1, t / pw + 1))
+        .chain([(0, 0)])
+        .collect();
+    let rope = Rope::Split(Rope2d::new(d / hp.n_head, 10000.0, &positions));
+    for l in &m.layers {
+        x = vit_layer(ctx, m, l, x, Some(&rope))?;
+    }
+    if let Some(ln) = &m.post_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    // The class token dropped; each f x f block of patches as one row
+    // (within a block rows top to bottom, each left to right), the blocks
+    // column by column: the order llama.cpp's reshapes leave.
+    let g = pw / f;
+    let mut shuffled = Vec::with_capacity(n * d);
+    for bx in 0..g {
+        for by in 0..g {
+            for dy in 0..f {
+                let start = (f * by + dy) * pw + f * bx;
+                shuffled.extend_from_slice(&x.x[start * d..(start + f) * d]);
+            }
+        }
+    }
+    drop(x);
+    let mut h = Acts {
+        n: g * g,
+        dim: f * f * d,
+        x: shuffled,
+    };
+    for w in [mlp1, mlp2] {
+        h = linear_wb(ctx, m, w, None, &h)?;
+        par_map(ctx.pool, &mut h.x, gelu);
+    }
+    Ok(linear_wb(ctx, m, fc, None, &h)?.x)
+}
+
 /// Runs the tower on one preprocessed image (or slice): returns
 /// [`output_tokens`] embeddings of [`ClipModel::row_width`] values (the
 /// projector's `n_mmproj_embd`, and for Qwen3-VL each deepstack merger's
@@ -1014,7 +1092,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
         Projector::Qwen3Vl { .. } => 2,
-        Projector::KimiVl { .. } => hp.n_merge,
+        Projector::KimiVl { .. } | Projector::Llama4 { .. } => hp.n_merge,
     };
     if !pw.is_multiple_of(align) || !ph.is_multiple_of(align) {
         return Err(VisionError::Shape(
@@ -1038,6 +1116,15 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     {
         return encode_kimivl(ctx, m, img, (pw, ph), input_norm, up, down);
     }
+    if let Projector::Llama4 {
+        class_embd,
+        mlp1,
+        mlp2,
+        fc,
+    } = &m.projector
+    {
+        return encode_llama4(ctx, m, img, (pw, ph), class_embd, [mlp1, mlp2, fc]);
+    }
 
     // Patch embedding: a convolution with stride = kernel = patch, i.e. one GEMM
     // over the patches, columns in (channel, y, x) order, in f16 as llama.cpp's
@@ -1060,7 +1147,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             }
             (0..n).collect()
         }
-        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } => {
+        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } | Projector::Llama4 { .. } => {
             return Err(VisionError::Shape("tower encoded above"))
         }
     };
@@ -1149,7 +1236,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             Ok(out.x)
         }
         // Encoded above.
-        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } => {
+        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } | Projector::Llama4 { .. } => {
             Err(VisionError::Shape("tower encoded above"))
         }
     }

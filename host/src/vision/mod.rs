@@ -103,6 +103,16 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: sliced.grid,
             }
         }
+        ProjectorType::Llama4 => {
+            let inst = preprocess::tile_instructions((img.width, img.height), hp.image_size);
+            let sliced = preprocess::slice_image(img, &inst);
+            let mut chunks = vec![norm(&sliced.overview)];
+            chunks.extend(sliced.slices.iter().map(norm));
+            Preprocessed {
+                chunks,
+                grid: sliced.grid,
+            }
+        }
         ProjectorType::Gemma3 => {
             let s = hp.image_size;
             let resized =
@@ -198,6 +208,15 @@ pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
                 grid: inst.grid,
             }
         }
+        ProjectorType::Llama4 => {
+            let inst = preprocess::tile_instructions(size, m.hp.image_size);
+            let mut chunk_tokens = vec![tokens(inst.overview)];
+            chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
+            ImageLayout {
+                chunk_tokens,
+                grid: inst.grid,
+            }
+        }
         ProjectorType::Gemma3 => ImageLayout {
             chunk_tokens: vec![tokens((m.hp.image_size, m.hp.image_size))],
             grid: (0, 0),
@@ -222,11 +241,11 @@ pub fn encode_image(
         chunks.push(encoder::encode(ctx, m, c)?);
     }
     // Where an M-RoPE language model places the embeddings (llama.cpp's
-    // `mtmd`): MiniCPM-V's overview and slices in sequence, the others' one
-    // chunk as its grid (Gemma 3's and Kimi-VL's one row, Qwen3-VL's merged
-    // patches).
+    // `mtmd`): MiniCPM-V's and Llama 4's overview and slices in sequence,
+    // the others' one chunk as its grid (Gemma 3's and Kimi-VL's one row,
+    // Qwen3-VL's merged patches).
     let chunk_grids = match m.hp.projector {
-        ProjectorType::MiniCpmV46 => Vec::new(),
+        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => Vec::new(),
         ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
             vec![merged_grid(m, img.width, img.height)]
         }

@@ -402,6 +402,62 @@ pub fn slice_instructions(
     }
 }
 
+/// The tile grids `(columns, rows)` llama.cpp offers Llama 4 (its
+/// `set_llava_uhd_res_candidates(model, 3)`): every grid up to 3 x 3 but
+/// 1 x 1, columns outer.
+pub const LLAMA4_GRIDS: usize = 3;
+
+/// llava-uhd slicing with fixed candidate resolutions, as llama.cpp does it
+/// for Llama 4 (`get_slice_instructions`' pinpoints): an image no larger than
+/// `tile` on both sides is one `tile`² overview; a larger one also gets the
+/// candidate (a grid of up to [`LLAMA4_GRIDS`] x [`LLAMA4_GRIDS`] tiles, not
+/// 1 x 1) that keeps the most of its pixels when scaled to fit, then wastes
+/// the least (llama.cpp's `select_best_resolution`, in its `f32` and `int`
+/// arithmetic), cut into `tile`² tiles row by row.
+pub fn tile_instructions((width, height): (usize, usize), tile: usize) -> SliceInstructions {
+    let overview = (tile, tile);
+    if (width <= tile && height <= tile) || width == 0 || height == 0 || tile == 0 {
+        return SliceInstructions {
+            overview,
+            refined: (0, 0),
+            grid: (0, 0),
+            slices: Vec::new(),
+        };
+    }
+    let (ow, oh) = (width as i64, height as i64);
+    let mut best = (0, 0);
+    let (mut max_effective, mut min_wasted) = (0i64, i64::MAX);
+    for gx in 1..=LLAMA4_GRIDS {
+        for gy in 1..=LLAMA4_GRIDS {
+            if (gx, gy) == (1, 1) {
+                continue;
+            }
+            let (cw, ch) = ((gx * tile) as i64, (gy * tile) as i64);
+            let scale = (cw as f32 / ow as f32).min(ch as f32 / oh as f32);
+            let (tw, th) = ((ow as f32 * scale) as i64, (oh as f32 * scale) as i64);
+            let effective = (tw * th).min(ow * oh);
+            let wasted = cw * ch - effective;
+            if effective > max_effective || (effective == max_effective && wasted < min_wasted) {
+                max_effective = effective;
+                min_wasted = wasted;
+                best = (cw as usize, ch as usize);
+            }
+        }
+    }
+    let mut slices = Vec::new();
+    for y in (0..best.1).step_by(tile) {
+        for x in (0..best.0).step_by(tile) {
+            slices.push((x, y, tile.min(best.0 - x), tile.min(best.1 - y)));
+        }
+    }
+    SliceInstructions {
+        overview,
+        refined: best,
+        grid: (best.0 / tile, best.1 / tile),
+        slices,
+    }
+}
+
 /// The resized and sliced pixels of one image, overview first.
 #[derive(Clone, Debug)]
 pub struct SlicedImage {

@@ -11,7 +11,9 @@
 //!   the last);
 //! - Gemma 3: `<start_of_image>` embeddings `<end_of_image>`;
 //! - Qwen3-VL: `<|vision_start|>` embeddings `<|vision_end|>`;
-//! - Kimi-VL: `<|media_start|>` embeddings `<|media_end|>`.
+//! - Kimi-VL: `<|media_start|>` embeddings `<|media_end|>`;
+//! - Llama 4: `<|image_start|>`, each tile row by row, the overview,
+//!   `<|image_end|>` (llama.cpp's template, without separators).
 //!
 //! [`MultimodalPrompt::places`] says where each position sits for language
 //! models with M-RoPE sections ([`InputPlace`]).
@@ -313,11 +315,15 @@ fn lay_out<I: ImageChunks>(
             require_token(tok, "</slice>")?,
             require_token(tok, "\n")?,
         )),
-        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => None,
+        ProjectorType::Gemma3
+        | ProjectorType::Qwen3Vl
+        | ProjectorType::KimiVl
+        | ProjectorType::Llama4 => None,
     };
     let (begin, end) = match projector {
         ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
         ProjectorType::KimiVl => ("<|media_start|>", "<|media_end|>"),
+        ProjectorType::Llama4 => ("<|image_start|>", "<|image_end|>"),
         _ => ("<start_of_image>", "<end_of_image>"),
     };
     for (i, part) in parts.iter().enumerate() {
@@ -344,7 +350,14 @@ fn lay_out<I: ImageChunks>(
             }
             None => {
                 sink(Piece::Tokens(&tok.encode(begin, false, true)));
-                for c in 0..img.n_chunks() {
+                // Llama 4's overview (chunk 0) goes after its tiles.
+                let n = img.n_chunks();
+                let order: Vec<usize> = if projector == ProjectorType::Llama4 {
+                    (1..n).chain(0..n.min(1)).collect()
+                } else {
+                    (0..n).collect()
+                };
+                for c in order {
                     sink(Piece::Chunk(img, c));
                 }
                 sink(Piece::Tokens(&tok.encode(end, false, true)));
