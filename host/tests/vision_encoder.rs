@@ -594,8 +594,14 @@ fn bilinear_antialiased(pos: &[f32], side: usize, d: usize, pw: usize, ph: usize
 /// of the first half turn by `column * 10000^(-4i/dh)`, those of the second
 /// half by `row` with the same frequencies.
 fn rope_2d(x: &mut [Vec<f32>], heads: usize, pw: usize) {
-    for (t, xt) in x.iter_mut().enumerate() {
-        let (col, row) = ((t % pw) as f64, (t / pw) as f64);
+    let positions: Vec<(usize, usize)> = (0..x.len()).map(|t| (t % pw, t / pw)).collect();
+    rope_2d_at(x, heads, &positions);
+}
+
+/// [`rope_2d`] with each token's `(column, row)` given.
+fn rope_2d_at(x: &mut [Vec<f32>], heads: usize, positions: &[(usize, usize)]) {
+    for (xt, &(col, row)) in x.iter_mut().zip(positions) {
+        let (col, row) = (col as f64, row as f64);
         let dh = xt.len() / heads;
         for h in 0..heads {
             let v = &mut xt[h * dh..(h + 1) * dh];
@@ -644,6 +650,73 @@ fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     let normed = layer_norm(w, "mm.input_norm", &x, 1e-5);
     let u = gelu_all(linear(w, "mm.1", &merge_2x2(&normed, pw, ph)));
     linear(w, "mm.2", &u)
+}
+
+/// Llama 4 as `clip_graph_llama4::build` computes it on one tile: the
+/// patches through the unfold matrix, the class token after them, the
+/// position embeddings, `pre_ln`, blocks with the 2-D RoPE at (column + 1,
+/// row + 1) and the class token at (0, 0), `post_ln`, the class token
+/// dropped, each 2 x 2 block of patches (top-left, top-right, bottom-left,
+/// bottom-right) as a row with the blocks column by column, then two GELU
+/// layers and the projection, none with a bias.
+fn reference_llama4(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let d = hp.width;
+    let p = hp.patch;
+    // The unfolded patches, (channel, y, x) within each, row by row.
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    for py in 0..ph {
+        for px in 0..pw {
+            let mut r = Vec::new();
+            for c in 0..3 {
+                for ky in 0..p {
+                    for kx in 0..p {
+                        r.push(img.data[3 * ((py * p + ky) * img.width + px * p + kx) + c]);
+                    }
+                }
+            }
+            rows.push(r);
+        }
+    }
+    let mut x = linear(w, "v.patch_embd", &rows);
+    x.push(w.get("v.class_embd"));
+    let pos = w.get("v.position_embd.weight");
+    let pos: Vec<Vec<f32>> = pos.chunks(d).map(<[f32]>::to_vec).collect();
+    x = add(&x, &pos);
+    x = layer_norm(w, "v.pre_ln", &x, hp.eps);
+    let mut positions: Vec<(usize, usize)> =
+        (0..pw * ph).map(|t| (t % pw + 1, t / pw + 1)).collect();
+    positions.push((0, 0));
+    for l in 0..hp.layers {
+        let b = format!("v.blk.{l}");
+        let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
+        let mut q = linear(w, &format!("{b}.attn_q"), &h);
+        let mut k = linear(w, &format!("{b}.attn_k"), &h);
+        let v = linear(w, &format!("{b}.attn_v"), &h);
+        rope_2d_at(&mut q, hp.heads, &positions);
+        rope_2d_at(&mut k, hp.heads, &positions);
+        let a = attention(&q, &k, &v, hp.heads, None);
+        let a = linear(w, &format!("{b}.attn_out"), &a);
+        x = add(&a, &x);
+        let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
+        let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
+        let f = linear(w, &format!("{b}.ffn_down"), &u);
+        x = add(&x, &f);
+    }
+    let x = layer_norm(w, "v.post_ln", &x, hp.eps);
+    let mut shuffled = Vec::new();
+    for bx in 0..pw / 2 {
+        for by in 0..ph / 2 {
+            let mut row = Vec::new();
+            for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                row.extend_from_slice(&x[(2 * by + dy) * pw + 2 * bx + dx]);
+            }
+            shuffled.push(row);
+        }
+    }
+    let h = gelu_all(linear(w, "mm.model.mlp.1", &shuffled));
+    let h = gelu_all(linear(w, "mm.model.mlp.2", &h));
+    linear(w, "mm.model.fc", &h)
 }
 
 fn test_image(width: usize, height: usize, seed: u32) -> ImageF32 {
@@ -848,11 +921,41 @@ fn kimivl_encoder_matches_the_reference() {
 }
 
 #[test]
+fn llama4_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(
+            ProjectorType::Llama4,
+            ty,
+            &format!("enc_llama4_{name}.gguf"),
+        );
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        let mut pool = Pool::new(3);
+        let img = test_image(112, 112, 4);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa: Isa::detect(),
+        };
+        let got = encode(&mut ctx, &model, &img).unwrap();
+        assert_eq!(output_tokens(&model, 112, 112), 16);
+        assert_eq!(got.len(), 16 * 48);
+        let want = reference_llama4(&w, &hp, &img);
+        compare(&got, &want, &format!("llama4 {name}"), tolerance(ty));
+        // Tiles only: another size is refused.
+        let e = encode(&mut ctx, &model, &test_image(56, 56, 1)).unwrap_err();
+        assert!(e.to_string().contains("tiles"), "{e}");
+    }
+}
+
+#[test]
 fn encoder_output_does_not_depend_on_threads_or_kernels() {
     for (ptype, (w, h)) in [
         (ProjectorType::MiniCpmV46, (224, 168)),
         (ProjectorType::Qwen3Vl, (192, 128)),
         (ProjectorType::KimiVl, (196, 112)),
+        (ProjectorType::Llama4, (112, 112)),
     ] {
         let name = format!("enc_threads_{}.gguf", ptype.name());
         let (path, _) = projector(ptype, GgmlType::F16, &name);
@@ -1422,6 +1525,68 @@ fn dyn_size_embeddings_equal_llama_cpps(arch: &str, ptype: ProjectorType, bf16_t
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn malformed_llama4_files_are_errors() {
+    use les::gguf::MetaValue;
+    let (path, _) = projector(ProjectorType::Llama4, GgmlType::F16, "llama4_ok.gguf");
+    ClipModel::open(&path).unwrap();
+    let bad = tmp("llama4_bad.gguf");
+    let open_err = |p: &PathBuf| match ClipModel::open(p) {
+        Ok(_) => panic!("{} opened", p.display()),
+        Err(e) => e.to_string(),
+    };
+    for (key, value, says) in [
+        (
+            "clip.vision.projector.scale_factor",
+            Some(MetaValue::U32(0)),
+            "scale_factor 0",
+        ),
+        (
+            "clip.vision.projector.scale_factor",
+            None,
+            "scale_factor is missing",
+        ),
+        // 70 is not a multiple of 14 x 2; 56 is, but the table is 8 x 8 + 1.
+        (
+            "clip.vision.image_size",
+            Some(MetaValue::U32(70)),
+            "image_size 70",
+        ),
+        (
+            "clip.vision.image_size",
+            Some(MetaValue::U32(56)),
+            "65 position embeddings",
+        ),
+        (
+            "clip.vision.attention.head_count",
+            Some(MetaValue::U32(32)),
+            "multiple of 4",
+        ),
+    ] {
+        let _ = std::fs::remove_file(&bad);
+        common::rewrite_gguf(
+            &path,
+            &bad,
+            |k, v| (k != key).then_some(v),
+            value.map(|v| (key, v)).into_iter().collect(),
+        );
+        let e = open_err(&bad);
+        assert!(e.contains(says), "{key}: {e}");
+    }
+    for name in [
+        "v.class_embd",
+        "mm.model.mlp.1.weight",
+        "mm.model.mlp.2.weight",
+        "mm.model.fc.weight",
+        "v.patch_embd.weight",
+    ] {
+        let _ = std::fs::remove_file(&bad);
+        copy_without(&path, &bad, &[name]);
+        let e = open_err(&bad);
+        assert!(e.contains(name), "without {name}: {e}");
+    }
 }
 
 #[test]

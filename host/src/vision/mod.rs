@@ -5,12 +5,14 @@
 //!   decoding) to the pixels llama.cpp's stb_image gives.
 //! - [`jpeg`]: the JPEG decoder, stb_image's arithmetic.
 //! - [`preprocess`]: resizing, MiniCPM-V's slicing into a grid of slices plus an
-//!   overview, Qwen-VL's resize to a token budget, normalisation.
+//!   overview, Llama 4's tiles, Qwen-VL's and Kimi-VL's resize to a token
+//!   budget, normalisation.
 //! - [`clip`]: the mmproj file (`general.architecture = clip`): hyperparameters
 //!   and weights, for projector types `minicpmv4_6` (MiniCPM-V 4.6 and 4.7),
-//!   `gemma3` and `qwen3vl_merger` (Qwen3-VL; its rows carry the deepstack
+//!   `gemma3`, `qwen3vl_merger` (Qwen3-VL; its rows carry the deepstack
 //!   features after the embedding: [`ClipModel::row_width`], and its tokens
-//!   form a grid: [`merged_grid`]).
+//!   form a grid: [`merged_grid`]), `kimivl` (Kimi-VL) and `llama4`
+//!   (Llama 4).
 //! - [`encoder`]: the ViT and projector forward pass, multi-threaded.
 //! - [`prompt`]: the image embeddings spliced into the token sequence with the
 //!   model's special tokens.

@@ -493,3 +493,35 @@ pub fn slice_image(img: &RgbImage, inst: &SliceInstructions) -> SlicedImage {
         grid: inst.grid,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Llama 4's tile grids for 112-pixel tiles, as libmtmd cuts the images
+    /// of `vision_encoder::llama4_embeddings_equal_llama_cpps`.
+    #[test]
+    fn tile_grids_are_llama_cpps() {
+        for ((w, h), grid) in [
+            ((112, 112), (0, 0)),
+            ((100, 60), (0, 0)),
+            ((300, 200), (3, 2)),
+            ((640, 480), (3, 3)),
+            ((97, 411), (1, 3)),
+            ((224, 224), (2, 2)),
+            ((1000, 180), (3, 1)),
+            ((113, 112), (2, 1)),
+        ] {
+            let inst = tile_instructions((w, h), 112);
+            assert_eq!(inst.grid, grid, "{w}x{h}");
+            assert_eq!(inst.overview, (112, 112));
+            assert_eq!(inst.slices.len(), grid.0 * grid.1, "{w}x{h}");
+            assert_eq!(inst.refined, (grid.0 * 112, grid.1 * 112), "{w}x{h}");
+            for (i, &(x, y, sw, sh)) in inst.slices.iter().enumerate() {
+                assert_eq!((x, y), (i % grid.0.max(1) * 112, i / grid.0.max(1) * 112));
+                assert_eq!((sw, sh), (112, 112));
+            }
+        }
+        assert!(tile_instructions((0, 500), 112).slices.is_empty());
+    }
+}
