@@ -242,7 +242,8 @@ fn models_of(arch: &str, tag: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
 fn image_prompt_streams_exactly_on_every_schedule() {
     let (lm, mm) = vl_models("e2e", &[]);
     let img = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/test-image.png");
-    let run = |tag: &str, extra: &[&str]| run_with_image(&lm, &mm, &format!("e2e_{tag}"), extra);
+    let run =
+        |tag: &str, extra: &[&str]| cli::run_with_image(&lm, &mm, &format!("e2e_{tag}"), extra);
     let (want, want_logits) = run("resident", &["--schedule", "resident"]);
     assert!(!tokens(&want).is_empty());
     // 320 x 240 -> 320 x 256 (a multiple of 32 within the pixel budget):
@@ -535,7 +536,8 @@ fn drafters_see_the_places_the_model_used() {
     // The model's own MTP block drafting after a Qwen3-VL image: plain
     // decoding's tokens and logits.
     let (lm, mm) = models_of("qwen35moe", "mtp", &[]);
-    let run = |tag: &str, extra: &[&str]| run_with_image(&lm, &mm, &format!("mtp_{tag}"), extra);
+    let run =
+        |tag: &str, extra: &[&str]| cli::run_with_image(&lm, &mm, &format!("mtp_{tag}"), extra);
     let (want, want_logits) = run("plain", &[]);
     let (got, logits) = run(
         "mtp",
@@ -548,25 +550,6 @@ fn drafters_see_the_places_the_model_used() {
         "{}",
         got["stats"]
     );
-}
-
-/// `les run` of the demo image and a short chat prompt through `lm` and
-/// `mm`, 16 greedy tokens: its JSON and its logits' bytes.
-fn run_with_image(lm: &Path, mm: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<u8>) {
-    let img = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/test-image.png");
-    let logits = tmp(&format!("qwen3vl_run_{tag}.npy"));
-    let out = les()
-        .args(["run", "-m"])
-        .arg(lm)
-        .arg("--mmproj")
-        .arg(mm)
-        .args(["--image", img, "-p", "What is in <__media__>?", "--chat"])
-        .args(["-n", "16", "--temp", "0", "--json", "--logits-out"])
-        .arg(&logits)
-        .args(extra)
-        .output()
-        .unwrap();
-    (json_ok(out, "les run"), std::fs::read(&logits).unwrap())
 }
 
 /// `m`'s experts resident (mapped from `path`, its file).

@@ -1530,41 +1530,68 @@ fn dyn_size_embeddings_equal_llama_cpps(arch: &str, ptype: ProjectorType, bf16_t
 #[test]
 fn malformed_llama4_files_are_errors() {
     use les::gguf::MetaValue;
-    let (path, _) = projector(ProjectorType::Llama4, GgmlType::F16, "llama4_ok.gguf");
+    assert_malformed_refused(
+        ProjectorType::Llama4,
+        vec![
+            (
+                "clip.vision.projector.scale_factor",
+                Some(MetaValue::U32(0)),
+                "scale_factor 0",
+            ),
+            (
+                "clip.vision.projector.scale_factor",
+                None,
+                "scale_factor is missing",
+            ),
+            // 70 is not a multiple of 14 x 2; 56 is, but the table is 8 x 8 + 1.
+            (
+                "clip.vision.image_size",
+                Some(MetaValue::U32(70)),
+                "image_size 70",
+            ),
+            (
+                "clip.vision.image_size",
+                Some(MetaValue::U32(56)),
+                "65 position embeddings",
+            ),
+            (
+                "clip.vision.attention.head_count",
+                Some(MetaValue::U32(32)),
+                "multiple of 4",
+            ),
+        ],
+        &[
+            ("v.class_embd", "v.class_embd"),
+            ("mm.model.mlp.1.weight", "mm.model.mlp.1.weight"),
+            ("mm.model.mlp.2.weight", "mm.model.mlp.2.weight"),
+            ("mm.model.fc.weight", "mm.model.fc.weight"),
+            ("v.patch_embd.weight", "v.patch_embd.weight"),
+        ],
+        // Its tower takes only whole tiles (`llama4_encoder_matches_the_reference`).
+        None,
+    );
+}
+
+/// A tiny f16 projector of `ptype` opens; with each of `keys` set to a
+/// value (or removed, `None`), with each of `tensors` removed, and cut
+/// anywhere, it is refused, the error saying what (`says`); where
+/// `bad_image` is given, its tower refuses an image of that size (not a
+/// multiple of its merged patch).
+fn assert_malformed_refused(
+    ptype: ProjectorType,
+    keys: Vec<(&str, Option<les::gguf::MetaValue>, &str)>,
+    tensors: &[(&str, &str)],
+    bad_image: Option<(usize, usize)>,
+) {
+    let name = ptype.name();
+    let (path, _) = projector(ptype, GgmlType::F16, &format!("{name}_ok.gguf"));
     ClipModel::open(&path).unwrap();
-    let bad = tmp("llama4_bad.gguf");
+    let bad = tmp(&format!("{name}_bad.gguf"));
     let open_err = |p: &PathBuf| match ClipModel::open(p) {
         Ok(_) => panic!("{} opened", p.display()),
         Err(e) => e.to_string(),
     };
-    for (key, value, says) in [
-        (
-            "clip.vision.projector.scale_factor",
-            Some(MetaValue::U32(0)),
-            "scale_factor 0",
-        ),
-        (
-            "clip.vision.projector.scale_factor",
-            None,
-            "scale_factor is missing",
-        ),
-        // 70 is not a multiple of 14 x 2; 56 is, but the table is 8 x 8 + 1.
-        (
-            "clip.vision.image_size",
-            Some(MetaValue::U32(70)),
-            "image_size 70",
-        ),
-        (
-            "clip.vision.image_size",
-            Some(MetaValue::U32(56)),
-            "65 position embeddings",
-        ),
-        (
-            "clip.vision.attention.head_count",
-            Some(MetaValue::U32(32)),
-            "multiple of 4",
-        ),
-    ] {
+    for (key, value, says) in keys {
         let _ = std::fs::remove_file(&bad);
         common::rewrite_gguf(
             &path,
@@ -1573,110 +1600,85 @@ fn malformed_llama4_files_are_errors() {
             value.map(|v| (key, v)).into_iter().collect(),
         );
         let e = open_err(&bad);
-        assert!(e.contains(says), "{key}: {e}");
+        assert!(e.contains(says), "{name} {key}: {e}");
     }
-    for name in [
-        "v.class_embd",
-        "mm.model.mlp.1.weight",
-        "mm.model.mlp.2.weight",
-        "mm.model.fc.weight",
-        "v.patch_embd.weight",
-    ] {
+    for &(tensor, says) in tensors {
         let _ = std::fs::remove_file(&bad);
-        copy_without(&path, &bad, &[name]);
+        copy_without(&path, &bad, &[tensor]);
         let e = open_err(&bad);
-        assert!(e.contains(name), "without {name}: {e}");
+        assert!(e.contains(says), "{name} without {tensor}: {e}");
+    }
+    let bytes = std::fs::read(&path).unwrap();
+    for i in 0..64 {
+        let cut = bytes.len() * i / 64 + i % 7;
+        std::fs::write(&bad, &bytes[..cut.min(bytes.len() - 1)]).unwrap();
+        assert!(ClipModel::open(&bad).is_err(), "{name} cut at {cut}");
+    }
+    if let Some((w, h)) = bad_image {
+        let model = ClipModel::open(&path).unwrap();
+        let mut pool = Pool::new(1);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa: Isa::detect(),
+        };
+        let e = encode(&mut ctx, &model, &test_image(w, h, 1)).unwrap_err();
+        assert!(e.to_string().contains("multiple"), "{name}: {e}");
     }
 }
 
 #[test]
 fn malformed_kimivl_files_are_errors() {
     use les::gguf::MetaValue;
-    let (path, _) = projector(ProjectorType::KimiVl, GgmlType::F16, "kimivl_ok.gguf");
-    ClipModel::open(&path).unwrap();
-    let bad = tmp("kimivl_bad.gguf");
-    let open_err = |p: &PathBuf| match ClipModel::open(p) {
-        Ok(_) => panic!("{} opened", p.display()),
-        Err(e) => e.to_string(),
-    };
-    // Keys out of range, of the wrong type, or missing (`None`).
-    for (key, value, says) in [
-        (
-            "clip.vision.projector.scale_factor",
-            Some(MetaValue::U32(1)),
-            "scale_factor 1",
-        ),
-        (
-            "clip.vision.projector.scale_factor",
-            Some(MetaValue::U32(5)),
-            "scale_factor 5",
-        ),
-        (
-            "clip.vision.projector.scale_factor",
-            None,
-            "scale_factor is missing",
-        ),
-        (
-            "clip.vision.attention.head_count",
-            Some(MetaValue::U32(32)),
-            "multiple of 4",
-        ),
-        (
-            "clip.vision.patch_size",
-            Some(MetaValue::U32(40)),
-            "patch_size 40",
-        ),
-        (
-            "clip.vision.patch_size",
-            Some(MetaValue::U32(0)),
-            "patch_size",
-        ),
-        (
-            "clip.vision.attention.head_dim",
-            Some(MetaValue::U32(8)),
-            "head_dim",
-        ),
-    ] {
-        let _ = std::fs::remove_file(&bad);
-        common::rewrite_gguf(
-            &path,
-            &bad,
-            |k, v| (k != key).then_some(v),
-            value.map(|v| (key, v)).into_iter().collect(),
-        );
-        let e = open_err(&bad);
-        assert!(e.contains(says), "{key}: {e}");
-    }
-    // Tensors missing.
-    for (name, says) in [
-        ("mm.input_norm.weight", "mm.input_norm.weight"),
-        ("mm.1.bias", "mm.1.bias"),
-        ("mm.2.weight", "mm.2.weight"),
-        ("v.blk.1.attn_k.weight", "v.blk.1.attn_k.weight"),
-        ("v.position_embd.weight", "v.position_embd.weight"),
-    ] {
-        let _ = std::fs::remove_file(&bad);
-        copy_without(&path, &bad, &[name]);
-        let e = open_err(&bad);
-        assert!(e.contains(says), "without {name}: {e}");
-    }
-    // The file cut anywhere.
-    let bytes = std::fs::read(&path).unwrap();
-    for i in 0..64 {
-        let cut = bytes.len() * i / 64 + i % 7;
-        std::fs::write(&bad, &bytes[..cut.min(bytes.len() - 1)]).unwrap();
-        assert!(ClipModel::open(&bad).is_err(), "cut at {cut}");
-    }
-    // An image that is not a multiple of two patches a side.
-    let model = ClipModel::open(&path).unwrap();
-    let mut pool = Pool::new(1);
-    let mut ctx = Ctx {
-        pool: &mut pool,
-        isa: Isa::detect(),
-    };
-    let e = encode(&mut ctx, &model, &test_image(42, 56, 1)).unwrap_err();
-    assert!(e.to_string().contains("multiple"), "{e}");
+    assert_malformed_refused(
+        ProjectorType::KimiVl,
+        vec![
+            (
+                "clip.vision.projector.scale_factor",
+                Some(MetaValue::U32(1)),
+                "scale_factor 1",
+            ),
+            (
+                "clip.vision.projector.scale_factor",
+                Some(MetaValue::U32(5)),
+                "scale_factor 5",
+            ),
+            (
+                "clip.vision.projector.scale_factor",
+                None,
+                "scale_factor is missing",
+            ),
+            (
+                "clip.vision.attention.head_count",
+                Some(MetaValue::U32(32)),
+                "multiple of 4",
+            ),
+            (
+                "clip.vision.patch_size",
+                Some(MetaValue::U32(40)),
+                "patch_size 40",
+            ),
+            (
+                "clip.vision.patch_size",
+                Some(MetaValue::U32(0)),
+                "patch_size",
+            ),
+            (
+                "clip.vision.attention.head_dim",
+                Some(MetaValue::U32(8)),
+                "head_dim",
+            ),
+        ],
+        &[
+            ("mm.input_norm.weight", "mm.input_norm.weight"),
+            ("mm.1.bias", "mm.1.bias"),
+            ("mm.2.weight", "mm.2.weight"),
+            ("v.blk.1.attn_k.weight", "v.blk.1.attn_k.weight"),
+            ("v.position_embd.weight", "v.position_embd.weight"),
+        ],
+        Some((42, 56)),
+    );
 }
+
 /// Copies the GGUF `src` to `dst` without the tensors `drop` names (metadata
 /// and the other tensors unchanged).
 fn copy_without(src: &PathBuf, dst: &PathBuf, drop: &[&str]) {
@@ -1699,114 +1701,94 @@ fn copy_without(src: &PathBuf, dst: &PathBuf, drop: &[&str]) {
 #[test]
 fn malformed_qwen3vl_files_are_errors() {
     use les::gguf::MetaValue;
-    let (path, _) = projector(ProjectorType::Qwen3Vl, GgmlType::F16, "q3vl_ok.gguf");
-    ClipModel::open(&path).unwrap();
-    let bad = tmp("q3vl_bad.gguf");
-    let open_err = |p: &PathBuf| match ClipModel::open(p) {
-        Ok(_) => panic!("{} opened", p.display()),
-        Err(e) => e.to_string(),
-    };
-    // Keys out of range or of the wrong type.
     let ds = |v: Vec<bool>| MetaValue::from(v);
-    for (key, value, says) in [
-        (
-            "clip.vision.spatial_merge_size",
-            MetaValue::U32(3),
-            "spatial_merge_size",
-        ),
-        (
-            "clip.vision.spatial_merge_size",
-            MetaValue::from("2"),
-            "spatial_merge_size",
-        ),
-        (
-            "clip.vision.attention.head_count",
-            MetaValue::U32(32),
-            "multiple of 4",
-        ),
-        (
-            "clip.vision.attention.head_count",
-            MetaValue::U32(5),
-            "multiple",
-        ),
-        ("clip.vision.patch_size", MetaValue::U32(4096), "patch"),
-        ("clip.vision.patch_size", MetaValue::U32(0), "patch_size"),
-        (
-            "clip.vision.embedding_length",
-            MetaValue::U64(1 << 40),
-            "out of range",
-        ),
-        ("clip.vision.block_count", MetaValue::U32(9), "v.blk.4"),
-        (
-            "clip.vision.attention.head_dim",
-            MetaValue::U32(8),
-            "head_dim",
-        ),
-        (
-            "clip.vision.is_deepstack_layers",
-            ds(vec![true, false, true, false]),
-            "block 1",
-        ),
-        ("clip.vision.is_deepstack_layers", ds(vec![true]), "entries"),
-        (
-            "clip.vision.is_deepstack_layers",
-            MetaValue::from(vec![1u32, 1, 1, 0]),
-            "bools",
-        ),
-        (
-            "clip.vision.is_deepstack_layers",
-            MetaValue::U32(1),
-            "array",
-        ),
-        (
-            "clip.projector_type",
-            MetaValue::from("qwen3vl"),
-            "not supported",
-        ),
-    ] {
-        let _ = std::fs::remove_file(&bad);
-        common::rewrite_gguf(
-            &path,
-            &bad,
-            |k, v| (k != key).then_some(v),
-            vec![(key, value)],
-        );
-        let e = open_err(&bad);
-        assert!(e.contains(says), "{key}: {e}");
-    }
-    // Tensors missing.
-    for (name, says) in [
-        ("v.patch_embd.weight.1", "v.patch_embd.weight.1"),
-        ("v.patch_embd.bias", "v.patch_embd.bias"),
-        ("v.blk.1.attn_qkv.bias", "v.blk.1.attn_qkv.bias"),
-        ("v.blk.3.attn_qkv.weight", "v.blk.3.attn_qkv.weight"),
-        ("mm.0.bias", "mm.0.bias"),
-        ("mm.2.weight", "mm.2.weight"),
-        ("v.deepstack.2.fc2.weight", "v.deepstack.2.fc2.weight"),
-        ("v.deepstack.1.fc1.weight", "block 1"),
-        ("v.position_embd.weight", "v.position_embd.weight"),
-    ] {
-        let _ = std::fs::remove_file(&bad);
-        copy_without(&path, &bad, &[name]);
-        let e = open_err(&bad);
-        assert!(e.contains(says), "without {name}: {e}");
-    }
-    // The file cut anywhere.
-    let bytes = std::fs::read(&path).unwrap();
-    for i in 0..64 {
-        let cut = bytes.len() * i / 64 + i % 7;
-        std::fs::write(&bad, &bytes[..cut.min(bytes.len() - 1)]).unwrap();
-        assert!(ClipModel::open(&bad).is_err(), "cut at {cut}");
-    }
-    // An image that is not a multiple of two patches a side.
-    let model = ClipModel::open(&path).unwrap();
-    let mut pool = Pool::new(1);
-    let mut ctx = Ctx {
-        pool: &mut pool,
-        isa: Isa::detect(),
-    };
-    let e = encode(&mut ctx, &model, &test_image(48, 64, 1)).unwrap_err();
-    assert!(e.to_string().contains("multiple"), "{e}");
+    assert_malformed_refused(
+        ProjectorType::Qwen3Vl,
+        vec![
+            (
+                "clip.vision.spatial_merge_size",
+                Some(MetaValue::U32(3)),
+                "spatial_merge_size",
+            ),
+            (
+                "clip.vision.spatial_merge_size",
+                Some(MetaValue::from("2")),
+                "spatial_merge_size",
+            ),
+            (
+                "clip.vision.attention.head_count",
+                Some(MetaValue::U32(32)),
+                "multiple of 4",
+            ),
+            (
+                "clip.vision.attention.head_count",
+                Some(MetaValue::U32(5)),
+                "multiple",
+            ),
+            (
+                "clip.vision.patch_size",
+                Some(MetaValue::U32(4096)),
+                "patch",
+            ),
+            (
+                "clip.vision.patch_size",
+                Some(MetaValue::U32(0)),
+                "patch_size",
+            ),
+            (
+                "clip.vision.embedding_length",
+                Some(MetaValue::U64(1 << 40)),
+                "out of range",
+            ),
+            (
+                "clip.vision.block_count",
+                Some(MetaValue::U32(9)),
+                "v.blk.4",
+            ),
+            (
+                "clip.vision.attention.head_dim",
+                Some(MetaValue::U32(8)),
+                "head_dim",
+            ),
+            (
+                "clip.vision.is_deepstack_layers",
+                Some(ds(vec![true, false, true, false])),
+                "block 1",
+            ),
+            (
+                "clip.vision.is_deepstack_layers",
+                Some(ds(vec![true])),
+                "entries",
+            ),
+            (
+                "clip.vision.is_deepstack_layers",
+                Some(MetaValue::from(vec![1u32, 1, 1, 0])),
+                "bools",
+            ),
+            (
+                "clip.vision.is_deepstack_layers",
+                Some(MetaValue::U32(1)),
+                "array",
+            ),
+            (
+                "clip.projector_type",
+                Some(MetaValue::from("qwen3vl")),
+                "not supported",
+            ),
+        ],
+        &[
+            ("v.patch_embd.weight.1", "v.patch_embd.weight.1"),
+            ("v.patch_embd.bias", "v.patch_embd.bias"),
+            ("v.blk.1.attn_qkv.bias", "v.blk.1.attn_qkv.bias"),
+            ("v.blk.3.attn_qkv.weight", "v.blk.3.attn_qkv.weight"),
+            ("mm.0.bias", "mm.0.bias"),
+            ("mm.2.weight", "mm.2.weight"),
+            ("v.deepstack.2.fc2.weight", "v.deepstack.2.fc2.weight"),
+            ("v.deepstack.1.fc1.weight", "block 1"),
+            ("v.position_embd.weight", "v.position_embd.weight"),
+        ],
+        Some((48, 64)),
+    );
 }
 
 /// `scripts/mtmd_llama.py` with `args` (a mode and its arguments), its JSON

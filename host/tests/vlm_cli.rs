@@ -16,7 +16,7 @@ mod cli;
 
 use std::path::{Path, PathBuf};
 
-use cli::{json_ok, les, stdout_ok, tmp, tokens, F32_WEIGHTS};
+use cli::{les, stdout_ok, tmp, tokens, F32_WEIGHTS};
 use les::gguf::Gguf;
 use les::synth::{write_mmproj, MmprojConfig};
 use les::vision::ProjectorType;
@@ -52,24 +52,6 @@ fn models(projector: ProjectorType, tag: &str, extra: &[&str]) -> (PathBuf, Path
     (lm, mm)
 }
 
-/// `les run --image` with `extra` arguments: its JSON and its logits file.
-fn run_with_image(lm: &Path, mm: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<u8>) {
-    let img = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/test-image.png");
-    let logits = tmp(&format!("vlm_run_{tag}.npy"));
-    let out = les()
-        .args(["run", "-m"])
-        .arg(lm)
-        .arg("--mmproj")
-        .arg(mm)
-        .args(["--image", img, "-p", "What is in <__media__>?", "--chat"])
-        .args(["-n", "16", "--temp", "0", "--json", "--logits-out"])
-        .arg(&logits)
-        .args(extra)
-        .output()
-        .unwrap();
-    (json_ok(out, "les run"), std::fs::read(&logits).unwrap())
-}
-
 /// The id of the token `text` in the model at `lm`.
 fn token_id(lm: &Path, text: &str) -> u64 {
     let g = Gguf::open(lm).unwrap();
@@ -91,8 +73,9 @@ fn streams_exactly(
 ) -> serde_json::Value {
     let (lm, mm) = models(projector, "e2e", &[]);
     let name = projector.name();
-    let run =
-        |tag: &str, args: &[&str]| run_with_image(&lm, &mm, &format!("{name}_e2e_{tag}"), args);
+    let run = |tag: &str, args: &[&str]| {
+        cli::run_with_image(&lm, &mm, &format!("{name}_e2e_{tag}"), args)
+    };
     let (want, want_logits) = run("resident", &["--schedule", "resident"]);
     assert!(!tokens(&want).is_empty());
     assert_eq!(want["stats"]["image_tokens"], n);

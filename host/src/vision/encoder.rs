@@ -916,6 +916,29 @@ pub fn interpolate_positions_antialiased(
     out
 }
 
+/// The patches of a `pw` x `ph` grid (the first `pw * ph` rows of `x`, row
+/// by row) merged `f` x `f`: each block as one row of `f² * x.dim` values
+/// (within a block, its rows top to bottom, each left to right), the blocks
+/// row by row, or column by column where `column_major`.
+fn merge_blocks(x: &Acts, pw: usize, ph: usize, f: usize, column_major: bool) -> Vec<f32> {
+    let (d, gw, gh) = (x.dim, pw / f, ph / f);
+    let mut out = Vec::with_capacity(pw * ph * d);
+    for outer in 0..if column_major { gw } else { gh } {
+        for inner in 0..if column_major { gh } else { gw } {
+            let (bx, by) = if column_major {
+                (outer, inner)
+            } else {
+                (inner, outer)
+            };
+            for dy in 0..f {
+                let start = (f * by + dy) * pw + f * bx;
+                out.extend_from_slice(&x.x[start * d..(start + f) * d]);
+            }
+        }
+    }
+    out
+}
+
 /// Kimi-VL's tower on a `pw` x `ph` patch grid (both multiples of the
 /// merge): see [`encode`].
 fn encode_kimivl(
@@ -963,19 +986,10 @@ fn encode_kimivl(
     if let Some(ln) = &m.post_ln {
         x = layer_norm(&x, ln, hp.eps);
     }
-    // Each f x f block of patches (blocks row by row; within one, rows of
-    // the block top to bottom, each left to right) as one row, each patch
-    // normalised (clip.cpp's fixed epsilon), then the MLP.
+    // Each f x f block of patches as one row (blocks row by row), each
+    // patch normalised (clip.cpp's fixed epsilon), then the MLP.
     let (gw, gh) = (pw / f, ph / f);
-    let mut merged = Vec::with_capacity(x.x.len());
-    for i in 0..gh {
-        for j in 0..gw {
-            for dy in 0..f {
-                let start = (f * i + dy) * pw + f * j;
-                merged.extend_from_slice(&x.x[start * d..(start + f) * d]);
-            }
-        }
-    }
+    let merged = merge_blocks(&x, pw, ph, f, false);
     drop(x);
     let normed = layer_norm(
         &Acts {
@@ -1043,19 +1057,11 @@ fn encode_llama4(
     if let Some(ln) = &m.post_ln {
         x = layer_norm(&x, ln, hp.eps);
     }
-    // The class token dropped; each f x f block of patches as one row
-    // (within a block rows top to bottom, each left to right), the blocks
-    // column by column: the order llama.cpp's reshapes leave.
+    // The class token dropped (it is the last row); each f x f block of
+    // patches as one row, the blocks column by column: the order llama.cpp's
+    // reshapes leave.
     let g = pw / f;
-    let mut shuffled = Vec::with_capacity(n * d);
-    for bx in 0..g {
-        for by in 0..g {
-            for dy in 0..f {
-                let start = (f * by + dy) * pw + f * bx;
-                shuffled.extend_from_slice(&x.x[start * d..(start + f) * d]);
-            }
-        }
-    }
+    let shuffled = merge_blocks(&x, pw, ph, f, true);
     drop(x);
     let mut h = Acts {
         n: g * g,

@@ -95,18 +95,8 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
     let hp = &m.hp;
     let norm = |i: &RgbImage| preprocess::normalize(i, hp.mean, hp.std);
     match hp.projector {
-        ProjectorType::MiniCpmV46 => {
-            let inst = minicpm_slices(m, (img.width, img.height));
-            let sliced = preprocess::slice_image(img, &inst);
-            let mut chunks = vec![norm(&sliced.overview)];
-            chunks.extend(sliced.slices.iter().map(norm));
-            Preprocessed {
-                chunks,
-                grid: sliced.grid,
-            }
-        }
-        ProjectorType::Llama4 => {
-            let inst = preprocess::tile_instructions((img.width, img.height), hp.image_size);
+        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => {
+            let inst = llava_uhd_slices(m, (img.width, img.height));
             let sliced = preprocess::slice_image(img, &inst);
             let mut chunks = vec![norm(&sliced.overview)];
             chunks.extend(sliced.slices.iter().map(norm));
@@ -188,11 +178,15 @@ impl ImageLayout {
     }
 }
 
-/// How the MiniCPM-V projector of `m` slices an image of `(width, height)`
-/// pixels (llama.cpp's llava-uhd slicing): [`preprocess_image`] cuts the
-/// pixels so, [`image_layout`] counts the embeddings.
-fn minicpm_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
+/// How the MiniCPM-V or Llama 4 projector of `m` slices an image of
+/// `(width, height)` pixels (llama.cpp's llava-uhd slicing: MiniCPM-V's
+/// dynamic grid, Llama 4's tiles): [`preprocess_image`] cuts the pixels so,
+/// [`image_layout`] counts the embeddings.
+fn llava_uhd_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
     let hp = &m.hp;
+    if hp.projector == ProjectorType::Llama4 {
+        return preprocess::tile_instructions(size, hp.image_size);
+    }
     preprocess::slice_instructions(size, hp.image_size, hp.patch_size * hp.n_merge, MAX_SLICES)
 }
 
@@ -201,17 +195,8 @@ fn minicpm_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstr
 pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
     let tokens = |(w, h): (usize, usize)| encoder::output_tokens(m, w, h);
     match m.hp.projector {
-        ProjectorType::MiniCpmV46 => {
-            let inst = minicpm_slices(m, size);
-            let mut chunk_tokens = vec![tokens(inst.overview)];
-            chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
-            ImageLayout {
-                chunk_tokens,
-                grid: inst.grid,
-            }
-        }
-        ProjectorType::Llama4 => {
-            let inst = preprocess::tile_instructions(size, m.hp.image_size);
+        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => {
+            let inst = llava_uhd_slices(m, size);
             let mut chunk_tokens = vec![tokens(inst.overview)];
             chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
             ImageLayout {

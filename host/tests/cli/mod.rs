@@ -467,3 +467,24 @@ pub fn image_decode_difference(
     );
     worst
 }
+
+/// `les run` of the demo image and a short chat prompt through `lm` and
+/// `mm`, 16 greedy tokens, with `extra` arguments: its JSON and its logits'
+/// bytes (written beside `lm`'s name and `tag`).
+pub fn run_with_image(lm: &Path, mm: &Path, tag: &str, extra: &[&str]) -> (Value, Vec<u8>) {
+    let img = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/test-image.png");
+    let stem = lm.file_stem().unwrap().to_string_lossy();
+    let logits = tmp(&format!("{stem}_image_run_{tag}.npy"));
+    let out = les()
+        .args(["run", "-m"])
+        .arg(lm)
+        .arg("--mmproj")
+        .arg(mm)
+        .args(["--image", img, "-p", "What is in <__media__>?", "--chat"])
+        .args(["-n", "16", "--temp", "0", "--json", "--logits-out"])
+        .arg(&logits)
+        .args(extra)
+        .output()
+        .unwrap();
+    (json_ok(out, "les run"), std::fs::read(&logits).unwrap())
+}
