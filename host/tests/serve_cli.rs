@@ -1532,6 +1532,14 @@ fn qwen3vl_images_in_chat_messages_answer_as_les_run() {
     image_chat_answers_as_les_run("qwen3vlmoe", "qwen3vl_merger");
 }
 
+/// The same for Kimi-VL (`deepseek2` with `kimivl`) and Llama 4 (`llama4`
+/// with `llama4`: tiles and an overview).
+#[test]
+fn kimivl_and_llama4_images_in_chat_messages_answer_as_les_run() {
+    image_chat_answers_as_les_run("deepseek2", "kimivl");
+    image_chat_answers_as_les_run("llama4", "llama4");
+}
+
 fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
     let mm = tmp(&format!("serve_vlm_{arch}_mmproj.gguf"));
     let mm_arg = mm.to_str().unwrap();
