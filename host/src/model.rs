@@ -127,15 +127,17 @@ pub enum Arch {
     Qwen3VlMoe,
     /// Qwen3-VL's dense language model (llama.cpp's `qwen3vl`).
     Qwen3Vl,
-    /// Llama 4 Scout / Maverick (llama.cpp's `llama4`, text only): chunked
+    /// Llama 4 Scout / Maverick (llama.cpp's `llama4`; images through its
+    /// `llama4` projector): chunked
     /// attention (8192 positions) on three layers of four, the fourth without
     /// RoPE and with a query temperature, Q/K norms without weights after
     /// RoPE (not Maverick's), experts every `interleave_moe_layer_step`
     /// layers, one expert picked by logit whose sigmoid weighs its *input*,
     /// plus an ungated shared expert.
     Llama4,
-    /// DeepSeek-V2 / V3 / R1 and Kimi K2 (llama.cpp's `deepseek2` with split
-    /// `attn_k_b` / `attn_v_b`): multi-head latent attention, dense leading
+    /// DeepSeek-V2 / V3 / R1, Kimi K2 and Kimi-VL's language model
+    /// (llama.cpp's `deepseek2` with split `attn_k_b` / `attn_v_b`; Kimi-VL's
+    /// images through a `kimivl` projector): multi-head latent attention, dense leading
     /// layers, routed experts (softmax, or sigmoid with a selection bias and
     /// expert groups), ungated shared experts.
     Deepseek2,

@@ -179,7 +179,7 @@ pub struct SynthArgs {
     pub mmproj_layers: Option<u64>,
     /// Input (slice) size of the --mmproj-out projector in pixels, a multiple of
     /// 4 patches (default 224; qwen3vl_merger: 256, the side of its table of
-    /// position embeddings).
+    /// position embeddings; llama4: 112, its tile).
     #[arg(long, requires = "mmproj_out")]
     pub mmproj_image_size: Option<u64>,
 }
