@@ -430,7 +430,7 @@ impl VisionRope {
 enum Rope {
     /// Qwen3-VL's vision M-RoPE.
     Vision(VisionRope),
-    /// Kimi-VL's 2-D RoPE.
+    /// Kimi-VL's and Llama 4's 2-D RoPE.
     Split(Rope2d),
 }
 
@@ -798,7 +798,8 @@ fn encode_qwen3vl(
     Ok(rows)
 }
 
-/// clip.cpp's `build_rope_2d` without interleaved frequencies (Kimi-VL's):
+/// clip.cpp's `build_rope_2d` without interleaved frequencies (Kimi-VL's and
+/// Llama 4's):
 /// ggml's normal RoPE (`mode` 0: adjacent pairs) over the first half of each
 /// head by the first position (clip.cpp's column), then over the second half
 /// by the second (the row), each half's pair `i` turning by
