@@ -262,22 +262,7 @@ fn image_prompt_streams_exactly_on_every_schedule() {
     };
     assert_eq!(prompt[first - 1], id("<|vision_start|>"));
     assert_eq!(prompt[first + 80], id("<|vision_end|>"));
-    for (tag, args) in [
-        (
-            "on_demand",
-            &["--schedule", "on-demand", "--slots", "2"][..],
-        ),
-        ("les", &["--schedule", "les", "--slots", "3"][..]),
-        (
-            "b1",
-            &["--schedule", "les", "--expert-mem", "64KiB", "-b", "1"][..],
-        ),
-        ("b7_t3", &["-b", "7", "-t", "3"][..]),
-    ] {
-        let (got, logits) = run(tag, args);
-        assert_eq!(tokens(&got), tokens(&want), "{tag}");
-        assert!(logits == want_logits, "{tag}: logits differ");
-    }
+    cli::assert_image_runs_agree(&run, &want, &want_logits, "qwen3vl");
     // A projector whose deepstack features do not fit the model is refused.
     let (_, other) = vl_models("ds0", &["--layers", "2"]);
     let out = les()

@@ -1071,16 +1071,7 @@ fn png_of(w: u32, h: u32, path: &std::path::Path) {
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
 fn embeddings_equal_llama_cpps() {
-    let les = env!("CARGO_BIN_EXE_les");
-    let model = tmp("mtmd_text.gguf");
-    let status = std::process::Command::new(les)
-        .args([
-            "synth", "--quiet", "--arch", "qwen3moe", "--preset", "tiny", "-o",
-        ])
-        .arg(&model)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let model = tiny_text_model("qwen3moe", "mtmd_text.gguf");
     let mut pool = Pool::new(2);
     let mut failures = Vec::new();
     // Through SiLU (computed in f32 by both), f32 weights: the two differ by
@@ -1128,16 +1119,7 @@ fn embeddings_equal_llama_cpps() {
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
 fn llama4_embeddings_equal_llama_cpps() {
-    let les = env!("CARGO_BIN_EXE_les");
-    let model = tmp("mtmd_llama4_text.gguf");
-    let status = std::process::Command::new(les)
-        .args([
-            "synth", "--quiet", "--arch", "llama4", "--preset", "tiny", "-o",
-        ])
-        .arg(&model)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let model = tiny_text_model("llama4", "mtmd_llama4_text.gguf");
     let mut pool = Pool::new(2);
     let mut failures = Vec::new();
     // Every value goes through two of ggml's f16-table GELUs in the adapter
@@ -1161,6 +1143,18 @@ fn llama4_embeddings_equal_llama_cpps() {
         );
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A `les synth --preset tiny` model of `arch` written to `file`.
+fn tiny_text_model(arch: &str, file: &str) -> PathBuf {
+    let model = tmp(file);
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
+        .args(["synth", "--quiet", "--arch", arch, "--preset", "tiny", "-o"])
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    model
 }
 
 /// One projector of `ptype` with `ty` weights (its ViT's FFN through SiLU

@@ -84,22 +84,7 @@ fn streams_exactly(
     assert!(prompt[first..first + n].iter().all(|t| t.is_null()));
     assert_eq!(prompt[first - 1], token_id(&lm, begin));
     assert_eq!(prompt[first + n], token_id(&lm, end));
-    for (tag, args) in [
-        (
-            "on_demand",
-            &["--schedule", "on-demand", "--slots", "2"][..],
-        ),
-        ("les", &["--schedule", "les", "--slots", "3"][..]),
-        (
-            "b1",
-            &["--schedule", "les", "--expert-mem", "64KiB", "-b", "1"][..],
-        ),
-        ("b7_t3", &["-b", "7", "-t", "3"][..]),
-    ] {
-        let (got, logits) = run(tag, args);
-        assert_eq!(tokens(&got), tokens(&want), "{name} {tag}");
-        assert!(logits == want_logits, "{name} {tag}: logits differ");
-    }
+    cli::assert_image_runs_agree(&run, &want, &want_logits, name);
     run("extra", extra).0
 }
 

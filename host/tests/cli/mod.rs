@@ -488,3 +488,29 @@ pub fn run_with_image(lm: &Path, mm: &Path, tag: &str, extra: &[&str]) -> (Value
         .unwrap();
     (json_ok(out, "les run"), std::fs::read(&logits).unwrap())
 }
+
+/// A `les run --image` by tag and arguments: its JSON and logits' bytes.
+pub type ImageRun<'a> = dyn Fn(&str, &[&str]) -> (Value, Vec<u8>) + 'a;
+
+/// `run(tag, args)` (a `les run --image`: its JSON and logits' bytes) on
+/// on-demand and les schedules with few slots, one-token and seven-token
+/// prefill batches and three threads gives `want`'s tokens and exactly
+/// `want_logits` (`what` names the model in a failure).
+pub fn assert_image_runs_agree(run: &ImageRun<'_>, want: &Value, want_logits: &[u8], what: &str) {
+    for (tag, args) in [
+        (
+            "on_demand",
+            &["--schedule", "on-demand", "--slots", "2"][..],
+        ),
+        ("les", &["--schedule", "les", "--slots", "3"][..]),
+        (
+            "b1",
+            &["--schedule", "les", "--expert-mem", "64KiB", "-b", "1"][..],
+        ),
+        ("b7_t3", &["-b", "7", "-t", "3"][..]),
+    ] {
+        let (got, logits) = run(tag, args);
+        assert_eq!(tokens(&got), tokens(want), "{what} {tag}");
+        assert!(logits == want_logits, "{what} {tag}: logits differ");
+    }
+}
