@@ -589,6 +589,57 @@ fn bilinear_antialiased(pos: &[f32], side: usize, d: usize, pw: usize, ph: usize
     out
 }
 
+/// PyTorch's `interpolate(bicubic, align_corners=False)` (`a = -0.75`,
+/// edges clamped) of the `w0` x `h0` table `pos` (rows of `d`, row-major) to
+/// a `pw` x `ph` grid, in `f64`, separably; the table itself at its own size.
+fn bicubic(pos: &[f32], (w0, h0): (usize, usize), d: usize, pw: usize, ph: usize) -> Vec<Vec<f32>> {
+    if (pw, ph) == (w0, h0) {
+        return pos.chunks(d).map(<[f32]>::to_vec).collect();
+    }
+    let kernel = |t: f64| {
+        let (a, t) = (-0.75f64, t.abs());
+        if t <= 1.0 {
+            ((a + 2.0) * t - (a + 3.0)) * t * t + 1.0
+        } else if t < 2.0 {
+            ((a * t - 5.0 * a) * t + 8.0 * a) * t - 4.0 * a
+        } else {
+            0.0
+        }
+    };
+    // Per output coordinate: four (clamped index, weight) taps.
+    let taps = |out: usize, inp: usize| -> Vec<[(usize, f64); 4]> {
+        (0..out)
+            .map(|i| {
+                let x = (i as f64 + 0.5) * inp as f64 / out as f64 - 0.5;
+                let x0 = x.floor();
+                let t = x - x0;
+                let mut k = [(0, 0.0); 4];
+                for (j, tap) in k.iter_mut().enumerate() {
+                    let at = (x0 as i64 + j as i64 - 1).clamp(0, inp as i64 - 1) as usize;
+                    *tap = (at, kernel(t - (j as f64 - 1.0)));
+                }
+                k
+            })
+            .collect()
+    };
+    let (tx, ty) = (taps(pw, w0), taps(ph, h0));
+    let mut out = Vec::new();
+    for ys in &ty {
+        for xs in &tx {
+            let mut row = vec![0f64; d];
+            for &(y, a) in ys {
+                for &(x, b) in xs {
+                    for (c, r) in row.iter_mut().enumerate() {
+                        *r += a * b * f64::from(pos[(y * w0 + x) * d + c]);
+                    }
+                }
+            }
+            out.push(row.into_iter().map(|v| v as f32).collect());
+        }
+    }
+    out
+}
+
 /// Rotates each head of `x` (tokens row-major on a `pw`-wide grid) as
 /// Kimi-VL's 2-D RoPE does: with head width `dh`, values `2i` and `2i + 1`
 /// of the first half turn by `column * 10000^(-4i/dh)`, those of the second
@@ -627,9 +678,21 @@ fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
     let d = hp.width;
     let mut x = patch_embed(w, hp, img);
+    let pos_t = w.0.tensor("v.position_embd.weight").unwrap();
+    // Kimi K2.5's table is [d, W, H], interpolated bicubically, and its
+    // projector's norm takes the file's epsilon.
+    let kimik25 = pos_t.dims().len() == 3;
+    let (tw, th) = (
+        pos_t.dims()[1] as usize,
+        *pos_t.dims().get(2).unwrap_or(&1) as usize,
+    );
     let pos = w.get("v.position_embd.weight");
-    let side = ((pos.len() / d) as f64).sqrt() as usize;
-    x = add(&x, &bilinear_antialiased(&pos, side, d, pw, ph));
+    if kimik25 {
+        x = add(&x, &bicubic(&pos, (tw, th), d, pw, ph));
+    } else {
+        let side = ((pos.len() / d) as f64).sqrt() as usize;
+        x = add(&x, &bilinear_antialiased(&pos, side, d, pw, ph));
+    }
     for l in 0..hp.layers {
         let b = format!("v.blk.{l}");
         let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
@@ -647,7 +710,7 @@ fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
         x = add(&x, &f);
     }
     let x = layer_norm(w, "v.post_ln", &x, hp.eps);
-    let normed = layer_norm(w, "mm.input_norm", &x, 1e-5);
+    let normed = layer_norm(w, "mm.input_norm", &x, if kimik25 { hp.eps } else { 1e-5 });
     let u = gelu_all(linear(w, "mm.1", &merge_2x2(&normed, pw, ph)));
     linear(w, "mm.2", &u)
 }
@@ -885,12 +948,13 @@ fn qwen3vl_encoder_matches_the_reference() {
 
 #[test]
 fn kimivl_encoder_matches_the_reference() {
-    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
-        let (path, cfg) = projector(
-            ProjectorType::KimiVl,
-            ty,
-            &format!("enc_kimivl_{name}.gguf"),
-        );
+    for (ptype, ty, name) in [
+        (ProjectorType::KimiVl, GgmlType::F32, "f32"),
+        (ProjectorType::KimiVl, GgmlType::F16, "f16"),
+        (ProjectorType::KimiK25, GgmlType::F32, "k25_f32"),
+        (ProjectorType::KimiK25, GgmlType::F16, "k25_f16"),
+    ] {
+        let (path, cfg) = projector(ptype, ty, &format!("enc_kimivl_{name}.gguf"));
         let model = ClipModel::open(&path).unwrap();
         assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
         assert_eq!(model.row_width(), 48);
@@ -1330,7 +1394,17 @@ fn kimivl_embeddings_equal_llama_cpps() {
     dyn_size_embeddings_equal_llama_cpps("deepseek2", ProjectorType::KimiVl, 1e-2);
 }
 
-/// The body of the two tests above: a synthetic `arch` language model with a
+/// Kimi K2.5's tower (`kimik25`) against llama.cpp's, as
+/// [`kimivl_embeddings_equal_llama_cpps`]: its `[n_embd, 16, 12]` position
+/// table interpolated bicubically (height first, as its graph permutes it),
+/// its 2 to 4096 token budget, `<|media_begin|>` and `<|media_end|>`.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn kimik25_embeddings_equal_llama_cpps() {
+    dyn_size_embeddings_equal_llama_cpps("deepseek2", ProjectorType::KimiK25, 1e-2);
+}
+
+/// The body of the tests above: a synthetic `arch` language model with a
 /// `ptype` projector (a projector that sizes images to a token budget);
 /// `bf16_tolerance` bounds its `bf16` tower (a rounding flip there costs 8
 /// times one in `f16`).
@@ -1519,6 +1593,33 @@ fn dyn_size_embeddings_equal_llama_cpps(arch: &str, ptype: ProjectorType, bf16_t
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn malformed_kimik25_files_are_errors() {
+    use les::gguf::MetaValue;
+    assert_malformed_refused(
+        ProjectorType::KimiK25,
+        vec![
+            (
+                "clip.vision.projector.scale_factor",
+                None,
+                "scale_factor is missing",
+            ),
+            // The file's pixel budget, the fewest more than the most.
+            (
+                "clip.vision.image_min_pixels",
+                Some(MetaValue::U32(1 << 23)),
+                "image pixels",
+            ),
+        ],
+        &[
+            ("v.position_embd.weight", "v.position_embd.weight"),
+            ("mm.input_norm.weight", "mm.input_norm.weight"),
+            ("mm.2.bias", "mm.2.bias"),
+        ],
+        Some((42, 56)),
+    );
 }
 
 #[test]

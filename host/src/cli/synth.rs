@@ -166,8 +166,8 @@ pub struct SynthArgs {
     pub mmproj_out: Option<PathBuf>,
     /// The projector type of --mmproj-out: minicpmv4_6, gemma3,
     /// qwen3vl_merger (with as many deepstack mergers as the model's
-    /// `n_deepstack_layers`), kimivl (Kimi-VL's, whose language model is
-    /// `deepseek2`) or llama4 (Llama 4's, for `llama4`).
+    /// `n_deepstack_layers`), kimivl (Kimi-VL's) or kimik25 (Kimi K2.5's),
+    /// both for `deepseek2`, or llama4 (Llama 4's, for `llama4`).
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
     /// Width of the --mmproj-out vision transformer (default 64).
@@ -187,7 +187,7 @@ pub struct SynthArgs {
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
     ProjectorType::from_name(s).ok_or_else(|| {
         format!(
-            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl or llama4)"
+            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25 or llama4)"
         )
     })
 }

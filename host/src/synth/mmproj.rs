@@ -1,7 +1,8 @@
 //! Synthetic vision projectors (mmproj GGUFs, `general.architecture = clip`)
 //! matching a synthetic language model: the tensors and keys llama.cpp's
 //! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`),
-//! Qwen3-VL (`qwen3vl_merger`), Kimi-VL (`kimivl`) or Llama 4 (`llama4`), at
+//! Qwen3-VL (`qwen3vl_merger`), Kimi-VL (`kimivl`), Kimi K2.5 (`kimik25`) or
+//! Llama 4 (`llama4`), at
 //! a tiny size, with random weights, so the whole multimodal path runs
 //! without downloads.
 //!
@@ -12,7 +13,9 @@
 //! position embeddings (`image_size` 256), 4 blocks and deepstack mergers on
 //! blocks 0 to 2 (as many as the language model's `n_deepstack_layers`, on the
 //! blocks before the last), and takes images of any size; so does `kimivl`
-//! (a 16 x 16 table, `image_size` 224, 2 x 2 patch merger). `llama4` takes
+//! (a 16 x 16 table, `image_size` 224, 2 x 2 patch merger), and `kimik25`
+//! (the same with a `[w, 16, 12]` table: its width and height differ, so the
+//! axes of its interpolation show). `llama4` takes
 //! 112 x 112 tiles (8 x 8 patches and a class token, a 2 x 2 pixel shuffle:
 //! 16 embeddings a tile). The output width is
 //! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
@@ -96,9 +99,22 @@ impl MmprojConfig {
             ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
                 (self.image_size / self.patch).pow(2)
             }
+            ProjectorType::KimiK25 => {
+                let (w, h) = self.pos_grid();
+                w * h
+            }
             // One more for the class token.
             ProjectorType::Llama4 => (self.image_size / self.patch).pow(2) + 1,
         }
+    }
+}
+
+impl MmprojConfig {
+    /// Kimi K2.5's position table, `(W, H)`: `image_size / patch` wide and
+    /// three quarters of that high.
+    fn pos_grid(&self) -> (u64, u64) {
+        let side = self.image_size / self.patch;
+        (side, (side * 3 / 4).max(1))
     }
 }
 
@@ -170,11 +186,16 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     if !llama4 {
         add("v.patch_embd.bias", &[w], bias);
     }
-    add(
-        "v.position_embd.weight",
-        &[w, cfg.n_pos()],
-        Init::Normal(0.1),
-    );
+    if cfg.projector == ProjectorType::KimiK25 {
+        let (pw, ph) = cfg.pos_grid();
+        add("v.position_embd.weight", &[w, pw, ph], Init::Normal(0.1));
+    } else {
+        add(
+            "v.position_embd.weight",
+            &[w, cfg.n_pos()],
+            Init::Normal(0.1),
+        );
+    }
     for l in 0..cfg.layers {
         let b = format!("v.blk.{l}");
         add(&format!("{b}.ln1.weight"), &[w], Init::Norm);
@@ -233,7 +254,7 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             linear(&mut add, "mm.0", 4 * w, 4 * w);
             linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
         }
-        ProjectorType::KimiVl => {
+        ProjectorType::KimiVl | ProjectorType::KimiK25 => {
             // MoonViT's final LayerNorm, the projector's per-patch norm
             // (`pre_norm`) and its MLP over 2 x 2 patches (hidden width
             // 4 * w, as Kimi-VL's).
@@ -300,6 +321,20 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
         }
         ProjectorType::KimiVl | ProjectorType::Llama4 => {
             m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
+        }
+        ProjectorType::KimiK25 => {
+            // Its converter's pixel budget: 8 patches to `in_patch_limit`
+            // (16384) patches, which llama.cpp takes over its token bounds.
+            m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
+            let patch_area = (cfg.patch * cfg.patch) as u32;
+            m.push((
+                "clip.vision.image_min_pixels",
+                MetaValue::U32(8 * patch_area),
+            ));
+            m.push((
+                "clip.vision.image_max_pixels",
+                MetaValue::U32(16384 * patch_area),
+            ));
         }
     }
     m.push(("les.synth.seed", MetaValue::U64(cfg.seed)));

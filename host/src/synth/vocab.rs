@@ -40,10 +40,10 @@ pub const MEDIA_TOKENS: [&str; 6] = [
 /// others' tokens stay as they were).
 pub const QWEN_VL_TOKENS: [&str; 2] = ["<|vision_start|>", "<|vision_end|>"];
 
-/// The tokens Kimi-VL wraps an image's embeddings in, added after
-/// [`MEDIA_TOKENS`] to the vocabularies of its language model's architecture
-/// (`deepseek2`) only.
-pub const KIMI_VL_TOKENS: [&str; 2] = ["<|media_start|>", "<|media_end|>"];
+/// The tokens Kimi-VL (`<|media_start|>`) and Kimi K2.5 (`<|media_begin|>`)
+/// wrap an image's embeddings in, added after [`MEDIA_TOKENS`] to the
+/// vocabularies of their language models' architecture (`deepseek2`) only.
+pub const KIMI_VL_TOKENS: [&str; 3] = ["<|media_start|>", "<|media_begin|>", "<|media_end|>"];
 
 /// The tokens Llama 4 wraps an image's tiles and overview in, added after
 /// [`MEDIA_TOKENS`] to `llama4` vocabularies only.

@@ -6,8 +6,10 @@
 //! position embeddings and M-RoPE, a 2x2 merger and deepstack mergers) and
 //! `kimivl` (Kimi-VL's MoonViT: learned position embeddings interpolated with
 //! antialiasing, a 2-D RoPE, an n x n patch merger and a LayerNorm + GELU MLP)
-//! and `llama4` (Llama 4's: a class token, the 2-D RoPE, a pixel shuffle and a
-//! GELU MLP; 336-pixel tiles plus an overview).
+//! `kimik25` (Kimi K2.5's and GLM-5.2-V's MoonViT3d for still images: the
+//! same, its position table interpolated bicubically) and `llama4` (Llama
+//! 4's: a class token, the 2-D RoPE, a pixel shuffle and a GELU MLP;
+//! 336-pixel tiles plus an overview).
 //!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
@@ -41,6 +43,11 @@ pub enum ProjectorType {
     /// patch's column, half by its row), an n x n patch merger, LayerNorm and
     /// a GELU MLP; images of any size (within a token budget), one chunk each.
     KimiVl,
+    /// Kimi K2.5 and GLM-5.2-V (`kimik25`): Kimi-VL's tower and projector
+    /// with a `[n_embd, W, H]` position table interpolated bicubically, the
+    /// projector's norm at the file's epsilon, and the token budget of the
+    /// file (`image_min_pixels` / `image_max_pixels`) or 2 to 4096.
+    KimiK25,
     /// Llama 4 (`llama4`): a ViT over fixed-size tiles with a class token,
     /// learned position embeddings and the 2-D RoPE (by column and row, from
     /// 1; the class token at 0), a pixel shuffle of n x n patches and a
@@ -57,6 +64,7 @@ impl ProjectorType {
             ProjectorType::Gemma3 => "gemma3",
             ProjectorType::Qwen3Vl => "qwen3vl_merger",
             ProjectorType::KimiVl => "kimivl",
+            ProjectorType::KimiK25 => "kimik25",
             ProjectorType::Llama4 => "llama4",
         }
     }
@@ -68,6 +76,7 @@ impl ProjectorType {
             "gemma3" => Some(ProjectorType::Gemma3),
             "qwen3vl_merger" => Some(ProjectorType::Qwen3Vl),
             "kimivl" => Some(ProjectorType::KimiVl),
+            "kimik25" => Some(ProjectorType::KimiK25),
             "llama4" => Some(ProjectorType::Llama4),
             _ => None,
         }
@@ -81,6 +90,7 @@ impl ProjectorType {
         match self {
             ProjectorType::Qwen3Vl => Some((8, 4096)),
             ProjectorType::KimiVl => Some((8, 1024)),
+            ProjectorType::KimiK25 => Some((2, 4096)),
             ProjectorType::MiniCpmV46 | ProjectorType::Gemma3 | ProjectorType::Llama4 => None,
         }
     }
@@ -145,6 +155,10 @@ pub struct ClipHparams {
     /// (llama.cpp's `image_max_pixels`: 4096 merged tokens for Qwen3-VL, 1024
     /// for Kimi-VL); 0 for the other projectors.
     pub image_max_pixels: usize,
+    /// Kimi K2.5: the file sets the pixel budget (both
+    /// `clip.vision.image_min_pixels` and `_max_pixels`), and
+    /// `--image-min-tokens` / `--image-max-tokens` leave it, as in llama.cpp.
+    pub pixels_from_file: bool,
 }
 
 /// Where a matrix's bytes are.
@@ -378,6 +392,10 @@ pub struct ClipModel {
     pub pos_embd: Vec<f32>,
     /// Rows of `pos_embd`.
     pub n_pos: usize,
+    /// The position table's grid `(width, height)`: Kimi K2.5's from its
+    /// `[n_embd, W, H]` shape, the others' `(n_pos, 1)` (square tables are
+    /// taken as square where a tower interpolates them).
+    pub pos_grid: (usize, usize),
     /// LayerNorm before the blocks.
     pub pre_ln: Option<Norm>,
     /// The blocks.
@@ -685,7 +703,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl and llama4)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25 and llama4)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -760,13 +778,17 @@ impl ClipModel {
                 }
                 2
             }
-            ProjectorType::KimiVl => {
+            ProjectorType::KimiVl | ProjectorType::KimiK25 => {
                 // clip.cpp's patch merger asserts a factor above 1 (its
                 // default, 1, fails there).
-                let m = scale
-                    .ok_or_else(|| err("kimivl: clip.vision.projector.scale_factor is missing"))?;
+                let name = projector.name();
+                let m = scale.ok_or_else(|| {
+                    err(format!(
+                        "{name}: clip.vision.projector.scale_factor is missing"
+                    ))
+                })?;
                 if !(2..=4).contains(&m) {
-                    return Err(err(format!("kimivl: scale_factor {m} (must be 2 to 4)")));
+                    return Err(err(format!("{name}: scale_factor {m} (must be 2 to 4)")));
                 }
                 m as usize
             }
@@ -781,7 +803,8 @@ impl ClipModel {
             }
         };
         let qwen3vl = projector == ProjectorType::Qwen3Vl;
-        let kimivl = projector == ProjectorType::KimiVl;
+        let kimik25 = projector == ProjectorType::KimiK25;
+        let kimivl = projector == ProjectorType::KimiVl || kimik25;
         let llama4 = projector == ProjectorType::Llama4;
         if llama4 {
             // Its tiles are image_size a side, a whole number of shuffled
@@ -828,6 +851,23 @@ impl ClipModel {
             let merged_area = (patch_size * n_merge).pow(2);
             image_min_pixels = min_tokens * merged_area;
             image_max_pixels = max_tokens * merged_area;
+        }
+        // Kimi K2.5's converter may write its pixel budget; clip.cpp takes it
+        // where both bounds are positive.
+        let mut pixels_from_file = false;
+        if kimik25 {
+            let min = opt_u64(&g, "clip.vision.image_min_pixels")?.unwrap_or(0);
+            let max = opt_u64(&g, "clip.vision.image_max_pixels")?.unwrap_or(0);
+            if min > 0 && max > 0 {
+                let most = (MAX_IMAGE_TOKENS * (patch_size * n_merge).pow(2)) as u64;
+                if min > max || max > most {
+                    return Err(err(format!(
+                        "kimik25: image pixels {min} to {max} (at most {most}, the fewest at most the most)"
+                    )));
+                }
+                (image_min_pixels, image_max_pixels) = (min as usize, max as usize);
+                pixels_from_file = true;
+            }
         }
         // The merger's window attention goes in after the first listed layer
         // (0 when the list is absent or empty).
@@ -902,16 +942,23 @@ impl ClipModel {
             None
         };
         let pos = l.tensor("v.position_embd.weight")?;
-        if pos.dims().len() != 2
-            || pos.dims()[0] != n_embd as u64
-            || pos.dims()[1] as usize > MAX_DIM
-        {
-            return Err(err(format!(
-                "v.position_embd.weight has shape {:?}, expected [{n_embd}, N]",
-                pos.dims()
-            )));
-        }
-        let n_pos = pos.dims()[1] as usize;
+        // Kimi K2.5's table is [n_embd, W, H]; the others' [n_embd, N].
+        let pd = pos.dims();
+        let pos_grid = match (kimik25, pd.len()) {
+            (true, 3) if pd[0] == n_embd as u64 && pd[1] * pd[2] <= MAX_DIM as u64 => {
+                (pd[1] as usize, pd[2] as usize)
+            }
+            (false, 2) if pd[0] == n_embd as u64 && pd[1] as usize <= MAX_DIM => {
+                (pd[1] as usize, 1)
+            }
+            _ => {
+                let want = if kimik25 { "W, H" } else { "N" };
+                return Err(err(format!(
+                    "v.position_embd.weight has shape {pd:?}, expected [{n_embd}, {want}]"
+                )));
+            }
+        };
+        let n_pos = pos_grid.0 * pos_grid.1;
         let pos_embd = l.floats("v.position_embd.weight", n_pos * n_embd)?;
         let pre_ln = l.opt_norm("v.pre_ln", n_embd)?;
         let post_ln = l.opt_norm("v.post_ln", n_embd)?;
@@ -1101,12 +1148,15 @@ impl ClipModel {
                     out,
                 )
             }
-            ProjectorType::KimiVl => {
+            ProjectorType::KimiVl | ProjectorType::KimiK25 => {
                 let input_norm = l.norm("mm.input_norm", n_embd)?;
                 let up = l.linear_any("mm.1", n_merge * n_merge * n_embd)?;
                 let down = l.linear_any("mm.2", up.w.rows)?;
                 if up.b.is_none() || down.b.is_none() {
-                    return Err(err("kimivl: mm.1.bias and mm.2.bias are required"));
+                    return Err(err(format!(
+                        "{}: mm.1.bias and mm.2.bias are required",
+                        projector.name()
+                    )));
                 }
                 let out = down.w.rows;
                 (
@@ -1141,6 +1191,7 @@ impl ClipModel {
             n_deepstack,
             image_min_pixels,
             image_max_pixels,
+            pixels_from_file,
         };
         if projector == ProjectorType::Gemma3 {
             let side = image_size / patch_size;
@@ -1156,9 +1207,10 @@ impl ClipModel {
         if qwen3vl || kimivl {
             // clip.cpp reshapes the table to a square before interpolating it
             // (ggml's interpolation reads f32).
+            // (Kimi K2.5's table carries its own width and height.)
             let name = projector.name();
             let side = (n_pos as f64).sqrt() as usize;
-            if side * side != n_pos {
+            if side * side != n_pos && !kimik25 {
                 return Err(err(format!(
                     "{name}: {n_pos} position embeddings are not a square grid"
                 )));
@@ -1198,6 +1250,7 @@ impl ClipModel {
             patch_bias,
             pos_embd,
             n_pos,
+            pos_grid,
             pre_ln,
             layers,
             post_ln,
@@ -1246,6 +1299,9 @@ impl ClipModel {
         let Some((min_default, max_default)) = self.hp.projector.token_budget() else {
             return Ok(());
         };
+        if self.hp.pixels_from_file {
+            return Ok(());
+        }
         let min = min.unwrap_or(min_default);
         let max = max.unwrap_or(max_default);
         if min > max {

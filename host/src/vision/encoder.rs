@@ -32,7 +32,9 @@ use std::sync::{Mutex, OnceLock};
 use les_core::gemv::{vector, Isa};
 use les_core::quant::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, GgmlType};
 
-use super::clip::{ClipModel, Deepstack, FfnOp, Linear, Mat, Norm, Projector, VitLayer, VitMerger};
+use super::clip::{
+    ClipModel, Deepstack, FfnOp, Linear, Mat, Norm, Projector, ProjectorType, VitLayer, VitMerger,
+};
 use super::gemm::matmul;
 use super::preprocess::ImageF32;
 use super::VisionError;
@@ -940,6 +942,61 @@ fn merge_blocks(x: &Acts, pw: usize, ph: usize, f: usize, column_major: bool) ->
     out
 }
 
+/// ggml's bicubic interpolation (`ggml_interpolate`,
+/// `GGML_SCALE_MODE_BICUBIC`: PyTorch's convolution with `a = -0.75`, pixel
+/// centres, edges clamped, its CPU arithmetic in `f32`) of a `w0` x `h0`
+/// table of rows of `d` values (row-major) to `pw` x `ph`, as Kimi K2.5's
+/// graph runs it: the height axis is ggml's first, so each output value is
+/// the bicubic along the width of four bicubics along the height. The table
+/// itself when the sizes are equal.
+pub fn interpolate_positions_bicubic(
+    table: &[f32],
+    (w0, h0): (usize, usize),
+    d: usize,
+    pw: usize,
+    ph: usize,
+) -> Vec<f32> {
+    if (pw, ph) == (w0, h0) {
+        return table.to_vec();
+    }
+    const A: f32 = -0.75;
+    let weight1 = |x: f32| ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0;
+    let weight2 = |x: f32| ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A;
+    let cubic = |p: [f32; 4], t: f32| {
+        let w = [
+            weight2(t + 1.0),
+            weight1(t),
+            weight1(1.0 - t),
+            weight2(2.0 - t),
+        ];
+        p[0] * w[0] + p[1] * w[1] + p[2] * w[2] + p[3] * w[3]
+    };
+    // Per axis: the first tap and the fraction.
+    let axis = |out: usize, inp: usize, i: usize| {
+        let sf = out as f32 / inp as f32;
+        let x = (i as f32 + 0.5) / sf - 0.5;
+        let x0 = x.floor();
+        (x0 as i64, x - x0)
+    };
+    let clamp = |v: i64, n: usize| v.clamp(0, n as i64 - 1) as usize;
+    let mut out = Vec::with_capacity(pw * ph * d);
+    for y in 0..ph {
+        // ggml's "x": the height axis.
+        let (hy0, dh) = axis(ph, h0, y);
+        for x in 0..pw {
+            let (wx0, dw) = axis(pw, w0, x);
+            for c in 0..d {
+                let at = |wo: i64, ho: i64| {
+                    table[(clamp(hy0 + ho, h0) * w0 + clamp(wx0 + wo, w0)) * d + c]
+                };
+                let along_h = |wo: i64| cubic([at(wo, -1), at(wo, 0), at(wo, 1), at(wo, 2)], dh);
+                out.push(cubic([along_h(-1), along_h(0), along_h(1), along_h(2)], dw));
+            }
+        }
+    }
+    out
+}
+
 /// Kimi-VL's tower on a `pw` x `ph` patch grid (both multiples of the
 /// merge): see [`encode`].
 fn encode_kimivl(
@@ -958,14 +1015,20 @@ fn encode_kimivl(
     let patches = patch_rows(img, hp.patch_size, pw, 0..pw * ph);
     let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
     drop(patches);
-    // The learned position embeddings, interpolated to the grid.
+    // The learned position embeddings, interpolated to the grid: Kimi-VL's
+    // square table with antialiasing, Kimi K2.5's W x H one bicubically.
+    let kimik25 = hp.projector == ProjectorType::KimiK25;
     let side = (m.n_pos as f64).sqrt() as usize;
-    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+    if m.pos_embd.len() != m.n_pos * d || (!kimik25 && side * side != m.n_pos) {
         return Err(VisionError::Shape(
             "position embeddings are not a square table",
         ));
     }
-    let pos = interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph);
+    let pos = if kimik25 {
+        interpolate_positions_bicubic(&m.pos_embd, m.pos_grid, d, pw, ph)
+    } else {
+        interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph)
+    };
     add_in_place(
         &mut x,
         &Acts {
@@ -988,7 +1051,8 @@ fn encode_kimivl(
         x = layer_norm(&x, ln, hp.eps);
     }
     // Each f x f block of patches as one row (blocks row by row), each
-    // patch normalised (clip.cpp's fixed epsilon), then the MLP.
+    // patch normalised (Kimi-VL: clip.cpp's fixed epsilon; Kimi K2.5: the
+    // file's), then the MLP.
     let (gw, gh) = (pw / f, ph / f);
     let merged = merge_blocks(&x, pw, ph, f, false);
     drop(x);
@@ -999,7 +1063,7 @@ fn encode_kimivl(
             x: merged,
         },
         input_norm,
-        1e-5,
+        if kimik25 { hp.eps } else { 1e-5 },
     );
     let normed = Acts {
         n: gw * gh,

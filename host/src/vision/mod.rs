@@ -11,8 +11,8 @@
 //!   and weights, for projector types `minicpmv4_6` (MiniCPM-V 4.6 and 4.7),
 //!   `gemma3`, `qwen3vl_merger` (Qwen3-VL; its rows carry the deepstack
 //!   features after the embedding: [`ClipModel::row_width`], and its tokens
-//!   form a grid: [`merged_grid`]), `kimivl` (Kimi-VL) and `llama4`
-//!   (Llama 4).
+//!   form a grid: [`merged_grid`]), `kimivl` (Kimi-VL), `kimik25` (Kimi
+//!   K2.5, GLM-5.2-V) and `llama4` (Llama 4).
 //! - [`encoder`]: the ViT and projector forward pass, multi-threaded.
 //! - [`prompt`]: the image embeddings spliced into the token sequence with the
 //!   model's special tokens.
@@ -114,7 +114,7 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: (0, 0),
             }
         }
-        ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
+        ProjectorType::Qwen3Vl | ProjectorType::KimiVl | ProjectorType::KimiK25 => {
             // llama.cpp's dyn_size preprocessor: bicubic into the smart size,
             // aspect kept and centred on black (its default PAD_CEIL).
             let (w, h) = dyn_size(m, (img.width, img.height));
@@ -208,7 +208,7 @@ pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
             chunk_tokens: vec![tokens((m.hp.image_size, m.hp.image_size))],
             grid: (0, 0),
         },
-        ProjectorType::Qwen3Vl | ProjectorType::KimiVl => ImageLayout {
+        ProjectorType::Qwen3Vl | ProjectorType::KimiVl | ProjectorType::KimiK25 => ImageLayout {
             chunk_tokens: vec![tokens(dyn_size(m, size))],
             grid: (0, 0),
         },
@@ -233,7 +233,10 @@ pub fn encode_image(
     // Qwen3-VL's merged patches).
     let chunk_grids = match m.hp.projector {
         ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => Vec::new(),
-        ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
+        ProjectorType::Gemma3
+        | ProjectorType::Qwen3Vl
+        | ProjectorType::KimiVl
+        | ProjectorType::KimiK25 => {
             vec![merged_grid(m, img.width, img.height)]
         }
     };

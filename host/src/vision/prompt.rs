@@ -12,6 +12,9 @@
 //! - Gemma 3: `<start_of_image>` embeddings `<end_of_image>`;
 //! - Qwen3-VL: `<|vision_start|>` embeddings `<|vision_end|>`;
 //! - Kimi-VL: `<|media_start|>` embeddings `<|media_end|>`;
+//! - Kimi K2.5: `<|media_begin|>` embeddings `<|media_end|>`, or GLM-5.2-V's
+//!   `<|begin_of_image|>` embeddings `<|end_of_image|>` where the vocabulary
+//!   has those (llama.cpp decides so);
 //! - Llama 4: `<|image_start|>`, each tile row by row, the overview,
 //!   `<|image_end|>` (llama.cpp's template, without separators).
 //!
@@ -318,11 +321,16 @@ fn lay_out<I: ImageChunks>(
         ProjectorType::Gemma3
         | ProjectorType::Qwen3Vl
         | ProjectorType::KimiVl
+        | ProjectorType::KimiK25
         | ProjectorType::Llama4 => None,
     };
     let (begin, end) = match projector {
         ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
         ProjectorType::KimiVl => ("<|media_start|>", "<|media_end|>"),
+        ProjectorType::KimiK25 if lookup_token(tok, "<|begin_of_image|>").is_some() => {
+            ("<|begin_of_image|>", "<|end_of_image|>")
+        }
+        ProjectorType::KimiK25 => ("<|media_begin|>", "<|media_end|>"),
         ProjectorType::Llama4 => ("<|image_start|>", "<|image_end|>"),
         _ => ("<start_of_image>", "<end_of_image>"),
     };
