@@ -15,11 +15,12 @@
 //! does.
 
 mod cli;
+mod common;
 
 use std::path::{Path, PathBuf};
 
 use cli::{les, stdout_ok, tmp, tokens, F32_WEIGHTS};
-use les::gguf::Gguf;
+use les::gguf::{Gguf, MetaValue};
 use les::synth::{write_mmproj, MmprojConfig};
 use les::vision::ProjectorType;
 use les_core::quant::GgmlType;
@@ -120,6 +121,39 @@ fn kimik25_image_prompt_streams_exactly_on_every_schedule() {
         &["--image-max-tokens", "20"],
     );
     assert_eq!(same["stats"]["image_tokens"], 99);
+}
+
+/// GLM-5.2-V reuses Kimi K2.5's projector with its own markers: a
+/// vocabulary holding `<|begin_of_image|>` gets the image between it and
+/// `<|end_of_image|>` (llama.cpp's choice), here a Kimi model's vocabulary
+/// with two markers renamed.
+#[test]
+fn kimik25_takes_glm_markers_where_the_vocabulary_has_them() {
+    let (lm, mm) = models(ProjectorType::KimiK25, "glm", &[]);
+    let glm = tmp("vlm_kimik25_glm_markers.gguf");
+    let rename = |t: String| match t.as_str() {
+        "<|media_start|>" => "<|begin_of_image|>".to_string(),
+        "<|media_begin|>" => "<|end_of_image|>".to_string(),
+        _ => t,
+    };
+    let tokens: Vec<String> = Gguf::open(&lm)
+        .unwrap()
+        .get_array("tokenizer.ggml.tokens")
+        .unwrap()
+        .iter()
+        .map(|t| rename(t.as_str().unwrap().to_string()))
+        .collect();
+    common::rewrite_gguf(
+        &lm,
+        &glm,
+        |k, v| (k != "tokenizer.ggml.tokens").then_some(v),
+        vec![("tokenizer.ggml.tokens", MetaValue::strings(tokens))],
+    );
+    let (run, _) = cli::run_with_image(&glm, &mm, "glm", &[]);
+    let prompt = run["prompt_tokens"].as_array().unwrap();
+    let first = prompt.iter().position(|t| t.is_null()).unwrap();
+    assert_eq!(prompt[first - 1], token_id(&glm, "<|begin_of_image|>"));
+    assert_eq!(prompt[first + 99], token_id(&glm, "<|end_of_image|>"));
 }
 
 /// Llama 4: a 320 x 240 image is 3 x 3 tiles of 112 pixels (the 336 x 336
