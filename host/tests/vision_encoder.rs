@@ -571,15 +571,27 @@ fn bilinear_antialiased(pos: &[f32], side: usize, d: usize, pw: usize, ph: usize
             })
             .collect()
     };
-    let (wx, wy) = (weights(pw), weights(ph));
+    separable(pos, side, d, &weights(pw), &weights(ph))
+}
+
+/// The `pw` x `ph` grid whose point `(x, y)` sums the table's rows (a table
+/// `w0` wide, rows of `d`) weighted by `wx[x]`'s and `wy[y]`'s taps
+/// (`(index, weight)`) multiplied, in `f64`.
+fn separable(
+    pos: &[f32],
+    w0: usize,
+    d: usize,
+    wx: &[Vec<(usize, f64)>],
+    wy: &[Vec<(usize, f64)>],
+) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
-    for ys in &wy {
-        for xs in &wx {
+    for ys in wy {
+        for xs in wx {
             let mut row = vec![0f64; d];
             for &(y, a) in ys {
                 for &(x, b) in xs {
                     for (c, r) in row.iter_mut().enumerate() {
-                        *r += a * b * f64::from(pos[(y * side + x) * d + c]);
+                        *r += a * b * f64::from(pos[(y * w0 + x) * d + c]);
                     }
                 }
             }
@@ -607,37 +619,22 @@ fn bicubic(pos: &[f32], (w0, h0): (usize, usize), d: usize, pw: usize, ph: usize
         }
     };
     // Per output coordinate: four (clamped index, weight) taps.
-    let taps = |out: usize, inp: usize| -> Vec<[(usize, f64); 4]> {
+    let taps = |out: usize, inp: usize| -> Vec<Vec<(usize, f64)>> {
         (0..out)
             .map(|i| {
                 let x = (i as f64 + 0.5) * inp as f64 / out as f64 - 0.5;
                 let x0 = x.floor();
                 let t = x - x0;
-                let mut k = [(0, 0.0); 4];
-                for (j, tap) in k.iter_mut().enumerate() {
-                    let at = (x0 as i64 + j as i64 - 1).clamp(0, inp as i64 - 1) as usize;
-                    *tap = (at, kernel(t - (j as f64 - 1.0)));
-                }
-                k
+                (0..4)
+                    .map(|j| {
+                        let at = (x0 as i64 + j - 1).clamp(0, inp as i64 - 1) as usize;
+                        (at, kernel(t - (j as f64 - 1.0)))
+                    })
+                    .collect()
             })
             .collect()
     };
-    let (tx, ty) = (taps(pw, w0), taps(ph, h0));
-    let mut out = Vec::new();
-    for ys in &ty {
-        for xs in &tx {
-            let mut row = vec![0f64; d];
-            for &(y, a) in ys {
-                for &(x, b) in xs {
-                    for (c, r) in row.iter_mut().enumerate() {
-                        *r += a * b * f64::from(pos[(y * w0 + x) * d + c]);
-                    }
-                }
-            }
-            out.push(row.into_iter().map(|v| v as f32).collect());
-        }
-    }
-    out
+    separable(pos, w0, d, &taps(pw, w0), &taps(ph, h0))
 }
 
 /// Rotates each head of `x` (tokens row-major on a `pw`-wide grid) as
