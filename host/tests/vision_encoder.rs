@@ -1613,6 +1613,7 @@ fn malformed_kimik25_files_are_errors() {
         &[
             ("v.position_embd.weight", "v.position_embd.weight"),
             ("mm.input_norm.weight", "mm.input_norm.weight"),
+            ("mm.input_norm.bias", "mm.input_norm.bias"),
             ("mm.2.bias", "mm.2.bias"),
         ],
         Some((42, 56)),
@@ -1762,6 +1763,7 @@ fn malformed_kimivl_files_are_errors() {
         ],
         &[
             ("mm.input_norm.weight", "mm.input_norm.weight"),
+            ("mm.input_norm.bias", "mm.input_norm.bias"),
             ("mm.1.bias", "mm.1.bias"),
             ("mm.2.weight", "mm.2.weight"),
             ("v.blk.1.attn_k.weight", "v.blk.1.attn_k.weight"),

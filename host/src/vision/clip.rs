@@ -1150,6 +1150,13 @@ impl ClipModel {
             }
             ProjectorType::KimiVl | ProjectorType::KimiK25 => {
                 let input_norm = l.norm("mm.input_norm", n_embd)?;
+                // clip.cpp requires the norm's bias too.
+                if input_norm.b.is_none() {
+                    return Err(err(format!(
+                        "{}: tensor mm.input_norm.bias is missing",
+                        projector.name()
+                    )));
+                }
                 let up = l.linear_any("mm.1", n_merge * n_merge * n_embd)?;
                 let down = l.linear_any("mm.2", up.w.rows)?;
                 if up.b.is_none() || down.b.is_none() {
