@@ -176,18 +176,42 @@ struct Hp {
     eps: f32,
 }
 
-fn vit_block(w: &Weights, hp: &Hp, l: usize, x: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+/// A tower without position rotation (`vit_block`'s `rope`).
+fn no_rope(_: &mut [Vec<f32>]) {}
+
+/// ViT block `l`: LayerNorm, attention (queries, keys and values from
+/// `attn_q`/`attn_k`/`attn_v`, or split from a fused `attn_qkv`; queries and
+/// keys turned by `rope`), the residual, LayerNorm, a GELU FFN, the residual.
+fn vit_block(
+    w: &Weights,
+    hp: &Hp,
+    l: usize,
+    x: Vec<Vec<f32>>,
+    rope: &dyn Fn(&mut [Vec<f32>]),
+) -> Vec<Vec<f32>> {
     let b = format!("v.blk.{l}");
     let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
-    let q = linear(w, &format!("{b}.attn_q"), &h);
-    let k = linear(w, &format!("{b}.attn_k"), &h);
-    let v = linear(w, &format!("{b}.attn_v"), &h);
+    let (mut q, mut k, v) = if w.has(&format!("{b}.attn_qkv.weight")) {
+        let qkv = linear(w, &format!("{b}.attn_qkv"), &h);
+        let d = hp.width;
+        let part = |i: usize| -> Vec<Vec<f32>> {
+            qkv.iter().map(|r| r[i * d..(i + 1) * d].to_vec()).collect()
+        };
+        (part(0), part(1), part(2))
+    } else {
+        (
+            linear(w, &format!("{b}.attn_q"), &h),
+            linear(w, &format!("{b}.attn_k"), &h),
+            linear(w, &format!("{b}.attn_v"), &h),
+        )
+    };
+    rope(&mut q);
+    rope(&mut k);
     let a = attention(&q, &k, &v, hp.heads, None);
     let a = linear(w, &format!("{b}.attn_out"), &a);
     let x = add(&a, &x);
     let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
-    let mut u = linear(w, &format!("{b}.ffn_up"), &h);
-    u.iter_mut().flatten().for_each(|v| *v = gelu(*v));
+    let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
     let f = linear(w, &format!("{b}.ffn_down"), &u);
     add(&x, &f)
 }
@@ -261,7 +285,7 @@ fn reference_minicpmv46(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     }
     let insert = 0;
     for l in 0..=insert {
-        x = vit_block(w, hp, l, x);
+        x = vit_block(w, hp, l, x, &no_rope);
     }
     // Window attention: reorder to window-major, block-diagonal mask, reorder back.
     let (hh, hw) = (ph / 2, pw / 2);
@@ -306,7 +330,7 @@ fn reference_minicpmv46(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     let d = linear(w, "v.vit_merger.ds_ffn_down", &u);
     let mut x = add(&d, &mean);
     for l in insert + 1..hp.layers {
-        x = vit_block(w, hp, l, x);
+        x = vit_block(w, hp, l, x, &no_rope);
     }
     let x = layer_norm(w, "v.post_ln", &x, hp.eps);
     // Final merger over the hw x hh grid.
@@ -333,7 +357,7 @@ fn reference_gemma3(w: &Weights, hp: &Hp, img: &ImageF32, k: usize) -> Vec<Vec<f
         }
     }
     for l in 0..hp.layers {
-        x = vit_block(w, hp, l, x);
+        x = vit_block(w, hp, l, x, &no_rope);
     }
     let x = layer_norm(w, "v.post_ln", &x, hp.eps);
     let o = side / k;
@@ -512,22 +536,7 @@ fn reference_qwen3vl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     x = add(&x, &pos);
     let mut features = Vec::new();
     for l in 0..hp.layers {
-        let b = format!("v.blk.{l}");
-        let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
-        let qkv = linear(w, &format!("{b}.attn_qkv"), &h);
-        let part = |i: usize| -> Vec<Vec<f32>> {
-            qkv.iter().map(|r| r[i * d..(i + 1) * d].to_vec()).collect()
-        };
-        let (mut q, mut k, v) = (part(0), part(1), part(2));
-        mrope_vision(&mut q, hp.heads, pw);
-        mrope_vision(&mut k, hp.heads, pw);
-        let a = attention(&q, &k, &v, hp.heads, None);
-        let a = linear(w, &format!("{b}.attn_out"), &a);
-        x = add(&a, &x);
-        let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
-        let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
-        let f = linear(w, &format!("{b}.ffn_down"), &u);
-        x = add(&x, &f);
+        x = vit_block(w, hp, l, x, &|t| mrope_vision(t, hp.heads, pw));
         let ds = format!("v.deepstack.{l}");
         if w.has(&format!("{ds}.fc1.weight")) {
             let h = layer_norm(w, &format!("{ds}.norm"), &merge_2x2(&x, pw, ph), hp.eps);
@@ -691,20 +700,7 @@ fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
         x = add(&x, &bilinear_antialiased(&pos, side, d, pw, ph));
     }
     for l in 0..hp.layers {
-        let b = format!("v.blk.{l}");
-        let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
-        let mut q = linear(w, &format!("{b}.attn_q"), &h);
-        let mut k = linear(w, &format!("{b}.attn_k"), &h);
-        let v = linear(w, &format!("{b}.attn_v"), &h);
-        rope_2d(&mut q, hp.heads, pw);
-        rope_2d(&mut k, hp.heads, pw);
-        let a = attention(&q, &k, &v, hp.heads, None);
-        let a = linear(w, &format!("{b}.attn_out"), &a);
-        x = add(&a, &x);
-        let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
-        let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
-        let f = linear(w, &format!("{b}.ffn_down"), &u);
-        x = add(&x, &f);
+        x = vit_block(w, hp, l, x, &|t| rope_2d(t, hp.heads, pw));
     }
     let x = layer_norm(w, "v.post_ln", &x, hp.eps);
     let normed = layer_norm(w, "mm.input_norm", &x, if kimik25 { hp.eps } else { 1e-5 });
@@ -748,20 +744,7 @@ fn reference_llama4(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
         (0..pw * ph).map(|t| (t % pw + 1, t / pw + 1)).collect();
     positions.push((0, 0));
     for l in 0..hp.layers {
-        let b = format!("v.blk.{l}");
-        let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
-        let mut q = linear(w, &format!("{b}.attn_q"), &h);
-        let mut k = linear(w, &format!("{b}.attn_k"), &h);
-        let v = linear(w, &format!("{b}.attn_v"), &h);
-        rope_2d_at(&mut q, hp.heads, &positions);
-        rope_2d_at(&mut k, hp.heads, &positions);
-        let a = attention(&q, &k, &v, hp.heads, None);
-        let a = linear(w, &format!("{b}.attn_out"), &a);
-        x = add(&a, &x);
-        let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
-        let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
-        let f = linear(w, &format!("{b}.ffn_down"), &u);
-        x = add(&x, &f);
+        x = vit_block(w, hp, l, x, &|t| rope_2d_at(t, hp.heads, &positions));
     }
     let x = layer_norm(w, "v.post_ln", &x, hp.eps);
     let mut shuffled = Vec::new();
@@ -919,27 +902,47 @@ fn qwen3vl_encoder_matches_the_reference() {
         assert_eq!(model.row_width(), 48 * (1 + deepstack as usize));
         let w = Weights(Gguf::open(&path).unwrap());
         let hp = hp_of(&cfg);
-        let mut pool = Pool::new(3);
         // The table's own 16 x 16 grid (no interpolation), grids smaller and
         // larger than it, square and not, wide and tall.
-        for (iw, ih) in [(256, 256), (96, 64), (64, 160), (320, 96), (32, 32)] {
-            let img = test_image(iw, ih, 7);
-            let mut ctx = Ctx {
-                pool: &mut pool,
-                isa: Isa::detect(),
-            };
-            let got = encode(&mut ctx, &model, &img).unwrap();
-            let tokens = (iw / 32) * (ih / 32);
-            assert_eq!(output_tokens(&model, iw, ih), tokens);
-            assert_eq!(got.len(), tokens * model.row_width());
-            let want = reference_qwen3vl(&w, &hp, &img);
-            compare(
-                &got,
-                &want,
-                &format!("qwen3vl_merger {name} {iw}x{ih}"),
-                tolerance(ty),
-            );
-        }
+        encodes_as_reference(
+            &model,
+            &[(256, 256), (96, 64), (64, 160), (320, 96), (32, 32)],
+            32,
+            &|img| reference_qwen3vl(&w, &hp, img),
+            &format!("qwen3vl_merger {name}"),
+            tolerance(ty),
+        );
+    }
+}
+
+/// `model`'s tower on a test image of each of `sizes` makes one row of
+/// `row_width` values per `merged` x `merged` pixels, within `tolerance` of
+/// `reference`'s (`what` names the case).
+fn encodes_as_reference(
+    model: &ClipModel,
+    sizes: &[(usize, usize)],
+    merged: usize,
+    reference: &dyn Fn(&ImageF32) -> Vec<Vec<f32>>,
+    what: &str,
+    tolerance: f64,
+) {
+    let mut pool = Pool::new(3);
+    for &(iw, ih) in sizes {
+        let img = test_image(iw, ih, 7);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa: Isa::detect(),
+        };
+        let got = encode(&mut ctx, model, &img).unwrap();
+        let tokens = (iw / merged) * (ih / merged);
+        assert_eq!(output_tokens(model, iw, ih), tokens, "{what} {iw}x{ih}");
+        assert_eq!(got.len(), tokens * model.row_width(), "{what} {iw}x{ih}");
+        compare(
+            &got,
+            &reference(&img),
+            &format!("{what} {iw}x{ih}"),
+            tolerance,
+        );
     }
 }
 
@@ -957,27 +960,16 @@ fn kimivl_encoder_matches_the_reference() {
         assert_eq!(model.row_width(), 48);
         let w = Weights(Gguf::open(&path).unwrap());
         let hp = hp_of(&cfg);
-        let mut pool = Pool::new(3);
         // The table's own 16 x 16 grid (no interpolation), grids smaller and
         // larger than it (up and down on each axis), square and not.
-        for (iw, ih) in [(224, 224), (84, 56), (56, 168), (336, 84), (28, 28)] {
-            let img = test_image(iw, ih, 7);
-            let mut ctx = Ctx {
-                pool: &mut pool,
-                isa: Isa::detect(),
-            };
-            let got = encode(&mut ctx, &model, &img).unwrap();
-            let tokens = (iw / 28) * (ih / 28);
-            assert_eq!(output_tokens(&model, iw, ih), tokens);
-            assert_eq!(got.len(), tokens * 48);
-            let want = reference_kimivl(&w, &hp, &img);
-            compare(
-                &got,
-                &want,
-                &format!("kimivl {name} {iw}x{ih}"),
-                tolerance(ty),
-            );
-        }
+        encodes_as_reference(
+            &model,
+            &[(224, 224), (84, 56), (56, 168), (336, 84), (28, 28)],
+            28,
+            &|img| reference_kimivl(&w, &hp, img),
+            &format!("kimivl {name}"),
+            tolerance(ty),
+        );
     }
 }
 
