@@ -357,6 +357,31 @@ fn resident(m: &Model) -> Vec<Vec<f32>> {
     Buffers::new(m, TOKENS.len()).run(m, &mut resident_experts(m), None, 0, &TOKENS)
 }
 
+/// The les schedule streaming `experts` through `slots` (predictions on,
+/// a top-`TOP_K` lookahead one layer ahead on every layer of `n_layers`),
+/// its completion order and faults picked by `seed`.
+fn les_run<'a>(
+    experts: &'a PackedExperts<'a>,
+    n_layers: usize,
+    slots: usize,
+    seed: u64,
+) -> StreamedRun<'a> {
+    StreamedRun {
+        experts,
+        n_layers,
+        n_experts: N_EXP,
+        slots,
+        predict: true,
+        seed,
+        config: SchedulerConfig::les(),
+        lookahead: Lookahead {
+            predictor: PredictorConfig::top_k(TOP_K),
+            layers: LayerMask::first(n_layers).unwrap(),
+            depth: 1,
+        },
+    }
+}
+
 fn streamed(
     m: &Model,
     slots: usize,
@@ -505,22 +530,9 @@ fn batched_prefill_equals_one_position_at_a_time() {
     }
     let experts = m.packed();
     for (seed, slots) in [(3, TOP_K), (4, 5), (5, 16)] {
-        let got = StreamedRun {
-            experts: &experts,
-            n_layers: m.hp.n_layers,
-            n_experts: N_EXP,
-            slots,
-            predict: true,
-            seed,
-            config: SchedulerConfig::les(),
-            lookahead: Lookahead {
-                predictor: PredictorConfig::top_k(TOP_K),
-                layers: LayerMask::first(m.hp.n_layers).unwrap(),
-                depth: 1,
-            },
-        }
-        .run(&mut Batched(&m))
-        .logits;
+        let got = les_run(&experts, m.hp.n_layers, slots, seed)
+            .run(&mut Batched(&m))
+            .logits;
         assert_bits_eq(
             &got[..4],
             &want[..4],
@@ -936,22 +948,9 @@ fn image_places_and_deepstack_features_match_the_reference() {
     }
     let experts = m.packed();
     for (seed, slots, batched) in [(3, TOP_K, false), (4, 5, true), (5, 3, true)] {
-        let got = StreamedRun {
-            experts: &experts,
-            n_layers: m.hp.n_layers,
-            n_experts: N_EXP,
-            slots,
-            predict: true,
-            seed,
-            config: SchedulerConfig::les(),
-            lookahead: Lookahead {
-                predictor: PredictorConfig::top_k(TOP_K),
-                layers: LayerMask::first(m.hp.n_layers).unwrap(),
-                depth: 1,
-            },
-        }
-        .run(&mut Image(&m, &prompt, batched))
-        .logits;
+        let got = les_run(&experts, m.hp.n_layers, slots, seed)
+            .run(&mut Image(&m, &prompt, batched))
+            .logits;
         assert_bits_eq(
             &got,
             &want,
