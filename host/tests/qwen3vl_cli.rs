@@ -218,21 +218,7 @@ fn vl_models(tag: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
 
 /// A model of `arch` and a Qwen3-VL projector for it from one `les synth`.
 fn models_of(arch: &str, tag: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
-    let (lm, mm) = (
-        tmp(&format!("{arch}_{tag}.gguf")),
-        tmp(&format!("{arch}_{tag}_mmproj.gguf")),
-    );
-    let out = les()
-        .args(["synth", "--arch", arch, "--preset", "tiny", "--quiet", "-o"])
-        .arg(&lm)
-        .arg("--mmproj-out")
-        .arg(&mm)
-        .args(["--projector", "qwen3vl_merger"])
-        .args(extra)
-        .output()
-        .unwrap();
-    stdout_ok(out, "les synth");
-    (lm, mm)
+    cli::synth_with_projector(arch, "qwen3vl_merger", &format!("{arch}_{tag}"), extra)
 }
 
 /// `les run --image` on Qwen3-VL: the image between `<|vision_start|>` and

@@ -748,19 +748,8 @@ fn multimodal_decode_on_qwen35moe_equals_llama_cpps() {
 }
 
 fn decode_equals_llama_cpps(arch: &str, tolerance: f32) {
-    let (lm, mm) = (
-        tmp(&format!("mtmd_lm_f32_{arch}.gguf")),
-        tmp(&format!("mtmd_mm_f16_{arch}.gguf")),
-    );
-    let out = les()
-        .args(["synth", "--arch", arch, "--preset", "tiny", "--quiet", "-o"])
-        .arg(&lm)
-        .arg("--mmproj-out")
-        .arg(&mm)
-        .args(cli::F32_WEIGHTS)
-        .output()
-        .unwrap();
-    ok(out);
+    let name = format!("mtmd_lm_f32_{arch}");
+    let (lm, mm) = cli::synth_with_projector(arch, "minicpmv4_6", &name, &cli::F32_WEIGHTS);
     let prompt = "What is in <__media__>? It is";
     for img in cli::decode_images(arch) {
         let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, arch);

@@ -19,7 +19,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use cli::{les, stdout_ok, tmp, tokens, F32_WEIGHTS};
+use cli::{tmp, tokens, F32_WEIGHTS};
 use les::gguf::{Gguf, MetaValue};
 use les::synth::{write_mmproj, MmprojConfig};
 use les::vision::ProjectorType;
@@ -37,22 +37,12 @@ fn arch_of(projector: ProjectorType) -> &'static str {
 /// A model and a `projector` for it from one `les synth`.
 fn models(projector: ProjectorType, tag: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
     let name = projector.name();
-    let (lm, mm) = (
-        tmp(&format!("vlm_{name}_{tag}.gguf")),
-        tmp(&format!("vlm_{name}_{tag}_mmproj.gguf")),
-    );
-    let out = les()
-        .args(["synth", "--arch", arch_of(projector), "--preset", "tiny"])
-        .args(["--quiet", "-o"])
-        .arg(&lm)
-        .arg("--mmproj-out")
-        .arg(&mm)
-        .args(["--projector", name])
-        .args(extra)
-        .output()
-        .unwrap();
-    stdout_ok(out, "les synth");
-    (lm, mm)
+    cli::synth_with_projector(
+        arch_of(projector),
+        name,
+        &format!("vlm_{name}_{tag}"),
+        extra,
+    )
 }
 
 /// The id of the token `text` in the model at `lm`.

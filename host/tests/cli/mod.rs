@@ -514,3 +514,28 @@ pub fn assert_image_runs_agree(run: &ImageRun<'_>, want: &Value, want_logits: &[
         assert!(logits == want_logits, "{what} {tag}: logits differ");
     }
 }
+
+/// A tiny model of `arch` and a `projector` for it from one `les synth`,
+/// with `extra` arguments: `{name}.gguf` and `{name}_mmproj.gguf`.
+pub fn synth_with_projector(
+    arch: &str,
+    projector: &str,
+    name: &str,
+    extra: &[&str],
+) -> (PathBuf, PathBuf) {
+    let (lm, mm) = (
+        tmp(&format!("{name}.gguf")),
+        tmp(&format!("{name}_mmproj.gguf")),
+    );
+    let out = les()
+        .args(["synth", "--arch", arch, "--preset", "tiny", "--quiet", "-o"])
+        .arg(&lm)
+        .arg("--mmproj-out")
+        .arg(&mm)
+        .args(["--projector", projector])
+        .args(extra)
+        .output()
+        .unwrap();
+    stdout_ok(out, "les synth");
+    (lm, mm)
+}
