@@ -1880,16 +1880,6 @@ fn malformed_qwen3vl_files_are_errors() {
 /// `scripts/mtmd_llama.py` with `args` (a mode and its arguments), its JSON
 /// output; panics with its error output where it fails.
 fn mtmd_llama<'a>(args: impl IntoIterator<Item = &'a std::ffi::OsStr>) -> serde_json::Value {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let args: Vec<&std::ffi::OsStr> = args.into_iter().collect();
+    common::python("mtmd_llama.py", &args)
 }
