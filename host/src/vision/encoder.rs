@@ -962,35 +962,36 @@ pub fn interpolate_positions_bicubic(
     const A: f32 = -0.75;
     let weight1 = |x: f32| ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0;
     let weight2 = |x: f32| ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A;
-    let cubic = |p: [f32; 4], t: f32| {
-        let w = [
-            weight2(t + 1.0),
-            weight1(t),
-            weight1(1.0 - t),
-            weight2(2.0 - t),
-        ];
-        p[0] * w[0] + p[1] * w[1] + p[2] * w[2] + p[3] * w[3]
-    };
-    // Per axis: the first tap and the fraction.
-    let axis = |out: usize, inp: usize, i: usize| {
+    // Per output coordinate of an axis: its four taps (edges clamped) and
+    // their weights, the same for every value of a row.
+    let axis = |out: usize, inp: usize| -> Vec<([usize; 4], [f32; 4])> {
         let sf = out as f32 / inp as f32;
-        let x = (i as f32 + 0.5) / sf - 0.5;
-        let x0 = x.floor();
-        (x0 as i64, x - x0)
+        (0..out)
+            .map(|i| {
+                let x = (i as f32 + 0.5) / sf - 0.5;
+                let x0 = x.floor();
+                let t = x - x0;
+                let at = |o: i64| (x0 as i64 + o).clamp(0, inp as i64 - 1) as usize;
+                let taps = [at(-1), at(0), at(1), at(2)];
+                let w = [
+                    weight2(t + 1.0),
+                    weight1(t),
+                    weight1(1.0 - t),
+                    weight2(2.0 - t),
+                ];
+                (taps, w)
+            })
+            .collect()
     };
-    let clamp = |v: i64, n: usize| v.clamp(0, n as i64 - 1) as usize;
+    let cubic = |p: [f32; 4], w: &[f32; 4]| p[0] * w[0] + p[1] * w[1] + p[2] * w[2] + p[3] * w[3];
+    // ggml's "x" is the height axis, its "y" the width.
+    let (hs, ws) = (axis(ph, h0), axis(pw, w0));
     let mut out = Vec::with_capacity(pw * ph * d);
-    for y in 0..ph {
-        // ggml's "x": the height axis.
-        let (hy0, dh) = axis(ph, h0, y);
-        for x in 0..pw {
-            let (wx0, dw) = axis(pw, w0, x);
+    for (ht, hw) in &hs {
+        for (wt, ww) in &ws {
             for c in 0..d {
-                let at = |wo: i64, ho: i64| {
-                    table[(clamp(hy0 + ho, h0) * w0 + clamp(wx0 + wo, w0)) * d + c]
-                };
-                let along_h = |wo: i64| cubic([at(wo, -1), at(wo, 0), at(wo, 1), at(wo, 2)], dh);
-                out.push(cubic([along_h(-1), along_h(0), along_h(1), along_h(2)], dw));
+                let along_h = |wx: usize| cubic(ht.map(|hy| table[(hy * w0 + wx) * d + c]), hw);
+                out.push(cubic(wt.map(along_h), ww));
             }
         }
     }
@@ -1099,14 +1100,9 @@ fn encode_llama4(
     drop(patches);
     x.x.extend_from_slice(class_embd);
     x.n += 1;
-    add_in_place(
-        &mut x,
-        &Acts {
-            n: n + 1,
-            dim: d,
-            x: m.pos_embd.clone(),
-        },
-    );
+    for (v, e) in x.x.iter_mut().zip(&m.pos_embd) {
+        *v += e;
+    }
     if let Some(ln) = &m.pre_ln {
         x = layer_norm(&x, ln, hp.eps);
     }
