@@ -149,7 +149,10 @@ fn build_with(
         linear: Some((2, LinearShape::DeltaNet(d))),
         n_ffn_only_layers: 0,
         attn_output_gate: true,
-        rope_sections: sections,
+        rope_sections: sections.map(|sections| les_core::model::config::Mrope {
+            sections,
+            interleaved: true,
+        }),
         n_deepstack: 0,
         mla: None,
     };

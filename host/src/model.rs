@@ -13,7 +13,7 @@ use std::path::Path;
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
     AttnTemperature, AttnWindow, DeltaNetShape, ExpertAct, Hparams, HybridParams, LinearShape,
-    Mamba2Shape, MlaShape, MoeParams, Scales, SlidingWindow,
+    Mamba2Shape, MlaShape, MoeParams, Mrope, Scales, SlidingWindow,
 };
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
@@ -1041,7 +1041,10 @@ fn hybrid_params(
     // qwen35moe rotates by sections (IMRoPE); qwen3next by plain NeoX RoPE.
     let rope_sections = match arch {
         Arch::Qwen3Next => None,
-        _ => Some(rope_sections(g, a)?),
+        _ => Some(Mrope {
+            sections: rope_sections(g, a)?,
+            interleaved: true,
+        }),
     };
     let hy = HybridParams {
         n_attn_layers: hp.n_layers - n_linear,
@@ -1567,20 +1570,18 @@ impl Model {
             _ => None,
         };
         let rope_yarn = rope_scaling(&g, a, n_ctx_train)?;
-        // GLM-4.xV's language models carry M-RoPE sections (llama.cpp then
-        // rotates by image positions too); LES runs glm4moe text models only.
-        if arch == Arch::Glm4Moe && g.get(&k("rope.dimension_sections")).is_some() {
-            let any = g
-                .get_array(&k("rope.dimension_sections"))
-                .map_err(|e| invalid(format!("{a}: {e}")))?
-                .iter()
-                .any(|x| x.as_u64() != Some(0));
-            if any {
-                return Err(ModelError::Unsupported(format!(
-                    "{a} with M-RoPE sections (a GLM-4.xV vision model)"
-                )));
-            }
-        }
+        // GLM-4.xV's language models carry M-RoPE sections: llama.cpp then
+        // rotates by them (ggml's plain MROPE, image tokens at their grid
+        // positions) where the first two are positive, else by NeoX RoPE.
+        let glm_mrope = if arch == Arch::Glm4Moe && g.get(&k("rope.dimension_sections")).is_some() {
+            let sections = rope_sections(&g, a)?;
+            (sections[0] > 0 && sections[1] > 0).then_some(Mrope {
+                sections,
+                interleaved: false,
+            })
+        } else {
+            None
+        };
         // Sliding-window attention: gpt-oss's even layers (llama.cpp's
         // `set_swa_pattern(2)`), over `attention.sliding_window` positions.
         let swa = match (arch, opt_usize(&g, &k("attention.sliding_window"))?) {
@@ -1638,8 +1639,11 @@ impl Model {
             )
         } else {
             let rope_sections = match arch {
-                Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(rope_sections(&g, a)?),
-                _ => None,
+                Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(Mrope {
+                    sections: rope_sections(&g, a)?,
+                    interleaved: true,
+                }),
+                _ => glm_mrope,
             };
             // Qwen3-VL: image embeddings carry the vision tower's deepstack
             // features, added after the first layers (llama.cpp reads the

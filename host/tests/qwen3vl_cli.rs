@@ -52,7 +52,14 @@ fn synth_writes_llama_cpp_names_and_keys() {
         );
         drop(g);
         let model = Model::open(&m).unwrap();
-        assert_eq!(model.hybrid.rope_sections, Some([3, 2, 3, 0]), "{arch}");
+        assert_eq!(
+            model
+                .hybrid
+                .rope_sections
+                .map(|m| (m.sections, m.interleaved)),
+            Some(([3, 2, 3, 0], true)),
+            "{arch}"
+        );
         let Mixer::Attention(a) = model.block(0).mixer else {
             panic!("attention")
         };

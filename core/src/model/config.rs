@@ -501,10 +501,10 @@ pub struct HybridParams {
     /// (`[q_h, g_h]` interleaved, `2 * q_dim` rows), and the attention output is
     /// multiplied by `sigmoid(g)` before `wo` (qwen3next, qwen35, qwen35moe).
     pub attn_output_gate: bool,
-    /// Interleaved multi-section RoPE (`rope.dimension_sections`, ggml's IMROPE):
-    /// pair `i` of the rotated dimensions takes the temporal, height, width or
-    /// extra position by `i % 3` within `sections`. Text positions are `[p, p, p, 0]`.
-    pub rope_sections: Option<[u32; 4]>,
+    /// Multi-section RoPE (`rope.dimension_sections`): each rotated pair
+    /// turns by the temporal, height, width or extra position ([`Mrope`]).
+    /// Text positions are `[p, p, p, 0]`.
+    pub rope_sections: Option<Mrope>,
     /// Deepstack layers (Qwen3-VL): an image embedding carries this many
     /// extra `n_embd` features after its input, the `i`-th added to the
     /// residual stream after layer `i` (llama.cpp's `n_deepstack_layers`).
@@ -568,6 +568,47 @@ impl MlaShape {
     }
 }
 
+/// Multi-section RoPE (ggml's `rope_multi`): the pairs of the rotated
+/// dimensions are cut into `sections` (temporal, height, width, extra), each
+/// pair turning by its section's position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mrope {
+    /// Pairs per position component.
+    pub sections: [u32; 4],
+    /// `true`: interleaved (ggml's IMROPE, Qwen3-VL and qwen35moe: pair `i`
+    /// by `i % 3` within the sections); `false`: one section after the
+    /// other (ggml's MROPE, GLM-4.xV).
+    pub interleaved: bool,
+}
+
+impl Mrope {
+    /// Which position component (0 temporal, 1 height, 2 width, 3 extra)
+    /// turns rotated pair `i`, as ggml's `ggml_mrope_cache_init` picks it.
+    pub fn component(&self, i: usize) -> usize {
+        let s = self.sections.map(|v| v as usize);
+        let sector = i % s.iter().sum::<usize>().max(1);
+        if self.interleaved {
+            if sector % 3 == 1 && sector < 3 * s[1] {
+                1
+            } else if sector % 3 == 2 && sector < 3 * s[2] {
+                2
+            } else if sector.is_multiple_of(3) && sector < 3 * s[0] {
+                0
+            } else {
+                3
+            }
+        } else if sector < s[0] {
+            0
+        } else if sector < s[0] + s[1] {
+            1
+        } else if sector < s[0] + s[1] + s[2] {
+            2
+        } else {
+            3
+        }
+    }
+}
+
 impl HybridParams {
     /// A plain transformer: every layer has (ungated) attention.
     pub fn plain(hp: &Hparams) -> HybridParams {
@@ -596,8 +637,8 @@ impl HybridParams {
         if let Some((_, shape)) = self.linear {
             shape.validate()?;
         }
-        if let Some(s) = self.rope_sections {
-            let total: u64 = s.iter().map(|&x| x as u64).sum();
+        if let Some(m) = self.rope_sections {
+            let total: u64 = m.sections.iter().map(|&x| x as u64).sum();
             if total == 0 || total > hp.head_dim as u64 {
                 return Err("rope sections must sum to between 1 and head_dim");
             }

@@ -16,7 +16,7 @@ use super::config::{AttnTemperature, AttnWindow, ExpertAct, Hparams, HybridParam
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::mamba2::{self, Mamba2Weights};
 use super::ops::{
-    relu_sqr, rms_norm, rms_norm_heads, rope_factored, rope_imrope_scaled, sigmoid, swiglu,
+    relu_sqr, rms_norm, rms_norm_heads, rope_factored, rope_multi_scaled, sigmoid, swiglu,
     swiglu_oai, AttnShape, KvView,
 };
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
@@ -2067,14 +2067,14 @@ pub(super) fn project_position<E>(
             Some(_) if aw.rope_freqs.is_some() => {
                 return Err(ForwardError::Shape("RoPE frequency factors with sections"));
             }
-            Some(sections) => {
+            Some(m) => {
                 for x in [&mut *s.q, &mut *s.k] {
-                    rope_imrope_scaled(
+                    rope_multi_scaled(
                         x,
                         hp.head_dim,
                         hp.n_rot,
                         at.rope,
-                        sections,
+                        &m,
                         hp.rope_base,
                         hp.rope_yarn.as_ref(),
                     );

@@ -4,6 +4,7 @@
 
 use libm::{cosf, expf, sinf, sqrtf};
 
+use super::config::Mrope;
 use crate::gemv::{vector, Isa};
 
 /// `out = x / rms(x) * weight` (ggml `rms_norm` followed by `mul`).
@@ -225,43 +226,39 @@ pub fn rope_imrope(
     sections: [u32; 4],
     freq_base: f32,
 ) {
-    rope_imrope_scaled(x, head_dim, n_rot, pos, sections, freq_base, None);
+    let m = Mrope {
+        sections,
+        interleaved: true,
+    };
+    rope_multi_scaled(x, head_dim, n_rot, pos, &m, freq_base, None);
 }
 
-/// [`rope_imrope`] with YaRN scaling where `yarn` is given: each pair's
+/// Multi-section RoPE (ggml's `rope_multi`, `GGML_ROPE_TYPE_MROPE` or
+/// `_IMROPE`, always NeoX-paired): pair `i` turns by `pos[m.component(i)]`
+/// ([`Mrope::component`]), every component's angle shrinking by the same
+/// factor a pair; with YaRN scaling where `yarn` is given, each pair's
 /// section angle through [`Yarn`]'s mix and magnitude, as ggml's
 /// `rope_multi` does (the ramp over the pairs of all sections alike).
-pub fn rope_imrope_scaled(
+pub fn rope_multi_scaled(
     x: &mut [f32],
     head_dim: usize,
     n_rot: usize,
     pos: [u32; 4],
-    sections: [u32; 4],
+    m: &Mrope,
     freq_base: f32,
     yarn: Option<&Yarn>,
 ) {
-    let sect_dims: usize = sections.iter().map(|&s| s as usize).sum();
+    let sect_dims: u64 = m.sections.iter().map(|&s| u64::from(s)).sum();
     assert!(
         rope_fits(x, head_dim, n_rot) && sect_dims > 0,
-        "rope_imrope: bad dimensions"
+        "rope_multi: bad dimensions"
     );
     let theta_scale = libm::powf(freq_base, -2.0 / n_rot as f32);
     let yarn = yarn.map(|y| (y, y.corr_dims(n_rot, freq_base)));
-    let s = sections.map(|v| v as usize);
     let mut theta = pos.map(|p| p as f32);
     rotate_pairs(x, head_dim, n_rot / 2, RopeStyle::Neox, |i0, cs| {
         for (i, c) in (i0..).zip(cs) {
-            let sector = i % sect_dims;
-            let which = if sector % 3 == 1 && sector < 3 * s[1] {
-                1
-            } else if sector % 3 == 2 && sector < 3 * s[2] {
-                2
-            } else if sector.is_multiple_of(3) && sector < 3 * s[0] {
-                0
-            } else {
-                3
-            };
-            *c = pair_angle(yarn, theta[which], i);
+            *c = pair_angle(yarn, theta[m.component(i)], i);
             for t in theta.iter_mut() {
                 *t *= theta_scale;
             }
@@ -1012,6 +1009,54 @@ mod tests {
         rope_imrope(&mut c, 16, 8, [5, 5, 5, 0], [1, 1, 1, 1], 1e4);
         assert_eq!((c[3], c[7]), (x[3], x[7]));
         assert_ne!(c[0], x[0]);
+    }
+
+    /// ggml's plain M-RoPE (GLM-4.xV's): the sections one after the other,
+    /// pair `i` by the time, height, width or extra position as `i` falls in
+    /// the first, second, third or last section; the same angles as a
+    /// reference that spells the sections out, bit for bit, and text
+    /// positions rotate as plain NeoX RoPE.
+    #[test]
+    fn mrope_sections_follow_one_another() {
+        let x: std::vec::Vec<f32> = (0..64).map(|i| (i as f32 * 0.29).cos()).collect();
+        let m = Mrope {
+            sections: [2, 3, 2, 1],
+            interleaved: false,
+        };
+        let owner = [0, 0, 1, 1, 1, 2, 2, 3];
+        assert_eq!(
+            (0..8).map(|i| m.component(i)).collect::<std::vec::Vec<_>>(),
+            owner
+        );
+        // Past the sections' sum (here 16 pairs, 8 in the sections) they repeat.
+        assert_eq!(m.component(10), 1);
+        let pos = [7u32, 30, 400, 2];
+        let mut a = x.clone();
+        rope_multi_scaled(&mut a, 32, 16, pos, &m, 1e4, None);
+        let theta_scale = libm::powf(1e4, -2.0 / 16.0);
+        let mut b = x.clone();
+        for head in b.chunks_exact_mut(32) {
+            let mut theta = pos.map(|p| p as f32);
+            for i in 0..8 {
+                let t = theta[owner[i]];
+                let (c, sn) = (cosf(t), sinf(t));
+                let (x0, x1) = (head[i], head[i + 8]);
+                head[i] = x0 * c - x1 * sn;
+                head[i + 8] = x0 * sn + x1 * c;
+                theta.iter_mut().for_each(|t| *t *= theta_scale);
+            }
+        }
+        assert_eq!(a, b);
+        for p in [0u32, 3, 999] {
+            let (mut c, mut d) = (x.clone(), x.clone());
+            let text = Mrope {
+                sections: [2, 3, 3, 0],
+                interleaved: false,
+            };
+            rope_multi_scaled(&mut c, 32, 16, [p, p, p, 0], &text, 1e4, None);
+            rope(&mut d, 32, 16, p, 1e4, RopeStyle::Neox);
+            assert_eq!(c, d, "{p}");
+        }
     }
 
     #[test]

@@ -167,7 +167,8 @@ pub struct SynthArgs {
     /// The projector type of --mmproj-out: minicpmv4_6, gemma3,
     /// qwen3vl_merger (with as many deepstack mergers as the model's
     /// `n_deepstack_layers`), kimivl (Kimi-VL's) or kimik25 (Kimi K2.5's),
-    /// both for `deepseek2`, or llama4 (Llama 4's, for `llama4`).
+    /// both for `deepseek2`, llama4 (Llama 4's, for `llama4`) or glm4v
+    /// (GLM-4.5V's; a `glm4moe` model then gets GLM-4.5V's M-RoPE sections).
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
     /// Width of the --mmproj-out vision transformer (default 64).
@@ -187,7 +188,7 @@ pub struct SynthArgs {
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
     ProjectorType::from_name(s).ok_or_else(|| {
         format!(
-            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25 or llama4)"
+            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4 or glm4v)"
         )
     })
 }
@@ -223,6 +224,10 @@ impl SynthArgs {
             q_lora_rank: self.q_lora_rank,
             rope_freqs: self.rope_freqs,
             moe_every: self.moe_every,
+            // GLM-4.5V's language model rotates by M-RoPE sections.
+            mrope: self.arch == Arch::Glm4moe
+                && self.mmproj_out.is_some()
+                && self.projector == ProjectorType::Glm4v,
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)
     }

@@ -1,8 +1,8 @@
 //! Synthetic vision projectors (mmproj GGUFs, `general.architecture = clip`)
 //! matching a synthetic language model: the tensors and keys llama.cpp's
 //! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`),
-//! Qwen3-VL (`qwen3vl_merger`), Kimi-VL (`kimivl`), Kimi K2.5 (`kimik25`) or
-//! Llama 4 (`llama4`), at
+//! Qwen3-VL (`qwen3vl_merger`), Kimi-VL (`kimivl`), Kimi K2.5 (`kimik25`),
+//! Llama 4 (`llama4`) or GLM-4.5V (`glm4v`), at
 //! a tiny size, with random weights, so the whole multimodal path runs
 //! without downloads.
 //!
@@ -17,7 +17,10 @@
 //! (the same with a `[w, 16, 12]` table: its width and height differ, so the
 //! axes of its interpolation show). `llama4` takes
 //! 112 x 112 tiles (8 x 8 patches and a class token, a 2 x 2 pixel shuffle:
-//! 16 embeddings a tile). The output width is
+//! 16 embeddings a tile). `glm4v` has a 16 x 16 table (`image_size` 224),
+//! RMSNorms without biases, SwiGLU FFNs with SiLU, a 2x2 convolution merger
+//! and a SwiGLU MLP twice the output width, and takes images of any size.
+//! The output width is
 //! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
 //! `mmproj-*-f16.gguf`), vectors and position embeddings `f32`, patch
 //! embeddings as llama.cpp's converter types them.
@@ -96,9 +99,10 @@ impl MmprojConfig {
     fn n_pos(&self) -> u64 {
         match self.projector {
             ProjectorType::MiniCpmV46 => 70 * 70,
-            ProjectorType::Gemma3 | ProjectorType::Qwen3Vl | ProjectorType::KimiVl => {
-                (self.image_size / self.patch).pow(2)
-            }
+            ProjectorType::Gemma3
+            | ProjectorType::Qwen3Vl
+            | ProjectorType::KimiVl
+            | ProjectorType::Glm4v => (self.image_size / self.patch).pow(2),
             ProjectorType::KimiK25 => {
                 let (w, h) = self.pos_grid();
                 w * h
@@ -144,12 +148,13 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     // `tensor_force_quant`).
     let gemma3 = cfg.projector == ProjectorType::Gemma3;
     let qwen3vl = cfg.projector == ProjectorType::Qwen3Vl;
+    let glm4v = cfg.projector == ProjectorType::Glm4v;
     let llama4 = cfg.projector == ProjectorType::Llama4;
     let mut add = |name: &str, dims: &[u64], init: Init| {
         let f32_always = dims.len() == 1
             || name == "v.position_embd.weight"
             || (gemma3 && name == "v.patch_embd.weight");
-        let patch = qwen3vl && name.starts_with("v.patch_embd.weight");
+        let patch = (qwen3vl || glm4v) && name.starts_with("v.patch_embd.weight");
         let ty = if f32_always || (patch && mat_ty != GgmlType::F16) {
             GgmlType::F32
         } else {
@@ -179,12 +184,16 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     } else {
         add("v.patch_embd.weight", &[p, p, 3, w], inv(3 * p * p));
     }
-    if qwen3vl {
+    if qwen3vl || glm4v {
         // The second frame's kernel of the temporal patch (Conv3D split in two).
         add("v.patch_embd.weight.1", &[p, p, 3, w], inv(3 * p * p));
     }
     if !llama4 {
         add("v.patch_embd.bias", &[w], bias);
+    }
+    if glm4v {
+        // `post_conv_layernorm`, an RMSNorm.
+        add("v.norm_embd.weight", &[w], Init::Norm);
     }
     if cfg.projector == ProjectorType::KimiK25 {
         let (pw, ph) = cfg.pos_grid();
@@ -198,6 +207,18 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     }
     for l in 0..cfg.layers {
         let b = format!("v.blk.{l}");
+        if glm4v {
+            // RMSNorms, a fused QKV, SwiGLU: no biases (GLM-4.5V's
+            // `attention_bias` false, bias-free MLP).
+            add(&format!("{b}.ln1.weight"), &[w], Init::Norm);
+            add(&format!("{b}.attn_qkv.weight"), &[w, 3 * w], inv(w));
+            add(&format!("{b}.attn_out.weight"), &[w, w], inv(w));
+            add(&format!("{b}.ln2.weight"), &[w], Init::Norm);
+            add(&format!("{b}.ffn_gate.weight"), &[w, ff], inv(w));
+            add(&format!("{b}.ffn_up.weight"), &[w, ff], inv(w));
+            add(&format!("{b}.ffn_down.weight"), &[ff, w], inv(ff));
+            continue;
+        }
         add(&format!("{b}.ln1.weight"), &[w], Init::Norm);
         add(&format!("{b}.ln1.bias"), &[w], bias);
         if qwen3vl {
@@ -265,6 +286,22 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             linear(&mut add, "mm.1", 4 * w, 4 * w);
             linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
         }
+        ProjectorType::Glm4v => {
+            // `post_layernorm` (RMS), the `downsample` convolution to the
+            // model's width, then the merger: a projection, a LayerNorm and
+            // a SwiGLU MLP twice as wide, no biases but the convolution's
+            // and the norm's.
+            let o = cfg.out_embd;
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("mm.patch_merger.weight", &[2, 2, w, o], inv(4 * w));
+            add("mm.patch_merger.bias", &[o], bias);
+            add("mm.model.fc.weight", &[o, o], inv(o));
+            add("mm.post_norm.weight", &[o], Init::Norm);
+            add("mm.post_norm.bias", &[o], bias);
+            add("mm.gate.weight", &[o, 2 * o], inv(o));
+            add("mm.up.weight", &[o, 2 * o], inv(o));
+            add("mm.down.weight", &[2 * o, o], inv(2 * o));
+        }
         ProjectorType::Llama4 => {
             // The vision adapter's two GELU layers and the projection, no
             // biases (Llama 4: 4 x 1408 -> 4096 -> 4096 -> the model).
@@ -290,7 +327,11 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
         ("general.file_type", MetaValue::U32(1)),
         ("clip.has_vision_encoder", true.into()),
         ("clip.projector_type", cfg.projector.name().into()),
-        ("clip.use_gelu", true.into()),
+        if cfg.projector == ProjectorType::Glm4v {
+            ("clip.use_silu", true.into())
+        } else {
+            ("clip.use_gelu", true.into())
+        },
         ("clip.vision.image_size", u(cfg.image_size)),
         ("clip.vision.patch_size", u(cfg.patch)),
         ("clip.vision.embedding_length", u(cfg.width)),
@@ -312,6 +353,9 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
         }
         ProjectorType::Gemma3 => {
             m.push(("clip.vision.projector.scale_factor", MetaValue::U32(4)));
+        }
+        ProjectorType::Glm4v => {
+            m.push(("clip.vision.spatial_merge_size", MetaValue::U32(2)));
         }
         ProjectorType::Qwen3Vl => {
             m.push(("clip.vision.spatial_merge_size", MetaValue::U32(2)));

@@ -967,6 +967,7 @@ pub struct Overrides {
     pub q_lora_rank: Option<u64>,
     pub rope_freqs: bool,
     pub moe_every: Option<u64>,
+    pub mrope: bool,
 }
 
 /// Why a configuration or a write failed.
@@ -1032,6 +1033,10 @@ pub struct SynthConfig {
     /// llama4's `interleave_moe_layer_step`: experts on every this many
     /// layers (0 for the other architectures).
     pub moe_every: u64,
+    /// glm4moe: M-RoPE sections in the language model, as GLM-4.5V's
+    /// (`rope.dimension_sections`, a quarter of the rotated pairs by time
+    /// and the rest split between height and width).
+    pub mrope: bool,
 }
 
 impl SynthConfig {
@@ -1166,6 +1171,11 @@ impl SynthConfig {
                 return config_err("llama4: the shared expert is as wide as --expert-ff");
             }
             s.shared_ff = s.expert_ff;
+        }
+        if o.mrope && arch != Arch::Glm4moe {
+            return config_err(format!(
+                "M-RoPE sections (a glm4v projector's language model) apply to glm4moe, not {name}"
+            ));
         }
         if o.q_lora_rank.is_some() && arch != Arch::Deepseek2 {
             return config_err(format!("--q-lora-rank applies to deepseek2, not {name}"));
@@ -1304,6 +1314,7 @@ impl SynthConfig {
             q_lora_rank: o.q_lora_rank.unwrap_or(4 * s.head_dim),
             rope_freqs: o.rope_freqs,
             moe_every,
+            mrope: o.mrope,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -2603,6 +2614,21 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     }
     if cfg.arch == Arch::Glm4moe {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
+        if cfg.mrope {
+            // As llama.cpp's converter writes GLM-4.5V's language model: its
+            // `mrope_section` (8 / 12 / 12 of 32 pairs), padded to four.
+            let pairs = s.rope_dim / 2;
+            let t = pairs / 4;
+            let h = (pairs - t) / 2;
+            let sections = [t, h, pairs - t - h, 0].map(|x| MetaValue::I32(x as i32));
+            kv(
+                format!("{a}.rope.dimension_sections"),
+                MetaValue::Array(
+                    MetaArray::new(ValueType::I32, sections.to_vec())
+                        .expect("i32 items in an i32 array"),
+                ),
+            );
+        }
         dense_lead_shared_keys(&mut kv, cfg, false);
         if s.mtp_layers > 0 {
             kv(format!("{a}.nextn_predict_layers"), u32v(s.mtp_layers));
@@ -2790,13 +2816,14 @@ fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthCon
     }
 }
 
-/// The vocabulary of `cfg`'s model: Qwen3-VL's, Kimi-VL's (`deepseek2`)
-/// and Llama 4's carry their image markers too.
+/// The vocabulary of `cfg`'s model: Qwen3-VL's, Kimi-VL's (`deepseek2`),
+/// Llama 4's and GLM-4.5V's (`glm4moe`) carry their image markers too.
 pub fn vocab_of(cfg: &SynthConfig) -> Result<Vocab, SynthError> {
     let more: &[&str] = match cfg.arch {
         Arch::Qwen3vlmoe | Arch::Qwen3vl => &vocab::QWEN_VL_TOKENS,
         Arch::Deepseek2 => &vocab::KIMI_VL_TOKENS,
         Arch::Llama4 => &vocab::LLAMA4_TOKENS,
+        Arch::Glm4moe => &vocab::GLM_V_TOKENS,
         _ => &[],
     };
     Vocab::build_with(cfg.shape.vocab as usize, more).map_err(SynthError::Config)

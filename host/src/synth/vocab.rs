@@ -49,6 +49,10 @@ pub const KIMI_VL_TOKENS: [&str; 3] = ["<|media_start|>", "<|media_begin|>", "<|
 /// [`MEDIA_TOKENS`] to `llama4` vocabularies only.
 pub const LLAMA4_TOKENS: [&str; 2] = ["<|image_start|>", "<|image_end|>"];
 
+/// The tokens GLM-4.xV wraps an image's embeddings in, added after
+/// [`MEDIA_TOKENS`] to `glm4moe` vocabularies only.
+pub const GLM_V_TOKENS: [&str; 2] = ["<|begin_of_image|>", "<|end_of_image|>"];
+
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
 /// `tokenizer.ggml.token_type` of control tokens.

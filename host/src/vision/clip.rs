@@ -9,7 +9,10 @@
 //! `kimik25` (Kimi K2.5's and GLM-5.2-V's MoonViT3d for still images: the
 //! same, its position table interpolated bicubically) and `llama4` (Llama
 //! 4's: a class token, the 2-D RoPE, a pixel shuffle and a GELU MLP;
-//! 336-pixel tiles plus an overview).
+//! 336-pixel tiles plus an overview) and `glm4v` (GLM-4.5V's and GLM-4.6V's:
+//! Qwen3-VL's patches and M-RoPE with RMSNorms, a SwiGLU ViT, a bicubically
+//! interpolated position table, a 2x2 convolution merger, a projection,
+//! LayerNorm + GELU and a SwiGLU MLP).
 //!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
@@ -54,6 +57,13 @@ pub enum ProjectorType {
     /// two-layer GELU MLP before a projection; a large image is cut into a
     /// grid of up to 3 x 3 tiles plus an overview.
     Llama4,
+    /// GLM-4.5V and GLM-4.6V (`glm4v`): Qwen3-VL's two temporal patch
+    /// kernels, merge order and vision M-RoPE, with RMSNorms, a SwiGLU FFN,
+    /// a norm after the patch embedding and the position table interpolated
+    /// bicubically; then a 2x2 convolution merger, a projection, LayerNorm,
+    /// GELU and a SwiGLU MLP; images of any size (within a token budget),
+    /// one chunk each.
+    Glm4v,
 }
 
 impl ProjectorType {
@@ -66,6 +76,7 @@ impl ProjectorType {
             ProjectorType::KimiVl => "kimivl",
             ProjectorType::KimiK25 => "kimik25",
             ProjectorType::Llama4 => "llama4",
+            ProjectorType::Glm4v => "glm4v",
         }
     }
 
@@ -78,6 +89,7 @@ impl ProjectorType {
             "kimivl" => Some(ProjectorType::KimiVl),
             "kimik25" => Some(ProjectorType::KimiK25),
             "llama4" => Some(ProjectorType::Llama4),
+            "glm4v" => Some(ProjectorType::Glm4v),
             _ => None,
         }
     }
@@ -88,7 +100,7 @@ impl ProjectorType {
     /// fixed sizes.
     pub fn token_budget(self) -> Option<(usize, usize)> {
         match self {
-            ProjectorType::Qwen3Vl => Some((8, 4096)),
+            ProjectorType::Qwen3Vl | ProjectorType::Glm4v => Some((8, 4096)),
             ProjectorType::KimiVl => Some((8, 1024)),
             ProjectorType::KimiK25 => Some((2, 4096)),
             ProjectorType::MiniCpmV46 | ProjectorType::Gemma3 | ProjectorType::Llama4 => None,
@@ -155,6 +167,8 @@ pub struct ClipHparams {
     /// (llama.cpp's `image_max_pixels`: 4096 merged tokens for Qwen3-VL, 1024
     /// for Kimi-VL); 0 for the other projectors.
     pub image_max_pixels: usize,
+    /// The tower's norms are RMSNorms (GLM-4.xV), not LayerNorms.
+    pub rms_norm: bool,
     /// Kimi K2.5: the file sets the pixel budget (both
     /// `clip.vision.image_min_pixels` and `_max_pixels`), and
     /// `--image-min-tokens` / `--image-max-tokens` leave it, as in llama.cpp.
@@ -376,6 +390,36 @@ pub enum Projector {
         /// The projection to the language model (`mm.model.fc`).
         fc: Mat,
     },
+    /// GLM-4.xV: the second temporal patch kernel, an RMSNorm after the
+    /// patch embedding, then after the ViT (and `post_ln`) the merger.
+    Glm4v {
+        /// The patch kernel of the second frame (`v.patch_embd.weight.1`),
+        /// as Qwen3-VL's.
+        patch_embd_1: Mat,
+        /// RMSNorm after the patch embedding and its bias (`v.norm_embd`).
+        norm_embd: Option<Norm>,
+        /// The merger.
+        merger: Box<Glm4vMerger>,
+    },
+}
+
+/// GLM-4.xV's projector after the ViT: a 2x2 convolution over each merged
+/// block, a projection, LayerNorm, GELU and a SwiGLU MLP.
+#[derive(Clone, Debug)]
+pub struct Glm4vMerger {
+    /// The 2x2 convolution (`mm.patch_merger`, with its bias) as a matrix
+    /// over a block's `4 * n_embd` values in (channel, row, column) order.
+    pub conv: Linear,
+    /// The projection (`mm.model.fc`; no bias in llama.cpp's graph).
+    pub fc: Mat,
+    /// LayerNorm after it (`mm.post_norm`, epsilon 1e-5).
+    pub post_norm: Norm,
+    /// MLP up (`mm.up`).
+    pub up: Linear,
+    /// MLP gate (`mm.gate`).
+    pub gate: Linear,
+    /// MLP down (`mm.down`), to `n_mmproj_embd`.
+    pub down: Linear,
 }
 
 /// A loaded mmproj file.
@@ -547,17 +591,29 @@ impl<'g> Loader<'g> {
         })
     }
 
-    /// A fused `n` -> `3n` query-key-value projection with its bias, split into
-    /// its three parts (rows `0..n`, `n..2n`, `2n..3n`, as clip.cpp views it).
-    fn qkv(&self, prefix: &str, n: usize) -> Result<(Linear, Linear, Linear), VisionError> {
+    /// A fused `n` -> `3n` query-key-value projection with its bias
+    /// (optional where `bias_optional`, as clip.cpp's `build_vit` takes it),
+    /// split into its three parts (rows `0..n`, `n..2n`, `2n..3n`, as
+    /// clip.cpp views it).
+    fn qkv(
+        &self,
+        prefix: &str,
+        n: usize,
+        bias_optional: bool,
+    ) -> Result<(Linear, Linear, Linear), VisionError> {
         let w = self.mat(&format!("{prefix}.weight"), n, 3 * n)?;
-        let b = self.floats(&format!("{prefix}.bias"), 3 * n)?;
+        let bias = format!("{prefix}.bias");
+        let b = if bias_optional {
+            self.opt_floats(&bias, 3 * n)?
+        } else {
+            Some(self.floats(&bias, 3 * n)?)
+        };
         let part = |i: usize| -> Result<Linear, VisionError> {
             Ok(Linear {
                 w: w.row_range(i * n, (i + 1) * n).ok_or_else(|| {
                     err(format!("{prefix}.weight: type {} has no whole rows", w.ty))
                 })?,
-                b: Some(b[i * n..(i + 1) * n].to_vec()),
+                b: b.as_ref().map(|b| b[i * n..(i + 1) * n].to_vec()),
             })
         };
         Ok((part(0)?, part(1)?, part(2)?))
@@ -703,7 +759,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25 and llama4)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4 and glm4v)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -767,13 +823,14 @@ impl ClipModel {
                 }
                 m
             }
-            ProjectorType::Qwen3Vl => {
+            ProjectorType::Qwen3Vl | ProjectorType::Glm4v => {
                 // llama.cpp reads spatial_merge_size (default 2) but its graph
                 // and position ids merge 2x2 whatever the value.
                 let m = opt_u64(&g, "clip.vision.spatial_merge_size")?.unwrap_or(2);
                 if m != 2 {
                     return Err(err(format!(
-                        "qwen3vl_merger: spatial_merge_size {m} (llama.cpp merges 2x2)"
+                        "{}: spatial_merge_size {m} (llama.cpp merges 2x2)",
+                        projector.name()
                     )));
                 }
                 2
@@ -803,6 +860,7 @@ impl ClipModel {
             }
         };
         let qwen3vl = projector == ProjectorType::Qwen3Vl;
+        let glm4v = projector == ProjectorType::Glm4v;
         let kimik25 = projector == ProjectorType::KimiK25;
         let kimivl = projector == ProjectorType::KimiVl || kimik25;
         let llama4 = projector == ProjectorType::Llama4;
@@ -922,7 +980,7 @@ impl ClipModel {
         } else {
             l.opt_floats("v.patch_embd.bias", n_embd)?
         };
-        let patch_embd_1 = if qwen3vl {
+        let patch_embd_1 = if qwen3vl || glm4v {
             let name = "v.patch_embd.weight.1";
             let pe1 = l.tensor(name)?;
             if pe1.dims() != dims {
@@ -931,11 +989,12 @@ impl ClipModel {
                     pe1.dims()
                 )));
             }
+            let name = projector.name();
             if patch_bias.is_none() {
-                return Err(err("qwen3vl_merger: tensor v.patch_embd.bias is missing"));
+                return Err(err(format!("{name}: tensor v.patch_embd.bias is missing")));
             }
             if g.tensor("v.class_embd").is_some() {
-                return Err(err("qwen3vl_merger: the ViT has no class embedding"));
+                return Err(err(format!("{name}: the ViT has no class embedding")));
             }
             Some(l.mat_of(&pe1, n_embd, pcols)?.f32_as_f16(l.g.bytes()))
         } else {
@@ -969,6 +1028,7 @@ impl ClipModel {
             // ffn_down; clip.cpp swaps them back when the shapes say so (for
             // the older projector types, not Qwen3-VL).
             let swapped = !qwen3vl
+                && !glm4v
                 && n_ff != n_embd
                 && g.tensor(&p("ffn_down.weight"))
                     .is_some_and(|t| t.dims().first() == Some(&(n_embd as u64)));
@@ -984,9 +1044,10 @@ impl ClipModel {
             };
             // Qwen3-VL's QKV is one matrix; Kimi-VL's converter splits its
             // (clip.cpp takes either).
-            let fused = qwen3vl || (kimivl && g.tensor(&p("attn_qkv.weight")).is_some());
+            // GLM-4.xV's too, its bias optional.
+            let fused = qwen3vl || glm4v || (kimivl && g.tensor(&p("attn_qkv.weight")).is_some());
             let (q, k, v) = if fused {
-                l.qkv(&p("attn_qkv"), n_embd)?
+                l.qkv(&p("attn_qkv"), n_embd, glm4v)?
             } else {
                 (
                     l.linear(&p("attn_q"), n_embd, n_embd)?,
@@ -997,7 +1058,7 @@ impl ClipModel {
             // Qwen3-VL's LayerNorms may lack weights (llama.cpp then only
             // normalises); the other towers' have them.
             let ln = |s: &str| {
-                if qwen3vl {
+                if qwen3vl || glm4v {
                     l.norm_or_unit(&p(s), n_embd)
                 } else {
                     l.norm(&p(s), n_embd)
@@ -1148,6 +1209,52 @@ impl ClipModel {
                     out,
                 )
             }
+            ProjectorType::Glm4v => {
+                let patch_embd_1 =
+                    patch_embd_1.ok_or_else(|| err("tensor v.patch_embd.weight.1 is missing"))?;
+                let norm_embd = l.opt_norm("v.norm_embd", n_embd)?;
+                // The merger's 2x2 convolution: ggml's [2, 2, n_embd, out]
+                // kernel is a matrix over each block's values in (channel,
+                // row, column) order; `ggml_conv_2d` multiplies it in f16.
+                let name = "mm.patch_merger.weight";
+                let t = l.tensor(name)?;
+                let d = t.dims();
+                if d.len() != 4
+                    || d[..3] != [2, 2, n_embd as u64]
+                    || d[3] == 0
+                    || d[3] as usize > MAX_DIM
+                {
+                    return Err(err(format!(
+                        "tensor {name} has shape {d:?}, expected [2, 2, {n_embd}, N]"
+                    )));
+                }
+                let out = d[3] as usize;
+                let conv = Linear {
+                    w: l.mat_of(&t, out, 4 * n_embd)?.f32_as_f16(l.g.bytes()),
+                    b: Some(l.floats("mm.patch_merger.bias", out)?),
+                };
+                let fc = l.mat_any_rows("mm.model.fc.weight", out)?;
+                let post_norm = l.norm("mm.post_norm", fc.rows)?;
+                let up = l.linear_any("mm.up", fc.rows)?;
+                let gate = l.linear("mm.gate", fc.rows, up.w.rows)?;
+                let down = l.linear_any("mm.down", up.w.rows)?;
+                let out = down.w.rows;
+                (
+                    Projector::Glm4v {
+                        patch_embd_1,
+                        norm_embd,
+                        merger: Box::new(Glm4vMerger {
+                            conv,
+                            fc,
+                            post_norm,
+                            up,
+                            gate,
+                            down,
+                        }),
+                    },
+                    out,
+                )
+            }
             ProjectorType::KimiVl | ProjectorType::KimiK25 => {
                 let input_norm = l.norm("mm.input_norm", n_embd)?;
                 // clip.cpp requires the norm's bias too.
@@ -1198,6 +1305,7 @@ impl ClipModel {
             n_deepstack,
             image_min_pixels,
             image_max_pixels,
+            rms_norm: glm4v,
             pixels_from_file,
         };
         if projector == ProjectorType::Gemma3 {
@@ -1211,7 +1319,7 @@ impl ClipModel {
                 )));
             }
         }
-        if qwen3vl || kimivl {
+        if qwen3vl || kimivl || glm4v {
             // clip.cpp reshapes the table to a square before interpolating it
             // (ggml's interpolation reads f32).
             // (Kimi K2.5's table carries its own width and height.)

@@ -2,14 +2,16 @@
 //! projector into the language model's embedding space, as llama.cpp's clip
 //! graphs compute them (`tools/mtmd/clip.cpp` `build_vit`,
 //! `models/minicpmv.cpp`, `models/siglip.cpp`, `models/qwen3vl.cpp`,
-//! `models/kimivl.cpp`, `models/llama4.cpp`).
+//! `models/kimivl.cpp`, `models/llama4.cpp`, `models/glm4v.cpp`).
 //!
 //! Qwen3-VL's tower works on its tokens in the 2x2 merge order throughout
 //! (each 2x2 block of patches, blocks row by row, within a block top-left,
 //! top-right, bottom-left, bottom-right), rotates queries and keys by ggml's
 //! vision M-RoPE (half of each head by the patch's row, half by its column),
 //! and writes rows of its merger's output followed by each deepstack
-//! merger's.
+//! merger's. GLM-4.xV's tower takes the same order, patches and rotation
+//! (with RMSNorms and a SwiGLU FFN) and merges each 2x2 block by a
+//! convolution.
 //!
 //! Kimi-VL's tower works on its patches row by row, rotates the first half of
 //! each head by the patch's column and the second half by its row (ggml's
@@ -33,7 +35,8 @@ use les_core::gemv::{vector, Isa};
 use les_core::quant::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, GgmlType};
 
 use super::clip::{
-    ClipModel, Deepstack, FfnOp, Linear, Mat, Norm, Projector, ProjectorType, VitLayer, VitMerger,
+    ClipHparams, ClipModel, Deepstack, FfnOp, Glm4vMerger, Linear, Mat, Norm, Projector,
+    ProjectorType, VitLayer, VitMerger,
 };
 use super::gemm::matmul;
 use super::preprocess::ImageF32;
@@ -176,6 +179,24 @@ fn rms_norm(a: &mut Acts, w: &[f32], eps: f32) {
             *v *= w;
         }
     }
+}
+
+/// The tower's norm (`build_norm` with clip.cpp's `norm_t`): a LayerNorm, or
+/// GLM-4.xV's RMSNorm, then `* w + b`.
+fn vit_norm(hp: &ClipHparams, a: &Acts, norm: &Norm) -> Acts {
+    if !hp.rms_norm {
+        return layer_norm(a, norm, hp.eps);
+    }
+    let mut out = a.clone();
+    rms_norm(&mut out, &norm.w, hp.eps);
+    if let Some(b) = &norm.b {
+        for row in out.x.chunks_exact_mut(a.dim) {
+            for (v, b) in row.iter_mut().zip(b) {
+                *v += b;
+            }
+        }
+    }
+    out
 }
 
 const GELU_COEF_A: f32 = 0.044_715;
@@ -455,7 +476,7 @@ fn vit_layer(
     rope: Option<&Rope>,
 ) -> Result<Acts, VisionError> {
     let hp = &m.hp;
-    let h = layer_norm(&x, &l.ln1, hp.eps);
+    let h = vit_norm(hp, &x, &l.ln1);
     let mut q = linear(ctx, m, &l.q, &h)?;
     let mut k = linear(ctx, m, &l.k, &h)?;
     let v = linear(ctx, m, &l.v, &h)?;
@@ -470,7 +491,7 @@ fn vit_layer(
     }
     add_in_place(&mut a, &x);
     let x = a;
-    let h = layer_norm(&x, &l.ln2, hp.eps);
+    let h = vit_norm(hp, &x, &l.ln2);
     let mut f = ffn(
         ctx,
         m,
@@ -632,7 +653,7 @@ pub fn output_tokens(m: &ClipModel, width: usize, height: usize) -> usize {
             (pw / f) * (ph / f)
         }
         Projector::Gemma3 { .. } => (pw / m.hp.n_merge) * (ph / m.hp.n_merge),
-        Projector::Qwen3Vl { .. } => (pw / 2) * (ph / 2),
+        Projector::Qwen3Vl { .. } | Projector::Glm4v { .. } => (pw / 2) * (ph / 2),
         Projector::KimiVl { .. } => {
             let f = m.hp.n_merge;
             pw.div_ceil(f) * ph.div_ceil(f)
@@ -716,6 +737,58 @@ pub fn interpolate_positions(
     out
 }
 
+/// The patch embeddings of Qwen3-VL's and GLM-4.xV's towers on a `pw` x
+/// `ph` grid (both even), in the 2x2 merge order, and that order (the
+/// row-major patch index of each token).
+fn merge_ordered_patches(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    patch_embd_1: &Mat,
+) -> Result<(Acts, Vec<usize>), VisionError> {
+    let hp = &m.hp;
+    let order: Vec<usize> = windows_2x2(pw, ph).into_iter().flatten().collect();
+    // Both temporal kernels over the same picture (a still image is both
+    // frames), summed, then the bias: each product in f16 as `ggml_conv_2d`.
+    let patches = patch_rows(img, hp.patch_size, pw, order.iter().copied());
+    let mut x = linear_wb(ctx, m, &m.patch_embd, None, &patches)?;
+    let x1 = linear_wb(ctx, m, patch_embd_1, None, &patches)?;
+    drop(patches);
+    add_in_place(&mut x, &x1);
+    drop(x1);
+    if let Some(b) = &m.patch_bias {
+        for row in x.x.chunks_exact_mut(hp.n_embd) {
+            for (v, b) in row.iter_mut().zip(b) {
+                *v += b;
+            }
+        }
+    }
+    Ok((x, order))
+}
+
+/// The side of `m`'s square position table.
+fn square_side(m: &ClipModel) -> Result<usize, VisionError> {
+    let side = (m.n_pos as f64).sqrt() as usize;
+    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * m.hp.n_embd {
+        return Err(VisionError::Shape(
+            "position embeddings are not a square table",
+        ));
+    }
+    Ok(side)
+}
+
+/// Adds to each token of `x` the row of `pos` (a row-major grid's) of its
+/// patch, `order[token]`.
+fn add_positions(x: &mut Acts, pos: &[f32], order: &[usize]) {
+    let d = x.dim;
+    for (row, &t) in x.x.chunks_exact_mut(d).zip(order) {
+        for (v, e) in row.iter_mut().zip(&pos[t * d..(t + 1) * d]) {
+            *v += e;
+        }
+    }
+}
+
 /// Qwen3-VL's tower on a `pw` x `ph` patch grid (both even): see
 /// [`encode`].
 #[allow(clippy::too_many_arguments)]
@@ -732,36 +805,11 @@ fn encode_qwen3vl(
     let hp = &m.hp;
     let d = hp.n_embd;
     let n = pw * ph;
-    // The tokens in the 2x2 merge order: row-major patch indices.
-    let order: Vec<usize> = windows_2x2(pw, ph).into_iter().flatten().collect();
-    // Both temporal kernels over the same picture (a still image is both
-    // frames), summed, then the bias: each product in f16 as `ggml_conv_2d`.
-    let patches = patch_rows(img, hp.patch_size, pw, order.iter().copied());
-    let mut x = linear_wb(ctx, m, &m.patch_embd, None, &patches)?;
-    let x1 = linear_wb(ctx, m, patch_embd_1, None, &patches)?;
-    drop(patches);
-    add_in_place(&mut x, &x1);
-    drop(x1);
-    if let Some(b) = &m.patch_bias {
-        for row in x.x.chunks_exact_mut(d) {
-            for (v, b) in row.iter_mut().zip(b) {
-                *v += b;
-            }
-        }
-    }
+    let (mut x, order) = merge_ordered_patches(ctx, m, img, (pw, ph), patch_embd_1)?;
     // The learned position embeddings, interpolated to the grid.
-    let side = (m.n_pos as f64).sqrt() as usize;
-    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
-        return Err(VisionError::Shape(
-            "position embeddings are not a square table",
-        ));
-    }
+    let side = square_side(m)?;
     let pos = interpolate_positions(&m.pos_embd, side, d, pw, ph);
-    for (row, &t) in x.x.chunks_exact_mut(d).zip(&order) {
-        for (v, e) in row.iter_mut().zip(&pos[t * d..(t + 1) * d]) {
-            *v += e;
-        }
-    }
+    add_positions(&mut x, &pos, &order);
     drop(pos);
     if let Some(ln) = &m.pre_ln {
         x = layer_norm(&x, ln, hp.eps);
@@ -798,6 +846,71 @@ fn encode_qwen3vl(
     }
     debug_assert_eq!(n / 4, out.n);
     Ok(rows)
+}
+
+/// GLM-4.xV's tower on a `pw` x `ph` patch grid (both even): see
+/// [`encode`].
+fn encode_glm4v(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    patch_embd_1: &Mat,
+    norm_embd: Option<&Norm>,
+    mg: &Glm4vMerger,
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let d = hp.n_embd;
+    let (mut x, order) = merge_ordered_patches(ctx, m, img, (pw, ph), patch_embd_1)?;
+    if let Some(n) = norm_embd {
+        x = vit_norm(hp, &x, n);
+    }
+    // The learned position embeddings, interpolated bicubically to the
+    // grid (ggml's first axis the width), in the merge order.
+    let side = square_side(m)?;
+    let pos = interpolate_positions_bicubic(&m.pos_embd, (side, side), d, (pw, ph), false);
+    add_positions(&mut x, &pos, &order);
+    drop(pos);
+    if let Some(ln) = &m.pre_ln {
+        x = vit_norm(hp, &x, ln);
+    }
+    // clip.cpp's positions: (row, column) of each token's patch.
+    let positions: Vec<(usize, usize)> = order.iter().map(|&t| (t / pw, t % pw)).collect();
+    let rope = Rope::Vision(VisionRope::new(d / hp.n_head, &positions));
+    for l in &m.layers {
+        x = vit_layer(ctx, m, l, x, Some(&rope))?;
+    }
+    if let Some(ln) = &m.post_ln {
+        x = vit_norm(hp, &x, ln);
+    }
+    // The merger's 2x2 convolution: each block's four tokens (top-left,
+    // top-right, bottom-left, bottom-right) as one row in the kernel's
+    // (channel, row, column) order.
+    let mut blocks = Acts {
+        n: x.n / 4,
+        dim: 4 * d,
+        x: vec![0f32; x.x.len()],
+    };
+    for (block, out) in
+        x.x.chunks_exact(4 * d)
+            .zip(blocks.x.chunks_exact_mut(4 * d))
+    {
+        for (k, token) in block.chunks_exact(d).enumerate() {
+            for (c, &v) in token.iter().enumerate() {
+                out[4 * c + k] = v;
+            }
+        }
+    }
+    drop(x);
+    let merged = linear(ctx, m, &mg.conv, &blocks)?;
+    drop(blocks);
+    // The projection, LayerNorm (clip.cpp's 1e-5), GELU (erf) and the
+    // SwiGLU MLP.
+    let mut h = linear_wb(ctx, m, &mg.fc, None, &merged)?;
+    h = layer_norm(&h, &mg.post_norm, 1e-5);
+    par_map(ctx.pool, &mut h.x, gelu_erf);
+    let out = ffn(ctx, m, &h, &mg.up, Some(&mg.gate), &mg.down, hp.ffn_op)?;
+    Ok(out.x)
 }
 
 /// clip.cpp's `build_rope_2d` without interleaved frequencies (Kimi-VL's and
@@ -945,16 +1058,18 @@ fn merge_blocks(x: &Acts, pw: usize, ph: usize, f: usize, column_major: bool) ->
 /// ggml's bicubic interpolation (`ggml_interpolate`,
 /// `GGML_SCALE_MODE_BICUBIC`: PyTorch's convolution with `a = -0.75`, pixel
 /// centres, edges clamped, its CPU arithmetic in `f32`) of a `w0` x `h0`
-/// table of rows of `d` values (row-major) to `pw` x `ph`, as Kimi K2.5's
-/// graph runs it: the height axis is ggml's first, so each output value is
-/// the bicubic along the width of four bicubics along the height. The table
+/// table of rows of `d` values (row-major) to `pw` x `ph`. ggml takes the
+/// bicubic along its second axis of four along its first: with
+/// `height_first` (Kimi K2.5's graph, whose first axis is the height) each
+/// output value is the bicubic along the width of four along the height,
+/// else (GLM-4.xV's) along the height of four along the width. The table
 /// itself when the sizes are equal.
 pub fn interpolate_positions_bicubic(
     table: &[f32],
     (w0, h0): (usize, usize),
     d: usize,
-    pw: usize,
-    ph: usize,
+    (pw, ph): (usize, usize),
+    height_first: bool,
 ) -> Vec<f32> {
     if (pw, ph) == (w0, h0) {
         return table.to_vec();
@@ -984,14 +1099,17 @@ pub fn interpolate_positions_bicubic(
             .collect()
     };
     let cubic = |p: [f32; 4], w: &[f32; 4]| p[0] * w[0] + p[1] * w[1] + p[2] * w[2] + p[3] * w[3];
-    // ggml's "x" is the height axis, its "y" the width.
     let (hs, ws) = (axis(ph, h0), axis(pw, w0));
     let mut out = Vec::with_capacity(pw * ph * d);
     for (ht, hw) in &hs {
         for (wt, ww) in &ws {
             for c in 0..d {
-                let along_h = |wx: usize| cubic(ht.map(|hy| table[(hy * w0 + wx) * d + c]), hw);
-                out.push(cubic(wt.map(along_h), ww));
+                let at = |hy: usize, wx: usize| table[(hy * w0 + wx) * d + c];
+                out.push(if height_first {
+                    cubic(wt.map(|wx| cubic(ht.map(|hy| at(hy, wx)), hw)), ww)
+                } else {
+                    cubic(ht.map(|hy| cubic(wt.map(|wx| at(hy, wx)), ww)), hw)
+                });
             }
         }
     }
@@ -1026,7 +1144,7 @@ fn encode_kimivl(
         ));
     }
     let pos = if kimik25 {
-        interpolate_positions_bicubic(&m.pos_embd, m.pos_grid, d, pw, ph)
+        interpolate_positions_bicubic(&m.pos_embd, m.pos_grid, d, (pw, ph), true)
     } else {
         interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph)
     };
@@ -1158,7 +1276,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     let align = match m.projector {
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
-        Projector::Qwen3Vl { .. } => 2,
+        Projector::Qwen3Vl { .. } | Projector::Glm4v { .. } => 2,
         Projector::KimiVl { .. } | Projector::Llama4 { .. } => hp.n_merge,
     };
     if !pw.is_multiple_of(align) || !ph.is_multiple_of(align) {
@@ -1174,6 +1292,22 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     } = &m.projector
     {
         return encode_qwen3vl(ctx, m, img, (pw, ph), patch_embd_1, deepstack, up, down);
+    }
+    if let Projector::Glm4v {
+        patch_embd_1,
+        norm_embd,
+        merger,
+    } = &m.projector
+    {
+        return encode_glm4v(
+            ctx,
+            m,
+            img,
+            (pw, ph),
+            patch_embd_1,
+            norm_embd.as_ref(),
+            merger,
+        );
     }
     if let Projector::KimiVl {
         input_norm,
@@ -1214,9 +1348,10 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             }
             (0..n).collect()
         }
-        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } | Projector::Llama4 { .. } => {
-            return Err(VisionError::Shape("tower encoded above"))
-        }
+        Projector::Qwen3Vl { .. }
+        | Projector::KimiVl { .. }
+        | Projector::Llama4 { .. }
+        | Projector::Glm4v { .. } => return Err(VisionError::Shape("tower encoded above")),
     };
     for (i, &r) in rows.iter().enumerate() {
         if r >= m.n_pos {
@@ -1303,8 +1438,9 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             Ok(out.x)
         }
         // Encoded above.
-        Projector::Qwen3Vl { .. } | Projector::KimiVl { .. } | Projector::Llama4 { .. } => {
-            Err(VisionError::Shape("tower encoded above"))
-        }
+        Projector::Qwen3Vl { .. }
+        | Projector::KimiVl { .. }
+        | Projector::Llama4 { .. }
+        | Projector::Glm4v { .. } => Err(VisionError::Shape("tower encoded above")),
     }
 }

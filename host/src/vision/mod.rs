@@ -114,7 +114,10 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: (0, 0),
             }
         }
-        ProjectorType::Qwen3Vl | ProjectorType::KimiVl | ProjectorType::KimiK25 => {
+        ProjectorType::Qwen3Vl
+        | ProjectorType::KimiVl
+        | ProjectorType::KimiK25
+        | ProjectorType::Glm4v => {
             // llama.cpp's dyn_size preprocessor: bicubic into the smart size,
             // aspect kept and centred on black (its default PAD_CEIL).
             let (w, h) = dyn_size(m, (img.width, img.height));
@@ -149,7 +152,7 @@ fn dyn_size(m: &ClipModel, size: (usize, usize)) -> (usize, usize) {
 /// grid: `(tokens, 1)` of the image's first chunk, as llama.cpp says.
 pub fn merged_grid(m: &ClipModel, width: usize, height: usize) -> (usize, usize) {
     match m.hp.projector {
-        ProjectorType::Qwen3Vl => {
+        ProjectorType::Qwen3Vl | ProjectorType::Glm4v => {
             let (w, h) = dyn_size(m, (width, height));
             let p = m.hp.patch_size;
             ((w / p) / 2, (h / p) / 2)
@@ -208,7 +211,10 @@ pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
             chunk_tokens: vec![tokens((m.hp.image_size, m.hp.image_size))],
             grid: (0, 0),
         },
-        ProjectorType::Qwen3Vl | ProjectorType::KimiVl | ProjectorType::KimiK25 => ImageLayout {
+        ProjectorType::Qwen3Vl
+        | ProjectorType::KimiVl
+        | ProjectorType::KimiK25
+        | ProjectorType::Glm4v => ImageLayout {
             chunk_tokens: vec![tokens(dyn_size(m, size))],
             grid: (0, 0),
         },
@@ -236,7 +242,8 @@ pub fn encode_image(
         ProjectorType::Gemma3
         | ProjectorType::Qwen3Vl
         | ProjectorType::KimiVl
-        | ProjectorType::KimiK25 => {
+        | ProjectorType::KimiK25
+        | ProjectorType::Glm4v => {
             vec![merged_grid(m, img.width, img.height)]
         }
     };

@@ -322,7 +322,8 @@ fn lay_out<I: ImageChunks>(
         | ProjectorType::Qwen3Vl
         | ProjectorType::KimiVl
         | ProjectorType::KimiK25
-        | ProjectorType::Llama4 => None,
+        | ProjectorType::Llama4
+        | ProjectorType::Glm4v => None,
     };
     let (begin, end) = match projector {
         ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
@@ -332,6 +333,7 @@ fn lay_out<I: ImageChunks>(
         }
         ProjectorType::KimiK25 => ("<|media_begin|>", "<|media_end|>"),
         ProjectorType::Llama4 => ("<|image_start|>", "<|image_end|>"),
+        ProjectorType::Glm4v => ("<|begin_of_image|>", "<|end_of_image|>"),
         _ => ("<start_of_image>", "<end_of_image>"),
     };
     for (i, part) in parts.iter().enumerate() {
