@@ -1532,12 +1532,14 @@ fn qwen3vl_images_in_chat_messages_answer_as_les_run() {
     image_chat_answers_as_les_run("qwen3vlmoe", "qwen3vl_merger");
 }
 
-/// The same for Kimi-VL (`deepseek2` with `kimivl`) and Llama 4 (`llama4`
-/// with `llama4`: tiles and an overview).
+/// The same for Kimi-VL (`deepseek2` with `kimivl`), Llama 4 (`llama4`
+/// with `llama4`: tiles and an overview) and GLM-4.5V (`glm4moe` with M-RoPE
+/// sections and `glm4v`: a grid at its M-RoPE places).
 #[test]
-fn kimivl_and_llama4_images_in_chat_messages_answer_as_les_run() {
+fn kimivl_llama4_and_glm4v_images_in_chat_messages_answer_as_les_run() {
     image_chat_answers_as_les_run("deepseek2", "kimivl");
     image_chat_answers_as_les_run("llama4", "llama4");
+    image_chat_answers_as_les_run("glm4moe", "glm4v");
 }
 
 fn image_chat_answers_as_les_run(arch: &str, projector: &str) {

@@ -103,6 +103,41 @@ fn layer_norm(w: &Weights, prefix: &str, x: &[Vec<f32>], eps: f32) -> Vec<Vec<f3
         .collect()
 }
 
+/// RMSNorm (`* w`, `+ b` where the file has a bias), in `f64`.
+fn rms_norm(w: &Weights, prefix: &str, x: &[Vec<f32>], eps: f32) -> Vec<Vec<f32>> {
+    let g = w.get(&format!("{prefix}.weight"));
+    let bias = format!("{prefix}.bias");
+    let b = w.has(&bias).then(|| w.get(&bias));
+    x.iter()
+        .map(|xi| {
+            let n = xi.len() as f64;
+            let ms = xi.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / n;
+            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+            xi.iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    (f64::from(v) * inv) as f32 * g[i] + b.as_ref().map_or(0.0, |b| b[i])
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The tower's norm: RMSNorm where `hp.rms` (GLM-4.xV), else LayerNorm.
+fn norm(w: &Weights, hp: &Hp, prefix: &str, x: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    if hp.rms {
+        rms_norm(w, prefix, x, hp.eps)
+    } else {
+        layer_norm(w, prefix, x, hp.eps)
+    }
+}
+
+/// `x * sigmoid(x)`, in `f64`.
+fn silu(x: f32) -> f32 {
+    let x = f64::from(x);
+    (x / (1.0 + (-x).exp())) as f32
+}
+
 fn f16_round(x: f32) -> f32 {
     f16_to_f32(f32_to_f16(x))
 }
@@ -174,14 +209,17 @@ struct Hp {
     patch: usize,
     layers: usize,
     eps: f32,
+    /// RMSNorms (GLM-4.xV's tower), not LayerNorms.
+    rms: bool,
 }
 
 /// A tower without position rotation (`vit_block`'s `rope`).
 fn no_rope(_: &mut [Vec<f32>]) {}
 
-/// ViT block `l`: LayerNorm, attention (queries, keys and values from
+/// ViT block `l`: the tower's norm, attention (queries, keys and values from
 /// `attn_q`/`attn_k`/`attn_v`, or split from a fused `attn_qkv`; queries and
-/// keys turned by `rope`), the residual, LayerNorm, a GELU FFN, the residual.
+/// keys turned by `rope`), the residual, the norm, a GELU FFN (SwiGLU where
+/// the block has `ffn_gate`), the residual.
 fn vit_block(
     w: &Weights,
     hp: &Hp,
@@ -190,7 +228,7 @@ fn vit_block(
     rope: &dyn Fn(&mut [Vec<f32>]),
 ) -> Vec<Vec<f32>> {
     let b = format!("v.blk.{l}");
-    let h = layer_norm(w, &format!("{b}.ln1"), &x, hp.eps);
+    let h = norm(w, hp, &format!("{b}.ln1"), &x);
     let (mut q, mut k, v) = if w.has(&format!("{b}.attn_qkv.weight")) {
         let qkv = linear(w, &format!("{b}.attn_qkv"), &h);
         let d = hp.width;
@@ -210,10 +248,23 @@ fn vit_block(
     let a = attention(&q, &k, &v, hp.heads, None);
     let a = linear(w, &format!("{b}.attn_out"), &a);
     let x = add(&a, &x);
-    let h = layer_norm(w, &format!("{b}.ln2"), &x, hp.eps);
-    let u = gelu_all(linear(w, &format!("{b}.ffn_up"), &h));
+    let h = norm(w, hp, &format!("{b}.ln2"), &x);
+    let u = linear(w, &format!("{b}.ffn_up"), &h);
+    let u = if w.has(&format!("{b}.ffn_gate.weight")) {
+        swiglu(&linear(w, &format!("{b}.ffn_gate"), &h), &u)
+    } else {
+        gelu_all(u)
+    };
     let f = linear(w, &format!("{b}.ffn_down"), &u);
     add(&x, &f)
+}
+
+/// `silu(gate) * up`, value by value.
+fn swiglu(gate: &[Vec<f32>], up: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    gate.iter()
+        .zip(up)
+        .map(|(g, u)| g.iter().zip(u).map(|(&g, &u)| silu(g) * u).collect())
+        .collect()
 }
 
 /// Patch embedding as a convolution (kernel ne = [P, P, 3, width]) plus bias,
@@ -708,6 +759,68 @@ fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     linear(w, "mm.2", &u)
 }
 
+/// GLM-4.5V as `clip_graph_glm4v::build` computes it, in the image's own
+/// (row-major) token order: both temporal kernels and the bias, the
+/// RMSNorm after them, the position table interpolated bicubically, blocks
+/// with RMSNorms, Qwen-VL's vision M-RoPE and SwiGLU, `post_ln`, then each
+/// 2 x 2 block through the merger's convolution (kernel `[2, 2, d, out]`,
+/// both it and the block's values in f16 as `ggml_conv_2d`), the projection,
+/// LayerNorm (1e-5), GELU (erf) and the SwiGLU MLP.
+fn reference_glm4v(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let d = hp.width;
+    let bias = w.get("v.patch_embd.bias");
+    let c0 = conv(w, "v.patch_embd.weight", hp, img);
+    let c1 = conv(w, "v.patch_embd.weight.1", hp, img);
+    let mut x: Vec<Vec<f32>> = c0
+        .iter()
+        .zip(&c1)
+        .map(|(a, b)| (0..d).map(|c| a[c] + b[c] + bias[c]).collect())
+        .collect();
+    x = norm(w, hp, "v.norm_embd", &x);
+    let pos = w.get("v.position_embd.weight");
+    let side = ((pos.len() / d) as f64).sqrt() as usize;
+    x = add(&x, &bicubic(&pos, (side, side), d, pw, ph));
+    for l in 0..hp.layers {
+        x = vit_block(w, hp, l, x, &|t| mrope_vision(t, hp.heads, pw));
+    }
+    let x = norm(w, hp, "v.post_ln", &x);
+    let k: Vec<f32> = w
+        .get("mm.patch_merger.weight")
+        .into_iter()
+        .map(f16)
+        .collect();
+    let kb = w.get("mm.patch_merger.bias");
+    let out = kb.len();
+    let merged: Vec<Vec<f32>> = merge_2x2(&x, pw, ph)
+        .iter()
+        .map(|block| {
+            // The block is [top-left, top-right, bottom-left, bottom-right]:
+            // token `2 ky + kx`, the kernel's (row ky, column kx).
+            (0..out)
+                .map(|o| {
+                    let mut s = 0f64;
+                    for c in 0..d {
+                        for ky in 0..2 {
+                            for kx in 0..2 {
+                                let kv = k[((o * d + c) * 2 + ky) * 2 + kx];
+                                let xv = f16(block[(2 * ky + kx) * d + c]);
+                                s += f64::from(kv) * f64::from(xv);
+                            }
+                        }
+                    }
+                    s as f32 + kb[o]
+                })
+                .collect()
+        })
+        .collect();
+    let h = linear(w, "mm.model.fc", &merged);
+    let mut h = layer_norm(w, "mm.post_norm", &h, 1e-5);
+    h.iter_mut().flatten().for_each(|v| *v = gelu_erf(*v));
+    let u = swiglu(&linear(w, "mm.gate", &h), &linear(w, "mm.up", &h));
+    linear(w, "mm.down", &u)
+}
+
 /// Llama 4 as `clip_graph_llama4::build` computes it on one tile: the
 /// patches through the unfold matrix, the class token after them, the
 /// position embeddings, `pre_ln`, blocks with the 2-D RoPE at (column + 1,
@@ -824,6 +937,7 @@ fn hp_of(cfg: &MmprojConfig) -> Hp {
         patch: cfg.patch as usize,
         layers: cfg.layers as usize,
         eps: 1e-6,
+        rms: cfg.projector == ProjectorType::Glm4v,
     }
 }
 
@@ -974,6 +1088,29 @@ fn kimivl_encoder_matches_the_reference() {
 }
 
 #[test]
+fn glm4v_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(ProjectorType::Glm4v, ty, &format!("enc_glm4v_{name}.gguf"));
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
+        assert!(model.hp.rms_norm);
+        assert_eq!(model.row_width(), 48);
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        // The table's own 16 x 16 grid (no interpolation), grids smaller and
+        // larger than it (up and down on each axis), square and not.
+        encodes_as_reference(
+            &model,
+            &[(224, 224), (84, 56), (56, 168), (336, 84), (28, 28)],
+            28,
+            &|img| reference_glm4v(&w, &hp, img),
+            &format!("glm4v {name}"),
+            tolerance(ty),
+        );
+    }
+}
+
+#[test]
 fn llama4_encoder_matches_the_reference() {
     for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
         let (path, cfg) = projector(
@@ -1009,6 +1146,7 @@ fn encoder_output_does_not_depend_on_threads_or_kernels() {
         (ProjectorType::Qwen3Vl, (192, 128)),
         (ProjectorType::KimiVl, (196, 112)),
         (ProjectorType::Llama4, (112, 112)),
+        (ProjectorType::Glm4v, (140, 84)),
     ] {
         let name = format!("enc_threads_{}.gguf", ptype.name());
         let (path, _) = projector(ptype, GgmlType::F16, &name);
@@ -1790,6 +1928,49 @@ fn malformed_kimivl_files_are_errors() {
             ("mm.1.bias", "mm.1.bias"),
             ("mm.2.weight", "mm.2.weight"),
             ("v.blk.1.attn_k.weight", "v.blk.1.attn_k.weight"),
+            ("v.position_embd.weight", "v.position_embd.weight"),
+        ],
+        Some((42, 56)),
+    );
+}
+
+#[test]
+fn malformed_glm4v_files_are_errors() {
+    use les::gguf::MetaValue;
+    assert_malformed_refused(
+        ProjectorType::Glm4v,
+        vec![
+            (
+                "clip.vision.spatial_merge_size",
+                Some(MetaValue::U32(3)),
+                "spatial_merge_size 3",
+            ),
+            (
+                "clip.vision.attention.head_count",
+                Some(MetaValue::U32(32)),
+                "multiple of 4",
+            ),
+            (
+                "clip.vision.patch_size",
+                Some(MetaValue::U32(40)),
+                "patch_size 40",
+            ),
+            (
+                "clip.vision.attention.head_dim",
+                Some(MetaValue::U32(8)),
+                "head_dim",
+            ),
+        ],
+        &[
+            ("v.patch_embd.weight.1", "v.patch_embd.weight.1"),
+            ("v.patch_embd.bias", "v.patch_embd.bias"),
+            ("v.blk.1.attn_qkv.weight", "v.blk.1.attn_qkv.weight"),
+            ("mm.patch_merger.weight", "mm.patch_merger.weight"),
+            ("mm.patch_merger.bias", "mm.patch_merger.bias"),
+            ("mm.model.fc.weight", "mm.model.fc.weight"),
+            ("mm.post_norm.weight", "mm.post_norm.weight"),
+            ("mm.gate.weight", "mm.gate.weight"),
+            ("mm.down.weight", "mm.down.weight"),
             ("v.position_embd.weight", "v.position_embd.weight"),
         ],
         Some((42, 56)),

@@ -1,6 +1,5 @@
-//! `les` on two MoE vision-language models whose language models place image
-//! embeddings in sequence (no M-RoPE sections), each a synthetic language
-//! model and projector from one `les synth`:
+//! `les` on MoE vision-language models beyond Qwen's, each a synthetic
+//! language model and projector from one `les synth`:
 //!
 //! - Kimi-VL: `deepseek2` (DeepSeek-V3's architecture: MLA, a shared
 //!   expert, sigmoid routing) and `kimivl` (MoonViT): images of any size
@@ -8,7 +7,13 @@
 //!   Kimi K2.5's `kimik25` the same way, between `<|media_begin|>` and
 //!   `<|media_end|>`;
 //! - Llama 4: `llama4` and `llama4`: tiles of a grid plus an overview, between
-//!   `<|image_start|>` and `<|image_end|>`.
+//!   `<|image_start|>` and `<|image_end|>`;
+//! - GLM-4.5V: `glm4moe` rotated by plain M-RoPE sections and `glm4v`: an
+//!   image of any size as one grid of merged patches at its M-RoPE
+//!   positions, between `<|begin_of_image|>` and `<|end_of_image|>`.
+//!
+//! Kimi's and Llama 4's language models place image embeddings in
+//! sequence (no M-RoPE sections).
 //!
 //! The prompts are laid out as llama.cpp's `mtmd` lays them out; the experts
 //! stream exactly; with llama-cpp-python at hand, les decodes as llama.cpp
@@ -30,6 +35,7 @@ fn arch_of(projector: ProjectorType) -> &'static str {
     match projector {
         ProjectorType::KimiVl | ProjectorType::KimiK25 => "deepseek2",
         ProjectorType::Llama4 => "llama4",
+        ProjectorType::Glm4v => "glm4moe",
         p => panic!("{p:?}"),
     }
 }
@@ -159,6 +165,41 @@ fn llama4_image_prompt_streams_exactly_on_every_schedule() {
         &["--image-max-tokens", "20"],
     );
     assert_eq!(other["stats"]["image_tokens"], 160);
+}
+
+/// GLM-4.5V: `les synth --projector glm4v` gives its glm4moe GLM-4.5V's
+/// M-RoPE sections (a quarter of the rotated pairs by time, the rest
+/// split between height and width, one section after the other), and the
+/// image's merged patches (320 x 240 -> 308 x 252, 11 x 9) go between
+/// `<|begin_of_image|>` and `<|end_of_image|>` at their grid positions:
+/// the same tokens and logits, bit for bit, on every schedule; the token
+/// budget shrinks the image.
+#[test]
+fn glm4v_image_prompt_streams_exactly_on_every_schedule() {
+    let (lm, _) = models(ProjectorType::Glm4v, "sections", &[]);
+    let model = les::model::Model::open(&lm).unwrap();
+    let m = model.hybrid.rope_sections.expect("M-RoPE sections");
+    assert_eq!((m.sections, m.interleaved), ([1, 1, 2, 0], false));
+    assert_eq!(model.hp.n_rot, 8);
+    let markers = (99, "<|begin_of_image|>", "<|end_of_image|>");
+    let small = streams_exactly(ProjectorType::Glm4v, markers, &["--image-max-tokens", "20"]);
+    assert_eq!(small["stats"]["image_tokens"], 15);
+}
+
+/// A GLM-4.5V decode against llama.cpp's own (`libmtmd`): an f32 glm4moe
+/// with M-RoPE sections and the f16 `glm4v` projector `les synth` writes,
+/// three images: the same greedy tokens, logits within 2e-3 (measured
+/// 6.5e-4, 7.1e-4 and 1.4e-3; the JPEG's decode ends at `<|endoftext|>`
+/// after one token in both).
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn glm4v_image_decode_equals_llama_cpps() {
+    let (lm, mm) = models(ProjectorType::Glm4v, "mtmd", &F32_WEIGHTS);
+    let prompt = "What is in <__media__>? It is";
+    for img in cli::decode_images("glm4v") {
+        let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, "glm4v");
+        assert!(worst < 2e-3, "{}: {worst}", img.display());
+    }
 }
 
 /// A Kimi-VL decode against llama.cpp's own (`libmtmd`,
