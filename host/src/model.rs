@@ -91,7 +91,8 @@ pub enum Arch {
     /// GLM-4.5 / GLM-4.5-Air (llama.cpp's `GLM4_MOE`): attention with Q/K/V
     /// biases and a partial NeoX RoPE, dense leading layers, routed experts
     /// chosen by sigmoid scores plus a selection bias, an ungated shared
-    /// expert, a multi-token-prediction block after the main stack.
+    /// expert, a multi-token-prediction block after the main stack; GLM-4.5V's
+    /// and GLM-4.6V's (`rope.dimension_sections`) rotate by plain M-RoPE.
     Glm4Moe,
     /// ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, -300B-A47B; llama.cpp's
     /// `ernie4_5-moe`): Llama attention, dense leading layers, routed experts
