@@ -1542,11 +1542,18 @@ fn kimivl_llama4_and_glm4v_images_in_chat_messages_answer_as_les_run() {
     image_chat_answers_as_les_run("glm4moe", "glm4v");
 }
 
+/// InternVL (`qwen3moe` with `internvl`: tiles, then the overview).
+#[test]
+fn internvl_images_in_chat_messages_answer_as_les_run() {
+    image_chat_answers_as_les_run("qwen3moe", "internvl");
+}
+
 fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
-    let mm = tmp(&format!("serve_vlm_{arch}_mmproj.gguf"));
+    // Named by both: tests run side by side.
+    let mm = tmp(&format!("serve_vlm_{arch}_{projector}_mmproj.gguf"));
     let mm_arg = mm.to_str().unwrap();
     let lm = synth_once(
-        &format!("serve_vlm_{arch}.gguf"),
+        &format!("serve_vlm_{arch}_{projector}.gguf"),
         &[
             "--quiet",
             "--arch",

@@ -246,7 +246,11 @@ fn vit_block(
     rope(&mut q);
     rope(&mut k);
     let a = attention(&q, &k, &v, hp.heads, None);
-    let a = linear(w, &format!("{b}.attn_out"), &a);
+    let a = layer_scale(
+        w,
+        &format!("{b}.ls1"),
+        linear(w, &format!("{b}.attn_out"), &a),
+    );
     let x = add(&a, &x);
     let h = norm(w, hp, &format!("{b}.ln2"), &x);
     let u = linear(w, &format!("{b}.ffn_up"), &h);
@@ -255,8 +259,24 @@ fn vit_block(
     } else {
         gelu_all(u)
     };
-    let f = linear(w, &format!("{b}.ffn_down"), &u);
+    let f = layer_scale(
+        w,
+        &format!("{b}.ls2"),
+        linear(w, &format!("{b}.ffn_down"), &u),
+    );
     add(&x, &f)
+}
+
+/// `x` times the layer scale `prefix` value by value, where the file has it.
+fn layer_scale(w: &Weights, prefix: &str, mut x: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    let name = format!("{prefix}.weight");
+    if w.has(&name) {
+        let s = w.get(&name);
+        for row in &mut x {
+            row.iter_mut().zip(&s).for_each(|(v, s)| *v *= s);
+        }
+    }
+    x
 }
 
 /// `silu(gate) * up`, value by value.
@@ -821,6 +841,28 @@ fn reference_glm4v(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     linear(w, "mm.down", &u)
 }
 
+/// InternVL as `clip_graph_internvl::build` computes it on one tile: the
+/// patches (in f16) and their bias, the class token after them, the
+/// position table's rows added in that order, blocks with layer scales and
+/// no rotation, the class token dropped, each 2 x 2 block of patches
+/// (top-left, top-right, bottom-left, bottom-right) as a row with the blocks
+/// row by row, LayerNorm (1e-5), a GELU MLP.
+fn reference_internvl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let mut x = patch_embed(w, hp, img);
+    x.push(w.get("v.class_embd"));
+    let pos = w.get("v.position_embd.weight");
+    let pos: Vec<Vec<f32>> = pos.chunks(hp.width).map(<[f32]>::to_vec).collect();
+    x = add(&x, &pos);
+    for l in 0..hp.layers {
+        x = vit_block(w, hp, l, x, &no_rope);
+    }
+    x.pop();
+    let h = layer_norm(w, "mm.model.mlp.0", &merge_2x2(&x, pw, ph), 1e-5);
+    let u = gelu_all(linear(w, "mm.model.mlp.1", &h));
+    linear(w, "mm.model.mlp.3", &u)
+}
+
 /// Llama 4 as `clip_graph_llama4::build` computes it on one tile: the
 /// patches through the unfold matrix, the class token after them, the
 /// position embeddings, `pre_ln`, blocks with the 2-D RoPE at (column + 1,
@@ -1111,6 +1153,39 @@ fn glm4v_encoder_matches_the_reference() {
 }
 
 #[test]
+fn internvl_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(
+            ProjectorType::InternVl,
+            ty,
+            &format!("enc_internvl_{name}.gguf"),
+        );
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
+        assert_eq!(model.hp.tiles, (1, 6));
+        assert!(model
+            .layers
+            .iter()
+            .all(|l| l.ls1.is_some() && l.ls2.is_some()));
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        let mut pool = Pool::new(3);
+        let img = test_image(112, 112, 6);
+        let mut ctx = Ctx {
+            pool: &mut pool,
+            isa: Isa::detect(),
+        };
+        let got = encode(&mut ctx, &model, &img).unwrap();
+        assert_eq!(output_tokens(&model, 112, 112), 16);
+        let want = reference_internvl(&w, &hp, &img);
+        compare(&got, &want, &format!("internvl {name}"), tolerance(ty));
+        // Tiles only: another size is refused.
+        let e = encode(&mut ctx, &model, &test_image(56, 56, 1)).unwrap_err();
+        assert!(e.to_string().contains("tiles"), "{e}");
+    }
+}
+
+#[test]
 fn llama4_encoder_matches_the_reference() {
     for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
         let (path, cfg) = projector(
@@ -1147,6 +1222,7 @@ fn encoder_output_does_not_depend_on_threads_or_kernels() {
         (ProjectorType::KimiVl, (196, 112)),
         (ProjectorType::Llama4, (112, 112)),
         (ProjectorType::Glm4v, (140, 84)),
+        (ProjectorType::InternVl, (112, 112)),
     ] {
         let name = format!("enc_threads_{}.gguf", ptype.name());
         let (path, _) = projector(ptype, GgmlType::F16, &name);
@@ -1338,14 +1414,63 @@ fn llama4_embeddings_equal_llama_cpps() {
 
 /// A `les synth --preset tiny` model of `arch` written to `file`.
 fn tiny_text_model(arch: &str, file: &str) -> PathBuf {
+    tiny_text_model_with(arch, file, &[])
+}
+
+/// [`tiny_text_model`] with more `les synth` arguments.
+fn tiny_text_model_with(arch: &str, file: &str, extra: &[&str]) -> PathBuf {
     let model = tmp(file);
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
         .args(["synth", "--quiet", "--arch", arch, "--preset", "tiny", "-o"])
         .arg(&model)
+        .args(extra)
         .status()
         .unwrap();
     assert!(status.success());
     model
+}
+
+/// InternVL's tiles and overview against llama.cpp's (`libmtmd`), as
+/// [`llama4_embeddings_equal_llama_cpps`]: a synthetic `qwen3moe` (as
+/// InternVL3.5-30B-A3B's) with `<img>` and `</img>` in its vocabulary and an
+/// `internvl` projector (112-pixel tiles, 1 to 6 a picture, a class token
+/// after the patches, layer scales, a 2 x 2 pixel shuffle): the same tile
+/// grids, the tiles then the overview between `<img>` and `</img>`, and
+/// embeddings within float error.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn internvl_embeddings_equal_llama_cpps() {
+    let mmproj = tmp("mtmd_internvl_text_mmproj.gguf");
+    let model = tiny_text_model_with(
+        "qwen3moe",
+        "mtmd_internvl_text.gguf",
+        &[
+            "--projector",
+            "internvl",
+            "--mmproj-out",
+            mmproj.to_str().unwrap(),
+        ],
+    );
+    let mut pool = Pool::new(2);
+    let mut failures = Vec::new();
+    // Every value goes through the MLP's f16-table GELU after the ViT.
+    for (ty, silu, tolerance) in [
+        (GgmlType::F32, true, 1e-3),
+        (GgmlType::F32, false, 1e-3),
+        (GgmlType::F16, false, 3e-3),
+        (GgmlType::BF16, false, 1e-2),
+    ] {
+        mtmd_embeddings_of(
+            &model,
+            ProjectorType::InternVl,
+            ty,
+            silu,
+            tolerance,
+            &mut pool,
+            &mut failures,
+        );
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// One projector of `ptype` with `ty` weights (its ViT's FFN through SiLU
@@ -1466,10 +1591,10 @@ fn mtmd_embeddings_of(
         }
         assert_eq!(layout, theirs_layout, "{what}: the prompt's layout");
         assert_eq!(ours.chunks.len(), theirs.len(), "{what}: chunks");
-        // llama.cpp's chunks come in prompt order: Llama 4's tiles before its
-        // overview (les's chunk 0).
+        // llama.cpp's chunks come in prompt order: Llama 4's and InternVL's
+        // tiles before the overview (les's chunk 0).
         let mut in_prompt: Vec<&Vec<f32>> = ours.chunks.iter().collect();
-        if ptype == ProjectorType::Llama4 {
+        if matches!(ptype, ProjectorType::Llama4 | ProjectorType::InternVl) {
             in_prompt.rotate_left(1);
         }
         let mut worst = 0f32;
@@ -1974,6 +2099,60 @@ fn malformed_glm4v_files_are_errors() {
             ("v.position_embd.weight", "v.position_embd.weight"),
         ],
         Some((42, 56)),
+    );
+}
+
+#[test]
+fn malformed_internvl_files_are_errors() {
+    use les::gguf::MetaValue;
+    assert_malformed_refused(
+        ProjectorType::InternVl,
+        vec![
+            (
+                "clip.vision.projector.scale_factor",
+                Some(MetaValue::U32(5)),
+                "scale_factor 5",
+            ),
+            (
+                "clip.vision.projector.scale_factor",
+                None,
+                "scale_factor is missing",
+            ),
+            (
+                "clip.vision.preproc_min_tiles",
+                Some(MetaValue::U32(0)),
+                "tiles",
+            ),
+            (
+                "clip.vision.preproc_max_tiles",
+                Some(MetaValue::U32(100)),
+                "tiles",
+            ),
+            (
+                "clip.vision.preproc_min_tiles",
+                Some(MetaValue::U32(7)),
+                "tiles",
+            ),
+            (
+                "clip.vision.image_size",
+                Some(MetaValue::U32(100)),
+                "image_size 100",
+            ),
+            (
+                "clip.vision.image_size",
+                Some(MetaValue::U32(168)),
+                "position embeddings",
+            ),
+        ],
+        &[
+            ("v.class_embd", "v.class_embd"),
+            ("mm.model.mlp.0.weight", "mm.model.mlp.0.weight"),
+            ("mm.model.mlp.1.weight", "mm.model.mlp.1.weight"),
+            ("mm.model.mlp.3.weight", "mm.model.mlp.3.weight"),
+            ("v.blk.1.attn_v.weight", "v.blk.1.attn_v.weight"),
+            ("v.position_embd.weight", "v.position_embd.weight"),
+        ],
+        None,
     );
 }
 

@@ -168,7 +168,9 @@ pub struct SynthArgs {
     /// qwen3vl_merger (with as many deepstack mergers as the model's
     /// `n_deepstack_layers`), kimivl (Kimi-VL's) or kimik25 (Kimi K2.5's),
     /// both for `deepseek2`, llama4 (Llama 4's, for `llama4`) or glm4v
-    /// (GLM-4.5V's; a `glm4moe` model then gets GLM-4.5V's M-RoPE sections).
+    /// (GLM-4.5V's; a `glm4moe` model then gets GLM-4.5V's M-RoPE sections)
+    /// or internvl (InternVL's, e.g. for `qwen3moe`: InternVL3.5-30B-A3B; the
+    /// model's vocabulary then gets `<img>` and `</img>`).
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
     /// Width of the --mmproj-out vision transformer (default 64).
@@ -188,7 +190,7 @@ pub struct SynthArgs {
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
     ProjectorType::from_name(s).ok_or_else(|| {
         format!(
-            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4 or glm4v)"
+            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4, glm4v or internvl)"
         )
     })
 }
@@ -228,6 +230,13 @@ impl SynthArgs {
             mrope: self.arch == Arch::Glm4moe
                 && self.mmproj_out.is_some()
                 && self.projector == ProjectorType::Glm4v,
+            // InternVL's markers go into whichever model it is written for.
+            image_tokens: if self.mmproj_out.is_some() && self.projector == ProjectorType::InternVl
+            {
+                &crate::synth::vocab::INTERNVL_TOKENS
+            } else {
+                &[]
+            },
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)
     }

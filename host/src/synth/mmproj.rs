@@ -2,7 +2,7 @@
 //! matching a synthetic language model: the tensors and keys llama.cpp's
 //! converter writes for MiniCPM-V 4.6 (`minicpmv4_6`), Gemma 3 (`gemma3`),
 //! Qwen3-VL (`qwen3vl_merger`), Kimi-VL (`kimivl`), Kimi K2.5 (`kimik25`),
-//! Llama 4 (`llama4`) or GLM-4.5V (`glm4v`), at
+//! Llama 4 (`llama4`), GLM-4.5V (`glm4v`) or InternVL (`internvl`), at
 //! a tiny size, with random weights, so the whole multimodal path runs
 //! without downloads.
 //!
@@ -20,6 +20,9 @@
 //! 16 embeddings a tile). `glm4v` has a 16 x 16 table (`image_size` 224),
 //! RMSNorms without biases, SwiGLU FFNs with SiLU, a 2x2 convolution merger
 //! and a SwiGLU MLP twice the output width, and takes images of any size.
+//! `internvl` takes 112 x 112 tiles (8 x 8 patches, a class token after
+//! them, layer scales, a 2 x 2 pixel shuffle: 16 embeddings a tile), 1 to 6
+//! tiles an image.
 //! The output width is
 //! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
 //! `mmproj-*-f16.gguf`), vectors and position embeddings `f32`, patch
@@ -77,7 +80,7 @@ impl MmprojConfig {
             layers: if qwen3vl { 4 } else { 2 },
             image_size: match projector {
                 ProjectorType::Qwen3Vl => 256,
-                ProjectorType::Llama4 => 112,
+                ProjectorType::Llama4 | ProjectorType::InternVl => 112,
                 _ => 224,
             },
             patch: if qwen3vl { 16 } else { 14 },
@@ -108,7 +111,9 @@ impl MmprojConfig {
                 w * h
             }
             // One more for the class token.
-            ProjectorType::Llama4 => (self.image_size / self.patch).pow(2) + 1,
+            ProjectorType::Llama4 | ProjectorType::InternVl => {
+                (self.image_size / self.patch).pow(2) + 1
+            }
         }
     }
 }
@@ -149,6 +154,7 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     let gemma3 = cfg.projector == ProjectorType::Gemma3;
     let qwen3vl = cfg.projector == ProjectorType::Qwen3Vl;
     let glm4v = cfg.projector == ProjectorType::Glm4v;
+    let internvl = cfg.projector == ProjectorType::InternVl;
     let llama4 = cfg.projector == ProjectorType::Llama4;
     let mut add = |name: &str, dims: &[u64], init: Init| {
         let f32_always = dims.len() == 1
@@ -190,6 +196,9 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     }
     if !llama4 {
         add("v.patch_embd.bias", &[w], bias);
+    }
+    if internvl {
+        add("v.class_embd", &[w], Init::Normal(0.1));
     }
     if glm4v {
         // `post_conv_layernorm`, an RMSNorm.
@@ -233,6 +242,11 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
         add(&format!("{b}.ln2.bias"), &[w], bias);
         linear(&mut add, &format!("{b}.ffn_up"), w, ff);
         linear(&mut add, &format!("{b}.ffn_down"), ff, w);
+        if internvl {
+            // InternViT's layer scales (`ls1`, `ls2`).
+            add(&format!("{b}.ls1.weight"), &[w], Init::Norm);
+            add(&format!("{b}.ls2.weight"), &[w], Init::Norm);
+        }
     }
     match cfg.projector {
         ProjectorType::MiniCpmV46 => {
@@ -285,6 +299,14 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             add("mm.input_norm.bias", &[w], bias);
             linear(&mut add, "mm.1", 4 * w, 4 * w);
             linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
+        }
+        ProjectorType::InternVl => {
+            // `mlp1`: LayerNorm of the shuffled 2 x 2 patches, a GELU MLP to
+            // the model's width (InternViT has no final norm).
+            add("mm.model.mlp.0.weight", &[4 * w], Init::Norm);
+            add("mm.model.mlp.0.bias", &[4 * w], bias);
+            linear(&mut add, "mm.model.mlp.1", 4 * w, cfg.out_embd);
+            linear(&mut add, "mm.model.mlp.3", cfg.out_embd, cfg.out_embd);
         }
         ProjectorType::Glm4v => {
             // `post_layernorm` (RMS), the `downsample` convolution to the
@@ -365,6 +387,11 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
         }
         ProjectorType::KimiVl | ProjectorType::Llama4 => {
             m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
+        }
+        ProjectorType::InternVl => {
+            m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
+            m.push(("clip.vision.preproc_min_tiles", MetaValue::U32(1)));
+            m.push(("clip.vision.preproc_max_tiles", MetaValue::U32(6)));
         }
         ProjectorType::KimiK25 => {
             // Its converter's pixel budget: 8 patches to `in_patch_limit`

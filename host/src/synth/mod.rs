@@ -968,6 +968,7 @@ pub struct Overrides {
     pub rope_freqs: bool,
     pub moe_every: Option<u64>,
     pub mrope: bool,
+    pub image_tokens: &'static [&'static str],
 }
 
 /// Why a configuration or a write failed.
@@ -1037,6 +1038,9 @@ pub struct SynthConfig {
     /// (`rope.dimension_sections`, a quarter of the rotated pairs by time
     /// and the rest split between height and width).
     pub mrope: bool,
+    /// Image markers the vocabulary carries for a projector beyond the
+    /// architecture's own (InternVL's `<img>` / `</img>`).
+    pub image_tokens: &'static [&'static str],
 }
 
 impl SynthConfig {
@@ -1315,6 +1319,7 @@ impl SynthConfig {
             rope_freqs: o.rope_freqs,
             moe_every,
             mrope: o.mrope,
+            image_tokens: o.image_tokens,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -2817,16 +2822,19 @@ fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthCon
 }
 
 /// The vocabulary of `cfg`'s model: Qwen3-VL's, Kimi-VL's (`deepseek2`),
-/// Llama 4's and GLM-4.5V's (`glm4moe`) carry their image markers too.
+/// Llama 4's and GLM-4.5V's (`glm4moe`) carry their image markers too, and
+/// every one the markers of [`SynthConfig::image_tokens`].
 pub fn vocab_of(cfg: &SynthConfig) -> Result<Vocab, SynthError> {
-    let more: &[&str] = match cfg.arch {
+    let own: &[&str] = match cfg.arch {
         Arch::Qwen3vlmoe | Arch::Qwen3vl => &vocab::QWEN_VL_TOKENS,
         Arch::Deepseek2 => &vocab::KIMI_VL_TOKENS,
         Arch::Llama4 => &vocab::LLAMA4_TOKENS,
         Arch::Glm4moe => &vocab::GLM_V_TOKENS,
         _ => &[],
     };
-    Vocab::build_with(cfg.shape.vocab as usize, more).map_err(SynthError::Config)
+    let mut more = own.to_vec();
+    more.extend(cfg.image_tokens.iter().filter(|t| !own.contains(t)));
+    Vocab::build_with(cfg.shape.vocab as usize, &more).map_err(SynthError::Config)
 }
 
 /// The header writer with every pair and tensor info added, and the plan.

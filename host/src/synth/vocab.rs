@@ -53,6 +53,11 @@ pub const LLAMA4_TOKENS: [&str; 2] = ["<|image_start|>", "<|image_end|>"];
 /// [`MEDIA_TOKENS`] to `glm4moe` vocabularies only.
 pub const GLM_V_TOKENS: [&str; 2] = ["<|begin_of_image|>", "<|end_of_image|>"];
 
+/// The tokens InternVL wraps an image's tiles and overview in, added after
+/// [`MEDIA_TOKENS`] where a synthetic model is written with an `internvl`
+/// projector.
+pub const INTERNVL_TOKENS: [&str; 2] = ["<img>", "</img>"];
+
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
 /// `tokenizer.ggml.token_type` of control tokens.

@@ -12,7 +12,9 @@
 //! 336-pixel tiles plus an overview) and `glm4v` (GLM-4.5V's and GLM-4.6V's:
 //! Qwen3-VL's patches and M-RoPE with RMSNorms, a SwiGLU ViT, a bicubically
 //! interpolated position table, a 2x2 convolution merger, a projection,
-//! LayerNorm + GELU and a SwiGLU MLP).
+//! LayerNorm + GELU and a SwiGLU MLP) and `internvl` (InternVL's:
+//! InternViT over 448-pixel tiles with a class token after the patches and
+//! layer scales, a pixel shuffle, LayerNorm and a GELU MLP).
 //!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
@@ -64,6 +66,13 @@ pub enum ProjectorType {
     /// GELU and a SwiGLU MLP; images of any size (within a token budget),
     /// one chunk each.
     Glm4v,
+    /// InternVL 2.5 / 3 / 3.5 (`internvl`): InternViT over fixed-size tiles
+    /// (a class token after the patches, learned position embeddings, layer
+    /// scales; RMSNorms and Q/K norms in the 6B ViT), a pixel shuffle of
+    /// n x n patches, LayerNorm and a GELU MLP; a large image is cut into
+    /// the grid of tiles (within the file's tile bounds) that fits it best,
+    /// the tiles then an overview.
+    InternVl,
 }
 
 impl ProjectorType {
@@ -77,6 +86,7 @@ impl ProjectorType {
             ProjectorType::KimiK25 => "kimik25",
             ProjectorType::Llama4 => "llama4",
             ProjectorType::Glm4v => "glm4v",
+            ProjectorType::InternVl => "internvl",
         }
     }
 
@@ -90,6 +100,7 @@ impl ProjectorType {
             "kimik25" => Some(ProjectorType::KimiK25),
             "llama4" => Some(ProjectorType::Llama4),
             "glm4v" => Some(ProjectorType::Glm4v),
+            "internvl" => Some(ProjectorType::InternVl),
             _ => None,
         }
     }
@@ -103,7 +114,10 @@ impl ProjectorType {
             ProjectorType::Qwen3Vl | ProjectorType::Glm4v => Some((8, 4096)),
             ProjectorType::KimiVl => Some((8, 1024)),
             ProjectorType::KimiK25 => Some((2, 4096)),
-            ProjectorType::MiniCpmV46 | ProjectorType::Gemma3 | ProjectorType::Llama4 => None,
+            ProjectorType::MiniCpmV46
+            | ProjectorType::Gemma3
+            | ProjectorType::Llama4
+            | ProjectorType::InternVl => None,
         }
     }
 }
@@ -167,8 +181,13 @@ pub struct ClipHparams {
     /// (llama.cpp's `image_max_pixels`: 4096 merged tokens for Qwen3-VL, 1024
     /// for Kimi-VL); 0 for the other projectors.
     pub image_max_pixels: usize,
-    /// The tower's norms are RMSNorms (GLM-4.xV), not LayerNorms.
+    /// The tower's norms are RMSNorms (GLM-4.xV, InternVL's 6B ViT), not
+    /// LayerNorms.
     pub rms_norm: bool,
+    /// InternVL: the fewest and most tiles an image is cut into
+    /// (`clip.vision.preproc_min_tiles` / `_max_tiles`, 1 and 12 by
+    /// default); `(0, 0)` for the other projectors.
+    pub tiles: (usize, usize),
     /// Kimi K2.5: the file sets the pixel budget (both
     /// `clip.vision.image_min_pixels` and `_max_pixels`), and
     /// `--image-min-tokens` / `--image-max-tokens` leave it, as in llama.cpp.
@@ -292,6 +311,10 @@ pub struct VitLayer {
     pub ffn_down: Linear,
     /// Layer scale after the FFN.
     pub ls2: Option<Vec<f32>>,
+    /// Norm of the queries, over all heads at once (InternViT-6B's).
+    pub q_norm: Option<Norm>,
+    /// Norm of the keys, over all heads at once.
+    pub k_norm: Option<Norm>,
 }
 
 /// MiniCPM-V 4.6's merger inside the tower: window attention over 2x2 patches,
@@ -390,6 +413,18 @@ pub enum Projector {
         /// The projection to the language model (`mm.model.fc`).
         fc: Mat,
     },
+    /// InternVL: the class token, then after the ViT a pixel shuffle,
+    /// LayerNorm and a GELU MLP.
+    InternVl {
+        /// The class token's embedding (`v.class_embd`), after the patches.
+        class_embd: Vec<f32>,
+        /// LayerNorm of each shuffled row (`mm.model.mlp.0`, epsilon 1e-5).
+        norm: Norm,
+        /// MLP up (`mm.model.mlp.1`), from `n_merge² * n_embd`.
+        up: Linear,
+        /// MLP down (`mm.model.mlp.3`), to `n_mmproj_embd`.
+        down: Linear,
+    },
     /// GLM-4.xV: the second temporal patch kernel, an RMSNorm after the
     /// patch embedding, then after the ViT (and `post_ln`) the merger.
     Glm4v {
@@ -469,6 +504,9 @@ const MAX_PATCHES_PER_SIDE: usize = 128;
 /// pixels (Qwen3-VL's 32: 4096 tokens 4.2 M pixels; Kimi-VL's 28; 64 at
 /// [`MAX_IMAGE_TOKENS`]: 67 M).
 const MAX_MERGED_PATCH: usize = 64;
+/// The most tiles InternVL may cut an image into (its models say 6 to 12;
+/// each tile is a whole pass of the tower).
+pub const MAX_TILES: usize = 64;
 /// The most merged tokens `--image-max-tokens` may let one image take (4x
 /// Qwen3-VL's default: a 16 Mpx picture at 16-pixel patches).
 pub const MAX_IMAGE_TOKENS: usize = 16384;
@@ -759,7 +797,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4 and glm4v)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4, glm4v and internvl)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -849,12 +887,17 @@ impl ClipModel {
                 }
                 m as usize
             }
-            ProjectorType::Llama4 => {
-                // The converter writes 1 / pixel_shuffle_ratio (Llama 4's: 2).
-                let m = scale
-                    .ok_or_else(|| err("llama4: clip.vision.projector.scale_factor is missing"))?;
+            ProjectorType::Llama4 | ProjectorType::InternVl => {
+                // The converters write 1 / pixel_shuffle_ratio (Llama 4's
+                // and InternVL's: 2).
+                let name = projector.name();
+                let m = scale.ok_or_else(|| {
+                    err(format!(
+                        "{name}: clip.vision.projector.scale_factor is missing"
+                    ))
+                })?;
                 if !(1..=4).contains(&m) {
-                    return Err(err(format!("llama4: scale_factor {m} (must be 1 to 4)")));
+                    return Err(err(format!("{name}: scale_factor {m} (must be 1 to 4)")));
                 }
                 m as usize
             }
@@ -864,17 +907,21 @@ impl ClipModel {
         let kimik25 = projector == ProjectorType::KimiK25;
         let kimivl = projector == ProjectorType::KimiVl || kimik25;
         let llama4 = projector == ProjectorType::Llama4;
-        if llama4 {
-            // Its tiles are image_size a side, a whole number of shuffled
-            // patches, and its heads turn by the 2-D RoPE.
+        let internvl = projector == ProjectorType::InternVl;
+        if llama4 || internvl {
+            // Their tiles are image_size a side, a whole number of shuffled
+            // patches (and Llama 4's heads turn by the 2-D RoPE).
             if patch_size == 0
                 || !image_size.is_multiple_of(patch_size * n_merge)
                 || image_size == 0
             {
                 return Err(err(format!(
-                    "llama4: image_size {image_size} is not a multiple of patch {patch_size} x scale {n_merge}"
+                    "{}: image_size {image_size} is not a multiple of patch {patch_size} x scale {n_merge}",
+                    projector.name()
                 )));
             }
+        }
+        if llama4 {
             if !(n_embd / n_head).is_multiple_of(4) {
                 return Err(err(format!(
                     "llama4: head width {} ({n_embd} / {n_head} heads) is not a multiple of 4",
@@ -927,6 +974,23 @@ impl ClipModel {
                 pixels_from_file = true;
             }
         }
+        // InternVL's tile bounds (llama.cpp's defaults for older files: 1 and
+        // 12); each tile is a whole pass of the tower.
+        let tiles = if internvl {
+            let min = opt_u64(&g, "clip.vision.preproc_min_tiles")?.unwrap_or(1);
+            let max = opt_u64(&g, "clip.vision.preproc_max_tiles")?.unwrap_or(12);
+            if min == 0 || min > max || max > MAX_TILES as u64 {
+                return Err(err(format!(
+                    "internvl: {min} to {max} tiles (1 to {MAX_TILES}, the fewest at most the most)"
+                )));
+            }
+            (min as usize, max as usize)
+        } else {
+            (0, 0)
+        };
+        // InternVL's 6B ViT (InternVL 2.5 / 3 26B to 78B, 3.5 241B) takes
+        // RMSNorms, as llama.cpp recognises it, by its shape.
+        let rms_norm = glm4v || (internvl && n_embd == 3200 && n_layer == 45);
         // The merger's window attention goes in after the first listed layer
         // (0 when the list is absent or empty).
         let insert_layer = match g.get("clip.vision.wa_layer_indexes") {
@@ -1085,6 +1149,18 @@ impl ClipModel {
                 } else {
                     l.opt_floats(&p("ls2.weight"), n_embd)?
                 },
+                // InternViT-6B's Q/K norms, over all heads (its
+                // `qk_normalization`).
+                q_norm: if internvl {
+                    l.opt_norm(&p("attn_q_norm"), n_embd)?
+                } else {
+                    None
+                },
+                k_norm: if internvl {
+                    l.opt_norm(&p("attn_k_norm"), n_embd)?
+                } else {
+                    None
+                },
             });
         }
 
@@ -1209,6 +1285,23 @@ impl ClipModel {
                     out,
                 )
             }
+            ProjectorType::InternVl => {
+                let class_embd = l.floats("v.class_embd", n_embd)?;
+                let width = n_merge * n_merge * n_embd;
+                let norm = l.norm("mm.model.mlp.0", width)?;
+                let up = l.linear_any("mm.model.mlp.1", width)?;
+                let down = l.linear_any("mm.model.mlp.3", up.w.rows)?;
+                let out = down.w.rows;
+                (
+                    Projector::InternVl {
+                        class_embd,
+                        norm,
+                        up,
+                        down,
+                    },
+                    out,
+                )
+            }
             ProjectorType::Glm4v => {
                 let patch_embd_1 =
                     patch_embd_1.ok_or_else(|| err("tensor v.patch_embd.weight.1 is missing"))?;
@@ -1305,7 +1398,8 @@ impl ClipModel {
             n_deepstack,
             image_min_pixels,
             image_max_pixels,
-            rms_norm: glm4v,
+            rms_norm,
+            tiles,
             pixels_from_file,
         };
         if projector == ProjectorType::Gemma3 {
@@ -1337,12 +1431,13 @@ impl ClipModel {
                 )));
             }
         }
-        if llama4 {
-            // One embedding per patch of a tile, then the class token's.
+        if llama4 || internvl {
+            // One embedding per patch of a tile, and the class token's.
             let side = image_size / patch_size;
             if n_pos != side * side + 1 {
                 return Err(err(format!(
-                    "llama4: {n_pos} position embeddings for {side} x {side} patches and a class token"
+                    "{}: {n_pos} position embeddings for {side} x {side} patches and a class token",
+                    projector.name()
                 )));
             }
         }

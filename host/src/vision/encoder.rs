@@ -2,7 +2,8 @@
 //! projector into the language model's embedding space, as llama.cpp's clip
 //! graphs compute them (`tools/mtmd/clip.cpp` `build_vit`,
 //! `models/minicpmv.cpp`, `models/siglip.cpp`, `models/qwen3vl.cpp`,
-//! `models/kimivl.cpp`, `models/llama4.cpp`, `models/glm4v.cpp`).
+//! `models/kimivl.cpp`, `models/llama4.cpp`, `models/glm4v.cpp`,
+//! `models/internvl.cpp`).
 //!
 //! Qwen3-VL's tower works on its tokens in the 2x2 merge order throughout
 //! (each 2x2 block of patches, blocks row by row, within a block top-left,
@@ -19,7 +20,8 @@
 //! patches into one row at the end. Llama 4's appends a class token after the
 //! patches (RoPE positions from 1, the class token at 0), drops it after the
 //! blocks and shuffles each n x n block of patches into one row, blocks
-//! column by column (llama.cpp's order).
+//! column by column (llama.cpp's order). InternVL's also appends its class
+//! token after the patches (no RoPE) and shuffles blocks row by row.
 //!
 //! Activations are `f32`, `tokens x width`, row-major. Matrix products run on a
 //! [`Pool`] ([`super::gemm::matmul`], [`les_core::gemv`]'s kernels for every
@@ -480,6 +482,12 @@ fn vit_layer(
     let mut q = linear(ctx, m, &l.q, &h)?;
     let mut k = linear(ctx, m, &l.k, &h)?;
     let v = linear(ctx, m, &l.v, &h)?;
+    if let Some(n) = &l.q_norm {
+        q = vit_norm(hp, &q, n);
+    }
+    if let Some(n) = &l.k_norm {
+        k = vit_norm(hp, &k, n);
+    }
     if let Some(r) = rope {
         r.apply(&mut q, hp.n_head)?;
         r.apply(&mut k, hp.n_head)?;
@@ -658,7 +666,9 @@ pub fn output_tokens(m: &ClipModel, width: usize, height: usize) -> usize {
             let f = m.hp.n_merge;
             pw.div_ceil(f) * ph.div_ceil(f)
         }
-        Projector::Llama4 { .. } => (pw / m.hp.n_merge) * (ph / m.hp.n_merge),
+        Projector::Llama4 { .. } | Projector::InternVl { .. } => {
+            (pw / m.hp.n_merge) * (ph / m.hp.n_merge)
+        }
     }
 }
 
@@ -1254,6 +1264,60 @@ fn encode_llama4(
     Ok(linear_wb(ctx, m, fc, None, &h)?.x)
 }
 
+/// InternVL's tower on one `image_size` tile (`pw` x `ph` patches, square):
+/// see [`encode`].
+fn encode_internvl(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    class_embd: &[f32],
+    (norm, up, down): (&Norm, &Linear, &Linear),
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let (d, f) = (hp.n_embd, hp.n_merge);
+    let n = pw * ph;
+    if pw != ph || n + 1 != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+        return Err(VisionError::Shape(
+            "internvl takes image_size x image_size tiles",
+        ));
+    }
+    // The patches (in f16 as `ggml_conv_2d`) and their bias, then the class
+    // token after them; the table's rows added in that order, as clip.cpp
+    // adds them (row 0 to the first patch, the last to the class token).
+    let patches = patch_rows(img, hp.patch_size, pw, 0..n);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
+    drop(patches);
+    x.x.extend_from_slice(class_embd);
+    x.n += 1;
+    for (v, e) in x.x.iter_mut().zip(&m.pos_embd) {
+        *v += e;
+    }
+    if let Some(ln) = &m.pre_ln {
+        x = vit_norm(hp, &x, ln);
+    }
+    for l in &m.layers {
+        x = vit_layer(ctx, m, l, x, None)?;
+    }
+    if let Some(ln) = &m.post_ln {
+        x = vit_norm(hp, &x, ln);
+    }
+    // The class token dropped (the last row); each f x f block of patches
+    // as one row, blocks row by row (llama.cpp's reshapes on a square
+    // tile), then LayerNorm (PyTorch's 1e-5) and the GELU MLP.
+    x.x.truncate(n * d);
+    x.n = n;
+    let g = pw / f;
+    let shuffled = Acts {
+        n: g * g,
+        dim: f * f * d,
+        x: merge_blocks(&x, pw, ph, f, false),
+    };
+    drop(x);
+    let normed = layer_norm(&shuffled, norm, 1e-5);
+    Ok(ffn(ctx, m, &normed, up, None, down, FfnOp::Gelu)?.x)
+}
+
 /// Runs the tower on one preprocessed image (or slice): returns
 /// [`output_tokens`] embeddings of [`ClipModel::row_width`] values (the
 /// projector's `n_mmproj_embd`, and for Qwen3-VL each deepstack merger's
@@ -1277,7 +1341,9 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
         Projector::Qwen3Vl { .. } | Projector::Glm4v { .. } => 2,
-        Projector::KimiVl { .. } | Projector::Llama4 { .. } => hp.n_merge,
+        Projector::KimiVl { .. } | Projector::Llama4 { .. } | Projector::InternVl { .. } => {
+            hp.n_merge
+        }
     };
     if !pw.is_multiple_of(align) || !ph.is_multiple_of(align) {
         return Err(VisionError::Shape(
@@ -1292,6 +1358,15 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     } = &m.projector
     {
         return encode_qwen3vl(ctx, m, img, (pw, ph), patch_embd_1, deepstack, up, down);
+    }
+    if let Projector::InternVl {
+        class_embd,
+        norm,
+        up,
+        down,
+    } = &m.projector
+    {
+        return encode_internvl(ctx, m, img, (pw, ph), class_embd, (norm, up, down));
     }
     if let Projector::Glm4v {
         patch_embd_1,
@@ -1351,7 +1426,8 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         Projector::Qwen3Vl { .. }
         | Projector::KimiVl { .. }
         | Projector::Llama4 { .. }
-        | Projector::Glm4v { .. } => return Err(VisionError::Shape("tower encoded above")),
+        | Projector::Glm4v { .. }
+        | Projector::InternVl { .. } => return Err(VisionError::Shape("tower encoded above")),
     };
     for (i, &r) in rows.iter().enumerate() {
         if r >= m.n_pos {
@@ -1441,6 +1517,7 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         Projector::Qwen3Vl { .. }
         | Projector::KimiVl { .. }
         | Projector::Llama4 { .. }
-        | Projector::Glm4v { .. } => Err(VisionError::Shape("tower encoded above")),
+        | Projector::Glm4v { .. }
+        | Projector::InternVl { .. } => Err(VisionError::Shape("tower encoded above")),
     }
 }

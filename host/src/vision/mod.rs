@@ -95,7 +95,7 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
     let hp = &m.hp;
     let norm = |i: &RgbImage| preprocess::normalize(i, hp.mean, hp.std);
     match hp.projector {
-        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => {
+        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => {
             let inst = llava_uhd_slices(m, (img.width, img.height));
             let sliced = preprocess::slice_image(img, &inst);
             let mut chunks = vec![norm(&sliced.overview)];
@@ -188,7 +188,11 @@ impl ImageLayout {
 fn llava_uhd_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
     let hp = &m.hp;
     if hp.projector == ProjectorType::Llama4 {
-        return preprocess::tile_instructions(size, hp.image_size);
+        return preprocess::tile_instructions(size, hp.image_size, &preprocess::llama4_grids());
+    }
+    if hp.projector == ProjectorType::InternVl {
+        let grids = preprocess::internvl_grids(hp.tiles.0, hp.tiles.1);
+        return preprocess::tile_instructions(size, hp.image_size, &grids);
     }
     preprocess::slice_instructions(size, hp.image_size, hp.patch_size * hp.n_merge, MAX_SLICES)
 }
@@ -198,7 +202,7 @@ fn llava_uhd_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceIns
 pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
     let tokens = |(w, h): (usize, usize)| encoder::output_tokens(m, w, h);
     match m.hp.projector {
-        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => {
+        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => {
             let inst = llava_uhd_slices(m, size);
             let mut chunk_tokens = vec![tokens(inst.overview)];
             chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
@@ -238,7 +242,7 @@ pub fn encode_image(
     // the others' one chunk as its grid (Gemma 3's and Kimi-VL's one row,
     // Qwen3-VL's merged patches).
     let chunk_grids = match m.hp.projector {
-        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 => Vec::new(),
+        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => Vec::new(),
         ProjectorType::Gemma3
         | ProjectorType::Qwen3Vl
         | ProjectorType::KimiVl

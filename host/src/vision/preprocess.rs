@@ -402,19 +402,46 @@ pub fn slice_instructions(
     }
 }
 
-/// The tile grids `(columns, rows)` llama.cpp offers Llama 4 (its
-/// `set_llava_uhd_res_candidates(model, 3)`): every grid up to 3 x 3 but
+/// The tile grids `(columns, rows)` llama.cpp offers Llama 4, in its order
+/// (`set_llava_uhd_res_candidates(model, 3)`): every grid up to 3 x 3 but
 /// 1 x 1, columns outer.
-pub const LLAMA4_GRIDS: usize = 3;
+pub fn llama4_grids() -> Vec<(usize, usize)> {
+    (1..=3)
+        .flat_map(|gx| (1..=3).map(move |gy| (gx, gy)))
+        .filter(|&g| g != (1, 1))
+        .collect()
+}
+
+/// The tile grids `(columns, rows)` llama.cpp offers InternVL, in its order
+/// (`set_internvl_dhr_res_candidates`): for each column count `a` from
+/// `min` to `max`, the row counts `b` from `max(ceil(min / a), min)` to
+/// `min(max / a, max)`.
+pub fn internvl_grids(min: usize, max: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    if min == 0 {
+        return out;
+    }
+    for a in min..=max {
+        let lo = min.div_ceil(a).max(min);
+        let hi = (max / a).min(max);
+        out.extend((lo..=hi).map(|b| (a, b)));
+    }
+    out
+}
 
 /// llava-uhd slicing with fixed candidate resolutions, as llama.cpp does it
-/// for Llama 4 (`get_slice_instructions`' pinpoints): an image no larger than
-/// `tile` on both sides is one `tile`² overview; a larger one also gets the
-/// candidate (a grid of up to [`LLAMA4_GRIDS`] x [`LLAMA4_GRIDS`] tiles, not
-/// 1 x 1) that keeps the most of its pixels when scaled to fit, then wastes
-/// the least (llama.cpp's `select_best_resolution`, in its `f32` and `int`
-/// arithmetic), cut into `tile`² tiles row by row.
-pub fn tile_instructions((width, height): (usize, usize), tile: usize) -> SliceInstructions {
+/// for Llama 4 and InternVL (`get_slice_instructions`' pinpoints): an image
+/// no larger than `tile` on both sides is one `tile`² overview; a larger one
+/// also gets the candidate of `grids` (tile columns and rows, in llama.cpp's
+/// order: the first of equals wins) that keeps the most of its pixels when
+/// scaled to fit, then wastes the least (llama.cpp's
+/// `select_best_resolution`, in its `f32` and `int` arithmetic), cut into
+/// `tile`² tiles row by row.
+pub fn tile_instructions(
+    (width, height): (usize, usize),
+    tile: usize,
+    grids: &[(usize, usize)],
+) -> SliceInstructions {
     let overview = (tile, tile);
     if (width <= tile && height <= tile) || width == 0 || height == 0 || tile == 0 {
         return SliceInstructions {
@@ -427,21 +454,16 @@ pub fn tile_instructions((width, height): (usize, usize), tile: usize) -> SliceI
     let (ow, oh) = (width as i64, height as i64);
     let mut best = (0, 0);
     let (mut max_effective, mut min_wasted) = (0i64, i64::MAX);
-    for gx in 1..=LLAMA4_GRIDS {
-        for gy in 1..=LLAMA4_GRIDS {
-            if (gx, gy) == (1, 1) {
-                continue;
-            }
-            let (cw, ch) = ((gx * tile) as i64, (gy * tile) as i64);
-            let scale = (cw as f32 / ow as f32).min(ch as f32 / oh as f32);
-            let (tw, th) = ((ow as f32 * scale) as i64, (oh as f32 * scale) as i64);
-            let effective = (tw * th).min(ow * oh);
-            let wasted = cw * ch - effective;
-            if effective > max_effective || (effective == max_effective && wasted < min_wasted) {
-                max_effective = effective;
-                min_wasted = wasted;
-                best = (cw as usize, ch as usize);
-            }
+    for &(gx, gy) in grids {
+        let (cw, ch) = ((gx * tile) as i64, (gy * tile) as i64);
+        let scale = (cw as f32 / ow as f32).min(ch as f32 / oh as f32);
+        let (tw, th) = ((ow as f32 * scale) as i64, (oh as f32 * scale) as i64);
+        let effective = (tw * th).min(ow * oh);
+        let wasted = cw * ch - effective;
+        if effective > max_effective || (effective == max_effective && wasted < min_wasted) {
+            max_effective = effective;
+            min_wasted = wasted;
+            best = (cw as usize, ch as usize);
         }
     }
     let mut slices = Vec::new();
@@ -512,7 +534,7 @@ mod tests {
             ((1000, 180), (3, 1)),
             ((113, 112), (2, 1)),
         ] {
-            let inst = tile_instructions((w, h), 112);
+            let inst = tile_instructions((w, h), 112, &llama4_grids());
             assert_eq!(inst.grid, grid, "{w}x{h}");
             assert_eq!(inst.overview, (112, 112));
             assert_eq!(inst.slices.len(), grid.0 * grid.1, "{w}x{h}");
@@ -522,6 +544,27 @@ mod tests {
                 assert_eq!((sw, sh), (112, 112));
             }
         }
-        assert!(tile_instructions((0, 500), 112).slices.is_empty());
+        assert!(tile_instructions((0, 500), 112, &llama4_grids())
+            .slices
+            .is_empty());
+        assert_eq!(llama4_grids().len(), 8);
+    }
+
+    /// InternVL's candidates (llama.cpp's `set_internvl_dhr_res_candidates`):
+    /// 1 to 12 tiles, every grid whose area is within them, columns outer.
+    #[test]
+    fn internvl_grids_are_llama_cpps() {
+        let g = internvl_grids(1, 12);
+        assert_eq!(&g[..3], &[(1, 1), (1, 2), (1, 3)]);
+        assert_eq!(g.len(), 35);
+        assert!(g.iter().all(|&(a, b)| (1..=12).contains(&(a * b))));
+        assert_eq!(g.last(), Some(&(12, 1)));
+        // llama.cpp's quirk: columns and rows both start at the fewest
+        // tiles, so with 2 to 4 only 2 x 2 is offered (not 1 x 2, 4 x 1).
+        assert_eq!(internvl_grids(2, 4), [(2, 2)]);
+        assert!(internvl_grids(0, 4).is_empty());
+        // A picture four tiles wide and one high takes the 4 x 1 grid.
+        let inst = tile_instructions((1792, 448), 448, &g);
+        assert_eq!(inst.grid, (4, 1));
     }
 }

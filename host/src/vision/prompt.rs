@@ -323,7 +323,8 @@ fn lay_out<I: ImageChunks>(
         | ProjectorType::KimiVl
         | ProjectorType::KimiK25
         | ProjectorType::Llama4
-        | ProjectorType::Glm4v => None,
+        | ProjectorType::Glm4v
+        | ProjectorType::InternVl => None,
     };
     let (begin, end) = match projector {
         ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
@@ -334,6 +335,7 @@ fn lay_out<I: ImageChunks>(
         ProjectorType::KimiK25 => ("<|media_begin|>", "<|media_end|>"),
         ProjectorType::Llama4 => ("<|image_start|>", "<|image_end|>"),
         ProjectorType::Glm4v => ("<|begin_of_image|>", "<|end_of_image|>"),
+        ProjectorType::InternVl => ("<img>", "</img>"),
         _ => ("<start_of_image>", "<end_of_image>"),
     };
     for (i, part) in parts.iter().enumerate() {
@@ -360,13 +362,15 @@ fn lay_out<I: ImageChunks>(
             }
             None => {
                 sink(Piece::Tokens(&tok.encode(begin, false, true)));
-                // Llama 4's overview (chunk 0) goes after its tiles.
+                // Llama 4's and InternVL's overview (chunk 0) goes after
+                // their tiles.
                 let n = img.n_chunks();
-                let order: Vec<usize> = if projector == ProjectorType::Llama4 {
-                    (1..n).chain(0..n.min(1)).collect()
-                } else {
-                    (0..n).collect()
-                };
+                let order: Vec<usize> =
+                    if matches!(projector, ProjectorType::Llama4 | ProjectorType::InternVl) {
+                        (1..n).chain(0..n.min(1)).collect()
+                    } else {
+                        (0..n).collect()
+                    };
                 for c in order {
                     sink(Piece::Chunk(img, c));
                 }
