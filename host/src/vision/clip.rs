@@ -910,7 +910,7 @@ impl ClipModel {
         let internvl = projector == ProjectorType::InternVl;
         if llama4 || internvl {
             // Their tiles are image_size a side, a whole number of shuffled
-            // patches (and Llama 4's heads turn by the 2-D RoPE).
+            // patches.
             if patch_size == 0
                 || !image_size.is_multiple_of(patch_size * n_merge)
                 || image_size == 0
@@ -921,13 +921,12 @@ impl ClipModel {
                 )));
             }
         }
-        if llama4 {
-            if !(n_embd / n_head).is_multiple_of(4) {
-                return Err(err(format!(
-                    "llama4: head width {} ({n_embd} / {n_head} heads) is not a multiple of 4",
-                    n_embd / n_head
-                )));
-            }
+        // Llama 4's heads turn by the 2-D RoPE.
+        if llama4 && !(n_embd / n_head).is_multiple_of(4) {
+            return Err(err(format!(
+                "llama4: head width {} ({n_embd} / {n_head} heads) is not a multiple of 4",
+                n_embd / n_head
+            )));
         }
         let (mut image_min_pixels, mut image_max_pixels) = (0, 0);
         if let Some((min_tokens, max_tokens)) = projector.token_budget() {
