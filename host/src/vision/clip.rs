@@ -237,6 +237,31 @@ impl Mat {
         }
     }
 
+    /// This matrix as the kernel of `ggml_conv_2d`, which multiplies it by
+    /// its input unfolded (`im2col`) with the operands swapped: an `f16` or
+    /// `f32` kernel, and the input, in `f16` (an `f32` kernel rounded to
+    /// `f16` here; [`super::encoder`] rounds the input for every `f16`
+    /// matrix); a `bf16` kernel widened to `f32` (exactly) against the
+    /// `f32` input, which ggml then leaves unrounded.
+    fn conv_kernel(self, file: &[u8]) -> Mat {
+        if self.ty != GgmlType::BF16 {
+            return self.f32_as_f16(file);
+        }
+        let raw = match &self.bytes {
+            Bytes::Mapped(r) => &file[r.clone()],
+            Bytes::Owned(b) => &b[..],
+        };
+        let bytes = raw
+            .chunks_exact(2)
+            .flat_map(|c| quant::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])).to_le_bytes())
+            .collect();
+        Mat {
+            ty: GgmlType::F32,
+            bytes: Bytes::Owned(bytes),
+            ..self
+        }
+    }
+
     /// Rows `start..end` of this matrix (a fused matrix's parts), or `None`
     /// when the range is outside it or its type has no whole-row size.
     fn row_range(&self, start: usize, end: usize) -> Option<Mat> {
@@ -1029,14 +1054,14 @@ impl ClipModel {
         }
         // llama.cpp's patch embedding (`ggml_conv_2d`) multiplies in f16: an
         // f32 kernel is rounded to f16 (and the pixels with it, as for every
-        // f16 matrix in the encoder). A bf16 kernel multiplies f32 pixels.
-        // Llama 4's (`ggml_im2col`, then a product) multiplies in the
-        // matrix's own type, and adds no bias.
+        // f16 matrix in the encoder). A bf16 kernel multiplies f32 pixels
+        // ([`Mat::conv_kernel`]). Llama 4's (`ggml_im2col`, then a product)
+        // multiplies in the matrix's own type, and adds no bias.
         let patch_embd = l.mat_of(&pe, n_embd, pcols)?;
         let patch_embd = if llama4 {
             patch_embd
         } else {
-            patch_embd.f32_as_f16(l.g.bytes())
+            patch_embd.conv_kernel(l.g.bytes())
         };
         let patch_bias = if llama4 {
             None
@@ -1059,7 +1084,7 @@ impl ClipModel {
             if g.tensor("v.class_embd").is_some() {
                 return Err(err(format!("{name}: the ViT has no class embedding")));
             }
-            Some(l.mat_of(&pe1, n_embd, pcols)?.f32_as_f16(l.g.bytes()))
+            Some(l.mat_of(&pe1, n_embd, pcols)?.conv_kernel(l.g.bytes()))
         } else {
             None
         };
@@ -1307,7 +1332,8 @@ impl ClipModel {
                 let norm_embd = l.opt_norm("v.norm_embd", n_embd)?;
                 // The merger's 2x2 convolution: ggml's [2, 2, n_embd, out]
                 // kernel is a matrix over each block's values in (channel,
-                // row, column) order; `ggml_conv_2d` multiplies it in f16.
+                // row, column) order, multiplied as `ggml_conv_2d` does
+                // ([`Mat::conv_kernel`]).
                 let name = "mm.patch_merger.weight";
                 let t = l.tensor(name)?;
                 let d = t.dims();
@@ -1322,7 +1348,7 @@ impl ClipModel {
                 }
                 let out = d[3] as usize;
                 let conv = Linear {
-                    w: l.mat_of(&t, out, 4 * n_embd)?.f32_as_f16(l.g.bytes()),
+                    w: l.mat_of(&t, out, 4 * n_embd)?.conv_kernel(l.g.bytes()),
                     b: Some(l.floats("mm.patch_merger.bias", out)?),
                 };
                 let fc = l.mat_any_rows("mm.model.fc.weight", out)?;
