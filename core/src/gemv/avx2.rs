@@ -84,6 +84,19 @@ impl Kernels for Avx2 {
         q6_k(&[BlockQ6K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
     }
+
+    #[inline]
+    fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: `self` is an `Avx2` token, which exists only if the CPU
+        // supports AVX2, FMA and F16C (checked in `Avx2::new`).
+        unsafe { q4_k_n(w, x) }
+    }
+
+    #[inline]
+    fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q4_k_n`.
+        unsafe { q6_k_n(w, x) }
+    }
 }
 
 /// Asks for every cache line of `bytes` to be brought into L1 (`prefetcht0`): a
@@ -834,6 +847,74 @@ pub(super) use k4_kernel;
 
 k4_kernel!("avx2,fma,f16c", pub(super) q4_k, BlockQ4K, q4_k_sums);
 
+/// [`q4_k_sums`] of one super-block against `N` inputs: the scales, their
+/// multipliers and the nibbles unpacked once for all of them. Each input's
+/// sums are the exact integers `q4_k_sums` gives it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_k_sums_n<const N: usize>(w: &BlockQ4K, x: [&BlockQ8K; N]) -> [(__m256i, __m256i); N] {
+    let (sc, mins) = scales_mins_k4(&w.scales);
+    let mut sc_pairs = [0i32; 8];
+    // SAFETY: writes exactly the 8 `i32` of `sc_pairs`; no alignment requirement.
+    unsafe { _mm256_storeu_si256(sc_pairs.as_mut_ptr().cast(), pairs8(sc)) };
+    let pm = pairs8(mins);
+    let zero = _mm256_setzero_si256();
+    let mut out = [(zero, zero); N];
+    for (o, x) in out.iter_mut().zip(x) {
+        let bsums: &[u8; 32] = x.bsums.as_flattened().try_into().expect("32 bytes");
+        o.1 = _mm256_madd_epi16(ld256(bsums), pm);
+    }
+    for c in 0..4 {
+        let (lo, hi) = nibbles32(arr(&w.qs, 32 * c));
+        let (s0, s1) = (
+            _mm256_set1_epi32(sc_pairs[2 * c]),
+            _mm256_set1_epi32(sc_pairs[2 * c + 1]),
+        );
+        for (o, x) in out.iter_mut().zip(x) {
+            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y32(x, 64 * c)), s0);
+            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y32(x, 64 * c + 32)), s1);
+            o.0 = _mm256_add_epi32(o.0, _mm256_add_epi32(p0, p1));
+        }
+    }
+    out
+}
+
+/// [`q4_k`] of one row and `N` inputs (of the row's length), each result its
+/// bits: the same exact integer sums, and for each input the same float steps
+/// in the same order (super-blocks in pairs through [`k4_terms2`], an odd last
+/// one through [`k4_term`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q4_k_n<const N: usize>(w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    let mut i = 0;
+    while i + 2 <= n {
+        let a = q4_k_sums_n(&w[i], x.map(|x| &x[i]));
+        let b = q4_k_sums_n(&w[i + 1], x.map(|x| &x[i + 1]));
+        for (c, acc) in acc.iter_mut().enumerate() {
+            let (ta, tb) = k4_terms2(
+                (w[i].d, w[i].dmin),
+                (w[i + 1].d, w[i + 1].dmin),
+                &x[c][i],
+                &x[c][i + 1],
+                hsum4(a[c].0, a[c].1, b[c].0, b[c].1),
+            );
+            *acc += ta;
+            *acc += tb;
+        }
+        i += 2;
+    }
+    if n % 2 == 1 {
+        let last = q4_k_sums_n(&w[n - 1], x.map(|x| &x[n - 1]));
+        let zero = _mm256_setzero_si256();
+        for (c, acc) in acc.iter_mut().enumerate() {
+            let s = lanes4i(hsum4(last[c].0, last[c].1, zero, zero));
+            *acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[c][n - 1], s[0], s[1]);
+        }
+    }
+    acc
+}
+
 /// Chunk `c` (sub-blocks `2c` and `2c + 1`) of a `Q5_K` block as unsigned 5-bit
 /// values: the low and high nibbles of `qs` under the fifth bits, bits 0 and 1
 /// of `hq` (`qh` shifted right by `2c`).
@@ -924,6 +1005,56 @@ pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         }
         let sumi = hsum(v);
         acc += (hx(w.d) * r::q8k_d(x)) * sumi as f32;
+    }
+    acc
+}
+
+/// [`q6_k`] of one row and `N` inputs (of the row's length), each result its
+/// bits: each half's 6-bit values and the scale multipliers unpacked once for
+/// all inputs, each input's integer sum exact and its float step the same.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q6_k_n<const N: usize>(w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m3 = _mm256_set1_epi8(0x03);
+    let m32 = _mm256_set1_epi8(32);
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    for (i, w) in w[..n].iter().enumerate() {
+        let mut v = [_mm256_setzero_si256(); N];
+        for half in 0..2 {
+            let qa = ld256(arr(&w.ql, 64 * half));
+            let qb = ld256(arr(&w.ql, 64 * half + 32));
+            let qh = ld256(arr(&w.qh, 32 * half));
+            let hi = |k: i32| -> __m256i {
+                let s = match k {
+                    0 => qh,
+                    1 => _mm256_srli_epi16::<2>(qh),
+                    2 => _mm256_srli_epi16::<4>(qh),
+                    _ => _mm256_srli_epi16::<6>(qh),
+                };
+                _mm256_slli_epi16::<4>(_mm256_and_si256(s, m3))
+            };
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(qa, m4), hi(0)),
+                _mm256_or_si256(_mm256_and_si256(qb, m4), hi(1)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qa), m4), hi(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qb), m4), hi(3)),
+            ];
+            for (k, q) in q.into_iter().enumerate() {
+                let j = 8 * half + 2 * k;
+                let scv = sc2(w.scales[j] as i16, w.scales[j + 1] as i16);
+                for (v, x) in v.iter_mut().zip(x) {
+                    let y = y32(&x[i], 128 * half + 32 * k);
+                    let p =
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
+                    *v = _mm256_add_epi32(*v, _mm256_madd_epi16(p, scv));
+                }
+            }
+        }
+        for c in 0..N {
+            let sumi = hsum(v[c]);
+            acc[c] += (hx(w.d) * r::q8k_d(&x[c][i])) * sumi as f32;
+        }
     }
     acc
 }

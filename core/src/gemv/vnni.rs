@@ -366,6 +366,10 @@ impl Kernels for AvxVnni {
         // AVX2, FMA and F16C (`AvxVnni::new`).
         unsafe { vex::q4_k_vnni_n(w, x) }
     }
+    #[inline]
+    fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        self.0.q6_k_n(w, x)
+    }
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
