@@ -29,10 +29,21 @@ fn noise(state: &mut u64) -> f32 {
 }
 
 /// A `rows` x `cols` matrix of `ty`: 64 distinct quantized rows, tiled.
+/// (`IQ4_XS`, which LES reads but does not write: random bits, each block's
+/// scale `d` a plain 1/64.)
 fn matrix(ty: GgmlType, rows: usize, cols: usize, st: &mut u64) -> Vec<u8> {
     let vals: Vec<f32> = (0..64 * cols).map(|_| noise(st)).collect();
     let mut block = vec![0u8; 64 * ty.row_bytes(cols).unwrap()];
-    quantize(ty, &vals, &mut block).unwrap();
+    if ty == GgmlType::IQ4XS {
+        for b in block.iter_mut() {
+            *b = (noise(st) * 127.0) as i8 as u8;
+        }
+        for b in block.chunks_exact_mut(ty.block_bytes()) {
+            b[..2].copy_from_slice(&les_core::quant::f32_to_f16(1.0 / 64.0).to_le_bytes());
+        }
+    } else {
+        quantize(ty, &vals, &mut block).unwrap();
+    }
     block
         .iter()
         .copied()
@@ -78,6 +89,13 @@ fn main() {
         ("attention q (4096 x 2048)", GgmlType::Q4K, 4096, 2048),
         ("expert gate (768 x 2048)", GgmlType::Q4K, 768, 2048),
         ("output (32768 x 2048)", GgmlType::Q6K, 32768, 2048),
+        ("expert gate, q5_k (768 x 2048)", GgmlType::Q5K, 768, 2048),
+        (
+            "expert gate, iq4_xs (768 x 2048)",
+            GgmlType::IQ4XS,
+            768,
+            2048,
+        ),
         ("attention q, q8_0 (ungrouped)", GgmlType::Q8_0, 4096, 2048),
     ] {
         let data = matrix(ty, rows, cols, &mut st);

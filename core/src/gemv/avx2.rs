@@ -93,9 +93,21 @@ impl Kernels for Avx2 {
     }
 
     #[inline]
+    fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q4_k_n`.
+        unsafe { q5_k_n(w, x) }
+    }
+
+    #[inline]
     fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
         // SAFETY: as for `q4_k_n`.
         unsafe { q6_k_n(w, x) }
+    }
+
+    #[inline]
+    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q4_k_n`.
+        unsafe { iq4_xs_n(w, x) }
     }
 }
 
@@ -968,6 +980,42 @@ pub(super) fn q5_k(w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
     acc
 }
 
+/// [`q5_k`] of one row and `N` inputs (of the row's length), each result its
+/// bits: the scales and each chunk's 5-bit values unpacked once for all
+/// inputs, each input's integer sums exact and its float step the same.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q5_k_n<const N: usize>(w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    for (i, w) in w[..n].iter().enumerate() {
+        let (sc, mins) = scales_mins_k4(&w.scales);
+        let pm = pairs8(mins);
+        let mut summs = [0i32; N];
+        for (s, x) in summs.iter_mut().zip(x) {
+            *s = bsums_dot(&x[i], pm);
+        }
+        let mut hq = ld256(&w.qh);
+        let mut v = [_mm256_setzero_si256(); N];
+        for c in 0..4 {
+            let (lo, hi) = q5_k_chunk(w, c, hq);
+            let (s0, s1) = (
+                _mm256_set1_epi16(i16::from(sc[2 * c])),
+                _mm256_set1_epi16(i16::from(sc[2 * c + 1])),
+            );
+            for (v, x) in v.iter_mut().zip(x) {
+                let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y32(&x[i], 64 * c)), s0);
+                let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y32(&x[i], 64 * c + 32)), s1);
+                *v = _mm256_add_epi32(*v, _mm256_add_epi32(p0, p1));
+            }
+            hq = _mm256_srli_epi16::<2>(hq);
+        }
+        for c in 0..N {
+            acc[c] += k4_term(w.d, w.dmin, &x[c][i], hsum(v[c]), summs[c]);
+        }
+    }
+    acc
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0f);
@@ -1049,6 +1097,32 @@ pub(super) fn q6_k_n<const N: usize>(w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f3
                         _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
                     *v = _mm256_add_epi32(*v, _mm256_madd_epi16(p, scv));
                 }
+            }
+        }
+        for c in 0..N {
+            let sumi = hsum(v[c]);
+            acc[c] += (hx(w.d) * r::q8k_d(&x[c][i])) * sumi as f32;
+        }
+    }
+    acc
+}
+
+/// [`iq4_xs`] of one row and `N` inputs (of the row's length), each result
+/// its bits: each sub-block's codebook values and scale looked up once for
+/// all inputs.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn iq4_xs_n<const N: usize>(w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let table = codebook(&KVALUES_IQ4NL);
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    for (i, w) in w[..n].iter().enumerate() {
+        let mut v = [_mm256_setzero_si256(); N];
+        for j in 0..8 {
+            let k = _mm256_shuffle_epi8(table, nib32(arr(&w.qs, 16 * j)));
+            let s = _mm256_set1_epi16(r::iq4xs_scale(w, j) as i16);
+            for (v, x) in v.iter_mut().zip(x) {
+                let p = dot_signed_k(k, y32(&x[i], 32 * j));
+                *v = _mm256_add_epi32(*v, _mm256_madd_epi16(p, s));
             }
         }
         for c in 0..N {

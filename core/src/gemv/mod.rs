@@ -554,7 +554,11 @@ pub fn gemm_with_prefetch(
     }
     check_row_range(matrix, &rows)?;
     let tile = (GEMM_TILE_BYTES / matrix.row_bytes.max(1)).max(1);
-    let grouped = inputs.len() > 1 && matches!(matrix.ty, GgmlType::Q4K | GgmlType::Q6K);
+    let grouped = inputs.len() > 1
+        && matches!(
+            matrix.ty,
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS
+        );
     let mut start = rows.start;
     while start < rows.end {
         let end = (start + tile).min(rows.end);
@@ -577,11 +581,12 @@ pub fn gemm_with_prefetch(
     Ok(())
 }
 
-/// Most inputs a [`gemm`] kernel call takes at once (`Q4_K` and `Q6_K`): the
-/// row's blocks are unpacked once for all of them.
+/// Most inputs a [`gemm`] kernel call takes at once (`Q4_K`, `Q5_K`, `Q6_K`
+/// and `IQ4_XS`): the row's blocks are unpacked once for all of them.
 pub const GEMM_GROUP: usize = 4;
 
-/// A tile of a `Q4_K` or `Q6_K` matrix (`data`, whole rows) times every input,
+/// A tile of a `Q4_K`, `Q5_K`, `Q6_K` or `IQ4_XS` matrix (`data`, whole rows)
+/// times every input,
 /// into `ys[c][out..]`: the inputs in groups of up to [`GEMM_GROUP`] through
 /// the kernels' `_n` methods (the first group prefetches `prefetch` bytes
 /// ahead, as the tile comes from memory for it). Lengths are checked by
@@ -628,6 +633,8 @@ fn group<K: Kernels, const N: usize>(
         }
         let r = match m.ty {
             GgmlType::Q4K => k.q4_k_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::Q5K => k.q5_k_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ4XS => k.iq4_xs_n(as_blocks(row).unwrap_or(&[]), x),
             _ => k.q6_k_n(as_blocks(row).unwrap_or(&[]), x),
         };
         for (y, r) in ys.iter_mut().zip(r) {
@@ -749,11 +756,20 @@ pub(crate) trait Kernels: Copy {
     fn q5_k(self, w: &[BlockQ5K], x: &[BlockQ8K]) -> f32 {
         reference::dot_q5_k(w, x)
     }
+    /// [`q5_k`](Self::q5_k) of one row and `N` inputs, as [`q4_k_n`](Self::q4_k_n).
+    fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.q5_k(w, x))
+    }
     fn q6_k(self, w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         reference::dot_q6_k(w, x)
     }
     fn iq4_xs(self, w: &[BlockIQ4XS], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq4_xs(w, x)
+    }
+    /// [`iq4_xs`](Self::iq4_xs) of one row and `N` inputs, as
+    /// [`q4_k_n`](Self::q4_k_n).
+    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq4_xs(w, x))
     }
 }
 

@@ -370,6 +370,10 @@ impl Kernels for AvxVnni {
     fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
         self.0.q6_k_n(w, x)
     }
+    #[inline]
+    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        self.0.iq4_xs_n(w, x)
+    }
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
