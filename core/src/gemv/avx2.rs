@@ -891,41 +891,50 @@ fn q4_k_sums_n<const N: usize>(w: &BlockQ4K, x: [&BlockQ8K; N]) -> [(__m256i, __
     out
 }
 
-/// [`q4_k`] of one row and `N` inputs (of the row's length), each result its
-/// bits: the same exact integer sums, and for each input the same float steps
-/// in the same order (super-blocks in pairs through [`k4_terms2`], an odd last
-/// one through [`k4_term`]).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q4_k_n<const N: usize>(w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
-    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
-    let mut acc = [0.0f32; N];
-    let mut i = 0;
-    while i + 2 <= n {
-        let a = q4_k_sums_n(&w[i], x.map(|x| &x[i]));
-        let b = q4_k_sums_n(&w[i + 1], x.map(|x| &x[i + 1]));
-        for (c, acc) in acc.iter_mut().enumerate() {
-            let (ta, tb) = k4_terms2(
-                (w[i].d, w[i].dmin),
-                (w[i + 1].d, w[i + 1].dmin),
-                &x[c][i],
-                &x[c][i + 1],
-                hsum4(a[c].0, a[c].1, b[c].0, b[c].1),
-            );
-            *acc += ta;
-            *acc += tb;
+/// The `Q4_K` kernel of one row and `N` inputs (of the row's length) over a
+/// super-block's sums for all of them (`$sums_n`), each result the
+/// one-input kernel's bits: the same exact integer sums, and for each input
+/// the same float steps in the same order (super-blocks in pairs through
+/// [`k4_terms2`], an odd last one through [`k4_term`]). `$features` as in
+/// `k4_kernel`; the helpers are named at the call site.
+macro_rules! k4_kernel_n {
+    ($features:literal, $vis:vis $name:ident, $sums_n:ident) => {
+        #[target_feature(enable = $features)]
+        $vis fn $name<const N: usize>(w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            let mut i = 0;
+            while i + 2 <= n {
+                let a = $sums_n(&w[i], x.map(|x| &x[i]));
+                let b = $sums_n(&w[i + 1], x.map(|x| &x[i + 1]));
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let (ta, tb) = k4_terms2(
+                        (w[i].d, w[i].dmin),
+                        (w[i + 1].d, w[i + 1].dmin),
+                        &x[c][i],
+                        &x[c][i + 1],
+                        hsum4(a[c].0, a[c].1, b[c].0, b[c].1),
+                    );
+                    *acc += ta;
+                    *acc += tb;
+                }
+                i += 2;
+            }
+            if n % 2 == 1 {
+                let last = $sums_n(&w[n - 1], x.map(|x| &x[n - 1]));
+                let zero = _mm256_setzero_si256();
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let s = lanes4i(hsum4(last[c].0, last[c].1, zero, zero));
+                    *acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[c][n - 1], s[0], s[1]);
+                }
+            }
+            acc
         }
-        i += 2;
-    }
-    if n % 2 == 1 {
-        let last = q4_k_sums_n(&w[n - 1], x.map(|x| &x[n - 1]));
-        let zero = _mm256_setzero_si256();
-        for (c, acc) in acc.iter_mut().enumerate() {
-            let s = lanes4i(hsum4(last[c].0, last[c].1, zero, zero));
-            *acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[c][n - 1], s[0], s[1]);
-        }
-    }
-    acc
+    };
 }
+pub(super) use k4_kernel_n;
+
+k4_kernel_n!("avx2,fma,f16c", pub(super) q4_k_n, q4_k_sums_n);
 
 /// Chunk `c` (sub-blocks `2c` and `2c + 1`) of a `Q5_K` block as unsigned 5-bit
 /// values: the low and high nibbles of `qs` under the fifth bits, bits 0 and 1
@@ -1016,33 +1025,42 @@ pub(super) fn q5_k_n<const N: usize>(w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f3
     acc
 }
 
+/// Half `half` of a `Q6_K` block as four vectors of 32 unsigned 6-bit
+/// values (sub-blocks `8 half + 2k` and `8 half + 2k + 1` in vector `k`):
+/// the low nibbles of `ql` under two bits of `qh` each.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+fn q6_k_half(w: &BlockQ6K, half: usize) -> [__m256i; 4] {
     let m4 = _mm256_set1_epi8(0x0f);
     let m3 = _mm256_set1_epi8(0x03);
+    let qa = ld256(arr(&w.ql, 64 * half));
+    let qb = ld256(arr(&w.ql, 64 * half + 32));
+    let qh = ld256(arr(&w.qh, 32 * half));
+    let hi = |k: i32| -> __m256i {
+        let s = match k {
+            0 => qh,
+            1 => _mm256_srli_epi16::<2>(qh),
+            2 => _mm256_srli_epi16::<4>(qh),
+            _ => _mm256_srli_epi16::<6>(qh),
+        };
+        _mm256_slli_epi16::<4>(_mm256_and_si256(s, m3))
+    };
+    [
+        _mm256_or_si256(_mm256_and_si256(qa, m4), hi(0)),
+        _mm256_or_si256(_mm256_and_si256(qb, m4), hi(1)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qa), m4), hi(2)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qb), m4), hi(3)),
+    ]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
     let m32 = _mm256_set1_epi8(32);
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
         let mut v = _mm256_setzero_si256();
         for half in 0..2 {
-            let qa = ld256(arr(&w.ql, 64 * half));
-            let qb = ld256(arr(&w.ql, 64 * half + 32));
-            let qh = ld256(arr(&w.qh, 32 * half));
-            let hi = |k: i32| -> __m256i {
-                let s = match k {
-                    0 => qh,
-                    1 => _mm256_srli_epi16::<2>(qh),
-                    2 => _mm256_srli_epi16::<4>(qh),
-                    _ => _mm256_srli_epi16::<6>(qh),
-                };
-                _mm256_slli_epi16::<4>(_mm256_and_si256(s, m3))
-            };
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(qa, m4), hi(0)),
-                _mm256_or_si256(_mm256_and_si256(qb, m4), hi(1)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qa), m4), hi(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qb), m4), hi(3)),
-            ];
+            let q = q6_k_half(w, half);
             for (k, q) in q.into_iter().enumerate() {
                 let y = y32(x, 128 * half + 32 * k);
                 let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
@@ -1062,32 +1080,13 @@ pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 /// all inputs, each input's integer sum exact and its float step the same.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q6_k_n<const N: usize>(w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m3 = _mm256_set1_epi8(0x03);
     let m32 = _mm256_set1_epi8(32);
     let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
     let mut acc = [0.0f32; N];
     for (i, w) in w[..n].iter().enumerate() {
         let mut v = [_mm256_setzero_si256(); N];
         for half in 0..2 {
-            let qa = ld256(arr(&w.ql, 64 * half));
-            let qb = ld256(arr(&w.ql, 64 * half + 32));
-            let qh = ld256(arr(&w.qh, 32 * half));
-            let hi = |k: i32| -> __m256i {
-                let s = match k {
-                    0 => qh,
-                    1 => _mm256_srli_epi16::<2>(qh),
-                    2 => _mm256_srli_epi16::<4>(qh),
-                    _ => _mm256_srli_epi16::<6>(qh),
-                };
-                _mm256_slli_epi16::<4>(_mm256_and_si256(s, m3))
-            };
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(qa, m4), hi(0)),
-                _mm256_or_si256(_mm256_and_si256(qb, m4), hi(1)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qa), m4), hi(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qb), m4), hi(3)),
-            ];
+            let q = q6_k_half(w, half);
             for (k, q) in q.into_iter().enumerate() {
                 let j = 8 * half + 2 * k;
                 let scv = sc2(w.scales[j] as i16, w.scales[j + 1] as i16);

@@ -48,8 +48,9 @@ macro_rules! vnni_kernels {
         use core::arch::x86_64::*;
 
         use crate::gemv::avx2::{
-            self, acc4, acc4_e8m0, acc4_m, arr, blocks32_kernel, hsum, hsum4, k4_kernel, k4_term,
-            k4_terms2, lanes4, lanes4i, ld256, ld256i, term, term_e8m0, term_m,
+            self, acc4, acc4_e8m0, acc4_m, arr, blocks32_kernel, hsum, hsum4, k4_kernel,
+            k4_kernel_n, k4_term, k4_terms2, lanes4, lanes4i, ld256, ld256i, term, term_e8m0,
+            term_m,
         };
         use crate::gemv::reference as r;
         use crate::quant::blocks::{
@@ -233,44 +234,8 @@ macro_rules! vnni_kernels {
             out
         }
 
-        /// [`q4_k_vnni`] of one row and `N` inputs (of the row's length), each
-        /// result its bits: the same exact integer sums, and for each input the
-        /// same float steps in the same order (super-blocks in pairs through
-        /// `k4_terms2`, an odd last one through `k4_term`).
-        #[target_feature(enable = $features)]
-        pub(crate) fn q4_k_vnni_n<const N: usize>(
-            w: &[BlockQ4K],
-            x: [&[BlockQ8K]; N],
-        ) -> [f32; N] {
-            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
-            let mut acc = [0.0f32; N];
-            let mut i = 0;
-            while i + 2 <= n {
-                let a = q4_k_sums_vnni_n(&w[i], x.map(|x| &x[i]));
-                let b = q4_k_sums_vnni_n(&w[i + 1], x.map(|x| &x[i + 1]));
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    let (ta, tb) = k4_terms2(
-                        (w[i].d, w[i].dmin),
-                        (w[i + 1].d, w[i + 1].dmin),
-                        &x[c][i],
-                        &x[c][i + 1],
-                        hsum4(a[c].0, a[c].1, b[c].0, b[c].1),
-                    );
-                    *acc += ta;
-                    *acc += tb;
-                }
-                i += 2;
-            }
-            if n % 2 == 1 {
-                let last = q4_k_sums_vnni_n(&w[n - 1], x.map(|x| &x[n - 1]));
-                let zero = _mm256_setzero_si256();
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    let s = lanes4i(hsum4(last[c].0, last[c].1, zero, zero));
-                    *acc += k4_term(w[n - 1].d, w[n - 1].dmin, &x[c][n - 1], s[0], s[1]);
-                }
-            }
-            acc
-        }
+        // [`q4_k_vnni`] of one row and `N` inputs, each result its bits.
+        k4_kernel_n!($features, pub(crate) q4_k_vnni_n, q4_k_sums_vnni_n);
         k4_kernel!(
             $features,
             pub(crate) q5_k_vnni,

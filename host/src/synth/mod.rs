@@ -2549,13 +2549,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         let pairs = s.head_dim / 2;
         let t = pairs * 3 / 8;
         let h = (pairs - t) / 2;
-        let sections = [t, h, pairs - t - h, 0].map(|x| MetaValue::I32(x as i32));
         kv(
             format!("{a}.rope.dimension_sections"),
-            MetaValue::Array(
-                MetaArray::new(ValueType::I32, sections.to_vec())
-                    .expect("i32 items in an i32 array"),
-            ),
+            sections_value([t, h, pairs - t - h, 0]),
         );
         kv(
             format!("{a}.n_deepstack_layers"),
@@ -2587,13 +2583,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     if cfg.arch.is_hybrid() {
         kv(format!("{a}.rope.dimension_count"), u32v(s.rope_dim));
         if cfg.arch == Arch::Qwen35moe {
-            let sections = s.rope_sections.iter().map(|&x| MetaValue::I32(x as i32));
             kv(
                 format!("{a}.rope.dimension_sections"),
-                MetaValue::Array(
-                    MetaArray::new(ValueType::I32, sections.collect())
-                        .expect("i32 items in an i32 array"),
-                ),
+                sections_value(s.rope_sections.map(u64::from)),
             );
         }
         kv(format!("{a}.ssm.conv_kernel"), u32v(s.ssm_conv));
@@ -2625,13 +2617,9 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             let pairs = s.rope_dim / 2;
             let t = pairs / 4;
             let h = (pairs - t) / 2;
-            let sections = [t, h, pairs - t - h, 0].map(|x| MetaValue::I32(x as i32));
             kv(
                 format!("{a}.rope.dimension_sections"),
-                MetaValue::Array(
-                    MetaArray::new(ValueType::I32, sections.to_vec())
-                        .expect("i32 items in an i32 array"),
-                ),
+                sections_value([t, h, pairs - t - h, 0]),
             );
         }
         dense_lead_shared_keys(&mut kv, cfg, false);
@@ -2819,6 +2807,12 @@ fn dense_lead_shared_keys(kv: &mut impl FnMut(String, MetaValue), cfg: &SynthCon
         kv(format!("{a}.expert_group_count"), u32v(count));
         kv(format!("{a}.expert_group_used_count"), u32v(used));
     }
+}
+
+/// `rope.dimension_sections` as llama.cpp's converter writes it: four `i32`.
+fn sections_value(sections: [u64; 4]) -> MetaValue {
+    let items = sections.map(|x| MetaValue::I32(x as i32)).to_vec();
+    MetaValue::Array(MetaArray::new(ValueType::I32, items).expect("i32 items in an i32 array"))
 }
 
 /// The vocabulary of `cfg`'s model: Qwen3-VL's, Kimi-VL's (`deepseek2`),

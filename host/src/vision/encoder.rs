@@ -1203,6 +1203,35 @@ fn encode_kimivl(
     Ok(out.x)
 }
 
+/// The tokens of a tile of Llama 4's or InternVL's tower (`pw` x `ph`
+/// patches, square, the position table's size): the patch embeddings (and
+/// their bias where the file has one), then the class token after them,
+/// and the position table added row by row to all `pw * ph + 1`.
+fn tile_with_class_token(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    class_embd: &[f32],
+) -> Result<Acts, VisionError> {
+    let hp = &m.hp;
+    let n = pw * ph;
+    if pw != ph || n + 1 != m.n_pos || m.pos_embd.len() != m.n_pos * hp.n_embd {
+        return Err(VisionError::Shape(
+            "the tower takes image_size x image_size tiles",
+        ));
+    }
+    let patches = patch_rows(img, hp.patch_size, pw, 0..n);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
+    drop(patches);
+    x.x.extend_from_slice(class_embd);
+    x.n += 1;
+    for (v, e) in x.x.iter_mut().zip(&m.pos_embd) {
+        *v += e;
+    }
+    Ok(x)
+}
+
 /// Llama 4's tower on one `pw` x `ph` tile (`image_size` a side): see
 /// [`encode`].
 fn encode_llama4(
@@ -1216,21 +1245,8 @@ fn encode_llama4(
     let hp = &m.hp;
     let (d, f) = (hp.n_embd, hp.n_merge);
     let n = pw * ph;
-    if pw != ph || n + 1 != m.n_pos || m.pos_embd.len() != m.n_pos * d {
-        return Err(VisionError::Shape(
-            "llama4 takes image_size x image_size tiles",
-        ));
-    }
-    // The patches (unfolded, times the matrix, no bias), then the class
-    // token; the position embeddings of all n + 1.
-    let patches = patch_rows(img, hp.patch_size, pw, 0..n);
-    let mut x = linear_wb(ctx, m, &m.patch_embd, None, &patches)?;
-    drop(patches);
-    x.x.extend_from_slice(class_embd);
-    x.n += 1;
-    for (v, e) in x.x.iter_mut().zip(&m.pos_embd) {
-        *v += e;
-    }
+    // The patches (unfolded, times the matrix, no bias).
+    let mut x = tile_with_class_token(ctx, m, img, (pw, ph), class_embd)?;
     if let Some(ln) = &m.pre_ln {
         x = layer_norm(&x, ln, hp.eps);
     }
@@ -1277,22 +1293,10 @@ fn encode_internvl(
     let hp = &m.hp;
     let (d, f) = (hp.n_embd, hp.n_merge);
     let n = pw * ph;
-    if pw != ph || n + 1 != m.n_pos || m.pos_embd.len() != m.n_pos * d {
-        return Err(VisionError::Shape(
-            "internvl takes image_size x image_size tiles",
-        ));
-    }
-    // The patches (in f16 as `ggml_conv_2d`) and their bias, then the class
-    // token after them; the table's rows added in that order, as clip.cpp
-    // adds them (row 0 to the first patch, the last to the class token).
-    let patches = patch_rows(img, hp.patch_size, pw, 0..n);
-    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
-    drop(patches);
-    x.x.extend_from_slice(class_embd);
-    x.n += 1;
-    for (v, e) in x.x.iter_mut().zip(&m.pos_embd) {
-        *v += e;
-    }
+    // The patches (in f16 as `ggml_conv_2d`) and their bias; the table's
+    // first row goes to the first patch, its last to the class token, as
+    // clip.cpp adds them.
+    let mut x = tile_with_class_token(ctx, m, img, (pw, ph), class_embd)?;
     if let Some(ln) = &m.pre_ln {
         x = vit_norm(hp, &x, ln);
     }
