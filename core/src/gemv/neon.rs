@@ -94,6 +94,16 @@ macro_rules! neon_methods {
             q6_k(&[BlockQ6K], &[BlockQ8K]);
             iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
         }
+        #[inline]
+        fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            // SAFETY: as for `forward!`'s methods.
+            unsafe { $module::q4_k_n(w, x) }
+        }
+        #[inline]
+        fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            // SAFETY: as for `forward!`'s methods.
+            unsafe { $module::q6_k_n(w, x) }
+        }
     };
 }
 
@@ -474,6 +484,100 @@ macro_rules! int_kernels {
             acc
         }
 
+        /// [`q4_k`] of one row and `N` inputs (of the row's length), each
+        /// result its bits: each chunk's nibbles unpacked once for all
+        /// inputs, each input's integer sums exact and its float step the
+        /// same.
+        #[target_feature(enable = $features)]
+        pub(super) fn q4_k_n<const N: usize>(w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            for (i, w) in w[..n].iter().enumerate() {
+                let mut sumi = [0i32; N];
+                let mut summs = [0i32; N];
+                for c in 0..4 {
+                    let mut lo = [vdupq_n_s32(0); N];
+                    let mut hi = [vdupq_n_s32(0); N];
+                    for h in 0..2 {
+                        let q = ld_u8(arr(&w.qs, 32 * c + 16 * h));
+                        let ql = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(15)));
+                        let qh = vreinterpretq_s8_u8(vshrq_n_u8::<4>(q));
+                        for ((lo, hi), x) in lo.iter_mut().zip(hi.iter_mut()).zip(x) {
+                            let x = &x[i];
+                            *lo = mac16(*lo, ql, ld_s8(arr(&x.qs, 64 * c + 16 * h)));
+                            *hi = mac16(*hi, qh, ld_s8(arr(&x.qs, 64 * c + 32 + 16 * h)));
+                        }
+                    }
+                    for (j, s) in [(2 * c, &lo), (2 * c + 1, &hi)] {
+                        let (sc, m) = scale_min_k4(j, &w.scales);
+                        for k in 0..N {
+                            let x = &x[k][i];
+                            sumi[k] += sc as i32 * vaddvq_s32(s[k]);
+                            summs[k] +=
+                                m as i32 * (r::q8k_bsum(x, 2 * j) + r::q8k_bsum(x, 2 * j + 1));
+                        }
+                    }
+                }
+                for k in 0..N {
+                    let dx = r::q8k_d(&x[k][i]);
+                    acc[k] +=
+                        (r::h(w.d) * dx) * sumi[k] as f32 - (r::h(w.dmin) * dx) * summs[k] as f32;
+                }
+            }
+            acc
+        }
+
+        /// [`q6_k`] of one row and `N` inputs (of the row's length), each
+        /// result its bits, as [`q4_k_n`].
+        #[target_feature(enable = $features)]
+        pub(super) fn q6_k_n<const N: usize>(w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            for (i, w) in w[..n].iter().enumerate() {
+                let mut sumi = [0i32; N];
+                for half in 0..2 {
+                    for g in 0..2 {
+                        for (k, q) in q6_k_values(w, half, g).into_iter().enumerate() {
+                            let q = vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(32));
+                            let sc = w.scales[8 * half + 2 * k + g] as i32;
+                            for (sumi, x) in sumi.iter_mut().zip(x) {
+                                let y = ld_s8(arr(&x[i].qs, 128 * half + 32 * k + 16 * g));
+                                *sumi += sc * vaddvq_s32(mac16(vdupq_n_s32(0), q, y));
+                            }
+                        }
+                    }
+                }
+                for k in 0..N {
+                    acc[k] += (r::h(w.d) * r::q8k_d(&x[k][i])) * sumi[k] as f32;
+                }
+            }
+            acc
+        }
+
+        /// Elements `128 half + 32 k + 16 g ..` `+ 16` of a `Q6_K` block for
+        /// `k = 0..4`, as unsigned 6-bit values.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q6_k_values(w: &BlockQ6K, half: usize, g: usize) -> [uint8x16_t; 4] {
+            let qa = ld_u8(arr(&w.ql, 64 * half + 16 * g));
+            let qb = ld_u8(arr(&w.ql, 64 * half + 32 + 16 * g));
+            let qh = ld_u8(arr(&w.qh, 32 * half + 16 * g));
+            let m4 = vdupq_n_u8(15);
+            let m3 = vdupq_n_u8(3);
+            [
+                vorrq_u8(vandq_u8(qa, m4), vshlq_n_u8::<4>(vandq_u8(qh, m3))),
+                vorrq_u8(
+                    vandq_u8(qb, m4),
+                    vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<2>(qh), m3)),
+                ),
+                vorrq_u8(
+                    vshrq_n_u8::<4>(qa),
+                    vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<4>(qh), m3)),
+                ),
+                vorrq_u8(vshrq_n_u8::<4>(qb), vshlq_n_u8::<4>(vshrq_n_u8::<6>(qh))),
+            ]
+        }
+
         #[target_feature(enable = $features)]
         pub(super) fn q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
             let mut acc = 0.0f32;
@@ -481,25 +585,7 @@ macro_rules! int_kernels {
                 let mut sumi = 0i32;
                 for half in 0..2 {
                     for g in 0..2 {
-                        // Elements 128*half + 32*k + 16*g .. + 16 for k = 0..4.
-                        let qa = ld_u8(arr(&w.ql, 64 * half + 16 * g));
-                        let qb = ld_u8(arr(&w.ql, 64 * half + 32 + 16 * g));
-                        let qh = ld_u8(arr(&w.qh, 32 * half + 16 * g));
-                        let m4 = vdupq_n_u8(15);
-                        let m3 = vdupq_n_u8(3);
-                        let q = [
-                            vorrq_u8(vandq_u8(qa, m4), vshlq_n_u8::<4>(vandq_u8(qh, m3))),
-                            vorrq_u8(
-                                vandq_u8(qb, m4),
-                                vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<2>(qh), m3)),
-                            ),
-                            vorrq_u8(
-                                vshrq_n_u8::<4>(qa),
-                                vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<4>(qh), m3)),
-                            ),
-                            vorrq_u8(vshrq_n_u8::<4>(qb), vshlq_n_u8::<4>(vshrq_n_u8::<6>(qh))),
-                        ];
-                        for (k, q) in q.into_iter().enumerate() {
+                        for (k, q) in q6_k_values(w, half, g).into_iter().enumerate() {
                             let q = vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(32));
                             let y = ld_s8(arr(&x.qs, 128 * half + 32 * k + 16 * g));
                             let s = vaddvq_s32(mac16(vdupq_n_s32(0), q, y));
