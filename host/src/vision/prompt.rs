@@ -16,7 +16,9 @@
 //!   `<|begin_of_image|>` embeddings `<|end_of_image|>` where the vocabulary
 //!   has those (llama.cpp decides so);
 //! - Llama 4: `<|image_start|>`, each tile row by row, the overview,
-//!   `<|image_end|>` (llama.cpp's template, without separators).
+//!   `<|image_end|>` (llama.cpp's template, without separators);
+//! - GLM-4.xV: `<|begin_of_image|>` embeddings `<|end_of_image|>`;
+//! - InternVL: `<img>`, each tile row by row, the overview, `</img>`.
 //!
 //! [`MultimodalPrompt::places`] says where each position sits for language
 //! models with M-RoPE sections ([`InputPlace`]).
