@@ -1102,51 +1102,37 @@ fn encodes_as_reference(
     }
 }
 
+/// Kimi-VL's, Kimi K2.5's and GLM-4.5V's towers (images of any size, 28-pixel
+/// merged patches) against their references.
 #[test]
-fn kimivl_encoder_matches_the_reference() {
+fn kimivl_and_glm4v_encoders_match_their_references() {
     for (ptype, ty, name) in [
         (ProjectorType::KimiVl, GgmlType::F32, "f32"),
         (ProjectorType::KimiVl, GgmlType::F16, "f16"),
         (ProjectorType::KimiK25, GgmlType::F32, "k25_f32"),
         (ProjectorType::KimiK25, GgmlType::F16, "k25_f16"),
+        (ProjectorType::Glm4v, GgmlType::F32, "glm4v_f32"),
+        (ProjectorType::Glm4v, GgmlType::F16, "glm4v_f16"),
     ] {
         let (path, cfg) = projector(ptype, ty, &format!("enc_kimivl_{name}.gguf"));
         let model = ClipModel::open(&path).unwrap();
         assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
         assert_eq!(model.row_width(), 48);
+        assert_eq!(model.hp.rms_norm, ptype == ProjectorType::Glm4v);
         let w = Weights(Gguf::open(&path).unwrap());
         let hp = hp_of(&cfg);
+        let reference = |img: &ImageF32| match ptype {
+            ProjectorType::Glm4v => reference_glm4v(&w, &hp, img),
+            _ => reference_kimivl(&w, &hp, img),
+        };
         // The table's own 16 x 16 grid (no interpolation), grids smaller and
         // larger than it (up and down on each axis), square and not.
         encodes_as_reference(
             &model,
             &[(224, 224), (84, 56), (56, 168), (336, 84), (28, 28)],
             28,
-            &|img| reference_kimivl(&w, &hp, img),
-            &format!("kimivl {name}"),
-            tolerance(ty),
-        );
-    }
-}
-
-#[test]
-fn glm4v_encoder_matches_the_reference() {
-    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
-        let (path, cfg) = projector(ProjectorType::Glm4v, ty, &format!("enc_glm4v_{name}.gguf"));
-        let model = ClipModel::open(&path).unwrap();
-        assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
-        assert!(model.hp.rms_norm);
-        assert_eq!(model.row_width(), 48);
-        let w = Weights(Gguf::open(&path).unwrap());
-        let hp = hp_of(&cfg);
-        // The table's own 16 x 16 grid (no interpolation), grids smaller and
-        // larger than it (up and down on each axis), square and not.
-        encodes_as_reference(
-            &model,
-            &[(224, 224), (84, 56), (56, 168), (336, 84), (28, 28)],
-            28,
-            &|img| reference_glm4v(&w, &hp, img),
-            &format!("glm4v {name}"),
+            &reference,
+            &format!("{} {name}", ptype.name()),
             tolerance(ty),
         );
     }
