@@ -149,8 +149,8 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
     // As llama.cpp's converter types them: vectors, the position embeddings
     // and (Gemma 3's SigLIP `embeddings.*`) the patch embedding in `f32`;
     // llama.cpp's CPU backend adds no `f16` position embeddings. Qwen3-VL's
-    // patch kernels are `f16` in an `f16` file, else `f32` (the converter's
-    // `tensor_force_quant`).
+    // and GLM-4.xV's patch kernels (and GLM's merger convolution) are `f16`
+    // in an `f16` file, else `f32` (the converter's `tensor_force_quant`).
     let gemma3 = cfg.projector == ProjectorType::Gemma3;
     let qwen3vl = cfg.projector == ProjectorType::Qwen3Vl;
     let glm4v = cfg.projector == ProjectorType::Glm4v;
@@ -160,7 +160,8 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
         let f32_always = dims.len() == 1
             || name == "v.position_embd.weight"
             || (gemma3 && name == "v.patch_embd.weight");
-        let patch = (qwen3vl || glm4v) && name.starts_with("v.patch_embd.weight");
+        let patch = (qwen3vl || glm4v)
+            && (name.starts_with("v.patch_embd.weight") || name == "mm.patch_merger.weight");
         let ty = if f32_always || (patch && mat_ty != GgmlType::F16) {
             GgmlType::F32
         } else {
