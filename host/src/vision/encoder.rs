@@ -1339,8 +1339,6 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         ));
     }
     let (pw, ph) = (img.width / p, img.height / p);
-    let n = pw * ph;
-    let d = hp.n_embd;
     let align = match m.projector {
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
@@ -1354,31 +1352,62 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             "image size is not a multiple of patch size x merge factor",
         ));
     }
-    if let Projector::Qwen3Vl {
-        patch_embd_1,
-        deepstack,
-        up,
-        down,
-    } = &m.projector
-    {
-        return encode_qwen3vl(ctx, m, img, (pw, ph), patch_embd_1, deepstack, up, down);
-    }
-    if let Projector::InternVl {
-        class_embd,
-        norm,
-        up,
-        down,
-    } = &m.projector
-    {
-        return encode_internvl(ctx, m, img, (pw, ph), class_embd, (norm, up, down));
-    }
-    if let Projector::Glm4v {
-        patch_embd_1,
-        norm_embd,
-        merger,
-    } = &m.projector
-    {
-        return encode_glm4v(
+    match &m.projector {
+        Projector::MiniCpmV46 {
+            vit_merger,
+            input_norm,
+            up,
+            down,
+        } => {
+            let side = (m.n_pos as f64).sqrt() as usize;
+            let rows = bucket_positions(pw, ph, side);
+            let x = siglip_embeddings(ctx, m, img, pw, &rows)?;
+            encode_minicpmv46(
+                ctx,
+                m,
+                x,
+                (pw, ph),
+                vit_merger.as_deref(),
+                input_norm,
+                up,
+                down,
+            )
+        }
+        Projector::Gemma3 {
+            soft_emb_norm,
+            input_proj,
+        } => {
+            if pw * ph != m.n_pos {
+                return Err(VisionError::Shape(
+                    "gemma3 takes image_size x image_size images",
+                ));
+            }
+            let rows: Vec<usize> = (0..pw * ph).collect();
+            let x = siglip_embeddings(ctx, m, img, pw, &rows)?;
+            encode_gemma3(ctx, m, x, (pw, ph), soft_emb_norm, input_proj)
+        }
+        Projector::Qwen3Vl {
+            patch_embd_1,
+            deepstack,
+            up,
+            down,
+        } => encode_qwen3vl(ctx, m, img, (pw, ph), patch_embd_1, deepstack, up, down),
+        Projector::KimiVl {
+            input_norm,
+            up,
+            down,
+        } => encode_kimivl(ctx, m, img, (pw, ph), input_norm, up, down),
+        Projector::Llama4 {
+            class_embd,
+            mlp1,
+            mlp2,
+            fc,
+        } => encode_llama4(ctx, m, img, (pw, ph), class_embd, [mlp1, mlp2, fc]),
+        Projector::Glm4v {
+            patch_embd_1,
+            norm_embd,
+            merger,
+        } => encode_glm4v(
             ctx,
             m,
             img,
@@ -1386,53 +1415,33 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             patch_embd_1,
             norm_embd.as_ref(),
             merger,
-        );
+        ),
+        Projector::InternVl {
+            class_embd,
+            norm,
+            up,
+            down,
+        } => encode_internvl(ctx, m, img, (pw, ph), class_embd, (norm, up, down)),
     }
-    if let Projector::KimiVl {
-        input_norm,
-        up,
-        down,
-    } = &m.projector
-    {
-        return encode_kimivl(ctx, m, img, (pw, ph), input_norm, up, down);
-    }
-    if let Projector::Llama4 {
-        class_embd,
-        mlp1,
-        mlp2,
-        fc,
-    } = &m.projector
-    {
-        return encode_llama4(ctx, m, img, (pw, ph), class_embd, [mlp1, mlp2, fc]);
-    }
+}
 
-    // Patch embedding: a convolution with stride = kernel = patch, i.e. one GEMM
-    // over the patches, columns in (channel, y, x) order, in f16 as llama.cpp's
-    // `ggml_conv_2d` computes it (an f32 kernel is rounded to f16 at load,
-    // and `linear_wb` rounds the pixels).
-    let patches = patch_rows(img, p, pw, 0..n);
+/// The SigLIP towers' (MiniCPM-V's, Gemma 3's) input: the patch embedding,
+/// a convolution with stride = kernel = patch, i.e. one GEMM over the patches
+/// of a `pw`-wide grid, columns in (channel, y, x) order, in f16 as
+/// llama.cpp's `ggml_conv_2d` computes it (an f32 kernel is rounded to f16 at
+/// load, and `linear_wb` rounds the pixels); then each patch's learned
+/// position embedding, row `rows[patch]` of the table; then `pre_ln`.
+fn siglip_embeddings(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    pw: usize,
+    rows: &[usize],
+) -> Result<Acts, VisionError> {
+    let hp = &m.hp;
+    let d = hp.n_embd;
+    let patches = patch_rows(img, hp.patch_size, pw, 0..rows.len());
     let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
-
-    // Learned position embeddings.
-    let rows: Vec<usize> = match m.projector {
-        Projector::MiniCpmV46 { .. } => {
-            let side = (m.n_pos as f64).sqrt() as usize;
-            bucket_positions(pw, ph, side)
-        }
-        Projector::Gemma3 { .. } => {
-            if n != m.n_pos {
-                return Err(VisionError::Shape(
-                    "gemma3 takes image_size x image_size images",
-                ));
-            }
-            (0..n).collect()
-        }
-        Projector::Qwen3Vl { .. }
-        | Projector::KimiVl { .. }
-        | Projector::Llama4 { .. }
-        | Projector::Glm4v { .. }
-        | Projector::InternVl { .. } => return Err(VisionError::Shape("tower encoded above")),
-    };
     for (i, &r) in rows.iter().enumerate() {
         if r >= m.n_pos {
             return Err(VisionError::Shape("position embedding index out of range"));
@@ -1447,81 +1456,93 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     if let Some(ln) = &m.pre_ln {
         x = layer_norm(&x, ln, hp.eps);
     }
+    Ok(x)
+}
 
-    match &m.projector {
-        Projector::MiniCpmV46 {
-            vit_merger: merger,
-            input_norm,
-            up,
-            down,
-        } => {
-            let (mut gw, mut gh) = (pw, ph);
-            match merger {
-                Some(mg) => {
-                    for l in &m.layers[..=hp.insert_layer] {
-                        x = vit_layer(ctx, m, l, x, None)?;
-                    }
-                    x = vit_merger(ctx, m, mg, x, gw, gh)?;
-                    (gw, gh) = (gw / 2, gh / 2);
-                    for l in &m.layers[hp.insert_layer + 1..] {
-                        x = vit_layer(ctx, m, l, x, None)?;
-                    }
-                }
-                None => {
-                    for l in &m.layers {
-                        x = vit_layer(ctx, m, l, x, None)?;
-                    }
-                }
+/// MiniCPM-V 4.6's tower after [`siglip_embeddings`] (`x`, a `pw` x `ph`
+/// grid): the blocks with the window-attention merger after block
+/// `insert_layer` where there is one, `post_ln`, then the 2x2 merger MLP.
+#[allow(clippy::too_many_arguments)]
+fn encode_minicpmv46(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    mut x: Acts,
+    (pw, ph): (usize, usize),
+    merger: Option<&VitMerger>,
+    input_norm: &Norm,
+    up: &Linear,
+    down: &Linear,
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let (mut gw, mut gh) = (pw, ph);
+    match merger {
+        Some(mg) => {
+            for l in &m.layers[..=hp.insert_layer] {
+                x = vit_layer(ctx, m, l, x, None)?;
             }
-            if let Some(ln) = &m.post_ln {
-                x = layer_norm(&x, ln, hp.eps);
+            x = vit_merger(ctx, m, mg, x, gw, gh)?;
+            (gw, gh) = (gw / 2, gh / 2);
+            for l in &m.layers[hp.insert_layer + 1..] {
+                x = vit_layer(ctx, m, l, x, None)?;
             }
-            let cat = concat_2x2(&x, gw, gh);
-            let normed = layer_norm(&cat, input_norm, hp.eps);
-            let out = ffn(ctx, m, &normed, up, None, down, FfnOp::GeluErf)?;
-            Ok(out.x)
         }
-        Projector::Gemma3 {
-            soft_emb_norm,
-            input_proj,
-        } => {
+        None => {
             for l in &m.layers {
                 x = vit_layer(ctx, m, l, x, None)?;
             }
-            if let Some(ln) = &m.post_ln {
-                x = layer_norm(&x, ln, hp.eps);
-            }
-            let k = hp.n_merge;
-            let (ow, oh) = (pw / k, ph / k);
-            let mut pooled = Acts {
-                n: ow * oh,
-                dim: d,
-                x: vec![0f32; ow * oh * d],
-            };
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let out = &mut pooled.x[(oy * ow + ox) * d..(oy * ow + ox + 1) * d];
-                    for ky in 0..k {
-                        for kx in 0..k {
-                            let t = (oy * k + ky) * pw + ox * k + kx;
-                            for (o, v) in out.iter_mut().zip(x.row(t)) {
-                                *o += v;
-                            }
-                        }
+        }
+    }
+    if let Some(ln) = &m.post_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    let cat = concat_2x2(&x, gw, gh);
+    let normed = layer_norm(&cat, input_norm, hp.eps);
+    let out = ffn(ctx, m, &normed, up, None, down, FfnOp::GeluErf)?;
+    Ok(out.x)
+}
+
+/// Gemma 3's tower after [`siglip_embeddings`] (`x`, a `pw` x `ph` grid):
+/// the blocks, `post_ln`, average pooling of `n_merge` x `n_merge` patches,
+/// RMSNorm and the projection.
+fn encode_gemma3(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    mut x: Acts,
+    (pw, ph): (usize, usize),
+    soft_emb_norm: &[f32],
+    input_proj: &Mat,
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let d = hp.n_embd;
+    for l in &m.layers {
+        x = vit_layer(ctx, m, l, x, None)?;
+    }
+    if let Some(ln) = &m.post_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    let k = hp.n_merge;
+    let (ow, oh) = (pw / k, ph / k);
+    let mut pooled = Acts {
+        n: ow * oh,
+        dim: d,
+        x: vec![0f32; ow * oh * d],
+    };
+    for oy in 0..oh {
+        for ox in 0..ow {
+            let out = &mut pooled.x[(oy * ow + ox) * d..(oy * ow + ox + 1) * d];
+            for ky in 0..k {
+                for kx in 0..k {
+                    let t = (oy * k + ky) * pw + ox * k + kx;
+                    for (o, v) in out.iter_mut().zip(x.row(t)) {
+                        *o += v;
                     }
-                    let ka = (k * k) as f32;
-                    out.iter_mut().for_each(|v| *v /= ka);
                 }
             }
-            rms_norm(&mut pooled, soft_emb_norm, hp.eps);
-            let out = linear_wb(ctx, m, input_proj, None, &pooled)?;
-            Ok(out.x)
+            let ka = (k * k) as f32;
+            out.iter_mut().for_each(|v| *v /= ka);
         }
-        // Encoded above.
-        Projector::Qwen3Vl { .. }
-        | Projector::KimiVl { .. }
-        | Projector::Llama4 { .. }
-        | Projector::Glm4v { .. }
-        | Projector::InternVl { .. } => Err(VisionError::Shape("tower encoded above")),
     }
+    rms_norm(&mut pooled, soft_emb_norm, hp.eps);
+    let out = linear_wb(ctx, m, input_proj, None, &pooled)?;
+    Ok(out.x)
 }
