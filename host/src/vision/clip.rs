@@ -213,17 +213,23 @@ pub struct Mat {
 }
 
 impl Mat {
+    /// The matrix's bytes: a range of `file` (the mapped mmproj) where it is
+    /// mapped, else its own.
+    fn raw<'a>(&'a self, file: &'a [u8]) -> &'a [u8] {
+        match &self.bytes {
+            Bytes::Mapped(r) => &file[r.clone()],
+            Bytes::Owned(b) => &b[..],
+        }
+    }
+
     /// This matrix with `f32` weights rounded to `f16` (others as they are);
     /// `file` holds a mapped matrix's bytes (an owned one's are its own).
     fn f32_as_f16(self, file: &[u8]) -> Mat {
         if self.ty != GgmlType::F32 {
             return self;
         }
-        let raw = match &self.bytes {
-            Bytes::Mapped(r) => &file[r.clone()],
-            Bytes::Owned(b) => &b[..],
-        };
-        let bytes = raw
+        let bytes = self
+            .raw(file)
             .chunks_exact(4)
             .flat_map(|c| {
                 let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -247,11 +253,8 @@ impl Mat {
         if self.ty != GgmlType::BF16 {
             return self.f32_as_f16(file);
         }
-        let raw = match &self.bytes {
-            Bytes::Mapped(r) => &file[r.clone()],
-            Bytes::Owned(b) => &b[..],
-        };
-        let bytes = raw
+        let bytes = self
+            .raw(file)
             .chunks_exact(2)
             .flat_map(|c| quant::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])).to_le_bytes())
             .collect();
@@ -788,6 +791,29 @@ fn opt_u64(g: &Gguf<MappedFile>, key: &str) -> Result<Option<u64>, VisionError> 
     }
 }
 
+/// `clip.vision.projector.scale_factor` (`scale`), which `projector` needs,
+/// within `range`.
+fn required_scale(
+    projector: ProjectorType,
+    scale: Option<u64>,
+    range: std::ops::RangeInclusive<u64>,
+) -> Result<usize, VisionError> {
+    let name = projector.name();
+    let m = scale.ok_or_else(|| {
+        err(format!(
+            "{name}: clip.vision.projector.scale_factor is missing"
+        ))
+    })?;
+    if !range.contains(&m) {
+        return Err(err(format!(
+            "{name}: scale_factor {m} (must be {} to {})",
+            range.start(),
+            range.end()
+        )));
+    }
+    Ok(m as usize)
+}
+
 fn get_floats3(g: &Gguf<MappedFile>, key: &str) -> Result<[f32; 3], VisionError> {
     let a = g.get_array(key).map_err(|e| err(e.to_string()))?;
     let v: Vec<f32> = a.iter().filter_map(|v| v.as_f32()).collect();
@@ -898,33 +924,15 @@ impl ClipModel {
                 }
                 2
             }
+            // clip.cpp's patch merger asserts a factor above 1 (its
+            // default, 1, fails there).
             ProjectorType::KimiVl | ProjectorType::KimiK25 => {
-                // clip.cpp's patch merger asserts a factor above 1 (its
-                // default, 1, fails there).
-                let name = projector.name();
-                let m = scale.ok_or_else(|| {
-                    err(format!(
-                        "{name}: clip.vision.projector.scale_factor is missing"
-                    ))
-                })?;
-                if !(2..=4).contains(&m) {
-                    return Err(err(format!("{name}: scale_factor {m} (must be 2 to 4)")));
-                }
-                m as usize
+                required_scale(projector, scale, 2..=4)?
             }
+            // The converters write 1 / pixel_shuffle_ratio (Llama 4's and
+            // InternVL's: 2).
             ProjectorType::Llama4 | ProjectorType::InternVl => {
-                // The converters write 1 / pixel_shuffle_ratio (Llama 4's
-                // and InternVL's: 2).
-                let name = projector.name();
-                let m = scale.ok_or_else(|| {
-                    err(format!(
-                        "{name}: clip.vision.projector.scale_factor is missing"
-                    ))
-                })?;
-                if !(1..=4).contains(&m) {
-                    return Err(err(format!("{name}: scale_factor {m} (must be 1 to 4)")));
-                }
-                m as usize
+                required_scale(projector, scale, 1..=4)?
             }
         };
         let qwen3vl = projector == ProjectorType::Qwen3Vl;
@@ -1496,11 +1504,7 @@ impl ClipModel {
 
     /// The matrix view of `m`.
     pub fn view<'s>(&'s self, m: &'s Mat) -> Result<MatrixView<'s>, GemvError> {
-        let bytes = match &m.bytes {
-            Bytes::Mapped(r) => &self.gguf.bytes()[r.clone()],
-            Bytes::Owned(b) => &b[..],
-        };
-        MatrixView::new(m.ty, m.rows, m.cols, bytes)
+        MatrixView::new(m.ty, m.rows, m.cols, m.raw(self.gguf.bytes()))
     }
 
     /// The underlying file.
