@@ -13,7 +13,7 @@ use std::path::Path;
 use les_core::gemv::MatrixView;
 use les_core::model::config::{
     AttnTemperature, AttnWindow, DeltaNetShape, ExpertAct, Hparams, HybridParams, LinearShape,
-    Mamba2Shape, MlaShape, MoeParams, Mrope, Scales, SlidingWindow,
+    Mamba2Shape, MlaShape, MoeParams, Mrope, Scales, ShortConvShape, SlidingWindow,
 };
 use les_core::model::deltanet::DeltaNetWeights;
 use les_core::model::experts::ExpertFormat;
@@ -24,6 +24,7 @@ use les_core::model::forward::{
 };
 use les_core::model::mamba2::Mamba2Weights;
 use les_core::model::ops::{RopeStyle, Yarn};
+use les_core::model::shortconv::ShortConvWeights;
 use les_core::quant::{self, GgmlType};
 use les_core::router::{ExpertGroups, Gating};
 use les_core::schedule::{Extent, Extents};
@@ -164,11 +165,21 @@ pub enum Arch {
     /// layers with ungated ReLU² experts routed by sigmoid (plus `exp_probs_b`
     /// to pick them) and an ungated shared expert.
     NemotronHMoe,
+    /// Liquid AI's LFM2 MoE (LFM2-8B-A1B, LFM2-24B-A2B; llama.cpp's
+    /// `lfm2moe`): gated short convolutions and a few attention layers
+    /// (per-head Q/K norms, NeoX RoPE; a KV head count of 0 marks the
+    /// convolutions), dense leading layers, then routed experts picked by
+    /// sigmoid scores plus a selection bias, renormalised.
+    Lfm2Moe,
+    /// LFM2's dense models (LFM2-350M ... 2.6B; llama.cpp's `lfm2`):
+    /// [`Lfm2Moe`](Arch::Lfm2Moe)'s layers with a SwiGLU FFN each (the same
+    /// vocabulary: a draft model for the MoE ones).
+    Lfm2,
 }
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 23] = [
+    pub const ALL: [Arch; 25] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -192,6 +203,8 @@ impl Arch {
         Arch::GraniteHybrid,
         Arch::NemotronH,
         Arch::NemotronHMoe,
+        Arch::Lfm2Moe,
+        Arch::Lfm2,
     ];
 
     /// From `general.architecture`.
@@ -225,6 +238,8 @@ impl Arch {
             Arch::GraniteHybrid => "granitehybrid",
             Arch::NemotronH => "nemotron_h",
             Arch::NemotronHMoe => "nemotron_h_moe",
+            Arch::Lfm2Moe => "lfm2moe",
+            Arch::Lfm2 => "lfm2",
         }
     }
 
@@ -239,6 +254,11 @@ impl Arch {
     /// Nemotron-H's layer structure (one sub-layer each, no RoPE).
     fn is_nemotron(self) -> bool {
         matches!(self, Arch::NemotronH | Arch::NemotronHMoe)
+    }
+
+    /// LFM2's layers (gated short convolutions between attention layers).
+    fn is_lfm2(self) -> bool {
+        matches!(self, Arch::Lfm2Moe | Arch::Lfm2)
     }
 
     fn rope_style(self) -> RopeStyle {
@@ -403,6 +423,15 @@ struct MlaRefs {
     wo: Tref,
 }
 
+/// A gated short-convolution layer (lfm2moe).
+#[derive(Debug)]
+struct ShortConvRefs {
+    shape: ShortConvShape,
+    in_proj: Tref,
+    conv: Vec<f32>,
+    out: Tref,
+}
+
 /// A Mamba2 layer (granitehybrid).
 #[derive(Debug)]
 struct Mamba2Refs {
@@ -424,6 +453,7 @@ enum MixerRefs {
     Attention(AttnRefs),
     DeltaNet(DeltaRefs),
     Mamba2(Mamba2Refs),
+    ShortConv(ShortConvRefs),
     Mla(MlaRefs),
 }
 
@@ -765,7 +795,7 @@ fn per_layer(
     }
 }
 
-/// `attention.head_count_kv` of granitehybrid and Nemotron-H, as llama.cpp
+/// `attention.head_count_kv` of granitehybrid, Nemotron-H and LFM2, as llama.cpp
 /// reads it: one count per layer (or one for all), 0 marking a layer without
 /// attention. The attention layers' count (they must share one) and which
 /// layers have none.
@@ -777,7 +807,7 @@ fn kv_heads_by_layer(
 ) -> Result<(usize, Vec<bool>), ModelError> {
     let key = format!("{a}.attention.head_count_kv");
     let counts = per_layer(g, &key, n_layers_all)?
-        .ok_or_else(|| invalid(format!("{key} is missing (0 marks Mamba2 layers)")))?;
+        .ok_or_else(|| invalid(format!("{key} is missing (0 marks the recurrent layers)")))?;
     let counts = &counts[..n_layers];
     let mut attn = counts.iter().filter(|c| **c != 0);
     let n_head_kv = attn.next().copied().unwrap_or(0);
@@ -840,23 +870,67 @@ fn mamba2_params(
     Ok(hy)
 }
 
-/// Layer `l`'s causal convolution (`ssm_conv1d`, `{kernel, channels}`: the
-/// taps of each channel contiguous), checked and read.
-fn conv_taps(
+/// LFM2's short-convolution shape (`shortconv.l_cache` wide, over the
+/// `n_embd` channels) for the layers `recurrent` marks.
+fn shortconv_params(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    hp: &Hparams,
+    recurrent: &[bool],
+) -> Result<HybridParams, ModelError> {
+    let key = format!("{a}.shortconv.l_cache");
+    let kernel = key_usize(g, &key)?;
+    at_most(a, MAX_SSM_DIM, &[("shortconv.l_cache", kernel)])?;
+    let shape = ShortConvShape {
+        channels: hp.n_embd,
+        kernel,
+    };
+    shape
+        .validate()
+        .map_err(|e| invalid(format!("{key} = {kernel}: {e}")))?;
+    let n_linear = recurrent.iter().filter(|r| **r).count();
+    let hy = HybridParams {
+        n_attn_layers: hp.n_layers - n_linear,
+        linear: (n_linear > 0).then_some((n_linear, LinearShape::ShortConv(shape))),
+        ..HybridParams::plain(hp)
+    };
+    hy.validate(hp).map_err(|e| invalid(format!("{a}: {e}")))?;
+    Ok(hy)
+}
+
+/// The tensors of LFM2's short-convolution layer `l`, checked against `shape`.
+fn shortconv_refs(
     g: &Gguf<MappedFile>,
     l: usize,
+    n_embd: usize,
+    shape: ShortConvShape,
+) -> Result<ShortConvRefs, ModelError> {
+    let t = |s: &str| format!("blk.{l}.{s}");
+    let ch = shape.channels;
+    Ok(ShortConvRefs {
+        shape,
+        in_proj: tensor_ref(g, &t("shortconv.in_proj.weight"), 3 * ch, n_embd)?,
+        conv: conv_taps(g, &t("shortconv.conv.weight"), shape.kernel, ch)?,
+        out: tensor_ref(g, &t("shortconv.out_proj.weight"), n_embd, ch)?,
+    })
+}
+
+/// A causal convolution `name` (`{kernel, channels}`: the taps of each
+/// channel contiguous), checked and read.
+fn conv_taps(
+    g: &Gguf<MappedFile>,
+    name: &str,
     kernel: usize,
     channels: usize,
 ) -> Result<Vec<f32>, ModelError> {
-    let name = format!("blk.{l}.ssm_conv1d.weight");
-    let t = g.require_tensor(&name)?;
+    let t = g.require_tensor(name)?;
     if t.dims() != [kernel as u64, channels as u64] {
         return Err(invalid(format!(
             "tensor {name} has shape {:?}, expected [{kernel}, {channels}]",
             t.dims()
         )));
     }
-    vector(g, &name, channels * kernel)
+    vector(g, name, channels * kernel)
 }
 
 /// The tensors of Mamba2 layer `l`, checked against `shape`.
@@ -868,7 +942,7 @@ fn mamba2_refs(
 ) -> Result<Mamba2Refs, ModelError> {
     let t = |s: &str| format!("blk.{l}.{s}");
     let (nh, di, cd) = (shape.n_head, shape.d_inner, shape.conv_dim());
-    let conv = conv_taps(g, l, shape.conv_kernel, cd)?;
+    let conv = conv_taps(g, &t("ssm_conv1d.weight"), shape.conv_kernel, cd)?;
     Ok(Mamba2Refs {
         shape,
         in_proj: tensor_ref(g, &t("ssm_in.weight"), shape.in_proj_dim(), n_embd)?,
@@ -1069,7 +1143,7 @@ fn delta_refs(
 ) -> Result<DeltaRefs, ModelError> {
     let t = |s: &str| format!("blk.{l}.{s}");
     let (nv, vd, cd) = (shape.n_v_heads, shape.value_dim(), shape.conv_dim());
-    let conv = conv_taps(g, l, shape.conv_kernel, cd)?;
+    let conv = conv_taps(g, &t("ssm_conv1d.weight"), shape.conv_kernel, cd)?;
     if g.tensor(&t("attn_qkv.weight")).is_none() && g.tensor(&t("ssm_in.weight")).is_some() {
         return Err(invalid(format!(
             "layer {l} has the fused ssm_in of early qwen3next conversions; \
@@ -1358,13 +1432,14 @@ impl Model {
         let n_head = key_usize(&g, &k("attention.head_count"))?;
         // granitehybrid's and Nemotron-H's KV head counts are per layer, 0
         // on layers without attention.
-        let (n_head_kv, kv_recurrent) = if arch == Arch::GraniteHybrid || arch.is_nemotron() {
-            let (n, r) = kv_heads_by_layer(&g, a, n_layers_all, n_layers)?;
-            (if n == 0 { n_head } else { n }, Some(r))
-        } else {
-            let n = opt_usize(&g, &k("attention.head_count_kv"))?.unwrap_or(n_head);
-            (n, None)
-        };
+        let (n_head_kv, kv_recurrent) =
+            if arch == Arch::GraniteHybrid || arch.is_nemotron() || arch.is_lfm2() {
+                let (n, r) = kv_heads_by_layer(&g, a, n_layers_all, n_layers)?;
+                (if n == 0 { n_head } else { n }, Some(r))
+            } else {
+                let n = opt_usize(&g, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+                (n, None)
+            };
         if n_head == 0 || n_embd == 0 {
             return Err(invalid("head_count and embedding_length must be positive"));
         }
@@ -1468,6 +1543,12 @@ impl Model {
                 // Its graph renormalises whatever the metadata says.
                 normalize = true;
             }
+            // llama.cpp's lfm2moe renormalises and, not reading the key,
+            // never scales.
+            let fixed_scale = arch == Arch::Lfm2Moe;
+            if fixed_scale {
+                normalize = true;
+            }
             if arch == Arch::Ernie45Moe {
                 // llama.cpp's loader makes every layer past the leading dense
                 // ones an MoE layer and its graph then uses dense weights for
@@ -1488,6 +1569,7 @@ impl Model {
                 }
             }
             let mut weights_scale = match g.get_f32(&k("expert_weights_scale")).optional()? {
+                _ if fixed_scale => 1.0,
                 // llama.cpp scales the weights only when the scale is neither 0 nor 1.
                 None => 1.0,
                 Some(0.0) => 1.0,
@@ -1594,6 +1676,13 @@ impl Model {
             (Arch::GptOss, Some(window)) => Some(SlidingWindow { window, pattern: 2 }),
             _ => None,
         };
+        if arch == Arch::Lfm2
+            && opt_usize(&g, &k("attention.sliding_window"))?.is_some_and(|w| w > 0)
+        {
+            return Err(ModelError::Unsupported(format!(
+                "{a} with sliding-window attention ({a}.attention.sliding_window)"
+            )));
+        }
         let llama4 = match arch {
             Arch::Llama4 => Some(llama4_attention(&g, a, n_layers, rope_base, n_experts)?),
             _ => None,
@@ -1634,10 +1723,12 @@ impl Model {
             let ffn_at = |l: usize| ffn_only.as_ref().is_some_and(|f| f[l]);
             let recurrent: Vec<bool> = (0..n_layers).map(|l| no_kv[l] && !ffn_at(l)).collect();
             let n_ffn_only = (0..n_layers).filter(|&l| ffn_at(l)).count();
-            (
-                mamba2_params(&g, a, &hp, &recurrent, n_ffn_only)?,
-                recurrent,
-            )
+            let hy = if arch.is_lfm2() {
+                shortconv_params(&g, a, &hp, &recurrent)?
+            } else {
+                mamba2_params(&g, a, &hp, &recurrent, n_ffn_only)?
+            };
+            (hy, recurrent)
         } else {
             let rope_sections = match arch {
                 Arch::Qwen3VlMoe | Arch::Qwen3Vl => Some(Mrope {
@@ -1850,6 +1941,9 @@ impl Model {
                 (Some((_, LinearShape::Mamba2(m))), _) if is_recurrent => {
                     MixerRefs::Mamba2(mamba2_refs(&g, l, n_embd, m)?)
                 }
+                (Some((_, LinearShape::ShortConv(c))), _) if is_recurrent => {
+                    MixerRefs::ShortConv(shortconv_refs(&g, l, n_embd, c)?)
+                }
                 (_, Some(m)) => MixerRefs::Mla(mla_refs(&g, l, n_embd, n_head, m)?),
                 _ => {
                     // A gated query projection yields a query and a gate per head.
@@ -2001,7 +2095,14 @@ impl Model {
         } else {
             embedding // tied embeddings
         };
-        let output_norm = vector(&g, "output_norm.weight", n_embd)?;
+        // LFM2's final norm is named `token_embd_norm` (llama.cpp's
+        // OUTPUT_NORM_LFM2).
+        let output_norm = if arch.is_lfm2() {
+            "token_embd_norm.weight"
+        } else {
+            "output_norm.weight"
+        };
+        let output_norm = vector(&g, output_norm, n_embd)?;
         Ok(Model {
             gguf: g,
             arch,
@@ -2337,7 +2438,7 @@ impl Model {
     pub fn is_linear_layer(&self, layer: usize) -> bool {
         matches!(
             self.layers.get(layer).map(|l| &l.mixer),
-            Some(MixerRefs::DeltaNet(_) | MixerRefs::Mamba2(_))
+            Some(MixerRefs::DeltaNet(_) | MixerRefs::Mamba2(_) | MixerRefs::ShortConv(_))
         )
     }
 }
@@ -2388,6 +2489,12 @@ impl Model {
                 d: &m.d,
                 norm: &m.norm,
                 out: self.view(&m.out),
+            }),
+            MixerRefs::ShortConv(c) => Mixer::ShortConv(ShortConvWeights {
+                shape: c.shape,
+                in_proj: self.view(&c.in_proj),
+                conv: &c.conv,
+                out: self.view(&c.out),
             }),
             MixerRefs::DeltaNet(d) => Mixer::DeltaNet(DeltaNetWeights {
                 shape: d.shape,

@@ -440,6 +440,33 @@ impl Mamba2Shape {
     }
 }
 
+/// Shape of the gated short convolutions of LFM2 (llama.cpp's `lfm2`,
+/// `lfm2moe`): `W_in` yields `b`, `c` and `x` of `channels` each, and the
+/// convolution runs over `b * x`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShortConvShape {
+    /// Channels of the convolution (`n_embd`).
+    pub channels: usize,
+    /// Width of the causal convolution (`shortconv.l_cache`).
+    pub kernel: usize,
+}
+
+impl ShortConvShape {
+    /// Floats of one layer's convolution state (the last `kernel - 1` gated
+    /// inputs of every channel).
+    pub fn conv_state_len(&self) -> usize {
+        (self.kernel - 1) * self.channels
+    }
+
+    /// Checks the shape is consistent; the message names the first problem.
+    pub fn validate(&self) -> Result<(), &'static str> {
+        if self.channels == 0 || self.kernel < 2 {
+            return Err("short convolution channels must be positive and its width >= 2");
+        }
+        Ok(())
+    }
+}
+
 /// The recurrent mixer of a hybrid model's linear-time layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinearShape {
@@ -447,6 +474,8 @@ pub enum LinearShape {
     DeltaNet(DeltaNetShape),
     /// Mamba2 (granitehybrid).
     Mamba2(Mamba2Shape),
+    /// Gated short convolution (lfm2moe): a convolution state only.
+    ShortConv(ShortConvShape),
 }
 
 impl LinearShape {
@@ -454,7 +483,7 @@ impl LinearShape {
     pub fn delta_net(&self) -> Option<DeltaNetShape> {
         match self {
             LinearShape::DeltaNet(d) => Some(*d),
-            LinearShape::Mamba2(_) => None,
+            LinearShape::Mamba2(_) | LinearShape::ShortConv(_) => None,
         }
     }
 
@@ -463,6 +492,7 @@ impl LinearShape {
         match self {
             LinearShape::DeltaNet(d) => d.conv_state_len(),
             LinearShape::Mamba2(m) => m.conv_state_len(),
+            LinearShape::ShortConv(c) => c.conv_state_len(),
         }
     }
 
@@ -471,6 +501,7 @@ impl LinearShape {
         match self {
             LinearShape::DeltaNet(d) => d.ssm_state_len(),
             LinearShape::Mamba2(m) => m.ssm_state_len(),
+            LinearShape::ShortConv(_) => 0,
         }
     }
 
@@ -479,6 +510,7 @@ impl LinearShape {
         match self {
             LinearShape::DeltaNet(d) => d.validate(),
             LinearShape::Mamba2(m) => m.validate(),
+            LinearShape::ShortConv(c) => c.validate(),
         }
     }
 }

@@ -19,6 +19,7 @@ use super::ops::{
     relu_sqr, rms_norm, rms_norm_heads, rope_factored, rope_multi_scaled, sigmoid, swiglu,
     swiglu_oai, AttnShape, KvView,
 };
+use super::shortconv::{self, ShortConvWeights};
 use crate::gemv::{activation_format, gemv, ActivationFormat, GemvError, Input, Isa, MatrixView};
 use crate::quant::blocks::{BlockQ8K, BlockQ8_0, BlockQ8_1};
 use crate::quant::{self, QuantError};
@@ -198,6 +199,8 @@ pub enum Mixer<'a> {
     DeltaNet(DeltaNetWeights<'a>),
     /// Mamba2 over the layer's recurrent state.
     Mamba2(Mamba2Weights<'a>),
+    /// LFM2's gated short convolution over the layer's convolution state.
+    ShortConv(ShortConvWeights<'a>),
     /// Multi-head latent attention over the KV cache (deepseek2; the shape is
     /// [`HybridParams::mla`]).
     Mla(MlaWeights<'a>),
@@ -728,6 +731,8 @@ fn extra_lens(hp: &Hparams, hy: &HybridParams) -> [usize; 8] {
         ],
         // Mamba2's projection in `d_qkv`, its output in `d_out`.
         Some((_, LinearShape::Mamba2(m))) => [qg, m.in_proj_dim(), 0, 0, 0, m.d_inner, qa, q],
+        // The short convolution's `[b, c, x]` in `d_qkv`, its output in `d_out`.
+        Some((_, LinearShape::ShortConv(c))) => [qg, 3 * c.channels, 0, 0, 0, c.channels, qa, q],
         None => [qg, 0, 0, 0, 0, 0, qa, q],
     }
 }
@@ -1666,6 +1671,13 @@ pub(super) fn mix<M: MatVec, E>(
             mv.matvec(&mw.out, s.d_out, s.tmp)?;
             *lin_idx += 1;
         }
+        Mixer::ShortConv(cw) => {
+            let conv = shortconv_state(hp, hy, cw, rs, *lin_idx)?;
+            mv.matvec(&cw.in_proj, s.x, s.d_qkv)?;
+            shortconv_step(cw, s, conv, pos);
+            mv.matvec(&cw.out, s.d_out, s.tmp)?;
+            *lin_idx += 1;
+        }
         // Returned above, before the norm: nothing to add.
         Mixer::None => return Ok(()),
     }
@@ -1702,6 +1714,10 @@ fn layer_state<'r, E>(
             "DeltaNet layer shape",
         ),
         LinearShape::Mamba2(_) => ("Mamba2 layer without recurrent state", "Mamba2 layer shape"),
+        LinearShape::ShortConv(_) => (
+            "short-convolution layer without recurrent state",
+            "short-convolution layer shape",
+        ),
     };
     let Some((_, model_shape)) = hy.linear.filter(|_| state < rs.n_layers) else {
         return Err(ForwardError::Shape(missing));
@@ -1751,6 +1767,31 @@ pub(super) fn mamba2_step<M: MatVec + ?Sized>(
 ) {
     clear_at_start(pos, conv, ssm);
     mamba2::step(mv, mw, s.d_qkv, hp.norm_eps, conv, ssm, s.d_out);
+}
+
+/// The convolution state of recurrent layer `state` for short-convolution
+/// weights `cw`, after checking they fit the model.
+pub(super) fn shortconv_state<'r, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    cw: &ShortConvWeights<'_>,
+    rs: &'r mut RecurrentState<'_>,
+    state: usize,
+) -> Result<&'r mut [f32], ForwardError<E>> {
+    let shape = LinearShape::ShortConv(cw.shape);
+    layer_state(hy, rs, shape, cw.check(hp.n_embd), state).map(|(conv, _)| conv)
+}
+
+/// One short-convolution step at position `pos` (position 0 starts from a
+/// zero state) from the input projection in `s.d_qkv`, into `s.d_out`.
+pub(super) fn shortconv_step(
+    cw: &ShortConvWeights<'_>,
+    s: &mut Scratch<'_>,
+    conv: &mut [f32],
+    pos: usize,
+) {
+    clear_at_start(pos, conv, &mut []);
+    shortconv::step(cw, s.d_qkv, conv, s.d_out);
 }
 
 /// One DeltaNet step at position `pos` (position 0 starts from a zero state)

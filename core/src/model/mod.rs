@@ -4,6 +4,7 @@
 //! - [`ops`]: the layer arithmetic (norms, RoPE, attention, SwiGLU).
 //! - [`deltanet`]: gated DeltaNet, the linear attention of hybrid models.
 //! - [`mamba2`]: Mamba2, the selective state-space layer of hybrid models.
+//! - [`shortconv`]: LFM2's gated short convolution.
 //! - [`forward`]: one token through the model, with routed experts supplied by an
 //!   [`forward::Experts`] implementation (resident, or streamed by the scheduler),
 //!   or several positions layer by layer ([`forward::forward_batch`], a prompt's
@@ -19,3 +20,4 @@ pub mod experts;
 pub mod forward;
 pub mod mamba2;
 pub mod ops;
+pub mod shortconv;

@@ -180,7 +180,30 @@ pub enum Arch {
     /// with an ungated ReLU² FFN (`--ff`) in place of the experts.
     #[value(name = "nemotron_h")]
     NemotronH,
+    /// Liquid AI's LFM2 MoE (llama.cpp's `lfm2moe`, LFM2-8B-A1B): gated short
+    /// convolutions with an attention layer in every four
+    /// ([`lfm2_is_attention`]; per-head Q/K norms, NeoX RoPE), the first
+    /// [`LFM2_DENSE_LAYERS`] dense, then routed experts picked by sigmoid
+    /// scores plus a selection bias, renormalised.
+    Lfm2moe,
+    /// LFM2, dense (llama.cpp's `lfm2`): the MoE's layers with a SwiGLU FFN
+    /// (`--ff`) each.
+    Lfm2,
 }
+
+/// Whether layer `l` of an LFM2 stack is attention (the others gated short
+/// convolutions): every fourth from the third (`l % 4 == 2`), six of
+/// LFM2-8B-A1B's 24 layers as in its `layer_types`; `tiny`'s four layers
+/// have one.
+pub fn lfm2_is_attention(l: u64) -> bool {
+    l % 4 == 2
+}
+
+/// LFM2-MoE's dense leading layers (LFM2-8B-A1B's `num_dense_layers`).
+pub const LFM2_DENSE_LAYERS: u64 = 2;
+
+/// LFM2's convolution width (`conv_L_cache`).
+pub const LFM2_CONV_WIDTH: u64 = 3;
 
 /// The Granite presets' multipliers of the embedding, the blocks' outputs,
 /// the attention scores and the logits (granite-3.0-1b-a400m's
@@ -349,6 +372,8 @@ impl Arch {
             Arch::Granitehybrid => "granitehybrid",
             Arch::NemotronHMoe => "nemotron_h_moe",
             Arch::NemotronH => "nemotron_h",
+            Arch::Lfm2moe => "lfm2moe",
+            Arch::Lfm2 => "lfm2",
         }
     }
 
@@ -362,7 +387,12 @@ impl Arch {
 
     /// Whether the head size is tied to `n_embd / n_head`.
     fn square_attention(self) -> bool {
-        matches!(self, Arch::Olmoe | Arch::Qwen2moe)
+        matches!(self, Arch::Olmoe | Arch::Qwen2moe) || self.is_lfm2()
+    }
+
+    /// Whether this is LFM2 (short convolutions between attention layers).
+    pub fn is_lfm2(self) -> bool {
+        matches!(self, Arch::Lfm2moe | Arch::Lfm2)
     }
 
     /// Whether llama.cpp falls back to the token embedding without `output.weight`.
@@ -383,6 +413,8 @@ impl Arch {
                 | Arch::Granitehybrid
                 | Arch::NemotronHMoe
                 | Arch::NemotronH
+                | Arch::Lfm2moe
+                | Arch::Lfm2
         )
     }
 
@@ -405,6 +437,7 @@ impl Arch {
                 | Arch::Granitemoe
                 | Arch::Granitehybrid
                 | Arch::NemotronHMoe
+                | Arch::Lfm2moe
         )
     }
 
@@ -1204,7 +1237,7 @@ impl SynthConfig {
         }
         if matches!(
             arch,
-            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH
+            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH | Arch::Lfm2
         ) && o.experts.is_none()
         {
             s.experts = 0;
@@ -1214,6 +1247,7 @@ impl SynthConfig {
             Arch::Qwen3vl => Some(Arch::Qwen3vlmoe),
             Arch::Granite => Some(Arch::Granitemoe),
             Arch::NemotronH => Some(Arch::NemotronHMoe),
+            Arch::Lfm2 => Some(Arch::Lfm2moe),
             _ => None,
         };
         if let Some(moe) = moe_of.filter(|_| s.experts > 0) {
@@ -1251,11 +1285,12 @@ impl SynthConfig {
         // 4.0-H-1B / 350M).
         let dense_ok = matches!(
             arch,
-            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH
+            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH | Arch::Lfm2
         ) || (arch == Arch::Granitehybrid && o.experts == Some(0));
         if s.experts == 0 && !dense_ok {
             let dense = match arch {
                 Arch::NemotronHMoe => " (the dense one is nemotron_h)",
+                Arch::Lfm2moe => " (the dense one is lfm2)",
                 _ => "",
             };
             return config_err(format!("{name} needs at least one expert{dense}"));
@@ -1410,6 +1445,16 @@ impl SynthConfig {
         }
         if self.arch == Arch::Granitehybrid && s.layers < 2 {
             return config_err("granitehybrid: needs 2 or more layers (Mamba2 and attention)");
+        }
+        if self.arch == Arch::Lfm2moe && s.layers <= LFM2_DENSE_LAYERS.max(2) {
+            return config_err(format!(
+                "lfm2moe: needs {} or more layers (convolutions, attention and experts after \
+                 the {LFM2_DENSE_LAYERS} dense ones)",
+                LFM2_DENSE_LAYERS.max(2) + 1
+            ));
+        }
+        if self.arch == Arch::Lfm2 && s.layers < 3 {
+            return config_err("lfm2: needs 3 or more layers (convolutions and attention)");
         }
         if self.arch == Arch::NemotronHMoe && s.experts < 2 {
             // Its converter writes expert_group_count = 1, and llama.cpp
@@ -1666,7 +1711,12 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
     let mut add = |name: String, dims: Vec<u64>, ty: GgmlType, init: Init, layer: Option<u64>| {
         let ty = match init {
             Init::Norm | Init::Router => GgmlType::F32,
-            _ if dims.len() == 1 || name.ends_with("ssm_conv1d.weight") => GgmlType::F32,
+            _ if dims.len() == 1
+                || name.ends_with("ssm_conv1d.weight")
+                || name.ends_with("shortconv.conv.weight") =>
+            {
+                GgmlType::F32
+            }
             _ => fit(ty, dims[0]),
         };
         out.push(TensorPlan {
@@ -1714,6 +1764,10 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
         }
         if cfg.arch.is_nemotron() {
             nemotron_layer(cfg, l, &mut add);
+            continue;
+        }
+        if cfg.arch.is_lfm2() {
+            lfm2_layer(cfg, l, &mut add);
             continue;
         }
         norm_tensor(&mut add, l, "attn_norm.weight", e);
@@ -1792,13 +1846,13 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             None,
         );
     }
-    add(
-        "output_norm.weight".into(),
-        vec![e],
-        GgmlType::F32,
-        Init::Norm,
-        None,
-    );
+    // LFM2's final norm goes by `token_embd_norm` (llama.cpp's converter).
+    let output_norm = if cfg.arch.is_lfm2() {
+        "token_embd_norm.weight"
+    } else {
+        "output_norm.weight"
+    };
+    add(output_norm.into(), vec![e], GgmlType::F32, Init::Norm, None);
     if !cfg.tie_embeddings {
         add(
             "output.weight".into(),
@@ -1980,6 +2034,56 @@ fn granitehybrid_layer(
     routed_experts(cfg, l, add);
     if s.shared_ff > 0 {
         swiglu_ffn(cfg, l, add, s.shared_ff, "_shexp");
+    }
+}
+
+/// The tensors of LFM2 block `l`, in llama.cpp's names and shapes:
+/// `attn_norm`, then attention with per-head Q/K norms where
+/// [`lfm2_is_attention`], else the gated short convolution
+/// (`shortconv.in_proj` for `b`, `c` and `x`, the convolution, `out_proj`),
+/// `ffn_norm`, and a dense SwiGLU FFN (every `lfm2` layer, `lfm2moe`'s first
+/// [`LFM2_DENSE_LAYERS`]) or the router, its selection bias and the experts.
+fn lfm2_layer(
+    cfg: &SynthConfig,
+    l: u64,
+    add: &mut impl FnMut(String, Vec<u64>, GgmlType, Init, Option<u64>),
+) {
+    let (s, t, r) = (&cfg.shape, &cfg.types, cfg.output_init());
+    let inv = |fan_in: u64| 1.0 / (fan_in as f32).sqrt();
+    let n = |part: &str| format!("blk.{l}.{part}");
+    let (e, lay) = (s.embd, Some(l));
+    norm_tensor(&mut *add, l, "attn_norm.weight", e);
+    if lfm2_is_attention(l) {
+        attention_projections(cfg, l, add, false);
+        norm_tensor(&mut *add, l, "attn_q_norm.weight", s.head_dim);
+        norm_tensor(&mut *add, l, "attn_k_norm.weight", s.head_dim);
+    } else {
+        let k = LFM2_CONV_WIDTH;
+        let w_in = vec![e, 3 * e];
+        add(
+            n("shortconv.in_proj.weight"),
+            w_in,
+            t.dense,
+            Init::Normal(inv(e)),
+            lay,
+        );
+        let conv = Init::Normal(inv(k));
+        add(
+            n("shortconv.conv.weight"),
+            vec![k, e],
+            GgmlType::F32,
+            conv,
+            lay,
+        );
+        let wo = Init::Normal(r * inv(e));
+        add(n("shortconv.out_proj.weight"), vec![e, e], t.dense, wo, lay);
+    }
+    norm_tensor(&mut *add, l, "ffn_norm.weight", e);
+    if cfg.is_moe() && l >= LFM2_DENSE_LAYERS {
+        routed_experts(cfg, l, add);
+        selection_bias(cfg, l, add);
+    } else {
+        swiglu_ffn(cfg, l, add, s.ff, "");
     }
 }
 
@@ -2516,6 +2620,13 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
                 format!("{a}.attention.head_count_kv"),
                 nemotron_layers(NemotronLayer::Attention, s.kv_heads),
             );
+        } else if cfg.arch.is_lfm2() {
+            // Per layer, 0 on the convolutions (how llama.cpp tells them).
+            let heads = (0..s.layers).map(|l| if lfm2_is_attention(l) { s.kv_heads } else { 0 });
+            kv(
+                format!("{a}.attention.head_count_kv"),
+                i32_array(heads.collect()),
+            );
         } else {
             kv(format!("{a}.attention.head_count_kv"), u32v(s.kv_heads));
         }
@@ -2571,6 +2682,17 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
         kv(format!("{a}.ssm.group_count"), u32v(s.ssm_k_heads));
         kv(format!("{a}.ssm.inner_size"), u32v(s.mamba2_inner()));
         kv(format!("{a}.ssm.time_step_rank"), u32v(s.ssm_v_heads));
+    }
+    if cfg.arch.is_lfm2() {
+        // As llama.cpp's converter writes LFM2 (`conv_L_cache`, and
+        // LFM2-MoE's `num_dense_layers`).
+        kv(format!("{a}.shortconv.l_cache"), u32v(LFM2_CONV_WIDTH));
+        if cfg.arch == Arch::Lfm2moe {
+            kv(
+                format!("{a}.leading_dense_block_count"),
+                u32v(LFM2_DENSE_LAYERS),
+            );
+        }
     }
     if cfg.arch == Arch::Llama4 {
         // As llama.cpp's converter writes a Llama 4 (no sliding-window key:
@@ -2734,7 +2856,12 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid.
             let gating = if matches!(
                 cfg.arch,
-                Arch::Glm4moe | Arch::Deepseek2 | Arch::Bailingmoe2 | Arch::MinimaxM2 | Arch::Dots1
+                Arch::Glm4moe
+                    | Arch::Deepseek2
+                    | Arch::Bailingmoe2
+                    | Arch::MinimaxM2
+                    | Arch::Dots1
+                    | Arch::Lfm2moe
             ) {
                 2
             } else {
@@ -2772,6 +2899,8 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             ("tokenizer.ggml.pre", Arch::HunyuanMoe) => "hunyuan".into(),
             // Llama 4's (llama.cpp: the o200k pattern, as gpt-4o's).
             ("tokenizer.ggml.pre", Arch::Llama4) => "llama4".into(),
+            // LFM2's (llama.cpp: Llama 3's pattern).
+            ("tokenizer.ggml.pre", Arch::Lfm2moe | Arch::Lfm2) => "lfm2".into(),
             // Granite 3's (llama.cpp: each digit alone, then GPT-2's).
             ("tokenizer.ggml.pre", Arch::Granite | Arch::Granitemoe | Arch::Granitehybrid) => {
                 "refact".into()

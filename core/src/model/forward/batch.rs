@@ -19,13 +19,14 @@
 
 use super::deltanet::DeltaNetWeights;
 use super::mamba2::Mamba2Weights;
+use super::shortconv::ShortConvWeights;
 use super::{
     add_bias, add_deepstack, add_into, add_residual, attended, cached, combine, deltanet_state,
     deltanet_step, embed, expert_tail, ffn_checked, gate_shared, lookahead_matrix, mamba2_state,
     mamba2_step, next_moe_layers, next_step, output_gate, project_position, router_config,
-    scale_embedding, scale_logits, AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn,
-    ForwardError, Handout, KvCache, MatVec, Mixer, MoeFfn, Place, RecurrentState, Residency,
-    Scratch, SharedExpert, Step, TokenInput, Weights,
+    scale_embedding, scale_logits, shortconv_state, shortconv_step, AttentionWeights,
+    ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer,
+    MoeFfn, Place, RecurrentState, Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
 };
 use crate::gemv::{GemvError, MatrixView};
 use crate::model::config::{Hparams, HybridParams};
@@ -350,6 +351,10 @@ where
             }
             Mixer::Mamba2(mw) => {
                 mamba2_batch(hp, hy, mw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
+                lin_idx += 1;
+            }
+            Mixer::ShortConv(cw) => {
+                shortconv_batch(hp, hy, cw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
                 lin_idx += 1;
             }
             Mixer::Mla(mw) => {
@@ -746,6 +751,39 @@ fn mamba2_batch<M: MatVec, E>(
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
     recurrent_out(hp, mv, &mw.out, b, n, lo)
+}
+
+/// One short-convolution layer for the first `n` positions of `b.h`
+/// (positions `pos..`): what [`mix`](super::mix) does for each, with the
+/// input and output projections of all the positions at once
+/// ([`MatVec::matmul`]) and the convolution a position at a time, in order.
+#[allow(clippy::too_many_arguments)]
+fn shortconv_batch<M: MatVec, E>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    cw: &ShortConvWeights<'_>,
+    attn_norm: &[f32],
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    rs: &mut RecurrentState<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    state: usize,
+    pos: usize,
+) -> Result<(), ForwardError<E>> {
+    let conv = shortconv_state(hp, hy, cw, rs, state)?;
+    let e = hp.n_embd;
+    let (lp, lo) = (s.d_qkv.len(), s.d_out.len());
+    norm_positions(hp, attn_norm, b, n);
+    let x = &b.gx[..n * e];
+    let proj = &mut b.dqkv[..n * lp];
+    mv.matmul(&cw.in_proj, x, proj)?;
+    for j in 0..n {
+        s.d_qkv.copy_from_slice(&proj[j * lp..][..lp]);
+        shortconv_step(cw, s, conv, pos + j);
+        b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
+    }
+    recurrent_out(hp, mv, &cw.out, b, n, lo)
 }
 
 /// `b.gx` = the first `n` positions of `b.h` through the RMSNorm `weight`
