@@ -2626,7 +2626,9 @@ mod tests {
                 | Arch::GraniteMoe
                 | Arch::GraniteHybrid
                 | Arch::NemotronH
-                | Arch::NemotronHMoe => {}
+                | Arch::NemotronHMoe
+                | Arch::Lfm2Moe
+                | Arch::Lfm2 => {}
             }
         }
     }
