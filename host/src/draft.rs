@@ -193,7 +193,7 @@ impl<'m> ModelDrafter<'m> {
     ) -> Result<ModelDrafter<'m>, String> {
         if model.hybrid.linear.is_some() {
             return Err(format!(
-                "the draft model is {}, whose recurrent (linear-attention or Mamba2) state \
+                "the draft model is {}, whose recurrent (linear-attention, Mamba2 or short-convolution) state \
                  cannot go back to a rejected draft; use an attention-only draft model",
                 model.arch.name()
             ));

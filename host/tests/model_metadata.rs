@@ -233,6 +233,8 @@ fn broken_hyperparameters_are_errors_not_panics() {
         "granitehybrid",
         "nemotron_h",
         "nemotron_h_moe",
+        "lfm2moe",
+        "lfm2",
     ] {
         let src = synth(arch);
         // Mixtral files are `llama` ones.

@@ -2,9 +2,10 @@
 //! wrong, partly right, out of the vocabulary), any draft length, sampler and
 //! expert schedule, `generate_from` hands out the tokens and logits of plain
 //! decoding, bit for bit, and leaves the session where plain decoding leaves
-//! it, for qwen3moe and for qwen35moe, granitehybrid and nemotron_h_moe
-//! (whose DeltaNet and Mamba2 states are rolled back when a draft is
-//! rejected; Nemotron-H's layers are one sub-layer each, its experts ungated).
+//! it, for qwen3moe and for qwen35moe, granitehybrid, nemotron_h_moe and
+//! lfm2moe (whose DeltaNet, Mamba2 and short-convolution states are rolled
+//! back when a draft is rejected; Nemotron-H's layers are one sub-layer
+//! each, its experts ungated).
 
 mod cli;
 
@@ -90,6 +91,11 @@ fn granitehybrid() -> &'static Path {
 fn nemotron_h_moe() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| packed("nemotron_h_moe"))
+}
+
+fn lfm2moe() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| packed("lfm2moe"))
 }
 
 /// The plain (unpacked) tiny qwen35moe [`qwen35moe`] packed, for llama.cpp.
@@ -322,6 +328,11 @@ fn granitehybrid_drafts_change_nothing_but_speed() {
 #[test]
 fn nemotron_h_moe_drafts_change_nothing_but_speed() {
     check(nemotron_h_moe());
+}
+
+#[test]
+fn lfm2moe_drafts_change_nothing_but_speed() {
+    check(lfm2moe());
 }
 
 /// A draft that agrees in full is accepted in full: `max_draft` + 1 tokens a
