@@ -165,9 +165,10 @@ pub fn probe<B: AsRef<[u8]>>(g: &Gguf<B>, tokens: usize, seed: u64) -> Res<Probe
     let arch = e(g.architecture())?.to_string();
     if matches!(
         arch.as_str(),
-        "qwen35moe" | "granitehybrid" | "nemotron_h_moe" | "nemotron_h"
+        "qwen35moe" | "granitehybrid" | "nemotron_h_moe" | "nemotron_h" | "lfm2moe" | "lfm2"
     ) {
-        // Their DeltaNet / Mamba2 layers (and Nemotron-H's ungated experts)
+        // Their DeltaNet / Mamba2 / short-convolution layers (and
+        // Nemotron-H's ungated experts)
         // are not modelled here; `les bench` reports the engine's own
         // per-layer prediction quality.
         return Err(format!("the probe does not model {arch}; use `les bench`"));
