@@ -25,7 +25,7 @@
 //!   completions into reads, cancellations and a *ready-first* compute order, and
 //!   the on-demand baseline as the same machinery with prediction and overlap off.
 //! - [`model`]: the forward pass over those pieces (attention, multi-head
-//!   latent attention, gated DeltaNet and Mamba2 layers): one token
+//!   latent attention, gated DeltaNet, Mamba2 and short-convolution layers): one token
 //!   ([`model::forward::forward_hybrid`]), or a prompt's positions layer by layer
 //!   ([`model::forward::forward_batch`], each layer's experts asked for once as
 //!   the union of the positions' picks); the `_at` variants take each
