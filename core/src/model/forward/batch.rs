@@ -721,9 +721,8 @@ fn deltanet_batch<M: MatVec, E>(
 }
 
 /// One Mamba2 layer for the first `n` positions of `b.h` (positions `pos..`):
-/// what [`mix`](super::mix) does for each, with the input and output
-/// projections of all the positions at once ([`MatVec::matmul`]) and the
-/// scan a position at a time, in order.
+/// what [`mix`](super::mix) does for each ([`projected_batch`], the scan a
+/// position at a time, in order).
 #[allow(clippy::too_many_arguments)]
 fn mamba2_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -739,24 +738,15 @@ fn mamba2_batch<M: MatVec, E>(
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
     let (conv, ssm) = mamba2_state(hp, hy, mw, rs, state)?;
-    let e = hp.n_embd;
-    let (lp, lo) = (s.d_qkv.len(), s.d_out.len());
-    norm_positions(hp, attn_norm, b, n);
-    let x = &b.gx[..n * e];
-    let proj = &mut b.dqkv[..n * lp];
-    mv.matmul(&mw.in_proj, x, proj)?;
-    for j in 0..n {
-        s.d_qkv.copy_from_slice(&proj[j * lp..][..lp]);
+    let step = |mv: &mut M, s: &mut Scratch<'_>, j: usize| {
         mamba2_step(hp, mw, mv, s, conv, ssm, pos + j);
-        b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
-    }
-    recurrent_out(hp, mv, &mw.out, b, n, lo)
+    };
+    projected_batch(hp, attn_norm, (&mw.in_proj, &mw.out), mv, s, b, n, step)
 }
 
 /// One short-convolution layer for the first `n` positions of `b.h`
-/// (positions `pos..`): what [`mix`](super::mix) does for each, with the
-/// input and output projections of all the positions at once
-/// ([`MatVec::matmul`]) and the convolution a position at a time, in order.
+/// (positions `pos..`): what [`mix`](super::mix) does for each
+/// ([`projected_batch`], the convolution a position at a time, in order).
 #[allow(clippy::too_many_arguments)]
 fn shortconv_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -772,18 +762,38 @@ fn shortconv_batch<M: MatVec, E>(
     pos: usize,
 ) -> Result<(), ForwardError<E>> {
     let conv = shortconv_state(hp, hy, cw, rs, state)?;
+    let step = |_: &mut M, s: &mut Scratch<'_>, j: usize| shortconv_step(cw, s, conv, pos + j);
+    projected_batch(hp, attn_norm, (&cw.in_proj, &cw.out), mv, s, b, n, step)
+}
+
+/// A recurrent layer of one input projection (into `s.d_qkv`) and one output
+/// projection (of `s.d_out`), `proj` = (input, output), for the first `n`
+/// positions of `b.h`: both projections of all the positions at once
+/// ([`MatVec::matmul`]), and `step(mv, s, j)` for position `j` in between,
+/// in order.
+#[allow(clippy::too_many_arguments)]
+fn projected_batch<M: MatVec, E>(
+    hp: &Hparams,
+    attn_norm: &[f32],
+    proj: (&MatrixView<'_>, &MatrixView<'_>),
+    mv: &mut M,
+    s: &mut Scratch<'_>,
+    b: &mut BatchScratch<'_>,
+    n: usize,
+    mut step: impl FnMut(&mut M, &mut Scratch<'_>, usize),
+) -> Result<(), ForwardError<E>> {
     let e = hp.n_embd;
     let (lp, lo) = (s.d_qkv.len(), s.d_out.len());
     norm_positions(hp, attn_norm, b, n);
     let x = &b.gx[..n * e];
-    let proj = &mut b.dqkv[..n * lp];
-    mv.matmul(&cw.in_proj, x, proj)?;
+    let projected = &mut b.dqkv[..n * lp];
+    mv.matmul(proj.0, x, projected)?;
     for j in 0..n {
-        s.d_qkv.copy_from_slice(&proj[j * lp..][..lp]);
-        shortconv_step(cw, s, conv, pos + j);
+        s.d_qkv.copy_from_slice(&projected[j * lp..][..lp]);
+        step(mv, s, j);
         b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
     }
-    recurrent_out(hp, mv, &cw.out, b, n, lo)
+    recurrent_out(hp, mv, proj.1, b, n, lo)
 }
 
 /// `b.gx` = the first `n` positions of `b.h` through the RMSNorm `weight`
