@@ -1676,13 +1676,13 @@ impl Model {
             (Arch::GptOss, Some(window)) => Some(SlidingWindow { window, pattern: 2 }),
             _ => None,
         };
-        if arch == Arch::Lfm2
-            && opt_usize(&g, &k("attention.sliding_window"))?.is_some_and(|w| w > 0)
-        {
-            return Err(ModelError::Unsupported(format!(
-                "{a} with sliding-window attention ({a}.attention.sliding_window)"
-            )));
-        }
+        // LFM2.5's dense models: every attention layer sees the last
+        // `attention.sliding_window` positions (llama.cpp's lfm2 loader; 0 or
+        // none: full attention). Their caches stay whole (no ring).
+        let lfm2_window = match arch {
+            Arch::Lfm2 => opt_usize(&g, &k("attention.sliding_window"))?.filter(|w| *w > 0),
+            _ => None,
+        };
         let llama4 = match arch {
             Arch::Llama4 => Some(llama4_attention(&g, a, n_layers, rope_base, n_experts)?),
             _ => None,
@@ -2003,7 +2003,10 @@ impl Model {
                         sinks: optional_vector(&g, &t("attn_sinks.weight"), hp.n_head)?,
                         window: match &llama4 {
                             Some(l4) => l4.window(l),
-                            None => swa.and_then(|w| w.of_layer(l)).map(AttnWindow::Sliding),
+                            None => swa
+                                .and_then(|w| w.of_layer(l))
+                                .or(lfm2_window)
+                                .map(AttnWindow::Sliding),
                         },
                         nope: match &llama4 {
                             Some(l4) => l4.nope(l),

@@ -14,11 +14,11 @@ use std::path::PathBuf;
 
 use cli::{
     assert_biased_routing_equals_llama_cpp, assert_equals_llama_cpp, assert_selection_bias_matters,
-    greedy_logits, i32_array, streams_exactly, tiny, tmp, F32_WEIGHTS,
+    greedy_logits, i32_array, kld, streams_exactly, tiny, tmp, F32_WEIGHTS,
 };
 use les::gguf::{Gguf, MetaValue};
 use les::model::Model;
-use les_core::model::config::LinearShape;
+use les_core::model::config::{AttnWindow, LinearShape};
 use les_core::model::forward::{Mixer, Weights};
 use les_core::router::Gating;
 
@@ -134,16 +134,43 @@ fn lfm2moe_keys_are_read_as_llama_cpp_reads_them() {
     let (_, want) = greedy_logits(&model("q", &[]), "lfm2_plain", &[]);
     let (_, got) = greedy_logits(&scaled, "lfm2_scaled", &[]);
     assert!(want == got, "ignored keys changed the logits");
-    // The dense model with a sliding window (LFM2.5's) is refused by name.
+}
+
+/// `lfm2` with `attention.sliding_window` (LFM2.5's dense models): every
+/// attention layer sees the last `window` positions; a window as long as
+/// the run changes nothing, a shorter one changes the logits.
+#[test]
+fn lfm2_sliding_windows_apply_to_every_attention_layer() {
     let dense = tiny("lfm2", "dense", &[]);
-    let swa = tmp("lfm2_swa.gguf");
+    let (_, full) = greedy_logits(&dense, "lfm2_full", &[]);
+    for (window, same) in [(4096, true), (4, false)] {
+        let m = windowed(&dense, &format!("lfm2_swa{window}"), window);
+        let model = Model::open(&m).unwrap();
+        for l in (0..model.hp.n_layers).filter(|l| !model.is_linear_layer(*l)) {
+            let Mixer::Attention(a) = model.block(l).mixer else {
+                panic!("layer {l}");
+            };
+            assert_eq!(
+                a.window,
+                Some(AttnWindow::Sliding(window as usize)),
+                "layer {l}"
+            );
+        }
+        let (_, logits) = greedy_logits(&m, &format!("lfm2_swa{window}"), &[]);
+        assert_eq!(logits == full, same, "window {window}");
+    }
+}
+
+/// A copy of `src` with `lfm2.attention.sliding_window = window`.
+fn windowed(src: &std::path::Path, name: &str, window: u32) -> PathBuf {
+    let dst = tmp(&format!("{name}.gguf"));
     common::rewrite_gguf(
-        &dense,
-        &swa,
+        src,
+        &dst,
         |_, v| Some(v),
-        vec![("lfm2.attention.sliding_window", MetaValue::U32(8))],
+        vec![("lfm2.attention.sliding_window", MetaValue::U32(window))],
     );
-    assert!(open_err(swa).contains("sliding-window"));
+    dst
 }
 
 /// The selection bias picks the experts (and only picks them).
@@ -187,4 +214,10 @@ fn greedy_and_log_probabilities_equal_llama_cpp() {
     // f32 rounding of its wider FFN, the greedy tokens the same.
     let dense = tiny("lfm2", "dense_f32", &F32_WEIGHTS);
     assert_equals_llama_cpp(&dense, "lfm2_f32", 1e-5, 1.0);
+    // A window shorter than the prompt and continuation (LFM2.5's kind).
+    let swa = windowed(&dense, "lfm2_swa_f32", 6);
+    assert_equals_llama_cpp(&swa, "lfm2_swa_f32", 1e-5, 1.0);
+    // ... which llama.cpp applied: the unwindowed model is far from it.
+    let apart = kld(&dense, &tmp("lfm2_swa_f32.kld"));
+    assert!(apart["max"].as_f64().unwrap() > 1e-3, "{apart}");
 }
