@@ -30,7 +30,7 @@ use les_core::gemv::Isa;
 use les_core::model::forward::{Place, TokenInput};
 
 use crate::compute::ThreadedMatVec;
-use crate::engine::{Session, SwaCache};
+use crate::engine::{Checkpoint, Session, SwaCache};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::supply::{Schedule, SlotBudget, Supply};
@@ -157,12 +157,16 @@ impl Drafter for NgramDrafter {
 }
 
 /// A draft model's greedy continuation: [`Drafter`] over a second, small model
-/// (resident, attention only) that shares the target's vocabulary.
+/// (resident) that shares the target's vocabulary.
 ///
 /// Its session follows the history: the tokens it has evaluated are compared
 /// with each new history, it goes back to where they part (a rejected draft;
 /// [`Session::rewind`], the KV cache only) and evaluates the rest, then
-/// drafts greedily one token a pass. Image embeddings in the history (another
+/// drafts greedily one token a pass. A model with recurrent layers (LFM2,
+/// Granite 4.0-H, ...), whose state cannot go back, keeps a
+/// [`Checkpoint`] before the history's last token and goes back to it
+/// (evaluating the accepted draft again), or to the start where the history
+/// parts before it. Image embeddings in the history (another
 /// model's space) are left out of what it sees. An error of the draft model
 /// (it has its own context limit) ends its drafting, with a warning: drafts
 /// never change the output.
@@ -179,25 +183,22 @@ pub struct ModelDrafter<'m> {
     /// logit, NaN as `-inf`, the lowest id among ties).
     greedy: Sampler,
     failed: bool,
+    /// Whether the model has recurrent layers (its state cannot go back).
+    recurrent: bool,
+    /// Models with recurrent layers: the session before the history's last
+    /// token, the furthest back it can go without starting over.
+    checkpoint: Option<Checkpoint>,
 }
 
 impl<'m> ModelDrafter<'m> {
     /// A drafter over `model` (opened from `path`), for contexts of up to
-    /// `ctx` positions, on `threads` threads. Refuses models with recurrent
-    /// layers (their state cannot go back to a rejected draft's start).
+    /// `ctx` positions, on `threads` threads.
     pub fn new(
         model: &'m Model,
         path: &std::path::Path,
         ctx: usize,
         threads: usize,
     ) -> Result<ModelDrafter<'m>, String> {
-        if model.hybrid.linear.is_some() {
-            return Err(format!(
-                "the draft model is {}, whose recurrent (linear-attention, Mamba2 or short-convolution) state \
-                 cannot go back to a rejected draft; use an attention-only draft model",
-                model.arch.name()
-            ));
-        }
         let experts = Supply::new(
             model,
             path,
@@ -220,6 +221,8 @@ impl<'m> ModelDrafter<'m> {
             text: Vec::new(),
             greedy: Sampler::new(SamplerConfig::greedy()),
             failed: false,
+            recurrent: model.hybrid.linear.is_some(),
+            checkpoint: None,
         })
     }
 
@@ -233,23 +236,38 @@ impl<'m> ModelDrafter<'m> {
             .count();
         // The last history token is evaluated again when nothing is new, for
         // its logits.
-        let keep = common.min(self.text.len().saturating_sub(1));
-        self.session.rewind(keep)?;
-        self.fed.truncate(keep);
-        let new: Vec<TokenInput<'_>> = self.text[keep..]
-            .iter()
-            .map(|&t| TokenInput::Token(t))
-            .collect();
+        let mut keep = common.min(self.text.len().saturating_sub(1));
         let e = |e: les_core::model::forward::ForwardError<_>| format!("the draft model: {e}");
-        crate::engine::prefill(
-            &mut self.session,
-            &mut self.mv,
-            &mut self.experts,
-            None,
-            &new,
-            &mut self.logits,
-        )
-        .map_err(e)?;
+        if self.recurrent {
+            // A recurrent state goes back only to the checkpoint (or to 0).
+            keep = match self.checkpoint.take() {
+                Some(c) if keep == self.session.position() => {
+                    self.checkpoint = Some(c);
+                    keep
+                }
+                Some(c) if c.position() <= keep => {
+                    self.session.restore(&c)?;
+                    c.position()
+                }
+                _ => {
+                    self.session.rewind(0)?;
+                    0
+                }
+            };
+            // Up to the history's last token, a checkpoint, then that token.
+            let last = self.text.len() - 1;
+            if keep < last {
+                self.eval(keep..last).map_err(e)?;
+                keep = last;
+            }
+            if keep == last {
+                self.checkpoint = Some(self.session.checkpoint());
+            }
+        } else {
+            self.session.rewind(keep)?;
+        }
+        self.fed.truncate(keep);
+        self.eval(keep..self.text.len()).map_err(e)?;
         self.fed.extend_from_slice(&self.text[keep..]);
         while out.len() < max {
             let next = self.greedy.sample(&self.logits[..n_vocab]);
@@ -269,6 +287,28 @@ impl<'m> ModelDrafter<'m> {
             self.fed.push(next);
         }
         Ok(())
+    }
+}
+
+impl ModelDrafter<'_> {
+    /// Evaluates the history's tokens `range` at the next positions (its
+    /// logits those of the last).
+    fn eval(
+        &mut self,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), les_core::model::forward::ForwardError<crate::supply::SupplyError>> {
+        let new: Vec<TokenInput<'_>> = self.text[range]
+            .iter()
+            .map(|&t| TokenInput::Token(t))
+            .collect();
+        crate::engine::prefill(
+            &mut self.session,
+            &mut self.mv,
+            &mut self.experts,
+            None,
+            &new,
+            &mut self.logits,
+        )
     }
 }
 

@@ -62,6 +62,22 @@ fn rate(n: usize, d: Duration) -> f64 {
     }
 }
 
+/// A session's position and recurrent state, to go back to
+/// ([`Session::checkpoint`], [`Session::restore`]).
+#[derive(Clone, Debug, Default)]
+pub struct Checkpoint {
+    pos: usize,
+    conv: Vec<f32>,
+    ssm: Vec<f32>,
+}
+
+impl Checkpoint {
+    /// The position it was taken at.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+}
+
 /// Per-sequence state: KV cache (attention layers), recurrent state
 /// (linear-attention layers) and scratch for one model.
 pub struct Session<'m> {
@@ -809,6 +825,43 @@ impl<'m> Session<'m> {
     /// follows the model's positions ([`Drafter::observe`]) is shown.
     pub fn last_places(&self) -> &[Place] {
         &self.places
+    }
+
+    /// A copy of the recurrent state at the current position (empty for
+    /// models without recurrent layers), to go back to with
+    /// [`restore`](Self::restore).
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            pos: self.pos,
+            conv: self.state.conv_state.clone(),
+            ssm: self.state.ssm_state.clone(),
+        }
+    }
+
+    /// Goes back to `at` (taken by [`checkpoint`](Self::checkpoint) of this
+    /// session, at most the current position, with no [`rewind`](Self::rewind)
+    /// below it in between): the session as it was then. The KV cache needs
+    /// nothing; the recurrent state is copied back. Refused where the
+    /// sliding-window layers' rings no longer hold the positions after it.
+    pub fn restore(&mut self, at: &Checkpoint) -> Result<(), &'static str> {
+        if at.pos > self.pos
+            || at.conv.len() != self.state.conv_state.len()
+            || at.ssm.len() != self.state.ssm_state.len()
+        {
+            return Err("a checkpoint of another state");
+        }
+        if let Some(r) = self.state.layout.ring() {
+            if at.pos != 0 && self.pos - at.pos > r.passes() {
+                return Err(
+                    "going back further than the sliding-window layers' KV rings hold \
+                     (--swa-full keeps every position)",
+                );
+            }
+        }
+        self.state.conv_state.copy_from_slice(&at.conv);
+        self.state.ssm_state.copy_from_slice(&at.ssm);
+        self.set_pos(at.pos);
+        Ok(())
     }
 
     /// Moves to position `pos` (at most the current one), forgetting the

@@ -410,17 +410,25 @@ fn verify_and_keep_reject_what_they_cannot_do() {
 /// A draft model (`--model-draft`): the target itself guesses every token
 /// (all accepted), another model of the same vocabulary guesses some; either
 /// way the run is plain decoding's, bit for bit, streamed or resident, and a
-/// qwen35moe target takes a qwen3moe draft.
+/// qwen35moe target takes a qwen3moe draft. Draft models with recurrent
+/// layers (qwen35moe's DeltaNet, lfm2moe's short convolutions) go back to
+/// their checkpoint on a rejected draft: drafting for themselves, every
+/// greedy draft is accepted.
 #[test]
 fn a_draft_model_changes_nothing_but_speed() {
     let other = synth(
         "draft-other",
         &["--arch", "qwen3moe", "--preset", "tiny", "--seed", "9"],
     );
-    for path in [qwen3moe(), qwen35moe()] {
+    let targets = [
+        (qwen3moe(), [qwen3moe(), other.as_path()]),
+        (qwen35moe(), [qwen35moe(), qwen3moe()]),
+        (lfm2moe(), [lfm2moe(), other.as_path()]),
+    ];
+    for (path, drafts) in targets {
         for sampler in samplers() {
             let (want, _) = generate(path, Schedule::Resident, None, sampler, &PROMPT, None, 0, 1);
-            for draft in [qwen3moe(), other.as_path()] {
+            for draft in drafts {
                 let dm = Model::open(draft).unwrap();
                 let mut d = ModelDrafter::new(&dm, draft, PROMPT.len() + GENERATE + 8, 1).unwrap();
                 let (got, stats) = generate(
@@ -438,7 +446,7 @@ fn a_draft_model_changes_nothing_but_speed() {
                 assert!(stats.drafted > 0, "{what}: {stats:?}");
                 // A self-draft is the target's own greedy continuation.
                 let plain_greedy = sampler == SamplerConfig::greedy();
-                if path == qwen3moe() && draft == qwen3moe() && plain_greedy {
+                if path == draft && plain_greedy {
                     assert_eq!(stats.accepted, stats.drafted, "{what}: {stats:?}");
                 }
             }
@@ -446,15 +454,44 @@ fn a_draft_model_changes_nothing_but_speed() {
     }
 }
 
-/// Draft models that cannot draft are clear errors: linear attention (its
-/// state cannot go back), another vocabulary.
+/// A recurrent draft model's drafts depend only on the history it is shown:
+/// after drafting for one history, for a longer one (part of its draft
+/// accepted), a shorter one, an unrelated one and the same one again, each
+/// draft is a fresh drafter's for that history (it goes back to its
+/// checkpoint, or to the start).
+#[test]
+fn a_recurrent_draft_model_follows_any_history() {
+    for path in [lfm2moe(), qwen35moe()] {
+        let dm = Model::open(path).unwrap();
+        let ctx = 64;
+        let mut d = ModelDrafter::new(&dm, path, ctx, 1).unwrap();
+        let base: Vec<u32> = PROMPT.to_vec();
+        let mut first = Vec::new();
+        d.draft(&base, 4, &mut first);
+        assert_eq!(first.len(), 4);
+        let longer: Vec<u32> = base.iter().chain(&first[..2]).copied().chain([7]).collect();
+        let shorter = base[..base.len() - 3].to_vec();
+        let other: Vec<u32> = base.iter().map(|t| (t + 5) % 200).collect();
+        for history in [&longer, &shorter, &other, &other, &base] {
+            let mut got = Vec::new();
+            d.draft(history, 4, &mut got);
+            let mut fresh = ModelDrafter::new(&dm, path, ctx, 1).unwrap();
+            let mut want = Vec::new();
+            fresh.draft(history, 4, &mut want);
+            assert_eq!(
+                got,
+                want,
+                "{}: history of {}",
+                path.display(),
+                history.len()
+            );
+        }
+    }
+}
+
+/// Draft models that cannot draft are clear errors: another vocabulary.
 #[test]
 fn unusable_draft_models_are_refused() {
-    let hybrid = Model::open(qwen35moe()).unwrap();
-    let err = ModelDrafter::new(&hybrid, qwen35moe(), 64, 1)
-        .err()
-        .unwrap();
-    assert!(err.contains("linear-attention"), "{err}");
     let target = Tokenizer::from_gguf(Model::open(qwen3moe()).unwrap().gguf()).unwrap();
     let big = synth(
         "draft-vocab",
