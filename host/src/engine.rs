@@ -807,14 +807,7 @@ impl<'m> Session<'m> {
         if pos != 0 && pos != self.pos && self.model.hybrid.linear.is_some() {
             return Err("a recurrent state cannot go back");
         }
-        if let Some(r) = self.state.layout.ring() {
-            if pos != 0 && self.pos - pos > r.passes() {
-                return Err(
-                    "going back further than the sliding-window layers' KV rings hold \
-                     (--swa-full keeps every position)",
-                );
-            }
-        }
+        self.rings_hold(pos)?;
         self.set_pos(pos);
         Ok(())
     }
@@ -850,18 +843,24 @@ impl<'m> Session<'m> {
         {
             return Err("a checkpoint of another state");
         }
-        if let Some(r) = self.state.layout.ring() {
-            if at.pos != 0 && self.pos - at.pos > r.passes() {
-                return Err(
-                    "going back further than the sliding-window layers' KV rings hold \
-                     (--swa-full keeps every position)",
-                );
-            }
-        }
+        self.rings_hold(at.pos)?;
         self.state.conv_state.copy_from_slice(&at.conv);
         self.state.ssm_state.copy_from_slice(&at.ssm);
         self.set_pos(at.pos);
         Ok(())
+    }
+
+    /// Whether the sliding-window layers' KV rings (if any) still hold what
+    /// going back to position `pos` needs: back to 0, or by at most the
+    /// largest pass the session was set up for.
+    fn rings_hold(&self, pos: usize) -> Result<(), &'static str> {
+        match self.state.layout.ring() {
+            Some(r) if pos != 0 && self.pos - pos > r.passes() => Err(
+                "going back further than the sliding-window layers' KV rings hold \
+                 (--swa-full keeps every position)",
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// Moves to position `pos` (at most the current one), forgetting the
