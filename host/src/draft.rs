@@ -240,13 +240,10 @@ impl<'m> ModelDrafter<'m> {
         let e = |e: les_core::model::forward::ForwardError<_>| format!("the draft model: {e}");
         if self.recurrent {
             // A recurrent state goes back only to the checkpoint (or to 0).
-            keep = match self.checkpoint.take() {
-                Some(c) if keep == self.session.position() => {
-                    self.checkpoint = Some(c);
-                    keep
-                }
+            keep = match &self.checkpoint {
+                _ if keep == self.session.position() => keep,
                 Some(c) if c.position() <= keep => {
-                    self.session.restore(&c)?;
+                    self.session.restore(c)?;
                     c.position()
                 }
                 _ => {
@@ -254,14 +251,16 @@ impl<'m> ModelDrafter<'m> {
                     0
                 }
             };
-            // Up to the history's last token, a checkpoint, then that token.
+            // Up to the history's last token (`keep` is at most there), a
+            // checkpoint, then that token.
             let last = self.text.len() - 1;
             if keep < last {
                 self.eval(keep..last).map_err(e)?;
                 keep = last;
             }
-            if keep == last {
-                self.checkpoint = Some(self.session.checkpoint());
+            match &mut self.checkpoint {
+                Some(c) => self.session.checkpoint_into(c),
+                None => self.checkpoint = Some(self.session.checkpoint()),
             }
         } else {
             self.session.rewind(keep)?;

@@ -824,11 +824,17 @@ impl<'m> Session<'m> {
     /// models without recurrent layers), to go back to with
     /// [`restore`](Self::restore).
     pub fn checkpoint(&self) -> Checkpoint {
-        Checkpoint {
-            pos: self.pos,
-            conv: self.state.conv_state.clone(),
-            ssm: self.state.ssm_state.clone(),
-        }
+        let mut at = Checkpoint::default();
+        self.checkpoint_into(&mut at);
+        at
+    }
+
+    /// [`checkpoint`](Self::checkpoint) into `at`, reusing its buffers (a
+    /// drafter takes one every pass; a DeltaNet state can be tens of MB).
+    pub fn checkpoint_into(&self, at: &mut Checkpoint) {
+        at.pos = self.pos;
+        at.conv.clone_from(&self.state.conv_state);
+        at.ssm.clone_from(&self.state.ssm_state);
     }
 
     /// Goes back to `at` (taken by [`checkpoint`](Self::checkpoint) of this

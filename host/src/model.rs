@@ -1430,8 +1430,8 @@ impl Model {
         let n_layers = n_layers_all - n_nextn_layers;
         let n_embd = key_usize(&g, &k("embedding_length"))?;
         let n_head = key_usize(&g, &k("attention.head_count"))?;
-        // granitehybrid's and Nemotron-H's KV head counts are per layer, 0
-        // on layers without attention.
+        // granitehybrid's, Nemotron-H's and LFM2's KV head counts are per
+        // layer, 0 on layers without attention.
         let (n_head_kv, kv_recurrent) =
             if arch == Arch::GraniteHybrid || arch.is_nemotron() || arch.is_lfm2() {
                 let (n, r) = kv_heads_by_layer(&g, a, n_layers_all, n_layers)?;
