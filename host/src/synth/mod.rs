@@ -1467,11 +1467,12 @@ impl SynthConfig {
         if self.arch == Arch::Granitehybrid && s.layers < 2 {
             return config_err("granitehybrid: needs 2 or more layers (Mamba2 and attention)");
         }
-        if self.arch == Arch::Lfm2moe && s.layers <= LFM2_DENSE_LAYERS.max(2) {
+        // Its first attention layer is the third; experts follow the dense ones.
+        let fewest = (LFM2_DENSE_LAYERS + 1).max(3);
+        if self.arch == Arch::Lfm2moe && s.layers < fewest {
             return config_err(format!(
-                "lfm2moe: needs {} or more layers (convolutions, attention and experts after \
-                 the {LFM2_DENSE_LAYERS} dense ones)",
-                LFM2_DENSE_LAYERS.max(2) + 1
+                "lfm2moe: needs {fewest} or more layers (convolutions, attention and experts \
+                 after the {LFM2_DENSE_LAYERS} dense ones)"
             ));
         }
         if self.arch == Arch::Lfm2 && s.layers < 3 {
