@@ -779,6 +779,27 @@ fn reference_kimivl(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
     linear(w, "mm.2", &u)
 }
 
+/// LFM2-VL as `clip_graph_siglip::build` computes it for `lfm2`: the patch
+/// embedding, the position table resized with antialiasing, blocks without
+/// RoPE, the final norm, then each 2 x 2 block of patches (top-left,
+/// top-right, bottom-left, bottom-right) as one row, that row LayerNormed
+/// (epsilon 1e-5), through the GELU MLP.
+fn reference_lfm2(w: &Weights, hp: &Hp, img: &ImageF32) -> Vec<Vec<f32>> {
+    let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+    let d = hp.width;
+    let mut x = patch_embed(w, hp, img);
+    let pos = w.get("v.position_embd.weight");
+    let side = ((pos.len() / d) as f64).sqrt() as usize;
+    x = add(&x, &bilinear_antialiased(&pos, side, d, pw, ph));
+    for l in 0..hp.layers {
+        x = vit_block(w, hp, l, x, &no_rope);
+    }
+    let x = layer_norm(w, "v.post_ln", &x, hp.eps);
+    let normed = layer_norm(w, "mm.input_norm", &merge_2x2(&x, pw, ph), 1e-5);
+    let u = gelu_all(linear(w, "mm.1", &normed));
+    linear(w, "mm.2", &u)
+}
+
 /// GLM-4.5V as `clip_graph_glm4v::build` computes it, in the image's own
 /// (row-major) token order: both temporal kernels and the bias, the
 /// RMSNorm after them, the position table interpolated bicubically, blocks
@@ -1138,6 +1159,61 @@ fn kimivl_and_glm4v_encoders_match_their_references() {
     }
 }
 
+/// LFM2-VL's tower (images of any size in 32-pixel merged patches, its
+/// 16 x 16 table resized) against its reference, with the projector's norm
+/// and without it (clip.cpp's optional `mm.input_norm`).
+#[test]
+fn lfm2_encoder_matches_the_reference() {
+    for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
+        let (path, cfg) = projector(ProjectorType::Lfm2, ty, &format!("enc_lfm2_{name}.gguf"));
+        let model = ClipModel::open(&path).unwrap();
+        assert_eq!((model.hp.n_mmproj_embd, model.hp.n_merge), (48, 2));
+        // 64 to 256 merged tokens of 32 x 32 pixels.
+        assert_eq!(
+            (model.hp.image_min_pixels, model.hp.image_max_pixels),
+            (64 * 1024, 256 * 1024)
+        );
+        let w = Weights(Gguf::open(&path).unwrap());
+        let hp = hp_of(&cfg);
+        // The table's own 16 x 16 grid, smaller and larger ones, a tile.
+        let sizes = [(256, 256), (96, 64), (64, 320), (512, 512), (32, 32)];
+        encodes_as_reference(
+            &model,
+            &sizes,
+            32,
+            &|img| reference_lfm2(&w, &hp, img),
+            &format!("lfm2 {name}"),
+            tolerance(ty),
+        );
+        // Without the projector's norm: the merged rows go straight to the MLP.
+        let bare = tmp(&format!("enc_lfm2_{name}_bare.gguf"));
+        common::rewrite_gguf_tensors(&path, &bare, |t| !t.starts_with("mm.input_norm"));
+        let model = ClipModel::open(&bare).unwrap();
+        let reference = |img: &ImageF32| {
+            let (pw, ph) = (img.width / hp.patch, img.height / hp.patch);
+            let d = hp.width;
+            let mut x = patch_embed(&w, &hp, img);
+            let pos = w.get("v.position_embd.weight");
+            let side = ((pos.len() / d) as f64).sqrt() as usize;
+            x = add(&x, &bilinear_antialiased(&pos, side, d, pw, ph));
+            for l in 0..hp.layers {
+                x = vit_block(&w, &hp, l, x, &no_rope);
+            }
+            let x = layer_norm(&w, "v.post_ln", &x, hp.eps);
+            let u = gelu_all(linear(&w, "mm.1", &merge_2x2(&x, pw, ph)));
+            linear(&w, "mm.2", &u)
+        };
+        encodes_as_reference(
+            &model,
+            &sizes[..2],
+            32,
+            &reference,
+            &format!("lfm2 {name} without the input norm"),
+            tolerance(ty),
+        );
+    }
+}
+
 #[test]
 fn internvl_encoder_matches_the_reference() {
     for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
@@ -1442,6 +1518,30 @@ fn internvl_embeddings_equal_llama_cpps() {
     tiled_embeddings_equal_llama_cpps(&model, ProjectorType::InternVl);
 }
 
+/// LFM2-VL's images against llama.cpp's (`libmtmd`): a synthetic dense
+/// `lfm2` model with LFM2-VL's markers in its vocabulary and an `lfm2`
+/// projector (16-pixel patches, a 2 x 2 unshuffle, 64 to 256 tokens an
+/// image): the same overview sizes, the same tile grids for large images
+/// (512-pixel tiles, `<|img_row_R_col_C|>` before each, then
+/// `<|img_thumbnail|>` and the overview), and embeddings within float
+/// error.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn lfm2_embeddings_equal_llama_cpps() {
+    let mmproj = tmp("mtmd_lfm2_text_mmproj.gguf");
+    let model = tiny_text_model_with(
+        "lfm2",
+        "mtmd_lfm2_text.gguf",
+        &[
+            "--projector",
+            "lfm2",
+            "--mmproj-out",
+            mmproj.to_str().unwrap(),
+        ],
+    );
+    tiled_embeddings_equal_llama_cpps(&model, ProjectorType::Lfm2);
+}
+
 /// One projector of `ptype` with `ty` weights (its ViT's FFN through SiLU
 /// where `silu`) before the language model `model`, against libmtmd on six
 /// images: the prompt's layout, the chunks in prompt order, embeddings within
@@ -1479,14 +1579,20 @@ fn mtmd_embeddings_of(
     }
     let m = ClipModel::open(&mmproj).unwrap();
     let jpeg = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/jpeg/b422.jpg");
-    for (w, h) in [
+    let mut sizes = vec![
         (300, 200),
         (640, 480),
         (97, 411),
         (224, 224),
         (1000, 180),
         (0, 0),
-    ] {
+    ];
+    if ptype == ProjectorType::Lfm2 {
+        // Large enough for LFM2's tiles (over twice 512 x 512 pixels): 3 x 2,
+        // 1 x 3 and 4 x 2 tiles, and 720 x 760 (720 / 32 rounds to even, 22).
+        sizes.extend([(1024, 768), (800, 2100), (2048, 1024), (720, 760)]);
+    }
+    for (w, h) in sizes {
         // PNGs of five shapes, and a JPEG (4:2:2, decoded as llama.cpp does).
         let png = if w == 0 {
             PathBuf::from(jpeg)
@@ -1563,7 +1669,10 @@ fn mtmd_embeddings_of(
         // llama.cpp's chunks come in prompt order: Llama 4's and InternVL's
         // tiles before the overview (les's chunk 0).
         let mut in_prompt: Vec<&Vec<f32>> = ours.chunks.iter().collect();
-        if matches!(ptype, ProjectorType::Llama4 | ProjectorType::InternVl) {
+        if matches!(
+            ptype,
+            ProjectorType::Llama4 | ProjectorType::InternVl | ProjectorType::Lfm2
+        ) {
             in_prompt.rotate_left(1);
         }
         let mut worst = 0f32;

@@ -170,7 +170,8 @@ pub struct SynthArgs {
     /// both for `deepseek2`, llama4 (Llama 4's, for `llama4`) or glm4v
     /// (GLM-4.5V's; a `glm4moe` model then gets GLM-4.5V's M-RoPE sections)
     /// or internvl (InternVL's, e.g. for `qwen3moe`: InternVL3.5-30B-A3B; the
-    /// model's vocabulary then gets `<img>` and `</img>`).
+    /// model's vocabulary then gets `<img>` and `</img>`) or lfm2 (LFM2-VL's,
+    /// for `lfm2`; the vocabulary gets its image and tile markers).
     #[arg(long, default_value = "minicpmv4_6", value_parser = parse_projector, requires = "mmproj_out")]
     pub projector: ProjectorType,
     /// Width of the --mmproj-out vision transformer (default 64).
@@ -190,7 +191,7 @@ pub struct SynthArgs {
 fn parse_projector(s: &str) -> Result<ProjectorType, String> {
     ProjectorType::from_name(s).ok_or_else(|| {
         format!(
-            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4, glm4v or internvl)"
+            "unknown projector type '{s}' (minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4, glm4v, internvl or lfm2)"
         )
     })
 }
@@ -230,12 +231,12 @@ impl SynthArgs {
             mrope: self.arch == Arch::Glm4moe
                 && self.mmproj_out.is_some()
                 && self.projector == ProjectorType::Glm4v,
-            // InternVL's markers go into whichever model it is written for.
-            image_tokens: if self.mmproj_out.is_some() && self.projector == ProjectorType::InternVl
-            {
-                &crate::synth::vocab::INTERNVL_TOKENS
-            } else {
-                &[]
+            // InternVL's and LFM2-VL's markers go into whichever model
+            // they are written for.
+            image_tokens: match (&self.mmproj_out, self.projector) {
+                (Some(_), ProjectorType::InternVl) => &crate::synth::vocab::INTERNVL_TOKENS,
+                (Some(_), ProjectorType::Lfm2) => &crate::synth::vocab::LFM2_VL_TOKENS,
+                _ => &[],
             },
         };
         Ok(SynthConfig::new(self.arch, self.preset, &o, self.seed)?)

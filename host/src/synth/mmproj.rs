@@ -22,7 +22,10 @@
 //! and a SwiGLU MLP twice the output width, and takes images of any size.
 //! `internvl` takes 112 x 112 tiles (8 x 8 patches, a class token after
 //! them, layer scales, a 2 x 2 pixel shuffle: 16 embeddings a tile), 1 to 6
-//! tiles an image.
+//! tiles an image. `lfm2` has 16 x 16 patches and a 16 x 16 table
+//! (`image_size` 256, as LFM2-VL's converter writes), a 2 x 2 pixel
+//! unshuffle, a LayerNorm and a GELU MLP, and takes images of any size
+//! (64 to 256 merged tokens), large ones also in 512-pixel tiles.
 //! The output width is
 //! the language model's `n_embd`. Matrices are `f16` (as in llama.cpp's
 //! `mmproj-*-f16.gguf`), vectors and position embeddings `f32`, patch
@@ -71,6 +74,7 @@ impl MmprojConfig {
     /// The default tiny projector of `projector` for a model `out_embd` wide.
     pub fn tiny(projector: ProjectorType, out_embd: u64, seed: u64) -> Self {
         let qwen3vl = projector == ProjectorType::Qwen3Vl;
+        let p16 = qwen3vl || projector == ProjectorType::Lfm2;
         MmprojConfig {
             projector,
             out_embd,
@@ -79,11 +83,11 @@ impl MmprojConfig {
             ff: 128,
             layers: if qwen3vl { 4 } else { 2 },
             image_size: match projector {
-                ProjectorType::Qwen3Vl => 256,
+                ProjectorType::Qwen3Vl | ProjectorType::Lfm2 => 256,
                 ProjectorType::Llama4 | ProjectorType::InternVl => 112,
                 _ => 224,
             },
-            patch: if qwen3vl { 16 } else { 14 },
+            patch: if p16 { 16 } else { 14 },
             ty: GgmlType::F16,
             deepstack: if qwen3vl { 3 } else { 0 },
             seed,
@@ -105,7 +109,8 @@ impl MmprojConfig {
             ProjectorType::Gemma3
             | ProjectorType::Qwen3Vl
             | ProjectorType::KimiVl
-            | ProjectorType::Glm4v => (self.image_size / self.patch).pow(2),
+            | ProjectorType::Glm4v
+            | ProjectorType::Lfm2 => (self.image_size / self.patch).pow(2),
             ProjectorType::KimiK25 => {
                 let (w, h) = self.pos_grid();
                 w * h
@@ -301,6 +306,17 @@ fn plan(cfg: &MmprojConfig) -> Vec<Plan> {
             linear(&mut add, "mm.1", 4 * w, 4 * w);
             linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
         }
+        ProjectorType::Lfm2 => {
+            // SigLIP2's final LayerNorm, then the projector: LayerNorm of
+            // each unshuffled 2 x 2 block and a GELU MLP (`linear_1`,
+            // `linear_2`).
+            add("v.post_ln.weight", &[w], Init::Norm);
+            add("v.post_ln.bias", &[w], bias);
+            add("mm.input_norm.weight", &[4 * w], Init::Norm);
+            add("mm.input_norm.bias", &[4 * w], bias);
+            linear(&mut add, "mm.1", 4 * w, 4 * w);
+            linear(&mut add, "mm.2", 4 * w, cfg.out_embd);
+        }
         ProjectorType::InternVl => {
             // `mlp1`: LayerNorm of the shuffled 2 x 2 patches, a GELU MLP to
             // the model's width (InternViT has no final norm).
@@ -386,7 +402,7 @@ fn metadata(cfg: &MmprojConfig) -> Vec<(&'static str, MetaValue)> {
             let marks: Vec<bool> = (0..cfg.layers).map(|l| ds.contains(&l)).collect();
             m.push(("clip.vision.is_deepstack_layers", marks.into()));
         }
-        ProjectorType::KimiVl | ProjectorType::Llama4 => {
+        ProjectorType::KimiVl | ProjectorType::Llama4 | ProjectorType::Lfm2 => {
             m.push(("clip.vision.projector.scale_factor", MetaValue::U32(2)));
         }
         ProjectorType::InternVl => {

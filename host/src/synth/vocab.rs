@@ -58,6 +58,43 @@ pub const GLM_V_TOKENS: [&str; 2] = ["<|begin_of_image|>", "<|end_of_image|>"];
 /// projector.
 pub const INTERNVL_TOKENS: [&str; 2] = ["<img>", "</img>"];
 
+/// The tokens LFM2-VL lays an image out with, added after [`MEDIA_TOKENS`]
+/// where a synthetic model is written with an `lfm2` projector: the start
+/// and end, the thumbnail's marker and each tile's `<|img_row_R_col_C|>` (of
+/// grids up to 10 tiles).
+pub const LFM2_VL_TOKENS: [&str; 30] = [
+    "<|image_start|>",
+    "<|image_end|>",
+    "<|img_thumbnail|>",
+    "<|img_row_1_col_1|>",
+    "<|img_row_1_col_2|>",
+    "<|img_row_1_col_3|>",
+    "<|img_row_1_col_4|>",
+    "<|img_row_1_col_5|>",
+    "<|img_row_1_col_6|>",
+    "<|img_row_1_col_7|>",
+    "<|img_row_1_col_8|>",
+    "<|img_row_1_col_9|>",
+    "<|img_row_1_col_10|>",
+    "<|img_row_2_col_1|>",
+    "<|img_row_2_col_2|>",
+    "<|img_row_2_col_3|>",
+    "<|img_row_2_col_4|>",
+    "<|img_row_2_col_5|>",
+    "<|img_row_3_col_1|>",
+    "<|img_row_3_col_2|>",
+    "<|img_row_3_col_3|>",
+    "<|img_row_4_col_1|>",
+    "<|img_row_4_col_2|>",
+    "<|img_row_5_col_1|>",
+    "<|img_row_5_col_2|>",
+    "<|img_row_6_col_1|>",
+    "<|img_row_7_col_1|>",
+    "<|img_row_8_col_1|>",
+    "<|img_row_9_col_1|>",
+    "<|img_row_10_col_1|>",
+];
+
 /// `tokenizer.ggml.token_type` of ordinary tokens.
 pub const TYPE_NORMAL: i32 = 1;
 /// `tokenizer.ggml.token_type` of control tokens.

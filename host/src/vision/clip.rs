@@ -73,6 +73,12 @@ pub enum ProjectorType {
     /// the grid of tiles (within the file's tile bounds) that fits it best,
     /// the tiles then an overview.
     InternVl,
+    /// LFM2-VL and LFM2.5-VL (`lfm2`): SigLIP2 with its learned position
+    /// table resized to the image's grid (antialiased bilinear), a pixel
+    /// unshuffle of n x n patches, an optional LayerNorm over each merged
+    /// row and a GELU MLP; images of any size (64 to 256 merged tokens),
+    /// a large one also cut into 512-pixel tiles before its thumbnail.
+    Lfm2,
 }
 
 impl ProjectorType {
@@ -87,6 +93,7 @@ impl ProjectorType {
             ProjectorType::Llama4 => "llama4",
             ProjectorType::Glm4v => "glm4v",
             ProjectorType::InternVl => "internvl",
+            ProjectorType::Lfm2 => "lfm2",
         }
     }
 
@@ -101,6 +108,7 @@ impl ProjectorType {
             "llama4" => Some(ProjectorType::Llama4),
             "glm4v" => Some(ProjectorType::Glm4v),
             "internvl" => Some(ProjectorType::InternVl),
+            "lfm2" => Some(ProjectorType::Lfm2),
             _ => None,
         }
     }
@@ -114,6 +122,7 @@ impl ProjectorType {
             ProjectorType::Qwen3Vl | ProjectorType::Glm4v => Some((8, 4096)),
             ProjectorType::KimiVl => Some((8, 1024)),
             ProjectorType::KimiK25 => Some((2, 4096)),
+            ProjectorType::Lfm2 => Some((64, 256)),
             ProjectorType::MiniCpmV46
             | ProjectorType::Gemma3
             | ProjectorType::Llama4
@@ -451,6 +460,18 @@ pub enum Projector {
         /// MLP up (`mm.model.mlp.1`), from `n_merge² * n_embd`.
         up: Linear,
         /// MLP down (`mm.model.mlp.3`), to `n_mmproj_embd`.
+        down: Linear,
+    },
+    /// LFM2-VL: after the ViT (and `post_ln` where the file has it) each
+    /// `n_merge` x `n_merge` block of patches as one row, LayerNormed where
+    /// the file has the norm, then a GELU MLP.
+    Lfm2 {
+        /// LayerNorm of each merged row (`mm.input_norm`, `n_merge² *
+        /// n_embd` wide, epsilon 1e-5), optional as in clip.cpp.
+        input_norm: Option<Norm>,
+        /// MLP up (`mm.1`), from `n_merge² * n_embd`.
+        up: Linear,
+        /// MLP down (`mm.2`), to `n_mmproj_embd`.
         down: Linear,
     },
     /// GLM-4.xV: the second temporal patch kernel, an RMSNorm after the
@@ -848,7 +869,7 @@ impl ClipModel {
             .map_err(|_| err("clip.projector_type is missing"))?;
         let projector = ProjectorType::from_name(ptype).ok_or_else(|| {
             err(format!(
-                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4, glm4v and internvl)"
+                "projector type '{ptype}' is not supported (LES implements minicpmv4_6, gemma3, qwen3vl_merger, kimivl, kimik25, llama4, glm4v, internvl and lfm2)"
             ))
         })?;
         let n_embd = get_usize(&g, "clip.vision.embedding_length")?;
@@ -926,7 +947,7 @@ impl ClipModel {
             }
             // clip.cpp's patch merger asserts a factor above 1 (its
             // default, 1, fails there).
-            ProjectorType::KimiVl | ProjectorType::KimiK25 => {
+            ProjectorType::KimiVl | ProjectorType::KimiK25 | ProjectorType::Lfm2 => {
                 required_scale(projector, scale, 2..=4)?
             }
             // The converters write 1 / pixel_shuffle_ratio (Llama 4's and
@@ -941,6 +962,7 @@ impl ClipModel {
         let kimivl = projector == ProjectorType::KimiVl || kimik25;
         let llama4 = projector == ProjectorType::Llama4;
         let internvl = projector == ProjectorType::InternVl;
+        let lfm2 = projector == ProjectorType::Lfm2;
         if llama4 || internvl {
             // Their tiles are image_size a side, a whole number of shuffled
             // patches.
@@ -965,8 +987,9 @@ impl ClipModel {
         if let Some((min_tokens, max_tokens)) = projector.token_budget() {
             let name = projector.name();
             let d_head = n_embd / n_head;
-            // Both 2-D RoPEs rotate half a head in pairs (d_head / 2 even).
-            if !d_head.is_multiple_of(4) {
+            // Both 2-D RoPEs rotate half a head in pairs (d_head / 2 even);
+            // LFM2's SigLIP2 has no RoPE.
+            if !lfm2 && !d_head.is_multiple_of(4) {
                 return Err(err(format!(
                     "{name}: head width {d_head} ({n_embd} / {n_head} heads) is not a multiple of 4"
                 )));
@@ -1381,6 +1404,29 @@ impl ClipModel {
                     out,
                 )
             }
+            ProjectorType::Lfm2 => {
+                let width = n_merge * n_merge * n_embd;
+                // clip.cpp adds a bias without a weight to the unnormalised
+                // rows; no converter writes that, so it is refused.
+                let input_norm = l.opt_norm("mm.input_norm", width)?;
+                if input_norm.is_none() && g.tensor("mm.input_norm.bias").is_some() {
+                    return Err(err("lfm2: mm.input_norm.bias without mm.input_norm.weight"));
+                }
+                let up = l.linear_any("mm.1", width)?;
+                let down = l.linear_any("mm.2", up.w.rows)?;
+                if up.b.is_none() || down.b.is_none() {
+                    return Err(err("lfm2: mm.1.bias and mm.2.bias are required"));
+                }
+                let out = down.w.rows;
+                (
+                    Projector::Lfm2 {
+                        input_norm,
+                        up,
+                        down,
+                    },
+                    out,
+                )
+            }
             ProjectorType::KimiVl | ProjectorType::KimiK25 => {
                 let input_norm = l.norm("mm.input_norm", n_embd)?;
                 // clip.cpp requires the norm's bias too.
@@ -1446,7 +1492,7 @@ impl ClipModel {
                 )));
             }
         }
-        if qwen3vl || kimivl || glm4v {
+        if qwen3vl || kimivl || glm4v || lfm2 {
             // clip.cpp reshapes the table to a square before interpolating it
             // (ggml's interpolation reads f32).
             // (Kimi K2.5's table carries its own width and height.)

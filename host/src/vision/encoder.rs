@@ -666,6 +666,7 @@ pub fn output_tokens(m: &ClipModel, width: usize, height: usize) -> usize {
             let f = m.hp.n_merge;
             pw.div_ceil(f) * ph.div_ceil(f)
         }
+        Projector::Lfm2 { .. } => (pw / m.hp.n_merge) * (ph / m.hp.n_merge),
         Projector::Llama4 { .. } | Projector::InternVl { .. } => {
             (pw / m.hp.n_merge) * (ph / m.hp.n_merge)
         }
@@ -1343,9 +1344,10 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
         Projector::MiniCpmV46 { .. } => hp.n_merge,
         Projector::Gemma3 { .. } => hp.n_merge,
         Projector::Qwen3Vl { .. } | Projector::Glm4v { .. } => 2,
-        Projector::KimiVl { .. } | Projector::Llama4 { .. } | Projector::InternVl { .. } => {
-            hp.n_merge
-        }
+        Projector::KimiVl { .. }
+        | Projector::Llama4 { .. }
+        | Projector::InternVl { .. }
+        | Projector::Lfm2 { .. } => hp.n_merge,
     };
     if !pw.is_multiple_of(align) || !ph.is_multiple_of(align) {
         return Err(VisionError::Shape(
@@ -1422,7 +1424,74 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
             up,
             down,
         } => encode_internvl(ctx, m, img, (pw, ph), class_embd, (norm, up, down)),
+        Projector::Lfm2 {
+            input_norm,
+            up,
+            down,
+        } => encode_lfm2(ctx, m, img, (pw, ph), input_norm.as_ref(), up, down),
     }
+}
+
+/// LFM2-VL's tower and projector on one image of `pw` x `ph` patches (each
+/// side a multiple of the merge): clip.cpp's `clip_graph_siglip` for
+/// `PROJECTOR_TYPE_LFM2`. The patch embedding and its bias, the square
+/// position table resized to the grid (antialiased bilinear, clip.cpp's
+/// `resize_position_embeddings`), `pre_ln` where the file has it, the
+/// blocks (no RoPE), `post_ln` where the file has it; then each `n_merge` x
+/// `n_merge` block of patches as one row (blocks row by row: clip.cpp's
+/// `build_patch_merge_permute`), LayerNormed at epsilon 1e-5 where the file
+/// has the norm, and the GELU MLP.
+fn encode_lfm2(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    input_norm: Option<&Norm>,
+    up: &Linear,
+    down: &Linear,
+) -> Result<Vec<f32>, VisionError> {
+    let hp = &m.hp;
+    let d = hp.n_embd;
+    let f = hp.n_merge;
+    let side = (m.n_pos as f64).sqrt() as usize;
+    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+        return Err(VisionError::Shape(
+            "position embeddings are not a square table",
+        ));
+    }
+    let patches = patch_rows(img, hp.patch_size, pw, 0..pw * ph);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
+    drop(patches);
+    let pos = interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph);
+    add_in_place(
+        &mut x,
+        &Acts {
+            n: pw * ph,
+            dim: d,
+            x: pos,
+        },
+    );
+    if let Some(ln) = &m.pre_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    for l in &m.layers {
+        x = vit_layer(ctx, m, l, x, None)?;
+    }
+    if let Some(ln) = &m.post_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    let (gw, gh) = (pw / f, ph / f);
+    let mut merged = Acts {
+        n: gw * gh,
+        dim: f * f * d,
+        x: merge_blocks(&x, pw, ph, f, false),
+    };
+    drop(x);
+    if let Some(norm) = input_norm {
+        merged = layer_norm(&merged, norm, 1e-5);
+    }
+    let out = ffn(ctx, m, &merged, up, None, down, FfnOp::Gelu)?;
+    Ok(out.x)
 }
 
 /// The SigLIP towers' (MiniCPM-V's, Gemma 3's) input: the patch embedding,

@@ -106,6 +106,18 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
                 grid: sliced.grid,
             }
         }
+        ProjectorType::Lfm2 => {
+            // Bilinear, the overview unpadded and the tiles' image padded
+            // (llama.cpp's `image_resize_algo_ov` / `_rf` for LFM2).
+            let inst = lfm2_slices(m, (img.width, img.height));
+            let sliced = preprocess::slice_image_with(img, &inst, preprocess::ResizeAlgo::Bilinear);
+            let mut chunks = vec![norm(&sliced.overview)];
+            chunks.extend(sliced.slices.iter().map(norm));
+            Preprocessed {
+                chunks,
+                grid: sliced.grid,
+            }
+        }
         ProjectorType::Gemma3 => {
             let s = hp.image_size;
             let resized =
@@ -198,6 +210,18 @@ fn llava_uhd_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceIns
     preprocess::slice_instructions(size, hp.image_size, hp.patch_size * hp.n_merge, MAX_SLICES)
 }
 
+/// How LFM2-VL cuts an image of `(width, height)` pixels: an overview within
+/// its token budget, and 512-pixel tiles where the image is large.
+fn lfm2_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
+    let hp = &m.hp;
+    preprocess::lfm2_instructions(
+        size,
+        hp.patch_size * hp.n_merge,
+        hp.patch_size,
+        (hp.image_min_pixels, hp.image_max_pixels),
+    )
+}
+
 /// The layout of an image of `width` x `height` pixels, without its pixels:
 /// what the prompt's length will be is known before any image is encoded.
 pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
@@ -205,6 +229,15 @@ pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
     match m.hp.projector {
         ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => {
             let inst = llava_uhd_slices(m, size);
+            let mut chunk_tokens = vec![tokens(inst.overview)];
+            chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
+            ImageLayout {
+                chunk_tokens,
+                grid: inst.grid,
+            }
+        }
+        ProjectorType::Lfm2 => {
+            let inst = lfm2_slices(m, size);
             let mut chunk_tokens = vec![tokens(inst.overview)];
             chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
             ImageLayout {
@@ -243,7 +276,10 @@ pub fn encode_image(
     // the others' one chunk as its grid (Gemma 3's and Kimi-VL's one row,
     // Qwen3-VL's merged patches).
     let chunk_grids = match m.hp.projector {
-        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => Vec::new(),
+        ProjectorType::MiniCpmV46
+        | ProjectorType::Llama4
+        | ProjectorType::InternVl
+        | ProjectorType::Lfm2 => Vec::new(),
         ProjectorType::Gemma3
         | ProjectorType::Qwen3Vl
         | ProjectorType::KimiVl

@@ -326,7 +326,8 @@ fn lay_out<I: ImageChunks>(
         | ProjectorType::KimiK25
         | ProjectorType::Llama4
         | ProjectorType::Glm4v
-        | ProjectorType::InternVl => None,
+        | ProjectorType::InternVl
+        | ProjectorType::Lfm2 => None,
     };
     let (begin, end) = match projector {
         ProjectorType::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
@@ -338,6 +339,7 @@ fn lay_out<I: ImageChunks>(
         ProjectorType::Llama4 => ("<|image_start|>", "<|image_end|>"),
         ProjectorType::Glm4v => ("<|begin_of_image|>", "<|end_of_image|>"),
         ProjectorType::InternVl => ("<img>", "</img>"),
+        ProjectorType::Lfm2 => ("<|image_start|>", "<|image_end|>"),
         _ => ("<start_of_image>", "<end_of_image>"),
     };
     for (i, part) in parts.iter().enumerate() {
@@ -364,6 +366,23 @@ fn lay_out<I: ImageChunks>(
             }
             None => {
                 sink(Piece::Tokens(&tok.encode(begin, false, true)));
+                if projector == ProjectorType::Lfm2 && img.n_chunks() > 1 {
+                    // LFM2's tiles, each after its `<|img_row_R_col_C|>`,
+                    // then `<|img_thumbnail|>` and the overview (chunk 0);
+                    // an untiled image is its overview alone.
+                    let (cols, rows) = img.grid();
+                    for y in 0..rows {
+                        for x in 0..cols {
+                            let marker = format!("<|img_row_{}_col_{}|>", y + 1, x + 1);
+                            sink(Piece::Tokens(&tok.encode(&marker, false, true)));
+                            sink(Piece::Chunk(img, 1 + y * cols + x));
+                        }
+                    }
+                    sink(Piece::Tokens(&tok.encode("<|img_thumbnail|>", false, true)));
+                    sink(Piece::Chunk(img, 0));
+                    sink(Piece::Tokens(&tok.encode(end, false, true)));
+                    continue;
+                }
                 // Llama 4's and InternVL's overview (chunk 0) goes after
                 // their tiles.
                 let n = img.n_chunks();

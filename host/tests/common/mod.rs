@@ -49,6 +49,28 @@ pub fn rewrite_gguf(
     data.finish().unwrap();
 }
 
+/// Copies the GGUF `src` to `dst` with only the tensors whose names `keep`
+/// accepts; metadata and the kept tensors unchanged.
+pub fn rewrite_gguf_tensors(src: &Path, dst: &Path, keep: impl Fn(&str) -> bool) {
+    let g = Gguf::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add_kv(k, v.to_meta()).unwrap();
+    }
+    let kept: Vec<_> = g.tensors().filter(|t| keep(t.name())).collect();
+    for t in &kept {
+        w.add_tensor(t.name(), t.dims(), t.ggml_type()).unwrap();
+    }
+    let _ = fs::remove_file(dst);
+    let mut data = w
+        .write_header(BufWriter::new(File::create(dst).unwrap()))
+        .unwrap();
+    for t in &kept {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    data.finish().unwrap();
+}
+
 fn scripts() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts")
 }
