@@ -1524,7 +1524,9 @@ fn internvl_embeddings_equal_llama_cpps() {
 /// image): the same overview sizes, the same tile grids for large images
 /// (512-pixel tiles, `<|img_row_R_col_C|>` before each, then
 /// `<|img_thumbnail|>` and the overview), and embeddings within float
-/// error.
+/// error (measured 2026-12-06 over ten images, four tiled: f32 through
+/// SiLU 2.1e-5 to 1.7e-4, through GELU 9.7e-5 to 3.7e-4; f16 3.4e-4 to
+/// 5.9e-4; bf16 2.1e-3 to 3.5e-3).
 #[test]
 #[ignore = "needs llama-cpp-python's mtmd library"]
 fn lfm2_embeddings_equal_llama_cpps() {

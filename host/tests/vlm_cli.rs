@@ -12,9 +12,14 @@
 //!   image of any size as one grid of merged patches at its M-RoPE
 //!   positions, between `<|begin_of_image|>` and `<|end_of_image|>`;
 //! - InternVL3.5-30B-A3B: `qwen3moe` and `internvl`: tiles of a grid plus an
-//!   overview, between `<img>` and `</img>`.
+//!   overview, between `<img>` and `</img>`;
+//! - LFM2-VL: `lfm2` (dense; `lfm2moe` here, so that experts stream) and
+//!   `lfm2`: an image of any size within a token budget, a large one also
+//!   as 512-pixel tiles each after `<|img_row_R_col_C|>`, then
+//!   `<|img_thumbnail|>` and the overview, between `<|image_start|>` and
+//!   `<|image_end|>`.
 //!
-//! Kimi's, Llama 4's and InternVL's language models place image
+//! Kimi's, Llama 4's, InternVL's and LFM2's language models place image
 //! embeddings in sequence (no M-RoPE sections).
 //!
 //! The prompts are laid out as llama.cpp's `mtmd` lays them out; the experts
@@ -39,6 +44,7 @@ fn arch_of(projector: ProjectorType) -> &'static str {
         ProjectorType::Llama4 => "llama4",
         ProjectorType::Glm4v => "glm4moe",
         ProjectorType::InternVl => "qwen3moe",
+        ProjectorType::Lfm2 => "lfm2moe",
         p => panic!("{p:?}"),
     }
 }
@@ -203,6 +209,90 @@ fn internvl_image_prompt_streams_exactly_on_every_schedule() {
         &["--image-max-tokens", "20"],
     );
     assert_eq!(other["stats"]["image_tokens"], 112);
+}
+
+/// LFM2-VL's projector before an `lfm2moe`: the 320 x 240 demo image
+/// becomes 320 x 256 (each side the nearest multiple of a 32-pixel merged
+/// patch, within 64 to 256 tokens), 10 x 8 embeddings, untiled between
+/// `<|image_start|>` and `<|image_end|>`. `--image-max-tokens 64`, below
+/// the default fewest, is taken as llama.cpp takes it: the most pixels win,
+/// 320 x 240 divided by sqrt(76 800 / 65 536) a side and rounded down to
+/// 288 x 192, 9 x 6 embeddings.
+#[test]
+fn lfm2_image_prompt_streams_exactly_on_every_schedule() {
+    let markers = (80, "<|image_start|>", "<|image_end|>");
+    let small = streams_exactly(ProjectorType::Lfm2, markers, &["--image-max-tokens", "64"]);
+    assert_eq!(small["stats"]["image_tokens"], 54);
+}
+
+/// A large image through LFM2-VL's projector is laid out as llama.cpp's
+/// `mtmd` lays it out: 1024 x 768 is over twice 512 x 512 pixels, so it is
+/// cut into the 3 x 2 grid of 512-pixel tiles (256 embeddings each, after
+/// their `<|img_row_R_col_C|>`), then `<|img_thumbnail|>` and the overview
+/// (576 x 416 within 256 tokens: 18 x 13), and the same on an expert
+/// schedule.
+#[test]
+fn lfm2_large_image_is_tiled_then_thumbnailed() {
+    let (lm, mm) = models(ProjectorType::Lfm2, "tiles", &[]);
+    let img = tmp("vlm_lfm2_1024x768.png");
+    image::RgbImage::from_fn(1024, 768, |x, y| {
+        image::Rgb([(x % 256) as u8, (y % 256) as u8, ((x + y) % 256) as u8])
+    })
+    .save(&img)
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = cli::les()
+            .args(["run", "-m"])
+            .arg(&lm)
+            .arg("--mmproj")
+            .arg(&mm)
+            .arg("--image")
+            .arg(&img)
+            .args(["-p", "See <__media__>.", "-n", "4", "--temp", "0", "--json"])
+            .args(args)
+            .output()
+            .unwrap();
+        cli::json_ok(out, "les run")
+    };
+    let want = run(&["--schedule", "resident"]);
+    assert_eq!(want["stats"]["image_tokens"], 6 * 256 + 18 * 13);
+    let prompt = want["prompt_tokens"].as_array().unwrap();
+    let mut at = prompt.iter().position(|t| t.is_null()).unwrap() - 1;
+    assert_eq!(prompt[at - 1], token_id(&lm, "<|image_start|>"));
+    let mut expect_run = |marker: &str, n: usize| {
+        assert_eq!(prompt[at], token_id(&lm, marker), "{marker}");
+        assert!(prompt[at + 1..at + 1 + n].iter().all(|t| t.is_null()));
+        at += 1 + n;
+    };
+    for row in 1..=2 {
+        for col in 1..=3 {
+            expect_run(&format!("<|img_row_{row}_col_{col}|>"), 256);
+        }
+    }
+    expect_run("<|img_thumbnail|>", 18 * 13);
+    assert_eq!(prompt[at], token_id(&lm, "<|image_end|>"));
+    let streamed = run(&["--schedule", "les", "--slots", "3"]);
+    assert_eq!(tokens(&streamed), tokens(&want));
+}
+
+/// LFM2-VL decodes against llama.cpp's own (`libmtmd`): f32 language
+/// models (the dense `lfm2` of LFM2-VL, and `lfm2moe`) and the f16 `lfm2`
+/// projector `les synth` writes, three images: the same greedy tokens,
+/// logits within 2e-3 (measured 2026-12-06: 2.2e-4 to 3.3e-4 dense,
+/// 2.0e-4 to 3.3e-4 MoE).
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn lfm2_image_decode_equals_llama_cpps() {
+    let prompt = "What is in <__media__>? It is";
+    for arch in ["lfm2", "lfm2moe"] {
+        let (lm, mm) =
+            cli::synth_with_projector(arch, "lfm2", &format!("vlm_lfm2_{arch}_mtmd"), &F32_WEIGHTS);
+        for img in cli::decode_images("lfm2") {
+            let tag = format!("lfm2_{arch}");
+            let worst = cli::image_decode_difference(&lm, &mm, &img, prompt, 12, &tag);
+            assert!(worst < 2e-3, "{arch} {}: {worst}", img.display());
+        }
+    }
 }
 
 /// An InternVL decode against llama.cpp's own (`libmtmd`): an f32 qwen3moe

@@ -1568,7 +1568,8 @@ impl ClipModel {
     /// size images dynamically (Qwen3-VL, Kimi-VL; `None` keeps the
     /// projector's [`ProjectorType::token_budget`]); the others take images
     /// at fixed sizes and ignore them, as llama.cpp does.
-    /// Each from 1 to [`MAX_IMAGE_TOKENS`], the fewest at most the most.
+    /// Each from 1 to [`MAX_IMAGE_TOKENS`]; where both are given, the fewest
+    /// at most the most.
     pub fn set_image_tokens(
         &mut self,
         min: Option<usize>,
@@ -1587,13 +1588,17 @@ impl ClipModel {
         if self.hp.pixels_from_file {
             return Ok(());
         }
+        if let (Some(min), Some(max)) = (min, max) {
+            if min > max {
+                return Err(err(format!(
+                    "--image-min-tokens {min} is more than --image-max-tokens {max}"
+                )));
+            }
+        }
+        // One bound below the other's default is taken as llama.cpp takes
+        // it: the most pixels win (its resize checks them first).
         let min = min.unwrap_or(min_default);
         let max = max.unwrap_or(max_default);
-        if min > max {
-            return Err(err(format!(
-                "--image-min-tokens {min} is more than --image-max-tokens {max}"
-            )));
-        }
         let merged_area = (self.hp.patch_size * self.hp.n_merge).pow(2);
         self.hp.image_min_pixels = min * merged_area;
         self.hp.image_max_pixels = max * merged_area;
