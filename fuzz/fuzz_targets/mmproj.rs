@@ -1,5 +1,6 @@
 //! Vision projector files (mmproj GGUFs) on arbitrary bytes (seeded with tiny
-//! `minicpmv4_6`, `gemma3`, `qwen3vl_merger`, `kimivl`, `kimik25` and `llama4` projectors): loading one
+//! `minicpmv4_6`, `gemma3`, `qwen3vl_merger`, `kimivl`, `kimik25`, `llama4`,
+//! `glm4v`, `internvl` and `lfm2` projectors): loading one
 //! never panics; a projector the loader accepts lays out images of a few
 //! sizes, and, where its tower is small, encodes a small picture into as
 //! many rows of `row_width` values as the layout says, without a panic

@@ -1548,6 +1548,12 @@ fn internvl_images_in_chat_messages_answer_as_les_run() {
     image_chat_answers_as_les_run("qwen3moe", "internvl");
 }
 
+/// LFM2-VL (the dense `lfm2` with `lfm2`).
+#[test]
+fn lfm2_images_in_chat_messages_answer_as_les_run() {
+    image_chat_answers_as_les_run("lfm2", "lfm2");
+}
+
 fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
     // Named by both: tests run side by side.
     let mm = tmp(&format!("serve_vlm_{arch}_{projector}_mmproj.gguf"));

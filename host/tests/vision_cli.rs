@@ -422,7 +422,7 @@ fn bad_image_files_and_oversized_towers_are_refused() {
 #[test]
 fn image_layouts_and_prompt_lengths_are_known_before_encoding() {
     use les::vision::{self, RgbImage};
-    for projector in ["minicpmv4_6", "gemma3"] {
+    for projector in ["minicpmv4_6", "gemma3", "lfm2"] {
         let (lm, mm) = models(projector);
         let clip = vision::ClipModel::open(&mm).unwrap();
         let model = les::model::Model::open(&lm).unwrap();
@@ -446,6 +446,11 @@ fn image_layouts_and_prompt_lengths_are_known_before_encoding() {
         }
         if projector == "minicpmv4_6" {
             assert!(layouts.iter().any(|l| l.grid.1 > 1), "some image is sliced");
+        }
+        if projector == "lfm2" {
+            // Only 1500 x 1100 is over twice 512 x 512: 3 x 2 tiles.
+            let grids: Vec<_> = layouts.iter().map(|l| l.grid).collect();
+            assert_eq!(grids, [(0, 0), (0, 0), (0, 0), (0, 0), (3, 2)]);
         }
         let text = format!("a {m} b {m}{m} c {m} d {m}", m = vision::MEDIA_MARKER);
         let p = clip.hp.projector;

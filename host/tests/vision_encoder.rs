@@ -1214,6 +1214,39 @@ fn lfm2_encoder_matches_the_reference() {
     }
 }
 
+/// LFM2-VL files clip.cpp cannot run, or would run other than LES, are
+/// refused with the reason: no or a unit merge factor (clip.cpp asserts one
+/// above 1), a norm bias without its weight, the MLP without its biases.
+#[test]
+fn lfm2_projector_files_are_checked() {
+    use les::gguf::MetaValue;
+    let (path, _) = projector(ProjectorType::Lfm2, GgmlType::F16, "enc_lfm2_bad_src.gguf");
+    let bad = tmp("enc_lfm2_bad.gguf");
+    let key = "clip.vision.projector.scale_factor";
+    for (scale, want) in [
+        (None, "lfm2: clip.vision.projector.scale_factor is missing"),
+        (Some(1u32), "lfm2: scale_factor 1 (must be 2 to 4)"),
+    ] {
+        let extra: Vec<(&str, MetaValue)> = scale.map(|v| (key, v.into())).into_iter().collect();
+        common::rewrite_gguf(&path, &bad, |k, v| (k != key).then_some(v), extra);
+        let e = ClipModel::open(&bad).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    for (dropped, want) in [
+        (
+            "mm.input_norm.weight",
+            "lfm2: mm.input_norm.bias without mm.input_norm.weight",
+        ),
+        ("mm.1.bias", "lfm2: mm.1.bias and mm.2.bias are required"),
+        ("mm.2.bias", "lfm2: mm.1.bias and mm.2.bias are required"),
+        ("mm.1.weight", "mm.1.weight"),
+    ] {
+        common::rewrite_gguf_tensors(&path, &bad, |t| t != dropped);
+        let e = ClipModel::open(&bad).unwrap_err().to_string();
+        assert!(e.contains(want), "without {dropped}: {e}");
+    }
+}
+
 #[test]
 fn internvl_encoder_matches_the_reference() {
     for (ty, name) in [(GgmlType::F32, "f32"), (GgmlType::F16, "f16")] {
