@@ -14,7 +14,9 @@
 //! interpolated position table, a 2x2 convolution merger, a projection,
 //! LayerNorm + GELU and a SwiGLU MLP) and `internvl` (InternVL's:
 //! InternViT over 448-pixel tiles with a class token after the patches and
-//! layer scales, a pixel shuffle, LayerNorm and a GELU MLP).
+//! layer scales, a pixel shuffle, LayerNorm and a GELU MLP) and `lfm2`
+//! (LFM2-VL's SigLIP2: a position table resized with antialiasing, a pixel
+//! unshuffle, an optional LayerNorm and a GELU MLP).
 //!
 //! Tensor and key names are llama.cpp's (`tools/mtmd/clip-impl.h`). Matrices stay
 //! in the memory-mapped file in their own type and are multiplied with
@@ -1565,7 +1567,7 @@ impl ClipModel {
 
     /// llama.cpp's `--image-min-tokens` / `--image-max-tokens`: the fewest
     /// and most merged tokens one image is resized to, for projectors that
-    /// size images dynamically (Qwen3-VL, Kimi-VL; `None` keeps the
+    /// size images dynamically (Qwen3-VL, Kimi-VL, LFM2-VL; `None` keeps the
     /// projector's [`ProjectorType::token_budget`]); the others take images
     /// at fixed sizes and ignore them, as llama.cpp does.
     /// Each from 1 to [`MAX_IMAGE_TOKENS`]; where both are given, the fewest

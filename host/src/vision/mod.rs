@@ -6,14 +6,15 @@
 //! - [`jpeg`]: the JPEG decoder, stb_image's arithmetic.
 //! - [`preprocess`]: resizing, MiniCPM-V's slicing into a grid of slices plus an
 //!   overview, Llama 4's and InternVL's tiles, Qwen-VL's, Kimi-VL's and
-//!   GLM-4.xV's resize to a token budget, normalisation.
+//!   GLM-4.xV's resize to a token budget, LFM2-VL's (and its tiles of large
+//!   images), normalisation.
 //! - [`clip`]: the mmproj file (`general.architecture = clip`): hyperparameters
 //!   and weights, for projector types `minicpmv4_6` (MiniCPM-V 4.6 and 4.7),
 //!   `gemma3`, `qwen3vl_merger` (Qwen3-VL; its rows carry the deepstack
 //!   features after the embedding: [`ClipModel::row_width`], and its tokens
 //!   form a grid: [`merged_grid`]), `kimivl` (Kimi-VL), `kimik25` (Kimi
 //!   K2.5, GLM-5.2-V), `llama4` (Llama 4), `glm4v` (GLM-4.5V and 4.6V; a
-//!   grid as Qwen3-VL's) and `internvl` (InternVL).
+//!   grid as Qwen3-VL's), `internvl` (InternVL) and `lfm2` (LFM2-VL).
 //! - [`encoder`]: the ViT and projector forward pass, multi-threaded.
 //! - [`prompt`]: the image embeddings spliced into the token sequence with the
 //!   model's special tokens.
