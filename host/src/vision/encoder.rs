@@ -1141,35 +1141,20 @@ fn encode_kimivl(
     let hp = &m.hp;
     let d = hp.n_embd;
     let f = hp.n_merge;
-    // The patch embedding (in f16, as `ggml_conv_2d`) and its bias.
-    let patches = patch_rows(img, hp.patch_size, pw, 0..pw * ph);
-    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
-    drop(patches);
     // The learned position embeddings, interpolated to the grid: Kimi-VL's
     // square table with antialiasing, Kimi K2.5's W x H one bicubically.
     let kimik25 = hp.projector == ProjectorType::KimiK25;
-    let side = (m.n_pos as f64).sqrt() as usize;
-    if m.pos_embd.len() != m.n_pos * d || (!kimik25 && side * side != m.n_pos) {
-        return Err(VisionError::Shape(
-            "position embeddings are not a square table",
-        ));
-    }
-    let pos = if kimik25 {
-        interpolate_positions_bicubic(&m.pos_embd, m.pos_grid, d, (pw, ph), true)
+    let mut x = if kimik25 {
+        if m.pos_embd.len() != m.n_pos * d {
+            return Err(VisionError::Shape(
+                "position embeddings are not a square table",
+            ));
+        }
+        let pos = interpolate_positions_bicubic(&m.pos_embd, m.pos_grid, d, (pw, ph), true);
+        patches_with_positions(ctx, m, img, (pw, ph), pos)?
     } else {
-        interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph)
+        patches_with_resized_table(ctx, m, img, (pw, ph))?
     };
-    add_in_place(
-        &mut x,
-        &Acts {
-            n: pw * ph,
-            dim: d,
-            x: pos,
-        },
-    );
-    if let Some(ln) = &m.pre_ln {
-        x = layer_norm(&x, ln, hp.eps);
-    }
     // clip.cpp's positions: the first half of a head by the patch's column,
     // the second by its row (clip.cpp's `rope_theta` 10000).
     let positions: Vec<(usize, usize)> = (0..pw * ph).map(|t| (t % pw, t / pw)).collect();
@@ -1432,6 +1417,54 @@ pub fn encode(ctx: &mut Ctx<'_>, m: &ClipModel, img: &ImageF32) -> Result<Vec<f3
     }
 }
 
+/// The input of a tower whose square position table is resized to the
+/// image's `pw` x `ph` patch grid with antialiasing (Kimi-VL's, LFM2-VL's:
+/// clip.cpp's `resize_position_embeddings`): see [`patches_with_positions`].
+fn patches_with_resized_table(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+) -> Result<Acts, VisionError> {
+    let d = m.hp.n_embd;
+    let side = (m.n_pos as f64).sqrt() as usize;
+    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
+        return Err(VisionError::Shape(
+            "position embeddings are not a square table",
+        ));
+    }
+    let pos = interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph);
+    patches_with_positions(ctx, m, img, (pw, ph), pos)
+}
+
+/// The patch embedding of `img` (in f16, as `ggml_conv_2d`) and its bias,
+/// plus `pos` (a row per patch of the `pw` x `ph` grid, row-major), then
+/// `pre_ln` where the file has it.
+fn patches_with_positions(
+    ctx: &mut Ctx<'_>,
+    m: &ClipModel,
+    img: &ImageF32,
+    (pw, ph): (usize, usize),
+    pos: Vec<f32>,
+) -> Result<Acts, VisionError> {
+    let hp = &m.hp;
+    let patches = patch_rows(img, hp.patch_size, pw, 0..pw * ph);
+    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
+    drop(patches);
+    add_in_place(
+        &mut x,
+        &Acts {
+            n: pw * ph,
+            dim: hp.n_embd,
+            x: pos,
+        },
+    );
+    if let Some(ln) = &m.pre_ln {
+        x = layer_norm(&x, ln, hp.eps);
+    }
+    Ok(x)
+}
+
 /// LFM2-VL's tower and projector on one image of `pw` x `ph` patches (each
 /// side a multiple of the merge): clip.cpp's `clip_graph_siglip` for
 /// `PROJECTOR_TYPE_LFM2`. The patch embedding and its bias, the square
@@ -1453,27 +1486,7 @@ fn encode_lfm2(
     let hp = &m.hp;
     let d = hp.n_embd;
     let f = hp.n_merge;
-    let side = (m.n_pos as f64).sqrt() as usize;
-    if side * side != m.n_pos || m.pos_embd.len() != m.n_pos * d {
-        return Err(VisionError::Shape(
-            "position embeddings are not a square table",
-        ));
-    }
-    let patches = patch_rows(img, hp.patch_size, pw, 0..pw * ph);
-    let mut x = linear_wb(ctx, m, &m.patch_embd, m.patch_bias.as_deref(), &patches)?;
-    drop(patches);
-    let pos = interpolate_positions_antialiased(&m.pos_embd, side, d, pw, ph);
-    add_in_place(
-        &mut x,
-        &Acts {
-            n: pw * ph,
-            dim: d,
-            x: pos,
-        },
-    );
-    if let Some(ln) = &m.pre_ln {
-        x = layer_norm(&x, ln, hp.eps);
-    }
+    let mut x = patches_with_resized_table(ctx, m, img, (pw, ph))?;
     for l in &m.layers {
         x = vit_layer(ctx, m, l, x, None)?;
     }

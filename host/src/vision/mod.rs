@@ -97,21 +97,20 @@ pub fn preprocess_image(m: &ClipModel, img: &RgbImage) -> Preprocessed {
     let hp = &m.hp;
     let norm = |i: &RgbImage| preprocess::normalize(i, hp.mean, hp.std);
     match hp.projector {
-        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => {
+        ProjectorType::MiniCpmV46
+        | ProjectorType::Llama4
+        | ProjectorType::InternVl
+        | ProjectorType::Lfm2 => {
+            // LFM2's resizes are bilinear (llama.cpp's `image_resize_algo_ov`
+            // / `_rf`), the others' bicubic; the overview unpadded and the
+            // slices' image padded.
+            let algo = if hp.projector == ProjectorType::Lfm2 {
+                preprocess::ResizeAlgo::Bilinear
+            } else {
+                preprocess::ResizeAlgo::Bicubic
+            };
             let inst = llava_uhd_slices(m, (img.width, img.height));
-            let sliced = preprocess::slice_image(img, &inst);
-            let mut chunks = vec![norm(&sliced.overview)];
-            chunks.extend(sliced.slices.iter().map(norm));
-            Preprocessed {
-                chunks,
-                grid: sliced.grid,
-            }
-        }
-        ProjectorType::Lfm2 => {
-            // Bilinear, the overview unpadded and the tiles' image padded
-            // (llama.cpp's `image_resize_algo_ov` / `_rf` for LFM2).
-            let inst = lfm2_slices(m, (img.width, img.height));
-            let sliced = preprocess::slice_image_with(img, &inst, preprocess::ResizeAlgo::Bilinear);
+            let sliced = preprocess::slice_image_with(img, &inst, algo);
             let mut chunks = vec![norm(&sliced.overview)];
             chunks.extend(sliced.slices.iter().map(norm));
             Preprocessed {
@@ -195,12 +194,22 @@ impl ImageLayout {
     }
 }
 
-/// How the MiniCPM-V or Llama 4 projector of `m` slices an image of
-/// `(width, height)` pixels (llama.cpp's llava-uhd slicing: MiniCPM-V's
-/// dynamic grid, Llama 4's tiles): [`preprocess_image`] cuts the pixels so,
-/// [`image_layout`] counts the embeddings.
+/// How the MiniCPM-V, Llama 4, InternVL or LFM2-VL projector of `m` slices
+/// an image of `(width, height)` pixels (llama.cpp's llava-uhd slicing:
+/// MiniCPM-V's dynamic grid, Llama 4's and InternVL's tiles, LFM2-VL's
+/// overview within its token budget and tiles of large images):
+/// [`preprocess_image`] cuts the pixels so, [`image_layout`] counts the
+/// embeddings.
 fn llava_uhd_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
     let hp = &m.hp;
+    if hp.projector == ProjectorType::Lfm2 {
+        return preprocess::lfm2_instructions(
+            size,
+            hp.patch_size * hp.n_merge,
+            hp.patch_size,
+            (hp.image_min_pixels, hp.image_max_pixels),
+        );
+    }
     if hp.projector == ProjectorType::Llama4 {
         return preprocess::tile_instructions(size, hp.image_size, &preprocess::llama4_grids());
     }
@@ -211,34 +220,16 @@ fn llava_uhd_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceIns
     preprocess::slice_instructions(size, hp.image_size, hp.patch_size * hp.n_merge, MAX_SLICES)
 }
 
-/// How LFM2-VL cuts an image of `(width, height)` pixels: an overview within
-/// its token budget, and 512-pixel tiles where the image is large.
-fn lfm2_slices(m: &ClipModel, size: (usize, usize)) -> preprocess::SliceInstructions {
-    let hp = &m.hp;
-    preprocess::lfm2_instructions(
-        size,
-        hp.patch_size * hp.n_merge,
-        hp.patch_size,
-        (hp.image_min_pixels, hp.image_max_pixels),
-    )
-}
-
 /// The layout of an image of `width` x `height` pixels, without its pixels:
 /// what the prompt's length will be is known before any image is encoded.
 pub fn image_layout(m: &ClipModel, size: (usize, usize)) -> ImageLayout {
     let tokens = |(w, h): (usize, usize)| encoder::output_tokens(m, w, h);
     match m.hp.projector {
-        ProjectorType::MiniCpmV46 | ProjectorType::Llama4 | ProjectorType::InternVl => {
+        ProjectorType::MiniCpmV46
+        | ProjectorType::Llama4
+        | ProjectorType::InternVl
+        | ProjectorType::Lfm2 => {
             let inst = llava_uhd_slices(m, size);
-            let mut chunk_tokens = vec![tokens(inst.overview)];
-            chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
-            ImageLayout {
-                chunk_tokens,
-                grid: inst.grid,
-            }
-        }
-        ProjectorType::Lfm2 => {
-            let inst = lfm2_slices(m, size);
             let mut chunk_tokens = vec![tokens(inst.overview)];
             chunk_tokens.extend(inst.slices.iter().map(|&(_, _, w, h)| tokens((w, h))));
             ImageLayout {
