@@ -1245,6 +1245,29 @@ fn lfm2_projector_files_are_checked() {
         let e = ClipModel::open(&bad).unwrap_err().to_string();
         assert!(e.contains(want), "without {dropped}: {e}");
     }
+    // Token bounds crossing the other's default (64 to 256) are refused, as
+    // llama.cpp refuses them; within it they move both sizes.
+    let mut m = ClipModel::open(&path).unwrap();
+    for (min, max, want) in [
+        (
+            None,
+            Some(20),
+            "--image-min-tokens 64 (the default) is more than --image-max-tokens 20",
+        ),
+        (
+            Some(300),
+            None,
+            "--image-min-tokens 300 is more than --image-max-tokens 256 (the default)",
+        ),
+    ] {
+        let e = m.set_image_tokens(min, max).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    m.set_image_tokens(Some(16), Some(100)).unwrap();
+    assert_eq!(
+        (m.hp.image_min_pixels, m.hp.image_max_pixels),
+        (16 * 1024, 100 * 1024)
+    );
 }
 
 #[test]
@@ -1575,6 +1598,81 @@ fn lfm2_embeddings_equal_llama_cpps() {
         ],
     );
     tiled_embeddings_equal_llama_cpps(&model, ProjectorType::Lfm2);
+}
+
+/// LFM2-VL's token bounds as llama.cpp applies them (`image_min_tokens` /
+/// `image_max_tokens`, which also move its tiling threshold): the same
+/// chunks of the same sizes, in prompt order, for images of many shapes.
+#[test]
+#[ignore = "needs llama-cpp-python's mtmd library"]
+fn lfm2_token_bounds_equal_llama_cpps() {
+    let mmproj = tmp("mtmd_lfm2_bounds_mmproj.gguf");
+    let model = tiny_text_model_with(
+        "lfm2",
+        "mtmd_lfm2_bounds.gguf",
+        &[
+            "--projector",
+            "lfm2",
+            "--mmproj-out",
+            mmproj.to_str().unwrap(),
+        ],
+    );
+    let sizes = [
+        (320, 240),
+        (1024, 768),
+        (720, 760),
+        (2000, 1500),
+        (40, 30),
+        (6000, 100),
+        (500, 420),
+    ];
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/mtmd_llama.py");
+    // A bound crossing the other's default fails in llama.cpp ("image_max_pixels
+    // (262144) is less than image_min_pixels (307200)") and here.
+    let mut clip = ClipModel::open(&mmproj).unwrap();
+    let e = clip
+        .set_image_tokens(Some(300), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--image-min-tokens 300 is more than --image-max-tokens 256 (the default)"),
+        "{e}"
+    );
+    for (min, max) in [(None, None), (None, Some(64)), (Some(16), Some(100))] {
+        let mut clip = ClipModel::open(&mmproj).unwrap();
+        clip.set_image_tokens(min, max).unwrap();
+        for (w, h) in sizes {
+            let mut cmd = std::process::Command::new("python3");
+            cmd.arg(script)
+                .arg("grid")
+                .arg(&model)
+                .arg(&mmproj)
+                .arg(format!("{w}x{h}"));
+            if let Some(v) = min {
+                cmd.env("MTMD_IMAGE_MIN_TOKENS", v.to_string());
+            }
+            if let Some(v) = max {
+                cmd.env("MTMD_IMAGE_MAX_TOKENS", v.to_string());
+            }
+            let out = cmd.output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let theirs: Vec<usize> = chunks
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["n"].as_u64().unwrap() as usize)
+                .collect();
+            let layout = les::vision::image_layout(&clip, (w, h));
+            let mut ours = layout.chunk_tokens.clone();
+            ours.rotate_left(1); // tiles, then the overview
+            assert_eq!(ours, theirs, "{w}x{h}, min {min:?}, max {max:?}");
+        }
+    }
 }
 
 /// One projector of `ptype` with `ty` weights (its ViT's FFN through SiLU

@@ -214,10 +214,9 @@ fn internvl_image_prompt_streams_exactly_on_every_schedule() {
 /// LFM2-VL's projector before an `lfm2moe`: the 320 x 240 demo image
 /// becomes 320 x 256 (each side the nearest multiple of a 32-pixel merged
 /// patch, within 64 to 256 tokens), 10 x 8 embeddings, untiled between
-/// `<|image_start|>` and `<|image_end|>`. `--image-max-tokens 64`, below
-/// the default fewest, is taken as llama.cpp takes it: the most pixels win,
-/// 320 x 240 divided by sqrt(76 800 / 65 536) a side and rounded down to
-/// 288 x 192, 9 x 6 embeddings.
+/// `<|image_start|>` and `<|image_end|>`. `--image-max-tokens 64` (the
+/// default fewest) shrinks it: 320 x 240 divided by sqrt(76 800 / 65 536)
+/// a side and rounded down to 288 x 192, 9 x 6 embeddings.
 #[test]
 fn lfm2_image_prompt_streams_exactly_on_every_schedule() {
     let markers = (80, "<|image_start|>", "<|image_end|>");

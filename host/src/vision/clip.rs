@@ -1570,8 +1570,8 @@ impl ClipModel {
     /// size images dynamically (Qwen3-VL, Kimi-VL, LFM2-VL; `None` keeps the
     /// projector's [`ProjectorType::token_budget`]); the others take images
     /// at fixed sizes and ignore them, as llama.cpp does.
-    /// Each from 1 to [`MAX_IMAGE_TOKENS`]; where both are given, the fewest
-    /// at most the most.
+    /// Each from 1 to [`MAX_IMAGE_TOKENS`], the fewest at most the most (a
+    /// bound not given is the projector's default).
     pub fn set_image_tokens(
         &mut self,
         min: Option<usize>,
@@ -1590,17 +1590,23 @@ impl ClipModel {
         if self.hp.pixels_from_file {
             return Ok(());
         }
-        if let (Some(min), Some(max)) = (min, max) {
-            if min > max {
-                return Err(err(format!(
-                    "--image-min-tokens {min} is more than --image-max-tokens {max}"
-                )));
+        // Crossed bounds are refused, as llama.cpp refuses them (also where
+        // one is the projector's default).
+        let name = |given: Option<usize>| {
+            if given.is_some() {
+                ""
+            } else {
+                " (the default)"
             }
-        }
-        // One bound below the other's default is taken as llama.cpp takes
-        // it: the most pixels win (its resize checks them first).
+        };
+        let (min_name, max_name) = (name(min), name(max));
         let min = min.unwrap_or(min_default);
         let max = max.unwrap_or(max_default);
+        if min > max {
+            return Err(err(format!(
+                "--image-min-tokens {min}{min_name} is more than --image-max-tokens {max}{max_name}"
+            )));
+        }
         let merged_area = (self.hp.patch_size * self.hp.n_merge).pow(2);
         self.hp.image_min_pixels = min * merged_area;
         self.hp.image_max_pixels = max * merged_area;
