@@ -6,7 +6,8 @@
 //! the table gives the medians as a cost per input, in single `gemv`s.
 //!
 //! `cargo bench -p les-core --bench gemm` (`LES_BENCH_SECONDS` per case,
-//! default 1).
+//! default 1; `LES_BENCH_ISA=avx2` or another available ISA's name instead of
+//! the detected one).
 
 // A bench binary: its helpers need no docs.
 #![allow(missing_docs)]
@@ -72,7 +73,12 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn main() {
-    let isa = Isa::detect();
+    let isa = match std::env::var("LES_BENCH_ISA") {
+        Ok(name) => Isa::available()
+            .find(|i| i.name() == name)
+            .unwrap_or_else(|| panic!("LES_BENCH_ISA={name} is not available here")),
+        Err(_) => Isa::detect(),
+    };
     let budget = Duration::from_secs_f64(
         std::env::var("LES_BENCH_SECONDS")
             .ok()

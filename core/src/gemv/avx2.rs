@@ -889,9 +889,9 @@ fn q4_k_sums_n<const N: usize>(w: &BlockQ4K, x: [&BlockQ8K; N]) -> [(__m256i, __
 /// [`k4_terms2`], an odd last one through [`k4_term`]). `$features` as in
 /// `k4_kernel`; the helpers are named at the call site.
 macro_rules! k4_kernel_n {
-    ($features:literal, $vis:vis $name:ident, $sums_n:ident) => {
+    ($features:literal, $vis:vis $name:ident, $W:ty, $sums_n:ident) => {
         #[target_feature(enable = $features)]
-        $vis fn $name<const N: usize>(w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        $vis fn $name<const N: usize>(w: &[$W], x: [&[BlockQ8K]; N]) -> [f32; N] {
             let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
             let mut acc = [0.0f32; N];
             let mut i = 0;
@@ -925,7 +925,7 @@ macro_rules! k4_kernel_n {
 }
 pub(super) use k4_kernel_n;
 
-k4_kernel_n!("avx2,fma,f16c", pub(super) q4_k_n, q4_k_sums_n);
+k4_kernel_n!("avx2,fma,f16c", pub(super) q4_k_n, BlockQ4K, q4_k_sums_n);
 
 /// Chunk `c` (sub-blocks `2c` and `2c + 1`) of a `Q5_K` block as unsigned 5-bit
 /// values: the low and high nibbles of `qs` under the fifth bits, bits 0 and 1

@@ -85,6 +85,20 @@ impl Kernels for Avx512 {
         bf16(&[u8], &[f32]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
     }
+    // The AVX2 kernels' grouped products (each result their one-input
+    // kernel's bits).
+    #[inline]
+    fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        self.0.q4_k_n(w, x)
+    }
+    #[inline]
+    fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        self.0.q5_k_n(w, x)
+    }
+    #[inline]
+    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        self.0.iq4_xs_n(w, x)
+    }
     inner_methods! {
         // The AVX2 kernels (`cargo bench -p les-core --bench gemv`: a 512-bit
         // `Q8_0` one widening to `i16` measured 0.79x of AVX2's; a 512-bit `Q4_K`
@@ -125,9 +139,18 @@ impl Kernels for Avx512Vnni {
         unsafe { evex::q4_k_vnni_n(w, x) }
     }
     #[inline]
+    fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q6_k`.
+        unsafe { evex::q5_k_vnni_n(w, x) }
+    }
+    #[inline]
     fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
         // SAFETY: as for `q6_k`.
         unsafe { q6_k_vnni_n(w, x) }
+    }
+    #[inline]
+    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        self.0.iq4_xs_n(w, x)
     }
     inner_methods! {
         f32(&[u8], &[f32]);

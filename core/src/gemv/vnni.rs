@@ -202,17 +202,18 @@ macro_rules! vnni_kernels {
             q4_k_sums_vnni
         );
 
-        /// [`q4_k_sums_vnni`] of one super-block against `N` inputs: the
-        /// nibbles, the scales and their multipliers unpacked once for all of
-        /// them. Each input's sums are the exact integers `q4_k_sums_vnni`
-        /// gives it.
+        /// [`k4_sums_vnni`] of one super-block against `N` inputs: each
+        /// chunk's values (`values(c)`), the scales and their multipliers
+        /// unpacked once for all of them. Each input's sums are the exact
+        /// integers `k4_sums_vnni` gives it.
         #[inline]
         #[target_feature(enable = $features)]
-        fn q4_k_sums_vnni_n<const N: usize>(
-            w: &BlockQ4K,
+        fn k4_sums_vnni_n<const N: usize>(
+            packed_scales: &[u8; 12],
             x: [&BlockQ8K; N],
+            mut values: impl FnMut(usize) -> (__m256i, __m256i),
         ) -> [(__m256i, __m256i); N] {
-            let (sc, mins) = scales_mins_k4(&w.scales);
+            let (sc, mins) = scales_mins_k4(packed_scales);
             let scales = _mm256_set1_epi64x(i64::from_le_bytes(sc));
             let pm = avx2::pairs8(mins);
             let zero = _mm256_setzero_si256();
@@ -222,7 +223,7 @@ macro_rules! vnni_kernels {
                 o.1 = _mm256_madd_epi16(ld256(bsums), pm);
             }
             for (c, pick) in super::CHUNK_SCALES.iter().enumerate() {
-                let (lo, hi) = avx2::nibbles32(arr(&w.qs, 32 * c));
+                let (lo, hi) = values(c);
                 let mult = _mm256_shuffle_epi8(scales, ld256(pick));
                 for (o, x) in out.iter_mut().zip(x) {
                     let sa = $dpbusd(zero, lo, avx2::y32(x, 64 * c));
@@ -234,14 +235,41 @@ macro_rules! vnni_kernels {
             out
         }
 
+        /// [`q4_k_sums_vnni`] against `N` inputs ([`k4_sums_vnni_n`]).
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q4_k_sums_vnni_n<const N: usize>(
+            w: &BlockQ4K,
+            x: [&BlockQ8K; N],
+        ) -> [(__m256i, __m256i); N] {
+            k4_sums_vnni_n(&w.scales, x, |c| avx2::nibbles32(arr(&w.qs, 32 * c)))
+        }
+
+        /// [`q5_k_sums_vnni`] against `N` inputs ([`k4_sums_vnni_n`]).
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q5_k_sums_vnni_n<const N: usize>(
+            w: &BlockQ5K,
+            x: [&BlockQ8K; N],
+        ) -> [(__m256i, __m256i); N] {
+            let mut hq = ld256(&w.qh);
+            k4_sums_vnni_n(&w.scales, x, |c| {
+                let values = avx2::q5_k_chunk(w, c, hq);
+                hq = _mm256_srli_epi16::<2>(hq);
+                values
+            })
+        }
+
         // [`q4_k_vnni`] of one row and `N` inputs, each result its bits.
-        k4_kernel_n!($features, pub(crate) q4_k_vnni_n, q4_k_sums_vnni_n);
+        k4_kernel_n!($features, pub(crate) q4_k_vnni_n, BlockQ4K, q4_k_sums_vnni_n);
         k4_kernel!(
             $features,
             pub(crate) q5_k_vnni,
             BlockQ5K,
             q5_k_sums_vnni
         );
+        // [`q5_k_vnni`] of one row and `N` inputs, each result its bits.
+        k4_kernel_n!($features, pub(crate) q5_k_vnni_n, BlockQ5K, q5_k_sums_vnni_n);
     };
 }
 
@@ -330,6 +358,11 @@ impl Kernels for AvxVnni {
         // SAFETY: an `AvxVnni` token exists only if the CPU supports AVX-VNNI,
         // AVX2, FMA and F16C (`AvxVnni::new`).
         unsafe { vex::q4_k_vnni_n(w, x) }
+    }
+    #[inline]
+    fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: as for `q4_k_n`.
+        unsafe { vex::q5_k_vnni_n(w, x) }
     }
     #[inline]
     fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
