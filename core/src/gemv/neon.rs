@@ -100,9 +100,19 @@ macro_rules! neon_methods {
             unsafe { $module::q4_k_n(w, x) }
         }
         #[inline]
+        fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            // SAFETY: as for `forward!`'s methods.
+            unsafe { $module::q5_k_n(w, x) }
+        }
+        #[inline]
         fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
             // SAFETY: as for `forward!`'s methods.
             unsafe { $module::q6_k_n(w, x) }
+        }
+        #[inline]
+        fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            // SAFETY: as for `forward!`'s methods.
+            unsafe { $module::iq4_xs_n(w, x) }
         }
     };
 }
@@ -493,35 +503,111 @@ macro_rules! int_kernels {
             let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
             let mut acc = [0.0f32; N];
             for (i, w) in w[..n].iter().enumerate() {
-                let mut sumi = [0i32; N];
-                let mut summs = [0i32; N];
-                for c in 0..4 {
-                    let mut lo = [vdupq_n_s32(0); N];
-                    let mut hi = [vdupq_n_s32(0); N];
-                    for h in 0..2 {
-                        let q = ld_u8(arr(&w.qs, 32 * c + 16 * h));
-                        let ql = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(15)));
-                        let qh = vreinterpretq_s8_u8(vshrq_n_u8::<4>(q));
-                        for ((lo, hi), x) in lo.iter_mut().zip(hi.iter_mut()).zip(x) {
-                            let x = &x[i];
-                            *lo = mac16(*lo, ql, ld_s8(arr(&x.qs, 64 * c + 16 * h)));
-                            *hi = mac16(*hi, qh, ld_s8(arr(&x.qs, 64 * c + 32 + 16 * h)));
-                        }
-                    }
-                    for (j, s) in [(2 * c, &lo), (2 * c + 1, &hi)] {
-                        let (sc, m) = scale_min_k4(j, &w.scales);
-                        for k in 0..N {
-                            let x = &x[k][i];
-                            sumi[k] += sc as i32 * vaddvq_s32(s[k]);
-                            summs[k] +=
-                                m as i32 * (r::q8k_bsum(x, 2 * j) + r::q8k_bsum(x, 2 * j + 1));
-                        }
-                    }
-                }
+                let (sumi, summs) = k4_sums_n(&w.scales, x.map(|x| &x[i]), |c, h| {
+                    let q = ld_u8(arr(&w.qs, 32 * c + 16 * h));
+                    let ql = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(15)));
+                    (ql, vreinterpretq_s8_u8(vshrq_n_u8::<4>(q)))
+                });
                 for k in 0..N {
                     let dx = r::q8k_d(&x[k][i]);
                     acc[k] +=
                         (r::h(w.d) * dx) * sumi[k] as f32 - (r::h(w.dmin) * dx) * summs[k] as f32;
+                }
+            }
+            acc
+        }
+
+        /// [`q5_k`] of one row and `N` inputs, each result its bits, as
+        /// [`q4_k_n`]: the nibbles under their fifth bits unpacked once.
+        #[target_feature(enable = $features)]
+        pub(super) fn q5_k_n<const N: usize>(w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            for (i, w) in w[..n].iter().enumerate() {
+                // `qh` of each half, shifted right by 2 after each chunk.
+                let mut hq = [ld_u8(arr(&w.qh, 0)), ld_u8(arr(&w.qh, 16))];
+                let (sumi, summs) = k4_sums_n(&w.scales, x.map(|x| &x[i]), |c, h| {
+                    let q = ld_u8(arr(&w.qs, 32 * c + 16 * h));
+                    let hb = hq[h];
+                    let h0 = vshlq_n_u8::<4>(vandq_u8(hb, vdupq_n_u8(1)));
+                    let h1 = vshlq_n_u8::<3>(vandq_u8(hb, vdupq_n_u8(2)));
+                    hq[h] = vshrq_n_u8::<2>(hb);
+                    (
+                        vreinterpretq_s8_u8(vorrq_u8(vandq_u8(q, vdupq_n_u8(15)), h0)),
+                        vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8::<4>(q), h1)),
+                    )
+                });
+                for k in 0..N {
+                    let dx = r::q8k_d(&x[k][i]);
+                    acc[k] +=
+                        (r::h(w.d) * dx) * sumi[k] as f32 - (r::h(w.dmin) * dx) * summs[k] as f32;
+                }
+            }
+            acc
+        }
+
+        /// A `Q4_K`/`Q5_K` super-block's integer sums against `N` inputs:
+        /// `sumi` (each sub-block's products times its scale) and `summs`
+        /// (its group sums times its min). `values(c, h)` gives half `h` of
+        /// chunk `c` as the low and the high sub-block's values (called in
+        /// order: chunk by chunk, each half in turn), unpacked once for all
+        /// inputs.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn k4_sums_n<const N: usize>(
+            scales: &[u8; 12],
+            x: [&BlockQ8K; N],
+            mut values: impl FnMut(usize, usize) -> (int8x16_t, int8x16_t),
+        ) -> ([i32; N], [i32; N]) {
+            let mut sumi = [0i32; N];
+            let mut summs = [0i32; N];
+            for c in 0..4 {
+                let mut lo = [vdupq_n_s32(0); N];
+                let mut hi = [vdupq_n_s32(0); N];
+                for h in 0..2 {
+                    let (ql, qh) = values(c, h);
+                    for ((lo, hi), x) in lo.iter_mut().zip(hi.iter_mut()).zip(x) {
+                        *lo = mac16(*lo, ql, ld_s8(arr(&x.qs, 64 * c + 16 * h)));
+                        *hi = mac16(*hi, qh, ld_s8(arr(&x.qs, 64 * c + 32 + 16 * h)));
+                    }
+                }
+                for (j, s) in [(2 * c, &lo), (2 * c + 1, &hi)] {
+                    let (sc, m) = scale_min_k4(j, scales);
+                    for k in 0..N {
+                        sumi[k] += sc as i32 * vaddvq_s32(s[k]);
+                        summs[k] +=
+                            m as i32 * (r::q8k_bsum(x[k], 2 * j) + r::q8k_bsum(x[k], 2 * j + 1));
+                    }
+                }
+            }
+            (sumi, summs)
+        }
+
+        /// [`iq4_xs`] of one row and `N` inputs, each result its bits: each
+        /// sub-block's codebook values looked up once for all inputs.
+        #[target_feature(enable = $features)]
+        pub(super) fn iq4_xs_n<const N: usize>(
+            w: &[BlockIQ4XS],
+            x: [&[BlockQ8K]; N],
+        ) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let table = ld_s8(&KVALUES_IQ4NL);
+            let mut acc = [0.0f32; N];
+            for (i, w) in w[..n].iter().enumerate() {
+                let mut sumi = [0i32; N];
+                for j in 0..8 {
+                    let q = ld_u8(arr(&w.qs, 16 * j));
+                    let lo = vqtbl1q_s8(table, vandq_u8(q, vdupq_n_u8(15)));
+                    let hi = vqtbl1q_s8(table, vshrq_n_u8::<4>(q));
+                    let sc = r::iq4xs_scale(w, j);
+                    for (sumi, x) in sumi.iter_mut().zip(x) {
+                        let y: &[i8; 32] = arr(&x[i].qs, 32 * j);
+                        let s = mac16(vdupq_n_s32(0), lo, ld_s8(arr(y, 0)));
+                        *sumi += sc * vaddvq_s32(mac16(s, hi, ld_s8(arr(y, 16))));
+                    }
+                }
+                for k in 0..N {
+                    acc[k] += (r::h(w.d) * r::q8k_d(&x[k][i])) * sumi[k] as f32;
                 }
             }
             acc
