@@ -663,15 +663,18 @@ fn context_size(prompt_len: usize, args: &RunArgs, n_ctx_train: usize) -> Result
 }
 
 /// llama.cpp's bounds on the tokens of one image, for projectors that size
-/// images dynamically (Qwen3-VL); the others take images at fixed sizes.
+/// images dynamically (Qwen3-VL, GLM-4.xV, Kimi-VL, LFM2-VL); the others
+/// take images at fixed sizes.
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct ImageTokenArgs {
     /// Fewest tokens one image may take, where the projector sizes images
-    /// (Qwen3-VL: 8 by default; llama.cpp suggests 1024 for grounding).
+    /// (Qwen3-VL: 8 by default, LFM2-VL: 64; llama.cpp suggests 1024 for
+    /// Qwen-VL's grounding).
     #[arg(long, value_name = "N", requires = "mmproj")]
     pub image_min_tokens: Option<usize>,
     /// Most tokens one image may take, where the projector sizes images
-    /// (Qwen3-VL: 4096 by default, at most 16384).
+    /// (Qwen3-VL: 4096 by default, LFM2-VL: 256, its tiles past twice that;
+    /// at most 16384).
     #[arg(long, value_name = "N", requires = "mmproj")]
     pub image_max_tokens: Option<usize>,
 }
