@@ -1943,3 +1943,29 @@ fn json_schema_shapes_the_reply() {
     let out = run(&m, &["-j", "{}", "--grammar", "root ::= \"a\""]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// Every command's `--help` is plain text: the doc comments it is made of
+/// hold no rustdoc links (`[`name`]` shown as brackets), and it exits 0.
+#[test]
+fn help_texts_have_no_rustdoc_links() {
+    let out = les().arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let top = String::from_utf8(out.stdout).unwrap();
+    let commands: Vec<String> = top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .filter(|c| c != "help")
+        .collect();
+    assert!(commands.len() >= 8, "{top}");
+    for c in std::iter::once(None).chain(commands.iter().map(Some)) {
+        let mut cmd = les();
+        cmd.args(c).arg("--help");
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{c:?}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(!text.contains("[`"), "les {c:?} --help:\n{text}");
+    }
+}

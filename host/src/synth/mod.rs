@@ -159,7 +159,7 @@ pub enum Arch {
     #[value(name = "qwen3vl")]
     Qwen3vl,
     /// IBM Granite 3.x, dense (llama.cpp's `granite`): Llama's layers with
-    /// Granite's multipliers ([`GRANITE_SCALES`]).
+    /// Granite's multipliers (`GRANITE_SCALES`).
     Granite,
     /// IBM Granite 3.x MoE (llama.cpp's `granitemoe`): Granite's layers with
     /// softmax-routed experts, renormalised, and an ungated shared expert
@@ -170,8 +170,8 @@ pub enum Arch {
     /// granitemoe's experts and shared expert, Granite's multipliers.
     Granitehybrid,
     /// NVIDIA Nemotron-H MoE (llama.cpp's `nemotron_h_moe`, Nemotron 3 Nano
-    /// 30B-A3B): every layer one sub-layer ([`nemotron_layer_kind`]), Mamba2
-    /// ([`nemotron_ssm`]), attention without RoPE, or ungated ReLU² experts
+    /// 30B-A3B): every layer one sub-layer (`nemotron_layer_kind`), Mamba2
+    /// (`nemotron_ssm`), attention without RoPE, or ungated ReLU² experts
     /// picked by sigmoid scores plus a selection bias, weights renormalised
     /// and scaled by 2.5, with an ungated ReLU² shared expert.
     #[value(name = "nemotron_h_moe")]
@@ -182,8 +182,8 @@ pub enum Arch {
     NemotronH,
     /// Liquid AI's LFM2 MoE (llama.cpp's `lfm2moe`, LFM2-8B-A1B): gated short
     /// convolutions with an attention layer in every four
-    /// ([`lfm2_is_attention`]; per-head Q/K norms, NeoX RoPE), the first
-    /// [`LFM2_DENSE_LAYERS`] dense, then routed experts picked by sigmoid
+    /// (`lfm2_is_attention`; per-head Q/K norms, NeoX RoPE), the first
+    /// `LFM2_DENSE_LAYERS` dense, then routed experts picked by sigmoid
     /// scores plus a selection bias, renormalised.
     Lfm2moe,
     /// LFM2, dense (llama.cpp's `lfm2`): the MoE's layers with a SwiGLU FFN
@@ -513,9 +513,9 @@ pub enum Preset {
     /// About 560 MB: 16 layers, 1024 wide, 64 experts of 256, top-4.
     Small,
     /// The shape of Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts of 768, top-8;
-    /// in llama.cpp's `Q4_K_M` mix ([`Mix::Q4KM`]) about 18.6 GB (17.28 GiB), the
+    /// in llama.cpp's `Q4_K_M` mix (`Mix::Q4KM`) about 18.6 GB (17.28 GiB), the
     /// size of that model's `Q4_K_M` download. With `nemotron_h_moe`, Nemotron
-    /// 3 Nano 30B-A3B's shape ([`nemotron_shape`]), about 25.5 GB.
+    /// 3 Nano 30B-A3B's shape (`nemotron_shape`), about 25.5 GB.
     A3b,
     /// The shape of MiniCPM-V 4.7's language model (Qwen3.5-35B-A3B, arch
     /// `qwen35moe`): 40 layers (30 gated DeltaNet, 10 gated attention), 2048 wide,
