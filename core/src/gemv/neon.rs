@@ -488,8 +488,7 @@ macro_rules! int_kernels {
                         summs += m as i32 * (r::q8k_bsum(x, 2 * j) + r::q8k_bsum(x, 2 * j + 1));
                     }
                 }
-                let dx = r::q8k_d(x);
-                acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+                acc += r::k_term(w.d, w.dmin, x, sumi, summs);
             }
             acc
         }
@@ -509,9 +508,7 @@ macro_rules! int_kernels {
                     (ql, vreinterpretq_s8_u8(vshrq_n_u8::<4>(q)))
                 });
                 for k in 0..N {
-                    let dx = r::q8k_d(&x[k][i]);
-                    acc[k] +=
-                        (r::h(w.d) * dx) * sumi[k] as f32 - (r::h(w.dmin) * dx) * summs[k] as f32;
+                    acc[k] += r::k_term(w.d, w.dmin, &x[k][i], sumi[k], summs[k]);
                 }
             }
             acc
@@ -538,9 +535,7 @@ macro_rules! int_kernels {
                     )
                 });
                 for k in 0..N {
-                    let dx = r::q8k_d(&x[k][i]);
-                    acc[k] +=
-                        (r::h(w.d) * dx) * sumi[k] as f32 - (r::h(w.dmin) * dx) * summs[k] as f32;
+                    acc[k] += r::k_term(w.d, w.dmin, &x[k][i], sumi[k], summs[k]);
                 }
             }
             acc
@@ -705,8 +700,7 @@ macro_rules! int_kernels {
                         }
                     }
                 }
-                let dx = r::q8k_d(x);
-                acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+                acc += r::k_term(w.d, w.dmin, x, sumi, summs);
             }
             acc
         }
@@ -767,8 +761,7 @@ macro_rules! int_kernels {
                         summs += m as i32 * (r::q8k_bsum(x, 2 * j) + r::q8k_bsum(x, 2 * j + 1));
                     }
                 }
-                let dx = r::q8k_d(x);
-                acc += (r::h(w.d) * dx) * sumi as f32 - (r::h(w.dmin) * dx) * summs as f32;
+                acc += r::k_term(w.d, w.dmin, x, sumi, summs);
             }
             acc
         }

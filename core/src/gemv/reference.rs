@@ -265,8 +265,7 @@ pub fn dot_q2_k(w: &[BlockQ2K], x: &[BlockQ8K]) -> f32 {
                 }
             }
         }
-        let dx = q8k_d(x);
-        acc += (h(w.d) * dx) * sumi as f32 - (h(w.dmin) * dx) * summs as f32;
+        acc += k_term(w.d, w.dmin, x, sumi, summs);
     }
     acc
 }
@@ -316,6 +315,15 @@ fn k4_like(
         sumi += sc as i32 * sub;
         summs += m as i32 * (q8k_bsum(x, 2 * j) + q8k_bsum(x, 2 * j + 1));
     }
+    k_term(d, dmin, x, sumi, summs)
+}
+
+/// A `Q2_K`/`Q4_K`/`Q5_K` super-block's float step: its exact integer sums
+/// `sumi` (quants times scales times activations) and `summs` (mins times
+/// the activations' group sums), scaled by `d` and `dmin` (`f16`) and the
+/// activations' scale, in this order.
+#[inline(always)]
+pub(crate) fn k_term(d: [u8; 2], dmin: [u8; 2], x: &BlockQ8K, sumi: i32, summs: i32) -> f32 {
     let dx = q8k_d(x);
     (h(d) * dx) * sumi as f32 - (h(dmin) * dx) * summs as f32
 }
