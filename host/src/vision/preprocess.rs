@@ -281,6 +281,36 @@ pub struct SliceInstructions {
     pub slices: Vec<(usize, usize, usize, usize)>,
 }
 
+impl SliceInstructions {
+    /// An image that is its overview alone (of `overview` pixels).
+    pub fn overview_only(overview: (usize, usize)) -> Self {
+        SliceInstructions {
+            overview,
+            refined: (0, 0),
+            grid: (0, 0),
+            slices: Vec::new(),
+        }
+    }
+
+    /// An overview, and the image resized to `refined` cut into `tile`²
+    /// tiles row by row (the last of a row or column cut short where
+    /// `refined` is not a whole number of tiles). `tile` must be positive.
+    pub fn tiled(overview: (usize, usize), refined: (usize, usize), tile: usize) -> Self {
+        let mut slices = Vec::new();
+        for y in (0..refined.1).step_by(tile) {
+            for x in (0..refined.0).step_by(tile) {
+                slices.push((x, y, tile.min(refined.0 - x), tile.min(refined.1 - y)));
+            }
+        }
+        SliceInstructions {
+            overview,
+            refined,
+            grid: (refined.0 / tile, refined.1 / tile),
+            slices,
+        }
+    }
+}
+
 /// `length` rounded to the nearest multiple of `align` (at least `align`).
 pub fn ensure_divide(length: usize, align: usize) -> usize {
     let v = ((length as f32 / align as f32).round() * align as f32) as usize;
@@ -364,12 +394,7 @@ pub fn slice_instructions(
 ) -> SliceInstructions {
     let has_slices = width > slice_size || height > slice_size;
     if !has_slices {
-        return SliceInstructions {
-            overview: (slice_size, slice_size),
-            refined: (0, 0),
-            grid: (0, 0),
-            slices: Vec::new(),
-        };
+        return SliceInstructions::overview_only((slice_size, slice_size));
     }
     let overview = get_best_resize((width, height), slice_size, align, false);
     let log_ratio = (width as f32 / height as f32).ln();
@@ -444,12 +469,7 @@ pub fn tile_instructions(
 ) -> SliceInstructions {
     let overview = (tile, tile);
     if (width <= tile && height <= tile) || width == 0 || height == 0 || tile == 0 {
-        return SliceInstructions {
-            overview,
-            refined: (0, 0),
-            grid: (0, 0),
-            slices: Vec::new(),
-        };
+        return SliceInstructions::overview_only(overview);
     }
     let (ow, oh) = (width as i64, height as i64);
     let mut best = (0, 0);
@@ -466,18 +486,7 @@ pub fn tile_instructions(
             best = (cw as usize, ch as usize);
         }
     }
-    let mut slices = Vec::new();
-    for y in (0..best.1).step_by(tile) {
-        for x in (0..best.0).step_by(tile) {
-            slices.push((x, y, tile.min(best.0 - x), tile.min(best.1 - y)));
-        }
-    }
-    SliceInstructions {
-        overview,
-        refined: best,
-        grid: (best.0 / tile, best.1 / tile),
-        slices,
-    }
+    SliceInstructions::tiled(overview, best, tile)
 }
 
 /// The side of LFM2-VL's tiles in pixels (llama.cpp's
@@ -575,24 +584,10 @@ pub fn lfm2_instructions(
 ) -> SliceInstructions {
     let overview = smart_resize(size, align, min_pixels, max_pixels);
     if size.0 == 0 || size.1 == 0 || !lfm2_should_tile(size, align, patch, max_pixels) {
-        return SliceInstructions {
-            overview,
-            refined: (0, 0),
-            grid: (0, 0),
-            slices: Vec::new(),
-        };
+        return SliceInstructions::overview_only(overview);
     }
-    let grid = lfm2_grid(size);
-    let t = LFM2_TILE;
-    let slices = (0..grid.1)
-        .flat_map(|row| (0..grid.0).map(move |col| (col * t, row * t, t, t)))
-        .collect();
-    SliceInstructions {
-        overview,
-        refined: (grid.0 * t, grid.1 * t),
-        grid,
-        slices,
-    }
+    let (gx, gy) = lfm2_grid(size);
+    SliceInstructions::tiled(overview, (gx * LFM2_TILE, gy * LFM2_TILE), LFM2_TILE)
 }
 
 /// The resized and sliced pixels of one image, overview first.
