@@ -21,7 +21,7 @@ use core::arch::x86_64::*;
 
 use super::avx2::{self, arr, arr_mut, hx, ld128, ld256, sc2, Avx2};
 use super::reference::{self as r, FLOAT_LANES};
-use super::vnni::{evex, inner_methods, vnni_methods};
+use super::vnni::{evex, inner_group_methods, inner_methods, vnni_methods};
 use super::Kernels;
 use crate::quant::blocks::{
     BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
@@ -87,17 +87,10 @@ impl Kernels for Avx512 {
     }
     // The AVX2 kernels' grouped products (each result their one-input
     // kernel's bits).
-    #[inline]
-    fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        self.0.q4_k_n(w, x)
-    }
-    #[inline]
-    fn q5_k_n<const N: usize>(self, w: &[BlockQ5K], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        self.0.q5_k_n(w, x)
-    }
-    #[inline]
-    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        self.0.iq4_xs_n(w, x)
+    inner_group_methods! {
+        q4_k_n(BlockQ4K);
+        q5_k_n(BlockQ5K);
+        iq4_xs_n(BlockIQ4XS);
     }
     inner_methods! {
         // The AVX2 kernels (`cargo bench -p les-core --bench gemv`: a 512-bit
@@ -148,9 +141,8 @@ impl Kernels for Avx512Vnni {
         // SAFETY: as for `q6_k`.
         unsafe { q6_k_vnni_n(w, x) }
     }
-    #[inline]
-    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        self.0.iq4_xs_n(w, x)
+    inner_group_methods! {
+        iq4_xs_n(BlockIQ4XS);
     }
     inner_methods! {
         f32(&[u8], &[f32]);

@@ -344,6 +344,20 @@ macro_rules! inner_methods {
 }
 pub(super) use inner_methods;
 
+/// Implements `Kernels`' grouped methods (`q4_k_n` and the like: one row, `N`
+/// inputs) by calling the same method of the token `self.0`.
+macro_rules! inner_group_methods {
+    ($($name:ident($w:ty);)*) => {
+        $(
+            #[inline]
+            fn $name<const N: usize>(self, w: &[$w], x: [&[BlockQ8K]; N]) -> [f32; N] {
+                self.0.$name(w, x)
+            }
+        )*
+    };
+}
+pub(super) use inner_group_methods;
+
 impl Kernels for AvxVnni {
     const PREFETCHES: bool = true;
 
@@ -364,13 +378,9 @@ impl Kernels for AvxVnni {
         // SAFETY: as for `q4_k_n`.
         unsafe { vex::q5_k_vnni_n(w, x) }
     }
-    #[inline]
-    fn q6_k_n<const N: usize>(self, w: &[BlockQ6K], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        self.0.q6_k_n(w, x)
-    }
-    #[inline]
-    fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        self.0.iq4_xs_n(w, x)
+    inner_group_methods! {
+        q6_k_n(BlockQ6K);
+        iq4_xs_n(BlockIQ4XS);
     }
     inner_methods! {
         f32(&[u8], &[f32]);
