@@ -32,6 +32,13 @@ F16_FIELDS = {
     T.IQ4_NL: [0],
     T.IQ4_XS: [0],
     T.MXFP4: [],  # an E8M0 exponent byte: every value is valid
+    T.IQ2_XXS: [0],
+    T.IQ2_XS: [0],
+    T.IQ2_S: [0],
+    T.IQ3_XXS: [0],
+    T.IQ3_S: [0],
+    T.IQ1_S: [0],
+    T.IQ1_M: [],  # its f16 scale is spread over the scale words: see random_blocks
 }
 QUANTIZE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16, T.MXFP4]
 # MXFP4's exponent of a block under 2^-125 is a negative float cast to uint8, which
@@ -55,6 +62,14 @@ def random_blocks(rng, qtype):
         # Scales of either sign, spanning several binades, always finite.
         d = (rng.standard_normal(N_BLOCKS) * 0.05).astype(np.float16)
         raw[:, off:off + 2] = d.view(np.uint8).reshape(N_BLOCKS, 2)
+    if qtype == T.IQ1_M:
+        # The f16 scale's four nibbles are the top nibbles of the four u16
+        # scale words at bytes 48..56 (lowest nibble in the first word).
+        d = (rng.standard_normal(N_BLOCKS) * 0.05).astype(np.float16).view(np.uint16)
+        words = raw[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = words.view(np.uint8)
     return raw.reshape(-1)
 
 

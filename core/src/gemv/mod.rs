@@ -71,7 +71,8 @@ use core::fmt;
 use core::ops::Range;
 
 use crate::quant::blocks::{
-    as_blocks, Block, BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0,
+    as_blocks, Block, BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S,
+    BlockIQ3XXS, BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0,
     BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 use crate::quant::GgmlType;
@@ -230,7 +231,19 @@ pub const fn activation_format(ty: GgmlType) -> Option<ActivationFormat> {
         T::F32 | T::F16 | T::BF16 => Some(ActivationFormat::F32),
         T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4NL | T::MXFP4 => Some(ActivationFormat::Q8_0),
         T::Q4_1 | T::Q5_1 => Some(ActivationFormat::Q8_1),
-        T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::IQ4XS => Some(ActivationFormat::Q8K),
+        T::Q2K
+        | T::Q3K
+        | T::Q4K
+        | T::Q5K
+        | T::Q6K
+        | T::IQ4XS
+        | T::IQ2XXS
+        | T::IQ2XS
+        | T::IQ2S
+        | T::IQ3XXS
+        | T::IQ3S
+        | T::IQ1S
+        | T::IQ1M => Some(ActivationFormat::Q8K),
         T::Q8_1 | T::Q8K | T::I8 => None,
     }
 }
@@ -771,6 +784,27 @@ pub(crate) trait Kernels: Copy {
     fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
         x.map(|x| self.iq4_xs(w, x))
     }
+    fn iq2_xxs(self, w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq2_xxs(w, x)
+    }
+    fn iq2_xs(self, w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq2_xs(w, x)
+    }
+    fn iq2_s(self, w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq2_s(w, x)
+    }
+    fn iq3_xxs(self, w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq3_xxs(w, x)
+    }
+    fn iq3_s(self, w: &[BlockIQ3S], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq3_s(w, x)
+    }
+    fn iq1_s(self, w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq1_s(w, x)
+    }
+    fn iq1_m(self, w: &[BlockIQ1M], x: &[BlockQ8K]) -> f32 {
+        reference::dot_iq1_m(w, x)
+    }
 }
 
 /// The reference kernels.
@@ -876,6 +910,13 @@ fn run<K: Kernels>(
         T::Q5K => rows_of(k, data, rb, y, prefetch, |w| k.q5_k(w, x.q8k)),
         T::Q6K => rows_of(k, data, rb, y, prefetch, |w| k.q6_k(w, x.q8k)),
         T::IQ4XS => rows_of(k, data, rb, y, prefetch, |w| k.iq4_xs(w, x.q8k)),
+        T::IQ2XXS => rows_of(k, data, rb, y, prefetch, |w| k.iq2_xxs(w, x.q8k)),
+        T::IQ2XS => rows_of(k, data, rb, y, prefetch, |w| k.iq2_xs(w, x.q8k)),
+        T::IQ2S => rows_of(k, data, rb, y, prefetch, |w| k.iq2_s(w, x.q8k)),
+        T::IQ3XXS => rows_of(k, data, rb, y, prefetch, |w| k.iq3_xxs(w, x.q8k)),
+        T::IQ3S => rows_of(k, data, rb, y, prefetch, |w| k.iq3_s(w, x.q8k)),
+        T::IQ1S => rows_of(k, data, rb, y, prefetch, |w| k.iq1_s(w, x.q8k)),
+        T::IQ1M => rows_of(k, data, rb, y, prefetch, |w| k.iq1_m(w, x.q8k)),
         // Rejected by `MatrixView::new`.
         T::Q8_1 | T::Q8K | T::I8 => y.fill(0.0),
     }

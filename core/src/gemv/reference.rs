@@ -9,9 +9,15 @@
 //! one are ignored ([`super::gemv`] checks lengths before calling).
 
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
-    KVALUES_MXFP4,
+    BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockIQ4NL,
+    BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL, KVALUES_MXFP4,
+};
+use crate::quant::iq1::{iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_qh};
+use crate::quant::iq2::{grid_byte, iq2s_index, le16, le32, KSIGNS};
+use crate::quant::iq3::{iq3s_indices, iq3s_scale, pair};
+use crate::quant::iq_grids::{
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
 };
 use crate::quant::kscales::{scale_min_k4, scales_q3k};
 use crate::quant::mxfp4::e8m0_to_f32_half;
@@ -408,6 +414,196 @@ pub fn dot_iq4_xs(w: &[BlockIQ4XS], x: &[BlockQ8K]) -> f32 {
             sumi += iq4xs_scale(w, j) * sub;
         }
         acc += (h(w.d) * q8k_d(x)) * sumi as f32;
+    }
+    acc
+}
+
+/// `sum_j grid[j] * y[j]`, negated where bit `j` of `signs` is set: one
+/// 8-element group of the lattice formats (ggml's `grid[j] * q8[j] * (±1)`).
+#[inline(always)]
+pub(crate) fn signed_dot8(grid: u64, signs: u8, y: &[i8]) -> i32 {
+    let mut s = 0i32;
+    for (j, &q) in y.iter().enumerate().take(8) {
+        let p = grid_byte(grid, j) as i32 * q as i32;
+        s += if signs >> j & 1 != 0 { -p } else { p };
+    }
+    s
+}
+
+/// A lattice super-block's float step: its exact integer sum scaled by the
+/// weights' and the activations' scales, in this order (ggml's
+/// `sumf += d * bsum`; the format's constant factor applies to the row).
+#[inline(always)]
+pub(crate) fn iq_term(d: [u8; 2], x: &BlockQ8K, bsum: i32) -> f32 {
+    (h(d) * q8k_d(x)) * bsum as f32
+}
+
+/// `IQ2_XXS` weights times `Q8_K` activations.
+pub fn dot_iq2_xxs(w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut bsum = 0i32;
+        for ib in 0..8 {
+            let q = &w.qs[8 * ib..8 * ib + 8];
+            let aux = le32(q, 4);
+            let mut sumi = 0i32;
+            for l in 0..4 {
+                let signs = KSIGNS[(aux >> (7 * l)) as usize & 127];
+                let y = &x.qs[32 * ib + 8 * l..];
+                sumi += signed_dot8(IQ2XXS_GRID[q[l] as usize], signs, y);
+            }
+            bsum += sumi * (2 * (aux >> 28) as i32 + 1);
+        }
+        acc += iq_term(w.d, x, bsum);
+    }
+    0.125 * acc
+}
+
+/// `IQ2_XS` weights times `Q8_K` activations.
+pub fn dot_iq2_xs(w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut bsum = 0i32;
+        for ib in 0..8 {
+            let sc = w.scales[ib] as i32;
+            let ls = [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1];
+            for (half, ls) in ls.into_iter().enumerate() {
+                let mut sumi = 0i32;
+                for l in 2 * half..2 * half + 2 {
+                    let q = le16(&w.qs, 2 * (4 * ib + l));
+                    let signs = KSIGNS[(q >> 9) as usize];
+                    let y = &x.qs[32 * ib + 8 * l..];
+                    sumi += signed_dot8(IQ2XS_GRID[(q & 511) as usize], signs, y);
+                }
+                bsum += sumi * ls;
+            }
+        }
+        acc += iq_term(w.d, x, bsum);
+    }
+    0.125 * acc
+}
+
+/// `IQ2_S` weights times `Q8_K` activations.
+pub fn dot_iq2_s(w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut bsum = 0i32;
+        for ib in 0..8 {
+            let sc = w.scales[ib] as i32;
+            let ls = [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1];
+            for (half, ls) in ls.into_iter().enumerate() {
+                let mut sumi = 0i32;
+                for l in 2 * half..2 * half + 2 {
+                    let signs = w.qs[32 + 4 * ib + l];
+                    let y = &x.qs[32 * ib + 8 * l..];
+                    sumi += signed_dot8(IQ2S_GRID[iq2s_index(w, ib, l)], signs, y);
+                }
+                bsum += sumi * ls;
+            }
+        }
+        acc += iq_term(w.d, x, bsum);
+    }
+    0.125 * acc
+}
+
+/// `IQ3_XXS` weights times `Q8_K` activations.
+pub fn dot_iq3_xxs(w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut bsum = 0i32;
+        for ib in 0..8 {
+            let aux = le32(&w.qs, 64 + 4 * ib);
+            let q = &w.qs[8 * ib..8 * ib + 8];
+            let mut sumi = 0i32;
+            for l in 0..4 {
+                let signs = KSIGNS[(aux >> (7 * l)) as usize & 127];
+                let g = pair(
+                    IQ3XXS_GRID[q[2 * l] as usize],
+                    IQ3XXS_GRID[q[2 * l + 1] as usize],
+                );
+                sumi += signed_dot8(g, signs, &x.qs[32 * ib + 8 * l..]);
+            }
+            bsum += sumi * (2 * (aux >> 28) as i32 + 1);
+        }
+        acc += iq_term(w.d, x, bsum);
+    }
+    0.25 * acc
+}
+
+/// `IQ3_S` weights times `Q8_K` activations.
+pub fn dot_iq3_s(w: &[BlockIQ3S], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut bsum = 0i32;
+        for ib in 0..8 {
+            let mut sumi = 0i32;
+            for l in 0..4 {
+                let (i1, i2) = iq3s_indices(w, ib, l);
+                let g = pair(IQ3S_GRID[i1], IQ3S_GRID[i2]);
+                sumi += signed_dot8(g, w.signs[4 * ib + l], &x.qs[32 * ib + 8 * l..]);
+            }
+            bsum += sumi * iq3s_scale(w, ib) as i32;
+        }
+        acc += iq_term(w.d, x, bsum);
+    }
+    acc
+}
+
+/// `sum_j grid[j] * y[j]` of one 8-element `IQ1` group (elements -1, 0, 1).
+#[inline(always)]
+pub(crate) fn iq1_dot8(grid: u64, y: &[i8]) -> i32 {
+    let mut s = 0i32;
+    for (j, &q) in y.iter().enumerate().take(8) {
+        s += grid_byte(grid, j) as i8 as i32 * q as i32;
+    }
+    s
+}
+
+/// An `IQ1` super-block's float step: `d * dx * (sumi + delta_sum / 8)`,
+/// rounded as ggml's `d * y.d * (sumi + IQ1S_DELTA * sumi1)`.
+#[inline(always)]
+pub(crate) fn iq1_term(d: f32, x: &BlockQ8K, sumi: i32, delta_sum: i32) -> f32 {
+    (d * q8k_d(x)) * (sumi as f32 + 0.125 * delta_sum as f32)
+}
+
+/// `IQ1_S` weights times `Q8_K` activations.
+pub fn dot_iq1_s(w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let (mut sumi, mut sumi1) = (0i32, 0i32);
+        for ib in 0..8 {
+            let qh = iq1s_qh(w, ib);
+            let ls = 2 * ((qh >> 12) & 7) as i32 + 1;
+            let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+            let mut lsum = 0i32;
+            for l in 0..4 {
+                lsum += iq1_dot8(IQ1S_GRID[iq1s_index(w, ib, l)], &x.qs[32 * ib + 8 * l..]);
+            }
+            sumi += ls * lsum;
+            sumi1 += ls * delta * (q8k_bsum(x, 2 * ib) + q8k_bsum(x, 2 * ib + 1));
+        }
+        acc += iq1_term(h(w.d), x, sumi, sumi1);
+    }
+    acc
+}
+
+/// `IQ1_M` weights times `Q8_K` activations.
+pub fn dot_iq1_m(w: &[BlockIQ1M], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let sc = iq1m_words(w);
+        let (mut sumi1, mut sumi2) = (0i32, 0i32);
+        for ib in 0..8 {
+            let ls = iq1m_scales(sc, ib);
+            for l in 0..4 {
+                let (index, negative) = iq1m_group(w, ib, l);
+                let y = &x.qs[32 * ib + 8 * l..32 * ib + 8 * l + 8];
+                let sum: i32 = y.iter().map(|&q| q as i32).sum();
+                sumi1 += ls[l / 2] * iq1_dot8(IQ1S_GRID[index], y);
+                sumi2 += ls[l / 2] * if negative { -sum } else { sum };
+            }
+        }
+        acc += iq1_term(iq1m_d(sc), x, sumi1, sumi2);
     }
     acc
 }

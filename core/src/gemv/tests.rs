@@ -52,6 +52,7 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
             T::Q6K => &[208],
             _ => &[0],
         },
+        T::IQ2XXS | T::IQ2XS | T::IQ2S | T::IQ3XXS | T::IQ3S | T::IQ1S => &[0],
         T::Q4_1 | T::Q5_1 | T::Q4K | T::Q5K => &[0, 2],
         T::Q2K => &[80, 82],
         _ => &[],
@@ -87,9 +88,24 @@ fn random_matrix(ty: GgmlType, nrows: usize, cols: usize, rng: &mut Rng) -> Vec<
                     // Exponents from 2^-16 to 2^15, as the f16 scales span.
                     block[0] = 112 + (rng.next() % 32) as u8;
                 }
+                if ty == GgmlType::IQ1M {
+                    set_iq1m_scale(block, rng.f16());
+                }
             }
             v
         }
+    }
+}
+
+/// Writes the f16 `d` into an `IQ1_M` block: its four nibbles are the top
+/// nibbles of the four `u16` scale words (bytes 48..56), lowest first.
+fn set_iq1m_scale(block: &mut [u8], d: [u8; 2]) {
+    let d = u16::from_le_bytes(d);
+    for k in 0..4 {
+        let at = 48 + 2 * k;
+        let w = u16::from_le_bytes([block[at], block[at + 1]]);
+        let w = (w & 0x0fff) | ((d >> (4 * k)) & 15) << 12;
+        block[at..at + 2].copy_from_slice(&w.to_le_bytes());
     }
 }
 
@@ -222,11 +238,19 @@ proptest! {
         }
     }
 
+    #[test]
+    fn fast_kernels_equal_reference_lattice(units in 0usize..=4, seed in any::<u64>()) {
+        for ty in [GgmlType::IQ2XXS, GgmlType::IQ2XS, GgmlType::IQ2S, GgmlType::IQ3XXS,
+                   GgmlType::IQ3S, GgmlType::IQ1S, GgmlType::IQ1M] {
+            check_fast_equals_reference(ty, units, seed);
+        }
+    }
+
     /// Also at any prefetch distance, from none to past the matrix: prefetching
     /// is a hint and never changes a bit.
     #[test]
     fn gemv_over_a_range_equals_row_dots(
-        ty_i in 0usize..16,
+        ty_i in 0usize..23,
         units in 0usize..=5,
         nrows in 0usize..=7,
         a in 0usize..=7,
@@ -252,6 +276,12 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn every_weight_type_is_in_the_range_test() {
+    // `gemv_over_a_range_equals_row_dots` draws `ty_i` below this.
+    assert_eq!(weight_types().count(), 23);
 }
 
 /// `gemm` gives `gemv`'s bits for each input, over matrices of one tile and of
@@ -392,6 +422,9 @@ fn extreme_quants_match_reference() {
                 }
                 if ty == GgmlType::MXFP4 {
                     block[0] = 127; // 0.5
+                }
+                if ty == GgmlType::IQ1M {
+                    set_iq1m_scale(block, f32_to_f16(0.5).to_le_bytes());
                 }
             }
             let mut acts = Acts::random(cols, &mut rng);
@@ -606,6 +639,12 @@ fn dequant(ty: GgmlType, row: &[u8]) -> Vec<f32> {
                     out.push(scale * value(q));
                 }
             }
+        }
+        // The lattice formats: through `quant::dequantize`, which the
+        // integration tests hold bit for bit to the `gguf` package.
+        T::IQ2XXS | T::IQ2XS | T::IQ2S | T::IQ3XXS | T::IQ3S | T::IQ1S | T::IQ1M => {
+            out = vec![0.0; row.len() / ty.block_bytes() * ty.block_elems()];
+            crate::quant::dequantize(ty, row, &mut out).unwrap();
         }
         T::Q8_1 | T::Q8K | T::I8 => unreachable!(),
     }

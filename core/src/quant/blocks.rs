@@ -192,6 +192,108 @@ pub struct BlockIQ4XS {
     pub qs: [u8; QK_K / 2],
 }
 
+/// `IQ2_XXS` (2.06 bits a weight): per 32 elements, four 8-bit indices into
+/// [`IQ2XXS_GRID`](super::iq_grids::IQ2XXS_GRID) and a little-endian `u32`
+/// holding four 7-bit sign patterns (bits 0..28) and a 4-bit scale (28..32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ2XXS {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// Per 32 elements: 4 grid indices, then the signs-and-scale word.
+    pub qs: [u8; QK_K / 4],
+}
+
+/// `IQ2_XS` (2.31 bits a weight): per 8 elements a little-endian `u16` of a
+/// 9-bit index into [`IQ2XS_GRID`](super::iq_grids::IQ2XS_GRID) and a 7-bit
+/// sign pattern; two 4-bit scales per 32 elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ2XS {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// 32 index-and-signs words (`u16` LE).
+    pub qs: [u8; QK_K / 4],
+    /// Per 32 elements, the scales of its halves (low nibble first).
+    pub scales: [u8; QK_K / 32],
+}
+
+/// `IQ2_S` (2.56 bits a weight): 10-bit indices into
+/// [`IQ2S_GRID`](super::iq_grids::IQ2S_GRID) (low bytes in `qs`, two high
+/// bits each in `qh`), 8 explicit sign bits per 8 elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ2S {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// 32 index low bytes, then 32 sign bytes.
+    pub qs: [u8; QK_K / 4],
+    /// Per 32 elements, the high bits of its 4 indices (2 each).
+    pub qh: [u8; QK_K / 32],
+    /// Per 32 elements, the scales of its halves (low nibble first).
+    pub scales: [u8; QK_K / 32],
+}
+
+/// `IQ3_XXS` (3.06 bits a weight): 8-bit indices into
+/// [`IQ3XXS_GRID`](super::iq_grids::IQ3XXS_GRID) (4 elements each), and per
+/// 32 elements a little-endian `u32` of four 7-bit sign patterns and a 4-bit
+/// scale, as [`BlockIQ2XXS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ3XXS {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// 64 grid indices, then 8 signs-and-scale words.
+    pub qs: [u8; 3 * QK_K / 8],
+}
+
+/// `IQ3_S` (3.44 bits a weight): 9-bit indices into
+/// [`IQ3S_GRID`](super::iq_grids::IQ3S_GRID) (low bytes in `qs`, ninth bits
+/// in `qh`), 8 explicit sign bits per 8 elements, a 4-bit scale per 32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ3S {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// Index low bytes.
+    pub qs: [u8; QK_K / 4],
+    /// Per 32 elements, the ninth bits of its 8 indices.
+    pub qh: [u8; QK_K / 32],
+    /// Sign bits, one byte per 8 elements.
+    pub signs: [u8; QK_K / 8],
+    /// Per 64 elements, the scales of its halves (low nibble first).
+    pub scales: [u8; QK_K / 64],
+}
+
+/// `IQ1_S` (1.56 bits a weight): 11-bit indices into
+/// [`IQ1S_GRID`](super::iq_grids::IQ1S_GRID) (low bytes in `qs`, three high
+/// bits each in `qh`), per 32 elements a 3-bit scale and the sign of a
+/// shift of 1/8 (`qh`, `u16` LE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ1S {
+    /// Super-block scale (f16).
+    pub d: [u8; 2],
+    /// Index low bytes.
+    pub qs: [u8; QK_K / 8],
+    /// Per 32 elements: index high bits (0..12), scale (12..15), shift sign (15).
+    pub qh: [u8; QK_K / 16],
+}
+
+/// `IQ1_M` (1.75 bits a weight): [`BlockIQ1S`]'s grid with a 3-bit scale per
+/// 16 elements, a shift sign per 8, and the f16 super-block scale spread over
+/// the top nibbles of the four `u16` scale words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockIQ1M {
+    /// Index low bytes.
+    pub qs: [u8; QK_K / 8],
+    /// Per 8 elements a nibble: index high bits (0..3), shift sign (3).
+    pub qh: [u8; QK_K / 16],
+    /// Four `u16` LE: 3-bit scales (0..12) and a nibble of the f16 scale.
+    pub scales: [u8; QK_K / 32],
+}
+
 /// `MXFP4` (OCP microscaling FP4): `2^(e - 128) * KVALUES_MXFP4[q]`, a shared
 /// E8M0 exponent and 4-bit E2M1 codes, nibble layout as [`BlockQ4_0`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,6 +340,13 @@ assert_layout! {
     BlockQ8K => 292,
     BlockIQ4NL => 18,
     BlockIQ4XS => 136,
+    BlockIQ2XXS => 66,
+    BlockIQ2XS => 74,
+    BlockIQ2S => 82,
+    BlockIQ3XXS => 98,
+    BlockIQ3S => 110,
+    BlockIQ1S => 50,
+    BlockIQ1M => 56,
     BlockMXFP4 => 17,
 }
 

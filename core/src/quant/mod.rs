@@ -11,7 +11,11 @@
 pub mod blocks;
 pub mod float;
 mod half;
+pub mod iq1;
+pub mod iq2;
+pub mod iq3;
 pub mod iq4;
+pub mod iq_grids;
 pub mod kquants;
 pub mod kscales;
 pub mod legacy;
@@ -43,10 +47,17 @@ pub enum GgmlType {
     Q5K = 13,
     Q6K = 14,
     Q8K = 15,
+    IQ2XXS = 16,
+    IQ2XS = 17,
+    IQ3XXS = 18,
+    IQ1S = 19,
     IQ4NL = 20,
+    IQ3S = 21,
+    IQ2S = 22,
     IQ4XS = 23,
     /// Plain bytes (`GGML_TYPE_I8`); LES stores packed expert extents as I8 tensors.
     I8 = 24,
+    IQ1M = 29,
     BF16 = 30,
     MXFP4 = 39,
 }
@@ -65,7 +76,7 @@ impl core::error::Error for UnsupportedType {}
 
 impl GgmlType {
     /// Every supported type, in id order.
-    pub const ALL: [GgmlType; 19] = [
+    pub const ALL: [GgmlType; 26] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -80,9 +91,16 @@ impl GgmlType {
         GgmlType::Q5K,
         GgmlType::Q6K,
         GgmlType::Q8K,
+        GgmlType::IQ2XXS,
+        GgmlType::IQ2XS,
+        GgmlType::IQ3XXS,
+        GgmlType::IQ1S,
         GgmlType::IQ4NL,
+        GgmlType::IQ3S,
+        GgmlType::IQ2S,
         GgmlType::IQ4XS,
         GgmlType::I8,
+        GgmlType::IQ1M,
         GgmlType::BF16,
         GgmlType::MXFP4,
     ];
@@ -119,6 +137,13 @@ impl GgmlType {
             | GgmlType::Q5K
             | GgmlType::Q6K
             | GgmlType::Q8K
+            | GgmlType::IQ2XXS
+            | GgmlType::IQ2XS
+            | GgmlType::IQ2S
+            | GgmlType::IQ3XXS
+            | GgmlType::IQ3S
+            | GgmlType::IQ1S
+            | GgmlType::IQ1M
             | GgmlType::IQ4XS => QK_K,
         }
     }
@@ -144,6 +169,13 @@ impl GgmlType {
             GgmlType::Q8K => size_of::<blocks::BlockQ8K>(),
             GgmlType::IQ4NL => size_of::<blocks::BlockIQ4NL>(),
             GgmlType::IQ4XS => size_of::<blocks::BlockIQ4XS>(),
+            GgmlType::IQ2XXS => size_of::<blocks::BlockIQ2XXS>(),
+            GgmlType::IQ2XS => size_of::<blocks::BlockIQ2XS>(),
+            GgmlType::IQ2S => size_of::<blocks::BlockIQ2S>(),
+            GgmlType::IQ3XXS => size_of::<blocks::BlockIQ3XXS>(),
+            GgmlType::IQ3S => size_of::<blocks::BlockIQ3S>(),
+            GgmlType::IQ1S => size_of::<blocks::BlockIQ1S>(),
+            GgmlType::IQ1M => size_of::<blocks::BlockIQ1M>(),
             GgmlType::MXFP4 => size_of::<blocks::BlockMXFP4>(),
         }
     }
@@ -177,6 +209,13 @@ impl GgmlType {
             GgmlType::Q8K => "q8_k",
             GgmlType::IQ4NL => "iq4_nl",
             GgmlType::IQ4XS => "iq4_xs",
+            GgmlType::IQ2XXS => "iq2_xxs",
+            GgmlType::IQ2XS => "iq2_xs",
+            GgmlType::IQ2S => "iq2_s",
+            GgmlType::IQ3XXS => "iq3_xxs",
+            GgmlType::IQ3S => "iq3_s",
+            GgmlType::IQ1S => "iq1_s",
+            GgmlType::IQ1M => "iq1_m",
             GgmlType::BF16 => "bf16",
             GgmlType::I8 => "i8",
             GgmlType::MXFP4 => "mxfp4",
@@ -268,6 +307,13 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Quant
         GgmlType::Q6K => kquants::dequantize_q6k(as_blocks(src).ok_or(err)?, out),
         GgmlType::IQ4NL => iq4::dequantize_iq4nl(as_blocks(src).ok_or(err)?, out),
         GgmlType::IQ4XS => iq4::dequantize_iq4xs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ2XXS => iq2::dequantize_iq2xxs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ2XS => iq2::dequantize_iq2xs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ2S => iq2::dequantize_iq2s(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ3XXS => iq3::dequantize_iq3xxs(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ3S => iq3::dequantize_iq3s(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ1S => iq1::dequantize_iq1s(as_blocks(src).ok_or(err)?, out),
+        GgmlType::IQ1M => iq1::dequantize_iq1m(as_blocks(src).ok_or(err)?, out),
         GgmlType::MXFP4 => mxfp4::dequantize_mxfp4(as_blocks(src).ok_or(err)?, out),
         GgmlType::I8 => {
             for (b, o) in src.iter().zip(out.iter_mut()) {
@@ -318,9 +364,18 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
         GgmlType::Q6K => kquants::quantize_q6k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::Q8K => kquants::quantize_q8k(x, as_blocks_mut(out).ok_or(err)?),
         GgmlType::MXFP4 => mxfp4::quantize_mxfp4(x, as_blocks_mut(out).ok_or(err)?),
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::I8 => {
-            return Err(QuantError::NoQuantizer(ty))
-        }
+        GgmlType::Q2K
+        | GgmlType::Q3K
+        | GgmlType::IQ4NL
+        | GgmlType::IQ4XS
+        | GgmlType::IQ2XXS
+        | GgmlType::IQ2XS
+        | GgmlType::IQ2S
+        | GgmlType::IQ3XXS
+        | GgmlType::IQ3S
+        | GgmlType::IQ1S
+        | GgmlType::IQ1M
+        | GgmlType::I8 => return Err(QuantError::NoQuantizer(ty)),
     }
     Ok(())
 }
@@ -329,7 +384,18 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantErro
 pub const fn can_quantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::I8
+        GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::IQ2XXS
+            | GgmlType::IQ2XS
+            | GgmlType::IQ2S
+            | GgmlType::IQ3XXS
+            | GgmlType::IQ3S
+            | GgmlType::IQ1S
+            | GgmlType::IQ1M
+            | GgmlType::I8
     )
 }
 
@@ -359,6 +425,13 @@ mod tests {
             (GgmlType::BF16, 1, 2),
             (GgmlType::I8, 1, 1),
             (GgmlType::MXFP4, 32, 17),
+            (GgmlType::IQ2XXS, 256, 66),
+            (GgmlType::IQ2XS, 256, 74),
+            (GgmlType::IQ2S, 256, 82),
+            (GgmlType::IQ3XXS, 256, 98),
+            (GgmlType::IQ3S, 256, 110),
+            (GgmlType::IQ1S, 256, 50),
+            (GgmlType::IQ1M, 256, 56),
         ];
         for (t, elems, bytes) in expect {
             assert_eq!(t.block_elems(), elems, "{t}");

@@ -1697,6 +1697,13 @@ pub fn file_type(ty: GgmlType) -> u32 {
         GgmlType::Q6K => 18,
         GgmlType::IQ4NL => 25,
         GgmlType::IQ4XS => 30,
+        GgmlType::IQ2XXS => 19,
+        GgmlType::IQ2XS => 20,
+        GgmlType::IQ3XXS => 23,
+        GgmlType::IQ1S => 24,
+        GgmlType::IQ3S => 26,
+        GgmlType::IQ2S => 28,
+        GgmlType::IQ1M => 31,
         GgmlType::BF16 => 32,
         GgmlType::MXFP4 => 38, // LLAMA_FTYPE_MOSTLY_MXFP4_MOE
         GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::I8 => 7,
