@@ -58,7 +58,8 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
         T::Q6K => &[208],
         T::Q2K => &[80, 82],
         T::Q4_1 | T::Q5_1 | T::Q4K | T::Q5K => &[0, 2],
-        T::F32 | T::F16 | T::BF16 | T::MXFP4 => &[],
+        // IQ1_M's scale is spread over its scale words: see `matrix`.
+        T::F32 | T::F16 | T::BF16 | T::MXFP4 | T::IQ1M => &[],
         _ => &[0],
     }
 }
@@ -83,6 +84,15 @@ fn matrix(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
                 }
                 if ty == GgmlType::MXFP4 {
                     b[0] = 127; // a scale of 0.5, never subnormal
+                }
+                if ty == GgmlType::IQ1M {
+                    // The f16 scale's nibbles top the four u16 scale words.
+                    let d = u16::from_le_bytes(rng.f16());
+                    for k in 0..4 {
+                        let w = u16::from_le_bytes([b[48 + 2 * k], b[49 + 2 * k]]);
+                        let w = (w & 0x0fff) | ((d >> (4 * k)) & 15) << 12;
+                        b[48 + 2 * k..50 + 2 * k].copy_from_slice(&w.to_le_bytes());
+                    }
                 }
             }
             v

@@ -21,15 +21,18 @@
 
 use core::arch::x86_64::*;
 
+mod lattice;
+
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
-    KVALUES_MXFP4,
+    BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockIQ4NL,
+    BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL, KVALUES_MXFP4,
 };
 use crate::quant::kscales::{scales_mins_k4, scales_q3k};
 use crate::quant::mxfp4::e8m0_to_f32_half;
+use lattice::{iq1_m, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs};
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
 #[derive(Clone, Copy)]
@@ -83,6 +86,13 @@ impl Kernels for Avx2 {
         q5_k(&[BlockQ5K], &[BlockQ8K]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
+        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
+        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
+        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
+        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
+        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
+        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
 
     #[inline]

@@ -24,8 +24,9 @@ use super::reference::{self as r, FLOAT_LANES};
 use super::vnni::{evex, inner_group_methods, inner_methods, vnni_methods};
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockIQ4NL,
+    BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 /// Proof that the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C.
@@ -108,6 +109,13 @@ impl Kernels for Avx512 {
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q5_k(&[BlockQ5K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
+        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
+        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
+        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
+        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
+        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
+        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
 }
 
@@ -151,6 +159,13 @@ impl Kernels for Avx512Vnni {
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
+        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
+        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
+        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
+        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
+        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
+        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
 }
 

@@ -18,8 +18,9 @@
 use super::avx2::Avx2;
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockIQ4NL,
+    BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 /// Byte indices for `vpshufb` over the eight scales (in both 128-bit lanes) that
@@ -390,5 +391,12 @@ impl Kernels for AvxVnni {
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
+        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
+        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
+        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
+        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
+        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
+        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
 }

@@ -1,0 +1,236 @@
+//! AVX2 kernels of the lattice i-quants (`IQ1_S`, `IQ1_M`, `IQ2_XXS`,
+//! `IQ2_XS`, `IQ2_S`, `IQ3_XXS`, `IQ3_S`) with `Q8_K` activations.
+//!
+//! Each 32-element sub-block gathers its four 8-element grid points into one
+//! vector (`vpinsrq` of table words), gives them their signs (a byte of
+//! `0x01`/`0xff` per element from [`SIGN_BYTES`]) and multiplies with
+//! [`dot_signed_k`] (`|y|` unsigned times the signed weight: no saturation, as
+//! the grids' magnitudes are at most 62, `IQ1`'s 1); `madd` applies the
+//! sub-block scales and sums pairs in `i32`. The integer sums are the
+//! reference's exactly, and the float steps are the reference's own
+//! functions, so every result is [`super::r`]'s bits.
+//!
+//! Soundness as in [`super`]: `#[target_feature]` functions reached through
+//! the `Avx2` token.
+
+use core::arch::x86_64::*;
+
+use super::{arr, dot_signed_k, hsum, y32};
+use crate::gemv::reference as r;
+use crate::quant::blocks::{
+    BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockQ8K,
+};
+use crate::quant::iq1::{iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_qh};
+use crate::quant::iq2::{iq2s_index, le32, KSIGNS};
+use crate::quant::iq3::{iq3s_indices, iq3s_scale};
+use crate::quant::iq_grids::{
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
+};
+
+/// For each sign byte `b`, eight bytes: byte `j` is `-1` (`0xff`) where bit
+/// `j` of `b` is set, else `1`, as `vpsignb` wants them.
+const SIGN_BYTES: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut w = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            let byte: u64 = if (b >> j) & 1 != 0 { 0xff } else { 0x01 };
+            w |= byte << (8 * j);
+            j += 1;
+        }
+        t[b] = w;
+        b += 1;
+    }
+    t
+};
+
+/// Four 8-byte words as one vector, `w[0]` lowest.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn words(w: [u64; 4]) -> __m256i {
+    _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64)
+}
+
+/// The sign vector of four sign bytes (one per 8 elements).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signs(b: [u8; 4]) -> __m256i {
+    let s = |i: usize| SIGN_BYTES[b[i] as usize];
+    words([s(0), s(1), s(2), s(3)])
+}
+
+/// The four parity-completed sign patterns of a signs-and-scale word (bits
+/// `7l..7l + 7` for group `l`). (Written out: closures passed to
+/// `array::from_fn` or `map` were not inlined into the kernels.)
+#[inline(always)]
+fn ksigns(aux: u32) -> [u8; 4] {
+    let k = |l: u32| KSIGNS[(aux >> (7 * l)) as usize & 127];
+    [k(0), k(1), k(2), k(3)]
+}
+
+/// `sum_j signed grid[j] * y[j]` of one sub-block in `i16` pairs: the grid
+/// magnitudes `g` with the signs `s` against the activations at `off`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed_products(g: __m256i, s: __m256i, x: &BlockQ8K, off: usize) -> __m256i {
+    dot_signed_k(_mm256_sign_epi8(g, s), y32(x, off))
+}
+
+/// `i16` multipliers: `lo` for the first 16 elements' pairs, `hi` for the rest.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn halves(lo: i32, hi: i32) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq2_xxs(w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+            let aux = le32(q, 4);
+            let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
+            let g = words([g(0), g(1), g(2), g(3)]);
+            let p = signed_products(g, signs(ksigns(aux)), x, 32 * ib);
+            let ls = _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1);
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+        }
+        acc += r::iq_term(w.d, x, hsum(v));
+    }
+    0.125 * acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq2_xs(w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for ib in 0..8 {
+            // The sub-block's four index-and-signs words at once.
+            let q = u64::from_le_bytes(*arr(&w.qs, 8 * ib));
+            let q = |l: u32| (q >> (16 * l)) as u16;
+            let g = |l: u32| IQ2XS_GRID[(q(l) & 511) as usize];
+            let g = words([g(0), g(1), g(2), g(3)]);
+            let k = |l: u32| KSIGNS[(q(l) >> 9) as usize];
+            let s = signs([k(0), k(1), k(2), k(3)]);
+            let p = signed_products(g, s, x, 32 * ib);
+            let sc = w.scales[ib] as i32;
+            let ls = halves(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1);
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+        }
+        acc += r::iq_term(w.d, x, hsum(v));
+    }
+    0.125 * acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq2_s(w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
+            let g = words([g(0), g(1), g(2), g(3)]);
+            let s = signs(*arr(&w.qs, 32 + 4 * ib));
+            let p = signed_products(g, s, x, 32 * ib);
+            let sc = w.scales[ib] as i32;
+            let ls = halves(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1);
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+        }
+        acc += r::iq_term(w.d, x, hsum(v));
+    }
+    0.125 * acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq3_xxs(w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+            let aux = le32(&w.qs, 64 + 4 * ib);
+            let g = |l: usize| IQ3XXS_GRID[q[l] as usize] as i32;
+            let g = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+            let p = signed_products(g, signs(ksigns(aux)), x, 32 * ib);
+            let ls = _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1);
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+        }
+        acc += r::iq_term(w.d, x, hsum(v));
+    }
+    0.25 * acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq3_s(w: &[BlockIQ3S], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let mut g = [0i32; 8];
+            for l in 0..4 {
+                let (i1, i2) = iq3s_indices(w, ib, l);
+                g[2 * l] = IQ3S_GRID[i1] as i32;
+                g[2 * l + 1] = IQ3S_GRID[i2] as i32;
+            }
+            let g = _mm256_setr_epi32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]);
+            let p = signed_products(g, signs(*arr(&w.signs, 4 * ib)), x, 32 * ib);
+            let ls = _mm256_set1_epi16(iq3s_scale(w, ib) as i16);
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+        }
+        acc += r::iq_term(w.d, x, hsum(v));
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq1_s(w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut v = _mm256_setzero_si256();
+        let mut sumi1 = 0i32;
+        for ib in 0..8 {
+            let g = |l: usize| IQ1S_GRID[iq1s_index(w, ib, l)];
+            let g = words([g(0), g(1), g(2), g(3)]);
+            let p = dot_signed_k(g, y32(x, 32 * ib));
+            let qh = iq1s_qh(w, ib);
+            let ls = 2 * ((qh >> 12) & 7) as i32 + 1;
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, _mm256_set1_epi16(ls as i16)));
+            let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+            sumi1 += ls * delta * (r::q8k_bsum(x, 2 * ib) + r::q8k_bsum(x, 2 * ib + 1));
+        }
+        acc += r::iq1_term(r::h(w.d), x, hsum(v), sumi1);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq1_m(w: &[BlockIQ1M], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (w, x) in w.iter().zip(x) {
+        let sc = iq1m_words(w);
+        let mut v = _mm256_setzero_si256();
+        let mut shifts = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let group = |l: usize| iq1m_group(w, ib, l);
+            let groups = [group(0), group(1), group(2), group(3)];
+            let g = |l: usize| IQ1S_GRID[groups[l].0];
+            let g = words([g(0), g(1), g(2), g(3)]);
+            let y = y32(x, 32 * ib);
+            let ls = iq1m_scales(sc, ib);
+            let m = halves(ls[0], ls[1]);
+            v = _mm256_add_epi32(v, _mm256_madd_epi16(dot_signed_k(g, y), m));
+            // Each group's activations summed with its shift's sign.
+            let n = |l: usize| if groups[l].1 { 0xff } else { 0 };
+            let d = signs([n(0), n(1), n(2), n(3)]);
+            let sum = dot_signed_k(d, y);
+            shifts = _mm256_add_epi32(shifts, _mm256_madd_epi16(sum, m));
+        }
+        acc += r::iq1_term(iq1m_d(sc), x, hsum(v), hsum(shifts));
+    }
+    acc
+}
