@@ -807,6 +807,29 @@ pub(crate) trait Kernels: Copy {
     }
 }
 
+/// The sign multipliers of the lattice kernels: for each sign byte `b`, eight
+/// bytes, byte `j` `-1` (`0xff`) where bit `j` of `b` is set, else `1`.
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+pub(crate) const SIGN_BYTES: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut w = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            let byte: u64 = if (b >> j) & 1 != 0 { 0xff } else { 0x01 };
+            w |= byte << (8 * j);
+            j += 1;
+        }
+        t[b] = w;
+        b += 1;
+    }
+    t
+};
+
 /// The reference kernels.
 #[derive(Clone, Copy)]
 struct Scalar;

@@ -31,11 +31,14 @@
 
 use core::arch::aarch64::*;
 
+mod lattice;
+
 use super::reference::{self as r, FLOAT_LANES};
 use super::Kernels;
 use crate::quant::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
-    BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockIQ4NL,
+    BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 /// The NEON kernels (NEON is a compile-time feature here, so no run-time token).
@@ -93,6 +96,13 @@ macro_rules! neon_methods {
             q5_k(&[BlockQ5K], &[BlockQ8K]);
             q6_k(&[BlockQ6K], &[BlockQ8K]);
             iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
+            iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
+            iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
+            iq2_s(&[BlockIQ2S], &[BlockQ8K]);
+            iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
+            iq3_s(&[BlockIQ3S], &[BlockQ8K]);
+            iq1_s(&[BlockIQ1S], &[BlockQ8K]);
+            iq1_m(&[BlockIQ1M], &[BlockQ8K]);
         }
         #[inline]
         fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
@@ -380,6 +390,8 @@ macro_rules! int_kernels {
         use crate::quant::kscales::{scale_min_k4, scales_q3k};
 
         $mac16
+
+        super::lattice::lattice_kernels!($features);
 
         #[inline]
         #[target_feature(enable = $features)]

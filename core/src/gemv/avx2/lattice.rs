@@ -3,7 +3,7 @@
 //!
 //! Each 32-element sub-block gathers its four 8-element grid points into one
 //! vector (`vpinsrq` of table words), gives them their signs (a byte of
-//! `0x01`/`0xff` per element from [`SIGN_BYTES`]) and multiplies with
+//! `0x01`/`0xff` per element from [`SIGN_BYTES`](crate::gemv::SIGN_BYTES)) and multiplies with
 //! [`dot_signed_k`] (`|y|` unsigned times the signed weight: no saturation, as
 //! the grids' magnitudes are at most 62, `IQ1`'s 1); `madd` applies the
 //! sub-block scales and sums pairs in `i32`. The integer sums are the
@@ -17,6 +17,7 @@ use core::arch::x86_64::*;
 
 use super::{arr, dot_signed_k, hsum, y32};
 use crate::gemv::reference as r;
+use crate::gemv::SIGN_BYTES;
 use crate::quant::blocks::{
     BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockQ8K,
 };
@@ -25,25 +26,6 @@ use crate::quant::iq2::{iq2s_index, le32, KSIGNS};
 use crate::quant::iq3::{iq3s_indices, iq3s_scale};
 use crate::quant::iq_grids::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
-};
-
-/// For each sign byte `b`, eight bytes: byte `j` is `-1` (`0xff`) where bit
-/// `j` of `b` is set, else `1`, as `vpsignb` wants them.
-const SIGN_BYTES: [u64; 256] = {
-    let mut t = [0u64; 256];
-    let mut b = 0;
-    while b < 256 {
-        let mut w = 0u64;
-        let mut j = 0;
-        while j < 8 {
-            let byte: u64 = if (b >> j) & 1 != 0 { 0xff } else { 0x01 };
-            w |= byte << (8 * j);
-            j += 1;
-        }
-        t[b] = w;
-        b += 1;
-    }
-    t
 };
 
 /// Four 8-byte words as one vector, `w[0]` lowest.
