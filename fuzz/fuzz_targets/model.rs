@@ -1,7 +1,7 @@
 //! Model files on arbitrary bytes (seeded with micro models of several
 //! architectures: MoE, DeltaNet, Mamba2 and short-convolution hybrids,
 //! Nemotron-H's ungated experts and layers of one sub-layer, MLA, sinks and
-//! windows):
+//! windows, lattice i-quant experts):
 //! loading one never panics, and a model the loader accepts evaluates two
 //! tokens (resident, one thread; NaNs allowed) without a panic either. Every
 //! shape the forward pass relies on is checked at load, and refused there

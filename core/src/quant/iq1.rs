@@ -6,7 +6,7 @@
 //! `gguf` Python package.
 
 use super::blocks::{BlockIQ1M, BlockIQ1S};
-use super::iq2::{grid_byte, h2f, le16};
+use super::iq2::{check_len, grid_byte, h2f, le16};
 use super::iq_grids::IQ1S_GRID;
 use super::{f16_to_f32, QK_K};
 
@@ -39,12 +39,7 @@ pub(crate) fn iq1s_index(b: &BlockIQ1S, ib: usize, l: usize) -> usize {
 /// # Panics
 /// If `out.len() != blocks.len() * 256`.
 pub fn dequantize_iq1s(blocks: &[BlockIQ1S], out: &mut [f32]) {
-    assert!(
-        blocks.len().checked_mul(QK_K) == Some(out.len()),
-        "dequantize_iq1s: out.len() ({}) must be blocks.len() * 256 ({} blocks)",
-        out.len(),
-        blocks.len()
-    );
+    check_len("dequantize_iq1s", blocks.len(), out.len());
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let d = h2f(b.d);
         for (ib, y) in y.chunks_exact_mut(32).enumerate() {
@@ -97,12 +92,7 @@ pub(crate) fn iq1m_group(b: &BlockIQ1M, ib: usize, l: usize) -> (usize, bool) {
 /// # Panics
 /// If `out.len() != blocks.len() * 256`.
 pub fn dequantize_iq1m(blocks: &[BlockIQ1M], out: &mut [f32]) {
-    assert!(
-        blocks.len().checked_mul(QK_K) == Some(out.len()),
-        "dequantize_iq1m: out.len() ({}) must be blocks.len() * 256 ({} blocks)",
-        out.len(),
-        blocks.len()
-    );
+    check_len("dequantize_iq1m", blocks.len(), out.len());
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let sc = iq1m_words(b);
         let d = iq1m_d(sc);

@@ -64,7 +64,8 @@ pub(crate) fn le16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
 }
 
-fn check_len(name: &str, blocks: usize, out: usize) {
+/// Panics unless `out` holds 256 values for each of `blocks` blocks.
+pub(crate) fn check_len(name: &str, blocks: usize, out: usize) {
     assert!(
         blocks.checked_mul(QK_K) == Some(out),
         "{name}: out.len() ({out}) must be blocks.len() * 256 ({blocks} blocks)"
@@ -90,6 +91,26 @@ pub fn dequantize_iq2xxs(blocks: &[BlockIQ2XXS], out: &mut [f32]) {
     }
 }
 
+/// Writes a super-block of `IQ2_XS` or `IQ2_S`: sub-block `ib`'s halves
+/// have the 4-bit scales of `scales[ib]` (low nibble first), and its group
+/// `l` is `point(ib, l)`, a grid word and its signs.
+#[inline]
+fn put_two_scales(
+    d: f32,
+    scales: &[u8; 8],
+    y: &mut [f32],
+    point: impl Fn(usize, usize) -> (u64, u8),
+) {
+    for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+        let sc = scales[ib] as u32;
+        let db = [step(d, sc & 15), step(d, sc >> 4)];
+        for (l, y) in y.chunks_exact_mut(8).enumerate() {
+            let (grid, signs) = point(ib, l);
+            put_signed(grid, signs, db[l / 2], y);
+        }
+    }
+}
+
 /// Dequantizes `IQ2_XS` super-blocks (256 elements each) into `out`.
 ///
 /// # Panics
@@ -97,16 +118,10 @@ pub fn dequantize_iq2xxs(blocks: &[BlockIQ2XXS], out: &mut [f32]) {
 pub fn dequantize_iq2xs(blocks: &[BlockIQ2XS], out: &mut [f32]) {
     check_len("dequantize_iq2xs", blocks.len(), out.len());
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let d = h2f(b.d);
-        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let sc = b.scales[ib] as u32;
-            let db = [step(d, sc & 15), step(d, sc >> 4)];
-            for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let w = le16(&b.qs, 2 * (4 * ib + l));
-                let signs = KSIGNS[(w >> 9) as usize];
-                put_signed(IQ2XS_GRID[(w & 511) as usize], signs, db[l / 2], y);
-            }
-        }
+        put_two_scales(h2f(b.d), &b.scales, y, |ib, l| {
+            let w = le16(&b.qs, 2 * (4 * ib + l));
+            (IQ2XS_GRID[(w & 511) as usize], KSIGNS[(w >> 9) as usize])
+        });
     }
 }
 
@@ -123,15 +138,9 @@ pub(crate) fn iq2s_index(b: &BlockIQ2S, ib: usize, l: usize) -> usize {
 pub fn dequantize_iq2s(blocks: &[BlockIQ2S], out: &mut [f32]) {
     check_len("dequantize_iq2s", blocks.len(), out.len());
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let d = h2f(b.d);
-        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let sc = b.scales[ib] as u32;
-            let db = [step(d, sc & 15), step(d, sc >> 4)];
-            for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let signs = b.qs[QK_K / 8 + 4 * ib + l];
-                put_signed(IQ2S_GRID[iq2s_index(b, ib, l)], signs, db[l / 2], y);
-            }
-        }
+        put_two_scales(h2f(b.d), &b.scales, y, |ib, l| {
+            (IQ2S_GRID[iq2s_index(b, ib, l)], b.qs[QK_K / 8 + 4 * ib + l])
+        });
     }
 }
 

@@ -8,7 +8,7 @@
 //! `gguf` Python package.
 
 use super::blocks::{BlockIQ3S, BlockIQ3XXS};
-use super::iq2::{h2f, le32, put_signed, KSIGNS};
+use super::iq2::{check_len, h2f, le32, put_signed, KSIGNS};
 use super::iq_grids::{IQ3S_GRID, IQ3XXS_GRID};
 use super::QK_K;
 
@@ -41,12 +41,7 @@ pub(crate) fn iq3s_scale(b: &BlockIQ3S, ib: usize) -> u32 {
 /// # Panics
 /// If `out.len() != blocks.len() * 256`.
 pub fn dequantize_iq3xxs(blocks: &[BlockIQ3XXS], out: &mut [f32]) {
-    assert!(
-        blocks.len().checked_mul(QK_K) == Some(out.len()),
-        "dequantize_iq3xxs: out.len() ({}) must be blocks.len() * 256 ({} blocks)",
-        out.len(),
-        blocks.len()
-    );
+    check_len("dequantize_iq3xxs", blocks.len(), out.len());
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let d = h2f(b.d);
         for (ib, y) in y.chunks_exact_mut(32).enumerate() {
@@ -70,12 +65,7 @@ pub fn dequantize_iq3xxs(blocks: &[BlockIQ3XXS], out: &mut [f32]) {
 /// # Panics
 /// If `out.len() != blocks.len() * 256`.
 pub fn dequantize_iq3s(blocks: &[BlockIQ3S], out: &mut [f32]) {
-    assert!(
-        blocks.len().checked_mul(QK_K) == Some(out.len()),
-        "dequantize_iq3s: out.len() ({}) must be blocks.len() * 256 ({} blocks)",
-        out.len(),
-        blocks.len()
-    );
+    check_len("dequantize_iq3s", blocks.len(), out.len());
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let d = h2f(b.d);
         for (ib, y) in y.chunks_exact_mut(32).enumerate() {

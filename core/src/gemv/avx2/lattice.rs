@@ -67,107 +67,89 @@ fn halves(lo: i32, hi: i32) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
 }
 
+/// The multipliers of a byte of two 4-bit scales `s` (low nibble first):
+/// `2s + 1` each.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::gemv) fn iq2_xxs(w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let mut v = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
-            let aux = le32(q, 4);
-            let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
-            let g = words([g(0), g(1), g(2), g(3)]);
-            let p = signed_products(g, signs(ksigns(aux)), x, 32 * ib);
-            let ls = _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1);
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
-        }
-        acc += r::iq_term(w.d, x, hsum(v));
-    }
-    0.125 * acc
+fn scale_pair(sc: u8) -> __m256i {
+    let sc = sc as i32;
+    halves(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)
 }
 
+/// The multiplier `2s + 1` of a sub-block's 4-bit scale `s` (the top bits of
+/// its signs-and-scale word).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::gemv) fn iq2_xs(w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let mut v = _mm256_setzero_si256();
-        for ib in 0..8 {
-            // The sub-block's four index-and-signs words at once.
-            let q = u64::from_le_bytes(*arr(&w.qs, 8 * ib));
-            let q = |l: u32| (q >> (16 * l)) as u16;
-            let g = |l: u32| IQ2XS_GRID[(q(l) & 511) as usize];
-            let g = words([g(0), g(1), g(2), g(3)]);
-            let k = |l: u32| KSIGNS[(q(l) >> 9) as usize];
-            let s = signs([k(0), k(1), k(2), k(3)]);
-            let p = signed_products(g, s, x, 32 * ib);
-            let sc = w.scales[ib] as i32;
-            let ls = halves(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1);
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
-        }
-        acc += r::iq_term(w.d, x, hsum(v));
-    }
-    0.125 * acc
+fn word_scale(aux: u32) -> __m256i {
+    _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::gemv) fn iq2_s(w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let mut v = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
-            let g = words([g(0), g(1), g(2), g(3)]);
-            let s = signs(*arr(&w.qs, 32 + 4 * ib));
-            let p = signed_products(g, s, x, 32 * ib);
-            let sc = w.scales[ib] as i32;
-            let ls = halves(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1);
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
-        }
-        acc += r::iq_term(w.d, x, hsum(v));
-    }
-    0.125 * acc
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::gemv) fn iq3_xxs(w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let mut v = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
-            let aux = le32(&w.qs, 64 + 4 * ib);
-            let g = |l: usize| IQ3XXS_GRID[q[l] as usize] as i32;
-            let g = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-            let p = signed_products(g, signs(ksigns(aux)), x, 32 * ib);
-            let ls = _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1);
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
-        }
-        acc += r::iq_term(w.d, x, hsum(v));
-    }
-    0.25 * acc
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::gemv) fn iq3_s(w: &[BlockIQ3S], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let mut v = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let mut g = [0i32; 8];
-            for l in 0..4 {
-                let (i1, i2) = iq3s_indices(w, ib, l);
-                g[2 * l] = IQ3S_GRID[i1] as i32;
-                g[2 * l + 1] = IQ3S_GRID[i2] as i32;
+/// A lattice kernel: per super-block, `$sub` gives sub-block `$ib`'s grid
+/// magnitudes, signs and `i16` scale multipliers; their products are
+/// summed exactly, then the reference's float step and the format's
+/// constant `$factor`.
+macro_rules! lattice_kernel {
+    ($name:ident, $W:ty, $factor:expr, |$w:ident, $ib:ident| $sub:expr) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::gemv) fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
+            let mut acc = 0.0f32;
+            for ($w, x) in w.iter().zip(x) {
+                let mut v = _mm256_setzero_si256();
+                for $ib in 0..8 {
+                    let (g, s, ls): (__m256i, __m256i, __m256i) = $sub;
+                    let p = signed_products(g, s, x, 32 * $ib);
+                    v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+                }
+                acc += r::iq_term($w.d, x, hsum(v));
             }
-            let g = _mm256_setr_epi32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]);
-            let p = signed_products(g, signs(*arr(&w.signs, 4 * ib)), x, 32 * ib);
-            let ls = _mm256_set1_epi16(iq3s_scale(w, ib) as i16);
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, ls));
+            $factor * acc
         }
-        acc += r::iq_term(w.d, x, hsum(v));
-    }
-    acc
+    };
 }
+
+lattice_kernel!(iq2_xxs, BlockIQ2XXS, 0.125, |w, ib| {
+    let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+    let aux = le32(q, 4);
+    let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
+    let g = words([g(0), g(1), g(2), g(3)]);
+    (g, signs(ksigns(aux)), word_scale(aux))
+});
+
+lattice_kernel!(iq2_xs, BlockIQ2XS, 0.125, |w, ib| {
+    // The sub-block's four index-and-signs words at once.
+    let q = u64::from_le_bytes(*arr(&w.qs, 8 * ib));
+    let q = |l: u32| (q >> (16 * l)) as u16;
+    let g = |l: u32| IQ2XS_GRID[(q(l) & 511) as usize];
+    let k = |l: u32| KSIGNS[(q(l) >> 9) as usize];
+    let g = words([g(0), g(1), g(2), g(3)]);
+    (g, signs([k(0), k(1), k(2), k(3)]), scale_pair(w.scales[ib]))
+});
+
+lattice_kernel!(iq2_s, BlockIQ2S, 0.125, |w, ib| {
+    let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
+    let g = words([g(0), g(1), g(2), g(3)]);
+    (g, signs(*arr(&w.qs, 32 + 4 * ib)), scale_pair(w.scales[ib]))
+});
+
+lattice_kernel!(iq3_xxs, BlockIQ3XXS, 0.25, |w, ib| {
+    let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+    let aux = le32(&w.qs, 64 + 4 * ib);
+    let g = |l: usize| IQ3XXS_GRID[q[l] as usize] as i32;
+    let g = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+    (g, signs(ksigns(aux)), word_scale(aux))
+});
+
+lattice_kernel!(iq3_s, BlockIQ3S, 1.0, |w, ib| {
+    let mut g = [0i32; 8];
+    for l in 0..4 {
+        let (i1, i2) = iq3s_indices(w, ib, l);
+        g[2 * l] = IQ3S_GRID[i1] as i32;
+        g[2 * l + 1] = IQ3S_GRID[i2] as i32;
+    }
+    let g = _mm256_setr_epi32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]);
+    let ls = _mm256_set1_epi16(iq3s_scale(w, ib) as i16);
+    (g, signs(*arr(&w.signs, 4 * ib)), ls)
+});
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(in crate::gemv) fn iq1_s(w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {

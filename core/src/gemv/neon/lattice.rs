@@ -28,6 +28,32 @@ pub(super) fn signed16(a: u64, b: u64, sa: u8, sb: u8) -> int8x16_t {
     vmulq_s8(words16(a, b), s)
 }
 
+/// A lattice kernel compiled with `$features` (in a [`lattice_kernels!`]
+/// expansion: `isum16` in scope): per super-block, `$sub` gives sub-block
+/// `$ib`'s two halves of signed weights and their scales; their products
+/// are summed exactly, then the reference's float step and the format's
+/// constant `$factor`.
+macro_rules! lattice_kernel {
+    ($features:literal, $name:ident, $W:ty, $factor:expr, |$w:ident, $ib:ident| $sub:expr) => {
+        #[target_feature(enable = $features)]
+        pub(super) fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
+            let mut acc = 0.0f32;
+            for ($w, x) in w.iter().zip(x) {
+                let mut bsum = 0i32;
+                for $ib in 0..8 {
+                    let (lo, hi, (ls_lo, ls_hi)): (int8x16_t, int8x16_t, (i32, i32)) = $sub;
+                    let y = 32 * $ib;
+                    bsum += isum16(lo, arr(&x.qs, y)) * ls_lo;
+                    bsum += isum16(hi, arr(&x.qs, y + 16)) * ls_hi;
+                }
+                acc += r::iq_term($w.d, x, bsum);
+            }
+            $factor * acc
+        }
+    };
+}
+pub(super) use lattice_kernel;
+
 /// The lattice kernels, compiled with `$features` and the `mac16` in scope.
 macro_rules! lattice_kernels {
     ($features:literal) => {
@@ -56,113 +82,71 @@ macro_rules! lattice_kernels {
             KSIGNS[(aux >> (7 * l)) as usize & 127]
         }
 
-        #[target_feature(enable = $features)]
-        pub(super) fn iq2_xxs(w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
-            let mut acc = 0.0f32;
-            for (w, x) in w.iter().zip(x) {
-                let mut bsum = 0i32;
-                for ib in 0..8 {
-                    let q: &[u8; 8] = arr(&w.qs, 8 * ib);
-                    let aux = le32(q, 4);
-                    let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
-                    let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
-                    let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
-                    let y = 32 * ib;
-                    let sumi = isum16(lo, arr(&x.qs, y)) + isum16(hi, arr(&x.qs, y + 16));
-                    bsum += sumi * (2 * (aux >> 28) as i32 + 1);
-                }
-                acc += r::iq_term(w.d, x, bsum);
-            }
-            0.125 * acc
+        /// The multipliers `2s + 1` of a byte of two 4-bit scales (low nibble first).
+        #[inline(always)]
+        fn scale_pair(sc: u8) -> (i32, i32) {
+            let sc = sc as i32;
+            (2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)
         }
 
-        #[target_feature(enable = $features)]
-        pub(super) fn iq2_xs(w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
-            let mut acc = 0.0f32;
-            for (w, x) in w.iter().zip(x) {
-                let mut bsum = 0i32;
-                for ib in 0..8 {
-                    let q = |l: usize| le16(&w.qs, 2 * (4 * ib + l));
-                    let g = |l: usize| IQ2XS_GRID[(q(l) & 511) as usize];
-                    let k = |l: usize| KSIGNS[(q(l) >> 9) as usize];
-                    let lo = signed16(g(0), g(1), k(0), k(1));
-                    let hi = signed16(g(2), g(3), k(2), k(3));
-                    let sc = w.scales[ib] as i32;
-                    let y = 32 * ib;
-                    bsum += isum16(lo, arr(&x.qs, y)) * (2 * (sc & 15) + 1);
-                    bsum += isum16(hi, arr(&x.qs, y + 16)) * (2 * (sc >> 4) + 1);
-                }
-                acc += r::iq_term(w.d, x, bsum);
-            }
-            0.125 * acc
+        /// The multiplier `2s + 1` of a signs-and-scale word's 4-bit scale.
+        #[inline(always)]
+        fn word_scale(aux: u32) -> (i32, i32) {
+            let s = 2 * (aux >> 28) as i32 + 1;
+            (s, s)
         }
 
-        #[target_feature(enable = $features)]
-        pub(super) fn iq2_s(w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
-            let mut acc = 0.0f32;
-            for (w, x) in w.iter().zip(x) {
-                let mut bsum = 0i32;
-                for ib in 0..8 {
-                    let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
-                    let s: &[u8; 4] = arr(&w.qs, 32 + 4 * ib);
-                    let lo = signed16(g(0), g(1), s[0], s[1]);
-                    let hi = signed16(g(2), g(3), s[2], s[3]);
-                    let sc = w.scales[ib] as i32;
-                    let y = 32 * ib;
-                    bsum += isum16(lo, arr(&x.qs, y)) * (2 * (sc & 15) + 1);
-                    bsum += isum16(hi, arr(&x.qs, y + 16)) * (2 * (sc >> 4) + 1);
-                }
-                acc += r::iq_term(w.d, x, bsum);
-            }
-            0.125 * acc
-        }
+        super::lattice::lattice_kernel!($features, iq2_xxs, BlockIQ2XXS, 0.125, |w, ib| {
+            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+            let aux = le32(q, 4);
+            let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
+            let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
+            let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
+            (lo, hi, word_scale(aux))
+        });
 
-        #[target_feature(enable = $features)]
-        pub(super) fn iq3_xxs(w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
-            let mut acc = 0.0f32;
-            for (w, x) in w.iter().zip(x) {
-                let mut bsum = 0i32;
-                for ib in 0..8 {
-                    let q: &[u8; 8] = arr(&w.qs, 8 * ib);
-                    let aux = le32(&w.qs, 64 + 4 * ib);
-                    let g = |l: usize| {
-                        pair(
-                            IQ3XXS_GRID[q[2 * l] as usize],
-                            IQ3XXS_GRID[q[2 * l + 1] as usize],
-                        )
-                    };
-                    let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
-                    let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
-                    let y = 32 * ib;
-                    let sumi = isum16(lo, arr(&x.qs, y)) + isum16(hi, arr(&x.qs, y + 16));
-                    bsum += sumi * (2 * (aux >> 28) as i32 + 1);
-                }
-                acc += r::iq_term(w.d, x, bsum);
-            }
-            0.25 * acc
-        }
+        super::lattice::lattice_kernel!($features, iq2_xs, BlockIQ2XS, 0.125, |w, ib| {
+            let q = |l: usize| le16(&w.qs, 2 * (4 * ib + l));
+            let g = |l: usize| IQ2XS_GRID[(q(l) & 511) as usize];
+            let k = |l: usize| KSIGNS[(q(l) >> 9) as usize];
+            let lo = signed16(g(0), g(1), k(0), k(1));
+            let hi = signed16(g(2), g(3), k(2), k(3));
+            (lo, hi, scale_pair(w.scales[ib]))
+        });
 
-        #[target_feature(enable = $features)]
-        pub(super) fn iq3_s(w: &[BlockIQ3S], x: &[BlockQ8K]) -> f32 {
-            let mut acc = 0.0f32;
-            for (w, x) in w.iter().zip(x) {
-                let mut bsum = 0i32;
-                for ib in 0..8 {
-                    let g = |l: usize| {
-                        let (i1, i2) = iq3s_indices(w, ib, l);
-                        pair(IQ3S_GRID[i1], IQ3S_GRID[i2])
-                    };
-                    let s: &[u8; 4] = arr(&w.signs, 4 * ib);
-                    let lo = signed16(g(0), g(1), s[0], s[1]);
-                    let hi = signed16(g(2), g(3), s[2], s[3]);
-                    let y = 32 * ib;
-                    let sumi = isum16(lo, arr(&x.qs, y)) + isum16(hi, arr(&x.qs, y + 16));
-                    bsum += sumi * iq3s_scale(w, ib) as i32;
-                }
-                acc += r::iq_term(w.d, x, bsum);
-            }
-            acc
-        }
+        super::lattice::lattice_kernel!($features, iq2_s, BlockIQ2S, 0.125, |w, ib| {
+            let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
+            let s: &[u8; 4] = arr(&w.qs, 32 + 4 * ib);
+            let lo = signed16(g(0), g(1), s[0], s[1]);
+            let hi = signed16(g(2), g(3), s[2], s[3]);
+            (lo, hi, scale_pair(w.scales[ib]))
+        });
+
+        super::lattice::lattice_kernel!($features, iq3_xxs, BlockIQ3XXS, 0.25, |w, ib| {
+            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+            let aux = le32(&w.qs, 64 + 4 * ib);
+            let g = |l: usize| {
+                pair(
+                    IQ3XXS_GRID[q[2 * l] as usize],
+                    IQ3XXS_GRID[q[2 * l + 1] as usize],
+                )
+            };
+            let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
+            let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
+            (lo, hi, word_scale(aux))
+        });
+
+        super::lattice::lattice_kernel!($features, iq3_s, BlockIQ3S, 1.0, |w, ib| {
+            let g = |l: usize| {
+                let (i1, i2) = iq3s_indices(w, ib, l);
+                pair(IQ3S_GRID[i1], IQ3S_GRID[i2])
+            };
+            let s: &[u8; 4] = arr(&w.signs, 4 * ib);
+            let lo = signed16(g(0), g(1), s[0], s[1]);
+            let hi = signed16(g(2), g(3), s[2], s[3]);
+            let ls = iq3s_scale(w, ib) as i32;
+            (lo, hi, (ls, ls))
+        });
 
         #[target_feature(enable = $features)]
         pub(super) fn iq1_s(w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
