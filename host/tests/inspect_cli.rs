@@ -217,6 +217,20 @@ fn inspect_counts_packed_experts() {
     assert!(
         eb["total_expert_bytes"].as_u64().unwrap() >= ea["total_expert_bytes"].as_u64().unwrap()
     );
+    // The packed layers' types, alike layers as one run: `tiny`'s experts
+    // are one type throughout.
+    let runs = b["packed"]["types"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{}", b["packed"]);
+    assert_eq!(runs[0]["layers"], "0-3");
+    assert_eq!(runs[0]["matrices"], "gate / up / down");
+    let ty = "q4_0";
+    assert_eq!(runs[0]["types"], serde_json::json!([ty, ty, ty]));
+    assert_eq!(runs[0]["expert_bytes"], la[0]["bytes_per_expert"]);
+    let text = stdout(&les(&["inspect"], &packed));
+    assert!(
+        text.contains(&format!("  layers 0-3: {ty} / {ty} / {ty} (gate / up / down)")),
+        "{text}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -153,6 +153,17 @@ fn packed_text(
                 ix.alignment,
                 printable(&ix.plan)
             )?;
+            for run in type_runs(ix) {
+                writeln!(
+                    out,
+                    "  {} {}: {} ({}), {} bytes an expert",
+                    if run.layers.contains('-') { "layers" } else { "layer" },
+                    run.layers,
+                    run.types.join(" / "),
+                    run.matrices,
+                    run.expert_bytes
+                )?;
+            }
         }
         Err(e) => writeln!(
             out,
@@ -161,6 +172,50 @@ fn packed_text(
         )?,
     }
     Ok(())
+}
+
+/// Consecutive packed layers whose experts have the same types and size.
+struct TypeRun {
+    /// `"a-b"`, or `"a"` for one layer.
+    layers: String,
+    /// `"gate / up / down"`, or `"up / down"` for experts without a gate.
+    matrices: &'static str,
+    /// The matrices' ggml type names, in that order.
+    types: Vec<&'static str>,
+    /// Bytes of one expert, without padding.
+    expert_bytes: u64,
+}
+
+/// The packed layers' types, consecutive layers alike as one run.
+fn type_runs(ix: &PackedIndex) -> Vec<TypeRun> {
+    let mut runs: Vec<(usize, usize, Vec<&'static str>, u64)> = Vec::new();
+    for l in ix.layers() {
+        let types: Vec<&'static str> = l.types().iter().map(|t| t.name()).collect();
+        match runs.last_mut() {
+            Some((_, last, t, b))
+                if *last + 1 == l.layer && *t == types && *b == l.expert_bytes =>
+            {
+                *last = l.layer
+            }
+            _ => runs.push((l.layer, l.layer, types, l.expert_bytes)),
+        }
+    }
+    runs.into_iter()
+        .map(|(first, last, types, expert_bytes)| TypeRun {
+            layers: if first == last {
+                first.to_string()
+            } else {
+                format!("{first}-{last}")
+            },
+            matrices: if types.len() == 3 {
+                "gate / up / down"
+            } else {
+                "up / down"
+            },
+            types,
+            expert_bytes,
+        })
+        .collect()
 }
 
 /// The packed layout as JSON: `null` for a plain file, else whether its index
@@ -173,6 +228,15 @@ fn packed_json(packed: &Result<Option<PackedIndex>, PackError>) -> Json {
             "layers": ix.layers().len(),
             "alignment": ix.alignment,
             "plan": ix.plan,
+            "types": type_runs(ix)
+                .iter()
+                .map(|r| json!({
+                    "layers": r.layers,
+                    "matrices": r.matrices,
+                    "types": r.types,
+                    "expert_bytes": r.expert_bytes,
+                }))
+                .collect::<Vec<_>>(),
         }),
         Err(e) => json!({"valid": false, "error": e.to_string()}),
     }
