@@ -228,7 +228,9 @@ fn inspect_counts_packed_experts() {
     assert_eq!(runs[0]["expert_bytes"], la[0]["bytes_per_expert"]);
     let text = stdout(&les(&["inspect"], &packed));
     assert!(
-        text.contains(&format!("  layers 0-3: {ty} / {ty} / {ty} (gate / up / down)")),
+        text.contains(&format!(
+            "  layers 0-3: {ty} / {ty} / {ty} (gate / up / down)"
+        )),
         "{text}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

@@ -157,7 +157,11 @@ fn packed_text(
                 writeln!(
                     out,
                     "  {} {}: {} ({}), {} bytes an expert",
-                    if run.layers.contains('-') { "layers" } else { "layer" },
+                    if run.layers.contains('-') {
+                        "layers"
+                    } else {
+                        "layer"
+                    },
                     run.layers,
                     run.types.join(" / "),
                     run.matrices,
