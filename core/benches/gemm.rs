@@ -30,12 +30,12 @@ fn noise(state: &mut u64) -> f32 {
 }
 
 /// A `rows` x `cols` matrix of `ty`: 64 distinct quantized rows, tiled.
-/// (`IQ4_XS`, which LES reads but does not write: random bits, each block's
-/// scale `d` a plain 1/64.)
+/// (`IQ4_XS` and the lattice types, which LES reads but does not write:
+/// random bits, each block's scale `d` a plain 1/64.)
 fn matrix(ty: GgmlType, rows: usize, cols: usize, st: &mut u64) -> Vec<u8> {
     let vals: Vec<f32> = (0..64 * cols).map(|_| noise(st)).collect();
     let mut block = vec![0u8; 64 * ty.row_bytes(cols).unwrap()];
-    if ty == GgmlType::IQ4XS {
+    if !les_core::quant::can_quantize(ty) {
         for b in block.iter_mut() {
             *b = (noise(st) * 127.0) as i8 as u8;
         }
@@ -99,6 +99,18 @@ fn main() {
         (
             "expert gate, iq4_xs (768 x 2048)",
             GgmlType::IQ4XS,
+            768,
+            2048,
+        ),
+        (
+            "expert gate, iq2_xxs (768 x 2048)",
+            GgmlType::IQ2XXS,
+            768,
+            2048,
+        ),
+        (
+            "expert gate, iq3_xxs (768 x 2048)",
+            GgmlType::IQ3XXS,
             768,
             2048,
         ),

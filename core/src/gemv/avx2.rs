@@ -32,7 +32,10 @@ use crate::quant::blocks::{
 };
 use crate::quant::kscales::{scales_mins_k4, scales_q3k};
 use crate::quant::mxfp4::e8m0_to_f32_half;
-use lattice::{iq1_m, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs};
+use lattice::{
+    iq1_m, iq1_s, iq2_s, iq2_s_n, iq2_xs, iq2_xs_n, iq2_xxs, iq2_xxs_n, iq3_s, iq3_s_n, iq3_xxs,
+    iq3_xxs_n,
+};
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
 #[derive(Clone, Copy)]
@@ -51,6 +54,21 @@ macro_rules! forward {
         $(
             #[inline]
             fn $name(self, w: $w, x: $x) -> f32 {
+                // SAFETY: `self` is an `Avx2` token, which exists only if the CPU
+                // supports AVX2, FMA and F16C (checked in `Avx2::new`).
+                unsafe { $name(w, x) }
+            }
+        )*
+    };
+}
+
+/// Implements grouped `Kernels` methods (one row, `N` inputs) by calling the
+/// target-feature kernel of the same name.
+macro_rules! group_forward {
+    ($($name:ident($w:ty);)*) => {
+        $(
+            #[inline]
+            fn $name<const N: usize>(self, w: &[$w], x: [&[BlockQ8K]; N]) -> [f32; N] {
                 // SAFETY: `self` is an `Avx2` token, which exists only if the CPU
                 // supports AVX2, FMA and F16C (checked in `Avx2::new`).
                 unsafe { $name(w, x) }
@@ -118,6 +136,14 @@ impl Kernels for Avx2 {
     fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
         // SAFETY: as for `q4_k_n`.
         unsafe { iq4_xs_n(w, x) }
+    }
+
+    group_forward! {
+        iq2_xxs_n(BlockIQ2XXS);
+        iq2_xs_n(BlockIQ2XS);
+        iq2_s_n(BlockIQ2S);
+        iq3_xxs_n(BlockIQ3XXS);
+        iq3_s_n(BlockIQ3S);
     }
 }
 

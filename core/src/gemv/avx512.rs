@@ -92,6 +92,11 @@ impl Kernels for Avx512 {
         q4_k_n(BlockQ4K);
         q5_k_n(BlockQ5K);
         iq4_xs_n(BlockIQ4XS);
+        iq2_xxs_n(BlockIQ2XXS);
+        iq2_xs_n(BlockIQ2XS);
+        iq2_s_n(BlockIQ2S);
+        iq3_xxs_n(BlockIQ3XXS);
+        iq3_s_n(BlockIQ3S);
     }
     inner_methods! {
         // The AVX2 kernels (`cargo bench -p les-core --bench gemv`: a 512-bit
@@ -151,6 +156,11 @@ impl Kernels for Avx512Vnni {
     }
     inner_group_methods! {
         iq4_xs_n(BlockIQ4XS);
+        iq2_xxs_n(BlockIQ2XXS);
+        iq2_xs_n(BlockIQ2XS);
+        iq2_s_n(BlockIQ2S);
+        iq3_xxs_n(BlockIQ3XXS);
+        iq3_s_n(BlockIQ3S);
     }
     inner_methods! {
         f32(&[u8], &[f32]);

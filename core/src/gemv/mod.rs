@@ -570,7 +570,15 @@ pub fn gemm_with_prefetch(
     let grouped = inputs.len() > 1
         && matches!(
             matrix.ty,
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS
+            GgmlType::Q4K
+                | GgmlType::Q5K
+                | GgmlType::Q6K
+                | GgmlType::IQ4XS
+                | GgmlType::IQ2XXS
+                | GgmlType::IQ2XS
+                | GgmlType::IQ2S
+                | GgmlType::IQ3XXS
+                | GgmlType::IQ3S
         );
     let mut start = rows.start;
     while start < rows.end {
@@ -594,11 +602,12 @@ pub fn gemm_with_prefetch(
     Ok(())
 }
 
-/// Most inputs a [`gemm`] kernel call takes at once (`Q4_K`, `Q5_K`, `Q6_K`
-/// and `IQ4_XS`): the row's blocks are unpacked once for all of them.
+/// Most inputs a [`gemm`] kernel call takes at once (`Q4_K`, `Q5_K`, `Q6_K`,
+/// `IQ4_XS` and the lattice types but `IQ1_S`/`IQ1_M`): the row's blocks are
+/// unpacked once for all of them.
 pub const GEMM_GROUP: usize = 4;
 
-/// A tile of a `Q4_K`, `Q5_K`, `Q6_K` or `IQ4_XS` matrix (`data`, whole rows)
+/// A tile of a matrix of a grouped type ([`GEMM_GROUP`]; `data`, whole rows)
 /// times every input,
 /// into `ys[c][out..]`: the inputs in groups of up to [`GEMM_GROUP`] through
 /// the kernels' `_n` methods (the first group prefetches `prefetch` bytes
@@ -648,6 +657,11 @@ fn group<K: Kernels, const N: usize>(
             GgmlType::Q4K => k.q4_k_n(as_blocks(row).unwrap_or(&[]), x),
             GgmlType::Q5K => k.q5_k_n(as_blocks(row).unwrap_or(&[]), x),
             GgmlType::IQ4XS => k.iq4_xs_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ2XXS => k.iq2_xxs_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ2XS => k.iq2_xs_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ2S => k.iq2_s_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ3XXS => k.iq3_xxs_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ3S => k.iq3_s_n(as_blocks(row).unwrap_or(&[]), x),
             _ => k.q6_k_n(as_blocks(row).unwrap_or(&[]), x),
         };
         for (y, r) in ys.iter_mut().zip(r) {
@@ -786,6 +800,23 @@ pub(crate) trait Kernels: Copy {
     }
     fn iq2_xxs(self, w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq2_xxs(w, x)
+    }
+    /// [`iq2_xxs`](Self::iq2_xxs) of one row and `N` inputs, as
+    /// [`q4_k_n`](Self::q4_k_n); likewise the other lattice types' `_n`.
+    fn iq2_xxs_n<const N: usize>(self, w: &[BlockIQ2XXS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq2_xxs(w, x))
+    }
+    fn iq2_xs_n<const N: usize>(self, w: &[BlockIQ2XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq2_xs(w, x))
+    }
+    fn iq2_s_n<const N: usize>(self, w: &[BlockIQ2S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq2_s(w, x))
+    }
+    fn iq3_xxs_n<const N: usize>(self, w: &[BlockIQ3XXS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq3_xxs(w, x))
+    }
+    fn iq3_s_n<const N: usize>(self, w: &[BlockIQ3S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq3_s(w, x))
     }
     fn iq2_xs(self, w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq2_xs(w, x)

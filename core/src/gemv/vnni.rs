@@ -382,6 +382,11 @@ impl Kernels for AvxVnni {
     inner_group_methods! {
         q6_k_n(BlockQ6K);
         iq4_xs_n(BlockIQ4XS);
+        iq2_xxs_n(BlockIQ2XXS);
+        iq2_xs_n(BlockIQ2XS);
+        iq2_s_n(BlockIQ2S);
+        iq3_xxs_n(BlockIQ3XXS);
+        iq3_s_n(BlockIQ3S);
     }
     inner_methods! {
         f32(&[u8], &[f32]);

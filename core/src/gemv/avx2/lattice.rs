@@ -84,12 +84,14 @@ fn word_scale(aux: u32) -> __m256i {
     _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1)
 }
 
-/// A lattice kernel: per super-block, `$sub` gives sub-block `$ib`'s grid
-/// magnitudes, signs and `i16` scale multipliers; their products are
-/// summed exactly, then the reference's float step and the format's
-/// constant `$factor`.
+/// A lattice kernel `$name` and its grouped twin `$name_n` (one row, `N`
+/// inputs, each result `$name`'s bits): per super-block, `$sub` gives
+/// sub-block `$ib`'s grid magnitudes, signs and `i16` scale multipliers
+/// (looked up once for all inputs in `$name_n`); their products are summed
+/// exactly, then the reference's float step and the format's constant
+/// `$factor`.
 macro_rules! lattice_kernel {
-    ($name:ident, $W:ty, $factor:expr, |$w:ident, $ib:ident| $sub:expr) => {
+    ($name:ident, $name_n:ident, $W:ty, $factor:expr, |$w:ident, $ib:ident| $sub:expr) => {
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(in crate::gemv) fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
             let mut acc = 0.0f32;
@@ -104,10 +106,31 @@ macro_rules! lattice_kernel {
             }
             $factor * acc
         }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::gemv) fn $name_n<const N: usize>(w: &[$W], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            for (i, $w) in w[..n].iter().enumerate() {
+                let mut v = [_mm256_setzero_si256(); N];
+                for $ib in 0..8 {
+                    let (g, s, ls): (__m256i, __m256i, __m256i) = $sub;
+                    let k = _mm256_sign_epi8(g, s);
+                    for (v, x) in v.iter_mut().zip(x) {
+                        let p = dot_signed_k(k, y32(&x[i], 32 * $ib));
+                        *v = _mm256_add_epi32(*v, _mm256_madd_epi16(p, ls));
+                    }
+                }
+                for c in 0..N {
+                    acc[c] += r::iq_term($w.d, &x[c][i], hsum(v[c]));
+                }
+            }
+            acc.map(|a| $factor * a)
+        }
     };
 }
 
-lattice_kernel!(iq2_xxs, BlockIQ2XXS, 0.125, |w, ib| {
+lattice_kernel!(iq2_xxs, iq2_xxs_n, BlockIQ2XXS, 0.125, |w, ib| {
     let q: &[u8; 8] = arr(&w.qs, 8 * ib);
     let aux = le32(q, 4);
     let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
@@ -115,7 +138,7 @@ lattice_kernel!(iq2_xxs, BlockIQ2XXS, 0.125, |w, ib| {
     (g, signs(ksigns(aux)), word_scale(aux))
 });
 
-lattice_kernel!(iq2_xs, BlockIQ2XS, 0.125, |w, ib| {
+lattice_kernel!(iq2_xs, iq2_xs_n, BlockIQ2XS, 0.125, |w, ib| {
     // The sub-block's four index-and-signs words at once.
     let q = u64::from_le_bytes(*arr(&w.qs, 8 * ib));
     let q = |l: u32| (q >> (16 * l)) as u16;
@@ -125,13 +148,13 @@ lattice_kernel!(iq2_xs, BlockIQ2XS, 0.125, |w, ib| {
     (g, signs([k(0), k(1), k(2), k(3)]), scale_pair(w.scales[ib]))
 });
 
-lattice_kernel!(iq2_s, BlockIQ2S, 0.125, |w, ib| {
+lattice_kernel!(iq2_s, iq2_s_n, BlockIQ2S, 0.125, |w, ib| {
     let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
     let g = words([g(0), g(1), g(2), g(3)]);
     (g, signs(*arr(&w.qs, 32 + 4 * ib)), scale_pair(w.scales[ib]))
 });
 
-lattice_kernel!(iq3_xxs, BlockIQ3XXS, 0.25, |w, ib| {
+lattice_kernel!(iq3_xxs, iq3_xxs_n, BlockIQ3XXS, 0.25, |w, ib| {
     let q: &[u8; 8] = arr(&w.qs, 8 * ib);
     let aux = le32(&w.qs, 64 + 4 * ib);
     let g = |l: usize| IQ3XXS_GRID[q[l] as usize] as i32;
@@ -139,7 +162,7 @@ lattice_kernel!(iq3_xxs, BlockIQ3XXS, 0.25, |w, ib| {
     (g, signs(ksigns(aux)), word_scale(aux))
 });
 
-lattice_kernel!(iq3_s, BlockIQ3S, 1.0, |w, ib| {
+lattice_kernel!(iq3_s, iq3_s_n, BlockIQ3S, 1.0, |w, ib| {
     let mut g = [0i32; 8];
     for l in 0..4 {
         let (i1, i2) = iq3s_indices(w, ib, l);
