@@ -459,25 +459,41 @@ pub fn dot_iq2_xxs(w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
     0.125 * acc
 }
 
+/// The integer sum of an `IQ2_XS` or `IQ2_S` super-block against `x`:
+/// sub-block `ib`'s halves have the 4-bit scales of `scales[ib]` (low nibble
+/// first), and its group `l` is `point(ib, l)`, a grid word and its signs.
+#[inline(always)]
+fn two_scale_bsum(
+    scales: &[u8; 8],
+    x: &BlockQ8K,
+    point: impl Fn(usize, usize) -> (u64, u8),
+) -> i32 {
+    let mut bsum = 0i32;
+    for (ib, &sc) in scales.iter().enumerate() {
+        let sc = sc as i32;
+        for (half, ls) in [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1]
+            .into_iter()
+            .enumerate()
+        {
+            let mut sumi = 0i32;
+            for l in 2 * half..2 * half + 2 {
+                let (grid, signs) = point(ib, l);
+                sumi += signed_dot8(grid, signs, &x.qs[32 * ib + 8 * l..]);
+            }
+            bsum += sumi * ls;
+        }
+    }
+    bsum
+}
+
 /// `IQ2_XS` weights times `Q8_K` activations.
 pub fn dot_iq2_xs(w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
-        let mut bsum = 0i32;
-        for ib in 0..8 {
-            let sc = w.scales[ib] as i32;
-            let ls = [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1];
-            for (half, ls) in ls.into_iter().enumerate() {
-                let mut sumi = 0i32;
-                for l in 2 * half..2 * half + 2 {
-                    let q = le16(&w.qs, 2 * (4 * ib + l));
-                    let signs = KSIGNS[(q >> 9) as usize];
-                    let y = &x.qs[32 * ib + 8 * l..];
-                    sumi += signed_dot8(IQ2XS_GRID[(q & 511) as usize], signs, y);
-                }
-                bsum += sumi * ls;
-            }
-        }
+        let bsum = two_scale_bsum(&w.scales, x, |ib, l| {
+            let q = le16(&w.qs, 2 * (4 * ib + l));
+            (IQ2XS_GRID[(q & 511) as usize], KSIGNS[(q >> 9) as usize])
+        });
         acc += iq_term(w.d, x, bsum);
     }
     0.125 * acc
@@ -487,20 +503,9 @@ pub fn dot_iq2_xs(w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
 pub fn dot_iq2_s(w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
     let mut acc = 0.0f32;
     for (w, x) in w.iter().zip(x) {
-        let mut bsum = 0i32;
-        for ib in 0..8 {
-            let sc = w.scales[ib] as i32;
-            let ls = [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1];
-            for (half, ls) in ls.into_iter().enumerate() {
-                let mut sumi = 0i32;
-                for l in 2 * half..2 * half + 2 {
-                    let signs = w.qs[32 + 4 * ib + l];
-                    let y = &x.qs[32 * ib + 8 * l..];
-                    sumi += signed_dot8(IQ2S_GRID[iq2s_index(w, ib, l)], signs, y);
-                }
-                bsum += sumi * ls;
-            }
-        }
+        let bsum = two_scale_bsum(&w.scales, x, |ib, l| {
+            (IQ2S_GRID[iq2s_index(w, ib, l)], w.qs[32 + 4 * ib + l])
+        });
         acc += iq_term(w.d, x, bsum);
     }
     0.125 * acc
