@@ -114,6 +114,7 @@ fn main() {
             768,
             2048,
         ),
+        ("expert gate, iq1_s (768 x 2048)", GgmlType::IQ1S, 768, 2048),
         ("attention q, q8_0 (ungrouped)", GgmlType::Q8_0, 4096, 2048),
     ] {
         let data = matrix(ty, rows, cols, &mut st);

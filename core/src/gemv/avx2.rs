@@ -33,8 +33,8 @@ use crate::quant::blocks::{
 use crate::quant::kscales::{scales_mins_k4, scales_q3k};
 use crate::quant::mxfp4::e8m0_to_f32_half;
 use lattice::{
-    iq1_m, iq1_s, iq2_s, iq2_s_n, iq2_xs, iq2_xs_n, iq2_xxs, iq2_xxs_n, iq3_s, iq3_s_n, iq3_xxs,
-    iq3_xxs_n,
+    iq1_m, iq1_m_n, iq1_s, iq1_s_n, iq2_s, iq2_s_n, iq2_xs, iq2_xs_n, iq2_xxs, iq2_xxs_n, iq3_s,
+    iq3_s_n, iq3_xxs, iq3_xxs_n,
 };
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
@@ -139,6 +139,8 @@ impl Kernels for Avx2 {
     }
 
     group_forward! {
+        iq1_s_n(BlockIQ1S);
+        iq1_m_n(BlockIQ1M);
         iq2_xxs_n(BlockIQ2XXS);
         iq2_xs_n(BlockIQ2XS);
         iq2_s_n(BlockIQ2S);

@@ -97,6 +97,8 @@ impl Kernels for Avx512 {
         iq2_s_n(BlockIQ2S);
         iq3_xxs_n(BlockIQ3XXS);
         iq3_s_n(BlockIQ3S);
+        iq1_s_n(BlockIQ1S);
+        iq1_m_n(BlockIQ1M);
     }
     inner_methods! {
         // The AVX2 kernels (`cargo bench -p les-core --bench gemv`: a 512-bit
@@ -161,6 +163,8 @@ impl Kernels for Avx512Vnni {
         iq2_s_n(BlockIQ2S);
         iq3_xxs_n(BlockIQ3XXS);
         iq3_s_n(BlockIQ3S);
+        iq1_s_n(BlockIQ1S);
+        iq1_m_n(BlockIQ1M);
     }
     inner_methods! {
         f32(&[u8], &[f32]);

@@ -579,6 +579,8 @@ pub fn gemm_with_prefetch(
                 | GgmlType::IQ2S
                 | GgmlType::IQ3XXS
                 | GgmlType::IQ3S
+                | GgmlType::IQ1S
+                | GgmlType::IQ1M
         );
     let mut start = rows.start;
     while start < rows.end {
@@ -603,8 +605,8 @@ pub fn gemm_with_prefetch(
 }
 
 /// Most inputs a [`gemm`] kernel call takes at once (`Q4_K`, `Q5_K`, `Q6_K`,
-/// `IQ4_XS` and the lattice types but `IQ1_S`/`IQ1_M`): the row's blocks are
-/// unpacked once for all of them.
+/// `IQ4_XS` and the lattice types): the row's blocks are unpacked once for
+/// all of them.
 pub const GEMM_GROUP: usize = 4;
 
 /// A tile of a matrix of a grouped type ([`GEMM_GROUP`]; `data`, whole rows)
@@ -662,6 +664,8 @@ fn group<K: Kernels, const N: usize>(
             GgmlType::IQ2S => k.iq2_s_n(as_blocks(row).unwrap_or(&[]), x),
             GgmlType::IQ3XXS => k.iq3_xxs_n(as_blocks(row).unwrap_or(&[]), x),
             GgmlType::IQ3S => k.iq3_s_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ1S => k.iq1_s_n(as_blocks(row).unwrap_or(&[]), x),
+            GgmlType::IQ1M => k.iq1_m_n(as_blocks(row).unwrap_or(&[]), x),
             _ => k.q6_k_n(as_blocks(row).unwrap_or(&[]), x),
         };
         for (y, r) in ys.iter_mut().zip(r) {
@@ -817,6 +821,12 @@ pub(crate) trait Kernels: Copy {
     }
     fn iq3_s_n<const N: usize>(self, w: &[BlockIQ3S], x: [&[BlockQ8K]; N]) -> [f32; N] {
         x.map(|x| self.iq3_s(w, x))
+    }
+    fn iq1_s_n<const N: usize>(self, w: &[BlockIQ1S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq1_s(w, x))
+    }
+    fn iq1_m_n<const N: usize>(self, w: &[BlockIQ1M], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq1_m(w, x))
     }
     fn iq2_xs(self, w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq2_xs(w, x)

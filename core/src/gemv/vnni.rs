@@ -387,6 +387,8 @@ impl Kernels for AvxVnni {
         iq2_s_n(BlockIQ2S);
         iq3_xxs_n(BlockIQ3XXS);
         iq3_s_n(BlockIQ3S);
+        iq1_s_n(BlockIQ1S);
+        iq1_m_n(BlockIQ1M);
     }
     inner_methods! {
         f32(&[u8], &[f32]);

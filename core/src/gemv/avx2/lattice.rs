@@ -176,48 +176,74 @@ lattice_kernel!(iq3_s, iq3_s_n, BlockIQ3S, 1.0, |w, ib| {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(in crate::gemv) fn iq1_s(w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
-        let mut v = _mm256_setzero_si256();
-        let mut sumi1 = 0i32;
+    iq1_s_n(w, [x])[0]
+}
+
+/// [`iq1_s`] of one row and `N` inputs, each result its bits: each
+/// sub-block's grid points and scale looked up once for all inputs.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq1_s_n<const N: usize>(w: &[BlockIQ1S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    for (i, w) in w[..n].iter().enumerate() {
+        let mut v = [_mm256_setzero_si256(); N];
+        let mut sumi1 = [0i32; N];
         for ib in 0..8 {
             let g = |l: usize| IQ1S_GRID[iq1s_index(w, ib, l)];
             let g = words([g(0), g(1), g(2), g(3)]);
-            let p = dot_signed_k(g, y32(x, 32 * ib));
             let qh = iq1s_qh(w, ib);
             let ls = 2 * ((qh >> 12) & 7) as i32 + 1;
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, _mm256_set1_epi16(ls as i16)));
+            let m = _mm256_set1_epi16(ls as i16);
             let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
-            sumi1 += ls * delta * (r::q8k_bsum(x, 2 * ib) + r::q8k_bsum(x, 2 * ib + 1));
+            for c in 0..N {
+                let x = &x[c][i];
+                let p = dot_signed_k(g, y32(x, 32 * ib));
+                v[c] = _mm256_add_epi32(v[c], _mm256_madd_epi16(p, m));
+                sumi1[c] += ls * delta * (r::q8k_bsum(x, 2 * ib) + r::q8k_bsum(x, 2 * ib + 1));
+            }
         }
-        acc += r::iq1_term(r::h(w.d), x, hsum(v), sumi1);
+        for c in 0..N {
+            acc[c] += r::iq1_term(r::h(w.d), &x[c][i], hsum(v[c]), sumi1[c]);
+        }
     }
     acc
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(in crate::gemv) fn iq1_m(w: &[BlockIQ1M], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (w, x) in w.iter().zip(x) {
+    iq1_m_n(w, [x])[0]
+}
+
+/// [`iq1_m`] of one row and `N` inputs, each result its bits: each
+/// sub-block's grid points, shift signs and scales looked up once.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::gemv) fn iq1_m_n<const N: usize>(w: &[BlockIQ1M], x: [&[BlockQ8K]; N]) -> [f32; N] {
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let mut acc = [0.0f32; N];
+    for (i, w) in w[..n].iter().enumerate() {
         let sc = iq1m_words(w);
-        let mut v = _mm256_setzero_si256();
-        let mut shifts = _mm256_setzero_si256();
+        let mut v = [_mm256_setzero_si256(); N];
+        let mut shifts = [_mm256_setzero_si256(); N];
         for ib in 0..8 {
             let group = |l: usize| iq1m_group(w, ib, l);
             let groups = [group(0), group(1), group(2), group(3)];
             let g = |l: usize| IQ1S_GRID[groups[l].0];
             let g = words([g(0), g(1), g(2), g(3)]);
-            let y = y32(x, 32 * ib);
             let ls = iq1m_scales(sc, ib);
             let m = halves(ls[0], ls[1]);
-            v = _mm256_add_epi32(v, _mm256_madd_epi16(dot_signed_k(g, y), m));
             // Each group's activations summed with its shift's sign.
-            let n = |l: usize| if groups[l].1 { 0xff } else { 0 };
-            let d = signs([n(0), n(1), n(2), n(3)]);
-            let sum = dot_signed_k(d, y);
-            shifts = _mm256_add_epi32(shifts, _mm256_madd_epi16(sum, m));
+            let neg = |l: usize| if groups[l].1 { 0xff } else { 0 };
+            let d = signs([neg(0), neg(1), neg(2), neg(3)]);
+            for c in 0..N {
+                let y = y32(&x[c][i], 32 * ib);
+                v[c] = _mm256_add_epi32(v[c], _mm256_madd_epi16(dot_signed_k(g, y), m));
+                shifts[c] = _mm256_add_epi32(shifts[c], _mm256_madd_epi16(dot_signed_k(d, y), m));
+            }
         }
-        acc += r::iq1_term(iq1m_d(sc), x, hsum(v), hsum(shifts));
+        let d = iq1m_d(sc);
+        for c in 0..N {
+            acc[c] += r::iq1_term(d, &x[c][i], hsum(v[c]), hsum(shifts[c]));
+        }
     }
     acc
 }
