@@ -72,6 +72,20 @@ macro_rules! forward {
     };
 }
 
+/// Grouped kernel methods (one row, `N` inputs) calling the functions of the
+/// same name in `$module`.
+macro_rules! group_forward {
+    ($module:ident: $($name:ident($w:ty);)*) => {
+        $(
+            #[inline]
+            fn $name<const N: usize>(self, w: &[$w], x: [&[BlockQ8K]; N]) -> [f32; N] {
+                // SAFETY: as for `forward!`'s methods.
+                unsafe { $module::$name(w, x) }
+            }
+        )*
+    };
+}
+
 /// The float kernels and, from `$module`, the integer ones.
 macro_rules! neon_methods {
     ($module:ident) => {
@@ -123,6 +137,14 @@ macro_rules! neon_methods {
         fn iq4_xs_n<const N: usize>(self, w: &[BlockIQ4XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
             // SAFETY: as for `forward!`'s methods.
             unsafe { $module::iq4_xs_n(w, x) }
+        }
+        group_forward! {
+            $module:
+            iq2_xxs_n(BlockIQ2XXS);
+            iq2_xs_n(BlockIQ2XS);
+            iq2_s_n(BlockIQ2S);
+            iq3_xxs_n(BlockIQ3XXS);
+            iq3_s_n(BlockIQ3S);
         }
     };
 }

@@ -28,27 +28,42 @@ pub(super) fn signed16(a: u64, b: u64, sa: u8, sb: u8) -> int8x16_t {
     vmulq_s8(words16(a, b), s)
 }
 
-/// A lattice kernel compiled with `$features` (in a [`lattice_kernels!`]
-/// expansion: `isum16` in scope): per super-block, `$sub` gives sub-block
+/// A lattice kernel `$name` and its grouped twin `$name_n`, compiled with
+/// `$features` (in a [`lattice_kernels!`] expansion: `isum16` in scope; the
+/// one-input kernel is the grouped one's `N = 1`): per super-block, `$sub`
+/// gives sub-block
 /// `$ib`'s two halves of signed weights and their scales; their products
 /// are summed exactly, then the reference's float step and the format's
 /// constant `$factor`.
 macro_rules! lattice_kernel {
-    ($features:literal, $name:ident, $W:ty, $factor:expr, |$w:ident, $ib:ident| $sub:expr) => {
+    ($features:literal, $name:ident, $name_n:ident, $W:ty, $factor:expr, |$w:ident, $ib:ident| $sub:expr) => {
         #[target_feature(enable = $features)]
         pub(super) fn $name(w: &[$W], x: &[BlockQ8K]) -> f32 {
-            let mut acc = 0.0f32;
-            for ($w, x) in w.iter().zip(x) {
-                let mut bsum = 0i32;
+            $name_n(w, [x])[0]
+        }
+
+        /// One row and `N` inputs, each result the one-input kernel's bits:
+        /// each sub-block's signed weights and scales worked out once.
+        #[target_feature(enable = $features)]
+        pub(super) fn $name_n<const N: usize>(w: &[$W], x: [&[BlockQ8K]; N]) -> [f32; N] {
+            let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+            let mut acc = [0.0f32; N];
+            for (i, $w) in w[..n].iter().enumerate() {
+                let mut bsum = [0i32; N];
                 for $ib in 0..8 {
                     let (lo, hi, (ls_lo, ls_hi)): (int8x16_t, int8x16_t, (i32, i32)) = $sub;
                     let y = 32 * $ib;
-                    bsum += isum16(lo, arr(&x.qs, y)) * ls_lo;
-                    bsum += isum16(hi, arr(&x.qs, y + 16)) * ls_hi;
+                    for c in 0..N {
+                        let q = &x[c][i].qs;
+                        bsum[c] += isum16(lo, arr(q, y)) * ls_lo;
+                        bsum[c] += isum16(hi, arr(q, y + 16)) * ls_hi;
+                    }
                 }
-                acc += r::iq_term($w.d, x, bsum);
+                for c in 0..N {
+                    acc[c] += r::iq_term($w.d, &x[c][i], bsum[c]);
+                }
             }
-            $factor * acc
+            acc.map(|a| $factor * a)
         }
     };
 }
@@ -96,16 +111,23 @@ macro_rules! lattice_kernels {
             (s, s)
         }
 
-        super::lattice::lattice_kernel!($features, iq2_xxs, BlockIQ2XXS, 0.125, |w, ib| {
-            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
-            let aux = le32(q, 4);
-            let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
-            let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
-            let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
-            (lo, hi, word_scale(aux))
-        });
+        super::lattice::lattice_kernel!(
+            $features,
+            iq2_xxs,
+            iq2_xxs_n,
+            BlockIQ2XXS,
+            0.125,
+            |w, ib| {
+                let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+                let aux = le32(q, 4);
+                let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
+                let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
+                let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
+                (lo, hi, word_scale(aux))
+            }
+        );
 
-        super::lattice::lattice_kernel!($features, iq2_xs, BlockIQ2XS, 0.125, |w, ib| {
+        super::lattice::lattice_kernel!($features, iq2_xs, iq2_xs_n, BlockIQ2XS, 0.125, |w, ib| {
             let q = |l: usize| le16(&w.qs, 2 * (4 * ib + l));
             let g = |l: usize| IQ2XS_GRID[(q(l) & 511) as usize];
             let k = |l: usize| KSIGNS[(q(l) >> 9) as usize];
@@ -114,7 +136,7 @@ macro_rules! lattice_kernels {
             (lo, hi, scale_pair(w.scales[ib]))
         });
 
-        super::lattice::lattice_kernel!($features, iq2_s, BlockIQ2S, 0.125, |w, ib| {
+        super::lattice::lattice_kernel!($features, iq2_s, iq2_s_n, BlockIQ2S, 0.125, |w, ib| {
             let g = |l: usize| IQ2S_GRID[iq2s_index(w, ib, l)];
             let s: &[u8; 4] = arr(&w.qs, 32 + 4 * ib);
             let lo = signed16(g(0), g(1), s[0], s[1]);
@@ -122,21 +144,28 @@ macro_rules! lattice_kernels {
             (lo, hi, scale_pair(w.scales[ib]))
         });
 
-        super::lattice::lattice_kernel!($features, iq3_xxs, BlockIQ3XXS, 0.25, |w, ib| {
-            let q: &[u8; 8] = arr(&w.qs, 8 * ib);
-            let aux = le32(&w.qs, 64 + 4 * ib);
-            let g = |l: usize| {
-                pair(
-                    IQ3XXS_GRID[q[2 * l] as usize],
-                    IQ3XXS_GRID[q[2 * l + 1] as usize],
-                )
-            };
-            let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
-            let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
-            (lo, hi, word_scale(aux))
-        });
+        super::lattice::lattice_kernel!(
+            $features,
+            iq3_xxs,
+            iq3_xxs_n,
+            BlockIQ3XXS,
+            0.25,
+            |w, ib| {
+                let q: &[u8; 8] = arr(&w.qs, 8 * ib);
+                let aux = le32(&w.qs, 64 + 4 * ib);
+                let g = |l: usize| {
+                    pair(
+                        IQ3XXS_GRID[q[2 * l] as usize],
+                        IQ3XXS_GRID[q[2 * l + 1] as usize],
+                    )
+                };
+                let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
+                let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
+                (lo, hi, word_scale(aux))
+            }
+        );
 
-        super::lattice::lattice_kernel!($features, iq3_s, BlockIQ3S, 1.0, |w, ib| {
+        super::lattice::lattice_kernel!($features, iq3_s, iq3_s_n, BlockIQ3S, 1.0, |w, ib| {
             let g = |l: usize| {
                 let (i1, i2) = iq3s_indices(w, ib, l);
                 pair(IQ3S_GRID[i1], IQ3S_GRID[i2])
