@@ -104,13 +104,6 @@ impl Kernels for Avx2 {
         q5_k(&[BlockQ5K], &[BlockQ8K]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
-        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
-        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
-        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
-        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
-        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
-        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
-        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
 
     #[inline]
@@ -138,14 +131,11 @@ impl Kernels for Avx2 {
         unsafe { iq4_xs_n(w, x) }
     }
 
+    super::lattice_methods!(forward! {});
+    super::lattice_group_methods!(group_forward! {});
     group_forward! {
         iq1_s_n(BlockIQ1S);
         iq1_m_n(BlockIQ1M);
-        iq2_xxs_n(BlockIQ2XXS);
-        iq2_xs_n(BlockIQ2XS);
-        iq2_s_n(BlockIQ2S);
-        iq3_xxs_n(BlockIQ3XXS);
-        iq3_s_n(BlockIQ3S);
     }
 }
 

@@ -92,14 +92,10 @@ impl Kernels for Avx512 {
         q4_k_n(BlockQ4K);
         q5_k_n(BlockQ5K);
         iq4_xs_n(BlockIQ4XS);
-        iq2_xxs_n(BlockIQ2XXS);
-        iq2_xs_n(BlockIQ2XS);
-        iq2_s_n(BlockIQ2S);
-        iq3_xxs_n(BlockIQ3XXS);
-        iq3_s_n(BlockIQ3S);
         iq1_s_n(BlockIQ1S);
         iq1_m_n(BlockIQ1M);
     }
+    super::lattice_group_methods!(inner_group_methods! {});
     inner_methods! {
         // The AVX2 kernels (`cargo bench -p les-core --bench gemv`: a 512-bit
         // `Q8_0` one widening to `i16` measured 0.79x of AVX2's; a 512-bit `Q4_K`
@@ -116,14 +112,8 @@ impl Kernels for Avx512 {
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q5_k(&[BlockQ5K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
-        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
-        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
-        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
-        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
-        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
-        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
-        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
+    super::lattice_methods!(inner_methods! {});
 }
 
 impl Kernels for Avx512Vnni {
@@ -158,14 +148,10 @@ impl Kernels for Avx512Vnni {
     }
     inner_group_methods! {
         iq4_xs_n(BlockIQ4XS);
-        iq2_xxs_n(BlockIQ2XXS);
-        iq2_xs_n(BlockIQ2XS);
-        iq2_s_n(BlockIQ2S);
-        iq3_xxs_n(BlockIQ3XXS);
-        iq3_s_n(BlockIQ3S);
         iq1_s_n(BlockIQ1S);
         iq1_m_n(BlockIQ1M);
     }
+    super::lattice_group_methods!(inner_group_methods! {});
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
@@ -173,14 +159,8 @@ impl Kernels for Avx512Vnni {
         q2_k(&[BlockQ2K], &[BlockQ8K]);
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
-        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
-        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
-        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
-        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
-        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
-        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
-        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
+    super::lattice_methods!(inner_methods! {});
 }
 
 /// Loads 64 signed bytes.

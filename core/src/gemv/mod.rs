@@ -871,6 +871,59 @@ pub(crate) const SIGN_BYTES: [u64; 256] = {
     t
 };
 
+/// Invokes `$m! { $($pre)* ... }` with the lattice types' one-input
+/// `Kernels` methods (`iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);` and the
+/// like), for the ISA tokens' forwarding macros; the block types must be in
+/// scope where it expands.
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(unused_macros)
+)]
+macro_rules! lattice_methods {
+    ($m:ident! { $($pre:tt)* }) => {
+        $m! {
+            $($pre)*
+            iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
+            iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
+            iq2_s(&[BlockIQ2S], &[BlockQ8K]);
+            iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
+            iq3_s(&[BlockIQ3S], &[BlockQ8K]);
+            iq1_s(&[BlockIQ1S], &[BlockQ8K]);
+            iq1_m(&[BlockIQ1M], &[BlockQ8K]);
+        }
+    };
+}
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(unused_imports)
+)]
+pub(crate) use lattice_methods;
+
+/// As [`lattice_methods!`], the grouped methods (`iq2_xxs_n(BlockIQ2XXS);`
+/// and the like) of the lattice types that have grouped kernels on every
+/// SIMD ISA.
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(unused_macros)
+)]
+macro_rules! lattice_group_methods {
+    ($m:ident! { $($pre:tt)* }) => {
+        $m! {
+            $($pre)*
+            iq2_xxs_n(BlockIQ2XXS);
+            iq2_xs_n(BlockIQ2XS);
+            iq2_s_n(BlockIQ2S);
+            iq3_xxs_n(BlockIQ3XXS);
+            iq3_s_n(BlockIQ3S);
+        }
+    };
+}
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(unused_imports)
+)]
+pub(crate) use lattice_group_methods;
+
 /// The reference kernels.
 #[derive(Clone, Copy)]
 struct Scalar;

@@ -110,14 +110,8 @@ macro_rules! neon_methods {
             q5_k(&[BlockQ5K], &[BlockQ8K]);
             q6_k(&[BlockQ6K], &[BlockQ8K]);
             iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
-            iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
-            iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
-            iq2_s(&[BlockIQ2S], &[BlockQ8K]);
-            iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
-            iq3_s(&[BlockIQ3S], &[BlockQ8K]);
-            iq1_s(&[BlockIQ1S], &[BlockQ8K]);
-            iq1_m(&[BlockIQ1M], &[BlockQ8K]);
         }
+        super::lattice_methods!(forward! { $module: });
         #[inline]
         fn q4_k_n<const N: usize>(self, w: &[BlockQ4K], x: [&[BlockQ8K]; N]) -> [f32; N] {
             // SAFETY: as for `forward!`'s methods.
@@ -138,14 +132,7 @@ macro_rules! neon_methods {
             // SAFETY: as for `forward!`'s methods.
             unsafe { $module::iq4_xs_n(w, x) }
         }
-        group_forward! {
-            $module:
-            iq2_xxs_n(BlockIQ2XXS);
-            iq2_xs_n(BlockIQ2XS);
-            iq2_s_n(BlockIQ2S);
-            iq3_xxs_n(BlockIQ3XXS);
-            iq3_s_n(BlockIQ3S);
-        }
+        super::lattice_group_methods!(group_forward! { $module: });
     };
 }
 

@@ -382,14 +382,10 @@ impl Kernels for AvxVnni {
     inner_group_methods! {
         q6_k_n(BlockQ6K);
         iq4_xs_n(BlockIQ4XS);
-        iq2_xxs_n(BlockIQ2XXS);
-        iq2_xs_n(BlockIQ2XS);
-        iq2_s_n(BlockIQ2S);
-        iq3_xxs_n(BlockIQ3XXS);
-        iq3_s_n(BlockIQ3S);
         iq1_s_n(BlockIQ1S);
         iq1_m_n(BlockIQ1M);
     }
+    super::lattice_group_methods!(inner_group_methods! {});
     inner_methods! {
         f32(&[u8], &[f32]);
         f16(&[u8], &[f32]);
@@ -398,12 +394,6 @@ impl Kernels for AvxVnni {
         q3_k(&[BlockQ3K], &[BlockQ8K]);
         q6_k(&[BlockQ6K], &[BlockQ8K]);
         iq4_xs(&[BlockIQ4XS], &[BlockQ8K]);
-        iq2_xxs(&[BlockIQ2XXS], &[BlockQ8K]);
-        iq2_xs(&[BlockIQ2XS], &[BlockQ8K]);
-        iq2_s(&[BlockIQ2S], &[BlockQ8K]);
-        iq3_xxs(&[BlockIQ3XXS], &[BlockQ8K]);
-        iq3_s(&[BlockIQ3S], &[BlockQ8K]);
-        iq1_s(&[BlockIQ1S], &[BlockQ8K]);
-        iq1_m(&[BlockIQ1M], &[BlockQ8K]);
     }
+    super::lattice_methods!(inner_methods! {});
 }
