@@ -567,21 +567,7 @@ pub fn gemm_with_prefetch(
     }
     check_row_range(matrix, &rows)?;
     let tile = (GEMM_TILE_BYTES / matrix.row_bytes.max(1)).max(1);
-    let grouped = inputs.len() > 1
-        && matches!(
-            matrix.ty,
-            GgmlType::Q4K
-                | GgmlType::Q5K
-                | GgmlType::Q6K
-                | GgmlType::IQ4XS
-                | GgmlType::IQ2XXS
-                | GgmlType::IQ2XS
-                | GgmlType::IQ2S
-                | GgmlType::IQ3XXS
-                | GgmlType::IQ3S
-                | GgmlType::IQ1S
-                | GgmlType::IQ1M
-        );
+    let grouped = inputs.len() > 1 && is_grouped(matrix.ty);
     let mut start = rows.start;
     while start < rows.end {
         let end = (start + tile).min(rows.end);
@@ -602,6 +588,14 @@ pub fn gemm_with_prefetch(
         start = end;
     }
     Ok(())
+}
+
+/// Whether [`gemm`] takes `ty`'s rows in groups of inputs (the kernels'
+/// `_n` methods): every type paired with `Q8_K` activations but `Q2_K` and
+/// `Q3_K`.
+const fn is_grouped(ty: GgmlType) -> bool {
+    matches!(activation_format(ty), Some(ActivationFormat::Q8K))
+        && !matches!(ty, GgmlType::Q2K | GgmlType::Q3K)
 }
 
 /// Most inputs a [`gemm`] kernel call takes at once (`Q4_K`, `Q5_K`, `Q6_K`,
@@ -810,41 +804,41 @@ pub(crate) trait Kernels: Copy {
     fn iq2_xxs_n<const N: usize>(self, w: &[BlockIQ2XXS], x: [&[BlockQ8K]; N]) -> [f32; N] {
         x.map(|x| self.iq2_xxs(w, x))
     }
-    fn iq2_xs_n<const N: usize>(self, w: &[BlockIQ2XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        x.map(|x| self.iq2_xs(w, x))
-    }
-    fn iq2_s_n<const N: usize>(self, w: &[BlockIQ2S], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        x.map(|x| self.iq2_s(w, x))
-    }
-    fn iq3_xxs_n<const N: usize>(self, w: &[BlockIQ3XXS], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        x.map(|x| self.iq3_xxs(w, x))
-    }
-    fn iq3_s_n<const N: usize>(self, w: &[BlockIQ3S], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        x.map(|x| self.iq3_s(w, x))
-    }
-    fn iq1_s_n<const N: usize>(self, w: &[BlockIQ1S], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        x.map(|x| self.iq1_s(w, x))
-    }
-    fn iq1_m_n<const N: usize>(self, w: &[BlockIQ1M], x: [&[BlockQ8K]; N]) -> [f32; N] {
-        x.map(|x| self.iq1_m(w, x))
-    }
     fn iq2_xs(self, w: &[BlockIQ2XS], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq2_xs(w, x)
+    }
+    fn iq2_xs_n<const N: usize>(self, w: &[BlockIQ2XS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq2_xs(w, x))
     }
     fn iq2_s(self, w: &[BlockIQ2S], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq2_s(w, x)
     }
+    fn iq2_s_n<const N: usize>(self, w: &[BlockIQ2S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq2_s(w, x))
+    }
     fn iq3_xxs(self, w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq3_xxs(w, x)
+    }
+    fn iq3_xxs_n<const N: usize>(self, w: &[BlockIQ3XXS], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq3_xxs(w, x))
     }
     fn iq3_s(self, w: &[BlockIQ3S], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq3_s(w, x)
     }
+    fn iq3_s_n<const N: usize>(self, w: &[BlockIQ3S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq3_s(w, x))
+    }
     fn iq1_s(self, w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq1_s(w, x)
     }
+    fn iq1_s_n<const N: usize>(self, w: &[BlockIQ1S], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq1_s(w, x))
+    }
     fn iq1_m(self, w: &[BlockIQ1M], x: &[BlockQ8K]) -> f32 {
         reference::dot_iq1_m(w, x)
+    }
+    fn iq1_m_n<const N: usize>(self, w: &[BlockIQ1M], x: [&[BlockQ8K]; N]) -> [f32; N] {
+        x.map(|x| self.iq1_m(w, x))
     }
 }
 

@@ -13,8 +13,10 @@ use crate::quant::blocks::{
     BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL, KVALUES_MXFP4,
 };
-use crate::quant::iq1::{iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_qh};
-use crate::quant::iq2::{grid_byte, iq2s_index, le16, le32, KSIGNS};
+use crate::quant::iq1::{
+    iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_scale_shift,
+};
+use crate::quant::iq2::{grid_byte, iq2s_index, ksign, le16, le32, scale_pair, word_scale, KSIGNS};
 use crate::quant::iq3::{iq3s_indices, iq3s_scale, pair};
 use crate::quant::iq_grids::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
@@ -448,11 +450,10 @@ pub fn dot_iq2_xxs(w: &[BlockIQ2XXS], x: &[BlockQ8K]) -> f32 {
             let aux = le32(q, 4);
             let mut sumi = 0i32;
             for l in 0..4 {
-                let signs = KSIGNS[(aux >> (7 * l)) as usize & 127];
                 let y = &x.qs[32 * ib + 8 * l..];
-                sumi += signed_dot8(IQ2XXS_GRID[q[l] as usize], signs, y);
+                sumi += signed_dot8(IQ2XXS_GRID[q[l] as usize], ksign(aux, l), y);
             }
-            bsum += sumi * (2 * (aux >> 28) as i32 + 1);
+            bsum += sumi * word_scale(aux);
         }
         acc += iq_term(w.d, x, bsum);
     }
@@ -470,11 +471,7 @@ fn two_scale_bsum(
 ) -> i32 {
     let mut bsum = 0i32;
     for (ib, &sc) in scales.iter().enumerate() {
-        let sc = sc as i32;
-        for (half, ls) in [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1]
-            .into_iter()
-            .enumerate()
-        {
+        for (half, ls) in scale_pair(sc).into_iter().enumerate() {
             let mut sumi = 0i32;
             for l in 2 * half..2 * half + 2 {
                 let (grid, signs) = point(ib, l);
@@ -521,14 +518,13 @@ pub fn dot_iq3_xxs(w: &[BlockIQ3XXS], x: &[BlockQ8K]) -> f32 {
             let q = &w.qs[8 * ib..8 * ib + 8];
             let mut sumi = 0i32;
             for l in 0..4 {
-                let signs = KSIGNS[(aux >> (7 * l)) as usize & 127];
                 let g = pair(
                     IQ3XXS_GRID[q[2 * l] as usize],
                     IQ3XXS_GRID[q[2 * l + 1] as usize],
                 );
-                sumi += signed_dot8(g, signs, &x.qs[32 * ib + 8 * l..]);
+                sumi += signed_dot8(g, ksign(aux, l), &x.qs[32 * ib + 8 * l..]);
             }
-            bsum += sumi * (2 * (aux >> 28) as i32 + 1);
+            bsum += sumi * word_scale(aux);
         }
         acc += iq_term(w.d, x, bsum);
     }
@@ -577,9 +573,8 @@ pub fn dot_iq1_s(w: &[BlockIQ1S], x: &[BlockQ8K]) -> f32 {
     for (w, x) in w.iter().zip(x) {
         let (mut sumi, mut sumi1) = (0i32, 0i32);
         for ib in 0..8 {
-            let qh = iq1s_qh(w, ib);
-            let ls = 2 * ((qh >> 12) & 7) as i32 + 1;
-            let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+            let (ls, negative) = iq1s_scale_shift(w, ib);
+            let delta = if negative { -1 } else { 1 };
             let mut lsum = 0i32;
             for l in 0..4 {
                 lsum += iq1_dot8(IQ1S_GRID[iq1s_index(w, ib, l)], &x.qs[32 * ib + 8 * l..]);

@@ -28,6 +28,14 @@ pub(crate) fn iq1s_qh(b: &BlockIQ1S, ib: usize) -> u16 {
     le16(&b.qh, 2 * ib)
 }
 
+/// Sub-block `ib`'s odd scale `2s + 1` of an `IQ1_S` block, and whether its
+/// shift is negative.
+#[inline(always)]
+pub(crate) fn iq1s_scale_shift(b: &BlockIQ1S, ib: usize) -> (i32, bool) {
+    let qh = iq1s_qh(b, ib);
+    (2 * ((qh >> 12) & 7) as i32 + 1, qh & 0x8000 != 0)
+}
+
 /// The 11-bit grid index of group `l` (0..4) of sub-block `ib` of an `IQ1_S` block.
 #[inline(always)]
 pub(crate) fn iq1s_index(b: &BlockIQ1S, ib: usize, l: usize) -> usize {
@@ -43,13 +51,9 @@ pub fn dequantize_iq1s(blocks: &[BlockIQ1S], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let d = h2f(b.d);
         for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let qh = iq1s_qh(b, ib);
-            let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
-            let delta = if qh & 0x8000 != 0 {
-                -IQ1_DELTA
-            } else {
-                IQ1_DELTA
-            };
+            let (ls, negative) = iq1s_scale_shift(b, ib);
+            let dl = d * ls as f32;
+            let delta = if negative { -IQ1_DELTA } else { IQ1_DELTA };
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
                 put_shifted(IQ1S_GRID[iq1s_index(b, ib, l)], delta, dl, y);
             }

@@ -25,6 +25,28 @@ pub const KSIGNS: [u8; 128] = {
     t
 };
 
+/// The parity-completed sign pattern of group `l` (0..4) of an `IQ2_XXS` or
+/// `IQ3_XXS` signs-and-scale word (bits `7l..7l + 7`).
+#[inline(always)]
+pub(crate) fn ksign(aux: u32, l: usize) -> u8 {
+    KSIGNS[(aux >> (7 * l)) as usize & 127]
+}
+
+/// The odd multiplier `2s + 1` of a signs-and-scale word's 4-bit scale `s`
+/// (its top bits), as the dot products apply it.
+#[inline(always)]
+pub(crate) fn word_scale(aux: u32) -> i32 {
+    2 * (aux >> 28) as i32 + 1
+}
+
+/// The odd multipliers `2s + 1` of a byte of two 4-bit scales (`IQ2_XS`,
+/// `IQ2_S`: a sub-block's halves, low nibble first).
+#[inline(always)]
+pub(crate) fn scale_pair(sc: u8) -> [i32; 2] {
+    let sc = sc as i32;
+    [2 * (sc & 15) + 1, 2 * (sc >> 4) + 1]
+}
+
 #[inline]
 pub(crate) fn h2f(b: [u8; 2]) -> f32 {
     f16_to_f32(u16::from_le_bytes(b))
@@ -84,8 +106,7 @@ pub fn dequantize_iq2xxs(blocks: &[BlockIQ2XXS], out: &mut [f32]) {
             let aux = le32(q, 4);
             let db = step(d, aux >> 28);
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let signs = KSIGNS[(aux >> (7 * l)) as usize & 127];
-                put_signed(IQ2XXS_GRID[q[l] as usize], signs, db, y);
+                put_signed(IQ2XXS_GRID[q[l] as usize], ksign(aux, l), db, y);
             }
         }
     }

@@ -8,7 +8,7 @@
 //! `gguf` Python package.
 
 use super::blocks::{BlockIQ3S, BlockIQ3XXS};
-use super::iq2::{check_len, h2f, le32, put_signed, KSIGNS};
+use super::iq2::{check_len, h2f, ksign, le32, put_signed};
 use super::iq_grids::{IQ3S_GRID, IQ3XXS_GRID};
 use super::QK_K;
 
@@ -49,12 +49,11 @@ pub fn dequantize_iq3xxs(blocks: &[BlockIQ3XXS], out: &mut [f32]) {
             let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
             let q = &b.qs[8 * ib..8 * ib + 8];
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let signs = KSIGNS[(aux >> (7 * l)) as usize & 127];
                 let g = pair(
                     IQ3XXS_GRID[q[2 * l] as usize],
                     IQ3XXS_GRID[q[2 * l + 1] as usize],
                 );
-                put_signed(g, signs, db, y);
+                put_signed(g, ksign(aux, l), db, y);
             }
         }
     }

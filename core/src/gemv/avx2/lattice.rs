@@ -21,8 +21,10 @@ use crate::gemv::SIGN_BYTES;
 use crate::quant::blocks::{
     BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS, BlockQ8K,
 };
-use crate::quant::iq1::{iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_qh};
-use crate::quant::iq2::{iq2s_index, le32, KSIGNS};
+use crate::quant::iq1::{
+    iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_scale_shift,
+};
+use crate::quant::iq2::{self, iq2s_index, ksign, le32, KSIGNS};
 use crate::quant::iq3::{iq3s_indices, iq3s_scale};
 use crate::quant::iq_grids::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
@@ -48,8 +50,7 @@ fn signs(b: [u8; 4]) -> __m256i {
 /// `array::from_fn` or `map` were not inlined into the kernels.)
 #[inline(always)]
 fn ksigns(aux: u32) -> [u8; 4] {
-    let k = |l: u32| KSIGNS[(aux >> (7 * l)) as usize & 127];
-    [k(0), k(1), k(2), k(3)]
+    [ksign(aux, 0), ksign(aux, 1), ksign(aux, 2), ksign(aux, 3)]
 }
 
 /// `sum_j signed grid[j] * y[j]` of one sub-block in `i16` pairs: the grid
@@ -72,8 +73,8 @@ fn halves(lo: i32, hi: i32) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn scale_pair(sc: u8) -> __m256i {
-    let sc = sc as i32;
-    halves(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)
+    let [lo, hi] = iq2::scale_pair(sc);
+    halves(lo, hi)
 }
 
 /// The multiplier `2s + 1` of a sub-block's 4-bit scale `s` (the top bits of
@@ -81,7 +82,7 @@ fn scale_pair(sc: u8) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn word_scale(aux: u32) -> __m256i {
-    _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1)
+    _mm256_set1_epi16(iq2::word_scale(aux) as i16)
 }
 
 /// A lattice kernel `$name` and its grouped twin `$name_n` (one row, `N`
@@ -191,10 +192,9 @@ pub(in crate::gemv) fn iq1_s_n<const N: usize>(w: &[BlockIQ1S], x: [&[BlockQ8K];
         for ib in 0..8 {
             let g = |l: usize| IQ1S_GRID[iq1s_index(w, ib, l)];
             let g = words([g(0), g(1), g(2), g(3)]);
-            let qh = iq1s_qh(w, ib);
-            let ls = 2 * ((qh >> 12) & 7) as i32 + 1;
+            let (ls, negative) = iq1s_scale_shift(w, ib);
             let m = _mm256_set1_epi16(ls as i16);
-            let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+            let delta = if negative { -1 } else { 1 };
             for c in 0..N {
                 let x = &x[c][i];
                 let p = dot_signed_k(g, y32(x, 32 * ib));

@@ -51,7 +51,7 @@ macro_rules! lattice_kernel {
             for (i, $w) in w[..n].iter().enumerate() {
                 let mut bsum = [0i32; N];
                 for $ib in 0..8 {
-                    let (lo, hi, (ls_lo, ls_hi)): (int8x16_t, int8x16_t, (i32, i32)) = $sub;
+                    let (lo, hi, [ls_lo, ls_hi]): (int8x16_t, int8x16_t, [i32; 2]) = $sub;
                     let y = 32 * $ib;
                     for c in 0..N {
                         let q = &x[c][i].qs;
@@ -77,8 +77,10 @@ macro_rules! lattice_kernels {
         use crate::quant::blocks::{
             BlockIQ1M, BlockIQ1S, BlockIQ2S, BlockIQ2XS, BlockIQ2XXS, BlockIQ3S, BlockIQ3XXS,
         };
-        use crate::quant::iq1::{iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_qh};
-        use crate::quant::iq2::{iq2s_index, le16, le32, KSIGNS};
+        use crate::quant::iq1::{
+            iq1m_d, iq1m_group, iq1m_scales, iq1m_words, iq1s_index, iq1s_scale_shift,
+        };
+        use crate::quant::iq2::{iq2s_index, ksign, le16, le32, scale_pair, word_scale, KSIGNS};
         use crate::quant::iq3::{iq3s_indices, iq3s_scale, pair};
         use crate::quant::iq_grids::{
             IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
@@ -89,26 +91,6 @@ macro_rules! lattice_kernels {
         #[target_feature(enable = $features)]
         fn isum16(v: int8x16_t, y: &[i8; 16]) -> i32 {
             vaddvq_s32(mac16(vdupq_n_s32(0), v, ld_s8(y)))
-        }
-
-        /// The parity-completed sign pattern of group `l` of a signs-and-scale word.
-        #[inline(always)]
-        fn ksign(aux: u32, l: u32) -> u8 {
-            KSIGNS[(aux >> (7 * l)) as usize & 127]
-        }
-
-        /// The multipliers `2s + 1` of a byte of two 4-bit scales (low nibble first).
-        #[inline(always)]
-        fn scale_pair(sc: u8) -> (i32, i32) {
-            let sc = sc as i32;
-            (2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)
-        }
-
-        /// The multiplier `2s + 1` of a signs-and-scale word's 4-bit scale.
-        #[inline(always)]
-        fn word_scale(aux: u32) -> (i32, i32) {
-            let s = 2 * (aux >> 28) as i32 + 1;
-            (s, s)
         }
 
         super::lattice::lattice_kernel!(
@@ -123,7 +105,7 @@ macro_rules! lattice_kernels {
                 let g = |l: usize| IQ2XXS_GRID[q[l] as usize];
                 let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
                 let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
-                (lo, hi, word_scale(aux))
+                (lo, hi, [word_scale(aux); 2])
             }
         );
 
@@ -161,7 +143,7 @@ macro_rules! lattice_kernels {
                 };
                 let lo = signed16(g(0), g(1), ksign(aux, 0), ksign(aux, 1));
                 let hi = signed16(g(2), g(3), ksign(aux, 2), ksign(aux, 3));
-                (lo, hi, word_scale(aux))
+                (lo, hi, [word_scale(aux); 2])
             }
         );
 
@@ -174,7 +156,7 @@ macro_rules! lattice_kernels {
             let lo = signed16(g(0), g(1), s[0], s[1]);
             let hi = signed16(g(2), g(3), s[2], s[3]);
             let ls = iq3s_scale(w, ib) as i32;
-            (lo, hi, (ls, ls))
+            (lo, hi, [ls, ls])
         });
 
         #[target_feature(enable = $features)]
@@ -187,9 +169,8 @@ macro_rules! lattice_kernels {
                     let y = 32 * ib;
                     let lsum = isum16(words16(g(0), g(1)), arr(&x.qs, y))
                         + isum16(words16(g(2), g(3)), arr(&x.qs, y + 16));
-                    let qh = iq1s_qh(w, ib);
-                    let ls = 2 * ((qh >> 12) & 7) as i32 + 1;
-                    let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+                    let (ls, negative) = iq1s_scale_shift(w, ib);
+                    let delta = if negative { -1 } else { 1 };
                     sumi += ls * lsum;
                     sumi1 += ls * delta * (r::q8k_bsum(x, 2 * ib) + r::q8k_bsum(x, 2 * ib + 1));
                 }
