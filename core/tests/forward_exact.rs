@@ -77,6 +77,8 @@ enum Flavor {
     Llama4,
     /// Granite ([`build_granite`]).
     Granite,
+    /// SmallThinker ([`build_smallthinker`]).
+    SmallThinker,
 }
 
 /// The Granite variant's multipliers (Granite 3's are 12, 0.22, 1/128 and
@@ -161,6 +163,13 @@ fn build_granite(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
     build_with(seed, ty, expert_ty, Flavor::Granite)
 }
 
+/// The SmallThinker variant of [`build`]: the routers read each layer's
+/// input (before its attention, without a norm), sigmoid scores
+/// renormalised, `relu(gate) * up` experts.
+fn build_smallthinker(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3]) -> Model {
+    build_with(seed, ty, expert_ty, Flavor::SmallThinker)
+}
+
 fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor) -> Model {
     let oss = flavor == Flavor::Oss;
     let glm = flavor == Flavor::Glm;
@@ -189,6 +198,7 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
             act: les_core::model::config::ExpertAct::SwiGlu,
             groups: None,
             weight_inputs: false,
+            route_before_attention: false,
         }),
         rope_yarn: None,
         scales: match flavor {
@@ -211,6 +221,12 @@ fn build_with(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], flavor: Flavor)
         let moe = hp.moe.as_mut().unwrap();
         moe.gating = Gating::Sigmoid;
         moe.weights_scale = GLM_SCALE;
+    }
+    if flavor == Flavor::SmallThinker {
+        let moe = hp.moe.as_mut().unwrap();
+        moe.gating = Gating::Sigmoid;
+        moe.act = ExpertAct::ReGlu;
+        moe.route_before_attention = true;
     }
     if llama4 {
         let moe = hp.moe.as_mut().unwrap();
@@ -404,7 +420,7 @@ const TOKENS: [u32; 6] = [3, 17, 5, 39, 0, 22];
 
 /// The models the exactness tests run: weight and expert types, and the
 /// model family.
-const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 6] = [
+const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 7] = [
     (
         GgmlType::Q8_0,
         [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
@@ -434,6 +450,11 @@ const VARIANTS: [(GgmlType, [GgmlType; 3], Flavor); 6] = [
         GgmlType::Q8_0,
         [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0],
         Flavor::Granite,
+    ),
+    (
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0],
+        Flavor::SmallThinker,
     ),
 ];
 
@@ -1007,6 +1028,7 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
             let u = u.clamp(-limit, limit);
             g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
         }
+        ExpertAct::ReGlu => g.max(0.0) * u,
         ExpertAct::ReluSqr => unreachable!("this test's models have gated experts"),
     };
     let ffn = |w: &[Mat; 3], x: &[f32]| -> Vec<f32> {
@@ -1043,6 +1065,11 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
             .map(|v| v * sc.embedding)
             .collect();
         for (l, ly) in m.layers.iter().enumerate() {
+            // SmallThinker: the router reads the layer's input.
+            let early_logits = match (hp.moe.unwrap().route_before_attention, &ly.router) {
+                (true, Some(r)) => Some(r.apply(&h)),
+                _ => None,
+            };
             let x = rms(&h, &ly.attn_norm);
             let mut q = ly.wq.apply(&x);
             let mut k = ly.wk.apply(&x);
@@ -1124,19 +1151,22 @@ fn reference_with(m: &Model, f16_cache: bool) -> Vec<Vec<f32>> {
             let y = if let Some(d) = &ly.dense {
                 ffn(d, &x)
             } else {
-                let mut logits = ly.router.as_ref().unwrap().apply(&x);
+                let mut logits =
+                    early_logits.unwrap_or_else(|| ly.router.as_ref().unwrap().apply(&x));
                 if let Some(o) = &ly.oss {
                     for (a, b) in logits.iter_mut().zip(&o.router_bias) {
                         *a += b;
                     }
                 }
                 // GLM: sigmoid scores, chosen by score plus selection bias;
-                // else a softmax (unnormalised: only ratios matter below).
-                // Llama 4: sigmoid weights, the experts ranked by logit.
+                // SmallThinker: sigmoid scores; else a softmax (unnormalised:
+                // only ratios matter below). Llama 4: sigmoid weights, the
+                // experts ranked by logit.
                 let glm = ly.selection_bias.as_ref();
                 let llama4 = ly.llama4.is_some();
+                let sigmoid = glm.is_some() || llama4 || hp.moe.unwrap().route_before_attention;
                 let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
-                let p: Vec<f32> = match glm.is_some() || llama4 {
+                let p: Vec<f32> = match sigmoid {
                     true => logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
                     false => logits.iter().map(|v| (v - mx).exp()).collect(),
                 };
@@ -1240,9 +1270,27 @@ fn forward_matches_plain_f32_reference() {
         build_glm(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_llama4(5, GgmlType::F32, [GgmlType::F32; 3]),
         build_granite(5, GgmlType::F32, [GgmlType::F32; 3]),
+        build_smallthinker(5, GgmlType::F32, [GgmlType::F32; 3]),
     ] {
         check_against_reference(&m);
     }
+}
+
+/// The SmallThinker variant's parts each matter: routing on the FFN's normed
+/// input instead of the layer's, or SwiGLU experts, move the engine's logits;
+/// with them, they are the reference's.
+#[test]
+fn smallthinker_variant_exercises_its_parts() {
+    let m = build_smallthinker(5, GgmlType::F32, [GgmlType::F32; 3]);
+    let want = resident(&m);
+    let moved = |f: &dyn Fn(&mut MoeParams)| {
+        let mut m2 = build_smallthinker(5, GgmlType::F32, [GgmlType::F32; 3]);
+        f(m2.hp.moe.as_mut().unwrap());
+        resident(&m2) != want
+    };
+    assert!(moved(&|m| m.route_before_attention = false));
+    assert!(moved(&|m| m.act = ExpertAct::SwiGlu));
+    check_against_reference(&m);
 }
 
 /// Each of the Granite variant's multipliers moves the logits; with them,

@@ -190,6 +190,7 @@ fn build_with(
             },
             groups: None,
             weight_inputs: false,
+            route_before_attention: false,
         }),
         rope_yarn: None,
         scales: if nemotron { Scales::NONE } else { SCALES },

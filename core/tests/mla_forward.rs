@@ -95,6 +95,7 @@ fn build(seed: u64, ty: GgmlType, expert_ty: [GgmlType; 3], q_lora: bool) -> Mod
             act: ExpertAct::SwiGlu,
             groups: Some(GROUPS),
             weight_inputs: false,
+            route_before_attention: false,
         }),
         rope_yarn: None,
         scales: les_core::model::config::Scales::NONE,

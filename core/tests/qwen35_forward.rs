@@ -136,6 +136,7 @@ fn build_with(
             act: les_core::model::config::ExpertAct::SwiGlu,
             groups: None,
             weight_inputs: false,
+            route_before_attention: false,
         }),
         rope_yarn: None,
         scales: les_core::model::config::Scales::NONE,

@@ -1631,6 +1631,7 @@ impl Model {
                 act,
                 groups,
                 weight_inputs: arch == Arch::Llama4,
+                route_before_attention: arch == Arch::SmallThinker,
             })
         } else if arch == Arch::Llama4 {
             return Err(invalid(format!(

@@ -21,6 +21,8 @@ pub enum ExpertAct {
         /// Clamp of gate and up (7).
         limit: f32,
     },
+    /// `relu(gate) * up` (SmallThinker's experts; ggml's `reglu`).
+    ReGlu,
 }
 
 impl ExpertAct {
@@ -140,6 +142,11 @@ pub struct MoeParams {
     /// is summed as it is (Llama 4; llama.cpp's `weight_before_ffn`), instead
     /// of scaling the output.
     pub weight_inputs: bool,
+    /// The router reads the layer's input, the residual stream before the
+    /// layer's attention and without a norm (SmallThinker), instead of the
+    /// FFN's normed input: the picks are known before the attention, whose
+    /// compute then hides their reads.
+    pub route_before_attention: bool,
 }
 
 /// Granite's multipliers of the embedding, the blocks' outputs, the

@@ -16,7 +16,7 @@ use super::config::{AttnTemperature, AttnWindow, ExpertAct, Hparams, HybridParam
 use super::deltanet::{self, DeltaNetWeights, Projections};
 use super::mamba2::{self, Mamba2Weights};
 use super::ops::{
-    relu_sqr, rms_norm, rms_norm_heads, rope_factored, rope_multi_scaled, sigmoid, swiglu,
+    reglu, relu_sqr, rms_norm, rms_norm_heads, rope_factored, rope_multi_scaled, sigmoid, swiglu,
     swiglu_oai, AttnShape, KvView,
 };
 use super::shortconv::{self, ShortConvWeights};
@@ -1054,6 +1054,7 @@ pub(super) fn activate(act: ExpertAct, a: &mut [f32], b: &[f32]) {
         ExpertAct::SwiGlu => swiglu(a, b),
         ExpertAct::SwiGluOai { alpha, limit } => swiglu_oai(a, b, alpha, limit),
         ExpertAct::ReluSqr => relu_sqr(a),
+        ExpertAct::ReGlu => reglu(a, b),
     }
 }
 
@@ -1271,8 +1272,34 @@ where
     // Cache layer of the next attention layer, state slot of the next linear one.
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
 
+    let route_early = hp.moe.is_some_and(|m| m.route_before_attention);
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
+        // A router on the layer's input (SmallThinker) routes before the
+        // attention: the picks' reads overlap it.
+        let routed = match (route_early, &lw.ffn) {
+            (
+                true,
+                Ffn::Moe {
+                    router,
+                    router_bias,
+                    selection_bias,
+                    ..
+                },
+            ) => {
+                let rc = router_cfg
+                    .as_ref()
+                    .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
+                let biases = RouterBiases {
+                    logits: *router_bias,
+                    selection: *selection_bias,
+                };
+                s.x.copy_from_slice(s.h);
+                route(l, router, biases, rc, mv, s, experts, &mut routing)?;
+                true
+            }
+            _ => false,
+        };
         mix(
             hp,
             hy,
@@ -1312,11 +1339,13 @@ where
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                let biases = RouterBiases {
-                    logits: router_bias,
-                    selection: selection_bias,
-                };
-                route(l, &router, biases, rc, mv, s, experts, &mut routing)?;
+                if !routed {
+                    let biases = RouterBiases {
+                        logits: router_bias,
+                        selection: selection_bias,
+                    };
+                    route(l, &router, biases, rc, mv, s, experts, &mut routing)?;
+                }
 
                 // Lookahead: the next MoE layer's router on this layer's
                 // hidden state (whatever mixes positions in the layers up to
@@ -1874,7 +1903,8 @@ pub(super) fn gate_shared(out: &mut [f32], logit: f32) {
 
 /// Lookahead prediction for the MoE layers `targets` (those `la` enables): each
 /// one's router ([`Weights::lookahead_router`] where the weights have a cheaper
-/// copy) on the residual stream `s.h`, normed by that layer's FFN norm,
+/// copy) on the residual stream `s.h` (normed by that layer's FFN norm, unless
+/// the router reads the layer's input: [`MoeParams::route_before_attention`](super::config::MoeParams::route_before_attention)),
 /// handed to [`Experts::prefetch`]. Does nothing where `experts` wants no
 /// predictions.
 #[allow(clippy::too_many_arguments)]
@@ -1903,7 +1933,11 @@ fn predict_layers<W: Weights, M: MatVec, X: Experts>(
         } = w.ffn
         {
             let r = lookahead_matrix(weights, layer, router);
-            rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
+            if hp.moe.is_some_and(|m| m.route_before_attention) {
+                s.pred_x.copy_from_slice(s.h);
+            } else {
+                rms_norm(s.h, w.ffn_norm, hp.norm_eps, s.pred_x);
+            }
             mv.matvec(&r, s.pred_x, s.router)?;
             add_bias(s.router, router_bias).map_err(ForwardError::Shape)?;
             let p = &la.predictor;

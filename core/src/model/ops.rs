@@ -321,6 +321,15 @@ pub fn relu_sqr(x: &mut [f32]) {
     }
 }
 
+/// `x = relu(x) * y` in place, as ggml's `reglu` (SmallThinker's experts):
+/// `x * y` where `x > 0`, else 0 (NaN gates too).
+pub fn reglu(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "reglu: lengths differ");
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a = if *a > 0.0 { *a * b } else { 0.0 };
+    }
+}
+
 /// gpt-oss's clamped SwiGLU in place of the gate `x` (ggml's `swiglu_oai`):
 /// `g * sigmoid(alpha * g) * (u + 1)` with `g = min(x, limit)` and
 /// `u = clamp(y, -limit, limit)`, comparisons as C++'s `std::min` and `std::clamp`.
@@ -789,6 +798,14 @@ mod tests {
         swiglu_oai(&mut g, &u, 1.702, 7.0);
         let f = |g: f32, u: f32| g / (1.0 + expf(1.702 * -g)) * (u + 1.0);
         assert_eq!(g, [f(7.0, 7.0), f(-10.0, -7.0), f(1.0, -0.5), 0.0]);
+    }
+
+    #[test]
+    fn reglu_gates_by_the_sign_of_the_gate() {
+        let mut g = [2.0f32, -1.0, -0.0, f32::NAN, 0.5];
+        reglu(&mut g, &[3.0, 5.0, f32::INFINITY, 1.0, -4.0]);
+        assert_eq!(g, [6.0, 0.0, 0.0, 0.0, -2.0]);
+        assert!(g[1].is_sign_positive() && g[2].is_sign_positive());
     }
 
     #[test]

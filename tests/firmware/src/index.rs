@@ -259,6 +259,7 @@ impl<'a, const L: usize> Index<'a, L> {
             act: les_core::model::config::ExpertAct::SwiGlu,
             groups: None,
             weight_inputs: false,
+            route_before_attention: false,
         });
         let hp = Hparams {
             n_layers,

@@ -333,8 +333,19 @@ where
         }
     }
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
+    let route_early = hp.moe.is_some_and(|m| m.route_before_attention);
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
+        // A router on the layer's input (SmallThinker) reads the residual
+        // stream before the attention: its logits, kept in `b.logits`.
+        let routed = match (route_early, &lw.ffn) {
+            (true, Ffn::Moe { router, .. }) => {
+                let n_exp = s.router.len().max(1);
+                mv.matmul(router, &b.h[..n * e], &mut b.logits[..n * n_exp])?;
+                true
+            }
+            _ => false,
+        };
         match &lw.mixer {
             Mixer::Attention(aw) => {
                 if attn_idx >= kv.n_layers() {
@@ -397,7 +408,9 @@ where
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
                 let (k, n_exp) = (rc.top_k(), s.router.len().max(1));
                 let logits = &mut b.logits[..n * n_exp];
-                mv.matmul(&router, &b.x[..n * e], logits)?;
+                if !routed {
+                    mv.matmul(&router, &b.x[..n * e], logits)?;
+                }
                 let mut routing = Routing::new();
                 let mut n_union = 0;
                 for (j, lg) in logits.chunks_exact_mut(n_exp).enumerate() {
@@ -918,7 +931,8 @@ fn shared_batch<M: MatVec, E>(
 
 /// A batch's lookahead for `layer`, where it is an MoE layer: its router
 /// ([`Weights::lookahead_router`] where the weights have a cheaper copy) on
-/// each position's residual stream (`b.h`, normed by that layer's FFN norm, as
+/// each position's residual stream (`b.h`, normed by that layer's FFN norm
+/// unless its router reads the layer's input, as
 /// [`forward_hybrid`](super::forward_hybrid)'s lookahead does for one
 /// position). Each position's top picks vote; the experts neither resident nor
 /// on their way ([`Experts::residency`]) go to `b.ahead`, most votes first, at
@@ -952,7 +966,11 @@ fn predict_batch<W: Weights, M: MatVec, X: Experts>(
     }
     let x = &mut b.gx[..n * e];
     for (h, x) in b.h.chunks_exact(e).zip(x.chunks_exact_mut(e)) {
-        rms_norm(h, w.ffn_norm, hp.norm_eps, x);
+        if hp.moe.is_some_and(|m| m.route_before_attention) {
+            x.copy_from_slice(h);
+        } else {
+            rms_norm(h, w.ffn_norm, hp.norm_eps, x);
+        }
     }
     let logits = &mut b.logits[..n * n_exp];
     mv.matmul(&r, x, logits)?;
