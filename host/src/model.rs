@@ -175,11 +175,18 @@ pub enum Arch {
     /// [`Lfm2Moe`](Arch::Lfm2Moe)'s layers with a SwiGLU FFN each (the same
     /// vocabulary: a draft model for the MoE ones).
     Lfm2,
+    /// PowerInfer's SmallThinker (SmallThinker-4B-A0.6B, 21B-A3B), made to
+    /// run on phones with its experts on flash: each layer's router reads
+    /// the layer's input (before its attention, without a norm), sigmoid or
+    /// softmax scores renormalised, `relu(gate) * up` experts; with
+    /// `attention.sliding_window`, 4096-position windows on three layers of
+    /// four and no RoPE on the fourth.
+    SmallThinker,
 }
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 25] = [
+    pub const ALL: [Arch; 26] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -205,6 +212,7 @@ impl Arch {
         Arch::NemotronHMoe,
         Arch::Lfm2Moe,
         Arch::Lfm2,
+        Arch::SmallThinker,
     ];
 
     /// From `general.architecture`.
@@ -240,6 +248,7 @@ impl Arch {
             Arch::NemotronHMoe => "nemotron_h_moe",
             Arch::Lfm2Moe => "lfm2moe",
             Arch::Lfm2 => "lfm2",
+            Arch::SmallThinker => "smallthinker",
         }
     }
 
@@ -710,6 +719,118 @@ impl Llama4Attention {
     }
 }
 
+/// Which layers `{a}.attention.sliding_window_pattern` windows, as llama.cpp's
+/// `load_swa_pattern` reads it: one boolean a layer, or a period `p` (0: every
+/// layer; absent: `default`) that windows all but the last layer of each `p`,
+/// or all but the first where `dense_first`; and that period where there is
+/// one of at least 2 (a KV ring's).
+fn swa_layers(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    n_layers: usize,
+    default: usize,
+    dense_first: bool,
+) -> Result<(Vec<bool>, Option<usize>), ModelError> {
+    let key = format!("{a}.attention.sliding_window_pattern");
+    let period = |p: usize| -> (Vec<bool>, Option<usize>) {
+        let layers = (0..n_layers)
+            .map(|l| match dense_first {
+                true => l % p != 0,
+                false => l % p < p - 1,
+            })
+            .collect();
+        (layers, (p >= 2).then_some(p))
+    };
+    match g.get(&key) {
+        None => Ok(period(default)),
+        Some(v) => match (v.as_u64(), v.as_array()) {
+            (Some(0), _) => Ok((vec![true; n_layers], None)),
+            (Some(p), _) => Ok(period(p.min(n_layers as u64 + 1) as usize)),
+            (None, Some(arr)) if arr.len() == n_layers => Ok((
+                arr.iter()
+                    .map(|x| x.as_bool().or(x.as_u64().map(|v| v != 0)))
+                    .collect::<Option<Vec<bool>>>()
+                    .ok_or_else(|| invalid(format!("{key} must hold booleans")))?,
+                None,
+            )),
+            _ => Err(invalid(format!(
+                "{key} must be a number or {n_layers} booleans"
+            ))),
+        },
+    }
+}
+
+/// Refuses a `{a}.rope.freq_base_swa` other than the model's RoPE base: les
+/// rotates every layer by one base.
+fn same_swa_rope_base(
+    g: &Gguf<MappedFile>,
+    a: &str,
+    rope_base: f32,
+    layers: &str,
+) -> Result<(), ModelError> {
+    match g.get_f32(&format!("{a}.rope.freq_base_swa")).optional()? {
+        Some(base) if base != rope_base => Err(ModelError::Unsupported(format!(
+            "{a} with a RoPE base of its own on the {layers} layers \
+             ({a}.rope.freq_base_swa = {base}, rope.freq_base = {rope_base})"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Positions a windowed SmallThinker layer sees: llama.cpp fixes 4096,
+/// whatever `attention.sliding_window` says.
+pub const SMALLTHINKER_WINDOW: usize = 4096;
+
+/// SmallThinker's attention as llama.cpp's loader and graph fix it: with a
+/// positive `attention.sliding_window`, [`SMALLTHINKER_WINDOW`] positions on
+/// the layers of `attention.sliding_window_pattern` (by default all but every
+/// fourth, the first of each four) and no RoPE on every fourth layer
+/// (`n_no_rope_layer_step`: `l % 4 == 0`, except in a model of exactly 4
+/// layers, where llama.cpp's test for "every layer rotates" matches); without
+/// one, every layer full and rotated. The caches stay whole (no ring).
+#[derive(Debug)]
+struct SmallThinkerAttention {
+    windowed: Vec<bool>,
+    nope_step: Option<usize>,
+}
+
+/// llama.cpp's default `n_no_rope_layer_step`.
+const NO_ROPE_STEP: usize = 4;
+
+impl SmallThinkerAttention {
+    fn read(
+        g: &Gguf<MappedFile>,
+        a: &str,
+        n_layers: usize,
+        rope_base: f32,
+    ) -> Result<SmallThinkerAttention, ModelError> {
+        if opt_usize(g, &format!("{a}.attention.sliding_window"))?.is_none_or(|w| w == 0) {
+            return Ok(SmallThinkerAttention {
+                windowed: vec![false; n_layers],
+                nope_step: None,
+            });
+        }
+        let (windowed, _) = swa_layers(g, a, n_layers, 4, true)?;
+        same_swa_rope_base(g, a, rope_base, "windowed")?;
+        Ok(SmallThinkerAttention {
+            windowed,
+            nope_step: (n_layers != NO_ROPE_STEP).then_some(NO_ROPE_STEP),
+        })
+    }
+
+    fn window(&self, layer: usize) -> Option<AttnWindow> {
+        self.windowed
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+            .then_some(AttnWindow::Sliding(SMALLTHINKER_WINDOW))
+    }
+
+    fn nope(&self, layer: usize) -> bool {
+        self.nope_step.is_some_and(|s| layer.is_multiple_of(s))
+    }
+}
+
 /// The multiplier `{a}.{key}`: `None` where absent or 0 (llama.cpp's "none"),
 /// else a positive finite number.
 fn positive_scale(g: &Gguf, a: &str, key: &str) -> Result<Option<f32>, ModelError> {
@@ -970,40 +1091,8 @@ fn llama4_attention(
              never set; only Llama 4's chunked layout runs here"
         )));
     }
-    let key = format!("{a}.attention.sliding_window_pattern");
-    let mut pattern = None;
-    let chunked = match g.get(&key) {
-        None => {
-            pattern = Some(4);
-            (0..n_layers).map(|l| l % 4 < 3).collect()
-        }
-        Some(v) => match (v.as_u64(), v.as_array()) {
-            (Some(0), _) => vec![true; n_layers],
-            (Some(p), _) => {
-                let p = p.min(n_layers as u64 + 1) as usize;
-                pattern = (p >= 2).then_some(p);
-                (0..n_layers).map(|l| l % p < p - 1).collect()
-            }
-            (None, Some(arr)) if arr.len() == n_layers => arr
-                .iter()
-                .map(|x| x.as_bool().or(x.as_u64().map(|v| v != 0)))
-                .collect::<Option<Vec<bool>>>()
-                .ok_or_else(|| invalid(format!("{key} must hold booleans")))?,
-            _ => {
-                return Err(invalid(format!(
-                    "{key} must be a number or {n_layers} booleans"
-                )))
-            }
-        },
-    };
-    if let Some(base) = g.get_f32(&format!("{a}.rope.freq_base_swa")).optional()? {
-        if base != rope_base {
-            return Err(ModelError::Unsupported(format!(
-                "{a} with a RoPE base of its own on the chunked layers \
-                 ({a}.rope.freq_base_swa = {base}, rope.freq_base = {rope_base})"
-            )));
-        }
-    }
+    let (chunked, pattern) = swa_layers(g, a, n_layers, 4, false)?;
+    same_swa_rope_base(g, a, rope_base, "chunked")?;
     Ok(Llama4Attention {
         chunked,
         pattern,
@@ -1513,8 +1602,15 @@ impl Model {
                     .unwrap_or(n_ff),
             };
             let mut gating = match opt_usize(&g, &k("expert_gating_func"))? {
-                // 0 ("none") is llama.cpp's default: a softmax, glm4moe's a sigmoid.
+                // 0 ("none") is llama.cpp's default: a softmax, glm4moe's a
+                // sigmoid; its smallthinker graph aborts on it.
                 None | Some(0) if arch == Arch::Glm4Moe => Gating::Sigmoid,
+                None | Some(0) if arch == Arch::SmallThinker => {
+                    return Err(invalid(format!(
+                        "{a}.expert_gating_func must say softmax (1) or sigmoid (2): \
+                         llama.cpp's graph has no default for it"
+                    )))
+                }
                 None | Some(0) => Gating::Softmax,
                 Some(x) => u32::try_from(x)
                     .ok()
@@ -1543,9 +1639,9 @@ impl Model {
                 // Its graph renormalises whatever the metadata says.
                 normalize = true;
             }
-            // llama.cpp's lfm2moe renormalises and, not reading the key,
-            // never scales.
-            let fixed_scale = arch == Arch::Lfm2Moe;
+            // llama.cpp's lfm2moe and smallthinker renormalise and, not
+            // reading the key, never scale.
+            let fixed_scale = matches!(arch, Arch::Lfm2Moe | Arch::SmallThinker);
             if fixed_scale {
                 normalize = true;
             }
@@ -1599,6 +1695,10 @@ impl Model {
                     alpha: 1.702,
                     limit: 7.0,
                 };
+            }
+            if arch == Arch::SmallThinker {
+                // Fixed by llama.cpp's graph (`LLM_FFN_RELU`, gated).
+                act = ExpertAct::ReGlu;
             }
             if arch.is_nemotron() {
                 // Fixed by llama.cpp's graph: each expert's sigmoid, ungated
@@ -1686,6 +1786,10 @@ impl Model {
         };
         let llama4 = match arch {
             Arch::Llama4 => Some(llama4_attention(&g, a, n_layers, rope_base, n_experts)?),
+            _ => None,
+        };
+        let smallthinker = match arch {
+            Arch::SmallThinker => Some(SmallThinkerAttention::read(&g, a, n_layers, rope_base)?),
             _ => None,
         };
         // Multi-head latent attention attends over one cached latent head of
@@ -2002,17 +2106,22 @@ impl Model {
                         },
                         bo: optional_vector(&g, &t("attn_output.bias"), n_embd)?,
                         sinks: optional_vector(&g, &t("attn_sinks.weight"), hp.n_head)?,
-                        window: match &llama4 {
-                            Some(l4) => l4.window(l),
-                            None => swa
+                        window: match (&llama4, &smallthinker) {
+                            (Some(l4), _) => l4.window(l),
+                            (_, Some(st)) => st.window(l),
+                            _ => swa
                                 .and_then(|w| w.of_layer(l))
                                 .or(lfm2_window)
                                 .map(AttnWindow::Sliding),
                         },
                         nope: match &llama4 {
                             Some(l4) => l4.nope(l),
-                            // Granite 4.0-H: no position encoding at all.
+                            // Granite 4.0-H: no position encoding at all;
+                            // SmallThinker's every fourth layer.
                             None if no_rope => Some(AttnTemperature::NONE),
+                            None if smallthinker.as_ref().is_some_and(|st| st.nope(l)) => {
+                                Some(AttnTemperature::NONE)
+                            }
                             None => None,
                         },
                     })
@@ -2632,7 +2741,8 @@ mod tests {
                 | Arch::NemotronH
                 | Arch::NemotronHMoe
                 | Arch::Lfm2Moe
-                | Arch::Lfm2 => {}
+                | Arch::Lfm2
+                | Arch::SmallThinker => {}
             }
         }
     }

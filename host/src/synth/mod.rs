@@ -189,6 +189,13 @@ pub enum Arch {
     /// LFM2, dense (llama.cpp's `lfm2`): the MoE's layers with a SwiGLU FFN
     /// (`--ff`) each.
     Lfm2,
+    /// PowerInfer's SmallThinker (llama.cpp's `smallthinker`): Llama-style
+    /// attention without Q/K norms (NeoX RoPE), every layer routed experts
+    /// whose router reads the layer's input (before the attention, without a
+    /// norm), sigmoid scores renormalised, `relu(gate) * up`; a sliding window
+    /// key, which makes llama.cpp window three layers of four by 4096
+    /// positions and leave the fourth without RoPE.
+    Smallthinker,
 }
 
 /// Whether layer `l` of an LFM2 stack is attention (the others gated short
@@ -388,6 +395,7 @@ impl Arch {
             Arch::Qwen3vl => "qwen3vl",
             Arch::Granite => "granite",
             Arch::Granitemoe => "granitemoe",
+            Arch::Smallthinker => "smallthinker",
             Arch::Granitehybrid => "granitehybrid",
             Arch::NemotronHMoe => "nemotron_h_moe",
             Arch::NemotronH => "nemotron_h",
@@ -434,6 +442,7 @@ impl Arch {
                 | Arch::NemotronH
                 | Arch::Lfm2moe
                 | Arch::Lfm2
+                | Arch::Smallthinker
         )
     }
 
@@ -457,6 +466,7 @@ impl Arch {
                 | Arch::Granitehybrid
                 | Arch::NemotronHMoe
                 | Arch::Lfm2moe
+                | Arch::Smallthinker
         )
     }
 
@@ -2589,7 +2599,12 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
     let ff = match cfg.arch {
         // OLMoE, MiniMax-M2, Hunyuan, Granite MoE and Mixtral size their
         // experts with feed_forward_length.
-        Arch::Olmoe | Arch::MinimaxM2 | Arch::HunyuanMoe | Arch::Granitemoe => s.expert_ff,
+        // SmallThinker's converter writes its experts' size as both.
+        Arch::Olmoe
+        | Arch::MinimaxM2
+        | Arch::HunyuanMoe
+        | Arch::Granitemoe
+        | Arch::Smallthinker => s.expert_ff,
         Arch::Llama | Arch::Mixtral | Arch::Granitehybrid if cfg.is_moe() => s.expert_ff,
         _ => s.ff,
     };
@@ -2824,6 +2839,11 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
             u32v(s.shared_ff / s.expert_ff.max(1)),
         );
     }
+    if cfg.arch == Arch::Smallthinker {
+        // As SmallThinker-21B-A3B's converter writes it (llama.cpp then fixes
+        // 4096 whatever the value).
+        kv(format!("{a}.attention.sliding_window"), u32v(4096));
+    }
     if cfg.arch == Arch::GptOss {
         let window = gpt_oss_window(cfg.preset);
         kv(format!("{a}.attention.sliding_window"), u32v(window));
@@ -2891,6 +2911,7 @@ pub fn metadata(cfg: &SynthConfig, vocab: &Vocab) -> Vec<(String, MetaValue)> {
                     | Arch::MinimaxM2
                     | Arch::Dots1
                     | Arch::Lfm2moe
+                    | Arch::Smallthinker
             ) {
                 2
             } else {
@@ -3216,6 +3237,7 @@ mod tests {
             Arch::Granitehybrid,
             Arch::NemotronHMoe,
             Arch::NemotronH,
+            Arch::Smallthinker,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
