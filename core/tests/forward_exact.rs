@@ -895,6 +895,33 @@ fn batches_read_the_next_layer_ahead() {
     }
 }
 
+/// A SmallThinker batch streamed with LES names each layer's first group of
+/// missing picks before the layer's attention (its routers read the layer's
+/// input), so their reads overlap the attention; a batch of routers on the
+/// FFN's input cannot, and names a layer's picks only once its first group
+/// computes. Exact either way.
+#[test]
+fn batches_routed_before_attention_read_before_it() {
+    let plan: &[Eval] = &[Eval::Batch(TOKENS.len())];
+    for (flavor, early) in [(Flavor::SmallThinker, true), (Flavor::Plain, false)] {
+        let m = build_with(
+            11,
+            GgmlType::Q8_0,
+            [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+            flavor,
+        );
+        let want = resident(&m);
+        let les = SchedulerConfig::les();
+        let out = streamed_batches(&m, plan, 4, 1, true, 3, les);
+        assert_bits_eq(&out.logits, &want[TOKENS.len() - 1..], "last position");
+        assert_eq!(out.named_before_compute > 0, early, "{flavor:?}");
+        let od = SchedulerConfig::on_demand();
+        let out = streamed_batches(&m, plan, 4, 1, false, 3, od);
+        assert_bits_eq(&out.logits, &want[TOKENS.len() - 1..], "on-demand");
+        assert_eq!(out.named_before_compute, 0, "on-demand reads what is asked");
+    }
+}
+
 /// Calls `forward_batch` cannot serve are errors, not panics: no inputs, more
 /// than the scratch holds, past the context, scratch made for another shape,
 /// logits of another length.

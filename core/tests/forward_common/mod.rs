@@ -156,6 +156,25 @@ pub struct CountPending<X> {
     pub pending: usize,
     /// Experts handed out in halves ([`Step::GateUp`]).
     pub halves: usize,
+    /// Calls naming a layer's own picks to `prefetch_known` after its
+    /// router's logits but before the layer began (a batch routed before its
+    /// attention).
+    pub named_before_compute: usize,
+    /// The layer of the last router logits seen, and whether it has begun
+    /// since ([`Experts::begin_layer`]).
+    routed: Option<(usize, bool)>,
+}
+
+impl<X> CountPending<X> {
+    pub fn new(inner: X) -> Self {
+        CountPending {
+            inner,
+            pending: 0,
+            halves: 0,
+            named_before_compute: 0,
+            routed: None,
+        }
+    }
 }
 
 impl<X: Experts> Experts for CountPending<X> {
@@ -164,12 +183,16 @@ impl<X: Experts> Experts for CountPending<X> {
         self.inner.begin_token()
     }
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), X::Error> {
+        if let Some((_, begun)) = &mut self.routed {
+            *begun = true;
+        }
         self.inner.begin_layer(layer, routing)
     }
     fn max_picks(&self, layer: usize) -> usize {
         self.inner.max_picks(layer)
     }
     fn router_logits(&mut self, layer: usize, logits: &[f32]) {
+        self.routed = Some((layer, false));
         self.inner.router_logits(layer, logits)
     }
     fn wants_predictions(&self) -> bool {
@@ -179,6 +202,9 @@ impl<X: Experts> Experts for CountPending<X> {
         self.inner.prefetch(layer, predicted)
     }
     fn prefetch_known(&mut self, layer: usize, experts: &[u16]) -> Result<(), X::Error> {
+        if self.routed == Some((layer, false)) {
+            self.named_before_compute += 1;
+        }
         self.inner.prefetch_known(layer, experts)
     }
     fn residency(&self, layer: usize, expert: u16) -> Residency {
@@ -239,6 +265,8 @@ pub struct StreamedOutput {
     pub pending: usize,
     /// Experts handed out in halves.
     pub halves: usize,
+    /// See [`CountPending::named_before_compute`].
+    pub named_before_compute: usize,
 }
 
 impl StreamedRun<'_> {
@@ -285,17 +313,13 @@ impl StreamedRun<'_> {
             slot_bytes as u32,
         )
         .unwrap();
-        let mut ex = CountPending {
-            inner: Streamed {
-                scheduler,
-                device: &mut dev,
-                source: self.experts,
-                format: |_| fmt,
-                predict: self.predict,
-            },
-            pending: 0,
-            halves: 0,
-        };
+        let mut ex = CountPending::new(Streamed {
+            scheduler,
+            device: &mut dev,
+            source: self.experts,
+            format: |_| fmt,
+            predict: self.predict,
+        });
         let logits = d.decode(&mut ex, Some(&self.lookahead));
         StreamedOutput {
             logits,
@@ -303,6 +327,7 @@ impl StreamedRun<'_> {
             layers: ex.inner.scheduler.layers().to_vec(),
             pending: ex.pending,
             halves: ex.halves,
+            named_before_compute: ex.named_before_compute,
         }
     }
 }

@@ -336,15 +336,45 @@ where
     let route_early = hp.moe.is_some_and(|m| m.route_before_attention);
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
-        // A router on the layer's input (SmallThinker) reads the residual
-        // stream before the attention: its logits, kept in `b.logits`.
+        // A router on the layer's input (SmallThinker) routes the positions
+        // before the attention, whose compute then hides the reads of the
+        // first group of missing picks.
         let routed = match (route_early, &lw.ffn) {
-            (true, Ffn::Moe { router, .. }) => {
+            (
+                true,
+                Ffn::Moe {
+                    router,
+                    router_bias,
+                    selection_bias,
+                    ..
+                },
+            ) => {
+                let rc = router_cfg
+                    .as_ref()
+                    .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
                 let n_exp = s.router.len().max(1);
                 mv.matmul(router, &b.h[..n * e], &mut b.logits[..n * n_exp])?;
-                true
+                let biases = (*router_bias, *selection_bias);
+                let n_union = route_batch(l, rc, biases, n, n_exp, experts, b)?;
+                if read_ahead {
+                    let mut missing = 0;
+                    for i in 0..n_union {
+                        let x = b.union[i];
+                        if experts.residency(l, x) == Residency::Missing {
+                            b.ahead[missing] = x;
+                            missing += 1;
+                        }
+                    }
+                    let first = missing.min(experts.max_picks(l));
+                    if first > 0 {
+                        experts
+                            .prefetch_known(l, &b.ahead[..first])
+                            .map_err(ForwardError::Experts)?;
+                    }
+                }
+                Some(n_union)
             }
-            _ => false,
+            _ => None,
         };
         match &lw.mixer {
             Mixer::Attention(aw) => {
@@ -407,31 +437,14 @@ where
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
                 let (k, n_exp) = (rc.top_k(), s.router.len().max(1));
-                let logits = &mut b.logits[..n * n_exp];
-                if !routed {
-                    mv.matmul(&router, &b.x[..n * e], logits)?;
-                }
-                let mut routing = Routing::new();
-                let mut n_union = 0;
-                for (j, lg) in logits.chunks_exact_mut(n_exp).enumerate() {
-                    add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
-                    let lg = &*lg;
-                    experts.router_logits(l, lg);
-                    rc.route(lg, selection_bias, &mut routing)?;
-                    let ids = &mut b.ids[j * k..][..k];
-                    let wts = &mut b.weights[j * k..][..k];
-                    ids.fill(NO_EXPERT);
-                    for (i, r) in routing.iter().enumerate().take(k) {
-                        ids[i] = r.expert;
-                        wts[i] = r.weight;
-                        if !b.union[..n_union].contains(&r.expert) {
-                            *b.union.get_mut(n_union).ok_or(ForwardError::Shape(
-                                "routing names an expert outside the model",
-                            ))? = r.expert;
-                            n_union += 1;
-                        }
+                let n_union = match routed {
+                    Some(n_union) => n_union,
+                    None => {
+                        mv.matmul(&router, &b.x[..n * e], &mut b.logits[..n * n_exp])?;
+                        let biases = (router_bias, selection_bias);
+                        route_batch(l, rc, biases, n, n_exp, experts, b)?
                     }
-                }
+                };
                 // The next MoE layer's likeliest experts (`ahead` of them).
                 let next = next_moe_layers(weights, hp.n_layers, l + 1, 1).next();
                 let mut ahead = 0;
@@ -485,6 +498,45 @@ where
     }
     scale_logits(hp, logits);
     Ok(())
+}
+
+/// Routes MoE layer `layer`'s `n` positions on their router logits
+/// (`b.logits`, `n_exp` each, to which the router bias is added): each
+/// position's picks and weights into `b.ids` and `b.weights` (`top_k` each,
+/// [`NO_EXPERT`] past a shorter routing), their union in first-pick order into
+/// `b.union`; shows `experts` each position's logits. Returns the union's size.
+fn route_batch<X: Experts>(
+    layer: usize,
+    rc: &RouterConfig,
+    (router_bias, selection_bias): (Option<&[f32]>, Option<&[f32]>),
+    n: usize,
+    n_exp: usize,
+    experts: &mut X,
+    b: &mut BatchScratch<'_>,
+) -> Result<usize, ForwardError<X::Error>> {
+    let k = rc.top_k();
+    let mut routing = Routing::new();
+    let mut n_union = 0;
+    for (j, lg) in b.logits[..n * n_exp].chunks_exact_mut(n_exp).enumerate() {
+        add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
+        let lg = &*lg;
+        experts.router_logits(layer, lg);
+        rc.route(lg, selection_bias, &mut routing)?;
+        let ids = &mut b.ids[j * k..][..k];
+        let wts = &mut b.weights[j * k..][..k];
+        ids.fill(NO_EXPERT);
+        for (i, r) in routing.iter().enumerate().take(k) {
+            ids[i] = r.expert;
+            wts[i] = r.weight;
+            if !b.union[..n_union].contains(&r.expert) {
+                *b.union.get_mut(n_union).ok_or(ForwardError::Shape(
+                    "routing names an expert outside the model",
+                ))? = r.expert;
+                n_union += 1;
+            }
+        }
+    }
+    Ok(n_union)
 }
 
 /// Multi-head latent attention over a batch ([`super::mla`]): the projections
