@@ -31,6 +31,7 @@ fuzz_target!(|data: &[u8]| {
         api::text_request,
         api::infill_request,
         les::serve::anthropic::messages_request,
+        les::serve::responses::responses_request,
     ] {
         match read(data) {
             Ok(c) => {

@@ -1372,6 +1372,227 @@ fn anthropic_messages_answer_as_chat_completions() {
     );
 }
 
+/// The named events of a streamed answer (`event: NAME` / `data: JSON`).
+fn named_events(server: &Server, path: &str, body: &Value) -> Vec<(String, Value)> {
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (status, headers, text) = server.request("POST", path, &streamed.to_string());
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.contains("text/event-stream"), "{headers}");
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap();
+            let name = name.strip_prefix("event: ").unwrap().to_string();
+            let data = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            (name, data)
+        })
+        .collect()
+}
+
+/// The text of a Responses answer's message items.
+fn output_text(v: &Value) -> String {
+    v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["type"] == "message")
+        .map(|o| o["content"][0]["text"].as_str().unwrap())
+        .collect()
+}
+
+/// OpenAI's `/v1/responses` answers as the chat endpoint does, in the
+/// Responses API's shapes: instructions and input items become the chat's
+/// messages (a call and its output sent back too), the answer a message
+/// item (`incomplete` at the token limit), a named function tool a
+/// `function_call` item, a stream its typed, numbered events adding up to
+/// the whole answer, `text.format` a JSON schema; what it cannot serve is
+/// refused in OpenAI's error shape.
+#[test]
+fn openai_responses_answer_as_chat_completions() {
+    let server = Server::start(&tools_model(), &[]);
+    let ask = weather_question();
+    // A string input: the chat answer to one user message.
+    let plain = json!({"model": "m", "input": "Weather in Paris?", "temperature": 0,
+        "max_output_tokens": 8});
+    let (status, v) = server.post("/v1/responses", &plain);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "response");
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"), "{v}");
+    assert_eq!(
+        (
+            v["status"].as_str(),
+            v["incomplete_details"]["reason"].as_str()
+        ),
+        (Some("incomplete"), Some("max_output_tokens"))
+    );
+    let chat = server.chat(&json!({"messages": [ask], "temperature": 0, "max_tokens": 8}));
+    assert_eq!(output_text(&v), content(&chat));
+    assert_eq!(v["usage"]["output_tokens"], 8);
+    // Instructions and a message item of parts: a system and a user message.
+    let items = json!({"instructions": "Answer briefly.", "temperature": 0,
+        "max_output_tokens": 8, "input": [{"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "Weather in Paris?"}]}]});
+    let (_, v) = server.post("/v1/responses", &items);
+    let chat = server.chat(&json!({"messages": [{"role": "system",
+        "content": "Answer briefly."}, ask], "temperature": 0, "max_tokens": 8}));
+    assert_eq!(output_text(&v), content(&chat));
+    // Streamed: typed events numbered from 0, the deltas adding up to the
+    // text, the whole response last.
+    let events = named_events(&server, "/v1/responses", &plain);
+    assert_eq!(events[0].0, "response.created");
+    for (i, (name, data)) in events.iter().enumerate() {
+        assert_eq!(
+            (data["type"].as_str(), &data["sequence_number"]),
+            (Some(name.as_str()), &json!(i))
+        );
+    }
+    let (last, end) = events.last().unwrap();
+    assert_eq!(last, "response.incomplete");
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    let (_, whole) = server.post("/v1/responses", &plain);
+    assert_eq!(deltas, output_text(&whole));
+    assert_eq!(output_text(&end["response"]), output_text(&whole));
+
+    // A named function tool, flattened as Responses writes it: a
+    // function_call item with arguments from its schema, streamed the same.
+    let w = &weather_tools()[0]["function"];
+    let tool = json!({"type": "function", "name": w["name"], "description": w["description"],
+        "parameters": w["parameters"]});
+    let call = json!({"input": "Weather in Paris?", "tools": [tool], "temperature": 0,
+        "max_output_tokens": 300, "tool_choice": {"type": "function", "name": "get_weather"}});
+    let (status, v) = server.post("/v1/responses", &call);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["status"], "completed", "{v}");
+    let item = v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["type"] == "function_call")
+        .unwrap_or_else(|| panic!("no call in {v}"))
+        .clone();
+    assert_eq!(item["name"], "get_weather");
+    assert!(item["call_id"].as_str().unwrap().starts_with("call_"));
+    let args: Value = serde_json::from_str(item["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    let events = named_events(&server, "/v1/responses", &call);
+    let streamed: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.function_call_arguments.delta")
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, item["arguments"].as_str().unwrap());
+    assert_eq!(events.last().unwrap().0, "response.completed");
+
+    // The call and its output sent back: the chat of the same conversation.
+    let arguments = "{\"city\": \"Paris\", \"unit\": \"c\"}";
+    let follow = json!({"tools": [tool], "temperature": 0, "max_output_tokens": 8, "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 degrees"}]});
+    let (status, v) = server.post("/v1/responses", &follow);
+    assert_eq!(status, 200, "{v}");
+    let chat = server.chat(&json!({"tools": [weather_tools()[0]], "temperature": 0,
+        "max_tokens": 8, "messages": [ask,
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]}));
+    assert_eq!(output_text(&v), content(&chat));
+
+    // A JSON schema through text.format: the reply is an integer.
+    let number = json!({"input": "Hello there", "temperature": 0, "max_output_tokens": 8,
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}}}});
+    let (_, v) = server.post("/v1/responses", &number);
+    let text = output_text(&v);
+    assert!(
+        !text.is_empty()
+            && text
+                .trim_start_matches('-')
+                .bytes()
+                .all(|b| b.is_ascii_digit()),
+        "{text:?}"
+    );
+    // Refused, in OpenAI's error shape: stored responses, unknown items.
+    for (body, says) in [
+        (
+            json!({"input": "x", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
+        (
+            json!({"input": [{"type": "item_reference", "id": "x"}]}),
+            "input[0].type",
+        ),
+    ] {
+        let (status, e) = server.post("/v1/responses", &body);
+        assert_eq!(status, 400);
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(says),
+            "{e}"
+        );
+    }
+}
+
+/// The OpenAI Python SDK (`pip install openai`) reads `/v1/responses` as
+/// it reads OpenAI's: whole answers, function calls whole and streamed
+/// through its stream helper, an incomplete stream, a follow-up with the
+/// call's output, a refusal as `BadRequestError`.
+#[test]
+#[ignore = "needs the OpenAI Python SDK (pip install openai)"]
+fn the_openai_sdk_reads_responses() {
+    let server = Server::start(&tools_model(), &[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/openai_responses.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(server.port.to_string())
+        .output()
+        .unwrap();
+    let v: Value =
+        serde_json::from_slice(&cli::stdout_ok(out, "openai_responses.py").into_bytes()).unwrap();
+    // As the server's own answers: the same text, the same call.
+    let (_, whole) = server.post(
+        "/v1/responses",
+        &json!({"input": "Weather in Paris?",
+        "max_output_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(
+        v["plain"]["text"].as_str(),
+        Some(output_text(&whole).as_str()),
+        "{v}"
+    );
+    assert_eq!(
+        (v["plain"]["status"].as_str(), &v["plain"]["output_tokens"]),
+        (Some("incomplete"), &json!(8))
+    );
+    let call = &v["call"][0];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{v}"
+    );
+    assert_eq!(v["streamed_call"]["arguments"][0], call["arguments"], "{v}");
+    assert_eq!(
+        v["streamed_call"]["events"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap(),
+        "response.completed"
+    );
+    assert_eq!(v["incomplete_stream"]["last"], "response.incomplete", "{v}");
+    assert_eq!(v["incomplete_stream"]["text"], v["plain"]["text"], "{v}");
+    assert_eq!(v["follow_up"]["status"], "incomplete", "{v}");
+    assert_eq!(v["refused"], 400, "{v}");
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

@@ -6,6 +6,7 @@
 //! - [`api`]: the JSON requests ([`api::Completion`]) and errors.
 //! - [`anthropic`]: Anthropic's Messages API, translated to and from
 //!   [`api`]'s chat requests and answers.
+//! - [`responses`]: OpenAI's Responses API, translated likewise.
 //! - [`reasoning`]: a reply's reasoning told from its answer by the model's
 //!   marker tokens (`<think>`, harmony channels).
 //! - [`tools`]: tool calls, for chat templates that take tools and models
@@ -23,7 +24,8 @@
 //! Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`
 //! (images as base64 `data:` URLs with a vision projector; tools; log
 //! probabilities), `POST /v1/completions`, llama-server's `POST /completion`
-//! and `POST /infill`, Anthropic's `POST /v1/messages` ([`anthropic`]), each
+//! and `POST /infill`, Anthropic's `POST /v1/messages` ([`anthropic`]),
+//! OpenAI's `POST /v1/responses` ([`responses`]), each
 //! with `stream` for server-sent events; the
 //! helpers `/tokenize`, `/detokenize`, `/apply-template`, `GET /props`,
 //! `/slots` and (`--metrics`) `/metrics`. A client that goes away stops its
@@ -33,6 +35,7 @@ pub mod anthropic;
 pub mod api;
 pub mod http;
 pub mod reasoning;
+pub mod responses;
 pub mod tools;
 
 use std::io::{BufReader, Write};
@@ -848,6 +851,8 @@ enum Endpoint {
     Native,
     /// Anthropic's `/v1/messages`.
     Messages,
+    /// OpenAI's `/v1/responses`.
+    Responses,
 }
 
 /// A completion for the engine, and where its answer goes.
@@ -978,7 +983,7 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
                 "les serve: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
                 model_id,
                 match job.endpoint {
-                    Endpoint::Chat | Endpoint::Messages => "chat",
+                    Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => "chat",
                     Endpoint::Text | Endpoint::Native => "text",
                 },
                 f.slot,
@@ -1088,6 +1093,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
             "/v1/completions" => Some(Endpoint::Text),
             "/completion" | "/completions" | "/infill" => Some(Endpoint::Native),
             "/v1/messages" => Some(Endpoint::Messages),
+            "/v1/responses" | "/responses" => Some(Endpoint::Responses),
             _ => None,
         };
         match (req.method.as_str(), path, endpoint) {
@@ -1146,6 +1152,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                 let parsed = match endpoint {
                     Endpoint::Chat => api::chat_request(&req.body),
                     Endpoint::Messages => anthropic::messages_request(&req.body),
+                    Endpoint::Responses => responses::responses_request(&req.body),
                     Endpoint::Native if path == "/infill" => api::infill_request(&req.body),
                     Endpoint::Text | Endpoint::Native => api::text_request(&req.body),
                 };
@@ -1281,6 +1288,9 @@ fn complete(
     if shape.endpoint == Endpoint::Messages {
         return stream_messages(out, answers, shape);
     }
+    if shape.endpoint == Endpoint::Responses {
+        return stream_responses(out, answers, shape);
+    }
     let mut started = false;
     // Log probabilities sent with the pieces so far.
     let mut sent = 0;
@@ -1382,6 +1392,48 @@ fn stream_messages(
     Ok(false)
 }
 
+/// Writes a `/v1/responses` stream: the Responses API's typed events.
+fn stream_responses(
+    out: &mut TcpStream,
+    answers: Receiver<Event>,
+    shape: &Shape<'_>,
+) -> std::io::Result<bool> {
+    let mut stream = responses::Stream::new(shape.tag(), shape.model, shape.created);
+    let mut started = false;
+    let write = |out: &mut TcpStream, events: Vec<responses::Event>| {
+        events
+            .into_iter()
+            .try_for_each(|(name, v)| http::write_named_event(out, Some(name), &v.to_string()))
+    };
+    for event in answers {
+        let written = match event {
+            Event::Started => {
+                started = true;
+                http::start_event_stream(out).and_then(|()| write(out, stream.start()))
+            }
+            Event::Delta(to, text, _) => write(out, stream.piece(to, &text)),
+            Event::Done(Ok(f)) => {
+                write(out, stream.finish(&f))?;
+                return Ok(false);
+            }
+            Event::Done(Err(e)) if started => {
+                let mut body = e.body();
+                body["type"] = json!("error");
+                http::write_named_event(out, Some("error"), &body.to_string())?;
+                return Ok(false);
+            }
+            Event::Done(Err(e)) => {
+                respond_error(out, &e, false)?;
+                return Ok(false);
+            }
+        };
+        if written.is_err() {
+            return Ok(false);
+        }
+    }
+    Ok(false)
+}
+
 /// Whether the client closed its end (a waiting client sends nothing more;
 /// its next request, pipelined, is data, not a close).
 fn client_gone(s: &TcpStream) -> bool {
@@ -1418,8 +1470,11 @@ impl Shape<'_> {
         if self.endpoint == Endpoint::Messages {
             return anthropic::message(self.tag(), self.model, f);
         }
+        if self.endpoint == Endpoint::Responses {
+            return responses::response(self.tag(), self.model, self.created, f);
+        }
         let mut choice = match self.endpoint {
-            Endpoint::Chat | Endpoint::Messages => {
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
                 let mut message = json!({"role": "assistant", "content": f.text});
                 if !f.reasoning.is_empty() {
                     message["reasoning_content"] = json!(f.reasoning);
@@ -1455,7 +1510,7 @@ impl Shape<'_> {
         json!({
             "id": self.id,
             "object": match self.endpoint {
-                Endpoint::Chat | Endpoint::Messages => chat_object,
+                Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => chat_object,
                 Endpoint::Text | Endpoint::Native => "text_completion",
             },
             "created": self.created,
@@ -1489,7 +1544,7 @@ impl Shape<'_> {
         }
         let reason = end.map(|f| f.finish_reason);
         let choice = match self.endpoint {
-            Endpoint::Chat | Endpoint::Messages => {
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
                 let delta = match text {
                     Some((_, "")) => json!({"role": "assistant", "content": ""}),
                     Some((Channel::Reasoning, t)) => json!({"reasoning_content": t}),
@@ -1763,6 +1818,7 @@ fn completion_id(endpoint: Endpoint) -> String {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Text | Endpoint::Native => "cmpl",
         Endpoint::Messages => "msg",
+        Endpoint::Responses => "resp",
     };
     format!(
         "{kind}-{nanos:x}{:x}",
