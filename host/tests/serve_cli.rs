@@ -1333,22 +1333,7 @@ fn anthropic_messages_answer_as_chat_completions() {
         "{v}"
     );
     // Streamed: Anthropic's named events, the call's input in a JSON delta.
-    let mut streamed = call.clone();
-    streamed["stream"] = json!(true);
-    let (status, _, body) = server.request("POST", "/v1/messages", &streamed.to_string());
-    assert_eq!(status, 200);
-    let events: Vec<(String, Value)> = body
-        .split("\n\n")
-        .filter(|e| !e.trim().is_empty())
-        .map(|e| {
-            let (name, data) = e.split_once('\n').unwrap();
-            let name = name.strip_prefix("event: ").unwrap().to_string();
-            (
-                name,
-                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap(),
-            )
-        })
-        .collect();
+    let events = named_events(&server, "/v1/messages", &call);
     assert_eq!(events.first().unwrap().0, "message_start");
     assert_eq!(events.last().unwrap().0, "message_stop");
     let json_delta: String = events

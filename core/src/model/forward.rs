@@ -1272,33 +1272,20 @@ where
     // Cache layer of the next attention layer, state slot of the next linear one.
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
 
-    let route_early = hp.moe.is_some_and(|m| m.route_before_attention);
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
         // A router on the layer's input (SmallThinker) routes before the
         // attention: the picks' reads overlap it.
-        let routed = match (route_early, &lw.ffn) {
-            (
-                true,
-                Ffn::Moe {
-                    router,
-                    router_bias,
-                    selection_bias,
-                    ..
-                },
-            ) => {
+        let routed = match early_router(hp, &lw.ffn) {
+            Some((router, biases)) => {
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
-                let biases = RouterBiases {
-                    logits: *router_bias,
-                    selection: *selection_bias,
-                };
                 s.x.copy_from_slice(s.h);
                 route(l, router, biases, rc, mv, s, experts, &mut routing)?;
                 true
             }
-            _ => false,
+            None => false,
         };
         mix(
             hp,
@@ -1368,6 +1355,30 @@ where
     mv.matvec(&weights.output(), s.x, logits)?;
     scale_logits(hp, logits);
     Ok(())
+}
+
+/// The router of `ffn` and its biases where it reads the layer's input
+/// ([`MoeParams::route_before_attention`](super::config::MoeParams::route_before_attention)):
+/// the layer routes before its attention.
+pub(super) fn early_router<'r, 'a>(
+    hp: &Hparams,
+    ffn: &'r Ffn<'a>,
+) -> Option<(&'r MatrixView<'a>, RouterBiases<'a>)> {
+    match ffn {
+        Ffn::Moe {
+            router,
+            router_bias,
+            selection_bias,
+            ..
+        } if hp.moe.is_some_and(|m| m.route_before_attention) => Some((
+            router,
+            RouterBiases {
+                logits: *router_bias,
+                selection: *selection_bias,
+            },
+        )),
+        _ => None,
+    }
 }
 
 /// A router's two optional biases ([`Ffn::Moe`]'s `router_bias` and

@@ -238,7 +238,7 @@ impl<'a> Stream<'a> {
     }
 
     /// The first event.
-    pub fn start(&self) -> Vec<(&'static str, Value)> {
+    pub fn start(&mut self) -> Vec<(&'static str, Value)> {
         let message = json!({"id": format!("msg_{}", self.id), "type": "message",
             "role": "assistant", "model": self.model, "content": [], "stop_reason": null,
             "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}});

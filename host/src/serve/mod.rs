@@ -1286,10 +1286,12 @@ fn complete(
         }
     }
     if shape.endpoint == Endpoint::Messages {
-        return stream_messages(out, answers, shape);
+        let mut stream = anthropic::Stream::new(shape.tag(), shape.model);
+        return stream_named(out, answers, shape, &mut stream);
     }
     if shape.endpoint == Endpoint::Responses {
-        return stream_responses(out, answers, shape);
+        let mut stream = responses::Stream::new(shape.tag(), shape.model, shape.created);
+        return stream_named(out, answers, shape, &mut stream);
     }
     let mut started = false;
     // Log probabilities sent with the pieces so far.
@@ -1351,13 +1353,50 @@ fn complete(
     Ok(false)
 }
 
-/// Writes a `/v1/messages` stream: Anthropic's named events.
-fn stream_messages(
+/// A stream of named events: Anthropic's ([`anthropic::Stream`]) or the
+/// Responses API's ([`responses::Stream`]).
+trait NamedEvents {
+    /// The first events.
+    fn start(&mut self) -> Vec<(&'static str, Value)>;
+    /// The events of a piece of text of the answer or its reasoning.
+    fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)>;
+    /// The last events.
+    fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)>;
+}
+
+impl NamedEvents for anthropic::Stream<'_> {
+    fn start(&mut self) -> Vec<(&'static str, Value)> {
+        anthropic::Stream::start(self)
+    }
+    fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)> {
+        anthropic::Stream::piece(self, to, text)
+    }
+    fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)> {
+        anthropic::Stream::finish(self, f)
+    }
+}
+
+impl NamedEvents for responses::Stream<'_> {
+    fn start(&mut self) -> Vec<(&'static str, Value)> {
+        responses::Stream::start(self)
+    }
+    fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)> {
+        responses::Stream::piece(self, to, text)
+    }
+    fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)> {
+        responses::Stream::finish(self, f)
+    }
+}
+
+/// Writes the stream of a `/v1/messages` or `/v1/responses` answer: its
+/// named events, an error before it started as an answer in the endpoint's
+/// error shape, one after as an `error` event.
+fn stream_named(
     out: &mut TcpStream,
     answers: Receiver<Event>,
     shape: &Shape<'_>,
+    stream: &mut impl NamedEvents,
 ) -> std::io::Result<bool> {
-    let mut stream = anthropic::Stream::new(shape.tag(), shape.model);
     let mut started = false;
     let write = |out: &mut TcpStream, events: Vec<(&str, Value)>| {
         events
@@ -1376,54 +1415,14 @@ fn stream_messages(
                 return Ok(false);
             }
             Event::Done(Err(e)) if started => {
-                let body = anthropic::error_body(&e).to_string();
-                http::write_named_event(out, Some("error"), &body)?;
-                return Ok(false);
-            }
-            Event::Done(Err(e)) => {
-                respond_json(out, e.status, &anthropic::error_body(&e), false)?;
-                return Ok(false);
-            }
-        };
-        if written.is_err() {
-            return Ok(false);
-        }
-    }
-    Ok(false)
-}
-
-/// Writes a `/v1/responses` stream: the Responses API's typed events.
-fn stream_responses(
-    out: &mut TcpStream,
-    answers: Receiver<Event>,
-    shape: &Shape<'_>,
-) -> std::io::Result<bool> {
-    let mut stream = responses::Stream::new(shape.tag(), shape.model, shape.created);
-    let mut started = false;
-    let write = |out: &mut TcpStream, events: Vec<responses::Event>| {
-        events
-            .into_iter()
-            .try_for_each(|(name, v)| http::write_named_event(out, Some(name), &v.to_string()))
-    };
-    for event in answers {
-        let written = match event {
-            Event::Started => {
-                started = true;
-                http::start_event_stream(out).and_then(|()| write(out, stream.start()))
-            }
-            Event::Delta(to, text, _) => write(out, stream.piece(to, &text)),
-            Event::Done(Ok(f)) => {
-                write(out, stream.finish(&f))?;
-                return Ok(false);
-            }
-            Event::Done(Err(e)) if started => {
-                let mut body = e.body();
+                // Anthropic's error body says its type; OpenAI's is told so.
+                let mut body = shape.error(&e);
                 body["type"] = json!("error");
                 http::write_named_event(out, Some("error"), &body.to_string())?;
                 return Ok(false);
             }
             Event::Done(Err(e)) => {
-                respond_error(out, &e, false)?;
+                respond_json(out, e.status, &shape.error(&e), false)?;
                 return Ok(false);
             }
         };

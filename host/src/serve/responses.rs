@@ -264,9 +264,11 @@ fn input_item(item: &Value, i: usize, messages: &mut Vec<Value>) -> Result<(), A
                                     ApiError::bad(format!("{at}.output[{j}].text must be a string"))
                                 })?,
                             ),
-                            other => return Err(ApiError::bad(format!(
+                            other => {
+                                return Err(ApiError::bad(format!(
                                 "{at}.output[{j}].type = {other:?}: a tool's output must be text"
-                            ))),
+                            )))
+                            }
                         }
                     }
                     text

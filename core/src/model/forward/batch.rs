@@ -22,11 +22,12 @@ use super::mamba2::Mamba2Weights;
 use super::shortconv::ShortConvWeights;
 use super::{
     add_bias, add_deepstack, add_into, add_residual, attended, cached, combine, deltanet_state,
-    deltanet_step, embed, expert_tail, ffn_checked, gate_shared, lookahead_matrix, mamba2_state,
-    mamba2_step, next_moe_layers, next_step, output_gate, project_position, router_config,
-    scale_embedding, scale_logits, shortconv_state, shortconv_step, AttentionWeights,
-    ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError, Handout, KvCache, MatVec, Mixer,
-    MoeFfn, Place, RecurrentState, Residency, Scratch, SharedExpert, Step, TokenInput, Weights,
+    deltanet_step, early_router, embed, expert_tail, ffn_checked, gate_shared, lookahead_matrix,
+    mamba2_state, mamba2_step, next_moe_layers, next_step, output_gate, project_position,
+    router_config, scale_embedding, scale_logits, shortconv_state, shortconv_step,
+    AttentionWeights, ExpertMatrices, ExpertTail, Experts, Ffn, ForwardError, Handout, KvCache,
+    MatVec, Mixer, MoeFfn, Place, RecurrentState, Residency, RouterBiases, Scratch, SharedExpert,
+    Step, TokenInput, Weights,
 };
 use crate::gemv::{GemvError, MatrixView};
 use crate::model::config::{Hparams, HybridParams};
@@ -333,28 +334,18 @@ where
         }
     }
     let (mut attn_idx, mut lin_idx) = (0usize, 0usize);
-    let route_early = hp.moe.is_some_and(|m| m.route_before_attention);
     for l in 0..hp.n_layers {
         let lw = weights.block(l);
         // A router on the layer's input (SmallThinker) routes the positions
         // before the attention, whose compute then hides the reads of the
         // first group of missing picks.
-        let routed = match (route_early, &lw.ffn) {
-            (
-                true,
-                Ffn::Moe {
-                    router,
-                    router_bias,
-                    selection_bias,
-                    ..
-                },
-            ) => {
+        let routed = match early_router(hp, &lw.ffn) {
+            Some((router, biases)) => {
                 let rc = router_cfg
                     .as_ref()
                     .ok_or(ForwardError::Shape("MoE layer without MoE parameters"))?;
                 let n_exp = s.router.len().max(1);
                 mv.matmul(router, &b.h[..n * e], &mut b.logits[..n * n_exp])?;
-                let biases = (*router_bias, *selection_bias);
                 let n_union = route_batch(l, rc, biases, n, n_exp, experts, b)?;
                 if read_ahead {
                     let mut missing = 0;
@@ -374,7 +365,7 @@ where
                 }
                 Some(n_union)
             }
-            _ => None,
+            None => None,
         };
         match &lw.mixer {
             Mixer::Attention(aw) => {
@@ -441,7 +432,10 @@ where
                     Some(n_union) => n_union,
                     None => {
                         mv.matmul(&router, &b.x[..n * e], &mut b.logits[..n * n_exp])?;
-                        let biases = (router_bias, selection_bias);
+                        let biases = RouterBiases {
+                            logits: router_bias,
+                            selection: selection_bias,
+                        };
                         route_batch(l, rc, biases, n, n_exp, experts, b)?
                     }
                 };
@@ -508,7 +502,7 @@ where
 fn route_batch<X: Experts>(
     layer: usize,
     rc: &RouterConfig,
-    (router_bias, selection_bias): (Option<&[f32]>, Option<&[f32]>),
+    biases: RouterBiases<'_>,
     n: usize,
     n_exp: usize,
     experts: &mut X,
@@ -518,10 +512,10 @@ fn route_batch<X: Experts>(
     let mut routing = Routing::new();
     let mut n_union = 0;
     for (j, lg) in b.logits[..n * n_exp].chunks_exact_mut(n_exp).enumerate() {
-        add_bias(lg, router_bias).map_err(ForwardError::Shape)?;
+        add_bias(lg, biases.logits).map_err(ForwardError::Shape)?;
         let lg = &*lg;
         experts.router_logits(layer, lg);
-        rc.route(lg, selection_bias, &mut routing)?;
+        rc.route(lg, biases.selection, &mut routing)?;
         let ids = &mut b.ids[j * k..][..k];
         let wts = &mut b.weights[j * k..][..k];
         ids.fill(NO_EXPERT);
