@@ -1578,6 +1578,66 @@ fn the_openai_sdk_reads_responses() {
     assert_eq!(v["refused"], 400, "{v}");
 }
 
+/// llama-server's token counting endpoints count what the completion would
+/// evaluate: `/v1/chat/completions/input_tokens`,
+/// `/v1/responses/input_tokens` (OpenAI's shape) and Anthropic's
+/// `/v1/messages/count_tokens`, each its endpoint's prompt tokens; images
+/// are refused by name, other methods get a 405.
+#[test]
+fn token_counts_are_what_a_completion_evaluates() {
+    let server = Server::start(&tools_model(), &[]);
+    let ask = weather_question();
+    let chat = json!({"messages": [ask], "tools": weather_tools(), "max_tokens": 1});
+    let (status, n) = server.post("/v1/chat/completions/input_tokens", &chat);
+    assert_eq!(status, 200, "{n}");
+    assert_eq!(n["object"], "response.input_tokens");
+    assert_eq!(
+        n["input_tokens"],
+        server.chat(&chat)["usage"]["prompt_tokens"],
+        "{n}"
+    );
+    let resp = json!({"instructions": "Be brief.", "input": "Weather in Paris?",
+        "max_output_tokens": 1});
+    let (_, n) = server.post("/v1/responses/input_tokens", &resp);
+    let (_, v) = server.post("/v1/responses", &resp);
+    assert_eq!(n["input_tokens"], v["usage"]["input_tokens"], "{n} {v}");
+    let msgs = json!({"system": "Be brief.", "messages": [ask], "max_tokens": 1});
+    let (status, n) = server.post("/v1/messages/count_tokens", &msgs);
+    assert_eq!(status, 200, "{n}");
+    let (_, v) = server.post("/v1/messages", &msgs);
+    let u = &v["usage"];
+    let evaluated =
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(n, json!({"input_tokens": evaluated}), "{v}");
+    // Longer conversations count more.
+    let (_, more) = server.post(
+        "/v1/chat/completions/input_tokens",
+        &json!({"messages": [ask,
+        {"role": "assistant", "content": "Sunny."}, user("And in Rome?")]}),
+    );
+    let (_, one) = server.post(
+        "/v1/chat/completions/input_tokens",
+        &json!({"messages": [ask]}),
+    );
+    assert!(
+        more["input_tokens"].as_u64() > one["input_tokens"].as_u64(),
+        "{more} {one}"
+    );
+    // Images are refused by name (Anthropic's errors in its shape), a GET is 405.
+    let image = json!({"messages": [{"role": "user", "content": [{"type": "image_url",
+        "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]});
+    let (status, e) = server.post("/v1/chat/completions/input_tokens", &image);
+    assert_eq!(status, 400, "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("images"),
+        "{e}"
+    );
+    let (status, e) = server.post("/v1/messages/count_tokens", &json!({"messages": "x"}));
+    assert_eq!((status, e["type"].as_str()), (400, Some("error")), "{e}");
+    let (status, _, _) = server.request("GET", "/v1/responses/input_tokens", "");
+    assert_eq!(status, 405);
+}
+
 #[test]
 fn stop_strings_and_response_formats_shape_the_reply() {
     let m = model();

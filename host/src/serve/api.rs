@@ -454,26 +454,42 @@ pub fn detokenize(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError>
 /// `/apply-template`: `messages` through the model's chat template, as a
 /// chat completion would evaluate them (images as their markers).
 pub fn apply_template(body: &[u8], tokenizer: &Tokenizer) -> Result<Value, ApiError> {
-    let Completion {
-        prompt,
-        tools,
-        chat_template_kwargs,
-        ..
-    } = chat_request(body)?;
-    let Prompt::Chat(messages) = prompt else {
+    let prompt = templated(&chat_request(body)?, tokenizer)?;
+    Ok(json!({ "prompt": prompt }))
+}
+
+/// The chat completion `c`'s messages through the model's chat template.
+fn templated(c: &Completion, tokenizer: &Tokenizer) -> Result<String, ApiError> {
+    let Prompt::Chat(messages) = &c.prompt else {
         return Err(ApiError::bad("'messages' is required"));
     };
     let template = tokenizer
         .chat_template()
         .map_err(|e| ApiError::bad(format!("the model's chat template: {e}")))?;
-    let prompt = chat_text(
+    chat_text(
         tokenizer,
         &template,
-        &messages,
-        tools.as_ref(),
-        chat_template_kwargs.as_ref(),
-    )?;
-    Ok(json!({ "prompt": prompt }))
+        messages,
+        c.tools.as_ref(),
+        c.chat_template_kwargs.as_ref(),
+    )
+}
+
+/// The prompt tokens chat completion `c` would evaluate, counted as its
+/// answer's `prompt_tokens` would count them (llama-server's
+/// `input_tokens` / `count_tokens` endpoints). Images are refused: their
+/// token counts are the projector's, which the server's connections do not
+/// run.
+pub fn count_tokens(c: &Completion, tokenizer: &Tokenizer) -> Result<usize, ApiError> {
+    if !c.images.is_empty() {
+        return Err(ApiError::bad(
+            "token counts of images are not served: count the text alone, or send the \
+             request and read its usage",
+        ));
+    }
+    Ok(tokenizer
+        .encode(&templated(c, tokenizer)?, true, true)
+        .len())
 }
 
 /// `messages` (and `tools`, and `kwargs` for the template) through

@@ -1123,6 +1123,30 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                 },
                 keep,
             )?,
+            ("POST", _, None) if counted(path).is_some() => {
+                let kind = counted(path).unwrap_or(Endpoint::Chat);
+                let parsed = match kind {
+                    Endpoint::Messages => anthropic::messages_request(&req.body),
+                    Endpoint::Responses => responses::responses_request(&req.body),
+                    _ => api::chat_request(&req.body),
+                };
+                let count = parsed.and_then(|c| api::count_tokens(&c, about.tokenizer));
+                match (count, kind) {
+                    (Ok(n), Endpoint::Messages) => {
+                        respond_json(&mut out, 200, &json!({"input_tokens": n}), keep)?
+                    }
+                    (Ok(n), _) => respond_json(
+                        &mut out,
+                        200,
+                        &json!({"object": "response.input_tokens", "input_tokens": n}),
+                        keep,
+                    )?,
+                    (Err(e), Endpoint::Messages) => {
+                        respond_json(&mut out, e.status, &anthropic::error_body(&e), keep)?
+                    }
+                    (Err(e), _) => respond_error(&mut out, &e, keep)?,
+                }
+            }
             ("POST", "/tokenize" | "/detokenize" | "/apply-template", _) => {
                 let answer = match path {
                     "/tokenize" => api::tokenize(&req.body, about.tokenizer),
@@ -1185,13 +1209,20 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                     return Ok(());
                 }
             }
-            (
-                _,
-                "/health" | "/v1/health" | "/v1/models" | "/models" | "/props" | "/tokenize"
-                | "/detokenize" | "/apply-template",
-                _,
-            )
-            | (_, _, Some(_)) => {
+            _ if endpoint.is_some()
+                || counted(path).is_some()
+                || matches!(
+                    path,
+                    "/health"
+                        | "/v1/health"
+                        | "/v1/models"
+                        | "/models"
+                        | "/props"
+                        | "/tokenize"
+                        | "/detokenize"
+                        | "/apply-template"
+                ) =>
+            {
                 let e = ApiError {
                     status: 405,
                     message: format!("{} {} is not served", req.method, req.path),
@@ -1209,6 +1240,20 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
         if !keep {
             return Ok(());
         }
+    }
+}
+
+/// The endpoint whose prompt tokens `path` counts (llama-server's
+/// `/v1/chat/completions/input_tokens`, `/v1/responses/input_tokens` and
+/// Anthropic's `/v1/messages/count_tokens`).
+fn counted(path: &str) -> Option<Endpoint> {
+    match path {
+        "/v1/chat/completions/input_tokens" | "/chat/completions/input_tokens" => {
+            Some(Endpoint::Chat)
+        }
+        "/v1/responses/input_tokens" | "/responses/input_tokens" => Some(Endpoint::Responses),
+        "/v1/messages/count_tokens" => Some(Endpoint::Messages),
+        _ => None,
     }
 }
 
