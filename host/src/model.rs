@@ -182,11 +182,19 @@ pub enum Arch {
     /// `attention.sliding_window`, 4096-position windows on three layers of
     /// four and no RoPE on the fourth.
     SmallThinker,
+    /// Qwen3's dense models (Qwen3-0.6B ... 32B; llama.cpp's `qwen3`):
+    /// [`Qwen3Moe`](Arch::Qwen3Moe)'s attention (per-head Q/K norms, NeoX
+    /// RoPE) with a SwiGLU FFN a layer; draft models for Qwen3's MoEs.
+    Qwen3,
+    /// Qwen2 and Qwen2.5's dense models (llama.cpp's `qwen2`): attention with
+    /// Q/K/V biases, NeoX RoPE, a SwiGLU FFN a layer; draft models for
+    /// Qwen2-MoE.
+    Qwen2,
 }
 
 impl Arch {
     /// Every architecture les runs.
-    pub const ALL: [Arch; 26] = [
+    pub const ALL: [Arch; 28] = [
         Arch::Llama,
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
@@ -213,6 +221,8 @@ impl Arch {
         Arch::Lfm2Moe,
         Arch::Lfm2,
         Arch::SmallThinker,
+        Arch::Qwen3,
+        Arch::Qwen2,
     ];
 
     /// From `general.architecture`.
@@ -249,6 +259,8 @@ impl Arch {
             Arch::Lfm2Moe => "lfm2moe",
             Arch::Lfm2 => "lfm2",
             Arch::SmallThinker => "smallthinker",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen2 => "qwen2",
         }
     }
 
@@ -1586,7 +1598,11 @@ impl Model {
                 ("feed_forward_length", n_ff),
             ],
         )?;
-        let n_experts = opt_usize(&g, &k("expert_count"))?.unwrap_or(0);
+        // llama.cpp's dense Qwen loaders read no experts.
+        let n_experts = match arch {
+            Arch::Qwen3 | Arch::Qwen2 => 0,
+            _ => opt_usize(&g, &k("expert_count"))?.unwrap_or(0),
+        };
         let moe = if n_experts > 0 {
             let top_k = key_usize(&g, &k("expert_used_count"))?;
             let n_ff_exp = match arch {
@@ -2742,7 +2758,9 @@ mod tests {
                 | Arch::NemotronHMoe
                 | Arch::Lfm2Moe
                 | Arch::Lfm2
-                | Arch::SmallThinker => {}
+                | Arch::SmallThinker
+                | Arch::Qwen3
+                | Arch::Qwen2 => {}
             }
         }
     }

@@ -189,6 +189,13 @@ pub enum Arch {
     /// LFM2, dense (llama.cpp's `lfm2`): the MoE's layers with a SwiGLU FFN
     /// (`--ff`) each.
     Lfm2,
+    /// Qwen3's dense models (llama.cpp's `qwen3`): qwen3moe's attention with a
+    /// SwiGLU FFN (`--ff`) a layer; a draft model for qwen3moe (the same
+    /// vocabulary).
+    Qwen3,
+    /// Qwen2 / Qwen2.5's dense models (llama.cpp's `qwen2`): attention with
+    /// Q/K/V biases, a SwiGLU FFN (`--ff`) a layer.
+    Qwen2,
     /// PowerInfer's SmallThinker (llama.cpp's `smallthinker`): Llama-style
     /// attention without Q/K norms (NeoX RoPE), every layer routed experts
     /// whose router reads the layer's input (before the attention, without a
@@ -396,6 +403,8 @@ impl Arch {
             Arch::Granite => "granite",
             Arch::Granitemoe => "granitemoe",
             Arch::Smallthinker => "smallthinker",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen2 => "qwen2",
             Arch::Granitehybrid => "granitehybrid",
             Arch::NemotronHMoe => "nemotron_h_moe",
             Arch::NemotronH => "nemotron_h",
@@ -414,7 +423,7 @@ impl Arch {
 
     /// Whether the head size is tied to `n_embd / n_head`.
     fn square_attention(self) -> bool {
-        matches!(self, Arch::Olmoe | Arch::Qwen2moe) || self.is_lfm2()
+        matches!(self, Arch::Olmoe | Arch::Qwen2moe | Arch::Qwen2) || self.is_lfm2()
     }
 
     /// Whether this is LFM2 (short convolutions between attention layers).
@@ -443,6 +452,8 @@ impl Arch {
                 | Arch::Lfm2moe
                 | Arch::Lfm2
                 | Arch::Smallthinker
+                | Arch::Qwen3
+                | Arch::Qwen2
         )
     }
 
@@ -1266,7 +1277,13 @@ impl SynthConfig {
         }
         if matches!(
             arch,
-            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH | Arch::Lfm2
+            Arch::Llama
+                | Arch::Qwen3vl
+                | Arch::Granite
+                | Arch::NemotronH
+                | Arch::Lfm2
+                | Arch::Qwen3
+                | Arch::Qwen2
         ) && o.experts.is_none()
         {
             s.experts = 0;
@@ -1274,6 +1291,8 @@ impl SynthConfig {
         // The dense architectures whose MoE is another.
         let moe_of = match arch {
             Arch::Qwen3vl => Some(Arch::Qwen3vlmoe),
+            Arch::Qwen3 => Some(Arch::Qwen3moe),
+            Arch::Qwen2 => Some(Arch::Qwen2moe),
             Arch::Granite => Some(Arch::Granitemoe),
             Arch::NemotronH => Some(Arch::NemotronHMoe),
             Arch::Lfm2 => Some(Arch::Lfm2moe),
@@ -1314,7 +1333,13 @@ impl SynthConfig {
         // 4.0-H-1B / 350M).
         let dense_ok = matches!(
             arch,
-            Arch::Llama | Arch::Qwen3vl | Arch::Granite | Arch::NemotronH | Arch::Lfm2
+            Arch::Llama
+                | Arch::Qwen3vl
+                | Arch::Granite
+                | Arch::NemotronH
+                | Arch::Lfm2
+                | Arch::Qwen3
+                | Arch::Qwen2
         ) || (arch == Arch::Granitehybrid && o.experts == Some(0));
         if s.experts == 0 && !dense_ok {
             let dense = match arch {
@@ -1818,7 +1843,7 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
                 Init::Normal(inv(e)),
                 lay,
             );
-            if cfg.arch == Arch::Qwen2moe {
+            if matches!(cfg.arch, Arch::Qwen2moe | Arch::Qwen2) {
                 add(
                     n(&format!("{part}.bias")),
                     vec![rows],
@@ -1836,7 +1861,12 @@ pub fn tensor_plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
             lay,
         );
         match cfg.arch {
-            Arch::Qwen3moe | Arch::Dots1 | Arch::HunyuanMoe | Arch::Qwen3vlmoe | Arch::Qwen3vl => {
+            Arch::Qwen3moe
+            | Arch::Qwen3
+            | Arch::Dots1
+            | Arch::HunyuanMoe
+            | Arch::Qwen3vlmoe
+            | Arch::Qwen3vl => {
                 norm_tensor(&mut add, l, "attn_q_norm.weight", s.head_dim);
                 norm_tensor(&mut add, l, "attn_k_norm.weight", s.head_dim);
             }
@@ -3238,6 +3268,8 @@ mod tests {
             Arch::NemotronHMoe,
             Arch::NemotronH,
             Arch::Smallthinker,
+            Arch::Qwen3,
+            Arch::Qwen2,
         ] {
             for preset in [Preset::Tiny, Preset::Small, Preset::A3b, Preset::Minicpmv47] {
                 for t in plan(arch, preset, Overrides::default()) {
