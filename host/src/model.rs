@@ -696,14 +696,14 @@ struct Llama4Attention {
 /// whatever `attention.sliding_window` says).
 pub const LLAMA4_CHUNK: usize = 8192;
 
-/// Every this many layers one has no RoPE in Llama 4 (llama.cpp's
-/// `n_no_rope_layer_step`).
-const LLAMA4_NOPE_STEP: usize = 4;
+/// Every this many layers one has no RoPE, in Llama 4 and in SmallThinker
+/// with sliding windows (llama.cpp's default `n_no_rope_layer_step`).
+const NO_ROPE_STEP: usize = 4;
 
 impl Llama4Attention {
     fn nope(&self, layer: usize) -> Option<AttnTemperature> {
         (layer + 1)
-            .is_multiple_of(LLAMA4_NOPE_STEP)
+            .is_multiple_of(NO_ROPE_STEP)
             .then_some(AttnTemperature::LLAMA4)
     }
 
@@ -805,9 +805,6 @@ struct SmallThinkerAttention {
     windowed: Vec<bool>,
     nope_step: Option<usize>,
 }
-
-/// llama.cpp's default `n_no_rope_layer_step`.
-const NO_ROPE_STEP: usize = 4;
 
 impl SmallThinkerAttention {
     fn read(

@@ -1915,9 +1915,8 @@ pub(super) fn gate_shared(out: &mut [f32], logit: f32) {
 /// Lookahead prediction for the MoE layers `targets` (those `la` enables): each
 /// one's router ([`Weights::lookahead_router`] where the weights have a cheaper
 /// copy) on the residual stream `s.h` (normed by that layer's FFN norm, unless
-/// the router reads the layer's input: [`MoeParams::route_before_attention`](super::config::MoeParams::route_before_attention)),
-/// handed to [`Experts::prefetch`]. Does nothing where `experts` wants no
-/// predictions.
+/// the router reads the layer's input, [`early_router`]), handed to
+/// [`Experts::prefetch`]. Does nothing where `experts` wants no predictions.
 #[allow(clippy::too_many_arguments)]
 fn predict_layers<W: Weights, M: MatVec, X: Experts>(
     hp: &Hparams,
