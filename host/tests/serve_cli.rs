@@ -1581,8 +1581,8 @@ fn the_openai_sdk_reads_responses() {
 /// llama-server's token counting endpoints count what the completion would
 /// evaluate: `/v1/chat/completions/input_tokens`,
 /// `/v1/responses/input_tokens` (OpenAI's shape) and Anthropic's
-/// `/v1/messages/count_tokens`, each its endpoint's prompt tokens; images
-/// are refused by name, other methods get a 405.
+/// `/v1/messages/count_tokens`, each its endpoint's prompt tokens (with
+/// images: the image chat tests); other methods get a 405.
 #[test]
 fn token_counts_are_what_a_completion_evaluates() {
     let server = Server::start(&tools_model(), &[]);
@@ -1623,13 +1623,14 @@ fn token_counts_are_what_a_completion_evaluates() {
         more["input_tokens"].as_u64() > one["input_tokens"].as_u64(),
         "{more} {one}"
     );
-    // Images are refused by name (Anthropic's errors in its shape), a GET is 405.
+    // Images without a projector are refused by name (counted with one: the
+    // image chat tests), Anthropic's errors in its shape, a GET is 405.
     let image = json!({"messages": [{"role": "user", "content": [{"type": "image_url",
         "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]});
     let (status, e) = server.post("/v1/chat/completions/input_tokens", &image);
     assert_eq!(status, 400, "{e}");
     assert!(
-        e["error"]["message"].as_str().unwrap().contains("images"),
+        e["error"]["message"].as_str().unwrap().contains("--mmproj"),
         "{e}"
     );
     let (status, e) = server.post("/v1/messages/count_tokens", &json!({"messages": "x"}));
@@ -1864,6 +1865,15 @@ fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
     );
     assert_eq!(content(&v), want);
     assert_eq!(v["usage"]["prompt_tokens"], prompt_len);
+    // Counted without encoding the image: the positions it evaluated.
+    let (status, n) = server.post(
+        "/v1/chat/completions/input_tokens",
+        &json!({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is in the picture?"}]}]}),
+    );
+    assert_eq!(status, 200, "{n}");
+    assert_eq!(n["input_tokens"], prompt_len, "{n}");
 }
 
 /// Standard base64 with padding.

@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 use super::tools::{ToolChoice, Tools};
 use crate::grammar::json_schema_to_gbnf;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
-use crate::vision::MEDIA_MARKER;
+use crate::vision::{self, ClipModel, MEDIA_MARKER};
 
 /// Largest image a request may carry, decoded (as `--image` files).
 pub const MAX_IMAGE_BYTES: usize = 32 << 20;
@@ -475,21 +475,49 @@ fn templated(c: &Completion, tokenizer: &Tokenizer) -> Result<String, ApiError> 
     )
 }
 
-/// The prompt tokens chat completion `c` would evaluate, counted as its
-/// answer's `prompt_tokens` would count them (llama-server's
-/// `input_tokens` / `count_tokens` endpoints). Images are refused: their
-/// token counts are the projector's, which the server's connections do not
-/// run.
-pub fn count_tokens(c: &Completion, tokenizer: &Tokenizer) -> Result<usize, ApiError> {
-    if !c.images.is_empty() {
-        return Err(ApiError::bad(
-            "token counts of images are not served: count the text alone, or send the \
-             request and read its usage",
-        ));
+/// The prompt positions chat completion `c` would evaluate, counted as its
+/// answer's `prompt_tokens` counts them (llama-server's `input_tokens` /
+/// `count_tokens` endpoints): its tokens, and its images' embeddings as the
+/// vision projector `clip` lays them out, from their sizes alone.
+pub fn count_tokens(
+    c: &Completion,
+    tokenizer: &Tokenizer,
+    clip: Option<&ClipModel>,
+) -> Result<usize, ApiError> {
+    let text = templated(c, tokenizer)?;
+    if c.images.is_empty() {
+        return Ok(tokenizer.encode(&text, true, true).len());
     }
-    Ok(tokenizer
-        .encode(&templated(c, tokenizer)?, true, true)
-        .len())
+    let clip = clip.ok_or_else(no_projector)?;
+    image_markers(&text, c.images.len())?;
+    let layouts = c
+        .images
+        .iter()
+        .enumerate()
+        .map(|(i, bytes)| {
+            vision::image::image_size(bytes)
+                .map(|size| vision::image_layout(clip, size))
+                .map_err(|e| ApiError::bad(format!("image {}: {e}", i + 1)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    vision::prompt_positions(tokenizer, clip.hp.projector, &text, true, &layouts)
+        .map_err(|e| ApiError::bad(e.to_string()))
+}
+
+/// The error of images without a vision projector.
+pub fn no_projector() -> ApiError {
+    ApiError::bad("images need a vision projector: start les serve with --mmproj")
+}
+
+/// Checks that the templated `text` holds one [`MEDIA_MARKER`] per image.
+pub fn image_markers(text: &str, n_images: usize) -> Result<(), ApiError> {
+    let markers = text.matches(MEDIA_MARKER).count();
+    if markers != n_images {
+        return Err(ApiError::bad(format!(
+            "the prompt has {markers} image marker(s) {MEDIA_MARKER} for {n_images} image(s)"
+        )));
+    }
+    Ok(())
 }
 
 /// `messages` (and `tools`, and `kwargs` for the template) through

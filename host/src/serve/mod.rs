@@ -58,7 +58,7 @@ use crate::sampling::logprobs::{log_probs, PositionLogprobs, TokenLogprob};
 use crate::sampling::{Penalties, Sampler, SamplerConfig};
 use crate::supply::Supply;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
-use crate::vision::{self, ClipModel, MultimodalPrompt, MEDIA_MARKER};
+use crate::vision::{self, ClipModel, MultimodalPrompt};
 use api::{ApiError, Completion, Prompt};
 use reasoning::{Channel, Splitter};
 use tools::{ToolCall, ToolChoice, ToolFormat};
@@ -291,16 +291,8 @@ impl<'m> Engine<'m> {
                 n_embd,
             ));
         }
-        let clip = self.clip.ok_or_else(|| {
-            ApiError::bad("images need a vision projector: start les serve with --mmproj")
-        })?;
-        let markers = text.matches(MEDIA_MARKER).count();
-        if markers != c.images.len() {
-            return Err(ApiError::bad(format!(
-                "the prompt has {markers} image marker(s) {MEDIA_MARKER} for {} image(s)",
-                c.images.len()
-            )));
-        }
+        let clip = self.clip.ok_or_else(api::no_projector)?;
+        api::image_markers(&text, c.images.len())?;
         let mut encoded = Vec::with_capacity(c.images.len());
         let mut ctx = vision::Ctx {
             isa: self.mv.isa(),
@@ -898,7 +890,7 @@ pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions
         opts,
         tokenizer: engine.tokenizer,
         n_ctx: engine.max_positions(),
-        vision: engine.clip.is_some(),
+        clip: engine.clip,
         speculative: engine.drafter.is_some(),
         activity: std::sync::Mutex::new(Activity {
             slots: engine
@@ -920,7 +912,8 @@ struct About<'a> {
     opts: &'a ServeOptions,
     tokenizer: &'a Tokenizer,
     n_ctx: usize,
-    vision: bool,
+    /// The vision projector, where images are served.
+    clip: Option<&'a ClipModel>,
     speculative: bool,
     /// What the engine's loop did, for `/slots` and `/metrics`.
     activity: std::sync::Mutex<Activity>,
@@ -1130,7 +1123,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                     Endpoint::Responses => responses::responses_request(&req.body),
                     _ => api::chat_request(&req.body),
                 };
-                let count = parsed.and_then(|c| api::count_tokens(&c, about.tokenizer));
+                let count = parsed.and_then(|c| api::count_tokens(&c, about.tokenizer, about.clip));
                 match (count, kind) {
                     (Ok(n), Endpoint::Messages) => {
                         respond_json(&mut out, 200, &json!({"input_tokens": n}), keep)?
@@ -1714,7 +1707,7 @@ fn props(about: &About<'_>) -> Value {
         "total_slots": about.activity().slots.len(),
         "model_alias": about.opts.model_id,
         "chat_template": about.tokenizer.chat_template_source().unwrap_or(""),
-        "modalities": {"vision": about.vision, "audio": false},
+        "modalities": {"vision": about.clip.is_some(), "audio": false},
         "build_info": format!("les {}", env!("CARGO_PKG_VERSION")),
     })
 }

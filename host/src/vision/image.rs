@@ -233,15 +233,24 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
 /// what an image will cost is known before it is decoded.
 pub fn probe_image(path: &Path) -> Result<(usize, usize), VisionError> {
     let err = |m: String| VisionError::Image(format!("{}: {m}", path.display()));
-    let bytes = read_bounded(path).map_err(err)?;
-    let format = supported(image::guess_format(&bytes).ok()).map_err(err)?;
+    dimensions(&read_bounded(path).map_err(err)?).map_err(err)
+}
+
+/// The width and height of an image file held in memory, from its header
+/// alone, as [`probe_image`] reads them.
+pub fn image_size(bytes: &[u8]) -> Result<(usize, usize), VisionError> {
+    dimensions(bytes).map_err(VisionError::Image)
+}
+
+fn dimensions(bytes: &[u8]) -> Result<(usize, usize), String> {
+    let format = supported(image::guess_format(bytes).ok())?;
     if format == ImageFormat::Jpeg {
-        return super::jpeg::dimensions(&bytes).map_err(err);
+        return super::jpeg::dimensions(bytes);
     }
-    let (w, h) = ImageReader::with_format(Cursor::new(&bytes), format)
+    let (w, h) = ImageReader::with_format(Cursor::new(bytes), format)
         .into_dimensions()
-        .map_err(|e| err(e.to_string()))?;
-    check_dimensions(w, h).map_err(err)?;
+        .map_err(|e| e.to_string())?;
+    check_dimensions(w, h)?;
     Ok((w as usize, h as usize))
 }
 
