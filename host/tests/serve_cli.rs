@@ -1874,6 +1874,17 @@ fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
     );
     assert_eq!(status, 200, "{n}");
     assert_eq!(n["input_tokens"], prompt_len, "{n}");
+    // Through the Responses API: an input_image part, the same answer.
+    let (status, r) = server.post(
+        "/v1/responses",
+        &json!({"input": [{"role": "user",
+        "content": [{"type": "input_image", "image_url": url},
+        {"type": "input_text", "text": "What is in the picture?"}]}],
+        "temperature": 0, "max_output_tokens": 12}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(output_text(&r), want);
+    assert_eq!(r["usage"]["input_tokens"], prompt_len);
 }
 
 /// Standard base64 with padding.
