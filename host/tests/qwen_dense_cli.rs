@@ -8,12 +8,10 @@
 
 mod cli;
 
-use std::fs::File;
-use std::io::BufWriter;
 use std::path::PathBuf;
 
 use cli::{greedy_json, tiny, tmp, tokens, F32_WEIGHTS};
-use les::gguf::{Gguf, GgufWriter, MetaValue};
+use les::gguf::{Gguf, MetaValue};
 
 fn model(arch: &str, name: &str, extra: &[&str]) -> PathBuf {
     tiny(arch, name, extra)
@@ -46,26 +44,10 @@ fn synth_writes_llama_cpp_names_and_keys() {
 #[test]
 fn an_expert_count_changes_nothing() {
     let m = model("qwen3", "q", &[]);
-    let dst = tmp("qwen3_expert_count.gguf");
-    let g = Gguf::open(&m).unwrap();
-    let mut w = GgufWriter::new();
-    for (k, v) in g.metadata() {
-        w.add_kv(k, v.to_meta()).unwrap();
-    }
-    w.add_kv("qwen3.expert_count", MetaValue::U32(8)).unwrap();
-    w.add_kv("qwen3.expert_used_count", MetaValue::U32(2))
-        .unwrap();
-    for t in g.tensors() {
-        w.add_tensor(t.name().to_string(), t.dims(), t.ggml_type())
-            .unwrap();
-    }
-    let mut data = w
-        .write_header(BufWriter::new(File::create(&dst).unwrap()))
-        .unwrap();
-    for t in g.tensors() {
-        data.write_tensor(t.name(), t.data()).unwrap();
-    }
-    data.finish().unwrap();
+    let dst = cli::with_metadata(&m, "qwen3_expert_count.gguf", |meta| {
+        meta.push(("qwen3.expert_count".into(), MetaValue::U32(8)));
+        meta.push(("qwen3.expert_used_count".into(), MetaValue::U32(2)));
+    });
     assert_eq!(greedy_json(&dst, &[])["text"], greedy_json(&m, &[])["text"]);
 }
 

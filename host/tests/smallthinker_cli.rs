@@ -9,12 +9,10 @@
 
 mod cli;
 
-use std::fs::File;
-use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
-use cli::{greedy, greedy_logits, streams_exactly, synth_once, tmp, F32_WEIGHTS};
-use les::gguf::{Gguf, GgufWriter, MetaValue};
+use cli::{greedy, greedy_logits, streams_exactly, synth_once, F32_WEIGHTS};
+use les::gguf::{Gguf, MetaValue};
 use les_core::model::config::ExpertAct;
 use les_core::router::Gating;
 
@@ -46,29 +44,7 @@ fn six(name: &str, extra: &[&str]) -> PathBuf {
 
 /// A copy of `src` (named after `tag`) whose metadata `edit` changed.
 fn with_metadata(src: &Path, tag: &str, edit: impl Fn(&mut Vec<(String, MetaValue)>)) -> PathBuf {
-    let dst = tmp(&format!("smallthinker_{tag}.gguf"));
-    let g = Gguf::open(src).unwrap();
-    let mut meta: Vec<(String, MetaValue)> = g
-        .metadata()
-        .map(|(k, v)| (k.to_string(), v.to_meta()))
-        .collect();
-    edit(&mut meta);
-    let mut w = GgufWriter::new();
-    for (k, v) in meta {
-        w.add_kv(&k, v).unwrap();
-    }
-    for t in g.tensors() {
-        w.add_tensor(t.name().to_string(), t.dims(), t.ggml_type())
-            .unwrap();
-    }
-    let mut data = w
-        .write_header(BufWriter::new(File::create(&dst).unwrap()))
-        .unwrap();
-    for t in g.tensors() {
-        data.write_tensor(t.name(), t.data()).unwrap();
-    }
-    data.finish().unwrap();
-    dst
+    cli::with_metadata(src, &format!("smallthinker_{tag}.gguf"), edit)
 }
 
 /// `src` without the key `key`.

@@ -481,6 +481,22 @@ impl Arch {
         )
     }
 
+    /// Whether the architecture's models have no experts unless `--experts`
+    /// asks for them (llama, whose experts make a Mixtral) or ever (the
+    /// others, whose MoE is another architecture).
+    fn dense_by_default(self) -> bool {
+        matches!(
+            self,
+            Arch::Llama
+                | Arch::Qwen3vl
+                | Arch::Granite
+                | Arch::NemotronH
+                | Arch::Lfm2
+                | Arch::Qwen3
+                | Arch::Qwen2
+        )
+    }
+
     /// Whether the architecture has a shared expert.
     fn has_shared_expert(self) -> bool {
         matches!(
@@ -1275,17 +1291,7 @@ impl SynthConfig {
                 ));
             }
         }
-        if matches!(
-            arch,
-            Arch::Llama
-                | Arch::Qwen3vl
-                | Arch::Granite
-                | Arch::NemotronH
-                | Arch::Lfm2
-                | Arch::Qwen3
-                | Arch::Qwen2
-        ) && o.experts.is_none()
-        {
+        if arch.dense_by_default() && o.experts.is_none() {
             s.experts = 0;
         }
         // The dense architectures whose MoE is another.
@@ -1331,16 +1337,8 @@ impl SynthConfig {
         }
         // granitehybrid is dense only when asked (`--experts 0`: Granite
         // 4.0-H-1B / 350M).
-        let dense_ok = matches!(
-            arch,
-            Arch::Llama
-                | Arch::Qwen3vl
-                | Arch::Granite
-                | Arch::NemotronH
-                | Arch::Lfm2
-                | Arch::Qwen3
-                | Arch::Qwen2
-        ) || (arch == Arch::Granitehybrid && o.experts == Some(0));
+        let dense_ok =
+            arch.dense_by_default() || (arch == Arch::Granitehybrid && o.experts == Some(0));
         if s.experts == 0 && !dense_ok {
             let dense = match arch {
                 Arch::NemotronHMoe => " (the dense one is nemotron_h)",

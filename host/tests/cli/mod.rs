@@ -67,6 +67,39 @@ pub fn tiny(arch: &str, name: &str, extra: &[&str]) -> PathBuf {
     synth_once(&format!("{arch}_{name}.gguf"), &[&args[..], extra].concat())
 }
 
+/// A copy of `src` as `tmp(name)` whose metadata `edit` changed (keys
+/// removed, added or replaced), the tensors as they are.
+pub fn with_metadata(
+    src: &Path,
+    name: &str,
+    edit: impl Fn(&mut Vec<(String, les::gguf::MetaValue)>),
+) -> PathBuf {
+    use std::io::BufWriter;
+    let dst = tmp(name);
+    let g = les::gguf::Gguf::open(src).unwrap();
+    let mut meta: Vec<_> = g
+        .metadata()
+        .map(|(k, v)| (k.to_string(), v.to_meta()))
+        .collect();
+    edit(&mut meta);
+    let mut w = les::gguf::GgufWriter::new();
+    for (k, v) in meta {
+        w.add_kv(&k, v).unwrap();
+    }
+    for t in g.tensors() {
+        w.add_tensor(t.name().to_string(), t.dims(), t.ggml_type())
+            .unwrap();
+    }
+    let mut data = w
+        .write_header(BufWriter::new(std::fs::File::create(&dst).unwrap()))
+        .unwrap();
+    for t in g.tensors() {
+        data.write_tensor(t.name(), t.data()).unwrap();
+    }
+    data.finish().unwrap();
+    dst
+}
+
 /// Packs `plain` and checks that the packed copy gives `plain`'s greedy
 /// tokens and logits, bit for bit, resident and streamed (les with 3 and 2
 /// slots, the latter one position a batch; on-demand with 5), and the plain
