@@ -396,38 +396,13 @@ mod tests {
         );
     }
 
-    fn finished(
-        text: &str,
-        reasoning: &str,
-        calls: Vec<ToolCall>,
-        reason: &'static str,
-    ) -> Finished {
-        Finished {
-            text: text.into(),
-            reasoning: reasoning.into(),
-            finish_reason: reason,
-            tokens: Vec::new(),
-            stopping_word: None,
-            prompt_tokens: 10,
-            cached_tokens: 4,
-            slot: 0,
-            completion_tokens: 3,
-            prompt_time: Default::default(),
-            predicted_time: Default::default(),
-            drafted: 0,
-            accepted: 0,
-            logprobs: None,
-            tool_calls: calls,
-        }
-    }
-
     #[test]
     fn an_answer_becomes_a_message_whole_or_streamed() {
         let call = ToolCall {
             name: "get_weather".into(),
             arguments: r#"{"city":"Rome"}"#.into(),
         };
-        let f = finished("", "Think.", vec![call], "tool_calls");
+        let f = Finished::for_test("", "Think.", vec![call], "tool_calls");
         let m = message("x", "model", &f);
         assert_eq!(m["stop_reason"], "tool_use");
         assert_eq!(m["content"][0]["type"], "thinking");
@@ -465,7 +440,7 @@ mod tests {
         assert_eq!(end[2].1["delta"]["partial_json"], r#"{"city":"Rome"}"#);
         assert_eq!(end[1].1["index"], 2);
         assert_eq!(end[4].1["delta"]["stop_reason"], "tool_use");
-        let plain = message("y", "m", &finished("Hello", "", vec![], "length"));
+        let plain = message("y", "m", &Finished::for_test("Hello", "", vec![], "length"));
         assert_eq!(
             (
                 plain["content"][0]["text"].as_str(),

@@ -109,6 +109,37 @@ pub struct Finished {
     pub tool_calls: Vec<ToolCall>,
 }
 
+#[cfg(test)]
+impl Finished {
+    /// An answer for the endpoints' unit tests: `text`, `reasoning` and
+    /// `calls`, ended by `reason`, after a prompt of 10 positions (4 of them
+    /// kept) and 6 tokens generated.
+    pub(crate) fn for_test(
+        text: &str,
+        reasoning: &str,
+        calls: Vec<ToolCall>,
+        reason: &'static str,
+    ) -> Finished {
+        Finished {
+            text: text.into(),
+            reasoning: reasoning.into(),
+            finish_reason: reason,
+            tokens: Vec::new(),
+            stopping_word: None,
+            prompt_tokens: 10,
+            cached_tokens: 4,
+            slot: 0,
+            completion_tokens: 6,
+            prompt_time: Duration::ZERO,
+            predicted_time: Duration::ZERO,
+            drafted: 0,
+            accepted: 0,
+            logprobs: None,
+            tool_calls: calls,
+        }
+    }
+}
+
 /// The model's session and what it needs to answer completions.
 pub struct Engine<'m> {
     model: &'m Model,
@@ -847,6 +878,27 @@ enum Endpoint {
     Responses,
 }
 
+impl Endpoint {
+    /// Reads a request `body` sent to this endpoint at `path`.
+    fn read(self, path: &str, body: &[u8]) -> Result<Completion, ApiError> {
+        match self {
+            Endpoint::Chat => api::chat_request(body),
+            Endpoint::Messages => anthropic::messages_request(body),
+            Endpoint::Responses => responses::responses_request(body),
+            Endpoint::Native if path == "/infill" => api::infill_request(body),
+            Endpoint::Text | Endpoint::Native => api::text_request(body),
+        }
+    }
+
+    /// The body of error `e` in this endpoint's shape.
+    fn error_body(self, e: &ApiError) -> Value {
+        match self {
+            Endpoint::Messages => anthropic::error_body(e),
+            _ => e.body(),
+        }
+    }
+}
+
 /// A completion for the engine, and where its answer goes.
 struct Job {
     completion: Completion,
@@ -1089,6 +1141,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
             "/v1/responses" | "/responses" => Some(Endpoint::Responses),
             _ => None,
         };
+        let counts = counted(path);
         match (req.method.as_str(), path, endpoint) {
             ("GET", "/health" | "/v1/health", _) => {
                 respond_json(&mut out, 200, &json!({"status": "ok"}), keep)?
@@ -1116,28 +1169,22 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                 },
                 keep,
             )?,
-            ("POST", _, None) if counted(path).is_some() => {
-                let kind = counted(path).unwrap_or(Endpoint::Chat);
-                let parsed = match kind {
-                    Endpoint::Messages => anthropic::messages_request(&req.body),
-                    Endpoint::Responses => responses::responses_request(&req.body),
-                    _ => api::chat_request(&req.body),
-                };
-                let count = parsed.and_then(|c| api::count_tokens(&c, about.tokenizer, about.clip));
-                match (count, kind) {
-                    (Ok(n), Endpoint::Messages) => {
+            ("POST", _, None) if counts.is_some() => {
+                let kind = counts.unwrap_or(Endpoint::Chat);
+                let count = kind
+                    .read(path, &req.body)
+                    .and_then(|c| api::count_tokens(&c, about.tokenizer, about.clip));
+                match count {
+                    Ok(n) if kind == Endpoint::Messages => {
                         respond_json(&mut out, 200, &json!({"input_tokens": n}), keep)?
                     }
-                    (Ok(n), _) => respond_json(
+                    Ok(n) => respond_json(
                         &mut out,
                         200,
                         &json!({"object": "response.input_tokens", "input_tokens": n}),
                         keep,
                     )?,
-                    (Err(e), Endpoint::Messages) => {
-                        respond_json(&mut out, e.status, &anthropic::error_body(&e), keep)?
-                    }
-                    (Err(e), _) => respond_error(&mut out, &e, keep)?,
+                    Err(e) => respond_json(&mut out, e.status, &kind.error_body(&e), keep)?,
                 }
             }
             ("POST", "/tokenize" | "/detokenize" | "/apply-template", _) => {
@@ -1166,24 +1213,10 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                 ],
             )?,
             ("POST", _, Some(endpoint)) => {
-                let parsed = match endpoint {
-                    Endpoint::Chat => api::chat_request(&req.body),
-                    Endpoint::Messages => anthropic::messages_request(&req.body),
-                    Endpoint::Responses => responses::responses_request(&req.body),
-                    Endpoint::Native if path == "/infill" => api::infill_request(&req.body),
-                    Endpoint::Text | Endpoint::Native => api::text_request(&req.body),
-                };
-                let c = match parsed {
+                let c = match endpoint.read(path, &req.body) {
                     Ok(c) => c,
-                    Err(e) if endpoint == Endpoint::Messages => {
-                        respond_json(&mut out, e.status, &anthropic::error_body(&e), keep)?;
-                        if keep {
-                            continue;
-                        }
-                        return Ok(());
-                    }
                     Err(e) => {
-                        respond_error(&mut out, &e, keep)?;
+                        respond_json(&mut out, e.status, &endpoint.error_body(&e), keep)?;
                         if keep {
                             continue;
                         }
@@ -1203,7 +1236,7 @@ fn connection(stream: TcpStream, jobs: &Sender<Job>, about: &About<'_>) -> std::
                 }
             }
             _ if endpoint.is_some()
-                || counted(path).is_some()
+                || counts.is_some()
                 || matches!(
                     path,
                     "/health"
@@ -1501,17 +1534,15 @@ struct Shape<'a> {
 impl Shape<'_> {
     /// The whole answer (`stream: false`).
     fn whole(&self, f: &Finished) -> Value {
-        if self.endpoint == Endpoint::Native {
-            return self.native(f, &f.text, f.logprobs.as_deref().unwrap_or_default());
-        }
-        if self.endpoint == Endpoint::Messages {
-            return anthropic::message(self.tag(), self.model, f);
-        }
-        if self.endpoint == Endpoint::Responses {
-            return responses::response(self.tag(), self.model, self.created, f);
-        }
         let mut choice = match self.endpoint {
-            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
+            Endpoint::Native => {
+                return self.native(f, &f.text, f.logprobs.as_deref().unwrap_or_default())
+            }
+            Endpoint::Messages => return anthropic::message(self.tag(), self.model, f),
+            Endpoint::Responses => {
+                return responses::response(self.tag(), self.model, self.created, f)
+            }
+            Endpoint::Chat => {
                 let mut message = json!({"role": "assistant", "content": f.text});
                 if !f.reasoning.is_empty() {
                     message["reasoning_content"] = json!(f.reasoning);
@@ -1524,7 +1555,7 @@ impl Shape<'_> {
                 }
                 json!({"index": 0, "finish_reason": f.finish_reason, "message": message})
             }
-            Endpoint::Text | Endpoint::Native => json!({"index": 0,
+            Endpoint::Text => json!({"index": 0,
                 "finish_reason": f.finish_reason, "text": f.text, "logprobs": null}),
         };
         // Asked for, they are there even when no token was generated.
@@ -1600,10 +1631,7 @@ impl Shape<'_> {
 impl Shape<'_> {
     /// The body of error `e` in this endpoint's shape.
     fn error(&self, e: &ApiError) -> Value {
-        match self.endpoint {
-            Endpoint::Messages => anthropic::error_body(e),
-            _ => e.body(),
-        }
+        self.endpoint.error_body(e)
     }
 
     /// The id's unique part (after its kind).

@@ -702,29 +702,15 @@ mod tests {
         }
     }
 
+    /// An answer with `calls` calls `f0`, `f1`, ... (arguments `{"i":N}`).
     fn finished(text: &str, reasoning: &str, calls: usize, reason: &'static str) -> Finished {
-        Finished {
-            text: text.into(),
-            reasoning: reasoning.into(),
-            finish_reason: reason,
-            tokens: Vec::new(),
-            stopping_word: None,
-            prompt_tokens: 10,
-            cached_tokens: 4,
-            slot: 0,
-            completion_tokens: 6,
-            prompt_time: Default::default(),
-            predicted_time: Default::default(),
-            drafted: 0,
-            accepted: 0,
-            logprobs: None,
-            tool_calls: (0..calls)
-                .map(|i| ToolCall {
-                    name: format!("f{i}"),
-                    arguments: format!("{{\"i\":{i}}}"),
-                })
-                .collect(),
-        }
+        let calls = (0..calls)
+            .map(|i| ToolCall {
+                name: format!("f{i}"),
+                arguments: format!("{{\"i\":{i}}}"),
+            })
+            .collect();
+        Finished::for_test(text, reasoning, calls, reason)
     }
 
     #[test]
