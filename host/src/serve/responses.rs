@@ -208,32 +208,12 @@ fn input_item(item: &Value, i: usize, messages: &mut Vec<Value>) -> Result<(), A
             messages.push(json!({"role": role, "content": content}));
         }
         (None | Some("message"), Some("assistant")) => {
-            let text = match field("content")? {
-                Value::String(s) => s.clone(),
-                Value::Array(parts) => {
-                    let mut text = String::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        let key = match p.get("type").and_then(Value::as_str) {
-                            Some("output_text" | "input_text") => "text",
-                            Some("refusal") => "refusal",
-                            other => {
-                                return Err(ApiError::bad(format!(
-                                    "{at}.content[{j}].type = {other:?} (output_text or refusal)"
-                                )))
-                            }
-                        };
-                        text.push_str(p.get(key).and_then(Value::as_str).ok_or_else(|| {
-                            ApiError::bad(format!("{at}.content[{j}].{key} must be a string"))
-                        })?);
-                    }
-                    text
-                }
-                _ => {
-                    return Err(ApiError::bad(format!(
-                        "{at}.content must be a string or an array of parts"
-                    )))
-                }
+            let key = |ty: &str| match ty {
+                "output_text" | "input_text" => Some("text"),
+                "refusal" => Some("refusal"),
+                _ => None,
             };
+            let text = joined_text(field("content")?, &at, "content", PARTS, key)?;
             let m = last_assistant(messages);
             let before = messages[m]["content"].as_str().unwrap_or_default();
             messages[m]["content"] = json!(format!("{before}{text}"));
@@ -253,32 +233,8 @@ fn input_item(item: &Value, i: usize, messages: &mut Vec<Value>) -> Result<(), A
             }
         }
         (Some("function_call_output"), _) => {
-            let output = match field("output")? {
-                Value::String(s) => s.clone(),
-                Value::Array(parts) => {
-                    let mut text = String::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        match p.get("type").and_then(Value::as_str) {
-                            Some("input_text" | "output_text") => text.push_str(
-                                p.get("text").and_then(Value::as_str).ok_or_else(|| {
-                                    ApiError::bad(format!("{at}.output[{j}].text must be a string"))
-                                })?,
-                            ),
-                            other => {
-                                return Err(ApiError::bad(format!(
-                                "{at}.output[{j}].type = {other:?}: a tool's output must be text"
-                            )))
-                            }
-                        }
-                    }
-                    text
-                }
-                _ => {
-                    return Err(ApiError::bad(format!(
-                        "{at}.output must be a string or an array of text parts"
-                    )))
-                }
-            };
+            let key = |ty: &str| matches!(ty, "input_text" | "output_text").then_some("text");
+            let output = joined_text(field("output")?, &at, "output", TOOL_PARTS, key)?;
             messages.push(json!({"role": "tool", "tool_call_id": string("call_id")?,
                 "content": output}));
         }
@@ -291,6 +247,46 @@ fn input_item(item: &Value, i: usize, messages: &mut Vec<Value>) -> Result<(), A
         (None, None) => return Err(ApiError::bad(format!("{at} has neither a type nor a role"))),
     }
     Ok(())
+}
+
+/// What [`joined_text`] takes: the parts of an assistant message.
+const PARTS: [&str; 2] = ["parts", " (output_text or refusal)"];
+/// What [`joined_text`] takes: the parts of a tool's output.
+const TOOL_PARTS: [&str; 2] = ["text parts", ": a tool's output must be text"];
+
+/// The text of `v`, `field` of input item `at`: a string, or its parts'
+/// texts joined, each under the key `key` gives for its type (`None`: a type
+/// not taken). The errors name the parts and the types taken as
+/// [`PARTS`] or [`TOOL_PARTS`] say.
+fn joined_text(
+    v: &Value,
+    at: &str,
+    field: &str,
+    [parts_are, types_are]: [&str; 2],
+    key: impl Fn(&str) -> Option<&'static str>,
+) -> Result<String, ApiError> {
+    let parts = match v {
+        Value::String(s) => return Ok(s.clone()),
+        Value::Array(parts) => parts,
+        _ => {
+            return Err(ApiError::bad(format!(
+                "{at}.{field} must be a string or an array of {parts_are}"
+            )))
+        }
+    };
+    let mut text = String::new();
+    for (j, p) in parts.iter().enumerate() {
+        let ty = p.get("type").and_then(Value::as_str);
+        let k = ty
+            .and_then(&key)
+            .ok_or_else(|| ApiError::bad(format!("{at}.{field}[{j}].type = {ty:?}{types_are}")))?;
+        text.push_str(
+            p.get(k)
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad(format!("{at}.{field}[{j}].{k} must be a string")))?,
+        );
+    }
+    Ok(text)
 }
 
 /// The chat content part of a Responses input part.
@@ -694,6 +690,23 @@ mod tests {
             (
                 json!({"input": "x", "text": {"format": {"type": "xml"}}}),
                 "text.format.type",
+            ),
+            (
+                json!({"input": [{"role": "assistant", "content": [{"type": "image"}]}]}),
+                "input[0].content[0].type = Some(\"image\") (output_text or refusal)",
+            ),
+            (
+                json!({"input": [{"role": "assistant", "content": [{"type": "refusal"}]}]}),
+                "input[0].content[0].refusal must be a string",
+            ),
+            (
+                json!({"input": [{"type": "function_call_output", "call_id": "c",
+                    "output": [{"type": "input_image"}]}]}),
+                "input[0].output[0].type = Some(\"input_image\"): a tool's output must be text",
+            ),
+            (
+                json!({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}),
+                "input[0].output must be a string or an array of text parts",
             ),
         ] {
             let e = chat_of(body.clone()).unwrap_err();
