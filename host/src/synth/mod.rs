@@ -481,20 +481,24 @@ impl Arch {
         )
     }
 
+    /// The MoE architecture of a dense one whose MoE is another.
+    fn moe_of(self) -> Option<Arch> {
+        match self {
+            Arch::Qwen3vl => Some(Arch::Qwen3vlmoe),
+            Arch::Qwen3 => Some(Arch::Qwen3moe),
+            Arch::Qwen2 => Some(Arch::Qwen2moe),
+            Arch::Granite => Some(Arch::Granitemoe),
+            Arch::NemotronH => Some(Arch::NemotronHMoe),
+            Arch::Lfm2 => Some(Arch::Lfm2moe),
+            _ => None,
+        }
+    }
+
     /// Whether the architecture's models have no experts unless `--experts`
-    /// asks for them (llama, whose experts make a Mixtral) or ever (the
-    /// others, whose MoE is another architecture).
+    /// asks for them (llama, whose experts make a Mixtral) or ever (those
+    /// whose MoE is another architecture, [`moe_of`](Self::moe_of)).
     fn dense_by_default(self) -> bool {
-        matches!(
-            self,
-            Arch::Llama
-                | Arch::Qwen3vl
-                | Arch::Granite
-                | Arch::NemotronH
-                | Arch::Lfm2
-                | Arch::Qwen3
-                | Arch::Qwen2
-        )
+        self == Arch::Llama || self.moe_of().is_some()
     }
 
     /// Whether the architecture has a shared expert.
@@ -1294,17 +1298,7 @@ impl SynthConfig {
         if arch.dense_by_default() && o.experts.is_none() {
             s.experts = 0;
         }
-        // The dense architectures whose MoE is another.
-        let moe_of = match arch {
-            Arch::Qwen3vl => Some(Arch::Qwen3vlmoe),
-            Arch::Qwen3 => Some(Arch::Qwen3moe),
-            Arch::Qwen2 => Some(Arch::Qwen2moe),
-            Arch::Granite => Some(Arch::Granitemoe),
-            Arch::NemotronH => Some(Arch::NemotronHMoe),
-            Arch::Lfm2 => Some(Arch::Lfm2moe),
-            _ => None,
-        };
-        if let Some(moe) = moe_of.filter(|_| s.experts > 0) {
+        if let Some(moe) = arch.moe_of().filter(|_| s.experts > 0) {
             return config_err(format!("{name} is dense: its MoE is {}", moe.cli_name()));
         }
         if arch == Arch::Granitehybrid {
