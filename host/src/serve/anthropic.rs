@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 use super::api::{self, ApiError, Completion};
 use super::reasoning::Channel;
 use super::tools::ToolCall;
-use super::Finished;
+use super::{Finished, NamedEvents};
 
 /// Reads a `/v1/messages` body.
 pub fn messages_request(body: &[u8]) -> Result<Completion, ApiError> {
@@ -237,8 +237,20 @@ impl<'a> Stream<'a> {
         }
     }
 
+    fn close(&mut self) -> Vec<(&'static str, Value)> {
+        match self.open.take() {
+            Some((i, _)) => vec![(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": i}),
+            )],
+            None => Vec::new(),
+        }
+    }
+}
+
+impl NamedEvents for Stream<'_> {
     /// The first event.
-    pub fn start(&mut self) -> Vec<(&'static str, Value)> {
+    fn start(&mut self) -> Vec<(&'static str, Value)> {
         let message = json!({"id": format!("msg_{}", self.id), "type": "message",
             "role": "assistant", "model": self.model, "content": [], "stop_reason": null,
             "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}});
@@ -249,7 +261,7 @@ impl<'a> Stream<'a> {
     }
 
     /// The events of a piece of text of the answer or its reasoning.
-    pub fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)> {
+    fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)> {
         let thinking = to == Channel::Reasoning;
         let mut out = Vec::new();
         let index = match self.open {
@@ -283,19 +295,9 @@ impl<'a> Stream<'a> {
         out
     }
 
-    fn close(&mut self) -> Vec<(&'static str, Value)> {
-        match self.open.take() {
-            Some((i, _)) => vec![(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": i}),
-            )],
-            None => Vec::new(),
-        }
-    }
-
     /// The last events: the open block closed, the calls as `tool_use`
     /// blocks, the stop reason and usage, the end.
-    pub fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)> {
+    fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)> {
         let mut out = self.close();
         for (n, call) in f.tool_calls.iter().enumerate() {
             let i = self.blocks;

@@ -1426,37 +1426,13 @@ fn complete(
 
 /// A stream of named events: Anthropic's ([`anthropic::Stream`]) or the
 /// Responses API's ([`responses::Stream`]).
-trait NamedEvents {
+pub trait NamedEvents {
     /// The first events.
     fn start(&mut self) -> Vec<(&'static str, Value)>;
     /// The events of a piece of text of the answer or its reasoning.
     fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)>;
     /// The last events.
     fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)>;
-}
-
-impl NamedEvents for anthropic::Stream<'_> {
-    fn start(&mut self) -> Vec<(&'static str, Value)> {
-        anthropic::Stream::start(self)
-    }
-    fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)> {
-        anthropic::Stream::piece(self, to, text)
-    }
-    fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)> {
-        anthropic::Stream::finish(self, f)
-    }
-}
-
-impl NamedEvents for responses::Stream<'_> {
-    fn start(&mut self) -> Vec<(&'static str, Value)> {
-        responses::Stream::start(self)
-    }
-    fn piece(&mut self, to: Channel, text: &str) -> Vec<(&'static str, Value)> {
-        responses::Stream::piece(self, to, text)
-    }
-    fn finish(&mut self, f: &Finished) -> Vec<(&'static str, Value)> {
-        responses::Stream::finish(self, f)
-    }
 }
 
 /// Writes the stream of a `/v1/messages` or `/v1/responses` answer: its

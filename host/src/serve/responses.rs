@@ -20,7 +20,7 @@ use serde_json::{json, Map, Value};
 use super::api::{self, ApiError, Completion};
 use super::reasoning::Channel;
 use super::tools::ToolCall;
-use super::Finished;
+use super::{Finished, NamedEvents};
 
 /// Reads a `/v1/responses` body.
 pub fn responses_request(body: &[u8]) -> Result<Completion, ApiError> {
@@ -433,8 +433,46 @@ impl<'a> Stream<'a> {
             "output": []})
     }
 
+    /// The open item's last events.
+    fn close(&mut self) -> Vec<Event> {
+        let Some((reasoning, text)) = self.open.take() else {
+            return Vec::new();
+        };
+        let (id, index) = (self.id, self.done.len());
+        let mut out = Vec::new();
+        let item = if reasoning {
+            out.push(self.event(
+                "response.reasoning_text.done",
+                json!({"item_id": format!("rs_{id}"), "output_index": index,
+                    "content_index": 0, "text": text}),
+            ));
+            reasoning_item(id, &text)
+        } else {
+            let item_id = format!("msg_{id}");
+            out.push(self.event(
+                "response.output_text.done",
+                json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                    "text": text, "logprobs": []}),
+            ));
+            out.push(self.event(
+                "response.content_part.done",
+                json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                    "part": text_part(&text)}),
+            ));
+            message_item(id, &text)
+        };
+        out.push(self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        ));
+        self.done.push(item);
+        out
+    }
+}
+
+impl NamedEvents for Stream<'_> {
     /// The first events.
-    pub fn start(&mut self) -> Vec<Event> {
+    fn start(&mut self) -> Vec<Event> {
         let r = self.in_progress();
         vec![
             self.event("response.created", json!({"response": r})),
@@ -443,7 +481,7 @@ impl<'a> Stream<'a> {
     }
 
     /// The events of a piece of text of the answer or its reasoning.
-    pub fn piece(&mut self, to: Channel, text: &str) -> Vec<Event> {
+    fn piece(&mut self, to: Channel, text: &str) -> Vec<Event> {
         let reasoning = to == Channel::Reasoning;
         let mut out = Vec::new();
         if self.open.as_ref().is_some_and(|(r, _)| *r != reasoning) {
@@ -494,45 +532,9 @@ impl<'a> Stream<'a> {
         out
     }
 
-    /// The open item's last events.
-    fn close(&mut self) -> Vec<Event> {
-        let Some((reasoning, text)) = self.open.take() else {
-            return Vec::new();
-        };
-        let (id, index) = (self.id, self.done.len());
-        let mut out = Vec::new();
-        let item = if reasoning {
-            out.push(self.event(
-                "response.reasoning_text.done",
-                json!({"item_id": format!("rs_{id}"), "output_index": index,
-                    "content_index": 0, "text": text}),
-            ));
-            reasoning_item(id, &text)
-        } else {
-            let item_id = format!("msg_{id}");
-            out.push(self.event(
-                "response.output_text.done",
-                json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                    "text": text, "logprobs": []}),
-            ));
-            out.push(self.event(
-                "response.content_part.done",
-                json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                    "part": text_part(&text)}),
-            ));
-            message_item(id, &text)
-        };
-        out.push(self.event(
-            "response.output_item.done",
-            json!({"output_index": index, "item": item}),
-        ));
-        self.done.push(item);
-        out
-    }
-
     /// The last events: the open item done, the calls as `function_call`
     /// items (their arguments in one delta), the whole response.
-    pub fn finish(&mut self, f: &Finished) -> Vec<Event> {
+    fn finish(&mut self, f: &Finished) -> Vec<Event> {
         let said = self.open.as_ref().is_some_and(|(r, _)| !r)
             || self.done.iter().any(|i| i["type"] == "message");
         let mut out = Vec::new();
