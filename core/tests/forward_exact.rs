@@ -18,8 +18,9 @@ use les_core::model::config::{
 use les_core::model::experts::{ExpertFormat, Resident};
 use les_core::model::forward::ExpertBiases;
 use les_core::model::forward::{
-    forward, forward_batch, AttentionWeights, BatchScratch, Block, Experts, Ffn, KvBuf, KvCache,
-    KvLayout, KvRing, Lookahead, Mixer, RecurrentState, Scratch, SharedExpert, TokenInput, Weights,
+    forward, forward_batch, forward_sequences, AttentionWeights, BatchScratch, Block, Experts, Ffn,
+    KvBuf, KvCache, KvLayout, KvRing, Lookahead, Mixer, RecurrentState, Scratch, Sequence,
+    SharedExpert, TokenInput, Weights,
 };
 use les_core::model::ops::{RopeStyle, Yarn};
 use les_core::quant::GgmlType;
@@ -920,6 +921,314 @@ fn batches_routed_before_attention_read_before_it() {
         assert_bits_eq(&out.logits, &want[TOKENS.len() - 1..], "on-demand");
         assert_eq!(out.named_before_compute, 0, "on-demand reads what is asked");
     }
+}
+
+/// The tokens of the sequences [`together`] evaluates.
+const SEQ_TOKENS: [&[u32]; 3] = [&TOKENS, &[9, 4, 31, 2, 17, 8], &[22, 22, 0, 13, 5, 39]];
+
+/// One pass of [`together`]: the sequences' next positions, `(sequence,
+/// count)` in the pass's order, and whether every position's logits are
+/// asked for (else each sequence's last).
+type SeqStep = (&'static [(usize, usize)], bool);
+
+/// Ways to evaluate [`SEQ_TOKENS`] together, each covering them all.
+const SEQ_PLANS: [&[SeqStep]; 3] = [
+    // Decoding side by side, one position of each a pass.
+    &[
+        (&[(0, 1), (1, 1), (2, 1)], false),
+        (&[(0, 1), (1, 1), (2, 1)], false),
+        (&[(0, 1), (1, 1), (2, 1)], false),
+        (&[(0, 1), (1, 1), (2, 1)], false),
+        (&[(0, 1), (1, 1), (2, 1)], false),
+        (&[(0, 1), (1, 1), (2, 1)], false),
+    ],
+    // Prompts of different lengths, then out of order, then every position.
+    &[
+        (&[(0, 3), (1, 2), (2, 4)], false),
+        (&[(1, 1), (0, 1), (2, 2)], false),
+        (&[(0, 2), (1, 3)], true),
+    ],
+    // One sequence alone, then the others joining and leaving.
+    &[
+        (&[(1, 6)], false),
+        (&[(2, 1), (0, 2)], true),
+        (&[(2, 5), (0, 4)], false),
+    ],
+];
+
+/// `tokens` evaluated one position at a time with the experts resident.
+fn alone(m: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let hp = m.hp;
+    let packed = m.packed(1);
+    let fmt = packed.format;
+    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+    let mut b = Buffers::new(&hp);
+    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, tokens.len()).unwrap();
+    let mut s = Scratch::new(&hp, &mut b.scratch, tokens.len()).unwrap();
+    let mut mv = b.quant.matvec();
+    let (s, kv) = (&mut s, &mut kv);
+    (0..tokens.len())
+        .map(|pos| {
+            let mut logits = vec![0f32; hp.n_vocab];
+            let input = TokenInput::Token(tokens[pos]);
+            forward(
+                &hp,
+                m,
+                &mut mv,
+                &mut ex,
+                None,
+                input,
+                pos,
+                kv,
+                s,
+                &mut logits,
+            )
+            .unwrap();
+            logits
+        })
+        .collect()
+}
+
+/// [`SEQ_TOKENS`] evaluated together as `plan` says, each sequence over its
+/// own KV cache: the logits of each pass, with their sequence and position.
+fn together<X: Experts>(
+    m: &Model,
+    experts: &mut X,
+    plan: &[SeqStep],
+) -> Vec<((usize, usize), Vec<f32>)>
+where
+    X::Error: std::fmt::Debug,
+{
+    let hp = m.hp;
+    let hy = HybridParams::plain(&hp);
+    let n = TOKENS.len();
+    let mut bufs: Vec<Buffers> = (0..3).map(|_| Buffers::new(&hp)).collect();
+    let mut kvs: Vec<KvCache<'_>> = bufs
+        .iter_mut()
+        .map(|b| KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, n).unwrap())
+        .collect();
+    let mut rss: Vec<RecurrentState<'_>> = (0..3).map(|_| RecurrentState::empty()).collect();
+    let mut shared = Buffers::new(&hp);
+    let mut s = Scratch::new(&hp, &mut shared.scratch, n).unwrap();
+    let cap = 3 * n;
+    let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, cap)];
+    let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, cap)];
+    let mut bs = BatchScratch::new(&hp, &hy, cap, &mut floats, &mut ids).unwrap();
+    let mut mv = Grouped(shared.quant.matvec(), 3);
+    let mut pos = [0usize; 3];
+    let mut out = Vec::new();
+    for &(step, every) in plan {
+        let inputs: Vec<TokenInput<'_>> = step
+            .iter()
+            .flat_map(|&(q, c)| SEQ_TOKENS[q][pos[q]..pos[q] + c].iter())
+            .map(|&t| TokenInput::Token(t))
+            .collect();
+        let mut by_seq: Vec<Option<Sequence<'_, '_, '_>>> = kvs
+            .iter_mut()
+            .zip(rss.iter_mut())
+            .enumerate()
+            .map(|(q, (kv, rs))| {
+                let &(_, len) = step.iter().find(|e| e.0 == q)?;
+                Some(Sequence {
+                    len,
+                    pos: pos[q],
+                    rope: None,
+                    kv,
+                    rs,
+                })
+            })
+            .collect();
+        let mut seqs: Vec<Sequence<'_, '_, '_>> = step
+            .iter()
+            .map(|&(q, _)| by_seq[q].take().unwrap())
+            .collect();
+        let rows = if every { inputs.len() } else { step.len() };
+        let mut logits = vec![0f32; rows * hp.n_vocab];
+        forward_sequences(
+            &hp,
+            &hy,
+            m,
+            &mut mv,
+            experts,
+            &inputs,
+            &mut seqs,
+            &mut s,
+            &mut bs,
+            &mut logits,
+        )
+        .unwrap();
+        let mut rows = logits.chunks_exact(hp.n_vocab);
+        for &(q, c) in step {
+            let reported = if every {
+                pos[q]..pos[q] + c
+            } else {
+                pos[q] + c - 1..pos[q] + c
+            };
+            for p in reported {
+                out.push(((q, p), rows.next().unwrap().to_vec()));
+            }
+            pos[q] += c;
+        }
+    }
+    assert!(
+        (0..3).all(|q| pos[q] == SEQ_TOKENS[q].len()),
+        "the plan covers the tokens"
+    );
+    out
+}
+
+/// [`together`] for [`StreamedRun::run`] (its logits, in order).
+struct TogetherDecoder<'m>(&'m Model, &'m [SeqStep]);
+
+impl Decode for TogetherDecoder<'_> {
+    fn decode<X: Experts>(&mut self, experts: &mut X, _: Option<&Lookahead>) -> Vec<Vec<f32>>
+    where
+        X::Error: std::fmt::Debug,
+    {
+        together(self.0, experts, self.1)
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect()
+    }
+}
+
+/// Sequences evaluated together in one pass (each over its own KV cache,
+/// decoding side by side, prompts of different lengths, joining and leaving,
+/// in any order) give each sequence the logits of evaluating it alone one
+/// position at a time, bit for bit, with the experts resident or streamed
+/// through a few slots by either schedule.
+#[test]
+fn sequences_together_equal_each_alone() {
+    for (ty, ety, flavor) in VARIANTS {
+        let m = build_with(11, ty, ety, flavor);
+        let want: Vec<Vec<Vec<f32>>> = SEQ_TOKENS.iter().map(|t| alone(&m, t)).collect();
+        let packed = m.packed(1);
+        let fmt = packed.format;
+        let mut seed = 300;
+        for plan in SEQ_PLANS {
+            let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+            let got = together(&m, &mut ex, plan);
+            for ((q, p), logits) in &got {
+                assert_bits_eq(
+                    std::slice::from_ref(logits),
+                    std::slice::from_ref(&want[*q][*p]),
+                    &format!("{ty} {flavor:?} resident {plan:?} sequence {q} position {p}"),
+                );
+            }
+            let expected: Vec<Vec<f32>> =
+                got.iter().map(|((q, p), _)| want[*q][*p].clone()).collect();
+            for slots in [3, 7] {
+                for cfg in [SchedulerConfig::les(), SchedulerConfig::on_demand()] {
+                    seed += 1;
+                    let experts = m.packed(2);
+                    let out = StreamedRun {
+                        experts: &experts,
+                        n_layers: m.hp.n_layers,
+                        n_experts: 8,
+                        slots,
+                        predict: true,
+                        seed,
+                        config: cfg,
+                        lookahead: Lookahead {
+                            predictor: PredictorConfig::top_k(3),
+                            layers: LayerMask::first(m.hp.n_layers).unwrap(),
+                            depth: 1,
+                        },
+                    }
+                    .run(&mut TogetherDecoder(&m, plan));
+                    assert_bits_eq(
+                        &out.logits,
+                        &expected,
+                        &format!("{ty} {flavor:?} slots={slots} {plan:?}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Sequences `forward_sequences` cannot serve are errors, not panics: none,
+/// one of no inputs, counts that do not add up to the inputs, one past its
+/// context, logits for neither each sequence nor every position.
+#[test]
+fn forward_sequences_rejects_what_it_cannot_do() {
+    let m = build(
+        11,
+        GgmlType::Q8_0,
+        [GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0],
+    );
+    let hp = m.hp;
+    let hy = HybridParams::plain(&hp);
+    let packed = m.packed(1);
+    let fmt = packed.format;
+    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+    let n = TOKENS.len();
+    let (mut b0, mut b1) = (Buffers::new(&hp), Buffers::new(&hp));
+    let mut kv0 = KvCache::new(&hp, &mut b0.kv_k, &mut b0.kv_v, n).unwrap();
+    let mut kv1 = KvCache::new(&hp, &mut b1.kv_k, &mut b1.kv_v, n).unwrap();
+    let (mut rs0, mut rs1) = (RecurrentState::empty(), RecurrentState::empty());
+    let mut s = Scratch::new(&hp, &mut b0.scratch, n).unwrap();
+    let mut mv = b0.quant.matvec();
+    let mut floats = vec![0f32; BatchScratch::floats(&hp, &hy, 4)];
+    let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, 4)];
+    let mut bs = BatchScratch::new(&hp, &hy, 4, &mut floats, &mut ids).unwrap();
+    let inputs: Vec<TokenInput<'_>> = TOKENS.iter().map(|&t| TokenInput::Token(t)).collect();
+    // (inputs, first's count and position, second's count, logits rows)
+    let cases: [(usize, usize, usize, Option<usize>, usize); 6] = [
+        (0, 0, 0, None, 0),
+        (2, 0, 0, Some(2), 2),
+        (3, 1, 0, Some(1), 2),
+        (3, 2, n - 1, Some(1), 2),
+        (3, 2, 0, Some(1), 1),
+        (3, 2, 0, Some(1), 4),
+    ];
+    for (count, len0, pos0, len1, rows) in cases {
+        let mut seqs = vec![Sequence {
+            len: len0,
+            pos: pos0,
+            rope: None,
+            kv: &mut kv0,
+            rs: &mut rs0,
+        }];
+        if let Some(len) = len1 {
+            seqs.push(Sequence {
+                len,
+                pos: 0,
+                rope: None,
+                kv: &mut kv1,
+                rs: &mut rs1,
+            });
+        }
+        let r = forward_sequences(
+            &hp,
+            &hy,
+            &m,
+            &mut mv,
+            &mut ex,
+            &inputs[..count],
+            &mut seqs,
+            &mut s,
+            &mut bs,
+            &mut vec![0f32; rows * hp.n_vocab],
+        );
+        assert!(
+            r.is_err(),
+            "{count} inputs as {len0} at {pos0} and {len1:?}, {rows} rows"
+        );
+    }
+    let r = forward_sequences(
+        &hp,
+        &hy,
+        &m,
+        &mut mv,
+        &mut ex,
+        &inputs[..2],
+        &mut [],
+        &mut s,
+        &mut bs,
+        &mut vec![0f32; hp.n_vocab],
+    );
+    assert!(r.is_err(), "no sequences");
 }
 
 /// Calls `forward_batch` cannot serve are errors, not panics: no inputs, more

@@ -32,7 +32,7 @@ mod kv;
 pub mod mla;
 pub mod nextn;
 pub use crate::slots::Residency;
-pub use batch::{forward_batch, forward_batch_at, BatchScratch};
+pub use batch::{forward_batch, forward_batch_at, forward_sequences, BatchScratch, Sequence};
 pub use kv::{KvBuf, KvCache, KvLayout, KvRing, KvType};
 pub use mla::MlaWeights;
 

@@ -212,6 +212,69 @@ impl<'a> BatchScratch<'a> {
         let e = self.h.len() / self.n.max(1);
         &self.h[..(n * e).min(self.h.len())]
     }
+
+    /// The buffers of positions `start..start + count` (within
+    /// [`positions`](Self::positions)) as a batch of their own: one
+    /// sequence's part of a [`forward_sequences`] pass, for its mixers. The
+    /// expert-id buffers that are not per position (the union, votes,
+    /// predictions) are shared.
+    fn window(&mut self, start: usize, count: usize) -> BatchScratch<'_> {
+        let n = self.n.max(1);
+        fn part<T>(a: &mut [T], n: usize, start: usize, count: usize) -> &mut [T] {
+            let w = a.len() / n;
+            &mut a[start * w..(start + count) * w]
+        }
+        let (mut floats, mut ids) = self.lens;
+        for l in floats.iter_mut() {
+            *l = *l / n * count;
+        }
+        ids[0] = ids[0] / n * count;
+        BatchScratch {
+            h: part(self.h, n, start, count),
+            x: part(self.x, n, start, count),
+            out: part(self.out, n, start, count),
+            shared: part(self.shared, n, start, count),
+            weights: part(self.weights, n, start, count),
+            ga: part(self.ga, n, start, count),
+            gb: part(self.gb, n, start, count),
+            gx: part(self.gx, n, start, count),
+            go: part(self.go, n, start, count),
+            logits: part(self.logits, n, start, count),
+            aq: part(self.aq, n, start, count),
+            ak: part(self.ak, n, start, count),
+            av: part(self.av, n, start, count),
+            aatt: part(self.aatt, n, start, count),
+            aqr: part(self.aqr, n, start, count),
+            dqkv: part(self.dqkv, n, start, count),
+            dz: part(self.dz, n, start, count),
+            dbeta: part(self.dbeta, n, start, count),
+            dalpha: part(self.dalpha, n, start, count),
+            dout: part(self.dout, n, start, count),
+            ids: part(self.ids, n, start, count),
+            union: self.union,
+            votes: self.votes,
+            ahead: self.ahead,
+            n: count,
+            lens: (floats, ids),
+        }
+    }
+}
+
+/// One sequence of a [`forward_sequences`] pass: its inputs (the next `len`
+/// of the pass's, after the sequences before it), where they go, and its own
+/// KV cache and recurrent state.
+pub struct Sequence<'s, 'k, 'r> {
+    /// How many of the pass's inputs are this sequence's (at least one).
+    pub len: usize,
+    /// The position of its first input: its cache holds `0..pos`.
+    pub pos: usize,
+    /// Its inputs' M-RoPE positions (`len` of them), or `None`: text
+    /// positions, the cache index.
+    pub rope: Option<&'s [[u32; 4]]>,
+    /// Its KV cache.
+    pub kv: &'s mut KvCache<'k>,
+    /// Its recurrent state (empty for models without linear attention).
+    pub rs: &'s mut RecurrentState<'r>,
 }
 
 /// Marks an unused pick of a position that routed to fewer than `top_k` experts.
@@ -282,25 +345,68 @@ where
     M: MatVec,
     X: Experts,
 {
+    let mut one = [Sequence {
+        len: inputs.len(),
+        pos,
+        rope,
+        kv,
+        rs,
+    }];
+    forward_sequences(hp, hy, weights, mv, experts, inputs, &mut one, s, b, logits)
+}
+
+/// Several sequences' next inputs through the model in one pass: each
+/// sequence's consecutive inputs at its own positions over its own KV cache
+/// and recurrent state ([`Sequence`], in the order of `inputs`), every layer's
+/// experts asked for once for all of them, so that sequences decoded together
+/// read an expert they share once. Writes each sequence's last position's
+/// next-token logits (`logits` holds `seqs.len() * n_vocab` floats, in
+/// order) or every position's (`inputs.len() * n_vocab`).
+///
+/// Each sequence's logits, cache and state are the ones [`forward_batch_at`]
+/// of its inputs alone gives, bit for bit: a position's arithmetic does not
+/// depend on the other positions of its pass, and each sequence's mixers see
+/// its own cache and state only. With one sequence it is [`forward_batch_at`].
+#[allow(clippy::too_many_arguments)]
+pub fn forward_sequences<W, M, X>(
+    hp: &Hparams,
+    hy: &HybridParams,
+    weights: &W,
+    mv: &mut M,
+    experts: &mut X,
+    inputs: &[TokenInput<'_>],
+    seqs: &mut [Sequence<'_, '_, '_>],
+    s: &mut Scratch<'_>,
+    b: &mut BatchScratch<'_>,
+    logits: &mut [f32],
+) -> Result<(), ForwardError<X::Error>>
+where
+    W: Weights,
+    M: MatVec,
+    X: Experts,
+{
     let n = inputs.len();
     if n == 0 || n > b.n {
         return Err(ForwardError::Shape("batch size"));
     }
-    if rope.is_some_and(|r| r.len() != n) {
-        return Err(ForwardError::Shape("one RoPE position per input"));
+    if seqs.is_empty()
+        || seqs.iter().any(|q| q.len == 0)
+        || seqs.iter().map(|q| q.len).sum::<usize>() != n
+    {
+        return Err(ForwardError::Shape(
+            "each sequence one or more of the inputs",
+        ));
     }
-    let place = |j: usize| match rope {
-        Some(r) => Place {
-            index: pos + j,
-            rope: r[j],
-        },
-        None => Place::text(pos + j),
-    };
-    if pos.saturating_add(n) > kv.max_positions() {
-        return Err(ForwardError::ContextFull(kv.max_positions()));
+    for q in seqs.iter() {
+        if q.rope.is_some_and(|r| r.len() != q.len) {
+            return Err(ForwardError::Shape("one RoPE position per input"));
+        }
+        if q.pos.saturating_add(q.len) > q.kv.max_positions() {
+            return Err(ForwardError::ContextFull(q.kv.max_positions()));
+        }
     }
     let every_position = n > 1 && Some(logits.len()) == n.checked_mul(hp.n_vocab);
-    if logits.len() != hp.n_vocab && !every_position {
+    if Some(logits.len()) != seqs.len().checked_mul(hp.n_vocab) && !every_position {
         return Err(ForwardError::Shape("logits length"));
     }
     let e = hp.n_embd;
@@ -367,37 +473,81 @@ where
             }
             None => None,
         };
+        // Each sequence's mixer over its own positions, cache and state.
+        // (One sequence keeps the whole of the buffers, spare room included.)
+        let (mut first, single, cap) = (0, seqs.len() == 1, b.n);
+        for q in seqs.iter_mut() {
+            let mut part = if single {
+                b.window(0, cap)
+            } else {
+                b.window(first, q.len)
+            };
+            let bq = &mut part;
+            first += q.len;
+            let (len, pos, rope) = (q.len, q.pos, q.rope);
+            let place = |j: usize| match rope {
+                Some(r) => Place {
+                    index: pos + j,
+                    rope: r[j],
+                },
+                None => Place::text(pos + j),
+            };
+            match &lw.mixer {
+                Mixer::Attention(aw) => {
+                    if attn_idx >= q.kv.n_layers() {
+                        return Err(ForwardError::Shape(
+                            "more attention layers than the KV cache",
+                        ));
+                    }
+                    attention_batch(
+                        hp,
+                        hy,
+                        aw,
+                        lw.attn_norm,
+                        mv,
+                        s,
+                        q.kv,
+                        bq,
+                        len,
+                        attn_idx,
+                        &place,
+                    )?;
+                }
+                Mixer::DeltaNet(dw) => {
+                    deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
+                }
+                Mixer::Mamba2(mw) => {
+                    mamba2_batch(hp, hy, mw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
+                }
+                Mixer::ShortConv(cw) => {
+                    shortconv_batch(hp, hy, cw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
+                }
+                Mixer::Mla(mw) => {
+                    if attn_idx >= q.kv.n_layers() {
+                        return Err(ForwardError::Shape(
+                            "more attention layers than the KV cache",
+                        ));
+                    }
+                    mla_batch(
+                        hp,
+                        hy,
+                        mw,
+                        lw.attn_norm,
+                        mv,
+                        s,
+                        q.kv,
+                        bq,
+                        len,
+                        attn_idx,
+                        pos,
+                    )?;
+                }
+                Mixer::None => {}
+            }
+        }
         match &lw.mixer {
-            Mixer::Attention(aw) => {
-                if attn_idx >= kv.n_layers() {
-                    return Err(ForwardError::Shape(
-                        "more attention layers than the KV cache",
-                    ));
-                }
-                attention_batch(hp, hy, aw, lw.attn_norm, mv, s, kv, b, n, attn_idx, &place)?;
-                attn_idx += 1;
-            }
-            Mixer::DeltaNet(dw) => {
-                deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
-                lin_idx += 1;
-            }
-            Mixer::Mamba2(mw) => {
-                mamba2_batch(hp, hy, mw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
-                lin_idx += 1;
-            }
-            Mixer::ShortConv(cw) => {
-                shortconv_batch(hp, hy, cw, lw.attn_norm, mv, s, rs, b, n, lin_idx, pos)?;
-                lin_idx += 1;
-            }
-            Mixer::Mla(mw) => {
-                if attn_idx >= kv.n_layers() {
-                    return Err(ForwardError::Shape(
-                        "more attention layers than the KV cache",
-                    ));
-                }
-                mla_batch(hp, hy, mw, lw.attn_norm, mv, s, kv, b, n, attn_idx, pos)?;
-                attn_idx += 1;
-            }
+            Mixer::Attention(_) | Mixer::Mla(_) => attn_idx += 1,
+            Mixer::DeltaNet(_) | Mixer::Mamba2(_) | Mixer::ShortConv(_) => lin_idx += 1,
             Mixer::None => {}
         }
         if !matches!(lw.ffn, Ffn::None) {
@@ -486,9 +636,22 @@ where
             rms_norm(h, weights.output_norm(), hp.norm_eps, x);
         }
         mv.matmul(&weights.output(), &b.x[..n * e], logits)?;
-    } else {
+    } else if let [_] = seqs {
         rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
         mv.matvec(&weights.output(), s.x, logits)?;
+    } else {
+        // Each sequence's last position (`matmul`'s rows are `matvec`'s).
+        let mut last = 0;
+        for (q, x) in seqs.iter().zip(b.x.chunks_exact_mut(e)) {
+            last += q.len;
+            rms_norm(
+                &b.h[(last - 1) * e..][..e],
+                weights.output_norm(),
+                hp.norm_eps,
+                x,
+            );
+        }
+        mv.matmul(&weights.output(), &b.x[..seqs.len() * e], logits)?;
     }
     scale_logits(hp, logits);
     Ok(())
