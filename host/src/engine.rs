@@ -4,8 +4,9 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward_batch_at, forward_hybrid_at, BatchScratch, Experts, ForwardError, KvBuf, KvCache,
-    KvLayout, KvRing, KvType, Lookahead, MatVec, Place, RecurrentState, Scratch, TokenInput,
+    forward_batch_at, forward_hybrid_at, forward_sequences, BatchScratch, Experts, ForwardError,
+    KvBuf, KvCache, KvLayout, KvRing, KvType, Lookahead, MatVec, Place, RecurrentState, Scratch,
+    Sequence, TokenInput,
 };
 
 use les_core::model::ops::MAX_F16_HEAD_DIM;
@@ -1049,6 +1050,132 @@ impl Session<'_> {
         }
         self.places = at;
         Ok(())
+    }
+
+    /// Evaluates each session's inputs (`inputs[i]` for `sessions[i]`, one or
+    /// more, at text places) at its next positions in one pass
+    /// ([`forward_sequences`]: every layer's experts asked for once for all
+    /// the sessions, so that sequences decoded side by side read an expert
+    /// they share once), and writes each session's last position's next-token
+    /// logits, in order (`logits` holds `sessions.len() * n_vocab` floats).
+    /// Each session is left with the logits, cache and state
+    /// [`eval_batch`](Self::eval_batch) of its inputs alone gives, bit for
+    /// bit. The sessions are of one model; the pass uses the first one's batch
+    /// buffers, so its [`prefill_batch`](Self::prefill_batch) must hold all
+    /// the inputs. On an error no session has moved.
+    pub fn eval_together<M: MatVec, X: Experts>(
+        sessions: &mut [&mut Session<'_>],
+        mv: &mut M,
+        experts: &mut X,
+        inputs: &[&[TokenInput<'_>]],
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
+        let Some(model) = sessions.first().map(|s| s.model) else {
+            return Err(ForwardError::Shape("no sessions"));
+        };
+        if inputs.len() != sessions.len() || inputs.iter().any(|i| i.is_empty()) {
+            return Err(ForwardError::Shape("one or more inputs for each session"));
+        }
+        if sessions.iter().any(|s| !std::ptr::eq(s.model, model)) {
+            return Err(ForwardError::Shape("sessions of different models"));
+        }
+        let total: usize = inputs.iter().map(|i| i.len()).sum();
+        if total > sessions[0].batch_positions {
+            return Err(ForwardError::Shape(
+                "more positions than the first session's batch buffers",
+            ));
+        }
+        if logits.len() != inputs.len() * model.hp.n_vocab {
+            return Err(ForwardError::Shape("logits length"));
+        }
+        // Each session's places, as `eval_batch_placed` finds them; the
+        // positions past the context fail in the pass, which undoes them all.
+        let mut at: Vec<Vec<Place>> = Vec::with_capacity(inputs.len());
+        let mut starts = Vec::with_capacity(inputs.len());
+        for (s, ins) in sessions.iter_mut().zip(inputs) {
+            starts.push(s.pos);
+            let mut places = Vec::with_capacity(ins.len());
+            for _ in 0..ins.len() {
+                match s.next_place(InputPlace::Text) {
+                    Ok(p) => {
+                        s.advance(p, InputPlace::Text);
+                        places.push(p);
+                    }
+                    Err(e) => {
+                        at.push(places);
+                        for ((s, start), _) in sessions.iter_mut().zip(&starts).zip(&at) {
+                            s.set_pos(*start);
+                        }
+                        return Err(ForwardError::Shape(e));
+                    }
+                }
+            }
+            at.push(places);
+        }
+        let ropes: Vec<Option<Vec<[u32; 4]>>> = sessions
+            .iter()
+            .zip(&at)
+            .map(|(s, a)| s.mrope().then(|| a.iter().map(|p| p.rope).collect()))
+            .collect();
+        let pass = {
+            let (first, rest) = sessions.split_first_mut().expect("one session or more");
+            let (hp, hy) = (&model.hp, &model.hybrid);
+            let (mut kv0, mut rs0, mut s) = first.state.views(model, first.max_positions);
+            let mut b =
+                BatchScratch::new(hp, hy, total, &mut first.batch_floats, &mut first.batch_ids)
+                    .expect("batch buffers sized by set_prefill_batch");
+            let mut views: Vec<(KvCache<'_>, RecurrentState<'_>)> = rest
+                .iter_mut()
+                .map(|s| {
+                    let (kv, rs, _) = s.state.views(model, s.max_positions);
+                    (kv, rs)
+                })
+                .collect();
+            let mut seqs: Vec<Sequence<'_, '_, '_>> = Vec::with_capacity(inputs.len());
+            let kvs = std::iter::once((&mut kv0, &mut rs0))
+                .chain(views.iter_mut().map(|(kv, rs)| (kv, rs)));
+            for (((kv, rs), start), (ins, rope)) in kvs.zip(&starts).zip(inputs.iter().zip(&ropes))
+            {
+                seqs.push(Sequence {
+                    len: ins.len(),
+                    pos: *start,
+                    rope: rope.as_deref(),
+                    kv,
+                    rs,
+                });
+            }
+            let flat: Vec<TokenInput<'_>> = inputs.iter().flat_map(|i| i.iter().copied()).collect();
+            forward_sequences(
+                hp, hy, model, mv, experts, &flat, &mut seqs, &mut s, &mut b, logits,
+            )
+            .map(|()| {
+                // Each session's rows of the final hidden states.
+                let mut rows = Vec::with_capacity(inputs.len());
+                let mut from = 0;
+                for ins in inputs {
+                    rows.push(b.hidden(from + ins.len())[from * hp.n_embd..].to_vec());
+                    from += ins.len();
+                }
+                rows
+            })
+        };
+        match pass {
+            Ok(rows) => {
+                for ((s, places), row) in sessions.iter_mut().zip(at).zip(rows) {
+                    if s.keep_hidden {
+                        s.hidden = row;
+                    }
+                    s.places = places;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for (s, start) in sessions.iter_mut().zip(starts) {
+                    s.set_pos(start);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Evaluates `tokens` (a sampled token and the draft after it, at most

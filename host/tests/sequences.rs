@@ -1,0 +1,215 @@
+//! Sessions evaluated side by side (`Session::eval_together`: one pass for
+//! all their next inputs, each layer's experts asked for once) give every
+//! session the logits, cache and state it gets evaluated alone, bit for bit:
+//! prompts of different lengths at once, decoding side by side, a session
+//! sitting a pass out or taking two positions, for every kind of mixer
+//! (attention, sliding-window rings, latent attention, DeltaNet, Mamba2,
+//! short convolutions), with the experts resident or streamed from the file
+//! through a few slots.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use les::compute::ThreadedMatVec;
+use les::engine::Session;
+use les::flash::FileDeviceConfig;
+use les::model::Model;
+use les::supply::{Schedule, SlotBudget, Supply};
+use les_core::gemv::Isa;
+use les_core::model::forward::TokenInput;
+use les_core::slot_classes::plan_by_count;
+
+/// A packed tiny model of `arch`.
+fn packed(arch: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let plain = dir.join(format!("seq-{arch}.gguf"));
+    let packed = dir.join(format!("seq-{arch}.packed.gguf"));
+    let les = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let p = plain.to_str().unwrap();
+    les(&["synth", "--arch", arch, "--preset", "tiny", "-o", p]);
+    les(&["pack", "--quiet", p, "-o", packed.to_str().unwrap()]);
+    packed
+}
+
+/// The passes: for each session, the tokens it evaluates in the pass (none:
+/// it sits the pass out). The first pass is the prompts.
+fn passes(n_vocab: u32) -> Vec<[Vec<u32>; 3]> {
+    let t = |i: u32| (i * 7919 + 13) % n_vocab;
+    vec![
+        [
+            vec![t(1), t(2), t(3), t(4), t(5)],
+            vec![t(6), t(7), t(8)],
+            (9..16).map(t).collect(),
+        ],
+        [vec![t(20)], vec![t(21)], vec![t(22)]],
+        [vec![t(23)], vec![t(24)], vec![t(25)]],
+        [vec![t(26)], vec![], vec![t(27)]],
+        [vec![t(28)], vec![t(29), t(30)], vec![t(31)]],
+        [vec![], vec![t(32)], vec![]],
+        [vec![t(33)], vec![t(34)], vec![t(35)]],
+    ]
+}
+
+/// The bits of the logits each session's passes end with, evaluated
+/// `together` or each session alone, the experts resident (`slots: None`) or
+/// streamed through `slots` slots by `schedule`.
+fn run(path: &Path, slots: Option<usize>, schedule: Schedule, together: bool) -> Vec<Vec<u32>> {
+    let model = Model::open(path).unwrap();
+    let top_k = model.hp.moe.map_or(1, |m| m.top_k) as u32;
+    let budget = SlotBudget {
+        classes: match slots {
+            Some(n) => plan_by_count(model.expert_size_groups(), n as u32, top_k)
+                .unwrap()
+                .to_vec(),
+            None => Vec::new(),
+        },
+        io: FileDeviceConfig::default(),
+    };
+    let mut supply = Supply::new(&model, path, schedule, budget).unwrap();
+    let mut mv = ThreadedMatVec::new(2, Isa::detect());
+    let n_vocab = model.hp.n_vocab;
+    let mut sessions: Vec<Session<'_>> = (0..3)
+        .map(|_| {
+            let mut s = Session::new(&model, 32).unwrap();
+            s.set_prefill_batch(16).unwrap();
+            s
+        })
+        .collect();
+    let mut out = Vec::new();
+    for pass in passes(n_vocab as u32) {
+        let inputs: Vec<Vec<TokenInput<'_>>> = pass
+            .iter()
+            .map(|ts| ts.iter().map(|&t| TokenInput::Token(t)).collect())
+            .collect();
+        if together {
+            let (mut taking, ins): (Vec<&mut Session<'_>>, Vec<&[TokenInput<'_>]>) = sessions
+                .iter_mut()
+                .zip(&inputs)
+                .filter(|(_, i)| !i.is_empty())
+                .map(|(s, i)| (s, i.as_slice()))
+                .unzip();
+            let mut logits = vec![0f32; ins.len() * n_vocab];
+            Session::eval_together(&mut taking, &mut mv, &mut supply, &ins, &mut logits).unwrap();
+            out.extend(
+                logits
+                    .chunks_exact(n_vocab)
+                    .map(|l| l.iter().map(|v| v.to_bits()).collect()),
+            );
+        } else {
+            for (s, ins) in sessions.iter_mut().zip(&inputs) {
+                if ins.is_empty() {
+                    continue;
+                }
+                let mut logits = vec![0f32; n_vocab];
+                s.eval_batch(&mut mv, &mut supply, ins, &mut logits)
+                    .unwrap();
+                out.push(logits.iter().map(|v| v.to_bits()).collect());
+            }
+        }
+    }
+    let positions: Vec<usize> = sessions.iter().map(Session::position).collect();
+    assert_eq!(positions, [5 + 5, 3 + 6, 7 + 5]);
+    out
+}
+
+#[test]
+fn sessions_together_equal_each_alone() {
+    for arch in [
+        "qwen3moe",
+        "gpt-oss",
+        "deepseek2",
+        "qwen35moe",
+        "granitehybrid",
+        "nemotron_h_moe",
+        "lfm2moe",
+    ] {
+        let path = packed(arch);
+        let want = run(&path, None, Schedule::Resident, false);
+        assert_eq!(want.len(), 3 + 3 + 3 + 2 + 3 + 1 + 3);
+        assert_eq!(
+            run(&path, None, Schedule::Resident, true),
+            want,
+            "{arch} resident"
+        );
+        for schedule in [Schedule::Les, Schedule::OnDemand] {
+            assert_eq!(
+                run(&path, Some(5), schedule, true),
+                want,
+                "{arch} {schedule:?} in 5 slots"
+            );
+        }
+    }
+}
+
+/// What the sessions cannot do together is an error that leaves them where
+/// they were: no sessions, inputs that do not match them, more positions
+/// than the first one's batch buffers, logits of another length.
+#[test]
+fn eval_together_refuses_and_leaves_the_sessions() {
+    let path = packed("qwen3moe");
+    let model = Model::open(&path).unwrap();
+    let budget = SlotBudget::none(FileDeviceConfig::default());
+    let mut supply = Supply::new(&model, &path, Schedule::Resident, budget).unwrap();
+    let mut mv = ThreadedMatVec::new(1, Isa::detect());
+    let n_vocab = model.hp.n_vocab;
+    let mut a = Session::new(&model, 8).unwrap();
+    a.set_prefill_batch(4).unwrap();
+    let mut b = Session::new(&model, 8).unwrap();
+    b.set_prefill_batch(4).unwrap();
+    let t = TokenInput::Token(1);
+    let three = [t, t, t];
+    let cases: [(&[&[TokenInput<'_>]], usize); 5] = [
+        (&[&[t]], 2),
+        (&[&[t], &[]], 2),
+        (&[&three, &[t, t]], 2),
+        (&[&[t], &[t]], 1),
+        (&[&[t], &[t]], 3),
+    ];
+    for (inputs, rows) in cases {
+        let r = Session::eval_together(
+            &mut [&mut a, &mut b],
+            &mut mv,
+            &mut supply,
+            inputs,
+            &mut vec![0f32; rows * n_vocab],
+        );
+        assert!(r.is_err(), "{} inputs, {rows} rows", inputs.len());
+        assert_eq!((a.position(), b.position()), (0, 0));
+    }
+    assert!(Session::eval_together(&mut [], &mut mv, &mut supply, &[], &mut []).is_err());
+    // Past one session's context: neither moves.
+    let mut full = vec![0f32; n_vocab];
+    a.eval_batch(&mut mv, &mut supply, &[t; 4], &mut full)
+        .unwrap();
+    a.eval_batch(&mut mv, &mut supply, &[t; 3], &mut full)
+        .unwrap();
+    let r = Session::eval_together(
+        &mut [&mut b, &mut a],
+        &mut mv,
+        &mut supply,
+        &[&[t], &[t, t]],
+        &mut vec![0f32; 2 * n_vocab],
+    );
+    assert!(r.is_err());
+    assert_eq!((a.position(), b.position()), (7, 0));
+    // The same pass within the context goes.
+    Session::eval_together(
+        &mut [&mut b, &mut a],
+        &mut mv,
+        &mut supply,
+        &[&[t], &[t]],
+        &mut vec![0f32; 2 * n_vocab],
+    )
+    .unwrap();
+    assert_eq!((a.position(), b.position()), (8, 1));
+}
