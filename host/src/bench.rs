@@ -612,6 +612,126 @@ pub fn run_prefill(
     })
 }
 
+/// What decoding several sequences side by side cost one schedule
+/// ([`run_parallel`]).
+#[derive(Clone, Debug)]
+pub struct ParallelReport {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Each sequence's generated tokens (sequence `i` sampled with the seed
+    /// plus `i`).
+    pub tokens: Vec<Vec<u32>>,
+    /// Time from the passes of the prompts' last tokens to the last token.
+    pub time: Duration,
+    /// Bytes read from the model file meanwhile.
+    pub bytes_read: u64,
+    /// Time blocked on reads meanwhile.
+    pub stall: Duration,
+}
+
+impl ParallelReport {
+    /// Sequences decoded side by side.
+    pub fn sequences(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Tokens generated, all sequences together.
+    pub fn generated(&self) -> usize {
+        self.tokens.iter().map(Vec::len).sum()
+    }
+
+    /// Tokens per second, all sequences together.
+    pub fn tok_s(&self) -> f64 {
+        self.generated() as f64 / self.time.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes read per generated token.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_read as f64 / self.generated().max(1) as f64
+    }
+
+    /// The share of the time blocked on reads.
+    pub fn stall_share(&self) -> f64 {
+        self.stall.as_secs_f64() / self.time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Decodes `sequences` sequences of `cfg.prompt` side by side, cold, with
+/// `schedule`: each prompt but its last token evaluated alone first,
+/// unmeasured; then a pass for all the sequences' next tokens at once
+/// ([`Session::eval_together`]: each layer's experts read once for all) per
+/// token, `cfg.n_tokens` passes, sequence `i` sampling with `cfg.sampler`'s
+/// seed plus `i`. One sequence decodes as `les run` does (with the
+/// lookahead). Each sequence's tokens are the ones it gets decoded alone.
+pub fn run_parallel(
+    model: &Model,
+    path: &Path,
+    cfg: &BenchConfig,
+    schedule: Schedule,
+    sequences: usize,
+) -> Result<ParallelReport, Box<dyn std::error::Error>> {
+    let (last, head) = cfg.prompt.split_last().ok_or("the prompt is empty")?;
+    let mut supply = cold_supply(model, path, cfg, schedule)?;
+    let lookahead = lookahead(model, &cfg.lookahead);
+    let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
+    let ctx = cfg.prompt.len().saturating_add(cfg.n_tokens);
+    let n_vocab = model.hp.n_vocab;
+    let mut sessions = Vec::with_capacity(sequences);
+    let mut samplers = Vec::with_capacity(sequences);
+    let mut logits = vec![0f32; sequences * n_vocab];
+    let inputs: Vec<TokenInput<'_>> = head.iter().map(|&t| TokenInput::Token(t)).collect();
+    for i in 0..sequences {
+        let mut session = Session::with_kv(model, ctx, cfg.kv_types, cfg.swa)?;
+        session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH.max(sequences))?;
+        if !inputs.is_empty() {
+            let out = &mut logits[..n_vocab];
+            crate::engine::prefill(&mut session, &mut mv, &mut supply, None, &inputs, out)?;
+        }
+        sessions.push(session);
+        let mut sampler = Sampler::new(SamplerConfig {
+            seed: cfg.sampler.seed.wrapping_add(i as u64),
+            ..cfg.sampler
+        });
+        for &t in &cfg.prompt {
+            sampler.accept(t);
+        }
+        samplers.push(sampler);
+    }
+    let mut next = vec![*last; sequences];
+    let mut tokens = vec![Vec::with_capacity(cfg.n_tokens); sequences];
+    let io0 = io_snapshot(&supply);
+    let t0 = Instant::now();
+    for _ in 0..cfg.n_tokens {
+        if let [one] = &mut sessions[..] {
+            let input = TokenInput::Token(next[0]);
+            one.eval(&mut mv, &mut supply, Some(&lookahead), input, &mut logits)?;
+        } else {
+            let ins: Vec<[TokenInput<'_>; 1]> = next.iter().map(|&t| [TokenInput::Token(t)]).collect();
+            let ins: Vec<&[TokenInput<'_>]> = ins.iter().map(|i| &i[..]).collect();
+            let mut all: Vec<&mut Session<'_>> = sessions.iter_mut().collect();
+            Session::eval_together(&mut all, &mut mv, &mut supply, &ins, &mut logits)?;
+        }
+        for (((sampler, t), out), lg) in samplers
+            .iter_mut()
+            .zip(next.iter_mut())
+            .zip(tokens.iter_mut())
+            .zip(logits.chunks_exact(n_vocab))
+        {
+            *t = sampler.sample(lg);
+            out.push(*t);
+        }
+    }
+    let time = t0.elapsed();
+    let io = io_snapshot(&supply) - io0;
+    Ok(ParallelReport {
+        schedule,
+        tokens,
+        time,
+        bytes_read: io.file_bytes,
+        stall: Duration::from_nanos(io.stall_nanos),
+    })
+}
+
 /// What one cold decode cost, plain or speculative ([`run_speculative`]).
 #[derive(Clone, Debug)]
 pub struct SpecReport {

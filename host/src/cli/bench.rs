@@ -92,6 +92,13 @@ pub struct BenchArgs {
     /// the speedups over the first size.
     #[arg(long, value_delimiter = ',', value_parser = super::values::batch, conflicts_with_all = ["sweep", "speculate", "model_draft"])]
     pub prefill_batches: Vec<usize>,
+    /// Instead of one sequence, decode this many side by side (e.g. `1,2,4`),
+    /// each counting its own tokens from the prompt (sequence `i` sampling
+    /// with the seed plus `i`), every pass reading each layer's experts once
+    /// for all of them; every schedule at each count, and the throughput
+    /// over the first count printed.
+    #[arg(long, value_delimiter = ',', value_parser = super::values::sequences, conflicts_with_all = ["sweep", "prefill_batches", "speculate", "model_draft", "trace"])]
+    pub parallel: Vec<usize>,
     /// Prompt positions for --prefill-batches: a built-in English text's tokens,
     /// repeated to this many.
     #[arg(long, default_value_t = 512, value_parser = super::values::tokens)]
@@ -229,6 +236,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
     }
     if !args.prefill_batches.is_empty() {
         return super::prefill::prefill(args, out);
+    }
+    if !args.parallel.is_empty() {
+        return super::parallel::parallel(args, out);
     }
     if args.spec.source() != crate::draft::DraftSource::None {
         return super::speculate::speculate(args, out);

@@ -5,6 +5,7 @@ mod inspect;
 mod mcu;
 mod pack;
 mod perplexity;
+mod parallel;
 mod prefill;
 mod run;
 mod serve;

@@ -94,6 +94,18 @@ pub fn batch(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Most sequences `les bench --parallel` decodes side by side.
+pub const MAX_PARALLEL: usize = 64;
+
+/// A count of sequences decoded side by side (1 to [`MAX_PARALLEL`]).
+pub fn sequences(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v) if (1..=MAX_PARALLEL).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v}: 1 to {MAX_PARALLEL} sequences")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A byte size ([`parse_size`](crate::supply::parse_size): `4096`, `4KiB`,
 /// `1MiB`).
 pub fn bytes(s: &str) -> Result<u64, String> {
