@@ -706,7 +706,8 @@ pub fn run_parallel(
             let input = TokenInput::Token(next[0]);
             one.eval(&mut mv, &mut supply, Some(&lookahead), input, &mut logits)?;
         } else {
-            let ins: Vec<[TokenInput<'_>; 1]> = next.iter().map(|&t| [TokenInput::Token(t)]).collect();
+            let ins: Vec<[TokenInput<'_>; 1]> =
+                next.iter().map(|&t| [TokenInput::Token(t)]).collect();
             let ins: Vec<&[TokenInput<'_>]> = ins.iter().map(|i| &i[..]).collect();
             let mut all: Vec<&mut Session<'_>> = sessions.iter_mut().collect();
             Session::eval_together(&mut all, &mut mv, &mut supply, &ins, &mut logits)?;

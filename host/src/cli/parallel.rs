@@ -117,7 +117,11 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
 
 /// Whether every run that decoded sequence `i` gave it the same tokens.
 fn same_sequences<'r>(runs: impl Iterator<Item = &'r ParallelReport> + Clone) -> bool {
-    let longest = runs.clone().map(ParallelReport::sequences).max().unwrap_or(0);
+    let longest = runs
+        .clone()
+        .map(ParallelReport::sequences)
+        .max()
+        .unwrap_or(0);
     (0..longest).all(|i| {
         let mut seen = runs.clone().filter_map(|r| r.tokens.get(i));
         let first = seen.next();

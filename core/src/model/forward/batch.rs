@@ -473,10 +473,15 @@ where
             }
             None => None,
         };
-        // Each sequence's mixer over its own positions, cache and state.
-        // (One sequence keeps the whole of the buffers, spare room included.)
+        // Attention projects all the positions at once; the other mixers run
+        // each sequence's positions over its own cache or state (one sequence
+        // keeps the whole of the buffers, spare room included).
+        if let Mixer::Attention(aw) = &lw.mixer {
+            attention_batch(hp, hy, aw, lw.attn_norm, mv, s, seqs, b, n, attn_idx)?;
+        }
         let (mut first, single, cap) = (0, seqs.len() == 1, b.n);
-        for q in seqs.iter_mut() {
+        let per_sequence = !matches!(lw.mixer, Mixer::Attention(_) | Mixer::None);
+        for q in seqs.iter_mut().filter(|_| per_sequence) {
             let mut part = if single {
                 b.window(0, cap)
             } else {
@@ -484,35 +489,8 @@ where
             };
             let bq = &mut part;
             first += q.len;
-            let (len, pos, rope) = (q.len, q.pos, q.rope);
-            let place = |j: usize| match rope {
-                Some(r) => Place {
-                    index: pos + j,
-                    rope: r[j],
-                },
-                None => Place::text(pos + j),
-            };
+            let (len, pos) = (q.len, q.pos);
             match &lw.mixer {
-                Mixer::Attention(aw) => {
-                    if attn_idx >= q.kv.n_layers() {
-                        return Err(ForwardError::Shape(
-                            "more attention layers than the KV cache",
-                        ));
-                    }
-                    attention_batch(
-                        hp,
-                        hy,
-                        aw,
-                        lw.attn_norm,
-                        mv,
-                        s,
-                        q.kv,
-                        bq,
-                        len,
-                        attn_idx,
-                        &place,
-                    )?;
-                }
                 Mixer::DeltaNet(dw) => {
                     deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
                 }
@@ -542,7 +520,7 @@ where
                         pos,
                     )?;
                 }
-                Mixer::None => {}
+                Mixer::Attention(_) | Mixer::None => {}
             }
         }
         match &lw.mixer {
@@ -805,12 +783,13 @@ fn mla_batch<M: MatVec, E>(
     Ok(())
 }
 
-/// One attention layer for the first `n` positions of `b.h` (positions `pos..`):
-/// what [`mix`] does for each, with the projections of all the positions at
-/// once ([`MatVec::matmul`]), every position's key and value cached, then the
-/// attention of them all ([`MatVec::attention_causal`]), each over the
-/// positions up to its own: it sees the keys and values of the earlier ones and
-/// no later one.
+/// One attention layer for the first `n` positions of `b.h`, the positions
+/// of `seqs` in turn: what [`mix`](super::mix) does for each, with the
+/// projections of all the positions at once ([`MatVec::matmul`]), every
+/// position's key and value cached in its sequence's cache, then each
+/// sequence's attention of its positions ([`MatVec::attention_causal`]), each
+/// over its sequence's positions up to its own: it sees the keys and values of
+/// the earlier ones and no later one.
 #[allow(clippy::too_many_arguments)]
 fn attention_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -819,13 +798,11 @@ fn attention_batch<M: MatVec, E>(
     attn_norm: &[f32],
     mv: &mut M,
     s: &mut Scratch<'_>,
-    kv: &mut KvCache<'_>,
+    seqs: &mut [Sequence<'_, '_, '_>],
     b: &mut BatchScratch<'_>,
     n: usize,
     cache_layer: usize,
-    place: &dyn Fn(usize) -> Place,
 ) -> Result<(), ForwardError<E>> {
-    let pos = place(0).index;
     let (e, q_dim, kv_dim) = (hp.n_embd, hp.q_dim(), hp.kv_dim());
     let q_rows = if hy.attn_output_gate {
         2 * q_dim
@@ -834,6 +811,18 @@ fn attention_batch<M: MatVec, E>(
     };
     if aw.wq.rows() != q_rows || (hy.attn_output_gate && s.qg.len() != q_rows) {
         return Err(ForwardError::Shape("query projection"));
+    }
+    for sq in seqs.iter() {
+        if cache_layer >= sq.kv.n_layers() {
+            return Err(ForwardError::Shape(
+                "more attention layers than the KV cache",
+            ));
+        }
+        if !sq.kv.holds_pass(cache_layer, sq.len) {
+            return Err(ForwardError::Shape(
+                "a pass of more positions than the layer's KV cache ring holds",
+            ));
+        }
     }
     norm_positions(hp, attn_norm, b, n);
     let x = &b.gx[..n * e];
@@ -850,42 +839,51 @@ fn attention_batch<M: MatVec, E>(
         n_head_kv: hp.n_head_kv,
         head_dim: hp.head_dim,
     };
-    if !kv.holds_pass(cache_layer, n) {
-        return Err(ForwardError::Shape(
-            "a pass of more positions than the layer's KV cache ring holds",
-        ));
-    }
-    // Every position's query made ready (into `aqr`) and its key and value
-    // cached, then the attention of them all, each over the positions up to
-    // its own.
-    let qr = &mut b.aqr[..n * q_dim];
-    for j in 0..n {
-        let qj = &q[j * q_rows..][..q_rows];
-        if hy.attn_output_gate {
-            s.qg.copy_from_slice(qj);
+    let (qr, att) = (&mut b.aqr[..n * q_dim], &mut b.aatt[..n * q_dim]);
+    let mut first = 0;
+    for sq in seqs.iter_mut() {
+        let (len, pos, rope) = (sq.len, sq.pos, sq.rope);
+        // Each position's query made ready (into `aqr`) and its key and value
+        // cached, then the attention of the sequence's positions, each over
+        // the positions up to its own.
+        for j in 0..len {
+            let g = first + j;
+            let qj = &q[g * q_rows..][..q_rows];
+            if hy.attn_output_gate {
+                s.qg.copy_from_slice(qj);
+            } else {
+                s.q.copy_from_slice(qj);
+            }
+            s.k.copy_from_slice(&k[g * kv_dim..][..kv_dim]);
+            s.v.copy_from_slice(&v[g * kv_dim..][..kv_dim]);
+            let at = match rope {
+                Some(r) => Place {
+                    index: pos + j,
+                    rope: r[j],
+                },
+                None => Place::text(pos + j),
+            };
+            project_position(hp, hy, aw, s, sq.kv, cache_layer, at)?;
+            qr[g * q_dim..][..q_dim].copy_from_slice(s.q);
+        }
+        let qs = &qr[first * q_dim..(first + len) * q_dim];
+        let os = &mut att[first * q_dim..(first + len) * q_dim];
+        if aw.window.is_some() {
+            // Each position over its own window of the positions before it.
+            for (j, (qj, oj)) in qs.chunks(q_dim).zip(os.chunks_mut(q_dim)).enumerate() {
+                mv.attention(
+                    shape,
+                    qj,
+                    attended(aw, sq.kv, cache_layer, pos + j + 1)?,
+                    s.scores,
+                    oj,
+                );
+            }
         } else {
-            s.q.copy_from_slice(qj);
+            let cached = attended(aw, sq.kv, cache_layer, pos + len)?;
+            mv.attention_causal(shape, qs, cached, pos, s.scores, os);
         }
-        s.k.copy_from_slice(&k[j * kv_dim..][..kv_dim]);
-        s.v.copy_from_slice(&v[j * kv_dim..][..kv_dim]);
-        project_position(hp, hy, aw, s, kv, cache_layer, place(j))?;
-        qr[j * q_dim..][..q_dim].copy_from_slice(s.q);
-    }
-    let att = &mut b.aatt[..n * q_dim];
-    if aw.window.is_some() {
-        // Each position over its own window of the positions before it.
-        for (j, (qj, oj)) in qr.chunks(q_dim).zip(att.chunks_mut(q_dim)).enumerate() {
-            mv.attention(
-                shape,
-                qj,
-                attended(aw, kv, cache_layer, pos + j + 1)?,
-                s.scores,
-                oj,
-            );
-        }
-    } else {
-        let cached = attended(aw, kv, cache_layer, pos + n)?;
-        mv.attention_causal(shape, qr, cached, pos, s.scores, att);
+        first += len;
     }
     if hy.attn_output_gate {
         for (qg, a) in q.chunks_exact(q_rows).zip(att.chunks_exact_mut(q_dim)) {
