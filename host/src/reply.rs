@@ -20,7 +20,7 @@ pub struct Reply<'t> {
     pub text: String,
     /// The end-of-generation token that ended the reply, if one did.
     pub eog: Option<u32>,
-    stops: &'t [String],
+    stops: Vec<String>,
     /// Bytes of `text` written to the output (or, without one, passed).
     written: usize,
     /// The stop string that ended the reply (its index in `stops`), and the
@@ -33,14 +33,14 @@ pub struct Reply<'t> {
 
 impl<'t> Reply<'t> {
     /// A reply of `tokenizer`'s tokens that ends at any of `stops`.
-    pub fn new(tokenizer: &'t Tokenizer, stops: &'t [String]) -> Self {
+    pub fn new(tokenizer: &'t Tokenizer, stops: &[String]) -> Self {
         Reply {
             tokenizer,
             decoder: tokenizer.stream_decoder(false),
             tokens: Vec::new(),
             text: String::new(),
             eog: None,
-            stops,
+            stops: stops.to_vec(),
             written: 0,
             stopped: None,
             write_err: None,
@@ -68,7 +68,7 @@ impl<'t> Reply<'t> {
         let end = if stopped {
             self.text.len()
         } else {
-            self.text.len() - held_back(&self.text, self.stops)
+            self.text.len() - held_back(&self.text, &self.stops)
         };
         if let (Some(out), true) = (out, end > self.written) {
             let new = &self.text.as_bytes()[self.written..end];

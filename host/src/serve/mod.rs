@@ -360,6 +360,53 @@ impl<'m> Engine<'m> {
         started: impl FnOnce(usize),
         mut delta: impl FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
     ) -> Result<Finished, ApiError> {
+        let g = self.begin(c, |_| true)?;
+        started(g.slot);
+        let Generation {
+            slot,
+            prompt,
+            ids,
+            keep,
+            n,
+            mut sampler,
+            stuck,
+            mut out,
+        } = g;
+        let inputs = prompt.inputs();
+        let session = &mut self.slots[slot].session;
+        let stats = generate_from(
+            session,
+            &mut self.mv,
+            &mut self.supply,
+            Some(&self.lookahead),
+            &inputs[keep..],
+            &prompt.places()[keep..],
+            self.drafter
+                .as_mut()
+                .map(|(drafter, max_draft, adaptive)| Speculation {
+                    drafter: drafter.as_mut(),
+                    max_draft: *max_draft,
+                    adaptive: *adaptive,
+                    context: &ids[..keep],
+                }),
+            n,
+            |logits| pick(&mut sampler, &stuck, logits),
+            |t, logits| out.take(t, logits, &stuck, &mut delta),
+        )
+        .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
+        let timing = (stats.prefill, stats.decode, stats.drafted, stats.accepted);
+        self.finish(slot, prompt, keep, out, stuck.get(), timing, &mut delta)
+    }
+
+    /// Starts answering `c`: its prompt read and checked, its sampler made,
+    /// and a slot chosen among those `free` says are (the one whose cache is
+    /// best kept) and gone back to what it holds of the prompt. `None` of
+    /// the slots free is an error.
+    fn begin(
+        &mut self,
+        c: &Completion,
+        free: impl Fn(usize) -> bool,
+    ) -> Result<Generation<'m>, ApiError> {
         let prompt = self.prompt(c)?;
         let ctx = self.max_positions();
         if prompt.is_empty() {
@@ -427,13 +474,14 @@ impl<'m> Engine<'m> {
         // holds, less what it holds past that (dropped); of equals, the
         // least recently used.
         let best = (0..self.slots.len())
+            .filter(|&i| free(i))
             .min_by_key(|&i| {
                 let slot = &self.slots[i];
                 let holds = slot.holds(&items) as i64;
                 let dropped = slot.held.len() as i64 - holds;
                 (std::cmp::Reverse(holds - dropped), slot.used)
             })
-            .unwrap_or(0);
+            .ok_or_else(|| server_error("no slot is free".into()))?;
         self.answered += 1;
         let slot = &mut self.slots[best];
         slot.used = self.answered;
@@ -453,8 +501,6 @@ impl<'m> Engine<'m> {
             }
         };
         slot.held.truncate(keep);
-        started(best);
-        let inputs = prompt.inputs();
         let ids = prompt.token_ids(self.model.hp.n_vocab as u32);
         let room = ctx - prompt.len();
         let n = c.max_tokens.unwrap_or(usize::MAX).min(room + 1);
@@ -462,8 +508,6 @@ impl<'m> Engine<'m> {
         if let Some(f) = format {
             reply.show(f.markers().iter().filter_map(|m| tokenizer.token_id(m)));
         }
-        let mut sampled = Vec::new();
-        let mut gone = false;
         // Where the reasoning and the answer start in the reply's text (and,
         // for harmony calls, where a call's arguments are).
         let mut splitter = match format {
@@ -475,110 +519,77 @@ impl<'m> Engine<'m> {
             s.start(&items);
             marks.set(0, s.channel());
         }
-        let stuck = std::cell::Cell::new(false);
-        // Each token's log probabilities (where asked), where its text starts
-        // in the reply's, and how many of them were passed with a piece.
-        let mut probs = Vec::new();
-        let mut starts = Vec::new();
-        let mut passed = 0;
-        // Bytes of the reply's text passed on as pieces; with tools, none
-        // from the first call on (the calls come whole at the end).
-        let mut sent_to = 0;
-        let with_tools = c.tools.is_some();
-        // Calls written as text (all but harmony's): held back from the pieces.
-        let call_starts = format.and_then(ToolFormat::call_starts);
-        // Where a call in the reasoning ends it, what may start one is held
-        // back there too.
-        let ends_reasoning = format.is_some_and(ToolFormat::call_ends_reasoning);
-        let stats = generate_from(
-            &mut slot.session,
-            &mut self.mv,
-            &mut self.supply,
-            Some(&self.lookahead),
-            &inputs[keep..],
-            &prompt.places()[keep..],
-            self.drafter
-                .as_mut()
-                .map(|(drafter, max_draft, adaptive)| Speculation {
-                    drafter: drafter.as_mut(),
-                    max_draft: *max_draft,
-                    adaptive: *adaptive,
-                    context: &ids[..keep],
-                }),
+        Ok(Generation {
+            slot: best,
+            prompt,
+            ids,
+            keep,
             n,
-            |logits| {
-                let t = sampler.sample(logits);
-                if sampler.grammar_error().is_some() {
-                    stuck.set(true);
-                }
-                t
+            sampler,
+            stuck: std::cell::Cell::new(false),
+            out: Output {
+                tokenizer,
+                items,
+                reply,
+                sampled: Vec::new(),
+                gone: false,
+                splitter,
+                marks,
+                probs: Vec::new(),
+                starts: Vec::new(),
+                passed: 0,
+                sent_to: 0,
+                with_tools: c.tools.is_some(),
+                // Calls written as text (all but harmony's): held back from
+                // the pieces.
+                call_starts: format.and_then(ToolFormat::call_starts),
+                // Where a call in the reasoning ends it, what may start one
+                // is held back there too.
+                ends_reasoning: format.is_some_and(ToolFormat::call_ends_reasoning),
+                format,
+                tools: c.tools.clone(),
+                logprobs: c.logprobs,
+                return_tokens: c.return_tokens,
+                stop: c.stop.clone(),
             },
-            |t, logits| {
-                sampled.push(t);
-                if let Some(top) = c.logprobs {
-                    probs.push(log_probs(logits, t, top));
-                    starts.push(reply.text.len());
-                }
-                if stuck.get() {
-                    return Control::Stop;
-                }
-                if let Some(s) = &mut splitter {
-                    match s.route(t, &tokenizer.decode(&[t])) {
-                        // Markers and headers are neither (an end of generation
-                        // still ends it).
-                        Channel::Hidden if !tokenizer.is_eog(t) => return Control::Continue,
-                        Channel::Hidden => {}
-                        to => marks.set(reply.text.len(), to),
-                    }
-                }
-                let before = reply.text.len();
-                let control = reply.take(t, None);
-                if let (true, Some(s), Some(starts)) = (ends_reasoning, &mut splitter, call_starts)
-                {
-                    if let Some(start) = marks
-                        .reasoning_start()
-                        .filter(|_| s.channel() == Channel::Reasoning)
-                    {
-                        // Only a start this token's text completes is new: it
-                        // begins less than a marker's length before that text.
-                        let longest = starts.iter().map(|m| m.len()).max().unwrap_or(0);
-                        let mut from = start.max(before.saturating_sub(longest));
-                        while !reply.text.is_char_boundary(from) {
-                            from -= 1;
-                        }
-                        if let Some(at) = tools::first_call(&reply.text[from..], starts) {
-                            marks.set(from + at, Channel::Content);
-                            s.end_thought();
-                        }
-                    }
-                }
-                // What the reply passed on is its text's next bytes (short of
-                // what may be a tool call), with the tokens whose text starts
-                // before their end.
-                let end = passable(
-                    &reply.text,
-                    reply.written(),
-                    &marks,
-                    call_starts,
-                    ends_reasoning,
-                );
-                let upto = starts.partition_point(|&s| s < end);
-                for (to, r) in marks.split(sent_to..end) {
-                    let Some(to) = shown(to, with_tools) else {
-                        continue;
-                    };
-                    let with = probs[passed..upto].to_vec();
-                    passed = upto;
-                    if !delta(to, &reply.text[r], with) {
-                        gone = true;
-                        return Control::Stop;
-                    }
-                }
-                sent_to = sent_to.max(end);
-                control
-            },
-        )
-        .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
+        })
+    }
+
+    /// Ends the answer `out` gave in `slot` to a prompt of which the slot
+    /// kept `keep` positions: the rest of its text passed to `delta`, its
+    /// calls read, what the slot now holds recorded. `timing`: prefill and
+    /// decode times, draft tokens and of them those accepted.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &mut self,
+        slot: usize,
+        prompt: MultimodalPrompt,
+        keep: usize,
+        out: Output<'m>,
+        stuck: bool,
+        timing: (Duration, Duration, usize, usize),
+        delta: &mut dyn FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
+    ) -> Result<Finished, ApiError> {
+        let Output {
+            items,
+            mut reply,
+            sampled,
+            gone,
+            splitter,
+            marks,
+            mut probs,
+            starts,
+            mut passed,
+            sent_to,
+            with_tools,
+            call_starts,
+            format,
+            tools,
+            logprobs,
+            return_tokens,
+            stop,
+            ..
+        } = out;
         reply.finish().map_err(|e| server_error(e.to_string()))?;
         if reply.stopped.is_some() {
             // The tokens of the stop string (and after) are not the reply's.
@@ -612,7 +623,7 @@ impl<'m> Engine<'m> {
             }
         }
         let mut tool_calls = Vec::new();
-        match (format, &c.tools) {
+        match (format, &tools) {
             (Some(ToolFormat::Harmony), _) => {
                 let name = splitter.as_ref().and_then(Splitter::recipient);
                 if let (Some(name), Some(arguments)) = (name, arguments) {
@@ -626,10 +637,12 @@ impl<'m> Engine<'m> {
             _ => {}
         }
         // The session now holds the prompt and all but the last token sampled.
+        let best = slot;
+        let slot = &mut self.slots[slot];
         slot.held = items;
         slot.held.extend(sampled.iter().map(|&t| Some(t)));
         slot.held.truncate(slot.session.position());
-        let finish_reason = if reply.eog.is_some() || reply.stopped.is_some() || stuck.get() {
+        let finish_reason = if reply.eog.is_some() || reply.stopped.is_some() || stuck {
             if tool_calls.is_empty() {
                 "stop"
             } else {
@@ -638,12 +651,12 @@ impl<'m> Engine<'m> {
         } else {
             "length"
         };
-        let stopping_word = reply.stopped.as_ref().map(|(i, _)| c.stop[*i].clone());
+        let stopping_word = reply.stopped.as_ref().map(|(i, _)| stop[*i].clone());
         Ok(Finished {
             text,
             reasoning,
             finish_reason,
-            tokens: if c.return_tokens {
+            tokens: if return_tokens {
                 reply.tokens.clone()
             } else {
                 Vec::new()
@@ -654,13 +667,146 @@ impl<'m> Engine<'m> {
             slot: best,
             // Every token sampled, markers included, but an end of generation.
             completion_tokens: sampled.len() - usize::from(reply.eog.is_some()),
-            prompt_time: stats.prefill,
-            predicted_time: stats.decode,
-            drafted: stats.drafted,
-            accepted: stats.accepted,
-            logprobs: c.logprobs.map(|_| probs),
+            prompt_time: timing.0,
+            predicted_time: timing.1,
+            drafted: timing.2,
+            accepted: timing.3,
+            logprobs: logprobs.map(|_| probs),
             tool_calls,
         })
+    }
+}
+
+/// A completion begun ([`Engine::begin`]) and not yet finished: its slot,
+/// prompt, what of it the slot kept, the most tokens it generates, its
+/// sampler, and what takes its tokens.
+struct Generation<'m> {
+    slot: usize,
+    prompt: MultimodalPrompt,
+    /// The prompt's token ids (for a drafter's context).
+    ids: Vec<u32>,
+    keep: usize,
+    n: usize,
+    sampler: Sampler,
+    /// Set when the sampler's grammar admits no token: the reply stops.
+    stuck: std::cell::Cell<bool>,
+    out: Output<'m>,
+}
+
+/// Samples a token from `logits`, noting in `stuck` a grammar that admits
+/// none.
+fn pick(sampler: &mut Sampler, stuck: &std::cell::Cell<bool>, logits: &[f32]) -> u32 {
+    let t = sampler.sample(logits);
+    if sampler.grammar_error().is_some() {
+        stuck.set(true);
+    }
+    t
+}
+
+/// What a completion's tokens go to as they come: its reply, its reasoning
+/// told apart, the pieces passed on, and what its answer is made of at the
+/// end.
+struct Output<'m> {
+    tokenizer: &'m Tokenizer,
+    /// The prompt's positions (a token, or `None` for an embedding).
+    items: Vec<Option<u32>>,
+    reply: Reply<'m>,
+    sampled: Vec<u32>,
+    /// Whether `delta` said the client went away.
+    gone: bool,
+    splitter: Option<Splitter>,
+    marks: Marks,
+    /// Each token's log probabilities (where asked), where its text starts
+    /// in the reply's, and how many of them were passed with a piece.
+    probs: Vec<PositionLogprobs>,
+    starts: Vec<usize>,
+    passed: usize,
+    /// Bytes of the reply's text passed on as pieces; with tools, none from
+    /// the first call on (the calls come whole at the end).
+    sent_to: usize,
+    with_tools: bool,
+    call_starts: Option<&'static [&'static str]>,
+    ends_reasoning: bool,
+    format: Option<ToolFormat>,
+    tools: Option<tools::Tools>,
+    logprobs: Option<usize>,
+    return_tokens: bool,
+    stop: Vec<String>,
+}
+
+impl Output<'_> {
+    /// Takes the sampled token `t` (sampled from `logits`): its text into
+    /// the reply, the new pieces to `delta`. Stops where the reply ends,
+    /// the grammar is `stuck` or `delta` says the client went away.
+    fn take(
+        &mut self,
+        t: u32,
+        logits: &[f32],
+        stuck: &std::cell::Cell<bool>,
+        delta: &mut dyn FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
+    ) -> Control {
+            self.sampled.push(t);
+            if let Some(top) = self.logprobs {
+                self.probs.push(log_probs(logits, t, top));
+                self.starts.push(self.reply.text.len());
+            }
+            if stuck.get() {
+                return Control::Stop;
+            }
+            if let Some(s) = &mut self.splitter {
+                match s.route(t, &self.tokenizer.decode(&[t])) {
+                    // Markers and headers are neither (an end of generation
+                    // still ends it).
+                    Channel::Hidden if !self.tokenizer.is_eog(t) => return Control::Continue,
+                    Channel::Hidden => {}
+                    to => self.marks.set(self.reply.text.len(), to),
+                }
+            }
+            let before = self.reply.text.len();
+            let control = self.reply.take(t, None);
+            if let (true, Some(s), Some(starts)) = (self.ends_reasoning, &mut self.splitter, self.call_starts)
+            {
+                if let Some(start) = self.marks
+                    .reasoning_start()
+                    .filter(|_| s.channel() == Channel::Reasoning)
+                {
+                    // Only a start this token's text completes is new: it
+                    // begins less than a marker's length before that text.
+                    let longest = starts.iter().map(|m| m.len()).max().unwrap_or(0);
+                    let mut from = start.max(before.saturating_sub(longest));
+                    while !self.reply.text.is_char_boundary(from) {
+                        from -= 1;
+                    }
+                    if let Some(at) = tools::first_call(&self.reply.text[from..], starts) {
+                        self.marks.set(from + at, Channel::Content);
+                        s.end_thought();
+                    }
+                }
+            }
+            // What the reply passed on is its text's next bytes (short of
+            // what may be a tool call), with the tokens whose text starts
+            // before their end.
+            let end = passable(
+                &self.reply.text,
+                self.reply.written(),
+                &self.marks,
+                self.call_starts,
+                self.ends_reasoning,
+            );
+            let upto = self.starts.partition_point(|&s| s < end);
+            for (to, r) in self.marks.split(self.sent_to..end) {
+                let Some(to) = shown(to, self.with_tools) else {
+                    continue;
+                };
+                let with = self.probs[self.passed..upto].to_vec();
+                self.passed = upto;
+                if !delta(to, &self.reply.text[r], with) {
+                    self.gone = true;
+                    return Control::Stop;
+                }
+            }
+            self.sent_to = self.sent_to.max(end);
+            control
     }
 }
 
