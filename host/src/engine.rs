@@ -32,6 +32,8 @@ pub struct GenStats {
     pub accepted: usize,
     /// Passes that verified a draft.
     pub verify_passes: usize,
+    /// Passes after the prompt's: one a token, or one a verified draft.
+    pub passes: usize,
 }
 
 impl GenStats {
@@ -1088,6 +1090,10 @@ impl Session<'_> {
         if logits.len() != inputs.len() * model.hp.n_vocab {
             return Err(ForwardError::Shape("logits length"));
         }
+        if let ([one], [[input]]) = (&mut *sessions, inputs) {
+            // One position: the one-position pass (no batch buffers needed).
+            return one.eval(mv, experts, None, *input, logits);
+        }
         // Each session's places, as `eval_batch_placed` finds them; the
         // positions past the context fail in the pass, which undoes them all.
         let mut at: Vec<Vec<Place>> = Vec::with_capacity(inputs.len());
@@ -1461,6 +1467,7 @@ pub fn generate_from<M: MatVec, X: Experts>(
             let t0 = Instant::now();
             session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
             control.single_pass(t0.elapsed());
+            stats.passes += 1;
             if let Some(sp) = spec.as_mut().filter(|_| watch) {
                 let (places, hidden) = (session.last_places(), session.hidden());
                 sp.drafter.observe(places, &[TokenInput::Token(t)], hidden);
@@ -1486,6 +1493,7 @@ pub fn generate_from<M: MatVec, X: Experts>(
         session.verify(mv, experts, &batch, all)?;
         control.verify_pass(draft.len(), t0.elapsed());
         stats.verify_passes += 1;
+        stats.passes += 1;
         stats.drafted += draft.len();
         history.push(t);
         // Sample at each verified position; position j's logits follow

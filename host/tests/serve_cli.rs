@@ -1081,6 +1081,76 @@ fn slots_keep_the_chats_that_take_turns() {
     drop(log);
 }
 
+/// With `--parallel 3`, completions that arrive together run side by side
+/// (one pass of the model for all their next tokens: `/metrics` counts more
+/// than one completion a pass) and answer what each answers alone, whole or
+/// streamed, sampled with their seeds.
+#[test]
+fn completions_side_by_side_answer_as_alone() {
+    let m = model();
+    // One thread: each completion runs longer, so that they overlap on a
+    // busy machine too.
+    let three = Server::start(&m, &["--parallel", "3", "--metrics", "-t", "1"]);
+    let one = Server::start(&m, &[]);
+    let bodies: Vec<Value> = ["The quick brown fox", "Once upon a time", "Hello"]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| json!({"prompt": p, "temperature": 0.9, "seed": i, "max_tokens": 300}))
+        .collect();
+    let alone: Vec<String> = bodies
+        .iter()
+        .map(|b| {
+            let (status, v) = one.post("/v1/completions", b);
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let start = std::sync::Barrier::new(bodies.len());
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let runs: Vec<_> = bodies
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let (three, start) = (&three, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    if i == 1 {
+                        // Streamed: the pieces add up to the text.
+                        let chunks = three.chunks("/v1/completions", b);
+                        chunks
+                            .iter()
+                            .filter_map(|c| c["choices"][0]["text"].as_str())
+                            .collect::<String>()
+                    } else {
+                        let (status, v) = three.post("/v1/completions", b);
+                        assert_eq!(status, 200, "{v}");
+                        v["choices"][0]["text"].as_str().unwrap().to_string()
+                    }
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+    let (_, _, text) = three.request("GET", "/metrics", "");
+    let metric = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
+            .unwrap_or_else(|| panic!("{name} in {text}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(metric("n_busy_slots_per_decode") > 1.0, "{text}");
+    let generated: usize = three.generated().iter().sum();
+    // Fewer passes than tokens: passes were shared.
+    assert!(metric("n_decode_total") < generated as f64, "{text}");
+    let log = three.log.lock().unwrap().join("\n");
+    assert!(
+        log.contains("slot 0") && log.contains("slot 1") && log.contains("slot 2"),
+        "{log}"
+    );
+}
+
 /// llama-server's own `/completion`: the text of `/v1/completions`' answer
 /// with llama-server's fields (`stop_type`, `stopping_word`, `tokens_*`,
 /// `completion_probabilities`, the tokens with `return_tokens`), streamed as

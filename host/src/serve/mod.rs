@@ -50,7 +50,7 @@ use serde_json::{json, Value};
 
 use crate::compute::ThreadedMatVec;
 use crate::draft::{Drafter, Speculation};
-use crate::engine::{generate_from, Control, Session};
+use crate::engine::{generate_from, prefill_observed, Control, GenStats, Session};
 use crate::grammar::{Grammar, TokenGrammar};
 use crate::model::Model;
 use crate::reply::Reply;
@@ -60,6 +60,7 @@ use crate::supply::Supply;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::vision::{self, ClipModel, MultimodalPrompt};
 use api::{ApiError, Completion, Prompt};
+use les_core::model::forward::TokenInput;
 use reasoning::{Channel, Splitter};
 use tools::{ToolCall, ToolChoice, ToolFormat};
 
@@ -96,6 +97,9 @@ pub struct Finished {
     pub prompt_time: Duration,
     /// Time generating.
     pub predicted_time: Duration,
+    /// Passes of the model after the prompt's that generated its tokens
+    /// (shared with the other completions running side by side).
+    pub passes: usize,
     /// Draft tokens verified (speculative decoding).
     pub drafted: usize,
     /// Of them, those the model's own samples agreed with.
@@ -132,6 +136,7 @@ impl Finished {
             completion_tokens: 6,
             prompt_time: Duration::ZERO,
             predicted_time: Duration::ZERO,
+            passes: 5,
             drafted: 0,
             accepted: 0,
             logprobs: None,
@@ -394,8 +399,7 @@ impl<'m> Engine<'m> {
             |t, logits| out.take(t, logits, &stuck, &mut delta),
         )
         .map_err(|e| server_error(format!("the forward pass failed: {e}")))?;
-        let timing = (stats.prefill, stats.decode, stats.drafted, stats.accepted);
-        self.finish(slot, prompt, keep, out, stuck.get(), timing, &mut delta)
+        self.finish(slot, prompt, keep, out, stuck.get(), &stats, &mut delta)
     }
 
     /// Starts answering `c`: its prompt read and checked, its sampler made,
@@ -557,8 +561,8 @@ impl<'m> Engine<'m> {
 
     /// Ends the answer `out` gave in `slot` to a prompt of which the slot
     /// kept `keep` positions: the rest of its text passed to `delta`, its
-    /// calls read, what the slot now holds recorded. `timing`: prefill and
-    /// decode times, draft tokens and of them those accepted.
+    /// calls read, what the slot now holds recorded, with the times, passes
+    /// and drafts of `stats`.
     #[allow(clippy::too_many_arguments)]
     fn finish(
         &mut self,
@@ -567,7 +571,7 @@ impl<'m> Engine<'m> {
         keep: usize,
         out: Output<'m>,
         stuck: bool,
-        timing: (Duration, Duration, usize, usize),
+        stats: &GenStats,
         delta: &mut dyn FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
     ) -> Result<Finished, ApiError> {
         let Output {
@@ -667,10 +671,11 @@ impl<'m> Engine<'m> {
             slot: best,
             // Every token sampled, markers included, but an end of generation.
             completion_tokens: sampled.len() - usize::from(reply.eog.is_some()),
-            prompt_time: timing.0,
-            predicted_time: timing.1,
-            drafted: timing.2,
-            accepted: timing.3,
+            prompt_time: stats.prefill,
+            predicted_time: stats.decode,
+            passes: stats.passes,
+            drafted: stats.drafted,
+            accepted: stats.accepted,
             logprobs: logprobs.map(|_| probs),
             tool_calls,
         })
@@ -745,68 +750,70 @@ impl Output<'_> {
         stuck: &std::cell::Cell<bool>,
         delta: &mut dyn FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool,
     ) -> Control {
-            self.sampled.push(t);
-            if let Some(top) = self.logprobs {
-                self.probs.push(log_probs(logits, t, top));
-                self.starts.push(self.reply.text.len());
+        self.sampled.push(t);
+        if let Some(top) = self.logprobs {
+            self.probs.push(log_probs(logits, t, top));
+            self.starts.push(self.reply.text.len());
+        }
+        if stuck.get() {
+            return Control::Stop;
+        }
+        if let Some(s) = &mut self.splitter {
+            match s.route(t, &self.tokenizer.decode(&[t])) {
+                // Markers and headers are neither (an end of generation
+                // still ends it).
+                Channel::Hidden if !self.tokenizer.is_eog(t) => return Control::Continue,
+                Channel::Hidden => {}
+                to => self.marks.set(self.reply.text.len(), to),
             }
-            if stuck.get() {
+        }
+        let before = self.reply.text.len();
+        let control = self.reply.take(t, None);
+        if let (true, Some(s), Some(starts)) =
+            (self.ends_reasoning, &mut self.splitter, self.call_starts)
+        {
+            if let Some(start) = self
+                .marks
+                .reasoning_start()
+                .filter(|_| s.channel() == Channel::Reasoning)
+            {
+                // Only a start this token's text completes is new: it
+                // begins less than a marker's length before that text.
+                let longest = starts.iter().map(|m| m.len()).max().unwrap_or(0);
+                let mut from = start.max(before.saturating_sub(longest));
+                while !self.reply.text.is_char_boundary(from) {
+                    from -= 1;
+                }
+                if let Some(at) = tools::first_call(&self.reply.text[from..], starts) {
+                    self.marks.set(from + at, Channel::Content);
+                    s.end_thought();
+                }
+            }
+        }
+        // What the reply passed on is its text's next bytes (short of
+        // what may be a tool call), with the tokens whose text starts
+        // before their end.
+        let end = passable(
+            &self.reply.text,
+            self.reply.written(),
+            &self.marks,
+            self.call_starts,
+            self.ends_reasoning,
+        );
+        let upto = self.starts.partition_point(|&s| s < end);
+        for (to, r) in self.marks.split(self.sent_to..end) {
+            let Some(to) = shown(to, self.with_tools) else {
+                continue;
+            };
+            let with = self.probs[self.passed..upto].to_vec();
+            self.passed = upto;
+            if !delta(to, &self.reply.text[r], with) {
+                self.gone = true;
                 return Control::Stop;
             }
-            if let Some(s) = &mut self.splitter {
-                match s.route(t, &self.tokenizer.decode(&[t])) {
-                    // Markers and headers are neither (an end of generation
-                    // still ends it).
-                    Channel::Hidden if !self.tokenizer.is_eog(t) => return Control::Continue,
-                    Channel::Hidden => {}
-                    to => self.marks.set(self.reply.text.len(), to),
-                }
-            }
-            let before = self.reply.text.len();
-            let control = self.reply.take(t, None);
-            if let (true, Some(s), Some(starts)) = (self.ends_reasoning, &mut self.splitter, self.call_starts)
-            {
-                if let Some(start) = self.marks
-                    .reasoning_start()
-                    .filter(|_| s.channel() == Channel::Reasoning)
-                {
-                    // Only a start this token's text completes is new: it
-                    // begins less than a marker's length before that text.
-                    let longest = starts.iter().map(|m| m.len()).max().unwrap_or(0);
-                    let mut from = start.max(before.saturating_sub(longest));
-                    while !self.reply.text.is_char_boundary(from) {
-                        from -= 1;
-                    }
-                    if let Some(at) = tools::first_call(&self.reply.text[from..], starts) {
-                        self.marks.set(from + at, Channel::Content);
-                        s.end_thought();
-                    }
-                }
-            }
-            // What the reply passed on is its text's next bytes (short of
-            // what may be a tool call), with the tokens whose text starts
-            // before their end.
-            let end = passable(
-                &self.reply.text,
-                self.reply.written(),
-                &self.marks,
-                self.call_starts,
-                self.ends_reasoning,
-            );
-            let upto = self.starts.partition_point(|&s| s < end);
-            for (to, r) in self.marks.split(self.sent_to..end) {
-                let Some(to) = shown(to, self.with_tools) else {
-                    continue;
-                };
-                let with = self.probs[self.passed..upto].to_vec();
-                self.passed = upto;
-                if !delta(to, &self.reply.text[r], with) {
-                    self.gone = true;
-                    return Control::Stop;
-                }
-            }
-            self.sent_to = self.sent_to.max(end);
-            control
+        }
+        self.sent_to = self.sent_to.max(end);
+        control
     }
 }
 
@@ -1101,7 +1108,11 @@ pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions
     };
     std::thread::scope(|scope| {
         scope.spawn(|| accept(scope, listener, jobs, &about));
-        work(engine, queue, &about);
+        if engine.side_by_side() {
+            work_side_by_side(engine, queue, &about);
+        } else {
+            work(engine, queue, &about);
+        }
     });
 }
 
@@ -1132,9 +1143,35 @@ struct Activity {
     requests: u64,
     /// Completions waiting for the engine.
     deferred: usize,
+    /// Passes after the prompts' (llama.cpp's decode calls), and the
+    /// completions they generated for, each counted in every pass it took
+    /// part in.
+    decode_passes: u64,
+    decode_slots: u64,
 }
 
 impl About<'_> {
+    /// A job was taken from the queue.
+    fn took_job(&self) {
+        let mut a = self.activity();
+        a.deferred = a.deferred.saturating_sub(1);
+    }
+
+    /// A completion started in `slot`.
+    fn started(&self, slot: usize) {
+        if let Some(s) = self.activity().slots.get_mut(slot) {
+            s.1 = true;
+        }
+    }
+
+    /// `passes` passes after the prompts' ran, for `slots` completions in
+    /// all (a completion counted once in each pass it took part in).
+    fn passes(&self, passes: u64, slots: u64) {
+        let mut a = self.activity();
+        a.decode_passes += passes;
+        a.decode_slots += slots;
+    }
+
     fn activity(&self) -> std::sync::MutexGuard<'_, Activity> {
         // A poisoned lock still holds counters worth reporting.
         self.activity
@@ -1143,63 +1180,303 @@ impl About<'_> {
     }
 }
 
-/// The engine's loop: each job's answer, in order.
+/// The engine's loop, one completion at a time: each job's answer, in order.
 fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
-    let model_id = &about.opts.model_id;
     for job in queue {
-        {
-            let mut a = about.activity();
-            a.deferred = a.deferred.saturating_sub(1);
-        }
+        about.took_job();
         let events = &job.events;
-        let streaming = job.completion.stream;
+        let mut slot = None;
         let result = engine.complete(
             &job.completion,
-            |slot| {
-                if let Some(s) = about.activity().slots.get_mut(slot) {
-                    s.1 = true;
-                }
+            |s| {
+                slot = Some(s);
+                about.started(s);
                 let _ = events.send(Event::Started);
             },
-            |to, piece, probs| {
-                !job.cancel.load(Ordering::Relaxed)
-                    && (!streaming
-                        || events
-                            .send(Event::Delta(to, piece.to_string(), probs))
-                            .is_ok())
-            },
+            deliver(&job),
         );
         if let Ok(f) = &result {
-            note!(
-                "les serve: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
-                model_id,
-                match job.endpoint {
-                    Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => "chat",
-                    Endpoint::Text | Endpoint::Native => "text",
-                },
-                f.slot,
-                f.prompt_tokens,
-                f.cached_tokens,
-                f.completion_tokens,
-                f.prompt_time + f.predicted_time,
-                f.finish_reason
-            );
+            about.passes(f.passes as u64, f.passes as u64);
         }
+        answered(engine, job, slot, result, about);
+    }
+}
+
+/// The engine's loop with completions side by side (several slots, no
+/// drafter): each waiting job begins in a free slot (its prompt evaluated
+/// alone), then one pass evaluates every running completion's next token at
+/// once ([`Session::eval_together`]: each layer's experts read once for
+/// all), each takes the token it samples, and those done are answered.
+fn work_side_by_side<'m>(engine: &mut Engine<'m>, queue: Receiver<Job>, about: &About<'_>) {
+    let mut waiting = std::collections::VecDeque::new();
+    let mut running: Vec<Running<'m>> = Vec::new();
+    loop {
+        if running.is_empty() && waiting.is_empty() {
+            let Ok(job) = queue.recv() else {
+                return;
+            };
+            waiting.push_back(job);
+        }
+        waiting.extend(queue.try_iter());
+        while running.len() < engine.slots.len() {
+            let Some(job) = waiting.pop_front() else {
+                break;
+            };
+            about.took_job();
+            running.extend(engine.start(job, &running, about));
+        }
+        if !running.is_empty() {
+            engine.step(&mut running, about);
+        }
+    }
+}
+
+/// What a job's answer gets as it goes: each piece of text (streaming),
+/// while the client is there.
+fn deliver(job: &Job) -> impl FnMut(Channel, &str, Vec<PositionLogprobs>) -> bool + '_ {
+    let streaming = job.completion.stream;
+    move |to, piece, probs| {
+        !job.cancel.load(Ordering::Relaxed)
+            && (!streaming
+                || job
+                    .events
+                    .send(Event::Delta(to, piece.to_string(), probs))
+                    .is_ok())
+    }
+}
+
+/// Logs and records `job`'s answer (from `slot`, where it got one) and sends
+/// it to the job's connection.
+fn answered(
+    engine: &Engine<'_>,
+    job: Job,
+    slot: Option<usize>,
+    result: Result<Finished, ApiError>,
+    about: &About<'_>,
+) {
+    if let Ok(f) = &result {
+        note!(
+            "les serve: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
+            about.opts.model_id,
+            match job.endpoint {
+                Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => "chat",
+                Endpoint::Text | Endpoint::Native => "text",
+            },
+            f.slot,
+            f.prompt_tokens,
+            f.cached_tokens,
+            f.completion_tokens,
+            f.prompt_time + f.predicted_time,
+            f.finish_reason
+        );
+    }
+    {
+        let mut a = about.activity();
+        if let Some(s) = slot {
+            if let (Some(entry), Some(&held)) = (a.slots.get_mut(s), engine.slots_held().get(s)) {
+                *entry = (held, false);
+            }
+        }
+        if let Ok(f) = &result {
+            a.prompt_tokens += (f.prompt_tokens - f.cached_tokens) as u64;
+            a.prompt_seconds += f.prompt_time.as_secs_f64();
+            a.predicted_tokens += f.completion_tokens as u64;
+            a.predicted_seconds += f.predicted_time.as_secs_f64();
+            a.requests += 1;
+        }
+    }
+    let _ = job.events.send(Event::Done(result));
+}
+
+/// A completion running side by side with others
+/// ([`work_side_by_side`]).
+struct Running<'m> {
+    job: Job,
+    g: Generation<'m>,
+    /// The token sampled last, not evaluated yet (`None`: the completion
+    /// is done).
+    next: Option<u32>,
+    /// Tokens sampled.
+    generated: usize,
+    /// Passes it took part in after its prompt's.
+    passes: usize,
+    prefill: Duration,
+    /// When its prompt was evaluated.
+    decoding: std::time::Instant,
+}
+
+impl Running<'_> {
+    /// Samples the next token from `logits` and takes it; done where the
+    /// answer ends or `n` tokens are sampled.
+    fn take(&mut self, logits: &[f32]) {
+        let g = &mut self.g;
+        let t = pick(&mut g.sampler, &g.stuck, logits);
+        self.generated += 1;
+        let control = g.out.take(t, logits, &g.stuck, &mut deliver(&self.job));
+        self.next = (matches!(control, Control::Continue) && self.generated < g.n).then_some(t);
+    }
+}
+
+impl<'m> Engine<'m> {
+    /// Whether completions run side by side: with several slots and no
+    /// drafter (a drafter keeps one sequence's state).
+    fn side_by_side(&self) -> bool {
+        self.slots.len() > 1 && self.drafter.is_none()
+    }
+
+    /// Begins `job` in a slot none of `running` holds, evaluates its
+    /// prompt and takes its first token: the completion, or `None` where
+    /// it is already answered (an error, or done).
+    fn start(
+        &mut self,
+        job: Job,
+        running: &[Running<'m>],
+        about: &About<'_>,
+    ) -> Option<Running<'m>> {
+        let g = match self.begin(&job.completion, |i| running.iter().all(|r| r.g.slot != i)) {
+            Ok(g) => g,
+            Err(e) => {
+                answered(self, job, None, Err(e), about);
+                return None;
+            }
+        };
+        about.started(g.slot);
+        let _ = job.events.send(Event::Started);
+        let t0 = std::time::Instant::now();
+        let mut logits = vec![0f32; self.model.hp.n_vocab];
+        let inputs = g.prompt.inputs();
+        let pass = prefill_observed(
+            &mut self.slots[g.slot].session,
+            &mut self.mv,
+            &mut self.supply,
+            Some(&self.lookahead),
+            &inputs[g.keep..],
+            &g.prompt.places()[g.keep..],
+            &mut logits,
+            None,
+        );
+        drop(inputs);
+        let mut run = Running {
+            job,
+            g,
+            next: None,
+            generated: 0,
+            passes: 0,
+            prefill: t0.elapsed(),
+            decoding: std::time::Instant::now(),
+        };
+        if let Err(e) = pass {
+            let slot = run.g.slot;
+            let e = server_error(format!("the forward pass failed: {e}"));
+            answered(self, run.job, Some(slot), Err(e), about);
+            return None;
+        }
+        if run.g.n > 0 {
+            run.take(&logits);
+        }
+        if run.next.is_some() {
+            return Some(run);
+        }
+        self.end(run, about);
+        None
+    }
+
+    /// One pass for every running completion's next token (as many at once
+    /// as the batch buffers hold); each takes the token it samples, and
+    /// those done are answered. A failed pass ends them all.
+    fn step(&mut self, running: &mut Vec<Running<'m>>, about: &About<'_>) {
+        running.sort_by_key(|r| r.g.slot);
+        let n_vocab = self.model.hp.n_vocab;
+        let mut logits = vec![0f32; running.len() * n_vocab];
+        let tokens: Vec<[TokenInput<'_>; 1]> = running
+            .iter()
+            .map(|r| [TokenInput::Token(r.next.unwrap_or(0))])
+            .collect();
+        let inputs: Vec<&[TokenInput<'_>]> = tokens.iter().map(|t| &t[..]).collect();
+        let mut sessions: Vec<&mut Session<'m>> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| running.iter().any(|r| r.g.slot == *i))
+            .map(|(_, s)| &mut s.session)
+            .collect();
+        let at_once = sessions[0].prefill_batch().max(1);
+        let mut pass = Ok(());
+        for ((ss, ins), lg) in sessions
+            .chunks_mut(at_once)
+            .zip(inputs.chunks(at_once))
+            .zip(logits.chunks_mut(at_once * n_vocab))
         {
-            let mut a = about.activity();
-            for ((held, busy), now) in a.slots.iter_mut().zip(engine.slots_held()) {
-                *held = now;
-                *busy = false;
+            pass = match ss {
+                [one] => one.eval(
+                    &mut self.mv,
+                    &mut self.supply,
+                    Some(&self.lookahead),
+                    ins[0][0],
+                    lg,
+                ),
+                _ => Session::eval_together(ss, &mut self.mv, &mut self.supply, ins, lg),
+            };
+            if pass.is_err() {
+                break;
             }
-            if let Ok(f) = &result {
-                a.prompt_tokens += (f.prompt_tokens - f.cached_tokens) as u64;
-                a.prompt_seconds += f.prompt_time.as_secs_f64();
-                a.predicted_tokens += f.completion_tokens as u64;
-                a.predicted_seconds += f.predicted_time.as_secs_f64();
-                a.requests += 1;
+            about.passes(1, ss.len() as u64);
+        }
+        drop(sessions);
+        if let Err(e) = pass {
+            for run in running.drain(..) {
+                let slot = run.g.slot;
+                let e = server_error(format!("the forward pass failed: {e}"));
+                answered(self, run.job, Some(slot), Err(e), about);
+            }
+            return;
+        }
+        for (run, lg) in running.iter_mut().zip(logits.chunks_exact(n_vocab)) {
+            run.passes += 1;
+            run.take(lg);
+        }
+        let mut i = 0;
+        while i < running.len() {
+            if running[i].next.is_some() {
+                i += 1;
+            } else {
+                let run = running.swap_remove(i);
+                self.end(run, about);
             }
         }
-        let _ = events.send(Event::Done(result));
+    }
+
+    /// Answers the completion `run` ran.
+    fn end(&mut self, run: Running<'m>, about: &About<'_>) {
+        let Running {
+            job,
+            g,
+            generated,
+            passes,
+            prefill,
+            decoding,
+            ..
+        } = run;
+        let stats = GenStats {
+            prompt_tokens: g.prompt.len() - g.keep,
+            generated,
+            prefill,
+            decode: decoding.elapsed(),
+            passes,
+            ..GenStats::default()
+        };
+        let slot = g.slot;
+        let stuck = g.stuck.get();
+        let result = self.finish(
+            slot,
+            g.prompt,
+            g.keep,
+            g.out,
+            stuck,
+            &stats,
+            &mut deliver(&job),
+        );
+        answered(self, job, Some(slot), result, about);
     }
 }
 
@@ -1881,7 +2158,12 @@ fn metrics(about: &About<'_>) -> String {
     let a = about.activity();
     let busy = a.slots.iter().filter(|s| s.1).count();
     let rate = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
-    let rows: [(&str, &str, &str, f64); 8] = [
+    let per_pass = if a.decode_passes > 0 {
+        a.decode_slots as f64 / a.decode_passes as f64
+    } else {
+        0.0
+    };
+    let rows: [(&str, &str, &str, f64); 10] = [
         (
             "prompt_tokens_total",
             "counter",
@@ -1929,6 +2211,18 @@ fn metrics(about: &About<'_>) -> String {
             "gauge",
             "Completions waiting.",
             a.deferred as f64,
+        ),
+        (
+            "n_decode_total",
+            "counter",
+            "Passes of the model after the prompts'.",
+            a.decode_passes as f64,
+        ),
+        (
+            "n_busy_slots_per_decode",
+            "gauge",
+            "Average completions generating in one pass.",
+            per_pass,
         ),
     ];
     let mut out = String::new();
