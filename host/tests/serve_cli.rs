@@ -1082,15 +1082,14 @@ fn slots_keep_the_chats_that_take_turns() {
 }
 
 /// With `--parallel 3`, completions that arrive together run side by side
-/// (one pass of the model for all their next tokens: `/metrics` counts more
-/// than one completion a pass) and answer what each answers alone, whole or
-/// streamed, sampled with their seeds.
+/// (one pass of the model for all their next tokens, and the prompts'
+/// chunks in the room left: `/metrics` counts more than one completion a
+/// pass) and answer what each answers alone, whole or streamed, sampled with
+/// their seeds; also with batches of 4 positions, where the prompts take
+/// several passes beside the others' tokens.
 #[test]
 fn completions_side_by_side_answer_as_alone() {
     let m = model();
-    // One thread: each completion runs longer, so that they overlap on a
-    // busy machine too.
-    let three = Server::start(&m, &["--parallel", "3", "--metrics", "-t", "1"]);
     let one = Server::start(&m, &[]);
     let bodies: Vec<Value> = ["The quick brown fox", "Once upon a time", "Hello"]
         .iter()
@@ -1105,50 +1104,61 @@ fn completions_side_by_side_answer_as_alone() {
             v["choices"][0]["text"].as_str().unwrap().to_string()
         })
         .collect();
-    let start = std::sync::Barrier::new(bodies.len());
-    let together: Vec<String> = std::thread::scope(|scope| {
-        let runs: Vec<_> = bodies
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let (three, start) = (&three, &start);
-                scope.spawn(move || {
-                    start.wait();
-                    if i == 1 {
-                        // Streamed: the pieces add up to the text.
-                        let chunks = three.chunks("/v1/completions", b);
-                        chunks
-                            .iter()
-                            .filter_map(|c| c["choices"][0]["text"].as_str())
-                            .collect::<String>()
-                    } else {
-                        let (status, v) = three.post("/v1/completions", b);
-                        assert_eq!(status, 200, "{v}");
-                        v["choices"][0]["text"].as_str().unwrap().to_string()
-                    }
+    // One thread: each completion runs longer, so that they overlap on a
+    // busy machine too.
+    for batch in ["256", "4"] {
+        let three = Server::start(
+            &m,
+            &["--parallel", "3", "--metrics", "-t", "1", "-b", batch],
+        );
+        let start = std::sync::Barrier::new(bodies.len());
+        let together: Vec<String> = std::thread::scope(|scope| {
+            let runs: Vec<_> = bodies
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let (three, start) = (&three, &start);
+                    scope.spawn(move || {
+                        start.wait();
+                        if i == 1 {
+                            // Streamed: the pieces add up to the text.
+                            let chunks = three.chunks("/v1/completions", b);
+                            chunks
+                                .iter()
+                                .filter_map(|c| c["choices"][0]["text"].as_str())
+                                .collect::<String>()
+                        } else {
+                            let (status, v) = three.post("/v1/completions", b);
+                            assert_eq!(status, 200, "{v}");
+                            v["choices"][0]["text"].as_str().unwrap().to_string()
+                        }
+                    })
                 })
-            })
-            .collect();
-        runs.into_iter().map(|r| r.join().unwrap()).collect()
-    });
-    assert_eq!(together, alone);
-    let (_, _, text) = three.request("GET", "/metrics", "");
-    let metric = |name: &str| -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
-            .unwrap_or_else(|| panic!("{name} in {text}"))
-            .parse()
-            .unwrap()
-    };
-    assert!(metric("n_busy_slots_per_decode") > 1.0, "{text}");
-    let generated: usize = three.generated().iter().sum();
-    // Fewer passes than tokens: passes were shared.
-    assert!(metric("n_decode_total") < generated as f64, "{text}");
-    let log = three.log.lock().unwrap().join("\n");
-    assert!(
-        log.contains("slot 0") && log.contains("slot 1") && log.contains("slot 2"),
-        "{log}"
-    );
+                .collect();
+            runs.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        assert_eq!(together, alone, "-b {batch}");
+        let (_, _, text) = three.request("GET", "/metrics", "");
+        let metric = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+                .parse()
+                .unwrap()
+        };
+        assert!(
+            metric("n_busy_slots_per_decode") > 1.0,
+            "-b {batch}: {text}"
+        );
+        let generated: usize = three.generated().iter().sum();
+        // Fewer passes than tokens: passes were shared.
+        assert!(metric("n_decode_total") < generated as f64, "{text}");
+        let log = three.log.lock().unwrap().join("\n");
+        assert!(
+            log.contains("slot 0") && log.contains("slot 1") && log.contains("slot 2"),
+            "{log}"
+        );
+    }
 }
 
 /// llama-server's own `/completion`: the text of `/v1/completions`' answer
@@ -1891,6 +1901,9 @@ fn lfm2_images_in_chat_messages_answer_as_les_run() {
     image_chat_answers_as_les_run("lfm2", "lfm2");
 }
 
+/// An image chat through a server of `projector` for `arch` answers as
+/// `les run`; models with M-RoPE sections and Llama 4's tiles are served with
+/// two slots side by side.
 fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
     // Named by both: tests run side by side.
     let mm = tmp(&format!("serve_vlm_{arch}_{projector}_mmproj.gguf"));
@@ -1911,7 +1924,11 @@ fn image_chat_answers_as_les_run(arch: &str, projector: &str) {
     );
     let image = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/test-image.png");
     let bytes = std::fs::read(&image).unwrap();
-    let server = Server::start(&lm, &["--mmproj", mm.to_str().unwrap()]);
+    let slots = match projector {
+        "glm4v" | "qwen3vl_merger" | "llama4" => "2",
+        _ => "1",
+    };
+    let server = Server::start(&lm, &["--mmproj", mm_arg, "--parallel", slots]);
     let url = format!("data:image/png;base64,{}", base64(&bytes));
     let v = server.chat(&json!({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}},

@@ -1289,31 +1289,47 @@ fn answered(
 }
 
 /// A completion running side by side with others
-/// ([`work_side_by_side`]).
+/// ([`work_side_by_side`]): its text prompt evaluated a chunk a pass, then a
+/// token a pass.
 struct Running<'m> {
     job: Job,
     g: Generation<'m>,
+    /// The prompt's next position to evaluate (its length once evaluated).
+    prompt_at: usize,
     /// The token sampled last, not evaluated yet (`None`: the completion
-    /// is done).
+    /// is done, or its prompt is not evaluated yet).
     next: Option<u32>,
     /// Tokens sampled.
     generated: usize,
-    /// Passes it took part in after its prompt's.
+    /// Passes it generated in after its prompt's.
     passes: usize,
+    /// When it began, and the time its prompt took.
+    began: std::time::Instant,
     prefill: Duration,
-    /// When its prompt was evaluated.
-    decoding: std::time::Instant,
 }
 
 impl Running<'_> {
+    /// Whether its prompt is evaluated.
+    fn prompted(&self) -> bool {
+        self.prompt_at == self.g.prompt.len()
+    }
+
     /// Samples the next token from `logits` and takes it; done where the
     /// answer ends or `n` tokens are sampled.
     fn take(&mut self, logits: &[f32]) {
         let g = &mut self.g;
+        if g.n == 0 {
+            return;
+        }
         let t = pick(&mut g.sampler, &g.stuck, logits);
         self.generated += 1;
         let control = g.out.take(t, logits, &g.stuck, &mut deliver(&self.job));
         self.next = (matches!(control, Control::Continue) && self.generated < g.n).then_some(t);
+    }
+
+    /// Whether it is done: prompted, and no token left to evaluate.
+    fn done(&self) -> bool {
+        self.prompted() && self.next.is_none()
     }
 }
 
@@ -1324,9 +1340,10 @@ impl<'m> Engine<'m> {
         self.slots.len() > 1 && self.drafter.is_none()
     }
 
-    /// Begins `job` in a slot none of `running` holds, evaluates its
-    /// prompt and takes its first token: the completion, or `None` where
-    /// it is already answered (an error, or done).
+    /// Begins `job` in a slot none of `running` holds: the completion, its
+    /// prompt's new positions left to the passes ([`step`](Self::step)),
+    /// or those of a prompt with images evaluated now; `None` where it is
+    /// already answered (an error, or done).
     fn start(
         &mut self,
         job: Job,
@@ -1342,57 +1359,88 @@ impl<'m> Engine<'m> {
         };
         about.started(g.slot);
         let _ = job.events.send(Event::Started);
-        let t0 = std::time::Instant::now();
-        let mut logits = vec![0f32; self.model.hp.n_vocab];
-        let inputs = g.prompt.inputs();
-        let pass = prefill_observed(
-            &mut self.slots[g.slot].session,
-            &mut self.mv,
-            &mut self.supply,
-            Some(&self.lookahead),
-            &inputs[g.keep..],
-            &g.prompt.places()[g.keep..],
-            &mut logits,
-            None,
-        );
-        drop(inputs);
         let mut run = Running {
             job,
+            prompt_at: g.keep,
             g,
             next: None,
             generated: 0,
             passes: 0,
-            prefill: t0.elapsed(),
-            decoding: std::time::Instant::now(),
+            began: std::time::Instant::now(),
+            prefill: Duration::ZERO,
         };
+        if run.g.prompt.n_image_tokens() == 0 {
+            return Some(run);
+        }
+        // Images (their places) are evaluated alone, as `les run` does.
+        let mut logits = vec![0f32; self.model.hp.n_vocab];
+        let inputs = run.g.prompt.inputs();
+        let pass = prefill_observed(
+            &mut self.slots[run.g.slot].session,
+            &mut self.mv,
+            &mut self.supply,
+            Some(&self.lookahead),
+            &inputs[run.g.keep..],
+            &run.g.prompt.places()[run.g.keep..],
+            &mut logits,
+            None,
+        );
+        drop(inputs);
         if let Err(e) = pass {
             let slot = run.g.slot;
             let e = server_error(format!("the forward pass failed: {e}"));
             answered(self, run.job, Some(slot), Err(e), about);
             return None;
         }
-        if run.g.n > 0 {
-            run.take(&logits);
+        run.prompt_at = run.g.prompt.len();
+        run.prefill = run.began.elapsed();
+        run.take(&logits);
+        if run.done() {
+            self.end(run, about);
+            return None;
         }
-        if run.next.is_some() {
-            return Some(run);
-        }
-        self.end(run, about);
-        None
+        Some(run)
     }
 
-    /// One pass for every running completion's next token (as many at once
-    /// as the batch buffers hold); each takes the token it samples, and
-    /// those done are answered. A failed pass ends them all.
+    /// One round of passes: every generating completion's next token, and
+    /// with what room is left in the batch buffers, chunks of the prompts
+    /// not yet evaluated; each completion whose prompt is done takes the
+    /// token it samples, and those done are answered. A failed pass ends
+    /// them all.
     fn step(&mut self, running: &mut Vec<Running<'m>>, about: &About<'_>) {
         running.sort_by_key(|r| r.g.slot);
         let n_vocab = self.model.hp.n_vocab;
-        let mut logits = vec![0f32; running.len() * n_vocab];
-        let tokens: Vec<[TokenInput<'_>; 1]> = running
+        let Some(at_once) = running
+            .first()
+            .map(|r| self.slots[r.g.slot].session.prefill_batch().max(1))
+        else {
+            return;
+        };
+        // Each completion's inputs this round: its next token, or a chunk of
+        // its prompt in the room the tokens leave in the batch buffers (one
+        // position at least, so that a prompt always goes on).
+        let generating = running.iter().filter(|r| r.prompted()).count();
+        let mut room = at_once.saturating_sub(generating).max(1);
+        let take: Vec<usize> = running
             .iter()
-            .map(|r| [TokenInput::Token(r.next.unwrap_or(0))])
+            .map(|r| {
+                if r.prompted() {
+                    return 1;
+                }
+                let k = (r.g.prompt.len() - r.prompt_at).min(room);
+                room -= k;
+                k
+            })
             .collect();
-        let inputs: Vec<&[TokenInput<'_>]> = tokens.iter().map(|t| &t[..]).collect();
+        let owned: Vec<Vec<TokenInput<'_>>> = running
+            .iter()
+            .zip(&take)
+            .map(|(r, &k)| match r.next {
+                Some(t) if r.prompted() => vec![TokenInput::Token(t)],
+                _ => r.g.prompt.inputs()[r.prompt_at..r.prompt_at + k].to_vec(),
+            })
+            .collect();
+        let mut logits = vec![0f32; running.len() * n_vocab];
         let mut sessions: Vec<&mut Session<'m>> = self
             .slots
             .iter_mut()
@@ -1400,27 +1448,60 @@ impl<'m> Engine<'m> {
             .filter(|(i, _)| running.iter().any(|r| r.g.slot == *i))
             .map(|(_, s)| &mut s.session)
             .collect();
-        let at_once = sessions[0].prefill_batch().max(1);
+        // Passes of at most `at_once` positions, in order.
         let mut pass = Ok(());
-        for ((ss, ins), lg) in sessions
-            .chunks_mut(at_once)
-            .zip(inputs.chunks(at_once))
-            .zip(logits.chunks_mut(at_once * n_vocab))
-        {
+        let mut first = 0;
+        while first < running.len() && pass.is_ok() {
+            let mut end = first;
+            let mut total = 0;
+            while end < running.len() && (end == first || total + take[end] <= at_once) {
+                total += take[end];
+                end += 1;
+            }
+            let ins: Vec<&[TokenInput<'_>]> = owned[first..end].iter().map(|v| &v[..]).collect();
+            let lg = &mut logits[first * n_vocab..end * n_vocab];
+            let ss = &mut sessions[first..end];
+            let skip = ins.iter().all(|i| i.is_empty());
             pass = match ss {
-                [one] => one.eval(
+                _ if skip => Ok(()),
+                [one] if ins[0].len() == 1 => one.eval(
                     &mut self.mv,
                     &mut self.supply,
                     Some(&self.lookahead),
                     ins[0][0],
                     lg,
                 ),
-                _ => Session::eval_together(ss, &mut self.mv, &mut self.supply, ins, lg),
+                [one] => one.eval_batch(&mut self.mv, &mut self.supply, ins[0], lg),
+                _ => {
+                    // Those with nothing this round sit it out.
+                    let (mut with, inputs): (Vec<&mut Session<'m>>, Vec<&[TokenInput<'_>]>) = ss
+                        .iter_mut()
+                        .zip(&ins)
+                        .filter(|(_, i)| !i.is_empty())
+                        .map(|(s, i)| (&mut **s, *i))
+                        .unzip();
+                    let mut out = vec![0f32; inputs.len() * n_vocab];
+                    let r = Session::eval_together(
+                        &mut with,
+                        &mut self.mv,
+                        &mut self.supply,
+                        &inputs,
+                        &mut out,
+                    );
+                    let mut rows = out.chunks_exact(n_vocab);
+                    for (row, i) in lg.chunks_exact_mut(n_vocab).zip(&ins) {
+                        if !i.is_empty() {
+                            row.copy_from_slice(rows.next().unwrap_or(&[]));
+                        }
+                    }
+                    r
+                }
             };
-            if pass.is_err() {
-                break;
+            let generating = running[first..end].iter().filter(|r| r.prompted()).count();
+            if pass.is_ok() && generating > 0 {
+                about.passes(1, generating as u64);
             }
-            about.passes(1, ss.len() as u64);
+            first = end;
         }
         drop(sessions);
         if let Err(e) = pass {
@@ -1431,17 +1512,29 @@ impl<'m> Engine<'m> {
             }
             return;
         }
-        for (run, lg) in running.iter_mut().zip(logits.chunks_exact(n_vocab)) {
-            run.passes += 1;
-            run.take(lg);
+        for ((run, lg), &k) in running
+            .iter_mut()
+            .zip(logits.chunks_exact(n_vocab))
+            .zip(&take)
+        {
+            if run.prompted() {
+                run.passes += 1;
+                run.take(lg);
+            } else if k > 0 {
+                run.prompt_at += k;
+                if run.prompted() {
+                    run.prefill = run.began.elapsed();
+                    run.take(lg);
+                }
+            }
         }
         let mut i = 0;
         while i < running.len() {
-            if running[i].next.is_some() {
-                i += 1;
-            } else {
+            if running[i].done() {
                 let run = running.swap_remove(i);
                 self.end(run, about);
+            } else {
+                i += 1;
             }
         }
     }
@@ -1453,15 +1546,15 @@ impl<'m> Engine<'m> {
             g,
             generated,
             passes,
+            began,
             prefill,
-            decoding,
             ..
         } = run;
         let stats = GenStats {
             prompt_tokens: g.prompt.len() - g.keep,
             generated,
             prefill,
-            decode: decoding.elapsed(),
+            decode: began.elapsed().saturating_sub(prefill),
             passes,
             ..GenStats::default()
         };
