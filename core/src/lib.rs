@@ -28,7 +28,9 @@
 //!   latent attention, gated DeltaNet, Mamba2 and short-convolution layers): one token
 //!   ([`model::forward::forward_hybrid`]), or a prompt's positions layer by layer
 //!   ([`model::forward::forward_batch`], each layer's experts asked for once as
-//!   the union of the positions' picks); the `_at` variants take each
+//!   the union of the positions' picks), or several sequences' next positions
+//!   in one pass, each over its own cache ([`model::forward::forward_sequences`]:
+//!   requests decoded side by side); the `_at` variants take each
 //!   position's M-RoPE place ([`model::forward::Place`]) and image
 //!   embeddings with deepstack features.
 //!

@@ -8,7 +8,8 @@
 //! - [`forward`]: one token through the model, with routed experts supplied by an
 //!   [`forward::Experts`] implementation (resident, or streamed by the scheduler),
 //!   or several positions layer by layer ([`forward::forward_batch`], a prompt's
-//!   prefill), bit-identical to one at a time; [`forward::nextn`] runs
+//!   prefill; [`forward::forward_sequences`], several sequences' at once, each
+//!   over its own cache and state), bit-identical to one at a time; [`forward::nextn`] runs
 //!   qwen35moe's multi-token-prediction block, which drafts for speculative
 //!   decoding; its [`forward::KvCache`] keeps sliding-window (and chunked)
 //!   layers in rings where the caller asks ([`forward::KvRing`]), with the

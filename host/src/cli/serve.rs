@@ -78,10 +78,12 @@ pub struct ServeArgs {
     #[arg(long, default_value = "auto", value_parser = ["auto", "none"])]
     pub reasoning_format: String,
     /// Slots: sessions of --ctx positions each, with their own KV cache
-    /// (llama-server's --parallel). Completions still run one at a time; a
-    /// request goes to the slot whose cache it keeps best (the most of its
-    /// prompt held, less what would be dropped), so chats that take turns
-    /// keep their caches.
+    /// (llama-server's --parallel). Completions run side by side, one pass
+    /// of the model for all their next tokens (each layer's experts read
+    /// once for all), prompts in chunks beside them; with a drafter
+    /// (--speculate), one at a time. A request goes to the free slot whose
+    /// cache it keeps best (the most of its prompt held, less what would be
+    /// dropped), so chats that take turns keep their caches.
     #[arg(long, visible_alias = "np", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,

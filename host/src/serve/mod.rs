@@ -12,11 +12,15 @@
 //! - [`tools`]: tool calls, for chat templates that take tools and models
 //!   that write Hermes-style `<tool_call>` blocks or gpt-oss's harmony calls.
 //! - [`Engine`]: the model's sessions (`--parallel` slots, each with its
-//!   own KV cache), which answer one completion at a time; each slot keeps
-//!   what it evaluated, and a request goes to the slot whose cache it keeps
-//!   best (the most of its prompt held, less what would be dropped; of
-//!   equals, the least recently used), so that a chat's next turn evaluates
-//!   only what is new, also between turns of other chats.
+//!   own KV cache); each slot keeps what it evaluated, and a request goes to
+//!   the free slot whose cache it keeps best (the most of its prompt held,
+//!   less what would be dropped; of equals, the least recently used), so
+//!   that a chat's next turn evaluates only what is new, also between turns
+//!   of other chats. With several slots (and no drafter) completions run
+//!   side by side: each pass of the model evaluates every running
+//!   completion's next token, and chunks of new prompts in the room left
+//!   ([`Session::eval_together`]: each layer's experts are read once for
+//!   all), and each answers what it answers alone, bit for bit.
 //! - [`serve`]: the accept loop and a thread a connection; completions queue
 //!   for the engine, which runs on the calling thread, while `/health` and
 //!   `/v1/models` answer at once.
@@ -1087,8 +1091,9 @@ pub struct ServeOptions {
 }
 
 /// Serves `listener` until the process ends: a thread accepts connections
-/// and one a connection reads its requests; completions run one at a time
-/// on this thread, in `engine`.
+/// and one a connection reads its requests; completions run on this
+/// thread, in `engine`, side by side where it has several slots and no
+/// drafter, else one at a time.
 pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions) {
     let (jobs, queue) = channel::<Job>();
     let about = About {

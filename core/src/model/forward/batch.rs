@@ -1,5 +1,7 @@
 //! Several consecutive positions through the model at once, layer by layer: a
-//! prompt's prefill.
+//! prompt's prefill; or several sequences' next positions in one pass
+//! ([`forward_sequences`]), each sequence's mixers over its own KV cache and
+//! recurrent state, their experts shared.
 //!
 //! [`forward_batch`] runs every layer for all the positions before the next
 //! layer, so a routed expert that several positions picked is asked of the
