@@ -929,10 +929,10 @@ const SEQ_TOKENS: [&[u32]; 3] = [&TOKENS, &[9, 4, 31, 2, 17, 8], &[22, 22, 0, 13
 /// One pass of [`together`]: the sequences' next positions, `(sequence,
 /// count)` in the pass's order, and whether every position's logits are
 /// asked for (else each sequence's last).
-type SeqStep = (&'static [(usize, usize)], bool);
+type SeqStep<'a> = (&'a [(usize, usize)], bool);
 
 /// Ways to evaluate [`SEQ_TOKENS`] together, each covering them all.
-const SEQ_PLANS: [&[SeqStep]; 3] = [
+const SEQ_PLANS: [&[SeqStep<'static>]; 3] = [
     // Decoding side by side, one position of each a pass.
     &[
         (&[(0, 1), (1, 1), (2, 1)], false),
@@ -994,7 +994,7 @@ fn alone(m: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
 fn together<X: Experts>(
     m: &Model,
     experts: &mut X,
-    plan: &[SeqStep],
+    plan: &[SeqStep<'_>],
 ) -> Vec<((usize, usize), Vec<f32>)>
 where
     X::Error: std::fmt::Debug,
@@ -1078,7 +1078,7 @@ where
 }
 
 /// [`together`] for [`StreamedRun::run`] (its logits, in order).
-struct TogetherDecoder<'m>(&'m Model, &'m [SeqStep]);
+struct TogetherDecoder<'m>(&'m Model, &'m [SeqStep<'m>]);
 
 impl Decode for TogetherDecoder<'_> {
     fn decode<X: Experts>(&mut self, experts: &mut X, _: Option<&Lookahead>) -> Vec<Vec<f32>>
@@ -1143,6 +1143,61 @@ fn sequences_together_equal_each_alone() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// A random way to evaluate [`SEQ_TOKENS`] together: passes of a random
+/// subset of the sequences (at least one), each taking a random count of its
+/// next positions, in a random order, asking for every position's logits or
+/// each sequence's last.
+fn random_plan(seed: u64) -> Vec<(Vec<(usize, usize)>, bool)> {
+    let mut rng = Rng(seed);
+    let mut left: Vec<usize> = SEQ_TOKENS.iter().map(|t| t.len()).collect();
+    let mut plan = Vec::new();
+    while left.iter().any(|&n| n > 0) {
+        let mut step = Vec::new();
+        for q in 0..3 {
+            if left[q] > 0 && rng.next() % 3 != 0 {
+                step.push((q, 1 + (rng.next() as usize) % left[q]));
+            }
+        }
+        if step.is_empty() {
+            let q = left.iter().position(|&n| n > 0).unwrap();
+            step.push((q, left[q]));
+        }
+        let turn = (rng.next() as usize) % step.len();
+        step.rotate_left(turn);
+        for &(q, c) in &step {
+            left[q] -= c;
+        }
+        plan.push((step, rng.next() % 2 == 0));
+    }
+    plan
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// [`sequences_together_equal_each_alone`] for random plans, on every
+    /// variant, resident.
+    #[test]
+    fn random_plans_of_sequences_equal_each_alone(seed in proptest::prelude::any::<u64>()) {
+        let plan = random_plan(seed);
+        let steps: Vec<SeqStep<'_>> = plan.iter().map(|(s, e)| (&s[..], *e)).collect();
+        let (ty, ety, flavor) = VARIANTS[(seed % VARIANTS.len() as u64) as usize];
+        let m = build_with(11, ty, ety, flavor);
+        let packed = m.packed(1);
+        let fmt = packed.format;
+        let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
+        let alone: Vec<Vec<Vec<f32>>> = SEQ_TOKENS.iter().map(|t| alone(&m, t)).collect();
+        for ((q, p), logits) in together(&m, &mut ex, &steps) {
+            let want = &alone[q][p];
+            proptest::prop_assert_eq!(
+                logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{:?} {:?} sequence {} position {}", flavor, plan, q, p
+            );
         }
     }
 }
