@@ -1157,9 +1157,9 @@ fn random_plan(seed: u64) -> Vec<(Vec<(usize, usize)>, bool)> {
     let mut plan = Vec::new();
     while left.iter().any(|&n| n > 0) {
         let mut step = Vec::new();
-        for q in 0..3 {
-            if left[q] > 0 && rng.next() % 3 != 0 {
-                step.push((q, 1 + (rng.next() as usize) % left[q]));
+        for (q, &n) in left.iter().enumerate() {
+            if n > 0 && !rng.next().is_multiple_of(3) {
+                step.push((q, 1 + (rng.next() as usize) % n));
             }
         }
         if step.is_empty() {
@@ -1171,7 +1171,7 @@ fn random_plan(seed: u64) -> Vec<(Vec<(usize, usize)>, bool)> {
         for &(q, c) in &step {
             left[q] -= c;
         }
-        plan.push((step, rng.next() % 2 == 0));
+        plan.push((step, rng.next().is_multiple_of(2)));
     }
     plan
 }
