@@ -3,7 +3,8 @@
 //! Nemotron-H's ungated experts and layers of one sub-layer, MLA, sinks and
 //! windows, lattice i-quant experts):
 //! loading one never panics, and a model the loader accepts evaluates two
-//! tokens (resident, one thread; NaNs allowed) without a panic either. Every
+//! tokens, then a pass of two sequences side by side (resident, one thread;
+//! NaNs allowed) without a panic either. Every
 //! shape the forward pass relies on is checked at load, and refused there
 //! with an error.
 #![no_main]
@@ -37,9 +38,15 @@ fuzz_target!(|data: &[u8]| {
     if work > MAX_WORK {
         return;
     }
-    let Ok(mut session) = Session::new(&model, 2) else {
+    let Ok(mut session) = Session::new(&model, 3) else {
         return;
     };
+    let Ok(mut other) = Session::new(&model, 3) else {
+        return;
+    };
+    if session.set_prefill_batch(3).is_err() || other.set_prefill_batch(3).is_err() {
+        return;
+    }
     let budget = SlotBudget::none(FileDeviceConfig::default());
     let Ok(mut supply) = Supply::new(&model, path, Schedule::Resident, budget) else {
         return;
@@ -55,4 +62,14 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     }
+    // The next token of the first beside the second's two, in one pass.
+    let (one, two) = (TokenInput::Token(1), TokenInput::Token(0));
+    let mut both = vec![0f32; 2 * hp.n_vocab];
+    let _ = Session::eval_together(
+        &mut [&mut session, &mut other],
+        &mut mv,
+        &mut supply,
+        &[&[one], &[two, one]],
+        &mut both,
+    );
 });

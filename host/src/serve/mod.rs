@@ -1430,7 +1430,7 @@ impl<'m> Engine<'m> {
             .iter()
             .map(|r| {
                 if r.prompted() {
-                    return 1;
+                    return usize::from(r.next.is_some());
                 }
                 let k = (r.g.prompt.len() - r.prompt_at).min(room);
                 room -= k;
@@ -1440,9 +1440,12 @@ impl<'m> Engine<'m> {
         let owned: Vec<Vec<TokenInput<'_>>> = running
             .iter()
             .zip(&take)
-            .map(|(r, &k)| match r.next {
-                Some(t) if r.prompted() => vec![TokenInput::Token(t)],
-                _ => r.g.prompt.inputs()[r.prompt_at..r.prompt_at + k].to_vec(),
+            .map(|(r, &k)| {
+                if r.prompted() {
+                    r.next.map(TokenInput::Token).into_iter().collect()
+                } else {
+                    r.g.prompt.inputs()[r.prompt_at..r.prompt_at + k].to_vec()
+                }
             })
             .collect();
         let mut logits = vec![0f32; running.len() * n_vocab];
@@ -1495,8 +1498,11 @@ impl<'m> Engine<'m> {
                     );
                     let mut rows = out.chunks_exact(n_vocab);
                     for (row, i) in lg.chunks_exact_mut(n_vocab).zip(&ins) {
-                        if !i.is_empty() {
-                            row.copy_from_slice(rows.next().unwrap_or(&[]));
+                        if i.is_empty() {
+                            continue;
+                        }
+                        if let Some(from) = rows.next() {
+                            row.copy_from_slice(from);
                         }
                     }
                     r
