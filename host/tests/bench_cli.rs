@@ -805,6 +805,79 @@ fn bench_prefill_batches_compares_batch_sizes_with_identical_logits() {
     cleanup(&m);
 }
 
+/// `--parallel`: one run per schedule and count of sequences decoded side by
+/// side, each schedule's throughput over its first count, every sequence's
+/// tokens the same in each run that decoded it; counts out of range and
+/// other modes beside it are usage errors.
+#[test]
+fn bench_parallel_decodes_sequences_side_by_side() {
+    let m = packed_tiny("parallel");
+    let (out, _) = les(&[
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "--slots",
+        "6",
+        "--schedules",
+        "resident,on-demand,les",
+        "--parallel",
+        "1,3",
+        "-n",
+        "12",
+        "--json",
+    ]);
+    let v: Json = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["identical_tokens"], true, "{v}");
+    assert_eq!(v["n_tokens"], 12);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 6, "{v}");
+    let row = |s: &str, n: u64| {
+        runs.iter()
+            .find(|r| r["schedule"] == s && r["sequences"] == n)
+            .unwrap_or_else(|| panic!("no {s} row for {n}: {v}"))
+    };
+    for s in ["resident", "on-demand", "les"] {
+        assert_eq!(row(s, 1)["speedup"], 1.0);
+        let (all, each) = (
+            row(s, 3)["tok_s"].as_f64().unwrap(),
+            row(s, 3)["tok_s_per_sequence"].as_f64().unwrap(),
+        );
+        assert!(all > 0.0 && (all / 3.0 - each).abs() < 1e-9, "{v}");
+    }
+    assert_eq!(row("resident", 3)["bytes_per_token"], 0.0);
+    assert!(row("on-demand", 3)["bytes_per_token"].as_f64().unwrap() > 0.0);
+    let (text, _) = les(&[
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "--slots",
+        "6",
+        "--parallel",
+        "2",
+        "-n",
+        "4",
+    ]);
+    assert!(
+        text.contains("sequences") && text.contains(": yes"),
+        "{text}"
+    );
+    for extra in [
+        &["--parallel", "0"][..],
+        &["--parallel", "65"],
+        &["--parallel", "2", "--prefill-batches", "8"],
+        &["--parallel", "2", "--speculate", "ngram"],
+        &["--parallel", "2", "--sweep", "25"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
+            .args(["bench", "-m", m.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+    }
+    cleanup(&m);
+}
+
 /// `les bench --speculate ngram`: every schedule plain and speculative, side by
 /// side, with the same tokens; drafts verified whole are counted.
 #[test]

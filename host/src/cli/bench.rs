@@ -149,6 +149,30 @@ pub(super) fn decode_config(
     })
 }
 
+/// `run` of each of `pairs` (a schedule and a setting), `repeat` rounds
+/// interleaved (A B A B ...), so that slow drift of a shared machine affects
+/// every pair alike; each run noted before as `what(pair)` names it, and
+/// after with what `done` says of it. Each pair's runs, in order.
+pub(super) fn interleaved<P: Copy, R>(
+    repeat: u32,
+    pairs: &[P],
+    what: impl Fn(P) -> String,
+    mut run: impl FnMut(P) -> Result<R, Box<dyn Error>>,
+    done: impl Fn(&R) -> String,
+) -> Result<Vec<Vec<R>>, Box<dyn Error>> {
+    let mut all: Vec<Vec<R>> = pairs.iter().map(|_| Vec::new()).collect();
+    for round in 0..repeat {
+        for (i, &p) in pairs.iter().enumerate() {
+            let name = what(p);
+            note!("les bench: {name} ({}/{repeat}) ...", round + 1);
+            let r = run(p)?;
+            note!("les bench: {name}: {}", done(&r));
+            all[i].push(r);
+        }
+    }
+    Ok(all)
+}
+
 /// Each list's median run by `time` (the runs of one configuration, from
 /// interleaved rounds; [`median_index`]).
 pub(super) fn medians<R>(all: Vec<Vec<R>>, time: impl Fn(&R) -> std::time::Duration) -> Vec<R> {

@@ -30,20 +30,13 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         .iter()
         .flat_map(|&s| args.parallel.iter().map(move |&n| (s, n)))
         .collect();
-    let mut all: Vec<Vec<ParallelReport>> = vec![Vec::new(); pairs.len()];
-    for round in 0..args.repeat {
-        for (i, &(s, n)) in pairs.iter().enumerate() {
-            note!(
-                "les bench: {s}, {n} sequence{} side by side ({}/{}) ...",
-                if n == 1 { "" } else { "s" },
-                round + 1,
-                args.repeat
-            );
-            let r = run_parallel(&model, &args.model, &cfg, s, n)?;
-            note!("les bench: {s}, {n} side by side: {:.2} tok/s", r.tok_s());
-            all[i].push(r);
-        }
-    }
+    let all = super::bench::interleaved(
+        args.repeat,
+        &pairs,
+        |(s, n)| format!("{s}, {n} side by side"),
+        |(s, n)| run_parallel(&model, &args.model, &cfg, s, n),
+        |r| format!("{:.2} tok/s", r.tok_s()),
+    )?;
     let identical = same_sequences(all.iter().flatten());
     let medians = super::bench::medians(all, |r| r.time.div_f64(r.generated().max(1) as f64));
     // Each schedule's throughput over its first count.

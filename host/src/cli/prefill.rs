@@ -50,19 +50,13 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         .iter()
         .flat_map(|&s| args.prefill_batches.iter().map(move |&b| (s, b)))
         .collect();
-    let mut all: Vec<Vec<PrefillReport>> = vec![Vec::new(); pairs.len()];
-    for round in 0..args.repeat {
-        for (i, &(s, b)) in pairs.iter().enumerate() {
-            note!(
-                "les bench: prefill with {s}, batches of {b} ({}/{}) ...",
-                round + 1,
-                args.repeat
-            );
-            let r = run_prefill(&model, &args.model, &cfg, s, b)?;
-            note!("les bench: {s}, batches of {b}: {:.2} tok/s", r.tok_s());
-            all[i].push(r);
-        }
-    }
+    let all = super::bench::interleaved(
+        args.repeat,
+        &pairs,
+        |(s, b)| format!("prefill with {s}, batches of {b}"),
+        |(s, b)| run_prefill(&model, &args.model, &cfg, s, b),
+        |r| format!("{:.2} tok/s", r.tok_s()),
+    )?;
     let first = &all[0][0].logits;
     let identical = all.iter().flatten().all(|r| {
         r.logits

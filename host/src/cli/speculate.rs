@@ -31,27 +31,28 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
         .iter()
         .flat_map(|&s| [(s, false), (s, true)])
         .collect();
-    let mut all: Vec<Vec<SpecReport>> = vec![Vec::new(); pairs.len()];
-    for round in 0..args.repeat {
-        for (i, &(s, spec)) in pairs.iter().enumerate() {
-            let name = if spec { mode.as_str() } else { "plain" };
-            note!("les bench: {s}, {name} ({}/{}) ...", round + 1, args.repeat);
-            let r = run_speculative(
+    let all = super::bench::interleaved(
+        args.repeat,
+        &pairs,
+        |(s, spec)| format!("{s}, {}", if spec { mode.as_str() } else { "plain" }),
+        |(s, spec)| {
+            run_speculative(
                 &model,
                 &args.model,
                 &cfg,
                 s,
                 spec.then_some(&args.spec),
                 draft_model.as_ref(),
-            )?;
-            note!(
-                "les bench: {s}, {name}: {:.2} tok/s, {:.2} tokens a pass",
+            )
+        },
+        |r| {
+            format!(
+                "{:.2} tok/s, {:.2} tokens a pass",
                 r.tok_s(),
                 r.tokens_per_pass()
-            );
-            all[i].push(r);
-        }
-    }
+            )
+        },
+    )?;
     let identical = all.iter().flatten().all(|r| r.tokens == all[0][0].tokens);
     let medians = super::bench::medians(all, |r| r.time);
     let plain = |s: Schedule| {
