@@ -7,8 +7,9 @@
 //! short convolutions), with the experts resident or streamed from the file
 //! through a few slots.
 
+mod cli;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use les::compute::ThreadedMatVec;
 use les::engine::Session;
@@ -21,23 +22,9 @@ use les_core::slot_classes::plan_by_count;
 
 /// A packed tiny model of `arch`.
 fn packed(arch: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let plain = dir.join(format!("seq-{arch}.gguf"));
-    let packed = dir.join(format!("seq-{arch}.packed.gguf"));
-    let les = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_les"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let p = plain.to_str().unwrap();
-    les(&["synth", "--arch", arch, "--preset", "tiny", "-o", p]);
-    les(&["pack", "--quiet", p, "-o", packed.to_str().unwrap()]);
+    let plain = cli::tiny(arch, "seq", &["--quiet"]);
+    let packed = plain.with_extension("p.gguf");
+    cli::pack(&plain, &packed);
     packed
 }
 
