@@ -475,39 +475,37 @@ where
             }
             None => None,
         };
-        // Attention projects all the positions at once; the other mixers run
-        // each sequence's positions over its own cache or state (one sequence
-        // keeps the whole of the buffers, spare room included).
-        if let Mixer::Attention(aw) = &lw.mixer {
-            attention_batch(hp, hy, aw, lw.attn_norm, mv, s, seqs, b, n, attn_idx)?;
-        }
-        let (mut first, single, cap) = (0, seqs.len() == 1, b.n);
-        let per_sequence = !matches!(lw.mixer, Mixer::Attention(_) | Mixer::None);
-        for q in seqs.iter_mut().filter(|_| per_sequence) {
-            let mut part = if single {
-                b.window(0, cap)
-            } else {
-                b.window(first, q.len)
-            };
-            let bq = &mut part;
-            first += q.len;
-            let (len, pos) = (q.len, q.pos);
-            match &lw.mixer {
-                Mixer::DeltaNet(dw) => {
-                    deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
-                }
-                Mixer::Mamba2(mw) => {
-                    mamba2_batch(hp, hy, mw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
-                }
-                Mixer::ShortConv(cw) => {
-                    shortconv_batch(hp, hy, cw, lw.attn_norm, mv, s, q.rs, bq, len, lin_idx, pos)?;
-                }
-                Mixer::Mla(mw) => {
+        // Attention and the recurrent layers project all the positions at
+        // once, each sequence over its own cache or state; latent attention
+        // runs each sequence's positions on their own (one sequence keeps
+        // the whole of the buffers, spare room included).
+        match &lw.mixer {
+            Mixer::Attention(aw) => {
+                attention_batch(hp, hy, aw, lw.attn_norm, mv, s, seqs, b, n, attn_idx)?;
+            }
+            Mixer::DeltaNet(dw) => {
+                deltanet_batch(hp, hy, dw, lw.attn_norm, mv, s, seqs, b, n, lin_idx)?;
+            }
+            Mixer::Mamba2(mw) => {
+                mamba2_batch(hp, hy, mw, lw.attn_norm, mv, s, seqs, b, n, lin_idx)?;
+            }
+            Mixer::ShortConv(cw) => {
+                shortconv_batch(hp, hy, cw, lw.attn_norm, mv, s, seqs, b, n, lin_idx)?;
+            }
+            Mixer::Mla(mw) => {
+                let (mut first, single, cap) = (0, seqs.len() == 1, b.n);
+                for q in seqs.iter_mut() {
                     if attn_idx >= q.kv.n_layers() {
                         return Err(ForwardError::Shape(
                             "more attention layers than the KV cache",
                         ));
                     }
+                    let mut part = if single {
+                        b.window(0, cap)
+                    } else {
+                        b.window(first, q.len)
+                    };
+                    first += q.len;
                     mla_batch(
                         hp,
                         hy,
@@ -516,14 +514,14 @@ where
                         mv,
                         s,
                         q.kv,
-                        bq,
-                        len,
+                        &mut part,
+                        q.len,
                         attn_idx,
-                        pos,
+                        q.pos,
                     )?;
                 }
-                Mixer::Attention(_) | Mixer::None => {}
             }
+            Mixer::None => {}
         }
         match &lw.mixer {
             Mixer::Attention(_) | Mixer::Mla(_) => attn_idx += 1,
@@ -901,10 +899,10 @@ fn attention_batch<M: MatVec, E>(
     Ok(())
 }
 
-/// One gated DeltaNet layer for the first `n` positions of `b.h` (positions
-/// `pos..`): what [`mix`](super::mix) does for each, with the projections of
-/// all the positions at once ([`MatVec::matmul`]) and the recurrence a position
-/// at a time, in order.
+/// One gated DeltaNet layer for the first `n` positions of `b.h`, the
+/// positions of `seqs` in turn: what [`mix`](super::mix) does for each, with
+/// the projections of all the positions at once ([`MatVec::matmul`]) and the
+/// recurrence a position at a time, in order, over its sequence's state.
 #[allow(clippy::too_many_arguments)]
 fn deltanet_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -913,13 +911,14 @@ fn deltanet_batch<M: MatVec, E>(
     attn_norm: &[f32],
     mv: &mut M,
     s: &mut Scratch<'_>,
-    rs: &mut RecurrentState<'_>,
+    seqs: &mut [Sequence<'_, '_, '_>],
     b: &mut BatchScratch<'_>,
     n: usize,
     state: usize,
-    pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    let (conv, ssm) = deltanet_state(hp, hy, dw, rs, state)?;
+    for sq in seqs.iter_mut() {
+        deltanet_state::<E>(hp, hy, dw, sq.rs, state)?;
+    }
     let e = hp.n_embd;
     let (lq, lz, lb, la) = (s.d_qkv.len(), s.d_z.len(), s.d_beta.len(), s.d_alpha.len());
     let lo = s.d_out.len();
@@ -931,20 +930,26 @@ fn deltanet_batch<M: MatVec, E>(
     mv.matmul(&dw.gate, x, z)?;
     mv.matmul(&dw.beta, x, beta)?;
     mv.matmul(&dw.alpha, x, alpha)?;
-    for j in 0..n {
-        s.d_qkv.copy_from_slice(&qkv[j * lq..][..lq]);
-        s.d_z.copy_from_slice(&z[j * lz..][..lz]);
-        s.d_beta.copy_from_slice(&beta[j * lb..][..lb]);
-        s.d_alpha.copy_from_slice(&alpha[j * la..][..la]);
-        deltanet_step(hp, dw, mv, s, conv, ssm, pos + j);
-        b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
+    let mut g = 0;
+    for sq in seqs.iter_mut() {
+        let (conv, ssm) = deltanet_state(hp, hy, dw, sq.rs, state)?;
+        for j in 0..sq.len {
+            s.d_qkv.copy_from_slice(&qkv[g * lq..][..lq]);
+            s.d_z.copy_from_slice(&z[g * lz..][..lz]);
+            s.d_beta.copy_from_slice(&beta[g * lb..][..lb]);
+            s.d_alpha.copy_from_slice(&alpha[g * la..][..la]);
+            deltanet_step(hp, dw, mv, s, conv, ssm, sq.pos + j);
+            b.dout[g * lo..][..lo].copy_from_slice(s.d_out);
+            g += 1;
+        }
     }
     recurrent_out(hp, mv, &dw.out, b, n, lo)
 }
 
-/// One Mamba2 layer for the first `n` positions of `b.h` (positions `pos..`):
-/// what [`mix`](super::mix) does for each ([`projected_batch`], the scan a
-/// position at a time, in order).
+/// One Mamba2 layer for the first `n` positions of `b.h`, the positions of
+/// `seqs` in turn: what [`mix`](super::mix) does for each
+/// ([`projected_batch`], the scan a position at a time, in order, over its
+/// sequence's state).
 #[allow(clippy::too_many_arguments)]
 fn mamba2_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -953,22 +958,36 @@ fn mamba2_batch<M: MatVec, E>(
     attn_norm: &[f32],
     mv: &mut M,
     s: &mut Scratch<'_>,
-    rs: &mut RecurrentState<'_>,
+    seqs: &mut [Sequence<'_, '_, '_>],
     b: &mut BatchScratch<'_>,
     n: usize,
     state: usize,
-    pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    let (conv, ssm) = mamba2_state(hp, hy, mw, rs, state)?;
-    let step = |mv: &mut M, s: &mut Scratch<'_>, j: usize| {
-        mamba2_step(hp, mw, mv, s, conv, ssm, pos + j);
+    let step = |mv: &mut M, s: &mut Scratch<'_>, rs: &mut RecurrentState<'_>, pos: usize| {
+        let (conv, ssm) = mamba2_state(hp, hy, mw, rs, state)?;
+        mamba2_step(hp, mw, mv, s, conv, ssm, pos);
+        Ok(())
     };
-    projected_batch(hp, attn_norm, (&mw.in_proj, &mw.out), mv, s, b, n, step)
+    for sq in seqs.iter_mut() {
+        mamba2_state::<E>(hp, hy, mw, sq.rs, state)?;
+    }
+    projected_batch(
+        hp,
+        attn_norm,
+        (&mw.in_proj, &mw.out),
+        mv,
+        s,
+        seqs,
+        b,
+        n,
+        step,
+    )
 }
 
-/// One short-convolution layer for the first `n` positions of `b.h`
-/// (positions `pos..`): what [`mix`](super::mix) does for each
-/// ([`projected_batch`], the convolution a position at a time, in order).
+/// One short-convolution layer for the first `n` positions of `b.h`, the
+/// positions of `seqs` in turn: what [`mix`](super::mix) does for each
+/// ([`projected_batch`], the convolution a position at a time, in order,
+/// over its sequence's state).
 #[allow(clippy::too_many_arguments)]
 fn shortconv_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -977,22 +996,38 @@ fn shortconv_batch<M: MatVec, E>(
     attn_norm: &[f32],
     mv: &mut M,
     s: &mut Scratch<'_>,
-    rs: &mut RecurrentState<'_>,
+    seqs: &mut [Sequence<'_, '_, '_>],
     b: &mut BatchScratch<'_>,
     n: usize,
     state: usize,
-    pos: usize,
 ) -> Result<(), ForwardError<E>> {
-    let conv = shortconv_state(hp, hy, cw, rs, state)?;
-    let step = |_: &mut M, s: &mut Scratch<'_>, j: usize| shortconv_step(cw, s, conv, pos + j);
-    projected_batch(hp, attn_norm, (&cw.in_proj, &cw.out), mv, s, b, n, step)
+    let step = |_: &mut M, s: &mut Scratch<'_>, rs: &mut RecurrentState<'_>, pos: usize| {
+        let conv = shortconv_state(hp, hy, cw, rs, state)?;
+        shortconv_step(cw, s, conv, pos);
+        Ok(())
+    };
+    for sq in seqs.iter_mut() {
+        shortconv_state::<E>(hp, hy, cw, sq.rs, state)?;
+    }
+    projected_batch(
+        hp,
+        attn_norm,
+        (&cw.in_proj, &cw.out),
+        mv,
+        s,
+        seqs,
+        b,
+        n,
+        step,
+    )
 }
 
 /// A recurrent layer of one input projection (into `s.d_qkv`) and one output
 /// projection (of `s.d_out`), `proj` = (input, output), for the first `n`
-/// positions of `b.h`: both projections of all the positions at once
-/// ([`MatVec::matmul`]), and `step(mv, s, j)` for position `j` in between,
-/// in order.
+/// positions of `b.h`, the positions of `seqs` in turn: both projections of
+/// all the positions at once ([`MatVec::matmul`]), and `step(mv, s, state,
+/// position)` for each position in between, in order, with its sequence's
+/// recurrent state.
 #[allow(clippy::too_many_arguments)]
 fn projected_batch<M: MatVec, E>(
     hp: &Hparams,
@@ -1000,9 +1035,15 @@ fn projected_batch<M: MatVec, E>(
     proj: (&MatrixView<'_>, &MatrixView<'_>),
     mv: &mut M,
     s: &mut Scratch<'_>,
+    seqs: &mut [Sequence<'_, '_, '_>],
     b: &mut BatchScratch<'_>,
     n: usize,
-    mut step: impl FnMut(&mut M, &mut Scratch<'_>, usize),
+    mut step: impl FnMut(
+        &mut M,
+        &mut Scratch<'_>,
+        &mut RecurrentState<'_>,
+        usize,
+    ) -> Result<(), ForwardError<E>>,
 ) -> Result<(), ForwardError<E>> {
     let e = hp.n_embd;
     let (lp, lo) = (s.d_qkv.len(), s.d_out.len());
@@ -1010,10 +1051,14 @@ fn projected_batch<M: MatVec, E>(
     let x = &b.gx[..n * e];
     let projected = &mut b.dqkv[..n * lp];
     mv.matmul(proj.0, x, projected)?;
-    for j in 0..n {
-        s.d_qkv.copy_from_slice(&projected[j * lp..][..lp]);
-        step(mv, s, j);
-        b.dout[j * lo..][..lo].copy_from_slice(s.d_out);
+    let mut g = 0;
+    for sq in seqs.iter_mut() {
+        for j in 0..sq.len {
+            s.d_qkv.copy_from_slice(&projected[g * lp..][..lp]);
+            step(mv, s, sq.rs, sq.pos + j)?;
+            b.dout[g * lo..][..lo].copy_from_slice(s.d_out);
+            g += 1;
+        }
     }
     recurrent_out(hp, mv, proj.1, b, n, lo)
 }
