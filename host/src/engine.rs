@@ -1072,6 +1072,20 @@ impl Session<'_> {
         inputs: &[&[TokenInput<'_>]],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
+        Self::eval_together_placed(sessions, mv, experts, inputs, &[], logits)
+    }
+
+    /// [`eval_together`](Self::eval_together) of inputs placed as `places`
+    /// says: none (all text), or one list a session, each empty (text) or
+    /// one place an input (image embeddings of an M-RoPE model).
+    pub fn eval_together_placed<M: MatVec, X: Experts>(
+        sessions: &mut [&mut Session<'_>],
+        mv: &mut M,
+        experts: &mut X,
+        inputs: &[&[TokenInput<'_>]],
+        places: &[&[InputPlace]],
+        logits: &mut [f32],
+    ) -> Result<(), ForwardError<X::Error>> {
         let Some(model) = sessions.first().map(|s| s.model) else {
             return Err(ForwardError::Shape("no sessions"));
         };
@@ -1090,21 +1104,29 @@ impl Session<'_> {
         if logits.len() != inputs.len() * model.hp.n_vocab {
             return Err(ForwardError::Shape("logits length"));
         }
+        let placed = |i: usize| places.get(i).copied().unwrap_or(&[]);
+        if (!places.is_empty() && places.len() != inputs.len())
+            || (0..inputs.len())
+                .any(|i| !placed(i).is_empty() && placed(i).len() != inputs[i].len())
+        {
+            return Err(ForwardError::Shape("one place per input"));
+        }
+        let place = |i: usize, j: usize| placed(i).get(j).copied().unwrap_or(InputPlace::Text);
         if let ([one], [[input]]) = (&mut *sessions, inputs) {
             // One position: the one-position pass (no batch buffers needed).
-            return one.eval(mv, experts, None, *input, logits);
+            return one.eval_placed(mv, experts, None, *input, place(0, 0), logits);
         }
         // Each session's places, as `eval_batch_placed` finds them; the
         // positions past the context fail in the pass, which undoes them all.
         let mut at: Vec<Vec<Place>> = Vec::with_capacity(inputs.len());
         let mut starts = Vec::with_capacity(inputs.len());
-        for (s, ins) in sessions.iter_mut().zip(inputs) {
+        for (i, (s, ins)) in sessions.iter_mut().zip(inputs).enumerate() {
             starts.push(s.pos);
             let mut places = Vec::with_capacity(ins.len());
-            for _ in 0..ins.len() {
-                match s.next_place(InputPlace::Text) {
+            for j in 0..ins.len() {
+                match s.next_place(place(i, j)) {
                     Ok(p) => {
-                        s.advance(p, InputPlace::Text);
+                        s.advance(p, place(i, j));
                         places.push(p);
                     }
                     Err(e) => {

@@ -12,7 +12,7 @@ mod cli;
 use std::path::{Path, PathBuf};
 
 use les::compute::ThreadedMatVec;
-use les::engine::Session;
+use les::engine::{InputPlace, Session};
 use les::flash::FileDeviceConfig;
 use les::model::Model;
 use les::supply::{Schedule, SlotBudget, Supply};
@@ -199,4 +199,84 @@ fn eval_together_refuses_and_leaves_the_sessions() {
     )
     .unwrap();
     assert_eq!((a.position(), b.position()), (8, 1));
+}
+
+/// Image embeddings at their M-RoPE places (a 2 x 2 grid in a qwen35moe
+/// prompt, split across two passes) evaluated beside another session's text
+/// give each session what it gets alone.
+#[test]
+fn placed_embeddings_together_equal_each_alone() {
+    let path = packed("qwen35moe");
+    let model = Model::open(&path).unwrap();
+    let e = model.n_embd_inp();
+    let n_vocab = model.hp.n_vocab;
+    let image: Vec<Vec<f32>> = (0..4)
+        .map(|k| {
+            (0..e)
+                .map(|i| ((i * 7 + k * 13) % 17) as f32 / 17.0 - 0.5)
+                .collect()
+        })
+        .collect();
+    let t = |i: u32| TokenInput::Token(i % n_vocab as u32);
+    let grid = |k: u32| InputPlace::Image { k, nx: 2, ny: 2 };
+    let a: Vec<TokenInput<'_>> = [t(3), t(9)]
+        .into_iter()
+        .chain(image.iter().map(|v| TokenInput::Embedding(v)))
+        .chain([t(11)])
+        .collect();
+    let a_at: Vec<InputPlace> = [InputPlace::Text; 2]
+        .into_iter()
+        .chain((0..4).map(grid))
+        .chain([InputPlace::Text])
+        .collect();
+    let b = [t(5), t(6), t(7), t(8)];
+    // (A's inputs, B's inputs) of each pass.
+    let passes = [(0..4, 0..3), (4..7, 3..4)];
+    let budget = SlotBudget::none(FileDeviceConfig::default());
+    let mut supply = Supply::new(&model, &path, Schedule::Resident, budget).unwrap();
+    let mut mv = ThreadedMatVec::new(2, Isa::detect());
+    let session = || {
+        let mut s = Session::new(&model, 16).unwrap();
+        s.set_prefill_batch(8).unwrap();
+        s
+    };
+    let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let (mut sa, mut sb) = (session(), session());
+    let mut alone = Vec::new();
+    for (ra, rb) in passes.clone() {
+        let mut logits = vec![0f32; n_vocab];
+        sa.eval_batch_placed(&mut mv, &mut supply, &a[ra.clone()], &a_at[ra], &mut logits)
+            .unwrap();
+        alone.push(bits(&logits));
+        sb.eval_batch(&mut mv, &mut supply, &b[rb], &mut logits)
+            .unwrap();
+        alone.push(bits(&logits));
+    }
+    let (mut sa, mut sb) = (session(), session());
+    let mut together = Vec::new();
+    for (ra, rb) in passes {
+        let mut logits = vec![0f32; 2 * n_vocab];
+        Session::eval_together_placed(
+            &mut [&mut sa, &mut sb],
+            &mut mv,
+            &mut supply,
+            &[&a[ra.clone()], &b[rb]],
+            &[&a_at[ra], &[]],
+            &mut logits,
+        )
+        .unwrap();
+        together.extend(logits.chunks_exact(n_vocab).map(bits));
+    }
+    assert_eq!(together, alone);
+    // A place list for each session, one place an input, or none at all.
+    let r = Session::eval_together_placed(
+        &mut [&mut sa, &mut sb],
+        &mut mv,
+        &mut supply,
+        &[&b[..1], &b[..1]],
+        &[&a_at[..2], &[]],
+        &mut vec![0f32; 2 * n_vocab],
+    );
+    assert!(r.is_err());
+    assert_eq!((sa.position(), sb.position()), (7, 4));
 }

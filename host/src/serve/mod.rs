@@ -54,7 +54,7 @@ use serde_json::{json, Value};
 
 use crate::compute::ThreadedMatVec;
 use crate::draft::{Drafter, Speculation};
-use crate::engine::{generate_from, prefill_observed, Control, GenStats, Session};
+use crate::engine::{generate_from, Control, GenStats, InputPlace, Session};
 use crate::grammar::{Grammar, TokenGrammar};
 use crate::model::Model;
 use crate::reply::Reply;
@@ -1294,7 +1294,7 @@ fn answered(
 }
 
 /// A completion running side by side with others
-/// ([`work_side_by_side`]): its text prompt evaluated a chunk a pass, then a
+/// ([`work_side_by_side`]): its prompt evaluated a chunk a pass, then a
 /// token a pass.
 struct Running<'m> {
     job: Job,
@@ -1346,9 +1346,8 @@ impl<'m> Engine<'m> {
     }
 
     /// Begins `job` in a slot none of `running` holds: the completion, its
-    /// prompt's new positions left to the passes ([`step`](Self::step)),
-    /// or those of a prompt with images evaluated now; `None` where it is
-    /// already answered (an error, or done).
+    /// prompt's new positions left to the passes ([`step`](Self::step));
+    /// `None` where it is already answered (an error).
     fn start(
         &mut self,
         job: Job,
@@ -1364,7 +1363,7 @@ impl<'m> Engine<'m> {
         };
         about.started(g.slot);
         let _ = job.events.send(Event::Started);
-        let mut run = Running {
+        Some(Running {
             job,
             prompt_at: g.keep,
             g,
@@ -1373,43 +1372,12 @@ impl<'m> Engine<'m> {
             passes: 0,
             began: std::time::Instant::now(),
             prefill: Duration::ZERO,
-        };
-        if run.g.prompt.n_image_tokens() == 0 {
-            return Some(run);
-        }
-        // Images (their places) are evaluated alone, as `les run` does.
-        let mut logits = vec![0f32; self.model.hp.n_vocab];
-        let inputs = run.g.prompt.inputs();
-        let pass = prefill_observed(
-            &mut self.slots[run.g.slot].session,
-            &mut self.mv,
-            &mut self.supply,
-            Some(&self.lookahead),
-            &inputs[run.g.keep..],
-            &run.g.prompt.places()[run.g.keep..],
-            &mut logits,
-            None,
-        );
-        drop(inputs);
-        if let Err(e) = pass {
-            let slot = run.g.slot;
-            let e = server_error(format!("the forward pass failed: {e}"));
-            answered(self, run.job, Some(slot), Err(e), about);
-            return None;
-        }
-        run.prompt_at = run.g.prompt.len();
-        run.prefill = run.began.elapsed();
-        run.take(&logits);
-        if run.done() {
-            self.end(run, about);
-            return None;
-        }
-        Some(run)
+        })
     }
 
     /// One round of passes: every generating completion's next token, and
     /// with what room is left in the batch buffers, chunks of the prompts
-    /// not yet evaluated; each completion whose prompt is done takes the
+    /// not yet evaluated (images at their places); each completion whose prompt is done takes the
     /// token it samples, and those done are answered. A failed pass ends
     /// them all.
     fn step(&mut self, running: &mut Vec<Running<'m>>, about: &About<'_>) {
@@ -1437,17 +1405,24 @@ impl<'m> Engine<'m> {
                 k
             })
             .collect();
-        let owned: Vec<Vec<TokenInput<'_>>> = running
+        let (owned, owned_places): (Vec<Vec<TokenInput<'_>>>, Vec<Vec<InputPlace>>) = running
             .iter()
             .zip(&take)
             .map(|(r, &k)| {
                 if r.prompted() {
-                    r.next.map(TokenInput::Token).into_iter().collect()
+                    (
+                        r.next.map(TokenInput::Token).into_iter().collect(),
+                        Vec::new(),
+                    )
                 } else {
-                    r.g.prompt.inputs()[r.prompt_at..r.prompt_at + k].to_vec()
+                    let chunk = r.prompt_at..r.prompt_at + k;
+                    (
+                        r.g.prompt.inputs()[chunk.clone()].to_vec(),
+                        r.g.prompt.places()[chunk].to_vec(),
+                    )
                 }
             })
-            .collect();
+            .unzip();
         let mut logits = vec![0f32; running.len() * n_vocab];
         let mut sessions: Vec<&mut Session<'m>> = self
             .slots
@@ -1467,33 +1442,39 @@ impl<'m> Engine<'m> {
                 end += 1;
             }
             let ins: Vec<&[TokenInput<'_>]> = owned[first..end].iter().map(|v| &v[..]).collect();
+            let at: Vec<&[InputPlace]> = owned_places[first..end].iter().map(|v| &v[..]).collect();
             let lg = &mut logits[first * n_vocab..end * n_vocab];
             let ss = &mut sessions[first..end];
             let skip = ins.iter().all(|i| i.is_empty());
             pass = match ss {
                 _ if skip => Ok(()),
-                [one] if ins[0].len() == 1 => one.eval(
+                [one] if ins[0].len() == 1 => one.eval_placed(
                     &mut self.mv,
                     &mut self.supply,
                     Some(&self.lookahead),
                     ins[0][0],
+                    at[0].first().copied().unwrap_or(InputPlace::Text),
                     lg,
                 ),
-                [one] => one.eval_batch(&mut self.mv, &mut self.supply, ins[0], lg),
+                [one] => one.eval_batch_placed(&mut self.mv, &mut self.supply, ins[0], at[0], lg),
                 _ => {
                     // Those with nothing this round sit it out.
-                    let (mut with, inputs): (Vec<&mut Session<'m>>, Vec<&[TokenInput<'_>]>) = ss
-                        .iter_mut()
-                        .zip(&ins)
-                        .filter(|(_, i)| !i.is_empty())
-                        .map(|(s, i)| (&mut **s, *i))
-                        .unzip();
+                    let mut with: Vec<&mut Session<'m>> = Vec::with_capacity(ss.len());
+                    let (mut inputs, mut places) = (Vec::new(), Vec::new());
+                    for ((s, i), p) in ss.iter_mut().zip(&ins).zip(&at) {
+                        if !i.is_empty() {
+                            with.push(&mut **s);
+                            inputs.push(*i);
+                            places.push(*p);
+                        }
+                    }
                     let mut out = vec![0f32; inputs.len() * n_vocab];
-                    let r = Session::eval_together(
+                    let r = Session::eval_together_placed(
                         &mut with,
                         &mut self.mv,
                         &mut self.supply,
                         &inputs,
+                        &places,
                         &mut out,
                     );
                     let mut rows = out.chunks_exact(n_vocab);
