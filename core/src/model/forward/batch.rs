@@ -214,52 +214,6 @@ impl<'a> BatchScratch<'a> {
         let e = self.h.len() / self.n.max(1);
         &self.h[..(n * e).min(self.h.len())]
     }
-
-    /// The buffers of positions `start..start + count` (within
-    /// [`positions`](Self::positions)) as a batch of their own: one
-    /// sequence's part of a [`forward_sequences`] pass, for its mixers. The
-    /// expert-id buffers that are not per position (the union, votes,
-    /// predictions) are shared.
-    fn window(&mut self, start: usize, count: usize) -> BatchScratch<'_> {
-        let n = self.n.max(1);
-        fn part<T>(a: &mut [T], n: usize, start: usize, count: usize) -> &mut [T] {
-            let w = a.len() / n;
-            &mut a[start * w..(start + count) * w]
-        }
-        let (mut floats, mut ids) = self.lens;
-        for l in floats.iter_mut() {
-            *l = *l / n * count;
-        }
-        ids[0] = ids[0] / n * count;
-        BatchScratch {
-            h: part(self.h, n, start, count),
-            x: part(self.x, n, start, count),
-            out: part(self.out, n, start, count),
-            shared: part(self.shared, n, start, count),
-            weights: part(self.weights, n, start, count),
-            ga: part(self.ga, n, start, count),
-            gb: part(self.gb, n, start, count),
-            gx: part(self.gx, n, start, count),
-            go: part(self.go, n, start, count),
-            logits: part(self.logits, n, start, count),
-            aq: part(self.aq, n, start, count),
-            ak: part(self.ak, n, start, count),
-            av: part(self.av, n, start, count),
-            aatt: part(self.aatt, n, start, count),
-            aqr: part(self.aqr, n, start, count),
-            dqkv: part(self.dqkv, n, start, count),
-            dz: part(self.dz, n, start, count),
-            dbeta: part(self.dbeta, n, start, count),
-            dalpha: part(self.dalpha, n, start, count),
-            dout: part(self.dout, n, start, count),
-            ids: part(self.ids, n, start, count),
-            union: self.union,
-            votes: self.votes,
-            ahead: self.ahead,
-            n: count,
-            lens: (floats, ids),
-        }
-    }
 }
 
 /// One sequence of a [`forward_sequences`] pass: its inputs (the next `len`
@@ -475,10 +429,8 @@ where
             }
             None => None,
         };
-        // Attention and the recurrent layers project all the positions at
-        // once, each sequence over its own cache or state; latent attention
-        // runs each sequence's positions on their own (one sequence keeps
-        // the whole of the buffers, spare room included).
+        // Every mixer projects all the positions at once, each sequence's
+        // keys, values or recurrence over its own cache or state.
         match &lw.mixer {
             Mixer::Attention(aw) => {
                 attention_batch(hp, hy, aw, lw.attn_norm, mv, s, seqs, b, n, attn_idx)?;
@@ -493,33 +445,7 @@ where
                 shortconv_batch(hp, hy, cw, lw.attn_norm, mv, s, seqs, b, n, lin_idx)?;
             }
             Mixer::Mla(mw) => {
-                let (mut first, single, cap) = (0, seqs.len() == 1, b.n);
-                for q in seqs.iter_mut() {
-                    if attn_idx >= q.kv.n_layers() {
-                        return Err(ForwardError::Shape(
-                            "more attention layers than the KV cache",
-                        ));
-                    }
-                    let mut part = if single {
-                        b.window(0, cap)
-                    } else {
-                        b.window(first, q.len)
-                    };
-                    first += q.len;
-                    mla_batch(
-                        hp,
-                        hy,
-                        mw,
-                        lw.attn_norm,
-                        mv,
-                        s,
-                        q.kv,
-                        &mut part,
-                        q.len,
-                        attn_idx,
-                        q.pos,
-                    )?;
-                }
+                mla_batch(hp, hy, mw, lw.attn_norm, mv, s, seqs, b, n, attn_idx)?;
             }
             Mixer::None => {}
         }
@@ -674,9 +600,10 @@ fn route_batch<X: Experts>(
     Ok(n_union)
 }
 
-/// Multi-head latent attention over a batch ([`super::mla`]): the projections
-/// of every position at once, each head's absorption and value up-projection
-/// over all positions, the attention of them all together. Each step is the
+/// Multi-head latent attention over a batch, the positions of `seqs` in turn
+/// ([`super::mla`]): the projections of every position at once, each head's
+/// absorption and value up-projection over all positions, each sequence's
+/// attention of its positions over its own cache. Each step is the
 /// one-position pass's arithmetic (`matmul` rows are `matvec`'s, the grouped
 /// attention each position's), so the bits are the same. Where a buffer of
 /// the batch is too short for the shape it runs one position after another.
@@ -688,13 +615,17 @@ fn mla_batch<M: MatVec, E>(
     attn_norm: &[f32],
     mv: &mut M,
     s: &mut Scratch<'_>,
-    kv: &mut KvCache<'_>,
+    seqs: &mut [Sequence<'_, '_, '_>],
     b: &mut BatchScratch<'_>,
     n: usize,
     cache_layer: usize,
-    pos: usize,
 ) -> Result<(), ForwardError<E>> {
     use super::mla::{cache_latent, finish_query, head_block, query_prescale, shape};
+    if seqs.iter().any(|sq| cache_layer >= sq.kv.n_layers()) {
+        return Err(ForwardError::Shape(
+            "more attention layers than the KV cache",
+        ));
+    }
     let m = shape(hp, hy, w)?;
     let (e, nh, qh, lat, kvl, vd) = (
         hp.n_embd,
@@ -711,10 +642,13 @@ fn mla_batch<M: MatVec, E>(
         && b.ga.len() >= n * gather
         && b.gb.len() >= n * gather;
     if !fits {
-        for (i, h) in b.h.chunks_exact_mut(e).take(n).enumerate() {
-            rms_norm(h, attn_norm, hp.norm_eps, s.x);
-            super::mla::mla_layer(hp, hy, w, mv, s, kv, cache_layer, pos + i)?;
-            add_residual(hp, h, s.tmp);
+        let mut rows = b.h.chunks_exact_mut(e).take(n);
+        for sq in seqs.iter_mut() {
+            for (i, h) in (&mut rows).take(sq.len).enumerate() {
+                rms_norm(h, attn_norm, hp.norm_eps, s.x);
+                super::mla::mla_layer(hp, hy, w, mv, s, sq.kv, cache_layer, sq.pos + i)?;
+                add_residual(hp, h, s.tmp);
+            }
         }
         return Ok(());
     }
@@ -735,8 +669,11 @@ fn mla_batch<M: MatVec, E>(
     }
     let lats = &mut b.ak[..n * lat];
     mv.matmul(&w.kv_a, x, lats)?;
-    for (j, l) in lats.chunks_exact_mut(lat).enumerate() {
-        cache_latent(hp, &m, w.kv_a_norm, l, kv, cache_layer, pos + j);
+    let mut rows = lats.chunks_exact_mut(lat);
+    for sq in seqs.iter_mut() {
+        for (j, l) in (&mut rows).take(sq.len).enumerate() {
+            cache_latent(hp, &m, w.kv_a_norm, l, sq.kv, cache_layer, sq.pos + j);
+        }
     }
     // Each head's queries in the latent's space, for every position.
     let pre = query_prescale(&m);
@@ -748,11 +685,15 @@ fn mla_batch<M: MatVec, E>(
         }
         let kb = head_block(&w.k_b, h, kvl)?;
         mv.matmul(&kb, &gin[..n * m.nope], &mut gout[..n * kvl])?;
-        for j in 0..n {
-            let out = &mut q[(j * nh + h) * lat..][..lat];
-            out[..kvl].copy_from_slice(&gout[j * kvl..][..kvl]);
-            let qr = &mut q_raw[(j * nh + h) * qh + m.nope..][..m.rope];
-            finish_query(hp, &m, out, qr, pos + j, pre);
+        let mut g = 0;
+        for sq in seqs.iter() {
+            for p in sq.pos..sq.pos + sq.len {
+                let out = &mut q[(g * nh + h) * lat..][..lat];
+                out[..kvl].copy_from_slice(&gout[g * kvl..][..kvl]);
+                let qr = &mut q_raw[(g * nh + h) * qh + m.nope..][..m.rope];
+                finish_query(hp, &m, out, qr, p, pre);
+                g += 1;
+            }
         }
     }
     let shape = AttnShape {
@@ -760,9 +701,22 @@ fn mla_batch<M: MatVec, E>(
         n_head_kv: 1,
         head_dim: lat,
     };
+    // Each sequence's positions over its own cache.
     let att = &mut b.aatt[..n * nh * lat];
-    let view = cached(kv, cache_layer, 0..pos + n)?;
-    mv.attention_causal(shape, q, view, pos, s.scores, att);
+    let mut first = 0;
+    for sq in seqs.iter() {
+        let rows = first * nh * lat..(first + sq.len) * nh * lat;
+        let view = cached(sq.kv, cache_layer, 0..sq.pos + sq.len)?;
+        mv.attention_causal(
+            shape,
+            &q[rows.clone()],
+            view,
+            sq.pos,
+            s.scores,
+            &mut att[rows],
+        );
+        first += sq.len;
+    }
     // Each head's value up-projection for every position, then `wo`.
     let o = &mut b.aqr[..n * nh * vd];
     for h in 0..nh {
