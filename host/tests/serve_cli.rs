@@ -1081,6 +1081,15 @@ fn slots_keep_the_chats_that_take_turns() {
     drop(log);
 }
 
+/// The value of llama-server's metric `llamacpp:{name}` in `/metrics`' `text`.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
+        .unwrap_or_else(|| panic!("{name} in {text}"))
+        .parse()
+        .unwrap()
+}
+
 /// With `--parallel 3`, completions that arrive together run side by side
 /// (one pass of the model for all their next tokens, and the prompts'
 /// chunks in the room left: `/metrics` counts more than one completion a
@@ -1139,13 +1148,7 @@ fn completions_side_by_side_answer_as_alone() {
         });
         assert_eq!(together, alone, "-b {batch}");
         let (_, _, text) = three.request("GET", "/metrics", "");
-        let metric = |name: &str| -> f64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
-                .unwrap_or_else(|| panic!("{name} in {text}"))
-                .parse()
-                .unwrap()
-        };
+        let metric = |name: &str| metric(&text, name);
         assert!(
             metric("n_busy_slots_per_decode") > 1.0,
             "-b {batch}: {text}"
@@ -1277,13 +1280,7 @@ fn slots_and_metrics_report_the_work() {
     let (status, headers, text) = server.request("GET", "/metrics", "");
     assert_eq!(status, 200);
     assert!(headers.contains("text/plain"), "{headers}");
-    let metric = |name: &str| -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
-            .unwrap_or_else(|| panic!("{name} in {text}"))
-            .parse()
-            .unwrap()
-    };
+    let metric = |name: &str| metric(&text, name);
     let evaluated = prompt
         + (prompt
             - b["usage"]["prompt_tokens_details"]["cached_tokens"]
