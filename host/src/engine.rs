@@ -4,9 +4,9 @@
 use std::time::{Duration, Instant};
 
 use les_core::model::forward::{
-    forward_batch_at, forward_hybrid_at, forward_sequences, BatchScratch, Experts, ForwardError,
-    KvBuf, KvCache, KvLayout, KvRing, KvType, Lookahead, MatVec, Place, RecurrentState, Scratch,
-    Sequence, TokenInput,
+    forward_hybrid_at, forward_sequences, BatchScratch, Experts, ForwardError, KvBuf, KvCache,
+    KvLayout, KvRing, KvType, Lookahead, MatVec, Place, RecurrentState, Scratch, Sequence,
+    TokenInput,
 };
 
 use les_core::model::ops::MAX_F16_HEAD_DIM;
@@ -1008,50 +1008,7 @@ impl Session<'_> {
         places: &[InputPlace],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
-        let n = inputs.len();
-        if n > self.batch_positions {
-            return Err(ForwardError::Shape("more positions than the batch buffers"));
-        }
-        if !places.is_empty() && places.len() != n {
-            return Err(ForwardError::Shape("one place per input"));
-        }
-        // Each input's place, recorded as it is found (each depends on the
-        // ones before); all undone if a place or the pass fails.
-        let start = self.pos;
-        let mut at = Vec::with_capacity(n);
-        for j in 0..n {
-            let place = places.get(j).copied().unwrap_or(InputPlace::Text);
-            match self.next_place(place) {
-                Ok(p) => {
-                    self.advance(p, place);
-                    at.push(p);
-                }
-                Err(e) => {
-                    self.set_pos(start);
-                    return Err(ForwardError::Shape(e));
-                }
-            }
-        }
-        let rope: Vec<[u32; 4]> = at.iter().map(|p| p.rope).collect();
-        let rope = self.mrope().then_some(&rope[..]);
-        let (hp, hy) = (&self.model.hp, &self.model.hybrid);
-        let (mut kv, mut rs, mut s) = self.state.views(self.model, self.max_positions);
-        let mut b = BatchScratch::new(hp, hy, n, &mut self.batch_floats, &mut self.batch_ids)
-            .expect("batch buffers sized by set_prefill_batch");
-        let pass = forward_batch_at(
-            hp, hy, self.model, mv, experts, inputs, start, rope, &mut kv, &mut rs, &mut s, &mut b,
-            logits,
-        );
-        if let Err(e) = pass {
-            self.set_pos(start);
-            return Err(e);
-        }
-        if self.keep_hidden {
-            self.hidden.clear();
-            self.hidden.extend_from_slice(b.hidden(n));
-        }
-        self.places = at;
-        Ok(())
+        Self::eval_together_placed(&mut [self], mv, experts, &[inputs], &[places], logits)
     }
 
     /// Evaluates each session's inputs (`inputs[i]` for `sessions[i]`, one or
@@ -1059,12 +1016,13 @@ impl Session<'_> {
     /// ([`forward_sequences`]: every layer's experts asked for once for all
     /// the sessions, so that sequences decoded side by side read an expert
     /// they share once), and writes each session's last position's next-token
-    /// logits, in order (`logits` holds `sessions.len() * n_vocab` floats).
-    /// Each session is left with the logits, cache and state
-    /// [`eval_batch`](Self::eval_batch) of its inputs alone gives, bit for
-    /// bit. The sessions are of one model; the pass uses the first one's batch
-    /// buffers, so its [`prefill_batch`](Self::prefill_batch) must hold all
-    /// the inputs. On an error no session has moved.
+    /// logits, in order (`logits` holds `sessions.len() * n_vocab` floats), or
+    /// every position's (all the inputs' count times `n_vocab`). Each session
+    /// is left with the logits, cache and state [`eval`](Self::eval) of each
+    /// of its inputs in turn gives, bit for bit. The sessions are of one
+    /// model; the pass uses the first one's batch buffers, so its
+    /// [`prefill_batch`](Self::prefill_batch) must hold all the inputs (one
+    /// input needs none). On an error no session has moved.
     pub fn eval_together<M: MatVec, X: Experts>(
         sessions: &mut [&mut Session<'_>],
         mv: &mut M,
@@ -1097,11 +1055,10 @@ impl Session<'_> {
         }
         let total: usize = inputs.iter().map(|i| i.len()).sum();
         if total > sessions[0].batch_positions {
-            return Err(ForwardError::Shape(
-                "more positions than the first session's batch buffers",
-            ));
+            return Err(ForwardError::Shape("more positions than the batch buffers"));
         }
-        if logits.len() != inputs.len() * model.hp.n_vocab {
+        let n_vocab = model.hp.n_vocab;
+        if logits.len() != inputs.len() * n_vocab && logits.len() != total * n_vocab {
             return Err(ForwardError::Shape("logits length"));
         }
         let placed = |i: usize| places.get(i).copied().unwrap_or(&[]);
@@ -1113,11 +1070,13 @@ impl Session<'_> {
         }
         let place = |i: usize, j: usize| placed(i).get(j).copied().unwrap_or(InputPlace::Text);
         if let ([one], [[input]]) = (&mut *sessions, inputs) {
-            // One position: the one-position pass (no batch buffers needed).
-            return one.eval_placed(mv, experts, None, *input, place(0, 0), logits);
+            if one.batch_floats.is_empty() {
+                // One position and no batch buffers: the one-position pass.
+                return one.eval_placed(mv, experts, None, *input, place(0, 0), logits);
+            }
         }
-        // Each session's places, as `eval_batch_placed` finds them; the
-        // positions past the context fail in the pass, which undoes them all.
+        // Each input's place, recorded as it is found (each depends on the
+        // ones before); all undone if a place or the pass fails.
         let mut at: Vec<Vec<Place>> = Vec::with_capacity(inputs.len());
         let mut starts = Vec::with_capacity(inputs.len());
         for (i, (s, ins)) in sessions.iter_mut().zip(inputs).enumerate() {
@@ -1145,6 +1104,7 @@ impl Session<'_> {
             .zip(&at)
             .map(|(s, a)| s.mrope().then(|| a.iter().map(|p| p.rope).collect()))
             .collect();
+        let keep: Vec<bool> = sessions.iter().map(|s| s.keep_hidden).collect();
         let pass = {
             let (first, rest) = sessions.split_first_mut().expect("one session or more");
             let (hp, hy) = (&model.hp, &model.hybrid);
@@ -1177,20 +1137,25 @@ impl Session<'_> {
                 hp, hy, model, mv, experts, &flat, &mut seqs, &mut s, &mut b, logits,
             )
             .map(|()| {
-                // Each session's rows of the final hidden states.
-                let mut rows = Vec::with_capacity(inputs.len());
+                // The rows of the final hidden states of the sessions that
+                // keep them.
                 let mut from = 0;
-                for ins in inputs {
-                    rows.push(b.hidden(from + ins.len())[from * hp.n_embd..].to_vec());
-                    from += ins.len();
-                }
-                rows
+                inputs
+                    .iter()
+                    .zip(&keep)
+                    .map(|(ins, &kept)| {
+                        let row =
+                            kept.then(|| b.hidden(from + ins.len())[from * hp.n_embd..].to_vec());
+                        from += ins.len();
+                        row
+                    })
+                    .collect::<Vec<Option<Vec<f32>>>>()
             })
         };
         match pass {
             Ok(rows) => {
                 for ((s, places), row) in sessions.iter_mut().zip(at).zip(rows) {
-                    if s.keep_hidden {
+                    if let Some(row) = row {
                         s.hidden = row;
                     }
                     s.places = places;
