@@ -149,23 +149,29 @@ pub(super) fn decode_config(
     })
 }
 
-/// `run` of each of `pairs` (a schedule and a setting), `repeat` rounds
-/// interleaved (A B A B ...), so that slow drift of a shared machine affects
-/// every pair alike; each run noted before as `what(pair)` names it, and
-/// after with what `done` says of it. Each pair's runs, in order.
+/// `run` of each schedule with each setting (the pairs schedule by
+/// schedule), `repeat` rounds interleaved (A B A B ...), so that slow drift
+/// of a shared machine affects every pair alike; each run noted before as
+/// `what` names it, and after with what `done` says of it. Each pair's runs,
+/// in order.
 pub(super) fn interleaved<P: Copy, R>(
     repeat: u32,
-    pairs: &[P],
-    what: impl Fn(P) -> String,
-    mut run: impl FnMut(P) -> Result<R, Box<dyn Error>>,
+    schedules: &[Schedule],
+    settings: &[P],
+    what: impl Fn(Schedule, P) -> String,
+    mut run: impl FnMut(Schedule, P) -> Result<R, Box<dyn Error>>,
     done: impl Fn(&R) -> String,
 ) -> Result<Vec<Vec<R>>, Box<dyn Error>> {
+    let pairs: Vec<(Schedule, P)> = schedules
+        .iter()
+        .flat_map(|&s| settings.iter().map(move |&p| (s, p)))
+        .collect();
     let mut all: Vec<Vec<R>> = pairs.iter().map(|_| Vec::new()).collect();
     for round in 0..repeat {
-        for (i, &p) in pairs.iter().enumerate() {
-            let name = what(p);
+        for (i, &(s, p)) in pairs.iter().enumerate() {
+            let name = what(s, p);
             note!("les bench: {name} ({}/{repeat}) ...", round + 1);
-            let r = run(p)?;
+            let r = run(s, p)?;
             note!("les bench: {name}: {}", done(&r));
             all[i].push(r);
         }

@@ -25,16 +25,12 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         cfg.threads,
     );
     // Rounds of (schedule, count) runs, interleaved; each pair's median.
-    let pairs: Vec<(Schedule, usize)> = args
-        .schedules
-        .iter()
-        .flat_map(|&s| args.parallel.iter().map(move |&n| (s, n)))
-        .collect();
     let all = super::bench::interleaved(
         args.repeat,
-        &pairs,
-        |(s, n)| format!("{s}, {n} side by side"),
-        |(s, n)| run_parallel(&model, &args.model, &cfg, s, n),
+        &args.schedules,
+        &args.parallel,
+        |s, n| format!("{s}, {n} side by side"),
+        |s, n| run_parallel(&model, &args.model, &cfg, s, n),
         |r| format!("{:.2} tok/s", r.tok_s()),
     )?;
     let identical = same_sequences(all.iter().flatten());

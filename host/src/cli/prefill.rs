@@ -45,16 +45,12 @@ pub fn prefill(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Erro
         cfg.threads,
     );
     // Rounds of (schedule, batch) runs, interleaved; each pair's median.
-    let pairs: Vec<(Schedule, usize)> = args
-        .schedules
-        .iter()
-        .flat_map(|&s| args.prefill_batches.iter().map(move |&b| (s, b)))
-        .collect();
     let all = super::bench::interleaved(
         args.repeat,
-        &pairs,
-        |(s, b)| format!("prefill with {s}, batches of {b}"),
-        |(s, b)| run_prefill(&model, &args.model, &cfg, s, b),
+        &args.schedules,
+        &args.prefill_batches,
+        |s, b| format!("prefill with {s}, batches of {b}"),
+        |s, b| run_prefill(&model, &args.model, &cfg, s, b),
         |r| format!("{:.2} tok/s", r.tok_s()),
     )?;
     let first = &all[0][0].logits;

@@ -26,16 +26,12 @@ pub fn speculate(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Er
         super::bench::slots_summary(&model, &budget),
         cfg.threads,
     );
-    let pairs: Vec<(Schedule, bool)> = args
-        .schedules
-        .iter()
-        .flat_map(|&s| [(s, false), (s, true)])
-        .collect();
     let all = super::bench::interleaved(
         args.repeat,
-        &pairs,
-        |(s, spec)| format!("{s}, {}", if spec { mode.as_str() } else { "plain" }),
-        |(s, spec)| {
+        &args.schedules,
+        &[false, true],
+        |s, spec| format!("{s}, {}", if spec { mode.as_str() } else { "plain" }),
+        |s, spec| {
             run_speculative(
                 &model,
                 &args.model,
