@@ -870,9 +870,6 @@ fn deltanet_batch<M: MatVec, E>(
     n: usize,
     state: usize,
 ) -> Result<(), ForwardError<E>> {
-    for sq in seqs.iter_mut() {
-        deltanet_state::<E>(hp, hy, dw, sq.rs, state)?;
-    }
     let e = hp.n_embd;
     let (lq, lz, lb, la) = (s.d_qkv.len(), s.d_z.len(), s.d_beta.len(), s.d_alpha.len());
     let lo = s.d_out.len();
@@ -922,9 +919,6 @@ fn mamba2_batch<M: MatVec, E>(
         mamba2_step(hp, mw, mv, s, conv, ssm, pos);
         Ok(())
     };
-    for sq in seqs.iter_mut() {
-        mamba2_state::<E>(hp, hy, mw, sq.rs, state)?;
-    }
     projected_batch(
         hp,
         attn_norm,
@@ -960,9 +954,6 @@ fn shortconv_batch<M: MatVec, E>(
         shortconv_step(cw, s, conv, pos);
         Ok(())
     };
-    for sq in seqs.iter_mut() {
-        shortconv_state::<E>(hp, hy, cw, sq.rs, state)?;
-    }
     projected_batch(
         hp,
         attn_norm,
