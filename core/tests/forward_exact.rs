@@ -481,10 +481,31 @@ fn decode<X: Experts>(m: &Model, experts: &mut X, lookahead: Option<&Lookahead>)
 where
     X::Error: std::fmt::Debug,
 {
+    decode_tokens(m, experts, lookahead, &TOKENS)
+}
+
+/// `tokens` (at most as many as [`TOKENS`]) evaluated one position at a
+/// time: each position's logits.
+fn decode_tokens<X: Experts>(
+    m: &Model,
+    experts: &mut X,
+    lookahead: Option<&Lookahead>,
+    tokens: &[u32],
+) -> Vec<Vec<f32>>
+where
+    X::Error: std::fmt::Debug,
+{
     let hp = m.hp;
     let mut b = Buffers::new(&hp);
     let kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, TOKENS.len()).unwrap();
-    decode_over(m, experts, lookahead, kv, (&mut b.scratch, &mut b.quant))
+    decode_over(
+        m,
+        experts,
+        lookahead,
+        kv,
+        (&mut b.scratch, &mut b.quant),
+        tokens,
+    )
 }
 
 /// [`decode`] with an `f16` KV cache.
@@ -505,7 +526,14 @@ where
         TOKENS.len(),
     )
     .unwrap();
-    decode_over(m, experts, None, kv, (&mut b.scratch, &mut b.quant))
+    decode_over(
+        m,
+        experts,
+        None,
+        kv,
+        (&mut b.scratch, &mut b.quant),
+        &TOKENS,
+    )
 }
 
 fn decode_over<X: Experts>(
@@ -514,6 +542,7 @@ fn decode_over<X: Experts>(
     lookahead: Option<&Lookahead>,
     mut kv: KvCache<'_>,
     (scratch, quant): (&mut [f32], &mut QuantScratch),
+    tokens: &[u32],
 ) -> Vec<Vec<f32>>
 where
     X::Error: std::fmt::Debug,
@@ -521,7 +550,7 @@ where
     let hp = m.hp;
     let mut s = Scratch::new(&hp, scratch, TOKENS.len()).unwrap();
     let mut mv = quant.matvec();
-    TOKENS
+    tokens
         .iter()
         .enumerate()
         .map(|(pos, &t)| {
@@ -561,10 +590,7 @@ impl Decode for Decoder<'_> {
 }
 
 fn resident(m: &Model) -> Vec<Vec<f32>> {
-    let packed = m.packed(1);
-    let fmt = packed.format;
-    let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
-    decode(m, &mut ex, None)
+    alone(m, &TOKENS)
 }
 
 /// The logits, how often the supplier answered `Step::Pending`, and how many
@@ -958,35 +984,10 @@ const SEQ_PLANS: [&[SeqStep<'static>]; 3] = [
 
 /// `tokens` evaluated one position at a time with the experts resident.
 fn alone(m: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let hp = m.hp;
     let packed = m.packed(1);
     let fmt = packed.format;
     let mut ex = Resident::new(|l, e| fmt.matrices(packed.bytes(l, e)));
-    let mut b = Buffers::new(&hp);
-    let mut kv = KvCache::new(&hp, &mut b.kv_k, &mut b.kv_v, tokens.len()).unwrap();
-    let mut s = Scratch::new(&hp, &mut b.scratch, tokens.len()).unwrap();
-    let mut mv = b.quant.matvec();
-    let (s, kv) = (&mut s, &mut kv);
-    (0..tokens.len())
-        .map(|pos| {
-            let mut logits = vec![0f32; hp.n_vocab];
-            let input = TokenInput::Token(tokens[pos]);
-            forward(
-                &hp,
-                m,
-                &mut mv,
-                &mut ex,
-                None,
-                input,
-                pos,
-                kv,
-                s,
-                &mut logits,
-            )
-            .unwrap();
-            logits
-        })
-        .collect()
+    decode_tokens(m, &mut ex, None, tokens)
 }
 
 /// [`SEQ_TOKENS`] evaluated together as `plan` says, each sequence over its
