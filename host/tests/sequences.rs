@@ -18,7 +18,6 @@ use les::model::Model;
 use les::supply::{Schedule, SlotBudget, Supply};
 use les_core::gemv::Isa;
 use les_core::model::forward::TokenInput;
-use les_core::slot_classes::plan_by_count;
 
 /// A packed tiny model of `arch`.
 fn packed(arch: &str) -> PathBuf {
@@ -52,16 +51,7 @@ fn passes(n_vocab: u32) -> Vec<[Vec<u32>; 3]> {
 /// streamed through `slots` slots by `schedule`.
 fn run(path: &Path, slots: Option<usize>, schedule: Schedule, together: bool) -> Vec<Vec<u32>> {
     let model = Model::open(path).unwrap();
-    let top_k = model.hp.moe.map_or(1, |m| m.top_k) as u32;
-    let budget = SlotBudget {
-        classes: match slots {
-            Some(n) => plan_by_count(model.expert_size_groups(), n as u32, top_k)
-                .unwrap()
-                .to_vec(),
-            None => Vec::new(),
-        },
-        io: FileDeviceConfig::default(),
-    };
+    let budget = cli::slot_budget(&model, slots);
     let mut supply = Supply::new(&model, path, schedule, budget).unwrap();
     let mut mv = ThreadedMatVec::new(2, Isa::detect());
     let n_vocab = model.hp.n_vocab;

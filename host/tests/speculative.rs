@@ -28,7 +28,6 @@ use les::tokenizer::Tokenizer;
 use les_core::gemv::Isa;
 use les_core::model::forward::{Lookahead, Place, TokenInput};
 use les_core::router::{LayerMask, PredictorConfig};
-use les_core::slot_classes::plan_by_count;
 
 /// Tokens generated per run.
 const GENERATE: usize = 24;
@@ -155,16 +154,7 @@ fn generate(
     batch: usize,
 ) -> (Run, GenStats) {
     let model = Model::open(path).unwrap();
-    let top_k = model.hp.moe.unwrap().top_k as u32;
-    let budget = SlotBudget {
-        classes: match slots {
-            Some(n) => plan_by_count(model.expert_size_groups(), n as u32, top_k)
-                .unwrap()
-                .to_vec(),
-            None => Vec::new(),
-        },
-        io: FileDeviceConfig::default(),
-    };
+    let budget = cli::slot_budget(&model, slots);
     let mut supply = Supply::new(&model, path, schedule, budget).unwrap();
     let mut mv = ThreadedMatVec::new(2, Isa::detect());
     let la = Lookahead {

@@ -222,6 +222,23 @@ pub fn npy(path: &Path) -> (usize, usize, Vec<u8>) {
     (shape[0], shape[1], data)
 }
 
+/// Expert slots for `model`: `slots` of them split across its expert sizes
+/// by their expert counts (as `--slots N`), or none (`None`: resident).
+pub fn slot_budget(model: &les::model::Model, slots: Option<usize>) -> les::supply::SlotBudget {
+    let top_k = model.hp.moe.map_or(1, |m| m.top_k) as u32;
+    les::supply::SlotBudget {
+        classes: match slots {
+            Some(n) => {
+                les_core::slot_classes::plan_by_count(model.expert_size_groups(), n as u32, top_k)
+                    .unwrap()
+                    .to_vec()
+            }
+            None => Vec::new(),
+        },
+        io: les::flash::FileDeviceConfig::default(),
+    }
+}
+
 /// `les pack input -o output`, which must succeed.
 pub fn pack(input: &Path, output: &Path) {
     let out = les()
