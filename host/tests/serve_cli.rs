@@ -1081,6 +1081,16 @@ fn slots_keep_the_chats_that_take_turns() {
     drop(log);
 }
 
+/// The first item of the array `list` whose `type` is `ty` (an Anthropic
+/// content block, a Responses output item).
+fn of_type<'v>(list: &'v Value, ty: &str) -> &'v Value {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"))
+        .iter()
+        .find(|o| o["type"] == ty)
+        .unwrap_or_else(|| panic!("no {ty} in {list}"))
+}
+
 /// The value of llama-server's metric `llamacpp:{name}` in `/metrics`' `text`.
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
@@ -1398,12 +1408,7 @@ fn anthropic_messages_answer_as_chat_completions() {
     let (status, v) = server.post("/v1/messages", &call);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["stop_reason"], "tool_use", "{v}");
-    let block = v["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["type"] == "tool_use")
-        .unwrap();
+    let block = of_type(&v["content"], "tool_use");
     assert_eq!(block["name"], "get_weather");
     assert!(
         ["Paris", "Rome"].contains(&block["input"]["city"].as_str().unwrap()),
@@ -1530,13 +1535,7 @@ fn openai_responses_answer_as_chat_completions() {
     let (status, v) = server.post("/v1/responses", &call);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["status"], "completed", "{v}");
-    let item = v["output"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o["type"] == "function_call")
-        .unwrap_or_else(|| panic!("no call in {v}"))
-        .clone();
+    let item = of_type(&v["output"], "function_call");
     assert_eq!(item["name"], "get_weather");
     assert!(item["call_id"].as_str().unwrap().starts_with("call_"));
     let args: Value = serde_json::from_str(item["arguments"].as_str().unwrap()).unwrap();
