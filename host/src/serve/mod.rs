@@ -1278,8 +1278,8 @@ fn answered(
     {
         let mut a = about.activity();
         if let Some(s) = slot {
-            if let (Some(entry), Some(&held)) = (a.slots.get_mut(s), engine.slots_held().get(s)) {
-                *entry = (held, false);
+            if let (Some(entry), Some(done)) = (a.slots.get_mut(s), engine.slots.get(s)) {
+                *entry = (done.held.len(), false);
             }
         }
         if let Ok(f) = &result {
