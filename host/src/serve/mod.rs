@@ -1456,7 +1456,6 @@ impl<'m> Engine<'m> {
                     at[0].first().copied().unwrap_or(InputPlace::Text),
                     lg,
                 ),
-                [one] => one.eval_batch_placed(&mut self.mv, &mut self.supply, ins[0], at[0], lg),
                 _ => {
                     // Those with nothing this round sit it out.
                     let mut with: Vec<&mut Session<'m>> = Vec::with_capacity(ss.len());
