@@ -953,32 +953,31 @@ fn batches_routed_before_attention_read_before_it() {
 const SEQ_TOKENS: [&[u32]; 3] = [&TOKENS, &[9, 4, 31, 2, 17, 8], &[22, 22, 0, 13, 5, 39]];
 
 /// One pass of [`together`]: the sequences' next positions, `(sequence,
-/// count)` in the pass's order, and whether every position's logits are
-/// asked for (else each sequence's last).
-type SeqStep<'a> = (&'a [(usize, usize)], bool);
+/// count, every)` in the pass's order, `every` asking for each of the
+/// sequence's positions' logits (else its last's).
+type SeqStep<'a> = &'a [(usize, usize, bool)];
+
+/// A position of each sequence.
+const SIDE_BY_SIDE: SeqStep<'static> = &[(0, 1, false), (1, 1, false), (2, 1, false)];
 
 /// Ways to evaluate [`SEQ_TOKENS`] together, each covering them all.
 const SEQ_PLANS: [&[SeqStep<'static>]; 3] = [
     // Decoding side by side, one position of each a pass.
+    &[SIDE_BY_SIDE; 6],
+    // Prompts of different lengths, then out of order, then every position
+    // of both, then one sequence's every position beside another's last.
     &[
-        (&[(0, 1), (1, 1), (2, 1)], false),
-        (&[(0, 1), (1, 1), (2, 1)], false),
-        (&[(0, 1), (1, 1), (2, 1)], false),
-        (&[(0, 1), (1, 1), (2, 1)], false),
-        (&[(0, 1), (1, 1), (2, 1)], false),
-        (&[(0, 1), (1, 1), (2, 1)], false),
+        &[(0, 3, false), (1, 2, false), (2, 3, false)],
+        &[(1, 1, false), (0, 1, false), (2, 1, false)],
+        &[(0, 1, true), (1, 2, true)],
+        &[(2, 2, true), (0, 1, false), (1, 1, false)],
     ],
-    // Prompts of different lengths, then out of order, then every position.
+    // One sequence alone, then the others joining and leaving, verifying
+    // beside others' prompts.
     &[
-        (&[(0, 3), (1, 2), (2, 4)], false),
-        (&[(1, 1), (0, 1), (2, 2)], false),
-        (&[(0, 2), (1, 3)], true),
-    ],
-    // One sequence alone, then the others joining and leaving.
-    &[
-        (&[(1, 6)], false),
-        (&[(2, 1), (0, 2)], true),
-        (&[(2, 5), (0, 4)], false),
+        &[(1, 6, false)],
+        &[(2, 1, false), (0, 2, true)],
+        &[(2, 5, false), (0, 4, true)],
     ],
 ];
 
@@ -1018,10 +1017,10 @@ where
     let mut mv = Grouped(shared.quant.matvec(), 3);
     let mut pos = [0usize; 3];
     let mut out = Vec::new();
-    for &(step, every) in plan {
+    for &step in plan {
         let inputs: Vec<TokenInput<'_>> = step
             .iter()
-            .flat_map(|&(q, c)| SEQ_TOKENS[q][pos[q]..pos[q] + c].iter())
+            .flat_map(|&(q, c, _)| SEQ_TOKENS[q][pos[q]..pos[q] + c].iter())
             .map(|&t| TokenInput::Token(t))
             .collect();
         let mut by_seq: Vec<Option<Sequence<'_, '_, '_>>> = kvs
@@ -1029,21 +1028,25 @@ where
             .zip(rss.iter_mut())
             .enumerate()
             .map(|(q, (kv, rs))| {
-                let &(_, len) = step.iter().find(|e| e.0 == q)?;
+                let &(_, len, every) = step.iter().find(|e| e.0 == q)?;
                 Some(Sequence {
                     len,
                     pos: pos[q],
                     rope: None,
                     kv,
                     rs,
+                    every,
                 })
             })
             .collect();
         let mut seqs: Vec<Sequence<'_, '_, '_>> = step
             .iter()
-            .map(|&(q, _)| by_seq[q].take().unwrap())
+            .map(|&(q, _, _)| by_seq[q].take().unwrap())
             .collect();
-        let rows = if every { inputs.len() } else { step.len() };
+        let rows: usize = step
+            .iter()
+            .map(|&(_, c, every)| if every { c } else { 1 })
+            .sum();
         let mut logits = vec![0f32; rows * hp.n_vocab];
         forward_sequences(
             &hp,
@@ -1059,7 +1062,7 @@ where
         )
         .unwrap();
         let mut rows = logits.chunks_exact(hp.n_vocab);
-        for &(q, c) in step {
+        for &(q, c, every) in step {
             let reported = if every {
                 pos[q]..pos[q] + c
             } else {
@@ -1150,9 +1153,9 @@ fn sequences_together_equal_each_alone() {
 
 /// A random way to evaluate [`SEQ_TOKENS`] together: passes of a random
 /// subset of the sequences (at least one), each taking a random count of its
-/// next positions, in a random order, asking for every position's logits or
-/// each sequence's last.
-fn random_plan(seed: u64) -> Vec<(Vec<(usize, usize)>, bool)> {
+/// next positions, in a random order, each asking for every one of its
+/// positions' logits or its last's.
+fn random_plan(seed: u64) -> Vec<Vec<(usize, usize, bool)>> {
     let mut rng = Rng(seed);
     let mut left: Vec<usize> = SEQ_TOKENS.iter().map(|t| t.len()).collect();
     let mut plan = Vec::new();
@@ -1160,19 +1163,23 @@ fn random_plan(seed: u64) -> Vec<(Vec<(usize, usize)>, bool)> {
         let mut step = Vec::new();
         for (q, &n) in left.iter().enumerate() {
             if n > 0 && !rng.next().is_multiple_of(3) {
-                step.push((q, 1 + (rng.next() as usize) % n));
+                step.push((
+                    q,
+                    1 + (rng.next() as usize) % n,
+                    rng.next().is_multiple_of(2),
+                ));
             }
         }
         if step.is_empty() {
             let q = left.iter().position(|&n| n > 0).unwrap();
-            step.push((q, left[q]));
+            step.push((q, left[q], rng.next().is_multiple_of(2)));
         }
         let turn = (rng.next() as usize) % step.len();
         step.rotate_left(turn);
-        for &(q, c) in &step {
+        for &(q, c, _) in &step {
             left[q] -= c;
         }
-        plan.push((step, rng.next().is_multiple_of(2)));
+        plan.push(step);
     }
     plan
 }
@@ -1185,7 +1192,7 @@ proptest::proptest! {
     #[test]
     fn random_plans_of_sequences_equal_each_alone(seed in proptest::prelude::any::<u64>()) {
         let plan = random_plan(seed);
-        let steps: Vec<SeqStep<'_>> = plan.iter().map(|(s, e)| (&s[..], *e)).collect();
+        let steps: Vec<SeqStep<'_>> = plan.iter().map(|s| &s[..]).collect();
         let (ty, ety, flavor) = VARIANTS[(seed % VARIANTS.len() as u64) as usize];
         let m = build_with(11, ty, ety, flavor);
         let packed = m.packed(1);
@@ -1205,7 +1212,7 @@ proptest::proptest! {
 
 /// Sequences `forward_sequences` cannot serve are errors, not panics: none,
 /// one of no inputs, counts that do not add up to the inputs, one past its
-/// context, logits for neither each sequence nor every position.
+/// context, logits of another count of rows than the sequences ask for.
 #[test]
 fn forward_sequences_rejects_what_it_cannot_do() {
     let m = build(
@@ -1229,22 +1236,26 @@ fn forward_sequences_rejects_what_it_cannot_do() {
     let mut ids = vec![0u16; BatchScratch::ids(&hp, &hy, 4)];
     let mut bs = BatchScratch::new(&hp, &hy, 4, &mut floats, &mut ids).unwrap();
     let inputs: Vec<TokenInput<'_>> = TOKENS.iter().map(|&t| TokenInput::Token(t)).collect();
-    // (inputs, first's count and position, second's count, logits rows)
-    let cases: [(usize, usize, usize, Option<usize>, usize); 6] = [
-        (0, 0, 0, None, 0),
-        (2, 0, 0, Some(2), 2),
-        (3, 1, 0, Some(1), 2),
-        (3, 2, n - 1, Some(1), 2),
-        (3, 2, 0, Some(1), 1),
-        (3, 2, 0, Some(1), 4),
+    // (inputs, first's count, position and every, second's count, logits
+    // rows)
+    let cases: [(usize, usize, usize, bool, Option<usize>, usize); 8] = [
+        (0, 0, 0, false, None, 0),
+        (2, 0, 0, false, Some(2), 2),
+        (3, 1, 0, false, Some(1), 2),
+        (3, 2, n - 1, false, Some(1), 2),
+        (3, 2, 0, false, Some(1), 1),
+        (3, 2, 0, false, Some(1), 3),
+        (3, 2, 0, true, Some(1), 2),
+        (3, 2, 0, true, Some(1), 4),
     ];
-    for (count, len0, pos0, len1, rows) in cases {
+    for (count, len0, pos0, every, len1, rows) in cases {
         let mut seqs = vec![Sequence {
             len: len0,
             pos: pos0,
             rope: None,
             kv: &mut kv0,
             rs: &mut rs0,
+            every,
         }];
         if let Some(len) = len1 {
             seqs.push(Sequence {
@@ -1253,6 +1264,7 @@ fn forward_sequences_rejects_what_it_cannot_do() {
                 rope: None,
                 kv: &mut kv1,
                 rs: &mut rs1,
+                every: false,
             });
         }
         let r = forward_sequences(
@@ -1269,7 +1281,7 @@ fn forward_sequences_rejects_what_it_cannot_do() {
         );
         assert!(
             r.is_err(),
-            "{count} inputs as {len0} at {pos0} and {len1:?}, {rows} rows"
+            "{count} inputs as {len0} at {pos0} (every: {every}) and {len1:?}, {rows} rows"
         );
     }
     let r = forward_sequences(

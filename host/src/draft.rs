@@ -50,6 +50,13 @@ pub trait Drafter {
         false
     }
 
+    /// A new drafter of the same kind for another sequence, where drafting
+    /// for several at once costs nothing more (prompt lookup); `None` where
+    /// it keeps one sequence's state of its own (a draft model's cache).
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        None
+    }
+
     /// Sees positions that the model evaluated and keeps: where each sat
     /// (`places`: its cache index and M-RoPE positions, consecutive indices),
     /// their inputs and final hidden states (before the output norm, `n_embd`
@@ -135,6 +142,10 @@ impl NgramDrafter {
 }
 
 impl Drafter for NgramDrafter {
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(NgramDrafter::new(self.min_n, self.max_n)))
+    }
+
     fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
         out.clear();
         self.catch_up(history);

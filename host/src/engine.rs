@@ -116,6 +116,30 @@ pub struct Session<'m> {
     swa: SwaCache,
 }
 
+/// One session's part of a pass over several
+/// ([`Session::eval_together_placed`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SessionInputs<'a, 'i> {
+    /// Its inputs, at its next positions (one or more).
+    pub inputs: &'a [TokenInput<'i>],
+    /// Where they sit: one place an input, or none (all text).
+    pub places: &'a [InputPlace],
+    /// Whether each of its positions gets next-token logits (verifying a
+    /// draft), or only its last.
+    pub every: bool,
+}
+
+impl SessionInputs<'_, '_> {
+    /// Rows of next-token logits it gets.
+    fn logit_rows(&self) -> usize {
+        if self.every {
+            self.inputs.len()
+        } else {
+            1
+        }
+    }
+}
+
 /// Where an input of a prompt sits, for models that rotate by M-RoPE
 /// sections (Qwen3-VL, Qwen3.5), as llama.cpp's `mtmd` places them; other
 /// models place every input at its index. With `t` the temporal position
@@ -1008,7 +1032,13 @@ impl Session<'_> {
         places: &[InputPlace],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
-        Self::eval_together_placed(&mut [self], mv, experts, &[inputs], &[places], logits)
+        let every = inputs.len() > 1 && logits.len() == inputs.len() * self.model.hp.n_vocab;
+        let part = SessionInputs {
+            inputs,
+            places,
+            every,
+        };
+        Self::eval_together_placed(&mut [self], mv, experts, &[part], logits)
     }
 
     /// Evaluates each session's inputs (`inputs[i]` for `sessions[i]`, one or
@@ -1030,59 +1060,70 @@ impl Session<'_> {
         inputs: &[&[TokenInput<'_>]],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
-        Self::eval_together_placed(sessions, mv, experts, inputs, &[], logits)
+        let total: usize = inputs.iter().map(|i| i.len()).sum();
+        let n_vocab = sessions.first().map_or(0, |s| s.model.hp.n_vocab);
+        let every = total > inputs.len() && logits.len() == total * n_vocab;
+        let parts: Vec<SessionInputs<'_, '_>> = inputs
+            .iter()
+            .map(|&inputs| SessionInputs {
+                inputs,
+                places: &[],
+                every,
+            })
+            .collect();
+        Self::eval_together_placed(sessions, mv, experts, &parts, logits)
     }
 
-    /// [`eval_together`](Self::eval_together) of inputs placed as `places`
-    /// says: none (all text), or one list a session, each empty (text) or
-    /// one place an input (image embeddings of an M-RoPE model).
+    /// [`eval_together`](Self::eval_together) with each session's inputs
+    /// placed as its [`SessionInputs`] says, and its last position's logits
+    /// or every one's ([`SessionInputs::every`]), back to back in order:
+    /// `logits` holds that many rows of `n_vocab` floats.
     pub fn eval_together_placed<M: MatVec, X: Experts>(
         sessions: &mut [&mut Session<'_>],
         mv: &mut M,
         experts: &mut X,
-        inputs: &[&[TokenInput<'_>]],
-        places: &[&[InputPlace]],
+        parts: &[SessionInputs<'_, '_>],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
         let Some(model) = sessions.first().map(|s| s.model) else {
             return Err(ForwardError::Shape("no sessions"));
         };
-        if inputs.len() != sessions.len() || inputs.iter().any(|i| i.is_empty()) {
+        if parts.len() != sessions.len() || parts.iter().any(|p| p.inputs.is_empty()) {
             return Err(ForwardError::Shape("one or more inputs for each session"));
         }
         if sessions.iter().any(|s| !std::ptr::eq(s.model, model)) {
             return Err(ForwardError::Shape("sessions of different models"));
         }
-        let total: usize = inputs.iter().map(|i| i.len()).sum();
+        let total: usize = parts.iter().map(|p| p.inputs.len()).sum();
         if total > sessions[0].batch_positions {
             return Err(ForwardError::Shape("more positions than the batch buffers"));
         }
-        let n_vocab = model.hp.n_vocab;
-        if logits.len() != inputs.len() * n_vocab && logits.len() != total * n_vocab {
+        let rows: usize = parts.iter().map(SessionInputs::logit_rows).sum();
+        if logits.len() != rows * model.hp.n_vocab {
             return Err(ForwardError::Shape("logits length"));
         }
-        let placed = |i: usize| places.get(i).copied().unwrap_or(&[]);
-        if (!places.is_empty() && places.len() != inputs.len())
-            || (0..inputs.len())
-                .any(|i| !placed(i).is_empty() && placed(i).len() != inputs[i].len())
+        if parts
+            .iter()
+            .any(|p| !p.places.is_empty() && p.places.len() != p.inputs.len())
         {
             return Err(ForwardError::Shape("one place per input"));
         }
-        let place = |i: usize, j: usize| placed(i).get(j).copied().unwrap_or(InputPlace::Text);
-        if let ([one], [[input]]) = (&mut *sessions, inputs) {
-            if one.batch_floats.is_empty() {
+        let place =
+            |i: usize, j: usize| parts[i].places.get(j).copied().unwrap_or(InputPlace::Text);
+        if let ([one], [part]) = (&mut *sessions, parts) {
+            if let ([input], true) = (part.inputs, one.batch_floats.is_empty()) {
                 // One position and no batch buffers: the one-position pass.
                 return one.eval_placed(mv, experts, None, *input, place(0, 0), logits);
             }
         }
         // Each input's place, recorded as it is found (each depends on the
         // ones before); all undone if a place or the pass fails.
-        let mut at: Vec<Vec<Place>> = Vec::with_capacity(inputs.len());
-        let mut starts = Vec::with_capacity(inputs.len());
-        for (i, (s, ins)) in sessions.iter_mut().zip(inputs).enumerate() {
+        let mut at: Vec<Vec<Place>> = Vec::with_capacity(parts.len());
+        let mut starts = Vec::with_capacity(parts.len());
+        for (i, (s, part)) in sessions.iter_mut().zip(parts).enumerate() {
             starts.push(s.pos);
-            let mut places = Vec::with_capacity(ins.len());
-            for j in 0..ins.len() {
+            let mut places = Vec::with_capacity(part.inputs.len());
+            for j in 0..part.inputs.len() {
                 match s.next_place(place(i, j)) {
                     Ok(p) => {
                         s.advance(p, place(i, j));
@@ -1119,20 +1160,24 @@ impl Session<'_> {
                     (kv, rs)
                 })
                 .collect();
-            let mut seqs: Vec<Sequence<'_, '_, '_>> = Vec::with_capacity(inputs.len());
+            let mut seqs: Vec<Sequence<'_, '_, '_>> = Vec::with_capacity(parts.len());
             let kvs = std::iter::once((&mut kv0, &mut rs0))
                 .chain(views.iter_mut().map(|(kv, rs)| (kv, rs)));
-            for (((kv, rs), start), (ins, rope)) in kvs.zip(&starts).zip(inputs.iter().zip(&ropes))
+            for (((kv, rs), start), (part, rope)) in kvs.zip(&starts).zip(parts.iter().zip(&ropes))
             {
                 seqs.push(Sequence {
-                    len: ins.len(),
+                    len: part.inputs.len(),
                     pos: *start,
                     rope: rope.as_deref(),
                     kv,
                     rs,
+                    every: part.every,
                 });
             }
-            let flat: Vec<TokenInput<'_>> = inputs.iter().flat_map(|i| i.iter().copied()).collect();
+            let flat: Vec<TokenInput<'_>> = parts
+                .iter()
+                .flat_map(|p| p.inputs.iter().copied())
+                .collect();
             forward_sequences(
                 hp, hy, model, mv, experts, &flat, &mut seqs, &mut s, &mut b, logits,
             )
@@ -1140,13 +1185,13 @@ impl Session<'_> {
                 // The rows of the final hidden states of the sessions that
                 // keep them.
                 let mut from = 0;
-                inputs
+                parts
                     .iter()
                     .zip(&keep)
-                    .map(|(ins, &kept)| {
-                        let row =
-                            kept.then(|| b.hidden(from + ins.len())[from * hp.n_embd..].to_vec());
-                        from += ins.len();
+                    .map(|(part, &kept)| {
+                        let to = from + part.inputs.len();
+                        let row = kept.then(|| b.hidden(to)[from * hp.n_embd..].to_vec());
+                        from = to;
                         row
                     })
                     .collect::<Vec<Option<Vec<f32>>>>()
@@ -1183,21 +1228,34 @@ impl Session<'_> {
         tokens: &[TokenInput<'_>],
         logits: &mut [f32],
     ) -> Result<(), ForwardError<X::Error>> {
-        if tokens.len() > self.verify_positions() {
-            return Err(ForwardError::Shape("a draft longer than set_max_draft"));
-        }
-        if !self.saved_conv.is_empty() || !self.saved_ssm.is_empty() {
-            self.saved_conv.copy_from_slice(&self.state.conv_state);
-            self.saved_ssm.copy_from_slice(&self.state.ssm_state);
-        }
+        self.save_for_keep(tokens.len())
+            .map_err(ForwardError::Shape)?;
         match tokens {
             [one] => self.eval(mv, experts, None, *one, logits),
             _ => self.eval_batch(mv, experts, tokens, logits),
         }
     }
 
+    /// Saves what [`keep`](Self::keep) needs to drop some of the next
+    /// `positions` (a token and its draft, at most
+    /// [`max_draft`](Self::max_draft) + 1) once evaluated: a copy of the
+    /// recurrent state (a KV cache needs none). [`verify`](Self::verify) calls
+    /// it; call it before a draft of this session is verified in a pass of
+    /// several ([`eval_together_placed`](Self::eval_together_placed)).
+    pub fn save_for_keep(&mut self, positions: usize) -> Result<(), &'static str> {
+        if positions > self.verify_positions() {
+            return Err("a draft longer than set_max_draft");
+        }
+        if !self.saved_conv.is_empty() || !self.saved_ssm.is_empty() {
+            self.saved_conv.copy_from_slice(&self.state.conv_state);
+            self.saved_ssm.copy_from_slice(&self.state.ssm_state);
+        }
+        Ok(())
+    }
+
     /// Keeps the first `kept` of the positions the last [`verify`](Self::verify)
-    /// of `tokens` evaluated and drops the rest, leaving the session as if only
+    /// of `tokens` (or pass after [`save_for_keep`](Self::save_for_keep))
+    /// evaluated and drops the rest, leaving the session as if only
     /// `tokens[..kept]` had been evaluated. The KV cache needs nothing (later
     /// positions are overwritten); a recurrent state is restored from before the
     /// pass and `tokens[..kept]` evaluated again.
@@ -1378,24 +1436,17 @@ pub fn generate_from<M: MatVec, X: Experts>(
     )?;
     stats.prefill = start.elapsed();
     let start = Instant::now();
-    // The sequence so far, for the drafter (an embedding is `n_vocab`, no token).
-    let mut history: Vec<u32> = match &spec {
-        Some(sp) => sp
-            .context
-            .iter()
-            .copied()
-            .chain(prompt.iter().map(|i| match i {
-                TokenInput::Token(t) => *t,
-                TokenInput::Embedding(_) => n_vocab as u32,
-            }))
-            .collect(),
-        None => Vec::new(),
-    };
     let max_draft = spec
         .as_ref()
         .map_or(0, |s| s.max_draft.min(session.max_draft));
-    let mut control = DraftLength::default();
-    let adaptive = spec.as_ref().is_some_and(|s| s.adaptive);
+    let mut drafting = spec.as_ref().map(|sp| {
+        let prompt = prompt.iter().map(|i| match i {
+            TokenInput::Token(t) => *t,
+            TokenInput::Embedding(_) => n_vocab as u32,
+        });
+        let history = sp.context.iter().copied().chain(prompt).collect();
+        Drafting::new(history, max_draft, sp.adaptive, n_vocab)
+    });
     let mut verified = vec![
         0f32;
         if max_draft > 0 {
@@ -1404,7 +1455,6 @@ pub fn generate_from<M: MatVec, X: Experts>(
             0
         }
     ];
-    let mut draft = Vec::with_capacity(max_draft);
     let mut batch: Vec<TokenInput<'_>> = Vec::with_capacity(max_draft + 1);
     // `token` is sampled (and handed out) but not evaluated yet.
     let mut token = None;
@@ -1424,93 +1474,42 @@ pub fn generate_from<M: MatVec, X: Experts>(
         let room = (n - stats.generated - 1)
             .min(session.max_positions.saturating_sub(session.pos + 1))
             .min(max_draft);
-        // How many tokens to ask for: what pays (adaptive), else all there is
-        // room for; a guess of one token now and then while none pays, to
-        // keep measuring how often guesses agree.
-        let want = if adaptive { control.length(room) } else { room };
-        let ask = if want == 0 && room > 0 && control.probe() {
-            1
-        } else {
-            want
-        };
-        draft.clear();
-        if let Some(sp) = spec.as_mut().filter(|_| ask > 0) {
-            history.push(t);
-            let t0 = Instant::now();
-            sp.drafter.draft(&history, ask, &mut draft);
-            control.drafting(draft.len(), t0.elapsed());
-            history.pop();
-            let real = draft
-                .iter()
-                .take_while(|&&d| (d as usize) < n_vocab)
-                .count();
-            draft.truncate(real.min(ask));
-        }
-        // The guess's first token, checked against the sample when it is not
-        // verified.
-        let guess = draft.first().copied();
-        draft.truncate(want);
-        if draft.is_empty() {
-            let t0 = Instant::now();
-            session.eval(mv, experts, lookahead, TokenInput::Token(t), &mut logits)?;
-            control.single_pass(t0.elapsed());
-            stats.passes += 1;
-            if let Some(sp) = spec.as_mut().filter(|_| watch) {
-                let (places, hidden) = (session.last_places(), session.hidden());
-                sp.drafter.observe(places, &[TokenInput::Token(t)], hidden);
-            }
-            if spec.is_some() {
-                history.push(t);
-            }
-            let next = sample(&logits);
-            stats.generated += 1;
-            if let Some(g) = guess {
-                control.judged(g == next);
-            }
-            if let Control::Continue = on_token(next, &logits) {
-                token = Some(next);
-            }
-            continue;
-        }
         batch.clear();
         batch.push(TokenInput::Token(t));
-        batch.extend(draft.iter().map(|&d| TokenInput::Token(d)));
-        let all = &mut verified[..batch.len() * n_vocab];
+        if let (Some(d), Some(sp)) = (drafting.as_mut(), spec.as_mut()) {
+            let draft = d.draft(&mut *sp.drafter, t, room);
+            batch.extend(draft.iter().map(|&g| TokenInput::Token(g)));
+        }
         let t0 = Instant::now();
-        session.verify(mv, experts, &batch, all)?;
-        control.verify_pass(draft.len(), t0.elapsed());
-        stats.verify_passes += 1;
+        let rows = if let [one] = batch[..] {
+            session.eval(mv, experts, lookahead, one, &mut logits)?;
+            &logits[..]
+        } else {
+            let all = &mut verified[..batch.len() * n_vocab];
+            session.verify(mv, experts, &batch, all)?;
+            stats.verify_passes += 1;
+            stats.drafted += batch.len() - 1;
+            &verified[..batch.len() * n_vocab]
+        };
+        let took = t0.elapsed();
         stats.passes += 1;
-        stats.drafted += draft.len();
-        history.push(t);
-        // Sample at each verified position; position j's logits follow
-        // `batch[..=j]`, so they stand while every draft token before agreed.
-        let mut kept = batch.len();
-        for (j, lg) in all.chunks_exact(n_vocab).enumerate() {
+        let mut take = |lg: &[f32]| {
             let next = sample(lg);
             stats.generated += 1;
             let go_on = matches!(on_token(next, lg), Control::Continue);
-            let agreed = draft.get(j) == Some(&next);
-            if j < draft.len() {
-                control.judged(agreed);
-            }
-            if agreed {
-                stats.accepted += 1;
-                history.push(next);
-            }
-            if !agreed || !go_on || stats.generated >= n {
-                // Positions `..=j` stand; `next` is sampled, not evaluated.
-                kept = j + 1;
-                if go_on && !agreed {
-                    token = Some(next);
-                }
-                break;
-            }
-        }
-        session.keep(mv, experts, &batch, kept)?;
+            (next, go_on && stats.generated < n)
+        };
+        let settled = match drafting.as_mut() {
+            Some(d) => d.settle(t, rows, took, &mut take),
+            None => Settled::plain(take(rows)),
+        };
+        stats.accepted += settled.accepted;
+        token = settled.next;
+        session.keep(mv, experts, &batch, settled.kept)?;
         if let Some(sp) = spec.as_mut().filter(|_| watch) {
-            // The verifying pass's rows, or the replay's of the kept ones.
+            // The pass's rows, or the replay's of the kept ones.
             let e = session.model.hp.n_embd;
+            let kept = settled.kept;
             let places = &session.last_places()[..kept];
             sp.drafter
                 .observe(places, &batch[..kept], &session.hidden()[..kept * e]);
@@ -1518,6 +1517,149 @@ pub fn generate_from<M: MatVec, X: Experts>(
     }
     stats.decode = start.elapsed();
     Ok(stats)
+}
+
+/// One sequence's speculative decoding as it goes ([`generate_from`]'s, or a
+/// completion's of `les serve` side by side with others): the sequence so
+/// far (what its drafter sees), the draft of the next pass, and how long a
+/// draft pays ([`DraftLength`]).
+pub(crate) struct Drafting {
+    /// The sequence so far; `n_vocab` stands for an image embedding.
+    history: Vec<u32>,
+    max_draft: usize,
+    adaptive: bool,
+    n_vocab: usize,
+    control: DraftLength,
+    /// The draft after the token the next pass evaluates.
+    draft: Vec<u32>,
+    /// The first token guessed, judged against the sample where it is not
+    /// verified (a probe).
+    guess: Option<u32>,
+}
+
+/// What a pass over a token and its draft settled ([`Drafting::settle`]).
+pub(crate) struct Settled {
+    /// How many of the pass's positions stand.
+    pub kept: usize,
+    /// The token sampled last, to evaluate next (`None`: the sequence ends).
+    pub next: Option<u32>,
+    /// Draft tokens the samples agreed with.
+    pub accepted: usize,
+}
+
+impl Settled {
+    /// A pass of no draft, whose one sample is `(token, go_on)`.
+    pub(crate) fn plain((next, go_on): (u32, bool)) -> Self {
+        Settled {
+            kept: 1,
+            next: go_on.then_some(next),
+            accepted: 0,
+        }
+    }
+}
+
+impl Drafting {
+    /// Drafts of at most `max_draft` tokens after `history`, cut to what
+    /// pays where `adaptive`.
+    pub(crate) fn new(history: Vec<u32>, max_draft: usize, adaptive: bool, n_vocab: usize) -> Self {
+        Drafting {
+            history,
+            max_draft,
+            adaptive,
+            n_vocab,
+            control: DraftLength::default(),
+            draft: Vec::with_capacity(max_draft),
+            guess: None,
+        }
+    }
+
+    /// The draft to verify after `t` in the next pass (at most `room`
+    /// tokens; empty: a pass of `t` alone): asked of `drafter` for as many
+    /// tokens as pay (or all there is room for), or for one now and then
+    /// while none pays, to keep measuring how often guesses agree.
+    pub(crate) fn draft(&mut self, drafter: &mut dyn Drafter, t: u32, room: usize) -> &[u32] {
+        let room = room.min(self.max_draft);
+        let c = &mut self.control;
+        let want = if self.adaptive { c.length(room) } else { room };
+        let ask = if want == 0 && room > 0 && c.probe() {
+            1
+        } else {
+            want
+        };
+        self.draft.clear();
+        if ask > 0 {
+            self.history.push(t);
+            let t0 = Instant::now();
+            drafter.draft(&self.history, ask, &mut self.draft);
+            self.control.drafting(self.draft.len(), t0.elapsed());
+            self.history.pop();
+            let n_vocab = self.n_vocab;
+            let real = self
+                .draft
+                .iter()
+                .take_while(|&&d| (d as usize) < n_vocab)
+                .count();
+            self.draft.truncate(real.min(ask));
+        }
+        self.guess = self.draft.first().copied();
+        self.draft.truncate(want);
+        &self.draft
+    }
+
+    /// The draft [`draft`](Self::draft) made last.
+    pub(crate) fn drafted(&self) -> &[u32] {
+        &self.draft
+    }
+
+    /// Settles the pass over `t` and [`draft`](Self::draft)'s tokens, which
+    /// took `took` and wrote `logits` (a row a position): `take` samples a
+    /// row and hands out its token, saying whether the sequence goes on;
+    /// rows are taken in turn while the draft agrees with the samples.
+    pub(crate) fn settle(
+        &mut self,
+        t: u32,
+        logits: &[f32],
+        took: Duration,
+        mut take: impl FnMut(&[f32]) -> (u32, bool),
+    ) -> Settled {
+        let drafted = self.draft.len();
+        if drafted == 0 {
+            self.control.single_pass(took);
+        } else {
+            self.control.verify_pass(drafted, took);
+        }
+        self.history.push(t);
+        let mut settled = Settled {
+            kept: drafted + 1,
+            next: None,
+            accepted: 0,
+        };
+        // Row j follows `t` and the draft's first j tokens, so it stands
+        // while every draft token before it agreed.
+        for (j, lg) in logits
+            .chunks_exact(self.n_vocab)
+            .take(drafted + 1)
+            .enumerate()
+        {
+            let (next, go_on) = take(lg);
+            let agreed = self.draft.get(j) == Some(&next);
+            if j < drafted {
+                self.control.judged(agreed);
+            } else if let (0, Some(g)) = (j, self.guess) {
+                self.control.judged(g == next);
+            }
+            if agreed {
+                settled.accepted += 1;
+                self.history.push(next);
+            }
+            if !agreed || !go_on {
+                settled.kept = j + 1;
+                settled.next = (go_on && !agreed).then_some(next);
+                break;
+            }
+        }
+        settled
+    }
 }
 
 /// How many of a draft's tokens to verify: the length that gives the most

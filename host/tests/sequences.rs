@@ -12,7 +12,7 @@ mod cli;
 use std::path::{Path, PathBuf};
 
 use les::compute::ThreadedMatVec;
-use les::engine::{InputPlace, Session};
+use les::engine::{InputPlace, Session, SessionInputs};
 use les::flash::FileDeviceConfig;
 use les::model::Model;
 use les::supply::{Schedule, SlotBudget, Supply};
@@ -46,7 +46,14 @@ fn passes(n_vocab: u32) -> Vec<[Vec<u32>; 3]> {
     ]
 }
 
-/// The bits of the logits each session's passes end with, evaluated
+/// Whether session `q` asks for every one of its positions' logits in pass
+/// `i` (as verifying a draft does), else its last's.
+fn every(i: usize, q: usize) -> bool {
+    matches!((i, q), (0, 2) | (4, 1))
+}
+
+/// The bits of the logits of each session's passes (its last position's, or
+/// every one's where [`every`] says), evaluated
 /// `together` or each session alone, the experts resident (`slots: None`) or
 /// streamed through `slots` slots by `schedule`.
 fn run(path: &Path, slots: Option<usize>, schedule: Schedule, together: bool) -> Vec<Vec<u32>> {
@@ -63,34 +70,58 @@ fn run(path: &Path, slots: Option<usize>, schedule: Schedule, together: bool) ->
         })
         .collect();
     let mut out = Vec::new();
-    for pass in passes(n_vocab as u32) {
+    let rows = |i: usize, q: usize, ins: &[TokenInput<'_>]| {
+        if every(i, q) {
+            ins.len()
+        } else {
+            1
+        }
+    };
+    for (i, pass) in passes(n_vocab as u32).iter().enumerate() {
         let inputs: Vec<Vec<TokenInput<'_>>> = pass
             .iter()
             .map(|ts| ts.iter().map(|&t| TokenInput::Token(t)).collect())
             .collect();
         if together {
-            let (mut taking, ins): (Vec<&mut Session<'_>>, Vec<&[TokenInput<'_>]>) = sessions
+            let (mut taking, parts): (Vec<&mut Session<'_>>, Vec<SessionInputs<'_, '_>>) = sessions
                 .iter_mut()
                 .zip(&inputs)
-                .filter(|(_, i)| !i.is_empty())
-                .map(|(s, i)| (s, i.as_slice()))
+                .enumerate()
+                .filter(|(_, (_, ins))| !ins.is_empty())
+                .map(|(q, (s, ins))| {
+                    let every = every(i, q);
+                    let part = SessionInputs {
+                        inputs: ins,
+                        places: &[],
+                        every,
+                    };
+                    (s, part)
+                })
                 .unzip();
-            let mut logits = vec![0f32; ins.len() * n_vocab];
-            Session::eval_together(&mut taking, &mut mv, &mut supply, &ins, &mut logits).unwrap();
+            let n_rows: usize = (0..3)
+                .map(|q| rows(i, q, &inputs[q]).min(inputs[q].len()))
+                .sum();
+            let mut logits = vec![0f32; n_rows * n_vocab];
+            Session::eval_together_placed(&mut taking, &mut mv, &mut supply, &parts, &mut logits)
+                .unwrap();
             out.extend(
                 logits
                     .chunks_exact(n_vocab)
                     .map(|l| l.iter().map(|v| v.to_bits()).collect()),
             );
         } else {
-            for (s, ins) in sessions.iter_mut().zip(&inputs) {
+            for (q, (s, ins)) in sessions.iter_mut().zip(&inputs).enumerate() {
                 if ins.is_empty() {
                     continue;
                 }
-                let mut logits = vec![0f32; n_vocab];
+                let mut logits = vec![0f32; rows(i, q, ins) * n_vocab];
                 s.eval_batch(&mut mv, &mut supply, ins, &mut logits)
                     .unwrap();
-                out.push(logits.iter().map(|v| v.to_bits()).collect());
+                out.extend(
+                    logits
+                        .chunks_exact(n_vocab)
+                        .map(|l| l.iter().map(|v| v.to_bits()).collect()),
+                );
             }
         }
     }
@@ -112,7 +143,7 @@ fn sessions_together_equal_each_alone() {
     ] {
         let path = packed(arch);
         let want = run(&path, None, Schedule::Resident, false);
-        assert_eq!(want.len(), 3 + 3 + 3 + 2 + 3 + 1 + 3);
+        assert_eq!(want.len(), 3 + 3 + 3 + 2 + 3 + 1 + 3 + (7 - 1) + (2 - 1));
         assert_eq!(
             run(&path, None, Schedule::Resident, true),
             want,
@@ -164,6 +195,28 @@ fn eval_together_refuses_and_leaves_the_sessions() {
         assert_eq!((a.position(), b.position()), (0, 0));
     }
     assert!(Session::eval_together(&mut [], &mut mv, &mut supply, &[], &mut []).is_err());
+    // One session's every position and the other's last: three rows, not two.
+    let parts = [
+        SessionInputs {
+            inputs: &[t, t],
+            places: &[],
+            every: true,
+        },
+        SessionInputs {
+            inputs: &[t],
+            places: &[],
+            every: false,
+        },
+    ];
+    let r = Session::eval_together_placed(
+        &mut [&mut a, &mut b],
+        &mut mv,
+        &mut supply,
+        &parts,
+        &mut vec![0f32; 2 * n_vocab],
+    );
+    assert!(r.is_err());
+    assert_eq!((a.position(), b.position()), (0, 0));
     // Past one session's context: neither moves.
     let mut full = vec![0f32; n_vocab];
     a.eval_batch(&mut mv, &mut supply, &[t; 4], &mut full)
@@ -246,12 +299,23 @@ fn placed_embeddings_together_equal_each_alone() {
     let mut together = Vec::new();
     for (ra, rb) in passes {
         let mut logits = vec![0f32; 2 * n_vocab];
+        let parts = [
+            SessionInputs {
+                inputs: &a[ra.clone()],
+                places: &a_at[ra],
+                every: false,
+            },
+            SessionInputs {
+                inputs: &b[rb],
+                places: &[],
+                every: false,
+            },
+        ];
         Session::eval_together_placed(
             &mut [&mut sa, &mut sb],
             &mut mv,
             &mut supply,
-            &[&a[ra.clone()], &b[rb]],
-            &[&a_at[ra], &[]],
+            &parts,
             &mut logits,
         )
         .unwrap();
@@ -259,12 +323,23 @@ fn placed_embeddings_together_equal_each_alone() {
     }
     assert_eq!(together, alone);
     // A place list for each session, one place an input, or none at all.
+    let parts = [
+        SessionInputs {
+            inputs: &b[..1],
+            places: &a_at[..2],
+            every: false,
+        },
+        SessionInputs {
+            inputs: &b[..1],
+            places: &[],
+            every: false,
+        },
+    ];
     let r = Session::eval_together_placed(
         &mut [&mut sa, &mut sb],
         &mut mv,
         &mut supply,
-        &[&b[..1], &b[..1]],
-        &[&a_at[..2], &[]],
+        &parts,
         &mut vec![0f32; 2 * n_vocab],
     );
     assert!(r.is_err());

@@ -2062,6 +2062,78 @@ fn speculative_decoding_answers_the_same() {
     assert!(drafted > 0, "no drafts were verified");
 }
 
+/// With several slots and prompt lookup, completions still run side by
+/// side: each verifies its own drafts (every position's logits of its part
+/// of a pass, beside the others' next tokens and prompt chunks) and answers
+/// what a plain one-slot server answers, greedy or sampled, for a model of
+/// attention (qwen3moe) and one of short convolutions (lfm2moe, whose
+/// rejected drafts send the state back and evaluate the kept tokens again).
+#[test]
+fn speculative_completions_side_by_side_answer_the_same() {
+    let text = "one two three four one two three four one two three four one two";
+    let bodies = [
+        json!({"prompt": text, "temperature": 0, "max_tokens": 40}),
+        json!({"prompt": text, "seed": 3, "max_tokens": 40, "logprobs": 2}),
+        json!({"prompt": "Hello", "temperature": 0.9, "seed": 1, "max_tokens": 40}),
+    ];
+    for m in [model(), cli::tiny("lfm2moe", "serve", &["--quiet"])] {
+        let plain = Server::start(&m, &[]);
+        let want: Vec<Value> = bodies
+            .iter()
+            .map(|b| plain.post("/v1/completions", b).1["choices"][0].clone())
+            .collect();
+        drop(plain);
+        let three = Server::start(
+            &m,
+            &[
+                "--parallel",
+                "3",
+                "--speculate",
+                "ngram",
+                "--draft-max",
+                "4",
+                "--draft-fixed",
+                "--metrics",
+                "-t",
+                "1",
+                "-b",
+                "8",
+            ],
+        );
+        let start = std::sync::Barrier::new(bodies.len());
+        let got: Vec<Value> = std::thread::scope(|scope| {
+            let runs: Vec<_> = bodies
+                .iter()
+                .map(|b| {
+                    let (three, start) = (&three, &start);
+                    scope.spawn(move || {
+                        start.wait();
+                        let (status, v) = three.post("/v1/completions", b);
+                        assert_eq!(status, 200, "{v}");
+                        v
+                    })
+                })
+                .collect();
+            runs.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        for ((g, w), b) in got.iter().zip(&want).zip(&bodies) {
+            let choice = &g["choices"][0];
+            assert_eq!(choice["text"], w["text"], "{m:?} {b}");
+            assert_eq!(choice["logprobs"], w["logprobs"], "{m:?} {b}");
+        }
+        let drafted: u64 = got
+            .iter()
+            .map(|v| v["timings"]["draft_n"].as_u64().unwrap())
+            .sum();
+        assert!(drafted > 0, "{m:?}: no drafts were verified");
+        let (_, _, metrics) = three.request("GET", "/metrics", "");
+        assert!(
+            metric(&metrics, "n_busy_slots_per_decode") > 1.0,
+            "{m:?}: {metrics}"
+        );
+    }
+}
+
 /// A copy of `src` (as `name`) whose tokens `renames` (id, text) have those
 /// texts, as user-defined tokens (4), so that a prompt spells them.
 /// The id of `src`'s token for byte `b`.

@@ -80,8 +80,9 @@ pub struct ServeArgs {
     /// Slots: sessions of --ctx positions each, with their own KV cache
     /// (llama-server's --parallel). Completions run side by side, one pass
     /// of the model for all their next tokens (each layer's experts read
-    /// once for all), prompts in chunks beside them; with a drafter
-    /// (--speculate), one at a time. A request goes to the free slot whose
+    /// once for all), prompts in chunks beside them, each verifying its own
+    /// drafts with --speculate ngram; with a draft model, one at a time. A
+    /// request goes to the free slot whose
     /// cache it keeps best (the most of its prompt held, less what would be
     /// dropped), so chats that take turns keep their caches.
     #[arg(long, visible_alias = "np", default_value_t = 1,

@@ -16,11 +16,12 @@
 //!   the free slot whose cache it keeps best (the most of its prompt held,
 //!   less what would be dropped; of equals, the least recently used), so
 //!   that a chat's next turn evaluates only what is new, also between turns
-//!   of other chats. With several slots (and no drafter) completions run
-//!   side by side: each pass of the model evaluates every running
-//!   completion's next token, and chunks of new prompts in the room left
-//!   ([`Session::eval_together`]: each layer's experts are read once for
-//!   all), and each answers what it answers alone, bit for bit.
+//!   of other chats. With several slots (and no drafter, or prompt lookup)
+//!   completions run side by side: each pass of the model evaluates every
+//!   running completion's next token (and the draft it verifies), and
+//!   chunks of new prompts in the room left ([`Session::eval_together`]:
+//!   each layer's experts are read once for all), and each answers what it
+//!   answers alone, bit for bit.
 //! - [`serve`]: the accept loop and a thread a connection; completions queue
 //!   for the engine, which runs on the calling thread, while `/health` and
 //!   `/v1/models` answer at once.
@@ -54,7 +55,9 @@ use serde_json::{json, Value};
 
 use crate::compute::ThreadedMatVec;
 use crate::draft::{Drafter, Speculation};
-use crate::engine::{generate_from, Control, GenStats, InputPlace, Session};
+use crate::engine::{
+    generate_from, Control, Drafting, GenStats, InputPlace, Session, SessionInputs, Settled,
+};
 use crate::grammar::{Grammar, TokenGrammar};
 use crate::model::Model;
 use crate::reply::Reply;
@@ -1093,7 +1096,8 @@ pub struct ServeOptions {
 /// Serves `listener` until the process ends: a thread accepts connections
 /// and one a connection reads its requests; completions run on this
 /// thread, in `engine`, side by side where it has several slots and no
-/// drafter, else one at a time.
+/// drafter or one that drafts for each completion on its own, else one at a
+/// time.
 pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions) {
     let (jobs, queue) = channel::<Job>();
     let about = About {
@@ -1207,11 +1211,12 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
     }
 }
 
-/// The engine's loop with completions side by side (several slots, no
-/// drafter): each waiting job begins in a free slot (its prompt evaluated
-/// alone), then one pass evaluates every running completion's next token at
+/// The engine's loop with completions side by side
+/// ([`Engine::side_by_side`]): each waiting job begins in a free slot, then
+/// each round's passes ([`Engine::step`]) evaluate every running
+/// completion's next token (and its draft) and chunks of the new prompts at
 /// once ([`Session::eval_together`]: each layer's experts read once for
-/// all), each takes the token it samples, and those done are answered.
+/// all), each takes the tokens it samples, and those done are answered.
 fn work_side_by_side<'m>(engine: &mut Engine<'m>, queue: Receiver<Job>, about: &About<'_>) {
     let mut waiting = std::collections::VecDeque::new();
     let mut running: Vec<Running<'m>> = Vec::new();
@@ -1295,7 +1300,7 @@ fn answered(
 
 /// A completion running side by side with others
 /// ([`work_side_by_side`]): its prompt evaluated a chunk a pass, then a
-/// token a pass.
+/// token (and its draft, with a drafter) a pass.
 struct Running<'m> {
     job: Job,
     g: Generation<'m>,
@@ -1304,13 +1309,29 @@ struct Running<'m> {
     /// The token sampled last, not evaluated yet (`None`: the completion
     /// is done, or its prompt is not evaluated yet).
     next: Option<u32>,
-    /// Tokens sampled.
-    generated: usize,
-    /// Passes it generated in after its prompt's.
-    passes: usize,
-    /// When it began, and the time its prompt took.
+    /// Its own drafter (a fork of the engine's) and speculative decoding's
+    /// state, where the engine drafts.
+    drafting: Option<(Box<dyn Drafter>, Drafting)>,
+    /// Tokens sampled, and the passes, drafts and agreeing guesses since
+    /// its prompt's.
+    stats: GenStats,
+    /// When it began.
     began: std::time::Instant,
-    prefill: Duration,
+}
+
+/// Samples a token from `logits` for `g`, whose `generated` tokens were
+/// sampled before, and hands it to its answer (`job`'s): the token and
+/// whether the completion goes on.
+fn sample_next(
+    g: &mut Generation<'_>,
+    generated: &mut usize,
+    job: &Job,
+    logits: &[f32],
+) -> (u32, bool) {
+    let t = pick(&mut g.sampler, &g.stuck, logits);
+    *generated += 1;
+    let control = g.out.take(t, logits, &g.stuck, &mut deliver(job));
+    (t, matches!(control, Control::Continue) && *generated < g.n)
 }
 
 impl Running<'_> {
@@ -1319,30 +1340,63 @@ impl Running<'_> {
         self.prompt_at == self.g.prompt.len()
     }
 
-    /// Samples the next token from `logits` and takes it; done where the
-    /// answer ends or `n` tokens are sampled.
-    fn take(&mut self, logits: &[f32]) {
-        let g = &mut self.g;
-        if g.n == 0 {
-            return;
-        }
-        let t = pick(&mut g.sampler, &g.stuck, logits);
-        self.generated += 1;
-        let control = g.out.take(t, logits, &g.stuck, &mut deliver(&self.job));
-        self.next = (matches!(control, Control::Continue) && self.generated < g.n).then_some(t);
-    }
-
     /// Whether it is done: prompted, and no token left to evaluate.
     fn done(&self) -> bool {
         self.prompted() && self.next.is_none()
     }
+
+    /// How many positions it evaluates in the next pass (0: none, it is
+    /// done), given at most `room` prompt positions: its next token and the
+    /// draft after it (drafted now), or a chunk of its prompt (one position
+    /// at least, so that a prompt always goes on).
+    fn plan(&mut self, session: &Session<'_>, room: usize) -> usize {
+        if !self.prompted() {
+            return (self.g.prompt.len() - self.prompt_at).min(room.max(1));
+        }
+        let Some(t) = self.next else {
+            return 0;
+        };
+        let Some((drafter, d)) = &mut self.drafting else {
+            return 1;
+        };
+        // The tokens still wanted after the one the pass samples last, and
+        // the session's positions after `t`'s.
+        let room = (self.g.n - self.stats.generated - 1)
+            .min(
+                session
+                    .max_positions()
+                    .saturating_sub(session.position() + 1),
+            )
+            .min(session.max_draft());
+        1 + d.draft(drafter.as_mut(), t, room).len()
+    }
+
+    /// Its `k` inputs of the next pass ([`plan`](Self::plan)) and their
+    /// places.
+    fn inputs(&self, k: usize) -> (Vec<TokenInput<'_>>, Vec<InputPlace>) {
+        if !self.prompted() {
+            let chunk = self.prompt_at..self.prompt_at + k;
+            return (
+                self.g.prompt.inputs()[chunk.clone()].to_vec(),
+                self.g.prompt.places()[chunk].to_vec(),
+            );
+        }
+        let draft = self.drafting.as_ref().map_or(&[][..], |(_, d)| d.drafted());
+        let tokens = self.next.into_iter().chain(draft.iter().copied());
+        (tokens.take(k).map(TokenInput::Token).collect(), Vec::new())
+    }
 }
 
 impl<'m> Engine<'m> {
-    /// Whether completions run side by side: with several slots and no
-    /// drafter (a drafter keeps one sequence's state).
+    /// Whether completions run side by side: with several slots, and no
+    /// drafter or one that drafts for each completion on its own (a draft
+    /// model keeps one sequence's cache).
     fn side_by_side(&self) -> bool {
-        self.slots.len() > 1 && self.drafter.is_none()
+        self.slots.len() > 1
+            && self
+                .drafter
+                .as_ref()
+                .is_none_or(|(d, ..)| d.fork().is_some())
     }
 
     /// Begins `job` in a slot none of `running` holds: the completion, its
@@ -1363,23 +1417,31 @@ impl<'m> Engine<'m> {
         };
         about.started(g.slot);
         let _ = job.events.send(Event::Started);
+        let n_vocab = self.model.hp.n_vocab;
+        let drafting = self.drafter.as_ref().and_then(|(d, max_draft, adaptive)| {
+            let history = g.ids.clone();
+            Some((
+                d.fork()?,
+                Drafting::new(history, *max_draft, *adaptive, n_vocab),
+            ))
+        });
         Some(Running {
             job,
             prompt_at: g.keep,
             g,
             next: None,
-            generated: 0,
-            passes: 0,
+            drafting,
+            stats: GenStats::default(),
             began: std::time::Instant::now(),
-            prefill: Duration::ZERO,
         })
     }
 
-    /// One round of passes: every generating completion's next token, and
-    /// with what room is left in the batch buffers, chunks of the prompts
-    /// not yet evaluated (images at their places); each completion whose prompt is done takes the
-    /// token it samples, and those done are answered. A failed pass ends
-    /// them all.
+    /// One round of passes: every generating completion's next token (and
+    /// the draft after it, with a drafter), and with what room is left in
+    /// the batch buffers, chunks of the prompts not yet evaluated (images at
+    /// their places); each completion whose prompt is done takes the tokens
+    /// it samples (those of its draft that agree, and one more), and those
+    /// done are answered. A failed pass ends them all.
     fn step(&mut self, running: &mut Vec<Running<'m>>, about: &About<'_>) {
         running.sort_by_key(|r| r.g.slot);
         let n_vocab = self.model.hp.n_vocab;
@@ -1389,41 +1451,36 @@ impl<'m> Engine<'m> {
         else {
             return;
         };
-        // Each completion's inputs this round: its next token, or a chunk of
-        // its prompt in the room the tokens leave in the batch buffers (one
-        // position at least, so that a prompt always goes on).
-        let generating = running.iter().filter(|r| r.prompted()).count();
-        let mut room = at_once.saturating_sub(generating).max(1);
-        let take: Vec<usize> = running
-            .iter()
-            .map(|r| {
-                if r.prompted() {
-                    return usize::from(r.next.is_some());
-                }
-                let k = (r.g.prompt.len() - r.prompt_at).min(room);
-                room -= k;
-                k
-            })
-            .collect();
-        let (owned, owned_places): (Vec<Vec<TokenInput<'_>>>, Vec<Vec<InputPlace>>) = running
+        // Each completion's positions this round: the generating ones' first,
+        // then prompts in the room they leave in the batch buffers.
+        let mut take = vec![0; running.len()];
+        for (k, r) in take.iter_mut().zip(running.iter_mut()) {
+            if r.prompted() {
+                *k = r.plan(&self.slots[r.g.slot].session, 0);
+            }
+        }
+        let mut room = at_once.saturating_sub(take.iter().sum());
+        for (k, r) in take.iter_mut().zip(running.iter_mut()) {
+            if !r.prompted() {
+                *k = r.plan(&self.slots[r.g.slot].session, room);
+                room = room.saturating_sub(*k);
+            }
+        }
+        let drafted: Vec<bool> = running
             .iter()
             .zip(&take)
-            .map(|(r, &k)| {
-                if r.prompted() {
-                    (
-                        r.next.map(TokenInput::Token).into_iter().collect(),
-                        Vec::new(),
-                    )
-                } else {
-                    let chunk = r.prompt_at..r.prompt_at + k;
-                    (
-                        r.g.prompt.inputs()[chunk.clone()].to_vec(),
-                        r.g.prompt.places()[chunk].to_vec(),
-                    )
-                }
-            })
-            .unzip();
-        let mut logits = vec![0f32; running.len() * n_vocab];
+            .map(|(r, &k)| r.prompted() && k > 1)
+            .collect();
+        let (owned, owned_places): (Vec<Vec<TokenInput<'_>>>, Vec<Vec<InputPlace>>) =
+            running.iter().zip(&take).map(|(r, &k)| r.inputs(k)).unzip();
+        // Each completion's rows of logits: every position's where it
+        // verifies a draft, else its last's (none where it sits out).
+        let rows: Vec<usize> = take
+            .iter()
+            .zip(&drafted)
+            .map(|(&k, &d)| if d { k } else { k.min(1) })
+            .collect();
+        let mut logits = vec![0f32; rows.iter().sum::<usize>() * n_vocab];
         let mut sessions: Vec<&mut Session<'m>> = self
             .slots
             .iter_mut()
@@ -1431,9 +1488,11 @@ impl<'m> Engine<'m> {
             .filter(|(i, _)| running.iter().any(|r| r.g.slot == *i))
             .map(|(_, s)| &mut s.session)
             .collect();
-        // Passes of at most `at_once` positions, in order.
+        // Passes of at most `at_once` positions, in order; each completion's
+        // time is its pass's.
+        let mut took = vec![Duration::ZERO; running.len()];
         let mut pass = Ok(());
-        let mut first = 0;
+        let (mut first, mut row) = (0, 0);
         while first < running.len() && pass.is_ok() {
             let mut end = first;
             let mut total = 0;
@@ -1441,60 +1500,63 @@ impl<'m> Engine<'m> {
                 total += take[end];
                 end += 1;
             }
-            let ins: Vec<&[TokenInput<'_>]> = owned[first..end].iter().map(|v| &v[..]).collect();
-            let at: Vec<&[InputPlace]> = owned_places[first..end].iter().map(|v| &v[..]).collect();
-            let lg = &mut logits[first * n_vocab..end * n_vocab];
-            let ss = &mut sessions[first..end];
-            let skip = ins.iter().all(|i| i.is_empty());
-            pass = match ss {
-                _ if skip => Ok(()),
-                [one] if ins[0].len() == 1 => one.eval_placed(
-                    &mut self.mv,
-                    &mut self.supply,
-                    Some(&self.lookahead),
-                    ins[0][0],
-                    at[0].first().copied().unwrap_or(InputPlace::Text),
-                    lg,
-                ),
-                _ => {
-                    // Those with nothing this round sit it out.
-                    let mut with: Vec<&mut Session<'m>> = Vec::with_capacity(ss.len());
-                    let (mut inputs, mut places) = (Vec::new(), Vec::new());
-                    for ((s, i), p) in ss.iter_mut().zip(&ins).zip(&at) {
-                        if !i.is_empty() {
-                            with.push(&mut **s);
-                            inputs.push(*i);
-                            places.push(*p);
-                        }
+            let n_rows: usize = rows[first..end].iter().sum();
+            let lg = &mut logits[row * n_vocab..(row + n_rows) * n_vocab];
+            let t0 = std::time::Instant::now();
+            // Those with nothing this round sit it out.
+            let mut with: Vec<&mut Session<'m>> = Vec::with_capacity(end - first);
+            let mut parts = Vec::with_capacity(end - first);
+            for (i, s) in (first..end).zip(sessions[first..end].iter_mut()) {
+                if take[i] == 0 {
+                    continue;
+                }
+                let s = &mut **s;
+                if drafted[i] {
+                    if let Err(e) = s.save_for_keep(take[i]) {
+                        pass = Err(e.to_string());
                     }
-                    let mut out = vec![0f32; inputs.len() * n_vocab];
-                    let r = Session::eval_together_placed(
-                        &mut with,
+                }
+                with.push(s);
+                parts.push(SessionInputs {
+                    inputs: &owned[i],
+                    places: &owned_places[i],
+                    every: drafted[i],
+                });
+            }
+            pass = match (&mut with[..], &parts[..]) {
+                _ if pass.is_err() => pass,
+                ([], _) => Ok(()),
+                ([one], [part]) if part.inputs.len() == 1 => one
+                    .eval_placed(
                         &mut self.mv,
                         &mut self.supply,
-                        &inputs,
-                        &places,
-                        &mut out,
-                    );
-                    let mut rows = out.chunks_exact(n_vocab);
-                    for (row, i) in lg.chunks_exact_mut(n_vocab).zip(&ins) {
-                        if i.is_empty() {
-                            continue;
-                        }
-                        if let Some(from) = rows.next() {
-                            row.copy_from_slice(from);
-                        }
-                    }
-                    r
-                }
+                        Some(&self.lookahead),
+                        part.inputs[0],
+                        part.places.first().copied().unwrap_or(InputPlace::Text),
+                        lg,
+                    )
+                    .map_err(|e| e.to_string()),
+                _ => Session::eval_together_placed(
+                    &mut with,
+                    &mut self.mv,
+                    &mut self.supply,
+                    &parts,
+                    lg,
+                )
+                .map_err(|e| e.to_string()),
             };
-            let generating = running[first..end].iter().filter(|r| r.prompted()).count();
+            took[first..end].fill(t0.elapsed());
+            let generating = running[first..end]
+                .iter()
+                .zip(&take[first..end])
+                .filter(|(r, &k)| r.prompted() && k > 0)
+                .count();
             if pass.is_ok() && generating > 0 {
                 about.passes(1, generating as u64);
             }
-            first = end;
+            (first, row) = (end, row + n_rows);
         }
-        drop(sessions);
+        drop((sessions, owned, owned_places));
         if let Err(e) = pass {
             for run in running.drain(..) {
                 let slot = run.g.slot;
@@ -1503,29 +1565,70 @@ impl<'m> Engine<'m> {
             }
             return;
         }
-        for ((run, lg), &k) in running
-            .iter_mut()
-            .zip(logits.chunks_exact(n_vocab))
-            .zip(&take)
-        {
-            if run.prompted() {
-                run.passes += 1;
-                run.take(lg);
-            } else if k > 0 {
-                run.prompt_at += k;
+        let mut rows_of = logits.chunks_exact(n_vocab);
+        let mut failed = vec![None; running.len()];
+        for (i, run) in running.iter_mut().enumerate() {
+            let lg: Vec<&[f32]> = rows_of.by_ref().take(rows[i]).collect();
+            let Some(&last) = lg.last() else {
+                continue;
+            };
+            if !run.prompted() {
+                run.prompt_at += take[i];
                 if run.prompted() {
-                    run.prefill = run.began.elapsed();
-                    run.take(lg);
+                    run.stats.prefill = run.began.elapsed();
+                    if run.g.n > 0 {
+                        let Running { g, stats, job, .. } = run;
+                        let (t, go_on) = sample_next(g, &mut stats.generated, job, last);
+                        run.next = go_on.then_some(t);
+                    }
                 }
+                continue;
+            }
+            let Some(t) = run.next else {
+                continue;
+            };
+            let Running {
+                g,
+                stats,
+                job,
+                drafting,
+                ..
+            } = run;
+            // The pass's tokens: `t` and the draft verified after it.
+            let draft = drafting.as_ref().map_or(&[][..], |(_, d)| d.drafted());
+            let verified: Vec<TokenInput<'_>> = std::iter::once(t)
+                .chain(draft.iter().copied())
+                .take(take[i])
+                .map(TokenInput::Token)
+                .collect();
+            let mut sample = |row: &[f32]| sample_next(g, &mut stats.generated, job, row);
+            let settled = match drafting {
+                Some((_, d)) => d.settle(t, &lg.concat(), took[i], &mut sample),
+                None => Settled::plain(sample(last)),
+            };
+            stats.passes += 1;
+            if drafted[i] {
+                stats.verify_passes += 1;
+                stats.drafted += take[i] - 1;
+                stats.accepted += settled.accepted;
+            }
+            run.next = settled.next;
+            let session = &mut self.slots[run.g.slot].session;
+            if let Err(e) = session.keep(&mut self.mv, &mut self.supply, &verified, settled.kept) {
+                failed[i] = Some(e.to_string());
+                run.next = None;
             }
         }
-        let mut i = 0;
-        while i < running.len() {
-            if running[i].done() {
+        let mut i = running.len();
+        while i > 0 {
+            i -= 1;
+            if let Some(e) = failed[i].take() {
+                let run = running.swap_remove(i);
+                let e = server_error(format!("the forward pass failed: {e}"));
+                answered(self, run.job, Some(run.g.slot), Err(e), about);
+            } else if running[i].done() {
                 let run = running.swap_remove(i);
                 self.end(run, about);
-            } else {
-                i += 1;
             }
         }
     }
@@ -1535,19 +1638,14 @@ impl<'m> Engine<'m> {
         let Running {
             job,
             g,
-            generated,
-            passes,
+            stats,
             began,
-            prefill,
             ..
         } = run;
         let stats = GenStats {
             prompt_tokens: g.prompt.len() - g.keep,
-            generated,
-            prefill,
-            decode: began.elapsed().saturating_sub(prefill),
-            passes,
-            ..GenStats::default()
+            decode: began.elapsed().saturating_sub(stats.prefill),
+            ..stats
         };
         let slot = g.slot;
         let stuck = g.stuck.get();

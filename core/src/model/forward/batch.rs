@@ -231,6 +231,20 @@ pub struct Sequence<'s, 'k, 'r> {
     pub kv: &'s mut KvCache<'k>,
     /// Its recurrent state (empty for models without linear attention).
     pub rs: &'s mut RecurrentState<'r>,
+    /// Whether each of its positions gets next-token logits (a speculative
+    /// verification's), or only its last.
+    pub every: bool,
+}
+
+impl Sequence<'_, '_, '_> {
+    /// How many rows of next-token logits it gets.
+    fn logit_rows(&self) -> usize {
+        if self.every {
+            self.len
+        } else {
+            1
+        }
+    }
 }
 
 /// Marks an unused pick of a position that routed to fewer than `top_k` experts.
@@ -307,6 +321,7 @@ where
         rope,
         kv,
         rs,
+        every: inputs.len() > 1 && logits.len() == inputs.len().saturating_mul(hp.n_vocab),
     }];
     forward_sequences(hp, hy, weights, mv, experts, inputs, &mut one, s, b, logits)
 }
@@ -315,9 +330,10 @@ where
 /// sequence's consecutive inputs at its own positions over its own KV cache
 /// and recurrent state ([`Sequence`], in the order of `inputs`), every layer's
 /// experts asked for once for all of them, so that sequences decoded together
-/// read an expert they share once. Writes each sequence's last position's
-/// next-token logits (`logits` holds `seqs.len() * n_vocab` floats, in
-/// order) or every position's (`inputs.len() * n_vocab`).
+/// read an expert they share once. Writes next-token logits back to back,
+/// in order: each sequence's last position's, or every one of its
+/// positions' where it asks ([`Sequence::every`]); `logits` holds that many
+/// rows of `n_vocab` floats.
 ///
 /// Each sequence's logits, cache and state are the ones [`forward_batch_at`]
 /// of its inputs alone gives, bit for bit: a position's arithmetic does not
@@ -361,8 +377,8 @@ where
             return Err(ForwardError::ContextFull(q.kv.max_positions()));
         }
     }
-    let every_position = n > 1 && Some(logits.len()) == n.checked_mul(hp.n_vocab);
-    if Some(logits.len()) != seqs.len().checked_mul(hp.n_vocab) && !every_position {
+    let rows: usize = seqs.iter().map(Sequence::logit_rows).sum();
+    if Some(logits.len()) != rows.checked_mul(hp.n_vocab) {
         return Err(ForwardError::Shape("logits length"));
     }
     let e = hp.n_embd;
@@ -535,27 +551,22 @@ where
         }
     }
     s.h.copy_from_slice(&b.h[(n - 1) * e..][..e]);
-    if every_position {
-        for (h, x) in b.h.chunks_exact(e).zip(b.x.chunks_exact_mut(e)).take(n) {
-            rms_norm(h, weights.output_norm(), hp.norm_eps, x);
-        }
-        mv.matmul(&weights.output(), &b.x[..n * e], logits)?;
-    } else if let [_] = seqs {
+    if rows == 1 {
         rms_norm(s.h, weights.output_norm(), hp.norm_eps, s.x);
         mv.matvec(&weights.output(), s.x, logits)?;
     } else {
-        // Each sequence's last position (`matmul`'s rows are `matvec`'s).
-        let mut last = 0;
-        for (q, x) in seqs.iter().zip(b.x.chunks_exact_mut(e)) {
-            last += q.len;
-            rms_norm(
-                &b.h[(last - 1) * e..][..e],
-                weights.output_norm(),
-                hp.norm_eps,
-                x,
-            );
+        // The rows asked for, normed into `b.x` in order (`matmul`'s rows
+        // are `matvec`'s).
+        let (mut end, mut row) = (0, 0);
+        for q in seqs.iter() {
+            end += q.len;
+            for p in end - q.logit_rows()..end {
+                let (h, x) = (&b.h[p * e..][..e], &mut b.x[row * e..][..e]);
+                rms_norm(h, weights.output_norm(), hp.norm_eps, x);
+                row += 1;
+            }
         }
-        mv.matmul(&weights.output(), &b.x[..seqs.len() * e], logits)?;
+        mv.matmul(&weights.output(), &b.x[..rows * e], logits)?;
     }
     scale_logits(hp, logits);
     Ok(())
