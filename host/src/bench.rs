@@ -618,6 +618,9 @@ pub fn run_prefill(
 pub struct ParallelReport {
     /// The schedule.
     pub schedule: Schedule,
+    /// Whether each sequence drafted (`--speculate`) or decoded a token a
+    /// pass.
+    pub speculative: bool,
     /// Each sequence's generated tokens (sequence `i` sampled with the seed
     /// plus `i`).
     pub tokens: Vec<Vec<u32>>,
@@ -627,6 +630,12 @@ pub struct ParallelReport {
     pub bytes_read: u64,
     /// Time blocked on reads meanwhile.
     pub stall: Duration,
+    /// Passes of the model.
+    pub passes: usize,
+    /// Draft tokens verified, all sequences together.
+    pub drafted: usize,
+    /// Draft tokens the samples agreed with, all sequences together.
+    pub accepted: usize,
 }
 
 impl ParallelReport {
@@ -654,82 +663,222 @@ impl ParallelReport {
     pub fn stall_share(&self) -> f64 {
         self.stall.as_secs_f64() / self.time.as_secs_f64().max(1e-9)
     }
+
+    /// Tokens a sequence got from each pass it took part in (1 without
+    /// drafts).
+    pub fn tokens_per_pass(&self) -> f64 {
+        let taken = self.generated().saturating_sub(self.accepted).max(1);
+        self.generated() as f64 / taken as f64
+    }
 }
 
-/// Decodes `sequences` sequences of `cfg.prompt` side by side, cold, with
-/// `schedule`: each prompt but its last token evaluated alone first,
-/// unmeasured; then a pass for all the sequences' next tokens at once
-/// ([`Session::eval_together`]: each layer's experts read once for all) per
-/// token, `cfg.n_tokens` passes, sequence `i` sampling with `cfg.sampler`'s
-/// seed plus `i`. One sequence decodes as `les run` does (with the
-/// lookahead). Each sequence's tokens are the ones it gets decoded alone.
+/// Sequences decoded side by side ([`run_parallel`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SideBySide<'a> {
+    /// How many.
+    pub sequences: usize,
+    /// Their prompts: sequence `i` decodes `prompts[i % prompts.len()]`
+    /// (the config's prompt where there are none).
+    pub prompts: &'a [Vec<u32>],
+    /// Each drafting on its own (prompt lookup: a drafter that
+    /// [forks](crate::draft::Drafter::fork)), or decoding a token a pass.
+    pub spec: Option<&'a crate::draft::SpecArgs>,
+}
+
+/// Decodes `run.sequences` sequences side by side, cold, with `schedule`:
+/// each prompt but its last token evaluated alone first, unmeasured; then
+/// passes for all the sequences' next tokens at once
+/// ([`Session::eval_together_placed`]: each layer's experts read once for
+/// all) until each has `cfg.n_tokens`, sequence `i` sampling with
+/// `cfg.sampler`'s seed plus `i`. With drafts, each sequence verifies its
+/// own in the shared pass (every one of its positions' logits) and keeps
+/// what its samples agree with. One sequence of a token a pass decodes as
+/// `les run` does (with the lookahead). Each sequence's tokens are the ones
+/// it gets decoded alone and plainly.
 pub fn run_parallel(
     model: &Model,
     path: &Path,
     cfg: &BenchConfig,
     schedule: Schedule,
-    sequences: usize,
+    run: SideBySide<'_>,
 ) -> Result<ParallelReport, Box<dyn std::error::Error>> {
-    let (last, head) = cfg.prompt.split_last().ok_or("the prompt is empty")?;
+    use crate::draft::Drafter;
+    use crate::engine::{Drafting, SessionInputs, Settled};
+    let one = [cfg.prompt.clone()];
+    let prompts = if run.prompts.is_empty() {
+        &one[..]
+    } else {
+        run.prompts
+    };
+    if prompts.iter().any(Vec::is_empty) {
+        return Err("a prompt is empty".into());
+    }
     let mut supply = cold_supply(model, path, cfg, schedule)?;
     let lookahead = lookahead(model, &cfg.lookahead);
     let mut mv = ThreadedMatVec::new(cfg.threads, Isa::detect());
-    let ctx = cfg.prompt.len().saturating_add(cfg.n_tokens);
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let ctx = longest.saturating_add(cfg.n_tokens);
     let n_vocab = model.hp.n_vocab;
-    let mut sessions = Vec::with_capacity(sequences);
-    let mut samplers = Vec::with_capacity(sequences);
-    let mut logits = vec![0f32; sequences * n_vocab];
-    let inputs: Vec<TokenInput<'_>> = head.iter().map(|&t| TokenInput::Token(t)).collect();
-    for i in 0..sequences {
+    let draft_max = run.spec.map_or(0, |s| s.draft_max() as usize);
+    let drafter = match run.spec {
+        Some(s) => s.drafter(model, path, None, ctx, cfg.threads)?,
+        None => None,
+    };
+    struct Seq {
+        sampler: Sampler,
+        /// The token sampled last, not evaluated yet (`None`: done).
+        next: Option<u32>,
+        tokens: Vec<u32>,
+        drafting: Option<(Box<dyn Drafter>, Drafting)>,
+    }
+    let mut sessions = Vec::with_capacity(run.sequences);
+    let mut seqs = Vec::with_capacity(run.sequences);
+    let mut logits = vec![0f32; n_vocab];
+    for i in 0..run.sequences {
+        let prompt = &prompts[i % prompts.len()];
+        let (&last, head) = prompt.split_last().expect("prompts are not empty");
         let mut session = Session::with_kv(model, ctx, cfg.kv_types, cfg.swa)?;
-        session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH.max(sequences))?;
+        let batch = run.sequences.saturating_mul(draft_max + 1);
+        session.set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH.max(batch))?;
+        let max_draft = match &drafter {
+            Some(_) => session.set_max_draft(draft_max)?,
+            None => 0,
+        };
+        let inputs: Vec<TokenInput<'_>> = head.iter().map(|&t| TokenInput::Token(t)).collect();
         if !inputs.is_empty() {
-            let out = &mut logits[..n_vocab];
-            crate::engine::prefill(&mut session, &mut mv, &mut supply, None, &inputs, out)?;
+            crate::engine::prefill(
+                &mut session,
+                &mut mv,
+                &mut supply,
+                None,
+                &inputs,
+                &mut logits,
+            )?;
         }
         sessions.push(session);
         let mut sampler = Sampler::new(SamplerConfig {
             seed: cfg.sampler.seed.wrapping_add(i as u64),
             ..cfg.sampler
         });
-        for &t in &cfg.prompt {
+        for &t in prompt {
             sampler.accept(t);
         }
-        samplers.push(sampler);
+        let drafting = match &drafter {
+            Some(d) => {
+                let own = d
+                    .fork()
+                    .ok_or("sequences side by side draft with --speculate ngram only")?;
+                let adaptive = run.spec.is_some_and(|s| !s.draft_fixed);
+                Some((
+                    own,
+                    Drafting::new(prompt.clone(), max_draft, adaptive, n_vocab),
+                ))
+            }
+            None => None,
+        };
+        seqs.push(Seq {
+            sampler,
+            next: (cfg.n_tokens > 0).then_some(last),
+            tokens: Vec::with_capacity(cfg.n_tokens),
+            drafting,
+        });
     }
-    let mut next = vec![*last; sequences];
-    let mut tokens = vec![Vec::with_capacity(cfg.n_tokens); sequences];
+    let (mut passes, mut drafted, mut accepted) = (0, 0, 0);
+    let mut all = Vec::new();
     let io0 = io_snapshot(&supply);
     let t0 = Instant::now();
-    for _ in 0..cfg.n_tokens {
-        if let [one] = &mut sessions[..] {
-            let input = TokenInput::Token(next[0]);
-            one.eval(&mut mv, &mut supply, Some(&lookahead), input, &mut logits)?;
-        } else {
-            let ins: Vec<[TokenInput<'_>; 1]> =
-                next.iter().map(|&t| [TokenInput::Token(t)]).collect();
-            let ins: Vec<&[TokenInput<'_>]> = ins.iter().map(|i| &i[..]).collect();
-            let mut all: Vec<&mut Session<'_>> = sessions.iter_mut().collect();
-            Session::eval_together(&mut all, &mut mv, &mut supply, &ins, &mut logits)?;
+    loop {
+        // Each sequence's tokens this pass: its next one and the draft after
+        // it (none where it is done).
+        let mut batches: Vec<Vec<TokenInput<'static>>> = Vec::with_capacity(seqs.len());
+        for (q, session) in seqs.iter_mut().zip(&sessions) {
+            let mut batch = Vec::new();
+            if let Some(t) = q.next {
+                batch.push(TokenInput::Token(t));
+                if let Some((d, state)) = &mut q.drafting {
+                    let room = (cfg.n_tokens.saturating_sub(q.tokens.len() + 1)).min(
+                        session
+                            .max_positions()
+                            .saturating_sub(session.position() + 1),
+                    );
+                    let draft = state.draft(d.as_mut(), t, room);
+                    batch.extend(draft.iter().map(|&g| TokenInput::Token(g)));
+                }
+            }
+            batches.push(batch);
         }
-        for (((sampler, t), out), lg) in samplers
-            .iter_mut()
-            .zip(next.iter_mut())
-            .zip(tokens.iter_mut())
-            .zip(logits.chunks_exact(n_vocab))
-        {
-            *t = sampler.sample(lg);
-            out.push(*t);
+        if batches.iter().all(Vec::is_empty) {
+            break;
+        }
+        let rows: usize = batches.iter().map(Vec::len).sum();
+        all.resize(rows * n_vocab, 0.0);
+        let pass = Instant::now();
+        let mut taking: Vec<&mut Session<'_>> = Vec::with_capacity(seqs.len());
+        let mut parts = Vec::with_capacity(seqs.len());
+        for (session, batch) in sessions.iter_mut().zip(&batches) {
+            if batch.is_empty() {
+                continue;
+            }
+            if batch.len() > 1 {
+                session.save_for_keep(batch.len())?;
+            }
+            taking.push(session);
+            parts.push(SessionInputs {
+                inputs: batch,
+                places: &[],
+                every: true,
+            });
+        }
+        match (&mut taking[..], &parts[..]) {
+            ([one], [part]) if part.inputs.len() == 1 => {
+                let out = &mut all[..n_vocab];
+                one.eval(&mut mv, &mut supply, Some(&lookahead), part.inputs[0], out)?;
+            }
+            _ => {
+                Session::eval_together_placed(&mut taking, &mut mv, &mut supply, &parts, &mut all)?
+            }
+        }
+        let took = pass.elapsed();
+        passes += 1;
+        let mut rows = all.chunks_exact(n_vocab);
+        for ((q, session), batch) in seqs.iter_mut().zip(sessions.iter_mut()).zip(&batches) {
+            let Some(t) = q.next else {
+                continue;
+            };
+            let lg: Vec<&[f32]> = rows.by_ref().take(batch.len()).collect();
+            let Seq {
+                sampler,
+                tokens,
+                drafting,
+                ..
+            } = q;
+            let mut take = |row: &[f32]| {
+                let next = sampler.sample(row);
+                tokens.push(next);
+                (next, tokens.len() < cfg.n_tokens)
+            };
+            let settled = match drafting {
+                Some((_, state)) => state.settle(t, &lg.concat(), took, &mut take),
+                None => Settled::plain(take(lg[0])),
+            };
+            drafted += batch.len() - 1;
+            accepted += settled.accepted;
+            q.next = settled.next;
+            session.keep(&mut mv, &mut supply, batch, settled.kept)?;
         }
     }
     let time = t0.elapsed();
     let io = io_snapshot(&supply) - io0;
     Ok(ParallelReport {
         schedule,
-        tokens,
+        speculative: drafter.is_some(),
+        tokens: seqs.into_iter().map(|q| q.tokens).collect(),
         time,
         bytes_read: io.file_bytes,
         stall: Duration::from_nanos(io.stall_nanos),
+        passes,
+        drafted,
+        accepted,
     })
 }
 

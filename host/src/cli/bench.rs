@@ -48,9 +48,10 @@ pub struct BenchArgs {
     /// mostly that; the report's rate by quarter shows whether it held).
     #[arg(short = 'n', long, default_value_t = 128, value_parser = super::values::tokens)]
     pub n_tokens: usize,
-    /// The prompt (raw).
-    #[arg(long, default_value = "The history of the printing press begins")]
-    pub prompt: String,
+    /// The prompt (raw). With --parallel, several may be given: sequence
+    /// `i` decodes the `i`-th (counting round).
+    #[arg(long, default_value = "The history of the printing press begins", action = clap::ArgAction::Append)]
+    pub prompt: Vec<String>,
     /// Schedules to run, comma-separated, in order.
     #[arg(long, value_delimiter = ',', default_value = "on-demand,les")]
     pub schedules: Vec<Schedule>,
@@ -94,10 +95,12 @@ pub struct BenchArgs {
     pub prefill_batches: Vec<usize>,
     /// Instead of one sequence, decode this many side by side (e.g. `1,2,4`),
     /// each counting its own tokens from the prompt (sequence `i` sampling
-    /// with the seed plus `i`), every pass reading each layer's experts once
-    /// for all of them; every schedule at each count, and the throughput
-    /// over the first count printed.
-    #[arg(long, value_delimiter = ',', value_parser = super::values::sequences, conflicts_with_all = ["sweep", "prefill_batches", "speculate", "model_draft", "trace"])]
+    /// with the seed plus `i`, from the `i`-th --prompt where several are
+    /// given), every pass reading each layer's experts once for all of them;
+    /// every schedule at each count, and the throughput over the first count
+    /// printed. With --speculate ngram, each count also with each sequence
+    /// verifying its own drafts in the shared passes.
+    #[arg(long, value_delimiter = ',', value_parser = super::values::sequences, conflicts_with_all = ["sweep", "prefill_batches", "model_draft", "trace"])]
     pub parallel: Vec<usize>,
     /// Prompt positions for --prefill-batches: a built-in English text's tokens,
     /// repeated to this many.
@@ -132,7 +135,7 @@ pub(super) fn decode_config(
     tokenizer: &Tokenizer,
     budget: &crate::supply::SlotBudget,
 ) -> Result<BenchConfig, Box<dyn Error>> {
-    let prompt = tokenizer.encode(&args.prompt, true, true);
+    let prompt = tokenizer.encode(&args.prompt[0], true, true);
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
     }
@@ -261,6 +264,9 @@ pub(super) fn open(
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     check_schedules(&args.schedules)?;
     args.spec.check()?;
+    if args.prompt.len() > 1 && args.parallel.is_empty() {
+        return Err("several --prompt are for --parallel (a prompt a sequence)".into());
+    }
     if !args.sweep.is_empty() {
         return sweep(args, out);
     }
@@ -1002,7 +1008,7 @@ struct SweepRow {
 fn sweep(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let model = Model::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(model.gguf())?;
-    let prompt = tokenizer.encode(&args.prompt, true, true);
+    let prompt = tokenizer.encode(&args.prompt[0], true, true);
     if prompt.is_empty() {
         return Err("the prompt is empty after tokenization".into());
     }

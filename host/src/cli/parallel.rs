@@ -8,38 +8,88 @@ use std::io::Write;
 use serde_json::{json, Value};
 
 use super::bench::{mib, BenchArgs};
-use crate::bench::{run_parallel, ParallelReport};
+use crate::bench::{run_parallel, ParallelReport, SideBySide};
+use crate::draft::DraftSource;
 use crate::supply::Schedule;
 
 /// Runs `les bench --parallel`.
 pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let (model, tokenizer, budget, _) = super::bench::open(args)?;
     let cfg = super::bench::decode_config(args, &tokenizer, &budget)?;
+    let prompts: Vec<Vec<u32>> = args
+        .prompt
+        .iter()
+        .map(|p| tokenizer.encode(p, true, true))
+        .collect();
+    if prompts.iter().any(Vec::is_empty) {
+        return Err("a prompt is empty after tokenization".into());
+    }
+    let source = args.spec.source();
+    let spec = match source {
+        DraftSource::None => None,
+        DraftSource::Ngram => Some(&args.spec),
+        DraftSource::Model | DraftSource::Mtp => {
+            return Err(
+                "--parallel drafts with --speculate ngram only (a draft model or MTP block keeps one sequence's cache)"
+                    .into(),
+            )
+        }
+    };
+    let decodes: &[bool] = if spec.is_some() {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let settings: Vec<(usize, bool)> = args
+        .parallel
+        .iter()
+        .flat_map(|&n| decodes.iter().map(move |&d| (n, d)))
+        .collect();
+    let mode = if spec.is_some() {
+        "plainly and with --speculate ngram, "
+    } else {
+        ""
+    };
     note!(
-        "les bench: {} ({} layers), prompt of {} tokens, {} tokens a sequence, {}, {} threads",
+        "les bench: {} ({} layers), prompts of {} tokens, {} tokens a sequence, {mode}{}, {} threads",
         model.arch.name(),
         model.hp.n_layers,
-        cfg.prompt.len(),
+        prompts.iter().map(|p| p.len().to_string()).collect::<Vec<_>>().join("/"),
         cfg.n_tokens,
         super::bench::slots_summary(&model, &budget),
         cfg.threads,
     );
-    // Rounds of (schedule, count) runs, interleaved; each pair's median.
+    let decode = |d: bool| if d { "ngram" } else { "plain" };
+    // Rounds of (schedule, count, decode) runs, interleaved; each one's
+    // median.
     let all = super::bench::interleaved(
         args.repeat,
         &args.schedules,
-        &args.parallel,
-        |s, n| format!("{s}, {n} side by side"),
-        |s, n| run_parallel(&model, &args.model, &cfg, s, n),
-        |r| format!("{:.2} tok/s", r.tok_s()),
+        &settings,
+        |s, (n, d)| format!("{s}, {n} side by side, {}", decode(d)),
+        |s, (n, d)| {
+            let run = SideBySide {
+                sequences: n,
+                prompts: &prompts,
+                spec: spec.filter(|_| d),
+            };
+            run_parallel(&model, &args.model, &cfg, s, run)
+        },
+        |r| {
+            format!(
+                "{:.2} tok/s, {:.2} tokens a pass",
+                r.tok_s(),
+                r.tokens_per_pass()
+            )
+        },
     )?;
     let identical = same_sequences(all.iter().flatten());
     let medians = super::bench::medians(all, |r| r.time.div_f64(r.generated().max(1) as f64));
-    // Each schedule's throughput over its first count.
+    // Each schedule's throughput over its first count, decoded plainly.
     let base = |s: Schedule| {
         medians
             .iter()
-            .find(|r| r.schedule == s)
+            .find(|r| r.schedule == s && !r.speculative)
             .map_or(0.0, ParallelReport::tok_s)
     };
     if args.json {
@@ -49,10 +99,15 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
                 json!({
                     "schedule": r.schedule.name(),
                     "sequences": r.sequences(),
+                    "decode": decode(r.speculative),
                     "tok_s": r.tok_s(),
                     "tok_s_per_sequence": r.tok_s() / r.sequences().max(1) as f64,
                     "bytes_per_token": r.bytes_per_token(),
                     "stall_share": r.stall_share(),
+                    "passes": r.passes,
+                    "drafted": r.drafted,
+                    "accepted": r.accepted,
+                    "tokens_per_pass": r.tokens_per_pass(),
                     "speedup": r.tok_s() / base(r.schedule).max(1e-12),
                 })
             })
@@ -62,7 +117,7 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
             "{}",
             json!({
                 "model": args.model.display().to_string(),
-                "prompt_tokens": cfg.prompt.len(),
+                "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
                 "n_tokens": cfg.n_tokens,
                 "slots": budget.slots(),
                 "slot_bytes": budget.bytes(),
@@ -74,25 +129,35 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     } else {
         writeln!(
             out,
-            "{:<10} {:>9} {:>8} {:>13} {:>11} {:>7} {:>8}",
-            "schedule", "sequences", "tok/s", "tok/s a seq.", "MiB/token", "stall", "speedup"
+            "{:<10} {:>9} {:>6} {:>8} {:>13} {:>11} {:>7} {:>9} {:>8}",
+            "schedule",
+            "sequences",
+            "decode",
+            "tok/s",
+            "tok/s a seq.",
+            "MiB/token",
+            "stall",
+            "tok/pass",
+            "speedup"
         )?;
         for r in &medians {
             writeln!(
                 out,
-                "{:<10} {:>9} {:>8.2} {:>13.2} {:>11.2} {:>6.0}% {:>7.2}x",
+                "{:<10} {:>9} {:>6} {:>8.2} {:>13.2} {:>11.2} {:>6.0}% {:>9.2} {:>7.2}x",
                 r.schedule.name(),
                 r.sequences(),
+                decode(r.speculative),
                 r.tok_s(),
                 r.tok_s() / r.sequences().max(1) as f64,
                 mib(r.bytes_per_token()),
                 100.0 * r.stall_share(),
+                r.tokens_per_pass(),
                 r.tok_s() / base(r.schedule).max(1e-12),
             )?;
         }
         writeln!(
             out,
-            "tok/s: all sequences together; stall: share of the time blocked on reads\nspeedup: over the same schedule's first count ({}); each sequence's tokens identical in every run that decoded it: {}",
+            "tok/s: all sequences together; stall: share of the time blocked on reads; tok/pass: tokens a sequence got from each pass it took part in\nspeedup: over the same schedule's first count ({}), decoded plainly; each sequence's tokens identical in every run that decoded it: {}",
             args.parallel[0],
             if identical { "yes" } else { "NO" }
         )?;
@@ -100,7 +165,7 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     if identical {
         Ok(())
     } else {
-        Err("counts or schedules decoded a sequence differently".into())
+        Err("counts, schedules or drafts decoded a sequence differently".into())
     }
 }
 
@@ -126,10 +191,14 @@ mod tests {
     fn report(tokens: Vec<Vec<u32>>) -> ParallelReport {
         ParallelReport {
             schedule: Schedule::Les,
+            speculative: false,
             tokens,
             time: Duration::from_secs(1),
             bytes_read: 0,
             stall: Duration::ZERO,
+            passes: 1,
+            drafted: 0,
+            accepted: 0,
         }
     }
 
