@@ -3,14 +3,15 @@
 //! Nemotron-H's ungated experts and layers of one sub-layer, MLA, sinks and
 //! windows, lattice i-quant experts):
 //! loading one never panics, and a model the loader accepts evaluates two
-//! tokens, then a pass of two sequences side by side (resident, one thread;
+//! tokens, then a pass of two sequences side by side, one verifying (every
+//! position's logits; resident, one thread;
 //! NaNs allowed) without a panic either. Every
 //! shape the forward pass relies on is checked at load, and refused there
 //! with an error.
 #![no_main]
 
 use les::compute::ThreadedMatVec;
-use les::engine::Session;
+use les::engine::{Session, SessionInputs};
 use les::flash::FileDeviceConfig;
 use les::model::Model;
 use les::supply::{Schedule, SlotBudget, Supply};
@@ -62,14 +63,27 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     }
-    // The next token of the first beside the second's two, in one pass.
+    // The next token of the first beside the second's two, in one pass,
+    // the second verifying (every position's logits).
     let (one, two) = (TokenInput::Token(1), TokenInput::Token(0));
-    let mut both = vec![0f32; 2 * hp.n_vocab];
-    let _ = Session::eval_together(
+    let parts = [
+        SessionInputs {
+            inputs: &[one],
+            places: &[],
+            every: false,
+        },
+        SessionInputs {
+            inputs: &[two, one],
+            places: &[],
+            every: true,
+        },
+    ];
+    let mut rows = vec![0f32; 3 * hp.n_vocab];
+    let _ = Session::eval_together_placed(
         &mut [&mut session, &mut other],
         &mut mv,
         &mut supply,
-        &[&[one], &[two, one]],
-        &mut both,
+        &parts,
+        &mut rows,
     );
 });

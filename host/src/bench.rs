@@ -840,12 +840,14 @@ pub fn run_parallel(
         }
         let took = pass.elapsed();
         passes += 1;
-        let mut rows = all.chunks_exact(n_vocab);
+        let mut row = 0;
         for ((q, session), batch) in seqs.iter_mut().zip(sessions.iter_mut()).zip(&batches) {
             let Some(t) = q.next else {
                 continue;
             };
-            let lg: Vec<&[f32]> = rows.by_ref().take(batch.len()).collect();
+            // Its rows, back to back.
+            let lg = &all[row * n_vocab..(row + batch.len()) * n_vocab];
+            row += batch.len();
             let Seq {
                 sampler,
                 tokens,
@@ -858,8 +860,8 @@ pub fn run_parallel(
                 (next, tokens.len() < cfg.n_tokens)
             };
             let settled = match drafting {
-                Some((_, state)) => state.settle(t, &lg.concat(), took, &mut take),
-                None => Settled::plain(take(lg[0])),
+                Some((_, state)) => state.settle(t, lg, took, &mut take),
+                None => Settled::plain(take(lg)),
             };
             drafted += batch.len() - 1;
             accepted += settled.accepted;

@@ -1565,11 +1565,13 @@ impl<'m> Engine<'m> {
             }
             return;
         }
-        let mut rows_of = logits.chunks_exact(n_vocab);
         let mut failed = vec![None; running.len()];
+        let mut row = 0;
         for (i, run) in running.iter_mut().enumerate() {
-            let lg: Vec<&[f32]> = rows_of.by_ref().take(rows[i]).collect();
-            let Some(&last) = lg.last() else {
+            // Its rows, back to back.
+            let lg = &logits[row * n_vocab..(row + rows[i]) * n_vocab];
+            row += rows[i];
+            let Some(last) = lg.rchunks_exact(n_vocab).next() else {
                 continue;
             };
             if !run.prompted() {
@@ -1603,7 +1605,7 @@ impl<'m> Engine<'m> {
                 .collect();
             let mut sample = |row: &[f32]| sample_next(g, &mut stats.generated, job, row);
             let settled = match drafting {
-                Some((_, d)) => d.settle(t, &lg.concat(), took[i], &mut sample),
+                Some((_, d)) => d.settle(t, lg, took[i], &mut sample),
                 None => Settled::plain(sample(last)),
             };
             stats.passes += 1;
