@@ -1163,6 +1163,12 @@ fn completions_side_by_side_answer_as_alone() {
             metric("n_busy_slots_per_decode") > 1.0,
             "-b {batch}: {text}"
         );
+        // The server logs a completion before it answers, but the log is
+        // read on a thread of its own: wait for the three lines.
+        let waited = Instant::now();
+        while three.generated().len() < 3 && waited.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let generated: usize = three.generated().iter().sum();
         // Fewer passes than tokens: passes were shared.
         assert!(metric("n_decode_total") < generated as f64, "{text}");

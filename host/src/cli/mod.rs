@@ -25,7 +25,7 @@ pub use mcu::McuIndexArgs;
 pub use pack::PackArgs;
 pub use perplexity::PerplexityArgs;
 pub use run::{NpyWriter, RunArgs};
-pub use serve::ServeArgs;
+pub use serve::{BatchArgs, EngineArgs, ServeArgs};
 pub use synth::SynthArgs;
 
 /// LES: large MoE models on small devices, experts streamed from flash.
@@ -48,6 +48,8 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Serve the model over HTTP with llama-server's OpenAI-style endpoints.
     Serve(Box<ServeArgs>),
+    /// Answer a file of requests (OpenAI's Batch API format), side by side with --parallel.
+    Batch(Box<BatchArgs>),
     /// Compare expert schedules on one model and budget, cold cache.
     Bench(Box<BenchArgs>),
     /// A model's perplexity over a text, or its KL divergence from a base model's.
@@ -65,6 +67,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         Command::Pack(args) => pack::run(args, out),
         Command::Run(args) => run::run(args, out),
         Command::Serve(args) => serve::run(args, out),
+        Command::Batch(args) => serve::batch(args, out),
         Command::Bench(args) => bench::run(args, out),
         Command::Perplexity(args) => perplexity::run(args, out),
         Command::Synth(args) => synth::run(args, out),

@@ -14,6 +14,7 @@ use super::run::{CacheArgs, ExpertArgs};
 use crate::compute::{default_threads, ThreadedMatVec};
 use crate::engine::Session;
 use crate::model::Model;
+use crate::serve::batch::run_batch;
 use crate::serve::{http::Limits, serve, Engine, ServeOptions};
 use crate::supply::Supply;
 use crate::tokenizer::Tokenizer;
@@ -21,6 +22,102 @@ use crate::tokenizer::Tokenizer;
 /// Arguments of `les serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
+    /// The model and how it runs.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require this key (`Authorization: Bearer KEY`) of every request but
+    /// `/health` (llama-server's --api-key); also read from `LES_API_KEY`.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Answer `GET /metrics` in Prometheus' format (llama-server's
+    /// `--metrics`: tokens and seconds of prompts and generation, the
+    /// completions answered and waiting).
+    #[arg(long)]
+    pub metrics: bool,
+    /// Connections served at once; more are answered 503.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_connections: u16,
+}
+
+/// Arguments of `les batch`.
+#[derive(Debug, Args)]
+pub struct BatchArgs {
+    /// The model and how it runs (--parallel N: requests side by side).
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// The requests: OpenAI's Batch API input, a JSON request a line
+    /// (`custom_id`, `method` POST, `url` /v1/chat/completions,
+    /// /v1/completions or /v1/responses, `body`); `-`: standard input.
+    #[arg(short = 'i', long, value_name = "JSONL")]
+    pub input_file: PathBuf,
+    /// Where the results go, a line a request in the requests' order
+    /// (default: standard output).
+    #[arg(short = 'o', long, value_name = "JSONL")]
+    pub output_file: Option<PathBuf>,
+}
+
+/// Runs `les batch`: every request of the input answered, its result
+/// written as soon as those before it are.
+pub fn batch(args: &BatchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let path = &args.input_file;
+    let mut input: Box<dyn std::io::BufRead + Send> = if path.as_os_str() == "-" {
+        Box::new(std::io::BufReader::new(std::io::stdin()))
+    } else {
+        let f = std::fs::File::open(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        Box::new(std::io::BufReader::new(f))
+    };
+    if let Some(o) = &args.output_file {
+        if same_file(path, o) {
+            return Err(format!("the output {} is the input", o.display()).into());
+        }
+    }
+    with_engine(&args.engine, |engine, model_id| {
+        let opts = ServeOptions {
+            model_id,
+            metrics: false,
+            limits: Limits::default(),
+            max_connections: 1,
+            api_key: None,
+        };
+        let summary = match &args.output_file {
+            Some(o) => {
+                let f = std::fs::File::create(o)
+                    .map_err(|e| format!("cannot write {}: {e}", o.display()))?;
+                let mut w = std::io::BufWriter::new(f);
+                run_batch(engine, &mut *input, &mut w, &opts)?
+            }
+            None => run_batch(engine, &mut *input, out, &opts)?,
+        };
+        if summary.succeeded < summary.requests {
+            note!(
+                "les batch: {} of {} requests failed (their result lines say why)",
+                summary.requests - summary.succeeded,
+                summary.requests
+            );
+        }
+        Ok(())
+    })
+}
+
+/// Whether `a` and `b` name one existing file.
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// The model and the engine that answers completions, for `les serve` and
+/// `les batch`.
+#[derive(Debug, Args)]
+pub struct EngineArgs {
     /// The model (GGUF).
     #[arg(short, long)]
     pub model: PathBuf,
@@ -31,12 +128,6 @@ pub struct ServeArgs {
     /// Tokens an image may take.
     #[command(flatten)]
     pub image_tokens: super::run::ImageTokenArgs,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on (0: any free port; the address is printed).
-    #[arg(long, default_value_t = 8080)]
-    pub port: u16,
     /// The model's name in answers and `/v1/models` (default: its file name).
     #[arg(long)]
     pub alias: Option<String>,
@@ -67,10 +158,6 @@ pub struct ServeArgs {
     /// --chat-template-kwargs).
     #[command(flatten)]
     pub template: super::run::TemplateArgs,
-    /// Require this key (`Authorization: Bearer KEY`) of every request but
-    /// `/health` (llama-server's --api-key); also read from `LES_API_KEY`.
-    #[arg(long, value_name = "KEY")]
-    pub api_key: Option<String>,
     /// `auto`: the reasoning of models that mark it (`<think>` tags,
     /// gpt-oss's analysis channel) goes to `reasoning_content`, apart from
     /// the answer, unless a request says `reasoning_format: none`; `none`:
@@ -88,18 +175,43 @@ pub struct ServeArgs {
     #[arg(long, visible_alias = "np", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
-    /// Answer `GET /metrics` in Prometheus' format (llama-server's
-    /// `--metrics`: tokens and seconds of prompts and generation, the
-    /// completions answered and waiting).
-    #[arg(long)]
-    pub metrics: bool,
-    /// Connections served at once; more are answered 503.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
-    pub max_connections: u16,
 }
 
 /// Runs `les serve` until the process is stopped.
 pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    with_engine(&args.engine, |engine, model_id| {
+        let listener = TcpListener::bind((args.host.as_str(), args.port))
+            .map_err(|e| format!("cannot listen on {}:{}: {e}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        note!(
+            "les: listening on http://{addr} (POST /v1/chat/completions, /v1/completions, \
+             /completion, /infill; GET /v1/models, /health, /slots)"
+        );
+        serve(
+            listener,
+            engine,
+            &ServeOptions {
+                model_id,
+                metrics: args.metrics,
+                limits: Limits::default(),
+                max_connections: usize::from(args.max_connections),
+                api_key: args
+                    .api_key
+                    .clone()
+                    .or_else(|| std::env::var("LES_API_KEY").ok())
+                    .filter(|k| !k.is_empty()),
+            },
+        );
+        Ok(())
+    })
+}
+
+/// Opens the model `args` names and runs `f` on an engine over it, with the
+/// model's name in answers.
+pub(super) fn with_engine(
+    args: &EngineArgs,
+    f: impl FnOnce(&mut Engine<'_>, String) -> Result<(), Box<dyn Error>>,
+) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
     args.experts.check()?;
     let model = Model::open(&args.model)?;
@@ -148,9 +260,6 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     let kv_bytes: usize = sessions.iter().map(Session::kv_bytes).sum();
     let mut sessions = sessions.into_iter();
     let session = sessions.next().expect("--parallel is at least 1");
-    let listener = TcpListener::bind((args.host.as_str(), args.port))
-        .map_err(|e| format!("cannot listen on {}:{}: {e}", args.host, args.port))?;
-    let addr = listener.local_addr()?;
     let model_id = args.alias.clone().unwrap_or_else(|| {
         args.model
             .file_name()
@@ -165,10 +274,6 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
         args.parallel,
         kv_bytes as f64 / (1 << 20) as f64,
         t0.elapsed()
-    );
-    note!(
-        "les: listening on http://{addr} (POST /v1/chat/completions, /v1/completions, \
-         /completion, /infill; GET /v1/models, /health, /slots)"
     );
     let mut engine = Engine::new(
         &model,
@@ -186,20 +291,5 @@ pub fn run(args: &ServeArgs, _out: &mut dyn Write) -> Result<(), Box<dyn Error>>
     if let Some(drafter) = drafter {
         engine = engine.with_drafter(drafter, max_draft, !args.spec.draft_fixed);
     }
-    serve(
-        listener,
-        &mut engine,
-        &ServeOptions {
-            model_id,
-            metrics: args.metrics,
-            limits: Limits::default(),
-            max_connections: usize::from(args.max_connections),
-            api_key: args
-                .api_key
-                .clone()
-                .or_else(|| std::env::var("LES_API_KEY").ok())
-                .filter(|k| !k.is_empty()),
-        },
-    );
-    Ok(())
+    f(&mut engine, model_id)
 }

@@ -25,6 +25,8 @@
 //! - [`serve`]: the accept loop and a thread a connection; completions queue
 //!   for the engine, which runs on the calling thread, while `/health` and
 //!   `/v1/models` answer at once.
+//! - [`batch`]: `les batch`, a file of requests in OpenAI's Batch API format
+//!   answered by the engine without a server.
 //!
 //! Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`
 //! (images as base64 `data:` URLs with a vision projector; tools; log
@@ -38,6 +40,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod batch;
 pub mod http;
 pub mod reasoning;
 pub mod responses;
@@ -1100,29 +1103,27 @@ pub struct ServeOptions {
 /// time.
 pub fn serve(listener: TcpListener, engine: &mut Engine<'_>, opts: &ServeOptions) {
     let (jobs, queue) = channel::<Job>();
-    let about = About {
-        opts,
-        tokenizer: engine.tokenizer,
-        n_ctx: engine.max_positions(),
-        clip: engine.clip,
-        speculative: engine.drafter.is_some(),
-        activity: std::sync::Mutex::new(Activity {
-            slots: engine
-                .slots_held()
-                .into_iter()
-                .map(|n| (n, false))
-                .collect(),
-            ..Activity::default()
-        }),
-    };
+    let about = About::new(engine, opts);
     std::thread::scope(|scope| {
         scope.spawn(|| accept(scope, listener, jobs, &about));
-        if engine.side_by_side() {
-            work_side_by_side(engine, queue, &about);
-        } else {
-            work(engine, queue, &about);
-        }
+        work_all(engine, queue, &about, &mut || {});
     });
+}
+
+/// Answers the jobs of `queue` until it closes: side by side where the
+/// engine can, else one at a time; `after` runs after each job answered
+/// one at a time, or each round of passes side by side.
+fn work_all(
+    engine: &mut Engine<'_>,
+    queue: Receiver<Job>,
+    about: &About<'_>,
+    after: &mut dyn FnMut(),
+) {
+    if engine.side_by_side() {
+        work_side_by_side(engine, queue, about, after);
+    } else {
+        work(engine, queue, about, after);
+    }
 }
 
 /// What the connections answer from themselves, without the engine.
@@ -1159,7 +1160,25 @@ struct Activity {
     decode_slots: u64,
 }
 
-impl About<'_> {
+impl<'a> About<'a> {
+    /// What the server tells of `engine`, run with `opts`.
+    fn new<'m: 'a>(engine: &Engine<'m>, opts: &'a ServeOptions) -> Self {
+        About {
+            opts,
+            tokenizer: engine.tokenizer,
+            n_ctx: engine.max_positions(),
+            clip: engine.clip,
+            speculative: engine.drafter.is_some(),
+            activity: std::sync::Mutex::new(Activity {
+                slots: engine
+                    .slots_held()
+                    .into_iter()
+                    .map(|n| (n, false))
+                    .collect(),
+                ..Activity::default()
+            }),
+        }
+    }
     /// A job was taken from the queue.
     fn took_job(&self) {
         let mut a = self.activity();
@@ -1190,7 +1209,7 @@ impl About<'_> {
 }
 
 /// The engine's loop, one completion at a time: each job's answer, in order.
-fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
+fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>, after: &mut dyn FnMut()) {
     for job in queue {
         about.took_job();
         let events = &job.events;
@@ -1208,6 +1227,7 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
             about.passes(f.passes as u64, f.passes as u64);
         }
         answered(engine, job, slot, result, about);
+        after();
     }
 }
 
@@ -1217,7 +1237,12 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>) {
 /// completion's next token (and its draft) and chunks of the new prompts at
 /// once ([`Session::eval_together`]: each layer's experts read once for
 /// all), each takes the tokens it samples, and those done are answered.
-fn work_side_by_side<'m>(engine: &mut Engine<'m>, queue: Receiver<Job>, about: &About<'_>) {
+fn work_side_by_side<'m>(
+    engine: &mut Engine<'m>,
+    queue: Receiver<Job>,
+    about: &About<'_>,
+    after: &mut dyn FnMut(),
+) {
     let mut waiting = std::collections::VecDeque::new();
     let mut running: Vec<Running<'m>> = Vec::new();
     loop {
@@ -1238,6 +1263,7 @@ fn work_side_by_side<'m>(engine: &mut Engine<'m>, queue: Receiver<Job>, about: &
         if !running.is_empty() {
             engine.step(&mut running, about);
         }
+        after();
     }
 }
 
@@ -1266,7 +1292,7 @@ fn answered(
 ) {
     if let Ok(f) = &result {
         note!(
-            "les serve: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
+            "les: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
             about.opts.model_id,
             match job.endpoint {
                 Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => "chat",
