@@ -1,4 +1,5 @@
-//! `les serve`'s request bodies from arbitrary bytes: every endpoint's JSON
+//! `les serve`'s request bodies (and `les batch`'s request lines) from
+//! arbitrary bytes: every endpoint's JSON
 //! readers (messages, content parts, base64 images, samplers, stop strings,
 //! response formats turned into grammars) and the helpers' give a request or
 //! a one-line 400, never a panic, hang or huge allocation; a request read
@@ -26,6 +27,17 @@ const FORMATS: [ToolFormat; 8] = [
 ];
 
 fuzz_target!(|data: &[u8]| {
+    // As a line of `les batch`: a request (streaming off), read once per id,
+    // or a line error.
+    let mut seen = std::collections::HashSet::new();
+    match les::serve::batch::read_request(data, &mut seen) {
+        Ok(r) => {
+            assert!(seen.contains(&r.custom_id));
+            assert!(r.completion.as_ref().is_ok_and(|c| !c.stream) || r.completion.is_err());
+            assert!(les::serve::batch::read_request(data, &mut seen).is_err());
+        }
+        Err(e) => assert!(!e.message.is_empty()),
+    }
     for read in [
         api::chat_request,
         api::text_request,

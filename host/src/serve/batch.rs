@@ -135,9 +135,13 @@ fn read_requests(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let (custom_id, endpoint, read) = match request(&line, &mut seen) {
+        let BatchRequest {
+            custom_id,
+            endpoint,
+            completion: read,
+        } = match read_request(&line, &mut seen) {
             Ok(r) => r,
-            Err((custom_id, message)) => {
+            Err(LineError { custom_id, message }) => {
                 let message = format!("line {number}: {message}");
                 let _ = pending.send(Pending::Invalid { custom_id, message });
                 continue;
@@ -299,25 +303,46 @@ fn skip_line(input: &mut (dyn BufRead + Send)) -> std::io::Result<()> {
     }
 }
 
-/// A request line read: its id, endpoint and completion (or the endpoint's
-/// refusal of its body); else its id (where known) and what is wrong with
-/// the line. `seen` holds the ids read so far.
-#[allow(clippy::type_complexity)]
-fn request(
-    line: &[u8],
-    seen: &mut HashSet<String>,
-) -> Result<(String, Endpoint, Result<Completion, ApiError>), (Option<String>, String)> {
+/// A request line read ([`read_request`]).
+#[derive(Debug)]
+pub struct BatchRequest {
+    /// Its id.
+    pub custom_id: String,
+    endpoint: Endpoint,
+    /// Its completion, or the endpoint's refusal of its body.
+    pub completion: Result<Completion, ApiError>,
+}
+
+/// A line that is no request.
+#[derive(Debug)]
+pub struct LineError {
+    /// Its `custom_id`, where it has one.
+    pub custom_id: Option<String>,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+/// Reads a request line (streaming off); `seen` holds the ids read so far,
+/// and a repeated one is refused.
+pub fn read_request(line: &[u8], seen: &mut HashSet<String>) -> Result<BatchRequest, LineError> {
+    let bad = |message: String| LineError {
+        custom_id: None,
+        message,
+    };
     let v: Value =
-        serde_json::from_slice(line).map_err(|e| (None, format!("not a JSON object: {e}")))?;
+        serde_json::from_slice(line).map_err(|e| bad(format!("not a JSON object: {e}")))?;
     let obj = v
         .as_object()
-        .ok_or_else(|| (None, "not a JSON object".to_string()))?;
+        .ok_or_else(|| bad("not a JSON object".to_string()))?;
     let custom_id = obj
         .get("custom_id")
         .and_then(Value::as_str)
-        .ok_or_else(|| (None, "'custom_id' must be a string".to_string()))?
+        .ok_or_else(|| bad("'custom_id' must be a string".to_string()))?
         .to_string();
-    let fail = |message: String| (Some(custom_id.clone()), message);
+    let fail = |message: String| LineError {
+        custom_id: Some(custom_id.clone()),
+        message,
+    };
     if !seen.insert(custom_id.clone()) {
         return Err(fail(format!("'custom_id' {custom_id:?} is repeated")));
     }
@@ -344,7 +369,11 @@ fn request(
     let completion = endpoint
         .read(url, &bytes)
         .map(|c| Completion { stream: false, ..c });
-    Ok((custom_id, endpoint, completion))
+    Ok(BatchRequest {
+        custom_id,
+        endpoint,
+        completion,
+    })
 }
 
 /// Notes how far the batch got.
