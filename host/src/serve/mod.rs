@@ -1223,8 +1223,10 @@ fn work(engine: &mut Engine<'_>, queue: Receiver<Job>, about: &About<'_>, after:
             },
             deliver(&job),
         );
-        if let Ok(f) = &result {
-            about.passes(f.passes as u64, f.passes as u64);
+        match (&result, slot) {
+            (Ok(f), _) => about.passes(f.passes as u64, f.passes as u64),
+            (Err(_), Some(s)) => engine.forget(s),
+            (Err(_), None) => {}
         }
         answered(engine, job, slot, result, about);
         after();
@@ -1586,6 +1588,7 @@ impl<'m> Engine<'m> {
         if let Err(e) = pass {
             for run in running.drain(..) {
                 let slot = run.g.slot;
+                self.forget(slot);
                 let e = server_error(format!("the forward pass failed: {e}"));
                 answered(self, run.job, Some(slot), Err(e), about);
             }
@@ -1652,6 +1655,7 @@ impl<'m> Engine<'m> {
             i -= 1;
             if let Some(e) = failed[i].take() {
                 let run = running.swap_remove(i);
+                self.forget(run.g.slot);
                 let e = server_error(format!("the forward pass failed: {e}"));
                 answered(self, run.job, Some(run.g.slot), Err(e), about);
             } else if running[i].done() {
@@ -1659,6 +1663,16 @@ impl<'m> Engine<'m> {
                 self.end(run, about);
             }
         }
+    }
+
+    /// Empties `slot` after a completion in it failed: a pass that fails
+    /// midway may leave a recurrent state (or cache rows) of positions the
+    /// slot does not count, so nothing it holds is kept for the next.
+    fn forget(&mut self, slot: usize) {
+        let s = &mut self.slots[slot];
+        s.held.clear();
+        // Always allowed; position 0 starts the state from zero.
+        let _ = s.session.rewind(0);
     }
 
     /// Answers the completion `run` ran.
