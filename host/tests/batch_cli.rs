@@ -204,7 +204,8 @@ fn batch_answers_each_request_in_order() {
 }
 
 /// `-o` writes the results to a file (never over the input); a missing
-/// input file is an error before the model loads.
+/// input file is an error before the model loads, an output that cannot be
+/// written one that ends the batch.
 #[test]
 fn batch_writes_results_to_a_file() {
     let input = tmp("batch_in.jsonl");
@@ -242,6 +243,12 @@ fn batch_writes_results_to_a_file() {
         let out = run(i, o);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{err}");
+    }
+    // An output that cannot be written ends the batch with its error.
+    if Path::new("/dev/full").exists() {
+        let out = run(&input, Path::new("/dev/full"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("space"), "{err}");
     }
     // The input is left as it was.
     assert_eq!(

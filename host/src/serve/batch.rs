@@ -21,7 +21,7 @@
 
 use std::collections::HashSet;
 use std::io::{BufRead, Read, Write};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,11 +88,17 @@ pub fn run_batch(
         tokenizer: about.tokenizer,
         failed: None,
     };
+    // Set where the output cannot be written: no more requests are read.
+    let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
-        let reader = scope.spawn(move || read_requests(input, &pending, &jobs));
+        let stop = &stop;
+        let reader = scope.spawn(move || read_requests(input, &pending, &jobs, stop));
         // The results are written between the engine's rounds.
         work_all(engine, queue, &about, &mut || {
-            written.write_ready(out, false)
+            written.write_ready(out, false);
+            if written.failed.is_some() {
+                stop.store(true, Ordering::Relaxed);
+            }
         });
         let read = reader.join().expect("the batch reader panicked");
         written.write_ready(out, true);
@@ -105,16 +111,20 @@ pub fn run_batch(
 }
 
 /// Reads the request lines of `input`, each to `pending` (its place in the
-/// output) and, a request, to `jobs`; returns at the end of `input` or
-/// where the engine stopped.
+/// output) and, a request, to `jobs`; returns at the end of `input`, where
+/// the engine stopped, or once `stop` is set.
 fn read_requests(
     input: &mut (dyn BufRead + Send),
     pending: &Sender<Pending>,
     jobs: &SyncSender<Job>,
+    stop: &AtomicBool,
 ) -> std::io::Result<()> {
     let mut seen = HashSet::new();
     let mut line = Vec::new();
     for number in 1.. {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         line.clear();
         let n = (&mut *input)
             .take(MAX_LINE as u64 + 1)
