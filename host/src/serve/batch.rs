@@ -389,7 +389,7 @@ pub fn read_request(line: &[u8], seen: &mut HashSet<String>) -> Result<BatchRequ
 /// Notes how far the batch got.
 fn note(s: &BatchSummary, took: Duration) {
     note!(
-        "les batch: {} requests answered ({} failed), {} tokens generated in {:.1?} ({:.2} tok/s)",
+        "les batch: answered {} ({} failed), {} tokens generated in {:.1?} ({:.2} tok/s)",
         s.requests,
         s.requests - s.succeeded,
         s.completion_tokens,
