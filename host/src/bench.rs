@@ -703,7 +703,7 @@ pub fn run_parallel(
     run: SideBySide<'_>,
 ) -> Result<ParallelReport, Box<dyn std::error::Error>> {
     use crate::draft::Drafter;
-    use crate::engine::{Drafting, SessionInputs, Settled};
+    use crate::engine::{Drafting, PassCost, SessionInputs, Settled};
     let one = [cfg.prompt.clone()];
     let prompts = if run.prompts.is_empty() {
         &one[..]
@@ -784,6 +784,7 @@ pub fn run_parallel(
         });
     }
     let (mut passes, mut drafted, mut accepted) = (0, 0, 0);
+    let mut pass_cost = PassCost::default();
     let mut all = Vec::new();
     let io0 = io_snapshot(&supply);
     let t0 = Instant::now();
@@ -791,11 +792,15 @@ pub fn run_parallel(
         // Each sequence's tokens this pass: its next one and the draft after
         // it (none where it is done).
         let mut batches: Vec<Vec<TokenInput<'static>>> = Vec::with_capacity(seqs.len());
+        let costs = pass_cost.costs(seqs.iter().filter(|q| q.next.is_some()).count());
         for (q, session) in seqs.iter_mut().zip(&sessions) {
             let mut batch = Vec::new();
             if let Some(t) = q.next {
                 batch.push(TokenInput::Token(t));
                 if let Some((d, state)) = &mut q.drafting {
+                    if let Some(c) = costs {
+                        state.pass_costs(c);
+                    }
                     let room = (cfg.n_tokens.saturating_sub(q.tokens.len() + 1)).min(
                         session
                             .max_positions()
@@ -839,6 +844,7 @@ pub fn run_parallel(
             }
         }
         let took = pass.elapsed();
+        pass_cost.record(rows, took);
         passes += 1;
         let mut row = 0;
         for ((q, session), batch) in seqs.iter_mut().zip(sessions.iter_mut()).zip(&batches) {

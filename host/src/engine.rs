@@ -1606,6 +1606,16 @@ impl Drafting {
         &self.draft
     }
 
+    /// Takes what a pass costs from passes shared with other sequences
+    /// ([`PassCost`]): `single` seconds for the pass this sequence takes
+    /// part in with one position, `extra` for each position more. Drafts are
+    /// then as long as pays by these (a sequence's own single and verifying
+    /// passes' times mix in the other sequences' positions).
+    pub(crate) fn pass_costs(&mut self, (single, extra): (f64, f64)) {
+        self.control.single = Some(single);
+        self.control.extra = Some(extra);
+    }
+
     /// The draft [`draft`](Self::draft) made last.
     pub(crate) fn drafted(&self) -> &[u32] {
         &self.draft
@@ -1659,6 +1669,52 @@ impl Drafting {
             }
         }
         settled
+    }
+}
+
+/// What a pass over several sequences' positions costs, `a + b * positions`
+/// seconds, fitted to the passes so far (least squares, recent passes
+/// weighing more), so that sequences side by side judge a draft by what one
+/// more position adds to the pass ([`Drafting::pass_costs`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PassCost {
+    /// Weighted sums: of the weights, positions, positions squared, seconds,
+    /// and positions times seconds.
+    w: f64,
+    p: f64,
+    pp: f64,
+    t: f64,
+    pt: f64,
+}
+
+/// How much each older pass's weight in [`PassCost`] keeps a pass.
+const PASS_COST_KEEP: f64 = 0.95;
+
+impl PassCost {
+    /// A pass of `positions` took `took`.
+    pub(crate) fn record(&mut self, positions: usize, took: Duration) {
+        let (p, t) = (positions as f64, took.as_secs_f64());
+        let k = PASS_COST_KEEP;
+        self.w = k * self.w + 1.0;
+        self.p = k * self.p + p;
+        self.pp = k * self.pp + p * p;
+        self.t = k * self.t + t;
+        self.pt = k * self.pt + p * t;
+    }
+
+    /// `(single, extra)` for a sequence among `sequences` taking part in a
+    /// pass with a position each: the pass's seconds, and what each position
+    /// more adds; `None` until passes of different sizes fit a line that
+    /// rises.
+    pub(crate) fn costs(&self, sequences: usize) -> Option<(f64, f64)> {
+        let spread = self.w * self.pp - self.p * self.p;
+        if self.w < 2.0 || spread <= 1e-9 * self.w * self.w {
+            return None;
+        }
+        let b = (self.w * self.pt - self.p * self.t) / spread;
+        let a = (self.t - b * self.p) / self.w;
+        let single = a + b * sequences as f64;
+        (b > 0.0 && single > 0.0).then_some((single, b))
     }
 }
 
@@ -1810,6 +1866,27 @@ mod tests {
             extra: Some(extra),
             ..DraftLength::default()
         }
+    }
+
+    #[test]
+    fn pass_costs_fit_a_line_through_the_passes() {
+        let mut c = PassCost::default();
+        let secs = |p: usize| Duration::from_secs_f64(0.1 + 0.01 * p as f64);
+        // Passes of one size say nothing of a position's cost.
+        for _ in 0..4 {
+            c.record(4, secs(4));
+        }
+        assert!(c.costs(4).is_none());
+        for p in [5, 8, 4, 6, 12] {
+            c.record(p, secs(p));
+        }
+        let (single, extra) = c.costs(4).unwrap();
+        assert!((single - 0.14).abs() < 1e-9 && (extra - 0.01).abs() < 1e-9);
+        // A line that falls is no cost.
+        let mut falling = PassCost::default();
+        falling.record(2, Duration::from_millis(300));
+        falling.record(8, Duration::from_millis(100));
+        assert!(falling.costs(2).is_none());
     }
 
     #[test]

@@ -59,7 +59,8 @@ use serde_json::{json, Value};
 use crate::compute::ThreadedMatVec;
 use crate::draft::{Drafter, Speculation};
 use crate::engine::{
-    generate_from, Control, Drafting, GenStats, InputPlace, Session, SessionInputs, Settled,
+    generate_from, Control, Drafting, GenStats, InputPlace, PassCost, Session, SessionInputs,
+    Settled,
 };
 use crate::grammar::{Grammar, TokenGrammar};
 use crate::model::Model;
@@ -171,6 +172,8 @@ pub struct Engine<'m> {
     /// Speculative decoding's drafter, its longest draft and whether drafts
     /// are cut to what pays ([`Speculation`]).
     drafter: Option<(Box<dyn Drafter + 'm>, usize, bool)>,
+    /// What a pass side by side costs by its positions, for drafts' lengths.
+    pass_cost: PassCost,
     /// How the model marks its reasoning, if it does (and it is told apart).
     splitter: Option<Splitter>,
     /// How the model writes calls, where its chat template takes tools.
@@ -243,6 +246,7 @@ impl<'m> Engine<'m> {
             supply,
             lookahead,
             drafter: None,
+            pass_cost: PassCost::default(),
             splitter: Splitter::of(tokenizer),
         }
     }
@@ -1482,8 +1486,13 @@ impl<'m> Engine<'m> {
         // Each completion's positions this round: the generating ones' first,
         // then prompts in the room they leave in the batch buffers.
         let mut take = vec![0; running.len()];
+        let generating = running.iter().filter(|r| r.prompted() && r.next.is_some());
+        let costs = self.pass_cost.costs(generating.count());
         for (k, r) in take.iter_mut().zip(running.iter_mut()) {
             if r.prompted() {
+                if let (Some((_, d)), Some(c)) = (&mut r.drafting, costs) {
+                    d.pass_costs(c);
+                }
                 *k = r.plan(&self.slots[r.g.slot].session, 0);
             }
         }
@@ -1574,6 +1583,9 @@ impl<'m> Engine<'m> {
                 .map_err(|e| e.to_string()),
             };
             took[first..end].fill(t0.elapsed());
+            if pass.is_ok() && total > 0 {
+                self.pass_cost.record(total, t0.elapsed());
+            }
             let generating = running[first..end]
                 .iter()
                 .zip(&take[first..end])
