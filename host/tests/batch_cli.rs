@@ -6,9 +6,8 @@
 
 mod cli;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use cli::{les, synth_once, tmp};
 use serde_json::{json, Value};
@@ -64,21 +63,14 @@ fn requests() -> Vec<String> {
 /// Runs `les batch` over `lines` (through standard input) with `extra`
 /// arguments: its result lines and standard error.
 fn batch(lines: &[String], extra: &[&str]) -> (Vec<Value>, String) {
-    let mut child = les()
-        .args(["batch", "-i", "-", "-m"])
-        .arg(model())
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    for l in lines {
-        writeln!(stdin, "{l}").unwrap();
-    }
-    drop(stdin);
-    let out = child.wait_with_output().unwrap();
+    let input: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    let out = cli::with_stdin(
+        les()
+            .args(["batch", "-i", "-", "-m"])
+            .arg(model())
+            .args(extra),
+        input.as_bytes(),
+    );
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{err}");
     let results = String::from_utf8(out.stdout)

@@ -1612,24 +1612,10 @@ fn an_interrupted_logits_out_holds_the_rows_so_far() {
 /// (Images and `/clear`: `vision_cli`.)
 /// `les run -m model args...` with `stdin` written to its standard input.
 fn run_with_stdin(model: &Path, args: &[&str], stdin: &str) -> Output {
-    use std::io::Write as _;
-    use std::process::Stdio;
-    let mut child = les()
-        .args(["run", "-m"])
-        .arg(model)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    cli::with_stdin(
+        les().args(["run", "-m"]).arg(model).args(args),
+        stdin.as_bytes(),
+    )
 }
 
 #[test]

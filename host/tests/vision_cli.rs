@@ -660,28 +660,20 @@ fn image_prompt_with_mtp_drafts_gives_plain_decodings_logits() {
 /// seed.
 #[test]
 fn conversation_takes_images_in_any_turn() {
-    use std::io::Write as _;
-    use std::process::Stdio;
     let (lm, mm) = models("minicpmv4_6");
     let img = image();
     let img = img.to_str().unwrap();
     let converse = |extra: &[&str], stdin: &str| {
-        let mut child = les()
-            .args(["run", "-m"])
-            .arg(&lm)
-            .arg("--mmproj")
-            .arg(&mm)
-            .args(["--cnv", "--temp", "0.8", "--seed", "3", "-n", "8"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(stdin.as_bytes()).unwrap();
-        drop(input);
-        let out = child.wait_with_output().unwrap();
+        let out = cli::with_stdin(
+            les()
+                .args(["run", "-m"])
+                .arg(&lm)
+                .arg("--mmproj")
+                .arg(&mm)
+                .args(["--cnv", "--temp", "0.8", "--seed", "3", "-n", "8"])
+                .args(extra),
+            stdin.as_bytes(),
+        );
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "{extra:?}: {err}");
         (String::from_utf8(out.stdout).unwrap(), err)

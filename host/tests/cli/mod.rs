@@ -13,6 +13,21 @@ pub fn les() -> Command {
     Command::new(env!("CARGO_BIN_EXE_les"))
 }
 
+/// Runs `cmd` with `stdin` written to its standard input (then closed),
+/// its standard output and error captured.
+pub fn with_stdin(cmd: &mut Command, stdin: &[u8]) -> std::process::Output {
+    use std::io::Write as _;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 /// A per-layer key as the converters write it: one i32 a layer
 /// (`attention.head_count_kv`, `feed_forward_length`).
 pub fn i32_array(values: &[i32]) -> les::gguf::MetaValue {
