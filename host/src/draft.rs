@@ -549,6 +549,26 @@ mod tests {
     }
 
     #[test]
+    fn a_fork_drafts_for_its_own_sequence() {
+        let mut d = NgramDrafter::new(2, 3);
+        let a = [1, 2, 3, 9, 1, 2];
+        assert_eq!(draft(&mut d, &a, 2), [3, 9]);
+        // A fork matches the same lengths over its own history, from
+        // nothing of the first one's.
+        let mut f = d.fork().expect("prompt lookup forks");
+        let b = [5, 6, 7, 1, 2];
+        let mut out = vec![99];
+        f.draft(&b, 2, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        f.draft(&[5, 6, 7, 5, 6], 4, &mut out);
+        assert_eq!(out, [7, 5, 6]);
+        f.draft(&[4, 1, 4], 2, &mut out);
+        assert!(out.is_empty(), "a fork matches 2 tokens at least: {out:?}");
+        // The first one goes on with its own.
+        assert_eq!(draft(&mut d, &[1, 2, 3, 9, 1, 2, 3], 1), [9]);
+    }
+
+    #[test]
     fn guesses_what_followed_the_latest_match() {
         let mut d = NgramDrafter::new(1, 3);
         // "1 2 3" occurred twice; the latest one was followed by 7 8.
