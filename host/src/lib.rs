@@ -28,8 +28,10 @@
 //! - [`vision`]: images in: mmproj vision towers (MiniCPM-V 4.6, Gemma 3,
 //!   Qwen3-VL), image preprocessing, embeddings spliced into the prompt and
 //!   placed as llama.cpp places them ([`engine::InputPlace`]).
-//! - [`serve`]: `les serve`, llama-server's OpenAI-style HTTP API over one
-//!   session; [`reply`], a reply's text cut at stop strings as it streams.
+//! - [`serve`]: `les serve`, llama-server's OpenAI-style HTTP API over the
+//!   model's slots, completions side by side; `les batch` ([`serve::batch`]),
+//!   OpenAI Batch API files through the same engine; [`reply`], a reply's
+//!   text cut at stop strings as it streams.
 //! - [`mcu`]: the compact model index a microcontroller firmware reads.
 //! - [`interrupt`]: partial outputs removed on Ctrl-C.
 
