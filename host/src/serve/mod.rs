@@ -1413,9 +1413,15 @@ impl Running<'_> {
                 self.g.prompt.places()[chunk].to_vec(),
             );
         }
+        (self.tokens(k), Vec::new())
+    }
+
+    /// The first `k` of its next token and the draft after it: what its
+    /// next pass evaluates once its prompt is.
+    fn tokens(&self, k: usize) -> Vec<TokenInput<'static>> {
         let draft = self.drafting.as_ref().map_or(&[][..], |(_, d)| d.drafted());
         let tokens = self.next.into_iter().chain(draft.iter().copied());
-        (tokens.take(k).map(TokenInput::Token).collect(), Vec::new())
+        tokens.take(k).map(TokenInput::Token).collect()
     }
 }
 
@@ -1630,6 +1636,8 @@ impl<'m> Engine<'m> {
             let Some(t) = run.next else {
                 continue;
             };
+            // The pass's tokens: `t` and the draft verified after it.
+            let verified = run.tokens(take[i]);
             let Running {
                 g,
                 stats,
@@ -1637,13 +1645,6 @@ impl<'m> Engine<'m> {
                 drafting,
                 ..
             } = run;
-            // The pass's tokens: `t` and the draft verified after it.
-            let draft = drafting.as_ref().map_or(&[][..], |(_, d)| d.drafted());
-            let verified: Vec<TokenInput<'_>> = std::iter::once(t)
-                .chain(draft.iter().copied())
-                .take(take[i])
-                .map(TokenInput::Token)
-                .collect();
             let mut sample = |row: &[f32]| sample_next(g, &mut stats.generated, job, row);
             let settled = match drafting {
                 Some((_, d)) => d.settle(t, lg, took[i], &mut sample),
