@@ -13,6 +13,7 @@
 //!         Wait => device.wait(),
 //!         Done => break,
 //!     } }
+//! // after an error: abandon_layer(), then the next token
 //! ```
 //!
 //! Exactness: [`Next::Compute`] hands out a slot only when every part of its read
@@ -507,6 +508,10 @@ pub struct Scheduler<S, M, L> {
     /// scores [`Scheduler::observe_router`] took, or the first group of picks):
     /// its picks are not counted again. Cleared by [`Scheduler::begin_token`].
     observed: Option<u16>,
+    /// A picked expert's read failed or its bytes their checksum: what was
+    /// read but not yet checked is given up with the layer
+    /// ([`Scheduler::abandon_layer`]).
+    faulted: bool,
     stats: Stats,
 }
 
@@ -619,6 +624,7 @@ where
             in_flight: 0,
             partial_prefetch: false,
             observed: None,
+            faulted: false,
             stats: Stats::default(),
         })
     }
@@ -1141,6 +1147,7 @@ where
             self.table.unpin(slot)?;
             self.table.evict(slot)?;
             self.picks[index].status = PickStatus::Done;
+            self.faulted = true;
             return Err(Error::Checksum { key });
         }
         if expect.is_some() {
@@ -1149,9 +1156,66 @@ where
         self.finish(index)
     }
 
+    /// Gives up the current layer's unfinished picks after an error stopped
+    /// their computation (a failed or corrupt read, a failed product): the
+    /// slots they pinned become evictable, their reads are cancelled and the
+    /// queued prefetches dropped, so that the next
+    /// [`begin_layer`](Self::begin_layer) starts clean. Other reads in flight
+    /// go on. After a picked expert's read failed or failed its checksum,
+    /// every read not yet checked is given up too (cancelled, or its slot
+    /// freed): a failing device may have returned bad bytes elsewhere in the
+    /// same while, which would fail a later pass even once it reads well
+    /// again. Without an error, nothing to do. The streamed supplier calls it
+    /// as each token begins
+    /// ([`Experts::begin_token`](crate::model::forward::Experts::begin_token)).
+    pub fn abandon_layer<D: BlockDevice>(&mut self, dev: &mut D) -> Result<(), Error<D::Error>> {
+        let picks = core::mem::take(&mut self.picks);
+        for pick in &picks {
+            match pick.status {
+                PickStatus::NeedsSlot | PickStatus::Done => {}
+                PickStatus::Ready(slot)
+                | PickStatus::Computing(slot)
+                | PickStatus::RestReady(slot) => self.table.unpin(slot)?,
+                PickStatus::Loading(slot) | PickStatus::FirstDone(slot) => {
+                    if let Some(load) = self.table.load_mut(slot) {
+                        // Not to be read again when a part fails: nobody waits for it.
+                        load.demand = false;
+                        if !load.cancelled {
+                            self.cancel_load(slot, dev)?;
+                        }
+                    }
+                }
+            }
+        }
+        if core::mem::take(&mut self.faulted) {
+            for i in 0..self.table.capacity() {
+                let slot = SlotId(i as u32);
+                match *self.table.state(slot) {
+                    SlotState::Ready { .. } if self.table.unverified(slot) => {
+                        self.table.evict(slot)?;
+                    }
+                    SlotState::Loading(l) if !l.cancelled => {
+                        if let Some(load) = self.table.load_mut(slot) {
+                            load.demand = false;
+                        }
+                        self.cancel_load(slot, dev)?;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.queue.clear();
+        self.layer = None;
+        Ok(())
+    }
+
     /// Waits for every read in flight to complete, e.g. before dropping the slot
-    /// memory. Errors of prefetches are ignored; the current layer is abandoned.
+    /// memory. Errors of prefetches are ignored; the current layer is abandoned
+    /// ([`abandon_layer`](Self::abandon_layer)).
     pub fn drain<D: BlockDevice>(&mut self, dev: &mut D) {
+        // Its only failure, a slot not in its pick's state, leaves the table
+        // to the loop below.
+        let _ = self.abandon_layer(dev);
         while self.in_flight > 0 {
             match dev.poll() {
                 Some(c) => {
@@ -1595,7 +1659,13 @@ where
             ReadStatus::Failed(error) => {
                 load.failed = true;
                 load.faults = load.faults.saturating_add(1);
-                if load.demand && (!error.is_transient() || load.faults > max_retries) {
+                // A cancelled read's error is of a read given up on: one
+                // asked for again since is read again (below), not failed.
+                if load.demand
+                    && !load.cancelled
+                    && (!error.is_transient() || load.faults > max_retries)
+                {
+                    self.faulted = true;
                     return Err(Error::Device {
                         key: load.key,
                         error,
@@ -1648,6 +1718,7 @@ where
         let deferred = self.config.verify_on_compute && src.checksum(load.key).is_some();
         if !deferred && !src.verify(load.key, dev.slot(slot)) {
             if load.demand {
+                self.faulted = true;
                 return Err(Error::Checksum { key: load.key });
             }
             self.stats.bad_prefetches += 1;

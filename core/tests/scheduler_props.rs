@@ -507,9 +507,14 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     };
     let mut fault_rng = Rng(c.seed ^ 0xfa17);
     let (tp, bp, pp) = (c.transient_percent, c.bitflip_percent, c.permanent_percent);
+    // Off once a fault ended a run: the device reads well again.
+    let faults_on = std::rc::Rc::new(std::cell::Cell::new(true));
+    let on = std::rc::Rc::clone(&faults_on);
     let faults = move |_: &ReadRequest| {
         let r = fault_rng.below(100);
-        if r < pp {
+        if !on.get() {
+            Fault::None
+        } else if r < pp {
             Fault::Permanent
         } else if r < pp + bp {
             Fault::BitFlip
@@ -536,183 +541,222 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
     config.demand_reserve = config.demand_reserve.min(Q - 1);
     let mut sched = m.scheduler(config, capacity);
 
-    let outcome = (|| -> Outcome {
-        let mut h = [0.5f32, -0.25, 1.0, 0.125];
-        let mut trace = Vec::new();
-        for (step, r) in s.routing.iter().enumerate() {
-            let layer = (step % m.n_layers as usize) as u16;
-            if layer == 0 {
-                sched.begin_token();
-            }
-            let experts: Vec<u16> = r.iter().map(|p| p.0).collect();
-            // Router scores for the popularity: usually the picks' weights (others
-            // low), sometimes none (picks are counted), sometimes malformed.
-            match rng.below(8) {
-                0 => {}
-                1 => sched.observe_router(layer, &[f32::NAN; 3]),
-                _ => {
-                    let mut logits = vec![-4.0f32; m.n_experts as usize];
-                    for &(e, w) in r {
-                        logits[e as usize] = w;
-                    }
-                    sched.observe_router(layer, &logits);
+    // A run that a fault ends is run again from its start once the device
+    // reads well (as a server answers its next request): after
+    // `abandon_layer` nothing is pinned, and nothing read before is used
+    // unchecked, so the second run is exact.
+    let mut ended = None;
+    let outcome = loop {
+        let outcome = (|| -> Outcome {
+            let mut h = [0.5f32, -0.25, 1.0, 0.125];
+            let mut trace = Vec::new();
+            for (step, r) in s.routing.iter().enumerate() {
+                let layer = (step % m.n_layers as usize) as u16;
+                if layer == 0 {
+                    sched.begin_token();
                 }
-            }
-            let before = dev.log.len();
-            sched.begin_layer(layer, &experts, &mut dev, &m)?;
-            check_call(&sched, &dev.log[before..], c);
-            if let Some(pred) = s.predictions.get(step + 1) {
-                let next = ((step + 1) % m.n_layers as usize) as u16;
+                let experts: Vec<u16> = r.iter().map(|p| p.0).collect();
+                // Router scores for the popularity: usually the picks' weights (others
+                // low), sometimes none (picks are counted), sometimes malformed.
+                match rng.below(8) {
+                    0 => {}
+                    1 => sched.observe_router(layer, &[f32::NAN; 3]),
+                    _ => {
+                        let mut logits = vec![-4.0f32; m.n_experts as usize];
+                        for &(e, w) in r {
+                            logits[e as usize] = w;
+                        }
+                        sched.observe_router(layer, &logits);
+                    }
+                }
                 let before = dev.log.len();
-                sched.prefetch(next, pred, &mut dev, &m)?;
+                sched.begin_layer(layer, &experts, &mut dev, &m)?;
                 check_call(&sched, &dev.log[before..], c);
-            }
-            // Two layers ahead as well, in half of the cases.
-            if let Some(pred) = s
-                .predictions
-                .get(step + 2)
-                .filter(|_| c.seed.is_multiple_of(2))
-            {
-                let next = ((step + 2) % m.n_layers as usize) as u16;
-                let before = dev.log.len();
-                sched.prefetch(next, pred, &mut dev, &m)?;
-                check_call(&sched, &dev.log[before..], c);
-            }
-            let mut outs: Vec<Option<[f32; DIM]>> = vec![None; r.len()];
-            let mut deferred: Vec<(usize, SlotId, bool)> = Vec::new();
-            // Per pick handed out in halves: the first half's bytes as computed.
-            let mut first: Vec<Option<Vec<u8>>> = vec![None; r.len()];
-            loop {
-                let before = dev.log.len();
-                let next = sched.next_parts(&mut dev, &m, m.split)?;
-                check_call(&sched, &dev.log[before..], c);
-                check_table(&sched, &m, deferred.len());
-                match next {
-                    Next::Compute {
-                        index,
-                        key,
-                        slot,
-                        verify,
-                    } => {
-                        assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
-                        assert!(!verify || m.on_compute, "verify only with checksums");
-                        assert!(outs[index].is_none(), "index {index} handed out twice");
-                        assert!(
-                            first[index].is_none(),
-                            "index {index} handed out whole after its half"
-                        );
-                        if c.on_demand {
-                            // No overlap: compute starts once every pick is loaded.
-                            for &(e, _) in r {
-                                let k = ExpertKey { layer, expert: e };
-                                let st = sched.table().lookup(k).map(|s| *sched.table().state(s));
-                                assert!(
-                                    matches!(
-                                        st,
-                                        Some(SlotState::Ready { .. } | SlotState::InUse { .. })
-                                    ),
-                                    "on-demand computed before {k} was loaded: {st:?}"
-                                );
+                if let Some(pred) = s.predictions.get(step + 1) {
+                    let next = ((step + 1) % m.n_layers as usize) as u16;
+                    let before = dev.log.len();
+                    sched.prefetch(next, pred, &mut dev, &m)?;
+                    check_call(&sched, &dev.log[before..], c);
+                }
+                // Two layers ahead as well, in half of the cases.
+                if let Some(pred) = s
+                    .predictions
+                    .get(step + 2)
+                    .filter(|_| c.seed.is_multiple_of(2))
+                {
+                    let next = ((step + 2) % m.n_layers as usize) as u16;
+                    let before = dev.log.len();
+                    sched.prefetch(next, pred, &mut dev, &m)?;
+                    check_call(&sched, &dev.log[before..], c);
+                }
+                let mut outs: Vec<Option<[f32; DIM]>> = vec![None; r.len()];
+                let mut deferred: Vec<(usize, SlotId, bool)> = Vec::new();
+                // Per pick handed out in halves: the first half's bytes as computed.
+                let mut first: Vec<Option<Vec<u8>>> = vec![None; r.len()];
+                loop {
+                    let before = dev.log.len();
+                    let next = sched.next_parts(&mut dev, &m, m.split)?;
+                    check_call(&sched, &dev.log[before..], c);
+                    check_table(&sched, &m, deferred.len());
+                    match next {
+                        Next::Compute {
+                            index,
+                            key,
+                            slot,
+                            verify,
+                        } => {
+                            assert_eq!(
+                                key.expert, r[index].0,
+                                "handed out the expert at its index"
+                            );
+                            assert!(!verify || m.on_compute, "verify only with checksums");
+                            assert!(outs[index].is_none(), "index {index} handed out twice");
+                            assert!(
+                                first[index].is_none(),
+                                "index {index} handed out whole after its half"
+                            );
+                            if c.on_demand {
+                                // No overlap: compute starts once every pick is loaded.
+                                for &(e, _) in r {
+                                    let k = ExpertKey { layer, expert: e };
+                                    let st =
+                                        sched.table().lookup(k).map(|s| *sched.table().state(s));
+                                    assert!(
+                                        matches!(
+                                            st,
+                                            Some(SlotState::Ready { .. } | SlotState::InUse { .. })
+                                        ),
+                                        "on-demand computed before {k} was loaded: {st:?}"
+                                    );
+                                }
                             }
+                            outs[index] = Some([f32::NAN; DIM]); // reserved
+                            deferred.push((index, slot, verify));
                         }
-                        outs[index] = Some([f32::NAN; DIM]); // reserved
-                        deferred.push((index, slot, verify));
-                    }
-                    Next::ComputeFirst {
-                        index,
-                        key,
-                        slot,
-                        bytes,
-                    } => {
-                        assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
-                        assert!(
-                            m.split && m.on_compute && !c.on_demand,
-                            "halves only where offered"
-                        );
-                        assert!(
-                            outs[index].is_none() && first[index].is_none(),
-                            "index {index} handed out twice"
-                        );
-                        assert_eq!(Some(bytes), m.gate_up_bytes(key));
-                        // Computed now, from what has landed; the rest may still
-                        // be loading.
-                        first[index] = Some(dev.slot_prefix(slot, bytes as usize).to_vec());
-                    }
-                    Next::ComputeRest { index, key, slot } => {
-                        assert_eq!(key.expert, r[index].0, "handed out the expert at its index");
-                        assert!(
-                            first[index].is_some(),
-                            "rest of {key} before its first half"
-                        );
-                        assert!(outs[index].is_none(), "index {index} handed out twice");
-                        outs[index] = Some([f32::NAN; DIM]); // reserved
-                        deferred.push((index, slot, true));
-                    }
-                    Next::Wait => {
-                        if sched.reads_in_flight() > 0 && !rng.chance(50) {
-                            dev.wait();
-                            continue;
+                        Next::ComputeFirst {
+                            index,
+                            key,
+                            slot,
+                            bytes,
+                        } => {
+                            assert_eq!(
+                                key.expert, r[index].0,
+                                "handed out the expert at its index"
+                            );
+                            assert!(
+                                m.split && m.on_compute && !c.on_demand,
+                                "halves only where offered"
+                            );
+                            assert!(
+                                outs[index].is_none() && first[index].is_none(),
+                                "index {index} handed out twice"
+                            );
+                            assert_eq!(Some(bytes), m.gate_up_bytes(key));
+                            // Computed now, from what has landed; the rest may still
+                            // be loading.
+                            first[index] = Some(dev.slot_prefix(slot, bytes as usize).to_vec());
                         }
-                        assert!(
-                            !deferred.is_empty() || sched.reads_in_flight() > 0,
-                            "Wait with nothing in flight and nothing computing"
-                        );
-                    }
-                    Next::Done => {
-                        assert!(deferred.is_empty(), "Done while computing");
-                        break;
-                    }
-                }
-                // Finish deferred computes at random moments (as other threads would).
-                while !deferred.is_empty() && !rng.chance(c.defer_percent) {
-                    let (index, slot, verify) =
-                        deferred.remove(rng.below(deferred.len() as u64) as usize);
-                    let key = ExpertKey {
-                        layer,
-                        expert: r[index].0,
-                    };
-                    // The bytes the computation used: the first half's as they
-                    // were when it was handed out, the rest's now.
-                    let mut bytes = dev.slot(slot)[..m.len(key)].to_vec();
-                    if let Some(f) = first[index].take() {
-                        bytes[..f.len()].copy_from_slice(&f);
-                    }
-                    let out = expert_output(&bytes, &h);
-                    if verify {
-                        // Computed from bytes not yet checked: usable only if the
-                        // scheduler accepts their checksum.
-                        let intact = bytes == m.bytes(key);
-                        let crc = les_core::layout::checksum(&bytes);
-                        match sched.finish_checked(index, crc) {
-                            Ok(()) => assert!(intact, "corrupt {key} accepted"),
-                            Err(e) => {
-                                assert!(!intact, "intact {key} refused: {e}");
-                                return Err(e);
+                        Next::ComputeRest { index, key, slot } => {
+                            assert_eq!(
+                                key.expert, r[index].0,
+                                "handed out the expert at its index"
+                            );
+                            assert!(
+                                first[index].is_some(),
+                                "rest of {key} before its first half"
+                            );
+                            assert!(outs[index].is_none(), "index {index} handed out twice");
+                            outs[index] = Some([f32::NAN; DIM]); // reserved
+                            deferred.push((index, slot, true));
+                        }
+                        Next::Wait => {
+                            if sched.reads_in_flight() > 0 && !rng.chance(50) {
+                                dev.wait();
+                                continue;
                             }
+                            assert!(
+                                !deferred.is_empty() || sched.reads_in_flight() > 0,
+                                "Wait with nothing in flight and nothing computing"
+                            );
                         }
-                    } else {
-                        assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
-                        sched.finish::<()>(index).expect("computing");
+                        Next::Done => {
+                            assert!(deferred.is_empty(), "Done while computing");
+                            break;
+                        }
                     }
-                    outs[index] = Some(out);
+                    // Finish deferred computes at random moments (as other threads would).
+                    while !deferred.is_empty() && !rng.chance(c.defer_percent) {
+                        let (index, slot, verify) =
+                            deferred.remove(rng.below(deferred.len() as u64) as usize);
+                        let key = ExpertKey {
+                            layer,
+                            expert: r[index].0,
+                        };
+                        // The bytes the computation used: the first half's as they
+                        // were when it was handed out, the rest's now.
+                        let mut bytes = dev.slot(slot)[..m.len(key)].to_vec();
+                        if let Some(f) = first[index].take() {
+                            bytes[..f.len()].copy_from_slice(&f);
+                        }
+                        let out = expert_output(&bytes, &h);
+                        if verify {
+                            // Computed from bytes not yet checked: usable only if the
+                            // scheduler accepts their checksum.
+                            let intact = bytes == m.bytes(key);
+                            let crc = les_core::layout::checksum(&bytes);
+                            match sched.finish_checked(index, crc) {
+                                Ok(()) => assert!(intact, "corrupt {key} accepted"),
+                                Err(e) => {
+                                    assert!(!intact, "intact {key} refused: {e}");
+                                    return Err(e);
+                                }
+                            }
+                        } else {
+                            assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
+                            sched.finish::<()>(index).expect("computing");
+                        }
+                        outs[index] = Some(out);
+                    }
                 }
-            }
-            // Combine in router order, whatever the compute order was.
-            let mut acc = [0f32; DIM];
-            for (o, &(_, w)) in outs.iter().zip(r) {
-                let o = o.expect("every picked expert computed");
+                // Combine in router order, whatever the compute order was.
+                let mut acc = [0f32; DIM];
+                for (o, &(_, w)) in outs.iter().zip(r) {
+                    let o = o.expect("every picked expert computed");
+                    for j in 0..DIM {
+                        acc[j] += w * o[j];
+                    }
+                }
                 for j in 0..DIM {
-                    acc[j] += w * o[j];
+                    h[j] += acc[j];
                 }
+                trace.push(h);
             }
-            for j in 0..DIM {
-                h[j] += acc[j];
+            Ok(trace)
+        })();
+        match outcome {
+            Err(e @ (Error::Checksum { .. } | Error::Device { .. })) if ended.is_none() => {
+                ended = Some(e);
+                faults_on.set(false);
+                sched.abandon_layer(&mut dev).expect("abandoning the layer");
+                let pinned = sched
+                    .table()
+                    .iter()
+                    .filter(|(_, st)| matches!(st, SlotState::InUse { .. }));
+                assert_eq!(pinned.count(), 0, "pinned after abandon_layer");
+                check_table(&sched, &m, 0);
             }
-            trace.push(h);
+            outcome => break outcome,
         }
-        Ok(trace)
-    })();
-    (outcome, want)
+    };
+    match ended {
+        Some(e) => {
+            let again =
+                outcome.unwrap_or_else(|e2| panic!("after {e}, the run again failed: {e2}"));
+            assert_bits(&again, &want);
+            (Err(e), want)
+        }
+        None => (outcome, want),
+    }
 }
 
 /// Invariant 4: demand reads first, prefetch bytes within budget.
@@ -1033,6 +1077,63 @@ fn an_expert_is_checked_when_first_computed_and_refused_if_corrupt() {
     let (index, verify) = compute(&mut sched, &mut dev);
     assert!(verify && dev.log.len() > reads);
     sched.finish_checked::<()>(index, crc(2)).unwrap();
+}
+
+/// A layer its caller gives up midway (an error of its own: a product failed)
+/// is abandoned cleanly: the expert handed out is unpinned, the one still
+/// loading is cancelled (it never lands), and the next layer runs to its end
+/// with the right bytes.
+#[test]
+fn a_layer_given_up_midway_leaves_no_slot_pinned_or_loading() {
+    let mut m = Model::new(&mut Rng(11), 2, 4, 1);
+    m.on_compute = false;
+    let slots = 3;
+    let mut mem = vec![0u8; slots * m.slot_bytes as usize];
+    let mut dev = fault_free_device(&m, &mut mem);
+    let mut sched = m.scheduler(SchedulerConfig::les(), slots);
+    let key = |layer, expert| ExpertKey { layer, expert };
+    sched.begin_token();
+    sched.begin_layer(0, &[0, 1], &mut dev, &m).unwrap();
+    let handed = match sched.next_blocking(&mut dev, &m).unwrap() {
+        Next::Compute { key, .. } => key,
+        other => panic!("expected an expert to compute, got {other:?}"),
+    };
+    let loading = key(0, 1 - handed.expert);
+    assert_eq!(sched.reads_in_flight(), 1, "{loading} still loading");
+    assert_eq!(
+        sched.begin_layer(1, &[2, 3], &mut dev, &m),
+        Err(Error::LayerInProgress)
+    );
+    sched.abandon_layer(&mut dev).unwrap();
+    assert!(sched
+        .table()
+        .iter()
+        .all(|(_, st)| !matches!(st, SlotState::InUse { .. })));
+    sched.begin_token();
+    sched.begin_layer(1, &[2, 3], &mut dev, &m).unwrap();
+    let mut computed = 0;
+    loop {
+        match sched.next_blocking(&mut dev, &m).unwrap() {
+            Next::Compute {
+                index, key, slot, ..
+            } => {
+                assert_eq!(&dev.slot(slot)[..m.len(key)], &m.bytes(key)[..]);
+                sched.finish::<()>(index).unwrap();
+                computed += 1;
+            }
+            Next::Done => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(computed, 2);
+    while sched.reads_in_flight() > 0 {
+        dev.wait();
+        sched.next(&mut dev, &m).unwrap();
+    }
+    assert!(
+        sched.table().lookup(loading).is_none(),
+        "{loading} was cancelled"
+    );
 }
 
 /// A token's picks of a layer asked for in groups (a batch's union, see

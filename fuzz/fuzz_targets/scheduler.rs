@@ -513,143 +513,161 @@ fuzz_target!(|data: &[u8]| {
         want.push(h);
     }
 
-    let outcome = (|| -> Result<Vec<f32>, Error<FuzzError>> {
-        let mut h = 0.25f32;
-        let mut got = Vec::new();
-        for (step, r) in steps.iter().map(|s| &s.picked).enumerate() {
-            let layer = (step % n_layers as usize) as u16;
-            if layer == 0 {
-                sched.begin_token();
-            }
-            let experts: Vec<u16> = r.iter().map(|p| p.0).collect();
-            let picks: Vec<ExpertKey> = experts
-                .iter()
-                .map(|&expert| ExpertKey { layer, expert })
-                .collect();
-            if let Some(logits) = &steps[step].logits {
-                sched.observe_router(layer, logits);
-            }
-            let before = dev.log.len();
-            sched.begin_layer(layer, &experts, &mut dev, &m)?;
-            check_call(&sched, &dev.log[before..], budget, on_demand);
-            if let Some(pred) = steps.get(step + 1).map(|s| &s.predicted) {
-                let next = ((step + 1) % n_layers as usize) as u16;
-                let before = dev.log.len();
-                sched.prefetch(next, pred, &mut dev, &m)?;
-                check_call(&sched, &dev.log[before..], budget, on_demand);
-            }
-            if let Some(pred) = steps
-                .get(step + 2)
-                .filter(|_| flags & 2 != 0)
-                .map(|s| &s.predicted)
-            {
-                let next = ((step + 2) % n_layers as usize) as u16;
-                let before = dev.log.len();
-                sched.prefetch(next, pred, &mut dev, &m)?;
-                check_call(&sched, &dev.log[before..], budget, on_demand);
-            }
-            let mut outs: Vec<Option<f32>> = vec![None; r.len()];
-            let mut computing: Vec<(usize, SlotId, bool)> = Vec::new();
-            loop {
-                let before = dev.log.len();
-                let next = sched.next(&mut dev, &m)?;
-                check_call(&sched, &dev.log[before..], budget, on_demand);
-                check_table(&sched, &m, capacity, &picks, &computing);
-                match next {
-                    Next::Compute {
-                        index,
-                        key,
-                        slot,
-                        verify,
-                    } => {
-                        assert!(!verify || m.on_compute, "verify without checksums");
-                        assert_eq!(
-                            key,
-                            ExpertKey {
-                                layer,
-                                expert: r[index].0
-                            }
-                        );
-                        assert!(outs[index].is_none(), "index {index} handed out twice");
-                        outs[index] = Some(f32::NAN);
-                        computing.push((index, slot, verify));
-                    }
-                    Next::Wait => {
-                        if sched.reads_in_flight() > 0 {
-                            dev.wait();
-                        } else {
-                            assert!(!computing.is_empty(), "Wait with nothing to wait for");
-                        }
-                    }
-                    Next::ComputeFirst { .. } | Next::ComputeRest { .. } => {
-                        unreachable!("next hands out whole experts")
-                    }
-                    Next::Done => {
-                        assert!(computing.is_empty(), "Done while computing");
-                        break;
-                    }
+    // A run that a fault ends is run again once the device reads well (as
+    // a server answers its next request): after `abandon_layer` nothing is
+    // pinned and nothing read before is used unchecked, so it is exact.
+    let mut ended = false;
+    loop {
+        let outcome = (|| -> Result<Vec<f32>, Error<FuzzError>> {
+            let mut h = 0.25f32;
+            let mut got = Vec::new();
+            for (step, r) in steps.iter().map(|s| &s.picked).enumerate() {
+                let layer = (step % n_layers as usize) as u16;
+                if layer == 0 {
+                    sched.begin_token();
                 }
-                // Finish some computes, in a fuzzer-chosen order.
-                // (All of them once the tape is used up, so every run ends.)
-                while !computing.is_empty() && {
-                    let mut t = tape.borrow_mut();
-                    t.exhausted() || t.below(3) != 0
-                } {
-                    let i = tape.borrow_mut().below(computing.len());
-                    let (index, slot, verify) = computing.remove(i);
-                    let key = ExpertKey {
-                        layer,
-                        expert: r[index].0,
-                    };
-                    let bytes = &dev.slot(slot)[..m.bytes(key).len()];
-                    let out = expert_output(bytes, h);
-                    if verify {
-                        // Unchecked bytes: the output counts only if accepted.
-                        let intact = bytes == m.bytes(key);
-                        match sched.finish_checked(index, checksum(bytes)) {
-                            Ok(()) => assert!(intact, "corrupt {key} accepted"),
-                            Err(e) => {
-                                assert!(!intact, "intact {key} refused: {e}");
-                                return Err(e);
-                            }
-                        }
-                    } else {
-                        assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
-                        sched.finish::<()>(index).expect("computing");
-                    }
-                    outs[index] = Some(out);
+                let experts: Vec<u16> = r.iter().map(|p| p.0).collect();
+                let picks: Vec<ExpertKey> = experts
+                    .iter()
+                    .map(|&expert| ExpertKey { layer, expert })
+                    .collect();
+                if let Some(logits) = &steps[step].logits {
+                    sched.observe_router(layer, logits);
+                }
+                let before = dev.log.len();
+                sched.begin_layer(layer, &experts, &mut dev, &m)?;
+                check_call(&sched, &dev.log[before..], budget, on_demand);
+                if let Some(pred) = steps.get(step + 1).map(|s| &s.predicted) {
+                    let next = ((step + 1) % n_layers as usize) as u16;
+                    let before = dev.log.len();
+                    sched.prefetch(next, pred, &mut dev, &m)?;
+                    check_call(&sched, &dev.log[before..], budget, on_demand);
+                }
+                if let Some(pred) = steps
+                    .get(step + 2)
+                    .filter(|_| flags & 2 != 0)
+                    .map(|s| &s.predicted)
+                {
+                    let next = ((step + 2) % n_layers as usize) as u16;
+                    let before = dev.log.len();
+                    sched.prefetch(next, pred, &mut dev, &m)?;
+                    check_call(&sched, &dev.log[before..], budget, on_demand);
+                }
+                let mut outs: Vec<Option<f32>> = vec![None; r.len()];
+                let mut computing: Vec<(usize, SlotId, bool)> = Vec::new();
+                loop {
+                    let before = dev.log.len();
+                    let next = sched.next(&mut dev, &m)?;
+                    check_call(&sched, &dev.log[before..], budget, on_demand);
                     check_table(&sched, &m, capacity, &picks, &computing);
+                    match next {
+                        Next::Compute {
+                            index,
+                            key,
+                            slot,
+                            verify,
+                        } => {
+                            assert!(!verify || m.on_compute, "verify without checksums");
+                            assert_eq!(
+                                key,
+                                ExpertKey {
+                                    layer,
+                                    expert: r[index].0
+                                }
+                            );
+                            assert!(outs[index].is_none(), "index {index} handed out twice");
+                            outs[index] = Some(f32::NAN);
+                            computing.push((index, slot, verify));
+                        }
+                        Next::Wait => {
+                            if sched.reads_in_flight() > 0 {
+                                dev.wait();
+                            } else {
+                                assert!(!computing.is_empty(), "Wait with nothing to wait for");
+                            }
+                        }
+                        Next::ComputeFirst { .. } | Next::ComputeRest { .. } => {
+                            unreachable!("next hands out whole experts")
+                        }
+                        Next::Done => {
+                            assert!(computing.is_empty(), "Done while computing");
+                            break;
+                        }
+                    }
+                    // Finish some computes, in a fuzzer-chosen order.
+                    // (All of them once the tape is used up, so every run ends.)
+                    while !computing.is_empty() && {
+                        let mut t = tape.borrow_mut();
+                        t.exhausted() || t.below(3) != 0
+                    } {
+                        let i = tape.borrow_mut().below(computing.len());
+                        let (index, slot, verify) = computing.remove(i);
+                        let key = ExpertKey {
+                            layer,
+                            expert: r[index].0,
+                        };
+                        let bytes = &dev.slot(slot)[..m.bytes(key).len()];
+                        let out = expert_output(bytes, h);
+                        if verify {
+                            // Unchecked bytes: the output counts only if accepted.
+                            let intact = bytes == m.bytes(key);
+                            match sched.finish_checked(index, checksum(bytes)) {
+                                Ok(()) => assert!(intact, "corrupt {key} accepted"),
+                                Err(e) => {
+                                    assert!(!intact, "intact {key} refused: {e}");
+                                    return Err(e);
+                                }
+                            }
+                        } else {
+                            assert_eq!(bytes, m.bytes(key), "slot of {key} holds its bytes");
+                            sched.finish::<()>(index).expect("computing");
+                        }
+                        outs[index] = Some(out);
+                        check_table(&sched, &m, capacity, &picks, &computing);
+                    }
                 }
+                let mut acc = 0f32;
+                for (o, &(_, w)) in outs.iter().zip(r) {
+                    acc += w * o.expect("every picked expert computed");
+                }
+                h += acc;
+                got.push(h);
             }
-            let mut acc = 0f32;
-            for (o, &(_, w)) in outs.iter().zip(r) {
-                acc += w * o.expect("every picked expert computed");
+            Ok(got)
+        })();
+        let (permanent, flips) = {
+            let f = faults.borrow();
+            (f.permanent, f.flips)
+        };
+        match outcome {
+            Ok(got) => {
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same && got.len() == want.len(),
+                    "output differs: {got:?} vs {want:?}"
+                );
+                break;
             }
-            h += acc;
-            got.push(h);
+            Err(e) if ended => panic!("the run again, without faults, failed: {e}"),
+            Err(Error::Device { error, .. }) => {
+                assert!(permanent, "device error {error} without a permanent fault");
+            }
+            Err(Error::Checksum { .. }) => assert!(flips, "checksum error without a bit flip"),
+            Err(e) => panic!("unexpected error: {e}"),
         }
-        Ok(got)
-    })();
-    let (permanent, flips) = {
-        let f = faults.borrow();
-        (f.permanent, f.flips)
-    };
-    match outcome {
-        Ok(got) => {
-            let same = got
+        ended = true;
+        dev.fault_rate = 0;
+        sched.abandon_layer(&mut dev).expect("abandoning the layer");
+        assert!(
+            sched
+                .table()
                 .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same && got.len() == want.len(),
-                "output differs: {got:?} vs {want:?}"
-            );
-        }
-        Err(Error::Device { error, .. }) => {
-            assert!(permanent, "device error {error} without a permanent fault");
-        }
-        Err(Error::Checksum { .. }) => assert!(flips, "checksum error without a bit flip"),
-        Err(e) => panic!("unexpected error: {e}"),
+                .all(|(_, st)| !matches!(st, SlotState::InUse { .. })),
+            "pinned after abandon_layer"
+        );
     }
     sched.drain(&mut dev);
 });

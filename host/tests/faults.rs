@@ -2,11 +2,14 @@
 //! while a packed synthetic model decodes: transient faults (delays, short reads,
 //! transient EIO) are retried and the logits stay bit-identical to the resident
 //! run; a persistent EIO or corrupted data ends the run with an error naming the
-//! layer and expert, and no logits computed from a bad slot are produced.
+//! layer and expert, and no logits computed from a bad slot are produced. Once
+//! the device reads well again, the same experts (slots, scheduler, device)
+//! decode exactly: the pass that failed left nothing behind.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use les::compute::ThreadedMatVec;
 use les::engine::Session;
@@ -120,7 +123,9 @@ fn faulty_run<F: FnMut(&ReadRequest) -> Fault>(
 
 /// [`faulty_run`], with checksums verified where each expert is first computed
 /// (`verify_on_compute`, the default) or as each read arrives, reads issued by
-/// `engine`.
+/// `engine`. A run that ends in an error is decoded again from its start
+/// through the same experts with the faults off, which must give every
+/// logit of the resident run.
 fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
     les: bool,
     slots: usize,
@@ -139,9 +144,18 @@ fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
         direct: true,
         chunk_bytes: 4096,
     };
+    let healed = Arc::new(AtomicBool::new(false));
+    let off = Arc::clone(&healed);
+    let mut script = script;
     let device = FaultyDevice::new(
         FileDevice::open(path, slots, slot_bytes, io).unwrap(),
-        script,
+        move |r: &ReadRequest| {
+            if off.load(Ordering::Relaxed) {
+                Fault::None
+            } else {
+                script(r)
+            }
+        },
     );
     let config = SchedulerConfig {
         verify_on_compute,
@@ -171,6 +185,13 @@ fn faulty_run_checked<F: FnMut(&ReadRequest) -> Fault>(
         predict: les,
     };
     let (logits, err) = decode(&model, &mut experts);
+    if let Some(e) = &err {
+        healed.store(true, Ordering::Relaxed);
+        let (again, err) = decode(&model, &mut experts);
+        assert_eq!(err, None, "after {e}, the healed device's run failed");
+        assert_eq!(again.len(), resident().len());
+        assert_prefix_exact(&again, &format!("after {e}, the healed device's run"));
+    }
     experts.scheduler.drain(&mut experts.device);
     let counts = experts.device.counts();
     (logits, err, counts)

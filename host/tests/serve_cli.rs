@@ -2411,3 +2411,85 @@ fn too_many_connections_are_answered_503() {
     };
     assert_eq!(status, 200);
 }
+
+/// Flips a byte in every packed expert of `path`, in place (the file a
+/// server streams from): every expert read from then on fails its checksum.
+/// Flipping again restores the file.
+fn flip_every_expert(path: &Path) {
+    use std::os::unix::fs::FileExt;
+    let g = les::gguf::Gguf::open(path).unwrap();
+    let index = les::pack::PackedIndex::from_gguf(&g)
+        .unwrap()
+        .expect("packed");
+    drop(g);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    for layer in index.layers() {
+        for e in 0..index.n_experts {
+            let at = layer.extent(e).unwrap().offset + 10;
+            let mut b = [0u8];
+            file.read_exact_at(&mut b, at).unwrap();
+            file.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+        }
+    }
+    file.sync_all().unwrap();
+}
+
+/// An expert read that fails mid-completion (its bytes corrupted on flash)
+/// answers that request with a 500 naming the checksum, and the slot starts
+/// afresh: once the file is whole again, the request that failed answers as a
+/// fresh server does, logits included. The request continues exactly what
+/// the slot held (token ids: the last prompt, then its reply), so a slot that
+/// kept what it held would reuse a recurrent state that the failed pass had
+/// advanced through its first layers. One completion at a time and side by
+/// side, on a recurrent model and an attention one.
+#[test]
+fn a_failed_expert_read_answers_500_and_the_slot_starts_afresh() {
+    for (arch, parallel) in [("qwen35moe", "1"), ("qwen35moe", "2"), ("qwen3moe", "2")] {
+        let m = synth_once(
+            &format!("serve_fault_{arch}.gguf"),
+            &["--quiet", "--arch", arch, "--preset", "tiny", "--seed", "5"],
+        );
+        let packed = tmp(&format!("serve_fault_{arch}_{parallel}.p.gguf"));
+        cli::pack(&m, &packed);
+        let what = format!("{arch} --parallel {parallel}");
+        let streamed = ["--slots", "2", "--schedule", "les"];
+        let server = Server::start(
+            &packed,
+            &[&streamed[..], &["--parallel", parallel]].concat(),
+        );
+        let ids = |text: &str| {
+            let (_, v) = server.post("/tokenize", &json!({"content": text, "add_special": false}));
+            v["tokens"].as_array().unwrap().clone()
+        };
+        let prompt = ids("Hello there");
+        let first = json!({"prompt": prompt, "temperature": 0, "n_predict": 6,
+            "return_tokens": true});
+        let (status, v) = server.post("/completion", &first);
+        assert_eq!(status, 200, "{what}: {v}");
+        let reply = v["tokens"].as_array().unwrap();
+        let next_prompt: Vec<Value> = [&prompt[..], reply, &ids(" and then")].concat();
+        let next = json!({"prompt": next_prompt, "temperature": 0, "n_predict": 6,
+            "n_probs": 3});
+        flip_every_expert(&packed);
+        let (status, v) = server.post("/completion", &next);
+        assert_eq!(status, 500, "{what}: {v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("checksum") && message.contains("expert"),
+            "{what}: {v}"
+        );
+        flip_every_expert(&packed);
+        let (status, again) = server.post("/completion", &next);
+        assert_eq!(status, 200, "{what}: {again}");
+        let (_, fresh) = Server::start(&packed, &streamed).post("/completion", &next);
+        assert_eq!(again["content"], fresh["content"], "{what}");
+        assert_eq!(
+            again["completion_probabilities"], fresh["completion_probabilities"],
+            "{what}"
+        );
+    }
+}

@@ -278,6 +278,10 @@ where
     type Error = StreamError<D::Error>;
 
     fn begin_token(&mut self) {
+        // A layer an error left unfinished is given up. Its only failure, a
+        // slot not in the state its pick says, would be a scheduler bug; the
+        // next begin_layer then reports the layer still in progress.
+        let _ = self.scheduler.abandon_layer(&mut self.device);
         self.scheduler.begin_token();
     }
 

@@ -328,7 +328,9 @@ impl<'a> From<Option<Handout<'a>>> for Step<'a> {
 pub trait Experts {
     /// Error of the supplier (I/O, checksum).
     type Error;
-    /// A new token starts.
+    /// A new token starts (or a new pass of several). A supplier that keeps
+    /// state between layers gives up here a layer that an error left
+    /// unfinished, so that a pass after a failed one starts clean.
     fn begin_token(&mut self) {}
     /// The router of `layer` picked `routing` (expert ids, router order).
     fn begin_layer(&mut self, layer: usize, routing: &[u16]) -> Result<(), Self::Error>;
