@@ -680,9 +680,13 @@ pub struct SideBySide<'a> {
     /// Their prompts: sequence `i` decodes `prompts[i % prompts.len()]`
     /// (the config's prompt where there are none).
     pub prompts: &'a [Vec<u32>],
-    /// Each drafting on its own (prompt lookup: a drafter that
-    /// [forks](crate::draft::Drafter::fork)), or decoding a token a pass.
+    /// Each drafting on its own (prompt lookup or a draft model: a drafter
+    /// that [forks](crate::draft::Drafter::fork)), or decoding a token a
+    /// pass.
     pub spec: Option<&'a crate::draft::SpecArgs>,
+    /// The draft model `spec` names, opened
+    /// ([`SpecArgs::open_draft_model`](crate::draft::SpecArgs::open_draft_model)).
+    pub draft_model: Option<&'a Model>,
 }
 
 /// Decodes `run.sequences` sequences side by side, cold, with `schedule`:
@@ -721,15 +725,15 @@ pub fn run_parallel(
     let n_vocab = model.hp.n_vocab;
     let draft_max = run.spec.map_or(0, |s| s.draft_max() as usize);
     let drafter = match run.spec {
-        Some(s) => s.drafter(model, path, None, ctx, cfg.threads)?,
+        Some(s) => s.drafter(model, path, run.draft_model, ctx, cfg.threads)?,
         None => None,
     };
-    struct Seq {
+    struct Seq<'d> {
         sampler: Sampler,
         /// The token sampled last, not evaluated yet (`None`: done).
         next: Option<u32>,
         tokens: Vec<u32>,
-        drafting: Option<(Box<dyn Drafter>, Drafting)>,
+        drafting: Option<(Box<dyn Drafter + 'd>, Drafting)>,
     }
     let mut sessions = Vec::with_capacity(run.sequences);
     let mut seqs = Vec::with_capacity(run.sequences);
@@ -767,7 +771,7 @@ pub fn run_parallel(
             Some(d) => {
                 let own = d
                     .fork()
-                    .ok_or("sequences side by side draft with --speculate ngram only")?;
+                    .ok_or("sequences side by side draft with --speculate ngram or model")?;
                 let adaptive = run.spec.is_some_and(|s| !s.draft_fixed);
                 Some((
                     own,

@@ -50,10 +50,15 @@ pub trait Drafter {
         false
     }
 
-    /// A new drafter of the same kind for another sequence, where drafting
-    /// for several at once costs nothing more (prompt lookup); `None` where
-    /// it keeps one sequence's state of its own (a draft model's cache).
-    fn fork(&self) -> Option<Box<dyn Drafter>> {
+    /// A new drafter of the same kind for another sequence (prompt lookup's
+    /// index, a draft model's session), so that sequences decoded side by
+    /// side each draft on their own; `None` where it cannot (the
+    /// multi-token-prediction head, which needs the hidden states of one
+    /// sequence's passes).
+    fn fork<'a>(&self) -> Option<Box<dyn Drafter + 'a>>
+    where
+        Self: 'a,
+    {
         None
     }
 
@@ -142,7 +147,10 @@ impl NgramDrafter {
 }
 
 impl Drafter for NgramDrafter {
-    fn fork(&self) -> Option<Box<dyn Drafter>> {
+    fn fork<'a>(&self) -> Option<Box<dyn Drafter + 'a>>
+    where
+        Self: 'a,
+    {
         Some(Box::new(NgramDrafter::new(self.min_n, self.max_n)))
     }
 
@@ -182,6 +190,10 @@ impl Drafter for NgramDrafter {
 /// (it has its own context limit) ends its drafting, with a warning: drafts
 /// never change the output.
 pub struct ModelDrafter<'m> {
+    model: &'m Model,
+    /// Where the model was opened from, for [`Drafter::fork`]'s supply.
+    path: std::path::PathBuf,
+    threads: usize,
     session: Session<'m>,
     mv: ThreadedMatVec,
     experts: Supply<'m>,
@@ -224,6 +236,9 @@ impl<'m> ModelDrafter<'m> {
             .set_prefill_batch(crate::engine::DEFAULT_PREFILL_BATCH)
             .map_err(|e| e.to_string())?;
         Ok(ModelDrafter {
+            model,
+            path: path.to_path_buf(),
+            threads,
             session,
             mv: ThreadedMatVec::new(threads, Isa::detect()),
             experts,
@@ -323,6 +338,22 @@ impl ModelDrafter<'_> {
 }
 
 impl Drafter for ModelDrafter<'_> {
+    /// A drafter over the same model (its weights shared), with a session
+    /// and threads of its own; `None` where they cannot be had.
+    fn fork<'a>(&self) -> Option<Box<dyn Drafter + 'a>>
+    where
+        Self: 'a,
+    {
+        let ctx = self.session.max_positions();
+        match ModelDrafter::new(self.model, &self.path, ctx, self.threads) {
+            Ok(d) => Some(Box::new(d)),
+            Err(e) => {
+                note!("les: a second draft model session: {e}");
+                None
+            }
+        }
+    }
+
     fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
         out.clear();
         if self.failed || max == 0 {

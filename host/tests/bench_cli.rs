@@ -865,7 +865,6 @@ fn bench_parallel_decodes_sequences_side_by_side() {
         &["--parallel", "0"][..],
         &["--parallel", "65"],
         &["--parallel", "2", "--prefill-batches", "8"],
-        &["--parallel", "2", "--model-draft", "x.gguf"],
         &["--parallel", "2", "--sweep", "25"],
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_les"))
@@ -878,10 +877,11 @@ fn bench_parallel_decodes_sequences_side_by_side() {
     cleanup(&m);
 }
 
-/// `--parallel` with `--speculate ngram` and a prompt a sequence: every count
-/// plainly and with each sequence verifying its own drafts in the shared
-/// passes, the same tokens either way; drafts only from prompt lookup, and
-/// several prompts only side by side.
+/// `--parallel` with `--speculate ngram` (or `model`) and a prompt a
+/// sequence: every count plainly and with each sequence verifying its own
+/// drafts in the shared passes, the same tokens either way; drafts from
+/// prompt lookup or a draft model (a session a sequence), not the MTP
+/// block, and several prompts only side by side.
 #[test]
 fn bench_parallel_speculates_each_sequence_on_its_own() {
     let m = packed_tiny("parallel_spec");
@@ -890,56 +890,73 @@ fn bench_parallel_speculates_each_sequence_on_its_own() {
         "a b c a b c a b c a b",
         "The quick brown fox",
     ];
-    let mut args = vec![
-        "bench",
-        "-m",
-        m.to_str().unwrap(),
-        "--slots",
-        "6",
-        "--schedules",
-        "on-demand,les",
-        "--parallel",
-        "1,3",
-        "--speculate",
-        "ngram",
-        "--draft-max",
-        "4",
-        "--draft-fixed",
-        "--temp",
-        "0",
-        "-n",
-        "24",
-        "--json",
-    ];
-    for p in prompts {
-        args.extend(["--prompt", p]);
-    }
-    let (out, _) = les(&args);
-    let v: Json = serde_json::from_str(out.trim()).unwrap();
-    assert_eq!(v["identical_tokens"], true, "{v}");
-    assert_eq!(v["prompt_tokens"].as_array().unwrap().len(), 3, "{v}");
-    let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 8, "{v}");
-    let mut drafted = 0;
-    for r in runs {
-        let (d, a) = (
-            r["drafted"].as_u64().unwrap(),
-            r["accepted"].as_u64().unwrap(),
-        );
-        assert!(a <= d, "{r}");
-        if r["decode"] == "plain" {
-            assert_eq!((d, r["tokens_per_pass"].as_f64().unwrap()), (0, 1.0), "{r}");
-        } else {
-            assert_eq!(r["decode"], "ngram", "{r}");
-            drafted += d;
-            // Passes: each sequence's tokens less those accepted, at most.
-            let n = r["sequences"].as_u64().unwrap();
-            assert!(r["passes"].as_u64().unwrap() <= 24 * n - a, "{r}");
+    // The model unpacked drafts for itself.
+    let draft = m.with_file_name("tiny.gguf");
+    for how in [
+        ["--speculate", "ngram", "--ngram-min", "2"],
+        [
+            "--speculate",
+            "model",
+            "--model-draft",
+            draft.to_str().unwrap(),
+        ],
+    ] {
+        let mut args = vec![
+            "bench",
+            "-m",
+            m.to_str().unwrap(),
+            "--slots",
+            "6",
+            "--schedules",
+            "on-demand,les",
+            "--parallel",
+            "1,3",
+            how[0],
+            how[1],
+            how[2],
+            how[3],
+            "--draft-max",
+            "4",
+            "--draft-fixed",
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "--json",
+        ];
+        for p in prompts {
+            args.extend(["--prompt", p]);
         }
+        let (out, _) = les(&args);
+        let v: Json = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["identical_tokens"], true, "{v}");
+        assert_eq!(v["prompt_tokens"].as_array().unwrap().len(), 3, "{v}");
+        let runs = v["runs"].as_array().unwrap();
+        assert_eq!(runs.len(), 8, "{v}");
+        let mut drafted = 0;
+        for r in runs {
+            let (d, a) = (
+                r["drafted"].as_u64().unwrap(),
+                r["accepted"].as_u64().unwrap(),
+            );
+            assert!(a <= d, "{r}");
+            if r["decode"] == "plain" {
+                assert_eq!((d, r["tokens_per_pass"].as_f64().unwrap()), (0, 1.0), "{r}");
+            } else {
+                assert_eq!(r["decode"], how[1], "{r}");
+                drafted += d;
+                // Passes: each sequence's tokens less those accepted, at most.
+                let n = r["sequences"].as_u64().unwrap();
+                assert!(r["passes"].as_u64().unwrap() <= 24 * n - a, "{r}");
+            }
+        }
+        assert!(drafted > 0, "{how:?}: no drafts were verified: {v}");
     }
-    assert!(drafted > 0, "no drafts were verified: {v}");
     for (extra, says) in [
-        (&["--parallel", "2", "--speculate", "mtp"][..], "ngram only"),
+        (
+            &["--parallel", "2", "--speculate", "mtp"][..],
+            "ngram or model",
+        ),
         (&["--prompt", "a", "--prompt", "b"], "for --parallel"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_les"))

@@ -2068,12 +2068,14 @@ fn speculative_decoding_answers_the_same() {
     assert!(drafted > 0, "no drafts were verified");
 }
 
-/// With several slots and prompt lookup, completions still run side by
-/// side: each verifies its own drafts (every position's logits of its part
-/// of a pass, beside the others' next tokens and prompt chunks) and answers
-/// what a plain one-slot server answers, greedy or sampled, for a model of
-/// attention (qwen3moe) and one of short convolutions (lfm2moe, whose
-/// rejected drafts send the state back and evaluate the kept tokens again).
+/// With several slots and prompt lookup or a draft model, completions still
+/// run side by side: each verifies its own drafts (every position's logits
+/// of its part of a pass, beside the others' next tokens and prompt chunks;
+/// a draft model's session a slot) and answers what a plain one-slot server
+/// answers, greedy or sampled, for a model of attention (qwen3moe) and one
+/// of short convolutions (lfm2moe, whose rejected drafts send the state
+/// back and evaluate the kept tokens again; as a draft model, its session
+/// goes back to its checkpoint).
 #[test]
 fn speculative_completions_side_by_side_answer_the_same() {
     let text = "one two three four one two three four one two three four one two";
@@ -2089,54 +2091,70 @@ fn speculative_completions_side_by_side_answer_the_same() {
             .map(|b| plain.post("/v1/completions", b).1["choices"][0].clone())
             .collect();
         drop(plain);
-        let three = Server::start(
-            &m,
+        // The model drafts for itself: every greedy draft is accepted, so
+        // a completion needs fewer passes, and a larger batch lets the
+        // prompts beside it keep up.
+        let drafting: [&[&str]; 2] = [
+            &["--speculate", "ngram", "-b", "8"],
             &[
-                "--parallel",
-                "3",
                 "--speculate",
-                "ngram",
-                "--draft-max",
-                "4",
-                "--draft-fixed",
-                "--metrics",
-                "-t",
-                "1",
+                "model",
+                "--model-draft",
+                m.to_str().unwrap(),
                 "-b",
-                "8",
+                "16",
             ],
-        );
-        let start = std::sync::Barrier::new(bodies.len());
-        let got: Vec<Value> = std::thread::scope(|scope| {
-            let runs: Vec<_> = bodies
-                .iter()
-                .map(|b| {
-                    let (three, start) = (&three, &start);
-                    scope.spawn(move || {
-                        start.wait();
-                        let (status, v) = three.post("/v1/completions", b);
-                        assert_eq!(status, 200, "{v}");
-                        v
+        ];
+        for how in drafting {
+            let three = Server::start(
+                &m,
+                &[
+                    how,
+                    &[
+                        "--parallel",
+                        "3",
+                        "--draft-max",
+                        "4",
+                        "--draft-fixed",
+                        "--metrics",
+                        "-t",
+                        "1",
+                    ],
+                ]
+                .concat(),
+            );
+            let start = std::sync::Barrier::new(bodies.len());
+            let got: Vec<Value> = std::thread::scope(|scope| {
+                let runs: Vec<_> = bodies
+                    .iter()
+                    .map(|b| {
+                        let (three, start) = (&three, &start);
+                        scope.spawn(move || {
+                            start.wait();
+                            let (status, v) = three.post("/v1/completions", b);
+                            assert_eq!(status, 200, "{v}");
+                            v
+                        })
                     })
-                })
-                .collect();
-            runs.into_iter().map(|r| r.join().unwrap()).collect()
-        });
-        for ((g, w), b) in got.iter().zip(&want).zip(&bodies) {
-            let choice = &g["choices"][0];
-            assert_eq!(choice["text"], w["text"], "{m:?} {b}");
-            assert_eq!(choice["logprobs"], w["logprobs"], "{m:?} {b}");
+                    .collect();
+                runs.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            for ((g, w), b) in got.iter().zip(&want).zip(&bodies) {
+                let choice = &g["choices"][0];
+                assert_eq!(choice["text"], w["text"], "{m:?} {how:?} {b}");
+                assert_eq!(choice["logprobs"], w["logprobs"], "{m:?} {how:?} {b}");
+            }
+            let drafted: u64 = got
+                .iter()
+                .map(|v| v["timings"]["draft_n"].as_u64().unwrap())
+                .sum();
+            assert!(drafted > 0, "{m:?} {how:?}: no drafts were verified");
+            let (_, _, metrics) = three.request("GET", "/metrics", "");
+            assert!(
+                metric(&metrics, "n_busy_slots_per_decode") > 1.0,
+                "{m:?} {how:?}: {metrics}"
+            );
         }
-        let drafted: u64 = got
-            .iter()
-            .map(|v| v["timings"]["draft_n"].as_u64().unwrap())
-            .sum();
-        assert!(drafted > 0, "{m:?}: no drafts were verified");
-        let (_, _, metrics) = three.request("GET", "/metrics", "");
-        assert!(
-            metric(&metrics, "n_busy_slots_per_decode") > 1.0,
-            "{m:?}: {metrics}"
-        );
     }
 }
 

@@ -479,6 +479,40 @@ fn a_recurrent_draft_model_follows_any_history() {
     }
 }
 
+/// A draft model's fork (a drafter a sequence, for completions side by
+/// side) drafts on its own: interleaved with its parent, each drafts what a
+/// fresh drafter drafts for its own history, for an attention model and
+/// recurrent ones.
+#[test]
+fn a_forked_draft_model_drafts_on_its_own() {
+    for path in [qwen3moe(), lfm2moe(), qwen35moe()] {
+        let dm = Model::open(path).unwrap();
+        let ctx = 64;
+        let mut parent = ModelDrafter::new(&dm, path, ctx, 1).unwrap();
+        let a: Vec<u32> = PROMPT.to_vec();
+        let b: Vec<u32> = PROMPT.iter().map(|t| (t + 11) % 200).collect();
+        let mut out = Vec::new();
+        parent.draft(&a, 4, &mut out);
+        let mut fork = parent.fork().expect("a draft model forks");
+        let fresh = |history: &[u32]| {
+            let mut want = Vec::new();
+            ModelDrafter::new(&dm, path, ctx, 1)
+                .unwrap()
+                .draft(history, 4, &mut want);
+            want
+        };
+        let mut got = Vec::new();
+        fork.draft(&b, 4, &mut got);
+        assert_eq!(got, fresh(&b), "{}: the fork", path.display());
+        let a_longer: Vec<u32> = a.iter().chain(&out[..2]).copied().collect();
+        parent.draft(&a_longer, 4, &mut got);
+        assert_eq!(got, fresh(&a_longer), "{}: the parent", path.display());
+        let b_longer: Vec<u32> = b.iter().copied().chain([9]).collect();
+        fork.draft(&b_longer, 4, &mut got);
+        assert_eq!(got, fresh(&b_longer), "{}: the fork again", path.display());
+    }
+}
+
 /// Draft models that cannot draft are clear errors: another vocabulary.
 #[test]
 fn unusable_draft_models_are_refused() {

@@ -27,14 +27,15 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     let source = args.spec.source();
     let spec = match source {
         DraftSource::None => None,
-        DraftSource::Ngram => Some(&args.spec),
-        DraftSource::Model | DraftSource::Mtp => {
+        DraftSource::Ngram | DraftSource::Model => Some(&args.spec),
+        DraftSource::Mtp => {
             return Err(
-                "--parallel drafts with --speculate ngram only (a draft model or MTP block keeps one sequence's cache)"
+                "--parallel drafts with --speculate ngram or model (the MTP block drafts from one sequence's passes)"
                     .into(),
             )
         }
     };
+    let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let decodes: &[bool] = if spec.is_some() {
         &[false, true]
     } else {
@@ -45,10 +46,15 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         .iter()
         .flat_map(|&n| decodes.iter().map(move |&d| (n, d)))
         .collect();
+    let decode = |d: bool| match (d, source) {
+        (false, _) => "plain",
+        (true, DraftSource::Model) => "model",
+        (true, _) => "ngram",
+    };
     let mode = if spec.is_some() {
-        "plainly and with --speculate ngram, "
+        format!("plainly and with --speculate {}, ", decode(true))
     } else {
-        ""
+        String::new()
     };
     note!(
         "les bench: {} ({} layers), prompts of {} tokens, {} tokens a sequence, {mode}{}, {} threads",
@@ -59,7 +65,6 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         super::bench::slots_summary(&model, &budget),
         cfg.threads,
     );
-    let decode = |d: bool| if d { "ngram" } else { "plain" };
     // Rounds of (schedule, count, decode) runs, interleaved; each one's
     // median.
     let all = super::bench::interleaved(
@@ -72,6 +77,7 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
                 sequences: n,
                 prompts: &prompts,
                 spec: spec.filter(|_| d),
+                draft_model: draft_model.as_ref(),
             };
             run_parallel(&model, &args.model, &cfg, s, run)
         },

@@ -168,7 +168,8 @@ pub struct EngineArgs {
     /// (llama-server's --parallel). Completions run side by side, one pass
     /// of the model for all their next tokens (each layer's experts read
     /// once for all), prompts in chunks beside them, each verifying its own
-    /// drafts with --speculate ngram; with a draft model, one at a time. A
+    /// drafts with --speculate ngram or model (a draft model session a
+    /// slot); with --speculate mtp, one at a time. A
     /// request goes to the free slot whose
     /// cache it keeps best (the most of its prompt held, less what would be
     /// dropped), so chats that take turns keep their caches.

@@ -16,8 +16,9 @@
 //!   the free slot whose cache it keeps best (the most of its prompt held,
 //!   less what would be dropped; of equals, the least recently used), so
 //!   that a chat's next turn evaluates only what is new, also between turns
-//!   of other chats. With several slots (and no drafter, or prompt lookup)
-//!   completions run side by side: each pass of the model evaluates every
+//!   of other chats. With several slots (and no drafter, or prompt lookup
+//!   or a draft model, a fork of it a slot) completions run side by side:
+//!   each pass of the model evaluates every
 //!   running completion's next token (and the draft it verifies), and
 //!   chunks of new prompts in the room left ([`Session::eval_together`]:
 //!   each layer's experts are read once for all), and each answers what it
@@ -191,6 +192,9 @@ struct Slot<'m> {
     held: Vec<Option<u32>>,
     /// When it last answered ([`Engine::answered`]).
     used: u64,
+    /// Its own drafter (a fork of the engine's), for completions side by
+    /// side; its state follows the slot's (a draft model's cache).
+    drafter: Option<Box<dyn Drafter + 'm>>,
 }
 
 impl<'m> Slot<'m> {
@@ -199,6 +203,7 @@ impl<'m> Slot<'m> {
             session,
             held: Vec::new(),
             used: 0,
+            drafter: None,
         }
     }
 
@@ -255,6 +260,7 @@ impl<'m> Engine<'m> {
     /// first's size) as more slots.
     pub fn with_slots(mut self, sessions: impl IntoIterator<Item = Session<'m>>) -> Self {
         self.slots.extend(sessions.into_iter().map(Slot::new));
+        self.fork_drafters();
         self
     }
 
@@ -285,7 +291,31 @@ impl<'m> Engine<'m> {
         adaptive: bool,
     ) -> Self {
         self.drafter = Some((drafter, max_draft, adaptive));
+        self.fork_drafters();
         self
+    }
+
+    /// With several slots and a drafter, a fork of it in each slot, so that
+    /// completions run side by side; none where it does not fork (they
+    /// then run one at a time).
+    fn fork_drafters(&mut self) {
+        let Some((drafter, ..)) = &self.drafter else {
+            return;
+        };
+        if self.slots.len() < 2 {
+            return;
+        }
+        for slot in &mut self.slots {
+            if slot.drafter.is_none() {
+                slot.drafter = drafter.fork();
+                if slot.drafter.is_none() {
+                    break;
+                }
+            }
+        }
+        if self.slots.iter().any(|s| s.drafter.is_none()) {
+            self.slots.iter_mut().for_each(|s| s.drafter = None);
+        }
     }
 
     /// The prompt of `c`: the chat template applied to its messages, or its
@@ -1341,9 +1371,8 @@ struct Running<'m> {
     /// The token sampled last, not evaluated yet (`None`: the completion
     /// is done, or its prompt is not evaluated yet).
     next: Option<u32>,
-    /// Its own drafter (a fork of the engine's) and speculative decoding's
-    /// state, where the engine drafts.
-    drafting: Option<(Box<dyn Drafter>, Drafting)>,
+    /// Speculative decoding's state, where its slot has a drafter.
+    drafting: Option<Drafting>,
     /// Tokens sampled, and the passes, drafts and agreeing guesses since
     /// its prompt's.
     stats: GenStats,
@@ -1381,14 +1410,15 @@ impl Running<'_> {
     /// done), given at most `room` prompt positions: its next token and the
     /// draft after it (drafted now), or a chunk of its prompt (one position
     /// at least, so that a prompt always goes on).
-    fn plan(&mut self, session: &Session<'_>, room: usize) -> usize {
+    fn plan(&mut self, slot: &mut Slot<'_>, room: usize) -> usize {
+        let session = &slot.session;
         if !self.prompted() {
             return (self.g.prompt.len() - self.prompt_at).min(room.max(1));
         }
         let Some(t) = self.next else {
             return 0;
         };
-        let Some((drafter, d)) = &mut self.drafting else {
+        let (Some(d), Some(drafter)) = (&mut self.drafting, &mut slot.drafter) else {
             return 1;
         };
         // The tokens still wanted after the one the pass samples last, and
@@ -1419,7 +1449,7 @@ impl Running<'_> {
     /// The first `k` of its next token and the draft after it: what its
     /// next pass evaluates once its prompt is.
     fn tokens(&self, k: usize) -> Vec<TokenInput<'static>> {
-        let draft = self.drafting.as_ref().map_or(&[][..], |(_, d)| d.drafted());
+        let draft = self.drafting.as_ref().map_or(&[][..], Drafting::drafted);
         let tokens = self.next.into_iter().chain(draft.iter().copied());
         tokens.take(k).map(TokenInput::Token).collect()
     }
@@ -1427,14 +1457,11 @@ impl Running<'_> {
 
 impl<'m> Engine<'m> {
     /// Whether completions run side by side: with several slots, and no
-    /// drafter or one that drafts for each completion on its own (a draft
-    /// model keeps one sequence's cache).
+    /// drafter or one a slot ([`Drafter::fork`]; the multi-token-prediction
+    /// head has none).
     fn side_by_side(&self) -> bool {
         self.slots.len() > 1
-            && self
-                .drafter
-                .as_ref()
-                .is_none_or(|(d, ..)| d.fork().is_some())
+            && (self.drafter.is_none() || self.slots.iter().all(|s| s.drafter.is_some()))
     }
 
     /// Begins `job` in a slot none of `running` holds: the completion, its
@@ -1456,13 +1483,12 @@ impl<'m> Engine<'m> {
         about.started(g.slot);
         let _ = job.events.send(Event::Started);
         let n_vocab = self.model.hp.n_vocab;
-        let drafting = self.drafter.as_ref().and_then(|(d, max_draft, adaptive)| {
-            let history = g.ids.clone();
-            Some((
-                d.fork()?,
-                Drafting::new(history, *max_draft, *adaptive, n_vocab),
-            ))
-        });
+        let drafting = match (&self.drafter, &self.slots[g.slot].drafter) {
+            (Some((_, max_draft, adaptive)), Some(_)) => {
+                Some(Drafting::new(g.ids.clone(), *max_draft, *adaptive, n_vocab))
+            }
+            _ => None,
+        };
         Some(Running {
             job,
             prompt_at: g.keep,
@@ -1496,16 +1522,16 @@ impl<'m> Engine<'m> {
         let costs = self.pass_cost.costs(generating.count());
         for (k, r) in take.iter_mut().zip(running.iter_mut()) {
             if r.prompted() {
-                if let (Some((_, d)), Some(c)) = (&mut r.drafting, costs) {
+                if let (Some(d), Some(c)) = (&mut r.drafting, costs) {
                     d.pass_costs(c);
                 }
-                *k = r.plan(&self.slots[r.g.slot].session, 0);
+                *k = r.plan(&mut self.slots[r.g.slot], 0);
             }
         }
         let mut room = at_once.saturating_sub(take.iter().sum());
         for (k, r) in take.iter_mut().zip(running.iter_mut()) {
             if !r.prompted() {
-                *k = r.plan(&self.slots[r.g.slot].session, room);
+                *k = r.plan(&mut self.slots[r.g.slot], room);
                 room = room.saturating_sub(*k);
             }
         }
@@ -1647,7 +1673,7 @@ impl<'m> Engine<'m> {
             } = run;
             let mut sample = |row: &[f32]| sample_next(g, &mut stats.generated, job, row);
             let settled = match drafting {
-                Some((_, d)) => d.settle(t, lg, took[i], &mut sample),
+                Some(d) => d.settle(t, lg, took[i], &mut sample),
                 None => Settled::plain(sample(last)),
             };
             stats.passes += 1;
