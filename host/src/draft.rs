@@ -51,10 +51,10 @@ pub trait Drafter {
     }
 
     /// A new drafter of the same kind for another sequence (prompt lookup's
-    /// index, a draft model's session), so that sequences decoded side by
-    /// side each draft on their own; `None` where it cannot (the
-    /// multi-token-prediction head, which needs the hidden states of one
-    /// sequence's passes).
+    /// index, a draft model's session, a multi-token-prediction block's
+    /// cache), so that sequences decoded side by side each draft on their
+    /// own (and each is shown its own sequence's positions); `None` where it
+    /// cannot.
     fn fork<'a>(&self) -> Option<Box<dyn Drafter + 'a>>
     where
         Self: 'a,

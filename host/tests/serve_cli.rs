@@ -2075,7 +2075,8 @@ fn speculative_decoding_answers_the_same() {
 /// answers, greedy or sampled, for a model of attention (qwen3moe) and one
 /// of short convolutions (lfm2moe, whose rejected drafts send the state
 /// back and evaluate the kept tokens again; as a draft model, its session
-/// goes back to its checkpoint).
+/// goes back to its checkpoint), and with the MTP block of a qwen35moe (a
+/// block's cache a slot, shown the hidden states of its slot's positions).
 #[test]
 fn speculative_completions_side_by_side_answer_the_same() {
     let text = "one two three four one two three four one two three four one two";
@@ -2084,7 +2085,19 @@ fn speculative_completions_side_by_side_answer_the_same() {
         json!({"prompt": text, "seed": 3, "max_tokens": 40, "logprobs": 2}),
         json!({"prompt": "Hello", "temperature": 0.9, "seed": 1, "max_tokens": 40}),
     ];
-    for m in [model(), cli::tiny("lfm2moe", "serve", &["--quiet"])] {
+    let mtp = synth_once(
+        "serve_mtp_q35.gguf",
+        &[
+            "--quiet",
+            "--arch",
+            "qwen35moe",
+            "--preset",
+            "tiny",
+            "--seed",
+            "5",
+        ],
+    );
+    for m in [model(), cli::tiny("lfm2moe", "serve", &["--quiet"]), mtp] {
         let plain = Server::start(&m, &[]);
         let want: Vec<Value> = bodies
             .iter()
@@ -2094,7 +2107,7 @@ fn speculative_completions_side_by_side_answer_the_same() {
         // The model drafts for itself: every greedy draft is accepted, so
         // a completion needs fewer passes, and a larger batch lets the
         // prompts beside it keep up.
-        let drafting: [&[&str]; 2] = [
+        let drafting: [&[&str]; 3] = [
             &["--speculate", "ngram", "-b", "8"],
             &[
                 "--speculate",
@@ -2104,8 +2117,13 @@ fn speculative_completions_side_by_side_answer_the_same() {
                 "-b",
                 "16",
             ],
+            &["--speculate", "mtp", "-b", "8"],
         ];
-        for how in drafting {
+        let has_mtp = les::model::Model::open(&m).unwrap().n_nextn_layers > 0;
+        for how in drafting
+            .into_iter()
+            .filter(|h| has_mtp == h.contains(&"mtp"))
+        {
             let three = Server::start(
                 &m,
                 &[
@@ -2143,6 +2161,18 @@ fn speculative_completions_side_by_side_answer_the_same() {
                 let choice = &g["choices"][0];
                 assert_eq!(choice["text"], w["text"], "{m:?} {how:?} {b}");
                 assert_eq!(choice["logprobs"], w["logprobs"], "{m:?} {how:?} {b}");
+                // Its drafter saw what it sees alone (its slot's positions;
+                // for the MTP block, their hidden states): the same drafts,
+                // as many accepted.
+                let alone =
+                    Server::start(&m, &[how, &["--draft-max", "4", "--draft-fixed"]].concat());
+                let (_, a) = alone.post("/v1/completions", b);
+                for key in ["draft_n", "draft_n_accepted"] {
+                    assert_eq!(
+                        g["timings"][key], a["timings"][key],
+                        "{m:?} {how:?} {b} {key}"
+                    );
+                }
             }
             let drafted: u64 = got
                 .iter()
@@ -2154,6 +2184,15 @@ fn speculative_completions_side_by_side_answer_the_same() {
                 metric(&metrics, "n_busy_slots_per_decode") > 1.0,
                 "{m:?} {how:?}: {metrics}"
             );
+            // No drafter gave up (an MTP block shown rows that do not fit
+            // its positions would); the log is read on a thread: wait for
+            // the three completions' lines.
+            let waited = Instant::now();
+            while three.generated().len() < 3 && waited.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let log = three.log.lock().unwrap().join("\n");
+            assert!(!log.contains("drafting stops"), "{m:?} {how:?}: {log}");
         }
     }
 }

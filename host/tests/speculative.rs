@@ -722,6 +722,52 @@ fn the_mtp_drafter_pairs_each_token_with_the_state_before_it() {
     assert_eq!(first, &want);
 }
 
+/// A fork of the MTP drafter (one a sequence side by side) has a cache of
+/// its own: after its parent drafted for one run, the fork drafts for
+/// another prompt what a fresh drafter drafts, and so does the parent after
+/// it.
+#[test]
+fn a_forked_mtp_drafter_drafts_on_its_own() {
+    let path = qwen35moe();
+    let model = Model::open(path).unwrap();
+    let ctx = PROMPT.len() + GENERATE + 8;
+    let drafts = |d: &mut dyn Drafter, prompt: &[u32]| {
+        let mut rec = Recorded {
+            inner: d,
+            log: Vec::new(),
+        };
+        let sampler = SamplerConfig::greedy();
+        generate(
+            path,
+            Schedule::Resident,
+            None,
+            sampler,
+            prompt,
+            Some(&mut rec),
+            3,
+            4,
+        );
+        rec.log
+    };
+    let other: Vec<u32> = PROMPT.iter().map(|t| (t + 11) % 200).collect();
+    let mut parent = NextnDrafter::new(&model, path, ctx, 1).unwrap();
+    let first = drafts(&mut parent, &PROMPT);
+    let mut fork = parent.fork().expect("the MTP drafter forks");
+    let fresh = |prompt: &[u32]| {
+        drafts(
+            &mut NextnDrafter::new(&model, path, ctx, 1).unwrap(),
+            prompt,
+        )
+    };
+    assert_eq!(first, fresh(&PROMPT));
+    assert_eq!(drafts(fork.as_mut(), &other), fresh(&other), "the fork");
+    assert_eq!(
+        drafts(&mut parent, &PROMPT),
+        first,
+        "the parent after its fork"
+    );
+}
+
 /// The nextn block's drafts against llama.cpp's `draft-mtp`, driven by
 /// `tests/scripts/llama_mtp.cpp` (how to build it is at its top), on the tiny
 /// qwen35moe with f32 weights (only float rounding apart) and with its

@@ -30,7 +30,7 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
         DraftSource::Ngram | DraftSource::Model => Some(&args.spec),
         DraftSource::Mtp => {
             return Err(
-                "--parallel drafts with --speculate ngram or model (the MTP block drafts from one sequence's passes)"
+                "les bench --parallel drafts with --speculate ngram or model (it does not show an MTP block its sequences' hidden states)"
                     .into(),
             )
         }

@@ -168,8 +168,8 @@ pub struct EngineArgs {
     /// (llama-server's --parallel). Completions run side by side, one pass
     /// of the model for all their next tokens (each layer's experts read
     /// once for all), prompts in chunks beside them, each verifying its own
-    /// drafts with --speculate ngram or model (a draft model session a
-    /// slot); with --speculate mtp, one at a time. A
+    /// drafts (--speculate ngram, model or mtp: a draft model session, an
+    /// MTP cache a slot). A
     /// request goes to the free slot whose
     /// cache it keeps best (the most of its prompt held, less what would be
     /// dropped), so chats that take turns keep their caches.
@@ -239,12 +239,6 @@ pub(super) fn with_engine(
     let supply = Supply::new(&model, &args.model, schedule, budget.clone())?;
     model.populate_resident();
     let lookahead = crate::bench::lookahead(&model, &args.lookahead);
-    if args.parallel > 1 && args.spec.speculate == Some(crate::draft::DraftSource::Mtp) {
-        return Err(
-            "--parallel with --speculate mtp: the multi-token-prediction block keeps one cache"
-                .into(),
-        );
-    }
     let drafter = args
         .spec
         .drafter(&model, &args.model, draft_model.as_ref(), ctx, threads)?;

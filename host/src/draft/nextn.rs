@@ -25,6 +25,10 @@ use crate::supply::{Schedule, SlotBudget, Supply};
 /// output.
 pub struct NextnDrafter<'m> {
     model: &'m Model,
+    /// Where the model was opened from, and the threads, for
+    /// [`Drafter::fork`].
+    path: std::path::PathBuf,
+    threads: usize,
     block: NextnBlock<'m>,
     mv: ThreadedMatVec,
     experts: Supply<'m>,
@@ -86,6 +90,8 @@ impl<'m> NextnDrafter<'m> {
         let e = hp.n_embd;
         Ok(NextnDrafter {
             model,
+            path: path.to_path_buf(),
+            threads,
             block,
             mv: ThreadedMatVec::new(threads, Isa::detect()),
             experts,
@@ -203,6 +209,21 @@ impl<'m> NextnDrafter<'m> {
 }
 
 impl Drafter for NextnDrafter<'_> {
+    /// A drafter over the same block (its weights shared), with a KV cache
+    /// and threads of its own; `None` where they cannot be had.
+    fn fork<'a>(&self) -> Option<Box<dyn Drafter + 'a>>
+    where
+        Self: 'a,
+    {
+        match NextnDrafter::new(self.model, &self.path, self.max_positions, self.threads) {
+            Ok(d) => Some(Box::new(d)),
+            Err(e) => {
+                note!("les: a second MTP drafter: {e}");
+                None
+            }
+        }
+    }
+
     fn draft(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
         out.clear();
         let n_vocab = self.model.hp.n_vocab as u32;

@@ -16,8 +16,9 @@
 //!   the free slot whose cache it keeps best (the most of its prompt held,
 //!   less what would be dropped; of equals, the least recently used), so
 //!   that a chat's next turn evaluates only what is new, also between turns
-//!   of other chats. With several slots (and no drafter, or prompt lookup
-//!   or a draft model, a fork of it a slot) completions run side by side:
+//!   of other chats. With several slots (and no drafter, or a fork of it
+//!   a slot: prompt lookup, a draft model, the MTP block) completions run
+//!   side by side:
 //!   each pass of the model evaluates every
 //!   running completion's next token (and the draft it verifies), and
 //!   chunks of new prompts in the room left ([`Session::eval_together`]:
@@ -312,9 +313,15 @@ impl<'m> Engine<'m> {
                     break;
                 }
             }
+            // Its passes keep the final hidden states for the drafter.
+            let watch = slot.drafter.as_ref().is_some_and(|d| d.wants_hidden());
+            slot.session.set_keep_hidden(watch);
         }
         if self.slots.iter().any(|s| s.drafter.is_none()) {
-            self.slots.iter_mut().for_each(|s| s.drafter = None);
+            for s in &mut self.slots {
+                s.drafter = None;
+                s.session.set_keep_hidden(false);
+            }
         }
     }
 
@@ -1457,8 +1464,7 @@ impl Running<'_> {
 
 impl<'m> Engine<'m> {
     /// Whether completions run side by side: with several slots, and no
-    /// drafter or one a slot ([`Drafter::fork`]; the multi-token-prediction
-    /// head has none).
+    /// drafter or one a slot ([`Drafter::fork`]).
     fn side_by_side(&self) -> bool {
         self.slots.len() > 1
             && (self.drafter.is_none() || self.slots.iter().all(|s| s.drafter.is_some()))
@@ -1648,6 +1654,13 @@ impl<'m> Engine<'m> {
                 continue;
             };
             if !run.prompted() {
+                // A drafter that reads the model's hidden states sees every
+                // position its slot keeps, the prompt's included.
+                let slot = &mut self.slots[run.g.slot];
+                if let Some(d) = slot.drafter.as_mut().filter(|d| d.wants_hidden()) {
+                    let (chunk, _) = run.inputs(take[i]);
+                    d.observe(slot.session.last_places(), &chunk, slot.session.hidden());
+                }
                 run.prompt_at += take[i];
                 if run.prompted() {
                     run.stats.prefill = run.began.elapsed();
@@ -1683,10 +1696,17 @@ impl<'m> Engine<'m> {
                 stats.accepted += settled.accepted;
             }
             run.next = settled.next;
-            let session = &mut self.slots[run.g.slot].session;
-            if let Err(e) = session.keep(&mut self.mv, &mut self.supply, &verified, settled.kept) {
+            let slot = &mut self.slots[run.g.slot];
+            let session = &mut slot.session;
+            let kept = settled.kept;
+            if let Err(e) = session.keep(&mut self.mv, &mut self.supply, &verified, kept) {
                 failed[i] = Some(e.to_string());
                 run.next = None;
+            } else if let Some(d) = slot.drafter.as_mut().filter(|d| d.wants_hidden()) {
+                // The pass's rows, or the replay's of the kept ones.
+                let e = self.model.hp.n_embd;
+                let places = &session.last_places()[..kept];
+                d.observe(places, &verified[..kept], &session.hidden()[..kept * e]);
             }
         }
         let mut i = running.len();
