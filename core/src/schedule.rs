@@ -1169,6 +1169,9 @@ where
     /// as each token begins
     /// ([`Experts::begin_token`](crate::model::forward::Experts::begin_token)).
     pub fn abandon_layer<D: BlockDevice>(&mut self, dev: &mut D) -> Result<(), Error<D::Error>> {
+        if !self.faulted && self.picks.iter().all(|p| p.status == PickStatus::Done) {
+            return Ok(()); // every token's case: its last layer finished
+        }
         let picks = core::mem::take(&mut self.picks);
         for pick in &picks {
             match pick.status {
