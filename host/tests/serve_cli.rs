@@ -2473,6 +2473,12 @@ fn too_many_connections_are_answered_503() {
 /// server streams from): every expert read from then on fails its checksum.
 /// Flipping again restores the file.
 fn flip_every_expert(path: &Path) {
+    flip_experts(path, |_, _| true);
+}
+
+/// Flips a byte in the packed experts of `path` that `which(layer, expert)`
+/// names, in place.
+fn flip_experts(path: &Path, which: impl Fn(usize, usize) -> bool) {
     use std::os::unix::fs::FileExt;
     let g = les::gguf::Gguf::open(path).unwrap();
     let index = les::pack::PackedIndex::from_gguf(&g)
@@ -2485,7 +2491,7 @@ fn flip_every_expert(path: &Path) {
         .open(path)
         .unwrap();
     for layer in index.layers() {
-        for e in 0..index.n_experts {
+        for e in (0..index.n_experts).filter(|&e| which(layer.layer, e)) {
             let at = layer.extent(e).unwrap().offset + 10;
             let mut b = [0u8];
             file.read_exact_at(&mut b, at).unwrap();
@@ -2549,4 +2555,88 @@ fn a_failed_expert_read_answers_500_and_the_slot_starts_afresh() {
             "{what}"
         );
     }
+}
+
+/// In a pass shared by several completions, an expert read that fails (its
+/// bytes corrupted) ends only the completions that fail alone too: the pass
+/// is tried again a completion at a time, and one that does not pick the
+/// expert answers as it does alone while the one that does gets a 500.
+#[test]
+fn a_failed_read_in_a_shared_pass_ends_only_the_completions_that_need_it() {
+    let m = model();
+    let packed = tmp("serve_isolate.p.gguf");
+    cli::pack(&m, &packed);
+    let streamed = ["--slots", "2", "--schedule", "les"];
+    let long = |t: u64| json!({"prompt": [t], "temperature": 0, "n_predict": 48});
+    let short = |t: u64| json!({"prompt": [t], "temperature": 0, "n_predict": 1});
+    // An expert of the last layer, a prompt whose continuation never picks
+    // it and one whose single position does: asked alone, of a server
+    // streaming from the corrupted file.
+    let (mut good, mut bad) = (None, None);
+    'experts: for expert in 0..8 {
+        cli::pack(&m, &packed);
+        flip_experts(&packed, |layer, e| layer == 3 && e == expert);
+        let alone = Server::start(&packed, &streamed);
+        let (mut g, mut b) = (None, None);
+        for t in 1..64u64 {
+            if g.is_none() {
+                let (status, v) = alone.post("/completion", &long(t));
+                if status == 200 {
+                    g = Some((t, v["content"].clone()));
+                }
+            }
+            if b.is_none() && alone.post("/completion", &short(t)).0 == 500 {
+                b = Some(t);
+            }
+            if let (Some(g), Some(b)) = (&g, b) {
+                (good, bad) = (Some(g.clone()), Some(b));
+                break 'experts;
+            }
+        }
+    }
+    let ((good, want), bad) = (
+        good.expect("a prompt that never picks the expert"),
+        bad.unwrap(),
+    );
+    // Side by side: the short one arrives while the long one generates,
+    // so its prompt shares a pass with the long one's next token.
+    let two = Server::start(
+        &packed,
+        &[&streamed[..], &["--parallel", "2", "-t", "1"]].concat(),
+    );
+    let mut body = long(good);
+    body["stream"] = json!(true);
+    let request = body.to_string();
+    let mut conn = TcpStream::connect(("127.0.0.1", two.port)).unwrap();
+    write!(
+        conn,
+        "POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{request}",
+        request.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(conn);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "no first event");
+    }
+    let (status, v) = two.post("/completion", &short(bad));
+    assert_eq!(status, 500, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("checksum"),
+        "{v}"
+    );
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap();
+    let content: String = std::iter::once(line.as_str())
+        .chain(rest.lines())
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["content"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(Value::String(content), want);
 }

@@ -1511,7 +1511,8 @@ impl<'m> Engine<'m> {
     /// the batch buffers, chunks of the prompts not yet evaluated (images at
     /// their places); each completion whose prompt is done takes the tokens
     /// it samples (those of its draft that agree, and one more), and those
-    /// done are answered. A failed pass ends them all.
+    /// done are answered. A failed pass ends only the completions that fail
+    /// alone too (models without recurrent state; else all of its own).
     fn step(&mut self, running: &mut Vec<Running<'m>>, about: &About<'_>) {
         running.sort_by_key(|r| r.g.slot);
         let n_vocab = self.model.hp.n_vocab;
@@ -1564,11 +1565,16 @@ impl<'m> Engine<'m> {
             .map(|(_, s)| &mut s.session)
             .collect();
         // Passes of at most `at_once` positions, in order; each completion's
-        // time is its pass's.
+        // time is its pass's. A pass that fails is tried again a completion
+        // at a time where the model holds no recurrent state (a failed pass
+        // leaves the caches as they were for the positions before it), so
+        // that an error only some completions meet (an expert only they
+        // pick, unreadable) ends only those; else it ends all of its own.
+        let retry = self.model.hybrid.linear.is_none();
         let mut took = vec![Duration::ZERO; running.len()];
-        let mut pass = Ok(());
+        let mut failed: Vec<Option<String>> = vec![None; running.len()];
         let (mut first, mut row) = (0, 0);
-        while first < running.len() && pass.is_ok() {
+        while first < running.len() {
             let mut end = first;
             let mut total = 0;
             while end < running.len() && (end == first || total + take[end] <= at_once) {
@@ -1579,72 +1585,103 @@ impl<'m> Engine<'m> {
             let lg = &mut logits[row * n_vocab..(row + n_rows) * n_vocab];
             let t0 = std::time::Instant::now();
             // Those with nothing this round sit it out.
-            let mut with: Vec<&mut Session<'m>> = Vec::with_capacity(end - first);
-            let mut parts = Vec::with_capacity(end - first);
-            for (i, s) in (first..end).zip(sessions[first..end].iter_mut()) {
-                if take[i] == 0 {
-                    continue;
-                }
-                let s = &mut **s;
-                if drafted[i] {
-                    if let Err(e) = s.save_for_keep(take[i]) {
-                        pass = Err(e.to_string());
+            let members: Vec<usize> = (first..end).filter(|&i| take[i] > 0).collect();
+            let part = |i: usize| SessionInputs {
+                inputs: &owned[i],
+                places: &owned_places[i],
+                every: drafted[i],
+            };
+            let pass = {
+                let mut with: Vec<&mut Session<'m>> = Vec::with_capacity(members.len());
+                let mut ready = Ok(());
+                for (i, s) in (first..end).zip(sessions[first..end].iter_mut()) {
+                    if take[i] == 0 {
+                        continue;
                     }
+                    if drafted[i] {
+                        ready = ready.and(s.save_for_keep(take[i]).map_err(str::to_string));
+                    }
+                    with.push(&mut **s);
                 }
-                with.push(s);
-                parts.push(SessionInputs {
-                    inputs: &owned[i],
-                    places: &owned_places[i],
-                    every: drafted[i],
-                });
-            }
-            pass = match (&mut with[..], &parts[..]) {
-                _ if pass.is_err() => pass,
-                ([], _) => Ok(()),
-                ([one], [part]) if part.inputs.len() == 1 => one
-                    .eval_placed(
+                let parts: Vec<SessionInputs<'_, '_>> = members.iter().map(|&i| part(i)).collect();
+                match (&mut with[..], &parts[..]) {
+                    _ if ready.is_err() => ready,
+                    ([], _) => Ok(()),
+                    ([one], [part]) if part.inputs.len() == 1 => one
+                        .eval_placed(
+                            &mut self.mv,
+                            &mut self.supply,
+                            Some(&self.lookahead),
+                            part.inputs[0],
+                            part.places.first().copied().unwrap_or(InputPlace::Text),
+                            lg,
+                        )
+                        .map_err(|e| e.to_string()),
+                    _ => Session::eval_together_placed(
+                        &mut with,
                         &mut self.mv,
                         &mut self.supply,
-                        Some(&self.lookahead),
-                        part.inputs[0],
-                        part.places.first().copied().unwrap_or(InputPlace::Text),
+                        &parts,
                         lg,
                     )
                     .map_err(|e| e.to_string()),
-                _ => Session::eval_together_placed(
-                    &mut with,
-                    &mut self.mv,
-                    &mut self.supply,
-                    &parts,
-                    lg,
-                )
-                .map_err(|e| e.to_string()),
+                }
             };
             took[first..end].fill(t0.elapsed());
-            if pass.is_ok() && total > 0 {
-                self.pass_cost.record(total, t0.elapsed());
-            }
-            let generating = running[first..end]
-                .iter()
-                .zip(&take[first..end])
-                .filter(|(r, &k)| r.prompted() && k > 0)
-                .count();
-            if pass.is_ok() && generating > 0 {
-                about.passes(1, generating as u64);
+            let generating = |i: &usize| running[*i].prompted();
+            match pass {
+                Ok(()) => {
+                    if total > 0 {
+                        self.pass_cost.record(total, t0.elapsed());
+                    }
+                    let n = members.iter().filter(|i| generating(i)).count();
+                    if n > 0 {
+                        about.passes(1, n as u64);
+                    }
+                }
+                Err(e) if !retry || members.len() < 2 => {
+                    for &i in &members {
+                        failed[i] = Some(e.clone());
+                    }
+                }
+                Err(_) => {
+                    // Each alone, into its own rows.
+                    let mut at = 0;
+                    for i in first..end {
+                        let mine = &mut lg[at * n_vocab..(at + rows[i]) * n_vocab];
+                        at += rows[i];
+                        if take[i] == 0 {
+                            continue;
+                        }
+                        let s = &mut *sessions[i];
+                        let t0 = std::time::Instant::now();
+                        let alone = if drafted[i] {
+                            s.save_for_keep(take[i]).map_err(str::to_string)
+                        } else {
+                            Ok(())
+                        }
+                        .and_then(|()| {
+                            Session::eval_together_placed(
+                                &mut [s],
+                                &mut self.mv,
+                                &mut self.supply,
+                                &[part(i)],
+                                mine,
+                            )
+                            .map_err(|e| e.to_string())
+                        });
+                        took[i] = t0.elapsed();
+                        match alone {
+                            Ok(()) if generating(&i) => about.passes(1, 1),
+                            Ok(()) => {}
+                            Err(e) => failed[i] = Some(e),
+                        }
+                    }
+                }
             }
             (first, row) = (end, row + n_rows);
         }
         drop((sessions, owned, owned_places));
-        if let Err(e) = pass {
-            for run in running.drain(..) {
-                let slot = run.g.slot;
-                self.forget(slot);
-                let e = server_error(format!("the forward pass failed: {e}"));
-                answered(self, run.job, Some(slot), Err(e), about);
-            }
-            return;
-        }
-        let mut failed = vec![None; running.len()];
         let mut row = 0;
         for (i, run) in running.iter_mut().enumerate() {
             // Its rows, back to back.
@@ -1653,6 +1690,9 @@ impl<'m> Engine<'m> {
             let Some(last) = lg.rchunks_exact(n_vocab).next() else {
                 continue;
             };
+            if failed[i].is_some() {
+                continue; // its pass failed: answered below
+            }
             if !run.prompted() {
                 // A drafter that reads the model's hidden states sees every
                 // position its slot keeps, the prompt's included.
