@@ -134,7 +134,9 @@ pub struct SchedulerConfig {
     pub prefetch_budget: u64,
     /// Device queue entries prefetches leave free for demand reads.
     pub demand_reserve: usize,
-    /// Retries of a demand read after transient device errors.
+    /// Retries of a demand read after transient device errors, and reads
+    /// again of a picked expert whose bytes failed their checksum (a bit
+    /// flipped on its way), before either is an error.
     pub max_retries: u8,
     /// A layer whose measured prediction precision falls below this stops
     /// prefetching (predictions keep being scored, so it can come back).
@@ -283,6 +285,9 @@ pub struct Stats {
     /// Picked experts whose gate and up projections were computed before their
     /// down projection landed ([`Next::ComputeFirst`]).
     pub split_computes: u64,
+    /// Picked experts read again because their bytes failed their checksum
+    /// (on arrival, or where first computed: then computed again).
+    pub rereads: u64,
 }
 
 impl Stats {
@@ -307,6 +312,7 @@ impl Stats {
                 .saturating_sub(earlier.stale_completions),
             bad_prefetches: self.bad_prefetches.saturating_sub(earlier.bad_prefetches),
             split_computes: self.split_computes.saturating_sub(earlier.split_computes),
+            rereads: self.rereads.saturating_sub(earlier.rereads),
         }
     }
 
@@ -480,6 +486,20 @@ struct Pick {
     status: PickStatus,
     /// The checksum its computation must match (handed out unverified).
     expect: Option<u32>,
+    /// Times its bytes failed their checksum where computed and it was
+    /// read again.
+    rereads: u8,
+}
+
+/// What [`Scheduler::finish_checked`] made of a computed expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// Its bytes are intact: its output stands.
+    Done,
+    /// Its bytes failed their checksum: its output must not be used; it is
+    /// read again and handed out again (the same `index`), and its output
+    /// computed then replaces this one.
+    Again,
 }
 
 /// The LES scheduler over slot storage `S`, index storage `M` and per-layer
@@ -819,6 +839,7 @@ where
                 key,
                 status,
                 expect: None,
+                rereads: 0,
             });
         }
         self.pump(dev, src)
@@ -1131,11 +1152,13 @@ where
     }
 
     /// Like [`finish`](Self::finish), given the CRC-32 of the expert's bytes
-    /// computed along with it. For an expert handed out with `verify`, a checksum
-    /// other than the source's is [`Error::Checksum`]: the expert's output must not
-    /// be used, and its slot is freed so the corrupt bytes are never reused. For
+    /// computed along with it. For an expert handed out with `verify`, a
+    /// checksum other than the source's means its output must not be used:
+    /// its slot is freed so the corrupt bytes are never reused, and it is
+    /// read again and handed out again ([`Finished::Again`]), up to
+    /// [`SchedulerConfig::max_retries`] times; then [`Error::Checksum`]. For
     /// others `checksum` is ignored.
-    pub fn finish_checked<E>(&mut self, index: usize, checksum: u32) -> Result<(), Error<E>> {
+    pub fn finish_checked<E>(&mut self, index: usize, checksum: u32) -> Result<Finished, Error<E>> {
         let Some(pick) = self.picks.get_mut(index) else {
             return Err(Error::NotComputing(index));
         };
@@ -1146,14 +1169,21 @@ where
         if expect.is_some_and(|e| e != checksum) {
             self.table.unpin(slot)?;
             self.table.evict(slot)?;
-            self.picks[index].status = PickStatus::Done;
+            let pick = &mut self.picks[index];
+            if pick.rereads < self.config.max_retries {
+                pick.rereads += 1;
+                pick.status = PickStatus::NeedsSlot;
+                self.stats.rereads += 1;
+                return Ok(Finished::Again);
+            }
+            pick.status = PickStatus::Done;
             self.faulted = true;
             return Err(Error::Checksum { key });
         }
         if expect.is_some() {
             self.table.set_unverified(slot, false);
         }
-        self.finish(index)
+        self.finish(index).map(|()| Finished::Done)
     }
 
     /// Gives up the current layer's unfinished picks after an error stopped
@@ -1720,6 +1750,21 @@ where
         }
         let deferred = self.config.verify_on_compute && src.checksum(load.key).is_some();
         if !deferred && !src.verify(load.key, dev.slot(slot)) {
+            if load.demand && load.faults < max_retries {
+                // A bit flipped on its way, perhaps: read it again.
+                self.stats.rereads += 1;
+                let fresh = self.new_load(load.key, load.parts as usize, true, load.first_parts);
+                let l = self
+                    .table
+                    .load_mut(slot)
+                    .ok_or(SlotError::InvalidTransition(slot))?;
+                *l = Load {
+                    faults: load.faults + 1,
+                    prefetched: load.prefetched,
+                    ..fresh
+                };
+                return Ok(());
+            }
             if load.demand {
                 self.faulted = true;
                 return Err(Error::Checksum { key: load.key });
@@ -1768,6 +1813,7 @@ mod tests {
             stale_completions: 11 * k,
             bad_prefetches: 12 * k,
             split_computes: 13 * k,
+            rereads: 14 * k,
         };
         assert_eq!(counts(5).since(&counts(2)), counts(3));
         assert_eq!(counts(2).since(&counts(5)), Stats::default());

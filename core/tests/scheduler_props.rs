@@ -12,7 +12,7 @@ use les_core::blockdev::{
     Alignment, BlockDevice, Completion, ReadRequest, SlotId, SlotMemory, SubmitError, Tag,
 };
 use les_core::schedule::{
-    Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
+    Error, ExpertSource, Extent, Extents, Finished, LayerState, Next, Scheduler, SchedulerConfig,
 };
 use les_core::slot_classes::SlotClass;
 use les_core::slots::{EvictionPolicy, ExpertKey, IndexEntry, Slot, SlotState};
@@ -705,7 +705,13 @@ fn run<const Q: usize>(c: &Case) -> (Outcome, Vec<[f32; DIM]>) {
                             let intact = bytes == m.bytes(key);
                             let crc = les_core::layout::checksum(&bytes);
                             match sched.finish_checked(index, crc) {
-                                Ok(()) => assert!(intact, "corrupt {key} accepted"),
+                                Ok(Finished::Done) => assert!(intact, "corrupt {key} accepted"),
+                                Ok(Finished::Again) => {
+                                    // Handed out again once read again.
+                                    assert!(!intact, "intact {key} read again");
+                                    outs[index] = None;
+                                    continue;
+                                }
                                 Err(e) => {
                                     assert!(!intact, "intact {key} refused: {e}");
                                     return Err(e);
@@ -1058,25 +1064,51 @@ fn an_expert_is_checked_when_first_computed_and_refused_if_corrupt() {
     let (index, verify) = compute(&mut sched, &mut dev);
     assert!(verify);
     assert_eq!(sched.finish::<()>(index), Err(Error::Unverified(0)));
-    sched.finish_checked::<()>(index, crc(1)).unwrap();
+    assert_eq!(
+        sched.finish_checked::<()>(index, crc(1)),
+        Ok(Finished::Done)
+    );
     // Resident and checked now: handed out without asking again.
     sched.begin_layer(0, &[1], &mut dev, &m).unwrap();
     assert_eq!(compute(&mut sched, &mut dev), (0, false));
     sched.finish::<()>(0).unwrap();
 
-    // A wrong checksum is an error naming the expert, and the slot is dropped:
-    // the next use reads the expert again and checks it again.
+    // A wrong checksum drops the slot, and the expert is read again and
+    // handed out again (its output replaced), up to `max_retries` times;
+    // then it is an error naming the expert.
+    let retries = SchedulerConfig::les().max_retries;
+    let mut reads = dev.log.len();
     sched.begin_layer(0, &[2], &mut dev, &m).unwrap();
-    let (index, verify) = compute(&mut sched, &mut dev);
-    assert!(verify);
-    let err = sched.finish_checked::<()>(index, crc(2) ^ 1).unwrap_err();
-    assert_eq!(err, Error::Checksum { key: key(2) });
-    assert!(sched.table().lookup(key(2)).is_none());
-    let reads = dev.log.len();
+    for again in 0..=retries {
+        let (index, verify) = compute(&mut sched, &mut dev);
+        assert!(verify && index == 0 && dev.log.len() > reads, "read again");
+        reads = dev.log.len();
+        let got = sched.finish_checked::<()>(index, crc(2) ^ 1);
+        assert!(
+            sched.table().lookup(key(2)).is_none(),
+            "the slot is dropped"
+        );
+        if again < retries {
+            assert_eq!(got, Ok(Finished::Again));
+        } else {
+            assert_eq!(got, Err(Error::Checksum { key: key(2) }));
+        }
+    }
+    assert_eq!(sched.stats().rereads, u64::from(retries));
+    // A bit flipped once: the second reading is intact and stands.
+    sched.abandon_layer(&mut dev).unwrap();
     sched.begin_layer(0, &[2], &mut dev, &m).unwrap();
-    let (index, verify) = compute(&mut sched, &mut dev);
-    assert!(verify && dev.log.len() > reads);
-    sched.finish_checked::<()>(index, crc(2)).unwrap();
+    let (index, _) = compute(&mut sched, &mut dev);
+    assert_eq!(
+        sched.finish_checked::<()>(index, crc(2) ^ 1),
+        Ok(Finished::Again)
+    );
+    let (index, _) = compute(&mut sched, &mut dev);
+    assert_eq!(
+        sched.finish_checked::<()>(index, crc(2)),
+        Ok(Finished::Done)
+    );
+    assert_eq!(sched.next_blocking(&mut dev, &m), Ok(Next::Done));
 }
 
 /// A layer its caller gives up midway (an error of its own: a product failed)

@@ -26,7 +26,7 @@ use les_core::blockdev::{
 };
 use les_core::layout::checksum;
 use les_core::schedule::{
-    Error, ExpertSource, Extent, Extents, LayerState, Next, Scheduler, SchedulerConfig,
+    Error, ExpertSource, Extent, Extents, Finished, LayerState, Next, Scheduler, SchedulerConfig,
 };
 use les_core::slot_classes::SlotClass;
 use les_core::slots::{EvictionPolicy, ExpertKey, IndexEntry, Slot, SlotState};
@@ -612,7 +612,14 @@ fuzz_target!(|data: &[u8]| {
                             // Unchecked bytes: the output counts only if accepted.
                             let intact = bytes == m.bytes(key);
                             match sched.finish_checked(index, checksum(bytes)) {
-                                Ok(()) => assert!(intact, "corrupt {key} accepted"),
+                                Ok(Finished::Done) => assert!(intact, "corrupt {key} accepted"),
+                                Ok(Finished::Again) => {
+                                    // Handed out again once read again.
+                                    assert!(!intact, "intact {key} read again");
+                                    outs[index] = None;
+                                    check_table(&sched, &m, capacity, &picks, &computing);
+                                    continue;
+                                }
                                 Err(e) => {
                                     assert!(!intact, "intact {key} refused: {e}");
                                     return Err(e);

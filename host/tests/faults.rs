@@ -304,6 +304,35 @@ fn corrupted_data_is_caught_by_the_checksum_naming_the_expert() {
 }
 
 #[test]
+fn a_bit_flipped_once_is_read_again_and_logits_stay_bit_identical() {
+    // The first read of one expert flips a bit, the next ones do not: the
+    // expert is read again (where it arrives, or where it is first computed,
+    // then computed again) and the run goes on, exact.
+    let bad = offset_of(ExpertKey {
+        layer: 1,
+        expert: 5,
+    });
+    for (les, on_compute) in [(true, true), (false, true), (true, false), (false, false)] {
+        let what = format!("les {les}, verify on compute {on_compute}");
+        let mut flipped = false;
+        let script = move |r: &ReadRequest| {
+            if r.offset == bad && !flipped {
+                flipped = true;
+                Fault::BitFlip(12345)
+            } else {
+                Fault::None
+            }
+        };
+        let (logits, err, counts) =
+            faulty_run_checked(les, 4, on_compute, IoEngine::Threads, script);
+        assert_eq!(err, None, "{what}: a flip read again ends nothing");
+        assert_eq!(counts.flips, 1, "{what}");
+        assert_eq!(logits.len(), resident().len());
+        assert_prefix_exact(&logits, &what);
+    }
+}
+
+#[test]
 fn random_faults_end_in_an_error_or_in_exact_logits() {
     let rates = FaultRates {
         delay: 100,

@@ -361,7 +361,10 @@ where
 
     fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), Self::Error> {
         match checksum {
-            Some(crc) => self.scheduler.finish_checked(index, crc),
+            // `Again`: the same index is handed out again once read again,
+            // and the output computed then replaces this one (the forward
+            // pass keeps each pick's output apart until it combines them).
+            Some(crc) => self.scheduler.finish_checked(index, crc).map(drop),
             None => self.scheduler.finish(index),
         }
         .map_err(StreamError::Schedule)

@@ -399,7 +399,10 @@ pub trait Experts {
     /// Routing index `index` was computed; its memory may be reused. `checksum`
     /// is the CRC-32 of its bytes when it was handed out with
     /// [`verify`](Handout::verify) (`None` otherwise); an error means the
-    /// expert's output must not be used.
+    /// expert's output must not be used. Where the bytes failed their check,
+    /// a supplier may instead read the expert again and hand `index` out
+    /// again: the output computed then replaces this one, so callers keep
+    /// each index's output apart until the layer is done.
     fn finish(&mut self, index: usize, checksum: Option<u32>) -> Result<(), Self::Error>;
 }
 

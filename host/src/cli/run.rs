@@ -1115,6 +1115,10 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
             st["demand_bytes"] = json!(s.demand_bytes);
             st["prefetch_bytes"] = json!(s.prefetch_bytes);
             st["split_computes"] = json!(s.split_computes);
+            // Demand reads retried after transient errors, and picked
+            // experts read again after a checksum mismatch.
+            st["retries"] = json!(s.retries);
+            st["rereads"] = json!(s.rereads);
         }
         let obj = json!({
             "prompt_tokens": prompt_tokens,
