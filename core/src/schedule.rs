@@ -24,7 +24,9 @@
 //! on arrival by [`ExpertSource::verify`], or, for sources that know the
 //! expert's [`ExpertSource::checksum`], when first computed (`verify` in
 //! [`Next::Compute`], then [`Scheduler::finish_checked`]). Every picked expert is
-//! handed out exactly once per layer (whole, or as its two halves); predictions
+//! handed out exactly once per layer (whole, or as its two halves), or, where
+//! its bytes failed their check as it was computed, once more after it is read
+//! again ([`Finished::Again`]: that output replaces the first); predictions
 //! only decide what is read early. The
 //! compute order is *ready-first* (resident experts while others load), so callers
 //! must combine expert outputs by `index` (router order), not in compute order.
