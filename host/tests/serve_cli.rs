@@ -1093,8 +1093,13 @@ fn of_type<'v>(list: &'v Value, ty: &str) -> &'v Value {
 
 /// The value of llama-server's metric `llamacpp:{name}` in `/metrics`' `text`.
 fn metric(text: &str, name: &str) -> f64 {
+    let name = if name.contains(':') {
+        name.to_string()
+    } else {
+        format!("llamacpp:{name}")
+    };
     text.lines()
-        .find_map(|l| l.strip_prefix(&format!("llamacpp:{name} ")))
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
         .unwrap_or_else(|| panic!("{name} in {text}"))
         .parse()
         .unwrap()
@@ -1294,6 +1299,8 @@ fn slots_and_metrics_report_the_work() {
     assert_eq!(cached.iter().max(), Some(&(prompt + 5)), "{cached:?}");
     assert_eq!(cached.iter().min(), Some(&0), "{cached:?}");
     let (status, headers, text) = server.request("GET", "/metrics", "");
+    // Experts resident: none of les's streaming counters.
+    assert!(!text.contains("les:expert"), "{text}");
     assert_eq!(status, 200);
     assert!(headers.contains("text/plain"), "{headers}");
     let metric = |name: &str| metric(&text, name);
@@ -2522,7 +2529,7 @@ fn a_failed_expert_read_answers_500_and_the_slot_starts_afresh() {
         let streamed = ["--slots", "2", "--schedule", "les"];
         let server = Server::start(
             &packed,
-            &[&streamed[..], &["--parallel", parallel]].concat(),
+            &[&streamed[..], &["--parallel", parallel, "--metrics"]].concat(),
         );
         let ids = |text: &str| {
             let (_, v) = server.post("/tokenize", &json!({"content": text, "add_special": false}));
@@ -2544,6 +2551,21 @@ fn a_failed_expert_read_answers_500_and_the_slot_starts_afresh() {
         assert!(
             message.contains("checksum") && message.contains("expert"),
             "{what}: {v}"
+        );
+        // The expert was read again (3 times) before the request failed;
+        // `/metrics` counts those and the experts' reads.
+        let (_, _, metrics) = server.request("GET", "/metrics", "");
+        assert!(
+            metric(&metrics, "les:expert_rereads_total") >= 3.0,
+            "{metrics}"
+        );
+        assert!(
+            metric(&metrics, "les:expert_misses_total") > 0.0,
+            "{metrics}"
+        );
+        assert!(
+            metric(&metrics, "les:expert_demand_bytes_total") > 0.0,
+            "{metrics}"
         );
         flip_every_expert(&packed);
         let (status, again) = server.post("/completion", &next);

@@ -1199,6 +1199,8 @@ struct Activity {
     /// part in.
     decode_passes: u64,
     decode_slots: u64,
+    /// The expert scheduler's counters, where experts stream from flash.
+    experts: Option<les_core::schedule::Stats>,
 }
 
 impl<'a> About<'a> {
@@ -1220,6 +1222,11 @@ impl<'a> About<'a> {
             }),
         }
     }
+    /// The expert scheduler's counters now (`None`: experts resident).
+    fn experts(&self, stats: Option<les_core::schedule::Stats>) {
+        self.activity().experts = stats;
+    }
+
     /// A job was taken from the queue.
     fn took_job(&self) {
         let mut a = self.activity();
@@ -1305,6 +1312,7 @@ fn work_side_by_side<'m>(
         }
         if !running.is_empty() {
             engine.step(&mut running, about);
+            about.experts(engine.supply.stats());
         }
         after();
     }
@@ -1333,6 +1341,7 @@ fn answered(
     result: Result<Finished, ApiError>,
     about: &About<'_>,
 ) {
+    about.experts(engine.supply.stats());
     if let Ok(f) = &result {
         note!(
             "les: {} ({}, slot {}): prompt {} ({} kept), {} generated in {:.2?}, {}",
@@ -2548,10 +2557,55 @@ fn metrics(about: &About<'_>) -> String {
             per_pass,
         ),
     ];
+    // Where experts stream from flash, the scheduler's counters (les's own).
+    let experts = a.experts.map(|x| {
+        [
+            (
+                "expert_hits_total",
+                "Picked experts resident when their layer began.",
+                x.hits,
+            ),
+            (
+                "expert_late_hits_total",
+                "Picked experts whose read ahead was still in flight.",
+                x.late_hits,
+            ),
+            (
+                "expert_misses_total",
+                "Picked experts read when picked.",
+                x.misses,
+            ),
+            (
+                "expert_demand_bytes_total",
+                "Bytes read for picked experts not resident.",
+                x.demand_bytes,
+            ),
+            (
+                "expert_prefetch_bytes_total",
+                "Bytes read ahead by the lookahead.",
+                x.prefetch_bytes,
+            ),
+            (
+                "expert_read_retries_total",
+                "Expert reads retried after transient device errors.",
+                x.retries,
+            ),
+            (
+                "expert_rereads_total",
+                "Picked experts read again after their checksum failed.",
+                x.rereads,
+            ),
+        ]
+    });
     let mut out = String::new();
-    for (name, kind, help, value) in rows {
+    let llama = rows.map(|(name, kind, help, v)| ("llamacpp", name, kind, help, v));
+    let les = experts
+        .into_iter()
+        .flatten()
+        .map(|(name, help, v)| ("les", name, "counter", help, v as f64));
+    for (prefix, name, kind, help, value) in llama.into_iter().chain(les) {
         out.push_str(&format!(
-            "# HELP llamacpp:{name} {help}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+            "# HELP {prefix}:{name} {help}\n# TYPE {prefix}:{name} {kind}\n{prefix}:{name} {value}\n"
         ));
     }
     out
