@@ -28,6 +28,23 @@ fn model() -> PathBuf {
     )
 }
 
+/// A tiny qwen35moe (gated DeltaNet and attention, with an MTP block) made
+/// once.
+fn qwen35() -> PathBuf {
+    synth_once(
+        "serve_q35.gguf",
+        &[
+            "--quiet",
+            "--arch",
+            "qwen35moe",
+            "--preset",
+            "tiny",
+            "--seed",
+            "5",
+        ],
+    )
+}
+
 /// A running `les serve`, killed when dropped.
 struct Server {
     child: Child,
@@ -2092,19 +2109,11 @@ fn speculative_completions_side_by_side_answer_the_same() {
         json!({"prompt": text, "seed": 3, "max_tokens": 40, "logprobs": 2}),
         json!({"prompt": "Hello", "temperature": 0.9, "seed": 1, "max_tokens": 40}),
     ];
-    let mtp = synth_once(
-        "serve_mtp_q35.gguf",
-        &[
-            "--quiet",
-            "--arch",
-            "qwen35moe",
-            "--preset",
-            "tiny",
-            "--seed",
-            "5",
-        ],
-    );
-    for m in [model(), cli::tiny("lfm2moe", "serve", &["--quiet"]), mtp] {
+    for m in [
+        model(),
+        cli::tiny("lfm2moe", "serve", &["--quiet"]),
+        qwen35(),
+    ] {
         let plain = Server::start(&m, &[]);
         let want: Vec<Value> = bodies
             .iter()
@@ -2387,18 +2396,7 @@ fn tokenize_detokenize_apply_template_and_props() {
 /// fresh server would either way.
 #[test]
 fn a_recurrent_model_answers_each_turn_as_a_fresh_server() {
-    let m = synth_once(
-        "serve_q35.gguf",
-        &[
-            "--quiet",
-            "--arch",
-            "qwen35moe",
-            "--preset",
-            "tiny",
-            "--seed",
-            "5",
-        ],
-    );
+    let m = qwen35();
     let server = Server::start(&m, &[]);
     let first = json!({"messages": [user("Hello there")], "temperature": 0, "max_tokens": 6});
     let reply = content(&server.chat(&first)).to_string();
@@ -2518,11 +2516,11 @@ fn flip_experts(path: &Path, which: impl Fn(usize, usize) -> bool) {
 /// side, on a recurrent model and an attention one.
 #[test]
 fn a_failed_expert_read_answers_500_and_the_slot_starts_afresh() {
-    for (arch, parallel) in [("qwen35moe", "1"), ("qwen35moe", "2"), ("qwen3moe", "2")] {
-        let m = synth_once(
-            &format!("serve_fault_{arch}.gguf"),
-            &["--quiet", "--arch", arch, "--preset", "tiny", "--seed", "5"],
-        );
+    for (m, arch, parallel) in [
+        (qwen35(), "qwen35moe", "1"),
+        (qwen35(), "qwen35moe", "2"),
+        (model(), "qwen3moe", "2"),
+    ] {
         let packed = tmp(&format!("serve_fault_{arch}_{parallel}.p.gguf"));
         cli::pack(&m, &packed);
         let what = format!("{arch} --parallel {parallel}");
