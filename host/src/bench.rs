@@ -680,9 +680,10 @@ pub struct SideBySide<'a> {
     /// Their prompts: sequence `i` decodes `prompts[i % prompts.len()]`
     /// (the config's prompt where there are none).
     pub prompts: &'a [Vec<u32>],
-    /// Each drafting on its own (prompt lookup or a draft model: a drafter
-    /// that [forks](crate::draft::Drafter::fork)), or decoding a token a
-    /// pass.
+    /// Each drafting on its own (a drafter that
+    /// [forks](crate::draft::Drafter::fork): prompt lookup, a draft model,
+    /// the MTP block shown its sequence's hidden states), or decoding a
+    /// token a pass.
     pub spec: Option<&'a crate::draft::SpecArgs>,
     /// The draft model `spec` names, opened
     /// ([`SpecArgs::open_draft_model`](crate::draft::SpecArgs::open_draft_model)).
@@ -748,17 +749,26 @@ pub fn run_parallel(
             Some(_) => session.set_max_draft(draft_max)?,
             None => 0,
         };
+        // Its own drafter, shown the prompt where it reads the model's hidden
+        // states (an MTP block).
+        let mut own = match &drafter {
+            Some(d) => Some(d.fork().ok_or("the drafter does not fork")?),
+            None => None,
+        };
         let inputs: Vec<TokenInput<'_>> = head.iter().map(|&t| TokenInput::Token(t)).collect();
         if !inputs.is_empty() {
-            crate::engine::prefill(
+            crate::engine::prefill_observed(
                 &mut session,
                 &mut mv,
                 &mut supply,
                 None,
                 &inputs,
+                &[],
                 &mut logits,
+                own.as_deref_mut(),
             )?;
         }
+        session.set_keep_hidden(own.as_ref().is_some_and(|d| d.wants_hidden()));
         sessions.push(session);
         let mut sampler = Sampler::new(SamplerConfig {
             seed: cfg.sampler.seed.wrapping_add(i as u64),
@@ -767,19 +777,13 @@ pub fn run_parallel(
         for &t in prompt {
             sampler.accept(t);
         }
-        let drafting = match &drafter {
-            Some(d) => {
-                let own = d
-                    .fork()
-                    .ok_or("sequences side by side draft with --speculate ngram or model")?;
-                let adaptive = run.spec.is_some_and(|s| !s.draft_fixed);
-                Some((
-                    own,
-                    Drafting::new(prompt.clone(), max_draft, adaptive, n_vocab),
-                ))
-            }
-            None => None,
-        };
+        let drafting = own.map(|own| {
+            let adaptive = run.spec.is_some_and(|s| !s.draft_fixed);
+            (
+                own,
+                Drafting::new(prompt.clone(), max_draft, adaptive, n_vocab),
+            )
+        });
         seqs.push(Seq {
             sampler,
             next: (cfg.n_tokens > 0).then_some(last),
@@ -877,6 +881,12 @@ pub fn run_parallel(
             accepted += settled.accepted;
             q.next = settled.next;
             session.keep(&mut mv, &mut supply, batch, settled.kept)?;
+            if let Some((d, _)) = drafting.as_mut().filter(|(d, _)| d.wants_hidden()) {
+                // The pass's rows, or the replay's of the kept ones.
+                let (kept, e) = (settled.kept, model.hp.n_embd);
+                let places = &session.last_places()[..kept];
+                d.observe(places, &batch[..kept], &session.hidden()[..kept * e]);
+            }
         }
     }
     let time = t0.elapsed();

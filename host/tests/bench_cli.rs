@@ -955,7 +955,7 @@ fn bench_parallel_speculates_each_sequence_on_its_own() {
     for (extra, says) in [
         (
             &["--parallel", "2", "--speculate", "mtp"][..],
-            "ngram or model",
+            "multi-token-prediction",
         ),
         (&["--prompt", "a", "--prompt", "b"], "for --parallel"),
     ] {
@@ -971,6 +971,67 @@ fn bench_parallel_speculates_each_sequence_on_its_own() {
         );
     }
     cleanup(&m);
+}
+
+/// `--parallel --speculate mtp` on a qwen35moe: each sequence's MTP block
+/// (a fork of the drafter) shown its own sequence's prompt and kept tokens,
+/// drafting in the shared passes; the tokens are plain decoding's.
+#[test]
+fn bench_parallel_drafts_with_each_sequences_mtp_block() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("les-bench-parallel-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plain, packed) = (dir.join("q35.gguf"), dir.join("q35.packed.gguf"));
+    let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
+    les(&[
+        "synth",
+        "--arch",
+        "qwen35moe",
+        "--preset",
+        "tiny",
+        "--quiet",
+        "-o",
+        p,
+    ]);
+    les(&["pack", "--quiet", p, "-o", q]);
+    let (out, err) = les(&[
+        "bench",
+        "-m",
+        q,
+        "--slots",
+        "6",
+        "--schedules",
+        "les",
+        "--parallel",
+        "1,2",
+        "--speculate",
+        "mtp",
+        "--draft-max",
+        "2",
+        "--draft-fixed",
+        "--temp",
+        "0",
+        "-n",
+        "12",
+        "--prompt",
+        "one two three",
+        "--prompt",
+        "four five",
+        "--json",
+    ]);
+    let v: Json = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["identical_tokens"], true, "{v}");
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4, "{v}");
+    let mtp: Vec<&Json> = runs.iter().filter(|r| r["decode"] == "mtp").collect();
+    assert_eq!(mtp.len(), 2, "{v}");
+    assert!(
+        mtp.iter().all(|r| r["drafted"].as_u64().unwrap() > 0),
+        "{v}"
+    );
+    // No block was shown rows that do not fit its positions (it would stop).
+    assert!(!err.contains("drafting stops"), "{err}");
+    cleanup(&packed);
 }
 
 /// `les bench --speculate ngram`: every schedule plain and speculative, side by

@@ -98,8 +98,8 @@ pub struct BenchArgs {
     /// with the seed plus `i`, from the `i`-th --prompt where several are
     /// given), every pass reading each layer's experts once for all of them;
     /// every schedule at each count, and the throughput over the first count
-    /// printed. With --speculate ngram or model, each count also with each
-    /// sequence verifying its own drafts in the shared passes.
+    /// printed. With --speculate, each count also with each sequence
+    /// verifying its own drafts in the shared passes.
     #[arg(long, value_delimiter = ',', value_parser = super::values::sequences, conflicts_with_all = ["sweep", "prefill_batches", "trace"])]
     pub parallel: Vec<usize>,
     /// Prompt positions for --prefill-batches: a built-in English text's tokens,

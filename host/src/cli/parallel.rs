@@ -27,13 +27,7 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     let source = args.spec.source();
     let spec = match source {
         DraftSource::None => None,
-        DraftSource::Ngram | DraftSource::Model => Some(&args.spec),
-        DraftSource::Mtp => {
-            return Err(
-                "les bench --parallel drafts with --speculate ngram or model (it does not show an MTP block its sequences' hidden states)"
-                    .into(),
-            )
-        }
+        DraftSource::Ngram | DraftSource::Model | DraftSource::Mtp => Some(&args.spec),
     };
     let draft_model = args.spec.open_draft_model(&tokenizer)?;
     let decodes: &[bool] = if spec.is_some() {
@@ -49,6 +43,7 @@ pub fn parallel(args: &BenchArgs, out: &mut dyn Write) -> Result<(), Box<dyn Err
     let decode = |d: bool| match (d, source) {
         (false, _) => "plain",
         (true, DraftSource::Model) => "model",
+        (true, DraftSource::Mtp) => "mtp",
         (true, _) => "ngram",
     };
     let mode = if spec.is_some() {
