@@ -25,13 +25,18 @@ fn les(args: &[&str]) -> (String, String) {
 /// build directory (whose disk takes `O_DIRECT` reads, as CI's does; a tmpfs
 /// `/tmp` would not, and `--io-engine auto` would fall back to threads).
 fn packed_tiny(name: &str) -> PathBuf {
+    packed_tiny_of("qwen3moe", name)
+}
+
+/// [`packed_tiny`] of architecture `arch`.
+fn packed_tiny_of(arch: &str, name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("les-bench-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (plain, packed) = (dir.join("tiny.gguf"), dir.join("tiny.packed.gguf"));
     let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
     les(&[
-        "synth", "--arch", "qwen3moe", "--preset", "tiny", "--quiet", "-o", p,
+        "synth", "--arch", arch, "--preset", "tiny", "--quiet", "-o", p,
     ]);
     les(&["pack", "--quiet", p, "-o", q]);
     packed
@@ -978,22 +983,8 @@ fn bench_parallel_speculates_each_sequence_on_its_own() {
 /// drafting in the shared passes; the tokens are plain decoding's.
 #[test]
 fn bench_parallel_drafts_with_each_sequences_mtp_block() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("les-bench-parallel-mtp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (plain, packed) = (dir.join("q35.gguf"), dir.join("q35.packed.gguf"));
-    let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
-    les(&[
-        "synth",
-        "--arch",
-        "qwen35moe",
-        "--preset",
-        "tiny",
-        "--quiet",
-        "-o",
-        p,
-    ]);
-    les(&["pack", "--quiet", p, "-o", q]);
+    let packed = packed_tiny_of("qwen35moe", "parallel-mtp");
+    let q = packed.to_str().unwrap();
     let (out, err) = les(&[
         "bench",
         "-m",
@@ -1096,22 +1087,8 @@ fn bench_speculate_compares_plain_and_speculative_decoding() {
 /// block (the bench's unmeasured prompt head included in what it sees).
 #[test]
 fn bench_speculate_mtp_drafts_with_the_models_block() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("les-bench-mtp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (plain, packed) = (dir.join("tiny.gguf"), dir.join("tiny.packed.gguf"));
-    let (p, q) = (plain.to_str().unwrap(), packed.to_str().unwrap());
-    les(&[
-        "synth",
-        "--arch",
-        "qwen35moe",
-        "--preset",
-        "tiny",
-        "--quiet",
-        "-o",
-        p,
-    ]);
-    les(&["pack", "--quiet", p, "-o", q]);
+    let packed = packed_tiny_of("qwen35moe", "mtp");
+    let q = packed.to_str().unwrap();
     let (out, _) = les(&[
         "bench",
         "-m",
@@ -1137,7 +1114,7 @@ fn bench_speculate_mtp_drafts_with_the_models_block() {
     let runs = v["runs"].as_array().unwrap();
     let spec = runs.iter().find(|r| r["speculative"] == true).unwrap();
     assert!(spec["drafted"].as_u64().unwrap() > 0, "{spec}");
-    std::fs::remove_dir_all(&dir).unwrap();
+    cleanup(&packed);
 }
 
 #[test]
