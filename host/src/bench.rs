@@ -883,9 +883,7 @@ pub fn run_parallel(
             session.keep(&mut mv, &mut supply, batch, settled.kept)?;
             if let Some((d, _)) = drafting.as_mut().filter(|(d, _)| d.wants_hidden()) {
                 // The pass's rows, or the replay's of the kept ones.
-                let (kept, e) = (settled.kept, model.hp.n_embd);
-                let places = &session.last_places()[..kept];
-                d.observe(places, &batch[..kept], &session.hidden()[..kept * e]);
+                session.show(d.as_mut(), &batch[..settled.kept]);
             }
         }
     }

@@ -847,6 +847,19 @@ impl<'m> Session<'m> {
         &self.places
     }
 
+    /// Shows `drafter` the first positions the last pass (or
+    /// [`keep`](Self::keep)'s replay) evaluated, one for each of `inputs`:
+    /// where each sat, its input and its final hidden state (kept with
+    /// [`set_keep_hidden`](Self::set_keep_hidden)) ([`Drafter::observe`],
+    /// which refuses rows that do not fit).
+    pub fn show(&self, drafter: &mut (dyn Drafter + '_), inputs: &[TokenInput<'_>]) {
+        let n = inputs.len();
+        let places = self.places.get(..n).unwrap_or(&self.places);
+        let rows = n * self.model.hp.n_embd;
+        let hidden = self.hidden.get(..rows).unwrap_or(&self.hidden);
+        drafter.observe(places, inputs, hidden);
+    }
+
     /// A copy of the recurrent state at the current position (empty for
     /// models without recurrent layers), to go back to with
     /// [`restore`](Self::restore).
@@ -1340,7 +1353,7 @@ pub fn prefill_observed<M: MatVec, X: Experts>(
             _ => session.eval_batch_placed(mv, experts, chunk, placed, logits)?,
         }
         if let Some(d) = drafter.as_deref_mut().filter(|_| watch) {
-            d.observe(session.last_places(), chunk, session.hidden());
+            session.show(d, chunk);
         }
     }
     Ok(())
@@ -1508,11 +1521,7 @@ pub fn generate_from<M: MatVec, X: Experts>(
         session.keep(mv, experts, &batch, settled.kept)?;
         if let Some(sp) = spec.as_mut().filter(|_| watch) {
             // The pass's rows, or the replay's of the kept ones.
-            let e = session.model.hp.n_embd;
-            let kept = settled.kept;
-            let places = &session.last_places()[..kept];
-            sp.drafter
-                .observe(places, &batch[..kept], &session.hidden()[..kept * e]);
+            session.show(&mut *sp.drafter, &batch[..settled.kept]);
         }
     }
     stats.decode = start.elapsed();

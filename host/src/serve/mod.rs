@@ -1708,7 +1708,7 @@ impl<'m> Engine<'m> {
                 let slot = &mut self.slots[run.g.slot];
                 if let Some(d) = slot.drafter.as_mut().filter(|d| d.wants_hidden()) {
                     let (chunk, _) = run.inputs(take[i]);
-                    d.observe(slot.session.last_places(), &chunk, slot.session.hidden());
+                    slot.session.show(d.as_mut(), &chunk);
                 }
                 run.prompt_at += take[i];
                 if run.prompted() {
@@ -1753,9 +1753,7 @@ impl<'m> Engine<'m> {
                 run.next = None;
             } else if let Some(d) = slot.drafter.as_mut().filter(|d| d.wants_hidden()) {
                 // The pass's rows, or the replay's of the kept ones.
-                let e = self.model.hp.n_embd;
-                let places = &session.last_places()[..kept];
-                d.observe(places, &verified[..kept], &session.hidden()[..kept * e]);
+                session.show(d.as_mut(), &verified[..kept]);
             }
         }
         let mut i = running.len();
