@@ -1212,13 +1212,7 @@ where
                 | PickStatus::Computing(slot)
                 | PickStatus::RestReady(slot) => self.table.unpin(slot)?,
                 PickStatus::Loading(slot) | PickStatus::FirstDone(slot) => {
-                    if let Some(load) = self.table.load_mut(slot) {
-                        // Not to be read again when a part fails: nobody waits for it.
-                        load.demand = false;
-                        if !load.cancelled {
-                            self.cancel_load(slot, dev)?;
-                        }
-                    }
+                    self.give_up_load(slot, dev)?
                 }
             }
         }
@@ -1229,12 +1223,7 @@ where
                     SlotState::Ready { .. } if self.table.unverified(slot) => {
                         self.table.evict(slot)?;
                     }
-                    SlotState::Loading(l) if !l.cancelled => {
-                        if let Some(load) = self.table.load_mut(slot) {
-                            load.demand = false;
-                        }
-                        self.cancel_load(slot, dev)?;
-                    }
+                    SlotState::Loading(l) if !l.cancelled => self.give_up_load(slot, dev)?,
                     _ => {}
                 }
             }
@@ -1242,6 +1231,24 @@ where
         self.queue.clear();
         self.layer = None;
         Ok(())
+    }
+
+    /// Cancels the load in `slot` (if it is loading and not cancelled yet),
+    /// demanded or not: nobody waits for it, so a part that fails is not
+    /// read again.
+    fn give_up_load<D: BlockDevice>(
+        &mut self,
+        slot: SlotId,
+        dev: &mut D,
+    ) -> Result<(), Error<D::Error>> {
+        let Some(load) = self.table.load_mut(slot) else {
+            return Ok(());
+        };
+        load.demand = false;
+        if load.cancelled {
+            return Ok(());
+        }
+        self.cancel_load(slot, dev)
     }
 
     /// Waits for every read in flight to complete, e.g. before dropping the slot
